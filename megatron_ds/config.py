@@ -1,0 +1,258 @@
+"""The configuration tree: one frozen dataclass per concern, built once by `arguments.py`.
+
+Precedence: command-line flags > `--deepspeed_config` file (merged, contradictions are errors) >
+the defaults below. Run state (iteration, consumed samples) is *not* configuration: it lives in
+`megatron_ds.training.state.TrainState`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEDICATED_CHOICES = ("none", "pre", "post", "both")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT architecture. Every field here is checked against a checkpoint on resume."""
+
+    num_layers: int
+    """Number of transformer layers (`--num-layers`)."""
+    hidden_size: int
+    """Model width h (`--hidden-size`)."""
+    num_attention_heads: int
+    """Attention heads a; h must be divisible by a (`--num-attention-heads`)."""
+    ffn_hidden_size: int
+    """Width of the MLP's inner layer; 4h by default (`--ffn-hidden-size`)."""
+    seq_length: int
+    """Tokens per sample s (`--seq-length`)."""
+    max_position_embeddings: int
+    """Rows of the learned position embedding; >= seq_length (`--max-position-embeddings`)."""
+    vocab_size: int
+    """Padded vocabulary size: rows of the word embedding (see `--make-vocab-size-divisible-by`)."""
+    hidden_dropout: float = 0.1
+    """Dropout after the embedding and on each residual branch (`--hidden-dropout`)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (`--attention-dropout`)."""
+    init_method_std: float = 0.02
+    """Std of the normal init; output projections use std/sqrt(2L) (`--init-method-std`)."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every norm (`--layernorm-epsilon`)."""
+    normalization: str = "layernorm"
+    """Norm type: `layernorm` or `rmsnorm` (`--normalization`)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the post stage its own LM head instead of the tied word embedding."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes."""
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages P (`--pipeline-model-parallel-size`)."""
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks T inside each stage (`--tensor-model-parallel-size`)."""
+    data_parallel_size: int = 1
+    """Derived: world size / (P * T)."""
+    pp_dedicated_embedding_stages: str = "none"
+    """`none`, `pre`, `post` or `both`: stages reserved for the pre/post-processing groups."""
+    pp_layout: Optional[str] = None
+    """Explicit layout string in Megatron-LM's grammar, e.g. `E|t*3|t*3|L` (`--pp-layout`)."""
+    pp_partition_method: Optional[str] = None
+    """DeepSpeed-style partition method (`uniform`, `parameters`, `type:REGEX`, weighted types)."""
+    distributed_backend: Optional[str] = None
+    """`nccl` or `gloo`; None picks nccl on GPU and gloo on CPU (`--distributed-backend`)."""
+    distributed_timeout_minutes: float = 10.0
+    """A collective stalled longer than this is an error on every rank, never a silent hang."""
+
+    @property
+    def layout_method(self) -> str:
+        """A short description of how stage boundaries are chosen."""
+        if self.pp_layout is not None:
+            return f"layout {self.pp_layout!r}"
+        if self.pp_dedicated_embedding_stages != "none":
+            return f"dedicated {self.pp_dedicated_embedding_stages}"
+        return self.pp_partition_method or "type:transformer"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples come from and how text becomes tokens."""
+
+    data_path: tuple[str, ...] = ()
+    """One prefix, or a weighted blend `0.7 a 0.3 b` of `<prefix>.bin/.idx` (`--data-path`)."""
+    split: str = "969,30,1"
+    """Train/validation/test proportions of the documents (`--split`)."""
+    data_cache_path: Optional[str] = None
+    """Where dataset index caches are written; next to the data by default (`--data-cache-path`)."""
+    mock_data: bool = False
+    """Deterministic synthetic tokens; no files needed (`--mock-data`)."""
+    tokenizer_type: Optional[str] = None
+    """`SentencePieceTokenizer` or `GPT2BPETokenizer` (`--tokenizer-type`)."""
+    tokenizer_model: Optional[str] = None
+    """SentencePiece model file (`--tokenizer-model`)."""
+    vocab_file: Optional[str] = None
+    """GPT-2 BPE vocabulary (`--vocab-file`)."""
+    merge_file: Optional[str] = None
+    """GPT-2 BPE merges (`--merge-file`)."""
+    make_vocab_size_divisible_by: int = 128
+    """The padded vocabulary is a multiple of this times T (`--make-vocab-size-divisible-by`)."""
+    num_workers: int = 2
+    """DataLoader worker processes (`--num-workers`)."""
+    eod_mask_loss: bool = False
+    """Exclude end-of-document tokens from the loss (`--eod-mask-loss`)."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule."""
+
+    optimizer: str = "adam"
+    """`adam` (AdamW with decoupled weight decay, as Megatron) or `sgd` (`--optimizer`)."""
+    lr: float = 1e-4
+    """Peak learning rate (`--lr`)."""
+    min_lr: float = 0.0
+    """Floor of the decay (`--min-lr`)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay; not applied to biases and norm weights (`--weight-decay`)."""
+    adam_beta1: float = 0.9
+    """Adam beta1 (`--adam-beta1`)."""
+    adam_beta2: float = 0.999
+    """Adam beta2 (`--adam-beta2`)."""
+    adam_eps: float = 1e-8
+    """Adam epsilon (`--adam-eps`)."""
+    sgd_momentum: float = 0.9
+    """SGD momentum (`--sgd-momentum`)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (`--clip-grad`)."""
+    lr_decay_style: str = "linear"
+    """`constant`, `linear` or `cosine` (`--lr-decay-style`)."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which lr decays to min_lr; train iterations by default (`--lr-decay-iters`)."""
+    lr_warmup_iters: int = 0
+    """Linear warm-up iterations (`--lr-warmup-iters`); see also `--lr-warmup-fraction`."""
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Batch sizes, length of training, precision and memory savers."""
+
+    micro_batch_size: int = 1
+    """Samples per micro-batch per data-parallel rank (`--micro-batch-size`)."""
+    global_batch_size: int = 1
+    """Samples per optimizer step over all data-parallel ranks (`--global-batch-size`)."""
+    train_iters: int = 0
+    """Optimizer steps to train (`--train-iters`, or derived from `--train-samples`)."""
+    eval_interval: int = 1000
+    """Evaluate on the validation split every this many iterations (`--eval-interval`)."""
+    eval_iters: int = 100
+    """Batches per evaluation (`--eval-iters`); 0 disables evaluation."""
+    seed: int = 1234
+    """Seed of weights, data order and dropout (`--seed`)."""
+    precision: str = "fp32"
+    """`fp32`, `bf16` (`--bf16`) or `fp16` (`--fp16`)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage; only 0 and 1 combine with pipeline parallelism (`--zero-stage`)."""
+    checkpoint_activations: bool = False
+    """Recompute transformer layers in backward (`--checkpoint-activations`)."""
+    checkpoint_num_layers: int = 1
+    """Transformer layers per recomputed chunk (`--checkpoint-num-layers`)."""
+    deepspeed_config: Optional[str] = None
+    """Optional user DeepSpeed JSON merged into the generated one (`--deepspeed_config`)."""
+    exit_interval: Optional[int] = None
+    """Stop after this iteration (`--exit-interval`)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving and loading."""
+
+    save: Optional[str] = None
+    """Directory checkpoints are written to (`--save`)."""
+    save_interval: Optional[int] = None
+    """Save every this many iterations, and at the end (`--save-interval`)."""
+    load: Optional[str] = None
+    """Directory to resume from (`--load`)."""
+    load_optional: bool = False
+    """Start fresh, with a warning, when `--load` holds no checkpoint yet (`--load-optional`)."""
+    no_load_optim: bool = False
+    """Load model weights only (`--no-load-optim`)."""
+    no_load_rng: bool = False
+    """Do not restore RNG states (`--no-load-rng`)."""
+    finetune: bool = False
+    """Load weights only and reset iteration and consumed samples to 0 (`--finetune`)."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What is printed and where."""
+
+    log_interval: int = 100
+    """Print one training line every this many iterations (`--log-interval`)."""
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard scalars here (`--tensorboard-dir`)."""
+    log_memory: bool = True
+    """Print each stage's measured memory once, after the first log interval (`--log-memory`)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration, passed explicitly to every component."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def grad_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able nested dict (stored in checkpoints)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        """Inverse of `to_dict`; unknown keys are ignored so older checkpoints stay readable."""
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        sub = {}
+        for name, klass in _SECTIONS.items():
+            if name in d:
+                known = {f.name for f in dataclasses.fields(klass)}
+                vals = {k: v for k, v in d[name].items() if k in known}
+                if "data_path" in vals:
+                    vals["data_path"] = tuple(vals["data_path"])
+                sub[name] = klass(**vals)
+        assert set(sub) <= set(kinds)
+        return cls(**sub)
+
+    def replace(self, **sections: Any) -> "Config":
+        """A copy with whole sections or `section__field=value` entries replaced."""
+        updates: dict[str, Any] = {}
+        for key, value in sections.items():
+            if "__" in key:
+                sec, fld = key.split("__", 1)
+                base = updates.get(sec, getattr(self, sec))
+                updates[sec] = dataclasses.replace(base, **{fld: value})
+            else:
+                updates[key] = value
+        return dataclasses.replace(self, **updates)
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}

@@ -1,0 +1,97 @@
+"""The pre- and post-processing layers of the GPT pipeline, and the loss.
+
+Contract between stages (batch-first, no side channels):
+  tokens (b, s) int64 -> embeddings (b, s, h) -> ... -> hidden (b, s, h) in the compute dtype
+  -> logits (b, s, v) -> logits (b, s, v) float32 -> loss (scalar float32).
+Labels travel as the tuple (labels (b, s) int64, loss_mask (b, s) float32) to the last stage.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.model.init import init_generator, normal_
+
+
+def cast_token_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """Input dtype conversion: token ids to int64, whatever integer type the loader produced."""
+    return tokens.long()
+
+
+def logits_to_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Upcast logits so the softmax and loss run in fp32 under bf16/fp16 training."""
+    return logits.float()
+
+
+class WordEmbedding(nn.Module):
+    """The word-embedding matrix (v, h), alone, so the last stage holds nothing else of it."""
+
+    def __init__(self, model: ModelConfig, init_seed: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(model.vocab_size, model.hidden_size))
+        normal_(self.weight, model.init_method_std, init_generator(init_seed))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight)  # (b, s) -> (b, s, h)
+
+
+def lm_head_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """Tied LM head (the TiedLayerSpec `forward_fn` on the last stage): (b, s, h) -> (b, s, v)."""
+    return F.linear(hidden, embedding.weight)
+
+
+class LMHead(nn.Module):
+    """Untied output layer (`--untie-embeddings-and-output-weights`): its own (v, h) matrix."""
+
+    def __init__(self, model: ModelConfig, init_seed: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(model.vocab_size, model.hidden_size))
+        normal_(self.weight, model.init_method_std, init_generator(init_seed))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+
+class PositionEmbedding(nn.Module):
+    """Adds learned absolute position embeddings, then embedding dropout."""
+
+    def __init__(self, model: ModelConfig, init_seed: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(model.max_position_embeddings, model.hidden_size))
+        normal_(self.weight, model.init_method_std, init_generator(init_seed))
+        self.dropout = nn.Dropout(model.hidden_dropout)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        seq = embeddings.shape[1]
+        return self.dropout(embeddings + self.weight[:seq].to(embeddings.dtype))
+
+
+def make_norm(model: ModelConfig) -> nn.Module:
+    """The norm chosen explicitly from the config (torch's own; no apex import)."""
+    if model.normalization == "layernorm":
+        return nn.LayerNorm(model.hidden_size, eps=model.layernorm_epsilon)
+    if model.normalization == "rmsnorm":
+        return nn.RMSNorm(model.hidden_size, eps=model.layernorm_epsilon)
+    raise AssertionError(model.normalization)
+
+
+class FinalNorm(nn.Module):
+    """The final norm before the LM head."""
+
+    def __init__(self, model: ModelConfig, init_seed: int) -> None:
+        super().__init__()
+        del init_seed  # norms start at weight 1, bias 0
+        self.norm = make_norm(model)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean token cross entropy over unmasked positions of one micro-batch."""
+    targets, loss_mask = labels
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(), reduction="none")
+    mask = loss_mask.reshape(-1).float()
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)

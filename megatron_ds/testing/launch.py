@@ -1,0 +1,110 @@
+"""Run a Python entry point on N local ranks (gloo on CPU) under a hard timeout.
+
+On timeout every rank is asked (SIGUSR1) to dump its Python stack, then killed, and the error
+names the ranks that had not finished with the tail of their output, so a hang in a test is a
+failure that says which rank stalled where, never a stuck CI job.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+class RanksFailed(AssertionError):
+    """Some rank exited non-zero or did not finish in time."""
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: Optional[int]
+    output: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int, extra: Optional[dict] = None) -> dict:
+    env = dict(os.environ)
+    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1", "MEGATRON_DS_STACK_ON_SIGUSR1": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+def run_ranks(argv: Sequence[str], world_size: int, timeout: float, cwd: Optional[str] = None,
+              env: Optional[dict] = None, check: bool = True) -> list[RankResult]:
+    """Start `python argv...` once per rank; wait at most `timeout` seconds for all of them."""
+    port = free_port()
+    logs = []
+    procs = []
+    for rank in range(world_size):
+        log = open(_log_path(rank, port), "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=cwd, env=rank_env(rank, world_size, port, env),
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    timed_out = _wait_all(procs, deadline)
+    if timed_out:
+        for p in procs:
+            if p.poll() is None:
+                _signal(p, signal.SIGUSR1)
+        time.sleep(3.0)
+        for p in procs:
+            if p.poll() is None:
+                _signal(p, signal.SIGKILL)
+                p.wait()
+    results = []
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        log.seek(0)
+        results.append(RankResult(rank, None if rank in timed_out else p.returncode, log.read()))
+        log.close()
+        os.unlink(log.name)
+    if check:
+        _raise_on_failure(results, timeout)
+    return results
+
+
+def _log_path(rank: int, port: int) -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"megatron_ds_rank{rank}_{port}_{os.getpid()}.log")
+
+
+def _wait_all(procs: list, deadline: float) -> set[int]:
+    while time.monotonic() < deadline:
+        if all(p.poll() is not None for p in procs):
+            return set()
+        if any(p.poll() not in (None, 0) for p in procs):
+            # One rank failed: give the others a moment to fail too, then stop waiting.
+            deadline = min(deadline, time.monotonic() + 20.0)
+        time.sleep(0.1)
+    return {i for i, p in enumerate(procs) if p.poll() is None}
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _raise_on_failure(results: list[RankResult], timeout: float) -> None:
+    bad = [r for r in results if r.returncode != 0]
+    if not bad:
+        return
+    parts = []
+    for r in bad:
+        what = f"stalled (no exit within {timeout:.0f}s)" if r.returncode is None else f"exited {r.returncode}"
+        parts.append(f"--- rank {r.rank} {what}; last output:\n{r.output[-6000:]}")
+    raise RanksFailed("\n".join(parts))

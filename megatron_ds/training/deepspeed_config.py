@@ -1,0 +1,105 @@
+"""The DeepSpeed JSON, generated from the config tree (batch sizes live in one place).
+
+A user `--deepspeed_config` file is merged in: keys we do not generate are taken as they are;
+a key we generate with a different value is an error naming both sources, never silently
+overridden in either direction.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from megatron_ds.config import Config
+
+
+class DeepSpeedConfigError(ValueError):
+    """The user's DeepSpeed JSON contradicts the flags, or cannot be read."""
+
+
+def generate(config: Config) -> dict[str, Any]:
+    """DeepSpeed's config dict for this run (before merging a user file)."""
+    t, o = config.training, config.optimizer
+    ds: dict[str, Any] = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": config.grad_accumulation_steps,
+        # Always written: DeepSpeed clips at 1.0 when the key is absent.
+        "gradient_clipping": float(o.clip_grad),
+        "steps_per_print": 2**31 - 1,  # the training loop prints Megatron-style lines itself
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,  # the optimizer is torch's AdamW/SGD
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16"},
+    }
+    if t.precision == "fp16":
+        ds["fp16"].update({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                           "hysteresis": 2, "min_loss_scale": 1})
+    return ds
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def merge(generated: dict[str, Any], user: dict[str, Any], user_path: str) -> dict[str, Any]:
+    """`generated` updated with `user`; a differing value for a generated key is an error."""
+    ours, theirs = _flatten(generated), _flatten(user)
+    for key, value in theirs.items():
+        if key in ours and ours[key] != value and not _same_number(ours[key], value):
+            raise DeepSpeedConfigError(
+                f"--deepspeed_config {user_path} sets {key}={value!r} but the flags give {ours[key]!r}; "
+                f"remove {key} from the file or change the matching flag")
+    merged = json.loads(json.dumps(generated))
+    _deep_update(merged, user)
+    return merged
+
+
+def _same_number(a: Any, b: Any) -> bool:
+    numeric = (int, float)
+    return isinstance(a, numeric) and isinstance(b, numeric) and not isinstance(a, bool) and float(a) == float(b)
+
+
+def _deep_update(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _deep_update(base[k], v)
+        else:
+            base[k] = v
+
+
+def load_user_config(path: str) -> dict[str, Any]:
+    """Read a user DeepSpeed JSON; unreadable or invalid files are a one-line error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise DeepSpeedConfigError(f"--deepspeed_config {path}: cannot read it ({e.strerror}); "
+                                   f"give an existing JSON file") from None
+    except json.JSONDecodeError as e:
+        raise DeepSpeedConfigError(f"--deepspeed_config {path}: not valid JSON ({e.msg} at line {e.lineno}); "
+                                   f"fix the file") from None
+    if not isinstance(data, dict):
+        raise DeepSpeedConfigError(f"--deepspeed_config {path}: expected a JSON object; fix the file")
+    return data
+
+
+def build(config: Config) -> dict[str, Any]:
+    """The final DeepSpeed config: generated, merged with the user file if any, and checked."""
+    ds = generate(config)
+    if config.training.deepspeed_config:
+        ds = merge(ds, load_user_config(config.training.deepspeed_config), config.training.deepspeed_config)
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if config.parallel.pipeline_model_parallel_size > 1 and stage not in (0, 1):
+        raise DeepSpeedConfigError(
+            f"ZeRO stage {stage} with --pipeline-model-parallel-size "
+            f"{config.parallel.pipeline_model_parallel_size}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 "
+            f"only; use --zero-stage 1 or no pipeline parallelism")
+    return ds

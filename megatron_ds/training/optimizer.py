@@ -1,0 +1,69 @@
+"""Optimizer parameter groups with one structure on every stage, and the optimizer itself.
+
+Why the structure matters: DeepSpeed's ZeRO optimizer computes the gradient norm once per
+parameter group, and each computation all-reduces over the model-parallel group, which spans all
+pipeline stages. A stage that holds only the embedding has no bias or norm weight, so its
+"no weight decay" group would be empty (DeepSpeed drops empty groups): it would then issue one
+collective fewer than the other stages and the job deadlocks. Here every stage builds the same
+groups, in the same order, and an empty group receives a zero-element placeholder parameter
+(`GROUP_PLACEHOLDER_PREFIX`): one element, zero, never used in forward, so its gradient is zero, Adam
+and weight decay keep it at zero, and it adds nothing to the gradient norm. (A zero-element
+placeholder would not do: DeepSpeed's ZeRO leaves zero-element parameters out of its groups.)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_ds.config import OptimizerConfig
+
+GROUP_NAMES = ("decay", "no_decay")
+GROUP_PLACEHOLDER_PREFIX = "optimizer_group_placeholder_"
+
+
+def _wants_decay(name: str, param: nn.Parameter) -> bool:
+    # Megatron's rule: no weight decay on biases and norm weights, i.e. 1-D parameters.
+    return param.ndim >= 2 and not name.startswith(GROUP_PLACEHOLDER_PREFIX)
+
+
+def add_group_placeholders(module: nn.Module) -> list[str]:
+    """Register a one-element zero parameter for each group this module would leave empty.
+
+    Returns the names of the groups that needed one. Call once, before the DeepSpeed engine is
+    built, so the placeholders are ordinary parameters of the module.
+    """
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    present = {GROUP_NAMES[0] if _wants_decay(n, p) else GROUP_NAMES[1] for n, p in params}
+    missing = [g for g in GROUP_NAMES if g not in present]
+    for group in missing:
+        module.register_parameter(GROUP_PLACEHOLDER_PREFIX + group, nn.Parameter(torch.zeros(1)))
+    return missing
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The groups `GROUP_NAMES`, each non-empty (after `add_group_placeholders`)."""
+    groups: dict[str, list[nn.Parameter]] = {g: [] for g in GROUP_NAMES}
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name.startswith(GROUP_PLACEHOLDER_PREFIX):
+            groups[name[len(GROUP_PLACEHOLDER_PREFIX):]].append(p)
+        else:
+            groups[GROUP_NAMES[0] if _wants_decay(name, p) else GROUP_NAMES[1]].append(p)
+    empty = [g for g, ps in groups.items() if not ps]
+    assert not empty, f"groups {empty} are empty: call add_group_placeholders first"
+    decay = {GROUP_NAMES[0]: weight_decay, GROUP_NAMES[1]: 0.0}
+    return [{"name": g, "params": groups[g], "weight_decay": decay[g]} for g in GROUP_NAMES]
+
+
+def build_optimizer(module: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """AdamW (Megatron's `adam` is decoupled weight decay) or SGD over `param_groups`."""
+    groups = param_groups(module, cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                 weight_decay=cfg.weight_decay, foreach=False)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
+    raise AssertionError(cfg.optimizer)

@@ -1,0 +1,116 @@
+"""Turn would-be hangs into errors: a structural check before the first step, and a watchdog.
+
+Preflight: every rank describes what decides the collectives it will issue (optimizer group
+names and sizes, tied-module keys and shapes, parameter dtypes, whether it trains anything); one
+`all_gather_object` exchanges these and every rank compares them, so a mismatch stops all ranks
+with the same clear error instead of a deadlock deep inside DeepSpeed.
+
+Watchdog: `Watchdog.watch(label)` arms a timer around a step; if it does not finish within
+`--distributed-timeout-minutes`, the rank prints its rank, stage, the label and every thread's
+stack, then exits non-zero (its peers then fail on the broken connection or their own watchdog).
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+
+from megatron_ds.config import Config
+
+
+class PreflightError(RuntimeError):
+    """Ranks disagree on something that decides which collectives they issue."""
+
+
+def install_stack_dump_handler() -> None:
+    """`kill -USR1 <pid>` (used by the test launcher on timeout) prints every thread's stack."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
+def signature(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The structural facts about this rank that must agree across ranks."""
+    groups = [(g.get("name", f"group{i}"), len(g["params"])) for i, g in enumerate(optimizer.param_groups)]
+    tied = getattr(module, "tied_modules", {})
+    tied_shapes = {k: [list(p.shape) for p in m.parameters()] for k, m in tied.items()}
+    dtypes = sorted({str(p.dtype) for p in module.parameters()})
+    trainable = any(p.requires_grad and p.numel() > 0 for p in module.parameters())
+    return {"groups": [name for name, _ in groups], "group_sizes": [n for _, n in groups],
+            "empty_groups": [name for name, n in groups if n == 0], "tied": tied_shapes, "dtypes": dtypes,
+            "trainable": trainable}
+
+
+def compare(signatures: list[dict[str, Any]], stages: list[int], tied_stages: Optional[set[int]] = None) -> None:
+    """Raise PreflightError describing the first disagreement that would deadlock."""
+    ref = signatures[0]
+    for rank, (sig, stage) in enumerate(zip(signatures, stages)):
+        where = f"rank {rank} (stage {stage})"
+        if not sig["trainable"]:
+            raise PreflightError(f"{where} holds no trainable parameter; every stage needs one "
+                                 f"(change the layout so no stage holds only functions)")
+        if sig["empty_groups"]:
+            raise PreflightError(f"{where} has empty optimizer group(s) {sig['empty_groups']}, which DeepSpeed "
+                                 f"drops, so it would issue fewer gradient-norm collectives than its peers")
+        if sig["groups"] != ref["groups"]:
+            raise PreflightError(f"{where} has optimizer groups {sig['groups']} but rank 0 (stage {stages[0]}) has "
+                                 f"{ref['groups']}; every stage must build the same groups or ZeRO's per-group "
+                                 f"norm all-reduces deadlock")
+        if sig["dtypes"] != ref["dtypes"]:
+            raise PreflightError(f"{where} has parameter dtypes {sig['dtypes']} but rank 0 has {ref['dtypes']}; "
+                                 f"activations exchanged between stages would not match")
+    _compare_tied(signatures, stages)
+
+
+def _compare_tied(signatures: list[dict[str, Any]], stages: list[int]) -> None:
+    shapes: dict[str, tuple[int, list]] = {}
+    for rank, sig in enumerate(signatures):
+        for key, shape in sig["tied"].items():
+            if key in shapes and shapes[key][1] != shape:
+                first = shapes[key][0]
+                raise PreflightError(f"tied module {key!r} has shapes {shape} on rank {rank} (stage {stages[rank]}) "
+                                     f"but {shapes[key][1]} on rank {first} (stage {stages[first]}); the tied "
+                                     f"gradient all-reduce would fail or hang")
+            shapes.setdefault(key, (rank, shape))
+
+
+def check_structure(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config) -> None:
+    """Exchange signatures over all ranks and raise the same PreflightError on every rank."""
+    import torch.distributed as dist
+
+    del config
+    mine = signature(module, optimizer)
+    stage = int(getattr(module, "stage_id", 0))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, stage))
+    compare([g[0] for g in gathered], [g[1] for g in gathered])
+
+
+class Watchdog:
+    """Per-step timer: a step that outlives `timeout_s` dumps stacks and ends the process."""
+
+    def __init__(self, timeout_s: float, rank: int, stage: int, exit_code: int = 3) -> None:
+        self.timeout_s, self.rank, self.stage, self.exit_code = timeout_s, rank, stage, exit_code
+        self._timer: Optional[threading.Timer] = None
+
+    def _fire(self, label: str) -> None:
+        sys.stderr.write(f"[watchdog] rank {self.rank} (stage {self.stage}) stalled for more than "
+                         f"{self.timeout_s:.0f}s in {label}; stacks follow, exiting with code {self.exit_code}\n")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(self.exit_code)
+
+    @contextmanager
+    def watch(self, label: str) -> Iterator[None]:
+        timer = threading.Timer(self.timeout_s, self._fire, args=(label,))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()

@@ -1,0 +1,30 @@
+"""megatron_ds: GPT pretraining on DeepSpeed's pipeline engine with dedicated embedding stages."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_ds",
+    version="0.1.0",
+    description="Megatron-DeepSpeed style GPT pretraining with dedicated pre/post-processing pipeline stages",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_ds", "megatron_ds.*"]),
+    py_modules=["pretrain_gpt"],
+    install_requires=[
+        "torch>=2.3",
+        "deepspeed>=0.16",
+        "megatron-core>=0.12",
+        "sentencepiece>=0.2",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "plot": ["matplotlib>=3.7"],
+        "tensorboard": ["tensorboard>=2.14"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megatron-ds-plan=megatron_ds.plan.__main__:main",
+        ],
+    },
+)
