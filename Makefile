@@ -1,0 +1,30 @@
+# One-command set-up: `make demo` trains the CPU demo, `make test` runs the whole suite.
+# Both create .venv on first use. CPU machines get the CPU torch wheel pinned below so no multi-GB
+# CUDA build is pulled; on a GPU machine install your CUDA torch into .venv first (see README).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.megatron_ds-installed
+
+.PHONY: install test demo clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): setup.py $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+
+demo: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" bash examples/pretrain_gpt_cpu_demo.sh
+
+clean:
+	rm -rf $(VENV) demo_data checkpoints runs

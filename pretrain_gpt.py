@@ -1,0 +1,43 @@
+#!/usr/bin/env python
+"""Pretrain a GPT on DeepSpeed's pipeline engine (Megatron-compatible flags).
+
+    python pretrain_gpt.py --num-layers 3 --hidden-size 64 --num-attention-heads 4 \
+        --seq-length 32 --pipeline-model-parallel-size 5 --pp-dedicated-embedding-stages --print-layout
+
+Launch training with `deepspeed` or `torchrun` (see examples/). User errors print one line
+`error: ...` and exit with status 2, before any process group is created.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Errors our code raises for bad input: ValueError subclasses defined in megatron_ds."""
+    return isinstance(exc, ValueError) and type(exc).__module__.startswith("megatron_ds")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from megatron_ds.arguments import parse_config
+    from megatron_ds.validation import build_run_layout
+
+    try:
+        config, args = parse_config(argv)
+        layout = build_run_layout(config)
+        if args.print_layout:
+            print(layout.format())
+            return 0
+        from megatron_ds.training.loop import pretrain
+
+        pretrain(config, layout)
+    except Exception as exc:  # noqa: BLE001 - user errors become one line, the rest propagate
+        if not is_user_error(exc):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
