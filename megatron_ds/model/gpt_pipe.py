@@ -81,7 +81,8 @@ def build_topology(config: Config) -> ProcessTopology:
 class GPTModelPipe(PipelineModule):
     """A GPT whose stage boundaries are `layout.parts`; needs torch.distributed initialised."""
 
-    def __init__(self, config: Config, layout: Layout, topology: ProcessTopology | None = None) -> None:
+    def __init__(self, config: Config, layout: Layout, topology: ProcessTopology | None = None,
+                 mark_norms: bool = True) -> None:
         assert layout.num_stages == config.parallel.pipeline_model_parallel_size, layout
         self._layout = layout
         train = config.training
@@ -92,7 +93,8 @@ class GPTModelPipe(PipelineModule):
             partition_method="megatron_ds.layout",
             activation_checkpoint_interval=train.checkpoint_num_layers if train.checkpoint_activations else 0,
         )
-        mark_norm_counting(self)
+        if mark_norms:  # False only to demonstrate DeepSpeed's stage-0-only norm in tests
+            mark_norm_counting(self)
 
     def _partition_layers(self, method: str = "megatron_ds.layout") -> None:
         del method  # boundaries come from the layout engine

@@ -55,22 +55,26 @@ def checksum(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def run_one(config: Config, num_steps: int, layout_kwargs: dict[str, Any]) -> dict[str, Any]:
+def run_one(config: Config, num_steps: int, layout_kwargs: dict[str, Any], fixes: bool = True,
+            preflight: bool = True) -> dict[str, Any]:
     """Train `num_steps` steps; return what the tests compare."""
     import torch.distributed as dist
 
     from megatron_ds.pipeline.layout import build_layout
     from megatron_ds.training.engine import build_engine, grad_norm
+    from megatron_ds.training.preflight import Watchdog
 
     groups = naming.gpt_spec_groups(config.model)
     layout = build_layout(groups, config.parallel.pipeline_model_parallel_size, **layout_kwargs)
-    bundle = build_engine(config, layout)
+    bundle = build_engine(config, layout, preflight=preflight, fixes=fixes)
     engine = bundle.engine
+    watchdog = Watchdog(config.parallel.distributed_timeout_minutes * 60, dist.get_rank(), engine.stage_id)
     emb_before = _embedding(bundle.model)
     losses, norms = [], []
     dp_rank = engine.grid.get_data_parallel_rank()
     for step in range(num_steps):
-        loss = engine.train_batch(data_iter=iter(list(micro_batches(config, step, dp_rank))))
+        with watchdog.watch(f"train_batch of step {step}"):
+            loss = engine.train_batch(data_iter=iter(list(micro_batches(config, step, dp_rank))))
         losses.append(float(loss.item()))
         norms.append(grad_norm(engine))
     emb_after = _embedding(bundle.model)
@@ -79,7 +83,6 @@ def run_one(config: Config, num_steps: int, layout_kwargs: dict[str, Any]) -> di
     if emb_after is not None:
         result["embedding_checksum"] = checksum(emb_after)
         result["embedding_changed"] = bool(not torch.equal(emb_before, emb_after))
-    engine.destroy() if hasattr(engine, "destroy") else None
     return result
 
 
@@ -104,7 +107,8 @@ def main(spec_path: str, out_dir: str) -> None:
         p, tp = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.tensor_model_parallel_size
         cfg = cfg.replace(parallel__data_parallel_size=env_world_size() // (p * tp))
         init_distributed(cfg.parallel)
-        results.append(run_one(cfg, sc.get("steps", 3), sc.get("layout", {})))
+        results.append(run_one(cfg, sc.get("steps", 3), sc.get("layout", {}), fixes=sc.get("fixes", True),
+                               preflight=sc.get("preflight", True)))
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

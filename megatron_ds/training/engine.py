@@ -23,14 +23,19 @@ class EngineBundle:
     ds_config: dict[str, Any]
 
 
-def build_engine(config: Config, layout: Layout, lr_scheduler: Optional[Any] = None,
-                 preflight: bool = True) -> EngineBundle:
-    """GPTModelPipe -> same-structure optimizer groups -> preflight -> DeepSpeed engine."""
+def build_engine(config: Config, layout: Layout, lr_scheduler: Optional[Any] = None, preflight: bool = True,
+                 fixes: bool = True) -> EngineBundle:
+    """GPTModelPipe -> same-structure optimizer groups -> preflight -> DeepSpeed engine.
+
+    `fixes=False` leaves out the two structural fixes (norm marking, group placeholders) so
+    tests can show the defects they fix; never use it for training.
+    """
     import deepspeed
 
     ds_config = deepspeed_config.build(config)
-    model = GPTModelPipe(config, layout)
-    add_group_placeholders(model)
+    model = GPTModelPipe(config, layout, mark_norms=fixes)
+    if fixes:
+        add_group_placeholders(model)
     optimizer = build_optimizer(model, config.optimizer)
     if preflight:
         from megatron_ds.training.preflight import check_structure

@@ -1,0 +1,187 @@
+"""Model-state bytes (parameters, gradients, optimizer states) per parameter, by precision and ZeRO stage.
+
+Two things live here, kept apart on purpose:
+
+* `state_factors`: bytes per parameter for what DeepSpeed 0.19.8 allocates with the JSON that
+  `megatron_ds.training.deepspeed_config.generate` writes and the torch optimizer that
+  `megatron_ds.training.optimizer` builds. Each case names the DeepSpeed class and file it was
+  read from. Where DeepSpeed's own estimator applies (ZeRO-2 and ZeRO-3, 16-bit, Adam), the
+  factors are chosen to equal it, so the planner's numbers and `estimate_zero*` agree.
+* `zero2_estimate` / `zero3_estimate`: DeepSpeed's estimator formulas, reproduced term for term
+  from `deepspeed/runtime/zero/stage_1_and_2.py::estimate_zero2_model_states_mem_needs` and
+  `deepspeed/runtime/zero/stage3.py::estimate_zero3_model_states_mem_needs` (tests compare them
+  with the installed functions).
+
+Not counted anywhere (DeepSpeed's estimator does not count them either): communication buckets
+(`reduce_bucket_size`, `allgather_bucket_size`), the CUDA context, allocator fragmentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes of one element in the compute (model) dtype."""
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 4}
+"""fp32 optimizer state per parameter: Adam exp_avg + exp_avg_sq; SGD momentum_buffer (torch.optim)."""
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+MASTER_BYTES = 4
+"""An fp32 copy of a parameter (master weight) or of its gradient."""
+
+
+@dataclass(frozen=True)
+class StateFactors:
+    """Bytes per parameter on one GPU: `*_repl` kept whole on every data-parallel rank, `*_part`
+    divided by the data-parallel degree. `gathered` multiplies the largest layer's parameter count
+    (ZeRO-3's working set of one gathered layer). `host_part` is what offload moves to CPU/NVMe."""
+
+    param_repl: float
+    param_part: float
+    grad_repl: float
+    grad_part: float
+    optim_repl: float
+    optim_part: float
+    gathered: float = 0.0
+    host_part: float = 0.0
+    source: str = ""
+
+    def params(self, n: float, dp: int) -> float:
+        return n * (self.param_repl + self.param_part / dp)
+
+    def grads(self, n: float, dp: int) -> float:
+        return n * (self.grad_repl + self.grad_part / dp)
+
+    def optimizer(self, n: float, dp: int) -> float:
+        return n * (self.optim_repl + self.optim_part / dp)
+
+    def host(self, n: float, dp: int) -> float:
+        return n * self.host_part / dp
+
+    def per_param(self, dp: int) -> float:
+        """Total GPU bytes per parameter (without the gathered-layer term)."""
+        return (self.param_repl + self.grad_repl + self.optim_repl
+                + (self.param_part + self.grad_part + self.optim_part) / dp)
+
+
+def state_factors(precision: str, zero_stage: int, optimizer: str = "adam",
+                  offload_optimizer: str = "none", offload_param: str = "none") -> StateFactors:
+    """The byte factors for one configuration (raises ValueError for combinations DeepSpeed rejects)."""
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISION_BYTES)}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZER_STATE_BYTES)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {zero_stage} is not one of 0, 1, 2, 3")
+    if offload_optimizer not in OFFLOAD_DEVICES or offload_param not in OFFLOAD_DEVICES:
+        raise ValueError(f"offload devices must be one of {', '.join(OFFLOAD_DEVICES)}")
+    if offload_optimizer != "none" and zero_stage == 0:
+        raise ValueError("optimizer offload needs ZeRO stage >= 1 (offload_optimizer is a zero_optimization key)")
+    if offload_param != "none" and zero_stage != 3:
+        raise ValueError("parameter offload (offload_param) exists only in ZeRO stage 3")
+    s = OPTIMIZER_STATE_BYTES[optimizer]
+    w = PRECISION_BYTES[precision]
+    if offload_optimizer != "none":
+        return _offloaded(w, zero_stage, s, offload_param != "none")
+    if precision == "fp32":
+        return _fp32(zero_stage, s)
+    return _mixed(precision, zero_stage, s)
+
+
+def _fp32(zero_stage: int, s: int) -> StateFactors:
+    if zero_stage == 0:
+        return StateFactors(4, 0, 4, 0, s, 0, source=(
+            "fp32 without ZeRO: DeepSpeed keeps the client torch optimizer as is "
+            "(engine._do_optimizer_sanity_check returns no wrapper); no master copy"))
+    if zero_stage == 1:
+        return StateFactors(4, 0, 4, 4, 0, MASTER_BYTES + s, source=(
+            "fp32 ZeRO-1: DeepSpeedZeroOptimizer (zero/stage_1_and_2.py) keeps full fp32 grads, clones "
+            "its fp32 partition (single_partition_of_fp32_groups) and flattens a partition grad in step()"))
+    if zero_stage == 2:
+        return StateFactors(4, 0, 0, 4, 0, MASTER_BYTES + s, source=(
+            "fp32 ZeRO-2: DeepSpeedZeroOptimizer with partitioned grads (grads_in_partition) plus the "
+            "fp32 partition clone"))
+    return StateFactors(0, 4, 0, 8, 0, s, gathered=8, source=(
+        "fp32 ZeRO-3: DeepSpeedZeroOptimizer_Stage3 (zero/stage3.py) aliases the fp32 partition as master "
+        "(no copy), keeps a grad partition and an fp32 grad buffer; one gathered layer (params + grads)"))
+
+
+def _mixed(precision: str, zero_stage: int, s: int) -> StateFactors:
+    m = MASTER_BYTES
+    if zero_stage == 0 and precision == "fp16":
+        return StateFactors(2, 0, 2 + m, 0, m + s, 0, source=(
+            "fp16 without ZeRO: FP16_Optimizer (runtime/fp16/fused_optimizer.py): 16-bit params and grads, "
+            "fp32 master copy (fp32_groups_flat) and its fp32 flat grads, fp32 optimizer states"))
+    if zero_stage == 0:
+        return StateFactors(2, 0, 2 + 2, m, 0, m + s, source=(
+            "bf16 without ZeRO on DeepSpeed's pipeline engine: BF16_Optimizer (runtime/bf16_optimizer.py): "
+            "bf16 grads, a gradient-accumulation buffer in data_types.grad_accum_dtype (bf16 by default), "
+            "and an fp32 master/grad/state partition split over data parallel ranks (ZeRO-1 like)"))
+    if zero_stage == 1:
+        return StateFactors(2, 0, 2, m, 0, m + s, source=(
+            "16-bit ZeRO-1: DeepSpeedZeroOptimizer: full 16-bit grads; fp32 master, fp32 partition grad "
+            "and optimizer states partitioned (ZeRO paper P_os)"))
+    if zero_stage == 2:
+        return StateFactors(2, 0, 0, 2 + m, 0, m + s, source=(
+            "16-bit ZeRO-2: as DeepSpeed's estimate_zero2_model_states_mem_needs: 2 bytes params + "
+            "18/N (2 grads16 + 4 grads32 + 4 params32 + 8 Adam states)"))
+    return StateFactors(0, 2, 0, m, 0, m + s, gathered=4, source=(
+        "16-bit ZeRO-3: as DeepSpeed's estimate_zero3_model_states_mem_needs: 18/N per parameter + "
+        "4 bytes x largest layer; 0.19.8 also keeps a 2/N 16-bit grad partition the estimator leaves out"))
+
+
+def _offloaded(w: int, zero_stage: int, s: int, params_too: bool) -> StateFactors:
+    host = MASTER_BYTES + MASTER_BYTES + s  # fp32 master, fp32 grad partition, optimizer states
+    if zero_stage == 1:
+        return StateFactors(w, 0, w, 0, 0, 0, host_part=host, source=(
+            "ZeRO-1 + offload_optimizer: full 16-bit params and grads stay on the GPU; fp32 master, grad "
+            "partition and optimizer states live on the host (DeepSpeedZeroOptimizer cpu_offload)"))
+    if zero_stage == 2:
+        return StateFactors(w, 0, 0, 0, 0, 0, host_part=host, source=(
+            "ZeRO-2 + offload_optimizer: as DeepSpeed's estimate_zero2_model_states_mem_needs(cpu_offload=True): "
+            "GPU holds the 16-bit params only"))
+    if params_too:
+        return StateFactors(0, 0, 0, 0, 0, 0, gathered=2 * w, host_part=host + w, source=(
+            "ZeRO-3 + offload_param + offload_optimizer: as estimate_zero3_model_states_mem_needs: the GPU "
+            "holds one gathered layer (4 bytes x largest layer in 16-bit)"))
+    return StateFactors(0, w, 0, 0, 0, 0, gathered=2 * w, host_part=host, source=(
+        "ZeRO-3 + offload_optimizer: as estimate_zero3_model_states_mem_needs: GPU holds the 16-bit param "
+        "partition and one gathered layer"))
+
+
+def zero2_estimate(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,
+                   additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+    """(cpu bytes per node, gpu bytes per GPU): DeepSpeed's `estimate_zero2_model_states_mem_needs`."""
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem)
+
+
+def zero3_estimate(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                   cpu_offload: bool = True, cpu_offload_params: bool = True, zero_init: bool = True,
+                   additional_buffer_factor: float = 1.5) -> tuple[int, int, int]:
+    """(cpu bytes per node, gpu bytes per GPU, largest layer bytes): DeepSpeed's
+    `estimate_zero3_model_states_mem_needs`."""
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = 4 * largest_layer_params
+    if cpu_offload:
+        kept = 18 if cpu_offload_params else 16
+        gpu_mem = largest_layer_memory + (0 if cpu_offload_params else int(2 * total_params / total_gpus))
+        if zero_init:
+            cpu_mem = total_params * kept * gpus_factor * additional_buffer_factor
+        else:
+            cpu_mem = total_params * max(4 * num_gpus_per_node, kept * gpus_factor) * additional_buffer_factor
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
+        else:
+            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu_mem), int(gpu_mem), largest_layer_memory
