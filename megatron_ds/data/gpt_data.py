@@ -45,7 +45,7 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], Optional[list[
                         f"and prefixes alternating (0.7 a 0.3 b)")
     weights = [_as_float(s) for s in items[0::2]] if len(items) % 2 == 0 else None
     if weights is None or any(w is None for w in weights):
-        numbers = [s for s in items if _as_float(s) is not None]
+        numbers = [s for s in items if _as_float(s) is not None and not os.path.exists(s + ".idx")]
         if numbers:
             raise DataError(f"--data-path {' '.join(items)}: {numbers[0]!r} looks like a weight, but "
                             f"weights and prefixes must alternate (0.7 a 0.3 b)")
@@ -95,10 +95,11 @@ def check_splits(infos: Sequence[IndexInfo], split: str) -> None:
         for name, rng in zip(SPLIT_NAMES, split_ranges(info.num_sequences, split)):
             if rng is None:
                 continue
-            if info.sequence_lengths[rng[0]:rng[1]].sum(dtype=np.int64) == 0:
+            num_tokens = int(info.sequence_lengths[rng[0]:rng[1]].sum(dtype=np.int64))
+            if num_tokens == 0:
                 raise DataError(
                     f"--split {split}: corpus {info.prefix} has {info.num_sequences} documents, so "
-                    f"its {name} split gets {rng[1] - rng[0]} documents with tokens (megatron-core "
+                    f"its {name} split gets {rng[1] - rng[0]} documents and 0 tokens (megatron-core "
                     f"would loop forever); give {name} a larger share or 0, or add documents")
 
 

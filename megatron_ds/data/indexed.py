@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -139,12 +140,19 @@ def is_valid(prefix: str) -> bool:
         return False
 
 
-def load_indexed_dataset(prefix: str, flag: str = "--data-path"):
+def megatron_indexed_dataset_module() -> Any:
+    """`megatron.core.datasets.indexed_dataset`, imported without its warnings about missing
+    optional GPU kernels (Transformer Engine, Apex): noise on every run of a data tool."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex", category=UserWarning)
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+def load_indexed_dataset(prefix: str, flag: str = "--data-path") -> Any:
     """megatron-core's `IndexedDataset` for a prefix that passed validation first."""
     read_index(prefix, flag)
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    return IndexedDataset(prefix, multimodal=False, mmap=True)
+    return megatron_indexed_dataset_module().IndexedDataset(prefix, multimodal=False, mmap=True)
 
 
 @dataclass
@@ -189,10 +197,9 @@ class IndexedWriter:
 
     def _start(self) -> Any:
         if self._builder is None:
-            from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-            self._builder = IndexedDatasetBuilder(
-                bin_path(self._tmp), dtype=DType.optimal_dtype(self.vocab_size))
+            mc = megatron_indexed_dataset_module()
+            self._builder = mc.IndexedDatasetBuilder(
+                bin_path(self._tmp), dtype=mc.DType.optimal_dtype(self.vocab_size))
         return self._builder
 
     def close(self) -> WriteStats:

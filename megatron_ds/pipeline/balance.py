@@ -1,0 +1,111 @@
+"""Memory-balanced pipeline layout: stage boundaries that minimise the largest predicted stage memory.
+
+A stage's memory is not a fixed weight per layer: stage s keeps min(P - s, M) micro-batches of
+activations alive under DeepSpeed's 1F1B TrainSchedule, the first stage holds the embedding and
+the last the LM head and loss. So the cost of giving k layers to stage s is f_s(k), a different
+non-decreasing function per stage (`megatron_ds.plan.memory_model.stage_memory_for`).
+
+Minimising max_s f_s(k_s) subject to sum k_s = N, k_s >= 1 for middle stages and k_s >= 0 for the
+first and last (a dedicated embedding or head stage is a candidate, never forced) is solved
+exactly by the greedy allocation of minimax resource allocation: start every stage at its lower
+bound and hand out the remaining layers one at a time to the stage whose cost after the increment
+is smallest. Because each f_s is non-decreasing, the increments handed out are the N - sum(lower)
+smallest of all candidates, so no other split has a smaller maximum. The last stage's cost need
+not be monotone (see `balanced_counts`), so its count is enumerated: O(N^2 log P) table look-ups,
+O(N P) cost evaluations.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Optional, Sequence
+
+from megatron_ds.pipeline.layout import Layout, LayoutError, SpecGroups
+
+METHOD = "memory"
+FLAG = f"--pp-partition-method {METHOD}"
+
+
+def memory_balanced_layout(groups: SpecGroups, num_stages: int, inputs) -> Layout:
+    """The layout whose largest predicted stage memory is smallest (`inputs`: plan MemoryInputs)."""
+    from megatron_ds.plan.memory_model import stage_memory_for
+
+    counts = balanced_counts(groups.num_layers, num_stages,
+                             lambda s, k: stage_memory_for(inputs, s, num_stages, k).total)
+    return Layout(groups, tuple(counts), METHOD)
+
+
+def balanced_counts(num_layers: int, num_stages: int, cost) -> list[int]:
+    """Layers per stage minimising max(cost(s, k_s)), exactly.
+
+    `cost(s, k)` must be non-decreasing in k for every stage but the last. The last stage may
+    dip (with --checkpoint-num-layers > 1 an added layer can move the head's functions out of a
+    recomputed chunk), so its count is enumerated and the others are filled greedily for each.
+    Ties: smallest maximum, then the smallest sorted-descending vector of stage costs.
+    """
+    _check(num_layers, num_stages)
+    if num_stages == 1:
+        return [num_layers]
+    table = _CostTable(cost)
+    lower = [0] + [1] * (num_stages - 2)
+    best: tuple = ()
+    for k_last in range(num_layers - sum(lower) + 1):
+        counts = _greedy(num_layers - k_last, lower, table) + [k_last]
+        costs = sorted((table(s, k) for s, k in enumerate(counts)), reverse=True)
+        if not best or costs < best[0]:
+            best = (costs, counts)
+    return best[1]
+
+
+class _CostTable:
+    """Memoised cost(s, k)."""
+
+    def __init__(self, cost) -> None:
+        self._cost, self._seen = cost, {}
+
+    def __call__(self, s: int, k: int) -> float:
+        key = (s, k)
+        if key not in self._seen:
+            self._seen[key] = self._cost(s, k)
+        return self._seen[key]
+
+
+def _greedy(num_layers: int, lower: list[int], cost: _CostTable) -> list[int]:
+    """Minimax allocation over stages with non-decreasing costs (ties to the later stage)."""
+    counts = list(lower)
+    heap = [(cost(s, counts[s] + 1), -s) for s in range(len(counts))]
+    heapq.heapify(heap)
+    for _ in range(num_layers - sum(counts)):
+        _, neg = heapq.heappop(heap)
+        counts[-neg] += 1
+        heapq.heappush(heap, (cost(-neg, counts[-neg] + 1), neg))
+    return counts
+
+
+def _check(num_layers: int, num_stages: int) -> None:
+    if num_stages < 1:
+        raise LayoutError(f"{FLAG}: --pipeline-model-parallel-size must be >= 1, got {num_stages}")
+    if num_layers < 1:
+        raise LayoutError(f"{FLAG}: --num-layers must be >= 1, got {num_layers}")
+    if num_stages > num_layers + 2:
+        raise LayoutError(f"{FLAG} cannot place --num-layers {num_layers} on --pipeline-model-parallel-size "
+                          f"{num_stages}: at most {num_layers + 2} stages (embedding, one layer each, head); "
+                          f"use at most {num_layers + 2} stages or more layers")
+
+
+def format_memory_table(stages: Sequence, usable_bytes: Optional[float] = None) -> str:
+    """The predicted memory per stage (`StageMemory` list) as a table to print under `Layout.format()`."""
+    from megatron_ds.plan.memory_model import format_bytes
+
+    head = f"{'stage':>5} {'layers':>6} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} " \
+           f"{'in-flight':>9} {'buffers':>10} {'total':>10}"
+    lines = ["predicted memory per GPU (estimate, see docs/plan.md for the formulas)", head]
+    for st in stages:
+        lines.append(f"{st.stage:>5} {st.num_layers:>6} {format_bytes(st.params):>10} {format_bytes(st.grads):>10} "
+                     f"{format_bytes(st.optimizer):>10} {format_bytes(st.activations):>10} {st.in_flight:>9} "
+                     f"{format_bytes(st.pipe_buffers + st.transient):>10} {format_bytes(st.total):>10}")
+    peak = max(stages, key=lambda st: st.total)
+    summary = f"largest: stage {peak.stage} {format_bytes(peak.total)}"
+    if usable_bytes is not None:
+        summary += f" of {format_bytes(usable_bytes)} usable ({'fits' if peak.total <= usable_bytes else 'DOES NOT FIT'})"
+    lines.append(summary)
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""Activation bytes one micro-batch leaves saved for backward, per layer spec of our GPT.
+
+Reference: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv:2205.05198), Sec. 4.1-4.2. For a 16-bit transformer layer without recomputation
+the paper counts sbh(34 + 5as/h) bytes (s sequence, b micro-batch, h hidden, a heads), and with
+t-way tensor parallelism (no sequence parallelism) sbh(10 + 24/t + 5as/(ht)). We apply the same
+per-tensor accounting to `megatron_ds.model.transformer.TransformerLayer`, with the byte width of
+each saved tensor taken from the kernels that actually run:
+
+* compute dtype width w (2 for bf16/fp16, 4 for fp32) instead of the paper's fixed 2;
+* dropout masks: 1 byte (bool) in CUDA's native_dropout, w bytes on CPU (torch saves a mask in
+  the input dtype there);
+* attention: the paper's 5as/h term (softmax output 2, dropout mask 1, dropout output 2 bytes per
+  a*s*s*b element) is stored only by the "math" SDPA path. The flash and memory-efficient SDPA
+  kernels (CUDA; and torch's CPU flash kernel, which runs when attention dropout is 0) save the
+  output and a float32 log-sum-exp of b*a*s instead of any s*s matrix. Our layer's output
+  projection reads a view of that output, so it is counted once, as in the paper.
+* torch's CPU math path computes in float32 (also for bf16 inputs) and saves copies of q, k, v.
+
+These CPU rules were read off `torch.autograd.graph.saved_tensors_hooks` on our own layers
+(tests/unit/test_memory_model.py repeats that check); the CUDA rules are the kernels' documented
+saved tensors and are not measured here. Every number is an estimate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.plan.model_states import PRECISION_BYTES
+
+DEVICES = ("cuda", "cpu")
+ATTENTION_KINDS = ("flash", "math")
+TOKEN_ID_BYTES = 8  # int64 token ids and labels
+LOSS_MASK_BYTES = 4  # float32 loss mask
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Byte widths of the tensors the forward pass saves, for one device and precision."""
+
+    w: int
+    """Compute dtype bytes (hidden states, linear inputs)."""
+    mask: int
+    """Bytes per residual/embedding dropout-mask element."""
+    attention: str
+    """`flash` (no s*s tensor saved) or `math` (softmax probabilities saved)."""
+    math_bytes: int
+    """Bytes per element of the math path's scores (and q/k/v copies on CPU)."""
+    attn_mask: int
+    """Bytes per attention-dropout-mask element on the math path."""
+    qkv_copies: bool
+    """Math path saves its own q, k, v copies (CPU) rather than views of the qkv output (CUDA)."""
+    stat: int
+    """Bytes of one norm statistic (mean or rstd) per token."""
+
+
+def kernels(precision: str, device: str, attention_dropout: float, attention: Optional[str] = None) -> Kernels:
+    """The kernel byte widths; `attention` None picks what torch's SDPA dispatch runs."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
+    if attention is not None and attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention {attention!r} is not one of {', '.join(ATTENTION_KINDS)}")
+    w = PRECISION_BYTES[precision]
+    if device == "cuda":
+        # LayerNorm's CUDA kernel saves mean/rstd in float32; native_dropout's mask is bool.
+        return Kernels(w=w, mask=1, attention=attention or "flash", math_bytes=w, attn_mask=1,
+                       qkv_copies=False, stat=4)
+    # CPU: the flash kernel takes no dropout, so SDPA falls back to math when dropout is on.
+    chosen = attention or ("math" if attention_dropout > 0 else "flash")
+    return Kernels(w=w, mask=w, attention=chosen, math_bytes=4, attn_mask=4, qkv_copies=True, stat=w)
+
+
+def _norm_stats(model: ModelConfig) -> int:
+    return 2 if model.normalization == "layernorm" else 1  # mean + rstd, or rstd only
+
+
+def transformer_layer_terms(model: ModelConfig, micro_batch_size: int, k: Kernels,
+                            tensor_parallel_size: int = 1) -> dict[str, float]:
+    """Saved bytes of one TransformerLayer for one micro-batch, by tensor (Korthikanti Sec. 4.1 terms)."""
+    b, s, h, f = micro_batch_size, model.seq_length, model.hidden_size, model.ffn_hidden_size
+    t, a = tensor_parallel_size, model.num_attention_heads
+    sbh, bs = s * b * h, s * b
+    drop_h = model.hidden_dropout > 0
+    drop_a = model.attention_dropout > 0
+    terms = {
+        # Replicated over tensor-parallel ranks (the paper's "10"): norm inputs, qkv and fc1 inputs, masks.
+        "norm inputs": 2 * sbh * k.w,
+        "norm statistics": 2 * _norm_stats(model) * bs * k.stat,
+        "qkv input": sbh * k.w,
+        "fc1 input": sbh * k.w,
+        "residual dropout masks": (2 * sbh * k.mask) if drop_h else 0,
+        # Split over tensor-parallel ranks (the paper's "24/t").
+        "projection input": sbh * k.w / t,
+        "gelu input": s * b * f * k.w / t,
+        "fc2 input": s * b * f * k.w / t,
+    }
+    terms.update(_attention_terms(b, s, h, a, t, k, drop_a))
+    return terms
+
+
+def _attention_terms(b: int, s: int, h: int, a: int, t: int, k: Kernels, dropout: bool) -> dict[str, float]:
+    sbh, scores = s * b * h, a * s * s * b
+    if k.attention == "flash":
+        # q, k, v are views of the qkv output, saved whole; plus float32 log-sum-exp per (b, head, s).
+        return {"q, k, v": 3 * sbh * k.w / t, "softmax log-sum-exp": 4 * b * a * s / t}
+    qkv = 3 * sbh * (k.math_bytes if k.qkv_copies else k.w) / t
+    out = {"q, k, v": qkv, "softmax output": scores * k.math_bytes / t}
+    if dropout:
+        out["attention dropout mask"] = scores * k.attn_mask / t
+        out["attention dropout output"] = scores * k.math_bytes / t
+    return out
+
+
+def korthikanti_layer_bytes(seq_length: int, micro_batch_size: int, hidden_size: int, num_heads: int,
+                            tensor_parallel_size: int = 1) -> float:
+    """The paper's closed form, eq. in Sec. 4.2: sbh(10 + 24/t + 5as/(ht)) bytes (16-bit, 4h MLP)."""
+    s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_heads, tensor_parallel_size
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def checkpointed_layer_bytes(model: ModelConfig, micro_batch_size: int, k: Kernels) -> float:
+    """With full recomputation only a chunk's input survives: 2sbh in the paper's 16-bit terms."""
+    return model.seq_length * micro_batch_size * model.hidden_size * k.w
+
+
+def pre_terms(model: ModelConfig, micro_batch_size: int, k: Kernels) -> dict[str, dict[str, float]]:
+    """Saved bytes of the pre-processing specs, keyed by spec name."""
+    bs = model.seq_length * micro_batch_size
+    dropout = bs * model.hidden_size * k.mask if model.hidden_dropout > 0 else 0
+    return {
+        "cast_token_ids": {},
+        "WordEmbedding": {"token ids (embedding backward)": bs * TOKEN_ID_BYTES},
+        "PositionEmbedding": {"embedding dropout mask": dropout},
+    }
+
+
+def post_terms(model: ModelConfig, micro_batch_size: int, k: Kernels, head_name: str,
+               tensor_parallel_size: int = 1) -> dict[str, dict[str, float]]:
+    """Saved bytes of the post-processing specs (the loss's saved tensors are put on logits_to_fp32)."""
+    bs = model.seq_length * micro_batch_size
+    sbh = bs * model.hidden_size
+    bsv = bs * model.vocab_size / tensor_parallel_size  # vocab-parallel logits under tensor parallelism
+    return {
+        "FinalNorm": {"norm input": sbh * k.w, "norm statistics": _norm_stats(model) * bs * k.stat},
+        head_name: {"LM head input": sbh * k.w},
+        # fp32 logits (kept by the loss and by DeepSpeed's pipe buffer: one tensor) and fp32 log-probs.
+        "logits_to_fp32": {"fp32 logits": 4 * bsv, "fp32 log-probabilities": 4 * bsv,
+                           "labels and loss mask": bs * (TOKEN_ID_BYTES + LOSS_MASK_BYTES) + 8},
+    }
+
+
+def loss_backward_transient(model: ModelConfig, micro_batch_size: int, tensor_parallel_size: int = 1) -> float:
+    """Gradient buffers the loss backward allocates for one micro-batch: d(log-probs) and d(logits),
+    float32 b*s*v each (nll_loss and log_softmax backward)."""
+    return 2 * 4 * model.seq_length * micro_batch_size * model.vocab_size / tensor_parallel_size

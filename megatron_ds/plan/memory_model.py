@@ -1,0 +1,308 @@
+"""Analytic per-spec and per-stage memory of our GPT on DeepSpeed's pipeline engine. Pure: no torch.
+
+    bytes on one GPU of stage s = model states (params + grads + optimizer, `model_states.py`)
+                                + in_flight(s) x activations of one micro-batch (`activations.py`)
+                                + DeepSpeed pipe buffers + the largest transient buffer
+
+in_flight(s) = min(P - s, M): DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py) is
+1F1B; stage s runs P - s forwards before its first backward, so at most that many micro-batches'
+activations are alive (M micro-batches per step). `TrainSchedule.num_pipe_buffers()` is
+max(2, min(P - s, M)): the number of input/output buffer slots the engine cycles through; an input
+slot keeps its tensor until it is reused, an output slot is freed after its backward
+(deepspeed/runtime/pipe/engine.py `_exec_backward_pass`).
+
+Everything returned is an estimate; nothing here is measured.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.model import naming
+from megatron_ds.plan import activations as act
+from megatron_ds.plan.model_states import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors, state_factors
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What the memory of one pipeline stage depends on."""
+
+    model: ModelConfig
+    micro_batch_size: int
+    """Samples per micro-batch per data-parallel rank."""
+    num_micro_batches: int
+    """Micro-batches per optimizer step on each pipeline (gradient accumulation steps)."""
+    precision: str = "bf16"
+    """`fp32`, `bf16` or `fp16`."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3 (the pipeline engine accepts 0 and 1 only)."""
+    data_parallel_size: int = 1
+    """Ranks that ZeRO partitions over (one stage's data-parallel group)."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel degree t: layer matrices, vocab and attention heads are split t ways."""
+    checkpoint_activations: bool = False
+    """Recompute transformer layers in backward (`--checkpoint-activations`)."""
+    checkpoint_num_layers: int = 1
+    """Layers per recomputed chunk (`--checkpoint-num-layers`)."""
+    optimizer: str = "adam"
+    """`adam` or `sgd` (momentum)."""
+    offload_optimizer: str = "none"
+    """`none`, `cpu` or `nvme`: ZeRO-Offload of master weights, fp32 grads and optimizer states."""
+    offload_param: str = "none"
+    """`none`, `cpu` or `nvme`: ZeRO-3 parameter offload."""
+    device: str = "cuda"
+    """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activations.kernels`)."""
+    attention: Optional[str] = None
+    """`flash`, `math`, or None for what torch's SDPA picks on `device`."""
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "num_micro_batches", "data_parallel_size", "tensor_parallel_size",
+                     "checkpoint_num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.precision not in PRECISION_BYTES:
+            raise ValueError(f"precision {self.precision!r} is not one of {', '.join(PRECISION_BYTES)}")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_STATE_BYTES)}")
+        self.factors  # noqa: B018 - validates zero stage and offload combination
+        self.kernels  # noqa: B018 - validates device and attention
+
+    @property
+    def factors(self) -> StateFactors:
+        return state_factors(self.precision, self.zero_stage, self.optimizer, self.offload_optimizer,
+                             self.offload_param)
+
+    @property
+    def kernels(self) -> act.Kernels:
+        return act.kernels(self.precision, self.device, self.model.attention_dropout, self.attention)
+
+
+@dataclass(frozen=True)
+class SpecMemory:
+    """One layer spec's share of a GPU's memory (bytes; params counted per tensor-parallel rank)."""
+
+    index: int
+    name: str
+    group: str
+    num_params: int
+    largest_param: int
+    params: float
+    grads: float
+    optimizer: float
+    host: float
+    activations: float
+    """Saved for backward by one micro-batch without recomputation."""
+    checkpointed_activations: float
+    """Saved by one micro-batch when this spec is recomputed (transformer layers only)."""
+    activation_terms: dict = field(default_factory=dict)
+    tied: bool = False
+    """The tied LM head: the same matrix as WordEmbedding, a second copy only on another stage."""
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Predicted peak bytes on one GPU of one pipeline stage."""
+
+    stage: int
+    num_layers: int
+    num_params: int
+    params: float
+    grads: float
+    optimizer: float
+    host: float
+    """Offloaded model states per GPU rank, on CPU or NVMe (not in `total`)."""
+    activation_per_micro_batch: float
+    in_flight: int
+    activations: float
+    pipe_buffers: float
+    transient: float
+    transient_source: str
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.pipe_buffers + self.transient
+
+
+def layer_param_counts(model: ModelConfig, t: int = 1) -> tuple[int, int]:
+    """(parameters of one transformer layer per tensor-parallel rank, its largest single module)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    norm = 2 * h if model.normalization == "layernorm" else h
+    qkv, proj = (3 * h * h + 3 * h) // t, h * h // t + h  # column-parallel qkv; row-parallel proj (bias whole)
+    fc1, fc2 = (h * f + f) // t, f * h // t + h
+    return 2 * norm + qkv + proj + fc1 + fc2, max(qkv, proj, fc1, fc2, norm)
+
+
+@functools.lru_cache(maxsize=256)
+def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
+    """Every spec of the GPT in spec-index order (see `megatron_ds.model.naming.gpt_spec_groups`)."""
+    m, t, k = inputs.model, inputs.tensor_parallel_size, inputs.kernels
+    b, dp, fac = inputs.micro_batch_size, inputs.data_parallel_size, inputs.factors
+    groups = naming.gpt_spec_groups(m)
+    head = groups.post[1]
+    layer_params, layer_largest = layer_param_counts(m, t)
+    norm = 2 * m.hidden_size if m.normalization == "layernorm" else m.hidden_size
+    vocab = m.vocab_size * m.hidden_size // t
+    counts = {naming.CAST_INPUTS: (0, 0), naming.WORD_EMBEDDING: (vocab, vocab),
+              naming.POSITION_EMBEDDING: (m.max_position_embeddings * m.hidden_size,) * 2,
+              naming.FINAL_NORM: (norm, norm), head: (vocab, vocab), naming.LOGITS_TO_FP32: (0, 0)}
+    terms = {**act.pre_terms(m, b, k), **act.post_terms(m, b, k, head, t)}
+    layer_terms = act.transformer_layer_terms(m, b, k, t)
+    out = []
+    for idx, name in enumerate(groups.names):
+        group = groups.group_of(idx)
+        n, largest = (layer_params, layer_largest) if group == "body" else counts[name]
+        spec_terms = layer_terms if group == "body" else terms[name]
+        saved = sum(spec_terms.values())
+        out.append(SpecMemory(
+            index=idx, name=name, group=group, num_params=n, largest_param=largest, params=fac.params(n, dp),
+            grads=fac.grads(n, dp), optimizer=fac.optimizer(n, dp), host=fac.host(n, dp), activations=saved,
+            checkpointed_activations=act.checkpointed_layer_bytes(m, b, k) if group == "body" else saved,
+            activation_terms=dict(spec_terms), tied=name == naming.TIED_LM_HEAD))
+    return tuple(out)
+
+
+def in_flight(stage: int, num_stages: int, num_micro_batches: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at its peak under TrainSchedule (1F1B)."""
+    return min(num_stages - stage, num_micro_batches)
+
+
+def num_pipe_buffers(stage: int, num_stages: int, num_micro_batches: int) -> int:
+    """DeepSpeed's `TrainSchedule.num_pipe_buffers()`."""
+    return max(2, min(num_stages - stage, num_micro_batches))
+
+
+def stage_memory(inputs: MemoryInputs, layout) -> list[StageMemory]:
+    """Per-stage predicted memory for a `megatron_ds.pipeline.layout.Layout`."""
+    p = layout.num_stages
+    return [stage_memory_for(inputs, s, p, layout.layers_per_stage[s]) for s in range(p)]
+
+
+def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_layers: int) -> StageMemory:
+    """Memory of stage `stage` of `num_stages` holding `num_layers` transformer layers
+    (plus the pre group on stage 0 and the post group on the last stage)."""
+    specs = spec_memory(inputs)
+    first, last = stage == 0, stage == num_stages - 1
+    pre = [sp for sp in specs if sp.group == "pre"] if first else []
+    post = [sp for sp in specs if sp.group == "post"] if last else []
+    if first and last:  # one stage: the tied head is the embedding module itself, held once
+        post = [sp for sp in post if not sp.tied]
+    layer = next(sp for sp in specs if sp.group == "body")
+    ends = pre + post
+    states = [sum(getattr(sp, a) for sp in ends) + num_layers * getattr(layer, a)
+              for a in ("params", "grads", "optimizer", "host")]
+    full_layers, chunk = _recomputed(inputs, len(pre), num_layers, len(post))
+    per_mb = (sum(sp.activations for sp in ends) + full_layers * layer.activations
+              + (num_layers - full_layers) * layer.checkpointed_activations)
+    flight = in_flight(stage, num_stages, inputs.num_micro_batches)
+    transient, source = _transient(inputs, layer, chunk, ends + ([layer] if num_layers else []), last)
+    return StageMemory(
+        stage=stage, num_layers=num_layers, num_params=sum(sp.num_params for sp in ends) + num_layers * layer.num_params,
+        params=states[0], grads=states[1], optimizer=states[2], host=states[3], activation_per_micro_batch=per_mb,
+        in_flight=flight, activations=flight * per_mb, pipe_buffers=_pipe_buffers(inputs, stage, num_stages),
+        transient=transient + _gathered(inputs, ends, layer, num_layers), transient_source=source)
+
+
+def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: int) -> tuple[int, int]:
+    """(transformer layers that keep full activations, largest recomputed chunk in layers).
+
+    PipelineModule.forward (deepspeed/runtime/pipe/module.py) cuts the stage's local functions into
+    chunks of `activation_checkpoint_interval` starting at local index 0, and recomputes a chunk only
+    when every function in it is a TransformerLayer (GPTModelPipe._is_checkpointable): a chunk that
+    also holds a pre/post function runs normally and keeps its layers' activations.
+    """
+    if not inputs.checkpoint_activations or num_layers == 0:
+        return num_layers, 0
+    k = inputs.checkpoint_num_layers
+    kinds = ["x"] * num_pre + ["t"] * num_layers + ["x"] * num_post
+    full, chunk = 0, 0
+    for start in range(0, len(kinds), k):
+        part = kinds[start:start + k]
+        if all(c == "t" for c in part):
+            chunk = max(chunk, len(part))
+        else:
+            full += part.count("t")
+    return full, chunk
+
+
+def _transient(inputs: MemoryInputs, layer: SpecMemory, chunk: int, held: list[SpecMemory],
+               last: bool) -> tuple[float, str]:
+    """The largest short-lived buffer of one backward: recomputation, loss gradients, or a weight
+    gradient created before it is added into the accumulated one."""
+    options = [(0.0, "none")]
+    if chunk:
+        options.append((chunk * layer.activations, f"recomputing {chunk} layer(s) of one micro-batch"))
+    if last:
+        options.append((act.loss_backward_transient(inputs.model, inputs.micro_batch_size,
+                                                    inputs.tensor_parallel_size),
+                        "fp32 loss gradients d(log-probs), d(logits) of one micro-batch"))
+    if inputs.num_micro_batches > 1 and held:
+        big = max(sp.largest_param for sp in held)
+        options.append((big * PRECISION_BYTES[inputs.precision], "one weight gradient before accumulation"))
+    return max(options, key=lambda o: o[0])
+
+
+def _gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, num_layers: int) -> float:
+    """ZeRO-3's gathered working set: the largest module's full parameters (estimator's 4 x largest layer)."""
+    if not inputs.factors.gathered:
+        return 0.0
+    held = ends + ([layer] if num_layers else [])
+    return inputs.factors.gathered * max((sp.largest_param for sp in held), default=0)
+
+
+def _pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> float:
+    """DeepSpeed PipelineEngine buffers: received inputs kept per used slot plus one receive buffer,
+    stage outputs kept until their backward plus one gradient receive buffer, token ids and labels."""
+    m, mb = inputs.model, inputs.num_micro_batches
+    hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
+    tokens = m.seq_length * inputs.micro_batch_size
+    slots = min(num_pipe_buffers(stage, num_stages, mb), mb)
+    total = 0.0
+    if stage > 0:
+        total += (slots + 1) * hidden
+    if stage < num_stages - 1:
+        total += (in_flight(stage, num_stages, mb) + 1) * hidden
+    if stage == 0:
+        total += slots * tokens * act.TOKEN_ID_BYTES
+    if stage == num_stages - 1:
+        total += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
+    return total
+
+
+def total_params(model: ModelConfig) -> int:
+    """Unique parameters of the whole model (the tied head counted once), tensor-parallel size 1."""
+    layer, _ = layer_param_counts(model, 1)
+    norm = 2 * model.hidden_size if model.normalization == "layernorm" else model.hidden_size
+    head = model.vocab_size * model.hidden_size if model.untie_embeddings_and_output_weights else 0
+    return (model.vocab_size * model.hidden_size + model.max_position_embeddings * model.hidden_size
+            + model.num_layers * layer + norm + head)
+
+
+def largest_layer_params(model: ModelConfig) -> int:
+    """Largest single module's own parameters, as DeepSpeed's `zero.stage3.model_to_params` counts it."""
+    _, layer_largest = layer_param_counts(model, 1)
+    return max(model.vocab_size * model.hidden_size, model.max_position_embeddings * model.hidden_size, layer_largest)
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Binary units, three significant figures: `512 B`, `1.50 KiB`, `12.3 GiB`."""
+    value, unit = float(num_bytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{value:.0f} B"
+    return f"{value:.3g} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
+
+
+GIB = 1024 ** 3

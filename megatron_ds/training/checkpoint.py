@@ -1,0 +1,184 @@
+"""Checkpoints through DeepSpeed's engine, written atomically, validated before loading.
+
+Layout of `--save DIR`:
+    DIR/latest                      the tag of the newest complete checkpoint (replaced atomically)
+    DIR/global_step<N>/             DeepSpeed's files: one `layer_XX-model_00-model_states.pt` per
+                                    spec index (layout-independent), per-stage optimizer/ZeRO files
+    DIR/global_step<N>/megatron_ds.json   config, train state, layout (written last by rank 0)
+    DIR/global_step<N>/rng_rank<R>.pt     each rank's RNG states
+
+A checkpoint is written under a temporary name and renamed once every rank has finished; only
+then does `latest` name it, so a crash mid-save never leaves a half checkpoint as latest, and an
+existing checkpoint is never overwritten (a second save at the same step gets a new tag).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from megatron_ds.config import Config
+from megatron_ds.pipeline.layout import Layout
+from megatron_ds.training.state import TrainState
+
+LATEST = "latest"
+META = "megatron_ds.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as asked; the message names the directory and the fix."""
+
+
+def check_writable(save_dir: str) -> None:
+    """`--save` must be creatable and writable; checked before training starts."""
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        probe = os.path.join(save_dir, f".write_probe_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"--save {save_dir}: not writable ({e.strerror}); choose a writable directory") from None
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def latest_tag(load_dir: str) -> Optional[str]:
+    """The tag `latest` names, if it points at a complete checkpoint."""
+    pointer = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    tag = open(pointer).read().strip()
+    if not os.path.isfile(os.path.join(load_dir, tag, META)):
+        raise CheckpointError(f"--load {load_dir}: 'latest' names {tag!r}, which is incomplete or missing; "
+                              f"point 'latest' at a complete global_step directory")
+    return tag
+
+
+def read_meta(load_dir: str, tag: str) -> dict[str, Any]:
+    with open(os.path.join(load_dir, tag, META)) as f:
+        return json.load(f)
+
+
+def _free_tag(save_dir: str, iteration: int) -> str:
+    tag, n = f"global_step{iteration}", 1
+    while os.path.exists(os.path.join(save_dir, tag)):
+        n += 1
+        tag = f"global_step{iteration}.{n}"
+    return tag
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_dir: str) -> str:
+    """Save on every rank (collective); returns the tag written."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    tag_box = [_free_tag(save_dir, state.iteration) if rank == 0 else None]
+    dist.broadcast_object_list(tag_box, src=0)
+    tag = tag_box[0]
+    tmp_tag = f".incomplete.{tag}"
+    engine.save_checkpoint(save_dir, tag=tmp_tag, save_latest=False)  # ends with a barrier
+    torch.save(_rng_state(), os.path.join(save_dir, tmp_tag, f"rng_rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        meta = {"config": config.to_dict(), "train_state": asdict(state), "layout": layout.to_string(),
+                "world_size": dist.get_world_size(), "format": 1}
+        _write_atomic(os.path.join(save_dir, tmp_tag, META), json.dumps(meta, indent=1))
+        os.replace(os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag))
+        _write_atomic(os.path.join(save_dir, LATEST), tag)
+    dist.barrier()
+    return tag
+
+
+def architecture_mismatch(saved: dict[str, Any], config: Config) -> list[str]:
+    """Model fields that differ between a checkpoint's config and this run's."""
+    ours = config.to_dict()["model"]
+    theirs = saved["config"]["model"]
+    return [f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)" for k, v in ours.items() if theirs.get(k) != v]
+
+
+def _same_topology(meta: dict[str, Any], config: Config, layout: Layout, world_size: int) -> list[str]:
+    saved = Config.from_dict(meta["config"])
+    diffs = []
+    if meta["layout"] != layout.to_string():
+        diffs.append(f"layout {meta['layout']} vs {layout.to_string()}")
+    if meta.get("world_size") != world_size:
+        diffs.append(f"world size {meta.get('world_size')} vs {world_size}")
+    for name in ("tensor_model_parallel_size", "data_parallel_size"):
+        a, b = getattr(saved.parallel, name), getattr(config.parallel, name)
+        if a != b:
+            diffs.append(f"{name} {a} vs {b}")
+    if saved.training.zero_stage != config.training.zero_stage:
+        diffs.append(f"zero stage {saved.training.zero_stage} vs {config.training.zero_stage}")
+    if saved.training.precision != config.training.precision:
+        diffs.append(f"precision {saved.training.precision} vs {config.training.precision}")
+    return diffs
+
+
+def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> Optional[TrainState]:
+    """Resume from `latest` in `load_dir`; None when there is nothing to load and that is allowed."""
+    import torch.distributed as dist
+
+    ck = config.checkpoint
+    tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
+    if tag is None:
+        if ck.load_optional:
+            return None
+        raise CheckpointError(f"--load {load_dir}: no checkpoint found (no 'latest' file); check the path, "
+                              f"or pass --load-optional to start fresh when none exists yet")
+    meta = read_meta(load_dir, tag)
+    mismatch = architecture_mismatch(meta, config)
+    if mismatch:
+        raise CheckpointError(f"--load {load_dir} ({tag}) has another architecture: {'; '.join(mismatch)}; "
+                              f"use matching model flags or another --load directory")
+    weights_only = ck.no_load_optim or ck.finetune
+    moved = _same_topology(meta, config, layout, dist.get_world_size())
+    if moved and not weights_only:
+        raise CheckpointError(f"--load {load_dir} ({tag}) was saved with {'; '.join(moved)}: model weights carry "
+                              f"over, optimizer state does not; pass --no-load-optim (or --finetune) to load the "
+                              f"weights only")
+    if weights_only:
+        engine.module.load_state_dir(os.path.join(load_dir, tag), checkpoint_engine=engine.checkpoint_engine)
+    else:
+        engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    rng_file = os.path.join(load_dir, tag, f"rng_rank{dist.get_rank()}.pt")
+    if not moved and not ck.no_load_rng and not ck.finetune and os.path.isfile(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    if ck.finetune:
+        return TrainState()
+    return TrainState(**meta["train_state"])
+
+
+def remove_incomplete(save_dir: str) -> None:
+    """Delete leftovers of a crashed save (rank 0, before training)."""
+    if not os.path.isdir(save_dir):
+        return
+    for name in os.listdir(save_dir):
+        if name.startswith(".incomplete."):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)

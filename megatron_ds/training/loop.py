@@ -1,0 +1,223 @@
+"""The training loop on DeepSpeed's pipeline engine, as named steps."""
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from megatron_ds.config import Config
+from megatron_ds.pipeline.layout import Layout
+from megatron_ds.training import checkpoint, logger, memory
+from megatron_ds.training.engine import EngineBundle, build_engine, grad_norm
+from megatron_ds.training.lr_schedule import LRSchedule
+from megatron_ds.training.preflight import Watchdog, install_stack_dump_handler
+from megatron_ds.training.state import TrainState
+
+
+@dataclass
+class Run:
+    """Everything the loop's steps share."""
+
+    config: Config
+    layout: Layout
+    bundle: EngineBundle
+    state: TrainState
+    watchdog: Watchdog
+    rank: int
+    is_logging_rank: bool
+    data: dict[str, Any]
+    tensorboard: Optional[logger.TensorBoard] = None
+
+    @property
+    def engine(self) -> Any:
+        return self.bundle.engine
+
+
+def set_seeds(seed: int) -> None:
+    """The same seeds on every rank (weights are seeded per spec; this covers dropout and data)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def print_rank0(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
+def setup(config: Config, layout: Layout) -> Run:
+    """Process group, seeds, engine, checkpoint, data: everything before the first step."""
+    import torch.distributed as dist
+
+    from megatron_ds.distributed import init_distributed
+
+    install_stack_dump_handler()
+    if config.checkpoint.save:
+        checkpoint.check_writable(config.checkpoint.save)
+    init_distributed(config.parallel)
+    rank = dist.get_rank()
+    print_rank0(rank, layout.format())
+    set_seeds(config.training.seed)
+    train_iters = config.training.train_iters
+    bundle = build_engine(config, layout,
+                          lr_scheduler=lambda opt: LRSchedule(opt, config.optimizer, train_iters))
+    state = _load_or_fresh(config, layout, bundle, rank)
+    run = Run(config=config, layout=layout, bundle=bundle, state=state,
+              watchdog=Watchdog(config.parallel.distributed_timeout_minutes * 60, rank, bundle.engine.stage_id),
+              rank=rank, is_logging_rank=rank == dist.get_world_size() - 1, data={})
+    run.data = _build_data(run)
+    if config.logging.tensorboard_dir and run.is_logging_rank:
+        run.tensorboard = logger.TensorBoard(config.logging.tensorboard_dir)
+    return run
+
+
+def _load_or_fresh(config: Config, layout: Layout, bundle: EngineBundle, rank: int) -> TrainState:
+    if config.checkpoint.save and rank == 0:
+        checkpoint.remove_incomplete(config.checkpoint.save)
+    if not config.checkpoint.load:
+        return TrainState()
+    state = checkpoint.load(bundle.engine, config, layout, config.checkpoint.load)
+    if state is None:
+        print_rank0(rank, f"WARNING: --load {config.checkpoint.load} holds no checkpoint yet; starting fresh "
+                          f"(--load-optional)")
+        return TrainState()
+    print_rank0(rank, f"resumed from {config.checkpoint.load} at iteration {state.iteration} "
+                      f"({state.consumed_train_samples} samples consumed)")
+    return state
+
+
+def _build_data(run: Run) -> dict[str, Any]:
+    from megatron_ds.data.gpt_data import build_gpt_datasets, pipeline_batches
+    from megatron_ds.data.tokenizer import build_tokenizer
+
+    cfg, t = run.config, run.config.training
+    tokenizer = None
+    if cfg.data.tokenizer_type:
+        tokenizer = build_tokenizer(cfg.data.tokenizer_type, tokenizer_model=cfg.data.tokenizer_model,
+                                    vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file)
+    gbs = t.global_batch_size
+    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
+    num_samples = (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs)
+    train, valid, test = build_gpt_datasets(cfg.data, cfg.model.seq_length, t.seed, num_samples, tokenizer,
+                                            cfg.model.vocab_size)
+    engine = run.engine
+    needs_data = engine.is_first_stage() or engine.is_last_stage()
+    dp_rank, dp = engine.grid.get_data_parallel_rank(), cfg.parallel.data_parallel_size
+
+    def batches(ds: Any, start: int, workers: int) -> Optional[Iterator[Any]]:
+        if ds is None or not needs_data:
+            return None
+        return pipeline_batches(ds, t.micro_batch_size, dp_rank, dp, start, workers, t.seed)
+
+    return {"train": batches(train, run.state.consumed_train_samples, cfg.data.num_workers),
+            "valid": batches(valid, run.state.consumed_valid_samples, 0),
+            "test_dataset": test, "batches": batches, "has_valid": valid is not None}
+
+
+def train_step(run: Run) -> float:
+    with run.watchdog.watch(f"train_batch at iteration {run.state.iteration + 1}"):
+        loss = run.engine.train_batch(data_iter=run.data["train"])
+    run.state.iteration += 1
+    run.state.consumed_train_samples += run.config.training.global_batch_size
+    return float(loss.item())
+
+
+def evaluate(run: Run, name: str, data_iter: Optional[Iterator[Any]], num_batches: int) -> float:
+    losses = []
+    for i in range(num_batches):
+        with run.watchdog.watch(f"{name} eval_batch {i}"):
+            losses.append(float(run.engine.eval_batch(data_iter=data_iter).item()))
+    if name == "validation":
+        run.state.consumed_valid_samples += num_batches * run.config.training.global_batch_size
+    loss = sum(losses) / len(losses)
+    if run.is_logging_rank:
+        print(logger.format_eval(name, run.state.iteration, loss), flush=True)
+        if run.tensorboard:
+            run.tensorboard.eval(name, run.state.iteration, loss)
+    return loss
+
+
+def log_step(run: Run, losses: list[float], seconds: float, start_iteration: int) -> None:
+    cfg, state = run.config, run.state
+    t = cfg.training
+    n = len(losses)
+    ms = 1000.0 * seconds / n
+    done = state.iteration - start_iteration
+    stats = logger.StepStats(
+        iteration=state.iteration, train_iters=t.train_iters, consumed_samples=state.consumed_train_samples,
+        elapsed_ms=ms, learning_rate=run.engine.get_lr()[0], global_batch_size=t.global_batch_size,
+        loss=sum(losses) / n, grad_norm=grad_norm(run.engine), loss_scale=logger.loss_scale(run.engine),
+        tokens_per_second=t.global_batch_size * cfg.model.seq_length * n / seconds,
+        eta_s=(t.train_iters - state.iteration) * seconds / n if done else 0.0)
+    if run.is_logging_rank:
+        print(logger.format_line(stats), flush=True)
+        if run.tensorboard:
+            run.tensorboard.step(stats)
+
+
+def report_memory(run: Run, probe: memory.GradProbe, acts: memory.ActivationPeak) -> None:
+    mine = memory.measure(run.engine, probe, acts, run.rank, run.engine.stage_id)
+    everyone = memory.gather_report(mine)
+    if run.rank == 0:
+        for m in everyone:
+            print(m.format(run.state.iteration), flush=True)
+
+
+def save(run: Run) -> None:
+    ck = run.config.checkpoint
+    with run.watchdog.watch(f"save_checkpoint at iteration {run.state.iteration}"):
+        tag = checkpoint.save(run.engine, run.config, run.layout, run.state, ck.save)
+    print_rank0(run.rank, f"saved checkpoint {os.path.join(ck.save, tag)} at iteration {run.state.iteration}")
+
+
+def train(run: Run) -> None:
+    """Iterate to --train-iters, logging, evaluating and saving at their intervals."""
+    cfg, state = run.config, run.state
+    t, ck, lg = cfg.training, cfg.checkpoint, cfg.logging
+    start_iteration = state.iteration
+    probe = memory.install_grad_probe(run.engine)
+    acts = memory.ActivationPeak(run.engine.module)
+    memory_reported = not lg.log_memory
+    losses, window_start = [], time.time()
+    while state.iteration < t.train_iters:
+        with acts.track():
+            losses.append(train_step(run))
+        if state.iteration % lg.log_interval == 0 or state.iteration == t.train_iters:
+            log_step(run, losses, time.time() - window_start, start_iteration)
+            losses = []
+            if not memory_reported:
+                report_memory(run, probe, acts)
+                memory_reported = True
+            window_start = time.time()
+        if t.eval_iters and t.eval_interval and state.iteration % t.eval_interval == 0 and run.data["has_valid"]:
+            evaluate(run, "validation", run.data["valid"], t.eval_iters)
+        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+            save(run)
+        if t.exit_interval and state.iteration % t.exit_interval == 0:
+            print_rank0(run.rank, f"exiting at iteration {state.iteration} (--exit-interval)")
+            break
+
+
+def pretrain(config: Config, layout: Layout) -> TrainState:
+    """The whole job: set up, train, final evaluation on validation and test, final save."""
+    run = setup(config, layout)
+    t, ck = config.training, config.checkpoint
+    start = run.state.iteration
+    if start < t.train_iters:
+        train(run)
+    if ck.save and run.state.iteration > start and not (ck.save_interval and run.state.iteration % ck.save_interval == 0):
+        save(run)
+    if t.eval_iters:
+        if run.data["has_valid"]:
+            evaluate(run, "validation", run.data["valid"], t.eval_iters)
+        test_iter = run.data["batches"](run.data["test_dataset"], 0, 0)
+        if run.data["test_dataset"] is not None:
+            evaluate(run, "test", test_iter, t.eval_iters)
+    if run.tensorboard:
+        run.tensorboard.close()
+    return run.state

@@ -1,0 +1,16 @@
+"""Run state: what changes as training goes (kept out of the frozen config)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainState:
+    """Progress of a run; saved in every checkpoint."""
+
+    iteration: int = 0
+    """Optimizer steps taken."""
+    consumed_train_samples: int = 0
+    """Global training samples consumed; the data order resumes from here."""
+    consumed_valid_samples: int = 0
+    """Validation samples consumed by evaluations so far."""

@@ -1,0 +1,191 @@
+"""GPT datasets over megatron-core: blends, splits, mock data, sampler order, multi-rank build."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ds.config import DataConfig
+from megatron_ds.data import DataError
+from megatron_ds.data.gpt_data import (PretrainingBatchSampler, build_gpt_datasets,
+                                       parse_data_path, parse_split, pipeline_batches,
+                                       split_ranges)
+from megatron_ds.data.indexed import write_indexed_dataset
+from megatron_ds.data.tokenizer import NullTokenizer
+
+VOCAB = 100
+TOK = NullTokenizer(VOCAB)  # eod = 99
+SEQ = 16
+
+
+def _corpus(prefix: Path, num_docs: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    docs = [list(rng.integers(0, VOCAB - 1, rng.integers(4, 40))) + [TOK.eod] for _ in range(num_docs)]
+    write_indexed_dataset(str(prefix), docs, VOCAB)
+    return str(prefix)
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    d = tmp_path_factory.mktemp("gpt")
+    return _corpus(d / "a_text_document", 400, 1), _corpus(d / "b_text_document", 300, 2)
+
+
+def test_parse_data_path() -> None:
+    assert parse_data_path(("a",)) == (["a"], None)
+    assert parse_data_path(("a", "b")) == (["a", "b"], None)
+    assert parse_data_path(("0.7", "a", "0.3", "b")) == (["a", "b"], [0.7, 0.3])
+    assert parse_data_path(("1", "a")) == (["a"], [1.0])
+    with pytest.raises(DataError, match="'0.7' looks like a weight, but weights and prefixes must alternate"):
+        parse_data_path(("0.7", "a", "0.3"))
+    with pytest.raises(DataError, match="weight -1.0 must be a positive number"):
+        parse_data_path(("-1", "a", "2", "b"))
+    with pytest.raises(DataError, match="--data-path"):
+        parse_data_path(())
+
+
+def test_parse_split_matches_megatron_core() -> None:
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    for split in ("969,30,1", "949,50,1", "98,2,0", "1", "100,0,0", "1,1,1", "0.8/0.1/0.1"):
+        for n in (1, 7, 20, 500, 1499):
+            matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+            ours = split_ranges(n, split)
+            theirs = [None if m is None else (int(round(m[0] * n)), int(round(m[1] * n)))
+                      for m in matrix]
+            assert ours == theirs, (split, n)
+    for bad in ("", "a,b", "1,2,3,4", "-1,2", "0,0,0"):
+        with pytest.raises(DataError, match="--split"):
+            parse_split(bad)
+
+
+def _config(paths: tuple[str, ...], **kw) -> DataConfig:
+    return DataConfig(data_path=paths, split=kw.pop("split", "90,8,2"), **kw)
+
+
+def test_items_and_splits(corpora: tuple[str, str]) -> None:
+    train, valid, test = build_gpt_datasets(_config((corpora[0],), eod_mask_loss=True), SEQ, 7,
+                                            (50, 10, 5), TOK, 128)
+    assert len(train) >= 50 and len(valid) >= 10 and len(test) >= 5
+    item = train[3]
+    assert item["tokens"].shape == item["labels"].shape == item["loss_mask"].shape == (SEQ,)
+    assert (item["tokens"].dtype, item["labels"].dtype) == (torch.int64, torch.int64)
+    assert item["loss_mask"].dtype == torch.float32
+    assert torch.equal(item["tokens"][1:], item["labels"][:-1])
+    assert torch.equal(item["loss_mask"] == 0, item["tokens"] == TOK.eod)  # --eod-mask-loss
+    none_test = build_gpt_datasets(_config((corpora[0],), split="98,2,0"), SEQ, 7, (5, 5, 5), TOK, 128)
+    assert none_test[2] is None
+
+
+def test_empty_split_fails_instead_of_looping(tmp_path: Path, corpora: tuple[str, str]) -> None:
+    small = _corpus(tmp_path / "small", 20, 3)  # 90,9,1 leaves its test split empty
+    data = DataConfig(data_path=("0.5", corpora[0], "0.5", small), split="90,9,1")
+    with pytest.raises(DataError, match=r"--split 90,9,1: corpus .*small has 20 documents, so its "
+                                        r"test split gets 0 documents and 0 tokens .*loop forever"):
+        build_gpt_datasets(data, SEQ, 1, (10, 10, 10), TOK, 128)
+
+
+def test_input_errors(tmp_path: Path, corpora: tuple[str, str]) -> None:
+    with pytest.raises(DataError, match=r"tokenizer model NullTokenizer has 100 tokens but "
+                                        r"--vocab-size is 64; raise --vocab-size"):
+        build_gpt_datasets(_config((corpora[0],)), SEQ, 1, (1, 1, 1), TOK, 64)
+    with pytest.raises(DataError, match=r"--data-path .*missing: no .*missing.bin/.idx found"):
+        build_gpt_datasets(_config((str(tmp_path / "missing"),)), SEQ, 1, (1, 1, 1), TOK, 128)
+    with pytest.raises(DataError, match="--tokenizer-type is required"):
+        build_gpt_datasets(_config((corpora[0],)), SEQ, 1, (1, 1, 1), None, 128)
+
+
+def _tokens(ds, n: int) -> list[list[int]]:
+    return [ds[i]["tokens"].tolist() for i in range(n)]
+
+
+def test_weighted_blend_with_cache_path(tmp_path: Path, corpora: tuple[str, str]) -> None:
+    """Without torch.distributed, megatron-core's BlendedDataset would crash on a cache path."""
+    assert not torch.distributed.is_initialized()
+    data = _config(("0.75", corpora[0], "0.25", corpora[1]), data_cache_path=str(tmp_path / "cache"))
+    train, _, _ = build_gpt_datasets(data, SEQ, 5, (200, 20, 8), TOK, 128)
+    ids = np.array([train[i]["dataset_id"] for i in range(len(train))])
+    assert len(train) >= 200 and abs((ids == 0).mean() - 0.75) < 0.02
+    assert any(p.endswith("GPTDataset-train-sample_index.npy") for p in os.listdir(tmp_path / "cache"))
+    again, _, _ = build_gpt_datasets(data, SEQ, 5, (200, 20, 8), TOK, 128)  # from the cache
+    assert _tokens(again, 30) == _tokens(train, 30)
+
+
+def test_mock_data_is_deterministic_per_seed() -> None:
+    mock = DataConfig(mock_data=True)
+    a = build_gpt_datasets(mock, SEQ, 1, (20, 4, 4), None, 128)[0]
+    b = build_gpt_datasets(mock, SEQ, 1, (20, 4, 4), None, 128)[0]
+    c = build_gpt_datasets(mock, SEQ, 2, (20, 4, 4), None, 128)[0]
+    assert _tokens(a, 20) == _tokens(b, 20) and _tokens(a, 20) != _tokens(c, 20)
+    assert max(max(t) for t in _tokens(a, 20)) < 128
+    assert a[0]["loss_mask"].dtype == torch.float32
+
+
+def test_sampler_order_across_ranks() -> None:
+    """Group g of mbs*dp consecutive samples; rank d takes [d*mbs, (d+1)*mbs) of it."""
+    mbs, dp, total = 2, 3, 40
+    per_rank = [list(PretrainingBatchSampler(total, 0, mbs, d, dp)) for d in range(dp)]
+    assert per_rank[0][:2] == [[0, 1], [6, 7]] and per_rank[2][:2] == [[4, 5], [10, 11]]
+    merged = [i for step in zip(*per_rank) for batch in step for i in batch]
+    assert merged == list(range(36))  # the incomplete last group (36..39) is dropped
+    for d in range(dp):
+        resumed = list(PretrainingBatchSampler(total, 12, mbs, d, dp))
+        assert resumed == per_rank[d][2:] and len(resumed) == len(PretrainingBatchSampler(total, 12, mbs, d, dp))
+    with pytest.raises(DataError, match="resume point of 41 consumed samples"):
+        PretrainingBatchSampler(total, 41, mbs, 0, dp)
+    with pytest.raises(ValueError, match="data_parallel_rank 3"):
+        PretrainingBatchSampler(total, 0, mbs, 3, dp)
+
+
+def test_pipeline_batches_resume(corpora: tuple[str, str]) -> None:
+    train = build_gpt_datasets(_config((corpora[0],)), SEQ, 3, (64, 1, 1), TOK, 128)[0]
+    full = list(pipeline_batches(train, 2, 1, 2, 0, 0, seed=3))
+    tokens, (labels, loss_mask) = full[0]
+    assert tokens.shape == (2, SEQ) and tokens.dtype == torch.int64
+    assert labels.dtype == torch.int64 and loss_mask.dtype == torch.float32
+    assert torch.equal(tokens[0], train[2]["tokens"]) and torch.equal(tokens[1], train[3]["tokens"])
+    resumed = list(pipeline_batches(train, 2, 1, 2, 8, 2, seed=3))  # 2 workers, from sample 8
+    assert len(resumed) == len(full) - 2
+    for (t1, (l1, m1)), (t2, (l2, m2)) in zip(full[2:], resumed):
+        assert torch.equal(t1, t2) and torch.equal(l1, l2) and torch.equal(m1, m2)
+
+
+def _rank_main(rank: int, store_path: str, prefix: str, cache: str, out: str) -> None:
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        data = DataConfig(data_path=("0.5", prefix, "0.5", prefix), split="90,8,2",
+                          data_cache_path=cache)
+        train, valid, _ = build_gpt_datasets(data, SEQ, 11, (40, 8, 4), TOK, 128)
+        result = {"train": _tokens(train, 10), "valid": _tokens(valid, 4)}
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_build_under_two_ranks(tmp_path: Path, corpora: tuple[str, str]) -> None:
+    """Rank 0 builds the caches, then rank 1 reads them (megatron-core's barriers); both agree."""
+    ctx = multiprocessing.get_context("fork")  # megatron-core is already imported: no start-up cost
+    cache, out = str(tmp_path / "cache"), str(tmp_path / "out")
+    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), corpora[1], cache, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0], "a rank failed or hung (see captured output)"
+    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    assert results[0] == results[1]
+    assert any(f.endswith("sample_index.npy") for f in os.listdir(cache))

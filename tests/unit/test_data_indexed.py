@@ -1,0 +1,205 @@
+"""`.bin/.idx` writing (tools/preprocess_data.py) and validation."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_ds.data import DataError
+from megatron_ds.data.demo_corpus import _load_tool
+from megatron_ds.data.indexed import (HEADER_BYTES, INDEX_HEADER, TOKEN_DTYPES, load_indexed_dataset,
+                                      read_documents, read_index, read_tokens,
+                                      write_indexed_dataset)
+from megatron_ds.data.tokenizer import _bytes_to_unicode, build_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = [f"Document {i}: " + " ".join(f"word{j % 13} and more text" for j in range(i % 7 + 1))
+        for i in range(40)]
+DOCS[5] = ""  # empty documents are skipped
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """(JSONL corpus, SentencePiece model trained on it)."""
+    d = tmp_path_factory.mktemp("indexed")
+    path = d / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(DOCS)))
+    tool = _load_tool("train_tokenizer")
+    assert tool.main(["--input", str(path), "--model-prefix", str(d / "tok"), "--vocab-size", "120",
+                      "--num-threads", "1"]) == 0
+    return path, str(d / "tok.model")
+
+
+def _preprocess(argv: list[str]) -> int:
+    return _load_tool("preprocess_data").main(argv)
+
+
+def test_format_constants_match_megatron_core() -> None:
+    from megatron.core.datasets import indexed_dataset as mc
+
+    assert INDEX_HEADER == mc._INDEX_HEADER
+    for code, dtype in TOKEN_DTYPES.items():
+        assert mc.DType.dtype_from_code(code) is dtype
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("append_eod", [False, True])
+def test_preprocess_round_trip(corpus: tuple[Path, str], tmp_path: Path, workers: int,
+                               append_eod: bool) -> None:
+    path, model = corpus
+    prefix = tmp_path / "out"
+    argv = ["--input", str(path), "--output-prefix", str(prefix), "--tokenizer-type",
+            "SentencePieceTokenizer", "--tokenizer-model", model, "--workers", str(workers)]
+    assert _preprocess(argv + (["--append-eod"] if append_eod else [])) == 0
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    expected = [tok.tokenize(t) + ([tok.eod] if append_eod else []) for t in DOCS if t]
+    got = read_tokens(f"{prefix}_text_document")
+    assert [g.tolist() for g in got] == expected
+    info = read_index(f"{prefix}_text_document")
+    assert info.dtype is np.uint16 and info.num_documents == len(DOCS) - 1
+    mc = load_indexed_dataset(f"{prefix}_text_document")  # megatron-core reads the same
+    assert [mc[i].tolist() for i in range(len(mc))] == expected
+
+
+def test_preprocess_txt_and_gpt2_and_keys(tmp_path: Path) -> None:
+    vocab, merges = _tiny_gpt2_files(tmp_path)
+    txt = tmp_path / "a.txt"
+    txt.write_text("hello world\nsecond line\n\n\nhello again\n")
+    argv = ["--input", str(txt), "--output-prefix", str(tmp_path / "g"), "--tokenizer-type",
+            "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod"]
+    assert _preprocess(argv) == 0
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    got = [t.tolist() for t in read_tokens(str(tmp_path / "g_text_document"))]
+    assert got == [tok.tokenize("hello world\nsecond line") + [tok.eod],
+                   tok.tokenize("hello again") + [tok.eod]]
+    jsonl = tmp_path / "two.jsonl"
+    jsonl.write_text(json.dumps({"title": "hello", "body": "world"}) + "\n")
+    argv[1], argv[-1:] = str(jsonl), ["--json-keys", "title", "body"]
+    assert _preprocess(argv) == 0
+    assert read_tokens(str(tmp_path / "g_title_document"))[0].tolist() == tok.tokenize("hello")
+    assert read_tokens(str(tmp_path / "g_body_document"))[0].tolist() == tok.tokenize("world")
+
+
+def _tiny_gpt2_files(tmp_path: Path) -> tuple[str, str]:
+    """All 256 byte symbols plus two merges and <|endoftext|>."""
+    vocab = {s: i for i, s in enumerate(_bytes_to_unicode().values())}
+    vocab.update({"he": 256, "hel": 257, "<|endoftext|>": 258})
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\nhe l\n")
+    return str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt")
+
+
+def test_read_documents_errors(tmp_path: Path) -> None:
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"text": "a"}\n\n{"body": "b"}\n')
+    with pytest.raises(DataError, match=r"c.jsonl:3: no key 'text' \(keys: body\); pass --json-keys"):
+        list(read_documents(str(p)))
+    p.write_text('{"text": 3}\n')
+    with pytest.raises(DataError, match=r"c.jsonl:1: key 'text' holds int"):
+        list(read_documents(str(p)))
+    with pytest.raises(DataError, match="--input /nope.jsonl: file not found"):
+        list(read_documents("/nope.jsonl"))
+
+
+def _write(prefix: Path, docs: list[list[int]], vocab_size: int = 1000) -> str:
+    write_indexed_dataset(str(prefix), docs, vocab_size)
+    return str(prefix)
+
+
+def test_writer_dtype_and_atomicity(tmp_path: Path) -> None:
+    big = _write(tmp_path / "big", [[70000, 1]], vocab_size=70001)
+    assert read_index(big).dtype is np.int32
+    with pytest.raises(DataError, match="token id 5 outside"):
+        write_indexed_dataset(str(tmp_path / "bad"), [[1, 2], [5]], vocab_size=5)
+    assert sorted(os.listdir(tmp_path)) == ["big.bin", "big.idx"]  # no partial files left
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("bin_short", r"\.bin: truncated \(\d+ bytes; its index .* needs \d+\)"),
+    ("bin_long", r"\.bin: \d+ bytes but its index .* describes \d+"),
+    ("idx_short", r"\.idx: truncated or corrupt \(header says 3 sequences"),
+    ("idx_tiny", r"\.idx: truncated \(10 bytes"),
+    ("magic", r"\.idx: bad magic header"),
+    ("version", r"\.idx: index version 7 is not supported"),
+    ("dtype", r"\.idx: dtype code 6 is not a token dtype"),
+    ("offsets", r"\.idx: corrupt \(sequence offsets"),
+    ("no_bin", r"\.bin not found"),
+])
+def test_validation_errors(tmp_path: Path, damage: str, message: str) -> None:
+    prefix = _write(tmp_path / "d", [[1, 2, 3], [4, 5], [6]])
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    raw = bytearray(idx.read_bytes())
+    if damage == "bin_short":
+        bin_.write_bytes(bin_.read_bytes()[:-2])
+    elif damage == "bin_long":
+        bin_.write_bytes(bin_.read_bytes() + b"\0\0")
+    elif damage == "idx_short":
+        idx.write_bytes(raw[:-4])
+    elif damage == "idx_tiny":
+        idx.write_bytes(raw[:10])
+    elif damage == "magic":
+        idx.write_bytes(b"XXXXXXXXX" + raw[9:])
+    elif damage == "version":
+        idx.write_bytes(raw[:9] + struct.pack("<Q", 7) + raw[17:])
+    elif damage == "dtype":
+        idx.write_bytes(raw[:17] + bytes([6]) + raw[18:])
+    elif damage == "offsets":
+        raw[HEADER_BYTES + 12 + 8:HEADER_BYTES + 12 + 16] = struct.pack("<q", 4)
+        idx.write_bytes(raw)
+    elif damage == "no_bin":
+        bin_.unlink()
+    with pytest.raises(DataError, match=message) as err:
+        load_indexed_dataset(prefix)  # checked before megatron-core maps anything
+    assert "\n" not in str(err.value)
+    assert damage == "no_bin" or "re-run tools/preprocess_data.py" in str(err.value)
+
+
+def test_missing_prefix(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"--data-path .*/nothing: no .*nothing.bin/.idx found; "
+                                        r"give the prefix without the extension"):
+        read_index(str(tmp_path / "nothing"))
+
+
+def test_preprocess_cli_errors(corpus: tuple[Path, str], tmp_path: Path) -> None:
+    """Exit code 1, one `error:` line, no traceback, no partial output files."""
+    _, model = corpus
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": broken\n')
+    no_key = tmp_path / "nokey.jsonl"
+    no_key.write_text('{"body": "x"}\n')
+    cases = {
+        str(tmp_path / "missing.jsonl"): "file not found",
+        str(bad_json): "bad.jsonl:3: invalid JSON",
+        str(no_key): "nokey.jsonl:1: no key 'text'",
+    }
+    procs = {}
+    for i, (path, _) in enumerate(cases.items()):  # started together: each pays its own imports
+        procs[path] = subprocess.Popen(
+            [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", path,
+             "--output-prefix", str(tmp_path / f"out{i}"), "--tokenizer-type",
+             "SentencePieceTokenizer", "--tokenizer-model", model],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for path, expected in cases.items():
+        out, err = procs[path].communicate(timeout=300)
+        assert procs[path].returncode == 1, err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and expected in err
+        assert "Traceback" not in err
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+
+
+def test_preprocess_bad_tokenizer_in_process(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"text": "x"}\n')
+    code = _preprocess(["--input", str(p), "--output-prefix", str(tmp_path / "o"),
+                        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                        str(tmp_path / "none.model")])
+    assert code == 1
+    assert capsys.readouterr().err.strip() == (
+        f"error: --tokenizer-model {tmp_path / 'none.model'}: file not found; train one with "
+        f"tools/train_tokenizer.py or fix the path")
