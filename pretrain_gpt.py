@@ -19,6 +19,12 @@ def is_user_error(exc: BaseException) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed warning on every rank
     from megatron_ds.arguments import parse_config
     from megatron_ds.validation import build_run_layout
 

@@ -83,11 +83,11 @@ def _documents(paths: Sequence[str], json_keys: Sequence[str]) -> Iterator[dict[
     return itertools.chain.from_iterable(read_documents(p, json_keys) for p in paths)
 
 
-def _encoded(args: argparse.Namespace, docs: Iterable[dict[str, str]], pool: Any
-             ) -> Iterator[tuple[dict[str, list[int]], int]]:
+def _encoded(args: argparse.Namespace, docs: Iterable[dict[str, str]], tokenizer: Tokenizer,
+             pool: Any) -> Iterator[tuple[dict[str, list[int]], int]]:
     encoder = Encoder(args)
     if pool is None:
-        encoder.initializer()
+        Encoder.tokenizer = tokenizer
         return map(encoder.encode, docs)
     return pool.imap(encoder.encode, docs, chunksize=32)  # imap keeps the input order
 
@@ -99,10 +99,12 @@ class Progress:
         self.total_bytes = max(total_bytes, 1)
         self.interval = max(interval, 1)
         self.tty = sys.stderr.isatty()
-        self.t0 = time.time()
+        self.t0 = 0.0
         self.docs = self.tokens = self.bytes = 0
 
     def update(self, num_tokens: int, num_bytes: int) -> None:
+        if self.docs == 0:  # the rate leaves out start-up (imports, worker processes)
+            self.t0 = time.time()
         self.docs += 1
         self.tokens += num_tokens
         self.bytes += num_bytes
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pool = multiprocessing.Pool(args.workers, initializer=Encoder(args).initializer) \
         if args.workers > 1 else None
     try:
-        for ids_by_key, num_bytes in _encoded(args, _documents(args.input, args.json_keys), pool):
+        for ids_by_key, num_bytes in _encoded(args, _documents(args.input, args.json_keys), tokenizer, pool):
             for key, ids in ids_by_key.items():
                 writers[key].add(ids)
             progress.update(sum(len(i) for i in ids_by_key.values()), num_bytes)

@@ -26,7 +26,7 @@ import torch
 
 from megatron_ds.config import DataConfig
 from megatron_ds.data import DataError
-from megatron_ds.data.indexed import IndexInfo, read_index
+from megatron_ds.data.indexed import IndexInfo, megatron_indexed_dataset_module, read_index
 from megatron_ds.data.tokenizer import NullTokenizer, Tokenizer
 
 SPLIT_NAMES = ("train", "validation", "test")
@@ -65,9 +65,8 @@ def _as_float(s: str) -> Optional[float]:
 
 def parse_split(split: str) -> list[float]:
     """`--split 969,30,1` -> normalised train/valid/test fractions."""
-    parts = [p for p in re.split(r"[,/]", split.strip())]
     try:
-        values = [float(p) for p in parts]
+        values = [float(p) for p in re.split(r"[,/]", split.strip())]
     except ValueError:
         values = []
     if not 1 <= len(values) <= 3 or any(v < 0 or not np.isfinite(v) for v in values) \
@@ -115,6 +114,7 @@ def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
 
 def _dataset_config(data: DataConfig, seq_length: int, seed: int, tokenizer: Tokenizer,
                     blend: Optional[tuple[list[str], Optional[list[float]]]]) -> Any:
+    megatron_indexed_dataset_module()  # the first megatron-core import, minus its GPU-kernel noise
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     return GPTDatasetConfig(
@@ -167,9 +167,9 @@ def build_gpt_datasets(data: DataConfig, seq_length: int, seed: int,
     parse_split(data.split)
     check_splits([read_index(p) for p in prefixes], data.split)
     _check_cache_dir(data, prefixes)
+    config = _dataset_config(data, seq_length, seed, tokenizer, (prefixes, weights))
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    config = _dataset_config(data, seq_length, seed, tokenizer, (prefixes, weights))
     builder = _builder_class()(GPTDataset, list(num_samples), is_built_on_rank or _always, config)
     train, valid, test = builder.build()
     return train, valid, test
@@ -178,13 +178,13 @@ def build_gpt_datasets(data: DataConfig, seq_length: int, seed: int,
 def _build_mock(data: DataConfig, seq_length: int, seed: int, num_samples: tuple[int, int, int],
                 tokenizer: Optional[Tokenizer], vocab_size: int,
                 is_built_on_rank: Optional[Callable[[], bool]]) -> tuple[Any, Any, Any]:
-    from megatron.core.datasets.gpt_dataset import MockGPTDataset
-
     if data.data_path:
         warnings.warn(f"--data-path {' '.join(data.data_path)} is ignored with --mock-data")
     tokenizer = tokenizer or NullTokenizer(vocab_size)
     check_vocab(tokenizer, vocab_size)
     config = _dataset_config(data, seq_length, seed, tokenizer, blend=None)
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
     builder = _builder_class()(MockGPTDataset, list(num_samples), is_built_on_rank or _always, config)
     train, valid, test = builder.build()
     return train, valid, test

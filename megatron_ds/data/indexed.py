@@ -99,25 +99,33 @@ def read_index(prefix: str, flag: str = "--data-path") -> IndexInfo:
         raise DataError(f"{path}: truncated or corrupt (header says {num_seq} sequences and "
                         f"{num_docs - 1} documents, i.e. {expected} bytes; the file has {size}); "
                         f"{REWRITE}")
-    with open(path, "rb") as f:
-        f.seek(HEADER_BYTES)
-        lengths = np.fromfile(f, dtype=np.int32, count=num_seq)
-        pointers = np.fromfile(f, dtype=np.int64, count=num_seq)
-        docs = np.fromfile(f, dtype=np.int64, count=num_docs)
-    _check_index_arrays(path, lengths, pointers, docs, np.dtype(dtype).itemsize)
-    _check_bin_size(prefix, int(lengths.sum(dtype=np.int64)) * np.dtype(dtype).itemsize)
+    # Memory-mapped and checked in chunks: an index of 100M documents is GBs.
+    lengths = np.memmap(path, np.int32, "r", HEADER_BYTES, (num_seq,)) if num_seq else \
+        np.zeros(0, np.int32)
+    pointers_at = HEADER_BYTES + 4 * num_seq
+    docs = np.memmap(path, np.int64, "r", pointers_at + 8 * num_seq, (num_docs,)) if num_docs else \
+        np.zeros(0, np.int64)
+    if docs.size == 0 or docs[0] != 0 or docs[-1] != num_seq or np.any(np.diff(docs) < 0):
+        raise DataError(f"{path}: corrupt document boundaries; {REWRITE}")
+    num_tokens = _check_offsets(path, lengths, pointers_at, np.dtype(dtype).itemsize)
+    _check_bin_size(prefix, num_tokens * np.dtype(dtype).itemsize)
     return IndexInfo(prefix, dtype, lengths, num_docs - 1)
 
 
-def _check_index_arrays(path: str, lengths: np.ndarray, pointers: np.ndarray, docs: np.ndarray,
-                        itemsize: int) -> None:
-    if docs.size == 0 or docs[0] != 0 or docs[-1] != lengths.size or np.any(np.diff(docs) < 0):
-        raise DataError(f"{path}: corrupt document boundaries; {REWRITE}")
-    if np.any(lengths < 0):
-        raise DataError(f"{path}: corrupt (negative sequence length); {REWRITE}")
-    starts = np.concatenate(([0], np.cumsum(lengths[:-1], dtype=np.int64))) * itemsize
-    if lengths.size and not np.array_equal(starts, pointers):
-        raise DataError(f"{path}: corrupt (sequence offsets do not match lengths); {REWRITE}")
+def _check_offsets(path: str, lengths: np.ndarray, pointers_at: int, itemsize: int,
+                   chunk: int = 1 << 22) -> int:
+    """Byte offsets must be the running sum of the lengths; returns the total token count."""
+    total = 0
+    for lo in range(0, lengths.size, chunk):
+        part = np.asarray(lengths[lo:lo + chunk], dtype=np.int64)
+        if np.any(part < 0):
+            raise DataError(f"{path}: corrupt (negative sequence length); {REWRITE}")
+        starts = (total + np.concatenate(([0], np.cumsum(part[:-1])))) * itemsize
+        pointers = np.fromfile(path, np.int64, part.size, offset=pointers_at + 8 * lo)
+        if not np.array_equal(starts, pointers):
+            raise DataError(f"{path}: corrupt (sequence offsets do not match lengths); {REWRITE}")
+        total += int(part.sum())
+    return total
 
 
 def _check_bin_size(prefix: str, expected: int) -> None:

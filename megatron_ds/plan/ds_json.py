@@ -1,0 +1,103 @@
+"""The DeepSpeed JSON and the `pretrain_gpt.py` command line for a planned configuration.
+
+The JSON is `megatron_ds.training.deepspeed_config.generate` applied to the config tree that the
+printed command line produces, plus the keys the flags cannot express (offload). Passing it as
+`--deepspeed_config` is therefore never a contradiction: the merge only adds those keys.
+"""
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from megatron_ds.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
+from megatron_ds.plan.inputs import Resolved
+from megatron_ds.plan.search import Candidate
+from megatron_ds.training import deepspeed_config
+
+DEFAULT_LR = 1.0e-4
+PLACEHOLDER_TRAIN_ITERS = 1000
+
+
+def plan_config(res: Resolved, cand: Candidate) -> Config:
+    """The config tree pretrain_gpt.py builds from `command_line(res, cand)`."""
+    dedicated = cand.method if cand.method in ("pre", "post", "both") else "none"
+    pp_layout = cand.layout.to_string() if cand.method == "memory" else None
+    parallel = ParallelConfig(pipeline_model_parallel_size=cand.pp, tensor_model_parallel_size=cand.tp,
+                              data_parallel_size=cand.dp, pp_dedicated_embedding_stages=dedicated, pp_layout=pp_layout)
+    training = TrainingConfig(micro_batch_size=cand.micro_batch_size, global_batch_size=res.global_batch_size,
+                              train_iters=PLACEHOLDER_TRAIN_ITERS, precision=cand.precision,
+                              zero_stage=cand.zero_stage, checkpoint_activations=cand.checkpoint_activations)
+    return Config(model=res.model(cand.tp), parallel=parallel, training=training,
+                  optimizer=OptimizerConfig(lr=res.lr or DEFAULT_LR))
+
+
+def deepspeed_json(config: Config, offload_optimizer: str = "none") -> dict[str, Any]:
+    """generate() plus optimizer offload; a torch client optimizer then needs zero_force_ds_cpu_optimizer off."""
+    ds = deepspeed_config.generate(config)
+    if offload_optimizer != "none":
+        section: dict[str, Any] = {"device": offload_optimizer, "pin_memory": True}
+        if offload_optimizer == "nvme":
+            section["nvme_path"] = "/local_nvme"
+        ds["zero_optimization"]["offload_optimizer"] = section
+        # pretrain_gpt.py passes torch.optim.AdamW; DeepSpeed refuses it with offload unless this is false
+        # (engine._configure_optimizer raises ZeRORuntimeException), and warns that it will be slow.
+        ds["zero_force_ds_cpu_optimizer"] = False
+    return ds
+
+
+def zero_section_json(stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> dict[str, Any]:
+    """A `zero_optimization` block for any stage (for the generic, non-pipeline engine too)."""
+    zero: dict[str, Any] = {"stage": stage}
+    if stage >= 2:
+        zero.update({"overlap_comm": True, "contiguous_gradients": True})
+    for key, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if device != "none":
+            zero[key] = {"device": device, "pin_memory": True}
+            if device == "nvme":
+                zero[key]["nvme_path"] = "/local_nvme"
+    return {"zero_optimization": zero}
+
+
+def command_flags(config: Config, vocab_size: int) -> list[str]:
+    """pretrain_gpt.py flags in Megatron spelling for this config (vocab given unpadded, as users do)."""
+    m, par, t = config.model, config.parallel, config.training
+    flags = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--num-attention-heads",
+             m.num_attention_heads, "--ffn-hidden-size", m.ffn_hidden_size, "--seq-length", m.seq_length,
+             "--max-position-embeddings", m.max_position_embeddings, "--vocab-size", vocab_size,
+             "--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
+             "--pipeline-model-parallel-size", par.pipeline_model_parallel_size,
+             "--tensor-model-parallel-size", par.tensor_model_parallel_size, "--zero-stage", t.zero_stage]
+    if t.precision != "fp32":
+        flags.append(f"--{t.precision}")
+    if par.pp_dedicated_embedding_stages != "none":
+        flags += ["--pp-dedicated-embedding-stages", par.pp_dedicated_embedding_stages]
+    if par.pp_layout is not None:
+        flags += ["--pp-layout", par.pp_layout]
+    if t.checkpoint_activations:
+        flags.append("--checkpoint-activations")
+    return [str(f) for f in flags]
+
+
+def command_line(res: Resolved, config: Config, ds_config_path: str | None = None) -> str:
+    """A launch command: the deepspeed launcher, our flags, and clearly marked placeholders."""
+    flags = command_flags(config, res.dims["vocab_size"])
+    if ds_config_path:
+        flags += ["--deepspeed_config", ds_config_path]
+    flags += ["--lr", f"{config.optimizer.lr:g}", "--train-iters", str(PLACEHOLDER_TRAIN_ITERS), "--mock-data"]
+    nodes = res.num_nodes or 1
+    launcher = f"deepspeed --num_nodes {nodes} --num_gpus {res.gpus_per_node or res.num_gpus}"
+    if nodes > 1:
+        launcher += " --hostfile hostfile"
+    lines = [f"{launcher} pretrain_gpt.py"]
+    pairs, i = [], 0
+    while i < len(flags):
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            pairs.append(f"{flags[i]} {shlex.quote(flags[i + 1])}")
+            i += 2
+        else:
+            pairs.append(flags[i])
+            i += 1
+    body = " \\\n    ".join([lines[0], *pairs])
+    note = ("# --lr is the GPT-3 paper's value for this size when a preset is used; --train-iters and "
+            "--mock-data are placeholders: set your length and --data-path/--tokenizer-* flags")
+    return f"{note}\n{body}"

@@ -1,0 +1,81 @@
+"""What the planner says, as data: sections with text, snippets and checks; rendered as text or JSON."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ESTIMATE_NOTE = ("Every memory or time figure below is an estimate from the formula it names; nothing was "
+                 "measured, run or tested on your hardware.")
+
+
+@dataclass
+class Check:
+    """One verified constraint: ok True (holds), False (violated) or None (could not determine)."""
+
+    ok: Optional[bool]
+    text: str
+
+    def label(self) -> str:
+        return {True: "ok", False: "FAIL", None: "unknown"}[self.ok]
+
+
+@dataclass
+class Section:
+    """One sub-command's answer."""
+
+    name: str
+    title: str
+    lines: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    snippets: dict[str, Any] = field(default_factory=dict)
+    """Name -> a DeepSpeed JSON fragment (dict) or code/text (str)."""
+    checks: list[Check] = field(default_factory=list)
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def check(self, ok: Optional[bool], text: str) -> None:
+        self.checks.append(Check(ok, text))
+
+
+@dataclass
+class Report:
+    sections: list[Section]
+    inputs: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def checks(self) -> list[Check]:
+        return [c for s in self.sections for c in s.checks]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks)
+
+
+def render_text(report: Report) -> str:
+    out = [ESTIMATE_NOTE, *report.notes, ""]
+    for sec in report.sections:
+        out.append(f"== {sec.title} ==")
+        out.extend(sec.lines)
+        for name, snippet in sec.snippets.items():
+            out.append(f"-- {name} --")
+            out.append(json.dumps(snippet, indent=2) if isinstance(snippet, dict) else str(snippet).rstrip("\n"))
+        out.append("")
+    out.append("== Checks ==")
+    out.extend(f"[{c.label()}] {c.text}" for c in report.checks)
+    return "\n".join(out)
+
+
+def render_json(report: Report) -> str:
+    payload = {
+        "note": ESTIMATE_NOTE,
+        "notes": report.notes,
+        "inputs": report.inputs,
+        "sections": [{"name": s.name, "title": s.title, "text": s.lines, "data": s.data, "snippets": s.snippets,
+                      "checks": [{"ok": c.ok, "text": c.text} for c in s.checks]} for s in report.sections],
+        "checks": [{"ok": c.ok, "text": c.text} for c in report.checks],
+        "all_checks_pass": report.ok,
+    }
+    return json.dumps(payload, indent=2, default=str)

@@ -1,0 +1,182 @@
+"""Choose tensor/pipeline/data-parallel degrees, micro-batch, ZeRO stage, recomputation and layout.
+
+Preference order (a heuristic, stated so it can be argued with):
+  1. the largest predicted stage memory fits the usable GPU memory;
+  2. the smallest model-parallel size t*p: data parallelism scales best (Narayanan et al. 2021,
+     "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3);
+  3. no activation recomputation (it re-runs each layer's forward, ~1/3 more compute; Korthikanti
+     et al. 2022, Sec. 5);
+  4. for equal t*p, larger t up to the GPUs of one node (Narayanan et al. 2021, Takeaway #1);
+  5. the largest micro-batch that keeps the pipeline bubble (p-1)/m at or below 25%;
+  6. the layout with the smallest largest-stage memory (ties: the simplest flag).
+ZeRO is 1 when data-parallel ranks > 1 (it partitions optimizer states at no extra communication,
+Rajbhandari et al. 2020, Sec. 7), else 0; only 0 and 1 run on DeepSpeed's pipeline engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_ds.model.naming import gpt_spec_groups
+from megatron_ds.pipeline.balance import memory_balanced_layout
+from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
+from megatron_ds.plan.hardware import PlanError
+from megatron_ds.plan.inputs import Resolved
+from megatron_ds.plan.memory_model import MemoryInputs, StageMemory, format_bytes, stage_memory, stage_memory_for
+
+METHODS = ("none", "both", "pre", "post", "memory")
+MICRO_BATCH_CHOICES = (1, 2, 4, 8, 16)
+MAX_BUBBLE = 0.25
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One complete parallel configuration and its predicted memory."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    num_micro_batches: int
+    zero_stage: int
+    precision: str
+    checkpoint_activations: bool
+    method: str
+    layout: Layout
+    stages: tuple[StageMemory, ...]
+    inputs: MemoryInputs
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def bubble(self) -> float:
+        """Narayanan et al. 2021 eq. (1): bubble time / ideal time = (p - 1) / m."""
+        return (self.pp - 1) / self.num_micro_batches
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of DeepSpeed TrainSchedule steps a stage idles: 2(m + p - 1) steps, 2m of them compute."""
+        return (self.pp - 1) / (self.num_micro_batches + self.pp - 1)
+
+
+def layout_for(res: Resolved, tp: int, pp: int, method: str, inputs: MemoryInputs) -> Layout:
+    """The layout `pretrain_gpt.py --print-layout` prints for this method (memory: via --pp-layout)."""
+    groups = gpt_spec_groups(res.model(tp))
+    if method == "memory":
+        chosen = memory_balanced_layout(groups, pp, inputs)
+        return build_layout(groups, pp, layout=chosen.to_string())
+    if method == "none":
+        return build_layout(groups, pp)
+    return build_layout(groups, pp, dedicated=method)
+
+
+def evaluate(res: Resolved, tp: int, pp: int, mb: int, zero: int, precision: str, ckpt: bool,
+             method: str) -> Candidate:
+    """Predicted memory of one configuration (raises LayoutError if the layout is impossible)."""
+    dp = res.num_gpus // (tp * pp)
+    inputs = MemoryInputs(model=res.model(tp), micro_batch_size=mb,
+                          num_micro_batches=res.global_batch_size // (mb * dp), precision=precision,
+                          zero_stage=zero, data_parallel_size=dp, tensor_parallel_size=tp,
+                          checkpoint_activations=ckpt)
+    layout = layout_for(res, tp, pp, method, inputs)
+    return Candidate(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, num_micro_batches=inputs.num_micro_batches,
+                     zero_stage=zero, precision=precision, checkpoint_activations=ckpt, method=method,
+                     layout=layout, stages=tuple(stage_memory(inputs, layout)), inputs=inputs)
+
+
+def degree_pairs(res: Resolved) -> list[tuple[int, int]]:
+    """(t, p) pairs in preference order: smallest t*p, then larger t."""
+    raw, dims = res.raw, res.dims
+    ts = [raw.tensor_model_parallel_size] if raw.tensor_model_parallel_size else \
+        [t for t in (1, 2, 4, 8, 16) if t <= (res.gpus_per_node or 1)]
+    ps = [raw.pipeline_model_parallel_size] if raw.pipeline_model_parallel_size else range(1, dims["num_layers"] + 3)
+    ffn = dims["ffn_hidden_size"] or 4 * dims["hidden_size"]
+    pairs = [(t, p) for t in ts for p in ps
+             if res.num_gpus % (t * p) == 0 and dims["num_attention_heads"] % t == 0 and ffn % t == 0]
+    if not pairs:
+        raise PlanError(f"no tensor/pipeline degrees divide --num-gpus {res.num_gpus} (with t dividing "
+                        f"{dims['num_attention_heads']} heads and FFN {ffn}); change --num-gpus or the fixed degrees")
+    return sorted(pairs, key=lambda tp: (tp[0] * tp[1], -tp[0]))
+
+
+def micro_batches(res: Resolved, dp: int) -> list[int]:
+    """Micro-batch sizes whose arithmetic works: global batch divisible by micro x data-parallel."""
+    gbs = res.global_batch_size
+    choices = [res.raw.micro_batch_size] if res.raw.micro_batch_size else MICRO_BATCH_CHOICES
+    return sorted(mb for mb in choices if gbs % (mb * dp) == 0)
+
+
+def states_lower_bound(res: Resolved, t: int, p: int, zero: int, precision: str) -> float:
+    """Model states averaged over the p stages: no layout can put less on its fullest stage."""
+    dp = res.num_gpus // (t * p)
+    inputs = MemoryInputs(model=res.model(t), micro_batch_size=1, num_micro_batches=1, precision=precision,
+                          zero_stage=zero, data_parallel_size=dp, tensor_parallel_size=t)
+    whole = stage_memory_for(inputs, 0, 1, res.dims["num_layers"])
+    return whole.model_states / p
+
+
+def _fitting_at(res: Resolved, t: int, p: int, ckpt: bool, precision: str,
+                methods: list[str]) -> tuple[list[Candidate], Optional[Candidate]]:
+    """(configurations of this (t, p, recompute) that fit, the closest one that does not)."""
+    dp = res.num_gpus // (t * p)
+    zero = res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
+    usable = res.usable_bytes
+    if states_lower_bound(res, t, p, zero, precision) > usable:
+        return [], None
+    fitting, miss = [], None
+    for mb in micro_batches(res, dp):  # ascending: once one misses, larger ones miss too (more activations)
+        probe = evaluate(res, t, p, mb, zero, precision, ckpt, "memory") if "memory" in methods else None
+        if probe is not None and probe.peak.total > usable:
+            miss = probe
+            break
+        best = _best_layout(res, t, p, mb, zero, precision, ckpt, methods)
+        if best is None:
+            continue
+        if best.peak.total > usable:
+            miss = best
+            break
+        fitting.append(best)
+    return fitting, miss
+
+
+def _best_layout(res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, ckpt: bool,
+                 methods: list[str]) -> Optional[Candidate]:
+    found = []
+    for method in methods:
+        try:
+            found.append(evaluate(res, t, p, mb, zero, precision, ckpt, method))
+        except LayoutError:
+            continue
+    # Lowest peak; ties go to the simplest flag (METHODS order).
+    return min(found, key=lambda c: (round(c.peak.total), METHODS.index(c.method)), default=None)
+
+
+def choose(res: Resolved, precision: str) -> Candidate:
+    """The preferred configuration that fits; PlanError naming the closest miss if none does."""
+    raw = res.raw
+    ckpts = [raw.checkpoint_activations] if raw.checkpoint_activations is not None else [False, True]
+    methods = [raw.layout] if raw.layout else list(METHODS)
+    closest: Optional[Candidate] = None
+    for t, p in degree_pairs(res):
+        for ckpt in ckpts:
+            fitting, miss = _fitting_at(res, t, p, ckpt, precision, methods)
+            if fitting:
+                low_bubble = [c for c in fitting if c.bubble <= MAX_BUBBLE]
+                return max(low_bubble, key=lambda c: c.micro_batch_size) if low_bubble else \
+                    min(fitting, key=lambda c: c.bubble)
+            if miss is not None and (closest is None or miss.peak.total < closest.peak.total):
+                closest = miss
+    usable = res.usable_bytes
+    if closest is None:
+        raise PlanError(
+            f"no configuration fits: for every tensor/pipeline degree on --num-gpus {res.num_gpus} either the "
+            f"model states alone exceed the {format_bytes(usable)} usable per GPU, or --global-batch-size "
+            f"{res.global_batch_size} does not divide into micro-batches; add GPUs, use larger GPUs, or see `zero` "
+            f"for CPU/NVMe offload")
+    raise PlanError(
+        f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, micro-batch "
+        f"{closest.micro_batch_size}, recompute {closest.checkpoint_activations}) needs "
+        f"{format_bytes(closest.peak.total)} on stage {closest.peak.stage} but {format_bytes(usable)} is usable; "
+        f"add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism")
