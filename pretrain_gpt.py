@@ -18,6 +18,20 @@ def is_user_error(exc: BaseException) -> bool:
     return isinstance(exc, ValueError) and type(exc).__module__.startswith("megatron_ds")
 
 
+def _report(exc: BaseException) -> None:
+    """Before the process group exists every rank fails alike: rank 0 speaks for all. After, each
+    failing rank speaks for itself."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        prefix = f"[rank {dist.get_rank()}] " if dist.get_world_size() > 1 else ""
+        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+    elif os.environ.get("RANK", "0") == "0":
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import os
 
@@ -34,13 +48,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.print_layout:
             print(layout.format())
             return 0
+        from megatron_ds.training.inputs import check_inputs
         from megatron_ds.training.loop import pretrain
 
+        check_inputs(config)
         pretrain(config, layout)
     except Exception as exc:  # noqa: BLE001 - user errors become one line, the rest propagate
         if not is_user_error(exc):
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        _report(exc)
         return 2
     return 0
 

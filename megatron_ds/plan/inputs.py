@@ -161,6 +161,9 @@ def resolve(raw: PlanInputs) -> Resolved:
     gpu_name, mem_gb, cc = _gpu(raw)
     _check_choices(raw)
     gpn = raw.gpus_per_node or (min(raw.num_gpus, 8) if raw.num_gpus else None)
+    if raw.num_gpus and gpn and raw.num_gpus % gpn:
+        raise PlanError(f"--num-gpus {raw.num_gpus} is not a multiple of --gpus-per-node {gpn}; give whole nodes "
+                        f"(or set --gpus-per-node)")
     headroom = 0.10 if raw.memory_headroom is None else raw.memory_headroom
     if not 0 <= headroom < 1:
         raise PlanError(f"--memory-headroom {headroom} must be in [0, 1); e.g. 0.1 keeps 10% free")

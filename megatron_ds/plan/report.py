@@ -15,8 +15,12 @@ class Check:
 
     ok: Optional[bool]
     text: str
+    blocking: bool = True
+    """False for facts that do not stop the plan (e.g. an optional feature is unavailable)."""
 
     def label(self) -> str:
+        if self.ok is False and not self.blocking:
+            return "no"
         return {True: "ok", False: "FAIL", None: "unknown"}[self.ok]
 
 
@@ -35,8 +39,8 @@ class Section:
     def add(self, *lines: str) -> None:
         self.lines.extend(lines)
 
-    def check(self, ok: Optional[bool], text: str) -> None:
-        self.checks.append(Check(ok, text))
+    def check(self, ok: Optional[bool], text: str, blocking: bool = True) -> None:
+        self.checks.append(Check(ok, text, blocking))
 
 
 @dataclass
@@ -51,7 +55,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return all(c.ok is not False for c in self.checks)
+        return all(c.ok is not False or not c.blocking for c in self.checks)
 
 
 def render_text(report: Report) -> str:
@@ -74,8 +78,8 @@ def render_json(report: Report) -> str:
         "notes": report.notes,
         "inputs": report.inputs,
         "sections": [{"name": s.name, "title": s.title, "text": s.lines, "data": s.data, "snippets": s.snippets,
-                      "checks": [{"ok": c.ok, "text": c.text} for c in s.checks]} for s in report.sections],
-        "checks": [{"ok": c.ok, "text": c.text} for c in report.checks],
+                      "checks": [{"ok": c.ok, "text": c.text, "blocking": c.blocking} for c in s.checks]} for s in report.sections],
+        "checks": [{"ok": c.ok, "text": c.text, "blocking": c.blocking} for c in report.checks],
         "all_checks_pass": report.ok,
     }
     return json.dumps(payload, indent=2, default=str)

@@ -108,3 +108,26 @@ def _raise_on_failure(results: list[RankResult], timeout: float) -> None:
         what = f"stalled (no exit within {timeout:.0f}s)" if r.returncode is None else f"exited {r.returncode}"
         parts.append(f"--- rank {r.rank} {what}; last output:\n{r.output[-6000:]}")
     raise RanksFailed("\n".join(parts))
+
+
+def run_torchrun(nproc: int, argv: Sequence[str], timeout: float, cwd: Optional[str] = None,
+                 env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N argv...` (the real launcher) under a hard timeout.
+
+    On timeout every process gets SIGUSR1 (our ranks print their stacks), then SIGKILL, and the
+    result has returncode None-like -9 with the output so far; never waits forever.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), *argv]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _signal(proc, signal.SIGUSR1)
+        time.sleep(3.0)
+        _signal(proc, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return subprocess.CompletedProcess(cmd, -9, out + f"\n[launch] killed after {timeout:.0f}s timeout\n")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)

@@ -145,18 +145,14 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> Optional
     """Resume from `latest` in `load_dir`; None when there is nothing to load and that is allowed."""
     import torch.distributed as dist
 
+    from megatron_ds.training.inputs import check_checkpoint_dirs
+
     ck = config.checkpoint
+    check_checkpoint_dirs(config)  # again: the directory may have changed since start-up
     tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
     if tag is None:
-        if ck.load_optional:
-            return None
-        raise CheckpointError(f"--load {load_dir}: no checkpoint found (no 'latest' file); check the path, "
-                              f"or pass --load-optional to start fresh when none exists yet")
+        return None
     meta = read_meta(load_dir, tag)
-    mismatch = architecture_mismatch(meta, config)
-    if mismatch:
-        raise CheckpointError(f"--load {load_dir} ({tag}) has another architecture: {'; '.join(mismatch)}; "
-                              f"use matching model flags or another --load directory")
     weights_only = ck.no_load_optim or ck.finetune
     moved = _same_topology(meta, config, layout, dist.get_world_size())
     if moved and not weights_only:

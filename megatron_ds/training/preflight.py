@@ -24,8 +24,9 @@ import torch
 from megatron_ds.config import Config
 
 
-class PreflightError(RuntimeError):
-    """Ranks disagree on something that decides which collectives they issue."""
+class PreflightError(ValueError):
+    """Ranks disagree on something that decides which collectives they issue (a misconfiguration:
+    reported as a one-line error like bad flags)."""
 
 
 def install_stack_dump_handler() -> None:

@@ -1,0 +1,64 @@
+"""Checks of every input file and directory, run before any process group exists.
+
+Each failure is a one-line `ValueError` subclass naming the flag or file and the fix, so a typo
+in a path costs seconds, not a cluster start-up (and never a hang).
+"""
+from __future__ import annotations
+
+import os
+
+from megatron_ds.config import Config
+from megatron_ds.training import checkpoint
+from megatron_ds.validation import ConfigError
+
+
+def check_data(config: Config) -> None:
+    """Data prefixes exist and are sound, splits are usable, a tokenizer is given for real data."""
+    from megatron_ds.data.gpt_data import check_splits, parse_data_path, parse_split
+    from megatron_ds.data.indexed import read_index
+
+    data = config.data
+    if data.mock_data:
+        return
+    if not data.data_path:
+        raise ConfigError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
+    if data.tokenizer_type is None:
+        raise ConfigError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-file/--merge-file)")
+    prefixes, _ = parse_data_path(data.data_path)
+    parse_split(data.split)
+    check_splits([read_index(p) for p in prefixes], data.split)
+
+
+def check_checkpoint_dirs(config: Config) -> None:
+    """--save is writable; --load holds a checkpoint of this architecture (or --load-optional)."""
+    ck = config.checkpoint
+    if ck.save:
+        checkpoint.check_writable(ck.save)
+    if not ck.load:
+        return
+    tag = checkpoint.latest_tag(ck.load) if os.path.isdir(ck.load) else None
+    if tag is None:
+        if not ck.load_optional:
+            raise checkpoint.CheckpointError(
+                f"--load {ck.load}: no checkpoint found (no 'latest' file); check the path, or pass "
+                f"--load-optional to start fresh when none exists yet")
+        return
+    mismatch = checkpoint.architecture_mismatch(checkpoint.read_meta(ck.load, tag), config)
+    if mismatch:
+        raise checkpoint.CheckpointError(f"--load {ck.load} ({tag}) has another architecture: {'; '.join(mismatch)}; "
+                                         f"use matching model flags or another --load directory")
+
+
+def check_logging(config: Config) -> None:
+    from megatron_ds.training.logger import tensorboard_available
+
+    if config.logging.tensorboard_dir and not tensorboard_available():
+        raise ConfigError(f"--tensorboard-dir {config.logging.tensorboard_dir}: tensorboard is not installed; "
+                          f"pip install tensorboard (or pip install -e '.[tensorboard]'), or drop the flag")
+
+
+def check_inputs(config: Config) -> None:
+    """All file-system checks, in the order a user would fix them."""
+    check_data(config)
+    check_checkpoint_dirs(config)
+    check_logging(config)
