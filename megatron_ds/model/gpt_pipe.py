@@ -5,6 +5,10 @@
     post : FinalNorm, WordEmbedding.lm_head_logits (tied) or LMHead, logits_to_fp32
     loss : cross_entropy_loss
 
+At T > 1 the word embedding, LM head and loss are their vocabulary-parallel forms from
+`megatron_ds.model.tensor_parallel` (same spec names, so layouts do not change) and the
+transformer layers shard themselves; see `megatron_ds.model.parallel.TensorParallel`.
+
 Stage boundaries come from `megatron_ds.pipeline.layout`, never from DeepSpeed's partitioner.
 """
 from __future__ import annotations
@@ -16,7 +20,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
 
 from megatron_ds.config import Config, ModelConfig
-from megatron_ds.model import naming
+from megatron_ds.model import naming, rng
 from megatron_ds.model.init import spec_seed
 from megatron_ds.model.layers import (
     FinalNorm,
@@ -28,6 +32,7 @@ from megatron_ds.model.layers import (
     lm_head_logits,
     logits_to_fp32,
 )
+from megatron_ds.model.parallel import NO_TENSOR_PARALLEL, TensorParallel
 from megatron_ds.model.transformer import TransformerLayer
 from megatron_ds.pipeline.layout import Layout
 
@@ -35,15 +40,22 @@ Spec = Union[LayerSpec, Callable[..., Any]]
 
 
 def spec_name(spec: Spec) -> str:
-    """The printable name of a spec: class name, function name, or `Class.forward_fn`."""
+    """The printable name of a spec: class name, function name, or `Class.forward_fn`.
+
+    A class may name the role it plays with `SPEC_NAME` (the tensor-parallel forms do).
+    """
     if isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
-        return f"{spec.typename.__name__}.{spec.forward_fn.__name__}"
+        return f"{_class_name(spec.typename)}.{spec.forward_fn.__name__}"
     if isinstance(spec, LayerSpec):
-        return spec.typename.__name__
+        return _class_name(spec.typename)
     return spec.__name__
 
 
-def build_layer_specs(model: ModelConfig, seed: int) -> list[Spec]:
+def _class_name(cls: type) -> str:
+    return getattr(cls, "SPEC_NAME", cls.__name__)
+
+
+def build_layer_specs(model: ModelConfig, seed: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> list[Spec]:
     """The full spec list (the same for every layout; only the stage boundaries move)."""
     groups = naming.gpt_spec_groups(model)
     embedding_idx = groups.pre.index(naming.WORD_EMBEDDING)
@@ -52,22 +64,39 @@ def build_layer_specs(model: ModelConfig, seed: int) -> list[Spec]:
     def seeded(idx: int) -> int:
         return spec_seed(seed, idx)
 
+    if tp.size == 1:
+        embedding, head_fn, untied_head, extra = WordEmbedding, lm_head_logits, LMHead, ()
+    else:
+        from megatron_ds.model import tensor_parallel as tpl
+
+        embedding, head_fn = tpl.VocabParallelWordEmbedding, tpl.VocabParallelWordEmbedding.lm_head_logits
+        untied_head, extra = tpl.VocabParallelLMHead, (tp,)
     pre: list[Spec] = [
         cast_token_ids,
-        TiedLayerSpec(naming.TIED_EMBEDDING_KEY, WordEmbedding, model, tied_seed),
+        TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, tied_seed, *extra),
         LayerSpec(PositionEmbedding, model, seeded(2)),
     ]
     first_layer = len(pre)
-    body: list[Spec] = [LayerSpec(TransformerLayer, model, seeded(first_layer + i)) for i in range(model.num_layers)]
+    body: list[Spec] = [LayerSpec(TransformerLayer, model, seeded(first_layer + i), tp)
+                        for i in range(model.num_layers)]
     first_post = first_layer + model.num_layers
     if model.untie_embeddings_and_output_weights:
-        head: Spec = LayerSpec(LMHead, model, seeded(first_post + 1))
+        head: Spec = LayerSpec(untied_head, model, seeded(first_post + 1), *extra)
     else:
-        head = TiedLayerSpec(naming.TIED_EMBEDDING_KEY, WordEmbedding, model, tied_seed, forward_fn=lm_head_logits)
+        head = TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, tied_seed, *extra, forward_fn=head_fn)
     post: list[Spec] = [LayerSpec(FinalNorm, model, seeded(first_post)), head, logits_to_fp32]
     specs = pre + body + post
     assert [spec_name(s) for s in specs] == groups.names, ([spec_name(s) for s in specs], groups.names)
     return specs
+
+
+def loss_function(tp: TensorParallel) -> Callable[..., torch.Tensor]:
+    """`cross_entropy_loss`, or its vocabulary-parallel form at T > 1 (same loss-mask rule)."""
+    if tp.size == 1:
+        return cross_entropy_loss
+    from megatron_ds.model.tensor_parallel import vocab_parallel_cross_entropy_loss
+
+    return vocab_parallel_cross_entropy_loss
 
 
 def build_topology(config: Config) -> ProcessTopology:
@@ -79,22 +108,30 @@ def build_topology(config: Config) -> ProcessTopology:
 
 
 class GPTModelPipe(PipelineModule):
-    """A GPT whose stage boundaries are `layout.parts`; needs torch.distributed initialised."""
+    """A GPT whose stage boundaries are `layout.parts`; needs torch.distributed initialised.
+
+    At T > 1 pass the `TensorParallel` from `megatron_ds.model.parallel.setup` (run after
+    torch.distributed and before this) and the topology it was checked against.
+    """
 
     def __init__(self, config: Config, layout: Layout, topology: ProcessTopology | None = None,
-                 mark_norms: bool = True) -> None:
+                 mark_norms: bool = True, tp: TensorParallel = NO_TENSOR_PARALLEL) -> None:
         assert layout.num_stages == config.parallel.pipeline_model_parallel_size, layout
+        assert tp.size == config.parallel.tensor_model_parallel_size, (tp, config.parallel)
         self._layout = layout
+        self.tensor_parallel = tp
         train = config.training
+        rng.reset_streams()  # this model's dropout streams start from their seeds
         super().__init__(
-            layers=build_layer_specs(config.model, train.seed),
+            layers=build_layer_specs(config.model, train.seed, tp),
             topology=topology or build_topology(config),
-            loss_fn=cross_entropy_loss,
+            loss_fn=loss_function(tp),
             partition_method="megatron_ds.layout",
             activation_checkpoint_interval=train.checkpoint_num_layers if train.checkpoint_activations else 0,
         )
+        assert self._grid.get_slice_parallel_rank() == tp.rank, (self._grid.get_slice_parallel_rank(), tp)
         if mark_norms:  # False only to demonstrate DeepSpeed's stage-0-only norm in tests
-            mark_norm_counting(self)
+            mark_norm_counting(self, tp.rank)
 
     def _partition_layers(self, method: str = "megatron_ds.layout") -> None:
         del method  # boundaries come from the layout engine
@@ -110,21 +147,27 @@ class GPTModelPipe(PipelineModule):
         return self._layout
 
 
-def mark_norm_counting(module: torch.nn.Module) -> None:
-    """Mark the parameters this rank counts in the global gradient norm.
+COUNTED_IN_NORM = "model_parallel"
+"""The parameter attribute that says "this rank counts me in the global gradient norm"."""
+
+
+def mark_norm_counting(module: torch.nn.Module, tp_rank: int) -> None:
+    """Mark the parameters this rank counts in the global gradient norm (`p.model_parallel`).
 
     Every gradient element must be counted on exactly one rank of the model-parallel group
     (all stages x tensor ranks): a tied copy that DeepSpeed flags `ds_pipe_replicated` is left to
-    its first stage, a tensor-replicated parameter to tensor rank 0. DeepSpeed's norm code counts
-    a parameter when `is_model_parallel_parameter(p)` or its model-parallel rank is 0; without
-    this marking its no-ZeRO pipeline path counts stage 0's parameters only.
+    its first stage; a parameter replicated over tensor ranks (norms, row-parallel biases, the
+    position embedding) to tensor rank 0; a tensor-parallel shard (megatron-core's
+    `tensor_model_parallel`) is counted by its own rank.
+
+    DeepSpeed's ZeRO and bf16 paths skip `ds_pipe_replicated` copies and count a parameter when
+    `is_model_parallel_parameter(p)` or the tensor rank is 0, which with this marking is the same
+    rule. Its no-ZeRO fp32 `clip_grad_norm_` ignores `ds_pipe_replicated` and counts any
+    `tensor_model_parallel` parameter, so it would count the last stage's tied shard twice: the
+    engine replaces it by a norm that reads this attribute alone
+    (`megatron_ds.training.engine`).
     """
-    from deepspeed.runtime.utils import is_model_parallel_parameter
-
-    from megatron_ds.model.parallel import tensor_parallel_rank
-
-    tp_rank = tensor_parallel_rank()
     for p in module.parameters():
         replicated_copy = getattr(p, "ds_pipe_replicated", False)
-        sharded = is_model_parallel_parameter(p)
-        p.model_parallel = (not replicated_copy) and (sharded or tp_rank == 0)
+        sharded = getattr(p, "tensor_model_parallel", False)
+        setattr(p, COUNTED_IN_NORM, (not replicated_copy) and (sharded or tp_rank == 0))

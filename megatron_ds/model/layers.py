@@ -4,6 +4,9 @@ Contract between stages (batch-first, no side channels):
   tokens (b, s) int64 -> embeddings (b, s, h) -> ... -> hidden (b, s, h) in the compute dtype
   -> logits (b, s, v) -> logits (b, s, v) float32 -> loss (scalar float32).
 Labels travel as the tuple (labels (b, s) int64, loss_mask (b, s) float32) to the last stage.
+
+These are the T=1 forms; at T > 1 the word embedding, LM head and loss come from
+`megatron_ds.model.tensor_parallel` (vocabulary-parallel), the others are used as they are.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from torch import nn
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.model.init import init_generator, normal_
+from megatron_ds.model.rng import Stream, dropout
 
 
 def cast_token_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -55,17 +59,19 @@ class LMHead(nn.Module):
 
 
 class PositionEmbedding(nn.Module):
-    """Adds learned absolute position embeddings, then embedding dropout."""
+    """Adds learned absolute position embeddings, then embedding dropout (replicated at T > 1)."""
 
     def __init__(self, model: ModelConfig, init_seed: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(model.max_position_embeddings, model.hidden_size))
         normal_(self.weight, model.init_method_std, init_generator(init_seed))
-        self.dropout = nn.Dropout(model.hidden_dropout)
+        self.hidden_dropout = model.hidden_dropout
+        self.dropout_stream = Stream.replicated(init_seed)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         seq = embeddings.shape[1]
-        return self.dropout(embeddings + self.weight[:seq].to(embeddings.dtype))
+        hidden = embeddings + self.weight[:seq].to(embeddings.dtype)
+        return dropout(hidden, self.hidden_dropout, self.training, self.dropout_stream)
 
 
 def make_norm(model: ModelConfig) -> nn.Module:

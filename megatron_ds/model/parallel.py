@@ -1,11 +1,87 @@
-"""Tensor-parallel state queries that work whether or not megatron-core's state is initialised.
+"""Tensor parallelism as the model builder sees it, without importing megatron-core at T=1.
 
-megatron-core is imported only by tensor-parallel runs (it is slow to import); when it has not
-been imported, tensor parallelism cannot have been set up.
+`TensorParallel` describes this rank's tensor-parallel group and is passed explicitly to every
+layer spec. `setup` creates it: at T=1 a plain description (megatron-core is not imported: it is
+slow to import); at T > 1 `megatron_ds.model.tensor_parallel.setup` initialises megatron-core's
+groups and checks them against DeepSpeed's topology. The linear-layer factories return torch's
+`nn.Linear` at T=1 and megatron-core's parallel layers otherwise.
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in its tensor-parallel group."""
+
+    size: int = 1
+    """Tensor-parallel ranks T."""
+    rank: int = 0
+    """This rank's index among them."""
+    group: Optional[Any] = None
+    """The torch.distributed group of the T ranks (megatron-core's); None at T=1."""
+
+
+NO_TENSOR_PARALLEL = TensorParallel()
+
+
+def setup(config: Any, topology: Any) -> TensorParallel:
+    """Tensor-parallel groups for this run (call after torch.distributed, before the model).
+
+    `config` is the run's `Config`, `topology` DeepSpeed's process topology for it.
+    """
+    if config.parallel.tensor_model_parallel_size == 1:
+        _forget_megatron_core_state()
+        return NO_TENSOR_PARALLEL
+    from megatron_ds.model import tensor_parallel
+
+    return tensor_parallel.setup(config, topology)
+
+
+def _forget_megatron_core_state() -> None:
+    # A T>1 model built earlier in this process (tests run several) must not leak its groups.
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+def column_linear(tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True,
+                  qkv_heads: Optional[int] = None) -> nn.Module:
+    """x (.., in) -> this rank's output features (.., out / T), from the full (out, in) weight.
+
+    `qkv_heads`: the rows are a fused QKV of that many heads; each rank keeps its heads' q, k, v
+    rows (`megatron_ds.model.init.shard_qkv`). Biases start at zero.
+    """
+    if tp.size == 1:
+        return _linear(full_weight, bias)
+    from megatron_ds.model.tensor_parallel import ColumnLinear
+
+    return ColumnLinear(tp, full_weight, bias=bias, qkv_heads=qkv_heads)
+
+
+def row_linear(tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True) -> nn.Module:
+    """This rank's input features (.., in / T) -> the full output (.., out), summed over ranks."""
+    if tp.size == 1:
+        return _linear(full_weight, bias)
+    from megatron_ds.model.tensor_parallel import RowLinear
+
+    return RowLinear(tp, full_weight, bias=bias)
+
+
+@torch.no_grad()
+def _linear(full_weight: torch.Tensor, bias: bool) -> nn.Linear:
+    out_features, in_features = full_weight.shape
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    linear.weight.copy_(full_weight)
+    if bias:
+        linear.bias.zero_()
+    return linear
 
 
 def _state():
@@ -14,12 +90,12 @@ def _state():
 
 
 def tensor_parallel_rank() -> int:
-    """This rank's tensor-parallel rank (0 when tensor parallelism is not set up)."""
+    """This rank's tensor-parallel rank from megatron-core's state (0 when not set up)."""
     ps = _state()
     return 0 if ps is None else ps.get_tensor_model_parallel_rank()
 
 
 def tensor_parallel_world_size() -> int:
-    """Tensor-parallel ranks T (1 when tensor parallelism is not set up)."""
+    """Tensor-parallel ranks T from megatron-core's state (1 when not set up)."""
     ps = _state()
     return 1 if ps is None else ps.get_tensor_model_parallel_world_size()

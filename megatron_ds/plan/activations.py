@@ -144,10 +144,16 @@ def post_terms(model: ModelConfig, micro_batch_size: int, k: Kernels, head_name:
     return {
         "FinalNorm": {"norm input": sbh * k.w, "norm statistics": _norm_stats(model) * bs * k.stat},
         head_name: {"LM head input": sbh * k.w},
-        # fp32 logits (kept by the loss and by DeepSpeed's pipe buffer: one tensor) and fp32 log-probs.
-        "logits_to_fp32": {"fp32 logits": 4 * bsv, "fp32 log-probabilities": 4 * bsv,
+        # log_softmax saves its float32 output (nll_loss reuses it); the fp32 logits themselves are not
+        # saved by autograd but DeepSpeed keeps them as the stage output (see `logits_bytes`).
+        "logits_to_fp32": {"fp32 log-probabilities": 4 * bsv,
                            "labels and loss mask": bs * (TOKEN_ID_BYTES + LOSS_MASK_BYTES) + 8},
     }
+
+
+def logits_bytes(model: ModelConfig, micro_batch_size: int, tensor_parallel_size: int = 1) -> float:
+    """The float32 logits of one micro-batch, which the last stage's pipe buffer keeps until backward."""
+    return 4 * model.seq_length * micro_batch_size * model.vocab_size / tensor_parallel_size
 
 
 def loss_backward_transient(model: ModelConfig, micro_batch_size: int, tensor_parallel_size: int = 1) -> float:

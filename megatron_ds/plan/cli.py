@@ -92,7 +92,7 @@ def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     return command, given, out
 
 
-def _sections(command: str) -> list[Callable[[Context], Section]]:
+def _sections(command: str) -> list[tuple[str, Callable[[Context], Section]]]:
     from megatron_ds.plan import (memory_advice, nvme, onebit, pipeline_plan, precision, sparse_attention, zero)
 
     table = {
@@ -104,7 +104,17 @@ def _sections(command: str) -> list[Callable[[Context], Section]]:
         "onebit": onebit.onebit_section,
         "sparse-attention": lambda ctx: sparse_attention.sparse_attention_section(ctx.res),
     }
-    return [table[c] for c in (COMMANDS if command == "all" else (command,))]
+    return [(c, table[c]) for c in (COMMANDS if command == "all" else (command,))]
+
+
+def _section_or_failure(name: str, make: Callable[[Context], Section], ctx: Context) -> Section:
+    """In the all-commands run one workflow that cannot answer must not hide the others."""
+    try:
+        return make(ctx)
+    except PlanError as exc:
+        sec = Section(name, f"{name}: no answer", [f"Not produced: {exc}"])
+        sec.check(False, f"{name}: {exc}")
+        return sec
 
 
 def run(command: str, given: PlanInputs, out: Output) -> tuple[Report, int]:
@@ -117,7 +127,12 @@ def run(command: str, given: PlanInputs, out: Output) -> tuple[Report, int]:
     if out.save_profile:
         save_profile(out.save_profile, inputs, [])
     ctx = Context(res, *choose_precision(res))
-    report = Report(sections=[make(ctx) for make in _sections(command)], inputs=inputs.answers())
+    makers = _sections(command)
+    if command == "all":
+        sections = [_section_or_failure(name, make, ctx) for name, make in makers]
+    else:
+        sections = [makers[0][1](ctx)]
+    report = Report(sections=sections, inputs=inputs.answers())
     if out.profile and inputs.handled:
         report.notes.append(f"Profile {out.profile}: answers reused; handled before: {', '.join(inputs.handled)}.")
     extras = _outputs(ctx, report, out)

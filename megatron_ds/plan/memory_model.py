@@ -261,7 +261,8 @@ def _gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, n
 
 def _pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> float:
     """DeepSpeed PipelineEngine buffers: received inputs kept per used slot plus one receive buffer,
-    stage outputs kept until their backward plus one gradient receive buffer, token ids and labels."""
+    stage outputs kept until their backward plus one gradient receive buffer (on the last stage the
+    output is the fp32 logits), token ids and labels."""
     m, mb = inputs.model, inputs.num_micro_batches
     hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
     tokens = m.seq_length * inputs.micro_batch_size
@@ -271,6 +272,9 @@ def _pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> float:
         total += (slots + 1) * hidden
     if stage < num_stages - 1:
         total += (in_flight(stage, num_stages, mb) + 1) * hidden
+    else:  # the last stage's output kept until its backward is the fp32 logits
+        total += in_flight(stage, num_stages, mb) * act.logits_bytes(m, inputs.micro_batch_size,
+                                                                      inputs.tensor_parallel_size)
     if stage == 0:
         total += slots * tokens * act.TOKEN_ID_BYTES
     if stage == num_stages - 1:

@@ -118,13 +118,15 @@ def states_lower_bound(res: Resolved, t: int, p: int, zero: int, precision: str)
 
 
 def _fitting_at(res: Resolved, t: int, p: int, ckpt: bool, precision: str,
-                methods: list[str]) -> tuple[list[Candidate], Optional[Candidate]]:
-    """(configurations of this (t, p, recompute) that fit, the closest one that does not)."""
+                methods: list[str]) -> tuple[list[Candidate], Optional[Candidate], Optional[float]]:
+    """(configurations of this (t, p, recompute) that fit, the closest miss, the states lower bound
+    when that alone rules this (t, p) out)."""
     dp = res.num_gpus // (t * p)
     zero = res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
     usable = res.usable_bytes
-    if states_lower_bound(res, t, p, zero, precision) > usable:
-        return [], None
+    bound = states_lower_bound(res, t, p, zero, precision)
+    if bound > usable:
+        return [], None, bound
     fitting, miss = [], None
     for mb in micro_batches(res, dp):  # ascending: once one misses, larger ones miss too (more activations)
         probe = evaluate(res, t, p, mb, zero, precision, ckpt, "memory") if "memory" in methods else None
@@ -138,7 +140,7 @@ def _fitting_at(res: Resolved, t: int, p: int, ckpt: bool, precision: str,
             miss = best
             break
         fitting.append(best)
-    return fitting, miss
+    return fitting, miss, None
 
 
 def _best_layout(res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, ckpt: bool,
@@ -159,24 +161,33 @@ def choose(res: Resolved, precision: str) -> Candidate:
     ckpts = [raw.checkpoint_activations] if raw.checkpoint_activations is not None else [False, True]
     methods = [raw.layout] if raw.layout else list(METHODS)
     closest: Optional[Candidate] = None
+    bounds: list[tuple[float, int, int]] = []
+    batch_ok = False
     for t, p in degree_pairs(res):
+        batch_ok = batch_ok or bool(micro_batches(res, res.num_gpus // (t * p)))
         for ckpt in ckpts:
-            fitting, miss = _fitting_at(res, t, p, ckpt, precision, methods)
+            fitting, miss, bound = _fitting_at(res, t, p, ckpt, precision, methods)
             if fitting:
                 low_bubble = [c for c in fitting if c.bubble <= MAX_BUBBLE]
                 return max(low_bubble, key=lambda c: c.micro_batch_size) if low_bubble else \
                     min(fitting, key=lambda c: c.bubble)
+            if bound is not None:
+                bounds.append((bound, t, p))
             if miss is not None and (closest is None or miss.peak.total < closest.peak.total):
                 closest = miss
-    usable = res.usable_bytes
-    if closest is None:
-        raise PlanError(
-            f"no configuration fits: for every tensor/pipeline degree on --num-gpus {res.num_gpus} either the "
-            f"model states alone exceed the {format_bytes(usable)} usable per GPU, or --global-batch-size "
-            f"{res.global_batch_size} does not divide into micro-batches; add GPUs, use larger GPUs, or see `zero` "
-            f"for CPU/NVMe offload")
-    raise PlanError(
-        f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, micro-batch "
-        f"{closest.micro_batch_size}, recompute {closest.checkpoint_activations}) needs "
-        f"{format_bytes(closest.peak.total)} on stage {closest.peak.stage} but {format_bytes(usable)} is usable; "
-        f"add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism")
+    raise PlanError(_no_fit_message(res, closest, bounds, batch_ok))
+
+
+def _no_fit_message(res: Resolved, closest: Optional[Candidate], bounds: list, batch_ok: bool) -> str:
+    usable = format_bytes(res.usable_bytes)
+    fix = "add GPUs, use GPUs with more memory, allow more pipeline/tensor parallelism, or see `zero` for offload"
+    if not batch_ok:
+        return (f"--global-batch-size {res.global_batch_size} does not divide into micro-batch x data-parallel size "
+                f"for any tensor/pipeline degree on --num-gpus {res.num_gpus}; use a multiple of {res.num_gpus}")
+    if closest is not None:
+        return (f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, micro-batch "
+                f"{closest.micro_batch_size}, recompute {closest.checkpoint_activations}) needs "
+                f"{format_bytes(closest.peak.total)} on stage {closest.peak.stage} but {usable} is usable; {fix}")
+    bound, t, p = min(bounds)
+    return (f"the model does not fit: even with t={t}, p={p} the model states alone average "
+            f"{format_bytes(bound)} per GPU, over the {usable} usable; {fix}")

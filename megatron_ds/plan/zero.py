@@ -113,10 +113,10 @@ def zero_section(ctx: Context) -> Section:
     table, act = rows(ctx), activation_bytes(ctx)
     usable, cpu_cap = res.usable_bytes, (res.raw.cpu_memory_gb * GIB if res.raw.cpu_memory_gb else None)
     psi = total_params(res.model())
-    sec.add(f"Model: {psi / 1e9:.2f} B parameters, {ctx.precision}, Adam; {res.num_gpus} GPUs "
+    sec.add(f"Model: {psi / 1e9:.2f} B parameters, {ctx.precision}, Adam; {res.num_gpus} GPU(s) "
             f"({res.gpus_per_node} per node), {format_bytes(usable)} usable per GPU "
             f"({1 - res.headroom:.0%} of {format_bytes(res.gpu_memory_bytes)}).",
-            f"Per-GPU model states with pure data parallelism over all {res.num_gpus} GPUs (estimates), plus "
+            f"Per-GPU model states with pure data parallelism over all {res.num_gpus} GPU(s) (estimates), plus "
             f"{format_bytes(act)} of activations for micro-batch {res.raw.micro_batch_size or 1} "
             f"(Korthikanti et al. 2022 per-tensor count, see docs/plan.md):",
             f"  {'configuration':<48} {'GPU states':>11} {'w/ activ.':>10} {'CPU/node':>10}  pipeline?")

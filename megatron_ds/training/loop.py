@@ -213,7 +213,8 @@ def pretrain(config: Config, layout: Layout) -> TrainState:
     if ck.save and run.state.iteration > start and not (ck.save_interval and run.state.iteration % ck.save_interval == 0):
         save(run)
     if t.eval_iters:
-        if run.data["has_valid"]:
+        just_evaluated = run.state.iteration > start and t.eval_interval and run.state.iteration % t.eval_interval == 0
+        if run.data["has_valid"] and not just_evaluated:
             evaluate(run, "validation", run.data["valid"], t.eval_iters)
         test_iter = run.data["batches"](run.data["test_dataset"], 0, 0)
         if run.data["test_dataset"] is not None:

@@ -1,0 +1,264 @@
+"""Analytic memory model: DeepSpeed's estimators, the saved tensors of our real layers, TrainSchedule."""
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+
+import pytest
+import torch
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.model import naming
+from megatron_ds.plan import activations as act
+from megatron_ds.plan.memory_model import (MemoryInputs, format_bytes, in_flight, largest_layer_params,
+                                           layer_param_counts, num_pipe_buffers, spec_memory, stage_memory,
+                                           stage_memory_for, total_params)
+from megatron_ds.plan.model_states import state_factors, zero2_estimate, zero3_estimate
+from megatron_ds.pipeline.layout import SpecGroups, build_layout
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
+                max_position_embeddings=32, vocab_size=128)
+    return ModelConfig(**{**base, **kw})
+
+
+GPT_1_3B = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
+                       seq_length=2048, max_position_embeddings=2048, vocab_size=50304)
+
+
+# --- model states against DeepSpeed's own estimator functions ---------------------------------------
+
+@pytest.mark.parametrize("psi,gpn,nodes", [(1_300_000_000, 8, 1), (175_000_000_000, 8, 128), (10_000, 1, 1),
+                                           (6_700_000_000, 4, 3)])
+def test_estimator_reproductions_equal_installed(psi: int, gpn: int, nodes: int) -> None:
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    for off in (True, False):
+        assert zero2_estimate(psi, gpn, nodes, off) == estimate_zero2_model_states_mem_needs(psi, gpn, nodes, off)
+    largest = psi // 50
+    for off, off_p, init in itertools.product((True, False), repeat=3):
+        ours = zero3_estimate(psi, largest, gpn, nodes, off, off_p, init)
+        assert ours == estimate_zero3_model_states_mem_needs(psi, largest, gpn, nodes, off, off_p, init)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("dp", [1, 2, 8, 64])
+def test_state_factors_equal_estimator_for_zero2_and_zero3(precision: str, dp: int) -> None:
+    psi, largest = 1_315_000_000, 103_000_000
+    f2 = state_factors(precision, 2)
+    assert abs(psi * f2.per_param(dp) - zero2_estimate(psi, dp, 1, cpu_offload=False)[1]) <= 1
+    f2o = state_factors(precision, 2, offload_optimizer="cpu")
+    assert psi * f2o.per_param(dp) == zero2_estimate(psi, dp, 1, cpu_offload=True)[1]
+    for off_o, off_p, kw in (("none", "none", dict(cpu_offload=False)),
+                             ("cpu", "none", dict(cpu_offload=True, cpu_offload_params=False)),
+                             ("cpu", "cpu", dict(cpu_offload=True, cpu_offload_params=True))):
+        f3 = state_factors(precision, 3, offload_optimizer=off_o, offload_param=off_p)
+        ours = psi * f3.per_param(dp) + f3.gathered * largest
+        assert abs(ours - zero3_estimate(psi, largest, dp, 1, **kw)[1]) <= 1
+
+
+def test_whole_model_stage_equals_estimator() -> None:
+    """One stage holding the whole 1.3B model, data parallel over 8: states == DeepSpeed's numbers."""
+    psi, big = total_params(GPT_1_3B), largest_layer_params(GPT_1_3B)
+    for zero in (2, 3):
+        inp = MemoryInputs(model=GPT_1_3B, micro_batch_size=1, num_micro_batches=1, zero_stage=zero,
+                           data_parallel_size=8)
+        st = stage_memory_for(inp, 0, 1, GPT_1_3B.num_layers)
+        assert st.num_params == psi
+        gathered = 4 * big if zero == 3 else 0
+        est = zero2_estimate(psi, 8, 1, False)[1] if zero == 2 else zero3_estimate(psi, big, 8, 1, False)[1]
+        assert abs(st.model_states + gathered - est) <= 1
+
+
+def test_engine_factors_for_our_cpu_runs() -> None:
+    """fp32 without ZeRO: 4 + 4 + 8 (no master copy); fp32 ZeRO-1 clones an fp32 partition."""
+    assert state_factors("fp32", 0).per_param(1) == 16
+    assert state_factors("fp32", 1).per_param(4) == 4 + 4 + (4 + 4 + 8) / 4
+    assert state_factors("fp32", 0, optimizer="sgd").per_param(1) == 12
+    assert state_factors("fp16", 0).per_param(1) == 20  # FP16_Optimizer: the estimator's 2 + 18 at N=1
+    with pytest.raises(ValueError, match="offload needs ZeRO stage >= 1"):
+        state_factors("bf16", 0, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match="offload_param"):
+        state_factors("bf16", 2, offload_param="cpu")
+
+
+def test_param_counts_match_the_real_modules_and_deepspeed_largest_layer() -> None:
+    from deepspeed.runtime.zero.stage3 import model_to_params
+
+    from megatron_ds.model.layers import FinalNorm, PositionEmbedding, WordEmbedding
+    from megatron_ds.model.transformer import TransformerLayer
+
+    m = tiny(vocab_size=1000)
+    layer = TransformerLayer(m, 1)
+    assert layer_param_counts(m)[0] == sum(p.numel() for p in layer.parameters())
+    model = torch.nn.ModuleList([WordEmbedding(m, 1), PositionEmbedding(m, 2),
+                                 *[TransformerLayer(m, i) for i in range(m.num_layers)], FinalNorm(m, 3)])
+    assert model_to_params(model) == (total_params(m), largest_layer_params(m))
+    counts = naming.gpt_spec_param_counts(m)
+    assert [s.num_params for s in spec_memory(MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1))] \
+        == counts
+
+
+# --- activations against what our layers really save (CPU) -----------------------------------------
+
+def saved_bytes(fn, *modules: torch.nn.Module) -> int:
+    """Bytes of distinct storages autograd saves for backward while running fn (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for mod in modules for p in mod.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_transformer_layer_activations_equal_saved_tensors(precision: str, dtype: torch.dtype,
+                                                           dropout: float) -> None:
+    from megatron_ds.model.transformer import TransformerLayer
+
+    m = tiny(hidden_dropout=dropout, attention_dropout=dropout)
+    b = 3
+    layer = TransformerLayer(m, 1).to(dtype).train()
+    x = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
+    measured = saved_bytes(lambda: layer(x), layer)
+    k = act.kernels(precision, "cpu", dropout)
+    assert sum(act.transformer_layer_terms(m, b, k).values()) == measured
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: torch.dtype) -> None:
+    from megatron_ds.model.layers import (FinalNorm, PositionEmbedding, WordEmbedding, cast_token_ids,
+                                          cross_entropy_loss, lm_head_logits, logits_to_fp32)
+
+    m, b = tiny(), 3
+    we, pe, fn = WordEmbedding(m, 1).to(dtype), PositionEmbedding(m, 2).to(dtype).train(), FinalNorm(m, 3).to(dtype)
+    tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), dtype=torch.int32)
+    k = act.kernels(precision, "cpu", m.attention_dropout)
+    pre = act.pre_terms(m, b, k)
+    assert saved_bytes(lambda: pe(we(cast_token_ids(tokens))), we, pe) == sum(sum(t.values()) for t in pre.values())
+    hidden = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
+    labels = (torch.randint(0, m.vocab_size, (b, m.seq_length)), torch.ones(b, m.seq_length))
+    post = act.post_terms(m, b, k, naming.TIED_LM_HEAD)
+    measured = saved_bytes(lambda: cross_entropy_loss(logits_to_fp32(lm_head_logits(we, fn(hidden))), labels),
+                           we, fn)
+    assert measured == sum(sum(t.values()) for t in post.values())
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_paper_closed_form_is_our_count_with_the_papers_assumptions(t: int) -> None:
+    """16-bit, bool masks, softmax stored (math), no norm statistics, 4h MLP: sbh(10 + 24/t + 5as/(ht))."""
+    m = GPT_1_3B
+    k = act.Kernels(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
+    ours = sum(act.transformer_layer_terms(m, 1, k, t).values())
+    assert ours == pytest.approx(act.korthikanti_layer_bytes(m.seq_length, 1, m.hidden_size,
+                                                             m.num_attention_heads, t))
+    flash = act.kernels("bf16", "cuda", 0.1)
+    no_scores = sum(v for n, v in act.transformer_layer_terms(m, 1, flash, t).items()
+                    if n not in ("norm statistics", "softmax log-sum-exp"))
+    assert no_scores == pytest.approx(m.seq_length * m.hidden_size * (10 + 24 / t))
+
+
+# --- pipeline schedule ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stages", range(1, 7))
+def test_in_flight_and_buffers_match_deepspeed_train_schedule(stages: int) -> None:
+    from deepspeed.runtime.pipe import schedule as ds
+
+    for micro_batches, stage in itertools.product(range(1, 9), range(stages)):
+        sched = ds.TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=stage)
+        alive = peak = 0
+        for cmds in sched.steps():
+            for cmd in cmds:
+                if isinstance(cmd, ds.ForwardPass):
+                    alive += 1
+                    peak = max(peak, alive)
+                elif isinstance(cmd, ds.BackwardPass):
+                    alive -= 1
+        assert peak == in_flight(stage, stages, micro_batches), (stage, stages, micro_batches)
+        assert sched.num_pipe_buffers() == num_pipe_buffers(stage, stages, micro_batches)
+
+
+# --- stages -----------------------------------------------------------------------------------------
+
+def test_tied_embedding_is_held_by_first_and_last_stage_once_each() -> None:
+    m = tiny(vocab_size=5000)
+    inp = MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=4, precision="bf16")
+    vh = m.vocab_size * m.hidden_size
+    one = stage_memory_for(inp, 0, 1, m.num_layers)
+    assert one.num_params == total_params(m)  # one stage: the tied head is the same module
+    layout = build_layout(naming.gpt_spec_groups(m), 4, dedicated="both")
+    first, *_, last = stage_memory(inp, layout)
+    assert first.num_params == vh + m.max_position_embeddings * m.hidden_size
+    assert last.num_params == vh + 2 * m.hidden_size  # its own copy of the matrix + the final norm
+    untied = MemoryInputs(model=tiny(vocab_size=5000, untie_embeddings_and_output_weights=True),
+                          micro_batch_size=1, num_micro_batches=4)
+    assert stage_memory_for(untied, 0, 1, m.num_layers).num_params == total_params(untied.model)
+
+
+def test_stage_memory_dedicated_ends_are_lighter_and_in_flight_decreases() -> None:
+    inp = MemoryInputs(model=GPT_1_3B, micro_batch_size=1, num_micro_batches=16, zero_stage=1, data_parallel_size=8)
+    groups = naming.gpt_spec_groups(GPT_1_3B)
+    default = stage_memory(inp, build_layout(groups, 4))
+    assert [s.in_flight for s in default] == [4, 3, 2, 1]
+    assert default[0].total > default[1].total  # the seed's pattern: embedding stage heavier
+    both = stage_memory(inp, build_layout(groups, 6, dedicated="both"))
+    assert both[0].total < min(s.total for s in both[1:-1])
+
+
+def test_activation_checkpointing_keeps_chunk_inputs_except_mixed_chunks() -> None:
+    m = tiny(num_layers=6)
+    base = dict(model=m, micro_batch_size=2, num_micro_batches=1)
+    layer = spec_memory(MemoryInputs(**base))[3]
+    full = stage_memory_for(MemoryInputs(**base), 1, 3, 6)
+    ck = stage_memory_for(MemoryInputs(**base, checkpoint_activations=True), 1, 3, 6)
+    assert ck.activation_per_micro_batch == 6 * layer.checkpointed_activations
+    assert full.activation_per_micro_batch == 6 * layer.activations
+    # Stage 0 with interval 2: chunks [cast, emb] [pos, t] [t, t] [t, t] [t]: one layer is not recomputed.
+    ck2 = stage_memory_for(MemoryInputs(**base, checkpoint_activations=True, checkpoint_num_layers=2), 0, 3, 6)
+    pre = sum(s.activations for s in spec_memory(MemoryInputs(**base))[:3])
+    assert ck2.activation_per_micro_batch == pre + layer.activations + 5 * layer.checkpointed_activations
+
+
+def test_memory_inputs_reject_bad_values() -> None:
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
+        MemoryInputs(model=tiny(), micro_batch_size=0, num_micro_batches=1)
+    with pytest.raises(ValueError, match="precision"):
+        MemoryInputs(model=tiny(), micro_batch_size=1, num_micro_batches=1, precision="fp8")
+    with pytest.raises(ValueError, match="device"):
+        MemoryInputs(model=tiny(), micro_batch_size=1, num_micro_batches=1, device="tpu")
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(80 * 1024 ** 3) == "80.00 GiB"
+    assert format_bytes(150 * 1024 ** 3) == "150 GiB"
+
+
+def test_spec_names_follow_naming() -> None:
+    m = tiny()
+    specs = spec_memory(MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1))
+    groups: SpecGroups = naming.gpt_spec_groups(m)
+    assert [s.name for s in specs] == groups.names
+    assert [s.tied for s in specs].count(True) == 1
+
+
+def test_estimator_prints_are_not_needed() -> None:
+    """Our reproductions return numbers; DeepSpeed's *_all_cold variants only print (checked for drift)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        estimate_zero2_model_states_mem_needs_all_cold(total_params=10 ** 9, num_gpus_per_node=8, num_nodes=1)
+    cpu, gpu = zero2_estimate(10 ** 9, 8, 1, cpu_offload=False)
+    assert f"{gpu / 2 ** 30:6.2f}GB" in buf.getvalue() and f"{cpu / 2 ** 30:7.2f}GB" in buf.getvalue()
