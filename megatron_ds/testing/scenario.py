@@ -4,6 +4,14 @@
 scenario in SPEC in sequence inside one process group (start-up is paid once), training a tiny
 GPT on seeded synthetic tokens, and writes per-rank results to OUT_DIR/rank<r>.json: per-step
 losses and gradient norms, and the word-embedding matrix's checksum on the ranks that hold it.
+
+Optional scenario keys (all off by default):
+    loss_mask       "partial" masks every fourth token out of the loss ("ones" by default)
+    init_checksums  true: record checksums of every parameter's full (tensor-gathered) initial value
+    save / load     a checkpoint directory to save to after the steps / resume from before them
+                    (training then continues at the checkpoint's iteration)
+    expect_error    true: an exception while loading is recorded as "error" instead of raised
+    stock_fp32_clip true: use DeepSpeed's own no-ZeRO fp32 norm (to show what it miscounts)
 """
 from __future__ import annotations
 
@@ -36,10 +44,11 @@ def synthetic_sample(seed: int, index: int, seq_length: int, vocab_size: int) ->
     return torch.randint(0, vocab_size, (seq_length + 1,), generator=gen)
 
 
-def micro_batches(config: Config, step: int, dp_rank: int):
+def micro_batches(config: Config, step: int, dp_rank: int, loss_mask: str = "ones"):
     """Yield ((tokens,), (labels, loss_mask)) micro-batches of `step` for data-parallel rank `dp_rank`.
 
     Megatron's sampler order: micro-batch j of rank d holds samples (j * dp + d) * mbs + [0, mbs).
+    `loss_mask="partial"` zeroes the mask on every fourth token (offset by sample).
     """
     t, m = config.training, config.model
     dp = config.parallel.data_parallel_size
@@ -48,7 +57,11 @@ def micro_batches(config: Config, step: int, dp_rank: int):
         first = base + (j * dp + dp_rank) * t.micro_batch_size
         rows = torch.stack([synthetic_sample(t.seed, first + i, m.seq_length, m.vocab_size)
                             for i in range(t.micro_batch_size)])
-        yield rows[:, :-1].contiguous(), (rows[:, 1:].contiguous(), torch.ones(rows.shape[0], m.seq_length))
+        mask = torch.ones(rows.shape[0], m.seq_length)
+        if loss_mask == "partial":
+            sample = first + torch.arange(rows.shape[0]).unsqueeze(1)
+            mask[(sample + torch.arange(m.seq_length)) % 4 == 0] = 0.0
+        yield rows[:, :-1].contiguous(), (rows[:, 1:].contiguous(), mask)
 
 
 def checksum(t: torch.Tensor) -> str:
@@ -56,34 +69,80 @@ def checksum(t: torch.Tensor) -> str:
 
 
 def run_one(config: Config, num_steps: int, layout_kwargs: dict[str, Any], fixes: bool = True,
-            preflight: bool = True) -> dict[str, Any]:
-    """Train `num_steps` steps; return what the tests compare."""
+            preflight: bool = True, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train `num_steps` steps; return what the tests compare. `options`: see the module docstring."""
     import torch.distributed as dist
 
     from megatron_ds.pipeline.layout import build_layout
-    from megatron_ds.training.engine import build_engine, grad_norm
+    from megatron_ds.training import checkpoint
+    from megatron_ds.training.engine import build_engine, grad_norm, install_fp32_grad_norm
     from megatron_ds.training.preflight import Watchdog
+    from megatron_ds.training.state import TrainState
 
+    opts = options or {}
     groups = naming.gpt_spec_groups(config.model)
     layout = build_layout(groups, config.parallel.pipeline_model_parallel_size, **layout_kwargs)
     bundle = build_engine(config, layout, preflight=preflight, fixes=fixes)
     engine = bundle.engine
+    if opts.get("stock_fp32_clip"):
+        install_fp32_grad_norm(engine, counted_only=False)
+    tp = bundle.model.tensor_parallel
+    result: dict[str, Any] = {"rank": dist.get_rank(), "stage": engine.stage_id, "tp_rank": tp.rank,
+                              "layout": layout.to_string()}
+    if opts.get("init_checksums"):
+        sums = full_parameter_checksums(bundle.model)
+        if tp.rank == 0:
+            result["init_checksums"] = sums
+    state = TrainState()
+    if opts.get("load"):
+        try:
+            state = checkpoint.load(engine, config, layout, opts["load"]) or state
+        except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+            if not opts.get("expect_error"):
+                raise
+            result["error"] = f"{type(e).__name__}: {e}"
+            return result
     watchdog = Watchdog(config.parallel.distributed_timeout_minutes * 60, dist.get_rank(), engine.stage_id)
     emb_before = _embedding(bundle.model)
     losses, norms = [], []
     dp_rank = engine.grid.get_data_parallel_rank()
-    for step in range(num_steps):
+    for step in range(state.iteration, state.iteration + num_steps):
+        batches = list(micro_batches(config, step, dp_rank, opts.get("loss_mask", "ones")))
         with watchdog.watch(f"train_batch of step {step}"):
-            loss = engine.train_batch(data_iter=iter(list(micro_batches(config, step, dp_rank))))
+            loss = engine.train_batch(data_iter=iter(batches))
         losses.append(float(loss.item()))
         norms.append(grad_norm(engine))
+    if opts.get("save"):
+        done = TrainState(iteration=state.iteration + num_steps,
+                          consumed_train_samples=(state.iteration + num_steps) * config.training.global_batch_size)
+        checkpoint.save(engine, config, layout, done, opts["save"])
     emb_after = _embedding(bundle.model)
-    result = {"rank": dist.get_rank(), "stage": engine.stage_id, "losses": losses, "grad_norms": norms,
-              "layout": layout.to_string()}
+    result.update({"losses": losses, "grad_norms": norms})
     if emb_after is not None:
         result["embedding_checksum"] = checksum(emb_after)
         result["embedding_changed"] = bool(not torch.equal(emb_before, emb_after))
     return result
+
+
+def full_parameter_checksums(model: torch.nn.Module) -> dict[str, str]:
+    """Checksum of every parameter's full value (gathered over tensor ranks), keyed by its name.
+
+    Names hold the spec index ("3.qkv.weight"), so they compare across layouts and T.
+    A collective over the tensor group at T > 1.
+    """
+    from megatron_ds.training.optimizer import GROUP_PLACEHOLDER_PREFIX
+
+    tp = model.tensor_parallel
+    sums = {}
+    for name, p in model.named_parameters():
+        if name.startswith(GROUP_PLACEHOLDER_PREFIX):
+            continue
+        if tp.size > 1:
+            from megatron_ds.model.tensor_parallel import gather_full
+
+            p = gather_full(p, tp)
+        sums[name] = checksum(p)
+    return sums
 
 
 def _embedding(model: torch.nn.Module) -> torch.Tensor | None:
@@ -108,7 +167,7 @@ def main(spec_path: str, out_dir: str) -> None:
         cfg = cfg.replace(parallel__data_parallel_size=env_world_size() // (p * tp))
         init_distributed(cfg.parallel)
         results.append(run_one(cfg, sc.get("steps", 3), sc.get("layout", {}), fixes=sc.get("fixes", True),
-                               preflight=sc.get("preflight", True)))
+                               preflight=sc.get("preflight", True), options=sc))
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

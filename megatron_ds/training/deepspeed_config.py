@@ -49,10 +49,16 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Generated keys that carry no flag's value: a user file may set them freely.
+USER_OVERRIDABLE = frozenset({"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer"})
+
+
 def merge(generated: dict[str, Any], user: dict[str, Any], user_path: str) -> dict[str, Any]:
-    """`generated` updated with `user`; a differing value for a generated key is an error."""
+    """`generated` updated with `user`; a differing value for a flag-derived key is an error."""
     ours, theirs = _flatten(generated), _flatten(user)
     for key, value in theirs.items():
+        if key in USER_OVERRIDABLE:
+            continue
         if key in ours and ours[key] != value and not _same_number(ours[key], value):
             raise DeepSpeedConfigError(
                 f"--deepspeed_config {user_path} sets {key}={value!r} but the flags give {ours[key]!r}; "

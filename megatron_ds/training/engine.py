@@ -46,11 +46,11 @@ def build_engine(config: Config, layout: Layout, lr_scheduler: Optional[Any] = N
         check_structure(model, optimizer, config)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                                    lr_scheduler=lr_scheduler)
-    _record_fp32_grad_norm(engine, counted_only=fixes)
+    install_fp32_grad_norm(engine, counted_only=fixes)
     return EngineBundle(engine=engine, model=model, optimizer=optimizer, ds_config=ds_config)
 
 
-def _record_fp32_grad_norm(engine: Any, counted_only: bool = True) -> None:
+def install_fp32_grad_norm(engine: Any, counted_only: bool = True) -> None:
     """Clip on the no-ZeRO fp32 path with the norm `mark_norm_counting` defines, and keep it.
 
     DeepSpeed's `clip_grad_norm_` there counts a parameter when the rank is first in its
