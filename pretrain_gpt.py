@@ -40,13 +40,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed warning on every rank
     from megatron_ds.arguments import parse_config
-    from megatron_ds.validation import build_run_layout
+    from megatron_ds.validation import build_run_layout, predicted_memory_table, uses_memory_model
 
     try:
         config, args = parse_config(argv)
         layout = build_run_layout(config)
         if args.print_layout:
             print(layout.format())
+            if uses_memory_model(config):
+                print(predicted_memory_table(config, layout))
             return 0
         from megatron_ds.training.inputs import check_inputs
         from megatron_ds.training.loop import pretrain

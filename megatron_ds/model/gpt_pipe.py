@@ -130,8 +130,20 @@ class GPTModelPipe(PipelineModule):
             activation_checkpoint_interval=train.checkpoint_num_layers if train.checkpoint_activations else 0,
         )
         assert self._grid.get_slice_parallel_rank() == tp.rank, (self._grid.get_slice_parallel_rank(), tp)
+        self._check_tied_group()
         if mark_norms:  # False only to demonstrate DeepSpeed's stage-0-only norm in tests
             mark_norm_counting(self, tp.rank)
+
+    def _check_tied_group(self) -> None:
+        # Invariant: each tied copy is reduced with exactly the other stage's copy of the same
+        # (data, tensor) coordinate, i.e. with the same vocabulary shard.
+        comm = self.tied_comms.get(naming.TIED_EMBEDDING_KEY)
+        if comm is None:  # P = 1, or an untied head
+            return
+        me = self._topo.get_coord(self.global_rank)
+        stages = sorted({self.stage_owner(i) for i, s in enumerate(self._layer_specs) if isinstance(s, TiedLayerSpec)})
+        expected = [self._topo.get_rank(pipe=s, data=me.data, model=me.model) for s in stages]
+        assert comm["ranks"] == expected, (comm["ranks"], expected)
 
     def _partition_layers(self, method: str = "megatron_ds.layout") -> None:
         del method  # boundaries come from the layout engine

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
+
+from megatron_ds.config import Config
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.topology import ProcessTopology
 
 
 @dataclass(frozen=True)
@@ -31,11 +36,8 @@ class TensorParallel:
 NO_TENSOR_PARALLEL = TensorParallel()
 
 
-def setup(config: Any, topology: Any) -> TensorParallel:
-    """Tensor-parallel groups for this run (call after torch.distributed, before the model).
-
-    `config` is the run's `Config`, `topology` DeepSpeed's process topology for it.
-    """
+def setup(config: Config, topology: "ProcessTopology") -> TensorParallel:
+    """Tensor-parallel groups for this run (call after torch.distributed, before the model)."""
     if config.parallel.tensor_model_parallel_size == 1:
         _forget_megatron_core_state()
         return NO_TENSOR_PARALLEL
@@ -82,20 +84,3 @@ def _linear(full_weight: torch.Tensor, bias: bool) -> nn.Linear:
     if bias:
         linear.bias.zero_()
     return linear
-
-
-def _state():
-    ps = sys.modules.get("megatron.core.parallel_state")
-    return ps if ps is not None and ps.model_parallel_is_initialized() else None
-
-
-def tensor_parallel_rank() -> int:
-    """This rank's tensor-parallel rank from megatron-core's state (0 when not set up)."""
-    ps = _state()
-    return 0 if ps is None else ps.get_tensor_model_parallel_rank()
-
-
-def tensor_parallel_world_size() -> int:
-    """Tensor-parallel ranks T from megatron-core's state (1 when not set up)."""
-    ps = _state()
-    return 1 if ps is None else ps.get_tensor_model_parallel_world_size()

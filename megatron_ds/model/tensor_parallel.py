@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.runtime.pipe.topology import ProcessTopology
 from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import (
@@ -50,7 +51,7 @@ class TensorParallelSetupError(RuntimeError):
     """megatron-core's process groups do not match DeepSpeed's topology."""
 
 
-def setup(config: Config, topology: Any) -> TensorParallel:
+def setup(config: Config, topology: ProcessTopology) -> TensorParallel:
     """Initialise megatron-core for T = `tensor_model_parallel_size`; check its groups; share the RNG tracker."""
     par = config.parallel
     t, p = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -85,7 +86,7 @@ def _check_divisible(model: ModelConfig, t: int) -> None:
         assert value % t == 0, f"{what} {value} not divisible by tensor-parallel size {t}"
 
 
-def check_groups_match(topology: Any) -> None:
+def check_groups_match(topology: ProcessTopology) -> None:
     """Raise TensorParallelSetupError on every rank unless megatron-core's groups equal DeepSpeed's axes."""
     mine = {
         "model": dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group()),

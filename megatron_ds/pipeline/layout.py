@@ -120,10 +120,13 @@ def build_layout(
     layout: Optional[str] = None,
     partition_method: Optional[str] = None,
     spec_weights: Optional[Sequence[float]] = None,
+    memory_inputs: Optional[object] = None,
 ) -> Layout:
     """Turn the layout options into a `Layout`; at most one of the three options may be set.
 
-    `spec_weights` is one number per spec (parameter counts) for `partition_method='parameters'`.
+    `spec_weights` is one number per spec (parameter counts) for `partition_method='parameters'`;
+    `memory_inputs` (a `megatron_ds.plan.memory_model.MemoryInputs`) is what the `memory` method
+    (also `--pp-layout auto`) balances.
     """
     given = [f for f, v in (("--pp-dedicated-embedding-stages", dedicated != "none"),
                             ("--pp-layout", layout is not None),
@@ -134,6 +137,13 @@ def build_layout(
         raise LayoutError(f"--pipeline-model-parallel-size must be >= 1, got {num_stages}")
     if groups.num_layers < 1:
         raise LayoutError(f"--num-layers must be >= 1, got {groups.num_layers}")
+    if layout is not None and layout.strip().lower() == "auto":
+        layout, partition_method = None, "memory"
+    if partition_method == "memory":
+        from megatron_ds.pipeline.balance import memory_balanced_layout
+
+        assert memory_inputs is not None, "the memory partition needs the memory model's inputs"
+        return memory_balanced_layout(groups, num_stages, memory_inputs)
     if layout is not None:
         counts = parse_layout_string(layout, groups.num_layers, num_stages)
         return Layout(groups, tuple(counts), f"layout {layout}")
@@ -175,7 +185,7 @@ def _method_weights(groups: SpecGroups, method: str, spec_weights: Optional[Sequ
             raise AssertionError("partition method 'parameters' needs one parameter count per spec")
         return [float(w) for w in spec_weights]
     if not method.startswith("type:"):
-        raise LayoutError(f"{flag} is not a known method; use uniform, parameters, type:REGEX or "
+        raise LayoutError(f"{flag} is not a known method; use uniform, parameters, memory, type:REGEX or "
                           f"type:NAME:WEIGHT|NAME:WEIGHT")
     body = method[len("type:"):]
     terms = body.split("|")

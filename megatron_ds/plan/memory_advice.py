@@ -53,7 +53,13 @@ def current(ctx: Context) -> search.Candidate:
     res, raw = ctx.res, ctx.res.raw
     if raw.pipeline_model_parallel_size and raw.micro_batch_size:
         t = raw.tensor_model_parallel_size or 1
-        dp = res.num_gpus // (t * raw.pipeline_model_parallel_size)
+        p, mb = raw.pipeline_model_parallel_size, raw.micro_batch_size
+        dp = res.num_gpus // (t * p)
+        if res.num_gpus % (t * p) or res.global_batch_size % (mb * dp):
+            raise PlanError(f"--num-gpus {res.num_gpus}, --tensor-model-parallel-size {t}, --pipeline-model-parallel-"
+                            f"size {p}, --micro-batch-size {mb} and --global-batch-size {res.global_batch_size} do "
+                            f"not divide: GPUs must be a multiple of t x p and the global batch of micro-batch x "
+                            f"data-parallel size ({mb} x {max(dp, 1)})")
         zero = raw.zero_stage if raw.zero_stage is not None else 0
         return search.evaluate(res, t, raw.pipeline_model_parallel_size, raw.micro_batch_size, zero, ctx.precision,
                                bool(raw.checkpoint_activations), raw.layout or "none")
@@ -93,7 +99,11 @@ def _diagnose(ctx: Context, sec: Section, stages: list[StageMemory]) -> None:
                 f"loss gradients (b x s x vocab x 4 bytes each), so both exceed stages that hold only layers.")
     if mid:
         sec.add(f"Predicted for this configuration: first {format_bytes(first.total)}, largest middle "
-                f"{format_bytes(mid)}, last {format_bytes(last.total)}.")
+                f"{format_bytes(mid)}, last {format_bytes(last.total)} (first/middle {first.total / mid:.2f}, "
+                f"last/middle {last.total / mid:.2f}"
+                + (f"; reported {reported['first'] / reported['middle']:.2f} and "
+                   f"{reported['last'] / reported['middle']:.2f}" if {"first", "middle", "last"} <= set(reported)
+                   else "") + ").")
     peak = ctx.res.raw.oom_stage if ctx.res.raw.oom_stage is not None else max(stages, key=lambda s: s.total).stage
     if not 0 <= peak < len(stages):
         raise PlanError(f"--oom-stage {peak} is not a stage of this {len(stages)}-stage pipeline; give 0..{len(stages) - 1}")
@@ -108,36 +118,42 @@ def _diagnose(ctx: Context, sec: Section, stages: list[StageMemory]) -> None:
         sec.check(False, f"stage {peak} predicted {format_bytes(st.total)} exceeds {format_bytes(ctx.res.usable_bytes)}")
 
 
-def _peak(ctx: Context, now: search.Candidate, **changes) -> Optional[float]:
+def _peak(ctx: Context, now: search.Candidate, **changes) -> Optional[search.Candidate]:
     vals = {"tp": now.tp, "pp": now.pp, "mb": now.micro_batch_size, "zero": now.zero_stage,
             "precision": now.precision, "ckpt": now.checkpoint_activations, "method": now.method, **changes}
     try:
-        return search.evaluate(ctx.res, **vals).peak.total
+        return search.evaluate(ctx.res, **vals)
     except (LayoutError, ValueError, ZeroDivisionError):
         return None
+
+
+def _saving(base: float, cand: Optional[search.Candidate]) -> float:
+    return 0.0 if cand is None else base - cand.peak.total
 
 
 def _changes(ctx: Context, now: search.Candidate) -> list[Change]:
     base, out = now.peak.total, []
     if now.pp > 1:
-        for method, flags in (("memory", "--pp-partition-method memory"), ("both", "--pp-dedicated-embedding-stages")):
-            new = _peak(ctx, now, method=method)
-            if new is not None and method != now.method:
-                out.append(Change(f"rebalance stages ({method})", flags, base - new,
-                                  "none in memory or communication; stage times become unequal", 0))
+        for method in ("memory", "both"):
+            cand = _peak(ctx, now, method=method)
+            if cand is None or method == now.method or _saving(base, cand) <= 0:
+                continue
+            flags = (f"--pp-layout '{cand.layout.to_string()}' (memory-balanced)" if method == "memory"
+                     else "--pp-dedicated-embedding-stages both")
+            out.append(Change(f"rebalance stages ({method})", flags, _saving(base, cand),
+                              "none in memory or communication; stage times become unequal", 0))
     if now.zero_stage == 0 and now.dp > 1:
-        new = _peak(ctx, now, zero=1)
-        out.append(Change("ZeRO-1", "--zero-stage 1", base - (new or base),
+        out.append(Change("ZeRO-1", "--zero-stage 1", _saving(base, _peak(ctx, now, zero=1)),
                           "same communication volume as data parallelism (ZeRO paper Sec. 7)", 0))
     if not now.checkpoint_activations:
-        new = _peak(ctx, now, ckpt=True)
-        out.append(Change("activation recomputation", "--checkpoint-activations", base - (new or base),
+        out.append(Change("activation recomputation", "--checkpoint-activations",
+                          _saving(base, _peak(ctx, now, ckpt=True)),
                           "about one extra forward per layer, ~1/3 more compute (Korthikanti et al. 2022)", 1))
-    if now.micro_batch_size > 1 and ctx.res.global_batch_size % (now.micro_batch_size // 2 * now.dp) == 0:
-        new = _peak(ctx, now, mb=now.micro_batch_size // 2)
-        out.append(Change("halve the micro-batch", f"--micro-batch-size {now.micro_batch_size // 2}",
-                          base - (new or base), "smaller matrix multiplies (lower GPU efficiency); twice the "
-                          "micro-batches, which shrinks the bubble", 1))
+    half = now.micro_batch_size // 2
+    if half and ctx.res.global_batch_size % (half * now.dp) == 0:
+        out.append(Change("halve the micro-batch", f"--micro-batch-size {half}", _saving(base, _peak(ctx, now, mb=half)),
+                          "smaller matrix multiplies (lower GPU efficiency); twice the micro-batches, which shrinks "
+                          "the bubble", 1))
     out.append(_offload_change(ctx, now))
     out.append(Change("1-bit Adam / 0/1 Adam / 1-bit LAMB", "optimizer type OneBitAdam etc.", 0.0,
                       "no memory saving: they compress gradient communication and keep Adam's states plus error-"

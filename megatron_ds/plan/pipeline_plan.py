@@ -10,9 +10,9 @@ from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.memory_model import format_bytes
 from megatron_ds.plan.report import Section
 
-METHOD_FLAGS = {"none": "(default type:transformer partition)", "pre": "--pp-dedicated-embedding-stages pre",
+METHOD_FLAGS = {"none": "the default type:transformer partition", "pre": "--pp-dedicated-embedding-stages pre",
                 "post": "--pp-dedicated-embedding-stages post", "both": "--pp-dedicated-embedding-stages both",
-                "memory": "--pp-partition-method memory (written as the equivalent --pp-layout)"}
+                "memory": "memory-balanced, megatron_ds.pipeline.balance; passed as the equivalent --pp-layout"}
 
 
 def pipeline_section(ctx: Context) -> Section:
@@ -30,7 +30,7 @@ def pipeline_section(ctx: Context) -> Section:
             f"micro-batches (gradient accumulation steps) x data parallel {plan.dp}.",
             f"Precision {plan.precision}, ZeRO-{plan.zero_stage}, activation recomputation "
             f"{'on' if plan.checkpoint_activations else 'off'}.",
-            f"Layout method: {plan.method} {METHOD_FLAGS[plan.method]}; the table below is what "
+            f"Layout method: {plan.method} ({METHOD_FLAGS[plan.method]}); the table below is what "
             f"`pretrain_gpt.py --print-layout` prints for the command further down:", "")
     sec.add(*plan.layout.format().splitlines(), "")
     sec.add(*format_memory_table(plan.stages, res.usable_bytes).splitlines())

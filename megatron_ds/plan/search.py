@@ -96,8 +96,11 @@ def degree_pairs(res: Resolved) -> list[tuple[int, int]]:
     pairs = [(t, p) for t in ts for p in ps
              if res.num_gpus % (t * p) == 0 and dims["num_attention_heads"] % t == 0 and ffn % t == 0]
     if not pairs:
-        raise PlanError(f"no tensor/pipeline degrees divide --num-gpus {res.num_gpus} (with t dividing "
-                        f"{dims['num_attention_heads']} heads and FFN {ffn}); change --num-gpus or the fixed degrees")
+        fixed = " ".join(f"--{n.replace('_', '-')} {getattr(raw, n)}" for n in
+                         ("tensor_model_parallel_size", "pipeline_model_parallel_size") if getattr(raw, n))
+        raise PlanError(f"no tensor x pipeline degree divides --num-gpus {res.num_gpus}"
+                        + (f" with {fixed}" if fixed else "") + f" (t must also divide {dims['num_attention_heads']} "
+                        f"heads and FFN {ffn}); choose degrees whose product divides the GPU count")
     return sorted(pairs, key=lambda tp: (tp[0] * tp[1], -tp[0]))
 
 

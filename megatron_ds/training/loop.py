@@ -62,6 +62,10 @@ def setup(config: Config, layout: Layout) -> Run:
     init_distributed(config.parallel)
     rank = dist.get_rank()
     print_rank0(rank, layout.format())
+    from megatron_ds.validation import predicted_memory_table, uses_memory_model
+
+    if uses_memory_model(config):
+        print_rank0(rank, predicted_memory_table(config, layout))
     set_seeds(config.training.seed)
     train_iters = config.training.train_iters
     bundle = build_engine(config, layout,

@@ -142,11 +142,18 @@ def gathered_init(ranks: list[dict]) -> dict[str, str]:
 
 # --- T=2 x P=2 (4 ranks) ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["fp32", "fp32_zero1", "untied", "dp2"])
+@pytest.mark.parametrize("name", ["fp32", "fp32_zero1"])
 def test_fp32_equals_single_process(four_ranks: dict, reference: dict, name: str) -> None:
-    assert_matches(four_ranks[name], reference["untied" if name == "untied" else "fp32"])
-    if name != "dp2":
-        assert_tied_shards_in_sync(four_ranks[name], num_stages=2) if name != "untied" else None
+    assert_matches(four_ranks[name], reference["fp32"])
+    assert_tied_shards_in_sync(four_ranks[name], num_stages=2)
+
+
+def test_untied_head_equals_single_process(four_ranks: dict, reference: dict) -> None:
+    assert_matches(four_ranks["untied"], reference["untied"])
+
+
+def test_data_parallel_replicas_equal_single_process(four_ranks: dict, reference: dict) -> None:
+    assert_matches(four_ranks["dp2"], reference["fp32"])
 
 
 def test_gathered_initial_weights_equal_t1(four_ranks: dict, reference: dict) -> None:
@@ -154,16 +161,16 @@ def test_gathered_initial_weights_equal_t1(four_ranks: dict, reference: dict) ->
     assert ours == ref, sorted(k for k in ref if ours.get(k) != ref[k])
 
 
+def test_stock_fp32_clip_counts_tied_shard_twice(four_ranks: dict, reference: dict) -> None:
+    """DeepSpeed's own no-ZeRO fp32 norm, at T > 1, counts the last stage's tied shard again."""
+    stock, ref = four_ranks["stock_clip"][0]["grad_norms"][0], reference["fp32"]["grad_norms"][0]
+    assert stock > (1 + 2 * BF16_NORM_RTOL) * ref, (stock, ref)  # also: bf16's tolerance would see it
+
+
 @pytest.mark.parametrize("name", ["bf16", "bf16_zero1"])
 def test_bf16_trains_near_reference_and_counts_norm_once(four_ranks: dict, reference: dict, name: str) -> None:
     assert_matches(four_ranks[name], reference["fp32"], tol=BF16_LOSS_TOL, norm_rtol=BF16_NORM_RTOL)
     assert_tied_shards_in_sync(four_ranks[name], num_stages=2)
-
-
-def test_stock_fp32_clip_counts_tied_shard_twice(four_ranks: dict, reference: dict) -> None:
-    """DeepSpeed's own no-ZeRO fp32 norm, at T > 1, counts the last stage's tied shard again."""
-    stock = four_ranks["stock_clip"][0]["grad_norms"][0]
-    assert stock > (1 + 1e-3) * reference["fp32"]["grad_norms"][0], (stock, reference["fp32"]["grad_norms"][0])
 
 
 def test_hidden_dropout_with_recompute_equals_single_process(four_ranks: dict, reference: dict) -> None:

@@ -1,0 +1,133 @@
+"""Tensor-parallel shards, initialization and dropout streams, without a process group.
+
+The layout of the fused QKV shard is checked mathematically: simulating T ranks in one process
+(column-parallel QKV and fc1 shards, local heads, row-parallel proj and fc2 partial sums) must
+give the T=1 layer's output. The multi-rank tests check the same through megatron-core's layers.
+"""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.model import rng
+from megatron_ds.model.init import gather_qkv, shard, shard_qkv
+from megatron_ds.model.layers import PositionEmbedding
+from megatron_ds.model.transformer import TransformerLayer
+
+MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
+                    max_position_embeddings=8, vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
+SEED = 1234 * 1_000_003 + 3
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_qkv_shards_hold_their_heads_and_gather_back(t: int) -> None:
+    h, nh = MODEL.hidden_size, MODEL.num_attention_heads
+    hd = h // nh
+    full = torch.randn(3 * h, h)
+    shards = [shard_qkv(full, nh, t, r) for r in range(t)]
+    assert torch.equal(gather_qkv(shards, nh), full)
+    bias = torch.randn(3 * h)
+    assert torch.equal(gather_qkv([shard_qkv(bias, nh, t, r) for r in range(t)], nh), bias)
+    for r, s in enumerate(shards):  # shard r = q, k, v rows of heads [r*nh/t, (r+1)*nh/t)
+        heads = range(r * nh // t, (r + 1) * nh // t)
+        expected = torch.cat([full[part * h + head * hd: part * h + (head + 1) * hd]
+                              for part in range(3) for head in heads])
+        assert torch.equal(s, expected)
+
+
+def _simulated_tensor_parallel_forward(layer: TransformerLayer, x: torch.Tensor, t: int) -> torch.Tensor:
+    """What T ranks compute with shards of `layer`'s (T=1) weights, summed as the all-reduces would."""
+    b, s, h = x.shape
+    nh = MODEL.num_attention_heads
+    hd = h // nh
+    normed = layer.input_norm(x)
+    attn_out = torch.zeros_like(x)
+    for r in range(t):
+        w, bias = shard_qkv(layer.qkv.weight, nh, t, r), shard_qkv(layer.qkv.bias, nh, t, r)
+        qkv = F.linear(normed, w, bias).view(b, s, 3, nh // t, hd)
+        q, k, v = (u.transpose(1, 2) for u in qkv.unbind(dim=2))
+        local = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h // t)
+        attn_out = attn_out + F.linear(local, shard(layer.proj.weight, 1, t, r))
+    x = x + attn_out + layer.proj.bias
+    normed = layer.post_attention_norm(x)
+    mlp = torch.zeros_like(x)
+    for r in range(t):
+        inner = F.gelu(F.linear(normed, shard(layer.fc1.weight, 0, t, r), shard(layer.fc1.bias, 0, t, r)))
+        mlp = mlp + F.linear(inner, shard(layer.fc2.weight, 1, t, r))
+    return x + mlp + layer.fc2.bias
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@torch.no_grad()
+def test_sharded_layer_computes_the_t1_layer(t: int) -> None:
+    layer = TransformerLayer(MODEL, SEED).eval()
+    for p in layer.parameters():  # non-zero biases and norms, so their sharding is exercised too
+        p.add_(0.01 * torch.randn(p.shape))
+    x = torch.randn(2, MODEL.seq_length, MODEL.hidden_size)
+    torch.testing.assert_close(_simulated_tensor_parallel_forward(layer, x, t), layer(x), rtol=0, atol=1e-6)
+
+
+def test_initial_weights_are_a_function_of_the_seed_only() -> None:
+    torch.manual_seed(0)
+    a = TransformerLayer(MODEL, SEED)
+    torch.manual_seed(1)  # the global generator does not matter (nn.Linear's own init is overwritten)
+    b = TransformerLayer(MODEL, SEED)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    assert not torch.equal(a.qkv.weight, TransformerLayer(MODEL, SEED + 1).qkv.weight)
+
+
+def test_validation_refuses_sizes_tensor_parallelism_cannot_split() -> None:
+    from megatron_ds.validation import ConfigError, _parallel_config
+
+    args = argparse.Namespace(pipeline_model_parallel_size=1, tensor_model_parallel_size=3, world_size=3,
+                              distributed_timeout_minutes=1.0, pp_dedicated_embedding_stages="none",
+                              pp_layout=None, pp_partition_method=None, distributed_backend=None)
+    model = ModelConfig(num_layers=2, hidden_size=48, num_attention_heads=6, ffn_hidden_size=192, seq_length=8,
+                        max_position_embeddings=8, vocab_size=128)
+    with pytest.raises(ConfigError, match="padded vocabulary size 128 is not divisible by --tensor-model-par"):
+        _parallel_config(args, model, None)
+    with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible"):
+        _parallel_config(args, MODEL, None)
+
+
+def _train_step(layer: TransformerLayer, x: torch.Tensor, recompute: bool) -> list[torch.Tensor]:
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    layer.zero_grad()
+    rng.reset_streams()
+    inp = x.clone().requires_grad_(True)
+    out = checkpointing.checkpoint(layer, inp) if recompute else layer(inp)
+    out.square().sum().backward()
+    return [out.detach(), inp.grad] + [p.grad.clone() for p in layer.parameters()]
+
+
+def test_dropout_masks_replay_under_deepspeed_recompute() -> None:
+    """Activation checkpointing restores the dropout streams: the recomputed forward is the same."""
+    model = ModelConfig(**{**MODEL.__dict__, "hidden_dropout": 0.2, "attention_dropout": 0.2})
+    layer = TransformerLayer(model, SEED).train()
+    x = torch.randn(2, model.seq_length, model.hidden_size)
+    plain = _train_step(layer, x, recompute=False)
+    torch.manual_seed(99)  # what the default generator holds does not matter: the streams are the spec's
+    again = _train_step(layer, x, recompute=True)
+    for a, b in zip(plain, again):
+        assert torch.equal(a, b)
+    assert not torch.equal(plain[0], layer.eval()(x))  # dropout was active
+
+
+def test_replicated_stream_is_independent_of_the_default_generator() -> None:
+    rng.reset_streams()
+    embed = PositionEmbedding(ModelConfig(**{**MODEL.__dict__, "hidden_dropout": 0.5}), SEED).train()
+    x = torch.zeros(2, MODEL.seq_length, MODEL.hidden_size)
+    torch.manual_seed(5)
+    first = embed(x)
+    default_after = torch.get_rng_state()
+    rng.reset_streams()
+    torch.manual_seed(6)
+    assert torch.equal(embed(x), first)
+    torch.manual_seed(5)
+    assert torch.equal(torch.get_rng_state(), default_after)  # the default generator was not advanced
