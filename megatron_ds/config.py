@@ -44,6 +44,25 @@ class ModelConfig:
     """Norm type: `layernorm` or `rmsnorm` (`--normalization`)."""
     untie_embeddings_and_output_weights: bool = False
     """Give the post stage its own LM head instead of the tied word embedding."""
+    num_key_value_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention (`--num-key-value-heads`); divides
+    num_attention_heads. None: one per attention head (multi-head attention, also what a value
+    equal to --num-attention-heads gives). See `kv_heads`."""
+    swiglu: bool = False
+    """SwiGLU MLP instead of GeLU (`--swiglu`): fc1 produces 2 x ffn_hidden_size features,
+    silu(first half) * second half feeds fc2, as Megatron's gated MLP."""
+    use_rotary_position_embeddings: bool = False
+    """Rotary position embeddings on q and k in every attention (`--use-rotary-position-embeddings`)."""
+    add_position_embedding: bool = True
+    """Add the learned absolute position embedding after the word embedding; False with
+    `--no-position-embedding` (Llama-style models that use rotary embeddings only)."""
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linear layers; False with `--disable-bias-linear`."""
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads actually used: num_key_value_heads, or num_attention_heads when None."""
+        return self.num_key_value_heads or self.num_attention_heads
 
 
 @dataclass(frozen=True)
@@ -133,6 +152,19 @@ class OptimizerConfig:
     """Iterations over which lr decays to min_lr; train iterations by default (`--lr-decay-iters`)."""
     lr_warmup_iters: int = 0
     """Linear warm-up iterations (`--lr-warmup-iters`); see also `--lr-warmup-fraction`."""
+    lr_warmup_samples: int = 0
+    """Linear warm-up over this many samples (`--lr-warmup-samples`; sample-based training)."""
+    lr_decay_samples: Optional[int] = None
+    """Samples over which lr decays (`--lr-decay-samples`); --train-samples by default."""
+    lr_warmup_tokens: Optional[int] = None
+    """Linear warm-up over this many tokens (`--lr-warmup-tokens`); tokens = samples x seq_length."""
+    lr_decay_tokens: Optional[int] = None
+    """Tokens over which lr decays (`--lr-decay-tokens`); takes precedence over iterations/samples."""
+    override_opt_param_scheduler: bool = False
+    """On resume use the flags' schedule, not the checkpoint's (`--override-opt_param-scheduler`)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume use the checkpoint's schedule, not the flags' (`--use-checkpoint-opt_param-scheduler`).
+    With neither flag a difference between the two is an error."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +195,21 @@ class TrainingConfig:
     """Optional user DeepSpeed JSON merged into the generated one (`--deepspeed_config`)."""
     exit_interval: Optional[int] = None
     """Stop after this iteration (`--exit-interval`)."""
+    exit_duration_in_mins: Optional[float] = None
+    """Save (with `--save`) and stop once training has run this long (`--exit-duration-in-mins`);
+    checked after every iteration, the same on every rank."""
+    train_tokens: Optional[int] = None
+    """Stop once this many tokens are consumed (`--train-tokens`); already folded into train_iters."""
+    loss_scale: Optional[float] = None
+    """fp16 only: a static loss scale; None means dynamic scaling (`--loss-scale`)."""
+    initial_loss_scale: Optional[float] = None
+    """fp16 only: first dynamic loss scale, a power of 2; DeepSpeed's 2**16 when None (`--initial-loss-scale`)."""
+    min_loss_scale: Optional[float] = None
+    """fp16 only: floor of the dynamic loss scale; 1 when None (`--min-loss-scale`)."""
+    loss_scale_window: Optional[int] = None
+    """fp16 only: steps without overflow before the scale doubles; 1000 when None (`--loss-scale-window`)."""
+    hysteresis: Optional[int] = None
+    """fp16 only: overflows tolerated before the scale is lowered; 2 when None (`--hysteresis`)."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +242,25 @@ class LoggingConfig:
     """Write TensorBoard scalars here (`--tensorboard-dir`)."""
     log_memory: bool = True
     """Print each stage's measured memory once, after the first log interval (`--log-memory`)."""
+    tensorboard_queue_size: int = 1000
+    """Events the TensorBoard writer buffers before flushing (`--tensorboard-queue-size`)."""
+    log_timers_to_tensorboard: bool = False
+    """Write the time per iteration (ms) to TensorBoard (`--log-timers-to-tensorboard`)."""
+    log_batch_size_to_tensorboard: bool = False
+    """Write the global batch size to TensorBoard (`--log-batch-size-to-tensorboard`)."""
+    log_learning_rate_to_tensorboard: bool = True
+    """Write the learning rate; off with Megatron's `--no-log-learnig-rate-to-tensorboard`."""
+    log_loss_scale_to_tensorboard: bool = True
+    """Write the fp16 loss scale; off with `--no-log-loss-scale-to-tensorboard`."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """Write validation/test perplexity next to the loss (`--log-validation-ppl-to-tensorboard`)."""
+    log_optimizer_states_to_tensorboard: bool = False
+    """Write L2/L1 norms of the Adam moments and weights held by the logging rank (the last
+    stage, its ZeRO partition) (`--log-optimizer-states-to-tensorboard`)."""
+    log_memory_to_tensorboard: bool = False
+    """Write the logging rank's measured memory when the memory report is made (`--log-memory-to-tensorboard`)."""
+    log_world_size_to_tensorboard: bool = False
+    """Write the world size (`--log-world-size-to-tensorboard`)."""
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
+import sys
 from typing import Optional
 
 import torch
 
+from megatron_ds import compat
 from megatron_ds.config import (
     CheckpointConfig,
     Config,
@@ -22,6 +25,24 @@ from megatron_ds.config import (
 
 class ConfigError(ValueError):
     """A bad flag value; the message names the flag, the value and the fix."""
+
+
+def warn(message: str) -> None:
+    """A one-line warning for an ignored option, printed once (by rank 0) before training starts."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _refuse_values(args: argparse.Namespace) -> None:
+    """Refused values of accepted flags (`compat.REFUSED_VALUES`), before anything else is checked."""
+    for flag, value in compat.REFUSED_VALUES:
+        dest = flag.lstrip("-").replace("-", "_")
+        if str(getattr(args, dest, None)) == value:
+            raise ConfigError(compat.refusal_message(flag, value))
 
 
 def _require(args: argparse.Namespace, *names: str) -> None:
@@ -81,25 +102,79 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be in [0, 1)")
-    return ModelConfig(
+    _check_fixed_model_options(args)
+    model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, seq_length=args.seq_length,
         max_position_embeddings=max_pos, vocab_size=_vocab_size(args), hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         layernorm_epsilon=args.layernorm_epsilon, normalization=args.normalization,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        num_key_value_heads=_kv_heads(args), swiglu=args.swiglu,
+        use_rotary_position_embeddings=args.use_rotary_position_embeddings,
+        add_position_embedding=args.add_position_embedding, add_bias_linear=args.add_bias_linear)
+    _refuse_pending(model)
+    return model
+
+
+def _kv_heads(args: argparse.Namespace) -> Optional[int]:
+    """--num-key-value-heads, or None for plain multi-head attention (also when equal to the heads)."""
+    kv, heads = args.num_key_value_heads, args.num_attention_heads
+    if kv is None:
+        return None
+    if kv < 1 or heads % kv:
+        raise ConfigError(f"--num-key-value-heads {kv} must divide --num-attention-heads {heads}; choose a "
+                          f"divisor of {heads}")
+    return None if kv == heads else kv
+
+
+def _check_fixed_model_options(args: argparse.Namespace) -> None:
+    """Megatron options accepted only at the one value the model builds."""
+    head_dim = args.hidden_size // args.num_attention_heads
+    if args.kv_channels is not None and args.kv_channels != head_dim:
+        raise ConfigError(f"--kv-channels {args.kv_channels} is not supported: only --hidden-size / "
+                          f"--num-attention-heads = {head_dim} is built; drop --kv-channels")
+    if any(n != 1 for n in args.num_experts):
+        raise ConfigError(f"--num-experts {' '.join(map(str, args.num_experts))} is not supported: "
+                          f"mixture-of-experts models are not built; use --num-experts 1 or drop it")
+    if args.vocab_extra_ids != 0:
+        raise ConfigError(f"--vocab-extra-ids {args.vocab_extra_ids} is not supported: extra sentinel ids are "
+                          f"for T5-style models; drop it")
+
+
+def _refuse_pending(model: ModelConfig) -> None:
+    """Architecture options the model does not implement yet (`compat.PENDING_MODEL_FIELDS`)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for f in compat.FLAGS:
+        if f.model_field in compat.PENDING_MODEL_FIELDS and getattr(model, f.model_field) != defaults[f.model_field]:
+            raise ConfigError(compat.pending_message(f.model_field, f.name))
+
+
+def _dedicated_stages(args: argparse.Namespace) -> str:
+    """--pp-dedicated-embedding-stages, with Megatron's --standalone-embedding-stage folded in (= pre)."""
+    dedicated = args.pp_dedicated_embedding_stages
+    if not args.standalone_embedding_stage:
+        return dedicated
+    if args.pp_layout is not None:
+        raise ConfigError("--standalone-embedding-stage and --pp-layout were both given; start the layout with "
+                          "'E|' and drop --standalone-embedding-stage")
+    return {"none": "pre", "post": "both"}.get(dedicated, dedicated)
 
 
 def _parallel_config(args: argparse.Namespace, model: ModelConfig, world_size: Optional[int]) -> ParallelConfig:
     p, t = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
     if p < 1 or t < 1:
         raise ConfigError(f"--pipeline-model-parallel-size {p} and --tensor-model-parallel-size {t} must be >= 1")
+    if args.no_pipeline_parallel and p != 1:
+        raise ConfigError(f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {p}); drop one of "
+                          f"the two")
     world = world_size or args.world_size or int(os.environ.get("WORLD_SIZE", p * t))
     if world % (p * t):
         raise ConfigError(f"world size {world} is not divisible by --pipeline-model-parallel-size {p} x "
                           f"--tensor-model-parallel-size {t}; launch a multiple of {p * t} processes")
     if t > 1:
         for flag, value in (("--num-attention-heads", model.num_attention_heads),
+                            ("--num-key-value-heads", model.kv_heads),
                             ("--ffn-hidden-size", model.ffn_hidden_size)):
             if value % t:
                 raise ConfigError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {t}; "
@@ -111,12 +186,12 @@ def _parallel_config(args: argparse.Namespace, model: ModelConfig, world_size: O
         raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be > 0")
     return ParallelConfig(
         pipeline_model_parallel_size=p, tensor_model_parallel_size=t, data_parallel_size=world // (p * t),
-        pp_dedicated_embedding_stages=args.pp_dedicated_embedding_stages, pp_layout=args.pp_layout,
+        pp_dedicated_embedding_stages=_dedicated_stages(args), pp_layout=args.pp_layout,
         pp_partition_method=args.pp_partition_method, distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
 
 
-def _training_config(args: argparse.Namespace, parallel: ParallelConfig) -> TrainingConfig:
+def _training_config(args: argparse.Namespace, parallel: ParallelConfig, model: ModelConfig) -> TrainingConfig:
     mbs = args.micro_batch_size or 1
     dp = parallel.data_parallel_size
     gbs = args.global_batch_size or mbs * dp
@@ -128,58 +203,176 @@ def _training_config(args: argparse.Namespace, parallel: ParallelConfig) -> Trai
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     if precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); use --bf16 or fp32")
-    if args.zero_stage > 1:
-        # pretrain_gpt.py always runs DeepSpeed's pipeline engine (a 1-stage pipeline when P=1).
-        raise ConfigError(f"--zero-stage {args.zero_stage} with --pipeline-model-parallel-size "
-                          f"{parallel.pipeline_model_parallel_size}: DeepSpeed's pipeline engine supports ZeRO 0 "
-                          f"and 1 only; use --zero-stage 1")
-    if args.checkpoint_num_layers < 1:
-        raise ConfigError(f"--checkpoint-num-layers {args.checkpoint_num_layers} must be >= 1")
+    # ZeRO 2/3 are refused by _refuse_values: DeepSpeed's pipeline engine runs even at P=1.
+    recompute, chunk = _recompute(args)
+    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+        raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0")
     return TrainingConfig(
-        micro_batch_size=mbs, global_batch_size=gbs, train_iters=_train_iters(args, gbs),
+        micro_batch_size=mbs, global_batch_size=gbs, train_iters=train_length(args, gbs, model.seq_length)[0],
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, seed=args.seed, precision=precision,
-        zero_stage=args.zero_stage, checkpoint_activations=args.checkpoint_activations,
-        checkpoint_num_layers=args.checkpoint_num_layers, deepspeed_config=args.deepspeed_config,
-        exit_interval=args.exit_interval)
+        zero_stage=args.zero_stage, checkpoint_activations=recompute, checkpoint_num_layers=chunk,
+        deepspeed_config=args.deepspeed_config, exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins, train_tokens=args.train_tokens,
+        **_loss_scale(args, precision))
 
 
-def _train_iters(args: argparse.Namespace, gbs: int) -> int:
+def _one_of(args: argparse.Namespace, *dests: str) -> Optional[object]:
+    """The value of whichever of two equivalent flags was given; both, differing, is an error."""
+    given = [(d, getattr(args, d)) for d in dests if getattr(args, d) is not None]
+    if len({v for _, v in given}) > 1:
+        raise ConfigError(f"{' and '.join(f'{_flag(d)} {v}' for d, v in given)} disagree; keep one")
+    return given[0][1] if given else None
+
+
+def _recompute(args: argparse.Namespace) -> tuple[bool, int]:
+    """(recompute?, layers per chunk) from --checkpoint-activations and Megatron's --recompute-* flags."""
+    method = _one_of(args, "recompute_method", "activations_checkpoint_method")
+    layers = _one_of(args, "recompute_num_layers", "activations_checkpoint_num_layers")
+    granularity = args.recompute_granularity
+    if granularity is None and args.activations_checkpoint_method is not None:
+        granularity = "full"  # the older flag alone turned recomputation on
+    if granularity == "full" and method is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method uniform; add it")
+    if granularity is None and (method is not None or layers is not None):
+        raise ConfigError("--recompute-method/--recompute-num-layers need --recompute-granularity full; add it")
+    # Megatron-DeepSpeed's GPTModelPipe: --checkpoint-activations uses --checkpoint-num-layers, else
+    # full/uniform recomputation uses --recompute-num-layers.
+    ckpt_layers = args.checkpoint_num_layers
+    if args.checkpoint_activations and granularity == "full" and None not in (ckpt_layers, layers) \
+            and ckpt_layers != layers:
+        raise ConfigError(f"--checkpoint-num-layers {ckpt_layers} and --recompute-num-layers {layers} disagree; "
+                          f"keep one")
+    use_recompute_layers = granularity == "full" and not (args.checkpoint_activations and ckpt_layers is not None)
+    chunk = layers if use_recompute_layers else ckpt_layers
+    chunk = 1 if chunk is None else chunk
+    if chunk < 1:
+        raise ConfigError(f"layers per recomputed chunk (--checkpoint-num-layers / --recompute-num-layers) is "
+                          f"{chunk}; it must be >= 1")
+    recompute = args.checkpoint_activations or granularity == "full"
+    if args.deepspeed_activation_checkpointing and not recompute:
+        warn("--deepspeed-activation-checkpointing recomputes nothing by itself; add --checkpoint-activations "
+             "or --recompute-granularity full --recompute-method uniform")
+    return recompute, chunk
+
+
+_LOSS_SCALE_FLAGS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
+
+
+def _loss_scale(args: argparse.Namespace, precision: str) -> dict[str, object]:
+    """The fp16 loss-scale flags that were given (they go into the DeepSpeed JSON)."""
+    given = {d: getattr(args, d) for d in _LOSS_SCALE_FLAGS if getattr(args, d) is not None}
+    for dest, value in given.items():
+        if value <= 0:
+            raise ConfigError(f"{_flag(dest)} {value} must be > 0")
+    initial = given.get("initial_loss_scale")
+    if initial is not None and 2 ** round(math.log2(initial)) != initial:
+        raise ConfigError(f"--initial-loss-scale {initial} must be a power of 2 (DeepSpeed's initial_scale_power); "
+                          f"e.g. {2 ** round(math.log2(initial)):g}")
+    if given and precision != "fp16":
+        warn(f"{', '.join(_flag(d) for d in given)} only apply with --fp16; ignored with {precision}")
+    return given
+
+
+def train_length(args: argparse.Namespace, gbs: int, seq_length: int) -> tuple[int, int]:
+    """(train_iters, budget): the iterations to run, and those of --train-iters/--train-samples alone
+    (what the lr decay defaults to; --train-tokens may stop training earlier)."""
     if args.train_iters is not None and args.train_samples is not None:
         raise ConfigError("--train-iters and --train-samples were both given; keep one")
+    for dest in ("train_iters", "train_samples", "train_tokens"):
+        if getattr(args, dest) is not None and getattr(args, dest) < 1:
+            raise ConfigError(f"{_flag(dest)} {getattr(args, dest)} must be >= 1")
+    by_tokens = math.ceil(args.train_tokens / (gbs * seq_length)) if args.train_tokens is not None else None
     if args.train_samples is not None:
-        if args.train_samples < 1:
-            raise ConfigError(f"--train-samples {args.train_samples} must be >= 1")
-        return int(math.ceil(args.train_samples / gbs))
-    if args.train_iters is None:
-        if args.print_layout:
-            return 0
-        raise ConfigError("missing --train-iters (or --train-samples); say how long to train")
-    if args.train_iters < 1:
-        raise ConfigError(f"--train-iters {args.train_iters} must be >= 1")
-    return args.train_iters
+        budget = math.ceil(args.train_samples / gbs)
+    elif args.train_iters is not None:
+        budget = args.train_iters
+    elif by_tokens is not None:
+        budget = by_tokens
+    elif args.print_layout:
+        return 0, 0
+    else:
+        raise ConfigError("missing --train-iters (or --train-samples or --train-tokens); say how long to train")
+    return min(budget, by_tokens or budget), budget
 
 
-def _optimizer_config(args: argparse.Namespace, train_iters: int) -> OptimizerConfig:
+def _optimizer_config(args: argparse.Namespace, training: TrainingConfig, seq_length: int) -> OptimizerConfig:
     if args.lr is None and not args.print_layout:
         raise ConfigError("missing --lr; give the peak learning rate, e.g. --lr 3e-4")
     lr = args.lr if args.lr is not None else 0.0
     if args.clip_grad < 0:
         raise ConfigError(f"--clip-grad {args.clip_grad} must be >= 0 (0 disables clipping)")
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters were both given; keep one")
-    warmup = args.lr_warmup_iters
-    decay_iters = args.lr_decay_iters or train_iters
-    if args.lr_warmup_fraction is not None:
-        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
-            raise ConfigError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1]")
-        warmup = int(args.lr_warmup_fraction * decay_iters)
     if args.min_lr > lr and not args.print_layout:
         raise ConfigError(f"--min-lr {args.min_lr} is above --lr {lr}; lower --min-lr")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler were both "
+                          "given; keep one")
     return OptimizerConfig(
         optimizer=args.optimizer, lr=lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, lr_decay_style=args.lr_decay_style,
-        lr_decay_iters=decay_iters, lr_warmup_iters=warmup)
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        **schedule_lengths(args, training.global_batch_size, seq_length))
+
+
+def _check_schedule_units(args: argparse.Namespace) -> None:
+    """Megatron's rules: iteration-based training takes iteration lr flags, sample-based sample ones;
+    token flags go with either; one warm-up flag at most."""
+    wrong = []
+    if args.train_iters is not None:
+        wrong = [d for d in ("lr_decay_samples", "lr_warmup_samples") if getattr(args, d)]
+    elif args.train_samples is not None:
+        wrong = [d for d in ("lr_decay_iters", "lr_warmup_iters") if getattr(args, d)]
+    if wrong:
+        based = "--train-iters" if args.train_iters is not None else "--train-samples"
+        raise ConfigError(f"{_flag(wrong[0])} does not go with {based}: give the lr schedule in the unit of "
+                          f"training ({'iterations' if args.train_iters is not None else 'samples'}) or in tokens")
+    warmups = [d for d in ("lr_warmup_iters", "lr_warmup_samples") if getattr(args, d)]
+    warmups += [d for d in ("lr_warmup_tokens", "lr_warmup_fraction") if getattr(args, d) is not None]
+    if len(warmups) > 1:
+        raise ConfigError(f"{' and '.join(_flag(d) for d in warmups)} were both given; keep one")
+    for dest in ("lr_decay_iters", "lr_decay_samples", "lr_decay_tokens", "lr_warmup_iters", "lr_warmup_samples",
+                 "lr_warmup_tokens"):
+        if getattr(args, dest) is not None and getattr(args, dest) < 0:
+            raise ConfigError(f"{_flag(dest)} {getattr(args, dest)} must be >= 0")
+
+
+def schedule_lengths(args: argparse.Namespace, gbs: int, seq_length: int) -> dict[str, Optional[int]]:
+    """The OptimizerConfig warm-up and decay fields: the decay in one unit (tokens if given, else the
+    unit of training), the warm-up as given or as --lr-warmup-fraction of the decay."""
+    _check_schedule_units(args)
+    budget = train_length(args, gbs, seq_length)[1]
+    if args.lr_decay_tokens is not None:
+        decay = {"lr_decay_tokens": args.lr_decay_tokens}
+    elif args.lr_decay_samples is not None or args.train_samples is not None:
+        decay = {"lr_decay_samples": args.lr_decay_samples or args.train_samples}
+    elif args.lr_decay_iters is not None or args.train_iters is not None or args.train_tokens is None:
+        decay = {"lr_decay_iters": args.lr_decay_iters or budget}
+    else:  # --train-tokens alone: decay over exactly those tokens
+        decay = {"lr_decay_tokens": args.train_tokens}
+    fraction = args.lr_warmup_fraction
+    if fraction is None:
+        warmup = {"lr_warmup_iters": args.lr_warmup_iters, "lr_warmup_samples": args.lr_warmup_samples,
+                  "lr_warmup_tokens": args.lr_warmup_tokens}
+    elif not 0.0 <= fraction <= 1.0:
+        raise ConfigError(f"--lr-warmup-fraction {fraction} must be in [0, 1]")
+    else:
+        (key, length), = decay.items()
+        warmup = {key.replace("decay", "warmup"): int(fraction * length)}
+    return {**decay, **warmup}
+
+
+def _logging_config(args: argparse.Namespace) -> LoggingConfig:
+    names = [f.name for f in dataclasses.fields(LoggingConfig)]
+    values = {n: getattr(args, n) for n in names}
+    if values["tensorboard_queue_size"] < 1:
+        raise ConfigError(f"--tensorboard-queue-size {values['tensorboard_queue_size']} must be >= 1")
+    if args.tensorboard_dir is None:
+        defaults = LoggingConfig()
+        ignored = [n for n in names if n.endswith("_tensorboard") and values[n] != getattr(defaults, n)]
+        if ignored:
+            warn(f"{', '.join(_flag(n) for n in ignored)} need --tensorboard-dir; ignored without it")
+    return LoggingConfig(**values)
 
 
 def _data_config(args: argparse.Namespace) -> DataConfig:
@@ -195,17 +388,17 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
 
 def build_config(args: argparse.Namespace, world_size: Optional[int] = None) -> Config:
     """Validate the parsed flags and build the frozen config tree (layout checked too)."""
+    _refuse_values(args)
     model = _model_config(args)
     parallel = _parallel_config(args, model, world_size)
-    training = _training_config(args, parallel)
+    training = _training_config(args, parallel, model)
     config = Config(
         model=model, parallel=parallel, data=_data_config(args),
-        optimizer=_optimizer_config(args, training.train_iters), training=training,
+        optimizer=_optimizer_config(args, training, model.seq_length), training=training,
         checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
                                     load_optional=args.load_optional, no_load_optim=args.no_load_optim,
                                     no_load_rng=args.no_load_rng, finetune=args.finetune),
-        logging=LoggingConfig(log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
-                              log_memory=args.log_memory))
+        logging=_logging_config(args))
     build_run_layout(config)  # fail fast on impossible layouts
     return config
 

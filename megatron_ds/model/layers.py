@@ -16,7 +16,7 @@ from torch import nn
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.model.init import init_generator, normal_
-from megatron_ds.model.rng import Stream, dropout
+from megatron_ds.model.rng import Stream, checkpoint_streams, dropout
 
 
 def cast_token_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -67,6 +67,7 @@ class PositionEmbedding(nn.Module):
         normal_(self.weight, model.init_method_std, init_generator(init_seed))
         self.hidden_dropout = model.hidden_dropout
         self.dropout_stream = Stream.replicated(init_seed)
+        checkpoint_streams(self, self.dropout_stream)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         seq = embeddings.shape[1]

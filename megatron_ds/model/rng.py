@@ -15,20 +15,27 @@ megatron-core's, see `megatron_ds.model.tensor_parallel`), and DeepSpeed's activ
 checkpointing saves every tracker state before a checkpointed forward and restores it for the
 recompute, so recomputation replays exactly the masks of the first forward. On CPU the tracker
 swaps the CPU default generator's state; on GPU the device generator's.
+
+Why in the layer's state dict (`checkpoint_streams`): a layer's stream states are saved in its
+checkpoint file and restored with its weights, so a resumed run draws the masks the
+uninterrupted run would have drawn, whatever the layout (the files are per spec).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from megatron_ds.model.init import dropout_seed
 
 STREAM_PREFIX = "megatron_ds/dropout/"
 """Names of our streams in the tracker (other entries, e.g. 'model-parallel-rng', are left alone)."""
+STATE_DICT_KEY = "dropout_rng_states"
+"""The state-dict entry of a layer's stream states: uint8 (num_streams, state bytes)."""
 
 
 def tracker() -> Any:
@@ -98,3 +105,36 @@ def dropout(x: torch.Tensor, p: float, training: bool, stream: Optional[Stream])
     assert stream is not None
     with stream.fork():
         return F.dropout(x, p, training=True)
+
+
+def stream_states(streams: Sequence[Stream]) -> torch.Tensor:
+    """The current states of `streams` (the seeded state for one not used yet), stacked."""
+    live = tracker().get_states()
+    return torch.stack([live[s.name] if s.name in live else _seeded_state(s.seed) for s in streams])
+
+
+def restore_stream_states(streams: Sequence[Stream], states: torch.Tensor) -> None:
+    """Inverse of `stream_states`: continue each stream from the given state."""
+    assert states.shape[0] == len(streams), (tuple(states.shape), [s.name for s in streams])
+    live = tracker().get_states()
+    for s, state in zip(streams, states):
+        live[s.name] = state.clone()
+    tracker().set_states(live)
+
+
+def checkpoint_streams(module: nn.Module, *streams: Stream) -> None:
+    """Save `streams`' states in `module`'s state dict (`STATE_DICT_KEY`) and restore them on load.
+
+    A state dict without the entry (an older checkpoint) leaves the streams as they are.
+    """
+
+    def save(mod: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        state_dict[prefix + STATE_DICT_KEY] = stream_states(streams)
+
+    def load(mod: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        states = state_dict.pop(prefix + STATE_DICT_KEY, None)  # popped: not a parameter or buffer
+        if states is not None:
+            restore_stream_states(streams, states)
+
+    module.register_state_dict_post_hook(save)
+    module.register_load_state_dict_pre_hook(load)

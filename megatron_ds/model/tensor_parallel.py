@@ -20,7 +20,7 @@ gathered outputs, no sequence parallelism.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,7 @@ def _layer_config(tp: TensorParallel) -> ModelParallelConfig:
                                gradient_accumulation_fusion=False)
 
 
-def _copy_of(full: torch.Tensor):
+def _copy_of(full: torch.Tensor) -> Callable[[torch.Tensor], None]:
     def init_method(master: torch.Tensor) -> None:
         with torch.no_grad():
             master.copy_(full)
@@ -149,7 +149,7 @@ class ColumnLinear(ColumnParallelLinear):
             full_weight = _qkv_rows_by_rank(full_weight, qkv_heads, tp)
         super().__init__(in_features, out_features, config=_layer_config(tp), init_method=_copy_of(full_weight),
                          bias=bias, gather_output=False, tp_group=tp.group)
-        if qkv_heads is not None:  # zero biases need no reordering, but gathering needs to know
+        if qkv_heads is not None:  # weight and bias shards are per head: `gather_full` must know
             for p in self.parameters():
                 setattr(p, QKV_HEADS_ATTR, qkv_heads)
 

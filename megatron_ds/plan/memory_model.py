@@ -22,7 +22,8 @@ from typing import Optional
 from megatron_ds.config import ModelConfig
 from megatron_ds.model import naming
 from megatron_ds.plan import activations as act
-from megatron_ds.plan.model_states import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors, state_factors
+from megatron_ds.plan.model_states import (MASTER_BYTES, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors,
+                                           state_factors)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class SpecMemory:
     activation_terms: dict = field(default_factory=dict)
     tied: bool = False
     """The tied LM head: the same matrix as WordEmbedding, a second copy only on another stage."""
+    no_decay_params: int = 0
+    """Parameters in the no-weight-decay group (biases, norm weights: `training/optimizer.py`)."""
 
     @property
     def model_states(self) -> float:
@@ -122,6 +125,10 @@ class StageMemory:
     activations: float
     pipe_buffers: float
     transient: float
+    """What the stage's peak adds above model states + activations + pipe buffers: the largest
+    short-lived buffer of a backward, or the optimizer step's temporaries less the activations and
+    in-flight buffers already freed when the step runs, whichever is larger (the peak is the larger
+    of the two moments, written as a sum so that `total` adds up)."""
     transient_source: str
 
     @property
@@ -131,6 +138,13 @@ class StageMemory:
     @property
     def total(self) -> float:
         return self.model_states + self.activations + self.pipe_buffers + self.transient
+
+
+def layer_no_decay_params(model: ModelConfig, t: int = 1) -> int:
+    """Biases and norm weights of one transformer layer per tensor-parallel rank (no weight decay)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    norm = 2 * h if model.normalization == "layernorm" else h
+    return 2 * norm + 3 * h // t + h + f // t + h
 
 
 def layer_param_counts(model: ModelConfig, t: int = 1) -> tuple[int, int]:
@@ -157,17 +171,19 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
               naming.FINAL_NORM: (norm, norm), head: (vocab, vocab), naming.LOGITS_TO_FP32: (0, 0)}
     terms = {**act.pre_terms(m, b, k), **act.post_terms(m, b, k, head, t)}
     layer_terms = act.transformer_layer_terms(m, b, k, t)
+    no_decay = {naming.FINAL_NORM: norm}  # embeddings and the head are matrices: weight decay
     out = []
     for idx, name in enumerate(groups.names):
         group = groups.group_of(idx)
         n, largest = (layer_params, layer_largest) if group == "body" else counts[name]
+        n_no_decay = layer_no_decay_params(m, t) if group == "body" else no_decay.get(name, 0)
         spec_terms = layer_terms if group == "body" else terms[name]
         saved = sum(spec_terms.values())
         out.append(SpecMemory(
             index=idx, name=name, group=group, num_params=n, largest_param=largest, params=fac.params(n, dp),
             grads=fac.grads(n, dp), optimizer=fac.optimizer(n, dp), host=fac.host(n, dp), activations=saved,
             checkpointed_activations=act.checkpointed_layer_bytes(m, b, k) if group == "body" else saved,
-            activation_terms=dict(spec_terms), tied=name == naming.TIED_LM_HEAD))
+            activation_terms=dict(spec_terms), tied=name == naming.TIED_LM_HEAD, no_decay_params=n_no_decay))
     return tuple(out)
 
 
@@ -187,9 +203,13 @@ def stage_memory(inputs: MemoryInputs, layout) -> list[StageMemory]:
     return [stage_memory_for(inputs, s, p, layout.layers_per_stage[s]) for s in range(p)]
 
 
-def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_layers: int) -> StageMemory:
+def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_layers: int,
+                     optimizer_step: bool = True) -> StageMemory:
     """Memory of stage `stage` of `num_stages` holding `num_layers` transformer layers
-    (plus the pre group on stage 0 and the post group on the last stage)."""
+    (plus the pre group on stage 0 and the post group on the last stage).
+
+    `optimizer_step=False` leaves out the optimizer step's temporaries (for callers that compare
+    several optimizer placements against one activation figure)."""
     specs = spec_memory(inputs)
     first, last = stage == 0, stage == num_stages - 1
     pre = [sp for sp in specs if sp.group == "pre"] if first else []
@@ -204,11 +224,18 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
     per_mb = (sum(sp.activations for sp in ends) + full_layers * layer.activations
               + (num_layers - full_layers) * layer.checkpointed_activations)
     flight = in_flight(stage, num_stages, inputs.num_micro_batches)
-    transient, source = _transient(inputs, layer, chunk, ends + ([layer] if num_layers else []), last)
+    held = ends + ([layer] if num_layers else [])
+    buffers, persistent = _pipe_buffers(inputs, stage, num_stages)
+    transient, source = _transient(inputs, layer, chunk, held, last, per_mb - sum(sp.activations for sp in pre))
+    step, step_source = _optimizer_step(inputs, ends, layer, num_layers)
+    # The step runs after every backward: activations and in-flight pipe buffers are gone by then.
+    step_excess = step + persistent - flight * per_mb - buffers
+    if optimizer_step and step_excess > transient:
+        transient, source = step_excess, step_source
     return StageMemory(
         stage=stage, num_layers=num_layers, num_params=sum(sp.num_params for sp in ends) + num_layers * layer.num_params,
         params=states[0], grads=states[1], optimizer=states[2], host=states[3], activation_per_micro_batch=per_mb,
-        in_flight=flight, activations=flight * per_mb, pipe_buffers=_pipe_buffers(inputs, stage, num_stages),
+        in_flight=flight, activations=flight * per_mb, pipe_buffers=buffers,
         transient=transient + _gathered(inputs, ends, layer, num_layers), transient_source=source)
 
 
@@ -235,9 +262,15 @@ def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: i
 
 
 def _transient(inputs: MemoryInputs, layer: SpecMemory, chunk: int, held: list[SpecMemory],
-               last: bool) -> tuple[float, str]:
+               last: bool, freed_before_embedding: float) -> tuple[float, str]:
     """The largest short-lived buffer of one backward: recomputation, loss gradients, or a weight
-    gradient created before it is added into the accumulated one."""
+    gradient created before it is added into the accumulated one.
+
+    The word embedding's gradient is the last one a first-stage backward computes: every other
+    activation that micro-batch saved on the stage (`freed_before_embedding` bytes) has been
+    released by then, so it adds only what it exceeds them by (measured on CPU by
+    `benchmarks/stage_memory.py`: the stage-0 peak is at `embedding_dense_backward`).
+    """
     options = [(0.0, "none")]
     if chunk:
         options.append((chunk * layer.activations, f"recomputing {chunk} layer(s) of one micro-batch"))
@@ -246,9 +279,40 @@ def _transient(inputs: MemoryInputs, layer: SpecMemory, chunk: int, held: list[S
                                                     inputs.tensor_parallel_size),
                         "fp32 loss gradients d(log-probs), d(logits) of one micro-batch"))
     if inputs.num_micro_batches > 1 and held:
-        big = max(sp.largest_param for sp in held)
-        options.append((big * PRECISION_BYTES[inputs.precision], "one weight gradient before accumulation"))
+        w = PRECISION_BYTES[inputs.precision]
+        for sp in held:
+            size = sp.largest_param * w
+            if sp.name == naming.WORD_EMBEDDING:
+                options.append((size - freed_before_embedding,
+                                "the word embedding's weight gradient before accumulation (after the "
+                                "micro-batch's other activations are freed)"))
+            else:
+                options.append((size, "one weight gradient before accumulation"))
     return max(options, key=lambda o: o[0])
+
+
+def _optimizer_step(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory,
+                    num_layers: int) -> tuple[float, str]:
+    """Temporaries of the optimizer step (bytes alive at once) and their description.
+
+    `training/optimizer.py` builds torch's AdamW with foreach=False, so each tensor is stepped on
+    its own: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds the square
+    root and the quotient at once, two float32 copies of the tensor (torch/optim/adam.py,
+    `_single_tensor_adam`); SGD allocates one, `grad.add(param, alpha=weight_decay)`. Without ZeRO
+    in fp32 the tensors are the parameters; otherwise DeepSpeed's optimizer wrapper (ZeRO,
+    BF16_Optimizer, FP16_Optimizer) steps one flat fp32 tensor per parameter group (its partition
+    under ZeRO), so the largest group's partition counts. Offloaded optimizers step on the host.
+    """
+    if inputs.offload_optimizer != "none":
+        return 0.0, "optimizer step on the host"
+    copies = 2 if inputs.optimizer == "adam" else 1
+    held = ends + ([layer] * num_layers)
+    if inputs.precision == "fp32" and inputs.zero_stage == 0:
+        big = max((sp.largest_param for sp in held), default=0)
+        return copies * MASTER_BYTES * big, f"optimizer step: {copies} fp32 temporaries of the largest tensor"
+    no_decay = sum(sp.no_decay_params for sp in held)
+    group = max(sum(sp.num_params for sp in held) - no_decay, no_decay) / inputs.data_parallel_size
+    return copies * MASTER_BYTES * group, f"optimizer step: {copies} fp32 temporaries of the largest flat group"
 
 
 def _gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, num_layers: int) -> float:
@@ -259,27 +323,43 @@ def _gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, n
     return inputs.factors.gathered * max((sp.largest_param for sp in held), default=0)
 
 
-def _pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> float:
-    """DeepSpeed PipelineEngine buffers: received inputs kept per used slot plus one receive buffer,
-    stage outputs kept until their backward plus one gradient receive buffer (on the last stage the
-    output is the fp32 logits), token ids and labels."""
+def _pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[float, float]:
+    """(DeepSpeed PipelineEngine buffers at a backward, the part of them still held at the
+    optimizer step), read from deepspeed/runtime/pipe/engine.py:
+
+    * a stage after the first keeps each received activation until `_exec_send_grads` frees it
+      (in_flight of them) plus the receive buffer `pipe_recv_buf`, which persists;
+    * a stage before the last keeps each output until its backward (in_flight) plus the gradient
+      receive buffer `grad_layer`, which persists;
+    * the last stage's output is the fp32 logits, and `_exec_backward_pass` returns before it
+      clears `pipe_buffers['outputs']` on the last stage, so every slot keeps its logits until the
+      slot is reused: min(num_pipe_buffers, M) of them, also through the optimizer step (measured:
+      two logits buffers on the last stage by `benchmarks/stage_memory.py`);
+    * token ids on the first stage, labels and loss mask on the last, kept in every slot used.
+    """
     m, mb = inputs.model, inputs.num_micro_batches
     hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
     tokens = m.seq_length * inputs.micro_batch_size
     slots = min(num_pipe_buffers(stage, num_stages, mb), mb)
-    total = 0.0
+    flight = in_flight(stage, num_stages, mb)
+    total = persistent = 0.0
     if stage > 0:
-        total += (slots + 1) * hidden
+        total += (flight + 1) * hidden
+        persistent += hidden
     if stage < num_stages - 1:
-        total += (in_flight(stage, num_stages, mb) + 1) * hidden
-    else:  # the last stage's output kept until its backward is the fp32 logits
-        total += in_flight(stage, num_stages, mb) * act.logits_bytes(m, inputs.micro_batch_size,
-                                                                      inputs.tensor_parallel_size)
+        total += (flight + 1) * hidden
+        persistent += hidden
+    else:
+        logits = slots * act.logits_bytes(m, inputs.micro_batch_size, inputs.tensor_parallel_size)
+        total += logits
+        persistent += logits
     if stage == 0:
         total += slots * tokens * act.TOKEN_ID_BYTES
+        persistent += slots * tokens * act.TOKEN_ID_BYTES
     if stage == num_stages - 1:
         total += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
-    return total
+        persistent += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
+    return total, persistent
 
 
 def total_params(model: ModelConfig) -> int:

@@ -12,6 +12,8 @@ Optional scenario keys (all off by default):
                     (training then continues at the checkpoint's iteration)
     expect_error    true: an exception while loading is recorded as "error" instead of raised
     stock_fp32_clip true: use DeepSpeed's own no-ZeRO fp32 norm (to show what it miscounts)
+    swapped_axes    true (T > 1): record the error the start-up group check gives for a topology
+                    with the tensor and data axes swapped, as "topology_error"
 """
 from __future__ import annotations
 
@@ -89,6 +91,8 @@ def run_one(config: Config, num_steps: int, layout_kwargs: dict[str, Any], fixes
     tp = bundle.model.tensor_parallel
     result: dict[str, Any] = {"rank": dist.get_rank(), "stage": engine.stage_id, "tp_rank": tp.rank,
                               "layout": layout.to_string()}
+    if opts.get("swapped_axes"):
+        result["topology_error"] = _swapped_axes_error(config)
     if opts.get("init_checksums"):
         sums = full_parameter_checksums(bundle.model)
         if tp.rank == 0:
@@ -122,6 +126,22 @@ def run_one(config: Config, num_steps: int, layout_kwargs: dict[str, Any], fixes
         result["embedding_checksum"] = checksum(emb_after)
         result["embedding_changed"] = bool(not torch.equal(emb_before, emb_after))
     return result
+
+
+def _swapped_axes_error(config: Config) -> str:
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    from megatron_ds.model.tensor_parallel import TensorParallelSetupError, check_groups_match
+
+    par = config.parallel
+    swapped = ProcessTopology(axes=["pipe", "model", "data"], dims=[par.pipeline_model_parallel_size,
+                                                                   par.tensor_model_parallel_size,
+                                                                   par.data_parallel_size])
+    try:
+        check_groups_match(swapped)
+    except TensorParallelSetupError as e:
+        return str(e)
+    return ""
 
 
 def full_parameter_checksums(model: torch.nn.Module) -> dict[str, str]:

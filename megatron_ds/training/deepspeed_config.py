@@ -7,6 +7,7 @@ overridden in either direction.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from megatron_ds.config import Config
@@ -33,9 +34,36 @@ def generate(config: Config) -> dict[str, Any]:
         "fp16": {"enabled": t.precision == "fp16"},
     }
     if t.precision == "fp16":
-        ds["fp16"].update({"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                           "hysteresis": 2, "min_loss_scale": 1})
+        ds["fp16"].update({**FP16_DEFAULTS, **fp16_from_flags(config)})
     return ds
+
+
+FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                 "min_loss_scale": 1}
+"""DeepSpeed's fp16 section when no loss-scale flag is given (dynamic scaling from 2^16)."""
+
+
+def fp16_from_flags(config: Config) -> dict[str, Any]:
+    """The fp16 keys Megatron's loss-scale flags set (only those given)."""
+    t = config.training
+    keys: dict[str, Any] = {}
+    if t.loss_scale is not None:
+        keys["loss_scale"] = t.loss_scale  # static; 0 would mean dynamic
+    if t.initial_loss_scale is not None:
+        keys["initial_scale_power"] = int(round(math.log2(t.initial_loss_scale)))
+    if t.min_loss_scale is not None:
+        keys["min_loss_scale"] = t.min_loss_scale
+    if t.loss_scale_window is not None:
+        keys["loss_scale_window"] = t.loss_scale_window
+    if t.hysteresis is not None:
+        keys["hysteresis"] = t.hysteresis
+    return keys
+
+
+def user_overridable(config: Config) -> frozenset[str]:
+    """Generated keys a user file may set: those no flag gives (fp16 defaults whose flag is absent)."""
+    free_fp16 = {f"fp16.{k}" for k in FP16_DEFAULTS if k not in fp16_from_flags(config)}
+    return USER_OVERRIDABLE | free_fp16
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -53,11 +81,12 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 USER_OVERRIDABLE = frozenset({"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer"})
 
 
-def merge(generated: dict[str, Any], user: dict[str, Any], user_path: str) -> dict[str, Any]:
+def merge(generated: dict[str, Any], user: dict[str, Any], user_path: str,
+          overridable: frozenset[str] = USER_OVERRIDABLE) -> dict[str, Any]:
     """`generated` updated with `user`; a differing value for a flag-derived key is an error."""
     ours, theirs = _flatten(generated), _flatten(user)
     for key, value in theirs.items():
-        if key in USER_OVERRIDABLE:
+        if key in overridable:
             continue
         if key in ours and ours[key] != value and not _same_number(ours[key], value):
             raise DeepSpeedConfigError(
@@ -97,15 +126,32 @@ def load_user_config(path: str) -> dict[str, Any]:
     return data
 
 
+ACTIVATION_CHECKPOINTING_OPTIONS = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                                    "synchronize_checkpoint_boundary", "profile")
+
+
+def _check_activation_checkpointing(ds: dict[str, Any], path: str) -> None:
+    """DeepSpeed reads `activation_checkpointing` only through deepspeed.checkpointing.configure, which
+    is not called: an option turned on there would be silently ignored, so it is an error."""
+    section = ds.get("activation_checkpointing") or {}
+    on = [k for k in ACTIVATION_CHECKPOINTING_OPTIONS if section.get(k)]
+    if on:
+        raise DeepSpeedConfigError(
+            f"--deepspeed_config {path} turns on activation_checkpointing.{on[0]}, which is not supported "
+            f"(recomputation uses deepspeed.checkpointing's defaults); set it to false or remove it")
+
+
 def build(config: Config) -> dict[str, Any]:
     """The final DeepSpeed config: generated, merged with the user file if any, and checked."""
     ds = generate(config)
-    if config.training.deepspeed_config:
-        ds = merge(ds, load_user_config(config.training.deepspeed_config), config.training.deepspeed_config)
+    path = config.training.deepspeed_config
+    if path:
+        ds = merge(ds, load_user_config(path), path, user_overridable(config))
+        _check_activation_checkpointing(ds, path)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if config.parallel.pipeline_model_parallel_size > 1 and stage not in (0, 1):
+    if stage not in (0, 1):  # the model is a PipelineModule, so DeepSpeed builds its pipeline engine at any P
         raise DeepSpeedConfigError(
             f"ZeRO stage {stage} with --pipeline-model-parallel-size "
-            f"{config.parallel.pipeline_model_parallel_size}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 "
-            f"only; use --zero-stage 1 or no pipeline parallelism")
+            f"{config.parallel.pipeline_model_parallel_size}: DeepSpeed's pipeline engine (used at every pipeline "
+            f"size) supports ZeRO 0 and 1 only; use --zero-stage 1")
     return ds

@@ -6,6 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
+from megatron_ds.config import LoggingConfig
+
 
 @dataclass
 class StepStats:
@@ -48,31 +52,96 @@ def format_eval(name: str, iteration: int, loss: float) -> str:
 
 
 class TensorBoard:
-    """Scalars to `--tensorboard-dir` (one writer, on the last rank, as Megatron does)."""
+    """Scalars to `--tensorboard-dir` (one writer, on the last rank, as Megatron does).
 
-    def __init__(self, log_dir: str) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+    Which scalars follow Megatron's logging flags (`LoggingConfig`): loss, grad norm and throughput
+    always; learning rate and loss scale unless turned off; batch size, iteration time, validation
+    perplexity, optimizer-state norms, memory and world size when asked for. `writer` is for tests.
+    """
 
-        self.writer = SummaryWriter(log_dir=log_dir)
+    def __init__(self, log_dir: str, cfg: Optional[LoggingConfig] = None, world_size: int = 1,
+                 writer: Any = None) -> None:
+        self.cfg = cfg or LoggingConfig(tensorboard_dir=log_dir)
+        if writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=log_dir, max_queue=self.cfg.tensorboard_queue_size)
+        self.writer = writer
+        if self.cfg.log_world_size_to_tensorboard:
+            self.writer.add_scalar("world-size/world-size", world_size, 0)
 
     def step(self, s: StepStats) -> None:
-        w, i = self.writer, s.iteration
+        w, i, c = self.writer, s.iteration, self.cfg
         w.add_scalar("lm-loss-training/lm loss", s.loss, i)
-        w.add_scalar("learning-rate/learning-rate", s.learning_rate, i)
-        w.add_scalar("batch-size/batch-size", s.global_batch_size, i)
         w.add_scalar("throughput/tokens-per-second", s.tokens_per_second, i)
+        if c.log_learning_rate_to_tensorboard:
+            w.add_scalar("learning-rate/learning-rate", s.learning_rate, i)
+        if c.log_batch_size_to_tensorboard:
+            w.add_scalar("batch-size/batch-size", s.global_batch_size, i)
+        if c.log_timers_to_tensorboard:
+            w.add_scalar("iteration-time/iteration-time-ms", s.elapsed_ms, i)
         if s.grad_norm is not None:
             w.add_scalar("grad-norm/grad-norm", s.grad_norm, i)
-        if s.loss_scale is not None:
+        if s.loss_scale is not None and c.log_loss_scale_to_tensorboard:
             w.add_scalar("loss-scale/loss-scale", s.loss_scale, i)
+
+    def optimizer_states(self, engine: Any, iteration: int) -> None:
+        """Norms of this rank's Adam moments and weights (`--log-optimizer-states-to-tensorboard`)."""
+        if not self.cfg.log_optimizer_states_to_tensorboard:
+            return
+        for name, value in optimizer_state_norms(engine).items():
+            self.writer.add_scalar(f"optimizer/{name}", value, iteration)
+
+    def memory(self, mem: Any, iteration: int) -> None:
+        """This rank's measured memory in MB (`--log-memory-to-tensorboard`)."""
+        if not self.cfg.log_memory_to_tensorboard:
+            return
+        for name in ("params", "grads", "optimizer", "activations", "total"):
+            value = getattr(mem, name, None)
+            if value is not None:
+                self.writer.add_scalar(f"memory/{name}-MB", value / 2**20, iteration)
 
     def eval(self, name: str, iteration: int, loss: float) -> None:
         self.writer.add_scalar(f"lm-loss-{name}/lm loss", loss, iteration)
-        self.writer.add_scalar(f"lm-loss-{name}/lm loss ppl", math.exp(min(20.0, loss)), iteration)
+        if self.cfg.log_validation_ppl_to_tensorboard:
+            self.writer.add_scalar(f"lm-loss-{name}/lm loss ppl", math.exp(min(20.0, loss)), iteration)
 
     def close(self) -> None:
         self.writer.flush()
         self.writer.close()
+
+
+def _innermost_optimizer(engine: Any) -> Any:
+    """The torch optimizer under DeepSpeed's wrappers (ZeRO, bf16), which holds the Adam state."""
+    opt = engine.optimizer
+    while hasattr(opt, "optimizer") and not isinstance(opt, torch.optim.Optimizer):
+        opt = opt.optimizer
+    return opt
+
+
+@torch.no_grad()
+def optimizer_state_norms(engine: Any) -> dict[str, float]:
+    """L2 and L1 norms of the Adam moments (momentum = exp_avg, variance = exp_avg_sq, and its
+    square root) and of the weights they belong to, over what this rank's optimizer holds (its
+    stage; its partition under ZeRO). Empty for optimizers without Adam moments (SGD)."""
+    opt = _innermost_optimizer(engine)
+    sums = {k: 0.0 for k in ("momentum_l2", "momentum_l1", "variance_l2", "variance_l1", "variance_sqrt_l2",
+                             "variance_sqrt_l1", "weight_l2", "weight_l1")}
+    found = False
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            if "exp_avg" not in state:
+                continue
+            found = True
+            for name, t in (("momentum", state["exp_avg"]), ("variance", state["exp_avg_sq"]),
+                            ("variance_sqrt", state["exp_avg_sq"].sqrt()), ("weight", p)):
+                t = t.detach().float()
+                sums[f"{name}_l2"] += float(t.pow(2).sum())
+                sums[f"{name}_l1"] += float(t.abs().sum())
+    if not found:
+        return {}
+    return {k: math.sqrt(v) if k.endswith("_l2") else v for k, v in sums.items()}
 
 
 def tensorboard_available() -> bool:

@@ -32,6 +32,8 @@ class Run:
     is_logging_rank: bool
     data: dict[str, Any]
     tensorboard: Optional[logger.TensorBoard] = None
+    start_time: float = 0.0
+    """When setup began (time.time()); `--exit-duration-in-mins` counts from here."""
 
     @property
     def engine(self) -> Any:
@@ -56,6 +58,7 @@ def setup(config: Config, layout: Layout) -> Run:
 
     from megatron_ds.distributed import init_distributed
 
+    start_time = time.time()
     install_stack_dump_handler()
     if config.checkpoint.save:
         checkpoint.check_writable(config.checkpoint.save)
@@ -67,16 +70,14 @@ def setup(config: Config, layout: Layout) -> Run:
     if uses_memory_model(config):
         print_rank0(rank, predicted_memory_table(config, layout))
     set_seeds(config.training.seed)
-    train_iters = config.training.train_iters
-    bundle = build_engine(config, layout,
-                          lr_scheduler=lambda opt: LRSchedule(opt, config.optimizer, train_iters))
+    bundle = build_engine(config, layout, lr_scheduler=lambda opt: LRSchedule.from_config(opt, config))
     state = _load_or_fresh(config, layout, bundle, rank)
     run = Run(config=config, layout=layout, bundle=bundle, state=state,
               watchdog=Watchdog(config.parallel.distributed_timeout_minutes * 60, rank, bundle.engine.stage_id),
-              rank=rank, is_logging_rank=rank == dist.get_world_size() - 1, data={})
+              rank=rank, is_logging_rank=rank == dist.get_world_size() - 1, data={}, start_time=start_time)
     run.data = _build_data(run)
     if config.logging.tensorboard_dir and run.is_logging_rank:
-        run.tensorboard = logger.TensorBoard(config.logging.tensorboard_dir)
+        run.tensorboard = logger.TensorBoard(config.logging.tensorboard_dir, config.logging, dist.get_world_size())
     return run
 
 
@@ -162,11 +163,14 @@ def log_step(run: Run, losses: list[float], seconds: float, start_iteration: int
         print(logger.format_line(stats), flush=True)
         if run.tensorboard:
             run.tensorboard.step(stats)
+            run.tensorboard.optimizer_states(run.engine, state.iteration)
 
 
-def report_memory(run: Run, probe: memory.GradProbe, acts: memory.ActivationPeak) -> None:
-    mine = memory.measure(run.engine, probe, acts, run.rank, run.engine.stage_id)
+def report_memory(run: Run, meter: memory.StepMeter) -> None:
+    mine = meter.result(run.rank, run.engine.stage_id)
     everyone = memory.gather_report(mine)
+    if run.tensorboard:
+        run.tensorboard.memory(mine, run.state.iteration)
     if run.rank == 0:
         for m in everyone:
             print(m.format(run.state.iteration), flush=True)
@@ -179,32 +183,55 @@ def save(run: Run) -> None:
     print_rank0(run.rank, f"saved checkpoint {os.path.join(ck.save, tag)} at iteration {run.state.iteration}")
 
 
-def train(run: Run) -> None:
-    """Iterate to --train-iters, logging, evaluating and saving at their intervals."""
+def time_is_up(run: Run) -> bool:
+    """`--exit-duration-in-mins` has passed on some rank (a max all-reduce: every rank agrees)."""
+    import torch.distributed as dist
+
+    limit = run.config.training.exit_duration_in_mins
+    if not limit:
+        return False
+    late = torch.tensor([float(time.time() - run.start_time > 60.0 * limit)], device=run.engine.device)
+    dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())
+
+
+def train(run: Run) -> bool:
+    """Iterate to --train-iters, logging, evaluating and saving at their intervals.
+
+    Returns True when it stopped because of --exit-duration-in-mins (the caller then skips the
+    final evaluation, as Megatron exits right after saving)."""
     cfg, state = run.config, run.state
     t, ck, lg = cfg.training, cfg.checkpoint, cfg.logging
     start_iteration = state.iteration
-    probe = memory.install_grad_probe(run.engine)
-    acts = memory.ActivationPeak(run.engine.module)
+    meter = memory.StepMeter(run.engine) if lg.log_memory else None
+    # Memory is measured on the step that ends the first log interval; the allocation trace starts
+    # one step earlier when there is one (see memory.CpuAllocationTrace). No other step is traced.
+    measured_iteration = min(t.train_iters, (start_iteration // lg.log_interval + 1) * lg.log_interval)
     memory_reported = not lg.log_memory
     losses, window_start = [], time.time()
     while state.iteration < t.train_iters:
-        with acts.track():
+        with memory.step_context(meter, state.iteration + 1, measured_iteration):
             losses.append(train_step(run))
         if state.iteration % lg.log_interval == 0 or state.iteration == t.train_iters:
             log_step(run, losses, time.time() - window_start, start_iteration)
             losses = []
             if not memory_reported:
-                report_memory(run, probe, acts)
+                report_memory(run, meter)
                 memory_reported = True
             window_start = time.time()
         if t.eval_iters and t.eval_interval and state.iteration % t.eval_interval == 0 and run.data["has_valid"]:
             evaluate(run, "validation", run.data["valid"], t.eval_iters)
         if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
             save(run)
+        if time_is_up(run):
+            minutes = (time.time() - run.start_time) / 60.0
+            print_rank0(run.rank, f"exiting at iteration {state.iteration} after {minutes:.1f} minutes "
+                                  f"(--exit-duration-in-mins {t.exit_duration_in_mins:g})")
+            return True
         if t.exit_interval and state.iteration % t.exit_interval == 0:
             print_rank0(run.rank, f"exiting at iteration {state.iteration} (--exit-interval)")
             break
+    return False
 
 
 def pretrain(config: Config, layout: Layout) -> TrainState:
@@ -212,11 +239,10 @@ def pretrain(config: Config, layout: Layout) -> TrainState:
     run = setup(config, layout)
     t, ck = config.training, config.checkpoint
     start = run.state.iteration
-    if start < t.train_iters:
-        train(run)
+    out_of_time = train(run) if start < t.train_iters else False
     if ck.save and run.state.iteration > start and not (ck.save_interval and run.state.iteration % ck.save_interval == 0):
         save(run)
-    if t.eval_iters:
+    if t.eval_iters and not out_of_time:
         just_evaluated = run.state.iteration > start and t.eval_interval and run.state.iteration % t.eval_interval == 0
         if run.data["has_valid"] and not just_evaluated:
             evaluate(run, "validation", run.data["valid"], t.eval_iters)

@@ -1,50 +1,120 @@
 """Learning-rate schedule with Megatron's semantics: linear warm-up, then decay to min_lr.
 
-lr(i) = lr * i / warmup                                   for i <= warmup
-      = min_lr + (lr - min_lr) * f((i - warmup) / (decay - warmup))   for warmup < i <= decay
-      = min_lr                                             after decay
-with f = 1 (constant), 1 - x (linear) or (cos(pi x) + 1) / 2 (cosine). `i` counts optimizer steps
-already taken, as in Megatron's OptimizerParamScheduler (so with warm-up the first step has lr 0).
+Progress is counted in samples, as Megatron's OptimizerParamScheduler does (one optimizer step
+adds the global batch size), or in tokens (samples x seq_length) when a token-based flag
+(`--lr-warmup-tokens`, `--lr-decay-tokens`) is given. Iteration-, sample- and token-based flags
+are all converted to that one unit, so a schedule given in iterations and the same schedule given
+in samples or tokens produce bit-identical learning rates. With p the progress, W the warm-up and
+D the decay length (same unit):
+
+lr(p) = lr * p / W                                               for p <= W
+      = min_lr + (lr - min_lr) * f((p - W) / (D - W))            for W < p <= D
+      = min_lr                                                   after D
+with f = 1 (constant), 1 - x (linear) or (cos(pi x) + 1) / 2 (cosine);
+inverse-square-root: max(min_lr, lr * sqrt(max(W, 1) / max(p, 1))) after the warm-up.
+p counts optimizer steps already taken (so with warm-up the first step has lr 0).
 DeepSpeed calls `step()` after each optimizer step and stores `state_dict()` in checkpoints.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_ds.config import OptimizerConfig
+from megatron_ds.config import Config, OptimizerConfig
+
+SAMPLES, TOKENS = "samples", "tokens"
 
 
-def learning_rate(cfg: OptimizerConfig, step: int, train_iters: int) -> float:
-    """The learning rate for optimizer step number `step` (0-based count of steps already taken)."""
-    warmup = cfg.lr_warmup_iters
-    decay = cfg.lr_decay_iters or train_iters
-    if warmup > 0 and step <= warmup:
-        return cfg.lr * step / warmup
-    if cfg.lr_decay_style == "constant":
-        return cfg.lr
-    if step > decay:
-        return cfg.min_lr
-    x = (step - warmup) / (decay - warmup)
-    if cfg.lr_decay_style == "linear":
-        factor = 1.0 - x
+class LRScheduleError(ValueError):
+    """The checkpoint's schedule differs from the flags' and no flag says which one wins."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A schedule in one unit of progress: `samples` or `tokens`."""
+
+    max_lr: float
+    min_lr: float
+    decay_style: str
+    unit: str
+    warmup: int
+    """Warm-up length, in `unit`."""
+    decay: int
+    """Position (in `unit`) where the decay reaches min_lr."""
+
+
+def build_schedule(opt: OptimizerConfig, train_iters: int, global_batch_size: int, seq_length: int) -> Schedule:
+    """The schedule the optimizer config describes, in samples, or in tokens if any bound is in tokens."""
+    in_tokens = opt.lr_warmup_tokens is not None or opt.lr_decay_tokens is not None
+    per_sample = seq_length if in_tokens else 1  # one sample in the schedule's unit
+    if opt.lr_warmup_tokens is not None:
+        warmup = opt.lr_warmup_tokens
+    elif opt.lr_warmup_samples:
+        warmup = opt.lr_warmup_samples * per_sample
     else:
-        factor = 0.5 * (math.cos(math.pi * x) + 1.0)
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
+        warmup = opt.lr_warmup_iters * global_batch_size * per_sample
+    if opt.lr_decay_tokens is not None:
+        decay = opt.lr_decay_tokens
+    elif opt.lr_decay_samples is not None:
+        decay = opt.lr_decay_samples * per_sample
+    else:
+        decay = (opt.lr_decay_iters or train_iters) * global_batch_size * per_sample
+    return Schedule(max_lr=opt.lr, min_lr=opt.min_lr, decay_style=opt.lr_decay_style,
+                    unit=TOKENS if in_tokens else SAMPLES, warmup=int(warmup), decay=int(decay))
+
+
+def learning_rate(s: Schedule, progress: int) -> float:
+    """The learning rate after `progress` samples or tokens (the schedule's unit)."""
+    # Ratios are formed before scaling: ints divide exactly-rounded, so a schedule in samples or
+    # tokens gives the very same floats as the same schedule in iterations.
+    if s.warmup > 0 and progress <= s.warmup:
+        return s.max_lr * (progress / s.warmup)
+    if s.decay_style == "constant":
+        return s.max_lr
+    if s.decay_style == "inverse-square-root":
+        return max(s.min_lr, s.max_lr * math.sqrt(max(s.warmup, 1) / max(progress, 1)))
+    if progress > s.decay:
+        return s.min_lr
+    x = (progress - s.warmup) / (s.decay - s.warmup)
+    factor = 1.0 - x if s.decay_style == "linear" else 0.5 * (math.cos(math.pi * x) + 1.0)
+    return s.min_lr + (s.max_lr - s.min_lr) * factor
 
 
 class LRSchedule:
-    """Sets each parameter group's lr; stateful only through the step count."""
+    """Sets each parameter group's lr; state is the step count plus the schedule itself.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, train_iters: int) -> None:
-        self.optimizer, self.cfg, self.train_iters = optimizer, cfg, train_iters
+    On `load_state_dict` the checkpoint's schedule is compared with this one (Megatron's rule):
+    `override` keeps this one, `use_checkpoint` takes the checkpoint's, and with neither a
+    difference is an `LRScheduleError`. Checkpoints that stored only the step count are accepted.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule, global_batch_size: int,
+                 seq_length: int, override: bool = False, use_checkpoint: bool = False) -> None:
+        assert not (override and use_checkpoint), "validation refuses both"
+        self.optimizer, self.schedule = optimizer, schedule
+        self.global_batch_size, self.seq_length = global_batch_size, seq_length
+        self.override, self.use_checkpoint = override, use_checkpoint
         self.num_steps = 0
         self._apply()
 
+    @classmethod
+    def from_config(cls, optimizer: torch.optim.Optimizer, config: Config) -> "LRSchedule":
+        o, t = config.optimizer, config.training
+        schedule = build_schedule(o, t.train_iters, t.global_batch_size, config.model.seq_length)
+        return cls(optimizer, schedule, t.global_batch_size, config.model.seq_length,
+                   override=o.override_opt_param_scheduler, use_checkpoint=o.use_checkpoint_opt_param_scheduler)
+
+    def progress(self) -> int:
+        """Samples or tokens (the schedule's unit) consumed by the steps taken."""
+        per_step = self.global_batch_size * (self.seq_length if self.schedule.unit == TOKENS else 1)
+        return self.num_steps * per_step
+
     def _apply(self) -> None:
-        lr = learning_rate(self.cfg, self.num_steps, self.train_iters)
+        lr = learning_rate(self.schedule, self.progress())
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -59,8 +129,47 @@ class LRSchedule:
         self._apply()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps}
+        return {"num_steps": self.num_steps, **dataclasses.asdict(self.schedule)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_steps = int(state["num_steps"])
+        if "max_lr" in state:  # older checkpoints stored the step count only
+            saved = Schedule(**{f.name: state[f.name] for f in dataclasses.fields(Schedule)})
+            self.schedule = self._reconcile(saved)
         self._apply()
+
+    def _reconcile(self, saved: Schedule) -> Schedule:
+        if self.override:
+            return self.schedule
+        if self.use_checkpoint:
+            return saved
+        diffs = schedule_differences(saved, self.schedule, self.seq_length)
+        if diffs:
+            raise LRScheduleError(
+                f"the checkpoint's learning-rate schedule differs from the flags': {'; '.join(diffs)}; pass "
+                f"--override-opt_param-scheduler to use the flags' schedule or "
+                f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+        return self.schedule
+
+
+def schedule_differences(saved: Schedule, ours: Schedule, seq_length: int) -> list[str]:
+    """'name saved (checkpoint) vs ours (flags)' for each differing field.
+
+    Lengths are compared in the schedules' unit, or in tokens when one is in samples and the
+    other in tokens (a schedule may be given either way)."""
+    unit = saved.unit if saved.unit == ours.unit else TOKENS
+
+    def length(s: Schedule, name: str) -> int:
+        value = getattr(s, name)
+        return value * seq_length if s.unit == SAMPLES and unit == TOKENS else value
+
+    diffs = []
+    for name, a, b in (("lr", saved.max_lr, ours.max_lr), ("min_lr", saved.min_lr, ours.min_lr),
+                       ("decay style", saved.decay_style, ours.decay_style)):
+        if a != b:
+            diffs.append(f"{name} {a} (checkpoint) vs {b} (flags)")
+    for name in ("warmup", "decay"):
+        a, b = length(saved, name), length(ours, name)
+        if a != b:
+            diffs.append(f"{name} {a} {unit} (checkpoint) vs {b} {unit} (flags)")
+    return diffs

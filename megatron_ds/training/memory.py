@@ -1,23 +1,39 @@
-"""Measured per-rank memory: parameters, gradients, optimizer state, and peak saved activations.
+"""Measured per-rank memory of one `train_batch`: model states, saved activations and the true peak.
 
-How it is measured (no estimates):
-- parameters: the bytes of every parameter storage of this rank's module.
-- gradients: the bytes of every gradient tensor alive just before the optimizer step (module
+`StepMeter.measure()` wraps exactly one `train_batch` (profiling every step would cost time) and
+measures, on this rank's device, with no estimate anywhere:
+
+- params: the bytes of every parameter storage of this rank's module.
+- grads: the bytes of every gradient tensor alive just before the optimizer step (module
   parameters' `.grad`, the optimizer's own parameters' `.grad`, and gradient buffers an optimizer
-  wrapper keeps, such as DeepSpeed's bf16 fp32 gradient accumulators), taken by a step pre-hook.
-- optimizer: every other tensor reachable from the optimizer objects (Adam moments, fp32 master
-  copies, ZeRO partitions, flat buffers), deduplicated by storage and excluding parameters.
-- activations: the peak of tensors saved for backward across a whole `train_batch` (all
-  micro-batches in flight under the 1F1B schedule), counted through
-  `torch.autograd.graph.saved_tensors_hooks` by storage, excluding parameters.
-On GPU, torch.cuda's allocated / max allocated / reserved are reported too.
+  wrapper keeps, such as ZeRO's flat fp32 partition gradient), taken by a step pre-hook.
+- optimizer: every other tensor reachable from the optimizer objects (Adam moments and step
+  counters, fp32 master copies, ZeRO partitions, flat buffers), by storage, parameters excluded.
+- activations: the peak of tensors saved for backward across the whole `train_batch` (all
+  micro-batches in flight under DeepSpeed's 1F1B schedule), counted by storage through
+  `torch.autograd.graph.saved_tensors_hooks`, parameters excluded.
+- peak (the total): what the rank holds at its fullest moment of the step. On CPU it is every
+  tensor storage alive when the step starts (found by scanning the garbage collector's objects,
+  plus parameters' gradients and optimizer tensors, which may live only in C++) plus the peak of
+  the running sum of every CPU allocation and free made during the step, as recorded by
+  `torch.profiler` with `profile_memory=True` (the profiler reports each block's size and address
+  as the CPU allocator hands it out or takes it back). On CUDA it is torch.cuda's max allocated
+  over the step, with its allocated / max allocated / reserved also reported.
+- other: peak - (params + grads + optimizer + activations): DeepSpeed's pipe buffers (received
+  activations, outputs kept until their backward, the last stage's fp32 logits), short-lived
+  buffers (loss gradients, a weight gradient before it is accumulated) and anything else alive at
+  the peak. The four components peak at different moments, so `other` is a remainder, not a
+  separate measurement.
 """
 from __future__ import annotations
 
+import gc
+import os
+import sys
 import weakref
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Optional
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 
@@ -34,6 +50,7 @@ def _param_keys(module: torch.nn.Module) -> set[tuple[int, int]]:
 
 
 def _tensors(obj: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor reachable from an optimizer object, its state and its attributes."""
     if id(obj) in seen or depth < 0:
         return
     seen.add(id(obj))
@@ -57,46 +74,69 @@ def _tensors(obj: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[
                 yield from _tensors(v, f"{path}.{k}", depth - 1, seen)
 
 
-@dataclass
-class GradProbe:
-    """Gradient bytes alive at the optimizer step (the step pre-hook fills `bytes`)."""
-
-    bytes: int = 0
-    _handle: Any = field(default=None, repr=False)
+def _optimizer_roots(engine: Any) -> list[Any]:
+    return [r for r in (engine.optimizer, getattr(engine, "basic_optimizer", None)) if r is not None]
 
 
-def install_grad_probe(engine: Any) -> GradProbe:
-    """Measure gradient bytes at each optimizer step (hook on the optimizer DeepSpeed steps)."""
-    probe = GradProbe()
+def gradient_bytes(engine: Any) -> int:
+    """Bytes of gradient tensors alive now: module `.grad`s and gradient buffers the optimizer holds."""
     module_keys = _param_keys(engine.module)
-
-    def measure(*_: Any) -> None:
-        seen: dict[tuple[int, int], int] = {}
-        for p in engine.module.parameters():
-            if p.grad is not None:
-                seen[_storage_key(p.grad)] = p.grad.untyped_storage().nbytes()
-        for path, t in _tensors(engine.optimizer, "opt", 5, set()):
+    seen: dict[tuple[int, int], int] = {}
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            seen[_storage_key(p.grad)] = p.grad.untyped_storage().nbytes()
+    for root in _optimizer_roots(engine):
+        for path, t in _tensors(root, "opt", 5, set()):
             key = _storage_key(t)
             if "grad" in path.lower() and key not in module_keys:
                 seen[key] = t.untyped_storage().nbytes()
-        probe.bytes = max(probe.bytes, sum(seen.values()))
-
-    basic = getattr(engine, "basic_optimizer", None) or engine.optimizer
-    probe._handle = basic.register_step_pre_hook(measure)
-    return probe
+    return sum(seen.values())
 
 
 def optimizer_bytes(engine: Any) -> int:
     """Bytes of optimizer-held tensors that are neither parameters nor gradients."""
     module_keys = _param_keys(engine.module)
     seen: dict[tuple[int, int], int] = {}
-    for root in (engine.optimizer, getattr(engine, "basic_optimizer", None)):
-        if root is None:
-            continue
+    for root in _optimizer_roots(engine):
         for path, t in _tensors(root, "opt", 5, set()):
             key = _storage_key(t)
             if key not in module_keys and "grad" not in path.lower() and t.numel() > 0:
                 seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's parameter storages (a flat buffer shared by views counted once)."""
+    return sum({_storage_key(p): p.untyped_storage().nbytes() for p in module.parameters()}.values())
+
+
+def live_tensor_bytes(engine: Any, device: torch.device) -> int:
+    """Bytes of every distinct tensor storage on `device` alive now.
+
+    Tensors with a Python object are found through `gc.get_objects()`; gradients and optimizer
+    tensors that may exist only on the C++ side are added from the module and the optimizer.
+    """
+    seen: dict[tuple[int, int], int] = {}
+
+    def add(t: Optional[torch.Tensor]) -> None:
+        if t is None or t.device != device or t.layout != torch.strided:
+            return
+        nbytes = t.untyped_storage().nbytes()
+        if nbytes:
+            seen[_storage_key(t)] = nbytes
+
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance reads obj.__class__, which some module proxies warn on.
+        if issubclass(type(obj), torch.Tensor):
+            add(obj)
+            if obj.is_leaf:  # .grad of a non-leaf warns and is always None
+                add(obj.grad)
+    for p in engine.module.parameters():
+        add(p)
+        add(p.grad)
+    for root in _optimizer_roots(engine):
+        for _, t in _tensors(root, "opt", 5, set()):
+            add(t)
     return sum(seen.values())
 
 
@@ -148,9 +188,132 @@ class _Saved:
         self.tensor = tensor
 
 
+@contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null: only around the profiler's start and stop, whose C++
+    side prints a `profiler_start` / `profiler_stop` trace line on every rank."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+MEASURED_STEP = "megatron_ds.memory.measured_step"
+"""Name of the profiler range around the measured step."""
+
+
+class CpuAllocationTrace:
+    """Peak of the running sum of CPU allocations minus frees inside `window()`.
+
+    torch.profiler (profile_memory=True) records one event per block the CPU allocator hands out
+    (positive size) or takes back (negative), with its address. A block allocated before the
+    profiler started and freed while it runs is not reported at all (the allocator only knows the
+    sizes of blocks it handed out while profiling), so only frees of blocks allocated inside the
+    trace are subtracted. That is why the trace may start one step before the measured window: the
+    pipe-buffer slots DeepSpeed leaves filled after a step (the last stage's fp32 logits, the first
+    stage's token ids) are replaced in the next step, so after one traced step every block the
+    window can free has been allocated inside the trace.
+    """
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.num_events = 0
+        self._prof: Any = None
+
+    @property
+    def started(self) -> bool:
+        return self._prof is not None
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _stderr_silenced():
+            primer = torch.empty(1)
+            self._prof.__enter__()
+            # The CPU allocator warns (once, then every 1000th time) when a block allocated before
+            # profiling is freed; that is expected here (see the class docstring), so spend the
+            # first warning on a 4-byte block freed while stderr is silenced.
+            del primer
+
+    @contextmanager
+    def window(self) -> Iterator[None]:
+        with torch.profiler.record_function(MEASURED_STEP):
+            yield
+
+    def stop(self, ok: bool = True) -> None:
+        prof, self._prof = self._prof, None
+        with _stderr_silenced():
+            prof.__exit__(None, None, None)
+        if ok:
+            self.peak, self.num_events = _window_peak(prof.profiler.kineto_results, "cpu")
+
+
+def _window_peak(results: Any, device_type: str) -> tuple[int, int]:
+    """(peak above the window's start, allocation events in the window) of the running sum of
+    allocations minus frees on `device_type`, over the `MEASURED_STEP` range of a profiler result."""
+    from torch._C._profiler import _EventType
+
+    events, window = [], None
+    stack = list(results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == device_type:
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        elif node.name == MEASURED_STEP:
+            window = (node.start_time_ns, node.end_time_ns)
+        stack.extend(node.children)
+    assert window is not None, "the measured step's profiler range is missing"
+    events.sort(key=lambda e: e[0])
+    sizes: dict[int, int] = {}
+    current, at_start, peak, count = 0, None, 0, 0
+    for t, ptr, size in events:
+        if t >= window[0] and at_start is None:
+            at_start = peak = current
+        if size > 0:
+            sizes[ptr] = sizes.get(ptr, 0) + size
+            current += size
+        elif ptr in sizes:  # a free of a block allocated inside the trace
+            current -= sizes.pop(ptr)
+        if at_start is not None and t <= window[1]:
+            peak, count = max(peak, current), count + 1
+    return (peak - at_start if at_start is not None else 0), count
+
+
+class CudaAllocationTrace:
+    """The CUDA caching allocator's own peak inside `window()`, above what was allocated at its start."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.num_events = 0
+        self.started = False
+        self._start = 0
+
+    def start(self) -> None:
+        self.started = True
+
+    @contextmanager
+    def window(self) -> Iterator[None]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self._start = torch.cuda.memory_allocated()
+        yield
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated() - self._start
+
+    def stop(self, ok: bool = True) -> None:
+        self.started = False
+
+
 @dataclass
 class RankMemory:
-    """One rank's measured memory, in bytes."""
+    """One rank's measured memory of one train_batch, in bytes."""
 
     rank: int
     stage: int
@@ -158,30 +321,111 @@ class RankMemory:
     grads: int
     optimizer: int
     activations: int
+    peak: int
+    """The most the rank held at once during the step: `held_at_start + step_peak`."""
+    held_at_start: int = 0
+    """Every tensor storage alive when the step started (CPU) / torch.cuda's allocated (CUDA)."""
+    step_peak: int = 0
+    """Peak of the running sum of the step's own allocations minus their frees."""
     cuda: Optional[dict[str, float]] = None
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.peak
+
+    @property
+    def other(self) -> int:
+        """Pipe buffers, transients and anything else at the peak (a remainder, see the module docstring)."""
+        return self.peak - (self.params + self.grads + self.optimizer + self.activations)
 
     def format(self, iteration: int) -> str:
         line = (f"[Rank {self.rank} | stage {self.stage}] (after {iteration} iterations) memory (MB) | "
                 f"params: {self.params / MB:.2f} | grads: {self.grads / MB:.2f} | "
                 f"optimizer: {self.optimizer / MB:.2f} | activations (peak saved): {self.activations / MB:.2f} | "
-                f"total: {self.total / MB:.2f}")
+                f"other (buffers, transients): {self.other / MB:.2f} | total (measured peak): {self.peak / MB:.2f}")
         if self.cuda:
             line += " | " + " | ".join(f"{k}: {v:.1f}" for k, v in self.cuda.items())
         return line
 
 
-def measure(engine: Any, probe: GradProbe, activations: ActivationPeak, rank: int, stage: int) -> RankMemory:
-    params = sum(s for s in {_storage_key(p): p.untyped_storage().nbytes()
-                             for p in engine.module.parameters()}.values())
-    cuda = None
-    if torch.cuda.is_available():
-        cuda = {"allocated": torch.cuda.memory_allocated() / MB, "max allocated": torch.cuda.max_memory_allocated() / MB,
-                "reserved": torch.cuda.memory_reserved() / MB, "max reserved": torch.cuda.max_memory_reserved() / MB}
-    return RankMemory(rank, stage, params, probe.bytes, optimizer_bytes(engine), activations.peak, cuda)
+class StepMeter:
+    """Measures one `train_batch` of a DeepSpeed engine.
+
+        with meter.warm_up():   # optional, the step before: starts the allocation trace
+            engine.train_batch(...)
+        with meter.measure():   # the measured step
+            engine.train_batch(...)
+        meter.result(rank, stage)
+
+    Without `warm_up()` the measured step must be the first of the process (nothing left over from
+    an earlier step), or the peak counts blocks that the step frees as still alive.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.device = next(engine.module.parameters()).device
+        self.grads = 0
+        self.activations = ActivationPeak(engine.module)
+        self.held_at_start = 0
+        self.trace = CudaAllocationTrace() if self.device.type == "cuda" else CpuAllocationTrace()
+        self.measured = False
+
+    def _on_step(self, *_: Any) -> None:
+        self.grads = max(self.grads, gradient_bytes(self.engine))
+
+    @contextmanager
+    def warm_up(self) -> Iterator[None]:
+        """Wrap the step before the measured one (the trace then sees its leftovers freed)."""
+        self.trace.start()
+        try:
+            yield
+        except BaseException:
+            self.trace.stop(ok=False)
+            raise
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        """Wrap exactly one train_batch (the profiler slows it down; do not wrap every step)."""
+        basic = getattr(self.engine, "basic_optimizer", None) or self.engine.optimizer
+        handle = basic.register_step_pre_hook(self._on_step)
+        if not self.trace.started:
+            self.trace.start()
+        cuda = self.device.type == "cuda"
+        self.held_at_start = torch.cuda.memory_allocated() if cuda else live_tensor_bytes(self.engine, self.device)
+        ok = False
+        try:
+            with self.activations.track(), self.trace.window():
+                yield
+            ok = True
+        finally:
+            handle.remove()
+            self.trace.stop(ok)
+        self.measured = True
+
+    def result(self, rank: int, stage: int) -> RankMemory:
+        """The measurement of the wrapped step (model states are read now, after it)."""
+        if not self.measured:
+            raise RuntimeError("StepMeter.result() before a step was measured: wrap a train_batch in measure()")
+        cuda = None
+        if self.device.type == "cuda":
+            cuda = {"allocated": torch.cuda.memory_allocated() / MB,
+                    "max allocated": torch.cuda.max_memory_allocated() / MB,
+                    "reserved": torch.cuda.memory_reserved() / MB,
+                    "max reserved": torch.cuda.max_memory_reserved() / MB}
+        return RankMemory(rank=rank, stage=stage, params=parameter_bytes(self.engine.module), grads=self.grads,
+                          optimizer=optimizer_bytes(self.engine), activations=self.activations.peak,
+                          peak=self.held_at_start + self.trace.peak, held_at_start=self.held_at_start,
+                          step_peak=self.trace.peak, cuda=cuda)
+
+
+def step_context(meter: Optional[StepMeter], step: int, measured_step: int) -> ContextManager[None]:
+    """What to wrap training step `step` in: `measure()` on `measured_step`, `warm_up()` on the
+    step before it, nothing otherwise (or when `meter` is None)."""
+    if meter is not None and step == measured_step:
+        return meter.measure()
+    if meter is not None and step == measured_step - 1:
+        return meter.warm_up()
+    return nullcontext()
 
 
 def gather_report(mem: RankMemory) -> list[RankMemory]:

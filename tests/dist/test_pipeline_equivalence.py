@@ -82,27 +82,26 @@ def valid_dedicated(p: int) -> list[str]:
 @pytest.mark.parametrize("p", [3, 4, 5])
 def test_fp32_equivalence_every_dedicated_mode_and_zero(tmp_path: Path, reference: dict, p: int) -> None:
     scenarios = [scenario(p, d, z) for d in valid_dedicated(p) for z in (0, 1)]
+    stock = []
     if p == 3:
         # bf16 with and without ZeRO-1 trains without hanging and stays near the fp32 reference.
         scenarios += [scenario(3, "both", 0, "bf16"), scenario(3, "both", 1, "bf16")]
         # The seed's scenario: one transformer layer alone between dedicated pre and post stages.
         scenarios += [scenario(3, "both", 1, layers=1)]
-    ranks = run(tmp_path, f"p{p}", p, scenarios)
+        # Without our parameter marking, DeepSpeed's no-ZeRO fp32 clip sees stage 0's gradients only.
+        stock = [scenario(3, "both", 0, fixes=False, preflight=False)]
+    ranks = run(tmp_path, f"p{p}", p, scenarios + stock)
     check_all(ranks, scenarios, reference)
+    if stock:
+        got, ref = ranks[0][len(scenarios)], reference[LAYERS]
+        assert got["grad_norms"][0] < 0.9 * ref["grad_norms"][0], (got, ref)
+        assert abs(got["losses"][1] - ref["losses"][1]) > 1e-6
 
 
 def test_data_parallel_two_replicas_dedicated_both(tmp_path: Path, reference: dict) -> None:
     scenarios = [scenario(3, "both", 0), scenario(3, "both", 1)]
     ranks = run(tmp_path, "dp2", 6, scenarios, timeout=600)
     check_all(ranks, scenarios, reference)
-
-
-def test_stock_norm_counts_stage_zero_only(tmp_path: Path, reference: dict) -> None:
-    """Without our parameter marking, DeepSpeed's no-ZeRO fp32 clip sees stage 0's gradients only."""
-    ranks = run(tmp_path, "stock", 3, [scenario(3, "both", 0, fixes=False, preflight=False)])
-    ref = reference[LAYERS]
-    assert ranks[0][0]["grad_norms"][0] < 0.9 * ref["grad_norms"][0]
-    assert ranks[0][0]["losses"][1] != pytest.approx(ref["losses"][1], abs=1e-6)
 
 
 def test_preflight_catches_mismatched_groups_in_seconds(tmp_path: Path) -> None:
@@ -118,10 +117,10 @@ def test_preflight_catches_mismatched_groups_in_seconds(tmp_path: Path) -> None:
 def test_unfixed_zero1_hang_becomes_watchdog_error(tmp_path: Path) -> None:
     """The seed's hang, reproduced with the fixes off: the watchdog names rank, stage and stack."""
     sc = scenario(3, "both", 1, fixes=False, preflight=False)
-    sc["overrides"]["parallel__distributed_timeout_minutes"] = 0.4
+    sc["overrides"]["parallel__distributed_timeout_minutes"] = 0.2
     results = run(tmp_path, "hang", 3, [sc], timeout=240, check=False)
     assert all(r.returncode not in (0, None) for r in results), [r.returncode for r in results]
     stalled = [r for r in results if "[watchdog] rank" in r.output]
     assert stalled, "\n".join(r.output[-2000:] for r in results)
-    assert any("stalled for more than 24s in train_batch of step 0" in r.output for r in stalled)
+    assert any("stalled for more than 12s in train_batch of step 0" in r.output for r in stalled)
     assert any("File " in r.output for r in stalled)  # the stack was printed

@@ -6,8 +6,6 @@ give the T=1 layer's output. The multi-rank tests check the same through megatro
 """
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,18 +79,19 @@ def test_initial_weights_are_a_function_of_the_seed_only() -> None:
     assert not torch.equal(a.qkv.weight, TransformerLayer(MODEL, SEED + 1).qkv.weight)
 
 
-def test_validation_refuses_sizes_tensor_parallelism_cannot_split() -> None:
-    from megatron_ds.validation import ConfigError, _parallel_config
+@pytest.mark.parametrize("flags,message", [
+    (["--num-attention-heads", "6", "--ffn-hidden-size", "96"], "--num-attention-heads 6 is not divisible by"),
+    (["--num-attention-heads", "4", "--ffn-hidden-size", "98"], "--ffn-hidden-size 98 is not divisible by"),
+])
+def test_validation_refuses_sizes_tensor_parallelism_cannot_split(flags: list[str], message: str) -> None:
+    from megatron_ds.arguments import ConfigError, parse_config
 
-    args = argparse.Namespace(pipeline_model_parallel_size=1, tensor_model_parallel_size=3, world_size=3,
-                              distributed_timeout_minutes=1.0, pp_dedicated_embedding_stages="none",
-                              pp_layout=None, pp_partition_method=None, distributed_backend=None)
-    model = ModelConfig(num_layers=2, hidden_size=48, num_attention_heads=6, ffn_hidden_size=192, seq_length=8,
-                        max_position_embeddings=8, vocab_size=128)
-    with pytest.raises(ConfigError, match="padded vocabulary size 128 is not divisible by --tensor-model-par"):
-        _parallel_config(args, model, None)
-    with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible"):
-        _parallel_config(args, MODEL, None)
+    argv = ["--num-layers", "2", "--hidden-size", "48", "--seq-length", "8", "--vocab-size", "100",
+            "--train-iters", "1", "--lr", "1e-3", "--tensor-model-parallel-size", "4", *flags]
+    with pytest.raises(ConfigError, match=message):
+        parse_config(argv, world_size=4)
+    assert parse_config([*argv[:-4], "--num-attention-heads", "4", "--ffn-hidden-size", "96"],
+                        world_size=4)[0].model.vocab_size == 512  # padded to 128 x T
 
 
 def _train_step(layer: TransformerLayer, x: torch.Tensor, recompute: bool) -> list[torch.Tensor]:
@@ -131,3 +130,22 @@ def test_replicated_stream_is_independent_of_the_default_generator() -> None:
     assert torch.equal(embed(x), first)
     torch.manual_seed(5)
     assert torch.equal(torch.get_rng_state(), default_after)  # the default generator was not advanced
+
+
+def test_dropout_streams_travel_in_the_state_dict() -> None:
+    model = ModelConfig(**{**MODEL.__dict__, "hidden_dropout": 0.2, "attention_dropout": 0.2})
+    layer = TransformerLayer(model, SEED).train()
+    x = torch.randn(2, model.seq_length, model.hidden_size)
+    rng.reset_streams()
+    layer(x)  # advances both streams
+    saved = layer.state_dict()
+    assert saved[rng.STATE_DICT_KEY].shape[0] == 2
+    expected = layer(x)
+    rng.reset_streams()  # a fresh process: streams start from their seeds ...
+    fresh = TransformerLayer(model, SEED).train()
+    assert not torch.equal(fresh(x), expected)
+    rng.reset_streams()
+    fresh.load_state_dict(saved)  # ... until the checkpoint restores them
+    assert torch.equal(fresh(x), expected)
+    del saved[rng.STATE_DICT_KEY]
+    fresh.load_state_dict(saved)  # an older checkpoint without the entry still loads (strict)

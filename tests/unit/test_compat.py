@@ -1,0 +1,280 @@
+"""Megatron-DeepSpeed flag compatibility: the table in megatron_ds/compat.py is what the parser does,
+the README shows that table, and the flags with new meaning here map onto the config tree."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_ds import compat
+from megatron_ds.arguments import ConfigError, _Refused, build_parser, parse_config
+from megatron_ds.testing.scenario import tiny_config
+from megatron_ds.training import deepspeed_config as dsc
+from megatron_ds.training import logger
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
+        "--lr", "1e-3"]
+PENDING_SAMPLES = {"--num-key-value-heads": ["2"]}
+
+
+def parse(*flags: str, world_size: int = 1):
+    return parse_config([*BASE, *flags], world_size=world_size)[0]
+
+
+def test_every_table_flag_is_registered_as_the_table_says() -> None:
+    actions = build_parser()._option_string_actions
+    for f in compat.FLAGS:
+        assert f.name in actions, f"{f.name} is in the compat table but not in the parser"
+        refused = isinstance(actions[f.name], _Refused)
+        assert refused == (f.status == compat.REFUSED), f.name
+
+
+@pytest.mark.parametrize("flag", [f for f in compat.FLAGS if f.status == compat.NO_OP], ids=lambda f: f.name)
+def test_no_op_flags_parse_and_change_nothing(flag: compat.Flag) -> None:
+    value = [] if flag.kind == compat.SWITCH else ["1"]
+    assert parse(flag.name, *value) == parse()
+
+
+@pytest.mark.parametrize("flag", [f for f in compat.FLAGS if f.status == compat.REFUSED], ids=lambda f: f.name)
+def test_refused_flags_give_their_reason(flag: compat.Flag) -> None:
+    value = [] if flag.kind == compat.SWITCH else ["1"]
+    with pytest.raises(ConfigError) as err:
+        parse(flag.name, *value)
+    assert str(err.value) == compat.refusal_message(flag.name)
+    assert str(err.value).startswith(f"{flag.name} is not supported: ") and "\n" not in str(err.value)
+
+
+def test_several_refused_flags_are_named_together_before_unknown_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse("--sequence-parallel", "--foo", "--rampup-batch-size", "16", "16", "1000")
+    assert str(err.value) == (f"{compat.refusal_message('--sequence-parallel')} | "
+                              f"{compat.refusal_message('--rampup-batch-size')}")
+    with pytest.raises(ConfigError, match="unrecognized arguments: --foo"):
+        parse("--foo")
+
+
+@pytest.mark.parametrize("flag,value", list(compat.REFUSED_VALUES), ids=lambda x: str(x))
+def test_refused_values_give_their_reason(flag: str, value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(flag, value)
+    assert str(err.value) == compat.refusal_message(flag, value)
+
+
+@pytest.mark.parametrize("flag", [f for f in compat.FLAGS if f.model_field], ids=lambda f: f.name)
+def test_architecture_flags_pending_or_accepted(flag: compat.Flag) -> None:
+    argv = [flag.name, *PENDING_SAMPLES.get(flag.name, [])]
+    if flag.effective_status == compat.PENDING:
+        with pytest.raises(ConfigError) as err:
+            parse(*argv)
+        assert str(err.value) == compat.pending_message(flag.model_field, flag.name)
+        assert "is not implemented yet" in str(err.value)
+    else:
+        assert parse(*argv) != parse()
+
+
+def test_readme_table_is_generated_from_compat() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- compat-table:begin -->\n(.*?)<!-- compat-table:end -->", readme, re.S)
+    assert block, "README lacks the compat-table markers"
+    assert block.group(1) == compat.markdown_table(), \
+        "README's compatibility table is stale: paste `python -m megatron_ds.compat` between the markers"
+
+
+def test_table_rows_name_each_flag_once_with_its_status() -> None:
+    rows = compat.markdown_table().splitlines()[2:]
+    assert len(rows) == len(compat.FLAGS)
+    for f, row in zip(compat.FLAGS, rows):
+        assert f"| `{f.name}` | {f.effective_status} |" in row
+
+
+# Flags whose meaning is a mapping onto our config tree.
+
+def test_recompute_flags_map_onto_activation_checkpointing() -> None:
+    t = parse("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2").training
+    assert t.checkpoint_activations and t.checkpoint_num_layers == 2
+    t = parse("--checkpoint-activations").training
+    assert t.checkpoint_activations and t.checkpoint_num_layers == 1
+    t = parse("--activations-checkpoint-method", "uniform", "--activations-checkpoint-num-layers", "2").training
+    assert t.checkpoint_activations and t.checkpoint_num_layers == 2
+    t = parse("--checkpoint-activations", "--checkpoint-num-layers", "2", "--recompute-granularity", "full",
+              "--recompute-method", "uniform").training
+    assert t.checkpoint_num_layers == 2
+    assert not parse().training.checkpoint_activations
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--recompute-granularity", "full"], "needs --recompute-method uniform"),
+    (["--recompute-method", "uniform"], "need --recompute-granularity full"),
+    (["--checkpoint-activations", "--checkpoint-num-layers", "2", "--recompute-granularity", "full",
+      "--recompute-method", "uniform", "--recompute-num-layers", "3"], "disagree"),
+    (["--recompute-method", "uniform", "--activations-checkpoint-method", "block"], "block is not supported"),
+    (["--checkpoint-activations", "--checkpoint-num-layers", "0"], "must be >= 1"),
+])
+def test_recompute_errors(flags: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse(*flags)
+
+
+def test_deepspeed_activation_checkpointing_alone_warns(capsys: pytest.CaptureFixture) -> None:
+    assert not parse("--deepspeed-activation-checkpointing").training.checkpoint_activations
+    assert "recomputes nothing by itself" in capsys.readouterr().err
+    parse("--deepspeed-activation-checkpointing", "--checkpoint-activations")
+    assert capsys.readouterr().err == ""
+
+
+def test_train_samples_and_tokens_become_iterations() -> None:
+    # 8 samples x 16 tokens = 128 tokens per iteration
+    assert parse_config([*BASE[:-4], "--train-samples", "20", "--lr", "1"], world_size=1)[0].training.train_iters == 3
+    cfg = parse("--train-tokens", str(128 * 4 + 1))
+    assert cfg.training.train_iters == 5 and cfg.training.train_tokens == 513  # the smaller limit wins
+    assert cfg.optimizer.lr_decay_iters == 10  # the decay still spans --train-iters
+    cfg = parse_config([*BASE[:-4], "--train-tokens", str(128 * 6), "--lr", "1"], world_size=1)[0]
+    assert cfg.training.train_iters == 6 and cfg.optimizer.lr_decay_tokens == 768
+    cfg = parse_config([*BASE[:-4], "--train-samples", "80", "--lr-warmup-samples", "8", "--lr", "1"],
+                       world_size=1)[0]
+    assert (cfg.optimizer.lr_decay_samples, cfg.optimizer.lr_warmup_samples, cfg.optimizer.lr_decay_iters) == \
+        (80, 8, None)
+
+
+def test_parallel_mappings() -> None:
+    cfg = parse("--pipeline-model-parallel-size", "2", "--standalone-embedding-stage", world_size=2)
+    assert cfg.parallel.pp_dedicated_embedding_stages == "pre"
+    cfg = parse("--pipeline-model-parallel-size", "3", "--standalone-embedding-stage",
+                "--pp-dedicated-embedding-stages", "post", world_size=3)
+    assert cfg.parallel.pp_dedicated_embedding_stages == "both"
+    assert parse("--no-pipeline-parallel").parallel.pipeline_model_parallel_size == 1
+    with pytest.raises(ConfigError, match=r"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 \(got 2\)"):
+        parse("--no-pipeline-parallel", "--pipeline-model-parallel-size", "2", world_size=2)
+
+
+def test_model_options_that_keep_todays_model() -> None:
+    assert parse("--num-key-value-heads", "4", "--kv-channels", "8", "--num-experts", "1",
+                 "--vocab-extra-ids", "0", "--data-impl", "mmap", "--dataloader-type", "single") == parse()
+    for flags, message in ((["--num-key-value-heads", "3"], "--num-key-value-heads 3 must divide"),
+                           (["--kv-channels", "16"], "--kv-channels 16 is not supported"),
+                           (["--num-experts", "8"], "--num-experts 8 is not supported"),
+                           (["--vocab-extra-ids", "100"], "--vocab-extra-ids 100 is not supported")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse(*flags)
+
+
+def test_new_fields_round_trip_and_default_to_todays_behaviour() -> None:
+    from megatron_ds.config import Config
+
+    cfg = parse("--hysteresis", "3", "--lr-warmup-tokens", "64", "--log-timers-to-tensorboard")
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    m = parse().model
+    assert (m.num_key_value_heads, m.kv_heads, m.swiglu, m.use_rotary_position_embeddings) == (None, 4, False, False)
+    assert m.add_position_embedding and m.add_bias_linear
+
+
+# fp16 loss scaling and the DeepSpeed JSON
+
+def fp16_config(**training):
+    return tiny_config(training__precision="fp16", **{f"training__{k}": v for k, v in training.items()})
+
+
+def test_fp16_flags_land_in_the_deepspeed_json() -> None:
+    ds = dsc.generate(fp16_config(loss_scale=None, initial_loss_scale=4096.0, min_loss_scale=0.5,
+                                  loss_scale_window=500, hysteresis=3))
+    assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+                          "hysteresis": 3, "min_loss_scale": 0.5}
+    assert dsc.generate(fp16_config(loss_scale=128.0))["fp16"]["loss_scale"] == 128.0
+    assert dsc.generate(fp16_config())["fp16"] == {"enabled": True, **dsc.FP16_DEFAULTS}
+    assert "loss_scale" not in dsc.generate(tiny_config(training__hysteresis=3))["fp16"]  # fp32: no fp16 keys
+
+
+def test_fp16_keys_without_a_flag_may_come_from_the_user_file(tmp_path: Path) -> None:
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"fp16": {"enabled": True, "initial_scale_power": 11, "hysteresis": 2},
+                                "steps_per_print": 10, "prescale_gradients": False}))
+    merged = dsc.build(fp16_config(deepspeed_config=str(user)))
+    assert merged["fp16"]["initial_scale_power"] == 11 and merged["steps_per_print"] == 10
+    with pytest.raises(dsc.DeepSpeedConfigError, match="sets fp16.initial_scale_power=11 but the flags give 12"):
+        dsc.build(fp16_config(deepspeed_config=str(user), initial_loss_scale=4096.0))
+
+
+def test_activation_checkpointing_options_in_the_user_file_are_refused(tmp_path: Path) -> None:
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"activation_checkpointing": {"partition_activations": False, "number_checkpoints": 4}}))
+    dsc.build(tiny_config(training__deepspeed_config=str(user)))
+    user.write_text(json.dumps({"activation_checkpointing": {"cpu_checkpointing": True}}))
+    with pytest.raises(dsc.DeepSpeedConfigError, match="activation_checkpointing.cpu_checkpointing"):
+        dsc.build(tiny_config(training__deepspeed_config=str(user)))
+
+
+def test_loss_scale_flag_checks_and_warning(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(ConfigError, match="--initial-loss-scale 3000.0 must be a power of 2"):
+        parse("--initial-loss-scale", "3000")
+    with pytest.raises(ConfigError, match="--hysteresis 0 must be > 0"):
+        parse("--hysteresis", "0")
+    cfg = parse("--hysteresis", "2", "--loss-scale-window", "500")
+    assert (cfg.training.hysteresis, cfg.training.loss_scale_window) == (2, 500)
+    assert "--loss-scale-window, --hysteresis only apply with --fp16; ignored with fp32" in capsys.readouterr().err
+
+
+# Logging
+
+class FakeWriter:
+    def __init__(self) -> None:
+        self.scalars: dict[str, list[tuple[int, float]]] = {}
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars.setdefault(tag, []).append((step, float(value)))
+
+
+def stats() -> logger.StepStats:
+    return logger.StepStats(iteration=5, train_iters=10, consumed_samples=40, elapsed_ms=12.5, learning_rate=1e-3,
+                            global_batch_size=8, loss=2.0, grad_norm=1.5, loss_scale=None, tokens_per_second=100.0,
+                            eta_s=1.0)
+
+
+def test_tensorboard_scalars_follow_the_logging_flags(capsys: pytest.CaptureFixture) -> None:
+    plain = FakeWriter()
+    tb = logger.TensorBoard("unused", parse("--tensorboard-dir", "x").logging, writer=plain)
+    tb.step(stats())
+    tb.eval("validation", 5, 2.0)
+    assert set(plain.scalars) == {"lm-loss-training/lm loss", "throughput/tokens-per-second", "grad-norm/grad-norm",
+                                  "learning-rate/learning-rate", "lm-loss-validation/lm loss"}
+    every = FakeWriter()
+    cfg = parse("--tensorboard-dir", "x", "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
+                "--log-validation-ppl-to-tensorboard", "--no-log-learnig-rate-to-tensorboard",
+                "--log-world-size-to-tensorboard", "--tensorboard-queue-size", "1").logging
+    assert cfg.tensorboard_queue_size == 1
+    tb = logger.TensorBoard("unused", cfg, world_size=3, writer=every)
+    tb.step(stats())
+    tb.eval("validation", 5, 2.0)
+    assert every.scalars["iteration-time/iteration-time-ms"] == [(5, 12.5)]
+    assert every.scalars["batch-size/batch-size"] == [(5, 8.0)]
+    assert every.scalars["world-size/world-size"] == [(0, 3.0)]
+    assert every.scalars["lm-loss-validation/lm loss ppl"][0][1] == pytest.approx(7.389056)
+    assert "learning-rate/learning-rate" not in every.scalars
+    parse("--log-timers-to-tensorboard")
+    assert "--log-timers-to-tensorboard need --tensorboard-dir; ignored without it" in capsys.readouterr().err
+
+
+def test_optimizer_state_norms_of_adam() -> None:
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    w.grad = torch.tensor([0.5, 0.5])
+    opt.step()
+    engine = SimpleNamespace(optimizer=SimpleNamespace(optimizer=opt))  # as DeepSpeed wraps it
+    norms = logger.optimizer_state_norms(engine)
+    state = opt.state[w]
+    assert norms["momentum_l2"] == pytest.approx(float(state["exp_avg"].norm()))
+    assert norms["variance_l1"] == pytest.approx(float(state["exp_avg_sq"].abs().sum()))
+    assert norms["variance_sqrt_l2"] == pytest.approx(float(state["exp_avg_sq"].sqrt().norm()))
+    assert norms["weight_l2"] == pytest.approx(float(w.detach().norm()))
+    writer = FakeWriter()
+    tb = logger.TensorBoard("unused", parse("--tensorboard-dir", "x", "--log-optimizer-states-to-tensorboard").logging,
+                            writer=writer)
+    tb.optimizer_states(engine, 7)
+    assert writer.scalars["optimizer/momentum_l2"] == [(7, pytest.approx(norms["momentum_l2"]))]
+    sgd = torch.optim.SGD([w], lr=0.1)
+    assert logger.optimizer_state_norms(SimpleNamespace(optimizer=sgd)) == {}
