@@ -125,11 +125,15 @@ class StageMemory:
     activations: float
     pipe_buffers: float
     transient: float
-    """What the stage's peak adds above model states + activations + pipe buffers: the largest
-    short-lived buffer of a backward, or the optimizer step's temporaries less the activations and
-    in-flight buffers already freed when the step runs, whichever is larger (the peak is the larger
-    of the two moments, written as a sum so that `total` adds up)."""
+    """The predicted peak minus model states, activations and pipe buffers, so that `total` is the
+    peak. The peak is the largest of three moments (`transient_source` names it): a backward
+    before the step's gradients exist, a later backward with them, and the optimizer step (see
+    `stage_memory_for`). Positive when a short-lived buffer tops the sum; negative when the
+    activation peak and the gradients are never alive together."""
     transient_source: str
+    backward_transient: float = 0.0
+    """The largest short-lived buffer of a backward on its own (not part of `total`; for callers
+    that add it to activations, as `plan/zero.py` does for pure data parallelism)."""
 
     @property
     def model_states(self) -> float:
@@ -203,13 +207,9 @@ def stage_memory(inputs: MemoryInputs, layout) -> list[StageMemory]:
     return [stage_memory_for(inputs, s, p, layout.layers_per_stage[s]) for s in range(p)]
 
 
-def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_layers: int,
-                     optimizer_step: bool = True) -> StageMemory:
+def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_layers: int) -> StageMemory:
     """Memory of stage `stage` of `num_stages` holding `num_layers` transformer layers
-    (plus the pre group on stage 0 and the post group on the last stage).
-
-    `optimizer_step=False` leaves out the optimizer step's temporaries (for callers that compare
-    several optimizer placements against one activation figure)."""
+    (plus the pre group on stage 0 and the post group on the last stage)."""
     specs = spec_memory(inputs)
     first, last = stage == 0, stage == num_stages - 1
     pre = [sp for sp in specs if sp.group == "pre"] if first else []
@@ -218,25 +218,45 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
         post = [sp for sp in post if not sp.tied]
     layer = next(sp for sp in specs if sp.group == "body")
     ends = pre + post
-    states = [sum(getattr(sp, a) for sp in ends) + num_layers * getattr(layer, a)
-              for a in ("params", "grads", "optimizer", "host")]
+    held = ends + [layer] * num_layers
+    num_params = sum(sp.num_params for sp in held)
+    states = [sum(getattr(sp, a) for sp in held) for a in ("params", "grads", "optimizer", "host")]
     full_layers, chunk = _recomputed(inputs, len(pre), num_layers, len(post))
     per_mb = (sum(sp.activations for sp in ends) + full_layers * layer.activations
               + (num_layers - full_layers) * layer.checkpointed_activations)
     flight = in_flight(stage, num_stages, inputs.num_micro_batches)
-    held = ends + ([layer] if num_layers else [])
     buffers, persistent = _pipe_buffers(inputs, stage, num_stages)
-    transient, source = _transient(inputs, layer, chunk, held, last, per_mb - sum(sp.activations for sp in pre))
-    step, step_source = _optimizer_step(inputs, ends, layer, num_layers)
-    # The step runs after every backward: activations and in-flight pipe buffers are gone by then.
-    step_excess = step + persistent - flight * per_mb - buffers
-    if optimizer_step and step_excess > transient:
-        transient, source = step_excess, step_source
+    # A first-stage micro-batch's activations other than the pre group's are freed before the
+    # word embedding's gradient is computed (see `_transient`).
+    freed = per_mb - sum(sp.activations for sp in pre)
+    first_bwd = _transient(inputs, layer, chunk, held, last, freed, accumulating=False)
+    later_bwd = _transient(inputs, layer, chunk, held, last, freed, accumulating=inputs.num_micro_batches > 1)
+    # The step's gradients exist from the first backward on: DeepSpeed sets every `.grad` to None
+    # after the optimizer step (engine.zero_grad; zero_grad(set_to_none=True) of its ZeRO and bf16
+    # optimizers), so only the rest of `grads` (flat fp32 buffers, partitions) is always held.
+    fresh = min(states[1], num_params * PRECISION_BYTES[inputs.precision]) if inputs.zero_stage <= 1 else 0.0
+    base = states[0] + states[2] + states[1] - fresh
+    # After its first backward a stage holds in_flight micro-batches again only if a forward
+    # follows (steady 1F1B, M > P - s); otherwise one fewer.
+    later = flight if inputs.num_micro_batches > num_stages - stage else flight - 1
+    step, step_source = _step_temporaries(inputs, held, num_params)
+    moments = [
+        (base + flight * per_mb + buffers + first_bwd[0],
+         f"first backward, {flight} micro-batch(es) in flight, no gradient yet"
+         + (f"; {first_bwd[1]}" if first_bwd[0] else "")),
+        (base + fresh + later * per_mb + buffers + later_bwd[0],
+         f"a later backward, {later} micro-batch(es) in flight, gradients held"
+         + (f"; {later_bwd[1]}" if later_bwd[0] else "")),
+        (sum(states[:3]) + persistent + step, f"optimizer step: {step_source}"),
+    ]
+    peak, source = max(moments, key=lambda m: m[0])
+    peak += _gathered(inputs, ends, layer, num_layers)
     return StageMemory(
-        stage=stage, num_layers=num_layers, num_params=sum(sp.num_params for sp in ends) + num_layers * layer.num_params,
-        params=states[0], grads=states[1], optimizer=states[2], host=states[3], activation_per_micro_batch=per_mb,
-        in_flight=flight, activations=flight * per_mb, pipe_buffers=buffers,
-        transient=transient + _gathered(inputs, ends, layer, num_layers), transient_source=source)
+        stage=stage, num_layers=num_layers, num_params=num_params, params=states[0], grads=states[1],
+        optimizer=states[2], host=states[3], activation_per_micro_batch=per_mb, in_flight=flight,
+        activations=flight * per_mb, pipe_buffers=buffers,
+        transient=peak - (sum(states[:3]) + flight * per_mb + buffers), transient_source=source,
+        backward_transient=later_bwd[0])
 
 
 def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: int) -> tuple[int, int]:
@@ -261,10 +281,11 @@ def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: i
     return full, chunk
 
 
-def _transient(inputs: MemoryInputs, layer: SpecMemory, chunk: int, held: list[SpecMemory],
-               last: bool, freed_before_embedding: float) -> tuple[float, str]:
-    """The largest short-lived buffer of one backward: recomputation, loss gradients, or a weight
-    gradient created before it is added into the accumulated one.
+def _transient(inputs: MemoryInputs, layer: SpecMemory, chunk: int, held: list[SpecMemory], last: bool,
+               freed_before_embedding: float, accumulating: bool) -> tuple[float, str]:
+    """The largest short-lived buffer of one backward: recomputation, loss gradients, or (when
+    `accumulating`, i.e. not the step's first micro-batch) a weight gradient created before it is
+    added into the accumulated one.
 
     The word embedding's gradient is the last one a first-stage backward computes: every other
     activation that micro-batch saved on the stage (`freed_before_embedding` bytes) has been
@@ -278,7 +299,7 @@ def _transient(inputs: MemoryInputs, layer: SpecMemory, chunk: int, held: list[S
         options.append((act.loss_backward_transient(inputs.model, inputs.micro_batch_size,
                                                     inputs.tensor_parallel_size),
                         "fp32 loss gradients d(log-probs), d(logits) of one micro-batch"))
-    if inputs.num_micro_batches > 1 and held:
+    if accumulating:
         w = PRECISION_BYTES[inputs.precision]
         for sp in held:
             size = sp.largest_param * w
@@ -291,28 +312,42 @@ def _transient(inputs: MemoryInputs, layer: SpecMemory, chunk: int, held: list[S
     return max(options, key=lambda o: o[0])
 
 
-def _optimizer_step(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory,
-                    num_layers: int) -> tuple[float, str]:
-    """Temporaries of the optimizer step (bytes alive at once) and their description.
+ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
+"""`MEMORY_OPT_ALLREDUCE_SIZE` in deepspeed/runtime/engine.py: the pipeline engine's gradient
+all-reduce bucket (elements)."""
 
-    `training/optimizer.py` builds torch's AdamW with foreach=False, so each tensor is stepped on
-    its own: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds the square
-    root and the quotient at once, two float32 copies of the tensor (torch/optim/adam.py,
-    `_single_tensor_adam`); SGD allocates one, `grad.add(param, alpha=weight_decay)`. Without ZeRO
-    in fp32 the tensors are the parameters; otherwise DeepSpeed's optimizer wrapper (ZeRO,
-    BF16_Optimizer, FP16_Optimizer) steps one flat fp32 tensor per parameter group (its partition
-    under ZeRO), so the largest group's partition counts. Offloaded optimizers step on the host.
+
+def _step_temporaries(inputs: MemoryInputs, held: list[SpecMemory], num_params: int) -> tuple[float, str]:
+    """The largest buffer alive between the last backward and the end of the optimizer step.
+
+    * Without ZeRO, the pipeline engine all-reduces gradients over data parallelism (also when
+      that group has one rank) through `buffered_allreduce_fallback`, which flattens them into
+      buckets of up to `ALLREDUCE_BUCKET_ELEMENTS` (a copy; fp32 gradients, the bf16 optimizer's
+      fp32 ones, or fp16). ZeRO-1's own reduce buckets are not modelled.
+    * `training/optimizer.py` builds torch's AdamW with foreach=False, so each tensor is stepped on
+      its own: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds the square
+      root and the quotient at once, two float32 copies of the tensor (torch/optim/adam.py,
+      `_single_tensor_adam`); SGD allocates one, `grad.add(param, alpha=weight_decay)`. Without
+      ZeRO in fp32 the tensors are the parameters; otherwise DeepSpeed's optimizer wrapper (ZeRO,
+      BF16_Optimizer, FP16_Optimizer) steps one flat fp32 tensor per parameter group (its
+      partition under ZeRO), so the largest group's partition counts. Offloaded optimizers step on
+      the host.
     """
-    if inputs.offload_optimizer != "none":
-        return 0.0, "optimizer step on the host"
-    copies = 2 if inputs.optimizer == "adam" else 1
-    held = ends + ([layer] * num_layers)
-    if inputs.precision == "fp32" and inputs.zero_stage == 0:
-        big = max((sp.largest_param for sp in held), default=0)
-        return copies * MASTER_BYTES * big, f"optimizer step: {copies} fp32 temporaries of the largest tensor"
-    no_decay = sum(sp.no_decay_params for sp in held)
-    group = max(sum(sp.num_params for sp in held) - no_decay, no_decay) / inputs.data_parallel_size
-    return copies * MASTER_BYTES * group, f"optimizer step: {copies} fp32 temporaries of the largest flat group"
+    options = [(0.0, "no temporary")]
+    if inputs.zero_stage == 0:
+        width = 2 if inputs.precision == "fp16" else MASTER_BYTES if inputs.precision == "bf16" else 4
+        options.append((width * min(num_params, ALLREDUCE_BUCKET_ELEMENTS),
+                        "the flattened copy of the gradients in DeepSpeed's gradient all-reduce"))
+    if inputs.offload_optimizer == "none":
+        copies = 2 if inputs.optimizer == "adam" else 1
+        if inputs.precision == "fp32" and inputs.zero_stage == 0:
+            big = max((sp.largest_param for sp in held), default=0)
+            options.append((copies * MASTER_BYTES * big, f"{copies} fp32 temporaries of the largest tensor"))
+        else:
+            no_decay = sum(sp.no_decay_params for sp in held)
+            group = max(num_params - no_decay, no_decay) / inputs.data_parallel_size
+            options.append((copies * MASTER_BYTES * group, f"{copies} fp32 temporaries of the largest flat group"))
+    return max(options, key=lambda o: o[0])
 
 
 def _gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, num_layers: int) -> float:

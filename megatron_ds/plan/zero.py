@@ -102,10 +102,11 @@ def activation_bytes(ctx: Context) -> float:
                           num_micro_batches=1, precision=ctx.precision, zero_stage=1,
                           data_parallel_size=res.num_gpus,
                           checkpoint_activations=bool(res.raw.checkpoint_activations))
-    # Without the optimizer step's temporaries: they depend on each row's optimizer placement
-    # (none on the GPU with offload), and this one figure is added to every row.
-    st = stage_memory_for(inputs, 0, 1, res.dims["num_layers"], optimizer_step=False)
-    return st.activations + st.pipe_buffers + st.transient
+    # The backward's transient, not the whole-step remainder: the optimizer step's temporaries
+    # depend on each row's optimizer placement (none on the GPU with offload), and this one
+    # figure is added to every row's model states.
+    st = stage_memory_for(inputs, 0, 1, res.dims["num_layers"])
+    return st.activations + st.pipe_buffers + st.backward_transient
 
 
 def zero_section(ctx: Context) -> Section:

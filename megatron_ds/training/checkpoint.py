@@ -123,6 +123,21 @@ def architecture_mismatch(saved: dict[str, Any], config: Config) -> list[str]:
     return [f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)" for k, v in ours.items() if theirs.get(k) != v]
 
 
+def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: str) -> None:
+    """Refuse a checkpoint whose weights cannot be loaded into this model at all."""
+    mismatch = architecture_mismatch(meta, config)
+    if mismatch:
+        raise CheckpointError(f"--load {load_dir} ({tag}) has another architecture: {'; '.join(mismatch)}; "
+                              f"use matching model flags or another --load directory")
+    saved_t = meta["config"].get("parallel", {}).get("tensor_model_parallel_size", 1)
+    t = config.parallel.tensor_model_parallel_size
+    if saved_t != t:
+        raise CheckpointError(
+            f"--load {load_dir} ({tag}) was saved with --tensor-model-parallel-size {saved_t} but this run uses {t}: "
+            f"its layers are stored as {saved_t} tensor-parallel shards and are not resharded on load (not even "
+            f"with --no-load-optim or --finetune); rerun with --tensor-model-parallel-size {saved_t}")
+
+
 def _same_topology(meta: dict[str, Any], config: Config, layout: Layout, world_size: int) -> list[str]:
     saved = Config.from_dict(meta["config"])
     diffs = []
@@ -152,7 +167,7 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> Optional
     tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
     if tag is None:
         return None
-    meta = read_meta(load_dir, tag)
+    meta = read_meta(load_dir, tag)  # check_checkpoint_dirs has run check_compatible on it
     weights_only = ck.no_load_optim or ck.finetune
     moved = _same_topology(meta, config, layout, dist.get_world_size())
     if moved and not weights_only:

@@ -43,10 +43,7 @@ def check_checkpoint_dirs(config: Config) -> None:
                 f"--load {ck.load}: no checkpoint found (no 'latest' file); check the path, or pass "
                 f"--load-optional to start fresh when none exists yet")
         return
-    mismatch = checkpoint.architecture_mismatch(checkpoint.read_meta(ck.load, tag), config)
-    if mismatch:
-        raise checkpoint.CheckpointError(f"--load {ck.load} ({tag}) has another architecture: {'; '.join(mismatch)}; "
-                                         f"use matching model flags or another --load directory")
+    checkpoint.check_compatible(checkpoint.read_meta(ck.load, tag), config, ck.load, tag)
 
 
 def check_logging(config: Config) -> None:

@@ -205,8 +205,6 @@ def test_loading_at_another_tensor_parallel_size_is_refused(four_ranks: dict) ->
         assert re.search(r"tensor[-_]model[-_]parallel[-_]size 2", r["error"]), r
 
 
-@pytest.mark.xfail(reason="needs the tensor-parallel-size check in training/checkpoint.py (weights-only path)",
-                   strict=True)
 def test_weights_only_load_at_another_tensor_parallel_size_is_refused(four_ranks: dict) -> None:
     for r in four_ranks["load_weights_at_t1"]:
         assert r.get("error", "").startswith("CheckpointError"), r

@@ -4,9 +4,10 @@ The flag sets are those of Megatron-DeepSpeed's GPT-3 1.3B dense script
 (`examples_deepspeed/MoE/ds_pretrain_gpt_1.3B_dense.sh`, with its activation checkpointing and
 optimizer-state logging switched on) and of `examples_deepspeed/pretrain_llama2_distributed.sh`,
 with the DeepSpeed JSON those scripts write. Changes, all forced by the CPU test machine or size:
-model and batch sizes; `--fp16` -> `--bf16` (no fp16 on CPU) and the JSON's precision sections to
-match; `--distributed-backend nccl` -> `gloo`; `--load-optional` added next to `--load` (Megatron
-starts fresh silently when `--load` is empty, we need to be told).
+model and batch sizes; the GPT line's `--fp16` dropped (fp32, its JSON's fp16 section disabled: no
+fp16 on CPU, and DeepSpeed 0.19.8 cannot resume its bf16 optimizer without ZeRO, which the second run
+of that line does); `--distributed-backend nccl` -> `gloo`; `--load-optional` added next to `--load`
+(Megatron starts fresh silently when `--load` is empty, we need to be told).
 """
 from __future__ import annotations
 
@@ -99,7 +100,6 @@ def gpt_1_3b_dense_line(data: dict[str, str], ckpt: str, ds_json: str, tensorboa
         "--lr", "2.0e-4", "--min-lr", "1.0e-6", "--lr-decay-style", "cosine", "--split", "98,2,0",
         "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "2", "--save-interval", "100",
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--hysteresis", "2", "--num-workers", "0",
-        "--bf16",  # their --fp16
         "--load", ckpt, "--load-optional", "--save", ckpt,
         "--tensorboard-queue-size", "1", "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
         "--log-validation-ppl-to-tensorboard", "--tensorboard-dir", tensorboard,
@@ -113,13 +113,13 @@ def gpt_1_3b_dense_line(data: dict[str, str], ckpt: str, ds_json: str, tensorboa
 
 
 def gpt_ds_json(path: Path) -> str:
-    """Their ds_config_gpt_TEMPLATE.json, filled in as their script's sed does (bf16 for fp16)."""
+    """Their ds_config_gpt_TEMPLATE.json, filled in as their script's sed does (fp32 instead of fp16)."""
     path.write_text(json.dumps({
         "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
         "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0, "prescale_gradients": False,
         "fp16": {"enabled": False, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
                  "min_loss_scale": 1, "initial_scale_power": 11},
-        "bf16": {"enabled": True}, "wall_clock_breakdown": False}))
+        "bf16": {"enabled": False}, "wall_clock_breakdown": False}))
     return str(path)
 
 
