@@ -36,8 +36,8 @@ MODELS = {
     "8-layer": ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
                 "--vocab-size", "32000", "--micro-batch-size", "2", "--global-batch-size", "8"],
     # Deep enough for the memory layout to balance the embedding and head stages.
-    "32-layer": ["--num-layers", "32", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "64",
-                 "--vocab-size", "50304", "--micro-batch-size", "2", "--global-batch-size", "8"],
+    "48-layer": ["--num-layers", "48", "--hidden-size", "384", "--num-attention-heads", "8", "--seq-length", "128",
+                 "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "4"],
 }
 LAYOUTS = {
     "stock": [],  # --pp-partition-method type:transformer, DeepSpeed's default split

@@ -56,6 +56,7 @@ non-default value is refused ("not implemented yet"); delete an entry once the m
 _NET, _LOG, _REG, _TRAIN = "network size", "logging", "regularization", "training"
 _INIT, _LR, _CKPT, _MIXED = "initialization", "learning rate", "checkpointing", "mixed precision"
 _DIST, _VAL, _DATA, _DS = "distributed", "validation", "data and tokenizer", "DeepSpeed, ZeRO, recompute"
+_MOE_GROUP = "mixture of experts"
 
 _SDPA = "attention is torch's scaled_dot_product_attention, which picks flash/memory-efficient kernels itself"
 _NO_FUSION = "no hand-fused kernels here: the unfused torch ops compute the same function"
@@ -95,18 +96,18 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--openai-gelu", REFUSED, _NET, "the MLP uses torch's exact GeLU; the tanh approximation is not built"),
     Flag("--squared-relu", REFUSED, _NET, "the MLP is GeLU (or SwiGLU); squared ReLU is not implemented"),
     Flag("--embedding-weights-in-fp32", REFUSED, _NET, "embeddings are kept in the training precision"),
-    Flag("--mlp-type", REFUSED, _NET, _MOE, kind=VALUE),
-    Flag("--topk", REFUSED, _NET, _MOE, kind=VALUE),
-    Flag("--expert-interval", REFUSED, _NET, _MOE, kind=VALUE),
-    Flag("--moe-expert-parallel-size", REFUSED, _DIST, _MOE, kind=VALUE),
-    Flag("--moe-train-capacity-factor", REFUSED, _TRAIN, _MOE, kind=VALUE),
-    Flag("--moe-eval-capacity-factor", REFUSED, _TRAIN, _MOE, kind=VALUE),
-    Flag("--moe-min-capacity", REFUSED, _TRAIN, _MOE, kind=VALUE),
-    Flag("--moe-loss-coeff", REFUSED, _TRAIN, _MOE, kind=VALUE),
-    Flag("--create-moe-param-group", REFUSED, _TRAIN, _MOE),
-    Flag("--disable-moe-token-dropping", REFUSED, _TRAIN, _MOE),
-    Flag("--use-tutel", REFUSED, _TRAIN, _MOE),
-    Flag("--enable-expert-tensor-parallelism", REFUSED, _DIST, _MOE),
+    Flag("--mlp-type", REFUSED, _MOE_GROUP, _MOE, kind=VALUE),
+    Flag("--topk", REFUSED, _MOE_GROUP, _MOE, kind=VALUE),
+    Flag("--expert-interval", REFUSED, _MOE_GROUP, _MOE, kind=VALUE),
+    Flag("--moe-expert-parallel-size", REFUSED, _MOE_GROUP, _MOE, kind=VALUE),
+    Flag("--moe-train-capacity-factor", REFUSED, _MOE_GROUP, _MOE, kind=VALUE),
+    Flag("--moe-eval-capacity-factor", REFUSED, _MOE_GROUP, _MOE, kind=VALUE),
+    Flag("--moe-min-capacity", REFUSED, _MOE_GROUP, _MOE, kind=VALUE),
+    Flag("--moe-loss-coeff", REFUSED, _MOE_GROUP, _MOE, kind=VALUE),
+    Flag("--create-moe-param-group", REFUSED, _MOE_GROUP, _MOE),
+    Flag("--disable-moe-token-dropping", REFUSED, _MOE_GROUP, _MOE),
+    Flag("--use-tutel", REFUSED, _MOE_GROUP, _MOE),
+    Flag("--enable-expert-tensor-parallelism", REFUSED, _MOE_GROUP, _MOE),
     # logging
     Flag("--log-interval", ACCEPTED, _LOG, "one Megatron-style line every this many iterations"),
     Flag("--tensorboard-dir", ACCEPTED, _LOG, "TensorBoard scalars, written by the last rank"),
@@ -249,7 +250,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--no-query-key-layer-scaling", NO_OP, _MIXED, "query-key layer scaling divides the scores by the layer "
          "number and multiplies them back inside Megatron's fp16 softmax; the math is the identity, and SDPA "
          "scales by 1/sqrt(head dim) only"),
-    Flag("--attention-softmax-in-fp32", NO_OP, _MIXED, "SDPA's kernels accumulate the softmax in fp32"),
+    Flag("--attention-softmax-in-fp32", NO_OP, _MIXED, "it switches Megatron's own fused softmax, which is not "
+         "used: SDPA's fused kernels accumulate the softmax in fp32"),
     Flag("--accumulate-allreduce-grads-in-fp32", NO_OP, _MIXED, "DeepSpeed's bf16 optimizer accumulates "
          "gradients in fp32"),
     Flag("--fp32-residual-connection", REFUSED, _MIXED, "the residual stream stays in the training precision"),
@@ -413,7 +415,7 @@ def markdown_table() -> str:
         if status == REFUSED and f.fix:
             note = f"{note}; {f.fix}"
         if status == PENDING:
-            note = f"{note}. Refused as not implemented yet until the model builds it"
+            note = f"{note}. Parsed and validated; a non-default value is refused as not implemented yet"
         values = [v for (n, v) in REFUSED_VALUES if n == f.name]
         if values:
             note = f"{note} (refused: {', '.join(f'`{v}`' for v in values)})"

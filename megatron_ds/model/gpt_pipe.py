@@ -1,6 +1,7 @@
 """GPT as DeepSpeed pipeline layer specs, in three named groups, and `GPTModelPipe`.
 
-    pre  : cast_token_ids, WordEmbedding (tied), PositionEmbedding (+ dropout)
+    pre  : cast_token_ids, WordEmbedding (tied), PositionEmbedding (+ dropout) or, without a
+           learned position embedding, EmbeddingDropout
     body : TransformerLayer x N
     post : FinalNorm, WordEmbedding.lm_head_logits (tied) or LMHead, logits_to_fp32
     loss : cross_entropy_loss
@@ -23,6 +24,7 @@ from megatron_ds.config import Config, ModelConfig
 from megatron_ds.model import naming, rng
 from megatron_ds.model.init import spec_seed
 from megatron_ds.model.layers import (
+    EmbeddingDropout,
     FinalNorm,
     LMHead,
     PositionEmbedding,
@@ -71,16 +73,20 @@ def build_layer_specs(model: ModelConfig, seed: int, tp: TensorParallel = NO_TEN
 
         embedding, head_fn = tpl.VocabParallelWordEmbedding, tpl.VocabParallelWordEmbedding.lm_head_logits
         untied_head, extra = tpl.VocabParallelLMHead, (tp,)
+    untied = model.untie_embeddings_and_output_weights
+    # An untied head leaves the word embedding a plain spec: no tied module, no tied group.
+    word: Spec = (LayerSpec(embedding, model, tied_seed, *extra) if untied
+                  else TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, tied_seed, *extra))
     pre: list[Spec] = [
         cast_token_ids,
-        TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, tied_seed, *extra),
-        LayerSpec(PositionEmbedding, model, seeded(2)),
+        word,
+        LayerSpec(PositionEmbedding if model.add_position_embedding else EmbeddingDropout, model, seeded(2)),
     ]
     first_layer = len(pre)
     body: list[Spec] = [LayerSpec(TransformerLayer, model, seeded(first_layer + i), tp)
                         for i in range(model.num_layers)]
     first_post = first_layer + model.num_layers
-    if model.untie_embeddings_and_output_weights:
+    if untied:
         head: Spec = LayerSpec(untied_head, model, seeded(first_post + 1), *extra)
     else:
         head = TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, tied_seed, *extra, forward_fn=head_fn)

@@ -2,7 +2,7 @@
 
 A spec's generator is seeded from (global seed, spec index), so layer i gets the same initial
 weights whichever stage builds it, whatever the pipeline size, and whichever rank builds it.
-Tensor-parallel shards are cut from the full matrix drawn this way (`shard`, `shard_qkv`), so
+Tensor-parallel shards are cut from the full matrix drawn this way (`shard`, `shard_fused`), so
 the tensor-parallel size does not matter either: gathering the shards gives the T=1 matrix.
 """
 from __future__ import annotations
@@ -54,22 +54,48 @@ def shard(full: torch.Tensor, dim: int, num_shards: int, index: int) -> torch.Te
     return full.chunk(num_shards, dim=dim)[index]
 
 
-def shard_qkv(full: torch.Tensor, num_heads: int, num_shards: int, index: int) -> torch.Tensor:
-    """Rank `index`'s rows of a fused QKV weight (3h, h) or bias (3h,).
+def shard_fused(full: torch.Tensor, row_parts: Sequence[int], num_shards: int, index: int) -> torch.Tensor:
+    """Rank `index`'s rows of a weight (rows, in) or bias (rows,) whose rows are fused parts.
 
-    The full rows are laid out (3, nh, hd): all q heads, then all k, then all v. Shard r
-    keeps the q, k and v rows of its own heads [r*nh/T, (r+1)*nh/T), in the same (3, nh/T, hd)
-    order, so a rank's attention code is the T=1 code with nh/T heads.
+    The full rows are the parts `row_parts` one after the other (q, k, v of a QKV projection;
+    gate and up of a SwiGLU fc1). Each part is cut into `num_shards` contiguous blocks and shard r
+    is block r of every part, in part order: a rank's local output has the T=1 structure with
+    every part T times smaller.
     """
-    assert num_heads % num_shards == 0, (num_heads, num_shards)
-    rows = full.reshape(3, num_heads, -1, *full.shape[1:])  # (3, nh, hd[, h])
-    mine = shard(rows, 1, num_shards, index)  # (3, nh/T, hd[, h])
-    return mine.reshape(-1, *full.shape[1:]).contiguous()
+    assert sum(row_parts) == full.shape[0], (tuple(full.shape), tuple(row_parts))
+    parts = full.split(list(row_parts), dim=0)
+    return torch.cat([shard(part, 0, num_shards, index) for part in parts]).contiguous()
 
 
-def gather_qkv(shards: Sequence[torch.Tensor], num_heads: int) -> torch.Tensor:
-    """Inverse of `shard_qkv`: the full (3h, h) weight or (3h,) bias from every rank's shard."""
-    local_heads = num_heads // len(shards)
-    views = [s.reshape(3, local_heads, -1, *s.shape[1:]) for s in shards]
-    full = torch.cat(views, dim=1)  # (3, nh, hd[, h])
-    return full.reshape(-1, *shards[0].shape[1:])
+def gather_fused(shards: Sequence[torch.Tensor], row_parts: Sequence[int]) -> torch.Tensor:
+    """Inverse of `shard_fused`: the full weight or bias from every rank's shard."""
+    local = [n // len(shards) for n in row_parts]
+    pieces = [s.split(local, dim=0) for s in shards]  # [rank][part]
+    return torch.cat([pieces[r][i] for i in range(len(row_parts)) for r in range(len(shards))])
+
+
+def qkv_row_parts(rows: int, num_heads: int, num_kv_heads: Optional[int] = None) -> tuple[int, int, int]:
+    """Rows of q, k and v in a fused QKV of `rows` = (nh + 2 kv) * hd rows."""
+    kv = num_kv_heads or num_heads
+    head_dim = rows // (num_heads + 2 * kv)
+    assert head_dim * (num_heads + 2 * kv) == rows, (rows, num_heads, kv)
+    return num_heads * head_dim, kv * head_dim, kv * head_dim
+
+
+def shard_qkv(full: torch.Tensor, num_heads: int, num_shards: int, index: int,
+              num_kv_heads: Optional[int] = None) -> torch.Tensor:
+    """Rank `index`'s rows of a fused QKV weight ((nh + 2 kv) hd, h) or bias ((nh + 2 kv) hd,).
+
+    The full rows are all q heads (nh, hd), then all k heads (kv, hd), then all v heads (kv, hd);
+    kv = nh unless grouped-query attention. Shard r keeps q heads [r*nh/T, (r+1)*nh/T) and the
+    k, v heads [r*kv/T, (r+1)*kv/T) of exactly their groups, in the same q, k, v order, so a rank's
+    attention code is the T=1 code with nh/T and kv/T heads.
+    """
+    assert num_heads % num_shards == 0 and (num_kv_heads or num_heads) % num_shards == 0, (num_heads, num_shards)
+    return shard_fused(full, qkv_row_parts(full.shape[0], num_heads, num_kv_heads), num_shards, index)
+
+
+def gather_qkv(shards: Sequence[torch.Tensor], num_heads: int, num_kv_heads: Optional[int] = None) -> torch.Tensor:
+    """Inverse of `shard_qkv`: the full fused QKV weight or bias from every rank's shard."""
+    rows = shards[0].shape[0] * len(shards)
+    return gather_fused(shards, qkv_row_parts(rows, num_heads, num_kv_heads))

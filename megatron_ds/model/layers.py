@@ -75,6 +75,20 @@ class PositionEmbedding(nn.Module):
         return dropout(hidden, self.hidden_dropout, self.training, self.dropout_stream)
 
 
+class EmbeddingDropout(nn.Module):
+    """Embedding dropout alone, in place of `PositionEmbedding` when there is no learned position
+    embedding (`--no-position-embedding`, e.g. with rotary embeddings); no parameters."""
+
+    def __init__(self, model: ModelConfig, init_seed: int) -> None:
+        super().__init__()
+        self.hidden_dropout = model.hidden_dropout
+        self.dropout_stream = Stream.replicated(init_seed)  # the stream PositionEmbedding would use
+        checkpoint_streams(self, self.dropout_stream)
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return dropout(embeddings, self.hidden_dropout, self.training, self.dropout_stream)
+
+
 def make_norm(model: ModelConfig) -> nn.Module:
     """The norm chosen explicitly from the config (torch's own; no apex import)."""
     if model.normalization == "layernorm":

@@ -9,10 +9,12 @@ from __future__ import annotations
 from megatron_ds.config import ModelConfig
 from megatron_ds.pipeline.layout import SpecGroups
 
-# Pre-processing: input dtype conversion, word embedding (tied), position embedding + dropout.
+# Pre-processing: input dtype conversion, word embedding (tied), position embedding + dropout
+# (or the dropout alone when the model has no learned position embedding).
 CAST_INPUTS = "cast_token_ids"
 WORD_EMBEDDING = "WordEmbedding"
 POSITION_EMBEDDING = "PositionEmbedding"
+EMBEDDING_DROPOUT = "EmbeddingDropout"
 # Body: one spec per transformer layer.
 TRANSFORMER_LAYER = "TransformerLayer"
 # Post-processing: final norm, LM head (tied word embedding or untied), fp32 conversion; then the loss.
@@ -29,8 +31,9 @@ TIED_EMBEDDING_KEY = "word_embeddings"
 def gpt_spec_groups(model: ModelConfig) -> SpecGroups:
     """The spec names of a GPT with this configuration."""
     head = UNTIED_LM_HEAD if model.untie_embeddings_and_output_weights else TIED_LM_HEAD
+    position = POSITION_EMBEDDING if model.add_position_embedding else EMBEDDING_DROPOUT
     return SpecGroups(
-        pre=(CAST_INPUTS, WORD_EMBEDDING, POSITION_EMBEDDING),
+        pre=(CAST_INPUTS, WORD_EMBEDDING, position),
         num_layers=model.num_layers,
         post=(FINAL_NORM, head, LOGITS_TO_FP32),
         layer_name=TRANSFORMER_LAYER,
@@ -40,7 +43,18 @@ def gpt_spec_groups(model: ModelConfig) -> SpecGroups:
 
 def gpt_spec_param_counts(model: ModelConfig) -> list[int]:
     """Parameters held by each spec (for `--pp-partition-method parameters`)."""
-    h, f, v = model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    h, v = model.hidden_size, model.vocab_size
     norm = 2 * h if model.normalization == "layernorm" else h
-    layer = 2 * norm + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-    return [0, v * h, model.max_position_embeddings * h, *([layer] * model.num_layers), norm, v * h, 0]
+    position = model.max_position_embeddings * h if model.add_position_embedding else 0
+    return [0, v * h, position, *([transformer_layer_param_count(model)] * model.num_layers), norm, v * h, 0]
+
+
+def transformer_layer_param_count(model: ModelConfig) -> int:
+    """Parameters of one (whole, T=1) transformer layer."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    norm = 2 * h if model.normalization == "layernorm" else h
+    qkv_rows = (model.num_attention_heads + 2 * model.kv_heads) * (h // model.num_attention_heads)
+    fc1_rows = 2 * f if model.swiglu else f
+    weights = qkv_rows * h + h * h + fc1_rows * h + f * h  # qkv, proj, fc1, fc2
+    biases = qkv_rows + h + fc1_rows + h if model.add_bias_linear else 0
+    return 2 * norm + weights + biases

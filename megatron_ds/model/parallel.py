@@ -54,17 +54,18 @@ def _forget_megatron_core_state() -> None:
 
 
 def column_linear(tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True,
-                  qkv_heads: Optional[int] = None) -> nn.Module:
+                  fused_rows: Optional[tuple[int, ...]] = None) -> nn.Module:
     """x (.., in) -> this rank's output features (.., out / T), from the full (out, in) weight.
 
-    `qkv_heads`: the rows are a fused QKV of that many heads; each rank keeps its heads' q, k, v
-    rows (`megatron_ds.model.init.shard_qkv`). Biases start at zero.
+    `fused_rows`: the rows are these fused parts (q, k, v of a QKV; gate, up of a SwiGLU fc1);
+    each rank keeps its block of every part (`megatron_ds.model.init.shard_fused`). Biases start
+    at zero.
     """
     if tp.size == 1:
         return _linear(full_weight, bias)
     from megatron_ds.model.tensor_parallel import ColumnLinear
 
-    return ColumnLinear(tp, full_weight, bias=bias, qkv_heads=qkv_heads)
+    return ColumnLinear(tp, full_weight, bias=bias, fused_rows=fused_rows)
 
 
 def row_linear(tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True) -> nn.Module:

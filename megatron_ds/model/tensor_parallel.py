@@ -38,11 +38,12 @@ from megatron.core.tensor_parallel import (
 
 from megatron_ds.config import Config, ModelConfig
 from megatron_ds.model import naming, rng
-from megatron_ds.model.init import draw_normal, gather_qkv, init_generator, shard_qkv
+from megatron_ds.model.init import draw_normal, gather_fused, init_generator, shard_fused
 from megatron_ds.model.parallel import TensorParallel
 
-QKV_HEADS_ATTR = "qkv_num_heads"
-"""Set on a fused QKV weight/bias: its shards hold whole heads (`megatron_ds.model.init.shard_qkv`)."""
+FUSED_ROWS_ATTR = "fused_row_parts"
+"""Set on a fused weight/bias (QKV, SwiGLU fc1): the full row counts of its parts; each shard holds
+its block of every part (`megatron_ds.model.init.shard_fused`)."""
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 """megatron-core's tracker name for per-tensor-rank randomness (its own code forks it)."""
 
@@ -81,8 +82,8 @@ def _initialised_as(t: int, p: int) -> bool:
 
 def _check_divisible(model: ModelConfig, t: int) -> None:
     # Invariants: validation.py has already turned violations into ConfigErrors.
-    for what, value in (("heads", model.num_attention_heads), ("ffn", model.ffn_hidden_size),
-                        ("vocab", model.vocab_size)):
+    for what, value in (("heads", model.num_attention_heads), ("kv heads", model.kv_heads),
+                        ("ffn", model.ffn_hidden_size), ("vocab", model.vocab_size)):
         assert value % t == 0, f"{what} {value} not divisible by tensor-parallel size {t}"
 
 
@@ -134,24 +135,24 @@ def _copy_of(full: torch.Tensor) -> Callable[[torch.Tensor], None]:
     return init_method
 
 
-def _qkv_rows_by_rank(full: torch.Tensor, num_heads: int, tp: TensorParallel) -> torch.Tensor:
-    # megatron-core cuts contiguous blocks; order the rows so block r is shard_qkv(.., r).
-    return torch.cat([shard_qkv(full, num_heads, tp.size, r) for r in range(tp.size)])
+def _fused_rows_by_rank(full: torch.Tensor, fused_rows: tuple[int, ...], tp: TensorParallel) -> torch.Tensor:
+    # megatron-core cuts contiguous blocks; order the rows so block r is shard_fused(.., r).
+    return torch.cat([shard_fused(full, fused_rows, tp.size, r) for r in range(tp.size)])
 
 
 class ColumnLinear(ColumnParallelLinear):
     """(.., in) replicated -> (.., out/T): this rank's output features; bias sharded likewise."""
 
     def __init__(self, tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True,
-                 qkv_heads: Optional[int] = None) -> None:
+                 fused_rows: Optional[tuple[int, ...]] = None) -> None:
         out_features, in_features = full_weight.shape
-        if qkv_heads is not None:
-            full_weight = _qkv_rows_by_rank(full_weight, qkv_heads, tp)
+        if fused_rows is not None:
+            full_weight = _fused_rows_by_rank(full_weight, fused_rows, tp)
         super().__init__(in_features, out_features, config=_layer_config(tp), init_method=_copy_of(full_weight),
                          bias=bias, gather_output=False, tp_group=tp.group)
-        if qkv_heads is not None:  # weight and bias shards are per head: `gather_full` must know
+        if fused_rows is not None:  # weight and bias shards are per part: `gather_full` must know
             for p in self.parameters():
-                setattr(p, QKV_HEADS_ATTR, qkv_heads)
+                setattr(p, FUSED_ROWS_ATTR, tuple(fused_rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x)[0]
@@ -214,9 +215,9 @@ def gather_full(param: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """The full (T=1) tensor from every tensor rank's `param` (a collective over the tensor group)."""
     parts = [torch.empty_like(param) for _ in range(tp.size)]
     dist.all_gather(parts, param.detach().contiguous(), group=tp.group)
-    heads = getattr(param, QKV_HEADS_ATTR, None)
-    if heads is not None:
-        return gather_qkv(parts, heads)
+    fused_rows = getattr(param, FUSED_ROWS_ATTR, None)
+    if fused_rows is not None:
+        return gather_fused(parts, fused_rows)
     if getattr(param, "tensor_model_parallel", False):
         return torch.cat(parts, dim=param.partition_dim)
     assert all(torch.equal(parts[0], x) for x in parts[1:]), "a replicated parameter differs across tensor ranks"

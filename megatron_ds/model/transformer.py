@@ -1,10 +1,14 @@
-"""Pre-LN GPT transformer layer: causal self-attention through torch's SDPA, then a GeLU MLP.
+"""Pre-LN GPT transformer layer: causal self-attention through torch's SDPA, then a GeLU (or SwiGLU) MLP.
+
+Options (ModelConfig): grouped-query attention (`num_key_value_heads`: kv heads shared by groups
+of nh/kv query heads), rotary embeddings on q and k, a SwiGLU MLP, no biases in the linears.
 
 At T > 1 the same layer runs on each tensor rank with megatron-core's parallel linears: QKV and
 fc1 are column-parallel (this rank's heads / MLP features), proj and fc2 row-parallel (their
 outputs summed over tensor ranks), norms and row-parallel biases replicated. Each rank attends
-with its own nh/T heads; the fused QKV shard holds the q, k, v rows of exactly those heads
-(`megatron_ds.model.init.shard_qkv`), so the code below is the same for every T.
+with its own nh/T query heads and kv/T key/value heads (those of its groups); the fused QKV
+shard holds exactly their rows, and a SwiGLU fc1 shard its block of the gate and of the up half
+(`megatron_ds.model.init.shard_fused`), so the code below is the same for every T.
 """
 from __future__ import annotations
 
@@ -16,10 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.model.init import draw_normal, init_generator
+from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
 from megatron_ds.model.layers import make_norm
 from megatron_ds.model.parallel import NO_TENSOR_PARALLEL, TensorParallel, column_linear, row_linear
 from megatron_ds.model.rng import Stream, checkpoint_streams, dropout
+from megatron_ds.model.rotary import apply_rotary, rotary_angles
 
 
 class TransformerLayer(nn.Module):
@@ -32,9 +37,13 @@ class TransformerLayer(nn.Module):
     def __init__(self, model: ModelConfig, init_seed: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> None:
         super().__init__()
         h = model.hidden_size
-        assert model.num_attention_heads % tp.size == 0, (model.num_attention_heads, tp.size)
-        self.num_local_heads = model.num_attention_heads // tp.size
-        self.head_dim = h // model.num_attention_heads
+        nh, kv = model.num_attention_heads, model.kv_heads
+        assert nh % tp.size == 0 and kv % tp.size == 0 and nh % kv == 0, (nh, kv, tp.size)
+        self.num_local_heads = nh // tp.size
+        self.num_local_kv_heads = kv // tp.size
+        self.head_dim = h // nh
+        self.rotary = model.use_rotary_position_embeddings
+        self.swiglu = model.swiglu
         self.hidden_dropout = model.hidden_dropout
         self.attention_dropout = model.attention_dropout
         # Dropout on the residual branches (replicated activations) is the same on every tensor
@@ -45,11 +54,13 @@ class TransformerLayer(nn.Module):
         qkv, proj, fc1, fc2 = self._full_weights(model, init_seed)
         # Registration order = parameter order (optimizer state, ZeRO partitions): keep it.
         self.input_norm = make_norm(model)
-        self.qkv = column_linear(tp, qkv, qkv_heads=model.num_attention_heads)
-        self.proj = row_linear(tp, proj)
+        bias = model.add_bias_linear
+        self.qkv = column_linear(tp, qkv, bias, fused_rows=qkv_row_parts(qkv.shape[0], nh, kv))
+        self.proj = row_linear(tp, proj, bias)
         self.post_attention_norm = make_norm(model)
-        self.fc1 = column_linear(tp, fc1)
-        self.fc2 = row_linear(tp, fc2)
+        ffn = model.ffn_hidden_size
+        self.fc1 = column_linear(tp, fc1, bias, fused_rows=(ffn, ffn) if self.swiglu else None)
+        self.fc2 = row_linear(tp, fc2, bias)
 
     @staticmethod
     def _full_weights(model: ModelConfig, init_seed: int) -> tuple[torch.Tensor, ...]:
@@ -57,20 +68,38 @@ class TransformerLayer(nn.Module):
         # projections that write into the residual stream; biases zero. Full (T=1) matrices,
         # drawn in this order whatever T is; each rank keeps its shard.
         gen = init_generator(init_seed)
+        # The fused QKV rows: nh query heads, then kv key heads, then kv value heads (of hd rows);
+        # a SwiGLU fc1 has 2f rows: the gate, then the up projection.
         h, f = model.hidden_size, model.ffn_hidden_size
+        qkv_rows = (model.num_attention_heads + 2 * model.kv_heads) * (h // model.num_attention_heads)
+        fc1_rows = 2 * f if model.swiglu else f
         std = model.init_method_std
         out_std = std / math.sqrt(2.0 * model.num_layers)
-        shapes = (((3 * h, h), std), ((h, h), out_std), ((f, h), std), ((h, f), out_std))
+        shapes = (((qkv_rows, h), std), ((h, h), out_std), ((fc1_rows, h), std), ((h, f), out_std))
         return tuple(draw_normal(shape, s, gen) for shape, s in shapes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(self.input_norm(x)).view(b, s, 3, self.num_local_heads, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))  # each (b, nh/T, s, hd)
-        p = self.attention_dropout if self.training else 0.0
-        with self.attention_stream.fork() if p > 0.0 else contextlib.nullcontext():
-            attn = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        attn = attn.transpose(1, 2).reshape(b, s, self.num_local_heads * self.head_dim)
-        x = x + dropout(self.proj(attn), self.hidden_dropout, self.training, self.hidden_stream)
-        mlp = self.fc2(F.gelu(self.fc1(self.post_attention_norm(x))))
+        x = x + dropout(self._attention(self.input_norm(x)), self.hidden_dropout, self.training, self.hidden_stream)
+        mlp = self.fc2(self._activation(self.fc1(self.post_attention_norm(x))))
         return x + dropout(mlp, self.hidden_dropout, self.training, self.hidden_stream)
+
+    def _attention(self, normed: torch.Tensor) -> torch.Tensor:
+        b, s, _ = normed.shape
+        nq, nkv, hd = self.num_local_heads, self.num_local_kv_heads, self.head_dim
+        q, k, v = self.qkv(normed).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(b, s, nq, hd).transpose(1, 2)  # (b, nh/T, s, hd)
+        k, v = (t.view(b, s, nkv, hd).transpose(1, 2) for t in (k, v))  # each (b, kv/T, s, hd)
+        if self.rotary:
+            angles = rotary_angles(s, hd, q.device)
+            q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        p = self.attention_dropout if self.training else 0.0
+        gqa = {"enable_gqa": True} if nkv != nq else {}  # query head i uses kv head i // (nq / nkv)
+        with self.attention_stream.fork() if p > 0.0 else contextlib.nullcontext():
+            attn = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+        return self.proj(attn.transpose(1, 2).reshape(b, s, nq * hd))
+
+    def _activation(self, inner: torch.Tensor) -> torch.Tensor:
+        if not self.swiglu:
+            return F.gelu(inner)
+        gate, up = inner.chunk(2, dim=-1)  # this rank's blocks of the gate and the up half
+        return F.silu(gate) * up

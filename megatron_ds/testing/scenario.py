@@ -14,6 +14,9 @@ Optional scenario keys (all off by default):
     stock_fp32_clip true: use DeepSpeed's own no-ZeRO fp32 norm (to show what it miscounts)
     swapped_axes    true (T > 1): record the error the start-up group check gives for a topology
                     with the tensor and data axes swapped, as "topology_error"
+
+Every result also records "layout_table" (the layout printout with spec names) and the keys of the
+model's "tied_modules" and "tied_comms" (empty for an untied head).
 """
 from __future__ import annotations
 
@@ -90,7 +93,9 @@ def run_one(config: Config, num_steps: int, layout_kwargs: dict[str, Any], fixes
         install_fp32_grad_norm(engine, counted_only=False)
     tp = bundle.model.tensor_parallel
     result: dict[str, Any] = {"rank": dist.get_rank(), "stage": engine.stage_id, "tp_rank": tp.rank,
-                              "layout": layout.to_string()}
+                              "layout": layout.to_string(), "layout_table": layout.format(),
+                              "tied_modules": sorted(getattr(bundle.model, "tied_modules", {})),
+                              "tied_comms": sorted(getattr(bundle.model, "tied_comms", {}))}
     if opts.get("swapped_axes"):
         result["topology_error"] = _swapped_axes_error(config)
     if opts.get("init_checksums"):

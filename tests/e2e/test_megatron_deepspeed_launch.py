@@ -28,11 +28,11 @@ WORDS = ("hello world the quick brown fox jumps over a lazy dog while pipeline s
          "and gradients between ranks every micro batch").split()
 
 
-def corpus(path: Path, num_docs: int = 120) -> Path:
-    """A deterministic JSONL corpus of short documents."""
+def corpus(path: Path, num_docs: int = 2000) -> Path:
+    """A deterministic JSONL corpus of short documents (enough for the Llama script's 949,50,1 split)."""
     lines = []
     for d in range(num_docs):
-        words = [WORDS[(d * 7 + i * 3) % len(WORDS)] for i in range(30 + d % 20)]
+        words = [WORDS[(d * 7 + i * 3) % len(WORDS)] for i in range(8 + d % 8)]
         lines.append(json.dumps({"text": " ".join(words) + "."}))
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -1,0 +1,126 @@
+"""Architecture options train with dedicated embedding stages and equal a single-process run.
+
+One 3-rank process group (P=3, dedicated pre and post stages) runs every option in turn, one
+4-rank group runs the Llama-like combination at T=2 x P=2, and one 1-rank group computes the
+T=1, P=1 references; fp32 losses and gradient norms (clipping active) must agree within 1e-6.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_ds.testing.launch import run_ranks
+
+TOL = 1e-6
+LLAMA = {"model__num_key_value_heads": 2, "model__swiglu": True, "model__use_rotary_position_embeddings": True,
+         "model__add_position_embedding": False, "model__add_bias_linear": False, "model__normalization": "rmsnorm",
+         "model__untie_embeddings_and_output_weights": True}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "swiglu": {"model__swiglu": True},
+    "rope": {"model__use_rotary_position_embeddings": True, "model__add_position_embedding": False},
+    "gqa": {"model__num_key_value_heads": 2},  # of tiny_config's 4 heads
+    "no_bias": {"model__add_bias_linear": False},
+    "rmsnorm": {"model__normalization": "rmsnorm"},
+    "untied": {"model__untie_embeddings_and_output_weights": True},
+    "llama": LLAMA,
+}
+
+
+def scenario(options: dict[str, Any], p: int = 1, t: int = 1, dedicated: str = "none", zero: int = 0,
+             **extra: Any) -> dict[str, Any]:
+    overrides = {"parallel__pipeline_model_parallel_size": p, "parallel__tensor_model_parallel_size": t,
+                 "training__zero_stage": zero, **options}
+    return {"overrides": overrides, "layout": {"dedicated": dedicated} if dedicated != "none" else {},
+            "steps": 3, **extra}
+
+
+def run(out: Path, world: int, scenarios: dict[str, dict], timeout: float) -> dict[str, list[dict]]:
+    """Run the scenarios in one process group of `world` ranks; per scenario name, every rank's result."""
+    out.mkdir(parents=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"scenarios": list(scenarios.values())}))
+    run_ranks(["-m", "megatron_ds.testing.scenario", str(spec), str(out)], world, timeout=timeout)
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(scenarios)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Single-process T=1, P=1 runs of every option."""
+    scenarios = {name: scenario(opts, init_checksums=name == "llama") for name, opts in OPTIONS.items()}
+    results = run(tmp_path_factory.mktemp("arch_ref") / "ref", 1, scenarios, timeout=300)
+    return {name: ranks[0] for name, ranks in results.items()}
+
+
+@pytest.fixture(scope="module")
+def dedicated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """P=3 with dedicated pre and post stages; the Llama-like model also under ZeRO-1."""
+    scenarios = {name: scenario(opts, p=3, dedicated="both") for name, opts in OPTIONS.items()}
+    scenarios["llama_zero1"] = scenario(LLAMA, p=3, dedicated="both", zero=1)
+    return run(tmp_path_factory.mktemp("arch_p3") / "run", 3, scenarios, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """The Llama-like model at T=2 x P=2, plain and with a dedicated post stage."""
+    scenarios = {"llama": scenario(LLAMA, p=2, t=2, init_checksums=True),
+                 "llama_post_zero1": scenario(LLAMA, p=2, t=2, dedicated="post", zero=1)}
+    return run(tmp_path_factory.mktemp("arch_t2") / "run", 4, scenarios, timeout=420)
+
+
+def assert_matches(ranks: list[dict], ref: dict) -> None:
+    assert min(ref["grad_norms"]) > 0.05, "clipping must be active (clip_grad 0.05)"
+    for r in ranks:
+        where = f"rank {r['rank']} (stage {r['stage']}, tensor rank {r['tp_rank']}) {r['layout']}"
+        losses = [abs(a - b) for a, b in zip(r["losses"], ref["losses"])]
+        assert len(r["losses"]) == 3 and max(losses) <= TOL, f"{where}: losses {r['losses']} vs {ref['losses']}"
+        norms = [abs(a - b) / b for a, b in zip(r["grad_norms"], ref["grad_norms"])]
+        assert max(norms) <= TOL, f"{where}: norms {r['grad_norms']} vs {ref['grad_norms']}"
+
+
+@pytest.mark.parametrize("name", [*OPTIONS, "llama_zero1"])
+def test_dedicated_stages_equal_single_process(dedicated: dict, reference: dict, name: str) -> None:
+    assert_matches(dedicated[name], reference[name.removesuffix("_zero1")])
+    assert dedicated[name][0]["layout"] == "E|t*4|L"
+
+
+def test_options_change_the_model(reference: dict) -> None:
+    """Each option builds a different model (the comparisons above are not vacuous)."""
+    losses = {json.dumps(r["losses"]) for r in reference.values()}
+    assert len(losses) == len(reference)
+
+
+@pytest.mark.parametrize("name", ["untied", "llama", "llama_zero1"])
+def test_untied_head_has_no_tied_group(dedicated: dict, name: str) -> None:
+    for r in dedicated[name]:
+        assert r["tied_modules"] == [] and r["tied_comms"] == [], r
+        assert "LMHead" in r["layout_table"] and "lm_head_logits" not in r["layout_table"], r["layout_table"]
+
+
+@pytest.mark.parametrize("name", ["swiglu", "gqa", "rope"])
+def test_tied_embedding_stays_in_sync(dedicated: dict, name: str) -> None:
+    holders = [r for r in dedicated[name] if "embedding_checksum" in r]
+    assert sorted(h["stage"] for h in holders) == [0, 2]
+    assert len({h["embedding_checksum"] for h in holders}) == 1 and all(h["embedding_changed"] for h in holders)
+    assert all(r["tied_comms"] == ["word_embeddings"] for r in dedicated[name] if r["stage"] in (0, 2))
+
+
+def test_no_position_embedding_leaves_the_dropout_spec(dedicated: dict) -> None:
+    table = dedicated["rope"][0]["layout_table"]
+    assert "2: EmbeddingDropout" in table and "PositionEmbedding" not in table, table
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_post_zero1"])
+def test_llama_tensor_parallel_equals_single_process(tensor_parallel: dict, reference: dict, name: str) -> None:
+    assert_matches(tensor_parallel[name], reference["llama"])
+
+
+def test_llama_tensor_parallel_initial_weights_equal_t1(tensor_parallel: dict, reference: dict) -> None:
+    merged: dict[str, str] = {}
+    for r in tensor_parallel["llama"]:
+        for key, value in r.get("init_checksums", {}).items():
+            assert merged.setdefault(key, value) == value, key
+    assert merged == reference["llama"]["init_checksums"]
