@@ -295,9 +295,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--vocab-file", ACCEPTED, _DATA, "GPT-2 vocab.json"),
     Flag("--merge-file", ACCEPTED, _DATA, "GPT-2 merges.txt"),
     Flag("--vocab-extra-ids", ACCEPTED, _DATA, "only 0 (extra sentinel ids are for T5)"),
-    Flag("--tokenizer-type", ACCEPTED, _DATA, "`GPT2BPETokenizer`, `SentencePieceTokenizer`, "
-         "`GPTSentencePieceTokenizer` or `NullTokenizer`. SentencePieceTokenizer is Megatron's "
-         "GPTSentencePieceTokenizer here: eod is the model's eos and no special tokens are added"),
+    Flag("--tokenizer-type", ACCEPTED, _DATA, "`GPT2BPETokenizer` (the default with --vocab-file/--merge-file, "
+         "as in Megatron's pretrain_gpt.py), `SentencePieceTokenizer` or `GPTSentencePieceTokenizer`. "
+         "SentencePieceTokenizer is Megatron's GPTSentencePieceTokenizer here: eod is the model's eos and no "
+         "special tokens are added"),
     Flag("--tokenizer-model", ACCEPTED, _DATA, "SentencePiece model file"),
     Flag("--num-workers", ACCEPTED, _DATA, "DataLoader worker processes"),
     Flag("--eod-mask-loss", ACCEPTED, _DATA, "end-of-document tokens do not count in the loss"),
@@ -364,6 +365,9 @@ REFUSED_VALUES: dict[tuple[str, str], tuple[str, str]] = {
                                                 "use GPT2BPETokenizer or SentencePieceTokenizer"),
     ("--tokenizer-type", "HFTokenizer"): ("Hugging Face tokenizers are not provided",
                                           "use GPT2BPETokenizer or SentencePieceTokenizer"),
+    ("--tokenizer-type", "NullTokenizer"): ("training reads token ids through a real tokenizer (the null "
+                                            "tokenizer is for tools/preprocess_data.py, with its own eod)",
+                                            "use --mock-data --vocab-size N for synthetic tokens"),
     ("--weight-decay-incr-style", "linear"): ("weight-decay schedules are not implemented", "use constant"),
     ("--weight-decay-incr-style", "cosine"): ("weight-decay schedules are not implemented", "use constant"),
     ("--zero-stage", "2"): ("DeepSpeed's pipeline engine, used at every pipeline size (also with "
@@ -373,7 +377,7 @@ REFUSED_VALUES: dict[tuple[str, str], tuple[str, str]] = {
 }
 """Values of accepted flags that are refused, with (reason, fix)."""
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 
 
 def refusal_message(name: str, value: Optional[str] = None) -> str:

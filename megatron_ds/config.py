@@ -176,7 +176,7 @@ class TrainingConfig:
     global_batch_size: int = 1
     """Samples per optimizer step over all data-parallel ranks (`--global-batch-size`)."""
     train_iters: int = 0
-    """Optimizer steps to train (`--train-iters`, or derived from `--train-samples`)."""
+    """Optimizer steps to train (`--train-iters`, or derived from `--train-samples`; capped by `--train-tokens`)."""
     eval_interval: int = 1000
     """Evaluate on the validation split every this many iterations (`--eval-interval`)."""
     eval_iters: int = 100
@@ -188,9 +188,10 @@ class TrainingConfig:
     zero_stage: int = 0
     """DeepSpeed ZeRO stage; only 0 and 1 combine with pipeline parallelism (`--zero-stage`)."""
     checkpoint_activations: bool = False
-    """Recompute transformer layers in backward (`--checkpoint-activations`)."""
+    """Recompute transformer layers in backward (`--checkpoint-activations`, or Megatron's
+    `--recompute-granularity full --recompute-method uniform`)."""
     checkpoint_num_layers: int = 1
-    """Transformer layers per recomputed chunk (`--checkpoint-num-layers`)."""
+    """Transformer layers per recomputed chunk (`--checkpoint-num-layers` / `--recompute-num-layers`)."""
     deepspeed_config: Optional[str] = None
     """Optional user DeepSpeed JSON merged into the generated one (`--deepspeed_config`)."""
     exit_interval: Optional[int] = None

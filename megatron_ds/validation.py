@@ -58,15 +58,23 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def tokenizer_type(args: argparse.Namespace) -> Optional[str]:
+    """--tokenizer-type; GPT2BPETokenizer when only --vocab-file/--merge-file are given, as Megatron's
+    pretrain_gpt.py defaults it (its `args_defaults`)."""
+    if args.tokenizer_type is None and (args.vocab_file or args.merge_file):
+        return "GPT2BPETokenizer"
+    return args.tokenizer_type
+
+
 def _vocab_size(args: argparse.Namespace) -> int:
     """Padded vocabulary from --vocab-size and/or the tokenizer (0 only for --print-layout)."""
     if args.make_vocab_size_divisible_by < 1:
         raise ConfigError(f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} must be >= 1")
     tokenizer_vocab = None
-    if args.tokenizer_type is not None:
+    if tokenizer_type(args) is not None:
         from megatron_ds.data.tokenizer import build_tokenizer
 
-        tok = build_tokenizer(args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+        tok = build_tokenizer(tokenizer_type(args), tokenizer_model=args.tokenizer_model,
                               vocab_file=args.vocab_file, merge_file=args.merge_file)
         tokenizer_vocab = tok.vocab_size
     if args.vocab_size is not None:
@@ -380,7 +388,7 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
         raise ConfigError("--mock-data and --data-path were both given; keep one")
     return DataConfig(
         data_path=tuple(args.data_path), split=args.split, data_cache_path=args.data_cache_path,
-        mock_data=args.mock_data, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+        mock_data=args.mock_data, tokenizer_type=tokenizer_type(args), tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file, merge_file=args.merge_file,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, num_workers=args.num_workers,
         eod_mask_loss=args.eod_mask_loss)

@@ -131,7 +131,8 @@ def pre_terms(model: ModelConfig, micro_batch_size: int, k: Kernels) -> dict[str
     return {
         "cast_token_ids": {},
         "WordEmbedding": {"token ids (embedding backward)": bs * TOKEN_ID_BYTES},
-        "PositionEmbedding": {"embedding dropout mask": dropout},
+        # spec 2 is PositionEmbedding, or a bare EmbeddingDropout for rotary models (no position table)
+        ("PositionEmbedding" if model.add_position_embedding else "EmbeddingDropout"): {"embedding dropout mask": dropout},
     }
 
 

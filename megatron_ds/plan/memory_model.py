@@ -144,19 +144,30 @@ class StageMemory:
         return self.model_states + self.activations + self.pipe_buffers + self.transient
 
 
+def _layer_shapes(model: ModelConfig) -> tuple[int, int, int, int, bool]:
+    """(hidden, ffn, fused qkv rows, fc1 rows, biases?) of our TransformerLayer (model/transformer.py):
+    qkv holds nh query heads and kv key and value heads; SwiGLU's fc1 holds gate and up halves."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    hd = h // model.num_attention_heads
+    qkv_rows = (model.num_attention_heads + 2 * model.kv_heads) * hd
+    fc1_rows = 2 * f if model.swiglu else f
+    return h, f, qkv_rows, fc1_rows, model.add_bias_linear
+
+
 def layer_no_decay_params(model: ModelConfig, t: int = 1) -> int:
     """Biases and norm weights of one transformer layer per tensor-parallel rank (no weight decay)."""
-    h, f = model.hidden_size, model.ffn_hidden_size
+    h, _, qkv_rows, fc1_rows, bias = _layer_shapes(model)
     norm = 2 * h if model.normalization == "layernorm" else h
-    return 2 * norm + 3 * h // t + h + f // t + h
+    return 2 * norm + ((qkv_rows // t + h + fc1_rows // t + h) if bias else 0)
 
 
 def layer_param_counts(model: ModelConfig, t: int = 1) -> tuple[int, int]:
     """(parameters of one transformer layer per tensor-parallel rank, its largest single module)."""
-    h, f = model.hidden_size, model.ffn_hidden_size
+    h, f, qkv_rows, fc1_rows, bias = _layer_shapes(model)
     norm = 2 * h if model.normalization == "layernorm" else h
-    qkv, proj = (3 * h * h + 3 * h) // t, h * h // t + h  # column-parallel qkv; row-parallel proj (bias whole)
-    fc1, fc2 = (h * f + f) // t, f * h // t + h
+    b = 1 if bias else 0
+    qkv, proj = (qkv_rows * h + b * qkv_rows) // t, h * h // t + b * h  # column-parallel qkv; row-parallel proj
+    fc1, fc2 = (fc1_rows * h + b * fc1_rows) // t, f * h // t + b * h
     return 2 * norm + qkv + proj + fc1 + fc2, max(qkv, proj, fc1, fc2, norm)
 
 
@@ -172,6 +183,7 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
     vocab = m.vocab_size * m.hidden_size // t
     counts = {naming.CAST_INPUTS: (0, 0), naming.WORD_EMBEDDING: (vocab, vocab),
               naming.POSITION_EMBEDDING: (m.max_position_embeddings * m.hidden_size,) * 2,
+              naming.EMBEDDING_DROPOUT: (0, 0),
               naming.FINAL_NORM: (norm, norm), head: (vocab, vocab), naming.LOGITS_TO_FP32: (0, 0)}
     terms = {**act.pre_terms(m, b, k), **act.post_terms(m, b, k, head, t)}
     layer_terms = act.transformer_layer_terms(m, b, k, t)

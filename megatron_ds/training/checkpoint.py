@@ -167,7 +167,8 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> Optional
     tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
     if tag is None:
         return None
-    meta = read_meta(load_dir, tag)  # check_checkpoint_dirs has run check_compatible on it
+    meta = read_meta(load_dir, tag)
+    check_compatible(meta, config, load_dir, tag)  # load_dir need not be --load (library callers)
     weights_only = ck.no_load_optim or ck.finetune
     moved = _same_topology(meta, config, layout, dist.get_world_size())
     if moved and not weights_only:

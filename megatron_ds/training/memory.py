@@ -110,20 +110,20 @@ def parameter_bytes(module: torch.nn.Module) -> int:
     return sum({_storage_key(p): p.untyped_storage().nbytes() for p in module.parameters()}.values())
 
 
-def live_tensor_bytes(engine: Any, device: torch.device) -> int:
-    """Bytes of every distinct tensor storage on `device` alive now.
+def live_storages(engine: Any, device: torch.device) -> dict[int, int]:
+    """Address -> bytes of every distinct tensor storage on `device` alive now.
 
     Tensors with a Python object are found through `gc.get_objects()`; gradients and optimizer
     tensors that may exist only on the C++ side are added from the module and the optimizer.
     """
-    seen: dict[tuple[int, int], int] = {}
+    seen: dict[int, int] = {}
 
     def add(t: Optional[torch.Tensor]) -> None:
         if t is None or t.device != device or t.layout != torch.strided:
             return
-        nbytes = t.untyped_storage().nbytes()
-        if nbytes:
-            seen[_storage_key(t)] = nbytes
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            seen[storage.data_ptr()] = storage.nbytes()
 
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads obj.__class__, which some module proxies warn on.
@@ -137,7 +137,7 @@ def live_tensor_bytes(engine: Any, device: torch.device) -> int:
     for root in _optimizer_roots(engine):
         for _, t in _tensors(root, "opt", 5, set()):
             add(t)
-    return sum(seen.values())
+    return seen
 
 
 class ActivationPeak:
@@ -211,19 +211,26 @@ MEASURED_STEP = "megatron_ds.memory.measured_step"
 class CpuAllocationTrace:
     """Peak of the running sum of CPU allocations minus frees inside `window()`.
 
-    torch.profiler (profile_memory=True) records one event per block the CPU allocator hands out
-    (positive size) or takes back (negative), with its address. A block allocated before the
-    profiler started and freed while it runs is not reported at all (the allocator only knows the
-    sizes of blocks it handed out while profiling), so only frees of blocks allocated inside the
-    trace are subtracted. That is why the trace may start one step before the measured window: the
-    pipe-buffer slots DeepSpeed leaves filled after a step (the last stage's fp32 logits, the first
-    stage's token ids) are replaced in the next step, so after one traced step every block the
-    window can free has been allocated inside the trace.
+    torch.profiler (profile_memory=True, record_shapes=True) records one event per block the CPU
+    allocator hands out or takes back, and which blocks every operator reads. Two blind spots
+    are handled:
+
+    * A block allocated before the profiler started and freed while it runs is not reported
+      (the allocator only knows the sizes of blocks it handed out while profiling). That is why
+      the trace starts one step before the measured window: the pipe-buffer slots DeepSpeed leaves
+      filled after a step (the last stage's fp32 logits, the first stage's token ids) are replaced
+      in the next step, so after one traced step every block the window frees is known.
+    * Only the threads the profiler runs on report frees. A tensor whose last reference a gloo
+      worker thread drops (the flat gradient copy of DeepSpeed's all-reduce, a sent gradient)
+      is freed unseen. A block with no free event that is not alive when the window ends (its
+      address is not a live tensor's storage, or was handed out again) is taken as freed when
+      the last operator that read it ended; `inferred_frees` counts them.
     """
 
     def __init__(self) -> None:
         self.peak = 0
-        self.num_events = 0
+        self.end = 0
+        self.inferred_frees = 0
         self._prof: Any = None
 
     @property
@@ -233,7 +240,7 @@ class CpuAllocationTrace:
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True)
         with _stderr_silenced():
             primer = torch.empty(1)
             self._prof.__enter__()
@@ -247,43 +254,69 @@ class CpuAllocationTrace:
         with torch.profiler.record_function(MEASURED_STEP):
             yield
 
-    def stop(self, ok: bool = True) -> None:
+    def stop(self, live_ptrs: Optional[set[int]] = None) -> None:
+        """End the trace; with `live_ptrs` (storage addresses alive now) compute the window's peak."""
         prof, self._prof = self._prof, None
         with _stderr_silenced():
             prof.__exit__(None, None, None)
-        if ok:
-            self.peak, self.num_events = _window_peak(prof.profiler.kineto_results, "cpu")
+        if live_ptrs is not None:
+            self.peak, self.end, self.inferred_frees = _window_peak(prof.profiler.kineto_results, "cpu", live_ptrs)
 
 
-def _window_peak(results: Any, device_type: str) -> tuple[int, int]:
-    """(peak above the window's start, allocation events in the window) of the running sum of
-    allocations minus frees on `device_type`, over the `MEASURED_STEP` range of a profiler result."""
+def _input_ids(inputs: Any) -> Iterator[int]:
+    for x in inputs:
+        if isinstance(x, list):
+            yield from _input_ids(x)
+        elif getattr(x, "allocation_id", None) is not None:
+            yield x.allocation_id
+
+
+def _window_peak(results: Any, device_type: str, live_ptrs: set[int]) -> tuple[int, int, int]:
+    """(peak above the window's start, value at its end, inferred frees) of the running sum of
+    allocations minus frees on `device_type` over the `MEASURED_STEP` range (see CpuAllocationTrace)."""
     from torch._C._profiler import _EventType
 
-    events, window = [], None
+    blocks: dict[int, list] = {}  # allocation id -> [allocated at, bytes, address, freed at]
+    last_read: dict[int, int] = {}
+    window = None
     stack = list(results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if node.tag == _EventType.Allocation and node.extra_fields.device.type == device_type:
-            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
-        elif node.name == MEASURED_STEP:
-            window = (node.start_time_ns, node.end_time_ns)
         stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == device_type:
+            f = node.extra_fields
+            block = blocks.setdefault(f.allocation_id, [None, 0, f.ptr, None])
+            if f.alloc_size > 0:
+                block[0], block[1] = node.start_time_ns, f.alloc_size
+            else:
+                block[3] = node.start_time_ns
+        elif node.tag == _EventType.TorchOp:
+            if node.name == MEASURED_STEP:
+                window = (node.start_time_ns, node.end_time_ns)
+            for i in _input_ids(node.extra_fields.inputs):
+                last_read[i] = max(last_read.get(i, 0), node.end_time_ns)
     assert window is not None, "the measured step's profiler range is missing"
-    events.sort(key=lambda e: e[0])
-    sizes: dict[int, int] = {}
-    current, at_start, peak, count = 0, None, 0, 0
-    for t, ptr, size in events:
+    traced = {i: b for i, b in blocks.items() if b[0] is not None}  # frees of older blocks are unseen anyway
+    latest: dict[int, int] = {}  # address -> newest open block there: the only one that can be alive
+    for i, b in traced.items():
+        if b[3] is None and (b[2] not in latest or traced[latest[b[2]]][0] < b[0]):
+            latest[b[2]] = i
+    inferred = 0
+    for i, b in traced.items():
+        if b[3] is None and not (latest[b[2]] == i and b[2] in live_ptrs):
+            b[3], inferred = max(b[0], last_read.get(i, 0)), inferred + 1
+    events = sorted([(b[0], b[1]) for b in traced.values()] + [(b[3], -b[1]) for b in traced.values() if b[3]])
+    current, at_start, peak = 0, None, 0
+    for t, size in events:
+        if t > window[1]:
+            break
         if t >= window[0] and at_start is None:
             at_start = peak = current
-        if size > 0:
-            sizes[ptr] = sizes.get(ptr, 0) + size
-            current += size
-        elif ptr in sizes:  # a free of a block allocated inside the trace
-            current -= sizes.pop(ptr)
-        if at_start is not None and t <= window[1]:
-            peak, count = max(peak, current), count + 1
-    return (peak - at_start if at_start is not None else 0), count
+        current += size
+        peak = max(peak, current)
+    if at_start is None:
+        return 0, 0, inferred
+    return peak - at_start, current - at_start, inferred
 
 
 class CudaAllocationTrace:
@@ -291,7 +324,8 @@ class CudaAllocationTrace:
 
     def __init__(self) -> None:
         self.peak = 0
-        self.num_events = 0
+        self.end = 0
+        self.inferred_frees = 0
         self.started = False
         self._start = 0
 
@@ -306,8 +340,9 @@ class CudaAllocationTrace:
         yield
         torch.cuda.synchronize()
         self.peak = torch.cuda.max_memory_allocated() - self._start
+        self.end = torch.cuda.memory_allocated() - self._start
 
-    def stop(self, ok: bool = True) -> None:
+    def stop(self, live_ptrs: Optional[set[int]] = None) -> None:
         self.started = False
 
 
@@ -327,6 +362,11 @@ class RankMemory:
     """Every tensor storage alive when the step started (CPU) / torch.cuda's allocated (CUDA)."""
     step_peak: int = 0
     """Peak of the running sum of the step's own allocations minus their frees."""
+    held_at_end: int = 0
+    step_end: int = 0
+    """The running sum when the step ended: `held_at_start + step_end` should be `held_at_end`."""
+    inferred_frees: int = 0
+    """Blocks freed on a thread the trace does not see (CpuAllocationTrace)."""
     cuda: Optional[dict[str, float]] = None
 
     @property
@@ -338,11 +378,19 @@ class RankMemory:
         """Pipe buffers, transients and anything else at the peak (a remainder, see the module docstring)."""
         return self.peak - (self.params + self.grads + self.optimizer + self.activations)
 
+    @property
+    def closure_error(self) -> int:
+        """What the trace's running sum gets wrong about the end of the step (0 when every
+        allocation and free of the step was accounted for)."""
+        return self.held_at_start + self.step_end - self.held_at_end
+
     def format(self, iteration: int) -> str:
         line = (f"[Rank {self.rank} | stage {self.stage}] (after {iteration} iterations) memory (MB) | "
                 f"params: {self.params / MB:.2f} | grads: {self.grads / MB:.2f} | "
                 f"optimizer: {self.optimizer / MB:.2f} | activations (peak saved): {self.activations / MB:.2f} | "
                 f"other (buffers, transients): {self.other / MB:.2f} | total (measured peak): {self.peak / MB:.2f}")
+        if abs(self.closure_error) >= 0.005 * MB:
+            line += f" | trace closure error: {self.closure_error / MB:.2f}"
         if self.cuda:
             line += " | " + " | ".join(f"{k}: {v:.1f}" for k, v in self.cuda.items())
         return line
@@ -366,12 +414,17 @@ class StepMeter:
         self.device = next(engine.module.parameters()).device
         self.grads = 0
         self.activations = ActivationPeak(engine.module)
-        self.held_at_start = 0
+        self.held_at_start = self.held_at_end = 0
         self.trace = CudaAllocationTrace() if self.device.type == "cuda" else CpuAllocationTrace()
         self.measured = False
 
     def _on_step(self, *_: Any) -> None:
         self.grads = max(self.grads, gradient_bytes(self.engine))
+
+    def _held(self) -> dict[int, int]:
+        if self.device.type == "cuda":
+            return {0: torch.cuda.memory_allocated()}
+        return live_storages(self.engine, self.device)
 
     @contextmanager
     def warm_up(self) -> Iterator[None]:
@@ -380,7 +433,7 @@ class StepMeter:
         try:
             yield
         except BaseException:
-            self.trace.stop(ok=False)
+            self.trace.stop()
             raise
 
     @contextmanager
@@ -390,16 +443,16 @@ class StepMeter:
         handle = basic.register_step_pre_hook(self._on_step)
         if not self.trace.started:
             self.trace.start()
-        cuda = self.device.type == "cuda"
-        self.held_at_start = torch.cuda.memory_allocated() if cuda else live_tensor_bytes(self.engine, self.device)
-        ok = False
+        self.held_at_start = sum(self._held().values())
+        live = None
         try:
             with self.activations.track(), self.trace.window():
                 yield
-            ok = True
+            live = self._held()
         finally:
             handle.remove()
-            self.trace.stop(ok)
+            self.trace.stop(set(live) if live is not None else None)
+        self.held_at_end = sum(live.values())
         self.measured = True
 
     def result(self, rank: int, stage: int) -> RankMemory:
@@ -412,10 +465,11 @@ class StepMeter:
                     "max allocated": torch.cuda.max_memory_allocated() / MB,
                     "reserved": torch.cuda.memory_reserved() / MB,
                     "max reserved": torch.cuda.max_memory_reserved() / MB}
+        t = self.trace
         return RankMemory(rank=rank, stage=stage, params=parameter_bytes(self.engine.module), grads=self.grads,
                           optimizer=optimizer_bytes(self.engine), activations=self.activations.peak,
-                          peak=self.held_at_start + self.trace.peak, held_at_start=self.held_at_start,
-                          step_peak=self.trace.peak, cuda=cuda)
+                          peak=self.held_at_start + t.peak, held_at_start=self.held_at_start, step_peak=t.peak,
+                          held_at_end=self.held_at_end, step_end=t.end, inferred_frees=t.inferred_frees, cuda=cuda)
 
 
 def step_context(meter: Optional[StepMeter], step: int, measured_step: int) -> ContextManager[None]:

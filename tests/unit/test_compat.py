@@ -142,6 +142,20 @@ def test_train_samples_and_tokens_become_iterations() -> None:
         (80, 8, None)
 
 
+def test_gpt2_bpe_is_the_default_with_vocab_and_merge_files(tmp_path: Path) -> None:
+    from megatron_ds.data.tokenizer import _bytes_to_unicode
+
+    vocab = {s: i for i, s in enumerate(_bytes_to_unicode().values())}
+    vocab["<|endoftext|>"] = len(vocab)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    argv = [a for a in BASE if a not in ("--vocab-size", "128")]
+    cfg = parse_config([*argv, "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file",
+                        str(tmp_path / "merges.txt")], world_size=1)[0]
+    assert cfg.data.tokenizer_type == "GPT2BPETokenizer" and cfg.model.vocab_size == 384  # 257 padded to 128s
+    assert parse("--mock-data").data.tokenizer_type is None
+
+
 def test_parallel_mappings() -> None:
     cfg = parse("--pipeline-model-parallel-size", "2", "--standalone-embedding-stage", world_size=2)
     assert cfg.parallel.pp_dedicated_embedding_stages == "pre"
