@@ -43,13 +43,7 @@ class Flag:
         return PENDING if self.model_field in PENDING_MODEL_FIELDS else self.status
 
 
-PENDING_MODEL_FIELDS: dict[str, str] = {
-    "num_key_value_heads": "grouped-query attention",
-    "swiglu": "the SwiGLU MLP",
-    "use_rotary_position_embeddings": "rotary position embeddings",
-    "add_position_embedding": "a model without the learned position embedding",
-    "add_bias_linear": "linear layers without biases",
-}
+PENDING_MODEL_FIELDS: dict[str, str] = {}
 """ModelConfig fields the flags and validation carry but the model does not implement yet. A
 non-default value is refused ("not implemented yet"); delete an entry once the model honours it."""
 

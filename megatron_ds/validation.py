@@ -120,7 +120,9 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         num_key_value_heads=_kv_heads(args), swiglu=args.swiglu,
         use_rotary_position_embeddings=args.use_rotary_position_embeddings,
-        add_position_embedding=args.add_position_embedding, add_bias_linear=args.add_bias_linear)
+        # Rotary embeddings replace the learned position table (the pre group then has none).
+        add_position_embedding=args.add_position_embedding and not args.use_rotary_position_embeddings,
+        add_bias_linear=args.add_bias_linear)
     _refuse_pending(model)
     return model
 

@@ -1,29 +1,27 @@
 """Measured per-rank memory of one `train_batch`: model states, saved activations and the true peak.
 
-`StepMeter.measure()` wraps exactly one `train_batch` (profiling every step would cost time) and
-measures, on this rank's device, with no estimate anywhere:
+`StepMeter.measure()` wraps the one reported `train_batch` (`warm_up()` the step before it; no
+other step is profiled) and measures on this rank's device, with no estimate anywhere:
 
 - params: the bytes of every parameter storage of this rank's module.
-- grads: the bytes of every gradient tensor alive just before the optimizer step (module
-  parameters' `.grad`, the optimizer's own parameters' `.grad`, and gradient buffers an optimizer
-  wrapper keeps, such as ZeRO's flat fp32 partition gradient), taken by a step pre-hook.
+- grads: the bytes of every gradient tensor alive just before the optimizer step (parameters'
+  `.grad` and the optimizer wrapper's gradient buffers, such as ZeRO's flat fp32 partition
+  gradient), read by a step pre-hook.
 - optimizer: every other tensor reachable from the optimizer objects (Adam moments and step
-  counters, fp32 master copies, ZeRO partitions, flat buffers), by storage, parameters excluded.
-- activations: the peak of tensors saved for backward across the whole `train_batch` (all
-  micro-batches in flight under DeepSpeed's 1F1B schedule), counted by storage through
+  counters, fp32 master copies, ZeRO partitions), by storage, parameters excluded.
+- activations: the peak of tensors saved for backward across the whole step (all micro-batches in
+  flight under DeepSpeed's 1F1B schedule), by storage, through
   `torch.autograd.graph.saved_tensors_hooks`, parameters excluded.
-- peak (the total): what the rank holds at its fullest moment of the step. On CPU it is every
-  tensor storage alive when the step starts (found by scanning the garbage collector's objects,
-  plus parameters' gradients and optimizer tensors, which may live only in C++) plus the peak of
-  the running sum of every CPU allocation and free made during the step, as recorded by
-  `torch.profiler` with `profile_memory=True` (the profiler reports each block's size and address
-  as the CPU allocator hands it out or takes it back). On CUDA it is torch.cuda's max allocated
-  over the step, with its allocated / max allocated / reserved also reported.
-- other: peak - (params + grads + optimizer + activations): DeepSpeed's pipe buffers (received
-  activations, outputs kept until their backward, the last stage's fp32 logits), short-lived
-  buffers (loss gradients, a weight gradient before it is accumulated) and anything else alive at
-  the peak. The four components peak at different moments, so `other` is a remainder, not a
-  separate measurement.
+- peak (the total): the most the rank holds at any moment of the step. On CPU: the tensor storages
+  alive when the step starts (a scan of the garbage collector's objects) plus the running sum of
+  every allocation and free of the CPU allocator during the step, from torch.profiler's memory
+  events (`CpuAllocationTrace` says how its blind spots are closed). On CUDA: torch.cuda's max
+  allocated over the step, and allocated / max allocated / reserved are printed too.
+- other: peak - (params + grads + optimizer + activations): pipe buffers (received activations,
+  outputs kept until their backward, the last stage's fp32 logits), short-lived buffers (loss
+  gradients, a weight gradient before accumulation, the gradient all-reduce's flat copy, the
+  optimizer's temporaries). The components peak at different moments (no gradient exists while
+  the first micro-batches' activations pile up), so `other` is a remainder and can be negative.
 """
 from __future__ import annotations
 
@@ -225,12 +223,17 @@ class CpuAllocationTrace:
       is freed unseen. A block with no free event that is not alive when the window ends (its
       address is not a live tensor's storage, or was handed out again) is taken as freed when
       the last operator that read it ended; `inferred_frees` counts them.
+
+    What is alive at the window's start and end combines both sources: the blocks the trace saw
+    allocated and not yet freed, plus the scanned storages (`live_storages`) at other addresses,
+    which were allocated before the trace (a scan cannot see a tensor only C++ holds, such as
+    the flat gradient copy a gloo work object still references). `unseen_frees` is what those
+    older storages lost during the window: the one blind spot left, 0 when the warm-up worked.
     """
 
     def __init__(self) -> None:
-        self.peak = 0
-        self.end = 0
-        self.inferred_frees = 0
+        self.held_at_start = self.peak = self.held_at_end = 0
+        self.inferred_frees = self.unseen_frees = 0
         self._prof: Any = None
 
     @property
@@ -254,13 +257,33 @@ class CpuAllocationTrace:
         with torch.profiler.record_function(MEASURED_STEP):
             yield
 
-    def stop(self, live_ptrs: Optional[set[int]] = None) -> None:
-        """End the trace; with `live_ptrs` (storage addresses alive now) compute the window's peak."""
+    def stop(self, at_start: Optional[dict[int, int]] = None, at_end: Optional[dict[int, int]] = None) -> None:
+        """End the trace; given the storages (address -> bytes) alive at the window's start and
+        end, compute what was held at the start, at the peak and at the end."""
         prof, self._prof = self._prof, None
         with _stderr_silenced():
             prof.__exit__(None, None, None)
-        if live_ptrs is not None:
-            self.peak, self.end, self.inferred_frees = _window_peak(prof.profiler.kineto_results, "cpu", live_ptrs)
+        if at_start is None or at_end is None:
+            return
+        blocks, window, inferred = _traced_blocks(prof.profiler.kineto_results, "cpu", set(at_end))
+        self.inferred_frees = inferred
+        events = sorted([(b[0], b[1]) for b in blocks] + [(b[3], -b[1]) for b in blocks if b[3] is not None])
+        traced_then = [{b[2] for b in blocks if b[0] < t and (b[3] is None or b[3] >= t)} for t in window]
+        older = [sum(n for ptr, n in scan.items() if ptr not in traced) for scan, traced in zip((at_start, at_end),
+                                                                                                 traced_then)]
+        current, start, peak = 0, None, 0  # bytes of traced blocks alive
+        for t, size in events:
+            if t > window[1]:
+                break
+            if start is None and t >= window[0]:
+                start = peak = current
+            current += size
+            peak = max(peak, current) if start is not None else peak
+        start = current if start is None else start
+        self.held_at_start = older[0] + start
+        self.peak = older[0] + max(peak, start)
+        self.held_at_end = older[1] + current
+        self.unseen_frees = older[0] - older[1]
 
 
 def _input_ids(inputs: Any) -> Iterator[int]:
@@ -271,9 +294,9 @@ def _input_ids(inputs: Any) -> Iterator[int]:
             yield x.allocation_id
 
 
-def _window_peak(results: Any, device_type: str, live_ptrs: set[int]) -> tuple[int, int, int]:
-    """(peak above the window's start, value at its end, inferred frees) of the running sum of
-    allocations minus frees on `device_type` over the `MEASURED_STEP` range (see CpuAllocationTrace)."""
+def _traced_blocks(results: Any, device_type: str, live_ptrs: set[int]) -> tuple[list[list], tuple[int, int], int]:
+    """([allocated at, bytes, address, freed at or None] for every block allocated in the trace,
+    the `MEASURED_STEP` window (start, end), the number of inferred frees); see CpuAllocationTrace."""
     from torch._C._profiler import _EventType
 
     blocks: dict[int, list] = {}  # allocation id -> [allocated at, bytes, address, freed at]
@@ -297,37 +320,25 @@ def _window_peak(results: Any, device_type: str, live_ptrs: set[int]) -> tuple[i
                 last_read[i] = max(last_read.get(i, 0), node.end_time_ns)
     assert window is not None, "the measured step's profiler range is missing"
     traced = {i: b for i, b in blocks.items() if b[0] is not None}  # frees of older blocks are unseen anyway
-    latest: dict[int, int] = {}  # address -> newest open block there: the only one that can be alive
+    newest: dict[int, int] = {}  # address -> newest block there without a free: the only one that can be alive
     for i, b in traced.items():
-        if b[3] is None and (b[2] not in latest or traced[latest[b[2]]][0] < b[0]):
-            latest[b[2]] = i
+        if b[3] is None and (b[2] not in newest or traced[newest[b[2]]][0] < b[0]):
+            newest[b[2]] = i
     inferred = 0
     for i, b in traced.items():
-        if b[3] is None and not (latest[b[2]] == i and b[2] in live_ptrs):
+        if b[3] is None and not (newest[b[2]] == i and b[2] in live_ptrs):
             b[3], inferred = max(b[0], last_read.get(i, 0)), inferred + 1
-    events = sorted([(b[0], b[1]) for b in traced.values()] + [(b[3], -b[1]) for b in traced.values() if b[3]])
-    current, at_start, peak = 0, None, 0
-    for t, size in events:
-        if t > window[1]:
-            break
-        if t >= window[0] and at_start is None:
-            at_start = peak = current
-        current += size
-        peak = max(peak, current)
-    if at_start is None:
-        return 0, 0, inferred
-    return peak - at_start, current - at_start, inferred
+    return list(traced.values()), window, inferred
 
 
 class CudaAllocationTrace:
-    """The CUDA caching allocator's own peak inside `window()`, above what was allocated at its start."""
+    """The CUDA caching allocator's own counters: allocated at the window's start and end, and its
+    max allocated inside the window."""
 
     def __init__(self) -> None:
-        self.peak = 0
-        self.end = 0
-        self.inferred_frees = 0
+        self.held_at_start = self.peak = self.held_at_end = 0
+        self.inferred_frees = self.unseen_frees = 0
         self.started = False
-        self._start = 0
 
     def start(self) -> None:
         self.started = True
@@ -336,13 +347,12 @@ class CudaAllocationTrace:
     def window(self) -> Iterator[None]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        self._start = torch.cuda.memory_allocated()
+        self.held_at_start = torch.cuda.memory_allocated()
         yield
         torch.cuda.synchronize()
-        self.peak = torch.cuda.max_memory_allocated() - self._start
-        self.end = torch.cuda.memory_allocated() - self._start
+        self.peak, self.held_at_end = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
 
-    def stop(self, live_ptrs: Optional[set[int]] = None) -> None:
+    def stop(self, at_start: Optional[dict[int, int]] = None, at_end: Optional[dict[int, int]] = None) -> None:
         self.started = False
 
 
@@ -357,16 +367,15 @@ class RankMemory:
     optimizer: int
     activations: int
     peak: int
-    """The most the rank held at once during the step: `held_at_start + step_peak`."""
+    """The most the rank held at once during the step."""
     held_at_start: int = 0
-    """Every tensor storage alive when the step started (CPU) / torch.cuda's allocated (CUDA)."""
-    step_peak: int = 0
-    """Peak of the running sum of the step's own allocations minus their frees."""
+    """Held when the step started (CPU: tensor storages; CUDA: torch.cuda's allocated)."""
     held_at_end: int = 0
-    step_end: int = 0
-    """The running sum when the step ended: `held_at_start + step_end` should be `held_at_end`."""
     inferred_frees: int = 0
-    """Blocks freed on a thread the trace does not see (CpuAllocationTrace)."""
+    """Blocks freed on a thread the trace does not see (see CpuAllocationTrace)."""
+    unseen_frees: int = 0
+    """Bytes allocated before the trace and freed unseen during the step: the measurement's error
+    bound (the peak may be too high by at most this much); 0 when the warm-up worked."""
     cuda: Optional[dict[str, float]] = None
 
     @property
@@ -378,19 +387,13 @@ class RankMemory:
         """Pipe buffers, transients and anything else at the peak (a remainder, see the module docstring)."""
         return self.peak - (self.params + self.grads + self.optimizer + self.activations)
 
-    @property
-    def closure_error(self) -> int:
-        """What the trace's running sum gets wrong about the end of the step (0 when every
-        allocation and free of the step was accounted for)."""
-        return self.held_at_start + self.step_end - self.held_at_end
-
     def format(self, iteration: int) -> str:
         line = (f"[Rank {self.rank} | stage {self.stage}] (after {iteration} iterations) memory (MB) | "
                 f"params: {self.params / MB:.2f} | grads: {self.grads / MB:.2f} | "
                 f"optimizer: {self.optimizer / MB:.2f} | activations (peak saved): {self.activations / MB:.2f} | "
                 f"other (buffers, transients): {self.other / MB:.2f} | total (measured peak): {self.peak / MB:.2f}")
-        if abs(self.closure_error) >= 0.005 * MB:
-            line += f" | trace closure error: {self.closure_error / MB:.2f}"
+        if self.unseen_frees >= 0.005 * MB:
+            line += f" | unseen frees (peak may be this much too high): {self.unseen_frees / MB:.2f}"
         if self.cuda:
             line += " | " + " | ".join(f"{k}: {v:.1f}" for k, v in self.cuda.items())
         return line
@@ -414,7 +417,6 @@ class StepMeter:
         self.device = next(engine.module.parameters()).device
         self.grads = 0
         self.activations = ActivationPeak(engine.module)
-        self.held_at_start = self.held_at_end = 0
         self.trace = CudaAllocationTrace() if self.device.type == "cuda" else CpuAllocationTrace()
         self.measured = False
 
@@ -443,16 +445,14 @@ class StepMeter:
         handle = basic.register_step_pre_hook(self._on_step)
         if not self.trace.started:
             self.trace.start()
-        self.held_at_start = sum(self._held().values())
-        live = None
+        at_start, at_end = self._held(), None
         try:
             with self.activations.track(), self.trace.window():
                 yield
-            live = self._held()
+            at_end = self._held()
         finally:
             handle.remove()
-            self.trace.stop(set(live) if live is not None else None)
-        self.held_at_end = sum(live.values())
+            self.trace.stop(at_start, at_end)
         self.measured = True
 
     def result(self, rank: int, stage: int) -> RankMemory:
@@ -467,9 +467,9 @@ class StepMeter:
                     "max reserved": torch.cuda.max_memory_reserved() / MB}
         t = self.trace
         return RankMemory(rank=rank, stage=stage, params=parameter_bytes(self.engine.module), grads=self.grads,
-                          optimizer=optimizer_bytes(self.engine), activations=self.activations.peak,
-                          peak=self.held_at_start + t.peak, held_at_start=self.held_at_start, step_peak=t.peak,
-                          held_at_end=self.held_at_end, step_end=t.end, inferred_frees=t.inferred_frees, cuda=cuda)
+                          optimizer=optimizer_bytes(self.engine), activations=self.activations.peak, peak=t.peak,
+                          held_at_start=t.held_at_start, held_at_end=t.held_at_end,
+                          inferred_frees=t.inferred_frees, unseen_frees=t.unseen_frees, cuda=cuda)
 
 
 def step_context(meter: Optional[StepMeter], step: int, measured_step: int) -> ContextManager[None]:
