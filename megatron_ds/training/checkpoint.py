@@ -119,7 +119,8 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
 def architecture_mismatch(saved: dict[str, Any], config: Config) -> list[str]:
     """Model fields that differ between a checkpoint's config and this run's."""
     ours = config.to_dict()["model"]
-    theirs = saved["config"]["model"]
+    # Through from_dict, fields added after the checkpoint was written take their defaults.
+    theirs = Config.from_dict(saved["config"]).to_dict()["model"]
     return [f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)" for k, v in ours.items() if theirs.get(k) != v]
 
 
@@ -129,6 +130,12 @@ def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: s
     if mismatch:
         raise CheckpointError(f"--load {load_dir} ({tag}) has another architecture: {'; '.join(mismatch)}; "
                               f"use matching model flags or another --load directory")
+    ck = config.checkpoint
+    if config.training.precision == "bf16" and config.training.zero_stage == 0 and not (ck.no_load_optim or ck.finetune):
+        # DeepSpeed 0.19.8's BF16_Optimizer fails to read its own optimizer state back (KeyError in
+        # _load_legacy_checkpoint); refuse up front instead of crashing after start-up.
+        raise CheckpointError(f"--load {load_dir} ({tag}) with --bf16 and --zero-stage 0: DeepSpeed cannot restore "
+                              f"this optimizer state; train bf16 with --zero-stage 1, or pass --no-load-optim")
     saved_t = meta["config"].get("parallel", {}).get("tensor_model_parallel_size", 1)
     t = config.parallel.tensor_model_parallel_size
     if saved_t != t:
