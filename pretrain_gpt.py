@@ -46,7 +46,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config, args = parse_config(argv)
         layout = build_run_layout(config)
         if args.print_layout:
-            print(layout.format())
+            par = config.parallel
+            print(layout.format(par.data_parallel_size, par.tensor_model_parallel_size))
             if uses_memory_model(config):
                 print(predicted_memory_table(config, layout))
             return 0

@@ -99,8 +99,16 @@ class Layout:
             stages.append(("E" if i == 0 else "") + body + ("L" if i == self.num_stages - 1 else ""))
         return "|".join(stages)
 
-    def format(self) -> str:
-        """The stage table as DeepSpeed prints it, with real names, plus a summary line."""
+    def stage_ranks(self, stage: int, data_parallel: int = 1, tensor_parallel: int = 1) -> list[list[int]]:
+        """Global ranks of `stage`, one list of tensor ranks per data-parallel replica, in DeepSpeed's
+        topology order (tensor innermost, then data, then pipeline; as megatron-core)."""
+        per_stage = data_parallel * tensor_parallel
+        return [[stage * per_stage + d * tensor_parallel + t for t in range(tensor_parallel)]
+                for d in range(data_parallel)]
+
+    def format(self, data_parallel: int = 1, tensor_parallel: int = 1) -> str:
+        """The stage table as DeepSpeed prints it, with real names, plus a summary line; with data or
+        tensor parallelism, the global ranks that hold each stage."""
         names = self.groups.names
         lines = []
         for s in range(self.num_stages):
@@ -110,6 +118,13 @@ class Layout:
         lines.append(f"  loss: {self.groups.loss_name}")
         counts = " ".join(str(k) for k in self.layers_per_stage)
         lines.append(f"transformer layers per stage: {counts} (layout {self.to_string()}, method {self.method})")
+        if data_parallel * tensor_parallel > 1:
+            lines.append(f"ranks per stage (tensor parallel {tensor_parallel} innermost, then data parallel "
+                         f"{data_parallel}, then pipeline):")
+            for s in range(self.num_stages):
+                replicas = " | ".join(f"data {d}: tensor ranks -> {','.join(map(str, r))}"
+                                      for d, r in enumerate(self.stage_ranks(s, data_parallel, tensor_parallel)))
+                lines.append(f"  stage {s}: {replicas}")
         return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@ def pipeline_section(ctx: Context) -> Section:
             f"{'on' if plan.checkpoint_activations else 'off'}.",
             f"Layout method: {plan.method} ({METHOD_FLAGS[plan.method]}); the table below is what "
             f"`pretrain_gpt.py --print-layout` prints for the command further down:", "")
-    sec.add(*plan.layout.format().splitlines(), "")
+    sec.add(*plan.layout.format(plan.dp, plan.tp).splitlines(), "")
     sec.add(*format_memory_table(plan.stages, res.usable_bytes).splitlines())
     sec.add(f"Pipeline bubble (estimate, Narayanan et al. 2021 eq. 1, equal stage times assumed): (p-1)/m = "
             f"{plan.bubble:.1%} of the ideal step time; DeepSpeed TrainSchedule runs 2(m+p-1) steps of which 2m "
@@ -68,7 +68,7 @@ def _data(plan: search.Candidate) -> dict:
         "micro_batch_size": plan.micro_batch_size, "gradient_accumulation_steps": plan.num_micro_batches,
         "precision": plan.precision, "zero_stage": plan.zero_stage, "checkpoint_activations": plan.checkpoint_activations,
         "layout_method": plan.method, "layout": plan.layout.to_string(),
-        "layers_per_stage": list(plan.layout.layers_per_stage), "layout_text": plan.layout.format(),
+        "layers_per_stage": list(plan.layout.layers_per_stage), "layout_text": plan.layout.format(plan.dp, plan.tp),
         "bubble_fraction": plan.bubble, "idle_fraction": plan.idle_fraction,
         "stages": [{"stage": s.stage, "layers": s.num_layers, "params": s.params, "grads": s.grads,
                     "optimizer": s.optimizer, "activations": s.activations, "in_flight": s.in_flight,

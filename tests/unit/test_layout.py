@@ -196,3 +196,17 @@ def test_min_max_partition_is_optimal_on_small_cases() -> None:
             best = min(max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, len(weights))))
                        for cuts in itertools.combinations(range(1, len(weights)), parts - 1))
             assert cost == best
+
+
+def test_stage_ranks_follow_deepspeed_topology() -> None:
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    for p, dp, tp in ((3, 2, 2), (2, 1, 4), (4, 3, 1)):
+        topo = PipeModelDataParallelTopology(num_pp=p, num_mp=tp, num_dp=dp)
+        layout = build_layout(groups(2 * p), p)
+        for s in range(p):
+            expected = [[topo.get_rank(pipe=s, data=d, model=t) for t in range(tp)] for d in range(dp)]
+            assert layout.stage_ranks(s, dp, tp) == expected
+    text = build_layout(groups(4), 3, dedicated="both").format(data_parallel=2, tensor_parallel=2)
+    assert "  stage 2: data 0: tensor ranks -> 8,9 | data 1: tensor ranks -> 10,11" in text
+    assert "ranks per stage" not in build_layout(groups(4), 3).format()

@@ -152,7 +152,7 @@ def test_pipeline_layout_is_what_print_layout_prints(scenario, capsys) -> None:
         expected = build_layout(groups, data["pipeline_parallel"])
     else:
         expected = build_layout(groups, data["pipeline_parallel"], dedicated=method)
-    assert data["layout_text"] == expected.format()
+    assert data["layout_text"] == expected.format(data["data_parallel"], data["tensor_parallel"])
     # and pretrain_gpt.py --print-layout with the printed command's flags prints the same table
     command = next(s for s in report["sections"] if s["name"] == "pipeline")["snippets"]["command"]
     argv = shlex.split(command.split("pretrain_gpt.py", 1)[1].replace("\\\n", " "))
