@@ -152,8 +152,8 @@ def build_gpt_datasets(data: DataConfig, seq_length: int, seed: int,
     """(train, valid, test) datasets of at least `num_samples` samples each.
 
     A split whose `--split` weight is 0 comes back as None. With `data.mock_data` the samples are
-    megatron-core's `MockGPTDataset` (deterministic, shuffled by `seed`; the tokenizer defaults to
-    a `NullTokenizer(vocab_size)`). `is_built_on_rank` (default: every rank) must be true on
+    `MockGPTData` (seeded synthetic tokens; the tokenizer defaults to a `NullTokenizer(vocab_size)`;
+    a split with no samples asked for comes back as None). `is_built_on_rank` (default: every rank) must be true on
     global rank 0. Call on every rank when torch.distributed is initialised: it has barriers.
     All checks happen before the first barrier, so a bad input fails on every rank alike.
     """
@@ -175,19 +175,43 @@ def build_gpt_datasets(data: DataConfig, seq_length: int, seed: int,
     return train, valid, test
 
 
+class MockGPTData(torch.utils.data.Dataset):
+    """`--mock-data`: deterministic synthetic token sequences, as Megatron-LM's mock dataset, but
+    the token values themselves follow the seed (megatron-core's MockGPTDataset seeds only the
+    order) and nothing is imported from megatron-core, so smoke tests start fast.
+
+    Sample i of split k is drawn from a generator seeded with (seed, k, i): any sample can be read
+    in any order, by any worker, with the same result.
+    """
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split_index: int) -> None:
+        self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
+        self.seed, self.split_index = seed, split_index
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        gen = torch.Generator().manual_seed(((self.seed * 4 + self.split_index) * 1_000_003 + index) % 2**63)
+        text = torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=gen)
+        return {"tokens": text[:-1].clone(), "labels": text[1:].clone(),
+                "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
+                "position_ids": torch.arange(self.seq_length)}
+
+
 def _build_mock(data: DataConfig, seq_length: int, seed: int, num_samples: tuple[int, int, int],
                 tokenizer: Optional[Tokenizer], vocab_size: int,
                 is_built_on_rank: Optional[Callable[[], bool]]) -> tuple[Any, Any, Any]:
+    del is_built_on_rank  # nothing is cached: every rank builds its own (instantly)
     if data.data_path:
         warnings.warn(f"--data-path {' '.join(data.data_path)} is ignored with --mock-data")
     tokenizer = tokenizer or NullTokenizer(vocab_size)
     check_vocab(tokenizer, vocab_size)
-    config = _dataset_config(data, seq_length, seed, tokenizer, blend=None)
-    from megatron.core.datasets.gpt_dataset import MockGPTDataset
-
-    builder = _builder_class()(MockGPTDataset, list(num_samples), is_built_on_rank or _always, config)
-    train, valid, test = builder.build()
-    return train, valid, test
+    splits = [MockGPTData(n, seq_length, tokenizer.vocab_size, seed, k) if n > 0 else None
+              for k, n in enumerate(num_samples)]
+    return splits[0], splits[1], splits[2]
 
 
 def _always() -> bool:

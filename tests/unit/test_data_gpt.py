@@ -118,13 +118,16 @@ def test_weighted_blend_with_cache_path(tmp_path: Path, corpora: tuple[str, str]
 
 
 def test_mock_data_is_deterministic_per_seed() -> None:
-    mock, seq = DataConfig(mock_data=True), 256  # megatron-core's mock builds ~68M tokens / seq
+    mock, seq = DataConfig(mock_data=True), 256
     a = build_gpt_datasets(mock, seq, 1, (20, 4, 4), None, 128)[0]
     b = build_gpt_datasets(mock, seq, 1, (20, 4, 4), None, 128)[0]
     c = build_gpt_datasets(mock, seq, 2, (20, 4, 4), None, 128)[0]
     assert _tokens(a, 20) == _tokens(b, 20) and _tokens(a, 20) != _tokens(c, 20)
     assert max(max(t) for t in _tokens(a, 20)) < 128
     assert a[0]["loss_mask"].dtype == torch.float32
+    assert torch.equal(a[3]["labels"][:-1], a[3]["tokens"][1:]) and len(a) == 20
+    valid = build_gpt_datasets(mock, seq, 1, (20, 4, 4), None, 128)[1]
+    assert _tokens(valid, 4) != _tokens(a, 4)  # the splits are different samples
 
 
 def test_sampler_order_across_ranks() -> None:
