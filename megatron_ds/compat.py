@@ -282,7 +282,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--data-path", ACCEPTED, _DATA, "a prefix or a weighted blend, through megatron-core's GPTDataset"),
     Flag("--split", ACCEPTED, _DATA, "train/validation/test weights"),
     Flag("--data-cache-path", ACCEPTED, _DATA, "where index caches go"),
-    Flag("--mock-data", ACCEPTED, _DATA, "synthetic tokens (megatron-core's MockGPTDataset)"),
+    Flag("--mock-data", ACCEPTED, _DATA, "seeded synthetic tokens (our MockGPTData; values follow --seed)"),
     Flag("--data-impl", ACCEPTED, _DATA, "only `mmap`, the format our tools and megatron-core write"),
     Flag("--seq-length", ACCEPTED, _DATA, "tokens per sample"),
     Flag("--vocab-size", ACCEPTED, _DATA, "vocabulary size; else the tokenizer's (then padded)"),
