@@ -286,49 +286,60 @@ class CpuAllocationTrace:
         self.unseen_frees = older[0] - older[1]
 
 
-def _input_ids(inputs: Any) -> Iterator[int]:
+def _input_ptrs(inputs: Any) -> Iterator[int]:
     for x in inputs:
         if isinstance(x, list):
-            yield from _input_ids(x)
-        elif getattr(x, "allocation_id", None) is not None:
-            yield x.allocation_id
+            yield from _input_ptrs(x)
+        elif getattr(x, "storage_data_ptr", None):
+            yield x.storage_data_ptr
 
 
 def _traced_blocks(results: Any, device_type: str, live_ptrs: set[int]) -> tuple[list[list], tuple[int, int], int]:
     """([allocated at, bytes, address, freed at or None] for every block allocated in the trace,
-    the `MEASURED_STEP` window (start, end), the number of inferred frees); see CpuAllocationTrace."""
+    the `MEASURED_STEP` window (start, end), the number of inferred frees); see CpuAllocationTrace.
+
+    Blocks are paired by address in time order (the profiler's own allocation ids merge two
+    blocks at one address when the first one's free went unseen).
+    """
     from torch._C._profiler import _EventType
 
-    blocks: dict[int, list] = {}  # allocation id -> [allocated at, bytes, address, freed at]
-    last_read: dict[int, int] = {}
-    window = None
+    ALLOC, READ = 0, 1
+    events, window = [], None  # (time, kind, address, bytes or read end)
     stack = list(results.experimental_event_tree())
     while stack:
         node = stack.pop()
         stack.extend(node.children)
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == device_type:
-            f = node.extra_fields
-            block = blocks.setdefault(f.allocation_id, [None, 0, f.ptr, None])
-            if f.alloc_size > 0:
-                block[0], block[1] = node.start_time_ns, f.alloc_size
-            else:
-                block[3] = node.start_time_ns
+            events.append((node.start_time_ns, ALLOC, node.extra_fields.ptr, node.extra_fields.alloc_size))
         elif node.tag == _EventType.TorchOp:
             if node.name == MEASURED_STEP:
                 window = (node.start_time_ns, node.end_time_ns)
-            for i in _input_ids(node.extra_fields.inputs):
-                last_read[i] = max(last_read.get(i, 0), node.end_time_ns)
+            events.extend((node.start_time_ns, READ, ptr, node.end_time_ns) for ptr in _input_ptrs(node.extra_fields.inputs))
     assert window is not None, "the measured step's profiler range is missing"
-    traced = {i: b for i, b in blocks.items() if b[0] is not None}  # frees of older blocks are unseen anyway
-    newest: dict[int, int] = {}  # address -> newest block there without a free: the only one that can be alive
-    for i, b in traced.items():
-        if b[3] is None and (b[2] not in newest or traced[newest[b[2]]][0] < b[0]):
-            newest[b[2]] = i
+    blocks, open_at, last_read = [], {}, {}  # open_at: address -> index of the block there not yet freed
     inferred = 0
-    for i, b in traced.items():
-        if b[3] is None and not (newest[b[2]] == i and b[2] in live_ptrs):
-            b[3], inferred = max(b[0], last_read.get(i, 0)), inferred + 1
-    return list(traced.values()), window, inferred
+
+    def close_unseen(i: int) -> None:
+        nonlocal inferred
+        blocks[i][3], inferred = max(blocks[i][0], last_read.get(i, 0)), inferred + 1
+
+    for t, kind, ptr, value in sorted(events, key=lambda e: e[:2]):
+        i = open_at.get(ptr)
+        if kind == READ:
+            if i is not None:
+                last_read[i] = max(last_read.get(i, 0), value)
+        elif value > 0:
+            if i is not None:  # handed out again: the block there was freed unseen
+                close_unseen(i)
+            open_at[ptr] = len(blocks)
+            blocks.append([t, value, ptr, None])
+        elif i is not None:  # frees of blocks allocated before the trace are not reported
+            blocks[i][3] = t
+            del open_at[ptr]
+    for ptr, i in open_at.items():
+        if ptr not in live_ptrs:
+            close_unseen(i)
+    return blocks, window, inferred
 
 
 class CudaAllocationTrace:
