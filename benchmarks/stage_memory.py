@@ -2,12 +2,13 @@
 """Measured per-stage memory of a GPT with a large embedding, under three pipeline layouts, on CPU.
 
 For each model and layout this runs `pretrain_gpt.py` on 5 CPU ranks (torchrun, gloo, fp32,
-`--mock-data`) for 4 iterations with `--log-interval 2`: the memory report of iteration 2 is the
-one `pretrain_gpt.py --log-memory` prints (`megatron_ds/training/memory.py`, the same code), and
-the step time is the mean of iterations 3-4, which are not profiled. The prediction is the memory
-model's (`megatron_ds/plan/memory_model.py`) for the same flags and layout.
+`--mock-data`) for 6 iterations with `--log-interval 2`: the memory report of iteration 2 is the
+one `pretrain_gpt.py --log-memory` prints (`megatron_ds/training/memory.py`, the same code; it
+traces iterations 1-2), and the step time is the mean of iterations 3-6, which are not traced.
+The prediction is the memory model's (`megatron_ds/plan/memory_model.py`) for the same flags and
+layout.
 
-    python benchmarks/stage_memory.py                  # both models, all three layouts (~10 min, 2 cores)
+    python benchmarks/stage_memory.py                  # both models, all three layouts (~12 min, 2 cores)
     python benchmarks/stage_memory.py --models 8-layer --layouts stock,memory
 
 Layouts: `stock` is DeepSpeed's `type:transformer` split (our default), `both` is
@@ -44,7 +45,7 @@ LAYOUTS = {
     "both": ["--pp-dedicated-embedding-stages", "both"],
     "memory": ["--pp-partition-method", "memory"],
 }
-COMMON = ["--pipeline-model-parallel-size", str(NUM_STAGES), "--mock-data", "--train-iters", "4",
+COMMON = ["--pipeline-model-parallel-size", str(NUM_STAGES), "--mock-data", "--train-iters", "6",
           "--log-interval", "2", "--eval-iters", "0", "--lr", "1e-4", "--num-workers", "0",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
           "--distributed-timeout-minutes", "10"]
@@ -52,7 +53,7 @@ COMMON = ["--pipeline-model-parallel-size", str(NUM_STAGES), "--mock-data", "--t
 REPORT = re.compile(r"\[Rank (\d+) \| stage (\d+)\] \(after \d+ iterations\) memory \(MB\) \| params: ([\d.]+) \| "
                     r"grads: ([\d.]+) \| optimizer: ([\d.]+) \| activations \(peak saved\): ([\d.]+) \| "
                     r"other \(buffers, transients\): (-?[\d.]+) \| total \(measured peak\): ([\d.]+)")
-STEP = re.compile(r"iteration\s+4/\s*4 \|.*elapsed time per iteration \(ms\): ([\d.]+)")
+STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
 LAYOUT = re.compile(r"transformer layers per stage: [\d ]+ \(layout (\S+), method")
 
 
@@ -118,9 +119,10 @@ def run_layout(model: str, layout: str, timeout: float) -> LayoutRun:
     for s in range(NUM_STAGES):
         v = [float(x) for x in reports[s].groups()[2:]]  # the report's "MB" are 2**20 bytes, as Megatron's
         rows.append(StageRow(s, layers[s], *v, predicted=pred[s]))
-    step = STEP.search(text)
+    untraced = [float(m.group(2)) for m in STEP.finditer(text) if int(m.group(1)) > 2]
+    step_ms = statistics.mean(untraced) if untraced else float("nan")
     command = "torchrun --nproc_per_node 5 pretrain_gpt.py " + " ".join(argv)
-    return LayoutRun(model, layout, layout_string, float(step.group(1)) if step else float("nan"), rows, command)
+    return LayoutRun(model, layout, layout_string, step_ms, rows, command)
 
 
 def format_model(runs: list[LayoutRun]) -> str:

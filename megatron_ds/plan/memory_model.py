@@ -1,17 +1,25 @@
 """Analytic per-spec and per-stage memory of our GPT on DeepSpeed's pipeline engine. Pure: no torch.
 
-    bytes on one GPU of stage s = model states (params + grads + optimizer, `model_states.py`)
-                                + in_flight(s) x activations of one micro-batch (`activations.py`)
-                                + DeepSpeed pipe buffers + the largest transient buffer
+The peak on one GPU of stage s is the largest of three moments of a training step:
 
-in_flight(s) = min(P - s, M): DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py) is
-1F1B; stage s runs P - s forwards before its first backward, so at most that many micro-batches'
-activations are alive (M micro-batches per step). `TrainSchedule.num_pipe_buffers()` is
-max(2, min(P - s, M)): the number of input/output buffer slots the engine cycles through; an input
-slot keeps its tensor until it is reused, an output slot is freed after its backward
-(deepspeed/runtime/pipe/engine.py `_exec_backward_pass`).
+    first backward  = params + optimizer + persistent grads + in_flight(s) x activations of one
+                      micro-batch + pipe buffers + a backward transient (no gradient of this step yet)
+    later backward  = the same with the step's gradients and, unless a forward follows, one
+                      micro-batch fewer in flight
+    optimizer step  = params + grads + optimizer + pipe buffers that persist + the step's largest
+                      temporary (the gradient all-reduce's flat copy, AdamW's sqrt/div temporaries)
 
-Everything returned is an estimate; nothing here is measured.
+(model states: `model_states.py`; activations: `activations.py`). in_flight(s) = min(P - s, M):
+DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py) is 1F1B; stage s runs P - s
+forwards before its first backward, so at most that many micro-batches' activations are alive
+(M micro-batches per step). `TrainSchedule.num_pipe_buffers()` is max(2, min(P - s, M)), the
+buffer slots the engine cycles through (`_pipe_buffers` says which of them hold what).
+
+Everything returned is an estimate; nothing here is measured. The terms beyond the classic sum
+(the three moments, the last stage's kept logits, the step's temporaries, the word embedding's
+gradient after its micro-batch's activations are freed) were found by comparing with the measured
+peaks of `benchmarks/stage_memory.py` and are each traced to the DeepSpeed or torch code that
+allocates them, cited where they are computed.
 """
 from __future__ import annotations
 
@@ -238,9 +246,9 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
               + (num_layers - full_layers) * layer.checkpointed_activations)
     flight = in_flight(stage, num_stages, inputs.num_micro_batches)
     buffers, persistent = _pipe_buffers(inputs, stage, num_stages)
-    # A first-stage micro-batch's activations other than the pre group's are freed before the
-    # word embedding's gradient is computed (see `_transient`).
-    freed = per_mb - sum(sp.activations for sp in pre)
+    # A first-stage micro-batch's activations other than the token ids the embedding saved are
+    # freed before the word embedding's gradient is computed (see `_transient`).
+    freed = per_mb - sum(sp.activations for sp in pre if sp.name == naming.WORD_EMBEDDING)
     first_bwd = _transient(inputs, layer, chunk, held, last, freed, accumulating=False)
     later_bwd = _transient(inputs, layer, chunk, held, last, freed, accumulating=inputs.num_micro_batches > 1)
     # The step's gradients exist from the first backward on: DeepSpeed sets every `.grad` to None

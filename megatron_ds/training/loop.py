@@ -205,7 +205,7 @@ def train(run: Run) -> bool:
     start_iteration = state.iteration
     meter = memory.StepMeter(run.engine) if lg.log_memory else None
     # Memory is measured on the step that ends the first log interval; the allocation trace starts
-    # one step earlier when there is one (see memory.CpuAllocationTrace). No other step is traced.
+    # one step earlier when there is one (see allocation_trace.CpuAllocationTrace); no other step is.
     measured_iteration = min(t.train_iters, (start_iteration // lg.log_interval + 1) * lg.log_interval)
     memory_reported = not lg.log_memory
     losses, window_start = [], time.time()

@@ -1,4 +1,4 @@
-"""The measured memory report (`megatron_ds/training/memory.py`) against exact counts.
+"""The measured memory report (`megatron_ds/training/memory.py`, `allocation_trace.py`) against exact counts.
 
 * The allocation trace, in one process, on blocks of known sizes: the peak, what was held at the
   window's start and end, a leftover of the warm-up step freed inside the window, and a block
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megatron_ds.training.memory import CpuAllocationTrace
+from megatron_ds.training.allocation_trace import CpuAllocationTrace
 
 MIB = 1 << 20
 
@@ -70,20 +70,39 @@ def test_a_block_freed_on_another_thread_is_freed_after_its_last_read() -> None:
 
 # --- the pipeline -----------------------------------------------------------------------------------
 
-def exact_counts(engine: Any, zero_stage: int) -> dict[str, int]:
-    """What torch and DeepSpeed hold, counted from their own objects (4 bytes per fp32 element)."""
+def exact_counts(engine: Any, zero_stage: int, grads_at_step: int) -> dict[str, int]:
+    """What torch and DeepSpeed hold, counted from their own fields (4 bytes per fp32 element)."""
     params = list(engine.module.parameters())
     basic = engine.basic_optimizer if zero_stage else engine.optimizer
-    adam = [s for s in basic.state.values()]
-    moments = sum(4 * (s["exp_avg"].numel() + s["exp_avg_sq"].numel()) + 4 for s in adam)  # + the step scalar
+    # AdamW's exp_avg and exp_avg_sq, and its float32 step counter, per stepped tensor.
+    moments = sum(4 * (s["exp_avg"].numel() + s["exp_avg_sq"].numel()) + 4 for s in basic.state.values())
     if zero_stage == 0:
         n = 4 * sum(p.numel() for p in params)
         return {"params": n, "grads": n, "optimizer": moments}
     zero = engine.optimizer
-    flat = 4 * sum(f.numel() for f in zero.bit16_groups_flat)  # the parameters are views of these
     master = 4 * sum(m.numel() for m in zero.single_partition_of_fp32_groups)
-    # At the step: every parameter's fp32 gradient and the flat fp32 gradient of the partition.
-    return {"params": flat, "grads": 4 * sum(p.numel() for p in params) + master, "optimizer": master + moments}
+    return {"params": 4 * sum(f.numel() for f in zero.bit16_groups_flat),  # the parameters are views of these
+            "grads": grads_at_step,
+            "optimizer": master + moments + 4}  # + ZeRO's _global_grad_norm, a float32 scalar
+
+
+def zero1_gradient_probe(engine: Any) -> list[int]:
+    """Gradient bytes DeepSpeed's ZeRO-1 holds at each group's optimizer step (it steps one group at
+    a time): parameters' .grad, the averaged gradients (views of one flat buffer) and the flat
+    fp32 gradient of the partition being stepped."""
+    zero, seen = engine.optimizer, []
+
+    def count(*_: Any) -> None:
+        storages = {}
+        tensors = [p.grad for p in engine.module.parameters()] + [m.grad for m in zero.single_partition_of_fp32_groups]
+        tensors += [g for group in zero.averaged_gradients.values() if group for g in group]
+        for t in tensors:
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        seen.append(sum(storages.values()))
+
+    engine.basic_optimizer.register_step_pre_hook(count)
+    return seen
 
 
 def worker(out_dir: str) -> None:
@@ -103,13 +122,14 @@ def worker(out_dir: str) -> None:
         engine = build_engine(cfg, build_layout(gpt_spec_groups(cfg.model), 2)).engine
         meter = memory.StepMeter(engine)
         for step in range(2):  # a warm-up step (traced), then the measured one
+            zero1_grads = zero1_gradient_probe(engine) if zero and step == 1 else []
             with memory.step_context(meter, step + 1, 2):
                 engine.train_batch(data_iter=iter(list(micro_batches(cfg, step, 0))))
         got = meter.result(dist.get_rank(), engine.stage_id)
         results.append({"zero": zero, "measured": {k: getattr(got, k) for k in
                                                    ("params", "grads", "optimizer", "activations", "peak",
                                                     "unseen_frees", "held_at_start", "held_at_end")},
-                        "exact": exact_counts(engine, zero)})
+                        "exact": exact_counts(engine, zero, max(zero1_grads, default=0))})
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
 
 
