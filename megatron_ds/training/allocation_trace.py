@@ -99,8 +99,9 @@ class CpuAllocationTrace:
         self.inferred_frees = inferred
         events = sorted([(b[0], b[1]) for b in blocks] + [(b[3], -b[1]) for b in blocks if b[3] is not None])
         traced_then = [{b[2] for b in blocks if b[0] < t and (b[3] is None or b[3] >= t)} for t in window]
-        older = [sum(n for ptr, n in scan.items() if ptr not in traced) for scan, traced in zip((at_start, at_end),
-                                                                                                 traced_then)]
+        # Storages the scans found at addresses of no traced block alive then: allocated before the trace.
+        older = [sum(n for ptr, n in scan.items() if ptr not in traced)
+                 for scan, traced in zip((at_start, at_end), traced_then)]
         current, start, peak = 0, None, 0  # bytes of traced blocks alive
         for t, size in events:
             if t > window[1]:
@@ -108,10 +109,12 @@ class CpuAllocationTrace:
             if start is None and t >= window[0]:
                 start = peak = current
             current += size
-            peak = max(peak, current) if start is not None else peak
-        start = current if start is None else start
+            if start is not None:
+                peak = max(peak, current)
+        if start is None:  # no allocation or free inside the window
+            start = peak = current
         self.held_at_start = older[0] + start
-        self.peak = older[0] + max(peak, start)
+        self.peak = older[0] + peak
         self.held_at_end = older[1] + current
         self.unseen_frees = older[0] - older[1]
 
