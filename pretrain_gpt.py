@@ -42,6 +42,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_ds.arguments import parse_config
     from megatron_ds.validation import build_run_layout, predicted_memory_table, uses_memory_model
 
+    from megatron_ds.distributed import shutdown_distributed
+
+    clean = False
     try:
         config, args = parse_config(argv)
         layout = build_run_layout(config)
@@ -56,11 +59,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         check_inputs(config)
         pretrain(config, layout)
+        clean = True
     except Exception as exc:  # noqa: BLE001 - user errors become one line, the rest propagate
         if not is_user_error(exc):
             raise
         _report(exc)
         return 2
+    finally:
+        # Every exit path (success, user error, crash) joins gloo's threads before the interpreter
+        # finalises; see megatron_ds.distributed for the abort this prevents.
+        shutdown_distributed(clean=clean)
     return 0
 
 

@@ -16,6 +16,7 @@ import deepspeed
 import torch
 
 from megatron_ds.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_ds.distributed import shutdown_distributed
 from megatron_ds.model import GPTModelPipe, gpt_spec_groups
 from megatron_ds.pipeline.layout import build_layout
 from megatron_ds.training.optimizer import add_group_placeholders, param_groups
@@ -56,6 +57,7 @@ def main() -> None:
         if engine.global_rank == 0:
             print(f"step {step} loss {loss.item():.4f} grad norm {float(engine.get_global_grad_norm()):.4f}",
                   flush=True)
+    shutdown_distributed()  # join gloo's threads before the interpreter exits (see megatron_ds.distributed)
 
 
 if __name__ == "__main__":

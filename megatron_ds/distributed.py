@@ -1,12 +1,27 @@
-"""Process-group set-up (through DeepSpeed, which reads the launcher's environment)."""
+"""Process-group set-up (through DeepSpeed, which reads the launcher's environment) and teardown.
+
+Why teardown matters: gloo runs every collective on worker threads, and a worker drops its last
+reference to a finished operation (and to the tensors it holds) a moment after the caller saw the
+result. If the interpreter is already finalising when that happens, releasing the tensor needs
+the GIL, the thread is unwound mid-destructor and the process dies with SIGABRT ("terminate
+called without an active exception") after it trained and saved. DeepSpeed's pipeline engine
+makes this likely: its point-to-point sends are broadcasts over one subgroup per stage pair. So
+every entry point ends with `shutdown_distributed`, which joins those threads while the
+interpreter is fully alive. (The watchdog exits with `os._exit`, which runs no finalisation.)
+"""
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from datetime import timedelta
 
 import torch
 
 from megatron_ds.config import ParallelConfig
+
+TEARDOWN_STUCK_EXIT_CODE = 4
+"""Exit status when destroying the process groups does not finish in time (see `shutdown_distributed`)."""
 
 
 def default_backend(parallel: ParallelConfig) -> str:
@@ -35,6 +50,55 @@ def init_distributed(parallel: ParallelConfig) -> None:
     deepspeed.init_distributed(dist_backend=default_backend(parallel), auto_mpi_discovery=False,
                                timeout=timedelta(minutes=parallel.distributed_timeout_minutes),
                                verbose=False)
+
+
+def shutdown_distributed(clean: bool = True, timeout_s: float = 120.0) -> None:
+    """Finish outstanding communication and destroy every process group (ours, DeepSpeed's and
+    megatron-core's), so no gloo worker thread outlives the interpreter. Safe to call when no
+    process group exists.
+
+    `clean=True` (normal exit): a barrier first, so every rank has finished its collectives and
+    destroying the groups here cannot strand a peer. `clean=False` (error exit): peers may be
+    gone, so no barrier; only this rank's groups are torn down. Either way the teardown is
+    bounded: if it has not finished after `timeout_s` (a peer died mid-operation), the rank says
+    so and leaves with `TEARDOWN_STUCK_EXIT_CODE` instead of hanging.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    rank = dist.get_rank()
+    finished = threading.Event()
+    failure: list[BaseException] = []
+
+    def teardown() -> None:
+        try:
+            if clean:
+                dist.barrier()
+            forget_megatron_core_groups()
+            dist.destroy_process_group()  # all groups: shuts down and joins each backend's threads
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller's thread below
+            failure.append(exc)
+        finally:
+            finished.set()
+
+    worker = threading.Thread(target=teardown, name="megatron_ds-teardown", daemon=True)
+    worker.start()
+    if not finished.wait(timeout_s):
+        print(f"[teardown] rank {rank}: destroying the process groups did not finish within {timeout_s:.0f}s "
+              f"(a peer may have exited mid-operation); exiting with status {TEARDOWN_STUCK_EXIT_CODE}",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(TEARDOWN_STUCK_EXIT_CODE)
+    if failure:
+        raise failure[0]
+
+
+def forget_megatron_core_groups() -> None:
+    """Drop megatron-core's module-global groups (at teardown, and before a process builds another model)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
 
 
 def _free_port() -> int:

@@ -8,7 +8,6 @@ groups and checks them against DeepSpeed's topology. The linear-layer factories 
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from megatron_ds.config import Config
+from megatron_ds.distributed import forget_megatron_core_groups
 
 if TYPE_CHECKING:
     from deepspeed.runtime.pipe.topology import ProcessTopology
@@ -39,18 +39,11 @@ NO_TENSOR_PARALLEL = TensorParallel()
 def setup(config: Config, topology: "ProcessTopology") -> TensorParallel:
     """Tensor-parallel groups for this run (call after torch.distributed, before the model)."""
     if config.parallel.tensor_model_parallel_size == 1:
-        _forget_megatron_core_state()
+        forget_megatron_core_groups()  # a T>1 model built earlier in this process must not leak its groups
         return NO_TENSOR_PARALLEL
     from megatron_ds.model import tensor_parallel
 
     return tensor_parallel.setup(config, topology)
-
-
-def _forget_megatron_core_state() -> None:
-    # A T>1 model built earlier in this process (tests run several) must not leak its groups.
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is not None and ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
 
 
 def column_linear(tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True,

@@ -178,21 +178,26 @@ def _embedding(model: torch.nn.Module) -> torch.Tensor | None:
 
 
 def main(spec_path: str, out_dir: str) -> None:
-    from megatron_ds.distributed import env_world_size, init_distributed
+    from megatron_ds.distributed import env_world_size, init_distributed, shutdown_distributed
     from megatron_ds.training.preflight import install_stack_dump_handler
 
     install_stack_dump_handler()
     with open(spec_path) as f:
         spec = json.load(f)
     results = []
-    for sc in spec["scenarios"]:
-        overrides = dict(sc.get("overrides", {}))
-        cfg = tiny_config(**overrides)
-        p, tp = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.tensor_model_parallel_size
-        cfg = cfg.replace(parallel__data_parallel_size=env_world_size() // (p * tp))
-        init_distributed(cfg.parallel)
-        results.append(run_one(cfg, sc.get("steps", 3), sc.get("layout", {}), fixes=sc.get("fixes", True),
-                               preflight=sc.get("preflight", True), options=sc))
+    clean = False
+    try:
+        for sc in spec["scenarios"]:
+            overrides = dict(sc.get("overrides", {}))
+            cfg = tiny_config(**overrides)
+            p, tp = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.tensor_model_parallel_size
+            cfg = cfg.replace(parallel__data_parallel_size=env_world_size() // (p * tp))
+            init_distributed(cfg.parallel)
+            results.append(run_one(cfg, sc.get("steps", 3), sc.get("layout", {}), fixes=sc.get("fixes", True),
+                                   preflight=sc.get("preflight", True), options=sc))
+        clean = True
+    finally:
+        shutdown_distributed(clean=clean)
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -108,7 +108,7 @@ def zero1_gradient_probe(engine: Any) -> list[int]:
 def worker(out_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatron_ds.distributed import init_distributed
+    from megatron_ds.distributed import init_distributed, shutdown_distributed
     from megatron_ds.model.naming import gpt_spec_groups
     from megatron_ds.pipeline.layout import build_layout
     from megatron_ds.testing.scenario import micro_batches, tiny_config
@@ -131,6 +131,7 @@ def worker(out_dir: str) -> None:
                                                     "unseen_frees", "held_at_start", "held_at_end")},
                         "exact": exact_counts(engine, zero, max(zero1_grads, default=0))})
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    shutdown_distributed()
 
 
 def test_reported_model_states_equal_exact_counts(tmp_path: Path) -> None:

@@ -232,6 +232,7 @@ for x, y in data:
     engine2.step()
 same = all(torch.equal(a, b) for a, b in zip(pipe.parameters(), plain.parameters()))
 print("BIT-IDENTICAL" if same else "DIFFERENT")
+deepspeed.comm.destroy_process_group()
 '''
 
 
