@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.megatron_ds-installed
 
-.PHONY: install test demo clean
+.PHONY: install lint format test demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,16 @@ $(STAMP): setup.py $(BIN)/python
 
 install: $(STAMP)
 
-test: $(STAMP)
+# ruff (pinned in setup.py's test extra) checks style and formatting; `make format` fixes both.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
 demo: $(STAMP)

@@ -7,15 +7,18 @@
 Launch training with `deepspeed` or `torchrun` (see examples/). User errors print one line
 `error: ...` and exit with status 2, before any process group is created.
 """
+
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
 def is_user_error(exc: BaseException) -> bool:
-    """Errors our code raises for bad input: ValueError subclasses defined in megatron_ds."""
-    return isinstance(exc, ValueError) and type(exc).__module__.startswith("megatron_ds")
+    """Errors our code raises for bad input (`megatron_ds.errors.UserError` and its subclasses)."""
+    from megatron_ds.errors import UserError
+
+    return isinstance(exc, UserError)
 
 
 def _report(exc: BaseException) -> None:
@@ -32,7 +35,7 @@ def _report(exc: BaseException) -> None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     import os
 
     import torch
@@ -40,9 +43,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed warning on every rank
     from megatron_ds.arguments import parse_config
-    from megatron_ds.validation import build_run_layout, predicted_memory_table, uses_memory_model
-
     from megatron_ds.distributed import shutdown_distributed
+    from megatron_ds.validation import build_run_layout, predicted_memory_table, uses_memory_model
 
     clean = False
     try:

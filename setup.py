@@ -1,4 +1,5 @@
 """megatron_ds: GPT pretraining on DeepSpeed's pipeline engine with dedicated embedding stages."""
+
 from setuptools import find_packages, setup
 
 setup(
@@ -18,7 +19,7 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6"],
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard>=2.14"],
     },

@@ -13,6 +13,7 @@ With `megatron_ds.distributed.shutdown_distributed` the threads are joined first
 
 Prints one row per variant: launches, launches with a non-zero rank, exit statuses seen.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_ds.testing.launch import run_ranks  # noqa: E402
 
-WORKER = r'''
+WORKER = r"""
 import sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -39,7 +40,7 @@ for i, group in enumerate(pairs):
 if sys.argv[1] == "teardown":
     from megatron_ds.distributed import shutdown_distributed
     shutdown_distributed()
-'''
+"""
 
 
 def main() -> int:

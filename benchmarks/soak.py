@@ -12,6 +12,7 @@ logs of every failed launch are kept under OUT/failed/<n>-<kind>/ (with core fil
 
 Exit status: 0 when every launch exited 0 on every rank, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,37 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_ds.testing.launch import run_ranks  # noqa: E402
 
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--vocab-size", "128", "--mock-data", "--train-iters", "3", "--log-interval", "1", "--eval-iters", "1",
-        "--eval-interval", "2", "--lr", "1e-3", "--num-workers", "0", "--micro-batch-size", "1",
-        "--global-batch-size", "4", "--distributed-timeout-minutes", "3"]
+TINY = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--vocab-size",
+    "128",
+    "--mock-data",
+    "--train-iters",
+    "3",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "1",
+    "--eval-interval",
+    "2",
+    "--lr",
+    "1e-3",
+    "--num-workers",
+    "0",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "4",
+    "--distributed-timeout-minutes",
+    "3",
+]
 
 
 def _pretrain(world: int, *flags: str) -> tuple[int, list[str]]:
@@ -42,22 +70,59 @@ def _pretrain(world: int, *flags: str) -> tuple[int, list[str]]:
 
 
 KINDS: dict[str, tuple[int, list[str]]] = {
-    "p3-pre-z1-bf16": _pretrain(3, "--pipeline-model-parallel-size", "3", "--pp-dedicated-embedding-stages", "pre",
-                                "--zero-stage", "1", "--bf16"),
+    "p3-pre-z1-bf16": _pretrain(
+        3,
+        "--pipeline-model-parallel-size",
+        "3",
+        "--pp-dedicated-embedding-stages",
+        "pre",
+        "--zero-stage",
+        "1",
+        "--bf16",
+    ),
     "p4-post-z0": _pretrain(4, "--pipeline-model-parallel-size", "4", "--pp-dedicated-embedding-stages", "post"),
-    "p5-both-z1": _pretrain(5, "--pipeline-model-parallel-size", "5", "--num-layers", "3",
-                            "--pp-dedicated-embedding-stages", "both", "--zero-stage", "1"),
+    "p5-both-z1": _pretrain(
+        5,
+        "--pipeline-model-parallel-size",
+        "5",
+        "--num-layers",
+        "3",
+        "--pp-dedicated-embedding-stages",
+        "both",
+        "--zero-stage",
+        "1",
+    ),
     "p4-stock-z0-bf16": _pretrain(4, "--pipeline-model-parallel-size", "4", "--bf16"),
     "p2-t2-z0": _pretrain(4, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"),
-    "p3-memory-save": _pretrain(3, "--pipeline-model-parallel-size", "3", "--pp-partition-method", "memory",
-                                "--save", "{run_dir}/ckpt", "--save-interval", "2"),
+    "p3-memory-save": _pretrain(
+        3,
+        "--pipeline-model-parallel-size",
+        "3",
+        "--pp-partition-method",
+        "memory",
+        "--save",
+        "{run_dir}/ckpt",
+        "--save-interval",
+        "2",
+    ),
     "scenario-p5": (5, ["-m", "megatron_ds.testing.scenario", "{run_dir}/spec.json", "{run_dir}"]),
 }
 # What the scenario runner trains in the "scenario-p5" kind: the test that once aborted at exit
 # (P=5, every dedicated mode, ZeRO 0 and 1, several engines in one process).
-SCENARIO_SPEC = {"scenarios": [
-    {"overrides": {"parallel__pipeline_model_parallel_size": 5, "model__num_layers": 3, "training__zero_stage": z},
-     "layout": {"dedicated": "both"}, "steps": 2} for z in (0, 1)]}
+SCENARIO_SPEC = {
+    "scenarios": [
+        {
+            "overrides": {
+                "parallel__pipeline_model_parallel_size": 5,
+                "model__num_layers": 3,
+                "training__zero_stage": z,
+            },
+            "layout": {"dedicated": "both"},
+            "steps": 2,
+        }
+        for z in (0, 1)
+    ]
+}
 
 ERROR_LINE = re.compile(r"terminate called|Traceback|Error|error:|exited|watchdog|Abort|Killed", re.IGNORECASE)
 
@@ -77,13 +142,18 @@ def launch(n: int, kind: str, out_dir: Path, timeout: float) -> dict:
         (run_dir / "spec.json").write_text(json.dumps(SCENARIO_SPEC))
     argv = [a.replace("{run_dir}", str(run_dir)) for a in argv]
     start = time.monotonic()
-    results = run_ranks(argv, world, timeout=timeout, cwd=str(run_dir), env={"DS_ACCELERATOR": "cpu"},
-                        check=False)
+    results = run_ranks(argv, world, timeout=timeout, cwd=str(run_dir), env={"DS_ACCELERATOR": "cpu"}, check=False)
     seconds = time.monotonic() - start
     codes = [r.returncode for r in results]
     ok = all(c == 0 for c in codes)
-    row = {"n": n, "kind": kind, "codes": codes, "seconds": round(seconds, 1), "ok": ok,
-           "error": "" if ok else first_error_line([r.output for r in results if r.returncode != 0])}
+    row = {
+        "n": n,
+        "kind": kind,
+        "codes": codes,
+        "seconds": round(seconds, 1),
+        "ok": ok,
+        "error": "" if ok else first_error_line([r.output for r in results if r.returncode != 0]),
+    }
     if ok:
         shutil.rmtree(run_dir, ignore_errors=True)
     else:
@@ -106,8 +176,10 @@ def print_summary(rows: list[dict]) -> None:
         mine = [r for r in rows if r["kind"] == kind]
         seen = Counter(c for r in mine for c in r["codes"])
         statuses = " ".join(f"{'hang' if c is None else c}x{k}" for c, k in sorted(seen.items(), key=str))
-        print(f"{kind:<18} {len(mine):>8} {sum(not r['ok'] for r in mine):>7} "
-              f"{sum(r['seconds'] for r in mine) / len(mine):>7.1f}  {statuses}")
+        print(
+            f"{kind:<18} {len(mine):>8} {sum(not r['ok'] for r in mine):>7} "
+            f"{sum(r['seconds'] for r in mine) / len(mine):>7.1f}  {statuses}"
+        )
     failed = [r for r in rows if not r["ok"]]
     print(f"total: {len(rows)} launches, {len(failed)} failed")
     for r in failed:
@@ -137,8 +209,9 @@ def main() -> int:
     for n in range(1, args.launches + 1):
         row = launch(n, kinds[(n - 1) % len(kinds)], out, args.timeout)
         rows.append(row)
-        print(f"{n:>5}  {row['kind']:<18} {_codes(row['codes']):<14} {row['seconds']:>7.1f}  {row['error']}",
-              flush=True)
+        print(
+            f"{n:>5}  {row['kind']:<18} {_codes(row['codes']):<14} {row['seconds']:>7.1f}  {row['error']}", flush=True
+        )
     print_summary(rows)
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -15,6 +15,7 @@ layout.
 Layouts: `stock` is DeepSpeed's `type:transformer` split (our default), `both` is
 `--pp-dedicated-embedding-stages both`, `memory` is `--pp-partition-method memory`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,25 +35,74 @@ MIB = 1024.0 * 1024.0
 
 MODELS = {
     # The issue's example size: 8 layers cannot balance a 32k x 512 embedding (see README.md).
-    "8-layer": ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "128",
-                "--vocab-size", "32000", "--micro-batch-size", "2", "--global-batch-size", "8"],
+    "8-layer": [
+        "--num-layers",
+        "8",
+        "--hidden-size",
+        "512",
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "128",
+        "--vocab-size",
+        "32000",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+    ],
     # Deep enough for the memory layout to balance the embedding and head stages.
-    "48-layer": ["--num-layers", "48", "--hidden-size", "384", "--num-attention-heads", "8", "--seq-length", "128",
-                 "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "4"],
+    "48-layer": [
+        "--num-layers",
+        "48",
+        "--hidden-size",
+        "384",
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "128",
+        "--vocab-size",
+        "32000",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+    ],
 }
 LAYOUTS = {
     "stock": [],  # --pp-partition-method type:transformer, DeepSpeed's default split
     "both": ["--pp-dedicated-embedding-stages", "both"],
     "memory": ["--pp-partition-method", "memory"],
 }
-COMMON = ["--pipeline-model-parallel-size", str(NUM_STAGES), "--mock-data", "--train-iters", "8",
-          "--log-interval", "2", "--eval-iters", "0", "--lr", "1e-4", "--num-workers", "0",
-          "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
-          "--distributed-timeout-minutes", "10"]
+COMMON = [
+    "--pipeline-model-parallel-size",
+    str(NUM_STAGES),
+    "--mock-data",
+    "--train-iters",
+    "8",
+    "--log-interval",
+    "2",
+    "--eval-iters",
+    "0",
+    "--lr",
+    "1e-4",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--seed",
+    "1234",
+    "--distributed-timeout-minutes",
+    "10",
+]
 
-REPORT = re.compile(r"\[Rank (\d+) \| stage (\d+)\] \(after \d+ iterations\) memory \(MB\) \| params: ([\d.]+) \| "
-                    r"grads: ([\d.]+) \| optimizer: ([\d.]+) \| activations \(peak saved\): ([\d.]+) \| "
-                    r"other \(buffers, transients\): (-?[\d.]+) \| total \(measured peak\): ([\d.]+)")
+REPORT = re.compile(
+    r"\[Rank (\d+) \| stage (\d+)\] \(after \d+ iterations\) memory \(MB\) \| params: ([\d.]+) \| "
+    r"grads: ([\d.]+) \| optimizer: ([\d.]+) \| activations \(peak saved\): ([\d.]+) \| "
+    r"other \(buffers, transients\): (-?[\d.]+) \| total \(measured peak\): ([\d.]+)"
+)
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")
 LAYOUT = re.compile(r"transformer layers per stage: [\d ]+ \(layout (\S+), method")
 
@@ -129,24 +178,30 @@ def run_layout(model: str, layout: str, timeout: float) -> LayoutRun:
 def format_model(runs: list[LayoutRun]) -> str:
     """One table per model: every layout's stages, their ratio to the median stage, and the step time."""
     stock = next((r for r in runs if r.layout_name == "stock"), runs[0])
-    head = (f"{'layout':<8} {'stage':>5} {'layers':>6} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
-            f"{'other':>8} {'measured':>9} {'predicted':>9} {'pred/meas':>9} {'/median':>7}")
+    head = (
+        f"{'layout':<8} {'stage':>5} {'layers':>6} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
+        f"{'other':>8} {'measured':>9} {'predicted':>9} {'pred/meas':>9} {'/median':>7}"
+    )
     lines = [f"model {runs[0].model}: {' '.join(MODELS[runs[0].model])} (MiB; 5 CPU ranks, fp32, ZeRO-0)", head]
     for run in runs:
         median = statistics.median(run.totals)
         for r in run.rows:
-            lines.append(f"{run.layout_name:<8} {r.stage:>5} {r.layers:>6} {r.params:>8.1f} {r.grads:>8.1f} "
-                         f"{r.optimizer:>8.1f} {r.activations:>8.1f} {r.other:>8.1f} {r.measured:>9.1f} "
-                         f"{r.predicted:>9.1f} {r.predicted / r.measured:>9.3f} {r.measured / median:>7.2f}")
+            lines.append(
+                f"{run.layout_name:<8} {r.stage:>5} {r.layers:>6} {r.params:>8.1f} {r.grads:>8.1f} "
+                f"{r.optimizer:>8.1f} {r.activations:>8.1f} {r.other:>8.1f} {r.measured:>9.1f} "
+                f"{r.predicted:>9.1f} {r.predicted / r.measured:>9.3f} {r.measured / median:>7.2f}"
+            )
         ends = max(run.totals[0], run.totals[-1]) / median
         errors = max(abs(r.predicted / r.measured - 1) for r in run.rows)
-        lines.append(f"{run.layout_name:<8} layout {run.layout}: max/min {max(run.totals) / min(run.totals):.3f}, "
-                     f"first-or-last/median {ends:.2f}, worst prediction error {errors:.1%}, "
-                     f"step {run.step_ms:.0f} ms = {run.step_ms / stock.step_ms:.2f}x stock")
+        lines.append(
+            f"{run.layout_name:<8} layout {run.layout}: max/min {max(run.totals) / min(run.totals):.3f}, "
+            f"first-or-last/median {ends:.2f}, worst prediction error {errors:.1%}, "
+            f"step {run.step_ms:.0f} ms = {run.step_ms / stock.step_ms:.2f}x stock"
+        )
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {', '.join(LAYOUTS)}")
@@ -167,7 +222,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  ran {model} / {layout} ({time.time() - start:.0f} s so far)", file=sys.stderr, flush=True)
         print(format_model(runs) + "\n", flush=True)
         results.extend(runs)
-    print(f"commands (all from the repository root, OMP_NUM_THREADS=1):", flush=True)
+    print("commands (all from the repository root, OMP_NUM_THREADS=1):", flush=True)
     for run in results:
         print(f"  {run.command}")
     if args.json:

@@ -1,4 +1,5 @@
 """megatron_ds: Megatron-DeepSpeed style GPT pretraining with dedicated embedding pipeline stages."""
+
 import warnings
 
 # megatron-core announces at import that it falls back to torch when apex / Transformer Engine are

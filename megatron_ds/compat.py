@@ -9,10 +9,10 @@ script uses, are unknown here: argparse says "unrecognized arguments".
 
 Pure data and string functions: no torch, no argparse side effects at import.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 ACCEPTED, NO_OP, REFUSED, PENDING = "accepted", "no-op", "refused", "not yet"
 SWITCH, VALUE, VALUES = "switch", "value", "values"
@@ -34,7 +34,7 @@ class Flag:
     """REFUSED only: what to do instead."""
     kind: str = SWITCH
     """NO_OP/REFUSED only: SWITCH, VALUE or VALUES, so the parser consumes the flag's values."""
-    model_field: Optional[str] = None
+    model_field: str | None = None
     """The ModelConfig field this flag sets, when the model may not implement it yet."""
 
     @property
@@ -57,8 +57,10 @@ _NO_FUSION = "no hand-fused kernels here: the unfused torch ops compute the same
 _DS_DP = "DeepSpeed's engine does the data-parallel gradient reduction; Megatron's DDP options do not apply"
 _MOE = "mixture-of-experts models are not built here; train a dense model"
 _ZERO_JSON = "ZeRO tuning lives in the DeepSpeed JSON; set the matching zero_optimization key in --deepspeed_config"
-_DS_CKPT = ("recomputation uses deepspeed.checkpointing with its defaults; partitioned, contiguous, CPU and "
-            "profiled checkpoints are not configured")
+_DS_CKPT = (
+    "recomputation uses deepspeed.checkpointing with its defaults; partitioned, contiguous, CPU and "
+    "profiled checkpoints are not configured"
+)
 
 FLAGS: tuple[Flag, ...] = (
     # network size
@@ -66,21 +68,42 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--hidden-size", ACCEPTED, _NET, "model width"),
     Flag("--ffn-hidden-size", ACCEPTED, _NET, "MLP inner width; 4 x hidden by default"),
     Flag("--num-attention-heads", ACCEPTED, _NET, "attention heads"),
-    Flag("--num-key-value-heads", ACCEPTED, _NET, "grouped-query attention: K/V heads, dividing the attention "
-         "heads (and divisible by T); equal to --num-attention-heads is plain multi-head attention",
-         model_field="num_key_value_heads"),
+    Flag(
+        "--num-key-value-heads",
+        ACCEPTED,
+        _NET,
+        "grouped-query attention: K/V heads, dividing the attention "
+        "heads (and divisible by T); equal to --num-attention-heads is plain multi-head attention",
+        model_field="num_key_value_heads",
+    ),
     Flag("--kv-channels", ACCEPTED, _NET, "only hidden / heads, its default (other projection widths are not built)"),
-    Flag("--max-position-embeddings", ACCEPTED, _NET, "rows of the learned position embedding; --seq-length by "
-         "default"),
-    Flag("--use-rotary-position-embeddings", ACCEPTED, _NET, "rotary embeddings on q and k",
-         model_field="use_rotary_position_embeddings"),
-    Flag("--no-position-embedding", ACCEPTED, _NET, "no learned absolute position embedding",
-         model_field="add_position_embedding"),
+    Flag(
+        "--max-position-embeddings", ACCEPTED, _NET, "rows of the learned position embedding; --seq-length by default"
+    ),
+    Flag(
+        "--use-rotary-position-embeddings",
+        ACCEPTED,
+        _NET,
+        "rotary embeddings on q and k",
+        model_field="use_rotary_position_embeddings",
+    ),
+    Flag(
+        "--no-position-embedding",
+        ACCEPTED,
+        _NET,
+        "no learned absolute position embedding",
+        model_field="add_position_embedding",
+    ),
     Flag("--make-vocab-size-divisible-by", ACCEPTED, _NET, "pad the vocabulary to a multiple of this x T"),
     Flag("--normalization", ACCEPTED, _NET, "`layernorm` or `rmsnorm`"),
     Flag("--layernorm-epsilon", ACCEPTED, _NET, "epsilon of every norm"),
-    Flag("--swiglu", ACCEPTED, _NET, "SwiGLU MLP (give --ffn-hidden-size explicitly, as the Llama-2 script does)",
-         model_field="swiglu"),
+    Flag(
+        "--swiglu",
+        ACCEPTED,
+        _NET,
+        "SwiGLU MLP (give --ffn-hidden-size explicitly, as the Llama-2 script does)",
+        model_field="swiglu",
+    ),
     Flag("--untie-embeddings-and-output-weights", ACCEPTED, _NET, "the last stage gets its own LM head"),
     Flag("--num-experts", ACCEPTED, _NET, "only 1 (a dense model, Megatron-DeepSpeed's default)"),
     Flag("--encoder-num-layers", REFUSED, _NET, "encoder-decoder models are not built", "use --num-layers", VALUE),
@@ -106,24 +129,44 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--log-interval", ACCEPTED, _LOG, "one Megatron-style line every this many iterations"),
     Flag("--tensorboard-dir", ACCEPTED, _LOG, "TensorBoard scalars, written by the last rank"),
     Flag("--tensorboard-queue-size", ACCEPTED, _LOG, "events the writer buffers before flushing"),
-    Flag("--log-timers-to-tensorboard", ACCEPTED, _LOG, "writes the time per iteration (ms); we time whole "
-         "iterations only"),
+    Flag(
+        "--log-timers-to-tensorboard",
+        ACCEPTED,
+        _LOG,
+        "writes the time per iteration (ms); we time whole iterations only",
+    ),
     Flag("--log-batch-size-to-tensorboard", ACCEPTED, _LOG, "writes the global batch size"),
-    Flag("--no-log-learnig-rate-to-tensorboard", ACCEPTED, _LOG, "stops writing the learning rate (Megatron's "
-         "spelling)"),
+    Flag(
+        "--no-log-learnig-rate-to-tensorboard", ACCEPTED, _LOG, "stops writing the learning rate (Megatron's spelling)"
+    ),
     Flag("--no-log-loss-scale-to-tensorboard", ACCEPTED, _LOG, "stops writing the fp16 loss scale"),
     Flag("--log-validation-ppl-to-tensorboard", ACCEPTED, _LOG, "writes validation and test perplexity"),
-    Flag("--log-optimizer-states-to-tensorboard", ACCEPTED, _LOG, "writes L1/L2 norms of the Adam moments and "
-         "weights of the logging rank (last stage, its ZeRO partition), not all-reduced over ranks"),
-    Flag("--log-memory-to-tensorboard", ACCEPTED, _LOG, "writes the logging rank's measured memory when the "
-         "memory report is made (needs --log-memory, the default)"),
+    Flag(
+        "--log-optimizer-states-to-tensorboard",
+        ACCEPTED,
+        _LOG,
+        "writes L1/L2 norms of the Adam moments and "
+        "weights of the logging rank (last stage, its ZeRO partition), not all-reduced over ranks",
+    ),
+    Flag(
+        "--log-memory-to-tensorboard",
+        ACCEPTED,
+        _LOG,
+        "writes the logging rank's measured memory when the memory report is made (needs --log-memory, the default)",
+    ),
     Flag("--log-world-size-to-tensorboard", ACCEPTED, _LOG, "writes the world size"),
     Flag("--timing-log-level", NO_OP, _LOG, "only whole iterations are timed", kind=VALUE),
     Flag("--timing-log-option", NO_OP, _LOG, "only whole iterations are timed", kind=VALUE),
     Flag("--log-params-norm", REFUSED, _LOG, "the parameter norm is not computed"),
     Flag("--log-num-zeros-in-grad", REFUSED, _LOG, "zeros in gradients are not counted"),
-    Flag("--tensorboard-log-interval", REFUSED, _LOG, "TensorBoard is written every --log-interval",
-         "use --log-interval", VALUE),
+    Flag(
+        "--tensorboard-log-interval",
+        REFUSED,
+        _LOG,
+        "TensorBoard is written every --log-interval",
+        "use --log-interval",
+        VALUE,
+    ),
     # regularization
     Flag("--attention-dropout", ACCEPTED, _REG, "dropout on attention probabilities"),
     Flag("--hidden-dropout", ACCEPTED, _REG, "dropout after the embedding and on residual branches"),
@@ -134,36 +177,70 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--adam-beta2", ACCEPTED, _REG, "Adam beta2"),
     Flag("--adam-eps", ACCEPTED, _REG, "Adam epsilon"),
     Flag("--sgd-momentum", ACCEPTED, _REG, "SGD momentum"),
-    Flag("--start-weight-decay", REFUSED, _REG, "weight-decay schedules are not implemented", "use --weight-decay",
-         VALUE),
-    Flag("--end-weight-decay", REFUSED, _REG, "weight-decay schedules are not implemented", "use --weight-decay",
-         VALUE),
+    Flag(
+        "--start-weight-decay", REFUSED, _REG, "weight-decay schedules are not implemented", "use --weight-decay", VALUE
+    ),
+    Flag(
+        "--end-weight-decay", REFUSED, _REG, "weight-decay schedules are not implemented", "use --weight-decay", VALUE
+    ),
     # training
     Flag("--micro-batch-size", ACCEPTED, _TRAIN, "samples per micro-batch per data-parallel rank"),
     Flag("--global-batch-size", ACCEPTED, _TRAIN, "samples per optimizer step; written into the DeepSpeed JSON"),
     Flag("--train-iters", ACCEPTED, _TRAIN, "optimizer steps"),
-    Flag("--train-samples", ACCEPTED, _TRAIN, "sample-based training: iterations = ceil(samples / global batch) "
-         "(Megatron rounds down); lr flags must then be sample- or token-based"),
-    Flag("--train-tokens", ACCEPTED, _TRAIN, "also stop once this many tokens are consumed (the smaller limit "
-         "wins); alone, it sets the length of training"),
+    Flag(
+        "--train-samples",
+        ACCEPTED,
+        _TRAIN,
+        "sample-based training: iterations = ceil(samples / global batch) "
+        "(Megatron rounds down); lr flags must then be sample- or token-based",
+    ),
+    Flag(
+        "--train-tokens",
+        ACCEPTED,
+        _TRAIN,
+        "also stop once this many tokens are consumed (the smaller limit wins); alone, it sets the length of training",
+    ),
     Flag("--exit-interval", ACCEPTED, _TRAIN, "stop after an iteration divisible by this"),
-    Flag("--exit-duration-in-mins", ACCEPTED, _TRAIN, "after the iteration that passes this many minutes, save "
-         "(with --save) and stop, on every rank at the same iteration; no final evaluation"),
+    Flag(
+        "--exit-duration-in-mins",
+        ACCEPTED,
+        _TRAIN,
+        "after the iteration that passes this many minutes, save "
+        "(with --save) and stop, on every rank at the same iteration; no final evaluation",
+    ),
     Flag("--optimizer", ACCEPTED, _TRAIN, "`adam` (AdamW) or `sgd`"),
     Flag("--dataloader-type", ACCEPTED, _TRAIN, "only `single` (Megatron's pretraining sampler, what we use)"),
-    Flag("--checkpoint-activations", ACCEPTED, _TRAIN, "recompute transformer layers in chunks of "
-         "--checkpoint-num-layers (DeepSpeed's PipelineModule activation_checkpoint_interval)"),
+    Flag(
+        "--checkpoint-activations",
+        ACCEPTED,
+        _TRAIN,
+        "recompute transformer layers in chunks of "
+        "--checkpoint-num-layers (DeepSpeed's PipelineModule activation_checkpoint_interval)",
+    ),
     Flag("--checkpoint-num-layers", ACCEPTED, _TRAIN, "layers per recomputed chunk"),
-    Flag("--recompute-granularity", ACCEPTED, _TRAIN, "`full` with --recompute-method uniform is "
-         "--checkpoint-activations; `selective` is refused"),
+    Flag(
+        "--recompute-granularity",
+        ACCEPTED,
+        _TRAIN,
+        "`full` with --recompute-method uniform is --checkpoint-activations; `selective` is refused",
+    ),
     Flag("--recompute-method", ACCEPTED, _TRAIN, "`uniform` (chunks of --recompute-num-layers); `block` is refused"),
     Flag("--recompute-num-layers", ACCEPTED, _TRAIN, "layers per recomputed chunk with --recompute-method uniform"),
-    Flag("--activations-checkpoint-method", ACCEPTED, _TRAIN, "older name of --recompute-method; `uniform` "
-         "turns recomputation on"),
+    Flag(
+        "--activations-checkpoint-method",
+        ACCEPTED,
+        _TRAIN,
+        "older name of --recompute-method; `uniform` turns recomputation on",
+    ),
     Flag("--activations-checkpoint-num-layers", ACCEPTED, _TRAIN, "older name of --recompute-num-layers"),
-    Flag("--no-pipeline-parallel", ACCEPTED, _TRAIN, "needs --pipeline-model-parallel-size 1. We still build a "
-         "1-stage PipelineModule: its engine runs the same micro-batch loop and optimizer step as DeepSpeed's "
-         "plain engine; ZeRO 2/3, which only the plain engine has, stay refused"),
+    Flag(
+        "--no-pipeline-parallel",
+        ACCEPTED,
+        _TRAIN,
+        "needs --pipeline-model-parallel-size 1. We still build a "
+        "1-stage PipelineModule: its engine runs the same micro-batch loop and optimizer step as DeepSpeed's "
+        "plain engine; ZeRO 2/3, which only the plain engine has, stay refused",
+    ),
     Flag("--use-flash-attn", NO_OP, _TRAIN, _SDPA),
     Flag("--use-flash-attn-v2", NO_OP, _TRAIN, _SDPA),
     Flag("--use-flash-attn-triton", NO_OP, _TRAIN, _SDPA),
@@ -175,27 +252,53 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--no-async-tensor-model-parallel-allreduce", NO_OP, _TRAIN, "an overlap switch; the sums are the same"),
     Flag("--disable-bias-linear", ACCEPTED, _TRAIN, "linear layers without biases", model_field="add_bias_linear"),
     Flag("--batch-size", REFUSED, _TRAIN, "Megatron's deprecated name", "use --micro-batch-size", VALUE),
-    Flag("--rampup-batch-size", REFUSED, _TRAIN, "DeepSpeed's pipeline engine runs a fixed number of "
-         "micro-batches per step", "train with the final --global-batch-size", VALUES),
-    Flag("--recompute-activations", REFUSED, _TRAIN, "selective (attention-only) recomputation is not implemented",
-         "use --recompute-granularity full --recompute-method uniform"),
+    Flag(
+        "--rampup-batch-size",
+        REFUSED,
+        _TRAIN,
+        "DeepSpeed's pipeline engine runs a fixed number of micro-batches per step",
+        "train with the final --global-batch-size",
+        VALUES,
+    ),
+    Flag(
+        "--recompute-activations",
+        REFUSED,
+        _TRAIN,
+        "selective (attention-only) recomputation is not implemented",
+        "use --recompute-granularity full --recompute-method uniform",
+    ),
     Flag("--distribute-saved-activations", REFUSED, _TRAIN, _DS_CKPT),
     Flag("--distribute-checkpointed-activations", REFUSED, _TRAIN, _DS_CKPT),
-    Flag("--exit-signal-handler", REFUSED, _TRAIN, "no signal handler saves on SIGTERM",
-         "use --exit-duration-in-mins or --save-interval"),
+    Flag(
+        "--exit-signal-handler",
+        REFUSED,
+        _TRAIN,
+        "no signal handler saves on SIGTERM",
+        "use --exit-duration-in-mins or --save-interval",
+    ),
     Flag("--cpu-optimizer", REFUSED, _TRAIN, "the optimizer is torch's AdamW/SGD on the training device"),
-    Flag("--sequence-parallel", REFUSED, _TRAIN, "Megatron sequence parallelism is not implemented (tensor "
-         "parallelism here keeps activations replicated)"),
-    Flag("--ds-sequence-parallel-size", REFUSED, _TRAIN, "DeepSpeed-Ulysses sequence parallelism is not "
-         "implemented", kind=VALUE),
+    Flag(
+        "--sequence-parallel",
+        REFUSED,
+        _TRAIN,
+        "Megatron sequence parallelism is not implemented (tensor parallelism here keeps activations replicated)",
+    ),
+    Flag(
+        "--ds-sequence-parallel-size",
+        REFUSED,
+        _TRAIN,
+        "DeepSpeed-Ulysses sequence parallelism is not implemented",
+        kind=VALUE,
+    ),
     Flag("--random-ltd", REFUSED, _TRAIN, "DeepSpeed data-efficiency (random-LTD) is not implemented"),
     Flag("--enable-zbh1-pipeline", REFUSED, _TRAIN, "the schedule is DeepSpeed's 1F1B pipeline"),
     # initialization
     Flag("--seed", ACCEPTED, _INIT, "seed of weights (per layer spec, layout-independent), data order and dropout"),
     Flag("--init-method-std", ACCEPTED, _INIT, "std of the normal init; output projections std / sqrt(2 L)"),
     Flag("--data-parallel-random-init", REFUSED, _INIT, "replicas always start from the same weights"),
-    Flag("--init-method-xavier-uniform", REFUSED, _INIT, "only the normal init is implemented",
-         "use --init-method-std"),
+    Flag(
+        "--init-method-xavier-uniform", REFUSED, _INIT, "only the normal init is implemented", "use --init-method-std"
+    ),
     # learning rate
     Flag("--lr", ACCEPTED, _LR, "peak learning rate"),
     Flag("--min-lr", ACCEPTED, _LR, "floor of the decay"),
@@ -207,54 +310,114 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--lr-warmup-samples", ACCEPTED, _LR, "linear warm-up in samples"),
     Flag("--lr-warmup-tokens", ACCEPTED, _LR, "linear warm-up in tokens"),
     Flag("--lr-warmup-fraction", ACCEPTED, _LR, "warm-up as a fraction of the decay length"),
-    Flag("--override-opt_param-scheduler", ACCEPTED, _LR, "on resume, use the flags' schedule, not the "
-         "checkpoint's (without either flag a difference is an error); older name --override-lr-scheduler"),
-    Flag("--use-checkpoint-opt_param-scheduler", ACCEPTED, _LR, "on resume, keep the checkpoint's schedule; "
-         "older name --use-checkpoint-lr-scheduler"),
+    Flag(
+        "--override-opt_param-scheduler",
+        ACCEPTED,
+        _LR,
+        "on resume, use the flags' schedule, not the "
+        "checkpoint's (without either flag a difference is an error); older name --override-lr-scheduler",
+    ),
+    Flag(
+        "--use-checkpoint-opt_param-scheduler",
+        ACCEPTED,
+        _LR,
+        "on resume, keep the checkpoint's schedule; older name --use-checkpoint-lr-scheduler",
+    ),
     Flag("--warmup", REFUSED, _LR, "Megatron's deprecated name", "use --lr-warmup-fraction", VALUE),
     # checkpointing
     Flag("--save", ACCEPTED, _CKPT, "written atomically through DeepSpeed's engine"),
     Flag("--save-interval", ACCEPTED, _CKPT, "save every this many iterations, and at the end"),
-    Flag("--load", ACCEPTED, _CKPT, "resume from `latest`. Unlike Megatron, a directory without a checkpoint is "
-         "an error unless --load-optional (ours) is given"),
-    Flag("--no-load-optim", ACCEPTED, _CKPT, "weights only (the iteration is kept; the lr schedule restarts, as "
-         "in Megatron)"),
+    Flag(
+        "--load",
+        ACCEPTED,
+        _CKPT,
+        "resume from `latest`. Unlike Megatron, a directory without a checkpoint is "
+        "an error unless --load-optional (ours) is given",
+    ),
+    Flag(
+        "--no-load-optim",
+        ACCEPTED,
+        _CKPT,
+        "weights only (the iteration is kept; the lr schedule restarts, as in Megatron)",
+    ),
     Flag("--no-load-rng", ACCEPTED, _CKPT, "keep this run's RNG states"),
     Flag("--finetune", ACCEPTED, _CKPT, "weights only; iteration and consumed samples start at 0"),
     Flag("--exit-on-missing-checkpoint", NO_OP, _CKPT, "already the behaviour here (see --load)"),
     Flag("--no-save-optim", REFUSED, _CKPT, "checkpoints always hold the optimizer state"),
     Flag("--no-save-rng", REFUSED, _CKPT, "checkpoints always hold every rank's RNG state"),
-    Flag("--no-load-lr-state", REFUSED, _CKPT, "the lr schedule is restored with the optimizer",
-         "use --override-opt_param-scheduler"),
-    Flag("--use-checkpoint-args", REFUSED, _CKPT, "flags are not read back from checkpoints (the architecture is "
-         "checked against them)", "give the model flags"),
+    Flag(
+        "--no-load-lr-state",
+        REFUSED,
+        _CKPT,
+        "the lr schedule is restored with the optimizer",
+        "use --override-opt_param-scheduler",
+    ),
+    Flag(
+        "--use-checkpoint-args",
+        REFUSED,
+        _CKPT,
+        "flags are not read back from checkpoints (the architecture is checked against them)",
+        "give the model flags",
+    ),
     Flag("--no-initialization", REFUSED, _CKPT, "weights are always initialised"),
-    Flag("--universal-checkpoint", REFUSED, _CKPT, "weights carry across layouts and P without it; optimizer "
-         "state does not", "use --no-load-optim to change the layout"),
+    Flag(
+        "--universal-checkpoint",
+        REFUSED,
+        _CKPT,
+        "weights carry across layouts and P without it; optimizer state does not",
+        "use --no-load-optim to change the layout",
+    ),
     # mixed precision
     Flag("--fp16", ACCEPTED, _MIXED, "DeepSpeed fp16 with dynamic loss scaling (needs a GPU)"),
     Flag("--bf16", ACCEPTED, _MIXED, "DeepSpeed bf16"),
     Flag("--loss-scale", ACCEPTED, _MIXED, "fp16: a static loss scale (DeepSpeed fp16.loss_scale)"),
-    Flag("--initial-loss-scale", ACCEPTED, _MIXED, "fp16: a power of 2 (fp16.initial_scale_power); DeepSpeed's "
-         "2^16 when not given, as in Megatron-DeepSpeed"),
+    Flag(
+        "--initial-loss-scale",
+        ACCEPTED,
+        _MIXED,
+        "fp16: a power of 2 (fp16.initial_scale_power); DeepSpeed's 2^16 when not given, as in Megatron-DeepSpeed",
+    ),
     Flag("--min-loss-scale", ACCEPTED, _MIXED, "fp16: fp16.min_loss_scale"),
     Flag("--loss-scale-window", ACCEPTED, _MIXED, "fp16: fp16.loss_scale_window"),
-    Flag("--hysteresis", ACCEPTED, _MIXED, "fp16: fp16.hysteresis. The loss-scale flags are written into the "
-         "DeepSpeed JSON; without --fp16 they are ignored with a warning"),
-    Flag("--no-query-key-layer-scaling", NO_OP, _MIXED, "query-key layer scaling divides the scores by the layer "
-         "number and multiplies them back inside Megatron's fp16 softmax; the math is the identity, and SDPA "
-         "scales by 1/sqrt(head dim) only"),
-    Flag("--attention-softmax-in-fp32", NO_OP, _MIXED, "it switches Megatron's own fused softmax, which is not "
-         "used: SDPA's fused kernels accumulate the softmax in fp32"),
-    Flag("--accumulate-allreduce-grads-in-fp32", NO_OP, _MIXED, "DeepSpeed's bf16 optimizer accumulates "
-         "gradients in fp32"),
+    Flag(
+        "--hysteresis",
+        ACCEPTED,
+        _MIXED,
+        "fp16: fp16.hysteresis. The loss-scale flags are written into the "
+        "DeepSpeed JSON; without --fp16 they are ignored with a warning",
+    ),
+    Flag(
+        "--no-query-key-layer-scaling",
+        NO_OP,
+        _MIXED,
+        "query-key layer scaling divides the scores by the layer "
+        "number and multiplies them back inside Megatron's fp16 softmax; the math is the identity, and SDPA "
+        "scales by 1/sqrt(head dim) only",
+    ),
+    Flag(
+        "--attention-softmax-in-fp32",
+        NO_OP,
+        _MIXED,
+        "it switches Megatron's own fused softmax, which is not "
+        "used: SDPA's fused kernels accumulate the softmax in fp32",
+    ),
+    Flag(
+        "--accumulate-allreduce-grads-in-fp32",
+        NO_OP,
+        _MIXED,
+        "DeepSpeed's bf16 optimizer accumulates gradients in fp32",
+    ),
     Flag("--fp32-residual-connection", REFUSED, _MIXED, "the residual stream stays in the training precision"),
     Flag("--fp16-lm-cross-entropy", REFUSED, _MIXED, "the loss is always computed from fp32 logits"),
     # distributed
     Flag("--tensor-model-parallel-size", ACCEPTED, _DIST, "tensor-parallel ranks T (megatron-core layers)"),
     Flag("--pipeline-model-parallel-size", ACCEPTED, _DIST, "pipeline stages P"),
-    Flag("--standalone-embedding-stage", ACCEPTED, _DIST, "the input embedding on a stage of its own: our "
-         "--pp-dedicated-embedding-stages pre (both with post)"),
+    Flag(
+        "--standalone-embedding-stage",
+        ACCEPTED,
+        _DIST,
+        "the input embedding on a stage of its own: our --pp-dedicated-embedding-stages pre (both with post)",
+    ),
     Flag("--distributed-backend", ACCEPTED, _DIST, "`nccl` or `gloo`; gloo by default on CPU"),
     Flag("--distributed-timeout-minutes", ACCEPTED, _DIST, "process-group timeout, and our stall watchdog"),
     Flag("--local_rank", ACCEPTED, _DIST, "set by the deepspeed launcher; the environment is used"),
@@ -263,15 +426,28 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--no-contiguous-buffers-in-local-ddp", NO_OP, _DIST, _DS_DP),
     Flag("--no-scatter-gather-tensors-in-pipeline", NO_OP, _DIST, "DeepSpeed's pipeline sends whole activations"),
     Flag("--use-cpu-initialization", NO_OP, _DIST, "weights are always drawn on CPU from per-spec generators"),
-    Flag("--empty-unused-memory-level", NO_OP, _DIST, "a CUDA cache housekeeping switch; numerics unchanged",
-         kind=VALUE),
+    Flag(
+        "--empty-unused-memory-level", NO_OP, _DIST, "a CUDA cache housekeeping switch; numerics unchanged", kind=VALUE
+    ),
     Flag("--pipeline-model-parallel-split-rank", REFUSED, _DIST, "encoder-decoder models are not built", kind=VALUE),
-    Flag("--model-parallel-size", REFUSED, _DIST, "Megatron's deprecated name",
-         "use --tensor-model-parallel-size", VALUE),
-    Flag("--num-layers-per-virtual-pipeline-stage", REFUSED, _DIST, "interleaved (virtual) pipeline stages are not "
-         "in DeepSpeed's pipeline engine", "use --pp-layout for uneven stages", VALUE),
-    Flag("--use-distributed-optimizer", REFUSED, _DIST, "Megatron's distributed optimizer is not used",
-         "use --zero-stage 1 (DeepSpeed's equivalent)"),
+    Flag(
+        "--model-parallel-size", REFUSED, _DIST, "Megatron's deprecated name", "use --tensor-model-parallel-size", VALUE
+    ),
+    Flag(
+        "--num-layers-per-virtual-pipeline-stage",
+        REFUSED,
+        _DIST,
+        "interleaved (virtual) pipeline stages are not in DeepSpeed's pipeline engine",
+        "use --pp-layout for uneven stages",
+        VALUE,
+    ),
+    Flag(
+        "--use-distributed-optimizer",
+        REFUSED,
+        _DIST,
+        "Megatron's distributed optimizer is not used",
+        "use --zero-stage 1 (DeepSpeed's equivalent)",
+    ),
     Flag("--lazy-mpu-init", REFUSED, _DIST, "the process group is always initialised", kind=VALUE),
     Flag("--use-ring-exchange-p2p", REFUSED, _DIST, "DeepSpeed's pipeline does its own point-to-point"),
     # validation
@@ -289,34 +465,70 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--vocab-file", ACCEPTED, _DATA, "GPT-2 vocab.json"),
     Flag("--merge-file", ACCEPTED, _DATA, "GPT-2 merges.txt"),
     Flag("--vocab-extra-ids", ACCEPTED, _DATA, "only 0 (extra sentinel ids are for T5)"),
-    Flag("--tokenizer-type", ACCEPTED, _DATA, "`GPT2BPETokenizer` (the default with --vocab-file/--merge-file, "
-         "as in Megatron's pretrain_gpt.py), `SentencePieceTokenizer` or `GPTSentencePieceTokenizer`. "
-         "SentencePieceTokenizer is Megatron's GPTSentencePieceTokenizer here: eod is the model's eos and no "
-         "special tokens are added"),
+    Flag(
+        "--tokenizer-type",
+        ACCEPTED,
+        _DATA,
+        "`GPT2BPETokenizer` (the default with --vocab-file/--merge-file, "
+        "as in Megatron's pretrain_gpt.py), `SentencePieceTokenizer` or `GPTSentencePieceTokenizer`. "
+        "SentencePieceTokenizer is Megatron's GPTSentencePieceTokenizer here: eod is the model's eos and no "
+        "special tokens are added",
+    ),
     Flag("--tokenizer-model", ACCEPTED, _DATA, "SentencePiece model file"),
     Flag("--num-workers", ACCEPTED, _DATA, "DataLoader worker processes"),
     Flag("--eod-mask-loss", ACCEPTED, _DATA, "end-of-document tokens do not count in the loss"),
-    Flag("--train-data-path", REFUSED, _DATA, "separate split files are not supported", "use --data-path with "
-         "--split", VALUES),
-    Flag("--valid-data-path", REFUSED, _DATA, "separate split files are not supported", "use --data-path with "
-         "--split", VALUES),
-    Flag("--test-data-path", REFUSED, _DATA, "separate split files are not supported", "use --data-path with "
-         "--split", VALUES),
+    Flag(
+        "--train-data-path",
+        REFUSED,
+        _DATA,
+        "separate split files are not supported",
+        "use --data-path with --split",
+        VALUES,
+    ),
+    Flag(
+        "--valid-data-path",
+        REFUSED,
+        _DATA,
+        "separate split files are not supported",
+        "use --data-path with --split",
+        VALUES,
+    ),
+    Flag(
+        "--test-data-path",
+        REFUSED,
+        _DATA,
+        "separate split files are not supported",
+        "use --data-path with --split",
+        VALUES,
+    ),
     Flag("--encoder-seq-length", REFUSED, _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
     Flag("--decoder-seq-length", REFUSED, _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
     Flag("--reset-position-ids", REFUSED, _DATA, "position ids always run 0..s-1 within a sample"),
     Flag("--reset-attention-mask", REFUSED, _DATA, "attention is causal over the whole sample (SDPA is_causal)"),
-    Flag("--data-efficiency-curriculum-learning", REFUSED, _DATA, "DeepSpeed curriculum learning is not "
-         "implemented"),
+    Flag("--data-efficiency-curriculum-learning", REFUSED, _DATA, "DeepSpeed curriculum learning is not implemented"),
     # DeepSpeed, ZeRO and activation checkpointing
     Flag("--deepspeed", ACCEPTED, _DS, "always on: training runs on DeepSpeed's pipeline engine"),
-    Flag("--deepspeed_config", ACCEPTED, _DS, "merged into the JSON generated from the flags; a contradiction is "
-         "an error (keys no flag sets, e.g. steps_per_print or fp16 keys whose flag is not given, are taken)"),
-    Flag("--zero-stage", ACCEPTED, _DS, "0 or 1, written into the JSON; 2 and 3 are refused (the pipeline engine "
-         "asserts ZeRO < 2 at every P)"),
-    Flag("--deepspeed-activation-checkpointing", NO_OP, _DS, "recomputation always goes through "
-         "deepspeed.checkpointing; turn it on with --checkpoint-activations or --recompute-granularity full "
-         "(a warning says so when neither is given)"),
+    Flag(
+        "--deepspeed_config",
+        ACCEPTED,
+        _DS,
+        "merged into the JSON generated from the flags; a contradiction is "
+        "an error (keys no flag sets, e.g. steps_per_print or fp16 keys whose flag is not given, are taken)",
+    ),
+    Flag(
+        "--zero-stage",
+        ACCEPTED,
+        _DS,
+        "0 or 1, written into the JSON; 2 and 3 are refused (the pipeline engine asserts ZeRO < 2 at every P)",
+    ),
+    Flag(
+        "--deepspeed-activation-checkpointing",
+        NO_OP,
+        _DS,
+        "recomputation always goes through "
+        "deepspeed.checkpointing; turn it on with --checkpoint-activations or --recompute-granularity full "
+        "(a warning says so when neither is given)",
+    ),
     Flag("--partition-activations", REFUSED, _DS, _DS_CKPT),
     Flag("--contigious-checkpointing", REFUSED, _DS, _DS_CKPT),
     Flag("--checkpoint-in-cpu", REFUSED, _DS, _DS_CKPT),
@@ -326,10 +538,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--zero-contigious-gradients", REFUSED, _DS, _ZERO_JSON),
     Flag("--zero-reduce-bucket-size", REFUSED, _DS, _ZERO_JSON, kind=VALUE),
     Flag("--zero-allgather-bucket-size", REFUSED, _DS, _ZERO_JSON, kind=VALUE),
-    Flag("--remote-device", REFUSED, _DS, "ZeRO-3 parameter offload needs ZeRO-3, which the pipeline engine "
-         "refuses", kind=VALUE),
-    Flag("--use-pin-memory", REFUSED, _DS, "ZeRO-3 parameter offload needs ZeRO-3, which the pipeline engine "
-         "refuses"),
+    Flag(
+        "--remote-device",
+        REFUSED,
+        _DS,
+        "ZeRO-3 parameter offload needs ZeRO-3, which the pipeline engine refuses",
+        kind=VALUE,
+    ),
+    Flag("--use-pin-memory", REFUSED, _DS, "ZeRO-3 parameter offload needs ZeRO-3, which the pipeline engine refuses"),
     Flag("--scattered-embeddings", REFUSED, _DS, "memory-centric tiling is not implemented"),
     Flag("--split-transformers", REFUSED, _DS, "memory-centric tiling is not implemented"),
     Flag("--memory-centric-tiled-linear", REFUSED, _DS, "memory-centric tiling is not implemented"),
@@ -340,41 +556,63 @@ BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
 assert len(BY_NAME) == len(FLAGS), "a flag is listed twice"
 
 REFUSED_VALUES: dict[tuple[str, str], tuple[str, str]] = {
-    ("--recompute-granularity", "selective"): ("selective (attention-only) recomputation is not implemented",
-                                               "use --recompute-granularity full --recompute-method uniform"),
-    ("--recompute-method", "block"): ("DeepSpeed's PipelineModule recomputes uniform chunks only",
-                                      "use --recompute-method uniform"),
-    ("--activations-checkpoint-method", "block"): ("DeepSpeed's PipelineModule recomputes uniform chunks only",
-                                                   "use --activations-checkpoint-method uniform"),
+    ("--recompute-granularity", "selective"): (
+        "selective (attention-only) recomputation is not implemented",
+        "use --recompute-granularity full --recompute-method uniform",
+    ),
+    ("--recompute-method", "block"): (
+        "DeepSpeed's PipelineModule recomputes uniform chunks only",
+        "use --recompute-method uniform",
+    ),
+    ("--activations-checkpoint-method", "block"): (
+        "DeepSpeed's PipelineModule recomputes uniform chunks only",
+        "use --activations-checkpoint-method uniform",
+    ),
     ("--data-impl", "infer"): ("only the mmap format is read", "use --data-impl mmap (or drop it)"),
     ("--data-impl", "lazy"): ("only the mmap format is read", "convert with tools/preprocess_data.py and use mmap"),
     ("--data-impl", "cached"): ("only the mmap format is read", "convert with tools/preprocess_data.py and use mmap"),
-    ("--dataloader-type", "cyclic"): ("only Megatron's single-pass pretraining sampler is implemented",
-                                      "use --dataloader-type single (or drop it)"),
+    ("--dataloader-type", "cyclic"): (
+        "only Megatron's single-pass pretraining sampler is implemented",
+        "use --dataloader-type single (or drop it)",
+    ),
     ("--distributed-backend", "ccl"): ("only nccl and gloo are set up", "use nccl (GPU) or gloo (CPU)"),
     ("--distributed-backend", "hccl"): ("only nccl and gloo are set up", "use nccl (GPU) or gloo (CPU)"),
-    ("--tokenizer-type", "BertWordPieceLowerCase"): ("BERT tokenizers are not provided",
-                                                     "use GPT2BPETokenizer or SentencePieceTokenizer"),
-    ("--tokenizer-type", "BertWordPieceCase"): ("BERT tokenizers are not provided",
-                                                "use GPT2BPETokenizer or SentencePieceTokenizer"),
-    ("--tokenizer-type", "HFTokenizer"): ("Hugging Face tokenizers are not provided",
-                                          "use GPT2BPETokenizer or SentencePieceTokenizer"),
-    ("--tokenizer-type", "NullTokenizer"): ("training reads token ids through a real tokenizer (the null "
-                                            "tokenizer is for tools/preprocess_data.py, with its own eod)",
-                                            "use --mock-data --vocab-size N for synthetic tokens"),
+    ("--tokenizer-type", "BertWordPieceLowerCase"): (
+        "BERT tokenizers are not provided",
+        "use GPT2BPETokenizer or SentencePieceTokenizer",
+    ),
+    ("--tokenizer-type", "BertWordPieceCase"): (
+        "BERT tokenizers are not provided",
+        "use GPT2BPETokenizer or SentencePieceTokenizer",
+    ),
+    ("--tokenizer-type", "HFTokenizer"): (
+        "Hugging Face tokenizers are not provided",
+        "use GPT2BPETokenizer or SentencePieceTokenizer",
+    ),
+    ("--tokenizer-type", "NullTokenizer"): (
+        "training reads token ids through a real tokenizer (the null "
+        "tokenizer is for tools/preprocess_data.py, with its own eod)",
+        "use --mock-data --vocab-size N for synthetic tokens",
+    ),
     ("--weight-decay-incr-style", "linear"): ("weight-decay schedules are not implemented", "use constant"),
     ("--weight-decay-incr-style", "cosine"): ("weight-decay schedules are not implemented", "use constant"),
-    ("--zero-stage", "2"): ("DeepSpeed's pipeline engine, used at every pipeline size (also with "
-                            "--no-pipeline-parallel), supports ZeRO 0 and 1 only", "use --zero-stage 1"),
-    ("--zero-stage", "3"): ("DeepSpeed's pipeline engine, used at every pipeline size (also with "
-                            "--no-pipeline-parallel), supports ZeRO 0 and 1 only", "use --zero-stage 1"),
+    ("--zero-stage", "2"): (
+        "DeepSpeed's pipeline engine, used at every pipeline size (also with "
+        "--no-pipeline-parallel), supports ZeRO 0 and 1 only",
+        "use --zero-stage 1",
+    ),
+    ("--zero-stage", "3"): (
+        "DeepSpeed's pipeline engine, used at every pipeline size (also with "
+        "--no-pipeline-parallel), supports ZeRO 0 and 1 only",
+        "use --zero-stage 1",
+    ),
 }
 """Values of accepted flags that are refused, with (reason, fix)."""
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 
 
-def refusal_message(name: str, value: Optional[str] = None) -> str:
+def refusal_message(name: str, value: str | None = None) -> str:
     """The one-line message for a refused flag, or for a refused value of an accepted flag."""
     if value is None:
         f = BY_NAME[name]
@@ -396,8 +634,10 @@ def refused_value_choices(name: str) -> tuple[str, ...]:
 
 def pending_message(field: str, flag: str) -> str:
     """The message for a model option the model does not implement yet."""
-    return (f"{flag} is not implemented yet: the model does not build {PENDING_MODEL_FIELDS[field]} yet "
-            f"(ModelConfig.{field}); drop {flag}")
+    return (
+        f"{flag} is not implemented yet: the model does not build {PENDING_MODEL_FIELDS[field]} yet "
+        f"(ModelConfig.{field}); drop {flag}"
+    )
 
 
 def _cell(text: str) -> str:

@@ -4,11 +4,12 @@ Precedence: command-line flags > `--deepspeed_config` file (merged, contradictio
 the defaults below. Run state (iteration, consumed samples) is *not* configuration: it lives in
 `megatron_ds.training.state.TrainState`.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEDICATED_CHOICES = ("none", "pre", "post", "both")
@@ -44,7 +45,7 @@ class ModelConfig:
     """Norm type: `layernorm` or `rmsnorm` (`--normalization`)."""
     untie_embeddings_and_output_weights: bool = False
     """Give the post stage its own LM head instead of the tied word embedding."""
-    num_key_value_heads: Optional[int] = None
+    num_key_value_heads: int | None = None
     """Key/value heads for grouped-query attention (`--num-key-value-heads`); divides
     num_attention_heads. None: one per attention head (multi-head attention, also what a value
     equal to --num-attention-heads gives). See `kv_heads`."""
@@ -77,11 +78,11 @@ class ParallelConfig:
     """Derived: world size / (P * T)."""
     pp_dedicated_embedding_stages: str = "none"
     """`none`, `pre`, `post` or `both`: stages reserved for the pre/post-processing groups."""
-    pp_layout: Optional[str] = None
+    pp_layout: str | None = None
     """Explicit layout string in Megatron-LM's grammar, e.g. `E|t*3|t*3|L` (`--pp-layout`)."""
-    pp_partition_method: Optional[str] = None
+    pp_partition_method: str | None = None
     """DeepSpeed-style partition method (`uniform`, `parameters`, `type:REGEX`, weighted types)."""
-    distributed_backend: Optional[str] = None
+    distributed_backend: str | None = None
     """`nccl` or `gloo`; None picks nccl on GPU and gloo on CPU (`--distributed-backend`)."""
     distributed_timeout_minutes: float = 10.0
     """A collective stalled longer than this is an error on every rank, never a silent hang."""
@@ -104,17 +105,17 @@ class DataConfig:
     """One prefix, or a weighted blend `0.7 a 0.3 b` of `<prefix>.bin/.idx` (`--data-path`)."""
     split: str = "969,30,1"
     """Train/validation/test proportions of the documents (`--split`)."""
-    data_cache_path: Optional[str] = None
+    data_cache_path: str | None = None
     """Where dataset index caches are written; next to the data by default (`--data-cache-path`)."""
     mock_data: bool = False
     """Deterministic synthetic tokens; no files needed (`--mock-data`)."""
-    tokenizer_type: Optional[str] = None
+    tokenizer_type: str | None = None
     """`SentencePieceTokenizer` or `GPT2BPETokenizer` (`--tokenizer-type`)."""
-    tokenizer_model: Optional[str] = None
+    tokenizer_model: str | None = None
     """SentencePiece model file (`--tokenizer-model`)."""
-    vocab_file: Optional[str] = None
+    vocab_file: str | None = None
     """GPT-2 BPE vocabulary (`--vocab-file`)."""
-    merge_file: Optional[str] = None
+    merge_file: str | None = None
     """GPT-2 BPE merges (`--merge-file`)."""
     make_vocab_size_divisible_by: int = 128
     """The padded vocabulary is a multiple of this times T (`--make-vocab-size-divisible-by`)."""
@@ -148,17 +149,17 @@ class OptimizerConfig:
     """Clip the global gradient norm to this; 0 disables clipping (`--clip-grad`)."""
     lr_decay_style: str = "linear"
     """`constant`, `linear` or `cosine` (`--lr-decay-style`)."""
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: int | None = None
     """Iterations over which lr decays to min_lr; train iterations by default (`--lr-decay-iters`)."""
     lr_warmup_iters: int = 0
     """Linear warm-up iterations (`--lr-warmup-iters`); see also `--lr-warmup-fraction`."""
     lr_warmup_samples: int = 0
     """Linear warm-up over this many samples (`--lr-warmup-samples`; sample-based training)."""
-    lr_decay_samples: Optional[int] = None
+    lr_decay_samples: int | None = None
     """Samples over which lr decays (`--lr-decay-samples`); --train-samples by default."""
-    lr_warmup_tokens: Optional[int] = None
+    lr_warmup_tokens: int | None = None
     """Linear warm-up over this many tokens (`--lr-warmup-tokens`); tokens = samples x seq_length."""
-    lr_decay_tokens: Optional[int] = None
+    lr_decay_tokens: int | None = None
     """Tokens over which lr decays (`--lr-decay-tokens`); takes precedence over iterations/samples."""
     override_opt_param_scheduler: bool = False
     """On resume use the flags' schedule, not the checkpoint's (`--override-opt_param-scheduler`)."""
@@ -192,24 +193,24 @@ class TrainingConfig:
     `--recompute-granularity full --recompute-method uniform`)."""
     checkpoint_num_layers: int = 1
     """Transformer layers per recomputed chunk (`--checkpoint-num-layers` / `--recompute-num-layers`)."""
-    deepspeed_config: Optional[str] = None
+    deepspeed_config: str | None = None
     """Optional user DeepSpeed JSON merged into the generated one (`--deepspeed_config`)."""
-    exit_interval: Optional[int] = None
+    exit_interval: int | None = None
     """Stop after this iteration (`--exit-interval`)."""
-    exit_duration_in_mins: Optional[float] = None
+    exit_duration_in_mins: float | None = None
     """Save (with `--save`) and stop once training has run this long (`--exit-duration-in-mins`);
     checked after every iteration, the same on every rank."""
-    train_tokens: Optional[int] = None
+    train_tokens: int | None = None
     """Stop once this many tokens are consumed (`--train-tokens`); already folded into train_iters."""
-    loss_scale: Optional[float] = None
+    loss_scale: float | None = None
     """fp16 only: a static loss scale; None means dynamic scaling (`--loss-scale`)."""
-    initial_loss_scale: Optional[float] = None
+    initial_loss_scale: float | None = None
     """fp16 only: first dynamic loss scale, a power of 2; DeepSpeed's 2**16 when None (`--initial-loss-scale`)."""
-    min_loss_scale: Optional[float] = None
+    min_loss_scale: float | None = None
     """fp16 only: floor of the dynamic loss scale; 1 when None (`--min-loss-scale`)."""
-    loss_scale_window: Optional[int] = None
+    loss_scale_window: int | None = None
     """fp16 only: steps without overflow before the scale doubles; 1000 when None (`--loss-scale-window`)."""
-    hysteresis: Optional[int] = None
+    hysteresis: int | None = None
     """fp16 only: overflows tolerated before the scale is lowered; 2 when None (`--hysteresis`)."""
 
 
@@ -217,11 +218,11 @@ class TrainingConfig:
 class CheckpointConfig:
     """Saving and loading."""
 
-    save: Optional[str] = None
+    save: str | None = None
     """Directory checkpoints are written to (`--save`)."""
-    save_interval: Optional[int] = None
+    save_interval: int | None = None
     """Save every this many iterations, and at the end (`--save-interval`)."""
-    load: Optional[str] = None
+    load: str | None = None
     """Directory to resume from (`--load`)."""
     load_optional: bool = False
     """Start fresh, with a warning, when `--load` holds no checkpoint yet (`--load-optional`)."""
@@ -239,7 +240,7 @@ class LoggingConfig:
 
     log_interval: int = 100
     """Print one training line every this many iterations (`--log-interval`)."""
-    tensorboard_dir: Optional[str] = None
+    tensorboard_dir: str | None = None
     """Write TensorBoard scalars here (`--tensorboard-dir`)."""
     log_memory: bool = True
     """Print each stage's measured memory once, after the first log interval (`--log-memory`)."""
@@ -287,7 +288,7 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Config":
+    def from_dict(cls, d: dict[str, Any]) -> Config:
         """Inverse of `to_dict`; unknown keys are ignored so older checkpoints stay readable."""
         kinds = {f.name: f.type for f in dataclasses.fields(cls)}
         sub = {}
@@ -301,7 +302,7 @@ class Config:
         assert set(sub) <= set(kinds)
         return cls(**sub)
 
-    def replace(self, **sections: Any) -> "Config":
+    def replace(self, **sections: Any) -> Config:
         """A copy with whole sections or `section__field=value` entries replaced."""
         updates: dict[str, Any] = {}
         for key, value in sections.items():

@@ -9,6 +9,7 @@ makes this likely: its point-to-point sends are broadcasts over one subgroup per
 every entry point ends with `shutdown_distributed`, which joins those threads while the
 interpreter is fully alive. (The watchdog exits with `os._exit`, which runs no finalisation.)
 """
+
 from __future__ import annotations
 
 import os
@@ -47,9 +48,12 @@ def init_distributed(parallel: ParallelConfig) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    deepspeed.init_distributed(dist_backend=default_backend(parallel), auto_mpi_discovery=False,
-                               timeout=timedelta(minutes=parallel.distributed_timeout_minutes),
-                               verbose=False)
+    deepspeed.init_distributed(
+        dist_backend=default_backend(parallel),
+        auto_mpi_discovery=False,
+        timeout=timedelta(minutes=parallel.distributed_timeout_minutes),
+        verbose=False,
+    )
 
 
 def shutdown_distributed(clean: bool = True, timeout_s: float = 120.0) -> None:
@@ -85,9 +89,12 @@ def shutdown_distributed(clean: bool = True, timeout_s: float = 120.0) -> None:
     worker = threading.Thread(target=teardown, name="megatron_ds-teardown", daemon=True)
     worker.start()
     if not finished.wait(timeout_s):
-        print(f"[teardown] rank {rank}: destroying the process groups did not finish within {timeout_s:.0f}s "
-              f"(a peer may have exited mid-operation); exiting with status {TEARDOWN_STUCK_EXIT_CODE}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[teardown] rank {rank}: destroying the process groups did not finish within {timeout_s:.0f}s "
+            f"(a peer may have exited mid-operation); exiting with status {TEARDOWN_STUCK_EXIT_CODE}",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(TEARDOWN_STUCK_EXIT_CODE)
     if failure:

@@ -1,4 +1,5 @@
 """Parsed flags -> validated `Config`. Every check runs before any process group exists."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,6 @@ import dataclasses
 import math
 import os
 import sys
-from typing import Optional
 
 import torch
 
@@ -21,10 +21,7 @@ from megatron_ds.config import (
     ParallelConfig,
     TrainingConfig,
 )
-
-
-class ConfigError(ValueError):
-    """A bad flag value; the message names the flag, the value and the fix."""
+from megatron_ds.errors import ConfigError
 
 
 def warn(message: str) -> None:
@@ -58,7 +55,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def tokenizer_type(args: argparse.Namespace) -> Optional[str]:
+def tokenizer_type(args: argparse.Namespace) -> str | None:
     """--tokenizer-type; GPT2BPETokenizer when only --vocab-file/--merge-file are given, as Megatron's
     pretrain_gpt.py defaults it (its `args_defaults`)."""
     if args.tokenizer_type is None and (args.vocab_file or args.merge_file):
@@ -74,24 +71,32 @@ def _vocab_size(args: argparse.Namespace) -> int:
     if tokenizer_type(args) is not None:
         from megatron_ds.data.tokenizer import build_tokenizer
 
-        tok = build_tokenizer(tokenizer_type(args), tokenizer_model=args.tokenizer_model,
-                              vocab_file=args.vocab_file, merge_file=args.merge_file)
+        tok = build_tokenizer(
+            tokenizer_type(args),
+            tokenizer_model=args.tokenizer_model,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+        )
         tokenizer_vocab = tok.vocab_size
     if args.vocab_size is not None:
         if args.vocab_size < 1:
             raise ConfigError(f"--vocab-size {args.vocab_size} must be >= 1")
         if tokenizer_vocab is not None and tokenizer_vocab > args.vocab_size:
             source = args.tokenizer_model or args.vocab_file
-            raise ConfigError(f"tokenizer {source} has {tokenizer_vocab} tokens but --vocab-size is "
-                              f"{args.vocab_size}; raise --vocab-size or drop it to use the tokenizer's size")
+            raise ConfigError(
+                f"tokenizer {source} has {tokenizer_vocab} tokens but --vocab-size is "
+                f"{args.vocab_size}; raise --vocab-size or drop it to use the tokenizer's size"
+            )
         base = args.vocab_size
     elif tokenizer_vocab is not None:
         base = tokenizer_vocab
     elif args.print_layout:
         return 0
     else:
-        raise ConfigError("no vocabulary size: give --vocab-size, or --tokenizer-type with --tokenizer-model "
-                          "(or --vocab-file/--merge-file)")
+        raise ConfigError(
+            "no vocabulary size: give --vocab-size, or --tokenizer-type with --tokenizer-model "
+            "(or --vocab-file/--merge-file)"
+        )
     return padded_vocab_size(base, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
@@ -101,40 +106,54 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.hidden_size % args.num_attention_heads:
-        raise ConfigError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-                          f"{args.num_attention_heads}; choose sizes whose ratio is an integer head size")
+        raise ConfigError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}; choose sizes whose ratio is an integer head size"
+        )
     max_pos = args.max_position_embeddings or args.seq_length
     if args.seq_length > max_pos:
-        raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}; "
-                          f"raise --max-position-embeddings or shorten the sequence")
+        raise ConfigError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}; "
+            f"raise --max-position-embeddings or shorten the sequence"
+        )
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be in [0, 1)")
     _check_fixed_model_options(args)
     model = ModelConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, seq_length=args.seq_length,
-        max_position_embeddings=max_pos, vocab_size=_vocab_size(args), hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
-        layernorm_epsilon=args.layernorm_epsilon, normalization=args.normalization,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        seq_length=args.seq_length,
+        max_position_embeddings=max_pos,
+        vocab_size=_vocab_size(args),
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        layernorm_epsilon=args.layernorm_epsilon,
+        normalization=args.normalization,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        num_key_value_heads=_kv_heads(args), swiglu=args.swiglu,
+        num_key_value_heads=_kv_heads(args),
+        swiglu=args.swiglu,
         use_rotary_position_embeddings=args.use_rotary_position_embeddings,
         # Rotary embeddings replace the learned position table (the pre group then has none).
         add_position_embedding=args.add_position_embedding and not args.use_rotary_position_embeddings,
-        add_bias_linear=args.add_bias_linear)
+        add_bias_linear=args.add_bias_linear,
+    )
     _refuse_pending(model)
     return model
 
 
-def _kv_heads(args: argparse.Namespace) -> Optional[int]:
+def _kv_heads(args: argparse.Namespace) -> int | None:
     """--num-key-value-heads, or None for plain multi-head attention (also when equal to the heads)."""
     kv, heads = args.num_key_value_heads, args.num_attention_heads
     if kv is None:
         return None
     if kv < 1 or heads % kv:
-        raise ConfigError(f"--num-key-value-heads {kv} must divide --num-attention-heads {heads}; choose a "
-                          f"divisor of {heads}")
+        raise ConfigError(
+            f"--num-key-value-heads {kv} must divide --num-attention-heads {heads}; choose a divisor of {heads}"
+        )
     return None if kv == heads else kv
 
 
@@ -142,14 +161,20 @@ def _check_fixed_model_options(args: argparse.Namespace) -> None:
     """Megatron options accepted only at the one value the model builds."""
     head_dim = args.hidden_size // args.num_attention_heads
     if args.kv_channels is not None and args.kv_channels != head_dim:
-        raise ConfigError(f"--kv-channels {args.kv_channels} is not supported: only --hidden-size / "
-                          f"--num-attention-heads = {head_dim} is built; drop --kv-channels")
+        raise ConfigError(
+            f"--kv-channels {args.kv_channels} is not supported: only --hidden-size / "
+            f"--num-attention-heads = {head_dim} is built; drop --kv-channels"
+        )
     if any(n != 1 for n in args.num_experts):
-        raise ConfigError(f"--num-experts {' '.join(map(str, args.num_experts))} is not supported: "
-                          f"mixture-of-experts models are not built; use --num-experts 1 or drop it")
+        raise ConfigError(
+            f"--num-experts {' '.join(map(str, args.num_experts))} is not supported: "
+            f"mixture-of-experts models are not built; use --num-experts 1 or drop it"
+        )
     if args.vocab_extra_ids != 0:
-        raise ConfigError(f"--vocab-extra-ids {args.vocab_extra_ids} is not supported: extra sentinel ids are "
-                          f"for T5-style models; drop it")
+        raise ConfigError(
+            f"--vocab-extra-ids {args.vocab_extra_ids} is not supported: extra sentinel ids are "
+            f"for T5-style models; drop it"
+        )
 
 
 def _refuse_pending(model: ModelConfig) -> None:
@@ -166,39 +191,55 @@ def _dedicated_stages(args: argparse.Namespace) -> str:
     if not args.standalone_embedding_stage:
         return dedicated
     if args.pp_layout is not None:
-        raise ConfigError("--standalone-embedding-stage and --pp-layout were both given; start the layout with "
-                          "'E|' and drop --standalone-embedding-stage")
+        raise ConfigError(
+            "--standalone-embedding-stage and --pp-layout were both given; start the layout with "
+            "'E|' and drop --standalone-embedding-stage"
+        )
     return {"none": "pre", "post": "both"}.get(dedicated, dedicated)
 
 
-def _parallel_config(args: argparse.Namespace, model: ModelConfig, world_size: Optional[int]) -> ParallelConfig:
+def _parallel_config(args: argparse.Namespace, model: ModelConfig, world_size: int | None) -> ParallelConfig:
     p, t = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
     if p < 1 or t < 1:
         raise ConfigError(f"--pipeline-model-parallel-size {p} and --tensor-model-parallel-size {t} must be >= 1")
     if args.no_pipeline_parallel and p != 1:
-        raise ConfigError(f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {p}); drop one of "
-                          f"the two")
+        raise ConfigError(
+            f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {p}); drop one of the two"
+        )
     world = world_size or args.world_size or int(os.environ.get("WORLD_SIZE", p * t))
     if world % (p * t):
-        raise ConfigError(f"world size {world} is not divisible by --pipeline-model-parallel-size {p} x "
-                          f"--tensor-model-parallel-size {t}; launch a multiple of {p * t} processes")
+        raise ConfigError(
+            f"world size {world} is not divisible by --pipeline-model-parallel-size {p} x "
+            f"--tensor-model-parallel-size {t}; launch a multiple of {p * t} processes"
+        )
     if t > 1:
-        for flag, value in (("--num-attention-heads", model.num_attention_heads),
-                            ("--num-key-value-heads", model.kv_heads),
-                            ("--ffn-hidden-size", model.ffn_hidden_size)):
+        for flag, value in (
+            ("--num-attention-heads", model.num_attention_heads),
+            ("--num-key-value-heads", model.kv_heads),
+            ("--ffn-hidden-size", model.ffn_hidden_size),
+        ):
             if value % t:
-                raise ConfigError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {t}; "
-                                  f"choose a size divisible by {t}")
+                raise ConfigError(
+                    f"{flag} {value} is not divisible by --tensor-model-parallel-size {t}; "
+                    f"choose a size divisible by {t}"
+                )
         if model.vocab_size % t:  # padded by --make-vocab-size-divisible-by x T, so only a guard
-            raise ConfigError(f"padded vocabulary size {model.vocab_size} is not divisible by "
-                              f"--tensor-model-parallel-size {t}; keep --make-vocab-size-divisible-by >= 1")
+            raise ConfigError(
+                f"padded vocabulary size {model.vocab_size} is not divisible by "
+                f"--tensor-model-parallel-size {t}; keep --make-vocab-size-divisible-by >= 1"
+            )
     if args.distributed_timeout_minutes <= 0:
         raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be > 0")
     return ParallelConfig(
-        pipeline_model_parallel_size=p, tensor_model_parallel_size=t, data_parallel_size=world // (p * t),
-        pp_dedicated_embedding_stages=_dedicated_stages(args), pp_layout=args.pp_layout,
-        pp_partition_method=args.pp_partition_method, distributed_backend=args.distributed_backend,
-        distributed_timeout_minutes=args.distributed_timeout_minutes)
+        pipeline_model_parallel_size=p,
+        tensor_model_parallel_size=t,
+        data_parallel_size=world // (p * t),
+        pp_dedicated_embedding_stages=_dedicated_stages(args),
+        pp_layout=args.pp_layout,
+        pp_partition_method=args.pp_partition_method,
+        distributed_backend=args.distributed_backend,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
 
 
 def _training_config(args: argparse.Namespace, parallel: ParallelConfig, model: ModelConfig) -> TrainingConfig:
@@ -208,8 +249,10 @@ def _training_config(args: argparse.Namespace, parallel: ParallelConfig, model: 
     if mbs < 1 or gbs < 1:
         raise ConfigError(f"--micro-batch-size {mbs} and --global-batch-size {gbs} must be >= 1")
     if gbs % (mbs * dp):
-        raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
-                          f"data-parallel size {dp}; use a multiple of {mbs * dp}")
+        raise ConfigError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+            f"data-parallel size {dp}; use a multiple of {mbs * dp}"
+        )
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     if precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); use --bf16 or fp32")
@@ -218,15 +261,25 @@ def _training_config(args: argparse.Namespace, parallel: ParallelConfig, model: 
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0")
     return TrainingConfig(
-        micro_batch_size=mbs, global_batch_size=gbs, train_iters=train_length(args, gbs, model.seq_length)[0],
-        eval_interval=args.eval_interval, eval_iters=args.eval_iters, seed=args.seed, precision=precision,
-        zero_stage=args.zero_stage, checkpoint_activations=recompute, checkpoint_num_layers=chunk,
-        deepspeed_config=args.deepspeed_config, exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins, train_tokens=args.train_tokens,
-        **_loss_scale(args, precision))
+        micro_batch_size=mbs,
+        global_batch_size=gbs,
+        train_iters=train_length(args, gbs, model.seq_length)[0],
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+        seed=args.seed,
+        precision=precision,
+        zero_stage=args.zero_stage,
+        checkpoint_activations=recompute,
+        checkpoint_num_layers=chunk,
+        deepspeed_config=args.deepspeed_config,
+        exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
+        train_tokens=args.train_tokens,
+        **_loss_scale(args, precision),
+    )
 
 
-def _one_of(args: argparse.Namespace, *dests: str) -> Optional[object]:
+def _one_of(args: argparse.Namespace, *dests: str) -> object | None:
     """The value of whichever of two equivalent flags was given; both, differing, is an error."""
     given = [(d, getattr(args, d)) for d in dests if getattr(args, d) is not None]
     if len({v for _, v in given}) > 1:
@@ -248,20 +301,29 @@ def _recompute(args: argparse.Namespace) -> tuple[bool, int]:
     # Megatron-DeepSpeed's GPTModelPipe: --checkpoint-activations uses --checkpoint-num-layers, else
     # full/uniform recomputation uses --recompute-num-layers.
     ckpt_layers = args.checkpoint_num_layers
-    if args.checkpoint_activations and granularity == "full" and None not in (ckpt_layers, layers) \
-            and ckpt_layers != layers:
-        raise ConfigError(f"--checkpoint-num-layers {ckpt_layers} and --recompute-num-layers {layers} disagree; "
-                          f"keep one")
+    if (
+        args.checkpoint_activations
+        and granularity == "full"
+        and None not in (ckpt_layers, layers)
+        and ckpt_layers != layers
+    ):
+        raise ConfigError(
+            f"--checkpoint-num-layers {ckpt_layers} and --recompute-num-layers {layers} disagree; keep one"
+        )
     use_recompute_layers = granularity == "full" and not (args.checkpoint_activations and ckpt_layers is not None)
     chunk = layers if use_recompute_layers else ckpt_layers
     chunk = 1 if chunk is None else chunk
     if chunk < 1:
-        raise ConfigError(f"layers per recomputed chunk (--checkpoint-num-layers / --recompute-num-layers) is "
-                          f"{chunk}; it must be >= 1")
+        raise ConfigError(
+            f"layers per recomputed chunk (--checkpoint-num-layers / --recompute-num-layers) is "
+            f"{chunk}; it must be >= 1"
+        )
     recompute = args.checkpoint_activations or granularity == "full"
     if args.deepspeed_activation_checkpointing and not recompute:
-        warn("--deepspeed-activation-checkpointing recomputes nothing by itself; add --checkpoint-activations "
-             "or --recompute-granularity full --recompute-method uniform")
+        warn(
+            "--deepspeed-activation-checkpointing recomputes nothing by itself; add --checkpoint-activations "
+            "or --recompute-granularity full --recompute-method uniform"
+        )
     return recompute, chunk
 
 
@@ -276,8 +338,10 @@ def _loss_scale(args: argparse.Namespace, precision: str) -> dict[str, object]:
             raise ConfigError(f"{_flag(dest)} {value} must be > 0")
     initial = given.get("initial_loss_scale")
     if initial is not None and 2 ** round(math.log2(initial)) != initial:
-        raise ConfigError(f"--initial-loss-scale {initial} must be a power of 2 (DeepSpeed's initial_scale_power); "
-                          f"e.g. {2 ** round(math.log2(initial)):g}")
+        raise ConfigError(
+            f"--initial-loss-scale {initial} must be a power of 2 (DeepSpeed's initial_scale_power); "
+            f"e.g. {2 ** round(math.log2(initial)):g}"
+        )
     if given and precision != "fp16":
         warn(f"{', '.join(_flag(d) for d in given)} only apply with --fp16; ignored with {precision}")
     return given
@@ -314,15 +378,24 @@ def _optimizer_config(args: argparse.Namespace, training: TrainingConfig, seq_le
     if args.min_lr > lr and not args.print_layout:
         raise ConfigError(f"--min-lr {args.min_lr} is above --lr {lr}; lower --min-lr")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler were both "
-                          "given; keep one")
+        raise ConfigError(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler were both given; keep one"
+        )
     return OptimizerConfig(
-        optimizer=args.optimizer, lr=lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, lr_decay_style=args.lr_decay_style,
+        optimizer=args.optimizer,
+        lr=lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+        lr_decay_style=args.lr_decay_style,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        **schedule_lengths(args, training.global_batch_size, seq_length))
+        **schedule_lengths(args, training.global_batch_size, seq_length),
+    )
 
 
 def _check_schedule_units(args: argparse.Namespace) -> None:
@@ -335,19 +408,27 @@ def _check_schedule_units(args: argparse.Namespace) -> None:
         wrong = [d for d in ("lr_decay_iters", "lr_warmup_iters") if getattr(args, d)]
     if wrong:
         based = "--train-iters" if args.train_iters is not None else "--train-samples"
-        raise ConfigError(f"{_flag(wrong[0])} does not go with {based}: give the lr schedule in the unit of "
-                          f"training ({'iterations' if args.train_iters is not None else 'samples'}) or in tokens")
+        raise ConfigError(
+            f"{_flag(wrong[0])} does not go with {based}: give the lr schedule in the unit of "
+            f"training ({'iterations' if args.train_iters is not None else 'samples'}) or in tokens"
+        )
     warmups = [d for d in ("lr_warmup_iters", "lr_warmup_samples") if getattr(args, d)]
     warmups += [d for d in ("lr_warmup_tokens", "lr_warmup_fraction") if getattr(args, d) is not None]
     if len(warmups) > 1:
         raise ConfigError(f"{' and '.join(_flag(d) for d in warmups)} were both given; keep one")
-    for dest in ("lr_decay_iters", "lr_decay_samples", "lr_decay_tokens", "lr_warmup_iters", "lr_warmup_samples",
-                 "lr_warmup_tokens"):
+    for dest in (
+        "lr_decay_iters",
+        "lr_decay_samples",
+        "lr_decay_tokens",
+        "lr_warmup_iters",
+        "lr_warmup_samples",
+        "lr_warmup_tokens",
+    ):
         if getattr(args, dest) is not None and getattr(args, dest) < 0:
             raise ConfigError(f"{_flag(dest)} {getattr(args, dest)} must be >= 0")
 
 
-def schedule_lengths(args: argparse.Namespace, gbs: int, seq_length: int) -> dict[str, Optional[int]]:
+def schedule_lengths(args: argparse.Namespace, gbs: int, seq_length: int) -> dict[str, int | None]:
     """The OptimizerConfig warm-up and decay fields: the decay in one unit (tokens if given, else the
     unit of training), the warm-up as given or as --lr-warmup-fraction of the decay."""
     _check_schedule_units(args)
@@ -362,12 +443,15 @@ def schedule_lengths(args: argparse.Namespace, gbs: int, seq_length: int) -> dic
         decay = {"lr_decay_tokens": args.train_tokens}
     fraction = args.lr_warmup_fraction
     if fraction is None:
-        warmup = {"lr_warmup_iters": args.lr_warmup_iters, "lr_warmup_samples": args.lr_warmup_samples,
-                  "lr_warmup_tokens": args.lr_warmup_tokens}
+        warmup = {
+            "lr_warmup_iters": args.lr_warmup_iters,
+            "lr_warmup_samples": args.lr_warmup_samples,
+            "lr_warmup_tokens": args.lr_warmup_tokens,
+        }
     elif not 0.0 <= fraction <= 1.0:
         raise ConfigError(f"--lr-warmup-fraction {fraction} must be in [0, 1]")
     else:
-        (key, length), = decay.items()
+        ((key, length),) = decay.items()
         warmup = {key.replace("decay", "warmup"): int(fraction * length)}
     return {**decay, **warmup}
 
@@ -389,26 +473,43 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
     if args.mock_data and args.data_path:
         raise ConfigError("--mock-data and --data-path were both given; keep one")
     return DataConfig(
-        data_path=tuple(args.data_path), split=args.split, data_cache_path=args.data_cache_path,
-        mock_data=args.mock_data, tokenizer_type=tokenizer_type(args), tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file, merge_file=args.merge_file,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, num_workers=args.num_workers,
-        eod_mask_loss=args.eod_mask_loss)
+        data_path=tuple(args.data_path),
+        split=args.split,
+        data_cache_path=args.data_cache_path,
+        mock_data=args.mock_data,
+        tokenizer_type=tokenizer_type(args),
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        num_workers=args.num_workers,
+        eod_mask_loss=args.eod_mask_loss,
+    )
 
 
-def build_config(args: argparse.Namespace, world_size: Optional[int] = None) -> Config:
+def build_config(args: argparse.Namespace, world_size: int | None = None) -> Config:
     """Validate the parsed flags and build the frozen config tree (layout checked too)."""
     _refuse_values(args)
     model = _model_config(args)
     parallel = _parallel_config(args, model, world_size)
     training = _training_config(args, parallel, model)
     config = Config(
-        model=model, parallel=parallel, data=_data_config(args),
-        optimizer=_optimizer_config(args, training, model.seq_length), training=training,
-        checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
-                                    load_optional=args.load_optional, no_load_optim=args.no_load_optim,
-                                    no_load_rng=args.no_load_rng, finetune=args.finetune),
-        logging=_logging_config(args))
+        model=model,
+        parallel=parallel,
+        data=_data_config(args),
+        optimizer=_optimizer_config(args, training, model.seq_length),
+        training=training,
+        checkpoint=CheckpointConfig(
+            save=args.save,
+            save_interval=args.save_interval,
+            load=args.load,
+            load_optional=args.load_optional,
+            no_load_optim=args.no_load_optim,
+            no_load_rng=args.no_load_rng,
+            finetune=args.finetune,
+        ),
+        logging=_logging_config(args),
+    )
     build_run_layout(config)  # fail fast on impossible layouts
     return config
 
@@ -418,13 +519,19 @@ def memory_inputs(config: Config):
     from megatron_ds.plan.memory_model import MemoryInputs
 
     t, par = config.training, config.parallel
-    return MemoryInputs(model=config.model, micro_batch_size=t.micro_batch_size,
-                        num_micro_batches=config.grad_accumulation_steps, precision=t.precision,
-                        zero_stage=t.zero_stage, data_parallel_size=par.data_parallel_size,
-                        tensor_parallel_size=par.tensor_model_parallel_size,
-                        checkpoint_activations=t.checkpoint_activations,
-                        checkpoint_num_layers=t.checkpoint_num_layers, optimizer=config.optimizer.optimizer,
-                        device="cuda" if torch.cuda.is_available() else "cpu")
+    return MemoryInputs(
+        model=config.model,
+        micro_batch_size=t.micro_batch_size,
+        num_micro_batches=config.grad_accumulation_steps,
+        precision=t.precision,
+        zero_stage=t.zero_stage,
+        data_parallel_size=par.data_parallel_size,
+        tensor_parallel_size=par.tensor_model_parallel_size,
+        checkpoint_activations=t.checkpoint_activations,
+        checkpoint_num_layers=t.checkpoint_num_layers,
+        optimizer=config.optimizer.optimizer,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+    )
 
 
 def uses_memory_model(config: Config) -> bool:
@@ -444,12 +551,19 @@ def build_run_layout(config: Config):
     mem = None
     if uses_memory_model(config):
         if config.model.vocab_size == 0:
-            raise LayoutError("--pp-partition-method memory needs the vocabulary size: give --vocab-size or a "
-                              "tokenizer")
+            raise LayoutError(
+                "--pp-partition-method memory needs the vocabulary size: give --vocab-size or a tokenizer"
+            )
         mem = memory_inputs(config)
-    return build_layout(gpt_spec_groups(config.model), par.pipeline_model_parallel_size,
-                        dedicated=par.pp_dedicated_embedding_stages, layout=par.pp_layout,
-                        partition_method=par.pp_partition_method, spec_weights=weights, memory_inputs=mem)
+    return build_layout(
+        gpt_spec_groups(config.model),
+        par.pipeline_model_parallel_size,
+        dedicated=par.pp_dedicated_embedding_stages,
+        layout=par.pp_layout,
+        partition_method=par.pp_partition_method,
+        spec_weights=weights,
+        memory_inputs=mem,
+    )
 
 
 def predicted_memory_table(config: Config, layout) -> str:

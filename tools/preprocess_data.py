@@ -9,6 +9,7 @@ line) or `.txt`, where documents are separated by blank lines. Documents keep th
 for any `--workers`; empty documents are skipped. Progress goes to stderr, one summary line to
 stdout. Bad input: one `error:` line naming the file (and line), exit code 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,8 @@ import multiprocessing
 import os
 import sys
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 try:
     import megatron_ds  # noqa: F401
@@ -29,14 +31,13 @@ from megatron_ds.data.indexed import IndexedWriter, read_documents
 from megatron_ds.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_argument_group("input")
     g.add_argument("--input", nargs="+", required=True, help="JSONL or .txt files")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True,
-                   help=f"one of {', '.join(TOKENIZER_TYPES)}")
+    g.add_argument("--tokenizer-type", required=True, help=f"one of {', '.join(TOKENIZER_TYPES)}")
     g.add_argument("--tokenizer-model", help="SentencePiece model file")
     g.add_argument("--vocab-file", help="GPT-2 vocab.json")
     g.add_argument("--merge-file", help="GPT-2 merges.txt")
@@ -51,14 +52,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def _make_tokenizer(args: argparse.Namespace) -> Tokenizer:
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file,
-                           args.merge_file, vocab_size=args.vocab_size)
+    return build_tokenizer(
+        args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, vocab_size=args.vocab_size
+    )
 
 
 class Encoder:
     """Turns a `{key: text}` document into `{key: ids}`; one per worker process."""
 
-    tokenizer: Optional[Tokenizer] = None
+    tokenizer: Tokenizer | None = None
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -83,8 +85,9 @@ def _documents(paths: Sequence[str], json_keys: Sequence[str]) -> Iterator[dict[
     return itertools.chain.from_iterable(read_documents(p, json_keys) for p in paths)
 
 
-def _encoded(args: argparse.Namespace, docs: Iterable[dict[str, str]], tokenizer: Tokenizer,
-             pool: Any) -> Iterator[tuple[dict[str, list[int]], int]]:
+def _encoded(
+    args: argparse.Namespace, docs: Iterable[dict[str, str]], tokenizer: Tokenizer, pool: Any
+) -> Iterator[tuple[dict[str, list[int]], int]]:
     encoder = Encoder(args)
     if pool is None:
         Encoder.tokenizer = tokenizer
@@ -115,10 +118,8 @@ class Progress:
         frac = min(self.bytes / self.total_bytes, 1.0)
         bar = "#" * int(frac * 30)
         mb_s = self.bytes / 1e6 / max(time.time() - self.t0, 1e-9)
-        line = (f"[{bar:<30}] {frac:4.0%} {self.docs} docs {self.tokens} tokens "
-                f"{mb_s:.2f} MB/s")
-        print(("\r" + line + end) if self.tty else line, file=sys.stderr, end="" if self.tty else "\n",
-              flush=True)
+        line = f"[{bar:<30}] {frac:4.0%} {self.docs} docs {self.tokens} tokens {mb_s:.2f} MB/s"
+        print(("\r" + line + end) if self.tty else line, file=sys.stderr, end="" if self.tty else "\n", flush=True)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,11 +131,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be >= 1")
     tokenizer = _make_tokenizer(args)  # fails fast on a bad tokenizer, before any worker starts
-    writers = {key: IndexedWriter(f"{args.output_prefix}_{key}_document", tokenizer.vocab_size)
-               for key in args.json_keys}
+    writers = {
+        key: IndexedWriter(f"{args.output_prefix}_{key}_document", tokenizer.vocab_size) for key in args.json_keys
+    }
     progress = Progress(sum(os.path.getsize(p) for p in args.input), args.log_interval)
-    pool = multiprocessing.Pool(args.workers, initializer=Encoder(args).initializer) \
-        if args.workers > 1 else None
+    pool = multiprocessing.Pool(args.workers, initializer=Encoder(args).initializer) if args.workers > 1 else None
     try:
         for ids_by_key, num_bytes in _encoded(args, _documents(args.input, args.json_keys), tokenizer, pool):
             for key, ids in ids_by_key.items():
@@ -157,11 +158,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _summary(args: argparse.Namespace, stats: dict[str, Any], seconds: float) -> None:
     for key, s in stats.items():
         skipped = f", {s.num_empty} empty skipped" if s.num_empty else ""
-        print(f"wrote {args.output_prefix}_{key}_document.bin/.idx: {s.num_documents} documents, "
-              f"{s.num_tokens} tokens{skipped} in {seconds:.1f} s")
+        print(
+            f"wrote {args.output_prefix}_{key}_document.bin/.idx: {s.num_documents} documents, "
+            f"{s.num_tokens} tokens{skipped} in {seconds:.1f} s"
+        )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         run(args)

@@ -7,13 +7,14 @@ Writes `<model-prefix>.model`. Ids: 0 `<unk>`, 1 `<s>`, 2 `</s>` (the end-of-doc
 `tools/preprocess_data.py` (JSONL, or `.txt` with blank-line separated documents); training
 sentences are the non-blank lines of the documents. Bad input: one `error:` line, exit code 1.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 import time
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 try:
     import megatron_ds  # noqa: F401
@@ -25,24 +26,31 @@ from megatron_ds.data.indexed import read_documents
 from megatron_ds.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", nargs="+", required=True, help="JSONL or .txt files")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields holding text")
     p.add_argument("--model-prefix", required=True, help="writes <prefix>.model")
     p.add_argument("--vocab-size", type=int, required=True, help="number of pieces")
     p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
-    p.add_argument("--character-coverage", type=float, default=1.0,
-                   help="fraction of characters covered; 0.9995 for large CJK alphabets")
-    p.add_argument("--input-sentence-size", type=int, default=0,
-                   help="sample at most this many lines (0: use all)")
+    p.add_argument(
+        "--character-coverage",
+        type=float,
+        default=1.0,
+        help="fraction of characters covered; 0.9995 for large CJK alphabets",
+    )
+    p.add_argument("--input-sentence-size", type=int, default=0, help="sample at most this many lines (0: use all)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the line sampling")
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--byte-fallback", action="store_true",
-                   help="spell unknown characters as bytes (needs vocab-size > 260)")
-    p.add_argument("--collapse-whitespace", action="store_true",
-                   help="sentencepiece's default normalisation: runs of spaces and newlines "
-                        "become one space (by default they are kept)")
+    p.add_argument(
+        "--byte-fallback", action="store_true", help="spell unknown characters as bytes (needs vocab-size > 260)"
+    )
+    p.add_argument(
+        "--collapse-whitespace",
+        action="store_true",
+        help="sentencepiece's default normalisation: runs of spaces and newlines "
+        "become one space (by default they are kept)",
+    )
     return p.parse_args(argv)
 
 
@@ -71,18 +79,27 @@ def run(args: argparse.Namespace) -> str:
             yield line
 
     path = train_sentencepiece(
-        counted(), args.model_prefix, args.vocab_size, model_type=args.model_type,
-        character_coverage=args.character_coverage, input_sentence_size=args.input_sentence_size,
-        seed=args.seed, num_threads=args.num_threads, keep_whitespace=not args.collapse_whitespace,
-        byte_fallback=args.byte_fallback)
+        counted(),
+        args.model_prefix,
+        args.vocab_size,
+        model_type=args.model_type,
+        character_coverage=args.character_coverage,
+        input_sentence_size=args.input_sentence_size,
+        seed=args.seed,
+        num_threads=args.num_threads,
+        keep_whitespace=not args.collapse_whitespace,
+        byte_fallback=args.byte_fallback,
+    )
     tok = SentencePieceTokenizer(path)
-    print(f"trained {args.model_type} tokenizer {path}: {tok.vocab_size} pieces, eod id {tok.eod} "
-          f"(</s>), pad id {tok.pad}, from {num_lines} lines of {len(args.input)} file(s) in "
-          f"{time.time() - t0:.1f} s")
+    print(
+        f"trained {args.model_type} tokenizer {path}: {tok.vocab_size} pieces, eod id {tok.eod} "
+        f"(</s>), pad id {tok.pad}, from {num_lines} lines of {len(args.input)} file(s) in "
+        f"{time.time() - t0:.1f} s"
+    )
     return path
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         run(args)

@@ -9,6 +9,8 @@ This file stays import-light (no torch, no megatron-core) so that command-line t
 input in milliseconds instead of after megatron-core's ~6 s import.
 """
 
+from megatron_ds.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
     """A user-fixable data problem. The message is one line: the flag or file, the value, the fix."""

@@ -9,6 +9,7 @@ the same tools a user runs (`tools/train_tokenizer.py`, `tools/preprocess_data.p
 skipping the steps whose outputs exist and are valid. The text depends on the Python version (its
 docstrings), and is deterministic for a given interpreter.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,31 +18,131 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Iterator
 
 from megatron_ds.data import DataError
 from megatron_ds.data.indexed import is_valid, read_index
 
 # Pure-Python modules present in every CPython build (no tkinter, sqlite3, curses, ssl, lzma...).
-DEMO_MODULES = tuple(sorted((
-    "abc", "argparse", "ast", "asyncio.base_events", "asyncio.events", "asyncio.locks",
-    "asyncio.queues", "asyncio.streams", "asyncio.tasks", "base64", "bdb", "bisect", "calendar",
-    "cmd", "code", "codecs", "collections", "concurrent.futures", "configparser", "contextlib",
-    "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "dis", "doctest",
-    "email.message", "email.utils", "enum", "filecmp", "fileinput", "fnmatch", "fractions",
-    "ftplib", "functools", "getopt", "gettext", "glob", "gzip", "heapq", "hmac", "html.parser",
-    "http.client", "http.cookiejar", "http.server", "imaplib", "inspect", "io", "ipaddress",
-    "itertools", "json", "locale", "logging", "logging.handlers", "mailbox", "math", "mimetypes",
-    "numbers", "operator", "optparse", "os", "pathlib", "pdb", "pickle", "pkgutil", "platform",
-    "plistlib", "poplib", "pprint", "pstats", "pydoc", "queue", "random", "re", "reprlib",
-    "sched", "secrets", "selectors", "shlex", "shutil", "smtplib", "socket", "socketserver",
-    "statistics", "string", "struct", "subprocess", "sysconfig", "tarfile", "tempfile",
-    "textwrap", "threading", "timeit", "tokenize", "trace", "traceback", "types", "typing",
-    "unittest.case", "unittest.mock", "urllib.parse", "urllib.request", "uuid", "warnings",
-    "weakref", "xml.dom.minidom", "xml.etree.ElementTree", "xmlrpc.client", "zipfile",
-)))
+DEMO_MODULES = tuple(
+    sorted(
+        (
+            "abc",
+            "argparse",
+            "ast",
+            "asyncio.base_events",
+            "asyncio.events",
+            "asyncio.locks",
+            "asyncio.queues",
+            "asyncio.streams",
+            "asyncio.tasks",
+            "base64",
+            "bdb",
+            "bisect",
+            "calendar",
+            "cmd",
+            "code",
+            "codecs",
+            "collections",
+            "concurrent.futures",
+            "configparser",
+            "contextlib",
+            "copy",
+            "csv",
+            "dataclasses",
+            "datetime",
+            "decimal",
+            "difflib",
+            "dis",
+            "doctest",
+            "email.message",
+            "email.utils",
+            "enum",
+            "filecmp",
+            "fileinput",
+            "fnmatch",
+            "fractions",
+            "ftplib",
+            "functools",
+            "getopt",
+            "gettext",
+            "glob",
+            "gzip",
+            "heapq",
+            "hmac",
+            "html.parser",
+            "http.client",
+            "http.cookiejar",
+            "http.server",
+            "imaplib",
+            "inspect",
+            "io",
+            "ipaddress",
+            "itertools",
+            "json",
+            "locale",
+            "logging",
+            "logging.handlers",
+            "mailbox",
+            "math",
+            "mimetypes",
+            "numbers",
+            "operator",
+            "optparse",
+            "os",
+            "pathlib",
+            "pdb",
+            "pickle",
+            "pkgutil",
+            "platform",
+            "plistlib",
+            "poplib",
+            "pprint",
+            "pstats",
+            "pydoc",
+            "queue",
+            "random",
+            "re",
+            "reprlib",
+            "sched",
+            "secrets",
+            "selectors",
+            "shlex",
+            "shutil",
+            "smtplib",
+            "socket",
+            "socketserver",
+            "statistics",
+            "string",
+            "struct",
+            "subprocess",
+            "sysconfig",
+            "tarfile",
+            "tempfile",
+            "textwrap",
+            "threading",
+            "timeit",
+            "tokenize",
+            "trace",
+            "traceback",
+            "types",
+            "typing",
+            "unittest.case",
+            "unittest.mock",
+            "urllib.parse",
+            "urllib.request",
+            "uuid",
+            "warnings",
+            "weakref",
+            "xml.dom.minidom",
+            "xml.etree.ElementTree",
+            "xmlrpc.client",
+            "zipfile",
+        )
+    )
+)
 DEFAULT_MAX_BYTES = 1_500_000
 MIN_DOC_CHARS = 80
 """Shorter docstrings ("Return self.") teach little and would dominate the document count."""
@@ -113,8 +214,9 @@ def _load_tool(name: str) -> ModuleType:
     """Import `tools/<name>.py` (not a package) so the demo runs exactly the user's code path."""
     path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "tools", f"{name}.py")
     if not os.path.isfile(path):
-        raise DataError(f"{os.path.abspath(path)} not found; prepare the demo data from a source "
-                        f"checkout of megatron_ds")
+        raise DataError(
+            f"{os.path.abspath(path)} not found; prepare the demo data from a source checkout of megatron_ds"
+        )
     module_name = f"megatron_ds_tools_{name}"
     if module_name not in sys.modules:
         spec = importlib.util.spec_from_file_location(module_name, path)
@@ -134,8 +236,9 @@ def _tokenizer_ok(model: str, vocab_size: int) -> bool:
         return False
 
 
-def prepare_demo_data(out_dir: str, vocab_size: int, max_bytes: int = DEFAULT_MAX_BYTES,
-                      quiet: bool = False) -> DemoData:
+def prepare_demo_data(
+    out_dir: str, vocab_size: int, max_bytes: int = DEFAULT_MAX_BYTES, quiet: bool = False
+) -> DemoData:
     """Corpus -> tokenizer -> `.bin/.idx` in `out_dir`, skipping steps whose outputs are valid.
 
     A retrained tokenizer always re-tokenizes the data, so the pair never mixes vocabularies.
@@ -149,16 +252,38 @@ def prepare_demo_data(out_dir: str, vocab_size: int, max_bytes: int = DEFAULT_MA
     if not _tokenizer_ok(model, vocab_size):
         if not os.path.isfile(corpus):
             write_demo_corpus(corpus, max_bytes)
-        argv = ["--input", corpus, "--model-prefix", model_prefix, "--vocab-size", str(vocab_size),
-                "--model-type", "bpe", "--seed", "1234", "--num-threads", "1"]
+        argv = [
+            "--input",
+            corpus,
+            "--model-prefix",
+            model_prefix,
+            "--vocab-size",
+            str(vocab_size),
+            "--model-type",
+            "bpe",
+            "--seed",
+            "1234",
+            "--num-threads",
+            "1",
+        ]
         _run_tool("train_tokenizer", argv, quiet)
         retrained = True
     if retrained or not is_valid(document):
         if not os.path.isfile(corpus):
             write_demo_corpus(corpus, max_bytes)
-        argv = ["--input", corpus, "--output-prefix", data_prefix, "--tokenizer-type",
-                "SentencePieceTokenizer", "--tokenizer-model", model, "--append-eod",
-                "--workers", "1"]
+        argv = [
+            "--input",
+            corpus,
+            "--output-prefix",
+            data_prefix,
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            model,
+            "--append-eod",
+            "--workers",
+            "1",
+        ]
         _run_tool("preprocess_data", argv, quiet)
     read_index(document)  # the result must load; raises DataError naming the file otherwise
     return DemoData(model, document, vocab_size)

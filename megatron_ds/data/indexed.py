@@ -9,14 +9,16 @@ mmap on a truncated or foreign file, and it costs ~6 s to import, which a typo s
 count S, u64 document count D, i32[S] sequence lengths, i64[S] byte offsets into `.bin`,
 i64[D] document boundaries (sequence indices, first 0, last S).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import struct
 import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -60,9 +62,11 @@ def bin_path(prefix: str) -> str:
 def _check_files(prefix: str, flag: str) -> None:
     missing = [p for p in (idx_path(prefix), bin_path(prefix)) if not os.path.isfile(p)]
     if len(missing) == 2:
-        raise DataError(f"{flag} {prefix}: no {prefix}.bin/.idx found; give the prefix without the "
-                        f"extension (e.g. data/corpus_text_document) or create it with "
-                        f"tools/preprocess_data.py")
+        raise DataError(
+            f"{flag} {prefix}: no {prefix}.bin/.idx found; give the prefix without the "
+            f"extension (e.g. data/corpus_text_document) or create it with "
+            f"tools/preprocess_data.py"
+        )
     if missing:
         raise DataError(f"{flag} {prefix}: {missing[0]} not found; {REWRITE}")
     for p in (idx_path(prefix), bin_path(prefix)):
@@ -74,15 +78,13 @@ def _read_header(path: str) -> tuple[type, int, int]:
     """(dtype, sequence count, document count) of an `.idx`, or a DataError."""
     with open(path, "rb") as f:
         head = f.read(HEADER_BYTES)
-    if not head[:len(INDEX_HEADER)] == INDEX_HEADER[:len(head)]:
+    if not head[: len(INDEX_HEADER)] == INDEX_HEADER[: len(head)]:
         raise DataError(f"{path}: bad magic header (not a Megatron index file); {REWRITE}")
     if len(head) < HEADER_BYTES:
-        raise DataError(f"{path}: truncated ({len(head)} bytes, header alone is {HEADER_BYTES}); "
-                        f"{REWRITE}")
-    version, code, num_seq, num_docs = struct.unpack("<QBQQ", head[len(INDEX_HEADER):])
+        raise DataError(f"{path}: truncated ({len(head)} bytes, header alone is {HEADER_BYTES}); {REWRITE}")
+    version, code, num_seq, num_docs = struct.unpack("<QBQQ", head[len(INDEX_HEADER) :])
     if version != INDEX_VERSION:
-        raise DataError(f"{path}: index version {version} is not supported (expected "
-                        f"{INDEX_VERSION}); {REWRITE}")
+        raise DataError(f"{path}: index version {version} is not supported (expected {INDEX_VERSION}); {REWRITE}")
     if code not in TOKEN_DTYPES:
         raise DataError(f"{path}: dtype code {code} is not a token dtype; {REWRITE}")
     return TOKEN_DTYPES[code], num_seq, num_docs
@@ -96,15 +98,15 @@ def read_index(prefix: str, flag: str = "--data-path") -> IndexInfo:
     size = os.path.getsize(path)
     expected = HEADER_BYTES + 12 * num_seq + 8 * num_docs
     if size not in (expected, expected + num_seq):  # + S: the optional per-sequence mode bytes
-        raise DataError(f"{path}: truncated or corrupt (header says {num_seq} sequences and "
-                        f"{num_docs - 1} documents, i.e. {expected} bytes; the file has {size}); "
-                        f"{REWRITE}")
+        raise DataError(
+            f"{path}: truncated or corrupt (header says {num_seq} sequences and "
+            f"{num_docs - 1} documents, i.e. {expected} bytes; the file has {size}); "
+            f"{REWRITE}"
+        )
     # Memory-mapped and checked in chunks: an index of 100M documents is GBs.
-    lengths = np.memmap(path, np.int32, "r", HEADER_BYTES, (num_seq,)) if num_seq else \
-        np.zeros(0, np.int32)
+    lengths = np.memmap(path, np.int32, "r", HEADER_BYTES, (num_seq,)) if num_seq else np.zeros(0, np.int32)
     pointers_at = HEADER_BYTES + 4 * num_seq
-    docs = np.memmap(path, np.int64, "r", pointers_at + 8 * num_seq, (num_docs,)) if num_docs else \
-        np.zeros(0, np.int64)
+    docs = np.memmap(path, np.int64, "r", pointers_at + 8 * num_seq, (num_docs,)) if num_docs else np.zeros(0, np.int64)
     if docs.size == 0 or docs[0] != 0 or docs[-1] != num_seq or np.any(np.diff(docs) < 0):
         raise DataError(f"{path}: corrupt document boundaries; {REWRITE}")
     num_tokens = _check_offsets(path, lengths, pointers_at, np.dtype(dtype).itemsize)
@@ -112,12 +114,11 @@ def read_index(prefix: str, flag: str = "--data-path") -> IndexInfo:
     return IndexInfo(prefix, dtype, lengths, num_docs - 1)
 
 
-def _check_offsets(path: str, lengths: np.ndarray, pointers_at: int, itemsize: int,
-                   chunk: int = 1 << 22) -> int:
+def _check_offsets(path: str, lengths: np.ndarray, pointers_at: int, itemsize: int, chunk: int = 1 << 22) -> int:
     """Byte offsets must be the running sum of the lengths; returns the total token count."""
     total = 0
     for lo in range(0, lengths.size, chunk):
-        part = np.asarray(lengths[lo:lo + chunk], dtype=np.int64)
+        part = np.asarray(lengths[lo : lo + chunk], dtype=np.int64)
         if np.any(part < 0):
             raise DataError(f"{path}: corrupt (negative sequence length); {REWRITE}")
         starts = (total + np.concatenate(([0], np.cumsum(part[:-1])))) * itemsize
@@ -132,11 +133,12 @@ def _check_bin_size(prefix: str, expected: int) -> None:
     path = bin_path(prefix)
     size = os.path.getsize(path)
     if size < expected:
-        raise DataError(f"{path}: truncated ({size} bytes; its index {idx_path(prefix)} needs "
-                        f"{expected}); {REWRITE}")
+        raise DataError(f"{path}: truncated ({size} bytes; its index {idx_path(prefix)} needs {expected}); {REWRITE}")
     if size > expected:
-        raise DataError(f"{path}: {size} bytes but its index {idx_path(prefix)} describes "
-                        f"{expected}: the pair comes from different runs; {REWRITE}")
+        raise DataError(
+            f"{path}: {size} bytes but its index {idx_path(prefix)} describes "
+            f"{expected}: the pair comes from different runs; {REWRITE}"
+        )
 
 
 def is_valid(prefix: str) -> bool:
@@ -196,9 +198,11 @@ class IndexedWriter:
             return
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= self.vocab_size:
-            raise DataError(f"token id {hi if hi >= self.vocab_size else lo} outside "
-                            f"[0, {self.vocab_size}) while writing {self.prefix}; the tokenizer "
-                            f"does not match its vocabulary size")
+            raise DataError(
+                f"token id {hi if hi >= self.vocab_size else lo} outside "
+                f"[0, {self.vocab_size}) while writing {self.prefix}; the tokenizer "
+                f"does not match its vocabulary size"
+            )
         self._start().add_document(np.asarray(ids, dtype=np.int64), [len(ids)])
         self.stats.num_documents += 1
         self.stats.num_tokens += len(ids)
@@ -206,8 +210,7 @@ class IndexedWriter:
     def _start(self) -> Any:
         if self._builder is None:
             mc = megatron_indexed_dataset_module()
-            self._builder = mc.IndexedDatasetBuilder(
-                bin_path(self._tmp), dtype=mc.DType.optimal_dtype(self.vocab_size))
+            self._builder = mc.IndexedDatasetBuilder(bin_path(self._tmp), dtype=mc.DType.optimal_dtype(self.vocab_size))
         return self._builder
 
     def close(self) -> WriteStats:
@@ -226,7 +229,7 @@ class IndexedWriter:
             if os.path.exists(p):
                 os.remove(p)
 
-    def __enter__(self) -> "IndexedWriter":
+    def __enter__(self) -> IndexedWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -236,8 +239,7 @@ class IndexedWriter:
             self.abort()
 
 
-def write_indexed_dataset(prefix: str, documents: Iterable[Sequence[int]],
-                          vocab_size: int) -> WriteStats:
+def write_indexed_dataset(prefix: str, documents: Iterable[Sequence[int]], vocab_size: int) -> WriteStats:
     """Write token-id documents to `<prefix>.bin/.idx`; see `IndexedWriter`."""
     with IndexedWriter(prefix, vocab_size) as writer:
         for ids in documents:
@@ -262,8 +264,10 @@ def read_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[
         raise DataError(f"--input {path}: file not found; fix the path")
     if path.endswith(".txt"):
         if len(json_keys) != 1:
-            raise DataError(f"--input {path}: a .txt file holds one field, but --json-keys names "
-                            f"{len(json_keys)}; pass one key or use JSONL")
+            raise DataError(
+                f"--input {path}: a .txt file holds one field, but --json-keys names "
+                f"{len(json_keys)}; pass one key or use JSONL"
+            )
         yield from ({json_keys[0]: doc} for doc in _text_blocks(path))
         return
     with open(path, encoding="utf-8", errors="strict") as f:
@@ -276,28 +280,34 @@ def _lines(f, path: str) -> Iterator[str]:
     try:
         yield from f
     except UnicodeDecodeError as err:
-        raise DataError(f"--input {path}: not UTF-8 text ({err.reason} at byte {err.start} of a "
-                        f"chunk); convert it to UTF-8") from None
+        raise DataError(
+            f"--input {path}: not UTF-8 text ({err.reason} at byte {err.start} of a chunk); convert it to UTF-8"
+        ) from None
 
 
 def _parse_json_line(path: str, line_no: int, line: str, json_keys: Sequence[str]) -> dict[str, str]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataError(f"--input {path}:{line_no}: invalid JSON ({err.msg}, column {err.colno}); "
-                        f"fix or drop the line") from None
+        raise DataError(
+            f"--input {path}:{line_no}: invalid JSON ({err.msg}, column {err.colno}); fix or drop the line"
+        ) from None
     if not isinstance(obj, dict):
-        raise DataError(f"--input {path}:{line_no}: expected a JSON object per line, got "
-                        f"{type(obj).__name__}; write one {{\"text\": ...}} object per line")
+        raise DataError(
+            f"--input {path}:{line_no}: expected a JSON object per line, got "
+            f'{type(obj).__name__}; write one {{"text": ...}} object per line'
+        )
     doc = {}
     for key in json_keys:
         if key not in obj:
             keys = ", ".join(sorted(obj)) or "none"
-            raise DataError(f"--input {path}:{line_no}: no key {key!r} (keys: {keys}); "
-                            f"pass --json-keys with the right name")
+            raise DataError(
+                f"--input {path}:{line_no}: no key {key!r} (keys: {keys}); pass --json-keys with the right name"
+            )
         if not isinstance(obj[key], str):
-            raise DataError(f"--input {path}:{line_no}: key {key!r} holds "
-                            f"{type(obj[key]).__name__}, not text; fix the line")
+            raise DataError(
+                f"--input {path}:{line_no}: key {key!r} holds {type(obj[key]).__name__}, not text; fix the line"
+            )
         doc[key] = obj[key]
     return doc
 
@@ -313,4 +323,3 @@ def _text_blocks(path: str) -> Iterator[str]:
                 block = []
     if block:
         yield "".join(block).rstrip("\n")
-

@@ -4,6 +4,7 @@ megatron-core touches `vocab_size` (token dtype), `eod` (loss mask with `--eod-m
 (padding, masked out of the loss; -1 means "none") and `unique_identifiers` (hashed into the names
 of its index caches). Every tokenizer here provides exactly those, plus `tokenize`/`detokenize`.
 """
+
 from __future__ import annotations
 
 import io
@@ -11,7 +12,8 @@ import json
 import os
 import re
 from collections import OrderedDict
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from megatron_ds.data import DataError
 
@@ -32,7 +34,7 @@ class Tokenizer:
     """End-of-document id, appended after each document by `tools/preprocess_data.py --append-eod`."""
     pad: int = NO_PAD
     """Padding id, or -1 when the tokenizer has none."""
-    unique_identifiers: "OrderedDict[str, Any]"
+    unique_identifiers: OrderedDict[str, Any]
     """Identifies the tokenizer in megatron-core's cache names."""
 
     def tokenize(self, text: str) -> list[int]:
@@ -52,14 +54,14 @@ class Tokenizer:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
 
 
-def _identifiers(tokenizer: Tokenizer, *paths: str) -> "OrderedDict[str, Any]":
+def _identifiers(tokenizer: Tokenizer, *paths: str) -> OrderedDict[str, Any]:
     ids: OrderedDict[str, Any] = OrderedDict()
     ids["class"] = type(tokenizer).__name__
     ids["tokenizer_path"] = [os.path.abspath(p) for p in paths]
     return ids
 
 
-def _require_file(path: Optional[str], flag: str, fix: str) -> str:
+def _require_file(path: str | None, flag: str, fix: str) -> str:
     if not path:
         raise DataError(f"{flag} is required; {fix}")
     if not os.path.isfile(path):
@@ -73,8 +75,7 @@ class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model; its `eos` piece is the end-of-document token."""
 
     def __init__(self, model_file: str) -> None:
-        _require_file(model_file, "--tokenizer-model",
-                      "train one with tools/train_tokenizer.py or fix the path")
+        _require_file(model_file, "--tokenizer-model", "train one with tools/train_tokenizer.py or fix the path")
         self.model_file = model_file
         self._load()
         self.unique_identifiers = _identifiers(self, model_file)
@@ -86,13 +87,17 @@ class SentencePieceTokenizer(Tokenizer):
             self._sp = spm.SentencePieceProcessor(model_file=self.model_file)
         except (RuntimeError, OSError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise DataError(f"--tokenizer-model {self.model_file}: not a SentencePiece model "
-                            f"({reason}); train one with tools/train_tokenizer.py") from None
+            raise DataError(
+                f"--tokenizer-model {self.model_file}: not a SentencePiece model "
+                f"({reason}); train one with tools/train_tokenizer.py"
+            ) from None
         self.vocab_size = self._sp.get_piece_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
-            raise DataError(f"--tokenizer-model {self.model_file}: the model has no end-of-document "
-                            f"(eos) piece; retrain it with tools/train_tokenizer.py")
+            raise DataError(
+                f"--tokenizer-model {self.model_file}: the model has no end-of-document "
+                f"(eos) piece; retrain it with tools/train_tokenizer.py"
+            )
         pad = self._sp.pad_id()
         self.pad = pad if pad >= 0 else NO_PAD
 
@@ -114,8 +119,7 @@ class SentencePieceTokenizer(Tokenizer):
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (printable bytes map to themselves)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -131,11 +135,15 @@ def _gpt2_pattern() -> Any:
     try:
         import regex
 
-        return regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"""
-                             r"""|\s+(?!\S)|\s+""")
+        return regex.compile(
+            r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"""
+            r"""|\s+(?!\S)|\s+"""
+        )
     except ImportError:
-        return re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+"""
-                          r"""|\s+(?!\S)|\s+""")
+        return re.compile(
+            r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+"""
+            r"""|\s+(?!\S)|\s+"""
+        )
 
 
 class GPT2BPETokenizer(Tokenizer):
@@ -150,8 +158,9 @@ class GPT2BPETokenizer(Tokenizer):
         self._decoder = {i: t for t, i in self._encoder.items()}
         self._ranks = {pair: rank for rank, pair in enumerate(_read_merges(merge_file))}
         if GPT2_EOD_TOKEN not in self._encoder:
-            raise DataError(f"--vocab-file {vocab_file}: no {GPT2_EOD_TOKEN!r} token to end documents; "
-                            f"add it to the vocabulary")
+            raise DataError(
+                f"--vocab-file {vocab_file}: no {GPT2_EOD_TOKEN!r} token to end documents; add it to the vocabulary"
+            )
         self.eod = self._encoder[GPT2_EOD_TOKEN]
         self.vocab_size = max(self._encoder.values()) + 1
         self.pad = NO_PAD
@@ -181,8 +190,10 @@ class GPT2BPETokenizer(Tokenizer):
         ids = []
         for piece in self._bpe(symbols):
             if piece not in self._encoder:
-                raise DataError(f"--vocab-file {self.vocab_file}: piece {piece!r} from --merge-file "
-                                f"{self.merge_file} is not in the vocabulary; use a matching pair")
+                raise DataError(
+                    f"--vocab-file {self.vocab_file}: piece {piece!r} from --merge-file "
+                    f"{self.merge_file} is not in the vocabulary; use a matching pair"
+                )
             ids.append(self._encoder[piece])
         return ids
 
@@ -212,10 +223,14 @@ def _read_vocab(path: str) -> dict[str, int]:
             vocab = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"--vocab-file {path}: not valid JSON ({err}); give GPT-2's vocab.json") from None
-    if not isinstance(vocab, dict) or not vocab or not all(
-            isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in vocab.items()):
-        raise DataError(f"--vocab-file {path}: expected a JSON object of token -> id (int >= 0); "
-                        f"give GPT-2's vocab.json")
+    if (
+        not isinstance(vocab, dict)
+        or not vocab
+        or not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in vocab.items())
+    ):
+        raise DataError(
+            f"--vocab-file {path}: expected a JSON object of token -> id (int >= 0); give GPT-2's vocab.json"
+        )
     return vocab
 
 
@@ -228,8 +243,10 @@ def _read_merges(path: str) -> list[tuple[str, str]]:
                 continue
             parts = line.split(" ")
             if len(parts) != 2:
-                raise DataError(f"--merge-file {path}:{line_no}: expected two space-separated "
-                                f"symbols, got {line!r}; give GPT-2's merges.txt")
+                raise DataError(
+                    f"--merge-file {path}:{line_no}: expected two space-separated "
+                    f"symbols, got {line!r}; give GPT-2's merges.txt"
+                )
             merges.append((parts[0], parts[1]))
     return merges
 
@@ -243,8 +260,7 @@ class NullTokenizer(Tokenizer):
         self.vocab_size = vocab_size
         self.eod = vocab_size - 1
         self.pad = NO_PAD
-        self.unique_identifiers = OrderedDict(
-            [("class", type(self).__name__), ("vocab_size", vocab_size)])
+        self.unique_identifiers = OrderedDict([("class", type(self).__name__), ("vocab_size", vocab_size)])
 
     def tokenize(self, text: str) -> list[int]:
         try:
@@ -253,23 +269,28 @@ class NullTokenizer(Tokenizer):
             raise DataError(f"NullTokenizer: {text[:40]!r} is not space-separated integers") from None
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise DataError(f"NullTokenizer: id {bad[0]} is outside [0, {self.vocab_size}); "
-                            f"raise --vocab-size")
+            raise DataError(f"NullTokenizer: id {bad[0]} is outside [0, {self.vocab_size}); raise --vocab-size")
         return ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
 
 
-def build_tokenizer(tokenizer_type: Optional[str], tokenizer_model: Optional[str] = None,
-                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    vocab_size: Optional[int] = None) -> Tokenizer:
+def build_tokenizer(
+    tokenizer_type: str | None,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    vocab_size: int | None = None,
+) -> Tokenizer:
     """The tokenizer named by `--tokenizer-type`; `vocab_size` is only for `NullTokenizer`."""
     kind = _ALIASES.get(tokenizer_type or "", tokenizer_type)
     if kind == "SentencePieceTokenizer":
         if not tokenizer_model:
-            raise DataError("--tokenizer-model is required with --tokenizer-type "
-                            "SentencePieceTokenizer; train one with tools/train_tokenizer.py")
+            raise DataError(
+                "--tokenizer-model is required with --tokenizer-type "
+                "SentencePieceTokenizer; train one with tools/train_tokenizer.py"
+            )
         return SentencePieceTokenizer(tokenizer_model)
     if kind == "GPT2BPETokenizer":
         for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
@@ -280,14 +301,21 @@ def build_tokenizer(tokenizer_type: Optional[str], tokenizer_model: Optional[str
         if vocab_size is None:
             raise DataError("--vocab-size is required with --tokenizer-type NullTokenizer")
         return NullTokenizer(vocab_size)
-    raise DataError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of "
-                    f"{', '.join(TOKENIZER_TYPES)}")
+    raise DataError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
-def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size: int,
-                        model_type: str = "bpe", character_coverage: float = 1.0,
-                        input_sentence_size: int = 0, seed: int = 1234, num_threads: int = 1,
-                        keep_whitespace: bool = True, byte_fallback: bool = False) -> str:
+def train_sentencepiece(
+    sentences: Iterable[str],
+    model_prefix: str,
+    vocab_size: int,
+    model_type: str = "bpe",
+    character_coverage: float = 1.0,
+    input_sentence_size: int = 0,
+    seed: int = 1234,
+    num_threads: int = 1,
+    keep_whitespace: bool = True,
+    byte_fallback: bool = False,
+) -> str:
     """Train a SentencePiece model on `sentences` (lines of text); return `<model_prefix>.model`.
 
     Ids: 0 `<unk>`, 1 `<s>`, 2 `</s>` (end of document), 3 `<pad>`. With `keep_whitespace`
@@ -300,10 +328,19 @@ def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size:
     out_dir = os.path.dirname(os.path.abspath(model_prefix))
     os.makedirs(out_dir, exist_ok=True)
     options: dict[str, Any] = dict(
-        vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage,
-        input_sentence_size=input_sentence_size, shuffle_input_sentence=input_sentence_size > 0,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=3, num_threads=num_threads,
-        byte_fallback=byte_fallback, minloglevel=2)
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=character_coverage,
+        input_sentence_size=input_sentence_size,
+        shuffle_input_sentence=input_sentence_size > 0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+        num_threads=num_threads,
+        byte_fallback=byte_fallback,
+        minloglevel=2,
+    )
     if keep_whitespace:
         # Training input is line based, so "\n" must be declared to exist as a piece.
         options.update(user_defined_symbols=["\n"], remove_extra_whitespaces=False)
@@ -311,14 +348,14 @@ def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size:
     model = io.BytesIO()
     failures: list[Exception] = []
     try:
-        spm.SentencePieceTrainer.train(sentence_iterator=_recording(sentences, failures),
-                                       model_writer=model, **options)
+        spm.SentencePieceTrainer.train(sentence_iterator=_recording(sentences, failures), model_writer=model, **options)
     except RuntimeError as err:
         if failures:  # sentencepiece turns an error of the input iterator into a RuntimeError
             raise failures[0] from None
         reason = str(err).splitlines()[0].split("] ")[-1]
-        raise DataError(f"--vocab-size {vocab_size}: sentencepiece could not train ({reason}); "
-                        f"lower --vocab-size or give more text") from None
+        raise DataError(
+            f"--vocab-size {vocab_size}: sentencepiece could not train ({reason}); lower --vocab-size or give more text"
+        ) from None
     path = model_prefix + ".model"
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:

@@ -4,14 +4,21 @@
 
 `GPTModelPipe` and `build_layer_specs` import DeepSpeed, so they are loaded on first use.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from megatron_ds.model.naming import gpt_spec_groups, gpt_spec_param_counts
 
-__all__ = ["GPTModelPipe", "build_layer_specs", "build_topology", "gpt_spec_groups", "gpt_spec_param_counts",
-           "spec_name"]
+__all__ = [
+    "GPTModelPipe",
+    "build_layer_specs",
+    "build_topology",
+    "gpt_spec_groups",
+    "gpt_spec_param_counts",
+    "spec_name",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,9 +12,11 @@ transformer layers shard themselves; see `megatron_ds.model.parallel.TensorParal
 
 Stage boundaries come from `megatron_ds.pipeline.layout`, never from DeepSpeed's partitioner.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -38,7 +40,7 @@ from megatron_ds.model.parallel import NO_TENSOR_PARALLEL, TensorParallel
 from megatron_ds.model.transformer import TransformerLayer
 from megatron_ds.pipeline.layout import Layout
 
-Spec = Union[LayerSpec, Callable[..., Any]]
+Spec = LayerSpec | Callable[..., Any]
 
 
 def spec_name(spec: Spec) -> str:
@@ -75,16 +77,20 @@ def build_layer_specs(model: ModelConfig, seed: int, tp: TensorParallel = NO_TEN
         untied_head, extra = tpl.VocabParallelLMHead, (tp,)
     untied = model.untie_embeddings_and_output_weights
     # An untied head leaves the word embedding a plain spec: no tied module, no tied group.
-    word: Spec = (LayerSpec(embedding, model, tied_seed, *extra) if untied
-                  else TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, tied_seed, *extra))
+    word: Spec = (
+        LayerSpec(embedding, model, tied_seed, *extra)
+        if untied
+        else TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, tied_seed, *extra)
+    )
     pre: list[Spec] = [
         cast_token_ids,
         word,
         LayerSpec(PositionEmbedding if model.add_position_embedding else EmbeddingDropout, model, seeded(2)),
     ]
     first_layer = len(pre)
-    body: list[Spec] = [LayerSpec(TransformerLayer, model, seeded(first_layer + i), tp)
-                        for i in range(model.num_layers)]
+    body: list[Spec] = [
+        LayerSpec(TransformerLayer, model, seeded(first_layer + i), tp) for i in range(model.num_layers)
+    ]
     first_post = first_layer + model.num_layers
     if untied:
         head: Spec = LayerSpec(untied_head, model, seeded(first_post + 1), *extra)
@@ -108,9 +114,9 @@ def loss_function(tp: TensorParallel) -> Callable[..., torch.Tensor]:
 def build_topology(config: Config) -> ProcessTopology:
     """DeepSpeed's topology: tensor innermost, then data, then pipeline (as megatron-core)."""
     par = config.parallel
-    return PipeModelDataParallelTopology(num_pp=par.pipeline_model_parallel_size,
-                                         num_mp=par.tensor_model_parallel_size,
-                                         num_dp=par.data_parallel_size)
+    return PipeModelDataParallelTopology(
+        num_pp=par.pipeline_model_parallel_size, num_mp=par.tensor_model_parallel_size, num_dp=par.data_parallel_size
+    )
 
 
 class GPTModelPipe(PipelineModule):
@@ -120,8 +126,14 @@ class GPTModelPipe(PipelineModule):
     torch.distributed and before this) and the topology it was checked against.
     """
 
-    def __init__(self, config: Config, layout: Layout, topology: ProcessTopology | None = None,
-                 mark_norms: bool = True, tp: TensorParallel = NO_TENSOR_PARALLEL) -> None:
+    def __init__(
+        self,
+        config: Config,
+        layout: Layout,
+        topology: ProcessTopology | None = None,
+        mark_norms: bool = True,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+    ) -> None:
         assert layout.num_stages == config.parallel.pipeline_model_parallel_size, layout
         assert tp.size == config.parallel.tensor_model_parallel_size, (tp, config.parallel)
         self._layout = layout

@@ -5,9 +5,10 @@ weights whichever stage builds it, whatever the pipeline size, and whichever ran
 Tensor-parallel shards are cut from the full matrix drawn this way (`shard`, `shard_fused`), so
 the tensor-parallel size does not matter either: gathering the shards gives the T=1 matrix.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -20,7 +21,7 @@ def spec_seed(seed: int, spec_index: int) -> int:
     return seed * _SEED_STRIDE + spec_index
 
 
-def dropout_seed(init_seed: int, tensor_parallel_rank: Optional[int] = None) -> int:
+def dropout_seed(init_seed: int, tensor_parallel_rank: int | None = None) -> int:
     """Seed of a spec's dropout stream.
 
     `tensor_parallel_rank=None`: the stream for activations every tensor rank holds in full
@@ -74,7 +75,7 @@ def gather_fused(shards: Sequence[torch.Tensor], row_parts: Sequence[int]) -> to
     return torch.cat([pieces[r][i] for i in range(len(row_parts)) for r in range(len(shards))])
 
 
-def qkv_row_parts(rows: int, num_heads: int, num_kv_heads: Optional[int] = None) -> tuple[int, int, int]:
+def qkv_row_parts(rows: int, num_heads: int, num_kv_heads: int | None = None) -> tuple[int, int, int]:
     """Rows of q, k and v in a fused QKV of `rows` = (nh + 2 kv) * hd rows."""
     kv = num_kv_heads or num_heads
     head_dim = rows // (num_heads + 2 * kv)
@@ -82,8 +83,9 @@ def qkv_row_parts(rows: int, num_heads: int, num_kv_heads: Optional[int] = None)
     return num_heads * head_dim, kv * head_dim, kv * head_dim
 
 
-def shard_qkv(full: torch.Tensor, num_heads: int, num_shards: int, index: int,
-              num_kv_heads: Optional[int] = None) -> torch.Tensor:
+def shard_qkv(
+    full: torch.Tensor, num_heads: int, num_shards: int, index: int, num_kv_heads: int | None = None
+) -> torch.Tensor:
     """Rank `index`'s rows of a fused QKV weight ((nh + 2 kv) hd, h) or bias ((nh + 2 kv) hd,).
 
     The full rows are all q heads (nh, hd), then all k heads (kv, hd), then all v heads (kv, hd);
@@ -95,7 +97,7 @@ def shard_qkv(full: torch.Tensor, num_heads: int, num_shards: int, index: int,
     return shard_fused(full, qkv_row_parts(full.shape[0], num_heads, num_kv_heads), num_shards, index)
 
 
-def gather_qkv(shards: Sequence[torch.Tensor], num_heads: int, num_kv_heads: Optional[int] = None) -> torch.Tensor:
+def gather_qkv(shards: Sequence[torch.Tensor], num_heads: int, num_kv_heads: int | None = None) -> torch.Tensor:
     """Inverse of `shard_qkv`: the full fused QKV weight or bias from every rank's shard."""
     rows = shards[0].shape[0] * len(shards)
     return gather_fused(shards, qkv_row_parts(rows, num_heads, num_kv_heads))

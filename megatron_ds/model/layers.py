@@ -8,6 +8,7 @@ Labels travel as the tuple (labels (b, s) int64, loss_mask (b, s) float32) to th
 These are the T=1 forms; at T > 1 the word embedding, LM head and loss come from
 `megatron_ds.model.tensor_parallel` (vocabulary-parallel), the others are used as they are.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@
 order (it asserts so), which lets `--print-layout` and the planner show a layout without
 building anything.
 """
+
 from __future__ import annotations
 
 from megatron_ds.config import ModelConfig

@@ -6,10 +6,11 @@ slow to import); at T > 1 `megatron_ds.model.tensor_parallel.setup` initialises 
 groups and checks them against DeepSpeed's topology. The linear-layer factories return torch's
 `nn.Linear` at T=1 and megatron-core's parallel layers otherwise.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,14 +30,14 @@ class TensorParallel:
     """Tensor-parallel ranks T."""
     rank: int = 0
     """This rank's index among them."""
-    group: Optional[Any] = None
+    group: Any | None = None
     """The torch.distributed group of the T ranks (megatron-core's); None at T=1."""
 
 
 NO_TENSOR_PARALLEL = TensorParallel()
 
 
-def setup(config: Config, topology: "ProcessTopology") -> TensorParallel:
+def setup(config: Config, topology: ProcessTopology) -> TensorParallel:
     """Tensor-parallel groups for this run (call after torch.distributed, before the model)."""
     if config.parallel.tensor_model_parallel_size == 1:
         forget_megatron_core_groups()  # a T>1 model built earlier in this process must not leak its groups
@@ -46,8 +47,9 @@ def setup(config: Config, topology: "ProcessTopology") -> TensorParallel:
     return tensor_parallel.setup(config, topology)
 
 
-def column_linear(tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True,
-                  fused_rows: Optional[tuple[int, ...]] = None) -> nn.Module:
+def column_linear(
+    tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True, fused_rows: tuple[int, ...] | None = None
+) -> nn.Module:
     """x (.., in) -> this rank's output features (.., out / T), from the full (out, in) weight.
 
     `fused_rows`: the rows are these fused parts (q, k, v of a QKV; gate, up of a SwiGLU fc1);

@@ -20,11 +20,13 @@ Why in the layer's state dict (`checkpoint_streams`): a layer's stream states ar
 checkpoint file and restored with its weights, so a resumed run draws the masks the
 uninterrupted run would have drawn, whatever the layout (the files are per spec).
 """
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,13 +83,14 @@ class Stream:
     seed: int
 
     @classmethod
-    def replicated(cls, init_seed: int) -> "Stream":
+    def replicated(cls, init_seed: int) -> Stream:
         return cls(f"{STREAM_PREFIX}{init_seed}", dropout_seed(init_seed))
 
     @classmethod
-    def tensor_parallel(cls, init_seed: int, tensor_parallel_rank: int) -> "Stream":
-        return cls(f"{STREAM_PREFIX}{init_seed}/tp{tensor_parallel_rank}",
-                   dropout_seed(init_seed, tensor_parallel_rank))
+    def tensor_parallel(cls, init_seed: int, tensor_parallel_rank: int) -> Stream:
+        return cls(
+            f"{STREAM_PREFIX}{init_seed}/tp{tensor_parallel_rank}", dropout_seed(init_seed, tensor_parallel_rank)
+        )
 
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:
@@ -98,7 +101,7 @@ class Stream:
             yield
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, stream: Optional[Stream]) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, training: bool, stream: Stream | None) -> torch.Tensor:
     """`F.dropout` with its mask drawn from `stream` (no draw at all when inactive)."""
     if not training or p == 0.0:
         return x

@@ -3,6 +3,7 @@
 Frequencies theta_i = base^(-2i/hd) for i in [0, hd/2); position p rotates the pair
 (x[i], x[i + hd/2]) by angle p * theta_i. Positions are 0..s-1 of each sample.
 """
+
 from __future__ import annotations
 
 import torch

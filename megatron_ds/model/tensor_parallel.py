@@ -17,10 +17,12 @@ between stages is unchanged); logits are vocabulary-parallel (b, s, v/T) from th
 the loss. Only the CPU-capable parts of megatron-core are used: CPU initialisation, no
 gathered outputs, no sequence parallelism.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,27 +65,39 @@ def setup(config: Config, topology: ProcessTopology) -> TensorParallel:
         # megatron-core's pipeline size only shapes its groups here; the layers' configs keep
         # pipeline size 1 so nothing in megatron-core offsets layer numbers.
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=t, pipeline_model_parallel_size=p, create_gloo_process_groups=False,
-            distributed_timeout_minutes=max(1, math.ceil(par.distributed_timeout_minutes)))
+            tensor_model_parallel_size=t,
+            pipeline_model_parallel_size=p,
+            create_gloo_process_groups=False,
+            distributed_timeout_minutes=max(1, math.ceil(par.distributed_timeout_minutes)),
+        )
     check_groups_match(topology)
     share_rng_tracker()
-    tp = TensorParallel(size=t, rank=parallel_state.get_tensor_model_parallel_rank(),
-                        group=parallel_state.get_tensor_model_parallel_group())
+    tp = TensorParallel(
+        size=t,
+        rank=parallel_state.get_tensor_model_parallel_rank(),
+        group=parallel_state.get_tensor_model_parallel_group(),
+    )
     stage = topology.get_coord(dist.get_rank()).pipe
     rng.set_stream(MODEL_PARALLEL_RNG, config.training.seed + 100 * stage + 2718 + tp.rank)  # Megatron's seeds
     return tp
 
 
 def _initialised_as(t: int, p: int) -> bool:
-    return (parallel_state.model_parallel_is_initialized()
-            and parallel_state.get_tensor_model_parallel_world_size() == t
-            and parallel_state.get_pipeline_model_parallel_world_size() == p)
+    return (
+        parallel_state.model_parallel_is_initialized()
+        and parallel_state.get_tensor_model_parallel_world_size() == t
+        and parallel_state.get_pipeline_model_parallel_world_size() == p
+    )
 
 
 def _check_divisible(model: ModelConfig, t: int) -> None:
     # Invariants: validation.py has already turned violations into ConfigErrors.
-    for what, value in (("heads", model.num_attention_heads), ("kv heads", model.kv_heads),
-                        ("ffn", model.ffn_hidden_size), ("vocab", model.vocab_size)):
+    for what, value in (
+        ("heads", model.num_attention_heads),
+        ("kv heads", model.kv_heads),
+        ("ffn", model.ffn_hidden_size),
+        ("vocab", model.vocab_size),
+    ):
         assert value % t == 0, f"{what} {value} not divisible by tensor-parallel size {t}"
 
 
@@ -104,7 +118,8 @@ def check_groups_match(topology: ProcessTopology) -> None:
                 raise TensorParallelSetupError(
                     f"rank {rank}: megatron-core's {name}-parallel group is {sorted(ranks)} but DeepSpeed's "
                     f"'{axis}' axis group is {sorted(expected)}; both must order ranks tensor innermost, then "
-                    f"data, then pipeline")
+                    f"data, then pipeline"
+                )
 
 
 def share_rng_tracker() -> None:
@@ -122,9 +137,14 @@ def share_rng_tracker() -> None:
 def _layer_config(tp: TensorParallel) -> ModelParallelConfig:
     # CPU initialisation cuts each rank's shard from a full matrix we supply (init_method
     # copies it in); no sequence parallelism, no fused kernels; pipeline size 1 (see setup).
-    return ModelParallelConfig(tensor_model_parallel_size=tp.size, use_cpu_initialization=True,
-                               perform_initialization=True, params_dtype=torch.float32, sequence_parallel=False,
-                               gradient_accumulation_fusion=False)
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp.size,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=torch.float32,
+        sequence_parallel=False,
+        gradient_accumulation_fusion=False,
+    )
 
 
 def _copy_of(full: torch.Tensor) -> Callable[[torch.Tensor], None]:
@@ -143,13 +163,25 @@ def _fused_rows_by_rank(full: torch.Tensor, fused_rows: tuple[int, ...], tp: Ten
 class ColumnLinear(ColumnParallelLinear):
     """(.., in) replicated -> (.., out/T): this rank's output features; bias sharded likewise."""
 
-    def __init__(self, tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True,
-                 fused_rows: Optional[tuple[int, ...]] = None) -> None:
+    def __init__(
+        self,
+        tp: TensorParallel,
+        full_weight: torch.Tensor,
+        bias: bool = True,
+        fused_rows: tuple[int, ...] | None = None,
+    ) -> None:
         out_features, in_features = full_weight.shape
         if fused_rows is not None:
             full_weight = _fused_rows_by_rank(full_weight, fused_rows, tp)
-        super().__init__(in_features, out_features, config=_layer_config(tp), init_method=_copy_of(full_weight),
-                         bias=bias, gather_output=False, tp_group=tp.group)
+        super().__init__(
+            in_features,
+            out_features,
+            config=_layer_config(tp),
+            init_method=_copy_of(full_weight),
+            bias=bias,
+            gather_output=False,
+            tp_group=tp.group,
+        )
         if fused_rows is not None:  # weight and bias shards are per part: `gather_full` must know
             for p in self.parameters():
                 setattr(p, FUSED_ROWS_ATTR, tuple(fused_rows))
@@ -163,8 +195,16 @@ class RowLinear(RowParallelLinear):
 
     def __init__(self, tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True) -> None:
         out_features, in_features = full_weight.shape
-        super().__init__(in_features, out_features, config=_layer_config(tp), init_method=_copy_of(full_weight),
-                         bias=bias, input_is_parallel=True, skip_bias_add=False, tp_group=tp.group)
+        super().__init__(
+            in_features,
+            out_features,
+            config=_layer_config(tp),
+            init_method=_copy_of(full_weight),
+            bias=bias,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            tp_group=tp.group,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x)[0]
@@ -181,8 +221,9 @@ class VocabParallelWordEmbedding(VocabParallelEmbedding):
 
     def __init__(self, model: ModelConfig, init_seed: int, tp: TensorParallel) -> None:
         full = draw_normal((model.vocab_size, model.hidden_size), model.init_method_std, init_generator(init_seed))
-        super().__init__(model.vocab_size, model.hidden_size, init_method=_copy_of(full), config=_layer_config(tp),
-                         tp_group=tp.group)
+        super().__init__(
+            model.vocab_size, model.hidden_size, init_method=_copy_of(full), config=_layer_config(tp), tp_group=tp.group
+        )
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM head on the last stage: (b, s, h) -> vocabulary-parallel logits (b, s, v/T)."""

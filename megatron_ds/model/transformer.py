@@ -10,6 +10,7 @@ with its own nh/T query heads and kv/T key/value heads (those of its groups); th
 shard holds exactly their rows, and a SwiGLU fc1 shard its block of the gate and of the up half
 (`megatron_ds.model.init.shard_fused`), so the code below is the same for every T.
 """
+
 from __future__ import annotations
 
 import contextlib

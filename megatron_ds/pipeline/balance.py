@@ -14,10 +14,11 @@ smallest of all candidates, so no other split has a smaller maximum. The last st
 not be monotone (see `balanced_counts`), so its count is enumerated: O(N^2 log P) table look-ups,
 O(N P) cost evaluations.
 """
+
 from __future__ import annotations
 
 import heapq
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from megatron_ds.pipeline.layout import Layout, LayoutError, SpecGroups
 
@@ -29,8 +30,9 @@ def memory_balanced_layout(groups: SpecGroups, num_stages: int, inputs) -> Layou
     """The layout whose largest predicted stage memory is smallest (`inputs`: plan MemoryInputs)."""
     from megatron_ds.plan.memory_model import stage_memory_for
 
-    counts = balanced_counts(groups.num_layers, num_stages,
-                             lambda s, k: stage_memory_for(inputs, s, num_stages, k).total)
+    counts = balanced_counts(
+        groups.num_layers, num_stages, lambda s, k: stage_memory_for(inputs, s, num_stages, k).total
+    )
     return Layout(groups, tuple(counts), METHOD)
 
 
@@ -87,25 +89,33 @@ def _check(num_layers: int, num_stages: int) -> None:
     if num_layers < 1:
         raise LayoutError(f"{FLAG}: --num-layers must be >= 1, got {num_layers}")
     if num_stages > num_layers + 2:
-        raise LayoutError(f"{FLAG} cannot place --num-layers {num_layers} on --pipeline-model-parallel-size "
-                          f"{num_stages}: at most {num_layers + 2} stages (embedding, one layer each, head); "
-                          f"use at most {num_layers + 2} stages or more layers")
+        raise LayoutError(
+            f"{FLAG} cannot place --num-layers {num_layers} on --pipeline-model-parallel-size "
+            f"{num_stages}: at most {num_layers + 2} stages (embedding, one layer each, head); "
+            f"use at most {num_layers + 2} stages or more layers"
+        )
 
 
-def format_memory_table(stages: Sequence, usable_bytes: Optional[float] = None) -> str:
+def format_memory_table(stages: Sequence, usable_bytes: float | None = None) -> str:
     """The predicted memory per stage (`StageMemory` list) as a table to print under `Layout.format()`."""
     from megatron_ds.plan.memory_model import format_bytes
 
-    head = f"{'stage':>5} {'layers':>6} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} " \
-           f"{'in-flight':>9} {'buffers':>10} {'total':>10}"
+    head = (
+        f"{'stage':>5} {'layers':>6} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} "
+        f"{'in-flight':>9} {'buffers':>10} {'total':>10}"
+    )
     lines = ["predicted memory per GPU (estimate, see docs/plan.md for the formulas)", head]
     for st in stages:
-        lines.append(f"{st.stage:>5} {st.num_layers:>6} {format_bytes(st.params):>10} {format_bytes(st.grads):>10} "
-                     f"{format_bytes(st.optimizer):>10} {format_bytes(st.activations):>10} {st.in_flight:>9} "
-                     f"{format_bytes(st.pipe_buffers + st.transient):>10} {format_bytes(st.total):>10}")
+        lines.append(
+            f"{st.stage:>5} {st.num_layers:>6} {format_bytes(st.params):>10} {format_bytes(st.grads):>10} "
+            f"{format_bytes(st.optimizer):>10} {format_bytes(st.activations):>10} {st.in_flight:>9} "
+            f"{format_bytes(st.pipe_buffers + st.transient):>10} {format_bytes(st.total):>10}"
+        )
     peak = max(stages, key=lambda st: st.total)
     summary = f"largest: stage {peak.stage} {format_bytes(peak.total)}"
     if usable_bytes is not None:
-        summary += f" of {format_bytes(usable_bytes)} usable ({'fits' if peak.total <= usable_bytes else 'DOES NOT FIT'})"
+        summary += (
+            f" of {format_bytes(usable_bytes)} usable ({'fits' if peak.total <= usable_bytes else 'DOES NOT FIT'})"
+        )
     lines.append(summary)
     return "\n".join(lines)

@@ -6,18 +6,16 @@ stage must hold a layer with parameters, a layout is fully described by the numb
 layers on each stage: the pre group sits whole on stage 0, the post group whole on the last stage.
 This module is the only place that decides stage boundaries; `GPTModelPipe` takes `parts` from it.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
+from megatron_ds.errors import LayoutError
 from megatron_ds.pipeline import partition
 from megatron_ds.pipeline.layout_string import parse_layout_string
-
-
-class LayoutError(ValueError):
-    """A layout option that cannot be satisfied; the message names the flag, value and fix."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +101,9 @@ class Layout:
         """Global ranks of `stage`, one list of tensor ranks per data-parallel replica, in DeepSpeed's
         topology order (tensor innermost, then data, then pipeline; as megatron-core)."""
         per_stage = data_parallel * tensor_parallel
-        return [[stage * per_stage + d * tensor_parallel + t for t in range(tensor_parallel)]
-                for d in range(data_parallel)]
+        return [
+            [stage * per_stage + d * tensor_parallel + t for t in range(tensor_parallel)] for d in range(data_parallel)
+        ]
 
     def format(self, data_parallel: int = 1, tensor_parallel: int = 1) -> str:
         """The stage table as DeepSpeed prints it, with real names, plus a summary line; with data or
@@ -119,11 +118,15 @@ class Layout:
         counts = " ".join(str(k) for k in self.layers_per_stage)
         lines.append(f"transformer layers per stage: {counts} (layout {self.to_string()}, method {self.method})")
         if data_parallel * tensor_parallel > 1:
-            lines.append(f"ranks per stage (tensor parallel {tensor_parallel} innermost, then data parallel "
-                         f"{data_parallel}, then pipeline):")
+            lines.append(
+                f"ranks per stage (tensor parallel {tensor_parallel} innermost, then data parallel "
+                f"{data_parallel}, then pipeline):"
+            )
             for s in range(self.num_stages):
-                replicas = " | ".join(f"data {d}: tensor ranks -> {','.join(map(str, r))}"
-                                      for d, r in enumerate(self.stage_ranks(s, data_parallel, tensor_parallel)))
+                replicas = " | ".join(
+                    f"data {d}: tensor ranks -> {','.join(map(str, r))}"
+                    for d, r in enumerate(self.stage_ranks(s, data_parallel, tensor_parallel))
+                )
                 lines.append(f"  stage {s}: {replicas}")
         return "\n".join(lines)
 
@@ -132,10 +135,10 @@ def build_layout(
     groups: SpecGroups,
     num_stages: int,
     dedicated: str = "none",
-    layout: Optional[str] = None,
-    partition_method: Optional[str] = None,
-    spec_weights: Optional[Sequence[float]] = None,
-    memory_inputs: Optional[object] = None,
+    layout: str | None = None,
+    partition_method: str | None = None,
+    spec_weights: Sequence[float] | None = None,
+    memory_inputs: object | None = None,
 ) -> Layout:
     """Turn the layout options into a `Layout`; at most one of the three options may be set.
 
@@ -143,9 +146,15 @@ def build_layout(
     `memory_inputs` (a `megatron_ds.plan.memory_model.MemoryInputs`) is what the `memory` method
     (also `--pp-layout auto`) balances.
     """
-    given = [f for f, v in (("--pp-dedicated-embedding-stages", dedicated != "none"),
-                            ("--pp-layout", layout is not None),
-                            ("--pp-partition-method", partition_method is not None)) if v]
+    given = [
+        f
+        for f, v in (
+            ("--pp-dedicated-embedding-stages", dedicated != "none"),
+            ("--pp-layout", layout is not None),
+            ("--pp-partition-method", partition_method is not None),
+        )
+        if v
+    ]
     if len(given) > 1:
         raise LayoutError(f"{' and '.join(given)} were both given; choose one way to place the stage boundaries")
     if num_stages < 1:
@@ -163,12 +172,16 @@ def build_layout(
         counts = parse_layout_string(layout, groups.num_layers, num_stages)
         return Layout(groups, tuple(counts), f"layout {layout}")
     if dedicated != "none":
-        return Layout(groups, tuple(_dedicated_counts(groups.num_layers, num_stages, dedicated)),
-                      f"dedicated {dedicated}")
+        return Layout(
+            groups, tuple(_dedicated_counts(groups.num_layers, num_stages, dedicated)), f"dedicated {dedicated}"
+        )
     method = partition_method or "type:transformer"
     weights = _method_weights(groups, method, spec_weights)
-    parts = (partition.uniform(groups.num_specs, num_stages) if method == "uniform"
-             else partition.balanced(weights, num_stages))
+    parts = (
+        partition.uniform(groups.num_specs, num_stages)
+        if method == "uniform"
+        else partition.balanced(weights, num_stages)
+    )
     return _layout_from_spec_parts(groups, parts, method)
 
 
@@ -178,19 +191,25 @@ def _dedicated_counts(num_layers: int, num_stages: int, dedicated: str) -> list[
         raise LayoutError(f"--pp-dedicated-embedding-stages {dedicated!r} is not one of none, pre, post, both")
     flag = f"--pp-dedicated-embedding-stages {dedicated}"
     if num_stages < reserved + 1:
-        raise LayoutError(f"{flag} needs --pipeline-model-parallel-size >= {reserved + 1} (got {num_stages}): "
-                          f"{reserved} reserved stage(s) plus at least one for the transformer layers; "
-                          f"raise the pipeline size or drop the flag")
+        raise LayoutError(
+            f"{flag} needs --pipeline-model-parallel-size >= {reserved + 1} (got {num_stages}): "
+            f"{reserved} reserved stage(s) plus at least one for the transformer layers; "
+            f"raise the pipeline size or drop the flag"
+        )
     body_stages = num_stages - reserved
     if body_stages > num_layers:
-        raise LayoutError(f"{flag} with --pipeline-model-parallel-size {num_stages} leaves {body_stages} stages "
-                          f"for --num-layers {num_layers}; use at most {num_layers + reserved} stages or more layers")
-    body = [b - a for a, b in zip(partition.uniform(num_layers, body_stages)[:-1],
-                                  partition.uniform(num_layers, body_stages)[1:])]
+        raise LayoutError(
+            f"{flag} with --pipeline-model-parallel-size {num_stages} leaves {body_stages} stages "
+            f"for --num-layers {num_layers}; use at most {num_layers + reserved} stages or more layers"
+        )
+    body = [
+        b - a
+        for a, b in zip(partition.uniform(num_layers, body_stages)[:-1], partition.uniform(num_layers, body_stages)[1:])
+    ]
     return ([0] if dedicated in ("pre", "both") else []) + body + ([0] if dedicated in ("post", "both") else [])
 
 
-def _method_weights(groups: SpecGroups, method: str, spec_weights: Optional[Sequence[float]]) -> list[float]:
+def _method_weights(groups: SpecGroups, method: str, spec_weights: Sequence[float] | None) -> list[float]:
     names = groups.names
     flag = f"--pp-partition-method {method}"
     if method == "uniform":
@@ -200,9 +219,10 @@ def _method_weights(groups: SpecGroups, method: str, spec_weights: Optional[Sequ
             raise AssertionError("partition method 'parameters' needs one parameter count per spec")
         return [float(w) for w in spec_weights]
     if not method.startswith("type:"):
-        raise LayoutError(f"{flag} is not a known method; use uniform, parameters, memory, type:REGEX or "
-                          f"type:NAME:WEIGHT|NAME:WEIGHT")
-    body = method[len("type:"):]
+        raise LayoutError(
+            f"{flag} is not a known method; use uniform, parameters, memory, type:REGEX or type:NAME:WEIGHT|NAME:WEIGHT"
+        )
+    body = method[len("type:") :]
     terms = body.split("|")
     weighted = [re.fullmatch(r"(.+):([-+0-9.eE]+)", t) for t in terms]
     if all(weighted):
@@ -217,8 +237,10 @@ def _method_weights(groups: SpecGroups, method: str, spec_weights: Optional[Sequ
             raise LayoutError(f"{flag}: {pattern!r} is not a valid regular expression ({e}); fix the pattern") from None
         hits = [i for i, n in enumerate(names) if regex.search(n)]
         if not hits:
-            raise LayoutError(f"{flag}: {pattern!r} matches no layer (layers: {', '.join(dict.fromkeys(names))}); "
-                              f"use one of those names")
+            raise LayoutError(
+                f"{flag}: {pattern!r} matches no layer (layers: {', '.join(dict.fromkeys(names))}); "
+                f"use one of those names"
+            )
         for i in hits:
             if weights[i] == 0.0:
                 weights[i] = w
@@ -241,8 +263,10 @@ def _layout_from_spec_parts(groups: SpecGroups, parts: Sequence[int], method: st
     counts = [max(0, min(b, last) - max(a, first)) for a, b in zip(parts[:-1], parts[1:])]
     empty = [i for i in range(1, len(counts) - 1) if counts[i] == 0]
     if empty:
-        raise LayoutError(f"--pp-partition-method {method} splits --num-layers {groups.num_layers} over "
-                          f"--pipeline-model-parallel-size {len(counts)} leaving stage(s) "
-                          f"{', '.join(map(str, empty))} without a transformer layer; use fewer stages, "
-                          f"more layers, or --pp-dedicated-embedding-stages")
+        raise LayoutError(
+            f"--pp-partition-method {method} splits --num-layers {groups.num_layers} over "
+            f"--pipeline-model-parallel-size {len(counts)} leaving stage(s) "
+            f"{', '.join(map(str, empty))} without a transformer layer; use fewer stages, "
+            f"more layers, or --pp-dedicated-embedding-stages"
+        )
     return Layout(groups, tuple(counts), method)

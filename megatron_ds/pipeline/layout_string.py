@@ -5,14 +5,15 @@ post-processing group (final norm, LM head, loss), `|` a stage boundary. `X*N` r
 and `(...)*N` a parenthesised group, e.g. `E|t*3|t*3|L`, `Et|tt|tL`, `E|(t|)*3L`. Whitespace is
 ignored.
 """
+
 from __future__ import annotations
+
+from megatron_ds.errors import LayoutError
 
 SYMBOLS = "EtL|"
 
 
-def _error(layout: str, problem: str, fix: str) -> ValueError:
-    from megatron_ds.pipeline.layout import LayoutError
-
+def _error(layout: str, problem: str, fix: str) -> LayoutError:
     return LayoutError(f"--pp-layout {layout!r}: {problem}; {fix}")
 
 
@@ -22,7 +23,7 @@ class _Parser:
         self.text = "".join(layout.split())
         self.pos = 0
 
-    def fail(self, problem: str, fix: str = "write it like 'E|t*3|t*3|L'") -> ValueError:
+    def fail(self, problem: str, fix: str = "write it like 'E|t*3|t*3|L'") -> LayoutError:
         return _error(self.layout, problem, fix)
 
     def peek(self) -> str:
@@ -51,8 +52,10 @@ class _Parser:
         elif ch == "*":
             raise self.fail(f"'*' at position {self.pos} follows nothing", "write X*N after a symbol or ')'")
         else:
-            raise self.fail(f"unknown symbol {ch!r} at position {self.pos}",
-                            "use only E (embedding), t (transformer layer), L (loss head), | ( ) * and digits")
+            raise self.fail(
+                f"unknown symbol {ch!r} at position {self.pos}",
+                "use only E (embedding), t (transformer layer), L (loss head), | ( ) * and digits",
+            )
         return atom * self.repeat()
 
     def repeat(self) -> int:
@@ -64,7 +67,7 @@ class _Parser:
             self.pos += 1
         if start == self.pos:
             raise self.fail(f"'*' at position {start - 1} is not followed by a count", "write X*N with N >= 1")
-        count = int(self.text[start:self.pos])
+        count = int(self.text[start : self.pos])
         if count < 1:
             raise self.fail(f"repeat count {count} at position {start}", "use a count >= 1")
         return count
@@ -86,8 +89,11 @@ def parse_layout_string(layout: str, num_layers: int, num_stages: int) -> list[i
         raise _error(layout, "the layout is empty", "write it like 'E|t*3|t*3|L'")
     stages = flat.split("|")
     if len(stages) != num_stages:
-        raise _error(layout, f"has {len(stages)} stages but --pipeline-model-parallel-size is {num_stages}",
-                     "make the number of '|'-separated stages equal the pipeline size")
+        raise _error(
+            layout,
+            f"has {len(stages)} stages but --pipeline-model-parallel-size is {num_stages}",
+            "make the number of '|'-separated stages equal the pipeline size",
+        )
     for symbol, where, name in (("E", "first", "embedding"), ("L", "last", "loss head")):
         count = flat.count(symbol)
         if count == 0:
@@ -103,6 +109,7 @@ def parse_layout_string(layout: str, num_layers: int, num_stages: int) -> list[i
         raise _error(layout, f"stage {empty[0]} is empty", "give every stage at least one symbol")
     counts = [s.count("t") for s in stages]
     if sum(counts) != num_layers:
-        raise _error(layout, f"has {sum(counts)} 't' but --num-layers is {num_layers}",
-                     "use one 't' per transformer layer")
+        raise _error(
+            layout, f"has {sum(counts)} 't' but --num-layers is {num_layers}", "use one 't' per transformer layer"
+        )
     return counts

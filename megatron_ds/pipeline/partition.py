@@ -5,10 +5,11 @@ dynamic programme minimises max - min part weight, ties resolved towards the lat
 `uniform` those of its `partition_uniform`, so `--pp-partition-method` means what it means in
 DeepSpeed. Both return `parts`: num_parts + 1 offsets, part i being items [parts[i], parts[i+1]).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def uniform(num_items: int, num_parts: int) -> list[int]:

@@ -8,6 +8,7 @@
 
 Importing this package does not import torch or deepspeed.
 """
+
 from megatron_ds.plan.memory_model import (
     MemoryInputs,
     SpecMemory,
@@ -18,5 +19,12 @@ from megatron_ds.plan.memory_model import (
     stage_memory_for,
 )
 
-__all__ = ["MemoryInputs", "SpecMemory", "StageMemory", "format_bytes", "spec_memory", "stage_memory",
-           "stage_memory_for"]
+__all__ = [
+    "MemoryInputs",
+    "SpecMemory",
+    "StageMemory",
+    "format_bytes",
+    "spec_memory",
+    "stage_memory",
+    "stage_memory_for",
+]

@@ -21,10 +21,10 @@ These CPU rules were read off `torch.autograd.graph.saved_tensors_hooks` on our 
 (tests/unit/test_memory_model.py repeats that check); the CUDA rules are the kernels' documented
 saved tensors and are not measured here. Every number is an estimate.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.plan.model_states import PRECISION_BYTES
@@ -55,7 +55,7 @@ class Kernels:
     """Bytes of one norm statistic (mean or rstd) per token."""
 
 
-def kernels(precision: str, device: str, attention_dropout: float, attention: Optional[str] = None) -> Kernels:
+def kernels(precision: str, device: str, attention_dropout: float, attention: str | None = None) -> Kernels:
     """The kernel byte widths; `attention` None picks what torch's SDPA dispatch runs."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
@@ -64,8 +64,7 @@ def kernels(precision: str, device: str, attention_dropout: float, attention: Op
     w = PRECISION_BYTES[precision]
     if device == "cuda":
         # LayerNorm's CUDA kernel saves mean/rstd in float32; native_dropout's mask is bool.
-        return Kernels(w=w, mask=1, attention=attention or "flash", math_bytes=w, attn_mask=1,
-                       qkv_copies=False, stat=4)
+        return Kernels(w=w, mask=1, attention=attention or "flash", math_bytes=w, attn_mask=1, qkv_copies=False, stat=4)
     # CPU: the flash kernel takes no dropout, so SDPA falls back to math when dropout is on.
     chosen = attention or ("math" if attention_dropout > 0 else "flash")
     return Kernels(w=w, mask=w, attention=chosen, math_bytes=4, attn_mask=4, qkv_copies=True, stat=w)
@@ -75,8 +74,9 @@ def _norm_stats(model: ModelConfig) -> int:
     return 2 if model.normalization == "layernorm" else 1  # mean + rstd, or rstd only
 
 
-def transformer_layer_terms(model: ModelConfig, micro_batch_size: int, k: Kernels,
-                            tensor_parallel_size: int = 1) -> dict[str, float]:
+def transformer_layer_terms(
+    model: ModelConfig, micro_batch_size: int, k: Kernels, tensor_parallel_size: int = 1
+) -> dict[str, float]:
     """Saved bytes of one TransformerLayer for one micro-batch, by tensor (Korthikanti Sec. 4.1 terms)."""
     b, s, h, f = micro_batch_size, model.seq_length, model.hidden_size, model.ffn_hidden_size
     t, a = tensor_parallel_size, model.num_attention_heads
@@ -112,8 +112,9 @@ def _attention_terms(b: int, s: int, h: int, a: int, t: int, k: Kernels, dropout
     return out
 
 
-def korthikanti_layer_bytes(seq_length: int, micro_batch_size: int, hidden_size: int, num_heads: int,
-                            tensor_parallel_size: int = 1) -> float:
+def korthikanti_layer_bytes(
+    seq_length: int, micro_batch_size: int, hidden_size: int, num_heads: int, tensor_parallel_size: int = 1
+) -> float:
     """The paper's closed form, eq. in Sec. 4.2: sbh(10 + 24/t + 5as/(ht)) bytes (16-bit, 4h MLP)."""
     s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_heads, tensor_parallel_size
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
@@ -132,12 +133,15 @@ def pre_terms(model: ModelConfig, micro_batch_size: int, k: Kernels) -> dict[str
         "cast_token_ids": {},
         "WordEmbedding": {"token ids (embedding backward)": bs * TOKEN_ID_BYTES},
         # spec 2 is PositionEmbedding, or a bare EmbeddingDropout for rotary models (no position table)
-        ("PositionEmbedding" if model.add_position_embedding else "EmbeddingDropout"): {"embedding dropout mask": dropout},
+        ("PositionEmbedding" if model.add_position_embedding else "EmbeddingDropout"): {
+            "embedding dropout mask": dropout
+        },
     }
 
 
-def post_terms(model: ModelConfig, micro_batch_size: int, k: Kernels, head_name: str,
-               tensor_parallel_size: int = 1) -> dict[str, dict[str, float]]:
+def post_terms(
+    model: ModelConfig, micro_batch_size: int, k: Kernels, head_name: str, tensor_parallel_size: int = 1
+) -> dict[str, dict[str, float]]:
     """Saved bytes of the post-processing specs (the loss's saved tensors are put on logits_to_fp32)."""
     bs = model.seq_length * micro_batch_size
     sbh = bs * model.hidden_size
@@ -147,8 +151,10 @@ def post_terms(model: ModelConfig, micro_batch_size: int, k: Kernels, head_name:
         head_name: {"LM head input": sbh * k.w},
         # log_softmax saves its float32 output (nll_loss reuses it); the fp32 logits themselves are not
         # saved by autograd but DeepSpeed keeps them as the stage output (see `logits_bytes`).
-        "logits_to_fp32": {"fp32 log-probabilities": 4 * bsv,
-                           "labels and loss mask": bs * (TOKEN_ID_BYTES + LOSS_MASK_BYTES) + 8},
+        "logits_to_fp32": {
+            "fp32 log-probabilities": 4 * bsv,
+            "labels and loss mask": bs * (TOKEN_ID_BYTES + LOSS_MASK_BYTES) + 8,
+        },
     }
 
 

@@ -3,14 +3,16 @@
 Exit status: 0 plan produced and every check holds; 1 plan produced but a check failed (e.g. a
 predicted stage does not fit); 2 bad or missing input (one line on stderr, no traceback).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
+from megatron_ds.errors import UserError
 from megatron_ds.plan import ds_json
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import GPUS, PRESETS, PlanError
@@ -18,10 +20,15 @@ from megatron_ds.plan.inputs import CHOICES, PlanInputs, load_profile, resolve, 
 from megatron_ds.plan.report import Report, Section, render_json, render_text
 
 COMMANDS = ("zero", "precision", "pipeline", "memory", "nvme", "onebit", "sparse-attention")
-NEEDS = {"zero": ["model", "num_gpus", "gpu_memory"], "precision": ["compute_capability"],
-         "pipeline": ["model", "num_gpus", "gpu_memory", "global_batch_size"],
-         "memory": ["model", "num_gpus", "gpu_memory", "global_batch_size"], "nvme": [], "onebit": [],
-         "sparse-attention": ["model"]}
+NEEDS = {
+    "zero": ["model", "num_gpus", "gpu_memory"],
+    "precision": ["compute_capability"],
+    "pipeline": ["model", "num_gpus", "gpu_memory", "global_batch_size"],
+    "memory": ["model", "num_gpus", "gpu_memory", "global_batch_size"],
+    "nvme": [],
+    "onebit": [],
+    "sparse-attention": ["model"],
+}
 NEEDS["all"] = list(dict.fromkeys(n for c in COMMANDS for n in NEEDS[c]))
 
 
@@ -33,17 +40,20 @@ class _Parser(argparse.ArgumentParser):
 @dataclass
 class Output:
     format: str
-    write_config: Optional[str]
+    write_config: str | None
     write_command: bool
-    plot: Optional[str]
-    profile: Optional[str]
-    save_profile: Optional[str]
+    plot: str | None
+    profile: str | None
+    save_profile: str | None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m megatron_ds.plan", allow_abbrev=False,
-                description=f"DeepSpeed configuration advisor. COMMAND is one of {', '.join(COMMANDS)}; "
-                            f"without one, all of them run.")
+    p = _Parser(
+        prog="python -m megatron_ds.plan",
+        allow_abbrev=False,
+        description=f"DeepSpeed configuration advisor. COMMAND is one of {', '.join(COMMANDS)}; "
+        f"without one, all of them run.",
+    )
     g = p.add_argument_group("model")
     g.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (or 1.3b, 175b, ...)")
     for name in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "vocab-size", "ffn-hidden-size"):
@@ -87,13 +97,19 @@ def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     ns = build_parser().parse_args(argv)
     fields = {f for f in PlanInputs.__dataclass_fields__ if f != "handled"}
     given = PlanInputs(**{k: v for k, v in vars(ns).items() if k in fields})
-    out = Output(format=ns.format, write_config=ns.write_config, write_command=ns.write_command, plot=ns.plot,
-                 profile=ns.profile, save_profile=ns.save_profile)
+    out = Output(
+        format=ns.format,
+        write_config=ns.write_config,
+        write_command=ns.write_command,
+        plot=ns.plot,
+        profile=ns.profile,
+        save_profile=ns.save_profile,
+    )
     return command, given, out
 
 
 def _sections(command: str) -> list[tuple[str, Callable[[Context], Section]]]:
-    from megatron_ds.plan import (memory_advice, nvme, onebit, pipeline_plan, precision, sparse_attention, zero)
+    from megatron_ds.plan import memory_advice, nvme, onebit, pipeline_plan, precision, sparse_attention, zero
 
     table = {
         "zero": zero.zero_section,
@@ -154,10 +170,13 @@ def _outputs(ctx: Context, report: Report, out: Output) -> int:
                 json.dump(ds_json.deepspeed_json(config), f, indent=2)
                 f.write("\n")
         except OSError as e:
-            raise PlanError(f"--write-config {out.write_config}: cannot write it ({e.strerror}); choose a writable "
-                            f"path") from None
-        extra.add(f"DeepSpeed JSON written to {out.write_config} (pass it with --deepspeed_config; it repeats the "
-                  f"flags' values, so the merge finds no contradiction).")
+            raise PlanError(
+                f"--write-config {out.write_config}: cannot write it ({e.strerror}); choose a writable path"
+            ) from None
+        extra.add(
+            f"DeepSpeed JSON written to {out.write_config} (pass it with --deepspeed_config; it repeats the "
+            f"flags' values, so the merge finds no contradiction)."
+        )
     if out.write_command:
         extra.snippets["pretrain_gpt.py command"] = ds_json.command_line(ctx.res, config, out.write_config)
     status = 0
@@ -165,22 +184,26 @@ def _outputs(ctx: Context, report: Report, out: Output) -> int:
         from megatron_ds.plan.plot import plot_stages
 
         written = plot_stages(plan, ctx.res.usable_bytes, out.plot)
-        extra.check(written, f"plot {out.plot}: " + ("written" if written else
-                                                       "not written, matplotlib is not installed (pip install "
-                                                       "matplotlib, or pip install -e '.[plot]')"))
+        extra.check(
+            written,
+            f"plot {out.plot}: "
+            + (
+                "written"
+                if written
+                else "not written, matplotlib is not installed (pip install matplotlib, or pip install -e '.[plot]')"
+            ),
+        )
         status = 0 if written else 1
     report.sections.append(extra)
     return status
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         command, given, out = parse(argv)
         report, status = run(command, given, out)
-    except ValueError as exc:
-        if not type(exc).__module__.startswith("megatron_ds"):
-            raise
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -1,8 +1,8 @@
 """What every advisor shares: the resolved inputs, the chosen precision and (lazily) the parallel plan."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import Candidate, choose
@@ -13,7 +13,7 @@ class Context:
     res: Resolved
     precision: str
     precision_reason: str
-    _plan: Optional[Candidate] = field(default=None, repr=False)
+    _plan: Candidate | None = field(default=None, repr=False)
 
     def plan(self) -> Candidate:
         """The parallel configuration `pipeline` recommends (computed once; raises PlanError)."""

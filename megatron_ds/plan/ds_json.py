@@ -4,6 +4,7 @@ The JSON is `megatron_ds.training.deepspeed_config.generate` applied to the conf
 printed command line produces, plus the keys the flags cannot express (offload). Passing it as
 `--deepspeed_config` is therefore never a contradiction: the merge only adds those keys.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -22,13 +23,27 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
     """The config tree pretrain_gpt.py builds from `command_line(res, cand)`."""
     dedicated = cand.method if cand.method in ("pre", "post", "both") else "none"
     pp_layout = cand.layout.to_string() if cand.method == "memory" else None
-    parallel = ParallelConfig(pipeline_model_parallel_size=cand.pp, tensor_model_parallel_size=cand.tp,
-                              data_parallel_size=cand.dp, pp_dedicated_embedding_stages=dedicated, pp_layout=pp_layout)
-    training = TrainingConfig(micro_batch_size=cand.micro_batch_size, global_batch_size=res.global_batch_size,
-                              train_iters=PLACEHOLDER_TRAIN_ITERS, precision=cand.precision,
-                              zero_stage=cand.zero_stage, checkpoint_activations=cand.checkpoint_activations)
-    return Config(model=res.model(cand.tp), parallel=parallel, training=training,
-                  optimizer=OptimizerConfig(lr=res.lr or DEFAULT_LR))
+    parallel = ParallelConfig(
+        pipeline_model_parallel_size=cand.pp,
+        tensor_model_parallel_size=cand.tp,
+        data_parallel_size=cand.dp,
+        pp_dedicated_embedding_stages=dedicated,
+        pp_layout=pp_layout,
+    )
+    training = TrainingConfig(
+        micro_batch_size=cand.micro_batch_size,
+        global_batch_size=res.global_batch_size,
+        train_iters=PLACEHOLDER_TRAIN_ITERS,
+        precision=cand.precision,
+        zero_stage=cand.zero_stage,
+        checkpoint_activations=cand.checkpoint_activations,
+    )
+    return Config(
+        model=res.model(cand.tp),
+        parallel=parallel,
+        training=training,
+        optimizer=OptimizerConfig(lr=res.lr or DEFAULT_LR),
+    )
 
 
 def deepspeed_json(config: Config, offload_optimizer: str = "none") -> dict[str, Any]:
@@ -61,12 +76,32 @@ def zero_section_json(stage: int, offload_optimizer: str = "none", offload_param
 def command_flags(config: Config, vocab_size: int) -> list[str]:
     """pretrain_gpt.py flags in Megatron spelling for this config (vocab given unpadded, as users do)."""
     m, par, t = config.model, config.parallel, config.training
-    flags = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--num-attention-heads",
-             m.num_attention_heads, "--ffn-hidden-size", m.ffn_hidden_size, "--seq-length", m.seq_length,
-             "--max-position-embeddings", m.max_position_embeddings, "--vocab-size", vocab_size,
-             "--micro-batch-size", t.micro_batch_size, "--global-batch-size", t.global_batch_size,
-             "--pipeline-model-parallel-size", par.pipeline_model_parallel_size,
-             "--tensor-model-parallel-size", par.tensor_model_parallel_size, "--zero-stage", t.zero_stage]
+    flags = [
+        "--num-layers",
+        m.num_layers,
+        "--hidden-size",
+        m.hidden_size,
+        "--num-attention-heads",
+        m.num_attention_heads,
+        "--ffn-hidden-size",
+        m.ffn_hidden_size,
+        "--seq-length",
+        m.seq_length,
+        "--max-position-embeddings",
+        m.max_position_embeddings,
+        "--vocab-size",
+        vocab_size,
+        "--micro-batch-size",
+        t.micro_batch_size,
+        "--global-batch-size",
+        t.global_batch_size,
+        "--pipeline-model-parallel-size",
+        par.pipeline_model_parallel_size,
+        "--tensor-model-parallel-size",
+        par.tensor_model_parallel_size,
+        "--zero-stage",
+        t.zero_stage,
+    ]
     if t.precision != "fp32":
         flags.append(f"--{t.precision}")
     if par.pp_dedicated_embedding_stages != "none":
@@ -98,6 +133,8 @@ def command_line(res: Resolved, config: Config, ds_config_path: str | None = Non
             pairs.append(flags[i])
             i += 1
     body = " \\\n    ".join([lines[0], *pairs])
-    note = ("# --lr is the GPT-3 paper's value for this size when a preset is used; --train-iters and "
-            "--mock-data are placeholders: set your length and --data-path/--tokenizer-* flags")
+    note = (
+        "# --lr is the GPT-3 paper's value for this size when a preset is used; --train-iters and "
+        "--mock-data are placeholders: set your length and --data-path/--tokenizer-* flags"
+    )
     return f"{note}\n{body}"

@@ -7,19 +7,20 @@ with the head counts Megatron-DeepSpeed's GPT-3 example scripts use (hidden size
 heads: 1.3B uses 16 heads, 13B uses width 5120), sequence length 2048 and the GPT-2 BPE
 vocabulary of 50257 tokens.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron_ds.config import ModelConfig
+from megatron_ds.errors import UserError
 
 GPT2_VOCAB_SIZE = 50257
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # pretrain_gpt.py's default --make-vocab-size-divisible-by
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """A planner input that cannot be used; the message names the flag, the value and the fix."""
 
 
@@ -37,24 +38,27 @@ class GPU:
         return parse_compute_capability(self.compute_capability, "--gpu")
 
 
-GPUS = {g.name.lower(): g for g in (
-    GPU("P100-16GB", 16, "6.0", "Pascal"),
-    GPU("V100-16GB", 16, "7.0", "Volta"),
-    GPU("V100-32GB", 32, "7.0", "Volta"),
-    GPU("T4", 16, "7.5", "Turing"),
-    GPU("A10", 24, "8.6", "Ampere"),
-    GPU("A30", 24, "8.0", "Ampere"),
-    GPU("A40", 48, "8.6", "Ampere"),
-    GPU("A100-40GB", 40, "8.0", "Ampere"),
-    GPU("A100-80GB", 80, "8.0", "Ampere"),
-    GPU("RTX-3090", 24, "8.6", "Ampere"),
-    GPU("RTX-A6000", 48, "8.6", "Ampere"),
-    GPU("RTX-4090", 24, "8.9", "Ada Lovelace"),
-    GPU("L4", 24, "8.9", "Ada Lovelace"),
-    GPU("L40S", 48, "8.9", "Ada Lovelace"),
-    GPU("H100-80GB", 80, "9.0", "Hopper"),
-    GPU("H200", 141, "9.0", "Hopper"),
-)}
+GPUS = {
+    g.name.lower(): g
+    for g in (
+        GPU("P100-16GB", 16, "6.0", "Pascal"),
+        GPU("V100-16GB", 16, "7.0", "Volta"),
+        GPU("V100-32GB", 32, "7.0", "Volta"),
+        GPU("T4", 16, "7.5", "Turing"),
+        GPU("A10", 24, "8.6", "Ampere"),
+        GPU("A30", 24, "8.0", "Ampere"),
+        GPU("A40", 48, "8.6", "Ampere"),
+        GPU("A100-40GB", 40, "8.0", "Ampere"),
+        GPU("A100-80GB", 80, "8.0", "Ampere"),
+        GPU("RTX-3090", 24, "8.6", "Ampere"),
+        GPU("RTX-A6000", 48, "8.6", "Ampere"),
+        GPU("RTX-4090", 24, "8.9", "Ada Lovelace"),
+        GPU("L4", 24, "8.9", "Ada Lovelace"),
+        GPU("L40S", 48, "8.9", "Ada Lovelace"),
+        GPU("H100-80GB", 80, "9.0", "Hopper"),
+        GPU("H200", 141, "9.0", "Hopper"),
+    )
+}
 
 
 def find_gpu(name: str) -> GPU:
@@ -68,8 +72,9 @@ def find_gpu(name: str) -> GPU:
     known = ", ".join(g.name for g in GPUS.values())
     if hits:
         raise PlanError(f"--gpu {name!r} matches {', '.join(g.name for g in hits)}; give the full name")
-    raise PlanError(f"--gpu {name!r} is not in the table ({known}); give --gpu-memory-gb and "
-                    f"--compute-capability instead")
+    raise PlanError(
+        f"--gpu {name!r} is not in the table ({known}); give --gpu-memory-gb and --compute-capability instead"
+    )
 
 
 def parse_compute_capability(text: str, flag: str = "--compute-capability") -> tuple[int, int]:
@@ -102,16 +107,19 @@ class Preset:
     lr: float
 
 
-PRESETS = {p.name: p for p in (
-    Preset("gpt3-125m", 12, 768, 12, 256, 6.0e-4),
-    Preset("gpt3-350m", 24, 1024, 16, 256, 3.0e-4),
-    Preset("gpt3-760m", 24, 1536, 16, 256, 2.5e-4),
-    Preset("gpt3-1.3b", 24, 2048, 16, 512, 2.0e-4),
-    Preset("gpt3-2.7b", 32, 2560, 32, 512, 1.6e-4),
-    Preset("gpt3-6.7b", 32, 4096, 32, 1024, 1.2e-4),
-    Preset("gpt3-13b", 40, 5120, 40, 1024, 1.0e-4),
-    Preset("gpt3-175b", 96, 12288, 96, 1536, 0.6e-4),
-)}
+PRESETS = {
+    p.name: p
+    for p in (
+        Preset("gpt3-125m", 12, 768, 12, 256, 6.0e-4),
+        Preset("gpt3-350m", 24, 1024, 16, 256, 3.0e-4),
+        Preset("gpt3-760m", 24, 1536, 16, 256, 2.5e-4),
+        Preset("gpt3-1.3b", 24, 2048, 16, 512, 2.0e-4),
+        Preset("gpt3-2.7b", 32, 2560, 32, 512, 1.6e-4),
+        Preset("gpt3-6.7b", 32, 4096, 32, 1024, 1.2e-4),
+        Preset("gpt3-13b", 40, 5120, 40, 1024, 1.0e-4),
+        Preset("gpt3-175b", 96, 12288, 96, 1536, 0.6e-4),
+    )
+}
 PRESET_SEQ_LENGTH = 2048
 
 
@@ -122,22 +130,36 @@ def find_preset(name: str) -> Preset:
         key = "gpt3-" + key
     if key in PRESETS:
         return PRESETS[key]
-    raise PlanError(f"--model {name!r} is not a preset; use one of {', '.join(PRESETS)} or give "
-                    f"--num-layers --hidden-size --num-attention-heads --seq-length --vocab-size")
+    raise PlanError(
+        f"--model {name!r} is not a preset; use one of {', '.join(PRESETS)} or give "
+        f"--num-layers --hidden-size --num-attention-heads --seq-length --vocab-size"
+    )
 
 
-def padded_vocab_size(vocab_size: int, tensor_parallel_size: int,
-                      divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY) -> int:
+def padded_vocab_size(
+    vocab_size: int, tensor_parallel_size: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY
+) -> int:
     """Megatron's padding, as `megatron_ds.validation.padded_vocab_size` (kept equal by a test)."""
     multiple = divisible_by * tensor_parallel_size
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def model_config(num_layers: int, hidden_size: int, num_attention_heads: int, seq_length: int,
-                 vocab_size: int, ffn_hidden_size: Optional[int] = None,
-                 tensor_parallel_size: int = 1) -> ModelConfig:
+def model_config(
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    seq_length: int,
+    vocab_size: int,
+    ffn_hidden_size: int | None = None,
+    tensor_parallel_size: int = 1,
+) -> ModelConfig:
     """The ModelConfig pretrain_gpt.py builds for these flags (vocabulary padded the same way)."""
-    return ModelConfig(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-                       ffn_hidden_size=ffn_hidden_size or 4 * hidden_size, seq_length=seq_length,
-                       max_position_embeddings=seq_length,
-                       vocab_size=padded_vocab_size(vocab_size, tensor_parallel_size))
+    return ModelConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        ffn_hidden_size=ffn_hidden_size or 4 * hidden_size,
+        seq_length=seq_length,
+        max_position_embeddings=seq_length,
+        vocab_size=padded_vocab_size(vocab_size, tensor_parallel_size),
+    )

@@ -3,58 +3,62 @@
 Precedence: command-line flags > `--profile FILE` > model preset defaults. `--save-profile FILE`
 stores the answers and the sub-commands already handled, so a later run never asks again.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.plan import hardware
 from megatron_ds.plan.hardware import PlanError
 
 PROFILE_FORMAT = "megatron_ds.plan profile v1"
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclass
 class PlanInputs:
     """Everything a user may answer; None means not given."""
 
-    model: Optional[str] = None
-    num_layers: Optional[int] = None
-    hidden_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    seq_length: Optional[int] = None
-    vocab_size: Optional[int] = None
-    ffn_hidden_size: Optional[int] = None
-    num_gpus: Optional[int] = None
-    gpus_per_node: Optional[int] = None
-    gpu: Optional[str] = None
-    gpu_memory_gb: Optional[float] = None
-    compute_capability: Optional[str] = None
-    global_batch_size: Optional[int] = None
-    micro_batch_size: Optional[int] = None
-    zero_stage: Optional[int] = None
-    tensor_model_parallel_size: Optional[int] = None
-    pipeline_model_parallel_size: Optional[int] = None
-    precision: Optional[str] = None
-    checkpoint_activations: Optional[bool] = None
-    layout: Optional[str] = None
-    memory_headroom: Optional[float] = None
-    cpu_memory_gb: Optional[float] = None
-    interconnect: Optional[str] = None
-    storage: Optional[str] = None
-    tensor_device: Optional[str] = None
-    reported_mb: Optional[str] = None
-    oom_stage: Optional[int] = None
+    model: str | None = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    seq_length: int | None = None
+    vocab_size: int | None = None
+    ffn_hidden_size: int | None = None
+    num_gpus: int | None = None
+    gpus_per_node: int | None = None
+    gpu: str | None = None
+    gpu_memory_gb: float | None = None
+    compute_capability: str | None = None
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    zero_stage: int | None = None
+    tensor_model_parallel_size: int | None = None
+    pipeline_model_parallel_size: int | None = None
+    precision: str | None = None
+    checkpoint_activations: bool | None = None
+    layout: str | None = None
+    memory_headroom: float | None = None
+    cpu_memory_gb: float | None = None
+    interconnect: str | None = None
+    storage: str | None = None
+    tensor_device: str | None = None
+    reported_mb: str | None = None
+    oom_stage: int | None = None
     handled: list = field(default_factory=list)
 
-    def merged_over(self, base: "PlanInputs") -> "PlanInputs":
+    def merged_over(self, base: PlanInputs) -> PlanInputs:
         """These values where given, else `base`'s (flags over a profile)."""
-        vals = {f.name: getattr(self, f.name) if getattr(self, f.name) is not None else getattr(base, f.name)
-                for f in dataclasses.fields(self) if f.name != "handled"}
+        vals = {
+            f.name: getattr(self, f.name) if getattr(self, f.name) is not None else getattr(base, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "handled"
+        }
         return PlanInputs(**vals, handled=list(base.handled))
 
     def answers(self) -> dict[str, Any]:
@@ -67,14 +71,18 @@ def load_profile(path: str) -> PlanInputs:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as e:
-        raise PlanError(f"--profile {path}: cannot read it ({e.strerror}); give a file written by "
-                        f"--save-profile") from None
+        raise PlanError(
+            f"--profile {path}: cannot read it ({e.strerror}); give a file written by --save-profile"
+        ) from None
     except json.JSONDecodeError as e:
-        raise PlanError(f"--profile {path}: not valid JSON ({e.msg} at line {e.lineno}); fix or re-create "
-                        f"it with --save-profile") from None
+        raise PlanError(
+            f"--profile {path}: not valid JSON ({e.msg} at line {e.lineno}); fix or re-create it with --save-profile"
+        ) from None
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-        raise PlanError(f"--profile {path}: not a planner profile (no \"format\": \"{PROFILE_FORMAT}\"); "
-                        f"re-create it with --save-profile")
+        raise PlanError(
+            f'--profile {path}: not a planner profile (no "format": "{PROFILE_FORMAT}"); '
+            f"re-create it with --save-profile"
+        )
     known = {f.name for f in dataclasses.fields(PlanInputs)} - {"handled"}
     unknown = sorted(set(data.get("inputs", {})) - known)
     if unknown:
@@ -95,7 +103,7 @@ def save_profile(path: str, inputs: PlanInputs, handled: list[str]) -> None:
 
 QUESTIONS = {
     "model": "Which model? --model PRESET (" + ", ".join(hardware.PRESETS) + ") or --num-layers "
-             "--hidden-size --num-attention-heads --seq-length --vocab-size",
+    "--hidden-size --num-attention-heads --seq-length --vocab-size",
     "num_gpus": "How many GPUs in total? (--num-gpus)",
     "gpu_memory": "Which GPU? --gpu NAME (e.g. A100-80GB), or --gpu-memory-gb with --compute-capability",
     "compute_capability": "Which GPU generation? --gpu NAME, or --compute-capability MAJOR.MINOR (e.g. 8.0)",
@@ -108,15 +116,15 @@ class Resolved:
     """Checked inputs with defaults applied; absent facts stay None."""
 
     raw: PlanInputs
-    dims: Optional[dict]
-    num_gpus: Optional[int]
-    gpus_per_node: Optional[int]
+    dims: dict | None
+    num_gpus: int | None
+    gpus_per_node: int | None
     gpus_per_node_assumed: bool
-    gpu_name: Optional[str]
-    gpu_memory_bytes: Optional[float]
-    cc: Optional[tuple[int, int]]
-    global_batch_size: Optional[int]
-    lr: Optional[float]
+    gpu_name: str | None
+    gpu_memory_bytes: float | None
+    cc: tuple[int, int] | None
+    global_batch_size: int | None
+    lr: float | None
     headroom: float
 
     def model(self, tensor_parallel_size: int = 1) -> ModelConfig:
@@ -124,26 +132,32 @@ class Resolved:
         return hardware.model_config(**self.dims, tensor_parallel_size=tensor_parallel_size)
 
     @property
-    def usable_bytes(self) -> Optional[float]:
+    def usable_bytes(self) -> float | None:
         return None if self.gpu_memory_bytes is None else self.gpu_memory_bytes * (1 - self.headroom)
 
     @property
-    def num_nodes(self) -> Optional[int]:
+    def num_nodes(self) -> int | None:
         if self.num_gpus is None or self.gpus_per_node is None:
             return None
         return -(-self.num_gpus // self.gpus_per_node)
 
     def missing(self, needs: list[str]) -> list[str]:
-        have = {"model": self.dims is not None, "num_gpus": self.num_gpus is not None,
-                "gpu_memory": self.gpu_memory_bytes is not None, "compute_capability": self.cc is not None,
-                "global_batch_size": self.global_batch_size is not None}
+        have = {
+            "model": self.dims is not None,
+            "num_gpus": self.num_gpus is not None,
+            "gpu_memory": self.gpu_memory_bytes is not None,
+            "compute_capability": self.cc is not None,
+            "global_batch_size": self.global_batch_size is not None,
+        }
         return [QUESTIONS[n] for n in needs if not have[n]]
 
     def require(self, needs: list[str], what: str) -> None:
         questions = self.missing(needs)
         if questions:
-            raise PlanError(f"{what} needs more inputs: {' | '.join(questions)} (answer with the flags, or "
-                            f"reuse a saved --profile FILE)")
+            raise PlanError(
+                f"{what} needs more inputs: {' | '.join(questions)} (answer with the flags, or "
+                f"reuse a saved --profile FILE)"
+            )
 
 
 def _positive(name: str, value: Any) -> None:
@@ -153,28 +167,52 @@ def _positive(name: str, value: Any) -> None:
 
 def resolve(raw: PlanInputs) -> Resolved:
     """Check the values and apply presets/defaults (raises PlanError naming the flag and fix)."""
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                 "ffn_hidden_size", "num_gpus", "gpus_per_node", "gpu_memory_gb", "global_batch_size",
-                 "micro_batch_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "cpu_memory_gb"):
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "vocab_size",
+        "ffn_hidden_size",
+        "num_gpus",
+        "gpus_per_node",
+        "gpu_memory_gb",
+        "global_batch_size",
+        "micro_batch_size",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "cpu_memory_gb",
+    ):
         _positive(name, getattr(raw, name))
     dims, preset = _dims(raw)
     gpu_name, mem_gb, cc = _gpu(raw)
     _check_choices(raw)
     gpn = raw.gpus_per_node or (min(raw.num_gpus, 8) if raw.num_gpus else None)
     if raw.num_gpus and gpn and raw.num_gpus % gpn:
-        raise PlanError(f"--num-gpus {raw.num_gpus} is not a multiple of --gpus-per-node {gpn}; give whole nodes "
-                        f"(or set --gpus-per-node)")
+        raise PlanError(
+            f"--num-gpus {raw.num_gpus} is not a multiple of --gpus-per-node {gpn}; give whole nodes "
+            f"(or set --gpus-per-node)"
+        )
     headroom = 0.10 if raw.memory_headroom is None else raw.memory_headroom
     if not 0 <= headroom < 1:
         raise PlanError(f"--memory-headroom {headroom} must be in [0, 1); e.g. 0.1 keeps 10% free")
     gbs = raw.global_batch_size or (preset.global_batch_size if preset else None)
-    return Resolved(raw=raw, dims=dims, num_gpus=raw.num_gpus, gpus_per_node=gpn,
-                    gpus_per_node_assumed=raw.gpus_per_node is None and raw.num_gpus is not None, gpu_name=gpu_name,
-                    gpu_memory_bytes=None if mem_gb is None else mem_gb * GIB, cc=cc, global_batch_size=gbs,
-                    lr=preset.lr if preset else None, headroom=headroom)
+    return Resolved(
+        raw=raw,
+        dims=dims,
+        num_gpus=raw.num_gpus,
+        gpus_per_node=gpn,
+        gpus_per_node_assumed=raw.gpus_per_node is None and raw.num_gpus is not None,
+        gpu_name=gpu_name,
+        gpu_memory_bytes=None if mem_gb is None else mem_gb * GIB,
+        cc=cc,
+        global_batch_size=gbs,
+        lr=preset.lr if preset else None,
+        headroom=headroom,
+    )
 
 
-def _dims(raw: PlanInputs) -> tuple[Optional[dict], Optional[hardware.Preset]]:
+def _dims(raw: PlanInputs) -> tuple[dict | None, hardware.Preset | None]:
     preset = hardware.find_preset(raw.model) if raw.model else None
     dims = {
         "num_layers": raw.num_layers or (preset.num_layers if preset else None),
@@ -192,12 +230,14 @@ def _dims(raw: PlanInputs) -> tuple[Optional[dict], Optional[hardware.Preset]]:
         flags = ", ".join("--" + k.replace("_", "-") for k in required if dims[k] is None)
         raise PlanError(f"model size is incomplete: also give {flags} (or --model PRESET)")
     if dims["hidden_size"] % dims["num_attention_heads"]:
-        raise PlanError(f"--hidden-size {dims['hidden_size']} is not divisible by --num-attention-heads "
-                        f"{dims['num_attention_heads']}; choose sizes whose ratio is an integer head size")
+        raise PlanError(
+            f"--hidden-size {dims['hidden_size']} is not divisible by --num-attention-heads "
+            f"{dims['num_attention_heads']}; choose sizes whose ratio is an integer head size"
+        )
     return dims, preset
 
 
-def _gpu(raw: PlanInputs) -> tuple[Optional[str], Optional[float], Optional[tuple[int, int]]]:
+def _gpu(raw: PlanInputs) -> tuple[str | None, float | None, tuple[int, int] | None]:
     cc = hardware.parse_compute_capability(raw.compute_capability) if raw.compute_capability else None
     if raw.gpu:
         try:
@@ -228,6 +268,8 @@ def _check_choices(raw: PlanInputs) -> None:
         raise PlanError(f"--zero-stage {raw.zero_stage} is not one of 0, 1, 2, 3")
     pp = raw.pipeline_model_parallel_size
     if raw.zero_stage in (2, 3) and pp is not None and pp > 1:
-        raise PlanError(f"--zero-stage {raw.zero_stage} with --pipeline-model-parallel-size {pp}: DeepSpeed's "
-                        f"pipeline engine supports ZeRO 0 and 1 only; use --zero-stage 1 or "
-                        f"--pipeline-model-parallel-size 1")
+        raise PlanError(
+            f"--zero-stage {raw.zero_stage} with --pipeline-model-parallel-size {pp}: DeepSpeed's "
+            f"pipeline engine supports ZeRO 0 and 1 only; use --zero-stage 1 or "
+            f"--pipeline-model-parallel-size 1"
+        )

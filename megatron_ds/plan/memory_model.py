@@ -21,17 +21,22 @@ gradient after its micro-batch's activations are freed) were found by comparing 
 peaks of `benchmarks/stage_memory.py` and are each traced to the DeepSpeed or torch code that
 allocates them, cited where they are computed.
 """
+
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.model import naming
 from megatron_ds.plan import activations as act
-from megatron_ds.plan.model_states import (MASTER_BYTES, OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors,
-                                           state_factors)
+from megatron_ds.plan.model_states import (
+    MASTER_BYTES,
+    OPTIMIZER_STATE_BYTES,
+    PRECISION_BYTES,
+    StateFactors,
+    state_factors,
+)
 
 
 @dataclass(frozen=True)
@@ -63,12 +68,17 @@ class MemoryInputs:
     """`none`, `cpu` or `nvme`: ZeRO-3 parameter offload."""
     device: str = "cuda"
     """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activations.kernels`)."""
-    attention: Optional[str] = None
+    attention: str | None = None
     """`flash`, `math`, or None for what torch's SDPA picks on `device`."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "num_micro_batches", "data_parallel_size", "tensor_parallel_size",
-                     "checkpoint_num_layers"):
+        for name in (
+            "micro_batch_size",
+            "num_micro_batches",
+            "data_parallel_size",
+            "tensor_parallel_size",
+            "checkpoint_num_layers",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.precision not in PRECISION_BYTES:
@@ -80,8 +90,9 @@ class MemoryInputs:
 
     @property
     def factors(self) -> StateFactors:
-        return state_factors(self.precision, self.zero_stage, self.optimizer, self.offload_optimizer,
-                             self.offload_param)
+        return state_factors(
+            self.precision, self.zero_stage, self.optimizer, self.offload_optimizer, self.offload_param
+        )
 
     @property
     def kernels(self) -> act.Kernels:
@@ -189,10 +200,15 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
     layer_params, layer_largest = layer_param_counts(m, t)
     norm = 2 * m.hidden_size if m.normalization == "layernorm" else m.hidden_size
     vocab = m.vocab_size * m.hidden_size // t
-    counts = {naming.CAST_INPUTS: (0, 0), naming.WORD_EMBEDDING: (vocab, vocab),
-              naming.POSITION_EMBEDDING: (m.max_position_embeddings * m.hidden_size,) * 2,
-              naming.EMBEDDING_DROPOUT: (0, 0),
-              naming.FINAL_NORM: (norm, norm), head: (vocab, vocab), naming.LOGITS_TO_FP32: (0, 0)}
+    counts = {
+        naming.CAST_INPUTS: (0, 0),
+        naming.WORD_EMBEDDING: (vocab, vocab),
+        naming.POSITION_EMBEDDING: (m.max_position_embeddings * m.hidden_size,) * 2,
+        naming.EMBEDDING_DROPOUT: (0, 0),
+        naming.FINAL_NORM: (norm, norm),
+        head: (vocab, vocab),
+        naming.LOGITS_TO_FP32: (0, 0),
+    }
     terms = {**act.pre_terms(m, b, k), **act.post_terms(m, b, k, head, t)}
     layer_terms = act.transformer_layer_terms(m, b, k, t)
     no_decay = {naming.FINAL_NORM: norm}  # embeddings and the head are matrices: weight decay
@@ -203,11 +219,24 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
         n_no_decay = layer_no_decay_params(m, t) if group == "body" else no_decay.get(name, 0)
         spec_terms = layer_terms if group == "body" else terms[name]
         saved = sum(spec_terms.values())
-        out.append(SpecMemory(
-            index=idx, name=name, group=group, num_params=n, largest_param=largest, params=fac.params(n, dp),
-            grads=fac.grads(n, dp), optimizer=fac.optimizer(n, dp), host=fac.host(n, dp), activations=saved,
-            checkpointed_activations=act.checkpointed_layer_bytes(m, b, k) if group == "body" else saved,
-            activation_terms=dict(spec_terms), tied=name == naming.TIED_LM_HEAD, no_decay_params=n_no_decay))
+        out.append(
+            SpecMemory(
+                index=idx,
+                name=name,
+                group=group,
+                num_params=n,
+                largest_param=largest,
+                params=fac.params(n, dp),
+                grads=fac.grads(n, dp),
+                optimizer=fac.optimizer(n, dp),
+                host=fac.host(n, dp),
+                activations=saved,
+                checkpointed_activations=act.checkpointed_layer_bytes(m, b, k) if group == "body" else saved,
+                activation_terms=dict(spec_terms),
+                tied=name == naming.TIED_LM_HEAD,
+                no_decay_params=n_no_decay,
+            )
+        )
     return tuple(out)
 
 
@@ -242,8 +271,11 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
     num_params = sum(sp.num_params for sp in held)
     states = [sum(getattr(sp, a) for sp in held) for a in ("params", "grads", "optimizer", "host")]
     full_layers, chunk = _recomputed(inputs, len(pre), num_layers, len(post))
-    per_mb = (sum(sp.activations for sp in ends) + full_layers * layer.activations
-              + (num_layers - full_layers) * layer.checkpointed_activations)
+    per_mb = (
+        sum(sp.activations for sp in ends)
+        + full_layers * layer.activations
+        + (num_layers - full_layers) * layer.checkpointed_activations
+    )
     flight = in_flight(stage, num_stages, inputs.num_micro_batches)
     buffers, persistent = _pipe_buffers(inputs, stage, num_stages)
     # A first-stage micro-batch's activations other than the token ids the embedding saved are
@@ -261,22 +293,36 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
     later = flight if inputs.num_micro_batches > num_stages - stage else flight - 1
     step, step_source = _step_temporaries(inputs, held, num_params)
     moments = [
-        (base + flight * per_mb + buffers + first_bwd[0],
-         f"first backward, {flight} micro-batch(es) in flight, no gradient yet"
-         + (f"; {first_bwd[1]}" if first_bwd[0] else "")),
-        (base + fresh + later * per_mb + buffers + later_bwd[0],
-         f"a later backward, {later} micro-batch(es) in flight, gradients held"
-         + (f"; {later_bwd[1]}" if later_bwd[0] else "")),
+        (
+            base + flight * per_mb + buffers + first_bwd[0],
+            f"first backward, {flight} micro-batch(es) in flight, no gradient yet"
+            + (f"; {first_bwd[1]}" if first_bwd[0] else ""),
+        ),
+        (
+            base + fresh + later * per_mb + buffers + later_bwd[0],
+            f"a later backward, {later} micro-batch(es) in flight, gradients held"
+            + (f"; {later_bwd[1]}" if later_bwd[0] else ""),
+        ),
         (sum(states[:3]) + persistent + step, f"optimizer step: {step_source}"),
     ]
     peak, source = max(moments, key=lambda m: m[0])
     peak += _gathered(inputs, ends, layer, num_layers)
     return StageMemory(
-        stage=stage, num_layers=num_layers, num_params=num_params, params=states[0], grads=states[1],
-        optimizer=states[2], host=states[3], activation_per_micro_batch=per_mb, in_flight=flight,
-        activations=flight * per_mb, pipe_buffers=buffers,
-        transient=peak - (sum(states[:3]) + flight * per_mb + buffers), transient_source=source,
-        backward_transient=later_bwd[0])
+        stage=stage,
+        num_layers=num_layers,
+        num_params=num_params,
+        params=states[0],
+        grads=states[1],
+        optimizer=states[2],
+        host=states[3],
+        activation_per_micro_batch=per_mb,
+        in_flight=flight,
+        activations=flight * per_mb,
+        pipe_buffers=buffers,
+        transient=peak - (sum(states[:3]) + flight * per_mb + buffers),
+        transient_source=source,
+        backward_transient=later_bwd[0],
+    )
 
 
 def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: int) -> tuple[int, int]:
@@ -293,7 +339,7 @@ def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: i
     kinds = ["x"] * num_pre + ["t"] * num_layers + ["x"] * num_post
     full, chunk = 0, 0
     for start in range(0, len(kinds), k):
-        part = kinds[start:start + k]
+        part = kinds[start : start + k]
         if all(c == "t" for c in part):
             chunk = max(chunk, len(part))
         else:
@@ -301,8 +347,15 @@ def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: i
     return full, chunk
 
 
-def _transient(inputs: MemoryInputs, layer: SpecMemory, chunk: int, held: list[SpecMemory], last: bool,
-               freed_before_embedding: float, accumulating: bool) -> tuple[float, str]:
+def _transient(
+    inputs: MemoryInputs,
+    layer: SpecMemory,
+    chunk: int,
+    held: list[SpecMemory],
+    last: bool,
+    freed_before_embedding: float,
+    accumulating: bool,
+) -> tuple[float, str]:
     """The largest short-lived buffer of one backward: recomputation, loss gradients, or (when
     `accumulating`, i.e. not the step's first micro-batch) a weight gradient created before it is
     added into the accumulated one.
@@ -316,17 +369,24 @@ def _transient(inputs: MemoryInputs, layer: SpecMemory, chunk: int, held: list[S
     if chunk:
         options.append((chunk * layer.activations, f"recomputing {chunk} layer(s) of one micro-batch"))
     if last:
-        options.append((act.loss_backward_transient(inputs.model, inputs.micro_batch_size,
-                                                    inputs.tensor_parallel_size),
-                        "fp32 loss gradients d(log-probs), d(logits) of one micro-batch"))
+        options.append(
+            (
+                act.loss_backward_transient(inputs.model, inputs.micro_batch_size, inputs.tensor_parallel_size),
+                "fp32 loss gradients d(log-probs), d(logits) of one micro-batch",
+            )
+        )
     if accumulating:
         w = PRECISION_BYTES[inputs.precision]
         for sp in held:
             size = sp.largest_param * w
             if sp.name == naming.WORD_EMBEDDING:
-                options.append((size - freed_before_embedding,
-                                "the word embedding's weight gradient before accumulation (after the "
-                                "micro-batch's other activations are freed)"))
+                options.append(
+                    (
+                        size - freed_before_embedding,
+                        "the word embedding's weight gradient before accumulation (after the "
+                        "micro-batch's other activations are freed)",
+                    )
+                )
             else:
                 options.append((size, "one weight gradient before accumulation"))
     return max(options, key=lambda o: o[0])
@@ -356,8 +416,12 @@ def _step_temporaries(inputs: MemoryInputs, held: list[SpecMemory], num_params: 
     options = [(0.0, "no temporary")]
     if inputs.zero_stage == 0:
         width = 2 if inputs.precision == "fp16" else MASTER_BYTES if inputs.precision == "bf16" else 4
-        options.append((width * min(num_params, ALLREDUCE_BUCKET_ELEMENTS),
-                        "the flattened copy of the gradients in DeepSpeed's gradient all-reduce"))
+        options.append(
+            (
+                width * min(num_params, ALLREDUCE_BUCKET_ELEMENTS),
+                "the flattened copy of the gradients in DeepSpeed's gradient all-reduce",
+            )
+        )
     if inputs.offload_optimizer == "none":
         copies = 2 if inputs.optimizer == "adam" else 1
         if inputs.precision == "fp32" and inputs.zero_stage == 0:
@@ -422,8 +486,13 @@ def total_params(model: ModelConfig) -> int:
     layer, _ = layer_param_counts(model, 1)
     norm = 2 * model.hidden_size if model.normalization == "layernorm" else model.hidden_size
     head = model.vocab_size * model.hidden_size if model.untie_embeddings_and_output_weights else 0
-    return (model.vocab_size * model.hidden_size + model.max_position_embeddings * model.hidden_size
-            + model.num_layers * layer + norm + head)
+    return (
+        model.vocab_size * model.hidden_size
+        + model.max_position_embeddings * model.hidden_size
+        + model.num_layers * layer
+        + norm
+        + head
+    )
 
 
 def largest_layer_params(model: ModelConfig) -> int:
@@ -444,4 +513,4 @@ def format_bytes(num_bytes: float) -> str:
     return f"{value:.3g} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
 
 
-GIB = 1024 ** 3
+GIB = 1024**3

@@ -15,6 +15,7 @@ Two things live here, kept apart on purpose:
 Not counted anywhere (DeepSpeed's estimator does not count them either): communication buckets
 (`reduce_bucket_size`, `allgather_bucket_size`), the CUDA context, allocator fragmentation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,12 +62,21 @@ class StateFactors:
 
     def per_param(self, dp: int) -> float:
         """Total GPU bytes per parameter (without the gathered-layer term)."""
-        return (self.param_repl + self.grad_repl + self.optim_repl
-                + (self.param_part + self.grad_part + self.optim_part) / dp)
+        return (
+            self.param_repl
+            + self.grad_repl
+            + self.optim_repl
+            + (self.param_part + self.grad_part + self.optim_part) / dp
+        )
 
 
-def state_factors(precision: str, zero_stage: int, optimizer: str = "adam",
-                  offload_optimizer: str = "none", offload_param: str = "none") -> StateFactors:
+def state_factors(
+    precision: str,
+    zero_stage: int,
+    optimizer: str = "adam",
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+) -> StateFactors:
     """The byte factors for one configuration (raises ValueError for combinations DeepSpeed rejects)."""
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISION_BYTES)}")
@@ -91,67 +101,197 @@ def state_factors(precision: str, zero_stage: int, optimizer: str = "adam",
 
 def _fp32(zero_stage: int, s: int) -> StateFactors:
     if zero_stage == 0:
-        return StateFactors(4, 0, 4, 0, s, 0, source=(
-            "fp32 without ZeRO: DeepSpeed keeps the client torch optimizer as is "
-            "(engine._do_optimizer_sanity_check returns no wrapper); no master copy"))
+        return StateFactors(
+            4,
+            0,
+            4,
+            0,
+            s,
+            0,
+            source=(
+                "fp32 without ZeRO: DeepSpeed keeps the client torch optimizer as is "
+                "(engine._do_optimizer_sanity_check returns no wrapper); no master copy"
+            ),
+        )
     if zero_stage == 1:
-        return StateFactors(4, 0, 4, 4, 0, MASTER_BYTES + s, source=(
-            "fp32 ZeRO-1: DeepSpeedZeroOptimizer (zero/stage_1_and_2.py) keeps full fp32 grads, clones "
-            "its fp32 partition (single_partition_of_fp32_groups) and flattens a partition grad in step()"))
+        return StateFactors(
+            4,
+            0,
+            4,
+            4,
+            0,
+            MASTER_BYTES + s,
+            source=(
+                "fp32 ZeRO-1: DeepSpeedZeroOptimizer (zero/stage_1_and_2.py) keeps full fp32 grads, clones "
+                "its fp32 partition (single_partition_of_fp32_groups) and flattens a partition grad in step()"
+            ),
+        )
     if zero_stage == 2:
-        return StateFactors(4, 0, 0, 4, 0, MASTER_BYTES + s, source=(
-            "fp32 ZeRO-2: DeepSpeedZeroOptimizer with partitioned grads (grads_in_partition) plus the "
-            "fp32 partition clone"))
-    return StateFactors(0, 4, 0, 8, 0, s, gathered=8, source=(
-        "fp32 ZeRO-3: DeepSpeedZeroOptimizer_Stage3 (zero/stage3.py) aliases the fp32 partition as master "
-        "(no copy), keeps a grad partition and an fp32 grad buffer; one gathered layer (params + grads)"))
+        return StateFactors(
+            4,
+            0,
+            0,
+            4,
+            0,
+            MASTER_BYTES + s,
+            source=(
+                "fp32 ZeRO-2: DeepSpeedZeroOptimizer with partitioned grads (grads_in_partition) plus the "
+                "fp32 partition clone"
+            ),
+        )
+    return StateFactors(
+        0,
+        4,
+        0,
+        8,
+        0,
+        s,
+        gathered=8,
+        source=(
+            "fp32 ZeRO-3: DeepSpeedZeroOptimizer_Stage3 (zero/stage3.py) aliases the fp32 partition as master "
+            "(no copy), keeps a grad partition and an fp32 grad buffer; one gathered layer (params + grads)"
+        ),
+    )
 
 
 def _mixed(precision: str, zero_stage: int, s: int) -> StateFactors:
     m = MASTER_BYTES
     if zero_stage == 0 and precision == "fp16":
-        return StateFactors(2, 0, 2 + m, 0, m + s, 0, source=(
-            "fp16 without ZeRO: FP16_Optimizer (runtime/fp16/fused_optimizer.py): 16-bit params and grads, "
-            "fp32 master copy (fp32_groups_flat) and its fp32 flat grads, fp32 optimizer states"))
+        return StateFactors(
+            2,
+            0,
+            2 + m,
+            0,
+            m + s,
+            0,
+            source=(
+                "fp16 without ZeRO: FP16_Optimizer (runtime/fp16/fused_optimizer.py): 16-bit params and grads, "
+                "fp32 master copy (fp32_groups_flat) and its fp32 flat grads, fp32 optimizer states"
+            ),
+        )
     if zero_stage == 0:
-        return StateFactors(2, 0, 2 + 2, m, 0, m + s, source=(
-            "bf16 without ZeRO on DeepSpeed's pipeline engine: BF16_Optimizer (runtime/bf16_optimizer.py): "
-            "bf16 grads, a gradient-accumulation buffer in data_types.grad_accum_dtype (bf16 by default), "
-            "and an fp32 master/grad/state partition split over data parallel ranks (ZeRO-1 like)"))
+        return StateFactors(
+            2,
+            0,
+            2 + 2,
+            m,
+            0,
+            m + s,
+            source=(
+                "bf16 without ZeRO on DeepSpeed's pipeline engine: BF16_Optimizer (runtime/bf16_optimizer.py): "
+                "bf16 grads, a gradient-accumulation buffer in data_types.grad_accum_dtype (bf16 by default), "
+                "and an fp32 master/grad/state partition split over data parallel ranks (ZeRO-1 like)"
+            ),
+        )
     if zero_stage == 1:
-        return StateFactors(2, 0, 2, m, 0, m + s, source=(
-            "16-bit ZeRO-1: DeepSpeedZeroOptimizer: full 16-bit grads; fp32 master, fp32 partition grad "
-            "and optimizer states partitioned (ZeRO paper P_os)"))
+        return StateFactors(
+            2,
+            0,
+            2,
+            m,
+            0,
+            m + s,
+            source=(
+                "16-bit ZeRO-1: DeepSpeedZeroOptimizer: full 16-bit grads; fp32 master, fp32 partition grad "
+                "and optimizer states partitioned (ZeRO paper P_os)"
+            ),
+        )
     if zero_stage == 2:
-        return StateFactors(2, 0, 0, 2 + m, 0, m + s, source=(
-            "16-bit ZeRO-2: as DeepSpeed's estimate_zero2_model_states_mem_needs: 2 bytes params + "
-            "18/N (2 grads16 + 4 grads32 + 4 params32 + 8 Adam states)"))
-    return StateFactors(0, 2, 0, m, 0, m + s, gathered=4, source=(
-        "16-bit ZeRO-3: as DeepSpeed's estimate_zero3_model_states_mem_needs: 18/N per parameter + "
-        "4 bytes x largest layer; 0.19.8 also keeps a 2/N 16-bit grad partition the estimator leaves out"))
+        return StateFactors(
+            2,
+            0,
+            0,
+            2 + m,
+            0,
+            m + s,
+            source=(
+                "16-bit ZeRO-2: as DeepSpeed's estimate_zero2_model_states_mem_needs: 2 bytes params + "
+                "18/N (2 grads16 + 4 grads32 + 4 params32 + 8 Adam states)"
+            ),
+        )
+    return StateFactors(
+        0,
+        2,
+        0,
+        m,
+        0,
+        m + s,
+        gathered=4,
+        source=(
+            "16-bit ZeRO-3: as DeepSpeed's estimate_zero3_model_states_mem_needs: 18/N per parameter + "
+            "4 bytes x largest layer; 0.19.8 also keeps a 2/N 16-bit grad partition the estimator leaves out"
+        ),
+    )
 
 
 def _offloaded(w: int, zero_stage: int, s: int, params_too: bool) -> StateFactors:
     host = MASTER_BYTES + MASTER_BYTES + s  # fp32 master, fp32 grad partition, optimizer states
     if zero_stage == 1:
-        return StateFactors(w, 0, w, 0, 0, 0, host_part=host, source=(
-            "ZeRO-1 + offload_optimizer: full 16-bit params and grads stay on the GPU; fp32 master, grad "
-            "partition and optimizer states live on the host (DeepSpeedZeroOptimizer cpu_offload)"))
+        return StateFactors(
+            w,
+            0,
+            w,
+            0,
+            0,
+            0,
+            host_part=host,
+            source=(
+                "ZeRO-1 + offload_optimizer: full 16-bit params and grads stay on the GPU; fp32 master, grad "
+                "partition and optimizer states live on the host (DeepSpeedZeroOptimizer cpu_offload)"
+            ),
+        )
     if zero_stage == 2:
-        return StateFactors(w, 0, 0, 0, 0, 0, host_part=host, source=(
-            "ZeRO-2 + offload_optimizer: as DeepSpeed's estimate_zero2_model_states_mem_needs(cpu_offload=True): "
-            "GPU holds the 16-bit params only"))
+        return StateFactors(
+            w,
+            0,
+            0,
+            0,
+            0,
+            0,
+            host_part=host,
+            source=(
+                "ZeRO-2 + offload_optimizer: as DeepSpeed's estimate_zero2_model_states_mem_needs(cpu_offload=True): "
+                "GPU holds the 16-bit params only"
+            ),
+        )
     if params_too:
-        return StateFactors(0, 0, 0, 0, 0, 0, gathered=2 * w, host_part=host + w, source=(
-            "ZeRO-3 + offload_param + offload_optimizer: as estimate_zero3_model_states_mem_needs: the GPU "
-            "holds one gathered layer (4 bytes x largest layer in 16-bit)"))
-    return StateFactors(0, w, 0, 0, 0, 0, gathered=2 * w, host_part=host, source=(
-        "ZeRO-3 + offload_optimizer: as estimate_zero3_model_states_mem_needs: GPU holds the 16-bit param "
-        "partition and one gathered layer"))
+        return StateFactors(
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            gathered=2 * w,
+            host_part=host + w,
+            source=(
+                "ZeRO-3 + offload_param + offload_optimizer: as estimate_zero3_model_states_mem_needs: the GPU "
+                "holds one gathered layer (4 bytes x largest layer in 16-bit)"
+            ),
+        )
+    return StateFactors(
+        0,
+        w,
+        0,
+        0,
+        0,
+        0,
+        gathered=2 * w,
+        host_part=host,
+        source=(
+            "ZeRO-3 + offload_optimizer: as estimate_zero3_model_states_mem_needs: GPU holds the 16-bit param "
+            "partition and one gathered layer"
+        ),
+    )
 
 
-def zero2_estimate(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,
-                   additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+def zero2_estimate(
+    total_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int]:
     """(cpu bytes per node, gpu bytes per GPU): DeepSpeed's `estimate_zero2_model_states_mem_needs`."""
     total_gpus = num_nodes * num_gpus_per_node
     if cpu_offload:
@@ -163,9 +303,16 @@ def zero2_estimate(total_params: int, num_gpus_per_node: int = 1, num_nodes: int
     return int(cpu_mem), int(gpu_mem)
 
 
-def zero3_estimate(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
-                   cpu_offload: bool = True, cpu_offload_params: bool = True, zero_init: bool = True,
-                   additional_buffer_factor: float = 1.5) -> tuple[int, int, int]:
+def zero3_estimate(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    cpu_offload_params: bool = True,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int, int]:
     """(cpu bytes per node, gpu bytes per GPU, largest layer bytes): DeepSpeed's
     `estimate_zero3_model_states_mem_needs`."""
     total_gpus = num_nodes * num_gpus_per_node

@@ -4,13 +4,22 @@ The `aio` keys are those of the installed DeepSpeed (`deepspeed/runtime/swap_ten
 kept equal by a test); the handle methods are those its pybind module defines
 (`deepspeed/ops/csrc/aio/py_lib/py_ds_aio.cpp`, `.../gds/py_lib/py_ds_gds.cpp`), also checked by a test.
 """
+
 from __future__ import annotations
 
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.report import Section
 
-AIO_BLOCK = {"aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
-                     "overlap_events": True, "use_gds": False}}
+AIO_BLOCK = {
+    "aio": {
+        "block_size": 1048576,
+        "queue_depth": 8,
+        "intra_op_parallelism": 1,
+        "single_submit": False,
+        "overlap_events": True,
+        "use_gds": False,
+    }
+}
 """DeepSpeed's defaults for the `aio` section (AIO_DEFAULT_DICT)."""
 
 EXAMPLE_SCRIPT = '''\
@@ -80,38 +89,52 @@ def nvme_section(res: Resolved) -> Section:
     sec = Section("nvme", "DeepNVMe (async tensor I/O)")
     storage, device = res.raw.storage, res.raw.tensor_device
     if device == "cuda" and storage == "nvme":
-        sec.add("Use gds_handle: CUDA tensors to and from local NVMe with GPUDirect Storage (no host bounce "
-                "buffer); it needs NVIDIA GDS (cuFile) and DeepSpeed's `gds` op. Without GDS, copy to a pinned CPU "
-                "tensor and use aio_handle.")
+        sec.add(
+            "Use gds_handle: CUDA tensors to and from local NVMe with GPUDirect Storage (no host bounce "
+            "buffer); it needs NVIDIA GDS (cuFile) and DeepSpeed's `gds` op. Without GDS, copy to a pinned CPU "
+            "tensor and use aio_handle."
+        )
     elif device == "cpu" or (device == "cuda" and storage not in (None, "nvme")):
-        sec.add("Use aio_handle (libaio): CPU tensors in pinned memory to and from files"
-                + ("; GPUDirect Storage needs local NVMe, so CUDA tensors go through a pinned CPU copy."
-                   if device == "cuda" else "."))
+        sec.add(
+            "Use aio_handle (libaio): CPU tensors in pinned memory to and from files"
+            + (
+                "; GPUDirect Storage needs local NVMe, so CUDA tensors go through a pinned CPU copy."
+                if device == "cuda"
+                else "."
+            )
+        )
     else:
-        sec.add("aio_handle for CPU tensors (libaio); gds_handle for CUDA tensors on local NVMe with GPUDirect "
-                "Storage. Tell us --storage and --tensor-device to pick one.")
+        sec.add(
+            "aio_handle for CPU tensors (libaio); gds_handle for CUDA tensors on local NVMe with GPUDirect "
+            "Storage. Tell us --storage and --tensor-device to pick one."
+        )
     if storage in ("sata-ssd", "network", "none"):
-        sec.add(f"Storage {storage}: DeepNVMe's gains come from NVMe queue depth and parallelism; on {storage} "
-                f"expect the device's bandwidth at best.")
-    sec.add("Pinned tensors: the handle DMAs from page-locked memory; allocate with handle.new_cpu_locked_tensor() "
-            "(or torch's pin_memory() on CUDA machines). Unpinned tensors are accepted but staged through a copy.",
-            "Blocking calls (sync_pwrite/sync_pread) return the completed operation count. Non-blocking calls "
-            "(async_pwrite/async_pread) return 0 at once; handle.wait() completes all of them and returns how many; "
-            "do not read a destination or modify a source tensor before wait() returns.",
-            "Check the ops: run `ds_report` and look for `async_io` and `gds` rows marked [OKAY] (compatible); "
-            "the DeepNVMe handle API described here needs DeepSpeed >= 0.15.0. async_io needs the libaio "
-            "development files: `apt install libaio-dev` (Debian/Ubuntu) or `yum install libaio-devel`; if installed "
-            "elsewhere set CFLAGS/LDFLAGS to its include/lib directories.",
-            "Tuning (the `aio` block for ZeRO-Infinity offload, or the handle's constructor arguments): "
-            "intra_op_parallelism splits each request over that many threads (raise it first when one file is "
-            "slow); queue_depth is the number of in-flight requests per thread (8-32 for NVMe); block_size is the "
-            "request size (128 KiB-8 MiB; larger for big sequential tensors); single_submit submits requests one by "
-            "one; overlap_events overlaps submission with completion. Measure with DeepSpeed's ds_nvme_tune / "
-            "ds_io tools on your drive before fixing values.")
+        sec.add(
+            f"Storage {storage}: DeepNVMe's gains come from NVMe queue depth and parallelism; on {storage} "
+            f"expect the device's bandwidth at best."
+        )
+    sec.add(
+        "Pinned tensors: the handle DMAs from page-locked memory; allocate with handle.new_cpu_locked_tensor() "
+        "(or torch's pin_memory() on CUDA machines). Unpinned tensors are accepted but staged through a copy.",
+        "Blocking calls (sync_pwrite/sync_pread) return the completed operation count. Non-blocking calls "
+        "(async_pwrite/async_pread) return 0 at once; handle.wait() completes all of them and returns how many; "
+        "do not read a destination or modify a source tensor before wait() returns.",
+        "Check the ops: run `ds_report` and look for `async_io` and `gds` rows marked [OKAY] (compatible); "
+        "the DeepNVMe handle API described here needs DeepSpeed >= 0.15.0. async_io needs the libaio "
+        "development files: `apt install libaio-dev` (Debian/Ubuntu) or `yum install libaio-devel`; if installed "
+        "elsewhere set CFLAGS/LDFLAGS to its include/lib directories.",
+        "Tuning (the `aio` block for ZeRO-Infinity offload, or the handle's constructor arguments): "
+        "intra_op_parallelism splits each request over that many threads (raise it first when one file is "
+        "slow); queue_depth is the number of in-flight requests per thread (8-32 for NVMe); block_size is the "
+        "request size (128 KiB-8 MiB; larger for big sequential tensors); single_submit submits requests one by "
+        "one; overlap_events overlaps submission with completion. Measure with DeepSpeed's ds_nvme_tune / "
+        "ds_io tools on your drive before fixing values.",
+    )
     sec.snippets["DeepSpeed aio block (installed version's keys and defaults)"] = AIO_BLOCK
     sec.snippets["deepnvme_example.py"] = EXAMPLE_SCRIPT
-    sec.data = {"handle": "gds_handle" if (device == "cuda" and storage == "nvme") else
-                "aio_handle" if device else None}
+    sec.data = {
+        "handle": "gds_handle" if (device == "cuda" and storage == "nvme") else "aio_handle" if device else None
+    }
     if storage is None or device is None:
         sec.check(None, "handle choice: storage type (--storage) and tensor device (--tensor-device) not given")
     sec.check(None, "async_io/gds availability on your machines: not inspected; run ds_report there")

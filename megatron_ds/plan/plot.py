@@ -1,10 +1,9 @@
 """`--plot FILE.png`: predicted memory per stage as stacked bars (matplotlib is optional)."""
+
 from __future__ import annotations
 
-from typing import Optional
 
-
-def plot_stages(plan, usable_bytes: Optional[float], path: str) -> bool:
+def plot_stages(plan, usable_bytes: float | None, path: str) -> bool:
     """Write the chart; False when matplotlib is not installed."""
     try:
         import matplotlib
@@ -13,12 +12,16 @@ def plot_stages(plan, usable_bytes: Optional[float], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    gib = 1024 ** 3
+    gib = 1024**3
     stages = plan.stages
     xs = [s.stage for s in stages]
-    parts = [("parameters", [s.params for s in stages]), ("gradients", [s.grads for s in stages]),
-             ("optimizer", [s.optimizer for s in stages]), ("activations", [s.activations for s in stages]),
-             ("buffers + transient", [s.pipe_buffers + s.transient for s in stages])]
+    parts = [
+        ("parameters", [s.params for s in stages]),
+        ("gradients", [s.grads for s in stages]),
+        ("optimizer", [s.optimizer for s in stages]),
+        ("activations", [s.activations for s in stages]),
+        ("buffers + transient", [s.pipe_buffers + s.transient for s in stages]),
+    ]
     fig, ax = plt.subplots(figsize=(max(7, len(stages) * 0.5 + 3), 4))
     bottom = [0.0] * len(stages)
     for label, values in parts:

@@ -5,10 +5,10 @@ cores exist on 8.9 (Ada Lovelace) and 9.0 (Hopper) and newer, used through NVIDI
 Engine; fp16 tensor cores exist from 7.0 (Volta). DeepSpeed's config has `fp16`, `bf16` and
 `torch_autocast` blocks and no fp8 switch (deepspeed/runtime/config.py, precision_config.py).
 """
+
 from __future__ import annotations
 
 from importlib import metadata
-from typing import Optional
 
 from megatron_ds.plan.hardware import PlanError, architecture_of
 from megatron_ds.plan.inputs import Resolved
@@ -17,8 +17,16 @@ from megatron_ds.plan.report import Section
 BF16_MIN_CC = (8, 0)
 FP8_MIN_CC = (8, 9)
 FP16_TENSOR_CORE_CC = (7, 0)
-FP16_SNIPPET = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                         "hysteresis": 2, "min_loss_scale": 1}}
+FP16_SNIPPET = {
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 16,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    }
+}
 BF16_SNIPPET = {"bf16": {"enabled": True}}
 
 
@@ -31,22 +39,28 @@ def choose_precision(res: Resolved) -> tuple[str, str]:
     fixed, cc = res.raw.precision, res.cc
     gpu = f"--gpu {res.gpu_name}" if res.gpu_name else "--compute-capability"
     if fixed == "bf16" and cc is not None and cc < BF16_MIN_CC:
-        raise PlanError(f"--precision bf16 needs compute capability >= 8.0 (Ampere or newer) but {gpu} has "
-                        f"{_cc_text(cc)}; use --precision fp16")
+        raise PlanError(
+            f"--precision bf16 needs compute capability >= 8.0 (Ampere or newer) but {gpu} has "
+            f"{_cc_text(cc)}; use --precision fp16"
+        )
     if fixed:
         return fixed, "fixed by --precision"
     if cc is None:
         return "bf16", "compute capability unknown: assumed Ampere or newer (give --gpu or --compute-capability)"
     if cc >= BF16_MIN_CC:
-        return "bf16", (f"compute capability {_cc_text(cc)} has bf16 tensor cores; bf16 keeps fp32's exponent "
-                        f"range, so no loss scaling and no skipped steps")
+        return "bf16", (
+            f"compute capability {_cc_text(cc)} has bf16 tensor cores; bf16 keeps fp32's exponent "
+            f"range, so no loss scaling and no skipped steps"
+        )
     if cc >= (6, 0):
-        return "fp16", (f"compute capability {_cc_text(cc)} has no bf16; fp16 with dynamic loss scaling"
-                        + ("" if cc >= FP16_TENSOR_CORE_CC else " (no tensor cores before 7.0: small speed-up)"))
+        return "fp16", (
+            f"compute capability {_cc_text(cc)} has no bf16; fp16 with dynamic loss scaling"
+            + ("" if cc >= FP16_TENSOR_CORE_CC else " (no tensor cores before 7.0: small speed-up)")
+        )
     return "fp32", f"compute capability {_cc_text(cc)}: no fast 16-bit math"
 
 
-def _version(package: str) -> Optional[str]:
+def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -57,20 +71,30 @@ def precision_section(res: Resolved, precision: str, reason: str) -> Section:
     sec = Section("precision", "Mixed precision")
     cc = res.cc
     sec.add(f"Recommended: {precision} ({reason}).")
-    sec.add("  fp16: 5-bit exponent; needs dynamic loss scaling (DeepSpeed skips steps that overflow); "
-            "tensor cores from compute capability 7.0 (Volta).",
-            "  bf16: 8-bit exponent like fp32, 7-bit mantissa; no loss scaling; needs 8.0 (Ampere) or newer.",
-            "  fp8: needs 8.9 (Ada) / 9.0 (Hopper) or newer and NVIDIA Transformer Engine layers under "
-            "te.fp8_autocast; DeepSpeed itself has no fp8 switch (its config knows fp16, bf16, torch_autocast).")
+    sec.add(
+        "  fp16: 5-bit exponent; needs dynamic loss scaling (DeepSpeed skips steps that overflow); "
+        "tensor cores from compute capability 7.0 (Volta).",
+        "  bf16: 8-bit exponent like fp32, 7-bit mantissa; no loss scaling; needs 8.0 (Ampere) or newer.",
+        "  fp8: needs 8.9 (Ada) / 9.0 (Hopper) or newer and NVIDIA Transformer Engine layers under "
+        "te.fp8_autocast; DeepSpeed itself has no fp8 switch (its config knows fp16, bf16, torch_autocast).",
+    )
     fp8 = cc is not None and cc >= FP8_MIN_CC
-    sec.add(f"  fp8 on this GPU: {'hardware-capable' if fp8 else 'not available' if cc else 'unknown'}"
-            + ("; pretrain_gpt.py builds torch nn.Linear layers, not Transformer Engine modules, so it cannot "
-               "train in fp8 today" if fp8 else ""))
+    sec.add(
+        f"  fp8 on this GPU: {'hardware-capable' if fp8 else 'not available' if cc else 'unknown'}"
+        + (
+            "; pretrain_gpt.py builds torch nn.Linear layers, not Transformer Engine modules, so it cannot "
+            "train in fp8 today"
+            if fp8
+            else ""
+        )
+    )
     if precision == "bf16":
-        sec.add("  Note: with ZeRO-0 on the pipeline engine DeepSpeed accumulates bf16 gradients in bf16 and warns "
-                "it is not numerically safe for many accumulation steps; ZeRO-1 with "
-                "\"data_types\": {\"grad_accum_dtype\": \"fp32\"} accumulates in fp32 (BF16_Optimizer) at 2 more "
-                "bytes per parameter.")
+        sec.add(
+            "  Note: with ZeRO-0 on the pipeline engine DeepSpeed accumulates bf16 gradients in bf16 and warns "
+            "it is not numerically safe for many accumulation steps; ZeRO-1 with "
+            '"data_types": {"grad_accum_dtype": "fp32"} accumulates in fp32 (BF16_Optimizer) at 2 more '
+            "bytes per parameter."
+        )
     if precision in ("bf16", "fp16"):
         sec.snippets["deepspeed precision block"] = BF16_SNIPPET if precision == "bf16" else FP16_SNIPPET
         sec.add(f"  pretrain_gpt.py flag: --{precision}")
@@ -80,7 +104,7 @@ def precision_section(res: Resolved, precision: str, reason: str) -> Section:
     return sec
 
 
-def _checks(sec: Section, res: Resolved, precision: str, ds: Optional[str], torch: Optional[str]) -> None:
+def _checks(sec: Section, res: Resolved, precision: str, ds: str | None, torch: str | None) -> None:
     cc = res.cc
     if cc is None:
         sec.check(None, "precision vs hardware: compute capability unknown (give --gpu or --compute-capability)")
@@ -88,7 +112,12 @@ def _checks(sec: Section, res: Resolved, precision: str, ds: Optional[str], torc
         sec.check(cc >= BF16_MIN_CC, f"bf16 needs compute capability >= 8.0: GPU has {_cc_text(cc)}")
     elif precision == "fp16":
         sec.check(cc >= (6, 0), f"fp16 on compute capability {_cc_text(cc)}")
-    sec.check(ds is not None, f"DeepSpeed installed here: {ds or 'not found'} (its config parser accepts the "
-                              f"block above; checked by tests/unit/test_plan.py)")
-    sec.check(None if torch is None else True, f"torch installed here: {torch or 'not found'}; the versions on "
-                                               f"your cluster were not inspected")
+    sec.check(
+        ds is not None,
+        f"DeepSpeed installed here: {ds or 'not found'} (its config parser accepts the "
+        f"block above; checked by tests/unit/test_plan.py)",
+    )
+    sec.check(
+        None if torch is None else True,
+        f"torch installed here: {torch or 'not found'}; the versions on your cluster were not inspected",
+    )

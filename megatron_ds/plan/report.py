@@ -1,19 +1,22 @@
 """What the planner says, as data: sections with text, snippets and checks; rendered as text or JSON."""
+
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
-ESTIMATE_NOTE = ("Every memory or time figure below is an estimate from the formula it names; nothing was "
-                 "measured, run or tested on your hardware.")
+ESTIMATE_NOTE = (
+    "Every memory or time figure below is an estimate from the formula it names; nothing was "
+    "measured, run or tested on your hardware."
+)
 
 
 @dataclass
 class Check:
     """One verified constraint: ok True (holds), False (violated) or None (could not determine)."""
 
-    ok: Optional[bool]
+    ok: bool | None
     text: str
     blocking: bool = True
     """False for facts that do not stop the plan (e.g. an optional feature is unavailable)."""
@@ -39,7 +42,7 @@ class Section:
     def add(self, *lines: str) -> None:
         self.lines.extend(lines)
 
-    def check(self, ok: Optional[bool], text: str, blocking: bool = True) -> None:
+    def check(self, ok: bool | None, text: str, blocking: bool = True) -> None:
         self.checks.append(Check(ok, text, blocking))
 
 
@@ -77,8 +80,17 @@ def render_json(report: Report) -> str:
         "note": ESTIMATE_NOTE,
         "notes": report.notes,
         "inputs": report.inputs,
-        "sections": [{"name": s.name, "title": s.title, "text": s.lines, "data": s.data, "snippets": s.snippets,
-                      "checks": [{"ok": c.ok, "text": c.text, "blocking": c.blocking} for c in s.checks]} for s in report.sections],
+        "sections": [
+            {
+                "name": s.name,
+                "title": s.title,
+                "text": s.lines,
+                "data": s.data,
+                "snippets": s.snippets,
+                "checks": [{"ok": c.ok, "text": c.text, "blocking": c.blocking} for c in s.checks],
+            }
+            for s in report.sections
+        ],
         "checks": [{"ok": c.ok, "text": c.text, "blocking": c.blocking} for c in report.checks],
         "all_checks_pass": report.ok,
     }

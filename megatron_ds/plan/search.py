@@ -12,10 +12,10 @@ Preference order (a heuristic, stated so it can be argued with):
 ZeRO is 1 when data-parallel ranks > 1 (it partitions optimizer states at no extra communication,
 Rajbhandari et al. 2020, Sec. 7), else 0; only 0 and 1 run on DeepSpeed's pipeline engine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline.balance import memory_balanced_layout
@@ -72,35 +72,64 @@ def layout_for(res: Resolved, tp: int, pp: int, method: str, inputs: MemoryInput
     return build_layout(groups, pp, dedicated=method)
 
 
-def evaluate(res: Resolved, tp: int, pp: int, mb: int, zero: int, precision: str, ckpt: bool,
-             method: str) -> Candidate:
+def evaluate(res: Resolved, tp: int, pp: int, mb: int, zero: int, precision: str, ckpt: bool, method: str) -> Candidate:
     """Predicted memory of one configuration (raises LayoutError if the layout is impossible)."""
     dp = res.num_gpus // (tp * pp)
-    inputs = MemoryInputs(model=res.model(tp), micro_batch_size=mb,
-                          num_micro_batches=res.global_batch_size // (mb * dp), precision=precision,
-                          zero_stage=zero, data_parallel_size=dp, tensor_parallel_size=tp,
-                          checkpoint_activations=ckpt)
+    inputs = MemoryInputs(
+        model=res.model(tp),
+        micro_batch_size=mb,
+        num_micro_batches=res.global_batch_size // (mb * dp),
+        precision=precision,
+        zero_stage=zero,
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        checkpoint_activations=ckpt,
+    )
     layout = layout_for(res, tp, pp, method, inputs)
-    return Candidate(tp=tp, pp=pp, dp=dp, micro_batch_size=mb, num_micro_batches=inputs.num_micro_batches,
-                     zero_stage=zero, precision=precision, checkpoint_activations=ckpt, method=method,
-                     layout=layout, stages=tuple(stage_memory(inputs, layout)), inputs=inputs)
+    return Candidate(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch_size=mb,
+        num_micro_batches=inputs.num_micro_batches,
+        zero_stage=zero,
+        precision=precision,
+        checkpoint_activations=ckpt,
+        method=method,
+        layout=layout,
+        stages=tuple(stage_memory(inputs, layout)),
+        inputs=inputs,
+    )
 
 
 def degree_pairs(res: Resolved) -> list[tuple[int, int]]:
     """(t, p) pairs in preference order: smallest t*p, then larger t."""
     raw, dims = res.raw, res.dims
-    ts = [raw.tensor_model_parallel_size] if raw.tensor_model_parallel_size else \
-        [t for t in (1, 2, 4, 8, 16) if t <= (res.gpus_per_node or 1)]
+    ts = (
+        [raw.tensor_model_parallel_size]
+        if raw.tensor_model_parallel_size
+        else [t for t in (1, 2, 4, 8, 16) if t <= (res.gpus_per_node or 1)]
+    )
     ps = [raw.pipeline_model_parallel_size] if raw.pipeline_model_parallel_size else range(1, dims["num_layers"] + 3)
     ffn = dims["ffn_hidden_size"] or 4 * dims["hidden_size"]
-    pairs = [(t, p) for t in ts for p in ps
-             if res.num_gpus % (t * p) == 0 and dims["num_attention_heads"] % t == 0 and ffn % t == 0]
+    pairs = [
+        (t, p)
+        for t in ts
+        for p in ps
+        if res.num_gpus % (t * p) == 0 and dims["num_attention_heads"] % t == 0 and ffn % t == 0
+    ]
     if not pairs:
-        fixed = " ".join(f"--{n.replace('_', '-')} {getattr(raw, n)}" for n in
-                         ("tensor_model_parallel_size", "pipeline_model_parallel_size") if getattr(raw, n))
-        raise PlanError(f"no tensor x pipeline degree divides --num-gpus {res.num_gpus}"
-                        + (f" with {fixed}" if fixed else "") + f" (t must also divide {dims['num_attention_heads']} "
-                        f"heads and FFN {ffn}); choose degrees whose product divides the GPU count")
+        fixed = " ".join(
+            f"--{n.replace('_', '-')} {getattr(raw, n)}"
+            for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+            if getattr(raw, n)
+        )
+        raise PlanError(
+            f"no tensor x pipeline degree divides --num-gpus {res.num_gpus}"
+            + (f" with {fixed}" if fixed else "")
+            + f" (t must also divide {dims['num_attention_heads']} "
+            f"heads and FFN {ffn}); choose degrees whose product divides the GPU count"
+        )
     return sorted(pairs, key=lambda tp: (tp[0] * tp[1], -tp[0]))
 
 
@@ -114,14 +143,22 @@ def micro_batches(res: Resolved, dp: int) -> list[int]:
 def states_lower_bound(res: Resolved, t: int, p: int, zero: int, precision: str) -> float:
     """Model states averaged over the p stages: no layout can put less on its fullest stage."""
     dp = res.num_gpus // (t * p)
-    inputs = MemoryInputs(model=res.model(t), micro_batch_size=1, num_micro_batches=1, precision=precision,
-                          zero_stage=zero, data_parallel_size=dp, tensor_parallel_size=t)
+    inputs = MemoryInputs(
+        model=res.model(t),
+        micro_batch_size=1,
+        num_micro_batches=1,
+        precision=precision,
+        zero_stage=zero,
+        data_parallel_size=dp,
+        tensor_parallel_size=t,
+    )
     whole = stage_memory_for(inputs, 0, 1, res.dims["num_layers"])
     return whole.model_states / p
 
 
-def _fitting_at(res: Resolved, t: int, p: int, ckpt: bool, precision: str,
-                methods: list[str]) -> tuple[list[Candidate], Optional[Candidate], Optional[float]]:
+def _fitting_at(
+    res: Resolved, t: int, p: int, ckpt: bool, precision: str, methods: list[str]
+) -> tuple[list[Candidate], Candidate | None, float | None]:
     """(configurations of this (t, p, recompute) that fit, the closest miss, the states lower bound
     when that alone rules this (t, p) out)."""
     dp = res.num_gpus // (t * p)
@@ -146,8 +183,9 @@ def _fitting_at(res: Resolved, t: int, p: int, ckpt: bool, precision: str,
     return fitting, miss, None
 
 
-def _best_layout(res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, ckpt: bool,
-                 methods: list[str]) -> Optional[Candidate]:
+def _best_layout(
+    res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, ckpt: bool, methods: list[str]
+) -> Candidate | None:
     found = []
     for method in methods:
         try:
@@ -163,7 +201,7 @@ def choose(res: Resolved, precision: str) -> Candidate:
     raw = res.raw
     ckpts = [raw.checkpoint_activations] if raw.checkpoint_activations is not None else [False, True]
     methods = [raw.layout] if raw.layout else list(METHODS)
-    closest: Optional[Candidate] = None
+    closest: Candidate | None = None
     bounds: list[tuple[float, int, int]] = []
     batch_ok = False
     for t, p in degree_pairs(res):
@@ -172,8 +210,11 @@ def choose(res: Resolved, precision: str) -> Candidate:
             fitting, miss, bound = _fitting_at(res, t, p, ckpt, precision, methods)
             if fitting:
                 low_bubble = [c for c in fitting if c.bubble <= MAX_BUBBLE]
-                return max(low_bubble, key=lambda c: c.micro_batch_size) if low_bubble else \
-                    min(fitting, key=lambda c: c.bubble)
+                return (
+                    max(low_bubble, key=lambda c: c.micro_batch_size)
+                    if low_bubble
+                    else min(fitting, key=lambda c: c.bubble)
+                )
             if bound is not None:
                 bounds.append((bound, t, p))
             if miss is not None and (closest is None or miss.peak.total < closest.peak.total):
@@ -181,16 +222,22 @@ def choose(res: Resolved, precision: str) -> Candidate:
     raise PlanError(_no_fit_message(res, closest, bounds, batch_ok))
 
 
-def _no_fit_message(res: Resolved, closest: Optional[Candidate], bounds: list, batch_ok: bool) -> str:
+def _no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool) -> str:
     usable = format_bytes(res.usable_bytes)
     fix = "add GPUs, use GPUs with more memory, allow more pipeline/tensor parallelism, or see `zero` for offload"
     if not batch_ok:
-        return (f"--global-batch-size {res.global_batch_size} does not divide into micro-batch x data-parallel size "
-                f"for any tensor/pipeline degree on --num-gpus {res.num_gpus}; use a multiple of {res.num_gpus}")
+        return (
+            f"--global-batch-size {res.global_batch_size} does not divide into micro-batch x data-parallel size "
+            f"for any tensor/pipeline degree on --num-gpus {res.num_gpus}; use a multiple of {res.num_gpus}"
+        )
     if closest is not None:
-        return (f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, micro-batch "
-                f"{closest.micro_batch_size}, recompute {closest.checkpoint_activations}) needs "
-                f"{format_bytes(closest.peak.total)} on stage {closest.peak.stage} but {usable} is usable; {fix}")
+        return (
+            f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, micro-batch "
+            f"{closest.micro_batch_size}, recompute {closest.checkpoint_activations}) needs "
+            f"{format_bytes(closest.peak.total)} on stage {closest.peak.stage} but {usable} is usable; {fix}"
+        )
     bound, t, p = min(bounds)
-    return (f"the model does not fit: even with t={t}, p={p} the model states alone average "
-            f"{format_bytes(bound)} per GPU, over the {usable} usable; {fix}")
+    return (
+        f"the model does not fit: even with t={t}, p={p} the model states alone average "
+        f"{format_bytes(bound)} per GPU, over the {usable} usable; {fix}"
+    )

@@ -11,11 +11,11 @@ Compute share of attention (estimate): a layer's forward does 24bsh^2 FLOPs in i
 4bs^2h in QK^T and attention x V (Narayanan et al. 2021, Sec. 5.1 / Appendix), so attention's
 share is s / (6h + s).
 """
+
 from __future__ import annotations
 
 import json
 from importlib import metadata
-from typing import Optional
 
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.memory_model import format_bytes
@@ -23,37 +23,73 @@ from megatron_ds.plan.report import Section
 
 BLOCK = 16
 PATTERNS = {
-    "fixed": ("local windows plus a few global summary blocks per window (Sparse Transformers, Child et al. 2019); "
-              "supports unidirectional attention, so it suits GPT",
-              {"mode": "fixed", "block": BLOCK, "different_layout_per_head": True, "num_local_blocks": 4,
-               "num_global_blocks": 1, "attention": "unidirectional", "horizontal_global_attention": False,
-               "num_different_global_patterns": 4}),
-    "variable": ("fixed's generalisation: random blocks, windows of different sizes, chosen global blocks",
-                 {"mode": "variable", "block": BLOCK, "different_layout_per_head": False, "num_random_blocks": 0,
-                  "local_window_blocks": [4], "global_block_indices": [0], "global_block_end_indices": None,
-                  "attention": "unidirectional", "horizontal_global_attention": False}),
-    "bigbird": ("random + sliding window + global blocks (BigBird, Zaheer et al. 2020); designed for "
-                "bidirectional encoders",
-                {"mode": "bigbird", "block": BLOCK, "different_layout_per_head": False, "num_random_blocks": 1,
-                 "num_sliding_window_blocks": 3, "num_global_blocks": 1, "attention": "bidirectional"}),
-    "bslongformer": ("block-sparse Longformer: sliding window + chosen global blocks (Beltagy et al. 2020); "
-                     "for long-document encoders",
-                     {"mode": "bslongformer", "block": BLOCK, "different_layout_per_head": False,
-                      "num_sliding_window_blocks": 3, "global_block_indices": [0], "global_block_end_indices": None,
-                      "attention": "bidirectional"}),
+    "fixed": (
+        "local windows plus a few global summary blocks per window (Sparse Transformers, Child et al. 2019); "
+        "supports unidirectional attention, so it suits GPT",
+        {
+            "mode": "fixed",
+            "block": BLOCK,
+            "different_layout_per_head": True,
+            "num_local_blocks": 4,
+            "num_global_blocks": 1,
+            "attention": "unidirectional",
+            "horizontal_global_attention": False,
+            "num_different_global_patterns": 4,
+        },
+    ),
+    "variable": (
+        "fixed's generalisation: random blocks, windows of different sizes, chosen global blocks",
+        {
+            "mode": "variable",
+            "block": BLOCK,
+            "different_layout_per_head": False,
+            "num_random_blocks": 0,
+            "local_window_blocks": [4],
+            "global_block_indices": [0],
+            "global_block_end_indices": None,
+            "attention": "unidirectional",
+            "horizontal_global_attention": False,
+        },
+    ),
+    "bigbird": (
+        "random + sliding window + global blocks (BigBird, Zaheer et al. 2020); designed for bidirectional encoders",
+        {
+            "mode": "bigbird",
+            "block": BLOCK,
+            "different_layout_per_head": False,
+            "num_random_blocks": 1,
+            "num_sliding_window_blocks": 3,
+            "num_global_blocks": 1,
+            "attention": "bidirectional",
+        },
+    ),
+    "bslongformer": (
+        "block-sparse Longformer: sliding window + chosen global blocks (Beltagy et al. 2020); "
+        "for long-document encoders",
+        {
+            "mode": "bslongformer",
+            "block": BLOCK,
+            "different_layout_per_head": False,
+            "num_sliding_window_blocks": 3,
+            "global_block_indices": [0],
+            "global_block_end_indices": None,
+            "attention": "bidirectional",
+        },
+    ),
 }
-REMOVED_MESSAGE = ("DeepSpeed Sparse Attention has been removed; the 'sparse_attention' configuration block is no "
-                   "longer supported.")
+REMOVED_MESSAGE = (
+    "DeepSpeed Sparse Attention has been removed; the 'sparse_attention' configuration block is no longer supported."
+)
 
 
-def _version(package: str) -> Optional[str]:
+def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
 
 
-def _major_minor(text: Optional[str]) -> Optional[tuple[int, int]]:
+def _major_minor(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     parts = [int(p) for p in text.split("+")[0].split(".")[:2] if p.isdigit()]
@@ -70,28 +106,42 @@ def sparse_attention_section(res: Resolved) -> Section:
     s, h, a = res.dims["seq_length"], res.dims["hidden_size"], res.dims["num_attention_heads"]
     share = attention_share(s, h)
     dense = a * s * s * 2  # one 16-bit score matrix per sample per layer if it were stored
-    sec.add(f"Sequence {s}, hidden {h}: attention is about {share:.0%} of a layer's forward FLOPs (estimate: "
-            f"4bs^2h of 24bsh^2 + 4bs^2h, Narayanan et al. 2021). Block-sparse attention keeping a fraction f of the "
-            f"blocks cuts that part to f; it matters once s approaches 6h = {6 * h} tokens.",
-            f"Memory: pretrain_gpt.py uses torch SDPA, whose flash/memory-efficient kernels never store the "
-            f"{format_bytes(dense)} score matrix per sample and layer (16-bit, a x s x s), so sparse attention would "
-            f"save compute, not activation memory, here.")
-    sec.add("Patterns (DeepSpeed's sparsity configs; GPT is unidirectional):",
-            *(f"  {name}: {text}" for name, (text, _) in PATTERNS.items()))
+    sec.add(
+        f"Sequence {s}, hidden {h}: attention is about {share:.0%} of a layer's forward FLOPs (estimate: "
+        f"4bs^2h of 24bsh^2 + 4bs^2h, Narayanan et al. 2021). Block-sparse attention keeping a fraction f of the "
+        f"blocks cuts that part to f; it matters once s approaches 6h = {6 * h} tokens.",
+        f"Memory: pretrain_gpt.py uses torch SDPA, whose flash/memory-efficient kernels never store the "
+        f"{format_bytes(dense)} score matrix per sample and layer (16-bit, a x s x s), so sparse attention would "
+        f"save compute, not activation memory, here.",
+    )
+    sec.add(
+        "Patterns (DeepSpeed's sparsity configs; GPT is unidirectional):",
+        *(f"  {name}: {text}" for name, (text, _) in PATTERNS.items()),
+    )
     ds, torch_text = _version("deepspeed"), _version("torch")
     torch = _major_minor(torch_text)
-    sec.add(f"Can it run here? No: the installed DeepSpeed {ds or '(not found)'} "
-            f"rejects the block (\"{REMOVED_MESSAGE}\"), and the op itself needed torch >= 1.5 and < 2.0 with "
-            f"triton 1.0.0, while torch here is {torch_text or '(not found)'}.",
-            "Alternatives on this torch: keep SDPA (flash attention: exact, O(s) memory); for sliding-window or "
-            "global-token patterns use torch.nn.attention.flex_attention with a block mask"
-            + (" (available from torch 2.5; this torch qualifies)" if torch and torch >= (2, 5) else
-               " (needs torch >= 2.5)") + "; TransformerLayer would need that change, pretrain_gpt.py has no flag "
-            "for it today.")
+    sec.add(
+        f"Can it run here? No: the installed DeepSpeed {ds or '(not found)'} "
+        f'rejects the block ("{REMOVED_MESSAGE}"), and the op itself needed torch >= 1.5 and < 2.0 with '
+        f"triton 1.0.0, while torch here is {torch_text or '(not found)'}.",
+        "Alternatives on this torch: keep SDPA (flash attention: exact, O(s) memory); for sliding-window or "
+        "global-token patterns use torch.nn.attention.flex_attention with a block mask"
+        + (
+            " (available from torch 2.5; this torch qualifies)"
+            if torch and torch >= (2, 5)
+            else " (needs torch >= 2.5)"
+        )
+        + "; TransformerLayer would need that change, pretrain_gpt.py has no flag "
+        "for it today.",
+    )
     for name, (_, block) in PATTERNS.items():
-        sec.snippets[f"sparse_attention {name} (DeepSpeed versions before its removal; rejected by the installed "
-                     f"one)"] = json.dumps({"sparse_attention": block}, indent=2)
+        sec.snippets[
+            f"sparse_attention {name} (DeepSpeed versions before its removal; rejected by the installed one)"
+        ] = json.dumps({"sparse_attention": block}, indent=2)
     sec.data = {"attention_flop_share": share, "deepspeed_supports": False, "torch": torch_text}
-    sec.check(False, "DeepSpeed sparse attention runs with the installed DeepSpeed and torch: no (removed; needed "
-                     "torch < 2.0)", blocking=False)
+    sec.check(
+        False,
+        "DeepSpeed sparse attention runs with the installed DeepSpeed and torch: no (removed; needed torch < 2.0)",
+        blocking=False,
+    )
     return sec

@@ -5,17 +5,22 @@ stages 0 and 1 use the byte factors of `model_states.state_factors`. Communicati
 step are from Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models", Sec. 7 (in units of the parameter count Psi).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron_ds.plan import ds_json
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import GIB
-from megatron_ds.plan.memory_model import (MemoryInputs, format_bytes, largest_layer_params, stage_memory_for,
-                                           total_params)
+from megatron_ds.plan.memory_model import (
+    MemoryInputs,
+    format_bytes,
+    largest_layer_params,
+    stage_memory_for,
+    total_params,
+)
 from megatron_ds.plan.model_states import state_factors, zero2_estimate, zero3_estimate
 from megatron_ds.plan.report import Section
 
@@ -24,10 +29,12 @@ COMM = {
     1: "same volume as data parallelism, 2 Psi (reduce-scatter of gradients + all-gather of parameters)",
     2: "same volume as data parallelism, 2 Psi; gradients are reduce-scattered as backward produces them",
     3: "3 Psi, 1.5x data parallelism: parameters are all-gathered in forward and again in backward, "
-       "layer by layer (latency on the critical path)",
+    "layer by layer (latency on the critical path)",
 }
-OFFLOAD_COST = ("every step moves the 16-bit gradients to the host and the updated parameters back over PCIe, "
-                "and the optimizer step runs on the CPU (Ren et al. 2021, ZeRO-Offload)")
+OFFLOAD_COST = (
+    "every step moves the 16-bit gradients to the host and the updated parameters back over PCIe, "
+    "and the optimizer step runs on the CPU (Ren et al. 2021, ZeRO-Offload)"
+)
 NVME_COST = "bounded by NVMe bandwidth (Rajbhandari et al. 2021, ZeRO-Infinity); needs async_io, see `nvme`"
 
 
@@ -38,7 +45,7 @@ class Row:
     offload_optimizer: str
     offload_param: str
     gpu_states: float
-    cpu_per_node: Optional[float]
+    cpu_per_node: float | None
     source: str
 
     @property
@@ -47,9 +54,17 @@ class Row:
         return self.stage < 2
 
 
-ORDER = ("ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-1 + offload_optimizer cpu", "ZeRO-2 + offload_optimizer cpu",
-         "ZeRO-3 + offload_optimizer cpu", "ZeRO-3 + offload_optimizer + offload_param cpu",
-         "ZeRO-3 + offload to NVMe (ZeRO-Infinity)")
+ORDER = (
+    "ZeRO-0",
+    "ZeRO-1",
+    "ZeRO-2",
+    "ZeRO-3",
+    "ZeRO-1 + offload_optimizer cpu",
+    "ZeRO-2 + offload_optimizer cpu",
+    "ZeRO-3 + offload_optimizer cpu",
+    "ZeRO-3 + offload_optimizer + offload_param cpu",
+    "ZeRO-3 + offload to NVMe (ZeRO-Infinity)",
+)
 """Preference order: GPU-resident stages first (network traffic only), then host offload (PCIe traffic and
 CPU optimizer time), then NVMe (disk bandwidth). A judgement, not a measurement."""
 
@@ -69,39 +84,85 @@ def _rows(ctx: Context) -> list[Row]:
     for stage, off in ((0, "none"), (1, "none"), (1, "cpu")):
         f = state_factors(prec, stage, offload_optimizer=off)
         cpu = f.host(psi, n) * gpn if off != "none" else None
-        out.append(Row(f"ZeRO-{stage}" + (" + offload_optimizer cpu" if off != "none" else ""), stage, off, "none",
-                       psi * f.per_param(n), cpu, "ours: " + f.source))
+        out.append(
+            Row(
+                f"ZeRO-{stage}" + (" + offload_optimizer cpu" if off != "none" else ""),
+                stage,
+                off,
+                "none",
+                psi * f.per_param(n),
+                cpu,
+                "ours: " + f.source,
+            )
+        )
     if prec == "fp32":
         for stage in (2, 3):
             f = state_factors(prec, stage)
-            out.append(Row(f"ZeRO-{stage}", stage, "none", "none", psi * f.per_param(n) + f.gathered * big,
-                           None, "ours: " + f.source))
+            out.append(
+                Row(
+                    f"ZeRO-{stage}",
+                    stage,
+                    "none",
+                    "none",
+                    psi * f.per_param(n) + f.gathered * big,
+                    None,
+                    "ours: " + f.source,
+                )
+            )
         return out
     est = "DeepSpeed estimator, "
     cpu2, gpu2 = zero2_estimate(psi, gpn, nodes, cpu_offload=False)
     out.append(Row("ZeRO-2", 2, "none", "none", gpu2, cpu2, est + "estimate_zero2_model_states_mem_needs"))
     cpu2o, gpu2o = zero2_estimate(psi, gpn, nodes, cpu_offload=True)
-    out.append(Row("ZeRO-2 + offload_optimizer cpu", 2, "cpu", "none", gpu2o, cpu2o,
-                   est + "estimate_zero2_model_states_mem_needs(cpu_offload=True)"))
-    for label, off_o, off_p, kw in (("ZeRO-3", "none", "none", dict(cpu_offload=False)),
-                                    ("ZeRO-3 + offload_optimizer cpu", "cpu", "none",
-                                     dict(cpu_offload=True, cpu_offload_params=False)),
-                                    ("ZeRO-3 + offload_optimizer + offload_param cpu", "cpu", "cpu",
-                                     dict(cpu_offload=True, cpu_offload_params=True))):
+    out.append(
+        Row(
+            "ZeRO-2 + offload_optimizer cpu",
+            2,
+            "cpu",
+            "none",
+            gpu2o,
+            cpu2o,
+            est + "estimate_zero2_model_states_mem_needs(cpu_offload=True)",
+        )
+    )
+    for label, off_o, off_p, kw in (
+        ("ZeRO-3", "none", "none", dict(cpu_offload=False)),
+        ("ZeRO-3 + offload_optimizer cpu", "cpu", "none", dict(cpu_offload=True, cpu_offload_params=False)),
+        (
+            "ZeRO-3 + offload_optimizer + offload_param cpu",
+            "cpu",
+            "cpu",
+            dict(cpu_offload=True, cpu_offload_params=True),
+        ),
+    ):
         cpu3, gpu3, _ = zero3_estimate(psi, big, gpn, nodes, **kw)
         out.append(Row(label, 3, off_o, off_p, gpu3, cpu3, est + "estimate_zero3_model_states_mem_needs"))
-    out.append(Row("ZeRO-3 + offload to NVMe (ZeRO-Infinity)", 3, "nvme", "nvme", out[-1].gpu_states, None,
-                   "GPU as the CPU-offload row; host buffers not estimated"))
+    out.append(
+        Row(
+            "ZeRO-3 + offload to NVMe (ZeRO-Infinity)",
+            3,
+            "nvme",
+            "nvme",
+            out[-1].gpu_states,
+            None,
+            "GPU as the CPU-offload row; host buffers not estimated",
+        )
+    )
     return out
 
 
 def activation_bytes(ctx: Context) -> float:
     """Activations, pipe buffers and transients of the whole model on one GPU (no pipeline)."""
     res = ctx.res
-    inputs = MemoryInputs(model=res.model(), micro_batch_size=res.raw.micro_batch_size or 1,
-                          num_micro_batches=1, precision=ctx.precision, zero_stage=1,
-                          data_parallel_size=res.num_gpus,
-                          checkpoint_activations=bool(res.raw.checkpoint_activations))
+    inputs = MemoryInputs(
+        model=res.model(),
+        micro_batch_size=res.raw.micro_batch_size or 1,
+        num_micro_batches=1,
+        precision=ctx.precision,
+        zero_stage=1,
+        data_parallel_size=res.num_gpus,
+        checkpoint_activations=bool(res.raw.checkpoint_activations),
+    )
     # The backward's transient, not the whole-step remainder: the optimizer step's temporaries
     # depend on each row's optimizer placement (none on the GPU with offload), and this one
     # figure is added to every row's model states.
@@ -116,33 +177,45 @@ def zero_section(ctx: Context) -> Section:
     table, act = rows(ctx), activation_bytes(ctx)
     usable, cpu_cap = res.usable_bytes, (res.raw.cpu_memory_gb * GIB if res.raw.cpu_memory_gb else None)
     psi = total_params(res.model())
-    sec.add(f"Model: {psi / 1e9:.2f} B parameters, {ctx.precision}, Adam; {res.num_gpus} GPU(s) "
-            f"({res.gpus_per_node} per node), {format_bytes(usable)} usable per GPU "
-            f"({1 - res.headroom:.0%} of {format_bytes(res.gpu_memory_bytes)}).",
-            f"Per-GPU model states with pure data parallelism over all {res.num_gpus} GPU(s) (estimates), plus "
-            f"{format_bytes(act)} of activations for micro-batch {res.raw.micro_batch_size or 1} "
-            f"(Korthikanti et al. 2022 per-tensor count, see docs/plan.md):",
-            f"  {'configuration':<48} {'GPU states':>11} {'w/ activ.':>10} {'CPU/node':>10}  pipeline?")
+    sec.add(
+        f"Model: {psi / 1e9:.2f} B parameters, {ctx.precision}, Adam; {res.num_gpus} GPU(s) "
+        f"({res.gpus_per_node} per node), {format_bytes(usable)} usable per GPU "
+        f"({1 - res.headroom:.0%} of {format_bytes(res.gpu_memory_bytes)}).",
+        f"Per-GPU model states with pure data parallelism over all {res.num_gpus} GPU(s) (estimates), plus "
+        f"{format_bytes(act)} of activations for micro-batch {res.raw.micro_batch_size or 1} "
+        f"(Korthikanti et al. 2022 per-tensor count, see docs/plan.md):",
+        f"  {'configuration':<48} {'GPU states':>11} {'w/ activ.':>10} {'CPU/node':>10}  pipeline?",
+    )
     for r in table:
         cpu = format_bytes(r.cpu_per_node) if r.cpu_per_node is not None else "n/a"
         fits = "fits" if r.gpu_states + act <= usable else "too big"
-        sec.add(f"  {r.label:<48} {format_bytes(r.gpu_states):>11} {fits:>10} {cpu:>10}  "
-                f"{'yes' if r.pipeline_ok else 'no (ZeRO<2 only)'}")
-    sec.add("Sources: ZeRO-0/1 rows use our byte factors (megatron_ds/plan/model_states.py); 16-bit ZeRO-2/3 rows "
-            "are DeepSpeed's estimate_zero2/3_model_states_mem_needs (zero_init, buffer factor 1.5) term for term; "
-            "its CPU column for ZeRO-2 offload grows with the total GPU count (max(4 x GPUs, 16) bytes per "
-            "parameter), a worst case rather than a typical need.",
-            "Communication per step (Rajbhandari et al. 2020, Sec. 7):",
-            *(f"  ZeRO-{s}: {text}" for s, text in COMM.items()),
-            f"  CPU offload: {OFFLOAD_COST}.", f"  NVMe offload: {NVME_COST}.")
-    sec.data = {"parameters": psi, "activation_bytes": act, "usable_bytes": usable,
-                "rows": [dict(r.__dict__, fits=r.gpu_states + act <= usable) for r in table]}
+        sec.add(
+            f"  {r.label:<48} {format_bytes(r.gpu_states):>11} {fits:>10} {cpu:>10}  "
+            f"{'yes' if r.pipeline_ok else 'no (ZeRO<2 only)'}"
+        )
+    sec.add(
+        "Sources: ZeRO-0/1 rows use our byte factors (megatron_ds/plan/model_states.py); 16-bit ZeRO-2/3 rows "
+        "are DeepSpeed's estimate_zero2/3_model_states_mem_needs (zero_init, buffer factor 1.5) term for term; "
+        "its CPU column for ZeRO-2 offload grows with the total GPU count (max(4 x GPUs, 16) bytes per "
+        "parameter), a worst case rather than a typical need.",
+        "Communication per step (Rajbhandari et al. 2020, Sec. 7):",
+        *(f"  ZeRO-{s}: {text}" for s, text in COMM.items()),
+        f"  CPU offload: {OFFLOAD_COST}.",
+        f"  NVMe offload: {NVME_COST}.",
+    )
+    sec.data = {
+        "parameters": psi,
+        "activation_bytes": act,
+        "usable_bytes": usable,
+        "rows": [dict(r.__dict__, fits=r.gpu_states + act <= usable) for r in table],
+    }
     _recommend(ctx, sec, table, act, cpu_cap)
     return sec
 
 
-def _first_fit(table: list[Row], act: float, usable: float, cpu_cap: Optional[float], pipeline_only: bool,
-               min_stage: int) -> Optional[Row]:
+def _first_fit(
+    table: list[Row], act: float, usable: float, cpu_cap: float | None, pipeline_only: bool, min_stage: int
+) -> Row | None:
     for r in table:
         if r.stage < min_stage or (pipeline_only and not r.pipeline_ok):
             continue
@@ -152,7 +225,7 @@ def _first_fit(table: list[Row], act: float, usable: float, cpu_cap: Optional[fl
     return None
 
 
-def _recommend(ctx: Context, sec: Section, table: list[Row], act: float, cpu_cap: Optional[float]) -> None:
+def _recommend(ctx: Context, sec: Section, table: list[Row], act: float, cpu_cap: float | None) -> None:
     res = ctx.res
     fixed_pp = res.raw.pipeline_model_parallel_size
     min_stage = 1 if res.num_gpus > 1 else 0  # ZeRO-1 costs no extra communication volume
@@ -161,21 +234,26 @@ def _recommend(ctx: Context, sec: Section, table: list[Row], act: float, cpu_cap
     ours = _first_fit(table, act, res.usable_bytes, cpu_cap, True, min_stage)
     generic = None if (fixed_pp or 1) > 1 else _first_fit(table, act, res.usable_bytes, cpu_cap, False, min_stage)
     if ours is not None and ours.offload_optimizer == "none":
-        sec.add(f"Recommended for pretrain_gpt.py: {ours.label} with pure data parallelism (the lowest stage that "
-                f"fits; ZeRO-1 partitions optimizer states at no extra communication volume).")
+        sec.add(
+            f"Recommended for pretrain_gpt.py: {ours.label} with pure data parallelism (the lowest stage that "
+            f"fits; ZeRO-1 partitions optimizer states at no extra communication volume)."
+        )
         _snippet_for(ctx, sec, ours.stage, "none")
     else:
         _recommend_model_parallel(ctx, sec, ours)
     if generic is not None and generic.stage >= 2:
-        sec.add(f"Without DeepSpeed's pipeline engine (a plain DeepSpeedEngine model, not pretrain_gpt.py, which "
-                f"always builds a PipelineModule): {generic.label} fits with data parallelism alone.")
-        sec.snippets[f"zero_optimization for {generic.label} (non-pipeline engines only)"] = \
-            ds_json.zero_section_json(generic.stage, generic.offload_optimizer, generic.offload_param)
+        sec.add(
+            f"Without DeepSpeed's pipeline engine (a plain DeepSpeedEngine model, not pretrain_gpt.py, which "
+            f"always builds a PipelineModule): {generic.label} fits with data parallelism alone."
+        )
+        sec.snippets[f"zero_optimization for {generic.label} (non-pipeline engines only)"] = ds_json.zero_section_json(
+            generic.stage, generic.offload_optimizer, generic.offload_param
+        )
     if cpu_cap is None and any(r.offload_optimizer != "none" for r in table):
         sec.check(None, "host memory for offload rows not checked: give --cpu-memory-gb (per node)")
 
 
-def _recommend_model_parallel(ctx: Context, sec: Section, offload_row: Optional[Row]) -> None:
+def _recommend_model_parallel(ctx: Context, sec: Section, offload_row: Row | None) -> None:
     """ZeRO 0/1 alone does not fit: split the model (pipeline/tensor), or offload if that fits."""
     try:
         plan = ctx.plan()
@@ -183,15 +261,21 @@ def _recommend_model_parallel(ctx: Context, sec: Section, offload_row: Optional[
         plan = None
         reason = str(e)
     if plan is not None:
-        sec.add(f"Recommended for pretrain_gpt.py: ZeRO-{plan.zero_stage} combined with tensor parallel {plan.tp} x "
-                f"pipeline parallel {plan.pp} (data parallel {plan.dp}); see `pipeline`. Pipeline parallelism "
-                f"combines with ZeRO 0/1 only, so model states are split across stages instead of ZeRO-2/3.")
-        sec.check(plan.zero_stage in (0, 1), f"ZeRO-{plan.zero_stage} with pipeline parallel {plan.pp}: the "
-                                             f"pipeline engine accepts ZeRO 0 and 1")
+        sec.add(
+            f"Recommended for pretrain_gpt.py: ZeRO-{plan.zero_stage} combined with tensor parallel {plan.tp} x "
+            f"pipeline parallel {plan.pp} (data parallel {plan.dp}); see `pipeline`. Pipeline parallelism "
+            f"combines with ZeRO 0/1 only, so model states are split across stages instead of ZeRO-2/3."
+        )
+        sec.check(
+            plan.zero_stage in (0, 1),
+            f"ZeRO-{plan.zero_stage} with pipeline parallel {plan.pp}: the pipeline engine accepts ZeRO 0 and 1",
+        )
         _snippet_for(ctx, sec, plan.zero_stage, "none", plan)
     elif offload_row is not None:
-        sec.add(f"Recommended for pretrain_gpt.py: {offload_row.label}: the only ZeRO 0/1 option that fits "
-                f"({OFFLOAD_COST}).")
+        sec.add(
+            f"Recommended for pretrain_gpt.py: {offload_row.label}: the only ZeRO 0/1 option that fits "
+            f"({OFFLOAD_COST})."
+        )
         _snippet_for(ctx, sec, offload_row.stage, offload_row.offload_optimizer)
     else:
         sec.add(f"No ZeRO 0/1 configuration fits for pretrain_gpt.py: {reason}")
@@ -204,13 +288,21 @@ def _snippet_for(ctx: Context, sec: Section, stage: int, offload: str, plan=None
     cand = plan or _pure_data_parallel(ctx, stage)
     if cand is None:
         sec.snippets["zero_optimization"] = ds_json.zero_section_json(stage, offload)
-        sec.check(None, "batch-size arithmetic for the snippet: give --global-batch-size divisible by "
-                        "micro-batch x data-parallel size to get the full DeepSpeed JSON")
+        sec.check(
+            None,
+            "batch-size arithmetic for the snippet: give --global-batch-size divisible by "
+            "micro-batch x data-parallel size to get the full DeepSpeed JSON",
+        )
         return
     config = ds_json.plan_config(res, cand)
     sec.snippets["DeepSpeed JSON"] = ds_json.deepspeed_json(config, offload)
-    sec.data["recommended"] = {"zero_stage": stage, "offload_optimizer": offload, "tp": cand.tp, "pp": cand.pp,
-                               "micro_batch_size": cand.micro_batch_size}
+    sec.data["recommended"] = {
+        "zero_stage": stage,
+        "offload_optimizer": offload,
+        "tp": cand.tp,
+        "pp": cand.pp,
+        "micro_batch_size": cand.micro_batch_size,
+    }
 
 
 def _pure_data_parallel(ctx: Context, stage: int):

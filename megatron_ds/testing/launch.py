@@ -4,6 +4,7 @@ On timeout every rank is asked (SIGUSR1) to dump its Python stack, then killed, 
 names the ranks that had not finished with the tail of their output, so a hang in a test is a
 failure that says which rank stalled where, never a stuck CI job.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 
 class RanksFailed(AssertionError):
@@ -23,7 +24,7 @@ class RanksFailed(AssertionError):
 @dataclass
 class RankResult:
     rank: int
-    returncode: Optional[int]
+    returncode: int | None
     output: str
 
 
@@ -33,17 +34,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world_size: int, port: int, extra: Optional[dict] = None) -> dict:
+def rank_env(rank: int, world_size: int, port: int, extra: dict | None = None) -> dict:
     env = dict(os.environ)
-    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": "1", "MEGATRON_DS_STACK_ON_SIGUSR1": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "MEGATRON_DS_STACK_ON_SIGUSR1": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.update(extra or {})
     return env
 
 
-def run_ranks(argv: Sequence[str], world_size: int, timeout: float, cwd: Optional[str] = None,
-              env: Optional[dict] = None, check: bool = True) -> list[RankResult]:
+def run_ranks(
+    argv: Sequence[str],
+    world_size: int,
+    timeout: float,
+    cwd: str | None = None,
+    env: dict | None = None,
+    check: bool = True,
+) -> list[RankResult]:
     """Start `python argv...` once per rank; wait at most `timeout` seconds for all of them."""
     port = free_port()
     logs = []
@@ -51,8 +68,16 @@ def run_ranks(argv: Sequence[str], world_size: int, timeout: float, cwd: Optiona
     for rank in range(world_size):
         log = open(_log_path(rank, port), "w+")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, *argv], cwd=cwd, env=rank_env(rank, world_size, port, env),
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv],
+                cwd=cwd,
+                env=rank_env(rank, world_size, port, env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     deadline = time.monotonic() + timeout
     timed_out = _wait_all(procs, deadline)
     if timed_out:
@@ -110,18 +135,28 @@ def _raise_on_failure(results: list[RankResult], timeout: float) -> None:
     raise RanksFailed("\n".join(parts))
 
 
-def run_torchrun(nproc: int, argv: Sequence[str], timeout: float, cwd: Optional[str] = None,
-                 env: Optional[dict] = None) -> subprocess.CompletedProcess:
+def run_torchrun(
+    nproc: int, argv: Sequence[str], timeout: float, cwd: str | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node N argv...` (the real launcher) under a hard timeout.
 
     On timeout every process gets SIGUSR1 (our ranks print their stacks), then SIGKILL, and the
     result has returncode None-like -9 with the output so far; never waits forever.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        *argv,
+    ]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

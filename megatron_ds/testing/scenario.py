@@ -18,6 +18,7 @@ Optional scenario keys (all off by default):
 Every result also records "layout_table" (the layout printout with spec names) and the keys of the
 model's "tied_modules" and "tied_comms" (empty for an untied head).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,12 +35,23 @@ from megatron_ds.model import naming
 
 def tiny_config(**overrides: Any) -> Config:
     """A GPT small enough for CPU tests; `section__field=value` overrides."""
-    model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                        seq_length=16, max_position_embeddings=16, vocab_size=128,
-                        hidden_dropout=0.0, attention_dropout=0.0)
-    cfg = Config(model=model, parallel=ParallelConfig(),
-                 optimizer=OptimizerConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.1),
-                 training=TrainingConfig(micro_batch_size=2, global_batch_size=8, seed=1234))
+    model = ModelConfig(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        seq_length=16,
+        max_position_embeddings=16,
+        vocab_size=128,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    cfg = Config(
+        model=model,
+        parallel=ParallelConfig(),
+        optimizer=OptimizerConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.1),
+        training=TrainingConfig(micro_batch_size=2, global_batch_size=8, seed=1234),
+    )
     return cfg.replace(**overrides)
 
 
@@ -60,8 +72,9 @@ def micro_batches(config: Config, step: int, dp_rank: int, loss_mask: str = "one
     base = step * t.global_batch_size
     for j in range(config.grad_accumulation_steps):
         first = base + (j * dp + dp_rank) * t.micro_batch_size
-        rows = torch.stack([synthetic_sample(t.seed, first + i, m.seq_length, m.vocab_size)
-                            for i in range(t.micro_batch_size)])
+        rows = torch.stack(
+            [synthetic_sample(t.seed, first + i, m.seq_length, m.vocab_size) for i in range(t.micro_batch_size)]
+        )
         mask = torch.ones(rows.shape[0], m.seq_length)
         if loss_mask == "partial":
             sample = first + torch.arange(rows.shape[0]).unsqueeze(1)
@@ -73,8 +86,14 @@ def checksum(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def run_one(config: Config, num_steps: int, layout_kwargs: dict[str, Any], fixes: bool = True,
-            preflight: bool = True, options: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_one(
+    config: Config,
+    num_steps: int,
+    layout_kwargs: dict[str, Any],
+    fixes: bool = True,
+    preflight: bool = True,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Train `num_steps` steps; return what the tests compare. `options`: see the module docstring."""
     import torch.distributed as dist
 
@@ -92,10 +111,15 @@ def run_one(config: Config, num_steps: int, layout_kwargs: dict[str, Any], fixes
     if opts.get("stock_fp32_clip"):
         install_fp32_grad_norm(engine, counted_only=False)
     tp = bundle.model.tensor_parallel
-    result: dict[str, Any] = {"rank": dist.get_rank(), "stage": engine.stage_id, "tp_rank": tp.rank,
-                              "layout": layout.to_string(), "layout_table": layout.format(),
-                              "tied_modules": sorted(getattr(bundle.model, "tied_modules", {})),
-                              "tied_comms": sorted(getattr(bundle.model, "tied_comms", {}))}
+    result: dict[str, Any] = {
+        "rank": dist.get_rank(),
+        "stage": engine.stage_id,
+        "tp_rank": tp.rank,
+        "layout": layout.to_string(),
+        "layout_table": layout.format(),
+        "tied_modules": sorted(getattr(bundle.model, "tied_modules", {})),
+        "tied_comms": sorted(getattr(bundle.model, "tied_comms", {})),
+    }
     if opts.get("swapped_axes"):
         result["topology_error"] = _swapped_axes_error(config)
     if opts.get("init_checksums"):
@@ -122,8 +146,10 @@ def run_one(config: Config, num_steps: int, layout_kwargs: dict[str, Any], fixes
         losses.append(float(loss.item()))
         norms.append(grad_norm(engine))
     if opts.get("save"):
-        done = TrainState(iteration=state.iteration + num_steps,
-                          consumed_train_samples=(state.iteration + num_steps) * config.training.global_batch_size)
+        done = TrainState(
+            iteration=state.iteration + num_steps,
+            consumed_train_samples=(state.iteration + num_steps) * config.training.global_batch_size,
+        )
         checkpoint.save(engine, config, layout, done, opts["save"])
     emb_after = _embedding(bundle.model)
     result.update({"losses": losses, "grad_norms": norms})
@@ -139,9 +165,10 @@ def _swapped_axes_error(config: Config) -> str:
     from megatron_ds.model.tensor_parallel import TensorParallelSetupError, check_groups_match
 
     par = config.parallel
-    swapped = ProcessTopology(axes=["pipe", "model", "data"], dims=[par.pipeline_model_parallel_size,
-                                                                   par.tensor_model_parallel_size,
-                                                                   par.data_parallel_size])
+    swapped = ProcessTopology(
+        axes=["pipe", "model", "data"],
+        dims=[par.pipeline_model_parallel_size, par.tensor_model_parallel_size, par.data_parallel_size],
+    )
     try:
         check_groups_match(swapped)
     except TensorParallelSetupError as e:
@@ -193,8 +220,16 @@ def main(spec_path: str, out_dir: str) -> None:
             p, tp = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.tensor_model_parallel_size
             cfg = cfg.replace(parallel__data_parallel_size=env_world_size() // (p * tp))
             init_distributed(cfg.parallel)
-            results.append(run_one(cfg, sc.get("steps", 3), sc.get("layout", {}), fixes=sc.get("fixes", True),
-                                   preflight=sc.get("preflight", True), options=sc))
+            results.append(
+                run_one(
+                    cfg,
+                    sc.get("steps", 3),
+                    sc.get("layout", {}),
+                    fixes=sc.get("fixes", True),
+                    preflight=sc.get("preflight", True),
+                    options=sc,
+                )
+            )
         clean = True
     finally:
         shutdown_distributed(clean=clean)

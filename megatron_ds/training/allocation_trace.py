@@ -6,12 +6,14 @@ out or takes back); `CudaAllocationTrace` reads the CUDA caching allocator's own
 with the tensor storages alive at the window's start and end (address -> bytes); afterwards
 `held_at_start`, `peak` and `held_at_end` are in bytes. Used by `megatron_ds.training.memory`.
 """
+
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -87,7 +89,7 @@ class CpuAllocationTrace:
         with torch.profiler.record_function(MEASURED_STEP):
             yield
 
-    def stop(self, at_start: Optional[dict[int, int]] = None, at_end: Optional[dict[int, int]] = None) -> None:
+    def stop(self, at_start: dict[int, int] | None = None, at_end: dict[int, int] | None = None) -> None:
         """End the trace; given the storages (address -> bytes) alive at the window's start and
         end, compute what was held at the start, at the peak and at the end."""
         prof, self._prof = self._prof, None
@@ -100,8 +102,10 @@ class CpuAllocationTrace:
         events = sorted([(b[0], b[1]) for b in blocks] + [(b[3], -b[1]) for b in blocks if b[3] is not None])
         traced_then = [{b[2] for b in blocks if b[0] < t and (b[3] is None or b[3] >= t)} for t in window]
         # Storages the scans found at addresses of no traced block alive then: allocated before the trace.
-        older = [sum(n for ptr, n in scan.items() if ptr not in traced)
-                 for scan, traced in zip((at_start, at_end), traced_then)]
+        older = [
+            sum(n for ptr, n in scan.items() if ptr not in traced)
+            for scan, traced in zip((at_start, at_end), traced_then)
+        ]
         current, start, peak = 0, None, 0  # bytes of traced blocks alive
         for t, size in events:
             if t > window[1]:
@@ -197,5 +201,5 @@ class CudaAllocationTrace:
         torch.cuda.synchronize()
         self.peak, self.held_at_end = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
 
-    def stop(self, at_start: Optional[dict[int, int]] = None, at_end: Optional[dict[int, int]] = None) -> None:
+    def stop(self, at_start: dict[int, int] | None = None, at_end: dict[int, int] | None = None) -> None:
         self.started = False

@@ -11,6 +11,7 @@ A checkpoint is written under a temporary name and renamed once every rank has f
 then does `latest` name it, so a crash mid-save never leaves a half checkpoint as latest, and an
 existing checkpoint is never overwritten (a second save at the same step gets a new tag).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,13 @@ import os
 import random
 import shutil
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
 from megatron_ds.config import Config
+from megatron_ds.errors import UserError
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.state import TrainState
 
@@ -31,7 +33,7 @@ LATEST = "latest"
 META = "megatron_ds.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used as asked; the message names the directory and the fix."""
 
 
@@ -56,15 +58,17 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def latest_tag(load_dir: str) -> Optional[str]:
+def latest_tag(load_dir: str) -> str | None:
     """The tag `latest` names, if it points at a complete checkpoint."""
     pointer = os.path.join(load_dir, LATEST)
     if not os.path.isfile(pointer):
         return None
     tag = open(pointer).read().strip()
     if not os.path.isfile(os.path.join(load_dir, tag, META)):
-        raise CheckpointError(f"--load {load_dir}: 'latest' names {tag!r}, which is incomplete or missing; "
-                              f"point 'latest' at a complete global_step directory")
+        raise CheckpointError(
+            f"--load {load_dir}: 'latest' names {tag!r}, which is incomplete or missing; "
+            f"point 'latest' at a complete global_step directory"
+        )
     return tag
 
 
@@ -82,8 +86,12 @@ def _free_tag(save_dir: str, iteration: int) -> str:
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -107,8 +115,13 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
     torch.save(_rng_state(), os.path.join(save_dir, tmp_tag, f"rng_rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
-        meta = {"config": config.to_dict(), "train_state": asdict(state), "layout": layout.to_string(),
-                "world_size": dist.get_world_size(), "format": 1}
+        meta = {
+            "config": config.to_dict(),
+            "train_state": asdict(state),
+            "layout": layout.to_string(),
+            "world_size": dist.get_world_size(),
+            "format": 1,
+        }
         _write_atomic(os.path.join(save_dir, tmp_tag, META), json.dumps(meta, indent=1))
         os.replace(os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag))
         _write_atomic(os.path.join(save_dir, LATEST), tag)
@@ -128,21 +141,30 @@ def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: s
     """Refuse a checkpoint whose weights cannot be loaded into this model at all."""
     mismatch = architecture_mismatch(meta, config)
     if mismatch:
-        raise CheckpointError(f"--load {load_dir} ({tag}) has another architecture: {'; '.join(mismatch)}; "
-                              f"use matching model flags or another --load directory")
+        raise CheckpointError(
+            f"--load {load_dir} ({tag}) has another architecture: {'; '.join(mismatch)}; "
+            f"use matching model flags or another --load directory"
+        )
     ck = config.checkpoint
-    if config.training.precision == "bf16" and config.training.zero_stage == 0 and not (ck.no_load_optim or ck.finetune):
+    if (
+        config.training.precision == "bf16"
+        and config.training.zero_stage == 0
+        and not (ck.no_load_optim or ck.finetune)
+    ):
         # DeepSpeed 0.19.8's BF16_Optimizer fails to read its own optimizer state back (KeyError in
         # _load_legacy_checkpoint); refuse up front instead of crashing after start-up.
-        raise CheckpointError(f"--load {load_dir} ({tag}) with --bf16 and --zero-stage 0: DeepSpeed cannot restore "
-                              f"this optimizer state; train bf16 with --zero-stage 1, or pass --no-load-optim")
+        raise CheckpointError(
+            f"--load {load_dir} ({tag}) with --bf16 and --zero-stage 0: DeepSpeed cannot restore "
+            f"this optimizer state; train bf16 with --zero-stage 1, or pass --no-load-optim"
+        )
     saved_t = meta["config"].get("parallel", {}).get("tensor_model_parallel_size", 1)
     t = config.parallel.tensor_model_parallel_size
     if saved_t != t:
         raise CheckpointError(
             f"--load {load_dir} ({tag}) was saved with --tensor-model-parallel-size {saved_t} but this run uses {t}: "
             f"its layers are stored as {saved_t} tensor-parallel shards and are not resharded on load (not even "
-            f"with --no-load-optim or --finetune); rerun with --tensor-model-parallel-size {saved_t}")
+            f"with --no-load-optim or --finetune); rerun with --tensor-model-parallel-size {saved_t}"
+        )
 
 
 def _same_topology(meta: dict[str, Any], config: Config, layout: Layout, world_size: int) -> list[str]:
@@ -163,7 +185,7 @@ def _same_topology(meta: dict[str, Any], config: Config, layout: Layout, world_s
     return diffs
 
 
-def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> Optional[TrainState]:
+def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainState | None:
     """Resume from `latest` in `load_dir`; None when there is nothing to load and that is allowed."""
     import torch.distributed as dist
 
@@ -179,9 +201,11 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> Optional
     weights_only = ck.no_load_optim or ck.finetune
     moved = _same_topology(meta, config, layout, dist.get_world_size())
     if moved and not weights_only:
-        raise CheckpointError(f"--load {load_dir} ({tag}) was saved with {'; '.join(moved)}: model weights carry "
-                              f"over, optimizer state does not; pass --no-load-optim (or --finetune) to load the "
-                              f"weights only")
+        raise CheckpointError(
+            f"--load {load_dir} ({tag}) was saved with {'; '.join(moved)}: model weights carry "
+            f"over, optimizer state does not; pass --no-load-optim (or --finetune) to load the "
+            f"weights only"
+        )
     if weights_only:
         engine.module.load_state_dir(os.path.join(load_dir, tag), checkpoint_engine=engine.checkpoint_engine)
     else:

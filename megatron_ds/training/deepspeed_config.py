@@ -4,6 +4,7 @@ A user `--deepspeed_config` file is merged in: keys we do not generate are taken
 a key we generate with a different value is an error naming both sources, never silently
 overridden in either direction.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,10 @@ import math
 from typing import Any
 
 from megatron_ds.config import Config
+from megatron_ds.errors import UserError
 
 
-class DeepSpeedConfigError(ValueError):
+class DeepSpeedConfigError(UserError):
     """The user's DeepSpeed JSON contradicts the flags, or cannot be read."""
 
 
@@ -38,8 +40,13 @@ def generate(config: Config) -> dict[str, Any]:
     return ds
 
 
-FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
-                 "min_loss_scale": 1}
+FP16_DEFAULTS = {
+    "loss_scale": 0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
 """DeepSpeed's fp16 section when no loss-scale flag is given (dynamic scaling from 2^16)."""
 
 
@@ -81,8 +88,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 USER_OVERRIDABLE = frozenset({"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer"})
 
 
-def merge(generated: dict[str, Any], user: dict[str, Any], user_path: str,
-          overridable: frozenset[str] = USER_OVERRIDABLE) -> dict[str, Any]:
+def merge(
+    generated: dict[str, Any], user: dict[str, Any], user_path: str, overridable: frozenset[str] = USER_OVERRIDABLE
+) -> dict[str, Any]:
     """`generated` updated with `user`; a differing value for a flag-derived key is an error."""
     ours, theirs = _flatten(generated), _flatten(user)
     for key, value in theirs.items():
@@ -91,7 +99,8 @@ def merge(generated: dict[str, Any], user: dict[str, Any], user_path: str,
         if key in ours and ours[key] != value and not _same_number(ours[key], value):
             raise DeepSpeedConfigError(
                 f"--deepspeed_config {user_path} sets {key}={value!r} but the flags give {ours[key]!r}; "
-                f"remove {key} from the file or change the matching flag")
+                f"remove {key} from the file or change the matching flag"
+            )
     merged = json.loads(json.dumps(generated))
     _deep_update(merged, user)
     return merged
@@ -116,18 +125,25 @@ def load_user_config(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as e:
-        raise DeepSpeedConfigError(f"--deepspeed_config {path}: cannot read it ({e.strerror}); "
-                                   f"give an existing JSON file") from None
+        raise DeepSpeedConfigError(
+            f"--deepspeed_config {path}: cannot read it ({e.strerror}); give an existing JSON file"
+        ) from None
     except json.JSONDecodeError as e:
-        raise DeepSpeedConfigError(f"--deepspeed_config {path}: not valid JSON ({e.msg} at line {e.lineno}); "
-                                   f"fix the file") from None
+        raise DeepSpeedConfigError(
+            f"--deepspeed_config {path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file"
+        ) from None
     if not isinstance(data, dict):
         raise DeepSpeedConfigError(f"--deepspeed_config {path}: expected a JSON object; fix the file")
     return data
 
 
-ACTIVATION_CHECKPOINTING_OPTIONS = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
-                                    "synchronize_checkpoint_boundary", "profile")
+ACTIVATION_CHECKPOINTING_OPTIONS = (
+    "partition_activations",
+    "contiguous_memory_optimization",
+    "cpu_checkpointing",
+    "synchronize_checkpoint_boundary",
+    "profile",
+)
 
 
 def _check_activation_checkpointing(ds: dict[str, Any], path: str) -> None:
@@ -138,7 +154,8 @@ def _check_activation_checkpointing(ds: dict[str, Any], path: str) -> None:
     if on:
         raise DeepSpeedConfigError(
             f"--deepspeed_config {path} turns on activation_checkpointing.{on[0]}, which is not supported "
-            f"(recomputation uses deepspeed.checkpointing's defaults); set it to false or remove it")
+            f"(recomputation uses deepspeed.checkpointing's defaults); set it to false or remove it"
+        )
 
 
 def build(config: Config) -> dict[str, Any]:
@@ -153,5 +170,6 @@ def build(config: Config) -> dict[str, Any]:
         raise DeepSpeedConfigError(
             f"ZeRO stage {stage} with --pipeline-model-parallel-size "
             f"{config.parallel.pipeline_model_parallel_size}: DeepSpeed's pipeline engine (used at every pipeline "
-            f"size) supports ZeRO 0 and 1 only; use --zero-stage 1")
+            f"size) supports ZeRO 0 and 1 only; use --zero-stage 1"
+        )
     return ds

@@ -1,8 +1,9 @@
 """Build the pipeline model, its optimizer and the DeepSpeed engine, in that order."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -24,8 +25,9 @@ class EngineBundle:
     ds_config: dict[str, Any]
 
 
-def build_engine(config: Config, layout: Layout, lr_scheduler: Optional[Any] = None, preflight: bool = True,
-                 fixes: bool = True) -> EngineBundle:
+def build_engine(
+    config: Config, layout: Layout, lr_scheduler: Any | None = None, preflight: bool = True, fixes: bool = True
+) -> EngineBundle:
     """Tensor-parallel set-up -> GPTModelPipe -> same-structure optimizer groups -> preflight -> engine.
 
     `fixes=False` leaves out the structural fixes (norm marking and the norm that reads it,
@@ -44,8 +46,9 @@ def build_engine(config: Config, layout: Layout, lr_scheduler: Optional[Any] = N
         from megatron_ds.training.preflight import check_structure
 
         check_structure(model, optimizer, config)
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                                   lr_scheduler=lr_scheduler)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config, lr_scheduler=lr_scheduler
+    )
     install_fp32_grad_norm(engine, counted_only=fixes)
     return EngineBundle(engine=engine, model=model, optimizer=optimizer, ds_config=ds_config)
 
@@ -91,7 +94,7 @@ def clip_counted_grad_norm_(parameters: Any, max_norm: float, group: Any) -> tor
     return norm
 
 
-def grad_norm(engine: Any) -> Optional[float]:
+def grad_norm(engine: Any) -> float | None:
     """The last step's global gradient norm, or None when this path does not compute one."""
     norm = engine.get_global_grad_norm()
     if norm is None:

@@ -3,6 +3,7 @@
 Each failure is a one-line `ValueError` subclass naming the flag or file and the fix, so a typo
 in a path costs seconds, not a cluster start-up (and never a hang).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,8 @@ def check_checkpoint_dirs(config: Config) -> None:
         if not ck.load_optional:
             raise checkpoint.CheckpointError(
                 f"--load {ck.load}: no checkpoint found (no 'latest' file); check the path, or pass "
-                f"--load-optional to start fresh when none exists yet")
+                f"--load-optional to start fresh when none exists yet"
+            )
         return
     checkpoint.check_compatible(checkpoint.read_meta(ck.load, tag), config, ck.load, tag)
 
@@ -50,8 +52,10 @@ def check_logging(config: Config) -> None:
     from megatron_ds.training.logger import tensorboard_available
 
     if config.logging.tensorboard_dir and not tensorboard_available():
-        raise ConfigError(f"--tensorboard-dir {config.logging.tensorboard_dir}: tensorboard is not installed; "
-                          f"pip install tensorboard (or pip install -e '.[tensorboard]'), or drop the flag")
+        raise ConfigError(
+            f"--tensorboard-dir {config.logging.tensorboard_dir}: tensorboard is not installed; "
+            f"pip install tensorboard (or pip install -e '.[tensorboard]'), or drop the flag"
+        )
 
 
 def check_inputs(config: Config) -> None:

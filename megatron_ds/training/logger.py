@@ -1,10 +1,11 @@
 """Megatron-style training lines and optional TensorBoard scalars."""
+
 from __future__ import annotations
 
 import datetime
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -22,8 +23,8 @@ class StepStats:
     learning_rate: float
     global_batch_size: int
     loss: float
-    grad_norm: Optional[float]
-    loss_scale: Optional[float]
+    grad_norm: float | None
+    loss_scale: float | None
     tokens_per_second: float
     eta_s: float
 
@@ -59,8 +60,7 @@ class TensorBoard:
     perplexity, optimizer-state norms, memory and world size when asked for. `writer` is for tests.
     """
 
-    def __init__(self, log_dir: str, cfg: Optional[LoggingConfig] = None, world_size: int = 1,
-                 writer: Any = None) -> None:
+    def __init__(self, log_dir: str, cfg: LoggingConfig | None = None, world_size: int = 1, writer: Any = None) -> None:
         self.cfg = cfg or LoggingConfig(tensorboard_dir=log_dir)
         if writer is None:
             from torch.utils.tensorboard import SummaryWriter
@@ -125,8 +125,19 @@ def optimizer_state_norms(engine: Any) -> dict[str, float]:
     square root) and of the weights they belong to, over what this rank's optimizer holds (its
     stage; its partition under ZeRO). Empty for optimizers without Adam moments (SGD)."""
     opt = _innermost_optimizer(engine)
-    sums = {k: 0.0 for k in ("momentum_l2", "momentum_l1", "variance_l2", "variance_l1", "variance_sqrt_l2",
-                             "variance_sqrt_l1", "weight_l2", "weight_l1")}
+    sums = {
+        k: 0.0
+        for k in (
+            "momentum_l2",
+            "momentum_l1",
+            "variance_l2",
+            "variance_l1",
+            "variance_sqrt_l2",
+            "variance_sqrt_l1",
+            "weight_l2",
+            "weight_l1",
+        )
+    }
     found = False
     for group in opt.param_groups:
         for p in group["params"]:
@@ -134,8 +145,12 @@ def optimizer_state_norms(engine: Any) -> dict[str, float]:
             if "exp_avg" not in state:
                 continue
             found = True
-            for name, t in (("momentum", state["exp_avg"]), ("variance", state["exp_avg_sq"]),
-                            ("variance_sqrt", state["exp_avg_sq"].sqrt()), ("weight", p)):
+            for name, t in (
+                ("momentum", state["exp_avg"]),
+                ("variance", state["exp_avg_sq"]),
+                ("variance_sqrt", state["exp_avg_sq"].sqrt()),
+                ("weight", p),
+            ):
                 t = t.detach().float()
                 sums[f"{name}_l2"] += float(t.pow(2).sum())
                 sums[f"{name}_l1"] += float(t.abs().sum())
@@ -150,7 +165,7 @@ def tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-def loss_scale(engine: Any) -> Optional[float]:
+def loss_scale(engine: Any) -> float | None:
     """The dynamic loss scale under fp16 (None otherwise)."""
     if not engine.fp16_enabled():
         return None

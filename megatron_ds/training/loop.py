@@ -1,11 +1,13 @@
 """The training loop on DeepSpeed's pipeline engine, as named steps."""
+
 from __future__ import annotations
 
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +33,7 @@ class Run:
     rank: int
     is_logging_rank: bool
     data: dict[str, Any]
-    tensorboard: Optional[logger.TensorBoard] = None
+    tensorboard: logger.TensorBoard | None = None
     start_time: float = 0.0
     """When setup began (time.time()); `--exit-duration-in-mins` counts from here."""
 
@@ -72,9 +74,17 @@ def setup(config: Config, layout: Layout) -> Run:
     set_seeds(config.training.seed)
     bundle = build_engine(config, layout, lr_scheduler=lambda opt: LRSchedule.from_config(opt, config))
     state = _load_or_fresh(config, layout, bundle, rank)
-    run = Run(config=config, layout=layout, bundle=bundle, state=state,
-              watchdog=Watchdog(config.parallel.distributed_timeout_minutes * 60, rank, bundle.engine.stage_id),
-              rank=rank, is_logging_rank=rank == dist.get_world_size() - 1, data={}, start_time=start_time)
+    run = Run(
+        config=config,
+        layout=layout,
+        bundle=bundle,
+        state=state,
+        watchdog=Watchdog(config.parallel.distributed_timeout_minutes * 60, rank, bundle.engine.stage_id),
+        rank=rank,
+        is_logging_rank=rank == dist.get_world_size() - 1,
+        data={},
+        start_time=start_time,
+    )
     run.data = _build_data(run)
     if config.logging.tensorboard_dir and run.is_logging_rank:
         run.tensorboard = logger.TensorBoard(config.logging.tensorboard_dir, config.logging, dist.get_world_size())
@@ -88,11 +98,15 @@ def _load_or_fresh(config: Config, layout: Layout, bundle: EngineBundle, rank: i
         return TrainState()
     state = checkpoint.load(bundle.engine, config, layout, config.checkpoint.load)
     if state is None:
-        print_rank0(rank, f"WARNING: --load {config.checkpoint.load} holds no checkpoint yet; starting fresh "
-                          f"(--load-optional)")
+        print_rank0(
+            rank, f"WARNING: --load {config.checkpoint.load} holds no checkpoint yet; starting fresh (--load-optional)"
+        )
         return TrainState()
-    print_rank0(rank, f"resumed from {config.checkpoint.load} at iteration {state.iteration} "
-                      f"({state.consumed_train_samples} samples consumed)")
+    print_rank0(
+        rank,
+        f"resumed from {config.checkpoint.load} at iteration {state.iteration} "
+        f"({state.consumed_train_samples} samples consumed)",
+    )
     return state
 
 
@@ -103,25 +117,34 @@ def _build_data(run: Run) -> dict[str, Any]:
     cfg, t = run.config, run.config.training
     tokenizer = None
     if cfg.data.tokenizer_type:
-        tokenizer = build_tokenizer(cfg.data.tokenizer_type, tokenizer_model=cfg.data.tokenizer_model,
-                                    vocab_file=cfg.data.vocab_file, merge_file=cfg.data.merge_file)
+        tokenizer = build_tokenizer(
+            cfg.data.tokenizer_type,
+            tokenizer_model=cfg.data.tokenizer_model,
+            vocab_file=cfg.data.vocab_file,
+            merge_file=cfg.data.merge_file,
+        )
     gbs = t.global_batch_size
     evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
     num_samples = (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs)
-    train, valid, test = build_gpt_datasets(cfg.data, cfg.model.seq_length, t.seed, num_samples, tokenizer,
-                                            cfg.model.vocab_size)
+    train, valid, test = build_gpt_datasets(
+        cfg.data, cfg.model.seq_length, t.seed, num_samples, tokenizer, cfg.model.vocab_size
+    )
     engine = run.engine
     needs_data = engine.is_first_stage() or engine.is_last_stage()
     dp_rank, dp = engine.grid.get_data_parallel_rank(), cfg.parallel.data_parallel_size
 
-    def batches(ds: Any, start: int, workers: int) -> Optional[Iterator[Any]]:
+    def batches(ds: Any, start: int, workers: int) -> Iterator[Any] | None:
         if ds is None or not needs_data:
             return None
         return pipeline_batches(ds, t.micro_batch_size, dp_rank, dp, start, workers, t.seed)
 
-    return {"train": batches(train, run.state.consumed_train_samples, cfg.data.num_workers),
-            "valid": batches(valid, run.state.consumed_valid_samples, 0),
-            "test_dataset": test, "batches": batches, "has_valid": valid is not None}
+    return {
+        "train": batches(train, run.state.consumed_train_samples, cfg.data.num_workers),
+        "valid": batches(valid, run.state.consumed_valid_samples, 0),
+        "test_dataset": test,
+        "batches": batches,
+        "has_valid": valid is not None,
+    }
 
 
 def train_step(run: Run) -> float:
@@ -132,7 +155,7 @@ def train_step(run: Run) -> float:
     return float(loss.item())
 
 
-def evaluate(run: Run, name: str, data_iter: Optional[Iterator[Any]], num_batches: int) -> float:
+def evaluate(run: Run, name: str, data_iter: Iterator[Any] | None, num_batches: int) -> float:
     losses = []
     for i in range(num_batches):
         with run.watchdog.watch(f"{name} eval_batch {i}"):
@@ -154,11 +177,18 @@ def log_step(run: Run, losses: list[float], seconds: float, start_iteration: int
     ms = 1000.0 * seconds / n
     done = state.iteration - start_iteration
     stats = logger.StepStats(
-        iteration=state.iteration, train_iters=t.train_iters, consumed_samples=state.consumed_train_samples,
-        elapsed_ms=ms, learning_rate=run.engine.get_lr()[0], global_batch_size=t.global_batch_size,
-        loss=sum(losses) / n, grad_norm=grad_norm(run.engine), loss_scale=logger.loss_scale(run.engine),
+        iteration=state.iteration,
+        train_iters=t.train_iters,
+        consumed_samples=state.consumed_train_samples,
+        elapsed_ms=ms,
+        learning_rate=run.engine.get_lr()[0],
+        global_batch_size=t.global_batch_size,
+        loss=sum(losses) / n,
+        grad_norm=grad_norm(run.engine),
+        loss_scale=logger.loss_scale(run.engine),
         tokens_per_second=t.global_batch_size * cfg.model.seq_length * n / seconds,
-        eta_s=(t.train_iters - state.iteration) * seconds / n if done else 0.0)
+        eta_s=(t.train_iters - state.iteration) * seconds / n if done else 0.0,
+    )
     if run.is_logging_rank:
         print(logger.format_line(stats), flush=True)
         if run.tensorboard:
@@ -225,8 +255,11 @@ def train(run: Run) -> bool:
             save(run)
         if time_is_up(run):
             minutes = (time.time() - run.start_time) / 60.0
-            print_rank0(run.rank, f"exiting at iteration {state.iteration} after {minutes:.1f} minutes "
-                                  f"(--exit-duration-in-mins {t.exit_duration_in_mins:g})")
+            print_rank0(
+                run.rank,
+                f"exiting at iteration {state.iteration} after {minutes:.1f} minutes "
+                f"(--exit-duration-in-mins {t.exit_duration_in_mins:g})",
+            )
             return True
         if t.exit_interval and state.iteration % t.exit_interval == 0:
             print_rank0(run.rank, f"exiting at iteration {state.iteration} (--exit-interval)")
@@ -240,7 +273,11 @@ def pretrain(config: Config, layout: Layout) -> TrainState:
     t, ck = config.training, config.checkpoint
     start = run.state.iteration
     out_of_time = train(run) if start < t.train_iters else False
-    if ck.save and run.state.iteration > start and not (ck.save_interval and run.state.iteration % ck.save_interval == 0):
+    if (
+        ck.save
+        and run.state.iteration > start
+        and not (ck.save_interval and run.state.iteration % ck.save_interval == 0)
+    ):
         save(run)
     if t.eval_iters and not out_of_time:
         just_evaluated = run.state.iteration > start and t.eval_interval and run.state.iteration % t.eval_interval == 0

@@ -15,6 +15,7 @@ inverse-square-root: max(min_lr, lr * sqrt(max(W, 1) / max(p, 1))) after the war
 p counts optimizer steps already taken (so with warm-up the first step has lr 0).
 DeepSpeed calls `step()` after each optimizer step and stores `state_dict()` in checkpoints.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,11 +26,12 @@ from typing import Any
 import torch
 
 from megatron_ds.config import Config, OptimizerConfig
+from megatron_ds.errors import UserError
 
 SAMPLES, TOKENS = "samples", "tokens"
 
 
-class LRScheduleError(ValueError):
+class LRScheduleError(UserError):
     """The checkpoint's schedule differs from the flags' and no flag says which one wins."""
 
 
@@ -63,8 +65,14 @@ def build_schedule(opt: OptimizerConfig, train_iters: int, global_batch_size: in
         decay = opt.lr_decay_samples * per_sample
     else:
         decay = (opt.lr_decay_iters or train_iters) * global_batch_size * per_sample
-    return Schedule(max_lr=opt.lr, min_lr=opt.min_lr, decay_style=opt.lr_decay_style,
-                    unit=TOKENS if in_tokens else SAMPLES, warmup=int(warmup), decay=int(decay))
+    return Schedule(
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        decay_style=opt.lr_decay_style,
+        unit=TOKENS if in_tokens else SAMPLES,
+        warmup=int(warmup),
+        decay=int(decay),
+    )
 
 
 def learning_rate(s: Schedule, progress: int) -> float:
@@ -92,8 +100,15 @@ class LRSchedule:
     difference is an `LRScheduleError`. Checkpoints that stored only the step count are accepted.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule, global_batch_size: int,
-                 seq_length: int, override: bool = False, use_checkpoint: bool = False) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        schedule: Schedule,
+        global_batch_size: int,
+        seq_length: int,
+        override: bool = False,
+        use_checkpoint: bool = False,
+    ) -> None:
         assert not (override and use_checkpoint), "validation refuses both"
         self.optimizer, self.schedule = optimizer, schedule
         self.global_batch_size, self.seq_length = global_batch_size, seq_length
@@ -102,11 +117,17 @@ class LRSchedule:
         self._apply()
 
     @classmethod
-    def from_config(cls, optimizer: torch.optim.Optimizer, config: Config) -> "LRSchedule":
+    def from_config(cls, optimizer: torch.optim.Optimizer, config: Config) -> LRSchedule:
         o, t = config.optimizer, config.training
         schedule = build_schedule(o, t.train_iters, t.global_batch_size, config.model.seq_length)
-        return cls(optimizer, schedule, t.global_batch_size, config.model.seq_length,
-                   override=o.override_opt_param_scheduler, use_checkpoint=o.use_checkpoint_opt_param_scheduler)
+        return cls(
+            optimizer,
+            schedule,
+            t.global_batch_size,
+            config.model.seq_length,
+            override=o.override_opt_param_scheduler,
+            use_checkpoint=o.use_checkpoint_opt_param_scheduler,
+        )
 
     def progress(self) -> int:
         """Samples or tokens (the schedule's unit) consumed by the steps taken."""
@@ -148,7 +169,8 @@ class LRSchedule:
             raise LRScheduleError(
                 f"the checkpoint's learning-rate schedule differs from the flags': {'; '.join(diffs)}; pass "
                 f"--override-opt_param-scheduler to use the flags' schedule or "
-                f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+                f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+            )
         return self.schedule
 
 
@@ -164,8 +186,11 @@ def schedule_differences(saved: Schedule, ours: Schedule, seq_length: int) -> li
         return value * seq_length if s.unit == SAMPLES and unit == TOKENS else value
 
     diffs = []
-    for name, a, b in (("lr", saved.max_lr, ours.max_lr), ("min_lr", saved.min_lr, ours.min_lr),
-                       ("decay style", saved.decay_style, ours.decay_style)):
+    for name, a, b in (
+        ("lr", saved.max_lr, ours.max_lr),
+        ("min_lr", saved.min_lr, ours.min_lr),
+        ("decay style", saved.decay_style, ours.decay_style),
+    ):
         if a != b:
             diffs.append(f"{name} {a} (checkpoint) vs {b} (flags)")
     for name in ("warmup", "decay"):

@@ -23,14 +23,16 @@ other step is profiled) and measures on this rank's device, with no estimate any
   optimizer's temporaries). The components peak at different moments (no gradient exists while
   the first micro-batches' activations pile up), so `other` is a remainder and can be negative.
 """
+
 from __future__ import annotations
 
 import gc
 import re
 import weakref
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -66,8 +68,9 @@ def _tensors(obj: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[
         for i, v in enumerate(obj):
             yield from _tensors(v, f"{path}[{i}]", depth - 1, seen)
     elif isinstance(obj, torch.optim.Optimizer) or hasattr(obj, "param_groups"):
-        yield from _tensors(obj.state if isinstance(obj, torch.optim.Optimizer) else {}, path + ".state",
-                            depth - 1, seen)
+        yield from _tensors(
+            obj.state if isinstance(obj, torch.optim.Optimizer) else {}, path + ".state", depth - 1, seen
+        )
         yield from _tensors(obj.param_groups, path + ".param_groups", depth - 1, seen)
         for k, v in vars(obj).items():
             if isinstance(v, (torch.Tensor, dict, list, tuple, torch.optim.Optimizer)):
@@ -123,7 +126,7 @@ def live_storages(engine: Any, device: torch.device) -> dict[int, int]:
     """
     seen: dict[int, int] = {}
 
-    def add(t: Optional[torch.Tensor]) -> None:
+    def add(t: torch.Tensor | None) -> None:
         if t is None or t.device != device or t.layout != torch.strided:
             return
         storage = t.untyped_storage()
@@ -213,7 +216,7 @@ class RankMemory:
     unseen_frees: int = 0
     """Bytes allocated before the trace and freed unseen during the step: the measurement's error
     bound (the peak may be too high by at most this much); 0 when the warm-up worked."""
-    cuda: Optional[dict[str, float]] = None
+    cuda: dict[str, float] | None = None
 
     @property
     def total(self) -> int:
@@ -225,10 +228,12 @@ class RankMemory:
         return self.peak - (self.params + self.grads + self.optimizer + self.activations)
 
     def format(self, iteration: int) -> str:
-        line = (f"[Rank {self.rank} | stage {self.stage}] (after {iteration} iterations) memory (MB) | "
-                f"params: {self.params / MB:.2f} | grads: {self.grads / MB:.2f} | "
-                f"optimizer: {self.optimizer / MB:.2f} | activations (peak saved): {self.activations / MB:.2f} | "
-                f"other (buffers, transients): {self.other / MB:.2f} | total (measured peak): {self.peak / MB:.2f}")
+        line = (
+            f"[Rank {self.rank} | stage {self.stage}] (after {iteration} iterations) memory (MB) | "
+            f"params: {self.params / MB:.2f} | grads: {self.grads / MB:.2f} | "
+            f"optimizer: {self.optimizer / MB:.2f} | activations (peak saved): {self.activations / MB:.2f} | "
+            f"other (buffers, transients): {self.other / MB:.2f} | total (measured peak): {self.peak / MB:.2f}"
+        )
         if self.unseen_frees >= 0.005 * MB:
             line += f" | unseen frees (peak may be this much too high): {self.unseen_frees / MB:.2f}"
         if self.cuda:
@@ -298,18 +303,30 @@ class StepMeter:
             raise RuntimeError("StepMeter.result() before a step was measured: wrap a train_batch in measure()")
         cuda = None
         if self.device.type == "cuda":
-            cuda = {"allocated": torch.cuda.memory_allocated() / MB,
-                    "max allocated": torch.cuda.max_memory_allocated() / MB,
-                    "reserved": torch.cuda.memory_reserved() / MB,
-                    "max reserved": torch.cuda.max_memory_reserved() / MB}
+            cuda = {
+                "allocated": torch.cuda.memory_allocated() / MB,
+                "max allocated": torch.cuda.max_memory_allocated() / MB,
+                "reserved": torch.cuda.memory_reserved() / MB,
+                "max reserved": torch.cuda.max_memory_reserved() / MB,
+            }
         t = self.trace
-        return RankMemory(rank=rank, stage=stage, params=parameter_bytes(self.engine.module), grads=self.grads,
-                          optimizer=optimizer_bytes(self.engine), activations=self.activations.peak, peak=t.peak,
-                          held_at_start=t.held_at_start, held_at_end=t.held_at_end,
-                          inferred_frees=t.inferred_frees, unseen_frees=t.unseen_frees, cuda=cuda)
+        return RankMemory(
+            rank=rank,
+            stage=stage,
+            params=parameter_bytes(self.engine.module),
+            grads=self.grads,
+            optimizer=optimizer_bytes(self.engine),
+            activations=self.activations.peak,
+            peak=t.peak,
+            held_at_start=t.held_at_start,
+            held_at_end=t.held_at_end,
+            inferred_frees=t.inferred_frees,
+            unseen_frees=t.unseen_frees,
+            cuda=cuda,
+        )
 
 
-def step_context(meter: Optional[StepMeter], step: int, measured_step: int) -> ContextManager[None]:
+def step_context(meter: StepMeter | None, step: int, measured_step: int) -> AbstractContextManager[None]:
     """What to wrap training step `step` in: `measure()` on `measured_step`, `warm_up()` on the
     step before it, nothing otherwise (or when `meter` is None)."""
     if meter is not None and step == measured_step:

@@ -10,6 +10,7 @@ groups, in the same order, and an empty group receives a zero-element placeholde
 and weight decay keep it at zero, and it adds nothing to the gradient norm. (A zero-element
 placeholder would not do: DeepSpeed's ZeRO leaves zero-element parameters out of its groups.)
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -50,7 +51,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
         if not p.requires_grad:
             continue
         if name.startswith(GROUP_PLACEHOLDER_PREFIX):
-            groups[name[len(GROUP_PLACEHOLDER_PREFIX):]].append(p)
+            groups[name[len(GROUP_PLACEHOLDER_PREFIX) :]].append(p)
         else:
             groups[GROUP_NAMES[0] if _wants_decay(name, p) else GROUP_NAMES[1]].append(p)
     decay = {GROUP_NAMES[0]: weight_decay, GROUP_NAMES[1]: 0.0}
@@ -61,8 +62,14 @@ def build_optimizer(module: nn.Module, cfg: OptimizerConfig) -> torch.optim.Opti
     """AdamW (Megatron's `adam` is decoupled weight decay) or SGD over `param_groups`."""
     groups = param_groups(module, cfg.weight_decay)
     if cfg.optimizer == "adam":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                 weight_decay=cfg.weight_decay, foreach=False)
+        return torch.optim.AdamW(
+            groups,
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            foreach=False,
+        )
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
     raise AssertionError(cfg.optimizer)

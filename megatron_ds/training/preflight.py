@@ -9,6 +9,7 @@ Watchdog: `Watchdog.watch(label)` arms a timer around a step; if it does not fin
 `--distributed-timeout-minutes`, the rank prints its rank, stage, the label and every thread's
 stack, then exits non-zero (its peers then fail on the broken connection or their own watchdog).
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -16,15 +17,17 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 
 from megatron_ds.config import Config
+from megatron_ds.errors import UserError
 
 
-class PreflightError(ValueError):
+class PreflightError(UserError):
     """Ranks disagree on something that decides which collectives they issue (a misconfiguration:
     reported as a one-line error like bad flags)."""
 
@@ -42,29 +45,42 @@ def signature(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     tied_shapes = {k: [list(p.shape) for p in m.parameters()] for k, m in tied.items()}
     dtypes = sorted({str(p.dtype) for p in module.parameters()})
     trainable = any(p.requires_grad and p.numel() > 0 for p in module.parameters())
-    return {"groups": [name for name, _ in groups], "group_sizes": [n for _, n in groups],
-            "empty_groups": [name for name, n in groups if n == 0], "tied": tied_shapes, "dtypes": dtypes,
-            "trainable": trainable}
+    return {
+        "groups": [name for name, _ in groups],
+        "group_sizes": [n for _, n in groups],
+        "empty_groups": [name for name, n in groups if n == 0],
+        "tied": tied_shapes,
+        "dtypes": dtypes,
+        "trainable": trainable,
+    }
 
 
-def compare(signatures: list[dict[str, Any]], stages: list[int], tied_stages: Optional[set[int]] = None) -> None:
+def compare(signatures: list[dict[str, Any]], stages: list[int], tied_stages: set[int] | None = None) -> None:
     """Raise PreflightError describing the first disagreement that would deadlock."""
     ref = signatures[0]
     for rank, (sig, stage) in enumerate(zip(signatures, stages)):
         where = f"rank {rank} (stage {stage})"
         if not sig["trainable"]:
-            raise PreflightError(f"{where} holds no trainable parameter; every stage needs one "
-                                 f"(change the layout so no stage holds only functions)")
+            raise PreflightError(
+                f"{where} holds no trainable parameter; every stage needs one "
+                f"(change the layout so no stage holds only functions)"
+            )
         if sig["empty_groups"]:
-            raise PreflightError(f"{where} has empty optimizer group(s) {sig['empty_groups']}, which DeepSpeed "
-                                 f"drops, so it would issue fewer gradient-norm collectives than its peers")
+            raise PreflightError(
+                f"{where} has empty optimizer group(s) {sig['empty_groups']}, which DeepSpeed "
+                f"drops, so it would issue fewer gradient-norm collectives than its peers"
+            )
         if sig["groups"] != ref["groups"]:
-            raise PreflightError(f"{where} has optimizer groups {sig['groups']} but rank 0 (stage {stages[0]}) has "
-                                 f"{ref['groups']}; every stage must build the same groups or ZeRO's per-group "
-                                 f"norm all-reduces deadlock")
+            raise PreflightError(
+                f"{where} has optimizer groups {sig['groups']} but rank 0 (stage {stages[0]}) has "
+                f"{ref['groups']}; every stage must build the same groups or ZeRO's per-group "
+                f"norm all-reduces deadlock"
+            )
         if sig["dtypes"] != ref["dtypes"]:
-            raise PreflightError(f"{where} has parameter dtypes {sig['dtypes']} but rank 0 has {ref['dtypes']}; "
-                                 f"activations exchanged between stages would not match")
+            raise PreflightError(
+                f"{where} has parameter dtypes {sig['dtypes']} but rank 0 has {ref['dtypes']}; "
+                f"activations exchanged between stages would not match"
+            )
     _compare_tied(signatures, stages)
 
 
@@ -74,9 +90,11 @@ def _compare_tied(signatures: list[dict[str, Any]], stages: list[int]) -> None:
         for key, shape in sig["tied"].items():
             if key in shapes and shapes[key][1] != shape:
                 first = shapes[key][0]
-                raise PreflightError(f"tied module {key!r} has shapes {shape} on rank {rank} (stage {stages[rank]}) "
-                                     f"but {shapes[key][1]} on rank {first} (stage {stages[first]}); the tied "
-                                     f"gradient all-reduce would fail or hang")
+                raise PreflightError(
+                    f"tied module {key!r} has shapes {shape} on rank {rank} (stage {stages[rank]}) "
+                    f"but {shapes[key][1]} on rank {first} (stage {stages[first]}); the tied "
+                    f"gradient all-reduce would fail or hang"
+                )
             shapes.setdefault(key, (rank, shape))
 
 
@@ -97,11 +115,13 @@ class Watchdog:
 
     def __init__(self, timeout_s: float, rank: int, stage: int, exit_code: int = 3) -> None:
         self.timeout_s, self.rank, self.stage, self.exit_code = timeout_s, rank, stage, exit_code
-        self._timer: Optional[threading.Timer] = None
+        self._timer: threading.Timer | None = None
 
     def _fire(self, label: str) -> None:
-        sys.stderr.write(f"[watchdog] rank {self.rank} (stage {self.stage}) stalled for more than "
-                         f"{self.timeout_s:.0f}s in {label}; stacks follow, exiting with code {self.exit_code}\n")
+        sys.stderr.write(
+            f"[watchdog] rank {self.rank} (stage {self.stage}) stalled for more than "
+            f"{self.timeout_s:.0f}s in {label}; stacks follow, exiting with code {self.exit_code}\n"
+        )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(self.exit_code)

@@ -1,4 +1,5 @@
 """Run state: what changes as training goes (kept out of the frozen config)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

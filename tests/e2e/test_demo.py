@@ -1,4 +1,5 @@
 """The CPU demo script (what `make demo` runs) trains on 5 processes and its loss falls."""
+
 from __future__ import annotations
 
 import os
@@ -10,11 +11,32 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cpu_demo_trains_with_dedicated_stages(tmp_path: Path) -> None:
-    env = dict(os.environ, DATA_DIR=str(tmp_path / "data"), SAVE_DIR=str(tmp_path / "ckpt"), TRAIN_ITERS="12",
-               TIMEOUT="600", MASTER_PORT="29611", PYTHON=str(Path(os.sys.executable)))
-    out = subprocess.run(["bash", str(ROOT / "examples" / "pretrain_gpt_cpu_demo.sh"), "--eval-interval", "6",
-                          "--log-interval", "3", "--global-batch-size", "16"],
-                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    env = dict(
+        os.environ,
+        DATA_DIR=str(tmp_path / "data"),
+        SAVE_DIR=str(tmp_path / "ckpt"),
+        TRAIN_ITERS="12",
+        TIMEOUT="600",
+        MASTER_PORT="29611",
+        PYTHON=str(Path(os.sys.executable)),
+    )
+    out = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "examples" / "pretrain_gpt_cpu_demo.sh"),
+            "--eval-interval",
+            "6",
+            "--log-interval",
+            "3",
+            "--global-batch-size",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=ROOT,
+    )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
     assert "transformer layers per stage: 0 2 2 2 0 (layout E|t*2|t*2|t*2|L" in text

@@ -8,6 +8,7 @@ model and batch sizes; the GPT line's `--fp16` -> `--bf16` and its JSON's precis
 (no fp16 on CPU); `--distributed-backend nccl` -> `gloo`; `--load-optional` added next to `--load`
 (Megatron starts fresh silently when `--load` is empty, we need to be told).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,10 @@ from megatron_ds.testing.launch import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*lm loss: ([0-9.E+-]+)")
-WORDS = ("hello world the quick brown fox jumps over a lazy dog while pipeline stages pass activations "
-         "and gradients between ranks every micro batch").split()
+WORDS = (
+    "hello world the quick brown fox jumps over a lazy dog while pipeline stages pass activations "
+    "and gradients between ranks every micro batch"
+).split()
 
 
 def corpus(path: Path, num_docs: int = 2000) -> Path:
@@ -53,10 +56,25 @@ def gpt2_files(tmp: Path) -> tuple[str, str]:
 
 def preprocess(jsonl: Path, jobs: dict[Path, list[str]]) -> list[str]:
     """tools/preprocess_data.py once per (output prefix, tokenizer flags), run side by side."""
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(jsonl),
-                               "--output-prefix", str(prefix), *tokenizer, "--append-eod"], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for prefix, tokenizer in jobs.items()]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "tools" / "preprocess_data.py"),
+                "--input",
+                str(jsonl),
+                "--output-prefix",
+                str(prefix),
+                *tokenizer,
+                "--append-eod",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for prefix, tokenizer in jobs.items()
+    ]
     for proc in procs:
         out, _ = proc.communicate(timeout=180)
         assert proc.returncode == 0, out[-3000:]
@@ -72,11 +90,27 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     vocab_file, merge_file = gpt2_files(tmp)
     texts = [json.loads(line)["text"] for line in jsonl.read_text().splitlines()]
     sp_model = train_sentencepiece(texts, str(tmp / "llama_tok"), vocab_size=120)
-    gpt2_prefix, sp_prefix = preprocess(jsonl, {
-        tmp / "gpt2": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file", merge_file],
-        tmp / "sp": ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model]})
-    return {"vocab": vocab_file, "merges": merge_file, "sp_model": sp_model, "gpt2_prefix": gpt2_prefix,
-            "sp_prefix": sp_prefix}
+    gpt2_prefix, sp_prefix = preprocess(
+        jsonl,
+        {
+            tmp / "gpt2": [
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--vocab-file",
+                vocab_file,
+                "--merge-file",
+                merge_file,
+            ],
+            tmp / "sp": ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model],
+        },
+    )
+    return {
+        "vocab": vocab_file,
+        "merges": merge_file,
+        "sp_model": sp_model,
+        "gpt2_prefix": gpt2_prefix,
+        "sp_prefix": sp_prefix,
+    }
 
 
 def launch(nproc: int, argv: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -93,37 +127,124 @@ def gpt_1_3b_dense_line(data: dict[str, str], ckpt: str, ds_json: str, tensorboa
     """ds_pretrain_gpt_1.3B_dense.sh's megatron_options + data_options + deepspeed_options, scaled down."""
     seq, gbs = 16, 8
     megatron_options = [
-        "--override-opt_param-scheduler", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-        "--tensor-model-parallel-size", "1", "--init-method-std", "0.013",
-        "--lr-decay-tokens", str(6 * gbs * seq), "--lr-warmup-tokens", str(gbs * seq),
-        "--micro-batch-size", "2", "--exit-duration-in-mins", "30000000", "--global-batch-size", str(gbs),
-        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-        "--seq-length", str(seq), "--max-position-embeddings", str(seq),
-        "--train-tokens", str(6 * gbs * seq), "--train-samples", "100",
-        "--lr", "2.0e-4", "--min-lr", "1.0e-6", "--lr-decay-style", "cosine", "--split", "98,2,0",
-        "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "2", "--save-interval", "100",
-        "--weight-decay", "0.1", "--clip-grad", "1.0", "--hysteresis", "2", "--num-workers", "0",
+        "--override-opt_param-scheduler",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--tensor-model-parallel-size",
+        "1",
+        "--init-method-std",
+        "0.013",
+        "--lr-decay-tokens",
+        str(6 * gbs * seq),
+        "--lr-warmup-tokens",
+        str(gbs * seq),
+        "--micro-batch-size",
+        "2",
+        "--exit-duration-in-mins",
+        "30000000",
+        "--global-batch-size",
+        str(gbs),
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        str(seq),
+        "--max-position-embeddings",
+        str(seq),
+        "--train-tokens",
+        str(6 * gbs * seq),
+        "--train-samples",
+        "100",
+        "--lr",
+        "2.0e-4",
+        "--min-lr",
+        "1.0e-6",
+        "--lr-decay-style",
+        "cosine",
+        "--split",
+        "98,2,0",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "100",
+        "--eval-iters",
+        "2",
+        "--save-interval",
+        "100",
+        "--weight-decay",
+        "0.1",
+        "--clip-grad",
+        "1.0",
+        "--hysteresis",
+        "2",
+        "--num-workers",
+        "0",
         "--bf16",  # their --fp16
-        "--load", ckpt, "--load-optional", "--save", ckpt,
-        "--tensorboard-queue-size", "1", "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
-        "--log-validation-ppl-to-tensorboard", "--tensorboard-dir", tensorboard,
-        "--checkpoint-activations", "--log-optimizer-states-to-tensorboard",
+        "--load",
+        ckpt,
+        "--load-optional",
+        "--save",
+        ckpt,
+        "--tensorboard-queue-size",
+        "1",
+        "--log-timers-to-tensorboard",
+        "--log-batch-size-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard",
+        "--tensorboard-dir",
+        tensorboard,
+        "--checkpoint-activations",
+        "--log-optimizer-states-to-tensorboard",
     ]
-    data_options = ["--vocab-file", data["vocab"], "--merge-file", data["merges"], "--data-path",
-                    data["gpt2_prefix"], "--data-impl", "mmap"]  # GPT2BPETokenizer by default, as theirs
-    deepspeed_options = ["--deepspeed", "--deepspeed_config", ds_json, "--pipeline-model-parallel-size", "3",
-                         "--deepspeed-activation-checkpointing"]
+    data_options = [
+        "--vocab-file",
+        data["vocab"],
+        "--merge-file",
+        data["merges"],
+        "--data-path",
+        data["gpt2_prefix"],
+        "--data-impl",
+        "mmap",
+    ]  # GPT2BPETokenizer by default, as theirs
+    deepspeed_options = [
+        "--deepspeed",
+        "--deepspeed_config",
+        ds_json,
+        "--pipeline-model-parallel-size",
+        "3",
+        "--deepspeed-activation-checkpointing",
+    ]
     return [*megatron_options, *data_options, *deepspeed_options]
 
 
 def gpt_ds_json(path: Path) -> str:
     """Their ds_config_gpt_TEMPLATE.json, filled in as their script's sed does (bf16 instead of fp16)."""
-    path.write_text(json.dumps({
-        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
-        "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0, "prescale_gradients": False,
-        "fp16": {"enabled": False, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
-                 "min_loss_scale": 1, "initial_scale_power": 11},
-        "bf16": {"enabled": True}, "wall_clock_breakdown": False}))
+    path.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 8,
+                "train_micro_batch_size_per_gpu": 2,
+                "steps_per_print": 1,
+                "zero_optimization": {"stage": 0},
+                "gradient_clipping": 1.0,
+                "prescale_gradients": False,
+                "fp16": {
+                    "enabled": False,
+                    "loss_scale": 0,
+                    "loss_scale_window": 500,
+                    "hysteresis": 2,
+                    "min_loss_scale": 1,
+                    "initial_scale_power": 11,
+                },
+                "bf16": {"enabled": True},
+                "wall_clock_breakdown": False,
+            }
+        )
+    )
     return str(path)
 
 
@@ -133,7 +254,7 @@ def test_gpt_1_3b_dense_line_trains(data: dict[str, str], tmp_path: Path) -> Non
     tensorboard = str(tmp_path / "tb")
     argv = gpt_1_3b_dense_line(data, str(tmp_path / "ckpt"), gpt_ds_json(tmp_path / "ds.json"), tensorboard)
     if not tensorboard_available():  # optional extra; the other logging flags stay (ignored, with a warning)
-        argv = argv[:argv.index("--tensorboard-dir")] + argv[argv.index("--tensorboard-dir") + 2:]
+        argv = argv[: argv.index("--tensorboard-dir")] + argv[argv.index("--tensorboard-dir") + 2 :]
     out = launch(3, argv)
     assert out.returncode == 0, out.stdout[-5000:]
     got = losses(out.stdout)
@@ -153,12 +274,44 @@ def test_exit_duration_saves_and_stops_without_final_evaluation(tmp_path: Path) 
     """--exit-duration-in-mins on one process (P=1, --no-pipeline-parallel): the first iteration
     already passes 0.0001 minutes, so it saves and stops there."""
     ckpt = tmp_path / "ckpt"
-    out = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), "--num-layers", "2", "--hidden-size", "32",
-                          "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "128", "--mock-data",
-                          "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "50", "--lr", "1e-3",
-                          "--log-interval", "1", "--eval-iters", "2", "--no-pipeline-parallel",
-                          "--exit-duration-in-mins", "0.0001", "--save", str(ckpt)],
-                         capture_output=True, text=True, timeout=180, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "pretrain_gpt.py"),
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "16",
+            "--vocab-size",
+            "128",
+            "--mock-data",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-iters",
+            "50",
+            "--lr",
+            "1e-3",
+            "--log-interval",
+            "1",
+            "--eval-iters",
+            "2",
+            "--no-pipeline-parallel",
+            "--exit-duration-in-mins",
+            "0.0001",
+            "--save",
+            str(ckpt),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(losses(out.stdout)) == [1] and "exiting at iteration 1 after" in out.stdout
     assert "validation loss" not in out.stdout and (ckpt / "latest").read_text() == "global_step1"
@@ -167,28 +320,108 @@ def test_exit_duration_saves_and_stops_without_final_evaluation(tmp_path: Path) 
 def llama2_line(data: dict[str, str], ckpt: str, ds_json: str) -> list[str]:
     """pretrain_llama2_distributed.sh's torchrun line with its ds_args, scaled down."""
     return [
-        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
-        "--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "88", "--num-attention-heads", "4",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--train-iters", "4",
-        "--save", ckpt, "--load", ckpt, "--load-optional",
-        "--data-path", data["sp_prefix"], "--data-impl", "mmap",
-        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", data["sp_model"],
-        "--split", "949,50,1", "--distributed-backend", "gloo",  # their nccl
-        "--lr", "3e-4", "--lr-decay-style", "cosine", "--min-lr", "3e-5", "--weight-decay", "0.1",
-        "--clip-grad", "1", "--lr-warmup-iters", "1", "--optimizer", "adam", "--adam-beta1", "0.9",
-        "--adam-beta2", "0.95", "--log-interval", "1", "--save-interval", "10000", "--eval-interval", "1000",
-        "--eval-iters", "2", "--bf16", "--no-query-key-layer-scaling", "--attention-dropout", "0",
-        "--hidden-dropout", "0", "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights",
-        "--swiglu", "--normalization", "rmsnorm", "--disable-bias-linear", "--num-key-value-heads", "2",
-        "--deepspeed", f"--deepspeed_config={ds_json}", "--zero-stage=1", "--deepspeed-activation-checkpointing",
-        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "32",
+        "--ffn-hidden-size",
+        "88",
+        "--num-attention-heads",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--seq-length",
+        "16",
+        "--max-position-embeddings",
+        "16",
+        "--train-iters",
+        "4",
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--load-optional",
+        "--data-path",
+        data["sp_prefix"],
+        "--data-impl",
+        "mmap",
+        "--tokenizer-type",
+        "GPTSentencePieceTokenizer",
+        "--tokenizer-model",
+        data["sp_model"],
+        "--split",
+        "949,50,1",
+        "--distributed-backend",
+        "gloo",  # their nccl
+        "--lr",
+        "3e-4",
+        "--lr-decay-style",
+        "cosine",
+        "--min-lr",
+        "3e-5",
+        "--weight-decay",
+        "0.1",
+        "--clip-grad",
+        "1",
+        "--lr-warmup-iters",
+        "1",
+        "--optimizer",
+        "adam",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--log-interval",
+        "1",
+        "--save-interval",
+        "10000",
+        "--eval-interval",
+        "1000",
+        "--eval-iters",
+        "2",
+        "--bf16",
+        "--no-query-key-layer-scaling",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--use-rotary-position-embeddings",
+        "--untie-embeddings-and-output-weights",
+        "--swiglu",
+        "--normalization",
+        "rmsnorm",
+        "--disable-bias-linear",
+        "--num-key-value-heads",
+        "2",
+        "--deepspeed",
+        f"--deepspeed_config={ds_json}",
+        "--zero-stage=1",
+        "--deepspeed-activation-checkpointing",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
     ]
 
 
 def llama_ds_json(path: Path) -> str:
-    path.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
-                                "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}))
+    path.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 8,
+                "train_micro_batch_size_per_gpu": 2,
+                "steps_per_print": 1,
+                "zero_optimization": {"stage": 1},
+                "bf16": {"enabled": True},
+            }
+        )
+    )
     return str(path)
 
 
@@ -200,7 +433,7 @@ def test_llama2_line_trains(data: dict[str, str], tmp_path: Path) -> None:
     assert "test loss at iteration 4" in out.stdout
 
 
-ONE_STAGE_VS_PLAIN = r'''
+ONE_STAGE_VS_PLAIN = r"""
 import torch, deepspeed
 from deepspeed.pipe import PipelineModule
 deepspeed.init_distributed(dist_backend="gloo")
@@ -233,7 +466,7 @@ for x, y in data:
 same = all(torch.equal(a, b) for a, b in zip(pipe.parameters(), plain.parameters()))
 print("BIT-IDENTICAL" if same else "DIFFERENT")
 deepspeed.comm.destroy_process_group()
-'''
+"""
 
 
 def test_one_stage_pipeline_engine_equals_the_plain_engine(tmp_path: Path) -> None:
@@ -243,9 +476,16 @@ def test_one_stage_pipeline_engine_equals_the_plain_engine(tmp_path: Path) -> No
 
     script = tmp_path / "one_stage.py"
     script.write_text(ONE_STAGE_VS_PLAIN)
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **env})
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "DS_ACCELERATOR": "cpu",
+    }
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "BIT-IDENTICAL" in out.stdout, out.stdout[-2000:]

@@ -1,5 +1,6 @@
 """pretrain_gpt.py end to end under torchrun on CPU: training, exact resume, layout-changing resume,
 and every bad input as a one-line error that leaves existing checkpoints untouched."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,11 +15,45 @@ import torch
 from megatron_ds.testing.launch import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--vocab-size", "128", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-3",
-         "--lr-warmup-iters", "2", "--mock-data", "--log-interval", "1", "--eval-interval", "100",
-         "--eval-iters", "2", "--num-workers", "0", "--distributed-timeout-minutes", "2"]
+MODEL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--vocab-size",
+    "128",
+    "--hidden-dropout",
+    "0.1",
+    "--attention-dropout",
+    "0.1",
+]
+TRAIN = [
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "6",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "2",
+    "--mock-data",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "100",
+    "--eval-iters",
+    "2",
+    "--num-workers",
+    "0",
+    "--distributed-timeout-minutes",
+    "2",
+]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*lm loss: ([0-9.E+-]+)")
 TEST_LOSS = re.compile(r"test loss at iteration \d+ \| lm loss value: ([0-9.E+-]+)")
 
@@ -45,8 +80,9 @@ def tree_digest(path: Path) -> str:
 def straight(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """6 iterations in one go on P=3 with dedicated pre/post stages, saved at the end."""
     save = tmp_path_factory.mktemp("straight") / "ckpt"
-    out = pretrain(3, *MODEL, *TRAIN, "--pipeline-model-parallel-size", "3", "--pp-dedicated-embedding-stages",
-                   "--save", str(save))
+    out = pretrain(
+        3, *MODEL, *TRAIN, "--pipeline-model-parallel-size", "3", "--pp-dedicated-embedding-stages", "--save", str(save)
+    )
     assert out.returncode == 0, out.stdout[-4000:]
     return {"save": save, "out": out.stdout, "losses": losses(out.stdout)}
 
@@ -54,9 +90,17 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_straight_run_prints_megatron_lines_and_memory(straight: dict) -> None:
     text = straight["out"]
     assert sorted(straight["losses"]) == [1, 2, 3, 4, 5, 6]
-    line = next(l for l in text.splitlines() if "iteration        6/       6" in l)
-    for field in ("consumed samples:           48", "elapsed time per iteration (ms):", "learning rate:",
-                  "global batch size:     8", "lm loss:", "grad norm:", "tokens per second:", "ETA:"):
+    line = next(ln for ln in text.splitlines() if "iteration        6/       6" in ln)
+    for field in (
+        "consumed samples:           48",
+        "elapsed time per iteration (ms):",
+        "learning rate:",
+        "global batch size:     8",
+        "lm loss:",
+        "grad norm:",
+        "tokens per second:",
+        "ETA:",
+    ):
         assert field in line, line
     for stage in range(3):
         assert f"| stage {stage}] (after 1 iterations) memory (MB) | params:" in text
@@ -66,8 +110,15 @@ def test_straight_run_prints_megatron_lines_and_memory(straight: dict) -> None:
 
 def test_resume_is_exact(straight: dict, tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
-    common = [*MODEL, *TRAIN, "--pipeline-model-parallel-size", "3", "--pp-dedicated-embedding-stages",
-              "--save", str(save)]
+    common = [
+        *MODEL,
+        *TRAIN,
+        "--pipeline-model-parallel-size",
+        "3",
+        "--pp-dedicated-embedding-stages",
+        "--save",
+        str(save),
+    ]
     first = pretrain(3, *common, "--exit-interval", "3")
     assert first.returncode == 0, first.stdout[-4000:]
     second = pretrain(3, *common, "--load", str(save))
@@ -84,11 +135,21 @@ def test_resume_is_exact(straight: dict, tmp_path: Path) -> None:
 
 def test_weights_resume_into_another_layout(straight: dict) -> None:
     load = str(straight["save"])
-    refused = pretrain(4, *MODEL, *TRAIN, "--pipeline-model-parallel-size", "4", "--pp-dedicated-embedding-stages",
-                       "--load", load)
+    refused = pretrain(
+        4, *MODEL, *TRAIN, "--pipeline-model-parallel-size", "4", "--pp-dedicated-embedding-stages", "--load", load
+    )
     assert refused.returncode != 0 and "pass --no-load-optim" in refused.stdout
-    moved = pretrain(4, *MODEL, *TRAIN, "--pipeline-model-parallel-size", "4", "--pp-dedicated-embedding-stages",
-                     "--load", load, "--no-load-optim")
+    moved = pretrain(
+        4,
+        *MODEL,
+        *TRAIN,
+        "--pipeline-model-parallel-size",
+        "4",
+        "--pp-dedicated-embedding-stages",
+        "--load",
+        load,
+        "--no-load-optim",
+    )
     assert moved.returncode == 0, moved.stdout[-4000:]
     assert "transformer layers per stage: 0 2 2 0" in moved.stdout
     # Same weights, same test data: the same test loss as the run that saved them.
@@ -96,14 +157,15 @@ def test_weights_resume_into_another_layout(straight: dict) -> None:
 
 
 def single(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True,
-                          timeout=180, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
     assert out.returncode == 2, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
-    errors = [l for l in out.stderr.splitlines() if l.startswith("error: ")]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1, out.stderr[-3000:]
     for n in needles:
         assert n in errors[0], errors[0]
@@ -118,17 +180,38 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def data_args(corpus: dict, prefix: str | None = None, model: str | None = None) -> list[str]:
-    return ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model or corpus["model"],
-            "--data-path", prefix or corpus["prefix"], "--split", "90,9,1"]
+    return [
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        model or corpus["model"],
+        "--data-path",
+        prefix or corpus["prefix"],
+        "--split",
+        "90,9,1",
+    ]
 
 
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--train-iters", "2", "--lr", "1e-3"]
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--train-iters",
+    "2",
+    "--lr",
+    "1e-3",
+]
 
 
 def test_missing_data_prefix(corpus: dict, tmp_path: Path) -> None:
-    assert_one_line_error(single(*BASE, *data_args(corpus, prefix=str(tmp_path / "nothing"))),
-                          "--data-path", str(tmp_path / "nothing"))
+    assert_one_line_error(
+        single(*BASE, *data_args(corpus, prefix=str(tmp_path / "nothing"))), "--data-path", str(tmp_path / "nothing")
+    )
 
 
 def test_truncated_bin_and_corrupt_idx(corpus: dict, tmp_path: Path) -> None:
@@ -144,27 +227,60 @@ def test_truncated_bin_and_corrupt_idx(corpus: dict, tmp_path: Path) -> None:
 
 
 def test_missing_tokenizer_and_vocab_too_small(corpus: dict, tmp_path: Path) -> None:
-    assert_one_line_error(single(*BASE, *data_args(corpus, model=str(tmp_path / "none.model"))),
-                          "--tokenizer-model", "none.model")
+    assert_one_line_error(
+        single(*BASE, *data_args(corpus, model=str(tmp_path / "none.model"))), "--tokenizer-model", "none.model"
+    )
     assert_one_line_error(single(*BASE, "--vocab-size", "100", *data_args(corpus)), "300 tokens", "--vocab-size is 100")
 
 
 def test_bad_checkpoint_dirs_leave_checkpoints_intact(straight: dict, tmp_path: Path) -> None:
     before = tree_digest(straight["save"])
-    assert_one_line_error(single(*BASE, "--mock-data", "--vocab-size", "128", "--save", "/etc/passwd/sub"),
-                          "--save /etc/passwd/sub", "not writable")
-    assert_one_line_error(single(*BASE, "--mock-data", "--vocab-size", "128", "--load", str(tmp_path)),
-                          f"--load {tmp_path}", "--load-optional")
-    other_arch = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
-                  "--vocab-size", "128", "--train-iters", "8", "--lr", "1e-3", "--mock-data"]
+    assert_one_line_error(
+        single(*BASE, "--mock-data", "--vocab-size", "128", "--save", "/etc/passwd/sub"),
+        "--save /etc/passwd/sub",
+        "not writable",
+    )
+    assert_one_line_error(
+        single(*BASE, "--mock-data", "--vocab-size", "128", "--load", str(tmp_path)),
+        f"--load {tmp_path}",
+        "--load-optional",
+    )
+    other_arch = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--vocab-size",
+        "128",
+        "--train-iters",
+        "8",
+        "--lr",
+        "1e-3",
+        "--mock-data",
+    ]
     out = single(*other_arch, "--load", str(straight["save"]), "--save", str(straight["save"]))
     assert_one_line_error(out, "another architecture", "hidden_size 32 (checkpoint) vs 64 (now)")
     assert tree_digest(straight["save"]) == before
 
 
 def test_load_optional_starts_fresh_with_warning(tmp_path: Path) -> None:
-    out = single(*BASE, "--mock-data", "--vocab-size", "128", "--load", str(tmp_path / "new"), "--load-optional",
-                 "--save", str(tmp_path / "new"), "--eval-iters", "0")
+    out = single(
+        *BASE,
+        "--mock-data",
+        "--vocab-size",
+        "128",
+        "--load",
+        str(tmp_path / "new"),
+        "--load-optional",
+        "--save",
+        str(tmp_path / "new"),
+        "--eval-iters",
+        "0",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "holds no checkpoint yet; starting fresh" in out.stdout
     assert (tmp_path / "new" / "latest").read_text() == "global_step2"

@@ -3,6 +3,7 @@
 Each option is checked against a direct formula, and its tensor-parallel layout is checked by
 simulating T ranks in one process (as `test_tensor_parallel_init.py` does for the default layer).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,11 +23,27 @@ from megatron_ds.model.rotary import apply_rotary, rotary_angles
 from megatron_ds.model.transformer import TransformerLayer
 from megatron_ds.training.optimizer import add_group_placeholders, param_groups
 
-BASE = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
-                   max_position_embeddings=8, vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
-LLAMA = dataclasses.replace(BASE, num_key_value_heads=2, swiglu=True, use_rotary_position_embeddings=True,
-                            add_position_embedding=False, add_bias_linear=False, normalization="rmsnorm",
-                            untie_embeddings_and_output_weights=True)
+BASE = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    seq_length=8,
+    max_position_embeddings=8,
+    vocab_size=128,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+LLAMA = dataclasses.replace(
+    BASE,
+    num_key_value_heads=2,
+    swiglu=True,
+    use_rotary_position_embeddings=True,
+    add_position_embedding=False,
+    add_bias_linear=False,
+    normalization="rmsnorm",
+    untie_embeddings_and_output_weights=True,
+)
 SEED = 1234 * 1_000_003 + 3
 
 
@@ -44,6 +61,7 @@ def perturbed(layer: TransformerLayer) -> TransformerLayer:
 
 
 # --- RoPE ------------------------------------------------------------------------------------------
+
 
 def test_rotary_matches_the_direct_formula() -> None:
     b, heads, s, hd = 2, 3, 7, 8
@@ -71,8 +89,10 @@ def test_rotary_scores_depend_on_relative_position_only() -> None:
 
 def test_rotary_changes_the_layer_and_position_embedding_goes() -> None:
     x = torch.randn(2, BASE.seq_length, BASE.hidden_size)
-    plain, rope = TransformerLayer(BASE, SEED).eval(), TransformerLayer(model(use_rotary_position_embeddings=True),
-                                                                         SEED).eval()
+    plain, rope = (
+        TransformerLayer(BASE, SEED).eval(),
+        TransformerLayer(model(use_rotary_position_embeddings=True), SEED).eval(),
+    )
     assert not torch.allclose(plain(x), rope(x))
     groups = naming.gpt_spec_groups(model(use_rotary_position_embeddings=True, add_position_embedding=False))
     assert groups.pre == (naming.CAST_INPUTS, naming.WORD_EMBEDDING, naming.EMBEDDING_DROPOUT)
@@ -82,6 +102,7 @@ def test_rotary_changes_the_layer_and_position_embedding_goes() -> None:
 
 
 # --- GQA -------------------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def test_gqa_with_one_kv_head_per_query_head_is_multi_head_attention() -> None:
@@ -100,8 +121,13 @@ def test_gqa_equals_multi_head_attention_with_kv_heads_repeated_per_group() -> N
     hd = h // nh
     assert gqa.qkv.weight.shape == ((nh + 2 * kv) * hd, h)
     mha = TransformerLayer(model(use_rotary_position_embeddings=True), SEED).eval()
-    mha.load_state_dict({**gqa.state_dict(), "qkv.weight": _repeat_kv(gqa.qkv.weight, nh, kv, hd),
-                         "qkv.bias": _repeat_kv(gqa.qkv.bias, nh, kv, hd)})
+    mha.load_state_dict(
+        {
+            **gqa.state_dict(),
+            "qkv.weight": _repeat_kv(gqa.qkv.weight, nh, kv, hd),
+            "qkv.bias": _repeat_kv(gqa.qkv.bias, nh, kv, hd),
+        }
+    )
     x = torch.randn(2, cfg.seq_length, h)
     torch.testing.assert_close(gqa(x), mha(x), rtol=0, atol=1e-6)
 
@@ -109,11 +135,19 @@ def test_gqa_equals_multi_head_attention_with_kv_heads_repeated_per_group() -> N
 def _repeat_kv(fused: torch.Tensor, nh: int, kv: int, hd: int) -> torch.Tensor:
     q, k, v = fused.split([nh * hd, kv * hd, kv * hd])
     # query head i reads kv head i // (nh / kv): repeat each kv head nh / kv times in place
-    return torch.cat([q, *(t.reshape(kv, hd, *t.shape[1:]).repeat_interleave(nh // kv, 0).reshape(nh * hd, *t.shape[1:])
-                           for t in (k, v))])
+    return torch.cat(
+        [
+            q,
+            *(
+                t.reshape(kv, hd, *t.shape[1:]).repeat_interleave(nh // kv, 0).reshape(nh * hd, *t.shape[1:])
+                for t in (k, v)
+            ),
+        ]
+    )
 
 
 # --- SwiGLU and biases -----------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def test_swiglu_shapes_and_formula() -> None:
@@ -138,14 +172,31 @@ def test_no_linear_biases_keeps_norm_biases_and_the_no_decay_group() -> None:
         assert len(groups["no_decay"]) == no_decay and len(groups["decay"]) == 4
 
 
-@pytest.mark.parametrize("cfg", [BASE, model(swiglu=True), model(num_key_value_heads=2), model(num_key_value_heads=1),
-                                 model(add_bias_linear=False), model(add_position_embedding=False),
-                                 model(normalization="rmsnorm"), LLAMA])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        BASE,
+        model(swiglu=True),
+        model(num_key_value_heads=2),
+        model(num_key_value_heads=1),
+        model(add_bias_linear=False),
+        model(add_position_embedding=False),
+        model(normalization="rmsnorm"),
+        LLAMA,
+    ],
+)
 def test_param_counts_match_the_modules(cfg: ModelConfig) -> None:
     position = PositionEmbedding(cfg, 2) if cfg.add_position_embedding else EmbeddingDropout(cfg, 2)
     head = LMHead(cfg, 9) if cfg.untie_embeddings_and_output_weights else WordEmbedding(cfg, 1)
-    modules = [None, WordEmbedding(cfg, 1), position, *[TransformerLayer(cfg, 3 + i) for i in range(cfg.num_layers)],
-               FinalNorm(cfg, 8), head, None]
+    modules = [
+        None,
+        WordEmbedding(cfg, 1),
+        position,
+        *[TransformerLayer(cfg, 3 + i) for i in range(cfg.num_layers)],
+        FinalNorm(cfg, 8),
+        head,
+        None,
+    ]
     expected = [0 if m is None else sum(p.numel() for p in m.parameters()) for m in modules]
     assert naming.gpt_spec_param_counts(cfg) == expected
 
@@ -158,6 +209,7 @@ def test_default_counts_unchanged() -> None:
 
 # --- tensor-parallel layouts -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("t,kv", [(1, 1), (1, 2), (2, 2), (2, 4), (4, 4)])
 def test_qkv_shards_hold_their_heads_and_groups(t: int, kv: int) -> None:
     nh, hd, h = 4, 8, 32
@@ -169,9 +221,11 @@ def test_qkv_shards_hold_their_heads_and_groups(t: int, kv: int) -> None:
         q_heads = range(r * nh // t, (r + 1) * nh // t)
         kv_heads = range(r * kv // t, (r + 1) * kv // t)
         assert {i // (nh // kv) for i in q_heads} == set(kv_heads)  # the rank holds its groups' kv heads
-        expected = torch.cat([full[i * hd:(i + 1) * hd] for i in q_heads]
-                             + [full[q_rows + i * hd:q_rows + (i + 1) * hd] for i in kv_heads]
-                             + [full[q_rows + kv_rows + i * hd:q_rows + kv_rows + (i + 1) * hd] for i in kv_heads])
+        expected = torch.cat(
+            [full[i * hd : (i + 1) * hd] for i in q_heads]
+            + [full[q_rows + i * hd : q_rows + (i + 1) * hd] for i in kv_heads]
+            + [full[q_rows + kv_rows + i * hd : q_rows + kv_rows + (i + 1) * hd] for i in kv_heads]
+        )
         assert torch.equal(s, expected)
 
 
@@ -179,12 +233,13 @@ def test_swiglu_fc1_shards_hold_matching_halves() -> None:
     f, h, t = 8, 4, 2
     full = torch.arange(2 * f * h, dtype=torch.float32).reshape(2 * f, h)
     shards = [shard_fused(full, (f, f), t, r) for r in range(t)]
-    assert torch.equal(shards[1], torch.cat([full[f // 2:f], full[f + f // 2:]]))
+    assert torch.equal(shards[1], torch.cat([full[f // 2 : f], full[f + f // 2 :]]))
     assert torch.equal(gather_fused(shards, (f, f)), full)
 
 
 def _simulated_forward(layer: TransformerLayer, cfg: ModelConfig, x: torch.Tensor, t: int) -> torch.Tensor:
     """What T ranks compute from shards of `layer`'s (T=1) weights, summed as the all-reduces would."""
+
     def bias_of(linear, cut):
         return None if linear.bias is None else cut(linear.bias)
 
@@ -196,8 +251,11 @@ def _simulated_forward(layer: TransformerLayer, cfg: ModelConfig, x: torch.Tenso
     fused = (f, f) if cfg.swiglu else (f,)
     mlp = 0
     for r in range(t):
-        inner = F.linear(normed, shard_fused(layer.fc1.weight, fused, t, r),
-                         bias_of(layer.fc1, lambda b: shard_fused(b, fused, t, r)))
+        inner = F.linear(
+            normed,
+            shard_fused(layer.fc1.weight, fused, t, r),
+            bias_of(layer.fc1, lambda b: shard_fused(b, fused, t, r)),  # noqa: B023 - called at once
+        )
         mlp = mlp + F.linear(layer._activation(inner), shard(layer.fc2.weight, 1, t, r))
     return x + mlp + (0 if layer.fc2.bias is None else layer.fc2.bias)
 
@@ -217,9 +275,17 @@ def _rank_attention(layer: TransformerLayer, cfg: ModelConfig, normed: torch.Ten
     return local._attention(normed)
 
 
-@pytest.mark.parametrize("cfg", [model(num_key_value_heads=2), model(swiglu=True), model(add_bias_linear=False),
-                                 model(use_rotary_position_embeddings=True), LLAMA],
-                         ids=["gqa", "swiglu", "no_bias", "rope", "llama"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        model(num_key_value_heads=2),
+        model(swiglu=True),
+        model(add_bias_linear=False),
+        model(use_rotary_position_embeddings=True),
+        LLAMA,
+    ],
+    ids=["gqa", "swiglu", "no_bias", "rope", "llama"],
+)
 @pytest.mark.parametrize("t", [2])
 @torch.no_grad()
 def test_sharded_layer_computes_the_t1_layer(cfg: ModelConfig, t: int) -> None:
@@ -230,11 +296,31 @@ def test_sharded_layer_computes_the_t1_layer(cfg: ModelConfig, t: int) -> None:
 
 # --- validation ------------------------------------------------------------------------------------
 
+
 def test_tensor_parallel_size_must_divide_kv_heads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compat, "PENDING_MODEL_FIELDS", {})  # until the entries are deleted there
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--vocab-size", "1000", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
-            "--lr", "1e-3", "--num-key-value-heads", "2"]
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--vocab-size",
+        "1000",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "10",
+        "--lr",
+        "1e-3",
+        "--num-key-value-heads",
+        "2",
+    ]
     with pytest.raises(ConfigError, match="--num-key-value-heads 2 is not divisible by --tensor-model-parallel-size 4"):
         parse_config([*argv, "--tensor-model-parallel-size", "4"], world_size=4)
     assert parse_config([*argv, "--tensor-model-parallel-size", "2"], world_size=2)[0].model.kv_heads == 2

@@ -1,4 +1,5 @@
 """Flag parsing and validation: good flags map onto the config tree, bad ones are one-line errors."""
+
 from __future__ import annotations
 
 import subprocess
@@ -12,8 +13,18 @@ from megatron_ds.pipeline.layout import LayoutError
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
-TRAIN = ["--vocab-size", "1000", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
-         "--lr", "1e-3"]
+TRAIN = [
+    "--vocab-size",
+    "1000",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+]
 
 
 def parse(*extra: str, world_size: int | None = None):
@@ -21,8 +32,19 @@ def parse(*extra: str, world_size: int | None = None):
 
 
 def test_flags_map_onto_config() -> None:
-    cfg = parse("--pipeline-model-parallel-size", "5", "--pp-dedicated-embedding-stages", "--bf16",
-                "--zero-stage", "1", "--clip-grad", "0.5", "--lr-warmup-fraction", "0.2", world_size=10)
+    cfg = parse(
+        "--pipeline-model-parallel-size",
+        "5",
+        "--pp-dedicated-embedding-stages",
+        "--bf16",
+        "--zero-stage",
+        "1",
+        "--clip-grad",
+        "0.5",
+        "--lr-warmup-fraction",
+        "0.2",
+        world_size=10,
+    )
     assert cfg.model.ffn_hidden_size == 256 and cfg.model.max_position_embeddings == 32
     assert cfg.model.vocab_size == 1024  # padded to a multiple of 128
     assert cfg.parallel.pp_dedicated_embedding_stages == "both"  # the bare flag means both
@@ -32,15 +54,24 @@ def test_flags_map_onto_config() -> None:
 
 
 def test_dedicated_choices_and_padding_with_tensor_parallel() -> None:
-    cfg = parse("--pipeline-model-parallel-size", "2", "--pp-dedicated-embedding-stages", "pre",
-                "--tensor-model-parallel-size", "2", world_size=4)
+    cfg = parse(
+        "--pipeline-model-parallel-size",
+        "2",
+        "--pp-dedicated-embedding-stages",
+        "pre",
+        "--tensor-model-parallel-size",
+        "2",
+        world_size=4,
+    )
     assert cfg.parallel.pp_dedicated_embedding_stages == "pre"
     assert cfg.model.vocab_size == 1024 and cfg.model.vocab_size % 256 == 0
 
 
 def test_train_samples_become_iterations() -> None:
-    cfg = parse_config([*MODEL, "--vocab-size", "100", "--global-batch-size", "8", "--train-samples", "20",
-                        "--lr", "1e-3"], world_size=1)[0]
+    cfg = parse_config(
+        [*MODEL, "--vocab-size", "100", "--global-batch-size", "8", "--train-samples", "20", "--lr", "1e-3"],
+        world_size=1,
+    )[0]
     assert cfg.training.train_iters == 3
 
 
@@ -51,35 +82,50 @@ def test_config_round_trips_through_dict() -> None:
     assert Config.from_dict(cfg.to_dict()) == cfg
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--pipeline-model-parallel-size", "2", "--pp-dedicated-embedding-stages"], ">= 3 (got 2)"),
-    (["--pp-dedicated-embedding-stages", "pre"], ">= 2 (got 1)"),
-    (["--pipeline-model-parallel-size", "6", "--pp-dedicated-embedding-stages", "both"], "leaves 4 stages"),
-    (["--pipeline-model-parallel-size", "3", "--pp-layout", "E|tt|L"], "has 2 't' but --num-layers is 3"),
-    (["--pipeline-model-parallel-size", "3", "--pp-layout", "E|ttt|L", "--pp-partition-method", "uniform"],
-     "were both given"),
-    (["--pipeline-model-parallel-size", "3", "--pp-partition-method", "type:x:0"], "must be > 0"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--pipeline-model-parallel-size", "2", "--pp-dedicated-embedding-stages"], ">= 3 (got 2)"),
+        (["--pp-dedicated-embedding-stages", "pre"], ">= 2 (got 1)"),
+        (["--pipeline-model-parallel-size", "6", "--pp-dedicated-embedding-stages", "both"], "leaves 4 stages"),
+        (["--pipeline-model-parallel-size", "3", "--pp-layout", "E|tt|L"], "has 2 't' but --num-layers is 3"),
+        (
+            ["--pipeline-model-parallel-size", "3", "--pp-layout", "E|ttt|L", "--pp-partition-method", "uniform"],
+            "were both given",
+        ),
+        (["--pipeline-model-parallel-size", "3", "--pp-partition-method", "type:x:0"], "must be > 0"),
+    ],
+)
 def test_layout_errors_surface_at_parse_time(extra: list[str], message: str) -> None:
     with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        p = int(extra[extra.index("--pipeline-model-parallel-size") + 1]) if "--pipeline-model-parallel-size" in extra else 1
+        p = (
+            int(extra[extra.index("--pipeline-model-parallel-size") + 1])
+            if "--pipeline-model-parallel-size" in extra
+            else 1
+        )
         parse(*extra, world_size=p)
 
 
-@pytest.mark.parametrize("argv,message", [
-    ([*MODEL[:-2], "--seq-length", "32", "--num-attention-heads", "5", *TRAIN], "not divisible by --num-attention-heads"),
-    ([*MODEL, *TRAIN[:4], "--global-batch-size", "7", *TRAIN[6:]], "--global-batch-size 7 is not divisible"),
-    ([*MODEL, *TRAIN, "--max-position-embeddings", "16"], "--seq-length 32 exceeds --max-position-embeddings 16"),
-    ([*MODEL, *TRAIN, "--pipeline-model-parallel-size", "2", "--zero-stage", "2"], "supports ZeRO 0 and 1 only"),
-    ([*MODEL, *TRAIN, "--train-samples", "10"], "both given"),
-    ([*MODEL, "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1"], "no vocabulary size"),
-    ([*MODEL, "--vocab-size", "10", "--train-iters", "1"], "missing --lr"),
-    ([*MODEL, "--vocab-size", "10", "--lr", "1"], "missing --train-iters"),
-    (["--hidden-size", "8"], "missing required flag(s) --num-layers"),
-    ([*MODEL, *TRAIN, "--pp-dedicated-embedding-stages", "middle"], "invalid choice: 'middle'"),
-    ([*MODEL, *TRAIN, "--clip-grad", "-1"], "--clip-grad -1.0 must be >= 0"),
-    ([*MODEL, *TRAIN, "--mock-data", "--data-path", "x"], "--mock-data and --data-path"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            [*MODEL[:-2], "--seq-length", "32", "--num-attention-heads", "5", *TRAIN],
+            "not divisible by --num-attention-heads",
+        ),
+        ([*MODEL, *TRAIN[:4], "--global-batch-size", "7", *TRAIN[6:]], "--global-batch-size 7 is not divisible"),
+        ([*MODEL, *TRAIN, "--max-position-embeddings", "16"], "--seq-length 32 exceeds --max-position-embeddings 16"),
+        ([*MODEL, *TRAIN, "--pipeline-model-parallel-size", "2", "--zero-stage", "2"], "supports ZeRO 0 and 1 only"),
+        ([*MODEL, *TRAIN, "--train-samples", "10"], "both given"),
+        ([*MODEL, "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1"], "no vocabulary size"),
+        ([*MODEL, "--vocab-size", "10", "--train-iters", "1"], "missing --lr"),
+        ([*MODEL, "--vocab-size", "10", "--lr", "1"], "missing --train-iters"),
+        (["--hidden-size", "8"], "missing required flag(s) --num-layers"),
+        ([*MODEL, *TRAIN, "--pp-dedicated-embedding-stages", "middle"], "invalid choice: 'middle'"),
+        ([*MODEL, *TRAIN, "--clip-grad", "-1"], "--clip-grad -1.0 must be >= 0"),
+        ([*MODEL, *TRAIN, "--mock-data", "--data-path", "x"], "--mock-data and --data-path"),
+    ],
+)
 def test_bad_flags(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         parse_config(argv, world_size=2 if "--pipeline-model-parallel-size" in argv else 1)
@@ -92,8 +138,9 @@ def test_world_size_must_divide() -> None:
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
 
 
 def test_print_layout_seed_example_without_process_group() -> None:
@@ -106,11 +153,14 @@ def test_print_layout_seed_example_without_process_group() -> None:
     assert "<lambda>" not in out.stdout
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--pipeline-model-parallel-size", "2", "--pp-dedicated-embedding-stages"], "--pp-dedicated-embedding-stages"),
-    (["--pipeline-model-parallel-size", "3", "--pp-layout", "E|t(t|L"], "--pp-layout"),
-    (["--pipeline-model-parallel-size", "1", "--pp-dedicated-embedding-stages", "both"], ">= 3 (got 1)"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--pipeline-model-parallel-size", "2", "--pp-dedicated-embedding-stages"], "--pp-dedicated-embedding-stages"),
+        (["--pipeline-model-parallel-size", "3", "--pp-layout", "E|t(t|L"], "--pp-layout"),
+        (["--pipeline-model-parallel-size", "1", "--pp-dedicated-embedding-stages", "both"], ">= 3 (got 1)"),
+    ],
+)
 def test_cli_errors_are_one_line_without_traceback(argv: list[str], message: str) -> None:
     out = run_cli(*MODEL, *argv, "--print-layout")
     assert out.returncode == 2

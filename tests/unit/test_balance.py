@@ -1,4 +1,5 @@
 """Memory-balanced layout: exact against brute force over every split, fast at scale, clear errors."""
+
 from __future__ import annotations
 
 import itertools
@@ -15,8 +16,15 @@ from megatron_ds.plan.memory_model import MemoryInputs, stage_memory, stage_memo
 
 
 def model(n: int, **kw) -> ModelConfig:
-    base = dict(num_layers=n, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024, seq_length=512,
-                max_position_embeddings=512, vocab_size=32000)
+    base = dict(
+        num_layers=n,
+        hidden_size=256,
+        num_attention_heads=8,
+        ffn_hidden_size=1024,
+        seq_length=512,
+        max_position_embeddings=512,
+        vocab_size=32000,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -59,8 +67,9 @@ def test_memory_partition_equals_brute_force(variant: int) -> None:
     untied = opts.pop("untied", False)
     for n in range(1, 8):
         m = model(n, untie_embeddings_and_output_weights=untied)
-        inputs = MemoryInputs(**{"model": m, "micro_batch_size": 2, "num_micro_batches": 8, "precision": "bf16",
-                                 **opts})
+        inputs = MemoryInputs(
+            **{"model": m, "micro_batch_size": 2, "num_micro_batches": 8, "precision": "bf16", **opts}
+        )
         for p in range(1, min(n + 2, 6) + 1):
             layout = memory_balanced_layout(gpt_spec_groups(m), p, inputs)
             got = max(s.total for s in stage_memory(inputs, layout))
@@ -80,7 +89,7 @@ def test_balanced_counts_exact_for_arbitrary_costs() -> None:
         for s in range(p):
             values = [rng.randint(0, 50) for _ in range(n + 2)]  # the greedy peeks one past its count
             table[s] = values if s == p - 1 else sorted(values)
-        cost = lambda s, k: table[s][k]  # noqa: E731
+        cost = lambda s, k: table[s][k]  # noqa: E731, B023 - used in this iteration only
         got = balanced_counts(n, p, cost)
         best = min(max(cost(s, k) for s, k in enumerate(c)) for c in splits(n, p))
         assert max(cost(s, k) for s, k in enumerate(got)) == best
@@ -89,8 +98,15 @@ def test_balanced_counts_exact_for_arbitrary_costs() -> None:
 
 def test_memory_layout_lowers_the_peak_of_the_seed_pattern() -> None:
     """Embedding and LM head make the end stages heaviest; the memory method moves layers off them."""
-    m = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, seq_length=2048,
-                    max_position_embeddings=2048, vocab_size=50304)
+    m = ModelConfig(
+        num_layers=24,
+        hidden_size=2048,
+        num_attention_heads=16,
+        ffn_hidden_size=8192,
+        seq_length=2048,
+        max_position_embeddings=2048,
+        vocab_size=50304,
+    )
     inputs = MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=16, zero_stage=1, data_parallel_size=2)
     groups = gpt_spec_groups(m)
     default = max(s.total for s in stage_memory(inputs, build_layout(groups, 4)))
@@ -110,8 +126,9 @@ def test_dedicated_stages_are_candidates() -> None:
 
 def test_fast_at_scale() -> None:
     m = model(200, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096, seq_length=2048)
-    inputs = MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=128, checkpoint_activations=True,
-                          checkpoint_num_layers=3)
+    inputs = MemoryInputs(
+        model=m, micro_batch_size=1, num_micro_batches=128, checkpoint_activations=True, checkpoint_num_layers=3
+    )
     start = time.perf_counter()
     layout = memory_balanced_layout(gpt_spec_groups(m), 64, inputs)
     assert time.perf_counter() - start < 1.0

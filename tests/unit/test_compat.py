@@ -1,5 +1,6 @@
 """Megatron-DeepSpeed flag compatibility: the table in megatron_ds/compat.py is what the parser does,
 the README shows that table, and the flags with new meaning here map onto the config tree."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,26 @@ from megatron_ds.training import deepspeed_config as dsc
 from megatron_ds.training import logger
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
-        "--lr", "1e-3"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--vocab-size",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+]
 PENDING_SAMPLES = {"--num-key-value-heads": ["2"]}
 
 
@@ -53,8 +71,9 @@ def test_refused_flags_give_their_reason(flag: compat.Flag) -> None:
 def test_several_refused_flags_are_named_together_before_unknown_ones() -> None:
     with pytest.raises(ConfigError) as err:
         parse("--sequence-parallel", "--foo", "--rampup-batch-size", "16", "16", "1000")
-    assert str(err.value) == (f"{compat.refusal_message('--sequence-parallel')} | "
-                              f"{compat.refusal_message('--rampup-batch-size')}")
+    assert str(err.value) == (
+        f"{compat.refusal_message('--sequence-parallel')} | {compat.refusal_message('--rampup-batch-size')}"
+    )
     with pytest.raises(ConfigError, match="unrecognized arguments: --foo"):
         parse("--foo")
 
@@ -82,8 +101,9 @@ def test_readme_table_is_generated_from_compat() -> None:
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- compat-table:begin -->\n(.*?)<!-- compat-table:end -->", readme, re.S)
     assert block, "README lacks the compat-table markers"
-    assert block.group(1) == compat.markdown_table(), \
+    assert block.group(1) == compat.markdown_table(), (
         "README's compatibility table is stale: paste `python -m megatron_ds.compat` between the markers"
+    )
 
 
 def test_table_rows_name_each_flag_once_with_its_status() -> None:
@@ -95,27 +115,52 @@ def test_table_rows_name_each_flag_once_with_its_status() -> None:
 
 # Flags whose meaning is a mapping onto our config tree.
 
+
 def test_recompute_flags_map_onto_activation_checkpointing() -> None:
-    t = parse("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2").training
+    t = parse(
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"
+    ).training
     assert t.checkpoint_activations and t.checkpoint_num_layers == 2
     t = parse("--checkpoint-activations").training
     assert t.checkpoint_activations and t.checkpoint_num_layers == 1
     t = parse("--activations-checkpoint-method", "uniform", "--activations-checkpoint-num-layers", "2").training
     assert t.checkpoint_activations and t.checkpoint_num_layers == 2
-    t = parse("--checkpoint-activations", "--checkpoint-num-layers", "2", "--recompute-granularity", "full",
-              "--recompute-method", "uniform").training
+    t = parse(
+        "--checkpoint-activations",
+        "--checkpoint-num-layers",
+        "2",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+    ).training
     assert t.checkpoint_num_layers == 2
     assert not parse().training.checkpoint_activations
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--recompute-granularity", "full"], "needs --recompute-method uniform"),
-    (["--recompute-method", "uniform"], "need --recompute-granularity full"),
-    (["--checkpoint-activations", "--checkpoint-num-layers", "2", "--recompute-granularity", "full",
-      "--recompute-method", "uniform", "--recompute-num-layers", "3"], "disagree"),
-    (["--recompute-method", "uniform", "--activations-checkpoint-method", "block"], "block is not supported"),
-    (["--checkpoint-activations", "--checkpoint-num-layers", "0"], "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--recompute-granularity", "full"], "needs --recompute-method uniform"),
+        (["--recompute-method", "uniform"], "need --recompute-granularity full"),
+        (
+            [
+                "--checkpoint-activations",
+                "--checkpoint-num-layers",
+                "2",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "3",
+            ],
+            "disagree",
+        ),
+        (["--recompute-method", "uniform", "--activations-checkpoint-method", "block"], "block is not supported"),
+        (["--checkpoint-activations", "--checkpoint-num-layers", "0"], "must be >= 1"),
+    ],
+)
 def test_recompute_errors(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse(*flags)
@@ -136,10 +181,12 @@ def test_train_samples_and_tokens_become_iterations() -> None:
     assert cfg.optimizer.lr_decay_iters == 10  # the decay still spans --train-iters
     cfg = parse_config([*BASE[:-4], "--train-tokens", str(128 * 6), "--lr", "1"], world_size=1)[0]
     assert cfg.training.train_iters == 6 and cfg.optimizer.lr_decay_tokens == 768
-    cfg = parse_config([*BASE[:-4], "--train-samples", "80", "--lr-warmup-samples", "8", "--lr", "1"],
-                       world_size=1)[0]
-    assert (cfg.optimizer.lr_decay_samples, cfg.optimizer.lr_warmup_samples, cfg.optimizer.lr_decay_iters) == \
-        (80, 8, None)
+    cfg = parse_config([*BASE[:-4], "--train-samples", "80", "--lr-warmup-samples", "8", "--lr", "1"], world_size=1)[0]
+    assert (cfg.optimizer.lr_decay_samples, cfg.optimizer.lr_warmup_samples, cfg.optimizer.lr_decay_iters) == (
+        80,
+        8,
+        None,
+    )
 
 
 def test_gpt2_bpe_is_the_default_with_vocab_and_merge_files(tmp_path: Path) -> None:
@@ -150,8 +197,10 @@ def test_gpt2_bpe_is_the_default_with_vocab_and_merge_files(tmp_path: Path) -> N
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
     (tmp_path / "merges.txt").write_text("#version: 0.2\n")
     argv = [a for a in BASE if a not in ("--vocab-size", "128")]
-    cfg = parse_config([*argv, "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file",
-                        str(tmp_path / "merges.txt")], world_size=1)[0]
+    cfg = parse_config(
+        [*argv, "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")],
+        world_size=1,
+    )[0]
     assert cfg.data.tokenizer_type == "GPT2BPETokenizer" and cfg.model.vocab_size == 384  # 257 padded to 128s
     assert parse("--mock-data").data.tokenizer_type is None
 
@@ -159,8 +208,14 @@ def test_gpt2_bpe_is_the_default_with_vocab_and_merge_files(tmp_path: Path) -> N
 def test_parallel_mappings() -> None:
     cfg = parse("--pipeline-model-parallel-size", "2", "--standalone-embedding-stage", world_size=2)
     assert cfg.parallel.pp_dedicated_embedding_stages == "pre"
-    cfg = parse("--pipeline-model-parallel-size", "3", "--standalone-embedding-stage",
-                "--pp-dedicated-embedding-stages", "post", world_size=3)
+    cfg = parse(
+        "--pipeline-model-parallel-size",
+        "3",
+        "--standalone-embedding-stage",
+        "--pp-dedicated-embedding-stages",
+        "post",
+        world_size=3,
+    )
     assert cfg.parallel.pp_dedicated_embedding_stages == "both"
     assert parse("--no-pipeline-parallel").parallel.pipeline_model_parallel_size == 1
     with pytest.raises(ConfigError, match=r"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 \(got 2\)"):
@@ -168,12 +223,29 @@ def test_parallel_mappings() -> None:
 
 
 def test_model_options_that_keep_todays_model() -> None:
-    assert parse("--num-key-value-heads", "4", "--kv-channels", "8", "--num-experts", "1",
-                 "--vocab-extra-ids", "0", "--data-impl", "mmap", "--dataloader-type", "single") == parse()
-    for flags, message in ((["--num-key-value-heads", "3"], "--num-key-value-heads 3 must divide"),
-                           (["--kv-channels", "16"], "--kv-channels 16 is not supported"),
-                           (["--num-experts", "8"], "--num-experts 8 is not supported"),
-                           (["--vocab-extra-ids", "100"], "--vocab-extra-ids 100 is not supported")):
+    assert (
+        parse(
+            "--num-key-value-heads",
+            "4",
+            "--kv-channels",
+            "8",
+            "--num-experts",
+            "1",
+            "--vocab-extra-ids",
+            "0",
+            "--data-impl",
+            "mmap",
+            "--dataloader-type",
+            "single",
+        )
+        == parse()
+    )
+    for flags, message in (
+        (["--num-key-value-heads", "3"], "--num-key-value-heads 3 must divide"),
+        (["--kv-channels", "16"], "--kv-channels 16 is not supported"),
+        (["--num-experts", "8"], "--num-experts 8 is not supported"),
+        (["--vocab-extra-ids", "100"], "--vocab-extra-ids 100 is not supported"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse(*flags)
 
@@ -190,15 +262,23 @@ def test_new_fields_round_trip_and_default_to_todays_behaviour() -> None:
 
 # fp16 loss scaling and the DeepSpeed JSON
 
+
 def fp16_config(**training):
     return tiny_config(training__precision="fp16", **{f"training__{k}": v for k, v in training.items()})
 
 
 def test_fp16_flags_land_in_the_deepspeed_json() -> None:
-    ds = dsc.generate(fp16_config(loss_scale=None, initial_loss_scale=4096.0, min_loss_scale=0.5,
-                                  loss_scale_window=500, hysteresis=3))
-    assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
-                          "hysteresis": 3, "min_loss_scale": 0.5}
+    ds = dsc.generate(
+        fp16_config(loss_scale=None, initial_loss_scale=4096.0, min_loss_scale=0.5, loss_scale_window=500, hysteresis=3)
+    )
+    assert ds["fp16"] == {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 12,
+        "loss_scale_window": 500,
+        "hysteresis": 3,
+        "min_loss_scale": 0.5,
+    }
     assert dsc.generate(fp16_config(loss_scale=128.0))["fp16"]["loss_scale"] == 128.0
     assert dsc.generate(fp16_config())["fp16"] == {"enabled": True, **dsc.FP16_DEFAULTS}
     assert "loss_scale" not in dsc.generate(tiny_config(training__hysteresis=3))["fp16"]  # fp32: no fp16 keys
@@ -206,8 +286,15 @@ def test_fp16_flags_land_in_the_deepspeed_json() -> None:
 
 def test_fp16_keys_without_a_flag_may_come_from_the_user_file(tmp_path: Path) -> None:
     user = tmp_path / "ds.json"
-    user.write_text(json.dumps({"fp16": {"enabled": True, "initial_scale_power": 11, "hysteresis": 2},
-                                "steps_per_print": 10, "prescale_gradients": False}))
+    user.write_text(
+        json.dumps(
+            {
+                "fp16": {"enabled": True, "initial_scale_power": 11, "hysteresis": 2},
+                "steps_per_print": 10,
+                "prescale_gradients": False,
+            }
+        )
+    )
     merged = dsc.build(fp16_config(deepspeed_config=str(user)))
     assert merged["fp16"]["initial_scale_power"] == 11 and merged["steps_per_print"] == 10
     with pytest.raises(dsc.DeepSpeedConfigError, match="sets fp16.initial_scale_power=11 but the flags give 12"):
@@ -235,6 +322,7 @@ def test_loss_scale_flag_checks_and_warning(capsys: pytest.CaptureFixture) -> No
 
 # Logging
 
+
 class FakeWriter:
     def __init__(self) -> None:
         self.scalars: dict[str, list[tuple[int, float]]] = {}
@@ -244,9 +332,19 @@ class FakeWriter:
 
 
 def stats() -> logger.StepStats:
-    return logger.StepStats(iteration=5, train_iters=10, consumed_samples=40, elapsed_ms=12.5, learning_rate=1e-3,
-                            global_batch_size=8, loss=2.0, grad_norm=1.5, loss_scale=None, tokens_per_second=100.0,
-                            eta_s=1.0)
+    return logger.StepStats(
+        iteration=5,
+        train_iters=10,
+        consumed_samples=40,
+        elapsed_ms=12.5,
+        learning_rate=1e-3,
+        global_batch_size=8,
+        loss=2.0,
+        grad_norm=1.5,
+        loss_scale=None,
+        tokens_per_second=100.0,
+        eta_s=1.0,
+    )
 
 
 def test_tensorboard_scalars_follow_the_logging_flags(capsys: pytest.CaptureFixture) -> None:
@@ -254,12 +352,25 @@ def test_tensorboard_scalars_follow_the_logging_flags(capsys: pytest.CaptureFixt
     tb = logger.TensorBoard("unused", parse("--tensorboard-dir", "x").logging, writer=plain)
     tb.step(stats())
     tb.eval("validation", 5, 2.0)
-    assert set(plain.scalars) == {"lm-loss-training/lm loss", "throughput/tokens-per-second", "grad-norm/grad-norm",
-                                  "learning-rate/learning-rate", "lm-loss-validation/lm loss"}
+    assert set(plain.scalars) == {
+        "lm-loss-training/lm loss",
+        "throughput/tokens-per-second",
+        "grad-norm/grad-norm",
+        "learning-rate/learning-rate",
+        "lm-loss-validation/lm loss",
+    }
     every = FakeWriter()
-    cfg = parse("--tensorboard-dir", "x", "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
-                "--log-validation-ppl-to-tensorboard", "--no-log-learnig-rate-to-tensorboard",
-                "--log-world-size-to-tensorboard", "--tensorboard-queue-size", "1").logging
+    cfg = parse(
+        "--tensorboard-dir",
+        "x",
+        "--log-timers-to-tensorboard",
+        "--log-batch-size-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard",
+        "--no-log-learnig-rate-to-tensorboard",
+        "--log-world-size-to-tensorboard",
+        "--tensorboard-queue-size",
+        "1",
+    ).logging
     assert cfg.tensorboard_queue_size == 1
     tb = logger.TensorBoard("unused", cfg, world_size=3, writer=every)
     tb.step(stats())
@@ -286,8 +397,9 @@ def test_optimizer_state_norms_of_adam() -> None:
     assert norms["variance_sqrt_l2"] == pytest.approx(float(state["exp_avg_sq"].sqrt().norm()))
     assert norms["weight_l2"] == pytest.approx(float(w.detach().norm()))
     writer = FakeWriter()
-    tb = logger.TensorBoard("unused", parse("--tensorboard-dir", "x", "--log-optimizer-states-to-tensorboard").logging,
-                            writer=writer)
+    tb = logger.TensorBoard(
+        "unused", parse("--tensorboard-dir", "x", "--log-optimizer-states-to-tensorboard").logging, writer=writer
+    )
     tb.optimizer_states(engine, 7)
     assert writer.scalars["optimizer/momentum_l2"] == [(7, pytest.approx(norms["momentum_l2"]))]
     sgd = torch.optim.SGD([w], lr=0.1)

@@ -1,4 +1,5 @@
 """GPT datasets over megatron-core: blends, splits, mock data, sampler order, multi-rank build."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,14 @@ import torch
 
 from megatron_ds.config import DataConfig
 from megatron_ds.data import DataError
-from megatron_ds.data.gpt_data import (PretrainingBatchSampler, build_gpt_datasets,
-                                       parse_data_path, parse_split, pipeline_batches,
-                                       split_ranges)
+from megatron_ds.data.gpt_data import (
+    PretrainingBatchSampler,
+    build_gpt_datasets,
+    parse_data_path,
+    parse_split,
+    pipeline_batches,
+    split_ranges,
+)
 from megatron_ds.data.indexed import write_indexed_dataset
 from megatron_ds.data.tokenizer import NullTokenizer
 
@@ -51,14 +57,15 @@ def test_parse_data_path() -> None:
 
 def test_parse_split_matches_megatron_core() -> None:
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
 
     for split in ("969,30,1", "949,50,1", "98,2,0", "1", "100,0,0", "1,1,1", "0.8/0.1/0.1"):
         for n in (1, 7, 20, 500, 1499):
             matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
             ours = split_ranges(n, split)
-            theirs = [None if m is None else (int(round(m[0] * n)), int(round(m[1] * n)))
-                      for m in matrix]
+            theirs = [None if m is None else (int(round(m[0] * n)), int(round(m[1] * n))) for m in matrix]
             assert ours == theirs, (split, n)
     for bad in ("", "a,b", "1,2,3,4", "-1,2", "0,0,0"):
         with pytest.raises(DataError, match="--split"):
@@ -70,8 +77,7 @@ def _config(paths: tuple[str, ...], **kw) -> DataConfig:
 
 
 def test_items_and_splits(corpora: tuple[str, str]) -> None:
-    train, valid, test = build_gpt_datasets(_config((corpora[0],), eod_mask_loss=True), SEQ, 7,
-                                            (50, 10, 5), TOK, 128)
+    train, valid, test = build_gpt_datasets(_config((corpora[0],), eod_mask_loss=True), SEQ, 7, (50, 10, 5), TOK, 128)
     assert len(train) >= 50 and len(valid) >= 10 and len(test) >= 5
     item = train[3]
     assert item["tokens"].shape == item["labels"].shape == item["loss_mask"].shape == (SEQ,)
@@ -86,14 +92,20 @@ def test_items_and_splits(corpora: tuple[str, str]) -> None:
 def test_empty_split_fails_instead_of_looping(tmp_path: Path, corpora: tuple[str, str]) -> None:
     small = _corpus(tmp_path / "small", 20, 3)  # 90,9,1 leaves its test split empty
     data = DataConfig(data_path=("0.5", corpora[0], "0.5", small), split="90,9,1")
-    with pytest.raises(DataError, match=r"--split 90,9,1: corpus .*small has 20 documents, so its "
-                                        r"test split gets 0 documents and 0 tokens .*loop forever"):
+    with pytest.raises(
+        DataError,
+        match=r"--split 90,9,1: corpus .*small has 20 documents, so its "
+        r"test split gets 0 documents and 0 tokens .*loop forever",
+    ):
         build_gpt_datasets(data, SEQ, 1, (10, 10, 10), TOK, 128)
 
 
 def test_input_errors(tmp_path: Path, corpora: tuple[str, str]) -> None:
-    with pytest.raises(DataError, match=r"tokenizer model NullTokenizer has 100 tokens but "
-                                        r"--vocab-size is 64; raise --vocab-size"):
+    with pytest.raises(
+        DataError,
+        match=r"tokenizer model NullTokenizer has 100 tokens but "
+        r"--vocab-size is 64; raise --vocab-size",
+    ):
         build_gpt_datasets(_config((corpora[0],)), SEQ, 1, (1, 1, 1), TOK, 64)
     with pytest.raises(DataError, match=r"--data-path .*missing: no .*missing.bin/.idx found"):
         build_gpt_datasets(_config((str(tmp_path / "missing"),)), SEQ, 1, (1, 1, 1), TOK, 128)
@@ -165,8 +177,7 @@ def _rank_main(rank: int, store_path: str, prefix: str, cache: str, out: str) ->
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
-        data = DataConfig(data_path=("0.5", prefix, "0.5", prefix), split="90,8,2",
-                          data_cache_path=cache)
+        data = DataConfig(data_path=("0.5", prefix, "0.5", prefix), split="90,8,2", data_cache_path=cache)
         train, valid, _ = build_gpt_datasets(data, SEQ, 11, (40, 8, 4), TOK, 128)
         result = {"train": _tokens(train, 10), "valid": _tokens(valid, 4)}
         with open(f"{out}.{rank}", "w") as f:
@@ -179,8 +190,9 @@ def test_build_under_two_ranks(tmp_path: Path, corpora: tuple[str, str]) -> None
     """Rank 0 builds the caches, then rank 1 reads them (megatron-core's barriers); both agree."""
     ctx = multiprocessing.get_context("fork")  # megatron-core is already imported: no start-up cost
     cache, out = str(tmp_path / "cache"), str(tmp_path / "out")
-    procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), corpora[1], cache, out))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), corpora[1], cache, out)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -1,4 +1,5 @@
 """`.bin/.idx` writing (tools/preprocess_data.py) and validation."""
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,20 @@ import pytest
 
 from megatron_ds.data import DataError
 from megatron_ds.data.demo_corpus import _load_tool
-from megatron_ds.data.indexed import (HEADER_BYTES, INDEX_HEADER, TOKEN_DTYPES, load_indexed_dataset,
-                                      read_documents, read_index, read_tokens,
-                                      write_indexed_dataset)
+from megatron_ds.data.indexed import (
+    HEADER_BYTES,
+    INDEX_HEADER,
+    TOKEN_DTYPES,
+    load_indexed_dataset,
+    read_documents,
+    read_index,
+    read_tokens,
+    write_indexed_dataset,
+)
 from megatron_ds.data.tokenizer import _bytes_to_unicode, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [f"Document {i}: " + " ".join(f"word{j % 13} and more text" for j in range(i % 7 + 1))
-        for i in range(40)]
+DOCS = [f"Document {i}: " + " ".join(f"word{j % 13} and more text" for j in range(i % 7 + 1)) for i in range(40)]
 DOCS[5] = ""  # empty documents are skipped
 
 
@@ -31,8 +38,10 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     path = d / "corpus.jsonl"
     path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(DOCS)))
     tool = _load_tool("train_tokenizer")
-    assert tool.main(["--input", str(path), "--model-prefix", str(d / "tok"), "--vocab-size", "120",
-                      "--num-threads", "1"]) == 0
+    assert (
+        tool.main(["--input", str(path), "--model-prefix", str(d / "tok"), "--vocab-size", "120", "--num-threads", "1"])
+        == 0
+    )
     return path, str(d / "tok.model")
 
 
@@ -50,12 +59,21 @@ def test_format_constants_match_megatron_core() -> None:
 
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("append_eod", [False, True])
-def test_preprocess_round_trip(corpus: tuple[Path, str], tmp_path: Path, workers: int,
-                               append_eod: bool) -> None:
+def test_preprocess_round_trip(corpus: tuple[Path, str], tmp_path: Path, workers: int, append_eod: bool) -> None:
     path, model = corpus
     prefix = tmp_path / "out"
-    argv = ["--input", str(path), "--output-prefix", str(prefix), "--tokenizer-type",
-            "SentencePieceTokenizer", "--tokenizer-model", model, "--workers", str(workers)]
+    argv = [
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(prefix),
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        model,
+        "--workers",
+        str(workers),
+    ]
     assert _preprocess(argv + (["--append-eod"] if append_eod else [])) == 0
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
     expected = [tok.tokenize(t) + ([tok.eod] if append_eod else []) for t in DOCS if t]
@@ -71,13 +89,23 @@ def test_preprocess_txt_and_gpt2_and_keys(tmp_path: Path) -> None:
     vocab, merges = _tiny_gpt2_files(tmp_path)
     txt = tmp_path / "a.txt"
     txt.write_text("hello world\nsecond line\n\n\nhello again\n")
-    argv = ["--input", str(txt), "--output-prefix", str(tmp_path / "g"), "--tokenizer-type",
-            "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod"]
+    argv = [
+        "--input",
+        str(txt),
+        "--output-prefix",
+        str(tmp_path / "g"),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        vocab,
+        "--merge-file",
+        merges,
+        "--append-eod",
+    ]
     assert _preprocess(argv) == 0
     tok = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     got = [t.tolist() for t in read_tokens(str(tmp_path / "g_text_document"))]
-    assert got == [tok.tokenize("hello world\nsecond line") + [tok.eod],
-                   tok.tokenize("hello again") + [tok.eod]]
+    assert got == [tok.tokenize("hello world\nsecond line") + [tok.eod], tok.tokenize("hello again") + [tok.eod]]
     jsonl = tmp_path / "two.jsonl"
     jsonl.write_text(json.dumps({"title": "hello", "body": "world"}) + "\n")
     argv[1], argv[-1:] = str(jsonl), ["--json-keys", "title", "body"]
@@ -120,17 +148,20 @@ def test_writer_dtype_and_atomicity(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["big.bin", "big.idx"]  # no partial files left
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("bin_short", r"\.bin: truncated \(\d+ bytes; its index .* needs \d+\)"),
-    ("bin_long", r"\.bin: \d+ bytes but its index .* describes \d+"),
-    ("idx_short", r"\.idx: truncated or corrupt \(header says 3 sequences"),
-    ("idx_tiny", r"\.idx: truncated \(10 bytes"),
-    ("magic", r"\.idx: bad magic header"),
-    ("version", r"\.idx: index version 7 is not supported"),
-    ("dtype", r"\.idx: dtype code 6 is not a token dtype"),
-    ("offsets", r"\.idx: corrupt \(sequence offsets"),
-    ("no_bin", r"\.bin not found"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("bin_short", r"\.bin: truncated \(\d+ bytes; its index .* needs \d+\)"),
+        ("bin_long", r"\.bin: \d+ bytes but its index .* describes \d+"),
+        ("idx_short", r"\.idx: truncated or corrupt \(header says 3 sequences"),
+        ("idx_tiny", r"\.idx: truncated \(10 bytes"),
+        ("magic", r"\.idx: bad magic header"),
+        ("version", r"\.idx: index version 7 is not supported"),
+        ("dtype", r"\.idx: dtype code 6 is not a token dtype"),
+        ("offsets", r"\.idx: corrupt \(sequence offsets"),
+        ("no_bin", r"\.bin not found"),
+    ],
+)
 def test_validation_errors(tmp_path: Path, damage: str, message: str) -> None:
     prefix = _write(tmp_path / "d", [[1, 2, 3], [4, 5], [6]])
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
@@ -150,7 +181,7 @@ def test_validation_errors(tmp_path: Path, damage: str, message: str) -> None:
     elif damage == "dtype":
         idx.write_bytes(raw[:17] + bytes([6]) + raw[18:])
     elif damage == "offsets":
-        raw[HEADER_BYTES + 12 + 8:HEADER_BYTES + 12 + 16] = struct.pack("<q", 4)
+        raw[HEADER_BYTES + 12 + 8 : HEADER_BYTES + 12 + 16] = struct.pack("<q", 4)
         idx.write_bytes(raw)
     elif damage == "no_bin":
         bin_.unlink()
@@ -161,8 +192,11 @@ def test_validation_errors(tmp_path: Path, damage: str, message: str) -> None:
 
 
 def test_missing_prefix(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"--data-path .*/nothing: no .*nothing.bin/.idx found; "
-                                        r"give the prefix without the extension"):
+    with pytest.raises(
+        DataError,
+        match=r"--data-path .*/nothing: no .*nothing.bin/.idx found; "
+        r"give the prefix without the extension",
+    ):
         read_index(str(tmp_path / "nothing"))
 
 
@@ -181,10 +215,22 @@ def test_preprocess_cli_errors(corpus: tuple[Path, str], tmp_path: Path) -> None
     procs = {}
     for i, (path, _) in enumerate(cases.items()):  # started together: each pays its own imports
         procs[path] = subprocess.Popen(
-            [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input", path,
-             "--output-prefix", str(tmp_path / f"out{i}"), "--tokenizer-type",
-             "SentencePieceTokenizer", "--tokenizer-model", model],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                str(REPO / "tools" / "preprocess_data.py"),
+                "--input",
+                path,
+                "--output-prefix",
+                str(tmp_path / f"out{i}"),
+                "--tokenizer-type",
+                "SentencePieceTokenizer",
+                "--tokenizer-model",
+                model,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     for path, expected in cases.items():
         out, err = procs[path].communicate(timeout=300)
         assert procs[path].returncode == 1, err
@@ -196,10 +242,20 @@ def test_preprocess_cli_errors(corpus: tuple[Path, str], tmp_path: Path) -> None
 def test_preprocess_bad_tokenizer_in_process(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     p = tmp_path / "c.jsonl"
     p.write_text('{"text": "x"}\n')
-    code = _preprocess(["--input", str(p), "--output-prefix", str(tmp_path / "o"),
-                        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-                        str(tmp_path / "none.model")])
+    code = _preprocess(
+        [
+            "--input",
+            str(p),
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            str(tmp_path / "none.model"),
+        ]
+    )
     assert code == 1
     assert capsys.readouterr().err.strip() == (
         f"error: --tokenizer-model {tmp_path / 'none.model'}: file not found; train one with "
-        f"tools/train_tokenizer.py or fix the path")
+        f"tools/train_tokenizer.py or fix the path"
+    )

@@ -1,4 +1,5 @@
 """Tokenizers: SentencePiece training and loading, GPT-2 byte-level BPE, errors."""
+
 from __future__ import annotations
 
 import io
@@ -13,8 +14,14 @@ import sentencepiece as spm
 
 from megatron_ds.data import DataError
 from megatron_ds.data.demo_corpus import _load_tool
-from megatron_ds.data.tokenizer import (GPT2BPETokenizer, NullTokenizer, SentencePieceTokenizer,
-                                        _bytes_to_unicode, build_tokenizer, train_sentencepiece)
+from megatron_ds.data.tokenizer import (
+    GPT2BPETokenizer,
+    NullTokenizer,
+    SentencePieceTokenizer,
+    _bytes_to_unicode,
+    build_tokenizer,
+    train_sentencepiece,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = [
@@ -31,8 +38,9 @@ def sp_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     corpus = d / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXT))
     tool = _load_tool("train_tokenizer")
-    code = tool.main(["--input", str(corpus), "--model-prefix", str(d / "tok"), "--vocab-size",
-                      "200", "--num-threads", "1"])
+    code = tool.main(
+        ["--input", str(corpus), "--model-prefix", str(d / "tok"), "--vocab-size", "200", "--num-threads", "1"]
+    )
     assert code == 0
     return str(d / "tok.model")
 
@@ -57,8 +65,11 @@ def test_train_tokenizer_is_deterministic(sp_model: str, tmp_path: Path) -> None
 
 
 def test_sentencepiece_errors(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"--tokenizer-model /no/such.model: file not found; "
-                                        r"train one with tools/train_tokenizer.py"):
+    with pytest.raises(
+        DataError,
+        match=r"--tokenizer-model /no/such.model: file not found; "
+        r"train one with tools/train_tokenizer.py",
+    ):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model="/no/such.model")
     junk = tmp_path / "junk.model"
     junk.write_text("not a model")
@@ -72,8 +83,9 @@ def test_sentencepiece_errors(tmp_path: Path) -> None:
 
 def test_sentencepiece_without_eos_is_rejected(tmp_path: Path) -> None:
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_writer=model,
-                                   vocab_size=60, eos_id=-1, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT), model_writer=model, vocab_size=60, eos_id=-1, minloglevel=2
+    )
     path = tmp_path / "noeos.model"
     path.write_bytes(model.getvalue())
     with pytest.raises(DataError, match="no end-of-document"):
@@ -87,17 +99,29 @@ def test_train_errors_are_one_line(tmp_path: Path) -> None:
     bad.write_text('{"text": "ok"}\n{"text": "fine"}\n{"text": oops}\n')
     tool = _load_tool("train_tokenizer")
     with pytest.raises(DataError, match=r"bad.jsonl:3: invalid JSON"):
-        tool.run(tool.parse_args(["--input", str(bad), "--model-prefix", str(tmp_path / "m"),
-                                  "--vocab-size", "50"]))
+        tool.run(tool.parse_args(["--input", str(bad), "--model-prefix", str(tmp_path / "m"), "--vocab-size", "50"]))
 
 
 def test_train_tokenizer_cli_error(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "train_tokenizer.py"), "--input",
-                           str(tmp_path / "missing.jsonl"), "--model-prefix", str(tmp_path / "m"),
-                           "--vocab-size", "100"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "train_tokenizer.py"),
+            "--input",
+            str(tmp_path / "missing.jsonl"),
+            "--model-prefix",
+            str(tmp_path / "m"),
+            "--vocab-size",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        f"error: --input {tmp_path / 'missing.jsonl'}: file not found; fix the path"]
+        f"error: --input {tmp_path / 'missing.jsonl'}: file not found; fix the path"
+    ]
 
 
 def _tiny_gpt2_files(tmp_path: Path, extra_merges: tuple[str, ...] = ()) -> tuple[str, str]:

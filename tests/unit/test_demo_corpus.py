@@ -1,4 +1,5 @@
 """The built-in demo corpus and `prepare_demo_data`."""
+
 from __future__ import annotations
 
 import json

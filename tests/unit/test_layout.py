@@ -1,4 +1,5 @@
 """Layout engine: invariants over every P in 1..16 and N in 1..64, and every bad input by message."""
+
 from __future__ import annotations
 
 import itertools
@@ -70,10 +71,21 @@ def test_dedicated_invariants_all_sizes(num_stages: int) -> None:
 def test_partition_methods_all_sizes(num_stages: int) -> None:
     for n in range(1, 65):
         g = groups(n)
-        model = ModelConfig(num_layers=n, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
-                            seq_length=32, max_position_embeddings=32, vocab_size=512)
-        methods = {"type:transformer": None, "uniform": None, "parameters": gpt_spec_param_counts(model),
-                   "type:embedding:2|transformer:1": None}
+        model = ModelConfig(
+            num_layers=n,
+            hidden_size=64,
+            num_attention_heads=4,
+            ffn_hidden_size=256,
+            seq_length=32,
+            max_position_embeddings=32,
+            vocab_size=512,
+        )
+        methods = {
+            "type:transformer": None,
+            "uniform": None,
+            "parameters": gpt_spec_param_counts(model),
+            "type:embedding:2|transformer:1": None,
+        }
         for method, weights in methods.items():
             try:
                 layout = build_layout(g, num_stages, partition_method=method, spec_weights=weights)
@@ -116,16 +128,27 @@ def test_seed_example_three_layers_five_stages() -> None:
     layout = build_layout(groups(3), 5, dedicated="both")
     assert layout.layers_per_stage == (0, 1, 1, 1, 0)
     text = layout.format()
-    assert text.splitlines()[:4] == ["stage=0 layers=3", "     0: cast_token_ids", "     1: WordEmbedding",
-                                     "     2: PositionEmbedding"]
+    assert text.splitlines()[:4] == [
+        "stage=0 layers=3",
+        "     0: cast_token_ids",
+        "     1: WordEmbedding",
+        "     2: PositionEmbedding",
+    ]
     assert "<lambda>" not in text
     assert "stage=4 layers=3" in text and "  loss: cross_entropy_loss" in text
 
 
-@pytest.mark.parametrize("text,counts", [
-    ("E|t*3|t*3|L", [0, 3, 3, 0]), ("Et|tt|tL", [1, 2, 1]), ("E|(t|)*3L", [0, 1, 1, 1, 0]),
-    ("E t | t t | L", [1, 2, 0]), ("(Et)|(t*2)*2|L", [1, 4, 0]), ("EtL", [1]),
-])
+@pytest.mark.parametrize(
+    "text,counts",
+    [
+        ("E|t*3|t*3|L", [0, 3, 3, 0]),
+        ("Et|tt|tL", [1, 2, 1]),
+        ("E|(t|)*3L", [0, 1, 1, 1, 0]),
+        ("E t | t t | L", [1, 2, 0]),
+        ("(Et)|(t*2)*2|L", [1, 4, 0]),
+        ("EtL", [1]),
+    ],
+)
 def test_layout_strings(text: str, counts: list[int]) -> None:
     layout = build_layout(groups(sum(counts)), len(counts), layout=text)
     assert list(layout.layers_per_stage) == counts
@@ -136,24 +159,27 @@ def test_expand_nested_repetition() -> None:
     assert expand("((t)*2|)*2") == "tt|tt|"
 
 
-@pytest.mark.parametrize("text,n,p,message", [
-    ("E|tt(|L", 2, 3, "'(' is never closed"),
-    ("E|tt)|L", 2, 3, "unmatched ')'"),
-    ("E|t*|L", 1, 3, "not followed by a count"),
-    ("*3E|t|L", 1, 3, "follows nothing"),
-    ("E|t*0|L", 1, 3, "repeat count 0"),
-    ("E|tx|L", 1, 3, "unknown symbol 'x'"),
-    ("E|tt|L", 3, 3, "has 2 't' but --num-layers is 3"),
-    ("E|t|t|L", 2, 3, "has 4 stages but --pipeline-model-parallel-size is 3"),
-    ("t|t|L", 2, 3, "'E' (embedding) is missing"),
-    ("E|t|t", 2, 3, "'L' (loss head) is missing"),
-    ("tE|t|L", 2, 3, "'E' is not the first symbol"),
-    ("E|t|Lt", 2, 3, "'L' is not the last symbol"),
-    ("EE|t|L", 1, 3, "'E' (embedding) appears 2 times"),
-    ("E|tL|L", 1, 3, "'L' (loss head) appears 2 times"),
-    ("E||tL", 1, 3, "stage 1 is empty"),
-    ("", 1, 1, "the layout is empty"),
-])
+@pytest.mark.parametrize(
+    "text,n,p,message",
+    [
+        ("E|tt(|L", 2, 3, "'(' is never closed"),
+        ("E|tt)|L", 2, 3, "unmatched ')'"),
+        ("E|t*|L", 1, 3, "not followed by a count"),
+        ("*3E|t|L", 1, 3, "follows nothing"),
+        ("E|t*0|L", 1, 3, "repeat count 0"),
+        ("E|tx|L", 1, 3, "unknown symbol 'x'"),
+        ("E|tt|L", 3, 3, "has 2 't' but --num-layers is 3"),
+        ("E|t|t|L", 2, 3, "has 4 stages but --pipeline-model-parallel-size is 3"),
+        ("t|t|L", 2, 3, "'E' (embedding) is missing"),
+        ("E|t|t", 2, 3, "'L' (loss head) is missing"),
+        ("tE|t|L", 2, 3, "'E' is not the first symbol"),
+        ("E|t|Lt", 2, 3, "'L' is not the last symbol"),
+        ("EE|t|L", 1, 3, "'E' (embedding) appears 2 times"),
+        ("E|tL|L", 1, 3, "'L' (loss head) appears 2 times"),
+        ("E||tL", 1, 3, "stage 1 is empty"),
+        ("", 1, 1, "the layout is empty"),
+    ],
+)
 def test_layout_string_errors(text: str, n: int, p: int, message: str) -> None:
     with pytest.raises(LayoutError) as err:
         build_layout(groups(n), p, layout=text)
@@ -161,21 +187,24 @@ def test_layout_string_errors(text: str, n: int, p: int, message: str) -> None:
     assert message in msg and "--pp-layout" in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(num_stages=2, dedicated="both"), "needs --pipeline-model-parallel-size >= 3 (got 2)"),
-    (dict(num_stages=1, dedicated="pre"), "needs --pipeline-model-parallel-size >= 2 (got 1)"),
-    (dict(num_stages=1, dedicated="post"), "needs --pipeline-model-parallel-size >= 2 (got 1)"),
-    (dict(num_stages=6, dedicated="both"), "leaves 4 stages for --num-layers 3"),
-    (dict(num_stages=3, dedicated="both", layout="E|ttt|L"), "were both given"),
-    (dict(num_stages=3, layout="E|ttt|L", partition_method="uniform"), "were both given"),
-    (dict(num_stages=3, partition_method="type:embedding:0|transformer:1"), "must be > 0"),
-    (dict(num_stages=3, partition_method="type:embedding:-1|transformer:1"), "must be > 0"),
-    (dict(num_stages=3, partition_method="type:attention"), "matches no layer"),
-    (dict(num_stages=3, partition_method="type:embedding:2|mlp:1"), "'mlp' matches no layer"),
-    (dict(num_stages=3, partition_method="type:(unclosed"), "not a valid regular expression"),
-    (dict(num_stages=3, partition_method="random"), "not a known method"),
-    (dict(num_stages=5), "without a transformer layer"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(num_stages=2, dedicated="both"), "needs --pipeline-model-parallel-size >= 3 (got 2)"),
+        (dict(num_stages=1, dedicated="pre"), "needs --pipeline-model-parallel-size >= 2 (got 1)"),
+        (dict(num_stages=1, dedicated="post"), "needs --pipeline-model-parallel-size >= 2 (got 1)"),
+        (dict(num_stages=6, dedicated="both"), "leaves 4 stages for --num-layers 3"),
+        (dict(num_stages=3, dedicated="both", layout="E|ttt|L"), "were both given"),
+        (dict(num_stages=3, layout="E|ttt|L", partition_method="uniform"), "were both given"),
+        (dict(num_stages=3, partition_method="type:embedding:0|transformer:1"), "must be > 0"),
+        (dict(num_stages=3, partition_method="type:embedding:-1|transformer:1"), "must be > 0"),
+        (dict(num_stages=3, partition_method="type:attention"), "matches no layer"),
+        (dict(num_stages=3, partition_method="type:embedding:2|mlp:1"), "'mlp' matches no layer"),
+        (dict(num_stages=3, partition_method="type:(unclosed"), "not a valid regular expression"),
+        (dict(num_stages=3, partition_method="random"), "not a known method"),
+        (dict(num_stages=5), "without a transformer layer"),
+    ],
+)
 def test_bad_layout_options(kwargs: dict, message: str) -> None:
     with pytest.raises(LayoutError) as err:
         build_layout(groups(3), **kwargs)
@@ -183,8 +212,16 @@ def test_bad_layout_options(kwargs: dict, message: str) -> None:
 
 
 def test_untied_groups_name_the_head() -> None:
-    model = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, ffn_hidden_size=16, seq_length=4,
-                        max_position_embeddings=4, vocab_size=16, untie_embeddings_and_output_weights=True)
+    model = ModelConfig(
+        num_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        ffn_hidden_size=16,
+        seq_length=4,
+        max_position_embeddings=4,
+        vocab_size=16,
+        untie_embeddings_and_output_weights=True,
+    )
     assert gpt_spec_groups(model).post[1] == "LMHead"
 
 
@@ -193,8 +230,10 @@ def test_min_max_partition_is_optimal_on_small_cases() -> None:
         for parts in range(1, len(weights) + 1):
             got = partition.min_max(weights, parts)
             cost = max(sum(weights[a:b]) for a, b in zip(got[:-1], got[1:]))
-            best = min(max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, len(weights))))
-                       for cuts in itertools.combinations(range(1, len(weights)), parts - 1))
+            best = min(
+                max(sum(weights[a:b]) for a, b in zip((0, *cuts), (*cuts, len(weights))))
+                for cuts in itertools.combinations(range(1, len(weights)), parts - 1)
+            )
             assert cost == best
 
 

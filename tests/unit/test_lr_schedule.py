@@ -1,4 +1,5 @@
 """The learning-rate schedule: Megatron's shapes, one schedule whatever its unit, resume semantics."""
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,26 @@ from megatron_ds.training.lr_schedule import (
 )
 
 GBS, SEQ = 8, 32
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
-         "--vocab-size", "128", "--micro-batch-size", "2", "--global-batch-size", str(GBS), "--lr", "1e-3",
-         "--min-lr", "1e-5"]
+MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    str(SEQ),
+    "--vocab-size",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    str(GBS),
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-5",
+]
 
 
 def config(*flags: str):
@@ -41,14 +59,39 @@ def lrs(cfg, num_steps: int) -> list[float]:
 @pytest.mark.parametrize("style", ["linear", "cosine", "constant", "inverse-square-root"])
 def test_iterations_samples_and_tokens_give_the_same_schedule(style: str) -> None:
     # 20 iterations of 8 samples of 32 tokens; warm-up 4 iterations, decay over 16.
-    by_iters = config("--train-iters", "20", "--lr-warmup-iters", "4", "--lr-decay-iters", "16",
-                      "--lr-decay-style", style)
-    by_samples = config("--train-samples", str(20 * GBS), "--lr-warmup-samples", str(4 * GBS),
-                        "--lr-decay-samples", str(16 * GBS), "--lr-decay-style", style)
-    by_tokens = config("--train-iters", "20", "--lr-warmup-tokens", str(4 * GBS * SEQ),
-                       "--lr-decay-tokens", str(16 * GBS * SEQ), "--lr-decay-style", style)
-    only_tokens = config("--train-tokens", str(20 * GBS * SEQ), "--lr-warmup-tokens", str(4 * GBS * SEQ),
-                         "--lr-decay-tokens", str(16 * GBS * SEQ), "--lr-decay-style", style)
+    by_iters = config(
+        "--train-iters", "20", "--lr-warmup-iters", "4", "--lr-decay-iters", "16", "--lr-decay-style", style
+    )
+    by_samples = config(
+        "--train-samples",
+        str(20 * GBS),
+        "--lr-warmup-samples",
+        str(4 * GBS),
+        "--lr-decay-samples",
+        str(16 * GBS),
+        "--lr-decay-style",
+        style,
+    )
+    by_tokens = config(
+        "--train-iters",
+        "20",
+        "--lr-warmup-tokens",
+        str(4 * GBS * SEQ),
+        "--lr-decay-tokens",
+        str(16 * GBS * SEQ),
+        "--lr-decay-style",
+        style,
+    )
+    only_tokens = config(
+        "--train-tokens",
+        str(20 * GBS * SEQ),
+        "--lr-warmup-tokens",
+        str(4 * GBS * SEQ),
+        "--lr-decay-tokens",
+        str(16 * GBS * SEQ),
+        "--lr-decay-style",
+        style,
+    )
     reference = lrs(by_iters, 24)
     assert reference[0] == 0.0 and reference[4] == pytest.approx(1e-3)
     for other in (by_samples, by_tokens, only_tokens):
@@ -141,15 +184,22 @@ def test_same_schedule_in_another_unit_is_not_a_difference() -> None:
     assert resumed.schedule == in_tokens
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--train-iters", "10", "--lr-decay-samples", "40"], "--lr-decay-samples does not go with --train-iters"),
-    (["--train-samples", "80", "--lr-warmup-iters", "2"], "--lr-warmup-iters does not go with --train-samples"),
-    (["--train-iters", "10", "--lr-warmup-iters", "2", "--lr-warmup-tokens", "64"],
-     "--lr-warmup-iters and --lr-warmup-tokens were both given"),
-    (["--train-iters", "10", "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
-     "were both given; keep one"),
-    (["--train-iters", "10", "--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction 1.5 must be in [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--train-iters", "10", "--lr-decay-samples", "40"], "--lr-decay-samples does not go with --train-iters"),
+        (["--train-samples", "80", "--lr-warmup-iters", "2"], "--lr-warmup-iters does not go with --train-samples"),
+        (
+            ["--train-iters", "10", "--lr-warmup-iters", "2", "--lr-warmup-tokens", "64"],
+            "--lr-warmup-iters and --lr-warmup-tokens were both given",
+        ),
+        (
+            ["--train-iters", "10", "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+            "were both given; keep one",
+        ),
+        (["--train-iters", "10", "--lr-warmup-fraction", "1.5"], "--lr-warmup-fraction 1.5 must be in [0, 1]"),
+    ],
+)
 def test_schedule_flag_errors(flags: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         config(*flags)

@@ -1,4 +1,5 @@
 """Analytic memory model: DeepSpeed's estimators, the saved tensors of our real layers, TrainSchedule."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,28 +11,53 @@ import torch
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.model import naming
-from megatron_ds.plan import activations as act
-from megatron_ds.plan.memory_model import (MemoryInputs, format_bytes, in_flight, largest_layer_params,
-                                           layer_param_counts, num_pipe_buffers, spec_memory, stage_memory,
-                                           stage_memory_for, total_params)
-from megatron_ds.plan.model_states import state_factors, zero2_estimate, zero3_estimate
 from megatron_ds.pipeline.layout import SpecGroups, build_layout
+from megatron_ds.plan import activations as act
+from megatron_ds.plan.memory_model import (
+    MemoryInputs,
+    format_bytes,
+    in_flight,
+    largest_layer_params,
+    layer_param_counts,
+    num_pipe_buffers,
+    spec_memory,
+    stage_memory,
+    stage_memory_for,
+    total_params,
+)
+from megatron_ds.plan.model_states import state_factors, zero2_estimate, zero3_estimate
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
-                max_position_embeddings=32, vocab_size=128)
+    base = dict(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=256,
+        seq_length=32,
+        max_position_embeddings=32,
+        vocab_size=128,
+    )
     return ModelConfig(**{**base, **kw})
 
 
-GPT_1_3B = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
-                       seq_length=2048, max_position_embeddings=2048, vocab_size=50304)
+GPT_1_3B = ModelConfig(
+    num_layers=24,
+    hidden_size=2048,
+    num_attention_heads=16,
+    ffn_hidden_size=8192,
+    seq_length=2048,
+    max_position_embeddings=2048,
+    vocab_size=50304,
+)
 
 
 # --- model states against DeepSpeed's own estimator functions ---------------------------------------
 
-@pytest.mark.parametrize("psi,gpn,nodes", [(1_300_000_000, 8, 1), (175_000_000_000, 8, 128), (10_000, 1, 1),
-                                           (6_700_000_000, 4, 3)])
+
+@pytest.mark.parametrize(
+    "psi,gpn,nodes", [(1_300_000_000, 8, 1), (175_000_000_000, 8, 128), (10_000, 1, 1), (6_700_000_000, 4, 3)]
+)
 def test_estimator_reproductions_equal_installed(psi: int, gpn: int, nodes: int) -> None:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -52,9 +78,11 @@ def test_state_factors_equal_estimator_for_zero2_and_zero3(precision: str, dp: i
     assert abs(psi * f2.per_param(dp) - zero2_estimate(psi, dp, 1, cpu_offload=False)[1]) <= 1
     f2o = state_factors(precision, 2, offload_optimizer="cpu")
     assert psi * f2o.per_param(dp) == zero2_estimate(psi, dp, 1, cpu_offload=True)[1]
-    for off_o, off_p, kw in (("none", "none", dict(cpu_offload=False)),
-                             ("cpu", "none", dict(cpu_offload=True, cpu_offload_params=False)),
-                             ("cpu", "cpu", dict(cpu_offload=True, cpu_offload_params=True))):
+    for off_o, off_p, kw in (
+        ("none", "none", dict(cpu_offload=False)),
+        ("cpu", "none", dict(cpu_offload=True, cpu_offload_params=False)),
+        ("cpu", "cpu", dict(cpu_offload=True, cpu_offload_params=True)),
+    ):
         f3 = state_factors(precision, 3, offload_optimizer=off_o, offload_param=off_p)
         ours = psi * f3.per_param(dp) + f3.gathered * largest
         assert abs(ours - zero3_estimate(psi, largest, dp, 1, **kw)[1]) <= 1
@@ -64,8 +92,9 @@ def test_whole_model_stage_equals_estimator() -> None:
     """One stage holding the whole 1.3B model, data parallel over 8: states == DeepSpeed's numbers."""
     psi, big = total_params(GPT_1_3B), largest_layer_params(GPT_1_3B)
     for zero in (2, 3):
-        inp = MemoryInputs(model=GPT_1_3B, micro_batch_size=1, num_micro_batches=1, zero_stage=zero,
-                           data_parallel_size=8)
+        inp = MemoryInputs(
+            model=GPT_1_3B, micro_batch_size=1, num_micro_batches=1, zero_stage=zero, data_parallel_size=8
+        )
         st = stage_memory_for(inp, 0, 1, GPT_1_3B.num_layers)
         assert st.num_params == psi
         gathered = 4 * big if zero == 3 else 0
@@ -94,15 +123,21 @@ def test_param_counts_match_the_real_modules_and_deepspeed_largest_layer() -> No
     m = tiny(vocab_size=1000)
     layer = TransformerLayer(m, 1)
     assert layer_param_counts(m)[0] == sum(p.numel() for p in layer.parameters())
-    model = torch.nn.ModuleList([WordEmbedding(m, 1), PositionEmbedding(m, 2),
-                                 *[TransformerLayer(m, i) for i in range(m.num_layers)], FinalNorm(m, 3)])
+    model = torch.nn.ModuleList(
+        [
+            WordEmbedding(m, 1),
+            PositionEmbedding(m, 2),
+            *[TransformerLayer(m, i) for i in range(m.num_layers)],
+            FinalNorm(m, 3),
+        ]
+    )
     assert model_to_params(model) == (total_params(m), largest_layer_params(m))
     counts = naming.gpt_spec_param_counts(m)
-    assert [s.num_params for s in spec_memory(MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1))] \
-        == counts
+    assert [s.num_params for s in spec_memory(MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1))] == counts
 
 
 # --- activations against what our layers really save (CPU) -----------------------------------------
+
 
 def saved_bytes(fn, *modules: torch.nn.Module) -> int:
     """Bytes of distinct storages autograd saves for backward while running fn (parameters excluded)."""
@@ -122,8 +157,7 @@ def saved_bytes(fn, *modules: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_transformer_layer_activations_equal_saved_tensors(precision: str, dtype: torch.dtype,
-                                                           dropout: float) -> None:
+def test_transformer_layer_activations_equal_saved_tensors(precision: str, dtype: torch.dtype, dropout: float) -> None:
     from megatron_ds.model.transformer import TransformerLayer
 
     m = tiny(hidden_dropout=dropout, attention_dropout=dropout)
@@ -137,8 +171,15 @@ def test_transformer_layer_activations_equal_saved_tensors(precision: str, dtype
 
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: torch.dtype) -> None:
-    from megatron_ds.model.layers import (FinalNorm, PositionEmbedding, WordEmbedding, cast_token_ids,
-                                          cross_entropy_loss, lm_head_logits, logits_to_fp32)
+    from megatron_ds.model.layers import (
+        FinalNorm,
+        PositionEmbedding,
+        WordEmbedding,
+        cast_token_ids,
+        cross_entropy_loss,
+        lm_head_logits,
+        logits_to_fp32,
+    )
 
     m, b = tiny(), 3
     we, pe, fn = WordEmbedding(m, 1).to(dtype), PositionEmbedding(m, 2).to(dtype).train(), FinalNorm(m, 3).to(dtype)
@@ -149,8 +190,7 @@ def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: tor
     hidden = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
     labels = (torch.randint(0, m.vocab_size, (b, m.seq_length)), torch.ones(b, m.seq_length))
     post = act.post_terms(m, b, k, naming.TIED_LM_HEAD)
-    measured = saved_bytes(lambda: cross_entropy_loss(logits_to_fp32(lm_head_logits(we, fn(hidden))), labels),
-                           we, fn)
+    measured = saved_bytes(lambda: cross_entropy_loss(logits_to_fp32(lm_head_logits(we, fn(hidden))), labels), we, fn)
     assert measured == sum(sum(t.values()) for t in post.values())
 
 
@@ -160,15 +200,18 @@ def test_paper_closed_form_is_our_count_with_the_papers_assumptions(t: int) -> N
     m = GPT_1_3B
     k = act.Kernels(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
     ours = sum(act.transformer_layer_terms(m, 1, k, t).values())
-    assert ours == pytest.approx(act.korthikanti_layer_bytes(m.seq_length, 1, m.hidden_size,
-                                                             m.num_attention_heads, t))
+    assert ours == pytest.approx(act.korthikanti_layer_bytes(m.seq_length, 1, m.hidden_size, m.num_attention_heads, t))
     flash = act.kernels("bf16", "cuda", 0.1)
-    no_scores = sum(v for n, v in act.transformer_layer_terms(m, 1, flash, t).items()
-                    if n not in ("norm statistics", "softmax log-sum-exp"))
+    no_scores = sum(
+        v
+        for n, v in act.transformer_layer_terms(m, 1, flash, t).items()
+        if n not in ("norm statistics", "softmax log-sum-exp")
+    )
     assert no_scores == pytest.approx(m.seq_length * m.hidden_size * (10 + 24 / t))
 
 
 # --- pipeline schedule ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("stages", range(1, 7))
 def test_in_flight_and_buffers_match_deepspeed_train_schedule(stages: int) -> None:
@@ -190,6 +233,7 @@ def test_in_flight_and_buffers_match_deepspeed_train_schedule(stages: int) -> No
 
 # --- stages -----------------------------------------------------------------------------------------
 
+
 def test_tied_embedding_is_held_by_first_and_last_stage_once_each() -> None:
     m = tiny(vocab_size=5000)
     inp = MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=4, precision="bf16")
@@ -200,8 +244,9 @@ def test_tied_embedding_is_held_by_first_and_last_stage_once_each() -> None:
     first, *_, last = stage_memory(inp, layout)
     assert first.num_params == vh + m.max_position_embeddings * m.hidden_size
     assert last.num_params == vh + 2 * m.hidden_size  # its own copy of the matrix + the final norm
-    untied = MemoryInputs(model=tiny(vocab_size=5000, untie_embeddings_and_output_weights=True),
-                          micro_batch_size=1, num_micro_batches=4)
+    untied = MemoryInputs(
+        model=tiny(vocab_size=5000, untie_embeddings_and_output_weights=True), micro_batch_size=1, num_micro_batches=4
+    )
     assert stage_memory_for(untied, 0, 1, m.num_layers).num_params == total_params(untied.model)
 
 
@@ -241,8 +286,8 @@ def test_memory_inputs_reject_bad_values() -> None:
 def test_format_bytes() -> None:
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.50 KiB"
-    assert format_bytes(80 * 1024 ** 3) == "80.00 GiB"
-    assert format_bytes(150 * 1024 ** 3) == "150 GiB"
+    assert format_bytes(80 * 1024**3) == "80.00 GiB"
+    assert format_bytes(150 * 1024**3) == "150 GiB"
 
 
 def test_spec_names_follow_naming() -> None:
@@ -259,6 +304,6 @@ def test_estimator_prints_are_not_needed() -> None:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        estimate_zero2_model_states_mem_needs_all_cold(total_params=10 ** 9, num_gpus_per_node=8, num_nodes=1)
-    cpu, gpu = zero2_estimate(10 ** 9, 8, 1, cpu_offload=False)
-    assert f"{gpu / 2 ** 30:6.2f}GB" in buf.getvalue() and f"{cpu / 2 ** 30:7.2f}GB" in buf.getvalue()
+        estimate_zero2_model_states_mem_needs_all_cold(total_params=10**9, num_gpus_per_node=8, num_nodes=1)
+    cpu, gpu = zero2_estimate(10**9, 8, 1, cpu_offload=False)
+    assert f"{gpu / 2**30:6.2f}GB" in buf.getvalue() and f"{cpu / 2**30:7.2f}GB" in buf.getvalue()

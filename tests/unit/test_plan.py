@@ -1,4 +1,5 @@
 """The `plan` advisor: DeepSpeed accepts its JSON, its layout is --print-layout's, bad input is one line."""
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,39 @@ from megatron_ds.plan.__main__ import main
 
 A100_1_3B = ["--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB"]
 A100_175B = ["--model", "175b", "--num-gpus", "1024", "--gpus-per-node", "8", "--gpu", "A100-80GB"]
-V100_PP4 = ["--model", "1.3b", "--num-gpus", "8", "--gpu", "V100-32GB", "--pipeline-model-parallel-size", "4",
-            "--micro-batch-size", "2", "--layout", "both"]
+V100_PP4 = [
+    "--model",
+    "1.3b",
+    "--num-gpus",
+    "8",
+    "--gpu",
+    "V100-32GB",
+    "--pipeline-model-parallel-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--layout",
+    "both",
+]
 SCENARIOS = {
     "1.3b-a100": A100_1_3B,
     "175b-a100": A100_175B,
     "1.3b-v100-pp4": V100_PP4,
     "2.7b-a10-offload": ["--model", "2.7b", "--num-gpus", "1", "--gpu", "A10", "--global-batch-size", "16"],
-    "350m-4090-memory-layout": ["--model", "350m", "--num-gpus", "8", "--gpu", "RTX-4090", "--layout", "memory",
-                                "--pipeline-model-parallel-size", "4", "--tensor-model-parallel-size", "1"],
+    "350m-4090-memory-layout": [
+        "--model",
+        "350m",
+        "--num-gpus",
+        "8",
+        "--gpu",
+        "RTX-4090",
+        "--layout",
+        "memory",
+        "--pipeline-model-parallel-size",
+        "4",
+        "--tensor-model-parallel-size",
+        "1",
+    ],
 }
 
 
@@ -133,8 +158,10 @@ def test_model_states_in_zero_section_equal_deepspeed_estimators(capsys) -> None
     psi, big = total_params(m), largest_layer_params(m)
     assert rows["ZeRO-2"]["gpu_states"] == estimate_zero2_model_states_mem_needs(psi, 8, 128, False)[1]
     assert rows["ZeRO-3"]["gpu_states"] == estimate_zero3_model_states_mem_needs(psi, big, 8, 128, False)[1]
-    assert rows["ZeRO-3 + offload_optimizer + offload_param cpu"]["cpu_per_node"] == \
-        estimate_zero3_model_states_mem_needs(psi, big, 8, 128, True, True)[0]
+    assert (
+        rows["ZeRO-3 + offload_optimizer + offload_param cpu"]["cpu_per_node"]
+        == estimate_zero3_model_states_mem_needs(psi, big, 8, 128, True, True)[0]
+    )
 
 
 @pytest.mark.parametrize("scenario", ["1.3b-a100", "1.3b-v100-pp4", "175b-a100", "350m-4090-memory-layout"])
@@ -142,8 +169,14 @@ def test_pipeline_layout_is_what_print_layout_prints(scenario, capsys) -> None:
     rc, report = run_json(["pipeline", *SCENARIOS[scenario]], capsys)
     data = next(s for s in report["sections"] if s["name"] == "pipeline")["data"]
     dims = hardware.PRESETS["gpt3-" + SCENARIOS[scenario][1]]
-    model = hardware.model_config(dims.num_layers, dims.hidden_size, dims.num_attention_heads, 2048,
-                                  hardware.GPT2_VOCAB_SIZE, tensor_parallel_size=data["tensor_parallel"])
+    model = hardware.model_config(
+        dims.num_layers,
+        dims.hidden_size,
+        dims.num_attention_heads,
+        2048,
+        hardware.GPT2_VOCAB_SIZE,
+        tensor_parallel_size=data["tensor_parallel"],
+    )
     groups = gpt_spec_groups(model)
     method = data["layout_method"]
     if method == "memory":
@@ -187,24 +220,49 @@ def test_write_config_matches_the_generated_json(tmp_path, capsys) -> None:
     assert json.loads(path.read_text()) == pipeline["snippets"]["DeepSpeed JSON"]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "MI300X"], "--gpu 'MI300X' is not in the table"),
-    (["pipeline", *A100_1_3B, "--zero-stage", "3", "--pipeline-model-parallel-size", "2"],
-     "--zero-stage 3 with --pipeline-model-parallel-size 2: DeepSpeed's pipeline engine supports ZeRO 0 and 1"),
-    (["pipeline", *A100_1_3B, "--zero-stage", "2"], "accepts ZeRO 0 and 1 only; use --zero-stage 1"),
-    (["precision", "--gpu", "V100-32GB", "--precision", "bf16"], "--precision bf16 needs compute capability >= 8.0"),
-    (["pipeline", "--model", "175b", "--num-gpus", "8", "--gpu", "A100-80GB"], "model states alone average"),
-    (["pipeline", "--model", "13b", "--num-gpus", "8", "--gpu", "A100-40GB", "--pipeline-model-parallel-size", "2",
-      "--tensor-model-parallel-size", "1", "--no-checkpoint-activations"], "does not fit"),
-    (["pipeline", "--num-gpus", "8"], "Which model?"),
-    (["zero", "--model", "1.3b"], "How many GPUs in total? (--num-gpus)"),
-    (["pipeline", "--model", "1.3b", "--num-gpus", "12", "--gpus-per-node", "8", "--gpu", "H100"],
-     "--num-gpus 12 is not a multiple of --gpus-per-node 8"),
-    (["pipeline", "--num-layers", "30", "--hidden-size", "100"], "model size is incomplete"),
-    (["pipeline", "--model", "1.3b", "--hidden-size", "100"], "--hidden-size 100 is not divisible"),
-    (["--bogus"], "unrecognized arguments: --bogus"),
-    (["memory", *A100_1_3B, "--reported-mb", "first=ten"], "--reported-mb 'first=ten'"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "MI300X"], "--gpu 'MI300X' is not in the table"),
+        (
+            ["pipeline", *A100_1_3B, "--zero-stage", "3", "--pipeline-model-parallel-size", "2"],
+            "--zero-stage 3 with --pipeline-model-parallel-size 2: DeepSpeed's pipeline engine supports ZeRO 0 and 1",
+        ),
+        (["pipeline", *A100_1_3B, "--zero-stage", "2"], "accepts ZeRO 0 and 1 only; use --zero-stage 1"),
+        (
+            ["precision", "--gpu", "V100-32GB", "--precision", "bf16"],
+            "--precision bf16 needs compute capability >= 8.0",
+        ),
+        (["pipeline", "--model", "175b", "--num-gpus", "8", "--gpu", "A100-80GB"], "model states alone average"),
+        (
+            [
+                "pipeline",
+                "--model",
+                "13b",
+                "--num-gpus",
+                "8",
+                "--gpu",
+                "A100-40GB",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "1",
+                "--no-checkpoint-activations",
+            ],
+            "does not fit",
+        ),
+        (["pipeline", "--num-gpus", "8"], "Which model?"),
+        (["zero", "--model", "1.3b"], "How many GPUs in total? (--num-gpus)"),
+        (
+            ["pipeline", "--model", "1.3b", "--num-gpus", "12", "--gpus-per-node", "8", "--gpu", "H100"],
+            "--num-gpus 12 is not a multiple of --gpus-per-node 8",
+        ),
+        (["pipeline", "--num-layers", "30", "--hidden-size", "100"], "model size is incomplete"),
+        (["pipeline", "--model", "1.3b", "--hidden-size", "100"], "--hidden-size 100 is not divisible"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["memory", *A100_1_3B, "--reported-mb", "first=ten"], "--reported-mb 'first=ten'"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys) -> None:
     assert main(argv) == 2
     captured = capsys.readouterr()
@@ -214,8 +272,22 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys) -> None:
 
 
 def test_unknown_gpu_with_memory_is_accepted(capsys) -> None:
-    rc, report = run_json(["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "MI300X",
-                           "--gpu-memory-gb", "192", "--compute-capability", "9.0"], capsys)
+    rc, report = run_json(
+        [
+            "pipeline",
+            "--model",
+            "1.3b",
+            "--num-gpus",
+            "8",
+            "--gpu",
+            "MI300X",
+            "--gpu-memory-gb",
+            "192",
+            "--compute-capability",
+            "9.0",
+        ],
+        capsys,
+    )
     assert rc == 0 and report["all_checks_pass"]
 
 
@@ -230,7 +302,7 @@ def test_profile_round_trip_never_asks_twice(tmp_path, capsys) -> None:
     second = capsys.readouterr().out
     assert second.split("\n", 1)[1].split("Profile", 1)[-1]  # a note names the reused profile
     assert "handled before: pipeline" in second
-    strip = lambda text: "\n".join(l for l in text.splitlines() if not l.startswith("Profile "))  # noqa: E731
+    strip = lambda text: "\n".join(ln for ln in text.splitlines() if not ln.startswith("Profile "))  # noqa: E731
     assert strip(first) == strip(second)
     assert main(["zero", "--profile", str(profile), "--num-gpus", "16", "--save-profile", str(profile)]) == 0
     capsys.readouterr()
@@ -331,6 +403,8 @@ def test_console_entry_point_is_importable_without_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, megatron_ds.plan.__main__ as m, megatron_ds.plan.cli as c; "
-            "c.run; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules")
+    code = (
+        "import sys, megatron_ds.plan.__main__ as m, megatron_ds.plan.cli as c; "
+        "c.run; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())

@@ -4,6 +4,7 @@ The layout of the fused QKV shard is checked mathematically: simulating T ranks 
 (column-parallel QKV and fc1 shards, local heads, row-parallel proj and fc2 partial sums) must
 give the T=1 layer's output. The multi-rank tests check the same through megatron-core's layers.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,17 @@ from megatron_ds.model.init import gather_qkv, shard, shard_qkv
 from megatron_ds.model.layers import PositionEmbedding
 from megatron_ds.model.transformer import TransformerLayer
 
-MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
-                    max_position_embeddings=8, vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    seq_length=8,
+    max_position_embeddings=8,
+    vocab_size=128,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 SEED = 1234 * 1_000_003 + 3
 
 
@@ -32,8 +42,9 @@ def test_qkv_shards_hold_their_heads_and_gather_back(t: int) -> None:
     assert torch.equal(gather_qkv([shard_qkv(bias, nh, t, r) for r in range(t)], nh), bias)
     for r, s in enumerate(shards):  # shard r = q, k, v rows of heads [r*nh/t, (r+1)*nh/t)
         heads = range(r * nh // t, (r + 1) * nh // t)
-        expected = torch.cat([full[part * h + head * hd: part * h + (head + 1) * hd]
-                              for part in range(3) for head in heads])
+        expected = torch.cat(
+            [full[part * h + head * hd : part * h + (head + 1) * hd] for part in range(3) for head in heads]
+        )
         assert torch.equal(s, expected)
 
 
@@ -79,19 +90,41 @@ def test_initial_weights_are_a_function_of_the_seed_only() -> None:
     assert not torch.equal(a.qkv.weight, TransformerLayer(MODEL, SEED + 1).qkv.weight)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--num-attention-heads", "6", "--ffn-hidden-size", "96"], "--num-attention-heads 6 is not divisible by"),
-    (["--num-attention-heads", "4", "--ffn-hidden-size", "98"], "--ffn-hidden-size 98 is not divisible by"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--num-attention-heads", "6", "--ffn-hidden-size", "96"], "--num-attention-heads 6 is not divisible by"),
+        (["--num-attention-heads", "4", "--ffn-hidden-size", "98"], "--ffn-hidden-size 98 is not divisible by"),
+    ],
+)
 def test_validation_refuses_sizes_tensor_parallelism_cannot_split(flags: list[str], message: str) -> None:
     from megatron_ds.arguments import ConfigError, parse_config
 
-    argv = ["--num-layers", "2", "--hidden-size", "48", "--seq-length", "8", "--vocab-size", "100",
-            "--train-iters", "1", "--lr", "1e-3", "--tensor-model-parallel-size", "4", *flags]
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "48",
+        "--seq-length",
+        "8",
+        "--vocab-size",
+        "100",
+        "--train-iters",
+        "1",
+        "--lr",
+        "1e-3",
+        "--tensor-model-parallel-size",
+        "4",
+        *flags,
+    ]
     with pytest.raises(ConfigError, match=message):
         parse_config(argv, world_size=4)
-    assert parse_config([*argv[:-4], "--num-attention-heads", "4", "--ffn-hidden-size", "96"],
-                        world_size=4)[0].model.vocab_size == 512  # padded to 128 x T
+    assert (
+        parse_config([*argv[:-4], "--num-attention-heads", "4", "--ffn-hidden-size", "96"], world_size=4)[
+            0
+        ].model.vocab_size
+        == 512
+    )  # padded to 128 x T
 
 
 def _train_step(layer: TransformerLayer, x: torch.Tensor, recompute: bool) -> list[torch.Tensor]:

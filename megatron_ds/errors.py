@@ -1,0 +1,25 @@
+"""The one base class of user errors: bad flags, files, layouts or checkpoints.
+
+Every error whose message a user should read derives from `UserError`; its message is one line
+naming the flag or file, the bad value and the fix. Entry points (`pretrain_gpt.py`, `tools/`,
+`python -m megatron_ds.plan`) print exactly these as `error: <message>` and exit with status 2,
+with no traceback; anything else is a bug and keeps its traceback. Internal invariants use
+`assert`. Leaf module: imports nothing from the project.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """A user-fixable problem; the message names what is wrong, the value and the fix.
+
+    A `ValueError` so callers that catch ValueError (argparse-style code, tests) keep working.
+    """
+
+
+class ConfigError(UserError):
+    """A flag value, or a combination of config values, that cannot be run."""
+
+
+class LayoutError(ConfigError):
+    """A pipeline layout option that cannot be satisfied."""
