@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed warning on every rank
     from megatron_ds.arguments import parse_config
     from megatron_ds.distributed import shutdown_distributed
-    from megatron_ds.validation import build_run_layout, predicted_memory_table, uses_memory_model
+    from megatron_ds.estimate.run_layout import build_run_layout, predicted_memory_table, uses_memory_model
 
     clean = False
     try:

@@ -6,7 +6,7 @@ For each model and layout this runs `pretrain_gpt.py` on 5 CPU ranks (torchrun, 
 one `pretrain_gpt.py --log-memory` prints (`megatron_ds/training/memory.py`, the same code; it
 traces iterations 1-2), and the step time is the fastest of the log windows 3-4, 5-6, 7-8, which
 are not traced (the fastest, because other processes on a shared machine slow some windows).
-The prediction is the memory model's (`megatron_ds/plan/memory_model.py`) for the same flags and
+The prediction is the memory model's (`megatron_ds/estimate/memory_model.py`) for the same flags and
 layout.
 
     python benchmarks/stage_memory.py                  # both models, all three layouts (~12 min on 2 cores)
@@ -142,8 +142,8 @@ def argv_for(model: str, layout: str) -> list[str]:
 def predicted(argv: list[str]) -> tuple[str, list[float], list[int]]:
     """(layout string, predicted MiB per stage, layers per stage) from the memory model: no torch.distributed."""
     from megatron_ds.arguments import parse_config
-    from megatron_ds.plan.memory_model import stage_memory
-    from megatron_ds.validation import build_run_layout, memory_inputs
+    from megatron_ds.estimate.memory_model import stage_memory
+    from megatron_ds.estimate.run_layout import build_run_layout, memory_inputs
 
     config, _ = parse_config(argv, world_size=NUM_STAGES)
     layout = build_run_layout(config)

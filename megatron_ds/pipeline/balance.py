@@ -3,7 +3,7 @@
 A stage's memory is not a fixed weight per layer: stage s keeps min(P - s, M) micro-batches of
 activations alive under DeepSpeed's 1F1B TrainSchedule, the first stage holds the embedding and
 the last the LM head and loss. So the cost of giving k layers to stage s is f_s(k), a different
-non-decreasing function per stage (`megatron_ds.plan.memory_model.stage_memory_for`).
+non-decreasing function per stage (`megatron_ds.estimate.memory_model.stage_memory_for`).
 
 Minimising max_s f_s(k_s) subject to sum k_s = N, k_s >= 1 for middle stages and k_s >= 0 for the
 first and last (a dedicated embedding or head stage is a candidate, never forced) is solved
@@ -28,7 +28,7 @@ FLAG = f"--pp-partition-method {METHOD}"
 
 def memory_balanced_layout(groups: SpecGroups, num_stages: int, inputs) -> Layout:
     """The layout whose largest predicted stage memory is smallest (`inputs`: plan MemoryInputs)."""
-    from megatron_ds.plan.memory_model import stage_memory_for
+    from megatron_ds.estimate.memory_model import stage_memory_for
 
     counts = balanced_counts(
         groups.num_layers, num_stages, lambda s, k: stage_memory_for(inputs, s, num_stages, k).total
@@ -98,7 +98,7 @@ def _check(num_layers: int, num_stages: int) -> None:
 
 def format_memory_table(stages: Sequence, usable_bytes: float | None = None) -> str:
     """The predicted memory per stage (`StageMemory` list) as a table to print under `Layout.format()`."""
-    from megatron_ds.plan.memory_model import format_bytes
+    from megatron_ds.estimate.memory_model import format_bytes
 
     head = (
         f"{'stage':>5} {'layers':>6} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} "

@@ -143,7 +143,7 @@ def build_layout(
     """Turn the layout options into a `Layout`; at most one of the three options may be set.
 
     `spec_weights` is one number per spec (parameter counts) for `partition_method='parameters'`;
-    `memory_inputs` (a `megatron_ds.plan.memory_model.MemoryInputs`) is what the `memory` method
+    `memory_inputs` (a `megatron_ds.estimate.memory_model.MemoryInputs`) is what the `memory` method
     (also `--pp-layout auto`) balances.
     """
     given = [

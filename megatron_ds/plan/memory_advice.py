@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megatron_ds.estimate.memory_model import StageMemory, format_bytes, stage_memory
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import search
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
-from megatron_ds.plan.memory_model import StageMemory, format_bytes, stage_memory
 from megatron_ds.plan.report import Section
 
 END_HEAVY = 1.15  # first/last stage this much above the middle ones counts as the seed's pattern

@@ -3,12 +3,12 @@ prints it, predicted memory per stage, the bubble, the DeepSpeed JSON and the co
 
 from __future__ import annotations
 
+from megatron_ds.estimate.memory_model import format_bytes
 from megatron_ds.pipeline.balance import format_memory_table
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import ds_json, search
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
-from megatron_ds.plan.memory_model import format_bytes
 from megatron_ds.plan.report import Section
 
 METHOD_FLAGS = {

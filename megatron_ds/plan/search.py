@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_ds.estimate.memory_model import MemoryInputs, StageMemory, format_bytes, stage_memory, stage_memory_for
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline.balance import memory_balanced_layout
 from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.memory_model import MemoryInputs, StageMemory, format_bytes, stage_memory, stage_memory_for
 
 METHODS = ("none", "both", "pre", "post", "memory")
 MICRO_BATCH_CHOICES = (1, 2, 4, 8, 16)

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ds.plan import ds_json
-from megatron_ds.plan.context import Context
-from megatron_ds.plan.hardware import PlanError
-from megatron_ds.plan.inputs import GIB
-from megatron_ds.plan.memory_model import (
+from megatron_ds.estimate.memory_model import (
     MemoryInputs,
     format_bytes,
     largest_layer_params,
     stage_memory_for,
     total_params,
 )
-from megatron_ds.plan.model_states import state_factors, zero2_estimate, zero3_estimate
+from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
+from megatron_ds.plan import ds_json
+from megatron_ds.plan.context import Context
+from megatron_ds.plan.hardware import PlanError
+from megatron_ds.plan.inputs import GIB
 from megatron_ds.plan.report import Section
 
 COMM = {
@@ -194,7 +194,7 @@ def zero_section(ctx: Context) -> Section:
             f"{'yes' if r.pipeline_ok else 'no (ZeRO<2 only)'}"
         )
     sec.add(
-        "Sources: ZeRO-0/1 rows use our byte factors (megatron_ds/plan/model_states.py); 16-bit ZeRO-2/3 rows "
+        "Sources: ZeRO-0/1 rows use our byte factors (megatron_ds/estimate/model_states.py); 16-bit ZeRO-2/3 rows "
         "are DeepSpeed's estimate_zero2/3_model_states_mem_needs (zero_init, buffer factor 1.5) term for term; "
         "its CPU column for ZeRO-2 offload grows with the total GPU count (max(4 x GPUs, 16) bytes per "
         "parameter), a worst case rather than a typical need.",

@@ -67,7 +67,7 @@ def setup(config: Config, layout: Layout) -> Run:
     init_distributed(config.parallel)
     rank = dist.get_rank()
     print_rank0(rank, layout.format(config.parallel.data_parallel_size, config.parallel.tensor_model_parallel_size))
-    from megatron_ds.validation import predicted_memory_table, uses_memory_model
+    from megatron_ds.estimate.run_layout import predicted_memory_table, uses_memory_model
 
     if uses_memory_model(config):
         print_rank0(rank, predicted_memory_table(config, layout))

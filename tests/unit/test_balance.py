@@ -9,10 +9,10 @@ import time
 import pytest
 
 from megatron_ds.config import ModelConfig
+from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory, stage_memory_for
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline.balance import balanced_counts, format_memory_table, memory_balanced_layout
 from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
-from megatron_ds.plan.memory_model import MemoryInputs, stage_memory, stage_memory_for
 
 
 def model(n: int, **kw) -> ModelConfig:

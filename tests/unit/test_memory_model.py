@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.model import naming
-from megatron_ds.pipeline.layout import SpecGroups, build_layout
-from megatron_ds.plan import activations as act
-from megatron_ds.plan.memory_model import (
+from megatron_ds.estimate import activations as act
+from megatron_ds.estimate.memory_model import (
     MemoryInputs,
     format_bytes,
     in_flight,
@@ -25,7 +23,9 @@ from megatron_ds.plan.memory_model import (
     stage_memory_for,
     total_params,
 )
-from megatron_ds.plan.model_states import state_factors, zero2_estimate, zero3_estimate
+from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
+from megatron_ds.model import naming
+from megatron_ds.pipeline.layout import SpecGroups, build_layout
 
 
 def tiny(**kw) -> ModelConfig:

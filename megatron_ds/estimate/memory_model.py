@@ -28,15 +28,15 @@ import functools
 from dataclasses import dataclass, field
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.model import naming
-from megatron_ds.plan import activations as act
-from megatron_ds.plan.model_states import (
+from megatron_ds.estimate import activations as act
+from megatron_ds.estimate.model_states import (
     MASTER_BYTES,
     OPTIMIZER_STATE_BYTES,
     PRECISION_BYTES,
     StateFactors,
     state_factors,
 )
+from megatron_ds.model import naming
 
 
 @dataclass(frozen=True)

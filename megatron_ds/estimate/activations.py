@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.plan.model_states import PRECISION_BYTES
+from megatron_ds.estimate.model_states import PRECISION_BYTES
 
 DEVICES = ("cuda", "cpu")
 ATTENTION_KINDS = ("flash", "math")
