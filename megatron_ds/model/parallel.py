@@ -9,32 +9,17 @@ groups and checks them against DeepSpeed's topology. The linear-layer factories 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from megatron_ds.config import Config
 from megatron_ds.distributed import forget_megatron_core_groups
+from megatron_ds.model.tensor_parallel_rank import NO_TENSOR_PARALLEL, TensorParallel
 
 if TYPE_CHECKING:
     from deepspeed.runtime.pipe.topology import ProcessTopology
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """This rank's place in its tensor-parallel group."""
-
-    size: int = 1
-    """Tensor-parallel ranks T."""
-    rank: int = 0
-    """This rank's index among them."""
-    group: Any | None = None
-    """The torch.distributed group of the T ranks (megatron-core's); None at T=1."""
-
-
-NO_TENSOR_PARALLEL = TensorParallel()
 
 
 def setup(config: Config, topology: ProcessTopology) -> TensorParallel:

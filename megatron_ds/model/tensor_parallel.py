@@ -41,7 +41,7 @@ from megatron.core.tensor_parallel import (
 from megatron_ds.config import Config, ModelConfig
 from megatron_ds.model import naming, rng
 from megatron_ds.model.init import draw_normal, gather_fused, init_generator, shard_fused
-from megatron_ds.model.parallel import TensorParallel
+from megatron_ds.model.tensor_parallel_rank import TensorParallel
 
 FUSED_ROWS_ATTR = "fused_row_parts"
 """Set on a fused weight/bias (QKV, SwiGLU fc1): the full row counts of its parts; each shard holds

@@ -185,14 +185,30 @@ def _same_topology(meta: dict[str, Any], config: Config, layout: Layout, world_s
     return diffs
 
 
+def check_dirs(config: Config) -> None:
+    """--save is writable; --load holds a checkpoint of this architecture (or --load-optional)."""
+    ck = config.checkpoint
+    if ck.save:
+        check_writable(ck.save)
+    if not ck.load:
+        return
+    tag = latest_tag(ck.load) if os.path.isdir(ck.load) else None
+    if tag is None:
+        if not ck.load_optional:
+            raise CheckpointError(
+                f"--load {ck.load}: no checkpoint found (no 'latest' file); check the path, or pass "
+                f"--load-optional to start fresh when none exists yet"
+            )
+        return
+    check_compatible(read_meta(ck.load, tag), config, ck.load, tag)
+
+
 def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainState | None:
     """Resume from `latest` in `load_dir`; None when there is nothing to load and that is allowed."""
     import torch.distributed as dist
 
-    from megatron_ds.training.inputs import check_checkpoint_dirs
-
     ck = config.checkpoint
-    check_checkpoint_dirs(config)  # again: the directory may have changed since start-up
+    check_dirs(config)  # again: the directory may have changed since start-up
     tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
     if tag is None:
         return None

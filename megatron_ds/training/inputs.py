@@ -6,11 +6,9 @@ in a path costs seconds, not a cluster start-up (and never a hang).
 
 from __future__ import annotations
 
-import os
-
 from megatron_ds.config import Config
+from megatron_ds.errors import ConfigError
 from megatron_ds.training import checkpoint
-from megatron_ds.validation import ConfigError
 
 
 def check_data(config: Config) -> None:
@@ -30,24 +28,6 @@ def check_data(config: Config) -> None:
     check_splits([read_index(p) for p in prefixes], data.split)
 
 
-def check_checkpoint_dirs(config: Config) -> None:
-    """--save is writable; --load holds a checkpoint of this architecture (or --load-optional)."""
-    ck = config.checkpoint
-    if ck.save:
-        checkpoint.check_writable(ck.save)
-    if not ck.load:
-        return
-    tag = checkpoint.latest_tag(ck.load) if os.path.isdir(ck.load) else None
-    if tag is None:
-        if not ck.load_optional:
-            raise checkpoint.CheckpointError(
-                f"--load {ck.load}: no checkpoint found (no 'latest' file); check the path, or pass "
-                f"--load-optional to start fresh when none exists yet"
-            )
-        return
-    checkpoint.check_compatible(checkpoint.read_meta(ck.load, tag), config, ck.load, tag)
-
-
 def check_logging(config: Config) -> None:
     from megatron_ds.training.logger import tensorboard_available
 
@@ -61,5 +41,5 @@ def check_logging(config: Config) -> None:
 def check_inputs(config: Config) -> None:
     """All file-system checks, in the order a user would fix them."""
     check_data(config)
-    check_checkpoint_dirs(config)
+    checkpoint.check_dirs(config)
     check_logging(config)
