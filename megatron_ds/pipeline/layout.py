@@ -6,7 +6,7 @@ The model's spec list is always `pre group + N transformer layers + post group` 
 `megatron_ds.model.naming`). Because the pre group is first and the post group last, and every
 stage must hold a layer with parameters, a layout is fully described by the number of transformer
 layers on each stage: the pre group sits whole on stage 0, the post group whole on the last stage.
-This module is the only place that decides stage boundaries; `GPTModelPipe` takes `parts` from it.
+This package is the only place that decides stage boundaries; `GPTModelPipe` takes `parts` from it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from megatron_ds.pipeline.methods import DEFAULT_METHOD, Costs
 from megatron_ds.pipeline.specs import SpecGroups
 
 __all__ = ["Costs", "Layout", "LayoutError", "SpecGroups", "build_layout", "requested_method"]
-DEDICATED_RESERVED = {"none": 0, "pre": 1, "post": 1, "both": 2}  # stages held back per mode
+# Stages each --pp-dedicated-embedding-stages mode holds back (config.DEDICATED_CHOICES, same order).
+DEDICATED_RESERVED = {"none": 0, "pre": 1, "post": 1, "both": 2}
 
 
 @dataclass(frozen=True)

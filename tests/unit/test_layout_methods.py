@@ -21,7 +21,14 @@ from megatron_ds.estimate.layout_costs import method_costs
 from megatron_ds.estimate.memory_model import MemoryInputs
 from megatron_ds.estimate.run_layout import build_run_layout, run_method, uses_memory_model
 from megatron_ds.pipeline import methods
-from megatron_ds.pipeline.layout import Costs, LayoutError, SpecGroups, build_layout, requested_method
+from megatron_ds.pipeline.layout import (
+    DEDICATED_RESERVED,
+    Costs,
+    LayoutError,
+    SpecGroups,
+    build_layout,
+    requested_method,
+)
 from megatron_ds.pipeline.methods import DEFAULT_METHOD, REGISTRY, PartitionMethod
 from megatron_ds.plan import ds_json, inputs, search
 
@@ -199,6 +206,7 @@ def test_planner_choices_come_from_the_registry() -> None:
     assert planned == ("memory",)
     assert inputs.CHOICES["layout"] == (*DEDICATED_CHOICES, *planned)
     assert sorted(search.METHODS) == sorted(inputs.CHOICES["layout"])
+    assert tuple(DEDICATED_RESERVED) == DEDICATED_CHOICES
     assert search.layout_options("none") == {}
     assert search.layout_options("both") == {"dedicated": "both"}
     assert search.layout_options("memory") == {"partition_method": "memory"}
