@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from megatron_ds import compat
 from megatron_ds.config import DEDICATED_CHOICES, Config
+from megatron_ds.pipeline.methods import partition_method_help
 from megatron_ds.validation import ConfigError, build_config
 
 __all__ = ["ConfigError", "build_parser", "parse_config"]
@@ -96,8 +97,7 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pp-partition-method",
         default=None,
-        help="DeepSpeed-style partition: uniform, parameters, type:REGEX, type:NAME:W|NAME:W "
-        "(default type:transformer)",
+        help=partition_method_help(),
     )
     g.add_argument(
         "--print-layout", action="store_true", help="print the stage layout and exit without starting any process group"

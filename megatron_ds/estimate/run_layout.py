@@ -1,8 +1,7 @@
 """The layout a config asks for, with the costs its partition method balances.
 
-`build_run_layout(config)` turns the layout options of `config.parallel` into a `Layout`: the
-pure layout engine (`megatron_ds.pipeline`) receives the per-spec parameter counts or the memory
-model's inputs from here, so it needs nothing from the model or the estimates itself.
+`build_run_layout(config)` turns the layout options of `config.parallel` into a `Layout`, with
+the costs its partition method's registry entry `needs` (`layout_costs.method_costs`).
 """
 
 from __future__ import annotations
@@ -11,13 +10,16 @@ import torch
 
 from megatron_ds.config import Config
 from megatron_ds.errors import LayoutError
-from megatron_ds.pipeline.layout import Layout
+from megatron_ds.estimate.layout_costs import format_memory_table, method_costs
+from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory
+from megatron_ds.model.naming import gpt_spec_groups
+from megatron_ds.pipeline import methods
+from megatron_ds.pipeline.layout import Layout, build_layout, requested_method
+from megatron_ds.pipeline.methods import PartitionMethod
 
 
-def memory_inputs(config: Config):
-    """The memory model's inputs for this run (what `--pp-partition-method memory` balances)."""
-    from megatron_ds.estimate.memory_model import MemoryInputs
-
+def memory_inputs(config: Config) -> MemoryInputs:
+    """The memory model's inputs for this run (what a method that needs stage memory balances)."""
     t, par = config.training, config.parallel
     return MemoryInputs(
         model=config.model,
@@ -34,41 +36,38 @@ def memory_inputs(config: Config):
     )
 
 
-def uses_memory_model(config: Config) -> bool:
+def run_method(config: Config) -> PartitionMethod | None:
+    """The registry entry this run's layout options use (None: dedicated stages or a layout string)."""
     par = config.parallel
-    return par.pp_partition_method == "memory" or (par.pp_layout or "").strip().lower() == "auto"
+    method = requested_method(par.pp_dedicated_embedding_stages, par.pp_layout, par.pp_partition_method)
+    return None if method is None else methods.find(method)
+
+
+def uses_memory_model(config: Config) -> bool:
+    """Whether the layout comes from the memory model (then `--print-layout` shows its prediction)."""
+    entry = run_method(config)
+    return entry is not None and entry.needs_stage_memory
 
 
 def build_run_layout(config: Config) -> Layout:
     """The layout this run uses (raises LayoutError, a ValueError, on impossible options)."""
-    from megatron_ds.model.naming import gpt_spec_groups, gpt_spec_param_counts
-    from megatron_ds.pipeline.layout import build_layout
-
     par = config.parallel
-    weights = None
-    if par.pp_partition_method == "parameters":
-        weights = gpt_spec_param_counts(config.model)
-    mem = None
-    if uses_memory_model(config):
-        if config.model.vocab_size == 0:
-            raise LayoutError(
-                "--pp-partition-method memory needs the vocabulary size: give --vocab-size or a tokenizer"
-            )
-        mem = memory_inputs(config)
+    entry = run_method(config)
+    if entry is not None and entry.needs_stage_memory and config.model.vocab_size == 0:
+        raise LayoutError(
+            f"--pp-partition-method {entry.name} needs the vocabulary size: give --vocab-size or a tokenizer"
+        )
+    p = par.pipeline_model_parallel_size
     return build_layout(
         gpt_spec_groups(config.model),
-        par.pipeline_model_parallel_size,
+        p,
         dedicated=par.pp_dedicated_embedding_stages,
         layout=par.pp_layout,
         partition_method=par.pp_partition_method,
-        spec_weights=weights,
-        memory_inputs=mem,
+        costs=method_costs(entry, config.model, p, lambda: memory_inputs(config)),
     )
 
 
 def predicted_memory_table(config: Config, layout: Layout) -> str:
     """Predicted memory per stage (the memory model), printed under the layout."""
-    from megatron_ds.estimate.memory_model import stage_memory
-    from megatron_ds.pipeline.balance import format_memory_table
-
     return format_memory_table(stage_memory(memory_inputs(config), layout))

@@ -1,0 +1,13 @@
+"""Pipeline layout: which layer specs each pipeline stage holds. Pure: no torch, no process groups.
+
+    specs.py          SpecGroups: the spec names, pre / body / post
+    layout_string.py  the `--pp-layout` grammar (`E|t*3|t*3|L`)
+    partition.py      DeepSpeed's uniform / balanced splits over per-item weights
+    balance.py        minimax split over per-stage cost functions (the memory method)
+    methods.py        the `--pp-partition-method` registry
+    layout.py         Layout (parts, printed table) and build_layout, the front door
+
+Import rule: modules here import only the standard library, `megatron_ds.errors` and each other
+(tests/unit/test_layout_methods.py checks it). Costs that need the model or the memory model
+(parameter counts, predicted stage memory) are computed above this package and passed in.
+"""

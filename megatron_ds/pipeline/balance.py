@@ -1,9 +1,10 @@
-"""Memory-balanced pipeline layout: stage boundaries that minimise the largest predicted stage memory.
+"""Minimax stage balance: layers per stage that minimise the largest stage cost (the `memory` method).
 
 A stage's memory is not a fixed weight per layer: stage s keeps min(P - s, M) micro-batches of
 activations alive under DeepSpeed's 1F1B TrainSchedule, the first stage holds the embedding and
 the last the LM head and loss. So the cost of giving k layers to stage s is f_s(k), a different
-non-decreasing function per stage (`megatron_ds.estimate.memory_model.stage_memory_for`).
+non-decreasing function per stage. The caller supplies it (`megatron_ds.estimate.run_layout` wraps
+`megatron_ds.estimate.memory_model.stage_memory_for`); this module only minimises.
 
 Minimising max_s f_s(k_s) subject to sum k_s = N, k_s >= 1 for middle stages and k_s >= 0 for the
 first and last (a dedicated embedding or head stage is a candidate, never forced) is solved
@@ -18,33 +19,24 @@ O(N P) cost evaluations.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable
 
-from megatron_ds.pipeline.layout import Layout, LayoutError, SpecGroups
+from megatron_ds.errors import LayoutError
 
-METHOD = "memory"
-FLAG = f"--pp-partition-method {METHOD}"
-
-
-def memory_balanced_layout(groups: SpecGroups, num_stages: int, inputs) -> Layout:
-    """The layout whose largest predicted stage memory is smallest (`inputs`: plan MemoryInputs)."""
-    from megatron_ds.estimate.memory_model import stage_memory_for
-
-    counts = balanced_counts(
-        groups.num_layers, num_stages, lambda s, k: stage_memory_for(inputs, s, num_stages, k).total
-    )
-    return Layout(groups, tuple(counts), METHOD)
+StageCost = Callable[[int, int], float]
+"""`cost(stage, num_layers)`: what stage `stage` costs holding `num_layers` transformer layers."""
 
 
-def balanced_counts(num_layers: int, num_stages: int, cost) -> list[int]:
-    """Layers per stage minimising max(cost(s, k_s)), exactly.
+def balanced_counts(num_layers: int, num_stages: int, cost: StageCost, method: str) -> list[int]:
+    """Layers per stage minimising max(cost(s, k_s)), exactly; `method` names the
+    `--pp-partition-method` in errors.
 
     `cost(s, k)` must be non-decreasing in k for every stage but the last. The last stage may
     dip (with --checkpoint-num-layers > 1 an added layer can move the head's functions out of a
     recomputed chunk), so its count is enumerated and the others are filled greedily for each.
     Ties: smallest maximum, then the smallest sorted-descending vector of stage costs.
     """
-    _check(num_layers, num_stages)
+    _check(num_layers, num_stages, f"--pp-partition-method {method}")
     if num_stages == 1:
         return [num_layers]
     table = _CostTable(cost)
@@ -61,7 +53,7 @@ def balanced_counts(num_layers: int, num_stages: int, cost) -> list[int]:
 class _CostTable:
     """Memoised cost(s, k)."""
 
-    def __init__(self, cost) -> None:
+    def __init__(self, cost: StageCost) -> None:
         self._cost, self._seen = cost, {}
 
     def __call__(self, s: int, k: int) -> float:
@@ -83,39 +75,14 @@ def _greedy(num_layers: int, lower: list[int], cost: _CostTable) -> list[int]:
     return counts
 
 
-def _check(num_layers: int, num_stages: int) -> None:
+def _check(num_layers: int, num_stages: int, flag: str) -> None:
     if num_stages < 1:
-        raise LayoutError(f"{FLAG}: --pipeline-model-parallel-size must be >= 1, got {num_stages}")
+        raise LayoutError(f"{flag}: --pipeline-model-parallel-size must be >= 1, got {num_stages}")
     if num_layers < 1:
-        raise LayoutError(f"{FLAG}: --num-layers must be >= 1, got {num_layers}")
+        raise LayoutError(f"{flag}: --num-layers must be >= 1, got {num_layers}")
     if num_stages > num_layers + 2:
         raise LayoutError(
-            f"{FLAG} cannot place --num-layers {num_layers} on --pipeline-model-parallel-size "
+            f"{flag} cannot place --num-layers {num_layers} on --pipeline-model-parallel-size "
             f"{num_stages}: at most {num_layers + 2} stages (embedding, one layer each, head); "
             f"use at most {num_layers + 2} stages or more layers"
         )
-
-
-def format_memory_table(stages: Sequence, usable_bytes: float | None = None) -> str:
-    """The predicted memory per stage (`StageMemory` list) as a table to print under `Layout.format()`."""
-    from megatron_ds.estimate.memory_model import format_bytes
-
-    head = (
-        f"{'stage':>5} {'layers':>6} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} "
-        f"{'in-flight':>9} {'buffers':>10} {'total':>10}"
-    )
-    lines = ["predicted memory per GPU (estimate, see docs/plan.md for the formulas)", head]
-    for st in stages:
-        lines.append(
-            f"{st.stage:>5} {st.num_layers:>6} {format_bytes(st.params):>10} {format_bytes(st.grads):>10} "
-            f"{format_bytes(st.optimizer):>10} {format_bytes(st.activations):>10} {st.in_flight:>9} "
-            f"{format_bytes(st.pipe_buffers + st.transient):>10} {format_bytes(st.total):>10}"
-        )
-    peak = max(stages, key=lambda st: st.total)
-    summary = f"largest: stage {peak.stage} {format_bytes(peak.total)}"
-    if usable_bytes is not None:
-        summary += (
-            f" of {format_bytes(usable_bytes)} usable ({'fits' if peak.total <= usable_bytes else 'DOES NOT FIT'})"
-        )
-    lines.append(summary)
-    return "\n".join(lines)

@@ -1,47 +1,27 @@
-"""Pipeline layout: which layer specs each stage holds. Pure logic, no torch.distributed.
+"""Pipeline layout: which layer specs each stage holds, and `build_layout`, the one front door
+from the layout options (dedicated stages, a layout string, a partition method) to a `Layout`.
+Pure logic: no torch; the costs a partition method balances come in from the caller.
 
 The model's spec list is always `pre group + N transformer layers + post group` (see
 `megatron_ds.model.naming`). Because the pre group is first and the post group last, and every
 stage must hold a layer with parameters, a layout is fully described by the number of transformer
 layers on each stage: the pre group sits whole on stage 0, the post group whole on the last stage.
-This module is the only place that decides stage boundaries; `GPTModelPipe` takes `parts` from it.
+This package is the only place that decides stage boundaries; `GPTModelPipe` takes `parts` from it.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_ds.errors import LayoutError
-from megatron_ds.pipeline import partition
+from megatron_ds.pipeline import methods, partition
 from megatron_ds.pipeline.layout_string import parse_layout_string
+from megatron_ds.pipeline.methods import DEFAULT_METHOD, Costs
+from megatron_ds.pipeline.specs import SpecGroups
 
-
-@dataclass(frozen=True)
-class SpecGroups:
-    """Names of the model's layer specs, grouped: pre-processing, body, post-processing."""
-
-    pre: tuple[str, ...]
-    num_layers: int
-    post: tuple[str, ...]
-    layer_name: str = "TransformerLayer"
-    loss_name: str = "cross_entropy_loss"
-
-    @property
-    def names(self) -> list[str]:
-        """All spec names in spec-index order."""
-        return [*self.pre, *([self.layer_name] * self.num_layers), *self.post]
-
-    @property
-    def num_specs(self) -> int:
-        return len(self.pre) + self.num_layers + len(self.post)
-
-    def group_of(self, idx: int) -> str:
-        """`pre`, `body` or `post` for spec index `idx`."""
-        if idx < len(self.pre):
-            return "pre"
-        return "body" if idx < len(self.pre) + self.num_layers else "post"
+__all__ = ["Costs", "Layout", "LayoutError", "SpecGroups", "build_layout", "requested_method"]
+# Stages each --pp-dedicated-embedding-stages mode holds back (config.DEDICATED_CHOICES, same order).
+DEDICATED_RESERVED = {"none": 0, "pre": 1, "post": 1, "both": 2}
 
 
 @dataclass(frozen=True)
@@ -50,7 +30,7 @@ class Layout:
 
     groups: SpecGroups
     layers_per_stage: tuple[int, ...]
-    method: str = "type:transformer"
+    method: str = DEFAULT_METHOD
 
     def __post_init__(self) -> None:
         assert sum(self.layers_per_stage) == self.groups.num_layers, self
@@ -131,21 +111,12 @@ class Layout:
         return "\n".join(lines)
 
 
-def build_layout(
-    groups: SpecGroups,
-    num_stages: int,
-    dedicated: str = "none",
-    layout: str | None = None,
-    partition_method: str | None = None,
-    spec_weights: Sequence[float] | None = None,
-    memory_inputs: object | None = None,
-) -> Layout:
-    """Turn the layout options into a `Layout`; at most one of the three options may be set.
-
-    `spec_weights` is one number per spec (parameter counts) for `partition_method='parameters'`;
-    `memory_inputs` (a `megatron_ds.estimate.memory_model.MemoryInputs`) is what the `memory` method
-    (also `--pp-layout auto`) balances.
-    """
+def requested_method(
+    dedicated: str = "none", layout: str | None = None, partition_method: str | None = None
+) -> str | None:
+    """The `--pp-partition-method` these options amount to, or None for a dedicated mode or an
+    explicit layout string (`--pp-layout auto` is the memory method). LayoutError when more than
+    one option is given or the method is unknown."""
     given = [
         f
         for f, v in (
@@ -157,38 +128,52 @@ def build_layout(
     ]
     if len(given) > 1:
         raise LayoutError(f"{' and '.join(given)} were both given; choose one way to place the stage boundaries")
+    alias = methods.from_layout_alias(layout) if layout is not None else None
+    if alias is not None:
+        return alias.name
+    if layout is not None or dedicated != "none":
+        return None
+    method = partition_method or DEFAULT_METHOD
+    methods.find(method)  # unknown names fail here, before any cost is computed
+    return method
+
+
+def build_layout(
+    groups: SpecGroups,
+    num_stages: int,
+    dedicated: str = "none",
+    layout: str | None = None,
+    partition_method: str | None = None,
+    costs: Costs | None = None,
+) -> Layout:
+    """The front door: turn the layout options into a `Layout`; at most one option may be set.
+
+    `dedicated` is a `--pp-dedicated-embedding-stages` mode, `layout` a `--pp-layout` string,
+    `partition_method` a registry method (`megatron_ds.pipeline.methods`); none of them means
+    the default method. `costs` carries what the method's registry entry `needs`.
+    """
+    method = requested_method(dedicated, layout, partition_method)
     if num_stages < 1:
         raise LayoutError(f"--pipeline-model-parallel-size must be >= 1, got {num_stages}")
     if groups.num_layers < 1:
         raise LayoutError(f"--num-layers must be >= 1, got {groups.num_layers}")
-    if layout is not None and layout.strip().lower() == "auto":
-        layout, partition_method = None, "memory"
-    if partition_method == "memory":
-        from megatron_ds.pipeline.balance import memory_balanced_layout
-
-        assert memory_inputs is not None, "the memory partition needs the memory model's inputs"
-        return memory_balanced_layout(groups, num_stages, memory_inputs)
+    if method is not None:
+        entry, costs = methods.find(method), costs or Costs()
+        missing = [n for n in entry.needs if getattr(costs, n) is None]
+        assert not missing, f"partition method {entry.name!r} needs {missing} from its caller"
+        return Layout(groups, tuple(entry.counts(groups, num_stages, method, costs)), method)
     if layout is not None:
         counts = parse_layout_string(layout, groups.num_layers, num_stages)
         return Layout(groups, tuple(counts), f"layout {layout}")
-    if dedicated != "none":
-        return Layout(
-            groups, tuple(_dedicated_counts(groups.num_layers, num_stages, dedicated)), f"dedicated {dedicated}"
-        )
-    method = partition_method or "type:transformer"
-    weights = _method_weights(groups, method, spec_weights)
-    parts = (
-        partition.uniform(groups.num_specs, num_stages)
-        if method == "uniform"
-        else partition.balanced(weights, num_stages)
-    )
-    return _layout_from_spec_parts(groups, parts, method)
+    return Layout(groups, tuple(_dedicated_counts(groups.num_layers, num_stages, dedicated)), f"dedicated {dedicated}")
 
 
 def _dedicated_counts(num_layers: int, num_stages: int, dedicated: str) -> list[int]:
-    reserved = {"pre": 1, "post": 1, "both": 2}.get(dedicated)
+    reserved = DEDICATED_RESERVED.get(dedicated)
     if reserved is None:
-        raise LayoutError(f"--pp-dedicated-embedding-stages {dedicated!r} is not one of none, pre, post, both")
+        raise LayoutError(
+            f"--pp-dedicated-embedding-stages {dedicated!r} is not one of {', '.join(DEDICATED_RESERVED)}"
+        )
     flag = f"--pp-dedicated-embedding-stages {dedicated}"
     if num_stages < reserved + 1:
         raise LayoutError(
@@ -202,71 +187,6 @@ def _dedicated_counts(num_layers: int, num_stages: int, dedicated: str) -> list[
             f"{flag} with --pipeline-model-parallel-size {num_stages} leaves {body_stages} stages "
             f"for --num-layers {num_layers}; use at most {num_layers + reserved} stages or more layers"
         )
-    body = [
-        b - a
-        for a, b in zip(partition.uniform(num_layers, body_stages)[:-1], partition.uniform(num_layers, body_stages)[1:])
-    ]
+    parts = partition.uniform(num_layers, body_stages)
+    body = [b - a for a, b in zip(parts[:-1], parts[1:])]
     return ([0] if dedicated in ("pre", "both") else []) + body + ([0] if dedicated in ("post", "both") else [])
-
-
-def _method_weights(groups: SpecGroups, method: str, spec_weights: Sequence[float] | None) -> list[float]:
-    names = groups.names
-    flag = f"--pp-partition-method {method}"
-    if method == "uniform":
-        return [1.0] * len(names)
-    if method == "parameters":
-        if spec_weights is None or len(spec_weights) != len(names):
-            raise AssertionError("partition method 'parameters' needs one parameter count per spec")
-        return [float(w) for w in spec_weights]
-    if not method.startswith("type:"):
-        raise LayoutError(
-            f"{flag} is not a known method; use uniform, parameters, memory, type:REGEX or type:NAME:WEIGHT|NAME:WEIGHT"
-        )
-    body = method[len("type:") :]
-    terms = body.split("|")
-    weighted = [re.fullmatch(r"(.+):([-+0-9.eE]+)", t) for t in terms]
-    if all(weighted):
-        patterns = [(m.group(1), _weight(m.group(2), flag)) for m in weighted]
-    else:
-        patterns = [(body, 1.0)]
-    weights = [0.0] * len(names)
-    for pattern, w in patterns:
-        try:
-            regex = re.compile(pattern, re.IGNORECASE)
-        except re.error as e:
-            raise LayoutError(f"{flag}: {pattern!r} is not a valid regular expression ({e}); fix the pattern") from None
-        hits = [i for i, n in enumerate(names) if regex.search(n)]
-        if not hits:
-            raise LayoutError(
-                f"{flag}: {pattern!r} matches no layer (layers: {', '.join(dict.fromkeys(names))}); "
-                f"use one of those names"
-            )
-        for i in hits:
-            if weights[i] == 0.0:
-                weights[i] = w
-    return weights
-
-
-def _weight(text: str, flag: str) -> float:
-    try:
-        w = float(text)
-    except ValueError:
-        raise LayoutError(f"{flag}: weight {text!r} is not a number; write NAME:WEIGHT with WEIGHT > 0") from None
-    if not w > 0:
-        raise LayoutError(f"{flag}: weight {text} must be > 0; give every type a positive weight")
-    return w
-
-
-def _layout_from_spec_parts(groups: SpecGroups, parts: Sequence[int], method: str) -> Layout:
-    """Count the transformer layers inside each spec range (pre/post snap to the first/last stage)."""
-    first, last = len(groups.pre), len(groups.pre) + groups.num_layers
-    counts = [max(0, min(b, last) - max(a, first)) for a, b in zip(parts[:-1], parts[1:])]
-    empty = [i for i in range(1, len(counts) - 1) if counts[i] == 0]
-    if empty:
-        raise LayoutError(
-            f"--pp-partition-method {method} splits --num-layers {groups.num_layers} over "
-            f"--pipeline-model-parallel-size {len(counts)} leaving stage(s) "
-            f"{', '.join(map(str, empty))} without a transformer layer; use fewer stages, "
-            f"more layers, or --pp-dedicated-embedding-stages"
-        )
-    return Layout(groups, tuple(counts), method)

@@ -12,7 +12,7 @@ from typing import Any
 
 from megatron_ds.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.search import Candidate
+from megatron_ds.plan.search import Candidate, layout_options
 from megatron_ds.training import deepspeed_config
 
 DEFAULT_LR = 1.0e-4
@@ -21,8 +21,10 @@ PLACEHOLDER_TRAIN_ITERS = 1000
 
 def plan_config(res: Resolved, cand: Candidate) -> Config:
     """The config tree pretrain_gpt.py builds from `command_line(res, cand)`."""
-    dedicated = cand.method if cand.method in ("pre", "post", "both") else "none"
-    pp_layout = cand.layout.to_string() if cand.method == "memory" else None
+    # The flags of search.layout_flag: a dedicated mode as itself, a partition method as its layout string.
+    options = layout_options(cand.method)
+    dedicated = options.get("dedicated", "none")
+    pp_layout = cand.layout.to_string() if "partition_method" in options else None
     parallel = ParallelConfig(
         pipeline_model_parallel_size=cand.pp,
         tensor_model_parallel_size=cand.tp,

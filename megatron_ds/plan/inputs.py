@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import DEDICATED_CHOICES, ModelConfig
+from megatron_ds.pipeline.methods import planned_methods
 from megatron_ds.plan import hardware
 from megatron_ds.plan.hardware import PlanError
 
@@ -252,7 +253,8 @@ def _gpu(raw: PlanInputs) -> tuple[str | None, float | None, tuple[int, int] | N
 
 CHOICES = {
     "precision": ("fp32", "bf16", "fp16"),
-    "layout": ("none", "pre", "post", "both", "memory"),
+    # `none` is the default partition; then the dedicated modes and the registry's planned methods.
+    "layout": (*DEDICATED_CHOICES, *planned_methods()),
     "interconnect": ("infiniband", "ethernet", "nvlink"),
     "storage": ("nvme", "sata-ssd", "network", "none"),
     "tensor_device": ("cuda", "cpu"),

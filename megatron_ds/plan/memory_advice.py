@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron_ds.estimate.memory_model import StageMemory, format_bytes, stage_memory
+from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import search
 from megatron_ds.plan.context import Context
@@ -180,15 +181,13 @@ def _saving(base: float, cand: search.Candidate | None) -> float:
 def _changes(ctx: Context, now: search.Candidate) -> list[Change]:
     base, out = now.peak.total, []
     if now.pp > 1:
-        for method in ("memory", "both"):
+        for method in (*partition_methods.planned_methods(), "both"):
             cand = _peak(ctx, now, method=method)
             if cand is None or method == now.method or _saving(base, cand) <= 0:
                 continue
-            flags = (
-                f"--pp-layout '{cand.layout.to_string()}' (memory-balanced)"
-                if method == "memory"
-                else "--pp-dedicated-embedding-stages both"
-            )
+            flags = search.layout_flag(method, cand.layout)
+            if "partition_method" in search.layout_options(method):
+                flags += f" (--pp-partition-method {method})"
             out.append(
                 Change(
                     f"rebalance stages ({method})",

@@ -3,21 +3,25 @@ prints it, predicted memory per stage, the bubble, the DeepSpeed JSON and the co
 
 from __future__ import annotations
 
+from megatron_ds.estimate.layout_costs import format_memory_table
 from megatron_ds.estimate.memory_model import format_bytes
-from megatron_ds.pipeline.balance import format_memory_table
+from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import ds_json, search
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.report import Section
 
-METHOD_FLAGS = {
-    "none": "the default type:transformer partition",
-    "pre": "--pp-dedicated-embedding-stages pre",
-    "post": "--pp-dedicated-embedding-stages post",
-    "both": "--pp-dedicated-embedding-stages both",
-    "memory": "memory-balanced, megatron_ds.pipeline.balance; passed as the equivalent --pp-layout",
-}
+
+def method_description(method: str) -> str:
+    """What a `--layout` choice means, for the report."""
+    options = search.layout_options(method)
+    if "partition_method" in options:
+        summary = partition_methods.find(method).summary
+        return f"--pp-partition-method {method}: {summary}; passed as the equivalent --pp-layout"
+    if "dedicated" in options:
+        return f"--pp-dedicated-embedding-stages {method}"
+    return f"the default {partition_methods.DEFAULT_METHOD} partition"
 
 
 def pipeline_section(ctx: Context) -> Section:
@@ -38,7 +42,7 @@ def pipeline_section(ctx: Context) -> Section:
         f"micro-batches (gradient accumulation steps) x data parallel {plan.dp}.",
         f"Precision {plan.precision}, ZeRO-{plan.zero_stage}, activation recomputation "
         f"{'on' if plan.checkpoint_activations else 'off'}.",
-        f"Layout method: {plan.method} ({METHOD_FLAGS[plan.method]}); the table below is what "
+        f"Layout method: {plan.method} ({method_description(plan.method)}); the table below is what "
         f"`pretrain_gpt.py --print-layout` prints for the command further down:",
         "",
     )

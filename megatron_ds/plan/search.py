@@ -17,14 +17,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_ds.config import DEDICATED_CHOICES
+from megatron_ds.estimate.layout_costs import method_costs
 from megatron_ds.estimate.memory_model import MemoryInputs, StageMemory, format_bytes, stage_memory, stage_memory_for
 from megatron_ds.model.naming import gpt_spec_groups
-from megatron_ds.pipeline.balance import memory_balanced_layout
+from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
 
-METHODS = ("none", "both", "pre", "post", "memory")
+DEFAULT = "none"
+# The layout choices (`--layout`) in tie-break order, the simplest flag first: none, the bare
+# --pp-dedicated-embedding-stages (both), pre, post, then the registry's planned partition methods.
+METHODS = (DEFAULT, "both", "pre", "post", *partition_methods.planned_methods())
 MICRO_BATCH_CHOICES = (1, 2, 4, 8, 16)
 MAX_BUBBLE = 0.25
 
@@ -61,15 +66,34 @@ class Candidate:
         return (self.pp - 1) / (self.num_micro_batches + self.pp - 1)
 
 
+def layout_options(method: str) -> dict[str, str]:
+    """`build_layout` keyword arguments for a `--layout` choice."""
+    if method == DEFAULT:
+        return {}
+    if method in DEDICATED_CHOICES:
+        return {"dedicated": method}
+    return {"partition_method": method}
+
+
+def layout_flag(method: str, layout: Layout) -> str:
+    """The pretrain_gpt.py flags that give `layout` for this choice. A partition method is passed as
+    its layout string, so the run gets the planned layout whatever its own cost model would say."""
+    opts = layout_options(method)
+    if "dedicated" in opts:
+        return f"--pp-dedicated-embedding-stages {method}"
+    return f"--pp-layout '{layout.to_string()}'" if opts else ""
+
+
 def layout_for(res: Resolved, tp: int, pp: int, method: str, inputs: MemoryInputs) -> Layout:
-    """The layout `pretrain_gpt.py --print-layout` prints for this method (memory: via --pp-layout)."""
-    groups = gpt_spec_groups(res.model(tp))
-    if method == "memory":
-        chosen = memory_balanced_layout(groups, pp, inputs)
-        return build_layout(groups, pp, layout=chosen.to_string())
-    if method == "none":
-        return build_layout(groups, pp)
-    return build_layout(groups, pp, dedicated=method)
+    """The layout `pretrain_gpt.py --print-layout` prints for the command of this choice."""
+    model = res.model(tp)
+    groups = gpt_spec_groups(model)
+    opts = layout_options(method)
+    if "partition_method" not in opts:
+        return build_layout(groups, pp, **opts)
+    costs = method_costs(partition_methods.find(method), model, pp, lambda: inputs)
+    chosen = build_layout(groups, pp, costs=costs, **opts)
+    return build_layout(groups, pp, layout=chosen.to_string())
 
 
 def evaluate(res: Resolved, tp: int, pp: int, mb: int, zero: int, precision: str, ckpt: bool, method: str) -> Candidate:
@@ -169,10 +193,6 @@ def _fitting_at(
         return [], None, bound
     fitting, miss = [], None
     for mb in micro_batches(res, dp):  # ascending: once one misses, larger ones miss too (more activations)
-        probe = evaluate(res, t, p, mb, zero, precision, ckpt, "memory") if "memory" in methods else None
-        if probe is not None and probe.peak.total > usable:
-            miss = probe
-            break
         best = _best_layout(res, t, p, mb, zero, precision, ckpt, methods)
         if best is None:
             continue

@@ -9,9 +9,11 @@ import time
 import pytest
 
 from megatron_ds.config import ModelConfig
+from megatron_ds.estimate.layout_costs import format_memory_table, method_costs
 from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory, stage_memory_for
 from megatron_ds.model.naming import gpt_spec_groups
-from megatron_ds.pipeline.balance import balanced_counts, format_memory_table, memory_balanced_layout
+from megatron_ds.pipeline import methods
+from megatron_ds.pipeline.balance import balanced_counts
 from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
 
 
@@ -26,6 +28,12 @@ def model(n: int, **kw) -> ModelConfig:
         vocab_size=32000,
     )
     return ModelConfig(**{**base, **kw})
+
+
+def memory_balanced_layout(m: ModelConfig, p: int, inputs: MemoryInputs) -> Layout:
+    """`--pp-partition-method memory` through the front door, with the costs run_layout builds."""
+    costs = method_costs(methods.find("memory"), m, p, lambda: inputs)
+    return build_layout(gpt_spec_groups(m), p, partition_method="memory", costs=costs)
 
 
 def splits(n: int, p: int):
@@ -71,7 +79,7 @@ def test_memory_partition_equals_brute_force(variant: int) -> None:
             **{"model": m, "micro_batch_size": 2, "num_micro_batches": 8, "precision": "bf16", **opts}
         )
         for p in range(1, min(n + 2, 6) + 1):
-            layout = memory_balanced_layout(gpt_spec_groups(m), p, inputs)
+            layout = memory_balanced_layout(m, p, inputs)
             got = max(s.total for s in stage_memory(inputs, layout))
             assert got == pytest.approx(brute_force_peak(inputs, n, p), rel=1e-12), (variant, n, p, layout)
             assert layout.method == "memory"
@@ -90,7 +98,7 @@ def test_balanced_counts_exact_for_arbitrary_costs() -> None:
             values = [rng.randint(0, 50) for _ in range(n + 2)]  # the greedy peeks one past its count
             table[s] = values if s == p - 1 else sorted(values)
         cost = lambda s, k: table[s][k]  # noqa: E731, B023 - used in this iteration only
-        got = balanced_counts(n, p, cost)
+        got = balanced_counts(n, p, cost, "memory")
         best = min(max(cost(s, k) for s, k in enumerate(c)) for c in splits(n, p))
         assert max(cost(s, k) for s, k in enumerate(got)) == best
         assert all(k >= 1 for k in got[1:-1]) and sum(got) == n
@@ -110,7 +118,7 @@ def test_memory_layout_lowers_the_peak_of_the_seed_pattern() -> None:
     inputs = MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=16, zero_stage=1, data_parallel_size=2)
     groups = gpt_spec_groups(m)
     default = max(s.total for s in stage_memory(inputs, build_layout(groups, 4)))
-    balanced = memory_balanced_layout(groups, 4, inputs)
+    balanced = memory_balanced_layout(m, 4, inputs)
     assert max(s.total for s in stage_memory(inputs, balanced)) < default
     assert balanced.layers_per_stage[0] < 6  # fewer layers next to the embedding and 4 micro-batches in flight
 
@@ -119,7 +127,7 @@ def test_dedicated_stages_are_candidates() -> None:
     """With a huge vocabulary the embedding and head alone fill a stage: both ends end up with no layers."""
     m = model(4, vocab_size=2_000_000, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048)
     inputs = MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=8)
-    layout = memory_balanced_layout(gpt_spec_groups(m), 6, inputs)
+    layout = memory_balanced_layout(m, 6, inputs)
     assert layout.layers_per_stage == (0, 1, 1, 1, 1, 0)
     assert layout.dedicated() == "both"
 
@@ -130,7 +138,7 @@ def test_fast_at_scale() -> None:
         model=m, micro_batch_size=1, num_micro_batches=128, checkpoint_activations=True, checkpoint_num_layers=3
     )
     start = time.perf_counter()
-    layout = memory_balanced_layout(gpt_spec_groups(m), 64, inputs)
+    layout = memory_balanced_layout(m, 64, inputs)
     assert time.perf_counter() - start < 1.0
     assert isinstance(layout, Layout) and layout.num_stages == 64
 
@@ -139,7 +147,7 @@ def test_fast_at_scale() -> None:
 def test_impossible_stage_count_is_a_one_line_error(n: int, p: int) -> None:
     m = model(n)
     with pytest.raises(LayoutError) as err:
-        memory_balanced_layout(gpt_spec_groups(m), p, MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1))
+        memory_balanced_layout(m, p, MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1))
     msg = str(err.value)
     assert "--pp-partition-method memory" in msg and f"--num-layers {n}" in msg
     assert f"--pipeline-model-parallel-size {p}" in msg and f"at most {n + 2} stages" in msg and "\n" not in msg
@@ -148,13 +156,22 @@ def test_impossible_stage_count_is_a_one_line_error(n: int, p: int) -> None:
 def test_zero_stages_is_an_error() -> None:
     m = model(4)
     with pytest.raises(LayoutError, match="--pipeline-model-parallel-size must be >= 1, got 0"):
-        memory_balanced_layout(gpt_spec_groups(m), 0, MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1))
+        memory_balanced_layout(m, 0, MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1))
+
+
+def test_balanced_counts_checks_sizes_and_names_the_method() -> None:
+    """Called directly (any method may reuse the minimax), its errors name the method's flag."""
+    with pytest.raises(LayoutError, match="--pp-partition-method fast: --pipeline-model-parallel-size must be >= 1"):
+        balanced_counts(4, 0, lambda s, k: k, "fast")
+    with pytest.raises(LayoutError, match="--pp-partition-method memory: --num-layers must be >= 1, got 0"):
+        balanced_counts(0, 2, lambda s, k: k, "memory")
+    assert balanced_counts(5, 1, lambda s, k: k, "memory") == [5]
 
 
 def test_memory_table_prints_under_the_layout() -> None:
     m = model(6)
     inputs = MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=4)
-    layout = memory_balanced_layout(gpt_spec_groups(m), 3, inputs)
+    layout = memory_balanced_layout(m, 3, inputs)
     stages = stage_memory(inputs, layout)
     table = format_memory_table(stages, usable_bytes=1e12)
     lines = table.splitlines()

@@ -9,7 +9,7 @@ import pytest
 from megatron_ds.config import ModelConfig
 from megatron_ds.model.naming import gpt_spec_groups, gpt_spec_param_counts
 from megatron_ds.pipeline import partition
-from megatron_ds.pipeline.layout import Layout, LayoutError, SpecGroups, build_layout
+from megatron_ds.pipeline.layout import Costs, Layout, LayoutError, SpecGroups, build_layout
 from megatron_ds.pipeline.layout_string import expand
 
 PRE = ("cast_token_ids", "WordEmbedding", "PositionEmbedding")
@@ -88,7 +88,7 @@ def test_partition_methods_all_sizes(num_stages: int) -> None:
         }
         for method, weights in methods.items():
             try:
-                layout = build_layout(g, num_stages, partition_method=method, spec_weights=weights)
+                layout = build_layout(g, num_stages, partition_method=method, costs=Costs(spec_weights=weights))
             except LayoutError as e:
                 assert "without a transformer layer" in str(e) and num_stages > 2
                 continue

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline.layout import build_layout
-from megatron_ds.plan import cli, hardware, nvme, onebit
+from megatron_ds.plan import cli, hardware, nvme, onebit, search
 from megatron_ds.plan.__main__ import main
 
 A100_1_3B = ["--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB"]
@@ -178,13 +178,11 @@ def test_pipeline_layout_is_what_print_layout_prints(scenario, capsys) -> None:
         tensor_parallel_size=data["tensor_parallel"],
     )
     groups = gpt_spec_groups(model)
-    method = data["layout_method"]
-    if method == "memory":
+    options = search.layout_options(data["layout_method"])
+    if "partition_method" in options:  # a planned partition method is passed as its layout string
         expected = build_layout(groups, data["pipeline_parallel"], layout=data["layout"])
-    elif method == "none":
-        expected = build_layout(groups, data["pipeline_parallel"])
     else:
-        expected = build_layout(groups, data["pipeline_parallel"], dedicated=method)
+        expected = build_layout(groups, data["pipeline_parallel"], **options)
     assert data["layout_text"] == expected.format(data["data_parallel"], data["tensor_parallel"])
     # and pretrain_gpt.py --print-layout with the printed command's flags prints the same table
     command = next(s for s in report["sections"] if s["name"] == "pipeline")["snippets"]["command"]
