@@ -66,6 +66,9 @@ def main() -> None:
             loss = pipe.train_batch(data)
             if pipe.engine.global_rank == 0:
                 print(f"step {step} loss {loss.item():.4f} grad norm {pipe.grad_norm():.4f}", flush=True)
+        loss = pipe.eval_batch(data)  # forward only, also under the watchdog
+        if pipe.engine.global_rank == 0:
+            print(f"eval loss {loss.item():.4f}", flush=True)
 
 
 if __name__ == "__main__":
