@@ -131,7 +131,6 @@ class GPTModelPipe(PipelineModule):
         config: Config,
         layout: Layout,
         topology: ProcessTopology | None = None,
-        mark_norms: bool = True,
         tp: TensorParallel = NO_TENSOR_PARALLEL,
     ) -> None:
         assert layout.num_stages == config.parallel.pipeline_model_parallel_size, layout
@@ -149,8 +148,7 @@ class GPTModelPipe(PipelineModule):
         )
         assert self._grid.get_slice_parallel_rank() == tp.rank, (self._grid.get_slice_parallel_rank(), tp)
         self._check_tied_group()
-        if mark_norms:  # False only to demonstrate DeepSpeed's stage-0-only norm in tests
-            mark_norm_counting(self, tp.rank)
+        mark_norm_counting(self, tp.rank)
 
     def _check_tied_group(self) -> None:
         # Invariant: each tied copy is reduced with exactly the other stage's copy of the same

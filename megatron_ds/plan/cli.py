@@ -18,6 +18,7 @@ from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import GPUS, PRESETS, PlanError
 from megatron_ds.plan.inputs import CHOICES, PlanInputs, load_profile, resolve, save_profile
 from megatron_ds.plan.report import Report, Section, render_json, render_text
+from megatron_ds.training import deepspeed_config
 
 COMMANDS = ("zero", "precision", "pipeline", "memory", "nvme", "onebit", "sparse-attention")
 NEEDS = {
@@ -167,7 +168,7 @@ def _outputs(ctx: Context, report: Report, out: Output) -> int:
     if out.write_config:
         try:
             with open(out.write_config, "w", encoding="utf-8") as f:
-                json.dump(ds_json.deepspeed_json(config), f, indent=2)
+                json.dump(deepspeed_config.generate(config), f, indent=2)
                 f.write("\n")
         except OSError as e:
             raise PlanError(

@@ -1,19 +1,18 @@
-"""The DeepSpeed JSON and the `pretrain_gpt.py` command line for a planned configuration.
+"""The config tree and the `pretrain_gpt.py` command line for a planned configuration.
 
-The JSON is `megatron_ds.training.deepspeed_config.generate` applied to the config tree that the
-printed command line produces, plus the keys the flags cannot express (offload). Passing it as
-`--deepspeed_config` is therefore never a contradiction: the merge only adds those keys.
+The planner's DeepSpeed JSON is `megatron_ds.training.deepspeed_config.generate` applied to
+`plan_config` (the config tree the printed command line produces), with optimizer offload when
+recommended, a key no flag expresses. Passing it as `--deepspeed_config` is therefore never a
+contradiction: the merge only adds that key.
 """
 
 from __future__ import annotations
 
 import shlex
-from typing import Any
 
 from megatron_ds.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import Candidate, layout_options
-from megatron_ds.training import deepspeed_config
 
 DEFAULT_LR = 1.0e-4
 PLACEHOLDER_TRAIN_ITERS = 1000
@@ -46,33 +45,6 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
         training=training,
         optimizer=OptimizerConfig(lr=res.lr or DEFAULT_LR),
     )
-
-
-def deepspeed_json(config: Config, offload_optimizer: str = "none") -> dict[str, Any]:
-    """generate() plus optimizer offload; a torch client optimizer then needs zero_force_ds_cpu_optimizer off."""
-    ds = deepspeed_config.generate(config)
-    if offload_optimizer != "none":
-        section: dict[str, Any] = {"device": offload_optimizer, "pin_memory": True}
-        if offload_optimizer == "nvme":
-            section["nvme_path"] = "/local_nvme"
-        ds["zero_optimization"]["offload_optimizer"] = section
-        # pretrain_gpt.py passes torch.optim.AdamW; DeepSpeed refuses it with offload unless this is false
-        # (engine._configure_optimizer raises ZeRORuntimeException), and warns that it will be slow.
-        ds["zero_force_ds_cpu_optimizer"] = False
-    return ds
-
-
-def zero_section_json(stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> dict[str, Any]:
-    """A `zero_optimization` block for any stage (for the generic, non-pipeline engine too)."""
-    zero: dict[str, Any] = {"stage": stage}
-    if stage >= 2:
-        zero.update({"overlap_comm": True, "contiguous_gradients": True})
-    for key, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
-        if device != "none":
-            zero[key] = {"device": device, "pin_memory": True}
-            if device == "nvme":
-                zero[key]["nvme_path"] = "/local_nvme"
-    return {"zero_optimization": zero}
 
 
 def command_flags(config: Config, vocab_size: int) -> list[str]:

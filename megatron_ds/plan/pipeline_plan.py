@@ -11,6 +11,7 @@ from megatron_ds.plan import ds_json, search
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.report import Section
+from megatron_ds.training import deepspeed_config
 
 
 def method_description(method: str) -> str:
@@ -55,7 +56,7 @@ def pipeline_section(ctx: Context) -> Section:
     )
     _compare_layouts(ctx, sec, plan)
     config = ds_json.plan_config(res, plan)
-    sec.snippets["DeepSpeed JSON"] = ds_json.deepspeed_json(config)
+    sec.snippets["DeepSpeed JSON"] = deepspeed_config.generate(config)
     sec.snippets["command"] = ds_json.command_line(res, config)
     sec.data = _data(plan)
     _checks(ctx, sec, plan)

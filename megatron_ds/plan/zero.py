@@ -23,6 +23,7 @@ from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import GIB
 from megatron_ds.plan.report import Section
+from megatron_ds.training import deepspeed_config
 
 COMM = {
     0: "all-reduce of gradients: 2 Psi per step (plain data parallelism)",
@@ -246,8 +247,8 @@ def _recommend(ctx: Context, sec: Section, table: list[Row], act: float, cpu_cap
             f"Without DeepSpeed's pipeline engine (a plain DeepSpeedEngine model, not pretrain_gpt.py, which "
             f"always builds a PipelineModule): {generic.label} fits with data parallelism alone."
         )
-        sec.snippets[f"zero_optimization for {generic.label} (non-pipeline engines only)"] = ds_json.zero_section_json(
-            generic.stage, generic.offload_optimizer, generic.offload_param
+        sec.snippets[f"zero_optimization for {generic.label} (non-pipeline engines only)"] = (
+            deepspeed_config.zero_snippet(generic.stage, generic.offload_optimizer, generic.offload_param)
         )
     if cpu_cap is None and any(r.offload_optimizer != "none" for r in table):
         sec.check(None, "host memory for offload rows not checked: give --cpu-memory-gb (per node)")
@@ -287,7 +288,7 @@ def _snippet_for(ctx: Context, sec: Section, stage: int, offload: str, plan=None
     res = ctx.res
     cand = plan or _pure_data_parallel(ctx, stage)
     if cand is None:
-        sec.snippets["zero_optimization"] = ds_json.zero_section_json(stage, offload)
+        sec.snippets["zero_optimization"] = deepspeed_config.zero_snippet(stage, offload)
         sec.check(
             None,
             "batch-size arithmetic for the snippet: give --global-batch-size divisible by "
@@ -295,7 +296,7 @@ def _snippet_for(ctx: Context, sec: Section, stage: int, offload: str, plan=None
         )
         return
     config = ds_json.plan_config(res, cand)
-    sec.snippets["DeepSpeed JSON"] = ds_json.deepspeed_json(config, offload)
+    sec.snippets["DeepSpeed JSON"] = deepspeed_config.generate(config, offload)
     sec.data["recommended"] = {
         "zero_stage": stage,
         "offload_optimizer": offload,

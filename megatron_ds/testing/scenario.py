@@ -11,7 +11,9 @@ Optional scenario keys (all off by default):
     save / load     a checkpoint directory to save to after the steps / resume from before them
                     (training then continues at the checkpoint's iteration)
     expect_error    true: an exception while loading is recorded as "error" instead of raised
-    stock_fp32_clip true: use DeepSpeed's own no-ZeRO fp32 norm (to show what it miscounts)
+    unfixed         names from `megatron_ds.testing.defects.UNFIXED` ("group_placeholders",
+                    "norm_marking", "counted_fp32_clip", "preflight"): build with those fixes of
+                    stock DeepSpeed's defects off, to show the defects and that the guards catch them
     swapped_axes    true (T > 1): record the error the start-up group check gives for a topology
                     with the tensor and data axes swapped, as "topology_error"
 
@@ -87,29 +89,23 @@ def checksum(t: torch.Tensor) -> str:
 
 
 def run_one(
-    config: Config,
-    num_steps: int,
-    layout_kwargs: dict[str, Any],
-    fixes: bool = True,
-    preflight: bool = True,
-    options: dict[str, Any] | None = None,
+    config: Config, num_steps: int, layout_kwargs: dict[str, Any], options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Train `num_steps` steps; return what the tests compare. `options`: see the module docstring."""
     import torch.distributed as dist
 
     from megatron_ds.pipeline.layout import build_layout
+    from megatron_ds.testing.defects import unfixed
     from megatron_ds.training import checkpoint
-    from megatron_ds.training.engine import build_engine, grad_norm, install_fp32_grad_norm
-    from megatron_ds.training.preflight import Watchdog
+    from megatron_ds.training.builder import build_pipeline
     from megatron_ds.training.state import TrainState
 
     opts = options or {}
     groups = naming.gpt_spec_groups(config.model)
     layout = build_layout(groups, config.parallel.pipeline_model_parallel_size, **layout_kwargs)
-    bundle = build_engine(config, layout, preflight=preflight, fixes=fixes)
+    with unfixed(opts.get("unfixed", [])):
+        bundle = build_pipeline(config, layout=layout)
     engine = bundle.engine
-    if opts.get("stock_fp32_clip"):
-        install_fp32_grad_norm(engine, counted_only=False)
     tp = bundle.model.tensor_parallel
     result: dict[str, Any] = {
         "rank": dist.get_rank(),
@@ -135,16 +131,14 @@ def run_one(
                 raise
             result["error"] = f"{type(e).__name__}: {e}"
             return result
-    watchdog = Watchdog(config.parallel.distributed_timeout_minutes * 60, dist.get_rank(), engine.stage_id)
     emb_before = _embedding(bundle.model)
     losses, norms = [], []
     dp_rank = engine.grid.get_data_parallel_rank()
     for step in range(state.iteration, state.iteration + num_steps):
         batches = list(micro_batches(config, step, dp_rank, opts.get("loss_mask", "ones")))
-        with watchdog.watch(f"train_batch of step {step}"):
-            loss = engine.train_batch(data_iter=iter(batches))
+        loss = bundle.train_batch(iter(batches), label=f"train_batch of step {step}")
         losses.append(float(loss.item()))
-        norms.append(grad_norm(engine))
+        norms.append(bundle.grad_norm())
     if opts.get("save"):
         done = TrainState(
             iteration=state.iteration + num_steps,
@@ -220,16 +214,7 @@ def main(spec_path: str, out_dir: str) -> None:
             p, tp = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.tensor_model_parallel_size
             cfg = cfg.replace(parallel__data_parallel_size=env_world_size() // (p * tp))
             init_distributed(cfg.parallel)
-            results.append(
-                run_one(
-                    cfg,
-                    sc.get("steps", 3),
-                    sc.get("layout", {}),
-                    fixes=sc.get("fixes", True),
-                    preflight=sc.get("preflight", True),
-                    options=sc,
-                )
-            )
+            results.append(run_one(cfg, sc.get("steps", 3), sc.get("layout", {}), options=sc))
         clean = True
     finally:
         shutdown_distributed(clean=clean)

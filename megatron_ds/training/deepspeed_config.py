@@ -1,15 +1,18 @@
 """The DeepSpeed JSON, generated from the config tree (batch sizes live in one place).
 
-A user `--deepspeed_config` file is merged in: keys we do not generate are taken as they are;
-a key we generate with a different value is an error naming both sources, never silently
-overridden in either direction.
+The one place that writes DeepSpeed config dicts: `pretrain_gpt.py` and `megatron_ds.build_pipeline`
+(through `build`), the planner's `--write-config` and snippets (`generate` with optimizer offload,
+`zero_snippet` for engines other than ours). A user `--deepspeed_config` file, and a `ds_config`
+dict given to `build_pipeline`, are merged in: keys we do not generate are taken as they are; a key
+we generate with a different value is an error naming both sources, never silently overridden in
+either direction.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_ds.config import Config
 from megatron_ds.errors import UserError
@@ -19,8 +22,19 @@ class DeepSpeedConfigError(UserError):
     """The user's DeepSpeed JSON contradicts the flags, or cannot be read."""
 
 
-def generate(config: Config) -> dict[str, Any]:
-    """DeepSpeed's config dict for this run (before merging a user file)."""
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+NVME_PATH_PLACEHOLDER = "/local_nvme"
+"""Written as `nvme_path` for NVMe offload: a placeholder the user replaces with a local NVMe mount."""
+
+
+def generate(config: Config, offload_optimizer: str = "none") -> dict[str, Any]:
+    """DeepSpeed's config dict for this run (before merging a user file).
+
+    `offload_optimizer` ("cpu" or "nvme"; no flag expresses it, the planner recommends it) adds
+    ZeRO's optimizer offload; the torch optimizer we pass then needs `zero_force_ds_cpu_optimizer`
+    off (DeepSpeed's `engine._configure_optimizer` refuses a client optimizer with offload
+    otherwise, and warns that it will be slow).
+    """
     t, o = config.training, config.optimizer
     ds: dict[str, Any] = {
         "train_batch_size": t.global_batch_size,
@@ -31,13 +45,35 @@ def generate(config: Config) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,  # the training loop prints Megatron-style lines itself
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,  # the optimizer is torch's AdamW/SGD
-        "zero_optimization": {"stage": t.zero_stage},
+        "zero_optimization": zero_section(t.zero_stage, offload_optimizer),
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {"enabled": t.precision == "fp16"},
     }
     if t.precision == "fp16":
         ds["fp16"].update({**FP16_DEFAULTS, **fp16_from_flags(config)})
+    if offload_optimizer != "none":
+        ds["zero_force_ds_cpu_optimizer"] = False
     return ds
+
+
+def zero_section(stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> dict[str, Any]:
+    """The `zero_optimization` value for any stage and offload (stages 2 and 3 only outside a pipeline)."""
+    assert offload_optimizer in OFFLOAD_DEVICES and offload_param in OFFLOAD_DEVICES, (offload_optimizer, offload_param)
+    zero: dict[str, Any] = {"stage": stage}
+    if stage >= 2:
+        zero.update({"overlap_comm": True, "contiguous_gradients": True})
+    for key, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if device != "none":
+            zero[key] = {"device": device, "pin_memory": True}
+            if device == "nvme":
+                zero[key]["nvme_path"] = NVME_PATH_PLACEHOLDER
+    return zero
+
+
+def zero_snippet(stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> dict[str, Any]:
+    """A `{"zero_optimization": ...}` fragment for a plain (non-pipeline) DeepSpeedEngine: the planner
+    shows it when ZeRO 2/3 would fit a model that pretrain_gpt.py's pipeline engine cannot run so."""
+    return {"zero_optimization": zero_section(stage, offload_optimizer, offload_param)}
 
 
 FP16_DEFAULTS = {
@@ -88,8 +124,32 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 USER_OVERRIDABLE = frozenset({"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer"})
 
 
+class UserSource(NamedTuple):
+    """Where user DeepSpeed keys come from, as the error messages name it."""
+
+    label: str  # "--deepspeed_config ds.json"
+    ours: str  # what the generated values come from: "the flags give"
+    fix: str  # how to resolve a contradiction on key {key}
+
+
+def file_source(path: str) -> UserSource:
+    return UserSource(
+        f"--deepspeed_config {path}", "the flags give", "remove {key} from the file or change the matching flag"
+    )
+
+
+DICT_SOURCE = UserSource(
+    "build_pipeline(ds_config=...)",
+    "the config gives",
+    "remove {key} from ds_config or change the matching config field",
+)
+
+
 def merge(
-    generated: dict[str, Any], user: dict[str, Any], user_path: str, overridable: frozenset[str] = USER_OVERRIDABLE
+    generated: dict[str, Any],
+    user: dict[str, Any],
+    source: UserSource,
+    overridable: frozenset[str] = USER_OVERRIDABLE,
 ) -> dict[str, Any]:
     """`generated` updated with `user`; a differing value for a flag-derived key is an error."""
     ours, theirs = _flatten(generated), _flatten(user)
@@ -98,8 +158,7 @@ def merge(
             continue
         if key in ours and ours[key] != value and not _same_number(ours[key], value):
             raise DeepSpeedConfigError(
-                f"--deepspeed_config {user_path} sets {key}={value!r} but the flags give {ours[key]!r}; "
-                f"remove {key} from the file or change the matching flag"
+                f"{source.label} sets {key}={value!r} but {source.ours} {ours[key]!r}; {source.fix.format(key=key)}"
             )
     merged = json.loads(json.dumps(generated))
     _deep_update(merged, user)
@@ -146,25 +205,29 @@ ACTIVATION_CHECKPOINTING_OPTIONS = (
 )
 
 
-def _check_activation_checkpointing(ds: dict[str, Any], path: str) -> None:
+def _check_activation_checkpointing(ds: dict[str, Any], source: UserSource) -> None:
     """DeepSpeed reads `activation_checkpointing` only through deepspeed.checkpointing.configure, which
     is not called: an option turned on there would be silently ignored, so it is an error."""
     section = ds.get("activation_checkpointing") or {}
     on = [k for k in ACTIVATION_CHECKPOINTING_OPTIONS if section.get(k)]
     if on:
         raise DeepSpeedConfigError(
-            f"--deepspeed_config {path} turns on activation_checkpointing.{on[0]}, which is not supported "
+            f"{source.label} turns on activation_checkpointing.{on[0]}, which is not supported "
             f"(recomputation uses deepspeed.checkpointing's defaults); set it to false or remove it"
         )
 
 
-def build(config: Config) -> dict[str, Any]:
-    """The final DeepSpeed config: generated, merged with the user file if any, and checked."""
+def build(config: Config, user: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The final DeepSpeed config: generated, merged with the user file (`--deepspeed_config`) and
+    then the `user` dict (`build_pipeline(ds_config=...)`) if any, and checked."""
     ds = generate(config)
     path = config.training.deepspeed_config
-    if path:
-        ds = merge(ds, load_user_config(path), path, user_overridable(config))
-        _check_activation_checkpointing(ds, path)
+    sources = [(file_source(path), load_user_config(path))] if path else []
+    if user is not None:
+        sources.append((DICT_SOURCE, user))
+    for source, keys in sources:
+        ds = merge(ds, keys, source, user_overridable(config))
+        _check_activation_checkpointing(ds, source)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1):  # the model is a PipelineModule, so DeepSpeed builds its pipeline engine at any P
         raise DeepSpeedConfigError(

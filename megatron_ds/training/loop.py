@@ -15,7 +15,8 @@ import torch
 from megatron_ds.config import Config
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training import checkpoint, logger, memory
-from megatron_ds.training.engine import EngineBundle, build_engine, grad_norm
+from megatron_ds.training.builder import Pipeline, build_pipeline
+from megatron_ds.training.engine import grad_norm
 from megatron_ds.training.lr_schedule import LRSchedule
 from megatron_ds.training.preflight import Watchdog, install_stack_dump_handler
 from megatron_ds.training.state import TrainState
@@ -27,7 +28,7 @@ class Run:
 
     config: Config
     layout: Layout
-    bundle: EngineBundle
+    bundle: Pipeline
     state: TrainState
     watchdog: Watchdog
     rank: int
@@ -72,14 +73,14 @@ def setup(config: Config, layout: Layout) -> Run:
     if uses_memory_model(config):
         print_rank0(rank, predicted_memory_table(config, layout))
     set_seeds(config.training.seed)
-    bundle = build_engine(config, layout, lr_scheduler=lambda opt: LRSchedule.from_config(opt, config))
+    bundle = build_pipeline(config, layout=layout, lr_scheduler=lambda opt: LRSchedule.from_config(opt, config))
     state = _load_or_fresh(config, layout, bundle, rank)
     run = Run(
         config=config,
         layout=layout,
         bundle=bundle,
         state=state,
-        watchdog=Watchdog(config.parallel.distributed_timeout_minutes * 60, rank, bundle.engine.stage_id),
+        watchdog=bundle.watchdog,
         rank=rank,
         is_logging_rank=rank == dist.get_world_size() - 1,
         data={},
@@ -91,7 +92,7 @@ def setup(config: Config, layout: Layout) -> Run:
     return run
 
 
-def _load_or_fresh(config: Config, layout: Layout, bundle: EngineBundle, rank: int) -> TrainState:
+def _load_or_fresh(config: Config, layout: Layout, bundle: Pipeline, rank: int) -> TrainState:
     if config.checkpoint.save and rank == 0:
         checkpoint.remove_incomplete(config.checkpoint.save)
     if not config.checkpoint.load:

@@ -5,7 +5,7 @@ parameter group, and each computation all-reduces over the model-parallel group,
 pipeline stages. A stage that holds only the embedding has no bias or norm weight, so its
 "no weight decay" group would be empty (DeepSpeed drops empty groups): it would then issue one
 collective fewer than the other stages and the job deadlocks. Here every stage builds the same
-groups, in the same order, and an empty group receives a zero-element placeholder parameter
+groups, in the same order, and an empty group receives a one-element placeholder parameter
 (`GROUP_PLACEHOLDER_PREFIX`): one element, zero, never used in forward, so its gradient is zero, Adam
 and weight decay keep it at zero, and it adds nothing to the gradient norm. (A zero-element
 placeholder would not do: DeepSpeed's ZeRO leaves zero-element parameters out of its groups.)
@@ -13,6 +13,7 @@ placeholder would not do: DeepSpeed's ZeRO leaves zero-element parameters out of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from torch import nn
 from megatron_ds.config import OptimizerConfig
 
 GROUP_NAMES = ("decay", "no_decay")
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+"""Builds an optimizer from `param_groups`' list (each group: "name", "params", "weight_decay")."""
 GROUP_PLACEHOLDER_PREFIX = "optimizer_group_placeholder_"
 
 
@@ -58,9 +61,14 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     return [{"name": g, "params": groups[g], "weight_decay": decay[g]} for g in GROUP_NAMES]
 
 
-def build_optimizer(module: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW (Megatron's `adam` is decoupled weight decay) or SGD over `param_groups`."""
+def build_optimizer(
+    module: nn.Module, cfg: OptimizerConfig, factory: OptimizerFactory | None = None
+) -> torch.optim.Optimizer:
+    """`factory(param_groups(...))`, or by default AdamW (Megatron's `adam` is decoupled weight
+    decay) or SGD as `cfg` says. The groups carry `cfg.weight_decay` either way."""
     groups = param_groups(module, cfg.weight_decay)
+    if factory is not None:
+        return factory(groups)
     if cfg.optimizer == "adam":
         return torch.optim.AdamW(
             groups,

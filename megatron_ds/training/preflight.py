@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from megatron_ds.config import Config
 from megatron_ds.errors import UserError
 
 
@@ -98,11 +97,10 @@ def _compare_tied(signatures: list[dict[str, Any]], stages: list[int]) -> None:
             shapes.setdefault(key, (rank, shape))
 
 
-def check_structure(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config) -> None:
+def check_structure(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Exchange signatures over all ranks and raise the same PreflightError on every rank."""
     import torch.distributed as dist
 
-    del config
     mine = signature(module, optimizer)
     stage = int(getattr(module, "stage_id", 0))
     gathered: list[Any] = [None] * dist.get_world_size()

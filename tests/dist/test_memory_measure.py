@@ -113,13 +113,13 @@ def worker(out_dir: str) -> None:
     from megatron_ds.pipeline.layout import build_layout
     from megatron_ds.testing.scenario import micro_batches, tiny_config
     from megatron_ds.training import memory
-    from megatron_ds.training.engine import build_engine
+    from megatron_ds.training.builder import build_pipeline
 
     results = []
     for zero in (0, 1):
         cfg = tiny_config(parallel__pipeline_model_parallel_size=2, training__zero_stage=zero)
         init_distributed(cfg.parallel)
-        engine = build_engine(cfg, build_layout(gpt_spec_groups(cfg.model), 2)).engine
+        engine = build_pipeline(cfg, layout=build_layout(gpt_spec_groups(cfg.model), 2)).engine
         meter = memory.StepMeter(engine)
         for step in range(2):  # a warm-up step (traced), then the measured one
             zero1_grads = zero1_gradient_probe(engine) if zero and step == 1 else []

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from megatron_ds.testing.defects import FIXES
 from megatron_ds.testing.launch import run_ranks
 
 LAYERS = 6
@@ -89,7 +90,7 @@ def test_fp32_equivalence_every_dedicated_mode_and_zero(tmp_path: Path, referenc
         # The seed's scenario: one transformer layer alone between dedicated pre and post stages.
         scenarios += [scenario(3, "both", 1, layers=1)]
         # Without our parameter marking, DeepSpeed's no-ZeRO fp32 clip sees stage 0's gradients only.
-        stock = [scenario(3, "both", 0, fixes=False, preflight=False)]
+        stock = [scenario(3, "both", 0, unfixed=[*FIXES, "preflight"])]
     ranks = run(tmp_path, f"p{p}", p, scenarios + stock)
     check_all(ranks, scenarios, reference)
     if stock:
@@ -106,7 +107,7 @@ def test_data_parallel_two_replicas_dedicated_both(tmp_path: Path, reference: di
 
 def test_preflight_catches_mismatched_groups_in_seconds(tmp_path: Path) -> None:
     start = time.monotonic()
-    results = run(tmp_path, "preflight", 3, [scenario(3, "both", 1, fixes=False)], timeout=180, check=False)
+    results = run(tmp_path, "preflight", 3, [scenario(3, "both", 1, unfixed=FIXES)], timeout=180, check=False)
     elapsed = time.monotonic() - start
     assert all(r.returncode not in (0, None) for r in results), [r.returncode for r in results]
     text = results[0].output
@@ -116,7 +117,7 @@ def test_preflight_catches_mismatched_groups_in_seconds(tmp_path: Path) -> None:
 
 def test_unfixed_zero1_hang_becomes_watchdog_error(tmp_path: Path) -> None:
     """The seed's hang, reproduced with the fixes off: the watchdog names rank, stage and stack."""
-    sc = scenario(3, "both", 1, fixes=False, preflight=False)
+    sc = scenario(3, "both", 1, unfixed=[*FIXES, "preflight"])
     sc["overrides"]["parallel__distributed_timeout_minutes"] = 0.2
     results = run(tmp_path, "hang", 3, [sc], timeout=240, check=False)
     assert all(r.returncode not in (0, None) for r in results), [r.returncode for r in results]

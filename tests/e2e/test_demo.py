@@ -54,3 +54,4 @@ def test_own_training_loop_example() -> None:
     assert out.returncode == 0, out.stdout[-4000:]
     losses = [float(x) for x in re.findall(r"step \d loss ([0-9.]+)", out.stdout)]
     assert len(losses) == 5 and losses[-1] < losses[0]
+    assert re.search(r"eval loss [0-9.]+", out.stdout), out.stdout[-4000:]

@@ -284,3 +284,11 @@ def test_load_optional_starts_fresh_with_warning(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "holds no checkpoint yet; starting fresh" in out.stdout
     assert (tmp_path / "new" / "latest").read_text() == "global_step2"
+
+
+def test_contradicting_deepspeed_config_fails_before_any_process_group(tmp_path: Path) -> None:
+    clash = tmp_path / "ds.json"
+    clash.write_text('{"train_micro_batch_size_per_gpu": 4}')
+    out = single(*BASE, "--mock-data", "--vocab-size", "128", "--deepspeed_config", str(clash))
+    assert_one_line_error(out, f"--deepspeed_config {clash}", "train_micro_batch_size_per_gpu=4")
+    assert "stage=0" not in out.stdout  # the layout table is printed once the process group exists

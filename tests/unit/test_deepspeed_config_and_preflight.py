@@ -1,4 +1,5 @@
-"""The generated DeepSpeed JSON, its merge with a user file, and the preflight comparison."""
+"""The generated DeepSpeed JSON, its merge with a user file or dict, the builder's checks before any
+process group, the test-only defect switches, and the preflight comparison."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ds.errors import ConfigError
 from megatron_ds.testing.scenario import tiny_config
 from megatron_ds.training import deepspeed_config as dsc
 from megatron_ds.training.preflight import PreflightError, compare
@@ -48,8 +50,12 @@ def test_user_file_merges_and_contradictions_fail(tmp_path: Path) -> None:
     assert merged["zero_optimization"]["reduce_bucket_size"] == 5e7
     clash = tmp_path / "clash.json"
     clash.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
-    with pytest.raises(dsc.DeepSpeedConfigError, match="sets train_micro_batch_size_per_gpu=4 but the flags give 2"):
+    with pytest.raises(dsc.DeepSpeedConfigError) as err:
         dsc.build(cfg.replace(training__deepspeed_config=str(clash)))
+    assert str(err.value) == (
+        f"--deepspeed_config {clash} sets train_micro_batch_size_per_gpu=4 but the flags give 2; "
+        "remove train_micro_batch_size_per_gpu from the file or change the matching flag"
+    )
 
 
 def test_zero_two_with_pipeline_and_bad_files_are_errors(tmp_path: Path) -> None:
@@ -66,6 +72,105 @@ def test_zero_two_with_pipeline_and_bad_files_are_errors(tmp_path: Path) -> None
     broken.write_text("{not json")
     with pytest.raises(dsc.DeepSpeedConfigError, match="not valid JSON"):
         dsc.build(cfg.replace(training__deepspeed_config=str(broken)))
+
+
+def test_optimizer_offload_adds_only_its_keys() -> None:
+    cfg = tiny_config(training__zero_stage=1)
+    plain = dsc.generate(cfg)
+    for device in ("cpu", "nvme"):
+        ds = dsc.generate(cfg, offload_optimizer=device)
+        offload = ds["zero_optimization"].pop("offload_optimizer")
+        assert ds.pop("zero_force_ds_cpu_optimizer") is False  # or DeepSpeed refuses the torch optimizer
+        assert ds == plain
+        assert offload == {
+            "device": device,
+            "pin_memory": True,
+            **({"nvme_path": "/local_nvme"} if device == "nvme" else {}),
+        }
+
+
+def test_zero_snippet_for_non_pipeline_engines() -> None:
+    assert dsc.zero_snippet(1) == {"zero_optimization": {"stage": 1}}
+    assert dsc.zero_snippet(3, "cpu", "nvme") == {
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "nvme", "pin_memory": True, "nvme_path": "/local_nvme"},
+        }
+    }
+
+
+def test_a_ds_config_dict_merges_like_a_user_file(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    merged = dsc.build(cfg, {"steps_per_print": 5, "zero_optimization": {"reduce_bucket_size": 1e6}})
+    assert merged["steps_per_print"] == 5 and merged["zero_optimization"] == {"stage": 0, "reduce_bucket_size": 1e6}
+    with pytest.raises(dsc.DeepSpeedConfigError) as err:
+        dsc.build(cfg, {"gradient_clipping": 1.0})
+    assert str(err.value) == (
+        "build_pipeline(ds_config=...) sets gradient_clipping=1.0 but the config gives 0.05; "
+        "remove gradient_clipping from ds_config or change the matching config field"
+    )
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"wall_clock_breakdown": True}))
+    both = dsc.build(cfg.replace(training__deepspeed_config=str(user)), {"steps_per_print": 5})
+    assert both["wall_clock_breakdown"] is True and both["steps_per_print"] == 5
+    with pytest.raises(dsc.DeepSpeedConfigError, match=r"ds_config=...\) turns on activation_checkpointing.profile"):
+        dsc.build(cfg, {"activation_checkpointing": {"profile": True}})
+
+
+def test_builder_refuses_mismatched_sizes_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    import megatron_ds
+    from megatron_ds.model.naming import gpt_spec_groups
+    from megatron_ds.pipeline.layout import build_layout
+
+    cfg = tiny_config(parallel__pipeline_model_parallel_size=2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError) as err:
+        megatron_ds.build_pipeline(cfg)
+    assert str(err.value) == (
+        "config.parallel gives pipeline 2 x tensor 1 x data 1 = 2 ranks but the world size is 4; "
+        "set config.parallel.data_parallel_size to 2"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="world size is 3; launch a multiple of 2 processes"):
+        megatron_ds.build_pipeline(cfg)
+    three = build_layout(gpt_spec_groups(cfg.model), 3)
+    with pytest.raises(ConfigError, match="has 3 stages but config.parallel.pipeline_model_parallel_size is 2"):
+        megatron_ds.build_pipeline(cfg, layout=three)
+    with pytest.raises(TypeError, match="takes a callable that builds the optimizer"):
+        megatron_ds.build_pipeline(cfg, optimizer=cfg.optimizer)
+    assert not dist.is_initialized()
+
+
+def test_import_stays_light() -> None:
+    """`megatron_ds.build_pipeline` is loaded on first use (the test above uses it), not at import."""
+    import subprocess
+    import sys
+
+    code = "import sys, megatron_ds; heavy = {'torch', 'deepspeed'} & set(sys.modules); assert not heavy, heavy"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_defect_switches_replace_the_builders_steps_and_restore_them() -> None:
+    from megatron_ds.model import gpt_pipe
+    from megatron_ds.testing.defects import UNFIXED, unfixed
+    from megatron_ds.training import builder
+
+    originals = {name: getattr(builder, name) for name in ("add_group_placeholders", "install_fp32_grad_norm")}
+    with unfixed(UNFIXED):
+        assert builder.add_group_placeholders(None) == []
+        assert builder.install_fp32_grad_norm.__module__ == "megatron_ds.testing.defects"
+        assert gpt_pipe.mark_norm_counting(None, 0) is None and builder.check_structure(None, None) is None
+    assert {name: getattr(builder, name) for name in originals} == originals
+    assert gpt_pipe.mark_norm_counting.__module__ == "megatron_ds.model.gpt_pipe"
+    with pytest.raises(KeyError), unfixed(["preflight", "no_such_fix"]):
+        pass
+    assert builder.check_structure.__module__ == "megatron_ds.training.preflight"
 
 
 def sig(groups=("decay", "no_decay"), sizes=(3, 2), tied=None, dtypes=("torch.float32",), trainable=True):

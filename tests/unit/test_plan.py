@@ -122,10 +122,11 @@ def test_every_generated_deepspeed_json_is_accepted_by_installed_deepspeed(scena
 def test_offload_json_is_accepted_and_lets_a_torch_optimizer_through(ds_parser) -> None:
     from megatron_ds.plan import ds_json, search
     from megatron_ds.plan.inputs import PlanInputs, resolve
+    from megatron_ds.training import deepspeed_config
 
     res = resolve(PlanInputs(model="1.3b", num_gpus=8, gpu="A100-80GB"))
     cand = search.evaluate(res, 1, 1, 1, 1, "bf16", False, "none")
-    config = ds_json.deepspeed_json(ds_json.plan_config(res, cand), offload_optimizer="cpu")
+    config = deepspeed_config.generate(ds_json.plan_config(res, cand), offload_optimizer="cpu")
     parsed = ds_parser(config, cand.dp)
     assert parsed.zero_config.offload_optimizer.device == "cpu"
     assert parsed.zero_force_ds_cpu_optimizer is False

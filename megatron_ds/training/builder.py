@@ -1,0 +1,172 @@
+"""The public builder: a config in, a DeepSpeed pipeline engine out that keeps, by itself, the
+invariants that prevent hangs and wrong gradient norms, so no training loop (ours or yours) has to.
+
+    import megatron_ds
+    with megatron_ds.build_pipeline(config, optimizer=lambda groups: torch.optim.AdamW(groups, lr=1e-3)) as pipe:
+        for _ in range(num_steps):
+            loss = pipe.train_batch(data_iter)
+
+What `build_pipeline` does, in order (docs/training.md says why each step matters):
+1. the layout comes from the config (`build_run_layout`) unless one is passed, and must have
+   `pipeline_model_parallel_size` stages: the stage count is given once;
+2. the DeepSpeed JSON is generated from the config (`deepspeed_config.build`), a user file or
+   dict merged in, contradictions refused: all before any process group exists;
+3. `GPTModelPipe` marks each parameter on the one rank that counts it in the global norm;
+4. every stage gets the same optimizer groups (`add_group_placeholders`);
+5. the preflight check compares every rank's structure before the first step (`check_structure`);
+6. the no-ZeRO fp32 clip uses the counted norm (`install_fp32_grad_norm`);
+7. `Pipeline.train_batch`, `eval_batch` and `watch` run under the step watchdog, and
+   `Pipeline.close` (or leaving its `with` block) destroys the process groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from megatron_ds.config import Config
+from megatron_ds.distributed import env_world_size, init_distributed, shutdown_distributed
+from megatron_ds.errors import ConfigError
+from megatron_ds.estimate.run_layout import build_run_layout
+from megatron_ds.model import parallel
+from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
+from megatron_ds.pipeline.layout import Layout
+from megatron_ds.training import deepspeed_config
+from megatron_ds.training.engine import grad_norm, install_fp32_grad_norm
+from megatron_ds.training.optimizer import OptimizerFactory, add_group_placeholders, build_optimizer
+from megatron_ds.training.preflight import Watchdog, check_structure
+
+
+@dataclass
+class Pipeline:
+    """A built pipeline: DeepSpeed's engine, the pieces it was built from, and guarded steps."""
+
+    engine: Any  # deepspeed.runtime.pipe.engine.PipelineEngine
+    model: GPTModelPipe
+    optimizer: torch.optim.Optimizer  # as deepspeed.initialize returned it (wrapped under ZeRO/bf16)
+    ds_config: dict[str, Any]
+    layout: Layout
+    watchdog: Watchdog
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None, label: str | None = None) -> torch.Tensor:
+        """One optimizer step (`engine.train_batch`) under the watchdog; returns the mean loss.
+
+        Only the first and last stages read `data_iter`: ((tokens,), (labels, loss_mask)) per micro-batch.
+        """
+        with self.watch(label or f"train_batch at iteration {self.engine.global_steps + 1}"):
+            return self.engine.train_batch(data_iter=data_iter)
+
+    def eval_batch(self, data_iter: Iterator[Any] | None = None, label: str | None = None) -> torch.Tensor:
+        """One forward-only batch (`engine.eval_batch`) under the watchdog; returns the mean loss."""
+        with self.watch(label or f"eval_batch after iteration {self.engine.global_steps}"):
+            return self.engine.eval_batch(data_iter=data_iter)
+
+    def watch(self, label: str) -> AbstractContextManager[None]:
+        """Run anything else collective (a checkpoint save, say) under the watchdog: a stall past
+        `distributed_timeout_minutes` prints rank, stage, `label` and every stack, then exits."""
+        return self.watchdog.watch(label)
+
+    def grad_norm(self) -> float | None:
+        """The last step's global gradient norm (before clipping), or None where DeepSpeed keeps none."""
+        return grad_norm(self.engine)
+
+    def close(self, clean: bool = True) -> None:
+        """Destroy every process group (`megatron_ds.distributed.shutdown_distributed`);
+        `clean=False` after an error skips the closing barrier."""
+        shutdown_distributed(clean=clean)
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(clean=exc_type is None)
+
+
+def build_pipeline(
+    config: Config,
+    optimizer: OptimizerFactory | None = None,
+    ds_config: dict[str, Any] | None = None,
+    layout: Layout | None = None,
+    lr_scheduler: Any | None = None,
+) -> Pipeline:
+    """Build the GPT pipeline and its DeepSpeed engine with every invariant in place (see the module).
+
+    Args:
+        config: the run; `config.parallel`'s pipeline x tensor x data sizes must equal the world size.
+        optimizer: a factory taking the parameter groups (dicts with "name", "params", "weight_decay"
+            from `config.optimizer.weight_decay`) and returning a torch optimizer; None builds the one
+            `config.optimizer` describes, as pretrain_gpt.py does.
+        ds_config: DeepSpeed keys merged into the generated JSON with the rules of a
+            `--deepspeed_config` file: a key that contradicts the config is a DeepSpeedConfigError.
+        layout: the stage layout; None builds it from `config.parallel`'s layout options.
+        lr_scheduler: given to `deepspeed.initialize`: a scheduler, or a callable taking the optimizer.
+
+    Initialises torch.distributed from the launcher's environment unless it already is; if building
+    fails after that, the process groups it created are destroyed before the error propagates.
+    """
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(
+            f"build_pipeline(optimizer=...) takes a callable that builds the optimizer from parameter groups, "
+            f"got {type(optimizer).__name__}; describe the default optimizer in config.optimizer instead"
+        )
+    layout = build_run_layout(config) if layout is None else layout
+    _check_sizes(config, layout)
+    ds = deepspeed_config.build(config, ds_config)
+    created = not torch.distributed.is_initialized()
+    init_distributed(config.parallel)
+    try:
+        return _assemble(config, layout, ds, optimizer, lr_scheduler)
+    except BaseException:
+        if created:
+            shutdown_distributed(clean=False)
+        raise
+
+
+def _assemble(
+    config: Config, layout: Layout, ds: dict[str, Any], factory: OptimizerFactory | None, lr_scheduler: Any
+) -> Pipeline:
+    """Steps 3-7 of the module docstring; the order is part of the contract (weights, RNG streams)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    topology = build_topology(config)
+    tp = parallel.setup(config, topology)  # T > 1: megatron-core's groups, checked against the topology
+    model = GPTModelPipe(config, layout, topology=topology, tp=tp)  # marks the norm counting
+    add_group_placeholders(model)
+    optimizer = build_optimizer(model, config.optimizer, factory)
+    check_structure(model, optimizer)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds, lr_scheduler=lr_scheduler
+    )
+    install_fp32_grad_norm(engine)
+    watchdog = Watchdog(config.parallel.distributed_timeout_minutes * 60, dist.get_rank(), engine.stage_id)
+    return Pipeline(engine=engine, model=model, optimizer=optimizer, ds_config=ds, layout=layout, watchdog=watchdog)
+
+
+def _check_sizes(config: Config, layout: Layout) -> None:
+    """The layout's stage count and the world size agree with `config.parallel` (before any collective)."""
+    par = config.parallel
+    p, t, d = par.pipeline_model_parallel_size, par.tensor_model_parallel_size, par.data_parallel_size
+    if layout.num_stages != p:
+        raise ConfigError(
+            f"layout {layout.to_string()} has {layout.num_stages} stages but config.parallel.pipeline_model_parallel_size "
+            f"is {p}; pass layout=None to build it from the config, or a layout with {p} stages"
+        )
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else env_world_size()
+    if p * t * d != world:
+        fix = (
+            f"set config.parallel.data_parallel_size to {world // (p * t)}"
+            if world % (p * t) == 0
+            else f"launch a multiple of {p * t} processes"
+        )
+        raise ConfigError(
+            f"config.parallel gives pipeline {p} x tensor {t} x data {d} = {p * t * d} ranks but the world size "
+            f"is {world}; {fix}"
+        )
