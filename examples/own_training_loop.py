@@ -16,7 +16,7 @@ import os
 import deepspeed
 import torch
 
-from megatron_ds.config import Config, ModelConfig, ParallelConfig, TrainingConfig
+from megatron_ds.config import Config, ModelConfig, ParallelConfig, RegularizationConfig, TrainingConfig
 from megatron_ds.distributed import shutdown_distributed
 from megatron_ds.model import GPTModelPipe, gpt_spec_groups
 from megatron_ds.pipeline.layout import build_layout
@@ -35,12 +35,11 @@ def main() -> None:
         seq_length=32,
         max_position_embeddings=32,
         vocab_size=256,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
     )
     config = Config(
         model=model_cfg,
-        parallel=ParallelConfig(pipeline_model_parallel_size=3, data_parallel_size=world // 3),
+        regularization=RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0),
+        parallel=ParallelConfig(pipeline_model_parallel_size=3, world_size=world),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=4 * (world // 3), seed=7),
     )
     layout = build_layout(gpt_spec_groups(model_cfg), num_stages=3, dedicated="both")
