@@ -90,7 +90,7 @@ class Config:
         sub = {}
         for f in dataclasses.fields(cls):
             if f.name in d:
-                klass = _SECTIONS[f.name]
+                klass = SECTIONS[f.name]
                 known = {k.name for k in dataclasses.fields(klass)}
                 sub[f.name] = klass(**{k: v for k, v in d[f.name].items() if k in known})
         return cls(**sub)
@@ -108,7 +108,7 @@ class Config:
         return dataclasses.replace(self, **updates)
 
 
-_SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "regularization": RegularizationConfig,
     "parallel": ParallelConfig,

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds import compat
 from megatron_ds.arguments import ConfigError, parse_config
 from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
 from megatron_ds.model import naming
@@ -300,8 +299,7 @@ def test_sharded_layer_computes_the_t1_layer(cfg: ModelConfig, t: int) -> None:
 # --- validation ------------------------------------------------------------------------------------
 
 
-def test_tensor_parallel_size_must_divide_kv_heads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compat, "PENDING_MODEL_FIELDS", {})  # until the entries are deleted there
+def test_tensor_parallel_size_must_divide_kv_heads() -> None:
     argv = [
         "--num-layers",
         "2",
