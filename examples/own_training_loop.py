@@ -18,7 +18,14 @@ from collections.abc import Iterator
 import torch
 
 import megatron_ds
-from megatron_ds.config import Config, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megatron_ds.config import (
+    Config,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RegularizationConfig,
+    TrainingConfig,
+)
 
 STAGES = 3
 
@@ -34,12 +41,11 @@ def make_config(world_size: int) -> Config:
             seq_length=32,
             max_position_embeddings=32,
             vocab_size=256,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
         ),
+        regularization=RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0),
         parallel=ParallelConfig(
             pipeline_model_parallel_size=STAGES,
-            data_parallel_size=replicas,
+            world_size=world_size,
             pp_dedicated_embedding_stages="both",
             distributed_timeout_minutes=2,  # the step watchdog's limit too
         ),

@@ -1,4 +1,13 @@
-"""Parsed flags -> validated `Config`. Every check runs before any process group exists."""
+"""Parsed flags -> the config tree: the mapping that only exists on the command line.
+
+Most flags are copied as given into the config field their declaration names
+(`megatron_ds.flags`, `Flag.fields`), and the config tree checks every value and combination
+itself (`megatron_ds.config`). What stays here is specific to Megatron's flags: refused values,
+required flags, defaults that depend on other flags (ffn 4h, positions = sequence length, global
+batch = micro batch x DP), the tokenizer's vocabulary, the world size from the launcher,
+Megatron's recompute and lr-schedule unit rules, and warnings for flags that are ignored. Every
+check runs before any process group exists.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ import dataclasses
 import math
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -19,9 +29,14 @@ from megatron_ds.config import (
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    RegularizationConfig,
     TrainingConfig,
+    padded_vocab_size,
 )
 from megatron_ds.errors import ConfigError
+from megatron_ds.flags import ACCEPTED, FLAGS
+
+__all__ = ["ConfigError", "build_config", "warn"]
 
 
 def warn(message: str) -> None:
@@ -35,24 +50,28 @@ def _flag(dest: str) -> str:
 
 
 def _refuse_values(args: argparse.Namespace) -> None:
-    """Refused values of accepted flags (`compat.REFUSED_VALUES`), before anything else is checked."""
-    for flag, value in compat.REFUSED_VALUES:
-        dest = flag.lstrip("-").replace("-", "_")
-        if str(getattr(args, dest, None)) == value:
-            raise ConfigError(compat.refusal_message(flag, value))
+    """Refused values of accepted flags (`Flag.refused_values`), before anything else is checked."""
+    for f in FLAGS:
+        message = compat.refused_value(f, getattr(args, f.attr)) if f.refused_values else None
+        if message:
+            raise ConfigError(message)
 
 
 def _require(args: argparse.Namespace, *names: str) -> None:
     missing = [n for n in names if getattr(args, n) is None]
     if missing:
-        flags = ", ".join("--" + n.replace("_", "-") for n in missing)
-        raise ConfigError(f"missing required flag(s) {flags}; give a value for each")
+        raise ConfigError(f"missing required flag(s) {', '.join(map(_flag, missing))}; give a value for each")
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Round up to a multiple of divisible_by x T, as Megatron does (keeps shards aligned)."""
-    multiple = divisible_by * tensor_parallel
-    return int(math.ceil(vocab_size / multiple) * multiple)
+def direct_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """{section: {field: value}} of every accepted flag copied as given (not `derived`)."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in FLAGS:
+        if f.status == ACCEPTED and f.fields and not f.derived:
+            (path,) = f.fields  # a flag copied as given sets exactly one field
+            section, name = path.split(".")
+            out.setdefault(section, {})[name] = getattr(args, f.attr)
+    return out
 
 
 def tokenizer_type(args: argparse.Namespace) -> str | None:
@@ -65,8 +84,6 @@ def tokenizer_type(args: argparse.Namespace) -> str | None:
 
 def _vocab_size(args: argparse.Namespace) -> int:
     """Padded vocabulary from --vocab-size and/or the tokenizer (0 only for --print-layout)."""
-    if args.make_vocab_size_divisible_by < 1:
-        raise ConfigError(f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} must be >= 1")
     tokenizer_vocab = None
     if tokenizer_type(args) is not None:
         from megatron_ds.data.tokenizer import build_tokenizer
@@ -100,70 +117,26 @@ def _vocab_size(args: argparse.Namespace) -> int:
     return padded_vocab_size(base, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
 
 
-def _model_config(args: argparse.Namespace) -> ModelConfig:
+def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConfig:
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
-    if args.hidden_size % args.num_attention_heads:
-        raise ConfigError(
-            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-            f"{args.num_attention_heads}; choose sizes whose ratio is an integer head size"
-        )
-    max_pos = args.max_position_embeddings or args.seq_length
-    if args.seq_length > max_pos:
-        raise ConfigError(
-            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {max_pos}; "
-            f"raise --max-position-embeddings or shorten the sequence"
-        )
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be in [0, 1)")
-    _check_fixed_model_options(args)
     model = ModelConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
+        **direct,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        seq_length=args.seq_length,
-        max_position_embeddings=max_pos,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
         vocab_size=_vocab_size(args),
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        layernorm_epsilon=args.layernorm_epsilon,
-        normalization=args.normalization,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        num_key_value_heads=_kv_heads(args),
-        swiglu=args.swiglu,
-        use_rotary_position_embeddings=args.use_rotary_position_embeddings,
         # Rotary embeddings replace the learned position table (the pre group then has none).
         add_position_embedding=args.add_position_embedding and not args.use_rotary_position_embeddings,
-        add_bias_linear=args.add_bias_linear,
     )
-    _refuse_pending(model)
+    _check_fixed_model_options(args, model)
     return model
 
 
-def _kv_heads(args: argparse.Namespace) -> int | None:
-    """--num-key-value-heads, or None for plain multi-head attention (also when equal to the heads)."""
-    kv, heads = args.num_key_value_heads, args.num_attention_heads
-    if kv is None:
-        return None
-    if kv < 1 or heads % kv:
-        raise ConfigError(
-            f"--num-key-value-heads {kv} must divide --num-attention-heads {heads}; choose a divisor of {heads}"
-        )
-    return None if kv == heads else kv
-
-
-def _check_fixed_model_options(args: argparse.Namespace) -> None:
+def _check_fixed_model_options(args: argparse.Namespace, model: ModelConfig) -> None:
     """Megatron options accepted only at the one value the model builds."""
-    head_dim = args.hidden_size // args.num_attention_heads
-    if args.kv_channels is not None and args.kv_channels != head_dim:
+    if args.kv_channels is not None and args.kv_channels != model.head_dim:
         raise ConfigError(
             f"--kv-channels {args.kv_channels} is not supported: only --hidden-size / "
-            f"--num-attention-heads = {head_dim} is built; drop --kv-channels"
+            f"--num-attention-heads = {model.head_dim} is built; drop --kv-channels"
         )
     if any(n != 1 for n in args.num_experts):
         raise ConfigError(
@@ -175,14 +148,6 @@ def _check_fixed_model_options(args: argparse.Namespace) -> None:
             f"--vocab-extra-ids {args.vocab_extra_ids} is not supported: extra sentinel ids are "
             f"for T5-style models; drop it"
         )
-
-
-def _refuse_pending(model: ModelConfig) -> None:
-    """Architecture options the model does not implement yet (`compat.PENDING_MODEL_FIELDS`)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    for f in compat.FLAGS:
-        if f.model_field in compat.PENDING_MODEL_FIELDS and getattr(model, f.model_field) != defaults[f.model_field]:
-            raise ConfigError(compat.pending_message(f.model_field, f.name))
 
 
 def _dedicated_stages(args: argparse.Namespace) -> str:
@@ -198,85 +163,39 @@ def _dedicated_stages(args: argparse.Namespace) -> str:
     return {"none": "pre", "post": "both"}.get(dedicated, dedicated)
 
 
-def _parallel_config(args: argparse.Namespace, model: ModelConfig, world_size: int | None) -> ParallelConfig:
+def _parallel_config(args: argparse.Namespace, direct: dict[str, Any], world_size: int | None) -> ParallelConfig:
     p, t = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
-    if p < 1 or t < 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {p} and --tensor-model-parallel-size {t} must be >= 1")
     if args.no_pipeline_parallel and p != 1:
         raise ConfigError(
             f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {p}); drop one of the two"
         )
-    world = world_size or args.world_size or int(os.environ.get("WORLD_SIZE", p * t))
-    if world % (p * t):
-        raise ConfigError(
-            f"world size {world} is not divisible by --pipeline-model-parallel-size {p} x "
-            f"--tensor-model-parallel-size {t}; launch a multiple of {p * t} processes"
-        )
-    if t > 1:
-        for flag, value in (
-            ("--num-attention-heads", model.num_attention_heads),
-            ("--num-key-value-heads", model.kv_heads),
-            ("--ffn-hidden-size", model.ffn_hidden_size),
-        ):
-            if value % t:
-                raise ConfigError(
-                    f"{flag} {value} is not divisible by --tensor-model-parallel-size {t}; "
-                    f"choose a size divisible by {t}"
-                )
-        if model.vocab_size % t:  # padded by --make-vocab-size-divisible-by x T, so only a guard
-            raise ConfigError(
-                f"padded vocabulary size {model.vocab_size} is not divisible by "
-                f"--tensor-model-parallel-size {t}; keep --make-vocab-size-divisible-by >= 1"
-            )
-    if args.distributed_timeout_minutes <= 0:
-        raise ConfigError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be > 0")
+    default_world = max(p, 1) * max(t, 1)  # one replica; ParallelConfig refuses P or T < 1
     return ParallelConfig(
-        pipeline_model_parallel_size=p,
-        tensor_model_parallel_size=t,
-        data_parallel_size=world // (p * t),
+        **direct,
+        world_size=world_size or args.world_size or int(os.environ.get("WORLD_SIZE", default_world)),
         pp_dedicated_embedding_stages=_dedicated_stages(args),
-        pp_layout=args.pp_layout,
-        pp_partition_method=args.pp_partition_method,
-        distributed_backend=args.distributed_backend,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
 
 
-def _training_config(args: argparse.Namespace, parallel: ParallelConfig, model: ModelConfig) -> TrainingConfig:
-    mbs = args.micro_batch_size or 1
-    dp = parallel.data_parallel_size
-    gbs = args.global_batch_size or mbs * dp
-    if mbs < 1 or gbs < 1:
-        raise ConfigError(f"--micro-batch-size {mbs} and --global-batch-size {gbs} must be >= 1")
-    if gbs % (mbs * dp):
-        raise ConfigError(
-            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
-            f"data-parallel size {dp}; use a multiple of {mbs * dp}"
-        )
+def _training_config(
+    args: argparse.Namespace, direct: dict[str, Any], parallel: ParallelConfig, model: ModelConfig
+) -> TrainingConfig:
+    mbs = 1 if args.micro_batch_size is None else args.micro_batch_size
+    gbs = mbs * parallel.data_parallel_size if args.global_batch_size is None else args.global_batch_size
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     if precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("--fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); use --bf16 or fp32")
-    # ZeRO 2/3 are refused by _refuse_values: DeepSpeed's pipeline engine runs even at P=1.
+    _warn_loss_scale_ignored(args, precision)
     recompute, chunk = _recompute(args)
-    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
-        raise ConfigError(f"--exit-duration-in-mins {args.exit_duration_in_mins} must be > 0")
-    return TrainingConfig(
+    training = TrainingConfig(
+        **direct,
         micro_batch_size=mbs,
         global_batch_size=gbs,
-        train_iters=train_length(args, gbs, model.seq_length)[0],
-        eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters,
-        seed=args.seed,
         precision=precision,
-        zero_stage=args.zero_stage,
         checkpoint_activations=recompute,
         checkpoint_num_layers=chunk,
-        deepspeed_config=args.deepspeed_config,
-        exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins,
-        train_tokens=args.train_tokens,
-        **_loss_scale(args, precision),
-    )
+    )  # checked before train_length divides by the batch size
+    return dataclasses.replace(training, train_iters=train_length(args, gbs, model.seq_length)[0])
 
 
 def _one_of(args: argparse.Namespace, *dests: str) -> object | None:
@@ -312,39 +231,35 @@ def _recompute(args: argparse.Namespace) -> tuple[bool, int]:
         )
     use_recompute_layers = granularity == "full" and not (args.checkpoint_activations and ckpt_layers is not None)
     chunk = layers if use_recompute_layers else ckpt_layers
-    chunk = 1 if chunk is None else chunk
-    if chunk < 1:
-        raise ConfigError(
-            f"layers per recomputed chunk (--checkpoint-num-layers / --recompute-num-layers) is "
-            f"{chunk}; it must be >= 1"
-        )
     recompute = args.checkpoint_activations or granularity == "full"
     if args.deepspeed_activation_checkpointing and not recompute:
         warn(
             "--deepspeed-activation-checkpointing recomputes nothing by itself; add --checkpoint-activations "
             "or --recompute-granularity full --recompute-method uniform"
         )
-    return recompute, chunk
+    return recompute, 1 if chunk is None else chunk  # >= 1 is TrainingConfig's check
 
 
 _LOSS_SCALE_FLAGS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 
-def _loss_scale(args: argparse.Namespace, precision: str) -> dict[str, object]:
-    """The fp16 loss-scale flags that were given (they go into the DeepSpeed JSON)."""
-    given = {d: getattr(args, d) for d in _LOSS_SCALE_FLAGS if getattr(args, d) is not None}
-    for dest, value in given.items():
-        if value <= 0:
-            raise ConfigError(f"{_flag(dest)} {value} must be > 0")
-    initial = given.get("initial_loss_scale")
-    if initial is not None and 2 ** round(math.log2(initial)) != initial:
-        raise ConfigError(
-            f"--initial-loss-scale {initial} must be a power of 2 (DeepSpeed's initial_scale_power); "
-            f"e.g. {2 ** round(math.log2(initial)):g}"
-        )
+def _warn_loss_scale_ignored(args: argparse.Namespace, precision: str) -> None:
+    given = [d for d in _LOSS_SCALE_FLAGS if getattr(args, d) is not None]
     if given and precision != "fp16":
-        warn(f"{', '.join(_flag(d) for d in given)} only apply with --fp16; ignored with {precision}")
-    return given
+        warn(f"{', '.join(map(_flag, given))} only apply with --fp16; ignored with {precision}")
+
+
+def _warn_tensorboard_ignored(args: argparse.Namespace) -> None:
+    if args.tensorboard_dir is not None:
+        return
+    defaults = LoggingConfig()
+    ignored = [
+        f.name
+        for f in dataclasses.fields(LoggingConfig)
+        if f.name.endswith("_tensorboard") and getattr(args, f.name) != getattr(defaults, f.name)
+    ]
+    if ignored:
+        warn(f"{', '.join(map(_flag, ignored))} need --tensorboard-dir; ignored without it")
 
 
 def train_length(args: argparse.Namespace, gbs: int, seq_length: int) -> tuple[int, int]:
@@ -369,33 +284,14 @@ def train_length(args: argparse.Namespace, gbs: int, seq_length: int) -> tuple[i
     return min(budget, by_tokens or budget), budget
 
 
-def _optimizer_config(args: argparse.Namespace, training: TrainingConfig, seq_length: int) -> OptimizerConfig:
+def _optimizer_config(
+    args: argparse.Namespace, direct: dict[str, Any], training: TrainingConfig, seq_length: int
+) -> OptimizerConfig:
     if args.lr is None and not args.print_layout:
         raise ConfigError("missing --lr; give the peak learning rate, e.g. --lr 3e-4")
-    lr = args.lr if args.lr is not None else 0.0
-    if args.clip_grad < 0:
-        raise ConfigError(f"--clip-grad {args.clip_grad} must be >= 0 (0 disables clipping)")
-    if args.min_lr > lr and not args.print_layout:
-        raise ConfigError(f"--min-lr {args.min_lr} is above --lr {lr}; lower --min-lr")
-    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        raise ConfigError(
-            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler were both given; keep one"
-        )
-    return OptimizerConfig(
-        optimizer=args.optimizer,
-        lr=lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        clip_grad=args.clip_grad,
-        lr_decay_style=args.lr_decay_style,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        **schedule_lengths(args, training.global_batch_size, seq_length),
-    )
+    # --print-layout needs no learning rate: stand in with --min-lr, which OptimizerConfig accepts
+    lr = args.lr if args.lr is not None else args.min_lr
+    return OptimizerConfig(**direct, lr=lr, **schedule_lengths(args, training.global_batch_size, seq_length))
 
 
 def _check_schedule_units(args: argparse.Namespace) -> None:
@@ -415,17 +311,7 @@ def _check_schedule_units(args: argparse.Namespace) -> None:
     warmups = [d for d in ("lr_warmup_iters", "lr_warmup_samples") if getattr(args, d)]
     warmups += [d for d in ("lr_warmup_tokens", "lr_warmup_fraction") if getattr(args, d) is not None]
     if len(warmups) > 1:
-        raise ConfigError(f"{' and '.join(_flag(d) for d in warmups)} were both given; keep one")
-    for dest in (
-        "lr_decay_iters",
-        "lr_decay_samples",
-        "lr_decay_tokens",
-        "lr_warmup_iters",
-        "lr_warmup_samples",
-        "lr_warmup_tokens",
-    ):
-        if getattr(args, dest) is not None and getattr(args, dest) < 0:
-            raise ConfigError(f"{_flag(dest)} {getattr(args, dest)} must be >= 0")
+        raise ConfigError(f"{' and '.join(map(_flag, warmups))} were both given; keep one")
 
 
 def schedule_lengths(args: argparse.Namespace, gbs: int, seq_length: int) -> dict[str, int | None]:
@@ -456,59 +342,23 @@ def schedule_lengths(args: argparse.Namespace, gbs: int, seq_length: int) -> dic
     return {**decay, **warmup}
 
 
-def _logging_config(args: argparse.Namespace) -> LoggingConfig:
-    names = [f.name for f in dataclasses.fields(LoggingConfig)]
-    values = {n: getattr(args, n) for n in names}
-    if values["tensorboard_queue_size"] < 1:
-        raise ConfigError(f"--tensorboard-queue-size {values['tensorboard_queue_size']} must be >= 1")
-    if args.tensorboard_dir is None:
-        defaults = LoggingConfig()
-        ignored = [n for n in names if n.endswith("_tensorboard") and values[n] != getattr(defaults, n)]
-        if ignored:
-            warn(f"{', '.join(_flag(n) for n in ignored)} need --tensorboard-dir; ignored without it")
-    return LoggingConfig(**values)
-
-
-def _data_config(args: argparse.Namespace) -> DataConfig:
-    if args.mock_data and args.data_path:
-        raise ConfigError("--mock-data and --data-path were both given; keep one")
-    return DataConfig(
-        data_path=tuple(args.data_path),
-        split=args.split,
-        data_cache_path=args.data_cache_path,
-        mock_data=args.mock_data,
-        tokenizer_type=tokenizer_type(args),
-        tokenizer_model=args.tokenizer_model,
-        vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        num_workers=args.num_workers,
-        eod_mask_loss=args.eod_mask_loss,
-    )
-
-
 def build_config(args: argparse.Namespace, world_size: int | None = None) -> Config:
-    """Validate the parsed flags and build the frozen config tree (layout checked too)."""
+    """Map the parsed flags onto the config tree (which checks itself), then check the layout."""
     _refuse_values(args)
-    model = _model_config(args)
-    parallel = _parallel_config(args, model, world_size)
-    training = _training_config(args, parallel, model)
+    direct = direct_values(args)
+    model = _model_config(args, direct.get("model", {}))
+    parallel = _parallel_config(args, direct.get("parallel", {}), world_size)
+    training = _training_config(args, direct.get("training", {}), parallel, model)
+    _warn_tensorboard_ignored(args)
     config = Config(
         model=model,
+        regularization=RegularizationConfig(**direct.get("regularization", {})),
         parallel=parallel,
-        data=_data_config(args),
-        optimizer=_optimizer_config(args, training, model.seq_length),
+        data=DataConfig(**direct.get("data", {}), tokenizer_type=tokenizer_type(args)),
+        optimizer=_optimizer_config(args, direct.get("optimizer", {}), training, model.seq_length),
         training=training,
-        checkpoint=CheckpointConfig(
-            save=args.save,
-            save_interval=args.save_interval,
-            load=args.load,
-            load_optional=args.load_optional,
-            no_load_optim=args.no_load_optim,
-            no_load_rng=args.no_load_rng,
-            finetune=args.finetune,
-        ),
-        logging=_logging_config(args),
+        checkpoint=CheckpointConfig(**direct.get("checkpoint", {})),
+        logging=LoggingConfig(**direct.get("logging", {})),
     )
     from megatron_ds.estimate.run_layout import build_run_layout
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 
 DEVICES = ("cuda", "cpu")
@@ -75,14 +75,20 @@ def _norm_stats(model: ModelConfig) -> int:
 
 
 def transformer_layer_terms(
-    model: ModelConfig, micro_batch_size: int, k: Kernels, tensor_parallel_size: int = 1
+    model: ModelConfig,
+    micro_batch_size: int,
+    k: Kernels,
+    tensor_parallel_size: int = 1,
+    *,
+    regularization: RegularizationConfig,
 ) -> dict[str, float]:
-    """Saved bytes of one TransformerLayer for one micro-batch, by tensor (Korthikanti Sec. 4.1 terms)."""
+    """Saved bytes of one TransformerLayer for one micro-batch, by tensor (Korthikanti Sec. 4.1 terms);
+    dropout masks exist only when `regularization`'s probabilities are > 0."""
     b, s, h, f = micro_batch_size, model.seq_length, model.hidden_size, model.ffn_hidden_size
     t, a = tensor_parallel_size, model.num_attention_heads
     sbh, bs = s * b * h, s * b
-    drop_h = model.hidden_dropout > 0
-    drop_a = model.attention_dropout > 0
+    drop_h = regularization.hidden_dropout > 0
+    drop_a = regularization.attention_dropout > 0
     terms = {
         # Replicated over tensor-parallel ranks (the paper's "10"): norm inputs, qkv and fc1 inputs, masks.
         "norm inputs": 2 * sbh * k.w,
@@ -125,10 +131,12 @@ def checkpointed_layer_bytes(model: ModelConfig, micro_batch_size: int, k: Kerne
     return model.seq_length * micro_batch_size * model.hidden_size * k.w
 
 
-def pre_terms(model: ModelConfig, micro_batch_size: int, k: Kernels) -> dict[str, dict[str, float]]:
+def pre_terms(
+    model: ModelConfig, micro_batch_size: int, k: Kernels, *, regularization: RegularizationConfig
+) -> dict[str, dict[str, float]]:
     """Saved bytes of the pre-processing specs, keyed by spec name."""
     bs = model.seq_length * micro_batch_size
-    dropout = bs * model.hidden_size * k.mask if model.hidden_dropout > 0 else 0
+    dropout = bs * model.hidden_size * k.mask if regularization.hidden_dropout > 0 else 0
     return {
         "cast_token_ids": {},
         "WordEmbedding": {"token ids (embedding backward)": bs * TOKEN_ID_BYTES},

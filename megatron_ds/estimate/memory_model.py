@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
 from megatron_ds.estimate import activations as act
 from megatron_ds.estimate.model_states import (
     MASTER_BYTES,
@@ -70,6 +70,9 @@ class MemoryInputs:
     """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activations.kernels`)."""
     attention: str | None = None
     """`flash`, `math`, or None for what torch's SDPA picks on `device`."""
+    regularization: RegularizationConfig = RegularizationConfig()
+    """The run's dropout (which masks are saved, which attention kernel runs); Megatron's defaults
+    (0.1) unless given, as the planner assumes."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -96,7 +99,7 @@ class MemoryInputs:
 
     @property
     def kernels(self) -> act.Kernels:
-        return act.kernels(self.precision, self.device, self.model.attention_dropout, self.attention)
+        return act.kernels(self.precision, self.device, self.regularization.attention_dropout, self.attention)
 
 
 @dataclass(frozen=True)
@@ -163,31 +166,15 @@ class StageMemory:
         return self.model_states + self.activations + self.pipe_buffers + self.transient
 
 
-def _layer_shapes(model: ModelConfig) -> tuple[int, int, int, int, bool]:
-    """(hidden, ffn, fused qkv rows, fc1 rows, biases?) of our TransformerLayer (model/transformer.py):
-    qkv holds nh query heads and kv key and value heads; SwiGLU's fc1 holds gate and up halves."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    hd = h // model.num_attention_heads
-    qkv_rows = (model.num_attention_heads + 2 * model.kv_heads) * hd
-    fc1_rows = 2 * f if model.swiglu else f
-    return h, f, qkv_rows, fc1_rows, model.add_bias_linear
-
-
 def layer_no_decay_params(model: ModelConfig, t: int = 1) -> int:
     """Biases and norm weights of one transformer layer per tensor-parallel rank (no weight decay)."""
-    h, _, qkv_rows, fc1_rows, bias = _layer_shapes(model)
-    norm = 2 * h if model.normalization == "layernorm" else h
-    return 2 * norm + ((qkv_rows // t + h + fc1_rows // t + h) if bias else 0)
+    return shapes.layer_params(model, t).no_decay
 
 
 def layer_param_counts(model: ModelConfig, t: int = 1) -> tuple[int, int]:
     """(parameters of one transformer layer per tensor-parallel rank, its largest single module)."""
-    h, f, qkv_rows, fc1_rows, bias = _layer_shapes(model)
-    norm = 2 * h if model.normalization == "layernorm" else h
-    b = 1 if bias else 0
-    qkv, proj = (qkv_rows * h + b * qkv_rows) // t, h * h // t + b * h  # column-parallel qkv; row-parallel proj
-    fc1, fc2 = (fc1_rows * h + b * fc1_rows) // t, f * h // t + b * h
-    return 2 * norm + qkv + proj + fc1 + fc2, max(qkv, proj, fc1, fc2, norm)
+    layer = shapes.layer_params(model, t)
+    return layer.total, layer.largest
 
 
 @functools.lru_cache(maxsize=256)
@@ -197,26 +184,13 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
     b, dp, fac = inputs.micro_batch_size, inputs.data_parallel_size, inputs.factors
     groups = naming.gpt_spec_groups(m)
     head = groups.post[1]
-    layer_params, layer_largest = layer_param_counts(m, t)
-    norm = 2 * m.hidden_size if m.normalization == "layernorm" else m.hidden_size
-    vocab = m.vocab_size * m.hidden_size // t
-    counts = {
-        naming.CAST_INPUTS: (0, 0),
-        naming.WORD_EMBEDDING: (vocab, vocab),
-        naming.POSITION_EMBEDDING: (m.max_position_embeddings * m.hidden_size,) * 2,
-        naming.EMBEDDING_DROPOUT: (0, 0),
-        naming.FINAL_NORM: (norm, norm),
-        head: (vocab, vocab),
-        naming.LOGITS_TO_FP32: (0, 0),
-    }
-    terms = {**act.pre_terms(m, b, k), **act.post_terms(m, b, k, head, t)}
-    layer_terms = act.transformer_layer_terms(m, b, k, t)
-    no_decay = {naming.FINAL_NORM: norm}  # embeddings and the head are matrices: weight decay
+    params = naming.gpt_spec_params(m, t)
+    terms = {**act.pre_terms(m, b, k, regularization=inputs.regularization), **act.post_terms(m, b, k, head, t)}
+    layer_terms = act.transformer_layer_terms(m, b, k, t, regularization=inputs.regularization)
     out = []
     for idx, name in enumerate(groups.names):
         group = groups.group_of(idx)
-        n, largest = (layer_params, layer_largest) if group == "body" else counts[name]
-        n_no_decay = layer_no_decay_params(m, t) if group == "body" else no_decay.get(name, 0)
+        n, largest, n_no_decay = params[idx].num_params, params[idx].largest, params[idx].no_decay
         spec_terms = layer_terms if group == "body" else terms[name]
         saved = sum(spec_terms.values())
         out.append(
@@ -483,22 +457,14 @@ def _pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[fl
 
 def total_params(model: ModelConfig) -> int:
     """Unique parameters of the whole model (the tied head counted once), tensor-parallel size 1."""
-    layer, _ = layer_param_counts(model, 1)
-    norm = 2 * model.hidden_size if model.normalization == "layernorm" else model.hidden_size
-    head = model.vocab_size * model.hidden_size if model.untie_embeddings_and_output_weights else 0
-    return (
-        model.vocab_size * model.hidden_size
-        + model.max_position_embeddings * model.hidden_size
-        + model.num_layers * layer
-        + norm
-        + head
-    )
+    specs = naming.gpt_spec_params(model)
+    tied = [i for i, name in enumerate(naming.gpt_spec_groups(model).names) if name == naming.TIED_LM_HEAD]
+    return sum(sp.num_params for i, sp in enumerate(specs) if i not in tied)
 
 
 def largest_layer_params(model: ModelConfig) -> int:
     """Largest single module's own parameters, as DeepSpeed's `zero.stage3.model_to_params` counts it."""
-    _, layer_largest = layer_param_counts(model, 1)
-    return max(model.vocab_size * model.hidden_size, model.max_position_embeddings * model.hidden_size, layer_largest)
+    return max(sp.largest for sp in naming.gpt_spec_params(model))
 
 
 def format_bytes(num_bytes: float) -> str:

@@ -23,6 +23,7 @@ def memory_inputs(config: Config) -> MemoryInputs:
     t, par = config.training, config.parallel
     return MemoryInputs(
         model=config.model,
+        regularization=config.regularization,
         micro_batch_size=t.micro_batch_size,
         num_micro_batches=config.grad_accumulation_steps,
         precision=t.precision,

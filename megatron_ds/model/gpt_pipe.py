@@ -22,7 +22,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
 
-from megatron_ds.config import Config, ModelConfig
+from megatron_ds.config import Config, ModelConfig, RegularizationConfig
 from megatron_ds.model import naming, rng
 from megatron_ds.model.init import spec_seed
 from megatron_ds.model.layers import (
@@ -59,8 +59,11 @@ def _class_name(cls: type) -> str:
     return getattr(cls, "SPEC_NAME", cls.__name__)
 
 
-def build_layer_specs(model: ModelConfig, seed: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> list[Spec]:
+def build_layer_specs(
+    model: ModelConfig, regularization: RegularizationConfig, seed: int, tp: TensorParallel = NO_TENSOR_PARALLEL
+) -> list[Spec]:
     """The full spec list (the same for every layout; only the stage boundaries move)."""
+    reg = regularization
     groups = naming.gpt_spec_groups(model)
     embedding_idx = groups.pre.index(naming.WORD_EMBEDDING)
     tied_seed = spec_seed(seed, embedding_idx)  # both tied copies start from the same draw
@@ -78,24 +81,24 @@ def build_layer_specs(model: ModelConfig, seed: int, tp: TensorParallel = NO_TEN
     untied = model.untie_embeddings_and_output_weights
     # An untied head leaves the word embedding a plain spec: no tied module, no tied group.
     word: Spec = (
-        LayerSpec(embedding, model, tied_seed, *extra)
+        LayerSpec(embedding, model, reg, tied_seed, *extra)
         if untied
-        else TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, tied_seed, *extra)
+        else TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, reg, tied_seed, *extra)
     )
     pre: list[Spec] = [
         cast_token_ids,
         word,
-        LayerSpec(PositionEmbedding if model.add_position_embedding else EmbeddingDropout, model, seeded(2)),
+        LayerSpec(PositionEmbedding if model.add_position_embedding else EmbeddingDropout, model, reg, seeded(2)),
     ]
     first_layer = len(pre)
     body: list[Spec] = [
-        LayerSpec(TransformerLayer, model, seeded(first_layer + i), tp) for i in range(model.num_layers)
+        LayerSpec(TransformerLayer, model, reg, seeded(first_layer + i), tp) for i in range(model.num_layers)
     ]
     first_post = first_layer + model.num_layers
     if untied:
-        head: Spec = LayerSpec(untied_head, model, seeded(first_post + 1), *extra)
+        head: Spec = LayerSpec(untied_head, model, reg, seeded(first_post + 1), *extra)
     else:
-        head = TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, tied_seed, *extra, forward_fn=head_fn)
+        head = TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, reg, tied_seed, *extra, forward_fn=head_fn)
     post: list[Spec] = [LayerSpec(FinalNorm, model, seeded(first_post)), head, logits_to_fp32]
     specs = pre + body + post
     assert [spec_name(s) for s in specs] == groups.names, ([spec_name(s) for s in specs], groups.names)
@@ -140,7 +143,7 @@ class GPTModelPipe(PipelineModule):
         train = config.training
         rng.reset_streams()  # this model's dropout streams start from their seeds
         super().__init__(
-            layers=build_layer_specs(config.model, train.seed, tp),
+            layers=build_layer_specs(config.model, config.regularization, train.seed, tp),
             topology=topology or build_topology(config),
             loss_fn=loss_function(tp),
             partition_method="megatron_ds.layout",

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.model.init import init_generator, normal_
 from megatron_ds.model.rng import Stream, checkpoint_streams, dropout
 
@@ -33,10 +33,10 @@ def logits_to_fp32(logits: torch.Tensor) -> torch.Tensor:
 class WordEmbedding(nn.Module):
     """The word-embedding matrix (v, h), alone, so the last stage holds nothing else of it."""
 
-    def __init__(self, model: ModelConfig, init_seed: int) -> None:
+    def __init__(self, model: ModelConfig, regularization: RegularizationConfig, init_seed: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(model.vocab_size, model.hidden_size))
-        normal_(self.weight, model.init_method_std, init_generator(init_seed))
+        normal_(self.weight, regularization.init_method_std, init_generator(init_seed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.weight)  # (b, s) -> (b, s, h)
@@ -50,10 +50,10 @@ def lm_head_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tens
 class LMHead(nn.Module):
     """Untied output layer (`--untie-embeddings-and-output-weights`): its own (v, h) matrix."""
 
-    def __init__(self, model: ModelConfig, init_seed: int) -> None:
+    def __init__(self, model: ModelConfig, regularization: RegularizationConfig, init_seed: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(model.vocab_size, model.hidden_size))
-        normal_(self.weight, model.init_method_std, init_generator(init_seed))
+        normal_(self.weight, regularization.init_method_std, init_generator(init_seed))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)
@@ -62,11 +62,11 @@ class LMHead(nn.Module):
 class PositionEmbedding(nn.Module):
     """Adds learned absolute position embeddings, then embedding dropout (replicated at T > 1)."""
 
-    def __init__(self, model: ModelConfig, init_seed: int) -> None:
+    def __init__(self, model: ModelConfig, regularization: RegularizationConfig, init_seed: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(model.max_position_embeddings, model.hidden_size))
-        normal_(self.weight, model.init_method_std, init_generator(init_seed))
-        self.hidden_dropout = model.hidden_dropout
+        normal_(self.weight, regularization.init_method_std, init_generator(init_seed))
+        self.hidden_dropout = regularization.hidden_dropout
         self.dropout_stream = Stream.replicated(init_seed)
         checkpoint_streams(self, self.dropout_stream)
 
@@ -80,9 +80,10 @@ class EmbeddingDropout(nn.Module):
     """Embedding dropout alone, in place of `PositionEmbedding` when there is no learned position
     embedding (`--no-position-embedding`, e.g. with rotary embeddings); no parameters."""
 
-    def __init__(self, model: ModelConfig, init_seed: int) -> None:
+    def __init__(self, model: ModelConfig, regularization: RegularizationConfig, init_seed: int) -> None:
         super().__init__()
-        self.hidden_dropout = model.hidden_dropout
+        del model  # no parameters: only the dropout probability matters
+        self.hidden_dropout = regularization.hidden_dropout
         self.dropout_stream = Stream.replicated(init_seed)  # the stream PositionEmbedding would use
         checkpoint_streams(self, self.dropout_stream)
 

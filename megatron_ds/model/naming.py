@@ -7,7 +7,9 @@ building anything.
 
 from __future__ import annotations
 
-from megatron_ds.config import ModelConfig
+from dataclasses import dataclass
+
+from megatron_ds.config import ModelConfig, shapes
 from megatron_ds.pipeline.layout import SpecGroups
 
 # Pre-processing: input dtype conversion, word embedding (tied), position embedding + dropout
@@ -42,20 +44,42 @@ def gpt_spec_groups(model: ModelConfig) -> SpecGroups:
     )
 
 
+@dataclass(frozen=True)
+class SpecParams:
+    """One spec's parameters on one tensor-parallel rank."""
+
+    num_params: int
+    largest: int
+    """Its largest single module (ZeRO-3 gathers one module at a time)."""
+    no_decay: int
+    """Biases and norm parameters: the no-weight-decay group (`training/optimizer.py`)."""
+
+
+def gpt_spec_params(model: ModelConfig, tensor_parallel_size: int = 1) -> list[SpecParams]:
+    """Parameters of each spec per tensor-parallel rank, in spec order, from `megatron_ds.config.shapes`.
+
+    The tied LM head counts the word embedding again: it is a second copy when the head is on
+    another stage (callers that want unique parameters drop it, see `estimate.memory_model.total_params`).
+    """
+    t = tensor_parallel_size
+    vocab = shapes.word_embedding_params(model, t)
+    norm = model.norm_params
+    layer = shapes.layer_params(model, t)
+    position = shapes.position_embedding_params(model)
+    by_name = {
+        CAST_INPUTS: SpecParams(0, 0, 0),
+        WORD_EMBEDDING: SpecParams(vocab, vocab, 0),
+        POSITION_EMBEDDING: SpecParams(position, position, 0),
+        EMBEDDING_DROPOUT: SpecParams(0, 0, 0),
+        TRANSFORMER_LAYER: SpecParams(layer.total, layer.largest, layer.no_decay),
+        FINAL_NORM: SpecParams(norm, norm, norm),
+        TIED_LM_HEAD: SpecParams(vocab, vocab, 0),
+        UNTIED_LM_HEAD: SpecParams(vocab, vocab, 0),
+        LOGITS_TO_FP32: SpecParams(0, 0, 0),
+    }
+    return [by_name[name] for name in gpt_spec_groups(model).names]
+
+
 def gpt_spec_param_counts(model: ModelConfig) -> list[int]:
-    """Parameters held by each spec (for `--pp-partition-method parameters`)."""
-    h, v = model.hidden_size, model.vocab_size
-    norm = 2 * h if model.normalization == "layernorm" else h
-    position = model.max_position_embeddings * h if model.add_position_embedding else 0
-    return [0, v * h, position, *([transformer_layer_param_count(model)] * model.num_layers), norm, v * h, 0]
-
-
-def transformer_layer_param_count(model: ModelConfig) -> int:
-    """Parameters of one (whole, T=1) transformer layer."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    norm = 2 * h if model.normalization == "layernorm" else h
-    qkv_rows = (model.num_attention_heads + 2 * model.kv_heads) * (h // model.num_attention_heads)
-    fc1_rows = 2 * f if model.swiglu else f
-    weights = qkv_rows * h + h * h + fc1_rows * h + f * h  # qkv, proj, fc1, fc2
-    biases = qkv_rows + h + fc1_rows + h if model.add_bias_linear else 0
-    return 2 * norm + weights + biases
+    """Parameters held by each spec at T=1 (for `--pp-partition-method parameters`)."""
+    return [spec.num_params for spec in gpt_spec_params(model)]

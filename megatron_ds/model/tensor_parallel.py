@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from megatron_ds.config import Config, ModelConfig
+from megatron_ds.config import Config, ModelConfig, RegularizationConfig
 from megatron_ds.model import naming, rng
 from megatron_ds.model.init import draw_normal, gather_fused, init_generator, shard_fused
 from megatron_ds.model.tensor_parallel_rank import TensorParallel
@@ -91,7 +91,7 @@ def _initialised_as(t: int, p: int) -> bool:
 
 
 def _check_divisible(model: ModelConfig, t: int) -> None:
-    # Invariants: validation.py has already turned violations into ConfigErrors.
+    # Invariants: building the Config has already turned violations into ConfigErrors.
     for what, value in (
         ("heads", model.num_attention_heads),
         ("kv heads", model.kv_heads),
@@ -219,8 +219,11 @@ class VocabParallelWordEmbedding(VocabParallelEmbedding):
 
     SPEC_NAME = naming.WORD_EMBEDDING
 
-    def __init__(self, model: ModelConfig, init_seed: int, tp: TensorParallel) -> None:
-        full = draw_normal((model.vocab_size, model.hidden_size), model.init_method_std, init_generator(init_seed))
+    def __init__(
+        self, model: ModelConfig, regularization: RegularizationConfig, init_seed: int, tp: TensorParallel
+    ) -> None:
+        std = regularization.init_method_std
+        full = draw_normal((model.vocab_size, model.hidden_size), std, init_generator(init_seed))
         super().__init__(
             model.vocab_size, model.hidden_size, init_method=_copy_of(full), config=_layer_config(tp), tp_group=tp.group
         )
@@ -236,8 +239,11 @@ class VocabParallelLMHead(ColumnLinear):
 
     SPEC_NAME = naming.UNTIED_LM_HEAD
 
-    def __init__(self, model: ModelConfig, init_seed: int, tp: TensorParallel) -> None:
-        full = draw_normal((model.vocab_size, model.hidden_size), model.init_method_std, init_generator(init_seed))
+    def __init__(
+        self, model: ModelConfig, regularization: RegularizationConfig, init_seed: int, tp: TensorParallel
+    ) -> None:
+        std = regularization.init_method_std
+        full = draw_normal((model.vocab_size, model.hidden_size), std, init_generator(init_seed))
         super().__init__(tp, full, bias=False)
 
 

@@ -2,6 +2,8 @@
 
 Options (ModelConfig): grouped-query attention (`num_key_value_heads`: kv heads shared by groups
 of nh/kv query heads), rotary embeddings on q and k, a SwiGLU MLP, no biases in the linears.
+Dropout probabilities and the init std come from RegularizationConfig; the weight shapes from
+`megatron_ds.config.shapes.layer_linear_shapes` (the same shapes the parameter counts use).
 
 At T > 1 the same layer runs on each tensor rank with megatron-core's parallel linears: QKV and
 fc1 are column-parallel (this rank's heads / MLP features), proj and fc2 row-parallel (their
@@ -20,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.config.shapes import layer_linear_shapes
 from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
 from megatron_ds.model.layers import make_norm
 from megatron_ds.model.parallel import NO_TENSOR_PARALLEL, TensorParallel, column_linear, row_linear
@@ -35,24 +38,29 @@ class TransformerLayer(nn.Module):
     between pipeline stages.
     """
 
-    def __init__(self, model: ModelConfig, init_seed: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        regularization: RegularizationConfig,
+        init_seed: int,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+    ) -> None:
         super().__init__()
-        h = model.hidden_size
         nh, kv = model.num_attention_heads, model.kv_heads
         assert nh % tp.size == 0 and kv % tp.size == 0 and nh % kv == 0, (nh, kv, tp.size)
         self.num_local_heads = nh // tp.size
         self.num_local_kv_heads = kv // tp.size
-        self.head_dim = h // nh
+        self.head_dim = model.head_dim
         self.rotary = model.use_rotary_position_embeddings
         self.swiglu = model.swiglu
-        self.hidden_dropout = model.hidden_dropout
-        self.attention_dropout = model.attention_dropout
+        self.hidden_dropout = regularization.hidden_dropout
+        self.attention_dropout = regularization.attention_dropout
         # Dropout on the residual branches (replicated activations) is the same on every tensor
         # rank and equal to T=1's; attention dropout acts on this rank's heads only.
         self.hidden_stream = Stream.replicated(init_seed)
         self.attention_stream = Stream.tensor_parallel(init_seed, tp.rank)
         checkpoint_streams(self, self.hidden_stream, self.attention_stream)
-        qkv, proj, fc1, fc2 = self._full_weights(model, init_seed)
+        qkv, proj, fc1, fc2 = self._full_weights(model, regularization.init_method_std, init_seed)
         # Registration order = parameter order (optimizer state, ZeRO partitions): keep it.
         self.input_norm = make_norm(model)
         bias = model.add_bias_linear
@@ -64,20 +72,15 @@ class TransformerLayer(nn.Module):
         self.fc2 = row_linear(tp, fc2, bias)
 
     @staticmethod
-    def _full_weights(model: ModelConfig, init_seed: int) -> tuple[torch.Tensor, ...]:
+    def _full_weights(model: ModelConfig, std: float, init_seed: int) -> tuple[torch.Tensor, ...]:
         # Megatron's init: N(0, std) for inputs to the residual branch, std / sqrt(2L) for the
         # projections that write into the residual stream; biases zero. Full (T=1) matrices,
-        # drawn in this order whatever T is; each rank keeps its shard.
+        # drawn in this order whatever T is; each rank keeps its shard. The fused QKV rows are nh
+        # query heads, then kv key heads, then kv value heads; a SwiGLU fc1 has the gate, then up.
         gen = init_generator(init_seed)
-        # The fused QKV rows: nh query heads, then kv key heads, then kv value heads (of hd rows);
-        # a SwiGLU fc1 has 2f rows: the gate, then the up projection.
-        h, f = model.hidden_size, model.ffn_hidden_size
-        qkv_rows = (model.num_attention_heads + 2 * model.kv_heads) * (h // model.num_attention_heads)
-        fc1_rows = 2 * f if model.swiglu else f
-        std = model.init_method_std
         out_std = std / math.sqrt(2.0 * model.num_layers)
-        shapes = (((qkv_rows, h), std), ((h, h), out_std), ((fc1_rows, h), std), ((h, f), out_std))
-        return tuple(draw_normal(shape, s, gen) for shape, s in shapes)
+        stds = {"qkv": std, "proj": out_std, "fc1": std, "fc2": out_std}
+        return tuple(draw_normal(shape, stds[name], gen) for name, shape in layer_linear_shapes(model).items())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + dropout(self._attention(self.input_norm(x)), self.hidden_dropout, self.training, self.hidden_stream)

@@ -27,7 +27,7 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
     parallel = ParallelConfig(
         pipeline_model_parallel_size=cand.pp,
         tensor_model_parallel_size=cand.tp,
-        data_parallel_size=cand.dp,
+        world_size=cand.dp * cand.pp * cand.tp,
         pp_dedicated_embedding_stages=dedicated,
         pp_layout=pp_layout,
     )

@@ -10,14 +10,13 @@ vocabulary of 50257 tokens.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import DataConfig, ModelConfig, padded_vocab_size
 from megatron_ds.errors import UserError
 
 GPT2_VOCAB_SIZE = 50257
-MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # pretrain_gpt.py's default --make-vocab-size-divisible-by
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = DataConfig.make_vocab_size_divisible_by  # pretrain_gpt.py's default
 
 
 class PlanError(UserError):
@@ -136,14 +135,6 @@ def find_preset(name: str) -> Preset:
     )
 
 
-def padded_vocab_size(
-    vocab_size: int, tensor_parallel_size: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY
-) -> int:
-    """Megatron's padding, as `megatron_ds.validation.padded_vocab_size` (kept equal by a test)."""
-    multiple = divisible_by * tensor_parallel_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
 def model_config(
     num_layers: int,
     hidden_size: int,
@@ -153,7 +144,8 @@ def model_config(
     ffn_hidden_size: int | None = None,
     tensor_parallel_size: int = 1,
 ) -> ModelConfig:
-    """The ModelConfig pretrain_gpt.py builds for these flags (vocabulary padded the same way)."""
+    """The ModelConfig pretrain_gpt.py builds for these flags: the vocabulary padded by the same
+    `megatron_ds.config.padded_vocab_size`, the same checks (a ConfigError naming the flag)."""
     return ModelConfig(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -161,5 +153,5 @@ def model_config(
         ffn_hidden_size=ffn_hidden_size or 4 * hidden_size,
         seq_length=seq_length,
         max_position_embeddings=seq_length,
-        vocab_size=padded_vocab_size(vocab_size, tensor_parallel_size),
+        vocab_size=padded_vocab_size(vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tensor_parallel_size),
     )

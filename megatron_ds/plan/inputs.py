@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ds.config import DEDICATED_CHOICES, ModelConfig
+from megatron_ds.errors import ConfigError
 from megatron_ds.pipeline.methods import planned_methods
 from megatron_ds.plan import hardware
 from megatron_ds.plan.hardware import PlanError
@@ -230,11 +231,10 @@ def _dims(raw: PlanInputs) -> tuple[dict | None, hardware.Preset | None]:
     if len(given) < len(required):
         flags = ", ".join("--" + k.replace("_", "-") for k in required if dims[k] is None)
         raise PlanError(f"model size is incomplete: also give {flags} (or --model PRESET)")
-    if dims["hidden_size"] % dims["num_attention_heads"]:
-        raise PlanError(
-            f"--hidden-size {dims['hidden_size']} is not divisible by --num-attention-heads "
-            f"{dims['num_attention_heads']}; choose sizes whose ratio is an integer head size"
-        )
+    try:
+        hardware.model_config(**dims)  # pretrain_gpt.py's checks and vocabulary padding (megatron_ds.config)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
     return dims, preset
 
 

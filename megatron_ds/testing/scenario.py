@@ -31,7 +31,14 @@ from typing import Any
 
 import torch
 
-from megatron_ds.config import Config, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megatron_ds.config import (
+    Config,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RegularizationConfig,
+    TrainingConfig,
+)
 from megatron_ds.model import naming
 
 
@@ -45,11 +52,10 @@ def tiny_config(**overrides: Any) -> Config:
         seq_length=16,
         max_position_embeddings=16,
         vocab_size=128,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
     )
     cfg = Config(
         model=model,
+        regularization=RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0),
         parallel=ParallelConfig(),
         optimizer=OptimizerConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=2, global_batch_size=8, seed=1234),
@@ -211,8 +217,7 @@ def main(spec_path: str, out_dir: str) -> None:
         for sc in spec["scenarios"]:
             overrides = dict(sc.get("overrides", {}))
             cfg = tiny_config(**overrides)
-            p, tp = cfg.parallel.pipeline_model_parallel_size, cfg.parallel.tensor_model_parallel_size
-            cfg = cfg.replace(parallel__data_parallel_size=env_world_size() // (p * tp))
+            cfg = cfg.replace(parallel__world_size=env_world_size())
             init_distributed(cfg.parallel)
             results.append(run_one(cfg, sc.get("steps", 3), sc.get("layout", {}), options=sc))
         clean = True

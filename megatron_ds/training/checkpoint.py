@@ -130,11 +130,29 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
 
 
 def architecture_mismatch(saved: dict[str, Any], config: Config) -> list[str]:
-    """Model fields that differ between a checkpoint's config and this run's."""
+    """Architecture (`ModelConfig`) fields that differ between a checkpoint's config and this run's.
+
+    Regularization (dropout, init std) is not architecture: see `regularization_changes`.
+    """
     ours = config.to_dict()["model"]
     # Through from_dict, fields added after the checkpoint was written take their defaults.
     theirs = Config.from_dict(saved["config"]).to_dict()["model"]
     return [f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)" for k, v in ours.items() if theirs.get(k) != v]
+
+
+def regularization_changes(saved: dict[str, Any], config: Config) -> list[str]:
+    """`RegularizationConfig` fields this run changes relative to the checkpoint (allowed on resume)."""
+    ours = config.to_dict()["regularization"]
+    theirs = Config.from_dict(saved["config"]).to_dict()["regularization"]
+    return [f"{k} {theirs[k]!r} -> {v!r}" for k, v in ours.items() if theirs[k] != v]
+
+
+def regularization_notice(saved: dict[str, Any], config: Config, load_dir: str, tag: str) -> str | None:
+    """The one-line notice printed on resume when dropout or init std differ from the checkpoint's."""
+    changes = regularization_changes(saved, config)
+    if not changes:
+        return None
+    return f"NOTICE: --load {load_dir} ({tag}): regularization differs from the checkpoint's: {'; '.join(changes)}"
 
 
 def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: str) -> None:
@@ -214,6 +232,9 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
         return None
     meta = read_meta(load_dir, tag)
     check_compatible(meta, config, load_dir, tag)  # load_dir need not be --load (library callers)
+    notice = regularization_notice(meta, config, load_dir, tag)
+    if notice and dist.get_rank() == 0:
+        print(notice, flush=True)
     weights_only = ck.no_load_optim or ck.finetune
     moved = _same_topology(meta, config, layout, dist.get_world_size())
     if moved and not weights_only:

@@ -33,7 +33,7 @@ def scenario(t: int = 2, p: int = 2, dedicated: str = "none", zero: int = 0, pre
              untied: bool = False, **options: Any) -> dict[str, Any]:
     overrides = {"parallel__tensor_model_parallel_size": t, "parallel__pipeline_model_parallel_size": p,
                  "model__num_layers": LAYERS, "training__zero_stage": zero, "training__precision": precision,
-                 "model__hidden_dropout": hidden_dropout, "model__attention_dropout": attention_dropout,
+                 "regularization__hidden_dropout": hidden_dropout, "regularization__attention_dropout": attention_dropout,
                  "training__checkpoint_activations": checkpointing,
                  "model__untie_embeddings_and_output_weights": untied}
     overrides.update(options.pop("overrides", {}))

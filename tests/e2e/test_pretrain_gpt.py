@@ -156,6 +156,20 @@ def test_weights_resume_into_another_layout(straight: dict) -> None:
     assert TEST_LOSS.search(moved.stdout).group(1) == TEST_LOSS.search(straight["out"]).group(1)
 
 
+def test_resume_with_another_dropout_prints_a_notice(straight: dict) -> None:
+    """Dropout and init std are not architecture: another value resumes, rank 0 says what changed."""
+    model = [a if a != "0.1" else "0.0" for a in MODEL]  # --hidden-dropout and --attention-dropout 0.0
+    train = [*TRAIN[: TRAIN.index("--train-iters") + 1], "7", *TRAIN[TRAIN.index("--train-iters") + 2 :]]
+    out = single(*model, *train, "--init-method-std", "0.01", "--load", str(straight["save"]), "--no-load-optim")
+    assert out.returncode == 0, out.stderr[-3000:]
+    notices = [ln for ln in out.stdout.splitlines() if ln.startswith("NOTICE: ")]
+    assert notices == [
+        f"NOTICE: --load {straight['save']} (global_step6): regularization differs from the checkpoint's: "
+        "hidden_dropout 0.1 -> 0.0; attention_dropout 0.1 -> 0.0; init_method_std 0.02 -> 0.01"
+    ]
+    assert "iteration        7/       7" in out.stdout
+
+
 def single(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True, timeout=180, cwd=ROOT

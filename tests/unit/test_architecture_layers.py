@@ -13,9 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds import compat
 from megatron_ds.arguments import ConfigError, parse_config
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
 from megatron_ds.model import naming
 from megatron_ds.model.init import gather_fused, gather_qkv, shard, shard_fused, shard_qkv
 from megatron_ds.model.layers import EmbeddingDropout, FinalNorm, LMHead, PositionEmbedding, WordEmbedding
@@ -31,9 +30,8 @@ BASE = ModelConfig(
     seq_length=8,
     max_position_embeddings=8,
     vocab_size=128,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
 )
+NO_DROPOUT = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
 LLAMA = dataclasses.replace(
     BASE,
     num_key_value_heads=2,
@@ -90,14 +88,14 @@ def test_rotary_scores_depend_on_relative_position_only() -> None:
 def test_rotary_changes_the_layer_and_position_embedding_goes() -> None:
     x = torch.randn(2, BASE.seq_length, BASE.hidden_size)
     plain, rope = (
-        TransformerLayer(BASE, SEED).eval(),
-        TransformerLayer(model(use_rotary_position_embeddings=True), SEED).eval(),
+        TransformerLayer(BASE, NO_DROPOUT, SEED).eval(),
+        TransformerLayer(model(use_rotary_position_embeddings=True), NO_DROPOUT, SEED).eval(),
     )
     assert not torch.allclose(plain(x), rope(x))
     groups = naming.gpt_spec_groups(model(use_rotary_position_embeddings=True, add_position_embedding=False))
     assert groups.pre == (naming.CAST_INPUTS, naming.WORD_EMBEDDING, naming.EMBEDDING_DROPOUT)
     assert groups.num_specs == naming.gpt_spec_groups(BASE).num_specs  # one checkpoint file per spec index
-    dropout = EmbeddingDropout(dataclasses.replace(BASE, hidden_dropout=0.5), SEED)
+    dropout = EmbeddingDropout(BASE, RegularizationConfig(hidden_dropout=0.5), SEED)
     assert list(dropout.parameters()) == [] and torch.equal(dropout.eval()(x), x)
 
 
@@ -106,7 +104,10 @@ def test_rotary_changes_the_layer_and_position_embedding_goes() -> None:
 
 @torch.no_grad()
 def test_gqa_with_one_kv_head_per_query_head_is_multi_head_attention() -> None:
-    mha, gqa = TransformerLayer(BASE, SEED), TransformerLayer(model(num_key_value_heads=4), SEED)
+    mha, gqa = (
+        TransformerLayer(BASE, NO_DROPOUT, SEED),
+        TransformerLayer(model(num_key_value_heads=4), NO_DROPOUT, SEED),
+    )
     for (name, p), q in zip(mha.named_parameters(), gqa.parameters()):
         assert torch.equal(p, q), name
     x = torch.randn(2, BASE.seq_length, BASE.hidden_size)
@@ -116,11 +117,11 @@ def test_gqa_with_one_kv_head_per_query_head_is_multi_head_attention() -> None:
 @torch.no_grad()
 def test_gqa_equals_multi_head_attention_with_kv_heads_repeated_per_group() -> None:
     cfg = model(num_key_value_heads=2, use_rotary_position_embeddings=True)
-    gqa = perturbed(TransformerLayer(cfg, SEED))
+    gqa = perturbed(TransformerLayer(cfg, NO_DROPOUT, SEED))
     h, nh, kv = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads
     hd = h // nh
     assert gqa.qkv.weight.shape == ((nh + 2 * kv) * hd, h)
-    mha = TransformerLayer(model(use_rotary_position_embeddings=True), SEED).eval()
+    mha = TransformerLayer(model(use_rotary_position_embeddings=True), NO_DROPOUT, SEED).eval()
     mha.load_state_dict(
         {
             **gqa.state_dict(),
@@ -152,7 +153,7 @@ def _repeat_kv(fused: torch.Tensor, nh: int, kv: int, hd: int) -> torch.Tensor:
 @torch.no_grad()
 def test_swiglu_shapes_and_formula() -> None:
     cfg = model(swiglu=True)
-    layer = perturbed(TransformerLayer(cfg, SEED))
+    layer = perturbed(TransformerLayer(cfg, NO_DROPOUT, SEED))
     f, h = cfg.ffn_hidden_size, cfg.hidden_size
     assert layer.fc1.weight.shape == (2 * f, h) and layer.fc1.bias.shape == (2 * f,)
     assert layer.fc2.weight.shape == (h, f)
@@ -164,7 +165,7 @@ def test_swiglu_shapes_and_formula() -> None:
 
 def test_no_linear_biases_keeps_norm_biases_and_the_no_decay_group() -> None:
     for norm, no_decay in (("layernorm", 4), ("rmsnorm", 2)):
-        layer = TransformerLayer(model(add_bias_linear=False, normalization=norm), SEED)
+        layer = TransformerLayer(model(add_bias_linear=False, normalization=norm), NO_DROPOUT, SEED)
         for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2):
             assert linear.bias is None
         assert add_group_placeholders(layer) == []  # norm weights keep no_decay non-empty
@@ -186,13 +187,14 @@ def test_no_linear_biases_keeps_norm_biases_and_the_no_decay_group() -> None:
     ],
 )
 def test_param_counts_match_the_modules(cfg: ModelConfig) -> None:
-    position = PositionEmbedding(cfg, 2) if cfg.add_position_embedding else EmbeddingDropout(cfg, 2)
-    head = LMHead(cfg, 9) if cfg.untie_embeddings_and_output_weights else WordEmbedding(cfg, 1)
+    reg = NO_DROPOUT
+    position = PositionEmbedding(cfg, reg, 2) if cfg.add_position_embedding else EmbeddingDropout(cfg, reg, 2)
+    head = LMHead(cfg, reg, 9) if cfg.untie_embeddings_and_output_weights else WordEmbedding(cfg, reg, 1)
     modules = [
         None,
-        WordEmbedding(cfg, 1),
+        WordEmbedding(cfg, reg, 1),
         position,
-        *[TransformerLayer(cfg, 3 + i) for i in range(cfg.num_layers)],
+        *[TransformerLayer(cfg, reg, 3 + i) for i in range(cfg.num_layers)],
         FinalNorm(cfg, 8),
         head,
         None,
@@ -204,7 +206,7 @@ def test_param_counts_match_the_modules(cfg: ModelConfig) -> None:
 def test_default_counts_unchanged() -> None:
     h, f = BASE.hidden_size, BASE.ffn_hidden_size
     layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
-    assert naming.transformer_layer_param_count(BASE) == layer
+    assert shapes.layer_params(BASE).total == layer
 
 
 # --- tensor-parallel layouts -----------------------------------------------------------------------
@@ -264,7 +266,7 @@ def _rank_attention(layer: TransformerLayer, cfg: ModelConfig, normed: torch.Ten
     from megatron_ds.model.parallel import TensorParallel
 
     nh, kv = cfg.num_attention_heads, cfg.kv_heads
-    local = TransformerLayer(cfg, SEED, TensorParallel(size=1)).eval()  # reuse the forward with local sizes
+    local = TransformerLayer(cfg, NO_DROPOUT, SEED, TensorParallel(size=1)).eval()  # reuse the forward with local sizes
     local.num_local_heads, local.num_local_kv_heads = nh // t, kv // t
     local.qkv = torch.nn.Linear(cfg.hidden_size, 1, bias=layer.qkv.bias is not None)
     local.qkv.weight = torch.nn.Parameter(shard_qkv(layer.qkv.weight, nh, t, r, num_kv_heads=kv))
@@ -289,7 +291,7 @@ def _rank_attention(layer: TransformerLayer, cfg: ModelConfig, normed: torch.Ten
 @pytest.mark.parametrize("t", [2])
 @torch.no_grad()
 def test_sharded_layer_computes_the_t1_layer(cfg: ModelConfig, t: int) -> None:
-    layer = perturbed(TransformerLayer(cfg, SEED))
+    layer = perturbed(TransformerLayer(cfg, NO_DROPOUT, SEED))
     x = torch.randn(2, cfg.seq_length, cfg.hidden_size)
     torch.testing.assert_close(_simulated_forward(layer, cfg, x, t), layer(x), rtol=0, atol=1e-6)
 
@@ -297,8 +299,7 @@ def test_sharded_layer_computes_the_t1_layer(cfg: ModelConfig, t: int) -> None:
 # --- validation ------------------------------------------------------------------------------------
 
 
-def test_tensor_parallel_size_must_divide_kv_heads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(compat, "PENDING_MODEL_FIELDS", {})  # until the entries are deleted there
+def test_tensor_parallel_size_must_divide_kv_heads() -> None:
     argv = [
         "--num-layers",
         "2",

@@ -133,7 +133,14 @@ def test_dedicated_stages_are_candidates() -> None:
 
 
 def test_fast_at_scale() -> None:
-    m = model(200, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096, seq_length=2048)
+    m = model(
+        200,
+        hidden_size=1024,
+        num_attention_heads=16,
+        ffn_hidden_size=4096,
+        seq_length=2048,
+        max_position_embeddings=2048,
+    )
     inputs = MemoryInputs(
         model=m, micro_batch_size=1, num_micro_batches=128, checkpoint_activations=True, checkpoint_num_layers=3
     )

@@ -1,8 +1,9 @@
-"""Megatron-DeepSpeed flag compatibility: the table in megatron_ds/compat.py is what the parser does,
-the README shows that table, and the flags with new meaning here map onto the config tree."""
+"""Megatron-DeepSpeed flag compatibility: the declarations in megatron_ds/flags are what the parser does,
+the README shows the table drawn from them, and the flags with new meaning here map onto the config tree."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -11,8 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ds import compat
+from megatron_ds import compat, flags
 from megatron_ds.arguments import ConfigError, _Refused, build_parser, parse_config
+from megatron_ds.config.tree import SECTIONS
+from megatron_ds.flags.declare import field_default
 from megatron_ds.testing.scenario import tiny_config
 from megatron_ds.training import deepspeed_config as dsc
 from megatron_ds.training import logger
@@ -38,32 +41,46 @@ BASE = [
     "--lr",
     "1e-3",
 ]
-PENDING_SAMPLES = {"--num-key-value-heads": ["2"]}
+LLAMA_FLAGS = {
+    "--swiglu": [],
+    "--use-rotary-position-embeddings": [],
+    "--num-key-value-heads": ["2"],
+    "--no-position-embedding": [],
+    "--disable-bias-linear": [],
+    "--normalization": ["rmsnorm"],
+    "--untie-embeddings-and-output-weights": [],
+}
+REFUSED_VALUES = [(f, r.value) for f in flags.FLAGS for r in f.refused_values]
 
 
-def parse(*flags: str, world_size: int = 1):
-    return parse_config([*BASE, *flags], world_size=world_size)[0]
+def parse(*argv: str, world_size: int = 1):
+    return parse_config([*BASE, *argv], world_size=world_size)[0]
 
 
-def test_every_table_flag_is_registered_as_the_table_says() -> None:
+def sample_values(flag: flags.Flag) -> list[str]:
+    return [] if flag.nargs == flags.SWITCH else ["1"]
+
+
+def test_every_declared_flag_is_registered_as_declared() -> None:
     actions = build_parser()._option_string_actions
-    for f in compat.FLAGS:
-        assert f.name in actions, f"{f.name} is in the compat table but not in the parser"
-        refused = isinstance(actions[f.name], _Refused)
-        assert refused == (f.status == compat.REFUSED), f.name
+    for f in flags.FLAGS:
+        for name in (f.name, *f.aliases):
+            assert name in actions, f"{name} is declared but not in the parser"
+            assert isinstance(actions[name], _Refused) == (f.status == flags.REFUSED), name
+            assert actions[name].dest == f.attr
+    declared = {n for f in flags.FLAGS for n in (f.name, *f.aliases)}
+    assert set(actions) - {"-h", "--help"} == declared  # nothing is added to the parser by hand
 
 
-@pytest.mark.parametrize("flag", [f for f in compat.FLAGS if f.status == compat.NO_OP], ids=lambda f: f.name)
-def test_no_op_flags_parse_and_change_nothing(flag: compat.Flag) -> None:
-    value = [] if flag.kind == compat.SWITCH else ["1"]
-    assert parse(flag.name, *value) == parse()
+@pytest.mark.parametrize("flag", [f for f in flags.FLAGS if f.status == flags.NO_OP], ids=lambda f: f.name)
+def test_no_op_flags_parse_and_change_nothing(flag: flags.Flag) -> None:
+    assert parse(flag.name, *sample_values(flag)) == parse()
 
 
-@pytest.mark.parametrize("flag", [f for f in compat.FLAGS if f.status == compat.REFUSED], ids=lambda f: f.name)
-def test_refused_flags_give_their_reason(flag: compat.Flag) -> None:
-    value = [] if flag.kind == compat.SWITCH else ["1"]
+@pytest.mark.parametrize("flag", [f for f in flags.FLAGS if f.status == flags.REFUSED], ids=lambda f: f.name)
+def test_refused_flags_give_their_reason(flag: flags.Flag) -> None:
     with pytest.raises(ConfigError) as err:
-        parse(flag.name, *value)
+        parse(flag.name, *sample_values(flag))
     assert str(err.value) == compat.refusal_message(flag.name)
     assert str(err.value).startswith(f"{flag.name} is not supported: ") and "\n" not in str(err.value)
 
@@ -78,26 +95,25 @@ def test_several_refused_flags_are_named_together_before_unknown_ones() -> None:
         parse("--foo")
 
 
-@pytest.mark.parametrize("flag,value", list(compat.REFUSED_VALUES), ids=lambda x: str(x))
-def test_refused_values_give_their_reason(flag: str, value: str) -> None:
+@pytest.mark.parametrize("flag,value", REFUSED_VALUES, ids=lambda x: getattr(x, "name", x))
+def test_refused_values_give_their_reason(flag: flags.Flag, value: str) -> None:
     with pytest.raises(ConfigError) as err:
-        parse(flag, value)
-    assert str(err.value) == compat.refusal_message(flag, value)
+        parse(flag.name, value)
+    assert str(err.value) == compat.refusal_message(flag.name, value)
 
 
-@pytest.mark.parametrize("flag", [f for f in compat.FLAGS if f.model_field], ids=lambda f: f.name)
-def test_architecture_flags_pending_or_accepted(flag: compat.Flag) -> None:
-    argv = [flag.name, *PENDING_SAMPLES.get(flag.name, [])]
-    if flag.effective_status == compat.PENDING:
-        with pytest.raises(ConfigError) as err:
-            parse(*argv)
-        assert str(err.value) == compat.pending_message(flag.model_field, flag.name)
-        assert "is not implemented yet" in str(err.value)
-    else:
-        assert parse(*argv) != parse()
+@pytest.mark.parametrize("name", LLAMA_FLAGS)
+def test_llama_options_are_accepted_and_change_the_model(name: str) -> None:
+    assert flags.BY_NAME[name].status == flags.ACCEPTED
+    assert parse(name, *LLAMA_FLAGS[name]).model != parse().model
 
 
-def test_readme_table_is_generated_from_compat() -> None:
+def test_no_flag_is_pending() -> None:
+    assert {f.status for f in flags.FLAGS} == {flags.ACCEPTED, flags.NO_OP, flags.REFUSED}
+    assert "not yet" not in compat.markdown_table() and not hasattr(compat, "PENDING_MODEL_FIELDS")
+
+
+def test_readme_table_is_generated_from_the_declarations() -> None:
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- compat-table:begin -->\n(.*?)<!-- compat-table:end -->", readme, re.S)
     assert block, "README lacks the compat-table markers"
@@ -106,11 +122,48 @@ def test_readme_table_is_generated_from_compat() -> None:
     )
 
 
-def test_table_rows_name_each_flag_once_with_its_status() -> None:
+def test_table_rows_name_each_megatron_flag_once_with_its_status() -> None:
     rows = compat.markdown_table().splitlines()[2:]
-    assert len(rows) == len(compat.FLAGS)
-    for f, row in zip(compat.FLAGS, rows):
-        assert f"| `{f.name}` | {f.effective_status} |" in row
+    megatron = [f for f in flags.FLAGS if f.megatron]
+    assert len(rows) == len(megatron)
+    for f, row in zip(megatron, rows):
+        assert f"| `{f.name}` | {f.status} |" in row
+
+
+def test_every_config_field_is_set_by_a_flag() -> None:
+    declared = {path for f in flags.FLAGS if f.status == flags.ACCEPTED for path in f.fields}
+    tree = {f"{sec}.{f.name}" for sec, klass in SECTIONS.items() for f in dataclasses.fields(klass)}
+    assert declared == tree
+
+
+def test_copied_flags_default_to_their_config_field() -> None:
+    for f in flags.FLAGS:
+        if f.fields and not f.derived and f.resolved_default() is not None:
+            assert f.resolved_default() == field_default(f.fields[0]), f.name
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [f for f in flags.FLAGS if f.status == flags.ACCEPTED and f.is_switch and f.fields and not f.derived],
+    ids=lambda f: f.name,
+)
+def test_copied_switches_set_their_field(flag: flags.Flag) -> None:
+    section, name = flag.fields[0].split(".")
+    assert getattr(getattr(parse(flag.name), section), name) == flag.const
+
+
+def test_help_lists_every_partition_method_and_the_config_fields() -> None:
+    text = " ".join(build_parser().format_help().split())
+    from megatron_ds.pipeline.methods import REGISTRY
+
+    help_text = text.rsplit("--pp-partition-method PP_PARTITION_METHOD", 1)[1].split("[sets", 1)[0]
+    syntaxes = [m.syntax for m in REGISTRY.values()]
+    assert {"uniform", "parameters", "memory"} <= set(syntaxes)
+    for method in (*syntaxes, "auto"):
+        assert method in help_text
+    assert "--pp-layout PP_LAYOUT" in text and "or auto:" in text
+    assert "dropout on attention probabilities (default: 0.1) [sets regularization.attention_dropout]" in text
+    assert "--sequence-parallel" not in text.split("usage:", 1)[1].split("options:", 1)[1]  # refused: hidden
 
 
 # Flags whose meaning is a mapping onto our config tree.
@@ -240,14 +293,14 @@ def test_model_options_that_keep_todays_model() -> None:
         )
         == parse()
     )
-    for flags, message in (
+    for argv, message in (
         (["--num-key-value-heads", "3"], "--num-key-value-heads 3 must divide"),
         (["--kv-channels", "16"], "--kv-channels 16 is not supported"),
         (["--num-experts", "8"], "--num-experts 8 is not supported"),
         (["--vocab-extra-ids", "100"], "--vocab-extra-ids 100 is not supported"),
     ):
         with pytest.raises(ConfigError, match=re.escape(message)):
-            parse(*flags)
+            parse(*argv)
 
 
 def test_new_fields_round_trip_and_default_to_todays_behaviour() -> None:

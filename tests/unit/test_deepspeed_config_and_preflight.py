@@ -15,7 +15,7 @@ from megatron_ds.training.preflight import PreflightError, compare
 
 
 def test_generated_config_has_batch_sizes_and_always_clipping() -> None:
-    cfg = tiny_config(optimizer__clip_grad=0.0, parallel__data_parallel_size=2)
+    cfg = tiny_config(optimizer__clip_grad=0.0, parallel__world_size=2)
     ds = dsc.generate(cfg)
     assert ds["train_batch_size"] == 8 and ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 2

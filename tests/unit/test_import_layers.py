@@ -7,7 +7,7 @@ The layers, bottom to top (docs/architecture.md explains each):
     model      model, data                           torch modules and specs; tokens and samples
     estimate   estimate                              memory and compute models (arithmetic over config + layout)
     runtime    training, interop, inference          engine, loop, checkpoints, conversion, generation
-    interface  arguments, validation, compat, cli,   flags -> config; the planner; test launchers
+    interface  arguments, validation, compat, flags, flags -> config; the planner; test launchers
                plan, testing
 
 Every `import megatron_ds...` counts, including those inside functions (a lazy import that
@@ -37,6 +37,7 @@ LAYER_OF = {
     "arguments": "interface",
     "validation": "interface",
     "compat": "interface",
+    "flags": "interface",
     "cli": "interface",
     "plan": "interface",
     "testing": "interface",

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate import activations as act
 from megatron_ds.estimate.memory_model import (
     MemoryInputs,
@@ -39,6 +39,9 @@ def tiny(**kw) -> ModelConfig:
         vocab_size=128,
     )
     return ModelConfig(**{**base, **kw})
+
+
+MEGATRON_DROPOUT = RegularizationConfig()  # 0.1 hidden and attention dropout, Megatron's defaults
 
 
 GPT_1_3B = ModelConfig(
@@ -120,14 +123,14 @@ def test_param_counts_match_the_real_modules_and_deepspeed_largest_layer() -> No
     from megatron_ds.model.layers import FinalNorm, PositionEmbedding, WordEmbedding
     from megatron_ds.model.transformer import TransformerLayer
 
-    m = tiny(vocab_size=1000)
-    layer = TransformerLayer(m, 1)
+    m, reg = tiny(vocab_size=1000), MEGATRON_DROPOUT
+    layer = TransformerLayer(m, reg, 1)
     assert layer_param_counts(m)[0] == sum(p.numel() for p in layer.parameters())
     model = torch.nn.ModuleList(
         [
-            WordEmbedding(m, 1),
-            PositionEmbedding(m, 2),
-            *[TransformerLayer(m, i) for i in range(m.num_layers)],
+            WordEmbedding(m, reg, 1),
+            PositionEmbedding(m, reg, 2),
+            *[TransformerLayer(m, reg, i) for i in range(m.num_layers)],
             FinalNorm(m, 3),
         ]
     )
@@ -160,13 +163,13 @@ def saved_bytes(fn, *modules: torch.nn.Module) -> int:
 def test_transformer_layer_activations_equal_saved_tensors(precision: str, dtype: torch.dtype, dropout: float) -> None:
     from megatron_ds.model.transformer import TransformerLayer
 
-    m = tiny(hidden_dropout=dropout, attention_dropout=dropout)
+    m, reg = tiny(), RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout)
     b = 3
-    layer = TransformerLayer(m, 1).to(dtype).train()
+    layer = TransformerLayer(m, reg, 1).to(dtype).train()
     x = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
     measured = saved_bytes(lambda: layer(x), layer)
     k = act.kernels(precision, "cpu", dropout)
-    assert sum(act.transformer_layer_terms(m, b, k).values()) == measured
+    assert sum(act.transformer_layer_terms(m, b, k, regularization=reg).values()) == measured
 
 
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
@@ -181,11 +184,12 @@ def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: tor
         logits_to_fp32,
     )
 
-    m, b = tiny(), 3
-    we, pe, fn = WordEmbedding(m, 1).to(dtype), PositionEmbedding(m, 2).to(dtype).train(), FinalNorm(m, 3).to(dtype)
+    m, b, reg = tiny(), 3, MEGATRON_DROPOUT
+    we, fn = WordEmbedding(m, reg, 1).to(dtype), FinalNorm(m, 3).to(dtype)
+    pe = PositionEmbedding(m, reg, 2).to(dtype).train()
     tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), dtype=torch.int32)
-    k = act.kernels(precision, "cpu", m.attention_dropout)
-    pre = act.pre_terms(m, b, k)
+    k = act.kernels(precision, "cpu", reg.attention_dropout)
+    pre = act.pre_terms(m, b, k, regularization=reg)
     assert saved_bytes(lambda: pe(we(cast_token_ids(tokens))), we, pe) == sum(sum(t.values()) for t in pre.values())
     hidden = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
     labels = (torch.randint(0, m.vocab_size, (b, m.seq_length)), torch.ones(b, m.seq_length))
@@ -199,12 +203,12 @@ def test_paper_closed_form_is_our_count_with_the_papers_assumptions(t: int) -> N
     """16-bit, bool masks, softmax stored (math), no norm statistics, 4h MLP: sbh(10 + 24/t + 5as/(ht))."""
     m = GPT_1_3B
     k = act.Kernels(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
-    ours = sum(act.transformer_layer_terms(m, 1, k, t).values())
+    ours = sum(act.transformer_layer_terms(m, 1, k, t, regularization=MEGATRON_DROPOUT).values())
     assert ours == pytest.approx(act.korthikanti_layer_bytes(m.seq_length, 1, m.hidden_size, m.num_attention_heads, t))
     flash = act.kernels("bf16", "cuda", 0.1)
     no_scores = sum(
         v
-        for n, v in act.transformer_layer_terms(m, 1, flash, t).items()
+        for n, v in act.transformer_layer_terms(m, 1, flash, t, regularization=MEGATRON_DROPOUT).items()
         if n not in ("norm statistics", "softmax log-sum-exp")
     )
     assert no_scores == pytest.approx(m.seq_length * m.hidden_size * (10 + 24 / t))

@@ -391,11 +391,14 @@ def test_plot_without_matplotlib_is_reported(tmp_path, capsys, monkeypatch) -> N
     assert rc == 1 and "matplotlib is not installed" in out and not (tmp_path / "m.png").exists()
 
 
-def test_padded_vocab_matches_validation() -> None:
-    from megatron_ds.validation import padded_vocab_size
+def test_padded_vocab_matches_pretrain_gpt() -> None:
+    from megatron_ds.arguments import parse_config
 
     for v, t in ((50257, 1), (50257, 8), (32000, 4), (128, 1)):
-        assert hardware.padded_vocab_size(v, t) == padded_vocab_size(v, 128, t)
+        argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "16"]
+        argv += ["--vocab-size", str(v), "--tensor-model-parallel-size", str(t), "--train-iters", "1", "--lr", "1"]
+        planned = hardware.model_config(2, 64, 8, 16, v, tensor_parallel_size=t).vocab_size
+        assert planned == parse_config(argv, world_size=t)[0].model.vocab_size
 
 
 def test_console_entry_point_is_importable_without_torch() -> None:

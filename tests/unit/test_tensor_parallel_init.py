@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.model import rng
 from megatron_ds.model.init import gather_qkv, shard, shard_qkv
 from megatron_ds.model.layers import PositionEmbedding
@@ -25,9 +25,9 @@ MODEL = ModelConfig(
     seq_length=8,
     max_position_embeddings=8,
     vocab_size=128,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
 )
+NO_DROPOUT = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
+DROPOUT = RegularizationConfig(hidden_dropout=0.2, attention_dropout=0.2)
 SEED = 1234 * 1_000_003 + 3
 
 
@@ -73,7 +73,7 @@ def _simulated_tensor_parallel_forward(layer: TransformerLayer, x: torch.Tensor,
 @pytest.mark.parametrize("t", [2, 4])
 @torch.no_grad()
 def test_sharded_layer_computes_the_t1_layer(t: int) -> None:
-    layer = TransformerLayer(MODEL, SEED).eval()
+    layer = TransformerLayer(MODEL, NO_DROPOUT, SEED).eval()
     for p in layer.parameters():  # non-zero biases and norms, so their sharding is exercised too
         p.add_(0.01 * torch.randn(p.shape))
     x = torch.randn(2, MODEL.seq_length, MODEL.hidden_size)
@@ -82,12 +82,12 @@ def test_sharded_layer_computes_the_t1_layer(t: int) -> None:
 
 def test_initial_weights_are_a_function_of_the_seed_only() -> None:
     torch.manual_seed(0)
-    a = TransformerLayer(MODEL, SEED)
+    a = TransformerLayer(MODEL, NO_DROPOUT, SEED)
     torch.manual_seed(1)  # the global generator does not matter (nn.Linear's own init is overwritten)
-    b = TransformerLayer(MODEL, SEED)
+    b = TransformerLayer(MODEL, NO_DROPOUT, SEED)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
-    assert not torch.equal(a.qkv.weight, TransformerLayer(MODEL, SEED + 1).qkv.weight)
+    assert not torch.equal(a.qkv.weight, TransformerLayer(MODEL, NO_DROPOUT, SEED + 1).qkv.weight)
 
 
 @pytest.mark.parametrize(
@@ -140,8 +140,8 @@ def _train_step(layer: TransformerLayer, x: torch.Tensor, recompute: bool) -> li
 
 def test_dropout_masks_replay_under_deepspeed_recompute() -> None:
     """Activation checkpointing restores the dropout streams: the recomputed forward is the same."""
-    model = ModelConfig(**{**MODEL.__dict__, "hidden_dropout": 0.2, "attention_dropout": 0.2})
-    layer = TransformerLayer(model, SEED).train()
+    model = MODEL
+    layer = TransformerLayer(model, DROPOUT, SEED).train()
     x = torch.randn(2, model.seq_length, model.hidden_size)
     plain = _train_step(layer, x, recompute=False)
     torch.manual_seed(99)  # what the default generator holds does not matter: the streams are the spec's
@@ -153,7 +153,7 @@ def test_dropout_masks_replay_under_deepspeed_recompute() -> None:
 
 def test_replicated_stream_is_independent_of_the_default_generator() -> None:
     rng.reset_streams()
-    embed = PositionEmbedding(ModelConfig(**{**MODEL.__dict__, "hidden_dropout": 0.5}), SEED).train()
+    embed = PositionEmbedding(MODEL, RegularizationConfig(hidden_dropout=0.5), SEED).train()
     x = torch.zeros(2, MODEL.seq_length, MODEL.hidden_size)
     torch.manual_seed(5)
     first = embed(x)
@@ -166,8 +166,8 @@ def test_replicated_stream_is_independent_of_the_default_generator() -> None:
 
 
 def test_dropout_streams_travel_in_the_state_dict() -> None:
-    model = ModelConfig(**{**MODEL.__dict__, "hidden_dropout": 0.2, "attention_dropout": 0.2})
-    layer = TransformerLayer(model, SEED).train()
+    model = MODEL
+    layer = TransformerLayer(model, DROPOUT, SEED).train()
     x = torch.randn(2, model.seq_length, model.hidden_size)
     rng.reset_streams()
     layer(x)  # advances both streams
@@ -175,7 +175,7 @@ def test_dropout_streams_travel_in_the_state_dict() -> None:
     assert saved[rng.STATE_DICT_KEY].shape[0] == 2
     expected = layer(x)
     rng.reset_streams()  # a fresh process: streams start from their seeds ...
-    fresh = TransformerLayer(model, SEED).train()
+    fresh = TransformerLayer(model, DROPOUT, SEED).train()
     assert not torch.equal(fresh(x), expected)
     rng.reset_streams()
     fresh.load_state_dict(saved)  # ... until the checkpoint restores them

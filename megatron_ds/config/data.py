@@ -1,0 +1,46 @@
+"""Where samples come from and how text becomes tokens (`DataConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_ds.config.checks import at_least, check, one_of
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where samples come from and how text becomes tokens."""
+
+    data_path: tuple[str, ...] = ()
+    """One prefix, or a weighted blend `0.7 a 0.3 b` of `<prefix>.bin/.idx` (`--data-path`); a list
+    is stored as a tuple."""
+    split: str = "969,30,1"
+    """Train/validation/test proportions of the documents (`--split`)."""
+    data_cache_path: str | None = None
+    """Where dataset index caches are written; next to the data by default (`--data-cache-path`)."""
+    mock_data: bool = False
+    """Deterministic synthetic tokens; no files needed (`--mock-data`)."""
+    tokenizer_type: str | None = None
+    """`GPT2BPETokenizer`, `SentencePieceTokenizer` or `GPTSentencePieceTokenizer` (`--tokenizer-type`)."""
+    tokenizer_model: str | None = None
+    """SentencePiece model file (`--tokenizer-model`)."""
+    vocab_file: str | None = None
+    """GPT-2 BPE vocabulary (`--vocab-file`)."""
+    merge_file: str | None = None
+    """GPT-2 BPE merges (`--merge-file`)."""
+    make_vocab_size_divisible_by: int = 128
+    """The padded vocabulary is a multiple of this times T (`--make-vocab-size-divisible-by`)."""
+    num_workers: int = 2
+    """DataLoader worker processes (`--num-workers`)."""
+    eod_mask_loss: bool = False
+    """Exclude end-of-document tokens from the loss (`--eod-mask-loss`)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_path", tuple(self.data_path))
+        check(not (self.mock_data and self.data_path), "--mock-data and --data-path were both given; keep one")
+        if self.tokenizer_type is not None:
+            one_of("--tokenizer-type", self.tokenizer_type, TOKENIZER_TYPES)
+        at_least("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by, 1)
+        at_least("--num-workers", self.num_workers, 0)

@@ -1,0 +1,141 @@
+"""The model's architecture (`ModelConfig`) and how its weights are regularised and initialised
+(`RegularizationConfig`).
+
+The split is the resume rule: every `ModelConfig` field is checked against a checkpoint (another
+value is another model), while `RegularizationConfig` may change on resume or fine-tuning (a notice
+says what changed). Derived sizes (head size, key/value heads, fused QKV and fc1 widths, norm
+parameters) are properties here; parameter counts built from them are in `shapes.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_ds.config.checks import at_least, check, one_of, positive, probability
+
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT architecture. Every field here is checked against a checkpoint on resume."""
+
+    num_layers: int
+    """Number of transformer layers (`--num-layers`)."""
+    hidden_size: int
+    """Model width h (`--hidden-size`)."""
+    num_attention_heads: int
+    """Attention heads a; h must be divisible by a (`--num-attention-heads`)."""
+    ffn_hidden_size: int
+    """Width of the MLP's inner layer; 4h by default (`--ffn-hidden-size`)."""
+    seq_length: int
+    """Tokens per sample s (`--seq-length`)."""
+    max_position_embeddings: int
+    """Rows of the learned position embedding; >= seq_length (`--max-position-embeddings`)."""
+    vocab_size: int
+    """Padded vocabulary size: rows of the word embedding (see `padded_vocab_size`). 0 only while
+    the vocabulary is unknown (`--print-layout` without `--vocab-size` or a tokenizer)."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every norm (`--layernorm-epsilon`)."""
+    normalization: str = "layernorm"
+    """Norm type: `layernorm` or `rmsnorm` (`--normalization`)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the post stage its own LM head instead of the tied word embedding."""
+    num_key_value_heads: int | None = None
+    """Key/value heads for grouped-query attention (`--num-key-value-heads`); divides
+    num_attention_heads. None: one per attention head (multi-head attention); a value equal to
+    num_attention_heads is the same model and is stored as None. See `kv_heads`."""
+    swiglu: bool = False
+    """SwiGLU MLP instead of GeLU (`--swiglu`): fc1 produces 2 x ffn_hidden_size features,
+    silu(first half) * second half feeds fc2, as Megatron's gated MLP."""
+    use_rotary_position_embeddings: bool = False
+    """Rotary position embeddings on q and k in every attention (`--use-rotary-position-embeddings`)."""
+    add_position_embedding: bool = True
+    """Add the learned absolute position embedding after the word embedding; False with
+    `--no-position-embedding` (Llama-style models that use rotary embeddings only). Without it the
+    model has no position table at all."""
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linear layers; False with `--disable-bias-linear`."""
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--num-layers", self.num_layers),
+            ("--hidden-size", self.hidden_size),
+            ("--num-attention-heads", self.num_attention_heads),
+            ("--ffn-hidden-size", self.ffn_hidden_size),
+            ("--seq-length", self.seq_length),
+            ("--max-position-embeddings", self.max_position_embeddings),
+        ):
+            at_least(flag, value, 1)
+        at_least("--vocab-size", self.vocab_size, 0)
+        h, nh = self.hidden_size, self.num_attention_heads
+        check(
+            h % nh == 0,
+            f"--hidden-size {h} is not divisible by --num-attention-heads {nh}; "
+            f"choose sizes whose ratio is an integer head size",
+        )
+        kv = self.num_key_value_heads
+        if kv is not None:
+            check(
+                kv >= 1 and nh % kv == 0,
+                f"--num-key-value-heads {kv} must divide --num-attention-heads {nh}; choose a divisor of {nh}",
+            )
+            if kv == nh:  # plain multi-head attention: one spelling, so equal models compare equal
+                object.__setattr__(self, "num_key_value_heads", None)
+        check(
+            self.seq_length <= self.max_position_embeddings,
+            f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}; "
+            f"raise --max-position-embeddings or shorten the sequence",
+        )
+        positive("--layernorm-epsilon", self.layernorm_epsilon)
+        one_of("--normalization", self.normalization, NORMALIZATIONS)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads actually used: num_key_value_heads, or num_attention_heads when None."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head: hidden_size / num_attention_heads (Megatron's kv_channels)."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        """Output features of the fused QKV projection: (heads + 2 kv heads) x head size, in the
+        order all q heads, all k heads, all v heads."""
+        return (self.num_attention_heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def fc1_rows(self) -> int:
+        """Output features of the MLP's first linear: ffn, or gate and up halves (2 ffn) with SwiGLU."""
+        return 2 * self.ffn_hidden_size if self.swiglu else self.ffn_hidden_size
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: weight and bias (LayerNorm) or weight alone (RMSNorm)."""
+        return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
+
+
+@dataclass(frozen=True)
+class RegularizationConfig:
+    """Dropout and the initial weights' scale: how training treats the weights, not their shapes.
+
+    Nothing here is checked against a checkpoint: resuming or fine-tuning with other values is
+    allowed, and rank 0 prints a one-line notice naming what changed. `init_method_std` belongs
+    here rather than in `ModelConfig` because it only decides the first draw of the weights: a
+    resumed or fine-tuned run loads its weights, so another value changes nothing there and must
+    not be refused as "another architecture".
+    """
+
+    hidden_dropout: float = 0.1
+    """Dropout after the embedding and on each residual branch (`--hidden-dropout`)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (`--attention-dropout`)."""
+    init_method_std: float = 0.02
+    """Std of the normal init; output projections use std/sqrt(2L) (`--init-method-std`)."""
+
+    def __post_init__(self) -> None:
+        probability("--hidden-dropout", self.hidden_dropout)
+        probability("--attention-dropout", self.attention_dropout)
+        positive("--init-method-std", self.init_method_std)

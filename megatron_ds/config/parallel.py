@@ -1,0 +1,78 @@
+"""How the model is split over processes (`ParallelConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_ds.config.checks import at_least, check, one_of, positive
+
+DEDICATED_CHOICES = ("none", "pre", "post", "both")
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes.
+
+    The data-parallel size is derived, never stored: `world_size` / (P x T). Storing the world
+    size (what the launcher starts) instead of the data-parallel size makes the two impossible to
+    set inconsistently, and an impossible split (a world size that P x T does not divide) is an
+    error when the config is built. Checkpoints written before this field existed stored
+    `data_parallel_size`; `Config.from_dict` turns it back into a world size.
+    """
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages P (`--pipeline-model-parallel-size`)."""
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks T inside each stage (`--tensor-model-parallel-size`)."""
+    world_size: int | None = None
+    """All ranks of the run (the launcher's WORLD_SIZE, or `--world-size` for `--print-layout`); a
+    multiple of P x T. None: P x T, one data-parallel replica."""
+    pp_dedicated_embedding_stages: str = "none"
+    """`none`, `pre`, `post` or `both`: stages reserved for the pre/post-processing groups."""
+    pp_layout: str | None = None
+    """Explicit layout string in Megatron-LM's grammar, e.g. `E|t*3|t*3|L`, or `auto` (`--pp-layout`)."""
+    pp_partition_method: str | None = None
+    """How stage boundaries are balanced (`--pp-partition-method`: `uniform`, `parameters`, `memory`,
+    `type:REGEX`, weighted types); None: `type:transformer`."""
+    distributed_backend: str | None = None
+    """`nccl` or `gloo`; None picks nccl on GPU and gloo on CPU (`--distributed-backend`)."""
+    distributed_timeout_minutes: float = 10.0
+    """A collective stalled longer than this is an error on every rank, never a silent hang."""
+
+    def __post_init__(self) -> None:
+        p, t = self.pipeline_model_parallel_size, self.tensor_model_parallel_size
+        check(
+            p >= 1 and t >= 1,
+            f"--pipeline-model-parallel-size {p} and --tensor-model-parallel-size {t} must be >= 1",
+        )
+        if self.world_size is not None:
+            at_least("world size", self.world_size, 1)
+            check(
+                self.world_size % (p * t) == 0,
+                f"world size {self.world_size} is not divisible by --pipeline-model-parallel-size {p} x "
+                f"--tensor-model-parallel-size {t}; launch a multiple of {p * t} processes",
+            )
+        one_of("--pp-dedicated-embedding-stages", self.pp_dedicated_embedding_stages, DEDICATED_CHOICES)
+        if self.distributed_backend is not None:
+            one_of("--distributed-backend", self.distributed_backend, BACKENDS)
+        positive("--distributed-timeout-minutes", self.distributed_timeout_minutes)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one copy of the model: P x T."""
+        return self.pipeline_model_parallel_size * self.tensor_model_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the model: world size / (P x T)."""
+        return 1 if self.world_size is None else self.world_size // self.model_parallel_size
+
+    @property
+    def layout_method(self) -> str:
+        """A short description of how stage boundaries are chosen."""
+        if self.pp_layout is not None:
+            return f"layout {self.pp_layout!r}"
+        if self.pp_dedicated_embedding_stages != "none":
+            return f"dedicated {self.pp_dedicated_embedding_stages}"
+        return self.pp_partition_method or "type:transformer"

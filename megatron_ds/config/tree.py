@@ -1,0 +1,120 @@
+"""`Config`: the whole tree, its cross-section rules, and its JSON form (stored in checkpoints)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_ds.config.checks import check
+from megatron_ds.config.data import DataConfig
+from megatron_ds.config.model import ModelConfig, RegularizationConfig
+from megatron_ds.config.output import CheckpointConfig, LoggingConfig
+from megatron_ds.config.parallel import ParallelConfig
+from megatron_ds.config.training import OptimizerConfig, TrainingConfig
+
+LEGACY_REGULARIZATION_KEYS = ("hidden_dropout", "attention_dropout", "init_method_std")
+"""Fields that lived in the `model` section of checkpoints written before `regularization` existed."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration, passed explicitly to every component.
+
+    Each section checks its own fields when it is built; this class checks the rules that span
+    sections (tensor-parallel divisibility, the batch-size split), so a config built in Python is
+    held to the same rules as one built from flags.
+    """
+
+    model: ModelConfig
+    regularization: RegularizationConfig = field(default_factory=RegularizationConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        t = self.parallel.tensor_model_parallel_size
+        model = self.model
+        for flag, value in (
+            ("--num-attention-heads", model.num_attention_heads),
+            ("--num-key-value-heads", model.kv_heads),
+            ("--ffn-hidden-size", model.ffn_hidden_size),
+        ):
+            check(
+                value % t == 0,
+                f"{flag} {value} is not divisible by --tensor-model-parallel-size {t}; choose a size divisible by {t}",
+            )
+        check(
+            model.vocab_size % t == 0,
+            f"padded vocabulary size {model.vocab_size} is not divisible by --tensor-model-parallel-size {t}; "
+            f"pad it to a multiple of {t} (--make-vocab-size-divisible-by pads to a multiple of that x T)",
+        )
+        mbs, gbs = self.training.micro_batch_size, self.training.global_batch_size
+        dp = self.parallel.data_parallel_size
+        check(
+            gbs % (mbs * dp) == 0,
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+            f"data-parallel size {dp}; use a multiple of {mbs * dp}",
+        )
+
+    @property
+    def grad_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel rank."""
+        t = self.training
+        return t.global_batch_size // (t.micro_batch_size * self.parallel.data_parallel_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able nested dict (stored in checkpoints); the derived data-parallel size is included
+        for readers of the JSON."""
+        d = dataclasses.asdict(self)
+        d["parallel"]["data_parallel_size"] = self.parallel.data_parallel_size
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        """Inverse of `to_dict`. Unknown keys are ignored and older layouts are mapped, so every
+        checkpoint written so far stays readable: `model.hidden_dropout`, `model.attention_dropout`
+        and `model.init_method_std` move to `regularization`, and a stored `data_parallel_size`
+        becomes the world size it implies."""
+        d = {name: dict(section) for name, section in d.items() if isinstance(section, dict)}
+        model = d.get("model", {})
+        if "regularization" not in d:
+            d["regularization"] = {k: model[k] for k in LEGACY_REGULARIZATION_KEYS if k in model}
+        parallel = d.get("parallel")
+        if parallel is not None and "world_size" not in parallel and "data_parallel_size" in parallel:
+            mp = parallel.get("pipeline_model_parallel_size", 1) * parallel.get("tensor_model_parallel_size", 1)
+            parallel["world_size"] = parallel["data_parallel_size"] * mp
+        sub = {}
+        for f in dataclasses.fields(cls):
+            if f.name in d:
+                klass = SECTIONS[f.name]
+                known = {k.name for k in dataclasses.fields(klass)}
+                sub[f.name] = klass(**{k: v for k, v in d[f.name].items() if k in known})
+        return cls(**sub)
+
+    def replace(self, **sections: Any) -> Config:
+        """A copy with whole sections or `section__field=value` entries replaced (checked again)."""
+        updates: dict[str, Any] = {}
+        for key, value in sections.items():
+            if "__" in key:
+                sec, fld = key.split("__", 1)
+                base = updates.get(sec, getattr(self, sec))
+                updates[sec] = dataclasses.replace(base, **{fld: value})
+            else:
+                updates[key] = value
+        return dataclasses.replace(self, **updates)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "regularization": RegularizationConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}

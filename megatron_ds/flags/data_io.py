@@ -1,0 +1,248 @@
+"""Flags of Megatron's groups "data and tokenizer", "checkpointing" and "logging"."""
+
+from __future__ import annotations
+
+from megatron_ds.config import TOKENIZER_TYPES
+from megatron_ds.flags.declare import VALUE, VALUES, Flag, Refusal, accepted, no_op, refused, switch
+
+_DATA, _CKPT, _LOG = "data and tokenizer", "checkpointing", "logging"
+_MMAP_ONLY = "only the mmap format is read"
+_CONVERT = "convert with tools/preprocess_data.py and use mmap"
+_SPLIT_FILES = ("separate split files are not supported", "use --data-path with --split")
+_GPT_TOKENIZERS = "use GPT2BPETokenizer or SentencePieceTokenizer"
+
+DATA: tuple[Flag, ...] = (
+    accepted(
+        "--data-path",
+        _DATA,
+        "a prefix or a weighted blend, through megatron-core's GPTDataset",
+        "data.data_path",
+        nargs="+",
+        default=(),
+    ),
+    accepted("--split", _DATA, "train/validation/test weights", "data.split"),
+    accepted("--data-cache-path", _DATA, "where index caches go", "data.data_cache_path"),
+    switch(
+        "--mock-data",
+        _DATA,
+        "seeded synthetic tokens (our MockGPTData; values follow --seed)",
+        "data.mock_data",
+    ),
+    accepted(
+        "--data-impl",
+        _DATA,
+        "only `mmap`, the format our tools and megatron-core write",
+        default="mmap",
+        choices=("mmap",),
+        refused_values=(
+            Refusal("infer", _MMAP_ONLY, "use --data-impl mmap (or drop it)"),
+            Refusal("lazy", _MMAP_ONLY, _CONVERT),
+            Refusal("cached", _MMAP_ONLY, _CONVERT),
+        ),
+    ),
+    accepted("--seq-length", _DATA, "tokens per sample", "model.seq_length", type=int, default=None),
+    accepted(
+        "--vocab-size",
+        _DATA,
+        "vocabulary size; else the tokenizer's (then padded)",
+        "model.vocab_size",
+        type=int,
+        default=None,
+        derived=True,
+    ),
+    accepted("--vocab-file", _DATA, "GPT-2 vocab.json", "data.vocab_file"),
+    accepted("--merge-file", _DATA, "GPT-2 merges.txt", "data.merge_file"),
+    accepted("--vocab-extra-ids", _DATA, "only 0 (extra sentinel ids are for T5)", type=int, default=0),
+    accepted(
+        "--tokenizer-type",
+        _DATA,
+        "`GPT2BPETokenizer` (the default with --vocab-file/--merge-file, as in Megatron's pretrain_gpt.py), "
+        "`SentencePieceTokenizer` or `GPTSentencePieceTokenizer`. SentencePieceTokenizer is Megatron's "
+        "GPTSentencePieceTokenizer here: eod is the model's eos and no special tokens are added",
+        "data.tokenizer_type",
+        choices=TOKENIZER_TYPES,
+        derived=True,
+        refused_values=(
+            Refusal("BertWordPieceLowerCase", "BERT tokenizers are not provided", _GPT_TOKENIZERS),
+            Refusal("BertWordPieceCase", "BERT tokenizers are not provided", _GPT_TOKENIZERS),
+            Refusal("HFTokenizer", "Hugging Face tokenizers are not provided", _GPT_TOKENIZERS),
+            Refusal(
+                "NullTokenizer",
+                "training reads token ids through a real tokenizer (the null tokenizer is for "
+                "tools/preprocess_data.py, with its own eod)",
+                "use --mock-data --vocab-size N for synthetic tokens",
+            ),
+        ),
+    ),
+    accepted("--tokenizer-model", _DATA, "SentencePiece model file", "data.tokenizer_model"),
+    accepted("--num-workers", _DATA, "DataLoader worker processes", "data.num_workers", type=int),
+    switch("--eod-mask-loss", _DATA, "end-of-document tokens do not count in the loss", "data.eod_mask_loss"),
+    refused("--train-data-path", _DATA, *_SPLIT_FILES, VALUES),
+    refused("--valid-data-path", _DATA, *_SPLIT_FILES, VALUES),
+    refused("--test-data-path", _DATA, *_SPLIT_FILES, VALUES),
+    refused("--encoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
+    refused("--decoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
+    refused("--reset-position-ids", _DATA, "position ids always run 0..s-1 within a sample"),
+    refused("--reset-attention-mask", _DATA, "attention is causal over the whole sample (SDPA is_causal)"),
+    refused("--data-efficiency-curriculum-learning", _DATA, "DeepSpeed curriculum learning is not implemented"),
+)
+
+CHECKPOINTING: tuple[Flag, ...] = (
+    accepted("--save", _CKPT, "written atomically through DeepSpeed's engine", "checkpoint.save"),
+    accepted(
+        "--save-interval",
+        _CKPT,
+        "save every this many iterations, and at the end",
+        "checkpoint.save_interval",
+        type=int,
+    ),
+    accepted(
+        "--load",
+        _CKPT,
+        "resume from `latest`. Unlike Megatron, a directory without a checkpoint is an error unless "
+        "--load-optional (ours) is given",
+        "checkpoint.load",
+    ),
+    switch(
+        "--load-optional",
+        _CKPT,
+        "start fresh (with a warning) when --load holds no checkpoint yet",
+        "checkpoint.load_optional",
+        megatron=False,
+    ),
+    switch(
+        "--no-load-optim",
+        _CKPT,
+        "weights only (the iteration is kept; the lr schedule restarts, as in Megatron)",
+        "checkpoint.no_load_optim",
+    ),
+    switch("--no-load-rng", _CKPT, "keep this run's RNG states", "checkpoint.no_load_rng"),
+    switch(
+        "--finetune",
+        _CKPT,
+        "weights only; iteration and consumed samples start at 0",
+        "checkpoint.finetune",
+    ),
+    no_op("--exit-on-missing-checkpoint", _CKPT, "already the behaviour here (see --load)"),
+    refused("--no-save-optim", _CKPT, "checkpoints always hold the optimizer state"),
+    refused("--no-save-rng", _CKPT, "checkpoints always hold every rank's RNG state"),
+    refused(
+        "--no-load-lr-state",
+        _CKPT,
+        "the lr schedule is restored with the optimizer",
+        "use --override-opt_param-scheduler",
+    ),
+    refused(
+        "--use-checkpoint-args",
+        _CKPT,
+        "flags are not read back from checkpoints (the architecture is checked against them)",
+        "give the model flags",
+    ),
+    refused("--no-initialization", _CKPT, "weights are always initialised"),
+    refused(
+        "--universal-checkpoint",
+        _CKPT,
+        "weights carry across layouts and P without it; optimizer state does not",
+        "use --no-load-optim to change the layout",
+    ),
+)
+
+_ONLY_ITERATIONS = "only whole iterations are timed"
+
+LOGGING: tuple[Flag, ...] = (
+    accepted(
+        "--log-interval",
+        _LOG,
+        "one Megatron-style line every this many iterations",
+        "logging.log_interval",
+        type=int,
+    ),
+    accepted("--tensorboard-dir", _LOG, "TensorBoard scalars, written by the last rank", "logging.tensorboard_dir"),
+    accepted(
+        "--tensorboard-queue-size",
+        _LOG,
+        "events the writer buffers before flushing",
+        "logging.tensorboard_queue_size",
+        type=int,
+    ),
+    switch(
+        "--log-memory",
+        _LOG,
+        "print each stage's measured memory once after the first log interval (default on)",
+        "logging.log_memory",
+        megatron=False,
+    ),
+    switch(
+        "--no-log-memory",
+        _LOG,
+        "do not print the per-stage memory report",
+        "logging.log_memory",
+        stores=False,
+        dest="log_memory",
+        megatron=False,
+    ),
+    switch(
+        "--log-timers-to-tensorboard",
+        _LOG,
+        "writes the time per iteration (ms); we time whole iterations only",
+        "logging.log_timers_to_tensorboard",
+    ),
+    switch(
+        "--log-batch-size-to-tensorboard",
+        _LOG,
+        "writes the global batch size",
+        "logging.log_batch_size_to_tensorboard",
+    ),
+    switch(
+        "--no-log-learnig-rate-to-tensorboard",
+        _LOG,
+        "stops writing the learning rate (Megatron's spelling)",
+        "logging.log_learning_rate_to_tensorboard",
+        stores=False,
+        dest="log_learning_rate_to_tensorboard",
+    ),
+    switch(
+        "--no-log-loss-scale-to-tensorboard",
+        _LOG,
+        "stops writing the fp16 loss scale",
+        "logging.log_loss_scale_to_tensorboard",
+        stores=False,
+        dest="log_loss_scale_to_tensorboard",
+    ),
+    switch(
+        "--log-validation-ppl-to-tensorboard",
+        _LOG,
+        "writes validation and test perplexity",
+        "logging.log_validation_ppl_to_tensorboard",
+    ),
+    switch(
+        "--log-optimizer-states-to-tensorboard",
+        _LOG,
+        "writes L1/L2 norms of the Adam moments and weights of the logging rank (last stage, its ZeRO partition), "
+        "not all-reduced over ranks",
+        "logging.log_optimizer_states_to_tensorboard",
+    ),
+    switch(
+        "--log-memory-to-tensorboard",
+        _LOG,
+        "writes the logging rank's measured memory when the memory report is made (needs --log-memory, the default)",
+        "logging.log_memory_to_tensorboard",
+    ),
+    switch(
+        "--log-world-size-to-tensorboard",
+        _LOG,
+        "writes the world size",
+        "logging.log_world_size_to_tensorboard",
+    ),
+    no_op("--timing-log-level", _LOG, _ONLY_ITERATIONS, takes=VALUE),
+    no_op("--timing-log-option", _LOG, _ONLY_ITERATIONS, takes=VALUE),
+    refused("--log-params-norm", _LOG, "the parameter norm is not computed"),
+    refused("--log-num-zeros-in-grad", _LOG, "zeros in gradients are not counted"),
+    refused(
+        "--tensorboard-log-interval",
+        _LOG,
+        "TensorBoard is written every --log-interval",
+        "use --log-interval",
+        VALUE,
+    ),
+)

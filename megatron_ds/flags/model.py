@@ -1,0 +1,189 @@
+"""Flags of Megatron's groups "network size", "mixture of experts", "regularization", "initialization"."""
+
+from __future__ import annotations
+
+from megatron_ds.config import NORMALIZATIONS
+from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, refused, switch
+
+_NET, _MOE, _REG, _INIT = "network size", "mixture of experts", "regularization", "initialization"
+_MOE_WHY = "mixture-of-experts models are not built here; train a dense model"
+
+NETWORK: tuple[Flag, ...] = (
+    accepted("--num-layers", _NET, "transformer layers", "model.num_layers", type=int, default=None),
+    accepted("--hidden-size", _NET, "model width", "model.hidden_size", type=int, default=None),
+    accepted(
+        "--ffn-hidden-size",
+        _NET,
+        "MLP inner width; 4 x hidden by default",
+        "model.ffn_hidden_size",
+        type=int,
+        default=None,
+        derived=True,
+    ),
+    accepted("--num-attention-heads", _NET, "attention heads", "model.num_attention_heads", type=int, default=None),
+    accepted(
+        "--num-key-value-heads",
+        _NET,
+        "grouped-query attention: K/V heads, dividing the attention heads (and divisible by T); equal to "
+        "--num-attention-heads is plain multi-head attention",
+        "model.num_key_value_heads",
+        type=int,
+    ),
+    accepted(
+        "--kv-channels",
+        _NET,
+        "only hidden / heads, its default (other projection widths are not built)",
+        type=int,
+    ),
+    accepted(
+        "--max-position-embeddings",
+        _NET,
+        "rows of the learned position embedding; --seq-length by default",
+        "model.max_position_embeddings",
+        type=int,
+        default=None,
+        derived=True,
+    ),
+    switch(
+        "--use-rotary-position-embeddings",
+        _NET,
+        "rotary embeddings on q and k",
+        "model.use_rotary_position_embeddings",
+    ),
+    switch(
+        "--no-position-embedding",
+        _NET,
+        "no learned absolute position embedding",
+        "model.add_position_embedding",
+        stores=False,
+        dest="add_position_embedding",
+        default=True,
+        derived=True,  # rotary embeddings also drop the table
+    ),
+    accepted(
+        "--make-vocab-size-divisible-by",
+        _NET,
+        "pad the vocabulary to a multiple of this x T",
+        "data.make_vocab_size_divisible_by",
+        type=int,
+    ),
+    accepted(
+        "--normalization",
+        _NET,
+        "`layernorm` or `rmsnorm`",
+        "model.normalization",
+        choices=NORMALIZATIONS,
+    ),
+    accepted("--layernorm-epsilon", _NET, "epsilon of every norm", "model.layernorm_epsilon", type=float),
+    switch(
+        "--swiglu",
+        _NET,
+        "SwiGLU MLP (give --ffn-hidden-size explicitly, as the Llama-2 script does)",
+        "model.swiglu",
+    ),
+    switch(
+        "--untie-embeddings-and-output-weights",
+        _NET,
+        "the last stage gets its own LM head",
+        "model.untie_embeddings_and_output_weights",
+    ),
+    accepted(
+        "--num-experts",
+        _NET,
+        "only 1 (a dense model, Megatron-DeepSpeed's default)",
+        type=int,
+        nargs="+",
+        default=(1,),
+    ),
+    refused("--encoder-num-layers", _NET, "encoder-decoder models are not built", "use --num-layers", VALUE),
+    refused("--decoder-num-layers", _NET, "encoder-decoder models are not built", "use --num-layers", VALUE),
+    refused("--apply-layernorm-1p", _NET, "the 1+gamma norm parametrisation is not implemented"),
+    refused("--apply-residual-connection-post-layernorm", _NET, "the layer is pre-LN only"),
+    refused("--openai-gelu", _NET, "the MLP uses torch's exact GeLU; the tanh approximation is not built"),
+    refused("--squared-relu", _NET, "the MLP is GeLU (or SwiGLU); squared ReLU is not implemented"),
+    refused("--embedding-weights-in-fp32", _NET, "embeddings are kept in the training precision"),
+)
+
+MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
+    refused("--mlp-type", _MOE, _MOE_WHY, takes=VALUE),
+    refused("--topk", _MOE, _MOE_WHY, takes=VALUE),
+    refused("--expert-interval", _MOE, _MOE_WHY, takes=VALUE),
+    refused("--moe-expert-parallel-size", _MOE, _MOE_WHY, takes=VALUE),
+    refused("--moe-train-capacity-factor", _MOE, _MOE_WHY, takes=VALUE),
+    refused("--moe-eval-capacity-factor", _MOE, _MOE_WHY, takes=VALUE),
+    refused("--moe-min-capacity", _MOE, _MOE_WHY, takes=VALUE),
+    refused("--moe-loss-coeff", _MOE, _MOE_WHY, takes=VALUE),
+    refused("--create-moe-param-group", _MOE, _MOE_WHY),
+    refused("--disable-moe-token-dropping", _MOE, _MOE_WHY),
+    refused("--use-tutel", _MOE, _MOE_WHY),
+    refused("--enable-expert-tensor-parallelism", _MOE, _MOE_WHY),
+)
+
+_WD_SCHEDULE = "weight-decay schedules are not implemented"
+
+REGULARIZATION: tuple[Flag, ...] = (
+    accepted(
+        "--attention-dropout",
+        _REG,
+        "dropout on attention probabilities",
+        "regularization.attention_dropout",
+        type=float,
+    ),
+    accepted(
+        "--hidden-dropout",
+        _REG,
+        "dropout after the embedding and on residual branches",
+        "regularization.hidden_dropout",
+        type=float,
+    ),
+    accepted(
+        "--weight-decay",
+        _REG,
+        "decoupled weight decay, not on biases and norms",
+        "optimizer.weight_decay",
+        type=float,
+    ),
+    accepted(
+        "--weight-decay-incr-style",
+        _REG,
+        "only `constant`, Megatron's default",
+        default="constant",
+        choices=("constant",),
+        refused_values=(
+            Refusal("linear", _WD_SCHEDULE, "use constant"),
+            Refusal("cosine", _WD_SCHEDULE, "use constant"),
+        ),
+    ),
+    accepted(
+        "--clip-grad",
+        _REG,
+        "global gradient-norm clip (the true norm over all stages); 0 disables",
+        "optimizer.clip_grad",
+        type=float,
+    ),
+    accepted("--adam-beta1", _REG, "Adam beta1", "optimizer.adam_beta1", type=float),
+    accepted("--adam-beta2", _REG, "Adam beta2", "optimizer.adam_beta2", type=float),
+    accepted("--adam-eps", _REG, "Adam epsilon", "optimizer.adam_eps", type=float),
+    accepted("--sgd-momentum", _REG, "SGD momentum", "optimizer.sgd_momentum", type=float),
+    refused("--start-weight-decay", _REG, _WD_SCHEDULE, "use --weight-decay", VALUE),
+    refused("--end-weight-decay", _REG, _WD_SCHEDULE, "use --weight-decay", VALUE),
+)
+
+INITIALIZATION: tuple[Flag, ...] = (
+    accepted(
+        "--seed",
+        _INIT,
+        "seed of weights (per layer spec, layout-independent), data order and dropout",
+        "training.seed",
+        type=int,
+    ),
+    accepted(
+        "--init-method-std",
+        _INIT,
+        "std of the normal init; output projections std / sqrt(2 L)",
+        "regularization.init_method_std",
+        type=float,
+    ),
+    refused("--data-parallel-random-init", _INIT, "replicas always start from the same weights"),
+    refused("--init-method-xavier-uniform", _INIT, "only the normal init is implemented", "use --init-method-std"),
+)

@@ -1,0 +1,179 @@
+"""Flags of Megatron's groups "distributed" and "DeepSpeed, ZeRO, recompute", and our pipeline-layout flags."""
+
+from __future__ import annotations
+
+from megatron_ds.config import BACKENDS, DEDICATED_CHOICES
+from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, no_op, refused, switch
+from megatron_ds.pipeline.methods import partition_method_help
+
+_DIST, _DS = "distributed", "DeepSpeed, ZeRO, recompute"
+_DS_DP = "DeepSpeed's engine does the data-parallel gradient reduction; Megatron's DDP options do not apply"
+_DS_CKPT = (
+    "recomputation uses deepspeed.checkpointing with its defaults; partitioned, contiguous, CPU and "
+    "profiled checkpoints are not configured"
+)
+_ZERO_JSON = "ZeRO tuning lives in the DeepSpeed JSON; set the matching zero_optimization key in --deepspeed_config"
+_ZERO3 = "ZeRO-3 parameter offload needs ZeRO-3, which the pipeline engine refuses"
+_TILING = "memory-centric tiling is not implemented"
+_BACKEND_FIX = ("only nccl and gloo are set up", "use nccl (GPU) or gloo (CPU)")
+_ZERO_PIPE = (
+    "DeepSpeed's pipeline engine, used at every pipeline size (also with --no-pipeline-parallel), supports ZeRO 0 "
+    "and 1 only",
+    "use --zero-stage 1",
+)
+
+DISTRIBUTED: tuple[Flag, ...] = (
+    accepted(
+        "--tensor-model-parallel-size",
+        _DIST,
+        "tensor-parallel ranks T (megatron-core layers)",
+        "parallel.tensor_model_parallel_size",
+        type=int,
+    ),
+    accepted(
+        "--pipeline-model-parallel-size",
+        _DIST,
+        "pipeline stages P",
+        "parallel.pipeline_model_parallel_size",
+        type=int,
+    ),
+    switch(
+        "--standalone-embedding-stage",
+        _DIST,
+        "the input embedding on a stage of its own: our --pp-dedicated-embedding-stages pre (both with post)",
+        "parallel.pp_dedicated_embedding_stages",
+        derived=True,
+    ),
+    accepted(
+        "--pp-dedicated-embedding-stages",
+        _DIST,
+        "reserve the first (pre), last (post) or both stages for the embedding / LM head groups; the bare flag "
+        "means both",
+        "parallel.pp_dedicated_embedding_stages",
+        nargs="?",
+        const="both",
+        default="none",
+        choices=DEDICATED_CHOICES,
+        derived=True,  # --standalone-embedding-stage folds in
+        megatron=False,
+    ),
+    accepted(
+        "--pp-layout",
+        _DIST,
+        "explicit layout in Megatron-LM's grammar, e.g. 'E|t*3|t*3|L' (E embedding, t layer, L loss head, | stage "
+        "boundary, x*N and (...)*N repeat), or auto: the memory-balanced layout (as --pp-partition-method memory)",
+        "parallel.pp_layout",
+        megatron=False,
+    ),
+    accepted(
+        "--pp-partition-method",
+        _DIST,
+        partition_method_help(),  # drawn from the partition-method registry
+        "parallel.pp_partition_method",
+        megatron=False,
+    ),
+    switch(
+        "--print-layout",
+        _DIST,
+        "print the stage layout and exit without starting any process group",
+        megatron=False,
+    ),
+    accepted(
+        "--world-size",
+        _DIST,
+        "total ranks for --print-layout/validation (default: WORLD_SIZE or P x T)",
+        "parallel.world_size",
+        type=int,
+        default=None,
+        derived=True,  # else the launcher's WORLD_SIZE
+        megatron=False,
+    ),
+    accepted(
+        "--distributed-backend",
+        _DIST,
+        "`nccl` or `gloo`; gloo by default on CPU",
+        "parallel.distributed_backend",
+        choices=BACKENDS,
+        refused_values=(Refusal("ccl", *_BACKEND_FIX), Refusal("hccl", *_BACKEND_FIX)),
+    ),
+    accepted(
+        "--distributed-timeout-minutes",
+        _DIST,
+        "process-group timeout, and our stall watchdog",
+        "parallel.distributed_timeout_minutes",
+        type=float,
+    ),
+    accepted(
+        "--local_rank",
+        _DIST,
+        "set by the deepspeed launcher; the environment is used",
+        type=int,
+        aliases=("--local-rank",),
+        hidden=True,
+    ),
+    no_op("--DDP-impl", _DIST, _DS_DP, takes=VALUE),
+    no_op("--use-contiguous-buffers-in-local-ddp", _DIST, _DS_DP),
+    no_op("--no-contiguous-buffers-in-local-ddp", _DIST, _DS_DP),
+    no_op("--no-scatter-gather-tensors-in-pipeline", _DIST, "DeepSpeed's pipeline sends whole activations"),
+    no_op("--use-cpu-initialization", _DIST, "weights are always drawn on CPU from per-spec generators"),
+    no_op("--empty-unused-memory-level", _DIST, "a CUDA cache housekeeping switch; numerics unchanged", takes=VALUE),
+    refused("--pipeline-model-parallel-split-rank", _DIST, "encoder-decoder models are not built", takes=VALUE),
+    refused("--model-parallel-size", _DIST, "Megatron's deprecated name", "use --tensor-model-parallel-size", VALUE),
+    refused(
+        "--num-layers-per-virtual-pipeline-stage",
+        _DIST,
+        "interleaved (virtual) pipeline stages are not in DeepSpeed's pipeline engine",
+        "use --pp-layout for uneven stages",
+        VALUE,
+    ),
+    refused(
+        "--use-distributed-optimizer",
+        _DIST,
+        "Megatron's distributed optimizer is not used",
+        "use --zero-stage 1 (DeepSpeed's equivalent)",
+    ),
+    refused("--lazy-mpu-init", _DIST, "the process group is always initialised", takes=VALUE),
+    refused("--use-ring-exchange-p2p", _DIST, "DeepSpeed's pipeline does its own point-to-point"),
+)
+
+DEEPSPEED: tuple[Flag, ...] = (
+    switch("--deepspeed", _DS, "always on: training runs on DeepSpeed's pipeline engine"),
+    accepted(
+        "--deepspeed_config",
+        _DS,
+        "merged into the JSON generated from the flags; a contradiction is an error (keys no flag sets, e.g. "
+        "steps_per_print or fp16 keys whose flag is not given, are taken)",
+        "training.deepspeed_config",
+        aliases=("--deepspeed-config",),
+    ),
+    accepted(
+        "--zero-stage",
+        _DS,
+        "0 or 1, written into the JSON; 2 and 3 are refused (the pipeline engine asserts ZeRO < 2 at every P)",
+        "training.zero_stage",
+        type=int,
+        choices=(0, 1),
+        refused_values=(Refusal("2", *_ZERO_PIPE), Refusal("3", *_ZERO_PIPE)),
+    ),
+    no_op(
+        "--deepspeed-activation-checkpointing",
+        _DS,
+        "recomputation always goes through deepspeed.checkpointing; turn it on with --checkpoint-activations or "
+        "--recompute-granularity full (a warning says so when neither is given)",
+    ),
+    refused("--partition-activations", _DS, _DS_CKPT),
+    refused("--contigious-checkpointing", _DS, _DS_CKPT),
+    refused("--checkpoint-in-cpu", _DS, _DS_CKPT),
+    refused("--synchronize-each-layer", _DS, _DS_CKPT),
+    refused("--profile-backward", _DS, _DS_CKPT),
+    refused("--zero-reduce-scatter", _DS, _ZERO_JSON),
+    refused("--zero-contigious-gradients", _DS, _ZERO_JSON),
+    refused("--zero-reduce-bucket-size", _DS, _ZERO_JSON, takes=VALUE),
+    refused("--zero-allgather-bucket-size", _DS, _ZERO_JSON, takes=VALUE),
+    refused("--remote-device", _DS, _ZERO3, takes=VALUE),
+    refused("--use-pin-memory", _DS, _ZERO3),
+    refused("--scattered-embeddings", _DS, _TILING),
+    refused("--split-transformers", _DS, _TILING),
+    refused("--memory-centric-tiled-linear", _DS, _TILING),
+    refused("--tile-factor", _DS, _TILING, takes=VALUE),
+)

@@ -1,0 +1,309 @@
+"""Flags of Megatron's groups "training", "learning rate", "mixed precision", "validation"."""
+
+from __future__ import annotations
+
+from megatron_ds.config import LR_DECAY_STYLES, OPTIMIZERS
+from megatron_ds.flags.declare import VALUE, VALUES, Flag, Refusal, accepted, no_op, refused, switch
+
+_TRAIN, _LR, _MIXED, _VAL = "training", "learning rate", "mixed precision", "validation"
+_SDPA = "attention is torch's scaled_dot_product_attention, which picks flash/memory-efficient kernels itself"
+_NO_FUSION = "no hand-fused kernels here: the unfused torch ops compute the same function"
+_DS_CKPT = (
+    "recomputation uses deepspeed.checkpointing with its defaults; partitioned, contiguous, CPU and "
+    "profiled checkpoints are not configured"
+)
+_UNIFORM_ONLY = "DeepSpeed's PipelineModule recomputes uniform chunks only"
+_SELECTIVE = "selective (attention-only) recomputation is not implemented"
+_FULL_UNIFORM = "use --recompute-granularity full --recompute-method uniform"
+
+TRAINING: tuple[Flag, ...] = (
+    accepted(
+        "--micro-batch-size",
+        _TRAIN,
+        "samples per micro-batch per data-parallel rank",
+        "training.micro_batch_size",
+        type=int,
+        default=None,
+        derived=True,  # 1 when not given
+    ),
+    accepted(
+        "--global-batch-size",
+        _TRAIN,
+        "samples per optimizer step; written into the DeepSpeed JSON",
+        "training.global_batch_size",
+        type=int,
+        default=None,
+        derived=True,  # micro-batch x data-parallel size when not given
+    ),
+    accepted("--train-iters", _TRAIN, "optimizer steps", "training.train_iters", type=int, default=None, derived=True),
+    accepted(
+        "--train-samples",
+        _TRAIN,
+        "sample-based training: iterations = ceil(samples / global batch) (Megatron rounds down); lr flags must "
+        "then be sample- or token-based",
+        "training.train_iters",
+        type=int,
+        default=None,
+        derived=True,
+    ),
+    accepted(
+        "--train-tokens",
+        _TRAIN,
+        "also stop once this many tokens are consumed (the smaller limit wins); alone, it sets the length of training",
+        "training.train_tokens",
+        type=int,
+    ),
+    accepted(
+        "--exit-interval", _TRAIN, "stop after an iteration divisible by this", "training.exit_interval", type=int
+    ),
+    accepted(
+        "--exit-duration-in-mins",
+        _TRAIN,
+        "after the iteration that passes this many minutes, save (with --save) and stop, on every rank at the same "
+        "iteration; no final evaluation",
+        "training.exit_duration_in_mins",
+        type=float,
+    ),
+    accepted("--optimizer", _TRAIN, "`adam` (AdamW) or `sgd`", "optimizer.optimizer", choices=OPTIMIZERS),
+    accepted(
+        "--dataloader-type",
+        _TRAIN,
+        "only `single` (Megatron's pretraining sampler, what we use)",
+        default="single",
+        choices=("single",),
+        refused_values=(
+            Refusal(
+                "cyclic",
+                "only Megatron's single-pass pretraining sampler is implemented",
+                "use --dataloader-type single (or drop it)",
+            ),
+        ),
+    ),
+    switch(
+        "--checkpoint-activations",
+        _TRAIN,
+        "recompute transformer layers in chunks of --checkpoint-num-layers (DeepSpeed's PipelineModule "
+        "activation_checkpoint_interval)",
+        "training.checkpoint_activations",
+        derived=True,
+    ),
+    accepted(
+        "--checkpoint-num-layers",
+        _TRAIN,
+        "layers per recomputed chunk",
+        "training.checkpoint_num_layers",
+        type=int,
+        default=None,
+        derived=True,
+    ),
+    accepted(
+        "--recompute-granularity",
+        _TRAIN,
+        "`full` with --recompute-method uniform is --checkpoint-activations; `selective` is refused",
+        "training.checkpoint_activations",
+        derived=True,
+        choices=("full",),
+        refused_values=(Refusal("selective", _SELECTIVE, _FULL_UNIFORM),),
+    ),
+    accepted(
+        "--recompute-method",
+        _TRAIN,
+        "`uniform` (chunks of --recompute-num-layers); `block` is refused",
+        "training.checkpoint_activations",
+        derived=True,
+        choices=("uniform",),
+        refused_values=(Refusal("block", _UNIFORM_ONLY, "use --recompute-method uniform"),),
+    ),
+    accepted(
+        "--recompute-num-layers",
+        _TRAIN,
+        "layers per recomputed chunk with --recompute-method uniform",
+        "training.checkpoint_num_layers",
+        type=int,
+        derived=True,
+    ),
+    accepted(
+        "--activations-checkpoint-method",
+        _TRAIN,
+        "older name of --recompute-method; `uniform` turns recomputation on",
+        "training.checkpoint_activations",
+        derived=True,
+        choices=("uniform",),
+        refused_values=(Refusal("block", _UNIFORM_ONLY, "use --activations-checkpoint-method uniform"),),
+    ),
+    accepted(
+        "--activations-checkpoint-num-layers",
+        _TRAIN,
+        "older name of --recompute-num-layers",
+        "training.checkpoint_num_layers",
+        type=int,
+        derived=True,
+    ),
+    switch(
+        "--no-pipeline-parallel",
+        _TRAIN,
+        "needs --pipeline-model-parallel-size 1. We still build a 1-stage PipelineModule: its engine runs the same "
+        "micro-batch loop and optimizer step as DeepSpeed's plain engine; ZeRO 2/3, which only the plain engine "
+        "has, stay refused",
+    ),
+    no_op("--use-flash-attn", _TRAIN, _SDPA),
+    no_op("--use-flash-attn-v2", _TRAIN, _SDPA),
+    no_op("--use-flash-attn-triton", _TRAIN, _SDPA),
+    no_op("--no-masked-softmax-fusion", _TRAIN, _NO_FUSION),
+    no_op("--no-bias-gelu-fusion", _TRAIN, _NO_FUSION),
+    no_op("--no-bias-dropout-fusion", _TRAIN, _NO_FUSION),
+    no_op("--no-gradient-accumulation-fusion", _TRAIN, _NO_FUSION),
+    no_op("--no-persist-layer-norm", _TRAIN, _NO_FUSION),
+    no_op("--no-async-tensor-model-parallel-allreduce", _TRAIN, "an overlap switch; the sums are the same"),
+    switch(
+        "--disable-bias-linear",
+        _TRAIN,
+        "linear layers without biases",
+        "model.add_bias_linear",
+        stores=False,
+        dest="add_bias_linear",
+    ),
+    refused("--batch-size", _TRAIN, "Megatron's deprecated name", "use --micro-batch-size", VALUE),
+    refused(
+        "--rampup-batch-size",
+        _TRAIN,
+        "DeepSpeed's pipeline engine runs a fixed number of micro-batches per step",
+        "train with the final --global-batch-size",
+        VALUES,
+    ),
+    refused("--recompute-activations", _TRAIN, _SELECTIVE, _FULL_UNIFORM),
+    refused("--distribute-saved-activations", _TRAIN, _DS_CKPT),
+    refused("--distribute-checkpointed-activations", _TRAIN, _DS_CKPT),
+    refused(
+        "--exit-signal-handler",
+        _TRAIN,
+        "no signal handler saves on SIGTERM",
+        "use --exit-duration-in-mins or --save-interval",
+    ),
+    refused("--cpu-optimizer", _TRAIN, "the optimizer is torch's AdamW/SGD on the training device"),
+    refused(
+        "--sequence-parallel",
+        _TRAIN,
+        "Megatron sequence parallelism is not implemented (tensor parallelism here keeps activations replicated)",
+    ),
+    refused(
+        "--ds-sequence-parallel-size",
+        _TRAIN,
+        "DeepSpeed-Ulysses sequence parallelism is not implemented",
+        takes=VALUE,
+    ),
+    refused("--random-ltd", _TRAIN, "DeepSpeed data-efficiency (random-LTD) is not implemented"),
+    refused("--enable-zbh1-pipeline", _TRAIN, "the schedule is DeepSpeed's 1F1B pipeline"),
+)
+
+_SCHEDULE = ("optimizer.lr_decay_iters", "optimizer.lr_decay_samples", "optimizer.lr_decay_tokens")
+_WARMUP = ("optimizer.lr_warmup_iters", "optimizer.lr_warmup_samples", "optimizer.lr_warmup_tokens")
+
+
+def _schedule(name: str, help: str, fields: tuple[str, ...], default: int | None = None) -> Flag:
+    """A warm-up or decay length: validation.py puts it into the one unit the schedule uses."""
+    return accepted(name, _LR, help, type=int, default=default, fields=fields, derived=True)
+
+
+LEARNING_RATE: tuple[Flag, ...] = (
+    accepted("--lr", _LR, "peak learning rate", "optimizer.lr", type=float, default=None, derived=True),
+    accepted("--min-lr", _LR, "floor of the decay", "optimizer.min_lr", type=float),
+    accepted(
+        "--lr-decay-style",
+        _LR,
+        "`constant`, `linear`, `cosine` or `inverse-square-root`",
+        "optimizer.lr_decay_style",
+        choices=LR_DECAY_STYLES,
+    ),
+    _schedule("--lr-decay-iters", "decay length in iterations (iteration-based training)", _SCHEDULE),
+    _schedule("--lr-decay-samples", "decay length in samples (sample-based training)", _SCHEDULE),
+    _schedule("--lr-decay-tokens", "decay length in tokens (samples x seq length); wins over the others", _SCHEDULE),
+    _schedule("--lr-warmup-iters", "linear warm-up in iterations", _WARMUP, default=0),
+    _schedule("--lr-warmup-samples", "linear warm-up in samples", _WARMUP, default=0),
+    _schedule("--lr-warmup-tokens", "linear warm-up in tokens", _WARMUP),
+    accepted(
+        "--lr-warmup-fraction",
+        _LR,
+        "warm-up as a fraction of the decay length",
+        type=float,
+        fields=_WARMUP,
+        derived=True,
+    ),
+    switch(
+        "--override-opt_param-scheduler",
+        _LR,
+        "on resume, use the flags' schedule, not the checkpoint's (without either flag a difference is an error); "
+        "older name --override-lr-scheduler",
+        "optimizer.override_opt_param_scheduler",
+        aliases=("--override-lr-scheduler",),
+    ),
+    switch(
+        "--use-checkpoint-opt_param-scheduler",
+        _LR,
+        "on resume, keep the checkpoint's schedule; older name --use-checkpoint-lr-scheduler",
+        "optimizer.use_checkpoint_opt_param_scheduler",
+        aliases=("--use-checkpoint-lr-scheduler",),
+    ),
+    refused("--warmup", _LR, "Megatron's deprecated name", "use --lr-warmup-fraction", VALUE),
+)
+
+MIXED_PRECISION: tuple[Flag, ...] = (
+    switch(
+        "--fp16",
+        _MIXED,
+        "DeepSpeed fp16 with dynamic loss scaling (needs a GPU)",
+        "training.precision",
+        derived=True,
+        exclusive="precision",
+    ),
+    switch("--bf16", _MIXED, "DeepSpeed bf16", "training.precision", derived=True, exclusive="precision"),
+    accepted(
+        "--loss-scale",
+        _MIXED,
+        "fp16: a static loss scale (DeepSpeed fp16.loss_scale)",
+        "training.loss_scale",
+        type=float,
+    ),
+    accepted(
+        "--initial-loss-scale",
+        _MIXED,
+        "fp16: a power of 2 (fp16.initial_scale_power); DeepSpeed's 2^16 when not given, as in Megatron-DeepSpeed",
+        "training.initial_loss_scale",
+        type=float,
+    ),
+    accepted("--min-loss-scale", _MIXED, "fp16: fp16.min_loss_scale", "training.min_loss_scale", type=float),
+    accepted("--loss-scale-window", _MIXED, "fp16: fp16.loss_scale_window", "training.loss_scale_window", type=int),
+    accepted(
+        "--hysteresis",
+        _MIXED,
+        "fp16: fp16.hysteresis. The loss-scale flags are written into the DeepSpeed JSON; without --fp16 they are "
+        "ignored with a warning",
+        "training.hysteresis",
+        type=int,
+    ),
+    no_op(
+        "--no-query-key-layer-scaling",
+        _MIXED,
+        "query-key layer scaling divides the scores by the layer number and multiplies them back inside "
+        "Megatron's fp16 softmax; the math is the identity, and SDPA scales by 1/sqrt(head dim) only",
+    ),
+    no_op(
+        "--attention-softmax-in-fp32",
+        _MIXED,
+        "it switches Megatron's own fused softmax, which is not used: SDPA's fused kernels accumulate the softmax "
+        "in fp32",
+    ),
+    no_op(
+        "--accumulate-allreduce-grads-in-fp32",
+        _MIXED,
+        "DeepSpeed's bf16 optimizer accumulates gradients in fp32",
+    ),
+    refused("--fp32-residual-connection", _MIXED, "the residual stream stays in the training precision"),
+    refused("--fp16-lm-cross-entropy", _MIXED, "the loss is always computed from fp32 logits"),
+)
+
+VALIDATION: tuple[Flag, ...] = (
+    accepted("--eval-interval", _VAL, "validate every this many iterations", "training.eval_interval", type=int),
+    accepted("--eval-iters", _VAL, "batches per evaluation; 0 disables", "training.eval_iters", type=int),
+    refused("--skip-train", _VAL, "evaluation-only runs are not implemented"),
+)
