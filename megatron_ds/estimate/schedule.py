@@ -26,8 +26,10 @@ is built once (`program`), then evaluated for any durations in O(M P).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from megatron_ds.pipeline.fastest import StageTime, StepEstimate
 
 # Node kinds of the compiled program.
 FORWARD, BACKWARD, SEND, TIED, BARRIER, OPTIMIZER = range(6)
@@ -44,6 +46,12 @@ class ScheduleResult:
     """Per stage: time in sends, receives and the tied all-reduce."""
     finish: tuple[float, ...]
     """Per stage: when its last instruction ends."""
+    path: tuple[tuple[int, int, int], ...] = ()
+    """A critical (longest) path: per stage, how many of its forwards, backwards and optimizer steps
+    lie on it. Its length, these counts times the stage times plus `path_constant`, is `step_time`;
+    for any other times it is a lower bound of the step (it is still a path)."""
+    path_constant: float = 0.0
+    """The communication time (sends, tied all-reduce) on that path."""
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -223,9 +231,30 @@ def simulate(
         fa, fb = finish[a], finish[b]
         finish[i] = (fa if fa > fb else fb) + weights[d]
     ends = tuple(finish[index[j]] for j in prog.last)
+    path, constant = _critical_path(prog, finish, slots, weights)
     comm = tuple(n_send * send + n_tied * tied_reduce for n_send, n_tied in prog.comm_counts)
     busy = tuple(num_micro_batches * (f + b) + o for f, b, o in zip(fwd, bwd, opt))
-    return ScheduleResult(step_time=max(ends), busy=busy, comm=comm, finish=ends)
+    return ScheduleResult(step_time=max(ends), busy=busy, comm=comm, finish=ends, path=path, path_constant=constant)
+
+
+def _critical_path(
+    prog: Program, finish: list[float], slots: list[int], weights: list[float]
+) -> tuple[tuple[tuple[int, int, int], ...], float]:
+    """Walk back from the latest node through the predecessor that finished last."""
+    first, second, _, index = prog.flat
+    p = prog.num_stages
+    counts = [[0, 0, 0] for _ in range(p)]
+    constant = 0.0
+    i = max((index[j] for j in prog.last), key=lambda j: finish[j])
+    while i >= 0:
+        slot = slots[i]
+        if slot < 3 * p:
+            counts[slot % p][slot // p] += 1  # slot = kind block (forward, backward, optimizer) x P + stage
+        else:
+            constant += weights[slot]
+        a, b = first[i], second[i]
+        i = a if finish[a] >= finish[b] else b
+    return tuple((f, b, o) for f, b, o in counts), constant
 
 
 def balanced_step_time(num_micro_batches: int, forward: Sequence[float], backward: Sequence[float]) -> float:
@@ -233,3 +262,29 @@ def balanced_step_time(num_micro_batches: int, forward: Sequence[float], backwar
     p = len(forward)
     mean_f, mean_b = sum(forward) / p, sum(backward) / p
     return simulate(num_micro_batches, [mean_f] * p, [mean_b] * p).step_time
+
+
+def step_estimator(
+    num_micro_batches: int,
+    send: float = 0.0,
+    tied_reduce: float = 0.0,
+    tied: bool = True,
+    grad_norm_sync: bool = True,
+) -> Callable[[Sequence[StageTime]], StepEstimate]:
+    """The `step_time` of `megatron_ds.pipeline.fastest`: this schedule's step for per-stage times,
+    with its critical path as the lower-bound certificate the search prunes with."""
+
+    def estimate(times: Sequence[StageTime]) -> StepEstimate:
+        result = simulate(
+            num_micro_batches,
+            [t.forward for t in times],
+            [t.backward for t in times],
+            [t.optimizer for t in times],
+            send=send,
+            tied_reduce=tied_reduce,
+            tied=tied,
+            grad_norm_sync=grad_norm_sync,
+        )
+        return StepEstimate(result.step_time, result.path, result.path_constant)
+
+    return estimate

@@ -167,3 +167,28 @@ def test_bad_inputs() -> None:
         simulate(2, [1.0, 1.0], [1.0])
     with pytest.raises(ValueError, match=">= 1 micro-batch"):
         simulate(0, [1.0], [1.0])
+
+
+def random_times(rnd: random.Random, p: int) -> tuple[list[float], list[float], list[float]]:
+    fwd = [rnd.uniform(0.1, 3.0) for _ in range(p)]
+    return fwd, [f * rnd.uniform(1.0, 3.0) for f in fwd], [rnd.uniform(0.0, 1.0) for _ in range(p)]
+
+
+def length(path, constant: float, fwd: list[float], bwd: list[float], opt: list[float]) -> float:
+    return constant + sum(nf * f + nb * b + no * o for (nf, nb, no), f, b, o in zip(path, fwd, bwd, opt))
+
+
+def test_critical_path_is_a_certificate() -> None:
+    """The reported path's length is the step for its own times and a lower bound for any others."""
+    rnd = random.Random(11)
+    for _ in range(200):
+        p, m = rnd.randint(1, 6), rnd.randint(1, 9)
+        send, tied = rnd.choice([0.0, 0.3]), rnd.choice([0.0, 0.2])
+
+        fwd, bwd, opt = random_times(rnd, p)
+        result = simulate(m, fwd, bwd, opt, send=send, tied_reduce=tied)
+        assert length(result.path, result.path_constant, fwd, bwd, opt) == pytest.approx(result.step_time, rel=1e-12)
+        assert all(nf <= m and nb <= m and no <= 1 for nf, nb, no in result.path)
+        other = random_times(rnd, p)
+        step = simulate(m, *other, send=send, tied_reduce=tied).step_time
+        assert length(result.path, result.path_constant, *other) <= step * (1 + 1e-12)
