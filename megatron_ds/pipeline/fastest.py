@@ -34,10 +34,12 @@ the search is exact over `step_time` itself, by branch and bound over the stages
     layers; with t at the componentwise minimum of its times over feasible counts >= q and the
     other open stages at their minimum over all feasible counts, the step is <= that of every
     completion whose largest open count is on t. The smallest such step over t is the bound.
-  - A node whose bound exceeds the best step found (by more than a relative 1e-9, so equal steps
-    are never cut and the tie-break stays exact) is cut; the others are expanded, children in
-    increasing order of bound; every split reached is evaluated. The result is the minimum step;
-    ties go to the smaller peak memory, then to the smaller counts (lexicographically).
+  - A node whose bound exceeds the best step found by more than a relative 1e-9 is cut; the others
+    are expanded, children in increasing order of bound; every split reached is evaluated. So every
+    split within 1e-9 of the minimum step is evaluated: these are ties (sums of the same times in
+    a different order differ in the last bits), and among them the result is the one whose stage
+    memories, sorted from the largest, are smallest (as `balance.balanced_counts` breaks its ties),
+    then the one with the smaller counts (lexicographically).
 
 The cost functions need not be monotone in k. Counts whose memory exceeds the limit are never
 considered; when no split fits, `LayoutError` names the smallest largest-stage memory any split
@@ -128,16 +130,15 @@ def fastest_split(
     _check(num_layers, num_stages)
     search = _Search(num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time)
     if not search.reachable[0][num_layers]:
-        counts, peak = smallest_peak_split(num_layers, num_stages, stage_memory)
+        counts, peak = minimax_split(num_layers, num_stages, stage_memory)
         raise LayoutError(
             f"{FLAG}: no split of --num-layers {num_layers} over --pipeline-model-parallel-size {num_stages} "
             f"fits {format_bytes(memory_limit)} per device; the split needing least memory "
             f"({' '.join(map(str, counts))} layers per stage) needs {format_bytes(peak)} on its largest stage"
         )
     search.run()
-    assert search.best is not None
-    step, peak, counts = search.best
-    return FastestSplit(tuple(counts), step, peak, search.evaluations)
+    step, memories, counts = search.result()
+    return FastestSplit(tuple(counts), step, memories[0], search.evaluations)
 
 
 class _Certificates:
@@ -184,7 +185,8 @@ class _Search:
         self, n: int, p: int, stage_time: StageTimeFn, stage_memory: StageMemoryFn, limit: float, step_time: StepTimeFn
     ) -> None:
         self.n, self.p, self.step_time, self.evaluations = n, p, step_time, 0
-        self.best: tuple[float, float, list[int]] | None = None
+        self.best = math.inf  # the smallest step evaluated
+        self.ties: list[tuple[float, tuple[float, ...], list[int]]] = []  # (step, memories sorted down, counts)
         # Feasible counts per stage with their times and memory (each cost function called once per count).
         self.feasible: list[dict[int, tuple[StageTime, float]]] = []
         for s in range(p):
@@ -214,7 +216,7 @@ class _Search:
             option = self.feasible[s].get(k)
             return math.inf if option is None else option[0].forward + option[0].backward + option[0].optimizer
 
-        seed, _ = _minimax_split(self.n, self.p, stage_cost)
+        seed, _ = minimax_split(self.n, self.p, stage_cost)
         self._leaf(seed)
         if self.p == 1:  # the seed is the only split
             return
@@ -277,7 +279,11 @@ class _Search:
         return best
 
     def _cutoff(self) -> float:
-        return math.inf if self.best is None else self.best[0] + TOLERANCE * abs(self.best[0])
+        return self.best + TOLERANCE * abs(self.best)
+
+    def result(self) -> tuple[float, tuple[float, ...], list[int]]:
+        cutoff = self._cutoff()
+        return min((t for t in self.ties if t[0] <= cutoff), key=lambda t: (t[1], t[2]))
 
     def _evaluate(self, times: Sequence[StageTime]) -> StepEstimate:
         self.evaluations += 1
@@ -294,9 +300,10 @@ class _Search:
         estimate = self._evaluate([self.feasible[s][k][0] for s, k in enumerate(counts)])
         if estimate.path:
             self.certificates.add(estimate)
-        peak = max(self.feasible[s][k][1] for s, k in enumerate(counts))
-        if self.best is None or (estimate.time, peak, counts) < self.best:
-            self.best = (estimate.time, peak, counts)
+        self.best = min(self.best, estimate.time)
+        if estimate.time <= self._cutoff():
+            memories = tuple(sorted((self.feasible[s][k][1] for s, k in enumerate(counts)), reverse=True))
+            self.ties = [t for t in self.ties if t[0] <= self._cutoff()] + [(estimate.time, memories, counts)]
 
 
 def _count_range(stage: int, num_stages: int, num_layers: int) -> range:
@@ -305,14 +312,11 @@ def _count_range(stage: int, num_stages: int, num_layers: int) -> range:
     return range(0 if stage in (0, num_stages - 1) else 1, num_layers + 1)
 
 
-def smallest_peak_split(num_layers: int, num_stages: int, stage_memory: StageMemoryFn) -> tuple[list[int], float]:
-    """The split whose largest `stage_memory` is smallest, with that memory (exact, see `_minimax_split`)."""
-    return _minimax_split(num_layers, num_stages, stage_memory)
-
-
-def _minimax_split(num_layers: int, num_stages: int, cost: Callable[[int, int], float]) -> tuple[list[int], float]:
-    """The split minimising max_s cost(s, k_s), exactly: a dynamic programme over (stage, layers used);
-    no monotonicity needed. Ties: the smallest count first, stage by stage."""
+def minimax_split(num_layers: int, num_stages: int, cost: Callable[[int, int], float]) -> tuple[list[int], float]:
+    """The split minimising max_s cost(s, k_s), and that maximum, exactly: a dynamic programme over
+    (stage, layers used); no monotonicity needed. Ties: the smallest count first, stage by stage.
+    With `stage_memory` as the cost: the least memory any split needs (the error message); with the
+    stage time: the split with the smallest slowest stage (the search's seed)."""
     n, p = num_layers, num_stages
     costs = [{k: cost(s, k) for k in _count_range(s, p, n)} for s in range(p)]
     # best[j][r]: smallest largest cost of stages j.. taking exactly r layers; choice[j][r]: stage j's count.

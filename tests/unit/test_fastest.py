@@ -18,7 +18,7 @@ from megatron_ds.pipeline.fastest import (
     fastest_counts,
     fastest_split,
     format_bytes,
-    smallest_peak_split,
+    minimax_split,
 )
 
 
@@ -42,17 +42,21 @@ def splits(n: int, p: int):
 
 
 def brute_force(n, p, stage_time, stage_memory, limit, step_time):
-    """(step, peak, counts) minimal over every split that fits, or None."""
-    best = None
+    """(step, peak, counts) of the fastest split that fits, or None; among steps within 1e-9 of the
+    fastest, the smallest memories sorted from the largest, then the smallest counts."""
+    fits = []
     for counts in splits(n, p):
         mems = [stage_memory(s, k) for s, k in enumerate(counts)]
         if max(mems) > limit:
             continue
         value = step_time([stage_time(s, k) for s, k in enumerate(counts)])
         step = value.time if isinstance(value, StepEstimate) else value
-        key = (step, max(mems), list(counts))
-        best = key if best is None or key < best else best
-    return best
+        fits.append((step, tuple(sorted(mems, reverse=True)), list(counts)))
+    if not fits:
+        return None
+    fastest = min(step for step, _, _ in fits)
+    step, mems, counts = min((f for f in fits if f[0] <= fastest * (1 + 1e-9)), key=lambda f: (f[1], f[2]))
+    return step, mems[0], counts
 
 
 def random_case(rnd: random.Random, n: int, p: int):
@@ -128,7 +132,7 @@ def test_nothing_fits_names_the_smallest_memory_in_one_line() -> None:
     n, p = 7, 4
     stage_time, stage_memory = random_case(rnd, n, p)
     peak = min(max(stage_memory(s, k) for s, k in enumerate(c)) for c in splits(n, p))
-    counts, smallest = smallest_peak_split(n, p, stage_memory)
+    counts, smallest = minimax_split(n, p, stage_memory)
     assert smallest == peak and max(stage_memory(s, k) for s, k in enumerate(counts)) == peak
     scale = 2**30  # the memory model's bytes
     with pytest.raises(LayoutError) as err:
