@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,8 @@ from stage_memory import COMMON, LAYOUTS, MODELS, NUM_STAGES  # noqa: E402 - the
 
 from megatron_ds.arguments import parse_config  # noqa: E402
 from megatron_ds.config import Config  # noqa: E402
-from megatron_ds.estimate.compute import ComputeInputs, spec_flops, stage_flops, stage_flops_for  # noqa: E402
+from megatron_ds.estimate.calibrate import calibrate, stage_time_fn  # noqa: E402
+from megatron_ds.estimate.compute import ComputeInputs, spec_flops, stage_flops_for  # noqa: E402
 from megatron_ds.estimate.memory_model import stage_memory_for  # noqa: E402
 from megatron_ds.estimate.run_layout import build_run_layout, memory_inputs  # noqa: E402
 from megatron_ds.estimate.schedule import balanced_step_time, simulate, step_estimator  # noqa: E402
@@ -76,14 +78,43 @@ def spec_table(inputs: ComputeInputs) -> list[str]:
     return lines
 
 
-def times(inputs: ComputeInputs, counts: list[int]) -> tuple[list[float], list[float]]:
-    stages = stage_flops(inputs, counts)
-    return [st.forward / GFLOP for st in stages], [st.backward_total / GFLOP for st in stages]
+StageTimeFn = Callable[[int, int], StageTime]
 
 
-def layout_row(name: str, counts: list[int], inputs: ComputeInputs, config: Config, stock: float) -> str:
+def flop_time(inputs: ComputeInputs) -> StageTimeFn:
+    """Stage time = FLOPs / 1e9: one unit per GFLOP."""
+
+    def stage_time(s: int, k: int) -> StageTime:
+        st = stage_flops_for(inputs, s, NUM_STAGES, k)
+        return StageTime(st.forward / GFLOP, st.backward_total / GFLOP)
+
+    return stage_time
+
+
+def measured_time(inputs: ComputeInputs) -> tuple[StageTimeFn, str]:
+    """Stage time from `megatron_ds.estimate.calibrate` on this machine, in milliseconds, and a summary."""
+    calibration = calibrate(inputs.model, inputs.micro_batch_size, repeats=5, warmup=2)
+    seconds = stage_time_fn(calibration, inputs, NUM_STAGES)
+
+    def stage_time(s: int, k: int) -> StageTime:
+        t = seconds(s, k)
+        return StageTime(1e3 * t.forward, 1e3 * t.backward)
+
+    summary = "measured (forward + backward ms, GFLOP/s): " + ", ".join(
+        f"{t.group} {1e3 * t.forward:.1f} + {1e3 * t.backward:.1f} ({t.flops_per_second / GFLOP:.1f})"
+        for t in calibration.timings
+    )
+    return stage_time, summary
+
+
+def times(stage_time: StageTimeFn, counts: list[int]) -> tuple[list[float], list[float]]:
+    stages = [stage_time(s, k) for s, k in enumerate(counts)]
+    return [t.forward for t in stages], [t.backward for t in stages]
+
+
+def layout_row(name: str, counts: list[int], stage_time: StageTimeFn, config: Config, stock: float) -> str:
     m = config.grad_accumulation_steps
-    fwd, bwd = times(inputs, counts)
+    fwd, bwd = times(stage_time, counts)
     step = simulate(m, fwd, bwd).step_time
     ideal = balanced_step_time(m, fwd, bwd)
     mem = memory_inputs(config)
@@ -96,54 +127,51 @@ def layout_row(name: str, counts: list[int], inputs: ComputeInputs, config: Conf
     )
 
 
-def fastest(config: Config, inputs: ComputeInputs, limit: float) -> list[int]:
+def fastest(config: Config, stage_time: StageTimeFn, limit: float) -> list[int]:
     m, p, n = config.grad_accumulation_steps, NUM_STAGES, config.model.num_layers
     mem = memory_inputs(config)
-
-    def stage_time(s: int, k: int) -> StageTime:
-        st = stage_flops_for(inputs, s, p, k)
-        return StageTime(st.forward / GFLOP, st.backward_total / GFLOP)
-
     split = fastest_split(
         n, p, stage_time, lambda s, k: stage_memory_for(mem, s, p, k).total, limit, step_time=step_estimator(m)
     )
     return list(split.counts)
 
 
-def report(model: str, tight: float, extra: list[str]) -> str:
+def report(model: str, tight: float, extra: list[str], measured: bool) -> str:
     configs = {name: config_for(model, name, extra) for name in LAYOUTS}
     base = configs["stock"]
     inputs = compute_inputs(base)
-    m = base.grad_accumulation_steps
+    stage_time, summary = measured_time(inputs) if measured else (flop_time(inputs), "")
+    unit = "ms (measured on this machine, one process)" if measured else "GFLOP"
+    m, n = base.grad_accumulation_steps, base.model.num_layers
     lines = [
         f"model {model}: {' '.join([*MODELS[model], *extra])} (P={NUM_STAGES}, M={m} micro-batches per step, "
         f"{base.training.precision}, recompute {'on' if base.training.checkpoint_activations else 'off'})",
         *spec_table(inputs),
+        *([summary] if summary else []),
         "",
-        "per stage: forward + backward GFLOP of one micro-batch; largest = predicted largest stage memory "
-        "(MiB); step in GFLOP-time units",
-        f"{'layout':<22} {'layers':<15} {'stage GFLOP':<{7 * NUM_STAGES - 1}}  {'largest':>9} {'step':>8} "
+        f"per stage: forward + backward of one micro-batch in {unit}; largest = predicted largest stage memory "
+        f"(MiB); step in the same unit",
+        f"{'layout':<22} {'layers':<15} {'stage time':<{7 * NUM_STAGES - 1}}  {'largest':>9} {'step':>8} "
         f"{'step/ideal':>10} {'step/stock':>10}",
     ]
     layouts = {name: list(build_run_layout(cfg).layers_per_stage) for name, cfg in configs.items()}
-    fwd, bwd = times(inputs, layouts["stock"])
+    fwd, bwd = times(stage_time, layouts["stock"])
     stock = simulate(m, fwd, bwd).step_time
     for name, counts in layouts.items():
-        lines.append(layout_row(name, counts, inputs, base, stock))
+        lines.append(layout_row(name, counts, stage_time, base, stock))
 
-    def stage_total(s: int, k: int) -> float:
-        return stage_flops_for(inputs, s, NUM_STAGES, k).total
+    def total(s: int, k: int) -> float:
+        t = stage_time(s, k)
+        return t.forward + t.backward
 
-    slowest, _ = minimax_split(base.model.num_layers, NUM_STAGES, stage_total)
-    lines.append(layout_row("min slowest stage", slowest, inputs, base, stock))
+    slowest, _ = minimax_split(n, NUM_STAGES, total)
+    lines.append(layout_row("min slowest stage", slowest, stage_time, base, stock))
     mem = memory_inputs(base)
-    _, least = minimax_split(
-        base.model.num_layers, NUM_STAGES, lambda s, k: stage_memory_for(mem, s, NUM_STAGES, k).total
-    )
+    _, least = minimax_split(n, NUM_STAGES, lambda s, k: stage_memory_for(mem, s, NUM_STAGES, k).total)
     stock_peak = max(stage_memory_for(mem, s, NUM_STAGES, k).total for s, k in enumerate(layouts["stock"]))
     for limit in (math.inf, stock_peak, tight * least):
         name = "fastest (no limit)" if math.isinf(limit) else f"fastest (<= {limit / MIB:.0f} MiB)"
-        lines.append(layout_row(name, fastest(base, inputs, limit), inputs, base, stock))
+        lines.append(layout_row(name, fastest(base, stage_time, limit), stage_time, base, stock))
     lines.append(
         f"limits: none; the stock layout's largest stage; {tight:g} x {least / MIB:.1f} MiB, the least any split "
         f"needs on its largest stage. ideal step = {balanced_step_time(m, fwd, bwd):.2f} ((M + P - 1) x total / P)"
@@ -156,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--tight", type=float, default=1.02, help="tight limit as a multiple of the least peak")
     parser.add_argument("--global-batch-size", type=int, help="override the model's (more micro-batches per step)")
+    parser.add_argument(
+        "--measured", action="store_true", help="stage times from megatron_ds.estimate.calibrate, not FLOPs"
+    )
     args = parser.parse_args(argv)
     extra = [] if args.global_batch_size is None else ["--global-batch-size", str(args.global_batch_size)]
     for model in args.models.split(","):
         if model not in MODELS:
             parser.error(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
-        print(report(model, args.tight, extra) + "\n", flush=True)
+        print(report(model, args.tight, extra, args.measured) + "\n", flush=True)
     return 0
 
 

@@ -6,17 +6,22 @@ Matmul FLOPs (exact for our code; `tests/unit/test_compute_model.py` checks them
 Language Model Training on GPU Clusters Using Megatron-LM", sec. 5.1 / appendix: per layer and
 micro-batch (b, s) the forward is 24bsh^2 + 4bs^2h (QKV 6bsh^2, scores 2bs^2h, attention over
 values 2bs^2h, projection 2bsh^2, MLP 16bsh^2), the LM head 2bshV; their eq. (3),
-96Bslh^2 (1 + s/6h + V/16lh), is forward + backward + one recomputed forward of every layer.
+96Bslh^2 (1 + s/6h + V/16lh) (sec. 5.1, "equation 3" in Megatron-DeepSpeed's throughput code), is
+forward + backward + one recomputed forward of every layer.
 Conventions kept from the paper:
   - backward = 2 x forward for every matmul (the gradient of the input and of the weight, or of
     both operands of a bmm); holds here because every stage's input requires grad (the embedding
     output on stage 0, DeepSpeed's received activations elsewhere);
   - activation recomputation adds one forward of each recomputed transformer layer;
   - attention scores cover the full s x s square (the paper's s/6h term, Megatron-LM's
-    `num_floating_point_operations`, FlopCounterMode and torch's math SDPA backend all count it).
-    Causal kernels skip the upper triangle (flash attention on GPU, torch's CPU flash kernel, which
-    is what SDPA picks on CPU for our fp32 inputs), so `causal_attention=True` counts the
-    s(s+1)/2 query-key pairs they compute instead: use it to predict time, not to report TFLOP/s.
+    `num_floating_point_operations`, FlopCounterMode and torch's math SDPA backend all count it),
+    and their backward is 2x the forward. What runs differs: on CPU, SDPA takes the math backend
+    (full square, bmm) when attention dropout is on and its flash kernel when it is off; flash
+    kernels (CPU, and GPU with or without dropout) skip the blocks above the causal diagonal and
+    recompute the scores in backward (FlopCounterMode counts 5 instead of 4 bmm there).
+    `causal_attention=True` counts the s(s+1)/2 query-key pairs a causal kernel needs: use it to
+    predict the time of such kernels, not to report TFLOP/s. The attention terms are s/6h of the
+    rest of a layer (5.6% at s = 128, h = 384), so there the choice moves a stage's time little.
 Generalised beyond the paper, term by term from our layer (megatron_ds/model/transformer.py): QKV
 has nh query and kv key/value heads of hd = h/nh (grouped-query attention), SwiGLU's fc1 has 2f
 outputs, f = ffn_hidden_size; at T > 1 each rank computes 1/T of QKV, scores, values, proj, fc1,
@@ -132,7 +137,11 @@ def _score_pairs(s: int, causal: bool) -> int:
 
 
 def layer_terms(inputs: ComputeInputs) -> tuple[Term, ...]:
-    """One transformer layer on one tensor rank (model/transformer.py, in execution order)."""
+    """One transformer layer on one tensor rank (model/transformer.py, in execution order).
+
+    At T = 1, multi-head attention and f = 4h these are Narayanan et al.'s terms: QKV 6nh^2, scores
+    and attention over values 2nsh each, proj 2nh^2, MLP 16nh^2 (n = b s tokens).
+    """
     m, t = inputs.model, inputs.tensor_parallel_size
     n = inputs.micro_batch_size * m.seq_length  # tokens per micro-batch
     h, hd, b = m.hidden_size, m.hidden_size // m.num_attention_heads, inputs.micro_batch_size
