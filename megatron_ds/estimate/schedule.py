@@ -16,7 +16,7 @@ Model of the instructions (deepspeed/runtime/pipe/schedule.py, engine.py, p2p.py
                                stage first (`grad_norm_sync`: a barrier), then the stage's `optimizer`
                                time (which should include its ReduceGrads and the update)
   LoadMicroBatch, ReduceGrads  no time of their own (data parallelism is one device per stage here)
-The step ends when the last stage finishes (the engine's loss broadcast then joins all stages).
+The step ends when every stage has finished (the engine's loss broadcast then joins all stages).
 
 Each stage's order is fixed by the schedule, and every wait is for a fixed predecessor, so the
 finish times are the longest paths of one dependency graph; the graph depends only on (M, P) and
