@@ -1,0 +1,291 @@
+"""Analytic forward and backward FLOPs of every spec of our GPT, per tensor-parallel rank. Pure: no torch.
+
+Matmul FLOPs (exact for our code; `tests/unit/test_compute_model.py` checks them against
+`torch.utils.flop_counter.FlopCounterMode` on the real modules). A (m, k) x (k, n) product costs
+2mkn FLOPs (one multiply and one add per MAC), as in Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", sec. 5.1 / appendix: per layer and
+micro-batch (b, s) the forward is 24bsh^2 + 4bs^2h (QKV 6bsh^2, scores 2bs^2h, attention over
+values 2bs^2h, projection 2bsh^2, MLP 16bsh^2), the LM head 2bshV; their eq. (3),
+96Bslh^2 (1 + s/6h + V/16lh) (sec. 5.1, "equation 3" in Megatron-DeepSpeed's throughput code), is
+forward + backward + one recomputed forward of every layer.
+Conventions kept from the paper:
+  - backward = 2 x forward for every matmul (the gradient of the input and of the weight, or of
+    both operands of a bmm); holds here because every stage's input requires grad (the embedding
+    output on stage 0, DeepSpeed's received activations elsewhere);
+  - activation recomputation adds one forward of each recomputed transformer layer;
+  - attention scores cover the full s x s square (the paper's s/6h term, Megatron-LM's
+    `num_floating_point_operations`, FlopCounterMode and torch's math SDPA backend all count it),
+    and their backward is 2x the forward. What runs differs: on CPU, SDPA takes the math backend
+    (full square, bmm) when attention dropout is on and its flash kernel when it is off; flash
+    kernels (CPU, and GPU with or without dropout) skip the blocks above the causal diagonal and
+    recompute the scores in backward (FlopCounterMode counts 5 instead of 4 bmm there).
+    `causal_attention=True` counts the s(s+1)/2 query-key pairs a causal kernel needs: use it to
+    predict the time of such kernels, not to report TFLOP/s. The attention terms are s/6h of the
+    rest of a layer (5.6% at s = 128, h = 384), so there the choice moves a stage's time little.
+Generalised beyond the paper, term by term from our layer (megatron_ds/model/transformer.py): QKV
+has nh query and kv key/value heads of hd = h/nh (grouped-query attention), SwiGLU's fc1 has 2f
+outputs, f = ffn_hidden_size; at T > 1 each rank computes 1/T of QKV, scores, values, proj, fc1,
+fc2 (megatron-core's column/row-parallel layers) and of the vocabulary-parallel head.
+
+Element-wise work (norms, activations, softmax, bias and residual adds, rotary, the loss) is
+counted separately ("elementwise" terms) with DeepSpeed's flops-profiler conventions
+(deepspeed/profiling/flops_profiler/profiler.py: layer_norm 5 per element, gelu, silu and softmax
+1, add/mul 1, dropout and embedding lookup 0; rmsnorm 4, as layer_norm without the mean) and an
+assumed backward of twice the forward. These are conventions, not measured operation counts: they
+are < 2% of a layer's FLOPs at the sizes we train, and their time is memory-bound anyway
+(`megatron_ds.estimate.calibrate` measures time per spec type).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.model import naming
+
+MATMUL = "matmul"
+ELEMENTWISE = "elementwise"
+NORM_OPS = {"layernorm": 5, "rmsnorm": 4}
+"""Element-wise FLOPs per element of a norm's forward (DeepSpeed flops-profiler convention)."""
+
+
+@dataclass(frozen=True)
+class ComputeInputs:
+    """What the compute of one micro-batch on one tensor-parallel rank depends on."""
+
+    model: ModelConfig
+    micro_batch_size: int
+    """Samples per micro-batch b (sequence length s comes from the model)."""
+    tensor_parallel_size: int = 1
+    """T: every rank computes 1/T of the tensor-parallel specs."""
+    checkpoint_activations: bool = False
+    """Recompute transformer layers in backward (`--checkpoint-activations`)."""
+    checkpoint_num_layers: int = 1
+    """Layers per recomputed chunk (DeepSpeed's `activation_checkpoint_interval`)."""
+    causal_attention: bool = False
+    """Count only the s(s+1)/2 query-key pairs causal kernels compute (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        m, t = self.model, self.tensor_parallel_size
+        if self.micro_batch_size < 1 or t < 1 or self.checkpoint_num_layers < 1:
+            raise ValueError(f"micro_batch_size, tensor_parallel_size and checkpoint_num_layers must be >= 1: {self}")
+        for what, value in (
+            ("heads", m.num_attention_heads),
+            ("kv heads", m.kv_heads),
+            ("ffn", m.ffn_hidden_size),
+            ("vocab", m.vocab_size),
+        ):
+            if value % t:
+                raise ValueError(f"{what} {value} is not divisible by tensor-parallel size {t}")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One named piece of a spec's work, FLOPs of one micro-batch on one tensor rank."""
+
+    name: str
+    kind: str
+    """`matmul` or `elementwise`."""
+    forward: int
+    backward: int
+
+
+@dataclass(frozen=True)
+class SpecFlops:
+    """One spec's FLOPs for one micro-batch on one tensor rank (the loss is listed as a spec too)."""
+
+    index: int
+    name: str
+    group: str
+    """`pre`, `body`, `post` or `loss`."""
+    terms: tuple[Term, ...]
+
+    def _sum(self, attr: str, kind: str | None = None) -> int:
+        return sum(getattr(t, attr) for t in self.terms if kind is None or t.kind == kind)
+
+    @property
+    def forward(self) -> int:
+        return self._sum("forward")
+
+    @property
+    def backward(self) -> int:
+        """Backward without recomputation (add `forward` for a recomputed layer)."""
+        return self._sum("backward")
+
+    @property
+    def matmul_forward(self) -> int:
+        return self._sum("forward", MATMUL)
+
+    @property
+    def matmul_backward(self) -> int:
+        return self._sum("backward", MATMUL)
+
+
+def _matmul(name: str, flops: int) -> Term:
+    return Term(name, MATMUL, flops, 2 * flops)  # backward: grads of both operands
+
+
+def _elementwise(name: str, flops: int, backward: int | None = None) -> Term:
+    return Term(name, ELEMENTWISE, flops, 2 * flops if backward is None else backward)
+
+
+def _score_pairs(s: int, causal: bool) -> int:
+    """Query-key pairs per head and sample: the full square, or the causal triangle."""
+    return s * (s + 1) // 2 if causal else s * s
+
+
+def layer_terms(inputs: ComputeInputs) -> tuple[Term, ...]:
+    """One transformer layer on one tensor rank (model/transformer.py, in execution order).
+
+    At T = 1, multi-head attention and f = 4h these are Narayanan et al.'s terms: QKV 6nh^2, scores
+    and attention over values 2nsh each, proj 2nh^2, MLP 16nh^2 (n = b s tokens).
+    """
+    m, t = inputs.model, inputs.tensor_parallel_size
+    n = inputs.micro_batch_size * m.seq_length  # tokens per micro-batch
+    h, hd, b = m.hidden_size, m.hidden_size // m.num_attention_heads, inputs.micro_batch_size
+    nq, nkv = m.num_attention_heads // t, m.kv_heads // t  # this rank's query / key-value heads
+    f = m.ffn_hidden_size // t
+    fc1 = 2 * f if m.swiglu else f
+    pairs = b * nq * _score_pairs(m.seq_length, inputs.causal_attention)  # score entries on this rank
+    norm = NORM_OPS[m.normalization] * n * h
+    terms = [
+        _elementwise("input norm", norm),
+        _matmul("qkv", 2 * n * h * (nq + 2 * nkv) * hd),
+        _matmul("scores", 2 * pairs * hd),  # q k^T per query head (k broadcast over a GQA group)
+        _elementwise("softmax", pairs),
+        _matmul("attention over values", 2 * pairs * hd),
+        _matmul("proj", 2 * n * (nq * hd) * h),  # row-parallel: this rank's features -> h
+        _elementwise("residual adds", 2 * n * h),
+        _elementwise("post-attention norm", norm),
+        _matmul("fc1", 2 * n * h * fc1),
+        _elementwise("swiglu" if m.swiglu else "gelu", (2 if m.swiglu else 1) * n * f),  # silu, * up
+        _matmul("fc2", 2 * n * f * h),
+    ]
+    if m.use_rotary_position_embeddings:
+        terms.append(_elementwise("rotary", 3 * n * (nq + nkv) * hd))  # x cos + rotate_half(x) sin
+    if m.add_bias_linear:
+        terms.append(_elementwise("bias adds", n * ((nq + 2 * nkv) * hd + h + fc1 + h)))
+    return tuple(terms)
+
+
+def _pre_terms(inputs: ComputeInputs, name: str) -> tuple[Term, ...]:
+    n, h = inputs.micro_batch_size * inputs.model.seq_length, inputs.model.hidden_size
+    if name == naming.WORD_EMBEDDING:  # lookup; backward scatter-adds n rows into the (v/T, h) grad
+        return (_elementwise("lookup", 0, backward=n * h),)
+    if name == naming.POSITION_EMBEDDING:  # add, then dropout; backward sums the batch into (s, h)
+        return (_elementwise("add position", n * h, backward=n * h),)
+    return ()  # cast_token_ids, EmbeddingDropout (dropout counts 0)
+
+
+def _post_terms(inputs: ComputeInputs, name: str) -> tuple[Term, ...]:
+    m, t = inputs.model, inputs.tensor_parallel_size
+    n, h, v = inputs.micro_batch_size * m.seq_length, m.hidden_size, m.vocab_size // t
+    if name == naming.FINAL_NORM:
+        return (_elementwise("final norm", NORM_OPS[m.normalization] * n * h),)
+    if name in (naming.TIED_LM_HEAD, naming.UNTIED_LM_HEAD):
+        return (_matmul("logits", 2 * n * h * v),)  # vocabulary-parallel at T > 1: v/T rows
+    if name == naming.LOSS:  # log-softmax over this rank's v/T logits, then the masked mean
+        return (_elementwise("cross entropy", n * v + 2 * n),)
+    return ()  # logits_to_fp32: a dtype copy
+
+
+@functools.lru_cache(maxsize=256)
+def spec_flops(inputs: ComputeInputs) -> tuple[SpecFlops, ...]:
+    """Every spec in spec-index order (`naming.gpt_spec_groups`), then the loss (group `loss`)."""
+    groups = naming.gpt_spec_groups(inputs.model)
+    layer = layer_terms(inputs)
+    out = []
+    for idx, name in enumerate([*groups.names, groups.loss_name]):
+        group = "loss" if idx == groups.num_specs else groups.group_of(idx)
+        if group == "body":
+            terms = layer
+        elif group == "pre":
+            terms = _pre_terms(inputs, name)
+        else:
+            terms = _post_terms(inputs, name)
+        out.append(SpecFlops(idx, name, group, terms))
+    return tuple(out)
+
+
+def recomputed_layers(num_pre: int, num_layers: int, num_post: int, interval: int) -> int:
+    """Transformer layers of a stage that DeepSpeed recomputes in backward.
+
+    PipelineModule.forward (deepspeed/runtime/pipe/module.py) cuts the stage's functions into chunks
+    of `activation_checkpoint_interval` from local index 0 and checkpoints a chunk only when every
+    function in it is a TransformerLayer (GPTModelPipe._is_checkpointable). `interval` 0: none.
+    """
+    if interval <= 0:
+        return 0
+    kinds = [False] * num_pre + [True] * num_layers + [False] * num_post
+    return sum(len(c) for c in (kinds[i : i + interval] for i in range(0, len(kinds), interval)) if all(c))
+
+
+@dataclass(frozen=True)
+class StageFlops:
+    """FLOPs of one micro-batch on one GPU of a pipeline stage."""
+
+    stage: int
+    num_layers: int
+    forward: int
+    backward: int
+    """Backward proper (2x forward for matmuls)."""
+    recompute: int
+    """Forward FLOPs repeated inside backward by activation recomputation."""
+    matmul_forward: int
+    matmul_backward: int
+
+    @property
+    def backward_total(self) -> int:
+        """What the backward pass costs: backward plus recomputation."""
+        return self.backward + self.recompute
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward_total
+
+
+def stage_flops_for(inputs: ComputeInputs, stage: int, num_stages: int, num_layers: int) -> StageFlops:
+    """Stage `stage` of `num_stages` holding `num_layers` transformer layers (plus the pre group on
+    stage 0, the post group and the loss on the last stage)."""
+    specs = spec_flops(inputs)
+    pre = [sp for sp in specs if sp.group == "pre"] if stage == 0 else []
+    post = [sp for sp in specs if sp.group in ("post", "loss")] if stage == num_stages - 1 else []
+    layer = next(sp for sp in specs if sp.group == "body")
+    held = pre + post + [layer] * num_layers
+    interval = inputs.checkpoint_num_layers if inputs.checkpoint_activations else 0
+    num_post_funcs = sum(1 for sp in post if sp.group == "post")  # the loss is not a forward function
+    again = recomputed_layers(len(pre), num_layers, num_post_funcs, interval)
+    return StageFlops(
+        stage=stage,
+        num_layers=num_layers,
+        forward=sum(sp.forward for sp in held),
+        backward=sum(sp.backward for sp in held),
+        recompute=again * layer.forward,
+        matmul_forward=sum(sp.matmul_forward for sp in held),
+        matmul_backward=sum(sp.matmul_backward for sp in held) + again * layer.matmul_forward,
+    )
+
+
+def stage_flops(inputs: ComputeInputs, layers_per_stage: Sequence[int]) -> list[StageFlops]:
+    """Every stage of a layout given as transformer layers per stage (`Layout.layers_per_stage`)."""
+    p = len(layers_per_stage)
+    return [stage_flops_for(inputs, s, p, k) for s, k in enumerate(layers_per_stage)]
+
+
+def model_flops_per_iteration(model: ModelConfig, global_batch_size: int, recompute: bool = False) -> int:
+    """Matmul FLOPs of one optimizer step over all GPUs, forward + backward (+ recomputation).
+
+    `recompute=False` is "model FLOPs", what Megatron-LM's throughput line divides by time
+    (`num_floating_point_operations` in megatron/training/training.py counts 12bsLh^2 x (...) with
+    GQA and SwiGLU terms and no recomputation; equal to this count, as the tests check).
+    `recompute=True` adds one forward of every layer: the paper's eq. (3) with its factor 4.
+    Tensor parallelism does not change the total (each rank computes 1/T).
+    """
+    inputs = ComputeInputs(model, micro_batch_size=1)
+    specs = spec_flops(inputs)
+    per_sample = sum(sp.matmul_forward + sp.matmul_backward for sp in specs)
+    if recompute:
+        per_sample += model.num_layers * next(sp for sp in specs if sp.group == "body").matmul_forward
+    return global_batch_size * per_sample

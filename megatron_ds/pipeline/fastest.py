@@ -1,0 +1,355 @@
+"""The fastest pipeline split that fits: transformer layers per stage that minimise the predicted step
+time subject to every stage's predicted memory <= a limit. Pure: the costs come in as functions.
+
+    stage_time(s, k)    -> StageTime: one micro-batch's forward and backward (recomputation included)
+                           and the optimizer step on stage s holding k transformer layers (plus the
+                           pre group on stage 0, the post group and loss on the last stage)
+    stage_memory(s, k)  -> the stage's predicted peak memory (bytes)
+    step_time(times)    -> the step of a split from its stages' times: a number, or a StepEstimate
+                           with a certificate (`megatron_ds.estimate.schedule.step_estimator`
+                           simulates DeepSpeed's 1F1B schedule and returns its critical path)
+
+Splits are those of `megatron_ds.pipeline.balance`: the pre group on stage 0, the post group on the
+last, >= 1 layer on every middle stage, >= 0 on the first and last (a dedicated embedding or head
+stage is a candidate, never forced).
+
+Why not minimise the slowest stage: the step of DeepSpeed's 1F1B schedule is not a function of the
+largest stage time. The slowest stage runs its M forwards and backwards back to back, but the
+stages before it add their fill and drain, those after it are hidden only when enough backwards
+are queued (M >= P), and the schedule's send-after-receive order adds waits of its own
+(`tests/unit/test_fastest.py` has two splits with the same slowest stage and different steps). So
+the search is exact over `step_time` itself, by branch and bound over the stages' counts in order:
+
+  - `step_time` must be non-decreasing in every stage's forward, backward and optimizer time, as
+    any replay of a fixed instruction order is: its step is the longest path through a graph whose
+    node weights are those times. Bounds below rest on this alone.
+  - Certificate bound. A certificate is one path of that graph: per stage, how often its forward,
+    backward and optimizer times occur on it, plus fixed (communication) time. For any times the
+    step is >= the path's length, a sum of per-stage terms, and >= any weighted average of such
+    lengths; so the minimum of one over every completion of a node (stages < j fixed, R layers
+    left) is a lower bound, computed by a min-sum dynamic programme over (stage, layers left),
+    tabulated once per certificate. The node's bound is the largest over the certificates
+    collected from the splits evaluated so far and averages of them (`_collect_certificates`).
+  - Without certificates (a bare number): some open stage t takes q >= ceil(R / open stages)
+    layers; with t at the componentwise minimum of its times over feasible counts >= q and the
+    other open stages at their minimum over all feasible counts, the step is <= that of every
+    completion whose largest open count is on t. The smallest such step over t is the bound.
+  - A node whose bound exceeds the best step found by more than a relative 1e-9 is cut; the others
+    are expanded, children in increasing order of bound; every split reached is evaluated. So every
+    split within 1e-9 of the minimum step is evaluated: these are ties (sums of the same times in
+    a different order differ in the last bits), and among them the result is the one whose stage
+    memories, sorted from the largest, are smallest (as `balance.balanced_counts` breaks its ties),
+    then the one with the smaller counts (lexicographically).
+
+The cost functions need not be monotone in k. Counts whose memory exceeds the limit are never
+considered; when no split fits, `LayoutError` names the smallest largest-stage memory any split
+needs (an exact minimax over splits, by dynamic programming).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_ds.errors import LayoutError
+
+METHOD = "fastest"
+FLAG = f"--pp-partition-method {METHOD}"
+TOLERANCE = 1e-9
+"""Relative: a subtree is cut only when its bound exceeds the best step by more than this."""
+MAX_PATHS = 64
+"""Certificates kept for bounding (each adds one (P, N) table)."""
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Times of one pipeline stage, in any one unit."""
+
+    forward: float
+    """One micro-batch's forward pass."""
+    backward: float
+    """One micro-batch's backward pass, recomputation included."""
+    optimizer: float = 0.0
+    """The optimizer step (with the gradient reductions that precede it)."""
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """A step time with an optional certificate: `path[s]` = how many times stage s's forward,
+    backward and optimizer time occur on one path of the schedule whose other durations sum to
+    `path_constant`. For any stage times the step must be >= that path's length."""
+
+    time: float
+    path: tuple[tuple[float, float, float], ...] = ()
+    path_constant: float = 0.0
+
+
+@dataclass(frozen=True)
+class FastestSplit:
+    counts: tuple[int, ...]
+    """Transformer layers per stage."""
+    step_time: float
+    peak_memory: float
+    """The largest stage's `stage_memory`."""
+    evaluations: int
+    """Calls of `step_time` the search made."""
+
+
+StageTimeFn = Callable[[int, int], StageTime]
+StageMemoryFn = Callable[[int, int], float]
+StepTimeFn = Callable[[Sequence[StageTime]], "float | StepEstimate"]
+
+
+def fastest_counts(
+    num_layers: int,
+    num_stages: int,
+    stage_time: StageTimeFn,
+    stage_memory: StageMemoryFn,
+    memory_limit: float,
+    *,
+    step_time: StepTimeFn,
+) -> list[int]:
+    """Layers per stage of the fastest split whose every stage fits `memory_limit` (module docstring)."""
+    split = fastest_split(num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time=step_time)
+    return list(split.counts)
+
+
+def fastest_split(
+    num_layers: int,
+    num_stages: int,
+    stage_time: StageTimeFn,
+    stage_memory: StageMemoryFn,
+    memory_limit: float,
+    *,
+    step_time: StepTimeFn,
+) -> FastestSplit:
+    """`fastest_counts` with the predicted step time, peak memory and search effort."""
+    _check(num_layers, num_stages)
+    search = _Search(num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time)
+    if not search.reachable[0][num_layers]:
+        counts, peak = minimax_split(num_layers, num_stages, stage_memory)
+        raise LayoutError(
+            f"{FLAG}: no split of --num-layers {num_layers} over --pipeline-model-parallel-size {num_stages} "
+            f"fits {format_bytes(memory_limit)} per device; the split needing least memory "
+            f"({' '.join(map(str, counts))} layers per stage) needs {format_bytes(peak)} on its largest stage"
+        )
+    search.run()
+    step, memories, counts = search.result()
+    return FastestSplit(tuple(counts), step, memories[0], search.evaluations)
+
+
+class _Certificates:
+    """Certificate paths as arrays: cost[i, s, k] = path i's length on stage s holding k layers
+    (inf where k is not feasible), rest[i, j, r] = the least stages j.. add to it taking r layers."""
+
+    def __init__(self, times: np.ndarray) -> None:
+        self.times = times  # (P, N + 1, 3): forward, backward, optimizer; inf where infeasible
+        p, n1, _ = times.shape
+        self.keys: set = set()
+        self.cost = np.empty((0, p, n1))
+        self.rest = np.empty((0, p + 1, n1))
+        self.constant = np.empty(0)
+
+    def add(self, estimate: StepEstimate) -> None:
+        key = (estimate.path, estimate.path_constant)
+        if key in self.keys or len(self.keys) >= MAX_PATHS:
+            return
+        self.keys.add(key)
+        p, n1, _ = self.times.shape
+        with np.errstate(invalid="ignore"):  # 0 x inf: a count that never occurs on the path
+            cost = np.nan_to_num(np.einsum("skc,sc->sk", self.times, np.asarray(estimate.path, float)), nan=0.0)
+        cost[~np.isfinite(self.times[:, :, 0])] = np.inf  # infeasible counts stay impossible
+        rest = np.full((p + 1, n1), np.inf)
+        rest[p, 0] = 0.0
+        for j in range(p - 1, -1, -1):  # rest[j, r] = min_k cost[j, k] + rest[j + 1, r - k]
+            for r in range(n1):
+                rest[j, r] = np.min(cost[j, : r + 1] + rest[j + 1, r::-1])
+        self.cost = np.concatenate([self.cost, cost[None]])
+        self.rest = np.concatenate([self.rest, rest[None]])
+        self.constant = np.append(self.constant, estimate.path_constant)
+
+    def bounds(self, counts: Sequence[int], left: int, ks: np.ndarray) -> np.ndarray:
+        """For each count k in `ks` of stage len(counts): the bound of the node that adds it."""
+        j = len(counts)
+        fixed = self.constant + self.cost[:, np.arange(j), np.asarray(counts, dtype=int)].sum(axis=1)
+        return (fixed[:, None] + self.cost[:, j, ks] + self.rest[:, j + 1, left - ks]).max(axis=0)
+
+
+class _Search:
+    """Branch and bound over splits (the state of one `fastest_split` call)."""
+
+    def __init__(
+        self, n: int, p: int, stage_time: StageTimeFn, stage_memory: StageMemoryFn, limit: float, step_time: StepTimeFn
+    ) -> None:
+        self.n, self.p, self.step_time, self.evaluations = n, p, step_time, 0
+        self.best = math.inf  # the smallest step evaluated
+        self.ties: list[tuple[float, tuple[float, ...], list[int]]] = []  # (step, memories sorted down, counts)
+        # Feasible counts per stage with their times and memory (each cost function called once per count).
+        self.feasible: list[dict[int, tuple[StageTime, float]]] = []
+        for s in range(p):
+            options = {}
+            for k in _count_range(s, p, n):
+                mem = stage_memory(s, k)
+                if mem <= limit:
+                    options[k] = (stage_time(s, k), mem)
+            self.feasible.append(options)
+        # reachable[j][r]: stages j.. can take exactly r layers within the limit.
+        self.reachable = [[False] * (n + 1) for _ in range(p + 1)]
+        self.reachable[p][0] = True
+        for j in range(p - 1, -1, -1):
+            for r in range(n + 1):
+                self.reachable[j][r] = any(self.reachable[j + 1][r - k] for k in self.feasible[j] if k <= r)
+        times = np.full((p, n + 1, 3), np.inf)
+        for s, options in enumerate(self.feasible):
+            for k, (t, _) in options.items():
+                times[s, k] = (t.forward, t.backward, t.optimizer)
+        self.certificates = _Certificates(times)
+        # floor_from[s, q]: componentwise minimum of stage s's times over feasible counts >= q.
+        self.floor_from = np.minimum.accumulate(times[:, ::-1], axis=1)[:, ::-1]
+
+    def run(self) -> None:
+        # Seed: the split with the smallest slowest stage, a good first incumbent and certificate.
+        def stage_cost(s: int, k: int) -> float:
+            option = self.feasible[s].get(k)
+            return math.inf if option is None else option[0].forward + option[0].backward + option[0].optimizer
+
+        seed, _ = minimax_split(self.n, self.p, stage_cost)
+        self._leaf(seed)
+        if self.p == 1:  # the seed is the only split
+            return
+        if self.certificates.keys:
+            self._collect_certificates(seed)
+        self.visit([], self.n)
+
+    def _collect_certificates(self, seed: list[int]) -> None:
+        """Certificates that make the bounds tight (speed only: every certificate is valid).
+
+        One path per stage that runs through that stage's passes (from the seed with one more layer
+        there), then, for each j, the average of those of stages j..: a convex combination of path
+        lengths is still <= the step, and minimised over a node's completions it bounds the work the
+        open stages must share, which no single path does.
+        """
+        for s in range(self.p):
+            donors = [t for t in range(self.p) if t != s and seed[t] - 1 in self.feasible[t]]
+            if seed[s] + 1 in self.feasible[s] and donors:
+                d = max(donors, key=lambda t: seed[t])
+                self._leaf([k + (t == s) - (t == d) for t, k in enumerate(seed)])
+        paths = list(self.certificates.keys)
+        through = [max(paths, key=lambda key: sum(key[0][s])) for s in range(self.p)]  # noqa: B023
+        for j in range(self.p - 1):
+            chosen = through[j:]
+            mix = tuple(
+                tuple(sum(key[0][s][c] for key in chosen) / len(chosen) for c in range(3)) for s in range(self.p)
+            )
+            self.certificates.add(StepEstimate(0.0, mix, sum(key[1] for key in chosen) / len(chosen)))
+
+    def visit(self, counts: list[int], left: int) -> None:
+        """Expand the node with stages < len(counts) <= P - 2 fixed and `left` layers to place."""
+        j = len(counts)
+        ks = np.array([k for k in self.feasible[j] if k <= left and self.reachable[j + 1][left - k]], dtype=int)
+        lower = self._bounds(counts, left, ks)
+        for i in np.argsort(lower, kind="stable"):
+            if lower[i] > self._cutoff():
+                break  # sorted: every later child's bound is larger still
+            k = int(ks[i])
+            if j == self.p - 2:
+                self._leaf([*counts, k, left - k])
+            else:
+                self.visit([*counts, k], left - k)
+
+    def _bounds(self, counts: list[int], left: int, ks: np.ndarray) -> np.ndarray:
+        if len(self.certificates.keys):
+            return self.certificates.bounds(counts, left, ks)
+        return np.array([self._pigeonhole_bound([*counts, int(k)], left - int(k)) for k in ks])
+
+    def _pigeonhole_bound(self, counts: list[int], left: int) -> float:
+        # Without certificates: one open stage takes >= ceil(left / open) layers (module docstring).
+        fixed = [self.feasible[s][k][0] for s, k in enumerate(counts)]
+        open_stages = range(len(counts), self.p)
+        q = math.ceil(left / len(open_stages))
+        lows = [StageTime(*self.floor_from[t, 0]) for t in open_stages]
+        best = math.inf
+        for i, t in enumerate(open_stages):
+            if np.isfinite(self.floor_from[t, q, 0]):
+                big = StageTime(*self.floor_from[t, q])
+                best = min(best, self._evaluate([*fixed, *lows[:i], big, *lows[i + 1 :]]).time)
+        return best
+
+    def _cutoff(self) -> float:
+        return self.best + TOLERANCE * abs(self.best)
+
+    def result(self) -> tuple[float, tuple[float, ...], list[int]]:
+        cutoff = self._cutoff()
+        return min((t for t in self.ties if t[0] <= cutoff), key=lambda t: (t[1], t[2]))
+
+    def _evaluate(self, times: Sequence[StageTime]) -> StepEstimate:
+        self.evaluations += 1
+        value = self.step_time(times)
+        estimate = value if isinstance(value, StepEstimate) else StepEstimate(float(value))
+        if estimate.path:  # a certificate longer than the step would make the bounds unsafe
+            length = estimate.path_constant + sum(
+                c[0] * t.forward + c[1] * t.backward + c[2] * t.optimizer for c, t in zip(estimate.path, times)
+            )
+            assert length <= estimate.time * (1 + TOLERANCE) + 1e-12, ("certificate longer than the step", estimate)
+        return estimate
+
+    def _leaf(self, counts: list[int]) -> None:
+        estimate = self._evaluate([self.feasible[s][k][0] for s, k in enumerate(counts)])
+        if estimate.path:
+            self.certificates.add(estimate)
+        self.best = min(self.best, estimate.time)
+        if estimate.time <= self._cutoff():
+            memories = tuple(sorted((self.feasible[s][k][1] for s, k in enumerate(counts)), reverse=True))
+            self.ties = [t for t in self.ties if t[0] <= self._cutoff()] + [(estimate.time, memories, counts)]
+
+
+def _count_range(stage: int, num_stages: int, num_layers: int) -> range:
+    if num_stages == 1:
+        return range(num_layers, num_layers + 1)
+    return range(0 if stage in (0, num_stages - 1) else 1, num_layers + 1)
+
+
+def minimax_split(num_layers: int, num_stages: int, cost: Callable[[int, int], float]) -> tuple[list[int], float]:
+    """The split minimising max_s cost(s, k_s), and that maximum, exactly: a dynamic programme over
+    (stage, layers used); no monotonicity needed. Ties: the smallest count first, stage by stage.
+    With `stage_memory` as the cost: the least memory any split needs (the error message); with the
+    stage time: the split with the smallest slowest stage (the search's seed)."""
+    n, p = num_layers, num_stages
+    costs = [{k: cost(s, k) for k in _count_range(s, p, n)} for s in range(p)]
+    # best[j][r]: smallest largest cost of stages j.. taking exactly r layers; choice[j][r]: stage j's count.
+    best = [[math.inf] * (n + 1) for _ in range(p + 1)]
+    choice = [[0] * (n + 1) for _ in range(p + 1)]
+    best[p][0] = -math.inf
+    for j in range(p - 1, -1, -1):
+        for r in range(n + 1):
+            for k, c in costs[j].items():
+                if k <= r and max(c, best[j + 1][r - k]) < best[j][r]:
+                    best[j][r], choice[j][r] = max(c, best[j + 1][r - k]), k
+    counts, r = [], n
+    for j in range(p):
+        counts.append(choice[j][r])
+        r -= counts[-1]
+    return counts, best[0][n]
+
+
+def format_bytes(num_bytes: float) -> str:
+    """`12.30 GiB` / `456.0 MiB` (binary units, as the memory model's tables)."""
+    if math.isinf(num_bytes):
+        return "unlimited memory"
+    gib = num_bytes / 2**30
+    return f"{gib:.2f} GiB" if abs(gib) >= 1 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _check(num_layers: int, num_stages: int) -> None:
+    if num_stages < 1:
+        raise LayoutError(f"{FLAG}: --pipeline-model-parallel-size must be >= 1, got {num_stages}")
+    if num_layers < 1:
+        raise LayoutError(f"{FLAG}: --num-layers must be >= 1, got {num_layers}")
+    if num_stages > num_layers + 2:
+        raise LayoutError(
+            f"{FLAG} cannot place --num-layers {num_layers} on --pipeline-model-parallel-size {num_stages}: "
+            f"at most {num_layers + 2} stages (embedding, one layer each, head); use fewer stages or more layers"
+        )

@@ -1,0 +1,216 @@
+"""The compute model's matmul FLOPs equal torch's FlopCounterMode on our real modules, exactly.
+
+FlopCounterMode counts mm/addmm/bmm (2 FLOPs per MAC; addmm's bias add is not counted, nor is any
+element-wise op), so the comparison is with the model's `matmul` terms. Attention runs under
+torch's math SDPA backend here: on CPU SDPA otherwise picks its flash kernel, which FlopCounterMode
+does not count at all; the math backend computes the full s x s square with bmm, which is what the
+model counts by default (`causal_attention=False`). No tolerance: the counts are integers and must
+be equal. Element-wise terms are conventions (see compute.py) and are only checked for their size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.estimate import memory_model
+from megatron_ds.estimate.compute import (
+    ComputeInputs,
+    model_flops_per_iteration,
+    recomputed_layers,
+    spec_flops,
+    stage_flops,
+    stage_flops_for,
+)
+from megatron_ds.estimate.memory_model import MemoryInputs
+from megatron_ds.model import naming
+from megatron_ds.model.gpt_pipe import build_layer_specs
+from megatron_ds.model.layers import cross_entropy_loss
+from megatron_ds.model.transformer import TransformerLayer
+
+BASE = ModelConfig(
+    num_layers=3,
+    hidden_size=64,
+    num_attention_heads=8,
+    ffn_hidden_size=160,
+    seq_length=12,
+    max_position_embeddings=16,
+    vocab_size=256,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+ARCHITECTURES = {
+    "gpt": BASE,
+    "gqa-swiglu-rotary": dataclasses.replace(
+        BASE,
+        num_key_value_heads=2,
+        swiglu=True,
+        use_rotary_position_embeddings=True,
+        add_position_embedding=False,
+        add_bias_linear=False,
+        normalization="rmsnorm",
+        untie_embeddings_and_output_weights=True,
+    ),
+    "mqa-untied": dataclasses.replace(BASE, num_key_value_heads=1, untie_embeddings_and_output_weights=True),
+    "swiglu-bias-dropout": dataclasses.replace(BASE, swiglu=True, hidden_dropout=0.1, attention_dropout=0.1),
+}
+
+
+def counted(fn) -> tuple[int, int]:
+    """(forward, backward) FLOPs FlopCounterMode sees for `fn()` (returns a scalar) and its backward."""
+    with sdpa_kernel(SDPBackend.MATH):
+        with FlopCounterMode(display=False) as fwd:
+            out = fn()
+        with FlopCounterMode(display=False) as bwd:
+            out.backward()
+    return fwd.get_total_flops(), bwd.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_transformer_layer_matmuls_match_flop_counter(name: str, batch: int) -> None:
+    model = ARCHITECTURES[name]
+    layer = TransformerLayer(model, init_seed=7).train()
+    x = torch.randn(batch, model.seq_length, model.hidden_size, requires_grad=True)  # as a received activation
+    fwd, bwd = counted(lambda: layer(x).square().mean())
+    spec = next(sp for sp in spec_flops(ComputeInputs(model, batch)) if sp.group == "body")
+    assert (spec.matmul_forward, spec.matmul_backward) == (fwd, bwd)
+    assert spec.matmul_backward == 2 * spec.matmul_forward
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_whole_model_matmuls_match_flop_counter(name: str) -> None:
+    """All specs in order (tied or untied head), then the loss, as one pipeline stage runs them."""
+    model, batch = ARCHITECTURES[name], 2
+    specs = build_layer_specs(model, seed=1234)
+    modules = [s.build() if hasattr(s, "build") else s for s in specs]
+    tokens = torch.randint(0, model.vocab_size, (batch, model.seq_length))
+    labels = (torch.randint(0, model.vocab_size, (batch, model.seq_length)), torch.ones(batch, model.seq_length))
+
+    def run() -> torch.Tensor:
+        x = tokens
+        for spec, module in zip(specs, modules):
+            fn = getattr(spec, "forward_fn", None)
+            x = fn(modules[naming.gpt_spec_groups(model).pre.index(naming.WORD_EMBEDDING)], x) if fn else module(x)
+        return cross_entropy_loss(x, labels)
+
+    fwd, bwd = counted(run)
+    predicted = spec_flops(ComputeInputs(model, batch))
+    assert [sp.name for sp in predicted[:-1]] == naming.gpt_spec_groups(model).names
+    assert sum(sp.matmul_forward for sp in predicted) == fwd
+    assert sum(sp.matmul_backward for sp in predicted) == bwd
+    whole = stage_flops_for(ComputeInputs(model, batch), 0, 1, model.num_layers)
+    assert (whole.matmul_forward, whole.matmul_backward) == (fwd, bwd)
+
+
+def test_recomputed_layer_adds_one_forward() -> None:
+    """Under DeepSpeed's activation checkpointing (what PipelineModule uses), backward reruns the
+    whole forward. (torch's non-reentrant checkpoint would stop early and skip fc2.)"""
+    from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
+
+    model = ARCHITECTURES["gqa-swiglu-rotary"]
+    layer = TransformerLayer(model, init_seed=7)
+    x = torch.randn(2, model.seq_length, model.hidden_size, requires_grad=True)
+    fwd, bwd = counted(lambda: checkpoint(layer, x).square().mean())
+    spec = next(sp for sp in spec_flops(ComputeInputs(model, 2)) if sp.group == "body")
+    assert (fwd, bwd) == (spec.matmul_forward, spec.matmul_backward + spec.matmul_forward)
+
+
+def test_paper_formula_classic_gpt() -> None:
+    """Narayanan et al. 2021 eq. (3): 96 B s l h^2 (1 + s/6h + V/16lh) with recomputation; without it
+    the layers take 3 passes instead of 4, i.e. 72 B s l h^2 (1 + s/6h + V/12lh)."""
+    for h, heads, s, v, n, batch in ((384, 8, 128, 32000, 48, 4), (512, 8, 128, 32000, 8, 8), (64, 4, 16, 256, 3, 5)):
+        m = ModelConfig(n, h, heads, 4 * h, s, s, v)
+        eq3 = 96 * batch * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+        assert model_flops_per_iteration(m, batch, recompute=True) == pytest.approx(eq3, rel=1e-12)
+        no_recompute = 72 * batch * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
+        assert model_flops_per_iteration(m, batch) == pytest.approx(no_recompute, rel=1e-12)
+
+
+def megatron_lm_flops(m: ModelConfig, batch: int) -> float:
+    """Megatron-LM's throughput count (megatron/training/training.py, num_floating_point_operations):
+    12 B s L h^2 ((1 + g/a + s/h) q/h + f/h x (3/2 if swiglu) + V/(2Lh)), q = a x head dim = h."""
+    h, s, n = m.hidden_size, m.seq_length, m.num_layers
+    gated = 1.5 if m.swiglu else 1.0
+    attention = 1 + m.kv_heads / m.num_attention_heads + s / h
+    return 12 * batch * s * n * h * h * (attention + m.ffn_hidden_size / h * gated + m.vocab_size / (2 * n * h))
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_model_flops_equal_megatron_lm_count(name: str) -> None:
+    m = ARCHITECTURES[name]
+    assert model_flops_per_iteration(m, 6) == pytest.approx(megatron_lm_flops(m, 6), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("name", "t"), [(n, t) for n, m in ARCHITECTURES.items() for t in (2, 4) if m.kv_heads % t == 0]
+)
+def test_tensor_parallel_ranks_share_the_work(name: str, t: int) -> None:
+    """T ranks together do exactly the T=1 matmuls; replicated element-wise work (norms, residual
+    adds, embeddings) is repeated on every rank. (Real megatron-core shards: tests/dist.)"""
+    m = ARCHITECTURES[name]
+    whole, shard = spec_flops(ComputeInputs(m, 2)), spec_flops(ComputeInputs(m, 2, tensor_parallel_size=t))
+    for a, b in zip(whole, shard):
+        assert b.matmul_forward * t == a.matmul_forward, a.name
+        for ta, tb in zip(a.terms, b.terms):
+            if ta.name in ("input norm", "post-attention norm", "residual adds", "final norm", "lookup"):
+                assert tb == ta
+
+
+def test_causal_attention_counts_the_triangle() -> None:
+    m, b = BASE, 2
+    full = {t.name: t for t in spec_flops(ComputeInputs(m, b))[3].terms}
+    causal = {t.name: t for t in spec_flops(ComputeInputs(m, b, causal_attention=True))[3].terms}
+    s = m.seq_length
+    assert causal["scores"].forward * s * s == full["scores"].forward * s * (s + 1) // 2
+    assert causal["qkv"] == full["qkv"]
+
+
+def test_elementwise_terms_are_small_at_benchmark_sizes() -> None:
+    for m in (ModelConfig(48, 384, 8, 1536, 128, 128, 32000), ModelConfig(8, 512, 8, 2048, 128, 128, 32000)):
+        for sp in spec_flops(ComputeInputs(m, 1)):
+            if sp.matmul_forward:
+                assert sp.forward - sp.matmul_forward < 0.02 * sp.matmul_forward, sp
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_recomputed_layers_agree_with_memory_model(interval: int, stage: int) -> None:
+    """Both estimates apply DeepSpeed's chunking rule; they must agree for every stage size."""
+    m = BASE
+    groups = naming.gpt_spec_groups(m)
+    for k in range(0 if stage != 1 else 1, 7):
+        mem = MemoryInputs(m, 1, 4, checkpoint_activations=True, checkpoint_num_layers=interval, device="cpu")
+        pre = len(groups.pre) if stage == 0 else 0
+        post = len(groups.post) if stage == 2 else 0
+        full, _ = memory_model._recomputed(mem, pre, k, post)
+        assert recomputed_layers(pre, k, post, interval) == k - full
+
+
+def test_stage_flops_place_pre_post_and_recompute() -> None:
+    m = dataclasses.replace(BASE, num_layers=6)
+    inputs = ComputeInputs(m, 2, checkpoint_activations=True, checkpoint_num_layers=2)
+    stages = stage_flops(inputs, [1, 3, 2])
+    specs = spec_flops(inputs)
+    layer = next(sp for sp in specs if sp.group == "body")
+    head = next(sp for sp in specs if sp.name == naming.TIED_LM_HEAD)
+    assert stages[1].forward == 3 * layer.forward
+    assert stages[1].recompute == 3 * layer.forward  # chunks [t t][t]: a short last chunk is recomputed too
+    assert stages[0].recompute == 0  # chunks [cast emb][pos t]: never all transformer layers
+    assert stages[2].recompute == 2 * layer.forward  # [t t][norm head][fp32]
+    assert stages[2].forward == 2 * layer.forward + sum(sp.forward for sp in specs if sp.group in ("post", "loss"))
+    assert stages[2].matmul_forward == 2 * layer.matmul_forward + head.matmul_forward
+    assert stages[0].forward == sum(sp.forward for sp in specs if sp.group == "pre") + layer.forward
+    assert stages[0].backward == sum(sp.backward for sp in specs if sp.group == "pre") + layer.backward
+
+
+def test_bad_inputs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="divisible"):
+        ComputeInputs(BASE, 1, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=">= 1"):
+        ComputeInputs(BASE, 0)
