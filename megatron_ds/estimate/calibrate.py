@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate.compute import ComputeInputs, recomputed_layers, spec_flops
 from megatron_ds.model import naming
 from megatron_ds.model.gpt_pipe import build_layer_specs
@@ -55,6 +55,10 @@ class Calibration:
         return next(t for t in self.timings if t.group == name)
 
 
+NO_DROPOUT = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
+"""Timing default: the flash kernel on CPU, as training without attention dropout runs."""
+
+
 def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
@@ -79,12 +83,18 @@ def _time_group(run: Callable[[], torch.Tensor], repeats: int, warmup: int) -> t
 
 
 def calibrate(
-    model: ModelConfig, micro_batch_size: int, repeats: int = 3, warmup: int = 1, seed: int = 1234
+    model: ModelConfig,
+    micro_batch_size: int,
+    repeats: int = 3,
+    warmup: int = 1,
+    seed: int = 1234,
+    regularization: RegularizationConfig = NO_DROPOUT,
 ) -> Calibration:
-    """Time each group once in this process (T = 1, fp32, on CPU tensors)."""
+    """Time each group once in this process (T = 1, fp32, on CPU tensors). Pass the run's
+    `regularization`: attention dropout changes which SDPA kernel runs (see estimate.compute)."""
     torch.manual_seed(seed)
     groups = naming.gpt_spec_groups(model)
-    specs = build_layer_specs(model, seed)
+    specs = build_layer_specs(model, regularization, seed)
     modules = [s.build() if hasattr(s, "build") else s for s in specs]
     first_layer = len(groups.pre)
     first_post = first_layer + model.num_layers

@@ -57,9 +57,10 @@ WORKER = textwrap.dedent(r"""
         tp = parallel.setup(config, build_topology(config))
         m = config.model
         x = torch.randn(batch, m.seq_length, m.hidden_size, requires_grad=True)
-        layer = TransformerLayer(m, 7, tp)
-        tied = VocabParallelWordEmbedding(m, 7, tp)
-        untied = VocabParallelLMHead(m, 7, tp)
+        reg = config.regularization
+        layer = TransformerLayer(m, reg, 7, tp)
+        tied = VocabParallelWordEmbedding(m, reg, 7, tp)
+        untied = VocabParallelLMHead(m, reg, 7, tp)
         results[name] = {
             "layer": counted(lambda: layer(x).square().mean()),
             "tied": counted(lambda: tied.lm_head_logits(x).square().mean()),

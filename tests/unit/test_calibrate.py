@@ -18,8 +18,6 @@ MODEL = ModelConfig(
     seq_length=16,
     max_position_embeddings=16,
     vocab_size=128,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
 )
 
 

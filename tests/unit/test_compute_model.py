@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_ds.config import ModelConfig
+from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate import memory_model
 from megatron_ds.estimate.compute import (
     ComputeInputs,
@@ -41,9 +41,8 @@ BASE = ModelConfig(
     seq_length=12,
     max_position_embeddings=16,
     vocab_size=256,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
 )
+NO_DROPOUT = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
 ARCHITECTURES = {
     "gpt": BASE,
     "gqa-swiglu-rotary": dataclasses.replace(
@@ -57,8 +56,9 @@ ARCHITECTURES = {
         untie_embeddings_and_output_weights=True,
     ),
     "mqa-untied": dataclasses.replace(BASE, num_key_value_heads=1, untie_embeddings_and_output_weights=True),
-    "swiglu-bias-dropout": dataclasses.replace(BASE, swiglu=True, hidden_dropout=0.1, attention_dropout=0.1),
+    "swiglu-bias-dropout": dataclasses.replace(BASE, swiglu=True),
 }
+REGULARIZATION = {"swiglu-bias-dropout": RegularizationConfig(hidden_dropout=0.1, attention_dropout=0.1)}
 
 
 def counted(fn) -> tuple[int, int]:
@@ -75,7 +75,7 @@ def counted(fn) -> tuple[int, int]:
 @pytest.mark.parametrize("batch", [1, 3])
 def test_transformer_layer_matmuls_match_flop_counter(name: str, batch: int) -> None:
     model = ARCHITECTURES[name]
-    layer = TransformerLayer(model, init_seed=7).train()
+    layer = TransformerLayer(model, REGULARIZATION.get(name, NO_DROPOUT), init_seed=7).train()
     x = torch.randn(batch, model.seq_length, model.hidden_size, requires_grad=True)  # as a received activation
     fwd, bwd = counted(lambda: layer(x).square().mean())
     spec = next(sp for sp in spec_flops(ComputeInputs(model, batch)) if sp.group == "body")
@@ -87,7 +87,7 @@ def test_transformer_layer_matmuls_match_flop_counter(name: str, batch: int) -> 
 def test_whole_model_matmuls_match_flop_counter(name: str) -> None:
     """All specs in order (tied or untied head), then the loss, as one pipeline stage runs them."""
     model, batch = ARCHITECTURES[name], 2
-    specs = build_layer_specs(model, seed=1234)
+    specs = build_layer_specs(model, REGULARIZATION.get(name, NO_DROPOUT), seed=1234)
     modules = [s.build() if hasattr(s, "build") else s for s in specs]
     tokens = torch.randint(0, model.vocab_size, (batch, model.seq_length))
     labels = (torch.randint(0, model.vocab_size, (batch, model.seq_length)), torch.ones(batch, model.seq_length))
@@ -114,7 +114,7 @@ def test_recomputed_layer_adds_one_forward() -> None:
     from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
 
     model = ARCHITECTURES["gqa-swiglu-rotary"]
-    layer = TransformerLayer(model, init_seed=7)
+    layer = TransformerLayer(model, NO_DROPOUT, init_seed=7)
     x = torch.randn(2, model.seq_length, model.hidden_size, requires_grad=True)
     fwd, bwd = counted(lambda: checkpoint(layer, x).square().mean())
     spec = next(sp for sp in spec_flops(ComputeInputs(model, 2)) if sp.group == "body")
