@@ -19,13 +19,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-try:
-    import megatron_ds  # noqa: F401
-except ImportError:  # run from a source checkout without installing the package
-    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+# The checkout this tool lives in comes first (as pretrain_gpt.py's own directory does for it).
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_ds.errors import UserError
 
+HF_EXTRA = ("safetensors", "transformers", "tokenizers")
+"""Packages of the `hf` extra; a missing one is reported as one line."""
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
 
@@ -104,7 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except ImportError as err:
-        print(f"error: {err.name or err}: not installed; install the hf extra: pip install -e '.[hf]'", file=sys.stderr)
+        if err.name not in HF_EXTRA:
+            raise
+        print(f"error: {err.name}: not installed; install the hf extra: pip install -e '.[hf]'", file=sys.stderr)
         return 2
     return 0
 

@@ -17,10 +17,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-try:
-    import megatron_ds  # noqa: F401
-except ImportError:  # run from a source checkout without installing the package
-    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+# The checkout this tool lives in comes first (as pretrain_gpt.py's own directory does for it).
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_ds.errors import UserError
 

@@ -76,6 +76,7 @@ def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dic
     values = {**hf.defaults, **hf.architecture, "vocab_size": hf.vocab_size}
     if given.tokenizer_type is None and given.vocab_file is None and tokenizer:
         values.update(tokenizer)
+    _check_tokenizer({k: values.get(k, getattr(given, k)) for k in TOKENIZER_DESTS}, hf, source)
     if given.train_iters is None and given.train_samples is None and given.train_tokens is None:
         values["train_iters"] = 1  # required by the flag checks; a weights-only checkpoint does not use it
     if given.lr is None:
@@ -92,20 +93,15 @@ def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dic
     return config
 
 
-def _check_tokenizer(config: Config, hf: HFModel, source: str) -> None:
-    data = config.data
-    if not data.tokenizer_type:
+def _check_tokenizer(fields: dict[str, str | None], hf: HFModel, source: str) -> None:
+    """A tokenizer with more ids than the model has rows does not belong to it."""
+    if not fields.get("tokenizer_type"):
         return
-    tok = build_tokenizer(
-        data.tokenizer_type,
-        tokenizer_model=data.tokenizer_model,
-        vocab_file=data.vocab_file,
-        merge_file=data.merge_file,
-    )
+    tok = build_tokenizer(**fields)
     if tok.vocab_size > hf.vocab_size:
         raise HFConfigError(
-            f"tokenizer {data.tokenizer_model or data.vocab_file} has {tok.vocab_size} tokens but {source} has "
-            f"vocab_size {hf.vocab_size}: they do not belong together; give the model's own tokenizer"
+            f"tokenizer {fields.get('tokenizer_model') or fields.get('vocab_file')} has {tok.vocab_size} tokens but "
+            f"{source} has vocab_size {hf.vocab_size}: they do not belong together; give the model's own tokenizer"
         )
 
 
@@ -115,7 +111,6 @@ def import_hf(hf_dir: str, output: str, argv: Sequence[str] = (), show_progress:
     raw, source = read_hf_config(hf_dir)
     hf = hf_config.from_hf_config(raw, source)
     config = config_from_hf(hf, argv, source, hf_tokenizer.find_hf_tokenizer(hf_dir))
-    _check_tokenizer(config, hf, source)
     layout = build_run_layout(config)  # a layout error now, before anything is written
     weights = HFWeights(hf_dir)
     _check_weights(weights, hf, config, hf_dir)
