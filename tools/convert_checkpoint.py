@@ -58,6 +58,8 @@ def run(argv: Sequence[str] | None = None) -> None:
             raise UserError(f"unrecognized arguments: {' '.join(rest)}; pretrain_gpt.py flags go with --from hf")
         _export(args, tokenizer)
     else:
+        if args.dtype is not None or args.max_shard_size_mb != 2048:
+            raise UserError("--dtype and --max-shard-size-mb apply to --to hf only; drop them")
         passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in tokenizer.items() if v is not None]
         if args.vocab_size is not None:
             passthrough.append(f"--vocab-size={args.vocab_size}")

@@ -195,6 +195,11 @@ def _from_gpt2(f: _Fields) -> HFModel:
         "max_position_embeddings": f.get("n_positions", int),
         "layernorm_epsilon": f.get("layer_norm_epsilon", float, 1e-5),
         "normalization": "layernorm",
+        "num_key_value_heads": f.get("n_head", int),
+        "swiglu": False,
+        "use_rotary_position_embeddings": False,
+        "add_position_embedding": True,
+        "add_bias_linear": True,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, True),
         **GPT2_ACTIVATIONS[act],
     }

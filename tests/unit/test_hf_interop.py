@@ -190,3 +190,32 @@ def test_cli_reports_user_errors_in_one_line(tmp_path: Path) -> None:
         "(config.json + weights)"
     ]
     assert not (tmp_path / "out").exists()
+
+
+def test_sharded_safetensors_and_pickled_bin_both_convert(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    import_hf(str(hf_dirs["llama_gqa"]), str(tmp_path / "ours"), [], show_progress=False)
+    result = export_hf(str(tmp_path / "ours"), str(tmp_path / "sharded"), max_shard_bytes=20_000, show_progress=False)
+    shards = [f for f in result.files if f.endswith(".safetensors")]
+    assert len(shards) > 2 and "model.safetensors.index.json" in result.files
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["llama_gqa"]).eval()
+    sharded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").eval()
+    with torch.no_grad():
+        assert torch.equal(sharded(_tokens()).logits, reference(_tokens()).logits)
+    # A directory with only a pickled pytorch_model.bin is read with torch.load(weights_only=True).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_bytes((hf_dirs["llama_gqa"] / "config.json").read_bytes())
+    torch.save(load_file(hf_dirs["llama_gqa"] / "model.safetensors"), bin_dir / "pytorch_model.bin")
+    for source, name in ((tmp_path / "sharded", "from_shards"), (bin_dir, "from_bin")):
+        import_hf(str(source), str(tmp_path / name), [], show_progress=False)
+        a, b = load_model(str(tmp_path / "ours")), load_model(str(tmp_path / name))
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())), name
+
+
+@pytest.mark.parametrize("flag", [["--use-rotary-position-embeddings"], ["--swiglu"], ["--num-key-value-heads", "2"]])
+def test_architecture_flags_that_change_a_gpt2_are_refused(
+    hf_dirs: dict[str, Path], tmp_path: Path, flag: list
+) -> None:
+    message = _error(import_hf, str(hf_dirs["gpt2"]), str(tmp_path / "out"), flag)
+    assert message.startswith(f"{flag[0]} ") and "contradicts" in message
+    assert not (tmp_path / "out").exists()
