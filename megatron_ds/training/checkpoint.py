@@ -167,7 +167,7 @@ def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: s
     if (
         config.training.precision == "bf16"
         and config.training.zero_stage == 0
-        and not (ck.no_load_optim or ck.finetune)
+        and not (ck.no_load_optim or ck.finetune or is_weights_only(meta))
     ):
         # DeepSpeed 0.19.8's BF16_Optimizer fails to read its own optimizer state back (KeyError in
         # _load_legacy_checkpoint); refuse up front instead of crashing after start-up.
