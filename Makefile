@@ -1,4 +1,5 @@
-# One-command set-up: `make demo` trains the CPU demo, `make test` runs the whole suite.
+# One-command set-up: `make demo` trains the CPU demo and lets the model continue a prompt,
+# `make test` runs the whole suite.
 # Both create .venv on first use. CPU machines get the CPU torch wheel pinned below so no multi-GB
 # CUDA build is pulled; on a GPU machine install your CUDA torch into .venv first (see README).
 PYTHON ?= python3

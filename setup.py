@@ -19,7 +19,9 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "transformers>=4.40", "safetensors>=0.4"],
+        # Hugging Face export/import (tools/convert_checkpoint.py); the trainer never imports these.
+        "hf": ["transformers>=4.40", "safetensors>=0.4", "tqdm>=4.60"],
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard>=2.14"],
     },

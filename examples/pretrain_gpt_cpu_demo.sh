@@ -2,7 +2,8 @@
 # CPU demo (what `make demo` runs): build the built-in corpus (Python's own docstrings), train a
 # SentencePiece tokenizer and an indexed dataset with the same tools a user runs, then train a
 # small GPT on 5 CPU processes with dedicated embedding stages (layout E|t*2|t*2|t*2|L),
-# printing the layout, the loss, evaluations, the per-stage memory report, and a checkpoint.
+# printing the layout, the loss, evaluations, the per-stage memory report, and a checkpoint;
+# then the trained model continues a prompt in one process (tools/generate.py, no launcher).
 # Extra flags are passed through to pretrain_gpt.py, e.g. `--train-iters 20`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,8 @@ VOCAB=${VOCAB:-1000}
 NPROC=${NPROC:-5}
 TRAIN_ITERS=${TRAIN_ITERS:-50}
 TIMEOUT=${TIMEOUT:-1200}          # hard limit for the whole training job, in seconds
+PROMPT=${PROMPT:-"Return the"}    # what the trained model continues at the end
+GEN_TOKENS=${GEN_TOKENS:-40}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 mkdir -p "$DATA_DIR"
@@ -44,3 +47,7 @@ timeout --signal=USR1 --kill-after=30 "$TIMEOUT" \
     --log-interval 5 --eval-interval 25 --eval-iters 2 \
     --save "$SAVE_DIR" --save-interval 25 --distributed-timeout-minutes 3 \
     "$@"
+
+echo "--- the trained model continues \"$PROMPT\" (tools/generate.py: one process, KV cache, top-k sampling) ---"
+"$PYTHON" tools/generate.py --load "$SAVE_DIR" --prompt "$PROMPT" --max-new-tokens "$GEN_TOKENS" \
+  --temperature 0.7 --top-k 40 --seed 1234

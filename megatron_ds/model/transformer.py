@@ -84,23 +84,37 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + dropout(self._attention(self.input_norm(x)), self.hidden_dropout, self.training, self.hidden_stream)
-        mlp = self.fc2(self._activation(self.fc1(self.post_attention_norm(x))))
-        return x + dropout(mlp, self.hidden_dropout, self.training, self.hidden_stream)
+        return x + dropout(self.mlp(x), self.hidden_dropout, self.training, self.hidden_stream)
 
-    def _attention(self, normed: torch.Tensor) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP branch fc2(act(fc1(norm(x)))), without residual or dropout (also used by inference)."""
+        return self.fc2(self._activation(self.fc1(self.post_attention_norm(x))))
+
+    def attention_heads(
+        self, normed: torch.Tensor, first_position: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (b, nh/T, s, hd) and k, v (b, kv/T, s, hd) of tokens at positions first_position.. (rotary applied).
+
+        Inference with a KV cache calls this with the position of its first new token.
+        """
         b, s, _ = normed.shape
         nq, nkv, hd = self.num_local_heads, self.num_local_kv_heads, self.head_dim
         q, k, v = self.qkv(normed).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(b, s, nq, hd).transpose(1, 2)  # (b, nh/T, s, hd)
         k, v = (t.view(b, s, nkv, hd).transpose(1, 2) for t in (k, v))  # each (b, kv/T, s, hd)
         if self.rotary:
-            angles = rotary_angles(s, hd, q.device)
+            angles = rotary_angles(first_position + s, hd, q.device)[first_position:]
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        return q, k, v
+
+    def _attention(self, normed: torch.Tensor) -> torch.Tensor:
+        b, s, _ = normed.shape
+        q, k, v = self.attention_heads(normed)
         p = self.attention_dropout if self.training else 0.0
-        gqa = {"enable_gqa": True} if nkv != nq else {}  # query head i uses kv head i // (nq / nkv)
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}  # query head i uses kv head i // (nq / nkv)
         with self.attention_stream.fork() if p > 0.0 else contextlib.nullcontext():
             attn = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
-        return self.proj(attn.transpose(1, 2).reshape(b, s, nq * hd))
+        return self.proj(attn.transpose(1, 2).reshape(b, s, q.shape[1] * self.head_dim))
 
     def _activation(self, inner: torch.Tensor) -> torch.Tensor:
         if not self.swiglu:

@@ -7,6 +7,10 @@ Layout of `--save DIR`:
     DIR/global_step<N>/megatron_ds.json   config, train state, layout (written last by rank 0)
     DIR/global_step<N>/rng_rank<R>.pt     each rank's RNG states
 
+A weights-only checkpoint (`"weights_only": true` in megatron_ds.json, as `megatron_ds.interop`'s
+Hugging Face import writes) has only the per-spec files: it loads like `--finetune` (iteration
+0, fresh optimizer and schedule) at any P, DP and layout, without a flag.
+
 A checkpoint is written under a temporary name and renamed once every rank has finished; only
 then does `latest` name it, so a crash mid-save never leaves a half checkpoint as latest, and an
 existing checkpoint is never overwritten (a second save at the same step gets a new tag).
@@ -129,6 +133,16 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
     return tag
 
 
+WEIGHT_FREE_FIELDS = ("seq_length",)
+"""Architecture fields that shape no weight: a weights-only checkpoint (an import) may be trained on
+with other values. (Dropout and init std are not architecture at all: `regularization_changes`.)"""
+
+
+def is_weights_only(meta: dict[str, Any]) -> bool:
+    """The checkpoint holds model weights only (no optimizer, schedule or RNG state)."""
+    return bool(meta.get("weights_only", False))
+
+
 def architecture_mismatch(saved: dict[str, Any], config: Config) -> list[str]:
     """Architecture (`ModelConfig`) fields that differ between a checkpoint's config and this run's.
 
@@ -137,7 +151,12 @@ def architecture_mismatch(saved: dict[str, Any], config: Config) -> list[str]:
     ours = config.to_dict()["model"]
     # Through from_dict, fields added after the checkpoint was written take their defaults.
     theirs = Config.from_dict(saved["config"]).to_dict()["model"]
-    return [f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)" for k, v in ours.items() if theirs.get(k) != v]
+    free = WEIGHT_FREE_FIELDS if is_weights_only(saved) else ()
+    return [
+        f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)"
+        for k, v in ours.items()
+        if theirs.get(k) != v and k not in free
+    ]
 
 
 def regularization_changes(saved: dict[str, Any], config: Config) -> list[str]:
@@ -167,7 +186,7 @@ def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: s
     if (
         config.training.precision == "bf16"
         and config.training.zero_stage == 0
-        and not (ck.no_load_optim or ck.finetune)
+        and not (ck.no_load_optim or ck.finetune or is_weights_only(meta))
     ):
         # DeepSpeed 0.19.8's BF16_Optimizer fails to read its own optimizer state back (KeyError in
         # _load_legacy_checkpoint); refuse up front instead of crashing after start-up.
@@ -235,7 +254,7 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
     notice = regularization_notice(meta, config, load_dir, tag)
     if notice and dist.get_rank() == 0:
         print(notice, flush=True)
-    weights_only = ck.no_load_optim or ck.finetune
+    weights_only = ck.no_load_optim or ck.finetune or is_weights_only(meta)
     moved = _same_topology(meta, config, layout, dist.get_world_size())
     if moved and not weights_only:
         raise CheckpointError(
@@ -245,12 +264,18 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
         )
     if weights_only:
         engine.module.load_state_dir(os.path.join(load_dir, tag), checkpoint_engine=engine.checkpoint_engine)
+        if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
+            # ZeRO and bf16/fp16 optimizers keep their own fp32 copy of the weights, made when the
+            # engine was built; without this the first step would write the initial weights back.
+            engine.optimizer.refresh_fp32_params()
+        if is_weights_only(meta) and dist.get_rank() == 0:
+            print(f"--load {load_dir} ({tag}) holds weights only: optimizer and learning-rate schedule start fresh")
     else:
         engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     rng_file = os.path.join(load_dir, tag, f"rng_rank{dist.get_rank()}.pt")
     if not moved and not ck.no_load_rng and not ck.finetune and os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    if ck.finetune:
+    if ck.finetune or is_weights_only(meta):
         return TrainState()
     return TrainState(**meta["train_state"])
 

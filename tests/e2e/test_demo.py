@@ -1,4 +1,4 @@
-"""The CPU demo script (what `make demo` runs) trains on 5 processes and its loss falls."""
+"""The CPU demo script (what `make demo` runs) trains on 5 processes, its loss falls, and the model speaks."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def test_cpu_demo_trains_with_dedicated_stages(tmp_path: Path) -> None:
     assert len(re.findall(r"\[Rank \d \| stage \d\] \(after 3 iterations\) memory", text)) == 5
     assert "validation loss at iteration 6" in text and "test loss at iteration 12" in text
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step12"
+    # ... and the model it trained speaks: tools/generate.py continues the prompt in one process.
+    assert '--- the trained model continues "Return the"' in text
+    assert re.search(r"^Return the", text, re.MULTILINE) and re.search(r"\[\d+ tokens in [0-9.]+ s from ", text)
 
 
 def test_own_training_loop_example() -> None:

@@ -2,13 +2,13 @@
 
 The layers, bottom to top (docs/architecture.md explains each):
 
-    base       errors, config, distributed           leaf facts: dataclasses, user errors, process groups
+    base       errors, config, distributed, files    leaf facts: dataclasses, user errors, process groups, atomic files
     layout     pipeline                              pure stage placement; costs come in as functions
     model      model, data                           torch modules and specs; tokens and samples
     estimate   estimate                              memory and compute models (arithmetic over config + layout)
-    runtime    training, interop, inference          engine, loop, checkpoints, conversion, generation
-    interface  arguments, validation, compat, flags, flags -> config; the planner; test launchers
-               plan, testing
+    runtime    training, inference                   engine, loop, checkpoints, single-process generation
+    interface  arguments, validation, compat, flags, flags -> config; the planner; format conversion
+               plan, interop, testing                driven by our flags; test launchers
 
 Every `import megatron_ds...` counts, including those inside functions (a lazy import that
 dodges a cycle is still a cycle in the design); only imports under `if TYPE_CHECKING:` are
@@ -25,6 +25,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_ds"
 LAYERS = ("base", "layout", "model", "estimate", "runtime", "interface")
 LAYER_OF = {
     "errors": "base",
+    "files": "base",
     "config": "base",
     "distributed": "base",
     "pipeline": "layout",
@@ -32,7 +33,7 @@ LAYER_OF = {
     "data": "model",
     "estimate": "estimate",
     "training": "runtime",
-    "interop": "runtime",
+    "interop": "interface",
     "inference": "runtime",
     "arguments": "interface",
     "validation": "interface",

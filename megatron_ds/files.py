@@ -1,0 +1,77 @@
+"""Atomic output directories, JSON and progress bars, shared by checkpoint conversions.
+
+Output is written into a temporary directory next to the target and renamed into place only when
+complete and validated, so a failed conversion leaves nothing behind and never touches the source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from megatron_ds.errors import UserError
+
+
+class OutputExistsError(UserError):
+    """The output directory already exists; conversions never overwrite."""
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str, flag: str) -> Iterator[str]:
+    """Yield a temporary directory that becomes `target` when the block ends without an error."""
+    target = os.path.abspath(target)
+    if os.path.lexists(target) and not (os.path.isdir(target) and not os.listdir(target)):
+        raise OutputExistsError(f"{flag} {target}: already exists; choose a new directory (nothing is overwritten)")
+    parent = os.path.dirname(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.incomplete.", dir=parent)
+    except OSError as err:
+        raise UserError(f"{flag} {target}: cannot write there ({err.strerror}); choose a writable directory") from None
+    try:
+        yield tmp
+        _set_permissions(tmp)
+        if os.path.isdir(target):
+            os.rmdir(target)  # the empty directory checked above
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _set_permissions(directory: str) -> None:
+    # mkdtemp makes a private directory; give the result the permissions of any new directory.
+    umask = os.umask(0)
+    os.umask(umask)
+    for parent, _dirs, names in os.walk(directory):
+        os.chmod(parent, 0o777 & ~umask)
+        for name in names:
+            os.chmod(os.path.join(parent, name), 0o666 & ~umask)
+
+
+def write_json(path: str, value: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def progress(total: int, description: str, enabled: bool) -> Any:
+    """A tqdm progress bar on stderr (shown on terminals only), or a stand-in without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
+    return tqdm(total=total, desc=description, unit="tensor", disable=None if enabled else True, leave=False)
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        del n
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,284 @@
+"""Our ModelConfig <-> a Hugging Face `config.json`, one table per architecture.
+
+GPT-2 (`GPT2LMHeadModel`): LayerNorm, exact GeLU, learned positions, biases, multi-head attention.
+Llama (`LlamaForCausalLM`): RMSNorm, SwiGLU, rotary embeddings (base 10000), optional
+grouped-query attention and biases. Either may tie or untie its LM head (`tie_word_embeddings`).
+
+A model the target cannot express exactly is a `HFConfigError` naming our flag; a `config.json`
+option we do not build is one naming its field. Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.errors import UserError
+from megatron_ds.model.rotary import ROTARY_BASE
+
+GPT2, LLAMA = "gpt2", "llama"
+ARCHITECTURE_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+
+GPT2_ACTIVATIONS: dict[str, dict[str, Any]] = {"gelu": {}}
+"""GPT-2's `activation_function` -> the ModelConfig fields that build it. Only the exact (erf) GeLU
+exists here; HF's default `gelu_new` (tanh form) becomes one entry once the model has that option."""
+
+
+class HFConfigError(UserError):
+    """A model or `config.json` that has no exact counterpart on the other side."""
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A ModelConfig value an architecture needs; `problem` names our flag and why it cannot be exported."""
+
+    holds: Callable[[ModelConfig], bool]
+    problem: str
+
+
+GPT2_REQUIRES = (
+    Requirement(lambda m: m.normalization == "layernorm", "--normalization rmsnorm: GPT-2 uses LayerNorm"),
+    Requirement(
+        lambda m: not m.use_rotary_position_embeddings,
+        "--use-rotary-position-embeddings: GPT-2 has learned positions only (rotary models export as Llama, "
+        "which also needs --swiglu)",
+    ),
+    Requirement(lambda m: m.add_position_embedding, "--no-position-embedding: GPT-2 adds learned positions"),
+    Requirement(lambda m: m.add_bias_linear, "--disable-bias-linear: GPT-2 has a bias in every linear layer"),
+    Requirement(
+        lambda m: m.kv_heads == m.num_attention_heads, "--num-key-value-heads: GPT-2 has no grouped-query attention"
+    ),
+)
+LLAMA_REQUIRES = (
+    Requirement(lambda m: m.normalization == "rmsnorm", "--normalization layernorm: Llama uses RMSNorm"),
+    Requirement(
+        lambda m: m.use_rotary_position_embeddings, "no --use-rotary-position-embeddings: Llama needs rotary embeddings"
+    ),
+    Requirement(lambda m: not m.add_position_embedding, "learned position embeddings: Llama has none"),
+)
+
+
+def architecture_of(model: ModelConfig) -> str:
+    """GPT2 or LLAMA for a model both sides express exactly; HFConfigError naming the first obstacle."""
+    arch, requires = (LLAMA, LLAMA_REQUIRES) if model.swiglu else (GPT2, GPT2_REQUIRES)
+    for r in requires:
+        if not r.holds(model):
+            raise HFConfigError(f"cannot export to Hugging Face {arch}: {r.problem}; no exact equivalent exists")
+    return arch
+
+
+def to_hf_config(
+    model: ModelConfig, regularization: RegularizationConfig, vocab_size: int, dtype: str, special: dict[str, int]
+) -> dict[str, Any]:
+    """`config.json` for `model` with `vocab_size` rows (padding removed); `special` holds token ids;
+    dropout and the init std come from `regularization`."""
+    arch = architecture_of(model)
+    common = {
+        "architectures": [ARCHITECTURE_CLASSES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        "initializer_range": regularization.init_method_std,
+        "torch_dtype": dtype,
+        "use_cache": True,
+        "bos_token_id": None,  # transformers' GPT-2 default (50256) would name a token we may not have
+        "eos_token_id": None,
+        **special,
+    }
+    if arch == GPT2:
+        return {
+            **common,
+            "n_layer": model.num_layers,
+            "n_embd": model.hidden_size,
+            "n_head": model.num_attention_heads,
+            "n_inner": model.ffn_hidden_size,
+            "n_positions": model.max_position_embeddings,
+            "activation_function": _gpt2_activation(model),
+            "layer_norm_epsilon": model.layernorm_epsilon,
+            "resid_pdrop": regularization.hidden_dropout,
+            "embd_pdrop": regularization.hidden_dropout,
+            "attn_pdrop": regularization.attention_dropout,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+        }
+    return {
+        **common,
+        "num_hidden_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.kv_heads,
+        "head_dim": model.hidden_size // model.num_attention_heads,
+        "intermediate_size": model.ffn_hidden_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "hidden_act": "silu",
+        "rms_norm_eps": model.layernorm_epsilon,
+        "rope_theta": ROTARY_BASE,
+        "rope_scaling": None,
+        "attention_bias": model.add_bias_linear,
+        "mlp_bias": model.add_bias_linear,
+        "attention_dropout": regularization.attention_dropout,
+        "pretraining_tp": 1,
+    }
+
+
+def _gpt2_activation(model: ModelConfig) -> str:
+    for name, fields in GPT2_ACTIVATIONS.items():
+        if all(getattr(model, k) == v for k, v in fields.items()):
+            return name
+    raise AssertionError(model)  # every GeLU variant the model builds has an entry
+
+
+@dataclass
+class HFModel:
+    """What a Hugging Face `config.json` says, in our terms."""
+
+    arch: str
+    architecture: dict[str, Any]
+    """argparse dests of pretrain_gpt.py -> values that fix the weights; flags given with other values are errors."""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    """Dests taken from config.json that flags may change (dropout, init std, sequence length)."""
+    vocab_size: int = 0
+    """Rows of the Hugging Face vocabulary (ours is padded from this)."""
+
+
+def from_hf_config(hf: dict[str, Any], source: str) -> HFModel:
+    """Read a GPT-2 or Llama `config.json` (already parsed); HFConfigError names an unsupported field."""
+    reader = _Fields(hf, source)
+    model_type = reader.get("model_type", str, None)
+    if model_type not in (GPT2, LLAMA):
+        archs = hf.get("architectures")
+        raise HFConfigError(
+            f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; "
+            f"only gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM) convert exactly"
+        )
+    return _from_gpt2(reader) if model_type == GPT2 else _from_llama(reader)
+
+
+class _Fields:
+    """Typed access to config.json fields with one-line errors naming the field."""
+
+    def __init__(self, hf: dict[str, Any], source: str) -> None:
+        self.hf, self.source = hf, source
+
+    def get(self, name: str, kind: type, default: Any = ...) -> Any:
+        if name not in self.hf or self.hf[name] is None:
+            if default is ...:
+                raise HFConfigError(f"{self.source}: no {name!r} field; the config.json is incomplete")
+            return default
+        value = self.hf[name]
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise HFConfigError(f"{self.source}: {name} {value!r} is not a{'n' if kind is int else ''} {kind.__name__}")
+        return value
+
+    def require(self, name: str, allowed: Sequence[Any], default: Any, why: str) -> Any:
+        value = self.hf.get(name, default)
+        if value not in allowed:
+            raise HFConfigError(f"{self.source}: {name} {value!r} is not supported: {why}")
+        return value
+
+
+def _from_gpt2(f: _Fields) -> HFModel:
+    act = f.require("activation_function", tuple(GPT2_ACTIVATIONS), "gelu_new", "only the exact GeLU ('gelu') is built")
+    f.require("scale_attn_weights", (True,), True, "attention is always scaled by 1/sqrt(head size)")
+    f.require("scale_attn_by_inverse_layer_idx", (False,), False, "no per-layer attention scaling is built")
+    f.require("add_cross_attention", (False,), False, "a decoder-only GPT has no cross-attention")
+    h = f.get("n_embd", int)
+    architecture = {
+        "num_layers": f.get("n_layer", int),
+        "hidden_size": h,
+        "num_attention_heads": f.get("n_head", int),
+        "ffn_hidden_size": f.get("n_inner", int, 4 * h),
+        "max_position_embeddings": f.get("n_positions", int),
+        "layernorm_epsilon": f.get("layer_norm_epsilon", float, 1e-5),
+        "normalization": "layernorm",
+        "num_key_value_heads": f.get("n_head", int),
+        "swiglu": False,
+        "use_rotary_position_embeddings": False,
+        "add_position_embedding": True,
+        "add_bias_linear": True,
+        "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, True),
+        **GPT2_ACTIVATIONS[act],
+    }
+    defaults = {
+        "hidden_dropout": f.get("resid_pdrop", float, 0.1),
+        "attention_dropout": f.get("attn_pdrop", float, 0.1),
+        "init_method_std": f.get("initializer_range", float, 0.02),
+        "seq_length": architecture["max_position_embeddings"],
+    }
+    return HFModel(GPT2, architecture, defaults, f.get("vocab_size", int))
+
+
+def _from_llama(f: _Fields) -> HFModel:
+    f.require("hidden_act", ("silu",), "silu", "Llama's MLP here is SwiGLU (silu)")
+    _check_rope(f)
+    attention_bias = f.get("attention_bias", bool, False)
+    f.require(
+        "mlp_bias",
+        (attention_bias,),
+        False,
+        f"biases are in all linear layers or none (attention_bias is {attention_bias})",
+    )
+    h, heads = f.get("hidden_size", int), f.get("num_attention_heads", int)
+    f.require(
+        "head_dim", (None, h // heads), None, f"the head size is hidden_size / num_attention_heads = {h // heads}"
+    )
+    architecture = {
+        "num_layers": f.get("num_hidden_layers", int),
+        "hidden_size": h,
+        "num_attention_heads": heads,
+        "num_key_value_heads": f.get("num_key_value_heads", int, heads),
+        "ffn_hidden_size": f.get("intermediate_size", int),
+        "max_position_embeddings": f.get("max_position_embeddings", int),
+        "layernorm_epsilon": f.get("rms_norm_eps", float, 1e-6),
+        "normalization": "rmsnorm",
+        "swiglu": True,
+        "use_rotary_position_embeddings": True,
+        "add_position_embedding": False,
+        "add_bias_linear": attention_bias,
+        "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
+    }
+    defaults = {
+        "hidden_dropout": 0.0,  # Llama has no residual dropout
+        "attention_dropout": f.get("attention_dropout", float, 0.0),
+        "init_method_std": f.get("initializer_range", float, 0.02),
+        "seq_length": architecture["max_position_embeddings"],
+    }
+    return HFModel(LLAMA, architecture, defaults, f.get("vocab_size", int))
+
+
+def _check_rope(f: _Fields) -> None:
+    # transformers < 5 writes rope_theta / rope_scaling; 5 writes rope_parameters {rope_type, rope_theta}.
+    params = f.hf.get("rope_parameters") or {}
+    scaling = f.hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        name = "rope_parameters" if params.get("rope_type") else "rope_scaling"
+        raise HFConfigError(
+            f"{f.source}: {name} type {kind!r} is not supported: only plain rotary embeddings are built"
+        )
+    theta = params.get("rope_theta", f.hf.get("rope_theta", ROTARY_BASE))
+    if float(theta) != ROTARY_BASE:
+        raise HFConfigError(f"{f.source}: rope_theta {theta} is not supported: only base {ROTARY_BASE:g} is built")
+
+
+def render_flags(values: dict[str, Any]) -> list[str]:
+    """pretrain_gpt.py flags that set these argparse dests (inverse of parsing)."""
+    from megatron_ds.arguments import build_parser
+
+    actions = {a.dest: a for a in build_parser()._actions if a.option_strings}
+    argv: list[str] = []
+    for dest, value in values.items():
+        action = actions[dest]
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # a switch: giving it flips the default
+            if value != action.default:
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv

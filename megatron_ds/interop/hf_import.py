@@ -1,0 +1,221 @@
+"""Import a Hugging Face GPT-2 or Llama directory as a checkpoint `pretrain_gpt.py --load` trains from.
+
+    from megatron_ds.interop.hf_import import import_hf
+    result = import_hf("hf/llama", "checkpoints/llama", ["--tensor-model-parallel-size", "2"])
+    print(" ".join(result.train_flags))      # the model flags to train it with
+
+The architecture flags come from `config.json` (flags given as well must agree); parallel and
+other pretrain_gpt.py flags pass through. The checkpoint holds weights only, one file per spec
+and tensor rank as DeepSpeed writes them, for the given T (any P and layout load it): training
+from it starts at iteration 0 with a fresh optimizer and learning-rate schedule, no flag needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from megatron_ds import files
+from megatron_ds.config import Config
+from megatron_ds.data.tokenizer import build_tokenizer
+from megatron_ds.estimate.run_layout import build_run_layout
+from megatron_ds.interop import hf_config, hf_tokenizer, hf_weights
+from megatron_ds.interop.hf_config import HFConfigError, HFModel
+from megatron_ds.interop.hf_weights_reader import HFWeights, HFWeightsError
+from megatron_ds.model import naming, sharding
+from megatron_ds.training import checkpoint_reader
+from megatron_ds.training.checkpoint import LATEST, META
+from megatron_ds.training.state import TrainState
+
+TAG = "global_step0"
+MODULE_SPECS = (
+    naming.WORD_EMBEDDING,
+    naming.POSITION_EMBEDDING,
+    naming.EMBEDDING_DROPOUT,
+    naming.TRANSFORMER_LAYER,
+    naming.FINAL_NORM,
+    naming.UNTIED_LM_HEAD,
+)
+"""Specs that are modules: DeepSpeed loads a file for each (functions and the tied head have none)."""
+TOKENIZER_DESTS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+
+
+@dataclass
+class ImportResult:
+    output: str
+    arch: str
+    config: Config
+    train_flags: list[str]
+    """pretrain_gpt.py flags that rebuild this model (architecture, vocabulary, T, tokenizer)."""
+
+
+def read_hf_config(hf_dir: str) -> tuple[dict[str, Any], str]:
+    path = os.path.join(os.path.abspath(hf_dir), "config.json")
+    if not os.path.isfile(path):
+        raise HFConfigError(f"{path}: missing; give a Hugging Face model directory (config.json + weights)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise HFConfigError(f"{path}: not valid JSON ({err}); re-download or fix the file") from None
+    if not isinstance(hf, dict):
+        raise HFConfigError(f"{path}: expected a JSON object; re-download or fix the file")
+    return hf, path
+
+
+def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dict[str, str] | None) -> Config:
+    """The Config pretrain_gpt.py builds from `argv` plus the HF-derived flags (the one place that maps
+    an HF model onto our flags). An architecture flag in `argv` that disagrees is an error."""
+    from megatron_ds.arguments import build_parser, parse_config
+
+    given, _ = build_parser().parse_known_args(list(argv))
+    values = {**hf.defaults, **hf.architecture, "vocab_size": hf.vocab_size}
+    if given.tokenizer_type is None and given.vocab_file is None and tokenizer:
+        values.update(tokenizer)
+    _check_tokenizer({k: values.get(k, getattr(given, k)) for k in TOKENIZER_DESTS}, hf, source)
+    if given.train_iters is None and given.train_samples is None and given.train_tokens is None:
+        values["train_iters"] = 1  # required by the flag checks; a weights-only checkpoint does not use it
+    if given.lr is None:
+        values["lr"] = 1e-4  # likewise: the training run's own --lr applies
+    world = given.pipeline_model_parallel_size * given.tensor_model_parallel_size
+    config, args = parse_config([*hf_config.render_flags(values), *argv], world_size=max(world, 1))
+    for dest, value in {**hf.architecture, "vocab_size": hf.vocab_size}.items():
+        if getattr(args, dest) != value:
+            flag = "--" + dest.replace("_", "-")
+            raise HFConfigError(
+                f"{flag} {getattr(args, dest)} contradicts {source} ({value}); drop the flag: the architecture "
+                f"comes from config.json"
+            )
+    return config
+
+
+def _check_tokenizer(fields: dict[str, str | None], hf: HFModel, source: str) -> None:
+    """A tokenizer with more ids than the model has rows does not belong to it."""
+    if not fields.get("tokenizer_type"):
+        return
+    tok = build_tokenizer(**fields)
+    if tok.vocab_size > hf.vocab_size:
+        raise HFConfigError(
+            f"tokenizer {fields.get('tokenizer_model') or fields.get('vocab_file')} has {tok.vocab_size} tokens but "
+            f"{source} has vocab_size {hf.vocab_size}: they do not belong together; give the model's own tokenizer"
+        )
+
+
+def import_hf(hf_dir: str, output: str, argv: Sequence[str] = (), show_progress: bool = True) -> ImportResult:
+    """Convert `hf_dir` into our checkpoint `output` (created; never overwritten)."""
+    hf_dir = os.path.abspath(hf_dir)
+    raw, source = read_hf_config(hf_dir)
+    hf = hf_config.from_hf_config(raw, source)
+    config = config_from_hf(hf, argv, source, hf_tokenizer.find_hf_tokenizer(hf_dir))
+    layout = build_run_layout(config)  # a layout error now, before anything is written
+    weights = HFWeights(hf_dir)
+    _check_weights(weights, hf, config, hf_dir)
+    with files.atomic_directory(output, "output") as tmp:
+        config = _copy_tokenizer(config, tmp, os.path.abspath(output))
+        _write_specs(weights, hf, config, os.path.join(tmp, TAG), show_progress)
+        _write_meta(tmp, config, layout.to_string(), hf, hf_dir)
+    flags = _train_flags(config, hf)
+    return ImportResult(os.path.abspath(output), hf.arch, config, flags)
+
+
+def _check_weights(weights: HFWeights, hf: HFModel, config: Config, hf_dir: str) -> None:
+    # GPT2Model checkpoints (e.g. the original gpt2) name tensors without the "transformer." prefix.
+    if hf.arch == hf_config.GPT2 and "transformer.wte.weight" not in weights.shapes and "wte.weight" in weights.shapes:
+        weights.add_prefix("transformer.")
+    expected = hf_weights.hf_shapes(hf.arch, config.model, hf.vocab_size)
+    for name, shape in expected.items():
+        if name not in weights.shapes:
+            raise HFWeightsError(f"{hf_dir}: no tensor {name}; the weights do not match config.json")
+        if weights.shapes[name] != shape:
+            raise HFWeightsError(
+                f"{hf_dir}: tensor {name} has shape {list(weights.shapes[name])}, config.json implies {list(shape)}"
+            )
+    tied = not config.model.untie_embeddings_and_output_weights
+    for name in weights.shapes:
+        if name in expected or hf_weights.IGNORED_HF_TENSORS.search(name) or (tied and name == "lm_head.weight"):
+            continue
+        raise HFWeightsError(
+            f"{hf_dir}: tensor {name} has no place in this model (config.json does not describe it); "
+            f"it would be dropped, so the model would change"
+        )
+
+
+def _write_specs(weights: HFWeights, hf: HFModel, config: Config, step_dir: str, show_progress: bool) -> None:
+    os.makedirs(step_dir)
+    model, t = config.model, config.parallel.tensor_model_parallel_size
+    groups = naming.gpt_spec_groups(model)
+    first_layer = len(groups.pre)
+    bar = files.progress(len(groups.names), "import", show_progress)
+    try:
+        for index, spec in enumerate(groups.names):
+            bar.update(1)
+            if spec not in MODULE_SPECS:
+                continue
+            layer = index - first_layer if spec == naming.TRANSFORMER_LAYER else None
+            states: list[dict[str, Any]] = [{} for _ in range(t)]
+            for key, rule in sharding.spec_tensors(model, spec).items():
+                names = hf_weights.hf_names(hf.arch, spec, key, layer)
+                full = hf_weights.from_hf(hf.arch, spec, key, [weights.get(n) for n in names])
+                if rule.vocab:
+                    full = _pad_rows(full, model.vocab_size)
+                for state, piece in zip(states, sharding.split(rule, full, t)):
+                    state[key] = piece
+            for state in states:
+                state.update(dict.fromkeys(sharding.extra_state_keys(spec, t)))
+            for rank, state in enumerate(states):
+                torch.save(state, checkpoint_reader.layer_file(step_dir, index, rank))
+    finally:
+        bar.close()
+
+
+def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero rows up to the padded vocabulary (never a token: the tokenizer has fewer ids)."""
+    if full.shape[0] == rows:
+        return full
+    return torch.cat((full, full.new_zeros(rows - full.shape[0], *full.shape[1:])))
+
+
+def _copy_tokenizer(config: Config, tmp: str, final_root: str) -> Config:
+    """Copy the tokenizer files into `<checkpoint>/tokenizer/` and point the config at them."""
+    data, moved = config.data, {}
+    for dest in ("tokenizer_model", "vocab_file", "merge_file"):
+        path = getattr(data, dest)
+        if path:
+            os.makedirs(os.path.join(tmp, checkpoint_reader.TOKENIZER_DIR), exist_ok=True)
+            name = os.path.basename(path)
+            shutil.copyfile(path, os.path.join(tmp, checkpoint_reader.TOKENIZER_DIR, name))
+            moved[f"data__{dest}"] = os.path.join(final_root, checkpoint_reader.TOKENIZER_DIR, name)
+    return config.replace(**moved) if moved else config
+
+
+def _write_meta(tmp: str, config: Config, layout: str, hf: HFModel, hf_dir: str) -> None:
+    par = config.parallel
+    meta = {
+        "config": config.to_dict(),
+        "train_state": asdict(TrainState()),
+        "layout": layout,
+        "world_size": par.pipeline_model_parallel_size * par.tensor_model_parallel_size * par.data_parallel_size,
+        "format": 1,
+        "weights_only": True,
+        "hf": {"arch": hf.arch, "vocab_size": hf.vocab_size, "source": hf_dir},
+    }
+    files.write_json(os.path.join(tmp, TAG, META), meta)
+    with open(os.path.join(tmp, LATEST), "w") as f:
+        f.write(TAG)
+
+
+def _train_flags(config: Config, hf: HFModel) -> list[str]:
+    values = {
+        **hf.architecture,
+        "vocab_size": hf.vocab_size,
+        "make_vocab_size_divisible_by": config.data.make_vocab_size_divisible_by,
+        "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,
+    }
+    values.update({k: getattr(config.data, k) for k in TOKENIZER_DESTS if getattr(config.data, k)})
+    return hf_config.render_flags(values)

@@ -1,0 +1,100 @@
+"""Our tokenizers <-> Hugging Face tokenizer files.
+
+    GPT2BPETokenizer        vocab.json + merges.txt (HF's GPT2Tokenizer reads the same files)
+    SentencePieceTokenizer  tokenizer.model, plus a tokenizer.json built from it
+                            (`megatron_ds.interop.sentencepiece_json`) so that `AutoTokenizer`
+                            needs neither sentencepiece nor protobuf
+
+On import, the HF directory's `tokenizer.model` or `vocab.json`/`merges.txt` become our tokenizer;
+a tokenizer with only `tokenizer.json` (no file our tokenizers read) is left out, with a note.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from megatron_ds.data.tokenizer import GPT2_EOD_TOKEN, GPT2BPETokenizer, SentencePieceTokenizer, Tokenizer
+from megatron_ds.files import write_json
+from megatron_ds.interop import sentencepiece_json
+
+SP_FILE, VOCAB_FILE, MERGES_FILE = "tokenizer.model", "vocab.json", "merges.txt"
+
+
+def special_ids(tok: Tokenizer | None) -> dict[str, int]:
+    """bos/eos/pad token ids for config.json and generation_config.json."""
+    if tok is None:
+        return {}
+    ids = {"eos_token_id": tok.eod}
+    if isinstance(tok, SentencePieceTokenizer):
+        bos = tok._sp.bos_id()
+        if bos >= 0:
+            ids["bos_token_id"] = bos
+    else:
+        ids["bos_token_id"] = tok.eod  # GPT-2 begins and ends documents with <|endoftext|>
+    if tok.pad >= 0:
+        ids["pad_token_id"] = tok.pad
+    return ids
+
+
+def export_tokenizer(tok: Tokenizer | None, out_dir: str, max_length: int) -> list[str]:
+    """Write `tok` as HF tokenizer files into `out_dir`; returns the file names (none without a tokenizer)."""
+    if isinstance(tok, GPT2BPETokenizer):
+        shutil.copyfile(tok.vocab_file, os.path.join(out_dir, VOCAB_FILE))
+        shutil.copyfile(tok.merge_file, os.path.join(out_dir, MERGES_FILE))
+        config = {
+            "tokenizer_class": "GPT2Tokenizer",
+            "bos_token": GPT2_EOD_TOKEN,
+            "eos_token": GPT2_EOD_TOKEN,
+            "unk_token": GPT2_EOD_TOKEN,
+            "add_prefix_space": False,
+            "model_max_length": max_length,
+            "clean_up_tokenization_spaces": False,
+        }
+        write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+        return [VOCAB_FILE, MERGES_FILE, "tokenizer_config.json"]
+    if isinstance(tok, SentencePieceTokenizer):
+        return _export_sentencepiece(tok, out_dir, max_length)
+    return []
+
+
+def _export_sentencepiece(tok: SentencePieceTokenizer, out_dir: str, max_length: int) -> list[str]:
+    shutil.copyfile(tok.model_file, os.path.join(out_dir, SP_FILE))
+    files = [SP_FILE, "tokenizer_config.json"]
+    with open(tok.model_file, "rb") as f:
+        model = sentencepiece_json.parse_model(f.read())
+    sp = tok._sp
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "model_max_length": max_length,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "legacy": False,
+    }
+    for role, index in (
+        ("unk_token", sp.unk_id()),
+        ("bos_token", sp.bos_id()),
+        ("eos_token", sp.eos_id()),
+        ("pad_token", sp.pad_id()),
+    ):
+        if index >= 0:
+            config[role] = sp.id_to_piece(index)
+    if model.model_type == sentencepiece_json.BPE_MODEL:
+        with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+            f.write(sentencepiece_json.to_tokenizers_json(model))
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"  # reads tokenizer.json alone
+        files.append("tokenizer.json")
+    write_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+    return files
+
+
+def find_hf_tokenizer(hf_dir: str) -> dict[str, str] | None:
+    """pretrain_gpt.py tokenizer flags (argparse dests) for the HF directory's tokenizer files, if ours can read them."""
+    sp = os.path.join(hf_dir, SP_FILE)
+    if os.path.isfile(sp):
+        return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp}
+    vocab, merges = os.path.join(hf_dir, VOCAB_FILE), os.path.join(hf_dir, MERGES_FILE)
+    if os.path.isfile(vocab) and os.path.isfile(merges):
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges}
+    return None

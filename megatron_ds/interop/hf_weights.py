@@ -1,0 +1,114 @@
+"""Our tensor names <-> Hugging Face tensor names, one table per architecture.
+
+Keys are (spec name, state-dict key) from `megatron_ds.model.sharding`; values name the HF
+tensor(s) (`{i}` is the transformer layer number) and how the values move:
+
+    COPY       the same matrix
+    TRANSPOSE  GPT-2's Conv1D stores (in, out); our linears store (out, in)
+    SPLIT      our fused rows (q|k|v of the QKV projection, gate|up of SwiGLU's fc1) are separate
+               HF tensors, in the same order (our rotary is rotate-half, as HF Llama's: no permutation)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.interop.hf_config import GPT2, LLAMA
+from megatron_ds.model import naming, sharding
+
+COPY, TRANSPOSE, SPLIT = "copy", "transpose", "split"
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    hf: tuple[str, ...]
+    how: str = COPY
+
+
+_L = naming.TRANSFORMER_LAYER
+_GPT2_BLOCK = "transformer.h.{i}."
+GPT2_NAMES: dict[tuple[str, str], WeightMap] = {
+    (naming.WORD_EMBEDDING, "weight"): WeightMap(("transformer.wte.weight",)),
+    (naming.POSITION_EMBEDDING, "weight"): WeightMap(("transformer.wpe.weight",)),
+    (_L, "input_norm.weight"): WeightMap((_GPT2_BLOCK + "ln_1.weight",)),
+    (_L, "input_norm.bias"): WeightMap((_GPT2_BLOCK + "ln_1.bias",)),
+    (_L, "qkv.weight"): WeightMap((_GPT2_BLOCK + "attn.c_attn.weight",), TRANSPOSE),
+    (_L, "qkv.bias"): WeightMap((_GPT2_BLOCK + "attn.c_attn.bias",)),
+    (_L, "proj.weight"): WeightMap((_GPT2_BLOCK + "attn.c_proj.weight",), TRANSPOSE),
+    (_L, "proj.bias"): WeightMap((_GPT2_BLOCK + "attn.c_proj.bias",)),
+    (_L, "post_attention_norm.weight"): WeightMap((_GPT2_BLOCK + "ln_2.weight",)),
+    (_L, "post_attention_norm.bias"): WeightMap((_GPT2_BLOCK + "ln_2.bias",)),
+    (_L, "fc1.weight"): WeightMap((_GPT2_BLOCK + "mlp.c_fc.weight",), TRANSPOSE),
+    (_L, "fc1.bias"): WeightMap((_GPT2_BLOCK + "mlp.c_fc.bias",)),
+    (_L, "fc2.weight"): WeightMap((_GPT2_BLOCK + "mlp.c_proj.weight",), TRANSPOSE),
+    (_L, "fc2.bias"): WeightMap((_GPT2_BLOCK + "mlp.c_proj.bias",)),
+    (naming.FINAL_NORM, "norm.weight"): WeightMap(("transformer.ln_f.weight",)),
+    (naming.FINAL_NORM, "norm.bias"): WeightMap(("transformer.ln_f.bias",)),
+    (naming.UNTIED_LM_HEAD, "weight"): WeightMap(("lm_head.weight",)),
+}
+
+_LLAMA_BLOCK = "model.layers.{i}."
+_ATTN, _MLP = _LLAMA_BLOCK + "self_attn.", _LLAMA_BLOCK + "mlp."
+LLAMA_NAMES: dict[tuple[str, str], WeightMap] = {
+    (naming.WORD_EMBEDDING, "weight"): WeightMap(("model.embed_tokens.weight",)),
+    (_L, "input_norm.weight"): WeightMap((_LLAMA_BLOCK + "input_layernorm.weight",)),
+    (_L, "qkv.weight"): WeightMap((_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight"), SPLIT),
+    (_L, "qkv.bias"): WeightMap((_ATTN + "q_proj.bias", _ATTN + "k_proj.bias", _ATTN + "v_proj.bias"), SPLIT),
+    (_L, "proj.weight"): WeightMap((_ATTN + "o_proj.weight",)),
+    (_L, "proj.bias"): WeightMap((_ATTN + "o_proj.bias",)),
+    (_L, "post_attention_norm.weight"): WeightMap((_LLAMA_BLOCK + "post_attention_layernorm.weight",)),
+    (_L, "fc1.weight"): WeightMap((_MLP + "gate_proj.weight", _MLP + "up_proj.weight"), SPLIT),
+    (_L, "fc1.bias"): WeightMap((_MLP + "gate_proj.bias", _MLP + "up_proj.bias"), SPLIT),
+    (_L, "fc2.weight"): WeightMap((_MLP + "down_proj.weight",)),
+    (_L, "fc2.bias"): WeightMap((_MLP + "down_proj.bias",)),
+    (naming.FINAL_NORM, "norm.weight"): WeightMap(("model.norm.weight",)),
+    (naming.UNTIED_LM_HEAD, "weight"): WeightMap(("lm_head.weight",)),
+}
+TABLES = {GPT2: GPT2_NAMES, LLAMA: LLAMA_NAMES}
+
+IGNORED_HF_TENSORS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+"""Buffers some HF checkpoints store that are not weights (causal masks, rotary frequencies)."""
+
+
+def hf_names(arch: str, spec: str, key: str, layer: int | None) -> tuple[str, ...]:
+    """The HF tensor names of our (spec, key) in transformer layer `layer`."""
+    return tuple(n.format(i=layer) for n in TABLES[arch][(spec, key)].hf)
+
+
+def to_hf(arch: str, spec: str, key: str, rule: sharding.TensorRule, full: torch.Tensor) -> list[torch.Tensor]:
+    """HF tensors (in `hf_names` order) from our full tensor."""
+    how = TABLES[arch][(spec, key)].how
+    if how == TRANSPOSE:
+        return [full.t().contiguous()]
+    if how == SPLIT:
+        return [p.contiguous() for p in full.split(list(rule.parts), dim=0)]
+    return [full.contiguous()]
+
+
+def from_hf(arch: str, spec: str, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Our full tensor from the HF tensors (inverse of `to_hf`)."""
+    how = TABLES[arch][(spec, key)].how
+    if how == TRANSPOSE:
+        return tensors[0].t().contiguous()
+    if how == SPLIT:
+        return torch.cat(tensors, dim=0)
+    return tensors[0].contiguous()
+
+
+def hf_shapes(arch: str, model: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the model has, with its shape (vocabulary rows: `vocab_size`)."""
+    out: dict[str, tuple[int, ...]] = {}
+    groups = naming.gpt_spec_groups(model)
+    first_layer = len(groups.pre)
+    for index, spec in enumerate(groups.names):
+        layer = index - first_layer if spec == naming.TRANSFORMER_LAYER else None
+        for key, rule in sharding.spec_tensors(model, spec).items():
+            shape = (vocab_size, *rule.shape[1:]) if rule.vocab else rule.shape
+            probe = torch.empty(shape, device="meta")
+            for name, t in zip(hf_names(arch, spec, key, layer), to_hf(arch, spec, key, rule, probe)):
+                out[name] = tuple(t.shape)
+    return out

@@ -1,0 +1,175 @@
+"""Read one of our checkpoints as full (T=1) tensors, one spec file set and one tensor at a time.
+
+A checkpoint is `DIR/latest` -> `DIR/global_stepN/` holding `megatron_ds.json` (config, train
+state) and DeepSpeed's `layer_XX-model_YY-model_states.pt` per spec index XX and tensor rank YY
+(see `megatron_ds.training.checkpoint`). The layer files are read with `torch.load(...,
+weights_only=True, mmap=True)`: no code from the file runs, and a tensor's bytes are read only
+when it is gathered. Nothing here needs torch.distributed, DeepSpeed or a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_ds.config import Config
+from megatron_ds.data.tokenizer import Tokenizer, build_tokenizer
+from megatron_ds.model import naming, sharding
+from megatron_ds.training.checkpoint import LATEST, META, CheckpointError, latest_tag, read_meta
+
+TOKENIZER_DIR = "tokenizer"
+"""Sub-directory of a checkpoint root where `hf_import` copies the tokenizer files."""
+
+
+def read_config(meta: dict[str, Any]) -> Config:
+    """The `Config` a checkpoint was written with (the one place that reads its layout)."""
+    return Config.from_dict(meta["config"])
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One complete checkpoint directory and what its metadata says."""
+
+    root: str
+    """The directory holding `latest` (what `--save`/`--load` name)."""
+    tag: str
+    """The `global_stepN` sub-directory."""
+    meta: dict[str, Any]
+    config: Config
+
+    @property
+    def directory(self) -> str:
+        return os.path.join(self.root, self.tag)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.config.parallel.tensor_model_parallel_size
+
+
+@dataclass(frozen=True)
+class SpecTensor:
+    """One full tensor of one spec."""
+
+    index: int
+    """Spec index (the XX of the layer files)."""
+    spec: str
+    """Spec name (`megatron_ds.model.naming`)."""
+    layer: int | None
+    """Transformer layer number for TransformerLayer specs, else None."""
+    key: str
+    rule: sharding.TensorRule
+    tensor: torch.Tensor
+
+
+def open_checkpoint(path: str) -> Checkpoint:
+    """A checkpoint from its root directory (uses `latest`) or from a `global_stepN` directory."""
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, META)):
+        root, tag = os.path.split(path)
+    elif os.path.isdir(path):
+        root, tag = path, latest_tag(path)
+        if tag is None:
+            raise CheckpointError(
+                f"{path}: no checkpoint here (no '{LATEST}' file and no {META}); give a directory "
+                f"written by pretrain_gpt.py --save, or one of its global_step directories"
+            )
+    else:
+        raise CheckpointError(f"{path}: no such directory; give a checkpoint directory")
+    try:
+        meta = read_meta(root, tag)
+        config = read_config(meta)
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"{os.path.join(root, tag, META)}: unreadable ({err}); the checkpoint is damaged"
+        ) from None
+    return Checkpoint(root, tag, meta, config)
+
+
+def layer_file(directory: str, index: int, tensor_rank: int) -> str:
+    """DeepSpeed's name for spec `index`'s file on tensor rank `tensor_rank`."""
+    return os.path.join(directory, f"layer_{index:02d}-model_{tensor_rank:02d}-model_states.pt")
+
+
+def _load_state(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"{path}: unreadable ({reason}); the checkpoint is damaged") from None
+
+
+def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
+    """Every tensor of the model as its full T=1 tensor, in spec order (tied head: no entry)."""
+    model = ckpt.config.model
+    groups = naming.gpt_spec_groups(model)
+    first_layer = len(groups.pre)
+    for index, spec in enumerate(groups.names):
+        rules = sharding.spec_tensors(model, spec)
+        if not rules:
+            continue
+        states = [_load_state(layer_file(ckpt.directory, index, r)) for r in range(ckpt.tensor_parallel)]
+        layer = index - first_layer if spec == naming.TRANSFORMER_LAYER else None
+        for key, rule in rules.items():
+            shards = [_tensor(s, key, layer_file(ckpt.directory, index, r)) for r, s in enumerate(states)]
+            if rule.split == sharding.REPLICATED and sharding.replicas_differ(shards):
+                raise CheckpointError(
+                    f"{layer_file(ckpt.directory, index, 0)}: {key} differs between tensor-parallel ranks; "
+                    f"the checkpoint is damaged"
+                )
+            full = sharding.gather(rule, shards)
+            if tuple(full.shape) != rule.shape:
+                raise CheckpointError(
+                    f"{layer_file(ckpt.directory, index, 0)}: {key} has shape {tuple(full.shape)}, the config in "
+                    f"{META} implies {rule.shape}; the checkpoint is damaged"
+                )
+            yield SpecTensor(index, spec, layer, key, rule, full)
+        del states
+
+
+def _tensor(state: dict[str, Any], key: str, path: str) -> torch.Tensor:
+    value = state.get(key)
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(f"{path}: no tensor {key!r}; the checkpoint is damaged or of another model")
+    return value
+
+
+def checkpoint_tokenizer(ckpt: Checkpoint, overrides: dict[str, str | None] | None = None) -> Tokenizer | None:
+    """Our tokenizer of the checkpoint (None for --mock-data runs without one).
+
+    `overrides` (tokenizer_type, tokenizer_model, vocab_file, merge_file) replace recorded values;
+    a recorded file that no longer exists is looked for in `<root>/tokenizer/` (where imports put it).
+    """
+    data = ckpt.config.data
+    fields = {k: getattr(data, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
+    fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if not fields["tokenizer_type"] or fields["tokenizer_type"] == "NullTokenizer":
+        return None
+    for key in ("tokenizer_model", "vocab_file", "merge_file"):
+        path = fields[key]
+        if path and not os.path.isfile(path):
+            beside = os.path.join(ckpt.root, TOKENIZER_DIR, os.path.basename(path))
+            fields[key] = beside if os.path.isfile(beside) else path
+    return build_tokenizer(fields.pop("tokenizer_type"), **fields)
+
+
+def unpadded_vocab_size(ckpt: Checkpoint, tokenizer: Tokenizer | None, override: int | None = None) -> int:
+    """Rows of the vocabulary without `--make-vocab-size-divisible-by` padding.
+
+    In order: `override` (a `--vocab-size` flag), the size an import recorded, the tokenizer's
+    size, else the padded size (nothing says how much is padding).
+    """
+    padded = ckpt.config.model.vocab_size
+    recorded = ckpt.meta.get("hf", {}).get("vocab_size")
+    size = override or recorded or (tokenizer.vocab_size if tokenizer is not None else None) or padded
+    if not 1 <= size <= padded:
+        raise CheckpointError(
+            f"--vocab-size {size}: the checkpoint {ckpt.directory} has {padded} vocabulary rows; give at most {padded}"
+        )
+    return size

@@ -1,0 +1,148 @@
+"""Train -> export -> transformers, and transformers -> import -> train, end to end on CPU.
+
+Three launches, shared by the tests of this module: a GPT at P=3 with dedicated embedding stages,
+a Llama-style model with grouped-query attention at P=2 x T=2, and training at P=3 from a Llama
+that transformers created. Logits are compared in fp32 (<= 1e-4), weights to the bit.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+from megatron_ds.inference import generate, load_model  # noqa: E402
+from megatron_ds.interop import checkpoint_reader  # noqa: E402
+from megatron_ds.interop.hf_export import export_hf  # noqa: E402
+from megatron_ds.interop.hf_import import import_hf  # noqa: E402
+from megatron_ds.testing.launch import run_torchrun  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 200  # padded to 256 by --make-vocab-size-divisible-by 128
+COMMON = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--max-position-embeddings", "64", "--vocab-size", str(VOCAB), "--micro-batch-size", "2",
+    "--global-batch-size", "4", "--mock-data", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+    "--distributed-timeout-minutes", "2",
+]  # fmt: skip
+LLAMA = [
+    "--normalization", "rmsnorm", "--swiglu", "--use-rotary-position-embeddings", "--no-position-embedding",
+    "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--num-key-value-heads", "2",
+    "--ffn-hidden-size", "48", "--layernorm-epsilon", "1e-6",
+]  # fmt: skip
+
+
+def pretrain(nproc: int, *argv: str) -> str:
+    out = run_torchrun(nproc, [str(ROOT / "pretrain_gpt.py"), *argv], timeout=400, cwd=str(ROOT))
+    assert out.returncode == 0, out.stdout[-4000:]
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def gpt_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    save = tmp_path_factory.mktemp("gpt") / "ckpt"
+    pretrain(3, *COMMON, "--train-iters", "3", "--lr", "1e-2", "--pipeline-model-parallel-size", "3",
+             "--pp-dedicated-embedding-stages", "both", "--save", str(save))  # fmt: skip
+    return save
+
+
+@pytest.fixture(scope="module")
+def llama_t2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    save = tmp_path_factory.mktemp("llama") / "ckpt"
+    pretrain(4, *COMMON, *LLAMA, "--train-iters", "3", "--lr", "1e-2", "--pipeline-model-parallel-size", "2",
+             "--tensor-model-parallel-size", "2", "--save", str(save))  # fmt: skip
+    return save
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _compare_with_transformers(ckpt: Path, hf_dir: Path) -> None:
+    ours = load_model(str(ckpt), vocab_size=VOCAB)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()  # from the directory only
+    with torch.no_grad():
+        diff = (ours(_tokens()) - theirs(_tokens()).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+    prompt = [11, 22, 33]
+    hf_greedy = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, 3:].tolist()
+    assert generate(ours, prompt, 20, temperature=0.0) == hf_greedy
+
+
+def test_gpt_export_through_the_cli_matches_transformers(gpt_ckpt: Path, tmp_path: Path) -> None:
+    tool = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
+    out = subprocess.run([*tool, "--to", "hf", str(gpt_ckpt), str(tmp_path / "hf"), "--vocab-size", str(VOCAB)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "as Hugging Face gpt2 (28 tensors, vocabulary 200)" in out.stdout
+    _compare_with_transformers(gpt_ckpt, tmp_path / "hf")
+    gen = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "generate.py"), "--load", str(gpt_ckpt), "--prompt-ids", "11 22 33",
+         "--greedy", "--max-new-tokens", "20", "--vocab-size", str(VOCAB)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    ours = load_model(str(gpt_ckpt), vocab_size=VOCAB)
+    assert gen.stdout.split() == [str(i) for i in generate(ours, [11, 22, 33], 20, temperature=0.0)]
+
+
+def test_gpt_round_trip_is_bit_identical(gpt_ckpt: Path, tmp_path: Path) -> None:
+    export_hf(str(gpt_ckpt), str(tmp_path / "hf"), vocab_size=VOCAB, show_progress=False)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "back"), ["--seq-length", "16"], show_progress=False)
+    original = checkpoint_reader.iter_tensors(checkpoint_reader.open_checkpoint(str(gpt_ckpt)))
+    back = checkpoint_reader.iter_tensors(checkpoint_reader.open_checkpoint(str(tmp_path / "back")))
+    count = 0
+    for a, b in zip(original, back, strict=True):
+        assert (a.index, a.key) == (b.index, b.key)
+        rows = VOCAB if a.rule.vocab else None
+        assert torch.equal(a.tensor[:rows], b.tensor[:rows]), (a.spec, a.key)
+        if rows:
+            assert not b.tensor[VOCAB:].any()  # padding comes back as zero rows
+        count += 1
+    assert count == 28
+
+
+def test_llama_gqa_at_tensor_parallel_2_exports_exactly(llama_t2_ckpt: Path, tmp_path: Path) -> None:
+    result = export_hf(str(llama_t2_ckpt), str(tmp_path / "hf"), vocab_size=VOCAB, show_progress=False)
+    assert result.arch == "llama"
+    _compare_with_transformers(llama_t2_ckpt, tmp_path / "hf")
+    # Importing at T=2 writes exactly the files, keys and shapes training at T=2 wrote.
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "back"), ["--tensor-model-parallel-size", "2"], show_progress=False)
+    trained = sorted((llama_t2_ckpt / "global_step3").glob("layer_*"))
+    imported = sorted((tmp_path / "back" / "global_step0").glob("layer_*"))
+    assert [p.name for p in trained] == [p.name for p in imported]
+    for a, b in zip(trained, imported):
+        sa, sb = (torch.load(p, weights_only=True) for p in (a, b))
+        sa.pop("dropout_rng_states", None)
+        shapes = [{k: getattr(v, "shape", v) for k, v in s.items()} for s in (sa, sb)]
+        assert shapes[0] == shapes[1], a.name
+
+
+def test_training_continues_from_an_imported_llama(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.05,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    result = import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"), [], show_progress=False)
+    # Two steps at P=3 with ZeRO-1 and a learning rate too small to move a weight: the weights the
+    # run saves must be the imported ones to the bit (ZeRO's fp32 copy is refreshed on load).
+    log = pretrain(3, *result.train_flags, "--load", str(tmp_path / "imported"), "--save", str(tmp_path / "trained"),
+                   *COMMON, "--train-iters", "2", "--lr", "1e-30", "--zero-stage", "1", "--pipeline-model-parallel-size",
+                   "3", "--pp-dedicated-embedding-stages", "both")  # fmt: skip
+    assert "holds weights only: optimizer and learning-rate schedule start fresh" in log
+    assert "resumed from" in log and "at iteration 0" in log
+    export_hf(str(tmp_path / "trained"), str(tmp_path / "again"), vocab_size=VOCAB, show_progress=False)
+    original, again = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "again" / "model.safetensors"),
+    )
+    assert original.keys() == again.keys()
+    assert [k for k in original if not torch.equal(original[k], again[k])] == []

@@ -1,0 +1,221 @@
+"""Hugging Face import/export in one process, against models `transformers` itself creates and saves."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+from megatron_ds.errors import UserError  # noqa: E402
+from megatron_ds.inference import generate, load_model  # noqa: E402
+from megatron_ds.interop.hf_export import export_hf  # noqa: E402
+from megatron_ds.interop.hf_import import import_hf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = {"vocab_size": 200, "initializer_range": 0.1}
+CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, n_positions=64, activation_function="gelu", **SMALL
+    ),
+    "llama_gqa": lambda: transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **SMALL,
+    ),
+    "tied_llama": lambda: transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+        **SMALL,
+    ),
+}
+
+
+def _hf_model(config: object) -> object:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms and biases start at 1 and 0: move them so a mix-up shows
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for name, make in CONFIGS.items():
+        out[name] = tmp_path_factory.mktemp(name) / "hf"
+        _hf_model(make()).save_pretrained(out[name])
+    return out
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 200, (3, 24), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_import_equals_transformers_and_exports_back_bit_identical(
+    name: str, hf_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    hf_dir = hf_dirs[name]
+    result = import_hf(str(hf_dir), str(tmp_path / "ours"), ["--seq-length", "32"], show_progress=False)
+    assert "--vocab-size" in result.train_flags and result.config.model.vocab_size == 256  # padded to 128
+    ours = load_model(str(tmp_path / "ours"))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        diff = (ours(_tokens()) - reference(_tokens()).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+    prompt = [5, 6, 7]
+    hf_greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert generate(ours, prompt, 20, temperature=0.0) == hf_greedy[0, 3:].tolist()
+    export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False)
+    original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    if name != "gpt2":
+        assert original.keys() == back.keys()
+    assert all(torch.equal(original[k], back[k]) for k in back)  # GPT-2's file also holds attn.bias buffers
+
+
+def test_tensor_parallel_import_gathers_to_the_same_model(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    one = import_hf(str(hf_dirs["llama_gqa"]), str(tmp_path / "t1"), [], show_progress=False)
+    two = import_hf(
+        str(hf_dirs["llama_gqa"]), str(tmp_path / "t2"), ["--tensor-model-parallel-size", "2"], show_progress=False
+    )
+    assert (one.config.parallel.tensor_model_parallel_size, two.config.parallel.tensor_model_parallel_size) == (1, 2)
+    assert two.config.model.vocab_size == 256  # 128 x T
+    a, b = load_model(str(tmp_path / "t1")), load_model(str(tmp_path / "t2"))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert len(list((tmp_path / "t2" / "global_step0").glob("layer_03-model_0*-model_states.pt"))) == 2
+
+
+def _nothing_written(tmp_path: Path, before: set[str]) -> None:
+    assert set(os.listdir(tmp_path)) == before, "a failed conversion left files behind"
+
+
+def _error(fn: object, *args: object) -> str:
+    with pytest.raises(UserError) as err:
+        fn(*args)  # type: ignore[operator]
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_bad_inputs_are_one_line_errors_and_write_nothing(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    before = set(os.listdir(tmp_path))
+    out = str(tmp_path / "out")
+    assert "config.json: missing" in _error(import_hf, str(broken), out, [])
+    (broken / "config.json").write_text("{not json")
+    assert "config.json: not valid JSON" in _error(import_hf, str(broken), out, [])
+    hf = json.loads((hf_dirs["gpt2"] / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**hf, "activation_function": "gelu_new"}))
+    assert "activation_function 'gelu_new' is not supported" in _error(import_hf, str(broken), out, [])
+    (broken / "config.json").write_text(json.dumps({**hf, "model_type": "gpt_neox"}))
+    assert "model_type 'gpt_neox'" in _error(import_hf, str(broken), out, [])
+    (broken / "config.json").write_text(json.dumps(hf))
+    data = (hf_dirs["gpt2"] / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "model.safetensors: unreadable" in _error(import_hf, str(broken), out, [])
+    assert "--num-layers 3 contradicts" in _error(import_hf, str(hf_dirs["gpt2"]), out, ["--num-layers", "3"])
+    _nothing_written(tmp_path, before)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("keep")
+    assert "already exists" in _error(import_hf, str(hf_dirs["gpt2"]), str(tmp_path / "taken"), [])
+    assert (tmp_path / "taken" / "x").read_text() == "keep"
+
+
+def _sentencepiece(tmp_path: Path, vocab: int) -> str:
+    from megatron_ds.data.demo_corpus import demo_documents
+    from megatron_ds.data.tokenizer import train_sentencepiece
+
+    lines = [line for doc in demo_documents(max_bytes=60_000) for line in doc.split("\n") if line.strip()]
+    return train_sentencepiece(lines, str(tmp_path / f"sp{vocab}"), vocab)
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_an_error(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    sp = _sentencepiece(tmp_path, 250)
+    before = set(os.listdir(tmp_path))
+    flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp]
+    message = _error(import_hf, str(hf_dirs["gpt2"]), str(tmp_path / "out"), flags)
+    assert "has 250 tokens but" in message and "vocab_size 200" in message
+    _nothing_written(tmp_path, before)
+
+
+def test_sentencepiece_tokenizer_travels_both_ways(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    from megatron_ds.data.tokenizer import build_tokenizer
+
+    sp = _sentencepiece(tmp_path, 120)
+    flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp]
+    result = import_hf(str(hf_dirs["gpt2"]), str(tmp_path / "ours"), flags, show_progress=False)
+    copied = tmp_path / "ours" / "tokenizer" / "sp120.model"
+    assert copied.is_file() and f"--tokenizer-model {copied}" in " ".join(result.train_flags)
+    exported = export_hf(str(tmp_path / "ours"), str(tmp_path / "hf"), show_progress=False)
+    assert exported.vocab_size == 200 and "tokenizer.json" in exported.files
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp)
+    for text in ["def add(a, b):\n    return a + b", "Hello world", "numbers 12 and 345!", "a\n\nb  c"]:
+        assert hf_tok.encode(text, add_special_tokens=False) == ours.tokenize(text), text
+        assert hf_tok.decode(ours.tokenize(text)) == text
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (ours.eod, 1)
+
+
+def test_cli_reports_user_errors_in_one_line(tmp_path: Path) -> None:
+    tool = ROOT / "tools" / "convert_checkpoint.py"
+    proc = subprocess.run(
+        [sys.executable, str(tool), "--from", "hf", str(tmp_path / "nothing"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nothing' / 'config.json'}: missing; give a Hugging Face model directory "
+        "(config.json + weights)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_sharded_safetensors_and_pickled_bin_both_convert(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    import_hf(str(hf_dirs["llama_gqa"]), str(tmp_path / "ours"), [], show_progress=False)
+    result = export_hf(str(tmp_path / "ours"), str(tmp_path / "sharded"), max_shard_bytes=20_000, show_progress=False)
+    shards = [f for f in result.files if f.endswith(".safetensors")]
+    assert len(shards) > 2 and "model.safetensors.index.json" in result.files
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs["llama_gqa"]).eval()
+    sharded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").eval()
+    with torch.no_grad():
+        assert torch.equal(sharded(_tokens()).logits, reference(_tokens()).logits)
+    # A directory with only a pickled pytorch_model.bin is read with torch.load(weights_only=True).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_bytes((hf_dirs["llama_gqa"] / "config.json").read_bytes())
+    torch.save(load_file(hf_dirs["llama_gqa"] / "model.safetensors"), bin_dir / "pytorch_model.bin")
+    for source, name in ((tmp_path / "sharded", "from_shards"), (bin_dir, "from_bin")):
+        import_hf(str(source), str(tmp_path / name), [], show_progress=False)
+        a, b = load_model(str(tmp_path / "ours")), load_model(str(tmp_path / name))
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())), name
+
+
+@pytest.mark.parametrize("flag", [["--use-rotary-position-embeddings"], ["--swiglu"], ["--num-key-value-heads", "2"]])
+def test_architecture_flags_that_change_a_gpt2_are_refused(
+    hf_dirs: dict[str, Path], tmp_path: Path, flag: list
+) -> None:
+    message = _error(import_hf, str(hf_dirs["gpt2"]), str(tmp_path / "out"), flag)
+    assert message.startswith(f"{flag[0]} ") and "contradicts" in message
+    assert not (tmp_path / "out").exists()

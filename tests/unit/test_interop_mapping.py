@@ -1,0 +1,178 @@
+"""The pure parts of Hugging Face interop: the sharding table, the config tables, and their errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.interop import hf_config, hf_weights
+from megatron_ds.interop.hf_config import HFConfigError
+from megatron_ds.model import naming, sharding
+from megatron_ds.model.init import shard_qkv
+from megatron_ds.model.layers import FinalNorm, LMHead, PositionEmbedding, WordEmbedding
+from megatron_ds.model.transformer import TransformerLayer
+
+GPT = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    seq_length=16,
+    max_position_embeddings=32,
+    vocab_size=256,
+)
+REG = RegularizationConfig()
+LLAMA = dataclasses.replace(
+    GPT,
+    normalization="rmsnorm",
+    swiglu=True,
+    use_rotary_position_embeddings=True,
+    add_position_embedding=False,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    num_key_value_heads=2,
+    ffn_hidden_size=48,
+)
+MODULES = {
+    naming.WORD_EMBEDDING: WordEmbedding,
+    naming.POSITION_EMBEDDING: PositionEmbedding,
+    naming.TRANSFORMER_LAYER: TransformerLayer,
+    naming.FINAL_NORM: FinalNorm,
+    naming.UNTIED_LM_HEAD: LMHead,
+}
+
+
+@pytest.mark.parametrize(
+    "model", [GPT, LLAMA, dataclasses.replace(LLAMA, add_bias_linear=True)], ids=["gpt", "llama", "llama_bias"]
+)
+def test_tensor_table_matches_the_layers(model: ModelConfig) -> None:
+    for spec in naming.gpt_spec_groups(model).names:
+        rules = sharding.spec_tensors(model, spec)
+        if spec not in MODULES:
+            assert rules == {}
+            continue
+        with torch.device("meta"):
+            cls = MODULES[spec]
+            module = cls(model, 0) if cls is FinalNorm else cls(model, REG, 0)  # norms take no init settings
+        assert {k: tuple(p.shape) for k, p in module.named_parameters()} == {k: r.shape for k, r in rules.items()}
+
+
+@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama_gqa"])
+def test_split_then_gather_is_identity_and_matches_the_model_sharding(model: ModelConfig) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for spec in set(naming.gpt_spec_groups(model).names):
+        for key, rule in sharding.spec_tensors(model, spec).items():
+            full = torch.randn(rule.shape, generator=gen)
+            shards = sharding.split(rule, full, 2)
+            assert torch.equal(sharding.gather(rule, shards), full), (spec, key)
+            if key == "qkv.weight":  # the model's own cut of a fused QKV (GQA: kv heads per rank)
+                for r in range(2):
+                    assert torch.equal(shards[r], shard_qkv(full, model.num_attention_heads, 2, r, model.kv_heads))
+            assert all(s.untyped_storage().nbytes() == s.numel() * s.element_size() for s in shards)
+
+
+def test_replicas_that_differ_are_detected() -> None:
+    assert sharding.replicas_differ([torch.ones(2), torch.zeros(2)])
+    assert not sharding.replicas_differ([torch.ones(2), torch.ones(2)])
+
+
+@pytest.mark.parametrize(
+    "model",
+    [GPT, LLAMA, dataclasses.replace(LLAMA, untie_embeddings_and_output_weights=False)],
+    ids=["gpt", "llama", "tied_llama"],
+)
+def test_config_round_trip(model: ModelConfig) -> None:
+    hf = hf_config.to_hf_config(model, REG, 200, "float32", {"eos_token_id": 2})
+    back = hf_config.from_hf_config(hf, "config.json")
+    for dest, value in back.architecture.items():
+        if dest == "num_key_value_heads":
+            assert value == model.kv_heads
+        elif dest not in ("swiglu", "use_rotary_position_embeddings", "add_position_embedding"):
+            assert getattr(model, dest) == value, dest
+    assert back.vocab_size == 200 and back.arch == hf_config.architecture_of(model)
+
+
+def test_transformers_own_configs_are_read() -> None:
+    transformers = pytest.importorskip("transformers")
+    gpt = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, activation_function="gelu").to_dict()
+    assert hf_config.from_hf_config(gpt, "x").architecture["ffn_hidden_size"] == 128
+    llama = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2).to_dict()
+    assert hf_config.from_hf_config(llama, "x").architecture["num_key_value_heads"] == 2
+
+
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        ({"add_bias_linear": False}, "--disable-bias-linear"),
+        ({"normalization": "rmsnorm"}, "--normalization rmsnorm"),
+        ({"num_key_value_heads": 2}, "--num-key-value-heads"),
+        ({"use_rotary_position_embeddings": True, "add_position_embedding": False}, "--use-rotary-position-embeddings"),
+    ],
+)
+def test_gelu_models_hf_cannot_express_are_errors(change: dict, flag: str) -> None:
+    with pytest.raises(HFConfigError, match="cannot export to Hugging Face gpt2: " + flag) as err:
+        hf_config.architecture_of(dataclasses.replace(GPT, **change))
+    assert "\n" not in str(err.value)
+
+
+def test_swiglu_with_layernorm_is_an_error() -> None:
+    with pytest.raises(HFConfigError, match="llama: --normalization layernorm"):
+        hf_config.architecture_of(dataclasses.replace(LLAMA, normalization="layernorm"))
+
+
+def _llama_json(**change: object) -> dict:
+    base = hf_config.to_hf_config(LLAMA, REG, 200, "float32", {})
+    return {**base, **change}
+
+
+@pytest.mark.parametrize(
+    "hf, field",
+    [
+        (
+            {**hf_config.to_hf_config(GPT, REG, 200, "float32", {}), "activation_function": "gelu_new"},
+            "activation_function",
+        ),
+        (
+            {**hf_config.to_hf_config(GPT, REG, 200, "float32", {}), "scale_attn_by_inverse_layer_idx": True},
+            "scale_attn",
+        ),
+        (_llama_json(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling type 'linear'"),
+        (_llama_json(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_parameters type 'llama3'"),
+        (_llama_json(rope_theta=500000.0), "rope_theta 500000"),
+        (_llama_json(attention_bias=True, mlp_bias=False), "mlp_bias"),
+        (_llama_json(hidden_act="gelu"), "hidden_act"),
+        (_llama_json(head_dim=16), "head_dim"),
+        (_llama_json(model_type="mistral"), "model_type 'mistral'"),
+        ({k: v for k, v in _llama_json().items() if k != "hidden_size"}, "no 'hidden_size' field"),
+        (_llama_json(num_hidden_layers="2"), "num_hidden_layers '2' is not an int"),
+    ],
+)
+def test_unsupported_hf_fields_are_one_line_errors(hf: dict, field: str) -> None:
+    with pytest.raises(HFConfigError, match=field) as err:
+        hf_config.from_hf_config(hf, "m/config.json")
+    assert str(err.value).startswith("m/config.json: ") and "\n" not in str(err.value)
+
+
+def test_hf_names_cover_every_tensor_once() -> None:
+    for arch, model in ((hf_config.GPT2, GPT), (hf_config.LLAMA, LLAMA)):
+        shapes = hf_weights.hf_shapes(arch, model, 200)
+        per_layer = {n for n in shapes if ".0." in n}
+        assert len(per_layer) == len({n for n in shapes if ".1." in n})
+        assert shapes[{"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}[arch]] == (200, 32)
+    llama = hf_weights.hf_shapes(hf_config.LLAMA, LLAMA, 200)
+    assert llama["model.layers.0.self_attn.k_proj.weight"] == (16, 32)  # 2 kv heads of 8
+    assert llama["model.layers.0.mlp.gate_proj.weight"] == (48, 32)
+    assert hf_weights.hf_shapes(hf_config.GPT2, GPT, 200)["transformer.h.1.mlp.c_fc.weight"] == (32, 64)
+
+
+def test_render_flags_inverts_parsing() -> None:
+    from megatron_ds.arguments import build_parser
+
+    values = {"num_layers": 2, "swiglu": True, "add_position_embedding": False, "normalization": "rmsnorm"}
+    flags = hf_config.render_flags(values)
+    assert flags == ["--num-layers", "2", "--swiglu", "--no-position-embedding", "--normalization", "rmsnorm"]
+    parsed = build_parser().parse_known_args(flags)[0]
+    assert all(getattr(parsed, k) == v for k, v in values.items())

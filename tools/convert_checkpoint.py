@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+"""Convert checkpoints to and from Hugging Face model directories.
+
+    # ours (any P, T, DP, layout) -> a transformers / lm-eval-harness / vLLM directory
+    python tools/convert_checkpoint.py --to hf checkpoints/gpt hf/gpt
+    # a local Hugging Face GPT-2 or Llama directory -> a checkpoint pretrain_gpt.py --load trains from
+    python tools/convert_checkpoint.py --from hf hf/llama checkpoints/llama --tensor-model-parallel-size 2
+
+With --from, pretrain_gpt.py flags pass through (T, sequence length, tokenizer, ...); architecture
+flags come from config.json and must agree if given. The output directory must not exist; it
+appears only when complete. Bad input: one `error:` line, exit status 2, nothing written.
+Needs the `hf` extra (`pip install -e '.[hf]'`). See docs/interop.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+# The checkout this tool lives in comes first (as pretrain_gpt.py's own directory does for it).
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron_ds.errors import UserError
+
+HF_EXTRA = ("safetensors", "transformers", "tokenizers")
+"""Packages of the `hf` extra; a missing one is reported as one line."""
+TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message}; see `python tools/convert_checkpoint.py --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    way = p.add_mutually_exclusive_group(required=True)
+    way.add_argument("--to", choices=("hf",), help="export our checkpoint SOURCE as a Hugging Face directory OUTPUT")
+    way.add_argument("--from", dest="from_", choices=("hf",), help="import Hugging Face directory SOURCE as OUTPUT")
+    p.add_argument("source")
+    p.add_argument("output")
+    p.add_argument("--vocab-size", type=int, default=None, help="export: vocabulary rows to keep (default: see docs)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="export: convert weights")
+    p.add_argument("--max-shard-size-mb", type=int, default=2048, help="export: largest safetensors file")
+    for flag in TOKENIZER_FLAGS:
+        p.add_argument("--" + flag.replace("_", "-"), default=None, help="tokenizer override (export) or flag (import)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    args, rest = build_parser().parse_known_args(argv)
+    tokenizer = {k: getattr(args, k) for k in TOKENIZER_FLAGS}
+    if args.to:
+        if rest:
+            raise UserError(f"unrecognized arguments: {' '.join(rest)}; pretrain_gpt.py flags go with --from hf")
+        _export(args, tokenizer)
+    else:
+        if args.dtype is not None or args.max_shard_size_mb != 2048:
+            raise UserError("--dtype and --max-shard-size-mb apply to --to hf only; drop them")
+        passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in tokenizer.items() if v is not None]
+        if args.vocab_size is not None:
+            passthrough.append(f"--vocab-size={args.vocab_size}")
+        _import(args, [*rest, *passthrough])
+
+
+def _export(args: argparse.Namespace, tokenizer: dict[str, str | None]) -> None:
+    from megatron_ds.interop.hf_export import export_hf
+
+    result = export_hf(
+        args.source,
+        args.output,
+        vocab_size=args.vocab_size,
+        dtype=args.dtype,
+        tokenizer=tokenizer,
+        max_shard_bytes=args.max_shard_size_mb * 1024**2,
+        show_progress=not args.no_progress,
+    )
+    print(
+        f"exported {os.path.abspath(args.source)} as Hugging Face {result.arch} "
+        f"({result.num_tensors} tensors, vocabulary {result.vocab_size}) to {result.output}:"
+    )
+    print("  " + " ".join(result.files))
+    print(f"load it with: AutoModelForCausalLM.from_pretrained({result.output!r})")
+
+
+def _import(args: argparse.Namespace, argv: list[str]) -> None:
+    from megatron_ds.interop.hf_import import import_hf
+
+    result = import_hf(args.source, args.output, argv, show_progress=not args.no_progress)
+    par = result.config.parallel
+    print(
+        f"imported Hugging Face {result.arch} {os.path.abspath(args.source)} to {result.output} "
+        f"(weights only, tensor-parallel size {par.tensor_model_parallel_size}; loads at any pipeline size and layout)"
+    )
+    print("train from it with these model flags plus your own (parallelism, data, schedule):")
+    print(f"  pretrain_gpt.py --load {result.output} " + " ".join(result.train_flags))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        run(argv)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:
+        if err.name not in HF_EXTRA:
+            raise
+        print(f"error: {err.name}: not installed; install the hf extra: pip install -e '.[hf]'", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
