@@ -34,7 +34,7 @@ NUM_STAGES = 5
 MIB = 1024.0 * 1024.0
 
 MODELS = {
-    # The example size: 8 layers cannot balance a 32k x 512 embedding (see README.md).
+    # The example size: 8 layers cannot balance a 32k x 512 embedding (see docs/layouts.md).
     "8-layer": [
         "--num-layers",
         "8",

@@ -1,9 +1,9 @@
 """Megatron-DeepSpeed compatibility, rendered from the flag declarations (`megatron_ds.flags`).
 
-The refusal messages (a refused flag, or a refused value of an accepted flag) and the README's
-"Megatron-DeepSpeed compatibility" table (`python -m megatron_ds.compat` prints it; a test keeps
-README's copy equal to it) are both drawn from `megatron_ds.flags.FLAGS`, so neither can disagree
-with what the parser does. Flags Megatron-DeepSpeed does not have (ours, `Flag.megatron` False)
+The refusal messages (a refused flag, or a refused value of an accepted flag) and the
+compatibility table (`python -m megatron_ds.compat` prints it; a test keeps docs/compatibility.md's
+copy equal to it) are both drawn from `megatron_ds.flags.FLAGS`, so neither can disagree with
+what the parser does. Flags Megatron-DeepSpeed does not have (ours, `Flag.megatron` False)
 are left out of the table; Megatron flags not declared are "unrecognized arguments".
 
 Pure data and string functions: no torch, no argparse.
@@ -41,7 +41,7 @@ def _cell(text: str) -> str:
 
 
 def markdown_table() -> str:
-    """The README table: every Megatron-DeepSpeed flag, grouped as Megatron-DeepSpeed groups them."""
+    """The compatibility table (docs/compatibility.md): every Megatron-DeepSpeed flag, grouped as Megatron-DeepSpeed groups them."""
     lines = ["| group | flag | here | meaning, or why not |", "|---|---|---|---|"]
     for f in FLAGS:
         if not f.megatron:

@@ -3,7 +3,7 @@
 Every item is a dict with `tokens` (s,) int64, `labels` (s,) int64 (tokens shifted by one) and
 `loss_mask` (s,) float32, plus `position_ids` and, for blends, `dataset_id`.
 
-Two megatron-core traps are guarded here (see docs in /work/shared/notes):
+Two megatron-core traps are guarded here (both reproduced on megatron-core 0.16.1, CPU):
 - a split that receives no document makes `GPTDataset` loop forever counting epochs, so split
   sizes are checked per corpus before anything is built;
 - `BlendedDataset` calls `torch.distributed.get_rank()` on a cache miss whenever a cache path is

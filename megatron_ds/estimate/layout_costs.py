@@ -40,7 +40,7 @@ def format_memory_table(stages: Sequence[StageMemory], usable_bytes: float | Non
         f"{'stage':>5} {'layers':>6} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} "
         f"{'in-flight':>9} {'buffers':>10} {'total':>10}"
     )
-    lines = ["predicted memory per GPU (estimate, see docs/plan.md for the formulas)", head]
+    lines = ["predicted memory per GPU (estimate, see docs/planner.md for the formulas)", head]
     for st in stages:
         lines.append(
             f"{st.stage:>5} {st.num_layers:>6} {format_bytes(st.params):>10} {format_bytes(st.grads):>10} "

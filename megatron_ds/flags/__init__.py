@@ -3,8 +3,8 @@
 One declaration per flag gives its values, default, status (accepted, no-op with the reason,
 refused with the reason and the fix, refused values), the config field it sets and its help;
 from this table come the argparse parser and `--help` (`megatron_ds.arguments`), the copy of
-values into the config tree (`megatron_ds.validation`), the refusal messages and the README's
-compatibility table (`megatron_ds.compat`, `python -m megatron_ds.compat`).
+values into the config tree (`megatron_ds.validation`), the refusal messages and the compatibility
+table of docs/compatibility.md (`megatron_ds.compat`, `python -m megatron_ds.compat`).
 
 The tables, by Megatron-DeepSpeed's argument groups:
     model.py      network size, mixture of experts, regularization, initialization
@@ -45,7 +45,7 @@ FLAGS: tuple[Flag, ...] = (
     *data_io.DATA,
     *parallel.DEEPSPEED,
 )
-"""All flags, in the README table's order (Megatron-DeepSpeed's groups)."""
+"""All flags, in the compatibility table's order (Megatron-DeepSpeed's groups)."""
 
 BY_NAME: dict[str, Flag] = {name: f for f in FLAGS for name in (f.name, *f.aliases)}
 assert len(BY_NAME) == sum(1 + len(f.aliases) for f in FLAGS), "a flag is declared twice"

@@ -5,7 +5,7 @@ choices), its status here (accepted, a no-op with the reason, or refused with th
 fix, or a refused *value* of an accepted flag), the config field(s) it sets, and its help text.
 `megatron_ds.arguments` builds the argparse parser from the declarations, `megatron_ds.validation`
 copies the directly-mapped values into the config tree, and `megatron_ds.compat` renders the
-refusals and the README table. Pure data: no argparse, no torch.
+refusals and the compatibility table (docs/compatibility.md). Pure data: no argparse, no torch.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Flag:
     exclusive: str | None = None
     """Flags sharing this key are mutually exclusive (`--fp16`, `--bf16`)."""
     megatron: bool = True
-    """A Megatron-DeepSpeed flag (a row of the README's compatibility table); False for ours."""
+    """A Megatron-DeepSpeed flag (a row of the compatibility table); False for ours."""
     hidden: bool = False
     """Left out of `--help` (set by launchers)."""
 

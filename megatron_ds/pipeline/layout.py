@@ -102,13 +102,26 @@ class Layout:
                 f"ranks per stage (tensor parallel {tensor_parallel} innermost, then data parallel "
                 f"{data_parallel}, then pipeline):"
             )
-            for s in range(self.num_stages):
-                replicas = " | ".join(
-                    f"data {d}: tensor ranks -> {','.join(map(str, r))}"
-                    for d, r in enumerate(self.stage_ranks(s, data_parallel, tensor_parallel))
-                )
-                lines.append(f"  stage {s}: {replicas}")
+            lines.extend(
+                f"  stage {s}: {self._ranks_line(s, data_parallel, tensor_parallel)}" for s in range(self.num_stages)
+            )
         return "\n".join(lines)
+
+    def _ranks_line(self, stage: int, data_parallel: int, tensor_parallel: int) -> str:
+        replicas = self.stage_ranks(stage, data_parallel, tensor_parallel)
+        if data_parallel <= MAX_LISTED_REPLICAS:
+            return " | ".join(f"data {d}: tensor ranks -> {','.join(map(str, r))}" for d, r in enumerate(replicas))
+        # Many replicas: every one is the same pattern, so say it once instead of listing them all.
+        first, last = replicas[0][0], replicas[-1][-1]
+        if tensor_parallel == 1:
+            holds = f"rank {first}+d"
+        else:
+            holds = f"tensor ranks {first}+{tensor_parallel}d .. {first + tensor_parallel - 1}+{tensor_parallel}d"
+        return f"global ranks {first}-{last}; data replica d = 0..{data_parallel - 1} holds {holds}"
+
+
+MAX_LISTED_REPLICAS = 8
+"""Beyond this many data-parallel replicas the rank table states the pattern instead of listing them."""
 
 
 def requested_method(

@@ -184,7 +184,7 @@ def zero_section(ctx: Context) -> Section:
         f"({1 - res.headroom:.0%} of {format_bytes(res.gpu_memory_bytes)}).",
         f"Per-GPU model states with pure data parallelism over all {res.num_gpus} GPU(s) (estimates), plus "
         f"{format_bytes(act)} of activations for micro-batch {res.raw.micro_batch_size or 1} "
-        f"(Korthikanti et al. 2022 per-tensor count, see docs/plan.md):",
+        f"(Korthikanti et al. 2022 per-tensor count, see docs/planner.md):",
         f"  {'configuration':<48} {'GPU states':>11} {'w/ activ.':>10} {'CPU/node':>10}  pipeline?",
     )
     for r in table:

@@ -39,7 +39,6 @@ LAYER_OF = {
     "validation": "interface",
     "compat": "interface",
     "flags": "interface",
-    "cli": "interface",
     "plan": "interface",
     "testing": "interface",
 }

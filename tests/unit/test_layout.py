@@ -249,3 +249,31 @@ def test_stage_ranks_follow_deepspeed_topology() -> None:
     text = build_layout(groups(4), 3, dedicated="both").format(data_parallel=2, tensor_parallel=2)
     assert "  stage 2: data 0: tensor ranks -> 8,9 | data 1: tensor ranks -> 10,11" in text
     assert "ranks per stage" not in build_layout(groups(4), 3).format()
+
+
+@pytest.mark.parametrize("dp,tp", [(9, 1), (64, 8), (16, 2)])
+def test_rank_table_states_the_pattern_for_many_replicas(dp: int, tp: int) -> None:
+    """Beyond MAX_LISTED_REPLICAS replicas the table says which ranks a replica holds instead of
+    listing them; the stated pattern must be the one stage_ranks uses."""
+    import re
+
+    from megatron_ds.pipeline.layout import MAX_LISTED_REPLICAS
+
+    assert dp > MAX_LISTED_REPLICAS
+    layout = build_layout(groups(6), 3)
+    lines = [ln for ln in layout.format(dp, tp).splitlines() if ln.startswith("  stage ")]
+    for s, line in enumerate(lines):
+        stated = re.search(r"holds (?:rank (\d+)\+d|tensor ranks (\d+)\+(\d+)d \.\. (\d+)\+\d+d)$", line)
+        assert stated, line
+        ranks = layout.stage_ranks(s, dp, tp)
+        assert f"global ranks {ranks[0][0]}-{ranks[-1][-1]}" in line
+        first = ranks[0][0]
+        for d, replica in enumerate(ranks):
+            if tp == 1:
+                assert replica == [first + d]
+            else:
+                assert replica == list(range(first + tp * d, first + tp * d + tp))
+        if tp == 1:
+            assert int(stated.group(1)) == first
+        else:
+            assert [int(stated.group(i)) for i in (2, 3, 4)] == [first, tp, first + tp - 1]
