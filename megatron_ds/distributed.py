@@ -48,12 +48,32 @@ def init_distributed(parallel: ParallelConfig) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    skip_cpu_shared_memory_allreduce()
     deepspeed.init_distributed(
         dist_backend=default_backend(parallel),
         auto_mpi_discovery=False,
         timeout=timedelta(minutes=parallel.distributed_timeout_minutes),
         verbose=False,
     )
+
+
+def skip_cpu_shared_memory_allreduce() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory all-reduce when it starts.
+
+    Only DeepSpeed-inference's `inference_all_reduce` uses that op; training never does. Building it
+    costs ~25 s on a fresh machine, and a process killed mid-build leaves torch's extension lock file
+    behind, after which every later start on that machine waits on the lock forever (a CI run
+    inherited such a lock and every multi-rank test stalled). No-op off CPU.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        # DeepSpeed caches this dict on first access and reads it before building an op.
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def shutdown_distributed(clean: bool = True, timeout_s: float = 120.0) -> None:

@@ -436,6 +436,8 @@ def test_llama2_line_trains(data: dict[str, str], tmp_path: Path) -> None:
 ONE_STAGE_VS_PLAIN = r"""
 import torch, deepspeed
 from deepspeed.pipe import PipelineModule
+from megatron_ds.distributed import skip_cpu_shared_memory_allreduce
+skip_cpu_shared_memory_allreduce()  # an unused op whose build can stall on a stale lock
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 def layers():
