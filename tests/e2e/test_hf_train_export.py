@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
 from megatron_ds.inference import generate, load_model  # noqa: E402
-from megatron_ds.interop import checkpoint_reader  # noqa: E402
+from megatron_ds.training import checkpoint_reader  # noqa: E402
 from megatron_ds.interop.hf_export import export_hf  # noqa: E402
 from megatron_ds.interop.hf_import import import_hf  # noqa: E402
 from megatron_ds.testing.launch import run_torchrun  # noqa: E402
