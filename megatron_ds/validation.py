@@ -35,6 +35,8 @@ from megatron_ds.config import (
 )
 from megatron_ds.errors import ConfigError
 from megatron_ds.flags import ACCEPTED, FLAGS
+from megatron_ds.flags.model import model_activation
+from megatron_ds.pipeline import megatron_lm
 
 __all__ = ["ConfigError", "build_config", "warn"]
 
@@ -126,8 +128,11 @@ def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConf
         vocab_size=_vocab_size(args),
         # Rotary embeddings replace the learned position table (the pre group then has none).
         add_position_embedding=args.add_position_embedding and not args.use_rotary_position_embeddings,
+        activation=model_activation(args),
     )
     _check_fixed_model_options(args, model)
+    if args.rotary_base != model.rotary_base:
+        warn(f"--rotary-base {args.rotary_base:g} only applies with --use-rotary-position-embeddings; ignored")
     return model
 
 
@@ -150,15 +155,28 @@ def _check_fixed_model_options(args: argparse.Namespace, model: ModelConfig) -> 
         )
 
 
+_OTHER_LAYOUT_FLAGS = (
+    "pp_layout",
+    "pipeline_model_parallel_layout",
+    "pp_partition_method",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+)
+
+
 def _dedicated_stages(args: argparse.Namespace) -> str:
     """--pp-dedicated-embedding-stages, with Megatron's --standalone-embedding-stage folded in (= pre)."""
     dedicated = args.pp_dedicated_embedding_stages
     if not args.standalone_embedding_stage:
         return dedicated
-    if args.pp_layout is not None:
+    others = [d for d in _OTHER_LAYOUT_FLAGS if getattr(args, d) is not None]
+    others += [
+        d for d in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split") if getattr(args, d)
+    ]
+    if others:
         raise ConfigError(
-            "--standalone-embedding-stage and --pp-layout were both given; start the layout with "
-            "'E|' and drop --standalone-embedding-stage"
+            f"--standalone-embedding-stage and {_flag(others[0])} were both given; choose one way to place the "
+            f"stage boundaries (a layout string starting 'E|' puts the embedding on a stage of its own)"
         )
     return {"none": "pre", "post": "both"}.get(dedicated, dedicated)
 
@@ -170,6 +188,9 @@ def _parallel_config(args: argparse.Namespace, direct: dict[str, Any], world_siz
             f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {p}); drop one of the two"
         )
     default_world = max(p, 1) * max(t, 1)  # one replica; ParallelConfig refuses P or T < 1
+    megatron_lm.check_virtual_stages(
+        args.num_virtual_stages_per_pipeline_rank, args.pipeline_model_parallel_layout is not None
+    )
     return ParallelConfig(
         **direct,
         world_size=world_size or args.world_size or int(os.environ.get("WORLD_SIZE", default_world)),

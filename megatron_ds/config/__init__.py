@@ -22,7 +22,7 @@ the defaults below. Run state (iteration, consumed samples) is *not* configurati
 """
 
 from megatron_ds.config.data import TOKENIZER_TYPES, DataConfig
-from megatron_ds.config.model import NORMALIZATIONS, ModelConfig, RegularizationConfig
+from megatron_ds.config.model import ACTIVATIONS, NORMALIZATIONS, ModelConfig, RegularizationConfig
 from megatron_ds.config.output import CheckpointConfig, LoggingConfig
 from megatron_ds.config.parallel import BACKENDS, DEDICATED_CHOICES, ParallelConfig
 from megatron_ds.config.shapes import padded_vocab_size
@@ -37,6 +37,7 @@ from megatron_ds.config.training import (
 from megatron_ds.config.tree import Config
 
 __all__ = [
+    "ACTIVATIONS",
     "BACKENDS",
     "DEDICATED_CHOICES",
     "LR_DECAY_STYLES",

@@ -14,6 +14,13 @@ from dataclasses import dataclass
 from megatron_ds.config.checks import at_least, check, one_of, positive, probability
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
+"""The MLP activations ModelConfig accepts: the names of `megatron_ds.model.activations.REGISTRY`,
+which holds each one's function, Hugging Face name and costs (it checks on import that its names and
+gated entries are these)."""
+GATED_ACTIVATIONS = ("swiglu",)
+"""Activations of a gated MLP: fc1 produces a gate and an up half (2 x ffn features)."""
+DEFAULT_ROTARY_BASE = 10000.0
 
 
 @dataclass(frozen=True)
@@ -45,11 +52,20 @@ class ModelConfig:
     """Key/value heads for grouped-query attention (`--num-key-value-heads`); divides
     num_attention_heads. None: one per attention head (multi-head attention); a value equal to
     num_attention_heads is the same model and is stored as None. See `kv_heads`."""
-    swiglu: bool = False
-    """SwiGLU MLP instead of GeLU (`--swiglu`): fc1 produces 2 x ffn_hidden_size features,
-    silu(first half) * second half feeds fc2, as Megatron's gated MLP."""
+    activation: str = "gelu_tanh"
+    """The MLP activation, one of ACTIVATIONS (`megatron_ds.model.activations`). `gelu_tanh`, the
+    default, is GeLU's tanh approximation: what Megatron-DeepSpeed's default fused bias-GeLU and
+    `--openai-gelu` compute. `gelu` is the exact (erf) GeLU (`--no-bias-gelu-fusion`, or
+    `--disable-bias-linear`, as in Megatron). `swiglu` (`--swiglu`): fc1 produces 2 x
+    ffn_hidden_size features, silu(first half) * second half feeds fc2, as Megatron's gated MLP.
+    Checkpoints written before this field existed stored `swiglu` (true or false) and computed
+    exact GeLU otherwise; `Config.from_dict` reads them so."""
     use_rotary_position_embeddings: bool = False
     """Rotary position embeddings on q and k in every attention (`--use-rotary-position-embeddings`)."""
+    rotary_base: float = DEFAULT_ROTARY_BASE
+    """The rotary base theta: frequencies theta^(-2i/head_dim) (`--rotary-base`, Megatron-DeepSpeed's
+    `--rotary-position-embeddings-theta`; Llama-3 uses 500000). Without rotary embeddings it changes
+    nothing and is stored as the default, so equal models compare equal."""
     add_position_embedding: bool = True
     """Add the learned absolute position embedding after the word embedding; False with
     `--no-position-embedding` (Llama-style models that use rotary embeddings only). Without it the
@@ -89,6 +105,10 @@ class ModelConfig:
         )
         positive("--layernorm-epsilon", self.layernorm_epsilon)
         one_of("--normalization", self.normalization, NORMALIZATIONS)
+        one_of("MLP activation", self.activation, ACTIVATIONS)
+        positive("--rotary-base", self.rotary_base)
+        if not self.use_rotary_position_embeddings:  # one spelling of the same model (as kv heads above)
+            object.__setattr__(self, "rotary_base", DEFAULT_ROTARY_BASE)
 
     @property
     def kv_heads(self) -> int:
@@ -107,9 +127,14 @@ class ModelConfig:
         return (self.num_attention_heads + 2 * self.kv_heads) * self.head_dim
 
     @property
+    def gated_mlp(self) -> bool:
+        """The MLP is gated (SwiGLU): fc1 holds a gate and an up half."""
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
     def fc1_rows(self) -> int:
-        """Output features of the MLP's first linear: ffn, or gate and up halves (2 ffn) with SwiGLU."""
-        return 2 * self.ffn_hidden_size if self.swiglu else self.ffn_hidden_size
+        """Output features of the MLP's first linear: ffn, or gate and up halves (2 ffn) when gated."""
+        return 2 * self.ffn_hidden_size if self.gated_mlp else self.ffn_hidden_size
 
     @property
     def norm_params(self) -> int:

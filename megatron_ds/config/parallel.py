@@ -35,6 +35,19 @@ class ParallelConfig:
     pp_partition_method: str | None = None
     """How stage boundaries are balanced (`--pp-partition-method`: `uniform`, `parameters`, `memory`,
     `type:REGEX`, weighted types); None: `type:transformer`."""
+    pipeline_model_parallel_layout: str | None = None
+    """Megatron-LM's `--pipeline-model-parallel-layout`: a layout string with megatron-core's meaning
+    (the `--pp-layout` grammar, without our `auto`)."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Megatron-LM's `--decoder-first-pipeline-num-layers`: transformer layers on the first stage; the
+    rest split evenly over the stages in between (see `megatron_ds.pipeline.megatron_lm`)."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Megatron-LM's `--decoder-last-pipeline-num-layers`: transformer layers on the last stage."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Megatron-LM's `--account-for-embedding-in-pipeline-split`: the embedding counts as one layer
+    when the layers are split evenly over the stages."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Megatron-LM's `--account-for-loss-in-pipeline-split`: the loss head counts as one layer."""
     distributed_backend: str | None = None
     """`nccl` or `gloo`; None picks nccl on GPU and gloo on CPU (`--distributed-backend`)."""
     distributed_timeout_minutes: float = 10.0
@@ -71,8 +84,17 @@ class ParallelConfig:
     @property
     def layout_method(self) -> str:
         """A short description of how stage boundaries are chosen."""
-        if self.pp_layout is not None:
-            return f"layout {self.pp_layout!r}"
+        layout = self.pp_layout or self.pipeline_model_parallel_layout
+        if layout is not None:
+            return f"layout {layout!r}"
         if self.pp_dedicated_embedding_stages != "none":
             return f"dedicated {self.pp_dedicated_embedding_stages}"
+        megatron_split = (
+            self.decoder_first_pipeline_num_layers,
+            self.decoder_last_pipeline_num_layers,
+            self.account_for_embedding_in_pipeline_split or None,
+            self.account_for_loss_in_pipeline_split or None,
+        )
+        if any(v is not None for v in megatron_split):
+            return "Megatron-LM split"
         return self.pp_partition_method or "type:transformer"

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate.model_states import PRECISION_BYTES
+from megatron_ds.model import activations
 
 DEVICES = ("cuda", "cpu")
 ATTENTION_KINDS = ("flash", "math")
@@ -98,7 +99,8 @@ def transformer_layer_terms(
         "residual dropout masks": (2 * sbh * k.mask) if drop_h else 0,
         # Split over tensor-parallel ranks (the paper's "24/t").
         "projection input": sbh * k.w / t,
-        "gelu input": s * b * f * k.w / t,
+        # GeLU saves its input (the paper's 4h-wide "GeLU input"); SwiGLU fc1's two halves and silu's output.
+        f"{model.activation} inputs": activations.find(model.activation).saved_features * s * b * f * k.w / t,
         "fc2 input": s * b * f * k.w / t,
     }
     terms.update(_attention_terms(b, s, h, a, t, k, drop_a))

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.model import naming
+from megatron_ds.model import activations, naming
 
 MATMUL = "matmul"
 ELEMENTWISE = "elementwise"
@@ -147,7 +147,8 @@ def layer_terms(inputs: ComputeInputs) -> tuple[Term, ...]:
     h, hd, b = m.hidden_size, m.hidden_size // m.num_attention_heads, inputs.micro_batch_size
     nq, nkv = m.num_attention_heads // t, m.kv_heads // t  # this rank's query / key-value heads
     f = m.ffn_hidden_size // t
-    fc1 = 2 * f if m.swiglu else f
+    act = activations.find(m.activation)
+    fc1 = 2 * f if act.gated else f
     pairs = b * nq * _score_pairs(m.seq_length, inputs.causal_attention)  # score entries on this rank
     norm = NORM_OPS[m.normalization] * n * h
     terms = [
@@ -160,7 +161,7 @@ def layer_terms(inputs: ComputeInputs) -> tuple[Term, ...]:
         _elementwise("residual adds", 2 * n * h),
         _elementwise("post-attention norm", norm),
         _matmul("fc1", 2 * n * h * fc1),
-        _elementwise("swiglu" if m.swiglu else "gelu", (2 if m.swiglu else 1) * n * f),  # silu, * up
+        _elementwise(act.name, act.elementwise_flops * n * f),  # gelu; or silu and * up
         _matmul("fc2", 2 * n * f * h),
     ]
     if m.use_rotary_position_embeddings:

@@ -14,7 +14,7 @@ from megatron_ds.estimate.layout_costs import format_memory_table, method_costs
 from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods
-from megatron_ds.pipeline.layout import Layout, build_layout, requested_method
+from megatron_ds.pipeline.layout import Layout, MegatronLMFlags, build_layout, requested_method
 from megatron_ds.pipeline.methods import PartitionMethod
 
 
@@ -37,10 +37,25 @@ def memory_inputs(config: Config) -> MemoryInputs:
     )
 
 
-def run_method(config: Config) -> PartitionMethod | None:
-    """The registry entry this run's layout options use (None: dedicated stages or a layout string)."""
+def megatron_lm_flags(config: Config) -> MegatronLMFlags:
+    """Megatron-LM's layout flags of this run, as `build_layout` takes them."""
     par = config.parallel
-    method = requested_method(par.pp_dedicated_embedding_stages, par.pp_layout, par.pp_partition_method)
+    return MegatronLMFlags(
+        layout=par.pipeline_model_parallel_layout,
+        first_stage_layers=par.decoder_first_pipeline_num_layers,
+        last_stage_layers=par.decoder_last_pipeline_num_layers,
+        account_for_embedding=par.account_for_embedding_in_pipeline_split,
+        account_for_loss=par.account_for_loss_in_pipeline_split,
+    )
+
+
+def run_method(config: Config) -> PartitionMethod | None:
+    """The registry entry this run's layout options use (None: dedicated stages, a layout string or
+    Megatron-LM's split flags)."""
+    par = config.parallel
+    method = requested_method(
+        par.pp_dedicated_embedding_stages, par.pp_layout, par.pp_partition_method, megatron_lm_flags(config)
+    )
     return None if method is None else methods.find(method)
 
 
@@ -66,6 +81,7 @@ def build_run_layout(config: Config) -> Layout:
         layout=par.pp_layout,
         partition_method=par.pp_partition_method,
         costs=method_costs(entry, config.model, p, lambda: memory_inputs(config)),
+        megatron=megatron_lm_flags(config),
     )
 
 

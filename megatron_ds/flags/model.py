@@ -1,8 +1,12 @@
-"""Flags of Megatron's groups "network size", "mixture of experts", "regularization", "initialization"."""
+"""Flags of Megatron's groups "network size", "mixture of experts", "regularization", "initialization",
+and how Megatron's activation flags select `ModelConfig.activation` (`model_activation`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from megatron_ds.config import NORMALIZATIONS
+from megatron_ds.errors import ConfigError
 from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, refused, switch
 
 _NET, _MOE, _REG, _INIT = "network size", "mixture of experts", "regularization", "initialization"
@@ -50,6 +54,15 @@ NETWORK: tuple[Flag, ...] = (
         "rotary embeddings on q and k",
         "model.use_rotary_position_embeddings",
     ),
+    accepted(
+        "--rotary-base",
+        _NET,
+        "rotary base theta (Megatron-LM's name; Megatron-DeepSpeed's is --rotary-position-embeddings-theta); "
+        "ignored, with a warning, without rotary embeddings",
+        "model.rotary_base",
+        type=float,
+        aliases=("--rotary-position-embeddings-theta",),
+    ),
     switch(
         "--no-position-embedding",
         _NET,
@@ -79,7 +92,16 @@ NETWORK: tuple[Flag, ...] = (
         "--swiglu",
         _NET,
         "SwiGLU MLP (give --ffn-hidden-size explicitly, as the Llama-2 script does)",
-        "model.swiglu",
+        "model.activation",
+        derived=True,  # with --openai-gelu and --no-bias-gelu-fusion: model_activation below
+    ),
+    switch(
+        "--openai-gelu",
+        _NET,
+        "GeLU's tanh approximation (what the default fused bias-GeLU computes), also with --no-bias-gelu-fusion or "
+        "--disable-bias-linear; not with --swiglu",
+        "model.activation",
+        derived=True,
     ),
     switch(
         "--untie-embeddings-and-output-weights",
@@ -99,7 +121,6 @@ NETWORK: tuple[Flag, ...] = (
     refused("--decoder-num-layers", _NET, "encoder-decoder models are not built", "use --num-layers", VALUE),
     refused("--apply-layernorm-1p", _NET, "the 1+gamma norm parametrisation is not implemented"),
     refused("--apply-residual-connection-post-layernorm", _NET, "the layer is pre-LN only"),
-    refused("--openai-gelu", _NET, "the MLP uses torch's exact GeLU; the tanh approximation is not built"),
     refused("--squared-relu", _NET, "the MLP is GeLU (or SwiGLU); squared ReLU is not implemented"),
     refused("--embedding-weights-in-fp32", _NET, "embeddings are kept in the training precision"),
 )
@@ -187,3 +208,27 @@ INITIALIZATION: tuple[Flag, ...] = (
     refused("--data-parallel-random-init", _INIT, "replicas always start from the same weights"),
     refused("--init-method-xavier-uniform", _INIT, "only the normal init is implemented", "use --init-method-std"),
 )
+
+ACTIVATION_FLAGS: dict[str, dict[str, bool]] = {
+    "gelu_tanh": {"openai_gelu": True, "swiglu": False},
+    "gelu": {"openai_gelu": False, "bias_gelu_fusion": False, "swiglu": False},
+    "swiglu": {"swiglu": True, "openai_gelu": False},
+}
+"""Flag values (argparse dests) that select each activation whatever the other flags say; the
+Hugging Face import renders these (`interop/hf_config.py`). `model_activation` is the inverse."""
+
+
+def model_activation(args: Any) -> str:
+    """The MLP activation Megatron-DeepSpeed's ParallelMLP builds for these flags (parsed values, by
+    argparse dest: swiglu, openai_gelu, bias_gelu_fusion, add_bias_linear): --swiglu; else
+    --openai-gelu's tanh GeLU; else its fused bias-GeLU (on by default, off with --no-bias-gelu-fusion
+    or --disable-bias-linear), whose kernel is the tanh approximation; else torch's exact GeLU."""
+    if args.swiglu and args.openai_gelu:
+        raise ConfigError(
+            "--openai-gelu and --swiglu were both given; Megatron-DeepSpeed would apply GeLU to SwiGLU's doubled "
+            "fc1 output and fail: keep one"
+        )
+    if args.swiglu:
+        return "swiglu"
+    fused = args.bias_gelu_fusion and args.add_bias_linear
+    return "gelu_tanh" if args.openai_gelu or fused else "gelu"

@@ -1,4 +1,5 @@
-"""Flags of Megatron's groups "distributed" and "DeepSpeed, ZeRO, recompute", and our pipeline-layout flags."""
+"""Flags of Megatron's groups "distributed" and "DeepSpeed, ZeRO, recompute", Megatron-LM's pipeline-layout
+flags (megatron-core's meaning: `megatron_ds.pipeline.megatron_lm`), and our pipeline-layout flags."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ _ZERO_JSON = "ZeRO tuning lives in the DeepSpeed JSON; set the matching zero_opt
 _ZERO3 = "ZeRO-3 parameter offload needs ZeRO-3, which the pipeline engine refuses"
 _TILING = "memory-centric tiling is not implemented"
 _BACKEND_FIX = ("only nccl and gloo are set up", "use nccl (GPU) or gloo (CPU)")
+_MLM = "Megatron-LM's flag, megatron-core's meaning"
+_VIRTUAL = (
+    "interleaved (virtual) pipeline stages: DeepSpeed's pipeline engine runs one stage per rank",
+    "give uneven stages with --pp-layout (P stages), --decoder-first/last-pipeline-num-layers or "
+    "--pp-partition-method memory",
+)
 _ZERO_PIPE = (
     "DeepSpeed's pipeline engine, used at every pipeline size (also with --no-pipeline-parallel), supports ZeRO 0 "
     "and 1 only",
@@ -72,6 +79,46 @@ DISTRIBUTED: tuple[Flag, ...] = (
         "parallel.pp_partition_method",
         megatron=False,
     ),
+    accepted(
+        "--pipeline-model-parallel-layout",
+        _DIST,
+        f"{_MLM}: a layout string (the --pp-layout grammar, commas cosmetic); a string of k x P stages "
+        "(megatron-core's virtual stages), an empty stage and 'm' (multi-token prediction) are refused",
+        "parallel.pipeline_model_parallel_layout",
+    ),
+    accepted(
+        "--decoder-first-pipeline-num-layers",
+        _DIST,
+        f"{_MLM}: transformer layers on the first stage; the rest split evenly over the stages in between "
+        "(first + last above --num-layers, which megatron-core turns into negative stages, is refused)",
+        "parallel.decoder_first_pipeline_num_layers",
+        type=int,
+    ),
+    accepted(
+        "--decoder-last-pipeline-num-layers",
+        _DIST,
+        f"{_MLM}: transformer layers on the last stage",
+        "parallel.decoder_last_pipeline_num_layers",
+        type=int,
+    ),
+    switch(
+        "--account-for-embedding-in-pipeline-split",
+        _DIST,
+        f"{_MLM}: the embedding counts as one layer when the layers are split evenly over the stages",
+        "parallel.account_for_embedding_in_pipeline_split",
+    ),
+    switch(
+        "--account-for-loss-in-pipeline-split",
+        _DIST,
+        f"{_MLM}: the loss head counts as one layer when the layers are split evenly over the stages",
+        "parallel.account_for_loss_in_pipeline_split",
+    ),
+    accepted(
+        "--num-virtual-stages-per-pipeline-rank",
+        _DIST,
+        f"{_MLM}: only 1 (one stage per rank); more are {_VIRTUAL[0]}",
+        type=int,
+    ),
     switch(
         "--print-layout",
         _DIST,
@@ -119,13 +166,7 @@ DISTRIBUTED: tuple[Flag, ...] = (
     no_op("--empty-unused-memory-level", _DIST, "a CUDA cache housekeeping switch; numerics unchanged", takes=VALUE),
     refused("--pipeline-model-parallel-split-rank", _DIST, "encoder-decoder models are not built", takes=VALUE),
     refused("--model-parallel-size", _DIST, "Megatron's deprecated name", "use --tensor-model-parallel-size", VALUE),
-    refused(
-        "--num-layers-per-virtual-pipeline-stage",
-        _DIST,
-        "interleaved (virtual) pipeline stages are not in DeepSpeed's pipeline engine",
-        "use --pp-layout for uneven stages",
-        VALUE,
-    ),
+    refused("--num-layers-per-virtual-pipeline-stage", _DIST, *_VIRTUAL, VALUE),
     refused(
         "--use-distributed-optimizer",
         _DIST,

@@ -150,7 +150,18 @@ TRAINING: tuple[Flag, ...] = (
     no_op("--use-flash-attn-v2", _TRAIN, _SDPA),
     no_op("--use-flash-attn-triton", _TRAIN, _SDPA),
     no_op("--no-masked-softmax-fusion", _TRAIN, _NO_FUSION),
-    no_op("--no-bias-gelu-fusion", _TRAIN, _NO_FUSION),
+    switch(
+        "--no-bias-gelu-fusion",
+        _TRAIN,
+        "exact (erf) GeLU. Megatron-DeepSpeed's default fused bias-GeLU computes GeLU's tanh approximation, and "
+        "so does our default; without the fusion Megatron runs torch's exact GeLU, and so do we (also with "
+        "--disable-bias-linear, which turns the fusion off there)",
+        "model.activation",
+        stores=False,
+        dest="bias_gelu_fusion",
+        default=True,
+        derived=True,
+    ),
     no_op("--no-bias-dropout-fusion", _TRAIN, _NO_FUSION),
     no_op("--no-gradient-accumulation-fusion", _TRAIN, _NO_FUSION),
     no_op("--no-persist-layer-norm", _TRAIN, _NO_FUSION),
@@ -158,7 +169,7 @@ TRAINING: tuple[Flag, ...] = (
     switch(
         "--disable-bias-linear",
         _TRAIN,
-        "linear layers without biases",
+        "linear layers without biases (and, as in Megatron, no fused bias-GeLU: exact GeLU unless --openai-gelu)",
         "model.add_bias_linear",
         stores=False,
         dest="add_bias_linear",

@@ -1,8 +1,9 @@
 """Our ModelConfig <-> a Hugging Face `config.json`, one table per architecture.
 
-GPT-2 (`GPT2LMHeadModel`): LayerNorm, exact GeLU, learned positions, biases, multi-head attention.
-Llama (`LlamaForCausalLM`): RMSNorm, SwiGLU, rotary embeddings (base 10000), optional
-grouped-query attention and biases. Either may tie or untie its LM head (`tie_word_embeddings`).
+GPT-2 (`GPT2LMHeadModel`): LayerNorm, a GeLU (tanh `gelu_new` or exact `gelu`), learned positions,
+biases, multi-head attention. Llama (`LlamaForCausalLM`): RMSNorm, SwiGLU, rotary embeddings (any
+`rope_theta`), optional grouped-query attention and biases. Either may tie or untie its LM head
+(`tie_word_embeddings`). Activation names come from `megatron_ds.model.activations` (`hf_names`).
 
 A model the target cannot express exactly is a `HFConfigError` naming our flag; a `config.json`
 option we do not build is one naming its field. Nothing here imports transformers.
@@ -10,20 +11,27 @@ option we do not build is one naming its field. Nothing here imports transformer
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.config.model import DEFAULT_ROTARY_BASE
 from megatron_ds.errors import UserError
-from megatron_ds.model.rotary import ROTARY_BASE
+from megatron_ds.flags.model import ACTIVATION_FLAGS
+from megatron_ds.model import activations
 
 GPT2, LLAMA = "gpt2", "llama"
 ARCHITECTURE_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
 
-GPT2_ACTIVATIONS: dict[str, dict[str, Any]] = {"gelu": {}}
-"""GPT-2's `activation_function` -> the ModelConfig fields that build it. Only the exact (erf) GeLU
-exists here; HF's default `gelu_new` (tanh form) becomes one entry once the model has that option."""
+GPT2_ACTIVATIONS: dict[str, str] = {
+    hf: a.name for a in activations.REGISTRY.values() if not a.gated for hf in a.hf_names
+}
+"""GPT-2's `activation_function` -> our activation: `gelu_new` (GPT-2's default), `gelu_pytorch_tanh`
+and `gelu_fast` are the tanh form, `gelu` the exact one."""
+LLAMA_ACTIVATIONS: dict[str, str] = {hf: a.name for a in activations.REGISTRY.values() if a.gated for hf in a.hf_names}
+"""Llama's `hidden_act` (the gate's function) -> our gated activation."""
 
 
 class HFConfigError(UserError):
@@ -62,7 +70,7 @@ LLAMA_REQUIRES = (
 
 def architecture_of(model: ModelConfig) -> str:
     """GPT2 or LLAMA for a model both sides express exactly; HFConfigError naming the first obstacle."""
-    arch, requires = (LLAMA, LLAMA_REQUIRES) if model.swiglu else (GPT2, GPT2_REQUIRES)
+    arch, requires = (LLAMA, LLAMA_REQUIRES) if model.gated_mlp else (GPT2, GPT2_REQUIRES)
     for r in requires:
         if not r.holds(model):
             raise HFConfigError(f"cannot export to Hugging Face {arch}: {r.problem}; no exact equivalent exists")
@@ -95,7 +103,7 @@ def to_hf_config(
             "n_head": model.num_attention_heads,
             "n_inner": model.ffn_hidden_size,
             "n_positions": model.max_position_embeddings,
-            "activation_function": _gpt2_activation(model),
+            "activation_function": activations.find(model.activation).hf_names[0],
             "layer_norm_epsilon": model.layernorm_epsilon,
             "resid_pdrop": regularization.hidden_dropout,
             "embd_pdrop": regularization.hidden_dropout,
@@ -113,22 +121,15 @@ def to_hf_config(
         "head_dim": model.hidden_size // model.num_attention_heads,
         "intermediate_size": model.ffn_hidden_size,
         "max_position_embeddings": model.max_position_embeddings,
-        "hidden_act": "silu",
+        "hidden_act": activations.find(model.activation).hf_names[0],
         "rms_norm_eps": model.layernorm_epsilon,
-        "rope_theta": ROTARY_BASE,
+        "rope_theta": model.rotary_base,
         "rope_scaling": None,
         "attention_bias": model.add_bias_linear,
         "mlp_bias": model.add_bias_linear,
         "attention_dropout": regularization.attention_dropout,
         "pretraining_tp": 1,
     }
-
-
-def _gpt2_activation(model: ModelConfig) -> str:
-    for name, fields in GPT2_ACTIVATIONS.items():
-        if all(getattr(model, k) == v for k, v in fields.items()):
-            return name
-    raise AssertionError(model)  # every GeLU variant the model builds has an entry
 
 
 @dataclass
@@ -184,7 +185,12 @@ class _Fields:
 
 
 def _from_gpt2(f: _Fields) -> HFModel:
-    act = f.require("activation_function", tuple(GPT2_ACTIVATIONS), "gelu_new", "only the exact GeLU ('gelu') is built")
+    act = f.require(
+        "activation_function",
+        tuple(GPT2_ACTIVATIONS),
+        "gelu_new",
+        f"the GeLUs built are {', '.join(GPT2_ACTIVATIONS)}",
+    )
     f.require("scale_attn_weights", (True,), True, "attention is always scaled by 1/sqrt(head size)")
     f.require("scale_attn_by_inverse_layer_idx", (False,), False, "no per-layer attention scaling is built")
     f.require("add_cross_attention", (False,), False, "a decoder-only GPT has no cross-attention")
@@ -198,12 +204,11 @@ def _from_gpt2(f: _Fields) -> HFModel:
         "layernorm_epsilon": f.get("layer_norm_epsilon", float, 1e-5),
         "normalization": "layernorm",
         "num_key_value_heads": f.get("n_head", int),
-        "swiglu": False,
         "use_rotary_position_embeddings": False,
         "add_position_embedding": True,
         "add_bias_linear": True,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, True),
-        **GPT2_ACTIVATIONS[act],
+        **ACTIVATION_FLAGS[GPT2_ACTIVATIONS[act]],
     }
     defaults = {
         "hidden_dropout": f.get("resid_pdrop", float, 0.1),
@@ -215,8 +220,7 @@ def _from_gpt2(f: _Fields) -> HFModel:
 
 
 def _from_llama(f: _Fields) -> HFModel:
-    f.require("hidden_act", ("silu",), "silu", "Llama's MLP here is SwiGLU (silu)")
-    _check_rope(f)
+    act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", "Llama's MLP here is SwiGLU (silu)")
     attention_bias = f.get("attention_bias", bool, False)
     f.require(
         "mlp_bias",
@@ -237,8 +241,9 @@ def _from_llama(f: _Fields) -> HFModel:
         "max_position_embeddings": f.get("max_position_embeddings", int),
         "layernorm_epsilon": f.get("rms_norm_eps", float, 1e-6),
         "normalization": "rmsnorm",
-        "swiglu": True,
+        **ACTIVATION_FLAGS[LLAMA_ACTIVATIONS[act]],
         "use_rotary_position_embeddings": True,
+        "rotary_base": _rope_theta(f),
         "add_position_embedding": False,
         "add_bias_linear": attention_bias,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
@@ -252,7 +257,8 @@ def _from_llama(f: _Fields) -> HFModel:
     return HFModel(LLAMA, architecture, defaults, f.get("vocab_size", int))
 
 
-def _check_rope(f: _Fields) -> None:
+def _rope_theta(f: _Fields) -> float:
+    """The rotary base; plain rotary embeddings only (no scaling)."""
     # transformers < 5 writes rope_theta / rope_scaling; 5 writes rope_parameters {rope_type, rope_theta}.
     params = f.hf.get("rope_parameters") or {}
     scaling = f.hf.get("rope_scaling") or {}
@@ -262,9 +268,10 @@ def _check_rope(f: _Fields) -> None:
         raise HFConfigError(
             f"{f.source}: {name} type {kind!r} is not supported: only plain rotary embeddings are built"
         )
-    theta = params.get("rope_theta", f.hf.get("rope_theta", ROTARY_BASE))
-    if float(theta) != ROTARY_BASE:
-        raise HFConfigError(f"{f.source}: rope_theta {theta} is not supported: only base {ROTARY_BASE:g} is built")
+    theta = params.get("rope_theta", f.hf.get("rope_theta", DEFAULT_ROTARY_BASE))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise HFConfigError(f"{f.source}: rope_theta {theta!r} is not a positive number; fix the config.json")
+    return float(theta)
 
 
 def render_flags(values: dict[str, Any]) -> list[str]:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import torch
 
-ROTARY_BASE = 10000.0
 
-
-def rotary_angles(seq_length: int, head_dim: int, device: torch.device, base: float = ROTARY_BASE) -> torch.Tensor:
-    """Angles (s, hd) in fp32: position p times theta_i, the hd/2 frequencies repeated twice."""
+def rotary_angles(seq_length: int, head_dim: int, device: torch.device, base: float) -> torch.Tensor:
+    """Angles (s, hd) in fp32: position p times theta_i, the hd/2 frequencies repeated twice; `base` is
+    `ModelConfig.rotary_base` (10000 by default, Llama-3 500000)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     positions = torch.arange(seq_length, dtype=torch.float32, device=device)
     freqs = torch.outer(positions, inv_freq)  # (s, hd/2)

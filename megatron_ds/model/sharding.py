@@ -63,7 +63,7 @@ def _layer_tensors(model: ModelConfig) -> dict[str, TensorRule]:
         model.num_attention_heads,
         model.kv_heads,
     )
-    fc1 = (f, f) if model.swiglu else (f,)
+    fc1 = (f, f) if model.gated_mlp else (f,)
     out: dict[str, TensorRule] = {f"input_norm.{k}": r for k, r in _norm(model, h).items()}
     out["qkv.weight"] = TensorRule((sum(qkv), h), FUSED_ROWS, qkv)
     if model.add_bias_linear:

@@ -1,7 +1,9 @@
-"""Pre-LN GPT transformer layer: causal self-attention through torch's SDPA, then a GeLU (or SwiGLU) MLP.
+"""Pre-LN GPT transformer layer: causal self-attention through torch's SDPA, then an MLP whose
+activation is an entry of `megatron_ds.model.activations` (tanh or exact GeLU, SwiGLU).
 
 Options (ModelConfig): grouped-query attention (`num_key_value_heads`: kv heads shared by groups
-of nh/kv query heads), rotary embeddings on q and k, a SwiGLU MLP, no biases in the linears.
+of nh/kv query heads), rotary embeddings on q and k (base `rotary_base`), the MLP activation, no
+biases in the linears.
 Dropout probabilities and the init std come from RegularizationConfig; the weight shapes from
 `megatron_ds.config.shapes.layer_linear_shapes` (the same shapes the parameter counts use).
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.config.shapes import layer_linear_shapes
+from megatron_ds.model import activations
 from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
 from megatron_ds.model.layers import make_norm
 from megatron_ds.model.parallel import NO_TENSOR_PARALLEL, TensorParallel, column_linear, row_linear
@@ -52,7 +55,8 @@ class TransformerLayer(nn.Module):
         self.num_local_kv_heads = kv // tp.size
         self.head_dim = model.head_dim
         self.rotary = model.use_rotary_position_embeddings
-        self.swiglu = model.swiglu
+        self.rotary_base = model.rotary_base
+        self.activation = activations.find(model.activation).function
         self.hidden_dropout = regularization.hidden_dropout
         self.attention_dropout = regularization.attention_dropout
         # Dropout on the residual branches (replicated activations) is the same on every tensor
@@ -68,7 +72,7 @@ class TransformerLayer(nn.Module):
         self.proj = row_linear(tp, proj, bias)
         self.post_attention_norm = make_norm(model)
         ffn = model.ffn_hidden_size
-        self.fc1 = column_linear(tp, fc1, bias, fused_rows=(ffn, ffn) if self.swiglu else None)
+        self.fc1 = column_linear(tp, fc1, bias, fused_rows=(ffn, ffn) if model.gated_mlp else None)
         self.fc2 = row_linear(tp, fc2, bias)
 
     @staticmethod
@@ -88,7 +92,7 @@ class TransformerLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP branch fc2(act(fc1(norm(x)))), without residual or dropout (also used by inference)."""
-        return self.fc2(self._activation(self.fc1(self.post_attention_norm(x))))
+        return self.fc2(self.activation(self.fc1(self.post_attention_norm(x))))
 
     def attention_heads(
         self, normed: torch.Tensor, first_position: int = 0
@@ -103,7 +107,7 @@ class TransformerLayer(nn.Module):
         q = q.view(b, s, nq, hd).transpose(1, 2)  # (b, nh/T, s, hd)
         k, v = (t.view(b, s, nkv, hd).transpose(1, 2) for t in (k, v))  # each (b, kv/T, s, hd)
         if self.rotary:
-            angles = rotary_angles(first_position + s, hd, q.device)[first_position:]
+            angles = rotary_angles(first_position + s, hd, q.device, self.rotary_base)[first_position:]
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
         return q, k, v
 
@@ -115,9 +119,3 @@ class TransformerLayer(nn.Module):
         with self.attention_stream.fork() if p > 0.0 else contextlib.nullcontext():
             attn = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
         return self.proj(attn.transpose(1, 2).reshape(b, s, q.shape[1] * self.head_dim))
-
-    def _activation(self, inner: torch.Tensor) -> torch.Tensor:
-        if not self.swiglu:
-            return F.gelu(inner)
-        gate, up = inner.chunk(2, dim=-1)  # this rank's blocks of the gate and the up half
-        return F.silu(gate) * up

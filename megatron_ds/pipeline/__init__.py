@@ -1,7 +1,10 @@
 """Pipeline layout: which layer specs each pipeline stage holds. Pure: no torch, no process groups.
 
     specs.py          SpecGroups: the spec names, pre / body / post
-    layout_string.py  the `--pp-layout` grammar (`E|t*3|t*3|L`)
+    layout_string.py  the layout-string grammar (`E|t*3|t*3|L`), megatron-core's, for --pp-layout and
+                      --pipeline-model-parallel-layout
+    megatron_lm.py    Megatron-LM's split flags (--decoder-first/last-pipeline-num-layers,
+                      --account-for-*-in-pipeline-split) with megatron-core's stage counts
     partition.py      DeepSpeed's uniform / balanced splits over per-item weights
     balance.py        minimax split over per-stage cost functions (the memory method)
     methods.py        the `--pp-partition-method` registry

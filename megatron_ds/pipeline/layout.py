@@ -1,5 +1,6 @@
 """Pipeline layout: which layer specs each stage holds, and `build_layout`, the one front door
-from the layout options (dedicated stages, a layout string, a partition method) to a `Layout`.
+from the layout options (dedicated stages, a layout string, a partition method, Megatron-LM's
+split flags) to a `Layout`.
 Pure logic: no torch; the costs a partition method balances come in from the caller.
 
 The model's spec list is always `pre group + N transformer layers + post group` (see
@@ -14,12 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ds.errors import LayoutError
-from megatron_ds.pipeline import methods, partition
-from megatron_ds.pipeline.layout_string import parse_layout_string
+from megatron_ds.pipeline import megatron_lm, methods, partition
+from megatron_ds.pipeline.layout_string import format_counts, parse_layout_string
+from megatron_ds.pipeline.megatron_lm import MegatronLMFlags
 from megatron_ds.pipeline.methods import DEFAULT_METHOD, Costs
 from megatron_ds.pipeline.specs import SpecGroups
 
-__all__ = ["Costs", "Layout", "LayoutError", "SpecGroups", "build_layout", "requested_method"]
+__all__ = ["Costs", "Layout", "LayoutError", "MegatronLMFlags", "SpecGroups", "build_layout", "requested_method"]
 # Stages each --pp-dedicated-embedding-stages mode holds back (config.DEDICATED_CHOICES, same order).
 DEDICATED_RESERVED = {"none": 0, "pre": 1, "post": 1, "both": 2}
 
@@ -71,11 +73,7 @@ class Layout:
 
     def to_string(self) -> str:
         """The layout in Megatron-LM's grammar, e.g. `E|t*3|t*3|L`."""
-        stages = []
-        for i, k in enumerate(self.layers_per_stage):
-            body = "" if k == 0 else ("t" if k == 1 else f"t*{k}")
-            stages.append(("E" if i == 0 else "") + body + ("L" if i == self.num_stages - 1 else ""))
-        return "|".join(stages)
+        return format_counts(self.layers_per_stage)
 
     def stage_ranks(self, stage: int, data_parallel: int = 1, tensor_parallel: int = 1) -> list[list[int]]:
         """Global ranks of `stage`, one list of tensor ranks per data-parallel replica, in DeepSpeed's
@@ -125,27 +123,32 @@ MAX_LISTED_REPLICAS = 8
 
 
 def requested_method(
-    dedicated: str = "none", layout: str | None = None, partition_method: str | None = None
+    dedicated: str = "none",
+    layout: str | None = None,
+    partition_method: str | None = None,
+    megatron: MegatronLMFlags | None = None,
 ) -> str | None:
-    """The `--pp-partition-method` these options amount to, or None for a dedicated mode or an
-    explicit layout string (`--pp-layout auto` is the memory method). LayoutError when more than
-    one option is given or the method is unknown."""
-    given = [
-        f
-        for f, v in (
-            ("--pp-dedicated-embedding-stages", dedicated != "none"),
-            ("--pp-layout", layout is not None),
-            ("--pp-partition-method", partition_method is not None),
+    """The `--pp-partition-method` these options amount to, or None for a dedicated mode, a layout
+    string or Megatron-LM's split flags (`--pp-layout auto` is the memory method). LayoutError when
+    options of more than one way are given or the method is unknown."""
+    ways = [
+        flags
+        for flags in (
+            ["--pp-dedicated-embedding-stages"] if dedicated != "none" else [],
+            ["--pp-layout"] if layout is not None else [],
+            ["--pp-partition-method"] if partition_method is not None else [],
+            *(megatron or MegatronLMFlags()).ways(),
         )
-        if v
+        if flags
     ]
-    if len(given) > 1:
+    if len(ways) > 1:
+        given = [f for flags in ways for f in flags]
         raise LayoutError(f"{' and '.join(given)} were both given; choose one way to place the stage boundaries")
     alias = methods.from_layout_alias(layout) if layout is not None else None
     if alias is not None:
         return alias.name
-    if layout is not None or dedicated != "none":
-        return None
+    if ways and partition_method is None:
+        return None  # a dedicated mode, a layout string or Megatron-LM's split flags
     method = partition_method or DEFAULT_METHOD
     methods.find(method)  # unknown names fail here, before any cost is computed
     return method
@@ -158,27 +161,36 @@ def build_layout(
     layout: str | None = None,
     partition_method: str | None = None,
     costs: Costs | None = None,
+    megatron: MegatronLMFlags | None = None,
 ) -> Layout:
-    """The front door: turn the layout options into a `Layout`; at most one option may be set.
+    """The front door: turn the layout options into a `Layout`; options of at most one way may be set.
 
     `dedicated` is a `--pp-dedicated-embedding-stages` mode, `layout` a `--pp-layout` string,
-    `partition_method` a registry method (`megatron_ds.pipeline.methods`); none of them means
-    the default method. `costs` carries what the method's registry entry `needs`.
+    `partition_method` a registry method (`megatron_ds.pipeline.methods`), `megatron` Megatron-LM's
+    flags (`megatron_lm`); none of them means the default method. `costs` carries what the
+    method's registry entry `needs`.
     """
-    method = requested_method(dedicated, layout, partition_method)
+    megatron = megatron or MegatronLMFlags()
+    method = requested_method(dedicated, layout, partition_method, megatron)
     if num_stages < 1:
         raise LayoutError(f"--pipeline-model-parallel-size must be >= 1, got {num_stages}")
     if groups.num_layers < 1:
         raise LayoutError(f"--num-layers must be >= 1, got {groups.num_layers}")
+    n = groups.num_layers
     if method is not None:
         entry, costs = methods.find(method), costs or Costs()
-        missing = [n for n in entry.needs if getattr(costs, n) is None]
+        missing = [name for name in entry.needs if getattr(costs, name) is None]
         assert not missing, f"partition method {entry.name!r} needs {missing} from its caller"
         return Layout(groups, tuple(entry.counts(groups, num_stages, method, costs)), method)
     if layout is not None:
-        counts = parse_layout_string(layout, groups.num_layers, num_stages)
-        return Layout(groups, tuple(counts), f"layout {layout}")
-    return Layout(groups, tuple(_dedicated_counts(groups.num_layers, num_stages, dedicated)), f"dedicated {dedicated}")
+        return Layout(groups, tuple(parse_layout_string(layout, n, num_stages)), f"layout {layout}")
+    if megatron.layout is not None:
+        counts = parse_layout_string(megatron.layout, n, num_stages, flag=megatron_lm.LAYOUT)
+        return Layout(groups, tuple(counts), f"layout {megatron.layout}")
+    if megatron.ways():
+        counts = megatron_lm.split_counts(megatron, n, num_stages)
+        return Layout(groups, tuple(counts), megatron.describe())
+    return Layout(groups, tuple(_dedicated_counts(n, num_stages, dedicated)), f"dedicated {dedicated}")
 
 
 def _dedicated_counts(num_layers: int, num_stages: int, dedicated: str) -> list[int]:

@@ -15,11 +15,12 @@ import pytest
 from megatron_ds.testing.launch import run_ranks
 
 TOL = 1e-6
-LLAMA = {"model__num_key_value_heads": 2, "model__swiglu": True, "model__use_rotary_position_embeddings": True,
+LLAMA = {"model__num_key_value_heads": 2, "model__activation": "swiglu", "model__use_rotary_position_embeddings": True,
          "model__add_position_embedding": False, "model__add_bias_linear": False, "model__normalization": "rmsnorm",
-         "model__untie_embeddings_and_output_weights": True}
+         "model__untie_embeddings_and_output_weights": True, "model__rotary_base": 500000.0}  # Llama-3's base
 OPTIONS: dict[str, dict[str, Any]] = {
-    "swiglu": {"model__swiglu": True},
+    "exact_gelu": {"model__activation": "gelu"},  # the default is the tanh GeLU (tests/dist/test_pipeline_equivalence.py)
+    "swiglu": {"model__activation": "swiglu"},
     "rope": {"model__use_rotary_position_embeddings": True, "model__add_position_embedding": False},
     "gqa": {"model__num_key_value_heads": 2},  # of tiny_config's 4 heads
     "no_bias": {"model__add_bias_linear": False},

@@ -22,7 +22,7 @@ ARCHITECTURES = {
     "gpt": {},
     "gqa-swiglu-rotary": {
         "model__num_key_value_heads": 2,
-        "model__swiglu": True,
+        "model__activation": "swiglu",
         "model__use_rotary_position_embeddings": True,
         "model__add_bias_linear": False,
         "model__normalization": "rmsnorm",

@@ -51,8 +51,11 @@ def run(out: Path, world: int, scenarios: list[dict], timeout: float) -> list[li
     return [[ranks[i] for ranks in per_rank] for i in range(len(scenarios))]
 
 
+EXACT_GELU = {"model__activation": "gelu"}  # --no-bias-gelu-fusion; the default is the tanh GeLU
+
 REFERENCE = {
     "fp32": scenario(t=1, p=1, init_checksums=True),
+    "exact_gelu": scenario(t=1, p=1, overrides=EXACT_GELU),
     "hidden_dropout": scenario(t=1, p=1, hidden_dropout=DROPOUT),
     "untied": scenario(t=1, p=1, untied=True),
 }
@@ -74,6 +77,7 @@ def four_rank_scenarios(ckpt: Path) -> dict[str, dict]:
         "bf16_zero1": scenario(zero=1, precision="bf16"),
         "stock_clip": scenario(unfixed=["counted_fp32_clip"], steps=1),
         "untied": scenario(untied=True, zero=1),
+        "exact_gelu": scenario(overrides=EXACT_GELU),
         "dp2": scenario(p=1, zero=1, swapped_axes=True),  # T=2 x DP=2: data axis between tensor and pipe
         "hidden_dropout_ckpt": scenario(hidden_dropout=DROPOUT, checkpointing=True),
         "dropout": scenario(zero=1, **dropout),
@@ -152,6 +156,12 @@ def test_fp32_equals_single_process(four_ranks: dict, reference: dict, name: str
 
 def test_untied_head_equals_single_process(four_ranks: dict, reference: dict) -> None:
     assert_matches(four_ranks["untied"], reference["untied"])
+
+
+def test_both_gelu_forms_equal_single_process(four_ranks: dict, reference: dict) -> None:
+    """fp32 above is the default tanh GeLU; the exact GeLU is another model, and equal at T=2 too."""
+    assert_matches(four_ranks["exact_gelu"], reference["exact_gelu"])
+    assert reference["exact_gelu"]["losses"] != reference["fp32"]["losses"]
 
 
 def test_data_parallel_replicas_equal_single_process(four_ranks: dict, reference: dict) -> None:

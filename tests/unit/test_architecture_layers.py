@@ -35,7 +35,7 @@ NO_DROPOUT = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
 LLAMA = dataclasses.replace(
     BASE,
     num_key_value_heads=2,
-    swiglu=True,
+    activation="swiglu",
     use_rotary_position_embeddings=True,
     add_position_embedding=False,
     add_bias_linear=False,
@@ -61,14 +61,15 @@ def perturbed(layer: TransformerLayer) -> TransformerLayer:
 # --- RoPE ------------------------------------------------------------------------------------------
 
 
-def test_rotary_matches_the_direct_formula() -> None:
+@pytest.mark.parametrize("base", [10000.0, 500000.0])
+def test_rotary_matches_the_direct_formula(base: float) -> None:
     b, heads, s, hd = 2, 3, 7, 8
     x = torch.randn(b, heads, s, hd, dtype=torch.float64)
-    got = apply_rotary(x, rotary_angles(s, hd, x.device).double())
+    got = apply_rotary(x, rotary_angles(s, hd, x.device, base).double())
     want = torch.empty_like(x)
     for pos in range(s):
         for i in range(hd // 2):
-            angle = pos * 10000.0 ** (-2.0 * i / hd)
+            angle = pos * base ** (-2.0 * i / hd)
             a, c = x[..., pos, i], x[..., pos, i + hd // 2]  # the rotated pair (rotate-half convention)
             want[..., pos, i] = a * math.cos(angle) - c * math.sin(angle)
             want[..., pos, i + hd // 2] = c * math.cos(angle) + a * math.sin(angle)
@@ -78,7 +79,7 @@ def test_rotary_matches_the_direct_formula() -> None:
 def test_rotary_scores_depend_on_relative_position_only() -> None:
     hd = 8
     q, k = torch.randn(hd), torch.randn(hd)
-    angles = rotary_angles(12, hd, torch.device("cpu"))
+    angles = rotary_angles(12, hd, torch.device("cpu"), 10000.0)
     rq = apply_rotary(q.expand(1, 1, 12, hd), angles)[0, 0]
     rk = apply_rotary(k.expand(1, 1, 12, hd), angles)[0, 0]
     torch.testing.assert_close(rq[5] @ rk[3], rq[9] @ rk[7], rtol=0, atol=1e-5)
@@ -92,6 +93,8 @@ def test_rotary_changes_the_layer_and_position_embedding_goes() -> None:
         TransformerLayer(model(use_rotary_position_embeddings=True), NO_DROPOUT, SEED).eval(),
     )
     assert not torch.allclose(plain(x), rope(x))
+    llama3 = TransformerLayer(model(use_rotary_position_embeddings=True, rotary_base=500000.0), NO_DROPOUT, SEED)
+    assert not torch.allclose(rope(x), llama3.eval()(x))  # the base reaches the attention
     groups = naming.gpt_spec_groups(model(use_rotary_position_embeddings=True, add_position_embedding=False))
     assert groups.pre == (naming.CAST_INPUTS, naming.WORD_EMBEDDING, naming.EMBEDDING_DROPOUT)
     assert groups.num_specs == naming.gpt_spec_groups(BASE).num_specs  # one checkpoint file per spec index
@@ -152,14 +155,14 @@ def _repeat_kv(fused: torch.Tensor, nh: int, kv: int, hd: int) -> torch.Tensor:
 
 @torch.no_grad()
 def test_swiglu_shapes_and_formula() -> None:
-    cfg = model(swiglu=True)
+    cfg = model(activation="swiglu")
     layer = perturbed(TransformerLayer(cfg, NO_DROPOUT, SEED))
     f, h = cfg.ffn_hidden_size, cfg.hidden_size
     assert layer.fc1.weight.shape == (2 * f, h) and layer.fc1.bias.shape == (2 * f,)
     assert layer.fc2.weight.shape == (h, f)
     x = torch.randn(2, cfg.seq_length, h)
     inner = layer.fc1(x)
-    torch.testing.assert_close(layer._activation(inner), F.silu(inner[..., :f]) * inner[..., f:], rtol=0, atol=0)
+    torch.testing.assert_close(layer.activation(inner), F.silu(inner[..., :f]) * inner[..., f:], rtol=0, atol=0)
     assert layer(x).shape == x.shape
 
 
@@ -177,7 +180,7 @@ def test_no_linear_biases_keeps_norm_biases_and_the_no_decay_group() -> None:
     "cfg",
     [
         BASE,
-        model(swiglu=True),
+        model(activation="swiglu"),
         model(num_key_value_heads=2),
         model(num_key_value_heads=1),
         model(add_bias_linear=False),
@@ -250,7 +253,7 @@ def _simulated_forward(layer: TransformerLayer, cfg: ModelConfig, x: torch.Tenso
     attn = sum(_rank_attention(layer, cfg, normed, t, r) for r in range(t))
     x = x + attn + (0 if layer.proj.bias is None else layer.proj.bias)
     normed = layer.post_attention_norm(x)
-    fused = (f, f) if cfg.swiglu else (f,)
+    fused = (f, f) if cfg.gated_mlp else (f,)
     mlp = 0
     for r in range(t):
         inner = F.linear(
@@ -258,7 +261,7 @@ def _simulated_forward(layer: TransformerLayer, cfg: ModelConfig, x: torch.Tenso
             shard_fused(layer.fc1.weight, fused, t, r),
             bias_of(layer.fc1, lambda b: shard_fused(b, fused, t, r)),  # noqa: B023 - called at once
         )
-        mlp = mlp + F.linear(layer._activation(inner), shard(layer.fc2.weight, 1, t, r))
+        mlp = mlp + F.linear(layer.activation(inner), shard(layer.fc2.weight, 1, t, r))
     return x + mlp + (0 if layer.fc2.bias is None else layer.fc2.bias)
 
 
@@ -281,7 +284,7 @@ def _rank_attention(layer: TransformerLayer, cfg: ModelConfig, normed: torch.Ten
     "cfg",
     [
         model(num_key_value_heads=2),
-        model(swiglu=True),
+        model(activation="swiglu"),
         model(add_bias_linear=False),
         model(use_rotary_position_embeddings=True),
         LLAMA,

@@ -39,7 +39,9 @@ def test_every_group_is_timed_with_its_flops(measured) -> None:
 
 
 def test_structure_does_not_depend_on_the_run(measured) -> None:
-    again = calibrate(dataclasses.replace(MODEL, swiglu=True, untie_embeddings_and_output_weights=True), 2, repeats=1)
+    again = calibrate(
+        dataclasses.replace(MODEL, activation="swiglu", untie_embeddings_and_output_weights=True), 2, repeats=1
+    )
     assert [t.group for t in again.timings] == [t.group for t in measured.timings]
 
 

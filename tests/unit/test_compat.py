@@ -309,7 +309,8 @@ def test_new_fields_round_trip_and_default_to_todays_behaviour() -> None:
     cfg = parse("--hysteresis", "3", "--lr-warmup-tokens", "64", "--log-timers-to-tensorboard")
     assert Config.from_dict(cfg.to_dict()) == cfg
     m = parse().model
-    assert (m.num_key_value_heads, m.kv_heads, m.swiglu, m.use_rotary_position_embeddings) == (None, 4, False, False)
+    assert (m.num_key_value_heads, m.kv_heads, m.gated_mlp, m.use_rotary_position_embeddings) == (None, 4, False, False)
+    assert (m.activation, m.rotary_base) == ("gelu_tanh", 10000.0)  # Megatron-DeepSpeed's fused bias-GeLU
     assert m.add_position_embedding and m.add_bias_linear
 
 

@@ -48,7 +48,7 @@ ARCHITECTURES = {
     "gqa-swiglu-rotary": dataclasses.replace(
         BASE,
         num_key_value_heads=2,
-        swiglu=True,
+        activation="swiglu",
         use_rotary_position_embeddings=True,
         add_position_embedding=False,
         add_bias_linear=False,
@@ -56,7 +56,7 @@ ARCHITECTURES = {
         untie_embeddings_and_output_weights=True,
     ),
     "mqa-untied": dataclasses.replace(BASE, num_key_value_heads=1, untie_embeddings_and_output_weights=True),
-    "swiglu-bias-dropout": dataclasses.replace(BASE, swiglu=True),
+    "swiglu-bias-dropout": dataclasses.replace(BASE, activation="swiglu"),
 }
 REGULARIZATION = {"swiglu-bias-dropout": RegularizationConfig(hidden_dropout=0.1, attention_dropout=0.1)}
 
@@ -136,7 +136,7 @@ def megatron_lm_flops(m: ModelConfig, batch: int) -> float:
     """Megatron-LM's throughput count (megatron/training/training.py, num_floating_point_operations):
     12 B s L h^2 ((1 + g/a + s/h) q/h + f/h x (3/2 if swiglu) + V/(2Lh)), q = a x head dim = h."""
     h, s, n = m.hidden_size, m.seq_length, m.num_layers
-    gated = 1.5 if m.swiglu else 1.0
+    gated = 1.5 if m.gated_mlp else 1.0
     attention = 1 + m.kv_heads / m.num_attention_heads + s / h
     return 12 * batch * s * n * h * h * (attention + m.ffn_hidden_size / h * gated + m.vocab_size / (2 * n * h))
 

@@ -122,7 +122,7 @@ def test_kv_heads_equal_to_heads_is_the_same_model() -> None:
     assert ModelConfig(**MODEL, num_key_value_heads=4) == ModelConfig(**MODEL)
     gqa = ModelConfig(**MODEL, num_key_value_heads=2)
     assert (gqa.kv_heads, gqa.head_dim, gqa.qkv_rows) == (2, 8, (4 + 2 * 2) * 8)
-    assert dataclasses.replace(gqa, swiglu=True).fc1_rows == 2 * 64
+    assert dataclasses.replace(gqa, activation="swiglu").fc1_rows == 2 * 64
 
 
 def test_padded_vocabulary_is_one_function() -> None:

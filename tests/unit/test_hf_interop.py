@@ -25,6 +25,7 @@ CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=4, n_positions=64, activation_function="gelu", **SMALL
     ),
+    "gpt2_gelu_new": lambda: transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **SMALL),
     "llama_gqa": lambda: transformers.LlamaConfig(
         hidden_size=32,
         intermediate_size=48,
@@ -32,6 +33,7 @@ CONFIGS = {
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        rope_theta=500000.0,  # Llama-3's base
         **SMALL,
     ),
     "tied_llama": lambda: transformers.LlamaConfig(
@@ -57,6 +59,14 @@ def _hf_model(config: object) -> object:
     return model.eval()
 
 
+EXPECTED = {
+    "gpt2": ("gelu", 10000.0),
+    "gpt2_gelu_new": ("gelu_tanh", 10000.0),  # GPT-2's default activation_function
+    "llama_gqa": ("swiglu", 500000.0),
+    "tied_llama": ("swiglu", 10000.0),
+}
+
+
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
@@ -77,6 +87,8 @@ def test_import_equals_transformers_and_exports_back_bit_identical(
     hf_dir = hf_dirs[name]
     result = import_hf(str(hf_dir), str(tmp_path / "ours"), ["--seq-length", "32"], show_progress=False)
     assert "--vocab-size" in result.train_flags and result.config.model.vocab_size == 256  # padded to 128
+    model = result.config.model
+    assert (model.activation, model.rotary_base) == EXPECTED[name]
     ours = load_model(str(tmp_path / "ours"))
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     with torch.no_grad():
@@ -87,7 +99,7 @@ def test_import_equals_transformers_and_exports_back_bit_identical(
     assert generate(ours, prompt, 20, temperature=0.0) == hf_greedy[0, 3:].tolist()
     export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False)
     original, back = load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
-    if name != "gpt2":
+    if not name.startswith("gpt2"):
         assert original.keys() == back.keys()
     assert all(torch.equal(original[k], back[k]) for k in back)  # GPT-2's file also holds attn.bias buffers
 
@@ -124,8 +136,8 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(hf_dirs: dict[str, Pat
     (broken / "config.json").write_text("{not json")
     assert "config.json: not valid JSON" in _error(import_hf, str(broken), out, [])
     hf = json.loads((hf_dirs["gpt2"] / "config.json").read_text())
-    (broken / "config.json").write_text(json.dumps({**hf, "activation_function": "gelu_new"}))
-    assert "activation_function 'gelu_new' is not supported" in _error(import_hf, str(broken), out, [])
+    (broken / "config.json").write_text(json.dumps({**hf, "activation_function": "quick_gelu"}))
+    assert "activation_function 'quick_gelu' is not supported" in _error(import_hf, str(broken), out, [])
     (broken / "config.json").write_text(json.dumps({**hf, "model_type": "gpt_neox"}))
     assert "model_type 'gpt_neox'" in _error(import_hf, str(broken), out, [])
     (broken / "config.json").write_text(json.dumps(hf))

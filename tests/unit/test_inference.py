@@ -24,7 +24,7 @@ INIT = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0, init_meth
 LLAMA = dataclasses.replace(
     GPT,
     normalization="rmsnorm",
-    swiglu=True,
+    activation="swiglu",
     use_rotary_position_embeddings=True,
     add_position_embedding=False,
     add_bias_linear=False,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
 import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.flags.model import ACTIVATION_FLAGS, model_activation
 from megatron_ds.interop import hf_config, hf_weights
 from megatron_ds.interop.hf_config import HFConfigError
 from megatron_ds.model import naming, sharding
@@ -28,7 +30,7 @@ REG = RegularizationConfig()
 LLAMA = dataclasses.replace(
     GPT,
     normalization="rmsnorm",
-    swiglu=True,
+    activation="swiglu",
     use_rotary_position_embeddings=True,
     add_position_embedding=False,
     add_bias_linear=False,
@@ -79,20 +81,47 @@ def test_replicas_that_differ_are_detected() -> None:
     assert not sharding.replicas_differ([torch.ones(2), torch.ones(2)])
 
 
+def _activation(architecture: dict) -> str:
+    """The activation pretrain_gpt.py builds from these argparse values (the others at their defaults)."""
+    from megatron_ds.arguments import build_parser
+
+    defaults = vars(build_parser().parse_known_args([])[0])
+    return model_activation(argparse.Namespace(**{**defaults, **architecture}))
+
+
 @pytest.mark.parametrize(
     "model",
-    [GPT, LLAMA, dataclasses.replace(LLAMA, untie_embeddings_and_output_weights=False)],
-    ids=["gpt", "llama", "tied_llama"],
+    [
+        GPT,
+        dataclasses.replace(GPT, activation="gelu"),
+        LLAMA,
+        dataclasses.replace(LLAMA, untie_embeddings_and_output_weights=False, rotary_base=500000.0),
+    ],
+    ids=["gpt", "gpt_exact_gelu", "llama", "tied_llama3_base"],
 )
 def test_config_round_trip(model: ModelConfig) -> None:
     hf = hf_config.to_hf_config(model, REG, 200, "float32", {"eos_token_id": 2})
     back = hf_config.from_hf_config(hf, "config.json")
+    activation_dests = {d for flags in ACTIVATION_FLAGS.values() for d in flags}
     for dest, value in back.architecture.items():
         if dest == "num_key_value_heads":
             assert value == model.kv_heads
-        elif dest not in ("swiglu", "use_rotary_position_embeddings", "add_position_embedding"):
+        elif dest not in (*activation_dests, "use_rotary_position_embeddings", "add_position_embedding"):
             assert getattr(model, dest) == value, dest
+    assert _activation(back.architecture) == model.activation
     assert back.vocab_size == 200 and back.arch == hf_config.architecture_of(model)
+
+
+@pytest.mark.parametrize(
+    "hf_name,ours", [("gelu_new", "gelu_tanh"), ("gelu_pytorch_tanh", "gelu_tanh"), ("gelu", "gelu")]
+)
+def test_gpt2_activation_names(hf_name: str, ours: str) -> None:
+    """GPT-2's own `gelu_new` and torch's tanh GeLU are our default; `gelu` is the exact one."""
+    hf = {**hf_config.to_hf_config(GPT, REG, 200, "float32", {}), "activation_function": hf_name}
+    architecture = hf_config.from_hf_config(hf, "x").architecture
+    assert _activation(architecture) == ours
+    exported = hf_config.to_hf_config(dataclasses.replace(GPT, activation=ours), REG, 200, "float32", {})
+    assert exported["activation_function"] == {"gelu_tanh": "gelu_new", "gelu": "gelu"}[ours]
 
 
 def test_transformers_own_configs_are_read() -> None:
@@ -132,8 +161,8 @@ def _llama_json(**change: object) -> dict:
     "hf, field",
     [
         (
-            {**hf_config.to_hf_config(GPT, REG, 200, "float32", {}), "activation_function": "gelu_new"},
-            "activation_function",
+            {**hf_config.to_hf_config(GPT, REG, 200, "float32", {}), "activation_function": "quick_gelu"},
+            "activation_function 'quick_gelu' is not supported",
         ),
         (
             {**hf_config.to_hf_config(GPT, REG, 200, "float32", {}), "scale_attn_by_inverse_layer_idx": True},
@@ -141,7 +170,8 @@ def _llama_json(**change: object) -> dict:
         ),
         (_llama_json(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling type 'linear'"),
         (_llama_json(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_parameters type 'llama3'"),
-        (_llama_json(rope_theta=500000.0), "rope_theta 500000"),
+        (_llama_json(rope_theta=-1.0), "rope_theta -1.0 is not a positive number"),
+        (_llama_json(rope_parameters={"rope_type": "default", "rope_theta": "big"}), "rope_theta 'big'"),
         (_llama_json(attention_bias=True, mlp_bias=False), "mlp_bias"),
         (_llama_json(hidden_act="gelu"), "hidden_act"),
         (_llama_json(head_dim=16), "head_dim"),

@@ -158,12 +158,15 @@ def saved_bytes(fn, *modules: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu", "swiglu"])
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_transformer_layer_activations_equal_saved_tensors(precision: str, dtype: torch.dtype, dropout: float) -> None:
+def test_transformer_layer_activations_equal_saved_tensors(
+    precision: str, dtype: torch.dtype, dropout: float, activation: str
+) -> None:
     from megatron_ds.model.transformer import TransformerLayer
 
-    m, reg = tiny(), RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout)
+    m, reg = tiny(activation=activation), RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout)
     b = 3
     layer = TransformerLayer(m, reg, 1).to(dtype).train()
     x = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)

@@ -29,7 +29,7 @@ GPT = ModelConfig(
 LLAMA_GQA = dataclasses.replace(
     GPT,
     num_key_value_heads=2,
-    swiglu=True,
+    activation="swiglu",
     use_rotary_position_embeddings=True,
     add_position_embedding=False,
     add_bias_linear=False,
@@ -42,7 +42,7 @@ ARCHITECTURES = {
     "untied": dataclasses.replace(GPT, untie_embeddings_and_output_weights=True),
     "no_bias": dataclasses.replace(GPT, add_bias_linear=False),
     "rotary_no_table": dataclasses.replace(GPT, use_rotary_position_embeddings=True, add_position_embedding=False),
-    "mqa_swiglu": dataclasses.replace(GPT, num_key_value_heads=2, swiglu=True),
+    "mqa_swiglu": dataclasses.replace(GPT, num_key_value_heads=2, activation="swiglu"),
 }
 REG = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
 

@@ -7,6 +7,8 @@ give the T=1 layer's output. The multi-rank tests check the same through megatro
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,8 +50,9 @@ def test_qkv_shards_hold_their_heads_and_gather_back(t: int) -> None:
         assert torch.equal(s, expected)
 
 
-def _simulated_tensor_parallel_forward(layer: TransformerLayer, x: torch.Tensor, t: int) -> torch.Tensor:
-    """What T ranks compute with shards of `layer`'s (T=1) weights, summed as the all-reduces would."""
+def _simulated_tensor_parallel_forward(layer: TransformerLayer, x: torch.Tensor, t: int, gelu: str) -> torch.Tensor:
+    """What T ranks compute with shards of `layer`'s (T=1) weights, summed as the all-reduces would;
+    `gelu` is torch's `approximate` argument of the layer's GeLU."""
     b, s, h = x.shape
     nh = MODEL.num_attention_heads
     hd = h // nh
@@ -65,19 +68,21 @@ def _simulated_tensor_parallel_forward(layer: TransformerLayer, x: torch.Tensor,
     normed = layer.post_attention_norm(x)
     mlp = torch.zeros_like(x)
     for r in range(t):
-        inner = F.gelu(F.linear(normed, shard(layer.fc1.weight, 0, t, r), shard(layer.fc1.bias, 0, t, r)))
+        fc1 = F.linear(normed, shard(layer.fc1.weight, 0, t, r), shard(layer.fc1.bias, 0, t, r))
+        inner = F.gelu(fc1, approximate=gelu)
         mlp = mlp + F.linear(inner, shard(layer.fc2.weight, 1, t, r))
     return x + mlp + layer.fc2.bias
 
 
+@pytest.mark.parametrize("activation,gelu", [("gelu_tanh", "tanh"), ("gelu", "none")])
 @pytest.mark.parametrize("t", [2, 4])
 @torch.no_grad()
-def test_sharded_layer_computes_the_t1_layer(t: int) -> None:
-    layer = TransformerLayer(MODEL, NO_DROPOUT, SEED).eval()
+def test_sharded_layer_computes_the_t1_layer(t: int, activation: str, gelu: str) -> None:
+    layer = TransformerLayer(dataclasses.replace(MODEL, activation=activation), NO_DROPOUT, SEED).eval()
     for p in layer.parameters():  # non-zero biases and norms, so their sharding is exercised too
         p.add_(0.01 * torch.randn(p.shape))
     x = torch.randn(2, MODEL.seq_length, MODEL.hidden_size)
-    torch.testing.assert_close(_simulated_tensor_parallel_forward(layer, x, t), layer(x), rtol=0, atol=1e-6)
+    torch.testing.assert_close(_simulated_tensor_parallel_forward(layer, x, t, gelu), layer(x), rtol=0, atol=1e-6)
 
 
 def test_initial_weights_are_a_function_of_the_seed_only() -> None:
