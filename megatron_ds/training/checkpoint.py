@@ -1,15 +1,21 @@
 """Checkpoints through DeepSpeed's engine, written atomically, validated before loading.
 
-Layout of `--save DIR`:
+Layout of `--save DIR` (docs/checkpoints.md has every file):
     DIR/latest                      the tag of the newest complete checkpoint (replaced atomically)
-    DIR/global_step<N>/             DeepSpeed's files: one `layer_XX-model_00-model_states.pt` per
-                                    spec index (layout-independent), per-stage optimizer/ZeRO files
+    DIR/global_step<N>/             DeepSpeed's files: one `layer_XX-model_RR-model_states.pt` per
+                                    spec index and tensor rank (layout-independent), per-stage
+                                    optimizer/ZeRO files
     DIR/global_step<N>/megatron_ds.json   config, train state, layout (written last by rank 0)
     DIR/global_step<N>/rng_rank<R>.pt     each rank's RNG states
+    DIR/global_step<N>.universal/   written by a `--load` under another topology: the universal form
+
+`load` resumes the whole training state under the saved topology (DeepSpeed's own load) or under
+any other P, layout, T, DP size, ZeRO stage or precision (through the universal form,
+`megatron_ds.training.universal`); what may not change is in `checkpoint_rules`.
 
 A weights-only checkpoint (`"weights_only": true` in megatron_ds.json, as `megatron_ds.interop`'s
 Hugging Face import writes) has only the per-spec files: it loads like `--finetune` (iteration
-0, fresh optimizer and schedule) at any P, DP and layout, without a flag.
+0, fresh optimizer and schedule) at any P, T, DP and layout, without a flag.
 
 A checkpoint is written under a temporary name and renamed once every rank has finished; only
 then does `latest` name it, so a crash mid-save never leaves a half checkpoint as latest, and an
@@ -172,6 +178,9 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
             print(notice, flush=True)
     if weights_only:
         _load_weights(engine, config, layout, load_dir, tag, meta)
+        if not (ck.finetune or is_weights_only(meta)):  # the iteration is kept: so are the dropout masks' indices
+            state = meta["train_state"]
+            engine.global_steps, engine.global_samples = state["iteration"], state["consumed_train_samples"]
         if is_weights_only(meta) and rank0:
             print(f"--load {load_dir} ({tag}) holds weights only: optimizer and learning-rate schedule start fresh")
     elif moved or deepspeed_cannot_restore(config):

@@ -12,6 +12,8 @@ from megatron_ds.errors import UserError
 
 LATEST = "latest"
 META = "megatron_ds.json"
+UNIVERSAL_FORMAT = "megatron_ds.universal"
+"""`format` of a universal checkpoint's metadata (`megatron_ds.training.universal.store`)."""
 
 
 class CheckpointError(UserError):

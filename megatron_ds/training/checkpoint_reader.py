@@ -20,7 +20,14 @@ import torch
 from megatron_ds.config import Config
 from megatron_ds.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_ds.model import naming, sharding
-from megatron_ds.training.checkpoint_files import LATEST, META, CheckpointError, latest_tag, read_meta
+from megatron_ds.training.checkpoint_files import (
+    LATEST,
+    META,
+    UNIVERSAL_FORMAT,
+    CheckpointError,
+    latest_tag,
+    read_meta,
+)
 
 TOKENIZER_DIR = "tokenizer"
 """Sub-directory of a checkpoint root where `hf_import` copies the tokenizer files."""
@@ -107,6 +114,11 @@ def _load_state(path: str) -> dict[str, Any]:
 
 def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
     """Every tensor of the model as its full T=1 tensor, in spec order (tied head: no entry)."""
+    if ckpt.meta.get("format") == UNIVERSAL_FORMAT:
+        raise CheckpointError(
+            f"{ckpt.directory}: a universal checkpoint (training state, no per-spec weight files); give the "
+            f"checkpoint it was converted from, or resume it with pretrain_gpt.py --load and --save a regular one"
+        )
     model = ckpt.config.model
     groups = naming.gpt_spec_groups(model)
     first_layer = len(groups.pre)

@@ -94,6 +94,7 @@ class DeepSpeedSource:
                 f"{ckpt.directory}: no usable layout in its metadata ({err}); it is damaged"
             ) from None
         self._mp_world = p * self.tensor_parallel
+        self._meta_cache: dict[str, Any] = {}  # per file: parameter positions and step counts (no tensors)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.ckpt.directory, name)
@@ -151,13 +152,9 @@ class DeepSpeedSource:
         """The optimizer's step count for `tensor` (None before the first step)."""
         stage, module_name = names.source_stage(self.model, self.layout, tensor)
         if self.flat:
-            base = load_file(self.optim_file(stage, 0, 0))["optimizer_state_dict"]["base_optimizer_state"]
-            entry = base["state"].get(GROUP_NAMES.index(tensor.group), {})
-        else:
-            path = self.model_states_file(stage, 0)
-            entry = load_file(path)["optimizer"]["state"].get(self._torch_index(stage, module_name, path), {})
-        step = entry.get("step")
-        return None if step is None else int(float(step))
+            return self._steps(self.optim_file(stage, 0, 0))[GROUP_NAMES.index(tensor.group)]
+        path = self.model_states_file(stage, 0)
+        return self._torch_steps(stage, path)[self._torch_index(stage, path)[module_name]]
 
     def _local(
         self, stage: int, tp: int, module_name: str, group: str, state: str, shape: tuple[int, ...]
@@ -165,8 +162,8 @@ class DeepSpeedSource:
         numel = int(torch.Size(shape).numel())
         if not self.flat:
             path = self.model_states_file(stage, tp)
-            entry = load_file(path)["optimizer"]["state"].get(self._torch_index(stage, module_name, path), {})
-            value = entry.get(state)
+            index = self._torch_index(stage, path)[module_name]
+            value = load_file(path)["optimizer"]["state"].get(index, {}).get(state)
             if not isinstance(value, torch.Tensor) or value.numel() != numel:
                 raise CheckpointError(
                     f"{path}: no {state} of shape {list(shape)} for {module_name}; the checkpoint is damaged"
@@ -201,17 +198,36 @@ class DeepSpeedSource:
         except (KeyError, IndexError, RuntimeError) as err:
             raise CheckpointError(f"{path}: no {state} for {module_name} ({err}); the checkpoint is damaged") from None
 
-    def _torch_index(self, stage: int, module_name: str, path: str) -> int:
-        """Position of `module_name` in the stage's torch optimizer (its state-dict key)."""
-        order = [p.module_name for p in names.optimizer_order(names.stage_parameters(self.model, self.layout, stage))]
+    def _steps(self, path: str) -> list[int | None]:
+        """Each group's step count in a flat optimizer file (small metadata, read once per file)."""
+        if path not in self._meta_cache:
+            state = load_file(path)["optimizer_state_dict"]["base_optimizer_state"]["state"]
+            self._meta_cache[path] = [_int(state.get(g, {}).get("step")) for g in range(len(GROUP_NAMES))]
+        return self._meta_cache[path]
+
+    def _torch_steps(self, stage: int, path: str) -> dict[int, int | None]:
+        key = path + "#steps"
+        if key not in self._meta_cache:
+            state = load_file(path)["optimizer"]["state"]
+            self._meta_cache[key] = {i: _int(entry.get("step")) for i, entry in state.items()}
+        return self._meta_cache[key]
+
+    def _torch_index(self, stage: int, path: str) -> dict[str, int]:
+        """Each parameter's position in the stage's torch optimizer (its state-dict key), checked once per file."""
+        if path in self._meta_cache:
+            return self._meta_cache[path]
+        params = names.stage_parameters(self.model, self.layout, stage)
         saved = load_file(path)["optimizer"]
         counts = [len(g["params"]) for g in saved.get("param_groups", [])]
-        expected = [
-            sum(1 for p in names.stage_parameters(self.model, self.layout, stage) if p.group == g) for g in GROUP_NAMES
-        ]
+        expected = [sum(1 for p in params if p.group == g) for g in GROUP_NAMES]
         if counts != expected:
             raise CheckpointError(
                 f"{path}: optimizer groups hold {counts} parameters, this model's stage {stage} holds {expected}; "
                 f"the checkpoint was written by another model or version"
             )
-        return order.index(module_name)
+        self._meta_cache[path] = {p.module_name: i for i, p in enumerate(names.optimizer_order(params))}
+        return self._meta_cache[path]
+
+
+def _int(step: Any) -> int | None:
+    return None if step is None else int(float(step))

@@ -24,11 +24,11 @@ import torch
 
 from megatron_ds import files
 from megatron_ds.config import Config
-from megatron_ds.training.checkpoint_files import META, CheckpointError
+from megatron_ds.training.checkpoint_files import META, UNIVERSAL_FORMAT, CheckpointError
 from megatron_ds.training.universal import names
 from megatron_ds.training.universal.deepspeed_source import FP32, DeepSpeedSource
 
-FORMAT = "megatron_ds.universal"
+FORMAT = UNIVERSAL_FORMAT
 VERSION = 1
 TENSORS_DIR = "tensors"
 DROPOUT_RNG = (
