@@ -146,7 +146,10 @@ def check_dirs(config: Config) -> None:
                 f"--load-optional to start fresh when none exists yet"
             )
         return
-    check_compatible(read_meta(ck.load, tag), config, ck.load, tag)
+    meta = read_meta(ck.load, tag)
+    check_compatible(meta, config, ck.load, tag)
+    if store.is_universal(meta):
+        store.Universal(os.path.join(ck.load, tag))  # complete and undamaged, before any process group
 
 
 def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainState | None:

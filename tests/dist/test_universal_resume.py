@@ -51,13 +51,19 @@ def both(**kw: Any) -> dict:
 
 
 def launches(ck: Path) -> list[tuple[str, int, dict[str, dict]]]:
-    c = {name: str(ck / name) for name in ("both_z1", "both_z0", "stock", "t2", "dp2", "big")}
+    c = {name: str(ck / name) for name in ("both_z1", "both_z0", "stock", "t2", "dp2", "big", "bf16")}
+    bf16 = both(training__precision="bf16")
     return [
         ("w3", 3, {
             "save_both_z1": sc(3, overrides=both(), save=c["both_z1"]),
             "both_z0_from_z1": sc(3, zero=0, overrides=both(), load=c["both_z1"]),  # ZeRO 1 -> 0
             "save_both_z0": sc(3, zero=0, overrides=both(), save=c["both_z0"]),
             "both_z1_from_z0": sc(3, overrides=both(), load=c["both_z0"]),  # ZeRO 0 -> 1
+            # bf16 without ZeRO: DeepSpeed cannot read its own state back, the universal form can
+            "straight_bf16": sc(3, zero=0, overrides=bf16, steps=6),
+            "save_bf16": sc(3, zero=0, overrides=bf16, save=c["bf16"]),
+            "bf16_resumed": sc(3, zero=0, overrides=bf16, load=c["bf16"]),
+            "fp32_from_bf16": sc(3, overrides=both(), load=c["bf16"]),  # precision change
         }),
         ("w4", 4, {
             "pre_from_both": sc(4, overrides={"parallel__pp_dedicated_embedding_stages": "pre"}, load=c["both_z1"]),
@@ -140,6 +146,18 @@ def test_dropout_was_on_and_layouts_were_the_asked_ones(runs: dict) -> None:
                                                          "memory_from_stock", "p1_from_both")}
     assert layouts == {"save_both_z1": "E|t*6|L", "pre_from_both": "E|t*2|t*2|t*2L", "save_stock": "Et*2|t*2|t|tL",
                        "memory_from_stock": "Et*2|t*3|tL", "p1_from_both": "Et*6L"}
+
+
+def test_bf16_without_zero_resumes_exactly_and_into_fp32(runs: dict) -> None:
+    """DeepSpeed 0.19.8's BF16_Optimizer fails reading its own checkpoint back; through the universal
+    form the resumed run is the straight one, and an fp32 run continues from the fp32 masters."""
+    straight = runs["straight_bf16"][0]
+    for r in runs["bf16_resumed"]:
+        assert r["losses"] == straight["losses"][3:] and r["grad_norms"] == straight["grad_norms"][3:], r
+    fp32 = runs["straight"][0]["losses"][3:]
+    for r in runs["fp32_from_bf16"]:
+        assert max(abs(a - b) for a, b in zip(r["losses"], fp32)) <= 5e-2, (r["losses"], fp32)  # bf16's own error
+        assert r["losses"] != runs["bf16_resumed"][0]["losses"]  # it did compute in fp32
 
 
 def test_weights_reshard_exactly_for_another_tensor_parallel_size(runs: dict) -> None:

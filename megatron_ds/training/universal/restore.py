@@ -90,7 +90,10 @@ class _TorchTarget:
     def set(self, param: torch.nn.Parameter, master: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
         del master  # the fp32 weight itself
         if states:
-            self.optimizer.state[param] = {**self._step(param), **{k: v.clone() for k, v in states.items()}}
+            self.optimizer.state[param] = {
+                **self._step(param),
+                **{k: v.to(param.device, copy=True) for k, v in states.items()},
+            }
 
     def finish(self, placeholders: list[torch.nn.Parameter]) -> None:
         for p in placeholders:

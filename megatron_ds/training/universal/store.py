@@ -24,6 +24,8 @@ import torch
 
 from megatron_ds import files
 from megatron_ds.config import Config
+from megatron_ds.errors import UserError
+from megatron_ds.training import checkpoint_reader
 from megatron_ds.training.checkpoint_files import META, UNIVERSAL_FORMAT, CheckpointError
 from megatron_ds.training.universal import names
 from megatron_ds.training.universal.deepspeed_source import FP32, DeepSpeedSource
@@ -98,7 +100,7 @@ def write(source: DeepSpeedSource, directory: str, progress: Any) -> Written:
             "loss_scaler": source.loss_scaler(),
         },
         "rng": {"seed": ckpt.config.training.seed, "dropout": DROPOUT_RNG},
-        "vocabulary": {"rows": source.model.vocab_size, "unpadded": ckpt.meta.get("hf", {}).get("vocab_size")},
+        "vocabulary": {"rows": source.model.vocab_size, "unpadded": _unpadded_vocabulary(source)},
         "placeholders": "optimizer-group placeholders are not stored: zero, with zero state, on every stage that has one",
         "tensors": table,
     }
@@ -109,6 +111,16 @@ def write(source: DeepSpeedSource, directory: str, progress: Any) -> Written:
         meta["lr_scheduler"] = "lr_scheduler.pt"
     files.write_json(os.path.join(directory, META), meta)
     return written
+
+
+def _unpadded_vocabulary(source: DeepSpeedSource) -> int | None:
+    """Rows that are tokens (the rest is `--make-vocab-size-divisible-by` padding, stored and trained
+    as the model has it); None when neither an import nor a tokenizer says."""
+    try:
+        tokenizer = checkpoint_reader.checkpoint_tokenizer(source.ckpt)
+    except (UserError, OSError, ValueError):
+        tokenizer = None
+    return source.ckpt.meta.get("hf", {}).get("vocab_size") or (tokenizer.vocab_size if tokenizer else None)
 
 
 def _source_record(source: DeepSpeedSource) -> dict[str, Any]:
