@@ -164,7 +164,7 @@ def ensure_converted(load_dir: str, tag: str, timeout_s: float, show_progress: b
     except Exception:  # noqa: BLE001 - the store's timeout error type differs between torch versions
         raise CheckpointError(
             f"--load {load_dir} ({tag}): rank 0 did not finish converting it to universal form within "
-            f"{timeout_s / 60:.0f} minutes; convert it first with `python tools/convert_checkpoint.py --to universal "
+            f"{timeout_s / 60:g} minutes; convert it first with `python tools/convert_checkpoint.py --to universal "
             f"{load_dir} OUT` and --load OUT, or raise --distributed-timeout-minutes"
         ) from None
     verdict = kv.get(key).decode()
