@@ -1,15 +1,19 @@
 #!/usr/bin/env python
-"""Convert checkpoints to and from Hugging Face model directories.
+"""Convert checkpoints to and from Hugging Face model directories, and to the universal form.
 
     # ours (any P, T, DP, layout) -> a transformers / lm-eval-harness / vLLM directory
     python tools/convert_checkpoint.py --to hf checkpoints/gpt hf/gpt
     # a local Hugging Face GPT-2 or Llama directory -> a checkpoint pretrain_gpt.py --load trains from
     python tools/convert_checkpoint.py --from hf hf/llama checkpoints/llama --tensor-model-parallel-size 2
+    # ours -> the layout-free training state (weights, fp32 masters, Adam moments, schedule, data
+    # position) that `pretrain_gpt.py --load OUT` resumes under any P, layout, T, DP or ZeRO stage
+    python tools/convert_checkpoint.py --to universal checkpoints/gpt checkpoints/gpt-universal
 
 With --from, pretrain_gpt.py flags pass through (T, sequence length, tokenizer, ...); architecture
 flags come from config.json and must agree if given. The output directory must not exist; it
 appears only when complete. Bad input: one `error:` line, exit status 2, nothing written.
-Needs the `hf` extra (`pip install -e '.[hf]'`). See docs/interop.md.
+The Hugging Face directions need the `hf` extra (`pip install -e '.[hf]'`); see docs/interop.md.
+`--load` converts to the universal form by itself when needed; see docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -37,7 +41,12 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     way = p.add_mutually_exclusive_group(required=True)
-    way.add_argument("--to", choices=("hf",), help="export our checkpoint SOURCE as a Hugging Face directory OUTPUT")
+    way.add_argument(
+        "--to",
+        choices=("hf", "universal"),
+        help="export our checkpoint SOURCE as a Hugging Face directory OUTPUT, or its whole training state "
+        "in universal (layout-free) form",
+    )
     way.add_argument("--from", dest="from_", choices=("hf",), help="import Hugging Face directory SOURCE as OUTPUT")
     p.add_argument("source")
     p.add_argument("output")
@@ -53,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str] | None = None) -> None:
     args, rest = build_parser().parse_known_args(argv)
     tokenizer = {k: getattr(args, k) for k in TOKENIZER_FLAGS}
-    if args.to:
+    if args.to == "universal":
+        _to_universal(args, rest, tokenizer)
+    elif args.to:
         if rest:
             raise UserError(f"unrecognized arguments: {' '.join(rest)}; pretrain_gpt.py flags go with --from hf")
         _export(args, tokenizer)
@@ -84,6 +95,21 @@ def _export(args: argparse.Namespace, tokenizer: dict[str, str | None]) -> None:
     )
     print("  " + " ".join(result.files))
     print(f"load it with: AutoModelForCausalLM.from_pretrained({result.output!r})")
+
+
+def _to_universal(args: argparse.Namespace, rest: list[str], tokenizer: dict[str, str | None]) -> None:
+    hf_only = [k for k, v in {"--vocab-size": args.vocab_size, "--dtype": args.dtype, **tokenizer}.items() if v]
+    if args.max_shard_size_mb != 2048:
+        hf_only.append("--max-shard-size-mb")
+    if rest or hf_only:
+        raise UserError(f"--to universal takes SOURCE OUTPUT only; drop {' '.join([*rest, *hf_only])}")
+    from megatron_ds.training.universal.convert import convert_checkpoint
+
+    summary = convert_checkpoint(args.source, args.output, show_progress=not args.no_progress)
+    print(summary.line())
+    print(
+        f"resume with: pretrain_gpt.py --load {summary.output} (any pipeline, tensor or data-parallel size, layout or ZeRO stage)"
+    )
 
 
 def _import(args: argparse.Namespace, argv: list[str]) -> None:

@@ -113,7 +113,8 @@ CHECKPOINTING: tuple[Flag, ...] = (
     switch(
         "--no-load-optim",
         _CKPT,
-        "weights only (the iteration is kept; the lr schedule restarts, as in Megatron)",
+        "weights only (the iteration is kept; the lr schedule restarts, as in Megatron); not needed to change the "
+        "layout",
         "checkpoint.no_load_optim",
     ),
     switch("--no-load-rng", _CKPT, "keep this run's RNG states", "checkpoint.no_load_rng"),
@@ -139,11 +140,11 @@ CHECKPOINTING: tuple[Flag, ...] = (
         "give the model flags",
     ),
     refused("--no-initialization", _CKPT, "weights are always initialised"),
-    refused(
+    no_op(
         "--universal-checkpoint",
         _CKPT,
-        "weights carry across layouts and P without it; optimizer state does not",
-        "use --no-load-optim to change the layout",
+        "--load resumes the whole training state under another P, layout, T, DP or ZeRO stage by itself, through "
+        "the universal form (docs/checkpoints.md)",
     ),
 )
 

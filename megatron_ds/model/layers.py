@@ -17,7 +17,7 @@ from torch import nn
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.model.init import init_generator, normal_
-from megatron_ds.model.rng import Stream, checkpoint_streams, dropout
+from megatron_ds.model.rng import Stream, dropout, register_streams
 
 
 def cast_token_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,7 @@ class PositionEmbedding(nn.Module):
         normal_(self.weight, regularization.init_method_std, init_generator(init_seed))
         self.hidden_dropout = regularization.hidden_dropout
         self.dropout_stream = Stream.replicated(init_seed)
-        checkpoint_streams(self, self.dropout_stream)
+        register_streams(self, self.dropout_stream)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         seq = embeddings.shape[1]
@@ -85,7 +85,7 @@ class EmbeddingDropout(nn.Module):
         del model  # no parameters: only the dropout probability matters
         self.hidden_dropout = regularization.hidden_dropout
         self.dropout_stream = Stream.replicated(init_seed)  # the stream PositionEmbedding would use
-        checkpoint_streams(self, self.dropout_stream)
+        register_streams(self, self.dropout_stream)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         return dropout(embeddings, self.hidden_dropout, self.training, self.dropout_stream)

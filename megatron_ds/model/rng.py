@@ -1,14 +1,23 @@
-"""Dropout random streams, one per spec, held in the one RNG tracker everything shares.
+"""Dropout random streams, one per spec, reseeded for every micro-batch from its global index.
 
-Why streams per spec: a layer's dropout masks are then a function of (seed, spec index, how
-many micro-batches it has seen), not of which stage holds it or what ran before it on that
-stage, so a pipelined run draws the same masks as a single-process run. Each spec has
+Why streams per spec: a layer's dropout masks are a function of (seed, spec index, global
+micro-batch index) alone, not of which stage holds the layer, what ran before it on that stage,
+how many data-parallel replicas share the batch, or how the run was interrupted. Each spec has
 
   * a replicated stream (`Stream.replicated`): for activations every tensor rank holds in full
     (embedding output, residual branches); the same on every tensor rank and equal to T=1's;
   * a tensor-parallel stream (`Stream.tensor_parallel`): for activations split over tensor
     ranks (attention probabilities of this rank's heads); its seed includes the tensor rank,
-    so different heads get independent masks, as in Megatron.
+    so different heads get independent masks, as in Megatron. Another T therefore draws other
+    attention-dropout masks (by construction, as Megatron); hidden dropout is T-independent.
+
+Why reseeded per micro-batch (`install_micro_batch_seeding`): before each training forward on a
+stage, every stream of the stage's specs restarts from a seed mixed from the stream's seed and
+the global index of the micro-batch's first sample, g = samples consumed before the step +
+(j x DP + d) x micro batch (micro-batch j of data-parallel rank d, Megatron's sample order). So
+DP=2 draws the masks DP=1 draws for the same samples, and a resumed run, under any layout, P, DP
+or ZeRO stage, draws exactly the masks the uninterrupted run would have drawn: the RNG state that
+matters is the seed and the consumed samples.
 
 Why the tracker: the streams live in DeepSpeed's `get_cuda_rng_tracker()` (which is also
 megatron-core's, see `megatron_ds.model.tensor_parallel`), and DeepSpeed's activation
@@ -16,9 +25,8 @@ checkpointing saves every tracker state before a checkpointed forward and restor
 recompute, so recomputation replays exactly the masks of the first forward. On CPU the tracker
 swaps the CPU default generator's state; on GPU the device generator's.
 
-Why in the layer's state dict (`checkpoint_streams`): a layer's stream states are saved in its
-checkpoint file and restored with its weights, so a resumed run draws the masks the
-uninterrupted run would have drawn, whatever the layout (the files are per spec).
+Checkpoints written before per-micro-batch seeding stored each layer's stream states in its state
+dict (`LEGACY_STATE_DICT_KEY`); loading such a file drops the entry.
 """
 
 from __future__ import annotations
@@ -36,8 +44,12 @@ from megatron_ds.model.init import dropout_seed
 
 STREAM_PREFIX = "megatron_ds/dropout/"
 """Names of our streams in the tracker (other entries, e.g. 'model-parallel-rng', are left alone)."""
-STATE_DICT_KEY = "dropout_rng_states"
-"""The state-dict entry of a layer's stream states: uint8 (num_streams, state bytes)."""
+LEGACY_STATE_DICT_KEY = "dropout_rng_states"
+"""The state-dict entry older checkpoints hold per layer (stream states); dropped on load."""
+STREAMS_ATTRIBUTE = "dropout_streams"
+"""The module attribute `register_streams` sets: the layer's streams, found by `module_streams`."""
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
 def tracker() -> Any:
@@ -110,34 +122,78 @@ def dropout(x: torch.Tensor, p: float, training: bool, stream: Stream | None) ->
         return F.dropout(x, p, training=True)
 
 
-def stream_states(streams: Sequence[Stream]) -> torch.Tensor:
-    """The current states of `streams` (the seeded state for one not used yet), stacked."""
-    live = tracker().get_states()
-    return torch.stack([live[s.name] if s.name in live else _seeded_state(s.seed) for s in streams])
+def register_streams(module: nn.Module, *streams: Stream) -> None:
+    """Declare `module`'s dropout streams (reseeded per micro-batch by `install_micro_batch_seeding`);
+    a legacy `LEGACY_STATE_DICT_KEY` entry in a state dict loaded into `module` is dropped."""
+
+    def drop_legacy(mod: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        state_dict.pop(prefix + LEGACY_STATE_DICT_KEY, None)  # not a parameter or buffer
+
+    setattr(module, STREAMS_ATTRIBUTE, tuple(streams))
+    module.register_load_state_dict_pre_hook(drop_legacy)
 
 
-def restore_stream_states(streams: Sequence[Stream], states: torch.Tensor) -> None:
-    """Inverse of `stream_states`: continue each stream from the given state."""
-    assert states.shape[0] == len(streams), (tuple(states.shape), [s.name for s in streams])
-    live = tracker().get_states()
-    for s, state in zip(streams, states):
-        live[s.name] = state.clone()
-    tracker().set_states(live)
+def module_streams(module: nn.Module) -> list[Stream]:
+    """Every stream registered by `module` and its submodules, each once, in module order."""
+    seen: dict[str, Stream] = {}
+    for sub in module.modules():
+        for s in getattr(sub, STREAMS_ATTRIBUTE, ()):
+            seen.setdefault(s.name, s)
+    return list(seen.values())
 
 
-def checkpoint_streams(module: nn.Module, *streams: Stream) -> None:
-    """Save `streams`' states in `module`'s state dict (`STATE_DICT_KEY`) and restore them on load.
+def micro_batch_seed(stream_seed: int, index: int) -> int:
+    """A seed in [0, 2**63) for stream `stream_seed` at global micro-batch `index` (splitmix64 mixing:
+    the CPU generator keeps only the low 32 bits of a seed, so every bit must depend on both inputs)."""
+    x = (stream_seed * _GOLDEN + index) & _MASK64
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
 
-    A state dict without the entry (an older checkpoint) leaves the streams as they are.
+
+def seed_streams(streams: Sequence[Stream], index: int) -> None:
+    """Restart every stream in `streams` from its seed for global micro-batch `index`."""
+    states = tracker().get_states()
+    for s in streams:
+        states[s.name] = _seeded_state(micro_batch_seed(s.seed, index))
+    tracker().set_states(states)
+
+
+def micro_batch_first_sample(
+    samples_before_step: int, local: int, micro_batch_size: int, data_parallel: int, data_parallel_rank: int
+) -> int:
+    """Global index of the first sample of micro-batch `local` of data-parallel rank
+    `data_parallel_rank` in a step that starts after `samples_before_step` samples (Megatron's
+    order: micro-batch j of rank d holds samples (j x DP + d) x mbs + [0, mbs) of the step)."""
+    return samples_before_step + (local * data_parallel + data_parallel_rank) * micro_batch_size
+
+
+def install_micro_batch_seeding(engine: Any) -> None:
+    """Reseed the stage's dropout streams before each training forward of DeepSpeed's pipeline
+    engine from `micro_batch_first_sample(engine.global_samples, k, ...)` for the k-th forward of
+    the step (`global_samples` counts the samples of the steps taken, restored on load).
+
+    The pipeline schedule runs a stage's forwards in micro-batch order, so k is the micro-batch.
+    A stage without dropout streams gets no hook.
     """
+    module = engine.module
+    streams = module_streams(module)
+    if not streams:
+        return
+    grid = engine.grid
+    data_parallel, data_parallel_rank = grid.data_parallel_size, grid.get_data_parallel_rank()
+    micro_batch_size = engine.train_micro_batch_size_per_gpu()
+    clock = {"samples": -1, "local": 0}
 
-    def save(mod: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        state_dict[prefix + STATE_DICT_KEY] = stream_states(streams)
+    def before_forward(mod: nn.Module, args: Any) -> None:
+        if not mod.training:
+            return  # evaluation draws no masks
+        samples = int(engine.global_samples)
+        if samples != clock["samples"]:  # a new step
+            clock.update(samples=samples, local=0)
+        first = micro_batch_first_sample(samples, clock["local"], micro_batch_size, data_parallel, data_parallel_rank)
+        clock["local"] += 1
+        seed_streams(streams, first)
 
-    def load(mod: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        states = state_dict.pop(prefix + STATE_DICT_KEY, None)  # popped: not a parameter or buffer
-        if states is not None:
-            restore_stream_states(streams, states)
-
-    module.register_state_dict_post_hook(save)
-    module.register_load_state_dict_pre_hook(load)
+    module.register_forward_pre_hook(before_forward)

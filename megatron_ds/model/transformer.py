@@ -30,7 +30,7 @@ from megatron_ds.model import activations
 from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
 from megatron_ds.model.layers import make_norm
 from megatron_ds.model.parallel import NO_TENSOR_PARALLEL, TensorParallel, column_linear, row_linear
-from megatron_ds.model.rng import Stream, checkpoint_streams, dropout
+from megatron_ds.model.rng import Stream, dropout, register_streams
 from megatron_ds.model.rotary import apply_rotary, rotary_angles
 
 
@@ -63,7 +63,7 @@ class TransformerLayer(nn.Module):
         # rank and equal to T=1's; attention dropout acts on this rank's heads only.
         self.hidden_stream = Stream.replicated(init_seed)
         self.attention_stream = Stream.tensor_parallel(init_seed, tp.rank)
-        checkpoint_streams(self, self.hidden_stream, self.attention_stream)
+        register_streams(self, self.hidden_stream, self.attention_stream)
         qkv, proj, fc1, fc2 = self._full_weights(model, regularization.init_method_std, init_seed)
         # Registration order = parameter order (optimizer state, ZeRO partitions): keep it.
         self.input_norm = make_norm(model)

@@ -8,9 +8,14 @@ losses and gradient norms, and the word-embedding matrix's checksum on the ranks
 Optional scenario keys (all off by default):
     loss_mask       "partial" masks every fourth token out of the loss ("ones" by default)
     init_checksums  true: record checksums of every parameter's full (tensor-gathered) initial value
+    layout          build_layout keyword arguments ({"dedicated": "both"}); without it, the layout
+                    options of the config (`parallel__pp_partition_method`, ...) decide
     save / load     a checkpoint directory to save to after the steps / resume from before them
-                    (training then continues at the checkpoint's iteration)
+                    (training then continues at the checkpoint's iteration; a checkpoint saved under
+                    another P, layout, T, DP, ZeRO stage or precision resumes through the universal form)
     expect_error    true: an exception while loading is recorded as "error" instead of raised
+    checksums       true: record checksums of every parameter's full value after loading
+                    ("checksums_loaded") and after the steps ("checksums_trained")
     unfixed         names from `megatron_ds.testing.defects.UNFIXED` ("group_placeholders",
                     "norm_marking", "counted_fp32_clip", "preflight"): build with those fixes of
                     stock DeepSpeed's defects off, to show the defects and that the guards catch them
@@ -100,6 +105,7 @@ def run_one(
     """Train `num_steps` steps; return what the tests compare. `options`: see the module docstring."""
     import torch.distributed as dist
 
+    from megatron_ds.estimate.run_layout import build_run_layout
     from megatron_ds.pipeline.layout import build_layout
     from megatron_ds.testing.defects import unfixed
     from megatron_ds.training import checkpoint
@@ -108,7 +114,10 @@ def run_one(
 
     opts = options or {}
     groups = naming.gpt_spec_groups(config.model)
-    layout = build_layout(groups, config.parallel.pipeline_model_parallel_size, **layout_kwargs)
+    if layout_kwargs:
+        layout = build_layout(groups, config.parallel.pipeline_model_parallel_size, **layout_kwargs)
+    else:
+        layout = build_run_layout(config)
     with unfixed(opts.get("unfixed", [])):
         bundle = build_pipeline(config, layout=layout)
     engine = bundle.engine
@@ -137,6 +146,8 @@ def run_one(
                 raise
             result["error"] = f"{type(e).__name__}: {e}"
             return result
+    if opts.get("checksums"):
+        _record_checksums(result, "checksums_loaded", bundle.model)
     emb_before = _embedding(bundle.model)
     losses, norms = [], []
     dp_rank = engine.grid.get_data_parallel_rank()
@@ -145,6 +156,8 @@ def run_one(
         loss = bundle.train_batch(iter(batches), label=f"train_batch of step {step}")
         losses.append(float(loss.item()))
         norms.append(bundle.grad_norm())
+    if opts.get("checksums"):
+        _record_checksums(result, "checksums_trained", bundle.model)
     if opts.get("save"):
         done = TrainState(
             iteration=state.iteration + num_steps,
@@ -157,6 +170,12 @@ def run_one(
         result["embedding_checksum"] = checksum(emb_after)
         result["embedding_changed"] = bool(not torch.equal(emb_before, emb_after))
     return result
+
+
+def _record_checksums(result: dict[str, Any], key: str, model: torch.nn.Module) -> None:
+    sums = full_parameter_checksums(model)  # collective over the tensor-parallel group
+    if model.tensor_parallel.rank == 0:
+        result[key] = sums
 
 
 def _swapped_axes_error(config: Config) -> str:

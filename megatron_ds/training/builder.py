@@ -14,7 +14,9 @@ What `build_pipeline` does, in order (docs/training.md says why each step matter
 3. `GPTModelPipe` marks each parameter on the one rank that counts it in the global norm;
 4. every stage gets the same optimizer groups (`add_group_placeholders`);
 5. the preflight check compares every rank's structure before the first step (`check_structure`);
-6. the no-ZeRO fp32 clip uses the counted norm (`install_fp32_grad_norm`);
+6. the no-ZeRO fp32 clip uses the counted norm (`install_fp32_grad_norm`), and each training
+   forward reseeds the stage's dropout streams from the global micro-batch index
+   (`rng.install_micro_batch_seeding`: masks independent of layout, P, DP and interruptions);
 7. `Pipeline.train_batch`, `eval_batch` and `watch` run under the step watchdog, and
    `Pipeline.close` (or leaving its `with` block) destroys the process groups.
 """
@@ -33,7 +35,7 @@ from megatron_ds.config import Config
 from megatron_ds.distributed import env_world_size, init_distributed, shutdown_distributed
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.run_layout import build_run_layout
-from megatron_ds.model import parallel
+from megatron_ds.model import parallel, rng
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training import deepspeed_config
@@ -146,6 +148,7 @@ def _assemble(
         model=model, optimizer=optimizer, config=ds, lr_scheduler=lr_scheduler
     )
     install_fp32_grad_norm(engine)
+    rng.install_micro_batch_seeding(engine)
     watchdog = Watchdog(config.parallel.distributed_timeout_minutes * 60, dist.get_rank(), engine.stage_id)
     return Pipeline(engine=engine, model=model, optimizer=optimizer, ds_config=ds, layout=layout, watchdog=watchdog)
 

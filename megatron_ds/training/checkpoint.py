@@ -1,15 +1,21 @@
 """Checkpoints through DeepSpeed's engine, written atomically, validated before loading.
 
-Layout of `--save DIR`:
+Layout of `--save DIR` (docs/checkpoints.md has every file):
     DIR/latest                      the tag of the newest complete checkpoint (replaced atomically)
-    DIR/global_step<N>/             DeepSpeed's files: one `layer_XX-model_00-model_states.pt` per
-                                    spec index (layout-independent), per-stage optimizer/ZeRO files
+    DIR/global_step<N>/             DeepSpeed's files: one `layer_XX-model_RR-model_states.pt` per
+                                    spec index and tensor rank (layout-independent), per-stage
+                                    optimizer/ZeRO files
     DIR/global_step<N>/megatron_ds.json   config, train state, layout (written last by rank 0)
     DIR/global_step<N>/rng_rank<R>.pt     each rank's RNG states
+    DIR/global_step<N>.universal/   written by a `--load` under another topology: the universal form
+
+`load` resumes the whole training state under the saved topology (DeepSpeed's own load) or under
+any other P, layout, T, DP size, ZeRO stage or precision (through the universal form,
+`megatron_ds.training.universal`); what may not change is in `checkpoint_rules`.
 
 A weights-only checkpoint (`"weights_only": true` in megatron_ds.json, as `megatron_ds.interop`'s
 Hugging Face import writes) has only the per-spec files: it loads like `--finetune` (iteration
-0, fresh optimizer and schedule) at any P, DP and layout, without a flag.
+0, fresh optimizer and schedule) at any P, T, DP and layout, without a flag.
 
 A checkpoint is written under a temporary name and renamed once every rank has finished; only
 then does `latest` name it, so a crash mid-save never leaves a half checkpoint as latest, and an
@@ -29,16 +35,36 @@ import numpy as np
 import torch
 
 from megatron_ds.config import Config
-from megatron_ds.errors import UserError
 from megatron_ds.pipeline.layout import Layout
+from megatron_ds.training import checkpoint_reader
+from megatron_ds.training.checkpoint_files import LATEST, META, CheckpointError, latest_tag, read_meta, write_atomic
+from megatron_ds.training.checkpoint_rules import (
+    architecture_mismatch,
+    check_compatible,
+    deepspeed_cannot_restore,
+    is_weights_only,
+    precision_notice,
+    regularization_notice,
+    topology_changes,
+)
 from megatron_ds.training.state import TrainState
+from megatron_ds.training.universal import restore, store
+from megatron_ds.training.universal.convert import ensure_converted
+from megatron_ds.training.universal.deepspeed_source import FP32
 
-LATEST = "latest"
-META = "megatron_ds.json"
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be used as asked; the message names the directory and the fix."""
+__all__ = [
+    "LATEST",
+    "META",
+    "CheckpointError",
+    "architecture_mismatch",
+    "check_compatible",
+    "is_weights_only",
+    "latest_tag",
+    "load",
+    "read_meta",
+    "regularization_notice",
+    "save",
+]
 
 
 def check_writable(save_dir: str) -> None:
@@ -51,34 +77,6 @@ def check_writable(save_dir: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise CheckpointError(f"--save {save_dir}: not writable ({e.strerror}); choose a writable directory") from None
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def latest_tag(load_dir: str) -> str | None:
-    """The tag `latest` names, if it points at a complete checkpoint."""
-    pointer = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(pointer):
-        return None
-    tag = open(pointer).read().strip()
-    if not os.path.isfile(os.path.join(load_dir, tag, META)):
-        raise CheckpointError(
-            f"--load {load_dir}: 'latest' names {tag!r}, which is incomplete or missing; "
-            f"point 'latest' at a complete global_step directory"
-        )
-    return tag
-
-
-def read_meta(load_dir: str, tag: str) -> dict[str, Any]:
-    with open(os.path.join(load_dir, tag, META)) as f:
-        return json.load(f)
 
 
 def _free_tag(save_dir: str, iteration: int) -> str:
@@ -126,100 +124,11 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
             "world_size": dist.get_world_size(),
             "format": 1,
         }
-        _write_atomic(os.path.join(save_dir, tmp_tag, META), json.dumps(meta, indent=1))
+        write_atomic(os.path.join(save_dir, tmp_tag, META), json.dumps(meta, indent=1))
         os.replace(os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag))
-        _write_atomic(os.path.join(save_dir, LATEST), tag)
+        write_atomic(os.path.join(save_dir, LATEST), tag)
     dist.barrier()
     return tag
-
-
-WEIGHT_FREE_FIELDS = ("seq_length",)
-"""Architecture fields that shape no weight: a weights-only checkpoint (an import) may be trained on
-with other values. (Dropout and init std are not architecture at all: `regularization_changes`.)"""
-
-
-def is_weights_only(meta: dict[str, Any]) -> bool:
-    """The checkpoint holds model weights only (no optimizer, schedule or RNG state)."""
-    return bool(meta.get("weights_only", False))
-
-
-def architecture_mismatch(saved: dict[str, Any], config: Config) -> list[str]:
-    """Architecture (`ModelConfig`) fields that differ between a checkpoint's config and this run's.
-
-    Regularization (dropout, init std) is not architecture: see `regularization_changes`.
-    """
-    ours = config.to_dict()["model"]
-    # Through from_dict, fields added after the checkpoint was written take their defaults.
-    theirs = Config.from_dict(saved["config"]).to_dict()["model"]
-    free = WEIGHT_FREE_FIELDS if is_weights_only(saved) else ()
-    return [
-        f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)"
-        for k, v in ours.items()
-        if theirs.get(k) != v and k not in free
-    ]
-
-
-def regularization_changes(saved: dict[str, Any], config: Config) -> list[str]:
-    """`RegularizationConfig` fields this run changes relative to the checkpoint (allowed on resume)."""
-    ours = config.to_dict()["regularization"]
-    theirs = Config.from_dict(saved["config"]).to_dict()["regularization"]
-    return [f"{k} {theirs[k]!r} -> {v!r}" for k, v in ours.items() if theirs[k] != v]
-
-
-def regularization_notice(saved: dict[str, Any], config: Config, load_dir: str, tag: str) -> str | None:
-    """The one-line notice printed on resume when dropout or init std differ from the checkpoint's."""
-    changes = regularization_changes(saved, config)
-    if not changes:
-        return None
-    return f"NOTICE: --load {load_dir} ({tag}): regularization differs from the checkpoint's: {'; '.join(changes)}"
-
-
-def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: str) -> None:
-    """Refuse a checkpoint whose weights cannot be loaded into this model at all."""
-    mismatch = architecture_mismatch(meta, config)
-    if mismatch:
-        raise CheckpointError(
-            f"--load {load_dir} ({tag}) has another architecture: {'; '.join(mismatch)}; "
-            f"use matching model flags or another --load directory"
-        )
-    ck = config.checkpoint
-    if (
-        config.training.precision == "bf16"
-        and config.training.zero_stage == 0
-        and not (ck.no_load_optim or ck.finetune or is_weights_only(meta))
-    ):
-        # DeepSpeed 0.19.8's BF16_Optimizer fails to read its own optimizer state back (KeyError in
-        # _load_legacy_checkpoint); refuse up front instead of crashing after start-up.
-        raise CheckpointError(
-            f"--load {load_dir} ({tag}) with --bf16 and --zero-stage 0: DeepSpeed cannot restore "
-            f"this optimizer state; train bf16 with --zero-stage 1, or pass --no-load-optim"
-        )
-    saved_t = meta["config"].get("parallel", {}).get("tensor_model_parallel_size", 1)
-    t = config.parallel.tensor_model_parallel_size
-    if saved_t != t:
-        raise CheckpointError(
-            f"--load {load_dir} ({tag}) was saved with --tensor-model-parallel-size {saved_t} but this run uses {t}: "
-            f"its layers are stored as {saved_t} tensor-parallel shards and are not resharded on load (not even "
-            f"with --no-load-optim or --finetune); rerun with --tensor-model-parallel-size {saved_t}"
-        )
-
-
-def _same_topology(meta: dict[str, Any], config: Config, layout: Layout, world_size: int) -> list[str]:
-    saved = Config.from_dict(meta["config"])
-    diffs = []
-    if meta["layout"] != layout.to_string():
-        diffs.append(f"layout {meta['layout']} vs {layout.to_string()}")
-    if meta.get("world_size") != world_size:
-        diffs.append(f"world size {meta.get('world_size')} vs {world_size}")
-    for name in ("tensor_model_parallel_size", "data_parallel_size"):
-        a, b = getattr(saved.parallel, name), getattr(config.parallel, name)
-        if a != b:
-            diffs.append(f"{name} {a} vs {b}")
-    if saved.training.zero_stage != config.training.zero_stage:
-        diffs.append(f"zero stage {saved.training.zero_stage} vs {config.training.zero_stage}")
-    if saved.training.precision != config.training.precision:
-        diffs.append(f"precision {saved.training.precision} vs {config.training.precision}")
-    return diffs
 
 
 def check_dirs(config: Config) -> None:
@@ -237,11 +146,20 @@ def check_dirs(config: Config) -> None:
                 f"--load-optional to start fresh when none exists yet"
             )
         return
-    check_compatible(read_meta(ck.load, tag), config, ck.load, tag)
+    meta = read_meta(ck.load, tag)
+    check_compatible(meta, config, ck.load, tag)
+    if store.is_universal(meta):
+        store.Universal(os.path.join(ck.load, tag))  # complete and undamaged, before any process group
 
 
 def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainState | None:
-    """Resume from `latest` in `load_dir`; None when there is nothing to load and that is allowed."""
+    """Resume from `latest` in `load_dir`; None when there is nothing to load and that is allowed.
+
+    Saved under this very topology: DeepSpeed loads its own files (and each rank's RNG state).
+    Under another P, layout, T, DP, ZeRO stage or precision, or from a universal checkpoint: the
+    whole training state through the universal form (converted once next to the source). Weights
+    only (`--no-load-optim`, `--finetune`, imports): from the per-spec files, resharded for T.
+    """
     import torch.distributed as dist
 
     ck = config.checkpoint
@@ -251,25 +169,36 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
         return None
     meta = read_meta(load_dir, tag)
     check_compatible(meta, config, load_dir, tag)  # load_dir need not be --load (library callers)
-    notice = regularization_notice(meta, config, load_dir, tag)
-    if notice and dist.get_rank() == 0:
-        print(notice, flush=True)
+    rank0 = dist.get_rank() == 0
     weights_only = ck.no_load_optim or ck.finetune or is_weights_only(meta)
-    moved = _same_topology(meta, config, layout, dist.get_world_size())
-    if moved and not weights_only:
-        raise CheckpointError(
-            f"--load {load_dir} ({tag}) was saved with {'; '.join(moved)}: model weights carry "
-            f"over, optimizer state does not; pass --no-load-optim (or --finetune) to load the "
-            f"weights only"
-        )
+    universal = store.is_universal(meta)
+    moved = ["universal form"] if universal else topology_changes(meta, config, layout, dist.get_world_size())
+    for notice in (
+        regularization_notice(meta, config, load_dir, tag),
+        None if weights_only else precision_notice(meta, config, load_dir, tag),
+    ):
+        if notice and rank0:
+            print(notice, flush=True)
     if weights_only:
-        engine.module.load_state_dir(os.path.join(load_dir, tag), checkpoint_engine=engine.checkpoint_engine)
-        if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
-            # ZeRO and bf16/fp16 optimizers keep their own fp32 copy of the weights, made when the
-            # engine was built; without this the first step would write the initial weights back.
-            engine.optimizer.refresh_fp32_params()
-        if is_weights_only(meta) and dist.get_rank() == 0:
+        _load_weights(engine, config, layout, load_dir, tag, meta)
+        if not (ck.finetune or is_weights_only(meta)):  # the iteration is kept: so are the dropout masks' indices
+            state = meta["train_state"]
+            engine.global_steps, engine.global_samples = state["iteration"], state["consumed_train_samples"]
+        if is_weights_only(meta) and rank0:
             print(f"--load {load_dir} ({tag}) holds weights only: optimizer and learning-rate schedule start fresh")
+    elif moved or deepspeed_cannot_restore(config):
+        if rank0 and not universal:
+            print(
+                f"--load {load_dir} ({tag}) was saved with {'; '.join(moved) or 'bf16 without ZeRO'}: resuming "
+                f"the whole training state through its universal form",
+                flush=True,
+            )
+        path = (
+            os.path.join(load_dir, tag)
+            if universal
+            else ensure_converted(load_dir, tag, 60.0 * config.parallel.distributed_timeout_minutes, show_progress=True)
+        )
+        restore.load_training_state(engine, config, layout, store.Universal(path))
     else:
         engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     rng_file = os.path.join(load_dir, tag, f"rng_rank{dist.get_rank()}.pt")
@@ -278,6 +207,27 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
     if ck.finetune or is_weights_only(meta):
         return TrainState()
     return TrainState(**meta["train_state"])
+
+
+def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, tag: str, meta: dict[str, Any]) -> None:
+    """Model weights only: DeepSpeed's per-spec files at the saved T, else full tensors resharded."""
+    directory = os.path.join(load_dir, tag)
+    if store.is_universal(meta):
+        found = store.Universal(directory)
+        restore.load_weights(engine, config, layout, lambda t: found.read(t.name, FP32))
+        return
+    saved_t = Config.from_dict(meta["config"]).parallel.tensor_model_parallel_size
+    if saved_t == config.parallel.tensor_model_parallel_size:
+        engine.module.load_state_dir(directory, checkpoint_engine=engine.checkpoint_engine)
+        if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
+            # ZeRO and bf16/fp16 optimizers keep their own fp32 copy of the weights, made when the
+            # engine was built; without this the first step would write the initial weights back.
+            engine.optimizer.refresh_fp32_params()
+        return
+    ckpt = checkpoint_reader.open_checkpoint(directory)
+    restore.load_weights(
+        engine, config, layout, lambda t: checkpoint_reader.read_spec_tensor(ckpt, t.spec_index, t.key, t.rule)
+    )
 
 
 def remove_incomplete(save_dir: str) -> None:

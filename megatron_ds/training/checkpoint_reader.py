@@ -20,7 +20,14 @@ import torch
 from megatron_ds.config import Config
 from megatron_ds.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_ds.model import naming, sharding
-from megatron_ds.training.checkpoint import LATEST, META, CheckpointError, latest_tag, read_meta
+from megatron_ds.training.checkpoint_files import (
+    LATEST,
+    META,
+    UNIVERSAL_FORMAT,
+    CheckpointError,
+    latest_tag,
+    read_meta,
+)
 
 TOKENIZER_DIR = "tokenizer"
 """Sub-directory of a checkpoint root where `hf_import` copies the tokenizer files."""
@@ -107,6 +114,11 @@ def _load_state(path: str) -> dict[str, Any]:
 
 def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
     """Every tensor of the model as its full T=1 tensor, in spec order (tied head: no entry)."""
+    if ckpt.meta.get("format") == UNIVERSAL_FORMAT:
+        raise CheckpointError(
+            f"{ckpt.directory}: a universal checkpoint (training state, no per-spec weight files); give the "
+            f"checkpoint it was converted from, or resume it with pretrain_gpt.py --load and --save a regular one"
+        )
     model = ckpt.config.model
     groups = naming.gpt_spec_groups(model)
     first_layer = len(groups.pre)
@@ -117,20 +129,32 @@ def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
         states = [_load_state(layer_file(ckpt.directory, index, r)) for r in range(ckpt.tensor_parallel)]
         layer = index - first_layer if spec == naming.TRANSFORMER_LAYER else None
         for key, rule in rules.items():
-            shards = [_tensor(s, key, layer_file(ckpt.directory, index, r)) for r, s in enumerate(states)]
-            if rule.split == sharding.REPLICATED and sharding.replicas_differ(shards):
-                raise CheckpointError(
-                    f"{layer_file(ckpt.directory, index, 0)}: {key} differs between tensor-parallel ranks; "
-                    f"the checkpoint is damaged"
-                )
-            full = sharding.gather(rule, shards)
-            if tuple(full.shape) != rule.shape:
-                raise CheckpointError(
-                    f"{layer_file(ckpt.directory, index, 0)}: {key} has shape {tuple(full.shape)}, the config in "
-                    f"{META} implies {rule.shape}; the checkpoint is damaged"
-                )
-            yield SpecTensor(index, spec, layer, key, rule, full)
+            yield SpecTensor(index, spec, layer, key, rule, _gathered(ckpt, index, key, rule, states))
         del states
+
+
+def read_spec_tensor(ckpt: Checkpoint, index: int, key: str, rule: sharding.TensorRule) -> torch.Tensor:
+    """One full T=1 tensor (`key` of spec `index`), read from its layer files alone."""
+    states = [_load_state(layer_file(ckpt.directory, index, r)) for r in range(ckpt.tensor_parallel)]
+    return _gathered(ckpt, index, key, rule, states)
+
+
+def _gathered(
+    ckpt: Checkpoint, index: int, key: str, rule: sharding.TensorRule, states: list[dict[str, Any]]
+) -> torch.Tensor:
+    shards = [_tensor(s, key, layer_file(ckpt.directory, index, r)) for r, s in enumerate(states)]
+    if rule.split == sharding.REPLICATED and sharding.replicas_differ(shards):
+        raise CheckpointError(
+            f"{layer_file(ckpt.directory, index, 0)}: {key} differs between tensor-parallel ranks; "
+            f"the checkpoint is damaged"
+        )
+    full = sharding.gather(rule, shards)
+    if tuple(full.shape) != rule.shape:
+        raise CheckpointError(
+            f"{layer_file(ckpt.directory, index, 0)}: {key} has shape {tuple(full.shape)}, the config in "
+            f"{META} implies {rule.shape}; the checkpoint is damaged"
+        )
+    return full
 
 
 def _tensor(state: dict[str, Any], key: str, path: str) -> torch.Tensor:

@@ -1,12 +1,13 @@
-"""On resume only the architecture must match the checkpoint; dropout and init std may change, with a
-notice (the end-to-end run is in tests/e2e/test_pretrain_gpt.py)."""
+"""On resume only the architecture (and, for the whole state, the global batch and the optimizer) must
+match the checkpoint; dropout and init std may change with a notice, the parallel layout freely
+(the end-to-end runs are in tests/e2e/test_pretrain_gpt.py and tests/dist/test_universal_resume.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from megatron_ds.testing.scenario import tiny_config
-from megatron_ds.training import checkpoint
+from megatron_ds.training import checkpoint, checkpoint_rules
 
 SAVED = tiny_config(regularization__hidden_dropout=0.1, regularization__attention_dropout=0.1)
 
@@ -40,3 +41,37 @@ def test_a_checkpoint_from_before_the_split_compares_its_dropout_as_regularizati
     now = SAVED.replace(regularization__attention_dropout=0.0)
     checkpoint.check_compatible(old, now, "ckpt", "t")
     assert "attention_dropout 0.1 -> 0.0" in checkpoint.regularization_notice(old, now, "ckpt", "t")
+
+
+def test_another_parallel_layout_is_a_topology_change_not_an_error() -> None:
+    from megatron_ds.estimate.run_layout import build_run_layout
+
+    now = SAVED.replace(parallel__tensor_model_parallel_size=2, parallel__world_size=2, training__zero_stage=1)
+    checkpoint.check_compatible(meta(SAVED), now, "ckpt", "t")  # no error: resharded on load
+    changes = checkpoint_rules.topology_changes(meta(SAVED), now, build_run_layout(now), 2)
+    assert changes == [
+        "layout E|tttt|L vs Et*4L",
+        "world size 1 vs 2",
+        "tensor_model_parallel_size 1 vs 2",
+        "zero stage 0 vs 1",
+    ]
+
+
+def test_another_global_batch_or_optimizer_is_refused_for_the_whole_state_only() -> None:
+    bigger = SAVED.replace(training__global_batch_size=16)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.check_compatible(meta(SAVED), bigger, "ckpt", "t")
+    assert "trained with --global-batch-size 8, this run uses 16" in str(err.value) and "\n" not in str(err.value)
+    checkpoint.check_compatible(meta(SAVED), bigger.replace(checkpoint__finetune=True), "ckpt", "t")
+    sgd = SAVED.replace(optimizer__optimizer="sgd")
+    with pytest.raises(checkpoint.CheckpointError, match="holds adam's optimizer state, this run uses --optimizer sgd"):
+        checkpoint.check_compatible(meta(SAVED), sgd, "ckpt", "t")
+    checkpoint.check_compatible(meta(SAVED), sgd.replace(checkpoint__no_load_optim=True), "ckpt", "t")
+
+
+def test_a_padded_vocabulary_that_moves_with_t_names_the_fix() -> None:
+    at_t2 = SAVED.replace(model__vocab_size=256, parallel__tensor_model_parallel_size=2, parallel__world_size=2)
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.check_compatible(meta(at_t2), SAVED, "ckpt", "t")
+    assert "vocab_size 256 (checkpoint) vs 128 (now)" in str(err.value)
+    assert "choose --make-vocab-size-divisible-by so that the padded size stays 256" in str(err.value)

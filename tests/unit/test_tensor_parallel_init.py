@@ -170,20 +170,33 @@ def test_replicated_stream_is_independent_of_the_default_generator() -> None:
     assert torch.equal(torch.get_rng_state(), default_after)  # the default generator was not advanced
 
 
-def test_dropout_streams_travel_in_the_state_dict() -> None:
-    model = MODEL
-    layer = TransformerLayer(model, DROPOUT, SEED).train()
-    x = torch.randn(2, model.seq_length, model.hidden_size)
-    rng.reset_streams()
+def test_masks_are_a_function_of_the_global_micro_batch() -> None:
+    """Reseeded for micro-batch g, a layer draws the same masks whatever ran before; another g, others."""
+    layer = TransformerLayer(MODEL, DROPOUT, SEED).train()
+    streams = rng.module_streams(layer)
+    assert [s.name for s in streams] == [layer.hidden_stream.name, layer.attention_stream.name]
+    x = torch.randn(2, MODEL.seq_length, MODEL.hidden_size)
+    rng.seed_streams(streams, 5)
+    first = layer(x)
     layer(x)  # advances both streams
+    rng.seed_streams(streams, 5)
+    assert torch.equal(layer(x), first)
+    rng.seed_streams(streams, 6)
+    assert not torch.equal(layer(x), first)
+    # Micro-batch 1 of data-parallel rank 1 (DP=2) holds the samples of micro-batch 3 at DP=1.
+    assert rng.micro_batch_first_sample(48, 1, 2, 2, 1) == rng.micro_batch_first_sample(48, 3, 2, 1, 0) == 54
+
+
+def test_micro_batch_seeds_differ_in_their_low_32_bits() -> None:
+    """The CPU generator keeps the low 32 bits of a seed: neighbouring streams and indices must differ there."""
+    low = {rng.micro_batch_seed(seed, g) & 0xFFFFFFFF for seed in range(50) for g in range(200)}
+    assert len(low) == 50 * 200
+    assert all(0 <= rng.micro_batch_seed(2**62 + s, 10**9) < 2**63 for s in range(10))
+
+
+def test_a_legacy_stream_entry_in_a_layer_file_is_dropped_on_load() -> None:
+    layer = TransformerLayer(MODEL, DROPOUT, SEED)
     saved = layer.state_dict()
-    assert saved[rng.STATE_DICT_KEY].shape[0] == 2
-    expected = layer(x)
-    rng.reset_streams()  # a fresh process: streams start from their seeds ...
-    fresh = TransformerLayer(model, DROPOUT, SEED).train()
-    assert not torch.equal(fresh(x), expected)
-    rng.reset_streams()
-    fresh.load_state_dict(saved)  # ... until the checkpoint restores them
-    assert torch.equal(fresh(x), expected)
-    del saved[rng.STATE_DICT_KEY]
-    fresh.load_state_dict(saved)  # an older checkpoint without the entry still loads (strict)
+    assert rng.LEGACY_STATE_DICT_KEY not in saved
+    saved[rng.LEGACY_STATE_DICT_KEY] = torch.zeros(2, 8, dtype=torch.uint8)  # as checkpoints before reseeding
+    TransformerLayer(MODEL, DROPOUT, SEED).load_state_dict(saved)  # strict, and no error

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_ds.arguments import parse_config
 from megatron_ds.training.checkpoint import CheckpointError, architecture_mismatch, check_compatible
+from megatron_ds.training.checkpoint_rules import deepspeed_cannot_restore
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "128"]
 RUN = ["--train-iters", "1", "--lr", "1e-3", "--world-size", "1"]
@@ -26,8 +27,12 @@ def test_fields_that_shape_no_weight_may_change_only_for_weights_only_checkpoint
     assert {m.split()[0] for m in full} == {"seq_length", "max_position_embeddings"}  # dropout: not architecture
 
 
-def test_bf16_without_zero_loads_a_weights_only_checkpoint() -> None:
+def test_bf16_without_zero_loads_weights_only_and_whole_checkpoints() -> None:
+    """DeepSpeed's BF16_Optimizer cannot read its own state back: a whole-state resume goes through
+    the universal form instead of being refused."""
     now, _ = parse_config([*BASE, *RUN, "--seq-length", "16", "--bf16"])
     check_compatible(_meta(["--seq-length", "16", "--bf16"], weights_only=True), now, "d", "global_step0")
-    with pytest.raises(CheckpointError, match="--bf16 and --zero-stage 0"):
-        check_compatible(_meta(["--seq-length", "16", "--bf16"], weights_only=False), now, "d", "global_step1")
+    check_compatible(_meta(["--seq-length", "16", "--bf16"], weights_only=False), now, "d", "global_step1")
+    assert deepspeed_cannot_restore(now)
+    with pytest.raises(CheckpointError, match="another architecture"):
+        check_compatible(_meta(["--seq-length", "32", "--bf16"], weights_only=False), now, "d", "global_step1")

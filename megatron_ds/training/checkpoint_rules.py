@@ -1,0 +1,130 @@
+"""What may change between a checkpoint and the run that loads it, and what may not.
+
+Free: dropout and init std (a notice), and the whole parallel layout: P, the stage split, T, DP,
+ZeRO stage and precision (`topology_changes`; a full resume then goes through the universal form,
+`megatron_ds.training.universal`). Refused with one line: another architecture, and for a full
+resume another global batch size or optimizer. Pure: no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_ds.config import Config
+from megatron_ds.pipeline.layout import Layout
+from megatron_ds.training.checkpoint_files import CheckpointError
+
+WEIGHT_FREE_FIELDS = ("seq_length",)
+"""Architecture fields that shape no weight: a weights-only checkpoint (an import) may be trained on
+with other values. (Dropout and init std are not architecture at all: `regularization_changes`.)"""
+
+
+def is_weights_only(meta: dict[str, Any]) -> bool:
+    """The checkpoint holds model weights only (no optimizer, schedule or RNG state)."""
+    return bool(meta.get("weights_only", False))
+
+
+def architecture_mismatch(saved: dict[str, Any], config: Config) -> list[str]:
+    """Architecture (`ModelConfig`) fields that differ between a checkpoint's config and this run's.
+
+    Regularization (dropout, init std) is not architecture: see `regularization_changes`.
+    """
+    ours = config.to_dict()["model"]
+    # Through from_dict, fields added after the checkpoint was written take their defaults.
+    theirs = Config.from_dict(saved["config"]).to_dict()["model"]
+    free = WEIGHT_FREE_FIELDS if is_weights_only(saved) else ()
+    return [
+        f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)"
+        for k, v in ours.items()
+        if theirs.get(k) != v and k not in free
+    ]
+
+
+def regularization_changes(saved: dict[str, Any], config: Config) -> list[str]:
+    """`RegularizationConfig` fields this run changes relative to the checkpoint (allowed on resume)."""
+    ours = config.to_dict()["regularization"]
+    theirs = Config.from_dict(saved["config"]).to_dict()["regularization"]
+    return [f"{k} {theirs[k]!r} -> {v!r}" for k, v in ours.items() if theirs[k] != v]
+
+
+def regularization_notice(saved: dict[str, Any], config: Config, load_dir: str, tag: str) -> str | None:
+    """The one-line notice printed on resume when dropout or init std differ from the checkpoint's."""
+    changes = regularization_changes(saved, config)
+    if not changes:
+        return None
+    return f"NOTICE: --load {load_dir} ({tag}): regularization differs from the checkpoint's: {'; '.join(changes)}"
+
+
+def _vocabulary_hint(saved: Config, config: Config) -> str:
+    """Why the padded vocabulary differs when only T changed: `--make-vocab-size-divisible-by` pads to a
+    multiple of that x T, so keep the padded rows with a divisor that gives the checkpoint's size."""
+    t_saved, t = saved.parallel.tensor_model_parallel_size, config.parallel.tensor_model_parallel_size
+    if saved.model.vocab_size == config.model.vocab_size or t_saved == t:
+        return ""
+    return (
+        f" (the padded vocabulary follows --make-vocab-size-divisible-by x --tensor-model-parallel-size; at T={t} "
+        f"choose --make-vocab-size-divisible-by so that the padded size stays {saved.model.vocab_size})"
+    )
+
+
+def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: str) -> None:
+    """Refuse a checkpoint this run cannot continue from (one line naming the difference and the fix)."""
+    saved = Config.from_dict(meta["config"])
+    mismatch = architecture_mismatch(meta, config)
+    if mismatch:
+        raise CheckpointError(
+            f"--load {load_dir} ({tag}) has another architecture: {'; '.join(mismatch)}; "
+            f"use matching model flags or another --load directory{_vocabulary_hint(saved, config)}"
+        )
+    ck = config.checkpoint
+    if ck.no_load_optim or ck.finetune or is_weights_only(meta):
+        return
+    a, b = saved.training.global_batch_size, config.training.global_batch_size
+    if a != b:
+        raise CheckpointError(
+            f"--load {load_dir} ({tag}) was trained with --global-batch-size {a}, this run uses {b}: the data "
+            f"position, learning-rate schedule and dropout masks count in its batches; use --global-batch-size {a}, "
+            f"or --finetune to start a new run from its weights"
+        )
+    a, b = saved.optimizer.optimizer, config.optimizer.optimizer
+    if a != b:
+        raise CheckpointError(
+            f"--load {load_dir} ({tag}) holds {a}'s optimizer state, this run uses --optimizer {b}; use "
+            f"--optimizer {a}, or --no-load-optim to load the weights only"
+        )
+
+
+def topology_changes(meta: dict[str, Any], config: Config, layout: Layout, world_size: int) -> list[str]:
+    """How this run's parallel layout differs from the checkpoint's ([] when DeepSpeed can load it as saved)."""
+    saved = Config.from_dict(meta["config"])
+    diffs = []
+    if meta.get("layout") != layout.to_string():
+        diffs.append(f"layout {meta.get('layout')} vs {layout.to_string()}")
+    if meta.get("world_size") != world_size:
+        diffs.append(f"world size {meta.get('world_size')} vs {world_size}")
+    for name in ("tensor_model_parallel_size", "data_parallel_size"):
+        a, b = getattr(saved.parallel, name), getattr(config.parallel, name)
+        if a != b:
+            diffs.append(f"{name} {a} vs {b}")
+    if saved.training.zero_stage != config.training.zero_stage:
+        diffs.append(f"zero stage {saved.training.zero_stage} vs {config.training.zero_stage}")
+    if saved.training.precision != config.training.precision:
+        diffs.append(f"precision {saved.training.precision} vs {config.training.precision}")
+    return diffs
+
+
+def precision_notice(meta: dict[str, Any], config: Config, load_dir: str, tag: str) -> str | None:
+    """The notice for a full resume in another precision (fp32 masters and moments carry over)."""
+    a, b = Config.from_dict(meta["config"]).training.precision, config.training.precision
+    if a == b:
+        return None
+    return (
+        f"NOTICE: --load {load_dir} ({tag}) was trained in {a}, this run trains in {b}: the fp32 master weights "
+        f"and optimizer moments carry over, the steps from here compute in {b}"
+    )
+
+
+def deepspeed_cannot_restore(config: Config) -> bool:
+    """DeepSpeed 0.19.8's BF16_Optimizer (bf16 without ZeRO) fails to read its own optimizer state back
+    (KeyError in `_load_legacy_checkpoint`): such a resume goes through the universal form instead."""
+    return config.training.precision == "bf16" and config.training.zero_stage == 0

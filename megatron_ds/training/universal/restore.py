@@ -1,0 +1,162 @@
+"""Load the universal form into a live engine: each rank takes exactly its own parameters and shards.
+
+For every parameter of the rank's stage (`names.stage_parameters`, checked against the module) the
+full tensor is read, this tensor rank's shard cut from it (`sharding.split`) and copied into
+  * the model weight (in the model's dtype: bf16 weights are the fp32 masters rounded);
+  * with ZeRO-1 or bf16 (DeepSpeed's ZeRO and BF16 optimizers keep a flat fp32 partition per
+    group and data-parallel rank): this rank's fragment of the fp32 master and of each Adam state,
+    through DeepSpeed's own fragment mapping (`safe_set_full_fp32_param`,
+    `safe_set_full_optimizer_state`), after the flat states are created;
+  * with ZeRO-0 in fp32 (a plain torch optimizer): the parameter's optimizer state.
+Placeholders keep their zero value and get zero state. Then DeepSpeed's step counters, the
+learning-rate schedule and (fp16 to fp16) the loss scaler are restored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_ds.config import Config
+from megatron_ds.model import sharding
+from megatron_ds.pipeline.layout import Layout
+from megatron_ds.training.checkpoint_files import CheckpointError
+from megatron_ds.training.optimizer import GROUP_NAMES
+from megatron_ds.training.universal import names
+from megatron_ds.training.universal.deepspeed_source import FP32
+from megatron_ds.training.universal.store import Universal
+
+ReadFull = Callable[[names.ModelTensor], torch.Tensor]
+"""Returns one layout-free tensor's full weight."""
+
+
+def _stage_params(engine: Any, config: Config, layout: Layout) -> list[tuple[names.StageParameter, torch.nn.Parameter]]:
+    params = names.stage_parameters(config.model, layout, engine.stage_id)
+    live = dict(engine.module.named_parameters())
+    assert [p.module_name for p in params] == list(live), ([p.module_name for p in params], list(live))
+    return [(p, live[p.module_name]) for p in params]
+
+
+def _shard(engine: Any, tensor: names.ModelTensor, full: torch.Tensor) -> torch.Tensor:
+    tp = engine.module.tensor_parallel
+    return sharding.split(tensor.rule, full, tp.size)[tp.rank] if tp.size > 1 else full
+
+
+@torch.no_grad()
+def load_weights(engine: Any, config: Config, layout: Layout, read_full: ReadFull) -> None:
+    """Copy every weight of this rank from `read_full` (cast to the model's dtype), then refresh
+    the fp32 copies ZeRO and bf16 optimizers keep (else the first step would write them back)."""
+    for sp, param in _stage_params(engine, config, layout):
+        if sp.tensor is not None:
+            param.copy_(_shard(engine, sp.tensor, read_full(sp.tensor)).to(param.dtype))
+    if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
+        engine.optimizer.refresh_fp32_params()
+
+
+@torch.no_grad()
+def load_training_state(engine: Any, config: Config, layout: Layout, universal: Universal) -> None:
+    """Weights, fp32 masters, optimizer states and step, engine counters, schedule, loss scaler."""
+    saved_optimizer = universal.meta["optimizer"]
+    if saved_optimizer.get("name") != config.optimizer.optimizer:
+        raise CheckpointError(
+            f"{universal.directory}: its optimizer state is {saved_optimizer.get('name')}'s, this run uses "
+            f"--optimizer {config.optimizer.optimizer}; use the same optimizer or pass --no-load-optim"
+        )
+    target = _optimizer_target(engine.optimizer, universal)
+    for sp, param in _stage_params(engine, config, layout):
+        if sp.tensor is None:
+            continue
+        master = _shard(engine, sp.tensor, universal.read(sp.tensor.name, FP32))
+        param.copy_(master.to(param.dtype))
+        states = {k: _shard(engine, sp.tensor, universal.read(sp.tensor.name, k)) for k in universal.states}
+        target.set(param, master, states)
+    target.finish([p for sp, p in _stage_params(engine, config, layout) if sp.tensor is None])
+    _restore_engine(engine, config, universal)
+
+
+class _TorchTarget:
+    """A plain torch optimizer (ZeRO-0, fp32): its state keyed by parameter; the weight is the master."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, universal: Universal) -> None:
+        self.optimizer, self.universal = optimizer, universal
+        self.step = {
+            id(p): universal.group_step(g.get("name", GROUP_NAMES[min(i, 1)]))
+            for i, g in enumerate(optimizer.param_groups)
+            for p in g["params"]
+        }
+
+    def set(self, param: torch.nn.Parameter, master: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+        del master  # the fp32 weight itself
+        if states:
+            self.optimizer.state[param] = {
+                **self._step(param),
+                **{k: v.to(param.device, copy=True) for k, v in states.items()},
+            }
+
+    def finish(self, placeholders: list[torch.nn.Parameter]) -> None:
+        for p in placeholders:
+            if self.universal.states:
+                self.optimizer.state[p] = {**self._step(p), **{k: torch.zeros_like(p) for k in self.universal.states}}
+
+    def _step(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        step = self.step.get(id(param))
+        return {} if step is None else {"step": torch.tensor(float(step), dtype=torch.float32)}
+
+
+class _FlatTarget:
+    """DeepSpeed's ZeRO-1/2 or BF16 optimizer: flat fp32 partitions, linked to each parameter by `_hp_mapping`."""
+
+    def __init__(self, wrapper: Any, lp_groups: list[list[torch.nn.Parameter]], universal: Universal) -> None:
+        from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+        self.wrapper, self.states = wrapper, universal.states
+        base = wrapper.optimizer
+        if self.states:
+            for name, group, lp in zip(GROUP_NAMES, base.param_groups, lp_groups):
+                flat = group["params"][0]
+                state = {k: torch.zeros_like(flat) for k in self.states}
+                step = universal.group_step(name)
+                base.state[flat] = ({} if step is None else {"step": torch.tensor(float(step))}) | state
+                lazy_init_hp_params_optimizer_state(lp, flat, base.state)  # fragments view the new states
+            wrapper._hp_optimizer_states_linked = True
+
+    def set(self, param: torch.nn.Parameter, master: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        safe_set_full_fp32_param(param, master)
+        for key, value in states.items():
+            safe_set_full_optimizer_state(param, value, key)
+
+    def finish(self, placeholders: list[torch.nn.Parameter]) -> None:
+        del placeholders  # zero already: the flat states were created zero
+
+
+def _optimizer_target(optimizer: Any, universal: Universal) -> _TorchTarget | _FlatTarget:
+    groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
+    if groups is not None:
+        return _FlatTarget(optimizer, groups, universal)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _TorchTarget(optimizer, universal)
+    raise CheckpointError(
+        f"{universal.directory}: this run's optimizer ({type(optimizer).__name__}: --fp16 without ZeRO) cannot take "
+        f"a converted optimizer state; use --zero-stage 1, or pass --no-load-optim"
+    )
+
+
+def _restore_engine(engine: Any, config: Config, universal: Universal) -> None:
+    counters = universal.meta["engine"]
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]
+    engine.skipped_steps = counters["skipped_steps"]
+    schedule = universal.lr_scheduler_state()
+    if engine.lr_scheduler is not None and schedule is not None:
+        engine.lr_scheduler.load_state_dict(schedule)
+    scaler = universal.meta["optimizer"].get("loss_scaler")
+    source_precision = universal.meta.get("source", {}).get("precision")
+    if scaler and config.training.precision == "fp16" and source_precision == "fp16":
+        live = getattr(engine.optimizer, "loss_scaler", None)
+        for key, value in scaler.items():
+            if live is not None and hasattr(live, key):
+                setattr(live, key, value)
