@@ -72,6 +72,14 @@ DISTRIBUTED: tuple[Flag, ...] = (
         "parallel.pp_partition_method",
         megatron=False,
     ),
+    accepted(
+        "--pp-memory-limit",
+        _DIST,
+        "bytes per device for --pp-partition-method fastest/profile, e.g. 80GiB or 500MB (default: the GPU's "
+        "memory; required on CPU)",
+        "parallel.pp_memory_limit",
+        megatron=False,
+    ),
     switch(
         "--print-layout",
         _DIST,
