@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed warning on every rank
     from megatron_ds.arguments import parse_config
     from megatron_ds.distributed import shutdown_distributed
-    from megatron_ds.estimate.run_layout import build_run_layout, predicted_memory_table, uses_memory_model
+    from megatron_ds.estimate.run_layout import build_run_layout, layout_report
 
     clean = False
     try:
@@ -53,8 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_layout:
             par = config.parallel
             print(layout.format(par.data_parallel_size, par.tensor_model_parallel_size))
-            if uses_memory_model(config):
-                print(predicted_memory_table(config, layout))
+            report = layout_report(config, layout)
+            if report:
+                print(report)
             return 0
         from megatron_ds.training.inputs import check_inputs
         from megatron_ds.training.loop import pretrain

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stage_memory import COMMON, LAYOUTS, MODELS, NUM_STAGES  # noqa: E402 - the same models and layouts
+from stage_memory import COMMON, LAYOUTS, LIMITED, MODELS, NUM_STAGES  # noqa: E402 - the same models and layouts
 
 from megatron_ds.arguments import parse_config  # noqa: E402
 from megatron_ds.config import Config  # noqa: E402
@@ -42,7 +42,9 @@ MIB = 2.0**20
 
 
 def config_for(model: str, layout: str, extra: list[str]) -> Config:
-    config, _ = parse_config([*MODELS[model], *LAYOUTS[layout], *COMMON, *extra], world_size=NUM_STAGES)
+    config, _ = parse_config(
+        [*MODELS[model], *LAYOUTS[layout], *COMMON, *extra, "--print-layout"], world_size=NUM_STAGES
+    )
     return config
 
 
@@ -137,7 +139,7 @@ def fastest(config: Config, stage_time: StageTimeFn, limit: float) -> list[int]:
 
 
 def report(model: str, tight: float, extra: list[str], measured: bool) -> str:
-    configs = {name: config_for(model, name, extra) for name in LAYOUTS}
+    configs = {name: config_for(model, name, extra) for name in LAYOUTS if name not in LIMITED}
     base = configs["stock"]
     inputs = compute_inputs(base)
     stage_time, summary = measured_time(inputs) if measured else (flop_time(inputs), "")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ds.config.checks import at_least, optional_at_least
+from megatron_ds.config.checks import at_least, optional_at_least, positive
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,12 @@ class LoggingConfig:
     """Write the logging rank's measured memory when the memory report is made (`--log-memory-to-tensorboard`)."""
     log_world_size_to_tensorboard: bool = False
     """Write the world size (`--log-world-size-to-tensorboard`)."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device for the log line's MFU (`--peak-tflops`); None: looked up by device
+    name and precision (`estimate.device_peaks`), no MFU when unknown."""
 
     def __post_init__(self) -> None:
         at_least("--log-interval", self.log_interval, 1)
         at_least("--tensorboard-queue-size", self.tensorboard_queue_size, 1)
+        if self.peak_tflops is not None:
+            positive("--peak-tflops", self.peak_tflops)

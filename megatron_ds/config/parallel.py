@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 from megatron_ds.config.checks import at_least, check, one_of, positive
+from megatron_ds.errors import ConfigError
 
 DEDICATED_CHOICES = ("none", "pre", "post", "both")
 BACKENDS = ("nccl", "gloo")
@@ -34,7 +37,11 @@ class ParallelConfig:
     """Explicit layout string in Megatron-LM's grammar, e.g. `E|t*3|t*3|L`, or `auto` (`--pp-layout`)."""
     pp_partition_method: str | None = None
     """How stage boundaries are balanced (`--pp-partition-method`: `uniform`, `parameters`, `memory`,
-    `type:REGEX`, weighted types); None: `type:transformer`."""
+    `fastest`, `profile`, `type:REGEX`, weighted types); None: `type:transformer`."""
+    pp_memory_limit: str | None = None
+    """Bytes each device may hold, for `--pp-partition-method fastest` / `profile`
+    (`--pp-memory-limit`): a number of bytes or one with a unit, `80GiB`, `500MB` (`memory_limit_bytes`).
+    None: the GPU's memory; required on CPU."""
     pipeline_model_parallel_layout: str | None = None
     """Megatron-LM's `--pipeline-model-parallel-layout`: a layout string with megatron-core's meaning
     (the `--pp-layout` grammar, without our `auto`)."""
@@ -70,6 +77,13 @@ class ParallelConfig:
         if self.distributed_backend is not None:
             one_of("--distributed-backend", self.distributed_backend, BACKENDS)
         positive("--distributed-timeout-minutes", self.distributed_timeout_minutes)
+        if self.pp_memory_limit is not None:
+            parse_memory_size(self.pp_memory_limit)
+
+    @property
+    def memory_limit_bytes(self) -> float | None:
+        """`pp_memory_limit` in bytes (None when not given)."""
+        return None if self.pp_memory_limit is None else parse_memory_size(self.pp_memory_limit)
 
     @property
     def model_parallel_size(self) -> int:
@@ -98,3 +112,20 @@ class ParallelConfig:
         if any(v is not None for v in megatron_split):
             return "Megatron-LM split"
         return self.pp_partition_method or "type:transformer"
+
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+SIZE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_memory_size(value: object, flag: str = "--pp-memory-limit") -> float:
+    """Bytes from `80GiB` (binary units), `80GB` (decimal), `1e9` or `1073741824`; ConfigError otherwise."""
+    text = str(value).strip().lower().replace(" ", "")
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([a-z]*)", text)
+    size = float(match.group(1)) * SIZE_UNITS[match.group(2)] if match and match.group(2) in SIZE_UNITS else math.nan
+    if not (math.isfinite(size) and size > 0):
+        raise ConfigError(
+            f"{flag} {value!r} is not a memory size; give bytes or a number with a unit (B, KB, MB, GB, KiB, MiB, "
+            f"GiB, TiB), e.g. {flag} 80GiB"
+        )
+    return size

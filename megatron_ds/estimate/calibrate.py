@@ -1,18 +1,29 @@
-"""Measured time of each spec type, to turn the compute model into seconds (for a `profile` partition).
+"""Measured time of each spec group, to turn the compute model into seconds (`--pp-partition-method profile`).
 
 `calibrate(model, b)` builds one copy of each group of our GPT (the pre group, one transformer
 layer, the post group with the loss) in this process, at T = 1, and times one micro-batch's forward
-and backward of each: the median of `repeats` runs after `warmup` untimed ones. `stage_time_fn`
-then gives the `megatron_ds.pipeline.fastest` cost function: stage s holding k layers takes
-pre + k x layer + post (its groups), and recomputed layers add a layer forward to the backward
-(`megatron_ds.estimate.compute.recomputed_layers`).
+and backward of each, and the optimizer step over its parameters (the gradient-norm clip and the
+AdamW/SGD step with the kernel training uses, `model_states.OPTIMIZER_KERNEL`): the median of
+`repeats` runs after `warmup` untimed ones. `stage_time_fn` then gives the
+`megatron_ds.pipeline.fastest` cost function: stage s holding k layers takes pre + k x layer + post
+(its groups), recomputed layers add a layer forward to the backward
+(`megatron_ds.estimate.compute.recomputed_layers`), and at T > 1 each group's time is scaled by
+its FLOPs per tensor rank over its FLOPs at T = 1.
+
+Clock: on CPU, this process's CPU time (`time.process_time`), the same clock the pipeline's stage
+timers use for compute (`training/stage_timers.py`): on a machine shared with other processes
+(several ranks on a few cores) wall time counts the time a process waits for a core, CPU time
+does not. On CUDA, wall time after `torch.cuda.synchronize()`.
 
 Times are of this process on this device with its thread settings: calibrate where the run will
-run (a GPU stage on a GPU, with the run's precision), not on a login node.
+run (a GPU stage on a GPU, with the run's precision), not on a login node. `cached_calibration`
+times once per process and set of inputs (argument validation and the run share it);
+`training/builder.py` has every rank adopt rank 0's numbers, so all ranks build one layout.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +33,7 @@ import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate.compute import ComputeInputs, recomputed_layers, spec_flops
+from megatron_ds.estimate.model_states import optimizer_kernel_options
 from megatron_ds.model import naming
 from megatron_ds.model.gpt_pipe import build_layer_specs
 from megatron_ds.model.layers import cross_entropy_loss
@@ -29,6 +41,7 @@ from megatron_ds.pipeline.fastest import StageTime
 
 GROUPS = ("pre", "layer", "post")
 """What is timed, in this order: the pre group, one transformer layer, the post group and the loss."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,8 @@ class GroupTiming:
     backward: float
     flops: int
     """Forward + backward FLOPs of the group by the compute model (for FLOP/s)."""
+    optimizer: float = 0.0
+    """Seconds of the gradient-norm clip and the optimizer step over the group's parameters."""
 
     @property
     def flops_per_second(self) -> float:
@@ -59,27 +74,56 @@ NO_DROPOUT = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
 """Timing default: the flash kernel on CPU, as training without attention dropout runs."""
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+def clock(device: str) -> Callable[[], float]:
+    """Seconds: process CPU time on CPU, synchronised wall time on CUDA (see the module docstring)."""
+    if device == "cuda":
+
+        def synchronized() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+
+        return synchronized
+    return time.process_time
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int, now: Callable[[], float]) -> float:
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         fn()
-        samples.append(time.perf_counter() - start)
+        samples.append(now() - start)
     return statistics.median(samples)
 
 
-def _time_group(run: Callable[[], torch.Tensor], repeats: int, warmup: int) -> tuple[float, float]:
+def _time_group(
+    run: Callable[[], torch.Tensor], repeats: int, warmup: int, now: Callable[[], float]
+) -> tuple[float, float]:
     """(forward, backward) seconds of `run` (returns a tensor; backward from a ones gradient)."""
 
     def backward_once() -> None:
         out = run()
         out.backward(torch.ones_like(out))
 
-    forward = _median_seconds(lambda: run().detach(), repeats, warmup)
-    both = _median_seconds(backward_once, repeats, warmup)
+    forward = _median_seconds(lambda: run().detach(), repeats, warmup, now)
+    both = _median_seconds(backward_once, repeats, warmup, now)
     return forward, max(both - forward, 0.0)
+
+
+def _time_optimizer(params: list[torch.Tensor], device: str, repeats: int, warmup: int) -> float:
+    """Seconds of clipping and stepping `params` (fresh fp32 copies with gradients, as DeepSpeed's
+    wrappers step fp32 tensors) with the kernel training uses on `device`."""
+    copies = [torch.nn.Parameter(p.detach().float().clone()) for p in params if p.numel()]
+    for p in copies:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(copies, lr=1e-9, weight_decay=0.1, **optimizer_kernel_options(device))
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(copies, 1.0)
+        opt.step()
+
+    return _median_seconds(step, repeats, warmup, clock(device)) if copies else 0.0
 
 
 def calibrate(
@@ -89,20 +133,24 @@ def calibrate(
     warmup: int = 1,
     seed: int = 1234,
     regularization: RegularizationConfig = NO_DROPOUT,
+    device: str = "cpu",
+    precision: str = "fp32",
 ) -> Calibration:
-    """Time each group once in this process (T = 1, fp32, on CPU tensors). Pass the run's
+    """Time each group once in this process (T = 1) on `device` in `precision`. Pass the run's
     `regularization`: attention dropout changes which SDPA kernel runs (see estimate.compute)."""
     torch.manual_seed(seed)
+    dtype, now = DTYPES[precision], clock(device)
     groups = naming.gpt_spec_groups(model)
     specs = build_layer_specs(model, regularization, seed)
-    modules = [s.build() if hasattr(s, "build") else s for s in specs]
     first_layer = len(groups.pre)
     first_post = first_layer + model.num_layers
+    timed = set(range(first_layer + 1)) | set(range(first_post, len(specs)))  # one layer of the N
+    modules = [_built(spec, device, dtype) if i in timed else None for i, spec in enumerate(specs)]
     embedding = modules[groups.pre.index(naming.WORD_EMBEDDING)]
     b, s, h, v = micro_batch_size, model.seq_length, model.hidden_size, model.vocab_size
-    tokens = torch.randint(0, v, (b, s))
-    labels = (torch.randint(0, v, (b, s)), torch.ones(b, s))
-    hidden = torch.randn(b, s, h, requires_grad=True)  # as a received activation
+    tokens = torch.randint(0, v, (b, s), device=device)
+    labels = (torch.randint(0, v, (b, s), device=device), torch.ones(b, s, device=device))
+    hidden = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)  # as a received activation
 
     def run_pre() -> torch.Tensor:
         x = tokens
@@ -118,32 +166,68 @@ def calibrate(
         return cross_entropy_loss(x, labels)
 
     layer = modules[first_layer]
-    flops = spec_flops(ComputeInputs(model, micro_batch_size))
-    totals = {
-        "pre": sum(sp.forward + sp.backward for sp in flops if sp.group == "pre"),
-        "layer": next(sp.forward + sp.backward for sp in flops if sp.group == "body"),
-        "post": sum(sp.forward + sp.backward for sp in flops if sp.group in ("post", "loss")),
+    tied = [] if model.untie_embeddings_and_output_weights else list(embedding.parameters())
+    params = {
+        "pre": _parameters(modules[:first_layer]),
+        "layer": _parameters([layer]),
+        "post": _parameters(modules[first_post:]) + tied,  # the tied head's copy
     }
+    totals = _group_flops(ComputeInputs(model, micro_batch_size))
     runs = {"pre": run_pre, "layer": lambda: layer(hidden), "post": run_post}
     timings = []
     for name in GROUPS:
-        fwd, bwd = _time_group(runs[name], repeats, warmup)
-        timings.append(GroupTiming(name, fwd, bwd, totals[name]))
+        fwd, bwd = _time_group(runs[name], repeats, warmup, now)
+        opt = _time_optimizer(params[name], device, repeats, warmup)
+        timings.append(GroupTiming(name, fwd, bwd, totals[name], opt))
     return Calibration(micro_batch_size, tuple(timings))
 
 
+def _built(spec: object, device: str, dtype: torch.dtype) -> Callable:
+    """A LayerSpec built on `device` in `dtype`, or a plain function (a cast) as it is."""
+    built = spec.build() if hasattr(spec, "build") else spec
+    return built.to(device=device, dtype=dtype) if isinstance(built, torch.nn.Module) else built
+
+
+@functools.lru_cache(maxsize=8)
+def cached_calibration(
+    model: ModelConfig, micro_batch_size: int, regularization: RegularizationConfig, device: str, precision: str
+) -> Calibration:
+    """`calibrate` once per process and inputs (validating the flags and building the run share it)."""
+    return calibrate(
+        model, micro_batch_size, repeats=5, warmup=2, regularization=regularization, device=device, precision=precision
+    )
+
+
+def _parameters(modules: list) -> list[torch.Tensor]:
+    return [p for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters()]
+
+
+def _group_flops(inputs: ComputeInputs) -> dict[str, int]:
+    specs = spec_flops(inputs)
+    return {
+        "pre": sum(sp.forward + sp.backward for sp in specs if sp.group == "pre"),
+        "layer": next(sp.forward + sp.backward for sp in specs if sp.group == "body"),
+        "post": sum(sp.forward + sp.backward for sp in specs if sp.group in ("post", "loss")),
+    }
+
+
 def stage_time_fn(calibration: Calibration, inputs: ComputeInputs, num_stages: int) -> Callable[[int, int], StageTime]:
-    """The measured `stage_time(s, k)` for `megatron_ds.pipeline.fastest` (optimizer time 0)."""
+    """The measured `stage_time(s, k)` for `megatron_ds.pipeline.fastest`, in seconds."""
     assert inputs.micro_batch_size == calibration.micro_batch_size, (inputs, calibration.micro_batch_size)
     groups = naming.gpt_spec_groups(inputs.model)
+    one_rank = _group_flops(ComputeInputs(inputs.model, inputs.micro_batch_size))
+    per_rank = _group_flops(inputs)
+    scale = {g: per_rank[g] / one_rank[g] if one_rank[g] else 1.0 for g in GROUPS}  # 1 at T = 1
     pre, layer, post = (calibration.group(g) for g in GROUPS)
     interval = inputs.checkpoint_num_layers if inputs.checkpoint_activations else 0
 
     def stage_time(stage: int, num_layers: int) -> StageTime:
         first, last = stage == 0, stage == num_stages - 1
-        forward = first * pre.forward + num_layers * layer.forward + last * post.forward
-        backward = first * pre.backward + num_layers * layer.backward + last * post.backward
+        parts = [(pre, scale["pre"], first), (layer, scale["layer"], num_layers), (post, scale["post"], last)]
+        forward = sum(n * g.forward * f for g, f, n in parts)
+        backward = sum(n * g.backward * f for g, f, n in parts)
+        optimizer = sum(n * g.optimizer / inputs.tensor_parallel_size for g, _, n in parts)
         again = recomputed_layers(len(groups.pre) * first, num_layers, len(groups.post) * last, interval)
-        return StageTime(forward, backward + again * layer.forward)
+        return StageTime(forward, backward + again * layer.forward * scale["layer"], optimizer)
 
     return stage_time

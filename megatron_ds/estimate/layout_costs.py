@@ -1,9 +1,12 @@
-"""The costs a partition method balances, built from the model and the memory model. Pure: no torch.
+"""The costs a partition method balances, built from the model, the memory model and the compute
+model. Pure: no torch.
 
 The layout engine (`megatron_ds.pipeline`) measures nothing: a method's registry entry says what
 it `needs`, and `method_costs` builds exactly that (parameter counts per spec from
-`model/naming.py`, the memory model's `cost(stage, num_layers)`), for runs
-(`estimate/run_layout.py`) and the planner (`plan/search.py`) alike.
+`model/naming.py`, the memory model's `cost(stage, num_layers)`, the compute model's stage times,
+the schedule simulator's step, the memory limit), for runs (`estimate/run_layout.py`) and the
+planner (`plan/search.py`) alike. Measured stage times (`profile`) come in from the caller, which
+may run torch (`estimate/calibrate.py`).
 """
 
 from __future__ import annotations
@@ -11,27 +14,71 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from megatron_ds.config import ModelConfig
+from megatron_ds.estimate.compute import ComputeInputs, stage_flops_for
 from megatron_ds.estimate.memory_model import MemoryInputs, StageMemory, format_bytes, stage_memory_for
+from megatron_ds.estimate.schedule import balanced_step_time, simulate, step_estimator
 from megatron_ds.model.naming import gpt_spec_param_counts
 from megatron_ds.pipeline import methods
+from megatron_ds.pipeline.fastest import StageTime, StageTimeFn
 from megatron_ds.pipeline.methods import Costs, PartitionMethod
+
+GFLOP = 1e9
+
+
+def compute_inputs(mem: MemoryInputs) -> ComputeInputs:
+    """The compute model's inputs for the run the memory model describes. Causal attention is
+    counted as the triangle when the flash kernel runs (it skips the blocks above the diagonal)."""
+    return ComputeInputs(
+        mem.model,
+        micro_batch_size=mem.micro_batch_size,
+        tensor_parallel_size=mem.tensor_parallel_size,
+        checkpoint_activations=mem.checkpoint_activations,
+        checkpoint_num_layers=mem.checkpoint_num_layers,
+        causal_attention=mem.kernels.attention == "flash",
+    )
+
+
+def flop_stage_time(mem: MemoryInputs, num_stages: int) -> StageTimeFn:
+    """`time(stage, num_layers)` in GFLOP of one micro-batch (forward; backward with recomputation);
+    the optimizer step is not counted (no FLOPs of matmul kind)."""
+    inputs = compute_inputs(mem)
+
+    def stage_time(stage: int, num_layers: int) -> StageTime:
+        st = stage_flops_for(inputs, stage, num_stages, num_layers)
+        return StageTime(st.forward / GFLOP, st.backward_total / GFLOP)
+
+    return stage_time
 
 
 def method_costs(
-    entry: PartitionMethod | None, model: ModelConfig, num_stages: int, inputs: Callable[[], MemoryInputs]
+    entry: PartitionMethod | None,
+    model: ModelConfig,
+    num_stages: int,
+    inputs: Callable[[], MemoryInputs],
+    memory_limit: Callable[[], float] | None = None,
+    measured_time: Callable[[], StageTimeFn] | None = None,
 ) -> Costs:
-    """The costs `entry` needs, and only those (`inputs` is called only for stage memory)."""
+    """The costs `entry` needs, and only those (each callable is called only if its cost is needed)."""
     if entry is None:
         return Costs()
-    weights = gpt_spec_param_counts(model) if methods.SPEC_WEIGHTS in entry.needs else None
-    if not entry.needs_stage_memory:
-        return Costs(spec_weights=weights)
-    mem = inputs()
+    needs = set(entry.needs)
+    weights = gpt_spec_param_counts(model) if methods.SPEC_WEIGHTS in needs else None
+    mem = inputs() if needs & {methods.STAGE_MEMORY, methods.STAGE_TIME, methods.STEP_TIME} else None
 
     def stage_cost(stage: int, num_layers: int) -> float:
+        assert mem is not None
         return stage_memory_for(mem, stage, num_stages, num_layers).total
 
-    return Costs(spec_weights=weights, stage_memory=stage_cost)
+    return Costs(
+        spec_weights=weights,
+        stage_memory=stage_cost if methods.STAGE_MEMORY in needs else None,
+        stage_time=flop_stage_time(mem, num_stages) if mem is not None and methods.STAGE_TIME in needs else None,
+        measured_stage_time=measured_time() if measured_time and methods.MEASURED_STAGE_TIME in needs else None,
+        step_time=step_estimator(mem.num_micro_batches, tied=not model.untie_embeddings_and_output_weights)
+        if mem is not None and methods.STEP_TIME in needs
+        else None,
+        memory_limit=memory_limit() if memory_limit and methods.MEMORY_LIMIT in needs else None,
+    )
 
 
 def format_memory_table(stages: Sequence[StageMemory], usable_bytes: float | None = None) -> str:
@@ -54,4 +101,38 @@ def format_memory_table(stages: Sequence[StageMemory], usable_bytes: float | Non
             f" of {format_bytes(usable_bytes)} usable ({'fits' if peak.total <= usable_bytes else 'DOES NOT FIT'})"
         )
     lines.append(summary)
+    return "\n".join(lines)
+
+
+def format_time_table(
+    times: Sequence[StageTime],
+    memories: Sequence[StageMemory],
+    num_micro_batches: int,
+    unit: str,
+    source: str,
+    memory_limit: float | None = None,
+) -> str:
+    """Per stage: one micro-batch's forward and backward, the optimizer step, the step's compute
+    (M x (forward + backward) + optimizer) and the predicted memory; then the simulated 1F1B step
+    against the ideal (the same work in equal stages, through the same schedule)."""
+    m = num_micro_batches
+    head = (
+        f"{'stage':>5} {'layers':>6} {'forward':>10} {'backward':>10} {'optimizer':>10} {'per step':>10} {'memory':>10}"
+    )
+    lines = [f"predicted time per stage ({unit}; {source}) and memory (memory model)", head]
+    for t, st in zip(times, memories):
+        per_step = m * (t.forward + t.backward) + t.optimizer
+        lines.append(
+            f"{st.stage:>5} {st.num_layers:>6} {t.forward:>10.4g} {t.backward:>10.4g} {t.optimizer:>10.4g} "
+            f"{per_step:>10.4g} {format_bytes(st.total):>10}"
+        )
+    fwd, bwd, opt = ([getattr(t, a) for t in times] for a in ("forward", "backward", "optimizer"))
+    step = simulate(m, fwd, bwd, opt).step_time
+    ideal = balanced_step_time(m, fwd, bwd) + sum(opt) / len(opt)
+    peak = max(st.total for st in memories)
+    limit = f" of the {format_bytes(memory_limit)} limit" if memory_limit is not None else ""
+    lines.append(
+        f"simulated 1F1B step (M={m}, one device per stage): {step:.4g} {unit} = {step / ideal:.3f} x the ideal "
+        f"(the same work in {len(times)} equal stages); largest stage {format_bytes(peak)}{limit}"
+    )
     return "\n".join(lines)

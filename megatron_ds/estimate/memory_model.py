@@ -7,7 +7,8 @@ The peak on one GPU of stage s is the largest of three moments of a training ste
     later backward  = the same with the step's gradients and, unless a forward follows, one
                       micro-batch fewer in flight
     optimizer step  = params + grads + optimizer + pipe buffers that persist + the step's largest
-                      temporary (the gradient all-reduce's flat copy, AdamW's sqrt/div temporaries)
+                      temporary (the gradient all-reduce's flat copy or ZeRO-1's reduce buckets, AdamW's
+                      sqrt/div temporaries)
 
 (model states: `model_states.py`; activations: `activations.py`). in_flight(s) = min(P - s, M):
 DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py) is 1F1B; stage s runs P - s
@@ -31,10 +32,13 @@ from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
 from megatron_ds.estimate import activations as act
 from megatron_ds.estimate.model_states import (
     MASTER_BYTES,
+    OPTIMIZER_KERNEL,
     OPTIMIZER_STATE_BYTES,
+    OPTIMIZER_TEMPORARIES,
     PRECISION_BYTES,
     StateFactors,
     state_factors,
+    zero_bucket_elements,
 )
 from megatron_ds.model import naming
 
@@ -67,7 +71,8 @@ class MemoryInputs:
     offload_param: str = "none"
     """`none`, `cpu` or `nvme`: ZeRO-3 parameter offload."""
     device: str = "cuda"
-    """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activations.kernels`)."""
+    """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activations.kernels`), and which
+    optimizer kernel runs (`model_states.OPTIMIZER_KERNEL`)."""
     attention: str | None = None
     """`flash`, `math`, or None for what torch's SDPA picks on `device`."""
     regularization: RegularizationConfig = RegularizationConfig()
@@ -265,7 +270,7 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
     # After its first backward a stage holds in_flight micro-batches again only if a forward
     # follows (steady 1F1B, M > P - s); otherwise one fewer.
     later = flight if inputs.num_micro_batches > num_stages - stage else flight - 1
-    step, step_source = _step_temporaries(inputs, held, num_params)
+    step, step_source = _step_temporaries(inputs, held, num_params, num_stages)
     moments = [
         (
             base + flight * per_mb + buffers + first_bwd[0],
@@ -371,18 +376,28 @@ ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
 all-reduce bucket (elements)."""
 
 
-def _step_temporaries(inputs: MemoryInputs, held: list[SpecMemory], num_params: int) -> tuple[float, str]:
+def zero_bucket_elements_for(model: ModelConfig, num_stages: int, data_parallel_size: int, t: int = 1) -> int:
+    """ZeRO-1's `reduce_bucket_size` our DeepSpeed JSON sets for this model (`model_states.zero_bucket_elements`)."""
+    params = sum(sp.num_params for sp in naming.gpt_spec_params(model, t))
+    return zero_bucket_elements(params, num_stages, data_parallel_size)
+
+
+def _step_temporaries(
+    inputs: MemoryInputs, held: list[SpecMemory], num_params: int, num_stages: int
+) -> tuple[float, str]:
     """The largest buffer alive between the last backward and the end of the optimizer step.
 
     * Without ZeRO, the pipeline engine all-reduces gradients over data parallelism (also when
       that group has one rank) through `buffered_allreduce_fallback`, which flattens them into
       buckets of up to `ALLREDUCE_BUCKET_ELEMENTS` (a copy; fp32 gradients, the bf16 optimizer's
-      fp32 ones, or fp16). ZeRO-1's own reduce buckets are not modelled.
-    * `training/optimizer.py` builds torch's AdamW with foreach=False, so each tensor is stepped on
-      its own: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds the square
-      root and the quotient at once, two float32 copies of the tensor (torch/optim/adam.py,
-      `_single_tensor_adam`); SGD allocates one, `grad.add(param, alpha=weight_decay)`. Without
-      ZeRO in fp32 the tensors are the parameters; otherwise DeepSpeed's optimizer wrapper (ZeRO,
+      fp32 ones, or fp16).
+    * With ZeRO-1, `reduce_gradients(pipeline_parallel=True)` holds two buffers of
+      `reduce_bucket_size` elements in the parameters' dtype while it reduces, with the step's
+      gradients and their flat partition (`model_states.zero_bucket_elements` says why two; the
+      generated JSON sets the size).
+    * The optimizer's own temporaries follow `model_states.OPTIMIZER_KERNEL` for `inputs.device`
+      (none for the fused kernel; fp32 copies of the tensor being stepped otherwise). Without ZeRO
+      in fp32 the tensors are the parameters; otherwise DeepSpeed's optimizer wrapper (ZeRO,
       BF16_Optimizer, FP16_Optimizer) steps one flat fp32 tensor per parameter group (its
       partition under ZeRO), so the largest group's partition counts. Offloaded optimizers step on
       the host.
@@ -396,8 +411,16 @@ def _step_temporaries(inputs: MemoryInputs, held: list[SpecMemory], num_params: 
                 "the flattened copy of the gradients in DeepSpeed's gradient all-reduce",
             )
         )
-    if inputs.offload_optimizer == "none":
-        copies = 2 if inputs.optimizer == "adam" else 1
+    if inputs.zero_stage == 1:
+        bucket = zero_bucket_elements_for(
+            inputs.model, num_stages, inputs.data_parallel_size, inputs.tensor_parallel_size
+        )
+        options.append(
+            (2 * bucket * PRECISION_BYTES[inputs.precision], f"ZeRO-1's two reduce buckets of {bucket} elements")
+        )
+    kernel = OPTIMIZER_KERNEL[inputs.device]
+    copies = OPTIMIZER_TEMPORARIES[(kernel, inputs.optimizer)]
+    if inputs.offload_optimizer == "none" and copies:
         if inputs.precision == "fp32" and inputs.zero_stage == 0:
             big = max((sp.largest_param for sp in held), default=0)
             options.append((copies * MASTER_BYTES * big, f"{copies} fp32 temporaries of the largest tensor"))

@@ -12,8 +12,10 @@ Two things live here, kept apart on purpose:
   `deepspeed/runtime/zero/stage3.py::estimate_zero3_model_states_mem_needs` (tests compare them
   with the installed functions).
 
-Not counted anywhere (DeepSpeed's estimator does not count them either): communication buckets
-(`reduce_bucket_size`, `allgather_bucket_size`), the CUDA context, allocator fragmentation.
+Also here, because the JSON writer and the memory model must agree on them: the optimizer kernel
+torch runs (`OPTIMIZER_KERNEL`) and the size of ZeRO-1's communication buckets
+(`zero_bucket_elements`); `memory_model.py` counts what both cost. Not counted anywhere: the CUDA
+context and allocator fragmentation.
 """
 
 from __future__ import annotations
@@ -30,6 +32,51 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 MASTER_BYTES = 4
 """An fp32 copy of a parameter (master weight) or of its gradient."""
+
+OPTIMIZER_KERNEL = {"cuda": "fused", "cpu": "single-tensor"}
+"""How torch's AdamW / SGD step runs, by device: the one statement of it. `training/optimizer.py`
+builds the optimizer with `optimizer_kernel_options`, and `memory_model._step_temporaries` counts
+its temporaries. `fused` (`torch._fused_adamw_`, `_fused_sgd_`): one kernel per tensor list that
+updates in place, no temporaries; the fastest on GPUs. `single-tensor` (foreach=False): one tensor
+at a time; AdamW's `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds two fp32
+copies of the tensor being stepped (torch/optim/adam.py, `_single_tensor_adam`), SGD with weight
+decay one (`grad.add(param, alpha=weight_decay)`). torch's default on CUDA, foreach, would instead
+hold copies of every tensor of a group at once (`torch._foreach_sqrt`)."""
+
+OPTIMIZER_TEMPORARIES = {
+    ("fused", "adam"): 0,
+    ("fused", "sgd"): 0,
+    ("single-tensor", "adam"): 2,
+    ("single-tensor", "sgd"): 1,
+}
+"""fp32 copies of the tensor being stepped that the step holds at once, by (kernel, optimizer)."""
+
+
+def optimizer_kernel_options(device: str) -> dict[str, bool]:
+    """The keyword arguments of torch.optim.AdamW / SGD for `OPTIMIZER_KERNEL[device]`."""
+    return {"fused": True} if OPTIMIZER_KERNEL[device] == "fused" else {"foreach": False}
+
+
+MEGATRON_BUCKET_ELEMENTS = 40_000_000
+"""Megatron-LM's default gradient bucket: max(40M, 1M x data-parallel size) elements
+(megatron/core/distributed/distributed_data_parallel.py)."""
+
+
+def zero_bucket_elements(params_per_tensor_rank: int, num_stages: int, data_parallel_size: int) -> int:
+    """`reduce_bucket_size` = `allgather_bucket_size` of the generated ZeRO-1 JSON, in elements.
+
+    DeepSpeed's default, 5e8, is allocated whole: with pipeline parallelism ZeRO-1's
+    `reduce_gradients(pipeline_parallel=True)` appends a buffer of `reduce_bucket_size` elements
+    (of the parameters' dtype) to a bucket that `setup_buckets` already gave one, so two are alive
+    while gradients are reduced (measured on CPU: 2 x 5e8 x 4 bytes = 3.8 GB for a 2-stage model
+    of 7M parameters). We take an average stage's parameters (per tensor rank), so one bucket
+    reduces a balanced stage in about one call, capped at Megatron-LM's default bucket. Even (the
+    all-gather needs a multiple of 2 elements). The all-gather bucket costs no memory in
+    DeepSpeed 0.19.8 (it gathers into views of the flat parameters); it is set alike.
+    """
+    per_stage = -(-params_per_tensor_rank // num_stages)
+    size = max(2, min(per_stage, max(MEGATRON_BUCKET_ELEMENTS, 1_000_000 * data_parallel_size)))
+    return size + size % 2
 
 
 @dataclass(frozen=True)

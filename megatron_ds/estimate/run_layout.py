@@ -1,7 +1,10 @@
 """The layout a config asks for, with the costs its partition method balances.
 
 `build_run_layout(config)` turns the layout options of `config.parallel` into a `Layout`, with
-the costs its partition method's registry entry `needs` (`layout_costs.method_costs`).
+the costs its partition method's registry entry `needs` (`layout_costs.method_costs`): the memory
+model's inputs for this run, the memory limit (`--pp-memory-limit`, default the GPU's memory),
+and for `profile` the measured stage times (`calibrate.py`). `layout_report` is what
+`--print-layout` and the trainer print under the stage table.
 """
 
 from __future__ import annotations
@@ -10,12 +13,26 @@ import torch
 
 from megatron_ds.config import Config
 from megatron_ds.errors import LayoutError
-from megatron_ds.estimate.layout_costs import format_memory_table, method_costs
+from megatron_ds.estimate.calibrate import Calibration, cached_calibration, stage_time_fn
+from megatron_ds.estimate.fit_advice import fit_advice
+from megatron_ds.estimate.layout_costs import (
+    compute_inputs,
+    flop_stage_time,
+    format_memory_table,
+    format_time_table,
+    method_costs,
+)
 from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods
+from megatron_ds.pipeline.fastest import NoFitError, StageTime, StageTimeFn
 from megatron_ds.pipeline.layout import Layout, MegatronLMFlags, build_layout, requested_method
 from megatron_ds.pipeline.methods import PartitionMethod
+
+
+def device() -> str:
+    """Where this process runs its stage: `cuda` when a GPU is visible, else `cpu`."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def memory_inputs(config: Config) -> MemoryInputs:
@@ -33,7 +50,20 @@ def memory_inputs(config: Config) -> MemoryInputs:
         checkpoint_activations=t.checkpoint_activations,
         checkpoint_num_layers=t.checkpoint_num_layers,
         optimizer=config.optimizer.optimizer,
-        device="cuda" if torch.cuda.is_available() else "cpu",
+        device=device(),
+    )
+
+
+def memory_limit(config: Config, method: str) -> float:
+    """`--pp-memory-limit` in bytes; without it the GPU's total memory; on CPU a LayoutError."""
+    given = config.parallel.memory_limit_bytes
+    if given is not None:
+        return given
+    if device() == "cuda":
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    raise LayoutError(
+        f"--pp-partition-method {method} needs --pp-memory-limit on CPU (there is no device memory to default "
+        f"to); give what each rank may hold, e.g. --pp-memory-limit 8GiB"
     )
 
 
@@ -65,26 +95,92 @@ def uses_memory_model(config: Config) -> bool:
     return entry is not None and entry.needs_stage_memory
 
 
-def build_run_layout(config: Config) -> Layout:
-    """The layout this run uses (raises LayoutError, a ValueError, on impossible options)."""
+def uses_measured_times(config: Config) -> bool:
+    """Whether the layout depends on timing this machine (`profile`): ranks must agree on the numbers."""
+    entry = run_method(config)
+    return entry is not None and methods.MEASURED_STAGE_TIME in entry.needs
+
+
+def calibration_for(config: Config) -> Calibration:
+    """This process's measurement for `profile` (once per process and run shape)."""
+    return cached_calibration(
+        config.model, config.training.micro_batch_size, config.regularization, device(), config.training.precision
+    )
+
+
+def measured_stage_time(config: Config, calibration: Calibration | None = None) -> StageTimeFn:
+    """Stage times in seconds from `calibration` (by default this process's own measurement)."""
+    calibration = calibration or calibration_for(config)
+    inputs = compute_inputs(memory_inputs(config))
+    return stage_time_fn(calibration, inputs, config.parallel.pipeline_model_parallel_size)
+
+
+def build_run_layout(config: Config, calibration: Calibration | None = None) -> Layout:
+    """The layout this run uses (raises LayoutError, a ValueError, on impossible options).
+
+    `calibration`: for `profile`, the measurement to use (the builder passes rank 0's to every
+    rank); None measures in this process."""
     par = config.parallel
     entry = run_method(config)
     if entry is not None and entry.needs_stage_memory and config.model.vocab_size == 0:
         raise LayoutError(
             f"--pp-partition-method {entry.name} needs the vocabulary size: give --vocab-size or a tokenizer"
         )
+    if par.pp_memory_limit is not None and (entry is None or methods.MEMORY_LIMIT not in entry.needs):
+        using = [m.name for m in methods.REGISTRY.values() if methods.MEMORY_LIMIT in m.needs]
+        raise LayoutError(
+            f"--pp-memory-limit {par.pp_memory_limit} applies to --pp-partition-method {' or '.join(using)} only; "
+            f"drop it or choose one of those methods"
+        )
     p = par.pipeline_model_parallel_size
-    return build_layout(
-        gpt_spec_groups(config.model),
+    costs = method_costs(
+        entry,
+        config.model,
         p,
-        dedicated=par.pp_dedicated_embedding_stages,
-        layout=par.pp_layout,
-        partition_method=par.pp_partition_method,
-        costs=method_costs(entry, config.model, p, lambda: memory_inputs(config)),
-        megatron=megatron_lm_flags(config),
+        lambda: memory_inputs(config),
+        memory_limit=lambda: memory_limit(config, entry.name),
+        measured_time=lambda: measured_stage_time(config, calibration),
     )
+    try:
+        return build_layout(
+            gpt_spec_groups(config.model),
+            p,
+            dedicated=par.pp_dedicated_embedding_stages,
+            layout=par.pp_layout,
+            partition_method=par.pp_partition_method,
+            costs=costs,
+            megatron=megatron_lm_flags(config),
+        )
+    except NoFitError as e:
+        raise LayoutError(f"{e}; {fit_advice(memory_inputs(config), p, e.limit)}") from None
 
 
 def predicted_memory_table(config: Config, layout: Layout) -> str:
     """Predicted memory per stage (the memory model), printed under the layout."""
     return format_memory_table(stage_memory(memory_inputs(config), layout))
+
+
+def layout_report(config: Config, layout: Layout, calibration: Calibration | None = None) -> str:
+    """What to print under the stage table: nothing for layouts that need no model, the predicted
+    memory per stage for those that balance memory, and time and memory per stage with the
+    simulated step for `fastest` / `profile`."""
+    entry = run_method(config)
+    if entry is None or not entry.needs_stage_memory:
+        return ""
+    mem = memory_inputs(config)
+    stages = stage_memory(mem, layout)
+    parts = [format_memory_table(stages)]
+    if entry.needs_stage_time:
+        p = layout.num_stages
+        if methods.MEASURED_STAGE_TIME in entry.needs:
+            seconds = measured_stage_time(config, calibration)
+            times = [seconds(s, k) for s, k in enumerate(layout.layers_per_stage)]
+            times = [StageTime(1e3 * t.forward, 1e3 * t.backward, 1e3 * t.optimizer) for t in times]
+            unit, source = "ms", "measured once in this process, `profile`"
+        else:
+            flops = flop_stage_time(mem, p)
+            times = [flops(s, k) for s, k in enumerate(layout.layers_per_stage)]
+            unit, source = "GFLOP", "compute model, `fastest`; optimizer not counted"
+        limit = memory_limit(config, entry.name)
+        parts.append(format_time_table(times, stages, mem.num_micro_batches, unit, source, limit))
+    return "\n".join(parts)

@@ -119,6 +119,14 @@ DISTRIBUTED: tuple[Flag, ...] = (
         f"{_MLM}: only 1 (one stage per rank); more are {_VIRTUAL[0]}",
         type=int,
     ),
+    accepted(
+        "--pp-memory-limit",
+        _DIST,
+        "bytes per device for --pp-partition-method fastest/profile, e.g. 80GiB or 500MB (default: the GPU's "
+        "memory; required on CPU)",
+        "parallel.pp_memory_limit",
+        megatron=False,
+    ),
     switch(
         "--print-layout",
         _DIST,

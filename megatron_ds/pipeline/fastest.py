@@ -98,6 +98,15 @@ class FastestSplit:
     """Calls of `step_time` the search made."""
 
 
+class NoFitError(LayoutError):
+    """No split fits the memory limit; `counts` is the split needing least memory, `least` its largest stage.
+    A caller that knows the memory model adds what would fit (`estimate.fit_advice`)."""
+
+    def __init__(self, message: str, counts: list[int], least: float, limit: float) -> None:
+        super().__init__(message)
+        self.counts, self.least, self.limit = counts, least, limit
+
+
 StageTimeFn = Callable[[int, int], StageTime]
 StageMemoryFn = Callable[[int, int], float]
 StepTimeFn = Callable[[Sequence[StageTime]], "float | StepEstimate"]
@@ -111,9 +120,12 @@ def fastest_counts(
     memory_limit: float,
     *,
     step_time: StepTimeFn,
+    method: str = METHOD,
 ) -> list[int]:
     """Layers per stage of the fastest split whose every stage fits `memory_limit` (module docstring)."""
-    split = fastest_split(num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time=step_time)
+    split = fastest_split(
+        num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time=step_time, method=method
+    )
     return list(split.counts)
 
 
@@ -125,16 +137,22 @@ def fastest_split(
     memory_limit: float,
     *,
     step_time: StepTimeFn,
+    method: str = METHOD,
 ) -> FastestSplit:
-    """`fastest_counts` with the predicted step time, peak memory and search effort."""
-    _check(num_layers, num_stages)
+    """`fastest_counts` with the predicted step time, peak memory and search effort; `method` names
+    the `--pp-partition-method` in errors."""
+    flag = f"--pp-partition-method {method}"
+    _check(num_layers, num_stages, flag)
     search = _Search(num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time)
     if not search.reachable[0][num_layers]:
         counts, peak = minimax_split(num_layers, num_stages, stage_memory)
-        raise LayoutError(
-            f"{FLAG}: no split of --num-layers {num_layers} over --pipeline-model-parallel-size {num_stages} "
+        raise NoFitError(
+            f"{flag}: no split of --num-layers {num_layers} over --pipeline-model-parallel-size {num_stages} "
             f"fits {format_bytes(memory_limit)} per device; the split needing least memory "
-            f"({' '.join(map(str, counts))} layers per stage) needs {format_bytes(peak)} on its largest stage"
+            f"({' '.join(map(str, counts))} layers per stage) needs {format_bytes(peak)} on its largest stage",
+            counts,
+            peak,
+            memory_limit,
         )
     search.run()
     step, memories, counts = search.result()
@@ -343,13 +361,13 @@ def format_bytes(num_bytes: float) -> str:
     return f"{gib:.2f} GiB" if abs(gib) >= 1 else f"{num_bytes / 2**20:.1f} MiB"
 
 
-def _check(num_layers: int, num_stages: int) -> None:
+def _check(num_layers: int, num_stages: int, flag: str = FLAG) -> None:
     if num_stages < 1:
-        raise LayoutError(f"{FLAG}: --pipeline-model-parallel-size must be >= 1, got {num_stages}")
+        raise LayoutError(f"{flag}: --pipeline-model-parallel-size must be >= 1, got {num_stages}")
     if num_layers < 1:
-        raise LayoutError(f"{FLAG}: --num-layers must be >= 1, got {num_layers}")
+        raise LayoutError(f"{flag}: --num-layers must be >= 1, got {num_layers}")
     if num_stages > num_layers + 2:
         raise LayoutError(
-            f"{FLAG} cannot place --num-layers {num_layers} on --pipeline-model-parallel-size {num_stages}: "
+            f"{flag} cannot place --num-layers {num_layers} on --pipeline-model-parallel-size {num_stages}: "
             f"at most {num_layers + 2} stages (embedding, one layer each, head); use fewer stages or more layers"
         )

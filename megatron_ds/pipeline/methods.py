@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from megatron_ds.errors import LayoutError
 from megatron_ds.pipeline import partition
 from megatron_ds.pipeline.balance import StageCost, balanced_counts
+from megatron_ds.pipeline.fastest import StageTimeFn, StepTimeFn, fastest_counts
 from megatron_ds.pipeline.specs import SpecGroups
 
 FLAG = "--pp-partition-method"
@@ -30,11 +31,31 @@ class Costs:
     """One weight per layer spec, in spec order (parameter counts, `model/naming.py`)."""
     stage_memory: StageCost | None = None
     """`cost(stage, num_layers) -> bytes` for the stage count at hand (`estimate/memory_model.py`)."""
+    stage_time: StageTimeFn | None = None
+    """`time(stage, num_layers) -> StageTime` from the compute model's FLOPs (`estimate/compute.py`)."""
+    measured_stage_time: StageTimeFn | None = None
+    """The same, from timing each group once in this process (`estimate/calibrate.py`)."""
+    step_time: StepTimeFn | None = None
+    """The 1F1B step of a split from its stages' times (`estimate/schedule.step_estimator`)."""
+    memory_limit: float | None = None
+    """Bytes every stage must fit in (`--pp-memory-limit`, default the GPU's memory)."""
 
 
 SPEC_WEIGHTS = "spec_weights"
 STAGE_MEMORY = "stage_memory"
-NEED_DOCS = {SPEC_WEIGHTS: "parameters per layer spec", STAGE_MEMORY: "predicted stage memory (memory model)"}
+STAGE_TIME = "stage_time"
+MEASURED_STAGE_TIME = "measured_stage_time"
+STEP_TIME = "step_time"
+MEMORY_LIMIT = "memory_limit"
+NEED_DOCS = {
+    SPEC_WEIGHTS: "parameters per layer spec",
+    STAGE_MEMORY: "predicted stage memory (memory model)",
+    STAGE_TIME: "predicted stage time (compute model FLOPs)",
+    MEASURED_STAGE_TIME: "measured stage time (each group timed once in this process)",
+    STEP_TIME: "1F1B step of a split (schedule simulator)",
+    MEMORY_LIMIT: "--pp-memory-limit (default: the GPU's memory)",
+}
+TIME_NEEDS = (STAGE_TIME, MEASURED_STAGE_TIME)
 
 # (groups, num_stages, the method as spelled, costs) -> transformer layers per stage
 CountsFn = Callable[[SpecGroups, int, str, Costs], list[int]]
@@ -62,6 +83,10 @@ class PartitionMethod:
     @property
     def needs_stage_memory(self) -> bool:
         return STAGE_MEMORY in self.needs
+
+    @property
+    def needs_stage_time(self) -> bool:
+        return any(n in self.needs for n in TIME_NEEDS)
 
 
 def _parts_to_counts(groups: SpecGroups, parts: list[int], method: str) -> list[int]:
@@ -91,6 +116,30 @@ def _parameters(groups: SpecGroups, num_stages: int, method: str, costs: Costs) 
 def _memory(groups: SpecGroups, num_stages: int, method: str, costs: Costs) -> list[int]:
     assert costs.stage_memory is not None
     return balanced_counts(groups.num_layers, num_stages, costs.stage_memory, method)
+
+
+def _fastest(groups: SpecGroups, num_stages: int, method: str, costs: Costs) -> list[int]:
+    return _fastest_with(groups, num_stages, method, costs, costs.stage_time)
+
+
+def _profile(groups: SpecGroups, num_stages: int, method: str, costs: Costs) -> list[int]:
+    return _fastest_with(groups, num_stages, method, costs, costs.measured_stage_time)
+
+
+def _fastest_with(
+    groups: SpecGroups, num_stages: int, method: str, costs: Costs, stage_time: StageTimeFn | None
+) -> list[int]:
+    assert stage_time is not None and costs.stage_memory is not None and costs.step_time is not None
+    assert costs.memory_limit is not None
+    return fastest_counts(
+        groups.num_layers,
+        num_stages,
+        stage_time,
+        costs.stage_memory,
+        costs.memory_limit,
+        step_time=costs.step_time,
+        method=method,
+    )
 
 
 def _types(groups: SpecGroups, num_stages: int, method: str, costs: Costs) -> list[int]:
@@ -156,6 +205,23 @@ REGISTRY: dict[str, PartitionMethod] = {
             needs=(STAGE_MEMORY,),
             layout_alias="auto",
             planned=True,
+        ),
+        PartitionMethod(
+            "fastest",
+            "fastest",
+            "the smallest simulated 1F1B step (stage times from FLOPs) with every stage's predicted memory <= "
+            "--pp-memory-limit",
+            _fastest,
+            needs=(STAGE_TIME, STAGE_MEMORY, STEP_TIME, MEMORY_LIMIT),
+            planned=True,
+        ),
+        PartitionMethod(
+            "profile",
+            "profile",
+            "as fastest, with stage times measured by timing each group (embedding, one layer, head and loss) "
+            "once in this process before the layout is built",
+            _profile,
+            needs=(MEASURED_STAGE_TIME, STAGE_MEMORY, STEP_TIME, MEMORY_LIMIT),
         ),
         PartitionMethod(
             "type:",

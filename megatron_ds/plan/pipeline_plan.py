@@ -1,9 +1,11 @@
 """`pipeline`: degrees, micro-batches, the stage layout exactly as `pretrain_gpt.py --print-layout`
-prints it, predicted memory per stage, the bubble, the DeepSpeed JSON and the command line."""
+prints it, predicted memory and time per stage, the simulated step, the DeepSpeed JSON and the
+command line."""
 
 from __future__ import annotations
 
-from megatron_ds.estimate.layout_costs import format_memory_table
+from megatron_ds.estimate.device_peaks import peak_tflops
+from megatron_ds.estimate.layout_costs import format_memory_table, format_time_table
 from megatron_ds.estimate.memory_model import format_bytes
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import LayoutError
@@ -41,33 +43,63 @@ def pipeline_section(ctx: Context) -> Section:
         f"{res.num_gpus} GPUs.",
         f"Batch: global {res.global_batch_size} = micro-batch {plan.micro_batch_size} x {plan.num_micro_batches} "
         f"micro-batches (gradient accumulation steps) x data parallel {plan.dp}.",
-        f"Precision {plan.precision}, ZeRO-{plan.zero_stage}, activation recomputation "
+        f"Precision {plan.precision}, ZeRO-{plan.zero_stage}{_offload_text(plan)}, activation recomputation "
         f"{'on' if plan.checkpoint_activations else 'off'}.",
         f"Layout method: {plan.method} ({method_description(plan.method)}); the table below is what "
         f"`pretrain_gpt.py --print-layout` prints for the command further down:",
         "",
     )
     sec.add(*plan.layout.format(plan.dp, plan.tp).splitlines(), "")
-    sec.add(*format_memory_table(plan.stages, res.usable_bytes).splitlines())
+    sec.add(*format_memory_table(plan.stages, res.usable_bytes).splitlines(), "")
+    source = "compute model; the optimizer step is not counted"
+    sec.add(*format_time_table(plan.times, plan.stages, plan.num_micro_batches, "GFLOP", source).splitlines())
     sec.add(
-        f"Pipeline bubble (estimate, Narayanan et al. 2021 eq. 1, equal stage times assumed): (p-1)/m = "
-        f"{plan.bubble:.1%} of the ideal step time; DeepSpeed TrainSchedule runs 2(m+p-1) steps of which 2m "
-        f"compute, so each stage idles {plan.idle_fraction:.1%} of them."
+        f"Pipeline bubble with equal stages (Narayanan et al. 2021 eq. 1): (p-1)/m = {plan.bubble:.1%} of the "
+        f"ideal step time; DeepSpeed TrainSchedule runs 2(m+p-1) steps of which 2m compute, so each stage idles "
+        f"{plan.idle_fraction:.1%} of them."
     )
+    _step_bound(ctx, sec, plan)
     _compare_layouts(ctx, sec, plan)
     config = ds_json.plan_config(res, plan)
-    sec.snippets["DeepSpeed JSON"] = deepspeed_config.generate(config)
-    sec.snippets["command"] = ds_json.command_line(res, config)
+    sec.snippets["DeepSpeed JSON"] = deepspeed_config.generate(config, plan.offload_optimizer)
+    offloaded = plan.offload_optimizer != "none"
+    sec.snippets["command"] = ds_json.command_line(res, config, "ds_config.json" if offloaded else None)
+    if offloaded:
+        sec.add(
+            "Optimizer offload is a DeepSpeed JSON key (no pretrain_gpt.py flag): write the JSON above with "
+            "--write-config ds_config.json and pass it with --deepspeed_config, as the command does."
+        )
     sec.data = _data(plan)
     _checks(ctx, sec, plan)
     return sec
 
 
+def _offload_text(plan: search.Candidate) -> str:
+    if plan.offload_optimizer == "none":
+        return ""
+    return (
+        f" with the optimizer offloaded to {plan.offload_optimizer.upper()} (host memory per GPU: "
+        f"{format_bytes(plan.host_per_gpu)} on the fullest stage; nothing else fits)"
+    )
+
+
+def _step_bound(ctx: Context, sec: Section, plan: search.Candidate) -> None:
+    """The step in seconds at the GPU's peak, when the planner knows the peak: a lower bound."""
+    peak = peak_tflops(ctx.res.gpu_name or "", plan.precision)
+    if peak is None:
+        return
+    seconds = plan.step * 1e9 / (peak * 1e12)
+    sec.add(
+        f"At 100% of the {ctx.res.gpu_name}'s {plan.precision} peak ({peak:g} TFLOP/s, estimate/device_peaks.py) "
+        f"this step would take {seconds:.3g} s; a real step is longer by 1 / MFU."
+    )
+
+
 def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None:
-    """Largest stage under each layout method for the same degrees and batch (the seed's question)."""
+    """Largest stage and simulated step under each layout method, same degrees and batch."""
     if plan.pp < 2:
         return
-    sec.add("Largest stage by layout method, same degrees and batch (estimates):")
+    sec.add("Largest stage and simulated step by layout method, same degrees and batch (estimates):")
     for method in search.METHODS:
         try:
             cand = search.evaluate(
@@ -79,12 +111,17 @@ def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None
                 plan.precision,
                 plan.checkpoint_activations,
                 method,
+                plan.offload_optimizer,
             )
         except LayoutError as e:
             sec.add(f"  {method:<7} not possible: {e}")
             continue
         counts = " ".join(map(str, cand.layout.layers_per_stage))
-        sec.add(f"  {method:<7} {format_bytes(cand.peak.total):>10} on stage {cand.peak.stage:<3} layers {counts}")
+        fit = "" if search.fits(ctx.res, cand) else "  (does not fit)"
+        sec.add(
+            f"  {method:<7} {format_bytes(cand.peak.total):>10} on stage {cand.peak.stage:<3} step "
+            f"{cand.step / cand.ideal:.3f} x ideal  layers {counts}{fit}"
+        )
 
 
 def _data(plan: search.Candidate) -> dict:
@@ -96,6 +133,7 @@ def _data(plan: search.Candidate) -> dict:
         "gradient_accumulation_steps": plan.num_micro_batches,
         "precision": plan.precision,
         "zero_stage": plan.zero_stage,
+        "offload_optimizer": plan.offload_optimizer,
         "checkpoint_activations": plan.checkpoint_activations,
         "layout_method": plan.method,
         "layout": plan.layout.to_string(),
@@ -103,6 +141,8 @@ def _data(plan: search.Candidate) -> dict:
         "layout_text": plan.layout.format(plan.dp, plan.tp),
         "bubble_fraction": plan.bubble,
         "idle_fraction": plan.idle_fraction,
+        "step_gflop_units": plan.step,
+        "step_over_ideal": plan.step / plan.ideal,
         "stages": [
             {
                 "stage": s.stage,
@@ -115,8 +155,11 @@ def _data(plan: search.Candidate) -> dict:
                 "pipe_buffers": s.pipe_buffers,
                 "transient": s.transient,
                 "total": s.total,
+                "host": s.host,
+                "forward_gflop": t.forward,
+                "backward_gflop": t.backward,
             }
-            for s in plan.stages
+            for s, t in zip(plan.stages, plan.times)
         ],
     }
 
@@ -145,6 +188,19 @@ def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:
         f"memory: largest stage {peak.stage} needs {format_bytes(peak.total)} "
         f"of {format_bytes(res.usable_bytes)} usable (estimate)",
     )
+    if plan.offload_optimizer != "none":
+        per_node = plan.host_per_gpu * (res.gpus_per_node or 1)
+        cpu_gb = res.raw.cpu_memory_gb
+        sec.check(
+            None if cpu_gb is None else per_node <= cpu_gb * 2**30,
+            f"host memory for the offloaded optimizer: about {format_bytes(per_node)} per node"
+            + (" (give --cpu-memory-gb to check it)" if cpu_gb is None else f" of {cpu_gb:g} GB"),
+        )
     if res.gpus_per_node_assumed:
         sec.check(None, f"GPUs per node not given: assumed {res.gpus_per_node} (--gpus-per-node)")
-    sec.check(None, "step time and throughput: not estimated (no compute model); the bubble assumes equal stage times")
+    sec.check(
+        None,
+        "step time: relative only (stage FLOPs through DeepSpeed's 1F1B schedule, one rate on every GPU; "
+        "memory-bound work, communication and the optimizer step are not counted)",
+        blocking=False,
+    )

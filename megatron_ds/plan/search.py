@@ -8,9 +8,17 @@ Preference order (a heuristic, stated so it can be argued with):
      et al. 2022, Sec. 5);
   4. for equal t*p, larger t up to the GPUs of one node (Narayanan et al. 2021, Takeaway #1);
   5. the largest micro-batch that keeps the pipeline bubble (p-1)/m at or below 25%;
-  6. the layout with the smallest largest-stage memory (ties: the simplest flag).
+  6. the layout with the smallest simulated step time among those that fit (DeepSpeed's 1F1B
+     schedule over the compute model's stage FLOPs, `estimate/layout_costs.py`; ties: the smaller
+     largest stage, then the simplest flag). `fastest` is exact over all splits, so it wins unless
+     another method's split is as fast.
 ZeRO is 1 when data-parallel ranks > 1 (it partitions optimizer states at no extra communication,
 Rajbhandari et al. 2020, Sec. 7), else 0; only 0 and 1 run on DeepSpeed's pipeline engine.
+When no configuration fits, the search is repeated with ZeRO-1 and the optimizer offloaded to the
+CPU (fp32 master weights, gradients and Adam states in host memory, Ren et al. 2021,
+"ZeRO-Offload"), which DeepSpeed's pipeline engine runs (docs/compute.md: a 2-stage run trains
+with the same losses as without offload), with and without recomputation: it costs PCIe traffic
+and a CPU optimizer step every iteration, so it comes after every GPU-resident option.
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ds.config import DEDICATED_CHOICES
-from megatron_ds.estimate.layout_costs import method_costs
+from megatron_ds.estimate.layout_costs import flop_stage_time, method_costs
 from megatron_ds.estimate.memory_model import MemoryInputs, StageMemory, format_bytes, stage_memory, stage_memory_for
+from megatron_ds.estimate.schedule import balanced_step_time, simulate
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods as partition_methods
+from megatron_ds.pipeline.fastest import StageTime
 from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
@@ -32,6 +42,8 @@ DEFAULT = "none"
 METHODS = (DEFAULT, "both", "pre", "post", *partition_methods.planned_methods())
 MICRO_BATCH_CHOICES = (1, 2, 4, 8, 16)
 MAX_BUBBLE = 0.25
+OFFLOADS = ("none", "cpu")
+"""Optimizer placements tried in order: on the GPU, then offloaded to the CPU (ZeRO-1)."""
 
 
 @dataclass(frozen=True)
@@ -50,10 +62,25 @@ class Candidate:
     layout: Layout
     stages: tuple[StageMemory, ...]
     inputs: MemoryInputs
+    times: tuple[StageTime, ...] = ()
+    """Per stage: one micro-batch's forward and backward (recomputation included) in GFLOP."""
+    step: float = 0.0
+    """Simulated 1F1B step of those times (GFLOP-time units: FLOPs at one rate on every device)."""
+    ideal: float = 0.0
+    """The same work in equal stages through the same schedule."""
 
     @property
     def peak(self) -> StageMemory:
         return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def offload_optimizer(self) -> str:
+        return self.inputs.offload_optimizer
+
+    @property
+    def host_per_gpu(self) -> float:
+        """Offloaded model states of the fullest stage's GPU, held in host memory."""
+        return max(s.host for s in self.stages)
 
     @property
     def bubble(self) -> float:
@@ -91,13 +118,24 @@ def layout_for(res: Resolved, tp: int, pp: int, method: str, inputs: MemoryInput
     opts = layout_options(method)
     if "partition_method" not in opts:
         return build_layout(groups, pp, **opts)
-    costs = method_costs(partition_methods.find(method), model, pp, lambda: inputs)
+    limit = res.usable_bytes
+    costs = method_costs(partition_methods.find(method), model, pp, lambda: inputs, memory_limit=lambda: limit)
     chosen = build_layout(groups, pp, costs=costs, **opts)
     return build_layout(groups, pp, layout=chosen.to_string())
 
 
-def evaluate(res: Resolved, tp: int, pp: int, mb: int, zero: int, precision: str, ckpt: bool, method: str) -> Candidate:
-    """Predicted memory of one configuration (raises LayoutError if the layout is impossible)."""
+def evaluate(
+    res: Resolved,
+    tp: int,
+    pp: int,
+    mb: int,
+    zero: int,
+    precision: str,
+    ckpt: bool,
+    method: str,
+    offload: str = "none",
+) -> Candidate:
+    """Predicted memory and step of one configuration (raises LayoutError if the layout is impossible)."""
     dp = res.num_gpus // (tp * pp)
     inputs = MemoryInputs(
         model=res.model(tp),
@@ -108,8 +146,12 @@ def evaluate(res: Resolved, tp: int, pp: int, mb: int, zero: int, precision: str
         data_parallel_size=dp,
         tensor_parallel_size=tp,
         checkpoint_activations=ckpt,
+        offload_optimizer=offload,
     )
     layout = layout_for(res, tp, pp, method, inputs)
+    flops = flop_stage_time(inputs, pp)
+    times = tuple(flops(s, k) for s, k in enumerate(layout.layers_per_stage))
+    fwd, bwd = [t.forward for t in times], [t.backward for t in times]
     return Candidate(
         tp=tp,
         pp=pp,
@@ -123,6 +165,9 @@ def evaluate(res: Resolved, tp: int, pp: int, mb: int, zero: int, precision: str
         layout=layout,
         stages=tuple(stage_memory(inputs, layout)),
         inputs=inputs,
+        times=times,
+        step=simulate(inputs.num_micro_batches, fwd, bwd).step_time,
+        ideal=balanced_step_time(inputs.num_micro_batches, fwd, bwd),
     )
 
 
@@ -164,7 +209,7 @@ def micro_batches(res: Resolved, dp: int) -> list[int]:
     return sorted(mb for mb in choices if gbs % (mb * dp) == 0)
 
 
-def states_lower_bound(res: Resolved, t: int, p: int, zero: int, precision: str) -> float:
+def states_lower_bound(res: Resolved, t: int, p: int, zero: int, precision: str, offload: str = "none") -> float:
     """Model states averaged over the p stages: no layout can put less on its fullest stage."""
     dp = res.num_gpus // (t * p)
     inputs = MemoryInputs(
@@ -175,28 +220,37 @@ def states_lower_bound(res: Resolved, t: int, p: int, zero: int, precision: str)
         zero_stage=zero,
         data_parallel_size=dp,
         tensor_parallel_size=t,
+        offload_optimizer=offload,
     )
     whole = stage_memory_for(inputs, 0, 1, res.dims["num_layers"])
     return whole.model_states / p
 
 
+def fits(res: Resolved, cand: Candidate) -> bool:
+    """The fullest stage fits the usable GPU memory and, with offload and --cpu-memory-gb, the host
+    memory of a node holds what its GPUs offload."""
+    if cand.peak.total > res.usable_bytes:
+        return False
+    cpu_gb = res.raw.cpu_memory_gb
+    return not (cpu_gb and cand.host_per_gpu * (res.gpus_per_node or 1) > cpu_gb * 2**30)
+
+
 def _fitting_at(
-    res: Resolved, t: int, p: int, ckpt: bool, precision: str, methods: list[str]
+    res: Resolved, t: int, p: int, ckpt: bool, precision: str, methods: list[str], offload: str = "none"
 ) -> tuple[list[Candidate], Candidate | None, float | None]:
-    """(configurations of this (t, p, recompute) that fit, the closest miss, the states lower bound
-    when that alone rules this (t, p) out)."""
+    """(configurations of this (t, p, recompute, offload) that fit, the closest miss, the states lower
+    bound when that alone rules this (t, p) out)."""
     dp = res.num_gpus // (t * p)
-    zero = res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
-    usable = res.usable_bytes
-    bound = states_lower_bound(res, t, p, zero, precision)
-    if bound > usable:
+    zero = 1 if offload != "none" else res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
+    bound = states_lower_bound(res, t, p, zero, precision, offload)
+    if bound > res.usable_bytes:
         return [], None, bound
     fitting, miss = [], None
     for mb in micro_batches(res, dp):  # ascending: once one misses, larger ones miss too (more activations)
-        best = _best_layout(res, t, p, mb, zero, precision, ckpt, methods)
+        best = _best_layout(res, t, p, mb, zero, precision, ckpt, methods, offload)
         if best is None:
             continue
-        if best.peak.total > usable:
+        if not fits(res, best):
             miss = best
             break
         fitting.append(best)
@@ -204,15 +258,27 @@ def _fitting_at(
 
 
 def _best_layout(
-    res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, ckpt: bool, methods: list[str]
+    res: Resolved,
+    t: int,
+    p: int,
+    mb: int,
+    zero: int,
+    precision: str,
+    ckpt: bool,
+    methods: list[str],
+    offload: str = "none",
 ) -> Candidate | None:
+    """The fastest layout that fits (ties: smaller largest stage, then the simplest flag in METHODS
+    order); when none fits, the one with the smallest largest stage (the closest miss)."""
     found = []
     for method in methods:
         try:
-            found.append(evaluate(res, t, p, mb, zero, precision, ckpt, method))
+            found.append(evaluate(res, t, p, mb, zero, precision, ckpt, method, offload))
         except LayoutError:
             continue
-    # Lowest peak; ties go to the simplest flag (METHODS order).
+    fitting = [c for c in found if fits(res, c)]
+    if fitting:
+        return min(fitting, key=lambda c: (round(c.step / c.ideal, 9), round(c.peak.total), METHODS.index(c.method)))
     return min(found, key=lambda c: (round(c.peak.total), METHODS.index(c.method)), default=None)
 
 
@@ -221,30 +287,33 @@ def choose(res: Resolved, precision: str) -> Candidate:
     raw = res.raw
     ckpts = [raw.checkpoint_activations] if raw.checkpoint_activations is not None else [False, True]
     methods = [raw.layout] if raw.layout else list(METHODS)
+    offloads = OFFLOADS if raw.zero_stage in (None, 1) else ("none",)  # offload is a ZeRO-1 option
     closest: Candidate | None = None
     bounds: list[tuple[float, int, int]] = []
     batch_ok = False
-    for t, p in degree_pairs(res):
-        batch_ok = batch_ok or bool(micro_batches(res, res.num_gpus // (t * p)))
-        for ckpt in ckpts:
-            fitting, miss, bound = _fitting_at(res, t, p, ckpt, precision, methods)
-            if fitting:
-                low_bubble = [c for c in fitting if c.bubble <= MAX_BUBBLE]
-                return (
-                    max(low_bubble, key=lambda c: c.micro_batch_size)
-                    if low_bubble
-                    else min(fitting, key=lambda c: c.bubble)
-                )
-            if bound is not None:
-                bounds.append((bound, t, p))
-            if miss is not None and (closest is None or miss.peak.total < closest.peak.total):
-                closest = miss
+    for offload in offloads:
+        for t, p in degree_pairs(res):
+            batch_ok = batch_ok or bool(micro_batches(res, res.num_gpus // (t * p)))
+            for ckpt in ckpts:
+                fitting, miss, bound = _fitting_at(res, t, p, ckpt, precision, methods, offload)
+                if fitting:
+                    low_bubble = [c for c in fitting if c.bubble <= MAX_BUBBLE]
+                    return (
+                        max(low_bubble, key=lambda c: c.micro_batch_size)
+                        if low_bubble
+                        else min(fitting, key=lambda c: c.bubble)
+                    )
+                if bound is not None:
+                    bounds.append((bound, t, p))
+                if miss is not None and (closest is None or miss.peak.total < closest.peak.total):
+                    closest = miss
     raise PlanError(_no_fit_message(res, closest, bounds, batch_ok))
 
 
 def _no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool) -> str:
     usable = format_bytes(res.usable_bytes)
-    fix = "add GPUs, use GPUs with more memory, allow more pipeline/tensor parallelism, or see `zero` for offload"
+    fix = "add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism"
+    tried = "recomputation and ZeRO-1 with optimizer offload to CPU were tried too"
     if not batch_ok:
         return (
             f"--global-batch-size {res.global_batch_size} does not divide into micro-batch x data-parallel size "
@@ -253,11 +322,12 @@ def _no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batc
     if closest is not None:
         return (
             f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, micro-batch "
-            f"{closest.micro_batch_size}, recompute {closest.checkpoint_activations}) needs "
-            f"{format_bytes(closest.peak.total)} on stage {closest.peak.stage} but {usable} is usable; {fix}"
+            f"{closest.micro_batch_size}, recompute {closest.checkpoint_activations}, optimizer offload "
+            f"{closest.offload_optimizer}) needs {format_bytes(closest.peak.total)} on stage {closest.peak.stage} "
+            f"but {usable} is usable ({tried}); {fix}"
         )
     bound, t, p = min(bounds)
     return (
         f"the model does not fit: even with t={t}, p={p} the model states alone average "
-        f"{format_bytes(bound)} per GPU, over the {usable} usable; {fix}"
+        f"{format_bytes(bound)} per GPU, over the {usable} usable ({tried}); {fix}"
     )

@@ -262,16 +262,17 @@ def _recommend_model_parallel(ctx: Context, sec: Section, offload_row: Row | Non
         plan = None
         reason = str(e)
     if plan is not None:
+        offload = " with the optimizer offloaded to CPU" if plan.offload_optimizer != "none" else ""
         sec.add(
-            f"Recommended for pretrain_gpt.py: ZeRO-{plan.zero_stage} combined with tensor parallel {plan.tp} x "
-            f"pipeline parallel {plan.pp} (data parallel {plan.dp}); see `pipeline`. Pipeline parallelism "
-            f"combines with ZeRO 0/1 only, so model states are split across stages instead of ZeRO-2/3."
+            f"Recommended for pretrain_gpt.py: ZeRO-{plan.zero_stage}{offload} combined with tensor parallel "
+            f"{plan.tp} x pipeline parallel {plan.pp} (data parallel {plan.dp}); see `pipeline`. Pipeline "
+            f"parallelism combines with ZeRO 0/1 only, so model states are split across stages instead of ZeRO-2/3."
         )
         sec.check(
             plan.zero_stage in (0, 1),
             f"ZeRO-{plan.zero_stage} with pipeline parallel {plan.pp}: the pipeline engine accepts ZeRO 0 and 1",
         )
-        _snippet_for(ctx, sec, plan.zero_stage, "none", plan)
+        _snippet_for(ctx, sec, plan.zero_stage, plan.offload_optimizer, plan)
     elif offload_row is not None:
         sec.add(
             f"Recommended for pretrain_gpt.py: {offload_row.label}: the only ZeRO 0/1 option that fits "

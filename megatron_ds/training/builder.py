@@ -18,7 +18,11 @@ What `build_pipeline` does, in order (docs/training.md says why each step matter
    forward reseeds the stage's dropout streams from the global micro-batch index
    (`rng.install_micro_batch_seeding`: masks independent of layout, P, DP and interruptions);
 7. `Pipeline.train_batch`, `eval_batch` and `watch` run under the step watchdog, and
-   `Pipeline.close` (or leaving its `with` block) destroys the process groups.
+   `Pipeline.close` (or leaving its `with` block) destroys the process groups;
+8. the engine's instructions are timed (`stage_timers.install`): `Pipeline.timers` holds each
+   stage's compute per step, apart from the time it waits.
+A layout that depends on timing this machine (`--pp-partition-method profile`) is built after the
+process group exists, from rank 0's measurement, so every rank builds the same one.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ import torch
 from megatron_ds.config import Config
 from megatron_ds.distributed import env_world_size, init_distributed, shutdown_distributed
 from megatron_ds.errors import ConfigError
-from megatron_ds.estimate.run_layout import build_run_layout
+from megatron_ds.estimate.calibrate import Calibration
+from megatron_ds.estimate.run_layout import build_run_layout, calibration_for, uses_measured_times
 from megatron_ds.model import parallel, rng
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import deepspeed_config
+from megatron_ds.training import deepspeed_config, stage_timers
 from megatron_ds.training.engine import grad_norm, install_fp32_grad_norm
 from megatron_ds.training.optimizer import OptimizerFactory, add_group_placeholders, build_optimizer
 from megatron_ds.training.preflight import Watchdog, check_structure
@@ -54,6 +59,10 @@ class Pipeline:
     ds_config: dict[str, Any]
     layout: Layout
     watchdog: Watchdog
+    timers: stage_timers.StageTimers
+    """Per-instruction times of `train_batch` (`summary(rank)`: compute per step apart from waiting)."""
+    calibration: Calibration | None = None
+    """Rank 0's measurement the layout was built from (`profile`), else None."""
 
     def train_batch(self, data_iter: Iterator[Any] | None = None, label: str | None = None) -> torch.Tensor:
         """One optimizer step (`engine.train_batch`) under the watchdog; returns the mean loss.
@@ -118,21 +127,39 @@ def build_pipeline(
             f"build_pipeline(optimizer=...) takes a callable that builds the optimizer from parameter groups, "
             f"got {type(optimizer).__name__}; describe the default optimizer in config.optimizer instead"
         )
-    layout = build_run_layout(config) if layout is None else layout
+    measured = layout is None and uses_measured_times(config)  # built once the ranks can agree
+    layout = build_run_layout(config) if layout is None and not measured else layout
     _check_sizes(config, layout)
     ds = deepspeed_config.build(config, ds_config)
     created = not torch.distributed.is_initialized()
     init_distributed(config.parallel)
     try:
-        return _assemble(config, layout, ds, optimizer, lr_scheduler)
+        calibration = _agreed_calibration(config) if measured else None
+        if measured:
+            layout = build_run_layout(config, calibration)
+        return _assemble(config, layout, ds, optimizer, lr_scheduler, calibration)
     except BaseException:
         if created:
             shutdown_distributed(clean=False)
         raise
 
 
+def _agreed_calibration(config: Config) -> Calibration:
+    """Rank 0 times the groups (`profile`) and every rank takes its numbers: one layout everywhere."""
+    import torch.distributed as dist
+
+    box = [calibration_for(config) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _assemble(
-    config: Config, layout: Layout, ds: dict[str, Any], factory: OptimizerFactory | None, lr_scheduler: Any
+    config: Config,
+    layout: Layout,
+    ds: dict[str, Any],
+    factory: OptimizerFactory | None,
+    lr_scheduler: Any,
+    calibration: Calibration | None = None,
 ) -> Pipeline:
     """Steps 3-7 of the module docstring; the order is part of the contract (weights, RNG streams)."""
     import deepspeed
@@ -149,15 +176,26 @@ def _assemble(
     )
     install_fp32_grad_norm(engine)
     rng.install_micro_batch_seeding(engine)
+    timers = stage_timers.install(engine)
     watchdog = Watchdog(config.parallel.distributed_timeout_minutes * 60, dist.get_rank(), engine.stage_id)
-    return Pipeline(engine=engine, model=model, optimizer=optimizer, ds_config=ds, layout=layout, watchdog=watchdog)
+    return Pipeline(
+        engine=engine,
+        model=model,
+        optimizer=optimizer,
+        ds_config=ds,
+        layout=layout,
+        watchdog=watchdog,
+        timers=timers,
+        calibration=calibration,
+    )
 
 
-def _check_sizes(config: Config, layout: Layout) -> None:
-    """The layout's stage count and the world size agree with `config.parallel` (before any collective)."""
+def _check_sizes(config: Config, layout: Layout | None) -> None:
+    """The layout's stage count (when built already) and the world size agree with `config.parallel`
+    (before any collective)."""
     par = config.parallel
     p, t, d = par.pipeline_model_parallel_size, par.tensor_model_parallel_size, par.data_parallel_size
-    if layout.num_stages != p:
+    if layout is not None and layout.num_stages != p:
         raise ConfigError(
             f"layout {layout.to_string()} has {layout.num_stages} stages but config.parallel.pipeline_model_parallel_size "
             f"is {p}; pass layout=None to build it from the config, or a layout with {p} stages"

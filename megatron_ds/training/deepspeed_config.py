@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from megatron_ds.config import Config
 from megatron_ds.errors import UserError
+from megatron_ds.estimate.memory_model import zero_bucket_elements_for
 
 
 class DeepSpeedConfigError(UserError):
@@ -35,7 +36,13 @@ def generate(config: Config, offload_optimizer: str = "none") -> dict[str, Any]:
     off (DeepSpeed's `engine._configure_optimizer` refuses a client optimizer with offload
     otherwise, and warns that it will be slow).
     """
-    t, o = config.training, config.optimizer
+    t, o, par = config.training, config.optimizer, config.parallel
+    zero = zero_section(t.zero_stage, offload_optimizer)
+    if t.zero_stage == 1:  # DeepSpeed's 5e8-element default is allocated whole (model_states.zero_bucket_elements)
+        bucket = zero_bucket_elements_for(
+            config.model, par.pipeline_model_parallel_size, par.data_parallel_size, par.tensor_model_parallel_size
+        )
+        zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     ds: dict[str, Any] = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -45,7 +52,7 @@ def generate(config: Config, offload_optimizer: str = "none") -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,  # the training loop prints Megatron-style lines itself
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,  # the optimizer is torch's AdamW/SGD
-        "zero_optimization": zero_section(t.zero_stage, offload_optimizer),
+        "zero_optimization": zero,
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {"enabled": t.precision == "fp16"},
     }
@@ -120,8 +127,17 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# Generated keys that carry no flag's value: a user file may set them freely.
-USER_OVERRIDABLE = frozenset({"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer"})
+# Generated keys that carry no flag's value: a user file may set them freely. (A bucket size set
+# there is used by DeepSpeed but not seen by the memory model, which counts the generated one.)
+USER_OVERRIDABLE = frozenset(
+    {
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "zero_allow_untested_optimizer",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.allgather_bucket_size",
+    }
+)
 
 
 class UserSource(NamedTuple):

@@ -27,14 +27,35 @@ class StepStats:
     loss_scale: float | None
     tokens_per_second: float
     eta_s: float
+    tflops_per_gpu: float | None = None
+    """Model FLOPs per iteration / (iteration time x world size), in TFLOP/s (Megatron-LM's throughput)."""
+    mfu: float | None = None
+    """tflops_per_gpu / the device's peak, when the peak is known."""
+
+
+def throughput(
+    model_flops: float, seconds_per_iteration: float, world_size: int, peak_tflops: float | None
+) -> tuple[float, float | None]:
+    """(TFLOP/s per GPU, MFU or None) as Megatron-LM's log line computes the first: the model's FLOPs
+    of one iteration (`estimate.compute.model_flops_per_iteration`, no recomputation) over the
+    iteration time and the number of GPUs."""
+    tflops = model_flops / (seconds_per_iteration * world_size) / 1e12
+    return tflops, (tflops / peak_tflops if peak_tflops else None)
 
 
 def format_line(s: StepStats) -> str:
-    """One line as Megatron prints it, plus tokens per second and an ETA."""
+    """One line as Megatron prints it, plus MFU, tokens per second and an ETA."""
     parts = [
         f" iteration {s.iteration:8d}/{s.train_iters:8d}",
         f"consumed samples: {s.consumed_samples:12d}",
         f"elapsed time per iteration (ms): {s.elapsed_ms:.1f}",
+    ]
+    if s.tflops_per_gpu is not None:
+        value = f"{s.tflops_per_gpu:.1f}" if s.tflops_per_gpu >= 10 else f"{s.tflops_per_gpu:.3g}"  # CPU runs: < 1
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {value}")
+    if s.mfu is not None:
+        parts.append(f"MFU: {100 * s.mfu:.1f}%")
+    parts += [
         f"learning rate: {s.learning_rate:.6E}",
         f"global batch size: {s.global_batch_size:5d}",
         f"lm loss: {s.loss:.6E}",
@@ -74,6 +95,8 @@ class TensorBoard:
         w, i, c = self.writer, s.iteration, self.cfg
         w.add_scalar("lm-loss-training/lm loss", s.loss, i)
         w.add_scalar("throughput/tokens-per-second", s.tokens_per_second, i)
+        if s.tflops_per_gpu is not None:
+            w.add_scalar("throughput/tflops-per-gpu", s.tflops_per_gpu, i)
         if c.log_learning_rate_to_tensorboard:
             w.add_scalar("learning-rate/learning-rate", s.learning_rate, i)
         if c.log_batch_size_to_tensorboard:

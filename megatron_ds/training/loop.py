@@ -13,8 +13,10 @@ import numpy as np
 import torch
 
 from megatron_ds.config import Config
+from megatron_ds.estimate.compute import model_flops_per_iteration
+from megatron_ds.estimate.device_peaks import peak_tflops
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import checkpoint, logger, memory
+from megatron_ds.training import checkpoint, logger, memory, stage_timers
 from megatron_ds.training.builder import Pipeline, build_pipeline
 from megatron_ds.training.engine import grad_norm
 from megatron_ds.training.lr_schedule import LRSchedule
@@ -37,6 +39,8 @@ class Run:
     tensorboard: logger.TensorBoard | None = None
     start_time: float = 0.0
     """When setup began (time.time()); `--exit-duration-in-mins` counts from here."""
+    peak_tflops: float | None = None
+    """One device's peak for MFU (`--peak-tflops`, else `estimate.device_peaks`), None if unknown."""
 
     @property
     def engine(self) -> Any:
@@ -67,13 +71,18 @@ def setup(config: Config, layout: Layout) -> Run:
         checkpoint.check_writable(config.checkpoint.save)
     init_distributed(config.parallel)
     rank = dist.get_rank()
-    print_rank0(rank, layout.format(config.parallel.data_parallel_size, config.parallel.tensor_model_parallel_size))
-    from megatron_ds.estimate.run_layout import predicted_memory_table, uses_memory_model
+    from megatron_ds.estimate.run_layout import uses_measured_times
 
-    if uses_memory_model(config):
-        print_rank0(rank, predicted_memory_table(config, layout))
+    measured = uses_measured_times(config)  # `profile`: the builder builds it from rank 0's timing
+    if not measured:
+        _print_layout(config, layout, rank)
     set_seeds(config.training.seed)
-    bundle = build_pipeline(config, layout=layout, lr_scheduler=lambda opt: LRSchedule.from_config(opt, config))
+    bundle = build_pipeline(
+        config, layout=None if measured else layout, lr_scheduler=lambda opt: LRSchedule.from_config(opt, config)
+    )
+    layout = bundle.layout
+    if measured:
+        _print_layout(config, layout, rank, bundle.calibration)
     state = _load_or_fresh(config, layout, bundle, rank)
     run = Run(
         config=config,
@@ -85,11 +94,30 @@ def setup(config: Config, layout: Layout) -> Run:
         is_logging_rank=rank == dist.get_world_size() - 1,
         data={},
         start_time=start_time,
+        peak_tflops=_peak_tflops(config),
     )
     run.data = _build_data(run)
     if config.logging.tensorboard_dir and run.is_logging_rank:
         run.tensorboard = logger.TensorBoard(config.logging.tensorboard_dir, config.logging, dist.get_world_size())
     return run
+
+
+def _print_layout(config: Config, layout: Layout, rank: int, calibration: Any = None) -> None:
+    from megatron_ds.estimate.run_layout import layout_report
+
+    par = config.parallel
+    print_rank0(rank, layout.format(par.data_parallel_size, par.tensor_model_parallel_size))
+    report = layout_report(config, layout, calibration)
+    if report:
+        print_rank0(rank, report)
+
+
+def _peak_tflops(config: Config) -> float | None:
+    if config.logging.peak_tflops is not None:
+        return config.logging.peak_tflops
+    if not torch.cuda.is_available():
+        return None
+    return peak_tflops(torch.cuda.get_device_name(), config.training.precision)
 
 
 def _load_or_fresh(config: Config, layout: Layout, bundle: Pipeline, rank: int) -> TrainState:
@@ -177,6 +205,9 @@ def log_step(run: Run, losses: list[float], seconds: float, start_iteration: int
     n = len(losses)
     ms = 1000.0 * seconds / n
     done = state.iteration - start_iteration
+    world = cfg.parallel.world_size or cfg.parallel.model_parallel_size
+    flops = model_flops_per_iteration(cfg.model, t.global_batch_size)
+    tflops, mfu = logger.throughput(flops, seconds / n, world, run.peak_tflops)
     stats = logger.StepStats(
         iteration=state.iteration,
         train_iters=t.train_iters,
@@ -189,6 +220,8 @@ def log_step(run: Run, losses: list[float], seconds: float, start_iteration: int
         loss_scale=logger.loss_scale(run.engine),
         tokens_per_second=t.global_batch_size * cfg.model.seq_length * n / seconds,
         eta_s=(t.train_iters - state.iteration) * seconds / n if done else 0.0,
+        tflops_per_gpu=tflops,
+        mfu=mfu,
     )
     if run.is_logging_rank:
         print(logger.format_line(stats), flush=True)
@@ -205,6 +238,14 @@ def report_memory(run: Run, meter: memory.StepMeter) -> None:
     if run.rank == 0:
         for m in everyone:
             print(m.format(run.state.iteration), flush=True)
+
+
+def report_compute(run: Run) -> None:
+    """Every rank's measured compute per step apart from its waiting, and the 1F1B step those times
+    give with one device per stage (`stage_timers`), printed by rank 0."""
+    everyone = stage_timers.gather(run.bundle.timers.summary(run.rank))
+    if run.rank == 0:
+        print("\n".join(stage_timers.format_report(everyone)), flush=True)
 
 
 def save(run: Run) -> None:
@@ -239,9 +280,15 @@ def train(run: Run) -> bool:
     # one step earlier when there is one (see allocation_trace.CpuAllocationTrace); no other step is.
     measured_iteration = min(t.train_iters, (start_iteration // lg.log_interval + 1) * lg.log_interval)
     memory_reported = not lg.log_memory
+    # Stage compute is timed on the other steps (not the process's first, not the profiled ones) and
+    # reported beside the memory, at the first log line after a timed step.
+    profiled = {measured_iteration - 1, measured_iteration} if meter is not None else set()
+    compute_reported = False
     losses, window_start = [], time.time()
     while state.iteration < t.train_iters:
-        with memory.step_context(meter, state.iteration + 1, measured_iteration):
+        step = state.iteration + 1
+        timed = step != start_iteration + 1 and step not in profiled
+        with memory.step_context(meter, step, measured_iteration), run.bundle.timers.counting(timed):
             losses.append(train_step(run))
         if state.iteration % lg.log_interval == 0 or state.iteration == t.train_iters:
             log_step(run, losses, time.time() - window_start, start_iteration)
@@ -249,6 +296,9 @@ def train(run: Run) -> bool:
             if not memory_reported:
                 report_memory(run, meter)
                 memory_reported = True
+            if not compute_reported and (run.bundle.timers.steps or state.iteration == t.train_iters):
+                report_compute(run)
+                compute_reported = True
             window_start = time.time()
         if t.eval_iters and t.eval_interval and state.iteration % t.eval_interval == 0 and run.data["has_valid"]:
             evaluate(run, "validation", run.data["valid"], t.eval_iters)

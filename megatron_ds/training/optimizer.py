@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from megatron_ds.config import OptimizerConfig
+from megatron_ds.estimate.model_states import optimizer_kernel_options
 
 GROUP_NAMES = ("decay", "no_decay")
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -65,10 +66,15 @@ def build_optimizer(
     module: nn.Module, cfg: OptimizerConfig, factory: OptimizerFactory | None = None
 ) -> torch.optim.Optimizer:
     """`factory(param_groups(...))`, or by default AdamW (Megatron's `adam` is decoupled weight
-    decay) or SGD as `cfg` says. The groups carry `cfg.weight_decay` either way."""
+    decay) or SGD as `cfg` says. The groups carry `cfg.weight_decay` either way.
+
+    The kernel is `estimate.model_states.OPTIMIZER_KERNEL` for this machine's device (fused on CUDA,
+    one tensor at a time on CPU), the one the memory model counts the temporaries of.
+    """
     groups = param_groups(module, cfg.weight_decay)
     if factory is not None:
         return factory(groups)
+    kernel = optimizer_kernel_options("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.optimizer == "adam":
         return torch.optim.AdamW(
             groups,
@@ -76,8 +82,8 @@ def build_optimizer(
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
-            foreach=False,
+            **kernel,
         )
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, **kernel)
     raise AssertionError(cfg.optimizer)

@@ -295,3 +295,47 @@ def test_contradicting_deepspeed_config_fails_before_any_process_group(tmp_path:
     out = single(*BASE, "--mock-data", "--vocab-size", "128", "--deepspeed_config", str(clash))
     assert_one_line_error(out, f"--deepspeed_config {clash}", "train_micro_batch_size_per_gpu=4")
     assert "stage=0" not in out.stdout  # the layout table is printed once the process group exists
+
+
+COMPUTE = re.compile(
+    r"\[Rank (\d) \| stage (\d)\] compute per step \(CPU time, ms, mean of (\d+) step\(s\)\) \| forward: ([\d.]+) \| "
+    r"backward: ([\d.]+) \| optimizer: ([\d.]+) \| total: ([\d.]+) \| not computing \(wall, ms\): (-?[\d.]+), of "
+    r"which send/recv/reduce: ([\d.]+) \| step \(wall, ms\): ([\d.]+)"
+)
+SIMULATED = re.compile(
+    r"1F1B step from these compute times with one device per stage \(schedule simulator\): ([\d.]+) ms = "
+    r"([\d.]+) x the ideal ([\d.]+) ms .*; slowest stage computes ([\d.]+) ms"
+)
+
+
+def test_straight_run_reports_stage_compute_apart_from_waiting(straight: dict) -> None:
+    """training/stage_timers.py on a 3-rank run: each stage's compute (CPU time) per step, the time it
+    spends not computing, and the simulated 1F1B step from those times; the log line's TFLOP/s."""
+    from megatron_ds.arguments import parse_config
+    from megatron_ds.estimate.compute import model_flops_per_iteration
+    from megatron_ds.estimate.schedule import simulate
+
+    text = straight["out"]
+    rows = {int(m.group(2)): [float(x) for x in m.groups()[3:]] for m in COMPUTE.finditer(text)}
+    assert sorted(rows) == [0, 1, 2], text[-3000:]
+    for fwd, bwd, opt, total, waiting, comm, step in rows.values():
+        assert fwd > 0 and bwd > 0 and opt > 0 and total == pytest.approx(fwd + bwd + opt, abs=0.15)
+        assert 0 <= comm <= waiting + 0.1 and waiting < step  # waiting is the step's wall time outside compute
+    sim = SIMULATED.search(text)
+    assert sim, text[-3000:]
+    step, _, _, slowest = (float(x) for x in sim.groups())
+    assert slowest == pytest.approx(max(r[3] for r in rows.values()), abs=0.15)
+    assert step >= slowest - 0.1  # no stage can finish before its own compute
+    m = 4  # global batch 8 / micro-batch 2
+    again = simulate(
+        m, [rows[s][0] / m for s in range(3)], [rows[s][1] / m for s in range(3)], [rows[s][2] for s in range(3)]
+    )
+    assert again.step_time == pytest.approx(step, rel=0.02, abs=0.3)  # from the printed (rounded) times
+    # Megatron-LM's throughput: the model's FLOPs per iteration over the iteration time and the 3 ranks.
+    line = next(ln for ln in text.splitlines() if "iteration        6/       6" in ln)
+    ms = float(re.search(r"elapsed time per iteration \(ms\): ([\d.]+)", line).group(1))
+    tflops = float(re.search(r"throughput per GPU \(TFLOP/s/GPU\): ([\d.e+-]+)", line).group(1))
+    model = parse_config([*MODEL, "--print-layout"])[0].model
+    flops = model_flops_per_iteration(model, 8)
+    assert tflops == pytest.approx(flops / (ms / 1e3 * 3) / 1e12, rel=0.01)
+    assert "MFU" not in line  # no peak known on CPU

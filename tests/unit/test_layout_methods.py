@@ -21,6 +21,7 @@ from megatron_ds.estimate.layout_costs import method_costs
 from megatron_ds.estimate.memory_model import MemoryInputs
 from megatron_ds.estimate.run_layout import build_run_layout, run_method, uses_memory_model
 from megatron_ds.pipeline import methods
+from megatron_ds.pipeline.fastest import StageTime
 from megatron_ds.pipeline.layout import (
     DEDICATED_RESERVED,
     Costs,
@@ -46,6 +47,11 @@ def spelled(entry: PartitionMethod) -> str:
 
 def config(*argv: str):
     return parse_config([*MODEL, "--vocab-size", "1000", "--print-layout", *argv])[0]
+
+
+def limit_flags(entry: PartitionMethod) -> list[str]:
+    """--pp-memory-limit where the method needs it (on CPU there is no device memory to default to)."""
+    return ["--pp-memory-limit", "1GiB"] if methods.MEMORY_LIMIT in entry.needs else []
 
 
 def test_pipeline_imports_nothing_above_it() -> None:
@@ -157,11 +163,21 @@ def test_costs_are_built_from_needs_only() -> None:
         calls.append(1)
         return MemoryInputs(model=model, micro_batch_size=1, num_micro_batches=4)
 
+    def limit() -> float:
+        calls.append("limit")
+        return 2.0**30
+
+    def measured():
+        calls.append("measured")
+        return lambda s, k: StageTime(1.0, 2.0)
+
     for entry in REGISTRY.values():
-        costs = method_costs(entry, model, 3, memory_inputs)
+        costs = method_costs(entry, model, 3, memory_inputs, memory_limit=limit, measured_time=measured)
         for f in fields(Costs):
             assert (getattr(costs, f.name) is not None) == (f.name in entry.needs), (entry.name, f.name)
-    assert len(calls) == sum(e.needs_stage_memory for e in REGISTRY.values())
+    assert calls.count(1) == sum(e.needs_stage_memory for e in REGISTRY.values())
+    assert calls.count("limit") == sum(methods.MEMORY_LIMIT in e.needs for e in REGISTRY.values())
+    assert calls.count("measured") == sum(methods.MEASURED_STAGE_TIME in e.needs for e in REGISTRY.values())
     stage_cost = method_costs(REGISTRY["memory"], model, 3, memory_inputs).stage_memory
     assert stage_cost(0, 2) < stage_cost(0, 3)  # bytes grow with layers on a stage
     with pytest.raises(AssertionError, match="needs"):
@@ -171,7 +187,7 @@ def test_costs_are_built_from_needs_only() -> None:
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_every_method_runs_from_the_command_line(name: str) -> None:
     entry = REGISTRY[name]
-    cfg = config("--pipeline-model-parallel-size", "3", "--pp-partition-method", spelled(entry))
+    cfg = config("--pipeline-model-parallel-size", "3", "--pp-partition-method", spelled(entry), *limit_flags(entry))
     layout = build_run_layout(cfg)
     assert layout.method == spelled(entry) and sum(layout.layers_per_stage) == 6
     assert run_method(cfg) is entry and uses_memory_model(cfg) == entry.needs_stage_memory
@@ -203,7 +219,7 @@ def test_a_new_method_is_one_registry_entry(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_planner_choices_come_from_the_registry() -> None:
     planned = methods.planned_methods()
-    assert planned == ("memory",)
+    assert planned == ("memory", "fastest")
     assert inputs.CHOICES["layout"] == (*DEDICATED_CHOICES, *planned)
     assert sorted(search.METHODS) == sorted(inputs.CHOICES["layout"])
     assert tuple(DEDICATED_RESERVED) == DEDICATED_CHOICES

@@ -26,7 +26,7 @@ def print_layout(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, s
     [
         (
             ["--pipeline-model-parallel-size", "3", "--pp-partition-method", "balanced", "--vocab-size", "1000"],
-            "--pp-partition-method balanced is not a known method; use uniform, parameters, memory, type:REGEX",
+            "--pp-partition-method balanced is not a known method; use uniform, parameters, memory, fastest, profile, type:REGEX",
         ),
         (
             ["--pipeline-model-parallel-size", "6", "--pp-partition-method", "memory", "--vocab-size", "1000"],

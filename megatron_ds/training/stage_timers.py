@@ -1,0 +1,248 @@
+"""Measured per-stage compute of DeepSpeed's pipeline engine, separate from the time a stage waits.
+
+`install(engine)` (called once by `build_pipeline`) times every instruction the engine executes in
+`train_batch`: `PipelineEngine._exec_schedule` looks each instruction's method up in
+`_INSTRUCTION_MAP`, a class attribute, so an instance attribute of the same name with wrapped
+functions times them without touching DeepSpeed's code or other engines. Kinds:
+
+    compute        ForwardPass, BackwardPass, OptimizerStep (the step includes the gradient-norm
+                   all-reduce that clipping needs, a wait when another stage is behind)
+    communication  SendActivation, RecvActivation, SendGrad, RecvGrad (blocking point-to-point:
+                   mostly waiting for the peer), ReduceTiedGrads, ReduceGrads
+    other          LoadMicroBatch, and whatever `train_batch` does outside instructions
+
+Clocks: compute is measured on the device's own clock, wall time for everything else. On CPU the
+compute clock is this process's CPU time (`time.process_time`): several ranks sharing a few cores
+wait for a core, and CPU time leaves that out, so stages are comparable on a shared machine
+(with one intra-op thread per rank, `OMP_NUM_THREADS=1`; more threads add their CPU time). On
+CUDA it is CUDA events around each compute instruction (GPU time of its kernels), resolved at the
+end of every step. `estimate/calibrate.py` uses the same CPU clock for `profile`.
+
+From the per-stage compute, `format_report` gives the step DeepSpeed's 1F1B schedule would take
+with one device per stage (`estimate/schedule.simulate`): what makes layouts comparable where the
+wall-clock step is noise (5 ranks on 2 cores).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_ds.estimate.schedule import balanced_step_time, simulate
+
+COMPUTE = ("forward", "backward", "optimizer")
+COMMUNICATION = ("send", "recv", "reduce")
+MS = 1e3
+
+
+def _kinds() -> dict[type, str]:
+    from deepspeed.runtime.pipe import schedule as ds
+
+    return {
+        ds.ForwardPass: "forward",
+        ds.BackwardPass: "backward",
+        ds.OptimizerStep: "optimizer",
+        ds.SendActivation: "send",
+        ds.SendGrad: "send",
+        ds.RecvActivation: "recv",
+        ds.RecvGrad: "recv",
+        ds.ReduceTiedGrads: "reduce",
+        ds.ReduceGrads: "reduce",
+        ds.LoadMicroBatch: "load",
+    }
+
+
+@dataclass
+class StageCompute:
+    """One rank's mean times per training step, in seconds (`clock` says what compute is measured in)."""
+
+    rank: int
+    stage: int
+    steps: int
+    micro_batches: int
+    """Forward passes per step (gradient accumulation steps)."""
+    clock: str
+    compute: dict[str, float] = field(default_factory=dict)
+    """forward, backward, optimizer on the compute clock."""
+    wall: dict[str, float] = field(default_factory=dict)
+    """Every instruction kind in wall time."""
+    step: float = 0.0
+    """The whole `train_batch`, wall time."""
+
+    @property
+    def compute_total(self) -> float:
+        return sum(self.compute.get(k, 0.0) for k in COMPUTE)
+
+    @property
+    def waiting(self) -> float:
+        """Wall time of the step not spent in compute instructions: waiting for other stages,
+        communicating, loading data (the step minus the compute instructions' wall time)."""
+        return self.step - sum(self.wall.get(k, 0.0) for k in COMPUTE)
+
+    @property
+    def communication(self) -> float:
+        return sum(self.wall.get(k, 0.0) for k in COMMUNICATION)
+
+    def format(self) -> str:
+        ms = {k: MS * v for k, v in self.compute.items()}
+        return (
+            f"[Rank {self.rank} | stage {self.stage}] compute per step ({self.clock}, ms, mean of {self.steps} "
+            f"step(s)) | forward: {ms.get('forward', 0):.1f} | backward: {ms.get('backward', 0):.1f} | "
+            f"optimizer: {ms.get('optimizer', 0):.1f} | total: {MS * self.compute_total:.1f} | not computing (wall, "
+            f"ms): {MS * self.waiting:.1f}, of which send/recv/reduce: {MS * self.communication:.1f} | step "
+            f"(wall, ms): {MS * self.step:.1f}"
+        )
+
+
+class StageTimers:
+    """Accumulates instruction times of the steps run inside `counting(True)` (all steps by default)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.device = next(engine.module.parameters()).device.type
+        self.clock_name = "CUDA time" if self.device == "cuda" else "CPU time"
+        self._count = True
+        self._in_train = False
+        self._events: list[tuple[str, Any, Any]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.step_wall = 0.0
+        self.compute: dict[str, float] = {k: 0.0 for k in COMPUTE}
+        self.wall: dict[str, float] = {}
+
+    @contextmanager
+    def counting(self, on: bool) -> Iterator[None]:
+        """Count the steps run inside (or leave them out: profiled steps, the first step)."""
+        previous, self._count = self._count, on
+        try:
+            yield
+        finally:
+            self._count = previous
+
+    def _timed_instruction(self, fn: Callable, kind: str) -> Callable:
+        def timed(engine: Any, **kwargs: Any) -> Any:
+            if not (self._in_train and self._count):
+                return fn(engine, **kwargs)
+            start, cpu = time.perf_counter(), time.process_time()
+            events = None
+            if kind in COMPUTE and self.device == "cuda":
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
+            try:
+                return fn(engine, **kwargs)
+            finally:
+                self.wall[kind] = self.wall.get(kind, 0.0) + time.perf_counter() - start
+                if events is not None:
+                    events[1].record()
+                    self._events.append((kind, *events))
+                elif kind in COMPUTE:
+                    self.compute[kind] += time.process_time() - cpu
+
+        return timed
+
+    def _timed_train_batch(self, train_batch: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            self._in_train = True
+            try:
+                out = train_batch(*args, **kwargs)
+            finally:
+                self._in_train = False
+            if self._count:
+                self._resolve_events()
+                self.steps += 1
+                self.step_wall += time.perf_counter() - start
+            return out
+
+        return timed
+
+    def _resolve_events(self) -> None:
+        if self._events:
+            torch.cuda.synchronize()
+            for kind, begin, end in self._events:
+                self.compute[kind] += begin.elapsed_time(end) / MS
+            self._events.clear()
+
+    def summary(self, rank: int) -> StageCompute:
+        """Mean times per counted step on this rank."""
+        n = max(self.steps, 1)
+        return StageCompute(
+            rank=rank,
+            stage=self.engine.stage_id,
+            steps=self.steps,
+            micro_batches=self.engine.micro_batches,
+            clock=self.clock_name,
+            compute={k: v / n for k, v in self.compute.items()},
+            wall={k: v / n for k, v in self.wall.items()},
+            step=self.step_wall / n,
+        )
+
+
+def install(engine: Any) -> StageTimers:
+    """Time `engine`'s instructions and train steps from now on (once per engine)."""
+    assert "_INSTRUCTION_MAP" not in vars(engine), "stage timers are already installed on this engine"
+    timers = StageTimers(engine)
+    kinds = _kinds()
+    engine._INSTRUCTION_MAP = {
+        cmd: timers._timed_instruction(fn, kinds.get(cmd, "other")) for cmd, fn in type(engine)._INSTRUCTION_MAP.items()
+    }
+    engine.train_batch = timers._timed_train_batch(engine.train_batch)
+    return timers
+
+
+def gather(summary: StageCompute) -> list[StageCompute]:
+    """Every rank's summary, on every rank (one all_gather_object)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, asdict(summary))
+    return [StageCompute(**d) for d in out]
+
+
+@dataclass(frozen=True)
+class SimulatedStep:
+    """DeepSpeed's 1F1B step from measured per-stage compute, one device per stage (seconds)."""
+
+    step: float
+    ideal: float
+    """The same compute in equal stages, through the same schedule."""
+    slowest_stage: float
+    """The largest per-stage compute of one step."""
+    measured_step: float
+    """The slowest rank's wall-clock step on this machine."""
+
+
+def simulate_measured(everyone: list[StageCompute]) -> SimulatedStep:
+    """Per stage the slowest of its ranks (data and tensor parallel copies), through the simulator."""
+    num_stages = 1 + max(s.stage for s in everyone)
+    by_stage = [[s for s in everyone if s.stage == st] for st in range(num_stages)]
+    m = everyone[0].micro_batches
+    fwd = [max(s.compute["forward"] for s in ranks) / m for ranks in by_stage]
+    bwd = [max(s.compute["backward"] for s in ranks) / m for ranks in by_stage]
+    opt = [max(s.compute["optimizer"] for s in ranks) for ranks in by_stage]
+    step = simulate(m, fwd, bwd, opt).step_time
+    ideal = balanced_step_time(m, fwd, bwd) + sum(opt) / num_stages
+    slowest = max(m * (f + b) + o for f, b, o in zip(fwd, bwd, opt))
+    return SimulatedStep(step, ideal, slowest, max(s.step for s in everyone))
+
+
+def format_report(everyone: list[StageCompute]) -> list[str]:
+    """One line per rank, then the simulated step (empty when no step was counted)."""
+    if not everyone or min(s.steps for s in everyone) == 0:
+        return ["stage compute: no step was timed (profiled and first steps are left out); train longer to see it"]
+    lines = [s.format() for s in sorted(everyone, key=lambda s: s.rank)]
+    sim = simulate_measured(everyone)
+    lines.append(
+        f"1F1B step from these compute times with one device per stage (schedule simulator): {MS * sim.step:.1f} ms "
+        f"= {sim.step / sim.ideal:.3f} x the ideal {MS * sim.ideal:.1f} ms (the same compute in equal stages); "
+        f"slowest stage computes {MS * sim.slowest_stage:.1f} ms; measured wall-clock step here "
+        f"{MS * sim.measured_step:.1f} ms"
+    )
+    return lines
