@@ -2,7 +2,7 @@
 """Measured per-stage memory and compute of a GPT with a large embedding under several pipeline
 layouts on CPU, next to what the memory model and the calibrated compute model predict.
 
-For each model and layout this runs `pretrain_gpt.py` on 5 CPU ranks (torchrun, gloo, fp32,
+For each model and layout this runs `pretrain_gpt.py` on 5 CPU ranks (`--stages N`: N) (torchrun, gloo, fp32,
 `--mock-data`) for 8 iterations with `--log-interval 6`. From its output:
 
 - memory: the report of iteration 6 (`megatron_ds/training/memory.py`, the code `--log-memory`
@@ -11,7 +11,7 @@ For each model and layout this runs `pretrain_gpt.py` on 5 CPU ranks (torchrun, 
   (`training/stage_timers.py`; iterations 2-4, untraced), against the calibrated prediction
   (`estimate/calibrate.py`: each group timed once in this process, before the runs, same clock);
 - the 1F1B step DeepSpeed's schedule takes with one device per stage, simulated from the measured
-  compute (`estimate/schedule.py`), over the ideal: the same compute in 5 equal stages through the
+  compute (`estimate/schedule.py`), over the ideal: the same compute in P equal stages through the
   same schedule. Wall-clock steps are printed too; with 5 ranks on 2 shared cores they are noise.
 
     python benchmarks/stage_memory.py                               # both models, every layout
@@ -59,11 +59,24 @@ LAYOUTS = {
     "profile": ["--pp-partition-method", "profile"],
 }
 LIMITED = ("fastest", "profile")
-COMMON = (
-    f"--pipeline-model-parallel-size {NUM_STAGES} --mock-data --train-iters {ITERATIONS} --log-interval "
-    f"{LOG_INTERVAL} --eval-iters 0 --lr 1e-4 --num-workers 0 --hidden-dropout 0 --attention-dropout 0 --seed 1234 "
-    f"--distributed-timeout-minutes 10"
-).split()
+
+
+def common_flags(num_stages: int) -> list[str]:
+    return (
+        f"--pipeline-model-parallel-size {num_stages} --mock-data --train-iters {ITERATIONS} --log-interval "
+        f"{LOG_INTERVAL} --eval-iters 0 --lr 1e-4 --num-workers 0 --hidden-dropout 0 --attention-dropout 0 --seed 1234 "
+        f"--distributed-timeout-minutes 10"
+    ).split()
+
+
+COMMON = common_flags(NUM_STAGES)
+
+
+def set_stages(num_stages: int) -> None:
+    """Run every layout on `num_stages` ranks (P = num_stages) instead of 5."""
+    global NUM_STAGES, COMMON
+    NUM_STAGES, COMMON = num_stages, common_flags(num_stages)
+
 
 REPORT = re.compile(
     r"\[Rank (\d+) \| stage (\d+)\] \(after \d+ iterations\) memory \(MB\) \| params: ([\d.]+) \| "
@@ -216,7 +229,10 @@ def format_memory(runs: list[LayoutRun]) -> str:
         f"{'layout':<8} {'stage':>5} {'layers':>6} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
         f"{'other':>8} {'measured':>9} {'predicted':>9} {'pred/meas':>9} {'/median':>7}"
     )
-    lines = [f"model {runs[0].model}: {' '.join(MODELS[runs[0].model])} (MiB; 5 CPU ranks, fp32, ZeRO-0)", head]
+    lines = [
+        f"model {runs[0].model}: {' '.join(MODELS[runs[0].model])} (MiB; {NUM_STAGES} CPU ranks, fp32, ZeRO-0)",
+        head,
+    ]
     for run in runs:
         median = statistics.median(run.totals)
         for r in run.rows:
@@ -294,7 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pretrain_gpt.py run")
     parser.add_argument("--render", type=Path, help="print the tables of an earlier --json file instead of running")
+    parser.add_argument(
+        "--stages",
+        type=int,
+        default=NUM_STAGES,
+        help="pipeline stages = ranks per run (5; 2 gives each rank a core of a 2-core machine)",
+    )
     args = parser.parse_args(argv)
+    set_stages(args.stages)
     if args.render:
         return render(args.render)
     models, layouts = args.models.split(","), args.layouts.split(",")
