@@ -14,7 +14,7 @@ The peak on one GPU of stage s is the largest of three moments of a training ste
 DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py) is 1F1B; stage s runs P - s
 forwards before its first backward, so at most that many micro-batches' activations are alive
 (M micro-batches per step). `TrainSchedule.num_pipe_buffers()` is max(2, min(P - s, M)), the
-buffer slots the engine cycles through (`_pipe_buffers` says which of them hold what).
+buffer slots the engine cycles through (`transients.pipe_buffers` says which of them hold what).
 
 Everything returned is an estimate; nothing here is measured. The terms beyond the classic sum
 (the three moments, the last stage's kept logits, the step's temporaries, the word embedding's
@@ -31,15 +31,12 @@ from dataclasses import dataclass, field
 from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
 from megatron_ds.estimate import activations as act
 from megatron_ds.estimate.model_states import (
-    MASTER_BYTES,
-    OPTIMIZER_KERNEL,
     OPTIMIZER_STATE_BYTES,
-    OPTIMIZER_TEMPORARIES,
     PRECISION_BYTES,
     StateFactors,
     state_factors,
-    zero_bucket_elements,
 )
+from megatron_ds.estimate.transients import backward_transient, gathered, in_flight, pipe_buffers, step_temporaries
 from megatron_ds.model import naming
 
 
@@ -219,16 +216,6 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
     return tuple(out)
 
 
-def in_flight(stage: int, num_stages: int, num_micro_batches: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at its peak under TrainSchedule (1F1B)."""
-    return min(num_stages - stage, num_micro_batches)
-
-
-def num_pipe_buffers(stage: int, num_stages: int, num_micro_batches: int) -> int:
-    """DeepSpeed's `TrainSchedule.num_pipe_buffers()`."""
-    return max(2, min(num_stages - stage, num_micro_batches))
-
-
 def stage_memory(inputs: MemoryInputs, layout) -> list[StageMemory]:
     """Per-stage predicted memory for a `megatron_ds.pipeline.layout.Layout`."""
     p = layout.num_stages
@@ -256,12 +243,12 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
         + (num_layers - full_layers) * layer.checkpointed_activations
     )
     flight = in_flight(stage, num_stages, inputs.num_micro_batches)
-    buffers, persistent = _pipe_buffers(inputs, stage, num_stages)
+    buffers, persistent = pipe_buffers(inputs, stage, num_stages)
     # A first-stage micro-batch's activations other than the token ids the embedding saved are
-    # freed before the word embedding's gradient is computed (see `_transient`).
+    # freed before the word embedding's gradient is computed (see `transients.backward_transient`).
     freed = per_mb - sum(sp.activations for sp in pre if sp.name == naming.WORD_EMBEDDING)
-    first_bwd = _transient(inputs, layer, chunk, held, last, freed, accumulating=False)
-    later_bwd = _transient(inputs, layer, chunk, held, last, freed, accumulating=inputs.num_micro_batches > 1)
+    first_bwd = backward_transient(inputs, layer, chunk, held, last, freed, accumulating=False)
+    later_bwd = backward_transient(inputs, layer, chunk, held, last, freed, accumulating=inputs.num_micro_batches > 1)
     # The step's gradients exist from the first backward on: DeepSpeed sets every `.grad` to None
     # after the optimizer step (engine.zero_grad; zero_grad(set_to_none=True) of its ZeRO and bf16
     # optimizers), so only the rest of `grads` (flat fp32 buffers, partitions) is always held.
@@ -270,7 +257,7 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
     # After its first backward a stage holds in_flight micro-batches again only if a forward
     # follows (steady 1F1B, M > P - s); otherwise one fewer.
     later = flight if inputs.num_micro_batches > num_stages - stage else flight - 1
-    step, step_source = _step_temporaries(inputs, held, num_params, num_stages)
+    step, step_source = step_temporaries(inputs, held, num_params, num_stages)
     moments = [
         (
             base + flight * per_mb + buffers + first_bwd[0],
@@ -285,7 +272,7 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
         (sum(states[:3]) + persistent + step, f"optimizer step: {step_source}"),
     ]
     peak, source = max(moments, key=lambda m: m[0])
-    peak += _gathered(inputs, ends, layer, num_layers)
+    peak += gathered(inputs, ends, layer, num_layers)
     return StageMemory(
         stage=stage,
         num_layers=num_layers,
@@ -324,158 +311,6 @@ def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: i
         else:
             full += part.count("t")
     return full, chunk
-
-
-def _transient(
-    inputs: MemoryInputs,
-    layer: SpecMemory,
-    chunk: int,
-    held: list[SpecMemory],
-    last: bool,
-    freed_before_embedding: float,
-    accumulating: bool,
-) -> tuple[float, str]:
-    """The largest short-lived buffer of one backward: recomputation, loss gradients, or (when
-    `accumulating`, i.e. not the step's first micro-batch) a weight gradient created before it is
-    added into the accumulated one.
-
-    The word embedding's gradient is the last one a first-stage backward computes: every other
-    activation that micro-batch saved on the stage (`freed_before_embedding` bytes) has been
-    released by then, so it adds only what it exceeds them by (measured on CPU by
-    `benchmarks/stage_memory.py`: the stage-0 peak is at `embedding_dense_backward`).
-    """
-    options = [(0.0, "none")]
-    if chunk:
-        options.append((chunk * layer.activations, f"recomputing {chunk} layer(s) of one micro-batch"))
-    if last:
-        options.append(
-            (
-                act.loss_backward_transient(inputs.model, inputs.micro_batch_size, inputs.tensor_parallel_size),
-                "fp32 loss gradients d(log-probs), d(logits) of one micro-batch",
-            )
-        )
-    if accumulating:
-        w = PRECISION_BYTES[inputs.precision]
-        for sp in held:
-            size = sp.largest_param * w
-            if sp.name == naming.WORD_EMBEDDING:
-                options.append(
-                    (
-                        size - freed_before_embedding,
-                        "the word embedding's weight gradient before accumulation (after the "
-                        "micro-batch's other activations are freed)",
-                    )
-                )
-            else:
-                options.append((size, "one weight gradient before accumulation"))
-    return max(options, key=lambda o: o[0])
-
-
-ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
-"""`MEMORY_OPT_ALLREDUCE_SIZE` in deepspeed/runtime/engine.py: the pipeline engine's gradient
-all-reduce bucket (elements)."""
-
-
-def zero_bucket_elements_for(model: ModelConfig, num_stages: int, data_parallel_size: int, t: int = 1) -> int:
-    """ZeRO-1's `reduce_bucket_size` our DeepSpeed JSON sets for this model (`model_states.zero_bucket_elements`)."""
-    params = sum(sp.num_params for sp in naming.gpt_spec_params(model, t))
-    return zero_bucket_elements(params, num_stages, data_parallel_size)
-
-
-def _step_temporaries(
-    inputs: MemoryInputs, held: list[SpecMemory], num_params: int, num_stages: int
-) -> tuple[float, str]:
-    """The largest buffer alive between the last backward and the end of the optimizer step.
-
-    * Without ZeRO, the pipeline engine all-reduces gradients over data parallelism (also when
-      that group has one rank) through `buffered_allreduce_fallback`, which flattens them into
-      buckets of up to `ALLREDUCE_BUCKET_ELEMENTS` (a copy; fp32 gradients, the bf16 optimizer's
-      fp32 ones, or fp16).
-    * With ZeRO-1, `reduce_gradients(pipeline_parallel=True)` holds two buffers of
-      `reduce_bucket_size` elements in the parameters' dtype while it reduces, with the step's
-      gradients and their flat partition (`model_states.zero_bucket_elements` says why two; the
-      generated JSON sets the size).
-    * The optimizer's own temporaries follow `model_states.OPTIMIZER_KERNEL` for `inputs.device`
-      (none for the fused kernel; fp32 copies of the tensor being stepped otherwise). Without ZeRO
-      in fp32 the tensors are the parameters; otherwise DeepSpeed's optimizer wrapper (ZeRO,
-      BF16_Optimizer, FP16_Optimizer) steps one flat fp32 tensor per parameter group (its
-      partition under ZeRO), so the largest group's partition counts. Offloaded optimizers step on
-      the host.
-    """
-    options = [(0.0, "no temporary")]
-    if inputs.zero_stage == 0:
-        width = 2 if inputs.precision == "fp16" else MASTER_BYTES if inputs.precision == "bf16" else 4
-        options.append(
-            (
-                width * min(num_params, ALLREDUCE_BUCKET_ELEMENTS),
-                "the flattened copy of the gradients in DeepSpeed's gradient all-reduce",
-            )
-        )
-    if inputs.zero_stage == 1:
-        bucket = zero_bucket_elements_for(
-            inputs.model, num_stages, inputs.data_parallel_size, inputs.tensor_parallel_size
-        )
-        options.append(
-            (2 * bucket * PRECISION_BYTES[inputs.precision], f"ZeRO-1's two reduce buckets of {bucket} elements")
-        )
-    kernel = OPTIMIZER_KERNEL[inputs.device]
-    copies = OPTIMIZER_TEMPORARIES[(kernel, inputs.optimizer)]
-    if inputs.offload_optimizer == "none" and copies:
-        if inputs.precision == "fp32" and inputs.zero_stage == 0:
-            big = max((sp.largest_param for sp in held), default=0)
-            options.append((copies * MASTER_BYTES * big, f"{copies} fp32 temporaries of the largest tensor"))
-        else:
-            no_decay = sum(sp.no_decay_params for sp in held)
-            group = max(num_params - no_decay, no_decay) / inputs.data_parallel_size
-            options.append((copies * MASTER_BYTES * group, f"{copies} fp32 temporaries of the largest flat group"))
-    return max(options, key=lambda o: o[0])
-
-
-def _gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, num_layers: int) -> float:
-    """ZeRO-3's gathered working set: the largest module's full parameters (estimator's 4 x largest layer)."""
-    if not inputs.factors.gathered:
-        return 0.0
-    held = ends + ([layer] if num_layers else [])
-    return inputs.factors.gathered * max((sp.largest_param for sp in held), default=0)
-
-
-def _pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[float, float]:
-    """(DeepSpeed PipelineEngine buffers at a backward, the part of them still held at the
-    optimizer step), read from deepspeed/runtime/pipe/engine.py:
-
-    * a stage after the first keeps each received activation until `_exec_send_grads` frees it
-      (in_flight of them) plus the receive buffer `pipe_recv_buf`, which persists;
-    * a stage before the last keeps each output until its backward (in_flight) plus the gradient
-      receive buffer `grad_layer`, which persists;
-    * the last stage's output is the fp32 logits, and `_exec_backward_pass` returns before it
-      clears `pipe_buffers['outputs']` on the last stage, so every slot keeps its logits until the
-      slot is reused: min(num_pipe_buffers, M) of them, also through the optimizer step (measured:
-      two logits buffers on the last stage by `benchmarks/stage_memory.py`);
-    * token ids on the first stage, labels and loss mask on the last, kept in every slot used.
-    """
-    m, mb = inputs.model, inputs.num_micro_batches
-    hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
-    tokens = m.seq_length * inputs.micro_batch_size
-    slots = min(num_pipe_buffers(stage, num_stages, mb), mb)
-    flight = in_flight(stage, num_stages, mb)
-    total = persistent = 0.0
-    if stage > 0:
-        total += (flight + 1) * hidden
-        persistent += hidden
-    if stage < num_stages - 1:
-        total += (flight + 1) * hidden
-        persistent += hidden
-    else:
-        logits = slots * act.logits_bytes(m, inputs.micro_batch_size, inputs.tensor_parallel_size)
-        total += logits
-        persistent += logits
-    if stage == 0:
-        total += slots * tokens * act.TOKEN_ID_BYTES
-        persistent += slots * tokens * act.TOKEN_ID_BYTES
-    if stage == num_stages - 1:
-        total += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
-        persistent += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
-    return total, persistent
 
 
 def total_params(model: ModelConfig) -> int:

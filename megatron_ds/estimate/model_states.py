@@ -35,7 +35,7 @@ MASTER_BYTES = 4
 
 OPTIMIZER_KERNEL = {"cuda": "fused", "cpu": "single-tensor"}
 """How torch's AdamW / SGD step runs, by device: the one statement of it. `training/optimizer.py`
-builds the optimizer with `optimizer_kernel_options`, and `memory_model._step_temporaries` counts
+builds the optimizer with `optimizer_kernel_options`, and `transients.step_temporaries` counts
 its temporaries. `fused` (`torch._fused_adamw_`, `_fused_sgd_`): one kernel per tensor list that
 updates in place, no temporaries; the fastest on GPUs. `single-tensor` (foreach=False): one tensor
 at a time; AdamW's `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds two fp32

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from megatron_ds.config import Config
 from megatron_ds.errors import UserError
-from megatron_ds.estimate.memory_model import zero_bucket_elements_for
+from megatron_ds.estimate.transients import zero_bucket_elements_for
 
 
 class DeepSpeedConfigError(UserError):

@@ -14,16 +14,15 @@ from megatron_ds.estimate import activations as act
 from megatron_ds.estimate.memory_model import (
     MemoryInputs,
     format_bytes,
-    in_flight,
     largest_layer_params,
     layer_param_counts,
-    num_pipe_buffers,
     spec_memory,
     stage_memory,
     stage_memory_for,
     total_params,
 )
 from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
+from megatron_ds.estimate.transients import in_flight, num_pipe_buffers
 from megatron_ds.model import naming
 from megatron_ds.pipeline.layout import SpecGroups, build_layout
 

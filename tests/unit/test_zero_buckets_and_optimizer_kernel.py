@@ -11,13 +11,14 @@ import dataclasses
 
 import torch
 
-from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory_for, zero_bucket_elements_for
+from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory_for
 from megatron_ds.estimate.model_states import (
     MEGATRON_BUCKET_ELEMENTS,
     OPTIMIZER_KERNEL,
     optimizer_kernel_options,
     zero_bucket_elements,
 )
+from megatron_ds.estimate.transients import zero_bucket_elements_for
 from megatron_ds.model.naming import gpt_spec_params
 from megatron_ds.testing.scenario import tiny_config
 from megatron_ds.training import deepspeed_config
@@ -61,9 +62,9 @@ def test_memory_model_counts_two_buckets_at_zero1_only() -> None:
 
 
 def _persistent(inputs: MemoryInputs, stage: int, num_stages: int) -> float:
-    from megatron_ds.estimate.memory_model import _pipe_buffers
+    from megatron_ds.estimate.transients import pipe_buffers
 
-    return _pipe_buffers(inputs, stage, num_stages)[1]
+    return pipe_buffers(inputs, stage, num_stages)[1]
 
 
 def test_optimizer_temporaries_follow_the_kernel_of_the_device() -> None:
