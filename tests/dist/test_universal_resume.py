@@ -145,7 +145,7 @@ def test_dropout_was_on_and_layouts_were_the_asked_ones(runs: dict) -> None:
     layouts = {name: runs[name][0]["layout"] for name in ("save_both_z1", "pre_from_both", "save_stock",
                                                          "memory_from_stock", "p1_from_both")}
     assert layouts == {"save_both_z1": "E|t*6|L", "pre_from_both": "E|t*2|t*2|t*2L", "save_stock": "Et*2|t*2|t|tL",
-                       "memory_from_stock": "Et*2|t*3|tL", "p1_from_both": "Et*6L"}
+                       "memory_from_stock": "Et|t*3|t*2L", "p1_from_both": "Et*6L"}
 
 
 def test_bf16_without_zero_resumes_exactly_and_into_fp32(runs: dict) -> None:
