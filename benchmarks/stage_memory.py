@@ -84,7 +84,7 @@ REPORT = re.compile(
     r"other \(buffers, transients\): (-?[\d.]+) \| total \(measured peak\): ([\d.]+)"
 )
 COMPUTE = re.compile(
-    r"\[Rank \d+ \| stage (\d+)\] compute per step \(CPU time, ms, mean of (\d+) step\(s\)\) \| forward: ([\d.]+) \| "
+    r"\[Rank \d+ \| stage (\d+)\] compute per step \(CPU time, ms, median of (\d+) step\(s\)\) \| forward: ([\d.]+) \| "
     r"backward: ([\d.]+) \| optimizer: ([\d.]+) \|"
 )
 STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*elapsed time per iteration \(ms\): ([\d.]+)")

@@ -6,7 +6,8 @@ and backward of each, and the optimizer step over its parameters (the gradient-n
 AdamW/SGD step with the kernel training uses, `model_states.OPTIMIZER_KERNEL`): the median of
 `repeats` runs after `warmup` untimed ones. `stage_time_fn` then gives the
 `megatron_ds.pipeline.fastest` cost function: stage s holding k layers takes pre + k x layer + post
-(its groups), recomputed layers add a layer forward to the backward
+(its groups; the last stage also steps its copy of a tied embedding, unless it is the first too,
+where DeepSpeed builds the tied module once), recomputed layers add a layer forward to the backward
 (`megatron_ds.estimate.compute.recomputed_layers`), and at T > 1 each group's time is scaled by
 its FLOPs per tensor rank over its FLOPs at T = 1.
 
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from deepspeed.pipe import TiedLayerSpec
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate.compute import ComputeInputs, recomputed_layers, spec_flops
@@ -65,6 +67,9 @@ class Calibration:
     micro_batch_size: int
     timings: tuple[GroupTiming, ...]
     """One per `GROUPS` entry, in that order."""
+    tied_copy_optimizer: float = 0.0
+    """Seconds of the optimizer over the last stage's copy of a tied word embedding (0 when untied).
+    Not in the post group's `optimizer`: with one stage, DeepSpeed builds the tied module once."""
 
     def group(self, name: str) -> GroupTiming:
         return next(t for t in self.timings if t.group == name)
@@ -115,6 +120,8 @@ def _time_optimizer(params: list[torch.Tensor], device: str, repeats: int, warmu
     """Seconds of clipping and stepping `params` (fresh fp32 copies with gradients, as DeepSpeed's
     wrappers step fp32 tensors) with the kernel training uses on `device`."""
     copies = [torch.nn.Parameter(p.detach().float().clone()) for p in params if p.numel()]
+    if not copies:
+        return 0.0
     for p in copies:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(copies, lr=1e-9, weight_decay=0.1, **optimizer_kernel_options(device))
@@ -123,7 +130,7 @@ def _time_optimizer(params: list[torch.Tensor], device: str, repeats: int, warmu
         torch.nn.utils.clip_grad_norm_(copies, 1.0)
         opt.step()
 
-    return _median_seconds(step, repeats, warmup, clock(device)) if copies else 0.0
+    return _median_seconds(step, repeats, warmup, clock(device))
 
 
 def calibrate(
@@ -166,11 +173,11 @@ def calibrate(
         return cross_entropy_loss(x, labels)
 
     layer = modules[first_layer]
-    tied = [] if model.untie_embeddings_and_output_weights else list(embedding.parameters())
+    tied = [i for i in range(first_post, len(specs)) if isinstance(specs[i], TiedLayerSpec)]  # the head's copy
     params = {
         "pre": _parameters(modules[:first_layer]),
         "layer": _parameters([layer]),
-        "post": _parameters(modules[first_post:]) + tied,  # the tied head's copy
+        "post": _parameters([m for i, m in enumerate(modules[first_post:], first_post) if i not in tied]),
     }
     totals = _group_flops(ComputeInputs(model, micro_batch_size))
     runs = {"pre": run_pre, "layer": lambda: layer(hidden), "post": run_post}
@@ -179,7 +186,8 @@ def calibrate(
         fwd, bwd = _time_group(runs[name], repeats, warmup, now)
         opt = _time_optimizer(params[name], device, repeats, warmup)
         timings.append(GroupTiming(name, fwd, bwd, totals[name], opt))
-    return Calibration(micro_batch_size, tuple(timings))
+    tied_copy = _time_optimizer(_parameters([modules[i] for i in tied]), device, repeats, warmup)
+    return Calibration(micro_batch_size, tuple(timings), tied_copy)
 
 
 def _built(spec: object, device: str, dtype: torch.dtype) -> Callable:
@@ -226,7 +234,9 @@ def stage_time_fn(calibration: Calibration, inputs: ComputeInputs, num_stages: i
         parts = [(pre, scale["pre"], first), (layer, scale["layer"], num_layers), (post, scale["post"], last)]
         forward = sum(n * g.forward * f for g, f, n in parts)
         backward = sum(n * g.backward * f for g, f, n in parts)
-        optimizer = sum(n * g.optimizer / inputs.tensor_parallel_size for g, _, n in parts)
+        optimizer = sum(n * g.optimizer for g, _, n in parts)
+        optimizer += calibration.tied_copy_optimizer * (last and not first)  # one stage: one shared module
+        optimizer /= inputs.tensor_parallel_size
         again = recomputed_layers(len(groups.pre) * first, num_layers, len(groups.post) * last, interval)
         return StageTime(forward, backward + again * layer.forward * scale["layer"], optimizer)
 

@@ -25,8 +25,9 @@ wall-clock step is noise (5 ranks on 2 cores).
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -59,7 +60,9 @@ def _kinds() -> dict[type, str]:
 
 @dataclass
 class StageCompute:
-    """One rank's mean times per training step, in seconds (`clock` says what compute is measured in)."""
+    """One rank's times per training step, in seconds, the median of the counted steps (`clock` says
+    what compute is measured in). Medians: a step that a page-fault storm, a neighbour's burst or the
+    allocator's first growth slowed is left out rather than averaged in."""
 
     rank: int
     stage: int
@@ -91,12 +94,25 @@ class StageCompute:
     def format(self) -> str:
         ms = {k: MS * v for k, v in self.compute.items()}
         return (
-            f"[Rank {self.rank} | stage {self.stage}] compute per step ({self.clock}, ms, mean of {self.steps} "
+            f"[Rank {self.rank} | stage {self.stage}] compute per step ({self.clock}, ms, median of {self.steps} "
             f"step(s)) | forward: {ms.get('forward', 0):.1f} | backward: {ms.get('backward', 0):.1f} | "
             f"optimizer: {ms.get('optimizer', 0):.1f} | total: {MS * self.compute_total:.1f} | not computing (wall, "
             f"ms): {MS * self.waiting:.1f}, of which send/recv/reduce: {MS * self.communication:.1f} | step "
             f"(wall, ms): {MS * self.step:.1f}"
         )
+
+
+@dataclass
+class Sample:
+    """One step's times, in seconds (`compute` on the compute clock, `wall` per instruction kind)."""
+
+    compute: dict[str, float] = field(default_factory=dict)
+    wall: dict[str, float] = field(default_factory=dict)
+    step: float = 0.0
+
+    @staticmethod
+    def add(times: dict[str, float], kind: str, seconds: float) -> None:
+        times[kind] = times.get(kind, 0.0) + seconds
 
 
 class StageTimers:
@@ -112,10 +128,13 @@ class StageTimers:
         self.reset()
 
     def reset(self) -> None:
-        self.steps = 0
-        self.step_wall = 0.0
-        self.compute: dict[str, float] = {k: 0.0 for k in COMPUTE}
-        self.wall: dict[str, float] = {}
+        self.samples: list[Sample] = []
+        """One per counted step."""
+        self._step = Sample()
+
+    @property
+    def steps(self) -> int:
+        return len(self.samples)
 
     @contextmanager
     def counting(self, on: bool) -> Iterator[None]:
@@ -138,27 +157,27 @@ class StageTimers:
             try:
                 return fn(engine, **kwargs)
             finally:
-                self.wall[kind] = self.wall.get(kind, 0.0) + time.perf_counter() - start
+                self._step.add(self._step.wall, kind, time.perf_counter() - start)
                 if events is not None:
                     events[1].record()
                     self._events.append((kind, *events))
                 elif kind in COMPUTE:
-                    self.compute[kind] += time.process_time() - cpu
+                    self._step.add(self._step.compute, kind, time.process_time() - cpu)
 
         return timed
 
     def _timed_train_batch(self, train_batch: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            self._in_train = True
+            self._in_train, self._step = True, Sample()
             try:
                 out = train_batch(*args, **kwargs)
             finally:
                 self._in_train = False
             if self._count:
                 self._resolve_events()
-                self.steps += 1
-                self.step_wall += time.perf_counter() - start
+                self._step.step = time.perf_counter() - start
+                self.samples.append(self._step)
             return out
 
         return timed
@@ -167,21 +186,25 @@ class StageTimers:
         if self._events:
             torch.cuda.synchronize()
             for kind, begin, end in self._events:
-                self.compute[kind] += begin.elapsed_time(end) / MS
+                self._step.add(self._step.compute, kind, begin.elapsed_time(end) / MS)
             self._events.clear()
 
     def summary(self, rank: int) -> StageCompute:
-        """Mean times per counted step on this rank."""
-        n = max(self.steps, 1)
+        """Median times per counted step on this rank, each kind on its own."""
+        samples = self.samples or [Sample()]
+
+        def median(times: list[dict[str, float]], kinds: Iterable[str]) -> dict[str, float]:
+            return {k: statistics.median(t.get(k, 0.0) for t in times) for k in kinds}
+
         return StageCompute(
             rank=rank,
             stage=self.engine.stage_id,
             steps=self.steps,
             micro_batches=self.engine.micro_batches,
             clock=self.clock_name,
-            compute={k: v / n for k, v in self.compute.items()},
-            wall={k: v / n for k, v in self.wall.items()},
-            step=self.step_wall / n,
+            compute=median([s.compute for s in samples], COMPUTE),
+            wall=median([s.wall for s in samples], sorted({k for s in samples for k in s.wall})),
+            step=statistics.median(s.step for s in samples),
         )
 
 

@@ -43,6 +43,17 @@ def test_structure_does_not_depend_on_the_run(measured) -> None:
         dataclasses.replace(MODEL, activation="swiglu", untie_embeddings_and_output_weights=True), 2, repeats=1
     )
     assert [t.group for t in again.timings] == [t.group for t in measured.timings]
+    assert again.tied_copy_optimizer == 0.0  # untied: the output layer is the post group's own
+
+
+def test_the_tied_head_copy_is_stepped_on_the_last_stage_only_when_it_is_not_the_first(measured) -> None:
+    """DeepSpeed builds a tied module once per stage: with one stage the head shares the embedding."""
+    pre, layer, post = (measured.group(g) for g in GROUPS)
+    assert measured.tied_copy_optimizer > 0
+    one = stage_time_fn(measured, ComputeInputs(MODEL, 2), num_stages=1)(0, 4)
+    assert one.optimizer == pytest.approx(pre.optimizer + 4 * layer.optimizer + post.optimizer)
+    last = stage_time_fn(measured, ComputeInputs(MODEL, 2), num_stages=2)(1, 2)
+    assert last.optimizer == pytest.approx(2 * layer.optimizer + post.optimizer + measured.tied_copy_optimizer)
 
 
 def test_stage_times_add_groups_and_recomputation(measured) -> None:

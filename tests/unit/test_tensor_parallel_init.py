@@ -200,3 +200,21 @@ def test_a_legacy_stream_entry_in_a_layer_file_is_dropped_on_load() -> None:
     assert rng.LEGACY_STATE_DICT_KEY not in saved
     saved[rng.LEGACY_STATE_DICT_KEY] = torch.zeros(2, 8, dtype=torch.uint8)  # as checkpoints before reseeding
     TransformerLayer(MODEL, DROPOUT, SEED).load_state_dict(saved)  # strict, and no error
+
+
+def test_a_stream_state_is_the_generator_state_after_manual_seed_and_queues_nothing() -> None:
+    """The CPU fast path gives the state `torch.manual_seed(seed)` would, without touching the default
+    generator or queueing lazy CUDA seeds (each of which formats a stack trace)."""
+    import torch.cuda
+
+    before = torch.get_rng_state()
+    for seed in (0, 1, 12345, rng.micro_batch_seed(7, 3), 2**63 - 1):
+        state = rng._seeded_state(seed)
+        assert torch.equal(torch.get_rng_state(), before)
+        torch.manual_seed(seed)
+        assert torch.equal(state, torch.get_rng_state())
+        torch.set_rng_state(before)
+    if not torch.cuda.is_initialized():
+        torch.cuda._lazy_seed_tracker.call_order.clear()
+        rng._seeded_state(99)
+        assert torch.cuda._lazy_seed_tracker.get_calls() == []
