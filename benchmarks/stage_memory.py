@@ -3,12 +3,12 @@
 layouts on CPU, next to what the memory model and the calibrated compute model predict.
 
 For each model and layout this runs `pretrain_gpt.py` on 5 CPU ranks (`--stages N`: N) (torchrun, gloo, fp32,
-`--mock-data`) for 8 iterations with `--log-interval 6`. From its output:
+`--mock-data`) for 10 iterations with `--log-interval 8`. From its output:
 
-- memory: the report of iteration 6 (`megatron_ds/training/memory.py`, the code `--log-memory`
-  runs; it traces iterations 5-6), against the memory model (`estimate/memory_model.py`);
+- memory: the report of iteration 8 (`megatron_ds/training/memory.py`, the code `--log-memory`
+  runs; it traces iterations 7-8), against the memory model (`estimate/memory_model.py`);
 - compute: each stage's CPU time per step in forward, backward and optimizer instructions
-  (`training/stage_timers.py`; iterations 2-4, untraced), against the calibrated prediction
+  (`training/stage_timers.py`; the median of iterations 2-6, untraced), against the calibrated prediction
   (`estimate/calibrate.py`: each group timed once in this process, before the runs, same clock);
 - the 1F1B step DeepSpeed's schedule takes with one device per stage, simulated from the measured
   compute (`estimate/schedule.py`), over the ideal: the same compute in P equal stages through the
@@ -17,11 +17,13 @@ For each model and layout this runs `pretrain_gpt.py` on 5 CPU ranks (`--stages 
     python benchmarks/stage_memory.py                               # both models, every layout
     python benchmarks/stage_memory.py --models 48-layer             # the issue's benchmark (~12 min on 2 cores)
     python benchmarks/stage_memory.py --models 8-layer --layouts stock,memory
+    python benchmarks/stage_memory.py --stages 2 --models 48-layer --layouts 'stock,layout:Et*30|t*18L'
 
 Layouts: `stock` is DeepSpeed's `type:transformer` split (our default), `both` is
 `--pp-dedicated-embedding-stages both`, `memory` is `--pp-partition-method memory`, `fastest` and
 `profile` are those methods under `--pp-memory-limit` = the stock layout's predicted largest stage
 (FLOP-based stage times, or times measured by each run's rank 0 before it builds the layout).
+`layout:STRING` runs `--pp-layout STRING` (any split, to test the compute prediction on it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import json
 import math
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -41,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 NUM_STAGES = 5
 MIB = 1024.0 * 1024.0
-ITERATIONS, LOG_INTERVAL = 8, 6
+ITERATIONS, LOG_INTERVAL = 10, 8
 
 MODELS = {
     # The issue's example size: 8 layers cannot balance a 32k x 512 embedding (see docs/layouts.md).
@@ -174,9 +177,17 @@ class Predictor:
         ]
 
 
+EXPLICIT = "layout:"
+"""`--layouts` entries that start with this name a layout string."""
+
+
+def layout_flags(layout: str) -> list[str]:
+    return ["--pp-layout", layout.removeprefix(EXPLICIT)] if layout.startswith(EXPLICIT) else LAYOUTS[layout]
+
+
 def argv_for(model: str, layout: str, limit_mib: float) -> list[str]:
     limit = ["--pp-memory-limit", f"{math.ceil(10 * limit_mib) / 10:.1f}MiB"] if layout in LIMITED else []
-    return [*MODELS[model], *LAYOUTS[layout], *limit, *COMMON]
+    return [*MODELS[model], *layout_flags(layout), *limit, *COMMON]
 
 
 def run_layout(predictor: Predictor, layout: str, timeout: float) -> LayoutRun:
@@ -202,8 +213,9 @@ def run_layout(predictor: Predictor, layout: str, timeout: float) -> LayoutRun:
         rows.append(StageRow(s, counts[s], *v, memory[s], fwd, bwd, opt, predicted_compute[s]))
     untraced = [float(m.group(2)) for m in STEP.finditer(text) if int(m.group(1)) > LOG_INTERVAL]
     steps = int(compute[0].group(2))
-    command = f"torchrun --nproc_per_node {NUM_STAGES} pretrain_gpt.py " + " ".join(argv)
-    return LayoutRun(model, layout, printed.group(2), min(untraced, default=float("nan")), steps, rows, command)
+    command = f"torchrun --nproc_per_node {NUM_STAGES} pretrain_gpt.py " + shlex.join(argv)
+    name = "given" if layout.startswith(EXPLICIT) else layout  # the table's 8-character column; the string follows
+    return LayoutRun(model, name, printed.group(2), min(untraced, default=float("nan")), steps, rows, command)
 
 
 def simulated(run: LayoutRun, m: int, which: str = "measured") -> tuple[float, float]:
@@ -297,7 +309,8 @@ def render(path: Path) -> int:
     for model in dict.fromkeys(r.model for r in runs):
         mine = [r for r in runs if r.model == model]
         config, _ = parse_config([*MODELS[model], *COMMON, "--print-layout"], world_size=NUM_STAGES)
-        limit = max(r.predicted for r in next(r for r in mine if r.layout_name == "stock").rows)
+        stock = next((r for r in mine if r.layout_name == "stock"), mine[0])  # the limit the runs were given
+        limit = max(r.predicted for r in stock.rows)
         print(format_memory(mine) + "\n")
         print(format_compute(mine, config.grad_accumulation_steps, limit) + "\n")
     return 0
@@ -322,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         return render(args.render)
     models, layouts = args.models.split(","), args.layouts.split(",")
     for name, known in ((models, MODELS), (layouts, LAYOUTS)):
-        bad = [n for n in name if n not in known]
+        bad = [n for n in name if n not in known and not n.startswith(EXPLICIT)]
         if bad:
             parser.error(f"unknown {bad}; choose from {', '.join(known)}")
     results = []
