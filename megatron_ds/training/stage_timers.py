@@ -76,20 +76,15 @@ class StageCompute:
     """Every instruction kind in wall time."""
     step: float = 0.0
     """The whole `train_batch`, wall time."""
+    waiting: float = 0.0
+    """Wall time of the step not spent in compute instructions: waiting for other stages,
+    communicating, loading data (per step, the step minus its compute instructions' wall time)."""
+    communication: float = 0.0
+    """Wall time in send, receive and reduce instructions (part of `waiting`)."""
 
     @property
     def compute_total(self) -> float:
         return sum(self.compute.get(k, 0.0) for k in COMPUTE)
-
-    @property
-    def waiting(self) -> float:
-        """Wall time of the step not spent in compute instructions: waiting for other stages,
-        communicating, loading data (the step minus the compute instructions' wall time)."""
-        return self.step - sum(self.wall.get(k, 0.0) for k in COMPUTE)
-
-    @property
-    def communication(self) -> float:
-        return sum(self.wall.get(k, 0.0) for k in COMMUNICATION)
 
     def format(self) -> str:
         ms = {k: MS * v for k, v in self.compute.items()}
@@ -113,6 +108,14 @@ class Sample:
     @staticmethod
     def add(times: dict[str, float], kind: str, seconds: float) -> None:
         times[kind] = times.get(kind, 0.0) + seconds
+
+    @property
+    def waiting(self) -> float:
+        return self.step - sum(self.wall.get(k, 0.0) for k in COMPUTE)
+
+    @property
+    def communication(self) -> float:
+        return sum(self.wall.get(k, 0.0) for k in COMMUNICATION)
 
 
 class StageTimers:
@@ -205,6 +208,9 @@ class StageTimers:
             compute=median([s.compute for s in samples], COMPUTE),
             wall=median([s.wall for s in samples], sorted({k for s in samples for k in s.wall})),
             step=statistics.median(s.step for s in samples),
+            # medians of per-step values, so that communication <= waiting <= step holds as in each step
+            waiting=statistics.median(s.waiting for s in samples),
+            communication=statistics.median(s.communication for s in samples),
         )
 
 

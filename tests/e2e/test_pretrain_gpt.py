@@ -298,7 +298,7 @@ def test_contradicting_deepspeed_config_fails_before_any_process_group(tmp_path:
 
 
 COMPUTE = re.compile(
-    r"\[Rank (\d) \| stage (\d)\] compute per step \(CPU time, ms, mean of (\d+) step\(s\)\) \| forward: ([\d.]+) \| "
+    r"\[Rank (\d) \| stage (\d)\] compute per step \(CPU time, ms, median of (\d+) step\(s\)\) \| forward: ([\d.]+) \| "
     r"backward: ([\d.]+) \| optimizer: ([\d.]+) \| total: ([\d.]+) \| not computing \(wall, ms\): (-?[\d.]+), of "
     r"which send/recv/reduce: ([\d.]+) \| step \(wall, ms\): ([\d.]+)"
 )
