@@ -146,16 +146,11 @@ class Predictor:
     def for_model(cls, model: str) -> Predictor:
         from megatron_ds.arguments import parse_config
         from megatron_ds.estimate.calibrate import calibrate
-        from megatron_ds.estimate.memory_model import stage_memory_for
-        from megatron_ds.estimate.run_layout import build_run_layout, memory_inputs
 
         config, _ = parse_config([*MODELS[model], *COMMON, "--print-layout"], world_size=NUM_STAGES)
-        mem = memory_inputs(config)
-        stock = build_run_layout(config).layers_per_stage
-        peak = max(stage_memory_for(mem, s, NUM_STAGES, k).total for s, k in enumerate(stock))
         t = config.training
         calibration = calibrate(config.model, t.micro_batch_size, repeats=7, warmup=2, device="cpu")
-        return cls(model, config, calibration, peak / MIB)
+        return cls(model, config, calibration, stock_limit_mib(config))
 
     def memory(self, counts: list[int]) -> list[float]:
         from megatron_ds.estimate.memory_model import stage_memory_for
@@ -183,6 +178,16 @@ EXPLICIT = "layout:"
 
 def layout_flags(layout: str) -> list[str]:
     return ["--pp-layout", layout.removeprefix(EXPLICIT)] if layout.startswith(EXPLICIT) else LAYOUTS[layout]
+
+
+def stock_limit_mib(config: object) -> float:
+    """The `fastest` / `profile` memory limit: the stock split's predicted largest stage, MiB."""
+    from megatron_ds.estimate.memory_model import stage_memory_for
+    from megatron_ds.estimate.run_layout import build_run_layout, memory_inputs
+
+    mem = memory_inputs(config)
+    stock = build_run_layout(config).layers_per_stage
+    return max(stage_memory_for(mem, s, NUM_STAGES, k).total for s, k in enumerate(stock)) / MIB
 
 
 def argv_for(model: str, layout: str, limit_mib: float) -> list[str]:
@@ -309,10 +314,8 @@ def render(path: Path) -> int:
     for model in dict.fromkeys(r.model for r in runs):
         mine = [r for r in runs if r.model == model]
         config, _ = parse_config([*MODELS[model], *COMMON, "--print-layout"], world_size=NUM_STAGES)
-        stock = next((r for r in mine if r.layout_name == "stock"), mine[0])  # the limit the runs were given
-        limit = max(r.predicted for r in stock.rows)
         print(format_memory(mine) + "\n")
-        print(format_compute(mine, config.grad_accumulation_steps, limit) + "\n")
+        print(format_compute(mine, config.grad_accumulation_steps, stock_limit_mib(config)) + "\n")
     return 0
 
 

@@ -173,11 +173,12 @@ def calibrate(
         return cross_entropy_loss(x, labels)
 
     layer = modules[first_layer]
-    tied = [i for i in range(first_post, len(specs)) if isinstance(specs[i], TiedLayerSpec)]  # the head's copy
+    post = range(first_post, len(specs))
+    tied = [i for i in post if isinstance(specs[i], TiedLayerSpec)]  # the head's copy of the embedding
     params = {
         "pre": _parameters(modules[:first_layer]),
         "layer": _parameters([layer]),
-        "post": _parameters([m for i, m in enumerate(modules[first_post:], first_post) if i not in tied]),
+        "post": _parameters([modules[i] for i in post if i not in tied]),
     }
     totals = _group_flops(ComputeInputs(model, micro_batch_size))
     runs = {"pre": run_pre, "layer": lambda: layer(hidden), "post": run_post}
