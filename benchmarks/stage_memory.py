@@ -190,6 +190,20 @@ def stock_limit_mib(config: object) -> float:
     return max(stage_memory_for(mem, s, NUM_STAGES, k).total for s, k in enumerate(stock)) / MIB
 
 
+def layout_error(model: str, layout: str) -> str | None:
+    """What pretrain_gpt.py would refuse about `layout` for `model` (None: it builds)."""
+    from megatron_ds.arguments import parse_config
+    from megatron_ds.errors import UserError
+    from megatron_ds.estimate.run_layout import build_run_layout
+
+    try:
+        config, _ = parse_config([*MODELS[model], *layout_flags(layout), *COMMON, "--print-layout"], NUM_STAGES)
+        build_run_layout(config)
+    except UserError as e:
+        return str(e)
+    return None
+
+
 def argv_for(model: str, layout: str, limit_mib: float) -> list[str]:
     limit = ["--pp-memory-limit", f"{math.ceil(10 * limit_mib) / 10:.1f}MiB"] if layout in LIMITED else []
     return [*MODELS[model], *layout_flags(layout), *limit, *COMMON]
@@ -337,10 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         return render(args.render)
     models, layouts = args.models.split(","), args.layouts.split(",")
-    for name, known in ((models, MODELS), (layouts, LAYOUTS)):
-        bad = [n for n in name if n not in known and not n.startswith(EXPLICIT)]
+    for names, known, extra in ((models, MODELS, ""), (layouts, LAYOUTS, f" or {EXPLICIT}STRING")):
+        bad = [n for n in names if n not in known and not (extra and n.startswith(EXPLICIT))]
         if bad:
-            parser.error(f"unknown {bad}; choose from {', '.join(known)}")
+            parser.error(f"unknown {bad}; choose from {', '.join(known)}{extra}")
+    for model in models:  # a bad layout string fails here, in one line, before any calibration or run
+        for layout in (n for n in layouts if n.startswith(EXPLICIT)):
+            if error := layout_error(model, layout):
+                parser.error(f"{model} / {layout}: {error}")
     results = []
     start = time.time()
     for model in models:
