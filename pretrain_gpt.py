@@ -42,26 +42,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed warning on every rank
-    from megatron_ds.arguments import parse_config
     from megatron_ds.distributed import shutdown_distributed
-    from megatron_ds.estimate.run_layout import build_run_layout, layout_report
+    from megatron_ds.flags.parser import parse_config
+    from megatron_ds.training.machine import probe
 
     clean = False
     try:
-        config, args = parse_config(argv)
-        layout = build_run_layout(config)
+        config, args = parse_config(argv, machine=probe())  # the layout is checked here, not measured
         if args.print_layout:
-            par = config.parallel
-            print(layout.format(par.data_parallel_size, par.tensor_model_parallel_size))
-            report = layout_report(config, layout)
-            if report:
-                print(report)
+            from megatron_ds.training.resolve_layout import layout_text, resolve_layout
+
+            print(layout_text(config, resolve_layout(config)))
             return 0
         from megatron_ds.training.inputs import check_inputs
         from megatron_ds.training.loop import pretrain
 
         check_inputs(config)
-        pretrain(config, layout)
+        pretrain(config)  # the builder resolves the layout, once
         clean = True
     except Exception as exc:  # noqa: BLE001 - user errors become one line, the rest propagate
         if not is_user_error(exc):

@@ -28,14 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stage_memory import COMMON, LAYOUTS, LIMITED, MODELS, NUM_STAGES  # noqa: E402 - the same models and layouts
 
-from megatron_ds.arguments import parse_config  # noqa: E402
 from megatron_ds.config import Config  # noqa: E402
-from megatron_ds.estimate.calibrate import calibrate, stage_time_fn  # noqa: E402
 from megatron_ds.estimate.compute import ComputeInputs, spec_flops, stage_flops_for  # noqa: E402
+from megatron_ds.estimate.machine import CPU  # noqa: E402
+from megatron_ds.estimate.measured_time import stage_time_fn  # noqa: E402
 from megatron_ds.estimate.memory_model import stage_memory_for  # noqa: E402
 from megatron_ds.estimate.run_layout import build_run_layout, memory_inputs  # noqa: E402
 from megatron_ds.estimate.schedule import balanced_step_time, simulate, step_estimator  # noqa: E402
+from megatron_ds.flags.parser import parse_config  # noqa: E402
 from megatron_ds.pipeline.fastest import StageTime, fastest_split, minimax_split  # noqa: E402
+from megatron_ds.training.measure.calibrate import calibrate  # noqa: E402
 
 GFLOP = 1e9
 MIB = 2.0**20
@@ -119,7 +121,7 @@ def layout_row(name: str, counts: list[int], stage_time: StageTimeFn, config: Co
     fwd, bwd = times(stage_time, counts)
     step = simulate(m, fwd, bwd).step_time
     ideal = balanced_step_time(m, fwd, bwd)
-    mem = memory_inputs(config)
+    mem = memory_inputs(config, CPU)
     peak = max(stage_memory_for(mem, s, len(counts), k).total for s, k in enumerate(counts)) / MIB
     per_stage = " ".join(f"{f + b:6.2f}" for f, b in zip(fwd, bwd))
     shape = " ".join(f"{k:>2}" for k in counts)
@@ -131,7 +133,7 @@ def layout_row(name: str, counts: list[int], stage_time: StageTimeFn, config: Co
 
 def fastest(config: Config, stage_time: StageTimeFn, limit: float) -> list[int]:
     m, p, n = config.grad_accumulation_steps, NUM_STAGES, config.model.num_layers
-    mem = memory_inputs(config)
+    mem = memory_inputs(config, CPU)
     split = fastest_split(
         n, p, stage_time, lambda s, k: stage_memory_for(mem, s, p, k).total, limit, step_time=step_estimator(m)
     )
@@ -156,7 +158,7 @@ def report(model: str, tight: float, extra: list[str], measured: bool) -> str:
         f"{'layout':<22} {'layers':<15} {'stage time':<{7 * NUM_STAGES - 1}}  {'largest':>9} {'step':>8} "
         f"{'step/ideal':>10} {'step/stock':>10}",
     ]
-    layouts = {name: list(build_run_layout(cfg).layers_per_stage) for name, cfg in configs.items()}
+    layouts = {name: list(build_run_layout(cfg, CPU).layers_per_stage) for name, cfg in configs.items()}
     fwd, bwd = times(stage_time, layouts["stock"])
     stock = simulate(m, fwd, bwd).step_time
     for name, counts in layouts.items():
@@ -168,7 +170,7 @@ def report(model: str, tight: float, extra: list[str], measured: bool) -> str:
 
     slowest, _ = minimax_split(n, NUM_STAGES, total)
     lines.append(layout_row("min slowest stage", slowest, stage_time, base, stock))
-    mem = memory_inputs(base)
+    mem = memory_inputs(base, CPU)
     _, least = minimax_split(n, NUM_STAGES, lambda s, k: stage_memory_for(mem, s, NUM_STAGES, k).total)
     stock_peak = max(stage_memory_for(mem, s, NUM_STAGES, k).total for s, k in enumerate(layouts["stock"]))
     for limit in (math.inf, stock_peak, tight * least):

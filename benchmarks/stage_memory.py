@@ -144,8 +144,8 @@ class Predictor:
 
     @classmethod
     def for_model(cls, model: str) -> Predictor:
-        from megatron_ds.arguments import parse_config
-        from megatron_ds.estimate.calibrate import calibrate
+        from megatron_ds.flags.parser import parse_config
+        from megatron_ds.training.measure.calibrate import calibrate
 
         config, _ = parse_config([*MODELS[model], *COMMON, "--print-layout"], world_size=NUM_STAGES)
         t = config.training
@@ -153,19 +153,21 @@ class Predictor:
         return cls(model, config, calibration, stock_limit_mib(config))
 
     def memory(self, counts: list[int]) -> list[float]:
+        from megatron_ds.estimate.machine import CPU
         from megatron_ds.estimate.memory_model import stage_memory_for
         from megatron_ds.estimate.run_layout import memory_inputs
 
-        mem = memory_inputs(self.config)
+        mem = memory_inputs(self.config, CPU)
         return [stage_memory_for(mem, s, NUM_STAGES, k).total / MIB for s, k in enumerate(counts)]
 
     def compute(self, counts: list[int]) -> list[float]:
         """Per stage: M x (forward + backward) + optimizer, ms, from the calibration."""
-        from megatron_ds.estimate.calibrate import stage_time_fn
         from megatron_ds.estimate.layout_costs import compute_inputs
+        from megatron_ds.estimate.machine import CPU
+        from megatron_ds.estimate.measured_time import stage_time_fn
         from megatron_ds.estimate.run_layout import memory_inputs
 
-        stage_time = stage_time_fn(self.calibration, compute_inputs(memory_inputs(self.config)), NUM_STAGES)
+        stage_time = stage_time_fn(self.calibration, compute_inputs(memory_inputs(self.config, CPU)), NUM_STAGES)
         m = self.config.grad_accumulation_steps
         return [
             1e3 * (m * (t.forward + t.backward) + t.optimizer) for t in (stage_time(s, k) for s, k in enumerate(counts))
@@ -182,23 +184,25 @@ def layout_flags(layout: str) -> list[str]:
 
 def stock_limit_mib(config: object) -> float:
     """The `fastest` / `profile` memory limit: the stock split's predicted largest stage, MiB."""
+    from megatron_ds.estimate.machine import CPU
     from megatron_ds.estimate.memory_model import stage_memory_for
     from megatron_ds.estimate.run_layout import build_run_layout, memory_inputs
 
-    mem = memory_inputs(config)
-    stock = build_run_layout(config).layers_per_stage
+    mem = memory_inputs(config, CPU)
+    stock = build_run_layout(config, CPU).layers_per_stage
     return max(stage_memory_for(mem, s, NUM_STAGES, k).total for s, k in enumerate(stock)) / MIB
 
 
 def layout_error(model: str, layout: str) -> str | None:
     """What pretrain_gpt.py would refuse about `layout` for `model` (None: it builds)."""
-    from megatron_ds.arguments import parse_config
     from megatron_ds.errors import UserError
+    from megatron_ds.estimate.machine import CPU
     from megatron_ds.estimate.run_layout import build_run_layout
+    from megatron_ds.flags.parser import parse_config
 
     try:
         config, _ = parse_config([*MODELS[model], *layout_flags(layout), *COMMON, "--print-layout"], NUM_STAGES)
-        build_run_layout(config)
+        build_run_layout(config, CPU)
     except UserError as e:
         return str(e)
     return None
@@ -322,7 +326,7 @@ def format_compute(runs: list[LayoutRun], m: int, limit_mib: float) -> str:
 
 def render(path: Path) -> int:
     """The tables of a `--json` file (same numbers, no run)."""
-    from megatron_ds.arguments import parse_config
+    from megatron_ds.flags.parser import parse_config
 
     runs = [LayoutRun(**{**d, "rows": [StageRow(**r) for r in d["rows"]]}) for d in json.loads(path.read_text())]
     for model in dict.fromkeys(r.model for r in runs):

@@ -12,7 +12,7 @@
 
 Every section checks its own fields in `__post_init__` and `Config` checks the rules that span
 sections, raising a one-line `megatron_ds.errors.ConfigError` that names the command-line flag; so
-`pretrain_gpt.py` (through `megatron_ds.arguments`), a `Config` built in Python and the planner
+`pretrain_gpt.py` (through `megatron_ds.flags.parser`), a `Config` built in Python and the planner
 get the same checks. Derived values live in one place: `ParallelConfig.data_parallel_size`, the
 `ModelConfig` size properties, and `shapes` (padded vocabulary, weight shapes, parameter counts).
 

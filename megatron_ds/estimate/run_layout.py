@@ -1,19 +1,18 @@
-"""The layout a config asks for, with the costs its partition method balances.
+"""The layout a config asks for, with the costs its partition method balances. Pure: no torch.
 
-`build_run_layout(config)` turns the layout options of `config.parallel` into a `Layout`, with
-the costs its partition method's registry entry `needs` (`layout_costs.method_costs`): the memory
-model's inputs for this run, the memory limit (`--pp-memory-limit`, default the GPU's memory),
-and for `profile` the measured stage times (`calibrate.py`). `layout_report` is what
-`--print-layout` and the trainer print under the stage table.
+`build_run_layout(config, machine)` turns the layout options of `config.parallel` into a `Layout`,
+with the costs its partition method's registry entry `needs` (`layout_costs.method_costs`): the
+memory model's inputs for this run, the memory limit (`--pp-memory-limit`, default the device's
+memory) and, for `profile`, the stage times of a `Calibration` the runtime measured
+(`megatron_ds.training.measure.calibrate`). The facts about the device come in as a `Machine`
+(`megatron_ds.training.machine.probe` reads them). `layout_report` is what `--print-layout` and
+the trainer print under the stage table.
 """
 
 from __future__ import annotations
 
-import torch
-
 from megatron_ds.config import Config
 from megatron_ds.errors import LayoutError
-from megatron_ds.estimate.calibrate import Calibration, cached_calibration, stage_time_fn
 from megatron_ds.estimate.fit_advice import fit_advice
 from megatron_ds.estimate.layout_costs import (
     compute_inputs,
@@ -22,6 +21,8 @@ from megatron_ds.estimate.layout_costs import (
     format_time_table,
     method_costs,
 )
+from megatron_ds.estimate.machine import Machine
+from megatron_ds.estimate.measured_time import Calibration, stage_time_fn
 from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods
@@ -30,12 +31,7 @@ from megatron_ds.pipeline.layout import Layout, MegatronLMFlags, build_layout, r
 from megatron_ds.pipeline.methods import PartitionMethod
 
 
-def device() -> str:
-    """Where this process runs its stage: `cuda` when a GPU is visible, else `cpu`."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def memory_inputs(config: Config) -> MemoryInputs:
+def memory_inputs(config: Config, machine: Machine) -> MemoryInputs:
     """The memory model's inputs for this run (what a method that needs stage memory balances)."""
     t, par = config.training, config.parallel
     return MemoryInputs(
@@ -50,17 +46,17 @@ def memory_inputs(config: Config) -> MemoryInputs:
         checkpoint_activations=t.checkpoint_activations,
         checkpoint_num_layers=t.checkpoint_num_layers,
         optimizer=config.optimizer.optimizer,
-        device=device(),
+        device=machine.device,
     )
 
 
-def memory_limit(config: Config, method: str) -> float:
-    """`--pp-memory-limit` in bytes; without it the GPU's total memory; on CPU a LayoutError."""
+def memory_limit(config: Config, method: str, machine: Machine) -> float:
+    """`--pp-memory-limit` in bytes; without it the device's total memory; on CPU a LayoutError."""
     given = config.parallel.memory_limit_bytes
     if given is not None:
         return given
-    if device() == "cuda":
-        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    if machine.device_memory is not None:
+        return machine.device_memory
     raise LayoutError(
         f"--pp-partition-method {method} needs --pp-memory-limit on CPU (there is no device memory to default "
         f"to); give what each rank may hold, e.g. --pp-memory-limit 8GiB"
@@ -101,25 +97,34 @@ def uses_measured_times(config: Config) -> bool:
     return entry is not None and methods.MEASURED_STAGE_TIME in entry.needs
 
 
-def calibration_for(config: Config) -> Calibration:
-    """This process's measurement for `profile` (once per process and run shape)."""
-    return cached_calibration(
-        config.model, config.training.micro_batch_size, config.regularization, device(), config.training.precision
-    )
+def needs_machine(config: Config) -> bool:
+    """Whether the layout depends on the device (its kernels' memory, its memory as the limit)."""
+    entry = run_method(config)
+    return entry is not None and (entry.needs_stage_memory or methods.MEMORY_LIMIT in entry.needs)
 
 
-def measured_stage_time(config: Config, calibration: Calibration | None = None) -> StageTimeFn:
-    """Stage times in seconds from `calibration` (by default this process's own measurement)."""
-    calibration = calibration or calibration_for(config)
-    inputs = compute_inputs(memory_inputs(config))
+def measured_stage_time(config: Config, calibration: Calibration, machine: Machine) -> StageTimeFn:
+    """Stage times in seconds from a measurement of this run's groups."""
+    inputs = compute_inputs(memory_inputs(config, machine))
     return stage_time_fn(calibration, inputs, config.parallel.pipeline_model_parallel_size)
 
 
-def build_run_layout(config: Config, calibration: Calibration | None = None) -> Layout:
-    """The layout this run uses (raises LayoutError, a ValueError, on impossible options).
+def check_layout(config: Config, machine: Machine | None) -> None:
+    """The parse-time check: build the layout without measuring anything (`profile` is checked
+    with the compute model's times standing in for the measured ones: the same options, the same
+    memory limit). Without a `machine`, layouts that depend on the device are left to the caller
+    that knows it (`pretrain_gpt.py` passes one; `build_pipeline` resolves the layout itself)."""
+    if machine is None and needs_machine(config):
+        return
+    build_run_layout(config, machine or Machine())
 
-    `calibration`: for `profile`, the measurement to use (the builder passes rank 0's to every
-    rank); None measures in this process."""
+
+def build_run_layout(config: Config, machine: Machine, calibration: Calibration | None = None) -> Layout:
+    """The layout this run uses on `machine` (raises LayoutError, a ValueError, on impossible options).
+
+    `calibration`: for `profile`, the measured group times (the builder passes rank 0's to every
+    rank); without one, the compute model's times stand in (a check of the options, not the run's
+    layout)."""
     par = config.parallel
     entry = run_method(config)
     if entry is not None and entry.needs_stage_memory and config.model.vocab_size == 0:
@@ -137,9 +142,9 @@ def build_run_layout(config: Config, calibration: Calibration | None = None) -> 
         entry,
         config.model,
         p,
-        lambda: memory_inputs(config),
-        memory_limit=lambda: memory_limit(config, entry.name),
-        measured_time=lambda: measured_stage_time(config, calibration),
+        lambda: memory_inputs(config, machine),
+        memory_limit=lambda: memory_limit(config, entry.name, machine),
+        measured_time=lambda: _stage_time(config, calibration, machine),
     )
     try:
         return build_layout(
@@ -152,28 +157,29 @@ def build_run_layout(config: Config, calibration: Calibration | None = None) -> 
             megatron=megatron_lm_flags(config),
         )
     except NoFitError as e:
-        raise LayoutError(f"{e}; {fit_advice(memory_inputs(config), p, e.limit)}") from None
+        raise LayoutError(f"{e}; {fit_advice(memory_inputs(config, machine), p, e.limit)}") from None
 
 
-def predicted_memory_table(config: Config, layout: Layout) -> str:
-    """Predicted memory per stage (the memory model), printed under the layout."""
-    return format_memory_table(stage_memory(memory_inputs(config), layout))
+def _stage_time(config: Config, calibration: Calibration | None, machine: Machine) -> StageTimeFn:
+    if calibration is not None:
+        return measured_stage_time(config, calibration, machine)
+    return flop_stage_time(memory_inputs(config, machine), config.parallel.pipeline_model_parallel_size)
 
 
-def layout_report(config: Config, layout: Layout, calibration: Calibration | None = None) -> str:
+def layout_report(config: Config, layout: Layout, machine: Machine, calibration: Calibration | None = None) -> str:
     """What to print under the stage table: nothing for layouts that need no model, the predicted
     memory per stage for those that balance memory, and time and memory per stage with the
     simulated step for `fastest` / `profile`."""
     entry = run_method(config)
     if entry is None or not entry.needs_stage_memory:
         return ""
-    mem = memory_inputs(config)
+    mem = memory_inputs(config, machine)
     stages = stage_memory(mem, layout)
     parts = [format_memory_table(stages)]
     if entry.needs_stage_time:
         p = layout.num_stages
-        if methods.MEASURED_STAGE_TIME in entry.needs:
-            seconds = measured_stage_time(config, calibration)
+        if methods.MEASURED_STAGE_TIME in entry.needs and calibration is not None:
+            seconds = measured_stage_time(config, calibration, machine)
             times = [seconds(s, k) for s, k in enumerate(layout.layers_per_stage)]
             times = [StageTime(1e3 * t.forward, 1e3 * t.backward, 1e3 * t.optimizer) for t in times]
             unit, source = "ms", "measured once in this process, `profile`"
@@ -181,6 +187,6 @@ def layout_report(config: Config, layout: Layout, calibration: Calibration | Non
             flops = flop_stage_time(mem, p)
             times = [flops(s, k) for s, k in enumerate(layout.layers_per_stage)]
             unit, source = "GFLOP", "compute model, `fastest`; optimizer not counted"
-        limit = memory_limit(config, entry.name)
+        limit = memory_limit(config, entry.name, machine)
         parts.append(format_time_table(times, stages, mem.num_micro_batches, unit, source, limit))
     return "\n".join(parts)

@@ -1,23 +1,21 @@
-"""Every command-line flag of `pretrain_gpt.py`, declared once (`declare.Flag`).
+"""The command line of `pretrain_gpt.py`, in one package: every flag declared once, the parser,
+flags -> config, and the refusals and compatibility table. Parsing imports no torch.
 
-One declaration per flag gives its values, default, status (accepted, no-op with the reason,
-refused with the reason and the fix, refused values), the config field it sets and its help;
-from this table come the argparse parser and `--help` (`megatron_ds.arguments`), the copy of
-values into the config tree (`megatron_ds.validation`), the refusal messages and the compatibility
-table of docs/compatibility.md (`megatron_ds.compat`, `python -m megatron_ds.compat`).
+    declare.py    `Flag`: one declaration (values, default, status, the config field it sets, help)
+    model.py      declarations: network size, mixture of experts, regularization, initialization
+    training.py   declarations: training, learning rate, mixed precision, validation
+    parallel.py   declarations: distributed (with our pipeline-layout flags), DeepSpeed/ZeRO/recompute
+    data_io.py    declarations: data and tokenizer, checkpointing, logging
+    registry.py   FLAGS (all of them, in the compatibility table's order) and BY_NAME
+    parser.py     the argparse parser and `--help` drawn from FLAGS; `parse_config(argv)`
+    to_config.py  parsed flags -> the config tree (which checks itself), then the layout check
+    lengths.py    training and learning-rate schedule lengths in Megatron's units
+    compat.py     refusal messages and docs/compatibility.md's table (`python -m megatron_ds.flags.compat`)
 
-The tables, by Megatron-DeepSpeed's argument groups:
-    model.py      network size, mixture of experts, regularization, initialization
-    training.py   training, learning rate, mixed precision, validation
-    parallel.py   distributed (with our pipeline-layout flags), DeepSpeed/ZeRO/recompute
-    data_io.py    data and tokenizer, checkpointing, logging
-
-To add a flag, add one declaration to its group's table (see docs/configuration.md).
+To add a flag, add one declaration to its group's table (see docs/configuration.md). Modules of
+this package import each other directly, never this file.
 """
 
-from __future__ import annotations
-
-from megatron_ds.flags import data_io, model, parallel, training
 from megatron_ds.flags.declare import (
     ACCEPTED,
     FIELD_DEFAULT,
@@ -29,26 +27,7 @@ from megatron_ds.flags.declare import (
     Flag,
     Refusal,
 )
-
-FLAGS: tuple[Flag, ...] = (
-    *model.NETWORK,
-    *model.MIXTURE_OF_EXPERTS,
-    *data_io.LOGGING,
-    *model.REGULARIZATION,
-    *training.TRAINING,
-    *model.INITIALIZATION,
-    *training.LEARNING_RATE,
-    *data_io.CHECKPOINTING,
-    *training.MIXED_PRECISION,
-    *parallel.DISTRIBUTED,
-    *training.VALIDATION,
-    *data_io.DATA,
-    *parallel.DEEPSPEED,
-)
-"""All flags, in the compatibility table's order (Megatron-DeepSpeed's groups)."""
-
-BY_NAME: dict[str, Flag] = {name: f for f in FLAGS for name in (f.name, *f.aliases)}
-assert len(BY_NAME) == sum(1 + len(f.aliases) for f in FLAGS), "a flag is declared twice"
+from megatron_ds.flags.registry import BY_NAME, FLAGS
 
 __all__ = [
     "ACCEPTED",

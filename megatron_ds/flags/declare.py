@@ -3,8 +3,8 @@
 A declaration says everything about a flag once: its name and values (type, nargs, default,
 choices), its status here (accepted, a no-op with the reason, or refused with the reason and the
 fix, or a refused *value* of an accepted flag), the config field(s) it sets, and its help text.
-`megatron_ds.arguments` builds the argparse parser from the declarations, `megatron_ds.validation`
-copies the directly-mapped values into the config tree, and `megatron_ds.compat` renders the
+`megatron_ds.flags.parser` builds the argparse parser from the declarations, `megatron_ds.flags.to_config`
+copies the directly-mapped values into the config tree, and `megatron_ds.flags.compat` renders the
 refusals and the compatibility table (docs/compatibility.md). Pure data: no argparse, no torch.
 """
 
@@ -107,6 +107,11 @@ class Flag:
             return None
         refused = tuple((self.type or str)(r.value) for r in self.refused_values)
         return (*(self.choices or ()), *refused)
+
+
+def flag_of(dest: str) -> str:
+    """The flag spelling of an argparse dest: `train_iters` -> `--train-iters`."""
+    return "--" + dest.replace("_", "-")
 
 
 def field_default(path: str) -> Any:

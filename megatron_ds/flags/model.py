@@ -1,12 +1,11 @@
-"""Flags of Megatron's groups "network size", "mixture of experts", "regularization", "initialization",
-and how Megatron's activation flags select `ModelConfig.activation` (`model_activation`)."""
+"""Flags of Megatron's groups "network size", "mixture of experts", "regularization", "initialization".
+
+How Megatron's activation flags select `ModelConfig.activation` is flags -> config, so it lives in
+`megatron_ds.flags.to_config` (`model_activation`, `ACTIVATION_FLAGS`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from megatron_ds.config import NORMALIZATIONS
-from megatron_ds.errors import ConfigError
 from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, refused, switch
 
 _NET, _MOE, _REG, _INIT = "network size", "mixture of experts", "regularization", "initialization"
@@ -208,27 +207,3 @@ INITIALIZATION: tuple[Flag, ...] = (
     refused("--data-parallel-random-init", _INIT, "replicas always start from the same weights"),
     refused("--init-method-xavier-uniform", _INIT, "only the normal init is implemented", "use --init-method-std"),
 )
-
-ACTIVATION_FLAGS: dict[str, dict[str, bool]] = {
-    "gelu_tanh": {"openai_gelu": True, "swiglu": False},
-    "gelu": {"openai_gelu": False, "bias_gelu_fusion": False, "swiglu": False},
-    "swiglu": {"swiglu": True, "openai_gelu": False},
-}
-"""Flag values (argparse dests) that select each activation whatever the other flags say; the
-Hugging Face import renders these (`interop/hf_config.py`). `model_activation` is the inverse."""
-
-
-def model_activation(args: Any) -> str:
-    """The MLP activation Megatron-DeepSpeed's ParallelMLP builds for these flags (parsed values, by
-    argparse dest: swiglu, openai_gelu, bias_gelu_fusion, add_bias_linear): --swiglu; else
-    --openai-gelu's tanh GeLU; else its fused bias-GeLU (on by default, off with --no-bias-gelu-fusion
-    or --disable-bias-linear), whose kernel is the tanh approximation; else torch's exact GeLU."""
-    if args.swiglu and args.openai_gelu:
-        raise ConfigError(
-            "--openai-gelu and --swiglu were both given; Megatron-DeepSpeed would apply GeLU to SwiGLU's doubled "
-            "fc1 output and fail: keep one"
-        )
-    if args.swiglu:
-        return "swiglu"
-    fused = args.bias_gelu_fusion and args.add_bias_linear
-    return "gelu_tanh" if args.openai_gelu or fused else "gelu"

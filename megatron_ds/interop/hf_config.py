@@ -276,7 +276,7 @@ def _rope_theta(f: _Fields) -> float:
 
 def render_flags(values: dict[str, Any]) -> list[str]:
     """pretrain_gpt.py flags that set these argparse dests (inverse of parsing)."""
-    from megatron_ds.arguments import build_parser
+    from megatron_ds.flags.parser import build_parser
 
     actions = {a.dest: a for a in build_parser()._actions if a.option_strings}
     argv: list[str] = []

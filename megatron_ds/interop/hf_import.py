@@ -24,13 +24,13 @@ import torch
 from megatron_ds import files
 from megatron_ds.config import Config
 from megatron_ds.data.tokenizer import build_tokenizer
-from megatron_ds.estimate.run_layout import build_run_layout
 from megatron_ds.interop import hf_config, hf_tokenizer, hf_weights
 from megatron_ds.interop.hf_config import HFConfigError, HFModel
 from megatron_ds.interop.hf_weights_reader import HFWeights, HFWeightsError
 from megatron_ds.model import naming, sharding
 from megatron_ds.training import checkpoint_reader
 from megatron_ds.training.checkpoint import LATEST, META
+from megatron_ds.training.resolve_layout import resolve_layout
 from megatron_ds.training.state import TrainState
 
 TAG = "global_step0"
@@ -72,7 +72,7 @@ def read_hf_config(hf_dir: str) -> tuple[dict[str, Any], str]:
 def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dict[str, str] | None) -> Config:
     """The Config pretrain_gpt.py builds from `argv` plus the HF-derived flags (the one place that maps
     an HF model onto our flags). An architecture flag in `argv` that disagrees is an error."""
-    from megatron_ds.arguments import build_parser, parse_config
+    from megatron_ds.flags.parser import build_parser, parse_config
 
     given, _ = build_parser().parse_known_args(list(argv))
     values = {**hf.defaults, **hf.architecture, "vocab_size": hf.vocab_size}
@@ -113,7 +113,7 @@ def import_hf(hf_dir: str, output: str, argv: Sequence[str] = (), show_progress:
     raw, source = read_hf_config(hf_dir)
     hf = hf_config.from_hf_config(raw, source)
     config = config_from_hf(hf, argv, source, hf_tokenizer.find_hf_tokenizer(hf_dir))
-    layout = build_run_layout(config)  # a layout error now, before anything is written
+    layout = resolve_layout(config)  # a layout error now, before anything is written
     weights = HFWeights(hf_dir)
     _check_weights(weights, hf, config, hf_dir)
     with files.atomic_directory(output, "output") as tmp:

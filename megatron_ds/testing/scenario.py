@@ -105,11 +105,11 @@ def run_one(
     """Train `num_steps` steps; return what the tests compare. `options`: see the module docstring."""
     import torch.distributed as dist
 
-    from megatron_ds.estimate.run_layout import build_run_layout
     from megatron_ds.pipeline.layout import build_layout
     from megatron_ds.testing.defects import unfixed
     from megatron_ds.training import checkpoint
     from megatron_ds.training.builder import build_pipeline
+    from megatron_ds.training.resolve_layout import resolve_layout
     from megatron_ds.training.state import TrainState
 
     opts = options or {}
@@ -117,7 +117,7 @@ def run_one(
     if layout_kwargs:
         layout = build_layout(groups, config.parallel.pipeline_model_parallel_size, **layout_kwargs)
     else:
-        layout = build_run_layout(config)
+        layout = resolve_layout(config)
     with unfixed(opts.get("unfixed", [])):
         bundle = build_pipeline(config, layout=layout)
     engine = bundle.engine

@@ -7,8 +7,8 @@ invariants that prevent hangs and wrong gradient norms, so no training loop (our
             loss = pipe.train_batch(data_iter)
 
 What `build_pipeline` does, in order (docs/training.md says why each step matters):
-1. the layout comes from the config (`build_run_layout`) unless one is passed, and must have
-   `pipeline_model_parallel_size` stages: the stage count is given once;
+1. the layout comes from the config (`resolve_layout`, the one place a run resolves it) unless
+   one is passed, and must have `pipeline_model_parallel_size` stages: the stage count is given once;
 2. the DeepSpeed JSON is generated from the config (`deepspeed_config.build`), a user file or
    dict merged in, contradictions refused: all before any process group exists;
 3. `GPTModelPipe` marks each parameter on the one rank that counts it in the global norm;
@@ -27,7 +27,7 @@ process group exists, from rank 0's measurement, so every rank builds the same o
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
@@ -38,15 +38,18 @@ import torch
 from megatron_ds.config import Config
 from megatron_ds.distributed import env_world_size, init_distributed, shutdown_distributed
 from megatron_ds.errors import ConfigError
-from megatron_ds.estimate.calibrate import Calibration
-from megatron_ds.estimate.run_layout import build_run_layout, calibration_for, uses_measured_times
+from megatron_ds.estimate.machine import check_runs_on
+from megatron_ds.estimate.measured_time import Calibration
+from megatron_ds.estimate.run_layout import uses_measured_times
 from megatron_ds.model import parallel, rng
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training import deepspeed_config, stage_timers
 from megatron_ds.training.engine import grad_norm, install_fp32_grad_norm
+from megatron_ds.training.machine import probe
 from megatron_ds.training.optimizer import OptimizerFactory, add_group_placeholders, build_optimizer
 from megatron_ds.training.preflight import Watchdog, check_structure
+from megatron_ds.training.resolve_layout import measure, resolve_layout
 
 
 @dataclass
@@ -106,6 +109,7 @@ def build_pipeline(
     ds_config: dict[str, Any] | None = None,
     layout: Layout | None = None,
     lr_scheduler: Any | None = None,
+    on_layout: Callable[[Layout, Calibration | None], None] | None = None,
 ) -> Pipeline:
     """Build the GPT pipeline and its DeepSpeed engine with every invariant in place (see the module).
 
@@ -118,6 +122,8 @@ def build_pipeline(
             `--deepspeed_config` file: a key that contradicts the config is a DeepSpeedConfigError.
         layout: the stage layout; None builds it from `config.parallel`'s layout options.
         lr_scheduler: given to `deepspeed.initialize`: a scheduler, or a callable taking the optimizer.
+        on_layout: called on every rank with the layout (and `profile`'s calibration) as soon as it
+            is resolved, before the model is built (`pretrain_gpt.py` prints it there).
 
     Initialises torch.distributed from the launcher's environment unless it already is; if building
     fails after that, the process groups it created are destroyed before the error propagates.
@@ -127,8 +133,10 @@ def build_pipeline(
             f"build_pipeline(optimizer=...) takes a callable that builds the optimizer from parameter groups, "
             f"got {type(optimizer).__name__}; describe the default optimizer in config.optimizer instead"
         )
+    machine = probe()
+    check_runs_on(config, machine)
     measured = layout is None and uses_measured_times(config)  # built once the ranks can agree
-    layout = build_run_layout(config) if layout is None and not measured else layout
+    layout = resolve_layout(config, machine=machine) if layout is None and not measured else layout
     _check_sizes(config, layout)
     ds = deepspeed_config.build(config, ds_config)
     created = not torch.distributed.is_initialized()
@@ -136,7 +144,9 @@ def build_pipeline(
     try:
         calibration = _agreed_calibration(config) if measured else None
         if measured:
-            layout = build_run_layout(config, calibration)
+            layout = resolve_layout(config, calibration, machine)
+        if on_layout is not None:
+            on_layout(layout, calibration)
         return _assemble(config, layout, ds, optimizer, lr_scheduler, calibration)
     except BaseException:
         if created:
@@ -148,7 +158,7 @@ def _agreed_calibration(config: Config) -> Calibration:
     """Rank 0 times the groups (`profile`) and every rank takes its numbers: one layout everywhere."""
     import torch.distributed as dist
 
-    box = [calibration_for(config) if dist.get_rank() == 0 else None]
+    box = [measure(config) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -21,6 +21,7 @@ from megatron_ds.training.builder import Pipeline, build_pipeline
 from megatron_ds.training.engine import grad_norm
 from megatron_ds.training.lr_schedule import LRSchedule
 from megatron_ds.training.preflight import Watchdog, install_stack_dump_handler
+from megatron_ds.training.resolve_layout import layout_text
 from megatron_ds.training.state import TrainState
 
 
@@ -59,7 +60,7 @@ def print_rank0(rank: int, text: str) -> None:
         print(text, flush=True)
 
 
-def setup(config: Config, layout: Layout) -> Run:
+def setup(config: Config) -> Run:
     """Process group, seeds, engine, checkpoint, data: everything before the first step."""
     import torch.distributed as dist
 
@@ -71,18 +72,13 @@ def setup(config: Config, layout: Layout) -> Run:
         checkpoint.check_writable(config.checkpoint.save)
     init_distributed(config.parallel)
     rank = dist.get_rank()
-    from megatron_ds.estimate.run_layout import uses_measured_times
-
-    measured = uses_measured_times(config)  # `profile`: the builder builds it from rank 0's timing
-    if not measured:
-        _print_layout(config, layout, rank)
     set_seeds(config.training.seed)
     bundle = build_pipeline(
-        config, layout=None if measured else layout, lr_scheduler=lambda opt: LRSchedule.from_config(opt, config)
+        config,
+        lr_scheduler=lambda opt: LRSchedule.from_config(opt, config),
+        on_layout=lambda layout, calibration: print_rank0(rank, layout_text(config, layout, calibration)),
     )
     layout = bundle.layout
-    if measured:
-        _print_layout(config, layout, rank, bundle.calibration)
     state = _load_or_fresh(config, layout, bundle, rank)
     run = Run(
         config=config,
@@ -100,16 +96,6 @@ def setup(config: Config, layout: Layout) -> Run:
     if config.logging.tensorboard_dir and run.is_logging_rank:
         run.tensorboard = logger.TensorBoard(config.logging.tensorboard_dir, config.logging, dist.get_world_size())
     return run
-
-
-def _print_layout(config: Config, layout: Layout, rank: int, calibration: Any = None) -> None:
-    from megatron_ds.estimate.run_layout import layout_report
-
-    par = config.parallel
-    print_rank0(rank, layout.format(par.data_parallel_size, par.tensor_model_parallel_size))
-    report = layout_report(config, layout, calibration)
-    if report:
-        print_rank0(rank, report)
 
 
 def _peak_tflops(config: Config) -> float | None:
@@ -318,9 +304,9 @@ def train(run: Run) -> bool:
     return False
 
 
-def pretrain(config: Config, layout: Layout) -> TrainState:
+def pretrain(config: Config) -> TrainState:
     """The whole job: set up, train, final evaluation on validation and test, final save."""
-    run = setup(config, layout)
+    run = setup(config)
     t, ck = config.training, config.checkpoint
     start = run.state.iteration
     out_of_time = train(run) if start < t.train_iters else False

@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
-from megatron_ds.arguments import parse_config
 from megatron_ds.config import Config
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.compute import ComputeInputs, layer_terms
+from megatron_ds.flags.parser import parse_config
 from megatron_ds.model import activations
 from megatron_ds.testing.scenario import tiny_config
 from megatron_ds.training.checkpoint import architecture_mismatch

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.arguments import ConfigError, parse_config
 from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
+from megatron_ds.flags.parser import ConfigError, parse_config
 from megatron_ds.model import naming
 from megatron_ds.model.init import gather_fused, gather_qkv, shard, shard_fused, shard_qkv
 from megatron_ds.model.layers import EmbeddingDropout, FinalNorm, LMHead, PositionEmbedding, WordEmbedding

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.arguments import ConfigError, parse_config
+from megatron_ds.flags.parser import ConfigError, parse_config
 from megatron_ds.pipeline.layout import LayoutError
 
 ROOT = Path(__file__).resolve().parents[2]

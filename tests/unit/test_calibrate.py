@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.estimate.calibrate import GROUPS, calibrate, stage_time_fn
 from megatron_ds.estimate.compute import ComputeInputs, stage_flops_for
+from megatron_ds.estimate.measured_time import GROUPS, stage_time_fn
+from megatron_ds.training.measure.calibrate import calibrate
 
 MODEL = ModelConfig(
     num_layers=4,

@@ -12,10 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ds import compat, flags
-from megatron_ds.arguments import ConfigError, _Refused, build_parser, parse_config
+from megatron_ds import flags
 from megatron_ds.config.tree import SECTIONS
+from megatron_ds.flags import compat
 from megatron_ds.flags.declare import field_default
+from megatron_ds.flags.parser import ConfigError, _Refused, build_parser, parse_config
 from megatron_ds.testing.scenario import tiny_config
 from megatron_ds.training import deepspeed_config as dsc
 from megatron_ds.training import logger
@@ -118,7 +119,7 @@ def test_docs_table_is_generated_from_the_declarations() -> None:
     block = re.search(r"<!-- compat-table:begin -->\n(.*?)<!-- compat-table:end -->", doc, re.S)
     assert block, "docs/compatibility.md lacks the compat-table markers"
     assert block.group(1) == compat.markdown_table(), (
-        "docs/compatibility.md's table is stale: paste `python -m megatron_ds.compat` between the markers"
+        "docs/compatibility.md's table is stale: paste `python -m megatron_ds.flags.compat` between the markers"
     )
 
 

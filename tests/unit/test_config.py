@@ -10,7 +10,6 @@ import math
 import pytest
 
 import pretrain_gpt
-from megatron_ds.arguments import parse_config
 from megatron_ds.config import (
     Config,
     DataConfig,
@@ -22,6 +21,7 @@ from megatron_ds.config import (
     padded_vocab_size,
 )
 from megatron_ds.errors import ConfigError
+from megatron_ds.flags.parser import parse_config
 from megatron_ds.testing.scenario import tiny_config
 
 MODEL = dict(

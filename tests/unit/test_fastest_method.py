@@ -10,16 +10,17 @@ import re
 import pytest
 
 import pretrain_gpt
-from megatron_ds.arguments import parse_config
 from megatron_ds.config import ParallelConfig
 from megatron_ds.config.parallel import parse_memory_size
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.device_peaks import peak_tflops
 from megatron_ds.estimate.fit_advice import least_memory
 from megatron_ds.estimate.layout_costs import flop_stage_time
+from megatron_ds.estimate.machine import CPU
 from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.estimate.run_layout import build_run_layout, memory_inputs
 from megatron_ds.estimate.schedule import step_estimator
+from megatron_ds.flags.parser import parse_config
 from megatron_ds.pipeline.fastest import fastest_split
 from megatron_ds.plan.__main__ import main as plan_main
 
@@ -71,8 +72,8 @@ def test_fastest_is_the_exact_search_under_the_limit(capsys: pytest.CaptureFixtu
     config, _ = parse_config(
         [*BENCH, "--pp-partition-method", "fastest", "--pp-memory-limit", "600MiB", "--print-layout"], world_size=5
     )
-    layout = build_run_layout(config)
-    mem = memory_inputs(config)
+    layout = build_run_layout(config, CPU)
+    mem = memory_inputs(config, CPU)
     expected = fastest_split(
         48,
         5,
@@ -96,7 +97,7 @@ def test_nothing_fits_names_the_smallest_pipeline_size_that_would(capsys: pytest
     rc, out, err = print_layout(capsys, "--pp-partition-method", "fastest", "--pp-memory-limit", "400MiB")
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "no split of --num-layers 48 over --pipeline-model-parallel-size 5 fits 400.0 MiB per device" in err
-    mem = memory_inputs(parse_config([*BENCH, "--print-layout"], world_size=5)[0])
+    mem = memory_inputs(parse_config([*BENCH, "--print-layout"], world_size=5)[0], CPU)
     smallest = next(p for p in range(6, 51) if least_memory(mem, p) <= 400 * 2**20)
     assert f"it would fit with --pipeline-model-parallel-size {smallest} (" in err
     assert least_memory(mem, smallest - 1) > 400 * 2**20  # and not with one stage fewer
@@ -104,7 +105,7 @@ def test_nothing_fits_names_the_smallest_pipeline_size_that_would(capsys: pytest
 
 def test_recomputation_is_named_when_it_fits(capsys: pytest.CaptureFixture) -> None:
     argv = ["--micro-batch-size", "8", "--global-batch-size", "32", "--pp-partition-method", "fastest"]
-    mem = memory_inputs(parse_config([*BENCH, *argv[:4], "--print-layout"], world_size=5)[0])
+    mem = memory_inputs(parse_config([*BENCH, *argv[:4], "--print-layout"], world_size=5)[0], CPU)
     limit = least_memory(mem, 5) * 0.95  # just short of fitting without recomputation
     rc, _, err = print_layout(capsys, *argv, "--pp-memory-limit", str(int(limit)))
     assert rc == 2 and err.count("\n") == 1 and "--checkpoint-activations (" in err, err

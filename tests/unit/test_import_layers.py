@@ -7,8 +7,8 @@ The layers, bottom to top (docs/architecture.md explains each):
     model      model, data                           torch modules and specs; tokens and samples
     estimate   estimate                              memory and compute models (arithmetic over config + layout)
     runtime    training, inference                   engine, loop, checkpoints, single-process generation
-    interface  arguments, validation, compat, flags, flags -> config; the planner; format conversion
-               plan, interop, testing                driven by our flags; test launchers
+    interface  flags, plan, interop, testing         the command line (flags -> config); the planner; format
+                                                     conversion driven by our flags; test launchers
 
 Every `import megatron_ds...` counts, including those inside functions (a lazy import that
 dodges a cycle is still a cycle in the design); only imports under `if TYPE_CHECKING:` are
@@ -35,9 +35,6 @@ LAYER_OF = {
     "training": "runtime",
     "interop": "interface",
     "inference": "runtime",
-    "arguments": "interface",
-    "validation": "interface",
-    "compat": "interface",
     "flags": "interface",
     "plan": "interface",
     "testing": "interface",

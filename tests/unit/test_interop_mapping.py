@@ -83,7 +83,7 @@ def test_replicas_that_differ_are_detected() -> None:
 
 def _activation(architecture: dict) -> str:
     """The activation pretrain_gpt.py builds from these argparse values (the others at their defaults)."""
-    from megatron_ds.arguments import build_parser
+    from megatron_ds.flags.parser import build_parser
 
     defaults = vars(build_parser().parse_known_args([])[0])
     return model_activation(argparse.Namespace(**{**defaults, **architecture}))
@@ -199,7 +199,7 @@ def test_hf_names_cover_every_tensor_once() -> None:
 
 
 def test_render_flags_inverts_parsing() -> None:
-    from megatron_ds.arguments import build_parser
+    from megatron_ds.flags.parser import build_parser
 
     values = {"num_layers": 2, "swiglu": True, "add_position_embedding": False, "normalization": "rmsnorm"}
     flags = hf_config.render_flags(values)

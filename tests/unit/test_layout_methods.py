@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.arguments import build_parser, parse_config
 from megatron_ds.config import DEDICATED_CHOICES, ParallelConfig
 from megatron_ds.estimate.layout_costs import method_costs
+from megatron_ds.estimate.machine import CPU
 from megatron_ds.estimate.memory_model import MemoryInputs
 from megatron_ds.estimate.run_layout import build_run_layout, run_method, uses_memory_model
+from megatron_ds.flags.parser import build_parser, parse_config
 from megatron_ds.pipeline import methods
 from megatron_ds.pipeline.fastest import StageTime
 from megatron_ds.pipeline.layout import (
@@ -188,7 +189,7 @@ def test_costs_are_built_from_needs_only() -> None:
 def test_every_method_runs_from_the_command_line(name: str) -> None:
     entry = REGISTRY[name]
     cfg = config("--pipeline-model-parallel-size", "3", "--pp-partition-method", spelled(entry), *limit_flags(entry))
-    layout = build_run_layout(cfg)
+    layout = build_run_layout(cfg, CPU)
     assert layout.method == spelled(entry) and sum(layout.layers_per_stage) == 6
     assert run_method(cfg) is entry and uses_memory_model(cfg) == entry.needs_stage_memory
 
@@ -196,7 +197,7 @@ def test_every_method_runs_from_the_command_line(name: str) -> None:
 def test_auto_is_the_memory_method_for_a_run() -> None:
     auto = config("--pipeline-model-parallel-size", "4", "--pp-layout", "auto")
     memory = config("--pipeline-model-parallel-size", "4", "--pp-partition-method", "memory")
-    assert uses_memory_model(auto) and build_run_layout(auto) == build_run_layout(memory)
+    assert uses_memory_model(auto) and build_run_layout(auto, CPU) == build_run_layout(memory, CPU)
     assert not uses_memory_model(config("--pipeline-model-parallel-size", "4", "--pp-layout", "E|t*3|t*3|L"))
 
 
@@ -214,7 +215,7 @@ def test_a_new_method_is_one_registry_entry(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(LayoutError, match="front-heavy"):
         methods.find("nope")
     cfg = config("--pipeline-model-parallel-size", "3", "--pp-partition-method", "front-heavy")
-    assert build_run_layout(cfg).to_string() == "Et*4|t|tL"
+    assert build_run_layout(cfg, CPU).to_string() == "Et*4|t|tL"
 
 
 def test_planner_choices_come_from_the_registry() -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_ds.arguments import ConfigError, parse_config
+from megatron_ds.flags.parser import ConfigError, parse_config
 from megatron_ds.training.lr_schedule import (
     SAMPLES,
     TOKENS,

@@ -343,15 +343,16 @@ BASE += ["--vocab-size", "128", "--train-iters", "1", "--lr", "1e-3", "--pipelin
 
 
 def cli_layout(*argv: str) -> str:
-    from megatron_ds.arguments import parse_config
+    from megatron_ds.estimate.machine import CPU
     from megatron_ds.estimate.run_layout import build_run_layout
+    from megatron_ds.flags.parser import parse_config
 
-    return build_run_layout(parse_config([*BASE, *argv], world_size=4)[0]).to_string()
+    return build_run_layout(parse_config([*BASE, *argv], world_size=4)[0], CPU).to_string()
 
 
 def cli_error(*argv: str) -> str:
-    from megatron_ds.arguments import parse_config
     from megatron_ds.errors import UserError
+    from megatron_ds.flags.parser import parse_config
 
     with pytest.raises(UserError) as err:
         parse_config([*BASE, *argv], world_size=4)

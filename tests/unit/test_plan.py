@@ -196,7 +196,7 @@ def test_pipeline_layout_is_what_print_layout_prints(scenario, capsys) -> None:
 
 
 def test_printed_command_builds_the_planned_config(capsys) -> None:
-    from megatron_ds.arguments import parse_config
+    from megatron_ds.flags.parser import parse_config
 
     rc = main(["pipeline", *V100_PP4, "--precision", "fp32", "--write-command"])
     out = capsys.readouterr().out
@@ -392,7 +392,7 @@ def test_plot_without_matplotlib_is_reported(tmp_path, capsys, monkeypatch) -> N
 
 
 def test_padded_vocab_matches_pretrain_gpt() -> None:
-    from megatron_ds.arguments import parse_config
+    from megatron_ds.flags.parser import parse_config
 
     for v, t in ((50257, 1), (50257, 8), (32000, 4), (128, 1)):
         argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "16"]

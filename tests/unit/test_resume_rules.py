@@ -44,11 +44,12 @@ def test_a_checkpoint_from_before_the_split_compares_its_dropout_as_regularizati
 
 
 def test_another_parallel_layout_is_a_topology_change_not_an_error() -> None:
+    from megatron_ds.estimate.machine import CPU
     from megatron_ds.estimate.run_layout import build_run_layout
 
     now = SAVED.replace(parallel__tensor_model_parallel_size=2, parallel__world_size=2, training__zero_stage=1)
     checkpoint.check_compatible(meta(SAVED), now, "ckpt", "t")  # no error: resharded on load
-    changes = checkpoint_rules.topology_changes(meta(SAVED), now, build_run_layout(now), 2)
+    changes = checkpoint_rules.topology_changes(meta(SAVED), now, build_run_layout(now, CPU), 2)
     assert changes == [
         "layout E|tttt|L vs Et*4L",
         "world size 1 vs 2",

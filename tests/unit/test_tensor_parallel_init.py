@@ -103,7 +103,7 @@ def test_initial_weights_are_a_function_of_the_seed_only() -> None:
     ],
 )
 def test_validation_refuses_sizes_tensor_parallelism_cannot_split(flags: list[str], message: str) -> None:
-    from megatron_ds.arguments import ConfigError, parse_config
+    from megatron_ds.flags.parser import ConfigError, parse_config
 
     argv = [
         "--num-layers",

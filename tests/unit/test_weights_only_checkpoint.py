@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ds.arguments import parse_config
+from megatron_ds.flags.parser import parse_config
 from megatron_ds.training.checkpoint import CheckpointError, architecture_mismatch, check_compatible
 from megatron_ds.training.checkpoint_rules import deepspeed_cannot_restore
 

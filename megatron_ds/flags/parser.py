@@ -3,7 +3,7 @@
 `parse_config(argv)` returns `(Config, Namespace)`. Every flag comes from its one declaration in
 `megatron_ds.flags` (values, default, help, status); a refused flag is recorded while parsing and
 reported with its reason in one line (several refused flags together), an undeclared one is
-"unrecognized". `megatron_ds.validation` then maps the Namespace onto the config tree, which
+"unrecognized". `megatron_ds.flags.to_config` then maps the Namespace onto the config tree, which
 checks itself. Every user error is a `ConfigError` naming the flag, the value and the fix, raised
 before any process group exists.
 """
@@ -14,11 +14,13 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_ds import compat
 from megatron_ds.config import Config
 from megatron_ds.errors import ConfigError
-from megatron_ds.flags import FLAGS, NO_OP, REFUSED, Flag
-from megatron_ds.validation import build_config
+from megatron_ds.estimate.machine import Machine
+from megatron_ds.flags import compat
+from megatron_ds.flags.declare import NO_OP, REFUSED, Flag
+from megatron_ds.flags.registry import FLAGS
+from megatron_ds.flags.to_config import build_config
 
 __all__ = ["ConfigError", "build_parser", "parse_config"]
 
@@ -98,12 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: Sequence[str] | None = None, world_size: int | None = None) -> tuple[Config, argparse.Namespace]:
-    """Parse and validate; raises ConfigError with a one-line message on bad input."""
+def parse_config(
+    argv: Sequence[str] | None = None, world_size: int | None = None, machine: Machine | None = None
+) -> tuple[Config, argparse.Namespace]:
+    """Parse and validate; raises ConfigError with a one-line message on bad input. `machine` (what
+    `megatron_ds.training.machine.probe` reads) adds the checks that depend on the device."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.refused_flags:
         raise ConfigError(compat.refused_flags_message(list(args.refused_flags)))
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return build_config(args, world_size), args
+    return build_config(args, world_size, machine), args

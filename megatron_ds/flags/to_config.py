@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 from typing import Any
 
-import torch
-
-from megatron_ds import compat
 from megatron_ds.config import (
     CheckpointConfig,
     Config,
@@ -34,8 +30,12 @@ from megatron_ds.config import (
     padded_vocab_size,
 )
 from megatron_ds.errors import ConfigError
-from megatron_ds.flags import ACCEPTED, FLAGS
-from megatron_ds.flags.model import model_activation
+from megatron_ds.estimate.machine import Machine, check_runs_on
+from megatron_ds.estimate.run_layout import check_layout
+from megatron_ds.flags import compat
+from megatron_ds.flags.declare import ACCEPTED, flag_of
+from megatron_ds.flags.lengths import schedule_lengths, train_length
+from megatron_ds.flags.registry import FLAGS
 from megatron_ds.pipeline import megatron_lm
 
 __all__ = ["ConfigError", "build_config", "warn"]
@@ -45,10 +45,6 @@ def warn(message: str) -> None:
     """A one-line warning for an ignored option, printed once (by rank 0) before training starts."""
     if os.environ.get("RANK", "0") == "0":
         print(f"WARNING: {message}", file=sys.stderr, flush=True)
-
-
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def _refuse_values(args: argparse.Namespace) -> None:
@@ -62,7 +58,7 @@ def _refuse_values(args: argparse.Namespace) -> None:
 def _require(args: argparse.Namespace, *names: str) -> None:
     missing = [n for n in names if getattr(args, n) is None]
     if missing:
-        raise ConfigError(f"missing required flag(s) {', '.join(map(_flag, missing))}; give a value for each")
+        raise ConfigError(f"missing required flag(s) {', '.join(map(flag_of, missing))}; give a value for each")
 
 
 def direct_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -155,6 +151,31 @@ def _check_fixed_model_options(args: argparse.Namespace, model: ModelConfig) -> 
         )
 
 
+ACTIVATION_FLAGS: dict[str, dict[str, bool]] = {
+    "gelu_tanh": {"openai_gelu": True, "swiglu": False},
+    "gelu": {"openai_gelu": False, "bias_gelu_fusion": False, "swiglu": False},
+    "swiglu": {"swiglu": True, "openai_gelu": False},
+}
+"""Flag values (argparse dests) that select each activation whatever the other flags say; the
+Hugging Face import renders these (`interop/hf_config.py`). `model_activation` is the inverse."""
+
+
+def model_activation(args: Any) -> str:
+    """The MLP activation Megatron-DeepSpeed's ParallelMLP builds for these flags (parsed values, by
+    argparse dest: swiglu, openai_gelu, bias_gelu_fusion, add_bias_linear): --swiglu; else
+    --openai-gelu's tanh GeLU; else its fused bias-GeLU (on by default, off with --no-bias-gelu-fusion
+    or --disable-bias-linear), whose kernel is the tanh approximation; else torch's exact GeLU."""
+    if args.swiglu and args.openai_gelu:
+        raise ConfigError(
+            "--openai-gelu and --swiglu were both given; Megatron-DeepSpeed would apply GeLU to SwiGLU's doubled "
+            "fc1 output and fail: keep one"
+        )
+    if args.swiglu:
+        return "swiglu"
+    fused = args.bias_gelu_fusion and args.add_bias_linear
+    return "gelu_tanh" if args.openai_gelu or fused else "gelu"
+
+
 _OTHER_LAYOUT_FLAGS = (
     "pp_layout",
     "pipeline_model_parallel_layout",
@@ -175,7 +196,7 @@ def _dedicated_stages(args: argparse.Namespace) -> str:
     ]
     if others:
         raise ConfigError(
-            f"--standalone-embedding-stage and {_flag(others[0])} were both given; choose one way to place the "
+            f"--standalone-embedding-stage and {flag_of(others[0])} were both given; choose one way to place the "
             f"stage boundaries (a layout string starting 'E|' puts the embedding on a stage of its own)"
         )
     return {"none": "pre", "post": "both"}.get(dedicated, dedicated)
@@ -204,8 +225,6 @@ def _training_config(
     mbs = 1 if args.micro_batch_size is None else args.micro_batch_size
     gbs = mbs * parallel.data_parallel_size if args.global_batch_size is None else args.global_batch_size
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    if precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("--fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); use --bf16 or fp32")
     _warn_loss_scale_ignored(args, precision)
     recompute, chunk = _recompute(args)
     training = TrainingConfig(
@@ -223,7 +242,7 @@ def _one_of(args: argparse.Namespace, *dests: str) -> object | None:
     """The value of whichever of two equivalent flags was given; both, differing, is an error."""
     given = [(d, getattr(args, d)) for d in dests if getattr(args, d) is not None]
     if len({v for _, v in given}) > 1:
-        raise ConfigError(f"{' and '.join(f'{_flag(d)} {v}' for d, v in given)} disagree; keep one")
+        raise ConfigError(f"{' and '.join(f'{flag_of(d)} {v}' for d, v in given)} disagree; keep one")
     return given[0][1] if given else None
 
 
@@ -267,7 +286,7 @@ _LOSS_SCALE_FLAGS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss
 def _warn_loss_scale_ignored(args: argparse.Namespace, precision: str) -> None:
     given = [d for d in _LOSS_SCALE_FLAGS if getattr(args, d) is not None]
     if given and precision != "fp16":
-        warn(f"{', '.join(map(_flag, given))} only apply with --fp16; ignored with {precision}")
+        warn(f"{', '.join(map(flag_of, given))} only apply with --fp16; ignored with {precision}")
 
 
 def _warn_tensorboard_ignored(args: argparse.Namespace) -> None:
@@ -280,29 +299,7 @@ def _warn_tensorboard_ignored(args: argparse.Namespace) -> None:
         if f.name.endswith("_tensorboard") and getattr(args, f.name) != getattr(defaults, f.name)
     ]
     if ignored:
-        warn(f"{', '.join(map(_flag, ignored))} need --tensorboard-dir; ignored without it")
-
-
-def train_length(args: argparse.Namespace, gbs: int, seq_length: int) -> tuple[int, int]:
-    """(train_iters, budget): the iterations to run, and those of --train-iters/--train-samples alone
-    (what the lr decay defaults to; --train-tokens may stop training earlier)."""
-    if args.train_iters is not None and args.train_samples is not None:
-        raise ConfigError("--train-iters and --train-samples were both given; keep one")
-    for dest in ("train_iters", "train_samples", "train_tokens"):
-        if getattr(args, dest) is not None and getattr(args, dest) < 1:
-            raise ConfigError(f"{_flag(dest)} {getattr(args, dest)} must be >= 1")
-    by_tokens = math.ceil(args.train_tokens / (gbs * seq_length)) if args.train_tokens is not None else None
-    if args.train_samples is not None:
-        budget = math.ceil(args.train_samples / gbs)
-    elif args.train_iters is not None:
-        budget = args.train_iters
-    elif by_tokens is not None:
-        budget = by_tokens
-    elif args.print_layout:
-        return 0, 0
-    else:
-        raise ConfigError("missing --train-iters (or --train-samples or --train-tokens); say how long to train")
-    return min(budget, by_tokens or budget), budget
+        warn(f"{', '.join(map(flag_of, ignored))} need --tensorboard-dir; ignored without it")
 
 
 def _optimizer_config(
@@ -315,56 +312,10 @@ def _optimizer_config(
     return OptimizerConfig(**direct, lr=lr, **schedule_lengths(args, training.global_batch_size, seq_length))
 
 
-def _check_schedule_units(args: argparse.Namespace) -> None:
-    """Megatron's rules: iteration-based training takes iteration lr flags, sample-based sample ones;
-    token flags go with either; one warm-up flag at most."""
-    wrong = []
-    if args.train_iters is not None:
-        wrong = [d for d in ("lr_decay_samples", "lr_warmup_samples") if getattr(args, d)]
-    elif args.train_samples is not None:
-        wrong = [d for d in ("lr_decay_iters", "lr_warmup_iters") if getattr(args, d)]
-    if wrong:
-        based = "--train-iters" if args.train_iters is not None else "--train-samples"
-        raise ConfigError(
-            f"{_flag(wrong[0])} does not go with {based}: give the lr schedule in the unit of "
-            f"training ({'iterations' if args.train_iters is not None else 'samples'}) or in tokens"
-        )
-    warmups = [d for d in ("lr_warmup_iters", "lr_warmup_samples") if getattr(args, d)]
-    warmups += [d for d in ("lr_warmup_tokens", "lr_warmup_fraction") if getattr(args, d) is not None]
-    if len(warmups) > 1:
-        raise ConfigError(f"{' and '.join(map(_flag, warmups))} were both given; keep one")
-
-
-def schedule_lengths(args: argparse.Namespace, gbs: int, seq_length: int) -> dict[str, int | None]:
-    """The OptimizerConfig warm-up and decay fields: the decay in one unit (tokens if given, else the
-    unit of training), the warm-up as given or as --lr-warmup-fraction of the decay."""
-    _check_schedule_units(args)
-    budget = train_length(args, gbs, seq_length)[1]
-    if args.lr_decay_tokens is not None:
-        decay = {"lr_decay_tokens": args.lr_decay_tokens}
-    elif args.lr_decay_samples is not None or args.train_samples is not None:
-        decay = {"lr_decay_samples": args.lr_decay_samples or args.train_samples}
-    elif args.lr_decay_iters is not None or args.train_iters is not None or args.train_tokens is None:
-        decay = {"lr_decay_iters": args.lr_decay_iters or budget}
-    else:  # --train-tokens alone: decay over exactly those tokens
-        decay = {"lr_decay_tokens": args.train_tokens}
-    fraction = args.lr_warmup_fraction
-    if fraction is None:
-        warmup = {
-            "lr_warmup_iters": args.lr_warmup_iters,
-            "lr_warmup_samples": args.lr_warmup_samples,
-            "lr_warmup_tokens": args.lr_warmup_tokens,
-        }
-    elif not 0.0 <= fraction <= 1.0:
-        raise ConfigError(f"--lr-warmup-fraction {fraction} must be in [0, 1]")
-    else:
-        ((key, length),) = decay.items()
-        warmup = {key.replace("decay", "warmup"): int(fraction * length)}
-    return {**decay, **warmup}
-
-
-def build_config(args: argparse.Namespace, world_size: int | None = None) -> Config:
-    """Map the parsed flags onto the config tree (which checks itself), then check the layout."""
+def build_config(args: argparse.Namespace, world_size: int | None = None, machine: Machine | None = None) -> Config:
+    """Map the parsed flags onto the config tree (which checks itself), then check what `machine`
+    cannot run and the layout (`run_layout.check_layout`: without a machine, layouts that depend on
+    the device are checked when the run resolves its layout)."""
     _refuse_values(args)
     direct = direct_values(args)
     model = _model_config(args, direct.get("model", {}))
@@ -381,7 +332,7 @@ def build_config(args: argparse.Namespace, world_size: int | None = None) -> Con
         checkpoint=CheckpointConfig(**direct.get("checkpoint", {})),
         logging=LoggingConfig(**direct.get("logging", {})),
     )
-    from megatron_ds.estimate.run_layout import build_run_layout
-
-    build_run_layout(config)  # fail fast on impossible layouts
+    if machine is not None:
+        check_runs_on(config, machine)
+    check_layout(config, machine)  # fail fast on impossible layouts
     return config

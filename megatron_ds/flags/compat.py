@@ -1,7 +1,7 @@
 """Megatron-DeepSpeed compatibility, rendered from the flag declarations (`megatron_ds.flags`).
 
 The refusal messages (a refused flag, or a refused value of an accepted flag) and the
-compatibility table (`python -m megatron_ds.compat` prints it; a test keeps docs/compatibility.md's
+compatibility table (`python -m megatron_ds.flags.compat` prints it; a test keeps docs/compatibility.md's
 copy equal to it) are both drawn from `megatron_ds.flags.FLAGS`, so neither can disagree with
 what the parser does. Flags Megatron-DeepSpeed does not have (ours, `Flag.megatron` False)
 are left out of the table; Megatron flags not declared are "unrecognized arguments".
@@ -11,7 +11,8 @@ Pure data and string functions: no torch, no argparse.
 
 from __future__ import annotations
 
-from megatron_ds.flags import BY_NAME, FLAGS, REFUSED, Flag
+from megatron_ds.flags.declare import REFUSED, Flag
+from megatron_ds.flags.registry import BY_NAME, FLAGS
 
 
 def refusal_message(name: str, value: str | None = None) -> str:

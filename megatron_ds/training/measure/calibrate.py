@@ -1,15 +1,11 @@
-"""Measured time of each spec group, to turn the compute model into seconds (`--pp-partition-method profile`).
+"""Time each spec group once in this process, for `--pp-partition-method profile`.
 
 `calibrate(model, b)` builds one copy of each group of our GPT (the pre group, one transformer
 layer, the post group with the loss) in this process, at T = 1, and times one micro-batch's forward
 and backward of each, and the optimizer step over its parameters (the gradient-norm clip and the
 AdamW/SGD step with the kernel training uses, `model_states.OPTIMIZER_KERNEL`): the median of
-`repeats` runs after `warmup` untimed ones. `stage_time_fn` then gives the
-`megatron_ds.pipeline.fastest` cost function: stage s holding k layers takes pre + k x layer + post
-(its groups; the last stage also steps its copy of a tied embedding, unless it is the first too,
-where DeepSpeed builds the tied module once), recomputed layers add a layer forward to the backward
-(`megatron_ds.estimate.compute.recomputed_layers`), and at T > 1 each group's time is scaled by
-its FLOPs per tensor rank over its FLOPs at T = 1.
+`repeats` runs after `warmup` untimed ones. The numbers go down as a
+`megatron_ds.estimate.measured_time.Calibration`, whose `stage_time_fn` turns them into stage times.
 
 Clock: on CPU, this process's CPU time (`time.process_time`), the same clock the pipeline's stage
 timers use for compute (`training/stage_timers.py`): on a machine shared with other processes
@@ -18,8 +14,8 @@ does not. On CUDA, wall time after `torch.cuda.synchronize()`.
 
 Times are of this process on this device with its thread settings: calibrate where the run will
 run (a GPU stage on a GPU, with the run's precision), not on a login node. `cached_calibration`
-times once per process and set of inputs (argument validation and the run share it);
-`training/builder.py` has every rank adopt rank 0's numbers, so all ranks build one layout.
+times once per process and set of inputs; `training/builder.py` has every rank adopt rank 0's
+numbers, so all ranks build one layout.
 """
 
 from __future__ import annotations
@@ -28,52 +24,19 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from deepspeed.pipe import TiedLayerSpec
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.estimate.compute import ComputeInputs, recomputed_layers, spec_flops
+from megatron_ds.estimate.compute import ComputeInputs
+from megatron_ds.estimate.measured_time import GROUPS, Calibration, GroupTiming, group_flops
 from megatron_ds.estimate.model_states import optimizer_kernel_options
 from megatron_ds.model import naming
 from megatron_ds.model.gpt_pipe import build_layer_specs
 from megatron_ds.model.layers import cross_entropy_loss
-from megatron_ds.pipeline.fastest import StageTime
 
-GROUPS = ("pre", "layer", "post")
-"""What is timed, in this order: the pre group, one transformer layer, the post group and the loss."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class GroupTiming:
-    group: str
-    forward: float
-    """Seconds, one micro-batch."""
-    backward: float
-    flops: int
-    """Forward + backward FLOPs of the group by the compute model (for FLOP/s)."""
-    optimizer: float = 0.0
-    """Seconds of the gradient-norm clip and the optimizer step over the group's parameters."""
-
-    @property
-    def flops_per_second(self) -> float:
-        return self.flops / (self.forward + self.backward)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    micro_batch_size: int
-    timings: tuple[GroupTiming, ...]
-    """One per `GROUPS` entry, in that order."""
-    tied_copy_optimizer: float = 0.0
-    """Seconds of the optimizer over the last stage's copy of a tied word embedding (0 when untied).
-    Not in the post group's `optimizer`: with one stage, DeepSpeed builds the tied module once."""
-
-    def group(self, name: str) -> GroupTiming:
-        return next(t for t in self.timings if t.group == name)
-
 
 NO_DROPOUT = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
 """Timing default: the flash kernel on CPU, as training without attention dropout runs."""
@@ -180,7 +143,7 @@ def calibrate(
         "layer": _parameters([layer]),
         "post": _parameters([modules[i] for i in post if i not in tied]),
     }
-    totals = _group_flops(ComputeInputs(model, micro_batch_size))
+    totals = group_flops(ComputeInputs(model, micro_batch_size))
     runs = {"pre": run_pre, "layer": lambda: layer(hidden), "post": run_post}
     timings = []
     for name in GROUPS:
@@ -209,36 +172,3 @@ def cached_calibration(
 
 def _parameters(modules: list) -> list[torch.Tensor]:
     return [p for m in modules if isinstance(m, torch.nn.Module) for p in m.parameters()]
-
-
-def _group_flops(inputs: ComputeInputs) -> dict[str, int]:
-    specs = spec_flops(inputs)
-    return {
-        "pre": sum(sp.forward + sp.backward for sp in specs if sp.group == "pre"),
-        "layer": next(sp.forward + sp.backward for sp in specs if sp.group == "body"),
-        "post": sum(sp.forward + sp.backward for sp in specs if sp.group in ("post", "loss")),
-    }
-
-
-def stage_time_fn(calibration: Calibration, inputs: ComputeInputs, num_stages: int) -> Callable[[int, int], StageTime]:
-    """The measured `stage_time(s, k)` for `megatron_ds.pipeline.fastest`, in seconds."""
-    assert inputs.micro_batch_size == calibration.micro_batch_size, (inputs, calibration.micro_batch_size)
-    groups = naming.gpt_spec_groups(inputs.model)
-    one_rank = _group_flops(ComputeInputs(inputs.model, inputs.micro_batch_size))
-    per_rank = _group_flops(inputs)
-    scale = {g: per_rank[g] / one_rank[g] if one_rank[g] else 1.0 for g in GROUPS}  # 1 at T = 1
-    pre, layer, post = (calibration.group(g) for g in GROUPS)
-    interval = inputs.checkpoint_num_layers if inputs.checkpoint_activations else 0
-
-    def stage_time(stage: int, num_layers: int) -> StageTime:
-        first, last = stage == 0, stage == num_stages - 1
-        parts = [(pre, scale["pre"], first), (layer, scale["layer"], num_layers), (post, scale["post"], last)]
-        forward = sum(n * g.forward * f for g, f, n in parts)
-        backward = sum(n * g.backward * f for g, f, n in parts)
-        optimizer = sum(n * g.optimizer for g, _, n in parts)
-        optimizer += calibration.tied_copy_optimizer * (last and not first)  # one stage: one shared module
-        optimizer /= inputs.tensor_parallel_size
-        again = recomputed_layers(len(groups.pre) * first, num_layers, len(groups.post) * last, interval)
-        return StageTime(forward, backward + again * layer.forward * scale["layer"], optimizer)
-
-    return stage_time

@@ -1,0 +1,23 @@
+"""The facts about this process's device that the estimates and checks need, read with torch.
+
+`probe()` is the one place that asks torch what the device is; the pure layers receive the
+answer as an `estimate.machine.Machine` (whose `check_runs_on` refuses what the device cannot run).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ds.estimate.machine import CPU, Machine
+
+
+def probe() -> Machine:
+    """This process's device: the current GPU when one is visible, else the CPU."""
+    if not torch.cuda.is_available():
+        return CPU
+    index = torch.cuda.current_device()
+    return Machine(
+        device="cuda",
+        device_memory=float(torch.cuda.get_device_properties(index).total_memory),
+        device_name=torch.cuda.get_device_name(index),
+    )

@@ -1,0 +1,43 @@
+"""The run's layout on this machine: the pure `estimate.run_layout` given the probed device and,
+for `--pp-partition-method profile`, a measurement of this process (`measure.calibrate`).
+
+`resolve_layout` is what the builder calls (once per build) and `pretrain_gpt.py --print-layout`
+prints; `layout_text` is the stage table with what the method predicts under it.
+"""
+
+from __future__ import annotations
+
+from megatron_ds.config import Config
+from megatron_ds.estimate import run_layout
+from megatron_ds.estimate.machine import Machine
+from megatron_ds.estimate.measured_time import Calibration
+from megatron_ds.pipeline.layout import Layout
+from megatron_ds.training.machine import probe
+from megatron_ds.training.measure.calibrate import cached_calibration
+
+
+def measure(config: Config, machine: Machine | None = None) -> Calibration:
+    """This process's timing of the run's groups for `profile` (once per process and run shape)."""
+    machine = machine or probe()
+    t = config.training
+    return cached_calibration(config.model, t.micro_batch_size, config.regularization, machine.device, t.precision)
+
+
+def resolve_layout(config: Config, calibration: Calibration | None = None, machine: Machine | None = None) -> Layout:
+    """The layout this run uses here; `profile` measures in this process unless `calibration` is given
+    (the builder passes rank 0's to every rank)."""
+    machine = machine or probe()
+    if calibration is None and run_layout.uses_measured_times(config):
+        calibration = measure(config, machine)
+    return run_layout.build_run_layout(config, machine, calibration)
+
+
+def layout_text(config: Config, layout: Layout, calibration: Calibration | None = None) -> str:
+    """The stage table, and under it what the partition method predicts (`run_layout.layout_report`)."""
+    par = config.parallel
+    machine = probe()
+    if calibration is None and run_layout.uses_measured_times(config):
+        calibration = measure(config, machine)
+    report = run_layout.layout_report(config, layout, machine, calibration)
+    table = layout.format(par.data_parallel_size, par.tensor_model_parallel_size)
+    return f"{table}\n{report}" if report else table
