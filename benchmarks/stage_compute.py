@@ -6,7 +6,7 @@ limit, under the stock layout's largest stage and under a tight limit. Pure arit
 
 Stage time is FLOPs x a constant (1 GFLOP = 1 time unit; measured calibration comes later), so
 only ratios mean anything: `step/ideal` is the simulated step of DeepSpeed's 1F1B schedule
-(`megatron_ds/estimate/schedule.py`) over the step of the same total work split into P equal
+(`megatron_ds/estimate/step_simulator.py`) over the step of the same total work split into P equal
 stages (the schedule's bubble included); `step/stock` compares with DeepSpeed's default split.
 Optimizer and communication time are left out (0).
 
@@ -34,7 +34,7 @@ from megatron_ds.estimate.machine import CPU  # noqa: E402
 from megatron_ds.estimate.measured_time import stage_time_fn  # noqa: E402
 from megatron_ds.estimate.memory_model import stage_memory_for  # noqa: E402
 from megatron_ds.estimate.run_layout import build_run_layout, memory_inputs  # noqa: E402
-from megatron_ds.estimate.schedule import balanced_step_time, simulate, step_estimator  # noqa: E402
+from megatron_ds.estimate.step_simulator import balanced_step_time, simulate, step_estimator  # noqa: E402
 from megatron_ds.flags.parser import parse_config  # noqa: E402
 from megatron_ds.pipeline.fastest import StageTime, fastest_split, minimax_split  # noqa: E402
 from megatron_ds.training.measure.calibrate import calibrate  # noqa: E402

@@ -11,7 +11,7 @@ For each model and layout this runs `pretrain_gpt.py` on 5 CPU ranks (`--stages 
   (`training/stage_timers.py`; the median of iterations 2-6, untraced), against the calibrated prediction
   (`estimate/calibrate.py`: each group timed once in this process, before the runs, same clock);
 - the 1F1B step DeepSpeed's schedule takes with one device per stage, simulated from the measured
-  compute (`estimate/schedule.py`), over the ideal: the same compute in P equal stages through the
+  compute (`estimate/step_simulator.py`), over the ideal: the same compute in P equal stages through the
   same schedule. Wall-clock steps are printed too; with 5 ranks on 2 shared cores they are noise.
 
     python benchmarks/stage_memory.py                               # both models, every layout
@@ -243,7 +243,7 @@ def run_layout(predictor: Predictor, layout: str, timeout: float) -> LayoutRun:
 
 def simulated(run: LayoutRun, m: int, which: str = "measured") -> tuple[float, float]:
     """(1F1B step, ideal) in ms from the measured (or predicted) per-stage compute."""
-    from megatron_ds.estimate.schedule import balanced_step_time, simulate
+    from megatron_ds.estimate.step_simulator import balanced_step_time, simulate
 
     if which == "measured":
         fwd = [r.forward / m for r in run.rows]

@@ -11,6 +11,9 @@ from megatron_ds.errors import ConfigError
 
 DEDICATED_CHOICES = ("none", "pre", "post", "both")
 BACKENDS = ("nccl", "gloo")
+PIPELINE_SCHEDULES = ("1f1b",)
+"""The registered pipeline schedules (`estimate.pipeline_schedules.REGISTRY`, which checks that the
+two agree: the config layer sits below it)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class ParallelConfig:
     pp_partition_method: str | None = None
     """How stage boundaries are balanced (`--pp-partition-method`: `uniform`, `parameters`, `memory`,
     `fastest`, `profile`, `type:REGEX`, weighted types); None: `type:transformer`."""
+    pipeline_schedule: str = "1f1b"
+    """The order each stage runs its forwards, backwards and sends (`--pp-schedule`; one of
+    `PIPELINE_SCHEDULES`, defined in `estimate/pipeline_schedules.py`)."""
     pp_memory_limit: str | None = None
     """Bytes each device may hold, for `--pp-partition-method fastest` / `profile`
     (`--pp-memory-limit`): a number of bytes or one with a unit, `80GiB`, `500MB` (`memory_limit_bytes`).
@@ -74,6 +80,7 @@ class ParallelConfig:
                 f"--tensor-model-parallel-size {t}; launch a multiple of {p * t} processes",
             )
         one_of("--pp-dedicated-embedding-stages", self.pp_dedicated_embedding_stages, DEDICATED_CHOICES)
+        one_of("--pp-schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         if self.distributed_backend is not None:
             one_of("--distributed-backend", self.distributed_backend, BACKENDS)
         positive("--distributed-timeout-minutes", self.distributed_timeout_minutes)

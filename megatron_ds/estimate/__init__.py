@@ -1,29 +1,19 @@
-"""Estimates from the config and a layout alone (pure arithmetic, no torch, no GPUs).
+"""Estimates from the config, a layout and the device's facts alone: pure arithmetic, no torch, no
+DeepSpeed (tests/unit/test_import_layers.py enforces it). What measures lives in the runtime layer
+(`megatron_ds.training.machine`, `megatron_ds.training.measure`) and hands its numbers down.
 
-    megatron_ds.estimate.memory_model   MemoryInputs, spec_memory, stage_memory, format_bytes
-    megatron_ds.estimate.model_states   bytes per parameter by precision/ZeRO; DeepSpeed's estimator formulas
-    megatron_ds.estimate.activations    activation bytes per layer (Korthikanti et al. 2022)
+    memory_inputs.py, memory_model.py, model_states.py, activations.py, transients.py
+                            predicted memory per spec and stage (inputs, results, the terms)
+    compute.py              FLOPs per spec and stage
+    pipeline_schedules.py   the pipeline-schedule registry: each stage's instruction stream
+    step_simulator.py       a step's time replayed over those streams
+    measured_time.py        stage times from measured per-group times (`profile`)
+    layout_costs.py, run_layout.py, fit_advice.py
+                            the costs a partition method needs; the layout a config asks for; what
+                            would make it fit
+    machine.py, device_peaks.py
+                            the device facts handed down; peak FLOP/s of common GPUs
 
-Used by the memory partition method (`--pp-partition-method memory`), by the predicted-memory
-table under `--print-layout`, and by the planner (`megatron_ds.plan`).
+Used by the layout methods that balance memory or time, by `--print-layout`'s predictions, and by
+the planner (`megatron_ds.plan`). Import the modules themselves; this file imports nothing.
 """
-
-from megatron_ds.estimate.memory_model import (
-    MemoryInputs,
-    SpecMemory,
-    StageMemory,
-    format_bytes,
-    spec_memory,
-    stage_memory,
-    stage_memory_for,
-)
-
-__all__ = [
-    "MemoryInputs",
-    "SpecMemory",
-    "StageMemory",
-    "format_bytes",
-    "spec_memory",
-    "stage_memory",
-    "stage_memory_for",
-]

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ds.estimate.memory_model import MemoryInputs, format_bytes, stage_memory_for
+from megatron_ds.estimate.memory_inputs import MemoryInputs
+from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.pipeline.fastest import minimax_split
+from megatron_ds.units import format_bytes
 
 
 def least_memory(inputs: MemoryInputs, num_stages: int) -> float:

@@ -14,13 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from megatron_ds.config import ModelConfig
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.compute import ComputeInputs, stage_flops_for
-from megatron_ds.estimate.memory_model import MemoryInputs, StageMemory, format_bytes, stage_memory_for
-from megatron_ds.estimate.schedule import balanced_step_time, simulate, step_estimator
+from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
+from megatron_ds.estimate.memory_model import stage_memory_for
+from megatron_ds.estimate.step_simulator import balanced_step_time, simulate, step_estimator
 from megatron_ds.model.naming import gpt_spec_param_counts
 from megatron_ds.pipeline import methods
 from megatron_ds.pipeline.fastest import StageTime, StageTimeFn
 from megatron_ds.pipeline.methods import Costs, PartitionMethod
+from megatron_ds.units import format_bytes
 
 GFLOP = 1e9
 
@@ -74,7 +77,9 @@ def method_costs(
         stage_memory=stage_cost if methods.STAGE_MEMORY in needs else None,
         stage_time=flop_stage_time(mem, num_stages) if mem is not None and methods.STAGE_TIME in needs else None,
         measured_stage_time=measured_time() if measured_time and methods.MEASURED_STAGE_TIME in needs else None,
-        step_time=step_estimator(mem.num_micro_batches, tied=not model.untie_embeddings_and_output_weights)
+        step_time=step_estimator(
+            mem.num_micro_batches, tied=not model.untie_embeddings_and_output_weights, schedule=mem.schedule
+        )
         if mem is not None and methods.STEP_TIME in needs
         else None,
         memory_limit=memory_limit() if memory_limit and methods.MEMORY_LIMIT in needs else None,
@@ -111,10 +116,11 @@ def format_time_table(
     unit: str,
     source: str,
     memory_limit: float | None = None,
+    schedule: str = "1f1b",
 ) -> str:
     """Per stage: one micro-batch's forward and backward, the optimizer step, the step's compute
-    (M x (forward + backward) + optimizer) and the predicted memory; then the simulated 1F1B step
-    against the ideal (the same work in equal stages, through the same schedule)."""
+    (M x (forward + backward) + optimizer) and the predicted memory; then the step simulated
+    through `schedule` against the ideal (the same work in equal stages, through the same schedule)."""
     m = num_micro_batches
     head = (
         f"{'stage':>5} {'layers':>6} {'forward':>10} {'backward':>10} {'optimizer':>10} {'per step':>10} {'memory':>10}"
@@ -127,12 +133,12 @@ def format_time_table(
             f"{per_step:>10.4g} {format_bytes(st.total):>10}"
         )
     fwd, bwd, opt = ([getattr(t, a) for t in times] for a in ("forward", "backward", "optimizer"))
-    step = simulate(m, fwd, bwd, opt).step_time
-    ideal = balanced_step_time(m, fwd, bwd) + sum(opt) / len(opt)
+    step = simulate(m, fwd, bwd, opt, schedule=schedule).step_time
+    ideal = balanced_step_time(m, fwd, bwd, schedule) + sum(opt) / len(opt)
     peak = max(st.total for st in memories)
     limit = f" of the {format_bytes(memory_limit)} limit" if memory_limit is not None else ""
     lines.append(
-        f"simulated 1F1B step (M={m}, one device per stage): {step:.4g} {unit} = {step / ideal:.3f} x the ideal "
+        f"simulated {pipeline_schedules.find(schedule).label} step (M={m}, one device per stage): {step:.4g} {unit} = {step / ideal:.3f} x the ideal "
         f"(the same work in {len(times)} equal stages); largest stage {format_bytes(peak)}{limit}"
     )
     return "\n".join(lines)

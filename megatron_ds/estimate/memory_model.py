@@ -10,11 +10,11 @@ The peak on one GPU of stage s is the largest of three moments of a training ste
                       temporary (the gradient all-reduce's flat copy or ZeRO-1's reduce buckets, AdamW's
                       sqrt/div temporaries)
 
-(model states: `model_states.py`; activations: `activations.py`). in_flight(s) = min(P - s, M):
-DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py) is 1F1B; stage s runs P - s
-forwards before its first backward, so at most that many micro-batches' activations are alive
-(M micro-batches per step). `TrainSchedule.num_pipe_buffers()` is max(2, min(P - s, M)), the
-buffer slots the engine cycles through (`transients.pipe_buffers` says which of them hold what).
+(model states: `model_states.py`; activations: `activations.py`). in_flight(s) is read off the
+schedule's instruction stream (`pipeline_schedules.activations_in_flight`): under DeepSpeed's
+1F1B TrainSchedule stage s runs P - s forwards before its first backward, so min(P - s, M)
+micro-batches' activations are alive (M micro-batches per step); the engine cycles through the
+schedule's pipe buffers (`transients.pipe_buffers` says which of them hold what).
 
 Everything returned is an estimate; nothing here is measured. The terms beyond the classic sum
 (the three moments, the last stage's kept logits, the step's temporaries, the word embedding's
@@ -26,146 +26,15 @@ allocates them, cited where they are computed.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 
-from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
+from megatron_ds.config import ModelConfig, shapes
 from megatron_ds.estimate import activations as act
+from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.model_states import (
-    OPTIMIZER_STATE_BYTES,
     PRECISION_BYTES,
-    StateFactors,
-    state_factors,
 )
 from megatron_ds.estimate.transients import backward_transient, gathered, in_flight, pipe_buffers, step_temporaries
 from megatron_ds.model import naming
-
-
-@dataclass(frozen=True)
-class MemoryInputs:
-    """What the memory of one pipeline stage depends on."""
-
-    model: ModelConfig
-    micro_batch_size: int
-    """Samples per micro-batch per data-parallel rank."""
-    num_micro_batches: int
-    """Micro-batches per optimizer step on each pipeline (gradient accumulation steps)."""
-    precision: str = "bf16"
-    """`fp32`, `bf16` or `fp16`."""
-    zero_stage: int = 0
-    """DeepSpeed ZeRO stage 0-3 (the pipeline engine accepts 0 and 1 only)."""
-    data_parallel_size: int = 1
-    """Ranks that ZeRO partitions over (one stage's data-parallel group)."""
-    tensor_parallel_size: int = 1
-    """Tensor-parallel degree t: layer matrices, vocab and attention heads are split t ways."""
-    checkpoint_activations: bool = False
-    """Recompute transformer layers in backward (`--checkpoint-activations`)."""
-    checkpoint_num_layers: int = 1
-    """Layers per recomputed chunk (`--checkpoint-num-layers`)."""
-    optimizer: str = "adam"
-    """`adam` or `sgd` (momentum)."""
-    offload_optimizer: str = "none"
-    """`none`, `cpu` or `nvme`: ZeRO-Offload of master weights, fp32 grads and optimizer states."""
-    offload_param: str = "none"
-    """`none`, `cpu` or `nvme`: ZeRO-3 parameter offload."""
-    device: str = "cuda"
-    """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activations.kernels`), and which
-    optimizer kernel runs (`model_states.OPTIMIZER_KERNEL`)."""
-    attention: str | None = None
-    """`flash`, `math`, or None for what torch's SDPA picks on `device`."""
-    regularization: RegularizationConfig = RegularizationConfig()
-    """The run's dropout (which masks are saved, which attention kernel runs); Megatron's defaults
-    (0.1) unless given, as the planner assumes."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "micro_batch_size",
-            "num_micro_batches",
-            "data_parallel_size",
-            "tensor_parallel_size",
-            "checkpoint_num_layers",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.precision not in PRECISION_BYTES:
-            raise ValueError(f"precision {self.precision!r} is not one of {', '.join(PRECISION_BYTES)}")
-        if self.optimizer not in OPTIMIZER_STATE_BYTES:
-            raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_STATE_BYTES)}")
-        self.factors  # noqa: B018 - validates zero stage and offload combination
-        self.kernels  # noqa: B018 - validates device and attention
-
-    @property
-    def factors(self) -> StateFactors:
-        return state_factors(
-            self.precision, self.zero_stage, self.optimizer, self.offload_optimizer, self.offload_param
-        )
-
-    @property
-    def kernels(self) -> act.Kernels:
-        return act.kernels(self.precision, self.device, self.regularization.attention_dropout, self.attention)
-
-
-@dataclass(frozen=True)
-class SpecMemory:
-    """One layer spec's share of a GPU's memory (bytes; params counted per tensor-parallel rank)."""
-
-    index: int
-    name: str
-    group: str
-    num_params: int
-    largest_param: int
-    params: float
-    grads: float
-    optimizer: float
-    host: float
-    activations: float
-    """Saved for backward by one micro-batch without recomputation."""
-    checkpointed_activations: float
-    """Saved by one micro-batch when this spec is recomputed (transformer layers only)."""
-    activation_terms: dict = field(default_factory=dict)
-    tied: bool = False
-    """The tied LM head: the same matrix as WordEmbedding, a second copy only on another stage."""
-    no_decay_params: int = 0
-    """Parameters in the no-weight-decay group (biases, norm weights: `training/optimizer.py`)."""
-
-    @property
-    def model_states(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-
-@dataclass(frozen=True)
-class StageMemory:
-    """Predicted peak bytes on one GPU of one pipeline stage."""
-
-    stage: int
-    num_layers: int
-    num_params: int
-    params: float
-    grads: float
-    optimizer: float
-    host: float
-    """Offloaded model states per GPU rank, on CPU or NVMe (not in `total`)."""
-    activation_per_micro_batch: float
-    in_flight: int
-    activations: float
-    pipe_buffers: float
-    transient: float
-    """The predicted peak minus model states, activations and pipe buffers, so that `total` is the
-    peak. The peak is the largest of three moments (`transient_source` names it): a backward
-    before the step's gradients exist, a later backward with them, and the optimizer step (see
-    `stage_memory_for`). Positive when a short-lived buffer tops the sum; negative when the
-    activation peak and the gradients are never alive together."""
-    transient_source: str
-    backward_transient: float = 0.0
-    """The largest short-lived buffer of a backward on its own (not part of `total`; for callers
-    that add it to activations, as `plan/zero.py` does for pure data parallelism)."""
-
-    @property
-    def model_states(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def total(self) -> float:
-        return self.model_states + self.activations + self.pipe_buffers + self.transient
 
 
 def layer_no_decay_params(model: ModelConfig, t: int = 1) -> int:
@@ -242,7 +111,7 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
         + full_layers * layer.activations
         + (num_layers - full_layers) * layer.checkpointed_activations
     )
-    flight = in_flight(stage, num_stages, inputs.num_micro_batches)
+    flight, later = in_flight(inputs, stage, num_stages)
     buffers, persistent = pipe_buffers(inputs, stage, num_stages)
     # A first-stage micro-batch's activations other than the token ids the embedding saved are
     # freed before the word embedding's gradient is computed (see `transients.backward_transient`).
@@ -254,9 +123,6 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
     # optimizers), so only the rest of `grads` (flat fp32 buffers, partitions) is always held.
     fresh = min(states[1], num_params * PRECISION_BYTES[inputs.precision]) if inputs.zero_stage <= 1 else 0.0
     base = states[0] + states[2] + states[1] - fresh
-    # After its first backward a stage holds in_flight micro-batches again only if a forward
-    # follows (steady 1F1B, M > P - s); otherwise one fewer.
-    later = flight if inputs.num_micro_batches > num_stages - stage else flight - 1
     step, step_source = step_temporaries(inputs, held, num_params, num_stages)
     moments = [
         (
@@ -323,18 +189,6 @@ def total_params(model: ModelConfig) -> int:
 def largest_layer_params(model: ModelConfig) -> int:
     """Largest single module's own parameters, as DeepSpeed's `zero.stage3.model_to_params` counts it."""
     return max(sp.largest for sp in naming.gpt_spec_params(model))
-
-
-def format_bytes(num_bytes: float) -> str:
-    """Binary units, three significant figures: `512 B`, `1.50 KiB`, `12.3 GiB`."""
-    value, unit = float(num_bytes), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            break
-        value /= 1024
-    if unit == "B":
-        return f"{value:.0f} B"
-    return f"{value:.3g} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
 
 
 GIB = 1024**3

@@ -23,7 +23,8 @@ from megatron_ds.estimate.layout_costs import (
 )
 from megatron_ds.estimate.machine import Machine
 from megatron_ds.estimate.measured_time import Calibration, stage_time_fn
-from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory
+from megatron_ds.estimate.memory_inputs import MemoryInputs
+from megatron_ds.estimate.memory_model import stage_memory
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods
 from megatron_ds.pipeline.fastest import NoFitError, StageTime, StageTimeFn
@@ -47,6 +48,7 @@ def memory_inputs(config: Config, machine: Machine) -> MemoryInputs:
         checkpoint_num_layers=t.checkpoint_num_layers,
         optimizer=config.optimizer.optimizer,
         device=machine.device,
+        schedule=par.pipeline_schedule,
     )
 
 
@@ -188,5 +190,5 @@ def layout_report(config: Config, layout: Layout, machine: Machine, calibration:
             times = [flops(s, k) for s, k in enumerate(layout.layers_per_stage)]
             unit, source = "GFLOP", "compute model, `fastest`; optimizer not counted"
         limit = memory_limit(config, entry.name, machine)
-        parts.append(format_time_table(times, stages, mem.num_micro_batches, unit, source, limit))
+        parts.append(format_time_table(times, stages, mem.num_micro_batches, unit, source, limit, mem.schedule))
     return "\n".join(parts)

@@ -1,5 +1,5 @@
 """The short-lived and pipeline-schedule terms of the memory model (`memory_model`): micro-batches
-in flight and DeepSpeed's pipe buffers under 1F1B, a backward's largest transient, the optimizer
+in flight and DeepSpeed's pipe buffers under the run's schedule, a backward's largest transient, the optimizer
 step's temporaries (gradient all-reduce copy, ZeRO-1 buckets, optimizer kernel temporaries) and
 ZeRO-3's gathered working set. Each traced to the DeepSpeed or torch code that allocates it. Pure:
 no torch.
@@ -7,10 +7,10 @@ no torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from megatron_ds.config import ModelConfig
 from megatron_ds.estimate import activations as act
+from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory
 from megatron_ds.estimate.model_states import (
     MASTER_BYTES,
     OPTIMIZER_KERNEL,
@@ -20,18 +20,13 @@ from megatron_ds.estimate.model_states import (
 )
 from megatron_ds.model import naming
 
-if TYPE_CHECKING:
-    from megatron_ds.estimate.memory_model import MemoryInputs, SpecMemory
 
-
-def in_flight(stage: int, num_stages: int, num_micro_batches: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at its peak under TrainSchedule (1F1B)."""
-    return min(num_stages - stage, num_micro_batches)
-
-
-def num_pipe_buffers(stage: int, num_stages: int, num_micro_batches: int) -> int:
-    """DeepSpeed's `TrainSchedule.num_pipe_buffers()`."""
-    return max(2, min(num_stages - stage, num_micro_batches))
+def in_flight(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[int, int]:
+    """(at the first backward, at the fullest later backward): micro-batches whose activations stage
+    `stage` holds under the run's schedule (1F1B: min(P - s, M), and as many again after the first
+    backward when a forward follows it, M > P - s, else one fewer)."""
+    schedule = pipeline_schedules.find(inputs.schedule)
+    return pipeline_schedules.activations_in_flight(schedule, inputs.num_micro_batches, num_stages, stage)
 
 
 def backward_transient(
@@ -164,8 +159,9 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
     m, mb = inputs.model, inputs.num_micro_batches
     hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
     tokens = m.seq_length * inputs.micro_batch_size
-    slots = min(num_pipe_buffers(stage, num_stages, mb), mb)
-    flight = in_flight(stage, num_stages, mb)
+    schedule = pipeline_schedules.find(inputs.schedule)
+    slots = min(pipeline_schedules.pipe_buffers(schedule, mb, num_stages, stage), mb)
+    flight = in_flight(inputs, stage, num_stages)[0]
     total = persistent = 0.0
     if stage > 0:
         total += (flight + 1) * hidden

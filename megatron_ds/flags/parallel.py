@@ -4,6 +4,7 @@ flags (megatron-core's meaning: `megatron_ds.pipeline.megatron_lm`), and our pip
 from __future__ import annotations
 
 from megatron_ds.config import BACKENDS, DEDICATED_CHOICES
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, no_op, refused, switch
 from megatron_ds.pipeline.methods import partition_method_help
 
@@ -77,6 +78,14 @@ DISTRIBUTED: tuple[Flag, ...] = (
         _DIST,
         partition_method_help(),  # drawn from the partition-method registry
         "parallel.pp_partition_method",
+        megatron=False,
+    ),
+    accepted(
+        "--pp-schedule",
+        _DIST,
+        "the pipeline schedule: " + "; ".join(f"{s.name}: {s.summary}" for s in pipeline_schedules.REGISTRY.values()),
+        "parallel.pipeline_schedule",
+        choices=tuple(pipeline_schedules.REGISTRY),
         megatron=False,
     ),
     accepted(

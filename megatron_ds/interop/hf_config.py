@@ -19,7 +19,7 @@ from typing import Any
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.config.model import DEFAULT_ROTARY_BASE
 from megatron_ds.errors import UserError
-from megatron_ds.flags.model import ACTIVATION_FLAGS
+from megatron_ds.flags.to_config import ACTIVATION_FLAGS
 from megatron_ds.model import activations
 
 GPT2, LLAMA = "gpt2", "llama"

@@ -175,13 +175,12 @@ def micro_batch_first_sample(
     return samples_before_step + (local * data_parallel + data_parallel_rank) * micro_batch_size
 
 
-def install_micro_batch_seeding(engine: Any) -> None:
+def install_micro_batch_seeding(engine: Any, forward_micro_batches: Sequence[int]) -> None:
     """Reseed the stage's dropout streams before each training forward of DeepSpeed's pipeline
-    engine from `micro_batch_first_sample(engine.global_samples, k, ...)` for the k-th forward of
-    the step (`global_samples` counts the samples of the steps taken, restored on load).
-
-    The pipeline schedule runs a stage's forwards in micro-batch order, so k is the micro-batch.
-    A stage without dropout streams gets no hook.
+    engine from `micro_batch_first_sample(engine.global_samples, j, ...)`, j the micro-batch of the
+    step's k-th forward on this stage: `forward_micro_batches[k]`, read off the pipeline schedule
+    (`estimate.pipeline_schedules.forward_micro_batches`; `global_samples` counts the samples of
+    the steps taken, restored on load). A stage without dropout streams gets no hook.
     """
     module = engine.module
     streams = module_streams(module)
@@ -198,7 +197,8 @@ def install_micro_batch_seeding(engine: Any) -> None:
         samples = int(engine.global_samples)
         if samples != clock["samples"]:  # a new step
             clock.update(samples=samples, local=0)
-        first = micro_batch_first_sample(samples, clock["local"], micro_batch_size, data_parallel, data_parallel_rank)
+        local = forward_micro_batches[clock["local"]]
+        first = micro_batch_first_sample(samples, local, micro_batch_size, data_parallel, data_parallel_rank)
         clock["local"] += 1
         seed_streams(streams, first)
 

@@ -10,7 +10,8 @@
     methods.py        the `--pp-partition-method` registry
     layout.py         Layout (parts, printed table) and build_layout, the front door
 
-Import rule: modules here import only the standard library, `megatron_ds.errors` and each other
+Import rule: modules here import only the standard library (and numpy), `megatron_ds.errors`,
+`megatron_ds.units` and each other
 (tests/unit/test_layout_methods.py checks it). Costs that need the model or the memory model
 (parameter counts, predicted stage memory) are computed above this package and passed in.
 """

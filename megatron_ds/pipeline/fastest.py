@@ -6,7 +6,7 @@ time subject to every stage's predicted memory <= a limit. Pure: the costs come 
                            pre group on stage 0, the post group and loss on the last stage)
     stage_memory(s, k)  -> the stage's predicted peak memory (bytes)
     step_time(times)    -> the step of a split from its stages' times: a number, or a StepEstimate
-                           with a certificate (`megatron_ds.estimate.schedule.step_estimator`
+                           with a certificate (`megatron_ds.estimate.step_simulator.step_estimator`
                            simulates DeepSpeed's 1F1B schedule and returns its critical path)
 
 Splits are those of `megatron_ds.pipeline.balance`: the pre group on stage 0, the post group on the
@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_ds.errors import LayoutError
+from megatron_ds.units import format_bytes
 
 METHOD = "fastest"
 FLAG = f"--pp-partition-method {METHOD}"
@@ -351,14 +352,6 @@ def minimax_split(num_layers: int, num_stages: int, cost: Callable[[int, int], f
         counts.append(choice[j][r])
         r -= counts[-1]
     return counts, best[0][n]
-
-
-def format_bytes(num_bytes: float) -> str:
-    """`12.30 GiB` / `456.0 MiB` (binary units, as the memory model's tables)."""
-    if math.isinf(num_bytes):
-        return "unlimited memory"
-    gib = num_bytes / 2**30
-    return f"{gib:.2f} GiB" if abs(gib) >= 1 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _check(num_layers: int, num_stages: int, flag: str = FLAG) -> None:

@@ -36,7 +36,7 @@ class Costs:
     measured_stage_time: StageTimeFn | None = None
     """The same, from timing each group once in this process (`estimate/calibrate.py`)."""
     step_time: StepTimeFn | None = None
-    """The 1F1B step of a split from its stages' times (`estimate/schedule.step_estimator`)."""
+    """The 1F1B step of a split from its stages' times (`estimate/step_simulator.step_estimator`)."""
     memory_limit: float | None = None
     """Bytes every stage must fit in (`--pp-memory-limit`, default the GPU's memory)."""
 

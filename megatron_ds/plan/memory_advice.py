@@ -6,13 +6,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_ds.estimate.memory_model import StageMemory, format_bytes, stage_memory
+from megatron_ds.estimate.memory_inputs import StageMemory
+from megatron_ds.estimate.memory_model import stage_memory
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import search
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.report import Section
+from megatron_ds.units import format_bytes
 
 END_HEAVY = 1.15  # first/last stage this much above the middle ones counts as the seed's pattern
 

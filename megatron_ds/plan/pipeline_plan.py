@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from megatron_ds.estimate.device_peaks import peak_tflops
 from megatron_ds.estimate.layout_costs import format_memory_table, format_time_table
-from megatron_ds.estimate.memory_model import format_bytes
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import ds_json, search
@@ -14,6 +13,7 @@ from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.report import Section
 from megatron_ds.training import deepspeed_config
+from megatron_ds.units import format_bytes
 
 
 def method_description(method: str) -> str:

@@ -27,14 +27,16 @@ from dataclasses import dataclass
 
 from megatron_ds.config import DEDICATED_CHOICES
 from megatron_ds.estimate.layout_costs import flop_stage_time, method_costs
-from megatron_ds.estimate.memory_model import MemoryInputs, StageMemory, format_bytes, stage_memory, stage_memory_for
-from megatron_ds.estimate.schedule import balanced_step_time, simulate
+from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
+from megatron_ds.estimate.memory_model import stage_memory, stage_memory_for
+from megatron_ds.estimate.step_simulator import balanced_step_time, simulate
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.fastest import StageTime
 from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
+from megatron_ds.units import format_bytes
 
 DEFAULT = "none"
 # The layout choices (`--layout`) in tie-break order, the simplest flag first: none, the bare

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from importlib import metadata
 
-from megatron_ds.estimate.memory_model import format_bytes
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.report import Section
+from megatron_ds.units import format_bytes
 
 BLOCK = 16
 PATTERNS = {

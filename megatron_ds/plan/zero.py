@@ -10,13 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ds.estimate.memory_model import (
-    MemoryInputs,
-    format_bytes,
-    largest_layer_params,
-    stage_memory_for,
-    total_params,
-)
+from megatron_ds.estimate.memory_inputs import MemoryInputs
+from megatron_ds.estimate.memory_model import largest_layer_params, stage_memory_for, total_params
 from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
 from megatron_ds.plan import ds_json
 from megatron_ds.plan.context import Context
@@ -24,6 +19,7 @@ from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import GIB
 from megatron_ds.plan.report import Section
 from megatron_ds.training import deepspeed_config
+from megatron_ds.units import format_bytes
 
 COMM = {
     0: "all-reduce of gradients: 2 Psi per step (plain data parallelism)",

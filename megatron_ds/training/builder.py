@@ -38,6 +38,7 @@ import torch
 from megatron_ds.config import Config
 from megatron_ds.distributed import env_world_size, init_distributed, shutdown_distributed
 from megatron_ds.errors import ConfigError
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.machine import check_runs_on
 from megatron_ds.estimate.measured_time import Calibration
 from megatron_ds.estimate.run_layout import uses_measured_times
@@ -185,8 +186,10 @@ def _assemble(
         model=model, optimizer=optimizer, config=ds, lr_scheduler=lr_scheduler
     )
     install_fp32_grad_norm(engine)
-    rng.install_micro_batch_seeding(engine)
-    timers = stage_timers.install(engine)
+    schedule = pipeline_schedules.find(config.parallel.pipeline_schedule)
+    order = pipeline_schedules.forward_micro_batches(schedule, engine.micro_batches, engine.num_stages, engine.stage_id)
+    rng.install_micro_batch_seeding(engine, order)
+    timers = stage_timers.install(engine, config.parallel.pipeline_schedule)
     watchdog = Watchdog(config.parallel.distributed_timeout_minutes * 60, dist.get_rank(), engine.stage_id)
     return Pipeline(
         engine=engine,

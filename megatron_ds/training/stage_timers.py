@@ -18,8 +18,8 @@ wait for a core, and CPU time leaves that out, so stages are comparable on a sha
 CUDA it is CUDA events around each compute instruction (GPU time of its kernels), resolved at the
 end of every step. `estimate/calibrate.py` uses the same CPU clock for `profile`.
 
-From the per-stage compute, `format_report` gives the step DeepSpeed's 1F1B schedule would take
-with one device per stage (`estimate/schedule.simulate`): what makes layouts comparable where the
+From the per-stage compute, `format_report` gives the step the run's pipeline schedule would take
+with one device per stage (`estimate/step_simulator.simulate`): what makes layouts comparable where the
 wall-clock step is noise (5 ranks on 2 cores).
 """
 
@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from megatron_ds.estimate.schedule import balanced_step_time, simulate
+from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.estimate.step_simulator import balanced_step_time, simulate
 
 COMPUTE = ("forward", "backward", "optimizer")
 COMMUNICATION = ("send", "recv", "reduce")
@@ -81,6 +82,8 @@ class StageCompute:
     communicating, loading data (per step, the step minus its compute instructions' wall time)."""
     communication: float = 0.0
     """Wall time in send, receive and reduce instructions (part of `waiting`)."""
+    schedule: str = "1f1b"
+    """The pipeline schedule the engine ran (`estimate/pipeline_schedules.py`), which the report replays."""
 
     @property
     def compute_total(self) -> float:
@@ -121,8 +124,9 @@ class Sample:
 class StageTimers:
     """Accumulates instruction times of the steps run inside `counting(True)` (all steps by default)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, schedule: str = "1f1b") -> None:
         self.engine = engine
+        self.schedule = schedule
         self.device = next(engine.module.parameters()).device.type
         self.clock_name = "CUDA time" if self.device == "cuda" else "CPU time"
         self._count = True
@@ -211,13 +215,15 @@ class StageTimers:
             # medians of per-step values, so that communication <= waiting <= step holds as in each step
             waiting=statistics.median(s.waiting for s in samples),
             communication=statistics.median(s.communication for s in samples),
+            schedule=self.schedule,
         )
 
 
-def install(engine: Any) -> StageTimers:
-    """Time `engine`'s instructions and train steps from now on (once per engine)."""
+def install(engine: Any, schedule: str = "1f1b") -> StageTimers:
+    """Time `engine`'s instructions and train steps from now on (once per engine); `schedule` is the
+    pipeline schedule it runs (`config.parallel.pipeline_schedule`)."""
     assert "_INSTRUCTION_MAP" not in vars(engine), "stage timers are already installed on this engine"
-    timers = StageTimers(engine)
+    timers = StageTimers(engine, schedule)
     kinds = _kinds()
     engine._INSTRUCTION_MAP = {
         cmd: timers._timed_instruction(fn, kinds.get(cmd, "other")) for cmd, fn in type(engine)._INSTRUCTION_MAP.items()
@@ -237,7 +243,7 @@ def gather(summary: StageCompute) -> list[StageCompute]:
 
 @dataclass(frozen=True)
 class SimulatedStep:
-    """DeepSpeed's 1F1B step from measured per-stage compute, one device per stage (seconds)."""
+    """The schedule's step from measured per-stage compute, one device per stage (seconds)."""
 
     step: float
     ideal: float
@@ -252,12 +258,12 @@ def simulate_measured(everyone: list[StageCompute]) -> SimulatedStep:
     """Per stage the slowest of its ranks (data and tensor parallel copies), through the simulator."""
     num_stages = 1 + max(s.stage for s in everyone)
     by_stage = [[s for s in everyone if s.stage == st] for st in range(num_stages)]
-    m = everyone[0].micro_batches
+    m, schedule = everyone[0].micro_batches, everyone[0].schedule
     fwd = [max(s.compute["forward"] for s in ranks) / m for ranks in by_stage]
     bwd = [max(s.compute["backward"] for s in ranks) / m for ranks in by_stage]
     opt = [max(s.compute["optimizer"] for s in ranks) for ranks in by_stage]
-    step = simulate(m, fwd, bwd, opt).step_time
-    ideal = balanced_step_time(m, fwd, bwd) + sum(opt) / num_stages
+    step = simulate(m, fwd, bwd, opt, schedule=schedule).step_time
+    ideal = balanced_step_time(m, fwd, bwd, schedule) + sum(opt) / num_stages
     slowest = max(m * (f + b) + o for f, b, o in zip(fwd, bwd, opt))
     return SimulatedStep(step, ideal, slowest, max(s.step for s in everyone))
 
@@ -269,7 +275,7 @@ def format_report(everyone: list[StageCompute]) -> list[str]:
     lines = [s.format() for s in sorted(everyone, key=lambda s: s.rank)]
     sim = simulate_measured(everyone)
     lines.append(
-        f"1F1B step from these compute times with one device per stage (schedule simulator): {MS * sim.step:.1f} ms "
+        f"{pipeline_schedules.find(everyone[0].schedule).label} step from these compute times with one device per stage (schedule simulator): {MS * sim.step:.1f} ms "
         f"= {sim.step / sim.ideal:.3f} x the ideal {MS * sim.ideal:.1f} ms (the same compute in equal stages); "
         f"slowest stage computes {MS * sim.slowest_stage:.1f} ms; measured wall-clock step here "
         f"{MS * sim.measured_step:.1f} ms"

@@ -312,7 +312,7 @@ def test_straight_run_reports_stage_compute_apart_from_waiting(straight: dict) -
     """training/stage_timers.py on a 3-rank run: each stage's compute (CPU time) per step, the time it
     spends not computing, and the simulated 1F1B step from those times; the log line's TFLOP/s."""
     from megatron_ds.estimate.compute import model_flops_per_iteration
-    from megatron_ds.estimate.schedule import simulate
+    from megatron_ds.estimate.step_simulator import simulate
     from megatron_ds.flags.parser import parse_config
 
     text = straight["out"]

@@ -122,7 +122,7 @@ def test_activation_flags_select_their_activation_whatever_else_is_given() -> No
     import argparse
     import itertools
 
-    from megatron_ds.flags.model import ACTIVATION_FLAGS, model_activation
+    from megatron_ds.flags.to_config import ACTIVATION_FLAGS, model_activation
 
     dests = ("swiglu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear")
     for name, fixed in ACTIVATION_FLAGS.items():

@@ -10,7 +10,8 @@ import pytest
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.estimate.layout_costs import format_memory_table, method_costs
-from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory, stage_memory_for
+from megatron_ds.estimate.memory_inputs import MemoryInputs
+from megatron_ds.estimate.memory_model import stage_memory, stage_memory_for
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods
 from megatron_ds.pipeline.balance import balanced_counts

@@ -27,7 +27,7 @@ from megatron_ds.estimate.compute import (
     stage_flops,
     stage_flops_for,
 )
-from megatron_ds.estimate.memory_model import MemoryInputs
+from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.model import naming
 from megatron_ds.model.gpt_pipe import build_layer_specs
 from megatron_ds.model.layers import cross_entropy_loss

@@ -11,7 +11,7 @@ import pytest
 from megatron_ds.config import ModelConfig
 from megatron_ds.errors import LayoutError
 from megatron_ds.estimate.compute import ComputeInputs, stage_flops_for
-from megatron_ds.estimate.schedule import simulate, step_estimator
+from megatron_ds.estimate.step_simulator import simulate, step_estimator
 from megatron_ds.pipeline.fastest import (
     StageTime,
     StepEstimate,

@@ -19,7 +19,7 @@ from megatron_ds.estimate.layout_costs import flop_stage_time
 from megatron_ds.estimate.machine import CPU
 from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.estimate.run_layout import build_run_layout, memory_inputs
-from megatron_ds.estimate.schedule import step_estimator
+from megatron_ds.estimate.step_simulator import step_estimator
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.pipeline.fastest import fastest_split
 from megatron_ds.plan.__main__ import main as plan_main
@@ -96,7 +96,7 @@ def test_fastest_is_the_exact_search_under_the_limit(capsys: pytest.CaptureFixtu
 def test_nothing_fits_names_the_smallest_pipeline_size_that_would(capsys: pytest.CaptureFixture) -> None:
     rc, out, err = print_layout(capsys, "--pp-partition-method", "fastest", "--pp-memory-limit", "400MiB")
     assert rc == 2 and out == "" and err.count("\n") == 1
-    assert "no split of --num-layers 48 over --pipeline-model-parallel-size 5 fits 400.0 MiB per device" in err
+    assert "no split of --num-layers 48 over --pipeline-model-parallel-size 5 fits 400 MiB per device" in err
     mem = memory_inputs(parse_config([*BENCH, "--print-layout"], world_size=5)[0], CPU)
     smallest = next(p for p in range(6, 51) if least_memory(mem, p) <= 400 * 2**20)
     assert f"it would fit with --pipeline-model-parallel-size {smallest} (" in err

@@ -2,7 +2,8 @@
 
 The layers, bottom to top (docs/architecture.md explains each):
 
-    base       errors, config, distributed, files    leaf facts: dataclasses, user errors, process groups, atomic files
+    base       errors, config, distributed, files,   leaf facts: dataclasses, user errors, process groups, atomic files,
+               units                                 byte sizes
     layout     pipeline                              pure stage placement; costs come in as functions
     model      model, data                           torch modules and specs; tokens and samples
     estimate   estimate                              memory and compute models (arithmetic over config + layout)
@@ -11,8 +12,15 @@ The layers, bottom to top (docs/architecture.md explains each):
                                                      conversion driven by our flags; test launchers
 
 Every `import megatron_ds...` counts, including those inside functions (a lazy import that
-dodges a cycle is still a cycle in the design); only imports under `if TYPE_CHECKING:` are
-ignored.
+dodges a cycle is still a cycle in the design) and those under `if TYPE_CHECKING:` (a type a
+module needs is a dependency of its design too). `from pkg import name` runs and reads
+`pkg/__init__.py`, so it counts as importing the package as well as `pkg.name` when that is a
+module: a package whose `__init__` imports its own modules would close a cycle with any of them
+that imports a sibling this way, so our package files import nothing of their own (the flag
+package's re-export of its table is read only from outside it).
+
+The estimate layer is pure arithmetic: no module in `estimate/` imports torch, DeepSpeed or
+megatron-core, even lazily (what measures lives in the runtime layer and hands numbers down).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ LAYERS = ("base", "layout", "model", "estimate", "runtime", "interface")
 LAYER_OF = {
     "errors": "base",
     "files": "base",
+    "units": "base",
     "config": "base",
     "distributed": "base",
     "pipeline": "layout",
@@ -46,30 +55,30 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def imports_of(path: Path) -> set[str]:
-    """The megatron_ds modules `path` imports (a `from pkg import name` counts `pkg.name` when that is a module)."""
-    tree = ast.parse(path.read_text())
-    skip = _type_checking_lines(tree)
+    """The megatron_ds modules `path` imports: `from pkg import name` counts `pkg` and, when it is a
+    module, `pkg.name` (`from megatron_ds import files` counts only `files`: every import runs the
+    root package's file, which loads nothing until `megatron_ds.build_pipeline` is asked for)."""
     found: set[str] = set()
-    for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in skip:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("megatron_ds"))
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron_ds"):
-            for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                found.add(sub if _is_module(sub) else node.module)
+            if node.module != "megatron_ds":  # the root: the front door every import runs anyway
+                found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}"))
     return found
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """Top-level names of everything else `path` imports (lazily or not)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found - {"megatron_ds"}
 
 
 def _is_module(name: str) -> bool:
@@ -129,3 +138,18 @@ def test_the_parser_sees_lazy_imports() -> None:
     """The check above would be empty if the parser missed imports inside functions."""
     deps = imports_of(PACKAGE / "training" / "loop.py")
     assert "megatron_ds.data.gpt_data" in deps  # imported inside a function there
+
+
+def test_the_estimate_layer_imports_no_torch_deepspeed_or_megatron() -> None:
+    heavy = {"torch", "deepspeed", "megatron"}
+    found = {
+        str(path.relative_to(PACKAGE)): sorted(third_party_imports(path) & heavy)
+        for path in sorted((PACKAGE / "estimate").rglob("*.py"))
+    }
+    assert not {k: v for k, v in found.items() if v}, found
+
+
+def test_the_cycle_check_counts_package_files() -> None:
+    """The rule that makes package-level cycles visible: `from pkg import mod` depends on `pkg`."""
+    deps = imports_of(PACKAGE / "flags" / "parser.py")
+    assert "megatron_ds.flags" in deps and "megatron_ds.flags.compat" in deps

@@ -11,9 +11,9 @@ import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate import activations as act
+from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import (
-    MemoryInputs,
-    format_bytes,
     largest_layer_params,
     layer_param_counts,
     spec_memory,
@@ -22,9 +22,10 @@ from megatron_ds.estimate.memory_model import (
     total_params,
 )
 from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
-from megatron_ds.estimate.transients import in_flight, num_pipe_buffers
+from megatron_ds.estimate.transients import in_flight
 from megatron_ds.model import naming
 from megatron_ds.pipeline.layout import SpecGroups, build_layout
+from megatron_ds.units import format_bytes
 
 
 def tiny(**kw) -> ModelConfig:
@@ -233,8 +234,10 @@ def test_in_flight_and_buffers_match_deepspeed_train_schedule(stages: int) -> No
                     peak = max(peak, alive)
                 elif isinstance(cmd, ds.BackwardPass):
                     alive -= 1
-        assert peak == in_flight(stage, stages, micro_batches), (stage, stages, micro_batches)
-        assert sched.num_pipe_buffers() == num_pipe_buffers(stage, stages, micro_batches)
+        inputs = MemoryInputs(model=tiny(), micro_batch_size=1, num_micro_batches=micro_batches)
+        assert peak == in_flight(inputs, stage, stages)[0], (stage, stages, micro_batches)
+        one_f_one_b = pipeline_schedules.find("1f1b")
+        assert sched.num_pipe_buffers() == pipeline_schedules.pipe_buffers(one_f_one_b, micro_batches, stages, stage)
 
 
 # --- stages -----------------------------------------------------------------------------------------

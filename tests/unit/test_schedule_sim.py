@@ -8,7 +8,7 @@ import random
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
-from megatron_ds.estimate.schedule import BACKWARD, FORWARD, balanced_step_time, program, simulate
+from megatron_ds.estimate.step_simulator import BACKWARD, FORWARD, balanced_step_time, program, simulate
 
 SIZES = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 5, 8, 13)]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from deepspeed.runtime.pipe import schedule as ds
 
-from megatron_ds.estimate.schedule import simulate
+from megatron_ds.estimate.step_simulator import simulate
 from megatron_ds.training import stage_timers
 from megatron_ds.training.stage_timers import StageCompute, format_report, simulate_measured
 

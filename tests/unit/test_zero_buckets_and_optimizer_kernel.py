@@ -11,7 +11,8 @@ import dataclasses
 
 import torch
 
-from megatron_ds.estimate.memory_model import MemoryInputs, stage_memory_for
+from megatron_ds.estimate.memory_inputs import MemoryInputs
+from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.estimate.model_states import (
     MEGATRON_BUCKET_ELEMENTS,
     OPTIMIZER_KERNEL,

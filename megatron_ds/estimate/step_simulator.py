@@ -1,8 +1,9 @@
-"""Step time of DeepSpeed's 1F1B pipeline schedule, simulated over its own instruction stream.
+"""Step time of a pipeline schedule, simulated over the instruction stream its engine runs.
 
-`simulate(M, forward, backward, ...)` replays `deepspeed.runtime.pipe.schedule.TrainSchedule(M, P,
-s)` for every stage s, one device per stage, each stage running its instructions in order as
-`PipelineEngine._exec_schedule` does, and returns when the step ends and how busy each stage was.
+`simulate(M, forward, backward, ...)` replays a registered schedule's instructions
+(`pipeline_schedules`; 1F1B is DeepSpeed's `TrainSchedule(M, P, s)`) for every stage s, one device
+per stage, each stage running its instructions in order as `PipelineEngine._exec_schedule` does,
+and returns when the step ends and how busy each stage was.
 
 Model of the instructions (deepspeed/runtime/pipe/schedule.py, engine.py, p2p.py):
   ForwardPass / BackwardPass   the stage's forward / backward time of one micro-batch
@@ -29,7 +30,10 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from megatron_ds.estimate import pipeline_schedules as schedules
 from megatron_ds.pipeline.fastest import StageTime, StepEstimate
+
+DEFAULT_SCHEDULE = "1f1b"
 
 # Node kinds of the compiled program.
 FORWARD, BACKWARD, SEND, TIED, BARRIER, OPTIMIZER = range(6)
@@ -113,41 +117,44 @@ class Program:
         return first, second, durations, index
 
 
-def _instructions(num_micro_batches: int, num_stages: int, stage: int) -> list[tuple]:
-    """The stage's TrainSchedule flattened to tokens: (kind,) or (kind, peer) for communication."""
-    from deepspeed.runtime.pipe import schedule as ds
+_TOKENS = {
+    schedules.FORWARD: lambda stage: ("F",),
+    schedules.BACKWARD: lambda stage: ("B",),
+    schedules.SEND_ACTIVATION: lambda stage: ("send", stage + 1),
+    schedules.RECV_ACTIVATION: lambda stage: ("recv", stage - 1),
+    schedules.SEND_GRAD: lambda stage: ("send", stage - 1),
+    schedules.RECV_GRAD: lambda stage: ("recv", stage + 1),
+    schedules.REDUCE_TIED: lambda stage: ("tied",),
+    schedules.OPTIMIZER: lambda stage: ("opt",),
+}
+NO_TIME = (schedules.LOAD, schedules.REDUCE_GRADS)
+"""Instructions with no time of their own (data parallelism is one device per stage here)."""
 
+
+def _instructions(schedule: str, num_micro_batches: int, num_stages: int, stage: int) -> list[tuple]:
+    """The stage's stream flattened to tokens: (kind,) or (kind, peer) for communication."""
     tokens: list[tuple] = []
-    for step in ds.TrainSchedule(micro_batches=num_micro_batches, stages=num_stages, stage_id=stage).steps():
-        for cmd in step:
-            if isinstance(cmd, ds.ForwardPass):
-                tokens.append(("F",))
-            elif isinstance(cmd, ds.BackwardPass):
-                tokens.append(("B",))
-            elif isinstance(cmd, ds.SendActivation):
-                tokens.append(("send", stage + 1))
-            elif isinstance(cmd, ds.RecvActivation):
-                tokens.append(("recv", stage - 1))
-            elif isinstance(cmd, ds.SendGrad):
-                tokens.append(("send", stage - 1))
-            elif isinstance(cmd, ds.RecvGrad):
-                tokens.append(("recv", stage + 1))
-            elif isinstance(cmd, ds.ReduceTiedGrads):
-                tokens.append(("tied",))
-            elif isinstance(cmd, ds.OptimizerStep):
-                tokens.append(("opt",))
-            else:
-                assert isinstance(cmd, (ds.LoadMicroBatch, ds.ReduceGrads)), cmd  # no time of their own
+    for ins in schedules.find(schedule).instructions(num_micro_batches, num_stages, stage):
+        if ins.kind in _TOKENS:
+            tokens.append(_TOKENS[ins.kind](stage))
+        else:
+            assert ins.kind in NO_TIME, ins
     return tokens
 
 
 @functools.lru_cache(maxsize=64)
-def program(num_micro_batches: int, num_stages: int, tied: bool = True, grad_norm_sync: bool = True) -> Program:
+def program(
+    num_micro_batches: int,
+    num_stages: int,
+    tied: bool = True,
+    grad_norm_sync: bool = True,
+    schedule: str = DEFAULT_SCHEDULE,
+) -> Program:
     """Compile the P instruction streams into one dependency graph (raises on a deadlock)."""
     if num_micro_batches < 1 or num_stages < 1:
         raise ValueError(f"need >= 1 micro-batch and stage, got {num_micro_batches}, {num_stages}")
     p = num_stages
-    streams = [_instructions(num_micro_batches, p, s) for s in range(p)]
+    streams = [_instructions(schedule, num_micro_batches, p, s) for s in range(p)]
     tied_stages = {0, p - 1} if tied and p > 1 else set()
     pos, last = [0] * p, [-1] * p
     nodes: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
@@ -192,7 +199,7 @@ def program(num_micro_batches: int, num_stages: int, tied: bool = True, grad_nor
                 else:
                     add(OPTIMIZER, (s,))
             progressed = True
-        assert progressed, f"TrainSchedule({num_micro_batches}, {p}) deadlocks at {[head(s) for s in range(p)]}"
+        assert progressed, f"{schedule}({num_micro_batches}, {p}) deadlocks at {[head(s) for s in range(p)]}"
     order = tuple(tuple(FORWARD if op[0] == "F" else BACKWARD for op in st if op[0] in ("F", "B")) for st in streams)
     return Program(num_micro_batches, p, tuple(nodes), tuple(last), order)
 
@@ -213,8 +220,9 @@ def simulate(
     tied_reduce: float = 0.0,
     tied: bool = True,
     grad_norm_sync: bool = True,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> ScheduleResult:
-    """One step of DeepSpeed's TrainSchedule with one device per stage.
+    """One step of `schedule` (DeepSpeed's TrainSchedule for 1F1B) with one device per stage.
 
     `forward[s]` / `backward[s]`: one micro-batch on stage s (backward including recomputation);
     `optimizer`: per stage (or one value for all); `send`: one activation or gradient transfer;
@@ -223,7 +231,7 @@ def simulate(
     p = len(forward)
     fwd, bwd = _per_stage(forward, p, "forward"), _per_stage(backward, p, "backward")
     opt = _per_stage(optimizer, p, "optimizer")
-    prog = program(num_micro_batches, p, tied, grad_norm_sync)
+    prog = program(num_micro_batches, p, tied, grad_norm_sync, schedule)
     first, second, slots, index = prog.flat
     weights = [*fwd, *bwd, *opt, float(send), float(tied_reduce), 0.0]
     finish = [0.0] * (len(first) + 1)  # finish[-1]: the sentinel "no predecessor"
@@ -257,11 +265,13 @@ def _critical_path(
     return tuple((f, b, o) for f, b, o in counts), constant
 
 
-def balanced_step_time(num_micro_batches: int, forward: Sequence[float], backward: Sequence[float]) -> float:
+def balanced_step_time(
+    num_micro_batches: int, forward: Sequence[float], backward: Sequence[float], schedule: str = DEFAULT_SCHEDULE
+) -> float:
     """The ideal: the same total work split evenly over the stages, through the same schedule."""
     p = len(forward)
     mean_f, mean_b = sum(forward) / p, sum(backward) / p
-    return simulate(num_micro_batches, [mean_f] * p, [mean_b] * p).step_time
+    return simulate(num_micro_batches, [mean_f] * p, [mean_b] * p, schedule=schedule).step_time
 
 
 def step_estimator(
@@ -270,6 +280,7 @@ def step_estimator(
     tied_reduce: float = 0.0,
     tied: bool = True,
     grad_norm_sync: bool = True,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> Callable[[Sequence[StageTime]], StepEstimate]:
     """The `step_time` of `megatron_ds.pipeline.fastest`: this schedule's step for per-stage times,
     with its critical path as the lower-bound certificate the search prunes with."""
@@ -284,6 +295,7 @@ def step_estimator(
             tied_reduce=tied_reduce,
             tied=tied,
             grad_norm_sync=grad_norm_sync,
+            schedule=schedule,
         )
         return StepEstimate(result.step_time, result.path, result.path_constant)
 

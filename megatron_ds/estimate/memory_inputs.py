@@ -1,0 +1,142 @@
+"""The memory model's inputs (`MemoryInputs`) and results (`SpecMemory`, `StageMemory`). Pure: no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.estimate import activations as act
+from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.estimate.model_states import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors, state_factors
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What the memory of one pipeline stage depends on."""
+
+    model: ModelConfig
+    micro_batch_size: int
+    """Samples per micro-batch per data-parallel rank."""
+    num_micro_batches: int
+    """Micro-batches per optimizer step on each pipeline (gradient accumulation steps)."""
+    precision: str = "bf16"
+    """`fp32`, `bf16` or `fp16`."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3 (the pipeline engine accepts 0 and 1 only)."""
+    data_parallel_size: int = 1
+    """Ranks that ZeRO partitions over (one stage's data-parallel group)."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel degree t: layer matrices, vocab and attention heads are split t ways."""
+    checkpoint_activations: bool = False
+    """Recompute transformer layers in backward (`--checkpoint-activations`)."""
+    checkpoint_num_layers: int = 1
+    """Layers per recomputed chunk (`--checkpoint-num-layers`)."""
+    optimizer: str = "adam"
+    """`adam` or `sgd` (momentum)."""
+    offload_optimizer: str = "none"
+    """`none`, `cpu` or `nvme`: ZeRO-Offload of master weights, fp32 grads and optimizer states."""
+    offload_param: str = "none"
+    """`none`, `cpu` or `nvme`: ZeRO-3 parameter offload."""
+    device: str = "cuda"
+    """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activations.kernels`), and which
+    optimizer kernel runs (`model_states.OPTIMIZER_KERNEL`)."""
+    attention: str | None = None
+    """`flash`, `math`, or None for what torch's SDPA picks on `device`."""
+    regularization: RegularizationConfig = RegularizationConfig()
+    """The run's dropout (which masks are saved, which attention kernel runs); Megatron's defaults
+    (0.1) unless given, as the planner assumes."""
+    schedule: str = "1f1b"
+    """The pipeline schedule (`pipeline_schedules.REGISTRY`): micro-batches in flight, pipe buffers."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "micro_batch_size",
+            "num_micro_batches",
+            "data_parallel_size",
+            "tensor_parallel_size",
+            "checkpoint_num_layers",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.precision not in PRECISION_BYTES:
+            raise ValueError(f"precision {self.precision!r} is not one of {', '.join(PRECISION_BYTES)}")
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_STATE_BYTES)}")
+        if self.schedule not in pipeline_schedules.REGISTRY:
+            raise ValueError(f"schedule {self.schedule!r} is not one of {', '.join(pipeline_schedules.REGISTRY)}")
+        self.factors  # noqa: B018 - validates zero stage and offload combination
+        self.kernels  # noqa: B018 - validates device and attention
+
+    @property
+    def factors(self) -> StateFactors:
+        return state_factors(
+            self.precision, self.zero_stage, self.optimizer, self.offload_optimizer, self.offload_param
+        )
+
+    @property
+    def kernels(self) -> act.Kernels:
+        return act.kernels(self.precision, self.device, self.regularization.attention_dropout, self.attention)
+
+
+@dataclass(frozen=True)
+class SpecMemory:
+    """One layer spec's share of a GPU's memory (bytes; params counted per tensor-parallel rank)."""
+
+    index: int
+    name: str
+    group: str
+    num_params: int
+    largest_param: int
+    params: float
+    grads: float
+    optimizer: float
+    host: float
+    activations: float
+    """Saved for backward by one micro-batch without recomputation."""
+    checkpointed_activations: float
+    """Saved by one micro-batch when this spec is recomputed (transformer layers only)."""
+    activation_terms: dict = field(default_factory=dict)
+    tied: bool = False
+    """The tied LM head: the same matrix as WordEmbedding, a second copy only on another stage."""
+    no_decay_params: int = 0
+    """Parameters in the no-weight-decay group (biases, norm weights: `training/optimizer.py`)."""
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Predicted peak bytes on one GPU of one pipeline stage."""
+
+    stage: int
+    num_layers: int
+    num_params: int
+    params: float
+    grads: float
+    optimizer: float
+    host: float
+    """Offloaded model states per GPU rank, on CPU or NVMe (not in `total`)."""
+    activation_per_micro_batch: float
+    in_flight: int
+    activations: float
+    pipe_buffers: float
+    transient: float
+    """The predicted peak minus model states, activations and pipe buffers, so that `total` is the
+    peak. The peak is the largest of three moments (`transient_source` names it): a backward
+    before the step's gradients exist, a later backward with them, and the optimizer step (see
+    `stage_memory_for`). Positive when a short-lived buffer tops the sum; negative when the
+    activation peak and the gradients are never alive together."""
+    transient_source: str
+    backward_transient: float = 0.0
+    """The largest short-lived buffer of a backward on its own (not part of `total`; for callers
+    that add it to activations, as `plan/zero.py` does for pure data parallelism)."""
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.pipe_buffers + self.transient
