@@ -36,7 +36,9 @@ from megatron_ds.estimate.memory_model import stage_memory_for  # noqa: E402
 from megatron_ds.estimate.run_layout import build_run_layout, memory_inputs  # noqa: E402
 from megatron_ds.estimate.step_simulator import balanced_step_time, simulate, step_estimator  # noqa: E402
 from megatron_ds.flags.parser import parse_config  # noqa: E402
-from megatron_ds.pipeline.fastest import StageTime, fastest_split, minimax_split  # noqa: E402
+from megatron_ds.pipeline.balance import minimax_split  # noqa: E402
+from megatron_ds.pipeline.costs import StageTime  # noqa: E402
+from megatron_ds.pipeline.fastest import fastest_split  # noqa: E402
 from megatron_ds.training.measure.calibrate import calibrate  # noqa: E402
 
 GFLOP = 1e9

@@ -57,9 +57,7 @@ class ModelConfig:
     default, is GeLU's tanh approximation: what Megatron-DeepSpeed's default fused bias-GeLU and
     `--openai-gelu` compute. `gelu` is the exact (erf) GeLU (`--no-bias-gelu-fusion`, or
     `--disable-bias-linear`, as in Megatron). `swiglu` (`--swiglu`): fc1 produces 2 x
-    ffn_hidden_size features, silu(first half) * second half feeds fc2, as Megatron's gated MLP.
-    Checkpoints written before this field existed stored `swiglu` (true or false) and computed
-    exact GeLU otherwise; `Config.from_dict` reads them so."""
+    ffn_hidden_size features, silu(first half) * second half feeds fc2, as Megatron's gated MLP."""
     use_rotary_position_embeddings: bool = False
     """Rotary position embeddings on q and k in every attention (`--use-rotary-position-embeddings`)."""
     rotary_base: float = DEFAULT_ROTARY_BASE

@@ -23,8 +23,7 @@ class ParallelConfig:
     The data-parallel size is derived, never stored: `world_size` / (P x T). Storing the world
     size (what the launcher starts) instead of the data-parallel size makes the two impossible to
     set inconsistently, and an impossible split (a world size that P x T does not divide) is an
-    error when the config is built. Checkpoints written before this field existed stored
-    `data_parallel_size`; `Config.from_dict` turns it back into a world size.
+    error when the config is built.
     """
 
     pipeline_model_parallel_size: int = 1

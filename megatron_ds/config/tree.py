@@ -13,9 +13,6 @@ from megatron_ds.config.output import CheckpointConfig, LoggingConfig
 from megatron_ds.config.parallel import ParallelConfig
 from megatron_ds.config.training import OptimizerConfig, TrainingConfig
 
-LEGACY_REGULARIZATION_KEYS = ("hidden_dropout", "attention_dropout", "init_method_std")
-"""Fields that lived in the `model` section of checkpoints written before `regularization` existed."""
-
 
 @dataclass(frozen=True)
 class Config:
@@ -75,21 +72,9 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:
-        """Inverse of `to_dict`. Unknown keys are ignored and older layouts are mapped, so every
-        checkpoint written so far stays readable: `model.hidden_dropout`, `model.attention_dropout`
-        and `model.init_method_std` move to `regularization`, a stored `data_parallel_size`
-        becomes the world size it implies, and a model without `activation` (written before the
-        field existed) computed SwiGLU if its `swiglu` was true, else the exact GeLU."""
+        """Inverse of `to_dict`. Keys a section does not have (the derived `data_parallel_size`) are
+        ignored; a field the dict lacks takes its default."""
         d = {name: dict(section) for name, section in d.items() if isinstance(section, dict)}
-        model = d.get("model", {})
-        if "regularization" not in d:
-            d["regularization"] = {k: model[k] for k in LEGACY_REGULARIZATION_KEYS if k in model}
-        if "model" in d and "activation" not in model:
-            model["activation"] = "swiglu" if model.get("swiglu") else "gelu"
-        parallel = d.get("parallel")
-        if parallel is not None and "world_size" not in parallel and "data_parallel_size" in parallel:
-            mp = parallel.get("pipeline_model_parallel_size", 1) * parallel.get("tensor_model_parallel_size", 1)
-            parallel["world_size"] = parallel["data_parallel_size"] * mp
         sub = {}
         for f in dataclasses.fields(cls):
             if f.name in d:

@@ -11,7 +11,7 @@ import dataclasses
 
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import stage_memory_for
-from megatron_ds.pipeline.fastest import minimax_split
+from megatron_ds.pipeline.balance import minimax_split
 from megatron_ds.units import format_bytes
 
 

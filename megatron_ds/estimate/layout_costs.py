@@ -21,7 +21,7 @@ from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.estimate.step_simulator import balanced_step_time, simulate, step_estimator
 from megatron_ds.model.naming import gpt_spec_param_counts
 from megatron_ds.pipeline import methods
-from megatron_ds.pipeline.fastest import StageTime, StageTimeFn
+from megatron_ds.pipeline.costs import StageTime, StageTimeFn
 from megatron_ds.pipeline.methods import Costs, PartitionMethod
 from megatron_ds.units import format_bytes
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from megatron_ds.estimate.compute import ComputeInputs, recomputed_layers, spec_flops
 from megatron_ds.model import naming
-from megatron_ds.pipeline.fastest import StageTime
+from megatron_ds.pipeline.costs import StageTime
 
 GROUPS = ("pre", "layer", "post")
 """What is timed, in this order: the pre group, one transformer layer, the post group and the loss."""

@@ -30,16 +30,9 @@ import functools
 from megatron_ds.config import ModelConfig, shapes
 from megatron_ds.estimate import activations as act
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
-from megatron_ds.estimate.model_states import (
-    PRECISION_BYTES,
-)
+from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.transients import backward_transient, gathered, in_flight, pipe_buffers, step_temporaries
 from megatron_ds.model import naming
-
-
-def layer_no_decay_params(model: ModelConfig, t: int = 1) -> int:
-    """Biases and norm weights of one transformer layer per tensor-parallel rank (no weight decay)."""
-    return shapes.layer_params(model, t).no_decay
 
 
 def layer_param_counts(model: ModelConfig, t: int = 1) -> tuple[int, int]:

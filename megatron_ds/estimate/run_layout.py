@@ -27,7 +27,8 @@ from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import stage_memory
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods
-from megatron_ds.pipeline.fastest import NoFitError, StageTime, StageTimeFn
+from megatron_ds.pipeline.costs import StageTime, StageTimeFn
+from megatron_ds.pipeline.fastest import NoFitError
 from megatron_ds.pipeline.layout import Layout, MegatronLMFlags, build_layout, requested_method
 from megatron_ds.pipeline.methods import PartitionMethod
 

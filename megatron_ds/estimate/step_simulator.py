@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_ds.estimate import pipeline_schedules as schedules
-from megatron_ds.pipeline.fastest import StageTime, StepEstimate
+from megatron_ds.pipeline.costs import StageTime, StepEstimate
 
 DEFAULT_SCHEDULE = "1f1b"
 

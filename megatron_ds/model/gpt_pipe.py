@@ -68,8 +68,15 @@ def build_layer_specs(
     embedding_idx = groups.pre.index(naming.WORD_EMBEDDING)
     tied_seed = spec_seed(seed, embedding_idx)  # both tied copies start from the same draw
 
-    def seeded(idx: int) -> int:
-        return spec_seed(seed, idx)
+    first_layer = len(groups.pre)
+    first_post = first_layer + model.num_layers
+
+    def seeded(name: str, layer: int = 0) -> int:
+        """The init seed of the spec `name` (the `layer`-th of the body), from its index."""
+        if name == naming.TRANSFORMER_LAYER:
+            return spec_seed(seed, first_layer + layer)
+        index = groups.pre.index(name) if name in groups.pre else first_post + groups.post.index(name)
+        return spec_seed(seed, index)
 
     if tp.size == 1:
         embedding, head_fn, untied_head, extra = WordEmbedding, lm_head_logits, LMHead, ()
@@ -85,21 +92,21 @@ def build_layer_specs(
         if untied
         else TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, reg, tied_seed, *extra)
     )
-    pre: list[Spec] = [
-        cast_token_ids,
-        word,
-        LayerSpec(PositionEmbedding if model.add_position_embedding else EmbeddingDropout, model, reg, seeded(2)),
-    ]
-    first_layer = len(pre)
+    position, position_name = (
+        (PositionEmbedding, naming.POSITION_EMBEDDING)
+        if model.add_position_embedding
+        else (EmbeddingDropout, naming.EMBEDDING_DROPOUT)
+    )
+    pre: list[Spec] = [cast_token_ids, word, LayerSpec(position, model, reg, seeded(position_name))]
     body: list[Spec] = [
-        LayerSpec(TransformerLayer, model, reg, seeded(first_layer + i), tp) for i in range(model.num_layers)
+        LayerSpec(TransformerLayer, model, reg, seeded(naming.TRANSFORMER_LAYER, i), tp)
+        for i in range(model.num_layers)
     ]
-    first_post = first_layer + model.num_layers
     if untied:
-        head: Spec = LayerSpec(untied_head, model, reg, seeded(first_post + 1), *extra)
+        head: Spec = LayerSpec(untied_head, model, reg, seeded(naming.UNTIED_LM_HEAD), *extra)
     else:
         head = TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, reg, tied_seed, *extra, forward_fn=head_fn)
-    post: list[Spec] = [LayerSpec(FinalNorm, model, seeded(first_post)), head, logits_to_fp32]
+    post: list[Spec] = [LayerSpec(FinalNorm, model, seeded(naming.FINAL_NORM)), head, logits_to_fp32]
     specs = pre + body + post
     assert [spec_name(s) for s in specs] == groups.names, ([spec_name(s) for s in specs], groups.names)
     return specs

@@ -24,9 +24,6 @@ megatron-core's, see `megatron_ds.model.tensor_parallel`), and DeepSpeed's activ
 checkpointing saves every tracker state before a checkpointed forward and restores it for the
 recompute, so recomputation replays exactly the masks of the first forward. On CPU the tracker
 swaps the CPU default generator's state; on GPU the device generator's.
-
-Checkpoints written before per-micro-batch seeding stored each layer's stream states in its state
-dict (`LEGACY_STATE_DICT_KEY`); loading such a file drops the entry.
 """
 
 from __future__ import annotations
@@ -44,8 +41,6 @@ from megatron_ds.model.init import dropout_seed
 
 STREAM_PREFIX = "megatron_ds/dropout/"
 """Names of our streams in the tracker (other entries, e.g. 'model-parallel-rng', are left alone)."""
-LEGACY_STATE_DICT_KEY = "dropout_rng_states"
-"""The state-dict entry older checkpoints hold per layer (stream states); dropped on load."""
 STREAMS_ATTRIBUTE = "dropout_streams"
 """The module attribute `register_streams` sets: the layer's streams, found by `module_streams`."""
 _MASK64 = (1 << 64) - 1
@@ -129,14 +124,8 @@ def dropout(x: torch.Tensor, p: float, training: bool, stream: Stream | None) ->
 
 
 def register_streams(module: nn.Module, *streams: Stream) -> None:
-    """Declare `module`'s dropout streams (reseeded per micro-batch by `install_micro_batch_seeding`);
-    a legacy `LEGACY_STATE_DICT_KEY` entry in a state dict loaded into `module` is dropped."""
-
-    def drop_legacy(mod: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        state_dict.pop(prefix + LEGACY_STATE_DICT_KEY, None)  # not a parameter or buffer
-
+    """Declare `module`'s dropout streams (reseeded per micro-batch by `install_micro_batch_seeding`)."""
     setattr(module, STREAMS_ATTRIBUTE, tuple(streams))
-    module.register_load_state_dict_pre_hook(drop_legacy)
 
 
 def module_streams(module: nn.Module) -> list[Stream]:

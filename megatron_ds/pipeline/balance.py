@@ -1,4 +1,6 @@
-"""Minimax stage balance: layers per stage that minimise the largest stage cost (the `memory` method).
+"""Minimax stage balance: layers per stage that minimise the largest stage cost, the one solver of
+that problem (the `memory` method; the least memory any split needs, in `fastest`'s error and the
+planner's fit advice; the split with the smallest slowest stage, `fastest`'s first incumbent).
 
 A stage's memory is not a fixed weight per layer: stage s keeps min(P - s, M) micro-batches of
 activations alive under DeepSpeed's 1F1B TrainSchedule, the first stage holds the embedding and
@@ -19,12 +21,18 @@ O(N P) cost evaluations.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+import math
 
-from megatron_ds.errors import LayoutError
+from megatron_ds.pipeline.costs import StageCost, check_shape
 
-StageCost = Callable[[int, int], float]
-"""`cost(stage, num_layers)`: what stage `stage` costs holding `num_layers` transformer layers."""
+
+def minimax_split(num_layers: int, num_stages: int, cost: StageCost) -> tuple[list[int], float]:
+    """`balanced_counts` without a method to name (the shape must be valid), and the largest stage
+    cost of the split it returns: the least any split needs when `cost` is non-decreasing in k on
+    every stage but the last."""
+    table = _CostTable(cost)
+    counts = _balanced(num_layers, num_stages, table)
+    return counts, max(table(s, k) for s, k in enumerate(counts))
 
 
 def balanced_counts(num_layers: int, num_stages: int, cost: StageCost, method: str) -> list[int]:
@@ -36,10 +44,13 @@ def balanced_counts(num_layers: int, num_stages: int, cost: StageCost, method: s
     recomputed chunk), so its count is enumerated and the others are filled greedily for each.
     Ties: smallest maximum, then the smallest sorted-descending vector of stage costs.
     """
-    _check(num_layers, num_stages, f"--pp-partition-method {method}")
+    check_shape(num_layers, num_stages, f"--pp-partition-method {method}")
+    return _balanced(num_layers, num_stages, _CostTable(cost))
+
+
+def _balanced(num_layers: int, num_stages: int, table: _CostTable) -> list[int]:
     if num_stages == 1:
         return [num_layers]
-    table = _CostTable(cost)
     lower = [0] + [1] * (num_stages - 2)
     best: tuple = ()
     for k_last in range(num_layers - sum(lower) + 1):
@@ -66,23 +77,14 @@ class _CostTable:
 def _greedy(num_layers: int, lower: list[int], cost: _CostTable) -> list[int]:
     """Minimax allocation over stages with non-decreasing costs (ties to the later stage)."""
     counts = list(lower)
-    heap = [(cost(s, counts[s] + 1), -s) for s in range(len(counts))]
+
+    def next_cost(s: int) -> float:  # a count above num_layers is never handed out: not asked for
+        return cost(s, counts[s] + 1) if counts[s] < num_layers else math.inf
+
+    heap = [(next_cost(s), -s) for s in range(len(counts))]
     heapq.heapify(heap)
     for _ in range(num_layers - sum(counts)):
         _, neg = heapq.heappop(heap)
         counts[-neg] += 1
-        heapq.heappush(heap, (cost(-neg, counts[-neg] + 1), neg))
+        heapq.heappush(heap, (next_cost(-neg), neg))
     return counts
-
-
-def _check(num_layers: int, num_stages: int, flag: str) -> None:
-    if num_stages < 1:
-        raise LayoutError(f"{flag}: --pipeline-model-parallel-size must be >= 1, got {num_stages}")
-    if num_layers < 1:
-        raise LayoutError(f"{flag}: --num-layers must be >= 1, got {num_layers}")
-    if num_stages > num_layers + 2:
-        raise LayoutError(
-            f"{flag} cannot place --num-layers {num_layers} on --pipeline-model-parallel-size "
-            f"{num_stages}: at most {num_layers + 2} stages (embedding, one layer each, head); "
-            f"use at most {num_layers + 2} stages or more layers"
-        )

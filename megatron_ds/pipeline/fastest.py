@@ -13,48 +13,29 @@ Splits are those of `megatron_ds.pipeline.balance`: the pre group on stage 0, th
 last, >= 1 layer on every middle stage, >= 0 on the first and last (a dedicated embedding or head
 stage is a candidate, never forced).
 
-Why not minimise the slowest stage: the step of DeepSpeed's 1F1B schedule is not a function of the
-largest stage time. The slowest stage runs its M forwards and backwards back to back, but the
-stages before it add their fill and drain, those after it are hidden only when enough backwards
-are queued (M >= P), and the schedule's send-after-receive order adds waits of its own
-(`tests/unit/test_fastest.py` has two splits with the same slowest stage and different steps). So
-the search is exact over `step_time` itself, by branch and bound over the stages' counts in order:
-
-  - `step_time` must be non-decreasing in every stage's forward, backward and optimizer time, as
-    any replay of a fixed instruction order is: its step is the longest path through a graph whose
-    node weights are those times. Bounds below rest on this alone.
-  - Certificate bound. A certificate is one path of that graph: per stage, how often its forward,
-    backward and optimizer times occur on it, plus fixed (communication) time. For any times the
-    step is >= the path's length, a sum of per-stage terms, and >= any weighted average of such
-    lengths; so the minimum of one over every completion of a node (stages < j fixed, R layers
-    left) is a lower bound, computed by a min-sum dynamic programme over (stage, layers left),
-    tabulated once per certificate. The node's bound is the largest over the certificates
-    collected from the splits evaluated so far and averages of them (`_collect_certificates`).
-  - Without certificates (a bare number): some open stage t takes q >= ceil(R / open stages)
-    layers; with t at the componentwise minimum of its times over feasible counts >= q and the
-    other open stages at their minimum over all feasible counts, the step is <= that of every
-    completion whose largest open count is on t. The smallest such step over t is the bound.
-  - A node whose bound exceeds the best step found by more than a relative 1e-9 is cut; the others
-    are expanded, children in increasing order of bound; every split reached is evaluated. So every
-    split within 1e-9 of the minimum step is evaluated: these are ties (sums of the same times in
-    a different order differ in the last bits), and among them the result is the one whose stage
-    memories, sorted from the largest, are smallest (as `balance.balanced_counts` breaks its ties),
-    then the one with the smaller counts (lexicographically).
-
-The cost functions need not be monotone in k. Counts whose memory exceeds the limit are never
-considered; when no split fits, `LayoutError` names the smallest largest-stage memory any split
-needs (an exact minimax over splits, by dynamic programming).
+Why not minimise the slowest stage: a pipeline step is not a function of the largest stage time
+(`tests/unit/test_fastest.py` has two splits with the same slowest stage and different steps). The
+search is an exact branch and bound over `step_time` itself; exactness needs only that `step_time`
+is non-decreasing in every stage's times, as any replay of a fixed instruction order is. The bounds
+(certificates: critical paths of evaluated splits and their averages; without them a pigeonhole
+bound), the pruning tolerance (a relative `TOLERANCE`) and the tie rule (among steps within it, the
+split whose stage memories sorted from the largest are smallest, then the smaller counts) are
+explained in docs/compute.md section 3. Counts whose memory exceeds the limit are never considered;
+when no split fits, `NoFitError` names the least memory any split needs on its largest stage
+(`balance.minimax_split`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_ds.errors import LayoutError
+from megatron_ds.pipeline.balance import minimax_split
+from megatron_ds.pipeline.costs import StageMemoryFn, StageTime, StageTimeFn, StepEstimate, StepTimeFn, check_shape
 from megatron_ds.units import format_bytes
 
 METHOD = "fastest"
@@ -63,29 +44,6 @@ TOLERANCE = 1e-9
 """Relative: a subtree is cut only when its bound exceeds the best step by more than this."""
 MAX_PATHS = 64
 """Certificates kept for bounding (each adds one (P, N) table)."""
-
-
-@dataclass(frozen=True)
-class StageTime:
-    """Times of one pipeline stage, in any one unit."""
-
-    forward: float
-    """One micro-batch's forward pass."""
-    backward: float
-    """One micro-batch's backward pass, recomputation included."""
-    optimizer: float = 0.0
-    """The optimizer step (with the gradient reductions that precede it)."""
-
-
-@dataclass(frozen=True)
-class StepEstimate:
-    """A step time with an optional certificate: `path[s]` = how many times stage s's forward,
-    backward and optimizer time occur on one path of the schedule whose other durations sum to
-    `path_constant`. For any stage times the step must be >= that path's length."""
-
-    time: float
-    path: tuple[tuple[float, float, float], ...] = ()
-    path_constant: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -106,11 +64,6 @@ class NoFitError(LayoutError):
     def __init__(self, message: str, counts: list[int], least: float, limit: float) -> None:
         super().__init__(message)
         self.counts, self.least, self.limit = counts, least, limit
-
-
-StageTimeFn = Callable[[int, int], StageTime]
-StageMemoryFn = Callable[[int, int], float]
-StepTimeFn = Callable[[Sequence[StageTime]], "float | StepEstimate"]
 
 
 def fastest_counts(
@@ -143,7 +96,7 @@ def fastest_split(
     """`fastest_counts` with the predicted step time, peak memory and search effort; `method` names
     the `--pp-partition-method` in errors."""
     flag = f"--pp-partition-method {method}"
-    _check(num_layers, num_stages, flag)
+    check_shape(num_layers, num_stages, flag)
     search = _Search(num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time)
     if not search.reachable[0][num_layers]:
         counts, peak = minimax_split(num_layers, num_stages, stage_memory)
@@ -235,7 +188,12 @@ class _Search:
             option = self.feasible[s].get(k)
             return math.inf if option is None else option[0].forward + option[0].backward + option[0].optimizer
 
-        seed, _ = minimax_split(self.n, self.p, stage_cost)
+        seed, slowest = minimax_split(self.n, self.p, stage_cost)
+        if math.isinf(slowest):
+            # The solver is exact for costs non-decreasing in k (every stage but the last); memory
+            # that is not can leave the seed infeasible: then the search starts without one.
+            self.visit([], self.n)
+            return
         self._leaf(seed)
         if self.p == 1:  # the seed is the only split
             return
@@ -329,38 +287,3 @@ def _count_range(stage: int, num_stages: int, num_layers: int) -> range:
     if num_stages == 1:
         return range(num_layers, num_layers + 1)
     return range(0 if stage in (0, num_stages - 1) else 1, num_layers + 1)
-
-
-def minimax_split(num_layers: int, num_stages: int, cost: Callable[[int, int], float]) -> tuple[list[int], float]:
-    """The split minimising max_s cost(s, k_s), and that maximum, exactly: a dynamic programme over
-    (stage, layers used); no monotonicity needed. Ties: the smallest count first, stage by stage.
-    With `stage_memory` as the cost: the least memory any split needs (the error message); with the
-    stage time: the split with the smallest slowest stage (the search's seed)."""
-    n, p = num_layers, num_stages
-    costs = [{k: cost(s, k) for k in _count_range(s, p, n)} for s in range(p)]
-    # best[j][r]: smallest largest cost of stages j.. taking exactly r layers; choice[j][r]: stage j's count.
-    best = [[math.inf] * (n + 1) for _ in range(p + 1)]
-    choice = [[0] * (n + 1) for _ in range(p + 1)]
-    best[p][0] = -math.inf
-    for j in range(p - 1, -1, -1):
-        for r in range(n + 1):
-            for k, c in costs[j].items():
-                if k <= r and max(c, best[j + 1][r - k]) < best[j][r]:
-                    best[j][r], choice[j][r] = max(c, best[j + 1][r - k]), k
-    counts, r = [], n
-    for j in range(p):
-        counts.append(choice[j][r])
-        r -= counts[-1]
-    return counts, best[0][n]
-
-
-def _check(num_layers: int, num_stages: int, flag: str = FLAG) -> None:
-    if num_stages < 1:
-        raise LayoutError(f"{flag}: --pipeline-model-parallel-size must be >= 1, got {num_stages}")
-    if num_layers < 1:
-        raise LayoutError(f"{flag}: --num-layers must be >= 1, got {num_layers}")
-    if num_stages > num_layers + 2:
-        raise LayoutError(
-            f"{flag} cannot place --num-layers {num_layers} on --pipeline-model-parallel-size {num_stages}: "
-            f"at most {num_layers + 2} stages (embedding, one layer each, head); use fewer stages or more layers"
-        )

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from megatron_ds.errors import LayoutError
 from megatron_ds.pipeline import partition
-from megatron_ds.pipeline.balance import StageCost, balanced_counts
-from megatron_ds.pipeline.fastest import StageTimeFn, StepTimeFn, fastest_counts
+from megatron_ds.pipeline.balance import balanced_counts
+from megatron_ds.pipeline.costs import StageCost, StageTimeFn, StepTimeFn
+from megatron_ds.pipeline.fastest import fastest_counts
 from megatron_ds.pipeline.specs import SpecGroups
 
 FLAG = "--pp-partition-method"

@@ -32,7 +32,7 @@ from megatron_ds.estimate.memory_model import stage_memory, stage_memory_for
 from megatron_ds.estimate.step_simulator import balanced_step_time, simulate
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods as partition_methods
-from megatron_ds.pipeline.fastest import StageTime
+from megatron_ds.pipeline.costs import StageTime
 from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved

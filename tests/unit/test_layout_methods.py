@@ -22,7 +22,7 @@ from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.run_layout import build_run_layout, run_method, uses_memory_model
 from megatron_ds.flags.parser import build_parser, parse_config
 from megatron_ds.pipeline import methods
-from megatron_ds.pipeline.fastest import StageTime
+from megatron_ds.pipeline.costs import StageTime
 from megatron_ds.pipeline.layout import (
     DEDICATED_RESERVED,
     Costs,

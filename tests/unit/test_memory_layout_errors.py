@@ -90,4 +90,4 @@ def test_cli_exit_status_and_no_traceback() -> None:
     assert out.returncode == 2 and out.stdout == ""
     assert "Traceback" not in out.stderr
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: --pp-partition-method memory cannot place")
-    assert "use at most 5 stages or more layers" in out.stderr
+    assert "at most 5 stages (embedding, one layer each, head); use fewer stages or more layers" in out.stderr

@@ -194,14 +194,6 @@ def test_micro_batch_seeds_differ_in_their_low_32_bits() -> None:
     assert all(0 <= rng.micro_batch_seed(2**62 + s, 10**9) < 2**63 for s in range(10))
 
 
-def test_a_legacy_stream_entry_in_a_layer_file_is_dropped_on_load() -> None:
-    layer = TransformerLayer(MODEL, DROPOUT, SEED)
-    saved = layer.state_dict()
-    assert rng.LEGACY_STATE_DICT_KEY not in saved
-    saved[rng.LEGACY_STATE_DICT_KEY] = torch.zeros(2, 8, dtype=torch.uint8)  # as checkpoints before reseeding
-    TransformerLayer(MODEL, DROPOUT, SEED).load_state_dict(saved)  # strict, and no error
-
-
 def test_a_stream_state_is_the_generator_state_after_manual_seed_and_queues_nothing() -> None:
     """The CPU fast path gives the state `torch.manual_seed(seed)` would, without touching the default
     generator or queueing lazy CUDA seeds (each of which formats a stack trace)."""
