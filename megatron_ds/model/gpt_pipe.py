@@ -7,8 +7,8 @@
     loss : cross_entropy_loss
 
 At T > 1 the word embedding, LM head and loss are their vocabulary-parallel forms from
-`megatron_ds.model.tensor_parallel` (same spec names, so layouts do not change) and the
-transformer layers shard themselves; see `megatron_ds.model.parallel.TensorParallel`.
+`megatron_ds.model.tensor_parallel_layers` (same spec names, so layouts do not change) and the
+transformer layers shard themselves; see `megatron_ds.model.tensor_parallel.TensorParallel`.
 
 Stage boundaries come from `megatron_ds.pipeline.layout`, never from DeepSpeed's partitioner.
 """
@@ -36,7 +36,7 @@ from megatron_ds.model.layers import (
     lm_head_logits,
     logits_to_fp32,
 )
-from megatron_ds.model.parallel import NO_TENSOR_PARALLEL, TensorParallel
+from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
 from megatron_ds.model.transformer import TransformerLayer
 from megatron_ds.pipeline.layout import Layout
 
@@ -81,7 +81,7 @@ def build_layer_specs(
     if tp.size == 1:
         embedding, head_fn, untied_head, extra = WordEmbedding, lm_head_logits, LMHead, ()
     else:
-        from megatron_ds.model import tensor_parallel as tpl
+        from megatron_ds.model import tensor_parallel_layers as tpl
 
         embedding, head_fn = tpl.VocabParallelWordEmbedding, tpl.VocabParallelWordEmbedding.lm_head_logits
         untied_head, extra = tpl.VocabParallelLMHead, (tp,)
@@ -116,7 +116,7 @@ def loss_function(tp: TensorParallel) -> Callable[..., torch.Tensor]:
     """`cross_entropy_loss`, or its vocabulary-parallel form at T > 1 (same loss-mask rule)."""
     if tp.size == 1:
         return cross_entropy_loss
-    from megatron_ds.model.tensor_parallel import vocab_parallel_cross_entropy_loss
+    from megatron_ds.model.tensor_parallel_layers import vocab_parallel_cross_entropy_loss
 
     return vocab_parallel_cross_entropy_loss
 
@@ -132,7 +132,7 @@ def build_topology(config: Config) -> ProcessTopology:
 class GPTModelPipe(PipelineModule):
     """A GPT whose stage boundaries are `layout.parts`; needs torch.distributed initialised.
 
-    At T > 1 pass the `TensorParallel` from `megatron_ds.model.parallel.setup` (run after
+    At T > 1 pass the `TensorParallel` from `megatron_ds.model.tensor_parallel.setup` (run after
     torch.distributed and before this) and the topology it was checked against.
     """
 

@@ -6,7 +6,7 @@ Contract between stages (batch-first, no side channels):
 Labels travel as the tuple (labels (b, s) int64, loss_mask (b, s) float32) to the last stage.
 
 These are the T=1 forms; at T > 1 the word embedding, LM head and loss come from
-`megatron_ds.model.tensor_parallel` (vocabulary-parallel), the others are used as they are.
+`megatron_ds.model.tensor_parallel_layers` (vocabulary-parallel), the others are used as they are.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ or ZeRO stage, draws exactly the masks the uninterrupted run would have drawn: t
 matters is the seed and the consumed samples.
 
 Why the tracker: the streams live in DeepSpeed's `get_cuda_rng_tracker()` (which is also
-megatron-core's, see `megatron_ds.model.tensor_parallel`), and DeepSpeed's activation
+megatron-core's, see `megatron_ds.model.tensor_parallel_layers`), and DeepSpeed's activation
 checkpointing saves every tracker state before a checkpointed forward and restores it for the
 recompute, so recomputation replays exactly the masks of the first forward. On CPU the tracker
 swaps the CPU default generator's state; on GPU the device generator's.

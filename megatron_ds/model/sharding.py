@@ -3,7 +3,7 @@
 Keys are the spec's state-dict keys at T=1 (`TransformerLayer.named_parameters()` etc.); the same
 keys hold each rank's shard at T > 1 (megatron-core's linears add an `_extra_state` entry, see
 `extra_state_keys`). The rules mirror the model's own sharding (`megatron_ds.model.init`,
-`megatron_ds.model.tensor_parallel`): vocabulary-parallel embedding and head (row blocks),
+`megatron_ds.model.tensor_parallel_layers`): vocabulary-parallel embedding and head (row blocks),
 column-parallel QKV and fc1 (fused parts cut per part), row-parallel proj and fc2 (column
 blocks), everything else replicated. `gather` joins shards into the T=1 tensor, `split` cuts it.
 """

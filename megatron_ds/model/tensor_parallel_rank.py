@@ -1,7 +1,7 @@
 """`TensorParallel`: this rank's place in its tensor-parallel group, passed to every layer spec.
 
-A leaf of the model package, so that `model.parallel` (the front door that dispatches to
-megatron-core only at T > 1) and `model.tensor_parallel` (megatron-core's layers) both use it
+A leaf of the model package, so that `model.tensor_parallel` (the front door that dispatches to
+megatron-core only at T > 1) and `model.tensor_parallel_layers` (megatron-core's layers) both use it
 without importing each other.
 """
 

@@ -29,9 +29,9 @@ from megatron_ds.config.shapes import layer_linear_shapes
 from megatron_ds.model import activations
 from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
 from megatron_ds.model.layers import make_norm
-from megatron_ds.model.parallel import NO_TENSOR_PARALLEL, TensorParallel, column_linear, row_linear
 from megatron_ds.model.rng import Stream, dropout, register_streams
 from megatron_ds.model.rotary import apply_rotary, rotary_angles
+from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, column_linear, row_linear
 
 
 class TransformerLayer(nn.Module):

@@ -6,7 +6,9 @@
     megatron_lm.py    Megatron-LM's split flags (--decoder-first/last-pipeline-num-layers,
                       --account-for-*-in-pipeline-split) with megatron-core's stage counts
     partition.py      DeepSpeed's uniform / balanced splits over per-item weights
-    balance.py        minimax split over per-stage cost functions (the memory method)
+    costs.py          what the searches take: StageTime, StepEstimate, cost functions, the shape check
+    balance.py        the minimax split over per-stage cost functions (the memory method and others)
+    fastest.py        the fastest split under a memory limit (`fastest`, `profile`)
     methods.py        the `--pp-partition-method` registry
     layout.py         Layout (parts, printed table) and build_layout, the front door
 

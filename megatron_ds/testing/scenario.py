@@ -181,7 +181,7 @@ def _record_checksums(result: dict[str, Any], key: str, model: torch.nn.Module) 
 def _swapped_axes_error(config: Config) -> str:
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
-    from megatron_ds.model.tensor_parallel import TensorParallelSetupError, check_groups_match
+    from megatron_ds.model.tensor_parallel_layers import TensorParallelSetupError, check_groups_match
 
     par = config.parallel
     swapped = ProcessTopology(
@@ -209,7 +209,7 @@ def full_parameter_checksums(model: torch.nn.Module) -> dict[str, str]:
         if name.startswith(GROUP_PLACEHOLDER_PREFIX):
             continue
         if tp.size > 1:
-            from megatron_ds.model.tensor_parallel import gather_full
+            from megatron_ds.model.tensor_parallel_layers import gather_full
 
             p = gather_full(p, tp)
         sums[name] = checksum(p)

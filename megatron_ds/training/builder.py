@@ -42,7 +42,7 @@ from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.machine import check_runs_on
 from megatron_ds.estimate.measured_time import Calibration
 from megatron_ds.estimate.run_layout import uses_measured_times
-from megatron_ds.model import parallel, rng
+from megatron_ds.model import rng, tensor_parallel
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training import deepspeed_config, stage_timers
@@ -177,7 +177,7 @@ def _assemble(
     import torch.distributed as dist
 
     topology = build_topology(config)
-    tp = parallel.setup(config, topology)  # T > 1: megatron-core's groups, checked against the topology
+    tp = tensor_parallel.setup(config, topology)  # T > 1: megatron-core's groups, checked against the topology
     model = GPTModelPipe(config, layout, topology=topology, tp=tp)  # marks the norm counting
     add_group_placeholders(model)
     optimizer = build_optimizer(model, config.optimizer, factory)

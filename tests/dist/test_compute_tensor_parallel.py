@@ -35,9 +35,9 @@ WORKER = textwrap.dedent(r"""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     from megatron_ds.distributed import init_distributed, shutdown_distributed
-    from megatron_ds.model import parallel
+    from megatron_ds.model import tensor_parallel
     from megatron_ds.model.gpt_pipe import build_topology
-    from megatron_ds.model.tensor_parallel import VocabParallelLMHead, VocabParallelWordEmbedding
+    from megatron_ds.model.tensor_parallel_layers import VocabParallelLMHead, VocabParallelWordEmbedding
     from megatron_ds.model.transformer import TransformerLayer
     from megatron_ds.testing.scenario import tiny_config
 
@@ -54,7 +54,7 @@ WORKER = textwrap.dedent(r"""
     for name, overrides in architectures.items():
         config = tiny_config(parallel__tensor_model_parallel_size=2, **overrides)
         init_distributed(config.parallel)
-        tp = parallel.setup(config, build_topology(config))
+        tp = tensor_parallel.setup(config, build_topology(config))
         m = config.model
         x = torch.randn(batch, m.seq_length, m.hidden_size, requires_grad=True)
         reg = config.regularization

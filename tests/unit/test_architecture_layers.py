@@ -266,7 +266,7 @@ def _simulated_forward(layer: TransformerLayer, cfg: ModelConfig, x: torch.Tenso
 
 
 def _rank_attention(layer: TransformerLayer, cfg: ModelConfig, normed: torch.Tensor, t: int, r: int) -> torch.Tensor:
-    from megatron_ds.model.parallel import TensorParallel
+    from megatron_ds.model.tensor_parallel import TensorParallel
 
     nh, kv = cfg.num_attention_heads, cfg.kv_heads
     local = TransformerLayer(cfg, NO_DROPOUT, SEED, TensorParallel(size=1)).eval()  # reuse the forward with local sizes

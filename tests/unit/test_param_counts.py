@@ -15,7 +15,7 @@ from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
 from megatron_ds.estimate.memory_model import largest_layer_params, layer_param_counts, total_params
 from megatron_ds.model import naming
 from megatron_ds.model.gpt_pipe import build_layer_specs
-from megatron_ds.model.parallel import NO_TENSOR_PARALLEL, TensorParallel
+from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
 
 GPT = ModelConfig(
     num_layers=2,
@@ -61,7 +61,7 @@ def two_tensor_ranks():
     """Rank 0 of a T=2 group on torch's fake backend: megatron-core cuts real shards, no peer runs."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_ds.model.tensor_parallel import share_rng_tracker
+    from megatron_ds.model.tensor_parallel_layers import share_rng_tracker
 
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
