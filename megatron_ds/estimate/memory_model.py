@@ -10,7 +10,7 @@ The peak on one GPU of stage s is the largest of three moments of a training ste
                       temporary (the gradient all-reduce's flat copy or ZeRO-1's reduce buckets, AdamW's
                       sqrt/div temporaries)
 
-(model states: `model_states.py`; activations: `activations.py`). in_flight(s) is read off the
+(model states: `model_states.py`; activations: `activation_memory.py`). in_flight(s) is read off the
 schedule's instruction stream (`pipeline_schedules.activations_in_flight`): under DeepSpeed's
 1F1B TrainSchedule stage s runs P - s forwards before its first backward, so min(P - s, M)
 micro-batches' activations are alive (M micro-batches per step); the engine cycles through the
@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 
 from megatron_ds.config import ModelConfig, shapes
-from megatron_ds.estimate import activations as act
+from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.model_states import (
     PRECISION_BYTES,

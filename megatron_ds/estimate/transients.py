@@ -8,7 +8,7 @@ no torch.
 from __future__ import annotations
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.estimate import activations as act
+from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory
 from megatron_ds.estimate.model_states import (

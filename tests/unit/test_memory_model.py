@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.estimate import activations as act
+from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import (
