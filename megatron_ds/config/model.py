@@ -3,12 +3,14 @@
 
 The split is the resume rule: every `ModelConfig` field is checked against a checkpoint (another
 value is another model), while `RegularizationConfig` may change on resume or fine-tuning (a notice
-says what changed). Derived sizes (head size, key/value heads, fused QKV and fc1 widths, norm
-parameters) are properties here; parameter counts built from them are in `shapes.py`.
+says what changed). Derived sizes (head size, key/value heads, fused QKV and fc1 widths) are
+properties here, and the padded vocabulary is `padded_vocab_size`; weight shapes and parameter
+counts built from them are in `megatron_ds.model.shapes`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_ds.config.checks import at_least, check, one_of, positive, probability
@@ -21,6 +23,13 @@ gated entries are these)."""
 GATED_ACTIVATIONS = ("swiglu",)
 """Activations of a gated MLP: fc1 produces a gate and an up half (2 x ffn features)."""
 DEFAULT_ROTARY_BASE = 10000.0
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
+    """Round up to a multiple of divisible_by x T, as Megatron does (keeps vocabulary shards aligned)."""
+    at_least("--make-vocab-size-divisible-by", divisible_by, 1)
+    multiple = divisible_by * tensor_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 @dataclass(frozen=True)
@@ -135,11 +144,6 @@ class ModelConfig:
     def fc1_rows(self) -> int:
         """Output features of the MLP's first linear: ffn, or gate and up halves (2 ffn) when gated."""
         return 2 * self.ffn_hidden_size if self.gated_mlp else self.ffn_hidden_size
-
-    @property
-    def norm_params(self) -> int:
-        """Parameters of one norm: weight and bias (LayerNorm) or weight alone (RMSNorm)."""
-        return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
 
 
 @dataclass(frozen=True)

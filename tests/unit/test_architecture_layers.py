@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
+from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.flags.parser import ConfigError, parse_config
-from megatron_ds.model import naming
+from megatron_ds.model import naming, shapes
 from megatron_ds.model.init import gather_fused, gather_qkv, shard, shard_fused, shard_qkv
 from megatron_ds.model.layers import EmbeddingDropout, FinalNorm, LMHead, PositionEmbedding, WordEmbedding
 from megatron_ds.model.rotary import apply_rotary, rotary_angles
@@ -203,7 +203,7 @@ def test_param_counts_match_the_modules(cfg: ModelConfig) -> None:
         None,
     ]
     expected = [0 if m is None else sum(p.numel() for p in m.parameters()) for m in modules]
-    assert naming.gpt_spec_param_counts(cfg) == expected
+    assert shapes.gpt_spec_param_counts(cfg) == expected
 
 
 def test_default_counts_unchanged() -> None:

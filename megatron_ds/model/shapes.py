@@ -1,30 +1,21 @@
-"""Derived sizes, computed once: padded vocabulary, transformer-layer weight shapes, parameter counts.
+"""Weight shapes and parameter counts of every GPT spec, computed once. Pure arithmetic: no torch.
 
-The model (`model/transformer.py` draws its weights with `layer_linear_shapes`), the layout naming
-(`model/naming.gpt_spec_params`), the memory model and the planner all read these, so a count
-cannot disagree with the modules that are built (`tests/unit/test_param_counts.py` compares them
-with the real modules' `numel()`). Pure arithmetic: no torch.
+The model (`model/transformer.py` draws its weights with `layer_linear_shapes`), the partition
+method `parameters`, the memory model and the planner all read these, so a count cannot disagree
+with the modules that are built (`tests/unit/test_param_counts.py` compares them with the real
+modules' `numel()`, at T=1 and T=2). Spec names and their order come from `model/naming.py`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from megatron_ds.config.checks import at_least
 from megatron_ds.config.model import ModelConfig
+from megatron_ds.model import naming
 
 COLUMN_PARALLEL = ("qkv", "fc1")
-"""Linears whose output features (and biases) are split over tensor-parallel ranks."""
-ROW_PARALLEL = ("proj", "fc2")
-"""Linears whose input features are split over tensor-parallel ranks; their biases are replicated."""
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
-    """Round up to a multiple of divisible_by x T, as Megatron does (keeps vocabulary shards aligned)."""
-    at_least("--make-vocab-size-divisible-by", divisible_by, 1)
-    multiple = divisible_by * tensor_parallel_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
+"""Linears whose output features (and biases) are split over tensor-parallel ranks; the others
+(proj, fc2) split their input features and replicate their biases."""
 
 
 def layer_linear_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -32,6 +23,11 @@ def layer_linear_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
     draws them: fused QKV, attention output projection, fc1 (gate and up halves with SwiGLU), fc2."""
     h, f = model.hidden_size, model.ffn_hidden_size
     return {"qkv": (model.qkv_rows, h), "proj": (h, h), "fc1": (model.fc1_rows, h), "fc2": (h, f)}
+
+
+def norm_params(model: ModelConfig) -> int:
+    """Parameters of one norm: weight and bias (LayerNorm) or weight alone (RMSNorm)."""
+    return 2 * model.hidden_size if model.normalization == "layernorm" else model.hidden_size
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,7 @@ def layer_params(model: ModelConfig, tensor_parallel_size: int = 1) -> LayerPara
             return (rows * cols + bias * rows) // t
         return rows * cols // t + bias * rows
 
-    norm = model.norm_params
+    norm = norm_params(model)
     modules = (
         ("input_norm", norm),
         ("qkv", linear("qkv")),
@@ -87,3 +83,44 @@ def word_embedding_params(model: ModelConfig, tensor_parallel_size: int = 1) -> 
 def position_embedding_params(model: ModelConfig) -> int:
     """The learned position table (replicated over tensor ranks); none without one (e.g. rotary models)."""
     return model.max_position_embeddings * model.hidden_size if model.add_position_embedding else 0
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """One spec's parameters on one tensor-parallel rank."""
+
+    num_params: int
+    largest: int
+    """Its largest single module (ZeRO-3 gathers one module at a time)."""
+    no_decay: int
+    """Biases and norm parameters: the no-weight-decay group (`training/optimizer.py`)."""
+
+
+def gpt_spec_params(model: ModelConfig, tensor_parallel_size: int = 1) -> list[SpecParams]:
+    """Parameters of each spec per tensor-parallel rank, in spec order (`naming.gpt_spec_groups`).
+
+    The tied LM head counts the word embedding again: it is a second copy when the head is on
+    another stage (callers that want unique parameters drop it, see `estimate.memory_model.total_params`).
+    """
+    t = tensor_parallel_size
+    vocab = word_embedding_params(model, t)
+    norm = norm_params(model)
+    layer = layer_params(model, t)
+    position = position_embedding_params(model)
+    by_name = {
+        naming.CAST_INPUTS: SpecParams(0, 0, 0),
+        naming.WORD_EMBEDDING: SpecParams(vocab, vocab, 0),
+        naming.POSITION_EMBEDDING: SpecParams(position, position, 0),
+        naming.EMBEDDING_DROPOUT: SpecParams(0, 0, 0),
+        naming.TRANSFORMER_LAYER: SpecParams(layer.total, layer.largest, layer.no_decay),
+        naming.FINAL_NORM: SpecParams(norm, norm, norm),
+        naming.TIED_LM_HEAD: SpecParams(vocab, vocab, 0),
+        naming.UNTIED_LM_HEAD: SpecParams(vocab, vocab, 0),
+        naming.LOGITS_TO_FP32: SpecParams(0, 0, 0),
+    }
+    return [by_name[name] for name in naming.gpt_spec_groups(model).names]
+
+
+def gpt_spec_param_counts(model: ModelConfig) -> list[int]:
+    """Parameters held by each spec at T=1 (for `--pp-partition-method parameters`)."""
+    return [spec.num_params for spec in gpt_spec_params(model)]
