@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from megatron_ds.config.checks import at_least, check, one_of, positive, probability
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
+"""The norms ModelConfig accepts: the names of `megatron_ds.model.norms.REGISTRY`, which holds each
+one's module, parameters, stored keys, costs and Hugging Face model types (it checks on import that
+its names are these)."""
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
 """The MLP activations ModelConfig accepts: the names of `megatron_ds.model.activations.REGISTRY`,
 which holds each one's function, Hugging Face name and costs (it checks on import that its names and
@@ -54,7 +57,7 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     """Epsilon of every norm (`--layernorm-epsilon`)."""
     normalization: str = "layernorm"
-    """Norm type: `layernorm` or `rmsnorm` (`--normalization`)."""
+    """The norm, one of NORMALIZATIONS (`megatron_ds.model.norms`; `--normalization`)."""
     untie_embeddings_and_output_weights: bool = False
     """Give the post stage its own LM head instead of the tied word embedding."""
     num_key_value_heads: int | None = None

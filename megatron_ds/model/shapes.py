@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import megatron_ds.model.naming as naming
+import megatron_ds.model.norms as norms
 from megatron_ds.config.model import ModelConfig
-from megatron_ds.model import naming
 
 COLUMN_PARALLEL = ("qkv", "fc1")
 """Linears whose output features (and biases) are split over tensor-parallel ranks; the others
@@ -26,8 +27,9 @@ def layer_linear_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def norm_params(model: ModelConfig) -> int:
-    """Parameters of one norm: weight and bias (LayerNorm) or weight alone (RMSNorm)."""
-    return 2 * model.hidden_size if model.normalization == "layernorm" else model.hidden_size
+    """Parameters of one norm (`norms.Norm.params_per_hidden` per hidden unit: LayerNorm's weight
+    and bias, RMSNorm's weight)."""
+    return norms.find(model.normalization).params_per_hidden * model.hidden_size
 
 
 @dataclass(frozen=True)
