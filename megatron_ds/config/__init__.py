@@ -14,7 +14,8 @@ Every section checks its own fields in `__post_init__` and `Config` checks the r
 sections, raising a one-line `megatron_ds.errors.ConfigError` that names the command-line flag; so
 `pretrain_gpt.py` (through `megatron_ds.flags.parser`), a `Config` built in Python and the planner
 get the same checks. Derived values live in one place: `ParallelConfig.data_parallel_size`, the
-`ModelConfig` size properties, and `shapes` (padded vocabulary, weight shapes, parameter counts).
+`ModelConfig` size properties and `padded_vocab_size` (weight shapes and parameter counts, built
+from them, are `megatron_ds.model.shapes`).
 
 Precedence: command-line flags > `--deepspeed_config` file (merged, contradictions are errors) >
 the defaults below. Run state (iteration, consumed samples) is *not* configuration: it lives in
@@ -22,10 +23,15 @@ the defaults below. Run state (iteration, consumed samples) is *not* configurati
 """
 
 from megatron_ds.config.data import TOKENIZER_TYPES, DataConfig
-from megatron_ds.config.model import ACTIVATIONS, NORMALIZATIONS, ModelConfig, RegularizationConfig
+from megatron_ds.config.model import (
+    ACTIVATIONS,
+    NORMALIZATIONS,
+    ModelConfig,
+    RegularizationConfig,
+    padded_vocab_size,
+)
 from megatron_ds.config.output import CheckpointConfig, LoggingConfig
 from megatron_ds.config.parallel import BACKENDS, DEDICATED_CHOICES, ParallelConfig
-from megatron_ds.config.shapes import padded_vocab_size
 from megatron_ds.config.training import (
     LR_DECAY_STYLES,
     OPTIMIZERS,

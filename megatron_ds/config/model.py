@@ -3,17 +3,22 @@
 
 The split is the resume rule: every `ModelConfig` field is checked against a checkpoint (another
 value is another model), while `RegularizationConfig` may change on resume or fine-tuning (a notice
-says what changed). Derived sizes (head size, key/value heads, fused QKV and fc1 widths, norm
-parameters) are properties here; parameter counts built from them are in `shapes.py`.
+says what changed). Derived sizes (head size, key/value heads, fused QKV and fc1 widths) are
+properties here, and the padded vocabulary is `padded_vocab_size`; weight shapes and parameter
+counts built from them are in `megatron_ds.model.shapes`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_ds.config.checks import at_least, check, one_of, positive, probability
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
+"""The norms ModelConfig accepts: the names of `megatron_ds.model.norms.REGISTRY`, which holds each
+one's module, parameters, stored keys, costs and Hugging Face model types (it checks on import that
+its names are these)."""
 ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
 """The MLP activations ModelConfig accepts: the names of `megatron_ds.model.activations.REGISTRY`,
 which holds each one's function, Hugging Face name and costs (it checks on import that its names and
@@ -21,6 +26,13 @@ gated entries are these)."""
 GATED_ACTIVATIONS = ("swiglu",)
 """Activations of a gated MLP: fc1 produces a gate and an up half (2 x ffn features)."""
 DEFAULT_ROTARY_BASE = 10000.0
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
+    """Round up to a multiple of divisible_by x T, as Megatron does (keeps vocabulary shards aligned)."""
+    at_least("--make-vocab-size-divisible-by", divisible_by, 1)
+    multiple = divisible_by * tensor_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     """Epsilon of every norm (`--layernorm-epsilon`)."""
     normalization: str = "layernorm"
-    """Norm type: `layernorm` or `rmsnorm` (`--normalization`)."""
+    """The norm, one of NORMALIZATIONS (`megatron_ds.model.norms`; `--normalization`)."""
     untie_embeddings_and_output_weights: bool = False
     """Give the post stage its own LM head instead of the tied word embedding."""
     num_key_value_heads: int | None = None
@@ -133,11 +145,6 @@ class ModelConfig:
     def fc1_rows(self) -> int:
         """Output features of the MLP's first linear: ffn, or gate and up halves (2 ffn) when gated."""
         return 2 * self.ffn_hidden_size if self.gated_mlp else self.ffn_hidden_size
-
-    @property
-    def norm_params(self) -> int:
-        """Parameters of one norm: weight and bias (LayerNorm) or weight alone (RMSNorm)."""
-        return 2 * self.hidden_size if self.normalization == "layernorm" else self.hidden_size
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,11 @@ fc2 (megatron-core's column/row-parallel layers) and of the vocabulary-parallel 
 Element-wise work (norms, activations, softmax, bias and residual adds, rotary, the loss) is
 counted separately ("elementwise" terms) with DeepSpeed's flops-profiler conventions
 (deepspeed/profiling/flops_profiler/profiler.py: layer_norm 5 per element, gelu, silu and softmax
-1, add/mul 1, dropout and embedding lookup 0; rmsnorm 4, as layer_norm without the mean) and an
-assumed backward of twice the forward. These are conventions, not measured operation counts: they
-are < 2% of a layer's FLOPs at the sizes we train, and their time is memory-bound anyway
-(`megatron_ds.estimate.calibrate` measures time per spec type).
+1, add/mul 1, dropout and embedding lookup 0; rmsnorm 4, as layer_norm without the mean; the
+norm and activation registries hold these numbers) and an assumed backward of twice the forward.
+These are conventions, not measured operation counts: they are < 2% of a layer's FLOPs at the
+sizes we train, and their time is memory-bound anyway (`megatron_ds.estimate.calibrate` measures
+time per spec type).
 """
 
 from __future__ import annotations
@@ -43,12 +44,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.model import activations, naming
+from megatron_ds.model import activations, naming, norms
 
 MATMUL = "matmul"
 ELEMENTWISE = "elementwise"
-NORM_OPS = {"layernorm": 5, "rmsnorm": 4}
-"""Element-wise FLOPs per element of a norm's forward (DeepSpeed flops-profiler convention)."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +149,7 @@ def layer_terms(inputs: ComputeInputs) -> tuple[Term, ...]:
     act = activations.find(m.activation)
     fc1 = 2 * f if act.gated else f
     pairs = b * nq * _score_pairs(m.seq_length, inputs.causal_attention)  # score entries on this rank
-    norm = NORM_OPS[m.normalization] * n * h
+    norm = norms.find(m.normalization).forward_flops * n * h
     terms = [
         _elementwise("input norm", norm),
         _matmul("qkv", 2 * n * h * (nq + 2 * nkv) * hd),
@@ -184,7 +183,7 @@ def _post_terms(inputs: ComputeInputs, name: str) -> tuple[Term, ...]:
     m, t = inputs.model, inputs.tensor_parallel_size
     n, h, v = inputs.micro_batch_size * m.seq_length, m.hidden_size, m.vocab_size // t
     if name == naming.FINAL_NORM:
-        return (_elementwise("final norm", NORM_OPS[m.normalization] * n * h),)
+        return (_elementwise("final norm", norms.find(m.normalization).forward_flops * n * h),)
     if name in (naming.TIED_LM_HEAD, naming.UNTIED_LM_HEAD):
         return (_matmul("logits", 2 * n * h * v),)  # vocabulary-parallel at T > 1: v/T rows
     if name == naming.LOSS:  # log-softmax over this rank's v/T logits, then the masked mean

@@ -19,7 +19,7 @@ from megatron_ds.estimate.compute import ComputeInputs, stage_flops_for
 from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
 from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.estimate.step_simulator import balanced_step_time, simulate, step_estimator
-from megatron_ds.model.naming import gpt_spec_param_counts
+from megatron_ds.model.shapes import gpt_spec_param_counts
 from megatron_ds.pipeline import methods
 from megatron_ds.pipeline.costs import StageTime, StageTimeFn
 from megatron_ds.pipeline.methods import Costs, PartitionMethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.estimate import activations as act
+from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.model_states import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors, state_factors
 
@@ -38,7 +38,7 @@ class MemoryInputs:
     offload_param: str = "none"
     """`none`, `cpu` or `nvme`: ZeRO-3 parameter offload."""
     device: str = "cuda"
-    """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activations.kernels`), and which
+    """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activation_memory.kernels`), and which
     optimizer kernel runs (`model_states.OPTIMIZER_KERNEL`)."""
     attention: str | None = None
     """`flash`, `math`, or None for what torch's SDPA picks on `device`."""

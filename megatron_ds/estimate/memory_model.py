@@ -10,7 +10,7 @@ The peak on one GPU of stage s is the largest of three moments of a training ste
                       temporary (the gradient all-reduce's flat copy or ZeRO-1's reduce buckets, AdamW's
                       sqrt/div temporaries)
 
-(model states: `model_states.py`; activations: `activations.py`). in_flight(s) is read off the
+(model states: `model_states.py`; activations: `activation_memory.py`). in_flight(s) is read off the
 schedule's instruction stream (`pipeline_schedules.activations_in_flight`): under DeepSpeed's
 1F1B TrainSchedule stage s runs P - s forwards before its first backward, so min(P - s, M)
 micro-batches' activations are alive (M micro-batches per step); the engine cycles through the
@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import functools
 
-from megatron_ds.config import ModelConfig, shapes
-from megatron_ds.estimate import activations as act
+from megatron_ds.config import ModelConfig
+from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.transients import backward_transient, gathered, in_flight, pipe_buffers, step_temporaries
-from megatron_ds.model import naming
+from megatron_ds.model import naming, shapes
 
 
 def layer_param_counts(model: ModelConfig, t: int = 1) -> tuple[int, int]:
@@ -48,7 +48,7 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
     b, dp, fac = inputs.micro_batch_size, inputs.data_parallel_size, inputs.factors
     groups = naming.gpt_spec_groups(m)
     head = groups.post[1]
-    params = naming.gpt_spec_params(m, t)
+    params = shapes.gpt_spec_params(m, t)
     terms = {**act.pre_terms(m, b, k, regularization=inputs.regularization), **act.post_terms(m, b, k, head, t)}
     layer_terms = act.transformer_layer_terms(m, b, k, t, regularization=inputs.regularization)
     out = []
@@ -174,14 +174,14 @@ def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: i
 
 def total_params(model: ModelConfig) -> int:
     """Unique parameters of the whole model (the tied head counted once), tensor-parallel size 1."""
-    specs = naming.gpt_spec_params(model)
+    specs = shapes.gpt_spec_params(model)
     tied = [i for i, name in enumerate(naming.gpt_spec_groups(model).names) if name == naming.TIED_LM_HEAD]
     return sum(sp.num_params for i, sp in enumerate(specs) if i not in tied)
 
 
 def largest_layer_params(model: ModelConfig) -> int:
     """Largest single module's own parameters, as DeepSpeed's `zero.stage3.model_to_params` counts it."""
-    return max(sp.largest for sp in naming.gpt_spec_params(model))
+    return max(sp.largest for sp in shapes.gpt_spec_params(model))
 
 
 GIB = 1024**3

@@ -8,7 +8,7 @@ no torch.
 from __future__ import annotations
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.estimate import activations as act
+from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory
 from megatron_ds.estimate.model_states import (
@@ -18,7 +18,7 @@ from megatron_ds.estimate.model_states import (
     PRECISION_BYTES,
     zero_bucket_elements,
 )
-from megatron_ds.model import naming
+from megatron_ds.model import naming, shapes
 
 
 def in_flight(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[int, int]:
@@ -81,7 +81,7 @@ all-reduce bucket (elements)."""
 
 def zero_bucket_elements_for(model: ModelConfig, num_stages: int, data_parallel_size: int, t: int = 1) -> int:
     """ZeRO-1's `reduce_bucket_size` our DeepSpeed JSON sets for this model (`model_states.zero_bucket_elements`)."""
-    params = sum(sp.num_params for sp in naming.gpt_spec_params(model, t))
+    params = sum(sp.num_params for sp in shapes.gpt_spec_params(model, t))
     return zero_bucket_elements(params, num_stages, data_parallel_size)
 
 

@@ -82,7 +82,7 @@ NETWORK: tuple[Flag, ...] = (
     accepted(
         "--normalization",
         _NET,
-        "`layernorm` or `rmsnorm`",
+        " or ".join(f"`{name}`" for name in NORMALIZATIONS),
         "model.normalization",
         choices=NORMALIZATIONS,
     ),

@@ -3,7 +3,8 @@
 GPT-2 (`GPT2LMHeadModel`): LayerNorm, a GeLU (tanh `gelu_new` or exact `gelu`), learned positions,
 biases, multi-head attention. Llama (`LlamaForCausalLM`): RMSNorm, SwiGLU, rotary embeddings (any
 `rope_theta`), optional grouped-query attention and biases. Either may tie or untie its LM head
-(`tie_word_embeddings`). Activation names come from `megatron_ds.model.activations` (`hf_names`).
+(`tie_word_embeddings`). Activation names come from `megatron_ds.model.activations` (`hf_names`),
+each architecture's norm from `megatron_ds.model.norms` (`hf_model_types`).
 
 A model the target cannot express exactly is a `HFConfigError` naming our flag; a `config.json`
 option we do not build is one naming its field. Nothing here imports transformers.
@@ -20,7 +21,7 @@ from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.config.model import DEFAULT_ROTARY_BASE
 from megatron_ds.errors import UserError
 from megatron_ds.flags.to_config import ACTIVATION_FLAGS
-from megatron_ds.model import activations
+from megatron_ds.model import activations, norms
 
 GPT2, LLAMA = "gpt2", "llama"
 ARCHITECTURE_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
@@ -32,6 +33,8 @@ GPT2_ACTIVATIONS: dict[str, str] = {
 and `gelu_fast` are the tanh form, `gelu` the exact one."""
 LLAMA_ACTIVATIONS: dict[str, str] = {hf: a.name for a in activations.REGISTRY.values() if a.gated for hf in a.hf_names}
 """Llama's `hidden_act` (the gate's function) -> our gated activation."""
+GPT2_NORM, LLAMA_NORM = norms.for_hf_model_type(GPT2), norms.for_hf_model_type(LLAMA)
+"""The norm each architecture is built with (LayerNorm, RMSNorm)."""
 
 
 class HFConfigError(UserError):
@@ -43,11 +46,20 @@ class Requirement:
     """A ModelConfig value an architecture needs; `problem` names our flag and why it cannot be exported."""
 
     holds: Callable[[ModelConfig], bool]
-    problem: str
+    problem: str | Callable[[ModelConfig], str]
+    """The text, or a function of the model when the text names the value given."""
+
+
+def _norm_requirement(norm: norms.Norm, architecture: str) -> Requirement:
+    """The architecture is built with `norm` alone; the problem names the norm given instead."""
+    return Requirement(
+        lambda m: m.normalization == norm.name,
+        lambda m: f"--normalization {m.normalization}: {architecture} uses {norm.title}",
+    )
 
 
 GPT2_REQUIRES = (
-    Requirement(lambda m: m.normalization == "layernorm", "--normalization rmsnorm: GPT-2 uses LayerNorm"),
+    _norm_requirement(GPT2_NORM, "GPT-2"),
     Requirement(
         lambda m: not m.use_rotary_position_embeddings,
         "--use-rotary-position-embeddings: GPT-2 has learned positions only (rotary models export as Llama, "
@@ -60,7 +72,7 @@ GPT2_REQUIRES = (
     ),
 )
 LLAMA_REQUIRES = (
-    Requirement(lambda m: m.normalization == "rmsnorm", "--normalization layernorm: Llama uses RMSNorm"),
+    _norm_requirement(LLAMA_NORM, "Llama"),
     Requirement(
         lambda m: m.use_rotary_position_embeddings, "no --use-rotary-position-embeddings: Llama needs rotary embeddings"
     ),
@@ -73,7 +85,8 @@ def architecture_of(model: ModelConfig) -> str:
     arch, requires = (LLAMA, LLAMA_REQUIRES) if model.gated_mlp else (GPT2, GPT2_REQUIRES)
     for r in requires:
         if not r.holds(model):
-            raise HFConfigError(f"cannot export to Hugging Face {arch}: {r.problem}; no exact equivalent exists")
+            problem = r.problem(model) if callable(r.problem) else r.problem
+            raise HFConfigError(f"cannot export to Hugging Face {arch}: {problem}; no exact equivalent exists")
     return arch
 
 
@@ -202,7 +215,7 @@ def _from_gpt2(f: _Fields) -> HFModel:
         "ffn_hidden_size": f.get("n_inner", int, 4 * h),
         "max_position_embeddings": f.get("n_positions", int),
         "layernorm_epsilon": f.get("layer_norm_epsilon", float, 1e-5),
-        "normalization": "layernorm",
+        "normalization": GPT2_NORM.name,
         "num_key_value_heads": f.get("n_head", int),
         "use_rotary_position_embeddings": False,
         "add_position_embedding": True,
@@ -240,7 +253,7 @@ def _from_llama(f: _Fields) -> HFModel:
         "ffn_hidden_size": f.get("intermediate_size", int),
         "max_position_embeddings": f.get("max_position_embeddings", int),
         "layernorm_epsilon": f.get("rms_norm_eps", float, 1e-6),
-        "normalization": "rmsnorm",
+        "normalization": LLAMA_NORM.name,
         **ACTIVATION_FLAGS[LLAMA_ACTIVATIONS[act]],
         "use_rotary_position_embeddings": True,
         "rotary_base": _rope_theta(f),

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import megatron_ds.model.norms as norms
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.model.init import init_generator, normal_
 from megatron_ds.model.rng import Stream, dropout, register_streams
@@ -92,12 +93,8 @@ class EmbeddingDropout(nn.Module):
 
 
 def make_norm(model: ModelConfig) -> nn.Module:
-    """The norm chosen explicitly from the config (torch's own; no apex import)."""
-    if model.normalization == "layernorm":
-        return nn.LayerNorm(model.hidden_size, eps=model.layernorm_epsilon)
-    if model.normalization == "rmsnorm":
-        return nn.RMSNorm(model.hidden_size, eps=model.layernorm_epsilon)
-    raise AssertionError(model.normalization)
+    """The norm the config names (`megatron_ds.model.norms`), over the hidden dimension."""
+    return norms.find(model.normalization).module(model.hidden_size, model.layernorm_epsilon)
 
 
 class FinalNorm(nn.Module):

@@ -2,14 +2,12 @@
 
 `megatron_ds.model.gpt_pipe.build_layer_specs` builds specs with exactly these names, in this
 order (it asserts so), which lets `--print-layout` and the planner show a layout without
-building anything.
+building anything. Each spec's parameters are counted in `megatron_ds.model.shapes`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from megatron_ds.config import ModelConfig, shapes
+from megatron_ds.config import ModelConfig
 from megatron_ds.pipeline.layout import SpecGroups
 
 # Pre-processing: input dtype conversion, word embedding (tied), position embedding + dropout
@@ -42,44 +40,3 @@ def gpt_spec_groups(model: ModelConfig) -> SpecGroups:
         layer_name=TRANSFORMER_LAYER,
         loss_name=LOSS,
     )
-
-
-@dataclass(frozen=True)
-class SpecParams:
-    """One spec's parameters on one tensor-parallel rank."""
-
-    num_params: int
-    largest: int
-    """Its largest single module (ZeRO-3 gathers one module at a time)."""
-    no_decay: int
-    """Biases and norm parameters: the no-weight-decay group (`training/optimizer.py`)."""
-
-
-def gpt_spec_params(model: ModelConfig, tensor_parallel_size: int = 1) -> list[SpecParams]:
-    """Parameters of each spec per tensor-parallel rank, in spec order, from `megatron_ds.config.shapes`.
-
-    The tied LM head counts the word embedding again: it is a second copy when the head is on
-    another stage (callers that want unique parameters drop it, see `estimate.memory_model.total_params`).
-    """
-    t = tensor_parallel_size
-    vocab = shapes.word_embedding_params(model, t)
-    norm = model.norm_params
-    layer = shapes.layer_params(model, t)
-    position = shapes.position_embedding_params(model)
-    by_name = {
-        CAST_INPUTS: SpecParams(0, 0, 0),
-        WORD_EMBEDDING: SpecParams(vocab, vocab, 0),
-        POSITION_EMBEDDING: SpecParams(position, position, 0),
-        EMBEDDING_DROPOUT: SpecParams(0, 0, 0),
-        TRANSFORMER_LAYER: SpecParams(layer.total, layer.largest, layer.no_decay),
-        FINAL_NORM: SpecParams(norm, norm, norm),
-        TIED_LM_HEAD: SpecParams(vocab, vocab, 0),
-        UNTIED_LM_HEAD: SpecParams(vocab, vocab, 0),
-        LOGITS_TO_FP32: SpecParams(0, 0, 0),
-    }
-    return [by_name[name] for name in gpt_spec_groups(model).names]
-
-
-def gpt_spec_param_counts(model: ModelConfig) -> list[int]:
-    """Parameters held by each spec at T=1 (for `--pp-partition-method parameters`)."""
-    return [spec.num_params for spec in gpt_spec_params(model)]

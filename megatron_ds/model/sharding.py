@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+import megatron_ds.model.norms as norms
 from megatron_ds.config import ModelConfig
 from megatron_ds.model import naming
 from megatron_ds.model.init import gather_fused, qkv_row_parts, shard, shard_fused
@@ -52,8 +53,7 @@ def spec_tensors(model: ModelConfig, spec_name: str) -> dict[str, TensorRule]:
 
 
 def _norm(model: ModelConfig, h: int) -> dict[str, TensorRule]:
-    keys = ("weight", "bias") if model.normalization == "layernorm" else ("weight",)
-    return {k: TensorRule((h,)) for k in keys}
+    return {k: TensorRule((h,)) for k in norms.find(model.normalization).stored_keys}
 
 
 def _layer_tensors(model: ModelConfig) -> dict[str, TensorRule]:

@@ -5,7 +5,7 @@ Options (ModelConfig): grouped-query attention (`num_key_value_heads`: kv heads 
 of nh/kv query heads), rotary embeddings on q and k (base `rotary_base`), the MLP activation, no
 biases in the linears.
 Dropout probabilities and the init std come from RegularizationConfig; the weight shapes from
-`megatron_ds.config.shapes.layer_linear_shapes` (the same shapes the parameter counts use).
+`megatron_ds.model.shapes.layer_linear_shapes` (the same shapes the parameter counts use).
 
 At T > 1 the same layer runs on each tensor rank with megatron-core's parallel linears: QKV and
 fc1 are column-parallel (this rank's heads / MLP features), proj and fc2 row-parallel (their
@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.config.shapes import layer_linear_shapes
 from megatron_ds.model import activations
 from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
 from megatron_ds.model.layers import make_norm
 from megatron_ds.model.rng import Stream, dropout, register_streams
 from megatron_ds.model.rotary import apply_rotary, rotary_angles
+from megatron_ds.model.shapes import layer_linear_shapes
 from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, column_linear, row_linear
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from megatron_ds.config import ModelConfig
+from megatron_ds.model import norms
 from megatron_ds.testing.launch import run_ranks
 
 TOL = 1e-6
@@ -24,7 +26,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "rope": {"model__use_rotary_position_embeddings": True, "model__add_position_embedding": False},
     "gqa": {"model__num_key_value_heads": 2},  # of tiny_config's 4 heads
     "no_bias": {"model__add_bias_linear": False},
-    "rmsnorm": {"model__normalization": "rmsnorm"},
+    **{n: {"model__normalization": n} for n in norms.REGISTRY if n != ModelConfig.normalization},  # every other norm
     "untied": {"model__untie_embeddings_and_output_weights": True},
     "llama": LLAMA,
 }

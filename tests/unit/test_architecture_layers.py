@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
+from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.flags.parser import ConfigError, parse_config
-from megatron_ds.model import naming
+from megatron_ds.model import naming, norms, shapes
 from megatron_ds.model.init import gather_fused, gather_qkv, shard, shard_fused, shard_qkv
 from megatron_ds.model.layers import EmbeddingDropout, FinalNorm, LMHead, PositionEmbedding, WordEmbedding
 from megatron_ds.model.rotary import apply_rotary, rotary_angles
@@ -166,14 +166,15 @@ def test_swiglu_shapes_and_formula() -> None:
     assert layer(x).shape == x.shape
 
 
-def test_no_linear_biases_keeps_norm_biases_and_the_no_decay_group() -> None:
-    for norm, no_decay in (("layernorm", 4), ("rmsnorm", 2)):
-        layer = TransformerLayer(model(add_bias_linear=False, normalization=norm), NO_DROPOUT, SEED)
-        for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2):
-            assert linear.bias is None
-        assert add_group_placeholders(layer) == []  # norm weights keep no_decay non-empty
-        groups = {g["name"]: g["params"] for g in param_groups(layer, 0.1)}
-        assert len(groups["no_decay"]) == no_decay and len(groups["decay"]) == 4
+@pytest.mark.parametrize("norm", norms.REGISTRY)
+def test_no_linear_biases_keeps_norm_biases_and_the_no_decay_group(norm: str) -> None:
+    layer = TransformerLayer(model(add_bias_linear=False, normalization=norm), NO_DROPOUT, SEED)
+    for linear in (layer.qkv, layer.proj, layer.fc1, layer.fc2):
+        assert linear.bias is None
+    assert add_group_placeholders(layer) == []  # norm weights keep no_decay non-empty
+    groups = {g["name"]: g["params"] for g in param_groups(layer, 0.1)}
+    no_decay = 2 * len(norms.find(norm).stored_keys)  # two norms' weights (and biases: 4 with LayerNorm)
+    assert len(groups["no_decay"]) == no_decay and len(groups["decay"]) == 4
 
 
 @pytest.mark.parametrize(
@@ -185,7 +186,7 @@ def test_no_linear_biases_keeps_norm_biases_and_the_no_decay_group() -> None:
         model(num_key_value_heads=1),
         model(add_bias_linear=False),
         model(add_position_embedding=False),
-        model(normalization="rmsnorm"),
+        *(model(normalization=norm) for norm in norms.REGISTRY),
         LLAMA,
     ],
 )
@@ -203,7 +204,7 @@ def test_param_counts_match_the_modules(cfg: ModelConfig) -> None:
         None,
     ]
     expected = [0 if m is None else sum(p.numel() for p in m.parameters()) for m in modules]
-    assert naming.gpt_spec_param_counts(cfg) == expected
+    assert shapes.gpt_spec_param_counts(cfg) == expected
 
 
 def test_default_counts_unchanged() -> None:

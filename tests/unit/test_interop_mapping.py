@@ -12,7 +12,7 @@ from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.flags.to_config import ACTIVATION_FLAGS, model_activation
 from megatron_ds.interop import hf_config, hf_weights
 from megatron_ds.interop.hf_config import HFConfigError
-from megatron_ds.model import naming, sharding
+from megatron_ds.model import naming, norms, sharding
 from megatron_ds.model.init import shard_qkv
 from megatron_ds.model.layers import FinalNorm, LMHead, PositionEmbedding, WordEmbedding
 from megatron_ds.model.transformer import TransformerLayer
@@ -48,7 +48,10 @@ MODULES = {
 
 
 @pytest.mark.parametrize(
-    "model", [GPT, LLAMA, dataclasses.replace(LLAMA, add_bias_linear=True)], ids=["gpt", "llama", "llama_bias"]
+    "model",
+    [GPT, LLAMA, dataclasses.replace(LLAMA, add_bias_linear=True)]
+    + [dataclasses.replace(GPT, normalization=norm) for norm in norms.REGISTRY],
+    ids=["gpt", "llama", "llama_bias", *(f"gpt_{norm}" for norm in norms.REGISTRY)],
 )
 def test_tensor_table_matches_the_layers(model: ModelConfig) -> None:
     for spec in naming.gpt_spec_groups(model).names:
@@ -145,6 +148,19 @@ def test_gelu_models_hf_cannot_express_are_errors(change: dict, flag: str) -> No
     with pytest.raises(HFConfigError, match="cannot export to Hugging Face gpt2: " + flag) as err:
         hf_config.architecture_of(dataclasses.replace(GPT, **change))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("norm", norms.REGISTRY)
+def test_each_architecture_takes_its_own_norm_only(norm: str) -> None:
+    for arch, model in ((hf_config.GPT2, GPT), (hf_config.LLAMA, LLAMA)):
+        changed = dataclasses.replace(model, normalization=norm)
+        if arch in norms.find(norm).hf_model_types:
+            assert hf_config.architecture_of(changed) == arch
+            hf = hf_config.to_hf_config(changed, REG, 200, "float32", {})
+            assert hf_config.from_hf_config(hf, "x").architecture["normalization"] == norm
+        else:
+            with pytest.raises(HFConfigError, match=f"Hugging Face {arch}: --normalization {norm}: "):
+                hf_config.architecture_of(changed)
 
 
 def test_swiglu_with_layernorm_is_an_error() -> None:

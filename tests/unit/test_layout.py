@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.model.naming import gpt_spec_groups, gpt_spec_param_counts
+from megatron_ds.model.naming import gpt_spec_groups
+from megatron_ds.model.shapes import gpt_spec_param_counts
 from megatron_ds.pipeline import partition
 from megatron_ds.pipeline.layout import Costs, Layout, LayoutError, SpecGroups, build_layout
 from megatron_ds.pipeline.layout_string import expand

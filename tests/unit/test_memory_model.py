@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.estimate import activations as act
+from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import (
@@ -23,7 +23,7 @@ from megatron_ds.estimate.memory_model import (
 )
 from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
 from megatron_ds.estimate.transients import in_flight
-from megatron_ds.model import naming
+from megatron_ds.model import naming, shapes
 from megatron_ds.pipeline.layout import SpecGroups, build_layout
 from megatron_ds.units import format_bytes
 
@@ -135,7 +135,7 @@ def test_param_counts_match_the_real_modules_and_deepspeed_largest_layer() -> No
         ]
     )
     assert model_to_params(model) == (total_params(m), largest_layer_params(m))
-    counts = naming.gpt_spec_param_counts(m)
+    counts = shapes.gpt_spec_param_counts(m)
     assert [s.num_params for s in spec_memory(MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1))] == counts
 
 

@@ -1,4 +1,4 @@
-"""The parameter counts of `megatron_ds.config.shapes` / `model.naming.gpt_spec_params` equal the real
+"""The parameter counts of `megatron_ds.model.shapes` (per module and per spec) equal the real
 modules' `numel()`, spec by spec, for several architectures, at T=1 and (megatron-core's real
 tensor-parallel layers, built in one process on a fake process group) T=2."""
 
@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec
 
-from megatron_ds.config import ModelConfig, RegularizationConfig, shapes
+from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate.memory_model import largest_layer_params, layer_param_counts, total_params
-from megatron_ds.model import naming
+from megatron_ds.model import naming, shapes
 from megatron_ds.model.gpt_pipe import build_layer_specs
 from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
 
@@ -76,8 +76,8 @@ def two_tensor_ranks():
 def test_spec_counts_equal_the_modules_at_t1(name: str) -> None:
     model = ARCHITECTURES[name]
     modules = spec_modules(model, NO_TENSOR_PARALLEL)
-    assert [s.num_params for s in naming.gpt_spec_params(model)] == [numel(m) for m in modules]
-    assert naming.gpt_spec_param_counts(model) == [numel(m) for m in modules]
+    assert [s.num_params for s in shapes.gpt_spec_params(model)] == [numel(m) for m in modules]
+    assert shapes.gpt_spec_param_counts(model) == [numel(m) for m in modules]
     layer = next(m for m in modules if type(m).__name__ == "TransformerLayer")
     assert layer_param_counts(model) == (numel(layer), max(numel(c) for c in layer.children()))
     # Unique parameters: the tied head (a second copy of the word embedding) is not counted again.
@@ -92,7 +92,7 @@ def test_spec_counts_equal_the_modules_at_t1(name: str) -> None:
 def test_spec_counts_equal_the_shards_at_t2(name: str, two_tensor_ranks: TensorParallel) -> None:
     model = ARCHITECTURES[name]
     modules = spec_modules(model, two_tensor_ranks)
-    assert [s.num_params for s in naming.gpt_spec_params(model, 2)] == [numel(m) for m in modules]
+    assert [s.num_params for s in shapes.gpt_spec_params(model, 2)] == [numel(m) for m in modules]
     layer = modules[3]
     assert shapes.layer_params(model, 2).modules == tuple((n, numel(c)) for n, c in layer.named_children())
     no_decay = sum(p.numel() for n, p in layer.named_parameters() if n.endswith("bias") or "norm" in n)

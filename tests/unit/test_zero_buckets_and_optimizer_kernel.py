@@ -20,7 +20,7 @@ from megatron_ds.estimate.model_states import (
     zero_bucket_elements,
 )
 from megatron_ds.estimate.transients import zero_bucket_elements_for
-from megatron_ds.model.naming import gpt_spec_params
+from megatron_ds.model.shapes import gpt_spec_params
 from megatron_ds.testing.scenario import tiny_config
 from megatron_ds.training import deepspeed_config
 from megatron_ds.training.optimizer import add_group_placeholders, build_optimizer

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate.model_states import PRECISION_BYTES
-from megatron_ds.model import activations
+from megatron_ds.model import activations, norms
 
 DEVICES = ("cuda", "cpu")
 ATTENTION_KINDS = ("flash", "math")
@@ -72,7 +72,7 @@ def kernels(precision: str, device: str, attention_dropout: float, attention: st
 
 
 def _norm_stats(model: ModelConfig) -> int:
-    return 2 if model.normalization == "layernorm" else 1  # mean + rstd, or rstd only
+    return norms.find(model.normalization).saved_statistics  # LayerNorm mean + rstd, RMSNorm rstd
 
 
 def transformer_layer_terms(

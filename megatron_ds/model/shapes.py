@@ -1,0 +1,128 @@
+"""Weight shapes and parameter counts of every GPT spec, computed once. Pure arithmetic: no torch.
+
+The model (`model/transformer.py` draws its weights with `layer_linear_shapes`), the partition
+method `parameters`, the memory model and the planner all read these, so a count cannot disagree
+with the modules that are built (`tests/unit/test_param_counts.py` compares them with the real
+modules' `numel()`, at T=1 and T=2). Spec names and their order come from `model/naming.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import megatron_ds.model.naming as naming
+import megatron_ds.model.norms as norms
+from megatron_ds.config.model import ModelConfig
+
+COLUMN_PARALLEL = ("qkv", "fc1")
+"""Linears whose output features (and biases) are split over tensor-parallel ranks; the others
+(proj, fc2) split their input features and replicate their biases."""
+
+
+def layer_linear_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Full (T=1) weight shapes (out, in) of a transformer layer's linears, in the order the layer
+    draws them: fused QKV, attention output projection, fc1 (gate and up halves with SwiGLU), fc2."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    return {"qkv": (model.qkv_rows, h), "proj": (h, h), "fc1": (model.fc1_rows, h), "fc2": (h, f)}
+
+
+def norm_params(model: ModelConfig) -> int:
+    """Parameters of one norm (`norms.Norm.params_per_hidden` per hidden unit: LayerNorm's weight
+    and bias, RMSNorm's weight)."""
+    return norms.find(model.normalization).params_per_hidden * model.hidden_size
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """One transformer layer's parameters on one tensor-parallel rank, by module, in registration order."""
+
+    modules: tuple[tuple[str, int], ...]
+    """(module name, its parameters on this rank): norms, qkv, proj, norm, fc1, fc2."""
+    no_decay: int
+    """Biases and norm parameters: the no-weight-decay group (`training/optimizer.py`)."""
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.modules)
+
+    @property
+    def largest(self) -> int:
+        """The largest single module (what ZeRO-3 gathers at once)."""
+        return max(n for _, n in self.modules)
+
+
+def layer_params(model: ModelConfig, tensor_parallel_size: int = 1) -> LayerParams:
+    """Parameters of one transformer layer per tensor-parallel rank (megatron-core's sharding:
+    column-parallel weights and biases split, row-parallel weights split and biases replicated,
+    norms replicated)."""
+    t, bias = tensor_parallel_size, 1 if model.add_bias_linear else 0
+    shapes = layer_linear_shapes(model)
+
+    def linear(name: str) -> int:
+        rows, cols = shapes[name]
+        if name in COLUMN_PARALLEL:
+            return (rows * cols + bias * rows) // t
+        return rows * cols // t + bias * rows
+
+    norm = norm_params(model)
+    modules = (
+        ("input_norm", norm),
+        ("qkv", linear("qkv")),
+        ("proj", linear("proj")),
+        ("post_attention_norm", norm),
+        ("fc1", linear("fc1")),
+        ("fc2", linear("fc2")),
+    )
+    biases = sum(shapes[n][0] // (t if n in COLUMN_PARALLEL else 1) for n in shapes) if bias else 0
+    return LayerParams(modules=modules, no_decay=2 * norm + biases)
+
+
+def word_embedding_params(model: ModelConfig, tensor_parallel_size: int = 1) -> int:
+    """The (v, h) word embedding, or an untied LM head, per tensor-parallel rank (vocabulary-parallel)."""
+    return model.vocab_size * model.hidden_size // tensor_parallel_size
+
+
+def position_embedding_params(model: ModelConfig) -> int:
+    """The learned position table (replicated over tensor ranks); none without one (e.g. rotary models)."""
+    return model.max_position_embeddings * model.hidden_size if model.add_position_embedding else 0
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """One spec's parameters on one tensor-parallel rank."""
+
+    num_params: int
+    largest: int
+    """Its largest single module (ZeRO-3 gathers one module at a time)."""
+    no_decay: int
+    """Biases and norm parameters: the no-weight-decay group (`training/optimizer.py`)."""
+
+
+def gpt_spec_params(model: ModelConfig, tensor_parallel_size: int = 1) -> list[SpecParams]:
+    """Parameters of each spec per tensor-parallel rank, in spec order (`naming.gpt_spec_groups`).
+
+    The tied LM head counts the word embedding again: it is a second copy when the head is on
+    another stage (callers that want unique parameters drop it, see `estimate.memory_model.total_params`).
+    """
+    t = tensor_parallel_size
+    vocab = word_embedding_params(model, t)
+    norm = norm_params(model)
+    layer = layer_params(model, t)
+    position = position_embedding_params(model)
+    by_name = {
+        naming.CAST_INPUTS: SpecParams(0, 0, 0),
+        naming.WORD_EMBEDDING: SpecParams(vocab, vocab, 0),
+        naming.POSITION_EMBEDDING: SpecParams(position, position, 0),
+        naming.EMBEDDING_DROPOUT: SpecParams(0, 0, 0),
+        naming.TRANSFORMER_LAYER: SpecParams(layer.total, layer.largest, layer.no_decay),
+        naming.FINAL_NORM: SpecParams(norm, norm, norm),
+        naming.TIED_LM_HEAD: SpecParams(vocab, vocab, 0),
+        naming.UNTIED_LM_HEAD: SpecParams(vocab, vocab, 0),
+        naming.LOGITS_TO_FP32: SpecParams(0, 0, 0),
+    }
+    return [by_name[name] for name in naming.gpt_spec_groups(model).names]
+
+
+def gpt_spec_param_counts(model: ModelConfig) -> list[int]:
+    """Parameters held by each spec at T=1 (for `--pp-partition-method parameters`)."""
+    return [spec.num_params for spec in gpt_spec_params(model)]
