@@ -14,6 +14,8 @@ BACKENDS = ("nccl", "gloo")
 PIPELINE_SCHEDULES = ("1f1b",)
 """The registered pipeline schedules (`estimate.pipeline_schedules.REGISTRY`, which checks that the
 two agree: the config layer sits below it)."""
+DEFAULT_PIPELINE_SCHEDULE = PIPELINE_SCHEDULES[0]
+"""DeepSpeed's own TrainSchedule, what every default in the code means."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class ParallelConfig:
     pp_partition_method: str | None = None
     """How stage boundaries are balanced (`--pp-partition-method`: `uniform`, `parameters`, `memory`,
     `fastest`, `profile`, `type:REGEX`, weighted types); None: `type:transformer`."""
-    pipeline_schedule: str = "1f1b"
+    pipeline_schedule: str = DEFAULT_PIPELINE_SCHEDULE
     """The order each stage runs its forwards, backwards and sends (`--pp-schedule`; one of
     `PIPELINE_SCHEDULES`, defined in `estimate/pipeline_schedules.py`)."""
     pp_memory_limit: str | None = None

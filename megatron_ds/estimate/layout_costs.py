@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from megatron_ds.config import ModelConfig
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.compute import ComputeInputs, stage_flops_for
 from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
@@ -116,7 +117,7 @@ def format_time_table(
     unit: str,
     source: str,
     memory_limit: float | None = None,
-    schedule: str = "1f1b",
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
 ) -> str:
     """Per stage: one micro-batch's forward and backward, the optimizer step, the step's compute
     (M x (forward + backward) + optimizer) and the predicted memory; then the step simulated

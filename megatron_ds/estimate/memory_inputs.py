@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.model_states import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors, state_factors
@@ -45,7 +46,7 @@ class MemoryInputs:
     regularization: RegularizationConfig = RegularizationConfig()
     """The run's dropout (which masks are saved, which attention kernel runs); Megatron's defaults
     (0.1) unless given, as the planner assumes."""
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE
     """The pipeline schedule (`pipeline_schedules.REGISTRY`): micro-batches in flight, pipe buffers."""
 
     def __post_init__(self) -> None:

@@ -30,10 +30,9 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules as schedules
 from megatron_ds.pipeline.costs import StageTime, StepEstimate
-
-DEFAULT_SCHEDULE = "1f1b"
 
 # Node kinds of the compiled program.
 FORWARD, BACKWARD, SEND, TIED, BARRIER, OPTIMIZER = range(6)
@@ -148,7 +147,7 @@ def program(
     num_stages: int,
     tied: bool = True,
     grad_norm_sync: bool = True,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
 ) -> Program:
     """Compile the P instruction streams into one dependency graph (raises on a deadlock)."""
     if num_micro_batches < 1 or num_stages < 1:
@@ -220,7 +219,7 @@ def simulate(
     tied_reduce: float = 0.0,
     tied: bool = True,
     grad_norm_sync: bool = True,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
 ) -> ScheduleResult:
     """One step of `schedule` (DeepSpeed's TrainSchedule for 1F1B) with one device per stage.
 
@@ -266,7 +265,10 @@ def _critical_path(
 
 
 def balanced_step_time(
-    num_micro_batches: int, forward: Sequence[float], backward: Sequence[float], schedule: str = DEFAULT_SCHEDULE
+    num_micro_batches: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
 ) -> float:
     """The ideal: the same total work split evenly over the stages, through the same schedule."""
     p = len(forward)
@@ -280,7 +282,7 @@ def step_estimator(
     tied_reduce: float = 0.0,
     tied: bool = True,
     grad_norm_sync: bool = True,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
 ) -> Callable[[Sequence[StageTime]], StepEstimate]:
     """The `step_time` of `megatron_ds.pipeline.fastest`: this schedule's step for per-stage times,
     with its critical path as the lower-bound certificate the search prunes with."""

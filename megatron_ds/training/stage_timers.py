@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.step_simulator import balanced_step_time, simulate
 
@@ -82,7 +83,7 @@ class StageCompute:
     communicating, loading data (per step, the step minus its compute instructions' wall time)."""
     communication: float = 0.0
     """Wall time in send, receive and reduce instructions (part of `waiting`)."""
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE
     """The pipeline schedule the engine ran (`estimate/pipeline_schedules.py`), which the report replays."""
 
     @property
@@ -124,7 +125,7 @@ class Sample:
 class StageTimers:
     """Accumulates instruction times of the steps run inside `counting(True)` (all steps by default)."""
 
-    def __init__(self, engine: Any, schedule: str = "1f1b") -> None:
+    def __init__(self, engine: Any, schedule: str = DEFAULT_PIPELINE_SCHEDULE) -> None:
         self.engine = engine
         self.schedule = schedule
         self.device = next(engine.module.parameters()).device.type
@@ -219,7 +220,7 @@ class StageTimers:
         )
 
 
-def install(engine: Any, schedule: str = "1f1b") -> StageTimers:
+def install(engine: Any, schedule: str = DEFAULT_PIPELINE_SCHEDULE) -> StageTimers:
     """Time `engine`'s instructions and train steps from now on (once per engine); `schedule` is the
     pipeline schedule it runs (`config.parallel.pipeline_schedule`)."""
     assert "_INSTRUCTION_MAP" not in vars(engine), "stage timers are already installed on this engine"

@@ -1,11 +1,9 @@
 """The norm registry: every entry against the real modules (parameters, stored keys, Hugging Face's own
-norm), every reader drawn from it, and the files adding a norm touches (derived, and as the docs list them)."""
+norm) and every reader drawn from it (the files adding a norm touches: tests/unit/test_where_to_change.py)."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,10 +23,6 @@ from megatron_ds.model.transformer import TransformerLayer
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "megatron_ds"
 
-NORM_FILES = frozenset({"model/norms.py", "config/model.py"})
-"""The modules (under megatron_ds/) that spell a norm's name: what adding a norm edits. The test
-below derives them from the source, and docs/architecture.md's "a norm" row names exactly these."""
-
 MODEL = ModelConfig(
     num_layers=2,
     hidden_size=32,
@@ -39,44 +33,6 @@ MODEL = ModelConfig(
     vocab_size=128,
 )
 NAMES = list(norms.REGISTRY)
-
-
-def spells_a_norm(source: str) -> bool:
-    """A string literal in `source` is exactly a registered norm's name."""
-    return any(
-        isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in norms.REGISTRY
-        for node in ast.walk(ast.parse(source))
-    )
-
-
-def files_spelling_a_norm() -> set[str]:
-    return {str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py")) if spells_a_norm(path.read_text())}
-
-
-# --- where a norm's name is spelled ----------------------------------------------------------------
-
-
-def test_adding_a_norm_touches_only_the_registry_and_the_config_names() -> None:
-    found = files_spelling_a_norm()
-    assert found == NORM_FILES, (
-        f"modules spelling a norm's name: {sorted(found)}; read the entry through megatron_ds.model.norms "
-        f"instead (or update NORM_FILES and docs/architecture.md)"
-    )
-    assert len(NORM_FILES) <= 2
-
-
-def test_the_scan_sees_a_spelled_name() -> None:
-    """The check above would pass vacuously if the scan missed literals."""
-    name = NAMES[-1]
-    assert spells_a_norm(f"x = m.normalization == {name!r}") and spells_a_norm(f'f("{name}")')
-    assert not spells_a_norm(f"x = '--normalization-{name}'") and not spells_a_norm("x = 1")
-
-
-def test_the_architecture_doc_lists_the_norm_files() -> None:
-    doc = (ROOT / "docs" / "architecture.md").read_text()
-    rows = [line for line in doc.splitlines() if line.startswith("| a norm |")]
-    assert len(rows) == 1, "docs/architecture.md needs one '| a norm | ...' row in 'Where to change one behaviour'"
-    assert set(re.findall(r"`([\w/]+\.py)`", rows[0])) == NORM_FILES
 
 
 def test_the_registry_is_the_configs_names_and_loads_no_torch() -> None:
