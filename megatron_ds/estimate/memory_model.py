@@ -27,18 +27,11 @@ from __future__ import annotations
 
 import functools
 
-from megatron_ds.config import ModelConfig
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.transients import backward_transient, gathered, in_flight, pipe_buffers, step_temporaries
 from megatron_ds.model import naming, shapes
-
-
-def layer_param_counts(model: ModelConfig, t: int = 1) -> tuple[int, int]:
-    """(parameters of one transformer layer per tensor-parallel rank, its largest single module)."""
-    layer = shapes.layer_params(model, t)
-    return layer.total, layer.largest
 
 
 @functools.lru_cache(maxsize=256)
@@ -171,17 +164,3 @@ def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: i
             full += part.count("t")
     return full, chunk
 
-
-def total_params(model: ModelConfig) -> int:
-    """Unique parameters of the whole model (the tied head counted once), tensor-parallel size 1."""
-    specs = shapes.gpt_spec_params(model)
-    tied = [i for i, name in enumerate(naming.gpt_spec_groups(model).names) if name == naming.TIED_LM_HEAD]
-    return sum(sp.num_params for i, sp in enumerate(specs) if i not in tied)
-
-
-def largest_layer_params(model: ModelConfig) -> int:
-    """Largest single module's own parameters, as DeepSpeed's `zero.stage3.model_to_params` counts it."""
-    return max(sp.largest for sp in shapes.gpt_spec_params(model))
-
-
-GIB = 1024**3

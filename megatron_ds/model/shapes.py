@@ -102,7 +102,7 @@ def gpt_spec_params(model: ModelConfig, tensor_parallel_size: int = 1) -> list[S
     """Parameters of each spec per tensor-parallel rank, in spec order (`naming.gpt_spec_groups`).
 
     The tied LM head counts the word embedding again: it is a second copy when the head is on
-    another stage (callers that want unique parameters drop it, see `estimate.memory_model.total_params`).
+    another stage (callers that want unique parameters drop it, see `total_params`).
     """
     t = tensor_parallel_size
     vocab = word_embedding_params(model, t)
@@ -126,3 +126,15 @@ def gpt_spec_params(model: ModelConfig, tensor_parallel_size: int = 1) -> list[S
 def gpt_spec_param_counts(model: ModelConfig) -> list[int]:
     """Parameters held by each spec at T=1 (for `--pp-partition-method parameters`)."""
     return [spec.num_params for spec in gpt_spec_params(model)]
+
+
+def total_params(model: ModelConfig) -> int:
+    """Unique parameters of the whole model (the tied head counted once), tensor-parallel size 1."""
+    specs = gpt_spec_params(model)
+    tied = [i for i, name in enumerate(naming.gpt_spec_groups(model).names) if name == naming.TIED_LM_HEAD]
+    return sum(sp.num_params for i, sp in enumerate(specs) if i not in tied)
+
+
+def largest_layer_params(model: ModelConfig) -> int:
+    """Largest single module's own parameters, as DeepSpeed's `zero.stage3.model_to_params` counts it."""
+    return max(sp.largest for sp in gpt_spec_params(model))

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ds.estimate.memory_inputs import MemoryInputs
-from megatron_ds.estimate.memory_model import largest_layer_params, stage_memory_for, total_params
+from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
+from megatron_ds.model.shapes import largest_layer_params, total_params
 from megatron_ds.plan import ds_json
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError

@@ -13,14 +13,7 @@ from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.memory_inputs import MemoryInputs
-from megatron_ds.estimate.memory_model import (
-    largest_layer_params,
-    layer_param_counts,
-    spec_memory,
-    stage_memory,
-    stage_memory_for,
-    total_params,
-)
+from megatron_ds.estimate.memory_model import spec_memory, stage_memory, stage_memory_for
 from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
 from megatron_ds.estimate.transients import in_flight
 from megatron_ds.model import naming, shapes
@@ -93,7 +86,7 @@ def test_state_factors_equal_estimator_for_zero2_and_zero3(precision: str, dp: i
 
 def test_whole_model_stage_equals_estimator() -> None:
     """One stage holding the whole 1.3B model, data parallel over 8: states == DeepSpeed's numbers."""
-    psi, big = total_params(GPT_1_3B), largest_layer_params(GPT_1_3B)
+    psi, big = shapes.total_params(GPT_1_3B), shapes.largest_layer_params(GPT_1_3B)
     for zero in (2, 3):
         inp = MemoryInputs(
             model=GPT_1_3B, micro_batch_size=1, num_micro_batches=1, zero_stage=zero, data_parallel_size=8
@@ -125,7 +118,7 @@ def test_param_counts_match_the_real_modules_and_deepspeed_largest_layer() -> No
 
     m, reg = tiny(vocab_size=1000), MEGATRON_DROPOUT
     layer = TransformerLayer(m, reg, 1)
-    assert layer_param_counts(m)[0] == sum(p.numel() for p in layer.parameters())
+    assert shapes.layer_params(m).total == sum(p.numel() for p in layer.parameters())
     model = torch.nn.ModuleList(
         [
             WordEmbedding(m, reg, 1),
@@ -134,7 +127,7 @@ def test_param_counts_match_the_real_modules_and_deepspeed_largest_layer() -> No
             FinalNorm(m, 3),
         ]
     )
-    assert model_to_params(model) == (total_params(m), largest_layer_params(m))
+    assert model_to_params(model) == (shapes.total_params(m), shapes.largest_layer_params(m))
     counts = shapes.gpt_spec_param_counts(m)
     assert [s.num_params for s in spec_memory(MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1))] == counts
 
@@ -248,7 +241,7 @@ def test_tied_embedding_is_held_by_first_and_last_stage_once_each() -> None:
     inp = MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=4, precision="bf16")
     vh = m.vocab_size * m.hidden_size
     one = stage_memory_for(inp, 0, 1, m.num_layers)
-    assert one.num_params == total_params(m)  # one stage: the tied head is the same module
+    assert one.num_params == shapes.total_params(m)  # one stage: the tied head is the same module
     layout = build_layout(naming.gpt_spec_groups(m), 4, dedicated="both")
     first, *_, last = stage_memory(inp, layout)
     assert first.num_params == vh + m.max_position_embeddings * m.hidden_size
@@ -256,7 +249,7 @@ def test_tied_embedding_is_held_by_first_and_last_stage_once_each() -> None:
     untied = MemoryInputs(
         model=tiny(vocab_size=5000, untie_embeddings_and_output_weights=True), micro_batch_size=1, num_micro_batches=4
     )
-    assert stage_memory_for(untied, 0, 1, m.num_layers).num_params == total_params(untied.model)
+    assert stage_memory_for(untied, 0, 1, m.num_layers).num_params == shapes.total_params(untied.model)
 
 
 def test_stage_memory_dedicated_ends_are_lighter_and_in_flight_decreases() -> None:

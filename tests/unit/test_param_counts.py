@@ -12,7 +12,6 @@ import torch.distributed as dist
 from deepspeed.pipe import LayerSpec
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.estimate.memory_model import largest_layer_params, layer_param_counts, total_params
 from megatron_ds.model import naming, shapes
 from megatron_ds.model.gpt_pipe import build_layer_specs
 from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
@@ -79,13 +78,16 @@ def test_spec_counts_equal_the_modules_at_t1(name: str) -> None:
     assert [s.num_params for s in shapes.gpt_spec_params(model)] == [numel(m) for m in modules]
     assert shapes.gpt_spec_param_counts(model) == [numel(m) for m in modules]
     layer = next(m for m in modules if type(m).__name__ == "TransformerLayer")
-    assert layer_param_counts(model) == (numel(layer), max(numel(c) for c in layer.children()))
+    assert (shapes.layer_params(model).total, shapes.layer_params(model).largest) == (
+        numel(layer),
+        max(numel(c) for c in layer.children()),
+    )
     # Unique parameters: the tied head (a second copy of the word embedding) is not counted again.
     names = naming.gpt_spec_groups(model).names
     unique = sum(numel(m) for n, m in zip(names, modules) if n != naming.TIED_LM_HEAD)
-    assert total_params(model) == unique
+    assert shapes.total_params(model) == unique
     largest = max(numel(c) for m in modules if m is not None for c in [m, *m.children()] if not list(c.children()))
-    assert largest_layer_params(model) == largest
+    assert shapes.largest_layer_params(model) == largest
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama_gqa", "untied", "no_bias"])
@@ -101,5 +103,5 @@ def test_spec_counts_equal_the_shards_at_t2(name: str, two_tensor_ranks: TensorP
 
 def test_a_model_without_a_position_table_counts_none() -> None:
     rotary = ARCHITECTURES["rotary_no_table"]
-    assert total_params(GPT) - total_params(rotary) == GPT.max_position_embeddings * GPT.hidden_size
+    assert shapes.total_params(GPT) - shapes.total_params(rotary) == GPT.max_position_embeddings * GPT.hidden_size
     assert shapes.position_embedding_params(rotary) == 0

@@ -151,7 +151,7 @@ def test_model_states_in_zero_section_equal_deepspeed_estimators(capsys) -> None
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from megatron_ds.estimate.memory_model import largest_layer_params, total_params
+    from megatron_ds.model.shapes import largest_layer_params, total_params
 
     rc, report = run_json(["zero", *A100_175B], capsys)
     rows = {r["label"]: r for r in next(s for s in report["sections"] if s["name"] == "zero")["data"]["rows"]}
