@@ -163,4 +163,3 @@ def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: i
         else:
             full += part.count("t")
     return full, chunk
-
