@@ -9,28 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_ds.errors import UserError
-from megatron_ds.plan import ds_json
+from megatron_ds.plan import ds_json, sections
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import GPUS, PRESETS, PlanError
 from megatron_ds.plan.inputs import CHOICES, PlanInputs, load_profile, resolve, save_profile
 from megatron_ds.plan.report import Report, Section, render_json, render_text
+from megatron_ds.plan.sections import PlannerSection
 from megatron_ds.training import deepspeed_config
-
-COMMANDS = ("zero", "precision", "pipeline", "memory", "nvme", "onebit", "sparse-attention")
-NEEDS = {
-    "zero": ["model", "num_gpus", "gpu_memory"],
-    "precision": ["compute_capability"],
-    "pipeline": ["model", "num_gpus", "gpu_memory", "global_batch_size"],
-    "memory": ["model", "num_gpus", "gpu_memory", "global_batch_size"],
-    "nvme": [],
-    "onebit": [],
-    "sparse-attention": ["model"],
-}
-NEEDS["all"] = list(dict.fromkeys(n for c in COMMANDS for n in NEEDS[c]))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m megatron_ds.plan",
         allow_abbrev=False,
-        description=f"DeepSpeed configuration advisor. COMMAND is one of {', '.join(COMMANDS)}; "
-        f"without one, all of them run.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the one line per section
+        description=f"DeepSpeed configuration advisor: python -m megatron_ds.plan [COMMAND] [flags].\n\n"
+        f"{sections.help_text()}",
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (or 1.3b, 175b, ...)")
@@ -94,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     argv = list(argv)
-    command = argv.pop(0) if argv and argv[0] in (*COMMANDS, "all") else "all"
+    command = argv.pop(0) if argv and argv[0] in (*sections.names(), sections.ALL) else sections.ALL
     ns = build_parser().parse_args(argv)
     fields = {f for f in PlanInputs.__dataclass_fields__ if f != "handled"}
     given = PlanInputs(**{k: v for k, v in vars(ns).items() if k in fields})
@@ -109,28 +99,13 @@ def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     return command, given, out
 
 
-def _sections(command: str) -> list[tuple[str, Callable[[Context], Section]]]:
-    from megatron_ds.plan import memory_advice, nvme, onebit, pipeline_plan, precision, sparse_attention, zero
-
-    table = {
-        "zero": zero.zero_section,
-        "precision": lambda ctx: precision.precision_section(ctx.res, ctx.precision, ctx.precision_reason),
-        "pipeline": pipeline_plan.pipeline_section,
-        "memory": memory_advice.memory_section,
-        "nvme": lambda ctx: nvme.nvme_section(ctx.res),
-        "onebit": onebit.onebit_section,
-        "sparse-attention": lambda ctx: sparse_attention.sparse_attention_section(ctx.res),
-    }
-    return [(c, table[c]) for c in (COMMANDS if command == "all" else (command,))]
-
-
-def _section_or_failure(name: str, make: Callable[[Context], Section], ctx: Context) -> Section:
+def _section_or_failure(entry: PlannerSection, ctx: Context) -> Section:
     """In the all-commands run one workflow that cannot answer must not hide the others."""
     try:
-        return make(ctx)
+        return entry.build(ctx)
     except PlanError as exc:
-        sec = Section(name, f"{name}: no answer", [f"Not produced: {exc}"])
-        sec.check(False, f"{name}: {exc}")
+        sec = Section(entry.name, f"{entry.name}: no answer", [f"Not produced: {exc}"])
+        sec.check(False, f"{entry.name}: {exc}")
         return sec
 
 
@@ -140,16 +115,16 @@ def run(command: str, given: PlanInputs, out: Output) -> tuple[Report, int]:
 
     inputs = given.merged_over(load_profile(out.profile)) if out.profile else given
     res = resolve(inputs)
-    res.require(NEEDS[command], f"`{command}`")
+    res.require(sections.needs(command), f"`{command}`")
     if out.save_profile:
         save_profile(out.save_profile, inputs, [])
     ctx = Context(res, *choose_precision(res))
-    makers = _sections(command)
-    if command == "all":
-        sections = [_section_or_failure(name, make, ctx) for name, make in makers]
+    chosen = sections.selected(command)
+    if command == sections.ALL:
+        built = [_section_or_failure(entry, ctx) for entry in chosen]
     else:
-        sections = [makers[0][1](ctx)]
-    report = Report(sections=sections, inputs=inputs.answers())
+        built = [chosen[0].build(ctx)]
+    report = Report(sections=built, inputs=inputs.answers())
     if out.profile and inputs.handled:
         report.notes.append(f"Profile {out.profile}: answers reused; handled before: {', '.join(inputs.handled)}.")
     extras = _outputs(ctx, report, out)

@@ -82,8 +82,6 @@ def current(ctx: Context) -> search.Candidate:
 
 
 def memory_section(ctx: Context) -> Section:
-    res = ctx.res
-    res.require(["model", "num_gpus", "gpu_memory", "global_batch_size"], "`memory`")
     sec = Section("memory", "Memory diagnosis")
     now = current(ctx)
     stages = list(now.stages)

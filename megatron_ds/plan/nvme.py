@@ -7,7 +7,7 @@ kept equal by a test); the handle methods are those its pybind module defines
 
 from __future__ import annotations
 
-from megatron_ds.plan.inputs import Resolved
+from megatron_ds.plan.context import Context
 from megatron_ds.plan.report import Section
 
 AIO_BLOCK = {
@@ -85,9 +85,9 @@ if __name__ == "__main__":
 '''
 
 
-def nvme_section(res: Resolved) -> Section:
+def nvme_section(ctx: Context) -> Section:
     sec = Section("nvme", "DeepNVMe (async tensor I/O)")
-    storage, device = res.raw.storage, res.raw.tensor_device
+    storage, device = ctx.res.raw.storage, ctx.res.raw.tensor_device
     if device == "cuda" and storage == "nvme":
         sec.add(
             "Use gds_handle: CUDA tensors to and from local NVMe with GPUDirect Storage (no host bounce "

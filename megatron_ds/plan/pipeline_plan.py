@@ -29,7 +29,6 @@ def method_description(method: str) -> str:
 
 def pipeline_section(ctx: Context) -> Section:
     res = ctx.res
-    res.require(["model", "num_gpus", "gpu_memory", "global_batch_size"], "`pipeline`")
     if res.raw.zero_stage in (2, 3):
         raise PlanError(
             f"--zero-stage {res.raw.zero_stage}: pretrain_gpt.py always runs DeepSpeed's pipeline engine "

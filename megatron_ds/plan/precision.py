@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError, architecture_of
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.report import Section
@@ -67,7 +68,8 @@ def _version(package: str) -> str | None:
         return None
 
 
-def precision_section(res: Resolved, precision: str, reason: str) -> Section:
+def precision_section(ctx: Context) -> Section:
+    res, precision, reason = ctx.res, ctx.precision, ctx.precision_reason
     sec = Section("precision", "Mixed precision")
     cc = res.cc
     sec.add(f"Recommended: {precision} ({reason}).")

@@ -169,7 +169,6 @@ def activation_bytes(ctx: Context) -> float:
 
 def zero_section(ctx: Context) -> Section:
     res = ctx.res
-    res.require(["model", "num_gpus", "gpu_memory"], "`zero`")
     sec = Section("zero", "ZeRO stage")
     table, act = rows(ctx), activation_bytes(ctx)
     usable, cpu_cap = res.usable_bytes, (res.raw.cpu_memory_gb * GIB if res.raw.cpu_memory_gb else None)

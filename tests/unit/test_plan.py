@@ -12,7 +12,7 @@ import pytest
 
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline.layout import build_layout
-from megatron_ds.plan import cli, hardware, nvme, onebit, search
+from megatron_ds.plan import hardware, nvme, onebit, search, sections
 from megatron_ds.plan.__main__ import main
 
 A100_1_3B = ["--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB"]
@@ -325,7 +325,7 @@ def test_default_runs_every_workflow_and_json_has_the_same_sections(capsys) -> N
     rc_json, report = run_json(A100_1_3B, capsys)
     assert rc == rc_json == 0
     names = [s["name"] for s in report["sections"]]
-    assert names == list(cli.COMMANDS)
+    assert names == list(sections.names())
     for sec in report["sections"]:
         assert f"== {sec['title']} ==" in text
     assert text.startswith("Every memory or time figure below is an estimate")

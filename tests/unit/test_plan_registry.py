@@ -1,0 +1,58 @@
+"""The planner draws its sections from one registry (`plan/sections.py`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_ds.plan import sections
+from megatron_ds.plan.__main__ import main
+from megatron_ds.plan.inputs import QUESTIONS
+from megatron_ds.plan.report import Section
+from megatron_ds.plan.sections import PlannerSection
+
+ROOT = Path(__file__).resolve().parents[2]
+A100_1_3B = ["--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB"]
+
+
+def _echo(ctx) -> Section:
+    return Section("echo", "Echo", [f"layers {ctx.res.dims['num_layers']}"])
+
+
+@pytest.fixture
+def with_echo(monkeypatch):
+    """The registry with one more section, as a newcomer would add it: one entry and its builder."""
+    entry = PlannerSection("echo", ("model",), _echo, "repeats the model's depth")
+    monkeypatch.setattr(sections, "SECTIONS", (*sections.SECTIONS, entry))
+    return entry
+
+
+def test_every_entry_is_complete() -> None:
+    names = sections.names()
+    assert len(set(names)) == len(names) and sections.ALL not in names
+    for entry in sections.SECTIONS:
+        assert set(entry.needs) <= set(QUESTIONS), entry.name  # each need can be asked for
+        assert entry.help, entry.name
+    assert max(len(line) for line in sections.help_text().splitlines()) <= 80
+    assert sections.needs(sections.ALL) == list(dict.fromkeys(n for s in sections.SECTIONS for n in s.needs))
+
+
+def test_one_entry_adds_a_command_its_help_its_needs_and_its_place_in_all(with_echo, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert re.search(r"^  echo +repeats the model's depth$", capsys.readouterr().out, re.M)
+    assert main(["echo", "--model", "1.3b"]) == 0
+    out = capsys.readouterr().out
+    assert "== Echo ==\nlayers 24" in out and "== ZeRO stage ==" not in out
+    assert main(["echo"]) == 2
+    assert "`echo` needs more inputs: Which model?" in capsys.readouterr().err
+    assert main(A100_1_3B) == 0
+    assert capsys.readouterr().out.count("== Echo ==") == 1
+
+
+def test_the_usage_in_docs_names_the_registry() -> None:
+    doc = (ROOT / "docs" / "planner.md").read_text()
+    line = next(ln for ln in doc.splitlines() if ln.startswith("COMMAND: "))
+    assert line.split(":", 1)[1].split("(")[0].split() == " | ".join(sections.names()).split()
