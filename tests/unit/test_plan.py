@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
@@ -353,19 +352,6 @@ def test_memory_advice_for_the_seed_pattern(capsys) -> None:
     assert any(n.startswith("rebalance stages") for n in names) and "activation recomputation" in names
     costs = [c["cost_rank"] for c in sec["data"]["changes"]]
     assert costs == sorted(costs)
-
-
-def test_nvme_example_uses_only_methods_the_installed_handles_define() -> None:
-    import deepspeed
-
-    root = Path(deepspeed.__file__).parent / "ops" / "csrc"
-    aio = set(re.findall(r'\.def\(\s*"(\w+)"', (root / "aio/py_lib/py_ds_aio.cpp").read_text()))
-    gds = set(re.findall(r'\.def\(\s*"(\w+)"', (root / "gds/py_lib/py_ds_gds.cpp").read_text()))
-    compile(nvme.EXAMPLE_SCRIPT, "deepnvme_example.py", "exec")
-    aio_part, gds_part = nvme.EXAMPLE_SCRIPT.split("def cuda_tensors_with_gds_handle")
-    assert set(re.findall(r"handle\.(\w+)\(", aio_part)) <= aio
-    assert set(re.findall(r"handle\.(\w+)\(", gds_part)) <= gds
-    assert "intra_op_parallelism" in nvme.EXAMPLE_SCRIPT
 
 
 def test_nvme_handle_choice(capsys) -> None:
