@@ -6,97 +6,19 @@ predicted stage does not fit); 2 bad or missing input (one line on stderr, no tr
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from megatron_ds.errors import UserError
 from megatron_ds.plan import ds_json, sections
 from megatron_ds.plan.context import Context
-from megatron_ds.plan.hardware import GPUS, PRESETS, PlanError
-from megatron_ds.plan.inputs import CHOICES, PlanInputs, load_profile, resolve, save_profile
+from megatron_ds.plan.hardware import PlanError
+from megatron_ds.plan.inputs import PlanInputs, load_profile, resolve, save_profile
+from megatron_ds.plan.parser import Output, parse
 from megatron_ds.plan.report import Report, Section, render_json, render_text
 from megatron_ds.plan.sections import PlannerSection
 from megatron_ds.training import deepspeed_config
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise PlanError(f"{message}; see `python -m megatron_ds.plan --help`")
-
-
-@dataclass
-class Output:
-    format: str
-    write_config: str | None
-    write_command: bool
-    plot: str | None
-    profile: str | None
-    save_profile: str | None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="python -m megatron_ds.plan",
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the one line per section
-        description=f"DeepSpeed configuration advisor: python -m megatron_ds.plan [COMMAND] [flags].\n\n"
-        f"{sections.help_text()}",
-    )
-    g = p.add_argument_group("model")
-    g.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (or 1.3b, 175b, ...)")
-    for name in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "vocab-size", "ffn-hidden-size"):
-        g.add_argument(f"--{name}", type=int)
-    g = p.add_argument_group("hardware")
-    g.add_argument("--num-gpus", type=int)
-    g.add_argument("--gpus-per-node", type=int)
-    g.add_argument("--gpu", help=f"one of {', '.join(g.name for g in GPUS.values())}")
-    g.add_argument("--gpu-memory-gb", type=float)
-    g.add_argument("--compute-capability", help="MAJOR.MINOR, e.g. 8.0")
-    g.add_argument("--memory-headroom", type=float, help="fraction of GPU memory kept free (default 0.1)")
-    g.add_argument("--cpu-memory-gb", type=float, help="host memory per node, for offload")
-    g.add_argument("--interconnect", choices=CHOICES["interconnect"])
-    g.add_argument("--storage", choices=CHOICES["storage"])
-    g.add_argument("--tensor-device", choices=CHOICES["tensor_device"])
-    g = p.add_argument_group("training and fixed choices")
-    g.add_argument("--global-batch-size", type=int)
-    g.add_argument("--micro-batch-size", type=int)
-    g.add_argument("--zero-stage", type=int)
-    g.add_argument("--tensor-model-parallel-size", type=int)
-    g.add_argument("--pipeline-model-parallel-size", type=int)
-    g.add_argument("--precision", choices=CHOICES["precision"])
-    g.add_argument("--checkpoint-activations", action="store_const", const=True, default=None)
-    g.add_argument("--no-checkpoint-activations", dest="checkpoint_activations", action="store_const", const=False)
-    g.add_argument("--layout", choices=CHOICES["layout"], help="none, pre, post, both (dedicated stages) or memory")
-    g.add_argument("--reported-mb", help="observed memory: first=MB,middle=MB,last=MB or one MB value per stage")
-    g.add_argument("--oom-stage", type=int, help="the pipeline stage that ran out of memory")
-    g = p.add_argument_group("output")
-    g.add_argument("--format", choices=("text", "json"), default="text")
-    g.add_argument("--write-config", metavar="FILE", help="write the DeepSpeed JSON of the plan")
-    g.add_argument("--write-command", action="store_true", help="print the matching pretrain_gpt.py command")
-    g.add_argument("--plot", metavar="FILE.png", help="bar chart of predicted memory per stage (matplotlib)")
-    g.add_argument("--profile", metavar="FILE", help="reuse answers saved earlier")
-    g.add_argument("--save-profile", metavar="FILE", help="store the answers (and what was handled) for next time")
-    return p
-
-
-def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
-    argv = list(argv)
-    command = argv.pop(0) if argv and argv[0] in (*sections.names(), sections.ALL) else sections.ALL
-    ns = build_parser().parse_args(argv)
-    fields = {f for f in PlanInputs.__dataclass_fields__ if f != "handled"}
-    given = PlanInputs(**{k: v for k, v in vars(ns).items() if k in fields})
-    out = Output(
-        format=ns.format,
-        write_config=ns.write_config,
-        write_command=ns.write_command,
-        plot=ns.plot,
-        profile=ns.profile,
-        save_profile=ns.save_profile,
-    )
-    return command, given, out
 
 
 def _section_or_failure(entry: PlannerSection, ctx: Context) -> Section:

@@ -1,15 +1,19 @@
-"""The planner draws its sections from one registry (`plan/sections.py`)."""
+"""The planner's command line: sections from one registry (`plan/sections.py`), the flags it shares
+with pretrain_gpt.py from their declarations (`plan/parser.py`, `megatron_ds.flags`)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
-from megatron_ds.plan import sections
+from megatron_ds.flags import BY_NAME
+from megatron_ds.plan import parser, sections
 from megatron_ds.plan.__main__ import main
-from megatron_ds.plan.inputs import QUESTIONS
+from megatron_ds.plan.inputs import QUESTIONS, PlanInputs
 from megatron_ds.plan.report import Section
 from megatron_ds.plan.sections import PlannerSection
 
@@ -56,3 +60,37 @@ def test_the_usage_in_docs_names_the_registry() -> None:
     doc = (ROOT / "docs" / "planner.md").read_text()
     line = next(ln for ln in doc.splitlines() if ln.startswith("COMMAND: "))
     assert line.split(":", 1)[1].split("(")[0].split() == " | ".join(sections.names()).split()
+
+
+def _actions() -> dict[str, argparse.Action]:
+    return {o: a for a in parser.build_parser()._actions for o in a.option_strings}
+
+
+def test_training_flags_come_from_their_declarations() -> None:
+    actions, fields = _actions(), set(PlanInputs.__dataclass_fields__)
+    for name in parser.TRAINING_FLAGS:
+        flag, action = BY_NAME[name], actions[name]
+        assert action.help.startswith(flag.help) and action.default is None, name  # None: not given
+        assert action.dest == flag.attr and action.dest in fields, name
+        if flag.is_switch:
+            assert action.const == flag.const and action.nargs == 0, name
+        else:
+            assert action.type is flag.type and action.choices == flag.argparse_choices(), name
+
+
+def test_no_pretrain_gpt_flag_is_declared_again() -> None:
+    again = [o for o in _actions() if o in BY_NAME and o not in parser.TRAINING_FLAGS]
+    assert not again, f"draw these from megatron_ds.flags (parser.TRAINING_FLAGS): {again}"
+
+
+def test_a_declaration_change_reaches_the_planner(monkeypatch, capsys) -> None:
+    narrowed = dataclasses.replace(BY_NAME["--zero-stage"], choices=(0,), refused_values=())
+    monkeypatch.setitem(parser.BY_NAME, "--zero-stage", narrowed)
+    assert main(["zero", *A100_1_3B, "--zero-stage", "1"]) == 2
+    assert "argument --zero-stage: invalid choice: 1 (choose from 0)" in capsys.readouterr().err
+
+
+def test_a_value_outside_the_declared_choices_is_one_line(capsys) -> None:
+    assert main(["zero", *A100_1_3B, "--zero-stage", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --zero-stage: invalid choice: 5 (choose from 0, 1, 2, 3)" in err
