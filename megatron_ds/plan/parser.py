@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_ds.estimate.devices import DEVICES
 from megatron_ds.flags import BY_NAME
 from megatron_ds.pipeline.methods import planned_methods
 from megatron_ds.plan import sections
-from megatron_ds.plan.hardware import GPUS, PRESETS, PlanError
+from megatron_ds.plan.hardware import PRESETS, PlanError
 from megatron_ds.plan.inputs import CHOICES, PlanInputs
 
 _CHOSEN = "the planner chooses it when not given"
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("hardware")
     g.add_argument("--num-gpus", type=int)
     g.add_argument("--gpus-per-node", type=int)
-    g.add_argument("--gpu", help=f"one of {', '.join(g.name for g in GPUS.values())}")
+    g.add_argument("--gpu", help=f"one of {', '.join(d.name for d in DEVICES)}")
     g.add_argument("--gpu-memory-gb", type=float)
     g.add_argument("--compute-capability", help="MAJOR.MINOR, e.g. 8.0")
     g.add_argument("--memory-headroom", type=float, help="fraction of GPU memory kept free (default 0.1)")

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from importlib import metadata
 
+from megatron_ds.estimate.devices import architecture_of
 from megatron_ds.plan.context import Context
-from megatron_ds.plan.hardware import PlanError, architecture_of
+from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.report import Section, guide
 
