@@ -30,6 +30,7 @@ RUNS = {  # a planner run that prints each guide, every paragraph of it
     "nvme": ["nvme"],
     "onebit": ["onebit"],
     "precision": ["precision", "--gpu", "A100-80GB"],  # bf16: with its accumulation note
+    "zero": ["zero", "--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB"],
 }
 
 
