@@ -71,8 +71,8 @@ def onebit_section(ctx: Context) -> Section:
     sec = Section("onebit", "1-bit Adam / 0/1 Adam / 1-bit LAMB")
     shipped = installed_onebit()
     nodes, link = res.num_nodes, res.raw.interconnect
-    text = guide("onebit")
-    sec.add(text["what"])
+    prose = guide("onebit")
+    sec.add(prose["what"])
     verdict = _verdict(nodes, link, ctx)
     sec.add(f"Fit for this cluster: {verdict}")
     sec.add(
@@ -80,8 +80,8 @@ def onebit_section(ctx: Context) -> Section:
         f"  - the installed DeepSpeed {'ships' if shipped else 'does not ship' if shipped is False else '(not found)'} "
         f"them (looked for deepspeed/{ONEBIT_FILES[0]}); a OneBitAdam block would pass its config parser and "
         f"fail when the engine builds the optimizer.",
-        *(f"  - {text[key]}" for key in ("zero", "client-optimizer", "backend")),
-        text["tuning"],
+        *(f"  - {prose[key]}" for key in ("zero", "client-optimizer", "backend")),
+        prose["tuning"],
     )
     for name, text in snippets(res.lr or 1e-4, EXAMPLE_FREEZE_STEP).items():
         sec.snippets[name] = text
