@@ -1,5 +1,5 @@
 """The planner's command line: sections from one registry (`plan/sections.py`), the flags it shares
-with pretrain_gpt.py from their declarations (`plan/parser.py`, `megatron_ds.flags`)."""
+with pretrain_gpt.py from their declarations (`plan/command_line.py`, `megatron_ds.flags`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ds.flags import BY_NAME
-from megatron_ds.plan import parser, sections
+from megatron_ds.plan import command_line, sections
 from megatron_ds.plan.__main__ import main
 from megatron_ds.plan.inputs import QUESTIONS, PlanInputs
 from megatron_ds.plan.report import Section
@@ -63,12 +63,12 @@ def test_the_usage_in_docs_names_the_registry() -> None:
 
 
 def _actions() -> dict[str, argparse.Action]:
-    return {o: a for a in parser.build_parser()._actions for o in a.option_strings}
+    return {o: a for a in command_line.build_parser()._actions for o in a.option_strings}
 
 
 def test_training_flags_come_from_their_declarations() -> None:
     actions, fields = _actions(), set(PlanInputs.__dataclass_fields__)
-    for name in parser.TRAINING_FLAGS:
+    for name in command_line.TRAINING_FLAGS:
         flag, action = BY_NAME[name], actions[name]
         assert action.help.startswith(flag.help) and action.default is None, name  # None: not given
         assert action.dest == flag.attr and action.dest in fields, name
@@ -79,13 +79,13 @@ def test_training_flags_come_from_their_declarations() -> None:
 
 
 def test_no_pretrain_gpt_flag_is_declared_again() -> None:
-    again = [o for o in _actions() if o in BY_NAME and o not in parser.TRAINING_FLAGS]
-    assert not again, f"draw these from megatron_ds.flags (parser.TRAINING_FLAGS): {again}"
+    again = [o for o in _actions() if o in BY_NAME and o not in command_line.TRAINING_FLAGS]
+    assert not again, f"draw these from megatron_ds.flags (command_line.TRAINING_FLAGS): {again}"
 
 
 def test_a_declaration_change_reaches_the_planner(monkeypatch, capsys) -> None:
     narrowed = dataclasses.replace(BY_NAME["--zero-stage"], choices=(0,), refused_values=())
-    monkeypatch.setitem(parser.BY_NAME, "--zero-stage", narrowed)
+    monkeypatch.setitem(command_line.BY_NAME, "--zero-stage", narrowed)
     assert main(["zero", *A100_1_3B, "--zero-stage", "1"]) == 2
     assert "argument --zero-stage: invalid choice: 1 (choose from 0)" in capsys.readouterr().err
 
