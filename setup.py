@@ -10,6 +10,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_ds", "megatron_ds.*"]),
+    # The planner's fixed prose and example programs, printed from the installed files.
+    package_data={"megatron_ds.plan": ["guides/*.txt", "guides/*.py"]},
     py_modules=["pretrain_gpt"],
     install_requires=[
         "torch>=2.3",

@@ -3,7 +3,7 @@
 
 Runs `pretrain_gpt.py` once per layout with `torchrun`, one rank per GPU, `--mock-data`, and reads
 what its log line prints (`training/logger.py`: Megatron-LM's `throughput per GPU (TFLOP/s/GPU)`
-from `estimate.compute.model_flops_per_iteration`, MFU against `estimate/device_peaks.py` or
+from `estimate.compute.model_flops_per_iteration`, MFU against `estimate/devices.py` or
 `--peak-tflops`). The figure of a layout is the median over the log windows after the first (the
 first holds start-up and the memory report's profiled steps).
 
@@ -144,7 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--pp-memory-limit", help="for `fastest` (default: the GPU's memory; required with --cpu)")
-    p.add_argument("--peak-tflops", type=float, help="for MFU when the device is not in estimate/device_peaks.py")
+    p.add_argument("--peak-tflops", type=float, help="for MFU when the device is not in estimate/devices.py")
     p.add_argument("--cpu", action="store_true", help="run on CPU ranks (gloo): a smoke test, not a measurement")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     args = p.parse_args(argv)

@@ -61,7 +61,7 @@ class LoggingConfig:
     """Write the world size (`--log-world-size-to-tensorboard`)."""
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device for the log line's MFU (`--peak-tflops`); None: looked up by device
-    name and precision (`estimate.device_peaks`), no MFU when unknown."""
+    name and precision (`estimate.devices`), no MFU when unknown."""
 
     def __post_init__(self) -> None:
         at_least("--log-interval", self.log_interval, 1)

@@ -11,8 +11,8 @@ DeepSpeed (tests/unit/test_import_layers.py enforces it). What measures lives in
     layout_costs.py, run_layout.py, fit_advice.py
                             the costs a partition method needs; the layout a config asks for; what
                             would make it fit
-    machine.py, device_peaks.py
-                            the device facts handed down; peak FLOP/s of common GPUs
+    machine.py, devices.py  the device facts handed down; the GPU table (memory, compute
+                            capability, peak FLOP/s) of common GPUs
 
 Used by the layout methods that balance memory or time, by `--print-layout`'s predictions, and by
 the planner (`megatron_ds.plan`). Import the modules themselves; this file imports nothing.

@@ -1,18 +1,109 @@
-"""What would make a run fit when no split of its layers does: the memory model asked again with
-more pipeline stages, with activation recomputation, and with ZeRO-1. Pure: no torch.
+"""What would make a run fit: the changes that lower the fullest stage's memory, each with its
+flags and its cost, and the memory model asked again with each. Pure: no torch.
 
-Used by `--pp-partition-method fastest` / `profile` (`run_layout.build_run_layout`) to finish its
-one-line error.
+Two askers read the same changes:
+
+- `fit_advice`, the one-line ending of `--pp-partition-method fastest` / `profile`'s error when no
+  split of the layers fits (`run_layout.build_run_layout`): the smallest larger P, recomputation
+  or ZeRO-1, each with the least largest stage any split reaches (exact).
+- `ranked_changes`, the planner's `memory` section (`plan/memory_advice.py` renders it): every
+  change that applies to a configuration, with its saving on the fullest stage under the layout
+  the changed configuration gets, cheapest first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from megatron_ds.estimate.memory_inputs import MemoryInputs
-from megatron_ds.estimate.memory_model import stage_memory_for
+from megatron_ds.estimate.memory_model import stage_memory, stage_memory_for
 from megatron_ds.pipeline.balance import minimax_split
+from megatron_ds.pipeline.layout import Layout, LayoutError
 from megatron_ds.units import format_bytes
+
+LayoutFor = Callable[[MemoryInputs, str], Layout]
+"""The layout a layout method (a planner `--layout` choice) gives a configuration; raises LayoutError."""
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """A change to the configuration that may lower the fullest stage's memory."""
+
+    name: str
+    cost: str
+    cost_rank: int
+    """0: no throughput cost, 1: some, 2: large (the order the planner lists them in)."""
+    change: Callable[[MemoryInputs], MemoryInputs | None]
+    """The changed configuration; None where the change does not apply."""
+    flags: Callable[[MemoryInputs], str]
+    """How to ask for it, given the changed configuration."""
+    same_layout: bool = False
+    """True: the stage split stays as it is (moving states off the GPU moves no layer)."""
+
+
+@dataclass(frozen=True)
+class Change:
+    """A remedy applied to one configuration: its predicted saving on the fullest stage (bytes)."""
+
+    name: str
+    flags: str
+    saving: float
+    cost: str
+    cost_rank: int
+
+
+def _halved(inputs: MemoryInputs) -> MemoryInputs | None:
+    """Half the micro-batch, twice the micro-batches: the same samples per step when they divide."""
+    half, samples = inputs.micro_batch_size // 2, inputs.micro_batch_size * inputs.num_micro_batches
+    if not half or samples % half:
+        return None
+    return dataclasses.replace(inputs, micro_batch_size=half, num_micro_batches=samples // half)
+
+
+ZERO_1 = Remedy(
+    "ZeRO-1",
+    "same communication volume as data parallelism (ZeRO paper Sec. 7)",
+    0,
+    lambda i: dataclasses.replace(i, zero_stage=1) if i.zero_stage == 0 and i.data_parallel_size > 1 else None,
+    lambda i: "--zero-stage 1",
+)
+RECOMPUTE = Remedy(
+    "activation recomputation",
+    "about one extra forward per layer, ~1/3 more compute (Korthikanti et al. 2022)",
+    1,
+    lambda i: None if i.checkpoint_activations else dataclasses.replace(i, checkpoint_activations=True),
+    lambda i: "--checkpoint-activations",
+)
+HALVE_MICRO_BATCH = Remedy(
+    "halve the micro-batch",
+    "smaller matrix multiplies (lower GPU efficiency); twice the micro-batches, which shrinks the bubble",
+    1,
+    _halved,
+    lambda i: f"--micro-batch-size {i.micro_batch_size}",
+)
+OFFLOAD_OPTIMIZER = Remedy(
+    "offload optimizer states to CPU",
+    "PCIe traffic every step and a CPU optimizer step (torch AdamW on CPU unless the engine switches "
+    "to DeepSpeedCPUAdam); needs host memory",
+    2,
+    lambda i: dataclasses.replace(i, zero_stage=max(1, i.zero_stage), offload_optimizer="cpu"),
+    lambda i: "zero_optimization.offload_optimizer.device=cpu, zero_force_ds_cpu_optimizer=false",
+    same_layout=True,
+)
+ONE_BIT = Remedy(
+    "1-bit Adam / 0/1 Adam / 1-bit LAMB",
+    "no memory saving: they compress gradient communication and keep Adam's states plus error-"
+    "feedback buffers; not in the installed DeepSpeed and incompatible with ZeRO (see `onebit`)",
+    2,
+    lambda i: i,  # listed because it is often suggested: the memory model finds nothing to save
+    lambda i: "optimizer type OneBitAdam etc.",
+    same_layout=True,
+)
+REMEDIES: tuple[Remedy, ...] = (ZERO_1, RECOMPUTE, HALVE_MICRO_BATCH, OFFLOAD_OPTIMIZER, ONE_BIT)
+"""In the order equal-cost changes are listed."""
+REBALANCE_COST = "none in memory or communication; stage times become unequal"
 
 
 def least_memory(inputs: MemoryInputs, num_stages: int) -> float:
@@ -31,17 +122,58 @@ def fit_advice(inputs: MemoryInputs, num_stages: int, limit: float) -> str:
         if need <= limit:
             found.append(f"--pipeline-model-parallel-size {p} ({format_bytes(need)} on its largest stage)")
             break
-    if not inputs.checkpoint_activations:
-        need = least_memory(dataclasses.replace(inputs, checkpoint_activations=True), num_stages)
-        if need <= limit:
-            found.append(f"--checkpoint-activations ({format_bytes(need)})")
-    if inputs.zero_stage == 0 and inputs.data_parallel_size > 1:
-        need = least_memory(dataclasses.replace(inputs, zero_stage=1), num_stages)
-        if need <= limit:
-            found.append(f"--zero-stage 1 ({format_bytes(need)})")
+    for remedy in (RECOMPUTE, ZERO_1):
+        changed = remedy.change(inputs)
+        if changed is not None:
+            need = least_memory(changed, num_stages)
+            if need <= limit:
+                found.append(f"{remedy.flags(changed)} ({format_bytes(need)})")
     if found:
         return "it would fit with " + ", or ".join(found)
     return (
         f"no larger --pipeline-model-parallel-size (up to {max_stages}), recomputation or ZeRO-1 makes it fit; "
         f"lower --micro-batch-size or raise --pp-memory-limit"
     )
+
+
+def _peak(inputs: MemoryInputs, layout: Layout) -> float:
+    return max(s.total for s in stage_memory(inputs, layout))
+
+
+def _rebuilt_peak(inputs: MemoryInputs, method: str, layout_for: LayoutFor) -> tuple[float, Layout] | None:
+    """The fullest stage under the layout `method` gives `inputs`; None when there is none."""
+    try:
+        layout = layout_for(inputs, method)
+        return _peak(inputs, layout), layout
+    except (LayoutError, ValueError, ZeroDivisionError):  # an impossible configuration saves nothing
+        return None
+
+
+def ranked_changes(
+    inputs: MemoryInputs,
+    layout: Layout,
+    method: str,
+    layout_for: LayoutFor,
+    rebalance: Sequence[str] = (),
+    rebalance_flags: Callable[[str, Layout], str] = lambda method, layout: method,
+) -> list[Change]:
+    """Every change that applies to the configuration `inputs` laid out as `layout` by `method`,
+    cheapest first (cost rank, then the larger saving): the other layout methods in `rebalance`
+    that lower the fullest stage (their flags from `rebalance_flags`), then each of `REMEDIES`."""
+    base, found = _peak(inputs, layout), []
+    for other in rebalance:
+        rebuilt = None if other == method else _rebuilt_peak(inputs, other, layout_for)
+        if rebuilt is not None and base - rebuilt[0] > 0:
+            name, flags = f"rebalance stages ({other})", rebalance_flags(other, rebuilt[1])
+            found.append(Change(name, flags, base - rebuilt[0], REBALANCE_COST, 0))
+    for remedy in REMEDIES:
+        changed = remedy.change(inputs)
+        if changed is None:
+            continue
+        if remedy.same_layout:
+            saving = base - _peak(changed, layout)
+        else:
+            rebuilt = _rebuilt_peak(changed, method, layout_for)
+            saving = 0.0 if rebuilt is None else base - rebuilt[0]
+        found.append(Change(remedy.name, remedy.flags(changed), saving, remedy.cost, remedy.cost_rank))
+    return sorted(found, key=lambda c: (c.cost_rank, -c.saving))

@@ -6,131 +6,28 @@ predicted stage does not fit); 2 bad or missing input (one line on stderr, no tr
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from megatron_ds.errors import UserError
-from megatron_ds.plan import ds_json
+from megatron_ds.plan import ds_json, sections
+from megatron_ds.plan.command_line import Output, parse
 from megatron_ds.plan.context import Context
-from megatron_ds.plan.hardware import GPUS, PRESETS, PlanError
-from megatron_ds.plan.inputs import CHOICES, PlanInputs, load_profile, resolve, save_profile
+from megatron_ds.plan.hardware import PlanError
+from megatron_ds.plan.inputs import PlanInputs, load_profile, resolve, save_profile
 from megatron_ds.plan.report import Report, Section, render_json, render_text
+from megatron_ds.plan.sections import PlannerSection
 from megatron_ds.training import deepspeed_config
 
-COMMANDS = ("zero", "precision", "pipeline", "memory", "nvme", "onebit", "sparse-attention")
-NEEDS = {
-    "zero": ["model", "num_gpus", "gpu_memory"],
-    "precision": ["compute_capability"],
-    "pipeline": ["model", "num_gpus", "gpu_memory", "global_batch_size"],
-    "memory": ["model", "num_gpus", "gpu_memory", "global_batch_size"],
-    "nvme": [],
-    "onebit": [],
-    "sparse-attention": ["model"],
-}
-NEEDS["all"] = list(dict.fromkeys(n for c in COMMANDS for n in NEEDS[c]))
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise PlanError(f"{message}; see `python -m megatron_ds.plan --help`")
-
-
-@dataclass
-class Output:
-    format: str
-    write_config: str | None
-    write_command: bool
-    plot: str | None
-    profile: str | None
-    save_profile: str | None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="python -m megatron_ds.plan",
-        allow_abbrev=False,
-        description=f"DeepSpeed configuration advisor. COMMAND is one of {', '.join(COMMANDS)}; "
-        f"without one, all of them run.",
-    )
-    g = p.add_argument_group("model")
-    g.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (or 1.3b, 175b, ...)")
-    for name in ("num-layers", "hidden-size", "num-attention-heads", "seq-length", "vocab-size", "ffn-hidden-size"):
-        g.add_argument(f"--{name}", type=int)
-    g = p.add_argument_group("hardware")
-    g.add_argument("--num-gpus", type=int)
-    g.add_argument("--gpus-per-node", type=int)
-    g.add_argument("--gpu", help=f"one of {', '.join(g.name for g in GPUS.values())}")
-    g.add_argument("--gpu-memory-gb", type=float)
-    g.add_argument("--compute-capability", help="MAJOR.MINOR, e.g. 8.0")
-    g.add_argument("--memory-headroom", type=float, help="fraction of GPU memory kept free (default 0.1)")
-    g.add_argument("--cpu-memory-gb", type=float, help="host memory per node, for offload")
-    g.add_argument("--interconnect", choices=CHOICES["interconnect"])
-    g.add_argument("--storage", choices=CHOICES["storage"])
-    g.add_argument("--tensor-device", choices=CHOICES["tensor_device"])
-    g = p.add_argument_group("training and fixed choices")
-    g.add_argument("--global-batch-size", type=int)
-    g.add_argument("--micro-batch-size", type=int)
-    g.add_argument("--zero-stage", type=int)
-    g.add_argument("--tensor-model-parallel-size", type=int)
-    g.add_argument("--pipeline-model-parallel-size", type=int)
-    g.add_argument("--precision", choices=CHOICES["precision"])
-    g.add_argument("--checkpoint-activations", action="store_const", const=True, default=None)
-    g.add_argument("--no-checkpoint-activations", dest="checkpoint_activations", action="store_const", const=False)
-    g.add_argument("--layout", choices=CHOICES["layout"], help="none, pre, post, both (dedicated stages) or memory")
-    g.add_argument("--reported-mb", help="observed memory: first=MB,middle=MB,last=MB or one MB value per stage")
-    g.add_argument("--oom-stage", type=int, help="the pipeline stage that ran out of memory")
-    g = p.add_argument_group("output")
-    g.add_argument("--format", choices=("text", "json"), default="text")
-    g.add_argument("--write-config", metavar="FILE", help="write the DeepSpeed JSON of the plan")
-    g.add_argument("--write-command", action="store_true", help="print the matching pretrain_gpt.py command")
-    g.add_argument("--plot", metavar="FILE.png", help="bar chart of predicted memory per stage (matplotlib)")
-    g.add_argument("--profile", metavar="FILE", help="reuse answers saved earlier")
-    g.add_argument("--save-profile", metavar="FILE", help="store the answers (and what was handled) for next time")
-    return p
-
-
-def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
-    argv = list(argv)
-    command = argv.pop(0) if argv and argv[0] in (*COMMANDS, "all") else "all"
-    ns = build_parser().parse_args(argv)
-    fields = {f for f in PlanInputs.__dataclass_fields__ if f != "handled"}
-    given = PlanInputs(**{k: v for k, v in vars(ns).items() if k in fields})
-    out = Output(
-        format=ns.format,
-        write_config=ns.write_config,
-        write_command=ns.write_command,
-        plot=ns.plot,
-        profile=ns.profile,
-        save_profile=ns.save_profile,
-    )
-    return command, given, out
-
-
-def _sections(command: str) -> list[tuple[str, Callable[[Context], Section]]]:
-    from megatron_ds.plan import memory_advice, nvme, onebit, pipeline_plan, precision, sparse_attention, zero
-
-    table = {
-        "zero": zero.zero_section,
-        "precision": lambda ctx: precision.precision_section(ctx.res, ctx.precision, ctx.precision_reason),
-        "pipeline": pipeline_plan.pipeline_section,
-        "memory": memory_advice.memory_section,
-        "nvme": lambda ctx: nvme.nvme_section(ctx.res),
-        "onebit": onebit.onebit_section,
-        "sparse-attention": lambda ctx: sparse_attention.sparse_attention_section(ctx.res),
-    }
-    return [(c, table[c]) for c in (COMMANDS if command == "all" else (command,))]
-
-
-def _section_or_failure(name: str, make: Callable[[Context], Section], ctx: Context) -> Section:
+def _section_or_failure(entry: PlannerSection, ctx: Context) -> Section:
     """In the all-commands run one workflow that cannot answer must not hide the others."""
     try:
-        return make(ctx)
+        return entry.build(ctx)
     except PlanError as exc:
-        sec = Section(name, f"{name}: no answer", [f"Not produced: {exc}"])
-        sec.check(False, f"{name}: {exc}")
+        sec = Section(entry.name, f"{entry.name}: no answer", [f"Not produced: {exc}"])
+        sec.check(False, f"{entry.name}: {exc}")
         return sec
 
 
@@ -140,16 +37,16 @@ def run(command: str, given: PlanInputs, out: Output) -> tuple[Report, int]:
 
     inputs = given.merged_over(load_profile(out.profile)) if out.profile else given
     res = resolve(inputs)
-    res.require(NEEDS[command], f"`{command}`")
+    res.require(sections.needs(command), f"`{command}`")
     if out.save_profile:
         save_profile(out.save_profile, inputs, [])
     ctx = Context(res, *choose_precision(res))
-    makers = _sections(command)
-    if command == "all":
-        sections = [_section_or_failure(name, make, ctx) for name, make in makers]
+    chosen = sections.selected(command)
+    if command == sections.ALL:
+        built = [_section_or_failure(entry, ctx) for entry in chosen]
     else:
-        sections = [makers[0][1](ctx)]
-    report = Report(sections=sections, inputs=inputs.answers())
+        built = [chosen[0].build(ctx)]
+    report = Report(sections=built, inputs=inputs.answers())
     if out.profile and inputs.handled:
         report.notes.append(f"Profile {out.profile}: answers reused; handled before: {', '.join(inputs.handled)}.")
     extras = _outputs(ctx, report, out)

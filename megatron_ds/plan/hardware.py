@@ -1,7 +1,7 @@
-"""Known GPUs and GPT model presets: the facts the planner starts from.
+"""The facts the planner starts from: the `--gpu` lookup in the GPU table (`estimate/devices.py`)
+and the GPT model presets.
 
-GPU memory is the vendor's marketed capacity, treated as GiB; compute capabilities are NVIDIA's
-(developer.nvidia.com/cuda-gpus). Model presets are the GPT-3 family of Brown et al. 2020,
+Model presets are the GPT-3 family of Brown et al. 2020,
 "Language Models are Few-Shot Learners", Table 2.1 (layers, width, batch size, learning rate),
 with the head counts Megatron-DeepSpeed's GPT-3 example scripts use (hidden size divisible by
 heads: 1.3B uses 16 heads, 13B uses width 5120), sequence length 2048 and the GPT-2 BPE
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megatron_ds.config import DataConfig, ModelConfig, padded_vocab_size
 from megatron_ds.errors import UserError
+from megatron_ds.estimate.devices import DEVICES, Device, find_named
 
 GPT2_VOCAB_SIZE = 50257
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = DataConfig.make_vocab_size_divisible_by  # pretrain_gpt.py's default
@@ -23,54 +24,15 @@ class PlanError(UserError):
     """A planner input that cannot be used; the message names the flag, the value and the fix."""
 
 
-@dataclass(frozen=True)
-class GPU:
-    """One GPU model."""
-
-    name: str
-    memory_gb: float
-    compute_capability: str
-    architecture: str
-
-    @property
-    def cc(self) -> tuple[int, int]:
-        return parse_compute_capability(self.compute_capability, "--gpu")
-
-
-GPUS = {
-    g.name.lower(): g
-    for g in (
-        GPU("P100-16GB", 16, "6.0", "Pascal"),
-        GPU("V100-16GB", 16, "7.0", "Volta"),
-        GPU("V100-32GB", 32, "7.0", "Volta"),
-        GPU("T4", 16, "7.5", "Turing"),
-        GPU("A10", 24, "8.6", "Ampere"),
-        GPU("A30", 24, "8.0", "Ampere"),
-        GPU("A40", 48, "8.6", "Ampere"),
-        GPU("A100-40GB", 40, "8.0", "Ampere"),
-        GPU("A100-80GB", 80, "8.0", "Ampere"),
-        GPU("RTX-3090", 24, "8.6", "Ampere"),
-        GPU("RTX-A6000", 48, "8.6", "Ampere"),
-        GPU("RTX-4090", 24, "8.9", "Ada Lovelace"),
-        GPU("L4", 24, "8.9", "Ada Lovelace"),
-        GPU("L40S", 48, "8.9", "Ada Lovelace"),
-        GPU("H100-80GB", 80, "9.0", "Hopper"),
-        GPU("H200", 141, "9.0", "Hopper"),
-    )
-}
-
-
-def find_gpu(name: str) -> GPU:
-    """Case-insensitive exact name, or a unique prefix (`h100` -> H100-80GB)."""
-    key = name.lower().replace("_", "-").replace(" ", "-")
-    if key in GPUS:
-        return GPUS[key]
-    hits = [g for k, g in GPUS.items() if k.startswith(key)]
+def find_gpu(name: str) -> Device:
+    """The `--gpu` device (`estimate/devices.py`): a case-insensitive name or alias, or a unique prefix
+    (`h100-8` -> H100-80GB)."""
+    hits = find_named(name)
     if len(hits) == 1:
         return hits[0]
-    known = ", ".join(g.name for g in GPUS.values())
     if hits:
-        raise PlanError(f"--gpu {name!r} matches {', '.join(g.name for g in hits)}; give the full name")
+        raise PlanError(f"--gpu {name!r} matches {', '.join(d.name for d in hits)}; give the full name")
+    known = ", ".join(d.name for d in DEVICES)
     raise PlanError(
         f"--gpu {name!r} is not in the table ({known}); give --gpu-memory-gb and --compute-capability instead"
     )
@@ -81,17 +43,6 @@ def parse_compute_capability(text: str, flag: str = "--compute-capability") -> t
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         raise PlanError(f"{flag} {text!r} is not MAJOR.MINOR (e.g. 8.0 for A100, 9.0 for H100); fix the value")
     return int(parts[0]), int(parts[1])
-
-
-def architecture_of(cc: tuple[int, int]) -> str:
-    """NVIDIA's architecture name for a compute capability."""
-    major, minor = cc
-    if major >= 10:
-        return "Blackwell or newer"
-    names = {6: "Pascal", 7: "Turing" if minor >= 5 else "Volta", 9: "Hopper"}
-    if major == 8:
-        return "Ada Lovelace" if minor >= 9 else "Ampere"
-    return names.get(major, "pre-Pascal")
 
 
 @dataclass(frozen=True)

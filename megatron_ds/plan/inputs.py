@@ -151,7 +151,12 @@ class Resolved:
             "compute_capability": self.cc is not None,
             "global_batch_size": self.global_batch_size is not None,
         }
-        return [QUESTIONS[n] for n in needs if not have[n]]
+        return [self._question(n) for n in needs if not have[n]]
+
+    def _question(self, need: str) -> str:
+        if need == "gpu_memory" and self.gpu_name is not None:  # a table row without a memory figure
+            return f"How much memory has one {self.gpu_name}? (--gpu-memory-gb; estimate/devices.py has no figure)"
+        return QUESTIONS[need]
 
     def require(self, needs: list[str], what: str) -> None:
         questions = self.missing(needs)
@@ -247,7 +252,7 @@ def _gpu(raw: PlanInputs) -> tuple[str | None, float | None, tuple[int, int] | N
             if raw.gpu_memory_gb is None:
                 raise
             return raw.gpu, raw.gpu_memory_gb, cc  # a GPU not in the table, described by the user
-        return gpu.name, raw.gpu_memory_gb or gpu.memory_gb, cc or gpu.cc
+        return gpu.name, raw.gpu_memory_gb or gpu.memory_gb, cc or gpu.compute_capability
     return None, raw.gpu_memory_gb, cc
 
 

@@ -1,15 +1,17 @@
 """`memory`: from a reported out-of-memory or per-stage memory pattern to the likely cause and an
-ordered list of changes, each with its predicted saving on the fullest stage and its cost."""
+ordered list of changes, each with its predicted saving on the fullest stage and its cost.
+
+The changes, their costs and their savings are `estimate.fit_advice.ranked_changes`; this module
+reads the report, picks the configuration and renders the section."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
-from megatron_ds.estimate.memory_inputs import StageMemory
-from megatron_ds.estimate.memory_model import stage_memory
+from megatron_ds.estimate.fit_advice import Change, ranked_changes
+from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
 from megatron_ds.pipeline import methods as partition_methods
-from megatron_ds.pipeline.layout import LayoutError
+from megatron_ds.pipeline.layout import Layout
 from megatron_ds.plan import search
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
@@ -17,15 +19,6 @@ from megatron_ds.plan.report import Section
 from megatron_ds.units import format_bytes
 
 END_HEAVY = 1.15  # first/last stage this much above the middle ones counts as the seed's pattern
-
-
-@dataclass(frozen=True)
-class Change:
-    name: str
-    flags: str
-    saving: float
-    cost: str
-    cost_rank: int  # 0: no throughput cost, 1: some, 2: large
 
 
 def parse_reported(text: str, num_stages: int | None) -> dict[str, float]:
@@ -82,8 +75,6 @@ def current(ctx: Context) -> search.Candidate:
 
 
 def memory_section(ctx: Context) -> Section:
-    res = ctx.res
-    res.require(["model", "num_gpus", "gpu_memory", "global_batch_size"], "`memory`")
     sec = Section("memory", "Memory diagnosis")
     now = current(ctx)
     stages = list(now.stages)
@@ -93,7 +84,7 @@ def memory_section(ctx: Context) -> Section:
         f"{now.layout.to_string()}."
     )
     _diagnose(ctx, sec, stages)
-    changes = sorted(_changes(ctx, now), key=lambda c: (c.cost_rank, -c.saving))
+    changes = _changes(ctx, now)
     sec.add("Changes, cheapest first, with the predicted saving on the fullest stage (estimates):")
     for i, c in enumerate(changes, 1):
         saving = (
@@ -159,99 +150,18 @@ def _diagnose(ctx: Context, sec: Section, stages: list[StageMemory]) -> None:
         )
 
 
-def _peak(ctx: Context, now: search.Candidate, **changes) -> search.Candidate | None:
-    vals = {
-        "tp": now.tp,
-        "pp": now.pp,
-        "mb": now.micro_batch_size,
-        "zero": now.zero_stage,
-        "precision": now.precision,
-        "ckpt": now.checkpoint_activations,
-        "method": now.method,
-        **changes,
-    }
-    try:
-        return search.evaluate(ctx.res, **vals)
-    except (LayoutError, ValueError, ZeroDivisionError):
-        return None
-
-
-def _saving(base: float, cand: search.Candidate | None) -> float:
-    return 0.0 if cand is None else base - cand.peak.total
-
-
 def _changes(ctx: Context, now: search.Candidate) -> list[Change]:
-    base, out = now.peak.total, []
-    if now.pp > 1:
-        for method in (*partition_methods.planned_methods(), "both"):
-            cand = _peak(ctx, now, method=method)
-            if cand is None or method == now.method or _saving(base, cand) <= 0:
-                continue
-            flags = search.layout_flag(method, cand.layout)
-            if "partition_method" in search.layout_options(method):
-                flags += f" (--pp-partition-method {method})"
-            out.append(
-                Change(
-                    f"rebalance stages ({method})",
-                    flags,
-                    _saving(base, cand),
-                    "none in memory or communication; stage times become unequal",
-                    0,
-                )
-            )
-    if now.zero_stage == 0 and now.dp > 1:
-        out.append(
-            Change(
-                "ZeRO-1",
-                "--zero-stage 1",
-                _saving(base, _peak(ctx, now, zero=1)),
-                "same communication volume as data parallelism (ZeRO paper Sec. 7)",
-                0,
-            )
-        )
-    if not now.checkpoint_activations:
-        out.append(
-            Change(
-                "activation recomputation",
-                "--checkpoint-activations",
-                _saving(base, _peak(ctx, now, ckpt=True)),
-                "about one extra forward per layer, ~1/3 more compute (Korthikanti et al. 2022)",
-                1,
-            )
-        )
-    half = now.micro_batch_size // 2
-    if half and ctx.res.global_batch_size % (half * now.dp) == 0:
-        out.append(
-            Change(
-                "halve the micro-batch",
-                f"--micro-batch-size {half}",
-                _saving(base, _peak(ctx, now, mb=half)),
-                "smaller matrix multiplies (lower GPU efficiency); twice the micro-batches, which shrinks the bubble",
-                1,
-            )
-        )
-    out.append(_offload_change(ctx, now))
-    out.append(
-        Change(
-            "1-bit Adam / 0/1 Adam / 1-bit LAMB",
-            "optimizer type OneBitAdam etc.",
-            0.0,
-            "no memory saving: they compress gradient communication and keep Adam's states plus error-"
-            "feedback buffers; not in the installed DeepSpeed and incompatible with ZeRO (see `onebit`)",
-            2,
-        )
-    )
-    return out
+    """`estimate.fit_advice`'s changes for this configuration, laid out as the planner lays it out."""
+
+    def layout_for(inputs: MemoryInputs, method: str) -> Layout:
+        return search.layout_for(ctx.res, now.tp, now.pp, method, inputs)
+
+    rebalance = (*partition_methods.planned_methods(), "both") if now.pp > 1 else ()
+    return ranked_changes(now.inputs, now.layout, now.method, layout_for, rebalance, _layout_flags)
 
 
-def _offload_change(ctx: Context, now: search.Candidate) -> Change:
-    inputs = dataclasses.replace(now.inputs, zero_stage=max(1, now.zero_stage), offload_optimizer="cpu")
-    new = max(s.total for s in stage_memory(inputs, now.layout))
-    return Change(
-        "offload optimizer states to CPU",
-        "zero_optimization.offload_optimizer.device=cpu, zero_force_ds_cpu_optimizer=false",
-        now.peak.total - new,
-        "PCIe traffic every step and a CPU optimizer step (torch AdamW on CPU unless the engine switches "
-        "to DeepSpeedCPUAdam); needs host memory",
-        2,
-    )
+def _layout_flags(method: str, layout: Layout) -> str:
+    flags = search.layout_flag(method, layout)
+    if "partition_method" in search.layout_options(method):
+        flags += f" (--pp-partition-method {method})"
+    return flags

@@ -6,6 +6,7 @@ clusters), up to 26x for 0/1 Adam on BERT-large, up to 4.6x for 1-bit LAMB; the 
 PyTorch >= 1.8 (NCCL >= 2.8.3 at 64+ GPUs); the MPI backend does not work with pipeline
 parallelism; convergence was verified with fp16 mixed precision; frequent checkpoint loading can
 hurt convergence. DeepSpeed asserts that 1-bit optimizers are not used with ZeRO (PR #1169).
+The fixed paragraphs are `guides/onebit.txt`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import os
 
 from megatron_ds.plan.context import Context
-from megatron_ds.plan.report import Section
+from megatron_ds.plan.report import Section, guide
 
 EXAMPLE_FREEZE_STEP = 1000  # the value in DeepSpeed's config-json examples; tune it (see the text)
 ONEBIT_FILES = ("runtime/fp16/onebit/adam.py", "runtime/fp16/onebit/zoadam.py", "runtime/fp16/onebit/lamb.py")
@@ -70,12 +71,8 @@ def onebit_section(ctx: Context) -> Section:
     sec = Section("onebit", "1-bit Adam / 0/1 Adam / 1-bit LAMB")
     shipped = installed_onebit()
     nodes, link = res.num_nodes, res.raw.interconnect
-    sec.add(
-        "What they do: after `freeze_step` uncompressed warm-up steps they freeze Adam's variance and "
-        "communicate the momentum compressed to 1 bit per element with error feedback: up to 5x less "
-        "communication volume for 1-bit Adam (DeepSpeed tutorial; 26x for 0/1 Adam on BERT-large, 4.6x for "
-        "1-bit LAMB). They save no memory: Adam's states stay and error-feedback buffers are added."
-    )
+    prose = guide("onebit")
+    sec.add(prose["what"])
     verdict = _verdict(nodes, link, ctx)
     sec.add(f"Fit for this cluster: {verdict}")
     sec.add(
@@ -83,16 +80,8 @@ def onebit_section(ctx: Context) -> Section:
         f"  - the installed DeepSpeed {'ships' if shipped else 'does not ship' if shipped is False else '(not found)'} "
         f"them (looked for deepspeed/{ONEBIT_FILES[0]}); a OneBitAdam block would pass its config parser and "
         f"fail when the engine builds the optimizer.",
-        "  - ZeRO: DeepSpeed asserts 1-bit optimizers run without ZeRO, so ZeRO-1's optimizer partitioning would "
-        "be lost (see `memory` for what ZeRO-1 saves here).",
-        "  - pretrain_gpt.py hands DeepSpeed a torch AdamW (training/optimizer.py); a DeepSpeed `optimizer` "
-        "block is used only when no client optimizer is passed.",
-        '  - pipeline parallelism needs the NCCL backend (comm_backend_name "nccl"); the MPI backend does not '
-        "support it. NCCL backend: PyTorch >= 1.8, NCCL >= 2.8.3 at 64 or more GPUs.",
-        "Tuning: set freeze_step to cover the period in which Adam's variance still changes quickly (at least "
-        "the learning-rate warm-up) and compare the loss curve with plain Adam; convergence was verified with "
-        "fp16 mixed precision; avoid frequent checkpoint reloads; 0/1 Adam's var_freeze_step is usually the end "
-        "of the learning-rate warm-up.",
+        *(f"  - {prose[key]}" for key in ("zero", "client-optimizer", "backend")),
+        prose["tuning"],
     )
     for name, text in snippets(res.lr or 1e-4, EXAMPLE_FREEZE_STEP).items():
         sec.snippets[name] = text

@@ -4,7 +4,7 @@ command line."""
 
 from __future__ import annotations
 
-from megatron_ds.estimate.device_peaks import peak_tflops
+from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.estimate.layout_costs import format_memory_table, format_time_table
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import LayoutError
@@ -29,7 +29,6 @@ def method_description(method: str) -> str:
 
 def pipeline_section(ctx: Context) -> Section:
     res = ctx.res
-    res.require(["model", "num_gpus", "gpu_memory", "global_batch_size"], "`pipeline`")
     if res.raw.zero_stage in (2, 3):
         raise PlanError(
             f"--zero-stage {res.raw.zero_stage}: pretrain_gpt.py always runs DeepSpeed's pipeline engine "
@@ -90,7 +89,7 @@ def _step_bound(ctx: Context, sec: Section, plan: search.Candidate) -> None:
         return
     seconds = plan.step * 1e9 / (peak * 1e12)
     sec.add(
-        f"At 100% of the {ctx.res.gpu_name}'s {plan.precision} peak ({peak:g} TFLOP/s, estimate/device_peaks.py) "
+        f"At 100% of the {ctx.res.gpu_name}'s {plan.precision} peak ({peak:g} TFLOP/s, estimate/devices.py) "
         f"this step would take {seconds:.3g} s; a real step is longer by 1 / MFU."
     )
 

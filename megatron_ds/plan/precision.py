@@ -4,15 +4,18 @@ Hardware facts: bf16 tensor-core math needs compute capability 8.0 (Ampere) or n
 cores exist on 8.9 (Ada Lovelace) and 9.0 (Hopper) and newer, used through NVIDIA Transformer
 Engine; fp16 tensor cores exist from 7.0 (Volta). DeepSpeed's config has `fp16`, `bf16` and
 `torch_autocast` blocks and no fp8 switch (deepspeed/runtime/config.py, precision_config.py).
+The fixed lines are `guides/precision.txt`.
 """
 
 from __future__ import annotations
 
 from importlib import metadata
 
-from megatron_ds.plan.hardware import PlanError, architecture_of
+from megatron_ds.estimate.devices import architecture_of
+from megatron_ds.plan.context import Context
+from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.report import Section
+from megatron_ds.plan.report import Section, guide
 
 BF16_MIN_CC = (8, 0)
 FP8_MIN_CC = (8, 9)
@@ -67,17 +70,13 @@ def _version(package: str) -> str | None:
         return None
 
 
-def precision_section(res: Resolved, precision: str, reason: str) -> Section:
+def precision_section(ctx: Context) -> Section:
+    res, precision, reason = ctx.res, ctx.precision, ctx.precision_reason
     sec = Section("precision", "Mixed precision")
     cc = res.cc
     sec.add(f"Recommended: {precision} ({reason}).")
-    sec.add(
-        "  fp16: 5-bit exponent; needs dynamic loss scaling (DeepSpeed skips steps that overflow); "
-        "tensor cores from compute capability 7.0 (Volta).",
-        "  bf16: 8-bit exponent like fp32, 7-bit mantissa; no loss scaling; needs 8.0 (Ampere) or newer.",
-        "  fp8: needs 8.9 (Ada) / 9.0 (Hopper) or newer and NVIDIA Transformer Engine layers under "
-        "te.fp8_autocast; DeepSpeed itself has no fp8 switch (its config knows fp16, bf16, torch_autocast).",
-    )
+    text = guide("precision")
+    sec.add(*(f"  {text[p]}" for p in ("fp16", "bf16", "fp8")))
     fp8 = cc is not None and cc >= FP8_MIN_CC
     sec.add(
         f"  fp8 on this GPU: {'hardware-capable' if fp8 else 'not available' if cc else 'unknown'}"
@@ -89,12 +88,7 @@ def precision_section(res: Resolved, precision: str, reason: str) -> Section:
         )
     )
     if precision == "bf16":
-        sec.add(
-            "  Note: with ZeRO-0 on the pipeline engine DeepSpeed accumulates bf16 gradients in bf16 and warns "
-            "it is not numerically safe for many accumulation steps; ZeRO-1 with "
-            '"data_types": {"grad_accum_dtype": "fp32"} accumulates in fp32 (BF16_Optimizer) at 2 more '
-            "bytes per parameter."
-        )
+        sec.add(f"  {text['bf16-accumulation']}")
     if precision in ("bf16", "fp16"):
         sec.snippets["deepspeed precision block"] = BF16_SNIPPET if precision == "bf16" else FP16_SNIPPET
         sec.add(f"  pretrain_gpt.py flag: --{precision}")

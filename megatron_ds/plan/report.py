@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 ESTIMATE_NOTE = (
@@ -59,6 +62,33 @@ class Report:
     @property
     def ok(self) -> bool:
         return all(c.ok is not False or not c.blocking for c in self.checks)
+
+
+def guide_file(filename: str) -> str:
+    """A file of `megatron_ds/plan/guides/` (package data: the fixed prose and example programs)."""
+    return (resources.files("megatron_ds.plan") / "guides" / filename).read_text(encoding="utf-8")
+
+
+@functools.cache
+def guide(name: str) -> dict[str, str]:
+    """The paragraphs of `guides/<name>.txt` by key: a `[key]` line starts one, `#` lines are comments,
+    and its lines are joined with single spaces into the one line the report prints."""
+    paragraphs: dict[str, list[str]] = {}
+    key = None
+    for line in guide_file(f"{name}.txt").splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        header = re.fullmatch(r"\[([\w-]+)\]", line)
+        if header:
+            key = header[1]
+            if key in paragraphs:
+                raise ValueError(f"guides/{name}.txt: paragraph [{key}] appears twice")
+            paragraphs[key] = []
+        elif key is None:
+            raise ValueError(f"guides/{name}.txt: text before the first [key] line")
+        else:
+            paragraphs[key].append(line.strip())
+    return {k: " ".join(lines) for k, lines in paragraphs.items()}
 
 
 def render_text(report: Report) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from importlib import metadata
 
-from megatron_ds.plan.inputs import Resolved
+from megatron_ds.plan.context import Context
 from megatron_ds.plan.report import Section
 from megatron_ds.units import format_bytes
 
@@ -100,8 +100,8 @@ def attention_share(seq_length: int, hidden_size: int) -> float:
     return seq_length / (6 * hidden_size + seq_length)
 
 
-def sparse_attention_section(res: Resolved) -> Section:
-    res.require(["model"], "`sparse-attention`")
+def sparse_attention_section(ctx: Context) -> Section:
+    res = ctx.res
     sec = Section("sparse-attention", "Sparse attention")
     s, h, a = res.dims["seq_length"], res.dims["hidden_size"], res.dims["num_attention_heads"]
     share = attention_share(s, h)

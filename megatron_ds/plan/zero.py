@@ -3,7 +3,7 @@
 Rows for stages 2 and 3 (16-bit) are DeepSpeed's own estimator formulas (`model_states.zero*_estimate`);
 stages 0 and 1 use the byte factors of `model_states.state_factors`. Communication volumes per
 step are from Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models", Sec. 7 (in units of the parameter count Psi).
+Parameter Models", Sec. 7 (in units of the parameter count Psi). The fixed lines are `guides/zero.txt`.
 """
 
 from __future__ import annotations
@@ -18,22 +18,9 @@ from megatron_ds.plan import ds_json
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import GIB
-from megatron_ds.plan.report import Section
+from megatron_ds.plan.report import Section, guide
 from megatron_ds.training import deepspeed_config
 from megatron_ds.units import format_bytes
-
-COMM = {
-    0: "all-reduce of gradients: 2 Psi per step (plain data parallelism)",
-    1: "same volume as data parallelism, 2 Psi (reduce-scatter of gradients + all-gather of parameters)",
-    2: "same volume as data parallelism, 2 Psi; gradients are reduce-scattered as backward produces them",
-    3: "3 Psi, 1.5x data parallelism: parameters are all-gathered in forward and again in backward, "
-    "layer by layer (latency on the critical path)",
-}
-OFFLOAD_COST = (
-    "every step moves the 16-bit gradients to the host and the updated parameters back over PCIe, "
-    "and the optimizer step runs on the CPU (Ren et al. 2021, ZeRO-Offload)"
-)
-NVME_COST = "bounded by NVMe bandwidth (Rajbhandari et al. 2021, ZeRO-Infinity); needs async_io, see `nvme`"
 
 
 @dataclass(frozen=True)
@@ -170,7 +157,6 @@ def activation_bytes(ctx: Context) -> float:
 
 def zero_section(ctx: Context) -> Section:
     res = ctx.res
-    res.require(["model", "num_gpus", "gpu_memory"], "`zero`")
     sec = Section("zero", "ZeRO stage")
     table, act = rows(ctx), activation_bytes(ctx)
     usable, cpu_cap = res.usable_bytes, (res.raw.cpu_memory_gb * GIB if res.raw.cpu_memory_gb else None)
@@ -191,15 +177,13 @@ def zero_section(ctx: Context) -> Section:
             f"  {r.label:<48} {format_bytes(r.gpu_states):>11} {fits:>10} {cpu:>10}  "
             f"{'yes' if r.pipeline_ok else 'no (ZeRO<2 only)'}"
         )
+    text = guide("zero")
     sec.add(
-        "Sources: ZeRO-0/1 rows use our byte factors (megatron_ds/estimate/model_states.py); 16-bit ZeRO-2/3 rows "
-        "are DeepSpeed's estimate_zero2/3_model_states_mem_needs (zero_init, buffer factor 1.5) term for term; "
-        "its CPU column for ZeRO-2 offload grows with the total GPU count (max(4 x GPUs, 16) bytes per "
-        "parameter), a worst case rather than a typical need.",
-        "Communication per step (Rajbhandari et al. 2020, Sec. 7):",
-        *(f"  ZeRO-{s}: {text}" for s, text in COMM.items()),
-        f"  CPU offload: {OFFLOAD_COST}.",
-        f"  NVMe offload: {NVME_COST}.",
+        text["sources"],
+        text["communication"],
+        *(f"  ZeRO-{s}: {text[f'zero-{s}']}" for s in range(4)),
+        f"  CPU offload: {text['cpu-offload']}.",
+        f"  NVMe offload: {text['nvme-offload']}.",
     )
     sec.data = {
         "parameters": psi,
@@ -273,7 +257,7 @@ def _recommend_model_parallel(ctx: Context, sec: Section, offload_row: Row | Non
     elif offload_row is not None:
         sec.add(
             f"Recommended for pretrain_gpt.py: {offload_row.label}: the only ZeRO 0/1 option that fits "
-            f"({OFFLOAD_COST})."
+            f"({guide('zero')['cpu-offload']})."
         )
         _snippet_for(ctx, sec, offload_row.stage, offload_row.offload_optimizer)
     else:

@@ -14,7 +14,7 @@ import torch
 
 from megatron_ds.config import Config
 from megatron_ds.estimate.compute import model_flops_per_iteration
-from megatron_ds.estimate.device_peaks import peak_tflops
+from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training import checkpoint, logger, memory, stage_timers
 from megatron_ds.training.builder import Pipeline, build_pipeline

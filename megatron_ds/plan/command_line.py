@@ -1,0 +1,132 @@
+"""The planner's command line: `[COMMAND] [flags]` -> (command, PlanInputs, Output).
+
+Flags that `pretrain_gpt.py` also takes (`--num-layers`, `--zero-stage`, ...) are drawn from their
+declarations in `megatron_ds.flags` (type, choices, help), so the two cannot drift; what the
+planner does differently with one is said after its help. Every value defaults to None, "not
+given": the planner then takes it from a preset, chooses it, or asks for it. The flags only the
+planner has (the hardware, `--precision`, `--layout`, the outputs) are declared here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_ds.estimate.devices import DEVICES
+from megatron_ds.flags import BY_NAME
+from megatron_ds.pipeline.methods import planned_methods
+from megatron_ds.plan import sections
+from megatron_ds.plan.hardware import PRESETS, PlanError
+from megatron_ds.plan.inputs import CHOICES, PlanInputs
+
+_CHOSEN = "the planner chooses it when not given"
+TRAINING_FLAGS: dict[str, str | None] = {
+    "--num-layers": None,
+    "--hidden-size": None,
+    "--num-attention-heads": None,
+    "--seq-length": "with --model, 2048 when not given",
+    "--vocab-size": "with --model, GPT-2's 50257 when not given",
+    "--ffn-hidden-size": None,
+    "--global-batch-size": "with --model, the GPT-3 paper's value when not given",
+    "--micro-batch-size": _CHOSEN,
+    "--zero-stage": _CHOSEN + "; it takes 2 and 3 for the `zero` table only",
+    "--tensor-model-parallel-size": _CHOSEN,
+    "--pipeline-model-parallel-size": _CHOSEN,
+    "--checkpoint-activations": "without it or --no-checkpoint-activations, the planner tries both",
+}
+"""The `pretrain_gpt.py` flags the planner takes, each with what the planner does differently."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise PlanError(f"{message}; see `python -m megatron_ds.plan --help`")
+
+
+@dataclass
+class Output:
+    format: str
+    write_config: str | None
+    write_command: bool
+    plot: str | None
+    profile: str | None
+    save_profile: str | None
+
+
+def training_flag_kwargs(name: str) -> dict[str, Any]:
+    """add_argument keywords for a `pretrain_gpt.py` flag from its declaration; default None (not given)."""
+    flag, note = BY_NAME[name], TRAINING_FLAGS[name]
+    text = flag.help + (f"; here: {note}" if note else "")
+    kw: dict[str, Any] = {"dest": flag.attr, "default": None, "help": text.replace("%", "%%")}
+    if flag.is_switch:
+        return {**kw, "action": "store_const", "const": flag.const}
+    return {**kw, "type": flag.type, "choices": flag.argparse_choices()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m megatron_ds.plan",
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps the one line per section
+        description=f"DeepSpeed configuration advisor: python -m megatron_ds.plan [COMMAND] [flags].\n\n"
+        f"{sections.help_text()}",
+    )
+
+    def training(group: argparse._ArgumentGroup, *names: str) -> None:
+        for name in names:
+            group.add_argument(name, **training_flag_kwargs(name))
+
+    g = p.add_argument_group("model", "a --model preset, or the size flags; a size flag overrides the preset's value")
+    g.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (or 1.3b, 175b, ...)")
+    training(g, "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size")
+    training(g, "--ffn-hidden-size")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--num-gpus", type=int)
+    g.add_argument("--gpus-per-node", type=int)
+    g.add_argument("--gpu", help=f"one of {', '.join(d.name for d in DEVICES)}")
+    g.add_argument("--gpu-memory-gb", type=float)
+    g.add_argument("--compute-capability", help="MAJOR.MINOR, e.g. 8.0")
+    g.add_argument("--memory-headroom", type=float, help="fraction of GPU memory kept free (default 0.1)")
+    g.add_argument("--cpu-memory-gb", type=float, help="host memory per node, for offload")
+    g.add_argument("--interconnect", choices=CHOICES["interconnect"])
+    g.add_argument("--storage", choices=CHOICES["storage"])
+    g.add_argument("--tensor-device", choices=CHOICES["tensor_device"])
+    g = p.add_argument_group("training and fixed choices")
+    training(g, "--global-batch-size", "--micro-batch-size", "--zero-stage")
+    training(g, "--tensor-model-parallel-size", "--pipeline-model-parallel-size")
+    g.add_argument("--precision", choices=CHOICES["precision"])
+    training(g, "--checkpoint-activations")
+    g.add_argument("--no-checkpoint-activations", dest="checkpoint_activations", action="store_const", const=False)
+    methods = ", ".join(planned_methods())
+    g.add_argument(
+        "--layout", choices=CHOICES["layout"], help=f"none, pre, post, both (dedicated stages) or a method: {methods}"
+    )
+    g.add_argument("--reported-mb", help="observed memory: first=MB,middle=MB,last=MB or one MB value per stage")
+    g.add_argument("--oom-stage", type=int, help="the pipeline stage that ran out of memory")
+    g = p.add_argument_group("output")
+    g.add_argument("--format", choices=("text", "json"), default="text")
+    g.add_argument("--write-config", metavar="FILE", help="write the DeepSpeed JSON of the plan")
+    g.add_argument("--write-command", action="store_true", help="print the matching pretrain_gpt.py command")
+    g.add_argument("--plot", metavar="FILE.png", help="bar chart of predicted memory per stage (matplotlib)")
+    g.add_argument("--profile", metavar="FILE", help="reuse answers saved earlier")
+    g.add_argument("--save-profile", metavar="FILE", help="store the answers (and what was handled) for next time")
+    return p
+
+
+def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
+    """(the command, the inputs given on the command line, the output options)."""
+    argv = list(argv)
+    command = argv.pop(0) if argv and argv[0] in (*sections.names(), sections.ALL) else sections.ALL
+    ns = build_parser().parse_args(argv)
+    fields = {f for f in PlanInputs.__dataclass_fields__ if f != "handled"}
+    given = PlanInputs(**{k: v for k, v in vars(ns).items() if k in fields})
+    out = Output(
+        format=ns.format,
+        write_config=ns.write_config,
+        write_command=ns.write_command,
+        plot=ns.plot,
+        profile=ns.profile,
+        save_profile=ns.save_profile,
+    )
+    return command, given, out

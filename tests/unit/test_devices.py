@@ -1,0 +1,94 @@
+"""The one GPU table (`estimate/devices.py`): found by planner name and by torch's device names,
+each row reachable by its own name, the MFU peaks and the planner's facts as before."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megatron_ds.estimate.devices import DEVICES, architecture_of, find_device, find_named, peak_tflops
+from megatron_ds.plan.hardware import PlanError, find_gpu
+
+
+def test_device_peaks() -> None:
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4)
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
+    assert peak_tflops("A100-80GB", "bf16") == 312.0  # the planner's names too
+    assert peak_tflops("NVIDIA A10", "bf16") == 125.0 and peak_tflops("NVIDIA A10G", "bf16") is None
+    assert peak_tflops("Tesla V100-SXM2-32GB", "fp16") == 125.0
+    assert peak_tflops("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 tensor cores
+    assert peak_tflops("NVIDIA L40S", "bf16") == 362.0 and peak_tflops("NVIDIA L4", "bf16") == 121.0
+    assert peak_tflops("cpu", "fp32") is None
+
+
+@pytest.mark.parametrize(
+    "device_name,row",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100-80GB"),
+        ("NVIDIA H100 PCIe", "H100-PCIe"),
+        ("NVIDIA H100 NVL", "H100-NVL"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+        ("NVIDIA A100-PCIE-40GB", "A100-40GB"),
+        ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+        ("NVIDIA A100 80GB PCIe", "A100-80GB"),
+        ("Tesla V100-SXM2-16GB", "V100-16GB"),
+        ("Tesla V100-SXM2-32GB", "V100-32GB"),
+        ("Tesla V100-PCIE-16GB", "V100-PCIe"),
+        ("Tesla V100S-PCIE-32GB", "V100S"),
+        ("Tesla T4", "T4"),
+        ("Tesla P100-PCIE-16GB", "P100-16GB"),
+        ("NVIDIA GeForce RTX 3090", "RTX-3090"),
+        ("NVIDIA RTX A6000", "RTX-A6000"),
+        ("NVIDIA GeForce RTX 4090", "RTX-4090"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA A10G", None),
+        ("NVIDIA L40", None),
+    ],
+)
+def test_torch_device_names(device_name, row) -> None:
+    found = find_device(device_name)
+    assert (found.name if found else None) == row
+
+
+def test_every_row_is_reachable_by_its_own_name() -> None:
+    names = [key.lower() for d in DEVICES for key in (d.name, *d.aliases)]
+    assert len(names) == len(set(names))
+    for d in DEVICES:
+        assert find_device(d.name) is d, d.name  # no earlier row's pattern shadows it
+        assert find_named(d.name) == (d,) and find_gpu(d.name.lower()) is d
+        re.compile(d.pattern)
+
+
+def test_each_row_states_its_facts() -> None:
+    for d in DEVICES:
+        assert d.memory_gb is None or d.memory_gb > 0, d.name
+        peaks = (d.fp16, d.bf16, d.fp32)
+        assert all(p is None or p > 0 for p in peaks), d.name
+        if d.compute_capability < (8, 0):
+            assert d.bf16 is None, d.name  # no bf16 tensor cores before Ampere
+        assert architecture_of(d.compute_capability) in (
+            "Pascal",
+            "Volta",
+            "Turing",
+            "Ampere",
+            "Ada Lovelace",
+            "Hopper",
+        )
+    assert architecture_of((7, 5)) == "Turing" and architecture_of((8, 9)) == "Ada Lovelace"
+
+
+def test_planner_lookup_by_name(capsys) -> None:
+    assert find_gpu("h100").name == "H100-80GB"  # the alias: `--gpu H100` is the SXM part
+    assert find_gpu("l40").name == "L40S" and find_gpu("A100_80GB").name == "A100-80GB"
+    with pytest.raises(PlanError, match="matches A100-40GB, A100-80GB; give the full name"):
+        find_gpu("a100")
+    from megatron_ds.plan.__main__ import main
+
+    # a row without a memory figure: `pipeline` asks for it, `precision` needs only the generation
+    assert main(["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "H100-PCIe"]) == 2
+    assert "How much memory has one H100-PCIe? (--gpu-memory-gb" in capsys.readouterr().err
+    assert main(["precision", "--gpu", "H100-PCIe"]) == 0
+    assert "Recommended: bf16" in capsys.readouterr().out

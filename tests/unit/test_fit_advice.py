@@ -1,0 +1,93 @@
+"""One home for fit advice (`estimate/fit_advice.py`): the remedies, when each applies, what it
+saves; the one-line advice and the planner's `memory` section read the same ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.estimate import fit_advice
+from megatron_ds.estimate.fit_advice import (
+    HALVE_MICRO_BATCH,
+    ONE_BIT,
+    RECOMPUTE,
+    REMEDIES,
+    ZERO_1,
+    least_memory,
+    ranked_changes,
+)
+from megatron_ds.estimate.memory_inputs import MemoryInputs
+from megatron_ds.estimate.memory_model import stage_memory
+from megatron_ds.model.naming import gpt_spec_groups
+from megatron_ds.pipeline.layout import build_layout
+from megatron_ds.plan.__main__ import main
+
+MODEL = ModelConfig(
+    num_layers=8,
+    hidden_size=256,
+    num_attention_heads=8,
+    ffn_hidden_size=1024,
+    seq_length=128,
+    max_position_embeddings=128,
+    vocab_size=1024,
+)
+INPUTS = MemoryInputs(MODEL, micro_batch_size=4, num_micro_batches=4, zero_stage=0, data_parallel_size=2)
+
+
+def default_layout(inputs: MemoryInputs, method: str):
+    assert method == "none"
+    return build_layout(gpt_spec_groups(inputs.model), 2)
+
+
+def test_when_each_remedy_applies() -> None:
+    assert ZERO_1.change(INPUTS).zero_stage == 1
+    assert ZERO_1.change(dataclasses.replace(INPUTS, data_parallel_size=1)) is None  # nothing to partition over
+    assert ZERO_1.change(dataclasses.replace(INPUTS, zero_stage=1)) is None
+    assert RECOMPUTE.change(INPUTS).checkpoint_activations
+    assert RECOMPUTE.change(dataclasses.replace(INPUTS, checkpoint_activations=True)) is None
+    halved = HALVE_MICRO_BATCH.change(INPUTS)
+    assert (halved.micro_batch_size, halved.num_micro_batches) == (2, 8)  # the same samples per step
+    assert HALVE_MICRO_BATCH.flags(halved) == "--micro-batch-size 2"
+    assert HALVE_MICRO_BATCH.change(dataclasses.replace(INPUTS, micro_batch_size=1)) is None
+    five = dataclasses.replace(INPUTS, micro_batch_size=5, num_micro_batches=1)
+    assert HALVE_MICRO_BATCH.change(five) is None  # 5 samples per step do not split into micro-batches of 2
+
+
+def test_ranked_changes_are_cheapest_first_with_the_memory_models_savings() -> None:
+    layout = default_layout(INPUTS, "none")
+    changes = ranked_changes(INPUTS, layout, "none", default_layout)
+    assert sorted(c.name for c in changes) == sorted(r.name for r in REMEDIES)  # each applies here
+    assert [(c.cost_rank, -c.saving) for c in changes] == sorted((c.cost_rank, -c.saving) for c in changes)
+    base = max(s.total for s in stage_memory(INPUTS, layout))
+    recompute = next(c for c in changes if c.name == RECOMPUTE.name)
+    want = base - max(s.total for s in stage_memory(RECOMPUTE.change(INPUTS), layout))
+    assert recompute.saving == pytest.approx(want) and recompute.saving > 0
+    assert next(c for c in changes if c.name == ONE_BIT.name).saving == 0
+
+
+def test_a_change_keeps_the_rest_of_the_configuration() -> None:
+    """With the optimizer offloaded, recomputation still saves activations (the planner used to
+    measure it against a configuration without the offload and report that it added memory)."""
+    offloaded = dataclasses.replace(INPUTS, zero_stage=1, offload_optimizer="cpu")
+    changes = ranked_changes(offloaded, default_layout(offloaded, "none"), "none", default_layout)
+    assert next(c for c in changes if c.name == RECOMPUTE.name).saving > 0
+
+
+def test_the_one_line_advice_names_the_same_remedies() -> None:
+    need = least_memory(RECOMPUTE.change(INPUTS), 2)
+    advice = fit_advice.fit_advice(INPUTS, 2, need)
+    assert RECOMPUTE.flags(INPUTS) in advice and "--pipeline-model-parallel-size 3" in advice
+    assert fit_advice.fit_advice(INPUTS, 2, 1.0).startswith("no larger --pipeline-model-parallel-size")
+
+
+def test_the_memory_section_renders_these_changes(capsys) -> None:
+    argv = ["memory", "--model", "2.7b", "--num-gpus", "1", "--gpu", "A10", "--global-batch-size", "16"]
+    assert main([*argv, "--format", "json"]) == 0
+    out = capsys.readouterr().out
+    sec = json.loads(out[out.index("{") :])["sections"][0]  # after DeepSpeed's import-time log line, if any
+    changes = {c["name"]: c for c in sec["data"]["changes"]}
+    assert changes[RECOMPUTE.name]["saving"] > 0  # the offloaded plan keeps its offload when recomputing
+    assert set(changes) <= {r.name for r in REMEDIES}
