@@ -64,6 +64,8 @@ class PipelineSchedule:
     label: str
     """How reports name it (`1F1B`)."""
     summary: str
+    bubble_formula: str
+    """The bubble over the ideal step with equal stages, as its paper writes it (reports quote it)."""
     steps: Callable[[int, int, int], Steps]
     """(micro-batches M, stages P, stage s) -> the stage's instructions per clock step."""
     num_pipe_buffers: Callable[[int, int, int], int]
@@ -137,6 +139,7 @@ REGISTRY: dict[str, PipelineSchedule] = {
             "1F1B",
             "DeepSpeed's TrainSchedule: P - s forwards, then one backward and one forward in turn; "
             "a bubble of (P - 1) / (M + P - 1) of the step",
+            "(p-1)/m, Narayanan et al. 2021 eq. 1",
             _1f1b_steps,
             _1f1b_buffers,
         ),
@@ -182,8 +185,20 @@ def forward_micro_batches(
     )
 
 
+def clock_steps(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int = 0) -> tuple[int, int]:
+    """(clock steps of the schedule, those in which `stage` runs a forward or backward)."""
+    steps = schedule.steps(num_micro_batches, num_stages, stage)
+    return len(steps), sum(1 for step in steps if any(i.kind in COMPUTE for i in step))
+
+
 def idle_fraction(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int = 0) -> float:
     """The share of the schedule's clock steps in which `stage` runs no forward or backward."""
-    steps = schedule.steps(num_micro_batches, num_stages, stage)
-    busy = sum(1 for step in steps if any(i.kind in COMPUTE for i in step))
-    return 1.0 - busy / len(steps)
+    total, busy = clock_steps(schedule, num_micro_batches, num_stages, stage)
+    return 1.0 - busy / total
+
+
+def bubble_ratio(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int = 0) -> float:
+    """Idle clock steps over busy ones: with equal stages, the bubble time over the ideal step time
+    (1F1B: (p - 1) / m)."""
+    total, busy = clock_steps(schedule, num_micro_batches, num_stages, stage)
+    return (total - busy) / busy

@@ -7,7 +7,7 @@ time subject to every stage's predicted memory <= a limit. Pure: the costs come 
     stage_memory(s, k)  -> the stage's predicted peak memory (bytes)
     step_time(times)    -> the step of a split from its stages' times: a number, or a StepEstimate
                            with a certificate (`megatron_ds.estimate.step_simulator.step_estimator`
-                           simulates DeepSpeed's 1F1B schedule and returns its critical path)
+                           simulates the run's pipeline schedule and returns its critical path)
 
 Splits are those of `megatron_ds.pipeline.balance`: the pre group on stage 0, the post group on the
 last, >= 1 layer on every middle stage, >= 0 on the first and last (a dedicated embedding or head

@@ -37,7 +37,7 @@ class Costs:
     measured_stage_time: StageTimeFn | None = None
     """The same, from timing each group once in this process (`estimate/calibrate.py`)."""
     step_time: StepTimeFn | None = None
-    """The 1F1B step of a split from its stages' times (`estimate/step_simulator.step_estimator`)."""
+    """The run's pipeline-schedule step of a split from its stages' times (`estimate/step_simulator.step_estimator`)."""
     memory_limit: float | None = None
     """Bytes every stage must fit in (`--pp-memory-limit`, default the GPU's memory)."""
 
@@ -53,7 +53,7 @@ NEED_DOCS = {
     STAGE_MEMORY: "predicted stage memory (memory model)",
     STAGE_TIME: "predicted stage time (compute model FLOPs)",
     MEASURED_STAGE_TIME: "measured stage time (each group timed once in this process)",
-    STEP_TIME: "1F1B step of a split (schedule simulator)",
+    STEP_TIME: "the pipeline schedule's step of a split (schedule simulator)",
     MEMORY_LIMIT: "--pp-memory-limit (default: the GPU's memory)",
 }
 TIME_NEEDS = (STAGE_TIME, MEASURED_STAGE_TIME)
@@ -210,7 +210,8 @@ REGISTRY: dict[str, PartitionMethod] = {
         PartitionMethod(
             "fastest",
             "fastest",
-            "the smallest simulated 1F1B step (stage times from FLOPs) with every stage's predicted memory <= "
+            "the smallest simulated step of the run's pipeline schedule (stage times from FLOPs) with every "
+            "stage's predicted memory <= "
             "--pp-memory-limit",
             _fastest,
             needs=(STAGE_TIME, STAGE_MEMORY, STEP_TIME, MEMORY_LIMIT),

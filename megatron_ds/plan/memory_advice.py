@@ -83,7 +83,7 @@ def memory_section(ctx: Context) -> Section:
         f"ZeRO-{now.zero_stage}, recompute {'on' if now.checkpoint_activations else 'off'}, layout "
         f"{now.layout.to_string()}."
     )
-    _diagnose(ctx, sec, stages)
+    _diagnose(ctx, sec, stages, now.schedule.label)
     changes = _changes(ctx, now)
     sec.add("Changes, cheapest first, with the predicted saving on the fullest stage (estimates):")
     for i, c in enumerate(changes, 1):
@@ -100,7 +100,7 @@ def memory_section(ctx: Context) -> Section:
     return sec
 
 
-def _diagnose(ctx: Context, sec: Section, stages: list[StageMemory]) -> None:
+def _diagnose(ctx: Context, sec: Section, stages: list[StageMemory], schedule_label: str) -> None:
     reported = parse_reported(ctx.res.raw.reported_mb, len(stages)) if ctx.res.raw.reported_mb else {}
     mid = max((s.total for s in stages[1:-1]), default=None)
     first, last = stages[0], stages[-1]
@@ -142,7 +142,7 @@ def _diagnose(ctx: Context, sec: Section, stages: list[StageMemory]) -> None:
     sec.add(
         f"Stage {peak}: {format_bytes(st.total)} predicted, mostly {biggest} "
         f"({', '.join(f'{k} {format_bytes(v)}' for k, v in parts.items())}); it keeps {st.in_flight} "
-        f"micro-batch(es) in flight under 1F1B."
+        f"micro-batch(es) in flight under {schedule_label}."
     )
     if ctx.res.usable_bytes and st.total > ctx.res.usable_bytes:
         sec.check(

@@ -4,6 +4,7 @@ command line."""
 
 from __future__ import annotations
 
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.estimate.layout_costs import format_memory_table, format_time_table
 from megatron_ds.pipeline import methods as partition_methods
@@ -52,9 +53,11 @@ def pipeline_section(ctx: Context) -> Section:
     sec.add(*format_memory_table(plan.stages, res.usable_bytes).splitlines(), "")
     source = "compute model; the optimizer step is not counted"
     sec.add(*format_time_table(plan.times, plan.stages, plan.num_micro_batches, "GFLOP", source).splitlines())
+    schedule = plan.schedule
+    steps, busy = pipeline_schedules.clock_steps(schedule, plan.num_micro_batches, plan.pp)
     sec.add(
-        f"Pipeline bubble with equal stages (Narayanan et al. 2021 eq. 1): (p-1)/m = {plan.bubble:.1%} of the "
-        f"ideal step time; DeepSpeed TrainSchedule runs 2(m+p-1) steps of which 2m compute, so each stage idles "
+        f"Pipeline bubble with equal stages ({schedule.label}: {schedule.bubble_formula}): {plan.bubble:.1%} of the "
+        f"ideal step time; its clock runs {steps} steps of which {busy} compute, so each stage idles "
         f"{plan.idle_fraction:.1%} of them."
     )
     _step_bound(ctx, sec, plan)
@@ -199,7 +202,7 @@ def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:
         sec.check(None, f"GPUs per node not given: assumed {res.gpus_per_node} (--gpus-per-node)")
     sec.check(
         None,
-        "step time: relative only (stage FLOPs through DeepSpeed's 1F1B schedule, one rate on every GPU; "
+        f"step time: relative only (stage FLOPs through the {plan.schedule.label} schedule, one rate on every GPU; "
         "memory-bound work, communication and the optimizer step are not counted)",
         blocking=False,
     )

@@ -7,9 +7,10 @@ Preference order (a heuristic, stated so it can be argued with):
   3. no activation recomputation (it re-runs each layer's forward, ~1/3 more compute; Korthikanti
      et al. 2022, Sec. 5);
   4. for equal t*p, larger t up to the GPUs of one node (Narayanan et al. 2021, Takeaway #1);
-  5. the largest micro-batch that keeps the pipeline bubble (p-1)/m at or below 25%;
-  6. the layout with the smallest simulated step time among those that fit (DeepSpeed's 1F1B
-     schedule over the compute model's stage FLOPs, `estimate/layout_costs.py`; ties: the smaller
+  5. the largest micro-batch that keeps the pipeline bubble at or below 25% (read off the
+     schedule's clock, `estimate/pipeline_schedules.py`; (p-1)/m for DeepSpeed's 1F1B);
+  6. the layout with the smallest simulated step time among those that fit (the schedule replayed
+     over the compute model's stage FLOPs, `estimate/layout_costs.py`; ties: the smaller
      largest stage, then the simplest flag). `fastest` is exact over all splits, so it wins unless
      another method's split is as fast.
 ZeRO is 1 when data-parallel ranks > 1 (it partitions optimizer states at no extra communication,
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ds.config import DEDICATED_CHOICES
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.layout_costs import flop_stage_time, method_costs
 from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
 from megatron_ds.estimate.memory_model import stage_memory, stage_memory_for
@@ -67,7 +69,7 @@ class Candidate:
     times: tuple[StageTime, ...] = ()
     """Per stage: one micro-batch's forward and backward (recomputation included) in GFLOP."""
     step: float = 0.0
-    """Simulated 1F1B step of those times (GFLOP-time units: FLOPs at one rate on every device)."""
+    """The schedule's simulated step of those times (GFLOP-time units: FLOPs at one rate on every device)."""
     ideal: float = 0.0
     """The same work in equal stages through the same schedule."""
 
@@ -85,14 +87,19 @@ class Candidate:
         return max(s.host for s in self.stages)
 
     @property
+    def schedule(self) -> pipeline_schedules.PipelineSchedule:
+        return pipeline_schedules.find(self.inputs.schedule)
+
+    @property
     def bubble(self) -> float:
-        """Narayanan et al. 2021 eq. (1): bubble time / ideal time = (p - 1) / m."""
-        return (self.pp - 1) / self.num_micro_batches
+        """Bubble time over ideal time with equal stages, from the schedule's clock (1F1B: (p - 1) / m,
+        Narayanan et al. 2021 eq. 1)."""
+        return pipeline_schedules.bubble_ratio(self.schedule, self.num_micro_batches, self.pp)
 
     @property
     def idle_fraction(self) -> float:
-        """Share of DeepSpeed TrainSchedule steps a stage idles: 2(m + p - 1) steps, 2m of them compute."""
-        return (self.pp - 1) / (self.num_micro_batches + self.pp - 1)
+        """Share of the schedule's clock steps a stage idles (1F1B: 2(m + p - 1) steps, 2m of them compute)."""
+        return pipeline_schedules.idle_fraction(self.schedule, self.num_micro_batches, self.pp)
 
 
 def layout_options(method: str) -> dict[str, str]:
@@ -168,8 +175,8 @@ def evaluate(
         stages=tuple(stage_memory(inputs, layout)),
         inputs=inputs,
         times=times,
-        step=simulate(inputs.num_micro_batches, fwd, bwd).step_time,
-        ideal=balanced_step_time(inputs.num_micro_batches, fwd, bwd),
+        step=simulate(inputs.num_micro_batches, fwd, bwd, schedule=inputs.schedule).step_time,
+        ideal=balanced_step_time(inputs.num_micro_batches, fwd, bwd, inputs.schedule),
     )
 
 
