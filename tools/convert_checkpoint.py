@@ -103,7 +103,7 @@ def _to_universal(args: argparse.Namespace, rest: list[str], tokenizer: dict[str
         hf_only.append("--max-shard-size-mb")
     if rest or hf_only:
         raise UserError(f"--to universal takes SOURCE OUTPUT only; drop {' '.join([*rest, *hf_only])}")
-    from megatron_ds.training.universal.convert import convert_checkpoint
+    from megatron_ds.training.checkpoint.universal.convert import convert_checkpoint
 
     summary = convert_checkpoint(args.source, args.output, show_progress=not args.no_progress)
     print(summary.line())

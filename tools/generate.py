@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str] | None = None) -> list[int]:
     args = build_parser().parse_args(argv)
     from megatron_ds.inference import generate, load_model
-    from megatron_ds.training.checkpoint_reader import checkpoint_tokenizer, open_checkpoint
+    from megatron_ds.training.checkpoint.reader import checkpoint_tokenizer, open_checkpoint
 
     overrides = {k: getattr(args, k) for k in TOKENIZER_FLAGS}
     tok = checkpoint_tokenizer(open_checkpoint(args.load), overrides)

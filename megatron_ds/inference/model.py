@@ -13,7 +13,7 @@ from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.model import naming
 from megatron_ds.model.layers import FinalNorm, LMHead, PositionEmbedding, WordEmbedding
 from megatron_ds.model.transformer import TransformerLayer
-from megatron_ds.training import checkpoint_reader
+from megatron_ds.training.checkpoint import reader as checkpoint_reader
 
 
 @dataclass

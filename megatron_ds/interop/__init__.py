@@ -1,6 +1,6 @@
 """Interoperability with the rest of the ecosystem: our checkpoints <-> Hugging Face directories.
 
-    checkpoint_reader   our per-spec DeepSpeed files -> full (T=1) tensors, one at a time
+    (training.checkpoint.reader: our per-spec DeepSpeed files -> full (T=1) tensors, one at a time)
     sharding            how each spec's tensors are split over tensor-parallel ranks (both ways)
     hf_config           ModelConfig <-> Hugging Face `config.json`, one table per architecture
     hf_weights          our tensor names <-> Hugging Face tensor names, one table per architecture

@@ -19,7 +19,7 @@ from megatron_ds import files
 from megatron_ds.errors import UserError
 from megatron_ds.interop import hf_config, hf_tokenizer, hf_weights
 from megatron_ds.interop.safetensors_writer import ShardWriter
-from megatron_ds.training import checkpoint_reader
+from megatron_ds.training.checkpoint import reader as checkpoint_reader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHARD_BYTES = 2 * 1024**3

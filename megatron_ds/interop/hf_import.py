@@ -28,8 +28,8 @@ from megatron_ds.interop import hf_config, hf_tokenizer, hf_weights
 from megatron_ds.interop.hf_config import HFConfigError, HFModel
 from megatron_ds.interop.hf_weights_reader import HFWeights, HFWeightsError
 from megatron_ds.model import naming, sharding
-from megatron_ds.training import checkpoint_reader
-from megatron_ds.training.checkpoint import LATEST, META
+from megatron_ds.training.checkpoint import reader as checkpoint_reader
+from megatron_ds.training.checkpoint.directory import LATEST, META
 from megatron_ds.training.resolve_layout import resolve_layout
 from megatron_ds.training.state import TrainState
 

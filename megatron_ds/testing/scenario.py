@@ -107,8 +107,8 @@ def run_one(
 
     from megatron_ds.pipeline.layout import build_layout
     from megatron_ds.testing.defects import unfixed
-    from megatron_ds.training import checkpoint
     from megatron_ds.training.builder import build_pipeline
+    from megatron_ds.training.checkpoint import save_load
     from megatron_ds.training.resolve_layout import resolve_layout
     from megatron_ds.training.state import TrainState
 
@@ -140,7 +140,7 @@ def run_one(
     state = TrainState()
     if opts.get("load"):
         try:
-            state = checkpoint.load(engine, config, layout, opts["load"]) or state
+            state = save_load.load(engine, config, layout, opts["load"]) or state
         except Exception as e:  # noqa: BLE001 - recorded for the test to judge
             if not opts.get("expect_error"):
                 raise
@@ -163,7 +163,7 @@ def run_one(
             iteration=state.iteration + num_steps,
             consumed_train_samples=(state.iteration + num_steps) * config.training.global_batch_size,
         )
-        checkpoint.save(engine, config, layout, done, opts["save"])
+        save_load.save(engine, config, layout, done, opts["save"])
     emb_after = _embedding(bundle.model)
     result.update({"losses": losses, "grad_norms": norms})
     if emb_after is not None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from megatron_ds.config import Config
 from megatron_ds.errors import ConfigError
-from megatron_ds.training import checkpoint, deepspeed_config
+from megatron_ds.training import deepspeed_config
+from megatron_ds.training.checkpoint import save_load
 
 
 def check_data(config: Config) -> None:
@@ -42,6 +43,6 @@ def check_inputs(config: Config) -> None:
     """All file-system checks, in the order a user would fix them (the `--deepspeed_config` file
     included: a contradiction with the flags is reported before any process group exists)."""
     check_data(config)
-    checkpoint.check_dirs(config)
+    save_load.check_dirs(config)
     check_logging(config)
     deepspeed_config.build(config)

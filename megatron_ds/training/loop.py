@@ -16,8 +16,9 @@ from megatron_ds.config import Config
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import checkpoint, logger, memory, stage_timers
+from megatron_ds.training import logger, memory, stage_timers
 from megatron_ds.training.builder import Pipeline, build_pipeline
+from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.engine import grad_norm
 from megatron_ds.training.lr_schedule import LRSchedule
 from megatron_ds.training.preflight import Watchdog, install_stack_dump_handler
@@ -69,7 +70,7 @@ def setup(config: Config) -> Run:
     start_time = time.time()
     install_stack_dump_handler()
     if config.checkpoint.save:
-        checkpoint.check_writable(config.checkpoint.save)
+        save_load.check_writable(config.checkpoint.save)
     init_distributed(config.parallel)
     rank = dist.get_rank()
     set_seeds(config.training.seed)
@@ -108,10 +109,10 @@ def _peak_tflops(config: Config) -> float | None:
 
 def _load_or_fresh(config: Config, layout: Layout, bundle: Pipeline, rank: int) -> TrainState:
     if config.checkpoint.save and rank == 0:
-        checkpoint.remove_incomplete(config.checkpoint.save)
+        save_load.remove_incomplete(config.checkpoint.save)
     if not config.checkpoint.load:
         return TrainState()
-    state = checkpoint.load(bundle.engine, config, layout, config.checkpoint.load)
+    state = save_load.load(bundle.engine, config, layout, config.checkpoint.load)
     if state is None:
         print_rank0(
             rank, f"WARNING: --load {config.checkpoint.load} holds no checkpoint yet; starting fresh (--load-optional)"
@@ -237,7 +238,7 @@ def report_compute(run: Run) -> None:
 def save(run: Run) -> None:
     ck = run.config.checkpoint
     with run.watchdog.watch(f"save_checkpoint at iteration {run.state.iteration}"):
-        tag = checkpoint.save(run.engine, run.config, run.layout, run.state, ck.save)
+        tag = save_load.save(run.engine, run.config, run.layout, run.state, ck.save)
     print_rank0(run.rank, f"saved checkpoint {os.path.join(ck.save, tag)} at iteration {run.state.iteration}")
 
 

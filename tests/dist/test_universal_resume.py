@@ -227,9 +227,9 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damaged_or_partial_universal_form_is_refused_in_one_line(runs: dict, tmp_path: Path, damage: str) -> None:
-    from megatron_ds.training.checkpoint_files import CheckpointError
-    from megatron_ds.training.universal import store
-    from megatron_ds.training.universal.convert import convert_next_to
+    from megatron_ds.training.checkpoint.directory import CheckpointError
+    from megatron_ds.training.checkpoint.universal import store
+    from megatron_ds.training.checkpoint.universal.convert import convert_next_to
 
     source = tmp_path / "ck"
     shutil.copytree(runs["checkpoints"] / "both_z1", source)
@@ -244,8 +244,8 @@ def test_damaged_or_partial_universal_form_is_refused_in_one_line(runs: dict, tm
 
 
 def test_changed_bytes_of_the_same_size_are_refused_when_read(runs: dict, tmp_path: Path) -> None:
-    from megatron_ds.training.checkpoint_files import CheckpointError
-    from megatron_ds.training.universal import store
+    from megatron_ds.training.checkpoint.directory import CheckpointError
+    from megatron_ds.training.checkpoint.universal import store
 
     universal = tmp_path / "u"
     shutil.copytree(runs["checkpoints"] / "both_z1" / "global_step3.universal", universal)
@@ -298,8 +298,8 @@ def test_killed_or_failed_conversion_leaves_the_source_and_no_output(runs: dict,
 
 MEASURE = """
 import json, sys
-from megatron_ds.training.universal import deepspeed_source
-from megatron_ds.training.universal.convert import convert_checkpoint
+from megatron_ds.training.checkpoint.universal import deepspeed_source
+from megatron_ds.training.checkpoint.universal.convert import convert_checkpoint
 
 deepspeed_source._allowed_globals()  # imports DeepSpeed: code, not tensors, so before the baseline
 

@@ -21,7 +21,7 @@ from megatron_ds.inference import generate, load_model  # noqa: E402
 from megatron_ds.interop.hf_export import export_hf  # noqa: E402
 from megatron_ds.interop.hf_import import import_hf  # noqa: E402
 from megatron_ds.testing.launch import run_torchrun  # noqa: E402
-from megatron_ds.training import checkpoint_reader  # noqa: E402
+from megatron_ds.training.checkpoint import reader as checkpoint_reader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 200  # padded to 256 by --make-vocab-size-divisible-by 128

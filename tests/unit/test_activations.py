@@ -14,7 +14,7 @@ from megatron_ds.estimate.compute import ComputeInputs, layer_terms
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.model import activations
 from megatron_ds.testing.scenario import tiny_config
-from megatron_ds.training.checkpoint import architecture_mismatch
+from megatron_ds.training.checkpoint.rules import architecture_mismatch
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
 BASE += ["--vocab-size", "128", "--train-iters", "1", "--lr", "1e-3"]

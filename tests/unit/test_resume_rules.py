@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_ds.testing.scenario import tiny_config
-from megatron_ds.training import checkpoint, checkpoint_rules
+from megatron_ds.training.checkpoint import rules
+from megatron_ds.training.checkpoint.directory import CheckpointError
 
 SAVED = tiny_config(regularization__hidden_dropout=0.1, regularization__attention_dropout=0.1)
 
@@ -18,19 +19,19 @@ def meta(config) -> dict:
 
 def test_another_dropout_and_init_std_resume_with_a_notice() -> None:
     now = SAVED.replace(regularization__hidden_dropout=0.0, regularization__init_method_std=0.01)
-    checkpoint.check_compatible(meta(SAVED), now, "ckpt", "global_step6")  # no error
-    assert checkpoint.architecture_mismatch(meta(SAVED), now) == []
-    assert checkpoint.regularization_notice(meta(SAVED), now, "ckpt", "global_step6") == (
+    rules.check_compatible(meta(SAVED), now, "ckpt", "global_step6")  # no error
+    assert rules.architecture_mismatch(meta(SAVED), now) == []
+    assert rules.regularization_notice(meta(SAVED), now, "ckpt", "global_step6") == (
         "NOTICE: --load ckpt (global_step6): regularization differs from the checkpoint's: "
         "hidden_dropout 0.1 -> 0.0; init_method_std 0.02 -> 0.01"
     )
-    assert checkpoint.regularization_notice(meta(SAVED), SAVED, "ckpt", "global_step6") is None
+    assert rules.regularization_notice(meta(SAVED), SAVED, "ckpt", "global_step6") is None
 
 
 def test_another_hidden_size_is_still_refused() -> None:
     now = SAVED.replace(model__hidden_size=64, regularization__hidden_dropout=0.0)
-    with pytest.raises(checkpoint.CheckpointError) as err:
-        checkpoint.check_compatible(meta(SAVED), now, "ckpt", "global_step6")
+    with pytest.raises(CheckpointError) as err:
+        rules.check_compatible(meta(SAVED), now, "ckpt", "global_step6")
     assert "another architecture: hidden_size 32 (checkpoint) vs 64 (now);" in str(err.value)
     assert "dropout" not in str(err.value)
 
@@ -39,8 +40,8 @@ def test_a_checkpoint_from_before_the_split_compares_its_dropout_as_regularizati
     old = meta(SAVED)
     old["config"]["model"].update(old["config"].pop("regularization"))  # dropout and init std in `model`
     now = SAVED.replace(regularization__attention_dropout=0.0)
-    checkpoint.check_compatible(old, now, "ckpt", "t")
-    assert "attention_dropout 0.1 -> 0.0" in checkpoint.regularization_notice(old, now, "ckpt", "t")
+    rules.check_compatible(old, now, "ckpt", "t")
+    assert "attention_dropout 0.1 -> 0.0" in rules.regularization_notice(old, now, "ckpt", "t")
 
 
 def test_another_parallel_layout_is_a_topology_change_not_an_error() -> None:
@@ -48,8 +49,8 @@ def test_another_parallel_layout_is_a_topology_change_not_an_error() -> None:
     from megatron_ds.estimate.run_layout import build_run_layout
 
     now = SAVED.replace(parallel__tensor_model_parallel_size=2, parallel__world_size=2, training__zero_stage=1)
-    checkpoint.check_compatible(meta(SAVED), now, "ckpt", "t")  # no error: resharded on load
-    changes = checkpoint_rules.topology_changes(meta(SAVED), now, build_run_layout(now, CPU), 2)
+    rules.check_compatible(meta(SAVED), now, "ckpt", "t")  # no error: resharded on load
+    changes = rules.topology_changes(meta(SAVED), now, build_run_layout(now, CPU), 2)
     assert changes == [
         "layout E|tttt|L vs Et*4L",
         "world size 1 vs 2",
@@ -60,19 +61,19 @@ def test_another_parallel_layout_is_a_topology_change_not_an_error() -> None:
 
 def test_another_global_batch_or_optimizer_is_refused_for_the_whole_state_only() -> None:
     bigger = SAVED.replace(training__global_batch_size=16)
-    with pytest.raises(checkpoint.CheckpointError) as err:
-        checkpoint.check_compatible(meta(SAVED), bigger, "ckpt", "t")
+    with pytest.raises(CheckpointError) as err:
+        rules.check_compatible(meta(SAVED), bigger, "ckpt", "t")
     assert "trained with --global-batch-size 8, this run uses 16" in str(err.value) and "\n" not in str(err.value)
-    checkpoint.check_compatible(meta(SAVED), bigger.replace(checkpoint__finetune=True), "ckpt", "t")
+    rules.check_compatible(meta(SAVED), bigger.replace(checkpoint__finetune=True), "ckpt", "t")
     sgd = SAVED.replace(optimizer__optimizer="sgd")
-    with pytest.raises(checkpoint.CheckpointError, match="holds adam's optimizer state, this run uses --optimizer sgd"):
-        checkpoint.check_compatible(meta(SAVED), sgd, "ckpt", "t")
-    checkpoint.check_compatible(meta(SAVED), sgd.replace(checkpoint__no_load_optim=True), "ckpt", "t")
+    with pytest.raises(CheckpointError, match="holds adam's optimizer state, this run uses --optimizer sgd"):
+        rules.check_compatible(meta(SAVED), sgd, "ckpt", "t")
+    rules.check_compatible(meta(SAVED), sgd.replace(checkpoint__no_load_optim=True), "ckpt", "t")
 
 
 def test_a_padded_vocabulary_that_moves_with_t_names_the_fix() -> None:
     at_t2 = SAVED.replace(model__vocab_size=256, parallel__tensor_model_parallel_size=2, parallel__world_size=2)
-    with pytest.raises(checkpoint.CheckpointError) as err:
-        checkpoint.check_compatible(meta(at_t2), SAVED, "ckpt", "t")
+    with pytest.raises(CheckpointError) as err:
+        rules.check_compatible(meta(at_t2), SAVED, "ckpt", "t")
     assert "vocab_size 256 (checkpoint) vs 128 (now)" in str(err.value)
     assert "choose --make-vocab-size-divisible-by so that the padded size stays 256" in str(err.value)

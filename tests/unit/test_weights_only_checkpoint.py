@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_ds.flags.parser import parse_config
-from megatron_ds.training.checkpoint import CheckpointError, architecture_mismatch, check_compatible
-from megatron_ds.training.checkpoint_rules import deepspeed_cannot_restore
+from megatron_ds.training.checkpoint.directory import CheckpointError
+from megatron_ds.training.checkpoint.rules import architecture_mismatch, check_compatible, deepspeed_cannot_restore
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--vocab-size", "128"]
 RUN = ["--train-iters", "1", "--lr", "1e-3", "--world-size", "1"]

@@ -2,7 +2,7 @@
 
 Free: dropout and init std (a notice), and the whole parallel layout: P, the stage split, T, DP,
 ZeRO stage and precision (`topology_changes`; a full resume then goes through the universal form,
-`megatron_ds.training.universal`). Refused with one line: another architecture, and for a full
+`megatron_ds.training.checkpoint.universal`). Refused with one line: another architecture, and for a full
 resume another global batch size or optimizer. Pure: no torch.distributed.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from megatron_ds.config import Config
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training.checkpoint_files import CheckpointError
+from megatron_ds.training.checkpoint.directory import CheckpointError
 
 WEIGHT_FREE_FIELDS = ("seq_length",)
 """Architecture fields that shape no weight: a weights-only checkpoint (an import) may be trained on

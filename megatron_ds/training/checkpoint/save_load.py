@@ -11,7 +11,7 @@ Layout of `--save DIR` (docs/checkpoints.md has every file):
 
 `load` resumes the whole training state under the saved topology (DeepSpeed's own load) or under
 any other P, layout, T, DP size, ZeRO stage or precision (through the universal form,
-`megatron_ds.training.universal`); what may not change is in `checkpoint_rules`.
+`megatron_ds.training.checkpoint.universal`); what may not change is in `rules`.
 
 A weights-only checkpoint (`"weights_only": true` in megatron_ds.json, as `megatron_ds.interop`'s
 Hugging Face import writes) has only the per-spec files: it loads like `--finetune` (iteration
@@ -36,10 +36,9 @@ import torch
 
 from megatron_ds.config import Config
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import checkpoint_reader
-from megatron_ds.training.checkpoint_files import LATEST, META, CheckpointError, latest_tag, read_meta, write_atomic
-from megatron_ds.training.checkpoint_rules import (
-    architecture_mismatch,
+from megatron_ds.training.checkpoint import reader
+from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointError, latest_tag, read_meta, write_atomic
+from megatron_ds.training.checkpoint.rules import (
     check_compatible,
     deepspeed_cannot_restore,
     is_weights_only,
@@ -47,24 +46,10 @@ from megatron_ds.training.checkpoint_rules import (
     regularization_notice,
     topology_changes,
 )
+from megatron_ds.training.checkpoint.universal import restore, store
+from megatron_ds.training.checkpoint.universal.convert import ensure_converted
+from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
 from megatron_ds.training.state import TrainState
-from megatron_ds.training.universal import restore, store
-from megatron_ds.training.universal.convert import ensure_converted
-from megatron_ds.training.universal.deepspeed_source import FP32
-
-__all__ = [
-    "LATEST",
-    "META",
-    "CheckpointError",
-    "architecture_mismatch",
-    "check_compatible",
-    "is_weights_only",
-    "latest_tag",
-    "load",
-    "read_meta",
-    "regularization_notice",
-    "save",
-]
 
 
 def check_writable(save_dir: str) -> None:
@@ -224,10 +209,8 @@ def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, ta
             # engine was built; without this the first step would write the initial weights back.
             engine.optimizer.refresh_fp32_params()
         return
-    ckpt = checkpoint_reader.open_checkpoint(directory)
-    restore.load_weights(
-        engine, config, layout, lambda t: checkpoint_reader.read_spec_tensor(ckpt, t.spec_index, t.key, t.rule)
-    )
+    ckpt = reader.open_checkpoint(directory)
+    restore.load_weights(engine, config, layout, lambda t: reader.read_spec_tensor(ckpt, t.spec_index, t.key, t.rule))
 
 
 def remove_incomplete(save_dir: str) -> None:

@@ -1,9 +1,9 @@
-"""Read a checkpoint `checkpoint.save` wrote through DeepSpeed as full (T=1) tensors, one at a time.
+"""Read a checkpoint `save_load.save` wrote through DeepSpeed as full (T=1) tensors, one at a time.
 
 Where each part of the training state is, per (stage s, tensor rank r, data-parallel rank d), with
 mp = s x T + r (DeepSpeed's model-parallel rank: tensor innermost):
 
-  weights          layer_XX-model_RR-model_states.pt, one per spec and tensor rank (`checkpoint_reader`)
+  weights          layer_XX-model_RR-model_states.pt, one per spec and tensor rank (`checkpoint.reader`)
   ZeRO-0, fp32     mp_rank_MM_model_states.pt "optimizer": a torch optimizer state dict, its
                    per-parameter state numbered group by group (`names.optimizer_order`)
   ZeRO-1, or bf16  [bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt: this rank's flat fp32 partition of
@@ -29,10 +29,10 @@ import torch
 
 from megatron_ds.model import naming, sharding
 from megatron_ds.pipeline.layout import Layout, build_layout
-from megatron_ds.training import checkpoint_reader
-from megatron_ds.training.checkpoint_files import CheckpointError
+from megatron_ds.training.checkpoint import reader
+from megatron_ds.training.checkpoint.directory import CheckpointError
+from megatron_ds.training.checkpoint.universal import names
 from megatron_ds.training.optimizer import GROUP_NAMES
-from megatron_ds.training.universal import names
 
 FP32 = "fp32"
 """The state name of the fp32 master weights (as in DeepSpeed's universal checkpoints)."""
@@ -72,7 +72,7 @@ def local_shape(rule: sharding.TensorRule, tensor_parallel: int) -> tuple[int, .
 class DeepSpeedSource:
     """The training state of one DeepSpeed checkpoint, tensor by tensor."""
 
-    def __init__(self, ckpt: checkpoint_reader.Checkpoint) -> None:
+    def __init__(self, ckpt: reader.Checkpoint) -> None:
         self.ckpt = ckpt
         cfg = ckpt.config
         self.model = cfg.model
@@ -141,7 +141,7 @@ class DeepSpeedSource:
         """`state` (FP32 or an optimizer state) of `tensor` as its full T=1 tensor."""
         stage, module_name = names.source_stage(self.model, self.layout, tensor)
         if state == FP32 and not self.flat:
-            return checkpoint_reader.read_spec_tensor(self.ckpt, tensor.spec_index, tensor.key, tensor.rule)
+            return reader.read_spec_tensor(self.ckpt, tensor.spec_index, tensor.key, tensor.rule)
         shape = local_shape(tensor.rule, self.tensor_parallel)
         shards = [self._local(stage, tp, module_name, tensor.group, state, shape) for tp in range(self.tensor_parallel)]
         full = sharding.gather(tensor.rule, shards)

@@ -2,7 +2,7 @@
 
 A checkpoint is `DIR/latest` -> `DIR/global_stepN/` holding `megatron_ds.json` (config, train
 state) and DeepSpeed's `layer_XX-model_YY-model_states.pt` per spec index XX and tensor rank YY
-(see `megatron_ds.training.checkpoint`). The layer files are read with `torch.load(...,
+(see `megatron_ds.training.checkpoint.save_load`). The layer files are read with `torch.load(...,
 weights_only=True, mmap=True)`: no code from the file runs, and a tensor's bytes are read only
 when it is gathered. Nothing here needs torch.distributed, DeepSpeed or a GPU.
 """
@@ -20,7 +20,7 @@ import torch
 from megatron_ds.config import Config
 from megatron_ds.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_ds.model import naming, sharding
-from megatron_ds.training.checkpoint_files import (
+from megatron_ds.training.checkpoint.directory import (
     LATEST,
     META,
     UNIVERSAL_FORMAT,

@@ -25,10 +25,10 @@ import torch
 from megatron_ds import files
 from megatron_ds.config import Config
 from megatron_ds.errors import UserError
-from megatron_ds.training import checkpoint_reader
-from megatron_ds.training.checkpoint_files import META, UNIVERSAL_FORMAT, CheckpointError
-from megatron_ds.training.universal import names
-from megatron_ds.training.universal.deepspeed_source import FP32, DeepSpeedSource
+from megatron_ds.training.checkpoint import reader
+from megatron_ds.training.checkpoint.directory import META, UNIVERSAL_FORMAT, CheckpointError
+from megatron_ds.training.checkpoint.universal import names
+from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, DeepSpeedSource
 
 FORMAT = UNIVERSAL_FORMAT
 VERSION = 1
@@ -117,7 +117,7 @@ def _unpadded_vocabulary(source: DeepSpeedSource) -> int | None:
     """Rows that are tokens (the rest is `--make-vocab-size-divisible-by` padding, stored and trained
     as the model has it); None when neither an import nor a tokenizer says."""
     try:
-        tokenizer = checkpoint_reader.checkpoint_tokenizer(source.ckpt)
+        tokenizer = reader.checkpoint_tokenizer(source.ckpt)
     except (UserError, OSError, ValueError):
         tokenizer = None
     return source.ckpt.meta.get("hf", {}).get("vocab_size") or (tokenizer.vocab_size if tokenizer else None)

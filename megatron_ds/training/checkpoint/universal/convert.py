@@ -26,10 +26,10 @@ from typing import Any
 
 from megatron_ds import files
 from megatron_ds.errors import UserError
-from megatron_ds.training import checkpoint_reader
-from megatron_ds.training.checkpoint_files import LATEST, META, CheckpointError
-from megatron_ds.training.universal import names, store
-from megatron_ds.training.universal.deepspeed_source import DeepSpeedSource
+from megatron_ds.training.checkpoint import reader
+from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointError
+from megatron_ds.training.checkpoint.universal import names, store
+from megatron_ds.training.checkpoint.universal.deepspeed_source import DeepSpeedSource
 
 SUFFIX = ".universal"
 
@@ -56,7 +56,7 @@ def universal_path(load_dir: str, tag: str) -> str:
 
 
 def _open_source(path: str) -> DeepSpeedSource:
-    ckpt = checkpoint_reader.open_checkpoint(path)
+    ckpt = reader.open_checkpoint(path)
     if store.is_universal(ckpt.meta):
         raise CheckpointError(f"{ckpt.directory}: already in universal form; --load it directly")
     if ckpt.meta.get("weights_only"):
@@ -122,7 +122,7 @@ def convert_next_to(load_dir: str, tag: str, show_progress: bool, log: Any = pri
     if _reusable(target, source_dir):
         log(f"--load {load_dir} ({tag}): using its universal form {target}")
         return target
-    source = DeepSpeedSource(checkpoint_reader.open_checkpoint(source_dir))
+    source = DeepSpeedSource(reader.open_checkpoint(source_dir))
     _clear_leftovers(target)
     log(f"--load {load_dir} ({tag}): converting it once to universal form in {target}")
     try:

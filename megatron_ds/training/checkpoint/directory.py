@@ -13,7 +13,7 @@ from megatron_ds.errors import UserError
 LATEST = "latest"
 META = "megatron_ds.json"
 UNIVERSAL_FORMAT = "megatron_ds.universal"
-"""`format` of a universal checkpoint's metadata (`megatron_ds.training.universal.store`)."""
+"""`format` of a universal checkpoint's metadata (`megatron_ds.training.checkpoint.universal.store`)."""
 
 
 class CheckpointError(UserError):

@@ -22,11 +22,11 @@ import torch
 from megatron_ds.config import Config
 from megatron_ds.model import sharding
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training.checkpoint_files import CheckpointError
+from megatron_ds.training.checkpoint.directory import CheckpointError
+from megatron_ds.training.checkpoint.universal import names
+from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
+from megatron_ds.training.checkpoint.universal.store import Universal
 from megatron_ds.training.optimizer import GROUP_NAMES
-from megatron_ds.training.universal import names
-from megatron_ds.training.universal.deepspeed_source import FP32
-from megatron_ds.training.universal.store import Universal
 
 ReadFull = Callable[[names.ModelTensor], torch.Tensor]
 """Returns one layout-free tensor's full weight."""

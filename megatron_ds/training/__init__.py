@@ -1,0 +1,10 @@
+"""The runtime: the engine builder, the training loop, checkpoints, and what they are built from.
+
+    builder           `build_pipeline`: every invariant in one call (docs/training.md)
+    loop              `pretrain`: the loop's named steps
+    checkpoint/       atomic save, validated load, the layout-free (universal) form
+
+The flat modules beside them are the pieces the builder and the loop assemble (optimizer groups,
+the counted gradient-norm clip, preflight and watchdog, the DeepSpeed JSON, the learning-rate
+schedule, the log line, run state, the pre-launch file checks). docs/architecture.md places each.
+"""
