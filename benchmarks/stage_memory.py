@@ -5,10 +5,10 @@ layouts on CPU, next to what the memory model and the calibrated compute model p
 For each model and layout this runs `pretrain_gpt.py` on 5 CPU ranks (`--stages N`: N) (torchrun, gloo, fp32,
 `--mock-data`) for 10 iterations with `--log-interval 8`. From its output:
 
-- memory: the report of iteration 8 (`megatron_ds/training/memory.py`, the code `--log-memory`
+- memory: the report of iteration 8 (`megatron_ds/training/measure/memory.py`, the code `--log-memory`
   runs; it traces iterations 7-8), against the memory model (`estimate/memory_model.py`);
 - compute: each stage's CPU time per step in forward, backward and optimizer instructions
-  (`training/stage_timers.py`; the median of iterations 2-6, untraced), against the calibrated prediction
+  (`training/measure/stage_timers.py`; the median of iterations 2-6, untraced), against the calibrated prediction
   (`estimate/calibrate.py`: each group timed once in this process, before the runs, same clock);
 - the 1F1B step DeepSpeed's schedule takes with one device per stage, simulated from the measured
   compute (`estimate/step_simulator.py`), over the ideal: the same compute in P equal stages through the

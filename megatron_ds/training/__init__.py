@@ -1,8 +1,9 @@
-"""The runtime: the engine builder, the training loop, checkpoints, and what they are built from.
+"""The runtime: the engine builder, the training loop, checkpoints, measurements of a live run.
 
     builder           `build_pipeline`: every invariant in one call (docs/training.md)
     loop              `pretrain`: the loop's named steps
     checkpoint/       atomic save, validated load, the layout-free (universal) form
+    measure/          measured per-stage memory and compute of a live run
 
 The flat modules beside them are the pieces the builder and the loop assemble (optimizer groups,
 the counted gradient-norm clip, preflight and watchdog, the DeepSpeed JSON, the learning-rate

@@ -16,11 +16,12 @@ from megatron_ds.config import Config
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import logger, memory, stage_timers
+from megatron_ds.training import logger
 from megatron_ds.training.builder import Pipeline, build_pipeline
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.engine import grad_norm
 from megatron_ds.training.lr_schedule import LRSchedule
+from megatron_ds.training.measure import memory, stage_timers
 from megatron_ds.training.preflight import Watchdog, install_stack_dump_handler
 from megatron_ds.training.resolve_layout import layout_text
 from megatron_ds.training.state import TrainState

@@ -1,4 +1,4 @@
-"""The measured memory report (`megatron_ds/training/memory.py`, `allocation_trace.py`) against exact counts.
+"""The measured memory report (`megatron_ds/training/measure/memory.py`, `allocation_trace.py`) against exact counts.
 
 * The allocation trace, in one process, on blocks of known sizes: the peak, what was held at the
   window's start and end, a leftover of the warm-up step freed inside the window, and a block
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megatron_ds.training.allocation_trace import CpuAllocationTrace
+from megatron_ds.training.measure.allocation_trace import CpuAllocationTrace
 
 MIB = 1 << 20
 
@@ -112,7 +112,7 @@ def worker(out_dir: str) -> None:
     from megatron_ds.model.naming import gpt_spec_groups
     from megatron_ds.pipeline.layout import build_layout
     from megatron_ds.testing.scenario import micro_batches, tiny_config
-    from megatron_ds.training import memory
+    from megatron_ds.training.measure import memory
     from megatron_ds.training.builder import build_pipeline
 
     results = []

@@ -309,7 +309,7 @@ SIMULATED = re.compile(
 
 
 def test_straight_run_reports_stage_compute_apart_from_waiting(straight: dict) -> None:
-    """training/stage_timers.py on a 3-rank run: each stage's compute (CPU time) per step, the time it
+    """training/measure/stage_timers.py on a 3-rank run: each stage's compute (CPU time) per step, the time it
     spends not computing, and the simulated 1F1B step from those times; the log line's TFLOP/s."""
     from megatron_ds.estimate.compute import model_flops_per_iteration
     from megatron_ds.estimate.step_simulator import simulate

@@ -1,4 +1,4 @@
-"""Stage timers (`training/stage_timers.py`) on a stand-in engine: which instructions count as
+"""Stage timers (`training/measure/stage_timers.py`) on a stand-in engine: which instructions count as
 compute, steps left out, eval not counted, and the report's simulated step. The real engine is
 covered by tests/e2e/test_pretrain_gpt.py (a 3-rank run)."""
 
@@ -11,8 +11,8 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from megatron_ds.estimate.step_simulator import simulate
-from megatron_ds.training import stage_timers
-from megatron_ds.training.stage_timers import StageCompute, format_report, simulate_measured
+from megatron_ds.training.measure import stage_timers
+from megatron_ds.training.measure.stage_timers import StageCompute, format_report, simulate_measured
 
 
 def busy(seconds: float) -> None:

@@ -8,7 +8,7 @@ AdamW/SGD step with the kernel training uses, `model_states.OPTIMIZER_KERNEL`): 
 `megatron_ds.estimate.measured_time.Calibration`, whose `stage_time_fn` turns them into stage times.
 
 Clock: on CPU, this process's CPU time (`time.process_time`), the same clock the pipeline's stage
-timers use for compute (`training/stage_timers.py`): on a machine shared with other processes
+timers use for compute (`training/measure/stage_timers.py`): on a machine shared with other processes
 (several ranks on a few cores) wall time counts the time a process waits for a core, CPU time
 does not. On CUDA, wall time after `torch.cuda.synchronize()`.
 

@@ -4,7 +4,7 @@
 out or takes back); `CudaAllocationTrace` reads the CUDA caching allocator's own counters. Both:
 `start()`, then `with trace.window():` around the measured step, then `stop(at_start, at_end)`
 with the tensor storages alive at the window's start and end (address -> bytes); afterwards
-`held_at_start`, `peak` and `held_at_end` are in bytes. Used by `megatron_ds.training.memory`.
+`held_at_start`, `peak` and `held_at_end` are in bytes. Used by `megatron_ds.training.measure.memory`.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from megatron_ds.training.allocation_trace import CpuAllocationTrace, CudaAllocationTrace
+from megatron_ds.training.measure.allocation_trace import CpuAllocationTrace, CudaAllocationTrace
 
 MB = 1024.0 * 1024.0
 
