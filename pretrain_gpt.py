@@ -54,10 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(layout_text(config, resolve_layout(config)))
             return 0
-        from megatron_ds.training.inputs import check_inputs
+        from megatron_ds.training.launch_checks import check_launch
         from megatron_ds.training.loop import pretrain
 
-        check_inputs(config)
+        check_launch(config)
         pretrain(config)  # the builder resolves the layout, once
         clean = True
     except Exception as exc:  # noqa: BLE001 - user errors become one line, the rest propagate

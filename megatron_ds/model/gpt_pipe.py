@@ -203,7 +203,7 @@ def mark_norm_counting(module: torch.nn.Module, tp_rank: int) -> None:
     rule. Its no-ZeRO fp32 `clip_grad_norm_` ignores `ds_pipe_replicated` and counts any
     `tensor_model_parallel` parameter, so it would count the last stage's tied shard twice: the
     engine replaces it by a norm that reads this attribute alone
-    (`megatron_ds.training.engine`).
+    (`megatron_ds.training.grad_norm`).
     """
     for p in module.parameters():
         replicated_copy = getattr(p, "ds_pipe_replicated", False)

@@ -46,7 +46,7 @@ from megatron_ds.model import rng, tensor_parallel
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training import deepspeed_config
-from megatron_ds.training.engine import grad_norm, install_fp32_grad_norm
+from megatron_ds.training.grad_norm import grad_norm, install_fp32_grad_norm
 from megatron_ds.training.machine import probe
 from megatron_ds.training.measure import stage_timers
 from megatron_ds.training.optimizer import OptimizerFactory, add_group_placeholders, build_optimizer

@@ -19,7 +19,7 @@ from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training import logger
 from megatron_ds.training.builder import Pipeline, build_pipeline
 from megatron_ds.training.checkpoint import save_load
-from megatron_ds.training.engine import grad_norm
+from megatron_ds.training.grad_norm import grad_norm
 from megatron_ds.training.lr_schedule import LRSchedule
 from megatron_ds.training.measure import memory, stage_timers
 from megatron_ds.training.preflight import Watchdog, install_stack_dump_handler

@@ -39,7 +39,7 @@ def check_logging(config: Config) -> None:
         )
 
 
-def check_inputs(config: Config) -> None:
+def check_launch(config: Config) -> None:
     """All file-system checks, in the order a user would fix them (the `--deepspeed_config` file
     included: a contradiction with the flags is reported before any process group exists)."""
     check_data(config)
