@@ -119,22 +119,22 @@ def run_one(
     else:
         layout = resolve_layout(config)
     with unfixed(opts.get("unfixed", [])):
-        bundle = build_pipeline(config, layout=layout)
-    engine = bundle.engine
-    tp = bundle.model.tensor_parallel
+        pipeline = build_pipeline(config, layout=layout)
+    engine = pipeline.engine
+    tp = pipeline.model.tensor_parallel
     result: dict[str, Any] = {
         "rank": dist.get_rank(),
         "stage": engine.stage_id,
         "tp_rank": tp.rank,
         "layout": layout.to_string(),
         "layout_table": layout.format(),
-        "tied_modules": sorted(getattr(bundle.model, "tied_modules", {})),
-        "tied_comms": sorted(getattr(bundle.model, "tied_comms", {})),
+        "tied_modules": sorted(getattr(pipeline.model, "tied_modules", {})),
+        "tied_comms": sorted(getattr(pipeline.model, "tied_comms", {})),
     }
     if opts.get("swapped_axes"):
         result["topology_error"] = _swapped_axes_error(config)
     if opts.get("init_checksums"):
-        sums = full_parameter_checksums(bundle.model)
+        sums = full_parameter_checksums(pipeline.model)
         if tp.rank == 0:
             result["init_checksums"] = sums
     state = TrainState()
@@ -147,24 +147,24 @@ def run_one(
             result["error"] = f"{type(e).__name__}: {e}"
             return result
     if opts.get("checksums"):
-        _record_checksums(result, "checksums_loaded", bundle.model)
-    emb_before = _embedding(bundle.model)
+        _record_checksums(result, "checksums_loaded", pipeline.model)
+    emb_before = _embedding(pipeline.model)
     losses, norms = [], []
     dp_rank = engine.grid.get_data_parallel_rank()
     for step in range(state.iteration, state.iteration + num_steps):
         batches = list(micro_batches(config, step, dp_rank, opts.get("loss_mask", "ones")))
-        loss = bundle.train_batch(iter(batches), label=f"train_batch of step {step}")
+        loss = pipeline.train_batch(iter(batches), label=f"train_batch of step {step}")
         losses.append(float(loss.item()))
-        norms.append(bundle.grad_norm())
+        norms.append(pipeline.grad_norm())
     if opts.get("checksums"):
-        _record_checksums(result, "checksums_trained", bundle.model)
+        _record_checksums(result, "checksums_trained", pipeline.model)
     if opts.get("save"):
         done = TrainState(
             iteration=state.iteration + num_steps,
             consumed_train_samples=(state.iteration + num_steps) * config.training.global_batch_size,
         )
         save_load.save(engine, config, layout, done, opts["save"])
-    emb_after = _embedding(bundle.model)
+    emb_after = _embedding(pipeline.model)
     result.update({"losses": losses, "grad_norms": norms})
     if emb_after is not None:
         result["embedding_checksum"] = checksum(emb_after)

@@ -27,18 +27,73 @@ from megatron_ds.training.resolve_layout import layout_text
 from megatron_ds.training.state import TrainState
 
 
+@dataclass(frozen=True)
+class BatchReader:
+    """How this rank reads a split: what `pipeline_batches` takes besides the dataset and the start."""
+
+    micro_batch_size: int
+    """`--micro-batch-size`: samples per micro-batch on one data-parallel rank."""
+    data_parallel_rank: int
+    """This rank's data-parallel index: which samples of each global batch it reads."""
+    data_parallel_size: int
+    """Data-parallel replicas sharing each global batch."""
+    seed: int
+    """`--seed`: the data loader's generator and workers are seeded from it."""
+    reads_data: bool
+    """The first or the last stage: the only stages whose `train_batch` reads micro-batches."""
+
+    def batches(self, dataset: Any, start_sample: int, num_workers: int) -> Iterator[Any] | None:
+        """This rank's micro-batches of `dataset` from global sample `start_sample`; None without a
+        dataset or on a stage that reads none."""
+        from megatron_ds.data.gpt_data import pipeline_batches
+
+        if dataset is None or not self.reads_data:
+            return None
+        return pipeline_batches(
+            dataset,
+            self.micro_batch_size,
+            self.data_parallel_rank,
+            self.data_parallel_size,
+            start_sample,
+            num_workers,
+            self.seed,
+        )
+
+
+@dataclass
+class RunData:
+    """The loop's data on this rank: each split's micro-batches, positioned at the consumed samples."""
+
+    train: Iterator[Any] | None
+    """Training micro-batches from `consumed_train_samples` (None on a stage that reads none)."""
+    valid: Iterator[Any] | None
+    """Validation micro-batches from `consumed_valid_samples`, one stream that every evaluation
+    continues (None without a validation split or on a stage that reads none)."""
+    has_valid: bool
+    """There is a validation split: every stage evaluates, including those that read no data."""
+    test_dataset: Any
+    """The test split's dataset, or None; `test_batches` opens it at the final evaluation."""
+    reader: BatchReader
+    """How this rank reads each split."""
+
+    def test_batches(self) -> Iterator[Any] | None:
+        """The test split's micro-batches from its first sample (no loader workers)."""
+        return self.reader.batches(self.test_dataset, 0, 0)
+
+
 @dataclass
 class Run:
     """Everything the loop's steps share."""
 
     config: Config
     layout: Layout
-    bundle: Pipeline
+    pipeline: Pipeline
+    """What `build_pipeline` returned: the engine, its watchdog and its stage timers."""
     state: TrainState
     watchdog: Watchdog
     rank: int
     is_logging_rank: bool
-    data: dict[str, Any]
+    data: RunData
     tensorboard: logger.TensorBoard | None = None
     start_time: float = 0.0
     """When setup began (time.time()); `--exit-duration-in-mins` counts from here."""
@@ -47,7 +102,7 @@ class Run:
 
     @property
     def engine(self) -> Any:
-        return self.bundle.engine
+        return self.pipeline.engine
 
 
 def set_seeds(seed: int) -> None:
@@ -75,26 +130,27 @@ def setup(config: Config) -> Run:
     init_distributed(config.parallel)
     rank = dist.get_rank()
     set_seeds(config.training.seed)
-    bundle = build_pipeline(
+    pipeline = build_pipeline(
         config,
         lr_scheduler=lambda opt: LRSchedule.from_config(opt, config),
         on_layout=lambda layout, calibration: print_rank0(rank, layout_text(config, layout, calibration)),
     )
-    layout = bundle.layout
-    state = _load_or_fresh(config, layout, bundle, rank)
+    layout = pipeline.layout
+    state = _load_or_fresh(config, layout, pipeline, rank)
+    is_logging_rank = rank == dist.get_world_size() - 1
+    peak = _peak_tflops(config)
     run = Run(
         config=config,
         layout=layout,
-        bundle=bundle,
+        pipeline=pipeline,
         state=state,
-        watchdog=bundle.watchdog,
+        watchdog=pipeline.watchdog,
         rank=rank,
-        is_logging_rank=rank == dist.get_world_size() - 1,
-        data={},
+        is_logging_rank=is_logging_rank,
+        data=_build_data(config, pipeline.engine, state),
         start_time=start_time,
-        peak_tflops=_peak_tflops(config),
+        peak_tflops=peak,
     )
-    run.data = _build_data(run)
     if config.logging.tensorboard_dir and run.is_logging_rank:
         run.tensorboard = logger.TensorBoard(config.logging.tensorboard_dir, config.logging, dist.get_world_size())
     return run
@@ -108,12 +164,12 @@ def _peak_tflops(config: Config) -> float | None:
     return peak_tflops(torch.cuda.get_device_name(), config.training.precision)
 
 
-def _load_or_fresh(config: Config, layout: Layout, bundle: Pipeline, rank: int) -> TrainState:
+def _load_or_fresh(config: Config, layout: Layout, pipeline: Pipeline, rank: int) -> TrainState:
     if config.checkpoint.save and rank == 0:
         save_load.remove_incomplete(config.checkpoint.save)
     if not config.checkpoint.load:
         return TrainState()
-    state = save_load.load(bundle.engine, config, layout, config.checkpoint.load)
+    state = save_load.load(pipeline.engine, config, layout, config.checkpoint.load)
     if state is None:
         print_rank0(
             rank, f"WARNING: --load {config.checkpoint.load} holds no checkpoint yet; starting fresh (--load-optional)"
@@ -127,11 +183,11 @@ def _load_or_fresh(config: Config, layout: Layout, bundle: Pipeline, rank: int) 
     return state
 
 
-def _build_data(run: Run) -> dict[str, Any]:
-    from megatron_ds.data.gpt_data import build_gpt_datasets, pipeline_batches
+def _build_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
+    from megatron_ds.data.gpt_data import build_gpt_datasets
     from megatron_ds.data.tokenizer import build_tokenizer
 
-    cfg, t = run.config, run.config.training
+    t = cfg.training
     tokenizer = None
     if cfg.data.tokenizer_type:
         tokenizer = build_tokenizer(
@@ -146,27 +202,25 @@ def _build_data(run: Run) -> dict[str, Any]:
     train, valid, test = build_gpt_datasets(
         cfg.data, cfg.model.seq_length, t.seed, num_samples, tokenizer, cfg.model.vocab_size
     )
-    engine = run.engine
-    needs_data = engine.is_first_stage() or engine.is_last_stage()
-    dp_rank, dp = engine.grid.get_data_parallel_rank(), cfg.parallel.data_parallel_size
-
-    def batches(ds: Any, start: int, workers: int) -> Iterator[Any] | None:
-        if ds is None or not needs_data:
-            return None
-        return pipeline_batches(ds, t.micro_batch_size, dp_rank, dp, start, workers, t.seed)
-
-    return {
-        "train": batches(train, run.state.consumed_train_samples, cfg.data.num_workers),
-        "valid": batches(valid, run.state.consumed_valid_samples, 0),
-        "test_dataset": test,
-        "batches": batches,
-        "has_valid": valid is not None,
-    }
+    reader = BatchReader(
+        micro_batch_size=t.micro_batch_size,
+        data_parallel_rank=engine.grid.get_data_parallel_rank(),
+        data_parallel_size=cfg.parallel.data_parallel_size,
+        seed=t.seed,
+        reads_data=engine.is_first_stage() or engine.is_last_stage(),
+    )
+    return RunData(
+        train=reader.batches(train, state.consumed_train_samples, cfg.data.num_workers),
+        valid=reader.batches(valid, state.consumed_valid_samples, 0),
+        has_valid=valid is not None,
+        test_dataset=test,
+        reader=reader,
+    )
 
 
 def train_step(run: Run) -> float:
     with run.watchdog.watch(f"train_batch at iteration {run.state.iteration + 1}"):
-        loss = run.engine.train_batch(data_iter=run.data["train"])
+        loss = run.engine.train_batch(data_iter=run.data.train)
     run.state.iteration += 1
     run.state.consumed_train_samples += run.config.training.global_batch_size
     return float(loss.item())
@@ -231,7 +285,7 @@ def report_memory(run: Run, meter: memory.StepMeter) -> None:
 def report_compute(run: Run) -> None:
     """Every rank's measured compute per step apart from its waiting, and the 1F1B step those times
     give with one device per stage (`stage_timers`), printed by rank 0."""
-    everyone = stage_timers.gather(run.bundle.timers.summary(run.rank))
+    everyone = stage_timers.gather(run.pipeline.timers.summary(run.rank))
     if run.rank == 0:
         print("\n".join(stage_timers.format_report(everyone)), flush=True)
 
@@ -276,7 +330,7 @@ def train(run: Run) -> bool:
     while state.iteration < t.train_iters:
         step = state.iteration + 1
         timed = step != start_iteration + 1 and step not in profiled
-        with memory.step_context(meter, step, measured_iteration), run.bundle.timers.counting(timed):
+        with memory.step_context(meter, step, measured_iteration), run.pipeline.timers.counting(timed):
             losses.append(train_step(run))
         if state.iteration % lg.log_interval == 0 or state.iteration == t.train_iters:
             log_step(run, losses, time.time() - window_start, start_iteration)
@@ -284,12 +338,12 @@ def train(run: Run) -> bool:
             if not memory_reported:
                 report_memory(run, meter)
                 memory_reported = True
-            if not compute_reported and (run.bundle.timers.steps or state.iteration == t.train_iters):
+            if not compute_reported and (run.pipeline.timers.steps or state.iteration == t.train_iters):
                 report_compute(run)
                 compute_reported = True
             window_start = time.time()
-        if t.eval_iters and t.eval_interval and state.iteration % t.eval_interval == 0 and run.data["has_valid"]:
-            evaluate(run, "validation", run.data["valid"], t.eval_iters)
+        if t.eval_iters and t.eval_interval and state.iteration % t.eval_interval == 0 and run.data.has_valid:
+            evaluate(run, "validation", run.data.valid, t.eval_iters)
         if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
             save(run)
         if time_is_up(run):
@@ -320,10 +374,10 @@ def pretrain(config: Config) -> TrainState:
         save(run)
     if t.eval_iters and not out_of_time:
         just_evaluated = run.state.iteration > start and t.eval_interval and run.state.iteration % t.eval_interval == 0
-        if run.data["has_valid"] and not just_evaluated:
-            evaluate(run, "validation", run.data["valid"], t.eval_iters)
-        test_iter = run.data["batches"](run.data["test_dataset"], 0, 0)
-        if run.data["test_dataset"] is not None:
+        if run.data.has_valid and not just_evaluated:
+            evaluate(run, "validation", run.data.valid, t.eval_iters)
+        test_iter = run.data.test_batches()
+        if run.data.test_dataset is not None:
             evaluate(run, "test", test_iter, t.eval_iters)
     if run.tensorboard:
         run.tensorboard.close()
