@@ -97,7 +97,7 @@ class LRSchedule:
 
     On `load_state_dict` the checkpoint's schedule is compared with this one (Megatron's rule):
     `override` keeps this one, `use_checkpoint` takes the checkpoint's, and with neither a
-    difference is an `LRScheduleError`. Checkpoints that stored only the step count are accepted.
+    difference is an `LRScheduleError`.
     """
 
     def __init__(
@@ -154,9 +154,8 @@ class LRSchedule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.num_steps = int(state["num_steps"])
-        if "max_lr" in state:  # older checkpoints stored the step count only
-            saved = Schedule(**{f.name: state[f.name] for f in dataclasses.fields(Schedule)})
-            self.schedule = self._reconcile(saved)
+        saved = Schedule(**{f.name: state[f.name] for f in dataclasses.fields(Schedule)})
+        self.schedule = self._reconcile(saved)
         self._apply()
 
     def _reconcile(self, saved: Schedule) -> Schedule:

@@ -151,12 +151,6 @@ def test_state_dict_round_trip() -> None:
     assert b.get_lr() == a.get_lr()
 
 
-def test_older_checkpoints_with_step_count_only_load() -> None:
-    b = make(schedule("linear"))
-    b.load_state_dict({"num_steps": 20})
-    assert b.get_lr() == [learning_rate(schedule("linear"), 20)]
-
-
 def test_changed_schedule_on_resume_is_an_error_unless_a_flag_says_which_wins() -> None:
     saved = make(schedule("linear"))
     for _ in range(20):
