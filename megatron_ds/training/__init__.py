@@ -5,7 +5,8 @@
     checkpoint/       atomic save, validated load, the layout-free (universal) form
     measure/          measured per-stage memory and compute of a live run
 
-The flat modules beside them are the pieces the builder and the loop assemble (optimizer groups,
-the counted gradient-norm clip, preflight and watchdog, the DeepSpeed JSON, the learning-rate
-schedule, the log line, run state, the pre-launch file checks). docs/architecture.md places each.
+The flat modules beside them are the pieces the builder and the loop assemble (the device probe
+and the layout resolved on it, optimizer groups, the counted gradient-norm clip, preflight and
+watchdog, the DeepSpeed JSON and the engine's pipeline schedules, the learning-rate schedule, the
+log line, run state, the pre-launch file checks). docs/architecture.md places each.
 """
