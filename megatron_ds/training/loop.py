@@ -98,7 +98,7 @@ class Run:
     start_time: float = 0.0
     """When setup began (time.time()); `--exit-duration-in-mins` counts from here."""
     peak_tflops: float | None = None
-    """One device's peak for MFU (`--peak-tflops`, else `estimate.device_peaks`), None if unknown."""
+    """One device's peak for MFU (`--peak-tflops`, else `estimate.devices`), None if unknown."""
 
     @property
     def engine(self) -> Any:
