@@ -17,6 +17,7 @@ import io
 import re
 import shlex
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,11 +85,13 @@ def run(block: Block) -> list[str]:
     assert main is not None
     args = block.argv[2:] if block.argv[1] == "pretrain_gpt.py" else block.argv[3:]
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = main(args)
-        except SystemExit as exit_:
-            status = exit_.code
+    # In a scratch directory: a documented `--write-config ds.json` must not leave files behind.
+    with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(args)
+            except SystemExit as exit_:
+                status = exit_.code
     lines = (out.getvalue() + err.getvalue()).rstrip("\n").split("\n")
     if block.shown and EXIT_STATUS.fullmatch(block.shown[-1]):
         lines.append(f"(exit status {status or 0})")

@@ -36,14 +36,6 @@ def test_another_hidden_size_is_still_refused() -> None:
     assert "dropout" not in str(err.value)
 
 
-def test_a_checkpoint_from_before_the_split_compares_its_dropout_as_regularization() -> None:
-    old = meta(SAVED)
-    old["config"]["model"].update(old["config"].pop("regularization"))  # dropout and init std in `model`
-    now = SAVED.replace(regularization__attention_dropout=0.0)
-    rules.check_compatible(old, now, "ckpt", "t")
-    assert "attention_dropout 0.1 -> 0.0" in rules.regularization_notice(old, now, "ckpt", "t")
-
-
 def test_another_parallel_layout_is_a_topology_change_not_an_error() -> None:
     from megatron_ds.estimate.machine import CPU
     from megatron_ds.estimate.run_layout import build_run_layout
