@@ -32,10 +32,11 @@ MISALIGNED_FLAG = "--misaligned-append-eod"
 
 def notice(info: IndexInfo, misaligned: bool) -> str:
     """The one line a run prints for an append-eod pair: what was found and how it is read."""
+    num_ends = int(np.count_nonzero(np.diff(info.document_indices) > 0))
     found = (
         f"NOTICE: {idx_path(info.prefix)} is Megatron-DeepSpeed's --append-eod layout: its lengths leave out "
         f"the end-of-document token {info.eod_id} that {bin_path(info.prefix)} holds after each of its "
-        f"{info.num_documents} documents"
+        f"{num_ends} non-empty documents"
     )
     if misaligned:
         return (
