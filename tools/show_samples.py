@@ -32,7 +32,7 @@ from megatron_ds.errors import ConfigError, UserError
 from megatron_ds.flags import compat
 from megatron_ds.flags.lengths import train_length
 from megatron_ds.flags.parser import build_parser
-from megatron_ds.flags.to_config import data_config, direct_values, tokenizer_type
+from megatron_ds.flags.to_config import data_config, direct_values
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -81,7 +81,9 @@ def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
             data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file, vocab_size=args.vocab_size
         )
     vocab = args.vocab_size or (tokenizer.vocab_size if tokenizer else 0)
-    train, _, _ = build_gpt_datasets(data, args.seq_length, training.seed, requested_samples(training), tokenizer, vocab)
+    train, _, _ = build_gpt_datasets(
+        data, args.seq_length, training.seed, requested_samples(training), tokenizer, vocab
+    )
     end = args.consumed_samples + args.num_samples
     if end > len(train):
         raise ConfigError(

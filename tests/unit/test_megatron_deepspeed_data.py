@@ -49,7 +49,9 @@ def _line(command: str, cache: Path) -> list[str]:
 
 def _samples(argv: list[str], first: int = 0, count: int | None = None) -> tuple[list[list[int]], object]:
     config, _ = parse_config(argv, world_size=1)
-    tok = build_tokenizer(config.data.tokenizer_type, vocab_file=config.data.vocab_file, merge_file=config.data.merge_file)
+    tok = build_tokenizer(
+        config.data.tokenizer_type, vocab_file=config.data.vocab_file, merge_file=config.data.merge_file
+    )
     with contextlib.redirect_stdout(io.StringIO()):
         train, _, _ = build_gpt_datasets(
             config.data, config.model.seq_length, config.training.seed, requested_samples(config.training), tok, 384
@@ -68,7 +70,11 @@ def _preprocess(tmp_path: Path, corpus: str, tokenizer: list[str], *extra: str) 
 
 @pytest.mark.parametrize(
     "corpus, tokenizer, upstream",
-    [("corpus_a", GPT2, UPSTREAM_A), ("corpus_b", GPT2, UPSTREAM_B), ("corpus_a", SP, str(FIXTURE / "mds_sp_a_eod_text_document"))],
+    [
+        ("corpus_a", GPT2, UPSTREAM_A),
+        ("corpus_b", GPT2, UPSTREAM_B),
+        ("corpus_a", SP, str(FIXTURE / "mds_sp_a_eod_text_document")),
+    ],
 )
 def test_upstream_append_eod_files_give_our_tokens(tmp_path: Path, corpus: str, tokenizer: list, upstream: str) -> None:
     """Same .bin, an .idx without the EODs: recognised, and read as our tool's documents."""
@@ -176,7 +182,9 @@ def test_continuing_a_run_started_upstream(tmp_path: Path) -> None:
     there are the samples upstream's loader yields after resuming at that count."""
     for name in ("resume", "misaligned_resume"):
         case = _case(name)
-        argv = _line(case["command"], tmp_path / "cache") + (["--misaligned-append-eod"] if "misaligned" in name else [])
+        argv = _line(case["command"], tmp_path / "cache") + (
+            ["--misaligned-append-eod"] if "misaligned" in name else []
+        )
         _, train = _samples(argv, 0, 0)
         ranks = [list(pipeline_batches(train, 1, d, 2, case["consumed_samples"], 0, seed=1234)) for d in range(2)]
         order = [row for step in zip(*ranks) for tokens, (labels, _) in step for row in _text(tokens, labels)]
