@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -89,6 +90,8 @@ def test_upstream_append_eod_files_give_our_tokens(tmp_path: Path, corpus: str, 
 
     as_read = open_corpus(info, misaligned=False)
     assert [as_read[i].tolist() for i in range(len(as_read))] == [t.tolist() for t in read_tokens(ours)]
+    again = pickle.loads(pickle.dumps(as_read))  # DataLoader workers under spawn read the same
+    assert [again[i].tolist() for i in range(len(again))] == [as_read[i].tolist() for i in range(len(as_read))]
     misread = open_corpus(info, misaligned=True)  # Megatron-DeepSpeed's own view: document k starts k early
     assert misread[1].tolist() != as_read[1].tolist()[:-1] and misread[0].tolist() == as_read[0].tolist()[:-1]
 
