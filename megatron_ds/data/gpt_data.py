@@ -139,6 +139,12 @@ def _report(data: DataConfig, infos: Sequence[IndexInfo], tokenizer: Tokenizer) 
     """The append-eod notices and the document ranges, once (rank 0)."""
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
+    if data.misaligned_append_eod and all(info.eod_id is None for info in infos):
+        print(
+            "WARNING: --misaligned-append-eod changes nothing: no corpus is Megatron-DeepSpeed's --append-eod layout",
+            file=sys.stderr,
+            flush=True,
+        )
     for info in infos:
         if info.eod_id is not None:
             print(notice(info, data.misaligned_append_eod), flush=True)
@@ -149,8 +155,7 @@ def _report(data: DataConfig, infos: Sequence[IndexInfo], tokenizer: Tokenizer) 
                     file=sys.stderr,
                     flush=True,
                 )
-        lengths = read_lengths(info, data.misaligned_append_eod)
-        print("\n".join(split_log(info.prefix, len(lengths), data.split, data.data_upstream)), flush=True)
+        print("\n".join(split_log(info.prefix, info.num_sequences, data.split, data.data_upstream)), flush=True)
 
 
 def _on_rank_zero_first(build: Callable[[], Any], is_built_on_rank: Callable[[], bool] | None) -> Any:

@@ -129,6 +129,13 @@ def test_index_cache_never_reuses_a_stale_index(tmp_path: Path) -> None:
     assert "index " in description and "documents 0:" in description
 
 
+def test_misaligned_flag_without_append_eod_files_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    prefix = tmp_path / "plain"
+    write_indexed_dataset(str(prefix), [[1, 2, 3, 4, 5, 6, 7]] * 60, 400)
+    _build(DataConfig(data_path=(str(prefix),), split="98,2,0", misaligned_append_eod=True))
+    assert "WARNING: --misaligned-append-eod changes nothing" in capsys.readouterr().err
+
+
 def test_launch_check_uses_the_same_plan(tmp_path: Path) -> None:
     prefix = tmp_path / "small"
     write_indexed_dataset(str(prefix), [[1, 2, 3]] * 25, 10)
