@@ -27,7 +27,8 @@ except ImportError:  # run from a source checkout without installing the package
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_ds.data import DataError
-from megatron_ds.data.indexed import IndexedWriter, read_documents
+from megatron_ds.data.documents import read_documents
+from megatron_ds.data.indexed import IndexedWriter
 from megatron_ds.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 

@@ -22,7 +22,7 @@ except ImportError:  # run from a source checkout without installing the package
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_ds.data import DataError
-from megatron_ds.data.indexed import read_documents
+from megatron_ds.data.documents import read_documents
 from megatron_ds.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 

@@ -22,7 +22,7 @@ the defaults below. Run state (iteration, consumed samples) is *not* configurati
 `megatron_ds.training.state.TrainState`. See docs/configuration.md.
 """
 
-from megatron_ds.config.data import TOKENIZER_TYPES, DataConfig
+from megatron_ds.config.data import DATA_UPSTREAMS, TOKENIZER_TYPES, DataConfig
 from megatron_ds.config.model import (
     ACTIVATIONS,
     NORMALIZATIONS,
@@ -45,6 +45,7 @@ from megatron_ds.config.tree import Config
 __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
+    "DATA_UPSTREAMS",
     "DEDICATED_CHOICES",
     "LR_DECAY_STYLES",
     "NORMALIZATIONS",

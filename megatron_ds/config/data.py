@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatron_ds.config.checks import at_least, check, one_of
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+DATA_UPSTREAMS = ("megatron-deepspeed", "megatron-lm")
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,18 @@ class DataConfig:
     """DataLoader worker processes (`--num-workers`)."""
     eod_mask_loss: bool = False
     """Exclude end-of-document tokens from the loss (`--eod-mask-loss`)."""
+    data_upstream: str = "megatron-deepspeed"
+    """Whose rules split the documents and size a blend's parts: `megatron-deepspeed` or
+    `megatron-lm` (megatron-core's); `--data-upstream`, by default from the command line's flags."""
+    misaligned_append_eod: bool = False
+    """Read Megatron-DeepSpeed's `--append-eod` files as it reads them, each document's EOD left
+    out and the offsets misaligned (`--misaligned-append-eod`); by default each EOD is included."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_path", tuple(self.data_path))
         check(not (self.mock_data and self.data_path), "--mock-data and --data-path were both given; keep one")
         if self.tokenizer_type is not None:
             one_of("--tokenizer-type", self.tokenizer_type, TOKENIZER_TYPES)
+        one_of("--data-upstream", self.data_upstream, DATA_UPSTREAMS)
         at_least("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by, 1)
         at_least("--num-workers", self.num_workers, 0)

@@ -1,15 +1,21 @@
-"""GPT train/valid/test datasets (megatron-core's `GPTDataset`) and pipeline micro-batches.
+"""GPT train/valid/test datasets (megatron-core's `GPTDataset` and `BlendedDataset`) and pipeline micro-batches.
 
 Every item is a dict with `tokens` (s,) int64, `labels` (s,) int64 (tokens shifted by one) and
 `loss_mask` (s,) float32, plus `position_ids` and, for blends, `dataset_id`.
 
-Two megatron-core traps are guarded here (both reproduced on megatron-core 0.16.1, CPU):
-- a split that receives no document makes `GPTDataset` loop forever counting epochs, so split
-  sizes are checked per corpus before anything is built;
-- `BlendedDataset` calls `torch.distributed.get_rank()` on a cache miss whenever a cache path is
-  set, so without a process group its (cheap) blending index is built in memory instead.
-Under torch.distributed, megatron-core's builder builds on rank 0 first (writing the index caches),
-then on the other ranks, which read them: the cache directory must be shared by all ranks.
+The datasets are megatron-core's, but which documents each split gets and how many samples each
+corpus of a blend gives follow the upstream the command line comes from (`splits`, `--data-upstream`):
+megatron-core's mid- and top-level datasets build the same document, sample, shuffle and blending
+indices as Megatron-DeepSpeed's given those, so a run sees the same samples in the same order as
+its upstream. Each corpus is read as `corpus.open_corpus` says (Megatron-DeepSpeed's `--append-eod`
+pairs with each EOD included). Guarded here:
+- a split that is read but gets no tokens is an error (megatron-core would loop forever counting
+  epochs); one that nothing reads is not built;
+- the index caches are keyed on each corpus's index content and reading, not only on its path;
+- megatron-core's `BlendedDataset` calls `torch.distributed.get_rank()` on a cache miss whenever a
+  cache path is set, so without a process group its (cheap) blending index is built in memory.
+Under torch.distributed, rank 0 builds first (writing the index caches), then the other ranks,
+which read them: the cache directory must be shared by all ranks.
 """
 
 from __future__ import annotations
@@ -18,8 +24,7 @@ import copy
 import functools
 import os
 import random
-import re
-import warnings
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,10 +33,12 @@ import torch
 
 from megatron_ds.config import DataConfig
 from megatron_ds.data import DataError
-from megatron_ds.data.indexed import IndexInfo, megatron_indexed_dataset_module, read_index
-from megatron_ds.data.tokenizer import NullTokenizer, Tokenizer
+from megatron_ds.data.append_eod import notice
+from megatron_ds.data.indexed import IndexInfo, megatron_indexed_dataset_module, read_index, read_lengths
+from megatron_ds.data.mock_data import build_mock
+from megatron_ds.data.splits import Part, normalized_weights, parse_split, plan_parts, split_log
+from megatron_ds.data.tokenizer import Tokenizer, check_vocab
 
-SPLIT_NAMES = ("train", "validation", "test")
 Batch = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -69,99 +76,32 @@ def _as_float(s: str) -> float | None:
         return None
 
 
-def parse_split(split: str) -> list[float]:
-    """`--split 969,30,1` -> normalised train/valid/test fractions."""
-    try:
-        values = [float(p) for p in re.split(r"[,/]", split.strip())]
-    except ValueError:
-        values = []
-    if not 1 <= len(values) <= 3 or any(v < 0 or not np.isfinite(v) for v in values) or sum(values) <= 0:
-        raise DataError(
-            f"--split {split}: expected up to three comma-separated non-negative "
-            f"weights with a positive sum, e.g. 969,30,1"
-        )
-    values += [0.0] * (3 - len(values))
-    return [v / sum(values) for v in values]
+def plan_data(data: DataConfig, num_samples: Sequence[int]) -> tuple[list[IndexInfo], list[Part | None]]:
+    """Validate every corpus and plan the splits (DataError on bad input); no megatron-core, no
+    process group. The launch checks and the build both call it."""
+    prefixes, weights = parse_data_path(data.data_path)
+    parse_split(data.split)
+    infos = [read_index(p) for p in prefixes]
+    lengths = [read_lengths(info, data.misaligned_append_eod) for info in infos]
+    return infos, plan_parts(prefixes, lengths, weights, data.split, data.data_upstream, num_samples)
 
 
-def split_ranges(num_documents: int, split: str) -> list[tuple[int, int] | None]:
-    """Document range [begin, end) of each split, with megatron-core's rounding; None if weight 0."""
-    bounds = np.cumsum([0.0, *parse_split(split)])
-    ranges: list[tuple[int, int] | None] = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        ranges.append(None if hi <= lo else (int(round(lo * num_documents)), int(round(hi * num_documents))))
-    return ranges
-
-
-def check_splits(infos: Sequence[IndexInfo], split: str) -> None:
-    """Every split with a positive weight must get at least one non-empty document of every
-    corpus; megatron-core would otherwise loop forever looking for tokens."""
-    for info in infos:
-        for name, rng in zip(SPLIT_NAMES, split_ranges(info.num_sequences, split)):
-            if rng is None:
-                continue
-            num_tokens = int(info.sequence_lengths[rng[0] : rng[1]].sum(dtype=np.int64))
-            if num_tokens == 0:
-                raise DataError(
-                    f"--split {split}: corpus {info.prefix} has {info.num_sequences} documents, so "
-                    f"its {name} split gets {rng[1] - rng[0]} documents and 0 tokens (megatron-core "
-                    f"would loop forever); give {name} a larger share or 0, or add documents"
-                )
-
-
-def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
-    """The embedding must have a row for every token id the tokenizer can produce."""
-    if tokenizer.vocab_size > vocab_size:
-        source = (
-            getattr(tokenizer, "model_file", None) or getattr(tokenizer, "vocab_file", None) or type(tokenizer).__name__
-        )
-        raise DataError(
-            f"tokenizer model {source} has {tokenizer.vocab_size} tokens but "
-            f"--vocab-size is {vocab_size}; raise --vocab-size to at least "
-            f"{tokenizer.vocab_size} or use a smaller tokenizer"
-        )
-
-
-def _dataset_config(
-    data: DataConfig,
-    seq_length: int,
-    seed: int,
-    tokenizer: Tokenizer,
-    blend: tuple[list[str], list[float] | None] | None,
-) -> Any:
+def _dataset_config(data: DataConfig, seq_length: int, seed: int, tokenizer: Tokenizer) -> Any:
     megatron_indexed_dataset_module()  # the first megatron-core import, minus its GPU-kernel noise
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     return GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=blend,
-        split=data.split if blend else None,
-        path_to_cache=data.data_cache_path if blend else None,
+        blend=(list(data.data_path), None),  # bookkeeping only: the split and blend are planned here
+        split=data.split,
+        path_to_cache=data.data_cache_path,
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False,
     )  # the model builds its own causal mask; saves (s, s) per item
-
-
-def _builder_class() -> type:
-    """megatron-core's builder, minus its crash on a blend cache miss without a process group."""
-    from megatron.core.datasets.blended_dataset import BlendedDataset
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-
-    class Builder(BlendedMegatronDatasetBuilder):
-        @staticmethod
-        def build_generic_dataset(cls: Any, is_built_on_rank: Callable, synchronize_ranks: bool, *args: Any) -> Any:
-            config = args[-1]
-            if cls is BlendedDataset and config.path_to_cache and not torch.distributed.is_initialized():
-                config = copy.copy(config)  # the GPTDataset caches still go to the cache path
-                config.path_to_cache = None
-                args = (*args[:-1], config)
-            return BlendedMegatronDatasetBuilder.build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args)
-
-    return Builder
 
 
 def build_gpt_datasets(
@@ -175,76 +115,91 @@ def build_gpt_datasets(
 ) -> tuple[Any, Any, Any]:
     """(train, valid, test) datasets of at least `num_samples` samples each.
 
-    A split whose `--split` weight is 0 comes back as None. With `data.mock_data` the samples are
-    `MockGPTData` (seeded synthetic tokens; the tokenizer defaults to a `NullTokenizer(vocab_size)`;
-    a split with no samples asked for comes back as None). `is_built_on_rank` (default: every rank) must be true on
-    global rank 0. Call on every rank when torch.distributed is initialised: it has barriers.
-    All checks happen before the first barrier, so a bad input fails on every rank alike.
+    A split that gets no share of `--split`, or of which no samples are asked, comes back as None.
+    With `data.mock_data` the samples are `MockGPTData` (seeded synthetic tokens; the tokenizer
+    defaults to a `NullTokenizer(vocab_size)`). `is_built_on_rank` (default: every rank) must be
+    true on global rank 0. Call on every rank when torch.distributed is initialised: it has a
+    barrier. All checks happen before it, so a bad input fails on every rank alike.
     """
     if data.mock_data:
-        return _build_mock(data, seq_length, seed, num_samples, tokenizer, vocab_size, is_built_on_rank)
+        return build_mock(data, seq_length, seed, num_samples, tokenizer, vocab_size, is_built_on_rank)
     if tokenizer is None:
         raise DataError("--tokenizer-type is required with --data-path (or use --mock-data)")
     check_vocab(tokenizer, vocab_size)
-    prefixes, weights = parse_data_path(data.data_path)
-    parse_split(data.split)
-    check_splits([read_index(p) for p in prefixes], data.split)
-    _check_cache_dir(data, prefixes)
-    config = _dataset_config(data, seq_length, seed, tokenizer, (prefixes, weights))
+    infos, parts = plan_data(data, num_samples)
+    _check_cache_dir(data, [i.prefix for i in infos])
+    _report(data, infos, tokenizer)
+    config = _dataset_config(data, seq_length, seed, tokenizer)
+    _, weights = parse_data_path(data.data_path)
+    built = _on_rank_zero_first(lambda: [_build_part(p, infos, weights, data, config) for p in parts], is_built_on_rank)
+    return tuple(built) if built is not None else (None, None, None)  # type: ignore[return-value]
+
+
+def _report(data: DataConfig, infos: Sequence[IndexInfo], tokenizer: Tokenizer) -> None:
+    """The append-eod notices and the document ranges, once (rank 0)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    if data.misaligned_append_eod and all(info.eod_id is None for info in infos):
+        print(
+            "WARNING: --misaligned-append-eod changes nothing: no corpus is Megatron-DeepSpeed's --append-eod layout",
+            file=sys.stderr,
+            flush=True,
+        )
+    for info in infos:
+        if info.eod_id is not None:
+            print(notice(info, data.misaligned_append_eod), flush=True)
+            if info.eod_id != tokenizer.eod:
+                print(
+                    f"WARNING: {info.prefix}.bin ends its documents with token {info.eod_id}, but the "
+                    f"tokenizer's end-of-document is {tokenizer.eod}: the files were written with another tokenizer",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        print("\n".join(split_log(info.prefix, info.num_sequences, data.split, data.data_upstream)), flush=True)
+
+
+def _on_rank_zero_first(build: Callable[[], Any], is_built_on_rank: Callable[[], bool] | None) -> Any:
+    """megatron-core's protocol: rank 0 builds (and writes the caches), then the others (reading them)."""
+    on_rank = is_built_on_rank or _always
+    if not torch.distributed.is_initialized():
+        return build()
+    rank, result = torch.distributed.get_rank(), None
+    if rank == 0 and on_rank():
+        result = build()
+    torch.distributed.barrier()
+    if rank != 0 and on_rank():
+        result = build()
+    return result
+
+
+def _build_part(
+    part: Part | None, infos: Sequence[IndexInfo], weights: list[float] | None, data: DataConfig, config: Any
+) -> Any:
+    """One split: a GPTDataset per corpus over its planned documents, blended when there are several."""
+    if part is None:
+        return None
+    from megatron.core.datasets.blended_dataset import BlendedDataset
     from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.utils import Split
 
-    builder = _builder_class()(GPTDataset, list(num_samples), is_built_on_rank or _always, config)
-    train, valid, test = builder.build()
-    return train, valid, test
+    from megatron_ds.data.corpus import open_corpus, reading
 
-
-class MockGPTData(torch.utils.data.Dataset):
-    """`--mock-data`: deterministic synthetic token sequences, as Megatron-LM's mock dataset, but
-    the token values themselves follow the seed (megatron-core's MockGPTDataset seeds only the
-    order) and nothing is imported from megatron-core, so smoke tests start fast.
-
-    Sample i of split k is drawn from a generator seeded with (seed, k, i): any sample can be read
-    in any order, by any worker, with the same result.
-    """
-
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split_index: int) -> None:
-        self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
-        self.seed, self.split_index = seed, split_index
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(index)
-        gen = torch.Generator().manual_seed(((self.seed * 4 + self.split_index) * 1_000_003 + index) % 2**63)
-        text = torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=gen)
-        return {
-            "tokens": text[:-1].clone(),
-            "labels": text[1:].clone(),
-            "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
-            "position_ids": torch.arange(self.seq_length),
-        }
-
-
-def _build_mock(
-    data: DataConfig,
-    seq_length: int,
-    seed: int,
-    num_samples: tuple[int, int, int],
-    tokenizer: Tokenizer | None,
-    vocab_size: int,
-    is_built_on_rank: Callable[[], bool] | None,
-) -> tuple[Any, Any, Any]:
-    del is_built_on_rank  # nothing is cached: every rank builds its own (instantly)
-    if data.data_path:
-        warnings.warn(f"--data-path {' '.join(data.data_path)} is ignored with --mock-data", stacklevel=2)
-    tokenizer = tokenizer or NullTokenizer(vocab_size)
-    check_vocab(tokenizer, vocab_size)
-    splits = [
-        MockGPTData(n, seq_length, tokenizer.vocab_size, seed, k) if n > 0 else None for k, n in enumerate(num_samples)
-    ]
-    return splits[0], splits[1], splits[2]
+    datasets = []
+    for info, (lo, hi), size in zip(infos, part.ranges, part.sizes):
+        # The description (and so the cache file names) records what the indices are built from.
+        key = f"{info.prefix} [index {info.fingerprint}, {reading(info, data.misaligned_append_eod)}, documents {lo}:{hi}]"
+        documents = np.arange(lo, hi, dtype=np.int32)
+        corpus = open_corpus(info, data.misaligned_append_eod)
+        datasets.append(GPTDataset(corpus, key, documents, size, Split(part.index), config))
+    if weights is None and len(datasets) == 1:
+        return datasets[0]
+    if config.path_to_cache and not torch.distributed.is_initialized():
+        config = copy.copy(config)  # the GPTDataset caches above still went to the cache path
+        config.path_to_cache = None
+    if weights is None:  # megatron-core: one epoch of each corpus, weighted by its size
+        sizes = [len(d) for d in datasets]
+        return BlendedDataset(datasets, sizes, min(part.num_samples, sum(sizes)), config)
+    return BlendedDataset(datasets, normalized_weights(weights, data.data_upstream), part.blend_size, config)
 
 
 def _always() -> bool:

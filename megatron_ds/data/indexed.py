@@ -1,4 +1,4 @@
-"""Megatron's `<prefix>.bin/.idx` token files: read corpora, write them, and validate them.
+"""Megatron's `<prefix>.bin/.idx` token files: write them, and validate a pair before reading it.
 
 The files are written by megatron-core's own `IndexedDatasetBuilder`, so data made by Megatron-LM's
 `tools/preprocess_data.py` and by ours are interchangeable. Validation re-reads the `.idx` layout
@@ -8,15 +8,21 @@ mmap on a truncated or foreign file, and it costs ~6 s to import, which a typo s
 `.idx` layout (little endian): magic `MMIDIDX\\0\\0`, u64 version 1, u8 dtype code, u64 sequence
 count S, u64 document count D, i32[S] sequence lengths, i64[S] byte offsets into `.bin`,
 i64[D] document boundaries (sequence indices, first 0, last S).
+
+Megatron-DeepSpeed's `tools/preprocess_data.py --append-eod` writes each document's end-of-document
+token to the `.bin` but leaves it out of the lengths (and so of the offsets) in the `.idx` (the bug
+Megatron-LM fixed in its PR #431). Such a pair is recognised here (the `.bin` holds one token more
+per non-empty document, and that token is the same id after every document) and described by
+`IndexInfo.eod_id`; `append_eod` gives the lengths with each EOD included.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 import struct
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +36,8 @@ HEADER_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8
 TOKEN_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
 """megatron-core's `DType` codes that can hold token ids."""
 REWRITE = "re-run tools/preprocess_data.py to rewrite it"
+CHUNK = 1 << 22
+"""Sequences (or documents) per chunk when checking an index: an index of 100M documents is GBs."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +47,20 @@ class IndexInfo:
     prefix: str
     dtype: type
     sequence_lengths: np.ndarray
-    """Tokens per sequence (one sequence per document when written by our tools), int32."""
-    num_documents: int
+    """Tokens per sequence as the `.idx` stores them (one sequence per document when written by
+    our tools), int32; memory-mapped."""
+    document_indices: np.ndarray
+    """Document boundaries (sequence indices, D + 1 of them), int64; memory-mapped."""
+    fingerprint: str
+    """A digest of the sequence lengths and document boundaries: everything the sample indices
+    are built from. Part of the index-cache key, so a changed file never reuses a stale index."""
+    eod_id: int | None = None
+    """Set for Megatron-DeepSpeed's `--append-eod` layout: the end-of-document id that follows
+    every non-empty document in the `.bin` but is not counted in the `.idx` lengths."""
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.document_indices.shape[0]) - 1
 
     @property
     def num_sequences(self) -> int:
@@ -48,6 +68,7 @@ class IndexInfo:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the `.idx` lengths count (without the uncounted EODs of the append-eod layout)."""
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
 
@@ -103,22 +124,26 @@ def read_index(prefix: str, flag: str = "--data-path") -> IndexInfo:
             f"{num_docs - 1} documents, i.e. {expected} bytes; the file has {size}); "
             f"{REWRITE}"
         )
-    # Memory-mapped and checked in chunks: an index of 100M documents is GBs.
     lengths = np.memmap(path, np.int32, "r", HEADER_BYTES, (num_seq,)) if num_seq else np.zeros(0, np.int32)
     pointers_at = HEADER_BYTES + 4 * num_seq
     docs = np.memmap(path, np.int64, "r", pointers_at + 8 * num_seq, (num_docs,)) if num_docs else np.zeros(0, np.int64)
     if docs.size == 0 or docs[0] != 0 or docs[-1] != num_seq or np.any(np.diff(docs) < 0):
         raise DataError(f"{path}: corrupt document boundaries; {REWRITE}")
-    num_tokens = _check_offsets(path, lengths, pointers_at, np.dtype(dtype).itemsize)
-    _check_bin_size(prefix, num_tokens * np.dtype(dtype).itemsize)
-    return IndexInfo(prefix, dtype, lengths, num_docs - 1)
+    digest = hashlib.blake2b(struct.pack("<QQ", num_seq, num_docs), digest_size=16)
+    num_tokens = _check_offsets(path, lengths, pointers_at, np.dtype(dtype).itemsize, digest)
+    for lo in range(0, docs.size, CHUNK):
+        digest.update(np.ascontiguousarray(docs[lo : lo + CHUNK]).tobytes())
+    info = IndexInfo(prefix, dtype, lengths, docs, digest.hexdigest())
+    eod_id = _check_bin(info, num_tokens, pointers_at)
+    return info if eod_id is None else IndexInfo(prefix, dtype, lengths, docs, info.fingerprint, eod_id)
 
 
-def _check_offsets(path: str, lengths: np.ndarray, pointers_at: int, itemsize: int, chunk: int = 1 << 22) -> int:
+def _check_offsets(path: str, lengths: np.ndarray, pointers_at: int, itemsize: int, digest: Any) -> int:
     """Byte offsets must be the running sum of the lengths; returns the total token count."""
     total = 0
-    for lo in range(0, lengths.size, chunk):
-        part = np.asarray(lengths[lo : lo + chunk], dtype=np.int64)
+    for lo in range(0, lengths.size, CHUNK):
+        part = np.asarray(lengths[lo : lo + CHUNK], dtype=np.int64)
+        digest.update(np.ascontiguousarray(lengths[lo : lo + CHUNK]).tobytes())
         if np.any(part < 0):
             raise DataError(f"{path}: corrupt (negative sequence length); {REWRITE}")
         starts = (total + np.concatenate(([0], np.cumsum(part[:-1])))) * itemsize
@@ -129,16 +154,51 @@ def _check_offsets(path: str, lengths: np.ndarray, pointers_at: int, itemsize: i
     return total
 
 
-def _check_bin_size(prefix: str, expected: int) -> None:
-    path = bin_path(prefix)
+def _check_bin(info: IndexInfo, num_tokens: int, pointers_at: int) -> int | None:
+    """The `.bin` holds exactly the tokens the `.idx` describes (None), or those plus one EOD
+    after every non-empty document, Megatron-DeepSpeed's `--append-eod` layout (the EOD id)."""
+    idx, path = idx_path(info.prefix), bin_path(info.prefix)
+    itemsize = np.dtype(info.dtype).itemsize
     size = os.path.getsize(path)
-    if size < expected:
-        raise DataError(f"{path}: truncated ({size} bytes; its index {idx_path(prefix)} needs {expected}); {REWRITE}")
-    if size > expected:
-        raise DataError(
-            f"{path}: {size} bytes but its index {idx_path(prefix)} describes "
-            f"{expected}: the pair comes from different runs; {REWRITE}"
-        )
+    described = f"{idx} describes {num_tokens} tokens in {info.num_documents} documents"
+    if size % itemsize:
+        raise DataError(f"{path}: {size} bytes, not a whole number of {np.dtype(info.dtype).name} tokens; {REWRITE}")
+    stored = size // itemsize
+    if stored < num_tokens:
+        raise DataError(f"{path}: truncated ({stored} tokens, but {described}); {REWRITE}")
+    if stored == num_tokens:
+        return None
+    extra = stored - num_tokens
+    num_ends = int(np.count_nonzero(np.diff(info.document_indices) > 0))
+    if extra == num_ends:
+        eods = _tokens_after_documents(info, pointers_at)
+        if eods.size and np.all(eods == eods[0]):
+            return int(eods[0])
+        how = f"one per document, but the tokens after the documents are {np.unique(eods).size} different ids"
+    else:
+        how = f"not one per document ({num_ends})"
+    raise DataError(
+        f"{path} holds {stored} tokens but its index {described}: {extra} more, {how}, so not "
+        f"Megatron-DeepSpeed's --append-eod layout either; the .bin and .idx come from different "
+        f"runs: re-run tools/preprocess_data.py to write both"
+    )
+
+
+def _tokens_after_documents(info: IndexInfo, pointers_at: int) -> np.ndarray:
+    """The `.bin` token right after each non-empty document, if each were followed by an uncounted
+    EOD: the k-th such document's last sequence ends k tokens later in the `.bin` than its offset says."""
+    itemsize = np.dtype(info.dtype).itemsize
+    tokens = np.memmap(bin_path(info.prefix), info.dtype, "r")
+    pointers = np.memmap(idx_path(info.prefix), np.int64, "r", pointers_at, (info.num_sequences,))
+    found, seen = [], 0
+    docs = info.document_indices
+    for lo in range(0, docs.size - 1, CHUNK):
+        bounds = np.asarray(docs[lo : lo + CHUNK + 1])
+        last = bounds[1:][np.diff(bounds) > 0] - 1  # the last sequence of each non-empty document
+        ends = pointers[last] // itemsize + info.sequence_lengths[last] + seen + np.arange(last.size)
+        found.append(np.asarray(tokens[ends]))
+        seen += last.size
+    return np.concatenate(found) if found else np.zeros(0, info.dtype)
 
 
 def is_valid(prefix: str) -> bool:
@@ -247,79 +307,24 @@ def write_indexed_dataset(prefix: str, documents: Iterable[Sequence[int]], vocab
     return writer.stats
 
 
+def eod_included_lengths(info: IndexInfo) -> np.ndarray:
+    """Tokens per sequence as the `.bin` holds them: for the append-eod layout, the last sequence
+    of each non-empty document one longer (its EOD); in memory, int32."""
+    lengths = np.array(info.sequence_lengths, dtype=np.int32)
+    if info.eod_id is not None:
+        bounds = np.asarray(info.document_indices)
+        lengths[bounds[1:][np.diff(bounds) > 0] - 1] += 1
+    return lengths
+
+
+def read_lengths(info: IndexInfo, misaligned: bool = False) -> np.ndarray:
+    """The lengths a run reads: each EOD included, or (`misaligned`, `--misaligned-append-eod`)
+    as the `.idx` stores them, which is how Megatron-DeepSpeed reads its own append-eod files."""
+    return info.sequence_lengths if misaligned or info.eod_id is None else eod_included_lengths(info)
+
+
 def read_tokens(prefix: str) -> list[np.ndarray]:
-    """All sequences of a validated dataset, for tests and inspection (small data only)."""
+    """All sequences of a validated dataset, each EOD included, for tests and inspection (small data only)."""
     info = read_index(prefix)
     flat = np.fromfile(bin_path(prefix), dtype=info.dtype)
-    return np.split(flat, np.cumsum(info.sequence_lengths[:-1], dtype=np.int64))
-
-
-def read_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[dict[str, str]]:
-    """Documents of one input file as `{key: text}`.
-
-    `.txt`: documents are separated by one or more blank lines (paragraph style), stored under the
-    single json key. Anything else: JSON lines, one object per line, blank lines ignored.
-    """
-    if not os.path.isfile(path):
-        raise DataError(f"--input {path}: file not found; fix the path")
-    if path.endswith(".txt"):
-        if len(json_keys) != 1:
-            raise DataError(
-                f"--input {path}: a .txt file holds one field, but --json-keys names "
-                f"{len(json_keys)}; pass one key or use JSONL"
-            )
-        yield from ({json_keys[0]: doc} for doc in _text_blocks(path))
-        return
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for line_no, line in enumerate(_lines(f, path), 1):
-            if line.strip():
-                yield _parse_json_line(path, line_no, line, json_keys)
-
-
-def _lines(f, path: str) -> Iterator[str]:
-    try:
-        yield from f
-    except UnicodeDecodeError as err:
-        raise DataError(
-            f"--input {path}: not UTF-8 text ({err.reason} at byte {err.start} of a chunk); convert it to UTF-8"
-        ) from None
-
-
-def _parse_json_line(path: str, line_no: int, line: str, json_keys: Sequence[str]) -> dict[str, str]:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise DataError(
-            f"--input {path}:{line_no}: invalid JSON ({err.msg}, column {err.colno}); fix or drop the line"
-        ) from None
-    if not isinstance(obj, dict):
-        raise DataError(
-            f"--input {path}:{line_no}: expected a JSON object per line, got "
-            f'{type(obj).__name__}; write one {{"text": ...}} object per line'
-        )
-    doc = {}
-    for key in json_keys:
-        if key not in obj:
-            keys = ", ".join(sorted(obj)) or "none"
-            raise DataError(
-                f"--input {path}:{line_no}: no key {key!r} (keys: {keys}); pass --json-keys with the right name"
-            )
-        if not isinstance(obj[key], str):
-            raise DataError(
-                f"--input {path}:{line_no}: key {key!r} holds {type(obj[key]).__name__}, not text; fix the line"
-            )
-        doc[key] = obj[key]
-    return doc
-
-
-def _text_blocks(path: str) -> Iterator[str]:
-    block: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for line in _lines(f, path):
-            if line.strip():
-                block.append(line)
-            elif block:
-                yield "".join(block).rstrip("\n")
-                block = []
-    if block:
-        yield "".join(block).rstrip("\n")
+    return np.split(flat, np.cumsum(eod_included_lengths(info)[:-1], dtype=np.int64))

@@ -370,3 +370,16 @@ def _recording(items: Iterable[str], failures: list[Exception]) -> Iterator[str]
     except Exception as err:
         failures.append(err)
         raise
+
+
+def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """The embedding must have a row for every token id the tokenizer can produce."""
+    if tokenizer.vocab_size > vocab_size:
+        source = (
+            getattr(tokenizer, "model_file", None) or getattr(tokenizer, "vocab_file", None) or type(tokenizer).__name__
+        )
+        raise DataError(
+            f"tokenizer model {source} has {tokenizer.vocab_size} tokens but "
+            f"--vocab-size is {vocab_size}; raise --vocab-size to at least "
+            f"{tokenizer.vocab_size} or use a smaller tokenizer"
+        )

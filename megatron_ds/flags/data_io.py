@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_ds.config import TOKENIZER_TYPES
+from megatron_ds.config import DATA_UPSTREAMS, TOKENIZER_TYPES
 from megatron_ds.flags.declare import VALUE, VALUES, Flag, Refusal, accepted, no_op, refused, switch
 
 _DATA, _CKPT, _LOG = "data and tokenizer", "checkpointing", "logging"
@@ -85,6 +85,28 @@ DATA: tuple[Flag, ...] = (
     refused("--reset-position-ids", _DATA, "position ids always run 0..s-1 within a sample"),
     refused("--reset-attention-mask", _DATA, "attention is causal over the whole sample (SDPA is_causal)"),
     refused("--data-efficiency-curriculum-learning", _DATA, "DeepSpeed curriculum learning is not implemented"),
+    accepted(
+        "--data-upstream",
+        _DATA,
+        "whose rules pick each split's documents and size a blend's parts, so that the samples and their order "
+        "are that upstream's: megatron-deepspeed, megatron-lm (megatron-core's), or auto: megatron-lm when the "
+        "line sets a flag only Megatron-LM has (e.g. --decoder-first-pipeline-num-layers), else megatron-deepspeed "
+        "(docs/data.md)",
+        "data.data_upstream",
+        choices=("auto", *DATA_UPSTREAMS),
+        default="auto",
+        derived=True,
+        megatron=False,
+    ),
+    switch(
+        "--misaligned-append-eod",
+        _DATA,
+        "read Megatron-DeepSpeed's --append-eod files as it does: their index leaves out each document's EOD, so "
+        "document k is read from k tokens too early and samples mix in neighbouring documents; only to continue, "
+        "sample for sample, a run started there on such files (by default each EOD is read with its document)",
+        "data.misaligned_append_eod",
+        megatron=False,
+    ),
 )
 
 CHECKPOINTING: tuple[Flag, ...] = (

@@ -33,6 +33,7 @@ from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.machine import Machine, check_runs_on
 from megatron_ds.estimate.run_layout import check_layout
 from megatron_ds.flags import compat
+from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.lengths import schedule_lengths, train_length
 from megatron_ds.flags.registry import FLAGS
@@ -78,6 +79,11 @@ def tokenizer_type(args: argparse.Namespace) -> str | None:
     if args.tokenizer_type is None and (args.vocab_file or args.merge_file):
         return "GPT2BPETokenizer"
     return args.tokenizer_type
+
+
+def data_config(args: argparse.Namespace, direct: dict[str, Any]) -> DataConfig:
+    """The data section (also what tools/show_samples.py reads from a pretrain_gpt.py line)."""
+    return DataConfig(**direct, tokenizer_type=tokenizer_type(args), data_upstream=data_upstream(args))
 
 
 def _vocab_size(args: argparse.Namespace) -> int:
@@ -326,7 +332,7 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         model=model,
         regularization=RegularizationConfig(**direct.get("regularization", {})),
         parallel=parallel,
-        data=DataConfig(**direct.get("data", {}), tokenizer_type=tokenizer_type(args)),
+        data=data_config(args, direct.get("data", {})),
         optimizer=_optimizer_config(args, direct.get("optimizer", {}), training, model.seq_length),
         training=training,
         checkpoint=CheckpointConfig(**direct.get("checkpoint", {})),

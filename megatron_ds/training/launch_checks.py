@@ -13,9 +13,10 @@ from megatron_ds.training.checkpoint import save_load
 
 
 def check_data(config: Config) -> None:
-    """Data prefixes exist and are sound, splits are usable, a tokenizer is given for real data."""
-    from megatron_ds.data.gpt_data import check_splits, parse_data_path, parse_split
-    from megatron_ds.data.indexed import read_index
+    """Data prefixes exist and are sound, every split that is read gets tokens, a tokenizer is given
+    for real data."""
+    from megatron_ds.data.gpt_data import plan_data
+    from megatron_ds.data.splits import requested_samples
 
     data = config.data
     if data.mock_data:
@@ -24,9 +25,7 @@ def check_data(config: Config) -> None:
         raise ConfigError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
     if data.tokenizer_type is None:
         raise ConfigError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-file/--merge-file)")
-    prefixes, _ = parse_data_path(data.data_path)
-    parse_split(data.split)
-    check_splits([read_index(p) for p in prefixes], data.split)
+    plan_data(data, requested_samples(config.training))
 
 
 def check_logging(config: Config) -> None:

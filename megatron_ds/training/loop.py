@@ -185,6 +185,7 @@ def _load_or_fresh(config: Config, layout: Layout, pipeline: Pipeline, rank: int
 
 def _build_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
     from megatron_ds.data.gpt_data import build_gpt_datasets
+    from megatron_ds.data.splits import requested_samples
     from megatron_ds.data.tokenizer import build_tokenizer
 
     t = cfg.training
@@ -196,11 +197,8 @@ def _build_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
             vocab_file=cfg.data.vocab_file,
             merge_file=cfg.data.merge_file,
         )
-    gbs = t.global_batch_size
-    evals = (t.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters > 0 else 0
-    num_samples = (t.train_iters * gbs, evals * gbs, t.eval_iters * gbs)
     train, valid, test = build_gpt_datasets(
-        cfg.data, cfg.model.seq_length, t.seed, num_samples, tokenizer, cfg.model.vocab_size
+        cfg.data, cfg.model.seq_length, t.seed, requested_samples(t), tokenizer, cfg.model.vocab_size
     )
     reader = BatchReader(
         micro_batch_size=t.micro_batch_size,

@@ -14,12 +14,12 @@ import pytest
 
 from megatron_ds.data import DataError
 from megatron_ds.data.demo_corpus import _load_tool
+from megatron_ds.data.documents import read_documents
 from megatron_ds.data.indexed import (
     HEADER_BYTES,
     INDEX_HEADER,
     TOKEN_DTYPES,
     load_indexed_dataset,
-    read_documents,
     read_index,
     read_tokens,
     write_indexed_dataset,
@@ -151,8 +151,11 @@ def test_writer_dtype_and_atomicity(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "damage, message",
     [
-        ("bin_short", r"\.bin: truncated \(\d+ bytes; its index .* needs \d+\)"),
-        ("bin_long", r"\.bin: \d+ bytes but its index .* describes \d+"),
+        ("bin_short", r"\.bin: truncated \(\d+ tokens, but .*\.idx describes \d+ tokens in 3 documents\)"),
+        (
+            "bin_long",
+            r"\.bin holds 7 tokens but its index .*\.idx describes 6 tokens in 3 documents: 1 more, not one per document \(3\)",
+        ),
         ("idx_short", r"\.idx: truncated or corrupt \(header says 3 sequences"),
         ("idx_tiny", r"\.idx: truncated \(10 bytes"),
         ("magic", r"\.idx: bad magic header"),

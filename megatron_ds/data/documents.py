@@ -1,0 +1,81 @@
+"""Documents of the input files of `tools/preprocess_data.py` and `tools/train_tokenizer.py`:
+JSON lines, or `.txt` with blank-line separated documents."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+
+from megatron_ds.data import DataError
+
+
+def read_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[dict[str, str]]:
+    """Documents of one input file as `{key: text}`.
+
+    `.txt`: documents are separated by one or more blank lines (paragraph style), stored under the
+    single json key. Anything else: JSON lines, one object per line, blank lines ignored.
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"--input {path}: file not found; fix the path")
+    if path.endswith(".txt"):
+        if len(json_keys) != 1:
+            raise DataError(
+                f"--input {path}: a .txt file holds one field, but --json-keys names "
+                f"{len(json_keys)}; pass one key or use JSONL"
+            )
+        yield from ({json_keys[0]: doc} for doc in _text_blocks(path))
+        return
+    with open(path, encoding="utf-8", errors="strict") as f:
+        for line_no, line in enumerate(_lines(f, path), 1):
+            if line.strip():
+                yield _parse_json_line(path, line_no, line, json_keys)
+
+
+def _lines(f, path: str) -> Iterator[str]:
+    try:
+        yield from f
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"--input {path}: not UTF-8 text ({err.reason} at byte {err.start} of a chunk); convert it to UTF-8"
+        ) from None
+
+
+def _parse_json_line(path: str, line_no: int, line: str, json_keys: Sequence[str]) -> dict[str, str]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(
+            f"--input {path}:{line_no}: invalid JSON ({err.msg}, column {err.colno}); fix or drop the line"
+        ) from None
+    if not isinstance(obj, dict):
+        raise DataError(
+            f"--input {path}:{line_no}: expected a JSON object per line, got "
+            f'{type(obj).__name__}; write one {{"text": ...}} object per line'
+        )
+    doc = {}
+    for key in json_keys:
+        if key not in obj:
+            keys = ", ".join(sorted(obj)) or "none"
+            raise DataError(
+                f"--input {path}:{line_no}: no key {key!r} (keys: {keys}); pass --json-keys with the right name"
+            )
+        if not isinstance(obj[key], str):
+            raise DataError(
+                f"--input {path}:{line_no}: key {key!r} holds {type(obj[key]).__name__}, not text; fix the line"
+            )
+        doc[key] = obj[key]
+    return doc
+
+
+def _text_blocks(path: str) -> Iterator[str]:
+    block: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for line in _lines(f, path):
+            if line.strip():
+                block.append(line)
+            elif block:
+                yield "".join(block).rstrip("\n")
+                block = []
+    if block:
+        yield "".join(block).rstrip("\n")

@@ -1,0 +1,229 @@
+"""Which documents each split gets and how many samples each corpus of a blend gives, under the
+rules of the upstream a command line comes from (`--data-upstream`). Pure Python and numpy.
+
+The two upstreams agree on everything else that decides the samples (the per-corpus document,
+sample and shuffle indices, the blending index), so choosing the rules here is what makes a run
+see the same samples in the same order as its upstream would:
+
+- Megatron-DeepSpeed (`megatron/data/dataset_utils.py` `get_train_valid_test_split_`) rounds each
+  split's share of the documents and moves every boundary by the total rounding error;
+  megatron-core (Megatron-LM) rounds the cumulative boundaries. `--split 98,2,0` over 75
+  documents trains on [0, 73) there and [0, 74) here.
+- A blend asks each corpus for `ceil(n * w * 1.005)` samples in Megatron-DeepSpeed and blends
+  their sum; megatron-core asks `ceil(ceil(n * w) * 1.005)` and blends `sum(ceil(n * w))`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_ds.config import DATA_UPSTREAMS, TrainingConfig
+from megatron_ds.data import DataError
+
+MEGATRON_DEEPSPEED, MEGATRON_LM = DATA_UPSTREAMS
+SPLIT_NAMES = ("train", "validation", "test")
+BLEND_SURPLUS = 0.005
+"""Both upstreams ask each corpus of a blend for 0.5% more samples than its share."""
+
+Range = tuple[int, int]
+
+
+def parse_split(split: str) -> list[float]:
+    """`--split 969,30,1` -> normalised train/valid/test fractions."""
+    try:
+        values = [float(p) for p in re.split(r"[,/]", split.strip())]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
+        raise DataError(
+            f"--split {split}: expected up to three comma-separated non-negative "
+            f"weights with a positive sum, e.g. 969,30,1"
+        )
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
+
+
+def _megatron_deepspeed_bounds(num_documents: int, split: str) -> list[int]:
+    """Megatron-DeepSpeed's boundaries: each share rounded, then all moved by the total error."""
+    bounds = [0]
+    for share in parse_split(split):
+        bounds.append(bounds[-1] + int(round(share * float(num_documents))))
+    error = bounds[-1] - num_documents
+    return [bounds[0], *(b - error for b in bounds[1:])]
+
+
+def split_ranges(num_documents: int, split: str, upstream: str = MEGATRON_LM) -> list[Range | None]:
+    """Document range [begin, end) of each split; None for a split that gets no share.
+
+    megatron-lm: megatron-core's cumulative rounding; a split of weight 0 is None.
+    megatron-deepspeed: Megatron-DeepSpeed's rounding; a split with no documents is None (it
+    builds no dataset for it), a negative boundary (a split of many tiny shares over very few
+    documents, which Megatron-DeepSpeed fails on) is a DataError.
+    """
+    if upstream == MEGATRON_DEEPSPEED:
+        bounds = _megatron_deepspeed_bounds(num_documents, split)
+        if min(bounds) < 0:
+            raise DataError(
+                f"--split {split}: over {num_documents} documents Megatron-DeepSpeed's rounding gives the "
+                f"boundaries {bounds} (one below 0, which it fails on); add documents or give fewer parts"
+            )
+        return _mds_or_none(bounds)
+    if upstream != MEGATRON_LM:
+        raise ValueError(f"upstream {upstream!r} is not one of {DATA_UPSTREAMS}")
+    cumulative = [0.0]
+    for share in parse_split(split):
+        cumulative.append(cumulative[-1] + share)
+    return [
+        None if hi <= lo else (int(round(lo * num_documents)), int(round(hi * num_documents)))
+        for lo, hi in zip(cumulative[:-1], cumulative[1:])
+    ]
+
+
+def blend_sizes(weights: Sequence[float], num_samples: int, upstream: str) -> tuple[list[int], int]:
+    """(samples asked of each corpus, samples of the blend) for one split of a weighted blend."""
+    if upstream == MEGATRON_DEEPSPEED:  # dataset_utils.get_datasets_weights_and_num_samples
+        total = 0.0
+        for w in weights:
+            total += w
+        per_corpus = [int(math.ceil(num_samples * (w / total) * (1 + BLEND_SURPLUS))) for w in weights]
+        return per_corpus, sum(per_corpus)
+    targets = [int(math.ceil(num_samples * w)) for w in normalized_weights(weights, upstream)]
+    return [int(math.ceil(t * (1 + BLEND_SURPLUS))) for t in targets], sum(targets)
+
+
+def normalized_weights(weights: Sequence[float], upstream: str) -> list[float]:
+    """Blend weights summing to 1, in each upstream's arithmetic (a Python loop; numpy's sum)."""
+    if upstream == MEGATRON_DEEPSPEED:
+        total = 0.0
+        for w in weights:
+            total += w
+        return [w / total for w in weights]
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+@dataclass(frozen=True)
+class Part:
+    """One split of the run's data (train, validation or test) over every corpus."""
+
+    index: int
+    """0 train, 1 validation, 2 test."""
+    ranges: tuple[Range, ...]
+    """Document range of each corpus."""
+    sizes: tuple[int | None, ...]
+    """Samples asked of each corpus (None: one epoch, for a blend without weights)."""
+    blend_size: int | None
+    """Samples of the weighted blend; None for one corpus without a weight, or a blend by size."""
+    num_samples: int
+    """Samples the run asks of this split."""
+
+    @property
+    def name(self) -> str:
+        return SPLIT_NAMES[self.index]
+
+
+def plan_parts(
+    prefixes: Sequence[str],
+    lengths: Sequence[np.ndarray],
+    weights: Sequence[float] | None,
+    split: str,
+    upstream: str,
+    num_samples: Sequence[int],
+) -> list[Part | None]:
+    """Each split's documents and sample counts; None for a split nothing reads or that has no share.
+
+    A split with a share but no tokens in some corpus is a DataError only if it is read (a positive
+    `num_samples`): megatron-core would loop forever, Megatron-DeepSpeed skips such a split.
+    """
+    shares = parse_split(split)
+    ranges = [split_ranges(len(n), split, upstream) for n in lengths]
+    parts: list[Part | None] = []
+    for k, name in enumerate(SPLIT_NAMES):
+        if shares[k] <= 0 or num_samples[k] <= 0:
+            parts.append(None)
+            continue
+        for prefix, n, r in zip(prefixes, lengths, ranges):
+            lo, hi = r[k] or (0, 0)
+            if r[k] is None or int(np.sum(n[lo:hi], dtype=np.int64)) == 0:
+                raise _empty_part_error(prefix, len(n), split, upstream, name, r[k], num_samples[k])
+        if weights is None and len(prefixes) == 1:
+            sizes, blend = [num_samples[k]], None
+        elif weights is None:  # megatron-core blends one epoch of each corpus by their sizes
+            sizes, blend = [None] * len(prefixes), None
+        else:
+            sizes, blend = blend_sizes(weights, num_samples[k], upstream)
+        parts.append(Part(k, tuple(r[k] for r in ranges), tuple(sizes), blend, num_samples[k]))  # type: ignore[misc]
+    return parts
+
+
+def _empty_part_error(
+    prefix: str, num_documents: int, split: str, upstream: str, name: str, rng: Range | None, num_samples: int
+) -> DataError:
+    docs = "no documents" if rng is None or rng[1] <= rng[0] else f"documents [{rng[0]}, {rng[1]}) but no tokens"
+    rounding = "Megatron-DeepSpeed's" if upstream == MEGATRON_DEEPSPEED else "megatron-core's"
+    fix = "" if name == "train" else ", or --eval-iters 0 to skip it"
+    return DataError(
+        f"--split {split}: corpus {prefix} has {num_documents} documents, so its {name} split gets {docs} "
+        f"({rounding} rounding), but training reads {num_samples} {name} samples; give {name} a larger share "
+        f"or add documents{fix}"
+    )
+
+
+def requested_samples(training: TrainingConfig) -> tuple[int, int, int]:
+    """Samples each split must provide, as both upstreams' training.py computes them: every
+    training iteration, every evaluation (one per --eval-interval and one at the end) and one test."""
+    gbs, t = training.global_batch_size, training
+    evaluations = (t.train_iters // t.eval_interval + 1) * t.eval_iters
+    return t.train_iters * gbs, evaluations * gbs, t.eval_iters * gbs
+
+
+def _split_matrix(split: str) -> list[tuple[float, float] | None]:
+    """megatron-core's split matrix, as it logs it (`Let split_matrix = ...`)."""
+    matrix: list[tuple[float, float] | None] = []
+    at: float = 0
+    for share in parse_split(split):
+        matrix.append((at, at + share) if at + share > at else None)
+        at = at + share
+    return matrix
+
+
+def _effective(ranges: Sequence[Range | None]) -> list[Range | None]:
+    return [r if r is not None and r[1] > r[0] else None for r in ranges]
+
+
+def split_log(prefix: str, num_documents: int, split: str, upstream: str) -> list[str]:
+    """The document ranges of one corpus as both upstreams log them, the one used here first."""
+    bounds = _megatron_deepspeed_bounds(num_documents, split)
+    logs = {
+        MEGATRON_DEEPSPEED: [
+            f"    {name}:\n     document indices in [{lo}, {hi}) total of {hi - lo} documents"
+            for name, lo, hi in zip(SPLIT_NAMES, bounds[:-1], bounds[1:])
+        ],
+        MEGATRON_LM: [
+            f"    Let split_matrix = {_split_matrix(split)}",
+            "    documents: "
+            + ", ".join(
+                f"{name} {'none' if r is None else f'[{r[0]}, {r[1]})'}"
+                for name, r in zip(SPLIT_NAMES, split_ranges(num_documents, split, MEGATRON_LM))
+            ),
+        ],
+    }
+    titles = {MEGATRON_DEEPSPEED: "Megatron-DeepSpeed's split", MEGATRON_LM: "megatron-core's split (Megatron-LM)"}
+    other = MEGATRON_LM if upstream == MEGATRON_DEEPSPEED else MEGATRON_DEEPSPEED
+    agree = _mds_or_none(bounds) == _effective(split_ranges(num_documents, split, MEGATRON_LM))
+    return [
+        f"> data {prefix}: {num_documents} documents, --split {split}",
+        f" > {titles[upstream]}, used here (--data-upstream {upstream}):",
+        *logs[upstream],
+        f" > {titles[other]} would give {'the same' if agree else 'other'} documents (--data-upstream {other}):",
+        *logs[other],
+    ]
+
+
+def _mds_or_none(bounds: Sequence[int]) -> list[Range | None]:
+    return [(lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:])]

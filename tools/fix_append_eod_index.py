@@ -1,0 +1,52 @@
+#!/usr/bin/env python
+"""Rewrite the index of a Megatron-DeepSpeed `--append-eod` pair so that it counts each EOD.
+
+    python tools/fix_append_eod_index.py --input data/corpus_text_document \\
+        --output-prefix data/corpus_eod_text_document
+
+Megatron-DeepSpeed's tools/preprocess_data.py --append-eod writes each document's end-of-document
+token to the `.bin` but leaves it out of the `.idx` lengths. Training reads such pairs with each
+EOD included anyway (holding the corrected index in memory); this writes the corrected index once,
+next to the original: `<output-prefix>.idx` (atomically) and `<output-prefix>.bin`, a hard link to
+the original `.bin` (a symbolic link where the file system has none), so no token is copied. The
+original pair is never changed; the new one is what our tools/preprocess_data.py writes for the
+same corpus. Bad input: one `error:` line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron_ds.data import DataError
+from megatron_ds.data.append_eod import rewrite_index
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--input", required=True, help="prefix of the pair (without .bin/.idx)")
+    p.add_argument("--output-prefix", help="prefix of the corrected pair (default: <input>_eod)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    output = args.output_prefix or f"{args.input}_eod"
+    try:
+        info = rewrite_index(args.input, output)
+    except (DataError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {output}.idx ({info.num_documents} documents, {info.num_tokens} tokens, each EOD counted) and "
+        f"{output}.bin (linked to {args.input}.bin); train with --data-path {output}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+#!/usr/bin/env python
+"""Print the first training samples a pretrain_gpt.py line would read, in training order.
+
+    python tools/show_samples.py --data-path data/corpus_text_document --split 98,2,0 \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --seq-length 1024 --micro-batch-size 4 --global-batch-size 256 --train-iters 1000 --num-samples 4
+
+Takes pretrain_gpt.py's flags (a whole launch line works; the data, tokenizer, batch, length, split
+and seed flags decide the samples, with --data-upstream and --misaligned-append-eod) plus
+--num-samples N, and --consumed-samples K to start after K samples (where a resumed run continues).
+Prints each sample's seq_length + 1 token ids (tokens, then the last label), with the decoded text
+when a tokenizer is given; `--json` prints `{"samples": [[ids], ...]}` alone on stdout (the split
+report goes to stderr). The global batch defaults to --micro-batch-size times the data-parallel size
+of --world-size (or $WORLD_SIZE, else 1). Bad input: one `error:` line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron_ds.config import TrainingConfig
+from megatron_ds.errors import ConfigError, UserError
+from megatron_ds.flags import compat
+from megatron_ds.flags.lengths import train_length
+from megatron_ds.flags.parser import build_parser
+from megatron_ds.flags.to_config import data_config, direct_values
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = build_parser()
+    p.prog, p.description = "show_samples.py", __doc__.splitlines()[0]
+    g = p.add_argument_group("show_samples.py")
+    g.add_argument("--num-samples", type=int, default=8, help="samples to print (default: 8)")
+    g.add_argument("--consumed-samples", type=int, default=0, help="start after this many training samples")
+    g.add_argument("--json", action="store_true", help='print {"samples": [[ids], ...]} only')
+    args, unknown = p.parse_known_args(argv)
+    if args.refused_flags:
+        raise ConfigError(compat.refused_flags_message(list(args.refused_flags)))
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    for flag in ("num_samples", "consumed_samples"):
+        if getattr(args, flag) < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
+    if args.seq_length is None:
+        raise ConfigError("missing --seq-length; give the training line's sequence length")
+    return args
+
+
+def training_config(args: argparse.Namespace) -> TrainingConfig:
+    """What decides the sample order of a line: batch sizes, training length, evaluation, seed."""
+    direct = direct_values(args).get("training", {})
+    mbs = args.micro_batch_size or 1
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    dp = max(1, world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
+    gbs = args.global_batch_size or mbs * dp
+    keep = {k: direct[k] for k in ("eval_interval", "eval_iters", "seed")}
+    training = TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, **keep)
+    return dataclasses.replace(training, train_iters=train_length(args, gbs, args.seq_length)[0])
+
+
+def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
+    """The ids of samples [consumed, consumed + num_samples) of the training split, and the tokenizer."""
+    from megatron_ds.data.gpt_data import build_gpt_datasets
+    from megatron_ds.data.splits import requested_samples
+    from megatron_ds.data.tokenizer import build_tokenizer
+
+    data = data_config(args, direct_values(args).get("data", {}))
+    training = training_config(args)
+    tokenizer = None
+    if data.tokenizer_type:
+        tokenizer = build_tokenizer(
+            data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file, vocab_size=args.vocab_size
+        )
+    vocab = args.vocab_size or (tokenizer.vocab_size if tokenizer else 0)
+    train, _, _ = build_gpt_datasets(
+        data, args.seq_length, training.seed, requested_samples(training), tokenizer, vocab
+    )
+    end = args.consumed_samples + args.num_samples
+    if end > len(train):
+        raise ConfigError(
+            f"--consumed-samples {args.consumed_samples} --num-samples {args.num_samples}: the training split "
+            f"has {len(train)} samples for this line; ask for fewer"
+        )
+    rows = [train[i] for i in range(args.consumed_samples, end)]
+    return [r["tokens"].tolist() + [int(r["labels"][-1])] for r in rows], tokenizer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        args = parse_args(argv)
+        report = sys.stderr if args.json else sys.stdout
+        with contextlib.redirect_stdout(report):  # the notices and split report of the build
+            ids, tokenizer = samples(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"samples": ids}))
+        return 0
+    for k, row in enumerate(ids, args.consumed_samples):
+        print(f"sample {k}: {' '.join(map(str, row))}")
+        if tokenizer is not None:
+            print(f"  text: {tokenizer.detokenize(row)!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
