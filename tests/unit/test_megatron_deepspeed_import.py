@@ -178,6 +178,14 @@ def test_load_names_a_megatron_deepspeed_checkpoint_and_the_command(sub: str) ->
     assert f"python tools/convert_checkpoint.py --from megatron-deepspeed {path} OUT" in message
 
 
+def test_load_finds_one_by_megatrons_tracker_file_too(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(FIXTURES / "tp2_pp1_untied_swiglu", root)
+    os.remove(root / "latest")  # DeepSpeed's pointer gone: latest_checkpointed_iteration.txt names the step
+    with pytest.raises(CheckpointError, match="a Megatron-DeepSpeed checkpoint .global_step2"):
+        latest_tag(str(root))
+
+
 def test_cli_converts_and_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import importlib.util
 

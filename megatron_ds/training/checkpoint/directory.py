@@ -86,8 +86,10 @@ def foreign_checkpoint(path: str) -> str | None:
     if os.path.isfile(os.path.join(path, DEEPSPEED_MODEL_STATES)) and not os.path.isfile(os.path.join(path, META)):
         step, root = path, os.path.dirname(os.path.abspath(path))
     else:
-        pointer = os.path.join(path, LATEST)
+        pointer, tracker = os.path.join(path, LATEST), os.path.join(path, MEGATRON_TRACKER)
         tag = open(pointer).read().strip() if os.path.isfile(pointer) else ""
+        if not tag and os.path.isfile(tracker):
+            tag = "global_step" + open(tracker).read().strip()
         if not tag or not os.path.isfile(os.path.join(path, tag, DEEPSPEED_MODEL_STATES)):
             return None
         if os.path.isfile(os.path.join(path, tag, META)):
