@@ -15,8 +15,13 @@ setup(
     py_modules=["pretrain_gpt"],
     install_requires=[
         "torch>=2.3",
-        "deepspeed>=0.16",
-        "megatron-core>=0.12",
+        # Tested bounds (docs/training.md "Dependencies"). DeepSpeed: 0.19.8; 0.18.3-0.19.2 scale
+        # pipeline gradients wrongly under gradient accumulation (start-up refuses them), and 0.19.3-0.19.7
+        # fail activation checkpointing on DeepSpeed's CPU accelerator. megatron-core: 0.13.0 (the
+        # first whose parallel layers take `tp_group`) and 0.16.1. Neither bound pulls another torch
+        # (they ask for torch >= 2.0 and >= 2.6 at most; the CPU pin is the Makefile's).
+        "deepspeed>=0.19.8,<0.20",
+        "megatron-core>=0.13,<0.17",
         "sentencepiece>=0.2",
         "numpy>=1.24",
     ],

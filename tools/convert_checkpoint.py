@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert checkpoints to and from Hugging Face model directories, and to the universal form.
+"""Convert checkpoints to and from Hugging Face model directories and Megatron-DeepSpeed, and to the universal form.
 
     # ours (any P, T, DP, layout) -> a transformers / lm-eval-harness / vLLM directory
     python tools/convert_checkpoint.py --to hf checkpoints/gpt hf/gpt
@@ -8,9 +8,14 @@
     # ours -> the layout-free training state (weights, fp32 masters, Adam moments, schedule, data
     # position) that `pretrain_gpt.py --load OUT` resumes under any P, layout, T, DP or ZeRO stage
     python tools/convert_checkpoint.py --to universal checkpoints/gpt checkpoints/gpt-universal
+    # a Megatron-DeepSpeed (GPTModelPipe) checkpoint, any T and P -> ours: weights, and its whole training
+    # state in universal form (`pretrain_gpt.py --load OUT` continues the run under any layout)
+    python tools/convert_checkpoint.py --from megatron-deepspeed mds/checkpoints checkpoints/mds
 
-With --from, pretrain_gpt.py flags pass through (T, sequence length, tokenizer, ...); architecture
-flags come from config.json and must agree if given. The output directory must not exist; it
+With --from hf, pretrain_gpt.py flags pass through (T, sequence length, tokenizer, ...); architecture
+flags come from config.json and must agree if given. With --from megatron-deepspeed everything comes
+from the run's saved args; its fused QKV rows are taken in current Megatron-DeepSpeed's order unless
+--qkv-layout interleaved (releases before Dec 2024; see docs/interop.md). The output directory must not exist; it
 appears only when complete. Bad input: one `error:` line, exit status 2, nothing written.
 The Hugging Face directions need the `hf` extra (`pip install -e '.[hf]'`); see docs/interop.md.
 `--load` converts to the universal form by itself when needed; see docs/checkpoints.md.
@@ -28,6 +33,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron_ds.errors import UserError
 
+MEGATRON_DEEPSPEED = "megatron-deepspeed"
+QKV_LAYOUTS = ("blocked", "interleaved")
+"""`megatron_ds.interop.megatron_deepspeed_layout.QKV_LAYOUTS` (this tool imports no torch for --help)."""
 HF_EXTRA = ("safetensors", "transformers", "tokenizers")
 """Packages of the `hf` extra; a missing one is reported as one line."""
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
@@ -47,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="export our checkpoint SOURCE as a Hugging Face directory OUTPUT, or its whole training state "
         "in universal (layout-free) form",
     )
-    way.add_argument("--from", dest="from_", choices=("hf",), help="import Hugging Face directory SOURCE as OUTPUT")
+    way.add_argument(
+        "--from",
+        dest="from_",
+        choices=("hf", MEGATRON_DEEPSPEED),
+        help="import Hugging Face directory SOURCE, or Megatron-DeepSpeed checkpoint SOURCE, as OUTPUT",
+    )
     p.add_argument("source")
     p.add_argument("output")
     p.add_argument("--vocab-size", type=int, default=None, help="export: vocabulary rows to keep (default: see docs)")
@@ -55,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size-mb", type=int, default=2048, help="export: largest safetensors file")
     for flag in TOKENIZER_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), default=None, help="tokenizer override (export) or flag (import)")
+    p.add_argument(
+        "--qkv-layout",
+        choices=QKV_LAYOUTS,
+        default=None,
+        help="--from megatron-deepspeed: the fused QKV rows of each tensor rank, `blocked` (all q, then k, then v: "
+        "Megatron-DeepSpeed since Dec 2024, the default) or `interleaved` (per head group: older releases)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -62,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str] | None = None) -> None:
     args, rest = build_parser().parse_known_args(argv)
     tokenizer = {k: getattr(args, k) for k in TOKENIZER_FLAGS}
-    if args.to == "universal":
+    if args.qkv_layout is not None and args.from_ != MEGATRON_DEEPSPEED:
+        raise UserError("--qkv-layout applies to --from megatron-deepspeed only; drop it")
+    if args.from_ == MEGATRON_DEEPSPEED:
+        _from_megatron_deepspeed(args, rest, tokenizer)
+    elif args.to == "universal":
         _to_universal(args, rest, tokenizer)
     elif args.to:
         if rest:
@@ -110,6 +134,32 @@ def _to_universal(args: argparse.Namespace, rest: list[str], tokenizer: dict[str
     print(
         f"resume with: pretrain_gpt.py --load {summary.output} (any pipeline, tensor or data-parallel size, layout or ZeRO stage)"
     )
+
+
+def _from_megatron_deepspeed(args: argparse.Namespace, rest: list[str], tokenizer: dict[str, str | None]) -> None:
+    others = [*rest, *(f for f, v in (("--vocab-size", args.vocab_size), ("--dtype", args.dtype)) if v is not None)]
+    if args.max_shard_size_mb != 2048:
+        others.append("--max-shard-size-mb")
+    if others:
+        raise UserError(
+            f"--from megatron-deepspeed takes the model and run from the checkpoint's saved args; drop {' '.join(others)}"
+        )
+    from megatron_ds.interop.megatron_deepspeed import import_megatron_deepspeed
+
+    result = import_megatron_deepspeed(
+        args.source, args.output, args.qkv_layout or "blocked", tokenizer, show_progress=not args.no_progress
+    )
+    par = result.config.parallel
+    carried = f"optimizer state ({', '.join(result.states)})" if result.states else "no optimizer state"
+    print(
+        f"converted Megatron-DeepSpeed {os.path.abspath(args.source)} ({result.tag}, iteration {result.iteration}, "
+        f"T={par.tensor_model_parallel_size} P={par.pipeline_model_parallel_size}, QKV rows "
+        f"{args.qkv_layout or 'blocked'}) to {result.output}: weights and {carried}"
+    )
+    for note in result.notes:
+        print(f"NOTICE: {note}")
+    print("continue the run with its flags (any parallel layout; with --finetune: a new run from its weights):")
+    print(f"  pretrain_gpt.py --load {result.output} " + " ".join(result.train_flags))
 
 
 def _import(args: argparse.Namespace, argv: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Interoperability with the rest of the ecosystem: our checkpoints <-> Hugging Face directories.
+"""Interoperability with the rest of the ecosystem: our checkpoints <-> Hugging Face directories,
+and Megatron-DeepSpeed's checkpoints -> ours.
 
     (training.checkpoint.reader: our per-spec DeepSpeed files -> full (T=1) tensors, one at a time)
     sharding            how each spec's tensors are split over tensor-parallel ranks (both ways)
@@ -10,6 +11,10 @@
     hf_tokenizer        our tokenizers <-> Hugging Face tokenizer files
     sentencepiece_json  a SentencePiece model as a `tokenizer.json`
     files               atomic output directories, safetensors shards, progress bars
+    megatron_deepspeed  a Megatron-DeepSpeed GPTModelPipe checkpoint -> ours (weights + universal
+                        training state); `_files` (its files, restricted unpickler), `_layout`
+                        (where its tensors are), `_source` (its state as full tensors), `_args`
+                        (its saved args as our flags)
 
 Only export and import need the optional `hf` extra (`safetensors`; `tokenizers`, which comes
 with `transformers`, for the SentencePiece tokenizer.json); nothing in training, model, pipeline or config

@@ -46,6 +46,7 @@ from megatron_ds.model import rng, tensor_parallel
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training import deepspeed_config
+from megatron_ds.training.dependencies import check_deepspeed
 from megatron_ds.training.grad_norm import grad_norm, install_fp32_grad_norm
 from megatron_ds.training.machine import probe
 from megatron_ds.training.measure import stage_timers
@@ -137,6 +138,7 @@ def build_pipeline(
         )
     machine = probe()
     check_runs_on(config, machine)
+    check_deepspeed(config)  # a release that trains this run wrongly: refused before any process group
     measured = layout is None and uses_measured_times(config)  # built once the ranks can agree
     layout = resolve_layout(config, machine=machine) if layout is None and not measured else layout
     _check_sizes(config, layout)

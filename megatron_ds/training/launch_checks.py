@@ -10,6 +10,7 @@ from megatron_ds.config import Config
 from megatron_ds.errors import ConfigError
 from megatron_ds.training import deepspeed_config
 from megatron_ds.training.checkpoint import save_load
+from megatron_ds.training.dependencies import check_deepspeed
 
 
 def check_data(config: Config) -> None:
@@ -41,6 +42,7 @@ def check_logging(config: Config) -> None:
 def check_launch(config: Config) -> None:
     """All file-system checks, in the order a user would fix them (the `--deepspeed_config` file
     included: a contradiction with the flags is reported before any process group exists)."""
+    check_deepspeed(config)
     check_data(config)
     save_load.check_dirs(config)
     check_logging(config)

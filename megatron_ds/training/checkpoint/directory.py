@@ -4,6 +4,7 @@ conversion (no torch.distributed, no DeepSpeed): `DIR/latest` names a tag, `DIR/
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -14,6 +15,14 @@ LATEST = "latest"
 META = "megatron_ds.json"
 UNIVERSAL_FORMAT = "megatron_ds.universal"
 """`format` of a universal checkpoint's metadata (`megatron_ds.training.checkpoint.universal.store`)."""
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron's (and Megatron-DeepSpeed's) file naming the newest iteration in a checkpoint root."""
+DEEPSPEED_MODEL_STATES = "mp_rank_00_model_states.pt"
+"""DeepSpeed's per-stage engine file: every DeepSpeed checkpoint has one (ours too, beside META)."""
+CONVERTED = "megatron_deepspeed"
+"""Metadata section of a checkpoint converted from Megatron-DeepSpeed (`megatron_ds.interop`): per-spec
+weight files and `<tag>.universal/`, no DeepSpeed engine or optimizer files of ours."""
+CONVERT_MEGATRON_DEEPSPEED = "python tools/convert_checkpoint.py --from megatron-deepspeed"
 
 
 class CheckpointError(UserError):
@@ -30,13 +39,28 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(meta_path: str) -> str:
+    """SHA-256 of a source checkpoint's metadata file: which checkpoint a conversion came from."""
+    return sha256(meta_path)
+
+
 def latest_tag(load_dir: str) -> str | None:
     """The tag `latest` names, if it points at a complete checkpoint."""
     pointer = os.path.join(load_dir, LATEST)
     if not os.path.isfile(pointer):
+        refuse_foreign(load_dir)
         return None
     tag = open(pointer).read().strip()
     if not os.path.isfile(os.path.join(load_dir, tag, META)):
+        refuse_foreign(load_dir)
         raise CheckpointError(
             f"--load {load_dir}: 'latest' names {tag!r}, which is incomplete or missing; "
             f"point 'latest' at a complete global_step directory"
@@ -54,3 +78,32 @@ def read_meta(load_dir: str, tag: str) -> dict[str, Any]:
     if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
         raise CheckpointError(f"{path}: no 'config' section; the checkpoint is damaged")
     return meta
+
+
+def foreign_checkpoint(path: str) -> str | None:
+    """What `path` holds when it is a checkpoint root or global_step directory that DeepSpeed wrote but
+    pretrain_gpt.py did not (no META): a description naming the files found, else None."""
+    if os.path.isfile(os.path.join(path, DEEPSPEED_MODEL_STATES)) and not os.path.isfile(os.path.join(path, META)):
+        step, root = path, os.path.dirname(os.path.abspath(path))
+    else:
+        pointer, tracker = os.path.join(path, LATEST), os.path.join(path, MEGATRON_TRACKER)
+        tag = open(pointer).read().strip() if os.path.isfile(pointer) else ""
+        if not tag and os.path.isfile(tracker):
+            tag = "global_step" + open(tracker).read().strip()
+        if not tag or not os.path.isfile(os.path.join(path, tag, DEEPSPEED_MODEL_STATES)):
+            return None
+        if os.path.isfile(os.path.join(path, tag, META)):
+            return None
+        step, root = os.path.join(path, tag), path
+    megatron = os.path.isfile(os.path.join(root, MEGATRON_TRACKER))
+    who = "a Megatron-DeepSpeed checkpoint" if megatron else "a DeepSpeed checkpoint that pretrain_gpt.py did not write"
+    return f"{who} ({os.path.basename(step)}: DeepSpeed's layer and mp_rank files, no {META})"
+
+
+def refuse_foreign(path: str) -> None:
+    """Raise the one-line error for a checkpoint of Megatron-DeepSpeed (or another DeepSpeed program)."""
+    found = foreign_checkpoint(path)
+    if found is not None:
+        raise CheckpointError(
+            f"--load {path}: {found}; convert it first: {CONVERT_MEGATRON_DEEPSPEED} {path} OUT, then --load OUT"
+        )

@@ -21,6 +21,7 @@ from megatron_ds.config import Config
 from megatron_ds.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_ds.model import naming, sharding
 from megatron_ds.training.checkpoint.directory import (
+    CONVERTED,
     LATEST,
     META,
     UNIVERSAL_FORMAT,
@@ -183,6 +184,18 @@ def checkpoint_tokenizer(ckpt: Checkpoint, overrides: dict[str, str | None] | No
     return build_tokenizer(fields.pop("tokenizer_type"), **fields)
 
 
+IMPORTS = ("hf", CONVERTED)
+"""Metadata sections of imported checkpoints (`megatron_ds.interop`); each records `vocab_size`,
+the tokenizer's rows (the rest is `--make-vocab-size-divisible-by` padding)."""
+
+
+def recorded_vocab_size(meta: dict[str, Any]) -> int | None:
+    """The unpadded vocabulary an import recorded, if any."""
+    return next(
+        (meta[k]["vocab_size"] for k in IMPORTS if isinstance(meta.get(k), dict) and meta[k].get("vocab_size")), None
+    )
+
+
 def unpadded_vocab_size(ckpt: Checkpoint, tokenizer: Tokenizer | None, override: int | None = None) -> int:
     """Rows of the vocabulary without `--make-vocab-size-divisible-by` padding.
 
@@ -190,7 +203,7 @@ def unpadded_vocab_size(ckpt: Checkpoint, tokenizer: Tokenizer | None, override:
     size, else the padded size (nothing says how much is padding).
     """
     padded = ckpt.config.model.vocab_size
-    recorded = ckpt.meta.get("hf", {}).get("vocab_size")
+    recorded = recorded_vocab_size(ckpt.meta)
     size = override or recorded or (tokenizer.vocab_size if tokenizer is not None else None) or padded
     if not 1 <= size <= padded:
         raise CheckpointError(

@@ -27,7 +27,7 @@ from typing import Any
 from megatron_ds import files
 from megatron_ds.errors import UserError
 from megatron_ds.training.checkpoint import reader
-from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointError
+from megatron_ds.training.checkpoint.directory import CONVERTED, LATEST, META, CheckpointError, fingerprint
 from megatron_ds.training.checkpoint.universal import names, store
 from megatron_ds.training.checkpoint.universal.deepspeed_source import DeepSpeedSource
 
@@ -59,6 +59,11 @@ def _open_source(path: str) -> DeepSpeedSource:
     ckpt = reader.open_checkpoint(path)
     if store.is_universal(ckpt.meta):
         raise CheckpointError(f"{ckpt.directory}: already in universal form; --load it directly")
+    if ckpt.meta.get(CONVERTED) is not None:
+        raise CheckpointError(
+            f"{ckpt.directory}: converted from Megatron-DeepSpeed, its universal form is {ckpt.directory}{SUFFIX}; "
+            f"--load it as it is"
+        )
     if ckpt.meta.get("weights_only"):
         raise CheckpointError(
             f"{ckpt.directory}: holds weights only (no optimizer state); it loads under any layout as it is"
@@ -101,7 +106,7 @@ def _reusable(target: str, source_dir: str) -> bool:
     if not os.path.exists(target):
         return False
     found = store.Universal(target)  # a damaged one is refused here, never silently rebuilt
-    if found.meta.get("source", {}).get("fingerprint") != store.fingerprint(os.path.join(source_dir, META)):
+    if found.meta.get("source", {}).get("fingerprint") != fingerprint(os.path.join(source_dir, META)):
         raise CheckpointError(
             f"{target}: converted from another checkpoint than {source_dir}; delete it to convert again"
         )
@@ -122,7 +127,14 @@ def convert_next_to(load_dir: str, tag: str, show_progress: bool, log: Any = pri
     if _reusable(target, source_dir):
         log(f"--load {load_dir} ({tag}): using its universal form {target}")
         return target
-    source = DeepSpeedSource(reader.open_checkpoint(source_dir))
+    ckpt = reader.open_checkpoint(source_dir)
+    if ckpt.meta.get(CONVERTED) is not None:
+        raise CheckpointError(
+            f"--load {load_dir} ({tag}): converted from Megatron-DeepSpeed, its training state is in {target}, which "
+            f"is missing; convert {ckpt.meta[CONVERTED].get('source')} again, or pass --no-load-optim (or --finetune) "
+            f"to load its weights only"
+        )
+    source = DeepSpeedSource(ckpt)
     _clear_leftovers(target)
     log(f"--load {load_dir} ({tag}): converting it once to universal form in {target}")
     try:

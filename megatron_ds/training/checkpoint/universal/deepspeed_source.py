@@ -30,7 +30,7 @@ import torch
 from megatron_ds.model import naming, sharding
 from megatron_ds.pipeline.layout import Layout, build_layout
 from megatron_ds.training.checkpoint import reader
-from megatron_ds.training.checkpoint.directory import CheckpointError
+from megatron_ds.training.checkpoint.directory import META, CheckpointError, fingerprint
 from megatron_ds.training.checkpoint.universal import names
 from megatron_ds.training.optimizer import GROUP_NAMES
 
@@ -127,6 +127,20 @@ class DeepSpeedSource:
             return []
         first = state[min(state)]
         return [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.ndim >= 1]
+
+    def record(self) -> dict[str, Any]:
+        """What the universal form records of its source (the fingerprint names the exact checkpoint)."""
+        cfg = self.ckpt.config
+        return {
+            "directory": self.ckpt.directory,
+            "fingerprint": fingerprint(os.path.join(self.ckpt.directory, META)),
+            "layout": self.layout.to_string(),
+            "pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
+            "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
+            "data_parallel_size": cfg.parallel.data_parallel_size,
+            "zero_stage": cfg.training.zero_stage,
+            "precision": cfg.training.precision,
+        }
 
     def loss_scaler(self) -> dict[str, Any] | None:
         """The fp16 loss scaler's numbers (ZeRO and bf16 optimizers keep one; only fp16 uses it)."""

@@ -13,7 +13,6 @@ Each `.pt` file is `torch.save` of one plain tensor and is read with `weights_on
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -27,6 +26,7 @@ from megatron_ds.config import Config
 from megatron_ds.errors import UserError
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import META, UNIVERSAL_FORMAT, CheckpointError
+from megatron_ds.training.checkpoint.directory import sha256 as _sha256
 from megatron_ds.training.checkpoint.universal import names
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, DeepSpeedSource
 
@@ -43,19 +43,6 @@ def is_universal(meta: dict[str, Any]) -> bool:
     return meta.get("format") == FORMAT
 
 
-def fingerprint(meta_path: str) -> str:
-    """SHA-256 of a source checkpoint's metadata file: which checkpoint a conversion came from."""
-    return _sha256(meta_path)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def tensor_file(name: str, state: str) -> str:
     return os.path.join(TENSORS_DIR, name, f"{state}.pt")
 
@@ -70,7 +57,11 @@ class Written:
 
 
 def write(source: DeepSpeedSource, directory: str, progress: Any) -> Written:
-    """Write `source`'s whole training state into `directory` (exists, empty); metadata last."""
+    """Write `source`'s whole training state into `directory` (exists, empty); metadata last.
+
+    `source` is a `DeepSpeedSource` or a reader of the same interface (`ckpt`, `model`,
+    `state_keys`, `step`, `read`, `engine_state`, `loss_scaler`, `record`), e.g. the Megatron-DeepSpeed
+    import's (`megatron_ds.interop.megatron_deepspeed_source`)."""
     ckpt = source.ckpt
     keys = source.state_keys()
     table: dict[str, Any] = {}
@@ -91,7 +82,7 @@ def write(source: DeepSpeedSource, directory: str, progress: Any) -> Written:
         "version": VERSION,
         "config": ckpt.meta["config"],
         "train_state": ckpt.meta["train_state"],
-        "source": _source_record(source),
+        "source": source.record(),
         "engine": {k: engine[k] for k in ("global_steps", "global_samples", "skipped_steps")},
         "lr_scheduler": engine["lr_scheduler"],
         "optimizer": {
@@ -120,21 +111,7 @@ def _unpadded_vocabulary(source: DeepSpeedSource) -> int | None:
         tokenizer = reader.checkpoint_tokenizer(source.ckpt)
     except (UserError, OSError, ValueError):
         tokenizer = None
-    return source.ckpt.meta.get("hf", {}).get("vocab_size") or (tokenizer.vocab_size if tokenizer else None)
-
-
-def _source_record(source: DeepSpeedSource) -> dict[str, Any]:
-    cfg = source.ckpt.config
-    return {
-        "directory": source.ckpt.directory,
-        "fingerprint": fingerprint(os.path.join(source.ckpt.directory, META)),
-        "layout": source.layout.to_string(),
-        "pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
-        "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
-        "data_parallel_size": cfg.parallel.data_parallel_size,
-        "zero_stage": cfg.training.zero_stage,
-        "precision": cfg.training.precision,
-    }
+    return reader.recorded_vocab_size(source.ckpt.meta) or (tokenizer.vocab_size if tokenizer else None)
 
 
 def _save(value: torch.Tensor, directory: str, relative: str) -> dict[str, Any]:

@@ -1,0 +1,239 @@
+"""The files of a Megatron-DeepSpeed (GPTModelPipe) checkpoint, read without running code from them.
+
+    ROOT/latest                                   DeepSpeed's tag (`global_stepN`)
+    ROOT/latest_checkpointed_iteration.txt        Megatron's tracker (N)
+    ROOT/global_stepN/layer_XX-model_RR-model_states.pt   spec XX's weights on tensor rank RR
+    ROOT/global_stepN/mp_rank_MM_model_states.pt  per stage and tensor rank (MM = stage x T + rank):
+        DeepSpeed's engine state (step counters, `lr_scheduler`: Megatron's OptimizerParamScheduler,
+        `optimizer`: the torch optimizer state without ZeRO), and Megatron's `args` (the Namespace
+        of the run), `iteration`, `tokens`, `rng_state`, `universal_checkpoint_info`
+    ROOT/global_stepN/[bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt   ZeRO-1/2 or bf16: flat
+        fp32 partitions with `param_slice_mappings` (read by `deepspeed_source.load_file`)
+
+Layer files hold tensors only: `torch.load(weights_only=True)`. The `mp_rank` files hold pickled
+objects as well; they go through `_RestrictedUnpickler`, which builds the types such a file is
+expected to hold (argparse.Namespace, containers, tensors and storages, torch dtypes) and keeps
+upstream's own values (Megatron's enums, numpy RNG states) as inert records; any other global is
+refused. Nothing of Megatron-DeepSpeed is imported or run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pickle
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_ds.training.checkpoint.directory import LATEST, MEGATRON_TRACKER, CheckpointError
+
+INERT_MODULES = ("megatron", "numpy")
+"""Packages whose pickled values are kept as inert records (upstream's enums in `args`, numpy's
+RNG state): never imported."""
+_TENSOR_REBUILDERS = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_parameter", "_rebuild_from_type_v2")
+
+
+class Inert:
+    """An upstream value as data: the arguments it was pickled with and its state; nothing runs."""
+
+    qualname = "?"
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+        self.state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname}{self.args!r}>"
+
+
+_inert_types: dict[str, type] = {}
+
+
+def _inert(module: str, name: str) -> type:
+    qualname = f"{module}.{name}"
+    if qualname not in _inert_types:
+        _inert_types[qualname] = type(name, (Inert,), {"qualname": qualname})
+    return _inert_types[qualname]
+
+
+def _latin1(text: str, encoding: str = "latin1") -> bytes:
+    """Protocol-2 pickles spell bytes as `_codecs.encode(text, "latin1")` (numpy's RNG state does)."""
+    if encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"holds bytes in encoding {encoding!r}, which such a file does not hold")
+    return text.encode("latin1")
+
+
+def _allowed(module: str, name: str) -> Any:
+    """The object a global of a Megatron-DeepSpeed `mp_rank` file stands for, or None if refused."""
+    if (module, name) == ("argparse", "Namespace"):
+        return argparse.Namespace
+    if (module, name) == ("collections", "OrderedDict"):
+        return collections.OrderedDict
+    if (module, name) == ("_codecs", "encode"):
+        return _latin1
+    if module == "builtins" and name in ("set", "frozenset", "slice", "complex"):
+        return getattr(__import__("builtins"), name)
+    if module == "torch._utils" and name in _TENSOR_REBUILDERS:
+        return getattr(torch._utils, name)
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    if (module, name) in (
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("torch", "Tensor"),
+        ("torch.nn.parameter", "Parameter"),
+    ):
+        return {"Size": torch.Size, "device": torch.device, "Tensor": torch.Tensor, "Parameter": torch.nn.Parameter}[
+            name
+        ]
+    if module.split(".")[0] in INERT_MODULES:
+        return _inert(module, name)
+    return None
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _allowed(module, name)
+        if found is None:
+            raise pickle.UnpicklingError(f"holds a pickled {module}.{name}, which such a file does not hold")
+        return found
+
+
+_RESTRICTED = types.SimpleNamespace(__name__="restricted_pickle", Unpickler=_RestrictedUnpickler, load=pickle.load)
+"""What `torch.load(pickle_module=...)` takes: storages through torch's persistent ids, every other
+global through `_RestrictedUnpickler.find_class`."""
+
+
+def load_model_states(path: str) -> dict[str, Any]:
+    """An `mp_rank_MM_model_states.pt` file: tensors memory-mapped, other globals restricted."""
+    state = _load(
+        path, lambda p: torch.load(p, map_location="cpu", weights_only=False, pickle_module=_RESTRICTED, mmap=True)
+    )
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a dictionary of states; the checkpoint is damaged")
+    return state
+
+
+def load_layer(path: str) -> dict[str, Any]:
+    """A `layer_XX-model_RR-model_states.pt` file (tensors only)."""
+    return _load(path, lambda p: torch.load(p, map_location="cpu", weights_only=True, mmap=True))
+
+
+def _load(path: str, load: Any) -> Any:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    try:
+        return load(path)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError, AttributeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"{path}: unreadable ({reason}); the checkpoint is damaged or not Megatron-DeepSpeed's"
+        ) from None
+
+
+@dataclass(frozen=True)
+class MegatronDeepSpeedCheckpoint:
+    """One global_step directory of a Megatron-DeepSpeed checkpoint and the run's saved arguments."""
+
+    directory: str
+    tag: str
+    args: dict[str, Any]
+    """`vars()` of the saved Namespace (upstream's enums as `Inert` records)."""
+    states: dict[str, Any]
+    """mp_rank_00's entries other than the optimizer and `args`."""
+
+    @property
+    def tensor_parallel(self) -> int:
+        return int(self.args["tensor_model_parallel_size"])
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return int(self.args["pipeline_model_parallel_size"])
+
+    @property
+    def data_parallel(self) -> int:
+        return int(self.args.get("data_parallel_size") or self.states.get("dp_world_size") or 1)
+
+    @property
+    def ds_config(self) -> dict[str, Any]:
+        return self.args.get("deepspeed_config_dict") or self.states.get("ds_config") or {}
+
+    @property
+    def zero_stage(self) -> int:
+        return int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.args.get("bf16") else "fp16" if self.args.get("fp16") else "fp32"
+
+    @property
+    def checkpoint_info(self) -> dict[str, Any]:
+        return self.states.get("universal_checkpoint_info") or {}
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def model_parallel_rank(self, stage: int, tensor_rank: int) -> int:
+        return stage * self.tensor_parallel + tensor_rank
+
+    def model_states_file(self, stage: int, tensor_rank: int) -> str:
+        return self.path(f"mp_rank_{self.model_parallel_rank(stage, tensor_rank):02d}_model_states.pt")
+
+    def layer_file(self, spec_index: int, tensor_rank: int) -> str:
+        return self.path(f"layer_{spec_index:02d}-model_{tensor_rank:02d}-model_states.pt")
+
+    def optim_file(self, stage: int, tensor_rank: int, dp_rank: int) -> str:
+        prefix = "bf16_" if self.precision == "bf16" else ""
+        mp = self.model_parallel_rank(stage, tensor_rank)
+        return self.path(f"{prefix}zero_pp_rank_{dp_rank}_mp_rank_{mp:02d}_optim_states.pt")
+
+    @property
+    def flat_optimizer(self) -> bool:
+        """DeepSpeed's ZeRO or bf16 optimizer: flat fp32 partitions in `*_optim_states.pt` files."""
+        return self.zero_stage >= 1 or self.precision == "bf16"
+
+
+def find_step_directory(path: str) -> tuple[str, str]:
+    """(global_step directory, tag) from a checkpoint root (DeepSpeed's `latest`, else Megatron's
+    tracker) or from a global_step directory itself."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such directory; give a Megatron-DeepSpeed checkpoint directory (--save)")
+    if os.path.isfile(os.path.join(path, "mp_rank_00_model_states.pt")):
+        return path, os.path.basename(path)
+    tag = None
+    if os.path.isfile(os.path.join(path, LATEST)):
+        tag = open(os.path.join(path, LATEST)).read().strip()
+    elif os.path.isfile(os.path.join(path, MEGATRON_TRACKER)):
+        tag = "global_step" + open(os.path.join(path, MEGATRON_TRACKER)).read().strip()
+    if tag is None or not os.path.isfile(os.path.join(path, tag, "mp_rank_00_model_states.pt")):
+        raise CheckpointError(
+            f"{path}: not a Megatron-DeepSpeed checkpoint (no '{LATEST}' naming a global_step directory with "
+            f"mp_rank_00_model_states.pt); give the directory its run passed as --save, or one of its global_step "
+            f"directories"
+        )
+    return os.path.join(path, tag), tag
+
+
+def open_megatron_deepspeed(path: str) -> MegatronDeepSpeedCheckpoint:
+    directory, tag = find_step_directory(path)
+    first = os.path.join(directory, "mp_rank_00_model_states.pt")
+    states = load_model_states(first)
+    args = states.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(
+            f"{first}: no saved 'args'; a DeepSpeed checkpoint, but not one Megatron-DeepSpeed's pretrain_gpt.py wrote"
+        )
+    kept = {k: v for k, v in states.items() if k not in ("args", "optimizer", "module")}
+    ckpt = MegatronDeepSpeedCheckpoint(directory, tag, dict(vars(args)), kept)
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size"):
+        if not isinstance(ckpt.args.get(key), int):
+            raise CheckpointError(f"{first}: its saved args have no integer {key}; the checkpoint is damaged")
+    return ckpt
