@@ -30,11 +30,12 @@ from megatron_ds.config import (
     padded_vocab_size,
 )
 from megatron_ds.errors import ConfigError
-from megatron_ds.estimate.machine import Machine, check_runs_on
+from megatron_ds.estimate.machine import Machine, check_runs_on, for_layout
 from megatron_ds.estimate.run_layout import check_layout
 from megatron_ds.flags import compat
 from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
+from megatron_ds.flags.deepspeed_json import json_default
 from megatron_ds.flags.lengths import schedule_lengths, train_length
 from megatron_ds.flags.registry import FLAGS
 from megatron_ds.pipeline import megatron_lm
@@ -52,6 +53,7 @@ def _refuse_values(args: argparse.Namespace) -> None:
     """Refused values of accepted flags (`Flag.refused_values`), before anything else is checked."""
     for f in FLAGS:
         message = compat.refused_value(f, getattr(args, f.attr)) if f.refused_values else None
+        message = message or compat.neutral_message(f, getattr(args, f.attr))
         if message:
             raise ConfigError(message)
 
@@ -235,6 +237,7 @@ def _training_config(
     recompute, chunk = _recompute(args)
     training = TrainingConfig(
         **direct,
+        zero_stage=json_default(args, "zero_stage"),
         micro_batch_size=mbs,
         global_batch_size=gbs,
         precision=precision,
@@ -315,7 +318,12 @@ def _optimizer_config(
         raise ConfigError("missing --lr; give the peak learning rate, e.g. --lr 3e-4")
     # --print-layout needs no learning rate: stand in with --min-lr, which OptimizerConfig accepts
     lr = args.lr if args.lr is not None else args.min_lr
-    return OptimizerConfig(**direct, lr=lr, **schedule_lengths(args, training.global_batch_size, seq_length))
+    return OptimizerConfig(
+        **direct,
+        lr=lr,
+        clip_grad=json_default(args, "clip_grad"),
+        **schedule_lengths(args, training.global_batch_size, seq_length),
+    )
 
 
 def build_config(args: argparse.Namespace, world_size: int | None = None, machine: Machine | None = None) -> Config:
@@ -339,6 +347,29 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         logging=LoggingConfig(**direct.get("logging", {})),
     )
     if machine is not None:
-        check_runs_on(config, machine)
-    check_layout(config, machine)  # fail fast on impossible layouts
+        _check_runs_on(config, machine, dry_run=args.print_layout)
+    check_layout(config, machine if machine is None else for_layout(config, machine))  # fail fast
     return config
+
+
+def launch_gaps(args: argparse.Namespace) -> list[str]:
+    """What `--print-layout` stands in for that a launch requires (it says so after the layout)."""
+    gaps = ["--lr"] if args.lr is None else []
+    if args.vocab_size is None and tokenizer_type(args) is None:
+        gaps.append("--vocab-size or a tokenizer")
+    if args.train_iters is None and args.train_samples is None and args.train_tokens is None:
+        gaps.append("--train-iters (or --train-samples, --train-tokens)")
+    if not args.data_path and not args.mock_data:
+        gaps.append("--data-path or --mock-data")
+    return gaps
+
+
+def _check_runs_on(config: Config, machine: Machine, dry_run: bool) -> None:
+    """What this machine cannot run is an error, except for `--print-layout`, a dry run on any machine
+    (a login node previews a GPU run): then a warning says what a launch here would refuse."""
+    try:
+        check_runs_on(config, machine)
+    except ConfigError as err:
+        if not dry_run:
+            raise
+        warn(f"a launch on this machine would stop here: {err} (--print-layout previews it anyway)")
