@@ -46,7 +46,8 @@ def _print_notices(notices: list[str]) -> None:
 
 
 def _print_gaps(args: object) -> None:
-    from megatron_ds.flags.to_config import launch_gaps, warn
+    from megatron_ds.flags.dry_run import launch_gaps
+    from megatron_ds.flags.to_config import warn
 
     gaps = launch_gaps(args)
     if gaps:

@@ -53,6 +53,11 @@ def model_dests(model: ModelConfig) -> dict[str, Any]:
 
 def apply(args: argparse.Namespace, given: set[str]) -> None:
     """Fill `args` from `--load`'s checkpoint as described above (flags in `given` are kept)."""
+    if args.load_optional and args.exit_on_missing_checkpoint:
+        raise ConfigError(
+            "--load-optional and --exit-on-missing-checkpoint were both given (start from scratch, or stop, when "
+            "--load holds no checkpoint yet); keep one"
+        )
     if args.use_checkpoint_args and not args.load:
         raise ConfigError("--use-checkpoint-args takes the architecture from --load's checkpoint; add --load DIR")
     meta, where = _latest(args.load) if args.load else (None, "")

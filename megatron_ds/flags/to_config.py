@@ -30,9 +30,9 @@ from megatron_ds.config import (
     padded_vocab_size,
 )
 from megatron_ds.errors import ConfigError
-from megatron_ds.estimate.machine import Machine, check_runs_on, for_layout
+from megatron_ds.estimate.machine import Machine, for_layout
 from megatron_ds.estimate.run_layout import check_layout
-from megatron_ds.flags import compat
+from megatron_ds.flags import compat, dry_run
 from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.deepspeed_json import json_default
@@ -346,8 +346,9 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         checkpoint=CheckpointConfig(**direct.get("checkpoint", {})),
         logging=LoggingConfig(**direct.get("logging", {})),
     )
-    if machine is not None:
-        _check_runs_on(config, machine, dry_run=args.print_layout)
+    warning = None if machine is None else dry_run.runs_on_warning(config, machine, args.print_layout)
+    if warning:
+        warn(warning)
     check_layout(config, machine if machine is None else for_layout(config, machine))  # fail fast
     return config
 
@@ -362,14 +363,3 @@ def launch_gaps(args: argparse.Namespace) -> list[str]:
     if not args.data_path and not args.mock_data:
         gaps.append("--data-path or --mock-data")
     return gaps
-
-
-def _check_runs_on(config: Config, machine: Machine, dry_run: bool) -> None:
-    """What this machine cannot run is an error, except for `--print-layout`, a dry run on any machine
-    (a login node previews a GPU run): then a warning says what a launch here would refuse."""
-    try:
-        check_runs_on(config, machine)
-    except ConfigError as err:
-        if not dry_run:
-            raise
-        warn(f"a launch on this machine would stop here: {err} (--print-layout previews it anyway)")

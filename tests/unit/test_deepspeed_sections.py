@@ -149,3 +149,13 @@ def test_the_docs_table_is_generated_from_the_sections() -> None:
     assert block.group(1) == sections.markdown_table(), (
         "docs/compatibility.md's DeepSpeed section table is stale: paste deepspeed_sections.markdown_table()"
     )
+
+
+def test_an_implemented_section_is_kept_from_deepspeed_and_given_to_its_owner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """How a section our code implements travels (the legacy curriculum's row, once its module lands)."""
+    row = sections.Section("curriculum_learning", sections.IMPLEMENTED, "read by its module", owner="the module")
+    monkeypatch.setitem(sections.BY_NAME, "curriculum_learning", row)
+    user = {"curriculum_learning": {"enabled": True, "min_difficulty": 8}, "steps_per_print": 1}
+    assert sections.classify(user, LABEL) == ({"steps_per_print": 1}, [])
+    assert sections.implemented_section(user, "curriculum_learning") == {"enabled": True, "min_difficulty": 8}
+    assert sections.implemented_section({"curriculum_learning": {"enabled": False}}, "curriculum_learning") is None

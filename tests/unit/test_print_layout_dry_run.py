@@ -88,6 +88,8 @@ def test_it_runs_the_launch_checks_and_creates_nothing(tmp_path: Path, capsys: p
     assert rc == 2 and "curriculum_learning is not supported" in err
     rc, _, err = run(capsys, *TINY, *LAUNCH, "--data-path", str(tmp_path / "nothing"), "--vocab-file", str(clash))
     assert rc == 2 and "error:" in err
+    rc, _, err = run(capsys, *TINY, *LAUNCH, "--exit-signal-handler")
+    assert rc == 2 and "--exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR" in err
     rc, out, err = run(capsys, *TINY, *LAUNCH, "--save", str(tmp_path / "new" / "ck"), "--load", str(tmp_path / "new"))
     assert rc == 0 and err == "" and not (tmp_path / "new").exists()
     assert out.startswith(f"NOTICE: --load {tmp_path / 'new'} holds no checkpoint yet: starting from scratch")
