@@ -282,8 +282,9 @@ def build_with_notices(config: Config, user: dict[str, Any] | None = None) -> tu
         ds = merge(ds, kept, source, overridable)
         _check_activation_checkpointing(ds, source)
         _check_offload(ds, source)
-    if fp16_owner is not None and fp16_from_flags(config):
-        notices.append(_loss_scale_notice(config, fp16_owner, ds["fp16"]))
+    overruled = {k: v for k, v in fp16_from_flags(config).items() if fp16_owner and ds["fp16"].get(k) != v}
+    if overruled:
+        notices.append(_loss_scale_notice(overruled, fp16_owner, ds["fp16"]))
     if path and "gradient_clipping" not in dict(classified[0][1]):
         notices.append(
             f"NOTICE: --deepspeed_config {path} sets no gradient_clipping: clipping at --clip-grad "
@@ -300,8 +301,10 @@ def build_with_notices(config: Config, user: dict[str, Any] | None = None) -> tu
     return ds, notices
 
 
-def _loss_scale_notice(config: Config, source: UserSource, fp16: dict[str, Any]) -> str:
-    flags = ", ".join(f"{FP16_FLAG_NAMES[k]} {v:g}" for k, v in fp16_from_flags(config).items())
+def _loss_scale_notice(overruled: dict[str, Any], source: UserSource, fp16: dict[str, Any]) -> str:
+    """The flags whose loss-scale values the file's fp16 section overrules (those that differ)."""
+    given = {k: 2**v if k == "initial_scale_power" else v for k, v in overruled.items()}  # the flag's own unit
+    flags = ", ".join(f"{FP16_FLAG_NAMES[k]} {v:g}" for k, v in given.items())
     scale = fp16.get("loss_scale", 0)
     rule = (
         f"static loss scale {scale:g}"

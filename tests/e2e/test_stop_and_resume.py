@@ -50,10 +50,10 @@ def start(*argv: str) -> Ranks:
     return start_ranks([str(ROOT / "pretrain_gpt.py"), *MODEL, *RUN, *argv], 2, cwd=str(ROOT))
 
 
-def wait_for(ranks: Ranks, text: str, timeout: float = 120.0) -> None:
+def wait_for(ranks: Ranks, text: str, rank: int = LOGGING_RANK, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
-    while text not in ranks.output(LOGGING_RANK):
-        assert time.monotonic() < deadline, ranks.output(LOGGING_RANK)[-3000:]
+    while text not in ranks.output(rank):
+        assert time.monotonic() < deadline, ranks.output(rank)[-3000:]
         assert all(p.poll() is None for p in ranks.procs), [ranks.output(r)[-2000:] for r in (0, 1)]
         time.sleep(0.05)
 
@@ -66,6 +66,7 @@ def stop_with(sig: int, *argv: str) -> list:
     """Start a long run, send `sig` to every rank once iteration 2 is logged; the results, and seconds."""
     ranks = start("--train-iters", "100000", *argv)
     wait_for(ranks, "iteration        2/")
+    wait_for(ranks, "1F1B step from these compute times", rank=0)  # the last report the loop prints
     before = [len(ranks.output(r)) for r in (0, 1)]
     sent = time.monotonic()
     ranks.signal(sig)

@@ -359,14 +359,14 @@ def test_the_user_files_fp16_section_rules_loss_scaling(tmp_path: Path) -> None:
     dynamic scaling from 2^12 trains so, whatever --loss-scale says; one NOTICE names the ignored flags."""
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}}))
-    config = fp16_config(deepspeed_config=str(user), loss_scale=12.0, hysteresis=3)
+    config = fp16_config(deepspeed_config=str(user), loss_scale=12.0, hysteresis=3, initial_loss_scale=4096.0)
     merged, notices = dsc.build_with_notices(config)
     assert merged["fp16"] == {**dsc.FP16_DEFAULTS, "enabled": True, "loss_scale": 0, "initial_scale_power": 12}
     scale = [n for n in notices if "fp16 section" in n]
     assert scale == [
         f"NOTICE: --deepspeed_config {user} has an fp16 section: it rules loss scaling (dynamic loss scaling from "
         "2^12), as in Megatron-DeepSpeed, whose optimizer never builds Megatron's scaler under DeepSpeed; "
-        "--loss-scale 12, --hysteresis 3 ignored"
+        "--loss-scale 12, --hysteresis 3 ignored"  # --initial-loss-scale 4096 is the file's 2^12: not named
     ]
     # Without an fp16 section in the file the flags still give the scaling, and without flags nothing is said.
     user.write_text(json.dumps({"steps_per_print": 1}))
