@@ -103,7 +103,9 @@ def with_tokenizer(vocab: str, merges: str) -> Config:
 def test_another_tokenizer_is_a_notice_or_if_its_vocabulary_differs_an_error(tmp_path: Path) -> None:
     meta = {"config": with_tokenizer(*gpt2_files(tmp_path / "a")).to_dict()}
     assert tokenizer_notice(meta, with_tokenizer(*gpt2_files(tmp_path / "a")), "ck", "global_step0") is None
+    assert tokenizer_notice(meta, with_tokenizer(*gpt2_files(tmp_path / "b")), "ck", "global_step0") is None  # a copy
     copy = gpt2_files(tmp_path / "b")
+    Path(copy[1]).write_text("#version: 0.2\n\n")  # other bytes, the same vocabulary
     assert tokenizer_notice(meta, with_tokenizer(*copy), "ck", "global_step0") == (
         f"NOTICE: --load ck (global_step0) was trained with tokenizer GPT2BPETokenizer ({tmp_path / 'a' / 'vocab.json'}, "
         f"{tmp_path / 'a' / 'merges.txt'}); this run's GPT2BPETokenizer ({copy[0]}, {copy[1]}) has the same vocabulary"

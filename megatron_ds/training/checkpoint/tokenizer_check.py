@@ -1,14 +1,16 @@
 """The run's tokenizer against the checkpoint's, before launch.
 
-Another tokenizer with the same vocabulary (the same token behind every id: a copy at another path,
-another spelling of the type) is a NOTICE; another vocabulary would feed the trained embeddings
-other tokens, so it is an error naming the first difference. A run without a tokenizer (`--mock-data
+The same files at another path (an import's copy in `<checkpoint>/tokenizer/`) are the same
+tokenizer. Other files with the same vocabulary (the same token behind every id, e.g. other merges)
+are a NOTICE; another vocabulary would feed the trained embeddings other tokens, so it is an error
+naming the first difference. A run without a tokenizer (`--mock-data
 --vocab-size N`) or a checkpoint without one compares nothing: the architecture check already holds
 the vocabulary rows.
 """
 
 from __future__ import annotations
 
+import filecmp
 import os
 from typing import Any
 
@@ -30,6 +32,8 @@ def tokenizer_notice(meta: dict[str, Any], config: Config, load_dir: str, tag: s
         return None  # ids without tokens: the vocabulary rows are the architecture check's
     where = f"--load {load_dir} ({tag})"
     theirs = _resolved(saved, load_dir)
+    if theirs["tokenizer_type"] == ours["tokenizer_type"] and _same_files(theirs, ours):
+        return None  # the same files at another path (an import's copy): nothing differs
     try:
         old = build_tokenizer(theirs.pop("tokenizer_type"), **theirs)
     except (UserError, OSError) as err:
@@ -59,6 +63,17 @@ def _resolved(fields: dict[str, Any], load_dir: str) -> dict[str, Any]:
             beside = os.path.join(load_dir, TOKENIZER_DIR, os.path.basename(path))
             out[key] = beside if os.path.isfile(beside) else path
     return out
+
+
+def _same_files(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Both name the same tokenizer files by content (cheap: no vocabulary walk)."""
+    for key in FIELDS[1:]:
+        x, y = a[key], b[key]
+        if bool(x) != bool(y):
+            return False
+        if x and not (os.path.isfile(x) and os.path.isfile(y) and filecmp.cmp(x, y, shallow=False)):
+            return False
+    return True
 
 
 def _name(fields: dict[str, Any]) -> str:
