@@ -351,7 +351,7 @@ def train(run: Run) -> bool:
                 f"(--exit-duration-in-mins {t.exit_duration_in_mins:g})",
             )
             return True
-        if signals.stop_requested(t.exit_signal_handler, run.engine.device):
+        if signals.stop_requested(t.exit_signal_handler, run.engine.device, run.watchdog):
             print_rank0(run.rank, f"exiting at iteration {state.iteration} after SIGTERM (--exit-signal-handler)")
             return True
         if t.exit_interval and state.iteration % t.exit_interval == 0:

@@ -17,6 +17,7 @@ Processes forked after `install` (DataLoader workers) inherit the handlers and l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -101,9 +102,10 @@ def set_progress(progress: Callable[[], str]) -> None:
         handler.progress = progress
 
 
-def stop_requested(enabled: bool, device: Any) -> bool:
+def stop_requested(enabled: bool, device: Any, watchdog: Any = None) -> bool:
     """With `--exit-signal-handler` (`enabled`, the same on every rank): whether some rank got SIGTERM,
-    the same answer on every rank (a collective every rank calls at the same step)."""
+    the same answer on every rank (a collective every rank calls at the same step, under `watchdog`'s
+    timer when given, as every collective of the loop)."""
     if not enabled:
         return False
     import torch
@@ -111,7 +113,8 @@ def stop_requested(enabled: bool, device: Any) -> bool:
 
     handler = current()
     flag = torch.tensor([0.0 if handler is None or handler.received is None else 1.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    with watchdog.watch("the --exit-signal-handler check") if watchdog is not None else contextlib.nullcontext():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
 
