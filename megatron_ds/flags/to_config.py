@@ -352,14 +352,3 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
     check_layout(config, machine if machine is None else for_layout(config, machine))  # fail fast
     return config
 
-
-def launch_gaps(args: argparse.Namespace) -> list[str]:
-    """What `--print-layout` stands in for that a launch requires (it says so after the layout)."""
-    gaps = ["--lr"] if args.lr is None else []
-    if args.vocab_size is None and tokenizer_type(args) is None:
-        gaps.append("--vocab-size or a tokenizer")
-    if args.train_iters is None and args.train_samples is None and args.train_tokens is None:
-        gaps.append("--train-iters (or --train-samples, --train-tokens)")
-    if not args.data_path and not args.mock_data:
-        gaps.append("--data-path or --mock-data")
-    return gaps
