@@ -351,4 +351,3 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         warn(warning)
     check_layout(config, machine if machine is None else for_layout(config, machine))  # fail fast
     return config
-
