@@ -5,7 +5,9 @@
         --seq-length 32 --pipeline-model-parallel-size 5 --pp-dedicated-embedding-stages --print-layout
 
 Launch training with `deepspeed` or `torchrun` (see examples/). User errors print one line
-`error: ...` and exit with status 2, before any process group is created.
+`error: ...` and exit with status 2, before any process group is created. `--print-layout` is a
+dry run of the same checks on any machine. Ctrl-C and SIGTERM stop every rank at once with one
+line each; with `--exit-signal-handler` SIGTERM saves first (`megatron_ds.training.signals`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,27 @@ def _report(exc: BaseException) -> None:
         print(f"error: {exc}", file=sys.stderr, flush=True)
 
 
+def _print_notices(notices: list[str]) -> None:
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        for line in notices:
+            print(line, flush=True)
+
+
+def _print_gaps(args: object) -> None:
+    from megatron_ds.flags.dry_run import launch_gaps
+    from megatron_ds.flags.to_config import warn
+
+    gaps = launch_gaps(args)
+    if gaps:
+        warn(f"to launch, this line also needs {'; '.join(gaps)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from megatron_ds.training import signals
+
+    exit_signals = signals.install()  # first: Ctrl-C or SIGTERM at any point is one line per rank
     import os
 
     import torch
@@ -49,15 +71,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     clean = False
     try:
         config, args = parse_config(argv, machine=probe())  # the layout is checked here, not measured
+        exit_signals.save_on_sigterm = config.training.exit_signal_handler
+        from megatron_ds.training.launch_checks import check_launch
+
+        _print_notices(check_launch(config, dry_run=args.print_layout))  # --print-layout: the same checks
         if args.print_layout:
             from megatron_ds.training.resolve_layout import layout_text, resolve_layout
 
             print(layout_text(config, resolve_layout(config)))
+            _print_gaps(args)
             return 0
-        from megatron_ds.training.launch_checks import check_launch
         from megatron_ds.training.loop import pretrain
 
-        check_launch(config)
         pretrain(config)  # the builder resolves the layout, once
         clean = True
     except Exception as exc:  # noqa: BLE001 - user errors become one line, the rest propagate
@@ -69,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every exit path (success, user error, crash) joins gloo's threads before the interpreter
         # finalises; see megatron_ds.distributed for the abort this prevents.
         shutdown_distributed(clean=clean)
+        signals.uninstall()
     return 0
 
 

@@ -32,6 +32,6 @@ deepspeed --num_gpus "$NUM_GPUS" pretrain_gpt.py \
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL" \
   --data-path "$DATA_PATH" --split 949,50,1 \
   --log-interval 10 --eval-interval 1000 --eval-iters 10 \
-  --save "$SAVE_DIR" --load "$SAVE_DIR" --load-optional --save-interval 1000 \
+  --save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval 1000 \
   --distributed-timeout-minutes "$TIMEOUT_MINUTES" \
   "$@"

@@ -26,5 +26,5 @@ deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$GPUS_PER_
   --lr 2e-4 --min-lr 2e-5 --lr-decay-style cosine --lr-warmup-fraction 0.01 --clip-grad 1.0 \
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL" --data-path "$DATA_PATH" \
   --log-interval 10 --eval-interval 1000 --eval-iters 10 \
-  --save "$SAVE_DIR" --load "$SAVE_DIR" --load-optional --save-interval 1000 \
+  --save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval 1000 \
   "$@"

@@ -17,8 +17,9 @@ class CheckpointConfig:
     """Save every this many iterations, and at the end (`--save-interval`)."""
     load: str | None = None
     """Directory to resume from (`--load`)."""
-    load_optional: bool = False
-    """Start fresh, with a warning, when `--load` holds no checkpoint yet (`--load-optional`)."""
+    exit_on_missing_checkpoint: bool = False
+    """A `--load` that holds no checkpoint yet is an error (`--exit-on-missing-checkpoint`); without it
+    the run starts from scratch with a notice, as Megatron's does (`checkpoint.first_launch`)."""
     no_load_optim: bool = False
     """Load model weights only (`--no-load-optim`)."""
     no_load_rng: bool = False

@@ -49,6 +49,10 @@ class ParallelConfig:
     """Bytes each device may hold, for `--pp-partition-method fastest` / `profile`
     (`--pp-memory-limit`): a number of bytes or one with a unit, `80GiB`, `500MB` (`memory_limit_bytes`).
     None: the GPU's memory; required on CPU."""
+    pp_device: str | None = None
+    """The GPU the layout and its memory prediction are for (`--pp-device`: a planner GPU name of
+    `estimate/devices.py`, or `cpu`); its memory is the default `--pp-memory-limit`. None: this
+    process's device. It does not change where the run executes."""
     pipeline_model_parallel_layout: str | None = None
     """Megatron-LM's `--pipeline-model-parallel-layout`: a layout string with megatron-core's meaning
     (the `--pp-layout` grammar, without our `auto`)."""
@@ -87,6 +91,11 @@ class ParallelConfig:
         positive("--distributed-timeout-minutes", self.distributed_timeout_minutes)
         if self.pp_memory_limit is not None:
             parse_memory_size(self.pp_memory_limit)
+        check(
+            not (self.pp_device is not None and self.pp_partition_method == "profile"),
+            f"--pp-device {self.pp_device} and --pp-partition-method profile were both given: profile measures this "
+            f"machine; drop --pp-device or choose another method",
+        )
 
     @property
     def memory_limit_bytes(self) -> float | None:

@@ -118,6 +118,10 @@ class TrainingConfig:
     exit_duration_in_mins: float | None = None
     """Save (with `--save`) and stop once training has run this long (`--exit-duration-in-mins`);
     checked after every iteration, the same on every rank."""
+    exit_signal_handler: bool = False
+    """On SIGTERM finish the step, save (`--save` is required) and exit with status 0
+    (`--exit-signal-handler`); without it SIGTERM and SIGINT stop every rank at once
+    (`megatron_ds.training.signals`)."""
     train_tokens: int | None = None
     """Stop once this many tokens are consumed (`--train-tokens`); already folded into train_iters."""
     loss_scale: float | None = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_ds.config import DATA_UPSTREAMS, TOKENIZER_TYPES
-from megatron_ds.flags.declare import VALUE, VALUES, Flag, Refusal, accepted, no_op, refused, switch
+from megatron_ds.flags.declare import NO_OP, VALUE, VALUES, Flag, Refusal, accepted, no_op, refused, switch
 
 _DATA, _CKPT, _LOG = "data and tokenizer", "checkpointing", "logging"
 _MMAP_ONLY = "only the mmap format is read"
@@ -121,15 +121,18 @@ CHECKPOINTING: tuple[Flag, ...] = (
     accepted(
         "--load",
         _CKPT,
-        "resume from `latest`. Unlike Megatron, a directory without a checkpoint is an error unless "
-        "--load-optional (ours) is given",
+        "resume from `latest`. A directory that does not exist or holds nothing yet (the first launch of a "
+        "`--save DIR --load DIR` script) starts from scratch with a NOTICE, as in Megatron; one that holds "
+        "something else but no `latest` is an error naming what it found",
         "checkpoint.load",
     ),
-    switch(
+    Flag(
         "--load-optional",
         _CKPT,
-        "start fresh (with a warning) when --load holds no checkpoint yet",
-        "checkpoint.load_optional",
+        NO_OP,
+        "starting from scratch when --load holds no checkpoint yet is the default (our 0.1.0 flag, kept so its "
+        "launch lines run)",
+        nargs=0,
         megatron=False,
     ),
     switch(
@@ -146,7 +149,12 @@ CHECKPOINTING: tuple[Flag, ...] = (
         "weights only; iteration and consumed samples start at 0",
         "checkpoint.finetune",
     ),
-    no_op("--exit-on-missing-checkpoint", _CKPT, "already the behaviour here (see --load)"),
+    switch(
+        "--exit-on-missing-checkpoint",
+        _CKPT,
+        "a --load that holds no checkpoint yet is an error instead of a start from scratch",
+        "checkpoint.exit_on_missing_checkpoint",
+    ),
     refused("--no-save-optim", _CKPT, "checkpoints always hold the optimizer state"),
     refused("--no-save-rng", _CKPT, "checkpoints always hold every rank's RNG state"),
     refused(
@@ -155,11 +163,12 @@ CHECKPOINTING: tuple[Flag, ...] = (
         "the lr schedule is restored with the optimizer",
         "use --override-opt_param-scheduler",
     ),
-    refused(
+    switch(
         "--use-checkpoint-args",
         _CKPT,
-        "flags are not read back from checkpoints (the architecture is checked against them)",
-        "give the model flags",
+        "the architecture (and, without tokenizer flags, the tokenizer) from --load's checkpoint; model flags given "
+        "win, and one that differs from the checkpoint is refused at --load. T and P stay this run's (a NOTICE names "
+        "the checkpoint's when they differ; Megatron-DeepSpeed takes them too)",
     ),
     refused("--no-initialization", _CKPT, "weights are always initialised"),
     no_op(

@@ -6,7 +6,7 @@ How Megatron's activation flags select `ModelConfig.activation` is flags -> conf
 from __future__ import annotations
 
 from megatron_ds.config import NORMALIZATIONS
-from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, refused, switch
+from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, neutral, no_op, refused, switch
 
 _NET, _MOE, _REG, _INIT = "network size", "mixture of experts", "regularization", "initialization"
 _MOE_WHY = "mixture-of-experts models are not built here; train a dense model"
@@ -124,17 +124,22 @@ NETWORK: tuple[Flag, ...] = (
     refused("--embedding-weights-in-fp32", _NET, "embeddings are kept in the training precision"),
 )
 
+_DENSE = (
+    "with --num-experts 1 (the only value built) Megatron-DeepSpeed builds dense MLPs and no gate, so this "
+    "changes nothing"
+)
+
 MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
-    refused("--mlp-type", _MOE, _MOE_WHY, takes=VALUE),
-    refused("--topk", _MOE, _MOE_WHY, takes=VALUE),
-    refused("--expert-interval", _MOE, _MOE_WHY, takes=VALUE),
-    refused("--moe-expert-parallel-size", _MOE, _MOE_WHY, takes=VALUE),
-    refused("--moe-train-capacity-factor", _MOE, _MOE_WHY, takes=VALUE),
-    refused("--moe-eval-capacity-factor", _MOE, _MOE_WHY, takes=VALUE),
-    refused("--moe-min-capacity", _MOE, _MOE_WHY, takes=VALUE),
-    refused("--moe-loss-coeff", _MOE, _MOE_WHY, takes=VALUE),
-    refused("--create-moe-param-group", _MOE, _MOE_WHY),
-    refused("--disable-moe-token-dropping", _MOE, _MOE_WHY),
+    neutral("--mlp-type", _MOE, f"`residual` is PR-MoE's residual expert; {_MOE_WHY}", ("standard",)),
+    neutral("--topk", _MOE, f"top-k gating needs experts; {_MOE_WHY}", (1,), int),
+    neutral("--moe-expert-parallel-size", _MOE, f"expert parallelism needs experts; {_MOE_WHY}", (1,), int),
+    neutral("--expert-interval", _MOE, _DENSE, None, int),
+    neutral("--moe-train-capacity-factor", _MOE, _DENSE, None, float),
+    neutral("--moe-eval-capacity-factor", _MOE, _DENSE, None, float),
+    neutral("--moe-min-capacity", _MOE, _DENSE, None, int),
+    neutral("--moe-loss-coeff", _MOE, _DENSE, None, float),
+    no_op("--create-moe-param-group", _MOE, f"{_DENSE} (no expert parameter to put in a group of its own)"),
+    no_op("--disable-moe-token-dropping", _MOE, f"{_DENSE} (no expert drops tokens)"),
     refused("--use-tutel", _MOE, _MOE_WHY),
     refused("--enable-expert-tensor-parallelism", _MOE, _MOE_WHY),
 )
@@ -177,9 +182,13 @@ REGULARIZATION: tuple[Flag, ...] = (
     accepted(
         "--clip-grad",
         _REG,
-        "global gradient-norm clip (the true norm over all stages); 0 disables",
+        "global gradient-norm clip (the true norm over all stages); 0 disables. Written into the DeepSpeed JSON; "
+        "absent: --deepspeed_config's gradient_clipping, else Megatron's 1.0 (also when the file has none, so "
+        "the installed DeepSpeed's default for a missing key never applies)",
         "optimizer.clip_grad",
         type=float,
+        default=None,
+        derived=True,
     ),
     accepted("--adam-beta1", _REG, "Adam beta1", "optimizer.adam_beta1", type=float),
     accepted("--adam-beta2", _REG, "Adam beta2", "optimizer.adam_beta2", type=float),

@@ -136,10 +136,20 @@ DISTRIBUTED: tuple[Flag, ...] = (
         "parallel.pp_memory_limit",
         megatron=False,
     ),
+    accepted(
+        "--pp-device",
+        _DIST,
+        "the GPU the layout and its predicted memory are for, by the planner's name (H100, A100-80GB, ...: "
+        "estimate/devices.py) or cpu; its memory is the default --pp-memory-limit. Default: this machine's device. "
+        "Where the run executes does not change",
+        "parallel.pp_device",
+        megatron=False,
+    ),
     switch(
         "--print-layout",
         _DIST,
-        "print the stage layout and exit without starting any process group",
+        "a dry run on any machine: run every check a launch runs (flags, data, --load, --save, the merged DeepSpeed "
+        "JSON, optional packages), print the stage layout and exit without starting any process group",
         megatron=False,
     ),
     accepted(
@@ -207,9 +217,12 @@ DEEPSPEED: tuple[Flag, ...] = (
     accepted(
         "--zero-stage",
         _DS,
-        "0 or 1, written into the JSON; 2 and 3 are refused (the pipeline engine asserts ZeRO < 2 at every P)",
+        "0 or 1, written into the JSON; 2 and 3 are refused (the pipeline engine asserts ZeRO < 2 at every P). "
+        "Absent: the stage --deepspeed_config's zero_optimization names (Megatron-DeepSpeed reads the JSON), else 0",
         "training.zero_stage",
         type=int,
+        default=None,
+        derived=True,
         choices=(0, 1),
         refused_values=(Refusal("2", *_ZERO_PIPE), Refusal("3", *_ZERO_PIPE)),
     ),

@@ -17,7 +17,7 @@ from typing import Any
 from megatron_ds.config import Config
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.machine import Machine
-from megatron_ds.flags import compat
+from megatron_ds.flags import checkpoint_args, compat
 from megatron_ds.flags.declare import NO_OP, REFUSED, Flag
 from megatron_ds.flags.registry import FLAGS
 from megatron_ds.flags.to_config import build_config
@@ -111,4 +111,13 @@ def parse_config(
         raise ConfigError(compat.refused_flags_message(list(args.refused_flags)))
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    checkpoint_args.apply(args, given_dests(parser, argv))
     return build_config(args, world_size, machine), args
+
+
+def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The argparse dests `argv` gives explicitly (a flag at its default value counts as given)."""
+    unset = object()
+    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != "help"})
+    parsed, _ = parser.parse_known_args(argv, namespace=namespace)
+    return {dest for dest, value in vars(parsed).items() if value is not unset}

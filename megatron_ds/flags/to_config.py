@@ -30,11 +30,12 @@ from megatron_ds.config import (
     padded_vocab_size,
 )
 from megatron_ds.errors import ConfigError
-from megatron_ds.estimate.machine import Machine, check_runs_on
+from megatron_ds.estimate.machine import Machine, for_layout
 from megatron_ds.estimate.run_layout import check_layout
-from megatron_ds.flags import compat
+from megatron_ds.flags import compat, dry_run
 from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
+from megatron_ds.flags.deepspeed_json import json_default
 from megatron_ds.flags.lengths import schedule_lengths, train_length
 from megatron_ds.flags.registry import FLAGS
 from megatron_ds.pipeline import megatron_lm
@@ -52,6 +53,7 @@ def _refuse_values(args: argparse.Namespace) -> None:
     """Refused values of accepted flags (`Flag.refused_values`), before anything else is checked."""
     for f in FLAGS:
         message = compat.refused_value(f, getattr(args, f.attr)) if f.refused_values else None
+        message = message or compat.neutral_message(f, getattr(args, f.attr))
         if message:
             raise ConfigError(message)
 
@@ -235,6 +237,7 @@ def _training_config(
     recompute, chunk = _recompute(args)
     training = TrainingConfig(
         **direct,
+        zero_stage=json_default(args, "zero_stage"),
         micro_batch_size=mbs,
         global_batch_size=gbs,
         precision=precision,
@@ -315,7 +318,12 @@ def _optimizer_config(
         raise ConfigError("missing --lr; give the peak learning rate, e.g. --lr 3e-4")
     # --print-layout needs no learning rate: stand in with --min-lr, which OptimizerConfig accepts
     lr = args.lr if args.lr is not None else args.min_lr
-    return OptimizerConfig(**direct, lr=lr, **schedule_lengths(args, training.global_batch_size, seq_length))
+    return OptimizerConfig(
+        **direct,
+        lr=lr,
+        clip_grad=json_default(args, "clip_grad"),
+        **schedule_lengths(args, training.global_batch_size, seq_length),
+    )
 
 
 def build_config(args: argparse.Namespace, world_size: int | None = None, machine: Machine | None = None) -> Config:
@@ -338,7 +346,8 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         checkpoint=CheckpointConfig(**direct.get("checkpoint", {})),
         logging=LoggingConfig(**direct.get("logging", {})),
     )
-    if machine is not None:
-        check_runs_on(config, machine)
-    check_layout(config, machine)  # fail fast on impossible layouts
+    warning = None if machine is None else dry_run.runs_on_warning(config, machine, args.print_layout)
+    if warning:
+        warn(warning)
+    check_layout(config, machine if machine is None else for_layout(config, machine))  # fail fast
     return config

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_ds.config import LR_DECAY_STYLES, OPTIMIZERS
-from megatron_ds.flags.declare import VALUE, VALUES, Flag, Refusal, accepted, no_op, refused, switch
+from megatron_ds.flags.declare import VALUE, VALUES, Flag, Refusal, accepted, neutral, no_op, refused, switch
 
 _TRAIN, _LR, _MIXED, _VAL = "training", "learning rate", "mixed precision", "validation"
 _SDPA = "attention is torch's scaled_dot_product_attention, which picks flash/memory-efficient kernels itself"
@@ -185,11 +185,12 @@ TRAINING: tuple[Flag, ...] = (
     refused("--recompute-activations", _TRAIN, _SELECTIVE, _FULL_UNIFORM),
     refused("--distribute-saved-activations", _TRAIN, _DS_CKPT),
     refused("--distribute-checkpointed-activations", _TRAIN, _DS_CKPT),
-    refused(
+    switch(
         "--exit-signal-handler",
         _TRAIN,
-        "no signal handler saves on SIGTERM",
-        "use --exit-duration-in-mins or --save-interval",
+        "on SIGTERM finish the step, save a checkpoint (needs --save) and exit with status 0; --load resumes from "
+        "it exactly. Without it SIGTERM, like Ctrl-C, stops every rank at once with one line each",
+        "training.exit_signal_handler",
     ),
     refused("--cpu-optimizer", _TRAIN, "the optimizer is torch's AdamW/SGD on the training device"),
     refused(
@@ -197,11 +198,12 @@ TRAINING: tuple[Flag, ...] = (
         _TRAIN,
         "Megatron sequence parallelism is not implemented (tensor parallelism here keeps activations replicated)",
     ),
-    refused(
+    neutral(
         "--ds-sequence-parallel-size",
         _TRAIN,
-        "DeepSpeed-Ulysses sequence parallelism is not implemented",
-        takes=VALUE,
+        "1 is no sequence parallelism; DeepSpeed-Ulysses sequence parallelism is not implemented",
+        (1,),
+        int,
     ),
     refused("--random-ltd", _TRAIN, "DeepSpeed data-efficiency (random-LTD) is not implemented"),
     refused("--enable-zbh1-pipeline", _TRAIN, "the schedule is DeepSpeed's 1F1B pipeline"),

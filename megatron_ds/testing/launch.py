@@ -62,9 +62,53 @@ def run_ranks(
     check: bool = True,
 ) -> list[RankResult]:
     """Start `python argv...` once per rank; wait at most `timeout` seconds for all of them."""
+    return start_ranks(argv, world_size, cwd, env).finish(timeout, check)
+
+
+@dataclass
+class Ranks:
+    """Ranks started by `start_ranks`, each in a session of its own with its output in a log file."""
+
+    procs: list[subprocess.Popen]
+    logs: list
+
+    def output(self, rank: int) -> str:
+        """What `rank` has written so far."""
+        with open(self.logs[rank].name) as f:
+            return f.read()
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to every rank still running (as a terminal's Ctrl-C or a scheduler's SIGTERM does)."""
+        for p in self.procs:
+            if p.poll() is None:
+                _signal(p, sig)
+
+    def finish(self, timeout: float, check: bool = True) -> list[RankResult]:
+        """Wait at most `timeout` seconds; ranks still running then dump their stacks and are killed."""
+        deadline = time.monotonic() + timeout
+        timed_out = _wait_all(self.procs, deadline)
+        if timed_out:
+            self.signal(signal.SIGUSR1)
+            time.sleep(3.0)
+            for p in self.procs:
+                if p.poll() is None:
+                    _signal(p, signal.SIGKILL)
+                    p.wait()
+        results = []
+        for rank, (p, log) in enumerate(zip(self.procs, self.logs)):
+            log.seek(0)
+            results.append(RankResult(rank, None if rank in timed_out else p.returncode, log.read()))
+            log.close()
+            os.unlink(log.name)
+        if check:
+            _raise_on_failure(results, timeout)
+        return results
+
+
+def start_ranks(argv: Sequence[str], world_size: int, cwd: str | None = None, env: dict | None = None) -> Ranks:
+    """Start `python argv...` once per rank without waiting; `Ranks.finish` waits under a hard timeout."""
     port = free_port()
-    logs = []
-    procs = []
+    logs, procs = [], []
     for rank in range(world_size):
         log = open(_log_path(rank, port), "w+")
         logs.append(log)
@@ -78,26 +122,7 @@ def run_ranks(
                 start_new_session=True,
             )
         )
-    deadline = time.monotonic() + timeout
-    timed_out = _wait_all(procs, deadline)
-    if timed_out:
-        for p in procs:
-            if p.poll() is None:
-                _signal(p, signal.SIGUSR1)
-        time.sleep(3.0)
-        for p in procs:
-            if p.poll() is None:
-                _signal(p, signal.SIGKILL)
-                p.wait()
-    results = []
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        results.append(RankResult(rank, None if rank in timed_out else p.returncode, log.read()))
-        log.close()
-        os.unlink(log.name)
-    if check:
-        _raise_on_failure(results, timeout)
-    return results
+    return Ranks(procs, logs)
 
 
 def _log_path(rank: int, port: int) -> str:

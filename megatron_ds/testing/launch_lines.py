@@ -160,9 +160,10 @@ def _launch_checks(argv: list[str], world_size: int | None, machine: Any) -> Non
     from megatron_ds.training.launch_checks import check_logging
 
     config, _ = parse_config(argv, world_size=world_size, machine=machine)
-    check_dirs(config)
+    notices = check_dirs(config)
     check_logging(config)
     deepspeed_config.build(config)
+    print("\n".join(notices + deepspeed_config.launch_notices(config)))  # as pretrain_gpt.py prints them
 
 
 def replay(line: dict[str, Any], gpu_name: str) -> Outcome:

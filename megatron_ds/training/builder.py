@@ -39,7 +39,7 @@ from megatron_ds.config import Config
 from megatron_ds.distributed import env_world_size, init_distributed, shutdown_distributed
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate import pipeline_schedules
-from megatron_ds.estimate.machine import check_runs_on
+from megatron_ds.estimate.machine import check_runs_on, for_layout
 from megatron_ds.estimate.measured_time import Calibration
 from megatron_ds.estimate.run_layout import uses_measured_times
 from megatron_ds.model import rng, tensor_parallel
@@ -136,9 +136,10 @@ def build_pipeline(
             f"build_pipeline(optimizer=...) takes a callable that builds the optimizer from parameter groups, "
             f"got {type(optimizer).__name__}; describe the default optimizer in config.optimizer instead"
         )
-    machine = probe()
-    check_runs_on(config, machine)
+    local = probe()
+    check_runs_on(config, local)
     check_deepspeed(config)  # a release that trains this run wrongly: refused before any process group
+    machine = for_layout(config, local)  # --pp-device: the layout of the GPUs it names
     measured = layout is None and uses_measured_times(config)  # built once the ranks can agree
     layout = resolve_layout(config, machine=machine) if layout is None and not measured else layout
     _check_sizes(config, layout)

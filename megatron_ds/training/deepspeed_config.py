@@ -1,5 +1,9 @@
 """The DeepSpeed JSON, generated from the config tree (batch sizes live in one place).
 
+Every section of a user file is first classified by `deepspeed_sections` (passed, ignored with a
+notice, implemented by our code, or refused in one line); the fp16 section of a user file rules
+loss scaling under `--fp16`, as in Megatron-DeepSpeed.
+
 The one place that writes DeepSpeed config dicts: `pretrain_gpt.py` and `megatron_ds.build_pipeline`
 (through `build`), the planner's `--write-config` and snippets (`generate` with optimizer offload,
 `zero_snippet` for engines other than ours). A user `--deepspeed_config` file, and a `ds_config`
@@ -17,6 +21,7 @@ from typing import Any, NamedTuple
 from megatron_ds.config import Config
 from megatron_ds.errors import UserError
 from megatron_ds.estimate.transients import zero_bucket_elements_for
+from megatron_ds.training import deepspeed_sections
 
 
 class DeepSpeedConfigError(UserError):
@@ -28,13 +33,14 @@ NVME_PATH_PLACEHOLDER = "/local_nvme"
 """Written as `nvme_path` for NVMe offload: a placeholder the user replaces with a local NVMe mount."""
 
 
-def generate(config: Config, offload_optimizer: str = "none") -> dict[str, Any]:
+def generate(config: Config, offload_optimizer: str = "none", loss_scale_from_flags: bool = True) -> dict[str, Any]:
     """DeepSpeed's config dict for this run (before merging a user file).
 
     `offload_optimizer` ("cpu" or "nvme"; no flag expresses it, the planner recommends it) adds
     ZeRO's optimizer offload; the torch optimizer we pass then needs `zero_force_ds_cpu_optimizer`
     off (DeepSpeed's `engine._configure_optimizer` refuses a client optimizer with offload
-    otherwise, and warns that it will be slow).
+    otherwise, and warns that it will be slow). `loss_scale_from_flags=False`: a user file's fp16
+    section rules loss scaling (`build`), so the flags' values are not written.
     """
     t, o, par = config.training, config.optimizer, config.parallel
     zero = zero_section(t.zero_stage, offload_optimizer)
@@ -57,7 +63,7 @@ def generate(config: Config, offload_optimizer: str = "none") -> dict[str, Any]:
         "fp16": {"enabled": t.precision == "fp16"},
     }
     if t.precision == "fp16":
-        ds["fp16"].update({**FP16_DEFAULTS, **fp16_from_flags(config)})
+        ds["fp16"].update({**FP16_DEFAULTS, **(fp16_from_flags(config) if loss_scale_from_flags else {})})
     if offload_optimizer != "none":
         ds["zero_force_ds_cpu_optimizer"] = False
     return ds
@@ -110,9 +116,20 @@ def fp16_from_flags(config: Config) -> dict[str, Any]:
     return keys
 
 
-def user_overridable(config: Config) -> frozenset[str]:
-    """Generated keys a user file may set: those no flag gives (fp16 defaults whose flag is absent)."""
-    free_fp16 = {f"fp16.{k}" for k in FP16_DEFAULTS if k not in fp16_from_flags(config)}
+FP16_FLAG_NAMES = {
+    "loss_scale": "--loss-scale",
+    "initial_scale_power": "--initial-loss-scale",
+    "min_loss_scale": "--min-loss-scale",
+    "loss_scale_window": "--loss-scale-window",
+    "hysteresis": "--hysteresis",
+}
+
+
+def user_overridable(config: Config, loss_scale_from_flags: bool = True) -> frozenset[str]:
+    """Generated keys a user file may set: those no flag gives (fp16 defaults whose flag is absent;
+    all of them when the file's fp16 section rules loss scaling)."""
+    taken = fp16_from_flags(config) if loss_scale_from_flags else {}
+    free_fp16 = {f"fp16.{k}" for k in FP16_DEFAULTS if k not in taken}
     return USER_OVERRIDABLE | free_fp16
 
 
@@ -236,14 +253,44 @@ def _check_activation_checkpointing(ds: dict[str, Any], source: UserSource) -> N
 def build(config: Config, user: dict[str, Any] | None = None) -> dict[str, Any]:
     """The final DeepSpeed config: generated, merged with the user file (`--deepspeed_config`) and
     then the `user` dict (`build_pipeline(ds_config=...)`) if any, and checked."""
-    ds = generate(config)
+    return build_with_notices(config, user)[0]
+
+
+def launch_notices(config: Config) -> list[str]:
+    """The NOTICE lines the user file's sections call for (printed once, before launch)."""
+    return build_with_notices(config)[1]
+
+
+def build_with_notices(config: Config, user: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """`build`, and the NOTICE lines: sections DeepSpeed ignores, flags the file overrules."""
     path = config.training.deepspeed_config
     sources = [(file_source(path), load_user_config(path))] if path else []
     if user is not None:
         sources.append((DICT_SOURCE, user))
+    notices: list[str] = []
+    classified = []
     for source, keys in sources:
-        ds = merge(ds, keys, source, user_overridable(config))
+        kept, section_notices = deepspeed_sections.classify(keys, source.label)
+        classified.append((source, kept))
+        notices += section_notices
+    fp16_owner = (
+        next((src for src, kept in classified if "fp16" in kept), None) if config.training.precision == "fp16" else None
+    )
+    ds = generate(config, loss_scale_from_flags=fp16_owner is None)
+    overridable = user_overridable(config, loss_scale_from_flags=fp16_owner is None)
+    for source, kept in classified:
+        ds = merge(ds, kept, source, overridable)
         _check_activation_checkpointing(ds, source)
+        _check_offload(ds, source)
+    overruled = {k: v for k, v in fp16_from_flags(config).items() if fp16_owner and ds["fp16"].get(k) != v}
+    if overruled:
+        notices.append(_loss_scale_notice(overruled, fp16_owner, ds["fp16"]))
+    if path and "gradient_clipping" not in dict(classified[0][1]):
+        notices.append(
+            f"NOTICE: --deepspeed_config {path} sets no gradient_clipping: clipping at --clip-grad "
+            f"{config.optimizer.clip_grad:g} (written into the JSON, so the clip never depends on the installed "
+            f"DeepSpeed's default for a missing key; Megatron-DeepSpeed would use that default)"
+        )
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1):  # the model is a PipelineModule, so DeepSpeed builds its pipeline engine at any P
         raise DeepSpeedConfigError(
@@ -251,4 +298,38 @@ def build(config: Config, user: dict[str, Any] | None = None) -> dict[str, Any]:
             f"{config.parallel.pipeline_model_parallel_size}: DeepSpeed's pipeline engine (used at every pipeline "
             f"size) supports ZeRO 0 and 1 only; use --zero-stage 1"
         )
-    return ds
+    return ds, notices
+
+
+def _loss_scale_notice(overruled: dict[str, Any], source: UserSource, fp16: dict[str, Any]) -> str:
+    """The flags whose loss-scale values the file's fp16 section overrules (those that differ)."""
+    given = {k: 2**v if k == "initial_scale_power" else v for k, v in overruled.items()}  # the flag's own unit
+    flags = ", ".join(f"{FP16_FLAG_NAMES[k]} {v:g}" for k, v in given.items())
+    scale = fp16.get("loss_scale", 0)
+    rule = (
+        f"static loss scale {scale:g}"
+        if scale
+        else f"dynamic loss scaling from 2^{fp16.get('initial_scale_power', FP16_DEFAULTS['initial_scale_power'])}"
+    )
+    return (
+        f"NOTICE: {source.label} has an fp16 section: it rules loss scaling ({rule}), as in Megatron-DeepSpeed, "
+        f"whose optimizer never builds Megatron's scaler under DeepSpeed; {flags} ignored"
+    )
+
+
+def _check_offload(ds: dict[str, Any], source: UserSource) -> None:
+    """Offload on the pipeline engine's ZeRO-1 (the optimizer is torch's): parameters cannot be offloaded
+    below ZeRO-3, and optimizer offload with a client optimizer needs zero_force_ds_cpu_optimizer false
+    (DeepSpeed refuses at engine start otherwise)."""
+    zero = ds.get("zero_optimization", {})
+    if (zero.get("offload_param") or {}).get("device", "none") != "none":
+        raise DeepSpeedConfigError(
+            f"{source.label} sets zero_optimization.offload_param, which needs ZeRO-3 (the pipeline engine runs "
+            f"ZeRO 0 and 1); remove it"
+        )
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if offload != "none" and ds.get("zero_force_ds_cpu_optimizer", True):
+        raise DeepSpeedConfigError(
+            f"{source.label} offloads the optimizer to {offload}, but the optimizer is torch's (from the flags): "
+            f'DeepSpeed refuses that at engine start; add "zero_force_ds_cpu_optimizer": false to the file'
+        )

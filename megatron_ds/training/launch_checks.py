@@ -13,14 +13,14 @@ from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.dependencies import check_deepspeed
 
 
-def check_data(config: Config) -> None:
+def check_data(config: Config, dry_run: bool = False) -> None:
     """Data prefixes exist and are sound, every split that is read gets tokens, a tokenizer is given
     for real data."""
     from megatron_ds.data.gpt_data import plan_data
     from megatron_ds.data.splits import requested_samples
 
     data = config.data
-    if data.mock_data:
+    if data.mock_data or (dry_run and not data.data_path):  # --print-layout says what it lacks
         return
     if not data.data_path:
         raise ConfigError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
@@ -39,11 +39,15 @@ def check_logging(config: Config) -> None:
         )
 
 
-def check_launch(config: Config) -> None:
+def check_launch(config: Config, dry_run: bool = False) -> list[str]:
     """All file-system checks, in the order a user would fix them (the `--deepspeed_config` file
-    included: a contradiction with the flags is reported before any process group exists)."""
+    included: a contradiction with the flags is reported before any process group exists). Returns
+    the NOTICE lines to print once (a first launch, JSON sections ignored, flags the JSON overrules).
+    `dry_run` (`--print-layout`) runs the same checks and creates nothing."""
     check_deepspeed(config)
-    check_data(config)
-    save_load.check_dirs(config)
+    check_data(config, dry_run)
+    if config.training.exit_signal_handler and not config.checkpoint.save:
+        raise ConfigError("--exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR; add it")
+    notices = save_load.check_dirs(config, dry_run=dry_run)
     check_logging(config)
-    deepspeed_config.build(config)
+    return notices + deepspeed_config.launch_notices(config)

@@ -16,7 +16,7 @@ from megatron_ds.config import Config
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import logger
+from megatron_ds.training import logger, signals
 from megatron_ds.training.builder import Pipeline, build_pipeline
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.grad_norm import grad_norm
@@ -170,10 +170,7 @@ def _load_or_fresh(config: Config, layout: Layout, pipeline: Pipeline, rank: int
     if not config.checkpoint.load:
         return TrainState()
     state = save_load.load(pipeline.engine, config, layout, config.checkpoint.load)
-    if state is None:
-        print_rank0(
-            rank, f"WARNING: --load {config.checkpoint.load} holds no checkpoint yet; starting fresh (--load-optional)"
-        )
+    if state is None:  # a first launch: check_launch printed its notice
         return TrainState()
     print_rank0(
         rank,
@@ -310,8 +307,9 @@ def time_is_up(run: Run) -> bool:
 def train(run: Run) -> bool:
     """Iterate to --train-iters, logging, evaluating and saving at their intervals.
 
-    Returns True when it stopped because of --exit-duration-in-mins (the caller then skips the
-    final evaluation, as Megatron exits right after saving)."""
+    Returns True when it stopped because of --exit-duration-in-mins or a SIGTERM under
+    --exit-signal-handler (the caller then saves and skips the final evaluation, as Megatron exits
+    right after saving)."""
     cfg, state = run.config, run.state
     t, ck, lg = cfg.training, cfg.checkpoint, cfg.logging
     start_iteration = state.iteration
@@ -325,6 +323,7 @@ def train(run: Run) -> bool:
     profiled = {measured_iteration - 1, measured_iteration} if meter is not None else set()
     compute_reported = False
     losses, window_start = [], time.time()
+    signals.set_progress(lambda: f"in iteration {state.iteration + 1}")
     while state.iteration < t.train_iters:
         step = state.iteration + 1
         timed = step != start_iteration + 1 and step not in profiled
@@ -351,6 +350,9 @@ def train(run: Run) -> bool:
                 f"exiting at iteration {state.iteration} after {minutes:.1f} minutes "
                 f"(--exit-duration-in-mins {t.exit_duration_in_mins:g})",
             )
+            return True
+        if signals.stop_requested(t.exit_signal_handler, run.engine.device, run.watchdog):
+            print_rank0(run.rank, f"exiting at iteration {state.iteration} after SIGTERM (--exit-signal-handler)")
             return True
         if t.exit_interval and state.iteration % t.exit_interval == 0:
             print_rank0(run.rank, f"exiting at iteration {state.iteration} (--exit-interval)")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ds.estimate.machine import CPU, Machine
+from megatron_ds.config import Config
+from megatron_ds.estimate.machine import CPU, Machine, for_layout
 
 
 def probe() -> Machine:
@@ -21,3 +22,8 @@ def probe() -> Machine:
         device_memory=float(torch.cuda.get_device_properties(index).total_memory),
         device_name=torch.cuda.get_device_name(index),
     )
+
+
+def layout_machine(config: Config) -> Machine:
+    """The device the layout is resolved for: `--pp-device`, else this process's (`probe`)."""
+    return for_layout(config, probe())

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from megatron_ds.config import Config
 from megatron_ds.estimate import run_layout
-from megatron_ds.estimate.machine import Machine
+from megatron_ds.estimate.machine import Machine, describe
 from megatron_ds.estimate.measured_time import Calibration
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training.machine import probe
+from megatron_ds.training.machine import layout_machine, probe
 from megatron_ds.training.measure.calibrate import cached_calibration
 
 
@@ -24,9 +24,9 @@ def measure(config: Config, machine: Machine | None = None) -> Calibration:
 
 
 def resolve_layout(config: Config, calibration: Calibration | None = None, machine: Machine | None = None) -> Layout:
-    """The layout this run uses here; `profile` measures in this process unless `calibration` is given
-    (the builder passes rank 0's to every rank)."""
-    machine = machine or probe()
+    """The layout this run uses here (for `--pp-device` when given); `profile` measures in this process
+    unless `calibration` is given (the builder passes rank 0's to every rank)."""
+    machine = machine or layout_machine(config)
     if calibration is None and run_layout.uses_measured_times(config):
         calibration = measure(config, machine)
     return run_layout.build_run_layout(config, machine, calibration)
@@ -35,9 +35,9 @@ def resolve_layout(config: Config, calibration: Calibration | None = None, machi
 def layout_text(config: Config, layout: Layout, calibration: Calibration | None = None) -> str:
     """The stage table, and under it what the partition method predicts (`run_layout.layout_report`)."""
     par = config.parallel
-    machine = probe()
+    machine = layout_machine(config)
     if calibration is None and run_layout.uses_measured_times(config):
         calibration = measure(config, machine)
     report = run_layout.layout_report(config, layout, machine, calibration)
     table = layout.format(par.data_parallel_size, par.tensor_model_parallel_size)
-    return f"{table}\n{report}" if report else table
+    return f"{table}\n{report}\n{describe(config, machine)}" if report else table

@@ -243,10 +243,10 @@ def test_bad_checkpoint_dirs_leave_checkpoints_intact(straight: dict, tmp_path: 
         "--save /etc/passwd/sub",
         "not writable",
     )
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
     assert_one_line_error(
         single(*BASE, "--mock-data", "--vocab-size", "128", "--load", str(tmp_path)),
-        f"--load {tmp_path}",
-        "--load-optional",
+        f"--load {tmp_path}: no checkpoint (no 'latest' file) but it holds notes.txt",
     )
     other_arch = [
         "--num-layers",
@@ -270,7 +270,8 @@ def test_bad_checkpoint_dirs_leave_checkpoints_intact(straight: dict, tmp_path: 
     assert tree_digest(straight["save"]) == before
 
 
-def test_load_optional_starts_fresh_with_warning(tmp_path: Path) -> None:
+def test_load_optional_is_accepted_and_the_first_launch_starts_with_a_notice(tmp_path: Path) -> None:
+    """--load-optional (0.1.0's flag) is now what every first launch does; it is still accepted."""
     out = single(
         *BASE,
         "--mock-data",
@@ -285,7 +286,7 @@ def test_load_optional_starts_fresh_with_warning(tmp_path: Path) -> None:
         "0",
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "holds no checkpoint yet; starting fresh" in out.stdout
+    assert f"NOTICE: --load {tmp_path / 'new'} holds no checkpoint yet: starting from scratch" in out.stdout
     assert (tmp_path / "new" / "latest").read_text() == "global_step2"
 
 

@@ -352,8 +352,26 @@ def test_fp16_keys_without_a_flag_may_come_from_the_user_file(tmp_path: Path) ->
     )
     merged = dsc.build(fp16_config(deepspeed_config=str(user)))
     assert merged["fp16"]["initial_scale_power"] == 11 and merged["steps_per_print"] == 10
-    with pytest.raises(dsc.DeepSpeedConfigError, match="sets fp16.initial_scale_power=11 but the flags give 12"):
-        dsc.build(fp16_config(deepspeed_config=str(user), initial_loss_scale=4096.0))
+
+
+def test_the_user_files_fp16_section_rules_loss_scaling(tmp_path: Path) -> None:
+    """Megatron-DeepSpeed's optimizer never builds Megatron's scaler under DeepSpeed: a JSON asking for
+    dynamic scaling from 2^12 trains so, whatever --loss-scale says; one NOTICE names the ignored flags."""
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}}))
+    config = fp16_config(deepspeed_config=str(user), loss_scale=12.0, hysteresis=3, initial_loss_scale=4096.0)
+    merged, notices = dsc.build_with_notices(config)
+    assert merged["fp16"] == {**dsc.FP16_DEFAULTS, "enabled": True, "loss_scale": 0, "initial_scale_power": 12}
+    scale = [n for n in notices if "fp16 section" in n]
+    assert scale == [
+        f"NOTICE: --deepspeed_config {user} has an fp16 section: it rules loss scaling (dynamic loss scaling from "
+        "2^12), as in Megatron-DeepSpeed, whose optimizer never builds Megatron's scaler under DeepSpeed; "
+        "--loss-scale 12, --hysteresis 3 ignored"  # --initial-loss-scale 4096 is the file's 2^12: not named
+    ]
+    # Without an fp16 section in the file the flags still give the scaling, and without flags nothing is said.
+    user.write_text(json.dumps({"steps_per_print": 1}))
+    assert dsc.build(config)["fp16"]["loss_scale"] == 12.0
+    assert not [n for n in dsc.launch_notices(fp16_config(deepspeed_config=str(user))) if "fp16 section" in n]
 
 
 def test_activation_checkpointing_options_in_the_user_file_are_refused(tmp_path: Path) -> None:

@@ -13,6 +13,8 @@ from megatron_ds.errors import UserError
 
 LATEST = "latest"
 META = "megatron_ds.json"
+TOKENIZER_DIR = "tokenizer"
+"""`<checkpoint>/tokenizer/`: the tokenizer files an import copies beside the weights."""
 UNIVERSAL_FORMAT = "megatron_ds.universal"
 """`format` of a universal checkpoint's metadata (`megatron_ds.training.checkpoint.universal.store`)."""
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"

@@ -24,14 +24,12 @@ from megatron_ds.training.checkpoint.directory import (
     CONVERTED,
     LATEST,
     META,
+    TOKENIZER_DIR,
     UNIVERSAL_FORMAT,
     CheckpointError,
     latest_tag,
     read_meta,
 )
-
-TOKENIZER_DIR = "tokenizer"
-"""Sub-directory of a checkpoint root where `hf_import` copies the tokenizer files."""
 
 
 def read_config(meta: dict[str, Any]) -> Config:

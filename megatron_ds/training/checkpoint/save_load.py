@@ -36,7 +36,7 @@ import torch
 
 from megatron_ds.config import Config
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training.checkpoint import reader
+from megatron_ds.training.checkpoint import first_launch, reader
 from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointError, latest_tag, read_meta, write_atomic
 from megatron_ds.training.checkpoint.rules import (
     check_compatible,
@@ -46,14 +46,19 @@ from megatron_ds.training.checkpoint.rules import (
     regularization_notice,
     topology_changes,
 )
+from megatron_ds.training.checkpoint.tokenizer_check import tokenizer_notice
 from megatron_ds.training.checkpoint.universal import restore, store
 from megatron_ds.training.checkpoint.universal.convert import ensure_converted
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
 from megatron_ds.training.state import TrainState
 
 
-def check_writable(save_dir: str) -> None:
-    """`--save` must be creatable and writable; checked before training starts."""
+def check_writable(save_dir: str, create: bool = True) -> None:
+    """`--save` must be creatable and writable; checked before training starts. `create=False`
+    (`--print-layout`, a dry run) creates nothing: the nearest existing directory must be writable."""
+    if not create:
+        _check_creatable(save_dir)
+        return
     try:
         os.makedirs(save_dir, exist_ok=True)
         probe = os.path.join(save_dir, f".write_probe_{os.getpid()}")
@@ -62,6 +67,15 @@ def check_writable(save_dir: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise CheckpointError(f"--save {save_dir}: not writable ({e.strerror}); choose a writable directory") from None
+
+
+def _check_creatable(save_dir: str) -> None:
+    path = os.path.abspath(save_dir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        why = "not a directory" if not os.path.isdir(path) else "not writable"
+        raise CheckpointError(f"--save {save_dir}: {path} is {why}; choose a writable directory")
 
 
 def _free_tag(save_dir: str, iteration: int) -> str:
@@ -116,29 +130,27 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
     return tag
 
 
-def check_dirs(config: Config) -> None:
-    """--save is writable; --load holds a checkpoint of this architecture (or --load-optional)."""
+def check_dirs(config: Config, dry_run: bool = False) -> list[str]:
+    """--save is writable (created unless `dry_run`); --load holds a checkpoint of this architecture,
+    or nothing yet (a first launch: `first_launch`). Returns the notices to print (rank 0)."""
     ck = config.checkpoint
     if ck.save:
-        check_writable(ck.save)
+        check_writable(ck.save, create=not dry_run)
     if not ck.load:
-        return
+        return []
     tag = latest_tag(ck.load) if os.path.isdir(ck.load) else None
     if tag is None:
-        if not ck.load_optional:
-            raise CheckpointError(
-                f"--load {ck.load}: no checkpoint found (no 'latest' file); check the path, or pass "
-                f"--load-optional to start fresh when none exists yet"
-            )
-        return
+        return [first_launch.check_without_checkpoint(ck.load, ck.exit_on_missing_checkpoint)]
     meta = read_meta(ck.load, tag)
     check_compatible(meta, config, ck.load, tag)
     if store.is_universal(meta):
         store.Universal(os.path.join(ck.load, tag))  # complete and undamaged, before any process group
+    notice = tokenizer_notice(meta, config, ck.load, tag)
+    return [notice] if notice else []
 
 
 def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainState | None:
-    """Resume from `latest` in `load_dir`; None when there is nothing to load and that is allowed.
+    """Resume from `latest` in `load_dir`; None when there is nothing to load yet (a first launch).
 
     Saved under this very topology: DeepSpeed loads its own files (and each rank's RNG state).
     Under another P, layout, T, DP, ZeRO stage or precision, or from a universal checkpoint: the

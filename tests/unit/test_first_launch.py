@@ -1,0 +1,82 @@
+"""A `--load` without a checkpoint: the first launch of a `--save DIR --load DIR` line starts from
+scratch with one NOTICE (as Megatron-DeepSpeed); anything else in the directory is named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_ds.config import CheckpointConfig, Config, ModelConfig
+from megatron_ds.training.checkpoint import save_load
+from megatron_ds.training.checkpoint.directory import CheckpointError
+from megatron_ds.training.checkpoint.first_launch import check_without_checkpoint, first_launch_notice
+
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=128,
+    seq_length=16,
+    max_position_embeddings=16,
+    vocab_size=128,
+)
+
+
+def config(**checkpoint: object) -> Config:
+    return Config(model=MODEL, checkpoint=CheckpointConfig(**checkpoint))
+
+
+def test_missing_empty_or_only_our_hidden_leftovers_is_a_first_launch(tmp_path: Path) -> None:
+    new = tmp_path / "new"
+    assert check_without_checkpoint(str(new), exit_on_missing=False) == first_launch_notice(str(new))
+    new.mkdir()
+    (new / ".incomplete.global_step2").mkdir()  # a save that crashed before the first checkpoint
+    (new / ".write_probe_123").write_text("ok")
+    assert save_load.check_dirs(config(load=str(new), save=str(new))) == [first_launch_notice(str(new))]
+    assert first_launch_notice(str(new)) == (
+        f"NOTICE: --load {new} holds no checkpoint yet: starting from scratch, as Megatron-DeepSpeed does "
+        "(--exit-on-missing-checkpoint makes this an error)"
+    )
+
+
+def test_exit_on_missing_checkpoint_makes_it_an_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint yet and --exit-on-missing-checkpoint is given"):
+        save_load.check_dirs(config(load=str(tmp_path), exit_on_missing_checkpoint=True))
+
+
+def test_anything_else_is_named(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "run1").mkdir()
+    (tmp_path / "run1" / "latest").write_text("global_step4")
+    (tmp_path / "global_step6").mkdir()
+    (tmp_path / "global_step6" / "megatron_ds.json").write_text("{}")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("6")
+    with pytest.raises(CheckpointError) as err:
+        check_without_checkpoint(str(tmp_path), exit_on_missing=False)
+    message = str(err.value)
+    assert message.startswith(f"--load {tmp_path}: no checkpoint (no 'latest' file) but it holds global_step6/ ")
+    assert f"write 'global_step6' into {tmp_path / 'latest'}" in message
+    assert "latest_checkpointed_iteration.txt (Megatron's checkpoint tracker" in message
+    assert f"run1/ (it holds 'latest': --load {tmp_path / 'run1'}?)" in message and "\n" not in message
+    for i in range(5):
+        (tmp_path / f"z{i}").write_text("x")
+    with pytest.raises(CheckpointError, match="and 5 more; give the directory that holds 'latest'"):
+        check_without_checkpoint(str(tmp_path), exit_on_missing=False)
+
+
+def test_a_file_is_not_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CheckpointError, match="a file, not a directory"):
+        check_without_checkpoint(str(tmp_path / "f"), exit_on_missing=False)
+
+
+def test_a_dry_run_creates_nothing_but_checks_the_save_directory(tmp_path: Path) -> None:
+    save = tmp_path / "a" / "b"
+    assert save_load.check_dirs(config(save=str(save)), dry_run=True) == []
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        save_load.check_dirs(config(save=str(tmp_path / "file" / "sub")), dry_run=True)
+    save_load.check_dirs(config(save=str(save)))
+    assert save.is_dir()  # a launch creates it
