@@ -44,8 +44,10 @@ SCRIPT_ARGS = {
         "gpt2-merges.txt",
         "data/gpt3_text_document",
     ],
+    # the base script's first block in ds_pretrain_gpt_1.3B_dense_run.sh (its baseline: lr, train tokens in billions)
+    "examples_deepspeed/data_efficiency/gpt/pretrain/ds_pretrain_gpt_1.3B_dense_base_script.sh": ["2.0e-4", "300"],
 }
-"""Positional arguments a script requires (its usage comment: checkpoint, tensorboard, vocab, merges, data)."""
+"""Positional arguments a script requires (its usage comment, or the caller script that passes them)."""
 PATH_FLAGS = ("--load", "--save", "--tensorboard-dir", "--data-cache-path")
 
 _RECORDER = r"""

@@ -11,7 +11,8 @@ launcher's world size, the DeepSpeed JSON merged, the `--load`/`--save` director
 packages and the layout checked, exactly as `pretrain_gpt.py` does before any process group exists.
 Stand-ins, so that the line is judged and not the machine: tokenizer files of the same vocabulary
 size (GPT-2's 50257, SentencePiece 32000), fresh empty directories for the ones the script created,
-and the data files are not opened (they are the user's).
+optional packages (tensorboard) taken as installed, and the data files are not opened (they are
+the user's).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import struct
 import sys
 import tempfile
+import unittest.mock
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,9 +53,10 @@ class Outcome:
 
 
 def world_size_of(line: dict[str, Any]) -> int | None:
-    """Processes the launcher starts: deepspeed's --num_gpus x --num_nodes, torchrun's
-    --nproc_per_node x --nnodes (8 GPUs per node as the capture's nvidia-smi reported); None when
-    the launcher says nothing (the smallest world the line's own sizes allow is used)."""
+    """Processes the launcher starts: deepspeed's --num_gpus x --num_nodes (8 GPUs per node, as the
+    capture's nvidia-smi reported, when only one is given), torchrun's --nproc_per_node x --nnodes;
+    None when the launcher says nothing (deepspeed then takes every GPU of its hostfile): the line
+    is replayed with one data-parallel replica."""
     args = line.get("launcher_args", [])
 
     def value(*names: str) -> int | None:
@@ -65,7 +68,8 @@ def world_size_of(line: dict[str, Any]) -> int | None:
         return None
 
     if line.get("launcher") == "deepspeed":
-        return (value("--num_gpus", "--num-gpus") or DEFAULT_GPUS_PER_NODE) * (value("--num_nodes") or 1)
+        gpus, nodes = value("--num_gpus", "--num-gpus"), value("--num_nodes")
+        return None if gpus is None and nodes is None else (gpus or DEFAULT_GPUS_PER_NODE) * (nodes or 1)
     if line.get("launcher") == "torchrun":
         return (value("--nproc_per_node", "--nproc-per-node") or 1) * (value("--nnodes") or 1)
     return None
@@ -161,7 +165,8 @@ def _launch_checks(argv: list[str], world_size: int | None, machine: Any) -> Non
 
     config, _ = parse_config(argv, world_size=world_size, machine=machine)
     notices = check_dirs(config)
-    check_logging(config)
+    with unittest.mock.patch("megatron_ds.training.logger.tensorboard_available", return_value=True):
+        check_logging(config)  # as on a machine with the optional packages: the line is judged
     deepspeed_config.build(config)
     print("\n".join(notices + deepspeed_config.launch_notices(config)))  # as pretrain_gpt.py prints them
 

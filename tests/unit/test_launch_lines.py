@@ -40,6 +40,7 @@ def test_no_captured_line_crashes_and_every_refusal_is_one_line(outcomes: list[l
 
 def test_world_size_from_the_launcher() -> None:
     assert launch_lines.world_size_of({"launcher": "deepspeed", "launcher_args": ["--num_gpus", "4"]}) == 4
+    assert launch_lines.world_size_of({"launcher": "deepspeed", "launcher_args": []}) is None
     assert launch_lines.world_size_of({"launcher": "deepspeed", "launcher_args": ["--num_nodes=2"]}) == 16
     args = ["--nproc_per_node", "8", "--nnodes", "2"]
     assert launch_lines.world_size_of({"launcher": "torchrun", "launcher_args": args}) == 16
