@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 from megatron_ds.config.checks import at_least, check, one_of
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "NullTokenizer",
+    "HuggingFaceTokenizer",
+)
 
 
 @dataclass(frozen=True)
@@ -23,9 +29,11 @@ class DataConfig:
     mock_data: bool = False
     """Deterministic synthetic tokens; no files needed (`--mock-data`)."""
     tokenizer_type: str | None = None
-    """`GPT2BPETokenizer`, `SentencePieceTokenizer` or `GPTSentencePieceTokenizer` (`--tokenizer-type`)."""
+    """One of TOKENIZER_TYPES (`--tokenizer-type`)."""
     tokenizer_model: str | None = None
-    """SentencePiece model file (`--tokenizer-model`)."""
+    """SentencePiece model file, or the local directory of a HuggingFaceTokenizer (`--tokenizer-model`)."""
+    null_tokenizer_vocab_size: int | None = None
+    """The NullTokenizer's ids (`--vocab-size` before padding; its eod is the last), None otherwise."""
     vocab_file: str | None = None
     """GPT-2 BPE vocabulary (`--vocab-file`)."""
     merge_file: str | None = None
@@ -36,6 +44,8 @@ class DataConfig:
     """DataLoader worker processes (`--num-workers`)."""
     eod_mask_loss: bool = False
     """Exclude end-of-document tokens from the loss (`--eod-mask-loss`)."""
+    mmap_bin_files: bool = True
+    """Read the `.bin` token files through a memory map; file reads with `--no-mmap-bin-files`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_path", tuple(self.data_path))

@@ -15,6 +15,7 @@ import math
 from typing import Any, NamedTuple
 
 from megatron_ds.config import Config
+from megatron_ds.config.schedules import CURRICULUM_KEY, CurriculumConfig
 from megatron_ds.errors import UserError
 from megatron_ds.estimate.transients import zero_bucket_elements_for
 
@@ -233,6 +234,18 @@ def _check_activation_checkpointing(ds: dict[str, Any], source: UserSource) -> N
         )
 
 
+def _take_curriculum(ds: dict[str, Any], config: Config, source: UserSource) -> None:
+    """`curriculum_learning` is run by the training loop (`training/step_plan.py`, from
+    `config.training.curriculum`), not by DeepSpeed, which rejects the legacy key: it leaves the JSON
+    here, once it is the curriculum the config holds."""
+    section = ds.pop(CURRICULUM_KEY, None)
+    if CurriculumConfig.from_json(section, source.label) != config.training.curriculum:
+        raise DeepSpeedConfigError(
+            f"{source.label} has a {CURRICULUM_KEY} section that config.training.curriculum does not hold; set "
+            f"config.training.curriculum = CurriculumConfig.from_json(section, ...) (the loop runs it)"
+        )
+
+
 def build(config: Config, user: dict[str, Any] | None = None) -> dict[str, Any]:
     """The final DeepSpeed config: generated, merged with the user file (`--deepspeed_config`) and
     then the `user` dict (`build_pipeline(ds_config=...)`) if any, and checked."""
@@ -244,6 +257,8 @@ def build(config: Config, user: dict[str, Any] | None = None) -> dict[str, Any]:
     for source, keys in sources:
         ds = merge(ds, keys, source, user_overridable(config))
         _check_activation_checkpointing(ds, source)
+        if CURRICULUM_KEY in ds:
+            _take_curriculum(ds, config, source)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1):  # the model is a PipelineModule, so DeepSpeed builds its pipeline engine at any P
         raise DeepSpeedConfigError(

@@ -28,6 +28,7 @@ from megatron_ds import files
 from megatron_ds.errors import UserError
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointError
+from megatron_ds.training.checkpoint.rules import universal_refusal
 from megatron_ds.training.checkpoint.universal import names, store
 from megatron_ds.training.checkpoint.universal.deepspeed_source import DeepSpeedSource
 
@@ -59,10 +60,9 @@ def _open_source(path: str) -> DeepSpeedSource:
     ckpt = reader.open_checkpoint(path)
     if store.is_universal(ckpt.meta):
         raise CheckpointError(f"{ckpt.directory}: already in universal form; --load it directly")
-    if ckpt.meta.get("weights_only"):
-        raise CheckpointError(
-            f"{ckpt.directory}: holds weights only (no optimizer state); it loads under any layout as it is"
-        )
+    refusal = universal_refusal(ckpt.meta, ckpt.directory)
+    if refusal:
+        raise CheckpointError(refusal)
     return DeepSpeedSource(ckpt)
 
 
