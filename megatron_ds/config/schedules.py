@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ds.config.checks import check
+from megatron_ds.errors import ConfigError
 
 CURRICULUM_SCHEDULES = ("fixed_linear", "fixed_root", "fixed_discrete")
 """DeepSpeed's legacy schedule types; `custom` needs a Python function and is refused."""
@@ -119,12 +120,15 @@ class CurriculumConfig:
             _check_number(where, key, section[key])
         for key, value in values.items():
             _check_number(where, f"schedule_config.{key}", value)
-        return cls(
-            schedule_type=kind,
-            min_difficulty=section["min_difficulty"],
-            max_difficulty=section["max_difficulty"],
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()},
-        )
+        try:
+            return cls(
+                schedule_type=kind,
+                min_difficulty=section["min_difficulty"],
+                max_difficulty=section["max_difficulty"],
+                **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()},
+            )
+        except ConfigError as err:
+            raise ConfigError(f"{source} {err}") from None
 
     def difficulty_at(self, step: int) -> int:
         """DeepSpeed's `get_difficulty(step)` for this schedule (0.19.8's; see `seq_length`)."""
@@ -209,7 +213,10 @@ def check_rampup(rampup: tuple[int, int, int], global_batch_size: int) -> None:
     """The checks of Megatron's ramp-up calculator, as one-line errors."""
     start, increment, samples = rampup
     flag = f"--rampup-batch-size {start} {increment} {samples}"
-    check(start > 0 and increment > 0 and samples >= 0, f"{flag}: start and increment must be > 0, samples >= 0")
+    check(
+        start > 0 and increment > 0 and samples > 0,
+        f"{flag}: start, increment and samples must be > 0 (Megatron divides by the samples)",
+    )
     check(
         start < global_batch_size,
         f"{flag}: the start batch size must be below --global-batch-size {global_batch_size} (nothing to ramp "
