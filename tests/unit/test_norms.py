@@ -105,6 +105,7 @@ def test_hugging_face_norm_computes_ours(name: str) -> None:
             vocab_size=64,
             bos_token_id=None,
             eos_token_id=None,
+            pad_token_id=None,
         )
         hf_model = transformers.AutoModelForCausalLM.from_config(config)
         theirs = [m for m in hf_model.modules() if type(m).__name__.endswith("Norm")]
