@@ -207,6 +207,10 @@ class TrainingConfig:
     --seq-length, as Megatron-LM does)."""
     curriculum: CurriculumConfig | None = None
     """The legacy sequence-length curriculum of `--deepspeed_config`'s `curriculum_learning` section."""
+    calculate_per_token_loss: bool = False
+    """Megatron-LM's `--calculate-per-token-loss`: the loss averaged over every token of the global batch.
+    Here it is the mean of micro-batch means, the same while every micro-batch counts all its tokens
+    (`--eod-mask-loss` is refused with it; a step whose batch masks a padded token gets a warning)."""
     manual_gc: bool = False
     """Megatron-LM's `--manual-gc`: Python's automatic garbage collection is off during training, and
     `gc.collect()` runs every manual_gc_interval steps (0: never) and around evaluations."""

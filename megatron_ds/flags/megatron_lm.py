@@ -96,9 +96,10 @@ TRAINING: tuple[Flag, ...] = (
     switch(
         "--calculate-per-token-loss",
         _TRAIN,
-        f"{_MLM}: the loss is averaged over every token of the global batch rather than per micro-batch. Here "
-        "every micro-batch of a step holds the same number of counted tokens, so the two averages are one "
-        "and nothing changes; with --eod-mask-loss they differ and it is refused",
+        f"{_MLM}: the loss is averaged over every token of the global batch rather than per micro-batch. The two "
+        "are one while every micro-batch counts all its tokens, as here: with --eod-mask-loss they differ and it "
+        "is refused, and a batch whose loss mask drops a padded token prints a WARNING",
+        "training.calculate_per_token_loss",
     ),
     no_op(
         "--cross-entropy-loss-fusion",

@@ -82,7 +82,8 @@ def check_parallel_modes(args: argparse.Namespace) -> None:
 
 def check_loss_options(args: argparse.Namespace) -> None:
     """--calculate-per-token-loss equals the mean of micro-batch means unless micro-batches count
-    different numbers of tokens, which only --eod-mask-loss makes happen here."""
+    different numbers of tokens, which --eod-mask-loss makes happen (padding only at the end of a
+    dataset, which the loop warns about)."""
     if args.calculate_per_token_loss and args.eod_mask_loss:
         raise ConfigError(
             "--calculate-per-token-loss with --eod-mask-loss is not supported: masked tokens make micro-batches "

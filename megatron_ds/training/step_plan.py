@@ -74,10 +74,29 @@ class StepPlan:
             self._shape = length
 
     def cut(self, batches: Iterator[Any] | None) -> Iterator[Any] | None:
-        """`batches` with every micro-batch cut to the current length (as each is drawn)."""
-        if batches is None or self.training.curriculum is None:
-            return batches
-        return self._cut(batches)
+        """`batches` with every micro-batch cut to the current length (as each is drawn), and watched
+        for masked tokens under `--calculate-per-token-loss`."""
+        if batches is not None and self.training.curriculum is not None:
+            batches = self._cut(batches)
+        if batches is not None and self.training.calculate_per_token_loss:
+            batches = self._watch_masks(batches)
+        return batches
+
+    def _watch_masks(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Megatron-LM's per-token loss equals the mean of micro-batch means when every micro-batch
+        counts all its tokens; say so once if one does not (megatron-core pads a sample it cannot fill)."""
+        warned = False
+        for batch in batches:
+            loss_mask = batch[1][1]
+            if not warned and not bool(loss_mask.bool().all()):
+                warned = True
+                print(
+                    f"WARNING: --calculate-per-token-loss: a micro-batch of {loss_mask.numel()} tokens masks "
+                    f"{int((loss_mask == 0).sum())} out of the loss; its step averages micro-batch means, not "
+                    f"every token as Megatron-LM does (said once)",
+                    flush=True,
+                )
+            yield batch
 
     def _cut(self, batches: Iterator[Any]) -> Iterator[Any]:
         for tokens, (labels, loss_mask) in batches:

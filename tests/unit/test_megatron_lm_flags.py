@@ -100,7 +100,7 @@ def test_modes_that_change_nothing_here(capsys: pytest.CaptureFixture) -> None:
     same = [
         "--use-mcore-models", "--transformer-impl", "local", "--attention-backend", "flash", "--overlap-grad-reduce",
         "--overlap-param-gather", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--log-throughput",
-        "--calculate-per-token-loss", "--context-parallel-size", "1", "--sequence-parallel",
+        "--context-parallel-size", "1", "--sequence-parallel",
         "--tiktoken-pattern", "v2", "--no-create-attention-mask-in-dataloader",
     ]  # fmt: skip
     assert parse(*same) == parse()
@@ -112,6 +112,7 @@ def test_modes_that_change_nothing_here(capsys: pytest.CaptureFixture) -> None:
     )
     assert "--context-parallel-size 2 is not supported" in error("--context-parallel-size", "2")
     assert "--calculate-per-token-loss with --eod-mask-loss" in error("--calculate-per-token-loss", "--eod-mask-loss")
+    assert parse("--calculate-per-token-loss").training.calculate_per_token_loss
     assert "ZeRO keeps the reduced gradients" in error("--log-num-zeros-in-grad", "--use-distributed-optimizer")
 
 

@@ -290,3 +290,17 @@ def test_step_plan_cuts_micro_batches_and_resets_shapes_on_change(tmp_path: Path
             plan.before_eval()  # whole samples: the shape is reset, and again at the next step
     assert seen == [8] * 10 + [16] * 10 + [32] * 5
     assert engine.resets == 5  # 64 -> 8, 8 -> 16, eval 16 -> 64, 64 -> 16, 16 -> 32
+
+
+def test_per_token_loss_warns_once_when_a_micro_batch_masks_tokens(capsys: pytest.CaptureFixture) -> None:
+    plan = StepPlan(parse("--train-iters", "4", "--calculate-per-token-loss"), engine=None)
+    full, padded = torch.ones(2, SEQ), torch.ones(2, SEQ)
+    padded[1, -3:] = 0  # megatron-core's padding of a sample it cannot fill
+    tokens = torch.zeros(2, SEQ, dtype=torch.long)
+    batches = [(tokens, (tokens, full)), (tokens, (tokens, padded)), (tokens, (tokens, padded))]
+    assert len(list(plan.cut(iter(batches)))) == 3
+    out = capsys.readouterr().out
+    assert out.count("WARNING: --calculate-per-token-loss: a micro-batch of 128 tokens masks 3") == 1
+    assert (
+        list(StepPlan(parse("--train-iters", "4"), engine=None).cut(iter(batches[1:]))) and not capsys.readouterr().out
+    )
