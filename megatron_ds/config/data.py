@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 from megatron_ds.config.checks import at_least, check, one_of
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "NullTokenizer",
+    "HuggingFaceTokenizer",
+)
 DATA_UPSTREAMS = ("megatron-deepspeed", "megatron-lm")
 
 
@@ -24,9 +30,11 @@ class DataConfig:
     mock_data: bool = False
     """Deterministic synthetic tokens; no files needed (`--mock-data`)."""
     tokenizer_type: str | None = None
-    """`GPT2BPETokenizer`, `SentencePieceTokenizer` or `GPTSentencePieceTokenizer` (`--tokenizer-type`)."""
+    """One of TOKENIZER_TYPES (`--tokenizer-type`)."""
     tokenizer_model: str | None = None
-    """SentencePiece model file (`--tokenizer-model`)."""
+    """SentencePiece model file, or the local directory of a HuggingFaceTokenizer (`--tokenizer-model`)."""
+    null_tokenizer_vocab_size: int | None = None
+    """The NullTokenizer's ids (`--vocab-size` before padding; its eod is the last), None otherwise."""
     vocab_file: str | None = None
     """GPT-2 BPE vocabulary (`--vocab-file`)."""
     merge_file: str | None = None
@@ -43,6 +51,8 @@ class DataConfig:
     misaligned_append_eod: bool = False
     """Read Megatron-DeepSpeed's `--append-eod` files as it reads them, each document's EOD left
     out and the offsets misaligned (`--misaligned-append-eod`); by default each EOD is included."""
+    mmap_bin_files: bool = True
+    """Read the `.bin` token files through a memory map; file reads with `--no-mmap-bin-files`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_path", tuple(self.data_path))

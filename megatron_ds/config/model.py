@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from megatron_ds.config.checks import at_least, check, one_of, positive, probability
 
-NORMALIZATIONS = ("layernorm", "rmsnorm")
+NORMALIZATIONS = ("layernorm", "rmsnorm", "layernorm1p", "rmsnorm1p")
 """The norms ModelConfig accepts: the names of `megatron_ds.model.norms.REGISTRY`, which holds each
 one's module, parameters, stored keys, costs and Hugging Face model types (it checks on import that
 its names are these)."""
@@ -76,6 +76,10 @@ class ModelConfig:
     """The rotary base theta: frequencies theta^(-2i/head_dim) (`--rotary-base`, Megatron-DeepSpeed's
     `--rotary-position-embeddings-theta`; Llama-3 uses 500000). Without rotary embeddings it changes
     nothing and is stored as the default, so equal models compare equal."""
+    rotary_percent: float = 1.0
+    """The share of each head's channels that rotary embeddings rotate (`--rotary-percent`): the first
+    `rotary_dim` channels of q and k; the rest pass through, as Megatron's partial rotary. Stored as
+    1.0 without rotary embeddings (one spelling of the same model)."""
     add_position_embedding: bool = True
     """Add the learned absolute position embedding after the word embedding; False with
     `--no-position-embedding` (Llama-style models that use rotary embeddings only). Without it the
@@ -117,8 +121,19 @@ class ModelConfig:
         one_of("--normalization", self.normalization, NORMALIZATIONS)
         one_of("MLP activation", self.activation, ACTIVATIONS)
         positive("--rotary-base", self.rotary_base)
+        check(
+            math.isfinite(self.rotary_percent) and 0.0 < self.rotary_percent <= 1.0,
+            f"--rotary-percent {self.rotary_percent} must be in (0, 1]",
+        )
         if not self.use_rotary_position_embeddings:  # one spelling of the same model (as kv heads above)
             object.__setattr__(self, "rotary_base", DEFAULT_ROTARY_BASE)
+            object.__setattr__(self, "rotary_percent", 1.0)
+        dim = self.rotary_dim
+        check(
+            not self.use_rotary_position_embeddings or (dim >= 2 and dim % 2 == 0),
+            f"--rotary-percent {self.rotary_percent} gives {dim} rotary channels of the head's {self.head_dim}; "
+            f"rotary embeddings rotate channel pairs, so choose a share that gives an even number >= 2",
+        )
 
     @property
     def kv_heads(self) -> int:
@@ -129,6 +144,12 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Channels per attention head: hidden_size / num_attention_heads (Megatron's kv_channels)."""
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that rotary embeddings rotate: int(head_dim x rotary_percent), as
+        Megatron-DeepSpeed's and Megatron-LM's `rotary_dim`."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def qkv_rows(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ds.config.checks import at_least, optional_at_least, positive
+from megatron_ds.config.checks import at_least, check, optional_at_least, positive
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,13 @@ class CheckpointConfig:
     """Do not restore RNG states (`--no-load-rng`)."""
     finetune: bool = False
     """Load weights only and reset iteration and consumed samples to 0 (`--finetune`)."""
+    no_load_lr_state: bool = False
+    """Resume everything but the learning-rate schedule, which starts again from step 0
+    (`--no-load-lr-state`)."""
+    reset_iteration: bool = False
+    """Resume the whole state but count iterations and consumed samples from 0 (`--reset-iteration`)."""
+    no_save_optim: bool = False
+    """Save weights, iteration and RNG without the optimizer and lr schedule state (`--no-save-optim`)."""
 
     def __post_init__(self) -> None:
         optional_at_least("--save-interval", self.save_interval, 1)
@@ -63,9 +70,30 @@ class LoggingConfig:
     peak_tflops: float | None = None
     """Peak TFLOP/s of one device for the log line's MFU (`--peak-tflops`); None: looked up by device
     name and precision (`estimate.devices`), no MFU when unknown."""
+    log_params_norm: bool = False
+    """Print (and write to TensorBoard) the L2 norm of all parameters (`--log-params-norm`)."""
+    log_num_zeros_in_grad: bool = False
+    """Print (and write) the number of zero elements of the reduced gradients (`--log-num-zeros-in-grad`)."""
+    profile: bool = False
+    """Trace training steps profile_step_start+1 .. profile_step_end with torch's profiler (`--profile`)."""
+    profile_step_start: int = 10
+    """Iterations done when profiling starts (`--profile-step-start`)."""
+    profile_step_end: int = 12
+    """Iterations done when profiling stops (`--profile-step-end`)."""
+    use_pytorch_profiler: bool = False
+    """The torch profiler alone, no nsys range on CUDA (`--use-pytorch-profiler`)."""
+    profile_ranks: tuple[int, ...] = ()
+    """Global ranks that profile; empty: all (`--profile-ranks`)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "profile_ranks", tuple(self.profile_ranks))
         at_least("--log-interval", self.log_interval, 1)
         at_least("--tensorboard-queue-size", self.tensorboard_queue_size, 1)
         if self.peak_tflops is not None:
             positive("--peak-tflops", self.peak_tflops)
+        at_least("--profile-step-start", self.profile_step_start, 0)
+        check(
+            self.profile_step_end > self.profile_step_start,
+            f"--profile-step-end {self.profile_step_end} must be above --profile-step-start {self.profile_step_start}",
+        )
+        check(all(r >= 0 for r in self.profile_ranks), f"--profile-ranks {list(self.profile_ranks)}: ranks are >= 0")

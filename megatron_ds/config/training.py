@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_ds.config.checks import at_least, check, one_of, optional_at_least, positive, probability
+from megatron_ds.config.schedules import (
+    CurriculumConfig,
+    check_rampup,
+    check_step_schedule,
+    rampup_batch_size,
+    step_batch_size,
+)
 
 OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
 """DeepSpeed's ZeRO stages. Its pipeline engine (used at every pipeline size) runs 0 and 1 only:
@@ -27,7 +36,23 @@ class OptimizerConfig:
     min_lr: float = 0.0
     """Floor of the decay; <= lr (`--min-lr`)."""
     weight_decay: float = 0.01
-    """Decoupled weight decay; not applied to biases and norm weights (`--weight-decay`)."""
+    """Decoupled weight decay; not applied to biases and norm weights (`--weight-decay`). With a
+    `linear` or `cosine` weight_decay_incr_style the schedule's start and end replace it."""
+    weight_decay_incr_style: str = "constant"
+    """`constant`, or `linear` / `cosine` from start_weight_decay to end_weight_decay over the
+    training samples, as Megatron's OptimizerParamScheduler (`--weight-decay-incr-style`)."""
+    start_weight_decay: float | None = None
+    """First weight decay of a linear or cosine schedule (`--start-weight-decay`)."""
+    end_weight_decay: float | None = None
+    """Last weight decay of a linear or cosine schedule, >= start (`--end-weight-decay`)."""
+    weight_decay_incr_samples: int = 0
+    """Samples over which a linear or cosine weight decay goes from start to end: --train-samples, else
+    --train-iters x --global-batch-size (Megatron's wd_incr_steps; set with the style)."""
+    decoupled_lr: float | None = None
+    """Megatron-LM's `--decoupled-lr`: the peak learning rate of the word embedding and output layer
+    weights (their own optimizer group, same schedule shape); None: `lr` for every parameter."""
+    decoupled_min_lr: float | None = None
+    """`--decoupled-min-lr`: the floor of that group's decay; None: min_lr."""
     adam_beta1: float = 0.9
     """Adam beta1, in [0, 1) (`--adam-beta1`)."""
     adam_beta2: float = 0.999
@@ -83,6 +108,48 @@ class OptimizerConfig:
             not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler were both given; keep one",
         )
+        self._check_weight_decay_schedule()
+        self._check_decoupled_lr()
+
+    def _check_weight_decay_schedule(self) -> None:
+        """Megatron's rule: `constant` takes --weight-decay alone; linear/cosine take both ends."""
+        style, start, end = self.weight_decay_incr_style, self.start_weight_decay, self.end_weight_decay
+        one_of("--weight-decay-incr-style", style, WD_INCR_STYLES)
+        if style == "constant":
+            given = [f for f, v in (("--start-weight-decay", start), ("--end-weight-decay", end)) if v is not None]
+            check(
+                not given,
+                f"{' and '.join(given)} need --weight-decay-incr-style linear or cosine (constant uses "
+                f"--weight-decay); add the style or drop them",
+            )
+            return
+        check(
+            start is not None and end is not None,
+            f"--weight-decay-incr-style {style} needs --start-weight-decay and --end-weight-decay; give both",
+        )
+        at_least("--start-weight-decay", start, 0)
+        at_least("--end-weight-decay", end, 0)
+        check(end >= start, f"--end-weight-decay {end} is below --start-weight-decay {start}; Megatron increases it")
+        at_least("weight-decay schedule length (samples)", self.weight_decay_incr_samples, 1)
+
+    def _check_decoupled_lr(self) -> None:
+        if self.decoupled_lr is None:
+            check(self.decoupled_min_lr is None, "--decoupled-min-lr needs --decoupled-lr; add it or drop it")
+            return
+        at_least("--decoupled-lr", self.decoupled_lr, 0)
+        floor = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+        at_least("--decoupled-min-lr", floor, 0)
+        check(
+            floor <= self.decoupled_lr,
+            f"--decoupled-min-lr {floor} is above --decoupled-lr {self.decoupled_lr}; lower it",
+        )
+
+    def weight_decay_range(self) -> tuple[float, float]:
+        """(start, end) of the weight decay; both --weight-decay when constant."""
+        if self.weight_decay_incr_style == "constant":
+            return self.weight_decay, self.weight_decay
+        assert self.start_weight_decay is not None and self.end_weight_decay is not None
+        return self.start_weight_decay, self.end_weight_decay
 
 
 @dataclass(frozen=True)
@@ -134,8 +201,30 @@ class TrainingConfig:
     """fp16 only: steps without overflow before the scale doubles; 1000 when None (`--loss-scale-window`)."""
     hysteresis: int | None = None
     """fp16 only: overflows tolerated before the scale is lowered; 2 when None (`--hysteresis`)."""
+    rampup_batch_size: tuple[int, int, int] | None = None
+    """Megatron-DeepSpeed's `--rampup-batch-size START INCREMENT SAMPLES`: the global batch size starts
+    at START and grows by INCREMENT in equal shares of SAMPLES consumed samples up to
+    global_batch_size (`config.schedules.rampup_batch_size`)."""
+    step_batch_size_schedule: tuple[tuple[int, int], ...] | None = None
+    """Megatron-LM's `--step-batch-size-schedule`, in samples: (threshold, batch size) pairs, the first
+    at 0, the last batch size global_batch_size (thresholds given in tokens are divided by
+    --seq-length, as Megatron-LM does)."""
+    curriculum: CurriculumConfig | None = None
+    """The legacy sequence-length curriculum of `--deepspeed_config`'s `curriculum_learning` section."""
+    calculate_per_token_loss: bool = False
+    """Megatron-LM's `--calculate-per-token-loss`: the loss averaged over every token of the global batch.
+    Here it is the mean of micro-batch means, the same while every micro-batch counts all its tokens
+    (`--eod-mask-loss` is refused with it; a step whose batch masks a padded token gets a warning)."""
+    manual_gc: bool = False
+    """Megatron-LM's `--manual-gc`: Python's automatic garbage collection is off during training, and
+    `gc.collect()` runs every manual_gc_interval steps (0: never) and around evaluations."""
+    manual_gc_interval: int = 0
+    """`--manual-gc-interval`: steps between collections with --manual-gc (0: none while training)."""
+    manual_gc_eval: bool = True
+    """Collect before and after each evaluation with --manual-gc (off with `--no-manual-gc-eval`)."""
 
     def __post_init__(self) -> None:
+        self._from_json_forms()
         mbs, gbs = self.micro_batch_size, self.global_batch_size
         check(mbs >= 1 and gbs >= 1, f"--micro-batch-size {mbs} and --global-batch-size {gbs} must be >= 1")
         at_least("--train-iters", self.train_iters, 0)
@@ -152,7 +241,69 @@ class TrainingConfig:
         if self.exit_duration_in_mins is not None:
             positive("--exit-duration-in-mins", self.exit_duration_in_mins)
         optional_at_least("--train-tokens", self.train_tokens, 1)
+        at_least("--manual-gc-interval", self.manual_gc_interval, 0)
         self._check_loss_scale()
+        self._check_batch_schedule()
+
+    def _from_json_forms(self) -> None:
+        """Sections read back from a checkpoint's JSON hold lists and dicts: the frozen forms here."""
+        if self.rampup_batch_size is not None:
+            object.__setattr__(self, "rampup_batch_size", tuple(self.rampup_batch_size))
+        if self.step_batch_size_schedule is not None:
+            object.__setattr__(
+                self, "step_batch_size_schedule", tuple(tuple(pair) for pair in self.step_batch_size_schedule)
+            )
+        if isinstance(self.curriculum, dict):
+            curriculum: dict[str, Any] = self.curriculum
+            object.__setattr__(self, "curriculum", CurriculumConfig(**curriculum))
+
+    def _check_batch_schedule(self) -> None:
+        check(
+            self.rampup_batch_size is None or self.step_batch_size_schedule is None,
+            "--rampup-batch-size and --step-batch-size-schedule were both given; keep one",
+        )
+        if self.rampup_batch_size is not None:
+            check(len(self.rampup_batch_size) == 3, "--rampup-batch-size takes START INCREMENT SAMPLES")
+            check_rampup(self.rampup_batch_size, self.global_batch_size)
+        if self.step_batch_size_schedule is not None:
+            check_step_schedule(self.step_batch_size_schedule, self.global_batch_size)
+
+    def batch_size_at(self, consumed_samples: int) -> int:
+        """The global batch size of the step after `consumed_samples` samples (the schedule's, else
+        global_batch_size)."""
+        if self.rampup_batch_size is not None:
+            return rampup_batch_size(self.rampup_batch_size, self.global_batch_size, consumed_samples)
+        if self.step_batch_size_schedule is not None:
+            return step_batch_size(self.step_batch_size_schedule, consumed_samples)
+        return self.global_batch_size
+
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Every global batch size the schedule can give (for the divisibility check)."""
+        if self.rampup_batch_size is not None:
+            start, increment, _ = self.rampup_batch_size
+            return tuple(range(start, self.global_batch_size + 1, increment))
+        if self.step_batch_size_schedule is not None:
+            return tuple(b for _, b in self.step_batch_size_schedule)
+        return (self.global_batch_size,)
+
+    def sizes_settle_at(self, seq_length: int) -> tuple[int, int]:
+        """(consumed samples, step) from which on the batch size and the sequence length stay constant."""
+        del seq_length  # the curriculum's end does not depend on it
+        samples = 0
+        if self.rampup_batch_size is not None:
+            samples = self.rampup_batch_size[2] + 1
+        elif self.step_batch_size_schedule is not None:
+            samples = self.step_batch_size_schedule[-1][0]
+        return samples, 0 if self.curriculum is None else self.curriculum.settle_step()
+
+    @property
+    def varies(self) -> bool:
+        """The batch size or the sequence length changes during training."""
+        return self.rampup_batch_size is not None or self.step_batch_size_schedule is not None or bool(self.curriculum)
+
+    def seq_length_at(self, step: int, seq_length: int) -> int:
+        """Tokens per sample of training step `step` (1-based): the curriculum's, else seq_length."""
+        return seq_length if self.curriculum is None else self.curriculum.seq_length(step)
 
     def _check_loss_scale(self) -> None:
         for flag, value in (

@@ -56,6 +56,21 @@ class Config:
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
             f"data-parallel size {dp}; use a multiple of {mbs * dp}",
         )
+        uneven = [b for b in self.training.batch_sizes() if b % (mbs * dp)]
+        check(
+            not uneven,
+            f"the batch size schedule reaches a global batch size of {uneven[0] if uneven else 0}, not divisible by "
+            f"--micro-batch-size {mbs} x data-parallel size {dp} (DeepSpeed runs whole micro-batches); use sizes "
+            f"that are multiples of {mbs * dp}",
+        )
+        curriculum = self.training.curriculum
+        if curriculum is not None:
+            longest = max((curriculum.max_difficulty, *curriculum.difficulty))
+            check(
+                longest <= model.seq_length,
+                f"curriculum_learning asks for sequences of {longest} tokens, beyond --seq-length "
+                f"{model.seq_length}: the curriculum cuts samples, it cannot lengthen them; lower it",
+            )
 
     @property
     def grad_accumulation_steps(self) -> int:

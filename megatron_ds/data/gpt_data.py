@@ -101,6 +101,7 @@ def _dataset_config(data: DataConfig, seq_length: int, seed: int, tokenizer: Tok
         reset_attention_mask=False,
         eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False,
+        mmap_bin_files=data.mmap_bin_files,
     )  # the model builds its own causal mask; saves (s, s) per item
 
 

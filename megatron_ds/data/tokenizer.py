@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron_ds.data import DataError
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer")
 # Megatron-LM's name for a SentencePiece model used as a GPT tokenizer (eod = eos); same thing here.
 _ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
 GPT2_EOD_TOKEN = "<|endoftext|>"
@@ -283,7 +283,8 @@ def build_tokenizer(
     merge_file: str | None = None,
     vocab_size: int | None = None,
 ) -> Tokenizer:
-    """The tokenizer named by `--tokenizer-type`; `vocab_size` is only for `NullTokenizer`."""
+    """The tokenizer named by `--tokenizer-type`; `vocab_size` is only for `NullTokenizer`, and
+    `tokenizer_model` is HuggingFaceTokenizer's directory."""
     kind = _ALIASES.get(tokenizer_type or "", tokenizer_type)
     if kind == "SentencePieceTokenizer":
         if not tokenizer_model:
@@ -301,6 +302,10 @@ def build_tokenizer(
         if vocab_size is None:
             raise DataError("--vocab-size is required with --tokenizer-type NullTokenizer")
         return NullTokenizer(vocab_size)
+    if kind == "HuggingFaceTokenizer":
+        from megatron_ds.data.huggingface_tokenizer import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer(tokenizer_model)
     raise DataError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 

@@ -25,7 +25,15 @@ from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.registry import FLAGS
 from megatron_ds.training.checkpoint.directory import TOKENIZER_DIR, latest_tag, read_meta
 
-DERIVED_MODEL_DESTS = ("ffn_hidden_size", "max_position_embeddings", "vocab_size", "add_position_embedding")
+DERIVED_MODEL_DESTS = (
+    "ffn_hidden_size",
+    "max_position_embeddings",
+    "vocab_size",
+    "add_position_embedding",
+    "num_key_value_heads",
+    "use_rotary_position_embeddings",
+    "normalization",
+)
 """Model fields whose flag is derived (`Flag.derived`) but copies the value when given."""
 TOKENIZER_DESTS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 DROPOUT_DESTS = ("hidden_dropout", "attention_dropout")
@@ -43,8 +51,9 @@ def model_dests(model: ModelConfig) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for f in FLAGS:
-        if f.status == ACCEPTED and len(f.fields) == 1 and f.fields[0].startswith("model."):
-            name = f.fields[0].split(".", 1)[1]
+        fields = [x for x in f.fields if x.startswith("model.")]  # --vocab-size also sets the NullTokenizer's
+        if f.status == ACCEPTED and len(fields) == 1:
+            name = fields[0].split(".", 1)[1]
             if not f.derived or f.attr in DERIVED_MODEL_DESTS:
                 out[f.attr] = getattr(model, name)
     out.update(ACTIVATION_FLAGS[model.activation])

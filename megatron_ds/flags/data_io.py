@@ -9,7 +9,7 @@ _DATA, _CKPT, _LOG = "data and tokenizer", "checkpointing", "logging"
 _MMAP_ONLY = "only the mmap format is read"
 _CONVERT = "convert with tools/preprocess_data.py and use mmap"
 _SPLIT_FILES = ("separate split files are not supported", "use --data-path with --split")
-_GPT_TOKENIZERS = "use GPT2BPETokenizer or SentencePieceTokenizer"
+_GPT_TOKENIZERS = "use GPT2BPETokenizer, SentencePieceTokenizer or HuggingFaceTokenizer"
 
 DATA: tuple[Flag, ...] = (
     accepted(
@@ -44,8 +44,8 @@ DATA: tuple[Flag, ...] = (
     accepted(
         "--vocab-size",
         _DATA,
-        "vocabulary size; else the tokenizer's (then padded)",
-        "model.vocab_size",
+        "vocabulary size; else the tokenizer's (then padded); the NullTokenizer's ids",
+        fields=("model.vocab_size", "data.null_tokenizer_vocab_size"),
         type=int,
         default=None,
         derived=True,
@@ -57,24 +57,29 @@ DATA: tuple[Flag, ...] = (
         "--tokenizer-type",
         _DATA,
         "`GPT2BPETokenizer` (the default with --vocab-file/--merge-file, as in Megatron's pretrain_gpt.py), "
-        "`SentencePieceTokenizer` or `GPTSentencePieceTokenizer`. SentencePieceTokenizer is Megatron's "
-        "GPTSentencePieceTokenizer here: eod is the model's eos and no special tokens are added",
+        "`SentencePieceTokenizer` or `GPTSentencePieceTokenizer`, `NullTokenizer` (token ids as they are, "
+        "--vocab-size of them, eod the last: megatron-core's) or `HuggingFaceTokenizer` (--tokenizer-model a "
+        "local directory read by transformers' AutoTokenizer; nothing is downloaded). SentencePieceTokenizer is "
+        "Megatron's GPTSentencePieceTokenizer here: eod is the model's eos and no special tokens are added",
         "data.tokenizer_type",
         choices=TOKENIZER_TYPES,
         derived=True,
         refused_values=(
             Refusal("BertWordPieceLowerCase", "BERT tokenizers are not provided", _GPT_TOKENIZERS),
             Refusal("BertWordPieceCase", "BERT tokenizers are not provided", _GPT_TOKENIZERS),
-            Refusal("HFTokenizer", "Hugging Face tokenizers are not provided", _GPT_TOKENIZERS),
             Refusal(
-                "NullTokenizer",
-                "training reads token ids through a real tokenizer (the null tokenizer is for "
-                "tools/preprocess_data.py, with its own eod)",
-                "use --mock-data --vocab-size N for synthetic tokens",
+                "HFTokenizer",
+                "Megatron-DeepSpeed's Hugging Face tokenizer is not provided under that name",
+                "use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model DIR",
             ),
         ),
     ),
-    accepted("--tokenizer-model", _DATA, "SentencePiece model file", "data.tokenizer_model"),
+    accepted(
+        "--tokenizer-model",
+        _DATA,
+        "SentencePiece model file, or HuggingFaceTokenizer's local directory",
+        "data.tokenizer_model",
+    ),
     accepted("--num-workers", _DATA, "DataLoader worker processes", "data.num_workers", type=int),
     switch("--eod-mask-loss", _DATA, "end-of-document tokens do not count in the loss", "data.eod_mask_loss"),
     refused("--train-data-path", _DATA, *_SPLIT_FILES, VALUES),
@@ -84,7 +89,12 @@ DATA: tuple[Flag, ...] = (
     refused("--decoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
     refused("--reset-position-ids", _DATA, "position ids always run 0..s-1 within a sample"),
     refused("--reset-attention-mask", _DATA, "attention is causal over the whole sample (SDPA is_causal)"),
-    refused("--data-efficiency-curriculum-learning", _DATA, "DeepSpeed curriculum learning is not implemented"),
+    refused(
+        "--data-efficiency-curriculum-learning",
+        _DATA,
+        "DeepSpeed's data-efficiency curriculum (the data_efficiency section) is not implemented",
+        "use the legacy curriculum_learning section of --deepspeed_config (implemented)",
+    ),
     accepted(
         "--data-upstream",
         _DATA,
@@ -138,9 +148,24 @@ CHECKPOINTING: tuple[Flag, ...] = (
     switch(
         "--no-load-optim",
         _CKPT,
-        "weights only (the iteration is kept; the lr schedule restarts, as in Megatron); not needed to change the "
-        "layout",
+        "weights only (the iteration and consumed samples are kept; optimizer and lr schedule restart), "
+        "Megatron-LM's meaning and Megatron-DeepSpeed's help text (its DeepSpeed path loads the optimizer anyway: "
+        "a NOTICE says so); not needed to change the layout",
         "checkpoint.no_load_optim",
+    ),
+    switch(
+        "--no-load-lr-state",
+        _CKPT,
+        "resume everything but the lr schedule, which starts again from step 0 with the flags' values (its "
+        "help text; Megatron-DeepSpeed declares the flag but never reads it: a NOTICE says so)",
+        "checkpoint.no_load_lr_state",
+    ),
+    switch(
+        "--reset-iteration",
+        _CKPT,
+        "resume weights, optimizer, lr schedule and RNG, but count iterations and consumed samples from 0 (data "
+        "from its first sample), as Megatron-DeepSpeed",
+        "checkpoint.reset_iteration",
     ),
     switch("--no-load-rng", _CKPT, "keep this run's RNG states", "checkpoint.no_load_rng"),
     switch(
@@ -155,14 +180,14 @@ CHECKPOINTING: tuple[Flag, ...] = (
         "a --load that holds no checkpoint yet is an error instead of a start from scratch",
         "checkpoint.exit_on_missing_checkpoint",
     ),
-    refused("--no-save-optim", _CKPT, "checkpoints always hold the optimizer state"),
-    refused("--no-save-rng", _CKPT, "checkpoints always hold every rank's RNG state"),
-    refused(
-        "--no-load-lr-state",
+    switch(
+        "--no-save-optim",
         _CKPT,
-        "the lr schedule is restored with the optimizer",
-        "use --override-opt_param-scheduler",
+        "checkpoints hold weights, iteration and RNG, no optimizer or lr schedule state (Megatron-LM's meaning; "
+        "resuming one restarts both, as --no-load-optim)",
+        "checkpoint.no_save_optim",
     ),
+    refused("--no-save-rng", _CKPT, "checkpoints always hold every rank's RNG state"),
     switch(
         "--use-checkpoint-args",
         _CKPT,
@@ -276,8 +301,20 @@ LOGGING: tuple[Flag, ...] = (
     ),
     no_op("--timing-log-level", _LOG, _ONLY_ITERATIONS, takes=VALUE),
     no_op("--timing-log-option", _LOG, _ONLY_ITERATIONS, takes=VALUE),
-    refused("--log-params-norm", _LOG, "the parameter norm is not computed"),
-    refused("--log-num-zeros-in-grad", _LOG, "zeros in gradients are not counted"),
+    switch(
+        "--log-params-norm",
+        _LOG,
+        "the L2 norm of all parameters (each counted once over stages and tensor ranks) in the log line and "
+        "TensorBoard",
+        "logging.log_params_norm",
+    ),
+    switch(
+        "--log-num-zeros-in-grad",
+        _LOG,
+        "the number of zero elements in the step's reduced gradients (each counted once) in the log line and "
+        "TensorBoard",
+        "logging.log_num_zeros_in_grad",
+    ),
     refused(
         "--tensorboard-log-interval",
         _LOG,

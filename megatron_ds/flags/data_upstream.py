@@ -13,7 +13,9 @@ import argparse
 import os
 import sys
 
+import megatron_ds.flags.megatron_lm as megatron_lm
 from megatron_ds.config import DATA_UPSTREAMS
+from megatron_ds.flags.declare import ACCEPTED
 from megatron_ds.flags.registry import BY_NAME
 
 AUTO = "auto"
@@ -26,8 +28,11 @@ MEGATRON_LM_FLAGS = (
     "--account-for-embedding-in-pipeline-split",
     "--account-for-loss-in-pipeline-split",
     "--num-virtual-stages-per-pipeline-rank",
+    *(f.name for group in megatron_lm.GROUPS for f in group if f.status == ACCEPTED and f.fields),
 )
-"""Flags accepted here that Megatron-LM's arguments.py has and Megatron-DeepSpeed's does not."""
+"""Flags accepted here that Megatron-LM's arguments.py has and Megatron-DeepSpeed's does not: the
+layout flags, and each one of `flags/megatron_lm.py` (its example lines' flags) that sets a config
+field (those that change nothing here are left out: they change nothing, the data's rules included)."""
 
 
 def megatron_lm_flags(args: argparse.Namespace) -> list[str]:

@@ -9,19 +9,58 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Protocol
 
 from megatron_ds.errors import ConfigError
 from megatron_ds.flags.declare import flag_of
 
 
-def train_length(args: argparse.Namespace, gbs: int, seq_length: int) -> tuple[int, int]:
+class StepSizes(Protocol):
+    """What a step consumes (`TrainingConfig`): its global batch size and tokens per sample."""
+
+    def batch_size_at(self, consumed_samples: int) -> int: ...
+
+    def seq_length_at(self, step: int, seq_length: int) -> int: ...
+
+    def sizes_settle_at(self, seq_length: int) -> tuple[int, int]: ...
+
+
+def steps_to_reach(sizes: StepSizes, seq_length: int, samples: int | None, tokens: int | None) -> int:
+    """The first step count whose consumed samples reach `samples` or whose tokens reach `tokens`
+    (whichever comes first), stepping through a batch-size schedule and a curriculum; the constant
+    part after both settle is counted in closed form."""
+    settle_samples, settle_step = sizes.sizes_settle_at(seq_length)
+    step, consumed, consumed_tokens = 0, 0, 0
+    while True:
+        if (samples is not None and consumed >= samples) or (tokens is not None and consumed_tokens >= tokens):
+            return step
+        if consumed >= settle_samples and step >= settle_step:
+            break
+        batch = sizes.batch_size_at(consumed)
+        consumed, consumed_tokens = (
+            consumed + batch,
+            consumed_tokens + batch * sizes.seq_length_at(step + 1, seq_length),
+        )
+        step += 1
+    batch, length = sizes.batch_size_at(consumed), sizes.seq_length_at(step + 1, seq_length)
+    more = [math.ceil((samples - consumed) / batch)] if samples is not None else []
+    more += [math.ceil((tokens - consumed_tokens) / (batch * length))] if tokens is not None else []
+    return step + min(more)
+
+
+def train_length(
+    args: argparse.Namespace, gbs: int, seq_length: int, sizes: StepSizes | None = None
+) -> tuple[int, int]:
     """(train_iters, budget): the iterations to run, and those of --train-iters/--train-samples alone
-    (what the lr decay defaults to; --train-tokens may stop training earlier)."""
+    (what the lr decay defaults to; --train-tokens may stop training earlier). With `sizes` (a
+    batch-size schedule or a curriculum), samples and tokens are counted step by step."""
     if args.train_iters is not None and args.train_samples is not None:
         raise ConfigError("--train-iters and --train-samples were both given; keep one")
     for dest in ("train_iters", "train_samples", "train_tokens"):
         if getattr(args, dest) is not None and getattr(args, dest) < 1:
             raise ConfigError(f"{flag_of(dest)} {getattr(args, dest)} must be >= 1")
+    if sizes is not None:
+        return _scheduled_length(args, seq_length, sizes)
     by_tokens = math.ceil(args.train_tokens / (gbs * seq_length)) if args.train_tokens is not None else None
     if args.train_samples is not None:
         budget = math.ceil(args.train_samples / gbs)
@@ -34,6 +73,23 @@ def train_length(args: argparse.Namespace, gbs: int, seq_length: int) -> tuple[i
     else:
         raise ConfigError("missing --train-iters (or --train-samples or --train-tokens); say how long to train")
     return min(budget, by_tokens or budget), budget
+
+
+def _scheduled_length(args: argparse.Namespace, seq_length: int, sizes: StepSizes) -> tuple[int, int]:
+    """`train_length` when the batch size or the sequence length changes from step to step."""
+    if args.train_samples is not None:
+        budget = steps_to_reach(sizes, seq_length, args.train_samples, None)
+    elif args.train_iters is not None:
+        budget = args.train_iters
+    elif args.train_tokens is not None:
+        budget = steps_to_reach(sizes, seq_length, None, args.train_tokens)
+    elif args.print_layout:
+        return 0, 0
+    else:
+        raise ConfigError("missing --train-iters (or --train-samples or --train-tokens); say how long to train")
+    if args.train_tokens is None:
+        return budget, budget
+    return min(budget, steps_to_reach(sizes, seq_length, None, args.train_tokens)), budget
 
 
 def _check_schedule_units(args: argparse.Namespace) -> None:
@@ -56,11 +112,13 @@ def _check_schedule_units(args: argparse.Namespace) -> None:
         raise ConfigError(f"{' and '.join(map(flag_of, warmups))} were both given; keep one")
 
 
-def schedule_lengths(args: argparse.Namespace, gbs: int, seq_length: int) -> dict[str, int | None]:
+def schedule_lengths(
+    args: argparse.Namespace, gbs: int, seq_length: int, sizes: StepSizes | None = None
+) -> dict[str, int | None]:
     """The OptimizerConfig warm-up and decay fields: the decay in one unit (tokens if given, else the
     unit of training), the warm-up as given or as --lr-warmup-fraction of the decay."""
     _check_schedule_units(args)
-    budget = train_length(args, gbs, seq_length)[1]
+    budget = train_length(args, gbs, seq_length, sizes)[1]
     if args.lr_decay_tokens is not None:
         decay = {"lr_decay_tokens": args.lr_decay_tokens}
     elif args.lr_decay_samples is not None or args.train_samples is not None:

@@ -5,8 +5,9 @@ How Megatron's activation flags select `ModelConfig.activation` is flags -> conf
 
 from __future__ import annotations
 
-from megatron_ds.config import NORMALIZATIONS
-from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, neutral, no_op, refused, switch
+from megatron_ds.config.training import WD_INCR_STYLES
+from megatron_ds.flags.declare import VALUE, Flag, accepted, field_default, neutral, no_op, refused, switch
+from megatron_ds.model import norms
 
 _NET, _MOE, _REG, _INIT = "network size", "mixture of experts", "regularization", "initialization"
 _MOE_WHY = "mixture-of-experts models are not built here; train a dense model"
@@ -31,6 +32,7 @@ NETWORK: tuple[Flag, ...] = (
         "--num-attention-heads is plain multi-head attention",
         "model.num_key_value_heads",
         type=int,
+        derived=True,  # also Megatron-LM's --group-query-attention --num-query-groups
     ),
     accepted(
         "--kv-channels",
@@ -52,6 +54,16 @@ NETWORK: tuple[Flag, ...] = (
         _NET,
         "rotary embeddings on q and k",
         "model.use_rotary_position_embeddings",
+        derived=True,  # also --position-embedding-type rope
+    ),
+    accepted(
+        "--rotary-percent",
+        _NET,
+        "the share of each head's channels that rotary embeddings rotate (partial rotary: the first "
+        "int(head size x share) channels, the rest pass through, as Megatron); ignored, with a warning, without "
+        "rotary embeddings",
+        "model.rotary_percent",
+        type=float,
     ),
     accepted(
         "--rotary-base",
@@ -82,9 +94,23 @@ NETWORK: tuple[Flag, ...] = (
     accepted(
         "--normalization",
         _NET,
-        " or ".join(f"`{name}`" for name in NORMALIZATIONS),
+        ", ".join(f"`{n.name}` ({n.title})" for n in norms.REGISTRY.values())
+        + "; Megatron-LM's spellings "
+        + " and ".join(f"`{n}`" for n in dict.fromkeys(m.megatron_lm for m in norms.REGISTRY.values()))
+        + " are the same norms",
         "model.normalization",
-        choices=NORMALIZATIONS,
+        choices=norms.FLAG_SPELLINGS,
+        default=field_default("model.normalization"),
+        derived=True,  # with --apply-layernorm-1p
+    ),
+    switch(
+        "--apply-layernorm-1p",
+        _NET,
+        "the norm computes with (1 + weight), its weight stored zero-centred and starting at 0 (Megatron's "
+        "LayerNorm1P; with Megatron-LM's --normalization RMSNorm, megatron-core's zero-centred RMSNorm). "
+        "Megatron-DeepSpeed's --normalization rmsnorm ignores it, and so does it here, with a warning",
+        "model.normalization",
+        derived=True,
     ),
     accepted("--layernorm-epsilon", _NET, "epsilon of every norm", "model.layernorm_epsilon", type=float),
     switch(
@@ -118,7 +144,6 @@ NETWORK: tuple[Flag, ...] = (
     ),
     refused("--encoder-num-layers", _NET, "encoder-decoder models are not built", "use --num-layers", VALUE),
     refused("--decoder-num-layers", _NET, "encoder-decoder models are not built", "use --num-layers", VALUE),
-    refused("--apply-layernorm-1p", _NET, "the 1+gamma norm parametrisation is not implemented"),
     refused("--apply-residual-connection-post-layernorm", _NET, "the layer is pre-LN only"),
     refused("--squared-relu", _NET, "the MLP is GeLU (or SwiGLU); squared ReLU is not implemented"),
     refused("--embedding-weights-in-fp32", _NET, "embeddings are kept in the training precision"),
@@ -143,8 +168,6 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
     refused("--use-tutel", _MOE, _MOE_WHY),
     refused("--enable-expert-tensor-parallelism", _MOE, _MOE_WHY),
 )
-
-_WD_SCHEDULE = "weight-decay schedules are not implemented"
 
 REGULARIZATION: tuple[Flag, ...] = (
     accepted(
@@ -171,13 +194,26 @@ REGULARIZATION: tuple[Flag, ...] = (
     accepted(
         "--weight-decay-incr-style",
         _REG,
-        "only `constant`, Megatron's default",
+        "`constant` (--weight-decay), or `linear` / `cosine` from --start-weight-decay to --end-weight-decay over "
+        "the training samples (Megatron's OptimizerParamScheduler; biases and norms keep 0)",
+        fields=("optimizer.weight_decay_incr_style", "optimizer.weight_decay_incr_samples"),
+        derived=True,  # the length: --train-samples or --train-iters x --global-batch-size
+        choices=WD_INCR_STYLES,
         default="constant",
-        choices=("constant",),
-        refused_values=(
-            Refusal("linear", _WD_SCHEDULE, "use constant"),
-            Refusal("cosine", _WD_SCHEDULE, "use constant"),
-        ),
+    ),
+    accepted(
+        "--start-weight-decay",
+        _REG,
+        "first weight decay of a linear or cosine --weight-decay-incr-style",
+        "optimizer.start_weight_decay",
+        type=float,
+    ),
+    accepted(
+        "--end-weight-decay",
+        _REG,
+        "last weight decay of a linear or cosine --weight-decay-incr-style",
+        "optimizer.end_weight_decay",
+        type=float,
     ),
     accepted(
         "--clip-grad",
@@ -194,8 +230,6 @@ REGULARIZATION: tuple[Flag, ...] = (
     accepted("--adam-beta2", _REG, "Adam beta2", "optimizer.adam_beta2", type=float),
     accepted("--adam-eps", _REG, "Adam epsilon", "optimizer.adam_eps", type=float),
     accepted("--sgd-momentum", _REG, "SGD momentum", "optimizer.sgd_momentum", type=float),
-    refused("--start-weight-decay", _REG, _WD_SCHEDULE, "use --weight-decay", VALUE),
-    refused("--end-weight-decay", _REG, _WD_SCHEDULE, "use --weight-decay", VALUE),
 )
 
 INITIALIZATION: tuple[Flag, ...] = (

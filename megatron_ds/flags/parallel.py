@@ -194,11 +194,13 @@ DISTRIBUTED: tuple[Flag, ...] = (
     refused("--pipeline-model-parallel-split-rank", _DIST, "encoder-decoder models are not built", takes=VALUE),
     refused("--model-parallel-size", _DIST, "Megatron's deprecated name", "use --tensor-model-parallel-size", VALUE),
     refused("--num-layers-per-virtual-pipeline-stage", _DIST, *_VIRTUAL, VALUE),
-    refused(
+    switch(
         "--use-distributed-optimizer",
         _DIST,
-        "Megatron's distributed optimizer is not used",
-        "use --zero-stage 1 (DeepSpeed's equivalent)",
+        "Megatron's sharded optimizer: DeepSpeed's equivalent here, ZeRO stage 1 (optimizer states sharded over "
+        "data-parallel ranks; with --zero-stage 0 an error)",
+        "training.zero_stage",
+        derived=True,
     ),
     refused("--lazy-mpu-init", _DIST, "the process group is always initialised", takes=VALUE),
     refused("--use-ring-exchange-p2p", _DIST, "DeepSpeed's pipeline does its own point-to-point"),
@@ -210,8 +212,10 @@ DEEPSPEED: tuple[Flag, ...] = (
         "--deepspeed_config",
         _DS,
         "merged into the JSON generated from the flags; a contradiction is an error (keys no flag sets, e.g. "
-        "steps_per_print or fp16 keys whose flag is not given, are taken)",
-        "training.deepspeed_config",
+        "steps_per_print or fp16 keys whose flag is not given, are taken); its legacy curriculum_learning section "
+        "is run by the training loop",
+        fields=("training.deepspeed_config", "training.curriculum"),
+        derived=True,
         aliases=("--deepspeed-config",),
     ),
     accepted(
@@ -222,7 +226,7 @@ DEEPSPEED: tuple[Flag, ...] = (
         "training.zero_stage",
         type=int,
         default=None,
-        derived=True,
+        derived=True,  # absent: the JSON's stage, else 0; --use-distributed-optimizer is 1
         choices=(0, 1),
         refused_values=(Refusal("2", *_ZERO_PIPE), Refusal("3", *_ZERO_PIPE)),
     ),

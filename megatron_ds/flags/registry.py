@@ -4,6 +4,7 @@ argument groups), and the lookup by spelling."""
 from __future__ import annotations
 
 import megatron_ds.flags.data_io as data_io
+import megatron_ds.flags.megatron_lm as megatron_lm
 import megatron_ds.flags.model as model
 import megatron_ds.flags.parallel as parallel
 import megatron_ds.flags.training as training
@@ -11,20 +12,29 @@ from megatron_ds.flags.declare import Flag
 
 FLAGS: tuple[Flag, ...] = (
     *model.NETWORK,
+    *megatron_lm.NETWORK,
     *model.MIXTURE_OF_EXPERTS,
     *data_io.LOGGING,
+    *megatron_lm.LOGGING,
     *model.REGULARIZATION,
     *training.TRAINING,
+    *megatron_lm.TRAINING,
     *model.INITIALIZATION,
     *training.LEARNING_RATE,
     *data_io.CHECKPOINTING,
+    *megatron_lm.CHECKPOINTING,
     *training.MIXED_PRECISION,
+    *megatron_lm.MIXED_PRECISION,
+    *megatron_lm.TRANSFORMER_ENGINE,
     *parallel.DISTRIBUTED,
+    *megatron_lm.DISTRIBUTED,
     *training.VALIDATION,
     *data_io.DATA,
+    *megatron_lm.DATA,
     *parallel.DEEPSPEED,
 )
-"""All flags, in the compatibility table's order (Megatron-DeepSpeed's groups)."""
+"""All flags, in the compatibility table's order (Megatron-DeepSpeed's groups, each followed by the
+Megatron-LM flags of that group)."""
 
 BY_NAME: dict[str, Flag] = {name: f for f in FLAGS for name in (f.name, *f.aliases)}
 assert len(BY_NAME) == sum(1 + len(f.aliases) for f in FLAGS), "a flag is declared twice"

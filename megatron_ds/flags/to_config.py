@@ -32,7 +32,7 @@ from megatron_ds.config import (
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.machine import Machine, for_layout
 from megatron_ds.estimate.run_layout import check_layout
-from megatron_ds.flags import compat, dry_run
+from megatron_ds.flags import compat, dry_run, model_flags, step_flags
 from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.deepspeed_json import json_default
@@ -85,7 +85,11 @@ def tokenizer_type(args: argparse.Namespace) -> str | None:
 
 def data_config(args: argparse.Namespace, direct: dict[str, Any]) -> DataConfig:
     """The data section (also what tools/show_samples.py reads from a pretrain_gpt.py line)."""
-    return DataConfig(**direct, tokenizer_type=tokenizer_type(args), data_upstream=data_upstream(args))
+    kind = tokenizer_type(args)
+    null_vocab = args.vocab_size if kind == "NullTokenizer" else None
+    return DataConfig(
+        **direct, tokenizer_type=kind, data_upstream=data_upstream(args), null_tokenizer_vocab_size=null_vocab
+    )
 
 
 def _vocab_size(args: argparse.Namespace) -> int:
@@ -99,6 +103,7 @@ def _vocab_size(args: argparse.Namespace) -> int:
             tokenizer_model=args.tokenizer_model,
             vocab_file=args.vocab_file,
             merge_file=args.merge_file,
+            vocab_size=args.vocab_size,
         )
         tokenizer_vocab = tok.vocab_size
     if args.vocab_size is not None:
@@ -125,18 +130,27 @@ def _vocab_size(args: argparse.Namespace) -> int:
 
 def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConfig:
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    rotary, table = model_flags.position_embeddings(args)
+    norm, norm_warning = model_flags.normalization(args)
     model = ModelConfig(
         **direct,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         vocab_size=_vocab_size(args),
-        # Rotary embeddings replace the learned position table (the pre group then has none).
-        add_position_embedding=args.add_position_embedding and not args.use_rotary_position_embeddings,
+        use_rotary_position_embeddings=rotary,
+        add_position_embedding=table,
         activation=model_activation(args),
+        normalization=norm,
+        num_key_value_heads=model_flags.key_value_heads(args),
     )
     _check_fixed_model_options(args, model)
+    model_flags.check_parallel_modes(args)
+    if norm_warning:
+        warn(norm_warning)
     if args.rotary_base != model.rotary_base:
         warn(f"--rotary-base {args.rotary_base:g} only applies with --use-rotary-position-embeddings; ignored")
+    if args.rotary_percent != model.rotary_percent:
+        warn(f"--rotary-percent {args.rotary_percent:g} only applies with --use-rotary-position-embeddings; ignored")
     return model
 
 
@@ -231,20 +245,26 @@ def _training_config(
     args: argparse.Namespace, direct: dict[str, Any], parallel: ParallelConfig, model: ModelConfig
 ) -> TrainingConfig:
     mbs = 1 if args.micro_batch_size is None else args.micro_batch_size
-    gbs = mbs * parallel.data_parallel_size if args.global_batch_size is None else args.global_batch_size
+    schedule = step_flags.step_schedule(args.step_batch_size_schedule, model.seq_length)
+    gbs = step_flags.global_batch_size(args, schedule, mbs * parallel.data_parallel_size)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     _warn_loss_scale_ignored(args, precision)
     recompute, chunk = _recompute(args)
     training = TrainingConfig(
         **direct,
-        zero_stage=json_default(args, "zero_stage"),
         micro_batch_size=mbs,
         global_batch_size=gbs,
         precision=precision,
         checkpoint_activations=recompute,
         checkpoint_num_layers=chunk,
+        zero_stage=model_flags.zero_stage(args, absent=lambda: json_default(args, "zero_stage")),
+        rampup_batch_size=step_flags.rampup(args),
+        step_batch_size_schedule=schedule,
+        deepspeed_config=args.deepspeed_config,
+        curriculum=step_flags.curriculum(args.deepspeed_config),
     )  # checked before train_length divides by the batch size
-    return dataclasses.replace(training, train_iters=train_length(args, gbs, model.seq_length)[0])
+    sizes = training if training.varies else None
+    return dataclasses.replace(training, train_iters=train_length(args, gbs, model.seq_length, sizes)[0])
 
 
 def _one_of(args: argparse.Namespace, *dests: str) -> object | None:
@@ -318,11 +338,18 @@ def _optimizer_config(
         raise ConfigError("missing --lr; give the peak learning rate, e.g. --lr 3e-4")
     # --print-layout needs no learning rate: stand in with --min-lr, which OptimizerConfig accepts
     lr = args.lr if args.lr is not None else args.min_lr
+    gbs = training.global_batch_size
+    sizes = training if training.varies else None
+    wd_samples = 0
+    if args.weight_decay_incr_style != "constant":
+        wd_samples = step_flags.weight_decay_incr_samples(args, gbs, train_length(args, gbs, seq_length, sizes)[1])
     return OptimizerConfig(
         **direct,
         lr=lr,
         clip_grad=json_default(args, "clip_grad"),
-        **schedule_lengths(args, training.global_batch_size, seq_length),
+        weight_decay_incr_style=args.weight_decay_incr_style,
+        weight_decay_incr_samples=wd_samples,
+        **schedule_lengths(args, gbs, seq_length, sizes),
     )
 
 
@@ -336,6 +363,9 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
     parallel = _parallel_config(args, direct.get("parallel", {}), world_size)
     training = _training_config(args, direct.get("training", {}), parallel, model)
     _warn_tensorboard_ignored(args)
+    model_flags.check_loss_options(args)
+    model_flags.check_logging_options(args, training.zero_stage)
+    model_flags.format_notices(args)
     config = Config(
         model=model,
         regularization=RegularizationConfig(**direct.get("regularization", {})),
@@ -344,7 +374,7 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         optimizer=_optimizer_config(args, direct.get("optimizer", {}), training, model.seq_length),
         training=training,
         checkpoint=CheckpointConfig(**direct.get("checkpoint", {})),
-        logging=LoggingConfig(**direct.get("logging", {})),
+        logging=LoggingConfig(**direct.get("logging", {}), profile_ranks=tuple(args.profile_ranks or ())),
     )
     warning = None if machine is None else dry_run.runs_on_warning(config, machine, args.print_layout)
     if warning:

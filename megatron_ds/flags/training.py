@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_ds.config import LR_DECAY_STYLES, OPTIMIZERS
-from megatron_ds.flags.declare import VALUE, VALUES, Flag, Refusal, accepted, neutral, no_op, refused, switch
+from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, neutral, no_op, refused, switch
 
 _TRAIN, _LR, _MIXED, _VAL = "training", "learning rate", "mixed precision", "validation"
 _SDPA = "attention is torch's scaled_dot_product_attention, which picks flash/memory-efficient kernels itself"
@@ -175,12 +175,16 @@ TRAINING: tuple[Flag, ...] = (
         dest="add_bias_linear",
     ),
     refused("--batch-size", _TRAIN, "Megatron's deprecated name", "use --micro-batch-size", VALUE),
-    refused(
+    accepted(
         "--rampup-batch-size",
         _TRAIN,
-        "DeepSpeed's pipeline engine runs a fixed number of micro-batches per step",
-        "train with the final --global-batch-size",
-        VALUES,
+        "START INCREMENT SAMPLES: the global batch size starts at START and grows by INCREMENT in equal shares of "
+        "SAMPLES consumed samples up to --global-batch-size (Megatron's ramp-up; DeepSpeed's engine runs the "
+        "matching number of micro-batches each step, and checkpoints resume mid-ramp)",
+        "training.rampup_batch_size",
+        type=int,
+        nargs=3,
+        derived=True,
     ),
     refused("--recompute-activations", _TRAIN, _SELECTIVE, _FULL_UNIFORM),
     refused("--distribute-saved-activations", _TRAIN, _DS_CKPT),
@@ -193,10 +197,12 @@ TRAINING: tuple[Flag, ...] = (
         "training.exit_signal_handler",
     ),
     refused("--cpu-optimizer", _TRAIN, "the optimizer is torch's AdamW/SGD on the training device"),
-    refused(
+    switch(
         "--sequence-parallel",
         _TRAIN,
-        "Megatron sequence parallelism is not implemented (tensor parallelism here keeps activations replicated)",
+        "Megatron sequence parallelism: at --tensor-model-parallel-size 1 it changes nothing (Megatron-LM turns "
+        "it off there too; a NOTICE says so); above 1 it is refused (not implemented: tensor parallelism here "
+        "keeps activations replicated)",
     ),
     neutral(
         "--ds-sequence-parallel-size",

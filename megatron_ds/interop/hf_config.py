@@ -2,7 +2,10 @@
 
 GPT-2 (`GPT2LMHeadModel`): LayerNorm, a GeLU (tanh `gelu_new` or exact `gelu`), learned positions,
 biases, multi-head attention. Llama (`LlamaForCausalLM`): RMSNorm, SwiGLU, rotary embeddings (any
-`rope_theta`), optional grouped-query attention and biases. Either may tie or untie its LM head
+`rope_theta`) on whole heads, optional grouped-query attention and biases. Phi-3 (`Phi3ForCausalLM`):
+Llama's layer without biases, with fused q|k|v and gate|up tensors and partial rotary embeddings
+(`partial_rotary_factor`, our `--rotary-percent`: the Llama-like models whose rotary share is below
+1 export as Phi-3, since transformers' Llama rotates whole heads). Each may tie or untie its LM head
 (`tie_word_embeddings`). Activation names come from `megatron_ds.model.activations` (`hf_names`),
 each architecture's norm from `megatron_ds.model.norms` (`hf_model_types`).
 
@@ -23,8 +26,8 @@ from megatron_ds.errors import UserError
 from megatron_ds.flags.to_config import ACTIVATION_FLAGS
 from megatron_ds.model import activations, norms
 
-GPT2, LLAMA = "gpt2", "llama"
-ARCHITECTURE_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+GPT2, LLAMA, PHI3 = "gpt2", "llama", "phi3"
+ARCHITECTURE_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", PHI3: "Phi3ForCausalLM"}
 
 GPT2_ACTIVATIONS: dict[str, str] = {
     hf: a.name for a in activations.REGISTRY.values() if not a.gated for hf in a.hf_names
@@ -34,7 +37,8 @@ and `gelu_fast` are the tanh form, `gelu` the exact one."""
 LLAMA_ACTIVATIONS: dict[str, str] = {hf: a.name for a in activations.REGISTRY.values() if a.gated for hf in a.hf_names}
 """Llama's `hidden_act` (the gate's function) -> our gated activation."""
 GPT2_NORM, LLAMA_NORM = norms.for_hf_model_type(GPT2), norms.for_hf_model_type(LLAMA)
-"""The norm each architecture is built with (LayerNorm, RMSNorm)."""
+PHI3_NORM = norms.for_hf_model_type(PHI3)
+"""The norm each architecture is built with (LayerNorm, RMSNorm, RMSNorm)."""
 
 
 class HFConfigError(UserError):
@@ -78,11 +82,24 @@ LLAMA_REQUIRES = (
     ),
     Requirement(lambda m: not m.add_position_embedding, "learned position embeddings: Llama has none"),
 )
+PHI3_REQUIRES = (
+    _norm_requirement(PHI3_NORM, "Phi-3"),
+    Requirement(
+        lambda m: not m.add_bias_linear,
+        lambda m: (
+            f"biases with --rotary-percent {m.rotary_percent:g}: partial rotary exports as Phi-3, which has no "
+            f"biases (transformers' Llama, which has them, rotates whole heads)"
+        ),
+    ),
+)
 
 
 def architecture_of(model: ModelConfig) -> str:
-    """GPT2 or LLAMA for a model both sides express exactly; HFConfigError naming the first obstacle."""
-    arch, requires = (LLAMA, LLAMA_REQUIRES) if model.gated_mlp else (GPT2, GPT2_REQUIRES)
+    """GPT2, LLAMA or PHI3 for a model both sides express exactly; HFConfigError naming the first obstacle."""
+    if model.gated_mlp and model.rotary_percent < 1.0:
+        arch, requires = PHI3, LLAMA_REQUIRES[1:] + PHI3_REQUIRES
+    else:
+        arch, requires = (LLAMA, LLAMA_REQUIRES) if model.gated_mlp else (GPT2, GPT2_REQUIRES)
     for r in requires:
         if not r.holds(model):
             problem = r.problem(model) if callable(r.problem) else r.problem
@@ -125,6 +142,8 @@ def to_hf_config(
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
         }
+    if arch == PHI3:
+        return {**common, **_phi3_fields(model, regularization)}
     return {
         **common,
         "num_hidden_layers": model.num_layers,
@@ -145,6 +164,28 @@ def to_hf_config(
     }
 
 
+def _phi3_fields(model: ModelConfig, regularization: RegularizationConfig) -> dict[str, Any]:
+    return {
+        "num_hidden_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.kv_heads,
+        "intermediate_size": model.ffn_hidden_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "original_max_position_embeddings": model.max_position_embeddings,
+        "hidden_act": activations.find(model.activation).hf_names[0],
+        "rms_norm_eps": model.layernorm_epsilon,
+        "rope_theta": model.rotary_base,
+        "partial_rotary_factor": model.rotary_percent,
+        "rope_scaling": None,
+        "sliding_window": None,
+        "resid_pdrop": regularization.hidden_dropout,
+        "embd_pdrop": regularization.hidden_dropout,
+        "attention_dropout": regularization.attention_dropout,
+        "pad_token_id": None,  # Phi-3's default (32000) would name a row the embedding may not have
+    }
+
+
 @dataclass
 class HFModel:
     """What a Hugging Face `config.json` says, in our terms."""
@@ -162,13 +203,13 @@ def from_hf_config(hf: dict[str, Any], source: str) -> HFModel:
     """Read a GPT-2 or Llama `config.json` (already parsed); HFConfigError names an unsupported field."""
     reader = _Fields(hf, source)
     model_type = reader.get("model_type", str, None)
-    if model_type not in (GPT2, LLAMA):
+    if model_type not in (GPT2, LLAMA, PHI3):
         archs = hf.get("architectures")
         raise HFConfigError(
             f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; "
-            f"only gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM) convert exactly"
+            f"only gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM) and phi3 (Phi3ForCausalLM) convert exactly"
         )
-    return _from_gpt2(reader) if model_type == GPT2 else _from_llama(reader)
+    return {GPT2: _from_gpt2, LLAMA: _from_llama, PHI3: _from_phi3}[model_type](reader)
 
 
 class _Fields:
@@ -257,6 +298,7 @@ def _from_llama(f: _Fields) -> HFModel:
         **ACTIVATION_FLAGS[LLAMA_ACTIVATIONS[act]],
         "use_rotary_position_embeddings": True,
         "rotary_base": _rope_theta(f),
+        "rotary_percent": 1.0,  # transformers' Llama rotates whole heads (whatever partial_rotary_factor says)
         "add_position_embedding": False,
         "add_bias_linear": attention_bias,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
@@ -268,6 +310,41 @@ def _from_llama(f: _Fields) -> HFModel:
         "seq_length": architecture["max_position_embeddings"],
     }
     return HFModel(LLAMA, architecture, defaults, f.get("vocab_size", int))
+
+
+def _from_phi3(f: _Fields) -> HFModel:
+    """Phi-3: Llama's layer without biases, partial rotary embeddings."""
+    act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", "Phi-3's MLP here is SwiGLU (silu)")
+    f.require("sliding_window", (None,), None, "attention is over the whole sequence here")
+    h, heads = f.get("hidden_size", int), f.get("num_attention_heads", int)
+    params = f.hf.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise HFConfigError(f"{f.source}: partial_rotary_factor {factor!r} is not in (0, 1]; fix the config.json")
+    architecture = {
+        "num_layers": f.get("num_hidden_layers", int),
+        "hidden_size": h,
+        "num_attention_heads": heads,
+        "num_key_value_heads": f.get("num_key_value_heads", int, heads),
+        "ffn_hidden_size": f.get("intermediate_size", int),
+        "max_position_embeddings": f.get("max_position_embeddings", int),
+        "layernorm_epsilon": f.get("rms_norm_eps", float, 1e-5),
+        "normalization": PHI3_NORM.name,
+        **ACTIVATION_FLAGS[LLAMA_ACTIVATIONS[act]],
+        "use_rotary_position_embeddings": True,
+        "rotary_base": _rope_theta(f),
+        "rotary_percent": float(factor),
+        "add_position_embedding": False,
+        "add_bias_linear": False,
+        "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
+    }
+    defaults = {
+        "hidden_dropout": f.get("resid_pdrop", float, 0.0),
+        "attention_dropout": f.get("attention_dropout", float, 0.0),
+        "init_method_std": f.get("initializer_range", float, 0.02),
+        "seq_length": architecture["max_position_embeddings"],
+    }
+    return HFModel(PHI3, architecture, defaults, f.get("vocab_size", int))
 
 
 def _rope_theta(f: _Fields) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.interop.hf_config import GPT2, LLAMA
+from megatron_ds.interop.hf_config import GPT2, LLAMA, PHI3
 from megatron_ds.model import naming, sharding
 
 COPY, TRANSPOSE, SPLIT = "copy", "transpose", "split"
@@ -68,7 +68,18 @@ LLAMA_NAMES: dict[tuple[str, str], WeightMap] = {
     (naming.FINAL_NORM, "norm.weight"): WeightMap(("model.norm.weight",)),
     (naming.UNTIED_LM_HEAD, "weight"): WeightMap(("lm_head.weight",)),
 }
-TABLES = {GPT2: GPT2_NAMES, LLAMA: LLAMA_NAMES}
+PHI3_NAMES: dict[tuple[str, str], WeightMap] = {
+    (naming.WORD_EMBEDDING, "weight"): WeightMap(("model.embed_tokens.weight",)),
+    (_L, "input_norm.weight"): WeightMap((_LLAMA_BLOCK + "input_layernorm.weight",)),
+    (_L, "qkv.weight"): WeightMap((_ATTN + "qkv_proj.weight",)),  # q|k|v rows, as ours
+    (_L, "proj.weight"): WeightMap((_ATTN + "o_proj.weight",)),
+    (_L, "post_attention_norm.weight"): WeightMap((_LLAMA_BLOCK + "post_attention_layernorm.weight",)),
+    (_L, "fc1.weight"): WeightMap((_MLP + "gate_up_proj.weight",)),  # gate|up rows, as ours
+    (_L, "fc2.weight"): WeightMap((_MLP + "down_proj.weight",)),
+    (naming.FINAL_NORM, "norm.weight"): WeightMap(("model.norm.weight",)),
+    (naming.UNTIED_LM_HEAD, "weight"): WeightMap(("lm_head.weight",)),
+}
+TABLES = {GPT2: GPT2_NAMES, LLAMA: LLAMA_NAMES, PHI3: PHI3_NAMES}
 
 IGNORED_HF_TENSORS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 """Buffers some HF checkpoints store that are not weights (causal masks, rotary frequencies)."""

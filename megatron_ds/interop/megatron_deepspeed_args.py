@@ -215,6 +215,8 @@ def train_state(ckpt: MegatronDeepSpeedCheckpoint) -> dict[str, Any]:
         iteration=int(ckpt.states.get("iteration") or a.get("iteration") or 0),
         consumed_train_samples=int(a.get("consumed_train_samples") or 0),
         consumed_valid_samples=int(a.get("consumed_valid_samples") or 0),
+        # upstream saves args.consumed_train_tokens as the checkpoint's `tokens` (megatron/checkpointing.py)
+        consumed_train_tokens=int(ckpt.states.get("tokens") or a.get("consumed_train_tokens") or 0),
     )
     return asdict(state)
 

@@ -159,6 +159,7 @@ class GPTModelPipe(PipelineModule):
         assert self._grid.get_slice_parallel_rank() == tp.rank, (self._grid.get_slice_parallel_rank(), tp)
         self._check_tied_group()
         mark_norm_counting(self, tp.rank)
+        mark_embedding_and_output(self)
 
     def _check_tied_group(self) -> None:
         # Invariant: each tied copy is reduced with exactly the other stage's copy of the same
@@ -209,3 +210,15 @@ def mark_norm_counting(module: torch.nn.Module, tp_rank: int) -> None:
         replicated_copy = getattr(p, "ds_pipe_replicated", False)
         sharded = getattr(p, "tensor_model_parallel", False)
         setattr(p, COUNTED_IN_NORM, (not replicated_copy) and (sharded or tp_rank == 0))
+
+
+EMBEDDING_OR_OUTPUT = "is_embedding_or_output_parameter"
+"""The parameter attribute megatron-core sets on the word embedding and output layer weights (both
+tied copies, or the untied head): the parameters Megatron-LM's `--decoupled-lr` applies to."""
+
+
+def mark_embedding_and_output(module: torch.nn.Module) -> None:
+    """Mark the word embedding's and the LM head's weights (`EMBEDDING_OR_OUTPUT`)."""
+    for sub in module.modules():
+        if _class_name(type(sub)) in (naming.WORD_EMBEDDING, naming.UNTIED_LM_HEAD):
+            setattr(sub.weight, EMBEDDING_OR_OUTPUT, True)

@@ -17,6 +17,7 @@ models and the planner read the registry without torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 from megatron_ds.config.model import NORMALIZATIONS
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -52,6 +54,11 @@ class Norm:
     hf_model_types: tuple[str, ...]
     """Hugging Face `model_type`s built with this norm (GPT-2's `nn.LayerNorm`, Llama's
     `LlamaRMSNorm`): a model exports to, and a `config.json` of that type imports as, this norm."""
+    megatron_lm: str
+    """Megatron-LM's `--normalization` spelling of the norm's family (`LayerNorm`, `RMSNorm`)."""
+    zero_centered_gamma: bool = False
+    """The weight is stored as gamma - 1 and starts at 0 (Megatron's `--apply-layernorm-1p`,
+    megatron-core's `layernorm_zero_centered_gamma`): the same function, another parametrisation."""
 
     @property
     def params_per_hidden(self) -> int:
@@ -71,6 +78,40 @@ def _rmsnorm(hidden_size: int, eps: float) -> nn.Module:
     return nn.RMSNorm(hidden_size, eps=eps)
 
 
+@functools.cache
+def _zero_centered(rms: bool) -> type:
+    """torch's LayerNorm or RMSNorm computing with weight + 1 (one class each, built on first use so
+    that importing this module loads no torch)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    base = nn.RMSNorm if rms else nn.LayerNorm
+
+    class ZeroCenteredGamma(base):  # type: ignore[misc, valid-type]
+        __doc__ = f"{base.__name__} whose weight holds gamma - 1 (Megatron's 1p form); starts at 0."
+
+        def reset_parameters(self) -> None:
+            super().reset_parameters()
+            nn.init.zeros_(self.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            gamma = self.weight + 1
+            if rms:
+                return F.rms_norm(x, self.normalized_shape, gamma, self.eps)
+            return F.layer_norm(x, self.normalized_shape, gamma, self.bias, self.eps)
+
+    ZeroCenteredGamma.__name__ = f"{base.__name__}1P"
+    return ZeroCenteredGamma
+
+
+def _layernorm1p(hidden_size: int, eps: float) -> nn.Module:
+    return _zero_centered(False)(hidden_size, eps=eps)
+
+
+def _rmsnorm1p(hidden_size: int, eps: float) -> nn.Module:
+    return _zero_centered(True)(hidden_size, eps=eps)
+
+
 REGISTRY: dict[str, Norm] = {
     n.name: n
     for n in (
@@ -83,6 +124,7 @@ REGISTRY: dict[str, Norm] = {
             saved_statistics=2,
             forward_flops=5,
             hf_model_types=("gpt2",),
+            megatron_lm="LayerNorm",
         ),
         Norm(
             "rmsnorm",
@@ -92,7 +134,34 @@ REGISTRY: dict[str, Norm] = {
             stored_keys=("weight",),
             saved_statistics=1,
             forward_flops=4,
-            hf_model_types=("llama",),
+            hf_model_types=("llama", "phi3"),
+            megatron_lm="RMSNorm",
+        ),
+        Norm(
+            "layernorm1p",
+            "LayerNorm1P",
+            "LayerNorm computing with (1 + weight), the weight starting at 0 (--apply-layernorm-1p): Megatron's "
+            "zero-centred gamma",
+            _layernorm1p,
+            stored_keys=("weight", "bias"),
+            saved_statistics=2,
+            forward_flops=5,
+            hf_model_types=(),
+            megatron_lm="LayerNorm",
+            zero_centered_gamma=True,
+        ),
+        Norm(
+            "rmsnorm1p",
+            "RMSNorm1P",
+            "RMSNorm computing with (1 + weight), the weight starting at 0 (--normalization RMSNorm "
+            "--apply-layernorm-1p): megatron-core's zero-centred gamma with Transformer Engine's RMSNorm",
+            _rmsnorm1p,
+            stored_keys=("weight",),
+            saved_statistics=1,
+            forward_flops=4,
+            hf_model_types=(),
+            megatron_lm="RMSNorm",
+            zero_centered_gamma=True,
         ),
     )
 }
@@ -108,3 +177,26 @@ def for_hf_model_type(model_type: str) -> Norm:
     """The norm of Hugging Face's `model_type` (each supported type names exactly one)."""
     (norm,) = (n for n in REGISTRY.values() if model_type in n.hf_model_types)
     return norm
+
+
+FLAG_SPELLINGS: tuple[str, ...] = (*REGISTRY, *dict.fromkeys(n.megatron_lm for n in REGISTRY.values()))
+"""What `--normalization` accepts: our names (Megatron-DeepSpeed's lower-case spellings) and
+Megatron-LM's (`LayerNorm`, `RMSNorm`)."""
+
+
+def from_flags(spelling: str, apply_1p: bool) -> tuple[Norm, str | None]:
+    """The norm `--normalization spelling [--apply-layernorm-1p]` builds, and a warning when the 1p
+    flag is ignored. Megatron-LM zero-centres either family (`LayerNorm`, `RMSNorm`: megatron-core's
+    layernorm_zero_centered_gamma); Megatron-DeepSpeed (`layernorm`, `rmsnorm`) only its LayerNorm,
+    its RMSNorm ignores the flag, and so does this mapping then."""
+    norm = REGISTRY.get(spelling) or next(
+        n for n in REGISTRY.values() if n.megatron_lm == spelling and not n.zero_centered_gamma
+    )
+    if not apply_1p or norm.zero_centered_gamma:
+        return norm, None
+    if spelling == "rmsnorm":
+        return norm, (
+            "--apply-layernorm-1p with --normalization rmsnorm: Megatron-DeepSpeed zero-centres LayerNorm only and "
+            "builds a plain RMSNorm, as here (Megatron-LM's --normalization RMSNorm zero-centres it); ignored"
+        )
+    return next(n for n in REGISTRY.values() if n.megatron_lm == norm.megatron_lm and n.zero_centered_gamma), None

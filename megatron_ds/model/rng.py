@@ -29,7 +29,7 @@ swaps the CPU default generator's state; on GPU the device generator's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,12 +164,13 @@ def micro_batch_first_sample(
     return samples_before_step + (local * data_parallel + data_parallel_rank) * micro_batch_size
 
 
-def install_micro_batch_seeding(engine: Any, forward_micro_batches: Sequence[int]) -> None:
+def install_micro_batch_seeding(engine: Any, forward_micro_batches: Callable[[int], Sequence[int]]) -> None:
     """Reseed the stage's dropout streams before each training forward of DeepSpeed's pipeline
     engine from `micro_batch_first_sample(engine.global_samples, j, ...)`, j the micro-batch of the
-    step's k-th forward on this stage: `forward_micro_batches[k]`, read off the pipeline schedule
-    (`estimate.pipeline_schedules.forward_micro_batches`; `global_samples` counts the samples of
-    the steps taken, restored on load). A stage without dropout streams gets no hook.
+    step's k-th forward on this stage: `forward_micro_batches(m)[k]` for a step of m micro-batches,
+    read off the pipeline schedule (`estimate.pipeline_schedules.forward_micro_batches`; m is
+    `engine.micro_batches`, which a batch-size ramp-up changes; `global_samples` counts the samples
+    of the steps taken, restored on load). A stage without dropout streams gets no hook.
     """
     module = engine.module
     streams = module_streams(module)
@@ -179,6 +180,7 @@ def install_micro_batch_seeding(engine: Any, forward_micro_batches: Sequence[int
     data_parallel, data_parallel_rank = grid.data_parallel_size, grid.get_data_parallel_rank()
     micro_batch_size = engine.train_micro_batch_size_per_gpu()
     clock = {"samples": -1, "local": 0}
+    orders: dict[int, Sequence[int]] = {}
 
     def before_forward(mod: nn.Module, args: Any) -> None:
         if not mod.training:
@@ -186,7 +188,9 @@ def install_micro_batch_seeding(engine: Any, forward_micro_batches: Sequence[int
         samples = int(engine.global_samples)
         if samples != clock["samples"]:  # a new step
             clock.update(samples=samples, local=0)
-        local = forward_micro_batches[clock["local"]]
+        m = int(engine.micro_batches)
+        order = orders.get(m) or orders.setdefault(m, forward_micro_batches(m))
+        local = order[clock["local"]]
         first = micro_batch_first_sample(samples, local, micro_batch_size, data_parallel, data_parallel_rank)
         clock["local"] += 1
         seed_streams(streams, first)

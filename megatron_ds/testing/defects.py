@@ -35,7 +35,11 @@ def install_stock_fp32_grad_norm(engine: Any) -> None:
 UNFIXED: dict[str, tuple[str, str, Callable[..., Any]]] = {
     # An embedding-only stage leaves its no-decay group empty, DeepSpeed drops it, and under ZeRO
     # that stage issues one gradient-norm all-reduce fewer: the seed's hang.
-    "group_placeholders": ("megatron_ds.training.builder", "add_group_placeholders", lambda module: []),
+    "group_placeholders": (
+        "megatron_ds.training.builder",
+        "add_group_placeholders",
+        lambda module, decoupled=False: [],
+    ),
     # No parameter says "count me": DeepSpeed's norm paths fall back to model-parallel rank 0 (stage 0).
     "norm_marking": ("megatron_ds.model.gpt_pipe", "mark_norm_counting", lambda module, tp_rank: None),
     # DeepSpeed's fp32 clip rule (stage 0 only without marking; the tied shard twice at T > 1).

@@ -183,7 +183,7 @@ def _assemble(
     topology = build_topology(config)
     tp = tensor_parallel.setup(config, topology)  # T > 1: megatron-core's groups, checked against the topology
     model = GPTModelPipe(config, layout, topology=topology, tp=tp)  # marks the norm counting
-    add_group_placeholders(model)
+    add_group_placeholders(model, decoupled=config.optimizer.decoupled_lr is not None)
     optimizer = build_optimizer(model, config.optimizer, factory)
     check_structure(model, optimizer)
     engine, optimizer, _, _ = deepspeed.initialize(
@@ -191,8 +191,9 @@ def _assemble(
     )
     install_fp32_grad_norm(engine)
     schedule = pipeline_schedules.find(config.parallel.pipeline_schedule)
-    order = pipeline_schedules.forward_micro_batches(schedule, engine.micro_batches, engine.num_stages, engine.stage_id)
-    rng.install_micro_batch_seeding(engine, order)
+    rng.install_micro_batch_seeding(
+        engine, lambda m: pipeline_schedules.forward_micro_batches(schedule, m, engine.num_stages, engine.stage_id)
+    )
     timers = stage_timers.install(engine, config.parallel.pipeline_schedule)
     watchdog = Watchdog(config.parallel.distributed_timeout_minutes * 60, dist.get_rank(), engine.stage_id)
     return Pipeline(

@@ -19,6 +19,7 @@ import math
 from typing import Any, NamedTuple
 
 from megatron_ds.config import Config
+from megatron_ds.config.schedules import CURRICULUM_KEY, CurriculumConfig
 from megatron_ds.errors import UserError
 from megatron_ds.estimate.transients import zero_bucket_elements_for
 from megatron_ds.training import deepspeed_sections
@@ -250,6 +251,20 @@ def _check_activation_checkpointing(ds: dict[str, Any], source: UserSource) -> N
         )
 
 
+def _check_curriculum(keys: dict[str, Any], config: Config, source: UserSource) -> None:
+    """`curriculum_learning` is run by the training loop (`training/step_plan.py`, from
+    `config.training.curriculum`), not by DeepSpeed, which rejects the legacy key (the section table
+    withholds it): a file's section must be the curriculum the config holds."""
+    section = deepspeed_sections.implemented_section(keys, CURRICULUM_KEY)
+    if section is None:
+        return
+    if CurriculumConfig.from_json(section, source.label) != config.training.curriculum:
+        raise DeepSpeedConfigError(
+            f"{source.label} has a {CURRICULUM_KEY} section that config.training.curriculum does not hold; set "
+            f"config.training.curriculum = CurriculumConfig.from_json(section, ...) (the loop runs it)"
+        )
+
+
 def build(config: Config, user: dict[str, Any] | None = None) -> dict[str, Any]:
     """The final DeepSpeed config: generated, merged with the user file (`--deepspeed_config`) and
     then the `user` dict (`build_pipeline(ds_config=...)`) if any, and checked."""
@@ -291,6 +306,8 @@ def build_with_notices(config: Config, user: dict[str, Any] | None = None) -> tu
             f"{config.optimizer.clip_grad:g} (written into the JSON, so the clip never depends on the installed "
             f"DeepSpeed's default for a missing key; Megatron-DeepSpeed would use that default)"
         )
+    for source, keys in sources:
+        _check_curriculum(keys, config, source)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1):  # the model is a PipelineModule, so DeepSpeed builds its pipeline engine at any P
         raise DeepSpeedConfigError(

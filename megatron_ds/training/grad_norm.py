@@ -51,3 +51,53 @@ def grad_norm(engine: Any) -> float | None:
     if norm is None:
         return None
     return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+
+
+@torch.no_grad()
+def params_norm(engine: Any) -> float:
+    """Megatron's `calc_params_l2_norm` (`--log-params-norm`): the L2 norm of every parameter, each
+    counted once over stages and tensor ranks (the same marking as the gradient norm), in fp32.
+    Collective over the model-parallel group."""
+    import torch.distributed as dist
+
+    squares = [
+        p.detach().float().pow(2).sum() for p in engine.module.parameters() if getattr(p, COUNTED_IN_NORM, False)
+    ]
+    total = torch.stack(squares).sum() if squares else torch.zeros(())
+    total = total.to(engine.device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=engine.mpu.get_model_parallel_group())
+    return float(total.sqrt().item())
+
+
+class ZeroCounter:
+    """`--log-num-zeros-in-grad`: zero elements of the reduced gradients of the last step, each
+    counted once (Megatron's `count_zeros_fp32`), read just before DeepSpeed's optimizer step, after
+    the data-parallel and tied reductions. The count of this rank is kept; `total` sums it over the
+    model-parallel group (outside the step, so no collective runs inside the engine's schedule)."""
+
+    def __init__(self, engine: Any) -> None:
+        from deepspeed.runtime.pipe import schedule
+
+        self.engine, self.local = engine, 0
+        step = schedule.OptimizerStep
+        table = engine.__dict__.setdefault("_INSTRUCTION_MAP", dict(type(engine)._INSTRUCTION_MAP))
+        run_step = table[step]
+
+        def counted(eng: Any, *args: Any, **kwargs: Any) -> Any:
+            self.local = self._count()
+            return run_step(eng, *args, **kwargs)
+
+        table[step] = counted
+
+    def _count(self) -> int:
+        grads = [
+            p.grad for p in self.engine.module.parameters() if p.grad is not None and getattr(p, COUNTED_IN_NORM, False)
+        ]
+        return int(sum(int(g.numel() - torch.count_nonzero(g)) for g in grads))
+
+    def total(self) -> int:
+        import torch.distributed as dist
+
+        count = torch.tensor([float(self.local)], device=self.engine.device)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.engine.mpu.get_model_parallel_group())
+        return int(count.item())

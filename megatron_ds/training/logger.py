@@ -31,6 +31,12 @@ class StepStats:
     """Model FLOPs per iteration / (iteration time x world size), in TFLOP/s (Megatron-LM's throughput)."""
     mfu: float | None = None
     """tflops_per_gpu / the device's peak, when the peak is known."""
+    params_norm: float | None = None
+    """L2 norm of all parameters (`--log-params-norm`)."""
+    num_zeros: int | None = None
+    """Zero elements of the last step's reduced gradients (`--log-num-zeros-in-grad`)."""
+    curriculum_seq_length: int | None = None
+    """The curriculum's sequence length of the last step (`curriculum_learning`)."""
 
 
 def throughput(
@@ -61,6 +67,12 @@ def format_line(s: StepStats) -> str:
         f"lm loss: {s.loss:.6E}",
         f"grad norm: {s.grad_norm:.6f}" if s.grad_norm is not None else "grad norm: n/a",
     ]
+    if s.num_zeros is not None:
+        parts.append(f"num zeros: {float(s.num_zeros):.1f}")
+    if s.params_norm is not None:
+        parts.append(f"params norm: {s.params_norm:.3f}")
+    if s.curriculum_seq_length is not None:
+        parts.append(f"curriculum seqlen: {s.curriculum_seq_length:5d}")
     if s.loss_scale is not None:
         parts.append(f"loss scale: {s.loss_scale:.1f}")
     parts.append(f"tokens per second: {s.tokens_per_second:.1f}")
@@ -107,6 +119,12 @@ class TensorBoard:
             w.add_scalar("grad-norm/grad-norm", s.grad_norm, i)
         if s.loss_scale is not None and c.log_loss_scale_to_tensorboard:
             w.add_scalar("loss-scale/loss-scale", s.loss_scale, i)
+        if s.num_zeros is not None:
+            w.add_scalar("num-zeros/num-zeros", s.num_zeros, i)
+        if s.params_norm is not None:
+            w.add_scalar("params-norm/params-norm", s.params_norm, i)
+        if s.curriculum_seq_length is not None:
+            w.add_scalar("seqlen/curriculum_seqlen", s.curriculum_seq_length, i)
 
     def optimizer_states(self, engine: Any, iteration: int) -> None:
         """Norms of this rank's Adam moments and weights (`--log-optimizer-states-to-tensorboard`)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -24,61 +25,9 @@ from megatron_ds.training.lr_schedule import LRSchedule
 from megatron_ds.training.measure import memory, stage_timers
 from megatron_ds.training.preflight import Watchdog, install_stack_dump_handler
 from megatron_ds.training.resolve_layout import layout_text
+from megatron_ds.training.run_data import RunData, build_run_data
 from megatron_ds.training.state import TrainState
-
-
-@dataclass(frozen=True)
-class BatchReader:
-    """How this rank reads a split: what `pipeline_batches` takes besides the dataset and the start."""
-
-    micro_batch_size: int
-    """`--micro-batch-size`: samples per micro-batch on one data-parallel rank."""
-    data_parallel_rank: int
-    """This rank's data-parallel index: which samples of each global batch it reads."""
-    data_parallel_size: int
-    """Data-parallel replicas sharing each global batch."""
-    seed: int
-    """`--seed`: the data loader's generator and workers are seeded from it."""
-    reads_data: bool
-    """The first or the last stage: the only stages whose `train_batch` reads micro-batches."""
-
-    def batches(self, dataset: Any, start_sample: int, num_workers: int) -> Iterator[Any] | None:
-        """This rank's micro-batches of `dataset` from global sample `start_sample`; None without a
-        dataset or on a stage that reads none."""
-        from megatron_ds.data.gpt_data import pipeline_batches
-
-        if dataset is None or not self.reads_data:
-            return None
-        return pipeline_batches(
-            dataset,
-            self.micro_batch_size,
-            self.data_parallel_rank,
-            self.data_parallel_size,
-            start_sample,
-            num_workers,
-            self.seed,
-        )
-
-
-@dataclass
-class RunData:
-    """The loop's data on this rank: each split's micro-batches, positioned at the consumed samples."""
-
-    train: Iterator[Any] | None
-    """Training micro-batches from `consumed_train_samples` (None on a stage that reads none)."""
-    valid: Iterator[Any] | None
-    """Validation micro-batches from `consumed_valid_samples`, one stream that every evaluation
-    continues (None without a validation split or on a stage that reads none)."""
-    has_valid: bool
-    """There is a validation split: every stage evaluates, including those that read no data."""
-    test_dataset: Any
-    """The test split's dataset, or None; `test_batches` opens it at the final evaluation."""
-    reader: BatchReader
-    """How this rank reads each split."""
-
-    def test_batches(self) -> Iterator[Any] | None:
-        """The test split's micro-batches from its first sample (no loader workers)."""
-        return self.reader.batches(self.test_dataset, 0, 0)
+from megatron_ds.training.step_hooks import StepHooks
 
 
 @dataclass
@@ -99,6 +48,8 @@ class Run:
     """When setup began (time.time()); `--exit-duration-in-mins` counts from here."""
     peak_tflops: float | None = None
     """One device's peak for MFU (`--peak-tflops`, else `estimate.devices`), None if unknown."""
+    hooks: StepHooks | None = None
+    """Around each step: its batch size and sequence length, --manual-gc, --profile, log extras."""
 
     @property
     def engine(self) -> Any:
@@ -147,10 +98,12 @@ def setup(config: Config) -> Run:
         watchdog=pipeline.watchdog,
         rank=rank,
         is_logging_rank=is_logging_rank,
-        data=_build_data(config, pipeline.engine, state),
+        data=build_run_data(config, pipeline.engine, state),
         start_time=start_time,
         peak_tflops=peak,
+        hooks=StepHooks(config, pipeline.engine, rank),
     )
+    run.data.train = run.hooks.train_batches(run.data.train)
     if config.logging.tensorboard_dir and run.is_logging_rank:
         run.tensorboard = logger.TensorBoard(config.logging.tensorboard_dir, config.logging, dist.get_world_size())
     return run
@@ -180,54 +133,28 @@ def _load_or_fresh(config: Config, layout: Layout, pipeline: Pipeline, rank: int
     return state
 
 
-def _build_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
-    from megatron_ds.data.gpt_data import build_gpt_datasets
-    from megatron_ds.data.splits import requested_samples
-    from megatron_ds.data.tokenizer import build_tokenizer
-
-    t = cfg.training
-    tokenizer = None
-    if cfg.data.tokenizer_type:
-        tokenizer = build_tokenizer(
-            cfg.data.tokenizer_type,
-            tokenizer_model=cfg.data.tokenizer_model,
-            vocab_file=cfg.data.vocab_file,
-            merge_file=cfg.data.merge_file,
-        )
-    train, valid, test = build_gpt_datasets(
-        cfg.data, cfg.model.seq_length, t.seed, requested_samples(t), tokenizer, cfg.model.vocab_size
-    )
-    reader = BatchReader(
-        micro_batch_size=t.micro_batch_size,
-        data_parallel_rank=engine.grid.get_data_parallel_rank(),
-        data_parallel_size=cfg.parallel.data_parallel_size,
-        seed=t.seed,
-        reads_data=engine.is_first_stage() or engine.is_last_stage(),
-    )
-    return RunData(
-        train=reader.batches(train, state.consumed_train_samples, cfg.data.num_workers),
-        valid=reader.batches(valid, state.consumed_valid_samples, 0),
-        has_valid=valid is not None,
-        test_dataset=test,
-        reader=reader,
-    )
-
-
 def train_step(run: Run) -> float:
+    size = run.hooks.before_step(run.state)
     with run.watchdog.watch(f"train_batch at iteration {run.state.iteration + 1}"):
         loss = run.engine.train_batch(data_iter=run.data.train)
     run.state.iteration += 1
-    run.state.consumed_train_samples += run.config.training.global_batch_size
+    run.state.consumed_train_samples += size.samples
+    run.state.consumed_train_tokens += size.tokens
+    trace = run.hooks.after_step(run.state)
+    if trace:
+        print(f"[rank {run.rank}] wrote the --profile trace {trace}", flush=True)
     return float(loss.item())
 
 
 def evaluate(run: Run, name: str, data_iter: Iterator[Any] | None, num_batches: int) -> float:
+    run.hooks.before_eval()
     losses = []
     for i in range(num_batches):
         with run.watchdog.watch(f"{name} eval_batch {i}"):
             losses.append(float(run.engine.eval_batch(data_iter=data_iter).item()))
-    if name == "validation":
-        run.state.consumed_valid_samples += num_batches * run.config.training.global_batch_size
+    run.hooks.after_eval()
+    if name == "validation":  # at the step's batch size, as Megatron (a ramp-up changes it)
+        run.state.consumed_valid_samples += num_batches * run.engine.train_batch_size()
     loss = sum(losses) / len(losses)
     if run.is_logging_rank:
         print(logger.format_eval(name, run.state.iteration, loss), flush=True)
@@ -243,7 +170,8 @@ def log_step(run: Run, losses: list[float], seconds: float, start_iteration: int
     ms = 1000.0 * seconds / n
     done = state.iteration - start_iteration
     world = cfg.parallel.world_size or cfg.parallel.model_parallel_size
-    flops = model_flops_per_iteration(cfg.model, t.global_batch_size)
+    size = run.hooks.last  # the last step's batch size and length (a ramp-up or curriculum changes them)
+    flops = model_flops_per_iteration(dataclasses.replace(cfg.model, seq_length=size.seq_length), size.samples)
     tflops, mfu = logger.throughput(flops, seconds / n, world, run.peak_tflops)
     stats = logger.StepStats(
         iteration=state.iteration,
@@ -251,14 +179,15 @@ def log_step(run: Run, losses: list[float], seconds: float, start_iteration: int
         consumed_samples=state.consumed_train_samples,
         elapsed_ms=ms,
         learning_rate=run.engine.get_lr()[0],
-        global_batch_size=t.global_batch_size,
+        global_batch_size=size.samples,
         loss=sum(losses) / n,
         grad_norm=grad_norm(run.engine),
         loss_scale=logger.loss_scale(run.engine),
-        tokens_per_second=t.global_batch_size * cfg.model.seq_length * n / seconds,
+        tokens_per_second=run.hooks.take_window_tokens() / seconds,
         eta_s=(t.train_iters - state.iteration) * seconds / n if done else 0.0,
         tflops_per_gpu=tflops,
         mfu=mfu,
+        **run.hooks.log_extras(),
     )
     if run.is_logging_rank:
         print(logger.format_line(stats), flush=True)
@@ -379,6 +308,7 @@ def pretrain(config: Config) -> TrainState:
         test_iter = run.data.test_batches()
         if run.data.test_dataset is not None:
             evaluate(run, "test", test_iter, t.eval_iters)
+    run.hooks.close()
     if run.tensorboard:
         run.tensorboard.close()
     return run.state

@@ -12,8 +12,15 @@ lr(p) = lr * p / W                                               for p <= W
       = min_lr                                                   after D
 with f = 1 (constant), 1 - x (linear) or (cos(pi x) + 1) / 2 (cosine);
 inverse-square-root: max(min_lr, lr * sqrt(max(W, 1) / max(p, 1))) after the warm-up.
-p counts optimizer steps already taken (so with warm-up the first step has lr 0).
-DeepSpeed calls `step()` after each optimizer step and stores `state_dict()` in checkpoints.
+p counts the samples (or tokens) of the optimizer steps already taken (so with warm-up the first
+step has lr 0): the loop tells the schedule what each step consumes (`set_next_step`), so a batch
+size ramp-up and a sequence-length curriculum move it by what they really consume (Megatron-DeepSpeed
+counts the curriculum's shortened tokens too). DeepSpeed calls `step()` after each optimizer step and
+stores `state_dict()` in checkpoints.
+
+The weight decay follows Megatron's OptimizerParamScheduler too: constant, or linear / cosine from
+start to end over `wd_incr` samples (groups with `wd_mult` 0, biases and norms, keep 0). Megatron-LM's
+`--decoupled-lr` gives the groups marked `decoupled` the same shape between their own peak and floor.
 """
 
 from __future__ import annotations
@@ -47,6 +54,15 @@ class Schedule:
     """Warm-up length, in `unit`."""
     decay: int
     """Position (in `unit`) where the decay reaches min_lr."""
+    wd_incr_style: str = "constant"
+    """`constant`, `linear` or `cosine` (Megatron's weight_decay_incr_style)."""
+    start_wd: float = 0.0
+    end_wd: float = 0.0
+    wd_incr: int = 0
+    """Samples over which the weight decay goes from start_wd to end_wd (unused when constant)."""
+    decoupled_max_lr: float | None = None
+    """Peak of the `decoupled` groups (Megatron-LM's --decoupled-lr), None without them."""
+    decoupled_min_lr: float | None = None
 
 
 def build_schedule(opt: OptimizerConfig, train_iters: int, global_batch_size: int, seq_length: int) -> Schedule:
@@ -65,6 +81,8 @@ def build_schedule(opt: OptimizerConfig, train_iters: int, global_batch_size: in
         decay = opt.lr_decay_samples * per_sample
     else:
         decay = (opt.lr_decay_iters or train_iters) * global_batch_size * per_sample
+    # A constant weight decay stays with the optimizer groups (and out of the compared schedule).
+    start_wd, end_wd = opt.weight_decay_range() if opt.weight_decay_incr_style != "constant" else (0.0, 0.0)
     return Schedule(
         max_lr=opt.lr,
         min_lr=opt.min_lr,
@@ -72,7 +90,28 @@ def build_schedule(opt: OptimizerConfig, train_iters: int, global_batch_size: in
         unit=TOKENS if in_tokens else SAMPLES,
         warmup=int(warmup),
         decay=int(decay),
+        wd_incr_style=opt.weight_decay_incr_style,
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr=opt.weight_decay_incr_samples if opt.weight_decay_incr_style != "constant" else 0,
+        decoupled_max_lr=opt.decoupled_lr,
+        decoupled_min_lr=None if opt.decoupled_lr is None else opt.decoupled_min_lr or opt.min_lr,
     )
+
+
+def weight_decay(s: Schedule, samples: int) -> float:
+    """Megatron's `get_wd` after `samples` samples."""
+    if s.wd_incr_style == "constant" or samples > s.wd_incr:
+        return s.end_wd
+    ratio = samples / s.wd_incr
+    coeff = ratio if s.wd_incr_style == "linear" else 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+    return s.start_wd + coeff * (s.end_wd - s.start_wd)
+
+
+def decoupled(s: Schedule) -> Schedule:
+    """The schedule of the decoupled groups: the same shape between their own peak and floor."""
+    assert s.decoupled_max_lr is not None and s.decoupled_min_lr is not None
+    return dataclasses.replace(s, max_lr=s.decoupled_max_lr, min_lr=s.decoupled_min_lr)
 
 
 def learning_rate(s: Schedule, progress: int) -> float:
@@ -93,11 +132,13 @@ def learning_rate(s: Schedule, progress: int) -> float:
 
 
 class LRSchedule:
-    """Sets each parameter group's lr; state is the step count plus the schedule itself.
+    """Sets each parameter group's lr (and a scheduled weight decay); its state is the steps taken,
+    the samples and tokens they consumed, and the schedule itself.
 
     On `load_state_dict` the checkpoint's schedule is compared with this one (Megatron's rule):
     `override` keeps this one, `use_checkpoint` takes the checkpoint's, and with neither a
-    difference is an `LRScheduleError`.
+    difference is an `LRScheduleError`. `load_state=False` (`--no-load-lr-state`) ignores the
+    checkpoint's state altogether: the schedule starts again from step 0.
     """
 
     def __init__(
@@ -108,12 +149,14 @@ class LRSchedule:
         seq_length: int,
         override: bool = False,
         use_checkpoint: bool = False,
+        load_state: bool = True,
     ) -> None:
         assert not (override and use_checkpoint), "validation refuses both"
         self.optimizer, self.schedule = optimizer, schedule
         self.global_batch_size, self.seq_length = global_batch_size, seq_length
-        self.override, self.use_checkpoint = override, use_checkpoint
-        self.num_steps = 0
+        self.override, self.use_checkpoint, self.load_state = override, use_checkpoint, load_state
+        self.num_steps = self.samples = self.tokens = 0
+        self._next = (global_batch_size, global_batch_size * seq_length)
         self._apply()
 
     @classmethod
@@ -127,17 +170,26 @@ class LRSchedule:
             config.model.seq_length,
             override=o.override_opt_param_scheduler,
             use_checkpoint=o.use_checkpoint_opt_param_scheduler,
+            load_state=not config.checkpoint.no_load_lr_state,
         )
+
+    def set_next_step(self, samples: int, tokens: int) -> None:
+        """What the next optimizer step consumes (its global batch, and the tokens of that batch)."""
+        self._next = (samples, tokens)
 
     def progress(self) -> int:
         """Samples or tokens (the schedule's unit) consumed by the steps taken."""
-        per_step = self.global_batch_size * (self.seq_length if self.schedule.unit == TOKENS else 1)
-        return self.num_steps * per_step
+        return self.tokens if self.schedule.unit == TOKENS else self.samples
 
     def _apply(self) -> None:
-        lr = learning_rate(self.schedule, self.progress())
+        s, progress = self.schedule, self.progress()
+        lr = learning_rate(s, progress)
+        other = learning_rate(decoupled(s), progress) if s.decoupled_max_lr is not None else lr
+        wd = weight_decay(s, self.samples) if s.wd_incr_style != "constant" else None
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = other if group.get("decoupled") else lr
+            if wd is not None:
+                group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -146,15 +198,25 @@ class LRSchedule:
         return self.get_lr()
 
     def step(self, increment: int = 1, **_: Any) -> None:
+        samples, tokens = self._next
         self.num_steps += increment
+        self.samples += increment * samples
+        self.tokens += increment * tokens
         self._apply()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps, **dataclasses.asdict(self.schedule)}
+        counters = {"num_steps": self.num_steps, "samples": self.samples, "tokens": self.tokens}
+        return {**counters, **dataclasses.asdict(self.schedule)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.load_state:
+            return  # --no-load-lr-state: this run's fresh schedule stands
         self.num_steps = int(state["num_steps"])
-        saved = Schedule(**{f.name: state[f.name] for f in dataclasses.fields(Schedule)})
+        # States written before the counters existed come from fixed-size steps.
+        self.samples = int(state.get("samples", self.num_steps * self.global_batch_size))
+        self.tokens = int(state.get("tokens", self.samples * self.seq_length))
+        names = {f.name for f in dataclasses.fields(Schedule)}
+        saved = Schedule(**{k: v for k, v in state.items() if k in names})
         self.schedule = self._reconcile(saved)
         self._apply()
 
@@ -189,6 +251,12 @@ def schedule_differences(saved: Schedule, ours: Schedule, seq_length: int) -> li
         ("lr", saved.max_lr, ours.max_lr),
         ("min_lr", saved.min_lr, ours.min_lr),
         ("decay style", saved.decay_style, ours.decay_style),
+        ("weight decay style", saved.wd_incr_style, ours.wd_incr_style),
+        ("start weight decay", saved.start_wd, ours.start_wd),
+        ("end weight decay", saved.end_wd, ours.end_wd),
+        ("weight decay samples", saved.wd_incr, ours.wd_incr),
+        ("decoupled lr", saved.decoupled_max_lr, ours.decoupled_max_lr),
+        ("decoupled min lr", saved.decoupled_min_lr, ours.decoupled_min_lr),
     ):
         if a != b:
             diffs.append(f"{name} {a} (checkpoint) vs {b} (flags)")

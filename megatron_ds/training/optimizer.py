@@ -21,11 +21,26 @@ from torch import nn
 
 from megatron_ds.config import OptimizerConfig
 from megatron_ds.estimate.model_states import optimizer_kernel_options
+from megatron_ds.model.gpt_pipe import EMBEDDING_OR_OUTPUT
 
 GROUP_NAMES = ("decay", "no_decay")
+DECOUPLED_GROUP = "decoupled"
+"""Megatron-LM's `--decoupled-lr` group: the word embedding and output layer weights (marked by
+`model.gpt_pipe.mark_embedding_and_output`), with weight decay; a third group only with that flag."""
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 """Builds an optimizer from `param_groups`' list (each group: "name", "params", "weight_decay")."""
 GROUP_PLACEHOLDER_PREFIX = "optimizer_group_placeholder_"
+
+
+def group_names(decoupled: bool) -> tuple[str, ...]:
+    """The groups every stage builds, in order."""
+    return (*GROUP_NAMES, DECOUPLED_GROUP) if decoupled else GROUP_NAMES
+
+
+def _group_of(name: str, param: nn.Parameter, decoupled: bool) -> str:
+    if decoupled and getattr(param, EMBEDDING_OR_OUTPUT, False):
+        return DECOUPLED_GROUP
+    return GROUP_NAMES[0] if _wants_decay(name, param) else GROUP_NAMES[1]
 
 
 def _wants_decay(name: str, param: nn.Parameter) -> bool:
@@ -33,33 +48,41 @@ def _wants_decay(name: str, param: nn.Parameter) -> bool:
     return param.ndim >= 2 and not name.startswith(GROUP_PLACEHOLDER_PREFIX)
 
 
-def add_group_placeholders(module: nn.Module) -> list[str]:
-    """Register a one-element zero parameter for each group this module would leave empty.
+def add_group_placeholders(module: nn.Module, decoupled: bool = False) -> list[str]:
+    """Register a one-element zero parameter for each group this module would leave empty
+    (`decoupled`: the `--decoupled-lr` group is one of them).
 
     Returns the names of the groups that needed one. Call once, before the DeepSpeed engine is
     built, so the placeholders are ordinary parameters of the module.
     """
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    present = {GROUP_NAMES[0] if _wants_decay(n, p) else GROUP_NAMES[1] for n, p in params}
-    missing = [g for g in GROUP_NAMES if g not in present]
+    present = {_group_of(n, p, decoupled) for n, p in params}
+    missing = [g for g in group_names(decoupled) if g not in present]
     for group in missing:
         module.register_parameter(GROUP_PLACEHOLDER_PREFIX + group, nn.Parameter(torch.zeros(1)))
     return missing
 
 
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """The groups `GROUP_NAMES` in order; each is non-empty after `add_group_placeholders`
-    (an empty one is reported by the preflight check, as DeepSpeed would silently drop it)."""
-    groups: dict[str, list[nn.Parameter]] = {g: [] for g in GROUP_NAMES}
+def param_groups(module: nn.Module, weight_decay: float, decoupled: bool = False) -> list[dict[str, Any]]:
+    """The groups `group_names(decoupled)` in order; each is non-empty after `add_group_placeholders`
+    (an empty one is reported by the preflight check, as DeepSpeed would silently drop it). Each
+    carries Megatron's `wd_mult` (what a scheduled weight decay is multiplied by), and the
+    decoupled group its `decoupled` mark (`training.lr_schedule`)."""
+    names = group_names(decoupled)
+    groups: dict[str, list[nn.Parameter]] = {g: [] for g in names}
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
         if name.startswith(GROUP_PLACEHOLDER_PREFIX):
             groups[name[len(GROUP_PLACEHOLDER_PREFIX) :]].append(p)
         else:
-            groups[GROUP_NAMES[0] if _wants_decay(name, p) else GROUP_NAMES[1]].append(p)
-    decay = {GROUP_NAMES[0]: weight_decay, GROUP_NAMES[1]: 0.0}
-    return [{"name": g, "params": groups[g], "weight_decay": decay[g]} for g in GROUP_NAMES]
+            groups[_group_of(name, p, decoupled)].append(p)
+    mult = {GROUP_NAMES[0]: 1.0, GROUP_NAMES[1]: 0.0, DECOUPLED_GROUP: 1.0}
+    out = [{"name": g, "params": groups[g], "weight_decay": weight_decay * mult[g], "wd_mult": mult[g]} for g in names]
+    for group in out:
+        if group["name"] == DECOUPLED_GROUP:
+            group["decoupled"] = True
+    return out
 
 
 def build_optimizer(
@@ -71,7 +94,7 @@ def build_optimizer(
     The kernel is `estimate.model_states.OPTIMIZER_KERNEL` for this machine's device (fused on CUDA,
     one tensor at a time on CPU), the one the memory model counts the temporaries of.
     """
-    groups = param_groups(module, cfg.weight_decay)
+    groups = param_groups(module, cfg.weight_decay, decoupled=cfg.decoupled_lr is not None)
     if factory is not None:
         return factory(groups)
     kernel = optimizer_kernel_options("cuda" if torch.cuda.is_available() else "cpu")

@@ -15,3 +15,6 @@ class TrainState:
     """Global training samples consumed; the data order resumes from here."""
     consumed_valid_samples: int = 0
     """Validation samples consumed by evaluations so far."""
+    consumed_train_tokens: int = 0
+    """Training tokens consumed (samples x the tokens each step kept: a curriculum shortens them);
+    checkpoints written before the field existed count samples x --seq-length."""

@@ -24,12 +24,18 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "exact_gelu": {"model__activation": "gelu"},  # the default is the tanh GeLU (tests/dist/test_pipeline_equivalence.py)
     "swiglu": {"model__activation": "swiglu"},
     "rope": {"model__use_rotary_position_embeddings": True, "model__add_position_embedding": False},
+    "partial_rope": {  # --rotary-percent 0.5: the first half of each head rotated, the rest passed through
+        "model__use_rotary_position_embeddings": True,
+        "model__add_position_embedding": False,
+        "model__rotary_percent": 0.5,
+    },
     "gqa": {"model__num_key_value_heads": 2},  # of tiny_config's 4 heads
     "no_bias": {"model__add_bias_linear": False},
     **{n: {"model__normalization": n} for n in norms.REGISTRY if n != ModelConfig.normalization},  # every other norm
     "untied": {"model__untie_embeddings_and_output_weights": True},
     "llama": LLAMA,
 }
+LLAMA_PARTIAL_1P = {**LLAMA, "model__rotary_percent": 0.5, "model__normalization": "rmsnorm1p"}  # Megatron-LM's forms
 
 
 def scenario(options: dict[str, Any], p: int = 1, t: int = 1, dedicated: str = "none", zero: int = 0,
@@ -54,6 +60,8 @@ def run(out: Path, world: int, scenarios: dict[str, dict], timeout: float) -> di
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Single-process T=1, P=1 runs of every option."""
     scenarios = {name: scenario(opts, init_checksums=name == "llama") for name, opts in OPTIONS.items()}
+    scenarios["llama_partial_1p"] = scenario(LLAMA_PARTIAL_1P)
+    scenarios[ModelConfig.normalization] = scenario({})  # tiny_config itself: the base of its norm's 1p form
     results = run(tmp_path_factory.mktemp("arch_ref") / "ref", 1, scenarios, timeout=300)
     return {name: ranks[0] for name, ranks in results.items()}
 
@@ -70,7 +78,8 @@ def dedicated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]
 def tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """The Llama-like model at T=2 x P=2, plain and with a dedicated post stage."""
     scenarios = {"llama": scenario(LLAMA, p=2, t=2, init_checksums=True),
-                 "llama_post_zero1": scenario(LLAMA, p=2, t=2, dedicated="post", zero=1)}
+                 "llama_post_zero1": scenario(LLAMA, p=2, t=2, dedicated="post", zero=1),
+                 "llama_partial_1p": scenario(LLAMA_PARTIAL_1P, p=2, t=2)}
     return run(tmp_path_factory.mktemp("arch_t2") / "run", 4, scenarios, timeout=420)
 
 
@@ -90,10 +99,24 @@ def test_dedicated_stages_equal_single_process(dedicated: dict, reference: dict,
     assert dedicated[name][0]["layout"] == "E|t*4|L"
 
 
+ZERO_CENTERED = {n.name: n for n in norms.REGISTRY.values() if n.zero_centered_gamma}
+
+
 def test_options_change_the_model(reference: dict) -> None:
-    """Each option builds a different model (the comparisons above are not vacuous)."""
-    losses = {json.dumps(r["losses"]) for r in reference.values()}
-    assert len(losses) == len(reference)
+    """Each option builds a different model (the comparisons above are not vacuous); a zero-centred
+    norm is its base norm in another parametrisation (next test)."""
+    losses = {json.dumps(r["losses"]) for name, r in reference.items() if name not in ZERO_CENTERED}
+    assert len(losses) == len(reference) - len(ZERO_CENTERED)
+
+
+@pytest.mark.parametrize("name", ZERO_CENTERED)
+def test_zero_centered_norm_trains_as_its_base(reference: dict, name: str) -> None:
+    """weight + 1 from 0 is the base norm's weight from 1, and norms have no weight decay: the same
+    training, up to float rounding (Megatron's point of --apply-layernorm-1p is numerical, not a new model)."""
+    base = next(n.name for n in norms.REGISTRY.values() if n.megatron_lm == ZERO_CENTERED[name].megatron_lm
+                and not n.zero_centered_gamma)
+    assert_matches([reference[name]], reference[base])
+    assert reference[name]["losses"] != reference["gqa"]["losses"]  # the comparison can fail
 
 
 @pytest.mark.parametrize("name", ["untied", "llama", "llama_zero1"])
@@ -116,9 +139,9 @@ def test_no_position_embedding_leaves_the_dropout_spec(dedicated: dict) -> None:
     assert "2: EmbeddingDropout" in table and "PositionEmbedding" not in table, table
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_post_zero1"])
+@pytest.mark.parametrize("name", ["llama", "llama_post_zero1", "llama_partial_1p"])
 def test_llama_tensor_parallel_equals_single_process(tensor_parallel: dict, reference: dict, name: str) -> None:
-    assert_matches(tensor_parallel[name], reference["llama"])
+    assert_matches(tensor_parallel[name], reference["llama" if name != "llama_partial_1p" else name])
 
 
 def test_llama_tensor_parallel_initial_weights_equal_t1(tensor_parallel: dict, reference: dict) -> None:

@@ -154,7 +154,10 @@ def test_resume_with_another_dropout_prints_a_notice(straight: dict) -> None:
     notices = [ln for ln in out.stdout.splitlines() if ln.startswith("NOTICE: ")]
     assert notices == [
         f"NOTICE: --load {straight['save']} (global_step6): regularization differs from the checkpoint's: "
-        "hidden_dropout 0.1 -> 0.0; attention_dropout 0.1 -> 0.0; init_method_std 0.02 -> 0.01"
+        "hidden_dropout 0.1 -> 0.0; attention_dropout 0.1 -> 0.0; init_method_std 0.02 -> 0.01",
+        f"NOTICE: --no-load-optim: --load {straight['save']} (global_step6)'s weights, iteration and consumed "
+        "samples are loaded, its optimizer and learning-rate schedule are not (Megatron-DeepSpeed's DeepSpeed path "
+        "would load them anyway)",
     ]
     assert "iteration        7/       7" in out.stdout
 

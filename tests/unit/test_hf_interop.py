@@ -36,6 +36,19 @@ CONFIGS = {
         rope_theta=500000.0,  # Llama-3's base
         **SMALL,
     ),
+    "phi3_partial_rotary": lambda: transformers.Phi3Config(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        partial_rotary_factor=0.5,  # --rotary-percent 0.5
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        **SMALL,
+    ),
     "tied_llama": lambda: transformers.LlamaConfig(
         hidden_size=32,
         intermediate_size=48,
@@ -64,6 +77,7 @@ EXPECTED = {
     "gpt2_gelu_new": ("gelu_tanh", 10000.0),  # GPT-2's default activation_function
     "llama_gqa": ("swiglu", 500000.0),
     "tied_llama": ("swiglu", 10000.0),
+    "phi3_partial_rotary": ("swiglu", 10000.0),
 }
 
 
@@ -89,6 +103,7 @@ def test_import_equals_transformers_and_exports_back_bit_identical(
     assert "--vocab-size" in result.train_flags and result.config.model.vocab_size == 256  # padded to 128
     model = result.config.model
     assert (model.activation, model.rotary_base) == EXPECTED[name]
+    assert model.rotary_percent == (0.5 if name.startswith("phi3") else 1.0)
     ours = load_model(str(tmp_path / "ours"))
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     with torch.no_grad():

@@ -163,6 +163,20 @@ def test_each_architecture_takes_its_own_norm_only(norm: str) -> None:
                 hf_config.architecture_of(changed)
 
 
+def test_partial_rotary_exports_as_phi3_and_round_trips() -> None:
+    partial = dataclasses.replace(LLAMA, rotary_percent=0.5)
+    assert hf_config.architecture_of(LLAMA) == hf_config.LLAMA
+    assert hf_config.architecture_of(partial) == hf_config.PHI3
+    hf = hf_config.to_hf_config(partial, REG, 200, "float32", {})
+    assert (hf["model_type"], hf["partial_rotary_factor"], hf["pad_token_id"]) == ("phi3", 0.5, None)
+    back = hf_config.from_hf_config(hf, "x")
+    assert back.arch == hf_config.PHI3 and back.architecture["rotary_percent"] == 0.5
+    with pytest.raises(HFConfigError, match="phi3: biases with --rotary-percent 0.5: .*Phi-3, which has no biases"):
+        hf_config.architecture_of(dataclasses.replace(partial, add_bias_linear=True))
+    with pytest.raises(HFConfigError, match="sliding_window 128 is not supported"):
+        hf_config.from_hf_config({**hf, "sliding_window": 128}, "x")
+
+
 def test_swiglu_with_layernorm_is_an_error() -> None:
     with pytest.raises(HFConfigError, match="llama: --normalization layernorm"):
         hf_config.architecture_of(dataclasses.replace(LLAMA, normalization="layernorm"))

@@ -92,7 +92,12 @@ def test_optimizer_state_is_the_runs_adam_state(convert, case: str) -> None:
 def test_training_state_and_provenance_are_recorded(convert) -> None:
     out = convert("tp2_pp2_tied")
     meta = json.loads((out / "global_step2" / META).read_text())
-    assert meta["train_state"] == {"iteration": 2, "consumed_train_samples": 8, "consumed_valid_samples": 0}
+    assert meta["train_state"] == {
+        "iteration": 2,
+        "consumed_train_samples": 8,
+        "consumed_valid_samples": 0,
+        "consumed_train_tokens": 128,  # upstream's `tokens`: 8 samples of 16 tokens
+    }
     assert meta["megatron_deepspeed"]["qkv_layout"] == "blocked"
     assert meta["megatron_deepspeed"]["vocab_size"] == 100  # the tokenizer's rows; 128 with T=2 padding
     assert meta["config"]["model"]["vocab_size"] == 128

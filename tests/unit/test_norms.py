@@ -55,8 +55,9 @@ def test_entry_describes_its_module(name: str) -> None:
     assert module.eps == 1e-3
     x = torch.randn(2, 3, h)
     assert module(x).shape == x.shape
-    # Weights start at 1 and biases at 0 (FinalNorm draws nothing from its seed).
-    assert all(torch.equal(t, torch.ones(h) if k == "weight" else torch.zeros(h)) for k, t in state.items())
+    # Weights start at 1 (0 when stored zero-centred) and biases at 0 (FinalNorm draws nothing from its seed).
+    one = torch.zeros(h) if norm.zero_centered_gamma else torch.ones(h)
+    assert all(torch.equal(t, one if k == "weight" else torch.zeros(h)) for k, t in state.items())
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -104,6 +105,7 @@ def test_hugging_face_norm_computes_ours(name: str) -> None:
             vocab_size=64,
             bos_token_id=None,
             eos_token_id=None,
+            pad_token_id=None,
         )
         hf_model = transformers.AutoModelForCausalLM.from_config(config)
         theirs = [m for m in hf_model.modules() if type(m).__name__.endswith("Norm")]
@@ -146,7 +148,8 @@ def test_readers_follow_the_entry(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_every_norm_is_a_flag_choice(name: str) -> None:
     flag = BY_NAME["--normalization"]
-    assert flag.choices == tuple(norms.REGISTRY) and f"`{name}`" in flag.help
+    assert flag.choices == norms.FLAG_SPELLINGS and set(norms.REGISTRY) <= set(flag.choices)
+    assert f"`{name}`" in flag.help
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
     argv += ["--vocab-size", "128", "--train-iters", "1", "--lr", "1e-3", "--normalization", name]
     assert parse_config(argv, world_size=1)[0].model.normalization == name

@@ -83,9 +83,9 @@ def test_it_runs_the_launch_checks_and_creates_nothing(tmp_path: Path, capsys: p
     clash.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
     rc, _, err = run(capsys, *TINY, *LAUNCH, "--deepspeed_config", str(clash))
     assert rc == 2 and "sets train_micro_batch_size_per_gpu=4 but the flags give 1" in err
-    clash.write_text(json.dumps({"curriculum_learning": {"enabled": True}}))
+    clash.write_text(json.dumps({"data_efficiency": {"enabled": True}}))
     rc, _, err = run(capsys, *TINY, *LAUNCH, "--deepspeed_config", str(clash))
-    assert rc == 2 and "curriculum_learning is not supported" in err
+    assert rc == 2 and "data_efficiency is not supported" in err
     rc, _, err = run(capsys, *TINY, *LAUNCH, "--data-path", str(tmp_path / "nothing"), "--vocab-file", str(clash))
     assert rc == 2 and "error:" in err
     rc, _, err = run(capsys, *TINY, *LAUNCH, "--exit-signal-handler")

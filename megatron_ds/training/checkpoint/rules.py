@@ -24,6 +24,24 @@ def is_weights_only(meta: dict[str, Any]) -> bool:
     return bool(meta.get("weights_only", False))
 
 
+def has_optimizer_state(meta: dict[str, Any]) -> bool:
+    """The checkpoint holds the optimizer and lr-schedule state (not `--no-save-optim`, not weights only)."""
+    return not is_weights_only(meta) and bool(meta.get("optimizer_state", True))
+
+
+def universal_refusal(meta: dict[str, Any], where: str) -> str | None:
+    """Why the checkpoint has no universal form (None when it has one)."""
+    if not has_optimizer_state(meta):
+        return f"{where}: holds weights only (no optimizer state); it loads under any layout as it is"
+    if Config.from_dict(meta["config"]).optimizer.decoupled_lr is not None:
+        return (
+            f"{where} was trained with --decoupled-lr, whose third optimizer group the universal form does not "
+            f"hold; resume it under the layout, T, DP and ZeRO stage it was saved with (bf16 needs ZeRO 1 there), "
+            f"or --no-load-optim to take its weights"
+        )
+    return None
+
+
 def architecture_mismatch(saved: dict[str, Any], config: Config) -> list[str]:
     """Architecture (`ModelConfig`) fields that differ between a checkpoint's config and this run's.
 
@@ -77,7 +95,7 @@ def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: s
             f"use matching model flags or another --load directory{_vocabulary_hint(saved, config)}"
         )
     ck = config.checkpoint
-    if ck.no_load_optim or ck.finetune or is_weights_only(meta):
+    if ck.no_load_optim or ck.finetune or not has_optimizer_state(meta):
         return
     a, b = saved.training.global_batch_size, config.training.global_batch_size
     if a != b:
@@ -91,6 +109,14 @@ def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: s
         raise CheckpointError(
             f"--load {load_dir} ({tag}) holds {a}'s optimizer state, this run uses --optimizer {b}; use "
             f"--optimizer {a}, or --no-load-optim to load the weights only"
+        )
+    a, b = saved.optimizer.decoupled_lr is not None, config.optimizer.decoupled_lr is not None
+    if a != b:
+        with_, without = ("with", "without") if a else ("without", "with")
+        raise CheckpointError(
+            f"--load {load_dir} ({tag}) was trained {with_} --decoupled-lr and this run is {without} it: the "
+            f"optimizer groups differ; {'give' if a else 'drop'} --decoupled-lr, or --no-load-optim to load the "
+            f"weights only"
         )
 
 

@@ -41,10 +41,12 @@ from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointEr
 from megatron_ds.training.checkpoint.rules import (
     check_compatible,
     deepspeed_cannot_restore,
+    has_optimizer_state,
     is_weights_only,
     precision_notice,
     regularization_notice,
     topology_changes,
+    universal_refusal,
 )
 from megatron_ds.training.checkpoint.tokenizer_check import tokenizer_notice
 from megatron_ds.training.checkpoint.universal import restore, store
@@ -112,7 +114,11 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
     dist.broadcast_object_list(tag_box, src=0)
     tag = tag_box[0]
     tmp_tag = f".incomplete.{tag}"
-    engine.save_checkpoint(save_dir, tag=tmp_tag, save_latest=False)  # ends with a barrier
+    if config.checkpoint.no_save_optim:  # --no-save-optim: DeepSpeed's per-spec weight files alone
+        engine.module.save_state_dict(os.path.join(save_dir, tmp_tag), checkpoint_engine=engine.checkpoint_engine)
+        dist.barrier()
+    else:
+        engine.save_checkpoint(save_dir, tag=tmp_tag, save_latest=False)  # ends with a barrier
     torch.save(_rng_state(), os.path.join(save_dir, tmp_tag, f"rng_rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
@@ -122,6 +128,7 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
             "layout": layout.to_string(),
             "world_size": dist.get_world_size(),
             "format": 1,
+            "optimizer_state": not config.checkpoint.no_save_optim,
         }
         write_atomic(os.path.join(save_dir, tmp_tag, META), json.dumps(meta, indent=1))
         os.replace(os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag))
@@ -167,12 +174,13 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
     meta = read_meta(load_dir, tag)
     check_compatible(meta, config, load_dir, tag)  # load_dir need not be --load (library callers)
     rank0 = dist.get_rank() == 0
-    weights_only = ck.no_load_optim or ck.finetune or is_weights_only(meta)
+    weights_only = ck.no_load_optim or ck.finetune or not has_optimizer_state(meta)
     universal = store.is_universal(meta)
     moved = ["universal form"] if universal else topology_changes(meta, config, layout, dist.get_world_size())
     for notice in (
         regularization_notice(meta, config, load_dir, tag),
         None if weights_only else precision_notice(meta, config, load_dir, tag),
+        *resume_flag_notices(meta, config, load_dir, tag),
     ):
         if notice and rank0:
             print(notice, flush=True)
@@ -184,6 +192,9 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
         if is_weights_only(meta) and rank0:
             print(f"--load {load_dir} ({tag}) holds weights only: optimizer and learning-rate schedule start fresh")
     elif moved or deepspeed_cannot_restore(config):
+        refusal = None if universal else universal_refusal(meta, f"--load {load_dir} ({tag})")
+        if refusal:
+            raise CheckpointError(refusal)
         if rank0 and not universal:
             print(
                 f"--load {load_dir} ({tag}) was saved with {'; '.join(moved) or 'bf16 without ZeRO'}: resuming "
@@ -203,7 +214,32 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
         _set_rng_state(torch.load(rng_file, weights_only=False))
     if ck.finetune or is_weights_only(meta):
         return TrainState()
-    return TrainState(**meta["train_state"])
+    if ck.reset_iteration:  # Megatron-DeepSpeed: iteration and consumed samples from 0, the rest resumed
+        engine.global_steps = engine.global_samples = 0
+        return TrainState()
+    saved = dict(meta["train_state"])
+    # Written before the token count existed: every step then kept whole samples.
+    saved.setdefault("consumed_train_tokens", saved.get("consumed_train_samples", 0) * config.model.seq_length)
+    return TrainState(**saved)
+
+
+def resume_flag_notices(meta: dict[str, Any], config: Config, load_dir: str, tag: str) -> list[str]:
+    """The NOTICE lines of resume flags whose meaning here differs in form from Megatron-DeepSpeed's."""
+    ck, where = config.checkpoint, f"--load {load_dir} ({tag})"
+    out = []
+    if not has_optimizer_state(meta) and not is_weights_only(meta):
+        out.append(f"NOTICE: {where} was saved with --no-save-optim: optimizer and learning-rate schedule start fresh")
+    elif ck.no_load_optim and not ck.finetune:
+        out.append(
+            f"NOTICE: --no-load-optim: {where}'s weights, iteration and consumed samples are loaded, its optimizer "
+            f"and learning-rate schedule are not (Megatron-DeepSpeed's DeepSpeed path would load them anyway)"
+        )
+    elif ck.no_load_lr_state and not ck.finetune:
+        out.append(
+            f"NOTICE: --no-load-lr-state: the learning-rate schedule starts again from step 0; Megatron-DeepSpeed "
+            f"declares this flag but never reads it (it would resume {where}'s schedule)"
+        )
+    return out
 
 
 def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, tag: str, meta: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ from megatron_ds import files
 from megatron_ds.errors import UserError
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import CONVERTED, LATEST, META, CheckpointError, fingerprint
+from megatron_ds.training.checkpoint.rules import universal_refusal
 from megatron_ds.training.checkpoint.universal import names, store
 from megatron_ds.training.checkpoint.universal.deepspeed_source import DeepSpeedSource
 
@@ -64,10 +65,9 @@ def _open_source(path: str) -> DeepSpeedSource:
             f"{ckpt.directory}: converted from Megatron-DeepSpeed, its universal form is {ckpt.directory}{SUFFIX}; "
             f"--load it as it is"
         )
-    if ckpt.meta.get("weights_only"):
-        raise CheckpointError(
-            f"{ckpt.directory}: holds weights only (no optimizer state); it loads under any layout as it is"
-        )
+    refusal = universal_refusal(ckpt.meta, ckpt.directory)
+    if refusal:
+        raise CheckpointError(refusal)
     return DeepSpeedSource(ckpt)
 
 

@@ -1,0 +1,269 @@
+"""Megatron-LM's flags that Megatron-DeepSpeed lacks (its `examples/gpt3/train_gpt3_175b_distributed.sh`
+and `examples/llama/train_llama3_8b_h100_fp8.sh` use them), grouped as `megatron_ds.flags.registry`
+splices them into Megatron-DeepSpeed's groups. Each means what it means in Megatron-LM, changes
+nothing here (the help says why), or is refused; FP8 (Transformer Engine) and context parallelism
+above 1 are refused.
+"""
+
+from __future__ import annotations
+
+from megatron_ds.flags.declare import VALUE, VALUES, Flag, Refusal, accepted, no_op, refused, switch
+
+_NET, _TRAIN, _LOG, _CKPT = "network size", "training", "logging", "checkpointing"
+_DIST, _DATA, _TE = "distributed", "data and tokenizer", "Transformer Engine"
+_MLM = "Megatron-LM's flag"
+_FP8 = "FP8 training runs on Transformer Engine, which is not used here (the layers are torch's)"
+_FP8_FIX = "drop the --fp8-* flags and train in --bf16"
+_CP = "context parallelism is not implemented"
+
+NETWORK: tuple[Flag, ...] = (
+    no_op(
+        "--use-mcore-models",
+        _NET,
+        f"{_MLM}: megatron-core's GPTModel; the one GPT here is built from the same options (Megatron-LM "
+        "itself builds only megatron-core models now)",
+    ),
+    accepted(
+        "--transformer-impl",
+        _NET,
+        f"{_MLM}: `local` or `transformer_engine` compute the same (non-FP8) layers; torch's kernels run them "
+        "here (FP8 is refused)",
+        choices=("local", "transformer_engine"),
+    ),
+    accepted(
+        "--attention-backend",
+        _NET,
+        f"{_MLM}: every backend computes the same softmax attention; torch's scaled_dot_product_attention picks "
+        "its flash or memory-efficient kernel itself",
+        choices=("auto", "flash", "fused", "unfused", "local"),
+    ),
+    accepted(
+        "--position-embedding-type",
+        _NET,
+        f"{_MLM}: `learned_absolute` (the learned table, the default), `rope` (rotary embeddings, no table, as "
+        "--use-rotary-position-embeddings) or `none`",
+        fields=("model.use_rotary_position_embeddings", "model.add_position_embedding"),
+        derived=True,
+        choices=("learned_absolute", "rope", "none"),
+        refused_values=tuple(
+            Refusal(v, "only learned absolute, rotary or no position embeddings are built", "use rope")
+            for v in ("mrope", "relative", "yarn")
+        ),
+    ),
+    switch(
+        "--group-query-attention",
+        _NET,
+        f"{_MLM}: grouped-query attention with --num-query-groups K/V heads (1 when not given, as Megatron-LM)",
+        "model.num_key_value_heads",
+        derived=True,
+    ),
+    accepted(
+        "--num-query-groups",
+        _NET,
+        f"{_MLM}: K/V heads with --group-query-attention (ignored without it, as in Megatron-LM); "
+        "--num-key-value-heads is the same",
+        "model.num_key_value_heads",
+        type=int,
+        derived=True,
+    ),
+)
+
+TRAINING: tuple[Flag, ...] = (
+    accepted(
+        "--step-batch-size-schedule",
+        _TRAIN,
+        f"{_MLM}: 'THRESHOLD:BATCH ...' (K/M/B/T suffixes); thresholds are tokens, converted to samples by "
+        "--seq-length as Megatron-LM does; the last batch size is the global batch size (--global-batch-size "
+        "may be given too only if equal)",
+        "training.step_batch_size_schedule",
+        derived=True,
+    ),
+    accepted(
+        "--decoupled-lr",
+        _TRAIN,
+        f"{_MLM}: peak learning rate of the word embedding and output layer weights (their own optimizer "
+        "group; warm-up and decay as --lr's)",
+        "optimizer.decoupled_lr",
+        type=float,
+    ),
+    accepted(
+        "--decoupled-min-lr",
+        _TRAIN,
+        f"{_MLM}: the floor of that group's decay (--min-lr when not given)",
+        "optimizer.decoupled_min_lr",
+        type=float,
+    ),
+    switch(
+        "--calculate-per-token-loss",
+        _TRAIN,
+        f"{_MLM}: the loss is averaged over every token of the global batch rather than per micro-batch. The two "
+        "are one while every micro-batch counts all its tokens, as here: with --eod-mask-loss they differ and it "
+        "is refused, and a batch whose loss mask drops a padded token prints a WARNING",
+        "training.calculate_per_token_loss",
+    ),
+    no_op(
+        "--cross-entropy-loss-fusion",
+        _TRAIN,
+        f"{_MLM}: a fused kernel of the same cross entropy; the loss here is torch's, from fp32 logits",
+    ),
+    switch(
+        "--manual-gc",
+        _TRAIN,
+        f"{_MLM}: Python's automatic garbage collection off while training; gc.collect() every "
+        "--manual-gc-interval steps and around evaluations",
+        "training.manual_gc",
+    ),
+    accepted(
+        "--manual-gc-interval",
+        _TRAIN,
+        f"{_MLM}: steps between collections with --manual-gc (0: only around evaluations)",
+        "training.manual_gc_interval",
+        type=int,
+    ),
+    switch(
+        "--no-manual-gc-eval",
+        _TRAIN,
+        f"{_MLM}: no collection around evaluations with --manual-gc",
+        "training.manual_gc_eval",
+        stores=False,
+        dest="manual_gc_eval",
+        default=True,
+    ),
+)
+
+MIXED_PRECISION: tuple[Flag, ...] = (
+    no_op(
+        "--grad-reduce-in-bf16",
+        "mixed precision",
+        f"{_MLM}: gradients are reduced over data-parallel ranks in bf16; DeepSpeed's bf16 engine already does "
+        "(its communication_data_type defaults to the model's dtype), and an fp32 run keeps fp32 gradients as "
+        "Megatron-LM does",
+    ),
+)
+
+TRANSFORMER_ENGINE: tuple[Flag, ...] = (
+    refused("--fp8-format", _TE, _FP8, _FP8_FIX, VALUE),
+    refused("--fp8-recipe", _TE, _FP8, _FP8_FIX, VALUE),
+    refused("--fp8-amax-history-len", _TE, _FP8, _FP8_FIX, VALUE),
+    refused("--fp8-amax-compute-algo", _TE, _FP8, _FP8_FIX, VALUE),
+    refused("--fp8-param-gather", _TE, _FP8, _FP8_FIX),
+    refused("--fp8-margin", _TE, _FP8, _FP8_FIX, VALUE),
+    refused("--fp8-interval", _TE, _FP8, _FP8_FIX, VALUE),
+    refused("--fp8-e4m3", _TE, _FP8, _FP8_FIX),
+    refused("--fp8-hybrid", _TE, _FP8, _FP8_FIX),
+    refused("--no-fp8-wgrad", _TE, _FP8, _FP8_FIX),
+)
+
+DISTRIBUTED: tuple[Flag, ...] = (
+    no_op(
+        "--overlap-grad-reduce",
+        _DIST,
+        f"{_MLM}: overlaps the gradient reduction with the backward; DeepSpeed's engine reduces after the "
+        "pipeline's backward, the sums are the same",
+    ),
+    no_op(
+        "--overlap-param-gather",
+        _DIST,
+        f"{_MLM}: overlaps the distributed optimizer's parameter all-gather with the forward; ZeRO-1 gathers after "
+        "the step, the parameters are the same",
+    ),
+    accepted(
+        "--context-parallel-size",
+        _DIST,
+        f"{_MLM}: only 1; more are refused ({_CP})",
+        type=int,
+        default=1,
+    ),
+)
+
+DATA: tuple[Flag, ...] = (
+    switch(
+        "--no-mmap-bin-files",
+        _DATA,
+        f"{_MLM}: read the .bin token files with file reads instead of a memory map (megatron-core's "
+        "mmap_bin_files); the same tokens",
+        "data.mmap_bin_files",
+        stores=False,
+        dest="mmap_bin_files",
+        default=True,
+    ),
+    no_op(
+        "--no-create-attention-mask-in-dataloader",
+        _DATA,
+        f"{_MLM}: the loader never builds an attention mask here (attention is causal inside the model)",
+    ),
+    no_op(
+        "--tiktoken-pattern",
+        _DATA,
+        f"{_MLM}: the split pattern of its TikTokenizer, which is not provided; other tokenizers ignore it there too",
+        takes=VALUE,
+    ),
+)
+
+CHECKPOINTING: tuple[Flag, ...] = (
+    accepted(
+        "--ckpt-format",
+        _CKPT,
+        f"{_MLM}: accepted, and a NOTICE says that checkpoints are DeepSpeed's here (docs/checkpoints.md); like "
+        "torch_dist they resume under any P, T, DP and layout",
+        choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr"),
+    ),
+)
+
+LOGGING: tuple[Flag, ...] = (
+    no_op(
+        "--log-throughput",
+        _LOG,
+        f"{_MLM}: the TFLOP/s per GPU in the log line; every line here shows it already",
+    ),
+    switch(
+        "--profile",
+        _LOG,
+        f"{_MLM}: profile training steps --profile-step-start+1 .. --profile-step-end with torch's profiler (a "
+        "Chrome trace per rank in <--tensorboard-dir>/../torch_profile, else ./torch_profile); on CUDA the "
+        "range is also marked for nsys (cudaProfilerStart/Stop) as Megatron-LM does without "
+        "--use-pytorch-profiler",
+        "logging.profile",
+    ),
+    accepted(
+        "--profile-step-start",
+        _LOG,
+        f"{_MLM}: iterations done when profiling starts",
+        "logging.profile_step_start",
+        type=int,
+    ),
+    accepted(
+        "--profile-step-end",
+        _LOG,
+        f"{_MLM}: iterations done when profiling stops",
+        "logging.profile_step_end",
+        type=int,
+    ),
+    switch(
+        "--use-pytorch-profiler",
+        _LOG,
+        f"{_MLM}: the torch profiler's trace only (no nsys range)",
+        "logging.use_pytorch_profiler",
+    ),
+    accepted(
+        "--profile-ranks",
+        _LOG,
+        f"{_MLM}: the global ranks that profile (all when not given, as Megatron-LM's empty list)",
+        "logging.profile_ranks",
+        type=int,
+        nargs=VALUES,
+        derived=True,
+    ),
+)
+
+GROUPS: tuple[tuple[Flag, ...], ...] = (
+    NETWORK,
+    TRAINING,
+    MIXED_PRECISION,
+    TRANSFORMER_ENGINE,
+    DISTRIBUTED,
+    DATA,
+    CHECKPOINTING,
+    LOGGING,
+)
+"""Every table above (what `--data-upstream auto` reads as Megatron-LM's)."""

@@ -1,0 +1,112 @@
+"""Flags -> model and parallel options where Megatron-LM and Megatron-DeepSpeed spell one thing two
+ways, or where a value changes nothing here: the norm (`--normalization`, `--apply-layernorm-1p`),
+position embeddings (`--position-embedding-type`, `--use-rotary-position-embeddings`), grouped-query
+attention (`--num-key-value-heads`, `--group-query-attention --num-query-groups`), sequence and
+context parallelism, the ZeRO stage of `--use-distributed-optimizer`, and the notices for flags whose
+effect here differs in form (`--ckpt-format`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from megatron_ds.errors import ConfigError
+from megatron_ds.model import norms
+
+
+def notice(message: str) -> None:
+    """One NOTICE line (rank 0) before training starts."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"NOTICE: {message}", file=sys.stderr, flush=True)
+
+
+def normalization(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(the norm's registry name, a warning or None) for --normalization and --apply-layernorm-1p."""
+    norm, warning = norms.from_flags(args.normalization, args.apply_layernorm_1p)
+    return norm.name, warning
+
+
+def position_embeddings(args: argparse.Namespace) -> tuple[bool, bool]:
+    """(rotary embeddings?, learned position table?) from Megatron-DeepSpeed's and Megatron-LM's flags."""
+    kind = args.position_embedding_type
+    rotary = args.use_rotary_position_embeddings or kind == "rope"
+    if args.use_rotary_position_embeddings and kind not in (None, "rope"):
+        raise ConfigError(f"--use-rotary-position-embeddings and --position-embedding-type {kind} disagree; keep one")
+    if kind == "learned_absolute" and not args.add_position_embedding:
+        raise ConfigError("--position-embedding-type learned_absolute and --no-position-embedding disagree; keep one")
+    # Rotary embeddings replace the learned position table (the pre group then has none).
+    table = args.add_position_embedding and not rotary and kind != "none"
+    return rotary, table
+
+
+def key_value_heads(args: argparse.Namespace) -> int | None:
+    """--num-key-value-heads, or Megatron-LM's --group-query-attention with --num-query-groups (1 when
+    not given, megatron-core's default; ignored without --group-query-attention, as there)."""
+    groups = (args.num_query_groups or 1) if args.group_query_attention else None
+    if groups is not None and args.num_key_value_heads is not None and groups != args.num_key_value_heads:
+        raise ConfigError(
+            f"--num-key-value-heads {args.num_key_value_heads} and --num-query-groups {groups} disagree; keep one"
+        )
+    return args.num_key_value_heads if groups is None else groups
+
+
+def zero_stage(args: argparse.Namespace, absent: Callable[[], int]) -> int:
+    """--zero-stage (when not given, `absent()`: the user JSON's stage, else 0), or 1 for Megatron's
+    --use-distributed-optimizer."""
+    if not args.use_distributed_optimizer:
+        return absent() if args.zero_stage is None else args.zero_stage
+    if args.zero_stage not in (None, 1):
+        raise ConfigError(
+            f"--use-distributed-optimizer is ZeRO stage 1 here but --zero-stage is {args.zero_stage}; drop one"
+        )
+    return 1
+
+
+def check_parallel_modes(args: argparse.Namespace) -> None:
+    """Sequence parallelism changes nothing at T=1 (Megatron-LM turns it off there); above 1, and
+    context parallelism above 1, are not implemented."""
+    t = args.tensor_model_parallel_size
+    if args.sequence_parallel and t > 1:
+        raise ConfigError(
+            f"--sequence-parallel with --tensor-model-parallel-size {t} is not supported: Megatron sequence "
+            f"parallelism is not implemented (tensor parallelism here keeps activations replicated); drop it"
+        )
+    if args.sequence_parallel:
+        notice("--sequence-parallel changes nothing at --tensor-model-parallel-size 1 (Megatron-LM turns it off)")
+    if args.context_parallel_size != 1:
+        raise ConfigError(
+            f"--context-parallel-size {args.context_parallel_size} is not supported: context parallelism is not "
+            f"implemented; use --context-parallel-size 1"
+        )
+
+
+def check_loss_options(args: argparse.Namespace) -> None:
+    """--calculate-per-token-loss equals the mean of micro-batch means unless micro-batches count
+    different numbers of tokens, which --eod-mask-loss makes happen (padding only at the end of a
+    dataset, which the loop warns about)."""
+    if args.calculate_per_token_loss and args.eod_mask_loss:
+        raise ConfigError(
+            "--calculate-per-token-loss with --eod-mask-loss is not supported: masked tokens make micro-batches "
+            "count different numbers of tokens, and the per-token average over the global batch is not "
+            "implemented; drop one of them"
+        )
+
+
+def check_logging_options(args: argparse.Namespace, zero_stage: int) -> None:
+    """Zeros in gradients are counted in the module's reduced gradients, which ZeRO-1 keeps in its
+    partitions instead."""
+    if args.log_num_zeros_in_grad and zero_stage:
+        raise ConfigError(
+            f"--log-num-zeros-in-grad with ZeRO stage {zero_stage} is not supported: ZeRO keeps the reduced "
+            f"gradients in its partitions, where they are not counted; use --zero-stage 0 or drop the flag"
+        )
+
+
+def format_notices(args: argparse.Namespace) -> None:
+    if args.ckpt_format is not None:
+        notice(
+            f"--ckpt-format {args.ckpt_format}: checkpoints are written in DeepSpeed's format with our "
+            f"megatron_ds.json (docs/checkpoints.md); like torch_dist they resume under any P, T, DP and layout"
+        )

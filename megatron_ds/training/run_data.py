@@ -1,0 +1,98 @@
+"""The loop's data on one rank: each split's micro-batches, positioned at the consumed samples."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_ds.config import Config
+from megatron_ds.training.state import TrainState
+
+
+@dataclass(frozen=True)
+class BatchReader:
+    """How this rank reads a split: what `pipeline_batches` takes besides the dataset and the start."""
+
+    micro_batch_size: int
+    """`--micro-batch-size`: samples per micro-batch on one data-parallel rank."""
+    data_parallel_rank: int
+    """This rank's data-parallel index: which samples of each global batch it reads."""
+    data_parallel_size: int
+    """Data-parallel replicas sharing each global batch."""
+    seed: int
+    """`--seed`: the data loader's generator and workers are seeded from it."""
+    reads_data: bool
+    """The first or the last stage: the only stages whose `train_batch` reads micro-batches."""
+
+    def batches(self, dataset: Any, start_sample: int, num_workers: int) -> Iterator[Any] | None:
+        """This rank's micro-batches of `dataset` from global sample `start_sample`; None without a
+        dataset or on a stage that reads none."""
+        from megatron_ds.data.gpt_data import pipeline_batches
+
+        if dataset is None or not self.reads_data:
+            return None
+        return pipeline_batches(
+            dataset,
+            self.micro_batch_size,
+            self.data_parallel_rank,
+            self.data_parallel_size,
+            start_sample,
+            num_workers,
+            self.seed,
+        )
+
+
+@dataclass
+class RunData:
+    """The loop's data on this rank: each split's micro-batches, positioned at the consumed samples."""
+
+    train: Iterator[Any] | None
+    """Training micro-batches from `consumed_train_samples` (None on a stage that reads none)."""
+    valid: Iterator[Any] | None
+    """Validation micro-batches from `consumed_valid_samples`, one stream that every evaluation
+    continues (None without a validation split or on a stage that reads none)."""
+    has_valid: bool
+    """There is a validation split: every stage evaluates, including those that read no data."""
+    test_dataset: Any
+    """The test split's dataset, or None; `test_batches` opens it at the final evaluation."""
+    reader: BatchReader
+    """How this rank reads each split."""
+
+    def test_batches(self) -> Iterator[Any] | None:
+        """The test split's micro-batches from its first sample (no loader workers)."""
+        return self.reader.batches(self.test_dataset, 0, 0)
+
+
+def build_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
+    from megatron_ds.data.gpt_data import build_gpt_datasets
+    from megatron_ds.data.splits import requested_samples
+    from megatron_ds.data.tokenizer import build_tokenizer
+
+    t = cfg.training
+    tokenizer = None
+    if cfg.data.tokenizer_type:
+        tokenizer = build_tokenizer(
+            cfg.data.tokenizer_type,
+            tokenizer_model=cfg.data.tokenizer_model,
+            vocab_file=cfg.data.vocab_file,
+            merge_file=cfg.data.merge_file,
+            vocab_size=cfg.data.null_tokenizer_vocab_size,
+        )
+    train, valid, test = build_gpt_datasets(
+        cfg.data, cfg.model.seq_length, t.seed, requested_samples(t), tokenizer, cfg.model.vocab_size
+    )
+    reader = BatchReader(
+        micro_batch_size=t.micro_batch_size,
+        data_parallel_rank=engine.grid.get_data_parallel_rank(),
+        data_parallel_size=cfg.parallel.data_parallel_size,
+        seed=t.seed,
+        reads_data=engine.is_first_stage() or engine.is_last_stage(),
+    )
+    return RunData(
+        train=reader.batches(train, state.consumed_train_samples, cfg.data.num_workers),
+        valid=reader.batches(valid, state.consumed_valid_samples, 0),
+        has_valid=valid is not None,
+        test_dataset=test,
+        reader=reader,
+    )
