@@ -88,6 +88,12 @@ DATA: tuple[Flag, ...] = (
     refused("--encoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
     refused("--decoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
     refused("--reset-position-ids", _DATA, "position ids always run 0..s-1 within a sample"),
+    no_op(
+        "--repeated-dataloader",
+        _DATA,
+        "the datasets are built for every sample the run asks for (iterations, evaluations, test), so the loader "
+        "never runs out and has nothing to repeat",
+    ),
     refused("--reset-attention-mask", _DATA, "attention is causal over the whole sample (SDPA is_causal)"),
     refused(
         "--data-efficiency-curriculum-learning",

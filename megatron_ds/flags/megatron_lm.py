@@ -74,8 +74,10 @@ TRAINING: tuple[Flag, ...] = (
         _TRAIN,
         f"{_MLM}: 'THRESHOLD:BATCH ...' (K/M/B/T suffixes); thresholds are tokens, converted to samples by "
         "--seq-length as Megatron-LM does; the last batch size is the global batch size (--global-batch-size "
-        "may be given too only if equal)",
+        "may be given too only if equal). The pairs may come as one word or several: Megatron-LM's own 175B "
+        "script expands its quoted schedule unquoted, so its argparse receives several words and refuses them",
         "training.step_batch_size_schedule",
+        nargs="+",
         derived=True,
     ),
     accepted(

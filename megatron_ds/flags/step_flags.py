@@ -30,11 +30,13 @@ def _number(text: str, entry: str) -> int:
     return int(number * multiplier)  # Megatron-LM's own rounding: int(float(v) * multiplier)
 
 
-def step_schedule(text: str | None, seq_length: int) -> tuple[tuple[int, int], ...] | None:
-    """`--step-batch-size-schedule 'THRESHOLD:BATCH ...'` as (threshold in samples, batch) pairs:
-    Megatron-LM reads thresholds as tokens (it always passes --seq-length) and floors them to samples."""
-    if text is None:
+def step_schedule(words: str | list[str] | None, seq_length: int) -> tuple[tuple[int, int], ...] | None:
+    """`--step-batch-size-schedule 'THRESHOLD:BATCH ...'` (one word, or several) as (threshold in
+    samples, batch) pairs: Megatron-LM reads thresholds as tokens (it always passes --seq-length) and
+    floors them to samples."""
+    if words is None:
         return None
+    text = words if isinstance(words, str) else " ".join(words)
     pairs = []
     for entry in text.strip().replace(",", " ").split():
         if ":" not in entry:
