@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from megatron_ds.config import Config
 from megatron_ds.errors import UserError
 from megatron_ds.estimate.transients import zero_bucket_elements_for
+from megatron_ds.training.zero_checks import check_zero_json
 
 
 class DeepSpeedConfigError(UserError):
@@ -28,21 +29,27 @@ NVME_PATH_PLACEHOLDER = "/local_nvme"
 """Written as `nvme_path` for NVMe offload: a placeholder the user replaces with a local NVMe mount."""
 
 
-def generate(config: Config, offload_optimizer: str = "none") -> dict[str, Any]:
+def generate(config: Config, offload_optimizer: str | None = None) -> dict[str, Any]:
     """DeepSpeed's config dict for this run (before merging a user file).
 
-    `offload_optimizer` ("cpu" or "nvme"; no flag expresses it, the planner recommends it) adds
-    ZeRO's optimizer offload; the torch optimizer we pass then needs `zero_force_ds_cpu_optimizer`
-    off (DeepSpeed's `engine._configure_optimizer` refuses a client optimizer with offload
-    otherwise, and warns that it will be slow).
+    The offload devices are the config's (`--offload-optimizer`, `--cpu-optimizer`, `--offload-param`);
+    `offload_optimizer` ("none", "cpu" or "nvme") replaces the optimizer's (the planner recommends one). A torch
+    optimizer under offload needs `zero_force_ds_cpu_optimizer` off (DeepSpeed's `engine._configure_optimizer`
+    refuses a client optimizer with offload otherwise, and warns that it will be slow); `--cpu-optimizer`'s CPU
+    Adam is the optimizer DeepSpeed wants there.
     """
     t, o, par = config.training, config.optimizer, config.parallel
-    zero = zero_section(t.zero_stage, offload_optimizer)
-    if t.zero_stage == 1:  # DeepSpeed's 5e8-element default is allocated whole (model_states.zero_bucket_elements)
+    offload = t.optimizer_offload if offload_optimizer is None else offload_optimizer
+    zero = zero_section(t.zero_stage, offload, t.offload_param, t.offload_nvme_path or NVME_PATH_PLACEHOLDER)
+    if t.zero_stage in (1, 2):  # DeepSpeed's 5e8-element default is allocated whole (model_states.zero_bucket_elements)
         bucket = zero_bucket_elements_for(
             config.model, par.pipeline_model_parallel_size, par.data_parallel_size, par.tensor_model_parallel_size
         )
         zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+    if t.zero_stage == 3:
+        # DeepSpeed's default swaps torch's F.linear for its own autograd function for good (a memory saving
+        # that rounds the bias add differently); megatron-core's and torch's linears are used as they are.
+        zero["memory_efficient_linear"] = False
     ds: dict[str, Any] = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -58,12 +65,14 @@ def generate(config: Config, offload_optimizer: str = "none") -> dict[str, Any]:
     }
     if t.precision == "fp16":
         ds["fp16"].update({**FP16_DEFAULTS, **fp16_from_flags(config)})
-    if offload_optimizer != "none":
+    if offload != "none" and not t.cpu_optimizer:
         ds["zero_force_ds_cpu_optimizer"] = False
     return ds
 
 
-def zero_section(stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> dict[str, Any]:
+def zero_section(
+    stage: int, offload_optimizer: str = "none", offload_param: str = "none", nvme_path: str = NVME_PATH_PLACEHOLDER
+) -> dict[str, Any]:
     """The `zero_optimization` value for any stage and offload (stages 2 and 3 only outside a pipeline)."""
     assert offload_optimizer in OFFLOAD_DEVICES and offload_param in OFFLOAD_DEVICES, (offload_optimizer, offload_param)
     zero: dict[str, Any] = {"stage": stage}
@@ -73,7 +82,7 @@ def zero_section(stage: int, offload_optimizer: str = "none", offload_param: str
         if device != "none":
             zero[key] = {"device": device, "pin_memory": True}
             if device == "nvme":
-                zero[key]["nvme_path"] = NVME_PATH_PLACEHOLDER
+                zero[key]["nvme_path"] = nvme_path
     return zero
 
 
@@ -136,6 +145,9 @@ USER_OVERRIDABLE = frozenset(
         "zero_allow_untested_optimizer",
         "zero_optimization.reduce_bucket_size",
         "zero_optimization.allgather_bucket_size",
+        "zero_optimization.memory_efficient_linear",
+        "zero_optimization.offload_optimizer.pin_memory",
+        "zero_optimization.offload_param.pin_memory",
     }
 )
 
@@ -244,11 +256,5 @@ def build(config: Config, user: dict[str, Any] | None = None) -> dict[str, Any]:
     for source, keys in sources:
         ds = merge(ds, keys, source, user_overridable(config))
         _check_activation_checkpointing(ds, source)
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1):  # the model is a PipelineModule, so DeepSpeed builds its pipeline engine at any P
-        raise DeepSpeedConfigError(
-            f"ZeRO stage {stage} with --pipeline-model-parallel-size "
-            f"{config.parallel.pipeline_model_parallel_size}: DeepSpeed's pipeline engine (used at every pipeline "
-            f"size) supports ZeRO 0 and 1 only; use --zero-stage 1"
-        )
+    check_zero_json(config, ds)  # offload as the flags give it; a usable NVMe path
     return ds
