@@ -24,8 +24,10 @@ Optional scenario keys (all off by default):
     ds_config       DeepSpeed keys merged into the generated JSON (`build_pipeline(ds_config=...)`), e.g.
                     ZeRO-3's `stage3_param_persistence_threshold` 0 so that a tiny model is partitioned
 
-Every result also records "layout_table" (the layout printout with spec names) and the keys of the
-model's "tied_modules" and "tied_comms" (empty for an untied head).
+Every result also records "layout_table" (the layout printout with spec names), the keys of the
+model's "tied_modules" and "tied_comms" (empty for an untied head), the "engine" class, and the
+model's parameter "elements" on this tensor rank with the "held_elements" this rank keeps (fewer under
+ZeRO-3, which partitions them).
 """
 
 from __future__ import annotations
@@ -132,6 +134,8 @@ def run_one(
         "layout_table": layout.format(),
         "tied_modules": sorted(getattr(pipeline.model, "tied_modules", {})),
         "tied_comms": sorted(getattr(pipeline.model, "tied_comms", {})),
+        "engine": type(engine).__name__,
+        **_held_elements(pipeline.model),
     }
     if opts.get("swapped_axes"):
         result["topology_error"] = _swapped_axes_error(config)
@@ -178,6 +182,16 @@ def _record_checksums(result: dict[str, Any], key: str, model: torch.nn.Module) 
     sums = full_parameter_checksums(model)  # collective over the tensor-parallel group
     if model.tensor_parallel.rank == 0:
         result[key] = sums
+
+
+def _held_elements(model: torch.nn.Module) -> dict[str, int]:
+    """The model's parameter elements on this tensor rank, and those this rank holds (its ZeRO-3 partitions)."""
+    from megatron_ds.model.gpt_model import is_partitioned
+
+    params = list(model.parameters())
+    full = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+    held = sum(int(p.ds_tensor.numel()) if is_partitioned(p) else p.numel() for p in params)
+    return {"elements": full, "held_elements": held}
 
 
 def _swapped_axes_error(config: Config) -> str:

@@ -30,6 +30,7 @@ from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointError
 from megatron_ds.training.checkpoint.universal import names, store
 from megatron_ds.training.checkpoint.universal.deepspeed_source import DeepSpeedSource
+from megatron_ds.training.checkpoint.universal.zero3_source import open_source
 
 SUFFIX = ".universal"
 
@@ -63,7 +64,7 @@ def _open_source(path: str) -> DeepSpeedSource:
         raise CheckpointError(
             f"{ckpt.directory}: holds weights only (no optimizer state); it loads under any layout as it is"
         )
-    return DeepSpeedSource(ckpt)
+    return open_source(ckpt)
 
 
 def convert_checkpoint(source_path: str, output: str, show_progress: bool = True) -> Summary:
@@ -122,7 +123,7 @@ def convert_next_to(load_dir: str, tag: str, show_progress: bool, log: Any = pri
     if _reusable(target, source_dir):
         log(f"--load {load_dir} ({tag}): using its universal form {target}")
         return target
-    source = DeepSpeedSource(reader.open_checkpoint(source_dir))
+    source = open_source(reader.open_checkpoint(source_dir))
     _clear_leftovers(target)
     log(f"--load {load_dir} ({tag}): converting it once to universal form in {target}")
     try:
