@@ -91,7 +91,9 @@ class Zero3Source(DeepSpeedSource):
         """Each sub-group's flat partition size in one optimizer file."""
         key = path + "#sizes"
         if key not in self._meta_cache:
-            self._meta_cache[key] = [int(t.numel()) for t in load_file(path)["optimizer_state_dict"]["fp32_flat_groups"]]
+            self._meta_cache[key] = [
+                int(t.numel()) for t in load_file(path)["optimizer_state_dict"]["fp32_flat_groups"]
+            ]
         return self._meta_cache[key]
 
     def _positions(self, tp: int) -> dict[str, Position]:
@@ -100,14 +102,18 @@ class Zero3Source(DeepSpeedSource):
         if key in self._meta_cache:
             return self._meta_cache[key]
         states_path = self.model_states_file(0, tp)
-        shapes = [(name, tuple(shape)) for group in load_file(states_path)["param_shapes"] for name, shape in group.items()]
+        shapes = [
+            (name, tuple(shape)) for group in load_file(states_path)["param_shapes"] for name, shape in group.items()
+        ]
         sizes = self._sizes(self.optim_file(0, tp, 0))
         positions, sub_group, offset = {}, 0, 0
         for name, shape in shapes:
             numel = -(-math.prod(shape) // self.data_parallel)
             while sub_group < len(sizes) and offset + numel > sizes[sub_group]:
                 if offset != sizes[sub_group]:
-                    raise CheckpointError(f"{states_path}: {name} does not fit its sub-group; the checkpoint is damaged")
+                    raise CheckpointError(
+                        f"{states_path}: {name} does not fit its sub-group; the checkpoint is damaged"
+                    )
                 sub_group, offset = sub_group + 1, 0
             if sub_group == len(sizes):
                 raise CheckpointError(f"{states_path}: more parameters than partitions; the checkpoint is damaged")
