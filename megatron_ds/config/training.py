@@ -184,6 +184,11 @@ class TrainingConfig:
             f"--offload-param {self.offload_param} needs --zero-stage 3 (only ZeRO-3 partitions the parameters), got "
             f"--zero-stage {z}; use --zero-stage 3 or drop --offload-param",
         )
+        check(
+            self.optimizer_offload != "nvme" or z == 3,
+            f"--offload-optimizer nvme needs --zero-stage 3 (ZeRO-Infinity): ZeRO {z}'s optimizer runs on the host and "
+            f"DeepSpeed takes nvme as cpu there; use --offload-optimizer cpu, or --zero-stage 3",
+        )
         nvme = [
             f
             for f, d in (("--offload-optimizer", self.optimizer_offload), ("--offload-param", self.offload_param))

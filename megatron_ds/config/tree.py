@@ -108,13 +108,15 @@ class Config:
     def replace(self, **sections: Any) -> Config:
         """A copy with whole sections or `section__field=value` entries replaced (checked again)."""
         updates: dict[str, Any] = {}
+        fields: dict[str, dict[str, Any]] = {}
         for key, value in sections.items():
             if "__" in key:
                 sec, fld = key.split("__", 1)
-                base = updates.get(sec, getattr(self, sec))
-                updates[sec] = dataclasses.replace(base, **{fld: value})
+                fields.setdefault(sec, {})[fld] = value
             else:
                 updates[key] = value
+        for sec, values in fields.items():  # a section's fields together: checks see the combination
+            updates[sec] = dataclasses.replace(updates.get(sec, getattr(self, sec)), **values)
         return dataclasses.replace(self, **updates)
 
 

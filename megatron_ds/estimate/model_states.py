@@ -20,6 +20,7 @@ context and allocator fragmentation.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -141,9 +142,15 @@ def state_factors(
     w = PRECISION_BYTES[precision]
     if offload_optimizer != "none":
         return _offloaded(w, zero_stage, s, offload_param != "none")
-    if precision == "fp32":
-        return _fp32(zero_stage, s)
-    return _mixed(precision, zero_stage, s)
+    on_device = _fp32(zero_stage, s) if precision == "fp32" else _mixed(precision, zero_stage, s)
+    if offload_param != "none":  # ZeRO-3 parameter partitions on the host, the optimizer on the device
+        return dataclasses.replace(
+            on_device,
+            param_part=0,
+            host_part=on_device.param_part,
+            source=on_device.source + "; offload_param: the parameter partitions live on the host",
+        )
+    return on_device
 
 
 def _fp32(zero_stage: int, s: int) -> StateFactors:

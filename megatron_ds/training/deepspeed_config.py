@@ -41,11 +41,13 @@ def generate(config: Config, offload_optimizer: str | None = None) -> dict[str, 
     t, o, par = config.training, config.optimizer, config.parallel
     offload = t.optimizer_offload if offload_optimizer is None else offload_optimizer
     zero = zero_section(t.zero_stage, offload, t.offload_param, t.offload_nvme_path or NVME_PATH_PLACEHOLDER)
-    if t.zero_stage in (1, 2):  # DeepSpeed's 5e8-element default is allocated whole (model_states.zero_bucket_elements)
+    if t.zero_stage >= 1:  # DeepSpeed's 5e8-element default is allocated whole (model_states.zero_bucket_elements)
         bucket = zero_bucket_elements_for(
             config.model, par.pipeline_model_parallel_size, par.data_parallel_size, par.tensor_model_parallel_size
         )
-        zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+        zero.update(reduce_bucket_size=bucket)
+        if t.zero_stage < 3:  # ZeRO-3 gathers parameters by its prefetch and live-parameter limits instead
+            zero.update(allgather_bucket_size=bucket)
     if t.zero_stage == 3:
         # DeepSpeed's default swaps torch's F.linear for its own autograd function for good (a memory saving
         # that rounds the bias add differently); megatron-core's and torch's linears are used as they are.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from megatron_ds.config import Config
 from megatron_ds.errors import ConfigError
-from megatron_ds.training import deepspeed_config
+from megatron_ds.training import deepspeed_config, zero_checks
 from megatron_ds.training.checkpoint import save_load
 
 
@@ -46,3 +46,4 @@ def check_launch(config: Config) -> None:
     save_load.check_dirs(config)
     check_logging(config)
     deepspeed_config.build(config)
+    zero_checks.check_offload_runs_here(config)  # offload's ops build here, its host memory is there

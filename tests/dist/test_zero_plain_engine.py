@@ -5,6 +5,7 @@ model's parameters all stay whole), ZeRO-2 with the optimizer offloaded to the h
 CPU Adam (`--cpu-optimizer`), ZeRO-3 with parameters and optimizer offloaded to the host; on 2 ranks
 (DP=2) and 4 ranks (DP=4, and T=2 x DP=2). Losses and gradient norms are within 1e-6 of the
 single-process pipeline run (ZeRO 0) over the steps, fp32, dropout on, clipping active (clip 0.05).
+DeepSpeed's pipeline engine runs ZeRO-1 with the optimizer offloaded (P=2, CPU Adam), equal too.
 Each resumes exactly (2 ranks: a 3-step run saved and resumed for 3 equals its own 6-step run
 bit for bit), and the universal form moves a run between ZeRO-3 on 4 ranks without pipeline and
 P=2 ZeRO-1 (DP=2) both ways, within 1e-6 of the straight run.
@@ -59,6 +60,8 @@ def launches(ck: Path) -> list[tuple[str, int, dict[str, dict]]]:
         w2[f"{name}_straight"] = sc(z, steps=6)
         w2[f"{name}_save"] = sc(z, save=str(ck / name))
         w2[f"{name}_resumed"] = sc(z, load=str(ck / name))
+    # DeepSpeed's pipeline engine takes ZeRO-1 optimizer offload (its DeepSpeedZeroOptimizer's cpu_offload)
+    w2["p2_zero1_cpu_adam"] = sc({"training__zero_stage": 1, "training__cpu_optimizer": True}, p=2)
     w4: dict[str, dict] = {
         "dp4_zero3_save": sc(CONFIGS["zero3"], save=str(ck / "dp4_zero3")),
         "p2_zero1_from_zero3": sc({"training__zero_stage": 1}, p=2, load=str(ck / "dp4_zero3")),
@@ -116,6 +119,11 @@ def test_two_ranks_equal_the_single_process_run_and_resume_exactly(runs: dict, n
     for r_straight, r_saved, r_resumed in zip(straight, saved, resumed):
         assert r_saved["losses"] + r_resumed["losses"] == r_straight["losses"], name  # exact: 0.0
         assert r_saved["grad_norms"] + r_resumed["grad_norms"] == r_straight["grad_norms"], name
+
+
+def test_the_pipeline_engine_runs_zero1_with_the_optimizer_on_the_host(runs: dict) -> None:
+    assert {r["engine"] for r in runs["p2_zero1_cpu_adam"]} == {"PipelineEngine"}
+    assert_close(runs["p2_zero1_cpu_adam"], runs["straight"][0], 0, "P=2 ZeRO-1 + CPU Adam")
 
 
 @pytest.mark.parametrize("name", ["dp4_zero2_cpu_adam", "dp4_zero3_offload", "dp4_zero3_save"])
