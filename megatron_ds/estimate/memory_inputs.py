@@ -11,6 +11,10 @@ from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.model_states import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors, state_factors
 
 
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's default `stage3_param_persistence_threshold` (elements)."""
+
+
 @dataclass(frozen=True)
 class MemoryInputs:
     """What the memory of one pipeline stage depends on."""
@@ -48,6 +52,9 @@ class MemoryInputs:
     (0.1) unless given, as the planner assumes."""
     schedule: str = DEFAULT_PIPELINE_SCHEDULE
     """The pipeline schedule (`pipeline_schedules.REGISTRY`): micro-batches in flight, pipe buffers."""
+    zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD
+    """ZeRO-3 keeps a parameter tensor of at most this many elements whole on every rank
+    (`stage3_param_persistence_threshold`; DeepSpeed's default, which the generated JSON leaves as it is)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,7 +78,12 @@ class MemoryInputs:
     @property
     def factors(self) -> StateFactors:
         return state_factors(
-            self.precision, self.zero_stage, self.optimizer, self.offload_optimizer, self.offload_param
+            self.precision,
+            self.zero_stage,
+            self.optimizer,
+            self.offload_optimizer,
+            self.offload_param,
+            accumulating=self.num_micro_batches > 1,
         )
 
     @property
