@@ -10,7 +10,6 @@ from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.model_states import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors, state_factors
 
-
 ZERO3_PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's default `stage3_param_persistence_threshold` (elements)."""
 

@@ -143,7 +143,8 @@ def state_factors(
     s = OPTIMIZER_STATE_BYTES[optimizer]
     w = PRECISION_BYTES[precision]
     if offload_optimizer != "none":
-        return _offloaded(w, zero_stage, s, offload_param != "none", accumulating)
+        nvme = offload_optimizer == "nvme"
+        return _offloaded(w, zero_stage, s, offload_param != "none", accumulating, nvme)
     on_device = _fp32(zero_stage, s) if precision == "fp32" else _mixed(precision, zero_stage, s)
     if offload_param != "none":  # ZeRO-3 parameter partitions on the host, the optimizer on the device
         return dataclasses.replace(
@@ -282,7 +283,9 @@ def _mixed(precision: str, zero_stage: int, s: int) -> StateFactors:
     )
 
 
-def _offloaded(w: int, zero_stage: int, s: int, params_too: bool, accumulating: bool) -> StateFactors:
+def _offloaded(
+    w: int, zero_stage: int, s: int, params_too: bool, accumulating: bool, nvme: bool = False
+) -> StateFactors:
     """Offloaded optimizer: what lives on the host, per parameter and data-parallel rank, as DeepSpeed 0.19.8
     allocates it (measured by benchmarks/zero_memory.py)."""
     host = MASTER_BYTES + MASTER_BYTES + s  # fp32 master, fp32 gradient partition, optimizer states
@@ -306,6 +309,8 @@ def _offloaded(w: int, zero_stage: int, s: int, params_too: bool, accumulating: 
                 "and, accumulating, its 16-bit accumulated gradients (DeepSpeed's estimator: 16 bytes on the host)"
             ),
         )
+    if nvme:  # ZeRO-Infinity swaps the fp32 master, gradient and states to NVMe (its host buffers not counted)
+        host = 0
     host += w  # ZeRO-3 under offload keeps its 16-bit gradient partition on the host (grad_partitions_flat_buffer)
     if params_too:
         return StateFactors(
@@ -316,7 +321,7 @@ def _offloaded(w: int, zero_stage: int, s: int, params_too: bool, accumulating: 
             0,
             0,
             gathered=2 * w,
-            host_part=host + w,
+            host_part=host + (0 if nvme else w),  # NVMe parameter offload swaps the 16-bit partitions there
             source=(
                 "ZeRO-3 + offload_param + offload_optimizer: the GPU holds one gathered layer (4 bytes x largest "
                 "layer in 16-bit, as estimate_zero3_model_states_mem_needs); the host the 16-bit param and grad "
