@@ -69,6 +69,9 @@ def launches(ck: Path) -> list[tuple[str, int, dict[str, dict]]]:
         "dp4_zero3_from_p2_zero1": sc(CONFIGS["zero3"], load=str(ck / "p2_zero1")),
         "dp4_zero2_cpu_adam": sc(CONFIGS["zero2_cpu_adam"]),
         "dp4_zero3_offload": sc(CONFIGS["zero3_offload"]),
+        # the offloaded runs' checkpoints (2 ranks) through the universal form, into other stages and offloads
+        "p2_zero1_from_zero3_offload": sc({"training__zero_stage": 1}, p=2, load=str(ck / "zero3_offload")),
+        "dp4_zero3_offload_from_zero2_cpu_adam": sc(CONFIGS["zero3_offload"], load=str(ck / "zero2_cpu_adam")),
     }
     for name, z in CONFIGS.items():
         w4[f"t2_{name}"] = sc(z, t=2, attention=0.0)
@@ -89,9 +92,9 @@ def _launch(out: Path, world: int, scenarios: dict[str, dict], timeout: float) -
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("zero_plain")
-    results: dict[str, list[dict]] = {}
+    results: dict[str, Any] = {"checkpoints": tmp / "ck"}
     for name, world, scenarios in launches(tmp / "ck"):
         results.update(_launch(tmp / name, world, scenarios, timeout=240 + 60 * world))
     return results
@@ -152,3 +155,28 @@ def test_universal_form_moves_between_zero3_without_pipeline_and_p2_zero1(runs: 
     assert_close(runs["p2_zero1_save"], ref, 0, "P=2 ZeRO-1")
     assert_close(runs["dp4_zero3_from_p2_zero1"], ref, 3, "P=2 ZeRO-1 DP=2 -> ZeRO-3 DP=4")
     assert {r["layout"] for r in runs["p2_zero1_from_zero3"]} != {r["layout"] for r in runs["dp4_zero3_save"]}
+    # offloaded ZeRO-3 and CPU Adam ZeRO-2 checkpoints of 2 ranks, resumed on 4 under another stage and offload
+    assert_close(runs["p2_zero1_from_zero3_offload"], ref, 3, "ZeRO-3 offload DP=2 -> P=2 ZeRO-1 DP=2")
+    assert_close(runs["dp4_zero3_offload_from_zero2_cpu_adam"], ref, 3, "ZeRO-2 CPU Adam DP=2 -> ZeRO-3 offload DP=4")
+
+
+def test_hf_export_reads_a_zero3_checkpoint(runs: dict, tmp_path: Path) -> None:
+    """ZeRO-3's partitions are gathered into the per-spec files, so Hugging Face export reads them as it
+    reads any checkpoint: the exported word embedding is the one the run trained."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from megatron_ds.testing.scenario import checksum
+
+    root, ck = Path(__file__).resolve().parents[2], runs["checkpoints"] / "zero3"
+    done = subprocess.run(
+        [sys.executable, str(root / "tools" / "convert_checkpoint.py"), "--to", "hf", str(ck), str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert checksum(weights["transformer.wte.weight"]) == runs["zero3_save"][0]["embedding_checksum"]
