@@ -12,6 +12,8 @@ from megatron_ds.estimate.model_states import OPTIMIZER_STATE_BYTES, PRECISION_B
 
 ZERO3_PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's default `stage3_param_persistence_threshold` (elements)."""
+ZERO3_PREFETCH_ELEMENTS = 50_000_000
+"""DeepSpeed's default `stage3_prefetch_bucket_size` (elements)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class MemoryInputs:
     zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD
     """ZeRO-3 keeps a parameter tensor of at most this many elements whole on every rank
     (`stage3_param_persistence_threshold`; DeepSpeed's default, which the generated JSON leaves as it is)."""
+    zero3_prefetch_elements: int = ZERO3_PREFETCH_ELEMENTS
+    """ZeRO-3 gathers up to this many parameter elements ahead of their use (`stage3_prefetch_bucket_size`,
+    DeepSpeed's default)."""
 
     def __post_init__(self) -> None:
         for name in (
