@@ -73,14 +73,16 @@ class PlainEngine(DeepSpeedEngine):
         return per_micro_batch * self.micro_batches + [schedule.OptimizerStep()]
 
     @torch.no_grad()
-    def eval_batch(self, data_iter: Iterator[Any], **unused: Any) -> torch.Tensor:
-        """The mean loss of `micro_batches` micro-batches of `data_iter`, forward only (all ranks)."""
+    def eval_batch(self, data_iter: Iterator[Any], num_micro_batches: int | None = None) -> torch.Tensor:
+        """The mean loss of `micro_batches` (or `num_micro_batches`) micro-batches of `data_iter`, forward
+        only, averaged over data-parallel ranks (`PipelineEngine.eval_batch`'s defaults: loss, averaged)."""
         self.module.eval()
         total = torch.zeros((), device=self.device)
-        for _ in range(self.micro_batches):
+        count = num_micro_batches or self.micro_batches
+        for _ in range(count):
             inputs, labels = self._to_device(next(data_iter))
             total += self.module.loss_fn(self(inputs), labels).detach().float()
-        return self._mean_over_data_parallel(total / self.micro_batches)
+        return self._mean_over_data_parallel(total / count)
 
     def _exec_load_micro_batch(self, buffer_id: int) -> None:
         del buffer_id
@@ -146,7 +148,8 @@ class PlainEngine(DeepSpeedEngine):
         return None
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> Any:
-        self._spec_dir = os.path.join(load_dir, str(tag))
+        assert tag is not None, "our checkpoints are loaded by their tag (save_load.load reads `latest`)"
+        self._spec_dir = os.path.join(load_dir, tag)
         try:
             return super().load_checkpoint(load_dir, tag=tag, **kwargs)
         finally:

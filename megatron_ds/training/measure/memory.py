@@ -3,7 +3,8 @@
 `StepMeter.measure()` wraps the one reported `train_batch` (`warm_up()` the step before it; no
 other step is profiled) and measures on this rank's device, with no estimate anywhere:
 
-- params: the bytes of every parameter storage of this rank's module.
+- params: the bytes of every parameter storage of this rank's module, ZeRO-3's partitions included
+  (and its persistent tensors, which it keeps whole besides).
 - grads: the bytes of every gradient tensor alive just before the optimizer step (parameters'
   `.grad` and the optimizer wrapper's gradient buffers, such as ZeRO's flat fp32 partition
   gradient), read by a step pre-hook.
@@ -17,6 +18,8 @@ other step is profiled) and measures on this rank's device, with no estimate any
   every allocation and free of the CPU allocator during the step, from torch.profiler's memory
   events (`allocation_trace.CpuAllocationTrace` says how its blind spots are closed). On CUDA:
   torch.cuda's max allocated over the step; allocated / max allocated / reserved are printed too.
+- host: of params + grads + optimizer, what ZeRO offload keeps in host memory (by owner, so that a CPU
+  run reports what a GPU run would move: `RankMemory.host`).
 - other: peak - (params + grads + optimizer + activations): pipe buffers (received activations,
   outputs kept until their backward, the last stage's fp32 logits), short-lived buffers (loss
   gradients, a weight gradient before accumulation, the gradient all-reduce's flat copy, the
