@@ -20,9 +20,10 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
-"""DeepSpeed's ZeRO stages. Its pipeline engine (used at every pipeline size) runs 0 and 1 only:
-`--zero-stage 2/3` are refused values of the flag, and `training.deepspeed_config.build` refuses them
-for a config built in Python."""
+"""DeepSpeed's ZeRO stages. Its pipeline engine runs 0 and 1 only; 2 and 3 run on its plain engine,
+at pipeline size 1 (`Config` refuses them with P > 1; `engine_kind` says which engine a run uses)."""
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+"""Where ZeRO's `offload_optimizer` / `offload_param` put their tensors (DeepSpeed's `device` key)."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,18 @@ class TrainingConfig:
     precision: str = "fp32"
     """`fp32`, `bf16` (`--bf16`) or `fp16` (`--fp16`)."""
     zero_stage: int = 0
-    """DeepSpeed ZeRO stage; only 0 and 1 combine with the pipeline engine (`--zero-stage`)."""
+    """DeepSpeed ZeRO stage (`--zero-stage`): 0 and 1 at any pipeline size, 2 and 3 at P = 1 (plain engine)."""
+    offload_optimizer: str = "none"
+    """ZeRO's `offload_optimizer.device`: `cpu` or `nvme` keep the fp32 master weights, gradient partition and
+    optimizer states on the host or an NVMe drive (`--offload-optimizer`; ZeRO >= 1). See `optimizer_offload`."""
+    offload_param: str = "none"
+    """ZeRO-3's `offload_param.device`: `cpu` or `nvme` keep the parameter partitions off the device between
+    uses (`--offload-param`; ZeRO-3 only)."""
+    offload_nvme_path: str | None = None
+    """The `nvme_path` of NVMe offload: a directory on a local NVMe drive (`--offload-nvme-path`)."""
+    cpu_optimizer: bool = False
+    """Adam runs on the host as DeepSpeed's CPU Adam (`DeepSpeedCPUAdam`, `--cpu-optimizer`, as Megatron-DeepSpeed);
+    without `--offload-optimizer` it offloads the optimizer to `cpu`."""
     checkpoint_activations: bool = False
     """Recompute transformer layers in backward (`--checkpoint-activations`, or Megatron's
     `--recompute-granularity full --recompute-method uniform`)."""
@@ -232,6 +244,7 @@ class TrainingConfig:
         at_least("--eval-iters", self.eval_iters, 0)
         one_of("precision", self.precision, PRECISIONS)
         one_of("--zero-stage", self.zero_stage, ZERO_STAGES)
+        self._check_offload()
         check(
             self.checkpoint_num_layers >= 1,
             f"layers per recomputed chunk (--checkpoint-num-layers / --recompute-num-layers) is "
@@ -304,6 +317,42 @@ class TrainingConfig:
     def seq_length_at(self, step: int, seq_length: int) -> int:
         """Tokens per sample of training step `step` (1-based): the curriculum's, else seq_length."""
         return seq_length if self.curriculum is None else self.curriculum.seq_length(step)
+
+    @property
+    def optimizer_offload(self) -> str:
+        """Where ZeRO keeps the optimizer: `offload_optimizer`, or `cpu` for `--cpu-optimizer` alone."""
+        return "cpu" if self.cpu_optimizer and self.offload_optimizer == "none" else self.offload_optimizer
+
+    def _check_offload(self) -> None:
+        one_of("--offload-optimizer", self.offload_optimizer, OFFLOAD_DEVICES)
+        one_of("--offload-param", self.offload_param, OFFLOAD_DEVICES)
+        z = self.zero_stage
+        what = (
+            "--cpu-optimizer" if self.offload_optimizer == "none" else f"--offload-optimizer {self.offload_optimizer}"
+        )
+        check(
+            self.optimizer_offload == "none" or z >= 1,
+            f"{what} needs ZeRO (DeepSpeed offloads the optimizer in its ZeRO optimizers); add --zero-stage 1, 2 or 3",
+        )
+        check(
+            self.offload_param == "none" or z == 3,
+            f"--offload-param {self.offload_param} needs --zero-stage 3 (only ZeRO-3 partitions the parameters), got "
+            f"--zero-stage {z}; use --zero-stage 3 or drop --offload-param",
+        )
+        check(
+            self.optimizer_offload != "nvme" or z == 3,
+            f"--offload-optimizer nvme needs --zero-stage 3 (ZeRO-Infinity): ZeRO {z}'s optimizer runs on the host and "
+            f"DeepSpeed takes nvme as cpu there; use --offload-optimizer cpu, or --zero-stage 3",
+        )
+        nvme = [
+            f
+            for f, d in (("--offload-optimizer", self.optimizer_offload), ("--offload-param", self.offload_param))
+            if d == "nvme"
+        ]
+        check(
+            not nvme or bool(self.offload_nvme_path),
+            f"{nvme[0] if nvme else ''} nvme needs --offload-nvme-path, a directory on a local NVMe drive; give one",
+        )
 
     def _check_loss_scale(self) -> None:
         for flag, value in (

@@ -33,6 +33,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        self._check_engine()
         t = self.parallel.tensor_model_parallel_size
         model = self.model
         for flag, value in (
@@ -72,6 +73,27 @@ class Config:
                 f"{model.seq_length}: the curriculum cuts samples, it cannot lengthen them; lower it",
             )
 
+    def _check_engine(self) -> None:
+        """ZeRO 2/3 only where the plain engine runs; CPU Adam is an Adam."""
+        z, p = self.training.zero_stage, self.parallel.pipeline_model_parallel_size
+        check(
+            z < 2 or p == 1,
+            f"--zero-stage {z} with --pipeline-model-parallel-size {p}: DeepSpeed's pipeline engine runs ZeRO 0 and 1 "
+            f"only, ZeRO 2 and 3 run on its plain engine at pipeline size 1; use --zero-stage 1, or "
+            f"--pipeline-model-parallel-size 1 (--no-pipeline-parallel)",
+        )
+        check(
+            not self.training.cpu_optimizer or self.optimizer.optimizer == "adam",
+            f"--cpu-optimizer runs DeepSpeed's CPU Adam, but --optimizer is {self.optimizer.optimizer}; "
+            f"use --optimizer adam or drop --cpu-optimizer",
+        )
+
+    @property
+    def engine_kind(self) -> str:
+        """`plain` (DeepSpeed's DeepSpeedEngine, ZeRO 2/3 at P = 1) or `pipeline` (its PipelineEngine, every
+        other run): which DeepSpeed engine trains this run; ZeRO 0/1 keep the pipeline engine at P = 1 too."""
+        return "plain" if self.training.zero_stage >= 2 else "pipeline"
+
     @property
     def grad_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step on each data-parallel rank."""
@@ -101,13 +123,15 @@ class Config:
     def replace(self, **sections: Any) -> Config:
         """A copy with whole sections or `section__field=value` entries replaced (checked again)."""
         updates: dict[str, Any] = {}
+        fields: dict[str, dict[str, Any]] = {}
         for key, value in sections.items():
             if "__" in key:
                 sec, fld = key.split("__", 1)
-                base = updates.get(sec, getattr(self, sec))
-                updates[sec] = dataclasses.replace(base, **{fld: value})
+                fields.setdefault(sec, {})[fld] = value
             else:
                 updates[key] = value
+        for sec, values in fields.items():  # a section's fields together: checks see the combination
+            updates[sec] = dataclasses.replace(updates.get(sec, getattr(self, sec)), **values)
         return dataclasses.replace(self, **updates)
 
 

@@ -85,11 +85,10 @@ HALVE_MICRO_BATCH = Remedy(
 )
 OFFLOAD_OPTIMIZER = Remedy(
     "offload optimizer states to CPU",
-    "PCIe traffic every step and a CPU optimizer step (torch AdamW on CPU unless the engine switches "
-    "to DeepSpeedCPUAdam); needs host memory",
+    "PCIe traffic every step and the optimizer step on the CPU (DeepSpeed's CPU Adam); needs host memory",
     2,
     lambda i: dataclasses.replace(i, zero_stage=max(1, i.zero_stage), offload_optimizer="cpu"),
-    lambda i: "zero_optimization.offload_optimizer.device=cpu, zero_force_ds_cpu_optimizer=false",
+    lambda i: f"--cpu-optimizer --zero-stage {max(1, i.zero_stage)}",
     same_layout=True,
 )
 ONE_BIT = Remedy(

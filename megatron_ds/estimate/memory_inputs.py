@@ -10,6 +10,11 @@ from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.model_states import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors, state_factors
 
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's default `stage3_param_persistence_threshold` (elements)."""
+ZERO3_PREFETCH_ELEMENTS = 50_000_000
+"""DeepSpeed's default `stage3_prefetch_bucket_size` (elements)."""
+
 
 @dataclass(frozen=True)
 class MemoryInputs:
@@ -48,6 +53,12 @@ class MemoryInputs:
     (0.1) unless given, as the planner assumes."""
     schedule: str = DEFAULT_PIPELINE_SCHEDULE
     """The pipeline schedule (`pipeline_schedules.REGISTRY`): micro-batches in flight, pipe buffers."""
+    zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD
+    """ZeRO-3 keeps a parameter tensor of at most this many elements whole on every rank
+    (`stage3_param_persistence_threshold`; DeepSpeed's default, which the generated JSON leaves as it is)."""
+    zero3_prefetch_elements: int = ZERO3_PREFETCH_ELEMENTS
+    """ZeRO-3 gathers up to this many parameter elements ahead of their use (`stage3_prefetch_bucket_size`,
+    DeepSpeed's default)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,7 +82,12 @@ class MemoryInputs:
     @property
     def factors(self) -> StateFactors:
         return state_factors(
-            self.precision, self.zero_stage, self.optimizer, self.offload_optimizer, self.offload_param
+            self.precision,
+            self.zero_stage,
+            self.optimizer,
+            self.offload_optimizer,
+            self.offload_param,
+            accumulating=self.num_micro_batches > 1,
         )
 
     @property

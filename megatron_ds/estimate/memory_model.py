@@ -42,6 +42,8 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
     groups = naming.gpt_spec_groups(m)
     head = groups.post[1]
     params = shapes.gpt_spec_params(m, t)
+    numels = shapes.gpt_spec_tensor_numels(m, t)
+    threshold = inputs.zero3_persistence_threshold if inputs.zero_stage == 3 else -1
     terms = {**act.pre_terms(m, b, k, regularization=inputs.regularization), **act.post_terms(m, b, k, head, t)}
     layer_terms = act.transformer_layer_terms(m, b, k, t, regularization=inputs.regularization)
     out = []
@@ -57,7 +59,9 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
                 group=group,
                 num_params=n,
                 largest_param=largest,
-                params=fac.params(n, dp),
+                # ZeRO-3's persistent tensors are whole on every rank besides their partition
+                params=fac.params(n, dp)
+                + sum(x for x in numels[idx] if x <= threshold) * PRECISION_BYTES[inputs.precision],
                 grads=fac.grads(n, dp),
                 optimizer=fac.optimizer(n, dp),
                 host=fac.host(n, dp),
@@ -91,6 +95,12 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
     held = ends + [layer] * num_layers
     num_params = sum(sp.num_params for sp in held)
     states = [sum(getattr(sp, a) for sp in held) for a in ("params", "grads", "optimizer", "host")]
+    if inputs.offload_optimizer != "none" and inputs.zero_stage <= 2:
+        # stage_1_and_2.py's two staging buffers of the stage's largest parameter: one pinned on the host
+        # (temp_grad_buffer_for_cpu_offload), one on the device (temp_grad_buffer_for_gpu_offload)
+        staging = max(sp.largest_param for sp in held) * PRECISION_BYTES[inputs.precision]
+        states[2] += staging
+        states[3] += staging
     full_layers, chunk = _recomputed(inputs, len(pre), num_layers, len(post))
     per_mb = (
         sum(sp.activations for sp in ends)

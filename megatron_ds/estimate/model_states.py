@@ -20,6 +20,7 @@ context and allocator fragmentation.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -123,8 +124,10 @@ def state_factors(
     optimizer: str = "adam",
     offload_optimizer: str = "none",
     offload_param: str = "none",
+    accumulating: bool = False,
 ) -> StateFactors:
-    """The byte factors for one configuration (raises ValueError for combinations DeepSpeed rejects)."""
+    """The byte factors for one configuration (raises ValueError for combinations DeepSpeed rejects);
+    `accumulating`: more than one micro-batch per step (an offloaded ZeRO-1/2 optimizer keeps accumulated grads)."""
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISION_BYTES)}")
     if optimizer not in OPTIMIZER_STATE_BYTES:
@@ -140,10 +143,17 @@ def state_factors(
     s = OPTIMIZER_STATE_BYTES[optimizer]
     w = PRECISION_BYTES[precision]
     if offload_optimizer != "none":
-        return _offloaded(w, zero_stage, s, offload_param != "none")
-    if precision == "fp32":
-        return _fp32(zero_stage, s)
-    return _mixed(precision, zero_stage, s)
+        nvme = offload_optimizer == "nvme"
+        return _offloaded(w, zero_stage, s, offload_param != "none", accumulating, nvme)
+    on_device = _fp32(zero_stage, s) if precision == "fp32" else _mixed(precision, zero_stage, s)
+    if offload_param != "none":  # ZeRO-3 parameter partitions on the host, the optimizer on the device
+        return dataclasses.replace(
+            on_device,
+            param_part=0,
+            host_part=on_device.param_part,
+            source=on_device.source + "; offload_param: the parameter partitions live on the host",
+        )
+    return on_device
 
 
 def _fp32(zero_stage: int, s: int) -> StateFactors:
@@ -178,12 +188,12 @@ def _fp32(zero_stage: int, s: int) -> StateFactors:
             4,
             0,
             0,
-            4,
+            8,
             0,
             MASTER_BYTES + s,
             source=(
-                "fp32 ZeRO-2: DeepSpeedZeroOptimizer with partitioned grads (grads_in_partition) plus the "
-                "fp32 partition clone"
+                "fp32 ZeRO-2: DeepSpeedZeroOptimizer with partitioned grads (averaged_gradients) and the fp32 "
+                "partition's flat gradient in step(), plus the fp32 partition clone (benchmarks/zero_memory.py)"
             ),
         )
     return StateFactors(
@@ -192,11 +202,12 @@ def _fp32(zero_stage: int, s: int) -> StateFactors:
         0,
         8,
         0,
-        s,
+        MASTER_BYTES + s,
         gathered=8,
         source=(
-            "fp32 ZeRO-3: DeepSpeedZeroOptimizer_Stage3 (zero/stage3.py) aliases the fp32 partition as master "
-            "(no copy), keeps a grad partition and an fp32 grad buffer; one gathered layer (params + grads)"
+            "fp32 ZeRO-3: DeepSpeedZeroOptimizer_Stage3 (zero/stage3.py): the param partition, its fp32 master "
+            "clone (fp32_partitioned_groups_flat), a grad partition and the master's fp32 gradient = 24/N with Adam; "
+            "one gathered layer (params + grads) (benchmarks/zero_memory.py)"
         ),
     )
 
@@ -260,47 +271,47 @@ def _mixed(precision: str, zero_stage: int, s: int) -> StateFactors:
         0,
         2,
         0,
-        m,
+        m + 2,
         0,
         m + s,
         gathered=4,
         source=(
-            "16-bit ZeRO-3: as DeepSpeed's estimate_zero3_model_states_mem_needs: 18/N per parameter + "
-            "4 bytes x largest layer; 0.19.8 also keeps a 2/N 16-bit grad partition the estimator leaves out"
+            "16-bit ZeRO-3 (DeepSpeedZeroOptimizer_Stage3): 2/N 16-bit params, 4/N fp32 master, 8/N Adam states, "
+            "4/N fp32 grad and the 2/N 16-bit grad partition (grad_partitions_flat_buffer) = 20/N, + 4 bytes x "
+            "largest layer; DeepSpeed's estimate_zero3_model_states_mem_needs counts 18/N (not the 16-bit grads)"
         ),
     )
 
 
-def _offloaded(w: int, zero_stage: int, s: int, params_too: bool) -> StateFactors:
-    host = MASTER_BYTES + MASTER_BYTES + s  # fp32 master, fp32 grad partition, optimizer states
-    if zero_stage == 1:
+def _offloaded(
+    w: int, zero_stage: int, s: int, params_too: bool, accumulating: bool, nvme: bool = False
+) -> StateFactors:
+    """Offloaded optimizer: what lives on the host, per parameter and data-parallel rank, as DeepSpeed 0.19.8
+    allocates it (measured by benchmarks/zero_memory.py)."""
+    host = MASTER_BYTES + MASTER_BYTES + s  # fp32 master, fp32 gradient partition, optimizer states
+    if zero_stage <= 2:
+        # stage_1_and_2.py with cpu_offload: a pinned 16-bit copy of the partition that the updated weights
+        # go back through (param_buffer_of_bit16_for_cpu_offload_groups), and, accumulating over micro-batches,
+        # the partition's 16-bit gradients (accumulated_grads_in_cpu)
+        host += w + (w if accumulating else 0)
+        kept = "16-bit params and grads stay on the GPU" if zero_stage == 1 else "the GPU holds the 16-bit params"
         return StateFactors(
             w,
             0,
-            w,
+            w if zero_stage == 1 else 0,
             0,
             0,
             0,
             host_part=host,
             source=(
-                "ZeRO-1 + offload_optimizer: full 16-bit params and grads stay on the GPU; fp32 master, grad "
-                "partition and optimizer states live on the host (DeepSpeedZeroOptimizer cpu_offload)"
+                f"ZeRO-{zero_stage} + offload_optimizer (DeepSpeedZeroOptimizer cpu_offload): {kept}; the host "
+                "holds the fp32 master, fp32 gradient and optimizer states of the partition, its pinned 16-bit copy "
+                "and, accumulating, its 16-bit accumulated gradients (DeepSpeed's estimator: 16 bytes on the host)"
             ),
         )
-    if zero_stage == 2:
-        return StateFactors(
-            w,
-            0,
-            0,
-            0,
-            0,
-            0,
-            host_part=host,
-            source=(
-                "ZeRO-2 + offload_optimizer: as DeepSpeed's estimate_zero2_model_states_mem_needs(cpu_offload=True): "
-                "GPU holds the 16-bit params only"
-            ),
-        )
+    if nvme:  # ZeRO-Infinity swaps the fp32 master, gradient and states to NVMe (its host buffers not counted)
+        host = 0
+    host += w  # ZeRO-3 under offload keeps its 16-bit gradient partition on the host (grad_partitions_flat_buffer)
     if params_too:
         return StateFactors(
             0,
@@ -310,10 +321,11 @@ def _offloaded(w: int, zero_stage: int, s: int, params_too: bool) -> StateFactor
             0,
             0,
             gathered=2 * w,
-            host_part=host + w,
+            host_part=host + (0 if nvme else w),  # NVMe parameter offload swaps the 16-bit partitions there
             source=(
-                "ZeRO-3 + offload_param + offload_optimizer: as estimate_zero3_model_states_mem_needs: the GPU "
-                "holds one gathered layer (4 bytes x largest layer in 16-bit)"
+                "ZeRO-3 + offload_param + offload_optimizer: the GPU holds one gathered layer (4 bytes x largest "
+                "layer in 16-bit, as estimate_zero3_model_states_mem_needs); the host the 16-bit param and grad "
+                "partitions, the fp32 master, grad and optimizer states (the estimator: 18 bytes)"
             ),
         )
     return StateFactors(
@@ -326,8 +338,8 @@ def _offloaded(w: int, zero_stage: int, s: int, params_too: bool) -> StateFactor
         gathered=2 * w,
         host_part=host,
         source=(
-            "ZeRO-3 + offload_optimizer: as estimate_zero3_model_states_mem_needs: GPU holds the 16-bit param "
-            "partition and one gathered layer"
+            "ZeRO-3 + offload_optimizer: the GPU holds the 16-bit param partition and one gathered layer; the host "
+            "the 16-bit grad partition, the fp32 master, grad and optimizer states"
         ),
     )
 

@@ -48,6 +48,8 @@ def memory_inputs(config: Config, machine: Machine) -> MemoryInputs:
         checkpoint_activations=t.checkpoint_activations,
         checkpoint_num_layers=t.checkpoint_num_layers,
         optimizer=config.optimizer.optimizer,
+        offload_optimizer=t.optimizer_offload,
+        offload_param=t.offload_param,
         device=machine.device,
         schedule=par.pipeline_schedule,
     )

@@ -135,11 +135,15 @@ def step_temporaries(
 
 
 def gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, num_layers: int) -> float:
-    """ZeRO-3's gathered working set: the largest module's full parameters (estimator's 4 x largest layer)."""
+    """ZeRO-3's gathered working set: the largest module's full parameters and gradients (the estimator's
+    4 x largest layer), and the parameters it prefetches ahead of use (up to `stage3_prefetch_bucket_size`
+    elements, capped by the stage's parameters)."""
     if not inputs.factors.gathered:
         return 0.0
     held = ends + ([layer] if num_layers else [])
-    return inputs.factors.gathered * max((sp.largest_param for sp in held), default=0)
+    stage_params = sum(sp.num_params for sp in ends) + num_layers * layer.num_params
+    prefetch = min(inputs.zero3_prefetch_elements, stage_params) * PRECISION_BYTES[inputs.precision]
+    return inputs.factors.gathered * max((sp.largest_param for sp in held), default=0) + prefetch
 
 
 def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[float, float]:

@@ -22,7 +22,7 @@ DEFAULTS: dict[str, tuple[tuple[str, ...], Any]] = {
     "clip_grad": (("gradient_clipping",), 1.0),
 }
 """argparse dest -> (where the JSON holds it, the value when neither the flag nor the file gives it)."""
-PIPELINE_ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def json_default(args: argparse.Namespace, dest: str) -> Any:
@@ -40,11 +40,8 @@ def json_default(args: argparse.Namespace, dest: str) -> Any:
             return default
         value = value[key]
     where = ".".join(keys)
-    if dest == "zero_stage" and value not in PIPELINE_ZERO_STAGES:
-        raise ConfigError(
-            f"--deepspeed_config {path} sets {where} {value!r}: DeepSpeed's pipeline engine (used at every pipeline "
-            f"size) supports ZeRO 0 and 1 only; set it to 1 (or 0)"
-        )
+    if dest == "zero_stage" and value not in ZERO_STAGES:
+        raise ConfigError(f"--deepspeed_config {path} sets {where} {value!r}; ZeRO stages are 0, 1, 2 and 3")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ConfigError(f"--deepspeed_config {path} sets {where} {value!r}; give a number >= 0")
     return value

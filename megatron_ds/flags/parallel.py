@@ -15,7 +15,8 @@ _DS_CKPT = (
     "profiled checkpoints are not configured"
 )
 _ZERO_JSON = "ZeRO tuning lives in the DeepSpeed JSON; set the matching zero_optimization key in --deepspeed_config"
-_ZERO3 = "ZeRO-3 parameter offload needs ZeRO-3, which the pipeline engine refuses"
+_ZERO3 = "zero.Init's initial device; parameter offload is DeepSpeed's offload_param"
+_ZERO3_FIX = "use --offload-param cpu|nvme (with --zero-stage 3), which sets offload_param and partitions there"
 _TILING = "memory-centric tiling is not implemented"
 _BACKEND_FIX = ("only nccl and gloo are set up", "use nccl (GPU) or gloo (CPU)")
 _MLM = "Megatron-LM's flag, megatron-core's meaning"
@@ -24,11 +25,7 @@ _VIRTUAL = (
     "give uneven stages with --pp-layout (P stages), --decoder-first/last-pipeline-num-layers or "
     "--pp-partition-method memory",
 )
-_ZERO_PIPE = (
-    "DeepSpeed's pipeline engine, used at every pipeline size (also with --no-pipeline-parallel), supports ZeRO 0 "
-    "and 1 only",
-    "use --zero-stage 1",
-)
+_OFFLOAD = ("none", "cpu", "nvme")
 
 DISTRIBUTED: tuple[Flag, ...] = (
     accepted(
@@ -207,7 +204,11 @@ DISTRIBUTED: tuple[Flag, ...] = (
 )
 
 DEEPSPEED: tuple[Flag, ...] = (
-    switch("--deepspeed", _DS, "always on: training runs on DeepSpeed's pipeline engine"),
+    switch(
+        "--deepspeed",
+        _DS,
+        "always on: training runs on DeepSpeed's pipeline engine, or its plain engine for ZeRO 2/3 (at P = 1)",
+    ),
     accepted(
         "--deepspeed_config",
         _DS,
@@ -221,14 +222,15 @@ DEEPSPEED: tuple[Flag, ...] = (
     accepted(
         "--zero-stage",
         _DS,
-        "0 or 1, written into the JSON; 2 and 3 are refused (the pipeline engine asserts ZeRO < 2 at every P). "
-        "Absent: the stage --deepspeed_config's zero_optimization names (Megatron-DeepSpeed reads the JSON), else 0",
+        "written into the JSON: 0 and 1 on DeepSpeed's pipeline engine at any P; 2 and 3 on its plain engine, at "
+        "--pipeline-model-parallel-size 1 (the same GPT, specs and initialisation; ZeRO-3 partitions each spec as "
+        "it is built). Absent: the stage --deepspeed_config's zero_optimization names (Megatron-DeepSpeed reads "
+        "the JSON), else 0",
         "training.zero_stage",
         type=int,
         default=None,
         derived=True,  # absent: the JSON's stage, else 0; --use-distributed-optimizer is 1
-        choices=(0, 1),
-        refused_values=(Refusal("2", *_ZERO_PIPE), Refusal("3", *_ZERO_PIPE)),
+        choices=(0, 1, 2, 3),
     ),
     no_op(
         "--deepspeed-activation-checkpointing",
@@ -245,10 +247,35 @@ DEEPSPEED: tuple[Flag, ...] = (
     refused("--zero-contigious-gradients", _DS, _ZERO_JSON),
     refused("--zero-reduce-bucket-size", _DS, _ZERO_JSON, takes=VALUE),
     refused("--zero-allgather-bucket-size", _DS, _ZERO_JSON, takes=VALUE),
-    refused("--remote-device", _DS, _ZERO3, takes=VALUE),
-    refused("--use-pin-memory", _DS, _ZERO3),
+    refused("--remote-device", _DS, _ZERO3, _ZERO3_FIX, takes=VALUE),
+    no_op("--use-pin-memory", _DS, "offloaded tensors are pinned already (the generated JSON's pin_memory true)"),
     refused("--scattered-embeddings", _DS, _TILING),
     refused("--split-transformers", _DS, _TILING),
     refused("--memory-centric-tiled-linear", _DS, _TILING),
     refused("--tile-factor", _DS, _TILING, takes=VALUE),
+    accepted(
+        "--offload-optimizer",
+        _DS,
+        "ZeRO's offload_optimizer.device: cpu or nvme keep the fp32 master weights, gradient partition and "
+        "optimizer states on the host or an NVMe drive (needs --zero-stage >= 1; --cpu-optimizer alone means cpu)",
+        "training.offload_optimizer",
+        choices=_OFFLOAD,
+        megatron=False,
+    ),
+    accepted(
+        "--offload-param",
+        _DS,
+        "ZeRO-3's offload_param.device: cpu or nvme keep the parameter partitions there between uses (needs "
+        "--zero-stage 3)",
+        "training.offload_param",
+        choices=_OFFLOAD,
+        megatron=False,
+    ),
+    accepted(
+        "--offload-nvme-path",
+        _DS,
+        "the nvme_path of NVMe offload: a directory on a local NVMe drive",
+        "training.offload_nvme_path",
+        megatron=False,
+    ),
 )

@@ -142,9 +142,9 @@ TRAINING: tuple[Flag, ...] = (
     switch(
         "--no-pipeline-parallel",
         _TRAIN,
-        "needs --pipeline-model-parallel-size 1. We still build a 1-stage PipelineModule: its engine runs the same "
-        "micro-batch loop and optimizer step as DeepSpeed's plain engine; ZeRO 2/3, which only the plain engine "
-        "has, stay refused",
+        "needs --pipeline-model-parallel-size 1. ZeRO 2/3 run on DeepSpeed's plain engine (as Megatron-DeepSpeed "
+        "runs them); ZeRO 0/1 keep a 1-stage PipelineModule, whose engine runs the same micro-batch loop and "
+        "optimizer step as the plain engine",
     ),
     no_op("--use-flash-attn", _TRAIN, _SDPA),
     no_op("--use-flash-attn-v2", _TRAIN, _SDPA),
@@ -196,7 +196,13 @@ TRAINING: tuple[Flag, ...] = (
         "it exactly. Without it SIGTERM, like Ctrl-C, stops every rank at once with one line each",
         "training.exit_signal_handler",
     ),
-    refused("--cpu-optimizer", _TRAIN, "the optimizer is torch's AdamW/SGD on the training device"),
+    switch(
+        "--cpu-optimizer",
+        _TRAIN,
+        "Adam on the host: DeepSpeed's CPU Adam (DeepSpeedCPUAdam, built on first use) with the optimizer offloaded "
+        "(ZeRO's offload_optimizer, cpu unless --offload-optimizer says nvme); needs --zero-stage >= 1",
+        "training.cpu_optimizer",
+    ),
     switch(
         "--sequence-parallel",
         _TRAIN,

@@ -123,6 +123,30 @@ def gpt_spec_params(model: ModelConfig, tensor_parallel_size: int = 1) -> list[S
     return [by_name[name] for name in naming.gpt_spec_groups(model).names]
 
 
+def gpt_spec_tensor_numels(model: ModelConfig, tensor_parallel_size: int = 1) -> list[tuple[int, ...]]:
+    """Each spec's parameter tensors, as element counts per tensor-parallel rank, in spec order (ZeRO-3 keeps a
+    tensor at or below its persistence threshold whole on every rank)."""
+    t, h = tensor_parallel_size, model.hidden_size
+    norm = (h,) * norms.find(model.normalization).params_per_hidden
+    layer: list[int] = [*norm, *norm]
+    for name, (rows, cols) in layer_linear_shapes(model).items():
+        column = name in COLUMN_PARALLEL
+        layer.append(rows * cols // t)
+        if model.add_bias_linear:
+            layer.append(rows // t if column else rows)
+    vocab = (word_embedding_params(model, t),)
+    position = (position_embedding_params(model),) if model.add_position_embedding else ()
+    by_name = {
+        naming.WORD_EMBEDDING: vocab,
+        naming.POSITION_EMBEDDING: position,
+        naming.TRANSFORMER_LAYER: tuple(layer),
+        naming.FINAL_NORM: norm,
+        naming.TIED_LM_HEAD: vocab,
+        naming.UNTIED_LM_HEAD: vocab,
+    }
+    return [by_name.get(name, ()) for name in naming.gpt_spec_groups(model).names]
+
+
 def gpt_spec_param_counts(model: ModelConfig) -> list[int]:
     """Parameters held by each spec at T=1 (for `--pp-partition-method parameters`)."""
     return [spec.num_params for spec in gpt_spec_params(model)]

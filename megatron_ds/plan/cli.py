@@ -65,7 +65,7 @@ def _outputs(ctx: Context, report: Report, out: Output) -> int:
     if out.write_config:
         try:
             with open(out.write_config, "w", encoding="utf-8") as f:
-                json.dump(deepspeed_config.generate(config, plan.offload_optimizer), f, indent=2)
+                json.dump(deepspeed_config.generate(config), f, indent=2)
                 f.write("\n")
         except OSError as e:
             raise PlanError(

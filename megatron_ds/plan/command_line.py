@@ -31,7 +31,7 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--ffn-hidden-size": None,
     "--global-batch-size": "with --model, the GPT-3 paper's value when not given",
     "--micro-batch-size": _CHOSEN,
-    "--zero-stage": _CHOSEN + "; it takes 2 and 3 for the `zero` table only",
+    "--zero-stage": _CHOSEN + "; 2 and 3 plan for pipeline size 1 (DeepSpeed's plain engine)",
     "--tensor-model-parallel-size": _CHOSEN,
     "--pipeline-model-parallel-size": _CHOSEN,
     "--checkpoint-activations": "without it or --no-checkpoint-activations, the planner tries both",
@@ -89,8 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compute-capability", help="MAJOR.MINOR, e.g. 8.0")
     g.add_argument("--memory-headroom", type=float, help="fraction of GPU memory kept free (default 0.1)")
     g.add_argument("--cpu-memory-gb", type=float, help="host memory per node, for offload")
-    g.add_argument("--interconnect", choices=CHOICES["interconnect"])
-    g.add_argument("--storage", choices=CHOICES["storage"])
+    g.add_argument(
+        "--interconnect",
+        choices=CHOICES["interconnect"],
+        help="the data-parallel link (its bandwidth prices ZeRO's communication, estimate/zero_time.py)",
+    )
+    g.add_argument(
+        "--storage", choices=CHOICES["storage"], help="local storage; nvme lets the plan offload ZeRO-3 to NVMe"
+    )
     g.add_argument("--tensor-device", choices=CHOICES["tensor_device"])
     g = p.add_argument_group("training and fixed choices")
     training(g, "--global-batch-size", "--micro-batch-size", "--zero-stage")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.search import Candidate, choose
+from megatron_ds.plan.search import Candidate
+from megatron_ds.plan.zero_options import choose
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """The config tree and the `pretrain_gpt.py` command line for a planned configuration.
 
 The planner's DeepSpeed JSON is `megatron_ds.training.deepspeed_config.generate` applied to
-`plan_config` (the config tree the printed command line produces), with optimizer offload when
-recommended, a key no flag expresses. Passing it as `--deepspeed_config` is therefore never a
-contradiction: the merge only adds that key.
+`plan_config` (the config tree the printed command line produces): offload is flags too
+(`--cpu-optimizer`: DeepSpeed's CPU Adam with the optimizer on the host; `--offload-optimizer nvme`,
+`--offload-param`, `--offload-nvme-path`), so passing the JSON as `--deepspeed_config` is never a
+contradiction.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import shlex
 from megatron_ds.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import Candidate, layout_options
+from megatron_ds.training.deepspeed_config import NVME_PATH_PLACEHOLDER
 
 DEFAULT_LR = 1.0e-4
 PLACEHOLDER_TRAIN_ITERS = 1000
@@ -31,6 +33,7 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
         pp_dedicated_embedding_stages=dedicated,
         pp_layout=pp_layout,
     )
+    offload, params_to = cand.offload_optimizer, cand.offload_param
     training = TrainingConfig(
         micro_batch_size=cand.micro_batch_size,
         global_batch_size=res.global_batch_size,
@@ -38,6 +41,11 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
         precision=cand.precision,
         zero_stage=cand.zero_stage,
         checkpoint_activations=cand.checkpoint_activations,
+        # an offloaded optimizer steps as DeepSpeed's CPU Adam (torch's AdamW on the host is several times slower)
+        cpu_optimizer=offload != "none",
+        offload_optimizer="nvme" if offload == "nvme" else "none",
+        offload_param=params_to,
+        offload_nvme_path=NVME_PATH_PLACEHOLDER if "nvme" in (offload, params_to) else None,
     )
     return Config(
         model=res.model(cand.tp),
@@ -84,6 +92,14 @@ def command_flags(config: Config, vocab_size: int) -> list[str]:
         flags += ["--pp-layout", par.pp_layout]
     if t.checkpoint_activations:
         flags.append("--checkpoint-activations")
+    if t.cpu_optimizer:
+        flags.append("--cpu-optimizer")
+    if t.offload_optimizer != "none":
+        flags += ["--offload-optimizer", t.offload_optimizer]
+    if t.offload_param != "none":
+        flags += ["--offload-param", t.offload_param]
+    if t.offload_nvme_path:
+        flags += ["--offload-nvme-path", t.offload_nvme_path]
     return [str(f) for f in flags]
 
 
@@ -110,5 +126,10 @@ def command_line(res: Resolved, config: Config, ds_config_path: str | None = Non
     note = (
         "# --lr is the GPT-3 paper's value for this size when a preset is used; --train-iters and "
         "--mock-data are placeholders: set your length and --data-path/--tokenizer-* flags"
+        + (
+            f"; {NVME_PATH_PLACEHOLDER} stands for a directory on a local NVMe drive"
+            if config.training.offload_nvme_path
+            else ""
+        )
     )
     return f"{note}\n{body}"

@@ -80,7 +80,7 @@ def memory_section(ctx: Context) -> Section:
     stages = list(now.stages)
     sec.add(
         f"Configuration analysed: t={now.tp} p={now.pp} d={now.dp}, micro-batch {now.micro_batch_size}, "
-        f"ZeRO-{now.zero_stage}, recompute {'on' if now.checkpoint_activations else 'off'}, layout "
+        f"ZeRO-{now.zero_stage}{_offloaded(now)}, recompute {'on' if now.checkpoint_activations else 'off'}, layout "
         f"{now.layout.to_string()}."
     )
     _diagnose(ctx, sec, stages, now.schedule.label)
@@ -96,8 +96,16 @@ def memory_section(ctx: Context) -> Section:
         )
         sec.add(f"  {i}. {c.name} [{c.flags}]: {saving}; cost: {c.cost}")
     sec.data = {"stages": [s.total for s in stages], "changes": [dataclasses.asdict(c) for c in changes]}
-    sec.check(now.zero_stage in (0, 1), "every suggested change keeps ZeRO 0/1 (pipeline engine)")
+    engine = "pipeline engine (ZeRO 0/1)" if now.engine == "pipeline" else "plain engine (ZeRO 2/3, pipeline size 1)"
+    sec.check(now.zero_stage < 2 or now.pp == 1, f"every suggested change runs on DeepSpeed's {engine}")
     return sec
+
+
+def _offloaded(now: search.Candidate) -> str:
+    if now.offload_optimizer == "none":
+        return ""
+    params = f", parameters to {now.offload_param}" if now.offload_param != "none" else ""
+    return f" (optimizer offloaded to {now.offload_optimizer}{params})"
 
 
 def _diagnose(ctx: Context, sec: Section, stages: list[StageMemory], schedule_label: str) -> None:

@@ -11,7 +11,6 @@ from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import ds_json, search
 from megatron_ds.plan.context import Context
-from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.report import Section
 from megatron_ds.training import deepspeed_config
 from megatron_ds.units import format_bytes
@@ -30,12 +29,6 @@ def method_description(method: str) -> str:
 
 def pipeline_section(ctx: Context) -> Section:
     res = ctx.res
-    if res.raw.zero_stage in (2, 3):
-        raise PlanError(
-            f"--zero-stage {res.raw.zero_stage}: pretrain_gpt.py always runs DeepSpeed's pipeline engine "
-            f"(GPTModelPipe is a PipelineModule, even at --pipeline-model-parallel-size 1), which "
-            f"accepts ZeRO 0 and 1 only; use --zero-stage 1"
-        )
     plan = ctx.plan()
     sec = Section("pipeline", "Pipeline and tensor parallelism")
     sec.add(
@@ -63,25 +56,21 @@ def pipeline_section(ctx: Context) -> Section:
     _step_bound(ctx, sec, plan)
     _compare_layouts(ctx, sec, plan)
     config = ds_json.plan_config(res, plan)
-    sec.snippets["DeepSpeed JSON"] = deepspeed_config.generate(config, plan.offload_optimizer)
-    offloaded = plan.offload_optimizer != "none"
-    sec.snippets["command"] = ds_json.command_line(res, config, "ds_config.json" if offloaded else None)
-    if offloaded:
-        sec.add(
-            "Optimizer offload is a DeepSpeed JSON key (no pretrain_gpt.py flag): write the JSON above with "
-            "--write-config ds_config.json and pass it with --deepspeed_config, as the command does."
-        )
+    sec.snippets["DeepSpeed JSON"] = deepspeed_config.generate(config)
+    sec.snippets["command"] = ds_json.command_line(res, config)
     sec.data = _data(plan)
     _checks(ctx, sec, plan)
     return sec
 
 
 def _offload_text(plan: search.Candidate) -> str:
+    engine = " on DeepSpeed's plain engine (pipeline size 1)" if plan.engine == "plain" else ""
     if plan.offload_optimizer == "none":
-        return ""
+        return engine
+    what = "optimizer and parameters" if plan.offload_param != "none" else "optimizer"
     return (
-        f" with the optimizer offloaded to {plan.offload_optimizer.upper()} (host memory per GPU: "
-        f"{format_bytes(plan.host_per_gpu)} on the fullest stage; nothing else fits)"
+        f"{engine} with the {what} offloaded to {plan.offload_optimizer.upper()} (host memory per GPU: "
+        f"{format_bytes(plan.host_per_gpu)} on the fullest stage; nothing on the GPUs alone fits; see `zero`)"
     )
 
 
@@ -136,6 +125,8 @@ def _data(plan: search.Candidate) -> dict:
         "precision": plan.precision,
         "zero_stage": plan.zero_stage,
         "offload_optimizer": plan.offload_optimizer,
+        "offload_param": plan.offload_param,
+        "engine": plan.engine,
         "checkpoint_activations": plan.checkpoint_activations,
         "layout_method": plan.method,
         "layout": plan.layout.to_string(),
@@ -173,7 +164,11 @@ def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:
         gbs == mb * m * dp, f"batch arithmetic: global {gbs} = micro {mb} x accumulation {m} x data parallel {dp}"
     )
     sec.check(plan.tp * plan.pp * dp == res.num_gpus, f"degrees: {plan.tp} x {plan.pp} x {dp} = {res.num_gpus} GPUs")
-    sec.check(plan.zero_stage in (0, 1), f"ZeRO-{plan.zero_stage} on DeepSpeed's pipeline engine (accepts 0 and 1)")
+    sec.check(
+        plan.zero_stage < 2 or plan.pp == 1,
+        f"ZeRO-{plan.zero_stage} at pipeline size {plan.pp}: "
+        + ("DeepSpeed's pipeline engine takes ZeRO 0 and 1" if plan.zero_stage < 2 else "DeepSpeed's plain engine"),
+    )
     sec.check(
         res.dims["num_attention_heads"] % plan.tp == 0,
         f"tensor parallel {plan.tp} divides {res.dims['num_attention_heads']} attention heads",
@@ -195,7 +190,7 @@ def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:
         cpu_gb = res.raw.cpu_memory_gb
         sec.check(
             None if cpu_gb is None else per_node <= cpu_gb * 2**30,
-            f"host memory for the offloaded optimizer: about {format_bytes(per_node)} per node"
+            f"host memory for the offloaded model states: about {format_bytes(per_node)} per node"
             + (" (give --cpu-memory-gb to check it)" if cpu_gb is None else f" of {cpu_gb:g} GB"),
         )
     if res.gpus_per_node_assumed:

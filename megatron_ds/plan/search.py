@@ -15,16 +15,20 @@ Preference order (a heuristic, stated so it can be argued with):
      another method's split is as fast.
 ZeRO is 1 when data-parallel ranks > 1 (it partitions optimizer states at no extra communication,
 Rajbhandari et al. 2020, Sec. 7), else 0; only 0 and 1 run on DeepSpeed's pipeline engine.
-When no configuration fits, the search is repeated with ZeRO-1 and the optimizer offloaded to the
-CPU (fp32 master weights, gradients and Adam states in host memory, Ren et al. 2021,
-"ZeRO-Offload"), which DeepSpeed's pipeline engine runs (docs/compute.md: a 2-stage run trains
-with the same losses as without offload), with and without recomputation: it costs PCIe traffic
-and a CPU optimizer step every iteration, so it comes after every GPU-resident option.
+When no configuration fits, ZeRO-2 and then ZeRO-3 are tried at pipeline size 1 (DeepSpeed's plain
+engine, which pretrain_gpt.py uses for them), and then the model states partly off the GPU
+(`plan/zero_options.py`): ZeRO-1 with the optimizer offloaded to the CPU at any t x p, ZeRO-2 and ZeRO-3
+with it at p = 1, ZeRO-3 with the parameters too, and with `--storage nvme` ZeRO-3 to NVMe (Ren et al.
+2021, "ZeRO-Offload"; Rajbhandari et al. 2021, "ZeRO-Infinity"); of those that fit, the one with the
+smallest estimated step (compute at the GPU's peak plus the traffic and CPU optimizer time each adds,
+`estimate/zero_time.py`). Offload costs PCIe traffic and a CPU optimizer step every iteration, so it
+comes after every GPU-resident option.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_ds.config import DEDICATED_CHOICES
 from megatron_ds.estimate import pipeline_schedules
@@ -46,8 +50,6 @@ DEFAULT = "none"
 METHODS = (DEFAULT, "both", "pre", "post", *partition_methods.planned_methods())
 MICRO_BATCH_CHOICES = (1, 2, 4, 8, 16)
 MAX_BUBBLE = 0.25
-OFFLOADS = ("none", "cpu")
-"""Optimizer placements tried in order: on the GPU, then offloaded to the CPU (ZeRO-1)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,15 @@ class Candidate:
     @property
     def offload_optimizer(self) -> str:
         return self.inputs.offload_optimizer
+
+    @property
+    def offload_param(self) -> str:
+        return self.inputs.offload_param
+
+    @property
+    def engine(self) -> str:
+        """DeepSpeed's `pipeline` engine (ZeRO 0/1, any P) or its `plain` one (ZeRO 2/3, P = 1)."""
+        return "plain" if self.zero_stage >= 2 else "pipeline"
 
     @property
     def host_per_gpu(self) -> float:
@@ -143,6 +154,7 @@ def evaluate(
     ckpt: bool,
     method: str,
     offload: str = "none",
+    offload_param: str = "none",
 ) -> Candidate:
     """Predicted memory and step of one configuration (raises LayoutError if the layout is impossible)."""
     dp = res.num_gpus // (tp * pp)
@@ -156,6 +168,7 @@ def evaluate(
         tensor_parallel_size=tp,
         checkpoint_activations=ckpt,
         offload_optimizer=offload,
+        offload_param=offload_param,
     )
     layout = layout_for(res, tp, pp, method, inputs)
     flops = flop_stage_time(inputs, pp)
@@ -218,7 +231,9 @@ def micro_batches(res: Resolved, dp: int) -> list[int]:
     return sorted(mb for mb in choices if gbs % (mb * dp) == 0)
 
 
-def states_lower_bound(res: Resolved, t: int, p: int, zero: int, precision: str, offload: str = "none") -> float:
+def states_lower_bound(
+    res: Resolved, t: int, p: int, zero: int, precision: str, offload: str = "none", offload_param: str = "none"
+) -> float:
     """Model states averaged over the p stages: no layout can put less on its fullest stage."""
     dp = res.num_gpus // (t * p)
     inputs = MemoryInputs(
@@ -230,6 +245,7 @@ def states_lower_bound(res: Resolved, t: int, p: int, zero: int, precision: str,
         data_parallel_size=dp,
         tensor_parallel_size=t,
         offload_optimizer=offload,
+        offload_param=offload_param,
     )
     whole = stage_memory_for(inputs, 0, 1, res.dims["num_layers"])
     return whole.model_states / p
@@ -245,18 +261,29 @@ def fits(res: Resolved, cand: Candidate) -> bool:
 
 
 def _fitting_at(
-    res: Resolved, t: int, p: int, ckpt: bool, precision: str, methods: list[str], offload: str = "none"
+    res: Resolved,
+    t: int,
+    p: int,
+    ckpt: bool,
+    precision: str,
+    methods: list[str],
+    offload: str = "none",
+    zero: int | None = None,
+    offload_param: str = "none",
 ) -> tuple[list[Candidate], Candidate | None, float | None]:
-    """(configurations of this (t, p, recompute, offload) that fit, the closest miss, the states lower
-    bound when that alone rules this (t, p) out)."""
+    """(configurations of this (t, p, recompute, ZeRO option) that fit, the closest miss, the states lower
+    bound when that alone rules this (t, p) out). `zero` None: ZeRO-1 with offload or data parallelism, else 0."""
     dp = res.num_gpus // (t * p)
-    zero = 1 if offload != "none" else res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
-    bound = states_lower_bound(res, t, p, zero, precision, offload)
+    if zero is None:
+        zero = (
+            1 if offload != "none" else res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
+        )
+    bound = states_lower_bound(res, t, p, zero, precision, offload, offload_param)
     if bound > res.usable_bytes:
         return [], None, bound
     fitting, miss = [], None
     for mb in micro_batches(res, dp):  # ascending: once one misses, larger ones miss too (more activations)
-        best = _best_layout(res, t, p, mb, zero, precision, ckpt, methods, offload)
+        best = _best_layout(res, t, p, mb, zero, precision, ckpt, methods, offload, offload_param)
         if best is None:
             continue
         if not fits(res, best):
@@ -276,13 +303,14 @@ def _best_layout(
     ckpt: bool,
     methods: list[str],
     offload: str = "none",
+    offload_param: str = "none",
 ) -> Candidate | None:
     """The fastest layout that fits (ties: smaller largest stage, then the simplest flag in METHODS
     order); when none fits, the one with the smallest largest stage (the closest miss)."""
     found = []
     for method in methods:
         try:
-            found.append(evaluate(res, t, p, mb, zero, precision, ckpt, method, offload))
+            found.append(evaluate(res, t, p, mb, zero, precision, ckpt, method, offload, offload_param))
         except LayoutError:
             continue
     fitting = [c for c in found if fits(res, c)]
@@ -291,20 +319,29 @@ def _best_layout(
     return min(found, key=lambda c: (round(c.peak.total), METHODS.index(c.method)), default=None)
 
 
-def choose(res: Resolved, precision: str) -> Candidate:
-    """The preferred configuration that fits; PlanError naming the closest miss if none does."""
-    raw = res.raw
-    ckpts = [raw.checkpoint_activations] if raw.checkpoint_activations is not None else [False, True]
-    methods = [raw.layout] if raw.layout else list(METHODS)
-    offloads = OFFLOADS if raw.zero_stage in (None, 1) else ("none",)  # offload is a ZeRO-1 option
-    closest: Candidate | None = None
-    bounds: list[tuple[float, int, int]] = []
-    batch_ok = False
-    for offload in offloads:
-        for t, p in degree_pairs(res):
-            batch_ok = batch_ok or bool(micro_batches(res, res.num_gpus // (t * p)))
-            for ckpt in ckpts:
-                fitting, miss, bound = _fitting_at(res, t, p, ckpt, precision, methods, offload)
+class Search:
+    """Searches configurations for one ZeRO option at a time, remembering the closest miss over all."""
+
+    def __init__(self, res: Resolved, precision: str) -> None:
+        raw = res.raw
+        self.res, self.precision = res, precision
+        self.ckpts = [raw.checkpoint_activations] if raw.checkpoint_activations is not None else [False, True]
+        self.methods = [raw.layout] if raw.layout else list(METHODS)
+        self.closest: Candidate | None = None
+        self.bounds: list[tuple[float, int, int]] = []
+        self.batch_ok = False
+
+    def first_fit(self, option: Any, pairs: list[tuple[int, int]]) -> Candidate | None:
+        """The preferred fitting configuration of `option` (a `zero_options.ZeroOption`; None: ZeRO 0/1 by the
+        data-parallel rule) over these (t, p), in preference order."""
+        res = self.res
+        zero, offload, offload_param = (None, "none", "none") if option is None else option.fields
+        for t, p in pairs:
+            self.batch_ok = self.batch_ok or bool(micro_batches(res, res.num_gpus // (t * p)))
+            for ckpt in self.ckpts:
+                fitting, miss, bound = _fitting_at(
+                    res, t, p, ckpt, self.precision, self.methods, offload, zero, offload_param
+                )
                 if fitting:
                     low_bubble = [c for c in fitting if c.bubble <= MAX_BUBBLE]
                     return (
@@ -313,20 +350,28 @@ def choose(res: Resolved, precision: str) -> Candidate:
                         else min(fitting, key=lambda c: c.bubble)
                     )
                 if bound is not None:
-                    bounds.append((bound, t, p))
-                if miss is not None and (closest is None or miss.peak.total < closest.peak.total):
-                    closest = miss
-    raise PlanError(_no_fit_message(res, closest, bounds, batch_ok))
+                    self.bounds.append((bound, t, p))
+                if miss is not None and (self.closest is None or miss.peak.total < self.closest.peak.total):
+                    self.closest = miss
+        return None
 
 
-def _no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool) -> str:
+def no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool) -> str:
     usable = format_bytes(res.usable_bytes)
     fix = "add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism"
-    tried = "recomputation and ZeRO-1 with optimizer offload to CPU were tried too"
+    tried = "recomputation, ZeRO-2/3 at pipeline size 1 and optimizer/parameter offload were tried too"
     if not batch_ok:
         return (
             f"--global-batch-size {res.global_batch_size} does not divide into micro-batch x data-parallel size "
             f"for any tensor/pipeline degree on --num-gpus {res.num_gpus}; use a multiple of {res.num_gpus}"
+        )
+    if closest is not None and closest.peak.total <= res.usable_bytes:  # the host memory ruled it out
+        return (
+            f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, ZeRO-"
+            f"{closest.zero_stage}, optimizer offload {closest.offload_optimizer}) fits the GPUs but keeps "
+            f"{format_bytes(closest.host_per_gpu * (res.gpus_per_node or 1))} per node on the host, over "
+            f"--cpu-memory-gb {res.raw.cpu_memory_gb:g} ({tried}); give more host memory, or --storage nvme "
+            f"to offload to NVMe"
         )
     if closest is not None:
         return (

@@ -21,9 +21,13 @@ Optional scenario keys (all off by default):
                     stock DeepSpeed's defects off, to show the defects and that the guards catch them
     swapped_axes    true (T > 1): record the error the start-up group check gives for a topology
                     with the tensor and data axes swapped, as "topology_error"
+    ds_config       DeepSpeed keys merged into the generated JSON (`build_pipeline(ds_config=...)`), e.g.
+                    ZeRO-3's `stage3_param_persistence_threshold` 0 so that a tiny model is partitioned
 
-Every result also records "layout_table" (the layout printout with spec names) and the keys of the
-model's "tied_modules" and "tied_comms" (empty for an untied head).
+Every result also records "layout_table" (the layout printout with spec names), the keys of the
+model's "tied_modules" and "tied_comms" (empty for an untied head), the "engine" class, and the
+model's parameter "elements" on this tensor rank with the "held_elements" this rank keeps (fewer under
+ZeRO-3, which partitions them).
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def run_one(
     else:
         layout = resolve_layout(config)
     with unfixed(opts.get("unfixed", [])):
-        pipeline = build_pipeline(config, layout=layout)
+        pipeline = build_pipeline(config, layout=layout, ds_config=opts.get("ds_config"))
     engine = pipeline.engine
     tp = pipeline.model.tensor_parallel
     result: dict[str, Any] = {
@@ -130,6 +134,8 @@ def run_one(
         "layout_table": layout.format(),
         "tied_modules": sorted(getattr(pipeline.model, "tied_modules", {})),
         "tied_comms": sorted(getattr(pipeline.model, "tied_comms", {})),
+        "engine": type(engine).__name__,
+        **_held_elements(pipeline.model),
     }
     if opts.get("swapped_axes"):
         result["topology_error"] = _swapped_axes_error(config)
@@ -178,6 +184,16 @@ def _record_checksums(result: dict[str, Any], key: str, model: torch.nn.Module) 
         result[key] = sums
 
 
+def _held_elements(model: torch.nn.Module) -> dict[str, int]:
+    """The model's parameter elements on this tensor rank, and those this rank holds (its ZeRO-3 partitions)."""
+    from megatron_ds.model.gpt_model import is_partitioned
+
+    params = list(model.parameters())
+    full = sum(int(getattr(p, "ds_numel", p.numel())) for p in params)
+    held = sum(int(p.ds_tensor.numel()) if is_partitioned(p) else p.numel() for p in params)
+    return {"elements": full, "held_elements": held}
+
+
 def _swapped_axes_error(config: Config) -> str:
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
@@ -201,6 +217,7 @@ def full_parameter_checksums(model: torch.nn.Module) -> dict[str, str]:
     Names hold the spec index ("3.qkv.weight"), so they compare across layouts and T.
     A collective over the tensor group at T > 1.
     """
+    from megatron_ds.model.gpt_model import gathered
     from megatron_ds.training.optimizer import GROUP_PLACEHOLDER_PREFIX
 
     tp = model.tensor_parallel
@@ -208,18 +225,22 @@ def full_parameter_checksums(model: torch.nn.Module) -> dict[str, str]:
     for name, p in model.named_parameters():
         if name.startswith(GROUP_PLACEHOLDER_PREFIX):
             continue
-        if tp.size > 1:
-            from megatron_ds.model.tensor_parallel_layers import gather_full
+        with gathered([p]):
+            if tp.size > 1:
+                from megatron_ds.model.tensor_parallel_layers import gather_full
 
-            p = gather_full(p, tp)
-        sums[name] = checksum(p)
+                p = gather_full(p, tp)
+            sums[name] = checksum(p)
     return sums
 
 
 def _embedding(model: torch.nn.Module) -> torch.Tensor | None:
+    from megatron_ds.model.gpt_model import gathered
+
     tied = getattr(model, "tied_modules", {})
     if naming.TIED_EMBEDDING_KEY in tied:
-        return tied[naming.TIED_EMBEDDING_KEY].weight.detach().float().clone()
+        with gathered(tied[naming.TIED_EMBEDDING_KEY]):
+            return tied[naming.TIED_EMBEDDING_KEY].weight.detach().float().clone()
     return None
 
 

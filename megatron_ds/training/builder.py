@@ -43,9 +43,10 @@ from megatron_ds.estimate.machine import check_runs_on, for_layout
 from megatron_ds.estimate.measured_time import Calibration
 from megatron_ds.estimate.run_layout import uses_measured_times
 from megatron_ds.model import rng, tensor_parallel
+from megatron_ds.model.gpt_model import GPTModel
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import deepspeed_config
+from megatron_ds.training import deepspeed_config, plain_engine
 from megatron_ds.training.dependencies import check_deepspeed
 from megatron_ds.training.grad_norm import grad_norm, install_fp32_grad_norm
 from megatron_ds.training.machine import probe
@@ -59,8 +60,8 @@ from megatron_ds.training.resolve_layout import measure, resolve_layout
 class Pipeline:
     """A built pipeline: DeepSpeed's engine, the pieces it was built from, and guarded steps."""
 
-    engine: Any  # deepspeed.runtime.pipe.engine.PipelineEngine
-    model: GPTModelPipe
+    engine: Any  # deepspeed's PipelineEngine, or `plain_engine.PlainEngine` (ZeRO 2/3 at P = 1)
+    model: GPTModelPipe | GPTModel
     optimizer: torch.optim.Optimizer  # as deepspeed.initialize returned it (wrapped under ZeRO/bf16)
     ds_config: dict[str, Any]
     layout: Layout
@@ -182,13 +183,16 @@ def _assemble(
 
     topology = build_topology(config)
     tp = tensor_parallel.setup(config, topology)  # T > 1: megatron-core's groups, checked against the topology
-    model = GPTModelPipe(config, layout, topology=topology, tp=tp)  # marks the norm counting
-    add_group_placeholders(model, decoupled=config.optimizer.decoupled_lr is not None)
-    optimizer = build_optimizer(model, config.optimizer, factory)
-    check_structure(model, optimizer)
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=ds, lr_scheduler=lr_scheduler
-    )
+    if config.engine_kind == "plain":  # ZeRO 2/3 at P = 1: DeepSpeed's plain engine
+        engine, model, optimizer = plain_engine.assemble(config, layout, ds, topology, tp, factory, lr_scheduler)
+    else:
+        model = GPTModelPipe(config, layout, topology=topology, tp=tp)  # marks the norm counting
+        add_group_placeholders(model, decoupled=config.optimizer.decoupled_lr is not None)
+        optimizer = build_optimizer(model, config.optimizer, factory, config.training.cpu_optimizer)
+        check_structure(model, optimizer)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds, lr_scheduler=lr_scheduler
+        )
     install_fp32_grad_norm(engine)
     schedule = pipeline_schedules.find(config.parallel.pipeline_schedule)
     rng.install_micro_batch_seeding(

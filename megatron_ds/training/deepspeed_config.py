@@ -23,6 +23,7 @@ from megatron_ds.config.schedules import CURRICULUM_KEY, CurriculumConfig
 from megatron_ds.errors import UserError
 from megatron_ds.estimate.transients import zero_bucket_elements_for
 from megatron_ds.training import deepspeed_sections
+from megatron_ds.training.zero_checks import check_zero_json
 
 
 class DeepSpeedConfigError(UserError):
@@ -34,22 +35,32 @@ NVME_PATH_PLACEHOLDER = "/local_nvme"
 """Written as `nvme_path` for NVMe offload: a placeholder the user replaces with a local NVMe mount."""
 
 
-def generate(config: Config, offload_optimizer: str = "none", loss_scale_from_flags: bool = True) -> dict[str, Any]:
+def generate(
+    config: Config, offload_optimizer: str | None = None, loss_scale_from_flags: bool = True
+) -> dict[str, Any]:
     """DeepSpeed's config dict for this run (before merging a user file).
 
-    `offload_optimizer` ("cpu" or "nvme"; no flag expresses it, the planner recommends it) adds
-    ZeRO's optimizer offload; the torch optimizer we pass then needs `zero_force_ds_cpu_optimizer`
-    off (DeepSpeed's `engine._configure_optimizer` refuses a client optimizer with offload
-    otherwise, and warns that it will be slow). `loss_scale_from_flags=False`: a user file's fp16
-    section rules loss scaling (`build`), so the flags' values are not written.
+    The offload devices are the config's (`--offload-optimizer`, `--cpu-optimizer`, `--offload-param`);
+    `offload_optimizer` ("none", "cpu" or "nvme") replaces the optimizer's (the planner recommends one). A torch
+    optimizer under offload needs `zero_force_ds_cpu_optimizer` off (DeepSpeed's `engine._configure_optimizer`
+    refuses a client optimizer with offload otherwise, and warns that it will be slow); `--cpu-optimizer`'s CPU
+    Adam is the optimizer DeepSpeed wants there. `loss_scale_from_flags=False`: a user file's fp16 section
+    rules loss scaling (`build`), so the flags' values are not written.
     """
     t, o, par = config.training, config.optimizer, config.parallel
-    zero = zero_section(t.zero_stage, offload_optimizer)
-    if t.zero_stage == 1:  # DeepSpeed's 5e8-element default is allocated whole (model_states.zero_bucket_elements)
+    offload = t.optimizer_offload if offload_optimizer is None else offload_optimizer
+    zero = zero_section(t.zero_stage, offload, t.offload_param, t.offload_nvme_path or NVME_PATH_PLACEHOLDER)
+    if t.zero_stage >= 1:  # DeepSpeed's 5e8-element default is allocated whole (model_states.zero_bucket_elements)
         bucket = zero_bucket_elements_for(
             config.model, par.pipeline_model_parallel_size, par.data_parallel_size, par.tensor_model_parallel_size
         )
-        zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+        zero.update(reduce_bucket_size=bucket)
+        if t.zero_stage < 3:  # ZeRO-3 gathers parameters by its prefetch and live-parameter limits instead
+            zero.update(allgather_bucket_size=bucket)
+    if t.zero_stage == 3:
+        # DeepSpeed's default swaps torch's F.linear for its own autograd function for good (a memory saving
+        # that rounds the bias add differently); megatron-core's and torch's linears are used as they are.
+        zero["memory_efficient_linear"] = False
     ds: dict[str, Any] = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -65,12 +76,14 @@ def generate(config: Config, offload_optimizer: str = "none", loss_scale_from_fl
     }
     if t.precision == "fp16":
         ds["fp16"].update({**FP16_DEFAULTS, **(fp16_from_flags(config) if loss_scale_from_flags else {})})
-    if offload_optimizer != "none":
+    if offload != "none" and not t.cpu_optimizer:
         ds["zero_force_ds_cpu_optimizer"] = False
     return ds
 
 
-def zero_section(stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> dict[str, Any]:
+def zero_section(
+    stage: int, offload_optimizer: str = "none", offload_param: str = "none", nvme_path: str = NVME_PATH_PLACEHOLDER
+) -> dict[str, Any]:
     """The `zero_optimization` value for any stage and offload (stages 2 and 3 only outside a pipeline)."""
     assert offload_optimizer in OFFLOAD_DEVICES and offload_param in OFFLOAD_DEVICES, (offload_optimizer, offload_param)
     zero: dict[str, Any] = {"stage": stage}
@@ -80,7 +93,7 @@ def zero_section(stage: int, offload_optimizer: str = "none", offload_param: str
         if device != "none":
             zero[key] = {"device": device, "pin_memory": True}
             if device == "nvme":
-                zero[key]["nvme_path"] = NVME_PATH_PLACEHOLDER
+                zero[key]["nvme_path"] = nvme_path
     return zero
 
 
@@ -154,6 +167,9 @@ USER_OVERRIDABLE = frozenset(
         "zero_allow_untested_optimizer",
         "zero_optimization.reduce_bucket_size",
         "zero_optimization.allgather_bucket_size",
+        "zero_optimization.memory_efficient_linear",
+        "zero_optimization.offload_optimizer.pin_memory",
+        "zero_optimization.offload_param.pin_memory",
     }
 )
 
@@ -296,7 +312,6 @@ def build_with_notices(config: Config, user: dict[str, Any] | None = None) -> tu
     for source, kept in classified:
         ds = merge(ds, kept, source, overridable)
         _check_activation_checkpointing(ds, source)
-        _check_offload(ds, source)
     overruled = {k: v for k, v in fp16_from_flags(config).items() if fp16_owner and ds["fp16"].get(k) != v}
     if overruled:
         notices.append(_loss_scale_notice(overruled, fp16_owner, ds["fp16"]))
@@ -308,13 +323,7 @@ def build_with_notices(config: Config, user: dict[str, Any] | None = None) -> tu
         )
     for source, keys in sources:
         _check_curriculum(keys, config, source)
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1):  # the model is a PipelineModule, so DeepSpeed builds its pipeline engine at any P
-        raise DeepSpeedConfigError(
-            f"ZeRO stage {stage} with --pipeline-model-parallel-size "
-            f"{config.parallel.pipeline_model_parallel_size}: DeepSpeed's pipeline engine (used at every pipeline "
-            f"size) supports ZeRO 0 and 1 only; use --zero-stage 1"
-        )
+    check_zero_json(config, ds)  # offload as the flags give it; a usable NVMe path
     return ds, notices
 
 
@@ -332,21 +341,3 @@ def _loss_scale_notice(overruled: dict[str, Any], source: UserSource, fp16: dict
         f"NOTICE: {source.label} has an fp16 section: it rules loss scaling ({rule}), as in Megatron-DeepSpeed, "
         f"whose optimizer never builds Megatron's scaler under DeepSpeed; {flags} ignored"
     )
-
-
-def _check_offload(ds: dict[str, Any], source: UserSource) -> None:
-    """Offload on the pipeline engine's ZeRO-1 (the optimizer is torch's): parameters cannot be offloaded
-    below ZeRO-3, and optimizer offload with a client optimizer needs zero_force_ds_cpu_optimizer false
-    (DeepSpeed refuses at engine start otherwise)."""
-    zero = ds.get("zero_optimization", {})
-    if (zero.get("offload_param") or {}).get("device", "none") != "none":
-        raise DeepSpeedConfigError(
-            f"{source.label} sets zero_optimization.offload_param, which needs ZeRO-3 (the pipeline engine runs "
-            f"ZeRO 0 and 1); remove it"
-        )
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    if offload != "none" and ds.get("zero_force_ds_cpu_optimizer", True):
-        raise DeepSpeedConfigError(
-            f"{source.label} offloads the optimizer to {offload}, but the optimizer is torch's (from the flags): "
-            f'DeepSpeed refuses that at engine start; add "zero_force_ds_cpu_optimizer": false to the file'
-        )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from megatron_ds.config import Config
 from megatron_ds.errors import ConfigError
-from megatron_ds.training import deepspeed_config
+from megatron_ds.training import deepspeed_config, zero_checks
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.dependencies import check_deepspeed
 
@@ -50,4 +50,5 @@ def check_launch(config: Config, dry_run: bool = False) -> list[str]:
         raise ConfigError("--exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR; add it")
     notices = save_load.check_dirs(config, dry_run=dry_run)
     check_logging(config)
+    zero_checks.check_offload_runs_here(config)  # offload's ops build here, its host memory is there
     return notices + deepspeed_config.launch_notices(config)

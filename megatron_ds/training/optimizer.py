@@ -44,8 +44,9 @@ def _group_of(name: str, param: nn.Parameter, decoupled: bool) -> str:
 
 
 def _wants_decay(name: str, param: nn.Parameter) -> bool:
-    # Megatron's rule: no weight decay on biases and norm weights, i.e. 1-D parameters.
-    return param.ndim >= 2 and not name.startswith(GROUP_PLACEHOLDER_PREFIX)
+    # Megatron's rule: no weight decay on biases and norm weights, i.e. 1-D parameters (by the full
+    # shape: a ZeRO-3 parameter's data is its flat partition, its shape `ds_shape`).
+    return len(getattr(param, "ds_shape", param.shape)) >= 2 and not name.startswith(GROUP_PLACEHOLDER_PREFIX)
 
 
 def add_group_placeholders(module: nn.Module, decoupled: bool = False) -> list[str]:
@@ -86,17 +87,25 @@ def param_groups(module: nn.Module, weight_decay: float, decoupled: bool = False
 
 
 def build_optimizer(
-    module: nn.Module, cfg: OptimizerConfig, factory: OptimizerFactory | None = None
+    module: nn.Module, cfg: OptimizerConfig, factory: OptimizerFactory | None = None, cpu_adam: bool = False
 ) -> torch.optim.Optimizer:
     """`factory(param_groups(...))`, or by default AdamW (Megatron's `adam` is decoupled weight
     decay) or SGD as `cfg` says. The groups carry `cfg.weight_decay` either way.
 
     The kernel is `estimate.model_states.OPTIMIZER_KERNEL` for this machine's device (fused on CUDA,
-    one tensor at a time on CPU), the one the memory model counts the temporaries of.
+    one tensor at a time on CPU), the one the memory model counts the temporaries of. `cpu_adam`
+    (`--cpu-optimizer`): DeepSpeed's CPU Adam instead (`DeepSpeedCPUAdam` in AdamW mode, as
+    Megatron-DeepSpeed builds it; DeepSpeed compiles its op on first use, into the torch extensions cache).
     """
     groups = param_groups(module, cfg.weight_decay, decoupled=cfg.decoupled_lr is not None)
     if factory is not None:
         return factory(groups)
+    if cpu_adam:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        assert cfg.optimizer == "adam", cfg.optimizer  # Config refuses --cpu-optimizer with SGD
+        betas = (cfg.adam_beta1, cfg.adam_beta2)
+        return DeepSpeedCPUAdam(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     kernel = optimizer_kernel_options("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.optimizer == "adam":
         return torch.optim.AdamW(

@@ -41,9 +41,9 @@ def signature(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     """The structural facts about this rank that must agree across ranks."""
     groups = [(g.get("name", f"group{i}"), len(g["params"])) for i, g in enumerate(optimizer.param_groups)]
     tied = getattr(module, "tied_modules", {})
-    tied_shapes = {k: [list(p.shape) for p in m.parameters()] for k, m in tied.items()}
+    tied_shapes = {k: [list(_full_shape(p)) for p in m.parameters()] for k, m in tied.items()}
     dtypes = sorted({str(p.dtype) for p in module.parameters()})
-    trainable = any(p.requires_grad and p.numel() > 0 for p in module.parameters())
+    trainable = any(p.requires_grad and _full_shape(p).numel() > 0 for p in module.parameters())
     return {
         "groups": [name for name, _ in groups],
         "group_sizes": [n for _, n in groups],
@@ -52,6 +52,11 @@ def signature(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
         "dtypes": dtypes,
         "trainable": trainable,
     }
+
+
+def _full_shape(p: torch.Tensor) -> torch.Size:
+    """The parameter's shape, also for a ZeRO-3 partition (whose data is this rank's slice)."""
+    return getattr(p, "ds_shape", None) or p.shape
 
 
 def compare(signatures: list[dict[str, Any]], stages: list[int], tied_stages: set[int] | None = None) -> None:

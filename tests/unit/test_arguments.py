@@ -115,7 +115,10 @@ def test_layout_errors_surface_at_parse_time(extra: list[str], message: str) -> 
         ),
         ([*MODEL, *TRAIN[:4], "--global-batch-size", "7", *TRAIN[6:]], "--global-batch-size 7 is not divisible"),
         ([*MODEL, *TRAIN, "--max-position-embeddings", "16"], "--seq-length 32 exceeds --max-position-embeddings 16"),
-        ([*MODEL, *TRAIN, "--pipeline-model-parallel-size", "2", "--zero-stage", "2"], "supports ZeRO 0 and 1 only"),
+        (
+            [*MODEL, *TRAIN, "--pipeline-model-parallel-size", "2", "--zero-stage", "2"],
+            "pipeline engine runs ZeRO 0 and 1 only",
+        ),
         ([*MODEL, *TRAIN, "--train-samples", "10"], "both given"),
         ([*MODEL, "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1"], "no vocabulary size"),
         ([*MODEL, "--vocab-size", "10", "--train-iters", "1"], "missing --lr"),

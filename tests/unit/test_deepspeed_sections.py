@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.errors import ConfigError
+from megatron_ds.errors import ConfigError, UserError
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.training import deepspeed_config as dsc
 from megatron_ds.training import deepspeed_sections as sections
@@ -98,20 +98,17 @@ def test_bfloat16_is_read_as_bf16(tmp_path: Path) -> None:
 
 
 def test_offload_is_checked_before_launch(tmp_path: Path) -> None:
+    """The flags decide what is offloaded (they pick the optimizer and what the memory model counts): a
+    file that offloads what they do not is refused, one that agrees keeps DeepSpeed's own checks away."""
     config, _ = with_json(tmp_path, {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})
-    with pytest.raises(dsc.DeepSpeedConfigError, match='add "zero_force_ds_cpu_optimizer": false'):
+    with pytest.raises(UserError, match="offload_optimizer.device='cpu' but the flags give 'none'"):
         dsc.build(config)
-    config, _ = with_json(
-        tmp_path,
-        {
-            "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
-            "zero_force_ds_cpu_optimizer": False,
-        },
-    )
-    assert dsc.build(config)["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
-    config, _ = with_json(tmp_path, {"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}})
-    with pytest.raises(dsc.DeepSpeedConfigError, match="offload_param, which needs ZeRO-3"):
-        dsc.build(config)
+    agreed = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}
+    config, _ = with_json(tmp_path, agreed, "--offload-optimizer", "cpu")
+    assert dsc.build(config)["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    config, _ = with_json(tmp_path, {**agreed, "zero_force_ds_cpu_optimizer": True}, "--offload-optimizer", "cpu")
+    with pytest.raises(dsc.DeepSpeedConfigError, match="sets zero_force_ds_cpu_optimizer=True but the flags give"):
+        dsc.build(config)  # torch's optimizer under offload: DeepSpeed would refuse it at engine start
 
 
 def test_zero_stage_absent_is_the_stage_the_json_names(tmp_path: Path) -> None:
@@ -121,8 +118,11 @@ def test_zero_stage_absent_is_the_stage_the_json_names(tmp_path: Path) -> None:
     config, _ = with_json(tmp_path, {"zero_optimization": {"stage": 1}}, "--zero-stage", "0")
     with pytest.raises(dsc.DeepSpeedConfigError, match="sets zero_optimization.stage=1 but the flags give 0"):
         dsc.build(config)
-    with pytest.raises(ConfigError, match=r"sets zero_optimization.stage 2: DeepSpeed's pipeline engine"):
-        with_json(tmp_path, {"zero_optimization": {"stage": 2}})
+    assert with_json(tmp_path, {"zero_optimization": {"stage": 2}})[0].training.zero_stage == 2  # P=1: plain engine
+    with pytest.raises(ConfigError, match="ZeRO"):  # but not on the pipeline engine
+        with_json(
+            tmp_path, {"zero_optimization": {"stage": 2}}, "--pipeline-model-parallel-size", "2", "--world-size", "2"
+        )
 
 
 def test_clip_grad_absent_is_the_jsons_and_a_json_without_one_takes_the_flags(tmp_path: Path) -> None:

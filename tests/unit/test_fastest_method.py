@@ -164,13 +164,16 @@ def test_planner_offloads_the_optimizer_when_nothing_else_fits(tmp_path, capsys,
     assert data["offload_optimizer"] == "cpu" and data["zero_stage"] == 1
     written = json.loads(path.read_text())
     assert written["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert written["zero_force_ds_cpu_optimizer"] is False
+    assert "zero_force_ds_cpu_optimizer" not in written  # the command's --cpu-optimizer: DeepSpeed's CPU Adam
+    command = next(s for s in report["sections"] if s["name"] == "pipeline")["snippets"]["command"]
+    assert "--cpu-optimizer" in command and "--zero-stage 1" in command
     assert max(s["total"] for s in data["stages"]) <= 0.9 * 32 * 2**30
     if fixed:
         assert data["pipeline_parallel"] == 2 and data["layout_method"] == "fastest"
 
 
 def test_planner_still_refuses_what_cannot_fit_and_says_what_it_tried(capsys) -> None:
-    rc = plan_main(["pipeline", *GPT_6_7B_ON_2_V100, "--gpu-memory-gb", "4"])
+    rc = plan_main(["pipeline", *GPT_6_7B_ON_2_V100, "--gpu-memory-gb", "4", "--cpu-memory-gb", "64"])
     err = capsys.readouterr().err
-    assert rc == 2 and "recomputation and ZeRO-1 with optimizer offload to CPU were tried too" in err, err
+    tried = "recomputation, ZeRO-2/3 at pipeline size 1 and optimizer/parameter offload were tried too"
+    assert rc == 2 and tried in err, err

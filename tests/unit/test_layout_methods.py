@@ -32,7 +32,7 @@ from megatron_ds.pipeline.layout import (
     requested_method,
 )
 from megatron_ds.pipeline.methods import DEFAULT_METHOD, REGISTRY, PartitionMethod
-from megatron_ds.plan import ds_json, inputs, search
+from megatron_ds.plan import ds_json, inputs, search, zero_options
 
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = ROOT / "megatron_ds" / "pipeline"
@@ -234,7 +234,7 @@ def test_planner_choices_come_from_the_registry() -> None:
 def test_planned_partition_method_is_passed_as_its_layout_string() -> None:
     raw = inputs.PlanInputs(model="350m", num_gpus=4, gpu="A100-80GB", layout="memory", pipeline_model_parallel_size=4)
     res = inputs.resolve(raw)
-    cand = search.choose(res, "bf16")
+    cand = zero_options.choose(res, "bf16")
     assert cand.method == "memory"
     par = ds_json.plan_config(res, cand).parallel
     assert par == ParallelConfig(

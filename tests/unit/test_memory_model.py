@@ -68,25 +68,41 @@ def test_estimator_reproductions_equal_installed(psi: int, gpn: int, nodes: int)
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("dp", [1, 2, 8, 64])
-def test_state_factors_equal_estimator_for_zero2_and_zero3(precision: str, dp: int) -> None:
+def test_state_factors_against_the_estimator_for_zero2_and_zero3(precision: str, dp: int) -> None:
+    """Equal to DeepSpeed's estimators where DeepSpeed 0.19.8 allocates what they count; apart by the named
+    tensors it also allocates (measured: benchmarks/zero_memory.py)."""
     psi, largest = 1_315_000_000, 103_000_000
     f2 = state_factors(precision, 2)
     assert abs(psi * f2.per_param(dp) - zero2_estimate(psi, dp, 1, cpu_offload=False)[1]) <= 1
     f2o = state_factors(precision, 2, offload_optimizer="cpu")
     assert psi * f2o.per_param(dp) == zero2_estimate(psi, dp, 1, cpu_offload=True)[1]
-    for off_o, off_p, kw in (
-        ("none", "none", dict(cpu_offload=False)),
-        ("cpu", "none", dict(cpu_offload=True, cpu_offload_params=False)),
-        ("cpu", "cpu", dict(cpu_offload=True, cpu_offload_params=True)),
+    # host: fp32 master + grad + Adam (the estimator's 16 bytes) + the pinned 16-bit partition (+ accumulated grads)
+    assert f2o.host_part == 16 + 2 and state_factors(precision, 2, "adam", "cpu", accumulating=True).host_part == 20
+    for off_o, off_p, kw, extra in (
+        ("none", "none", dict(cpu_offload=False), 2),  # the 16-bit grad partition (grad_partitions_flat_buffer)
+        ("cpu", "none", dict(cpu_offload=True, cpu_offload_params=False), 0),  # ... which offload keeps on the host
+        ("cpu", "cpu", dict(cpu_offload=True, cpu_offload_params=True), 0),
     ):
         f3 = state_factors(precision, 3, offload_optimizer=off_o, offload_param=off_p)
         ours = psi * f3.per_param(dp) + f3.gathered * largest
-        assert abs(ours - zero3_estimate(psi, largest, dp, 1, **kw)[1]) <= 1
+        assert abs(ours - zero3_estimate(psi, largest, dp, 1, **kw)[1] - extra * psi / dp) <= 1
+    f3o = state_factors(precision, 3, offload_optimizer="cpu", offload_param="cpu")
+    assert f3o.host_part == 20  # the estimator's 18 bytes + the 16-bit grad partition
 
 
-def test_whole_model_stage_equals_estimator() -> None:
-    """One stage holding the whole 1.3B model, data parallel over 8: states == DeepSpeed's numbers."""
+def test_whole_model_stage_against_the_estimator() -> None:
+    """One stage holding the whole 1.3B model, data parallel over 8: ZeRO-2 states == DeepSpeed's numbers;
+    ZeRO-3's add the 16-bit grad partition and the tensors below the persistence threshold, kept whole."""
     psi, big = shapes.total_params(GPT_1_3B), shapes.largest_layer_params(GPT_1_3B)
+    names = naming.gpt_spec_groups(GPT_1_3B).names
+    numels = [
+        n
+        for name, spec in zip(names, shapes.gpt_spec_tensor_numels(GPT_1_3B))
+        for n in spec
+        if name != naming.TIED_LM_HEAD
+    ]
+    persistent = sum(n for n in numels if n <= 100_000)
+    assert sum(numels) == psi and 0 < persistent < psi / 100
     for zero in (2, 3):
         inp = MemoryInputs(
             model=GPT_1_3B, micro_batch_size=1, num_micro_batches=1, zero_stage=zero, data_parallel_size=8
@@ -95,7 +111,8 @@ def test_whole_model_stage_equals_estimator() -> None:
         assert st.num_params == psi
         gathered = 4 * big if zero == 3 else 0
         est = zero2_estimate(psi, 8, 1, False)[1] if zero == 2 else zero3_estimate(psi, big, 8, 1, False)[1]
-        assert abs(st.model_states + gathered - est) <= 1
+        extra = 0 if zero == 2 else 2 * psi / 8 + 2 * persistent
+        assert abs(st.model_states + gathered - est - extra) <= 1
 
 
 def test_engine_factors_for_our_cpu_runs() -> None:

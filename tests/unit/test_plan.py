@@ -146,7 +146,9 @@ def test_claims_about_the_installed_deepspeed(ds_parser) -> None:
     assert nvme.AIO_BLOCK["aio"] == AIO_DEFAULT_DICT
 
 
-def test_model_states_in_zero_section_equal_deepspeed_estimators(capsys) -> None:
+def test_model_states_in_zero_section_against_deepspeed_estimators(capsys) -> None:
+    """The DeepSpeed column is its estimators; our ZeRO-2 row equals it, our ZeRO-3 rows add the 16-bit gradient
+    partition DeepSpeed 0.19.8 allocates and the estimator leaves out (benchmarks/zero_memory.py)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -156,12 +158,14 @@ def test_model_states_in_zero_section_equal_deepspeed_estimators(capsys) -> None
     rows = {r["label"]: r for r in next(s for s in report["sections"] if s["name"] == "zero")["data"]["rows"]}
     m = hardware.model_config(96, 12288, 96, 2048, hardware.GPT2_VOCAB_SIZE)
     psi, big = total_params(m), largest_layer_params(m)
-    assert rows["ZeRO-2"]["gpu_states"] == estimate_zero2_model_states_mem_needs(psi, 8, 128, False)[1]
-    assert rows["ZeRO-3"]["gpu_states"] == estimate_zero3_model_states_mem_needs(psi, big, 8, 128, False)[1]
-    assert (
-        rows["ZeRO-3 + offload_optimizer + offload_param cpu"]["cpu_per_node"]
-        == estimate_zero3_model_states_mem_needs(psi, big, 8, 128, True, True)[0]
+    z2, z3 = (
+        estimate_zero2_model_states_mem_needs(psi, 8, 128, False)[1],
+        estimate_zero3_model_states_mem_needs(psi, big, 8, 128, False)[1],
     )
+    assert rows["ZeRO-2"]["deepspeed_gpu"] == z2 and abs(rows["ZeRO-2"]["gpu_states"] - z2) <= 1
+    assert rows["ZeRO-3"]["deepspeed_gpu"] == z3
+    assert 0 < rows["ZeRO-3"]["gpu_states"] - z3 - 2 * psi / 1024 < 0.01 * z3  # + persistent biases and norms
+    assert {r["engine"] for r in rows.values() if r["stage"] >= 2} == {"plain, P = 1"}
 
 
 @pytest.mark.parametrize("scenario", ["1.3b-a100", "1.3b-v100-pp4", "175b-a100", "350m-4090-memory-layout"])
@@ -226,12 +230,14 @@ def test_write_config_matches_the_generated_json(tmp_path, capsys) -> None:
             ["pipeline", *A100_1_3B, "--zero-stage", "3", "--pipeline-model-parallel-size", "2"],
             "--zero-stage 3 with --pipeline-model-parallel-size 2: DeepSpeed's pipeline engine supports ZeRO 0 and 1",
         ),
-        (["pipeline", *A100_1_3B, "--zero-stage", "2"], "accepts ZeRO 0 and 1 only; use --zero-stage 1"),
         (
             ["precision", "--gpu", "V100-32GB", "--precision", "bf16"],
             "--precision bf16 needs compute capability >= 8.0",
         ),
-        (["pipeline", "--model", "175b", "--num-gpus", "8", "--gpu", "A100-80GB"], "model states alone average"),
+        (
+            ["pipeline", "--model", "175b", "--num-gpus", "8", "--gpu", "A100-80GB", "--cpu-memory-gb", "1024"],
+            "the model does not fit",
+        ),
         (
             [
                 "pipeline",

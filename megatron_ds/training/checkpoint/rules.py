@@ -1,7 +1,7 @@
 """What may change between a checkpoint and the run that loads it, and what may not.
 
 Free: dropout and init std (a notice), and the whole parallel layout: P, the stage split, T, DP,
-ZeRO stage and precision (`topology_changes`; a full resume then goes through the universal form,
+ZeRO stage, offload, CPU Adam and precision (`topology_changes`; a full resume then goes through the universal form,
 `megatron_ds.training.checkpoint.universal`). Refused with one line: another architecture, and for a full
 resume another global batch size or optimizer. Pure: no torch.distributed.
 """
@@ -138,6 +138,13 @@ def topology_changes(meta: dict[str, Any], config: Config, layout: Layout, world
         diffs.append(f"zero stage {saved.training.zero_stage} vs {config.training.zero_stage}")
     if saved.training.precision != config.training.precision:
         diffs.append(f"precision {saved.training.precision} vs {config.training.precision}")
+    # DeepSpeed's CPU Adam keeps its step count as an int, torch's AdamW as a tensor, and neither reads the
+    # other's back; offload moves the optimizer's tensors: both go through the universal form
+    a, b = saved.training, config.training
+    if a.cpu_optimizer != b.cpu_optimizer:
+        diffs.append(f"CPU Adam {a.cpu_optimizer} vs {b.cpu_optimizer}")
+    if (a.optimizer_offload, a.offload_param) != (b.optimizer_offload, b.offload_param):
+        diffs.append(f"offload {a.optimizer_offload}/{a.offload_param} vs {b.optimizer_offload}/{b.offload_param}")
     return diffs
 
 

@@ -3,7 +3,8 @@
 `StepMeter.measure()` wraps the one reported `train_batch` (`warm_up()` the step before it; no
 other step is profiled) and measures on this rank's device, with no estimate anywhere:
 
-- params: the bytes of every parameter storage of this rank's module.
+- params: the bytes of every parameter storage of this rank's module, ZeRO-3's partitions included
+  (and its persistent tensors, which it keeps whole besides).
 - grads: the bytes of every gradient tensor alive just before the optimizer step (parameters'
   `.grad` and the optimizer wrapper's gradient buffers, such as ZeRO's flat fp32 partition
   gradient), read by a step pre-hook.
@@ -17,6 +18,8 @@ other step is profiled) and measures on this rank's device, with no estimate any
   every allocation and free of the CPU allocator during the step, from torch.profiler's memory
   events (`allocation_trace.CpuAllocationTrace` says how its blind spots are closed). On CUDA:
   torch.cuda's max allocated over the step; allocated / max allocated / reserved are printed too.
+- host: of params + grads + optimizer, what ZeRO offload keeps in host memory (by owner, so that a CPU
+  run reports what a GPU run would move: `RankMemory.host`).
 - other: peak - (params + grads + optimizer + activations): pipe buffers (received activations,
   outputs kept until their backward, the last stage's fp32 logits), short-lived buffers (loss
   gradients, a weight gradient before accumulation, the gradient all-reduce's flat copy, the
@@ -46,8 +49,17 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     return (s.data_ptr(), s.nbytes())
 
 
+def _param_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Every parameter's data and, under ZeRO-3, its partition (`ds_tensor`, a view of the flat buffer)."""
+    for p in module.parameters():
+        yield p
+        partition = getattr(p, "ds_tensor", None)
+        if partition is not None:
+            yield partition
+
+
 def _param_keys(module: torch.nn.Module) -> set[tuple[int, int]]:
-    return {_storage_key(p) for p in module.parameters()}
+    return {_storage_key(t) for t in _param_tensors(module) if t.untyped_storage().nbytes()}
 
 
 def _tensors(obj: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -86,36 +98,55 @@ def _optimizer_roots(engine: Any) -> list[Any]:
     return [r for r in (engine.optimizer, getattr(engine, "basic_optimizer", None)) if r is not None]
 
 
-def gradient_bytes(engine: Any) -> int:
-    """Bytes of gradient tensors alive now: module `.grad`s and gradient buffers the optimizer holds."""
+def gradient_bytes(engine: Any, optimizer_held_only: bool = False) -> int:
+    """Bytes of gradient tensors alive now: module `.grad`s and gradient buffers the optimizer holds (only
+    the latter with `optimizer_held_only`: what ZeRO's optimizer offload keeps on the host)."""
     module_keys = _param_keys(engine.module)
     seen: dict[tuple[int, int], int] = {}
     for p in engine.module.parameters():
-        if p.grad is not None:
+        if p.grad is not None and not optimizer_held_only:
             seen[_storage_key(p.grad)] = p.grad.untyped_storage().nbytes()
     for root in _optimizer_roots(engine):
         for path, t in _tensors(root, "opt", 5, set()):
             key = _storage_key(t)
+            if optimizer_held_only and "for_gpu_offload" in path:
+                continue  # the offloaded optimizer's device-side staging buffer
             if _is_gradient(path) and key not in module_keys:
                 seen[key] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
-def optimizer_bytes(engine: Any) -> int:
-    """Bytes of optimizer-held tensors that are neither parameters nor gradients."""
+def optimizer_bytes(engine: Any, host_only: bool = False) -> int:
+    """Bytes of optimizer-held tensors that are neither parameters nor gradients (`host_only`: without the
+    device-side staging buffer of DeepSpeed's offloaded ZeRO-1/2 optimizer, `temp_grad_buffer_for_gpu_offload`)."""
     module_keys = _param_keys(engine.module)
     seen: dict[tuple[int, int], int] = {}
     for root in _optimizer_roots(engine):
         for path, t in _tensors(root, "opt", 5, set()):
             key = _storage_key(t)
-            if key not in module_keys and not _is_gradient(path) and t.numel() > 0:
+            device_side = host_only and "for_gpu_offload" in path
+            if key not in module_keys and not _is_gradient(path) and t.numel() > 0 and not device_side:
                 seen[key] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
-def parameter_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's parameter storages (a flat buffer shared by views counted once)."""
-    return sum({_storage_key(p): p.untyped_storage().nbytes() for p in module.parameters()}.values())
+def parameter_bytes(module: torch.nn.Module, partitions_only: bool = False) -> int:
+    """Bytes of the module's parameter storages (a flat buffer shared by views counted once), ZeRO-3's
+    partitions included (only those with `partitions_only`)."""
+    tensors = (
+        (getattr(p, "ds_tensor", None) for p in module.parameters()) if partitions_only else _param_tensors(module)
+    )
+    return sum({_storage_key(t): t.untyped_storage().nbytes() for t in tensors if t is not None}.values())
+
+
+def offloaded(engine: Any) -> tuple[bool, bool]:
+    """(optimizer, parameters): which model states this engine's ZeRO keeps in host memory."""
+    optimizer = getattr(engine, "zero_offload_optimizer", lambda: None)()
+    param = getattr(engine, "zero_offload_param", lambda: None)()
+    return (
+        optimizer is not None and str(optimizer.device) != "none",
+        param is not None and str(param.device) != "none",
+    )
 
 
 def live_storages(engine: Any, device: torch.device) -> dict[int, int]:
@@ -217,6 +248,10 @@ class RankMemory:
     """Bytes allocated before the trace and freed unseen during the step: the measurement's error
     bound (the peak may be too high by at most this much); 0 when the warm-up worked."""
     cuda: dict[str, float] | None = None
+    host: int = 0
+    """Of params + grads + optimizer, the bytes ZeRO offload keeps in host memory: the optimizer's tensors
+    (its fp32 masters, states and gradient partitions) with offload_optimizer, the parameter partitions
+    with offload_param. By owner, not by device, so that a CPU run reports what a GPU run would move."""
 
     @property
     def total(self) -> int:
@@ -234,6 +269,8 @@ class RankMemory:
             f"optimizer: {self.optimizer / MB:.2f} | activations (peak saved): {self.activations / MB:.2f} | "
             f"other (buffers, transients): {self.other / MB:.2f} | total (measured peak): {self.peak / MB:.2f}"
         )
+        if self.host:
+            line += f" | of the model states offloaded to host: {self.host / MB:.2f}"
         if self.unseen_frees >= 0.005 * MB:
             line += f" | unseen frees (peak may be this much too high): {self.unseen_frees / MB:.2f}"
         if self.cuda:
@@ -257,13 +294,15 @@ class StepMeter:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.device = next(engine.module.parameters()).device
-        self.grads = 0
+        self.grads = self.host_grads = 0
         self.activations = ActivationPeak(engine.module)
         self.trace = CudaAllocationTrace() if self.device.type == "cuda" else CpuAllocationTrace()
         self.measured = False
 
     def _on_step(self, *_: Any) -> None:
         self.grads = max(self.grads, gradient_bytes(self.engine))
+        if offloaded(self.engine)[0]:
+            self.host_grads = max(self.host_grads, gradient_bytes(self.engine, optimizer_held_only=True))
 
     def _held(self) -> dict[int, int]:
         if self.device.type == "cuda":
@@ -310,6 +349,10 @@ class StepMeter:
                 "max reserved": torch.cuda.max_memory_reserved() / MB,
             }
         t = self.trace
+        offload_optimizer, offload_param = offloaded(self.engine)
+        host = (self.host_grads + optimizer_bytes(self.engine, host_only=True) if offload_optimizer else 0) + (
+            parameter_bytes(self.engine.module, partitions_only=True) if offload_param else 0
+        )
         return RankMemory(
             rank=rank,
             stage=stage,
@@ -323,6 +366,7 @@ class StepMeter:
             inferred_frees=t.inferred_frees,
             unseen_frees=t.unseen_frees,
             cuda=cuda,
+            host=host,
         )
 
 

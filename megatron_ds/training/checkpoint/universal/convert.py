@@ -31,6 +31,7 @@ from megatron_ds.training.checkpoint.directory import CONVERTED, LATEST, META, C
 from megatron_ds.training.checkpoint.rules import universal_refusal
 from megatron_ds.training.checkpoint.universal import names, store
 from megatron_ds.training.checkpoint.universal.deepspeed_source import DeepSpeedSource
+from megatron_ds.training.checkpoint.universal.zero3_source import open_source
 
 SUFFIX = ".universal"
 
@@ -68,7 +69,7 @@ def _open_source(path: str) -> DeepSpeedSource:
     refusal = universal_refusal(ckpt.meta, ckpt.directory)
     if refusal:
         raise CheckpointError(refusal)
-    return DeepSpeedSource(ckpt)
+    return open_source(ckpt)
 
 
 def convert_checkpoint(source_path: str, output: str, show_progress: bool = True) -> Summary:
@@ -134,7 +135,7 @@ def convert_next_to(load_dir: str, tag: str, show_progress: bool, log: Any = pri
             f"is missing; convert {ckpt.meta[CONVERTED].get('source')} again, or pass --no-load-optim (or --finetune) "
             f"to load its weights only"
         )
-    source = DeepSpeedSource(ckpt)
+    source = open_source(ckpt)
     _clear_leftovers(target)
     log(f"--load {load_dir} ({tag}): converting it once to universal form in {target}")
     try:

@@ -3,10 +3,12 @@
 For every parameter of the rank's stage (`names.stage_parameters`, checked against the module) the
 full tensor is read, this tensor rank's shard cut from it (`sharding.split`) and copied into
   * the model weight (in the model's dtype: bf16 weights are the fp32 masters rounded);
-  * with ZeRO-1 or bf16 (DeepSpeed's ZeRO and BF16 optimizers keep a flat fp32 partition per
-    group and data-parallel rank): this rank's fragment of the fp32 master and of each Adam state,
+  * with ZeRO-1/2 or bf16 (DeepSpeed's ZeRO and BF16 optimizers keep a flat fp32 partition per
+    group and data-parallel rank) and ZeRO-3 (a flat fp32 partition per sub-group, each parameter
+    cut over the data-parallel ranks): this rank's fragment of the fp32 master and of each Adam state,
     through DeepSpeed's own fragment mapping (`safe_set_full_fp32_param`,
-    `safe_set_full_optimizer_state`), after the flat states are created;
+    `safe_set_full_optimizer_state`), after the flat states are created; a ZeRO-3 weight is written
+    into its partitions through `GatheredParameters`;
   * with ZeRO-0 in fp32 (a plain torch optimizer): the parameter's optimizer state.
 Placeholders keep their zero value and get zero state. Then DeepSpeed's step counters, the
 learning-rate schedule and (fp16 to fp16) the loss scaler are restored.
@@ -21,6 +23,7 @@ import torch
 
 from megatron_ds.config import Config
 from megatron_ds.model import sharding
+from megatron_ds.model.gpt_model import gathered
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.universal import names
@@ -50,7 +53,7 @@ def load_weights(engine: Any, config: Config, layout: Layout, read_full: ReadFul
     the fp32 copies ZeRO and bf16 optimizers keep (else the first step would write them back)."""
     for sp, param in _stage_params(engine, config, layout):
         if sp.tensor is not None:
-            param.copy_(_shard(engine, sp.tensor, read_full(sp.tensor)).to(param.dtype))
+            _write_weight(param, _shard(engine, sp.tensor, read_full(sp.tensor)))
     if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
         engine.optimizer.refresh_fp32_params()
 
@@ -69,11 +72,26 @@ def load_training_state(engine: Any, config: Config, layout: Layout, universal: 
         if sp.tensor is None:
             continue
         master = _shard(engine, sp.tensor, universal.read(sp.tensor.name, FP32))
-        param.copy_(master.to(param.dtype))
+        _write_weight(param, master)
         states = {k: _shard(engine, sp.tensor, universal.read(sp.tensor.name, k)) for k in universal.states}
         target.set(param, master, states)
     target.finish([p for sp, p in _stage_params(engine, config, layout) if sp.tensor is None])
     _restore_engine(engine, config, universal)
+
+
+def _write_weight(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """`param` = `value` in the model's dtype; a ZeRO-3 partition through a gather (collective)."""
+    with gathered([param], modify=True):
+        param.data.copy_(value.to(param.dtype))
+
+
+def _step_state(optimizer: Any, step: int | None) -> dict[str, Any]:
+    """An optimizer state's `step` as the optimizer keeps it: DeepSpeed's CPU Adam an int, torch a tensor."""
+    if step is None:
+        return {}
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return {"step": int(step) if isinstance(optimizer, DeepSpeedCPUAdam) else torch.tensor(float(step))}
 
 
 class _TorchTarget:
@@ -117,8 +135,7 @@ class _FlatTarget:
             for name, group, lp in zip(GROUP_NAMES, base.param_groups, lp_groups):
                 flat = group["params"][0]
                 state = {k: torch.zeros_like(flat) for k in self.states}
-                step = universal.group_step(name)
-                base.state[flat] = ({} if step is None else {"step": torch.tensor(float(step))}) | state
+                base.state[flat] = _step_state(base, universal.group_step(name)) | state
                 lazy_init_hp_params_optimizer_state(lp, flat, base.state)  # fragments view the new states
             wrapper._hp_optimizer_states_linked = True
 
@@ -133,7 +150,22 @@ class _FlatTarget:
         del placeholders  # zero already: the flat states were created zero
 
 
+class _Zero3Target(_FlatTarget):
+    """DeepSpeed's ZeRO-3 optimizer: a flat fp32 partition per sub-group (its states created here)."""
+
+    def __init__(self, wrapper: Any, universal: Universal) -> None:
+        self.wrapper, self.states = wrapper, universal.states
+        base = wrapper.optimizer
+        for k, flat in enumerate(wrapper.fp32_partitioned_groups_flat if self.states else []):
+            name = base.param_groups[wrapper.sub_group_to_group_id[k]].get("name", GROUP_NAMES[0])
+            base.state[flat] = _step_state(base, universal.group_step(name)) | {
+                key: torch.zeros_like(flat) for key in self.states
+            }
+
+
 def _optimizer_target(optimizer: Any, universal: Universal) -> _TorchTarget | _FlatTarget:
+    if getattr(optimizer, "fp32_partitioned_groups_flat", None) is not None:
+        return _Zero3Target(optimizer, universal)
     groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
     if groups is not None:
         return _FlatTarget(optimizer, groups, universal)

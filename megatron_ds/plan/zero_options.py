@@ -1,0 +1,151 @@
+"""The ZeRO options beyond ZeRO 0/1 on the GPUs that pretrain_gpt.py runs, and the choice among them.
+
+Each option is a ZeRO stage with its optimizer and parameter offload. ZeRO 0/1 run on DeepSpeed's
+pipeline engine at any t x p; ZeRO-2 and ZeRO-3 on its plain engine at pipeline size 1 (docs/training.md).
+`plain_options` are tried on the GPUs alone (ZeRO-2 first: it communicates as data parallelism does,
+ZeRO-3 half again as much). The offload options are compared by estimated step time: the compute of the
+step at the GPU's peak (the same for every option but recomputation) plus what each adds
+(`estimate/zero_time.py`: traffic to the host and NVMe, the CPU optimizer step, ZeRO-3's extra gathers),
+and the fastest that fits wins; `choose_offload` keeps the comparison for the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_ds.estimate.devices import peak_tflops
+from megatron_ds.estimate.model_states import PRECISION_BYTES
+from megatron_ds.estimate.zero_time import INTERCONNECT, LINKS, Links, step_overheads
+from megatron_ds.plan.hardware import PlanError
+from megatron_ds.plan.inputs import Resolved
+from megatron_ds.plan.search import Candidate, Search, degree_pairs, no_fit_message
+
+
+@dataclass(frozen=True)
+class ZeroOption:
+    """A ZeRO stage and where its optimizer and parameters live."""
+
+    zero_stage: int
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    @property
+    def fields(self) -> tuple[int, str, str]:
+        return self.zero_stage, self.offload_optimizer, self.offload_param
+
+    @property
+    def label(self) -> str:
+        parts = [f"ZeRO-{self.zero_stage}"]
+        if self.offload_optimizer != "none" and self.offload_param == self.offload_optimizer:
+            parts.append(f"optimizer and parameters offloaded to {self.offload_optimizer}")
+        elif self.offload_optimizer != "none":
+            parts.append(f"optimizer offloaded to {self.offload_optimizer}")
+        return " + ".join(parts)
+
+    @property
+    def any_pipeline(self) -> bool:
+        """DeepSpeed's pipeline engine runs it (ZeRO 0/1) at any pipeline size; else pipeline size 1 only."""
+        return self.zero_stage < 2
+
+
+PLAIN = (ZeroOption(2), ZeroOption(3))
+OFFLOAD = (
+    ZeroOption(1, "cpu"),
+    ZeroOption(2, "cpu"),
+    ZeroOption(3, "cpu"),
+    ZeroOption(3, "cpu", "cpu"),
+    ZeroOption(3, "nvme", "nvme"),
+)
+
+
+def allowed(res: Resolved, option: ZeroOption) -> bool:
+    """The user's fixed ZeRO stage and pipeline size permit it; NVMe only with `--storage nvme`."""
+    raw = res.raw
+    if raw.zero_stage is not None and raw.zero_stage != option.zero_stage:
+        return False
+    if not option.any_pipeline and (raw.pipeline_model_parallel_size or 1) > 1:
+        return False
+    return "nvme" not in option.fields or raw.storage == "nvme"
+
+
+def plain_options(res: Resolved) -> list[ZeroOption]:
+    return [o for o in PLAIN if allowed(res, o)]
+
+
+def pairs_for(res: Resolved, option: ZeroOption) -> list[tuple[int, int]]:
+    """(t, p) pairs the option can use, in the search's preference order."""
+    return [(t, p) for t, p in degree_pairs(res) if option.any_pipeline or p == 1]
+
+
+def links(res: Resolved) -> Links:
+    """The bandwidth assumptions, with the data-parallel link of `--interconnect` when given."""
+    link = res.raw.interconnect
+    return Links(network=INTERCONNECT[link]) if link in INTERCONNECT else LINKS
+
+
+@dataclass
+class Timed:
+    """One option's best fitting configuration and its estimated step."""
+
+    option: ZeroOption
+    candidate: Candidate
+    compute: float
+    """Seconds of the step's FLOPs at the GPU's peak (or at 100 TFLOP/s when the GPU is not in the table)."""
+    overheads: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + sum(self.overheads.values())
+
+
+def timed(res: Resolved, option: ZeroOption, cand: Candidate) -> Timed:
+    peak = peak_tflops(res.gpu_name or "", cand.precision) or 100.0
+    params = cand.peak.num_params  # per tensor rank, on the fullest stage
+    terms = step_overheads(params, cand.dp, PRECISION_BYTES[cand.precision], *option.fields, links=links(res))
+    return Timed(option, cand, cand.step * 1e9 / (peak * 1e12), terms)
+
+
+@dataclass
+class OffloadChoice:
+    """The offload options that fit, fastest first; `candidate` is the chosen configuration."""
+
+    timed: list[Timed]
+
+    @property
+    def candidate(self) -> Candidate:
+        return self.timed[0].candidate
+
+
+def choose_offload(search: Search) -> OffloadChoice | None:
+    """Every allowed offload option's preferred fitting configuration, by estimated step (None: none fits)."""
+    res = search.res
+    found = []
+    for option in OFFLOAD:
+        if not allowed(res, option):
+            continue
+        cand = search.first_fit(option, pairs_for(res, option))
+        if cand is not None:
+            found.append(timed(res, option, cand))
+    found.sort(key=lambda t: (round(t.seconds, 9), OFFLOAD.index(t.option)))
+    return OffloadChoice(found) if found else None
+
+
+def choose(res: Resolved, precision: str) -> Candidate:
+    """The preferred configuration that fits (a `search.Candidate`); PlanError naming the closest miss if none does.
+
+    In order: ZeRO 0/1 on the GPUs at any t x p (the pipeline engine); ZeRO-2, then ZeRO-3 on the GPUs at
+    p = 1 (the plain engine); then, with the model states partly on the host or NVMe, the offload option
+    with the smallest estimated step (`choose_offload`)."""
+    search = Search(res, precision)
+    if res.raw.zero_stage in (None, 0, 1):
+        found = search.first_fit(None, degree_pairs(res))
+        if found is not None:
+            return found
+    for option in plain_options(res):
+        found = search.first_fit(option, pairs_for(res, option))
+        if found is not None:
+            return found
+    chosen = choose_offload(search)
+    if chosen is not None:
+        return chosen.candidate
+    raise PlanError(no_fit_message(res, search.closest, search.bounds, search.batch_ok))
