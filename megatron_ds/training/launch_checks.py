@@ -7,7 +7,7 @@ in a path costs seconds, not a cluster start-up (and never a hang).
 from __future__ import annotations
 
 from megatron_ds.config import Config
-from megatron_ds.errors import ConfigError
+from megatron_ds.errors import ConfigError, UserError
 from megatron_ds.training import deepspeed_config, zero_checks
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.dependencies import check_deepspeed
@@ -50,5 +50,11 @@ def check_launch(config: Config, dry_run: bool = False) -> list[str]:
         raise ConfigError("--exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR; add it")
     notices = save_load.check_dirs(config, dry_run=dry_run)
     check_logging(config)
-    zero_checks.check_offload_runs_here(config)  # offload's ops build here, its host memory is there
+    try:
+        zero_checks.check_offload_runs_here(config)  # offload's ops build here, its host memory is there
+    except UserError as err:
+        if not dry_run:
+            raise
+        # what this machine cannot run, previewed anyway (a login node previews a GPU node's run)
+        notices.append(f"WARNING: a launch on this machine would stop here: {err} (--print-layout previews it anyway)")
     return notices + deepspeed_config.launch_notices(config)

@@ -3,9 +3,10 @@
 The flags (`--zero-stage`, `--offload-optimizer`, `--cpu-optimizer`, `--offload-param`) decide the
 optimizer this run builds, the engine it runs on and what the memory model counts, so the JSON a user
 file adds may not move them elsewhere: a user file's offload device that the flags do not give is
-an error naming the flag that gives it (never silently taken). NVMe offload needs its directory to
-exist and be writable. And before launch (`check_offload_runs_here`): the ops offload needs build here,
-and the host memory the memory model predicts for offload is available.
+an error naming the flag that gives it (never silently taken). And before launch, facts of the
+machine the run starts on (`check_offload_runs_here`; `--print-layout` warns instead, as a login node
+previews a GPU node's run): the NVMe directory exists and is writable, the ops offload needs build
+here, and the host memory the memory model predicts for offload is available.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ _FLAGS = {"offload_optimizer": "--offload-optimizer", "offload_param": "--offloa
 
 
 def check_zero_json(config: Config, ds: dict[str, Any]) -> None:
-    """The offload devices of the merged JSON are the config's; the NVMe directory is usable."""
+    """The offload devices of the merged JSON are the config's (the NVMe directory is a fact of the
+    machine the run starts on: `check_offload_runs_here`)."""
     t = config.training
     zero = ds.get("zero_optimization") or {}
     ours = {"offload_optimizer": t.optimizer_offload, "offload_param": t.offload_param}
@@ -38,8 +40,6 @@ def check_zero_json(config: Config, ds: dict[str, Any]) -> None:
                 f"{ours[key]!r}; give {flag} {device} (the flags decide the optimizer and the memory model) or "
                 f"remove {key} from --deepspeed_config"
             )
-        if device == "nvme":
-            _check_nvme_path(str((zero.get(key) or {}).get("nvme_path") or ""), key)
 
 
 def _check_nvme_path(path: str, key: str) -> None:
@@ -56,6 +56,9 @@ def check_offload_runs_here(config: Config) -> None:
     """DeepSpeed's ops that offload needs build on this machine, and the host holds what offload puts there
     (the memory model's prediction for this node's ranks); one line each, before any process group."""
     t = config.training
+    for key, device in (("offload_optimizer", t.optimizer_offload), ("offload_param", t.offload_param)):
+        if device == "nvme":
+            _check_nvme_path(t.offload_nvme_path or "", key)
     if t.cpu_optimizer:
         _check_op("CPUAdamBuilder", "--cpu-optimizer runs DeepSpeed's CPU Adam op (cpu_adam, compiled on first use)")
     if "nvme" in (t.optimizer_offload, t.offload_param):

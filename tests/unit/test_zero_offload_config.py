@@ -96,13 +96,15 @@ def test_nvme_offload_needs_a_directory_and_the_async_io_op(tmp_path: Path) -> N
     missing = tiny_config(
         training__zero_stage=3, training__offload_param="nvme", training__offload_nvme_path=str(tmp_path / "no")
     )
+    dsc.build(missing)  # the directory is the launch machine's fact, checked before launch:
     with pytest.raises(zero_checks.ZeroConfigError, match="not a directory"):
-        dsc.build(missing)
+        zero_checks.check_offload_runs_here(missing)
     present = missing.replace(training__offload_nvme_path=str(tmp_path))
-    dsc.build(present)  # the directory is fine
     from deepspeed.accelerator import get_accelerator
 
-    if not get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False):
+    if get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False):
+        zero_checks.check_offload_runs_here(present)  # the directory and the op are fine
+    else:
         with pytest.raises(zero_checks.ZeroConfigError, match="async_io op"):
             zero_checks.check_offload_runs_here(present)
 
