@@ -4,7 +4,6 @@ command line."""
 
 from __future__ import annotations
 
-from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.estimate.layout_costs import format_memory_table, format_time_table
 from megatron_ds.pipeline import methods as partition_methods
@@ -47,11 +46,10 @@ def pipeline_section(ctx: Context) -> Section:
     source = "compute model; the optimizer step is not counted"
     sec.add(*format_time_table(plan.times, plan.stages, plan.num_micro_batches, "GFLOP", source).splitlines())
     schedule = plan.schedule
-    steps, busy = pipeline_schedules.clock_steps(schedule, plan.num_micro_batches, plan.pp)
     sec.add(
-        f"Pipeline bubble with equal stages ({schedule.label}: {schedule.bubble_formula}): {plan.bubble:.1%} of the "
-        f"ideal step time; its clock runs {steps} steps of which {busy} compute, so each stage idles "
-        f"{plan.idle_fraction:.1%} of them."
+        f"Pipeline bubble with equal stages ({schedule.display}: {schedule.bubble_formula}): {plan.bubble:.1%} of the "
+        f"ideal step time, so each stage idles {plan.idle_fraction:.1%} of the step (the schedule replayed with "
+        f"forward 1, backward 2, weight gradients 1)."
     )
     _step_bound(ctx, sec, plan)
     _compare_layouts(ctx, sec, plan)

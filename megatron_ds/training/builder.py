@@ -46,13 +46,13 @@ from megatron_ds.model import rng, tensor_parallel
 from megatron_ds.model.gpt_model import GPTModel
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import deepspeed_config, plain_engine
+from megatron_ds.training import deepspeed_config, pipe_schedules, plain_engine
 from megatron_ds.training.dependencies import check_deepspeed
 from megatron_ds.training.grad_norm import grad_norm, install_fp32_grad_norm
 from megatron_ds.training.machine import probe
 from megatron_ds.training.measure import stage_timers
 from megatron_ds.training.optimizer import OptimizerFactory, add_group_placeholders, build_optimizer
-from megatron_ds.training.preflight import Watchdog, check_structure
+from megatron_ds.training.preflight import Watchdog, check_run_agreement, check_structure
 from megatron_ds.training.resolve_layout import measure, resolve_layout
 
 
@@ -145,9 +145,11 @@ def build_pipeline(
     layout = resolve_layout(config, machine=machine) if layout is None and not measured else layout
     _check_sizes(config, layout)
     ds = deepspeed_config.build(config, ds_config)
+    pipe_schedules.check_deepspeed_config(config.parallel.pipeline_schedule, ds)
     created = not torch.distributed.is_initialized()
     init_distributed(config.parallel)
     try:
+        check_run_agreement(config, layout)  # the first collective: every rank runs the same schedule
         calibration = _agreed_calibration(config) if measured else None
         if measured:
             layout = resolve_layout(config, calibration, machine)
@@ -193,8 +195,9 @@ def _assemble(
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds, lr_scheduler=lr_scheduler
         )
+        engine = pipe_schedules.adopt_engine(config.parallel.pipeline_schedule, engine)
     install_fp32_grad_norm(engine)
-    schedule = pipeline_schedules.find(config.parallel.pipeline_schedule)
+    schedule = pipeline_schedules.find(config.parallel.pipeline_schedule, config.parallel.virtual_stages)
     rng.install_micro_batch_seeding(
         engine, lambda m: pipeline_schedules.forward_micro_batches(schedule, m, engine.num_stages, engine.stage_id)
     )

@@ -5,8 +5,9 @@
 `_INSTRUCTION_MAP`, a class attribute, so an instance attribute of the same name with wrapped
 functions times them without touching DeepSpeed's code or other engines. Kinds:
 
-    compute        ForwardPass, BackwardPass, OptimizerStep (the step includes the gradient-norm
-                   all-reduce that clipping needs, a wait when another stage is behind)
+    compute        ForwardPass, BackwardPass (and ZB-H1's BackwardOnlyPass), WeightPass (ZB-H1's
+                   deferred weight gradients, kind `weight`), OptimizerStep (the step includes the
+                   gradient-norm all-reduce that clipping needs, a wait when another stage is behind)
     communication  SendActivation, RecvActivation, SendGrad, RecvGrad (blocking point-to-point:
                    mostly waiting for the peer), ReduceTiedGrads, ReduceGrads
     other          LoadMicroBatch, and whatever `train_batch` does outside instructions
@@ -38,7 +39,7 @@ from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.step_simulator import balanced_step_time, simulate
 
-COMPUTE = ("forward", "backward", "optimizer")
+COMPUTE = ("forward", "backward", "weight", "optimizer")
 COMMUNICATION = ("send", "recv", "reduce")
 MS = 1e3
 
@@ -46,9 +47,13 @@ MS = 1e3
 def _kinds() -> dict[type, str]:
     from deepspeed.runtime.pipe import schedule as ds
 
+    from megatron_ds.training import pipe_schedules
+
     return {
         ds.ForwardPass: "forward",
         ds.BackwardPass: "backward",
+        pipe_schedules.BackwardOnlyPass: "backward",
+        pipe_schedules.WeightPass: "weight",
         ds.OptimizerStep: "optimizer",
         ds.SendActivation: "send",
         ds.SendGrad: "send",
@@ -73,7 +78,8 @@ class StageCompute:
     """Forward passes per step (gradient accumulation steps)."""
     clock: str
     compute: dict[str, float] = field(default_factory=dict)
-    """forward, backward, optimizer on the compute clock."""
+    """forward, backward (under ZB-H1 its input-gradient passes), weight (ZB-H1's weight passes),
+    optimizer on the compute clock."""
     wall: dict[str, float] = field(default_factory=dict)
     """Every instruction kind in wall time."""
     step: float = 0.0
@@ -95,7 +101,8 @@ class StageCompute:
         return (
             f"[Rank {self.rank} | stage {self.stage}] compute per step ({self.clock}, ms, median of {self.steps} "
             f"step(s)) | forward: {ms.get('forward', 0):.1f} | backward: {ms.get('backward', 0):.1f} | "
-            f"optimizer: {ms.get('optimizer', 0):.1f} | total: {MS * self.compute_total:.1f} | not computing (wall, "
+            + (f"weight: {ms['weight']:.1f} | " if ms.get("weight") else "")
+            + f"optimizer: {ms.get('optimizer', 0):.1f} | total: {MS * self.compute_total:.1f} | not computing (wall, "
             f"ms): {MS * self.waiting:.1f}, of which send/recv/reduce: {MS * self.communication:.1f} | step "
             f"(wall, ms): {MS * self.step:.1f}"
         )
@@ -261,10 +268,12 @@ def simulate_measured(everyone: list[StageCompute]) -> SimulatedStep:
     by_stage = [[s for s in everyone if s.stage == st] for st in range(num_stages)]
     m, schedule = everyone[0].micro_batches, everyone[0].schedule
     fwd = [max(s.compute["forward"] for s in ranks) / m for ranks in by_stage]
-    bwd = [max(s.compute["backward"] for s in ranks) / m for ranks in by_stage]
+    wgt = [max(s.compute.get("weight", 0.0) for s in ranks) / m for ranks in by_stage]
+    # the simulator's backward is the whole backward, of which `weight` the weight passes
+    bwd = [max(s.compute["backward"] + s.compute.get("weight", 0.0) for s in ranks) / m for ranks in by_stage]
     opt = [max(s.compute["optimizer"] for s in ranks) for ranks in by_stage]
-    step = simulate(m, fwd, bwd, opt, schedule=schedule).step_time
-    ideal = balanced_step_time(m, fwd, bwd, schedule) + sum(opt) / num_stages
+    step = simulate(m, fwd, bwd, opt, schedule=schedule, weight=wgt).step_time
+    ideal = balanced_step_time(m, fwd, bwd, schedule, weight=wgt) + sum(opt) / num_stages
     slowest = max(m * (f + b) + o for f, b, o in zip(fwd, bwd, opt))
     return SimulatedStep(step, ideal, slowest, max(s.step for s in everyone))
 
