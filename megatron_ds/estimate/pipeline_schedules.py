@@ -31,7 +31,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_ds.config.parallel import PIPELINE_SCHEDULES
+from megatron_ds.config.parallel import INTERLEAVED, PIPELINE_SCHEDULES
 from megatron_ds.estimate import schedule_streams as streams
 from megatron_ds.estimate.schedule_streams import (  # noqa: F401 - the kinds, re-exported for readers
     BACKWARD,
@@ -151,6 +151,7 @@ REGISTRY: dict[str, PipelineSchedule] = {
     )
 }
 assert tuple(REGISTRY) == PIPELINE_SCHEDULES, "config.parallel.PIPELINE_SCHEDULES must list the registry's names"
+assert [s.name for s in REGISTRY.values() if s.virtual] == [INTERLEAVED], "config.parallel.INTERLEAVED names it"
 
 
 def find(name: str, virtual_stages: int | None = None) -> PipelineSchedule:

@@ -123,7 +123,10 @@ def run_one(
     opts = options or {}
     groups = naming.gpt_spec_groups(config.model)
     if layout_kwargs:
-        layout = build_layout(groups, config.parallel.pipeline_model_parallel_size, **layout_kwargs)
+        par = config.parallel
+        layout = build_layout(
+            groups, par.pipeline_model_parallel_size, virtual_stages=par.virtual_stages, **layout_kwargs
+        )
     else:
         layout = resolve_layout(config)
     try:

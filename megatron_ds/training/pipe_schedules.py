@@ -124,16 +124,6 @@ def build(name: str, num_micro_batches: int, num_stages: int, stage: int, virtua
     return cls(num_micro_batches, num_stages, stage, virtual_stages)
 
 
-def adopt_engine(name: str, engine: Any) -> Any:
-    """The built `PipelineEngine`, made to run schedule `name` (1F1B: DeepSpeed's engine as it is)."""
-    if name == "zbh1":
-        from megatron_ds.training import zero_bubble
-
-        return zero_bubble.adopt(engine)
-    assert name == "1f1b", name
-    return engine
-
-
 def check_deepspeed_config(name: str, ds_config: dict[str, Any]) -> None:
     """Refuse (before any process group) what the schedule cannot run with: a schedule that splits
     backwards adds its weight gradients after the backward, which bf16's `immediate_grad_update`

@@ -44,12 +44,14 @@ class PostedSends:
     def __init__(self, grid: Any) -> None:
         self.grid = grid
         self.works: list[tuple[Any, torch.Tensor]] = []
+        self.tag = 0
+        """The tag of the sends posted now (the interleaved engine keeps its two directions apart)."""
 
     def send(self, tensor: torch.Tensor, dest_stage: int, async_op: bool = False) -> None:
         """`p2p.send`'s signature: post `tensor` to pipeline stage `dest_stage`."""
         self.works = [(w, t) for w, t in self.works if not w.is_completed()]
         tensor = tensor.contiguous()
-        self.works.append((dist.isend(tensor, self.grid.stage_to_global(stage_id=dest_stage)), tensor))
+        self.works.append((dist.isend(tensor, self.grid.stage_to_global(stage_id=dest_stage), tag=self.tag), tensor))
 
     @contextlib.contextmanager
     def replacing_p2p_send(self) -> Iterator[None]:

@@ -44,6 +44,25 @@ SCENARIOS = {
     "ranks disagree on the schedule": scenario(
         4, "zbh1", rank_overrides={"2": {"parallel__pipeline_schedule": "1f1b"}}, expect_build_error=True
     ),
+    "interleaved v2 P4 dedicated both ZeRO-1": scenario(
+        4, "interleaved", dedicated="both", overrides={"parallel__virtual_stages": 2}
+    ),
+    "interleaved v2 P2 T2 dedicated pre ZeRO-1": scenario(
+        2, "interleaved", t=2, dedicated="pre", overrides={"parallel__virtual_stages": 2}
+    ),
+    "interleaved v3 P2 ZeRO-0 recompute": scenario(
+        2, "interleaved", zero=0, overrides={"parallel__virtual_stages": 3, "training__checkpoint_activations": True}
+    ),
+    "interleaved v2 P4 bf16 ZeRO-1": scenario(
+        4, "interleaved", dedicated="both", overrides={"parallel__virtual_stages": 2, "training__precision": "bf16"}
+    ),
+    "ranks disagree on the virtual stages": scenario(
+        2,
+        "interleaved",
+        overrides={"parallel__virtual_stages": 2},
+        rank_overrides={"1": {"parallel__virtual_stages": 3}},
+        expect_build_error=True,
+    ),
 }
 
 
@@ -94,17 +113,45 @@ def _has_linear(r: dict) -> bool:
     return any(name in stage for name in ("TransformerLayer", "lm_head_logits", "LMHead"))
 
 
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if n.startswith("interleaved")])
+def test_interleaved_equals_single_process(four_ranks: dict, reference: dict, name: str) -> None:
+    got = four_ranks[name]
+    assert_matches(name, got, reference, BF16_TOL if "bf16" in name else TOL)
+    v = SCENARIOS[name]["overrides"]["parallel__virtual_stages"]
+    for r in got:  # every rank holds v chunks; the tied embedding sits on flat stage 0 and the last
+        assert r["layout"].count("|") + 1 == v * SCENARIOS[name]["overrides"]["parallel__pipeline_model_parallel_size"]
+        assert f"chunk {v - 1})" in r["layout_table"]
+
+
 def test_ranks_on_other_schedules_are_refused_before_any_collective(four_ranks: dict) -> None:
     got = four_ranks["ranks disagree on the schedule"]
     for r in got:
         assert r["build_error"].startswith("PreflightError: rank 2 has pipeline schedule 1f1b but rank 0 has zbh1")
+    for r in four_ranks["ranks disagree on the virtual stages"]:
+        assert r["build_error"].startswith("PreflightError: rank 1 has virtual stages per rank 3 but rank 0 has 2")
 
 
-@pytest.mark.parametrize("schedule", ["zbh1"])
-def test_a_hang_under_the_schedule_is_the_watchdogs_error(tmp_path: Path, schedule: str) -> None:
-    """The seed's ZeRO-1 hang (the group-placeholder fix off) under the schedule: the watchdog names it."""
-    sc = scenario(3, schedule, dedicated="both", unfixed=[*FIXES, "preflight"])
+def test_a_hang_under_zbh1_is_the_watchdogs_error(tmp_path: Path) -> None:
+    """The seed's ZeRO-1 hang (the group-placeholder fix off) under ZB-H1: the watchdog names it.
+    (Interleaving cannot show it: every rank holds transformer layers, so no group is empty.)"""
+    sc = scenario(3, "zbh1", dedicated="both", unfixed=[*FIXES, "preflight"])
     sc["overrides"]["parallel__distributed_timeout_minutes"] = 0.2
     results = run(tmp_path / "hang", 3, [sc], timeout=240, check=False)
     assert all(r.returncode not in (0, None) for r in results), [r.returncode for r in results]
     assert any("stalled for more than 12s in train_batch of step 0" in r.output for r in results)
+
+
+def test_ranks_disagreeing_without_the_agreement_check_hang_into_the_watchdog(tmp_path: Path) -> None:
+    """With the agreement check off, ranks on 2 and 3 chunks send past each other: the watchdog (or
+    the broken connection after it) ends every rank, none finishes the step."""
+    sc = scenario(
+        2,
+        "interleaved",
+        zero=0,
+        overrides={"parallel__virtual_stages": 2, "parallel__distributed_timeout_minutes": 0.2},
+        rank_overrides={"1": {"parallel__virtual_stages": 3}},
+        unfixed=["run_agreement"],
+    )
+    results = run(tmp_path / "disagree", 2, [sc], timeout=240, check=False)
+    assert all(r.returncode not in (0, None) for r in results), [r.returncode for r in results]
+    assert any("[watchdog] rank" in r.output for r in results), "\n".join(r.output[-1500:] for r in results)
