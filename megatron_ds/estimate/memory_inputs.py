@@ -158,6 +158,8 @@ class StageMemory:
     backward_transient: float = 0.0
     """The largest short-lived buffer of a backward on its own (not part of `total`; for callers
     that add it to activations, as `plan/zero.py` does for pure data parallelism)."""
+    weight_store_per_micro_batch: float = 0.0
+    """ZB-H1: what one micro-batch keeps from its input-gradient backward to its weight pass."""
 
     @property
     def model_states(self) -> float:

@@ -170,16 +170,16 @@ def activations_in_flight(
     """(at the first backward, at the fullest later backward): micro-batches whose forward has run
     and whose backward (input gradient) has not, over all chunks, counted as each backward starts.
     With no later backward, one fewer than at the first (the first's own activations are gone)."""
-    at_backward = [sum(flight) for flight, _ in backward_moments(schedule, num_micro_batches, num_stages, stage)]
+    at_backward = [sum(flight) for flight, _, _ in backward_moments(schedule, num_micro_batches, num_stages, stage)]
     first = at_backward[0]
     return first, max(at_backward[1:], default=first - 1)
 
 
 def backward_moments(
     schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
-) -> tuple[tuple[tuple[int, ...], int], ...]:
+) -> tuple[tuple[tuple[int, ...], int, int], ...]:
     """At each backward (whole or input gradient) as it starts: (micro-batches in flight per chunk,
-    weight passes pending), in stream order."""
+    weight passes pending, the backward's chunk), in stream order."""
     flight = [0] * schedule.virtual_stages
     pending = 0
     out = []
@@ -187,7 +187,7 @@ def backward_moments(
         if ins.kind == FORWARD:
             flight[ins.chunk] += 1
         elif ins.kind in BACKWARDS:
-            out.append((tuple(flight), pending))
+            out.append((tuple(flight), pending, ins.chunk))
             flight[ins.chunk] -= 1
             pending += ins.kind == BACKWARD_INPUT
         elif ins.kind == WEIGHT:

@@ -4,6 +4,7 @@ command line."""
 
 from __future__ import annotations
 
+from megatron_ds.estimate import schedule_choice
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.estimate.layout_costs import format_memory_table, format_time_table
 from megatron_ds.pipeline import methods as partition_methods
@@ -53,6 +54,7 @@ def pipeline_section(ctx: Context) -> Section:
     )
     _step_bound(ctx, sec, plan)
     _compare_layouts(ctx, sec, plan)
+    _compare_schedules(ctx, sec, plan)
     config = ds_json.plan_config(res, plan)
     sec.snippets["DeepSpeed JSON"] = deepspeed_config.generate(config)
     sec.snippets["command"] = ds_json.command_line(res, config)
@@ -153,6 +155,20 @@ def _data(plan: search.Candidate) -> dict:
             for s, t in zip(plan.stages, plan.times)
         ],
     }
+
+
+def _compare_schedules(ctx: Context, sec: Section, plan: search.Candidate) -> None:
+    """Each pipeline schedule's fastest layout that fits, same degrees and batch (`estimate/schedule_choice.py`)."""
+    if plan.pp < 2 or plan.engine != "pipeline":
+        return
+    options = schedule_choice.choose(plan.inputs, plan.pp, ctx.res.usable_bytes)
+    if not options:
+        return
+    one = next((o.step for o in options if o.schedule == plan.inputs.schedule and o.virtual_stages == 1), None)
+    sec.add("Pipeline schedules, each with its fastest layout that fits (same degrees and batch; estimates):")
+    for o in options:
+        ratio = f"step {o.step / one:.3f} x {plan.schedule.label}'s" if one else f"step {o.step:.4g} GFLOP"
+        sec.add(f"  {o.label:<22} {ratio}  largest stage {format_bytes(o.peak_memory)}  {o.flags}")
 
 
 def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:

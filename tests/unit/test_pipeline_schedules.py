@@ -109,7 +109,7 @@ def test_zbh1_holds_1f1bs_activations_and_at_most_s_weight_passes(m: int, p: int
     zb, one = schedules.find("zbh1"), schedules.find("1f1b")
     for s in range(p):
         assert schedules.activations_in_flight(zb, m, p, s)[0] == schedules.activations_in_flight(one, m, p, s)[0]
-        pending = [w for _, w in schedules.backward_moments(zb, m, p, s)]
+        pending = [w for _, w, _ in schedules.backward_moments(zb, m, p, s)]
         assert max(pending) <= min(s, m - 1) and (s > 0 or max(pending) == 0)
         assert schedules.forward_micro_batches(zb, m, p, s) == tuple(range(m))
         kinds = [i.kind for i in zb.instructions(m, p, s)]
@@ -125,7 +125,7 @@ def test_interleaved_chunks_each_run_every_micro_batch_in_order() -> None:
                 fwd = [i.micro_batch for i in stream if i.kind == schedules.FORWARD and i.chunk == c]
                 bwd = [i.micro_batch for i in stream if i.kind == schedules.BACKWARD and i.chunk == c]
                 assert fwd == bwd == list(range(m)), (m, p, v, r, c)
-            flight = max(sum(f) for f, _ in schedules.backward_moments(entry, m, p, r))
+            flight = max(sum(f) for f, _, _ in schedules.backward_moments(entry, m, p, r))
             assert flight <= v * m
 
 
