@@ -88,6 +88,9 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        # The parameter itself, for its `.grad`: a saved-tensor hook (the memory meter's) may hand
+        # the backward another tensor object for `weight`.
+        ctx.parameter = weight
         ctx.has_bias, ctx.group = bias is not None, group
         return F.linear(x, weight, bias)
 
@@ -101,7 +104,7 @@ class _Linear(torch.autograd.Function):
                 torch.distributed.all_reduce(grad_input, group=ctx.group)
         if ctx.needs_input_grad[1]:
             if _ACTIVE is not None:
-                _ACTIVE.add(x, grad_output, weight)
+                _ACTIVE.add(x, grad_output, ctx.parameter)
             else:
                 grad_weight = weight_gradient(grad_output, x)
         if ctx.has_bias and ctx.needs_input_grad[2]:
