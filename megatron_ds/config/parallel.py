@@ -11,11 +11,13 @@ from megatron_ds.errors import ConfigError
 
 DEDICATED_CHOICES = ("none", "pre", "post", "both")
 BACKENDS = ("nccl", "gloo")
-PIPELINE_SCHEDULES = ("1f1b",)
+PIPELINE_SCHEDULES = ("1f1b", "zbh1", "interleaved")
 """The registered pipeline schedules (`estimate.pipeline_schedules.REGISTRY`, which checks that the
 two agree: the config layer sits below it)."""
 DEFAULT_PIPELINE_SCHEDULE = PIPELINE_SCHEDULES[0]
 """DeepSpeed's own TrainSchedule, what every default in the code means."""
+INTERLEAVED = PIPELINE_SCHEDULES[2]
+"""The schedule that runs several model chunks (virtual stages) per rank."""
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,12 @@ class ParallelConfig:
     """How stage boundaries are balanced (`--pp-partition-method`: `uniform`, `parameters`, `memory`,
     `fastest`, `profile`, `type:REGEX`, weighted types); None: `type:transformer`."""
     pipeline_schedule: str = DEFAULT_PIPELINE_SCHEDULE
-    """The order each stage runs its forwards, backwards and sends (`--pp-schedule`; one of
-    `PIPELINE_SCHEDULES`, defined in `estimate/pipeline_schedules.py`)."""
+    """The order each stage runs its forwards, backwards and sends (`--pp-schedule`,
+    `--enable-zbh1-pipeline`; one of `PIPELINE_SCHEDULES`, defined in `estimate/pipeline_schedules.py`)."""
+    virtual_stages: int = 1
+    """Model chunks per rank v (megatron-core's virtual pipeline stages): flat stage c x P + r is chunk c
+    of rank r. Above 1 only with the interleaved schedule (`--num-virtual-stages-per-pipeline-rank`, a
+    layout string of v x P stages, `--num-layers-per-virtual-pipeline-stage`)."""
     pp_memory_limit: str | None = None
     """Bytes each device may hold, for `--pp-partition-method fastest` / `profile`
     (`--pp-memory-limit`): a number of bytes or one with a unit, `80GiB`, `500MB` (`memory_limit_bytes`).
@@ -86,6 +92,22 @@ class ParallelConfig:
             )
         one_of("--pp-dedicated-embedding-stages", self.pp_dedicated_embedding_stages, DEDICATED_CHOICES)
         one_of("--pp-schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        at_least("--num-virtual-stages-per-pipeline-rank", self.virtual_stages, 1)
+        interleaved = self.pipeline_schedule == INTERLEAVED
+        check(
+            interleaved or self.virtual_stages == 1,
+            f"{self.virtual_stages} virtual stages per rank run only on the interleaved schedule, not "
+            f"--pp-schedule {self.pipeline_schedule}; use --pp-schedule interleaved or one stage per rank",
+        )
+        check(
+            not interleaved or self.virtual_stages >= 2,
+            "--pp-schedule interleaved needs 2 or more model chunks per rank: give "
+            "--num-virtual-stages-per-pipeline-rank V, or a layout string of V x P stages",
+        )
+        check(
+            not interleaved or p >= 2,
+            "--pp-schedule interleaved needs --pipeline-model-parallel-size 2 or more (its chunks pass between ranks)",
+        )
         if self.distributed_backend is not None:
             one_of("--distributed-backend", self.distributed_backend, BACKENDS)
         positive("--distributed-timeout-minutes", self.distributed_timeout_minutes)
@@ -101,6 +123,11 @@ class ParallelConfig:
     def memory_limit_bytes(self) -> float | None:
         """`pp_memory_limit` in bytes (None when not given)."""
         return None if self.pp_memory_limit is None else parse_memory_size(self.pp_memory_limit)
+
+    @property
+    def num_flat_stages(self) -> int:
+        """Pipeline stages of the layout: v x P (P without interleaving)."""
+        return self.pipeline_model_parallel_size * self.virtual_stages
 
     @property
     def model_parallel_size(self) -> int:

@@ -10,7 +10,7 @@ from megatron_ds.config.checks import check
 from megatron_ds.config.data import DataConfig
 from megatron_ds.config.model import ModelConfig, RegularizationConfig
 from megatron_ds.config.output import CheckpointConfig, LoggingConfig
-from megatron_ds.config.parallel import ParallelConfig
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, ParallelConfig
 from megatron_ds.config.training import OptimizerConfig, TrainingConfig
 
 
@@ -82,6 +82,22 @@ class Config:
             f"only, ZeRO 2 and 3 run on its plain engine at pipeline size 1; use --zero-stage 1, or "
             f"--pipeline-model-parallel-size 1 (--no-pipeline-parallel)",
         )
+        schedule = self.parallel.pipeline_schedule
+        check(
+            z < 2 or schedule == DEFAULT_PIPELINE_SCHEDULE,
+            f"--pp-schedule {schedule} runs on DeepSpeed's pipeline engine, which runs ZeRO 0 and 1 only; "
+            f"use --zero-stage 1, or the 1f1b schedule",
+        )
+        if schedule == INTERLEAVED:
+            per_micro = self.training.micro_batch_size * self.parallel.data_parallel_size
+            counts = sorted({b // per_micro for b in (self.training.global_batch_size, *self.training.batch_sizes())})
+            bad = [m for m in counts if m % max(1, m // p)]
+            check(
+                not bad,
+                f"--pp-schedule interleaved with {bad[0] if bad else 0} micro-batches per step on {p} ranks: torch's "
+                f"interleaved order runs max(1, M // P) rounds, which must divide M; choose a global batch size "
+                f"that gives a multiple of {p} micro-batches (or fewer than {p})",
+            )
         check(
             not self.training.cpu_optimizer or self.optimizer.optimizer == "adam",
             f"--cpu-optimizer runs DeepSpeed's CPU Adam, but --optimizer is {self.optimizer.optimizer}; "

@@ -48,6 +48,9 @@ from megatron_ds.model import activations, naming, norms
 
 MATMUL = "matmul"
 ELEMENTWISE = "elementwise"
+WEIGHT_MATMULS = ("qkv", "proj", "fc1", "fc2", "logits")
+"""The matmul terms with a weight (every linear layer, the LM head): half of each one's backward is
+its weight gradient, which ZB-H1 defers to a weight pass (`model/weight_grad.py`)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,11 @@ class SpecFlops:
     @property
     def matmul_backward(self) -> int:
         return self._sum("backward", MATMUL)
+
+    @property
+    def weight_backward(self) -> int:
+        """The weight gradients' FLOPs: as many as each weight matmul's forward."""
+        return sum(t.forward for t in self.terms if t.name in WEIGHT_MATMULS)
 
 
 def _matmul(name: str, flops: int) -> Term:
@@ -235,6 +243,8 @@ class StageFlops:
     """Forward FLOPs repeated inside backward by activation recomputation."""
     matmul_forward: int
     matmul_backward: int
+    weight: int = 0
+    """The part of `backward` that is weight gradients of linear layers (ZB-H1's weight pass)."""
 
     @property
     def backward_total(self) -> int:
@@ -265,6 +275,7 @@ def stage_flops_for(inputs: ComputeInputs, stage: int, num_stages: int, num_laye
         recompute=again * layer.forward,
         matmul_forward=sum(sp.matmul_forward for sp in held),
         matmul_backward=sum(sp.matmul_backward for sp in held) + again * layer.matmul_forward,
+        weight=sum(sp.weight_backward for sp in held),
     )
 
 

@@ -43,13 +43,14 @@ def compute_inputs(mem: MemoryInputs) -> ComputeInputs:
 
 
 def flop_stage_time(mem: MemoryInputs, num_stages: int) -> StageTimeFn:
-    """`time(stage, num_layers)` in GFLOP of one micro-batch (forward; backward with recomputation);
-    the optimizer step is not counted (no FLOPs of matmul kind)."""
+    """`time(stage, num_layers)` in GFLOP of one micro-batch (forward; backward with recomputation, of
+    which `weight` the linear layers' weight gradients); the optimizer step is not counted (no FLOPs of
+    matmul kind). `num_stages`: the layout's (flat) stages."""
     inputs = compute_inputs(mem)
 
     def stage_time(stage: int, num_layers: int) -> StageTime:
         st = stage_flops_for(inputs, stage, num_stages, num_layers)
-        return StageTime(st.forward / GFLOP, st.backward_total / GFLOP)
+        return StageTime(st.forward / GFLOP, st.backward_total / GFLOP, weight=st.weight / GFLOP)
 
     return stage_time
 
@@ -79,7 +80,10 @@ def method_costs(
         stage_time=flop_stage_time(mem, num_stages) if mem is not None and methods.STAGE_TIME in needs else None,
         measured_stage_time=measured_time() if measured_time and methods.MEASURED_STAGE_TIME in needs else None,
         step_time=step_estimator(
-            mem.num_micro_batches, tied=not model.untie_embeddings_and_output_weights, schedule=mem.schedule
+            mem.num_micro_batches,
+            tied=not model.untie_embeddings_and_output_weights,
+            schedule=mem.schedule,
+            virtual_stages=mem.virtual_stages,
         )
         if mem is not None and methods.STEP_TIME in needs
         else None,
@@ -118,28 +122,35 @@ def format_time_table(
     source: str,
     memory_limit: float | None = None,
     schedule: str = DEFAULT_PIPELINE_SCHEDULE,
+    virtual_stages: int = 1,
 ) -> str:
     """Per stage: one micro-batch's forward and backward, the optimizer step, the step's compute
     (M x (forward + backward) + optimizer) and the predicted memory; then the step simulated
-    through `schedule` against the ideal (the same work in equal stages, through the same schedule)."""
+    through `schedule` against the ideal (the same work in equal stages, through the same schedule).
+    With virtual stages the times are per flat stage and the memory per rank."""
     m = num_micro_batches
     head = (
         f"{'stage':>5} {'layers':>6} {'forward':>10} {'backward':>10} {'optimizer':>10} {'per step':>10} {'memory':>10}"
     )
     lines = [f"predicted time per stage ({unit}; {source}) and memory (memory model)", head]
-    for t, st in zip(times, memories):
+    p = len(times) // virtual_stages
+    for i, t in enumerate(times):
+        st = memories[i % p]
         per_step = m * (t.forward + t.backward) + t.optimizer
+        layers = st.num_layers if virtual_stages == 1 else ""
+        memory = format_bytes(st.total) if i < p else ""  # with virtual stages a rank's memory: on its first chunk
         lines.append(
-            f"{st.stage:>5} {st.num_layers:>6} {t.forward:>10.4g} {t.backward:>10.4g} {t.optimizer:>10.4g} "
-            f"{per_step:>10.4g} {format_bytes(st.total):>10}"
+            f"{i:>5} {layers:>6} {t.forward:>10.4g} {t.backward:>10.4g} {t.optimizer:>10.4g} "
+            f"{per_step:>10.4g} {memory:>10}"
         )
-    fwd, bwd, opt = ([getattr(t, a) for t in times] for a in ("forward", "backward", "optimizer"))
-    step = simulate(m, fwd, bwd, opt, schedule=schedule).step_time
-    ideal = balanced_step_time(m, fwd, bwd, schedule) + sum(opt) / len(opt)
+    fwd, bwd, opt, wgt = ([getattr(t, a) for t in times] for a in ("forward", "backward", "optimizer", "weight"))
+    step = simulate(m, fwd, bwd, opt, schedule=schedule, weight=wgt, virtual_stages=virtual_stages).step_time
+    ideal = balanced_step_time(m, fwd, bwd, schedule, wgt, virtual_stages) + sum(opt) / p
     peak = max(st.total for st in memories)
     limit = f" of the {format_bytes(memory_limit)} limit" if memory_limit is not None else ""
+    label = pipeline_schedules.find(schedule, virtual_stages).display
     lines.append(
-        f"simulated {pipeline_schedules.find(schedule).label} step (M={m}, one device per stage): {step:.4g} {unit} = {step / ideal:.3f} x the ideal "
+        f"simulated {label} step (M={m}, one device per stage): {step:.4g} {unit} = {step / ideal:.3f} x the ideal "
         f"(the same work in {len(times)} equal stages); largest stage {format_bytes(peak)}{limit}"
     )
     return "\n".join(lines)

@@ -53,6 +53,8 @@ class MemoryInputs:
     (0.1) unless given, as the planner assumes."""
     schedule: str = DEFAULT_PIPELINE_SCHEDULE
     """The pipeline schedule (`pipeline_schedules.REGISTRY`): micro-batches in flight, pipe buffers."""
+    virtual_stages: int = 1
+    """Model chunks per rank (the interleaved schedule; 1 otherwise)."""
     zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD
     """ZeRO-3 keeps a parameter tensor of at most this many elements whole on every rank
     (`stage3_param_persistence_threshold`; DeepSpeed's default, which the generated JSON leaves as it is)."""
@@ -76,8 +78,15 @@ class MemoryInputs:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_STATE_BYTES)}")
         if self.schedule not in pipeline_schedules.REGISTRY:
             raise ValueError(f"schedule {self.schedule!r} is not one of {', '.join(pipeline_schedules.REGISTRY)}")
+        if (self.virtual_stages > 1) != pipeline_schedules.find(self.schedule).virtual:
+            raise ValueError(f"schedule {self.schedule!r} with {self.virtual_stages} virtual stages per rank")
         self.factors  # noqa: B018 - validates zero stage and offload combination
         self.kernels  # noqa: B018 - validates device and attention
+
+    @property
+    def pipeline_schedule(self) -> pipeline_schedules.PipelineSchedule:
+        """The registry entry, with this run's virtual stages."""
+        return pipeline_schedules.find(self.schedule, self.virtual_stages)
 
     @property
     def factors(self) -> StateFactors:
@@ -149,6 +158,8 @@ class StageMemory:
     backward_transient: float = 0.0
     """The largest short-lived buffer of a backward on its own (not part of `total`; for callers
     that add it to activations, as `plan/zero.py` does for pure data parallelism)."""
+    weight_store_per_micro_batch: float = 0.0
+    """ZB-H1: what one micro-batch keeps from its input-gradient backward to its weight pass."""
 
     @property
     def model_states(self) -> float:

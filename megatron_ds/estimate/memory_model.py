@@ -28,9 +28,17 @@ from __future__ import annotations
 import functools
 
 from megatron_ds.estimate import activation_memory as act
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.model_states import PRECISION_BYTES
-from megatron_ds.estimate.transients import backward_transient, gathered, in_flight, pipe_buffers, step_temporaries
+from megatron_ds.estimate.transients import (
+    backward_transient,
+    chunk_pipe_buffers,
+    gathered,
+    pipe_buffers,
+    step_temporaries,
+    weight_store_bytes,
+)
 from megatron_ds.model import naming, shapes
 
 
@@ -76,23 +84,46 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
 
 
 def stage_memory(inputs: MemoryInputs, layout) -> list[StageMemory]:
-    """Per-stage predicted memory for a `megatron_ds.pipeline.layout.Layout`."""
-    p = layout.num_stages
-    return [stage_memory_for(inputs, s, p, layout.layers_per_stage[s]) for s in range(p)]
+    """Per-stage predicted memory for a `megatron_ds.pipeline.layout.Layout`; with virtual stages,
+    per rank (its model chunks together)."""
+    p = layout.num_ranks
+    return [
+        rank_memory_for(inputs, r, p, tuple(layout.layers_per_stage[s] for s in layout.rank_stages(r)))
+        for r in range(p)
+    ]
 
 
 def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_layers: int) -> StageMemory:
     """Memory of stage `stage` of `num_stages` holding `num_layers` transformer layers
     (plus the pre group on stage 0 and the post group on the last stage)."""
+    return rank_memory_for(inputs, stage, num_stages, (num_layers,))
+
+
+def _chunks(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layers: tuple[int, ...]) -> list[tuple]:
+    """Per model chunk: (pre specs, layers, post specs); chunk c is flat stage c x P + rank."""
     specs = spec_memory(inputs)
-    first, last = stage == 0, stage == num_stages - 1
-    pre = [sp for sp in specs if sp.group == "pre"] if first else []
-    post = [sp for sp in specs if sp.group == "post"] if last else []
-    if first and last:  # one stage: the tied head is the embedding module itself, held once
-        post = [sp for sp in post if not sp.tied]
+    last = len(chunk_layers) * num_ranks - 1
+    out = []
+    for c, k in enumerate(chunk_layers):
+        flat = c * num_ranks + rank
+        pre = [sp for sp in specs if sp.group == "pre"] if flat == 0 else []
+        post = [sp for sp in specs if sp.group == "post"] if flat == last else []
+        if flat == 0 == last:  # one stage: the tied head is the embedding module itself, held once
+            post = [sp for sp in post if not sp.tied]
+        out.append((pre, k, post))
+    return out
+
+
+def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layers: tuple[int, ...]) -> StageMemory:
+    """Memory of pipeline rank `rank` of `num_ranks` holding `chunk_layers[c]` transformer layers in
+    model chunk c (one chunk without virtual stages)."""
+    specs = spec_memory(inputs)
+    chunks = _chunks(inputs, rank, num_ranks, chunk_layers)
     layer = next(sp for sp in specs if sp.group == "body")
-    ends = pre + post
+    ends = [sp for pre, _, post in chunks for sp in pre + post]
+    num_layers = sum(chunk_layers)
     held = ends + [layer] * num_layers
+    last = any(post for _, _, post in chunks)
     num_params = sum(sp.num_params for sp in held)
     states = [sum(getattr(sp, a) for sp in held) for a in ("params", "grads", "optimizer", "host")]
     if inputs.offload_optimizer != "none" and inputs.zero_stage <= 2:
@@ -101,33 +132,51 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
         staging = max(sp.largest_param for sp in held) * PRECISION_BYTES[inputs.precision]
         states[2] += staging
         states[3] += staging
-    full_layers, chunk = _recomputed(inputs, len(pre), num_layers, len(post))
-    per_mb = (
-        sum(sp.activations for sp in ends)
-        + full_layers * layer.activations
-        + (num_layers - full_layers) * layer.checkpointed_activations
-    )
-    flight, later = in_flight(inputs, stage, num_stages)
-    buffers, persistent = pipe_buffers(inputs, stage, num_stages)
+    per_mb, store, recompute = [], [], 0
+    for pre, k, post in chunks:
+        full, chunk = _recomputed(inputs, len(pre), k, len(post))
+        recompute = max(recompute, chunk)
+        per_mb.append(
+            sum(sp.activations for sp in pre + post)
+            + full * layer.activations
+            + (k - full) * layer.checkpointed_activations
+        )
+        store.append(weight_store_bytes(inputs, k, holds_head=bool(post)))
+    schedule = inputs.pipeline_schedule
+    moments_at = pipeline_schedules.backward_moments(schedule, inputs.num_micro_batches, num_ranks, rank)
+    # At each backward: the activations in flight on every chunk and what the weight passes still keep
+    # (ZB-H1's stored inputs and output gradients; one chunk then).
+    saved = [sum(n * a for n, a in zip(flight, per_mb)) + pending * store[0] for flight, pending, _ in moments_at]
+    flight = sum(moments_at[0][0])
+    first_saved = saved[0]
+    later_saved = max(saved[1:], default=first_saved - per_mb[moments_at[0][2]])
+    later = max((sum(f) for f, _, _ in moments_at[1:]), default=flight - 1)
+    if len(chunk_layers) == 1:
+        buffers, persistent = pipe_buffers(inputs, rank, num_ranks)
+    else:
+        buffers, persistent = chunk_pipe_buffers(inputs, rank, num_ranks, moments_at[0][0])
     # A first-stage micro-batch's activations other than the token ids the embedding saved are
     # freed before the word embedding's gradient is computed (see `transients.backward_transient`).
-    freed = per_mb - sum(sp.activations for sp in pre if sp.name == naming.WORD_EMBEDDING)
-    first_bwd = backward_transient(inputs, layer, chunk, held, last, freed, accumulating=False)
-    later_bwd = backward_transient(inputs, layer, chunk, held, last, freed, accumulating=inputs.num_micro_batches > 1)
+    pre = chunks[0][0]
+    freed = per_mb[0] - sum(sp.activations for sp in pre if sp.name == naming.WORD_EMBEDDING)
+    first_bwd = backward_transient(inputs, layer, recompute, held, last, freed, accumulating=False)
+    later_bwd = backward_transient(
+        inputs, layer, recompute, held, last, freed, accumulating=inputs.num_micro_batches > 1
+    )
     # The step's gradients exist from the first backward on: DeepSpeed sets every `.grad` to None
     # after the optimizer step (engine.zero_grad; zero_grad(set_to_none=True) of its ZeRO and bf16
     # optimizers), so only the rest of `grads` (flat fp32 buffers, partitions) is always held.
     fresh = min(states[1], num_params * PRECISION_BYTES[inputs.precision]) if inputs.zero_stage <= 1 else 0.0
     base = states[0] + states[2] + states[1] - fresh
-    step, step_source = step_temporaries(inputs, held, num_params, num_stages)
+    step, step_source = step_temporaries(inputs, held, num_params, num_ranks)
     moments = [
         (
-            base + flight * per_mb + buffers + first_bwd[0],
+            base + first_saved + buffers + first_bwd[0],
             f"first backward, {flight} micro-batch(es) in flight, no gradient yet"
             + (f"; {first_bwd[1]}" if first_bwd[0] else ""),
         ),
         (
-            base + fresh + later * per_mb + buffers + later_bwd[0],
+            base + fresh + later_saved + buffers + later_bwd[0],
             f"a later backward, {later} micro-batch(es) in flight, gradients held"
             + (f"; {later_bwd[1]}" if later_bwd[0] else ""),
         ),
@@ -136,20 +185,21 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
     peak, source = max(moments, key=lambda m: m[0])
     peak += gathered(inputs, ends, layer, num_layers)
     return StageMemory(
-        stage=stage,
+        stage=rank,
         num_layers=num_layers,
         num_params=num_params,
         params=states[0],
         grads=states[1],
         optimizer=states[2],
         host=states[3],
-        activation_per_micro_batch=per_mb,
+        activation_per_micro_batch=max(per_mb),
         in_flight=flight,
-        activations=flight * per_mb,
+        activations=first_saved,
         pipe_buffers=buffers,
-        transient=peak - (sum(states[:3]) + flight * per_mb + buffers),
+        transient=peak - (sum(states[:3]) + first_saved + buffers),
         transient_source=source,
         backward_transient=later_bwd[0],
+        weight_store_per_micro_batch=store[0],
     )
 
 

@@ -1,64 +1,63 @@
-"""Pipeline schedules as data: one registry entry per schedule, the instruction stream each stage runs.
+"""Pipeline schedules as data: one registry entry per schedule, the instruction stream each rank runs.
 
 A schedule is what DeepSpeed's `PipeSchedule.steps()` yields: per clock step, the instructions one
-stage executes (`Instruction.kind` is the name of DeepSpeed's instruction class, so the runtime maps
-each one to the engine's `_exec_*` method). Everything else that depends on the schedule is read
-off that stream by the functions below, for any entry:
+rank executes (`schedule_streams` generates them; `Instruction.kind` is the name of the engine's
+instruction class, so the runtime maps each one to an `_exec_*` method). Everything else that
+depends on the schedule is read off that stream by the functions below, for any entry:
 
-    activations_in_flight   micro-batches whose activations a stage holds at its first and at its
+    activations_in_flight   micro-batches whose activations a rank holds at its first and at its
                             fullest later backward (the memory model)
-    pipe_buffers            the engine's buffer slots per stage (the memory model)
-    forward_micro_batches   which micro-batch each forward of a stage runs (dropout reseeding)
-    idle_fraction           the share of clock steps a stage computes nothing (the planner)
-and `step_simulator` replays the streams of all stages to time a step (the fastest layout search,
-the stage timers' report, the planner).
+    backward_moments        at each backward: the micro-batches in flight per chunk and the weight
+                            passes pending (the memory model under ZB-H1 and interleaving)
+    pipe_buffers            the engine's buffer slots per rank (the memory model)
+    forward_micro_batches   which micro-batch each forward of a rank runs (dropout reseeding)
+    compute_order           (F/B/I/W, chunk, micro-batch) per compute instruction (tests compare it
+                            with torch.distributed.pipelining's generators)
+and `step_simulator` replays the streams of all ranks to time a step (the fastest layout search,
+the stage timers' report, the planner; also each schedule's bubble and idle share).
 
 The 1F1B entry reproduces `deepspeed.runtime.pipe.schedule.TrainSchedule` instruction for
-instruction (tests/unit/test_pipeline_schedules.py compares them for many sizes), without
-importing DeepSpeed: the estimate layer imports neither torch nor DeepSpeed. Adding a schedule is
-one `PipelineSchedule` here, its name in `config.parallel.PIPELINE_SCHEDULES`, and its runtime in
-`training/pipe_schedules.py` (the engine's side).
+instruction, ZB-H1 Megatron-DeepSpeed's `ZeroBubbleH1Pipeline` with exact semantics, and
+interleaved the order of torch's `ScheduleInterleaved1F1B` (tests/unit/test_pipeline_schedules.py
+compares them for many sizes), without importing torch or DeepSpeed: the estimate layer imports
+neither. Adding a schedule is one `PipelineSchedule` here (its stream in `schedule_streams`), its
+name in `config.parallel.PIPELINE_SCHEDULES`, and its runtime in `training/pipe_schedules.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_ds.config.parallel import PIPELINE_SCHEDULES
-
-# Instruction kinds: DeepSpeed's class names (deepspeed/runtime/pipe/schedule.py).
-LOAD = "LoadMicroBatch"
-FORWARD = "ForwardPass"
-BACKWARD = "BackwardPass"
-SEND_ACTIVATION = "SendActivation"
-RECV_ACTIVATION = "RecvActivation"
-SEND_GRAD = "SendGrad"
-RECV_GRAD = "RecvGrad"
-REDUCE_TIED = "ReduceTiedGrads"
-REDUCE_GRADS = "ReduceGrads"
-OPTIMIZER = "OptimizerStep"
-COMPUTE = (FORWARD, BACKWARD)
-
-
-@dataclass(frozen=True)
-class Instruction:
-    """One instruction of one stage; `buffer` is the pipe-buffer slot it uses (None for the step's end)."""
-
-    kind: str
-    buffer: int | None = None
-    micro_batch: int | None = None
-    """The micro-batch a load, forward or backward runs (and the one a send or receive carries)."""
-
-
-Steps = tuple[tuple[Instruction, ...], ...]
-"""Per clock step, the stage's instructions in order."""
+from megatron_ds.config.parallel import INTERLEAVED, PIPELINE_SCHEDULES
+from megatron_ds.estimate import schedule_streams as streams
+from megatron_ds.estimate.schedule_streams import (  # noqa: F401 - the kinds, re-exported for readers
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARDS,
+    COMPUTE,
+    FORWARD,
+    LOAD,
+    OPTIMIZER,
+    RECEIVES,
+    RECV_ACTIVATION,
+    RECV_GRAD,
+    REDUCE_GRADS,
+    REDUCE_TIED,
+    SEND_ACTIVATION,
+    SEND_GRAD,
+    SENDS,
+    WEIGHT,
+    Instruction,
+    Steps,
+)
 
 
 @dataclass(frozen=True)
 class PipelineSchedule:
-    """One pipeline schedule (`--pp-schedule`)."""
+    """One pipeline schedule (`--pp-schedule`), with its virtual stages per rank."""
 
     name: str
     label: str
@@ -66,69 +65,51 @@ class PipelineSchedule:
     summary: str
     bubble_formula: str
     """The bubble over the ideal step with equal stages, as its paper writes it (reports quote it)."""
-    steps: Callable[[int, int, int], Steps]
-    """(micro-batches M, stages P, stage s) -> the stage's instructions per clock step."""
-    num_pipe_buffers: Callable[[int, int, int], int]
-    """(M, P, s) -> the engine's activation buffer slots on stage s."""
+    generate: Callable[[int, int, int, int], Steps]
+    """(micro-batches M, ranks P, rank s, virtual stages v) -> the rank's instructions per clock step."""
+    buffers: Callable[[int, int, int, int], int]
+    """(M, P, s, v) -> the engine's activation buffer slots on rank s."""
+    blocking_sends: bool = True
+    """A send waits for its receive (DeepSpeed's p2p.send); False: posted, waited for at the step's end."""
+    splits_backward: bool = False
+    """Backwards run as an input-gradient pass and a later weight pass (BackwardOnlyPass, WeightPass)."""
+    virtual: bool = False
+    """Takes v >= 2 model chunks per rank (`virtual_stages`); otherwise v is 1."""
+    virtual_stages: int = 1
+
+    def steps(self, num_micro_batches: int, num_stages: int, stage: int) -> Steps:
+        """The rank's instructions per clock step (`num_stages` is P, the ranks of the pipeline)."""
+        return _steps(self, num_micro_batches, num_stages, stage)
 
     def instructions(self, num_micro_batches: int, num_stages: int, stage: int) -> tuple[Instruction, ...]:
-        """The stage's stream, flattened in execution order."""
+        """The rank's stream, flattened in execution order."""
         return _flat(self, num_micro_batches, num_stages, stage)
 
+    def num_pipe_buffers(self, num_micro_batches: int, num_stages: int, stage: int) -> int:
+        return self.buffers(num_micro_batches, num_stages, stage, self.virtual_stages)
 
-@functools.lru_cache(maxsize=256)
+    def check(self, num_micro_batches: int, num_stages: int) -> str | None:
+        """Why this schedule cannot run M micro-batches on P ranks, or None."""
+        if self.virtual:
+            return streams.check_interleaved(num_micro_batches, num_stages, self.virtual_stages)
+        return None
+
+    @property
+    def display(self) -> str:
+        """The label with v (`interleaved 1F1B (v=2)`)."""
+        return f"{self.label} (v={self.virtual_stages})" if self.virtual else self.label
+
+
+@functools.lru_cache(maxsize=512)
+def _steps(schedule: PipelineSchedule, m: int, p: int, s: int) -> Steps:
+    problem = schedule.check(m, p)
+    assert problem is None, (schedule.name, m, p, problem)
+    return schedule.generate(m, p, s, schedule.virtual_stages)
+
+
+@functools.lru_cache(maxsize=512)
 def _flat(schedule: PipelineSchedule, m: int, p: int, s: int) -> tuple[Instruction, ...]:
     return tuple(ins for step in schedule.steps(m, p, s) for ins in step)
-
-
-def _1f1b_buffers(num_micro_batches: int, num_stages: int, stage: int) -> int:
-    """`TrainSchedule.num_pipe_buffers()`: the forwards stage s runs before its first backward
-    (at least two slots)."""
-    return max(2, min(num_stages - stage, num_micro_batches))
-
-
-def _1f1b_micro_batch(step: int, num_stages: int, stage: int) -> tuple[int, bool]:
-    """(micro-batch, is forward) of clock step `step` on `stage`: even stages run forwards on even
-    steps, odd stages on odd steps, and the backward of micro-batch j on stage s comes P - s - 1
-    forwards after its forward (TrainSchedule's `_step_to_micro_batch`)."""
-    half = step // 2
-    if step % 2 == stage % 2:
-        return half - stage // 2, True
-    if step % 2 == 0:  # odd stage, even step
-        return half - num_stages + (stage + 1) // 2, False
-    return half - num_stages + 1 + stage // 2, False  # even stage, odd step
-
-
-def _1f1b_steps(num_micro_batches: int, num_stages: int, stage: int) -> Steps:
-    """DeepSpeed's TrainSchedule: 2(M + P - 1) clock steps; each sends the previous step's result
-    before receiving, loads on the first and last stage, then computes; the last ends the batch."""
-    m, p = num_micro_batches, num_stages
-    buffers = _1f1b_buffers(m, p, stage)
-    total = 2 * (m + p - 1)
-    valid = range(m).__contains__
-    prev, out = -1, []
-    for step in range(total):
-        mb, forward = _1f1b_micro_batch(step, p, stage)
-        cmds: list[Instruction] = []
-        if forward:
-            if valid(prev) and stage > 0:
-                cmds.append(Instruction(SEND_GRAD, prev % buffers, prev))
-            if valid(mb) and stage > 0:
-                cmds.append(Instruction(RECV_ACTIVATION, mb % buffers, mb))
-        else:
-            if valid(mb) and stage < p - 1:
-                cmds.append(Instruction(RECV_GRAD, mb % buffers, mb))
-            if valid(prev) and stage < p - 1:
-                cmds.append(Instruction(SEND_ACTIVATION, prev % buffers, prev))
-        if stage in (0, p - 1) and forward and valid(mb):
-            cmds.append(Instruction(LOAD, mb % buffers, mb))
-        if valid(mb):
-            cmds.append(Instruction(FORWARD if forward else BACKWARD, mb % buffers, mb))
-        if step == total - 1:
-            cmds += [Instruction(REDUCE_TIED), Instruction(REDUCE_GRADS), Instruction(OPTIMIZER)]
-        prev = mb
-        out.append(tuple(cmds))
-    return tuple(out)
 
 
 REGISTRY: dict[str, PipelineSchedule] = {
@@ -140,35 +121,78 @@ REGISTRY: dict[str, PipelineSchedule] = {
             "DeepSpeed's TrainSchedule: P - s forwards, then one backward and one forward in turn; "
             "a bubble of (P - 1) / (M + P - 1) of the step",
             "(p-1)/m, Narayanan et al. 2021 eq. 1",
-            _1f1b_steps,
-            _1f1b_buffers,
+            streams.one_f_one_b,
+            streams.one_f_one_b_buffers,
+        ),
+        PipelineSchedule(
+            "zbh1",
+            "ZB-H1",
+            "zero bubble H1 (Qi et al. 2024; Megatron-DeepSpeed's --enable-zbh1-pipeline with exact semantics): "
+            "1F1B with each backward split into its input and weight gradients, stage s deferring s weight "
+            "passes into the drain; 1F1B's peak activations, about a third of its bubble",
+            "(p-1)(F+B-W) of time, Qi et al. 2024 sec. 3.1",
+            streams.zero_bubble_h1,
+            streams.zero_bubble_h1_buffers,
+            blocking_sends=False,
+            splits_backward=True,
+        ),
+        PipelineSchedule(
+            "interleaved",
+            "interleaved 1F1B",
+            "v model chunks per rank (--num-virtual-stages-per-pipeline-rank, or a layout of k x P stages): "
+            "a bubble of (P - 1) / (v M) at v times the point-to-point traffic",
+            "(p-1)/(v m), Narayanan et al. 2021 sec. 2.2",
+            streams.interleaved,
+            streams.interleaved_buffers,
+            blocking_sends=False,
+            virtual=True,
+            virtual_stages=2,
         ),
     )
 }
 assert tuple(REGISTRY) == PIPELINE_SCHEDULES, "config.parallel.PIPELINE_SCHEDULES must list the registry's names"
+assert [s.name for s in REGISTRY.values() if s.virtual] == [INTERLEAVED], "config.parallel.INTERLEAVED names it"
 
 
-def find(name: str) -> PipelineSchedule:
-    """The registry entry of `name` (a ParallelConfig holds only registered names)."""
-    return REGISTRY[name]
+def find(name: str, virtual_stages: int | None = None) -> PipelineSchedule:
+    """The registry entry of `name` (a ParallelConfig holds only registered names), for
+    `virtual_stages` chunks per rank where the schedule takes them (None: its default)."""
+    entry = REGISTRY[name]
+    if virtual_stages is None or virtual_stages == entry.virtual_stages:
+        return entry
+    assert entry.virtual, f"{name} runs one stage per rank, not {virtual_stages}"
+    return dataclasses.replace(entry, virtual_stages=virtual_stages)
 
 
 def activations_in_flight(
     schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
 ) -> tuple[int, int]:
     """(at the first backward, at the fullest later backward): micro-batches whose forward has run
-    and whose backward has not, counted as each backward starts. With no later backward, one fewer
-    than at the first (the first's own activations are gone)."""
-    done_forward = done_backward = 0
-    at_backward: list[int] = []
-    for ins in schedule.instructions(num_micro_batches, num_stages, stage):
-        if ins.kind == FORWARD:
-            done_forward += 1
-        elif ins.kind == BACKWARD:
-            at_backward.append(done_forward - done_backward)
-            done_backward += 1
+    and whose backward (input gradient) has not, over all chunks, counted as each backward starts.
+    With no later backward, one fewer than at the first (the first's own activations are gone)."""
+    at_backward = [sum(flight) for flight, _, _ in backward_moments(schedule, num_micro_batches, num_stages, stage)]
     first = at_backward[0]
     return first, max(at_backward[1:], default=first - 1)
+
+
+def backward_moments(
+    schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
+) -> tuple[tuple[tuple[int, ...], int, int], ...]:
+    """At each backward (whole or input gradient) as it starts: (micro-batches in flight per chunk,
+    weight passes pending, the backward's chunk), in stream order."""
+    flight = [0] * schedule.virtual_stages
+    pending = 0
+    out = []
+    for ins in schedule.instructions(num_micro_batches, num_stages, stage):
+        if ins.kind == FORWARD:
+            flight[ins.chunk] += 1
+        elif ins.kind in BACKWARDS:
+            out.append((tuple(flight), pending, ins.chunk))
+            flight[ins.chunk] -= 1
+            pending += ins.kind == BACKWARD_INPUT
+        elif ins.kind == WEIGHT:
+            pending -= 1
+    return tuple(out)
 
 
 def pipe_buffers(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int) -> int:
@@ -179,26 +203,23 @@ def pipe_buffers(schedule: PipelineSchedule, num_micro_batches: int, num_stages:
 def forward_micro_batches(
     schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
 ) -> tuple[int, ...]:
-    """The micro-batch of each forward `stage` runs in a step, in order."""
+    """The micro-batch of each forward `stage` runs in a step, in order (over its chunks)."""
     return tuple(
         i.micro_batch for i in schedule.instructions(num_micro_batches, num_stages, stage) if i.kind == FORWARD
     )
 
 
-def clock_steps(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int = 0) -> tuple[int, int]:
-    """(clock steps of the schedule, those in which `stage` runs a forward or backward)."""
-    steps = schedule.steps(num_micro_batches, num_stages, stage)
-    return len(steps), sum(1 for step in steps if any(i.kind in COMPUTE for i in step))
+COMPUTE_LETTERS = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", WEIGHT: "W"}
+"""torch.distributed.pipelining's action letters (`_ComputationType`)."""
 
 
-def idle_fraction(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int = 0) -> float:
-    """The share of the schedule's clock steps in which `stage` runs no forward or backward."""
-    total, busy = clock_steps(schedule, num_micro_batches, num_stages, stage)
-    return 1.0 - busy / total
-
-
-def bubble_ratio(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int = 0) -> float:
-    """Idle clock steps over busy ones: with equal stages, the bubble time over the ideal step time
-    (1F1B: (p - 1) / m)."""
-    total, busy = clock_steps(schedule, num_micro_batches, num_stages, stage)
-    return (total - busy) / busy
+def compute_order(
+    schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
+) -> tuple[tuple[str, int, int], ...]:
+    """(letter, flat stage, micro-batch) of each compute instruction in order, as torch's per-rank
+    action lists write them (`2F0`: flat stage 2, forward, micro-batch 0)."""
+    return tuple(
+        (COMPUTE_LETTERS[i.kind], i.chunk * num_stages + stage, i.micro_batch)
+        for i in schedule.instructions(num_micro_batches, num_stages, stage)
+        if i.kind in COMPUTE
+    )

@@ -52,6 +52,7 @@ def memory_inputs(config: Config, machine: Machine) -> MemoryInputs:
         offload_param=t.offload_param,
         device=machine.device,
         schedule=par.pipeline_schedule,
+        virtual_stages=par.virtual_stages,
     )
 
 
@@ -160,6 +161,7 @@ def build_run_layout(config: Config, machine: Machine, calibration: Calibration 
             partition_method=par.pp_partition_method,
             costs=costs,
             megatron=megatron_lm_flags(config),
+            virtual_stages=par.virtual_stages,
         )
     except NoFitError as e:
         raise LayoutError(f"{e}; {fit_advice(memory_inputs(config, machine), p, e.limit)}") from None

@@ -1,27 +1,19 @@
-"""Step time of a pipeline schedule, simulated over the instruction stream its engine runs.
+"""Step time of a pipeline schedule, simulated over the instruction streams its engine runs.
 
 `simulate(M, forward, backward, ...)` replays a registered schedule's instructions
-(`pipeline_schedules`; 1F1B is DeepSpeed's `TrainSchedule(M, P, s)`) for every stage s, one device
-per stage, each stage running its instructions in order as `PipelineEngine._exec_schedule` does,
-and returns when the step ends and how busy each stage was.
+(`pipeline_schedules`; 1F1B is DeepSpeed's `TrainSchedule(M, P, s)`) on every rank, one device per
+rank, each rank running its instructions in order as `PipelineEngine._exec_schedule` does, over the
+dependency graph `schedule_program.program` compiles (its docstring says how each instruction is
+timed), and returns when the step ends and how busy each rank was.
 
-Model of the instructions (deepspeed/runtime/pipe/schedule.py, engine.py, p2p.py):
-  ForwardPass / BackwardPass   the stage's forward / backward time of one micro-batch
-  SendActivation -> RecvActivation of the next stage, SendGrad -> RecvGrad of the previous one:
-                               blocking point-to-point (`p2p.send/recv` call `dist.send/recv`), a
-                               rendezvous: both sides wait for each other, then both spend `send`
-  ReduceTiedGrads              all-reduce of the tied embedding's gradient between the first and the
-                               last stage (`allreduce_tied_weight_gradients`; only the tied ranks
-                               take part): both wait for each other, then spend `tied_reduce`
-  OptimizerStep                with gradient clipping the global norm is all-reduced over every
-                               stage first (`grad_norm_sync`: a barrier), then the stage's `optimizer`
-                               time (which should include its ReduceGrads and the update)
-  LoadMicroBatch, ReduceGrads  no time of their own (data parallelism is one device per stage here)
-The step ends when every stage has finished (the engine's loss broadcast then joins all stages).
+Times are per flat stage: P values, or v x P for interleaving (flat stage c * P + r is chunk c of
+rank r, megatron-core's numbering). `weight[i]` is the part of `backward[i]` that is weight gradients:
+a schedule that splits backwards (ZB-H1) runs backward - weight as the input-gradient pass and
+weight in a later weight pass; one that does not runs the whole backward.
 
-Each stage's order is fixed by the schedule, and every wait is for a fixed predecessor, so the
-finish times are the longest paths of one dependency graph; the graph depends only on (M, P) and
-is built once (`program`), then evaluated for any durations in O(M P).
+`bubble_ratio` and `idle_fraction` are each schedule's bubble on equal stages with the paper's unit
+costs (forward 1, backward 2 of which weight 1): (P - 1) / M for 1F1B, (P - 1) / (v M) interleaved,
+(P - 1)(F + B - W) / (M (F + B + W)) = (P - 1) / (3 M) for ZB-H1.
 """
 
 from __future__ import annotations
@@ -31,11 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
-from megatron_ds.estimate import pipeline_schedules as schedules
+from megatron_ds.estimate.schedule_program import (  # noqa: F401 - node kinds, re-exported for tests
+    BACKWARD,
+    FORWARD,
+    Program,
+    program,
+    slots,
+)
 from megatron_ds.pipeline.costs import StageTime, StepEstimate
-
-# Node kinds of the compiled program.
-FORWARD, BACKWARD, SEND, TIED, BARRIER, OPTIMIZER = range(6)
 
 
 @dataclass(frozen=True)
@@ -44,169 +39,29 @@ class ScheduleResult:
 
     step_time: float
     busy: tuple[float, ...]
-    """Per stage: forward + backward + optimizer time."""
+    """Per rank: forward + backward + optimizer time."""
     comm: tuple[float, ...]
-    """Per stage: time in sends, receives and the tied all-reduce."""
+    """Per rank: time in sends, receives and the tied all-reduce."""
     finish: tuple[float, ...]
-    """Per stage: when its last instruction ends."""
-    path: tuple[tuple[int, int, int], ...] = ()
-    """A critical (longest) path: per stage, how many of its forwards, backwards and optimizer steps
-    lie on it. Its length, these counts times the stage times plus `path_constant`, is `step_time`;
-    for any other times it is a lower bound of the step (it is still a path)."""
+    """Per rank: when its last instruction ends."""
+    path: tuple[tuple[int, int, int, int], ...] = ()
+    """A critical (longest) path: per flat stage, the coefficients of its forward, backward,
+    optimizer and weight times on it (an input-gradient pass counts backward + 1 and weight - 1).
+    Its length, these times the stage times plus `path_constant`, is `step_time`; for any other
+    times it is a lower bound of the step (it is still a path)."""
     path_constant: float = 0.0
     """The communication time (sends, tied all-reduce) on that path."""
 
     @property
     def idle(self) -> tuple[float, ...]:
-        """Per stage: the step time it spends waiting (bubble)."""
+        """Per rank: the step time it spends waiting (bubble)."""
         return tuple(self.step_time - b - c for b, c in zip(self.busy, self.comm))
 
 
-@dataclass(frozen=True)
-class Program:
-    """The dependency graph of one step: nodes in an order where predecessors come first."""
-
-    num_micro_batches: int
-    num_stages: int
-    nodes: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
-    """(kind, stages taking part, predecessor node indices)."""
-    last: tuple[int, ...]
-    """Per stage: its last node."""
-    order: tuple[tuple[int, ...], ...]
-    """Per stage: its compute kinds in order (FORWARD/BACKWARD)."""
-
-    @functools.cached_property
-    def comm_counts(self) -> tuple[tuple[int, int], ...]:
-        """Per stage: (sends and receives, tied all-reduces) it takes part in."""
-        return tuple(
-            (
-                sum(1 for k, st, _ in self.nodes if k == SEND and s in st),
-                sum(1 for k, st, _ in self.nodes if k == TIED and s in st),
-            )
-            for s in range(self.num_stages)
-        )
-
-    @functools.cached_property
-    def flat(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        """(first predecessor, second predecessor, duration slot) per flat node, and each node's flat
-        position, for `simulate`'s loop. A node with more than two predecessors (the barrier) becomes a chain of
-        zero-time nodes; a missing predecessor points at a sentinel that finishes at 0. Duration
-        slots index [forward x P, backward x P, optimizer x P, send, tied_reduce, zero]."""
-        p = self.num_stages
-        slot = {FORWARD: 0, BACKWARD: p, OPTIMIZER: 2 * p}
-        zero = 3 * p + 2
-        first: list[int] = []
-        second: list[int] = []
-        durations: list[int] = []
-        index: list[int] = []  # node -> its flat position (the chain's last)
-        for kind, stages, preds in self.nodes:
-            mapped = [index[j] for j in preds] or [-1]
-            while len(mapped) > 2:  # fold extra predecessors into zero-time joins
-                first.append(mapped.pop())
-                second.append(mapped.pop())
-                durations.append(zero)
-                mapped.append(len(first) - 1)
-            first.append(mapped[0])
-            second.append(mapped[-1])
-            if kind in slot:
-                durations.append(slot[kind] + stages[0])
-            else:
-                durations.append({SEND: 3 * p, TIED: 3 * p + 1, BARRIER: zero}[kind])
-            index.append(len(first) - 1)
-        return first, second, durations, index
-
-
-_TOKENS = {
-    schedules.FORWARD: lambda stage: ("F",),
-    schedules.BACKWARD: lambda stage: ("B",),
-    schedules.SEND_ACTIVATION: lambda stage: ("send", stage + 1),
-    schedules.RECV_ACTIVATION: lambda stage: ("recv", stage - 1),
-    schedules.SEND_GRAD: lambda stage: ("send", stage - 1),
-    schedules.RECV_GRAD: lambda stage: ("recv", stage + 1),
-    schedules.REDUCE_TIED: lambda stage: ("tied",),
-    schedules.OPTIMIZER: lambda stage: ("opt",),
-}
-NO_TIME = (schedules.LOAD, schedules.REDUCE_GRADS)
-"""Instructions with no time of their own (data parallelism is one device per stage here)."""
-
-
-def _instructions(schedule: str, num_micro_batches: int, num_stages: int, stage: int) -> list[tuple]:
-    """The stage's stream flattened to tokens: (kind,) or (kind, peer) for communication."""
-    tokens: list[tuple] = []
-    for ins in schedules.find(schedule).instructions(num_micro_batches, num_stages, stage):
-        if ins.kind in _TOKENS:
-            tokens.append(_TOKENS[ins.kind](stage))
-        else:
-            assert ins.kind in NO_TIME, ins
-    return tokens
-
-
-@functools.lru_cache(maxsize=64)
-def program(
-    num_micro_batches: int,
-    num_stages: int,
-    tied: bool = True,
-    grad_norm_sync: bool = True,
-    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
-) -> Program:
-    """Compile the P instruction streams into one dependency graph (raises on a deadlock)."""
-    if num_micro_batches < 1 or num_stages < 1:
-        raise ValueError(f"need >= 1 micro-batch and stage, got {num_micro_batches}, {num_stages}")
-    p = num_stages
-    streams = [_instructions(schedule, num_micro_batches, p, s) for s in range(p)]
-    tied_stages = {0, p - 1} if tied and p > 1 else set()
-    pos, last = [0] * p, [-1] * p
-    nodes: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
-
-    def add(kind: int, stages: tuple[int, ...]) -> None:
-        nodes.append((kind, stages, tuple(last[s] for s in stages if last[s] >= 0)))
-        for s in stages:
-            last[s], pos[s] = len(nodes) - 1, pos[s] + 1
-
-    def head(s: int) -> tuple | None:
-        return streams[s][pos[s]] if pos[s] < len(streams[s]) else None
-
-    while any(head(s) is not None for s in range(p)):
-        progressed = False
-        for s in range(p):
-            op = head(s)
-            if op is None:
-                continue
-            if op[0] in ("F", "B"):
-                add(FORWARD if op[0] == "F" else BACKWARD, (s,))
-            elif op[0] in ("send", "recv"):
-                peer = op[1]
-                if head(peer) != ("recv" if op[0] == "send" else "send", s):
-                    continue  # rendezvous: wait until the peer reaches the matching instruction
-                add(SEND, tuple(sorted((s, peer))))
-            elif op[0] == "tied":
-                if s not in tied_stages:
-                    pos[s] += 1
-                elif all(head(t) == ("tied",) for t in tied_stages):
-                    add(TIED, tuple(sorted(tied_stages)))
-                else:
-                    continue
-            elif op[0] == "opt":
-                if grad_norm_sync and p > 1:
-                    if not all(head(t) == ("opt",) for t in range(p)):
-                        continue
-                    add(BARRIER, tuple(range(p)))
-                    for t in range(p):
-                        pos[t] -= 1  # the barrier consumed nothing; each stage's step follows it
-                    for t in range(p):
-                        add(OPTIMIZER, (t,))
-                else:
-                    add(OPTIMIZER, (s,))
-            progressed = True
-        assert progressed, f"{schedule}({num_micro_batches}, {p}) deadlocks at {[head(s) for s in range(p)]}"
-    order = tuple(tuple(FORWARD if op[0] == "F" else BACKWARD for op in st if op[0] in ("F", "B")) for st in streams)
-    return Program(num_micro_batches, p, tuple(nodes), tuple(last), order)
-
-
-def _per_stage(value: float | Sequence[float], p: int, name: str) -> tuple[float, ...]:
-    values = (float(value),) * p if isinstance(value, (int, float)) else tuple(float(v) for v in value)
-    if len(values) != p or min(values) < 0:
-        raise ValueError(f"{name}: need {p} non-negative values, got {value}")
+def _per_stage(value: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:
+    values = (float(value),) * n if isinstance(value, (int, float)) else tuple(float(v) for v in value)
+    if len(values) != n or min(values) < 0:
+        raise ValueError(f"{name}: need {n} non-negative values, got {value}")
     return values
 
 
@@ -220,48 +75,70 @@ def simulate(
     tied: bool = True,
     grad_norm_sync: bool = True,
     schedule: str = DEFAULT_PIPELINE_SCHEDULE,
+    weight: float | Sequence[float] = 0.0,
+    virtual_stages: int = 1,
 ) -> ScheduleResult:
-    """One step of `schedule` (DeepSpeed's TrainSchedule for 1F1B) with one device per stage.
+    """One step of `schedule` (DeepSpeed's TrainSchedule for 1F1B) with one device per rank.
 
-    `forward[s]` / `backward[s]`: one micro-batch on stage s (backward including recomputation);
-    `optimizer`: per stage (or one value for all); `send`: one activation or gradient transfer;
-    `tied`: the first and last stage share the tied word embedding (False for an untied head).
+    `forward[i]` / `backward[i]`: one micro-batch on flat stage i (backward including recomputation
+    and `weight[i]`, its weight gradients); `optimizer`: per flat stage (summed per rank) or one value
+    for all; `send`: one activation or gradient transfer; `tied`: the first and last stage share the
+    tied word embedding (False for an untied head); `virtual_stages`: v chunks per rank (len(forward)
+    is v x P).
     """
-    p = len(forward)
-    fwd, bwd = _per_stage(forward, p, "forward"), _per_stage(backward, p, "backward")
-    opt = _per_stage(optimizer, p, "optimizer")
-    prog = program(num_micro_batches, p, tied, grad_norm_sync, schedule)
-    first, second, slots, index = prog.flat
-    weights = [*fwd, *bwd, *opt, float(send), float(tied_reduce), 0.0]
+    n = len(forward)
+    v = virtual_stages
+    if n % v:
+        raise ValueError(f"{n} stage times do not split into {v} chunks per rank")
+    p = n // v
+    fwd, bwd = _per_stage(forward, n, "forward"), _per_stage(backward, n, "backward")
+    wgt = _per_stage(weight, n, "weight")
+    if any(w > b for w, b in zip(wgt, bwd)):
+        raise ValueError(f"weight: {wgt} exceeds the backward {bwd}")
+    opt = _per_stage(optimizer, n, "optimizer")
+    rank_opt = [sum(opt[c * p + r] for c in range(v)) for r in range(p)]
+    prog = program(num_micro_batches, p, tied, grad_norm_sync, schedule, v)
+    first, second, durations, index = prog.flat
+    weights = [*fwd, *bwd, *(b - w for b, w in zip(bwd, wgt)), *wgt, *rank_opt, float(send), float(tied_reduce), 0.0]
     finish = [0.0] * (len(first) + 1)  # finish[-1]: the sentinel "no predecessor"
-    for i, (a, b, d) in enumerate(zip(first, second, slots)):
+    for i, (a, b, d) in enumerate(zip(first, second, durations)):
         fa, fb = finish[a], finish[b]
         finish[i] = (fa if fa > fb else fb) + weights[d]
     ends = tuple(finish[index[j]] for j in prog.last)
-    path, constant = _critical_path(prog, finish, slots, weights)
+    path, constant = _critical_path(prog, finish, durations, weights)
     comm = tuple(n_send * send + n_tied * tied_reduce for n_send, n_tied in prog.comm_counts)
-    busy = tuple(num_micro_batches * (f + b) + o for f, b, o in zip(fwd, bwd, opt))
+    m = num_micro_batches
+    busy = tuple(sum(m * (fwd[c * p + r] + bwd[c * p + r]) for c in range(v)) + rank_opt[r] for r in range(p))
     return ScheduleResult(step_time=max(ends), busy=busy, comm=comm, finish=ends, path=path, path_constant=constant)
 
 
 def _critical_path(
-    prog: Program, finish: list[float], slots: list[int], weights: list[float]
-) -> tuple[tuple[tuple[int, int, int], ...], float]:
+    prog: Program, finish: list[float], durations: list[int], weights: list[float]
+) -> tuple[tuple[tuple[int, int, int, int], ...], float]:
     """Walk back from the latest node through the predecessor that finished last."""
     first, second, _, index = prog.flat
-    p = prog.num_stages
-    counts = [[0, 0, 0] for _ in range(p)]
+    n, p, v = prog.num_flat, prog.num_stages, prog.virtual_stages
+    at = slots(n, p)
+    counts = [[0, 0, 0, 0] for _ in range(n)]  # forward, backward, optimizer, weight
     constant = 0.0
     i = max((index[j] for j in prog.last), key=lambda j: finish[j])
     while i >= 0:
-        slot = slots[i]
-        if slot < 3 * p:
-            counts[slot % p][slot // p] += 1  # slot = kind block (forward, backward, optimizer) x P + stage
+        d = durations[i]
+        if d < at["input"]:
+            counts[d % n][d // n] += 1  # forward (block 0) or backward (block 1)
+        elif d < at["weight"]:
+            counts[d - at["input"]][1] += 1  # backward - weight
+            counts[d - at["input"]][3] -= 1
+        elif d < at["optimizer"]:
+            counts[d - at["weight"]][3] += 1
+        elif d < at["send"]:
+            for c in range(v):  # the rank's optimizer time is its chunks' sum
+                counts[c * p + d - at["optimizer"]][2] += 1
         else:
-            constant += weights[slot]
+            constant += weights[d]
         a, b = first[i], second[i]
         i = a if finish[a] >= finish[b] else b
-    return tuple((f, b, o) for f, b, o in counts), constant
+    return tuple(tuple(c) for c in counts), constant
 
 
 def balanced_step_time(
@@ -269,11 +146,21 @@ def balanced_step_time(
     forward: Sequence[float],
     backward: Sequence[float],
     schedule: str = DEFAULT_PIPELINE_SCHEDULE,
+    weight: float | Sequence[float] = 0.0,
+    virtual_stages: int = 1,
 ) -> float:
     """The ideal: the same total work split evenly over the stages, through the same schedule."""
-    p = len(forward)
-    mean_f, mean_b = sum(forward) / p, sum(backward) / p
-    return simulate(num_micro_batches, [mean_f] * p, [mean_b] * p, schedule=schedule).step_time
+    n = len(forward)
+    wgt = _per_stage(weight, n, "weight")
+    mean_f, mean_b, mean_w = sum(forward) / n, sum(backward) / n, sum(wgt) / n
+    return simulate(
+        num_micro_batches,
+        [mean_f] * n,
+        [mean_b] * n,
+        schedule=schedule,
+        weight=mean_w,
+        virtual_stages=virtual_stages,
+    ).step_time
 
 
 def step_estimator(
@@ -283,6 +170,7 @@ def step_estimator(
     tied: bool = True,
     grad_norm_sync: bool = True,
     schedule: str = DEFAULT_PIPELINE_SCHEDULE,
+    virtual_stages: int = 1,
 ) -> Callable[[Sequence[StageTime]], StepEstimate]:
     """The `step_time` of `megatron_ds.pipeline.fastest`: this schedule's step for per-stage times,
     with its critical path as the lower-bound certificate the search prunes with."""
@@ -298,7 +186,42 @@ def step_estimator(
             tied=tied,
             grad_norm_sync=grad_norm_sync,
             schedule=schedule,
+            weight=[t.weight for t in times],
+            virtual_stages=virtual_stages,
         )
         return StepEstimate(result.step_time, result.path, result.path_constant)
 
     return estimate
+
+
+UNIT_FORWARD, UNIT_BACKWARD, UNIT_WEIGHT = 1.0, 2.0, 1.0
+"""The papers' equal-cost passes: F = B = W, a whole backward 2F."""
+
+
+@functools.lru_cache(maxsize=256)
+def _unit_step(schedule: str, num_micro_batches: int, num_stages: int, virtual_stages: int) -> ScheduleResult:
+    n = num_stages * virtual_stages
+    f, b, w = UNIT_FORWARD / virtual_stages, UNIT_BACKWARD / virtual_stages, UNIT_WEIGHT / virtual_stages
+    return simulate(
+        num_micro_batches,
+        [f] * n,
+        [b] * n,
+        schedule=schedule,
+        weight=w,
+        virtual_stages=virtual_stages,
+        tied=False,
+        grad_norm_sync=False,
+    )
+
+
+def bubble_ratio(schedule: str, num_micro_batches: int, num_stages: int, virtual_stages: int = 1) -> float:
+    """The bubble time over the ideal step on equal stages with unit passes (module docstring)."""
+    result = _unit_step(schedule, num_micro_batches, num_stages, virtual_stages)
+    ideal = num_micro_batches * (UNIT_FORWARD + UNIT_BACKWARD)
+    return (result.step_time - ideal) / ideal
+
+
+def idle_fraction(schedule: str, num_micro_batches: int, num_stages: int, virtual_stages: int = 1) -> float:
+    """The share of the step a rank idles on equal stages with unit passes (1F1B: (P - 1) / (M + P - 1))."""
+    result = _unit_step(schedule, num_micro_batches, num_stages, virtual_stages)
+    return 1.0 - num_micro_batches * (UNIT_FORWARD + UNIT_BACKWARD) / result.step_time

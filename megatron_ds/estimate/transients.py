@@ -25,8 +25,26 @@ def in_flight(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[int, i
     """(at the first backward, at the fullest later backward): micro-batches whose activations stage
     `stage` holds under the run's schedule (1F1B: min(P - s, M), and as many again after the first
     backward when a forward follows it, M > P - s, else one fewer)."""
-    schedule = pipeline_schedules.find(inputs.schedule)
+    schedule = inputs.pipeline_schedule
     return pipeline_schedules.activations_in_flight(schedule, inputs.num_micro_batches, num_stages, stage)
+
+
+def weight_store_bytes(inputs: MemoryInputs, num_layers: int, holds_head: bool) -> float:
+    """What one micro-batch keeps between its input-gradient backward and its weight pass (ZB-H1,
+    `model/weight_grad.py`): every linear layer's input and output gradient, in the activation
+    dtype, per tensor rank (column-parallel QKV and fc1 keep a full input and 1/T of the output
+    gradient, row-parallel proj and fc2 1/T of the input and the full output gradient), and the LM
+    head's input and its 1/T of the logits' gradient. Zero for schedules that do not split backwards."""
+    if not inputs.pipeline_schedule.splits_backward:
+        return 0.0
+    m, t = inputs.model, inputs.tensor_parallel_size
+    tokens = m.seq_length * inputs.micro_batch_size
+    column = ("qkv", "fc1")
+    per_layer = sum(
+        (i + o / t) if name in column else (i / t + o) for name, (o, i) in shapes.layer_linear_shapes(m).items()
+    )
+    head = m.hidden_size + m.vocab_size / t if holds_head else 0.0
+    return PRECISION_BYTES[inputs.precision] * tokens * (num_layers * per_layer + head)
 
 
 def backward_transient(
@@ -146,6 +164,28 @@ def gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, nu
     return inputs.factors.gathered * max((sp.largest_param for sp in held), default=0) + prefetch
 
 
+def chunk_pipe_buffers(inputs: MemoryInputs, rank: int, num_ranks: int, flight: tuple[int, ...]) -> tuple[float, float]:
+    """`pipe_buffers` for v model chunks per rank (`training/interleaved.py`), with `flight[c]`
+    micro-batches in flight on chunk c: each buffer is freed after its last use, so every chunk holds
+    its in-flight micro-batches' received inputs (after flat stage 0), outputs (before the last; the
+    last flat stage's are the fp32 logits), token ids (flat stage 0) and labels (the last); the rank
+    keeps one persistent receive buffer for activations and one for gradients (DeepSpeed's)."""
+    m, v = inputs.model, len(flight)
+    hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
+    tokens = m.seq_length * inputs.micro_batch_size
+    last = v * num_ranks - 1
+    total, persistent = 2 * hidden, 2 * hidden
+    for c, n in enumerate(flight):
+        flat = c * num_ranks + rank
+        total += n * hidden if flat > 0 else n * tokens * act.TOKEN_ID_BYTES
+        if flat < last:
+            total += n * hidden
+        else:
+            logits = act.logits_bytes(m, inputs.micro_batch_size, inputs.tensor_parallel_size)
+            total += n * (logits + tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES))
+    return total, persistent
+
+
 def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[float, float]:
     """(DeepSpeed PipelineEngine buffers at a backward, the part of them still held at the
     optimizer step), read from deepspeed/runtime/pipe/engine.py:
@@ -163,7 +203,7 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
     m, mb = inputs.model, inputs.num_micro_batches
     hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
     tokens = m.seq_length * inputs.micro_batch_size
-    schedule = pipeline_schedules.find(inputs.schedule)
+    schedule = inputs.pipeline_schedule
     slots = min(pipeline_schedules.pipe_buffers(schedule, mb, num_stages, stage), mb)
     flight = in_flight(inputs, stage, num_stages)[0]
     total = persistent = 0.0

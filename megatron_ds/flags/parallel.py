@@ -20,11 +20,6 @@ _ZERO3_FIX = "use --offload-param cpu|nvme (with --zero-stage 3), which sets off
 _TILING = "memory-centric tiling is not implemented"
 _BACKEND_FIX = ("only nccl and gloo are set up", "use nccl (GPU) or gloo (CPU)")
 _MLM = "Megatron-LM's flag, megatron-core's meaning"
-_VIRTUAL = (
-    "interleaved (virtual) pipeline stages: DeepSpeed's pipeline engine runs one stage per rank",
-    "give uneven stages with --pp-layout (P stages), --decoder-first/last-pipeline-num-layers or "
-    "--pp-partition-method memory",
-)
 _OFFLOAD = ("none", "cpu", "nvme")
 
 DISTRIBUTED: tuple[Flag, ...] = (
@@ -80,16 +75,20 @@ DISTRIBUTED: tuple[Flag, ...] = (
     accepted(
         "--pp-schedule",
         _DIST,
-        "the pipeline schedule: " + "; ".join(f"{s.name}: {s.summary}" for s in pipeline_schedules.REGISTRY.values()),
+        "the pipeline schedule (default 1f1b; --enable-zbh1-pipeline and virtual stages select theirs): "
+        + "; ".join(f"{s.name}: {s.summary}" for s in pipeline_schedules.REGISTRY.values()),
         "parallel.pipeline_schedule",
         choices=tuple(pipeline_schedules.REGISTRY),
+        default=None,
+        derived=True,  # --enable-zbh1-pipeline and the virtual-stage flags fold in (flags/schedule_flags.py)
         megatron=False,
     ),
     accepted(
         "--pipeline-model-parallel-layout",
         _DIST,
-        f"{_MLM}: a layout string (the --pp-layout grammar, commas cosmetic); a string of k x P stages "
-        "(megatron-core's virtual stages), an empty stage and 'm' (multi-token prediction) are refused",
+        f"{_MLM}: a layout string (the --pp-layout grammar, commas cosmetic); k x P stages are megatron-core's k "
+        "virtual stages per rank (the interleaved schedule, flat stage i on rank i mod P); an empty stage and 'm' "
+        "(multi-token prediction) are refused",
         "parallel.pipeline_model_parallel_layout",
     ),
     accepted(
@@ -122,8 +121,11 @@ DISTRIBUTED: tuple[Flag, ...] = (
     accepted(
         "--num-virtual-stages-per-pipeline-rank",
         _DIST,
-        f"{_MLM}: only 1 (one stage per rank); more are {_VIRTUAL[0]}",
+        f"{_MLM}: V model chunks per rank, run by the interleaved schedule (--pp-schedule interleaved: torch's "
+        "interleaved 1F1B order on DeepSpeed's engine); 1 is one stage per rank",
+        "parallel.virtual_stages",
         type=int,
+        derived=True,
     ),
     accepted(
         "--pp-memory-limit",
@@ -190,7 +192,15 @@ DISTRIBUTED: tuple[Flag, ...] = (
     no_op("--empty-unused-memory-level", _DIST, "a CUDA cache housekeeping switch; numerics unchanged", takes=VALUE),
     refused("--pipeline-model-parallel-split-rank", _DIST, "encoder-decoder models are not built", takes=VALUE),
     refused("--model-parallel-size", _DIST, "Megatron's deprecated name", "use --tensor-model-parallel-size", VALUE),
-    refused("--num-layers-per-virtual-pipeline-stage", _DIST, *_VIRTUAL, VALUE),
+    accepted(
+        "--num-layers-per-virtual-pipeline-stage",
+        _DIST,
+        "N transformer layers per model chunk: (layers / P) / N chunks per rank, run by the interleaved schedule "
+        "(Megatron-LM's rule, with --account-for-* counting the embedding and loss as layers)",
+        "parallel.virtual_stages",
+        type=int,
+        derived=True,
+    ),
     switch(
         "--use-distributed-optimizer",
         _DIST,

@@ -32,13 +32,12 @@ from megatron_ds.config import (
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.machine import Machine, for_layout
 from megatron_ds.estimate.run_layout import check_layout
-from megatron_ds.flags import compat, dry_run, model_flags, step_flags
+from megatron_ds.flags import compat, dry_run, model_flags, schedule_flags, step_flags
 from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.deepspeed_json import json_default
 from megatron_ds.flags.lengths import schedule_lengths, train_length
 from megatron_ds.flags.registry import FLAGS
-from megatron_ds.pipeline import megatron_lm
 
 __all__ = ["ConfigError", "build_config", "warn"]
 
@@ -231,13 +230,13 @@ def _parallel_config(args: argparse.Namespace, direct: dict[str, Any], world_siz
             f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {p}); drop one of the two"
         )
     default_world = max(p, 1) * max(t, 1)  # one replica; ParallelConfig refuses P or T < 1
-    megatron_lm.check_virtual_stages(
-        args.num_virtual_stages_per_pipeline_rank, args.pipeline_model_parallel_layout is not None
-    )
+    schedule, virtual = schedule_flags.pipeline_schedule(args)
     return ParallelConfig(
         **direct,
         world_size=world_size or args.world_size or int(os.environ.get("WORLD_SIZE", default_world)),
         pp_dedicated_embedding_stages=_dedicated_stages(args),
+        pipeline_schedule=schedule,
+        virtual_stages=virtual,
     )
 
 

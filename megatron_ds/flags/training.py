@@ -218,7 +218,21 @@ TRAINING: tuple[Flag, ...] = (
         int,
     ),
     refused("--random-ltd", _TRAIN, "DeepSpeed data-efficiency (random-LTD) is not implemented"),
-    refused("--enable-zbh1-pipeline", _TRAIN, "the schedule is DeepSpeed's 1F1B pipeline"),
+    switch(
+        "--enable-zbh1-pipeline",
+        _TRAIN,
+        "the zero-bubble ZB-H1 schedule on DeepSpeed's pipeline engine (= --pp-schedule zbh1): backwards split into "
+        "input and weight gradients, the weight passes filling 1F1B's drain; always with exact semantics (a NOTICE "
+        "says so without --enable-zbh1-exact-semantics)",
+        "parallel.pipeline_schedule",
+        derived=True,
+    ),
+    switch(
+        "--enable-zbh1-exact-semantics",
+        _TRAIN,
+        "ZB-H1 with exact semantics: the same gradients as 1F1B, summed in the same order (what ZB-H1 always does "
+        "here); needs --enable-zbh1-pipeline",
+    ),
 )
 
 _SCHEDULE = ("optimizer.lr_decay_iters", "optimizer.lr_decay_samples", "optimizer.lr_decay_tokens")

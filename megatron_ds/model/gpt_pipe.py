@@ -143,7 +143,8 @@ class GPTModelPipe(PipelineModule):
         topology: ProcessTopology | None = None,
         tp: TensorParallel = NO_TENSOR_PARALLEL,
     ) -> None:
-        assert layout.num_stages == config.parallel.pipeline_model_parallel_size, layout
+        assert layout.num_ranks == config.parallel.pipeline_model_parallel_size, layout
+        assert layout.virtual_stages == config.parallel.virtual_stages, (layout, config.parallel)
         assert tp.size == config.parallel.tensor_model_parallel_size, (tp, config.parallel)
         self._layout = layout
         self.tensor_parallel = tp

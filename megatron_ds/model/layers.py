@@ -17,6 +17,7 @@ from torch import nn
 
 import megatron_ds.model.norms as norms
 from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.model import weight_grad
 from megatron_ds.model.init import init_generator, normal_
 from megatron_ds.model.rng import Stream, dropout, register_streams
 
@@ -45,7 +46,7 @@ class WordEmbedding(nn.Module):
 
 def lm_head_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tensor:
     """Tied LM head (the TiedLayerSpec `forward_fn` on the last stage): (b, s, h) -> (b, s, v)."""
-    return F.linear(hidden, embedding.weight)
+    return weight_grad.linear(hidden, embedding.weight)
 
 
 class LMHead(nn.Module):
@@ -57,7 +58,7 @@ class LMHead(nn.Module):
         normal_(self.weight, regularization.init_method_std, init_generator(init_seed))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return weight_grad.linear(hidden, self.weight)
 
 
 class PositionEmbedding(nn.Module):

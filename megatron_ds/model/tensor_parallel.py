@@ -4,7 +4,8 @@
 layer spec. `setup` creates it: at T=1 a plain description (megatron-core is not imported: it is
 slow to import); at T > 1 `megatron_ds.model.tensor_parallel_layers.setup` initialises megatron-core's
 groups and checks them against DeepSpeed's topology. The linear-layer factories return torch's
-`nn.Linear` at T=1 and megatron-core's parallel layers otherwise.
+`nn.Linear` at T=1 (`weight_grad.Linear`, whose weight gradient ZB-H1 may defer) and megatron-core's
+parallel layers otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from megatron_ds.config import Config
 from megatron_ds.distributed import forget_megatron_core_groups
+from megatron_ds.model import weight_grad
 from megatron_ds.model.tensor_parallel_rank import NO_TENSOR_PARALLEL, TensorParallel
 
 if TYPE_CHECKING:
@@ -60,7 +62,7 @@ def row_linear(tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True)
 @torch.no_grad()
 def _linear(full_weight: torch.Tensor, bias: bool) -> nn.Linear:
     out_features, in_features = full_weight.shape
-    linear = nn.Linear(in_features, out_features, bias=bias)
+    linear = weight_grad.Linear(in_features, out_features, bias=bias)
     linear.weight.copy_(full_weight)
     if bias:
         linear.bias.zero_()

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from deepspeed.runtime.pipe.topology import ProcessTopology
 from megatron.core import parallel_state
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -39,7 +38,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from megatron_ds.config import Config, ModelConfig, RegularizationConfig
-from megatron_ds.model import naming, rng
+from megatron_ds.model import naming, rng, weight_grad
 from megatron_ds.model.init import draw_normal, gather_fused, init_generator, shard_fused
 from megatron_ds.model.tensor_parallel_rank import TensorParallel
 
@@ -189,6 +188,11 @@ class ColumnLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x)[0]
 
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # megatron-core's linear, with a weight gradient ZB-H1 may defer (`model/weight_grad.py`)
+        assert not args, args
+        return weight_grad.megatron_linear(input, weight, super()._forward_impl, **kwargs)
+
 
 class RowLinear(RowParallelLinear):
     """(.., in/T) this rank's features -> (.., out) summed over tensor ranks, plus a replicated bias."""
@@ -208,6 +212,10 @@ class RowLinear(RowParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(x)[0]
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert not args, args
+        return weight_grad.megatron_linear(input, weight, super()._forward_impl, **kwargs)
 
 
 class VocabParallelWordEmbedding(VocabParallelEmbedding):
@@ -231,7 +239,7 @@ class VocabParallelWordEmbedding(VocabParallelEmbedding):
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM head on the last stage: (b, s, h) -> vocabulary-parallel logits (b, s, v/T)."""
         # Identity forward; in backward the input gradient is summed over tensor ranks.
-        return F.linear(copy_to_tensor_model_parallel_region(hidden, group=self.tp_group), self.weight)
+        return weight_grad.linear(copy_to_tensor_model_parallel_region(hidden, group=self.tp_group), self.weight)
 
 
 class VocabParallelLMHead(ColumnLinear):

@@ -19,16 +19,20 @@ class StageTime:
     """One micro-batch's backward pass, recomputation included."""
     optimizer: float = 0.0
     """The optimizer step (with the gradient reductions that precede it)."""
+    weight: float = 0.0
+    """The part of `backward` that is weight gradients, which a schedule that splits backwards
+    (ZB-H1) runs in a later weight pass; 0: none deferrable."""
 
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """A step time with an optional certificate: `path[s]` = how many times stage s's forward,
-    backward and optimizer time occur on one path of the schedule whose other durations sum to
-    `path_constant`. For any stage times the step must be >= that path's length."""
+    """A step time with an optional certificate: `path[s]` = the coefficients of stage s's forward,
+    backward, optimizer and weight times on one path of the schedule whose other durations sum to
+    `path_constant` (a weight coefficient may be negative: an input-gradient pass is backward -
+    weight). For any stage times the step must be >= that path's length."""
 
     time: float
-    path: tuple[tuple[float, float, float], ...] = ()
+    path: tuple[tuple[float, float, float, float], ...] = ()
     path_constant: float = 0.0
 
 

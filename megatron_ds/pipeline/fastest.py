@@ -42,6 +42,8 @@ METHOD = "fastest"
 FLAG = f"--pp-partition-method {METHOD}"
 TOLERANCE = 1e-9
 """Relative: a subtree is cut only when its bound exceeds the best step by more than this."""
+TIME_FIELDS = ("forward", "backward", "optimizer", "weight")
+"""The `StageTime` fields, in the order of a certificate's coefficients."""
 MAX_PATHS = 64
 """Certificates kept for bounding (each adds one (P, N) table)."""
 
@@ -118,7 +120,7 @@ class _Certificates:
     (inf where k is not feasible), rest[i, j, r] = the least stages j.. add to it taking r layers."""
 
     def __init__(self, times: np.ndarray) -> None:
-        self.times = times  # (P, N + 1, 3): forward, backward, optimizer; inf where infeasible
+        self.times = times  # (P, N + 1, 4): forward, backward, optimizer, weight; inf where infeasible
         p, n1, _ = times.shape
         self.keys: set = set()
         self.cost = np.empty((0, p, n1))
@@ -174,10 +176,10 @@ class _Search:
         for j in range(p - 1, -1, -1):
             for r in range(n + 1):
                 self.reachable[j][r] = any(self.reachable[j + 1][r - k] for k in self.feasible[j] if k <= r)
-        times = np.full((p, n + 1, 3), np.inf)
+        times = np.full((p, n + 1, len(TIME_FIELDS)), np.inf)
         for s, options in enumerate(self.feasible):
             for k, (t, _) in options.items():
-                times[s, k] = (t.forward, t.backward, t.optimizer)
+                times[s, k] = [getattr(t, a) for a in TIME_FIELDS]
         self.certificates = _Certificates(times)
         # floor_from[s, q]: componentwise minimum of stage s's times over feasible counts >= q.
         self.floor_from = np.minimum.accumulate(times[:, ::-1], axis=1)[:, ::-1]
@@ -219,7 +221,8 @@ class _Search:
         for j in range(self.p - 1):
             chosen = through[j:]
             mix = tuple(
-                tuple(sum(key[0][s][c] for key in chosen) / len(chosen) for c in range(3)) for s in range(self.p)
+                tuple(sum(key[0][s][c] for key in chosen) / len(chosen) for c in range(len(TIME_FIELDS)))
+                for s in range(self.p)
             )
             self.certificates.add(StepEstimate(0.0, mix, sum(key[1] for key in chosen) / len(chosen)))
 
@@ -268,7 +271,7 @@ class _Search:
         estimate = value if isinstance(value, StepEstimate) else StepEstimate(float(value))
         if estimate.path:  # a certificate longer than the step would make the bounds unsafe
             length = estimate.path_constant + sum(
-                c[0] * t.forward + c[1] * t.backward + c[2] * t.optimizer for c, t in zip(estimate.path, times)
+                sum(k * getattr(t, a) for k, a in zip(c, TIME_FIELDS)) for c, t in zip(estimate.path, times)
             )
             assert length <= estimate.time * (1 + TOLERANCE) + 1e-12, ("certificate longer than the step", estimate)
         return estimate

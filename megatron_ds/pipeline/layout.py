@@ -28,21 +28,50 @@ DEDICATED_RESERVED = {"none": 0, "pre": 1, "post": 1, "both": 2}
 
 @dataclass(frozen=True)
 class Layout:
-    """Stage assignment: `layers_per_stage[i]` transformer layers on stage i; pre on 0, post last."""
+    """Stage assignment: `layers_per_stage[i]` transformer layers on stage i; pre on 0, post last.
+
+    With v `virtual_stages` per rank (the interleaved schedule) the stages are megatron-core's flat
+    stages: stage i is model chunk i // P of rank i % P, P = `num_ranks`.
+    """
 
     groups: SpecGroups
     layers_per_stage: tuple[int, ...]
     method: str = DEFAULT_METHOD
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         assert sum(self.layers_per_stage) == self.groups.num_layers, self
         assert all(k >= 0 for k in self.layers_per_stage), self
         p = self.num_stages
         assert all(self.layers_per_stage[i] > 0 for i in range(1, p - 1)), self
+        assert self.virtual_stages >= 1 and p % self.virtual_stages == 0, self
 
     @property
     def num_stages(self) -> int:
+        """Stages of the layout (v x P with virtual stages)."""
         return len(self.layers_per_stage)
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline ranks P (the stages without virtual stages)."""
+        return self.num_stages // self.virtual_stages
+
+    def rank_of_stage(self, stage: int) -> int:
+        return stage % self.num_ranks
+
+    def chunk_of_stage(self, stage: int) -> int:
+        return stage // self.num_ranks
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The stages `rank` holds, chunk by chunk."""
+        return [c * self.num_ranks + rank for c in range(self.virtual_stages)]
+
+    def rank_specs(self, rank: int) -> list[int]:
+        """Spec indices held by `rank` over its chunks, ascending."""
+        return [i for s in self.rank_stages(rank) for i in self.stage_specs(s)]
+
+    def rank_of_spec(self, idx: int) -> int:
+        return self.rank_of_stage(self.stage_of_spec(idx))
 
     @property
     def parts(self) -> list[int]:
@@ -79,8 +108,9 @@ class Layout:
         """Global ranks of `stage`, one list of tensor ranks per data-parallel replica, in DeepSpeed's
         topology order (tensor innermost, then data, then pipeline; as megatron-core)."""
         per_stage = data_parallel * tensor_parallel
+        rank = self.rank_of_stage(stage)
         return [
-            [stage * per_stage + d * tensor_parallel + t for t in range(tensor_parallel)] for d in range(data_parallel)
+            [rank * per_stage + d * tensor_parallel + t for t in range(tensor_parallel)] for d in range(data_parallel)
         ]
 
     def format(self, data_parallel: int = 1, tensor_parallel: int = 1) -> str:
@@ -88,13 +118,22 @@ class Layout:
         tensor parallelism, the global ranks that hold each stage."""
         names = self.groups.names
         lines = []
+        virtual = self.virtual_stages > 1
         for s in range(self.num_stages):
             specs = self.stage_specs(s)
-            lines.append(f"stage={s} layers={len(specs)}")
+            where = f" (rank {self.rank_of_stage(s)}, chunk {self.chunk_of_stage(s)})" if virtual else ""
+            lines.append(f"stage={s} layers={len(specs)}{where}")
             lines.extend(f"    {idx:2d}: {names[idx]}" for idx in specs)
         lines.append(f"  loss: {self.groups.loss_name}")
         counts = " ".join(str(k) for k in self.layers_per_stage)
         lines.append(f"transformer layers per stage: {counts} (layout {self.to_string()}, method {self.method})")
+        if virtual:
+            per_rank = " | ".join(
+                f"rank {r}: stages {', '.join(map(str, self.rank_stages(r)))} "
+                f"({sum(self.layers_per_stage[s] for s in self.rank_stages(r))} layers)"
+                for r in range(self.num_ranks)
+            )
+            lines.append(f"{self.virtual_stages} model chunks (virtual stages) per rank: {per_rank}")
         if data_parallel * tensor_parallel > 1:
             lines.append(
                 f"ranks per stage (tensor parallel {tensor_parallel} innermost, then data parallel "
@@ -162,14 +201,20 @@ def build_layout(
     partition_method: str | None = None,
     costs: Costs | None = None,
     megatron: MegatronLMFlags | None = None,
+    virtual_stages: int = 1,
 ) -> Layout:
     """The front door: turn the layout options into a `Layout`; options of at most one way may be set.
 
     `dedicated` is a `--pp-dedicated-embedding-stages` mode, `layout` a `--pp-layout` string,
     `partition_method` a registry method (`megatron_ds.pipeline.methods`), `megatron` Megatron-LM's
     flags (`megatron_lm`); none of them means the default method. `costs` carries what the
-    method's registry entry `needs`.
+    method's registry entry `needs`. With `virtual_stages` v > 1 the layout has v x `num_stages`
+    (flat) stages: every way places them as it places stages (a dedicated embedding stage is flat
+    stage 0, a dedicated head stage the last), except the methods that balance per-rank memory or
+    time (one stage per rank).
     """
+    if virtual_stages > 1:
+        return _virtual_layout(groups, num_stages, virtual_stages, dedicated, layout, partition_method, costs, megatron)
     megatron = megatron or MegatronLMFlags()
     method = requested_method(dedicated, layout, partition_method, megatron)
     if num_stages < 1:
@@ -191,6 +236,44 @@ def build_layout(
         counts = megatron_lm.split_counts(megatron, n, num_stages)
         return Layout(groups, tuple(counts), megatron.describe())
     return Layout(groups, tuple(_dedicated_counts(n, num_stages, dedicated)), f"dedicated {dedicated}")
+
+
+def _virtual_layout(
+    groups: SpecGroups,
+    num_ranks: int,
+    virtual: int,
+    dedicated: str,
+    layout: str | None,
+    partition_method: str | None,
+    costs: Costs | None,
+    megatron: MegatronLMFlags | None,
+) -> Layout:
+    """`build_layout` with v > 1 chunks per rank: the same ways over v x P flat stages."""
+    megatron = megatron or MegatronLMFlags()
+    method = requested_method(dedicated, layout, partition_method, megatron)
+    n, flat = groups.num_layers, num_ranks * virtual
+    if method is not None:
+        entry = methods.find(method)
+        if set(entry.needs) - {methods.SPEC_WEIGHTS}:
+            raise LayoutError(
+                f"--pp-partition-method {method} balances one stage per rank, not {virtual} model chunks per rank; "
+                f"with virtual stages give a layout string (--pp-layout), --pp-dedicated-embedding-stages or a "
+                f"count-based method (uniform, parameters, type:transformer)"
+            )
+        return Layout(groups, tuple(entry.counts(groups, flat, method, costs or Costs())), method, virtual)
+    text = layout if layout is not None else megatron.layout
+    if text is not None:
+        flag = "--pp-layout" if layout is not None else megatron_lm.LAYOUT
+        counts = parse_layout_string(text, n, num_ranks, flag=flag, virtual_stages=virtual)
+        return Layout(groups, tuple(counts), f"layout {text}", virtual)
+    if megatron.uneven:
+        raise LayoutError(
+            f"{' and '.join(megatron.uneven)} with {virtual} virtual stages per rank is not supported here; give the "
+            f"stages with a layout string of {flat} stages (--pipeline-model-parallel-layout)"
+        )
+    if megatron.ways():
+        return Layout(groups, tuple(megatron_lm.split_counts(megatron, n, flat)), megatron.describe(), virtual)
+    return Layout(groups, tuple(_dedicated_counts(n, flat, dedicated)), f"dedicated {dedicated}", virtual)
 
 
 def _dedicated_counts(num_layers: int, num_stages: int, dedicated: str) -> list[int]:

@@ -6,9 +6,10 @@ and `(...)*N` a parenthesised group N >= 0 times, e.g. `E|t*3|t*3|L`, `Et|tt|tL`
 Commas are cosmetic and removed first, as megatron-core's `PipelineParallelLayerLayout` does
 (`Et*3|(tt|)*2,t|L`); so is whitespace (megatron-core refuses it).
 
-Where megatron-core accepts a string that we refuse, the reason is our engine's, and the message
-says so: k x P stages (megatron-core's k virtual stages per rank; DeepSpeed's pipeline engine
-runs one stage per rank), an empty stage (no parameters: DeepSpeed cannot build its optimizer),
+k x P stages are megatron-core's k virtual stages per rank, run by the interleaved schedule (flat
+stage i is chunk i // P of rank i % P). Where megatron-core accepts a string that we refuse, the
+reason is our engine's, and the message says so: an empty stage (no parameters: DeepSpeed cannot
+build its optimizer),
 `m` (a multi-token-prediction layer, not built here), and the one construct megatron-core's
 regular expressions expand by accident, a repeat of a repeated group (`(tt)*2*2`, five layers
 there). Beyond megatron-core we accept whitespace, nested groups and a group without `*N`.
@@ -102,6 +103,12 @@ def expand(layout: str, flag: str = "--pp-layout") -> str:
     return flat
 
 
+def count_stages(layout: str, flag: str = "--pp-layout") -> int:
+    """The '|'-separated stages of `layout` (megatron-core's `get_num_stages_from_str`): v x P when the
+    string gives virtual stages."""
+    return len(expand(layout, flag).split("|"))
+
+
 def format_counts(counts: list[int] | tuple[int, ...]) -> str:
     """The layout string of transformer-layer counts per stage: [1, 3, 0] -> `Et|t*3|L`."""
     stages = []
@@ -111,8 +118,11 @@ def format_counts(counts: list[int] | tuple[int, ...]) -> str:
     return "|".join(stages)
 
 
-def parse_layout_string(layout: str, num_layers: int, num_stages: int, flag: str = "--pp-layout") -> list[int]:
-    """Validate `layout` against the model and return the transformer-layer count per stage.
+def parse_layout_string(
+    layout: str, num_layers: int, num_stages: int, flag: str = "--pp-layout", virtual_stages: int = 1
+) -> list[int]:
+    """Validate `layout` against the model and return the transformer-layer count per (flat) stage:
+    `virtual_stages` x `num_stages` of them (megatron-core's flat stage i is chunk i // P of rank i % P).
 
     The checks run in megatron-core's order (stage count, then E, L and t over all stages), then
     ours (virtual stages, empty stages), so each message names the first thing megatron-core would
@@ -135,8 +145,8 @@ def parse_layout_string(layout: str, num_layers: int, num_stages: int, flag: str
         )
     _check_symbols(flag, layout, flat.replace("|", ""), num_layers)
     counts = [s.count("t") for s in stages]
-    if len(stages) > num_stages:
-        raise _error(flag, layout, *_virtual_problem(counts, num_stages))
+    if len(stages) != num_stages * virtual_stages:
+        raise _error(flag, layout, *_virtual_problem(counts, num_stages, virtual_stages))
     empty = [i for i, s in enumerate(stages) if not s]
     if empty:
         raise _error(
@@ -169,14 +179,14 @@ def _check_symbols(flag: str, layout: str, symbols: str, num_layers: int) -> Non
         )
 
 
-def _virtual_problem(counts: list[int], num_stages: int) -> tuple[str, str]:
-    """(problem, fix) for k x P stages: the same layers per rank on one stage each, if that is a layout."""
+def _virtual_problem(counts: list[int], num_stages: int, virtual_stages: int) -> tuple[str, str]:
+    """(problem, fix) for k x P stages where the run has another number of chunks per rank."""
     k = len(counts) // num_stages
     problem = (
-        f"has {len(counts)} stages, {k} x --pipeline-model-parallel-size {num_stages}, which megatron-core runs as "
-        f"{k} virtual stages per rank; DeepSpeed's pipeline engine runs one stage per rank"
+        f"has {len(counts)} stages, {k} x --pipeline-model-parallel-size {num_stages}: megatron-core's {k} virtual "
+        f"stages per rank, but the run has {virtual_stages}"
     )
-    per_rank = [sum(counts[v * num_stages + r] for v in range(k)) for r in range(num_stages)]
-    if all(per_rank[1:-1]):
-        return problem, f"write {num_stages} stages, e.g. {format_counts(per_rank)!r} (the same layers per rank)"
-    return problem, f"write {num_stages} '|'-separated stages"
+    return problem, (
+        f"run it with {k} virtual stages per rank (--num-virtual-stages-per-pipeline-rank {k}, the interleaved "
+        f"schedule), or write {num_stages * virtual_stages} '|'-separated stages"
+    )

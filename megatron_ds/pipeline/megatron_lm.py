@@ -6,7 +6,7 @@
     --account-for-embedding-in-pipeline-split  the embedding counts as a layer in an even split
     --account-for-loss-in-pipeline-split       the loss head counts as a layer in an even split
     --pipeline-model-parallel-layout S      a layout string (`layout_string`)
-    --num-virtual-stages-per-pipeline-rank  1 only (`check_virtual_stages`)
+    --num-virtual-stages-per-pipeline-rank  V model chunks per rank (`flags/schedule_flags.py`)
 
 The stage counts and the accept/refuse decision are megatron-core's (`TransformerConfig` and
 `get_num_layers_to_build`; tests/unit/test_megatron_lm_layouts.py compares them over layers 1..24
@@ -146,22 +146,3 @@ def _accounted(embedding: bool, loss: bool, num_layers: int, num_stages: int) ->
     counts[0] -= embedding
     counts[-1] -= loss
     return counts
-
-
-def check_virtual_stages(per_rank: int | None, layout_given: bool) -> None:
-    """--num-virtual-stages-per-pipeline-rank: 1 means one stage per rank, as in Megatron-LM; more are
-    interleaved stages, which DeepSpeed's engine does not run. Megatron-LM also refuses it next to
-    --pipeline-model-parallel-layout (the string gives the stage count itself)."""
-    if per_rank is None:
-        return
-    if layout_given:
-        raise LayoutError(
-            f"{VIRTUAL} and {LAYOUT} were both given; Megatron-LM takes the virtual stages from the layout's "
-            f"stage count: drop {VIRTUAL}"
-        )
-    if per_rank != 1:
-        raise LayoutError(
-            f"{VIRTUAL} {per_rank} is not supported: interleaved (virtual) pipeline stages need several model "
-            f"chunks per rank and DeepSpeed's pipeline engine runs one stage per rank; drop it (1 is the same), "
-            f"or {_SUPPORTED}"
-        )

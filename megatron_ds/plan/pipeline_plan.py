@@ -4,7 +4,7 @@ command line."""
 
 from __future__ import annotations
 
-from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.estimate import schedule_choice
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.estimate.layout_costs import format_memory_table, format_time_table
 from megatron_ds.pipeline import methods as partition_methods
@@ -47,14 +47,14 @@ def pipeline_section(ctx: Context) -> Section:
     source = "compute model; the optimizer step is not counted"
     sec.add(*format_time_table(plan.times, plan.stages, plan.num_micro_batches, "GFLOP", source).splitlines())
     schedule = plan.schedule
-    steps, busy = pipeline_schedules.clock_steps(schedule, plan.num_micro_batches, plan.pp)
     sec.add(
-        f"Pipeline bubble with equal stages ({schedule.label}: {schedule.bubble_formula}): {plan.bubble:.1%} of the "
-        f"ideal step time; its clock runs {steps} steps of which {busy} compute, so each stage idles "
-        f"{plan.idle_fraction:.1%} of them."
+        f"Pipeline bubble with equal stages ({schedule.display}: {schedule.bubble_formula}): {plan.bubble:.1%} of the "
+        f"ideal step time, so each stage idles {plan.idle_fraction:.1%} of the step (the schedule replayed with "
+        f"forward 1, backward 2, weight gradients 1)."
     )
     _step_bound(ctx, sec, plan)
     _compare_layouts(ctx, sec, plan)
+    _compare_schedules(ctx, sec, plan)
     config = ds_json.plan_config(res, plan)
     sec.snippets["DeepSpeed JSON"] = deepspeed_config.generate(config)
     sec.snippets["command"] = ds_json.command_line(res, config)
@@ -155,6 +155,20 @@ def _data(plan: search.Candidate) -> dict:
             for s, t in zip(plan.stages, plan.times)
         ],
     }
+
+
+def _compare_schedules(ctx: Context, sec: Section, plan: search.Candidate) -> None:
+    """Each pipeline schedule's fastest layout that fits, same degrees and batch (`estimate/schedule_choice.py`)."""
+    if plan.pp < 2 or plan.engine != "pipeline":
+        return
+    options = schedule_choice.choose(plan.inputs, plan.pp, ctx.res.usable_bytes)
+    if not options:
+        return
+    one = next((o.step for o in options if o.schedule == plan.inputs.schedule and o.virtual_stages == 1), None)
+    sec.add("Pipeline schedules, each with its fastest layout that fits (same degrees and batch; estimates):")
+    for o in options:
+        ratio = f"step {o.step / one:.3f} x {plan.schedule.label}'s" if one else f"step {o.step:.4g} GFLOP"
+        sec.add(f"  {o.label:<22} {ratio}  largest stage {format_bytes(o.peak_memory)}  {o.flags}")
 
 
 def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:

@@ -7,8 +7,8 @@ Preference order (a heuristic, stated so it can be argued with):
   3. no activation recomputation (it re-runs each layer's forward, ~1/3 more compute; Korthikanti
      et al. 2022, Sec. 5);
   4. for equal t*p, larger t up to the GPUs of one node (Narayanan et al. 2021, Takeaway #1);
-  5. the largest micro-batch that keeps the pipeline bubble at or below 25% (read off the
-     schedule's clock, `estimate/pipeline_schedules.py`; (p-1)/m for DeepSpeed's 1F1B);
+  5. the largest micro-batch that keeps the pipeline bubble at or below 25% (the schedule's step on
+     equal stages, `estimate/step_simulator.bubble_ratio`; (p-1)/m for DeepSpeed's 1F1B);
   6. the layout with the smallest simulated step time among those that fit (the schedule replayed
      over the compute model's stage FLOPs, `estimate/layout_costs.py`; ties: the smaller
      largest stage, then the simplest flag). `fastest` is exact over all splits, so it wins unless
@@ -35,7 +35,7 @@ from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.layout_costs import flop_stage_time, method_costs
 from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
 from megatron_ds.estimate.memory_model import stage_memory, stage_memory_for
-from megatron_ds.estimate.step_simulator import balanced_step_time, simulate
+from megatron_ds.estimate.step_simulator import balanced_step_time, bubble_ratio, idle_fraction, simulate
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.costs import StageTime
@@ -103,14 +103,14 @@ class Candidate:
 
     @property
     def bubble(self) -> float:
-        """Bubble time over ideal time with equal stages, from the schedule's clock (1F1B: (p - 1) / m,
-        Narayanan et al. 2021 eq. 1)."""
-        return pipeline_schedules.bubble_ratio(self.schedule, self.num_micro_batches, self.pp)
+        """Bubble time over ideal time with equal stages and unit passes (1F1B: (p - 1) / m, Narayanan
+        et al. 2021 eq. 1; `step_simulator.bubble_ratio`)."""
+        return bubble_ratio(self.inputs.schedule, self.num_micro_batches, self.pp)
 
     @property
     def idle_fraction(self) -> float:
-        """Share of the schedule's clock steps a stage idles (1F1B: 2(m + p - 1) steps, 2m of them compute)."""
-        return pipeline_schedules.idle_fraction(self.schedule, self.num_micro_batches, self.pp)
+        """Share of the step a stage idles with equal stages (1F1B: (p - 1) / (m + p - 1))."""
+        return idle_fraction(self.inputs.schedule, self.num_micro_batches, self.pp)
 
 
 def layout_options(method: str) -> dict[str, str]:

@@ -46,6 +46,8 @@ UNFIXED: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "counted_fp32_clip": ("megatron_ds.training.builder", "install_fp32_grad_norm", install_stock_fp32_grad_norm),
     # No structure check before the first step, so a mismatch shows as the hang itself.
     "preflight": ("megatron_ds.training.builder", "check_structure", lambda module, optimizer: None),
+    # No agreement check: ranks launched with another schedule or other virtual stages run into each other.
+    "run_agreement": ("megatron_ds.training.builder", "check_run_agreement", lambda config, layout=None: None),
 }
 """Fix name -> (module, function the builder calls, its stock replacement)."""
 

@@ -23,6 +23,10 @@ Optional scenario keys (all off by default):
                     with the tensor and data axes swapped, as "topology_error"
     ds_config       DeepSpeed keys merged into the generated JSON (`build_pipeline(ds_config=...)`), e.g.
                     ZeRO-3's `stage3_param_persistence_threshold` 0 so that a tiny model is partitioned
+    rank_overrides  {"RANK": {override: value}}: that rank alone builds with these overrides too (ranks
+                    launched with different flags, which the preflight agreement check must refuse)
+    expect_build_error  true: an exception while building is recorded as "build_error" (the scenario
+                    ends there)
 
 Every result also records "layout_table" (the layout printout with spec names), the keys of the
 model's "tied_modules" and "tied_comms" (empty for an untied head), the "engine" class, and the
@@ -119,11 +123,19 @@ def run_one(
     opts = options or {}
     groups = naming.gpt_spec_groups(config.model)
     if layout_kwargs:
-        layout = build_layout(groups, config.parallel.pipeline_model_parallel_size, **layout_kwargs)
+        par = config.parallel
+        layout = build_layout(
+            groups, par.pipeline_model_parallel_size, virtual_stages=par.virtual_stages, **layout_kwargs
+        )
     else:
         layout = resolve_layout(config)
-    with unfixed(opts.get("unfixed", [])):
-        pipeline = build_pipeline(config, layout=layout, ds_config=opts.get("ds_config"))
+    try:
+        with unfixed(opts.get("unfixed", [])):
+            pipeline = build_pipeline(config, layout=layout, ds_config=opts.get("ds_config"))
+    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+        if not opts.get("expect_build_error"):
+            raise
+        return {"rank": dist.get_rank(), "build_error": f"{type(e).__name__}: {e}"}
     engine = pipeline.engine
     tp = pipeline.model.tensor_parallel
     result: dict[str, Any] = {
@@ -172,6 +184,8 @@ def run_one(
         save_load.save(engine, config, layout, done, opts["save"])
     emb_after = _embedding(pipeline.model)
     result.update({"losses": losses, "grad_norms": norms})
+    store = getattr(engine, "weight_grads", None)
+    result["deferred_weight_grads"] = 0 if store is None else store.deferred
     if emb_after is not None:
         result["embedding_checksum"] = checksum(emb_after)
         result["embedding_changed"] = bool(not torch.equal(emb_before, emb_after))
@@ -256,6 +270,7 @@ def main(spec_path: str, out_dir: str) -> None:
     try:
         for sc in spec["scenarios"]:
             overrides = dict(sc.get("overrides", {}))
+            overrides.update(sc.get("rank_overrides", {}).get(os.environ.get("RANK", "0"), {}))
             cfg = tiny_config(**overrides)
             cfg = cfg.replace(parallel__world_size=env_world_size())
             init_distributed(cfg.parallel)

@@ -43,16 +43,17 @@ from megatron_ds.estimate.machine import check_runs_on, for_layout
 from megatron_ds.estimate.measured_time import Calibration
 from megatron_ds.estimate.run_layout import uses_measured_times
 from megatron_ds.model import rng, tensor_parallel
+from megatron_ds.model.gpt_chunks import ChunkedGPTModelPipe
 from megatron_ds.model.gpt_model import GPTModel
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import deepspeed_config, plain_engine
+from megatron_ds.training import deepspeed_config, interleaved, pipe_schedules, plain_engine, zero_bubble
 from megatron_ds.training.dependencies import check_deepspeed
 from megatron_ds.training.grad_norm import grad_norm, install_fp32_grad_norm
 from megatron_ds.training.machine import probe
 from megatron_ds.training.measure import stage_timers
 from megatron_ds.training.optimizer import OptimizerFactory, add_group_placeholders, build_optimizer
-from megatron_ds.training.preflight import Watchdog, check_structure
+from megatron_ds.training.preflight import Watchdog, check_run_agreement, check_structure
 from megatron_ds.training.resolve_layout import measure, resolve_layout
 
 
@@ -145,9 +146,11 @@ def build_pipeline(
     layout = resolve_layout(config, machine=machine) if layout is None and not measured else layout
     _check_sizes(config, layout)
     ds = deepspeed_config.build(config, ds_config)
+    pipe_schedules.check_deepspeed_config(config.parallel.pipeline_schedule, ds)
     created = not torch.distributed.is_initialized()
     init_distributed(config.parallel)
     try:
+        check_run_agreement(config, layout)  # the first collective: every rank runs the same schedule
         calibration = _agreed_calibration(config) if measured else None
         if measured:
             layout = resolve_layout(config, calibration, machine)
@@ -186,19 +189,22 @@ def _assemble(
     if config.engine_kind == "plain":  # ZeRO 2/3 at P = 1: DeepSpeed's plain engine
         engine, model, optimizer = plain_engine.assemble(config, layout, ds, topology, tp, factory, lr_scheduler)
     else:
-        model = GPTModelPipe(config, layout, topology=topology, tp=tp)  # marks the norm counting
+        chunks = layout.virtual_stages > 1  # interleaved: v model chunks per rank
+        model = (ChunkedGPTModelPipe if chunks else GPTModelPipe)(config, layout, topology=topology, tp=tp)
         add_group_placeholders(model, decoupled=config.optimizer.decoupled_lr is not None)
         optimizer = build_optimizer(model, config.optimizer, factory, config.training.cpu_optimizer)
         check_structure(model, optimizer)
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds, lr_scheduler=lr_scheduler
         )
+    schedule = pipeline_schedules.find(config.parallel.pipeline_schedule, config.parallel.virtual_stages)
+    if config.engine_kind == "pipeline":
+        engine = _schedule_engine(engine, schedule)
     install_fp32_grad_norm(engine)
-    schedule = pipeline_schedules.find(config.parallel.pipeline_schedule)
     rng.install_micro_batch_seeding(
         engine, lambda m: pipeline_schedules.forward_micro_batches(schedule, m, engine.num_stages, engine.stage_id)
     )
-    timers = stage_timers.install(engine, config.parallel.pipeline_schedule)
+    timers = stage_timers.install(engine, config.parallel.pipeline_schedule, config.parallel.virtual_stages)
     watchdog = Watchdog(config.parallel.distributed_timeout_minutes * 60, dist.get_rank(), engine.stage_id)
     return Pipeline(
         engine=engine,
@@ -212,15 +218,28 @@ def _assemble(
     )
 
 
+def _schedule_engine(engine: Any, schedule: pipeline_schedules.PipelineSchedule) -> Any:
+    """DeepSpeed's pipeline engine made to run `schedule` (1F1B: as it is)."""
+    if schedule.virtual:
+        return interleaved.adopt(engine)
+    if schedule.splits_backward:
+        return zero_bubble.adopt(engine)
+    return engine
+
+
 def _check_sizes(config: Config, layout: Layout | None) -> None:
     """The layout's stage count (when built already) and the world size agree with `config.parallel`
     (before any collective)."""
     par = config.parallel
     p, t, d = par.pipeline_model_parallel_size, par.tensor_model_parallel_size, par.data_parallel_size
-    if layout is not None and layout.num_stages != p:
+    v = par.virtual_stages
+    if layout is not None and (layout.num_ranks, layout.virtual_stages) != (p, v):
+        chunks = f" ({layout.virtual_stages} per rank)" if layout.virtual_stages > 1 else ""
+        wanted = f" with {v} virtual stages per rank" if v > 1 else ""
         raise ConfigError(
-            f"layout {layout.to_string()} has {layout.num_stages} stages but config.parallel.pipeline_model_parallel_size "
-            f"is {p}; pass layout=None to build it from the config, or a layout with {p} stages"
+            f"layout {layout.to_string()} has {layout.num_stages} stages{chunks} but "
+            f"config.parallel.pipeline_model_parallel_size is {p}{wanted}; pass layout=None to build it from the "
+            f"config, or a layout with {p * v} stages"
         )
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else env_world_size()
     if p * t * d != world:

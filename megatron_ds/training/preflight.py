@@ -5,6 +5,10 @@ names and sizes, tied-module keys and shapes, parameter dtypes, whether it train
 `all_gather_object` exchanges these and every rank compares them, so a mismatch stops all ranks
 with the same clear error instead of a deadlock deep inside DeepSpeed.
 
+Agreement (`check_run_agreement`, the first collective a build issues): every rank runs the same
+pipeline schedule with the same virtual stages, micro-batches, sizes and layout; a rank given
+other flags would issue other point-to-point messages and hang its peers.
+
 Watchdog: `Watchdog.watch(label)` arms a timer around a step; if it does not finish within
 `--distributed-timeout-minutes`, the rank prints its rank, stage, the label and every thread's
 stack, then exits non-zero (its peers then fail on the broken connection or their own watchdog).
@@ -111,6 +115,44 @@ def check_structure(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, stage))
     compare([g[0] for g in gathered], [g[1] for g in gathered])
+
+
+def run_facts(config: Any, layout: Any = None) -> dict[str, Any]:
+    """What decides the order of every point-to-point message and collective of a step."""
+    par = config.parallel
+    return {
+        "pipeline schedule": par.pipeline_schedule,
+        "virtual stages per rank": par.virtual_stages,
+        "micro-batches per step": config.grad_accumulation_steps,
+        "pipeline x tensor x data sizes": [
+            par.pipeline_model_parallel_size,
+            par.tensor_model_parallel_size,
+            par.data_parallel_size,
+        ],
+        "layout": None if layout is None else layout.to_string(),
+    }
+
+
+def compare_run_facts(facts: list[dict[str, Any]]) -> None:
+    """Raise PreflightError naming the first rank whose facts differ from rank 0's."""
+    for rank, mine in enumerate(facts):
+        for key, value in mine.items():
+            if value != facts[0][key]:
+                raise PreflightError(
+                    f"rank {rank} has {key} {value} but rank 0 has {facts[0][key]}; every rank must run the same "
+                    f"pipeline schedule on the same layout, or their point-to-point messages deadlock (were the "
+                    f"ranks launched with different flags?)"
+                )
+
+
+def check_run_agreement(config: Any, layout: Any = None) -> None:
+    """Exchange `run_facts` over all ranks (one all_gather_object) and raise the same PreflightError
+    on every rank when they differ."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, run_facts(config, layout))
+    compare_run_facts(gathered)
 
 
 class Watchdog:

@@ -3,8 +3,9 @@
 megatron-core's `PipelineParallelLayerLayout` (strings) and `TransformerConfig` with
 `get_num_layers_to_build` (first/last and account-for flags) run on CPU without process groups.
 Where megatron-core accepts, we give the same layers per stage or refuse for a stated reason of
-our engine's (virtual stages, empty stages, 'm'); where it refuses, we refuse; where it is wrong
-(negative stage counts), we refuse. Every refusal is one line naming a flag.
+our engine's (empty stages, 'm'); a string of k x P stages is megatron-core's k virtual stages per
+rank, the same layers per flat stage when the run has k chunks per rank; where it refuses, we
+refuse; where it is wrong (negative stage counts), we refuse. Every refusal is one line naming a flag.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import pytest
 import torch
 
 from megatron_ds.errors import LayoutError
-from megatron_ds.pipeline import megatron_lm
 from megatron_ds.pipeline.layout import MegatronLMFlags, SpecGroups, build_layout
 
 with warnings.catch_warnings():
@@ -74,10 +74,11 @@ def mcore_string(text: str, num_layers: int, num_stages: int, mtp: int | None = 
     return [stage.count(LayerType.decoder) for stage in PipelineParallelLayerLayout.parse_str_to_list(text)]
 
 
-def ours_string(text: str, num_layers: int, num_stages: int) -> tuple[int, ...] | str:
+def ours_string(text: str, num_layers: int, num_stages: int, virtual: int = 1) -> tuple[int, ...] | str:
     """Our layers per stage for --pipeline-model-parallel-layout, or the refusal (checked to be one line)."""
     try:
-        return build_layout(groups(num_layers), num_stages, megatron=MegatronLMFlags(layout=text)).layers_per_stage
+        megatron = MegatronLMFlags(layout=text)
+        return build_layout(groups(num_layers), num_stages, megatron=megatron, virtual_stages=virtual).layers_per_stage
     except LayoutError as err:
         message = str(err)
         assert "\n" not in message and message.startswith(f"--pipeline-model-parallel-layout {text!r}: "), message
@@ -95,7 +96,12 @@ def judge(text: str, num_layers: int, num_stages: int, mtp: int | None = None) -
         assert isinstance(ours, str) and "multi-token-prediction" in ours, (text, ours)
         return "mtp"
     if len(stages) > num_stages:
-        assert isinstance(ours, str) and "virtual stages per rank" in ours, (text, ours)
+        assert isinstance(ours, str) and "virtual stages per rank, but the run has 1" in ours, (text, ours)
+        virtual = ours_string(text, num_layers, num_stages, len(stages) // num_stages)
+        if any(not s for s in stages):
+            assert isinstance(virtual, str) and "is empty" in virtual, (text, virtual)
+            return "empty"
+        assert virtual == tuple(theirs), (text, num_layers, num_stages, virtual, theirs)  # flat stage c x P + r
         return "virtual"
     if any(not s for s in stages):
         assert isinstance(ours, str) and "is empty" in ours and "optimizer" in ours, (text, ours)
@@ -198,8 +204,8 @@ def test_random_strings_agree_with_megatron_core() -> None:
         ("tE|tL", 2, 2, "'t' comes before 'E'"),
         ("Et|Lt", 2, 2, "'t' comes after 'L'"),
         ("Et|t|tL", 3, 2, "has 3 stages, neither --pipeline-model-parallel-size 2 nor a multiple of it"),
-        ("Et|t|t|tL", 4, 2, "2 virtual stages per rank; DeepSpeed's pipeline engine runs one stage per rank"),
-        ("Et|t|t|tL", 4, 2, "e.g. 'Et*2|t*2L' (the same layers per rank)"),
+        ("Et|t|t|tL", 4, 2, "megatron-core's 2 virtual stages per rank, but the run has 1"),
+        ("Et|t|t|tL", 4, 2, "run it with 2 virtual stages per rank (--num-virtual-stages-per-pipeline-rank 2"),
         ("Et|tmL", 2, 2, "multi-token-prediction layer"),
         ("(tt)*2*2", 4, 1, "repeats a repeat"),
         ("E t|t L", 2, 2, ""),  # whitespace is fine here (megatron-core refuses it)
@@ -327,13 +333,15 @@ def test_one_way_to_place_boundaries() -> None:
     assert alone == (1, 2) == tuple(mcore_split(3, 2, None, None, embedding=True))
 
 
-def test_virtual_stages_per_rank() -> None:
-    megatron_lm.check_virtual_stages(None, layout_given=True)
-    megatron_lm.check_virtual_stages(1, layout_given=False)  # one stage per rank, as without it
-    with pytest.raises(LayoutError, match="DeepSpeed's pipeline engine runs one stage per rank; drop it"):
-        megatron_lm.check_virtual_stages(2, layout_given=False)
-    with pytest.raises(LayoutError, match="were both given"):
-        megatron_lm.check_virtual_stages(1, layout_given=True)
+def test_virtual_layouts_put_flat_stage_c_p_plus_r_on_rank_r() -> None:
+    """megatron-core's `layout[pp_rank][vpp_rank]` is the string's stage vpp_rank * P + pp_rank."""
+    text, p = "E|t*2|t|t*3|t|tL", 3
+    mcore = PipelineParallelLayerLayout(text, p)
+    layout = build_layout(groups(8), p, megatron=MegatronLMFlags(layout=text), virtual_stages=2)
+    for s in range(layout.num_stages):
+        r, c = layout.rank_of_stage(s), layout.chunk_of_stage(s)
+        assert layout.layers_per_stage[s] == mcore.layout[r][c].count(LayerType.decoder)
+    assert layout.rank_stages(1) == [1, 4] and layout.rank_specs(0) == [0, 4, 5, 6]
 
 
 # --- the flags on pretrain_gpt.py's command line ------------------------------------------------------
@@ -368,13 +376,24 @@ def test_megatron_lm_flags_on_the_command_line() -> None:
     assert cli_layout(*both, "--num-layers", "10") == "Et*2|t*3|t*3|t*2L"  # 12 "layers" over 4 stages
     assert cli_layout("--pipeline-model-parallel-layout", "E|(tt,t|)*2,ttL") == "E|t*3|t*3|t*2L"
     assert cli_layout("--num-virtual-stages-per-pipeline-rank", "1") == "Et*2|t*2|t*2|t*2L"  # the default split
+    # v = 2: eight flat stages, stage c x 4 + r on rank r (the interleaved schedule)
+    assert cli_layout("--num-virtual-stages-per-pipeline-rank", "2") == "Et|t|t|t|t|t|t|tL"
+    assert cli_layout("--num-layers-per-virtual-pipeline-stage", "1") == "Et|t|t|t|t|t|t|tL"  # (8 / 4) / 1 = 2
+    assert cli_layout("--pipeline-model-parallel-layout", "E|t*2|t|t|t|t|t*2|L") == "E|t*2|t|t|t|t|t*2|L"
+    dedicated = cli_layout("--num-virtual-stages-per-pipeline-rank", "2", "--pp-dedicated-embedding-stages")
+    assert dedicated.startswith("E|") and dedicated.endswith("|L") and dedicated.count("|") == 7
 
 
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank 2 is not supported"),
-        (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage is not supported"),
+        (
+            ["--num-virtual-stages-per-pipeline-rank", "2", "--pp-schedule", "zbh1"],
+            "2 virtual stages per rank run only on the interleaved schedule, not --pp-schedule zbh1",
+        ),
+        (["--num-virtual-stages-per-pipeline-rank", "2", "--enable-zbh1-pipeline"], "ZB-H1 runs one stage per rank"),
+        (["--num-layers-per-virtual-pipeline-stage", "3"], "must hold a whole number of chunks of 3 layers"),
+        (["--pipeline-model-parallel-layout", "Et|t|t|t|t|t|t|tL", "--pp-schedule", "1f1b"], "interleaved schedule"),
         (
             ["--pipeline-model-parallel-layout", "E|t*4|t*4|L", "--num-virtual-stages-per-pipeline-rank", "1"],
             "both given",

@@ -174,21 +174,62 @@ def random_times(rnd: random.Random, p: int) -> tuple[list[float], list[float], 
     return fwd, [f * rnd.uniform(1.0, 3.0) for f in fwd], [rnd.uniform(0.0, 1.0) for _ in range(p)]
 
 
-def length(path, constant: float, fwd: list[float], bwd: list[float], opt: list[float]) -> float:
-    return constant + sum(nf * f + nb * b + no * o for (nf, nb, no), f, b, o in zip(path, fwd, bwd, opt))
+def length(path, constant: float, fwd: list[float], bwd: list[float], opt: list[float], wgt=None) -> float:
+    wgt = wgt or [0.0] * len(fwd)
+    return constant + sum(
+        nf * f + nb * b + no * o + nw * w for (nf, nb, no, nw), f, b, o, w in zip(path, fwd, bwd, opt, wgt)
+    )
 
 
-def test_critical_path_is_a_certificate() -> None:
-    """The reported path's length is the step for its own times and a lower bound for any others."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "interleaved"])
+def test_critical_path_is_a_certificate(schedule: str) -> None:
+    """The reported path's length is the step for its own times and a lower bound for any others
+    (for ZB-H1 with weight passes of their own, for interleaving over v x P flat stages)."""
     rnd = random.Random(11)
     for _ in range(200):
         p, m = rnd.randint(1, 6), rnd.randint(1, 9)
+        v = 1
+        if schedule == "interleaved":
+            p, v, m = max(p, 2), rnd.choice([2, 3]), p * rnd.randint(1, 3)
         send, tied = rnd.choice([0.0, 0.3]), rnd.choice([0.0, 0.2])
+        kwargs = {"send": send, "tied_reduce": tied, "schedule": schedule, "virtual_stages": v}
 
-        fwd, bwd, opt = random_times(rnd, p)
-        result = simulate(m, fwd, bwd, opt, send=send, tied_reduce=tied)
-        assert length(result.path, result.path_constant, fwd, bwd, opt) == pytest.approx(result.step_time, rel=1e-12)
-        assert all(nf <= m and nb <= m and no <= 1 for nf, nb, no in result.path)
-        other = random_times(rnd, p)
-        step = simulate(m, *other, send=send, tied_reduce=tied).step_time
-        assert length(result.path, result.path_constant, *other) <= step * (1 + 1e-12)
+        fwd, bwd, opt = random_times(rnd, p * v)
+        wgt = [b * rnd.uniform(0.0, 0.6) for b in bwd] if schedule == "zbh1" else None
+        result = simulate(m, fwd, bwd, opt, weight=wgt or 0.0, **kwargs)
+        got = length(result.path, result.path_constant, fwd, bwd, opt, wgt)
+        assert got == pytest.approx(result.step_time, rel=1e-12)
+        assert all(nf <= m and nb <= m and no <= 1 for nf, nb, no, _ in result.path)
+        other = random_times(rnd, p * v)
+        other_w = [b * rnd.uniform(0.0, 0.6) for b in other[1]] if schedule == "zbh1" else None
+        step = simulate(m, *other, weight=other_w or 0.0, **kwargs).step_time
+        assert length(result.path, result.path_constant, *other, other_w) <= step * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in SIZES if m >= p])
+def test_each_schedules_bubble_matches_its_formula_on_equal_stages(p: int, m: int) -> None:
+    """1F1B: (P - 1) / M; ZB-H1: (P - 1)(F + B - W) of time, B the input-gradient pass (M >= P);
+    interleaved: (P - 1) / (v M) when P divides M (torch's rounds); and a stage idles the rest."""
+    from megatron_ds.estimate.step_simulator import bubble_ratio, idle_fraction
+
+    assert bubble_ratio("1f1b", m, p) == pytest.approx((p - 1) / m, abs=1e-12)
+    assert idle_fraction("1f1b", m, p) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+    for f, b, w in ((1.0, 2.0, 1.0), (1.0, 2.0, 0.5), (2.0, 3.0, 1.0), (1.0, 3.0, 1.0)):  # W <= F, as the paper assumes
+        zb = simulate(m, [f] * p, [b] * p, weight=w, schedule="zbh1", tied=False, grad_norm_sync=False)
+        assert zb.step_time == pytest.approx(m * (f + b) + (p - 1) * (f + (b - w) - w), rel=1e-12)
+    assert bubble_ratio("zbh1", m, p) == pytest.approx((p - 1) / (3 * m), abs=1e-12)
+    if p > 1 and m % p == 0:
+        for v in (2, 3, 4):
+            assert bubble_ratio("interleaved", m, p, v) == pytest.approx((p - 1) / (v * m), abs=1e-12)
+
+
+def test_interleaving_wraps_from_the_last_rank_to_the_first() -> None:
+    """Chunk c of rank P - 1 feeds chunk c + 1 of rank 0: a slow flat stage anywhere delays the
+    step, and the ranks' busy time is the sum of their chunks'."""
+    m, v = 4, 2  # P = 2: four flat stages
+    base = simulate(m, [1.0] * 4, [2.0] * 4, schedule="interleaved", virtual_stages=v)
+    assert base.busy == (2 * m * 3.0, 2 * m * 3.0)
+    for slow in range(4):
+        f = [1.0] * 4
+        f[slow] = 3.0
+        assert simulate(m, f, [2.0] * 4, schedule="interleaved", virtual_stages=v).step_time > base.step_time

@@ -35,6 +35,10 @@ ROWS = {
 }
 
 
+HOMONYMS = {("a pipeline schedule", "interop/megatron_deepspeed_layout.py"): "interleaved QKV rows, not a schedule"}
+"""A file that spells an entry's name for something else."""
+
+
 def spelled(source: str, names: tuple[str, ...]) -> bool:
     """A string literal in `source` is exactly one of `names`."""
     return any(
@@ -56,7 +60,7 @@ def doc_row(label: str) -> str:
 @pytest.mark.parametrize("label", ROWS)
 def test_the_files_that_spell_an_entry_are_the_rows_files(label: str) -> None:
     names, files = ROWS[label]
-    found = files_spelling(names)
+    found = {f for f in files_spelling(names) if (label, f) not in HOMONYMS}
     assert found == files, (
         f"{label}: modules spelling an entry's name {sorted(found)}; read the entry through its registry "
         f"instead (or update ROWS and docs/architecture.md)"

@@ -5,8 +5,9 @@
 `_INSTRUCTION_MAP`, a class attribute, so an instance attribute of the same name with wrapped
 functions times them without touching DeepSpeed's code or other engines. Kinds:
 
-    compute        ForwardPass, BackwardPass, OptimizerStep (the step includes the gradient-norm
-                   all-reduce that clipping needs, a wait when another stage is behind)
+    compute        ForwardPass, BackwardPass (and ZB-H1's BackwardOnlyPass), WeightPass (ZB-H1's
+                   deferred weight gradients, kind `weight`), OptimizerStep (the step includes the
+                   gradient-norm all-reduce that clipping needs, a wait when another stage is behind)
     communication  SendActivation, RecvActivation, SendGrad, RecvGrad (blocking point-to-point:
                    mostly waiting for the peer), ReduceTiedGrads, ReduceGrads
     other          LoadMicroBatch, and whatever `train_batch` does outside instructions
@@ -38,7 +39,7 @@ from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.step_simulator import balanced_step_time, simulate
 
-COMPUTE = ("forward", "backward", "optimizer")
+COMPUTE = ("forward", "backward", "weight", "optimizer")
 COMMUNICATION = ("send", "recv", "reduce")
 MS = 1e3
 
@@ -46,9 +47,13 @@ MS = 1e3
 def _kinds() -> dict[type, str]:
     from deepspeed.runtime.pipe import schedule as ds
 
+    from megatron_ds.training import pipe_schedules
+
     return {
         ds.ForwardPass: "forward",
         ds.BackwardPass: "backward",
+        pipe_schedules.BackwardOnlyPass: "backward",
+        pipe_schedules.WeightPass: "weight",
         ds.OptimizerStep: "optimizer",
         ds.SendActivation: "send",
         ds.SendGrad: "send",
@@ -73,7 +78,8 @@ class StageCompute:
     """Forward passes per step (gradient accumulation steps)."""
     clock: str
     compute: dict[str, float] = field(default_factory=dict)
-    """forward, backward, optimizer on the compute clock."""
+    """forward, backward (under ZB-H1 its input-gradient passes), weight (ZB-H1's weight passes),
+    optimizer on the compute clock."""
     wall: dict[str, float] = field(default_factory=dict)
     """Every instruction kind in wall time."""
     step: float = 0.0
@@ -85,6 +91,11 @@ class StageCompute:
     """Wall time in send, receive and reduce instructions (part of `waiting`)."""
     schedule: str = DEFAULT_PIPELINE_SCHEDULE
     """The pipeline schedule the engine ran (`estimate/pipeline_schedules.py`), which the report replays."""
+    virtual_stages: int = 1
+    """Model chunks per rank (interleaved)."""
+    chunk_compute: dict[str, float] = field(default_factory=dict)
+    """With virtual stages: compute per kind and chunk, keyed `forward/1` (what the report's replay
+    needs per flat stage)."""
 
     @property
     def compute_total(self) -> float:
@@ -95,7 +106,8 @@ class StageCompute:
         return (
             f"[Rank {self.rank} | stage {self.stage}] compute per step ({self.clock}, ms, median of {self.steps} "
             f"step(s)) | forward: {ms.get('forward', 0):.1f} | backward: {ms.get('backward', 0):.1f} | "
-            f"optimizer: {ms.get('optimizer', 0):.1f} | total: {MS * self.compute_total:.1f} | not computing (wall, "
+            + (f"weight: {ms['weight']:.1f} | " if ms.get("weight") else "")
+            + f"optimizer: {ms.get('optimizer', 0):.1f} | total: {MS * self.compute_total:.1f} | not computing (wall, "
             f"ms): {MS * self.waiting:.1f}, of which send/recv/reduce: {MS * self.communication:.1f} | step "
             f"(wall, ms): {MS * self.step:.1f}"
         )
@@ -108,6 +120,7 @@ class Sample:
     compute: dict[str, float] = field(default_factory=dict)
     wall: dict[str, float] = field(default_factory=dict)
     step: float = 0.0
+    chunk_compute: dict[str, float] = field(default_factory=dict)
 
     @staticmethod
     def add(times: dict[str, float], kind: str, seconds: float) -> None:
@@ -125,9 +138,10 @@ class Sample:
 class StageTimers:
     """Accumulates instruction times of the steps run inside `counting(True)` (all steps by default)."""
 
-    def __init__(self, engine: Any, schedule: str = DEFAULT_PIPELINE_SCHEDULE) -> None:
+    def __init__(self, engine: Any, schedule: str = DEFAULT_PIPELINE_SCHEDULE, virtual_stages: int = 1) -> None:
         self.engine = engine
         self.schedule = schedule
+        self.virtual_stages = virtual_stages
         self.device = next(engine.module.parameters()).device.type
         self.clock_name = "CUDA time" if self.device == "cuda" else "CPU time"
         self._count = True
@@ -159,6 +173,7 @@ class StageTimers:
                 return fn(engine, **kwargs)
             start, cpu = time.perf_counter(), time.process_time()
             events = None
+            chunk = kwargs.get("chunk")
             if kind in COMPUTE and self.device == "cuda":
                 events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 events[0].record()
@@ -168,9 +183,9 @@ class StageTimers:
                 self._step.add(self._step.wall, kind, time.perf_counter() - start)
                 if events is not None:
                     events[1].record()
-                    self._events.append((kind, *events))
+                    self._events.append((kind, chunk, *events))
                 elif kind in COMPUTE:
-                    self._step.add(self._step.compute, kind, time.process_time() - cpu)
+                    self._add_compute(kind, chunk, time.process_time() - cpu)
 
         return timed
 
@@ -190,11 +205,16 @@ class StageTimers:
 
         return timed
 
+    def _add_compute(self, kind: str, chunk: int | None, seconds: float) -> None:
+        self._step.add(self._step.compute, kind, seconds)
+        if chunk is not None:
+            self._step.add(self._step.chunk_compute, f"{kind}/{chunk}", seconds)
+
     def _resolve_events(self) -> None:
         if self._events:
             torch.cuda.synchronize()
-            for kind, begin, end in self._events:
-                self._step.add(self._step.compute, kind, begin.elapsed_time(end) / MS)
+            for kind, chunk, begin, end in self._events:
+                self._add_compute(kind, chunk, begin.elapsed_time(end) / MS)
             self._events.clear()
 
     def summary(self, rank: int) -> StageCompute:
@@ -217,14 +237,18 @@ class StageTimers:
             waiting=statistics.median(s.waiting for s in samples),
             communication=statistics.median(s.communication for s in samples),
             schedule=self.schedule,
+            virtual_stages=self.virtual_stages,
+            chunk_compute=median(
+                [s.chunk_compute for s in samples], sorted({k for s in samples for k in s.chunk_compute})
+            ),
         )
 
 
-def install(engine: Any, schedule: str = DEFAULT_PIPELINE_SCHEDULE) -> StageTimers:
+def install(engine: Any, schedule: str = DEFAULT_PIPELINE_SCHEDULE, virtual_stages: int = 1) -> StageTimers:
     """Time `engine`'s instructions and train steps from now on (once per engine); `schedule` is the
-    pipeline schedule it runs (`config.parallel.pipeline_schedule`)."""
+    pipeline schedule it runs (`config.parallel.pipeline_schedule`) with `virtual_stages` chunks per rank."""
     assert "_INSTRUCTION_MAP" not in vars(engine), "stage timers are already installed on this engine"
-    timers = StageTimers(engine, schedule)
+    timers = StageTimers(engine, schedule, virtual_stages)
     kinds = _kinds()
     engine._INSTRUCTION_MAP = {
         cmd: timers._timed_instruction(fn, kinds.get(cmd, "other")) for cmd, fn in type(engine)._INSTRUCTION_MAP.items()
@@ -255,17 +279,33 @@ class SimulatedStep:
     """The slowest rank's wall-clock step on this machine."""
 
 
+def _flat_times(s: StageCompute, kind: str, chunk: int) -> float:
+    """One chunk's time of `kind` per step (the rank's whole time without virtual stages)."""
+    if s.virtual_stages == 1:
+        return s.compute.get(kind, 0.0)
+    return s.chunk_compute.get(f"{kind}/{chunk}", 0.0)
+
+
 def simulate_measured(everyone: list[StageCompute]) -> SimulatedStep:
-    """Per stage the slowest of its ranks (data and tensor parallel copies), through the simulator."""
-    num_stages = 1 + max(s.stage for s in everyone)
-    by_stage = [[s for s in everyone if s.stage == st] for st in range(num_stages)]
-    m, schedule = everyone[0].micro_batches, everyone[0].schedule
-    fwd = [max(s.compute["forward"] for s in ranks) / m for ranks in by_stage]
-    bwd = [max(s.compute["backward"] for s in ranks) / m for ranks in by_stage]
-    opt = [max(s.compute["optimizer"] for s in ranks) for ranks in by_stage]
-    step = simulate(m, fwd, bwd, opt, schedule=schedule).step_time
-    ideal = balanced_step_time(m, fwd, bwd, schedule) + sum(opt) / num_stages
-    slowest = max(m * (f + b) + o for f, b, o in zip(fwd, bwd, opt))
+    """Per flat stage the slowest of its ranks (data and tensor parallel copies), through the simulator."""
+    num_ranks = 1 + max(s.stage for s in everyone)
+    by_rank = [[s for s in everyone if s.stage == st] for st in range(num_ranks)]
+    m, schedule, v = everyone[0].micro_batches, everyone[0].schedule, everyone[0].virtual_stages
+    flat = [(c, ranks) for c in range(v) for ranks in by_rank]  # flat stage c x P + r
+
+    def per_flat(kind: str, divide: int = m) -> list[float]:
+        return [max(_flat_times(s, kind, c) for s in ranks) / divide for c, ranks in flat]
+
+    fwd, wgt = per_flat("forward"), per_flat("weight")
+    # the simulator's backward is the whole backward, of which `weight` the weight passes
+    bwd = [b + w for b, w in zip(per_flat("backward"), wgt)]
+    opt = [max(s.compute["optimizer"] for s in ranks) / v for _, ranks in flat]  # a rank's step, spread over its chunks
+    step = simulate(m, fwd, bwd, opt, schedule=schedule, weight=wgt, virtual_stages=v).step_time
+    ideal = balanced_step_time(m, fwd, bwd, schedule, weight=wgt, virtual_stages=v) + v * sum(opt) / num_ranks
+    slowest = max(
+        sum(m * (fwd[c * num_ranks + r] + bwd[c * num_ranks + r]) + opt[c * num_ranks + r] for c in range(v))
+        for r in range(num_ranks)
+    )
     return SimulatedStep(step, ideal, slowest, max(s.step for s in everyone))
 
 
@@ -276,7 +316,7 @@ def format_report(everyone: list[StageCompute]) -> list[str]:
     lines = [s.format() for s in sorted(everyone, key=lambda s: s.rank)]
     sim = simulate_measured(everyone)
     lines.append(
-        f"{pipeline_schedules.find(everyone[0].schedule).label} step from these compute times with one device per stage (schedule simulator): {MS * sim.step:.1f} ms "
+        f"{pipeline_schedules.find(everyone[0].schedule, everyone[0].virtual_stages).display} step from these compute times with one device per stage (schedule simulator): {MS * sim.step:.1f} ms "
         f"= {sim.step / sim.ideal:.3f} x the ideal {MS * sim.ideal:.1f} ms (the same compute in equal stages); "
         f"slowest stage computes {MS * sim.slowest_stage:.1f} ms; measured wall-clock step here "
         f"{MS * sim.measured_step:.1f} ms"

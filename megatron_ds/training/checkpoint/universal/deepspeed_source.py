@@ -88,7 +88,8 @@ class DeepSpeedSource:
         groups = naming.gpt_spec_groups(self.model)
         p = cfg.parallel.pipeline_model_parallel_size
         try:
-            self.layout: Layout = build_layout(groups, p, layout=ckpt.meta["layout"])
+            v = cfg.parallel.virtual_stages
+            self.layout: Layout = build_layout(groups, p, layout=ckpt.meta["layout"], virtual_stages=v)
         except (KeyError, ValueError) as err:
             raise CheckpointError(
                 f"{ckpt.directory}: no usable layout in its metadata ({err}); it is damaged"

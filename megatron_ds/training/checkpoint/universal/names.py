@@ -69,13 +69,13 @@ def _is_tied(model: ModelConfig, spec: str) -> bool:
 
 
 def stage_parameters(model: ModelConfig, layout: Layout, stage: int) -> list[StageParameter]:
-    """The stage's parameters in `named_parameters()` order: the placeholders of the groups the stage
-    would leave empty (registered on the pipeline module itself, so listed first), the tied
-    embedding (DeepSpeed registers `tied_modules` before the numbered layers), then each spec's
-    tensors."""
+    """The parameters of pipeline rank `stage` (all its model chunks with virtual stages) in
+    `named_parameters()` order: the placeholders of the groups the rank would leave empty (registered
+    on the pipeline module itself, so listed first), the tied embedding (DeepSpeed registers
+    `tied_modules` before the numbered layers), then each spec's tensors."""
     tensors = model_tensors(model)
     names = naming.gpt_spec_groups(model).names
-    specs = layout.stage_specs(stage)
+    specs = layout.rank_specs(stage)
     out: list[StageParameter] = []
     if any(_is_tied(model, names[i]) for i in specs):
         word = next(t for t in tensors if t.spec == naming.WORD_EMBEDDING)
@@ -94,8 +94,8 @@ def optimizer_order(params: list[StageParameter]) -> list[StageParameter]:
 
 
 def source_stage(model: ModelConfig, layout: Layout, tensor: ModelTensor) -> tuple[int, str]:
-    """The stage a converter reads `tensor` from, and its module name there (the tied embedding:
+    """The pipeline rank a converter reads `tensor` from, and its module name there (the tied embedding:
     the first stage's copy; both copies are identical, DeepSpeed all-reduces their gradients)."""
     if _is_tied(model, tensor.spec):
-        return layout.stage_of_spec(tensor.spec_index), TIED_MODULE_NAME
-    return layout.stage_of_spec(tensor.spec_index), f"{tensor.spec_index}.{tensor.key}"
+        return layout.rank_of_spec(tensor.spec_index), TIED_MODULE_NAME
+    return layout.rank_of_spec(tensor.spec_index), f"{tensor.spec_index}.{tensor.key}"

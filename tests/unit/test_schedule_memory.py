@@ -1,0 +1,90 @@
+"""The memory model under ZB-H1 and interleaving: what a weight pass waits with is what the layers
+store, the schedules' in-flight counts and pipe buffers, and per-rank memory over model chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.estimate.memory_inputs import MemoryInputs
+from megatron_ds.estimate.memory_model import rank_memory_for, stage_memory, stage_memory_for
+from megatron_ds.estimate.transients import weight_store_bytes
+from megatron_ds.model import naming
+from megatron_ds.model.layers import WordEmbedding, lm_head_logits
+from megatron_ds.model.transformer import TransformerLayer
+from megatron_ds.model.weight_grad import WeightGradStore
+from megatron_ds.pipeline.layout import build_layout
+
+MODEL = ModelConfig(
+    num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
+    max_position_embeddings=32, vocab_size=128,
+)  # fmt: skip
+REG = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def inputs(schedule: str = "1f1b", **kw) -> MemoryInputs:
+    return MemoryInputs(
+        model=kw.pop("model", MODEL), micro_batch_size=2, num_micro_batches=kw.pop("m", 8), precision="fp32",
+        device="cpu", regularization=REG, schedule=schedule, **kw,
+    )  # fmt: skip
+
+
+def stored_bytes(store: WeightGradStore) -> int:
+    """Distinct storages the store keeps for its weight passes (inputs and output gradients)."""
+    seen = {}
+    for entry in store._queue:
+        for x, g, _ in entry:
+            for t in (x, g):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_weight_store_is_what_the_layers_store(gated: bool) -> None:
+    model = dataclasses.replace(MODEL, activation="swiglu") if gated else MODEL
+    layer = TransformerLayer(model, REG, init_seed=3)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    store = WeightGradStore()
+    with store.deferring():
+        layer(x).backward(torch.randn(2, 32, 64))
+    assert stored_bytes(store) == weight_store_bytes(inputs("zbh1", model=model), 1, holds_head=False)
+    emb = WordEmbedding(model, REG, init_seed=5)
+    hidden = torch.randn(2, 32, 64, requires_grad=True)
+    head = WeightGradStore()
+    with head.deferring():
+        lm_head_logits(emb, hidden).backward(torch.randn(2, 32, 128))
+    layers = weight_store_bytes(inputs("zbh1", model=model), 0, holds_head=True)
+    assert stored_bytes(head) == layers
+    assert weight_store_bytes(inputs("1f1b"), 4, holds_head=True) == 0  # 1F1B stores nothing
+
+
+def test_zbh1_adds_the_weight_store_on_every_stage_after_the_first() -> None:
+    """Stage 0 runs whole backwards: 1F1B's memory; later stages hold up to s deferred weight passes."""
+    p = 4
+    for s in range(p):
+        one, zb = stage_memory_for(inputs("1f1b"), s, p, 1), stage_memory_for(inputs("zbh1"), s, p, 1)
+        assert zb.in_flight == one.in_flight  # 1F1B's activations in flight
+        if s == 0:
+            assert zb.total == pytest.approx(one.total)
+        else:
+            assert zb.weight_store_per_micro_batch > 0 and zb.total > one.total
+            assert zb.total - one.total <= s * zb.weight_store_per_micro_batch + 1
+
+
+def test_interleaved_rank_memory_sums_its_chunks() -> None:
+    """A rank's parameters are its chunks'; chunk sizes follow the flat layout; the embedding rank and
+    the head rank are the ones whose chunks hold flat stage 0 and the last."""
+    groups = naming.gpt_spec_groups(MODEL)
+    layout = build_layout(groups, 2, virtual_stages=2)  # 4 flat stages of one layer each
+    mem = inputs("interleaved", virtual_stages=2)
+    ranks = stage_memory(mem, layout)
+    assert [r.num_layers for r in ranks] == [2, 2]
+    whole = stage_memory_for(inputs("1f1b"), 0, 1, 4)
+    assert sum(r.num_params for r in ranks) == whole.num_params + MODEL.vocab_size * MODEL.hidden_size  # tied copy
+    one_chunk = rank_memory_for(mem, 0, 2, (1, 1))
+    assert one_chunk.total == ranks[0].total and one_chunk.in_flight > 0
+    with pytest.raises(ValueError, match="virtual stages"):
+        inputs("interleaved")
