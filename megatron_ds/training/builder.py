@@ -217,19 +217,21 @@ def _check_sizes(config: Config, layout: Layout | None) -> None:
     (before any collective)."""
     par = config.parallel
     p, t, d = par.pipeline_model_parallel_size, par.tensor_model_parallel_size, par.data_parallel_size
+    n = par.ds_sequence_parallel_size
     if layout is not None and layout.num_stages != p:
         raise ConfigError(
             f"layout {layout.to_string()} has {layout.num_stages} stages but config.parallel.pipeline_model_parallel_size "
             f"is {p}; pass layout=None to build it from the config, or a layout with {p} stages"
         )
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else env_world_size()
-    if p * t * d != world:
+    if p * t * d * n != world:
         fix = (
-            f"set config.parallel.data_parallel_size to {world // (p * t)}"
-            if world % (p * t) == 0
-            else f"launch a multiple of {p * t} processes"
+            f"set config.parallel.data_parallel_size to {world // (p * t * n)}"
+            if world % (p * t * n) == 0
+            else f"launch a multiple of {p * t * n} processes"
         )
+        ulysses = f" x Ulysses {n}" if n > 1 else ""
         raise ConfigError(
-            f"config.parallel gives pipeline {p} x tensor {t} x data {d} = {p * t * d} ranks but the world size "
-            f"is {world}; {fix}"
+            f"config.parallel gives pipeline {p} x tensor {t}{ulysses} x data {d} = {p * t * d * n} ranks but the "
+            f"world size is {world}; {fix}"
         )
