@@ -44,8 +44,10 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
     params = shapes.gpt_spec_params(m, t)
     numels = shapes.gpt_spec_tensor_numels(m, t)
     threshold = inputs.zero3_persistence_threshold if inputs.zero_stage == 3 else -1
-    terms = {**act.pre_terms(m, b, k, regularization=inputs.regularization), **act.post_terms(m, b, k, head, t)}
-    layer_terms = act.transformer_layer_terms(m, b, k, t, regularization=inputs.regularization)
+    split = inputs.split
+    pre = act.pre_terms(m, b, k, regularization=inputs.regularization, split=split)
+    terms = {**pre, **act.post_terms(m, b, k, head, split)}
+    layer_terms = act.transformer_layer_terms(m, b, k, split, regularization=inputs.regularization)
     out = []
     for idx, name in enumerate(groups.names):
         group = groups.group_of(idx)
@@ -66,7 +68,7 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
                 optimizer=fac.optimizer(n, dp),
                 host=fac.host(n, dp),
                 activations=saved,
-                checkpointed_activations=act.checkpointed_layer_bytes(m, b, k) if group == "body" else saved,
+                checkpointed_activations=act.checkpointed_layer_bytes(m, b, k, split) if group == "body" else saved,
                 activation_terms=dict(spec_terms),
                 tied=name == naming.TIED_LM_HEAD,
                 no_decay_params=n_no_decay,

@@ -50,10 +50,17 @@ def backward_transient(
     options = [(0.0, "none")]
     if chunk:
         options.append((chunk * layer.activations, f"recomputing {chunk} layer(s) of one micro-batch"))
+    if inputs.selective_recompute and any(sp.group == "body" for sp in held):
+        again = act.recomputed_attention_bytes(
+            inputs.model, inputs.micro_batch_size, inputs.kernels, inputs.split, regularization=inputs.regularization
+        )
+        options.append((again, "recomputing one layer's core attention of one micro-batch"))
     if last:
         options.append(
             (
-                act.loss_backward_transient(inputs.model, inputs.micro_batch_size, inputs.tensor_parallel_size),
+                act.loss_backward_transient(
+                    inputs.model, inputs.micro_batch_size, inputs.tensor_parallel_size, inputs.ulysses_size
+                ),
                 "fp32 loss gradients d(log-probs), d(logits) of one micro-batch",
             )
         )
@@ -158,10 +165,14 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
       clears `pipe_buffers['outputs']` on the last stage, so every slot keeps its logits until the
       slot is reused: min(num_pipe_buffers, M) of them, also through the optimizer step (measured:
       two logits buffers on the last stage by `benchmarks/stage_memory.py`);
-    * token ids on the first stage, labels and loss mask on the last, kept in every slot used.
+    * token ids on the first stage, labels and loss mask on the last, kept in every slot used;
+    * under sequence parallelism each message is this rank's part of the sequence (sent whole: the
+      engine's own partitioning is off), and megatron-core's all-gather buffer of one (s, b, h) input
+      persists on every stage.
     """
     m, mb = inputs.model, inputs.num_micro_batches
-    hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
+    whole = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
+    hidden = whole / inputs.split.replicated  # sequence parallelism sends each rank's part
     tokens = m.seq_length * inputs.micro_batch_size
     schedule = pipeline_schedules.find(inputs.schedule)
     slots = min(pipeline_schedules.pipe_buffers(schedule, mb, num_stages, stage), mb)
@@ -174,7 +185,7 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
         total += (flight + 1) * hidden
         persistent += hidden
     else:
-        logits = slots * act.logits_bytes(m, inputs.micro_batch_size, inputs.tensor_parallel_size)
+        logits = slots * act.logits_bytes(m, inputs.micro_batch_size, inputs.tensor_parallel_size, inputs.ulysses_size)
         total += logits
         persistent += logits
     if stage == 0:
@@ -183,4 +194,9 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
     if stage == num_stages - 1:
         total += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
         persistent += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
+    if inputs.sequence_parallel:
+        # megatron-core's global memory buffer ("mpu"): where every sequence-parallel linear all-gathers
+        # its (s, b, h) input, kept from the first use on (parallel_state.get_global_memory_buffer)
+        total += whole
+        persistent += whole
     return total, persistent
