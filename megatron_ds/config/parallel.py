@@ -117,16 +117,16 @@ class ParallelConfig:
         )
         at_least("--ds-sequence-parallel-size", n, 1)
         check(
+            not (n > 1 and self.sequence_parallel),
+            f"--ds-sequence-parallel-size {n} and --sequence-parallel were both given: DeepSpeed's and Megatron's "
+            f"sequence parallelism do not combine (Megatron-DeepSpeed refuses them together); keep one",
+        )
+        check(
             n == 1 or (t == 1 and p == 1),
             f"--ds-sequence-parallel-size {n} needs --tensor-model-parallel-size 1 and --pipeline-model-parallel-size "
             f"1 (got {t} and {p}): as in Megatron-DeepSpeed, Ulysses runs on DeepSpeed's plain engine, whose "
             f"sequence-parallel group comes out of data parallelism; use T = P = 1 (--no-pipeline-parallel), or "
             f"--sequence-parallel with tensor parallelism",
-        )
-        check(
-            not (n > 1 and self.sequence_parallel),
-            f"--ds-sequence-parallel-size {n} and --sequence-parallel were both given: DeepSpeed's and Megatron's "
-            f"sequence parallelism do not combine (Megatron-DeepSpeed refuses them together); keep one",
         )
 
     @property

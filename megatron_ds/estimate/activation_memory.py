@@ -62,6 +62,8 @@ class Kernels:
     """Math path saves its own q, k, v copies (CPU) rather than views of the qkv output (CUDA)."""
     stat: int
     """Bytes of one norm statistic (mean or rstd) per token."""
+    rng_state: int = 16
+    """Bytes of one generator state (`get_rng_state()`): CUDA's Philox seed and offset, the CPU's mt19937 5056."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def kernels(precision: str, device: str, attention_dropout: float, attention: st
         return Kernels(w=w, mask=1, attention=attention or "flash", math_bytes=w, attn_mask=1, qkv_copies=False, stat=4)
     # CPU: the flash kernel takes no dropout, so SDPA falls back to math when dropout is on.
     chosen = attention or ("math" if attention_dropout > 0 else "flash")
-    return Kernels(w=w, mask=w, attention=chosen, math_bytes=4, attn_mask=4, qkv_copies=True, stat=w)
+    return Kernels(w=w, mask=w, attention=chosen, math_bytes=4, attn_mask=4, qkv_copies=True, stat=w, rng_state=5056)
 
 
 def _norm_stats(model: ModelConfig) -> int:
@@ -181,6 +183,37 @@ def recomputed_attention_bytes(
     return sum(full.values()) - views + output
 
 
+CPU_RNG_STATE_BYTES = 5056
+"""torch.get_rng_state() on the CPU (mt19937)."""
+
+
+def checkpoint_rng_bytes(k: Kernels, tracker_streams: int) -> float:
+    """What one call of DeepSpeed's activation checkpointing keeps for its recompute besides its inputs: the
+    CPU generator's state, the accelerator's, and every stream of the RNG tracker (`CheckpointFunction.forward`)."""
+    return CPU_RNG_STATE_BYTES + k.rng_state * (1 + tracker_streams)
+
+
+MLP_HALF = ("fc1 input", "fc2 input")
+"""Terms of `transformer_layer_terms` that belong to the MLP half of the layer (with the activation's inputs,
+and half of the norm and residual-dropout terms): freed once the layer's MLP backward has run."""
+
+
+def mlp_half_bytes(terms: dict[str, float], activation: str) -> float:
+    """What a layer's backward has freed when it reaches the core attention: the MLP half of `terms`."""
+    halves = ("norm inputs", "norm statistics", "residual dropout masks")
+    return sum(terms[n] for n in (*MLP_HALF, f"{activation} inputs")) + sum(terms[n] for n in halves) / 2
+
+
+def attention_backward_bytes(model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split) -> float:
+    """The largest gradient the core attention's backward allocates while what it saved is alive: on the math
+    path the gradient of the attention probabilities, (b, a/t, s, s) in the math dtype (measured on CPU:
+    four s x s blocks alive at the peak, three saved and this one); the flash kernels keep no s x s tensor."""
+    if k.attention != "math":
+        return 0.0
+    s = model.seq_length
+    return model.num_attention_heads * s * s * micro_batch_size * k.math_bytes / split.split
+
+
 def korthikanti_layer_bytes(
     seq_length: int,
     micro_batch_size: int,
@@ -248,6 +281,7 @@ def post_terms(
         "logits_to_fp32": {
             "fp32 log-probabilities": 4 * bsv,
             "labels and loss mask": bs * (TOKEN_ID_BYTES / sp.ulysses + LOSS_MASK_BYTES) + 8,
+            **({"vocabulary-parallel target mask": bs - 4} if sp.tensor > 1 else {}),  # bool; one scalar fewer
         },
     }
 

@@ -45,6 +45,9 @@ class MemoryInputs:
     ulysses_size: int = 1
     """DeepSpeed-Ulysses degree N (`--ds-sequence-parallel-size`): every activation split N ways.
     `data_parallel_size` is then the ZeRO group, DP x N ranks."""
+    engine: str = "pipeline"
+    """`pipeline` (DeepSpeed's PipelineEngine and its pipe buffers) or `plain` (its DeepSpeedEngine: ZeRO 2/3
+    at P = 1 and Ulysses, `Config.engine_kind`), which keeps no buffer but the micro-batch it loaded."""
     optimizer: str = "adam"
     """`adam` or `sgd` (momentum)."""
     offload_optimizer: str = "none"
@@ -85,6 +88,8 @@ class MemoryInputs:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_STATE_BYTES)}")
         if self.schedule not in pipeline_schedules.REGISTRY:
             raise ValueError(f"schedule {self.schedule!r} is not one of {', '.join(pipeline_schedules.REGISTRY)}")
+        if self.engine not in ("pipeline", "plain"):
+            raise ValueError(f"engine {self.engine!r} is not one of pipeline, plain")
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError("sequence_parallel needs tensor_parallel_size > 1")
         if self.selective_recompute and self.checkpoint_activations:

@@ -108,6 +108,7 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
         sum(sp.activations for sp in ends)
         + full_layers * layer.activations
         + (num_layers - full_layers) * layer.checkpointed_activations
+        + _checkpoint_states(inputs, first, num_layers, full_layers)
     )
     flight, later = in_flight(inputs, stage, num_stages)
     buffers, persistent = pipe_buffers(inputs, stage, num_stages)
@@ -153,6 +154,20 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
         transient_source=source,
         backward_transient=later_bwd[0],
     )
+
+
+def _checkpoint_states(inputs: MemoryInputs, first: bool, num_layers: int, full_layers: int) -> float:
+    """The generator states DeepSpeed's checkpointing keeps per call and micro-batch (one call per recomputed
+    chunk, or per layer under selective recomputation), for the tracker's streams of this stage: each layer's
+    two dropout streams, the embedding's, megatron-core's model-parallel one at T > 1 (those that draw)."""
+    chunks = -(-(num_layers - full_layers) // max(inputs.checkpoint_num_layers, 1))
+    calls = num_layers if inputs.selective_recompute else chunks if inputs.checkpoint_activations else 0
+    if not calls:
+        return 0.0
+    reg = inputs.regularization
+    streams = num_layers * ((reg.hidden_dropout > 0) + (reg.attention_dropout > 0))
+    streams += (first and reg.hidden_dropout > 0) + (inputs.tensor_parallel_size > 1)
+    return calls * act.checkpoint_rng_bytes(inputs.kernels, streams)
 
 
 def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: int) -> tuple[int, int]:

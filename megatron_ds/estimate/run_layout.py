@@ -50,6 +50,7 @@ def memory_inputs(config: Config, machine: Machine) -> MemoryInputs:
         selective_recompute=t.selective_recompute,
         sequence_parallel=par.sequence_parallel,
         ulysses_size=par.ds_sequence_parallel_size,
+        engine=config.engine_kind,
         optimizer=config.optimizer.optimizer,
         offload_optimizer=t.optimizer_offload,
         offload_param=t.offload_param,

@@ -48,13 +48,20 @@ def backward_transient(
     `benchmarks/stage_memory.py`: the stage-0 peak is at `embedding_dense_backward`).
     """
     options = [(0.0, "none")]
+    m, b, k, split = inputs.model, inputs.micro_batch_size, inputs.kernels, inputs.split
+    has_layers = any(sp.group == "body" for sp in held)
+    # A layer's backward reaches its core attention with its MLP half freed; on the math path the gradient
+    # of the attention probabilities is then allocated beside what the attention saved.
+    attention = act.attention_backward_bytes(m, b, k, split) - act.mlp_half_bytes(layer.activation_terms, m.activation)
     if chunk:
-        options.append((chunk * layer.activations, f"recomputing {chunk} layer(s) of one micro-batch"))
-    if inputs.selective_recompute and any(sp.group == "body" for sp in held):
-        again = act.recomputed_attention_bytes(
-            inputs.model, inputs.micro_batch_size, inputs.kernels, inputs.split, regularization=inputs.regularization
+        options.append(
+            (chunk * layer.activations + max(0.0, attention), f"recomputing {chunk} layer(s) of one micro-batch")
         )
-        options.append((again, "recomputing one layer's core attention of one micro-batch"))
+    if inputs.selective_recompute and has_layers:
+        again = act.recomputed_attention_bytes(m, b, k, split, regularization=inputs.regularization)
+        options.append((again + attention, "recomputing one layer's core attention of one micro-batch"))
+    elif has_layers and not chunk:
+        options.append((attention, "the core attention's backward (its probabilities' gradient)"))
     if last:
         options.append(
             (
@@ -155,7 +162,8 @@ def gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, nu
 
 def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[float, float]:
     """(DeepSpeed PipelineEngine buffers at a backward, the part of them still held at the
-    optimizer step), read from deepspeed/runtime/pipe/engine.py:
+    optimizer step), read from deepspeed/runtime/pipe/engine.py (the plain engine keeps only the
+    micro-batch it loaded, `training/plain_engine.py`):
 
     * a stage after the first keeps each received activation until `_exec_send_grads` frees it
       (in_flight of them) plus the receive buffer `pipe_recv_buf`, which persists;
@@ -174,6 +182,9 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
     whole = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
     hidden = whole / inputs.split.replicated  # sequence parallelism sends each rank's part
     tokens = m.seq_length * inputs.micro_batch_size
+    if inputs.engine == "plain":  # the micro-batch it loaded: tokens, labels, loss mask (Ulysses: views of them)
+        loaded = tokens * (2 * act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
+        return loaded, loaded
     schedule = pipeline_schedules.find(inputs.schedule)
     slots = min(pipeline_schedules.pipe_buffers(schedule, mb, num_stages, stage), mb)
     flight = in_flight(inputs, stage, num_stages)[0]

@@ -141,7 +141,7 @@ def dropout(
     if shard.dim == 0:
         noise = noise.transpose(0, 1)
     part = x.shape[shard.dim]
-    mine = noise.narrow(shard.dim, shard.rank * part, part).contiguous()  # its own storage: the whole is freed
+    mine = noise.narrow(shard.dim, shard.rank * part, part).clone()  # its own storage (a view would keep the whole)
     del noise
     return x * mine.div_(1 - p)
 
