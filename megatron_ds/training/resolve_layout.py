@@ -43,6 +43,4 @@ def layout_text(config: Config, layout: Layout, calibration: Calibration | None 
     table = layout.format(par.data_parallel_size * n, par.tensor_model_parallel_size)
     if n > 1:
         table += f"\nDeepSpeed-Ulysses: data ranks {n}g .. {n}g+{n - 1} split the sequences of data-parallel replica g"
-    elif par.sequence_parallel:
-        table += f"\nsequence parallel: each stage's {par.tensor_model_parallel_size} tensor ranks split its sequence"
     return f"{table}\n{report}\n{describe(config, machine)}" if report else table
