@@ -2,7 +2,7 @@
 """Soak: launch many short multi-rank runs and report every exit that was not clean.
 
 Each launch is one of the KINDS below (P = 3..5, every dedicated mode, ZeRO 0/1, fp32/bf16, T = 2,
-the test scenario runner), taken in turn, on local CPU ranks (gloo) under a hard timeout. The
+sequence parallelism at T = 2 with P = 2 and dedicated P = 3, DeepSpeed-Ulysses, the test scenario runner), taken in turn, on local CPU ranks (gloo) under a hard timeout. The
 table gives each launch's exit statuses, duration and, for a failure, the first error line; the
 logs of every failed launch are kept under OUT/failed/<n>-<kind>/ (with core files when
 `--core-dumps` is given). Nothing is retried and no exit status is rewritten.
@@ -94,6 +94,31 @@ KINDS: dict[str, tuple[int, list[str]]] = {
     ),
     "p4-stock-z0-bf16": _pretrain(4, "--pipeline-model-parallel-size", "4", "--bf16"),
     "p2-t2-z0": _pretrain(4, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"),
+    "p2-t2-sp-z1-sel": _pretrain(
+        4,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--zero-stage",
+        "1",
+        "--recompute-activations",
+    ),
+    "p3-t2-sp-both": _pretrain(
+        6,
+        "--pipeline-model-parallel-size",
+        "3",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--pp-dedicated-embedding-stages",
+        "both",
+        "--checkpoint-activations",
+    ),
+    "ulysses2-dp2-z3": _pretrain(
+        4, "--ds-sequence-parallel-size", "2", "--zero-stage", "3", "--no-pipeline-parallel", "--bf16"
+    ),
     "p3-memory-save": _pretrain(
         3,
         "--pipeline-model-parallel-size",

@@ -76,6 +76,14 @@ class ParallelConfig:
     """`nccl` or `gloo`; None picks nccl on GPU and gloo on CPU (`--distributed-backend`)."""
     distributed_timeout_minutes: float = 10.0
     """A collective stalled longer than this is an error on every rank, never a silent hang."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (`--sequence-parallel`, T > 1 only): the activations outside the
+    tensor-parallel matmuls (norms, dropout, residuals, what passes between stages) are split along the
+    sequence over the T ranks of a stage (`megatron_ds.model.sequence_parallel`)."""
+    ds_sequence_parallel_size: int = 1
+    """DeepSpeed-Ulysses sequence parallelism N (`--ds-sequence-parallel-size`): groups of N ranks carved
+    out of data parallelism split each sequence N ways, attention exchanges heads for sequence with two
+    all-to-alls (`megatron_ds.model.ulysses`); T = P = 1, as Megatron-DeepSpeed requires."""
 
     def __post_init__(self) -> None:
         p, t = self.pipeline_model_parallel_size, self.tensor_model_parallel_size
@@ -83,12 +91,16 @@ class ParallelConfig:
             p >= 1 and t >= 1,
             f"--pipeline-model-parallel-size {p} and --tensor-model-parallel-size {t} must be >= 1",
         )
+        self._check_sequence_parallel()
         if self.world_size is not None:
             at_least("world size", self.world_size, 1)
+            n = self.ds_sequence_parallel_size
             check(
-                self.world_size % (p * t) == 0,
+                self.world_size % (p * t * n) == 0,
                 f"world size {self.world_size} is not divisible by --pipeline-model-parallel-size {p} x "
-                f"--tensor-model-parallel-size {t}; launch a multiple of {p * t} processes",
+                f"--tensor-model-parallel-size {t}"
+                + (f" x --ds-sequence-parallel-size {n}" if n > 1 else "")
+                + f"; launch a multiple of {p * t * n} processes",
             )
         one_of("--pp-dedicated-embedding-stages", self.pp_dedicated_embedding_stages, DEDICATED_CHOICES)
         one_of("--pp-schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
@@ -119,6 +131,26 @@ class ParallelConfig:
             f"machine; drop --pp-device or choose another method",
         )
 
+    def _check_sequence_parallel(self) -> None:
+        p, t, n = self.pipeline_model_parallel_size, self.tensor_model_parallel_size, self.ds_sequence_parallel_size
+        check(
+            not self.sequence_parallel or t > 1,
+            "sequence_parallel needs --tensor-model-parallel-size > 1 (at 1 Megatron-LM turns it off)",
+        )
+        at_least("--ds-sequence-parallel-size", n, 1)
+        check(
+            not (n > 1 and self.sequence_parallel),
+            f"--ds-sequence-parallel-size {n} and --sequence-parallel were both given: DeepSpeed's and Megatron's "
+            f"sequence parallelism do not combine (Megatron-DeepSpeed refuses them together); keep one",
+        )
+        check(
+            n == 1 or (t == 1 and p == 1),
+            f"--ds-sequence-parallel-size {n} needs --tensor-model-parallel-size 1 and --pipeline-model-parallel-size "
+            f"1 (got {t} and {p}): as in Megatron-DeepSpeed, Ulysses runs on DeepSpeed's plain engine, whose "
+            f"sequence-parallel group comes out of data parallelism; use T = P = 1 (--no-pipeline-parallel), or "
+            f"--sequence-parallel with tensor parallelism",
+        )
+
     @property
     def memory_limit_bytes(self) -> float | None:
         """`pp_memory_limit` in bytes (None when not given)."""
@@ -136,8 +168,11 @@ class ParallelConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        """Replicas of the model: world size / (P x T)."""
-        return 1 if self.world_size is None else self.world_size // self.model_parallel_size
+        """Replicas of the model that read different samples: world size / (P x T x N), N the Ulysses
+        degree (the N ranks of a sequence-parallel group read the same samples)."""
+        if self.world_size is None:
+            return 1
+        return self.world_size // (self.model_parallel_size * self.ds_sequence_parallel_size)
 
     @property
     def layout_method(self) -> str:

@@ -130,6 +130,13 @@ class CurriculumConfig:
         except ConfigError as err:
             raise ConfigError(f"{source} {err}") from None
 
+    def lengths_to_divide(self) -> tuple[int, ...]:
+        """What every length the curriculum gives is built from: its lengths (fixed_discrete), or the first
+        and last and the step the others are multiples of."""
+        if self.schedule_type == "fixed_discrete":
+            return self.difficulty
+        return (self.min_difficulty, self.max_difficulty, self.difficulty_step)
+
     def difficulty_at(self, step: int) -> int:
         """DeepSpeed's `get_difficulty(step)` for this schedule (0.19.8's; see `seq_length`)."""
         if self.schedule_type == "fixed_discrete":

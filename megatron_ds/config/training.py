@@ -190,6 +190,10 @@ class TrainingConfig:
     `--recompute-granularity full --recompute-method uniform`)."""
     checkpoint_num_layers: int = 1
     """Transformer layers per recomputed chunk (`--checkpoint-num-layers` / `--recompute-num-layers`)."""
+    selective_recompute: bool = False
+    """Recompute each layer's core attention (scores, softmax, attention dropout, the product with v) in
+    backward and keep the rest (Megatron's `--recompute-activations`, `--recompute-granularity selective`);
+    not with `checkpoint_activations` (one granularity, as in Megatron)."""
     deepspeed_config: str | None = None
     """Optional user DeepSpeed JSON merged into the generated one (`--deepspeed_config`)."""
     exit_interval: int | None = None
@@ -245,6 +249,11 @@ class TrainingConfig:
         one_of("precision", self.precision, PRECISIONS)
         one_of("--zero-stage", self.zero_stage, ZERO_STAGES)
         self._check_offload()
+        check(
+            not (self.selective_recompute and self.checkpoint_activations),
+            "selective recomputation (--recompute-activations / --recompute-granularity selective) and full "
+            "recomputation (--checkpoint-activations / --recompute-granularity full) were both asked for; keep one",
+        )
         check(
             self.checkpoint_num_layers >= 1,
             f"layers per recomputed chunk (--checkpoint-num-layers / --recompute-num-layers) is "

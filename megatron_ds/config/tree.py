@@ -64,6 +64,7 @@ class Config:
             f"--micro-batch-size {mbs} x data-parallel size {dp} (DeepSpeed runs whole micro-batches); use sizes "
             f"that are multiples of {mbs * dp}",
         )
+        self._check_sequence_split()
         curriculum = self.training.curriculum
         if curriculum is not None:
             longest = max((curriculum.max_difficulty, *curriculum.difficulty))
@@ -71,6 +72,40 @@ class Config:
                 longest <= model.seq_length,
                 f"curriculum_learning asks for sequences of {longest} tokens, beyond --seq-length "
                 f"{model.seq_length}: the curriculum cuts samples, it cannot lengthen them; lower it",
+            )
+
+    def _check_sequence_split(self) -> None:
+        """Sequence parallelism cuts every sequence into equal parts; Ulysses also deals out whole heads."""
+        par, model = self.parallel, self.model
+        n, flag = (
+            (par.tensor_model_parallel_size, "--sequence-parallel with --tensor-model-parallel-size")
+            if par.sequence_parallel
+            else (par.ds_sequence_parallel_size, "--ds-sequence-parallel-size")
+        )
+        if n == 1:
+            return
+        check(
+            model.seq_length % n == 0,
+            f"{flag} {n} splits each sequence {n} ways, but --seq-length {model.seq_length} is not divisible by "
+            f"{n}; use a multiple of {n}",
+        )
+        if par.ds_sequence_parallel_size > 1:
+            for what, heads in (
+                ("--num-attention-heads", model.num_attention_heads),
+                ("key/value heads", model.kv_heads),
+            ):
+                check(
+                    heads % n == 0,
+                    f"--ds-sequence-parallel-size {n} gives each rank 1/{n} of the attention heads, but {what} is "
+                    f"{heads}, not divisible by {n}; choose a degree that divides {heads}",
+                )
+        curriculum = self.training.curriculum
+        if curriculum is not None:
+            bad = [x for x in curriculum.lengths_to_divide() if x % n]
+            check(
+                not bad,
+                f"{flag} {n} needs every sequence length divisible by {n}, but curriculum_learning gives "
+                f"{bad[0] if bad else 0}-token batches; make its lengths (and difficulty_step) multiples of {n}",
             )
 
     def _check_engine(self) -> None:
@@ -106,9 +141,10 @@ class Config:
 
     @property
     def engine_kind(self) -> str:
-        """`plain` (DeepSpeed's DeepSpeedEngine, ZeRO 2/3 at P = 1) or `pipeline` (its PipelineEngine, every
-        other run): which DeepSpeed engine trains this run; ZeRO 0/1 keep the pipeline engine at P = 1 too."""
-        return "plain" if self.training.zero_stage >= 2 else "pipeline"
+        """`plain` (DeepSpeed's DeepSpeedEngine: ZeRO 2/3 at P = 1, and Ulysses) or `pipeline` (its PipelineEngine,
+        every other run): which DeepSpeed engine trains this run; ZeRO 0/1 keep the pipeline engine at P = 1 too."""
+        ulysses = self.parallel.ds_sequence_parallel_size > 1  # its groups exist in the plain engine only
+        return "plain" if self.training.zero_stage >= 2 or ulysses else "pipeline"
 
     @property
     def grad_accumulation_steps(self) -> int:

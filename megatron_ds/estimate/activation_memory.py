@@ -20,6 +20,14 @@ each saved tensor taken from the kernels that actually run:
 These CPU rules were read off `torch.autograd.graph.saved_tensors_hooks` on our own layers
 (tests/unit/test_memory_model.py repeats that check); the CUDA rules are the kernels' documented
 saved tensors and are not measured here. Every number is an estimate.
+
+Splits (`Split`), Sec. 4.2.2 and 5 of the paper: with Megatron's sequence parallelism the "10" terms
+(norms, the qkv and fc1 inputs, which megatron-core's linears save split and gather again in
+backward, residual dropout masks) are split t ways too, giving sbh/t (34 + 5as/h); selective
+recomputation drops what the core attention saves besides q, k, v (the 5as/h term on the math path,
+the log-sum-exp on the flash path), giving sbh/t x 34 with sequence parallelism. DeepSpeed-Ulysses
+splits every tensor N ways: the sequence outside attention, the heads inside it; its attention
+output comes back from the all-to-all as a tensor of its own, beside the one the flash kernel saves.
 """
 
 from __future__ import annotations
@@ -54,6 +62,37 @@ class Kernels:
     """Math path saves its own q, k, v copies (CPU) rather than views of the qkv output (CUDA)."""
     stat: int
     """Bytes of one norm statistic (mean or rstd) per token."""
+    rng_state: int = 16
+    """Bytes of one generator state (`get_rng_state()`): CUDA's Philox seed and offset, the CPU's mt19937 5056."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one rank's share of a layer's activations is cut, and what is recomputed."""
+
+    tensor: int = 1
+    """t: heads and MLP features (tensor parallelism)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism: the replicated regions split t ways along the sequence too."""
+    ulysses: int = 1
+    """N (DeepSpeed-Ulysses): the sequence outside attention, the heads inside it."""
+    selective: bool = False
+    """The core attention is recomputed in backward (selective recomputation)."""
+
+    @property
+    def replicated(self) -> int:
+        """Divisor of the activations outside the tensor-parallel regions (the paper's "10")."""
+        return (self.tensor if self.sequence_parallel else 1) * self.ulysses
+
+    @property
+    def split(self) -> int:
+        """Divisor of the activations inside them (the paper's "24" and the attention scores)."""
+        return self.tensor * self.ulysses
+
+
+def as_split(split: Split | int) -> Split:
+    """A `Split`, from one or from a tensor-parallel size."""
+    return split if isinstance(split, Split) else Split(tensor=split)
 
 
 def kernels(precision: str, device: str, attention_dropout: float, attention: str | None = None) -> Kernels:
@@ -68,7 +107,7 @@ def kernels(precision: str, device: str, attention_dropout: float, attention: st
         return Kernels(w=w, mask=1, attention=attention or "flash", math_bytes=w, attn_mask=1, qkv_copies=False, stat=4)
     # CPU: the flash kernel takes no dropout, so SDPA falls back to math when dropout is on.
     chosen = attention or ("math" if attention_dropout > 0 else "flash")
-    return Kernels(w=w, mask=w, attention=chosen, math_bytes=4, attn_mask=4, qkv_copies=True, stat=w)
+    return Kernels(w=w, mask=w, attention=chosen, math_bytes=4, attn_mask=4, qkv_copies=True, stat=w, rng_state=5056)
 
 
 def _norm_stats(model: ModelConfig) -> int:
@@ -79,39 +118,47 @@ def transformer_layer_terms(
     model: ModelConfig,
     micro_batch_size: int,
     k: Kernels,
-    tensor_parallel_size: int = 1,
+    split: Split | int = 1,
     *,
     regularization: RegularizationConfig,
 ) -> dict[str, float]:
     """Saved bytes of one TransformerLayer for one micro-batch, by tensor (Korthikanti Sec. 4.1 terms);
-    dropout masks exist only when `regularization`'s probabilities are > 0."""
+    dropout masks exist only when `regularization`'s probabilities are > 0. `split`: a `Split`, or the
+    tensor-parallel size."""
+    sp = as_split(split)
     b, s, h, f = micro_batch_size, model.seq_length, model.hidden_size, model.ffn_hidden_size
-    t, a = tensor_parallel_size, model.num_attention_heads
+    r, t, a = sp.replicated, sp.split, model.num_attention_heads
     sbh, bs = s * b * h, s * b
     drop_h = regularization.hidden_dropout > 0
     drop_a = regularization.attention_dropout > 0
     terms = {
         # Replicated over tensor-parallel ranks (the paper's "10"): norm inputs, qkv and fc1 inputs, masks.
-        "norm inputs": 2 * sbh * k.w,
-        "norm statistics": 2 * _norm_stats(model) * bs * k.stat,
-        "qkv input": sbh * k.w,
-        "fc1 input": sbh * k.w,
-        "residual dropout masks": (2 * sbh * k.mask) if drop_h else 0,
+        "norm inputs": 2 * sbh * k.w / r,
+        "norm statistics": 2 * _norm_stats(model) * bs * k.stat / r,
+        "qkv input": sbh * k.w / r,
+        "fc1 input": sbh * k.w / r,
+        "residual dropout masks": (2 * sbh * k.mask / r) if drop_h else 0,
         # Split over tensor-parallel ranks (the paper's "24/t").
         "projection input": sbh * k.w / t,
         # GeLU saves its input (the paper's 4h-wide "GeLU input"); SwiGLU fc1's two halves and silu's output.
         f"{model.activation} inputs": activations.find(model.activation).saved_features * s * b * f * k.w / t,
         "fc2 input": s * b * f * k.w / t,
     }
-    terms.update(_attention_terms(b, s, h, a, t, k, drop_a))
+    terms.update(_attention_terms(b, s, h, a, sp, k, drop_a))
     return terms
 
 
-def _attention_terms(b: int, s: int, h: int, a: int, t: int, k: Kernels, dropout: bool) -> dict[str, float]:
+def _attention_terms(b: int, s: int, h: int, a: int, sp: Split, k: Kernels, dropout: bool) -> dict[str, float]:
+    t = sp.split
     sbh, scores = s * b * h, a * s * s * b
+    if sp.selective:  # the checkpointed core attention keeps its inputs only (views of the qkv output)
+        return {"q, k, v": 3 * sbh * k.w / t}
     if k.attention == "flash":
         # q, k, v are views of the qkv output, saved whole; plus float32 log-sum-exp per (b, head, s).
-        return {"q, k, v": 3 * sbh * k.w / t, "softmax log-sum-exp": 4 * b * a * s / t}
+        out = {"q, k, v": 3 * sbh * k.w / t, "softmax log-sum-exp": 4 * b * a * s / t}
+        if sp.ulysses > 1:  # the projection reads the all-to-all's result, not a view of the kernel's output
+            out["attention output (flash)"] = sbh * k.w / t
+        return out
     qkv = 3 * sbh * (k.math_bytes if k.qkv_copies else k.w) / t
     out = {"q, k, v": qkv, "softmax output": scores * k.math_bytes / t}
     if dropout:
@@ -120,28 +167,92 @@ def _attention_terms(b: int, s: int, h: int, a: int, t: int, k: Kernels, dropout
     return out
 
 
-def korthikanti_layer_bytes(
-    seq_length: int, micro_batch_size: int, hidden_size: int, num_heads: int, tensor_parallel_size: int = 1
+def recomputed_attention_bytes(
+    model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split, *, regularization: RegularizationConfig
 ) -> float:
-    """The paper's closed form, eq. in Sec. 4.2: sbh(10 + 24/t + 5as/(ht)) bytes (16-bit, 4h MLP)."""
+    """What recomputing one layer's core attention in backward allocates for one micro-batch (selective
+    recomputation): what it would save besides q, k, v (views of the qkv output, kept), and on the flash
+    path its output, a new tensor then (under Ulysses already one of the terms)."""
+    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    whole = Split(split.tensor, split.sequence_parallel, split.ulysses, selective=False)
+    full = _attention_terms(b, s, h, model.num_attention_heads, whole, k, regularization.attention_dropout > 0)
+    views = 3 * s * b * h * k.w / whole.split
+    if k.attention == "math":  # CPU's math path copies q, k, v itself: all of it is new
+        return sum(full.values()) - (0 if k.qkv_copies else views)
+    output = 0 if split.ulysses > 1 else s * b * h * k.w / whole.split
+    return sum(full.values()) - views + output
+
+
+CPU_RNG_STATE_BYTES = 5056
+"""torch.get_rng_state() on the CPU (mt19937)."""
+
+
+def checkpoint_rng_bytes(k: Kernels, tracker_streams: int) -> float:
+    """What one call of DeepSpeed's activation checkpointing keeps for its recompute besides its inputs: the
+    CPU generator's state, the accelerator's, and every stream of the RNG tracker (`CheckpointFunction.forward`)."""
+    return CPU_RNG_STATE_BYTES + k.rng_state * (1 + tracker_streams)
+
+
+MLP_HALF = ("fc1 input", "fc2 input")
+"""Terms of `transformer_layer_terms` that belong to the MLP half of the layer (with the activation's inputs,
+and half of the norm and residual-dropout terms): freed once the layer's MLP backward has run."""
+
+
+def mlp_half_bytes(terms: dict[str, float], activation: str) -> float:
+    """What a layer's backward has freed when it reaches the core attention: the MLP half of `terms`."""
+    halves = ("norm inputs", "norm statistics", "residual dropout masks")
+    return sum(terms[n] for n in (*MLP_HALF, f"{activation} inputs")) + sum(terms[n] for n in halves) / 2
+
+
+def attention_backward_bytes(model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split) -> float:
+    """The largest gradient the core attention's backward allocates while what it saved is alive: on the math
+    path the gradient of the attention probabilities, (b, a/t, s, s) in the math dtype (measured on CPU:
+    four s x s blocks alive at the peak, three saved and this one); the flash kernels keep no s x s tensor."""
+    if k.attention != "math":
+        return 0.0
+    s = model.seq_length
+    return model.num_attention_heads * s * s * micro_batch_size * k.math_bytes / split.split
+
+
+def korthikanti_layer_bytes(
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    num_heads: int,
+    tensor_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    selective: bool = False,
+) -> float:
+    """The paper's closed forms (16-bit, 4h MLP), Sec. 4.2 and 5: sbh(10 + 24/t + 5as/(ht)); with
+    sequence parallelism sbh/t (34 + 5as/h); selective recomputation drops the 5as/h term."""
     s, b, h, a, t = seq_length, micro_batch_size, hidden_size, num_heads, tensor_parallel_size
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    scores = 0 if selective else 5 * a * s / h
+    if sequence_parallel:
+        return s * b * h / t * (34 + scores)
+    return s * b * h * (10 + 24 / t + scores / t)
 
 
-def checkpointed_layer_bytes(model: ModelConfig, micro_batch_size: int, k: Kernels) -> float:
-    """With full recomputation only a chunk's input survives: 2sbh in the paper's 16-bit terms."""
-    return model.seq_length * micro_batch_size * model.hidden_size * k.w
+def checkpointed_layer_bytes(model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split | int = 1) -> float:
+    """With full recomputation only a chunk's input survives: 2sbh in the paper's 16-bit terms (sbh/t with
+    sequence parallelism, sbh/N under Ulysses: the layer's input is this rank's part)."""
+    return model.seq_length * micro_batch_size * model.hidden_size * k.w / as_split(split).replicated
 
 
 def pre_terms(
-    model: ModelConfig, micro_batch_size: int, k: Kernels, *, regularization: RegularizationConfig
+    model: ModelConfig,
+    micro_batch_size: int,
+    k: Kernels,
+    *,
+    regularization: RegularizationConfig,
+    split: Split | int = 1,
 ) -> dict[str, dict[str, float]]:
     """Saved bytes of the pre-processing specs, keyed by spec name."""
+    sp = as_split(split)
     bs = model.seq_length * micro_batch_size
-    dropout = bs * model.hidden_size * k.mask if regularization.hidden_dropout > 0 else 0
+    dropout = bs * model.hidden_size * k.mask / sp.replicated if regularization.hidden_dropout > 0 else 0
     return {
         "cast_token_ids": {},
-        "WordEmbedding": {"token ids (embedding backward)": bs * TOKEN_ID_BYTES},
+        "WordEmbedding": {"token ids (embedding backward)": bs * TOKEN_ID_BYTES / sp.ulysses},
         # spec 2 is PositionEmbedding, or a bare EmbeddingDropout for rotary models (no position table)
         ("PositionEmbedding" if model.add_position_embedding else "EmbeddingDropout"): {
             "embedding dropout mask": dropout
@@ -150,30 +261,39 @@ def pre_terms(
 
 
 def post_terms(
-    model: ModelConfig, micro_batch_size: int, k: Kernels, head_name: str, tensor_parallel_size: int = 1
+    model: ModelConfig, micro_batch_size: int, k: Kernels, head_name: str, split: Split | int = 1
 ) -> dict[str, dict[str, float]]:
-    """Saved bytes of the post-processing specs (the loss's saved tensors are put on logits_to_fp32)."""
+    """Saved bytes of the post-processing specs (the loss's saved tensors are put on logits_to_fp32).
+    Under sequence parallelism the head's linear saves its input split (and gathers it again in backward)."""
+    sp = as_split(split)
     bs = model.seq_length * micro_batch_size
     sbh = bs * model.hidden_size
-    bsv = bs * model.vocab_size / tensor_parallel_size  # vocab-parallel logits under tensor parallelism
+    bsv = bs * model.vocab_size / (sp.tensor * sp.ulysses)  # vocab-parallel logits under tensor parallelism
     return {
-        "FinalNorm": {"norm input": sbh * k.w, "norm statistics": _norm_stats(model) * bs * k.stat},
-        head_name: {"LM head input": sbh * k.w},
+        "FinalNorm": {
+            "norm input": sbh * k.w / sp.replicated,
+            "norm statistics": _norm_stats(model) * bs * k.stat / sp.replicated,
+        },
+        head_name: {"LM head input": sbh * k.w / sp.replicated},
         # log_softmax saves its float32 output (nll_loss reuses it); the fp32 logits themselves are not
-        # saved by autograd but DeepSpeed keeps them as the stage output (see `logits_bytes`).
+        # saved by autograd but DeepSpeed keeps them as the stage output (see `logits_bytes`). Under
+        # Ulysses each rank holds its part of the labels and all of the loss mask.
         "logits_to_fp32": {
             "fp32 log-probabilities": 4 * bsv,
-            "labels and loss mask": bs * (TOKEN_ID_BYTES + LOSS_MASK_BYTES) + 8,
+            "labels and loss mask": bs * (TOKEN_ID_BYTES / sp.ulysses + LOSS_MASK_BYTES) + 8,
+            **({"vocabulary-parallel target mask": bs - 4} if sp.tensor > 1 else {}),  # bool; one scalar fewer
         },
     }
 
 
-def logits_bytes(model: ModelConfig, micro_batch_size: int, tensor_parallel_size: int = 1) -> float:
+def logits_bytes(model: ModelConfig, micro_batch_size: int, tensor_parallel_size: int = 1, ulysses: int = 1) -> float:
     """The float32 logits of one micro-batch, which the last stage's pipe buffer keeps until backward."""
-    return 4 * model.seq_length * micro_batch_size * model.vocab_size / tensor_parallel_size
+    return 4 * model.seq_length * micro_batch_size * model.vocab_size / (tensor_parallel_size * ulysses)
 
 
-def loss_backward_transient(model: ModelConfig, micro_batch_size: int, tensor_parallel_size: int = 1) -> float:
+def loss_backward_transient(
+    model: ModelConfig, micro_batch_size: int, tensor_parallel_size: int = 1, ulysses: int = 1
+) -> float:
     """Gradient buffers the loss backward allocates for one micro-batch: d(log-probs) and d(logits),
     float32 b*s*v each (nll_loss and log_softmax backward)."""
-    return 2 * 4 * model.seq_length * micro_batch_size * model.vocab_size / tensor_parallel_size
+    return 2 * logits_bytes(model, micro_batch_size, tensor_parallel_size, ulysses)

@@ -12,7 +12,9 @@ Conventions kept from the paper:
   - backward = 2 x forward for every matmul (the gradient of the input and of the weight, or of
     both operands of a bmm); holds here because every stage's input requires grad (the embedding
     output on stage 0, DeepSpeed's received activations elsewhere);
-  - activation recomputation adds one forward of each recomputed transformer layer;
+  - activation recomputation adds one forward of each recomputed transformer layer; selective
+    recomputation one forward of each layer's core attention (scores, softmax, attention over values:
+    Korthikanti et al.'s 2.7% overhead at GPT-3 size);
   - attention scores cover the full s x s square (the paper's s/6h term, Megatron-LM's
     `num_floating_point_operations`, FlopCounterMode and torch's math SDPA backend all count it),
     and their backward is 2x the forward. What runs differs: on CPU, SDPA takes the math backend
@@ -68,11 +70,19 @@ class ComputeInputs:
     """Layers per recomputed chunk (DeepSpeed's `activation_checkpoint_interval`)."""
     causal_attention: bool = False
     """Count only the s(s+1)/2 query-key pairs causal kernels compute (see the module docstring)."""
+    selective_recompute: bool = False
+    """Recompute each layer's core attention in backward (`--recompute-activations`): scores, softmax and the
+    attention over values run again."""
+    ulysses_size: int = 1
+    """N (DeepSpeed-Ulysses): every rank computes 1/N of every spec (its tokens outside attention, its heads
+    over the whole sequence inside it). Megatron's sequence parallelism changes no FLOPs."""
 
     def __post_init__(self) -> None:
         m, t = self.model, self.tensor_parallel_size
-        if self.micro_batch_size < 1 or t < 1 or self.checkpoint_num_layers < 1:
-            raise ValueError(f"micro_batch_size, tensor_parallel_size and checkpoint_num_layers must be >= 1: {self}")
+        if self.micro_batch_size < 1 or t < 1 or self.checkpoint_num_layers < 1 or self.ulysses_size < 1:
+            raise ValueError(
+                f"micro_batch_size, tensor_parallel_size, checkpoint_num_layers and ulysses_size must be >= 1: {self}"
+            )
         for what, value in (
             ("heads", m.num_attention_heads),
             ("kv heads", m.kv_heads),
@@ -204,6 +214,7 @@ def spec_flops(inputs: ComputeInputs) -> tuple[SpecFlops, ...]:
     """Every spec in spec-index order (`naming.gpt_spec_groups`), then the loss (group `loss`)."""
     groups = naming.gpt_spec_groups(inputs.model)
     layer = layer_terms(inputs)
+    n = inputs.ulysses_size
     out = []
     for idx, name in enumerate([*groups.names, groups.loss_name]):
         group = "loss" if idx == groups.num_specs else groups.group_of(idx)
@@ -213,8 +224,19 @@ def spec_flops(inputs: ComputeInputs) -> tuple[SpecFlops, ...]:
             terms = _pre_terms(inputs, name)
         else:
             terms = _post_terms(inputs, name)
+        if n > 1:  # every term is over the tokens or the heads, both split n ways
+            terms = tuple(Term(t.name, t.kind, t.forward // n, t.backward // n) for t in terms)
         out.append(SpecFlops(idx, name, group, terms))
     return tuple(out)
+
+
+CORE_ATTENTION = ("scores", "softmax", "attention over values")
+"""The terms of `layer_terms` that selective recomputation runs again in backward."""
+
+
+def core_attention_forward(layer: SpecFlops) -> int:
+    """Forward FLOPs of one layer's core attention (what selective recomputation repeats)."""
+    return sum(t.forward for t in layer.terms if t.name in CORE_ATTENTION)
 
 
 def recomputed_layers(num_pre: int, num_layers: int, num_post: int, interval: int) -> int:
@@ -267,14 +289,20 @@ def stage_flops_for(inputs: ComputeInputs, stage: int, num_stages: int, num_laye
     interval = inputs.checkpoint_num_layers if inputs.checkpoint_activations else 0
     num_post_funcs = sum(1 for sp in post if sp.group == "post")  # the loss is not a forward function
     again = recomputed_layers(len(pre), num_layers, num_post_funcs, interval)
+    attention = num_layers * core_attention_forward(layer) if inputs.selective_recompute else 0
+    attention_matmul = (
+        num_layers * sum(t.forward for t in layer.terms if t.name in CORE_ATTENTION and t.kind == MATMUL)
+        if inputs.selective_recompute
+        else 0
+    )
     return StageFlops(
         stage=stage,
         num_layers=num_layers,
         forward=sum(sp.forward for sp in held),
         backward=sum(sp.backward for sp in held),
-        recompute=again * layer.forward,
+        recompute=again * layer.forward + attention,
         matmul_forward=sum(sp.matmul_forward for sp in held),
-        matmul_backward=sum(sp.matmul_backward for sp in held) + again * layer.matmul_forward,
+        matmul_backward=sum(sp.matmul_backward for sp in held) + again * layer.matmul_forward + attention_matmul,
         weight=sum(sp.weight_backward for sp in held),
     )
 

@@ -69,11 +69,37 @@ ZERO_1 = Remedy(
     lambda i: dataclasses.replace(i, zero_stage=1) if i.zero_stage == 0 and i.data_parallel_size > 1 else None,
     lambda i: "--zero-stage 1",
 )
+SEQUENCE_PARALLEL = Remedy(
+    "sequence parallelism",
+    "none in compute; all-gather + reduce-scatter in place of the tensor-parallel all-reduce, the same volume "
+    "(Korthikanti et al. 2022, Sec. 4.2.2)",
+    0,
+    lambda i: (
+        dataclasses.replace(i, sequence_parallel=True)
+        if i.tensor_parallel_size > 1 and not i.sequence_parallel
+        else None
+    ),
+    lambda i: "--sequence-parallel",
+)
+SELECTIVE_RECOMPUTE = Remedy(
+    "selective recomputation",
+    "each layer's core attention again in backward, a few % more compute (Korthikanti et al. 2022, Sec. 5); "
+    "saves the s x s attention tensors, which fused (flash) attention kernels do not keep anyway",
+    1,
+    lambda i: (
+        None if i.checkpoint_activations or i.selective_recompute else dataclasses.replace(i, selective_recompute=True)
+    ),
+    lambda i: "--recompute-activations",
+)
 RECOMPUTE = Remedy(
     "activation recomputation",
     "about one extra forward per layer, ~1/3 more compute (Korthikanti et al. 2022)",
     1,
-    lambda i: None if i.checkpoint_activations else dataclasses.replace(i, checkpoint_activations=True),
+    lambda i: (
+        None
+        if i.checkpoint_activations
+        else dataclasses.replace(i, checkpoint_activations=True, selective_recompute=False)
+    ),
     lambda i: "--checkpoint-activations",
 )
 HALVE_MICRO_BATCH = Remedy(
@@ -100,7 +126,15 @@ ONE_BIT = Remedy(
     lambda i: "optimizer type OneBitAdam etc.",
     same_layout=True,
 )
-REMEDIES: tuple[Remedy, ...] = (ZERO_1, RECOMPUTE, HALVE_MICRO_BATCH, OFFLOAD_OPTIMIZER, ONE_BIT)
+REMEDIES: tuple[Remedy, ...] = (
+    ZERO_1,
+    SEQUENCE_PARALLEL,
+    SELECTIVE_RECOMPUTE,
+    RECOMPUTE,
+    HALVE_MICRO_BATCH,
+    OFFLOAD_OPTIMIZER,
+    ONE_BIT,
+)
 """In the order equal-cost changes are listed."""
 REBALANCE_COST = "none in memory or communication; stage times become unequal"
 
@@ -121,7 +155,7 @@ def fit_advice(inputs: MemoryInputs, num_stages: int, limit: float) -> str:
         if need <= limit:
             found.append(f"--pipeline-model-parallel-size {p} ({format_bytes(need)} on its largest stage)")
             break
-    for remedy in (RECOMPUTE, ZERO_1):
+    for remedy in (SEQUENCE_PARALLEL, RECOMPUTE, ZERO_1):
         changed = remedy.change(inputs)
         if changed is not None:
             need = least_memory(changed, num_stages)

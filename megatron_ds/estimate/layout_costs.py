@@ -39,6 +39,8 @@ def compute_inputs(mem: MemoryInputs) -> ComputeInputs:
         checkpoint_activations=mem.checkpoint_activations,
         checkpoint_num_layers=mem.checkpoint_num_layers,
         causal_attention=mem.kernels.attention == "flash",
+        selective_recompute=mem.selective_recompute,
+        ulysses_size=mem.ulysses_size,
     )
 
 

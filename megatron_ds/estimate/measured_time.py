@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_ds.estimate.compute import ComputeInputs, recomputed_layers, spec_flops
+from megatron_ds.estimate.compute import ComputeInputs, core_attention_forward, recomputed_layers, spec_flops
 from megatron_ds.model import naming
 from megatron_ds.pipeline.costs import StageTime
 
@@ -70,6 +70,8 @@ def stage_time_fn(calibration: Calibration, inputs: ComputeInputs, num_stages: i
     scale = {g: per_rank[g] / one_rank[g] if one_rank[g] else 1.0 for g in GROUPS}  # 1 at T = 1
     pre, layer, post = (calibration.group(g) for g in GROUPS)
     interval = inputs.checkpoint_num_layers if inputs.checkpoint_activations else 0
+    body = next(sp for sp in spec_flops(inputs) if sp.group == "body")
+    attention_share = core_attention_forward(body) / body.forward if inputs.selective_recompute else 0.0
 
     def stage_time(stage: int, num_layers: int) -> StageTime:
         first, last = stage == 0, stage == num_stages - 1
@@ -80,6 +82,7 @@ def stage_time_fn(calibration: Calibration, inputs: ComputeInputs, num_stages: i
         optimizer += calibration.tied_copy_optimizer * (last and not first)  # one stage: one shared module
         optimizer /= inputs.tensor_parallel_size
         again = recomputed_layers(len(groups.pre) * first, num_layers, len(groups.post) * last, interval)
+        again += num_layers * attention_share  # selective recomputation: the core attention's share of a forward
         return StageTime(forward, backward + again * layer.forward * scale["layer"], optimizer)
 
     return stage_time

@@ -37,6 +37,17 @@ class MemoryInputs:
     """Recompute transformer layers in backward (`--checkpoint-activations`)."""
     checkpoint_num_layers: int = 1
     """Layers per recomputed chunk (`--checkpoint-num-layers`)."""
+    selective_recompute: bool = False
+    """Recompute each layer's core attention in backward (`--recompute-activations`)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (`--sequence-parallel`, t > 1): the replicated activations, and what
+    passes between stages, split t ways along the sequence."""
+    ulysses_size: int = 1
+    """DeepSpeed-Ulysses degree N (`--ds-sequence-parallel-size`): every activation split N ways.
+    `data_parallel_size` is then the ZeRO group, DP x N ranks."""
+    engine: str = "pipeline"
+    """`pipeline` (DeepSpeed's PipelineEngine and its pipe buffers) or `plain` (its DeepSpeedEngine: ZeRO 2/3
+    at P = 1 and Ulysses, `Config.engine_kind`), which keeps no buffer but the micro-batch it loaded."""
     optimizer: str = "adam"
     """`adam` or `sgd` (momentum)."""
     offload_optimizer: str = "none"
@@ -69,6 +80,7 @@ class MemoryInputs:
             "data_parallel_size",
             "tensor_parallel_size",
             "checkpoint_num_layers",
+            "ulysses_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -80,6 +92,12 @@ class MemoryInputs:
             raise ValueError(f"schedule {self.schedule!r} is not one of {', '.join(pipeline_schedules.REGISTRY)}")
         if (self.virtual_stages > 1) != pipeline_schedules.find(self.schedule).virtual:
             raise ValueError(f"schedule {self.schedule!r} with {self.virtual_stages} virtual stages per rank")
+        if self.engine not in ("pipeline", "plain"):
+            raise ValueError(f"engine {self.engine!r} is not one of pipeline, plain")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("sequence_parallel needs tensor_parallel_size > 1")
+        if self.selective_recompute and self.checkpoint_activations:
+            raise ValueError("selective_recompute and checkpoint_activations are one granularity or the other")
         self.factors  # noqa: B018 - validates zero stage and offload combination
         self.kernels  # noqa: B018 - validates device and attention
 
@@ -98,6 +116,11 @@ class MemoryInputs:
             self.offload_param,
             accumulating=self.num_micro_batches > 1,
         )
+
+    @property
+    def split(self) -> act.Split:
+        """How a layer's activations are cut on one rank (`activation_memory.Split`)."""
+        return act.Split(self.tensor_parallel_size, self.sequence_parallel, self.ulysses_size, self.selective_recompute)
 
     @property
     def kernels(self) -> act.Kernels:

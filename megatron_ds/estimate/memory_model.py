@@ -52,8 +52,10 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
     params = shapes.gpt_spec_params(m, t)
     numels = shapes.gpt_spec_tensor_numels(m, t)
     threshold = inputs.zero3_persistence_threshold if inputs.zero_stage == 3 else -1
-    terms = {**act.pre_terms(m, b, k, regularization=inputs.regularization), **act.post_terms(m, b, k, head, t)}
-    layer_terms = act.transformer_layer_terms(m, b, k, t, regularization=inputs.regularization)
+    split = inputs.split
+    pre = act.pre_terms(m, b, k, regularization=inputs.regularization, split=split)
+    terms = {**pre, **act.post_terms(m, b, k, head, split)}
+    layer_terms = act.transformer_layer_terms(m, b, k, split, regularization=inputs.regularization)
     out = []
     for idx, name in enumerate(groups.names):
         group = groups.group_of(idx)
@@ -74,7 +76,7 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
                 optimizer=fac.optimizer(n, dp),
                 host=fac.host(n, dp),
                 activations=saved,
-                checkpointed_activations=act.checkpointed_layer_bytes(m, b, k) if group == "body" else saved,
+                checkpointed_activations=act.checkpointed_layer_bytes(m, b, k, split) if group == "body" else saved,
                 activation_terms=dict(spec_terms),
                 tied=name == naming.TIED_LM_HEAD,
                 no_decay_params=n_no_decay,
@@ -140,6 +142,7 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
             sum(sp.activations for sp in pre + post)
             + full * layer.activations
             + (k - full) * layer.checkpointed_activations
+            + _checkpoint_states(inputs, bool(pre), k, full)
         )
         store.append(weight_store_bytes(inputs, k, holds_head=bool(post)))
     schedule = inputs.pipeline_schedule
@@ -201,6 +204,20 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
         backward_transient=later_bwd[0],
         weight_store_per_micro_batch=store[0],
     )
+
+
+def _checkpoint_states(inputs: MemoryInputs, first: bool, num_layers: int, full_layers: int) -> float:
+    """The generator states DeepSpeed's checkpointing keeps per call and micro-batch (one call per recomputed
+    chunk, or per layer under selective recomputation), for the tracker's streams of this stage: each layer's
+    two dropout streams, the embedding's, megatron-core's model-parallel one at T > 1 (those that draw)."""
+    chunks = -(-(num_layers - full_layers) // max(inputs.checkpoint_num_layers, 1))
+    calls = num_layers if inputs.selective_recompute else chunks if inputs.checkpoint_activations else 0
+    if not calls:
+        return 0.0
+    reg = inputs.regularization
+    streams = num_layers * ((reg.hidden_dropout > 0) + (reg.attention_dropout > 0))
+    streams += (first and reg.hidden_dropout > 0) + (inputs.tensor_parallel_size > 1)
+    return calls * act.checkpoint_rng_bytes(inputs.kernels, streams)
 
 
 def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: int) -> tuple[int, int]:

@@ -66,12 +66,26 @@ def backward_transient(
     `benchmarks/stage_memory.py`: the stage-0 peak is at `embedding_dense_backward`).
     """
     options = [(0.0, "none")]
+    m, b, k, split = inputs.model, inputs.micro_batch_size, inputs.kernels, inputs.split
+    has_layers = any(sp.group == "body" for sp in held)
+    # A layer's backward reaches its core attention with its MLP half freed; on the math path the gradient
+    # of the attention probabilities is then allocated beside what the attention saved.
+    attention = act.attention_backward_bytes(m, b, k, split) - act.mlp_half_bytes(layer.activation_terms, m.activation)
     if chunk:
-        options.append((chunk * layer.activations, f"recomputing {chunk} layer(s) of one micro-batch"))
+        options.append(
+            (chunk * layer.activations + max(0.0, attention), f"recomputing {chunk} layer(s) of one micro-batch")
+        )
+    if inputs.selective_recompute and has_layers:
+        again = act.recomputed_attention_bytes(m, b, k, split, regularization=inputs.regularization)
+        options.append((again + attention, "recomputing one layer's core attention of one micro-batch"))
+    elif has_layers and not chunk:
+        options.append((attention, "the core attention's backward (its probabilities' gradient)"))
     if last:
         options.append(
             (
-                act.loss_backward_transient(inputs.model, inputs.micro_batch_size, inputs.tensor_parallel_size),
+                act.loss_backward_transient(
+                    inputs.model, inputs.micro_batch_size, inputs.tensor_parallel_size, inputs.ulysses_size
+                ),
                 "fp32 loss gradients d(log-probs), d(logits) of one micro-batch",
             )
         )
@@ -188,7 +202,8 @@ def chunk_pipe_buffers(inputs: MemoryInputs, rank: int, num_ranks: int, flight: 
 
 def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[float, float]:
     """(DeepSpeed PipelineEngine buffers at a backward, the part of them still held at the
-    optimizer step), read from deepspeed/runtime/pipe/engine.py:
+    optimizer step), read from deepspeed/runtime/pipe/engine.py (the plain engine keeps only the
+    micro-batch it loaded, `training/plain_engine.py`):
 
     * a stage after the first keeps each received activation until `_exec_send_grads` frees it
       (in_flight of them) plus the receive buffer `pipe_recv_buf`, which persists;
@@ -198,11 +213,18 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
       clears `pipe_buffers['outputs']` on the last stage, so every slot keeps its logits until the
       slot is reused: min(num_pipe_buffers, M) of them, also through the optimizer step (measured:
       two logits buffers on the last stage by `benchmarks/stage_memory.py`);
-    * token ids on the first stage, labels and loss mask on the last, kept in every slot used.
+    * token ids on the first stage, labels and loss mask on the last, kept in every slot used;
+    * under sequence parallelism each message is this rank's part of the sequence (sent whole: the
+      engine's own partitioning is off), and megatron-core's all-gather buffer of one (s, b, h) input
+      persists on every stage.
     """
     m, mb = inputs.model, inputs.num_micro_batches
-    hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
+    whole = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
+    hidden = whole / inputs.split.replicated  # sequence parallelism sends each rank's part
     tokens = m.seq_length * inputs.micro_batch_size
+    if inputs.engine == "plain":  # the micro-batch it loaded: tokens, labels, loss mask (Ulysses: views of them)
+        loaded = tokens * (2 * act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
+        return loaded, loaded
     schedule = inputs.pipeline_schedule
     slots = min(pipeline_schedules.pipe_buffers(schedule, mb, num_stages, stage), mb)
     flight = in_flight(inputs, stage, num_stages)[0]
@@ -214,7 +236,7 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
         total += (flight + 1) * hidden
         persistent += hidden
     else:
-        logits = slots * act.logits_bytes(m, inputs.micro_batch_size, inputs.tensor_parallel_size)
+        logits = slots * act.logits_bytes(m, inputs.micro_batch_size, inputs.tensor_parallel_size, inputs.ulysses_size)
         total += logits
         persistent += logits
     if stage == 0:
@@ -223,4 +245,9 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
     if stage == num_stages - 1:
         total += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
         persistent += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
+    if inputs.sequence_parallel:
+        # megatron-core's global memory buffer ("mpu"): where every sequence-parallel linear all-gathers
+        # its (s, b, h) input, kept from the first use on (parallel_state.get_global_memory_buffer)
+        total += whole
+        persistent += whole
     return total, persistent

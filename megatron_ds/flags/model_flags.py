@@ -2,7 +2,7 @@
 ways, or where a value changes nothing here: the norm (`--normalization`, `--apply-layernorm-1p`),
 position embeddings (`--position-embedding-type`, `--use-rotary-position-embeddings`), grouped-query
 attention (`--num-key-value-heads`, `--group-query-attention --num-query-groups`), sequence and
-context parallelism, the ZeRO stage of `--use-distributed-optimizer`, and the notices for flags whose
+context parallelism, recomputation (`--checkpoint-activations`, `--recompute-*`), the ZeRO stage of `--use-distributed-optimizer`, and the notices for flags whose
 effect here differs in form (`--ckpt-format`)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from megatron_ds.errors import ConfigError
+from megatron_ds.flags.declare import flag_of
 from megatron_ds.model import norms
 
 
@@ -64,22 +65,68 @@ def zero_stage(args: argparse.Namespace, absent: Callable[[], int]) -> int:
     return 1
 
 
-def check_parallel_modes(args: argparse.Namespace) -> None:
-    """Sequence parallelism changes nothing at T=1 (Megatron-LM turns it off there); above 1, and
-    context parallelism above 1, are not implemented."""
-    t = args.tensor_model_parallel_size
-    if args.sequence_parallel and t > 1:
-        raise ConfigError(
-            f"--sequence-parallel with --tensor-model-parallel-size {t} is not supported: Megatron sequence "
-            f"parallelism is not implemented (tensor parallelism here keeps activations replicated); drop it"
-        )
-    if args.sequence_parallel:
+def sequence_parallel(args: argparse.Namespace) -> bool:
+    """--sequence-parallel: Megatron's meaning at T > 1; at T=1 it changes nothing (Megatron-LM turns it off)."""
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         notice("--sequence-parallel changes nothing at --tensor-model-parallel-size 1 (Megatron-LM turns it off)")
+        return False
+    return bool(args.sequence_parallel)
+
+
+def check_parallel_modes(args: argparse.Namespace) -> None:
+    """Context parallelism above 1 is not implemented."""
     if args.context_parallel_size != 1:
         raise ConfigError(
             f"--context-parallel-size {args.context_parallel_size} is not supported: context parallelism is not "
-            f"implemented; use --context-parallel-size 1"
+            f"implemented; use --context-parallel-size 1 (or --ds-sequence-parallel-size, DeepSpeed-Ulysses)"
         )
+
+
+def _one_of(args: argparse.Namespace, *dests: str) -> object | None:
+    """The value of whichever of two equivalent flags was given; both, differing, is an error."""
+    given = [(d, getattr(args, d)) for d in dests if getattr(args, d) is not None]
+    if len({v for _, v in given}) > 1:
+        raise ConfigError(f"{' and '.join(f'{flag_of(d)} {v}' for d, v in given)} disagree; keep one")
+    return given[0][1] if given else None
+
+
+def recompute(args: argparse.Namespace, warn: Callable[[str], None]) -> tuple[bool, int, bool]:
+    """(full recomputation?, layers per chunk, selective recomputation?) from --checkpoint-activations,
+    --recompute-activations and Megatron's --recompute-* flags."""
+    method = _one_of(args, "recompute_method", "activations_checkpoint_method")
+    layers = _one_of(args, "recompute_num_layers", "activations_checkpoint_num_layers")
+    granularity = args.recompute_granularity
+    if args.recompute_activations:  # Megatron: --recompute-activations is granularity `selective`
+        if granularity == "full":
+            raise ConfigError("--recompute-activations (selective) and --recompute-granularity full disagree; keep one")
+        granularity = "selective"
+    if granularity is None and args.activations_checkpoint_method is not None:
+        granularity = "full"  # the older flag alone turned recomputation on
+    if granularity == "full" and method is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method uniform; add it")
+    if granularity != "full" and (method is not None or layers is not None):
+        raise ConfigError("--recompute-method/--recompute-num-layers need --recompute-granularity full; add it")
+    # Megatron-DeepSpeed's GPTModelPipe: --checkpoint-activations uses --checkpoint-num-layers, else
+    # full/uniform recomputation uses --recompute-num-layers.
+    ckpt_layers = args.checkpoint_num_layers
+    if (
+        args.checkpoint_activations
+        and granularity == "full"
+        and None not in (ckpt_layers, layers)
+        and ckpt_layers != layers
+    ):
+        raise ConfigError(
+            f"--checkpoint-num-layers {ckpt_layers} and --recompute-num-layers {layers} disagree; keep one"
+        )
+    use_recompute_layers = granularity == "full" and not (args.checkpoint_activations and ckpt_layers is not None)
+    chunk = layers if use_recompute_layers else ckpt_layers
+    full = args.checkpoint_activations or granularity == "full"
+    if args.deepspeed_activation_checkpointing and not full:
+        warn(
+            "--deepspeed-activation-checkpointing recomputes nothing by itself; add --checkpoint-activations "
+            "or --recompute-granularity full --recompute-method uniform"
+        )
+    return full, 1 if chunk is None else chunk, granularity == "selective"  # chunk >= 1: TrainingConfig's check
 
 
 def check_loss_options(args: argparse.Namespace) -> None:

@@ -229,7 +229,7 @@ def _parallel_config(args: argparse.Namespace, direct: dict[str, Any], world_siz
         raise ConfigError(
             f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {p}); drop one of the two"
         )
-    default_world = max(p, 1) * max(t, 1)  # one replica; ParallelConfig refuses P or T < 1
+    default_world = max(p, 1) * max(t, 1) * max(args.ds_sequence_parallel_size, 1)  # one replica (< 1 refused)
     schedule, virtual = schedule_flags.pipeline_schedule(args)
     return ParallelConfig(
         **direct,
@@ -237,6 +237,7 @@ def _parallel_config(args: argparse.Namespace, direct: dict[str, Any], world_siz
         pp_dedicated_embedding_stages=_dedicated_stages(args),
         pipeline_schedule=schedule,
         virtual_stages=virtual,
+        sequence_parallel=model_flags.sequence_parallel(args),
     )
 
 
@@ -248,9 +249,10 @@ def _training_config(
     gbs = step_flags.global_batch_size(args, schedule, mbs * parallel.data_parallel_size)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     _warn_loss_scale_ignored(args, precision)
-    recompute, chunk = _recompute(args)
+    recompute, chunk, selective = model_flags.recompute(args, warn)
     training = TrainingConfig(
         **direct,
+        selective_recompute=selective,
         micro_batch_size=mbs,
         global_batch_size=gbs,
         precision=precision,
@@ -264,48 +266,6 @@ def _training_config(
     )  # checked before train_length divides by the batch size
     sizes = training if training.varies else None
     return dataclasses.replace(training, train_iters=train_length(args, gbs, model.seq_length, sizes)[0])
-
-
-def _one_of(args: argparse.Namespace, *dests: str) -> object | None:
-    """The value of whichever of two equivalent flags was given; both, differing, is an error."""
-    given = [(d, getattr(args, d)) for d in dests if getattr(args, d) is not None]
-    if len({v for _, v in given}) > 1:
-        raise ConfigError(f"{' and '.join(f'{flag_of(d)} {v}' for d, v in given)} disagree; keep one")
-    return given[0][1] if given else None
-
-
-def _recompute(args: argparse.Namespace) -> tuple[bool, int]:
-    """(recompute?, layers per chunk) from --checkpoint-activations and Megatron's --recompute-* flags."""
-    method = _one_of(args, "recompute_method", "activations_checkpoint_method")
-    layers = _one_of(args, "recompute_num_layers", "activations_checkpoint_num_layers")
-    granularity = args.recompute_granularity
-    if granularity is None and args.activations_checkpoint_method is not None:
-        granularity = "full"  # the older flag alone turned recomputation on
-    if granularity == "full" and method is None:
-        raise ConfigError("--recompute-granularity full needs --recompute-method uniform; add it")
-    if granularity is None and (method is not None or layers is not None):
-        raise ConfigError("--recompute-method/--recompute-num-layers need --recompute-granularity full; add it")
-    # Megatron-DeepSpeed's GPTModelPipe: --checkpoint-activations uses --checkpoint-num-layers, else
-    # full/uniform recomputation uses --recompute-num-layers.
-    ckpt_layers = args.checkpoint_num_layers
-    if (
-        args.checkpoint_activations
-        and granularity == "full"
-        and None not in (ckpt_layers, layers)
-        and ckpt_layers != layers
-    ):
-        raise ConfigError(
-            f"--checkpoint-num-layers {ckpt_layers} and --recompute-num-layers {layers} disagree; keep one"
-        )
-    use_recompute_layers = granularity == "full" and not (args.checkpoint_activations and ckpt_layers is not None)
-    chunk = layers if use_recompute_layers else ckpt_layers
-    recompute = args.checkpoint_activations or granularity == "full"
-    if args.deepspeed_activation_checkpointing and not recompute:
-        warn(
-            "--deepspeed-activation-checkpointing recomputes nothing by itself; add --checkpoint-activations "
-            "or --recompute-granularity full --recompute-method uniform"
-        )
-    return recompute, 1 if chunk is None else chunk  # >= 1 is TrainingConfig's check
 
 
 _LOSS_SCALE_FLAGS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_ds.config import LR_DECAY_STYLES, OPTIMIZERS
-from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, neutral, no_op, refused, switch
+from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, no_op, refused, switch
 
 _TRAIN, _LR, _MIXED, _VAL = "training", "learning rate", "mixed precision", "validation"
 _SDPA = "attention is torch's scaled_dot_product_attention, which picks flash/memory-efficient kernels itself"
@@ -13,8 +13,6 @@ _DS_CKPT = (
     "profiled checkpoints are not configured"
 )
 _UNIFORM_ONLY = "DeepSpeed's PipelineModule recomputes uniform chunks only"
-_SELECTIVE = "selective (attention-only) recomputation is not implemented"
-_FULL_UNIFORM = "use --recompute-granularity full --recompute-method uniform"
 
 TRAINING: tuple[Flag, ...] = (
     accepted(
@@ -99,11 +97,11 @@ TRAINING: tuple[Flag, ...] = (
     accepted(
         "--recompute-granularity",
         _TRAIN,
-        "`full` with --recompute-method uniform is --checkpoint-activations; `selective` is refused",
-        "training.checkpoint_activations",
+        "`full` (with --recompute-method uniform) is --checkpoint-activations; `selective` recomputes each layer's "
+        "core attention in backward (as --recompute-activations)",
+        fields=("training.checkpoint_activations", "training.selective_recompute"),
         derived=True,
-        choices=("full",),
-        refused_values=(Refusal("selective", _SELECTIVE, _FULL_UNIFORM),),
+        choices=("full", "selective"),
     ),
     accepted(
         "--recompute-method",
@@ -186,7 +184,15 @@ TRAINING: tuple[Flag, ...] = (
         nargs=3,
         derived=True,
     ),
-    refused("--recompute-activations", _TRAIN, _SELECTIVE, _FULL_UNIFORM),
+    switch(
+        "--recompute-activations",
+        _TRAIN,
+        "selective recomputation: each layer's core attention (scores, softmax, attention dropout, the product "
+        "with v) is recomputed in backward, the rest kept (Megatron's --recompute-granularity selective); not "
+        "with full recomputation",
+        "training.selective_recompute",
+        derived=True,
+    ),
     refused("--distribute-saved-activations", _TRAIN, _DS_CKPT),
     refused("--distribute-checkpointed-activations", _TRAIN, _DS_CKPT),
     switch(
@@ -206,16 +212,21 @@ TRAINING: tuple[Flag, ...] = (
     switch(
         "--sequence-parallel",
         _TRAIN,
-        "Megatron sequence parallelism: at --tensor-model-parallel-size 1 it changes nothing (Megatron-LM turns "
-        "it off there too; a NOTICE says so); above 1 it is refused (not implemented: tensor parallelism here "
-        "keeps activations replicated)",
+        "Megatron sequence parallelism with tensor parallelism: norms, dropout, residuals and what passes between "
+        "pipeline stages are split along the sequence over the tensor ranks (megatron-core's sequence-parallel "
+        "linears); at --tensor-model-parallel-size 1 it changes nothing (Megatron-LM turns it off there too; a "
+        "NOTICE says so)",
+        "parallel.sequence_parallel",
+        derived=True,
     ),
-    neutral(
+    accepted(
         "--ds-sequence-parallel-size",
         _TRAIN,
-        "1 is no sequence parallelism; DeepSpeed-Ulysses sequence parallelism is not implemented",
-        (1,),
-        int,
+        "DeepSpeed-Ulysses: groups of N ranks carved out of data parallelism split each sequence N ways, "
+        "attention through DeepSpeed's DistributedAttention (all-to-all over heads); needs T = P = 1 and heads "
+        "(and key/value heads) divisible by N; DeepSpeed's plain engine runs it",
+        "parallel.ds_sequence_parallel_size",
+        type=int,
     ),
     refused("--random-ltd", _TRAIN, "DeepSpeed data-efficiency (random-LTD) is not implemented"),
     switch(

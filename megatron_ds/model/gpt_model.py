@@ -36,7 +36,8 @@ from torch import nn
 from megatron_ds.config import Config
 from megatron_ds.model import rng
 from megatron_ds.model.gpt_pipe import build_layer_specs, build_topology, loss_function, mark_norm_counting
-from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
+from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, reduce_partial_gradients
+from megatron_ds.model.tensor_parallel_rank import NO_ULYSSES, UlyssesGroup
 from megatron_ds.model.transformer import TransformerLayer
 from megatron_ds.pipeline.layout import Layout
 
@@ -60,6 +61,7 @@ class GPTModel(nn.Module):
         tp: TensorParallel = NO_TENSOR_PARALLEL,
         partition: Partition | None = None,
         grid: PipelineParallelGrid | None = None,
+        ulysses: UlyssesGroup = NO_ULYSSES,
     ) -> None:
         super().__init__()
         assert layout.num_stages == 1 == config.parallel.pipeline_model_parallel_size, layout
@@ -72,17 +74,21 @@ class GPTModel(nn.Module):
         self.global_rank = self._grid.get_global_rank()
         assert self._grid.get_slice_parallel_rank() == tp.rank, (self._grid.get_slice_parallel_rank(), tp)
         self.stage_id = 0
-        self.loss_fn = loss_function(tp)
+        self.ulysses = ulysses
+        self.loss_fn = loss_function(tp, ulysses)
         self.activation_checkpoint_interval = train.checkpoint_num_layers if train.checkpoint_activations else 0
         rng.reset_streams()  # this model's dropout streams start from their seeds
         self.tied_modules = nn.ModuleDict()  # first, as PipelineModule registers it: the same parameter order
         self.forward_funcs: list[Callable[..., Any]] = []
         self.spec_modules: dict[int, nn.Module] = {}
         """The module whose state is stored in spec i's file (the tied embedding at its first index)."""
-        specs = build_layer_specs(config.model, config.regularization, train.seed, tp)
+        specs = build_layer_specs(
+            config.model, config.regularization, train.seed, tp, ulysses, train.selective_recompute
+        )
         for index, spec in enumerate(specs):
             self._add_spec(index, spec, partition or (lambda module: None))
         mark_norm_counting(self, tp.rank)
+        reduce_partial_gradients(self, tp)
 
     def _add_spec(self, index: int, spec: Any, partition: Partition) -> None:
         if isinstance(spec, TiedLayerSpec):
@@ -137,7 +143,7 @@ class GPTModel(nn.Module):
         """Every spec's weights into its own file, written by data-parallel rank 0 (collective under ZeRO-3:
         each spec is gathered on every rank in turn)."""
         del exclude_frozen_params  # nothing is frozen
-        writer = self._grid.get_data_parallel_rank() == 0
+        writer = self._topo.get_coord(self.global_rank).data == 0  # under Ulysses, one rank of the DP x N
         if writer:
             checkpoint_engine.makedirs(save_dir, exist_ok=True)
         for index, module in self.spec_modules.items():

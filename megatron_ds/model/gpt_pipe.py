@@ -15,6 +15,7 @@ Stage boundaries come from `megatron_ds.pipeline.layout`, never from DeepSpeed's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,8 @@ from megatron_ds.model.layers import (
     lm_head_logits,
     logits_to_fp32,
 )
-from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
+from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, reduce_partial_gradients
+from megatron_ds.model.tensor_parallel_rank import NO_ULYSSES, UlyssesGroup
 from megatron_ds.model.transformer import TransformerLayer
 from megatron_ds.pipeline.layout import Layout
 
@@ -60,7 +62,12 @@ def _class_name(cls: type) -> str:
 
 
 def build_layer_specs(
-    model: ModelConfig, regularization: RegularizationConfig, seed: int, tp: TensorParallel = NO_TENSOR_PARALLEL
+    model: ModelConfig,
+    regularization: RegularizationConfig,
+    seed: int,
+    tp: TensorParallel = NO_TENSOR_PARALLEL,
+    ulysses: UlyssesGroup = NO_ULYSSES,
+    selective_recompute: bool = False,
 ) -> list[Spec]:
     """The full spec list (the same for every layout; only the stage boundaries move)."""
     reg = regularization
@@ -97,35 +104,43 @@ def build_layer_specs(
         if model.add_position_embedding
         else (EmbeddingDropout, naming.EMBEDDING_DROPOUT)
     )
-    pre: list[Spec] = [cast_token_ids, word, LayerSpec(position, model, reg, seeded(position_name))]
+    pre: list[Spec] = [cast_token_ids, word, LayerSpec(position, model, reg, seeded(position_name), tp, ulysses)]
     body: list[Spec] = [
-        LayerSpec(TransformerLayer, model, reg, seeded(naming.TRANSFORMER_LAYER, i), tp)
+        LayerSpec(TransformerLayer, model, reg, seeded(naming.TRANSFORMER_LAYER, i), tp, ulysses, selective_recompute)
         for i in range(model.num_layers)
     ]
     if untied:
         head: Spec = LayerSpec(untied_head, model, reg, seeded(naming.UNTIED_LM_HEAD), *extra)
     else:
         head = TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, reg, tied_seed, *extra, forward_fn=head_fn)
-    post: list[Spec] = [LayerSpec(FinalNorm, model, seeded(naming.FINAL_NORM)), head, logits_to_fp32]
+    post: list[Spec] = [LayerSpec(FinalNorm, model, seeded(naming.FINAL_NORM), tp), head, logits_to_fp32]
     specs = pre + body + post
     assert [spec_name(s) for s in specs] == groups.names, ([spec_name(s) for s in specs], groups.names)
     return specs
 
 
-def loss_function(tp: TensorParallel) -> Callable[..., torch.Tensor]:
-    """`cross_entropy_loss`, or its vocabulary-parallel form at T > 1 (same loss-mask rule)."""
+def loss_function(tp: TensorParallel, ulysses: UlyssesGroup = NO_ULYSSES) -> Callable[..., torch.Tensor]:
+    """`cross_entropy_loss`, or its vocabulary-parallel form at T > 1 (sequence-first logits under sequence
+    parallelism), or under Ulysses the whole sequence's loss from this rank's part (same loss-mask rule)."""
+    if ulysses.size > 1:
+        from megatron_ds.model.ulysses import sequence_loss
+
+        return functools.partial(sequence_loss, ulysses)
     if tp.size == 1:
         return cross_entropy_loss
-    from megatron_ds.model.tensor_parallel_layers import vocab_parallel_cross_entropy_loss
+    from megatron_ds.model import tensor_parallel_layers as tpl
 
-    return vocab_parallel_cross_entropy_loss
+    return tpl.sequence_first_cross_entropy_loss if tp.sequence_parallel else tpl.vocab_parallel_cross_entropy_loss
 
 
 def build_topology(config: Config) -> ProcessTopology:
-    """DeepSpeed's topology: tensor innermost, then data, then pipeline (as megatron-core)."""
+    """DeepSpeed's topology: tensor innermost, then data, then pipeline (as megatron-core). Under Ulysses
+    the data axis holds DP x N ranks, the N of a sequence consecutive (`megatron_ds.model.ulysses`)."""
     par = config.parallel
     return PipeModelDataParallelTopology(
-        num_pp=par.pipeline_model_parallel_size, num_mp=par.tensor_model_parallel_size, num_dp=par.data_parallel_size
+        num_pp=par.pipeline_model_parallel_size,
+        num_mp=par.tensor_model_parallel_size,
+        num_dp=par.data_parallel_size * par.ds_sequence_parallel_size,
     )
 
 
@@ -151,7 +166,9 @@ class GPTModelPipe(PipelineModule):
         train = config.training
         rng.reset_streams()  # this model's dropout streams start from their seeds
         super().__init__(
-            layers=build_layer_specs(config.model, config.regularization, train.seed, tp),
+            layers=build_layer_specs(
+                config.model, config.regularization, train.seed, tp, selective_recompute=train.selective_recompute
+            ),
             topology=topology or build_topology(config),
             loss_fn=loss_function(tp),
             partition_method="megatron_ds.layout",
@@ -161,6 +178,7 @@ class GPTModelPipe(PipelineModule):
         self._check_tied_group()
         mark_norm_counting(self, tp.rank)
         mark_embedding_and_output(self)
+        reduce_partial_gradients(self, tp)  # sequence parallelism: norm and row-parallel bias gradients
 
     def _check_tied_group(self) -> None:
         # Invariant: each tied copy is reduced with exactly the other stage's copy of the same

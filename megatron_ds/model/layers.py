@@ -7,6 +7,11 @@ Labels travel as the tuple (labels (b, s) int64, loss_mask (b, s) float32) to th
 
 These are the T=1 forms; at T > 1 the word embedding, LM head and loss come from
 `megatron_ds.model.tensor_parallel_layers` (vocabulary-parallel), the others are used as they are.
+
+Split sequences: under Megatron's sequence parallelism the position embedding (or the bare embedding
+dropout) scatters its output to this rank's part, sequence-first (s/T, b, h), and the hidden states stay
+split to the LM head; under DeepSpeed-Ulysses each rank embeds its own part of the tokens (b, s/N) at its
+positions. Dropout of a split tensor draws the unsplit tensor's mask (`rng.dropout`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.model import weight_grad
 from megatron_ds.model.init import init_generator, normal_
 from megatron_ds.model.rng import Stream, dropout, register_streams
+from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, mark_partial_gradient
+from megatron_ds.model.tensor_parallel_rank import NO_ULYSSES, UlyssesGroup
 
 
 def cast_token_ids(tokens: torch.Tensor) -> torch.Tensor:
@@ -64,47 +71,82 @@ class LMHead(nn.Module):
 class PositionEmbedding(nn.Module):
     """Adds learned absolute position embeddings, then embedding dropout (replicated at T > 1)."""
 
-    def __init__(self, model: ModelConfig, regularization: RegularizationConfig, init_seed: int) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        regularization: RegularizationConfig,
+        init_seed: int,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+        ulysses: UlyssesGroup = NO_ULYSSES,
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(model.max_position_embeddings, model.hidden_size))
         normal_(self.weight, regularization.init_method_std, init_generator(init_seed))
-        self.hidden_dropout = regularization.hidden_dropout
-        self.dropout_stream = Stream.replicated(init_seed)
-        register_streams(self, self.dropout_stream)
+        self.dropout = _SplitEmbeddingDropout(regularization, init_seed, tp, ulysses)
+        register_streams(self, self.dropout.stream)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        seq = embeddings.shape[1]
-        hidden = embeddings + self.weight[:seq].to(embeddings.dtype)
-        return dropout(hidden, self.hidden_dropout, self.training, self.dropout_stream)
+        seq = embeddings.shape[1]  # this rank's tokens under Ulysses, from position `first`
+        first = self.dropout.ulysses.rank * seq
+        return self.dropout(embeddings + self.weight[first : first + seq].to(embeddings.dtype))
 
 
 class EmbeddingDropout(nn.Module):
     """Embedding dropout alone, in place of `PositionEmbedding` when there is no learned position
     embedding (`--no-position-embedding`, e.g. with rotary embeddings); no parameters."""
 
-    def __init__(self, model: ModelConfig, regularization: RegularizationConfig, init_seed: int) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        regularization: RegularizationConfig,
+        init_seed: int,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+        ulysses: UlyssesGroup = NO_ULYSSES,
+    ) -> None:
         super().__init__()
         del model  # no parameters: only the dropout probability matters
-        self.hidden_dropout = regularization.hidden_dropout
-        self.dropout_stream = Stream.replicated(init_seed)  # the stream PositionEmbedding would use
-        register_streams(self, self.dropout_stream)
+        self.dropout = _SplitEmbeddingDropout(regularization, init_seed, tp, ulysses)
+        register_streams(self, self.dropout.stream)  # the stream PositionEmbedding would use
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        return dropout(embeddings, self.hidden_dropout, self.training, self.dropout_stream)
+        return self.dropout(embeddings)
 
 
-def make_norm(model: ModelConfig) -> nn.Module:
-    """The norm the config names (`megatron_ds.model.norms`), over the hidden dimension."""
-    return norms.find(model.normalization).module(model.hidden_size, model.layernorm_epsilon)
+class _SplitEmbeddingDropout(nn.Module):
+    """The embedding's output (b, s, h) -> dropout, after Megatron's sequence parallelism scatters it to
+    (s/T, b, h) (megatron-core's order: scatter, then dropout of the part)."""
+
+    def __init__(
+        self, regularization: RegularizationConfig, init_seed: int, tp: TensorParallel, ulysses: UlyssesGroup
+    ) -> None:
+        super().__init__()
+        self.hidden_dropout = regularization.hidden_dropout
+        self.stream = Stream.replicated(init_seed)
+        self.tp, self.ulysses = tp, ulysses
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tp.sequence_parallel:
+            from megatron_ds.model.tensor_parallel_layers import scatter_to_sequence
+
+            hidden = scatter_to_sequence(hidden, self.tp)
+        shard = self.tp.shard if self.tp.sequence_parallel else self.ulysses.shard
+        return dropout(hidden, self.hidden_dropout, self.training, self.stream, shard)
+
+
+def make_norm(model: ModelConfig, tp: TensorParallel = NO_TENSOR_PARALLEL) -> nn.Module:
+    """The norm the config names (`megatron_ds.model.norms`), over the hidden dimension; under sequence
+    parallelism its gradients are partial sums over the tensor ranks (`mark_partial_gradient`)."""
+    norm = norms.find(model.normalization).module(model.hidden_size, model.layernorm_epsilon)
+    return mark_partial_gradient(norm) if tp.sequence_parallel else norm
 
 
 class FinalNorm(nn.Module):
     """The final norm before the LM head."""
 
-    def __init__(self, model: ModelConfig, init_seed: int) -> None:
+    def __init__(self, model: ModelConfig, init_seed: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> None:
         super().__init__()
         del init_seed  # norms start at weight 1, bias 0
-        self.norm = make_norm(model)
+        self.norm = make_norm(model, tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)

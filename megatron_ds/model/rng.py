@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.model.init import dropout_seed
+from megatron_ds.model.tensor_parallel_rank import NO_SHARD, SequenceShard
 
 STREAM_PREFIX = "megatron_ds/dropout/"
 """Names of our streams in the tracker (other entries, e.g. 'model-parallel-rng', are left alone)."""
@@ -114,13 +115,35 @@ class Stream:
             yield
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, stream: Stream | None) -> torch.Tensor:
-    """`F.dropout` with its mask drawn from `stream` (no draw at all when inactive)."""
+def dropout(
+    x: torch.Tensor, p: float, training: bool, stream: Stream | None, shard: SequenceShard = NO_SHARD
+) -> torch.Tensor:
+    """`F.dropout` with its mask drawn from `stream` (no draw at all when inactive).
+
+    `x` may be this rank's part of a tensor split along the sequence (`shard`): the mask is then the
+    part of the one the whole (b, s, h) tensor draws, so it does not depend on the split. On CPU that
+    is bit for bit the unsplit `F.dropout`'s mask (whose kernel is `bernoulli_(1 - p)` on an empty
+    tensor of the input's shape, then a division by 1 - p); each rank draws the whole mask, a
+    short-lived (b, s, h) tensor, and keeps its part.
+    """
     if not training or p == 0.0:
         return x
     assert stream is not None
+    if shard.size == 1:
+        with stream.fork():
+            return F.dropout(x, p, training=True)
+    whole = list(x.shape)
+    whole[shard.dim] *= shard.size
+    if shard.dim == 0:  # sequence-first (s, b, h): draw in the batch-first order of the unsplit tensor
+        whole[0], whole[1] = whole[1], whole[0]
     with stream.fork():
-        return F.dropout(x, p, training=True)
+        noise = torch.empty(whole, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+    if shard.dim == 0:
+        noise = noise.transpose(0, 1)
+    part = x.shape[shard.dim]
+    mine = noise.narrow(shard.dim, shard.rank * part, part).clone()  # its own storage (a view would keep the whole)
+    del noise
+    return x * mine.div_(1 - p)
 
 
 def register_streams(module: nn.Module, *streams: Stream) -> None:

@@ -6,6 +6,11 @@ slow to import); at T > 1 `megatron_ds.model.tensor_parallel_layers.setup` initi
 groups and checks them against DeepSpeed's topology. The linear-layer factories return torch's
 `nn.Linear` at T=1 (`weight_grad.Linear`, whose weight gradient ZB-H1 may defer) and megatron-core's
 parallel layers otherwise.
+
+Under sequence parallelism (`TensorParallel.sequence_parallel`) the norms and the row-parallel
+biases see only this rank's part of the sequence, so their gradients are partial sums:
+`reduce_partial_gradients` sums them over the tensor group (Megatron's `sequence_parallel`
+parameter attribute; Megatron-DeepSpeed #170).
 """
 
 from __future__ import annotations
@@ -32,6 +37,40 @@ def setup(config: Config, topology: ProcessTopology) -> TensorParallel:
     from megatron_ds.model import tensor_parallel_layers
 
     return tensor_parallel_layers.setup(config, topology)
+
+
+PARTIAL_GRADIENT = "sequence_parallel"
+"""megatron-core's parameter attribute (set on a row-parallel bias under sequence parallelism, and by us
+on the norms): the parameter is replicated over tensor ranks but each rank's gradient covers only its
+part of the sequence."""
+
+
+def mark_partial_gradient(module: nn.Module) -> nn.Module:
+    """Mark every parameter of `module` (a norm under sequence parallelism) with `PARTIAL_GRADIENT`."""
+    for p in module.parameters():
+        setattr(p, PARTIAL_GRADIENT, True)
+    return module
+
+
+def reduce_partial_gradients(module: nn.Module, tp: TensorParallel) -> int:
+    """Sum each `PARTIAL_GRADIENT` parameter's gradient over the tensor group as autograd produces it, before
+    DeepSpeed accumulates it (so every engine, ZeRO stage and precision sees the full gradient); returns how
+    many parameters it hooked. One small all-reduce per parameter per micro-batch (Megatron sums the
+    accumulated gradients once per step, coalesced); every tensor rank runs the same backward, so the
+    collectives come in the same order on each."""
+    if not tp.sequence_parallel:
+        return 0
+    import torch.distributed as dist
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()  # a hook must not change the gradient it is given
+        dist.all_reduce(grad, group=tp.group)
+        return grad
+
+    hooked = [p for p in module.parameters() if getattr(p, PARTIAL_GRADIENT, False)]
+    for p in hooked:
+        p.register_hook(summed)
+    return len(hooked)
 
 
 def column_linear(

@@ -15,7 +15,15 @@ Layers (each built from the full matrix its spec draws, see `megatron_ds.model.i
 Contract: hidden states (b, s, h) are replicated over the tensor ranks of a stage (what passes
 between stages is unchanged); logits are vocabulary-parallel (b, s, v/T) from the LM head to
 the loss. Only the CPU-capable parts of megatron-core are used: CPU initialisation, no
-gathered outputs, no sequence parallelism.
+gathered outputs.
+
+Under sequence parallelism (`TensorParallel.sequence_parallel`) the same layers run in
+megatron-core's sequence-parallel mode: hidden states are sequence-first and split,
+(s/T, b, h), from the embedding's output (`scatter_to_sequence`) to the LM head, whose linear
+all-gathers its input (as megatron-core's output layer); column-parallel linears all-gather
+their input, row-parallel ones reduce-scatter their output; logits are (s, b, v/T) and the loss
+reads its labels in that order. On CPU `megatron_ds.model.megatron_core_cpu` makes megatron-core
+allocate there.
 """
 
 from __future__ import annotations
@@ -34,11 +42,13 @@ from megatron.core.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
+    linear_with_grad_accumulation_and_async_allreduce,
+    scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
 )
 
 from megatron_ds.config import Config, ModelConfig, RegularizationConfig
-from megatron_ds.model import naming, rng, weight_grad
+from megatron_ds.model import megatron_core_cpu, naming, rng, weight_grad
 from megatron_ds.model.init import draw_normal, gather_fused, init_generator, shard_fused
 from megatron_ds.model.tensor_parallel_rank import TensorParallel
 
@@ -71,14 +81,27 @@ def setup(config: Config, topology: ProcessTopology) -> TensorParallel:
         )
     check_groups_match(topology)
     share_rng_tracker()
+    if par.sequence_parallel:
+        megatron_core_cpu.install()
+        _quiet_collective_renames()
     tp = TensorParallel(
         size=t,
         rank=parallel_state.get_tensor_model_parallel_rank(),
         group=parallel_state.get_tensor_model_parallel_group(),
+        sequence_parallel=par.sequence_parallel,
     )
     stage = topology.get_coord(dist.get_rank()).pipe
     rng.set_stream(MODEL_PARALLEL_RNG, config.training.seed + 100 * stage + 2718 + tp.rank)  # Megatron's seeds
     return tp
+
+
+def _quiet_collective_renames() -> None:
+    """torch 2.13 deprecates the names megatron-core calls (`all_gather_into_tensor`, `reduce_scatter_tensor`)
+    with a FutureWarning on every rank; the collectives are the same, the warning is not ours to act on."""
+    import warnings
+
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        warnings.filterwarnings("ignore", message=f"`torch.distributed.{name}` is deprecated", category=FutureWarning)
 
 
 def _initialised_as(t: int, p: int) -> bool:
@@ -135,13 +158,13 @@ def share_rng_tracker() -> None:
 
 def _layer_config(tp: TensorParallel) -> ModelParallelConfig:
     # CPU initialisation cuts each rank's shard from a full matrix we supply (init_method
-    # copies it in); no sequence parallelism, no fused kernels; pipeline size 1 (see setup).
+    # copies it in); no fused kernels; pipeline size 1 (see setup).
     return ModelParallelConfig(
         tensor_model_parallel_size=tp.size,
         use_cpu_initialization=True,
         perform_initialization=True,
         params_dtype=torch.float32,
-        sequence_parallel=False,
+        sequence_parallel=tp.sequence_parallel,
         gradient_accumulation_fusion=False,
     )
 
@@ -235,9 +258,16 @@ class VocabParallelWordEmbedding(VocabParallelEmbedding):
         super().__init__(
             model.vocab_size, model.hidden_size, init_method=_copy_of(full), config=_layer_config(tp), tp_group=tp.group
         )
+        self.sequence_first = tp.sequence_parallel
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The tied LM head on the last stage: (b, s, h) -> vocabulary-parallel logits (b, s, v/T)."""
+        """The tied LM head on the last stage: (b, s, h) -> vocabulary-parallel logits (b, s, v/T); under
+        sequence parallelism (s/T, b, h) -> (s, b, v/T), all-gathering the input as megatron-core's output
+        layer does (its input is saved split, gathered again in backward)."""
+        if self.sequence_first:
+            return linear_with_grad_accumulation_and_async_allreduce(
+                hidden, self.weight, None, False, allreduce_dgrad=False, sequence_parallel=True, tp_group=self.tp_group
+            )
         # Identity forward; in backward the input gradient is summed over tensor ranks.
         return weight_grad.linear(copy_to_tensor_model_parallel_region(hidden, group=self.tp_group), self.weight)
 
@@ -255,13 +285,29 @@ class VocabParallelLMHead(ColumnLinear):
         super().__init__(tp, full, bias=False)
 
 
+def scatter_to_sequence(hidden: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The embedding's output (b, s, h), replicated -> this rank's part of the sequence (s/T, b, h), as
+    megatron-core's embedding scatters it (`scatter_to_sequence_parallel_region`; backward all-gathers)."""
+    return scatter_to_sequence_parallel_region(hidden.transpose(0, 1), group=tp.group)
+
+
 def vocab_parallel_cross_entropy_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Mean token cross entropy over unmasked positions, from vocabulary-parallel fp32 logits (b, s, v/T).
 
     megatron-core's kernel subtracts the max from `logits` in place: they are not valid afterwards.
     """
+    return _vocab_parallel_loss(logits, *labels)
+
+
+def sequence_first_cross_entropy_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`vocab_parallel_cross_entropy_loss` of sequence-first logits (s, b, v/T) (sequence parallelism): the
+    labels and mask, batch-first (b, s), are read in that order."""
     targets, loss_mask = labels
-    losses = vocab_parallel_cross_entropy(logits, targets.long())  # (b, s), the same on every tensor rank
+    return _vocab_parallel_loss(logits, targets.t().contiguous(), loss_mask.t())
+
+
+def _vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    losses = vocab_parallel_cross_entropy(logits, targets.long())  # (b, s) or (s, b), the same on every tensor rank
     mask = loss_mask.reshape(-1).float()
     return (losses.reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
 

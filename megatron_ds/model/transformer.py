@@ -13,6 +13,20 @@ outputs summed over tensor ranks), norms and row-parallel biases replicated. Eac
 with its own nh/T query heads and kv/T key/value heads (those of its groups); the fused QKV
 shard holds exactly their rows, and a SwiGLU fc1 shard its block of the gate and of the up half
 (`megatron_ds.model.init.shard_fused`), so the code below is the same for every T.
+
+Split sequences (the shapes in and out of the layer):
+  * Megatron's sequence parallelism: (s/T, b, h), sequence-first, this rank's part; QKV and fc1
+    all-gather the sequence, proj and fc2 reduce-scatter it back (megatron-core's linears), so
+    attention sees the whole sequence of this rank's heads; norms and residual dropout see the part.
+  * DeepSpeed-Ulysses: (b, s/N, h); q, k, v of this rank's tokens (rotary at their positions) go
+    through DeepSpeed's `DistributedAttention` (an all-to-all to the whole sequence of nh/N heads and
+    back, `megatron_ds.model.ulysses`).
+Residual dropout of a part draws the whole tensor's mask (`rng.dropout`): the result does not depend
+on how the sequence is split.
+
+Selective recomputation (`selective_recompute`, Megatron's `--recompute-granularity selective`): the
+core attention (SDPA: scores, softmax, attention dropout, the product with v) runs under DeepSpeed's
+activation checkpointing, which keeps q, k, v and replays the attention-dropout stream in backward.
 """
 
 from __future__ import annotations
@@ -32,10 +46,12 @@ from megatron_ds.model.rng import Stream, dropout, register_streams
 from megatron_ds.model.rotary import apply_rotary, rotary_angles
 from megatron_ds.model.shapes import layer_linear_shapes
 from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, column_linear, row_linear
+from megatron_ds.model.tensor_parallel_rank import NO_ULYSSES, UlyssesGroup
 
 
 class TransformerLayer(nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x)); (b, s, h) in and out, replicated over tensor ranks.
+    """x + attn(norm(x)), then x + mlp(norm(x)); (b, s, h) in and out, replicated over tensor ranks
+    (split sequences: see the module).
 
     The causal mask is applied inside (SDPA `is_causal`): nothing but the hidden states travels
     between pipeline stages.
@@ -47,6 +63,8 @@ class TransformerLayer(nn.Module):
         regularization: RegularizationConfig,
         init_seed: int,
         tp: TensorParallel = NO_TENSOR_PARALLEL,
+        ulysses: UlyssesGroup = NO_ULYSSES,
+        selective_recompute: bool = False,
     ) -> None:
         super().__init__()
         nh, kv = model.num_attention_heads, model.kv_heads
@@ -60,18 +78,22 @@ class TransformerLayer(nn.Module):
         self.activation = activations.find(model.activation).function
         self.hidden_dropout = regularization.hidden_dropout
         self.attention_dropout = regularization.attention_dropout
-        # Dropout on the residual branches (replicated activations) is the same on every tensor
-        # rank and equal to T=1's; attention dropout acts on this rank's heads only.
+        self.sequence_first = tp.sequence_parallel
+        self.shard = tp.shard if tp.sequence_parallel else ulysses.shard
+        self.ulysses = ulysses
+        self.selective_recompute = selective_recompute
+        # Dropout on the residual branches is the same on every tensor rank and equal to T=1's
+        # (split or not); attention dropout acts on this rank's heads only.
         self.hidden_stream = Stream.replicated(init_seed)
-        self.attention_stream = Stream.tensor_parallel(init_seed, tp.rank)
+        self.attention_stream = Stream.tensor_parallel(init_seed, tp.rank if ulysses.size == 1 else ulysses.rank)
         register_streams(self, self.hidden_stream, self.attention_stream)
         qkv, proj, fc1, fc2 = self._full_weights(model, regularization.init_method_std, init_seed)
         # Registration order = parameter order (optimizer state, ZeRO partitions): keep it.
-        self.input_norm = make_norm(model)
+        self.input_norm = make_norm(model, tp)
         bias = model.add_bias_linear
         self.qkv = column_linear(tp, qkv, bias, fused_rows=qkv_row_parts(qkv.shape[0], nh, kv))
         self.proj = row_linear(tp, proj, bias)
-        self.post_attention_norm = make_norm(model)
+        self.post_attention_norm = make_norm(model, tp)
         ffn = model.ffn_hidden_size
         self.fc1 = column_linear(tp, fc1, bias, fused_rows=(ffn, ffn) if model.gated_mlp else None)
         self.fc2 = row_linear(tp, fc2, bias)
@@ -88,8 +110,11 @@ class TransformerLayer(nn.Module):
         return tuple(draw_normal(shape, stds[name], gen) for name, shape in layer_linear_shapes(model).items())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + dropout(self._attention(self.input_norm(x)), self.hidden_dropout, self.training, self.hidden_stream)
-        return x + dropout(self.mlp(x), self.hidden_dropout, self.training, self.hidden_stream)
+        x = x + self._residual_dropout(self._attention(self.input_norm(x)))
+        return x + self._residual_dropout(self.mlp(x))
+
+    def _residual_dropout(self, y: torch.Tensor) -> torch.Tensor:
+        return dropout(y, self.hidden_dropout, self.training, self.hidden_stream, self.shard)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP branch fc2(act(fc1(norm(x)))), without residual or dropout (also used by inference)."""
@@ -102,9 +127,12 @@ class TransformerLayer(nn.Module):
 
         Inference with a KV cache calls this with the position of its first new token.
         """
-        b, s, _ = normed.shape
+        qkv = self.qkv(normed)
+        if self.sequence_first:  # megatron-core gathered the whole sequence: (s, b, ..) -> (b, s, ..)
+            qkv = qkv.transpose(0, 1)
+        b, s, _ = qkv.shape
         nq, nkv, hd = self.num_local_heads, self.num_local_kv_heads, self.head_dim
-        q, k, v = self.qkv(normed).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(b, s, nq, hd).transpose(1, 2)  # (b, nh/T, s, hd)
         k, v = (t.view(b, s, nkv, hd).transpose(1, 2) for t in (k, v))  # each (b, kv/T, s, hd)
         if self.rotary:
@@ -113,10 +141,29 @@ class TransformerLayer(nn.Module):
         return q, k, v
 
     def _attention(self, normed: torch.Tensor) -> torch.Tensor:
-        b, s, _ = normed.shape
-        q, k, v = self.attention_heads(normed)
+        # Ulysses: this rank's tokens (b, s/N, h) start at position rank x s/N.
+        q, k, v = self.attention_heads(normed, self.ulysses.rank * normed.shape[1] if self.ulysses.size > 1 else 0)
+        b, nq, s, hd = q.shape
+        if self.ulysses.size > 1:
+            from megatron_ds.model.ulysses import distributed_attention
+
+            attn = distributed_attention(self.ulysses, self._attend, q, k, v)
+        else:
+            attn = self._attend(q, k, v)
+        if self.sequence_first:  # (b, nh/T, s, hd) -> (s, b, nh/T x hd): proj reduce-scatters the sequence
+            return self.proj(attn.permute(2, 0, 1, 3).reshape(s, b, nq * hd))
+        return self.proj(attn.transpose(1, 2).reshape(b, s, nq * hd))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The core attention of (b, heads, s, hd) q, k, v; recomputed in backward under selective recomputation."""
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            from deepspeed.runtime.activation_checkpointing import checkpointing
+
+            return checkpointing.checkpoint(self._core_attention, q, k, v)
+        return self._core_attention(q, k, v)
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.attention_dropout if self.training else 0.0
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}  # query head i uses kv head i // (nq / nkv)
         with self.attention_stream.fork() if p > 0.0 else contextlib.nullcontext():
-            attn = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
-        return self.proj(attn.transpose(1, 2).reshape(b, s, q.shape[1] * self.head_dim))
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)

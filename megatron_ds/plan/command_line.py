@@ -34,7 +34,9 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--zero-stage": _CHOSEN + "; 2 and 3 plan for pipeline size 1 (DeepSpeed's plain engine)",
     "--tensor-model-parallel-size": _CHOSEN,
     "--pipeline-model-parallel-size": _CHOSEN,
-    "--checkpoint-activations": "without it or --no-checkpoint-activations, the planner tries both",
+    "--checkpoint-activations": "without it or --no-checkpoint-activations, the planner tries none, selective, full",
+    "--recompute-activations": "without it the planner tries none, selective and full recomputation in that order",
+    "--sequence-parallel": "on whenever t > 1 unless --no-sequence-parallel",
 }
 """The `pretrain_gpt.py` flags the planner takes, each with what the planner does differently."""
 
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=CHOICES["precision"])
     training(g, "--checkpoint-activations")
     g.add_argument("--no-checkpoint-activations", dest="checkpoint_activations", action="store_const", const=False)
+    training(g, "--recompute-activations", "--sequence-parallel")
+    g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)
     methods = ", ".join(planned_methods())
     g.add_argument(
         "--layout", choices=CHOICES["layout"], help=f"none, pre, post, both (dedicated stages) or a method: {methods}"

@@ -32,6 +32,7 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
         world_size=cand.dp * cand.pp * cand.tp,
         pp_dedicated_embedding_stages=dedicated,
         pp_layout=pp_layout,
+        sequence_parallel=cand.sequence_parallel,
     )
     offload, params_to = cand.offload_optimizer, cand.offload_param
     training = TrainingConfig(
@@ -41,6 +42,7 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
         precision=cand.precision,
         zero_stage=cand.zero_stage,
         checkpoint_activations=cand.checkpoint_activations,
+        selective_recompute=cand.selective_recompute,
         # an offloaded optimizer steps as DeepSpeed's CPU Adam (torch's AdamW on the host is several times slower)
         cpu_optimizer=offload != "none",
         offload_optimizer="nvme" if offload == "nvme" else "none",
@@ -90,8 +92,12 @@ def command_flags(config: Config, vocab_size: int) -> list[str]:
         flags += ["--pp-dedicated-embedding-stages", par.pp_dedicated_embedding_stages]
     if par.pp_layout is not None:
         flags += ["--pp-layout", par.pp_layout]
+    if par.sequence_parallel:
+        flags.append("--sequence-parallel")
     if t.checkpoint_activations:
         flags.append("--checkpoint-activations")
+    if t.selective_recompute:
+        flags.append("--recompute-activations")
     if t.cpu_optimizer:
         flags.append("--cpu-optimizer")
     if t.offload_optimizer != "none":

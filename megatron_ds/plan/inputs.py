@@ -44,6 +44,8 @@ class PlanInputs:
     pipeline_model_parallel_size: int | None = None
     precision: str | None = None
     checkpoint_activations: bool | None = None
+    recompute_activations: bool | None = None
+    sequence_parallel: bool | None = None
     layout: str | None = None
     memory_headroom: float | None = None
     cpu_memory_gb: float | None = None

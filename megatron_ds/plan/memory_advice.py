@@ -70,6 +70,7 @@ def current(ctx: Context) -> search.Candidate:
             ctx.precision,
             bool(raw.checkpoint_activations),
             raw.layout or "none",
+            selective=bool(raw.recompute_activations),
         )
     return ctx.plan()
 
@@ -80,7 +81,9 @@ def memory_section(ctx: Context) -> Section:
     stages = list(now.stages)
     sec.add(
         f"Configuration analysed: t={now.tp} p={now.pp} d={now.dp}, micro-batch {now.micro_batch_size}, "
-        f"ZeRO-{now.zero_stage}{_offloaded(now)}, recompute {'on' if now.checkpoint_activations else 'off'}, layout "
+        f"ZeRO-{now.zero_stage}{_offloaded(now)}, recompute {'off' if now.recompute == 'none' else now.recompute}"
+        + (", sequence parallel" if now.sequence_parallel else "")
+        + ", layout "
         f"{now.layout.to_string()}."
     )
     _diagnose(ctx, sec, stages, now.schedule.label)

@@ -27,6 +27,9 @@ def method_description(method: str) -> str:
     return f"the default {partition_methods.DEFAULT_METHOD} partition"
 
 
+RECOMPUTE_TEXT = {"none": "off", "selective": "selective (the core attention)", "full": "on (full layers)"}
+
+
 def pipeline_section(ctx: Context) -> Section:
     res = ctx.res
     plan = ctx.plan()
@@ -37,7 +40,7 @@ def pipeline_section(ctx: Context) -> Section:
         f"Batch: global {res.global_batch_size} = micro-batch {plan.micro_batch_size} x {plan.num_micro_batches} "
         f"micro-batches (gradient accumulation steps) x data parallel {plan.dp}.",
         f"Precision {plan.precision}, ZeRO-{plan.zero_stage}{_offload_text(plan)}, activation recomputation "
-        f"{'on' if plan.checkpoint_activations else 'off'}.",
+        f"{RECOMPUTE_TEXT[plan.recompute]}" + (", sequence parallel" if plan.sequence_parallel else "") + ".",
         f"Layout method: {plan.method} ({method_description(plan.method)}); the table below is what "
         f"`pretrain_gpt.py --print-layout` prints for the command further down:",
         "",
@@ -103,6 +106,7 @@ def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None
                 plan.checkpoint_activations,
                 method,
                 plan.offload_optimizer,
+                selective=plan.selective_recompute,
             )
         except LayoutError as e:
             sec.add(f"  {method:<7} not possible: {e}")
@@ -128,6 +132,8 @@ def _data(plan: search.Candidate) -> dict:
         "offload_param": plan.offload_param,
         "engine": plan.engine,
         "checkpoint_activations": plan.checkpoint_activations,
+        "selective_recompute": plan.selective_recompute,
+        "sequence_parallel": plan.sequence_parallel,
         "layout_method": plan.method,
         "layout": plan.layout.to_string(),
         "layers_per_stage": list(plan.layout.layers_per_stage),

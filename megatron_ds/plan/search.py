@@ -4,8 +4,10 @@ Preference order (a heuristic, stated so it can be argued with):
   1. the largest predicted stage memory fits the usable GPU memory;
   2. the smallest model-parallel size t*p: data parallelism scales best (Narayanan et al. 2021,
      "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3);
-  3. no activation recomputation (it re-runs each layer's forward, ~1/3 more compute; Korthikanti
-     et al. 2022, Sec. 5);
+  3. no activation recomputation, then selective recomputation of the core attention (its scores,
+     softmax and attention over values run again: ~4% more compute for a 5x smaller activation
+     footprint with sequence parallelism), then full recomputation (each layer's forward again, ~1/3
+     more compute; Korthikanti et al. 2022, Sec. 5 and Table 4);
   4. for equal t*p, larger t up to the GPUs of one node (Narayanan et al. 2021, Takeaway #1);
   5. the largest micro-batch that keeps the pipeline bubble at or below 25% (the schedule's step on
      equal stages, `estimate/step_simulator.bubble_ratio`; (p-1)/m for DeepSpeed's 1F1B);
@@ -13,6 +15,10 @@ Preference order (a heuristic, stated so it can be argued with):
      over the compute model's stage FLOPs, `estimate/layout_costs.py`; ties: the smaller
      largest stage, then the simplest flag). `fastest` is exact over all splits, so it wins unless
      another method's split is as fast.
+Sequence parallelism (`--sequence-parallel`) is on whenever t > 1 (unless `--no-sequence-parallel`): it
+splits the norms', dropouts' and residuals' activations t ways for the same communication volume
+(all-gather + reduce-scatter in place of all-reduce; Korthikanti et al. 2022, Sec. 4.2.2), as
+Megatron-LM's scripts pass it with tensor parallelism.
 ZeRO is 1 when data-parallel ranks > 1 (it partitions optimizer states at no extra communication,
 Rajbhandari et al. 2020, Sec. 7), else 0; only 0 and 1 run on DeepSpeed's pipeline engine.
 When no configuration fits, ZeRO-2 and then ZeRO-3 are tried at pipeline size 1 (DeepSpeed's plain
@@ -50,6 +56,8 @@ DEFAULT = "none"
 METHODS = (DEFAULT, "both", "pre", "post", *partition_methods.planned_methods())
 MICRO_BATCH_CHOICES = (1, 2, 4, 8, 16)
 MAX_BUBBLE = 0.25
+RECOMPUTE = ("none", "selective", "full")
+"""Activation recomputation in preference order (the least compute first)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,19 @@ class Candidate:
     @property
     def peak(self) -> StageMemory:
         return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def selective_recompute(self) -> bool:
+        return self.inputs.selective_recompute
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.inputs.sequence_parallel
+
+    @property
+    def recompute(self) -> str:
+        """`none`, `selective` (the core attention) or `full` (whole layers)."""
+        return "full" if self.checkpoint_activations else "selective" if self.selective_recompute else "none"
 
     @property
     def offload_optimizer(self) -> str:
@@ -155,8 +176,11 @@ def evaluate(
     method: str,
     offload: str = "none",
     offload_param: str = "none",
+    selective: bool = False,
 ) -> Candidate:
-    """Predicted memory and step of one configuration (raises LayoutError if the layout is impossible)."""
+    """Predicted memory and step of one configuration (raises LayoutError if the layout is impossible);
+    `ckpt` full recomputation, `selective` the core attention's; sequence parallelism at tp > 1 unless
+    `--no-sequence-parallel`."""
     dp = res.num_gpus // (tp * pp)
     inputs = MemoryInputs(
         model=res.model(tp),
@@ -167,8 +191,11 @@ def evaluate(
         data_parallel_size=dp,
         tensor_parallel_size=tp,
         checkpoint_activations=ckpt,
+        selective_recompute=selective and not ckpt,
+        sequence_parallel=tp > 1 and res.raw.sequence_parallel is not False,
         offload_optimizer=offload,
         offload_param=offload_param,
+        engine="plain" if zero >= 2 else "pipeline",
     )
     layout = layout_for(res, tp, pp, method, inputs)
     flops = flop_stage_time(inputs, pp)
@@ -264,7 +291,7 @@ def _fitting_at(
     res: Resolved,
     t: int,
     p: int,
-    ckpt: bool,
+    recompute: str,
     precision: str,
     methods: list[str],
     offload: str = "none",
@@ -283,7 +310,7 @@ def _fitting_at(
         return [], None, bound
     fitting, miss = [], None
     for mb in micro_batches(res, dp):  # ascending: once one misses, larger ones miss too (more activations)
-        best = _best_layout(res, t, p, mb, zero, precision, ckpt, methods, offload, offload_param)
+        best = _best_layout(res, t, p, mb, zero, precision, recompute, methods, offload, offload_param)
         if best is None:
             continue
         if not fits(res, best):
@@ -300,7 +327,7 @@ def _best_layout(
     mb: int,
     zero: int,
     precision: str,
-    ckpt: bool,
+    recompute: str,
     methods: list[str],
     offload: str = "none",
     offload_param: str = "none",
@@ -310,7 +337,21 @@ def _best_layout(
     found = []
     for method in methods:
         try:
-            found.append(evaluate(res, t, p, mb, zero, precision, ckpt, method, offload, offload_param))
+            found.append(
+                evaluate(
+                    res,
+                    t,
+                    p,
+                    mb,
+                    zero,
+                    precision,
+                    recompute == "full",
+                    method,
+                    offload,
+                    offload_param,
+                    selective=recompute == "selective",
+                )
+            )
         except LayoutError:
             continue
     fitting = [c for c in found if fits(res, c)]
@@ -319,13 +360,24 @@ def _best_layout(
     return min(found, key=lambda c: (round(c.peak.total), METHODS.index(c.method)), default=None)
 
 
+def recompute_modes(raw: Any) -> list[str]:
+    """The recomputation modes to try, in `RECOMPUTE` order: those the planner's flags leave open
+    (`--checkpoint-activations`: full; `--recompute-activations`: selective; `--no-checkpoint-activations`:
+    not full)."""
+    if raw.checkpoint_activations:
+        return ["full"]
+    if raw.recompute_activations:
+        return ["selective"]
+    return ["none", "selective"] if raw.checkpoint_activations is False else list(RECOMPUTE)
+
+
 class Search:
     """Searches configurations for one ZeRO option at a time, remembering the closest miss over all."""
 
     def __init__(self, res: Resolved, precision: str) -> None:
         raw = res.raw
         self.res, self.precision = res, precision
-        self.ckpts = [raw.checkpoint_activations] if raw.checkpoint_activations is not None else [False, True]
+        self.recomputes = recompute_modes(raw)
         self.methods = [raw.layout] if raw.layout else list(METHODS)
         self.closest: Candidate | None = None
         self.bounds: list[tuple[float, int, int]] = []
@@ -338,9 +390,9 @@ class Search:
         zero, offload, offload_param = (None, "none", "none") if option is None else option.fields
         for t, p in pairs:
             self.batch_ok = self.batch_ok or bool(micro_batches(res, res.num_gpus // (t * p)))
-            for ckpt in self.ckpts:
+            for recompute in self.recomputes:
                 fitting, miss, bound = _fitting_at(
-                    res, t, p, ckpt, self.precision, self.methods, offload, zero, offload_param
+                    res, t, p, recompute, self.precision, self.methods, offload, zero, offload_param
                 )
                 if fitting:
                     low_bubble = [c for c in fitting if c.bubble <= MAX_BUBBLE]
@@ -376,7 +428,7 @@ def no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch
     if closest is not None:
         return (
             f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, micro-batch "
-            f"{closest.micro_batch_size}, recompute {closest.checkpoint_activations}, optimizer offload "
+            f"{closest.micro_batch_size}, recompute {closest.recompute}, optimizer offload "
             f"{closest.offload_optimizer}) needs {format_bytes(closest.peak.total)} on stage {closest.peak.stage} "
             f"but {usable} is usable ({tried}); {fix}"
         )

@@ -12,7 +12,7 @@ The scenario runner takes the names from a scenario's "unfixed" list.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,7 +32,17 @@ def install_stock_fp32_grad_norm(engine: Any) -> None:
     engine.clip_fp32_gradients = clip_fp32_gradients
 
 
-UNFIXED: dict[str, tuple[str, str, Callable[..., Any]]] = {
+def _build_with_pipe_partitioning(config: Any, user: Any = None) -> dict[str, Any]:
+    """The generated DeepSpeed JSON without our `pipeline` section: DeepSpeed's defaults (`pipe_partitioned`,
+    `grad_partitioned` on at T > 1) partition sequence-parallel messages a second time."""
+    from megatron_ds.training import deepspeed_config
+
+    ds = deepspeed_config.build(config, user)
+    ds.pop("pipeline", None)
+    return ds
+
+
+UNFIXED: dict[str, tuple[str, str, Any]] = {
     # An embedding-only stage leaves its no-decay group empty, DeepSpeed drops it, and under ZeRO
     # that stage issues one gradient-norm all-reduce fewer: the seed's hang.
     "group_placeholders": (
@@ -48,6 +58,15 @@ UNFIXED: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "preflight": ("megatron_ds.training.builder", "check_structure", lambda module, optimizer: None),
     # No agreement check: ranks launched with another schedule or other virtual stages run into each other.
     "run_agreement": ("megatron_ds.training.builder", "check_run_agreement", lambda config, layout=None: None),
+    # Sequence parallelism: norm and row-parallel bias gradients left as each rank's partial sums
+    # (Megatron-DeepSpeed #170).
+    "partial_gradients": ("megatron_ds.model.gpt_pipe", "reduce_partial_gradients", lambda module, tp: 0),
+    # Sequence parallelism with DeepSpeed's pipe-message partitioning (DeepSpeed #4196, Megatron-DeepSpeed #227).
+    "pipe_partitioning": (
+        "megatron_ds.training.builder",
+        "deepspeed_config",
+        type("StockPipeline", (), {"build": staticmethod(_build_with_pipe_partitioning)}),
+    ),
 }
 """Fix name -> (module, function the builder calls, its stock replacement)."""
 

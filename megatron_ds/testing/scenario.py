@@ -27,6 +27,8 @@ Optional scenario keys (all off by default):
                     launched with different flags, which the preflight agreement check must refuse)
     expect_build_error  true: an exception while building is recorded as "build_error" (the scenario
                     ends there)
+    output_shapes   true: record the shape of what this stage's module returns in its first training
+                    forward ("output_shape": what it sends on, e.g. (s/T, b, h) under sequence parallelism)
 
 Every result also records "layout_table" (the layout printout with spec names), the keys of the
 model's "tied_modules" and "tied_comms" (empty for an untied head), the "engine" class, and the
@@ -166,6 +168,8 @@ def run_one(
             return result
     if opts.get("checksums"):
         _record_checksums(result, "checksums_loaded", pipeline.model)
+    if opts.get("output_shapes"):
+        _record_output_shape(result, pipeline.model)
     emb_before = _embedding(pipeline.model)
     losses, norms = [], []
     dp_rank = engine.grid.get_data_parallel_rank()
@@ -190,6 +194,14 @@ def run_one(
         result["embedding_checksum"] = checksum(emb_after)
         result["embedding_changed"] = bool(not torch.equal(emb_before, emb_after))
     return result
+
+
+def _record_output_shape(result: dict[str, Any], model: torch.nn.Module) -> None:
+    def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+        if "output_shape" not in result and isinstance(out, torch.Tensor):
+            result["output_shape"] = list(out.shape)
+
+    model.register_forward_hook(hook)
 
 
 def _record_checksums(result: dict[str, Any], key: str, model: torch.nn.Module) -> None:

@@ -232,6 +232,7 @@ def _check_sizes(config: Config, layout: Layout | None) -> None:
     (before any collective)."""
     par = config.parallel
     p, t, d = par.pipeline_model_parallel_size, par.tensor_model_parallel_size, par.data_parallel_size
+    n = par.ds_sequence_parallel_size
     v = par.virtual_stages
     if layout is not None and (layout.num_ranks, layout.virtual_stages) != (p, v):
         chunks = f" ({layout.virtual_stages} per rank)" if layout.virtual_stages > 1 else ""
@@ -242,13 +243,14 @@ def _check_sizes(config: Config, layout: Layout | None) -> None:
             f"config, or a layout with {p * v} stages"
         )
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else env_world_size()
-    if p * t * d != world:
+    if p * t * d * n != world:
         fix = (
-            f"set config.parallel.data_parallel_size to {world // (p * t)}"
-            if world % (p * t) == 0
-            else f"launch a multiple of {p * t} processes"
+            f"set config.parallel.data_parallel_size to {world // (p * t * n)}"
+            if world % (p * t * n) == 0
+            else f"launch a multiple of {p * t * n} processes"
         )
+        ulysses = f" x Ulysses {n}" if n > 1 else ""
         raise ConfigError(
-            f"config.parallel gives pipeline {p} x tensor {t} x data {d} = {p * t * d} ranks but the world size "
-            f"is {world}; {fix}"
+            f"config.parallel gives pipeline {p} x tensor {t}{ulysses} x data {d} = {p * t * d * n} ranks but the "
+            f"world size is {world}; {fix}"
         )

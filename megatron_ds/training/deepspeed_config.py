@@ -22,6 +22,7 @@ from megatron_ds.config import Config
 from megatron_ds.config.schedules import CURRICULUM_KEY, CurriculumConfig
 from megatron_ds.errors import UserError
 from megatron_ds.estimate.transients import zero_bucket_elements_for
+from megatron_ds.model import shapes
 from megatron_ds.training import deepspeed_sections
 from megatron_ds.training.zero_checks import check_zero_json
 
@@ -57,6 +58,8 @@ def generate(
         zero.update(reduce_bucket_size=bucket)
         if t.zero_stage < 3:  # ZeRO-3 gathers parameters by its prefetch and live-parameter limits instead
             zero.update(allgather_bucket_size=bucket)
+    if t.zero_stage == 3 and par.ds_sequence_parallel_size > 1:
+        zero.update(_ulysses_zero3(config, zero["reduce_bucket_size"]))
     if t.zero_stage == 3:
         # DeepSpeed's default swaps torch's F.linear for its own autograd function for good (a memory saving
         # that rounds the bias add differently); megatron-core's and torch's linears are used as they are.
@@ -78,7 +81,23 @@ def generate(
         ds["fp16"].update({**FP16_DEFAULTS, **(fp16_from_flags(config) if loss_scale_from_flags else {})})
     if offload != "none" and not t.cpu_optimizer:
         ds["zero_force_ds_cpu_optimizer"] = False
+    if par.sequence_parallel:
+        # The pipeline engine cuts what it sends over the tensor ranks and gathers it again behind the
+        # receiver (a saving for replicated activations); sequence-parallel activations are already
+        # this rank's own part, so that would mix the ranks' parts (DeepSpeed #4196,
+        # Megatron-DeepSpeed #227): send them whole.
+        ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     return ds
+
+
+def _ulysses_zero3(config: Config, bucket: int) -> dict[str, Any]:
+    """ZeRO-3 under Ulysses: DeepSpeed 0.19.8's reduce-scatter of gradients (`stage3.__avg_scatter_grads`,
+    `reduce_scatter_coalesced`) averages over the DP x N ranks of the sequence-data-parallel group, where the
+    gradient is the sum over a sequence group averaged over DP: 1/N of it. Its all-reduce path
+    (`__avg_scatter_contiguous_grads`) divides by DP x N / N; it runs with `reduce_scatter` off for every bucket
+    that fits `reduce_bucket_size`, so the bucket is made to hold the largest parameter tensor."""
+    largest = max(max(spec, default=0) for spec in shapes.gpt_spec_tensor_numels(config.model))
+    return {"reduce_scatter": False, "reduce_bucket_size": max(bucket, largest + largest % 2)}
 
 
 def zero_section(

@@ -32,6 +32,8 @@ from deepspeed.runtime.pipe import schedule
 from megatron_ds.config import Config
 from megatron_ds.model.gpt_model import GPTModel, Partition
 from megatron_ds.model.tensor_parallel import TensorParallel
+from megatron_ds.model.tensor_parallel_rank import NO_ULYSSES
+from megatron_ds.model.ulysses import UlyssesGrid, group_of, local_part
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.optimizer import OptimizerFactory, add_group_placeholders, build_optimizer
 from megatron_ds.training.preflight import check_structure
@@ -115,7 +117,10 @@ class PlainEngine(DeepSpeedEngine):
     }
 
     def _to_device(self, batch: Any) -> tuple[Any, Any]:
-        """((tokens,), (labels, loss_mask)) on this engine's device, as the pipeline engine loads them."""
+        """((tokens,), (labels, loss_mask)) on this engine's device, as the pipeline engine loads them (under
+        Ulysses this rank's part of the sequence: `ulysses.local_part`)."""
+        if self.module.ulysses.size > 1:
+            batch = local_part(batch, self.module.ulysses)
         inputs, labels = batch
 
         def move(x: Any) -> Any:
@@ -182,9 +187,11 @@ def assemble(
     optimizer groups, the preflight check, the engine; (engine, model, the optimizer DeepSpeed wrapped)."""
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
-    grid = PipelineParallelGrid(topology=topology)
+    n = config.parallel.ds_sequence_parallel_size
+    grid = UlyssesGrid(topology, n) if n > 1 else PipelineParallelGrid(topology=topology)
+    ulysses = group_of(grid) if n > 1 else NO_ULYSSES
     partition = zero3_partition(config, ds, grid) if config.training.zero_stage == 3 else None
-    model = GPTModel(config, layout, topology=topology, tp=tp, partition=partition, grid=grid)
+    model = GPTModel(config, layout, topology=topology, tp=tp, partition=partition, grid=grid, ulysses=ulysses)
     add_group_placeholders(model)
     optimizer = build_optimizer(model, config.optimizer, factory, config.training.cpu_optimizer)
     check_structure(model, optimizer)
@@ -230,7 +237,8 @@ def zero3_partition(config: Config, ds: dict[str, Any], grid: Any) -> Partition:
         if any(True for _ in module.parameters()):
             deepspeed.zero.Init(
                 module=module,
-                data_parallel_group=grid.get_data_parallel_group(),
+                # the engine's ZeRO group: under Ulysses the DP x N ranks (DeepSpeed's sequence-data-parallel group)
+                data_parallel_group=getattr(grid, "get_sequence_data_parallel_group", grid.get_data_parallel_group)(),
                 config_dict_or_path=ds,
                 mpu=grid,
             )

@@ -39,5 +39,8 @@ def layout_text(config: Config, layout: Layout, calibration: Calibration | None 
     if calibration is None and run_layout.uses_measured_times(config):
         calibration = measure(config, machine)
     report = run_layout.layout_report(config, layout, machine, calibration)
-    table = layout.format(par.data_parallel_size, par.tensor_model_parallel_size)
+    n = par.ds_sequence_parallel_size  # Ulysses: the data axis holds DP x N ranks, N consecutive per sequence
+    table = layout.format(par.data_parallel_size * n, par.tensor_model_parallel_size)
+    if n > 1:
+        table += f"\nDeepSpeed-Ulysses: data ranks {n}g .. {n}g+{n - 1} split the sequences of data-parallel replica g"
     return f"{table}\n{report}\n{describe(config, machine)}" if report else table

@@ -59,13 +59,27 @@ def test_when_each_remedy_applies() -> None:
 def test_ranked_changes_are_cheapest_first_with_the_memory_models_savings() -> None:
     layout = default_layout(INPUTS, "none")
     changes = ranked_changes(INPUTS, layout, "none", default_layout)
-    assert sorted(c.name for c in changes) == sorted(r.name for r in REMEDIES)  # each applies here
+    # each applies here but sequence parallelism, which needs tensor parallelism
+    assert sorted(c.name for c in changes) == sorted(r.name for r in REMEDIES if r is not fit_advice.SEQUENCE_PARALLEL)
     assert [(c.cost_rank, -c.saving) for c in changes] == sorted((c.cost_rank, -c.saving) for c in changes)
     base = max(s.total for s in stage_memory(INPUTS, layout))
     recompute = next(c for c in changes if c.name == RECOMPUTE.name)
     want = base - max(s.total for s in stage_memory(RECOMPUTE.change(INPUTS), layout))
     assert recompute.saving == pytest.approx(want) and recompute.saving > 0
     assert next(c for c in changes if c.name == ONE_BIT.name).saving == 0
+
+
+def test_sequence_parallelism_and_selective_recompute_are_offered_where_they_apply() -> None:
+    t2 = dataclasses.replace(INPUTS, model=dataclasses.replace(INPUTS.model), tensor_parallel_size=2)
+    changes = {c.name: c for c in ranked_changes(t2, default_layout(t2, "none"), "none", default_layout)}
+    sp, selective = fit_advice.SEQUENCE_PARALLEL, fit_advice.SELECTIVE_RECOMPUTE
+    assert (
+        changes[sp.name].saving > 0
+        and changes[sp.name].cost_rank == 0
+        and changes[sp.name].flags == "--sequence-parallel"
+    )
+    assert selective.name in changes and changes[selective.name].flags == "--recompute-activations"
+    assert sp.change(sp.change(t2)) is None and selective.change(RECOMPUTE.change(t2)) is None
 
 
 def test_a_change_keeps_the_rest_of_the_configuration() -> None:

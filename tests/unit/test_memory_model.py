@@ -285,12 +285,15 @@ def test_activation_checkpointing_keeps_chunk_inputs_except_mixed_chunks() -> No
     layer = spec_memory(MemoryInputs(**base))[3]
     full = stage_memory_for(MemoryInputs(**base), 1, 3, 6)
     ck = stage_memory_for(MemoryInputs(**base, checkpoint_activations=True), 1, 3, 6)
-    assert ck.activation_per_micro_batch == 6 * layer.checkpointed_activations
+    # Each checkpoint call also keeps the generator states: CPU, accelerator, the tracker's streams (2 per layer).
+    states = act.checkpoint_rng_bytes(MemoryInputs(**base).kernels, 12)
+    assert ck.activation_per_micro_batch == 6 * layer.checkpointed_activations + 6 * states
     assert full.activation_per_micro_batch == 6 * layer.activations
     # Stage 0 with interval 2: chunks [cast, emb] [pos, t] [t, t] [t, t] [t]: one layer is not recomputed.
     ck2 = stage_memory_for(MemoryInputs(**base, checkpoint_activations=True, checkpoint_num_layers=2), 0, 3, 6)
     pre = sum(s.activations for s in spec_memory(MemoryInputs(**base))[:3])
-    assert ck2.activation_per_micro_batch == pre + layer.activations + 5 * layer.checkpointed_activations
+    calls = 3 * act.checkpoint_rng_bytes(MemoryInputs(**base).kernels, 13)  # + the embedding's stream
+    assert ck2.activation_per_micro_batch == pre + layer.activations + 5 * layer.checkpointed_activations + calls
 
 
 def test_memory_inputs_reject_bad_values() -> None:

@@ -1,5 +1,6 @@
-"""Megatron's neutral values are no-ops (`declare.neutral`): `--ds-sequence-parallel-size 1` and the
-mixture-of-experts flags of the dense scripts (`--num-experts 1`); any other value is one line."""
+"""Megatron's neutral values are no-ops (`declare.neutral`): the mixture-of-experts flags of the dense
+scripts (`--num-experts 1`; `--ds-sequence-parallel-size 1` is Ulysses' default); any other value is one
+line."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What may change between a checkpoint and the run that loads it, and what may not.
 
 Free: dropout and init std (a notice), and the whole parallel layout: P, the stage split, T, DP,
-ZeRO stage, offload, CPU Adam and precision (`topology_changes`; a full resume then goes through the universal form,
+sequence parallelism (Megatron's: as saved; Ulysses' degree N), ZeRO stage, offload, CPU Adam and precision (`topology_changes`; a full resume then goes through the universal form,
 `megatron_ds.training.checkpoint.universal`). Refused with one line: another architecture, and for a full
 resume another global batch size or optimizer. Pure: no torch.distributed.
 """
@@ -130,7 +130,8 @@ def topology_changes(meta: dict[str, Any], config: Config, layout: Layout, world
         diffs.append(f"layout {meta.get('layout')} vs {layout.to_string()}")
     if meta.get("world_size") != world_size:
         diffs.append(f"world size {meta.get('world_size')} vs {world_size}")
-    for name in ("tensor_model_parallel_size", "data_parallel_size"):
+    # Megatron's sequence parallelism changes no parameter and no partition: DeepSpeed loads it as saved
+    for name in ("tensor_model_parallel_size", "data_parallel_size", "ds_sequence_parallel_size"):
         a, b = getattr(saved.parallel, name), getattr(config.parallel, name)
         if a != b:
             diffs.append(f"{name} {a} vs {b}")

@@ -12,7 +12,8 @@ other step is profiled) and measures on this rank's device, with no estimate any
   counters, fp32 master copies, ZeRO partitions), by storage, parameters excluded.
 - activations: the peak of tensors saved for backward across the whole step (all micro-batches in
   flight under DeepSpeed's 1F1B schedule), by storage, through
-  `torch.autograd.graph.saved_tensors_hooks`, parameters excluded.
+  `torch.autograd.graph.saved_tensors_hooks`, parameters excluded, and the inputs DeepSpeed's
+  activation checkpointing keeps for its recompute (`saved_activations.ActivationPeak`).
 - peak (the total): the most the rank holds at any moment of the step. On CPU: the tensor storages
   alive when the step starts (a scan of the garbage collector's objects) plus the running sum of
   every allocation and free of the CPU allocator during the step, from torch.profiler's memory
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import gc
 import re
-import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from megatron_ds.training.measure.allocation_trace import CpuAllocationTrace, CudaAllocationTrace
+from megatron_ds.training.measure.saved_activations import ActivationPeak, param_keys
 
 MB = 1024.0 * 1024.0
 
@@ -59,7 +60,7 @@ def _param_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
 
 
 def _param_keys(module: torch.nn.Module) -> set[tuple[int, int]]:
-    return {_storage_key(t) for t in _param_tensors(module) if t.untyped_storage().nbytes()}
+    return param_keys(module)
 
 
 def _tensors(obj: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -177,54 +178,6 @@ def live_storages(engine: Any, device: torch.device) -> dict[int, int]:
         for _, t in _tensors(root, "opt", 5, set()):
             add(t)
     return seen
-
-
-class ActivationPeak:
-    """Peak bytes of tensors saved for backward while `track()` is active."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.param_keys = _param_keys(module)
-        self.live: dict[tuple[int, int], list[int]] = {}  # key -> [refcount, bytes]
-        self.current = 0
-        self.peak = 0
-
-    def _release(self, key: tuple[int, int]) -> None:
-        entry = self.live.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.current -= entry[1]
-            del self.live[key]
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        key = _storage_key(t)
-        if key in self.param_keys or t.device.type == "meta":
-            return t
-        entry = self.live.setdefault(key, [0, t.untyped_storage().nbytes()])
-        if entry[0] == 0:
-            self.current += entry[1]
-            self.peak = max(self.peak, self.current)
-        entry[0] += 1
-        holder = _Saved(t)
-        weakref.finalize(holder, self._release, key)
-        return holder
-
-    @staticmethod
-    def _unpack(obj: Any) -> torch.Tensor:
-        return obj.tensor if isinstance(obj, _Saved) else obj
-
-    @contextmanager
-    def track(self) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
-
-
-class _Saved:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
 
 
 @dataclass

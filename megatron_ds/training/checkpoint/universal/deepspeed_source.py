@@ -77,7 +77,8 @@ class DeepSpeedSource:
         cfg = ckpt.config
         self.model = cfg.model
         self.tensor_parallel = cfg.parallel.tensor_model_parallel_size
-        self.data_parallel = cfg.parallel.data_parallel_size
+        # ZeRO's partitions: over DP x N ranks under Ulysses (DeepSpeed's sequence-data-parallel group)
+        self.data_parallel = cfg.parallel.data_parallel_size * cfg.parallel.ds_sequence_parallel_size
         self.precision = cfg.training.precision
         self.flat = cfg.training.zero_stage >= 1 or self.precision == "bf16"
         if self.precision == "fp16" and not self.flat:
@@ -139,6 +140,7 @@ class DeepSpeedSource:
             "pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
             "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
             "data_parallel_size": cfg.parallel.data_parallel_size,
+            "ds_sequence_parallel_size": cfg.parallel.ds_sequence_parallel_size,
             "zero_stage": cfg.training.zero_stage,
             "precision": cfg.training.precision,
         }
