@@ -16,7 +16,9 @@ Model of the instructions (deepspeed/runtime/pipe/schedule.py, engine.py, p2p.py
   OptimizerStep                with gradient clipping the global norm is all-reduced over every
                                stage first (`grad_norm_sync`: a barrier), then the stage's `optimizer`
                                time (which should include its ReduceGrads and the update)
-  LoadMicroBatch, ReduceGrads  no time of their own (data parallelism is one device per stage here)
+  ReduceGrads                  the stage's data-parallel gradient reduction: `reduce_grads` of that stage,
+                               its own (the other stages run on; the norm barrier then waits for it)
+  LoadMicroBatch               no time of its own
 The step ends when every stage has finished (the engine's loss broadcast then joins all stages).
 
 Each stage's order is fixed by the schedule, and every wait is for a fixed predecessor, so the
@@ -35,7 +37,7 @@ from megatron_ds.estimate import pipeline_schedules as schedules
 from megatron_ds.pipeline.costs import StageTime, StepEstimate
 
 # Node kinds of the compiled program.
-FORWARD, BACKWARD, SEND, TIED, BARRIER, OPTIMIZER = range(6)
+FORWARD, BACKWARD, SEND, TIED, BARRIER, OPTIMIZER, REDUCE = range(7)
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class ScheduleResult:
     busy: tuple[float, ...]
     """Per stage: forward + backward + optimizer time."""
     comm: tuple[float, ...]
-    """Per stage: time in sends, receives and the tied all-reduce."""
+    """Per stage: time in sends, receives, the tied all-reduce and its gradient reduction."""
     finish: tuple[float, ...]
     """Per stage: when its last instruction ends."""
     path: tuple[tuple[int, int, int], ...] = ()
@@ -91,10 +93,10 @@ class Program:
         """(first predecessor, second predecessor, duration slot) per flat node, and each node's flat
         position, for `simulate`'s loop. A node with more than two predecessors (the barrier) becomes a chain of
         zero-time nodes; a missing predecessor points at a sentinel that finishes at 0. Duration
-        slots index [forward x P, backward x P, optimizer x P, send, tied_reduce, zero]."""
+        slots index [forward x P, backward x P, optimizer x P, reduce_grads x P, send, tied_reduce, zero]."""
         p = self.num_stages
-        slot = {FORWARD: 0, BACKWARD: p, OPTIMIZER: 2 * p}
-        zero = 3 * p + 2
+        slot = {FORWARD: 0, BACKWARD: p, OPTIMIZER: 2 * p, REDUCE: 3 * p}
+        zero = 4 * p + 2
         first: list[int] = []
         second: list[int] = []
         durations: list[int] = []
@@ -111,7 +113,7 @@ class Program:
             if kind in slot:
                 durations.append(slot[kind] + stages[0])
             else:
-                durations.append({SEND: 3 * p, TIED: 3 * p + 1, BARRIER: zero}[kind])
+                durations.append({SEND: 4 * p, TIED: 4 * p + 1, BARRIER: zero}[kind])
             index.append(len(first) - 1)
         return first, second, durations, index
 
@@ -125,9 +127,10 @@ _TOKENS = {
     schedules.RECV_GRAD: lambda stage: ("recv", stage + 1),
     schedules.REDUCE_TIED: lambda stage: ("tied",),
     schedules.OPTIMIZER: lambda stage: ("opt",),
+    schedules.REDUCE_GRADS: lambda stage: ("reduce",),
 }
-NO_TIME = (schedules.LOAD, schedules.REDUCE_GRADS)
-"""Instructions with no time of their own (data parallelism is one device per stage here)."""
+NO_TIME = (schedules.LOAD,)
+"""Instructions with no time of their own."""
 
 
 def _instructions(schedule: str, num_micro_batches: int, num_stages: int, stage: int) -> list[tuple]:
@@ -174,6 +177,8 @@ def program(
                 continue
             if op[0] in ("F", "B"):
                 add(FORWARD if op[0] == "F" else BACKWARD, (s,))
+            elif op[0] == "reduce":
+                add(REDUCE, (s,))
             elif op[0] in ("send", "recv"):
                 peer = op[1]
                 if head(peer) != ("recv" if op[0] == "send" else "send", s):
@@ -220,26 +225,30 @@ def simulate(
     tied: bool = True,
     grad_norm_sync: bool = True,
     schedule: str = DEFAULT_PIPELINE_SCHEDULE,
+    reduce_grads: float | Sequence[float] = 0.0,
 ) -> ScheduleResult:
     """One step of `schedule` (DeepSpeed's TrainSchedule for 1F1B) with one device per stage.
 
     `forward[s]` / `backward[s]`: one micro-batch on stage s (backward including recomputation);
     `optimizer`: per stage (or one value for all); `send`: one activation or gradient transfer;
-    `tied`: the first and last stage share the tied word embedding (False for an untied head).
+    `tied`: the first and last stage share the tied word embedding (False for an untied head);
+    `reduce_grads`: per stage (or one value), the part of its data-parallel gradient reduction that the
+    step waits for.
     """
     p = len(forward)
     fwd, bwd = _per_stage(forward, p, "forward"), _per_stage(backward, p, "backward")
     opt = _per_stage(optimizer, p, "optimizer")
+    red = _per_stage(reduce_grads, p, "reduce_grads")
     prog = program(num_micro_batches, p, tied, grad_norm_sync, schedule)
     first, second, slots, index = prog.flat
-    weights = [*fwd, *bwd, *opt, float(send), float(tied_reduce), 0.0]
+    weights = [*fwd, *bwd, *opt, *red, float(send), float(tied_reduce), 0.0]
     finish = [0.0] * (len(first) + 1)  # finish[-1]: the sentinel "no predecessor"
     for i, (a, b, d) in enumerate(zip(first, second, slots)):
         fa, fb = finish[a], finish[b]
         finish[i] = (fa if fa > fb else fb) + weights[d]
     ends = tuple(finish[index[j]] for j in prog.last)
     path, constant = _critical_path(prog, finish, slots, weights)
-    comm = tuple(n_send * send + n_tied * tied_reduce for n_send, n_tied in prog.comm_counts)
+    comm = tuple(n_send * send + n_tied * tied_reduce + r for (n_send, n_tied), r in zip(prog.comm_counts, red))
     busy = tuple(num_micro_batches * (f + b) + o for f, b, o in zip(fwd, bwd, opt))
     return ScheduleResult(step_time=max(ends), busy=busy, comm=comm, finish=ends, path=path, path_constant=constant)
 

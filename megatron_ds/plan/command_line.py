@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--storage", choices=CHOICES["storage"], help="local storage; nvme lets the plan offload ZeRO-3 to NVMe"
     )
     g.add_argument("--tensor-device", choices=CHOICES["tensor_device"])
+    g.add_argument(
+        "--kernel-profile",
+        metavar="FILE",
+        help="measured kernel rates (benchmarks/kernel_profile.py --write FILE) in place of the GPU table's",
+    )
     g = p.add_argument_group("training and fixed choices")
     training(g, "--global-batch-size", "--micro-batch-size", "--zero-stage")
     training(g, "--tensor-model-parallel-size", "--pipeline-model-parallel-size")

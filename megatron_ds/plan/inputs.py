@@ -52,6 +52,7 @@ class PlanInputs:
     tensor_device: str | None = None
     reported_mb: str | None = None
     oom_stage: int | None = None
+    kernel_profile: str | None = None
     handled: list = field(default_factory=list)
 
     def merged_over(self, base: PlanInputs) -> PlanInputs:

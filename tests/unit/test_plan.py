@@ -225,7 +225,7 @@ def test_write_config_matches_the_generated_json(tmp_path, capsys) -> None:
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "MI300X"], "--gpu 'MI300X' is not in the table"),
+        (["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "B200"], "--gpu 'B200' is not in the table"),
         (
             ["pipeline", *A100_1_3B, "--zero-stage", "3", "--pipeline-model-parallel-size", "2"],
             "--zero-stage 3 with --pipeline-model-parallel-size 2: DeepSpeed's pipeline engine supports ZeRO 0 and 1",
@@ -284,7 +284,7 @@ def test_unknown_gpu_with_memory_is_accepted(capsys) -> None:
             "--num-gpus",
             "8",
             "--gpu",
-            "MI300X",
+            "B200",
             "--gpu-memory-gb",
             "192",
             "--compute-capability",
