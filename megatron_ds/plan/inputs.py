@@ -32,6 +32,8 @@ class PlanInputs:
     seq_length: int | None = None
     vocab_size: int | None = None
     ffn_hidden_size: int | None = None
+    architecture: list | None = None
+    """pretrain_gpt.py's architecture flags as given (`--swiglu`, `--num-key-value-heads 8`, ...), in order."""
     num_gpus: int | None = None
     gpus_per_node: int | None = None
     gpu: str | None = None
@@ -129,6 +131,9 @@ class Resolved:
     global_batch_size: int | None
     lr: float | None
     headroom: float
+    run_features: Any = None
+    """The training software the step is priced for (`estimate.run_features.RunFeatures`); None: what
+    pretrain_gpt.py runs. benchmarks/planner_vs_published.py sets Megatron's."""
 
     def model(self, tensor_parallel_size: int = 1) -> ModelConfig:
         assert self.dims is not None
@@ -226,9 +231,9 @@ def _dims(raw: PlanInputs) -> tuple[dict | None, hardware.Preset | None]:
         "num_layers": raw.num_layers or (preset.num_layers if preset else None),
         "hidden_size": raw.hidden_size or (preset.hidden_size if preset else None),
         "num_attention_heads": raw.num_attention_heads or (preset.num_attention_heads if preset else None),
-        "seq_length": raw.seq_length or (hardware.PRESET_SEQ_LENGTH if preset else None),
-        "vocab_size": raw.vocab_size or (hardware.GPT2_VOCAB_SIZE if preset else None),
-        "ffn_hidden_size": raw.ffn_hidden_size,
+        "seq_length": raw.seq_length or (preset.seq_length if preset else None),
+        "vocab_size": raw.vocab_size or (preset.vocab_size if preset else None),
+        "ffn_hidden_size": raw.ffn_hidden_size or (preset.ffn_hidden_size if preset else None),
     }
     required = [k for k in dims if k != "ffn_hidden_size"]
     given = [k for k in required if dims[k] is not None]
@@ -237,10 +242,12 @@ def _dims(raw: PlanInputs) -> tuple[dict | None, hardware.Preset | None]:
     if len(given) < len(required):
         flags = ", ".join("--" + k.replace("_", "-") for k in required if dims[k] is None)
         raise PlanError(f"model size is incomplete: also give {flags} (or --model PRESET)")
+    dims["architecture"] = (*(preset.architecture if preset else ()), *(raw.architecture or ()))
     try:
-        hardware.model_config(**dims)  # pretrain_gpt.py's checks and vocabulary padding (megatron_ds.config)
+        model = hardware.model_config(**dims)  # pretrain_gpt.py's flag rules, checks and vocabulary padding
     except ConfigError as e:
         raise PlanError(str(e)) from None
+    dims["ffn_hidden_size"] = model.ffn_hidden_size
     return dims, preset
 
 

@@ -36,7 +36,7 @@ def time_bound(res: Resolved, t: int, p: int, mb: int, zero: int, precision: str
     dp = res.num_gpus // (t * p)
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
     m = res.global_batch_size // (mb * dp)
-    run = timing.features(zero, precision)
+    run = res.run_features or timing.features(zero, precision)
     return step_lower_bound(res.model(t), mb, m, t, p, precision, ckpt, hw.kernels, hw.links, run)
 
 

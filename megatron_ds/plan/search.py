@@ -221,7 +221,7 @@ def evaluate(
         stages=stages,
         inputs=inputs,
         times=times,
-        time=timing.step_time(step, hw),
+        time=timing.step_time(step, hw, res.run_features),
     )
 
 
