@@ -105,6 +105,23 @@ class Kernels:
             source=source,
         )
 
+    @classmethod
+    def from_profile(cls, profile: dict) -> Kernels:
+        """A device known only by a measured profile (a CPU: `benchmarks/kernel_profile.py`): its matmul rate
+        is its peak; attention and memory rates as measured."""
+        peak = profile["matmul_tflops"] * 1e12
+        return cls(
+            profile.get("name", "profiled device"),
+            peak,
+            1.0,
+            profile["memory_gbs"] * 1e9,
+            profile["attention_forward_tflops"] * 1e12 / peak,
+            profile["attention_backward_tflops"] * 1e12 / peak,
+            None,
+            memory_fraction=1.0,
+            source=f"measured profile {profile.get('name', '')}".strip(),
+        )
+
     def measured(self, profile: dict) -> Kernels:
         """These kernels with a measured profile's figures (`matmul_tflops`, `memory_gbs`, `attention_*_tflops`)."""
         changes: dict = {}

@@ -150,13 +150,15 @@ def layer_times(
 
 
 def pre_times(model: ModelConfig, micro_batch_size: int, tp: int, w: int, kernels: Kernels, links: Links) -> PassTimes:
-    """The embeddings on stage 0: the lookup, the position add, dropout; the vocabulary-parallel all-reduce."""
+    """The embeddings on stage 0: the lookup, the position add, dropout; the vocabulary-parallel all-reduce.
+    The lookup's backward fills the table's whole (v/t, h) gradient: zeroed, then accumulated into the
+    parameter's gradient (a write, a read and a write of it)."""
     sh = LayerShapes.of(model, micro_batch_size, tp)
     e = sh.tokens * sh.hidden
     nbytes = 2 * w * e + (3 * w * e if model.add_position_embedding else 0) + (2 * w + 1) * e
     comm = _tp_comm(links, sh, tp, w, 1)
     forward = kernels.memory(nbytes) + comm
-    backward = kernels.memory(BACKWARD_MEMORY_RATIO * nbytes)
+    backward = kernels.memory(BACKWARD_MEMORY_RATIO * nbytes + 3 * w * sh.vocab * sh.hidden)
     return PassTimes(forward, backward, parts={"memory": kernels.memory(3 * nbytes), "tp-comm": comm})
 
 
