@@ -147,8 +147,18 @@ def model_flags(
     return [str(x) for flag, value in sizes if value is not None for x in (flag, value)] + list(architecture)
 
 
-def model_config(tensor_parallel_size: int = 1, **dims) -> ModelConfig:
+def model_config(
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    seq_length: int,
+    vocab_size: int,
+    ffn_hidden_size: int | None = None,
+    tensor_parallel_size: int = 1,
+    architecture: tuple[str, ...] = (),
+) -> ModelConfig:
     """The ModelConfig pretrain_gpt.py builds for these flags (`flags.parser.model_config`: the same
     declarations, rules, checks and vocabulary padding; a ConfigError naming the flag)."""
-    argv = (*model_flags(**dims), "--tensor-model-parallel-size", str(tensor_parallel_size))
+    sizes = (num_layers, hidden_size, num_attention_heads, seq_length, vocab_size, ffn_hidden_size)
+    argv = (*model_flags(*sizes, tuple(architecture)), "--tensor-model-parallel-size", str(tensor_parallel_size))
     return parser.model_config(argv)

@@ -85,5 +85,8 @@ def needs(command: str) -> list[str]:
 def help_text() -> str:
     """The commands part of `--help`: one line per section."""
     width = max(len(s.name) for s in SECTIONS) + 2
-    lines = [f"  {s.name:<{width}}{s.help}" + ("" if s.in_default else " (when named)") for s in SECTIONS]
-    return "\n".join(["COMMAND (without one, all but the guides marked 'when named' run, in this order):", *lines])
+    default = [f"  {s.name:<{width}}{s.help}" for s in SECTIONS if s.in_default]
+    guides = [f"  {s.name:<{width}}{s.help}" for s in SECTIONS if not s.in_default]
+    return "\n".join(
+        ["COMMAND (without one, these run, in this order):", *default, "guides (only when named):", *guides]
+    )

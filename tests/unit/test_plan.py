@@ -154,9 +154,12 @@ def test_model_states_in_zero_section_against_deepspeed_estimators(capsys) -> No
 
     from megatron_ds.model.shapes import largest_layer_params, total_params
 
+    capsys.readouterr()  # DeepSpeed's accelerator line, printed to stdout once per process
     rc, report = run_json(["zero", *A100_175B], capsys)
     rows = {r["label"]: r for r in next(s for s in report["sections"] if s["name"] == "zero")["data"]["rows"]}
-    m = hardware.model_config(96, 12288, 96, 2048, hardware.GPT2_VOCAB_SIZE)
+    m = hardware.model_config(
+        num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048, vocab_size=hardware.GPT2_VOCAB_SIZE
+    )
     psi, big = total_params(m), largest_layer_params(m)
     z2, z3 = (
         estimate_zero2_model_states_mem_needs(psi, 8, 128, False)[1],
