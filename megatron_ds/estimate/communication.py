@@ -50,7 +50,8 @@ class Links:
         host = device.pcie if device and device.pcie else 64.0
         intra = (scale_up or host) / 2 * GB  # the datasheets print both directions together
         net = network_gbps or (device.network if device else None)
-        source = f"{'NVLink' if scale_up else 'PCIe'} {intra / GB:g} GB/s one way"
+        link = ("NVLink" if device.vendor == "nvidia" else "Infinity Fabric") if scale_up and device else "PCIe"
+        source = f"{link} {intra / GB:g} GB/s one way"
         if net is None:
             net, source = 200.0, source + "; network assumed 200 Gb/s per GPU (HDR InfiniBand)"
         else:

@@ -144,6 +144,12 @@ class Resolved:
         return None if self.gpu_memory_bytes is None else self.gpu_memory_bytes * (1 - self.headroom)
 
     @property
+    def non_nvidia_gpu(self) -> bool:
+        """`--gpu` names a table row of another vendor (it has no compute capability; its peaks say what it runs)."""
+        device = hardware.find_named(self.gpu_name) if self.gpu_name else ()
+        return len(device) == 1 and device[0].vendor != "nvidia"
+
+    @property
     def num_nodes(self) -> int | None:
         if self.num_gpus is None or self.gpus_per_node is None:
             return None
@@ -154,7 +160,7 @@ class Resolved:
             "model": self.dims is not None,
             "num_gpus": self.num_gpus is not None,
             "gpu_memory": self.gpu_memory_bytes is not None,
-            "compute_capability": self.cc is not None,
+            "compute_capability": self.cc is not None or self.non_nvidia_gpu,
             "global_batch_size": self.global_batch_size is not None,
         }
         return [self._question(n) for n in needs if not have[n]]

@@ -86,3 +86,9 @@ def test_a_kernel_profile_reprices_the_step_and_a_bad_one_is_one_line(tmp_path, 
     assert main([*argv, "--kernel-profile", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "--kernel-profile" in err and "not a positive number" in err and "\n" not in err.strip()
+
+
+def test_an_amd_gpu_of_the_table_is_planned_and_priced(capsys) -> None:
+    assert main(["--model", "llama3-8b", "--num-gpus", "16", "--gpu", "MI300X"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: bf16 (MI300X" in out and "matmul ceiling 668.4 TFLOP/s" in out and "Infinity Fabric" in out
