@@ -164,6 +164,7 @@ def find(name: str, virtual_stages: int | None = None) -> PipelineSchedule:
     return dataclasses.replace(entry, virtual_stages=virtual_stages)
 
 
+@functools.lru_cache(maxsize=8192)  # read per stage for every configuration the planner prices
 def activations_in_flight(
     schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
 ) -> tuple[int, int]:

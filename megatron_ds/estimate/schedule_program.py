@@ -16,7 +16,9 @@ Model of the instructions (deepspeed/runtime/pipe/schedule.py, engine.py, p2p.py
                                last rank (only the tied ranks take part): both wait, then `tied_reduce`
   OptimizerStep                with gradient clipping the global norm is all-reduced over every
                                rank first (`grad_norm_sync`: a barrier), then the rank's `optimizer`
-  LoadMicroBatch, ReduceGrads  no time of their own (data parallelism is one device per stage here)
+  ReduceGrads                  the rank's data-parallel gradient reduction, its own `reduce_grads` (the
+                               other ranks run on; the norm barrier then waits for it)
+  LoadMicroBatch               no time of its own
 
 Each rank's order is fixed by the schedule and every wait is for a fixed predecessor, so the
 finish times are the longest paths of one graph; it depends only on the schedule, M and P and is
@@ -33,7 +35,7 @@ from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules as schedules
 
 # Node kinds of the compiled program.
-FORWARD, BACKWARD, SEND, TIED, BARRIER, OPTIMIZER, BACKWARD_INPUT, WEIGHT, POST = range(9)
+FORWARD, BACKWARD, SEND, TIED, BARRIER, OPTIMIZER, BACKWARD_INPUT, WEIGHT, POST, REDUCE = range(10)
 COMPUTE_NODES = {
     schedules.FORWARD: FORWARD,
     schedules.BACKWARD: BACKWARD,
@@ -46,8 +48,8 @@ PEER = {
     schedules.SEND_GRAD: ("send", -1, "gradient"),
     schedules.RECV_GRAD: ("recv", +1, "gradient"),
 }
-NO_TIME = (schedules.LOAD, schedules.REDUCE_GRADS)
-"""Instructions with no time of their own (data parallelism is one device per stage here)."""
+NO_TIME = (schedules.LOAD,)
+"""Instructions with no time of their own."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class Program:
         finishes at 0. Duration slots: `slots`."""
         n, p = self.num_flat, self.num_stages
         block = {FORWARD: 0, BACKWARD: n, BACKWARD_INPUT: 2 * n, WEIGHT: 3 * n}
-        zero = 4 * n + p + 2
+        zero = 4 * n + 2 * p + 2
         first: list[int] = []
         second: list[int] = []
         durations: list[int] = []
@@ -106,17 +108,28 @@ class Program:
                 durations.append(block[kind] + stage)
             elif kind == OPTIMIZER:
                 durations.append(4 * n + ranks[0])
+            elif kind == REDUCE:
+                durations.append(4 * n + p + ranks[0])
             else:
-                durations.append({SEND: 4 * n + p, TIED: 4 * n + p + 1}.get(kind, zero))
+                durations.append({SEND: 4 * n + 2 * p, TIED: 4 * n + 2 * p + 1}.get(kind, zero))
             index.append(len(first) - 1)
         return first, second, durations, index
 
 
 def slots(num_flat: int, num_ranks: int) -> dict[str, int]:
     """Where each duration sits in the simulator's weight vector: forward, backward, input-gradient
-    and weight passes per flat stage, the optimizer per rank, then send, tied all-reduce and zero."""
-    n = num_flat
-    return {"forward": 0, "backward": n, "input": 2 * n, "weight": 3 * n, "optimizer": 4 * n, "send": 4 * n + num_ranks}
+    and weight passes per flat stage, the optimizer and the data-parallel reduction per rank, then send,
+    tied all-reduce and zero."""
+    n, p = num_flat, num_ranks
+    return {
+        "forward": 0,
+        "backward": n,
+        "input": 2 * n,
+        "weight": 3 * n,
+        "optimizer": 4 * n,
+        "reduce": 4 * n + p,
+        "send": 4 * n + 2 * p,
+    }
 
 
 def _tokens(schedule: schedules.PipelineSchedule, m: int, p: int, rank: int) -> list[tuple]:
@@ -132,6 +145,8 @@ def _tokens(schedule: schedules.PipelineSchedule, m: int, p: int, rank: int) -> 
             out.append(("tied",))
         elif ins.kind == schedules.OPTIMIZER:
             out.append(("opt",))
+        elif ins.kind == schedules.REDUCE_GRADS:
+            out.append(("reduce",))
         else:
             assert ins.kind in NO_TIME, ins
     return out
@@ -181,6 +196,8 @@ def program(
             if not queue:
                 return False
             add(SEND, (s,), extra=(queue.popleft(),))
+        elif op[0] == "reduce":
+            add(REDUCE, (s,))
         elif op[0] == "tied":
             if s not in tied_ranks:
                 pos[s] += 1

@@ -41,7 +41,7 @@ class ScheduleResult:
     busy: tuple[float, ...]
     """Per rank: forward + backward + optimizer time."""
     comm: tuple[float, ...]
-    """Per rank: time in sends, receives and the tied all-reduce."""
+    """Per rank: time in sends, receives, the tied all-reduce and its data-parallel gradient reduction."""
     finish: tuple[float, ...]
     """Per rank: when its last instruction ends."""
     path: tuple[tuple[int, int, int, int], ...] = ()
@@ -50,7 +50,7 @@ class ScheduleResult:
     Its length, these times the stage times plus `path_constant`, is `step_time`; for any other
     times it is a lower bound of the step (it is still a path)."""
     path_constant: float = 0.0
-    """The communication time (sends, tied all-reduce) on that path."""
+    """The communication time (sends, tied all-reduce, gradient reductions) on that path."""
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -77,6 +77,7 @@ def simulate(
     schedule: str = DEFAULT_PIPELINE_SCHEDULE,
     weight: float | Sequence[float] = 0.0,
     virtual_stages: int = 1,
+    reduce_grads: float | Sequence[float] = 0.0,
 ) -> ScheduleResult:
     """One step of `schedule` (DeepSpeed's TrainSchedule for 1F1B) with one device per rank.
 
@@ -84,7 +85,8 @@ def simulate(
     and `weight[i]`, its weight gradients); `optimizer`: per flat stage (summed per rank) or one value
     for all; `send`: one activation or gradient transfer; `tied`: the first and last stage share the
     tied word embedding (False for an untied head); `virtual_stages`: v chunks per rank (len(forward)
-    is v x P).
+    is v x P); `reduce_grads`: per rank (or one value), the part of its data-parallel gradient reduction
+    that the step waits for.
     """
     n = len(forward)
     v = virtual_stages
@@ -97,16 +99,27 @@ def simulate(
         raise ValueError(f"weight: {wgt} exceeds the backward {bwd}")
     opt = _per_stage(optimizer, n, "optimizer")
     rank_opt = [sum(opt[c * p + r] for c in range(v)) for r in range(p)]
+    red = _per_stage(reduce_grads, p, "reduce_grads")
     prog = program(num_micro_batches, p, tied, grad_norm_sync, schedule, v)
     first, second, durations, index = prog.flat
-    weights = [*fwd, *bwd, *(b - w for b, w in zip(bwd, wgt)), *wgt, *rank_opt, float(send), float(tied_reduce), 0.0]
+    weights = [
+        *fwd,
+        *bwd,
+        *(b - w for b, w in zip(bwd, wgt)),
+        *wgt,
+        *rank_opt,
+        *red,
+        float(send),
+        float(tied_reduce),
+        0.0,
+    ]
     finish = [0.0] * (len(first) + 1)  # finish[-1]: the sentinel "no predecessor"
     for i, (a, b, d) in enumerate(zip(first, second, durations)):
         fa, fb = finish[a], finish[b]
         finish[i] = (fa if fa > fb else fb) + weights[d]
     ends = tuple(finish[index[j]] for j in prog.last)
     path, constant = _critical_path(prog, finish, durations, weights)
-    comm = tuple(n_send * send + n_tied * tied_reduce for n_send, n_tied in prog.comm_counts)
+    comm = tuple(n_send * send + n_tied * tied_reduce + r for (n_send, n_tied), r in zip(prog.comm_counts, red))
     m = num_micro_batches
     busy = tuple(sum(m * (fwd[c * p + r] + bwd[c * p + r]) for c in range(v)) + rank_opt[r] for r in range(p))
     return ScheduleResult(step_time=max(ends), busy=busy, comm=comm, finish=ends, path=path, path_constant=constant)
@@ -131,7 +144,7 @@ def _critical_path(
             counts[d - at["input"]][3] -= 1
         elif d < at["optimizer"]:
             counts[d - at["weight"]][3] += 1
-        elif d < at["send"]:
+        elif d < at["reduce"]:
             for c in range(v):  # the rank's optimizer time is its chunks' sum
                 counts[c * p + d - at["optimizer"]][2] += 1
         else:

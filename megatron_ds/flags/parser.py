@@ -11,16 +11,17 @@ before any process group exists.
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_ds.config import Config
+from megatron_ds.config import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.machine import Machine
 from megatron_ds.flags import checkpoint_args, compat
 from megatron_ds.flags.declare import NO_OP, REFUSED, Flag
 from megatron_ds.flags.registry import FLAGS
-from megatron_ds.flags.to_config import build_config
+from megatron_ds.flags.to_config import build_config, model_config_of
 
 __all__ = ["ConfigError", "build_parser", "parse_config"]
 
@@ -121,3 +122,14 @@ def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> 
     namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != "help"})
     parsed, _ = parser.parse_known_args(argv, namespace=namespace)
     return {dest for dest, value in vars(parsed).items() if value is not unset}
+
+
+@functools.lru_cache(maxsize=256)
+def model_config(argv: tuple[str, ...]) -> ModelConfig:
+    """The ModelConfig pretrain_gpt.py builds from these model flags (and `--tensor-model-parallel-size`,
+    which pads the vocabulary): the planner's models are sized by the same declarations and rules.
+    Raises ConfigError for an unknown flag or a bad value."""
+    args, unknown = build_parser().parse_known_args(list(argv))
+    if unknown:
+        raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}")
+    return model_config_of(args)

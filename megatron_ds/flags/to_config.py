@@ -153,6 +153,12 @@ def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConf
     return model
 
 
+def model_config_of(args: argparse.Namespace) -> ModelConfig:
+    """The model section alone, by the rules above (the planner sizes its models with these)."""
+    _refuse_values(args)
+    return _model_config(args, direct_values(args).get("model", {}))
+
+
 def _check_fixed_model_options(args: argparse.Namespace, model: ModelConfig) -> None:
     """Megatron options accepted only at the one value the model builds."""
     if args.kv_channels is not None and args.kv_channels != model.head_dim:

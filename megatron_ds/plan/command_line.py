@@ -29,7 +29,7 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--seq-length": "with --model, 2048 when not given",
     "--vocab-size": "with --model, GPT-2's 50257 when not given",
     "--ffn-hidden-size": None,
-    "--global-batch-size": "with --model, the GPT-3 paper's value when not given",
+    "--global-batch-size": "with --model, the preset's published value when not given",
     "--micro-batch-size": _CHOSEN,
     "--zero-stage": _CHOSEN + "; 2 and 3 plan for pipeline size 1 (DeepSpeed's plain engine)",
     "--tensor-model-parallel-size": _CHOSEN,
@@ -39,6 +39,25 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--sequence-parallel": "on whenever t > 1 unless --no-sequence-parallel",
 }
 """The `pretrain_gpt.py` flags the planner takes, each with what the planner does differently."""
+ARCHITECTURE_FLAGS = (
+    "--num-key-value-heads",
+    "--group-query-attention",
+    "--num-query-groups",
+    "--swiglu",
+    "--openai-gelu",
+    "--normalization",
+    "--apply-layernorm-1p",
+    "--untie-embeddings-and-output-weights",
+    "--use-rotary-position-embeddings",
+    "--position-embedding-type",
+    "--rotary-base",
+    "--rotary-percent",
+    "--no-position-embedding",
+    "--disable-bias-linear",
+    "--make-vocab-size-divisible-by",
+)
+"""`pretrain_gpt.py`'s architecture flags: declared from `megatron_ds.flags`, passed on as given to size the model
+by pretrain_gpt.py's own rules (`flags.parser.model_config`) and into the printed command."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,7 +77,7 @@ class Output:
 
 def training_flag_kwargs(name: str) -> dict[str, Any]:
     """add_argument keywords for a `pretrain_gpt.py` flag from its declaration; default None (not given)."""
-    flag, note = BY_NAME[name], TRAINING_FLAGS[name]
+    flag, note = BY_NAME[name], TRAINING_FLAGS.get(name)
     text = flag.help + (f"; here: {note}" if note else "")
     kw: dict[str, Any] = {"dest": flag.attr, "default": None, "help": text.replace("%", "%%")}
     if flag.is_switch:
@@ -83,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help=f"preset: {', '.join(PRESETS)} (or 1.3b, 175b, ...)")
     training(g, "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size")
     training(g, "--ffn-hidden-size")
+    g = p.add_argument_group(
+        "architecture", "pretrain_gpt.py's flags, added to a preset's (Llama presets bring theirs)"
+    )
+    for name in ARCHITECTURE_FLAGS:
+        flag = BY_NAME[name]
+        extra = {} if flag.is_switch else {"metavar": flag.attr.upper()}
+        g.add_argument(name, **{**training_flag_kwargs(name), "dest": "arch_" + flag.attr, **extra})
     g = p.add_argument_group("hardware")
     g.add_argument("--num-gpus", type=int)
     g.add_argument("--gpus-per-node", type=int)
@@ -100,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--storage", choices=CHOICES["storage"], help="local storage; nvme lets the plan offload ZeRO-3 to NVMe"
     )
     g.add_argument("--tensor-device", choices=CHOICES["tensor_device"])
+    g.add_argument(
+        "--kernel-profile",
+        metavar="FILE",
+        help="measured kernel rates (benchmarks/kernel_profile.py --write FILE) in place of the GPU table's",
+    )
     g = p.add_argument_group("training and fixed choices")
     training(g, "--global-batch-size", "--micro-batch-size", "--zero-stage")
     training(g, "--tensor-model-parallel-size", "--pipeline-model-parallel-size")
@@ -130,7 +161,7 @@ def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     command = argv.pop(0) if argv and argv[0] in (*sections.names(), sections.ALL) else sections.ALL
     ns = build_parser().parse_args(argv)
     fields = {f for f in PlanInputs.__dataclass_fields__ if f != "handled"}
-    given = PlanInputs(**{k: v for k, v in vars(ns).items() if k in fields})
+    given = PlanInputs(**{k: v for k, v in vars(ns).items() if k in fields}, architecture=architecture(ns) or None)
     out = Output(
         format=ns.format,
         write_config=ns.write_config,
@@ -140,3 +171,14 @@ def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
         save_profile=ns.save_profile,
     )
     return command, given, out
+
+
+def architecture(ns: argparse.Namespace) -> list[str]:
+    """The architecture flags given, as pretrain_gpt.py tokens (a switch alone, a value flag and its value)."""
+    tokens: list[str] = []
+    for name in ARCHITECTURE_FLAGS:
+        flag = BY_NAME[name]
+        value = getattr(ns, "arch_" + flag.attr)
+        if value is not None:
+            tokens += [name] if flag.is_switch else [name, str(value)]
+    return tokens

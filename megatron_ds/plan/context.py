@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import Candidate
-from megatron_ds.plan.zero_options import choose
+from megatron_ds.plan.zero_options import Choice, choose_all
 
 
 @dataclass
@@ -14,10 +14,14 @@ class Context:
     res: Resolved
     precision: str
     precision_reason: str
-    _plan: Candidate | None = field(default=None, repr=False)
+    _choice: Choice | None = field(default=None, repr=False)
+
+    def choice(self) -> Choice:
+        """Every fitting configuration priced, fastest first (computed once; raises PlanError)."""
+        if self._choice is None:
+            self._choice = choose_all(self.res, self.precision)
+        return self._choice
 
     def plan(self) -> Candidate:
-        """The parallel configuration `pipeline` recommends (computed once; raises PlanError)."""
-        if self._plan is None:
-            self._plan = choose(self.res, self.precision)
-        return self._plan
+        """The parallel configuration `pipeline` recommends: the fastest that fits."""
+        return self.choice().candidate

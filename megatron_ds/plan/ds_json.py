@@ -111,7 +111,7 @@ def command_flags(config: Config, vocab_size: int) -> list[str]:
 
 def command_line(res: Resolved, config: Config, ds_config_path: str | None = None) -> str:
     """A launch command: the deepspeed launcher, our flags, and clearly marked placeholders."""
-    flags = command_flags(config, res.dims["vocab_size"])
+    flags = command_flags(config, res.dims["vocab_size"]) + list(res.dims.get("architecture", ()))
     if ds_config_path:
         flags += ["--deepspeed_config", ds_config_path]
     flags += ["--lr", f"{config.optimizer.lr:g}", "--train-iters", str(PLACEHOLDER_TRAIN_ITERS), "--mock-data"]
@@ -130,7 +130,7 @@ def command_line(res: Resolved, config: Config, ds_config_path: str | None = Non
             i += 1
     body = " \\\n    ".join([lines[0], *pairs])
     note = (
-        "# --lr is the GPT-3 paper's value for this size when a preset is used; --train-iters and "
+        "# --lr is the preset's published value (a placeholder without one); --train-iters and "
         "--mock-data are placeholders: set your length and --data-path/--tokenizer-* flags"
         + (
             f"; {NVME_PATH_PLACEHOLDER} stands for a directory on a local NVMe drive"

@@ -1,20 +1,23 @@
 """The facts the planner starts from: the `--gpu` lookup in the GPU table (`estimate/devices.py`)
 and the GPT model presets.
 
-Model presets are the GPT-3 family of Brown et al. 2020,
-"Language Models are Few-Shot Learners", Table 2.1 (layers, width, batch size, learning rate),
-with the head counts Megatron-DeepSpeed's GPT-3 example scripts use (hidden size divisible by
-heads: 1.3B uses 16 heads, 13B uses width 5120), sequence length 2048 and the GPT-2 BPE
-vocabulary of 50257 tokens.
+Model presets: the GPT-3 family of Brown et al. 2020, "Language Models are Few-Shot Learners",
+Table 2.1 (layers, width, batch size, learning rate), with the head counts Megatron-DeepSpeed's GPT-3
+example scripts use (hidden size divisible by heads: 1.3B uses 16 heads, 13B uses width 5120), sequence
+length 2048 and the GPT-2 BPE vocabulary of 50257 tokens; and Llama 2 (7B, 13B, 70B) and Llama 3
+(8B, 70B, 405B) with their architecture as pretrain_gpt.py's flags (each preset's `source`). A preset's
+model is built by pretrain_gpt.py's own flag rules (`flags.parser.model_config`), so its parameter
+count is what pretrain_gpt.py builds (tests/unit/test_plan_models.py checks the published counts).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ds.config import DataConfig, ModelConfig, padded_vocab_size
+from megatron_ds.config import DataConfig, ModelConfig
 from megatron_ds.errors import UserError
 from megatron_ds.estimate.devices import DEVICES, Device, find_named
+from megatron_ds.flags import parser
 
 GPT2_VOCAB_SIZE = 50257
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = DataConfig.make_vocab_size_divisible_by  # pretrain_gpt.py's default
@@ -47,14 +50,42 @@ def parse_compute_capability(text: str, flag: str = "--compute-capability") -> t
 
 @dataclass(frozen=True)
 class Preset:
-    """A GPT size from the GPT-3 paper's Table 2.1."""
+    """A published model: its sizes, architecture flags, batch and learning rate."""
 
     name: str
     num_layers: int
     hidden_size: int
     num_attention_heads: int
     global_batch_size: int
-    lr: float
+    lr: float | None
+    ffn_hidden_size: int | None = None
+    """None: 4 x hidden (GPT)."""
+    seq_length: int = 2048
+    vocab_size: int = 50257
+    architecture: tuple[str, ...] = ()
+    """pretrain_gpt.py's flags for everything a GPT-3 model does not have (SwiGLU, RMSNorm, GQA, ...)."""
+    source: str = "Brown et al. 2020, Table 2.1"
+
+
+_LLAMA = (
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--use-rotary-position-embeddings",
+    "--no-position-embedding",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+)
+_LLAMA2 = "Touvron et al. 2023, Llama 2, Table 1 and Sec. 2.2 (4M-token batches); the released config.json files"
+_LLAMA3 = (
+    "Llama Team 2024, The Llama 3 Herd of Models, Table 3 (405B: lr 8e-5, batches from 4M tokens); the released "
+    "config.json files; 8B/70B learning rates are not published (the printed --lr is the placeholder)"
+)
+_LLAMA3_ARCH = (*_LLAMA, "--rotary-base", "500000")
+
+
+def _gqa(kv: int) -> tuple[str, ...]:
+    return ("--num-key-value-heads", str(kv))
 
 
 PRESETS = {
@@ -68,22 +99,52 @@ PRESETS = {
         Preset("gpt3-6.7b", 32, 4096, 32, 1024, 1.2e-4),
         Preset("gpt3-13b", 40, 5120, 40, 1024, 1.0e-4),
         Preset("gpt3-175b", 96, 12288, 96, 1536, 0.6e-4),
+        Preset("llama2-7b", 32, 4096, 32, 1024, 3.0e-4, 11008, 4096, 32000, _LLAMA, _LLAMA2),
+        Preset("llama2-13b", 40, 5120, 40, 1024, 3.0e-4, 13824, 4096, 32000, _LLAMA, _LLAMA2),
+        Preset("llama2-70b", 80, 8192, 64, 1024, 1.5e-4, 28672, 4096, 32000, (*_LLAMA, *_gqa(8)), _LLAMA2),
+        Preset("llama3-8b", 32, 4096, 32, 512, None, 14336, 8192, 128256, (*_LLAMA3_ARCH, *_gqa(8)), _LLAMA3),
+        Preset("llama3-70b", 80, 8192, 64, 512, None, 28672, 8192, 128256, (*_LLAMA3_ARCH, *_gqa(8)), _LLAMA3),
+        Preset("llama3-405b", 126, 16384, 128, 512, 8.0e-5, 53248, 8192, 128256, (*_LLAMA3_ARCH, *_gqa(8)), _LLAMA3),
     )
 }
 PRESET_SEQ_LENGTH = 2048
 
 
+def _normal(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum() or ch == ".")
+
+
 def find_preset(name: str) -> Preset:
-    """`gpt3-1.3b`, `1.3b`, `1.3B` and `175b` all work."""
-    key = name.lower()
-    if not key.startswith("gpt3-"):
-        key = "gpt3-" + key
-    if key in PRESETS:
-        return PRESETS[key]
+    """`gpt3-1.3b`, `1.3b`, `1.3B`, `175b`, `llama2-7b`, `Llama-2-7B` and `llama3-405b` all work."""
+    key = _normal(name)
+    for preset in PRESETS.values():
+        if key in (_normal(preset.name), _normal(preset.name.removeprefix("gpt3-"))):
+            return preset
     raise PlanError(
         f"--model {name!r} is not a preset; use one of {', '.join(PRESETS)} or give "
         f"--num-layers --hidden-size --num-attention-heads --seq-length --vocab-size"
     )
+
+
+def model_flags(
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    seq_length: int,
+    vocab_size: int,
+    ffn_hidden_size: int | None = None,
+    architecture: tuple[str, ...] = (),
+) -> list[str]:
+    """pretrain_gpt.py's model flags for these sizes and architecture flags (what the printed command passes)."""
+    sizes = [
+        ("--num-layers", num_layers),
+        ("--hidden-size", hidden_size),
+        ("--num-attention-heads", num_attention_heads),
+        ("--ffn-hidden-size", ffn_hidden_size),
+        ("--seq-length", seq_length),
+        ("--vocab-size", vocab_size),
+    ]
+    return [str(x) for flag, value in sizes if value is not None for x in (flag, value)] + list(architecture)
 
 
 def model_config(
@@ -94,15 +155,10 @@ def model_config(
     vocab_size: int,
     ffn_hidden_size: int | None = None,
     tensor_parallel_size: int = 1,
+    architecture: tuple[str, ...] = (),
 ) -> ModelConfig:
-    """The ModelConfig pretrain_gpt.py builds for these flags: the vocabulary padded by the same
-    `megatron_ds.config.padded_vocab_size`, the same checks (a ConfigError naming the flag)."""
-    return ModelConfig(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        ffn_hidden_size=ffn_hidden_size or 4 * hidden_size,
-        seq_length=seq_length,
-        max_position_embeddings=seq_length,
-        vocab_size=padded_vocab_size(vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tensor_parallel_size),
-    )
+    """The ModelConfig pretrain_gpt.py builds for these flags (`flags.parser.model_config`: the same
+    declarations, rules, checks and vocabulary padding; a ConfigError naming the flag)."""
+    sizes = (num_layers, hidden_size, num_attention_heads, seq_length, vocab_size, ffn_hidden_size)
+    argv = (*model_flags(*sizes, tuple(architecture)), "--tensor-model-parallel-size", str(tensor_parallel_size))
+    return parser.model_config(argv)

@@ -32,6 +32,8 @@ class PlanInputs:
     seq_length: int | None = None
     vocab_size: int | None = None
     ffn_hidden_size: int | None = None
+    architecture: list | None = None
+    """pretrain_gpt.py's architecture flags as given (`--swiglu`, `--num-key-value-heads 8`, ...), in order."""
     num_gpus: int | None = None
     gpus_per_node: int | None = None
     gpu: str | None = None
@@ -54,6 +56,7 @@ class PlanInputs:
     tensor_device: str | None = None
     reported_mb: str | None = None
     oom_stage: int | None = None
+    kernel_profile: str | None = None
     handled: list = field(default_factory=list)
 
     def merged_over(self, base: PlanInputs) -> PlanInputs:
@@ -130,6 +133,9 @@ class Resolved:
     global_batch_size: int | None
     lr: float | None
     headroom: float
+    run_features: Any = None
+    """The training software the step is priced for (`estimate.run_features.RunFeatures`); None: what
+    pretrain_gpt.py runs. benchmarks/planner_vs_published.py sets Megatron's."""
 
     def model(self, tensor_parallel_size: int = 1) -> ModelConfig:
         assert self.dims is not None
@@ -138,6 +144,12 @@ class Resolved:
     @property
     def usable_bytes(self) -> float | None:
         return None if self.gpu_memory_bytes is None else self.gpu_memory_bytes * (1 - self.headroom)
+
+    @property
+    def non_nvidia_gpu(self) -> bool:
+        """`--gpu` names a table row of another vendor (it has no compute capability; its peaks say what it runs)."""
+        device = hardware.find_named(self.gpu_name) if self.gpu_name else ()
+        return len(device) == 1 and device[0].vendor != "nvidia"
 
     @property
     def num_nodes(self) -> int | None:
@@ -150,7 +162,7 @@ class Resolved:
             "model": self.dims is not None,
             "num_gpus": self.num_gpus is not None,
             "gpu_memory": self.gpu_memory_bytes is not None,
-            "compute_capability": self.cc is not None,
+            "compute_capability": self.cc is not None or self.non_nvidia_gpu,
             "global_batch_size": self.global_batch_size is not None,
         }
         return [self._question(n) for n in needs if not have[n]]
@@ -227,9 +239,9 @@ def _dims(raw: PlanInputs) -> tuple[dict | None, hardware.Preset | None]:
         "num_layers": raw.num_layers or (preset.num_layers if preset else None),
         "hidden_size": raw.hidden_size or (preset.hidden_size if preset else None),
         "num_attention_heads": raw.num_attention_heads or (preset.num_attention_heads if preset else None),
-        "seq_length": raw.seq_length or (hardware.PRESET_SEQ_LENGTH if preset else None),
-        "vocab_size": raw.vocab_size or (hardware.GPT2_VOCAB_SIZE if preset else None),
-        "ffn_hidden_size": raw.ffn_hidden_size,
+        "seq_length": raw.seq_length or (preset.seq_length if preset else None),
+        "vocab_size": raw.vocab_size or (preset.vocab_size if preset else None),
+        "ffn_hidden_size": raw.ffn_hidden_size or (preset.ffn_hidden_size if preset else None),
     }
     required = [k for k in dims if k != "ffn_hidden_size"]
     given = [k for k in required if dims[k] is not None]
@@ -238,10 +250,12 @@ def _dims(raw: PlanInputs) -> tuple[dict | None, hardware.Preset | None]:
     if len(given) < len(required):
         flags = ", ".join("--" + k.replace("_", "-") for k in required if dims[k] is None)
         raise PlanError(f"model size is incomplete: also give {flags} (or --model PRESET)")
+    dims["architecture"] = (*(preset.architecture if preset else ()), *(raw.architecture or ()))
     try:
-        hardware.model_config(**dims)  # pretrain_gpt.py's checks and vocabulary padding (megatron_ds.config)
+        model = hardware.model_config(**dims)  # pretrain_gpt.py's flag rules, checks and vocabulary padding
     except ConfigError as e:
         raise PlanError(str(e)) from None
+    dims["ffn_hidden_size"] = model.ffn_hidden_size
     return dims, preset
 
 

@@ -5,11 +5,10 @@ command line."""
 from __future__ import annotations
 
 from megatron_ds.estimate import schedule_choice
-from megatron_ds.estimate.devices import peak_tflops
-from megatron_ds.estimate.layout_costs import format_memory_table, format_time_table
+from megatron_ds.estimate.layout_costs import format_memory_table
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import LayoutError
-from megatron_ds.plan import ds_json, search
+from megatron_ds.plan import ds_json, ranking, search, time_report
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.report import Section
 from megatron_ds.training import deepspeed_config
@@ -47,21 +46,21 @@ def pipeline_section(ctx: Context) -> Section:
     )
     sec.add(*plan.layout.format(plan.dp, plan.tp).splitlines(), "")
     sec.add(*format_memory_table(plan.stages, res.usable_bytes).splitlines(), "")
-    source = "compute model; the optimizer step is not counted"
-    sec.add(*format_time_table(plan.times, plan.stages, plan.num_micro_batches, "GFLOP", source).splitlines())
+    sec.add(*time_report.stage_table(plan), *time_report.step_lines(res, plan))
+    runner_up = ctx.choice().runner_up
+    sec.add(*time_report.runner_up_lines(plan, runner_up))
     schedule = plan.schedule
     sec.add(
         f"Pipeline bubble with equal stages ({schedule.display}: {schedule.bubble_formula}): {plan.bubble:.1%} of the "
         f"ideal step time, so each stage idles {plan.idle_fraction:.1%} of the step (the schedule replayed with "
         f"forward 1, backward 2, weight gradients 1)."
     )
-    _step_bound(ctx, sec, plan)
     _compare_layouts(ctx, sec, plan)
     _compare_schedules(ctx, sec, plan)
     config = ds_json.plan_config(res, plan)
     sec.snippets["DeepSpeed JSON"] = deepspeed_config.generate(config)
     sec.snippets["command"] = ds_json.command_line(res, config)
-    sec.data = _data(plan)
+    sec.data = {**_data(plan), **time_report.time_data(plan, runner_up)}
     _checks(ctx, sec, plan)
     return sec
 
@@ -77,24 +76,15 @@ def _offload_text(plan: search.Candidate) -> str:
     )
 
 
-def _step_bound(ctx: Context, sec: Section, plan: search.Candidate) -> None:
-    """The step in seconds at the GPU's peak, when the planner knows the peak: a lower bound."""
-    peak = peak_tflops(ctx.res.gpu_name or "", plan.precision)
-    if peak is None:
-        return
-    seconds = plan.step * 1e9 / (peak * 1e12)
-    sec.add(
-        f"At 100% of the {ctx.res.gpu_name}'s {plan.precision} peak ({peak:g} TFLOP/s, estimate/devices.py) "
-        f"this step would take {seconds:.3g} s; a real step is longer by 1 / MFU."
-    )
-
-
 def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None:
-    """Largest stage and simulated step under each layout method, same degrees and batch."""
-    if plan.pp < 2:
+    """Largest stage and predicted step under each layout method tried, same degrees and batch."""
+    if plan.pp < 2 or ctx.res.raw.layout:
         return
-    sec.add("Largest stage and simulated step by layout method, same degrees and batch (estimates):")
+    sec.add("Largest stage and predicted step by layout method, same degrees and batch (estimates):")
     for method in search.METHODS:
+        if method not in ranking.refine_methods(ctx.res, plan.pp):
+            sec.add(f"  {method:<7} not tried at {plan.pp} stages (exact search; --layout {method} runs it)")
+            continue
         try:
             cand = search.evaluate(
                 ctx.res,
@@ -115,7 +105,7 @@ def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None
         fit = "" if search.fits(ctx.res, cand) else "  (does not fit)"
         sec.add(
             f"  {method:<7} {format_bytes(cand.peak.total):>10} on stage {cand.peak.stage:<3} step "
-            f"{cand.step / cand.ideal:.3f} x ideal  layers {counts}{fit}"
+            f"{cand.seconds:.4g} s  layers {counts}{fit}"
         )
 
 
@@ -140,8 +130,6 @@ def _data(plan: search.Candidate) -> dict:
         "layout_text": plan.layout.format(plan.dp, plan.tp),
         "bubble_fraction": plan.bubble,
         "idle_fraction": plan.idle_fraction,
-        "step_gflop_units": plan.step,
-        "step_over_ideal": plan.step / plan.ideal,
         "stages": [
             {
                 "stage": s.stage,
@@ -157,6 +145,8 @@ def _data(plan: search.Candidate) -> dict:
                 "host": s.host,
                 "forward_gflop": t.forward,
                 "backward_gflop": t.backward,
+                "forward_seconds": plan.time.forward[s.stage],
+                "backward_seconds": plan.time.backward[s.stage],
             }
             for s, t in zip(plan.stages, plan.times)
         ],
@@ -217,7 +207,7 @@ def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:
         sec.check(None, f"GPUs per node not given: assumed {res.gpus_per_node} (--gpus-per-node)")
     sec.check(
         None,
-        f"step time: relative only (stage FLOPs through the {plan.schedule.label} schedule, one rate on every GPU; "
-        "memory-bound work, communication and the optimizer step are not counted)",
+        f"step time: a prediction (estimate/step_time.py through the {plan.schedule.label} schedule), not a "
+        "measurement; benchmarks/planner_vs_published.py states its error against published runs",
         blocking=False,
     )

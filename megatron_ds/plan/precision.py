@@ -48,6 +48,8 @@ def choose_precision(res: Resolved) -> tuple[str, str]:
         )
     if fixed:
         return fixed, "fixed by --precision"
+    if cc is None and res.non_nvidia_gpu:
+        return "bf16", f"{res.gpu_name}: bf16 matrix units (the GPU table's bf16 peak), no loss scaling"
     if cc is None:
         return "bf16", "compute capability unknown: assumed Ampere or newer (give --gpu or --compute-capability)"
     if cc >= BF16_MIN_CC:
@@ -100,7 +102,9 @@ def precision_section(ctx: Context) -> Section:
 
 def _checks(sec: Section, res: Resolved, precision: str, ds: str | None, torch: str | None) -> None:
     cc = res.cc
-    if cc is None:
+    if cc is None and res.non_nvidia_gpu:
+        sec.check(True, f"{precision} on {res.gpu_name}: the GPU table has its {precision} peak")
+    elif cc is None:
         sec.check(None, "precision vs hardware: compute capability unknown (give --gpu or --compute-capability)")
     elif precision == "bf16":
         sec.check(cc >= BF16_MIN_CC, f"bf16 needs compute capability >= 8.0: GPU has {_cc_text(cc)}")

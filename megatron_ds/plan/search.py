@@ -1,28 +1,21 @@
-"""Choose tensor/pipeline/data-parallel degrees, micro-batch, ZeRO stage, recomputation and layout.
+"""Choose tensor/pipeline/data-parallel degrees, micro-batch, ZeRO stage, recomputation and layout:
+the configuration with the smallest predicted step in seconds among those whose largest stage fits the
+usable GPU memory (the step-time model, `estimate/step_time.py`, priced by `plan/timing.py`).
 
-Preference order (a heuristic, stated so it can be argued with):
-  1. the largest predicted stage memory fits the usable GPU memory;
-  2. the smallest model-parallel size t*p: data parallelism scales best (Narayanan et al. 2021,
-     "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3);
-  3. no activation recomputation, then selective recomputation of the core attention (its scores,
-     softmax and attention over values run again: ~4% more compute for a 5x smaller activation
-     footprint with sequence parallelism), then full recomputation (each layer's forward again, ~1/3
-     more compute; Korthikanti et al. 2022, Sec. 5 and Table 4);
-  4. for equal t*p, larger t up to the GPUs of one node (Narayanan et al. 2021, Takeaway #1);
-  5. the largest micro-batch that keeps the pipeline bubble at or below 25% (the schedule's step on
-     equal stages, `estimate/step_simulator.bubble_ratio`; (p-1)/m for DeepSpeed's 1F1B);
-  6. the layout with the smallest simulated step time among those that fit (the schedule replayed
-     over the compute model's stage FLOPs, `estimate/layout_costs.py`; ties: the smaller
-     largest stage, then the simplest flag). `fastest` is exact over all splits, so it wins unless
-     another method's split is as fast.
+The search: every (t, p) whose product divides the GPUs (t within a node, dividing the heads and FFN),
+with no, selective (the core attention) and full recomputation, every micro-batch that divides the batch, ascending until one misses
+memory (a larger one holds more activations), each under the default layout (or `--layout`'s); a (t, p)
+whose model states alone overflow is skipped. The fastest then gets the other layouts (the exact `fastest`
+split only up to `FASTEST_MAX_STAGES` stages: its search grows quickly with P). Ties: the smaller t x p,
+then the larger t, then less recomputation (none, selective, full), then the simpler layout flag.
 Sequence parallelism (`--sequence-parallel`) is on whenever t > 1 (unless `--no-sequence-parallel`): it
 splits the norms', dropouts' and residuals' activations t ways for the same communication volume
 (all-gather + reduce-scatter in place of all-reduce; Korthikanti et al. 2022, Sec. 4.2.2), as
 Megatron-LM's scripts pass it with tensor parallelism.
 ZeRO is 1 when data-parallel ranks > 1 (it partitions optimizer states at no extra communication,
-Rajbhandari et al. 2020, Sec. 7), else 0; only 0 and 1 run on DeepSpeed's pipeline engine.
-When no configuration fits, ZeRO-2 and then ZeRO-3 are tried at pipeline size 1 (DeepSpeed's plain
-engine, which pretrain_gpt.py uses for them), and then the model states partly off the GPU
+Rajbhandari et al. 2020, Sec. 7), else 0; only 0 and 1 run on DeepSpeed's pipeline engine. ZeRO-2
+and ZeRO-3 at pipeline size 1 (DeepSpeed's plain engine, which pretrain_gpt.py uses for them) compete
+by time too. When nothing fits on the GPUs, the model states go partly off the GPU
 (`plan/zero_options.py`): ZeRO-1 with the optimizer offloaded to the CPU at any t x p, ZeRO-2 and ZeRO-3
 with it at p = 1, ZeRO-3 with the parameters too, and with `--storage nvme` ZeRO-3 to NVMe (Ren et al.
 2021, "ZeRO-Offload"; Rajbhandari et al. 2021, "ZeRO-Infinity"); of those that fit, the one with the
@@ -33,31 +26,33 @@ comes after every GPU-resident option.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
 
-from megatron_ds.config import DEDICATED_CHOICES
+from megatron_ds.config import DEDICATED_CHOICES, ModelConfig
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.layout_costs import flop_stage_time, method_costs
 from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
 from megatron_ds.estimate.memory_model import stage_memory, stage_memory_for
-from megatron_ds.estimate.step_simulator import balanced_step_time, bubble_ratio, idle_fraction, simulate
+from megatron_ds.estimate.step_simulator import bubble_ratio, idle_fraction
+from megatron_ds.estimate.step_time import StepInputs, StepTime
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.costs import StageTime
 from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
+from megatron_ds.plan import timing
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.units import format_bytes
 
 DEFAULT = "none"
 # The layout choices (`--layout`) in tie-break order, the simplest flag first: none, the bare
 # --pp-dedicated-embedding-stages (both), pre, post, then the registry's planned partition methods.
 METHODS = (DEFAULT, "both", "pre", "post", *partition_methods.planned_methods())
 MICRO_BATCH_CHOICES = (1, 2, 4, 8, 16)
-MAX_BUBBLE = 0.25
+FASTEST_MAX_STAGES = 16
+"""The exact `fastest` split is tried for the chosen configuration up to this many stages."""
 RECOMPUTE = ("none", "selective", "full")
-"""Activation recomputation in preference order (the least compute first)."""
+"""Activation recomputation in tie-break order (the least compute first)."""
 
 
 @dataclass(frozen=True)
@@ -78,10 +73,24 @@ class Candidate:
     inputs: MemoryInputs
     times: tuple[StageTime, ...] = ()
     """Per stage: one micro-batch's forward and backward (recomputation included) in GFLOP."""
-    step: float = 0.0
-    """The schedule's simulated step of those times (GFLOP-time units: FLOPs at one rate on every device)."""
-    ideal: float = 0.0
-    """The same work in equal stages through the same schedule."""
+    time: StepTime | None = None
+    """The predicted step in seconds (`plan/timing.py`)."""
+
+    @property
+    def seconds(self) -> float:
+        assert self.time is not None
+        return self.time.seconds
+
+    @property
+    def step(self) -> float:
+        """The predicted step, seconds."""
+        return self.seconds
+
+    @property
+    def ideal(self) -> float:
+        """The same compute in equal stages with no bubble and no communication between stages, seconds."""
+        assert self.time is not None
+        return self.time.ideal
 
     @property
     def peak(self) -> StageMemory:
@@ -152,13 +161,20 @@ def layout_flag(method: str, layout: Layout) -> str:
     return f"--pp-layout '{layout.to_string()}'" if opts else ""
 
 
+@functools.lru_cache(maxsize=512)
+def _plain_layout(model: ModelConfig, pp: int, method: str) -> Layout:
+    """A layout that needs no costs (the default partition, a dedicated mode): the same for every micro-batch,
+    recomputation and ZeRO option, so built once."""
+    return build_layout(gpt_spec_groups(model), pp, **layout_options(method))
+
+
 def layout_for(res: Resolved, tp: int, pp: int, method: str, inputs: MemoryInputs) -> Layout:
     """The layout `pretrain_gpt.py --print-layout` prints for the command of this choice."""
     model = res.model(tp)
     groups = gpt_spec_groups(model)
     opts = layout_options(method)
     if "partition_method" not in opts:
-        return build_layout(groups, pp, **opts)
+        return _plain_layout(model, pp, method)
     limit = res.usable_bytes
     costs = method_costs(partition_methods.find(method), model, pp, lambda: inputs, memory_limit=lambda: limit)
     chosen = build_layout(groups, pp, costs=costs, **opts)
@@ -182,6 +198,7 @@ def evaluate(
     `ckpt` full recomputation, `selective` the core attention's; sequence parallelism at tp > 1 unless
     `--no-sequence-parallel`."""
     dp = res.num_gpus // (tp * pp)
+    sequence_parallel = sequence_parallel_at(res, tp)
     inputs = MemoryInputs(
         model=res.model(tp),
         micro_batch_size=mb,
@@ -192,7 +209,7 @@ def evaluate(
         tensor_parallel_size=tp,
         checkpoint_activations=ckpt,
         selective_recompute=selective and not ckpt,
-        sequence_parallel=tp > 1 and res.raw.sequence_parallel is not False,
+        sequence_parallel=sequence_parallel,
         offload_optimizer=offload,
         offload_param=offload_param,
         engine="plain" if zero >= 2 else "pipeline",
@@ -200,7 +217,24 @@ def evaluate(
     layout = layout_for(res, tp, pp, method, inputs)
     flops = flop_stage_time(inputs, pp)
     times = tuple(flops(s, k) for s, k in enumerate(layout.layers_per_stage))
-    fwd, bwd = [t.forward for t in times], [t.backward for t in times]
+    stages = tuple(stage_memory(inputs, layout))
+    step = StepInputs(
+        model=inputs.model,
+        layers_per_stage=tuple(layout.layers_per_stage),
+        stage_params=tuple(s.num_params for s in stages),
+        micro_batch_size=mb,
+        num_micro_batches=inputs.num_micro_batches,
+        tp=tp,
+        dp=dp,
+        precision=precision,
+        zero_stage=zero,
+        checkpoint_activations=ckpt,
+        selective_recompute=inputs.selective_recompute,
+        gpus_per_node=res.gpus_per_node or 1,
+        schedule=inputs.schedule,
+        attention_dropout=inputs.regularization.attention_dropout > 0,
+    )
+    hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
     return Candidate(
         tp=tp,
         pp=pp,
@@ -212,12 +246,27 @@ def evaluate(
         checkpoint_activations=ckpt,
         method=method,
         layout=layout,
-        stages=tuple(stage_memory(inputs, layout)),
+        stages=stages,
         inputs=inputs,
         times=times,
-        step=simulate(inputs.num_micro_batches, fwd, bwd, schedule=inputs.schedule).step_time,
-        ideal=balanced_step_time(inputs.num_micro_batches, fwd, bwd, inputs.schedule),
+        time=timing.step_time(step, hw, res.run_features or timing.features(zero, precision, sequence_parallel)),
     )
+
+
+def sequence_parallel_at(res: Resolved, tp: int) -> bool:
+    """Sequence parallelism is planned whenever t > 1, unless `--no-sequence-parallel`."""
+    return tp > 1 and res.raw.sequence_parallel is not False
+
+
+def recompute_modes(raw: object) -> list[str]:
+    """The recomputation modes to try, in `RECOMPUTE` order: those the planner's flags leave open
+    (`--checkpoint-activations`: full; `--recompute-activations`: selective; `--no-checkpoint-activations`:
+    not full)."""
+    if getattr(raw, "checkpoint_activations", None):
+        return ["full"]
+    if getattr(raw, "recompute_activations", None):
+        return ["selective"]
+    return ["none", "selective"] if getattr(raw, "checkpoint_activations", None) is False else list(RECOMPUTE)
 
 
 def degree_pairs(res: Resolved) -> list[tuple[int, int]]:
@@ -287,40 +336,7 @@ def fits(res: Resolved, cand: Candidate) -> bool:
     return not (cpu_gb and cand.host_per_gpu * (res.gpus_per_node or 1) > cpu_gb * 2**30)
 
 
-def _fitting_at(
-    res: Resolved,
-    t: int,
-    p: int,
-    recompute: str,
-    precision: str,
-    methods: list[str],
-    offload: str = "none",
-    zero: int | None = None,
-    offload_param: str = "none",
-) -> tuple[list[Candidate], Candidate | None, float | None]:
-    """(configurations of this (t, p, recompute, ZeRO option) that fit, the closest miss, the states lower
-    bound when that alone rules this (t, p) out). `zero` None: ZeRO-1 with offload or data parallelism, else 0."""
-    dp = res.num_gpus // (t * p)
-    if zero is None:
-        zero = (
-            1 if offload != "none" else res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
-        )
-    bound = states_lower_bound(res, t, p, zero, precision, offload, offload_param)
-    if bound > res.usable_bytes:
-        return [], None, bound
-    fitting, miss = [], None
-    for mb in micro_batches(res, dp):  # ascending: once one misses, larger ones miss too (more activations)
-        best = _best_layout(res, t, p, mb, zero, precision, recompute, methods, offload, offload_param)
-        if best is None:
-            continue
-        if not fits(res, best):
-            miss = best
-            break
-        fitting.append(best)
-    return fitting, miss, None
-
-
-def _best_layout(
+def best_layout(
     res: Resolved,
     t: int,
     p: int,
@@ -356,84 +372,5 @@ def _best_layout(
             continue
     fitting = [c for c in found if fits(res, c)]
     if fitting:
-        return min(fitting, key=lambda c: (round(c.step / c.ideal, 9), round(c.peak.total), METHODS.index(c.method)))
+        return min(fitting, key=lambda c: (round(c.seconds, 9), round(c.peak.total), METHODS.index(c.method)))
     return min(found, key=lambda c: (round(c.peak.total), METHODS.index(c.method)), default=None)
-
-
-def recompute_modes(raw: Any) -> list[str]:
-    """The recomputation modes to try, in `RECOMPUTE` order: those the planner's flags leave open
-    (`--checkpoint-activations`: full; `--recompute-activations`: selective; `--no-checkpoint-activations`:
-    not full)."""
-    if raw.checkpoint_activations:
-        return ["full"]
-    if raw.recompute_activations:
-        return ["selective"]
-    return ["none", "selective"] if raw.checkpoint_activations is False else list(RECOMPUTE)
-
-
-class Search:
-    """Searches configurations for one ZeRO option at a time, remembering the closest miss over all."""
-
-    def __init__(self, res: Resolved, precision: str) -> None:
-        raw = res.raw
-        self.res, self.precision = res, precision
-        self.recomputes = recompute_modes(raw)
-        self.methods = [raw.layout] if raw.layout else list(METHODS)
-        self.closest: Candidate | None = None
-        self.bounds: list[tuple[float, int, int]] = []
-        self.batch_ok = False
-
-    def first_fit(self, option: Any, pairs: list[tuple[int, int]]) -> Candidate | None:
-        """The preferred fitting configuration of `option` (a `zero_options.ZeroOption`; None: ZeRO 0/1 by the
-        data-parallel rule) over these (t, p), in preference order."""
-        res = self.res
-        zero, offload, offload_param = (None, "none", "none") if option is None else option.fields
-        for t, p in pairs:
-            self.batch_ok = self.batch_ok or bool(micro_batches(res, res.num_gpus // (t * p)))
-            for recompute in self.recomputes:
-                fitting, miss, bound = _fitting_at(
-                    res, t, p, recompute, self.precision, self.methods, offload, zero, offload_param
-                )
-                if fitting:
-                    low_bubble = [c for c in fitting if c.bubble <= MAX_BUBBLE]
-                    return (
-                        max(low_bubble, key=lambda c: c.micro_batch_size)
-                        if low_bubble
-                        else min(fitting, key=lambda c: c.bubble)
-                    )
-                if bound is not None:
-                    self.bounds.append((bound, t, p))
-                if miss is not None and (self.closest is None or miss.peak.total < self.closest.peak.total):
-                    self.closest = miss
-        return None
-
-
-def no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool) -> str:
-    usable = format_bytes(res.usable_bytes)
-    fix = "add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism"
-    tried = "recomputation, ZeRO-2/3 at pipeline size 1 and optimizer/parameter offload were tried too"
-    if not batch_ok:
-        return (
-            f"--global-batch-size {res.global_batch_size} does not divide into micro-batch x data-parallel size "
-            f"for any tensor/pipeline degree on --num-gpus {res.num_gpus}; use a multiple of {res.num_gpus}"
-        )
-    if closest is not None and closest.peak.total <= res.usable_bytes:  # the host memory ruled it out
-        return (
-            f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, ZeRO-"
-            f"{closest.zero_stage}, optimizer offload {closest.offload_optimizer}) fits the GPUs but keeps "
-            f"{format_bytes(closest.host_per_gpu * (res.gpus_per_node or 1))} per node on the host, over "
-            f"--cpu-memory-gb {res.raw.cpu_memory_gb:g} ({tried}); give more host memory, or --storage nvme "
-            f"to offload to NVMe"
-        )
-    if closest is not None:
-        return (
-            f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, micro-batch "
-            f"{closest.micro_batch_size}, recompute {closest.recompute}, optimizer offload "
-            f"{closest.offload_optimizer}) needs {format_bytes(closest.peak.total)} on stage {closest.peak.stage} "
-            f"but {usable} is usable ({tried}); {fix}"
-        )
-    bound, t, p = min(bounds)
-    return (
-        f"the model does not fit: even with t={t}, p={p} the model states alone average "
-        f"{format_bytes(bound)} per GPU, over the {usable} usable ({tried}); {fix}"
-    )

@@ -1,7 +1,8 @@
 """The planner's sections, one registry: each one's name, the inputs it needs, its builder and help.
 
 The command line draws everything about a section from `SECTIONS`: the COMMAND choices, the
-lines of `--help`, the `all` run (every section, in this order) and the check that the inputs a
+lines of `--help`, the `all` run (every `in_default` section, in this order; the long guides only
+when named) and the check that the inputs a
 section needs were given (asked for as questions otherwise, `inputs.QUESTIONS`). Adding a section
 is one entry here plus its builder `(Context) -> Section`; docs/planner.md lists the commands.
 """
@@ -31,6 +32,8 @@ class PlannerSection:
     """Builds the section; raises PlanError (a one-line user error) when it cannot answer."""
     help: str
     """One line for `--help` (short: `--help` keeps to 80 columns)."""
+    in_default: bool = True
+    """Run without a COMMAND (`all`); False: a guide that runs only when its COMMAND is given."""
 
 
 _FLEET = ("model", "num_gpus", "gpu_memory")  # a model on a known number of GPUs of known memory
@@ -50,13 +53,14 @@ SECTIONS: tuple[PlannerSection, ...] = (
         memory_advice.memory_section,
         "why a stage runs out of memory; changes, cheapest first",
     ),
-    PlannerSection("nvme", (), nvme.nvme_section, "DeepNVMe: which handle, the aio block, an example, tuning"),
-    PlannerSection("onebit", (), onebit.onebit_section, "whether 1-bit Adam / 0/1 Adam / 1-bit LAMB would help"),
+    PlannerSection("nvme", (), nvme.nvme_section, "DeepNVMe: which handle, the aio block, an example, tuning", False),
+    PlannerSection("onebit", (), onebit.onebit_section, "whether 1-bit Adam / 0/1 Adam / 1-bit LAMB would help", False),
     PlannerSection(
         "sparse-attention",
         ("model",),
         sparse_attention.sparse_attention_section,
         "when block-sparse attention helps, whether it runs here",
+        False,
     ),
 )
 
@@ -67,8 +71,10 @@ def names() -> tuple[str, ...]:
 
 
 def selected(command: str) -> tuple[PlannerSection, ...]:
-    """The sections `command` runs: one, or every section for `all`."""
-    return SECTIONS if command == ALL else tuple(s for s in SECTIONS if s.name == command)
+    """The sections `command` runs: one, or every default section for `all`."""
+    if command == ALL:
+        return tuple(s for s in SECTIONS if s.in_default)
+    return tuple(s for s in SECTIONS if s.name == command)
 
 
 def needs(command: str) -> list[str]:
@@ -79,5 +85,8 @@ def needs(command: str) -> list[str]:
 def help_text() -> str:
     """The commands part of `--help`: one line per section."""
     width = max(len(s.name) for s in SECTIONS) + 2
-    lines = [f"  {s.name:<{width}}{s.help}" for s in SECTIONS]
-    return "\n".join(["COMMAND (without one, all of them run, in this order):", *lines])
+    default = [f"  {s.name:<{width}}{s.help}" for s in SECTIONS if s.in_default]
+    guides = [f"  {s.name:<{width}}{s.help}" for s in SECTIONS if not s.in_default]
+    return "\n".join(
+        ["COMMAND (without one, these run, in this order):", *default, "guides (only when named):", *guides]
+    )

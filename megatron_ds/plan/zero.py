@@ -23,8 +23,8 @@ from megatron_ds.plan import ds_json, zero_options
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import GIB
+from megatron_ds.plan.ranking import Search
 from megatron_ds.plan.report import Section, guide
-from megatron_ds.plan.search import Search
 from megatron_ds.training import deepspeed_config
 from megatron_ds.units import format_bytes
 
@@ -227,15 +227,15 @@ def _offload_reason(ctx: Context, sec: Section, label: str, where: str, engine: 
     choice = zero_options.choose_offload(Search(ctx.res, ctx.precision))
     sec.add(
         f"Recommended for pretrain_gpt.py (as `pipeline`): {label} with {where} on {engine}: nothing fits on "
-        f"the GPUs alone; of the offload options that fit, the smallest estimated step (compute at the GPU's "
-        f"peak plus what each adds, estimate/zero_time.py; estimates to compare, not a prediction):"
+        f"the GPUs alone; of the offload options that fit, the smallest estimated step (the predicted step on "
+        f"the GPUs, estimate/step_time.py, plus the traffic and CPU work each adds, estimate/zero_time.py):"
     )
     for t in choice.timed if choice else []:
         terms = "; ".join(f"{k} {v:.3g} s" for k, v in t.overheads.items())
         c = t.candidate
         sec.add(
             f"  {t.option.label} (t={c.tp}, p={c.pp}, micro-batch {c.micro_batch_size}, recompute "
-            f"{'on' if c.checkpoint_activations else 'off'}): {t.seconds:.3g} s = compute {t.compute:.3g} s"
+            f"{'off' if c.recompute == 'none' else c.recompute}): {t.seconds:.3g} s = GPU step {t.compute:.3g} s"
             + (f"; {terms}" if terms else "")
         )
 

@@ -2,23 +2,24 @@
 
 Each option is a ZeRO stage with its optimizer and parameter offload. ZeRO 0/1 run on DeepSpeed's
 pipeline engine at any t x p; ZeRO-2 and ZeRO-3 on its plain engine at pipeline size 1 (docs/training.md).
-`plain_options` are tried on the GPUs alone (ZeRO-2 first: it communicates as data parallelism does,
-ZeRO-3 half again as much). The offload options are compared by estimated step time: the compute of the
-step at the GPU's peak (the same for every option but recomputation) plus what each adds
-(`estimate/zero_time.py`: traffic to the host and NVMe, the CPU optimizer step, ZeRO-3's extra gathers),
-and the fastest that fits wins; `choose_offload` keeps the comparison for the report.
+`plain_options` are tried on the GPUs alone, beside ZeRO 0/1, and the fastest predicted step of them
+all wins. Only when nothing fits on the GPUs are the offload options priced: the predicted step of the
+same configuration on the GPUs plus what each adds (`estimate/zero_time.py`: PCIe and NVMe traffic,
+the CPU optimizer step), and the fastest that fits wins; `choose_offload` keeps the comparison for
+the report. An offloaded run is the same GPU work plus that traffic, so it is never faster than a
+configuration that fits without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.zero_time import INTERCONNECT, LINKS, Links, step_overheads
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.search import Candidate, Search, degree_pairs, no_fit_message
+from megatron_ds.plan.ranking import Search, no_fit_message, rank_key
+from megatron_ds.plan.search import Candidate, degree_pairs
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Timed:
     option: ZeroOption
     candidate: Candidate
     compute: float
-    """Seconds of the step's FLOPs at the GPU's peak (or at 100 TFLOP/s when the GPU is not in the table)."""
+    """The predicted step on the GPUs, seconds (`plan/timing.py`)."""
     overheads: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -99,10 +100,10 @@ class Timed:
 
 
 def timed(res: Resolved, option: ZeroOption, cand: Candidate) -> Timed:
-    peak = peak_tflops(res.gpu_name or "", cand.precision) or 100.0
     params = cand.peak.num_params  # per tensor rank, on the fullest stage
     terms = step_overheads(params, cand.dp, PRECISION_BYTES[cand.precision], *option.fields, links=links(res))
-    return Timed(option, cand, cand.step * 1e9 / (peak * 1e12), terms)
+    terms.pop("data-parallel communication", None)  # the step-time model prices it
+    return Timed(option, cand, cand.seconds, terms)
 
 
 @dataclass
@@ -123,29 +124,55 @@ def choose_offload(search: Search) -> OffloadChoice | None:
     for option in OFFLOAD:
         if not allowed(res, option):
             continue
-        cand = search.first_fit(option, pairs_for(res, option))
+        cand = search.best(option, pairs_for(res, option))
         if cand is not None:
             found.append(timed(res, option, cand))
     found.sort(key=lambda t: (round(t.seconds, 9), OFFLOAD.index(t.option)))
     return OffloadChoice(found) if found else None
 
 
-def choose(res: Resolved, precision: str) -> Candidate:
-    """The preferred configuration that fits (a `search.Candidate`); PlanError naming the closest miss if none does.
+@dataclass
+class Choice:
+    """The chosen configuration and every fitting one priced beside it, fastest first."""
 
-    In order: ZeRO 0/1 on the GPUs at any t x p (the pipeline engine); ZeRO-2, then ZeRO-3 on the GPUs at
-    p = 1 (the plain engine); then, with the model states partly on the host or NVMe, the offload option
-    with the smallest estimated step (`choose_offload`)."""
+    ranked: list[Candidate]
+
+    @property
+    def candidate(self) -> Candidate:
+        return self.ranked[0]
+
+    @property
+    def runner_up(self) -> Candidate | None:
+        """The fastest configuration that differs from the choice in degrees, micro-batch, recomputation or ZeRO."""
+        top = self.candidate
+        key = (top.tp, top.pp, top.micro_batch_size, top.recompute, top.zero_stage)
+        return next(
+            (c for c in self.ranked[1:] if (c.tp, c.pp, c.micro_batch_size, c.recompute, c.zero_stage) != key),
+            None,
+        )
+
+
+def choose_all(res: Resolved, precision: str) -> Choice:
+    """Every fitting configuration, fastest first; PlanError naming the closest miss if none fits.
+
+    ZeRO 0/1 at any t x p (the pipeline engine) and ZeRO-2/3 at p = 1 (the plain engine) on the GPUs compete
+    by predicted step; only when none fits, the offload option with the smallest estimated step
+    (`choose_offload`)."""
     search = Search(res, precision)
-    if res.raw.zero_stage in (None, 0, 1):
-        found = search.first_fit(None, degree_pairs(res))
-        if found is not None:
-            return found
+    ranked: list[Candidate] = []
+    if res.raw.zero_stage in (None, 0, 1) and search.best(None, degree_pairs(res)) is not None:
+        ranked += search.ranked
     for option in plain_options(res):
-        found = search.first_fit(option, pairs_for(res, option))
-        if found is not None:
-            return found
+        if search.best(option, pairs_for(res, option)) is not None:
+            ranked += search.ranked
+    if ranked:
+        return Choice(sorted(ranked, key=rank_key))
     chosen = choose_offload(search)
     if chosen is not None:
-        return chosen.candidate
+        return Choice([t.candidate for t in chosen.timed])
     raise PlanError(no_fit_message(res, search.closest, search.bounds, search.batch_ok))
+
+
+def choose(res: Resolved, precision: str) -> Candidate:
+    """The fastest configuration that fits (a `search.Candidate`); PlanError naming the closest miss if none does."""
+    return choose_all(res, precision).candidate

@@ -29,7 +29,7 @@ A100_1_3B = ["--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB"]
 KINDS = {
     # name: (planner flags, expected (ZeRO stage, optimizer offload, parameter offload, pipeline size))
     # (the pipeline engine's ZeRO 0/1 plans without offload are trained by tests/e2e/test_pretrain_gpt.py)
-    "ZeRO-1 + CPU Adam, T=2 (6.7B on 2 x V100-32GB)": (V100_6_7B, (1, "cpu", "none", 1)),
+    "ZeRO-1 + CPU Adam, T=2 (6.7B on 2 x V100-32GB)": ([*V100_6_7B, "--zero-stage", "1"], (1, "cpu", "none", 1)),
     "ZeRO-2": ([*A100_1_3B, "--zero-stage", "2"], (2, "none", "none", 1)),
     "ZeRO-3": ([*A100_1_3B, "--zero-stage", "3"], (3, "none", "none", 1)),
     "ZeRO-2 + CPU Adam": ([*ONE_A100_13B, "--zero-stage", "2"], (2, "cpu", "none", 1)),

@@ -67,9 +67,11 @@ def test_each_row_states_its_facts() -> None:
         assert d.memory_gb is None or d.memory_gb > 0, d.name
         peaks = (d.fp16, d.bf16, d.fp32)
         assert all(p is None or p > 0 for p in peaks), d.name
-        if d.compute_capability < (8, 0):
+        assert (d.compute_capability is None) == (d.vendor != "nvidia"), d.name
+        if d.compute_capability is not None and d.compute_capability < (8, 0):
             assert d.bf16 is None, d.name  # no bf16 tensor cores before Ampere
         assert architecture_of(d.compute_capability) in (
+            "not NVIDIA",
             "Pascal",
             "Volta",
             "Turing",
@@ -92,3 +94,17 @@ def test_planner_lookup_by_name(capsys) -> None:
     assert "How much memory has one H100-PCIe? (--gpu-memory-gb" in capsys.readouterr().err
     assert main(["precision", "--gpu", "H100-PCIe"]) == 0
     assert "Recommended: bf16" in capsys.readouterr().out
+
+
+def test_bandwidth_columns_for_the_gpus_the_time_model_prices() -> None:
+    """The issue's list (A100, H100, H200, V100, L40S, MI300X) has memory and host bandwidth; only parts with
+    a GPU-to-GPU link have one; a measured matmul ceiling, where given, is below the peak."""
+    for name in ("A100-40GB", "A100-80GB", "H100-80GB", "H200", "V100-32GB", "L40S", "MI300X"):
+        d = find_named(name)[0]
+        assert d.memory_bandwidth and d.pcie and d.compute_units, name
+    assert find_named("L40S")[0].scale_up is None and find_named("H100-80GB")[0].scale_up == 900.0
+    assert find_named("A100-80GB")[0].memory_bandwidth == 2039.0 and find_named("H200")[0].memory_bandwidth == 4800.0
+    for d in DEVICES:
+        if d.matmul_tflops is not None:
+            assert 0.4 < d.matmul_tflops / d.bf16 < 1.0, d.name
+    assert find_device("AMD Instinct MI300X").name == "MI300X" and architecture_of(None) == "not NVIDIA"

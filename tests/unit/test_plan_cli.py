@@ -84,9 +84,21 @@ PLANNER_OWN = {"--profile"}
 
 
 def test_no_pretrain_gpt_flag_is_declared_again() -> None:
-    again = [o for o in _actions() if o in BY_NAME and o not in command_line.TRAINING_FLAGS and o not in PLANNER_OWN]
+    drawn = {*command_line.TRAINING_FLAGS, *command_line.ARCHITECTURE_FLAGS}
+    again = [o for o in _actions() if o in BY_NAME and o not in drawn and o not in PLANNER_OWN]
     assert not again, f"draw these from megatron_ds.flags (command_line.TRAINING_FLAGS): {again}"
     assert BY_NAME["--profile"].is_switch and _actions()["--profile"].metavar == "FILE"  # still two meanings
+
+
+def test_architecture_flags_come_from_their_declarations() -> None:
+    actions = _actions()
+    for name in command_line.ARCHITECTURE_FLAGS:
+        flag, action = BY_NAME[name], actions[name]
+        assert action.help.startswith(flag.help) and action.default is None, name
+        if flag.is_switch:
+            assert action.const == flag.const and action.nargs == 0, name
+        else:
+            assert action.type is flag.type and action.choices == flag.argparse_choices(), name
 
 
 def test_a_declaration_change_reaches_the_planner(monkeypatch, capsys) -> None:

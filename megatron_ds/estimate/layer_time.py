@@ -1,0 +1,182 @@
+"""Seconds of one micro-batch through one transformer layer, the pre group (embeddings) and the post group
+(final norm, LM head, loss) on one GPU: matmuls by shape, attention, memory-bound kernels by bytes, and
+the tensor-parallel communication they expose. Pure: no torch.
+
+Shapes are our layer's (model/transformer.py; the FLOPs of estimate/compute.py): n = b s tokens, h, and
+per tensor rank nq query / nkv key-value heads of hd, ffn f / t and fc1 2f / t for SwiGLU. Each linear's
+backward is two matmuls, the input gradient (n x out) @ (out x in) and the weight gradient
+(in x n) @ (n x out). Memory-bound bytes per pass (w bytes per element, e = the elements of one
+(n, h) tensor, 1/t of them with sequence parallelism):
+  norms: read and write e each, two per layer;
+  after attention and after the MLP: dropout (read, write, a 1-byte mask) and the residual add (two
+      reads, a write): (5w + 1) e each, or (3w + 1) e as one fused bias-dropout-add kernel;
+  the activation: read and write n f / t (SwiGLU reads both halves);
+  math attention: scale, mask and softmax over the b nq s^2 scores (4 w each, or 2 w fused), dropout
+      (2w + 1); flash attention keeps them on chip;
+  rotary embeddings: read and write q and k.
+A backward moves `BACKWARD_MEMORY_RATIO` times its forward's bytes (the incoming gradient, the saved
+input, the outgoing gradient). The tensor-parallel all-reduces (two per pass: after attention and after
+the MLP; with sequence parallelism a reduce-scatter and an all-gather of the same volume) run over the
+node's link; with `tp_overlap` only their part beyond the pass's matmuls is exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.estimate.communication import Links
+from megatron_ds.estimate.efficiency import Kernels
+from megatron_ds.estimate.run_features import FLASH, RunFeatures
+
+BACKWARD_MEMORY_RATIO = 2.0
+FLASH_BACKWARD_FLOPS = 2.5
+"""Flash attention's backward runs 5 of the forward's 2 matmuls again (the FlashAttention papers count
+its backward as 2.5 x the forward's FLOPs)."""
+CROSS_ENTROPY_BYTES = (14, 10)
+"""Bytes per logit element of the loss, forward and backward: the fp32 copy (read w, write 4), the max
+and the exponent sums (two reads of 4); the softmax gradient (read 4, write 4 and the w-byte gradient)."""
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """Seconds of one micro-batch through one piece of the model on one GPU."""
+
+    forward: float
+    backward: float
+    """The backward proper (no recomputation)."""
+    recompute: float = 0.0
+    """What recomputing this piece's forward inside its backward costs (full recomputation)."""
+    attention_recompute: float = 0.0
+    """What recomputing its core attention's forward costs (selective recomputation)."""
+    weight: float = 0.0
+    """The weight-gradient part of `backward` (its linears' grad_output^T x input: what ZB-H1 defers)."""
+    parts: dict = field(default_factory=dict)
+    """Forward + backward seconds by kind: matmul, attention, memory, tp-comm."""
+
+
+@dataclass(frozen=True)
+class LayerShapes:
+    """One tensor rank's sizes."""
+
+    tokens: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    fc1: int
+    seq: int
+    batch: int
+    vocab: int
+
+    @classmethod
+    def of(cls, model: ModelConfig, micro_batch_size: int, tp: int) -> LayerShapes:
+        return cls(
+            tokens=micro_batch_size * model.seq_length,
+            hidden=model.hidden_size,
+            heads=model.num_attention_heads // tp,
+            kv_heads=max(1, model.kv_heads // tp),
+            head_dim=model.head_dim,
+            ffn=model.ffn_hidden_size // tp,
+            fc1=model.fc1_rows // tp,
+            seq=model.seq_length,
+            batch=micro_batch_size,
+            vocab=model.vocab_size // tp,
+        )
+
+
+def _linear(k: Kernels, n: int, d_in: int, d_out: int, w: int) -> tuple[float, float]:
+    """(forward, backward) seconds of y = x W for x (n, d_in)."""
+    forward = k.matmul(n, d_out, d_in, element_bytes=w)
+    return forward, k.matmul(n, d_in, d_out, element_bytes=w) + k.matmul(d_in, d_out, n, element_bytes=w)
+
+
+def _attention(k: Kernels, sh: LayerShapes, features: RunFeatures, w: int, dropout: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core (scores, softmax, dropout, weighted values)."""
+    bh, s, hd = sh.batch * sh.heads, sh.seq, sh.head_dim
+    if features.attention == FLASH:
+        flops = 4.0 * bh * hd * s * (s + 1) / 2  # the causal triangle's two matmuls
+        return k.attention(flops), k.attention(FLASH_BACKWARD_FLOPS * flops, backward=True)
+    scores = k.matmul(s, s, hd, batch=bh, element_bytes=w)
+    values = k.matmul(s, hd, s, batch=bh, element_bytes=w)
+    elements = bh * s * s
+    softmax = (2 if features.fused_elementwise else 4) * w * elements + ((2 * w + 1) * elements if dropout else 0)
+    back_mm = 2 * k.matmul(s, hd, s, batch=bh, element_bytes=w) + scores + values
+    return scores + values + k.memory(softmax), back_mm + k.memory(BACKWARD_MEMORY_RATIO * softmax)
+
+
+def _elementwise_bytes(model: ModelConfig, sh: LayerShapes, features: RunFeatures, tp: int, w: int) -> float:
+    """One forward's memory-bound bytes outside the attention core."""
+    e = sh.tokens * sh.hidden / (tp if features.sequence_parallel else 1)
+    norms = 2 * 2 * w * e
+    residual = 2 * ((3 * w + 1) if features.fused_elementwise else (5 * w + 1)) * e
+    activation = (sh.fc1 + sh.ffn) * sh.tokens * w
+    rotary = 4 * sh.tokens * (sh.heads + sh.kv_heads) * sh.head_dim * w if model.use_rotary_position_embeddings else 0
+    return norms + residual + activation + rotary
+
+
+def _tp_comm(links: Links, sh: LayerShapes, tp: int, w: int, count: int) -> float:
+    """`count` all-reduces (or reduce-scatter + all-gather pairs) of one (n, h) activation over the tensor group."""
+    return count * links.all_reduce(sh.tokens * sh.hidden * w, tp, within_node=True)
+
+
+def layer_times(
+    model: ModelConfig,
+    micro_batch_size: int,
+    tp: int,
+    w: int,
+    kernels: Kernels,
+    links: Links,
+    features: RunFeatures,
+    attention_dropout: bool = True,
+) -> PassTimes:
+    """One transformer layer (w: bytes per activation element)."""
+    sh = LayerShapes.of(model, micro_batch_size, tp)
+    n, h = sh.tokens, sh.hidden
+    q_width = sh.heads * sh.head_dim
+    linears = [
+        _linear(kernels, n, h, (sh.heads + 2 * sh.kv_heads) * sh.head_dim, w),
+        _linear(kernels, n, q_width, h, w),
+        _linear(kernels, n, h, sh.fc1, w),
+        _linear(kernels, n, sh.ffn, h, w),
+    ]
+    mm_f, mm_b = sum(f for f, _ in linears), sum(b for _, b in linears)
+    at_f, at_b = _attention(kernels, sh, features, w, attention_dropout)
+    mem = _elementwise_bytes(model, sh, features, tp, w)
+    me_f, me_b = kernels.memory(mem), kernels.memory(BACKWARD_MEMORY_RATIO * mem)
+    comm = _tp_comm(links, sh, tp, w, 2)
+    tp_f = max(0.0, comm - mm_f) if features.tp_overlap else comm
+    tp_b = max(0.0, comm - mm_b) if features.tp_overlap else comm
+    forward = mm_f + at_f + me_f + tp_f
+    parts = {"matmul": mm_f + mm_b, "attention": at_f + at_b, "memory": me_f + me_b, "tp-comm": tp_f + tp_b}
+    weight = sum(b for _, b in linears) / 2  # each linear's backward: the input and the weight gradient
+    return PassTimes(
+        forward, mm_b + at_b + me_b + tp_b, recompute=forward, attention_recompute=at_f, weight=weight, parts=parts
+    )
+
+
+def pre_times(model: ModelConfig, micro_batch_size: int, tp: int, w: int, kernels: Kernels, links: Links) -> PassTimes:
+    """The embeddings on stage 0: the lookup, the position add, dropout; the vocabulary-parallel all-reduce.
+    The lookup's backward fills the table's whole (v/t, h) gradient: zeroed, then accumulated into the
+    parameter's gradient (a write, a read and a write of it)."""
+    sh = LayerShapes.of(model, micro_batch_size, tp)
+    e = sh.tokens * sh.hidden
+    nbytes = 2 * w * e + (3 * w * e if model.add_position_embedding else 0) + (2 * w + 1) * e
+    comm = _tp_comm(links, sh, tp, w, 1)
+    forward = kernels.memory(nbytes) + comm
+    backward = kernels.memory(BACKWARD_MEMORY_RATIO * nbytes + 3 * w * sh.vocab * sh.hidden)
+    return PassTimes(forward, backward, parts={"memory": kernels.memory(3 * nbytes), "tp-comm": comm})
+
+
+def post_times(model: ModelConfig, micro_batch_size: int, tp: int, w: int, kernels: Kernels, links: Links) -> PassTimes:
+    """The final norm, the LM head's logits (vocabulary-parallel) and the loss on the last stage."""
+    sh = LayerShapes.of(model, micro_batch_size, tp)
+    logits_f, logits_b = _linear(kernels, sh.tokens, sh.hidden, sh.vocab, w)
+    norm = 2 * w * sh.tokens * sh.hidden
+    logits = sh.tokens * sh.vocab
+    mem_f = kernels.memory(norm + CROSS_ENTROPY_BYTES[0] * logits)
+    mem_b = kernels.memory(BACKWARD_MEMORY_RATIO * norm + CROSS_ENTROPY_BYTES[1] * logits)
+    comm = _tp_comm(links, sh, tp, w, 1)  # the head's input gradient, summed over the tensor ranks
+    parts = {"matmul": logits_f + logits_b, "memory": mem_f + mem_b, "tp-comm": comm}
+    return PassTimes(logits_f + mem_f, logits_b + mem_b + comm, weight=logits_b / 2, parts=parts)

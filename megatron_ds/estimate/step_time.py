@@ -1,0 +1,314 @@
+"""One training step in seconds: per-stage times from `layer_time`, communication from `communication`,
+the optimizer step from bytes, replayed through the pipeline schedule (`step_simulator`). Pure: no torch.
+
+Per stage and micro-batch: forward = pre (stage 0) + k layers + post (last stage); backward the same
+backward passes plus one forward of every recomputed layer (full recomputation, DeepSpeed's chunks:
+`compute.recomputed_layers`). Between stages each micro-batch's activation (b s h) goes forward and its
+gradient back, over the network when stages sit on different nodes (`communication.Placement`); 1/t of it
+per tensor rank with Megatron's scatter-gather; none with overlapped sends. After the last backward:
+  the tied embedding's gradient all-reduce between the first and the last stage (a tied model, P > 1);
+  the data-parallel reduction of the stage's gradients, exposed as `RunFeatures.dp_mode` says:
+      after-backward  all of it, after the stage's last backward (other stages still compute);
+      overlap-last    what outlasts the last micro-batch's backward;
+      overlap-each    every micro-batch reduces its own gradients during its backward (ZeRO-2/3): what
+                      outlasts each backward is added to it; ZeRO-3 also gathers the parameters for
+                      every forward and backward, counted whole (its gathers run layer by layer, each
+                      a wait on the network: "latency on the critical path", plan/guides/zero.txt);
+      a reduction is an all-reduce (ZeRO-0) or a reduce-scatter, and the updated parameters' all-gather
+      after the step (a partitioned optimizer);
+  the optimizer step: Adam reads and writes its fp32 master weights and two moments, reads the fp32
+      gradient and writes the 16-bit weights (`ADAM_BYTES`), over 1/d of the stage's parameters when
+      partitioned; the gradient norm reads every local gradient once.
+The step is the simulated schedule's length; above `SIMULATE_LIMIT` micro-batches x stages (the replay is
+O(M P) in Python) it is 1F1B's closed form instead (`closed_form_step`: exact for equal stages, the
+tests compare it with the replay), and `StepTime.simulated` says which. Throughput is reported in model FLOPs (Megatron-LM's
+`num_floating_point_operations`: forward and backward matmuls, no recomputation) per second and GPU,
+and in the FLOPs the hardware ran (recomputation included: Narayanan et al. 2021, eq. 3's counting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
+from megatron_ds.estimate.communication import Links, Placement
+from megatron_ds.estimate.compute import model_flops_per_iteration, recomputed_layers
+from megatron_ds.estimate.efficiency import Kernels
+from megatron_ds.estimate.layer_time import PassTimes, layer_times, post_times, pre_times
+from megatron_ds.estimate.model_states import PRECISION_BYTES
+from megatron_ds.estimate.run_features import DP_AFTER_BACKWARD, DP_OVERLAP_EACH, DP_OVERLAP_LAST, RunFeatures
+from megatron_ds.estimate.step_simulator import simulate
+
+SIMULATE_LIMIT = 4096
+"""Micro-batches x stages up to which the step is replayed instruction by instruction."""
+ADAM_BYTES_FP32_STATES = 28
+"""Per updated parameter: read and write the fp32 master, the two moments (24) and read the fp32 gradient (4)."""
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One configuration whose step is timed."""
+
+    model: ModelConfig
+    layers_per_stage: tuple[int, ...]
+    stage_params: tuple[int, ...]
+    """Parameters per tensor rank on each stage (what its gradients and optimizer hold)."""
+    micro_batch_size: int
+    num_micro_batches: int
+    tp: int
+    dp: int
+    precision: str
+    zero_stage: int
+    checkpoint_activations: bool
+    gpus_per_node: int
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE
+    selective_recompute: bool = False
+    """Each layer's core attention forward again in its backward (`--recompute-activations`)."""
+    attention_dropout: bool = True
+    checkpoint_num_layers: int = 1
+
+    @property
+    def pp(self) -> int:
+        return len(self.layers_per_stage)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches * self.dp
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A predicted step and where its seconds go."""
+
+    seconds: float
+    forward: tuple[float, ...]
+    """Per stage: one micro-batch's forward (seconds)."""
+    backward: tuple[float, ...]
+    """Per stage: one micro-batch's backward, recomputation and exposed per-micro-batch reduction included."""
+    optimizer: tuple[float, ...]
+    reduce_grads: tuple[float, ...]
+    """Per stage: the exposed data-parallel reduction after the last backward."""
+    send: float
+    tied_reduce: float
+    model_flops: float
+    """Model FLOPs of the step over all GPUs (no recomputation)."""
+    hardware_flops: float
+    """FLOPs run, recomputation included (eq. 3's counting with recomputation on)."""
+    num_gpus: int
+    tokens: int
+    peak_flops: float
+    parts: dict = field(default_factory=dict)
+    """Seconds per micro-batch on the slowest stage by kind (matmul, attention, memory, tp-comm, recompute)."""
+    dp_per_micro_batch: tuple[float, ...] = ()
+    """Per stage: data-parallel communication exposed inside every micro-batch's passes (ZeRO-2/3)."""
+    ideal: float = 0.0
+    """The same compute in equal stages with no pipeline bubble and no communication between stages."""
+    simulated: bool = True
+    """Replayed through the schedule's instructions (else 1F1B's closed form, `closed_form_step`)."""
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU (Megatron-LM's throughput line)."""
+        return self.model_flops / self.seconds / self.num_gpus / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.hardware_flops / self.seconds / self.num_gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.seconds / self.num_gpus / self.peak_flops
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+
+def _stage_passes(
+    inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures
+) -> tuple[list[float], list[float], dict, list[float]]:
+    """Per stage: one micro-batch's forward and backward (recomputation included), the slowest's parts, and
+    the weight-gradient part of each backward."""
+    w = PRECISION_BYTES[inp.precision]
+    layer = layer_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links, features, inp.attention_dropout)
+    pre = pre_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links)
+    post = post_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links)
+    forward, backward, parts, weight = [], [], {}, []
+    p = inp.pp
+    interval = inp.checkpoint_num_layers if inp.checkpoint_activations else 0
+    for s, k in enumerate(inp.layers_per_stage):
+        held: list[tuple[PassTimes, int]] = [(layer, k)]
+        held += [(pre, 1)] if s == 0 else []
+        held += [(post, 1)] if s == p - 1 else []
+        again = recomputed_layers(1 if s == 0 else 0, k, 1 if s == p - 1 else 0, interval)
+        redo = again * layer.recompute + (k * layer.attention_recompute if inp.selective_recompute else 0.0)
+        forward.append(sum(t.forward * n for t, n in held))
+        backward.append(sum(t.backward * n for t, n in held) + redo)
+        weight.append(sum(t.weight * n for t, n in held))
+        if forward[-1] + backward[-1] >= max(f + b for f, b in zip(forward, backward)):
+            parts = {key: sum(t.parts.get(key, 0.0) * n for t, n in held) for key in layer.parts}
+            parts["recompute"] = redo
+    return forward, backward, parts, weight
+
+
+def _dp_times(
+    inp: StepInputs, links: Links, features: RunFeatures, forward: list[float], backward: list[float]
+) -> tuple[list[float], list[float]]:
+    """Per stage: the exposed reduction after the last backward, and the exposure added to each micro-batch's
+    passes (ZeRO-2/3; `forward` and `backward` are updated)."""
+    place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node)
+    inside, d, w = place.dp_within_node, inp.dp, PRECISION_BYTES[inp.precision]
+    partitioned = features.partitioned_optimizer or inp.zero_stage >= 1
+    out, per_mb = [], []
+    for s, params in enumerate(inp.stage_params):
+        grads = params * features.grad_bytes
+        gather = links.reduce_scatter(params * w, d, inside) if partitioned else 0.0
+        reduce = links.reduce_scatter(grads, d, inside) if partitioned else links.all_reduce(grads, d, inside)
+        if features.dp_mode == DP_OVERLAP_EACH or inp.zero_stage >= 2:
+            exposed = max(0.0, reduce - backward[s]) + (2 * gather if inp.zero_stage == 3 else 0.0)
+            backward[s] += exposed - (gather if inp.zero_stage == 3 else 0.0)
+            forward[s] += gather if inp.zero_stage == 3 else 0.0  # layer-by-layer gathers wait on the network
+            per_mb.append(exposed)
+            out.append(0.0 if inp.zero_stage == 3 else gather)
+            continue
+        per_mb.append(0.0)
+        if features.dp_mode == DP_OVERLAP_LAST:
+            out.append(max(0.0, reduce + gather - backward[s] - forward[s]))
+        else:
+            assert features.dp_mode == DP_AFTER_BACKWARD
+            out.append(reduce + gather)
+    return out, per_mb
+
+
+def _optimizer_times(inp: StepInputs, kernels: Kernels, features: RunFeatures) -> list[float]:
+    w = PRECISION_BYTES[inp.precision]
+    partitioned = features.partitioned_optimizer or inp.zero_stage >= 1
+    out = []
+    for params in inp.stage_params:
+        updated = params / inp.dp if partitioned else params
+        state_bytes = ADAM_BYTES_FP32_STATES + (w if w < 4 else 0)  # the 16-bit copy written back
+        out.append(kernels.memory(updated * state_bytes + params * 4))  # + the norm's read of every gradient
+    return out
+
+
+def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures) -> StepTime:
+    """The step's seconds and throughput for this configuration on this device and network."""
+    place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node)
+    w = PRECISION_BYTES[inp.precision]
+    forward, backward, parts, weight = _stage_passes(inp, kernels, links, features)
+    reduce, per_mb = _dp_times(inp, links, features, forward, backward)
+    optimizer = _optimizer_times(inp, kernels, features)
+    model, m = inp.model, inp.micro_batch_size
+    activation = m * model.seq_length * model.hidden_size * w
+    cross = not place.stages_within_node
+    per_rank = activation / inp.tp if features.p2p_scatter_gather and cross else activation
+    send = 0.0 if features.p2p_overlap or inp.pp == 1 else links.send(per_rank, not cross)
+    tied = not model.untie_embeddings_and_output_weights and inp.pp > 1
+    embedding = model.vocab_size // inp.tp * model.hidden_size * features.grad_bytes
+    tied_reduce = links.all_reduce(embedding, 2, place.ends_within_node) if tied else 0.0
+    m_total = inp.num_micro_batches
+    simulated = (
+        m_total * inp.pp <= SIMULATE_LIMIT or inp.schedule != DEFAULT_PIPELINE_SCHEDULE
+    )  # the closed form is 1F1B's
+    if simulated:
+        seconds = simulate(
+            m_total,
+            forward,
+            backward,
+            optimizer,
+            send=send,
+            tied_reduce=tied_reduce,
+            tied=tied,
+            grad_norm_sync=features.grad_norm_sync,
+            schedule=inp.schedule,
+            reduce_grads=reduce,
+            weight=weight,
+        ).step_time
+    else:
+        seconds = closed_form_step(m_total, forward, backward, optimizer, reduce, send, tied_reduce)
+    gbs = inp.global_batch_size
+    busy = [f + b for f, b in zip(forward, backward)]
+    return StepTime(
+        seconds=seconds,
+        forward=tuple(forward),
+        backward=tuple(backward),
+        optimizer=tuple(optimizer),
+        reduce_grads=tuple(reduce),
+        dp_per_micro_batch=tuple(per_mb),
+        send=send,
+        tied_reduce=tied_reduce,
+        model_flops=float(model_flops_per_iteration(model, gbs)),
+        hardware_flops=float(model_flops_per_iteration(model, gbs, recompute=inp.checkpoint_activations)),
+        num_gpus=inp.num_gpus,
+        tokens=gbs * model.seq_length,
+        peak_flops=kernels.peak_flops,
+        parts=parts,
+        ideal=m_total * sum(busy) / len(busy) + max(optimizer),
+        simulated=simulated,
+    )
+
+
+def closed_form_step(
+    num_micro_batches: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    optimizer: Sequence[float],
+    reduce_grads: Sequence[float],
+    send: float,
+    tied_reduce: float,
+) -> float:
+    """1F1B's step without replaying it: the fill and drain through every stage once, the slowest stage's
+    steady state for the other M - 1 micro-batches, the sends on the critical path, then each stage's reduction after
+    its last backward (stage s ends the backwards of the stages before it later), the tied all-reduce, the
+    norm barrier and the slowest optimizer step."""
+    p, m = len(forward), num_micro_batches
+    busy = [f + b for f, b in zip(forward, backward)]
+    compute = sum(busy) + (m - 1) * max(busy) + sends_on_path(m, p) * send
+    ends = [compute - sum(backward[:s]) + reduce_grads[s] for s in range(p)]
+    return max(ends) + (tied_reduce if p > 1 else 0.0) + max(optimizer)
+
+
+def step_lower_bound(
+    model: ModelConfig,
+    micro_batch_size: int,
+    num_micro_batches: int,
+    tp: int,
+    pp: int,
+    precision: str,
+    checkpoint_activations: bool,
+    kernels: Kernels,
+    links: Links,
+    features: RunFeatures,
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
+    selective_recompute: bool = False,
+) -> float:
+    """No layout of this configuration steps faster: the mean stage's compute for every micro-batch, and for
+    1F1B the fill and drain through every stage, (M + P - 1) x the mean (every stage's compute lies on one
+    path, and the slowest stage's M - 1 others are at least the mean); communication only adds to it."""
+    w = PRECISION_BYTES[precision]
+    layer = layer_times(model, micro_batch_size, tp, w, kernels, links, features)
+    pre = pre_times(model, micro_batch_size, tp, w, kernels, links)
+    post = post_times(model, micro_batch_size, tp, w, kernels, links)
+    per_layer = layer.forward + layer.backward + (layer.recompute if checkpoint_activations else 0.0)
+    per_layer += layer.attention_recompute if selective_recompute and not checkpoint_activations else 0.0
+    mean = (model.num_layers * per_layer + pre.forward + pre.backward + post.forward + post.backward) / pp
+    fill = pp - 1 if schedule == DEFAULT_PIPELINE_SCHEDULE else 0  # 1F1B's fill and drain
+    return (num_micro_batches + fill) * mean
+
+
+def sends_on_path(num_micro_batches: int, num_stages: int) -> int:
+    """Blocking sends on the critical path of DeepSpeed's 1F1B with equal stages (`step_simulator`'s
+    rendezvous model, counted off its replay; the tests check it for many sizes): the fill and drain's
+    2 (P - 1), or in steady state four per micro-batch (receive and send each way), P = 2 two."""
+    m, p = num_micro_batches, num_stages
+    if p == 1:
+        return 0
+    if p == 2:
+        return 2 * m
+    return max(2 * (p - 1), 4 * m + 2 * (p - 4))

@@ -1,0 +1,170 @@
+"""The search over configurations: every fitting one of a ZeRO option priced in the order of its time
+bound (branch and bound), the fastest chosen and its layout refined; the message when nothing fits.
+The configurations themselves and their pricing are `plan/search.py`'s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_ds.estimate.step_time import step_lower_bound
+from megatron_ds.plan import timing
+from megatron_ds.plan.inputs import Resolved
+from megatron_ds.plan.search import (
+    DEFAULT,
+    FASTEST_MAX_STAGES,
+    METHODS,
+    RECOMPUTE,
+    Candidate,
+    best_layout,
+    fits,
+    micro_batches,
+    recompute_modes,
+    sequence_parallel_at,
+    states_lower_bound,
+)
+from megatron_ds.units import format_bytes
+
+
+def zero_for(res: Resolved, dp: int, offload: str, zero: int | None) -> int:
+    """The ZeRO stage of an option; None: ZeRO-1 with offload or data parallelism (or `--zero-stage`), else 0."""
+    if zero is not None:
+        return zero
+    if offload != "none":
+        return 1
+    return res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
+
+
+def time_bound(res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, recompute: str) -> float:
+    """No layout of this configuration steps faster (`estimate/step_time.step_lower_bound`)."""
+    dp = res.num_gpus // (t * p)
+    hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
+    m = res.global_batch_size // (mb * dp)
+    run = res.run_features or timing.features(zero, precision, sequence_parallel_at(res, t))
+    return step_lower_bound(
+        res.model(t), mb, m, t, p, precision, recompute == "full", hw.kernels, hw.links, run,
+        selective_recompute=recompute == "selective",
+    )  # fmt: skip
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Fastest first; ties: smaller t x p, larger t, less recomputation, the simpler layout flag."""
+    return (round(c.seconds, 6), c.tp * c.pp, -c.tp, RECOMPUTE.index(c.recompute), METHODS.index(c.method))
+
+
+def refine_methods(res: Resolved, pp: int) -> list[str]:
+    """The layouts the chosen configuration is tried under: `--layout`'s alone, else every method but the
+    exact `fastest` beyond FASTEST_MAX_STAGES stages."""
+    if res.raw.layout:
+        return [res.raw.layout]
+    return [m for m in METHODS if m != "fastest" or pp <= FASTEST_MAX_STAGES] if pp > 1 else [DEFAULT]
+
+
+class Search:
+    """Searches configurations for one ZeRO option at a time, remembering the closest miss over all and
+    every fitting configuration it priced (`ranked`, fastest first)."""
+
+    def __init__(self, res: Resolved, precision: str) -> None:
+        raw = res.raw
+        self.res, self.precision = res, precision
+        self.recomputes = recompute_modes(raw)
+        self.methods = [raw.layout] if raw.layout else [DEFAULT]
+        self.closest: Candidate | None = None
+        self.bounds: list[tuple[float, int, int]] = []
+        self.batch_ok = False
+        self.ranked: list[Candidate] = []
+
+    def fitting(self, option: Any, pairs: list[tuple[int, int]], keep: int = 2) -> list[Candidate]:
+        """The `keep` fastest fitting configurations of `option` (a `zero_options.ZeroOption`; None: ZeRO 0/1
+        by the data-parallel rule) over these (t, p), fastest first. Branch and bound: configurations are
+        priced in the order of their time bound (`time_bound`) until the bound passes the `keep`-th fastest
+        found; a micro-batch is skipped once a smaller one missed memory at the same (t, p, recompute)."""
+        res = self.res
+        zero_opt, offload, offload_param = (None, "none", "none") if option is None else option.fields
+        order = []
+        for t, p in pairs:
+            dp = res.num_gpus // (t * p)
+            sizes = micro_batches(res, dp)
+            self.batch_ok = self.batch_ok or bool(sizes)
+            zero = zero_for(res, dp, offload, zero_opt)
+            states = states_lower_bound(res, t, p, zero, self.precision, offload, offload_param)
+            if states > res.usable_bytes:
+                self.bounds.append((states, t, p))
+                continue
+            for recompute in self.recomputes:
+                for mb in sizes:
+                    bound = time_bound(res, t, p, mb, zero, self.precision, recompute)
+                    order.append((bound, t, p, RECOMPUTE.index(recompute), mb, zero))
+        found: list[Candidate] = []
+        missed: dict[tuple[int, int, int], int] = {}
+        for bound, t, p, r, mb, zero in sorted(order):
+            recompute = RECOMPUTE[r]
+            if len(found) >= keep and bound > sorted(c.seconds for c in found)[keep - 1]:
+                break
+            if mb >= missed.get((t, p, r), mb + 1):
+                continue  # a larger micro-batch holds more activations
+            cand = best_layout(res, t, p, mb, zero, self.precision, recompute, self.methods, offload, offload_param)
+            if cand is None:
+                continue
+            if fits(res, cand):
+                found.append(cand)
+                continue
+            missed[(t, p, r)] = min(mb, missed.get((t, p, r), mb))
+            if self.closest is None or cand.peak.total < self.closest.peak.total:
+                self.closest = cand
+        return sorted(found, key=rank_key)
+
+    def best(self, option: Any, pairs: list[tuple[int, int]]) -> Candidate | None:
+        """The fastest fitting configuration of `option`, its layout refined (None: nothing fits)."""
+        found = self.fitting(option, pairs)
+        if not found:
+            return None
+        top = found[0]
+        methods = [m for m in refine_methods(self.res, top.pp) if m != top.method]
+        offload, offload_param = top.offload_optimizer, top.offload_param
+        zero = top.zero_stage
+        better = best_layout(
+            self.res,
+            top.tp,
+            top.pp,
+            top.micro_batch_size,
+            zero,
+            top.precision,
+            top.recompute,
+            [top.method, *methods],
+            offload,
+            offload_param,
+        )
+        chosen = better if better is not None and fits(self.res, better) else top
+        self.ranked = sorted([chosen, *found[1:]], key=rank_key)
+        return chosen
+
+
+def no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool) -> str:
+    usable = format_bytes(res.usable_bytes)
+    fix = "add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism"
+    tried = "recomputation, ZeRO-2/3 at pipeline size 1 and optimizer/parameter offload were tried too"
+    if not batch_ok:
+        return (
+            f"--global-batch-size {res.global_batch_size} does not divide into micro-batch x data-parallel size "
+            f"for any tensor/pipeline degree on --num-gpus {res.num_gpus}; use a multiple of {res.num_gpus}"
+        )
+    if closest is not None and closest.peak.total <= res.usable_bytes:  # the host memory ruled it out
+        return (
+            f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, ZeRO-"
+            f"{closest.zero_stage}, optimizer offload {closest.offload_optimizer}) fits the GPUs but keeps "
+            f"{format_bytes(closest.host_per_gpu * (res.gpus_per_node or 1))} per node on the host, over "
+            f"--cpu-memory-gb {res.raw.cpu_memory_gb:g} ({tried}); give more host memory, or --storage nvme "
+            f"to offload to NVMe"
+        )
+    if closest is not None:
+        return (
+            f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, micro-batch "
+            f"{closest.micro_batch_size}, recompute {closest.recompute}, optimizer offload "
+            f"{closest.offload_optimizer}) needs {format_bytes(closest.peak.total)} on stage {closest.peak.stage} "
+            f"but {usable} is usable ({tried}); {fix}"
+        )
+    bound, t, p = min(bounds)
+    return (
+        f"the model does not fit: even with t={t}, p={p} the model states alone average "
+        f"{format_bytes(bound)} per GPU, over the {usable} usable ({tried}); {fix}"
+    )

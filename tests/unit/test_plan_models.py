@@ -1,0 +1,80 @@
+"""The planner's models: pretrain_gpt.py's architecture flags from their declarations, the model built by
+pretrain_gpt.py's own flag rules, Llama presets at their published sizes, the printed command training
+what was planned."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from megatron_ds.flags.parser import parse_config
+from megatron_ds.model.shapes import total_params
+from megatron_ds.plan import hardware
+from megatron_ds.plan.__main__ import main
+from megatron_ds.plan.inputs import PlanInputs, resolve
+
+PUBLISHED_BILLIONS = {
+    # Touvron et al. 2023 (Llama 2) and the released configs: 6.74B, 13.0B, 69.0B; Llama 3: 8.03B, 70.6B, 405.9B
+    "llama2-7b": 6.738,
+    "llama2-13b": 13.016,
+    "llama2-70b": 68.977,
+    "llama3-8b": 8.030,
+    "llama3-70b": 70.554,
+    "llama3-405b": 405.853,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
+def test_llama_presets_have_their_published_parameter_counts(name: str) -> None:
+    res = resolve(PlanInputs(model=name))
+    assert total_params(res.model()) / 1e9 == pytest.approx(PUBLISHED_BILLIONS[name], rel=2e-3)
+    m = res.model()
+    assert m.activation == "swiglu" and m.normalization == "rmsnorm" and m.untie_embeddings_and_output_weights
+    assert m.use_rotary_position_embeddings and not m.add_position_embedding and not m.add_bias_linear
+
+
+def test_preset_names_are_forgiving_and_gpt3_sizes_unchanged() -> None:
+    assert hardware.find_preset("Llama-2-7B").name == "llama2-7b"
+    assert hardware.find_preset("175b").name == "gpt3-175b" and hardware.find_preset("1.3B").name == "gpt3-1.3b"
+    assert total_params(resolve(PlanInputs(model="1.3b")).model()) / 1e9 == pytest.approx(1.32, abs=0.01)
+
+
+def test_architecture_flags_reach_the_model_as_pretrain_gpt_builds_it(capsys) -> None:
+    arch = [
+        "--swiglu",
+        "--num-key-value-heads",
+        "4",
+        "--normalization",
+        "RMSNorm",
+        "--untie-embeddings-and-output-weights",
+    ]
+    rc = main(["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB", *arch, "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    sec = next(s for s in report["sections"] if s["name"] == "pipeline")
+    command = sec["snippets"]["command"].split("\n", 1)[1]
+    tokens = shlex.split(command.replace("\\\n", " "))
+    argv = tokens[tokens.index("pretrain_gpt.py") + 1 :]
+    config, _ = parse_config(argv, world_size=8)
+    assert config.model == resolve(PlanInputs(model="1.3b", architecture=arch)).model(sec["data"]["tensor_parallel"])
+    assert config.model.kv_heads == 4 and config.model.activation == "swiglu"
+
+
+def test_a_bad_architecture_value_is_one_line(capsys) -> None:
+    assert main(["pipeline", "--model", "1.3b", "--num-key-value-heads", "5", "--num-gpus", "8", "--gpu", "H100"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: --num-key-value-heads 5 must divide --num-attention-heads 16")
+        and "\n" not in err.strip()
+    )
+
+
+def test_the_long_guides_run_only_when_named(capsys) -> None:
+    main(["--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB", "--format", "json"])
+    names = [s["name"] for s in json.loads(capsys.readouterr().out)["sections"]]
+    assert names == ["zero", "precision", "pipeline", "memory"]
+    main(["--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB"])
+    assert len(capsys.readouterr().out.splitlines()) < 260  # 404 lines with the guides
+    assert main(["nvme"]) == 0 and "DeepNVMe" in capsys.readouterr().out

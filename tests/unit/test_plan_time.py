@@ -1,0 +1,94 @@
+"""The planner's choice is the fastest predicted step that fits: checked against every configuration priced
+one by one, with its runner-up, its JSON, its speed at thousands of GPUs and a measured kernel profile."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from megatron_ds.plan import ranking, search
+from megatron_ds.plan.__main__ import main
+from megatron_ds.plan.inputs import PlanInputs, resolve
+from megatron_ds.plan.zero_options import choose_all
+
+JOB = dict(model="1.3b", num_gpus=16, gpus_per_node=8, gpu="A100-80GB", global_batch_size=256, zero_stage=1)
+
+
+def test_the_choice_is_the_fastest_fitting_configuration_and_the_bound_holds() -> None:
+    res = resolve(PlanInputs(**JOB))
+    choice = choose_all(res, "bf16")
+    every = []
+    for t, p in search.degree_pairs(res):
+        dp = res.num_gpus // (t * p)
+        for mb in search.micro_batches(res, dp):
+            for ckpt in (False, True):
+                cand = search.evaluate(res, t, p, mb, 1, "bf16", ckpt, "none")
+                assert ranking.time_bound(res, t, p, mb, 1, "bf16", ckpt) <= cand.seconds * (1 + 1e-9)
+                if search.fits(res, cand):
+                    every.append(cand)
+    best = min(every, key=lambda c: c.seconds)
+    assert choice.candidate.seconds <= best.seconds * (1 + 1e-9)
+    runner = choice.runner_up
+    assert runner is not None and runner.seconds >= choice.candidate.seconds
+    second = min(
+        (
+            c
+            for c in every
+            if (c.tp, c.pp, c.micro_batch_size, c.checkpoint_activations)
+            != (
+                choice.candidate.tp,
+                choice.candidate.pp,
+                choice.candidate.micro_batch_size,
+                choice.candidate.checkpoint_activations,
+            )
+        ),
+        key=lambda c: c.seconds,
+    )
+    assert runner.seconds == pytest.approx(second.seconds, rel=1e-9)
+
+
+def test_json_carries_seconds_throughput_and_the_runner_up(capsys) -> None:
+    argv = ["pipeline", "--model", "1.3b", "--num-gpus", "16", "--gpu", "A100-80GB", "--format", "json"]
+    assert main(argv) == 0
+    data = next(s for s in json.loads(capsys.readouterr().out)["sections"] if s["name"] == "pipeline")["data"]
+    for key in ("step_seconds", "tflops_per_gpu", "tokens_per_second", "mfu"):
+        assert data[key] > 0, key
+    assert data["tokens_per_second"] == pytest.approx(512 * 2048 / data["step_seconds"])
+    assert data["runner_up"]["step_seconds"] >= data["step_seconds"]
+    assert main(argv[:-2]) == 0
+    text = capsys.readouterr().out
+    assert "Predicted step:" in text and "Runner-up:" in text and "it loses most on" in text
+
+
+def test_a_trillion_parameters_on_4096_gpus_is_planned_in_seconds(capsys) -> None:
+    argv = ["pipeline", "--num-layers", "128", "--hidden-size", "25600", "--num-attention-heads", "160"]
+    argv += ["--seq-length", "2048", "--vocab-size", "51200", "--num-gpus", "4096", "--gpu", "A100-80GB"]
+    started = time.process_time()
+    assert main([*argv, "--global-batch-size", "3072"]) == 0
+    spent = time.process_time() - started
+    out = capsys.readouterr().out
+    assert "Predicted step:" in out and spent < 15, spent  # about 3 s of CPU here; the issue's budget is 5 s
+
+
+def test_a_kernel_profile_reprices_the_step_and_a_bad_one_is_one_line(tmp_path, capsys) -> None:
+    argv = ["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB", "--format", "json"]
+    assert main(argv) == 0
+    fast = next(s for s in json.loads(capsys.readouterr().out)["sections"] if s["name"] == "pipeline")["data"]
+    slow_file = tmp_path / "slow.json"
+    slow_file.write_text(json.dumps({"matmul_tflops": 100.0, "name": "half speed"}))
+    assert main([*argv, "--kernel-profile", str(slow_file)]) == 0
+    slow = next(s for s in json.loads(capsys.readouterr().out)["sections"] if s["name"] == "pipeline")["data"]
+    assert slow["step_seconds"] > 1.5 * fast["step_seconds"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"matmul_tflops": -1}))
+    assert main([*argv, "--kernel-profile", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "--kernel-profile" in err and "not a positive number" in err and "\n" not in err.strip()
+
+
+def test_an_amd_gpu_of_the_table_is_planned_and_priced(capsys) -> None:
+    assert main(["--model", "llama3-8b", "--num-gpus", "16", "--gpu", "MI300X"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: bf16 (MI300X" in out and "matmul ceiling 668.4 TFLOP/s" in out and "Infinity Fabric" in out
