@@ -215,8 +215,8 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
       two logits buffers on the last stage by `benchmarks/stage_memory.py`);
     * token ids on the first stage, labels and loss mask on the last, kept in every slot used;
     * under sequence parallelism each message is this rank's part of the sequence (sent whole: the
-      engine's own partitioning is off), and megatron-core's all-gather buffer of one (s, b, h) input
-      persists on every stage.
+      engine's own partitioning is off), and a column-parallel linear's all-gathered (s, b, h) input is
+      alive in each backward.
     """
     m, mb = inputs.model, inputs.num_micro_batches
     whole = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
@@ -246,8 +246,7 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
         total += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
         persistent += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
     if inputs.sequence_parallel:
-        # megatron-core's global memory buffer ("mpu"): where every sequence-parallel linear all-gathers
-        # its (s, b, h) input, kept from the first use on (parallel_state.get_global_memory_buffer)
+        # a column-parallel linear's all-gathered (s, b, h) input (`weight_grad.linear`), alive while its
+        # backward computes the weight gradient; freed before the optimizer step
         total += whole
-        persistent += whole
     return total, persistent

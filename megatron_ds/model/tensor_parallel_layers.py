@@ -42,7 +42,6 @@ from megatron.core.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_tensor_model_parallel_region,
-    linear_with_grad_accumulation_and_async_allreduce,
     scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
 )
@@ -265,9 +264,7 @@ class VocabParallelWordEmbedding(VocabParallelEmbedding):
         sequence parallelism (s/T, b, h) -> (s, b, v/T), all-gathering the input as megatron-core's output
         layer does (its input is saved split, gathered again in backward)."""
         if self.sequence_first:
-            return linear_with_grad_accumulation_and_async_allreduce(
-                hidden, self.weight, None, False, allreduce_dgrad=False, sequence_parallel=True, tp_group=self.tp_group
-            )
+            return weight_grad.linear(hidden, self.weight, sequence_group=self.tp_group)
         # Identity forward; in backward the input gradient is summed over tensor ranks.
         return weight_grad.linear(copy_to_tensor_model_parallel_region(hidden, group=self.tp_group), self.weight)
 

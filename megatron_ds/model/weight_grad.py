@@ -84,38 +84,63 @@ def weight_gradient(grad_output: torch.Tensor, inputs: torch.Tensor) -> torch.Te
     return grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(inputs.reshape(-1, inputs.shape[-1]))
 
 
+def _gather(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The whole sequence from every rank's part (sequence-first, megatron-core's all-gather)."""
+    from megatron.core.tensor_parallel.mappings import _gather_along_first_dim
+
+    return _gather_along_first_dim(x, group)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any, sequence_group: Any
+    ) -> torch.Tensor:
+        # Under sequence parallelism only this rank's part of the input is saved; the backward gathers it
+        # again, as megatron-core's linear does.
         ctx.save_for_backward(x, weight)
         # The parameter itself, for its `.grad`: a saved-tensor hook (the memory meter's) may hand
         # the backward another tensor object for `weight`.
         ctx.parameter = weight
-        ctx.has_bias, ctx.group = bias is not None, group
-        return F.linear(x, weight, bias)
+        ctx.has_bias, ctx.group, ctx.sequence_group = bias is not None, group, sequence_group
+        return F.linear(x if sequence_group is None else _gather(x, sequence_group), weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         grad_input = grad_weight = grad_bias = None
+        whole = x if ctx.sequence_group is None else _gather(x, ctx.sequence_group)
         if ctx.needs_input_grad[0]:
             grad_input = grad_output.matmul(weight)  # (.., out) @ (out, in)
-            if ctx.group is not None:  # megatron-core's column-parallel layer: sum over tensor ranks
+            if ctx.sequence_group is not None:  # each rank keeps its part of the summed gradient
+                from megatron.core.tensor_parallel.mappings import _reduce_scatter_along_first_dim
+
+                grad_input = _reduce_scatter_along_first_dim(grad_input, ctx.sequence_group)
+            elif ctx.group is not None:  # megatron-core's column-parallel layer: sum over tensor ranks
                 torch.distributed.all_reduce(grad_input, group=ctx.group)
         if ctx.needs_input_grad[1]:
             if _ACTIVE is not None:
-                _ACTIVE.add(x, grad_output, ctx.parameter)
+                _ACTIVE.add(whole, grad_output, ctx.parameter)
             else:
-                grad_weight = weight_gradient(grad_output, x)
+                grad_weight = weight_gradient(grad_output, whole)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, group: Any = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    group: Any = None,
+    sequence_group: Any = None,
+) -> torch.Tensor:
     """F.linear(x, weight, bias) whose weight gradient a store may defer; `group`: all-reduce the
-    input gradient over it (a column-parallel layer's tensor-parallel group)."""
-    return _Linear.apply(x, weight, bias, group)
+    input gradient over it (a column-parallel layer's tensor-parallel group); `sequence_group`: the
+    input is this rank's part of the sequence (dim 0), all-gathered over the group for the product, and
+    the input gradient reduce-scattered back (megatron-core's column-parallel linear under sequence
+    parallelism). The deferred weight pass then keeps the gathered input."""
+    return _Linear.apply(x, weight, bias, group, sequence_group)
 
 
 class Linear(nn.Linear):
@@ -128,11 +153,13 @@ class Linear(nn.Linear):
 def megatron_linear(
     x: torch.Tensor, weight: torch.Tensor, fallback: Callable[..., torch.Tensor], **kwargs: Any
 ) -> torch.Tensor:
-    """megatron-core's `_forward_impl` call through `linear`, where it means the same: no sequence
-    parallelism, gradient-accumulation fusion or deferred embedding gradients (those run megatron-core's
-    own function, with the weight gradient in the backward)."""
-    plain = not (kwargs.get("sequence_parallel") or kwargs.get("gradient_accumulation_fusion"))
+    """megatron-core's `_forward_impl` call through `linear`, where it means the same: its plain and its
+    sequence-parallel linear, not gradient-accumulation fusion or deferred embedding gradients (those run
+    megatron-core's own function, with the weight gradient in the backward)."""
+    plain = not kwargs.get("gradient_accumulation_fusion")
     if not (plain and kwargs.get("grad_output_buffer") is None and weight.requires_grad):
         return fallback(x, weight, **kwargs)
+    if kwargs.get("sequence_parallel"):
+        return linear(x, weight, kwargs.get("bias"), sequence_group=kwargs.get("tp_group"))
     group = kwargs.get("tp_group") if kwargs.get("allreduce_dgrad") else None
     return linear(x, weight, kwargs.get("bias"), group)

@@ -1,8 +1,8 @@
 """ZB-H1 and interleaved 1F1B on DeepSpeed's pipeline engine equal the single-process run.
 
 One four-rank process group runs every scenario in turn (start-up is paid once): fp32 losses and
-gradient norms within 1e-6 of one process, clipping active, at P = 2 (with T = 2) and P = 4, with
-dedicated embedding stages, ZeRO-1 and recomputation; bf16 near the fp32 reference. ZB-H1 must
+gradient norms within 1e-6 of one process, clipping active, at P = 2 (with T = 2, also under sequence
+parallelism) and P = 4, with dedicated embedding stages, ZeRO-1 and recomputation; bf16 near the fp32 reference. ZB-H1 must
 really split the backwards (weight gradients deferred on every stage after the first). Ranks given
 different schedules are refused by the preflight agreement check before any other collective, and
 a hang under the new schedules is still the watchdog's error.
@@ -40,6 +40,7 @@ SCENARIOS = {
     "zbh1 P4 dedicated both ZeRO-1": scenario(4, "zbh1", dedicated="both"),
     "zbh1 P4 ZeRO-0 recompute": scenario(4, "zbh1", zero=0, overrides={"training__checkpoint_activations": True}),
     "zbh1 P2 T2 dedicated pre ZeRO-1": scenario(2, "zbh1", t=2, dedicated="pre"),
+    "zbh1 P2 T2 sequence parallel ZeRO-1": scenario(2, "zbh1", t=2, overrides={"parallel__sequence_parallel": True}),
     "zbh1 P4 bf16 ZeRO-1": scenario(4, "zbh1", overrides={"training__precision": "bf16"}),
     "ranks disagree on the schedule": scenario(
         4, "zbh1", rank_overrides={"2": {"parallel__pipeline_schedule": "1f1b"}}, expect_build_error=True
@@ -49,6 +50,9 @@ SCENARIOS = {
     ),
     "interleaved v2 P2 T2 dedicated pre ZeRO-1": scenario(
         2, "interleaved", t=2, dedicated="pre", overrides={"parallel__virtual_stages": 2}
+    ),
+    "interleaved v2 P2 T2 sequence parallel ZeRO-1": scenario(
+        2, "interleaved", t=2, overrides={"parallel__virtual_stages": 2, "parallel__sequence_parallel": True}
     ),
     "interleaved v3 P2 ZeRO-0 recompute": scenario(
         2, "interleaved", zero=0, overrides={"parallel__virtual_stages": 3, "training__checkpoint_activations": True}

@@ -76,6 +76,32 @@ def test_megatron_core_forms_that_cannot_defer_keep_their_own_function() -> None
     x, w = torch.randn(4, 8), torch.nn.Parameter(torch.randn(6, 8))
     plain = {"bias": None, "allreduce_dgrad": False, "sequence_parallel": False, "grad_output_buffer": None}
     assert weight_grad.megatron_linear(x, w, fallback, **plain).shape == (4, 6) and not calls
-    for change in ({"sequence_parallel": True}, {"gradient_accumulation_fusion": True}, {"grad_output_buffer": []}):
+    for change in ({"gradient_accumulation_fusion": True}, {"grad_output_buffer": []}):
         weight_grad.megatron_linear(x, w, fallback, **{**plain, **change})
-    assert len(calls) == 3
+    assert len(calls) == 2
+
+
+class _OneRank:
+    """A tensor group of one rank: megatron-core's first-dimension gather and reduce-scatter pass through."""
+
+    @staticmethod
+    def size() -> int:
+        return 1
+
+
+def test_the_sequence_parallel_form_defers_its_weight_gradient_on_the_gathered_input() -> None:
+    """megatron-core's column-parallel linear under sequence parallelism goes through `linear` with the
+    tensor group as its sequence group: the weight pass gets the (gathered) input, the fallback is not called."""
+    calls = []
+    x = torch.randn(4, 2, 8, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(6, 8))
+    kwargs = {"bias": None, "allreduce_dgrad": False, "sequence_parallel": True, "grad_output_buffer": None}
+    y = weight_grad.megatron_linear(x, w, lambda *a, **k: calls.append(k), tp_group=_OneRank(), **kwargs)
+    g = torch.randn_like(y)
+    store = weight_grad.WeightGradStore()
+    with store.deferring():
+        y.backward(g)
+    assert not calls and w.grad is None and store.deferred == 1
+    assert torch.allclose(x.grad, g.matmul(w.detach()))
+    store.run_oldest()
+    assert torch.allclose(w.grad, weight_grad.weight_gradient(g, x.detach()))
