@@ -2,7 +2,9 @@
 """Soak: launch many short multi-rank runs and report every exit that was not clean.
 
 Each launch is one of the KINDS below (P = 3..5, every dedicated mode, ZeRO 0/1, fp32/bf16, T = 2,
-sequence parallelism at T = 2 with P = 2 and dedicated P = 3, DeepSpeed-Ulysses, the test scenario runner), taken in turn, on local CPU ranks (gloo) under a hard timeout. The
+sequence parallelism at T = 2 with P = 2 and dedicated P = 3, DeepSpeed-Ulysses, the ZB-H1 and
+interleaved schedules, alone and with sequence parallelism, the test scenario runner), taken in
+turn, on local CPU ranks (gloo) under a hard timeout. The
 table gives each launch's exit statuses, duration and, for a failure, the first error line; the
 logs of every failed launch are kept under OUT/failed/<n>-<kind>/ (with core files when
 `--core-dumps` is given). Nothing is retried and no exit status is rewritten.
@@ -118,6 +120,47 @@ KINDS: dict[str, tuple[int, list[str]]] = {
     ),
     "ulysses2-dp2-z3": _pretrain(
         4, "--ds-sequence-parallel-size", "2", "--zero-stage", "3", "--no-pipeline-parallel", "--bf16"
+    ),
+    "p3-zbh1-both-z1": _pretrain(
+        3,
+        "--pipeline-model-parallel-size",
+        "3",
+        "--enable-zbh1-pipeline",
+        "--enable-zbh1-exact-semantics",
+        "--pp-dedicated-embedding-stages",
+        "both",
+        "--zero-stage",
+        "1",
+    ),
+    "p2-interleaved-v2-pre-bf16": _pretrain(
+        2,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-virtual-stages-per-pipeline-rank",
+        "2",
+        "--pp-dedicated-embedding-stages",
+        "pre",
+        "--bf16",
+    ),
+    "p2-t2-sp-zbh1": _pretrain(
+        4,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--enable-zbh1-pipeline",
+        "--enable-zbh1-exact-semantics",
+    ),
+    "p2-t2-sp-interleaved-v2": _pretrain(
+        4,
+        "--pipeline-model-parallel-size",
+        "2",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--num-virtual-stages-per-pipeline-rank",
+        "2",
     ),
     "p3-memory-save": _pretrain(
         3,
