@@ -41,6 +41,8 @@ class Remedy:
     """How to ask for it, given the changed configuration."""
     same_layout: bool = False
     """True: the stage split stays as it is (moving states off the GPU moves no layer)."""
+    single_stage: bool = False
+    """True: it runs at pipeline size 1 only (DeepSpeed's plain engine)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,31 @@ SEQUENCE_PARALLEL = Remedy(
         else None
     ),
     lambda i: "--sequence-parallel",
+)
+
+
+def _ulysses(inputs: MemoryInputs) -> MemoryInputs | None:
+    """DeepSpeed-Ulysses at the smallest degree N the run allows: N divides the heads, the key/value heads,
+    the sequence and the data-parallel ranks it comes out of (T = 1; the caller checks P = 1). The ZeRO group
+    stays the same ranks (DP / N x N)."""
+    m = inputs.model
+    if inputs.tensor_parallel_size > 1 or inputs.ulysses_size > 1:
+        return None
+    for n in (2, 4, 8):
+        sizes = (m.num_attention_heads, m.kv_heads, m.seq_length, inputs.data_parallel_size)
+        if all(x % n == 0 for x in sizes):
+            return dataclasses.replace(inputs, ulysses_size=n, engine="plain")
+    return None
+
+
+ULYSSES = Remedy(
+    "DeepSpeed-Ulysses sequence parallelism",
+    "two all-to-alls around each attention (q, k, v in, the context out: 4/N of a layer's activation per GPU; "
+    "Jacobs et al. 2023); data parallelism shrinks N times; DeepSpeed's plain engine, T = P = 1",
+    1,
+    _ulysses,
+    lambda i: f"--ds-sequence-parallel-size {i.ulysses_size}",
+    single_stage=True,
 )
 SELECTIVE_RECOMPUTE = Remedy(
     "selective recomputation",
@@ -130,6 +157,7 @@ REMEDIES: tuple[Remedy, ...] = (
     ZERO_1,
     SEQUENCE_PARALLEL,
     SELECTIVE_RECOMPUTE,
+    ULYSSES,
     RECOMPUTE,
     HALVE_MICRO_BATCH,
     OFFLOAD_OPTIMIZER,
@@ -201,7 +229,7 @@ def ranked_changes(
             found.append(Change(name, flags, base - rebuilt[0], REBALANCE_COST, 0))
     for remedy in REMEDIES:
         changed = remedy.change(inputs)
-        if changed is None:
+        if changed is None or (remedy.single_stage and layout.num_stages > 1):
             continue
         if remedy.same_layout:
             saving = base - _peak(changed, layout)

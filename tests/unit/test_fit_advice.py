@@ -59,8 +59,9 @@ def test_when_each_remedy_applies() -> None:
 def test_ranked_changes_are_cheapest_first_with_the_memory_models_savings() -> None:
     layout = default_layout(INPUTS, "none")
     changes = ranked_changes(INPUTS, layout, "none", default_layout)
-    # each applies here but sequence parallelism, which needs tensor parallelism
-    assert sorted(c.name for c in changes) == sorted(r.name for r in REMEDIES if r is not fit_advice.SEQUENCE_PARALLEL)
+    # each applies here but sequence parallelism, which needs tensor parallelism, and Ulysses (P = 1 only)
+    skipped = (fit_advice.SEQUENCE_PARALLEL, fit_advice.ULYSSES)
+    assert sorted(c.name for c in changes) == sorted(r.name for r in REMEDIES if r not in skipped)
     assert [(c.cost_rank, -c.saving) for c in changes] == sorted((c.cost_rank, -c.saving) for c in changes)
     base = max(s.total for s in stage_memory(INPUTS, layout))
     recompute = next(c for c in changes if c.name == RECOMPUTE.name)
@@ -80,6 +81,19 @@ def test_sequence_parallelism_and_selective_recompute_are_offered_where_they_app
     )
     assert selective.name in changes and changes[selective.name].flags == "--recompute-activations"
     assert sp.change(sp.change(t2)) is None and selective.change(RECOMPUTE.change(t2)) is None
+
+
+def test_ulysses_is_offered_at_pipeline_size_1_with_the_smallest_degree_that_divides() -> None:
+    one_stage = lambda inputs, method: build_layout(gpt_spec_groups(inputs.model), 1)  # noqa: E731
+    changes = {c.name: c for c in ranked_changes(INPUTS, one_stage(INPUTS, "none"), "none", one_stage)}
+    ulysses = changes[fit_advice.ULYSSES.name]
+    assert ulysses.flags == "--ds-sequence-parallel-size 2" and ulysses.saving > 0
+    changed = fit_advice.ULYSSES.change(INPUTS)
+    assert (changed.ulysses_size, changed.engine, changed.data_parallel_size) == (2, "plain", 2)
+    assert fit_advice.ULYSSES.change(dataclasses.replace(INPUTS, data_parallel_size=1)) is None  # no DP to split
+    assert fit_advice.ULYSSES.change(dataclasses.replace(INPUTS, tensor_parallel_size=2)) is None
+    three_heads = dataclasses.replace(MODEL, num_attention_heads=3, hidden_size=192)
+    assert fit_advice.ULYSSES.change(dataclasses.replace(INPUTS, model=three_heads)) is None
 
 
 def test_a_change_keeps_the_rest_of_the_configuration() -> None:
