@@ -152,8 +152,15 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
     saved = [sum(n * a for n, a in zip(flight, per_mb)) + pending * store[0] for flight, pending, _ in moments_at]
     flight = sum(moments_at[0][0])
     first_saved = saved[0]
-    later_saved = max(saved[1:], default=first_saved - per_mb[moments_at[0][2]])
-    later = max((sum(f) for f, _, _ in moments_at[1:]), default=flight - 1)
+    # The share of the rank's parameters whose gradients exist at each backward: the chunks that ran a
+    # backward before it (interleaving runs the last chunk's backwards first; one chunk: all from the second on).
+    share = [(sum(sp.num_params for sp in pre + post) + k * layer.num_params) / num_params for pre, k, post in chunks]
+    done: set[int] = set()
+    later_at = []  # (saved activations, gradient share, micro-batches in flight) at each later backward
+    for i, (f, _, c) in enumerate(moments_at):
+        if i:
+            later_at.append((saved[i], sum(share[x] for x in done), sum(f)))
+        done.add(c)
     if len(chunk_layers) == 1:
         buffers, persistent = pipe_buffers(inputs, rank, num_ranks)
     else:
@@ -171,6 +178,9 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
     # optimizers), so only the rest of `grads` (flat fp32 buffers, partitions) is always held.
     fresh = min(states[1], num_params * PRECISION_BYTES[inputs.precision]) if inputs.zero_stage <= 1 else 0.0
     base = states[0] + states[2] + states[1] - fresh
+    later_saved, held_share, later = max(
+        later_at or [(first_saved - per_mb[moments_at[0][2]], 1.0, flight - 1)], key=lambda a: a[0] + fresh * a[1]
+    )
     step, step_source = step_temporaries(inputs, held, num_params, num_ranks)
     moments = [
         (
@@ -179,8 +189,9 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
             + (f"; {first_bwd[1]}" if first_bwd[0] else ""),
         ),
         (
-            base + fresh + later_saved + buffers + later_bwd[0],
+            base + fresh * held_share + later_saved + buffers + later_bwd[0],
             f"a later backward, {later} micro-batch(es) in flight, gradients held"
+            + (f" (of {held_share:.0%} of the parameters)" if held_share < 1 else "")
             + (f"; {later_bwd[1]}" if later_bwd[0] else ""),
         ),
         (sum(states[:3]) + persistent + step, f"optimizer step: {step_source}"),

@@ -88,3 +88,15 @@ def test_interleaved_rank_memory_sums_its_chunks() -> None:
     assert one_chunk.total == ranks[0].total and one_chunk.in_flight > 0
     with pytest.raises(ValueError, match="virtual stages"):
         inputs("interleaved")
+
+
+def test_interleaved_later_backwards_hold_only_the_gradients_of_chunks_that_ran_backward() -> None:
+    """Interleaving runs a rank's last chunk's backwards first: until its first chunk's first backward only
+    the last chunk's gradients exist (measured by benchmarks/schedules.py: the 48-layer P = 5 ranks'
+    peaks within 1.2% of the model with this, 9% over it when every gradient was counted)."""
+    model = dataclasses.replace(MODEL, num_layers=8)
+    mem = inputs("interleaved", model=model, virtual_stages=2, m=4)  # M = P: the peak comes before chunk 0's
+    middle = rank_memory_for(mem, 1, 4, (1, 1))  # chunks: flat stages 1 and 5, equal parameters
+    assert "gradients held (of 50% of the parameters)" in middle.transient_source
+    everything = middle.params + middle.grads + middle.optimizer + middle.activations + middle.pipe_buffers
+    assert middle.total < everything  # half the gradients are not yet there at the peak
