@@ -126,6 +126,21 @@ class StepTime:
     """The same compute in equal stages with no pipeline bubble and no communication between stages."""
     simulated: bool = True
     """Replayed through the schedule's instructions (else 1F1B's closed form, `closed_form_step`)."""
+    virtual_stages: int = 1
+
+    def per_rank(self, values: Sequence[float]) -> tuple[float, ...]:
+        """Per-flat-stage values summed over each rank's chunks (flat stage c x P + r)."""
+        p = len(values) // self.virtual_stages
+        return tuple(sum(values[c * p + r] for c in range(self.virtual_stages)) for r in range(p))
+
+    @property
+    def rank_forward(self) -> tuple[float, ...]:
+        """Per rank: one micro-batch's forward over its chunks."""
+        return self.per_rank(self.forward)
+
+    @property
+    def rank_backward(self) -> tuple[float, ...]:
+        return self.per_rank(self.backward)
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -148,13 +163,13 @@ class StepTime:
 def _stage_passes(
     inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures
 ) -> tuple[list[float], list[float], dict, list[float]]:
-    """Per flat stage: one micro-batch's forward and backward (recomputation included), the slowest's parts,
-    and the weight-gradient part of each backward; pre on flat stage 0, post on the last."""
+    """Per flat stage: one micro-batch's forward and backward (recomputation included), the slowest rank's
+    parts (its chunks together), and the weight-gradient part of each backward; pre on flat stage 0, post on the last."""
     w = PRECISION_BYTES[inp.precision]
     layer = layer_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links, features, inp.attention_dropout)
     pre = pre_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links)
     post = post_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links)
-    forward, backward, parts, weight = [], [], {}, []
+    forward, backward, weight, flat_parts = [], [], [], []
     p = inp.num_flat
     interval = inp.checkpoint_num_layers if inp.checkpoint_activations else 0
     for s, k in enumerate(inp.layers_per_stage):
@@ -166,9 +181,13 @@ def _stage_passes(
         forward.append(sum(t.forward * n for t, n in held))
         backward.append(sum(t.backward * n for t, n in held) + redo)
         weight.append(sum(t.weight * n for t, n in held))
-        if forward[-1] + backward[-1] >= max(f + b for f, b in zip(forward, backward)):
-            parts = {key: sum(t.parts.get(key, 0.0) * n for t, n in held) for key in layer.parts}
-            parts["recompute"] = redo
+        flat_parts.append({key: sum(t.parts.get(key, 0.0) * n for t, n in held) for key in layer.parts})
+        flat_parts[-1]["recompute"] = redo
+    ranks, v = inp.pp, inp.virtual_stages
+    busy = [sum(forward[c * ranks + r] + backward[c * ranks + r] for c in range(v)) for r in range(ranks)]
+    slowest = max(range(ranks), key=lambda r: (busy[r], r))  # the last of equals, as before
+    chunks = [flat_parts[c * ranks + slowest] for c in range(v)]
+    parts = {key: sum(part[key] for part in chunks) for key in chunks[0]}
     return forward, backward, parts, weight
 
 
@@ -282,6 +301,7 @@ def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunF
         parts=parts,
         ideal=m_total * sum(busy) / len(busy) + max(optimizer),
         simulated=simulated,
+        virtual_stages=inp.virtual_stages,
     )
 
 
@@ -319,21 +339,31 @@ def step_lower_bound(
     schedule: str = DEFAULT_PIPELINE_SCHEDULE,
     selective_recompute: bool = False,
 ) -> float:
-    """No layout of this configuration steps faster, under any schedule: the mean rank's compute for every
-    micro-batch (some rank runs at least the mean, M times: M x the mean), and for 1F1B the fill and drain
-    through every stage, (M + P - 1) x the mean (every stage's compute lies on one path, and the slowest
-    stage's M - 1 others are at least the mean). ZB-H1 and interleaving shorten the fill and drain below
-    1F1B's (deferred weight passes, chunks of 1/v the work), so they get M x the mean alone; communication
-    only adds to it."""
+    """No layout of this configuration steps faster, under any schedule; communication only adds to it.
+
+    1F1B: the fill and drain through every stage, (M + P - 1) x the mean stage's compute (every stage's
+    compute lies on one path, and the slowest stage's M - 1 others are at least the mean).
+    ZB-H1 (one stage per rank): rank r's first pass waits for micro-batch 0's forward through stages
+    0..r-1, so the step is at least M X_r + phi S_r, with X_r the stage's compute per micro-batch, S_r
+    the sum of X over the stages before it and phi the smallest forward share of a piece (layer, pre,
+    post). Weighting the P inequalities by q^(P-1-r), q = 1 - phi/M, makes every X's coefficient M, so
+    the step is at least phi T / (1 - q^P) for T the total compute, whatever the layout.
+    Interleaved: some rank runs at least the mean rank's compute, M times (M x the mean)."""
     w = PRECISION_BYTES[precision]
     layer = layer_times(model, micro_batch_size, tp, w, kernels, links, features)
     pre = pre_times(model, micro_batch_size, tp, w, kernels, links)
     post = post_times(model, micro_batch_size, tp, w, kernels, links)
     per_layer = layer.forward + layer.backward + (layer.recompute if checkpoint_activations else 0.0)
     per_layer += layer.attention_recompute if selective_recompute and not checkpoint_activations else 0.0
-    mean = (model.num_layers * per_layer + pre.forward + pre.backward + post.forward + post.backward) / pp
-    fill = pp - 1 if schedule == DEFAULT_PIPELINE_SCHEDULE else 0  # 1F1B's fill and drain
-    return (num_micro_batches + fill) * mean
+    total = model.num_layers * per_layer + pre.forward + pre.backward + post.forward + post.backward
+    m, mean = num_micro_batches, total / pp
+    if schedule == DEFAULT_PIPELINE_SCHEDULE:
+        return (m + pp - 1) * mean
+    if schedule == "zbh1" and pp > 1:
+        shares = [t.forward / (t.forward + t.backward) for t in (pre, post) if t.forward + t.backward > 0]
+        phi = min([layer.forward / per_layer, *shares])
+        return phi * total / (1.0 - (1.0 - phi / m) ** pp)
+    return m * mean
 
 
 def sends_on_path(num_micro_batches: int, num_stages: int) -> int:
