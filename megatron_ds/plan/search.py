@@ -4,7 +4,8 @@ usable GPU memory (the step-time model, `estimate/step_time.py`, priced by `plan
 
 The search: every (t, p) whose product divides the GPUs (t within a node, dividing the heads and FFN),
 with no, selective (the core attention) and full recomputation, every micro-batch that divides the batch, ascending until one misses
-memory (a larger one holds more activations), each under the default layout (or `--layout`'s); a (t, p)
+memory (a larger one holds more activations), each under every pipeline schedule it can run
+(`ranking.schedules_for`: 1F1B, ZB-H1, interleaved with v = 2) and the default layout (or `--layout`'s); a (t, p)
 whose model states alone overflow is skipped. The fastest then gets the other layouts (the exact `fastest`
 split only up to `FASTEST_MAX_STAGES` stages: its search grows quickly with P). Ties: the smaller t x p,
 then the larger t, then less recomputation (none, selective, full), then the simpler layout flag.
