@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.communication import Links, Placement
 from megatron_ds.estimate.compute import model_flops_per_iteration, recomputed_layers
 from megatron_ds.estimate.efficiency import Kernels
@@ -343,7 +344,7 @@ def step_lower_bound(
 
     1F1B: the fill and drain through every stage, (M + P - 1) x the mean stage's compute (every stage's
     compute lies on one path, and the slowest stage's M - 1 others are at least the mean).
-    ZB-H1 (one stage per rank): rank r's first pass waits for micro-batch 0's forward through stages
+    ZB-H1 (any schedule of one stage per rank): rank r's first pass waits for micro-batch 0's forward through stages
     0..r-1, so the step is at least M X_r + phi S_r, with X_r the stage's compute per micro-batch, S_r
     the sum of X over the stages before it and phi the smallest forward share of a piece (layer, pre,
     post). Weighting the P inequalities by q^(P-1-r), q = 1 - phi/M, makes every X's coefficient M, so
@@ -359,7 +360,7 @@ def step_lower_bound(
     m, mean = num_micro_batches, total / pp
     if schedule == DEFAULT_PIPELINE_SCHEDULE:
         return (m + pp - 1) * mean
-    if schedule == "zbh1" and pp > 1:
+    if pp > 1 and not pipeline_schedules.find(schedule).virtual:  # one stage per rank (ZB-H1)
         shares = [t.forward / (t.forward + t.backward) for t in (pre, post) if t.forward + t.backward > 0]
         phi = min([layer.forward / per_layer, *shares])
         return phi * total / (1.0 - (1.0 - phi / m) ** pp)

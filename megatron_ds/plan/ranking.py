@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, PIPELINE_SCHEDULES
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.step_time import step_lower_bound
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import timing
@@ -85,9 +86,10 @@ def zero_for(res: Resolved, dp: int, offload: str, zero: int | None) -> int:
     return res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
 
 
-SCHEDULES = ((DEFAULT_PIPELINE_SCHEDULE, 1), ("zbh1", 1), (INTERLEAVED, 2))
-"""The pipeline schedules the search tries (name, virtual stages), in tie-break order: 1F1B first."""
-assert {name for name, _ in SCHEDULES} == set(PIPELINE_SCHEDULES), "every registered schedule is tried"
+SCHEDULES = tuple((entry.name, entry.virtual_stages) for entry in pipeline_schedules.REGISTRY.values())
+"""The pipeline schedules the search tries (name, virtual stages: interleaving's default v = 2), in tie-break
+order: the registry's, 1F1B first."""
+assert SCHEDULES[0] == (DEFAULT_PIPELINE_SCHEDULE, 1), "ties prefer 1F1B"
 
 
 def schedules_for(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
