@@ -199,7 +199,7 @@ class Search:
             return priced[key]
 
         def twin_fits(t: int, p: int, r: int, mb: int, zero: int) -> bool:
-            """1F1B's memory with the same degrees, micro-batch and recomputation fits (not timed here)."""
+            """1F1B's end ranks (its fullest) fit with the same degrees, micro-batch and recomputation (not timed)."""
             key = (t, p, r, mb, zero, 0)
             if key in priced:
                 return priced[key] is not None and fits(res, priced[key])

@@ -214,7 +214,7 @@ def evaluate(
 ) -> Candidate:
     """Predicted memory and step of one configuration (raises LayoutError if the layout is impossible;
     `time_misses` False: a configuration that misses memory is not timed, its `time` None; `timed` False:
-    none is);
+    none is, and only the end ranks' memory is computed);
     `ckpt` full recomputation, `selective` the core attention's; sequence parallelism at tp > 1 unless
     `--no-sequence-parallel`; `schedule` a registered pipeline schedule with `virtual_stages` chunks per rank."""
     dp = res.num_gpus // (tp * pp)
@@ -240,13 +240,29 @@ def evaluate(
     flops = flop_stage_time(inputs, layout.num_stages)
     times = tuple(flops(s, k) for s, k in enumerate(layout.layers_per_stage))
     if not time_misses and pp > 1:  # the ends hold the most (in flight on rank 0, ZB-H1's weight store on P - 1)
+        ends: list[StageMemory] = []
         for rank in (0, pp - 1):
-            chunks = tuple(layout.layers_per_stage[i] for i in layout.rank_stages(rank))
-            end = rank_memory_for(inputs, rank, pp, chunks)
-            if end.total > res.usable_bytes:  # a miss: no other rank's streams needed
-                return Candidate(
-                    tp, pp, dp, mb, inputs.num_micro_batches, zero, precision, ckpt, method, layout, (end,), inputs
-                )
+            ends.append(
+                rank_memory_for(inputs, rank, pp, tuple(layout.layers_per_stage[i] for i in layout.rank_stages(rank)))
+            )
+            if ends[-1].total > res.usable_bytes:
+                break
+        if ends[-1].total > res.usable_bytes or not timed:  # a miss, or the ends asked: no other rank's streams
+            args = (
+                tp,
+                pp,
+                dp,
+                mb,
+                inputs.num_micro_batches,
+                zero,
+                precision,
+                ckpt,
+                method,
+                layout,
+                tuple(ends),
+                inputs,
+            )
+            return Candidate(*args)
     stages = tuple(stage_memory(inputs, layout))
     step = StepInputs(
         model=inputs.model,
