@@ -16,13 +16,17 @@ Records (each figure as its source prints it):
                  `--overlap-grad-reduce --overlap-param-gather --tp-comm-overlap` (sequence parallelism).
 Neither source gives the micro-batch: 1, as Megatron-LM's GPT-3 175B example script
 (examples/gpt3/train_gpt3_175b_distributed.sh) uses; recomputation on for Narayanan (the paper's counting),
-for the H100 table the faster of off and on that fits our memory model. Schedule: 1F1B (the interleaved
-schedule some of these runs used is not modelled yet).
+for the H100 table the faster of off and on that fits our memory model. Schedule: 1F1B. Neither source,
+as read here, states each record's schedule (the H100 table has no virtual-stage column; the README
+names only its overlap flags), so none is priced as interleaved. Priced under interleaving (v = 2)
+wherever it can run, the figures get worse, not better (measured once: 10 of 19 within 15%, worst
+35.0%): interleaving halves the bubble, and the pipelined records are already predicted too fast.
 
 Nothing is fitted per record or per table: the constants are the step-time model's shared ones, each with
 its source (estimate/devices.py, efficiency.py, communication.py, layer_time.py), and each table's run
 features are its source's software (`estimate/run_features.py`). The planner's choice is its search
-(`plan/zero_options.choose_all`) over t, p, micro-batch and recomputation for the same model, GPUs, batch,
+(`plan/zero_options.choose_all`) over t, p, micro-batch, recomputation and pipeline schedule (1F1B, ZB-H1,
+interleaved) for the same model, GPUs, batch,
 ZeRO (none for 2021: no distributed optimizer; the distributed optimizer counts as ZeRO-1) and features.
 
     python benchmarks/planner_vs_published.py [--json FILE]
@@ -178,6 +182,7 @@ def evaluate(rec: Record) -> dict:
             "pp": mine.pp,
             "micro_batch_size": mine.micro_batch_size,
             "recompute": mine.checkpoint_activations,
+            "schedule": mine.inputs.schedule + (f" v={mine.virtual_stages}" if mine.virtual_stages > 1 else ""),
             "seconds": mine.seconds,
             "tflops": rate(mine, counting),
         },
@@ -201,7 +206,7 @@ def ranking_kept(rows: list[dict]) -> tuple[int, int]:
 def render(rows: list[dict]) -> str:
     head = (
         f"{'source':<14} {'model':>7} {'t':>2} {'p':>3} {'GPUs':>5} {'batch':>5} {'published':>9} {'predicted':>9} "
-        f"{'pred/pub':>8}  {'choice (t p mb recompute)':<26} {'choice':>7} {'vs pub':>7} {'search':>7}"
+        f"{'pred/pub':>8}  {'choice (t p mb recompute schedule)':<35} {'choice':>7} {'vs pub':>7} {'search':>7}"
     )
     lines = [
         "TFLOP/s per GPU: narayanan2021 in eq. (3)'s counting (recomputation counted), megatron-h100 in model FLOPs; "
@@ -214,13 +219,13 @@ def render(rows: list[dict]) -> str:
         pick = (
             "none fits"
             if c is None
-            else f"{c['tp']} {c['pp']} {c['micro_batch_size']} {'on' if c['recompute'] else 'off'}"
+            else f"{c['tp']} {c['pp']} {c['micro_batch_size']} {'on' if c['recompute'] else 'off'} {c['schedule']}"
         )
         faster = "" if c is None else f"{r['published_seconds'] / c['seconds']:.3f}x"
         choice_rate = "" if c is None else f"{c['tflops']:.1f}"
         lines.append(
             f"{r['source']:<14} {r['model']:>7} {p['tp']:>2} {p['pp']:>3} {p['gpus']:>5} {p['batch']:>5} "
-            f"{p['tflops']:>9.1f} {r['predicted_tflops']:>9.1f} {r['ratio']:>8.3f}  {pick:<26} "
+            f"{p['tflops']:>9.1f} {r['predicted_tflops']:>9.1f} {r['ratio']:>8.3f}  {pick:<35} "
             f"{choice_rate:>7} {faster:>7} {r['search_seconds']:>6.2f}s"
             + ("" if r["published_fits"] else "  (published config over our memory model)")
         )

@@ -100,14 +100,14 @@ class PipelineSchedule:
         return f"{self.label} (v={self.virtual_stages})" if self.virtual else self.label
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=8192)  # per rank, for every (M, P, schedule) the planner prices
 def _steps(schedule: PipelineSchedule, m: int, p: int, s: int) -> Steps:
     problem = schedule.check(m, p)
     assert problem is None, (schedule.name, m, p, problem)
     return schedule.generate(m, p, s, schedule.virtual_stages)
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=8192)
 def _flat(schedule: PipelineSchedule, m: int, p: int, s: int) -> tuple[Instruction, ...]:
     return tuple(ins for step in schedule.steps(m, p, s) for ins in step)
 
@@ -176,6 +176,7 @@ def activations_in_flight(
     return first, max(at_backward[1:], default=first - 1)
 
 
+@functools.lru_cache(maxsize=8192)  # read per rank for every configuration the planner prices
 def backward_moments(
     schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
 ) -> tuple[tuple[tuple[int, ...], int, int], ...]:

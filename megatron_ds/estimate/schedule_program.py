@@ -74,13 +74,12 @@ class Program:
     @functools.cached_property
     def comm_counts(self) -> tuple[tuple[int, int], ...]:
         """Per rank: (sends and receives it spends time in, tied all-reduces it takes part in)."""
-        return tuple(
-            (
-                sum(1 for k, st, _, _ in self.nodes if k == SEND and s in st),
-                sum(1 for k, st, _, _ in self.nodes if k == TIED and s in st),
-            )
-            for s in range(self.num_stages)
-        )
+        counts = [[0, 0] for _ in range(self.num_stages)]
+        for kind, ranks, _, _ in self.nodes:  # one pass: the planner reads it for every program it prices
+            if kind in (SEND, TIED):
+                for s in ranks:
+                    counts[s][kind == TIED] += 1
+        return tuple((a, b) for a, b in counts)
 
     @functools.cached_property
     def flat(self) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -152,7 +151,7 @@ def _tokens(schedule: schedules.PipelineSchedule, m: int, p: int, rank: int) -> 
     return out
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def program(
     num_micro_batches: int,
     num_stages: int,

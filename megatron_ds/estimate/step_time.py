@@ -1,11 +1,15 @@
 """One training step in seconds: per-stage times from `layer_time`, communication from `communication`,
 the optimizer step from bytes, replayed through the pipeline schedule (`step_simulator`). Pure: no torch.
 
-Per stage and micro-batch: forward = pre (stage 0) + k layers + post (last stage); backward the same
+Per flat stage (v x P of them with the interleaved schedule's v chunks per rank; flat stage c x P + r is
+chunk c of rank r, megatron-core's numbering) and micro-batch: forward = pre (flat stage 0) + k layers +
+post (the last flat stage); backward the same
 backward passes plus one forward of every recomputed layer (full recomputation, DeepSpeed's chunks:
 `compute.recomputed_layers`). Between stages each micro-batch's activation (b s h) goes forward and its
 gradient back, over the network when stages sit on different nodes (`communication.Placement`); 1/t of it
-per tensor rank with Megatron's scatter-gather; none with overlapped sends. After the last backward:
+per tensor rank with Megatron's scatter-gather; none with overlapped sends; with v chunks every chunk
+boundary is a transfer (v x the traffic; the interleaved schedule posts its sends). Per rank, its chunks
+together, after the last backward:
   the tied embedding's gradient all-reduce between the first and the last stage (a tied model, P > 1);
   the data-parallel reduction of the stage's gradients, exposed as `RunFeatures.dp_mode` says:
       after-backward  all of it, after the stage's last backward (other stages still compute);
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.communication import Links, Placement
 from megatron_ds.estimate.compute import model_flops_per_iteration, recomputed_layers
 from megatron_ds.estimate.efficiency import Kernels
@@ -53,8 +58,10 @@ class StepInputs:
 
     model: ModelConfig
     layers_per_stage: tuple[int, ...]
+    """Per flat stage (v x P with virtual stages; flat stage c x P + r is chunk c of rank r)."""
     stage_params: tuple[int, ...]
-    """Parameters per tensor rank on each stage (what its gradients and optimizer hold)."""
+    """Parameters per tensor rank on each pipeline rank, its chunks together (what its gradients and optimizer
+    hold)."""
     micro_batch_size: int
     num_micro_batches: int
     tp: int
@@ -68,9 +75,17 @@ class StepInputs:
     """Each layer's core attention forward again in its backward (`--recompute-activations`)."""
     attention_dropout: bool = True
     checkpoint_num_layers: int = 1
+    virtual_stages: int = 1
+    """Model chunks per rank v (the interleaved schedule; 1 otherwise)."""
 
     @property
     def pp(self) -> int:
+        """Pipeline ranks P."""
+        return len(self.layers_per_stage) // self.virtual_stages
+
+    @property
+    def num_flat(self) -> int:
+        """Flat stages v x P."""
         return len(self.layers_per_stage)
 
     @property
@@ -88,12 +103,13 @@ class StepTime:
 
     seconds: float
     forward: tuple[float, ...]
-    """Per stage: one micro-batch's forward (seconds)."""
+    """Per flat stage: one micro-batch's forward (seconds)."""
     backward: tuple[float, ...]
-    """Per stage: one micro-batch's backward, recomputation and exposed per-micro-batch reduction included."""
+    """Per flat stage: one micro-batch's backward, recomputation and exposed per-micro-batch reduction included."""
     optimizer: tuple[float, ...]
+    """Per rank (its chunks together)."""
     reduce_grads: tuple[float, ...]
-    """Per stage: the exposed data-parallel reduction after the last backward."""
+    """Per rank: the exposed data-parallel reduction after the last backward."""
     send: float
     tied_reduce: float
     model_flops: float
@@ -106,11 +122,26 @@ class StepTime:
     parts: dict = field(default_factory=dict)
     """Seconds per micro-batch on the slowest stage by kind (matmul, attention, memory, tp-comm, recompute)."""
     dp_per_micro_batch: tuple[float, ...] = ()
-    """Per stage: data-parallel communication exposed inside every micro-batch's passes (ZeRO-2/3)."""
+    """Per rank: data-parallel communication exposed inside every micro-batch's passes (ZeRO-2/3)."""
     ideal: float = 0.0
     """The same compute in equal stages with no pipeline bubble and no communication between stages."""
     simulated: bool = True
     """Replayed through the schedule's instructions (else 1F1B's closed form, `closed_form_step`)."""
+    virtual_stages: int = 1
+
+    def per_rank(self, values: Sequence[float]) -> tuple[float, ...]:
+        """Per-flat-stage values summed over each rank's chunks (flat stage c x P + r)."""
+        p = len(values) // self.virtual_stages
+        return tuple(sum(values[c * p + r] for c in range(self.virtual_stages)) for r in range(p))
+
+    @property
+    def rank_forward(self) -> tuple[float, ...]:
+        """Per rank: one micro-batch's forward over its chunks."""
+        return self.per_rank(self.forward)
+
+    @property
+    def rank_backward(self) -> tuple[float, ...]:
+        return self.per_rank(self.backward)
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -133,14 +164,14 @@ class StepTime:
 def _stage_passes(
     inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures
 ) -> tuple[list[float], list[float], dict, list[float]]:
-    """Per stage: one micro-batch's forward and backward (recomputation included), the slowest's parts, and
-    the weight-gradient part of each backward."""
+    """Per flat stage: one micro-batch's forward and backward (recomputation included), the slowest rank's
+    parts (its chunks together), and the weight-gradient part of each backward; pre on flat stage 0, post on the last."""
     w = PRECISION_BYTES[inp.precision]
     layer = layer_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links, features, inp.attention_dropout)
     pre = pre_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links)
     post = post_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links)
-    forward, backward, parts, weight = [], [], {}, []
-    p = inp.pp
+    forward, backward, weight, flat_parts = [], [], [], []
+    p = inp.num_flat
     interval = inp.checkpoint_num_layers if inp.checkpoint_activations else 0
     for s, k in enumerate(inp.layers_per_stage):
         held: list[tuple[PassTimes, int]] = [(layer, k)]
@@ -151,35 +182,43 @@ def _stage_passes(
         forward.append(sum(t.forward * n for t, n in held))
         backward.append(sum(t.backward * n for t, n in held) + redo)
         weight.append(sum(t.weight * n for t, n in held))
-        if forward[-1] + backward[-1] >= max(f + b for f, b in zip(forward, backward)):
-            parts = {key: sum(t.parts.get(key, 0.0) * n for t, n in held) for key in layer.parts}
-            parts["recompute"] = redo
+        flat_parts.append({key: sum(t.parts.get(key, 0.0) * n for t, n in held) for key in layer.parts})
+        flat_parts[-1]["recompute"] = redo
+    ranks, v = inp.pp, inp.virtual_stages
+    busy = [sum(forward[c * ranks + r] + backward[c * ranks + r] for c in range(v)) for r in range(ranks)]
+    slowest = max(range(ranks), key=lambda r: (busy[r], r))  # the last of equals, as before
+    chunks = [flat_parts[c * ranks + slowest] for c in range(v)]
+    parts = {key: sum(part[key] for part in chunks) for key in chunks[0]}
     return forward, backward, parts, weight
 
 
 def _dp_times(
     inp: StepInputs, links: Links, features: RunFeatures, forward: list[float], backward: list[float]
 ) -> tuple[list[float], list[float]]:
-    """Per stage: the exposed reduction after the last backward, and the exposure added to each micro-batch's
-    passes (ZeRO-2/3; `forward` and `backward` are updated)."""
+    """Per rank: the exposed reduction after the last backward, and the exposure added to each micro-batch's
+    passes (ZeRO-2/3; `forward` and `backward`, per flat stage, are updated: with v chunks a rank's passes of
+    one micro-batch are its chunks' together, the exposure lands on chunk 0, whose backward runs last)."""
     place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node)
     inside, d, w = place.dp_within_node, inp.dp, PRECISION_BYTES[inp.precision]
     partitioned = features.partitioned_optimizer or inp.zero_stage >= 1
+    p, v = inp.pp, inp.virtual_stages
     out, per_mb = [], []
-    for s, params in enumerate(inp.stage_params):
+    for r, params in enumerate(inp.stage_params):
+        chunks = [c * p + r for c in range(v)]
+        rank_forward, rank_backward = sum(forward[i] for i in chunks), sum(backward[i] for i in chunks)
         grads = params * features.grad_bytes
         gather = links.reduce_scatter(params * w, d, inside) if partitioned else 0.0
         reduce = links.reduce_scatter(grads, d, inside) if partitioned else links.all_reduce(grads, d, inside)
         if features.dp_mode == DP_OVERLAP_EACH or inp.zero_stage >= 2:
-            exposed = max(0.0, reduce - backward[s]) + (2 * gather if inp.zero_stage == 3 else 0.0)
-            backward[s] += exposed - (gather if inp.zero_stage == 3 else 0.0)
-            forward[s] += gather if inp.zero_stage == 3 else 0.0  # layer-by-layer gathers wait on the network
+            exposed = max(0.0, reduce - rank_backward) + (2 * gather if inp.zero_stage == 3 else 0.0)
+            backward[r] += exposed - (gather if inp.zero_stage == 3 else 0.0)
+            forward[r] += gather if inp.zero_stage == 3 else 0.0  # layer-by-layer gathers wait on the network
             per_mb.append(exposed)
             out.append(0.0 if inp.zero_stage == 3 else gather)
             continue
         per_mb.append(0.0)
         if features.dp_mode == DP_OVERLAP_LAST:
-            out.append(max(0.0, reduce + gather - backward[s] - forward[s]))
+            out.append(max(0.0, reduce + gather - rank_backward - rank_forward))
         else:
             assert features.dp_mode == DP_AFTER_BACKWARD
             out.append(reduce + gather)
@@ -199,6 +238,11 @@ def _optimizer_times(inp: StepInputs, kernels: Kernels, features: RunFeatures) -
 
 def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures) -> StepTime:
     """The step's seconds and throughput for this configuration on this device and network."""
+    if inp.num_flat % inp.virtual_stages or len(inp.stage_params) != inp.pp:
+        raise ValueError(
+            f"{inp.num_flat} flat stages, {inp.virtual_stages} chunks per rank and {len(inp.stage_params)} ranks' "
+            f"parameters do not agree"
+        )
     place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node)
     w = PRECISION_BYTES[inp.precision]
     forward, backward, parts, weight = _stage_passes(inp, kernels, links, features)
@@ -208,6 +252,7 @@ def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunF
     activation = m * model.seq_length * model.hidden_size * w
     cross = not place.stages_within_node
     per_rank = activation / inp.tp if features.p2p_scatter_gather and cross else activation
+    # one transfer per chunk boundary: the simulator's program has v x the sends with virtual stages
     send = 0.0 if features.p2p_overlap or inp.pp == 1 else links.send(per_rank, not cross)
     tied = not model.untie_embeddings_and_output_weights and inp.pp > 1
     embedding = model.vocab_size // inp.tp * model.hidden_size * features.grad_bytes
@@ -217,11 +262,13 @@ def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunF
         m_total * inp.pp <= SIMULATE_LIMIT or inp.schedule != DEFAULT_PIPELINE_SCHEDULE
     )  # the closed form is 1F1B's
     if simulated:
+        # the simulator sums a rank's optimizer over its chunks: the rank's whole step on chunk 0
+        flat_optimizer = optimizer + [0.0] * (inp.num_flat - inp.pp)
         seconds = simulate(
             m_total,
             forward,
             backward,
-            optimizer,
+            flat_optimizer,
             send=send,
             tied_reduce=tied_reduce,
             tied=tied,
@@ -229,11 +276,15 @@ def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunF
             schedule=inp.schedule,
             reduce_grads=reduce,
             weight=weight,
+            virtual_stages=inp.virtual_stages,
         ).step_time
     else:
         seconds = closed_form_step(m_total, forward, backward, optimizer, reduce, send, tied_reduce)
     gbs = inp.global_batch_size
-    busy = [f + b for f, b in zip(forward, backward)]
+    busy = [
+        sum(forward[c * inp.pp + r] + backward[c * inp.pp + r] for c in range(inp.virtual_stages))
+        for r in range(inp.pp)
+    ]
     return StepTime(
         seconds=seconds,
         forward=tuple(forward),
@@ -251,6 +302,7 @@ def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunF
         parts=parts,
         ideal=m_total * sum(busy) / len(busy) + max(optimizer),
         simulated=simulated,
+        virtual_stages=inp.virtual_stages,
     )
 
 
@@ -288,18 +340,31 @@ def step_lower_bound(
     schedule: str = DEFAULT_PIPELINE_SCHEDULE,
     selective_recompute: bool = False,
 ) -> float:
-    """No layout of this configuration steps faster: the mean stage's compute for every micro-batch, and for
-    1F1B the fill and drain through every stage, (M + P - 1) x the mean (every stage's compute lies on one
-    path, and the slowest stage's M - 1 others are at least the mean); communication only adds to it."""
+    """No layout of this configuration steps faster, under any schedule; communication only adds to it.
+
+    1F1B: the fill and drain through every stage, (M + P - 1) x the mean stage's compute (every stage's
+    compute lies on one path, and the slowest stage's M - 1 others are at least the mean).
+    ZB-H1 (any schedule of one stage per rank): rank r's first pass waits for micro-batch 0's forward through stages
+    0..r-1, so the step is at least M X_r + phi S_r, with X_r the stage's compute per micro-batch, S_r
+    the sum of X over the stages before it and phi the smallest forward share of a piece (layer, pre,
+    post). Weighting the P inequalities by q^(P-1-r), q = 1 - phi/M, makes every X's coefficient M, so
+    the step is at least phi T / (1 - q^P) for T the total compute, whatever the layout.
+    Interleaved: some rank runs at least the mean rank's compute, M times (M x the mean)."""
     w = PRECISION_BYTES[precision]
     layer = layer_times(model, micro_batch_size, tp, w, kernels, links, features)
     pre = pre_times(model, micro_batch_size, tp, w, kernels, links)
     post = post_times(model, micro_batch_size, tp, w, kernels, links)
     per_layer = layer.forward + layer.backward + (layer.recompute if checkpoint_activations else 0.0)
     per_layer += layer.attention_recompute if selective_recompute and not checkpoint_activations else 0.0
-    mean = (model.num_layers * per_layer + pre.forward + pre.backward + post.forward + post.backward) / pp
-    fill = pp - 1 if schedule == DEFAULT_PIPELINE_SCHEDULE else 0  # 1F1B's fill and drain
-    return (num_micro_batches + fill) * mean
+    total = model.num_layers * per_layer + pre.forward + pre.backward + post.forward + post.backward
+    m, mean = num_micro_batches, total / pp
+    if schedule == DEFAULT_PIPELINE_SCHEDULE:
+        return (m + pp - 1) * mean
+    if pp > 1 and not pipeline_schedules.find(schedule).virtual:  # one stage per rank (ZB-H1)
+        shares = [t.forward / (t.forward + t.backward) for t in (pre, post) if t.forward + t.backward > 0]
+        phi = min([layer.forward / per_layer, *shares])
+        return phi * total / (1.0 - (1.0 - phi / m) ** pp)
+    return m * mean
 
 
 def sends_on_path(num_micro_batches: int, num_stages: int) -> int:

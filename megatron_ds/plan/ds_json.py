@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 
 from megatron_ds.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import Candidate, layout_options
 from megatron_ds.training.deepspeed_config import NVME_PATH_PLACEHOLDER
@@ -33,6 +34,8 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
         pp_dedicated_embedding_stages=dedicated,
         pp_layout=pp_layout,
         sequence_parallel=cand.sequence_parallel,
+        pipeline_schedule=cand.inputs.schedule,
+        virtual_stages=cand.virtual_stages,
     )
     offload, params_to = cand.offload_optimizer, cand.offload_param
     training = TrainingConfig(
@@ -92,6 +95,10 @@ def command_flags(config: Config, vocab_size: int) -> list[str]:
         flags += ["--pp-dedicated-embedding-stages", par.pp_dedicated_embedding_stages]
     if par.pp_layout is not None:
         flags += ["--pp-layout", par.pp_layout]
+    if par.pipeline_schedule != DEFAULT_PIPELINE_SCHEDULE:
+        flags += ["--pp-schedule", par.pipeline_schedule]
+    if par.virtual_stages > 1:
+        flags += ["--num-virtual-stages-per-pipeline-rank", par.virtual_stages]
     if par.sequence_parallel:
         flags.append("--sequence-parallel")
     if t.checkpoint_activations:

@@ -39,7 +39,10 @@ def pipeline_section(ctx: Context) -> Section:
         f"Batch: global {res.global_batch_size} = micro-batch {plan.micro_batch_size} x {plan.num_micro_batches} "
         f"micro-batches (gradient accumulation steps) x data parallel {plan.dp}.",
         f"Precision {plan.precision}, ZeRO-{plan.zero_stage}{_offload_text(plan)}, activation recomputation "
-        f"{RECOMPUTE_TEXT[plan.recompute]}" + (", sequence parallel" if plan.sequence_parallel else "") + ".",
+        f"{RECOMPUTE_TEXT[plan.recompute]}"
+        + (", sequence parallel" if plan.sequence_parallel else "")
+        + (f", pipeline schedule {plan.schedule.display}" if plan.pp > 1 else "")
+        + ".",
         f"Layout method: {plan.method} ({method_description(plan.method)}); the table below is what "
         f"`pretrain_gpt.py --print-layout` prints for the command further down:",
         "",
@@ -97,6 +100,8 @@ def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None
                 method,
                 plan.offload_optimizer,
                 selective=plan.selective_recompute,
+                schedule=plan.inputs.schedule,
+                virtual_stages=plan.virtual_stages,
             )
         except LayoutError as e:
             sec.add(f"  {method:<7} not possible: {e}")
@@ -124,6 +129,8 @@ def _data(plan: search.Candidate) -> dict:
         "checkpoint_activations": plan.checkpoint_activations,
         "selective_recompute": plan.selective_recompute,
         "sequence_parallel": plan.sequence_parallel,
+        "pipeline_schedule": plan.inputs.schedule,
+        "virtual_stages": plan.virtual_stages,
         "layout_method": plan.method,
         "layout": plan.layout.to_string(),
         "layers_per_stage": list(plan.layout.layers_per_stage),
@@ -145,10 +152,10 @@ def _data(plan: search.Candidate) -> dict:
                 "host": s.host,
                 "forward_gflop": t.forward,
                 "backward_gflop": t.backward,
-                "forward_seconds": plan.time.forward[s.stage],
-                "backward_seconds": plan.time.backward[s.stage],
+                "forward_seconds": plan.time.rank_forward[s.stage],
+                "backward_seconds": plan.time.rank_backward[s.stage],
             }
-            for s, t in zip(plan.stages, plan.times)
+            for s, t in zip(plan.stages, plan.rank_times)
         ],
     }
 
@@ -160,7 +167,10 @@ def _compare_schedules(ctx: Context, sec: Section, plan: search.Candidate) -> No
     options = schedule_choice.choose(plan.inputs, plan.pp, ctx.res.usable_bytes)
     if not options:
         return
-    one = next((o.step for o in options if o.schedule == plan.inputs.schedule and o.virtual_stages == 1), None)
+    one = next(
+        (o.step for o in options if o.schedule == plan.inputs.schedule and o.virtual_stages == plan.virtual_stages),
+        None,
+    )
     sec.add("Pipeline schedules, each with its fastest layout that fits (same degrees and batch; estimates):")
     for o in options:
         ratio = f"step {o.step / one:.3f} x {plan.schedule.label}'s" if one else f"step {o.step:.4g} GFLOP"

@@ -1,12 +1,16 @@
 """The search over configurations: every fitting one of a ZeRO option priced in the order of its time
-bound (branch and bound), the fastest chosen and its layout refined; the message when nothing fits.
+bound (branch and bound) under every schedule it can run, the fastest layout of one (`best_layout`), the
+fastest chosen and its layout refined; the message when nothing fits.
 The configurations themselves and their pricing are `plan/search.py`'s."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.step_time import step_lower_bound
+from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import timing
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import (
@@ -15,7 +19,7 @@ from megatron_ds.plan.search import (
     METHODS,
     RECOMPUTE,
     Candidate,
-    best_layout,
+    evaluate,
     fits,
     micro_batches,
     recompute_modes,
@@ -23,6 +27,54 @@ from megatron_ds.plan.search import (
     states_lower_bound,
 )
 from megatron_ds.units import format_bytes
+
+
+def best_layout(
+    res: Resolved,
+    t: int,
+    p: int,
+    mb: int,
+    zero: int,
+    precision: str,
+    recompute: str,
+    methods: list[str],
+    offload: str = "none",
+    offload_param: str = "none",
+    schedule: tuple[str, int] = (DEFAULT_PIPELINE_SCHEDULE, 1),
+    memory_only: bool = False,
+) -> Candidate | None:
+    """The fastest layout that fits under `schedule` (name, virtual stages) (ties: smaller largest stage, then the simplest flag in METHODS
+    order); when none fits, the one with the smallest largest stage (the closest miss)."""
+    found = []
+    for method in methods:
+        try:
+            found.append(
+                evaluate(
+                    res,
+                    t,
+                    p,
+                    mb,
+                    zero,
+                    precision,
+                    recompute == "full",
+                    method,
+                    offload,
+                    offload_param,
+                    selective=recompute == "selective",
+                    schedule=schedule[0],
+                    virtual_stages=schedule[1],
+                    time_misses=False,
+                    timed=not memory_only,
+                )
+            )
+        except LayoutError:
+            continue
+    fitting = [c for c in found if fits(res, c)]
+    if fitting and memory_only:
+        return min(fitting, key=lambda c: (round(c.peak.total), METHODS.index(c.method)))
+    if fitting:
+        return min(fitting, key=lambda c: (round(c.seconds, 9), round(c.peak.total), METHODS.index(c.method)))
+    return min(found, key=lambda c: (round(c.peak.total), METHODS.index(c.method)), default=None)
 
 
 def zero_for(res: Resolved, dp: int, offload: str, zero: int | None) -> int:
@@ -34,7 +86,27 @@ def zero_for(res: Resolved, dp: int, offload: str, zero: int | None) -> int:
     return res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
 
 
-def time_bound(res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, recompute: str) -> float:
+SCHEDULES = tuple((entry.name, entry.virtual_stages) for entry in pipeline_schedules.REGISTRY.values())
+"""The pipeline schedules the search tries (name, virtual stages: interleaving's default v = 2), in tie-break
+order: the registry's, 1F1B first."""
+assert SCHEDULES[0] == (DEFAULT_PIPELINE_SCHEDULE, 1), "ties prefer 1F1B"
+
+
+def schedules_for(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
+    """The schedules a configuration can run: 1F1B always; ZB-H1 and interleaving (v = 2) on the pipeline
+    engine (ZeRO 0/1) with P >= 2, interleaving when the layers divide into v x P chunks and the
+    micro-batches are a multiple of P (config/tree.py's `_check_engine`)."""
+    if p < 2 or zero >= 2:
+        return [SCHEDULES[0]]
+    m = res.global_batch_size // (mb * (res.num_gpus // (t * p)))
+    layers = res.dims["num_layers"]
+    return [(name, v) for name, v in SCHEDULES if v == 1 or (layers % (v * p) == 0 and m % p == 0)]
+
+
+def time_bound(
+    res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, recompute: str,
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
+) -> float:  # fmt: skip
     """No layout of this configuration steps faster (`estimate/step_time.step_lower_bound`)."""
     dp = res.num_gpus // (t * p)
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
@@ -42,13 +114,15 @@ def time_bound(res: Resolved, t: int, p: int, mb: int, zero: int, precision: str
     run = res.run_features or timing.features(zero, precision, sequence_parallel_at(res, t))
     return step_lower_bound(
         res.model(t), mb, m, t, p, precision, recompute == "full", hw.kernels, hw.links, run,
-        selective_recompute=recompute == "selective",
+        schedule=schedule, selective_recompute=recompute == "selective",
     )  # fmt: skip
 
 
 def rank_key(c: Candidate) -> tuple:
-    """Fastest first; ties: smaller t x p, larger t, less recomputation, the simpler layout flag."""
-    return (round(c.seconds, 6), c.tp * c.pp, -c.tp, RECOMPUTE.index(c.recompute), METHODS.index(c.method))
+    """Fastest first; ties: 1F1B before the other schedules, smaller t x p, larger t, less recomputation,
+    the simpler layout flag."""
+    schedule = SCHEDULES.index((c.inputs.schedule, c.virtual_stages))
+    return (round(c.seconds, 6), schedule, c.tp * c.pp, -c.tp, RECOMPUTE.index(c.recompute), METHODS.index(c.method))
 
 
 def refine_methods(res: Resolved, pp: int) -> list[str]:
@@ -77,7 +151,8 @@ class Search:
         """The `keep` fastest fitting configurations of `option` (a `zero_options.ZeroOption`; None: ZeRO 0/1
         by the data-parallel rule) over these (t, p), fastest first. Branch and bound: configurations are
         priced in the order of their time bound (`time_bound`) until the bound passes the `keep`-th fastest
-        found; a micro-batch is skipped once a smaller one missed memory at the same (t, p, recompute)."""
+        found; a micro-batch is skipped once a smaller one missed memory at the same (t, p, recompute, schedule),
+        and ZB-H1 or interleaving where 1F1B misses memory with the same degrees, micro-batch and recomputation."""
         res = self.res
         zero_opt, offload, offload_param = (None, "none", "none") if option is None else option.fields
         order = []
@@ -92,25 +167,70 @@ class Search:
                 continue
             for recompute in self.recomputes:
                 for mb in sizes:
-                    bound = time_bound(res, t, p, mb, zero, self.precision, recompute)
-                    order.append((bound, t, p, RECOMPUTE.index(recompute), mb, zero))
+                    for schedule in schedules_for(res, t, p, mb, zero):
+                        bound = time_bound(res, t, p, mb, zero, self.precision, recompute, schedule[0])
+                        order.append((bound, SCHEDULES.index(schedule), t, p, RECOMPUTE.index(recompute), mb, zero))
         found: list[Candidate] = []
-        missed: dict[tuple[int, int, int], int] = {}
-        for bound, t, p, r, mb, zero in sorted(order):
-            recompute = RECOMPUTE[r]
+        missed: dict[tuple[int, int, int, int], int] = {}
+        priced: dict[tuple, Candidate | None] = {}
+
+        def price(t: int, p: int, r: int, mb: int, zero: int, k: int) -> Candidate | None:
+            key = (t, p, r, mb, zero, k)
+            if key not in priced:
+                cand = priced[key] = best_layout(
+                    res,
+                    t,
+                    p,
+                    mb,
+                    zero,
+                    self.precision,
+                    RECOMPUTE[r],
+                    self.methods,
+                    offload,
+                    offload_param,
+                    SCHEDULES[k],
+                )
+                if cand is not None and fits(res, cand):
+                    found.append(cand)
+                elif cand is not None:
+                    missed[(t, p, r, k)] = min(mb, missed.get((t, p, r, k), mb))
+                    if self.closest is None or cand.peak.total < self.closest.peak.total:
+                        self.closest = cand
+            return priced[key]
+
+        def twin_fits(t: int, p: int, r: int, mb: int, zero: int) -> bool:
+            """1F1B's end ranks (its fullest) fit with the same degrees, micro-batch and recomputation (not timed)."""
+            key = (t, p, r, mb, zero, 0)
+            if key in priced:
+                return priced[key] is not None and fits(res, priced[key])
+            return any(
+                fits(res, c)
+                for c in [
+                    best_layout(
+                        res,
+                        t,
+                        p,
+                        mb,
+                        zero,
+                        self.precision,
+                        RECOMPUTE[r],
+                        self.methods,
+                        offload,
+                        offload_param,
+                        memory_only=True,
+                    )
+                ]
+                if c is not None
+            )
+
+        for bound, k, t, p, r, mb, zero in sorted(order):
             if len(found) >= keep and bound > sorted(c.seconds for c in found)[keep - 1]:
                 break
-            if mb >= missed.get((t, p, r), mb + 1):
+            if mb >= missed.get((t, p, r, k), mb + 1):
                 continue  # a larger micro-batch holds more activations
-            cand = best_layout(res, t, p, mb, zero, self.precision, recompute, self.methods, offload, offload_param)
-            if cand is None:
-                continue
-            if fits(res, cand):
-                found.append(cand)
-                continue
-            missed[(t, p, r)] = min(mb, missed.get((t, p, r), mb))
-            if self.closest is None or cand.peak.total < self.closest.peak.total:
-                self.closest = cand
+            if k and not twin_fits(t, p, r, mb, zero):
+                continue  # ZB-H1 holds 1F1B's activations and its weight store, interleaving more in flight
+            price(t, p, r, mb, zero, k)
         return sorted(found, key=rank_key)
 
     def best(self, option: Any, pairs: list[tuple[int, int]]) -> Candidate | None:
@@ -133,6 +253,7 @@ class Search:
             [top.method, *methods],
             offload,
             offload_param,
+            (top.inputs.schedule, top.virtual_stages),
         )
         chosen = better if better is not None and fits(self.res, better) else top
         self.ranked = sorted([chosen, *found[1:]], key=rank_key)

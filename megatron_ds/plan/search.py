@@ -4,7 +4,8 @@ usable GPU memory (the step-time model, `estimate/step_time.py`, priced by `plan
 
 The search: every (t, p) whose product divides the GPUs (t within a node, dividing the heads and FFN),
 with no, selective (the core attention) and full recomputation, every micro-batch that divides the batch, ascending until one misses
-memory (a larger one holds more activations), each under the default layout (or `--layout`'s); a (t, p)
+memory (a larger one holds more activations), each under every pipeline schedule it can run
+(`ranking.schedules_for`: 1F1B, ZB-H1, interleaved with v = 2) and the default layout (or `--layout`'s); a (t, p)
 whose model states alone overflow is skipped. The fastest then gets the other layouts (the exact `fastest`
 split only up to `FASTEST_MAX_STAGES` stages: its search grows quickly with P). Ties: the smaller t x p,
 then the larger t, then less recomputation (none, selective, full), then the simpler layout flag.
@@ -26,20 +27,22 @@ comes after every GPU-resident option.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 from megatron_ds.config import DEDICATED_CHOICES, ModelConfig
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.layout_costs import flop_stage_time, method_costs
 from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
-from megatron_ds.estimate.memory_model import stage_memory, stage_memory_for
+from megatron_ds.estimate.memory_model import rank_memory_for, stage_memory, stage_memory_for
 from megatron_ds.estimate.step_simulator import bubble_ratio, idle_fraction
 from megatron_ds.estimate.step_time import StepInputs, StepTime
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.costs import StageTime
-from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
+from megatron_ds.pipeline.layout import Layout, build_layout
 from megatron_ds.plan import timing
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
@@ -129,18 +132,29 @@ class Candidate:
 
     @property
     def schedule(self) -> pipeline_schedules.PipelineSchedule:
-        return pipeline_schedules.find(self.inputs.schedule)
+        return pipeline_schedules.find(self.inputs.schedule, self.inputs.virtual_stages)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.inputs.virtual_stages
+
+    @property
+    def rank_times(self) -> tuple[StageTime, ...]:
+        """Per rank: `times` summed over its chunks (flat stage c x P + r)."""
+        p, v = self.pp, self.virtual_stages
+        chunks = [[self.times[c * p + r] for c in range(v)] for r in range(p)]
+        return tuple(StageTime(sum(t.forward for t in ts), sum(t.backward for t in ts)) for ts in chunks)
 
     @property
     def bubble(self) -> float:
         """Bubble time over ideal time with equal stages and unit passes (1F1B: (p - 1) / m, Narayanan
         et al. 2021 eq. 1; `step_simulator.bubble_ratio`)."""
-        return bubble_ratio(self.inputs.schedule, self.num_micro_batches, self.pp)
+        return bubble_ratio(self.inputs.schedule, self.num_micro_batches, self.pp, self.virtual_stages)
 
     @property
     def idle_fraction(self) -> float:
         """Share of the step a stage idles with equal stages (1F1B: (p - 1) / (m + p - 1))."""
-        return idle_fraction(self.inputs.schedule, self.num_micro_batches, self.pp)
+        return idle_fraction(self.inputs.schedule, self.num_micro_batches, self.pp, self.virtual_stages)
 
 
 def layout_options(method: str) -> dict[str, str]:
@@ -162,23 +176,23 @@ def layout_flag(method: str, layout: Layout) -> str:
 
 
 @functools.lru_cache(maxsize=512)
-def _plain_layout(model: ModelConfig, pp: int, method: str) -> Layout:
+def _plain_layout(model: ModelConfig, pp: int, method: str, virtual_stages: int = 1) -> Layout:
     """A layout that needs no costs (the default partition, a dedicated mode): the same for every micro-batch,
     recomputation and ZeRO option, so built once."""
-    return build_layout(gpt_spec_groups(model), pp, **layout_options(method))
+    return build_layout(gpt_spec_groups(model), pp, virtual_stages=virtual_stages, **layout_options(method))
 
 
 def layout_for(res: Resolved, tp: int, pp: int, method: str, inputs: MemoryInputs) -> Layout:
     """The layout `pretrain_gpt.py --print-layout` prints for the command of this choice."""
     model = res.model(tp)
     groups = gpt_spec_groups(model)
-    opts = layout_options(method)
+    opts, v = layout_options(method), inputs.virtual_stages
     if "partition_method" not in opts:
-        return _plain_layout(model, pp, method)
+        return _plain_layout(model, pp, method, v)
     limit = res.usable_bytes
-    costs = method_costs(partition_methods.find(method), model, pp, lambda: inputs, memory_limit=lambda: limit)
-    chosen = build_layout(groups, pp, costs=costs, **opts)
-    return build_layout(groups, pp, layout=chosen.to_string())
+    costs = method_costs(partition_methods.find(method), model, pp * v, lambda: inputs, memory_limit=lambda: limit)
+    chosen = build_layout(groups, pp, costs=costs, virtual_stages=v, **opts)
+    return build_layout(groups, pp, layout=chosen.to_string(), virtual_stages=v)
 
 
 def evaluate(
@@ -193,10 +207,16 @@ def evaluate(
     offload: str = "none",
     offload_param: str = "none",
     selective: bool = False,
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
+    virtual_stages: int = 1,
+    time_misses: bool = True,
+    timed: bool = True,
 ) -> Candidate:
-    """Predicted memory and step of one configuration (raises LayoutError if the layout is impossible);
+    """Predicted memory and step of one configuration (raises LayoutError if the layout is impossible;
+    `time_misses` False: a configuration that misses memory is not timed, its `time` None; `timed` False:
+    none is, and only the end ranks' memory is computed);
     `ckpt` full recomputation, `selective` the core attention's; sequence parallelism at tp > 1 unless
-    `--no-sequence-parallel`."""
+    `--no-sequence-parallel`; `schedule` a registered pipeline schedule with `virtual_stages` chunks per rank."""
     dp = res.num_gpus // (tp * pp)
     sequence_parallel = sequence_parallel_at(res, tp)
     inputs = MemoryInputs(
@@ -213,10 +233,36 @@ def evaluate(
         offload_optimizer=offload,
         offload_param=offload_param,
         engine="plain" if zero >= 2 else "pipeline",
+        schedule=schedule,
+        virtual_stages=virtual_stages,
     )
     layout = layout_for(res, tp, pp, method, inputs)
-    flops = flop_stage_time(inputs, pp)
+    flops = flop_stage_time(inputs, layout.num_stages)
     times = tuple(flops(s, k) for s, k in enumerate(layout.layers_per_stage))
+    if not time_misses and pp > 1:  # the ends hold the most (in flight on rank 0, ZB-H1's weight store on P - 1)
+        ends: list[StageMemory] = []
+        for rank in (0, pp - 1):
+            ends.append(
+                rank_memory_for(inputs, rank, pp, tuple(layout.layers_per_stage[i] for i in layout.rank_stages(rank)))
+            )
+            if ends[-1].total > res.usable_bytes:
+                break
+        if ends[-1].total > res.usable_bytes or not timed:  # a miss, or the ends asked: no other rank's streams
+            args = (
+                tp,
+                pp,
+                dp,
+                mb,
+                inputs.num_micro_batches,
+                zero,
+                precision,
+                ckpt,
+                method,
+                layout,
+                tuple(ends),
+                inputs,
+            )
+            return Candidate(*args)
     stages = tuple(stage_memory(inputs, layout))
     step = StepInputs(
         model=inputs.model,
@@ -233,9 +279,10 @@ def evaluate(
         gpus_per_node=res.gpus_per_node or 1,
         schedule=inputs.schedule,
         attention_dropout=inputs.regularization.attention_dropout > 0,
+        virtual_stages=virtual_stages,
     )
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
-    return Candidate(
+    cand = Candidate(
         tp=tp,
         pp=pp,
         dp=dp,
@@ -249,8 +296,11 @@ def evaluate(
         stages=stages,
         inputs=inputs,
         times=times,
-        time=timing.step_time(step, hw, res.run_features or timing.features(zero, precision, sequence_parallel)),
     )
+    if not timed or (not time_misses and not fits(res, cand)):
+        return cand  # the search only reads a miss's memory
+    run = res.run_features or timing.features(zero, precision, sequence_parallel)
+    return dataclasses.replace(cand, time=timing.step_time(step, hw, run))
 
 
 def sequence_parallel_at(res: Resolved, tp: int) -> bool:
@@ -334,43 +384,3 @@ def fits(res: Resolved, cand: Candidate) -> bool:
         return False
     cpu_gb = res.raw.cpu_memory_gb
     return not (cpu_gb and cand.host_per_gpu * (res.gpus_per_node or 1) > cpu_gb * 2**30)
-
-
-def best_layout(
-    res: Resolved,
-    t: int,
-    p: int,
-    mb: int,
-    zero: int,
-    precision: str,
-    recompute: str,
-    methods: list[str],
-    offload: str = "none",
-    offload_param: str = "none",
-) -> Candidate | None:
-    """The fastest layout that fits (ties: smaller largest stage, then the simplest flag in METHODS
-    order); when none fits, the one with the smallest largest stage (the closest miss)."""
-    found = []
-    for method in methods:
-        try:
-            found.append(
-                evaluate(
-                    res,
-                    t,
-                    p,
-                    mb,
-                    zero,
-                    precision,
-                    recompute == "full",
-                    method,
-                    offload,
-                    offload_param,
-                    selective=recompute == "selective",
-                )
-            )
-        except LayoutError:
-            continue
-    fitting = [c for c in found if fits(res, c)]
-    if fitting:
-        return min(fitting, key=lambda c: (round(c.seconds, 9), round(c.peak.total), METHODS.index(c.method)))
-    return min(found, key=lambda c: (round(c.peak.total), METHODS.index(c.method)), default=None)

@@ -33,7 +33,8 @@ def terms(t: StepTime, num_micro_batches: int) -> dict[str, float]:
     """Seconds of the step by cause: the slowest stage's compute by kind (all its micro-batches), its
     exposed data-parallel reduction, the optimizer step, and the rest (pipeline bubble and sends)."""
     out = {PART_NAMES.get(k, k): v * num_micro_batches for k, v in t.parts.items()}
-    slowest = max(range(len(t.forward)), key=lambda s: t.forward[s] + t.backward[s])
+    busy = [f + b for f, b in zip(t.rank_forward, t.rank_backward)]
+    slowest = max(range(len(busy)), key=lambda s: busy[s])
     per_mb = t.dp_per_micro_batch[slowest] if t.dp_per_micro_batch else 0.0
     out["data-parallel communication"] = max(t.reduce_grads) + per_mb * num_micro_batches
     out["optimizer step"] = max(t.optimizer)
@@ -66,9 +67,10 @@ def stage_table(plan: Candidate) -> list[str]:
         "predicted time per stage (ms; one micro-batch's forward and backward with recomputation) and memory",
         head,
     ]
+    forward, backward = t.rank_forward, t.rank_backward  # with chunks, a rank's chunks together
     for s, st in enumerate(plan.stages):
         lines.append(
-            f"{s:>5} {st.num_layers:>6} {t.forward[s] * 1e3:>10.4g} {t.backward[s] * 1e3:>10.4g} "
+            f"{s:>5} {st.num_layers:>6} {forward[s] * 1e3:>10.4g} {backward[s] * 1e3:>10.4g} "
             f"{t.optimizer[s] * 1e3:>10.4g} {t.reduce_grads[s] * 1e3:>10.4g} {format_bytes(st.total):>10}"
         )
     return lines

@@ -240,6 +240,8 @@ def test_planned_partition_method_is_passed_as_its_layout_string() -> None:
     assert par == ParallelConfig(
         pipeline_model_parallel_size=4,
         tensor_model_parallel_size=cand.tp,
+        pipeline_schedule=cand.inputs.schedule,  # the fastest schedule's
+        virtual_stages=cand.virtual_stages,
         world_size=4 * cand.tp * cand.dp,
         pp_layout=cand.layout.to_string(),
     )

@@ -186,10 +186,11 @@ def test_pipeline_layout_is_what_print_layout_prints(scenario, capsys) -> None:
     )
     groups = gpt_spec_groups(model)
     options = search.layout_options(data["layout_method"])
+    v = data["virtual_stages"]  # the chosen schedule's chunks per rank
     if "partition_method" in options:  # a planned partition method is passed as its layout string
-        expected = build_layout(groups, data["pipeline_parallel"], layout=data["layout"])
+        expected = build_layout(groups, data["pipeline_parallel"], layout=data["layout"], virtual_stages=v)
     else:
-        expected = build_layout(groups, data["pipeline_parallel"], **options)
+        expected = build_layout(groups, data["pipeline_parallel"], virtual_stages=v, **options)
     assert data["layout_text"] == expected.format(data["data_parallel"], data["tensor_parallel"])
     # and pretrain_gpt.py --print-layout with the printed command's flags prints the same table
     command = next(s for s in report["sections"] if s["name"] == "pipeline")["snippets"]["command"]

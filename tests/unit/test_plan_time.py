@@ -24,10 +24,12 @@ def test_the_choice_is_the_fastest_fitting_configuration_and_the_bound_holds() -
         dp = res.num_gpus // (t * p)
         for mb in search.micro_batches(res, dp):
             for ckpt in (False, True):
-                cand = search.evaluate(res, t, p, mb, 1, "bf16", ckpt, "none")
-                assert ranking.time_bound(res, t, p, mb, 1, "bf16", ckpt) <= cand.seconds * (1 + 1e-9)
-                if search.fits(res, cand):
-                    every.append(cand)
+                for name, v in ranking.schedules_for(res, t, p, mb, 1):
+                    cand = search.evaluate(res, t, p, mb, 1, "bf16", ckpt, "none", schedule=name, virtual_stages=v)
+                    bound = ranking.time_bound(res, t, p, mb, 1, "bf16", "full" if ckpt else "none", name)
+                    assert bound <= cand.seconds * (1 + 1e-9)
+                    if search.fits(res, cand):
+                        every.append(cand)
     best = min(every, key=lambda c: c.seconds)
     assert choice.candidate.seconds <= best.seconds * (1 + 1e-9)
     runner = choice.runner_up

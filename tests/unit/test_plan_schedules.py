@@ -1,0 +1,74 @@
+"""The planner tries every pipeline schedule it can run (1F1B, ZB-H1, interleaved with v = 2), ranks them
+by predicted seconds with 1F1B first on ties, and its choice reaches the printed command and the JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from megatron_ds.flags.parser import parse_config
+from megatron_ds.plan import ds_json, ranking, search
+from megatron_ds.plan.__main__ import main
+from megatron_ds.plan.inputs import PlanInputs, resolve
+
+JOB = dict(model="1.3b", num_gpus=32, gpus_per_node=8, gpu="A100-40GB", global_batch_size=64)
+
+
+def _command_config(res, cand):
+    config = ds_json.plan_config(res, cand)
+    argv = ds_json.command_flags(config, res.dims["vocab_size"]) + list(res.dims.get("architecture", ()))
+    parsed, _ = parse_config([*map(str, argv), "--train-iters", "10", "--lr", "1e-4"], world_size=res.num_gpus)
+    return config, parsed
+
+
+def test_schedules_are_tried_only_where_the_engine_runs_them() -> None:
+    res = resolve(PlanInputs(**JOB))
+    assert ranking.schedules_for(res, 1, 1, 1, 2) == [("1f1b", 1)]  # P = 1: nothing to schedule
+    assert ranking.schedules_for(res, 1, 4, 1, 2) == [("1f1b", 1)]  # ZeRO-2 runs on the plain engine
+    assert ranking.schedules_for(res, 1, 4, 1, 1) == [("1f1b", 1), ("zbh1", 1), ("interleaved", 2)]
+    # 24 layers do not split into 2 x 16 chunks; at micro-batch 4, 2 micro-batches are no multiple of P = 4
+    assert ("interleaved", 2) not in ranking.schedules_for(resolve(PlanInputs(**{**JOB, "num_gpus": 16})), 1, 16, 1, 1)
+    assert ("interleaved", 2) not in ranking.schedules_for(res, 1, 4, 4, 1)
+
+
+def test_the_chosen_schedule_is_the_fastest_and_reaches_the_command_and_json(capsys) -> None:
+    argv = ["pipeline", "--model", "1.3b", "--num-gpus", "32", "--gpu", "A100-40GB", "--global-batch-size", "64"]
+    assert main([*argv, "--pipeline-model-parallel-size", "4", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    section = next(s for s in report["sections"] if s["name"] == "pipeline")
+    data = section["data"]
+    assert data["pipeline_parallel"] == 4 and data["pipeline_schedule"] == "zbh1" and data["virtual_stages"] == 1
+    assert "--pp-schedule zbh1" in section["snippets"]["command"]
+    res = resolve(PlanInputs(**JOB, pipeline_model_parallel_size=4))
+    dp, mb = 32 // (data["tensor_parallel"] * 4), data["micro_batch_size"]
+    t, recompute = data["tensor_parallel"], data["checkpoint_activations"]
+    selective = data["selective_recompute"]
+    seconds = {  # the default layout, as the search prices them before refining the winner's
+        name: search.evaluate(
+            res, t, 4, mb, 1, "bf16", recompute, "none", schedule=name, virtual_stages=v, selective=selective
+        ).seconds
+        for name, v in ranking.schedules_for(res, t, 4, mb, 1)
+    }
+    assert min(seconds, key=seconds.get) == "zbh1" and data["step_seconds"] <= seconds["zbh1"] < seconds["1f1b"]
+    assert dp * mb * data["gradient_accumulation_steps"] == 64
+
+
+def test_an_interleaved_candidate_prints_its_flags_and_parses_back() -> None:
+    res = resolve(PlanInputs(**JOB))
+    cand = search.evaluate(res, 1, 4, 1, 1, "bf16", False, "none", schedule="interleaved", virtual_stages=2)
+    assert len(cand.layout.layers_per_stage) == 8 and len(cand.stages) == 4 and len(cand.time.forward) == 8
+    assert len(cand.rank_times) == 4 and cand.schedule.display == "interleaved 1F1B (v=2)"
+    config, parsed = _command_config(res, cand)
+    flags = ds_json.command_flags(config, res.dims["vocab_size"])
+    assert flags[flags.index("--pp-schedule") + 1] == "interleaved"
+    assert flags[flags.index("--num-virtual-stages-per-pipeline-rank") + 1] == "2"
+    assert parsed.parallel.pipeline_schedule == "interleaved" and parsed.parallel.virtual_stages == 2
+    one = search.evaluate(res, 1, 4, 1, 1, "bf16", False, "none")
+    assert "--pp-schedule" not in ds_json.command_flags(ds_json.plan_config(res, one), res.dims["vocab_size"])
+
+
+def test_ties_prefer_1f1b() -> None:
+    res = resolve(PlanInputs(**JOB))
+    one = search.evaluate(res, 1, 4, 1, 1, "bf16", False, "none")
+    same = dataclasses.replace(one, inputs=dataclasses.replace(one.inputs, schedule="zbh1"))
+    assert same.seconds == one.seconds and sorted([same, one], key=ranking.rank_key)[0] is one

@@ -1,0 +1,107 @@
+"""The step-time model under every registered schedule: interleaving's chunks (flat stages, per-rank
+optimizer and reduction, v x the sends), ZB-H1's weight passes, and the lower bound below every prediction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.estimate.communication import Links
+from megatron_ds.estimate.devices import find_named
+from megatron_ds.estimate.efficiency import Kernels
+from megatron_ds.estimate.run_features import deepspeed_features
+from megatron_ds.estimate.step_time import StepInputs, predict_step, step_lower_bound
+from megatron_ds.model.shapes import layer_params
+
+A100 = find_named("A100-80GB")[0]
+KERNELS = Kernels.for_device(A100, "bf16")
+LINKS = Links.for_device(A100, 8)
+SCHEDULES = (("1f1b", 1), ("zbh1", 1), ("interleaved", 2))
+
+
+def gpt(layers: int = 16, h: int = 2048, heads: int = 16, s: int = 2048) -> ModelConfig:
+    return ModelConfig(
+        num_layers=layers,
+        hidden_size=h,
+        num_attention_heads=heads,
+        ffn_hidden_size=4 * h,
+        seq_length=s,
+        max_position_embeddings=s,
+        vocab_size=51200,
+    )
+
+
+def inputs(model: ModelConfig, pp: int, m: int, schedule: str = "1f1b", v: int = 1, **kw) -> StepInputs:
+    per = model.num_layers // (pp * v)
+    return StepInputs(
+        model=model,
+        layers_per_stage=(per,) * (pp * v),
+        stage_params=(layer_params(model).total * per * v,) * pp,
+        micro_batch_size=1,
+        num_micro_batches=m,
+        tp=1,
+        dp=kw.pop("dp", 2),
+        precision="bf16",
+        zero_stage=1,
+        checkpoint_activations=kw.pop("ckpt", False),
+        gpus_per_node=kw.pop("gpus_per_node", 8),
+        schedule=schedule,
+        virtual_stages=v,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+@pytest.mark.parametrize("pp,m,ckpt", [(2, 4, False), (2, 8, True), (4, 8, False), (4, 16, True), (8, 16, False)])
+def test_the_lower_bound_holds_for_every_schedule(schedule: str, v: int, pp: int, m: int, ckpt: bool) -> None:
+    features = deepspeed_features(1, 2)
+    inp = inputs(gpt(), pp, m, schedule, v, ckpt=ckpt)
+    step = predict_step(inp, KERNELS, LINKS, features)
+    bound = step_lower_bound(inp.model, 1, m, 1, pp, "bf16", ckpt, KERNELS, LINKS, features, schedule=schedule)
+    assert 0 < bound <= step.seconds * (1 + 1e-9)
+    # uneven stages too: a layout cannot beat the bound
+    uneven = dataclasses.replace(inp, layers_per_stage=(0, *inp.layers_per_stage[1:-1], 2 * inp.layers_per_stage[-1]))
+    assert bound <= predict_step(uneven, KERNELS, LINKS, features).seconds * (1 + 1e-9)
+
+
+def test_interleaving_runs_chunks_on_flat_stages_with_the_ends_on_the_first_and_last() -> None:
+    features = deepspeed_features(1, 2)
+    one = predict_step(inputs(gpt(), 4, 8), KERNELS, LINKS, features)
+    two = predict_step(inputs(gpt(), 4, 8, "interleaved", 2), KERNELS, LINKS, features)
+    assert len(two.forward) == 8 and len(two.optimizer) == len(two.reduce_grads) == 4
+    # pre on flat stage 0 (rank 0's chunk 0), post on flat stage 7 (rank 3's chunk 1)
+    assert two.forward[0] > two.forward[1] and two.forward[7] > two.forward[6] and two.forward[3] == two.forward[4]
+    for r in range(4):  # a rank's chunks together do its 1F1B stage's work; its optimizer and reduction alike
+        assert two.forward[r] + two.forward[4 + r] == pytest.approx(one.forward[r], rel=1e-9)
+        assert two.optimizer[r] == pytest.approx(one.optimizer[r]) and two.reduce_grads[r] == one.reduce_grads[r]
+    assert two.seconds < one.seconds  # a (P - 1) / (v M) bubble at M = 8, P = 4
+    assert two.model_flops == one.model_flops
+
+
+def test_interleaving_pays_v_times_the_sends() -> None:
+    features = deepspeed_features(1, 2)
+    # one GPU per node: every stage boundary crosses the network, so the sends weigh
+    cross = {
+        s: predict_step(inputs(gpt(), 4, 8, s, v, gpus_per_node=1), KERNELS, LINKS, features) for s, v in SCHEDULES
+    }
+    near = {s: predict_step(inputs(gpt(), 4, 8, s, v), KERNELS, LINKS, features) for s, v in SCHEDULES}
+    assert cross["interleaved"].send == cross["1f1b"].send > near["1f1b"].send
+    cost = {s: cross[s].seconds - near[s].seconds for s in cross}
+    assert cost["interleaved"] > 0 and cost["1f1b"] > 0
+
+
+def test_zbh1_is_faster_than_1f1b_with_the_same_work() -> None:
+    features = deepspeed_features(1, 2)
+    one = predict_step(inputs(gpt(), 4, 8), KERNELS, LINKS, features)
+    zb = predict_step(inputs(gpt(), 4, 8, "zbh1"), KERNELS, LINKS, features)
+    assert zb.forward == one.forward and zb.backward == one.backward and zb.seconds < one.seconds
+
+
+def test_mismatched_chunks_and_ranks_are_an_error() -> None:
+    inp = inputs(gpt(), 4, 8, "interleaved", 2)
+    with pytest.raises(ValueError, match="do not agree"):
+        predict_step(
+            dataclasses.replace(inp, stage_params=inp.stage_params * 2), KERNELS, LINKS, deepspeed_features(1, 2)
+        )
