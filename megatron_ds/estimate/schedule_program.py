@@ -233,11 +233,25 @@ def program(
             add(OPTIMIZER, (s,))
         return True
 
-    while any(head(s) is not None for s in range(p)):
-        progressed = False
+    # Each rank runs ahead until it waits; the graph (every node's predecessors) is the same in any issue
+    # order: a rank's nodes follow its stream, a transfer pairs the k-th send and the k-th receive of its channel.
+    while True:
+        progressed = live = False
         for s in range(p):
-            op = head(s)
-            progressed = (op is not None and step(s, op)) or progressed
+            ops, n = stream[s], len(stream[s])
+            while pos[s] < n:
+                op = ops[pos[s]]
+                if isinstance(op[0], int):  # a compute node, the rank's own: `add` inlined (most nodes)
+                    before = last[s]
+                    nodes.append((op[0], single[s], (before,) if before >= 0 else (), op[1]))
+                    last[s] = len(nodes) - 1
+                    pos[s] += 1
+                elif not step(s, op):
+                    break
+                progressed = True
+            live = live or pos[s] < n
+        if not live and all(head(s) is None for s in range(p)):
+            break
         assert progressed, f"{entry.display}({num_micro_batches}, {p}) deadlocks at {[head(s) for s in range(p)]}"
     order = tuple(tuple(op[0] for op in st if isinstance(op[0], int)) for st in stream)
     return Program(num_micro_batches, p, entry.virtual_stages, tuple(nodes), tuple(last), order)
