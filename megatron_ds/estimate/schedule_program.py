@@ -141,22 +141,33 @@ def slots(num_flat: int, num_ranks: int) -> dict[str, int]:
 
 def _tokens(schedule: schedules.PipelineSchedule, m: int, p: int, rank: int) -> list[tuple]:
     """The rank's stream as tokens: (node kind, flat stage), (send/recv, peer, tag), (tied,), (opt,)."""
+    tokens: dict[tuple[str, int], tuple | None] = {}  # (kind, chunk) -> token: it names neither buffer nor micro-batch
     out: list[tuple] = []
     for ins in schedule.instructions(m, p, rank):
-        if ins.kind in COMPUTE_NODES:
-            out.append((COMPUTE_NODES[ins.kind], ins.chunk * p + rank))
-        elif ins.kind in PEER:
-            way, step, tag = PEER[ins.kind]
-            out.append((way, (rank + step) % p, tag))
-        elif ins.kind == schedules.REDUCE_TIED:
-            out.append(("tied",))
-        elif ins.kind == schedules.OPTIMIZER:
-            out.append(("opt",))
-        elif ins.kind == schedules.REDUCE_GRADS:
-            out.append(("reduce",))
-        else:
-            assert ins.kind in NO_TIME, ins
+        key = (ins.kind, ins.chunk)
+        if key not in tokens:
+            tokens[key] = _token(ins, p, rank)
+        token = tokens[key]
+        if token is not None:
+            out.append(token)
     return out
+
+
+def _token(ins: schedules.Instruction, p: int, rank: int) -> tuple | None:
+    """One instruction's token (None: no time of its own)."""
+    if ins.kind in COMPUTE_NODES:
+        return (COMPUTE_NODES[ins.kind], ins.chunk * p + rank)
+    if ins.kind in PEER:
+        way, step, tag = PEER[ins.kind]
+        return (way, (rank + step) % p, tag)
+    if ins.kind == schedules.REDUCE_TIED:
+        return ("tied",)
+    if ins.kind == schedules.OPTIMIZER:
+        return ("opt",)
+    if ins.kind == schedules.REDUCE_GRADS:
+        return ("reduce",)
+    assert ins.kind in NO_TIME, ins
+    return None
 
 
 @functools.lru_cache(maxsize=256)
