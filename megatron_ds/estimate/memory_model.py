@@ -146,25 +146,22 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
         )
         store.append(weight_store_bytes(inputs, k, holds_head=bool(post)))
     schedule = inputs.pipeline_schedule
-    moments_at = pipeline_schedules.backward_moments(schedule, inputs.num_micro_batches, num_ranks, rank)
-    # At each backward: the activations in flight on every chunk and what the weight passes still keep
-    # (ZB-H1's stored inputs and output gradients; one chunk then).
-    saved = [sum(n * a for n, a in zip(flight, per_mb)) + pending * store[0] for flight, pending, _ in moments_at]
-    flight = sum(moments_at[0][0])
-    first_saved = saved[0]
+    # At each distinct backward moment: the activations in flight on every chunk and what the weight passes
+    # still keep (ZB-H1's stored inputs and output gradients; one chunk then).
+    first_at, later_moments = pipeline_schedules.distinct_moments(schedule, inputs.num_micro_batches, num_ranks, rank)
+    flight = sum(first_at[0])
+    first_saved = sum(n * a for n, a in zip(first_at[0], per_mb)) + first_at[1] * store[0]
     # The share of the rank's parameters whose gradients exist at each backward: the chunks that ran a
     # backward before it (interleaving runs the last chunk's backwards first; one chunk: all from the second on).
     share = [(sum(sp.num_params for sp in pre + post) + k * layer.num_params) / num_params for pre, k, post in chunks]
-    done: set[int] = set()
-    later_at = []  # (saved activations, gradient share, micro-batches in flight) at each later backward
-    for i, (f, _, c) in enumerate(moments_at):
-        if i:
-            later_at.append((saved[i], sum(share[x] for x in done), sum(f)))
-        done.add(c)
+    later_at = [  # (saved activations, gradient share, micro-batches in flight) at each later backward
+        (sum(n * a for n, a in zip(f, per_mb)) + pending * store[0], sum(share[x] for x in done), sum(f))
+        for f, pending, done in later_moments
+    ]
     if len(chunk_layers) == 1:
         buffers, persistent = pipe_buffers(inputs, rank, num_ranks)
     else:
-        buffers, persistent = chunk_pipe_buffers(inputs, rank, num_ranks, moments_at[0][0])
+        buffers, persistent = chunk_pipe_buffers(inputs, rank, num_ranks, first_at[0])
     # A first-stage micro-batch's activations other than the token ids the embedding saved are
     # freed before the word embedding's gradient is computed (see `transients.backward_transient`).
     pre = chunks[0][0]
@@ -179,7 +176,7 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
     fresh = min(states[1], num_params * PRECISION_BYTES[inputs.precision]) if inputs.zero_stage <= 1 else 0.0
     base = states[0] + states[2] + states[1] - fresh
     later_saved, held_share, later = max(
-        later_at or [(first_saved - per_mb[moments_at[0][2]], 1.0, flight - 1)], key=lambda a: a[0] + fresh * a[1]
+        later_at or [(first_saved - per_mb[first_at[2]], 1.0, flight - 1)], key=lambda a: a[0] + fresh * a[1]
     )
     step, step_source = step_temporaries(inputs, held, num_params, num_ranks)
     moments = [

@@ -76,6 +76,9 @@ class PipelineSchedule:
     virtual: bool = False
     """Takes v >= 2 model chunks per rank (`virtual_stages`); otherwise v is 1."""
     virtual_stages: int = 1
+    steady: bool = False
+    """Beyond M = 2P + 2 micro-batches more only repeat the steady state's backward moment (same micro-batches in
+    flight, same weight passes pending): warm-up and drain depend on P and s alone (`distinct_moments`)."""
 
     def steps(self, num_micro_batches: int, num_stages: int, stage: int) -> Steps:
         """The rank's instructions per clock step (`num_stages` is P, the ranks of the pipeline)."""
@@ -123,6 +126,7 @@ REGISTRY: dict[str, PipelineSchedule] = {
             "(p-1)/m, Narayanan et al. 2021 eq. 1",
             streams.one_f_one_b,
             streams.one_f_one_b_buffers,
+            steady=True,
         ),
         PipelineSchedule(
             "zbh1",
@@ -135,6 +139,7 @@ REGISTRY: dict[str, PipelineSchedule] = {
             streams.zero_bubble_h1_buffers,
             blocking_sends=False,
             splits_backward=True,
+            steady=True,
         ),
         PipelineSchedule(
             "interleaved",
@@ -171,9 +176,9 @@ def activations_in_flight(
     """(at the first backward, at the fullest later backward): micro-batches whose forward has run
     and whose backward (input gradient) has not, over all chunks, counted as each backward starts.
     With no later backward, one fewer than at the first (the first's own activations are gone)."""
-    at_backward = [sum(flight) for flight, _, _ in backward_moments(schedule, num_micro_batches, num_stages, stage)]
-    first = at_backward[0]
-    return first, max(at_backward[1:], default=first - 1)
+    first_at, later = distinct_moments(schedule, num_micro_batches, num_stages, stage)
+    first = sum(first_at[0])
+    return first, max((sum(flight) for flight, _, _ in later), default=first - 1)
 
 
 @functools.lru_cache(maxsize=8192)  # read per rank for every configuration the planner prices
@@ -195,6 +200,33 @@ def backward_moments(
         elif ins.kind == WEIGHT:
             pending -= 1
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=8192)  # read per rank for every configuration the planner prices
+def distinct_moments(
+    schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
+) -> tuple[tuple[tuple[int, ...], int, int], tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...]]:
+    """`backward_moments` as the memory model reads it: (the first moment, every later one as (in flight per
+    chunk, weight passes pending, the chunks whose backward ran before it, in set order)) with repeats dropped,
+    first occurrences kept in stream order (a maximum over them is the maximum over all, the first one on ties).
+    A `steady` schedule's stream is read at M = 2P + 2 when M is larger: the same list, without generating M's
+    (tests/unit/test_pipeline_schedules.py compares the two)."""
+    if schedule.steady and num_micro_batches > 2 * num_stages + 2:
+        return distinct_moments(schedule, 2 * num_stages + 2, num_stages, stage)
+    return stream_moments(schedule, num_micro_batches, num_stages, stage)
+
+
+def stream_moments(
+    schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
+) -> tuple[tuple[tuple[int, ...], int, int], tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...]]:
+    """`distinct_moments` read off the whole stream of M micro-batches."""
+    moments = backward_moments(schedule, num_micro_batches, num_stages, stage)
+    done: set[int] = {moments[0][2]}
+    later: dict[tuple, None] = {}
+    for flight, pending, chunk in moments[1:]:
+        later.setdefault((flight, pending, tuple(done)), None)
+        done.add(chunk)
+    return moments[0], tuple(later)
 
 
 def pipe_buffers(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int) -> int:

@@ -90,28 +90,36 @@ class Program:
         n, p = self.num_flat, self.num_stages
         block = {FORWARD: 0, BACKWARD: n, BACKWARD_INPUT: 2 * n, WEIGHT: 3 * n}
         zero = 4 * n + 2 * p + 2
+        fixed = {SEND: 4 * n + 2 * p, TIED: 4 * n + 2 * p + 1}
         first: list[int] = []
         second: list[int] = []
         durations: list[int] = []
         index: list[int] = []  # node -> its flat position (the chain's last)
-        for kind, ranks, preds, stage in self.nodes:
-            mapped = [index[j] for j in preds] or [-1]
-            while len(mapped) > 2:  # fold extra predecessors into zero-time joins
-                first.append(mapped.pop())
-                second.append(mapped.pop())
-                durations.append(zero)
-                mapped.append(len(first) - 1)
-            first.append(mapped[0])
-            second.append(mapped[-1])
-            if kind in block:
-                durations.append(block[kind] + stage)
-            elif kind == OPTIMIZER:
-                durations.append(4 * n + ranks[0])
-            elif kind == REDUCE:
-                durations.append(4 * n + p + ranks[0])
+        add_first, add_second, add_duration, add_index = first.append, second.append, durations.append, index.append
+        for kind, ranks, preds, stage in self.nodes:  # one pass per program: the planner's hottest loop
+            if len(preds) <= 2:
+                a = index[preds[0]] if preds else -1
+                add_first(a)
+                add_second(index[preds[-1]] if preds else a)
             else:
-                durations.append({SEND: 4 * n + 2 * p, TIED: 4 * n + 2 * p + 1}.get(kind, zero))
-            index.append(len(first) - 1)
+                mapped = [index[j] for j in preds]
+                while len(mapped) > 2:  # fold extra predecessors into zero-time joins
+                    add_first(mapped.pop())
+                    add_second(mapped.pop())
+                    add_duration(zero)
+                    mapped.append(len(first) - 1)
+                add_first(mapped[0])
+                add_second(mapped[-1])
+            base = block.get(kind)
+            if base is not None:
+                add_duration(base + stage)
+            elif kind == OPTIMIZER:
+                add_duration(4 * n + ranks[0])
+            elif kind == REDUCE:
+                add_duration(4 * n + p + ranks[0])
+            else:
+                add_duration(fixed.get(kind, zero))
+            add_index(len(first) - 1)
         return first, second, durations, index
 
 
@@ -133,22 +141,33 @@ def slots(num_flat: int, num_ranks: int) -> dict[str, int]:
 
 def _tokens(schedule: schedules.PipelineSchedule, m: int, p: int, rank: int) -> list[tuple]:
     """The rank's stream as tokens: (node kind, flat stage), (send/recv, peer, tag), (tied,), (opt,)."""
+    tokens: dict[tuple[str, int], tuple | None] = {}  # (kind, chunk) -> token: it names neither buffer nor micro-batch
     out: list[tuple] = []
     for ins in schedule.instructions(m, p, rank):
-        if ins.kind in COMPUTE_NODES:
-            out.append((COMPUTE_NODES[ins.kind], ins.chunk * p + rank))
-        elif ins.kind in PEER:
-            way, step, tag = PEER[ins.kind]
-            out.append((way, (rank + step) % p, tag))
-        elif ins.kind == schedules.REDUCE_TIED:
-            out.append(("tied",))
-        elif ins.kind == schedules.OPTIMIZER:
-            out.append(("opt",))
-        elif ins.kind == schedules.REDUCE_GRADS:
-            out.append(("reduce",))
-        else:
-            assert ins.kind in NO_TIME, ins
+        key = (ins.kind, ins.chunk)
+        if key not in tokens:
+            tokens[key] = _token(ins, p, rank)
+        token = tokens[key]
+        if token is not None:
+            out.append(token)
     return out
+
+
+def _token(ins: schedules.Instruction, p: int, rank: int) -> tuple | None:
+    """One instruction's token (None: no time of its own)."""
+    if ins.kind in COMPUTE_NODES:
+        return (COMPUTE_NODES[ins.kind], ins.chunk * p + rank)
+    if ins.kind in PEER:
+        way, step, tag = PEER[ins.kind]
+        return (way, (rank + step) % p, tag)
+    if ins.kind == schedules.REDUCE_TIED:
+        return ("tied",)
+    if ins.kind == schedules.OPTIMIZER:
+        return ("opt",)
+    if ins.kind == schedules.REDUCE_GRADS:
+        return ("reduce",)
+    assert ins.kind in NO_TIME, ins
+    return None
 
 
 @functools.lru_cache(maxsize=256)
@@ -171,7 +190,16 @@ def program(
     nodes: list[tuple[int, tuple[int, ...], tuple[int, ...], int]] = []
     posted: dict[tuple[int, int, str], deque[int]] = {}  # (from, to, tag) -> posted send nodes
 
+    single = [(s,) for s in range(p)]
+
     def add(kind: int, ranks: tuple[int, ...], stage: int = -1, extra: tuple[int, ...] = ()) -> None:
+        if len(ranks) == 1:  # most nodes: one rank's own instruction
+            s = ranks[0]
+            before = last[s]
+            nodes.append((kind, ranks, ((before,) if before >= 0 else ()) + extra, stage))
+            last[s] = len(nodes) - 1
+            pos[s] += 1
+            return
         nodes.append((kind, ranks, tuple(last[s] for s in ranks if last[s] >= 0) + extra, stage))
         for s in ranks:
             last[s], pos[s] = len(nodes) - 1, pos[s] + 1
@@ -182,19 +210,19 @@ def program(
     def step(s: int, op: tuple) -> bool:
         """Issue `op` on rank s if it can run now."""
         if isinstance(op[0], int):
-            add(op[0], (s,), op[1])
+            add(op[0], single[s], op[1])
         elif op[0] in ("send", "recv") and entry.blocking_sends:
             if head(op[1]) != ("recv" if op[0] == "send" else "send", s, op[2]):
                 return False  # rendezvous: wait until the peer reaches the matching instruction
             add(SEND, tuple(sorted((s, op[1]))))
         elif op[0] == "send":  # posted: the sender goes on
-            add(POST, (s,))
+            add(POST, single[s])
             posted.setdefault((s, op[1], op[2]), deque()).append(len(nodes) - 1)
         elif op[0] == "recv":
             queue = posted.get((op[1], s, op[2]))
             if not queue:
                 return False
-            add(SEND, (s,), extra=(queue.popleft(),))
+            add(SEND, single[s], extra=(queue.popleft(),))
         elif op[0] == "reduce":
             add(REDUCE, (s,))
         elif op[0] == "tied":
@@ -216,11 +244,25 @@ def program(
             add(OPTIMIZER, (s,))
         return True
 
-    while any(head(s) is not None for s in range(p)):
-        progressed = False
+    # Each rank runs ahead until it waits; the graph (every node's predecessors) is the same in any issue
+    # order: a rank's nodes follow its stream, a transfer pairs the k-th send and the k-th receive of its channel.
+    while True:
+        progressed = live = False
         for s in range(p):
-            op = head(s)
-            progressed = (op is not None and step(s, op)) or progressed
+            ops, n = stream[s], len(stream[s])
+            while pos[s] < n:
+                op = ops[pos[s]]
+                if isinstance(op[0], int):  # a compute node, the rank's own: `add` inlined (most nodes)
+                    before = last[s]
+                    nodes.append((op[0], single[s], (before,) if before >= 0 else (), op[1]))
+                    last[s] = len(nodes) - 1
+                    pos[s] += 1
+                elif not step(s, op):
+                    break
+                progressed = True
+            live = live or pos[s] < n
+        if not live and all(head(s) is None for s in range(p)):
+            break
         assert progressed, f"{entry.display}({num_micro_batches}, {p}) deadlocks at {[head(s) for s in range(p)]}"
     order = tuple(tuple(op[0] for op in st if isinstance(op[0], int)) for st in stream)
     return Program(num_micro_batches, p, entry.virtual_stages, tuple(nodes), tuple(last), order)

@@ -24,6 +24,7 @@ rank, and that of interleaved its `ScheduleInterleaved1F1B` (tests/unit/test_pip
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # Instruction kinds: DeepSpeed's class names (deepspeed/runtime/pipe/schedule.py), and the two that
@@ -61,6 +62,9 @@ class Instruction:
     chunk: int = 0
     """The model chunk (virtual stage) it runs on: flat stage chunk * P + rank (0 without interleaving)."""
 
+
+_instruction = functools.lru_cache(maxsize=1 << 17)(Instruction)
+"""Instructions are immutable: a stream shares equal ones (building a frozen dataclass costs more than finding it)."""
 
 Steps = tuple[tuple[Instruction, ...], ...]
 """Per clock step, the rank's instructions in order."""
@@ -102,18 +106,18 @@ def one_f_one_b(num_micro_batches: int, num_stages: int, stage: int, virtual: in
         cmds: list[Instruction] = []
         if forward:
             if valid(prev) and stage > 0:
-                cmds.append(Instruction(SEND_GRAD, prev % buffers, prev))
+                cmds.append(_instruction(SEND_GRAD, prev % buffers, prev))
             if valid(mb) and stage > 0:
-                cmds.append(Instruction(RECV_ACTIVATION, mb % buffers, mb))
+                cmds.append(_instruction(RECV_ACTIVATION, mb % buffers, mb))
         else:
             if valid(mb) and stage < p - 1:
-                cmds.append(Instruction(RECV_GRAD, mb % buffers, mb))
+                cmds.append(_instruction(RECV_GRAD, mb % buffers, mb))
             if valid(prev) and stage < p - 1:
-                cmds.append(Instruction(SEND_ACTIVATION, prev % buffers, prev))
+                cmds.append(_instruction(SEND_ACTIVATION, prev % buffers, prev))
         if stage in (0, p - 1) and forward and valid(mb):
-            cmds.append(Instruction(LOAD, mb % buffers, mb))
+            cmds.append(_instruction(LOAD, mb % buffers, mb))
         if valid(mb):
-            cmds.append(Instruction(FORWARD if forward else BACKWARD, mb % buffers, mb))
+            cmds.append(_instruction(FORWARD if forward else BACKWARD, mb % buffers, mb))
         if step == total - 1:
             cmds += STEP_END
         prev = mb
@@ -153,7 +157,7 @@ def zero_bubble_h1(num_micro_batches: int, num_stages: int, stage: int, virtual:
     done = {"f": 0, "b": 0, "w": 0}
 
     def ins(kind: str, j: int) -> Instruction:
-        return Instruction(kind, j % buffers, j)
+        return _instruction(kind, j % buffers, j)
 
     def forward() -> list[Instruction]:
         j = done["f"]
@@ -163,7 +167,7 @@ def zero_bubble_h1(num_micro_batches: int, num_stages: int, stage: int, virtual:
 
     def weight() -> list[Instruction]:
         done["w"] += 1
-        return [Instruction(WEIGHT, None, done["w"] - 1)]
+        return [_instruction(WEIGHT, None, done["w"] - 1)]
 
     def backward(weight_now: bool) -> list[Instruction]:
         j = done["b"]
@@ -242,7 +246,7 @@ def place_interleaved(order: Order, num_micro_batches: int, num_stages: int, ran
         flat, buf = chunk * p + rank, chunk * m + j
 
         def ins(k: str) -> Instruction:
-            return Instruction(k, buf, j, chunk)  # noqa: B023 - used at once
+            return _instruction(k, buf, j, chunk)  # noqa: B023 - used at once
 
         if kind == "F":
             cmds = [] if flat == 0 else [ins(RECV_ACTIVATION)]

@@ -40,15 +40,22 @@ def balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     cut = [[0] * (m + 1) for _ in range(n + 1)]
     best_max[0][0] = 0.0
     best_cost[0][0] = 0.0
+    # Only the states the answer can reach are filled (i items in j parts with n - i items left for m - j
+    # parts), and only cuts k after j - 1 items (fewer cannot make j - 1 non-empty parts: infinite cost,
+    # which never wins the comparison); DeepSpeed's loop computes the same values for those states.
     for i in range(1, n + 1):
-        for j in range(1, min(i, m) + 1):
-            for k in range(i):
-                part = prefix[i] - prefix[k]
-                hi = max(best_max[k][j - 1], part)
-                lo = min(best_min[k][j - 1], part)
-                if best_cost[i][j] >= hi - lo:
-                    best_cost[i][j], best_max[i][j], best_min[i][j] = hi - lo, hi, lo
-                    cut[i][j] = k
+        pi = prefix[i]
+        for j in range(max(1, i - (n - m)), min(i, m) + 1):
+            row_max, row_min = best_max, best_min
+            cost, hi_best, lo_best, at = best_cost[i][j], best_max[i][j], best_min[i][j], cut[i][j]
+            for k in range(j - 1, i) if j > 1 else (0,):
+                part = pi - prefix[k]
+                hk, lk = row_max[k][j - 1], row_min[k][j - 1]
+                hi = hk if hk > part else part
+                lo = lk if lk < part else part
+                if cost >= hi - lo:
+                    cost, hi_best, lo_best, at = hi - lo, hi, lo, k
+            best_cost[i][j], best_max[i][j], best_min[i][j], cut[i][j] = cost, hi_best, lo_best, at
     parts = [n]
     for j in range(m, 0, -1):
         parts.append(cut[parts[-1]][j])

@@ -12,6 +12,7 @@ configuration that fits without it.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 from megatron_ds.estimate.model_states import PRECISION_BYTES
@@ -158,6 +159,16 @@ def choose_all(res: Resolved, precision: str) -> Choice:
     ZeRO 0/1 at any t x p (the pipeline engine) and ZeRO-2/3 at p = 1 (the plain engine) on the GPUs compete
     by predicted step; only when none fits, the offload option with the smallest estimated step
     (`choose_offload`)."""
+    enabled = gc.isenabled()
+    gc.disable()  # the search allocates millions of acyclic objects (streams, programs): no cycle collection
+    try:
+        return _choose_all(res, precision)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _choose_all(res: Resolved, precision: str) -> Choice:
     search = Search(res, precision)
     ranked: list[Candidate] = []
     if res.raw.zero_stage in (None, 0, 1) and search.best(None, degree_pairs(res)) is not None:

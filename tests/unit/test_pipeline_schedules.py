@@ -149,3 +149,15 @@ def test_importing_the_registry_and_the_simulator_loads_no_torch_or_deepspeed() 
         "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_steady_schedules_moments_beyond_2p_plus_2_are_those_of_the_whole_stream() -> None:
+    """The memory model reads a steady schedule at M = 2P + 2 in place of a larger M (the planner's speed):
+    the distinct backward moments must be exactly those of the whole stream, in the same order."""
+    for entry in (e for e in schedules.REGISTRY.values() if e.steady):
+        sizes = [(m, p) for p in range(1, 13) for m in range(1, 4 * p + 8)]
+        sizes += [(280, 35), (96, 40), (3 * 64 + 1, 64)]
+        for m, p in sizes:
+            for s in sorted({0, 1, p // 2, p - 2, p - 1} & set(range(p))):
+                got = schedules.distinct_moments(entry, m, p, s)
+                assert got == schedules.stream_moments(entry, m, p, s), (entry.name, m, p, s)
