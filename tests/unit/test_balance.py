@@ -145,9 +145,9 @@ def test_fast_at_scale() -> None:
     inputs = MemoryInputs(
         model=m, micro_batch_size=1, num_micro_batches=128, checkpoint_activations=True, checkpoint_num_layers=3
     )
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: another job on the machine does not count (~0.17 s here)
     layout = memory_balanced_layout(m, 64, inputs)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert isinstance(layout, Layout) and layout.num_stages == 64
 
 
