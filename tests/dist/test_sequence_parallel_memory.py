@@ -24,6 +24,7 @@ import torch
 from megatron_ds.testing.saved_tensors import graph_bytes
 
 TOL = 0.05
+pytestmark = pytest.mark.slow  # measured memory of whole runs: `pytest -m slow` (about 75 s)
 
 
 def tiny_model(**kw: Any) -> Any:

@@ -100,6 +100,7 @@ def test_example_program_runs_on_cpu_files(tmp_path) -> None:
     assert (tmp_path / "aio_tensor.bin").stat().st_size == 1024 * 4 and not handles[0].pending
 
 
+@pytest.mark.slow  # builds DeepSpeed's async_io op where libaio is installed (about 3 minutes on 2 cores)
 def test_example_program_with_deepspeeds_async_io(tmp_path) -> None:
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
