@@ -174,22 +174,19 @@ class Search:
         missed: dict[tuple[int, int, int, int], int] = {}
         priced: dict[tuple, Candidate | None] = {}
 
+        def layout(
+            t: int, p: int, r: int, mb: int, zero: int, k: int = 0, memory_only: bool = False
+        ) -> Candidate | None:
+            """`best_layout` of this option's offload, layout flags and precision (r, k: RECOMPUTE, SCHEDULES index)."""
+            return best_layout(
+                res, t, p, mb, zero, self.precision, RECOMPUTE[r], self.methods, offload, offload_param,
+                SCHEDULES[k], memory_only=memory_only,
+            )  # fmt: skip
+
         def price(t: int, p: int, r: int, mb: int, zero: int, k: int) -> Candidate | None:
             key = (t, p, r, mb, zero, k)
             if key not in priced:
-                cand = priced[key] = best_layout(
-                    res,
-                    t,
-                    p,
-                    mb,
-                    zero,
-                    self.precision,
-                    RECOMPUTE[r],
-                    self.methods,
-                    offload,
-                    offload_param,
-                    SCHEDULES[k],
-                )
+                cand = priced[key] = layout(t, p, r, mb, zero, k)
                 if cand is not None and fits(res, cand):
                     found.append(cand)
                 elif cand is not None:
@@ -201,27 +198,8 @@ class Search:
         def twin_fits(t: int, p: int, r: int, mb: int, zero: int) -> bool:
             """1F1B's end ranks (its fullest) fit with the same degrees, micro-batch and recomputation (not timed)."""
             key = (t, p, r, mb, zero, 0)
-            if key in priced:
-                return priced[key] is not None and fits(res, priced[key])
-            return any(
-                fits(res, c)
-                for c in [
-                    best_layout(
-                        res,
-                        t,
-                        p,
-                        mb,
-                        zero,
-                        self.precision,
-                        RECOMPUTE[r],
-                        self.methods,
-                        offload,
-                        offload_param,
-                        memory_only=True,
-                    )
-                ]
-                if c is not None
-            )
+            cand = priced[key] if key in priced else layout(t, p, r, mb, zero, memory_only=True)
+            return cand is not None and fits(res, cand)
 
         for bound, k, t, p, r, mb, zero in sorted(order):
             if len(found) >= keep and bound > sorted(c.seconds for c in found)[keep - 1]:
