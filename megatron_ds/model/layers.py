@@ -68,8 +68,9 @@ class LMHead(nn.Module):
         return weight_grad.linear(hidden, self.weight)
 
 
-class PositionEmbedding(nn.Module):
-    """Adds learned absolute position embeddings, then embedding dropout (replicated at T > 1)."""
+class _EmbeddingOutput(nn.Module):
+    """The constructor `PositionEmbedding` and `EmbeddingDropout` share: the module's own parameters
+    (`add_parameters`), then the embedding dropout, the module's one stream."""
 
     def __init__(
         self,
@@ -80,10 +81,20 @@ class PositionEmbedding(nn.Module):
         ulysses: UlyssesGroup = NO_ULYSSES,
     ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(model.max_position_embeddings, model.hidden_size))
-        normal_(self.weight, regularization.init_method_std, init_generator(init_seed))
+        self.add_parameters(model, regularization, init_seed)
         self.dropout = _SplitEmbeddingDropout(regularization, init_seed, tp, ulysses)
         register_streams(self, self.dropout.stream)
+
+    def add_parameters(self, model: ModelConfig, regularization: RegularizationConfig, init_seed: int) -> None:
+        """None here: only the dropout probability matters."""
+
+
+class PositionEmbedding(_EmbeddingOutput):
+    """Adds learned absolute position embeddings, then embedding dropout (replicated at T > 1)."""
+
+    def add_parameters(self, model: ModelConfig, regularization: RegularizationConfig, init_seed: int) -> None:
+        self.weight = nn.Parameter(torch.empty(model.max_position_embeddings, model.hidden_size))
+        normal_(self.weight, regularization.init_method_std, init_generator(init_seed))
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         seq = embeddings.shape[1]  # this rank's tokens under Ulysses, from position `first`
@@ -91,22 +102,10 @@ class PositionEmbedding(nn.Module):
         return self.dropout(embeddings + self.weight[first : first + seq].to(embeddings.dtype))
 
 
-class EmbeddingDropout(nn.Module):
+class EmbeddingDropout(_EmbeddingOutput):
     """Embedding dropout alone, in place of `PositionEmbedding` when there is no learned position
-    embedding (`--no-position-embedding`, e.g. with rotary embeddings); no parameters."""
-
-    def __init__(
-        self,
-        model: ModelConfig,
-        regularization: RegularizationConfig,
-        init_seed: int,
-        tp: TensorParallel = NO_TENSOR_PARALLEL,
-        ulysses: UlyssesGroup = NO_ULYSSES,
-    ) -> None:
-        super().__init__()
-        del model  # no parameters: only the dropout probability matters
-        self.dropout = _SplitEmbeddingDropout(regularization, init_seed, tp, ulysses)
-        register_streams(self, self.dropout.stream)  # the stream PositionEmbedding would use
+    embedding (`--no-position-embedding`, e.g. with rotary embeddings); no parameters, the stream
+    PositionEmbedding would use."""
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
         return self.dropout(embeddings)
