@@ -166,14 +166,30 @@ def balanced_step_time(
     n = len(forward)
     wgt = _per_stage(weight, n, "weight")
     mean_f, mean_b, mean_w = sum(forward) / n, sum(backward) / n, sum(wgt) / n
+    return _equal_stages(num_micro_batches, n, (mean_f, mean_b, mean_w), schedule, virtual_stages).step_time
+
+
+def _equal_stages(
+    num_micro_batches: int,
+    num_flat_stages: int,
+    passes: tuple[float, float, float],
+    schedule: str,
+    virtual_stages: int,
+    shared: bool = True,
+) -> ScheduleResult:
+    """`simulate` on `num_flat_stages` (v x P) stages of the same (forward, backward, weight) `passes`;
+    `shared` False: no tied embedding and no gradient-norm sync either."""
+    forward, backward, weight = passes
     return simulate(
         num_micro_batches,
-        [mean_f] * n,
-        [mean_b] * n,
+        [forward] * num_flat_stages,
+        [backward] * num_flat_stages,
+        tied=shared,
+        grad_norm_sync=shared,
         schedule=schedule,
-        weight=mean_w,
+        weight=weight,
         virtual_stages=virtual_stages,
-    ).step_time
+    )
 
 
 def step_estimator(
@@ -213,18 +229,8 @@ UNIT_FORWARD, UNIT_BACKWARD, UNIT_WEIGHT = 1.0, 2.0, 1.0
 
 @functools.lru_cache(maxsize=256)
 def _unit_step(schedule: str, num_micro_batches: int, num_stages: int, virtual_stages: int) -> ScheduleResult:
-    n = num_stages * virtual_stages
-    f, b, w = UNIT_FORWARD / virtual_stages, UNIT_BACKWARD / virtual_stages, UNIT_WEIGHT / virtual_stages
-    return simulate(
-        num_micro_batches,
-        [f] * n,
-        [b] * n,
-        schedule=schedule,
-        weight=w,
-        virtual_stages=virtual_stages,
-        tied=False,
-        grad_norm_sync=False,
-    )
+    passes = (UNIT_FORWARD / virtual_stages, UNIT_BACKWARD / virtual_stages, UNIT_WEIGHT / virtual_stages)
+    return _equal_stages(num_micro_batches, num_stages * virtual_stages, passes, schedule, virtual_stages, False)
 
 
 def bubble_ratio(schedule: str, num_micro_batches: int, num_stages: int, virtual_stages: int = 1) -> float:
