@@ -1,4 +1,5 @@
-"""Atomic output directories, JSON and progress bars, shared by checkpoint conversions.
+"""Atomic output directories, JSON and progress bars, shared by checkpoint conversions; JSON inputs read
+with one-line errors.
 
 Output is written into a temporary directory next to the target and renamed into place only when
 complete and validated, so a failed conversion leaves nothing behind and never touches the source.
@@ -52,6 +53,19 @@ def _set_permissions(directory: str) -> None:
         os.chmod(parent, 0o777 & ~umask)
         for name in names:
             os.chmod(os.path.join(parent, name), 0o666 & ~umask)
+
+
+def read_json(path: str, flag: str, error: type[UserError], fixes: tuple[str, str], at_line: bool = True) -> Any:
+    """The JSON value in `path`, the file `flag` names; a file that cannot be read or is not JSON is one
+    line of `error` with its fix (`fixes`: for each of the two; `at_line`: name the line of bad JSON)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise error(f"{flag} {path}: cannot read it ({e.strerror}); {fixes[0]}") from None
+    except json.JSONDecodeError as e:
+        where = f"{e.msg} at line {e.lineno}" if at_line else e.msg
+        raise error(f"{flag} {path}: not valid JSON ({where}); {fixes[1]}") from None
 
 
 def write_json(path: str, value: Any) -> None:

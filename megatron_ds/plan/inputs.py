@@ -13,6 +13,7 @@ from typing import Any
 
 from megatron_ds.config import DEDICATED_CHOICES, ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.files import read_json
 from megatron_ds.pipeline.methods import planned_methods
 from megatron_ds.plan import hardware
 from megatron_ds.plan.hardware import PlanError
@@ -74,17 +75,12 @@ class PlanInputs:
 
 def load_profile(path: str) -> PlanInputs:
     """Read a saved profile; a missing or malformed file is a one-line error."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise PlanError(
-            f"--profile {path}: cannot read it ({e.strerror}); give a file written by --save-profile"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise PlanError(
-            f"--profile {path}: not valid JSON ({e.msg} at line {e.lineno}); fix or re-create it with --save-profile"
-        ) from None
+    data = read_json(
+        path,
+        "--profile",
+        PlanError,
+        ("give a file written by --save-profile", "fix or re-create it with --save-profile"),
+    )
     if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
         raise PlanError(
             f'--profile {path}: not a planner profile (no "format": "{PROFILE_FORMAT}"); '

@@ -9,7 +9,6 @@ A100-like bandwidths; the report says its seconds only rank configurations.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 
 from megatron_ds.estimate.communication import Links
@@ -18,6 +17,7 @@ from megatron_ds.estimate.efficiency import DEFAULT_MATMUL_FRACTION, Kernels
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.run_features import RunFeatures, deepspeed_features
 from megatron_ds.estimate.step_time import StepInputs, StepTime, predict_step
+from megatron_ds.files import read_json
 from megatron_ds.plan.hardware import PlanError
 
 UNKNOWN_PEAK_TFLOPS = 100.0
@@ -62,17 +62,13 @@ def hardware(gpu_name: str | None, precision: str, gpus_per_node: int, kernel_pr
 def read_kernel_profile(path: str) -> dict:
     """A measured profile (`benchmarks/kernel_profile.py --write FILE`): a JSON object of positive numbers."""
     keys = ("matmul_tflops", "memory_gbs", "attention_forward_tflops", "attention_backward_tflops")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise PlanError(
-            f"--kernel-profile {path}: cannot read it ({e.strerror}); give a file kernel_profile.py wrote"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise PlanError(
-            f"--kernel-profile {path}: not valid JSON ({e.msg}); re-measure with benchmarks/kernel_profile.py"
-        ) from None
+    data = read_json(
+        path,
+        "--kernel-profile",
+        PlanError,
+        ("give a file kernel_profile.py wrote", "re-measure with benchmarks/kernel_profile.py"),
+        at_line=False,
+    )
     if not isinstance(data, dict) or not any(k in data for k in keys):
         raise PlanError(
             f"--kernel-profile {path}: none of {', '.join(keys)}; re-measure with benchmarks/kernel_profile.py"

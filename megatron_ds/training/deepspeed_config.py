@@ -22,6 +22,7 @@ from megatron_ds.config import Config
 from megatron_ds.config.schedules import CURRICULUM_KEY, CurriculumConfig
 from megatron_ds.errors import UserError
 from megatron_ds.estimate.transients import zero_bucket_elements_for
+from megatron_ds.files import read_json
 from megatron_ds.model import shapes
 from megatron_ds.training import deepspeed_sections
 from megatron_ds.training.zero_checks import check_zero_json
@@ -249,17 +250,7 @@ def _deep_update(base: dict[str, Any], extra: dict[str, Any]) -> None:
 
 def load_user_config(path: str) -> dict[str, Any]:
     """Read a user DeepSpeed JSON; unreadable or invalid files are a one-line error."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise DeepSpeedConfigError(
-            f"--deepspeed_config {path}: cannot read it ({e.strerror}); give an existing JSON file"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise DeepSpeedConfigError(
-            f"--deepspeed_config {path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file"
-        ) from None
+    data = read_json(path, "--deepspeed_config", DeepSpeedConfigError, ("give an existing JSON file", "fix the file"))
     if not isinstance(data, dict):
         raise DeepSpeedConfigError(f"--deepspeed_config {path}: expected a JSON object; fix the file")
     return data
