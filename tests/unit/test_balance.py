@@ -16,6 +16,7 @@ from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods
 from megatron_ds.pipeline.balance import balanced_counts
 from megatron_ds.pipeline.layout import Layout, LayoutError, build_layout
+from megatron_ds.testing.models import GPT_1_3B
 
 
 def model(n: int, **kw) -> ModelConfig:
@@ -107,15 +108,7 @@ def test_balanced_counts_exact_for_arbitrary_costs() -> None:
 
 def test_memory_layout_lowers_the_peak_of_the_seed_pattern() -> None:
     """Embedding and LM head make the end stages heaviest; the memory method moves layers off them."""
-    m = ModelConfig(
-        num_layers=24,
-        hidden_size=2048,
-        num_attention_heads=16,
-        ffn_hidden_size=8192,
-        seq_length=2048,
-        max_position_embeddings=2048,
-        vocab_size=50304,
-    )
+    m = GPT_1_3B
     inputs = MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=16, zero_stage=1, data_parallel_size=2)
     groups = gpt_spec_groups(m)
     default = max(s.total for s in stage_memory(inputs, build_layout(groups, 4)))

@@ -18,6 +18,7 @@ from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zer
 from megatron_ds.estimate.transients import in_flight
 from megatron_ds.model import naming, shapes
 from megatron_ds.pipeline.layout import SpecGroups, build_layout
+from megatron_ds.testing.models import GPT_1_3B
 from megatron_ds.units import format_bytes
 
 
@@ -35,17 +36,6 @@ def tiny(**kw) -> ModelConfig:
 
 
 MEGATRON_DROPOUT = RegularizationConfig()  # 0.1 hidden and attention dropout, Megatron's defaults
-
-
-GPT_1_3B = ModelConfig(
-    num_layers=24,
-    hidden_size=2048,
-    num_attention_heads=16,
-    ffn_hidden_size=8192,
-    seq_length=2048,
-    max_position_embeddings=2048,
-    vocab_size=50304,
-)
 
 
 # --- model states against DeepSpeed's own estimator functions ---------------------------------------

@@ -16,6 +16,7 @@ from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.model import rng
 from megatron_ds.model.tensor_parallel_rank import SequenceShard
+from megatron_ds.testing.models import GPT_1_3B
 from megatron_ds.testing.saved_tensors import graph_bytes
 from megatron_ds.training import deepspeed_config
 
@@ -116,15 +117,6 @@ def test_split_dropout_is_the_part_of_the_unsplit_mask(dim: int, dtype: torch.dt
 
 # --- memory model ------------------------------------------------------------------------------------
 
-GPT_1_3B = ModelConfig(
-    num_layers=24,
-    hidden_size=2048,
-    num_attention_heads=16,
-    ffn_hidden_size=8192,
-    seq_length=2048,
-    max_position_embeddings=2048,
-    vocab_size=50304,
-)
 PAPER = act.Kernels(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
 
 
