@@ -66,6 +66,8 @@ def read_json(path: str, flag: str, error: type[UserError], fixes: tuple[str, st
     except json.JSONDecodeError as e:
         where = f"{e.msg} at line {e.lineno}" if at_line else e.msg
         raise error(f"{flag} {path}: not valid JSON ({where}); {fixes[1]}") from None
+    except UnicodeDecodeError:  # a binary file: json.load would not even start
+        raise error(f"{flag} {path}: not valid JSON (not UTF-8 text); {fixes[1]}") from None
 
 
 def write_json(path: str, value: Any) -> None:

@@ -72,6 +72,10 @@ def test_zero_two_with_pipeline_and_bad_files_are_errors(tmp_path: Path) -> None
     broken.write_text("{not json")
     with pytest.raises(dsc.DeepSpeedConfigError, match="not valid JSON"):
         dsc.build(cfg.replace(training__deepspeed_config=str(broken)))
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00 not text")
+    with pytest.raises(dsc.DeepSpeedConfigError, match=r"binary.json: not valid JSON \(not UTF-8 text\)"):
+        dsc.build(cfg.replace(training__deepspeed_config=str(binary)))
 
 
 def test_optimizer_offload_adds_only_its_keys() -> None:
