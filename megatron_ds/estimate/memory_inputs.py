@@ -149,6 +149,13 @@ class SpecMemory:
     """The tied LM head: the same matrix as WordEmbedding, a second copy only on another stage."""
     no_decay_params: int = 0
     """Parameters in the no-weight-decay group (biases, norm weights: `training/optimizer.py`)."""
+    deferrable_params: int = 0
+    """Weights of the spec's linear layers (`model/weight_grad.py`), whose gradients a split backward
+    (ZB-H1's BackwardOnlyPass) leaves to the weight pass; every other parameter gets its gradient in the
+    backward itself."""
+    largest_deferrable: int = 0
+    largest_undeferred: int = 0
+    """The largest parameter tensors of each kind (elements)."""
 
     @property
     def model_states(self) -> float:
@@ -173,8 +180,8 @@ class StageMemory:
     pipe_buffers: float
     transient: float
     """The predicted peak minus model states, activations and pipe buffers, so that `total` is the
-    peak. The peak is the largest of three moments (`transient_source` names it): a backward
-    before the step's gradients exist, a later backward with them, and the optimizer step (see
+    peak. The peak is the largest of the step's moments (`transient_source` names it): a backward
+    before the step's gradients exist, a later backward with them, a weight pass (ZB-H1), and the optimizer step (see
     `stage_memory_for`). Positive when a short-lived buffer tops the sum; negative when the
     activation peak and the gradients are never alive together."""
     transient_source: str

@@ -1,11 +1,16 @@
 """Analytic per-spec and per-stage memory of our GPT on DeepSpeed's pipeline engine. Pure: no torch.
 
-The peak on one GPU of stage s is the largest of three moments of a training step:
+The peak on one GPU of stage s is the largest of these moments of a training step:
 
     first backward  = params + optimizer + persistent grads + in_flight(s) x activations of one
                       micro-batch + pipe buffers + a backward transient (no gradient of this step yet)
     later backward  = the same with the step's gradients and, unless a forward follows, one
                       micro-batch fewer in flight
+    weight pass     = (schedules that split backwards, ZB-H1) the activations still in flight, the
+                      stores of the pending weight passes (its own included: it frees them at its end),
+                      the linears' weight gradients, which exist only from the step's first weight pass
+                      on (a split backward makes only those of norms, biases and embeddings), and, from
+                      the second pass on, one weight gradient before accumulation
     optimizer step  = params + grads + optimizer + pipe buffers that persist + the step's largest
                       temporary (the gradient all-reduce's flat copy or ZeRO-1's reduce buckets, AdamW's
                       sqrt/div temporaries)
@@ -17,10 +22,14 @@ micro-batches' activations are alive (M micro-batches per step); the engine cycl
 schedule's pipe buffers (`transients.pipe_buffers` says which of them hold what).
 
 Everything returned is an estimate; nothing here is measured. The terms beyond the classic sum
-(the three moments, the last stage's kept logits, the step's temporaries, the word embedding's
+(the moments, the last stage's kept logits, the step's temporaries, the word embedding's
 gradient after its micro-batch's activations are freed) were found by comparing with the measured
 peaks of `benchmarks/stage_memory.py` and are each traced to the DeepSpeed or torch code that
-allocates them, cited where they are computed.
+allocates them, cited where they are computed. The weight pass moment was found with the allocation
+trace of `benchmarks/schedules.py target` (48 layers, P = 5, M = 4): every ZB-H1 rank after the first
+peaks in a weight pass, the last one in its second (3 stores, every gradient and the head's weight
+gradient before accumulation), where the model had put it at a later backward with every gradient held,
+5.4% over the measured peak of the last rank.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from megatron_ds.estimate.transients import (
     gathered,
     pipe_buffers,
     step_temporaries,
+    weight_pass_transient,
     weight_store_bytes,
 )
 from megatron_ds.model import naming, shapes
@@ -62,6 +72,10 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
         n, largest, n_no_decay = params[idx].num_params, params[idx].largest, params[idx].no_decay
         spec_terms = layer_terms if group == "body" else terms[name]
         saved = sum(spec_terms.values())
+        deferrable = _deferrable(inputs, name, group)
+        rest = list(numels[idx])
+        for x in deferrable:
+            rest.remove(x)
         out.append(
             SpecMemory(
                 index=idx,
@@ -80,9 +94,23 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
                 activation_terms=dict(spec_terms),
                 tied=name == naming.TIED_LM_HEAD,
                 no_decay_params=n_no_decay,
+                deferrable_params=sum(deferrable),
+                largest_deferrable=max(deferrable, default=0),
+                largest_undeferred=max(rest, default=0),
             )
         )
     return tuple(out)
+
+
+def _deferrable(inputs: MemoryInputs, name: str, group: str) -> tuple[int, ...]:
+    """The spec's parameter tensors (elements per tensor rank) whose gradients `model/weight_grad.py`'s linears
+    compute: a transformer layer's four linear weights and the LM head, tied or not."""
+    m, t = inputs.model, inputs.tensor_parallel_size
+    if group == "body":
+        return tuple(rows * cols // t for rows, cols in shapes.layer_linear_shapes(m).values())
+    if name in (naming.TIED_LM_HEAD, naming.UNTIED_LM_HEAD):
+        return (shapes.word_embedding_params(m, t),)
+    return ()
 
 
 def stage_memory(inputs: MemoryInputs, layout) -> list[StageMemory]:
@@ -151,13 +179,12 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
     first_at, later_moments = pipeline_schedules.distinct_moments(schedule, inputs.num_micro_batches, num_ranks, rank)
     flight = sum(first_at[0])
     first_saved = sum(n * a for n, a in zip(first_at[0], per_mb)) + first_at[1] * store[0]
-    # The share of the rank's parameters whose gradients exist at each backward: the chunks that ran a
-    # backward before it (interleaving runs the last chunk's backwards first; one chunk: all from the second on).
-    share = [(sum(sp.num_params for sp in pre + post) + k * layer.num_params) / num_params for pre, k, post in chunks]
-    later_at = [  # (saved activations, gradient share, micro-batches in flight) at each later backward
-        (sum(n * a for n, a in zip(f, per_mb)) + pending * store[0], sum(share[x] for x in done), sum(f))
-        for f, pending, done in later_moments
-    ]
+    # The share of the rank's parameters whose gradients exist at each later moment: per chunk, those a backward
+    # makes once one ran (interleaving runs the last chunk's backwards first) and, where a split backward
+    # leaves them to the weight pass (ZB-H1), the linears' weights once a weight pass ran.
+    weights = [sum(sp.deferrable_params for sp in pre + post) + k * layer.deferrable_params for pre, k, post in chunks]
+    weights = [w if schedule.splits_backward else 0 for w in weights]
+    whole = [sum(sp.num_params for sp in pre + post) + k * layer.num_params for pre, k, post in chunks]
     if len(chunk_layers) == 1:
         buffers, persistent = pipe_buffers(inputs, rank, num_ranks)
     else:
@@ -167,17 +194,33 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
     pre = chunks[0][0]
     freed = per_mb[0] - sum(sp.activations for sp in pre if sp.name == naming.WORD_EMBEDDING)
     first_bwd = backward_transient(inputs, layer, recompute, held, last, freed, accumulating=False)
-    later_bwd = backward_transient(
-        inputs, layer, recompute, held, last, freed, accumulating=inputs.num_micro_batches > 1
-    )
     # The step's gradients exist from the first backward on: DeepSpeed sets every `.grad` to None
     # after the optimizer step (engine.zero_grad; zero_grad(set_to_none=True) of its ZeRO and bf16
     # optimizers), so only the rest of `grads` (flat fp32 buffers, partitions) is always held.
     fresh = min(states[1], num_params * PRECISION_BYTES[inputs.precision]) if inputs.zero_stage <= 1 else 0.0
     base = states[0] + states[2] + states[1] - fresh
-    later_saved, held_share, later = max(
-        later_at or [(first_saved - per_mb[first_at[2]], 1.0, flight - 1)], key=lambda a: a[0] + fresh * a[1]
-    )
+    later_options = []
+    for mo in later_moments or [_only_backward(first_at, len(chunks))]:
+        share = sum(whole[c] - weights[c] for c in mo.backward_grads) + sum(weights[c] for c in mo.weight_grads)
+        held_share = share / num_params
+        saved = sum(n * a for n, a in zip(mo.flight, per_mb)) + mo.pending * store[0]
+        if mo.kind == pipeline_schedules.WEIGHT:
+            extra, what = weight_pass_transient(inputs, held, mo.accumulating)
+            label = f"a weight pass, {sum(mo.flight)} micro-batch(es) in flight, {mo.pending} weight pass(es)' store"
+        else:
+            defers = mo.kind == pipeline_schedules.BACKWARD_INPUT
+            extra, what = backward_transient(inputs, layer, recompute, held, last, freed, mo.accumulating, defers)
+            label = f"a later backward, {sum(mo.flight)} micro-batch(es) in flight"
+            label += f", {mo.pending} weight pass(es)' store" if mo.pending else ""
+        label += (
+            ", gradients held"
+            + (f" (of {held_share:.0%} of the parameters)" if held_share < 1 else "")
+            + (f"; {what}" if extra else "")
+        )
+        later_options.append((base + fresh * held_share + saved + buffers + extra, label))
+    later_total, later_source = max(later_options, key=lambda o: o[0])
+    accumulating = inputs.num_micro_batches > 1
+    later_bwd = backward_transient(inputs, layer, recompute, held, last, freed, accumulating=accumulating)
     step, step_source = step_temporaries(inputs, held, num_params, num_ranks)
     moments = [
         (
@@ -185,12 +228,7 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
             f"first backward, {flight} micro-batch(es) in flight, no gradient yet"
             + (f"; {first_bwd[1]}" if first_bwd[0] else ""),
         ),
-        (
-            base + fresh * held_share + later_saved + buffers + later_bwd[0],
-            f"a later backward, {later} micro-batch(es) in flight, gradients held"
-            + (f" (of {held_share:.0%} of the parameters)" if held_share < 1 else "")
-            + (f"; {later_bwd[1]}" if later_bwd[0] else ""),
-        ),
+        (later_total, later_source),
         (sum(states[:3]) + persistent + step, f"optimizer step: {step_source}"),
     ]
     peak, source = max(moments, key=lambda m: m[0])
@@ -212,6 +250,13 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
         backward_transient=later_bwd[0],
         weight_store_per_micro_batch=store[0],
     )
+
+
+def _only_backward(first_at: tuple, num_chunks: int) -> pipeline_schedules.Moment:
+    """One micro-batch (M = 1, no later backward): the moment after its backward began, as if a later one."""
+    flight = tuple(n - (c == first_at[2]) for c, n in enumerate(first_at[0]))
+    every = tuple(range(num_chunks))
+    return pipeline_schedules.Moment(pipeline_schedules.BACKWARD, flight, first_at[1], every, every, False)
 
 
 def _checkpoint_states(inputs: MemoryInputs, first: bool, num_layers: int, full_layers: int) -> float:

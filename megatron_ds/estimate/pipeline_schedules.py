@@ -9,6 +9,8 @@ depends on the schedule is read off that stream by the functions below, for any 
                             fullest later backward (the memory model)
     backward_moments        at each backward: the micro-batches in flight per chunk and the weight
                             passes pending (the memory model under ZB-H1 and interleaving)
+    distinct_moments        the first backward and every distinct later `Moment` (backwards and
+                            weight passes, with the gradients that exist then): the memory model
     pipe_buffers            the engine's buffer slots per rank (the memory model)
     forward_micro_batches   which micro-batch each forward of a rank runs (dropout reseeding)
     compute_order           (F/B/I/W, chunk, micro-batch) per compute instruction (tests compare it
@@ -178,7 +180,7 @@ def activations_in_flight(
     With no later backward, one fewer than at the first (the first's own activations are gone)."""
     first_at, later = distinct_moments(schedule, num_micro_batches, num_stages, stage)
     first = sum(first_at[0])
-    return first, max((sum(flight) for flight, _, _ in later), default=first - 1)
+    return first, max((sum(m.flight) for m in later if m.kind != WEIGHT), default=first - 1)
 
 
 @functools.lru_cache(maxsize=8192)  # read per rank for every configuration the planner prices
@@ -202,15 +204,36 @@ def backward_moments(
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class Moment:
+    """A later moment of a rank's step as the memory model reads it: a backward (whole or input gradient) as
+    it starts, or a weight pass as it ends (its stored backward's inputs and output gradients are released
+    only after its last weight gradient, `model/weight_grad.py`)."""
+
+    kind: str
+    """BACKWARD, BACKWARD_INPUT (a split backward: the linears' weight gradients wait) or WEIGHT."""
+    flight: tuple[int, ...]
+    """Per chunk: micro-batches whose forward has run and whose backward has not."""
+    pending: int
+    """Backwards whose weight passes' stores are alive (a weight pass's own included)."""
+    backward_grads: tuple[int, ...]
+    """The chunks whose backward-made gradients exist (a backward ran before): under a split backward the
+    norms, biases and embeddings; under a whole one every gradient."""
+    weight_grads: tuple[int, ...]
+    """The chunks whose weight gradients (of the linears a split backward defers) exist: a whole backward ran
+    before, or a weight pass before or now."""
+    accumulating: bool
+    """The gradients this moment makes already exist: one of them is created before it is added."""
+
+
 @functools.lru_cache(maxsize=8192)  # read per rank for every configuration the planner prices
 def distinct_moments(
     schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
-) -> tuple[tuple[tuple[int, ...], int, int], tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...]]:
-    """`backward_moments` as the memory model reads it: (the first moment, every later one as (in flight per
-    chunk, weight passes pending, the chunks whose backward ran before it, in set order)) with repeats dropped,
-    first occurrences kept in stream order (a maximum over them is the maximum over all, the first one on ties).
-    A `steady` schedule's stream is read at M = 2P + 2 when M is larger: the same list, without generating M's
-    (tests/unit/test_pipeline_schedules.py compares the two)."""
+) -> tuple[tuple[tuple[int, ...], int, int], tuple[Moment, ...]]:
+    """`backward_moments` as the memory model reads it: (the first moment, every later `Moment`, weight
+    passes included) with repeats dropped, first occurrences kept in stream order (a maximum over them is the
+    maximum over all, the first one on ties). A `steady` schedule's stream is read at M = 2P + 2 when M is
+    larger: the same list, without generating M's (tests/unit/test_pipeline_schedules.py compares the two)."""
     if schedule.steady and num_micro_batches > 2 * num_stages + 2:
         return distinct_moments(schedule, 2 * num_stages + 2, num_stages, stage)
     return stream_moments(schedule, num_micro_batches, num_stages, stage)
@@ -218,15 +241,43 @@ def distinct_moments(
 
 def stream_moments(
     schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int
-) -> tuple[tuple[tuple[int, ...], int, int], tuple[tuple[tuple[int, ...], int, tuple[int, ...]], ...]]:
+) -> tuple[tuple[tuple[int, ...], int, int], tuple[Moment, ...]]:
     """`distinct_moments` read off the whole stream of M micro-batches."""
-    moments = backward_moments(schedule, num_micro_batches, num_stages, stage)
-    done: set[int] = {moments[0][2]}
-    later: dict[tuple, None] = {}
-    for flight, pending, chunk in moments[1:]:
-        later.setdefault((flight, pending, tuple(done)), None)
-        done.add(chunk)
-    return moments[0], tuple(later)
+    flight = [0] * schedule.virtual_stages
+    pending: list[int] = []  # the chunk of each backward whose weight pass waits, oldest first
+    backward: set[int] = set()
+    weight: set[int] = set()
+    first, later = None, {}
+    for ins in schedule.instructions(num_micro_batches, num_stages, stage):
+        if ins.kind == FORWARD:
+            flight[ins.chunk] += 1
+        elif ins.kind in BACKWARDS:
+            if first is None:
+                first = (tuple(flight), len(pending), ins.chunk)
+            else:
+                made = backward if ins.kind == BACKWARD_INPUT else backward & weight
+                moment = Moment(
+                    ins.kind, tuple(flight), len(pending), tuple(sorted(backward)), tuple(sorted(weight)),
+                    ins.chunk in made,
+                )  # fmt: skip
+                later.setdefault(moment, None)
+            flight[ins.chunk] -= 1
+            backward.add(ins.chunk)
+            if ins.kind == BACKWARD_INPUT:
+                pending.append(ins.chunk)
+            else:
+                weight.add(ins.chunk)
+        elif ins.kind == WEIGHT:
+            chunk = pending[0]
+            moment = Moment(
+                WEIGHT, tuple(flight), len(pending), tuple(sorted(backward)), tuple(sorted(weight | {chunk})),
+                chunk in weight,
+            )  # fmt: skip
+            later.setdefault(moment, None)
+            pending.pop(0)
+            weight.add(chunk)
+    assert first is not None, (schedule.name, num_micro_batches, num_stages, stage)
+    return first, tuple(later)
 
 
 def pipe_buffers(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int) -> int:

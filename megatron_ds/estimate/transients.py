@@ -55,10 +55,13 @@ def backward_transient(
     last: bool,
     freed_before_embedding: float,
     accumulating: bool,
+    defers_weights: bool = False,
 ) -> tuple[float, str]:
     """The largest short-lived buffer of one backward: recomputation, loss gradients, or (when
-    `accumulating`, i.e. not the step's first micro-batch) a weight gradient created before it is
-    added into the accumulated one.
+    `accumulating`: the gradients it makes already exist) a weight gradient created before it is
+    added into the accumulated one; a backward that `defers_weights` (ZB-H1's input gradient) makes only the
+    gradients of what is not a linear's weight (norms, biases, embeddings; `weight_pass_transient`
+    has the others).
 
     The word embedding's gradient is the last one a first-stage backward computes: every other
     activation that micro-batch saved on the stage (`freed_before_embedding` bytes) has been
@@ -92,7 +95,7 @@ def backward_transient(
     if accumulating:
         w = PRECISION_BYTES[inputs.precision]
         for sp in held:
-            size = sp.largest_param * w
+            size = (sp.largest_undeferred if defers_weights else sp.largest_param) * w
             if sp.name == naming.WORD_EMBEDDING:
                 options.append(
                     (
@@ -104,6 +107,16 @@ def backward_transient(
             else:
                 options.append((size, "one weight gradient before accumulation"))
     return max(options, key=lambda o: o[0])
+
+
+def weight_pass_transient(inputs: MemoryInputs, held: list[SpecMemory], accumulating: bool) -> tuple[float, str]:
+    """The largest short-lived buffer of one weight pass (`WeightGradStore.run_oldest`): when its
+    gradients already exist (`accumulating`), each linear's weight gradient is made whole before it is
+    added into `.grad` and freed, one at a time; the first pass of a step keeps each one as the `.grad`."""
+    largest = max((sp.largest_deferrable for sp in held), default=0)
+    if not accumulating or not largest:
+        return 0.0, "none"
+    return largest * PRECISION_BYTES[inputs.precision], "one weight gradient before accumulation"
 
 
 ALLREDUCE_BUCKET_ELEMENTS = 500_000_000

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.estimate import pipeline_schedules as schedules
 from megatron_ds.estimate.memory_inputs import MemoryInputs
-from megatron_ds.estimate.memory_model import rank_memory_for, stage_memory, stage_memory_for
+from megatron_ds.estimate.memory_model import rank_memory_for, spec_memory, stage_memory, stage_memory_for
 from megatron_ds.estimate.transients import weight_store_bytes
 from megatron_ds.model import naming
 from megatron_ds.model.layers import WordEmbedding, lm_head_logits
@@ -100,3 +101,40 @@ def test_interleaved_later_backwards_hold_only_the_gradients_of_chunks_that_ran_
     assert "gradients held (of 50% of the parameters)" in middle.transient_source
     everything = middle.params + middle.grads + middle.optimizer + middle.activations + middle.pipe_buffers
     assert middle.total < everything  # half the gradients are not yet there at the peak
+
+
+def test_zbh1s_linear_gradients_exist_from_the_first_weight_pass_on() -> None:
+    """ZB-H1's last stage runs every backward before its weight passes: its split backwards make only the
+    norms', biases' and embeddings' gradients, the first weight pass makes the linears' (no accumulation),
+    each later one adds one before accumulating it; a pass frees its store at its end (its own counted)."""
+    zb = schedules.find("zbh1")
+    _, later = schedules.distinct_moments(zb, 4, 5, 4)
+    backwards = [m for m in later if m.kind == schedules.BACKWARD_INPUT]
+    weights = [m for m in later if m.kind == schedules.WEIGHT]
+    assert [m.pending for m in backwards] == [1, 2, 3] and all(m.weight_grads == () for m in backwards)
+    assert all(m.backward_grads == (0,) and m.accumulating for m in backwards)
+    assert [(m.pending, m.accumulating, m.weight_grads) for m in weights] == [
+        (4, False, (0,)), (3, True, (0,)), (2, True, (0,)), (1, True, (0,)),
+    ]  # fmt: skip
+    # 1F1B's whole backwards make every gradient: both kinds exist from the second backward on
+    _, later = schedules.distinct_moments(schedules.find("1f1b"), 4, 5, 1)
+    assert all(m.kind == schedules.BACKWARD and m.backward_grads == m.weight_grads == (0,) for m in later)
+
+
+def test_zbh1s_last_stage_peaks_in_its_second_weight_pass() -> None:
+    """Measured by the allocation trace of benchmarks/schedules.py target (48 layers, P = 5, M = 4): the
+    last ZB-H1 rank peaks in its second weight pass with 3 stores, every gradient and the head's weight
+    gradient before accumulation; a later backward there holds no linear's gradient yet. As there, the head's
+    weight is larger than what a micro-batch stores (else the first pass, with 4 stores, is the peak)."""
+    model = dataclasses.replace(MODEL, seq_length=16, max_position_embeddings=16, vocab_size=2048)
+    mem = inputs("zbh1", m=4, model=model)
+    last = rank_memory_for(mem, 4, 5, (1,))
+    held = [sp for sp in spec_memory(mem) if sp.group in ("body", "post")]
+    states = last.params + last.grads + last.optimizer
+    largest = max(sp.largest_deferrable for sp in held) * 4  # the head's weight (fp32)
+    assert largest == model.vocab_size * model.hidden_size * 4
+    assert last.transient_source.startswith("a weight pass, 0 micro-batch(es) in flight, 3 weight pass(es)' store")
+    assert last.total == pytest.approx(states + 3 * last.weight_store_per_micro_batch + last.pipe_buffers + largest)
+    # with every gradient held at its last backward (the model before), it would be one micro-batch more
+    old = states + last.activation_per_micro_batch + 3 * last.weight_store_per_micro_batch + last.pipe_buffers
+    assert last.total < old + largest

@@ -51,6 +51,37 @@ def test_deferred_weight_gradients_add_up_in_backward_order() -> None:
         store.run_oldest()
 
 
+def test_a_weight_pass_frees_each_added_gradient_before_making_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once `.grad` exists, each weight gradient is made, added and freed before the next is made: one
+    temporary at a time, as the memory model counts (the allocation trace of benchmarks/schedules.py
+    target saw two at once, the head's and the next layer's, before this)."""
+    import weakref
+
+    torch.manual_seed(0)
+    layers = [weight_grad.Linear(32, 32) for _ in range(3)]
+    made, alive_at_each = [], []
+    real = weight_grad.weight_gradient
+
+    def tracked(grad_output: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        alive_at_each.append(sum(r() is not None and not any(r() is m.weight.grad for m in layers) for r in made))
+        out = real(grad_output, inputs)
+        made.append(weakref.ref(out))
+        return out
+
+    store = weight_grad.WeightGradStore()
+    for _ in range(2):
+        x = torch.randn(4, 32, requires_grad=True)
+        with store.deferring():
+            y = x
+            for m in layers:
+                y = m(y)
+            y.sum().backward()
+    monkeypatch.setattr(weight_grad, "weight_gradient", tracked)
+    store.run_oldest()  # the first pass: each gradient becomes the `.grad`
+    store.run_oldest()  # the second: each is added, then freed
+    assert alive_at_each == [0] * 6
+
+
 def test_the_weight_pass_reaches_the_parameter_through_saved_tensor_hooks() -> None:
     """A hook that unpacks saved tensors as other objects (as the memory meter's may) must not send
     the weight gradient to a stranger: it lands on the parameter."""
