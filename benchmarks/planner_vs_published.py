@@ -16,11 +16,13 @@ Records (each figure as its source prints it):
                  `--overlap-grad-reduce --overlap-param-gather --tp-comm-overlap` (sequence parallelism).
 Neither source gives the micro-batch: 1, as Megatron-LM's GPT-3 175B example script
 (examples/gpt3/train_gpt3_175b_distributed.sh) uses; recomputation on for Narayanan (the paper's counting),
-for the H100 table the faster of off and on that fits our memory model. Schedule: 1F1B. Neither source,
-as read here, states each record's schedule (the H100 table has no virtual-stage column; the README
-names only its overlap flags), so none is priced as interleaved. Priced under interleaving (v = 2)
-wherever it can run, the figures get worse, not better (measured once: 10 of 19 within 15%, worst
-35.0%): interleaving halves the bubble, and the pipelined records are already predicted too fast.
+for the H100 table the faster of off and on that fits our memory model. Schedule: 1F1B. Neither table
+states each record's schedule or virtual-stage count (the H100 table has no such column; the README names
+only its overlap flags, and megatron-core's p2p overlap exists only under interleaving, so under 1F1B the
+sends are priced blocking); the paper's text says its end-to-end runs were interleaved, with no v per
+record, so none is priced as interleaved. Priced under interleaving (v = 2) wherever it can run, the
+figures get worse, not better (measured once: 10 of 19 within 15%, worst 35.0%): interleaving halves the
+bubble, and the pipelined records are already predicted too fast (benchmarks/README.md says what is left).
 
 Nothing is fitted per record or per table: the constants are the step-time model's shared ones, each with
 its source (estimate/devices.py, efficiency.py, communication.py, layer_time.py), and each table's run

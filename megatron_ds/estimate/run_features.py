@@ -50,7 +50,13 @@ class RunFeatures:
     """Each tensor rank sends 1/t of a stage's activation across nodes (Narayanan et al. 2021, Sec. 4.1);
     False: every tensor rank sends the whole tensor."""
     p2p_overlap: bool = False
-    """Pipeline sends and receives overlapped with compute (Megatron-core's default)."""
+    """Pipeline sends and receives overlapped with compute (Megatron-core's default; upstream runs it only
+    under the interleaved schedule, so the step model applies it only with virtual stages)."""
+    delay_grad_reduce: bool = False
+    """With `overlap-last`, only the first pipeline stage reduces during its last backward; the others start
+    after their last backward, in the bubble (Megatron-core's `--delay-grad-reduce`, on by default at the H100
+    table's commit f2e5db402c: training.py sets `grad_sync_func`, and schedules.py then enables the overlapped
+    sync only `if config.grad_sync_func is None or rank == 0`)."""
     grad_norm_sync: bool = True
     """Gradient clipping's global-norm all-reduce joins every stage before the optimizer step."""
 
@@ -92,6 +98,7 @@ MEGATRON_CORE_H100 = RunFeatures(
     sequence_parallel=True,  # --tp-comm-overlap runs on sequence parallelism
     tp_overlap=True,
     dp_mode=DP_OVERLAP_LAST,  # --overlap-grad-reduce (and --overlap-param-gather)
+    delay_grad_reduce=True,  # upstream's default then (--no-delay-grad-reduce turns it off)
     grad_bytes=4,  # bf16 runs reduce fp32 gradients
     partitioned_optimizer=True,
     p2p_scatter_gather=True,

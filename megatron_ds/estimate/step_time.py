@@ -7,13 +7,16 @@ post (the last flat stage); backward the same
 backward passes plus one forward of every recomputed layer (full recomputation, DeepSpeed's chunks:
 `compute.recomputed_layers`). Between stages each micro-batch's activation (b s h) goes forward and its
 gradient back, over the network when stages sit on different nodes (`communication.Placement`); 1/t of it
-per tensor rank with Megatron's scatter-gather; none with overlapped sends; with v chunks every chunk
+per tensor rank with Megatron's scatter-gather, then all-gathered on the node (`_send_time`); none with
+overlapped sends (interleaved only, as upstream); with v chunks every chunk
 boundary is a transfer (v x the traffic; the interleaved schedule posts its sends). Per rank, its chunks
 together, after the last backward:
   the tied embedding's gradient all-reduce between the first and the last stage (a tied model, P > 1);
   the data-parallel reduction of the stage's gradients, exposed as `RunFeatures.dp_mode` says:
       after-backward  all of it, after the stage's last backward (other stages still compute);
-      overlap-last    what outlasts the last micro-batch's backward;
+      overlap-last    what outlasts the last micro-batch's backward; with `delay_grad_reduce` only on
+                      the first stage, the others reduce after their last backward (the gather still
+                      hides behind the next forward);
       overlap-each    every micro-batch reduces its own gradients during its backward (ZeRO-2/3): what
                       outlasts each backward is added to it; ZeRO-3 also gathers the parameters for
                       every forward and backward, counted whole (its gathers run layer by layer, each
@@ -217,7 +220,9 @@ def _dp_times(
             out.append(0.0 if inp.zero_stage == 3 else gather)
             continue
         per_mb.append(0.0)
-        if features.dp_mode == DP_OVERLAP_LAST:
+        if features.dp_mode == DP_OVERLAP_LAST and features.delay_grad_reduce and r > 0:
+            out.append(reduce + max(0.0, gather - rank_forward))  # reduced in the bubble, after the backward
+        elif features.dp_mode == DP_OVERLAP_LAST:
             out.append(max(0.0, reduce + gather - rank_backward - rank_forward))
         else:
             assert features.dp_mode == DP_AFTER_BACKWARD
@@ -236,6 +241,25 @@ def _optimizer_times(inp: StepInputs, kernels: Kernels, features: RunFeatures) -
     return out
 
 
+def _send_time(inp: StepInputs, links: Links, features: RunFeatures, place: Placement) -> float:
+    """One micro-batch's activation (or its gradient) from a stage to the next, as the rendezvous the
+    simulator puts on the path; one per chunk boundary (the program has v x the sends with virtual stages).
+    Megatron's p2p overlap exists only under the interleaved schedule (megatron/training/arguments.py sets
+    `overlap_p2p_comm = False` without virtual stages), so 1F1B and ZB-H1 sends stay blocking. With the
+    scatter/gather optimization each tensor rank sends 1/t across nodes and the receiver all-gathers the
+    tensor over its node's tensor group before using it (Megatron-LM 2021 `p2p_communication._communicate`:
+    `split_tensor_into_1d_equal_chunks`, the send, `torch.cuda.synchronize()`, `gather_split_1d_tensor`);
+    under sequence parallelism the message is already the rank's sequence shard, with no gather."""
+    if inp.pp == 1 or (features.p2p_overlap and inp.virtual_stages > 1):
+        return 0.0
+    activation = inp.micro_batch_size * inp.model.seq_length * inp.model.hidden_size * PRECISION_BYTES[inp.precision]
+    cross = not place.stages_within_node
+    if not (features.p2p_scatter_gather and cross):
+        return links.send(activation, not cross)
+    gather = 0.0 if features.sequence_parallel else links.reduce_scatter(activation, inp.tp, within_node=True)
+    return links.send(activation / inp.tp, within_node=False) + gather
+
+
 def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures) -> StepTime:
     """The step's seconds and throughput for this configuration on this device and network."""
     if inp.num_flat % inp.virtual_stages or len(inp.stage_params) != inp.pp:
@@ -244,16 +268,11 @@ def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunF
             f"parameters do not agree"
         )
     place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node)
-    w = PRECISION_BYTES[inp.precision]
     forward, backward, parts, weight = _stage_passes(inp, kernels, links, features)
     reduce, per_mb = _dp_times(inp, links, features, forward, backward)
     optimizer = _optimizer_times(inp, kernels, features)
-    model, m = inp.model, inp.micro_batch_size
-    activation = m * model.seq_length * model.hidden_size * w
-    cross = not place.stages_within_node
-    per_rank = activation / inp.tp if features.p2p_scatter_gather and cross else activation
-    # one transfer per chunk boundary: the simulator's program has v x the sends with virtual stages
-    send = 0.0 if features.p2p_overlap or inp.pp == 1 else links.send(per_rank, not cross)
+    model = inp.model
+    send = _send_time(inp, links, features, place)
     tied = not model.untie_embeddings_and_output_weights and inp.pp > 1
     embedding = model.vocab_size // inp.tp * model.hidden_size * features.grad_bytes
     tied_reduce = links.all_reduce(embedding, 2, place.ends_within_node) if tied else 0.0

@@ -19,6 +19,7 @@ from megatron_ds.estimate.run_features import (
     DP_OVERLAP_LAST,
     MATH,
     MEGATRON_CORE_H100,
+    MEGATRON_LM_2021,
     RunFeatures,
     deepspeed_features,
 )
@@ -173,4 +174,30 @@ def test_hopper_with_megatron_core_features_prices_flash_attention_at_the_papers
     step = predict_step(
         inputs(gpt(h=8192, heads=64, s=4096), 2, 8, dp=4, tp=8), k, Links.for_device(H100, 8), MEGATRON_CORE_H100
     )
-    assert step.send == 0.0 and 0.2 < step.mfu < 0.8  # overlapped sends; a plausible share of the peak
+    assert step.send > 0.0 and 0.2 < step.mfu < 0.8  # 1F1B: blocking sends; a plausible share of the peak
+
+
+def test_sends_are_blocking_outside_interleaving_and_scatter_gather_pays_the_nodes_all_gather() -> None:
+    model, links = gpt(h=8192, heads=64), Links.for_device(A100, 8)
+    activation = 2048 * 8192 * 2  # b s h at 2 bytes; stages of 8 x 4 ranks sit on different nodes
+    old = predict_step(inputs(model, 2, 8, dp=4, tp=8), KERNELS, links, MEGATRON_LM_2021)
+    gather = links.reduce_scatter(activation, 8, within_node=True)  # the receiver's all-gather
+    assert old.send == pytest.approx(links.send(activation / 8, within_node=False) + gather)
+    core = predict_step(inputs(model, 2, 8, dp=4, tp=8), KERNELS, links, MEGATRON_CORE_H100)
+    assert core.send == pytest.approx(links.send(activation / 8, within_node=False))  # SP: the shard, no gather
+    chunks = dataclasses.replace(
+        inputs(model, 2, 8, dp=4, tp=8, schedule="interleaved", virtual_stages=2), layers_per_stage=(2,) * 4
+    )
+    assert predict_step(chunks, KERNELS, links, MEGATRON_CORE_H100).send == 0.0  # overlap_p2p_comm
+
+
+def test_delayed_grad_reduce_overlaps_only_the_first_stages_last_backward() -> None:
+    inp = inputs(gpt(), 2, 8, dp=16)
+    eager = predict_step(inp, KERNELS, LINKS, RunFeatures("e", dp_mode=DP_OVERLAP_LAST))
+    delayed = predict_step(inp, KERNELS, LINKS, RunFeatures("d", dp_mode=DP_OVERLAP_LAST, delay_grad_reduce=True))
+    params, place = inp.stage_params[1], Placement(1, 2, 16, 8)
+    reduce = LINKS.reduce_scatter(params * 2, 16, place.dp_within_node)
+    gather = LINKS.reduce_scatter(params * 2, 16, place.dp_within_node)
+    assert delayed.reduce_grads[0] == pytest.approx(eager.reduce_grads[0])
+    assert delayed.reduce_grads[1] == pytest.approx(reduce + max(0.0, gather - delayed.forward[1]))
+    assert delayed.reduce_grads[1] > eager.reduce_grads[1]
