@@ -5,8 +5,8 @@ Two askers read the same changes:
 
 - `fit_advice`, the one-line ending of `--pp-partition-method fastest` / `profile`'s error when no
   split of the layers fits (`run_layout.build_run_layout`): the smallest larger P, recomputation,
-  ZeRO-1, optimizer offload and, at pipeline size 1 (DeepSpeed's plain engine), ZeRO-2, ZeRO-3 and
-  ZeRO-3 parameter offload, each with the least largest stage any split reaches (exact).
+  ZeRO-1, optimizer offload and, at pipeline size 1 (DeepSpeed's plain engine), ZeRO-2, ZeRO-3,
+  ZeRO-2 with optimizer offload and ZeRO-3 parameter offload, each with the least largest stage any split reaches (exact).
 - `ranked_changes`, the planner's `memory` section (`plan/memory_advice.py` renders it): every
   change that applies to a configuration, with its saving on the fullest stage under the layout
   the changed configuration gets, cheapest first.
@@ -152,7 +152,7 @@ def _optimizer_flags(inputs: MemoryInputs) -> str:
 
 def _plain_engine(inputs: MemoryInputs, zero_stage: int, **offload: str) -> MemoryInputs | None:
     """ZeRO 2/3 on DeepSpeed's plain engine, which runs at pipeline size 1 with the 1F1B schedule only
-    (`Config._check_engine`; the caller checks P = 1); None where it partitions nothing new."""
+    (`Config._check_engine`; `single_stage` keeps it off P > 1); None under another schedule."""
     if inputs.schedule != DEFAULT_PIPELINE_SCHEDULE or inputs.virtual_stages > 1:
         return None
     return dataclasses.replace(inputs, zero_stage=zero_stage, engine="plain", **offload)
@@ -190,6 +190,18 @@ OFFLOAD_OPTIMIZER = Remedy(
     lambda i: f"{_optimizer_flags(i)} --zero-stage {i.zero_stage}",
     same_layout=True,
 )
+ZERO_2_OFFLOAD = Remedy(
+    "ZeRO-2 with optimizer states offloaded to CPU (ZeRO-Offload)",
+    "PCIe traffic every step (the gradients to the host, the updated parameters back) and the optimizer step "
+    "on the CPU (Ren et al. 2021); needs host memory; DeepSpeed's plain engine, pipeline size 1",
+    2,
+    lambda i: (
+        _plain_engine(i, 2, offload_optimizer="cpu") if i.zero_stage < 2 and i.offload_optimizer == "none" else None
+    ),
+    lambda i: f"--zero-stage 2 {_optimizer_flags(i)}",
+    same_layout=True,
+    single_stage=True,
+)
 OFFLOAD_PARAM = Remedy(
     "ZeRO-3 with parameters and optimizer states offloaded to CPU",
     "the parameters cross PCIe in every forward and backward, the optimizer step on the CPU; needs host memory "
@@ -225,6 +237,7 @@ REMEDIES: tuple[Remedy, ...] = (
     ZERO_3,
     HALVE_MICRO_BATCH,
     OFFLOAD_OPTIMIZER,
+    ZERO_2_OFFLOAD,
     OFFLOAD_PARAM,
     ONE_BIT,
 )
@@ -238,7 +251,16 @@ def least_memory(inputs: MemoryInputs, num_stages: int) -> float:
     return minimax_split(n, num_stages, lambda s, k: stage_memory_for(inputs, s, num_stages, k).total)[1]
 
 
-ONE_LINE: tuple[Remedy, ...] = (SEQUENCE_PARALLEL, RECOMPUTE, ZERO_1, ZERO_2, ZERO_3, OFFLOAD_OPTIMIZER, OFFLOAD_PARAM)
+ONE_LINE: tuple[Remedy, ...] = (
+    SEQUENCE_PARALLEL,
+    RECOMPUTE,
+    ZERO_1,
+    ZERO_2,
+    ZERO_3,
+    OFFLOAD_OPTIMIZER,
+    ZERO_2_OFFLOAD,
+    OFFLOAD_PARAM,
+)
 """The changes the one-line advice tries (besides a larger P), in the order it names them."""
 
 

@@ -133,7 +133,13 @@ ZERO_ARGV = [
     *("--micro-batch-size", "4", "--global-batch-size", "32", "--pipeline-model-parallel-size", "1"),
     *("--lr", "1e-4", "--train-iters", "10", "--mock-data"),
 ]
-PLAIN_REMEDIES = (fit_advice.ZERO_2, fit_advice.ZERO_3, fit_advice.OFFLOAD_OPTIMIZER, fit_advice.OFFLOAD_PARAM)
+PLAIN_REMEDIES = (
+    fit_advice.ZERO_2,
+    fit_advice.ZERO_3,
+    fit_advice.OFFLOAD_OPTIMIZER,
+    fit_advice.ZERO_2_OFFLOAD,
+    fit_advice.OFFLOAD_PARAM,
+)
 
 
 def _run_inputs(argv: list[str], world_size: int = 2) -> MemoryInputs:
@@ -161,6 +167,10 @@ def test_zero_2_and_3_apply_where_the_plain_engine_runs_and_partition_something(
     zbh1 = dataclasses.replace(INPUTS, schedule="zbh1")  # the plain engine runs the 1F1B schedule only
     assert all(r.change(zbh1) is None for r in (fit_advice.ZERO_2, fit_advice.ZERO_3, fit_advice.OFFLOAD_PARAM))
     assert fit_advice.ZERO_2.change(zero3) is None and fit_advice.ZERO_3.change(zero3) is None
+    # ZeRO-Offload's 13B on one GPU: ZeRO-2 with CPU Adam at DP = 1 moves the gradients and fp32 states off
+    zero2_offload = fit_advice.ZERO_2_OFFLOAD.change(single)
+    assert (zero2_offload.zero_stage, zero2_offload.offload_optimizer, zero2_offload.engine) == (2, "cpu", "plain")
+    assert fit_advice.ZERO_2_OFFLOAD.change(zero2_offload) is None
     offloaded = fit_advice.OFFLOAD_PARAM.change(INPUTS)
     assert fit_advice.OFFLOAD_OPTIMIZER.change(offloaded) is None and fit_advice.OFFLOAD_PARAM.change(offloaded) is None
 
