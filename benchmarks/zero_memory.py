@@ -3,16 +3,17 @@
 engine, next to the memory model (`estimate/memory_model.py`) and DeepSpeed's own estimators
 (`estimate_zero2_model_states_mem_needs`, `estimate_zero3_model_states_mem_needs`).
 
-Each case trains a GPT of ~13M parameters in bf16 (the estimators' 16-bit mixed precision; two fp32 rows too) on 2 CPU ranks
-(DP=2, gloo) for two steps; the second is measured by `--log-memory`'s meter (`training/measure/memory.py`):
-params (parameter storages and ZeRO-3 partitions), grads (alive just before the optimizer step), optimizer
+Each case trains a GPT of ~13M parameters (two ZeRO-2 offload rows: ~7.5M, a small vocabulary) in bf16
+(the estimators' 16-bit mixed precision; two fp32 rows too) on 2 CPU ranks (DP=2, gloo) for two steps;
+the second is measured by `--log-memory`'s meter (`training/measure/memory.py`): params (parameter
+storages and ZeRO-3 partitions), grads (alive just before the optimizer step), optimizer
 (everything else the optimizer holds), and of these what ZeRO's offload keeps in host memory. The device
 column is params + grads + optimizer - host. On the model side: `StageMemory.params + grads + optimizer`
 (device) and `.host`; DeepSpeed's estimators give the GPU and the CPU bytes per node (buffer factor 1 for
 the CPU: the model states themselves). ZeRO-3's GPU estimate adds 4 bytes x the largest layer's parameters
 (its working set while gathered), which is not a model state at rest: the table shows it apart.
 
-    python benchmarks/zero_memory.py            # the table (about a minute on 2 cores)
+    python benchmarks/zero_memory.py            # the table (about three minutes on 2 cores)
     python benchmarks/zero_memory.py --json     # the rows as JSON
 """
 
@@ -41,6 +42,7 @@ MODEL = {
     "training__micro_batch_size": 1,
     "training__global_batch_size": 4,
 }
+SMALL_VOCAB_OFFLOAD = "ZeRO-2 + CPU Adam, vocabulary 1024"
 CASES = {
     "ZeRO-2 fp32": {"training__zero_stage": 2, "training__precision": "fp32"},
     "ZeRO-3 fp32": {"training__zero_stage": 3, "training__precision": "fp32"},
@@ -51,6 +53,16 @@ CASES = {
         "training__zero_stage": 3,
         "training__cpu_optimizer": True,
         "training__offload_param": "cpu",
+    },
+    # The word embedding above is half the parameters, and ZeRO-2 offload stages the largest parameter: with
+    # vocabulary 1024 the largest is an MLP matrix (1536 x 384), a realistic share of the model.
+    SMALL_VOCAB_OFFLOAD: {"training__zero_stage": 2, "training__cpu_optimizer": True, "model__vocab_size": 1024},
+    # ... and with one micro-batch per step, DeepSpeed keeps no accumulated 16-bit gradients on the host.
+    SMALL_VOCAB_OFFLOAD + ", one micro-batch per step": {
+        "training__zero_stage": 2,
+        "training__cpu_optimizer": True,
+        "model__vocab_size": 1024,
+        "training__global_batch_size": 2,
     },
 }
 
@@ -113,6 +125,7 @@ def predicted(case: str) -> dict[str, float]:
             "ds_cpu_per_rank": None,
             "ds_working_set": 0,
             "params": total,
+            "vocab": config.model.vocab_size,
         }
     if t.zero_stage == 2:
         cpu, gpu = estimate_zero2_model_states_mem_needs(total, WORLD, 1, offload, additional_buffer_factor=1.0)
@@ -129,6 +142,7 @@ def predicted(case: str) -> dict[str, float]:
         "ds_cpu_per_rank": cpu / WORLD if offload else None,  # without offload: the CPU memory to load the model
         "ds_working_set": working,
         "params": total,
+        "vocab": config.model.vocab_size,
     }
 
 
@@ -163,9 +177,10 @@ def _mib(value: float | None) -> str:
 
 def table(data: list[dict[str, object]]) -> str:
     mib = 2.0**20
+    sizes = {f"{r['params'] / 1e6:.1f}M parameters (vocabulary {r['vocab']})": None for r in data}  # in order, once
     lines = [
-        f"GPT of {data[0]['params'] / 1e6:.1f}M parameters, bf16 unless fp32, DP={WORLD} (per rank, MiB; ratio = "
-        "measured / predicted; DeepSpeed's estimators are for 16-bit training)",
+        f"GPT of {' or '.join(sizes)} parameters, bf16 unless fp32, DP={WORLD} "
+        "(per rank, MiB; ratio = measured / predicted; DeepSpeed's estimators are for 16-bit training)",
         "| case | measured device | memory model | ratio | DeepSpeed estimator (GPU) | ratio "
         "| measured host | memory model | ratio | DeepSpeed estimator (CPU) | ratio |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

@@ -4,8 +4,9 @@ flags and its cost, and the memory model asked again with each. Pure: no torch.
 Two askers read the same changes:
 
 - `fit_advice`, the one-line ending of `--pp-partition-method fastest` / `profile`'s error when no
-  split of the layers fits (`run_layout.build_run_layout`): the smallest larger P, recomputation
-  or ZeRO-1, each with the least largest stage any split reaches (exact).
+  split of the layers fits (`run_layout.build_run_layout`): the smallest larger P, recomputation,
+  ZeRO-1, optimizer offload and, at pipeline size 1 (DeepSpeed's plain engine), ZeRO-2, ZeRO-3,
+  ZeRO-2 with optimizer offload and ZeRO-3 parameter offload, each with the least largest stage any split reaches (exact).
 - `ranked_changes`, the planner's `memory` section (`plan/memory_advice.py` renders it): every
   change that applies to a configuration, with its saving on the fullest stage under the layout
   the changed configuration gets, cheapest first.
@@ -17,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import stage_memory, stage_memory_for
 from megatron_ds.pipeline.balance import minimax_split
@@ -54,6 +56,8 @@ class Change:
     saving: float
     cost: str
     cost_rank: int
+    peak: float = 0.0
+    """The fullest stage's predicted memory per rank after the change (bytes)."""
 
 
 def _halved(inputs: MemoryInputs) -> MemoryInputs | None:
@@ -136,13 +140,83 @@ HALVE_MICRO_BATCH = Remedy(
     _halved,
     lambda i: f"--micro-batch-size {i.micro_batch_size}",
 )
+
+
+def _optimizer_flags(inputs: MemoryInputs) -> str:
+    """The optimizer offload as pretrain_gpt.py spells it: DeepSpeed's CPU Adam for Adam, torch's optimizer
+    on the host otherwise (`--cpu-optimizer` is an Adam)."""
+    if inputs.offload_optimizer == "cpu" and inputs.optimizer == "adam":
+        return "--cpu-optimizer"
+    return f"--offload-optimizer {inputs.offload_optimizer}"
+
+
+def _plain_engine(inputs: MemoryInputs, zero_stage: int, **offload: str) -> MemoryInputs | None:
+    """ZeRO 2/3 on DeepSpeed's plain engine, which runs at pipeline size 1 with the 1F1B schedule only
+    (`Config._check_engine`; `single_stage` keeps it off P > 1); None under another schedule."""
+    if inputs.schedule != DEFAULT_PIPELINE_SCHEDULE or inputs.virtual_stages > 1:
+        return None
+    return dataclasses.replace(inputs, zero_stage=zero_stage, engine="plain", **offload)
+
+
+ZERO_2 = Remedy(
+    "ZeRO-2",
+    "same communication volume as data parallelism (a reduce-scatter of the gradients, an all-gather of the "
+    "parameters; ZeRO paper Sec. 7.2.1); DeepSpeed's plain engine, pipeline size 1",
+    0,
+    lambda i: _plain_engine(i, 2) if i.zero_stage < 2 and i.data_parallel_size > 1 else None,
+    lambda i: "--zero-stage 2",
+    same_layout=True,
+    single_stage=True,
+)
+ZERO_3 = Remedy(
+    "ZeRO-3",
+    "1.5x data parallelism's communication volume (the parameters all-gathered in forward and again in "
+    "backward; ZeRO paper Sec. 7.2.2); DeepSpeed's plain engine, pipeline size 1",
+    1,
+    lambda i: _plain_engine(i, 3) if i.zero_stage < 3 and i.data_parallel_size > 1 else None,
+    lambda i: "--zero-stage 3",
+    same_layout=True,
+    single_stage=True,
+)
 OFFLOAD_OPTIMIZER = Remedy(
     "offload optimizer states to CPU",
     "PCIe traffic every step and the optimizer step on the CPU (DeepSpeed's CPU Adam); needs host memory",
     2,
-    lambda i: dataclasses.replace(i, zero_stage=max(1, i.zero_stage), offload_optimizer="cpu"),
-    lambda i: f"--cpu-optimizer --zero-stage {max(1, i.zero_stage)}",
+    lambda i: (
+        dataclasses.replace(i, zero_stage=max(1, i.zero_stage), offload_optimizer="cpu")
+        if i.offload_optimizer == "none"
+        else None
+    ),
+    lambda i: f"{_optimizer_flags(i)} --zero-stage {i.zero_stage}",
     same_layout=True,
+)
+ZERO_2_OFFLOAD = Remedy(
+    "ZeRO-2 with optimizer states offloaded to CPU (ZeRO-Offload)",
+    "PCIe traffic every step (the gradients to the host, the updated parameters back) and the optimizer step "
+    "on the CPU (Ren et al. 2021); needs host memory; DeepSpeed's plain engine, pipeline size 1",
+    2,
+    lambda i: (
+        _plain_engine(i, 2, offload_optimizer="cpu") if i.zero_stage < 2 and i.offload_optimizer == "none" else None
+    ),
+    lambda i: f"--zero-stage 2 {_optimizer_flags(i)}",
+    same_layout=True,
+    single_stage=True,
+)
+OFFLOAD_PARAM = Remedy(
+    "ZeRO-3 with parameters and optimizer states offloaded to CPU",
+    "the parameters cross PCIe in every forward and backward, the optimizer step on the CPU; needs host memory "
+    "(ZeRO-Infinity, Rajbhandari et al. 2021); DeepSpeed's plain engine, pipeline size 1",
+    2,
+    lambda i: (
+        _plain_engine(
+            i, 3, offload_param="cpu", offload_optimizer="cpu" if i.offload_optimizer == "none" else i.offload_optimizer
+        )
+        if i.offload_param == "none"
+        else None
+    ),
+    lambda i: f"--zero-stage 3 {_optimizer_flags(i)} --offload-param {i.offload_param}",
+    same_layout=True,
+    single_stage=True,
 )
 ONE_BIT = Remedy(
     "1-bit Adam / 0/1 Adam / 1-bit LAMB",
@@ -155,12 +229,16 @@ ONE_BIT = Remedy(
 )
 REMEDIES: tuple[Remedy, ...] = (
     ZERO_1,
+    ZERO_2,
     SEQUENCE_PARALLEL,
     SELECTIVE_RECOMPUTE,
     ULYSSES,
     RECOMPUTE,
+    ZERO_3,
     HALVE_MICRO_BATCH,
     OFFLOAD_OPTIMIZER,
+    ZERO_2_OFFLOAD,
+    OFFLOAD_PARAM,
     ONE_BIT,
 )
 """In the order equal-cost changes are listed."""
@@ -173,9 +251,23 @@ def least_memory(inputs: MemoryInputs, num_stages: int) -> float:
     return minimax_split(n, num_stages, lambda s, k: stage_memory_for(inputs, s, num_stages, k).total)[1]
 
 
+ONE_LINE: tuple[Remedy, ...] = (
+    SEQUENCE_PARALLEL,
+    RECOMPUTE,
+    ZERO_1,
+    ZERO_2,
+    ZERO_3,
+    OFFLOAD_OPTIMIZER,
+    ZERO_2_OFFLOAD,
+    OFFLOAD_PARAM,
+)
+"""The changes the one-line advice tries (besides a larger P), in the order it names them."""
+
+
 def fit_advice(inputs: MemoryInputs, num_stages: int, limit: float) -> str:
-    """`it would fit with ...` naming the smallest larger P, recomputation, ZeRO-1 (those that fit),
-    each with its least largest stage; or what else to try when none does."""
+    """`it would fit with ...` naming the smallest larger P and each of `ONE_LINE` that fits (ZeRO 2/3 and
+    parameter offload at pipeline size 1 only), each with its least largest stage per rank; or what else
+    to try when none does."""
     found = []
     max_stages = inputs.model.num_layers + 2
     for p in range(num_stages + 1, max_stages + 1):  # the same data parallelism, more stages (ranks)
@@ -183,17 +275,19 @@ def fit_advice(inputs: MemoryInputs, num_stages: int, limit: float) -> str:
         if need <= limit:
             found.append(f"--pipeline-model-parallel-size {p} ({format_bytes(need)} on its largest stage)")
             break
-    for remedy in (SEQUENCE_PARALLEL, RECOMPUTE, ZERO_1):
+    tried = [r for r in ONE_LINE if num_stages == 1 or not r.single_stage]
+    where = " per rank" if num_stages == 1 else " on its largest stage"
+    for remedy in tried:
         changed = remedy.change(inputs)
         if changed is not None:
             need = least_memory(changed, num_stages)
             if need <= limit:
-                found.append(f"{remedy.flags(changed)} ({format_bytes(need)})")
+                found.append(f"{remedy.flags(changed)} ({format_bytes(need)}{where})")
     if found:
         return "it would fit with " + ", or ".join(found)
     return (
-        f"no larger --pipeline-model-parallel-size (up to {max_stages}), recomputation or ZeRO-1 makes it fit; "
-        f"lower --micro-batch-size or raise --pp-memory-limit"
+        f"no larger --pipeline-model-parallel-size (up to {max_stages}), nor {', '.join(r.name for r in tried)} "
+        f"makes it fit; lower --micro-batch-size or raise --pp-memory-limit"
     )
 
 
@@ -226,7 +320,7 @@ def ranked_changes(
         rebuilt = None if other == method else _rebuilt_peak(inputs, other, layout_for)
         if rebuilt is not None and base - rebuilt[0] > 0:
             name, flags = f"rebalance stages ({other})", rebalance_flags(other, rebuilt[1])
-            found.append(Change(name, flags, base - rebuilt[0], REBALANCE_COST, 0))
+            found.append(Change(name, flags, base - rebuilt[0], REBALANCE_COST, 0, rebuilt[0]))
     for remedy in REMEDIES:
         changed = remedy.change(inputs)
         if changed is None or (remedy.single_stage and layout.num_stages > 1):
@@ -236,5 +330,5 @@ def ranked_changes(
         else:
             rebuilt = _rebuilt_peak(changed, method, layout_for)
             saving = 0.0 if rebuilt is None else base - rebuilt[0]
-        found.append(Change(remedy.name, remedy.flags(changed), saving, remedy.cost, remedy.cost_rank))
+        found.append(Change(remedy.name, remedy.flags(changed), saving, remedy.cost, remedy.cost_rank, base - saving))
     return sorted(found, key=lambda c: (c.cost_rank, -c.saving))

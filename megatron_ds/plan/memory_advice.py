@@ -88,7 +88,10 @@ def memory_section(ctx: Context) -> Section:
     )
     _diagnose(ctx, sec, stages, now.schedule.label)
     changes = _changes(ctx, now)
-    sec.add("Changes, cheapest first, with the predicted saving on the fullest stage (estimates):")
+    sec.add(
+        "Changes, cheapest first, with the predicted saving on the fullest stage and its memory per GPU after "
+        "the change (estimates):"
+    )
     for i, c in enumerate(changes, 1):
         saving = (
             f"saves {format_bytes(c.saving)}"
@@ -97,9 +100,14 @@ def memory_section(ctx: Context) -> Section:
             if c.saving < 0
             else "saves nothing"
         )
-        sec.add(f"  {i}. {c.name} [{c.flags}]: {saving}; cost: {c.cost}")
+        sec.add(f"  {i}. {c.name} [{c.flags}]: {saving} ({format_bytes(c.peak)} per GPU); cost: {c.cost}")
     sec.data = {"stages": [s.total for s in stages], "changes": [dataclasses.asdict(c) for c in changes]}
-    engine = "pipeline engine (ZeRO 0/1)" if now.engine == "pipeline" else "plain engine (ZeRO 2/3, pipeline size 1)"
+    # ranked_changes offers the plain engine's changes (ZeRO 2/3, Ulysses) at pipeline size 1 only
+    engine = (
+        "pipeline engine (ZeRO 0/1)"
+        if now.pp > 1
+        else "pipeline engine (ZeRO 0/1) or its plain engine (ZeRO 2/3, Ulysses; pipeline size 1)"
+    )
     sec.check(now.zero_stage < 2 or now.pp == 1, f"every suggested change runs on DeepSpeed's {engine}")
     return sec
 

@@ -19,11 +19,15 @@ from megatron_ds.estimate.fit_advice import (
     least_memory,
     ranked_changes,
 )
+from megatron_ds.estimate.machine import CPU
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import stage_memory
+from megatron_ds.estimate.run_layout import memory_inputs
+from megatron_ds.flags.parser import parse_config
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline.layout import build_layout
 from megatron_ds.plan.__main__ import main
+from megatron_ds.units import format_bytes
 
 MODEL = ModelConfig(
     num_layers=8,
@@ -59,8 +63,9 @@ def test_when_each_remedy_applies() -> None:
 def test_ranked_changes_are_cheapest_first_with_the_memory_models_savings() -> None:
     layout = default_layout(INPUTS, "none")
     changes = ranked_changes(INPUTS, layout, "none", default_layout)
-    # each applies here but sequence parallelism, which needs tensor parallelism, and Ulysses (P = 1 only)
-    skipped = (fit_advice.SEQUENCE_PARALLEL, fit_advice.ULYSSES)
+    # each applies here but sequence parallelism, which needs tensor parallelism, and the plain engine's
+    # changes (Ulysses, ZeRO 2/3, parameter offload: P = 1 only)
+    skipped = [fit_advice.SEQUENCE_PARALLEL, *(r for r in REMEDIES if r.single_stage)]
     assert sorted(c.name for c in changes) == sorted(r.name for r in REMEDIES if r not in skipped)
     assert [(c.cost_rank, -c.saving) for c in changes] == sorted((c.cost_rank, -c.saving) for c in changes)
     base = max(s.total for s in stage_memory(INPUTS, layout))
@@ -119,3 +124,94 @@ def test_the_memory_section_renders_these_changes(capsys) -> None:
     changes = {c["name"]: c for c in sec["data"]["changes"]}
     assert changes[RECOMPUTE.name]["saving"] > 0  # the offloaded plan keeps its offload when recomputing
     assert set(changes) <= {r.name for r in REMEDIES}
+
+
+# ZeRO 2/3 and offload: the changes pretrain_gpt.py runs at pipeline size 1 (DeepSpeed's plain engine).
+ZERO_ARGV = [
+    *("--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--ffn-hidden-size", "1024"),
+    *("--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "1024", "--bf16"),
+    *("--micro-batch-size", "4", "--global-batch-size", "32", "--pipeline-model-parallel-size", "1"),
+    *("--lr", "1e-4", "--train-iters", "10", "--mock-data"),
+]
+PLAIN_REMEDIES = (
+    fit_advice.ZERO_2,
+    fit_advice.ZERO_3,
+    fit_advice.OFFLOAD_OPTIMIZER,
+    fit_advice.ZERO_2_OFFLOAD,
+    fit_advice.OFFLOAD_PARAM,
+)
+
+
+def _run_inputs(argv: list[str], world_size: int = 2) -> MemoryInputs:
+    """The memory model's inputs pretrain_gpt.py derives from `argv` (raises ConfigError if it refuses them)."""
+    return memory_inputs(parse_config(argv, world_size=world_size)[0], CPU)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("remedy", PLAIN_REMEDIES, ids=lambda r: r.name)
+def test_each_zero_change_is_flags_pretrain_gpt_accepts_with_the_same_meaning(remedy, optimizer) -> None:
+    """Appending a change's flags to the run's own gives exactly the configuration the change predicts for."""
+    argv = [*ZERO_ARGV, "--optimizer", optimizer]
+    changed = remedy.change(_run_inputs(argv))
+    assert _run_inputs([*argv, *remedy.flags(changed).split()]) == changed
+    if optimizer == "sgd":  # --cpu-optimizer is DeepSpeed's CPU Adam: an SGD run offloads torch's optimizer
+        assert "--cpu-optimizer" not in remedy.flags(changed)
+
+
+def test_zero_2_and_3_apply_where_the_plain_engine_runs_and_partition_something() -> None:
+    zero2, zero3 = fit_advice.ZERO_2.change(INPUTS), fit_advice.ZERO_3.change(INPUTS)
+    assert (zero2.zero_stage, zero2.engine, zero3.zero_stage, zero3.engine) == (2, "plain", 3, "plain")
+    single = dataclasses.replace(INPUTS, data_parallel_size=1)
+    assert fit_advice.ZERO_2.change(single) is None and fit_advice.ZERO_3.change(single) is None
+    assert fit_advice.OFFLOAD_PARAM.change(single).offload_param == "cpu"  # 13B on one GPU: offload, not DP
+    zbh1 = dataclasses.replace(INPUTS, schedule="zbh1")  # the plain engine runs the 1F1B schedule only
+    assert all(r.change(zbh1) is None for r in (fit_advice.ZERO_2, fit_advice.ZERO_3, fit_advice.OFFLOAD_PARAM))
+    assert fit_advice.ZERO_2.change(zero3) is None and fit_advice.ZERO_3.change(zero3) is None
+    # ZeRO-Offload's 13B on one GPU: ZeRO-2 with CPU Adam at DP = 1 moves the gradients and fp32 states off
+    zero2_offload = fit_advice.ZERO_2_OFFLOAD.change(single)
+    assert (zero2_offload.zero_stage, zero2_offload.offload_optimizer, zero2_offload.engine) == (2, "cpu", "plain")
+    assert fit_advice.ZERO_2_OFFLOAD.change(zero2_offload) is None
+    offloaded = fit_advice.OFFLOAD_PARAM.change(INPUTS)
+    assert fit_advice.OFFLOAD_OPTIMIZER.change(offloaded) is None and fit_advice.OFFLOAD_PARAM.change(offloaded) is None
+
+
+def _one_stage(inputs: MemoryInputs, method: str):
+    return build_layout(gpt_spec_groups(inputs.model), 1)
+
+
+def test_at_pipeline_size_1_the_memory_section_offers_zero_2_3_and_offload_with_the_memory_models_peaks() -> None:
+    layout = _one_stage(INPUTS, "none")
+    changes = {c.name: c for c in ranked_changes(INPUTS, layout, "none", _one_stage)}
+    base = max(s.total for s in stage_memory(INPUTS, layout))
+    states = {}
+    for remedy in PLAIN_REMEDIES:
+        (stage,) = stage_memory(remedy.change(INPUTS), layout)
+        got = changes[remedy.name]
+        assert got.peak == pytest.approx(stage.total) and got.saving == pytest.approx(base - stage.total)
+        assert got.saving > 0
+        states[remedy.name] = stage.model_states
+    # ZeRO-3 partitions the parameters besides ZeRO-2's gradients (though its gathered working set, a transient,
+    # can outweigh that in a model this small); parameter offload leaves only the persistent small tensors
+    assert states["ZeRO-3"] < states["ZeRO-2"] and states[fit_advice.OFFLOAD_PARAM.name] < states["ZeRO-3"] / 10
+    two_stages = ranked_changes(INPUTS, default_layout(INPUTS, "none"), "none", default_layout)
+    assert {c.name for c in two_stages}.isdisjoint(r.name for r in REMEDIES if r.single_stage)
+
+
+def test_the_one_line_advice_names_zero_2_3_and_offload_at_pipeline_size_1_only() -> None:
+    """Each change is named, with the memory model's least largest stage, exactly when that fits the limit."""
+    limit = least_memory(fit_advice.ZERO_2.change(INPUTS), 1)
+    assert limit < least_memory(INPUTS, 1)
+    advice = fit_advice.fit_advice(INPUTS, 1, limit)
+    named = []
+    for remedy in fit_advice.ONE_LINE:
+        changed = remedy.change(INPUTS)
+        if changed is None:
+            continue
+        need = least_memory(changed, 1)
+        assert (f"{remedy.flags(changed)} ({format_bytes(need)} per rank)" in advice) == (need <= limit), remedy.name
+        named += [remedy.name] if need <= limit else []
+    assert {"ZeRO-2", fit_advice.OFFLOAD_PARAM.name} <= set(named)
+    # the same limit at two stages: ZeRO 2/3 would not run there (the pipeline engine), so not named
+    at_two = fit_advice.fit_advice(INPUTS, 2, least_memory(fit_advice.OFFLOAD_OPTIMIZER.change(INPUTS), 2))
+    assert "--cpu-optimizer --zero-stage 1 (" in at_two
+    assert "--zero-stage 2" not in at_two and "--zero-stage 3" not in at_two and "--offload-param" not in at_two
