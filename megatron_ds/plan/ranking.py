@@ -152,7 +152,7 @@ class Search:
         by the data-parallel rule) over these (t, p), fastest first. Branch and bound: configurations are
         priced in the order of their time bound (`time_bound`) until the bound passes the `keep`-th fastest
         found; a micro-batch is skipped once a smaller one missed memory at the same (t, p, recompute, schedule),
-        and ZB-H1 or interleaving where 1F1B misses memory with the same degrees, micro-batch and recomputation."""
+        and interleaving where 1F1B misses memory with the same degrees, micro-batch and recomputation."""
         res = self.res
         zero_opt, offload, offload_param = (None, "none", "none") if option is None else option.fields
         order = []
@@ -206,8 +206,9 @@ class Search:
                 break
             if mb >= missed.get((t, p, r, k), mb + 1):
                 continue  # a larger micro-batch holds more activations
-            if k and not twin_fits(t, p, r, mb, zero):
-                continue  # ZB-H1 holds 1F1B's activations and its weight store, interleaving more in flight
+            if SCHEDULES[k][1] > 1 and not twin_fits(t, p, r, mb, zero):
+                continue  # interleaving holds more in flight than 1F1B; ZB-H1 may hold less (its weight
+                # gradients come later), so it is priced whatever 1F1B's memory
             price(t, p, r, mb, zero, k)
         return sorted(found, key=rank_key)
 
