@@ -7,9 +7,6 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.megatron_ds-installed
-# pytest-xdist workers; each takes whole test files (--dist loadfile), so a file's shared multi-rank
-# launches stay in one process. 2 keeps a 2-core machine busy while ranks wait on each other.
-TEST_WORKERS ?= 2
 
 .PHONY: install lint format test demo clean
 
@@ -34,7 +31,7 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 test: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
 demo: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" bash examples/pretrain_gpt_cpu_demo.sh
