@@ -135,6 +135,7 @@ def test_ranks_on_other_schedules_are_refused_before_any_collective(four_ranks: 
         assert r["build_error"].startswith("PreflightError: rank 1 has virtual stages per rank 3 but rank 0 has 2")
 
 
+@pytest.mark.slow  # ~18 s; make test keeps the same watchdog under 1F1B (test_pipeline_equivalence)
 def test_a_hang_under_zbh1_is_the_watchdogs_error(tmp_path: Path) -> None:
     """The seed's ZeRO-1 hang (the group-placeholder fix off) under ZB-H1: the watchdog names it.
     (Interleaving cannot show it: every rank holds transformer layers, so no group is empty.)"""
@@ -145,6 +146,7 @@ def test_a_hang_under_zbh1_is_the_watchdogs_error(tmp_path: Path) -> None:
     assert any("stalled for more than 12s in train_batch of step 0" in r.output for r in results)
 
 
+@pytest.mark.slow  # ~16 s, the defect shown; make test keeps the refusal (test_ranks_on_other_schedules_...)
 def test_ranks_disagreeing_without_the_agreement_check_hang_into_the_watchdog(tmp_path: Path) -> None:
     """With the agreement check off, ranks on 2 and 3 chunks send past each other: the watchdog (or
     the broken connection after it) ends every rank, none finishes the step."""

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a benchmark script's smoke run (~18 s): `pytest -m slow` runs it before a device session
 def test_tiny_run_prints_one_row_per_layout() -> None:
     argv = [sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--cpu", "--model", "tiny", "--gpus", "2"]
     argv += ["--layouts", "stock,both,fastest", "--iters", "3", "--log-interval", "1", "--timeout", "240"]
