@@ -158,25 +158,30 @@ def _plain_engine(inputs: MemoryInputs, zero_stage: int, **offload: str) -> Memo
     return dataclasses.replace(inputs, zero_stage=zero_stage, engine="plain", **offload)
 
 
-ZERO_2 = Remedy(
-    "ZeRO-2",
+def _zero_stage(stage: int, cost: str, order: int) -> Remedy:
+    """ZeRO-`stage` alone on the plain engine: offered over more than one data-parallel rank, below that stage."""
+    return Remedy(
+        f"ZeRO-{stage}",
+        f"{cost}; DeepSpeed's plain engine, pipeline size 1",
+        order,
+        lambda i: _plain_engine(i, stage) if i.zero_stage < stage and i.data_parallel_size > 1 else None,
+        lambda i: f"--zero-stage {stage}",
+        same_layout=True,
+        single_stage=True,
+    )
+
+
+ZERO_2 = _zero_stage(
+    2,
     "same communication volume as data parallelism (a reduce-scatter of the gradients, an all-gather of the "
-    "parameters; ZeRO paper Sec. 7.2.1); DeepSpeed's plain engine, pipeline size 1",
+    "parameters; ZeRO paper Sec. 7.2.1)",
     0,
-    lambda i: _plain_engine(i, 2) if i.zero_stage < 2 and i.data_parallel_size > 1 else None,
-    lambda i: "--zero-stage 2",
-    same_layout=True,
-    single_stage=True,
 )
-ZERO_3 = Remedy(
-    "ZeRO-3",
+ZERO_3 = _zero_stage(
+    3,
     "1.5x data parallelism's communication volume (the parameters all-gathered in forward and again in "
-    "backward; ZeRO paper Sec. 7.2.2); DeepSpeed's plain engine, pipeline size 1",
+    "backward; ZeRO paper Sec. 7.2.2)",
     1,
-    lambda i: _plain_engine(i, 3) if i.zero_stage < 3 and i.data_parallel_size > 1 else None,
-    lambda i: "--zero-stage 3",
-    same_layout=True,
-    single_stage=True,
 )
 OFFLOAD_OPTIMIZER = Remedy(
     "offload optimizer states to CPU",
