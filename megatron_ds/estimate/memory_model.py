@@ -200,25 +200,31 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
     fresh = min(states[1], num_params * PRECISION_BYTES[inputs.precision]) if inputs.zero_stage <= 1 else 0.0
     base = states[0] + states[2] + states[1] - fresh
     later_options = []
+    transients: dict[tuple[int, bool], tuple[float, str]] = {}  # moments share a few kinds: price each once
     for mo in later_moments or [_only_backward(first_at, len(chunks))]:
         share = sum(whole[c] - weights[c] for c in mo.backward_grads) + sum(weights[c] for c in mo.weight_grads)
         held_share = share / num_params
         saved = sum(n * a for n, a in zip(mo.flight, per_mb)) + mo.pending * store[0]
-        if mo.kind == pipeline_schedules.WEIGHT:
-            extra, what = weight_pass_transient(inputs, held, mo.accumulating)
-            label = f"a weight pass, {sum(mo.flight)} micro-batch(es) in flight, {mo.pending} weight pass(es)' store"
-        else:
-            defers = mo.kind == pipeline_schedules.BACKWARD_INPUT
-            extra, what = backward_transient(inputs, layer, recompute, held, last, freed, mo.accumulating, defers)
-            label = f"a later backward, {sum(mo.flight)} micro-batch(es) in flight"
-            label += f", {mo.pending} weight pass(es)' store" if mo.pending else ""
-        label += (
-            ", gradients held"
-            + (f" (of {held_share:.0%} of the parameters)" if held_share < 1 else "")
-            + (f"; {what}" if extra else "")
-        )
-        later_options.append((base + fresh * held_share + saved + buffers + extra, label))
-    later_total, later_source = max(later_options, key=lambda o: o[0])
+        key = (mo.kind, mo.accumulating)
+        if key not in transients:
+            transients[key] = (
+                weight_pass_transient(inputs, held, mo.accumulating)
+                if mo.kind == pipeline_schedules.WEIGHT
+                else backward_transient(
+                    inputs,
+                    layer,
+                    recompute,
+                    held,
+                    last,
+                    freed,
+                    mo.accumulating,
+                    mo.kind == pipeline_schedules.BACKWARD_INPUT,
+                )  # fmt: skip
+            )
+        extra = transients[key][0]
+        later_options.append((base + fresh * held_share + saved + buffers + extra, mo, held_share, transients[key]))
+    later_total, mo, held_share, (extra, what) = max(later_options, key=lambda o: o[0])  # the first of equals
+    later_source = _moment_label(mo, held_share, what if extra else "")
     accumulating = inputs.num_micro_batches > 1
     later_bwd = backward_transient(inputs, layer, recompute, held, last, freed, accumulating=accumulating)
     step, step_source = step_temporaries(inputs, held, num_params, num_ranks)
@@ -250,6 +256,17 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
         backward_transient=later_bwd[0],
         weight_store_per_micro_batch=store[0],
     )
+
+
+def _moment_label(mo: pipeline_schedules.Moment, held_share: float, transient: str) -> str:
+    """What a later moment holds, as the memory report names its peak."""
+    if mo.kind == pipeline_schedules.WEIGHT:
+        label = f"a weight pass, {sum(mo.flight)} micro-batch(es) in flight, {mo.pending} weight pass(es)' store"
+    else:
+        label = f"a later backward, {sum(mo.flight)} micro-batch(es) in flight"
+        label += f", {mo.pending} weight pass(es)' store" if mo.pending else ""
+    label += ", gradients held" + (f" (of {held_share:.0%} of the parameters)" if held_share < 1 else "")
+    return label + (f"; {transient}" if transient else "")
 
 
 def _only_backward(first_at: tuple, num_chunks: int) -> pipeline_schedules.Moment:

@@ -40,13 +40,13 @@ from dataclasses import dataclass, field
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
-from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.communication import Links, Placement
 from megatron_ds.estimate.compute import model_flops_per_iteration, recomputed_layers
 from megatron_ds.estimate.efficiency import Kernels
 from megatron_ds.estimate.layer_time import PassTimes, layer_times, post_times, pre_times
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.run_features import DP_AFTER_BACKWARD, DP_OVERLAP_EACH, DP_OVERLAP_LAST, RunFeatures
+from megatron_ds.estimate.step_bounds import closed_form_step
 from megatron_ds.estimate.step_simulator import simulate
 
 SIMULATE_LIMIT = 4096
@@ -323,76 +323,3 @@ def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunF
         simulated=simulated,
         virtual_stages=inp.virtual_stages,
     )
-
-
-def closed_form_step(
-    num_micro_batches: int,
-    forward: Sequence[float],
-    backward: Sequence[float],
-    optimizer: Sequence[float],
-    reduce_grads: Sequence[float],
-    send: float,
-    tied_reduce: float,
-) -> float:
-    """1F1B's step without replaying it: the fill and drain through every stage once, the slowest stage's
-    steady state for the other M - 1 micro-batches, the sends on the critical path, then each stage's reduction after
-    its last backward (stage s ends the backwards of the stages before it later), the tied all-reduce, the
-    norm barrier and the slowest optimizer step."""
-    p, m = len(forward), num_micro_batches
-    busy = [f + b for f, b in zip(forward, backward)]
-    compute = sum(busy) + (m - 1) * max(busy) + sends_on_path(m, p) * send
-    ends = [compute - sum(backward[:s]) + reduce_grads[s] for s in range(p)]
-    return max(ends) + (tied_reduce if p > 1 else 0.0) + max(optimizer)
-
-
-def step_lower_bound(
-    model: ModelConfig,
-    micro_batch_size: int,
-    num_micro_batches: int,
-    tp: int,
-    pp: int,
-    precision: str,
-    checkpoint_activations: bool,
-    kernels: Kernels,
-    links: Links,
-    features: RunFeatures,
-    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
-    selective_recompute: bool = False,
-) -> float:
-    """No layout of this configuration steps faster, under any schedule; communication only adds to it.
-
-    1F1B: the fill and drain through every stage, (M + P - 1) x the mean stage's compute (every stage's
-    compute lies on one path, and the slowest stage's M - 1 others are at least the mean).
-    ZB-H1 (any schedule of one stage per rank): rank r's first pass waits for micro-batch 0's forward through stages
-    0..r-1, so the step is at least M X_r + phi S_r, with X_r the stage's compute per micro-batch, S_r
-    the sum of X over the stages before it and phi the smallest forward share of a piece (layer, pre,
-    post). Weighting the P inequalities by q^(P-1-r), q = 1 - phi/M, makes every X's coefficient M, so
-    the step is at least phi T / (1 - q^P) for T the total compute, whatever the layout.
-    Interleaved: some rank runs at least the mean rank's compute, M times (M x the mean)."""
-    w = PRECISION_BYTES[precision]
-    layer = layer_times(model, micro_batch_size, tp, w, kernels, links, features)
-    pre = pre_times(model, micro_batch_size, tp, w, kernels, links)
-    post = post_times(model, micro_batch_size, tp, w, kernels, links)
-    per_layer = layer.forward + layer.backward + (layer.recompute if checkpoint_activations else 0.0)
-    per_layer += layer.attention_recompute if selective_recompute and not checkpoint_activations else 0.0
-    total = model.num_layers * per_layer + pre.forward + pre.backward + post.forward + post.backward
-    m, mean = num_micro_batches, total / pp
-    if schedule == DEFAULT_PIPELINE_SCHEDULE:
-        return (m + pp - 1) * mean
-    if pp > 1 and not pipeline_schedules.find(schedule).virtual:  # one stage per rank (ZB-H1)
-        shares = [t.forward / (t.forward + t.backward) for t in (pre, post) if t.forward + t.backward > 0]
-        phi = min([layer.forward / per_layer, *shares])
-        return phi * total / (1.0 - (1.0 - phi / m) ** pp)
-    return m * mean
-
-
-def sends_on_path(num_micro_batches: int, num_stages: int) -> int:
-    """Blocking sends on the critical path of DeepSpeed's 1F1B with equal stages (`step_simulator`'s
-    rendezvous model, counted off its replay; the tests check it for many sizes): the fill and drain's
-    2 (P - 1), or in steady state four per micro-batch (receive and send each way), P = 2 two."""
-    m, p = num_micro_batches, num_stages
-    if p == 1:
-        return 0
-    if p == 2:
-        return 2 * m
-    return max(2 * (p - 1), 4 * m + 2 * (p - 4))

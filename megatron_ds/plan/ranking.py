@@ -9,7 +9,7 @@ from typing import Any
 
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules
-from megatron_ds.estimate.step_time import step_lower_bound
+from megatron_ds.estimate.step_bounds import step_lower_bound
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import timing
 from megatron_ds.plan.inputs import Resolved
@@ -107,7 +107,7 @@ def time_bound(
     res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, recompute: str,
     schedule: str = DEFAULT_PIPELINE_SCHEDULE,
 ) -> float:  # fmt: skip
-    """No layout of this configuration steps faster (`estimate/step_time.step_lower_bound`)."""
+    """No layout of this configuration steps faster (`estimate/step_bounds.step_lower_bound`)."""
     dp = res.num_gpus // (t * p)
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
     m = res.global_batch_size // (mb * dp)

@@ -12,7 +12,8 @@ from megatron_ds.estimate.communication import Links
 from megatron_ds.estimate.devices import find_named
 from megatron_ds.estimate.efficiency import Kernels
 from megatron_ds.estimate.run_features import deepspeed_features
-from megatron_ds.estimate.step_time import StepInputs, predict_step, step_lower_bound
+from megatron_ds.estimate.step_bounds import step_lower_bound
+from megatron_ds.estimate.step_time import StepInputs, predict_step
 from megatron_ds.model.shapes import layer_params
 
 A100 = find_named("A100-80GB")[0]
