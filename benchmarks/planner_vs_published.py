@@ -14,15 +14,18 @@ Records (each figure as its source prints it):
                  untied embeddings (the parameter counts need them), bf16, per-GPU TFLOP/s in model FLOPs
                  (MFU: Megatron-LM's `num_floating_point_operations`, no recomputation), with
                  `--overlap-grad-reduce --overlap-param-gather --tp-comm-overlap` (sequence parallelism).
-Neither source gives the micro-batch: 1, as Megatron-LM's GPT-3 175B example script
-(examples/gpt3/train_gpt3_175b_distributed.sh) uses; recomputation on for Narayanan (the paper's counting),
-for the H100 table the faster of off and on that fits our memory model. Schedule: 1F1B. Neither table
-states each record's schedule or virtual-stage count (the H100 table has no such column; the README names
-only its overlap flags, and megatron-core's p2p overlap exists only under interleaving, so under 1F1B the
-sends are priced blocking); the paper's text says its end-to-end runs were interleaved, with no v per
-record, so none is priced as interleaved. Priced under interleaving (v = 2) wherever it can run, the
-figures get worse, not better (measured once: 10 of 19 within 15%, worst 35.0%): interleaving halves the
-bubble, and the pipelined records are already predicted too fast (benchmarks/README.md says what is left).
+Launch settings. Narayanan et al.: each record's micro-batch, virtual stages and data-parallel implementation
+are those of the paper's own launch script, examples/sc21/run_table_1.sh (NVIDIA/Megatron-LM commit
+6985e58938, 2021-08-18; its README says the sc21 scripts produced the paper's results): MBS 16, 16, 16, 8,
+4, 2, 2, 1, 1, 1; `--num-layers-per-virtual-pipeline-stage` 5, 5, 3, 1 for 76B-530B (v = 3, 2, 2, 3; the
+1T and 39B runs 1F1B); `--DDP-impl torch` (buckets all-reduced during the last micro-batch's backward:
+2021 `schedules.forward_backward_no_pipelining` runs the others under `model.no_sync()`) for 1.7B-18B,
+`local` (all-reduced after the flush) from 39B on; `--activations-checkpoint-method uniform` (full
+recomputation) everywhere. The H100 table states no micro-batch or schedule (its README names only the
+overlap flags; issues #1031 and #1571 ask for them, unanswered): micro-batch 1, as Megatron-LM's GPT-3 175B
+example script (examples/gpt3/train_gpt3_175b_distributed.sh) uses, 1F1B (megatron-core's p2p overlap exists
+only under interleaving, so the sends are priced blocking), recomputation the faster of off and on that fits
+our memory model.
 
 Nothing is fitted per record or per table: the constants are the step-time model's shared ones, each with
 its source (estimate/devices.py, efficiency.py, communication.py, layer_time.py), and each table's run
@@ -46,7 +49,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_ds.estimate.run_features import MEGATRON_CORE_H100, MEGATRON_LM_2021  # noqa: E402
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED  # noqa: E402
+from megatron_ds.estimate.run_features import DP_OVERLAP_LAST, MEGATRON_CORE_H100, MEGATRON_LM_2021  # noqa: E402
 from megatron_ds.plan import search  # noqa: E402
 from megatron_ds.plan.hardware import PlanError  # noqa: E402
 from megatron_ds.plan.inputs import PlanInputs, Resolved, resolve  # noqa: E402
@@ -68,21 +72,33 @@ class Record:
     batch: int
     tflops: float
     """Published TFLOP/s per GPU in the source's counting."""
+    micro_batch: int = 1
+    layers_per_virtual_stage: int | None = None
+    """Megatron's `--num-layers-per-virtual-pipeline-stage` (interleaved 1F1B); None: 1F1B."""
+    ddp: str = "local"
+    """Megatron-LM 2021's `--DDP-impl`: `local` all-reduces after the pipeline flush, `torch` (PyTorch's
+    DistributedDataParallel) in buckets during the last micro-batch's backward."""
+
+    @property
+    def virtual_stages(self) -> int:
+        per_stage = self.layers // self.pp
+        return per_stage // self.layers_per_virtual_stage if self.layers_per_virtual_stage else 1
 
 
 NARAYANAN = [
     Record("narayanan2021", *row)
     for row in (
-        (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-        (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-        (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-        (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-        (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-        (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-        (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-        (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-        (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-        (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+        # ..., published TFLOP/s, then run_table_1.sh's MBS, layers per virtual stage and DDP
+        (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, None, "torch"),
+        (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, None, "torch"),
+        (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, None, "torch"),
+        (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, None, "torch"),
+        (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, None, "local"),
+        (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 5, "local"),
+        (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 5, "local"),
+        (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 3, "local"),
+        (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1, "local"),
+        (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, None, "local"),
     )
 ]
 H100_TABLE = [
@@ -144,10 +160,28 @@ def rate(cand: search.Candidate, counting: str) -> float:
 
 
 def published_config(rec: Record) -> search.Candidate | None:
-    """The published degrees at micro-batch 1, with the source's recomputation (the faster one that fits)."""
+    """The published degrees, micro-batch and schedule, with the source's recomputation (the faster one that fits)
+    and data-parallel reduction."""
     res = resolved(rec, fixed_degrees=True)
+    if rec.ddp == "torch":
+        res = dataclasses.replace(res, run_features=dataclasses.replace(res.run_features, dp_mode=DP_OVERLAP_LAST))
     _, precision, zero, _, _, _, _, recompute, _ = SETTINGS[rec.source]
-    found = [search.evaluate(res, rec.tp, rec.pp, 1, zero, precision, ckpt, "none") for ckpt in recompute]
+    schedule = INTERLEAVED if rec.virtual_stages > 1 else DEFAULT_PIPELINE_SCHEDULE
+    found = [
+        search.evaluate(
+            res,
+            rec.tp,
+            rec.pp,
+            rec.micro_batch,
+            zero,
+            precision,
+            ckpt,
+            "none",
+            schedule=schedule,
+            virtual_stages=rec.virtual_stages,
+        )  # fmt: skip
+        for ckpt in recompute
+    ]
     fitting = [c for c in found if search.fits(res, c)]
     return min(fitting or found, key=lambda c: c.seconds)
 
@@ -171,7 +205,16 @@ def evaluate(rec: Record) -> dict:
     return {
         "source": rec.source,
         "model": f"{rec.params_b:g}B",
-        "published": {"tp": rec.tp, "pp": rec.pp, "gpus": rec.gpus, "batch": rec.batch, "tflops": rec.tflops},
+        "published": {
+            "tp": rec.tp,
+            "pp": rec.pp,
+            "gpus": rec.gpus,
+            "batch": rec.batch,
+            "tflops": rec.tflops,
+            "micro_batch_size": rec.micro_batch,
+            "virtual_stages": rec.virtual_stages,
+            "ddp": rec.ddp,
+        },  # fmt: skip
         "predicted_tflops": predicted,
         "ratio": predicted / rec.tflops,
         "published_fits": fits,
@@ -207,7 +250,8 @@ def ranking_kept(rows: list[dict]) -> tuple[int, int]:
 
 def render(rows: list[dict]) -> str:
     head = (
-        f"{'source':<14} {'model':>7} {'t':>2} {'p':>3} {'GPUs':>5} {'batch':>5} {'published':>9} {'predicted':>9} "
+        f"{'source':<14} {'model':>7} {'t':>2} {'p':>3} {'mb':>2} {'v':>1} {'GPUs':>5} {'batch':>5} {'published':>9} "
+        f"{'predicted':>9} "
         f"{'pred/pub':>8}  {'choice (t p mb recompute schedule)':<35} {'choice':>7} {'vs pub':>7} {'search':>7}"
     )
     lines = [
@@ -226,7 +270,8 @@ def render(rows: list[dict]) -> str:
         faster = "" if c is None else f"{r['published_seconds'] / c['seconds']:.3f}x"
         choice_rate = "" if c is None else f"{c['tflops']:.1f}"
         lines.append(
-            f"{r['source']:<14} {r['model']:>7} {p['tp']:>2} {p['pp']:>3} {p['gpus']:>5} {p['batch']:>5} "
+            f"{r['source']:<14} {r['model']:>7} {p['tp']:>2} {p['pp']:>3} {p['micro_batch_size']:>2} "
+            f"{p['virtual_stages']:>1} {p['gpus']:>5} {p['batch']:>5} "
             f"{p['tflops']:>9.1f} {r['predicted_tflops']:>9.1f} {r['ratio']:>8.3f}  {pick:<35} "
             f"{choice_rate:>7} {faster:>7} {r['search_seconds']:>6.2f}s"
             + ("" if r["published_fits"] else "  (published config over our memory model)")
