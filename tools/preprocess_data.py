@@ -7,7 +7,7 @@ writes `data/corpus_text_document.bin/.idx` (`{prefix}_{key}_document` for each 
 which `--data-path data/corpus_text_document` reads. Input: JSONL (one `{"text": ...}` object per
 line) or `.txt`, where documents are separated by blank lines. Documents keep their input order
 for any `--workers`; empty documents are skipped. Progress goes to stderr, one summary line to
-stdout. Bad input: one `error:` line naming the file (and line), exit code 1.
+stdout. Bad input: one `error:` line naming the file (and line), exit code 2 (as pretrain_gpt.py and the other tools).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(args)
     except (DataError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

@@ -5,7 +5,7 @@
 Writes `<model-prefix>.model`. Ids: 0 `<unk>`, 1 `<s>`, 2 `</s>` (the end-of-document token that
 `tools/preprocess_data.py --append-eod` appends), 3 `<pad>`. Input formats are those of
 `tools/preprocess_data.py` (JSONL, or `.txt` with blank-line separated documents); training
-sentences are the non-blank lines of the documents. Bad input: one `error:` line, exit code 1.
+sentences are the non-blank lines of the documents. Bad input: one `error:` line, exit code 2 (as pretrain_gpt.py and the other tools).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(args)
     except (DataError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 

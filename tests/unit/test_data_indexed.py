@@ -236,7 +236,7 @@ def test_preprocess_cli_errors(corpus: tuple[Path, str], tmp_path: Path) -> None
         )
     for path, expected in cases.items():
         out, err = procs[path].communicate(timeout=300)
-        assert procs[path].returncode == 1, err
+        assert procs[path].returncode == 2, err
         assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and expected in err
         assert "Traceback" not in err
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
@@ -257,7 +257,7 @@ def test_preprocess_bad_tokenizer_in_process(tmp_path: Path, capsys: pytest.Capt
             str(tmp_path / "none.model"),
         ]
     )
-    assert code == 1
+    assert code == 2
     assert capsys.readouterr().err.strip() == (
         f"error: --tokenizer-model {tmp_path / 'none.model'}: file not found; train one with "
         f"tools/train_tokenizer.py or fix the path"

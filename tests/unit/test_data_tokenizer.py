@@ -118,7 +118,7 @@ def test_train_tokenizer_cli_error(tmp_path: Path) -> None:
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: --input {tmp_path / 'missing.jsonl'}: file not found; fix the path"
     ]
