@@ -276,8 +276,9 @@ def post_terms(
         },
         head_name: {"LM head input": sbh * k.w / sp.replicated},
         # log_softmax saves its float32 output (nll_loss reuses it); the fp32 logits themselves are not
-        # saved by autograd but DeepSpeed keeps them as the stage output (see `logits_bytes`). Under
-        # Ulysses each rank holds its part of the labels and all of the loss mask.
+        # saved by autograd but DeepSpeed keeps them as the stage output (see `logits_bytes`). At T > 1
+        # the saved softmax is that same storage (`loss_in_logits`). Under Ulysses each rank holds its
+        # part of the labels and all of the loss mask.
         "logits_to_fp32": {
             "fp32 log-probabilities": 4 * bsv,
             "labels and loss mask": bs * (TOKEN_ID_BYTES / sp.ulysses + LOSS_MASK_BYTES) + 8,
@@ -291,9 +292,28 @@ def logits_bytes(model: ModelConfig, micro_batch_size: int, tensor_parallel_size
     return 4 * model.seq_length * micro_batch_size * model.vocab_size / (tensor_parallel_size * ulysses)
 
 
+def loss_in_logits(tensor_parallel_size: int) -> bool:
+    """Whether the loss works in the float32 logits themselves rather than beside them: megatron-core's
+    vocabulary-parallel cross entropy (T > 1; Ulysses runs at T = 1 with torch's). Its forward
+    (`_VocabParallelCrossEntropy`, megatron/core/tensor_parallel/cross_entropy.py) takes
+    `vocab_parallel_logits.float()` (the tensor itself when it is float32, as `logits_to_fp32`'s output
+    is), subtracts the max in place, exponentiates into it (`torch.exp(..., out=exp_logits)`), divides
+    in place and saves it as the softmax; its backward makes the logits' gradient in that storage
+    (`grad_input = softmax`, `grad_2d[arange_1d, masked_target_1d] -= ...`, `grad_input.mul_`). So a
+    micro-batch's saved softmax, its logits' gradient and the logits the pipe buffer keeps are one
+    tensor."""
+    return tensor_parallel_size > 1
+
+
 def loss_backward_transient(
-    model: ModelConfig, micro_batch_size: int, tensor_parallel_size: int = 1, ulysses: int = 1
+    model: ModelConfig, micro_batch_size: int, tensor_parallel_size: int = 1, ulysses: int = 1, compute_bytes: int = 4
 ) -> float:
-    """Gradient buffers the loss backward allocates for one micro-batch: d(log-probs) and d(logits),
-    float32 b*s*v each (nll_loss and log_softmax backward)."""
-    return 2 * logits_bytes(model, micro_batch_size, tensor_parallel_size, ulysses)
+    """Gradient buffers the loss backward allocates for one micro-batch beyond what it saved. torch's
+    cross entropy (T = 1): d(log-probs) and d(logits), float32 b*s*v each (nll_loss and log_softmax
+    backward). The vocabulary-parallel one (T > 1, `loss_in_logits`): none of its own; with 16-bit
+    activations (`compute_bytes` < 4) the backward of `logits_to_fp32`'s cast (ToCopyBackward0) makes the
+    gradient of the 16-bit logits, b*s*v/t of them."""
+    fp32 = logits_bytes(model, micro_batch_size, tensor_parallel_size, ulysses)
+    if loss_in_logits(tensor_parallel_size):
+        return 0.0 if compute_bytes >= 4 else fp32 * compute_bytes / 4
+    return 2 * fp32

@@ -84,14 +84,12 @@ def backward_transient(
     elif has_layers and not chunk:
         options.append((attention, "the core attention's backward (its probabilities' gradient)"))
     if last:
-        options.append(
-            (
-                act.loss_backward_transient(
-                    inputs.model, inputs.micro_batch_size, inputs.tensor_parallel_size, inputs.ulysses_size
-                ),
-                "fp32 loss gradients d(log-probs), d(logits) of one micro-batch",
-            )
-        )
+        t = inputs.tensor_parallel_size
+        loss = act.loss_backward_transient(m, b, t, inputs.ulysses_size, PRECISION_BYTES[inputs.precision])
+        what = "fp32 loss gradients d(log-probs), d(logits) of one micro-batch"
+        if act.loss_in_logits(t):
+            what = "the 16-bit logits' gradient of one micro-batch (the vocabulary-parallel loss's own is in place)"
+        options.append((loss, what))
     if accumulating:
         w = PRECISION_BYTES[inputs.precision]
         for sp in held:
@@ -208,7 +206,9 @@ def chunk_pipe_buffers(inputs: MemoryInputs, rank: int, num_ranks: int, flight: 
         if flat < last:
             total += n * hidden
         else:
-            logits = act.logits_bytes(m, inputs.micro_batch_size, inputs.tensor_parallel_size)
+            # at T > 1 the logits of a micro-batch in flight are its saved softmax (`act.loss_in_logits`)
+            t = inputs.tensor_parallel_size
+            logits = 0.0 if act.loss_in_logits(t) else act.logits_bytes(m, inputs.micro_batch_size, t)
             total += n * (logits + tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES))
     return total, persistent
 
@@ -225,7 +225,8 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
     * the last stage's output is the fp32 logits, and `_exec_backward_pass` returns before it
       clears `pipe_buffers['outputs']` on the last stage, so every slot keeps its logits until the
       slot is reused: min(num_pipe_buffers, M) of them, also through the optimizer step (measured:
-      two logits buffers on the last stage by `benchmarks/stage_memory.py`);
+      two logits buffers on the last stage by `benchmarks/stage_memory.py`); at T > 1 some of them are
+      also a micro-batch's saved softmax or stored gradient at a backward (`logits_counted_twice`);
     * token ids on the first stage, labels and loss mask on the last, kept in every slot used;
     * under sequence parallelism each message is this rank's part of the sequence (sent whole: the
       engine's own partitioning is off), and a column-parallel linear's all-gathered (s, b, h) input is
@@ -263,3 +264,49 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
         # backward computes the weight gradient; freed before the optimizer step
         total += whole
     return total, persistent
+
+
+def _logits_slots(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[int, float]:
+    """(pipe-buffer slots holding logits, bytes of one micro-batch's logits) on the last stage of a
+    one-chunk pipeline whose loss works in its logits (`act.loss_in_logits`); (0, 0) elsewhere."""
+    schedule, mb = inputs.pipeline_schedule, inputs.num_micro_batches
+    if stage != num_stages - 1 or inputs.engine != "pipeline" or schedule.virtual:
+        return 0, 0.0
+    if not act.loss_in_logits(inputs.tensor_parallel_size):
+        return 0, 0.0
+    slots = min(pipeline_schedules.pipe_buffers(schedule, mb, num_stages, stage), mb)
+    return slots, act.logits_bytes(inputs.model, inputs.micro_batch_size, inputs.tensor_parallel_size)
+
+
+def _stored_logits(inputs: MemoryInputs, pending: int) -> int:
+    """Weight passes' stores (ZB-H1) whose LM-head output gradient is the float32 logits' storage: the
+    linear stores the gradient it is given (`weight_grad._Linear.backward`), which in float32 is the loss's
+    in-place one (`logits_to_fp32` returns the logits themselves); a 16-bit run stores its cast's copy."""
+    return pending if PRECISION_BYTES[inputs.precision] == 4 else 0
+
+
+def logits_counted_twice(inputs: MemoryInputs, stage: int, num_stages: int, flight: int, pending: int) -> float:
+    """Of `pipe_buffers`' logits on the last stage, the bytes that are also a micro-batch's activations or
+    weight-pass store at a moment with `flight` micro-batches in flight and `pending` stores.
+
+    Under the vocabulary-parallel loss (T > 1) a micro-batch's logits are its saved softmax until its
+    backward, then its logits' gradient (`act.loss_in_logits`), which a float32 ZB-H1 store keeps until
+    its weight pass. On the last stage each forward is followed by its own backward and weight passes run
+    in backward order, so the slots hold the latest forwards' logits and the micro-batches in flight,
+    then those whose stores wait, are the latest forwards: min(slots, in flight + such stores) slots.
+    """
+    slots, logits = _logits_slots(inputs, stage, num_stages)
+    return min(slots, flight + _stored_logits(inputs, pending)) * logits
+
+
+def refilled_slot_logits(inputs: MemoryInputs, stage: int, num_stages: int, flight: int, pending: int) -> float:
+    """What the forward right before a backward on the last stage holds beyond that backward's moment
+    (`flight` and `pending` as there), under the vocabulary-parallel loss: DeepSpeed's
+    `_exec_forward_pass` stores the forward's output in `pipe_buffers['outputs'][buffer_id]` only after
+    `super().forward(inputs)` has returned, so the slot it refills still holds an earlier micro-batch's
+    logits while the new ones (its saved softmax) exist; those are counted nowhere else when that
+    micro-batch is neither in flight nor storing (the last stage's own moments hold one slot fewer:
+    `logits_counted_twice`). At T = 1 the loss's gradients at the backward exceed this. A backward's own
+    micro-batch is in flight (`flight` >= 1); M = 1's stand-in moment after it (`flight` 0) had no forward."""
+    slots, logits = _logits_slots(inputs, stage, num_stages)
+    return logits if 0 <= flight - 1 < slots - _stored_logits(inputs, pending) else 0.0

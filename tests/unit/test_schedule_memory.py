@@ -9,10 +9,16 @@ import pytest
 import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules as schedules
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import rank_memory_for, spec_memory, stage_memory, stage_memory_for
-from megatron_ds.estimate.transients import weight_store_bytes
+from megatron_ds.estimate.transients import (
+    logits_counted_twice,
+    pipe_buffers,
+    refilled_slot_logits,
+    weight_store_bytes,
+)
 from megatron_ds.model import naming
 from megatron_ds.model.layers import WordEmbedding, lm_head_logits
 from megatron_ds.model.transformer import TransformerLayer
@@ -138,3 +144,80 @@ def test_zbh1s_last_stage_peaks_in_its_second_weight_pass() -> None:
     # with every gradient held at its last backward (the model before), it would be one micro-batch more
     old = states + last.activation_per_micro_batch + 3 * last.weight_store_per_micro_batch + last.pipe_buffers
     assert last.total < old + largest
+
+
+# --- the last stage under megatron-core's vocabulary-parallel loss (T > 1) ------------------------------
+
+
+def test_the_vocabulary_parallel_loss_works_in_the_logits_themselves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loss the model uses at T > 1 (megatron-core's `_VocabParallelCrossEntropy`, here on one tensor rank
+    holding the whole vocabulary, its collectives no-ops) saves its softmax in the float32 logits' own storage
+    and makes their gradient there: the pipe buffer's logits, the saved softmax, the gradient the LM head
+    receives (what a ZB-H1 store keeps) are one tensor: the loss's backward needs no b*s*v buffer of its own."""
+    from megatron.core.tensor_parallel import cross_entropy as mc
+
+    from megatron_ds.model import tensor_parallel_layers as tpl
+    from megatron_ds.model.layers import logits_to_fp32
+
+    monkeypatch.setattr(mc, "get_tensor_model_parallel_group", lambda: None)
+    monkeypatch.setattr(mc, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(mc, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+    s, b, h, v = 32, 2, 64, 128
+    hidden, weight = torch.randn(s, b, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    logits = logits_to_fp32(hidden @ weight.t())  # (s, b, v): the stage output DeepSpeed keeps
+    address = logits.untyped_storage().data_ptr()
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda x: saved.append(x.untyped_storage().data_ptr()) or x, lambda x: x
+    ):
+        loss = tpl.sequence_first_cross_entropy_loss(logits, (torch.randint(0, v, (b, s)), torch.ones(b, s)))
+    assert address in saved  # the softmax it saved is the logits
+    grads: list[int] = []
+    logits.register_hook(lambda g: grads.append(g.untyped_storage().data_ptr()))
+    loss.backward()
+    assert grads == [address]  # the logits' gradient is made in place
+
+
+def last_stage(schedule: str, precision: str = "fp32", t: int = 2, m: int = 4):
+    """The last of 2 stages of 2 layers each, with logits far above the layers (b*s*v/t x 4 bytes = 8 MiB)."""
+    model = dataclasses.replace(MODEL, hidden_size=32, ffn_hidden_size=128, seq_length=256,
+                                max_position_embeddings=256, vocab_size=4096 * t)  # fmt: skip
+    mem = dataclasses.replace(inputs(schedule, model=model, m=m), precision=precision, tensor_parallel_size=t)
+    mem = dataclasses.replace(mem, sequence_parallel=t > 1)
+    return mem, rank_memory_for(mem, 1, 2, (2,)), 4 * 256 * 2 * 4096
+
+
+def test_the_last_stage_under_the_vocabulary_parallel_loss_counts_each_logits_tensor_once() -> None:
+    """Measured (tests/dist/test_sequence_parallel_memory.py; and P = 2, T = 2, 8 layers, h 256, M = 4, vocabulary
+    8192, sequence parallelism: 1F1B's last stage 61.5 MiB against 68.9 predicted before, 60.9 now; ZB-H1's 73.5
+    against 79.2 before, 73.2 now). 1F1B peaks in the forward before a backward: the micro-batch's activations
+    (its logits among them) and both pipe-buffer slots' earlier logits, and no loss gradient; at its backward
+    one slot holds that micro-batch's own logits. ZB-H1 (fp32) peaks in a weight pass whose stores hold the
+    logits its one slot keeps. At T = 1 torch's cross entropy keeps both beside the logits."""
+    mem, one, logits = last_stage("1f1b")
+    slots = pipe_buffers(mem, 1, 2)[0]
+    assert act.loss_backward_transient(mem.model, 2, 2) == 0
+    assert one.pipe_buffers == slots - logits  # at the first backward its own logits are its softmax
+    assert one.transient_source.endswith(
+        "the forward before it: its logits made while the pipe-buffer slot it refills holds an earlier one"
+    )
+    assert one.total == pytest.approx(one.model_states + one.activation_per_micro_batch + slots)
+    zb_mem, zb, _ = last_stage("zbh1")
+    assert zb.transient_source.startswith("a weight pass, 0 micro-batch(es) in flight, 2 weight pass(es)' store")
+    head_grad = mem.model.vocab_size // 2 * mem.model.hidden_size * 4  # before accumulation
+    zb_slots = pipe_buffers(zb_mem, 1, 2)[0]
+    assert zb.total == pytest.approx(
+        zb.model_states + 2 * zb.weight_store_per_micro_batch + zb_slots - logits + head_grad
+    )
+    # 16-bit: a store keeps the cast's copy of the logits' gradient (made by the loss's backward), so only the
+    # micro-batches in flight share the slots' logits, and the slot a forward refills holds logits nothing else keeps
+    bf16 = dataclasses.replace(zb_mem, precision="bf16")
+    assert logits_counted_twice(zb_mem, 1, 2, 0, 2) == logits and logits_counted_twice(bf16, 1, 2, 0, 2) == 0
+    assert refilled_slot_logits(zb_mem, 1, 2, 1, 1) == 0 and refilled_slot_logits(bf16, 1, 2, 1, 1) == logits
+    assert act.loss_backward_transient(mem.model, 2, 2, compute_bytes=2) == logits / 2
+    # T = 1: the loss's two float32 gradients beside the logits the slots keep
+    t1_mem, t1, logits1 = last_stage("1f1b", t=1)
+    assert act.loss_backward_transient(t1_mem.model, 2, 1) == 2 * logits1
+    assert t1.transient_source.endswith("fp32 loss gradients d(log-probs), d(logits) of one micro-batch")
+    assert t1.pipe_buffers == pipe_buffers(t1_mem, 1, 2)[0]
