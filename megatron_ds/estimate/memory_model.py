@@ -217,27 +217,15 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
         held_share = share / num_params
         saved = sum(n * a for n, a in zip(mo.flight, per_mb)) + mo.pending * store[0]
         key = (mo.kind, mo.accumulating)
-        if key not in transients:
-            transients[key] = (
-                weight_pass_transient(inputs, held, mo.accumulating)
-                if mo.kind == pipeline_schedules.WEIGHT
-                else backward_transient(
-                    inputs,
-                    layer,
-                    recompute,
-                    held,
-                    last,
-                    freed,
-                    mo.accumulating,
-                    mo.kind == pipeline_schedules.BACKWARD_INPUT,
-                )  # fmt: skip
-            )
-        extra_what = transients[key]
+        if key not in transients and mo.kind == pipeline_schedules.WEIGHT:
+            transients[key] = weight_pass_transient(inputs, held, mo.accumulating)
+        elif key not in transients:
+            defers = mo.kind == pipeline_schedules.BACKWARD_INPUT
+            transients[key] = backward_transient(inputs, layer, recompute, held, last, freed, mo.accumulating, defers)
+        extra_what, in_flight = transients[key], sum(mo.flight)
         if mo.kind != pipeline_schedules.WEIGHT:
-            extra_what = _or_refill(
-                extra_what, refilled_slot_logits(inputs, rank, num_ranks, sum(mo.flight), mo.pending)
-            )
-        held_buffers = buffers - logits_counted_twice(inputs, rank, num_ranks, sum(mo.flight), mo.pending)
+            extra_what = _or_refill(extra_what, refilled_slot_logits(inputs, rank, num_ranks, in_flight, mo.pending))
+        held_buffers = buffers - logits_counted_twice(inputs, rank, num_ranks, in_flight, mo.pending)
         later_options.append(
             (base + fresh * held_share + saved + held_buffers + extra_what[0], mo, held_share, extra_what)
         )
