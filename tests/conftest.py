@@ -20,7 +20,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     and the `--cpu-optimizer` and offload runs find it built (or wait on its build lock, as they would for their
     own build). Already built: it loads in a second."""
     global _build
-    if not any(f"{os.sep}dist{os.sep}" in str(i.path) or f"{os.sep}e2e{os.sep}" in str(i.path) for i in session.items):
+    if not any(i.path.parent.name in ("dist", "e2e") for i in session.items):
         return
     _build = subprocess.Popen(
         [sys.executable, "-c", _BUILD_CPU_ADAM],
