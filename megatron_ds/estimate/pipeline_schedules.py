@@ -81,6 +81,9 @@ class PipelineSchedule:
     steady: bool = False
     """Beyond M = 2P + 2 micro-batches more only repeat the steady state's backward moment (same micro-batches in
     flight, same weight passes pending): warm-up and drain depend on P and s alone (`distinct_moments`)."""
+    steady_rounds: bool = False
+    """With M a multiple of P, beyond M = 3P micro-batches more rounds of P only repeat the moments of the
+    middle rounds (torch's interleaved order; `distinct_moments`)."""
 
     def steps(self, num_micro_batches: int, num_stages: int, stage: int) -> Steps:
         """The rank's instructions per clock step (`num_stages` is P, the ranks of the pipeline)."""
@@ -154,6 +157,7 @@ REGISTRY: dict[str, PipelineSchedule] = {
             blocking_sends=False,
             virtual=True,
             virtual_stages=2,
+            steady_rounds=True,
         ),
     )
 }
@@ -233,9 +237,13 @@ def distinct_moments(
     """`backward_moments` as the memory model reads it: (the first moment, every later `Moment`, weight
     passes included) with repeats dropped, first occurrences kept in stream order (a maximum over them is the
     maximum over all, the first one on ties). A `steady` schedule's stream is read at M = 2P + 2 when M is
-    larger: the same list, without generating M's (tests/unit/test_pipeline_schedules.py compares the two)."""
-    if schedule.steady and num_micro_batches > 2 * num_stages + 2:
-        return distinct_moments(schedule, 2 * num_stages + 2, num_stages, stage)
+    larger, a `steady_rounds` one's at M = 3P when M is a larger multiple of P: the same list, without
+    generating M's (tests/unit/test_pipeline_schedules.py compares the two)."""
+    m, p = num_micro_batches, num_stages
+    if schedule.steady and m > 2 * p + 2:
+        return distinct_moments(schedule, 2 * p + 2, p, stage)
+    if schedule.steady_rounds and m % p == 0 and m > 3 * p:
+        return distinct_moments(schedule, 3 * p, p, stage)
     return stream_moments(schedule, num_micro_batches, num_stages, stage)
 
 

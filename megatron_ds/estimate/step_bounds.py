@@ -76,6 +76,21 @@ def step_lower_bound(
     return m * mean
 
 
+def start_and_work_bound(
+    forward: Sequence[float], backward: Sequence[float], num_micro_batches: int, num_ranks: int
+) -> float:
+    """No schedule steps these stage passes faster (per flat stage, one micro-batch; flat stage c x P + r is
+    chunk c of rank r): rank r computes nothing before micro-batch 0's forward has passed the flat stages
+    before its first chunk, then runs every pass of its M micro-batches, one at a time."""
+    p, m = num_ranks, num_micro_batches
+    out, before = 0.0, 0.0
+    for r in range(p):
+        busy = sum(forward[f] + backward[f] for f in range(r, len(forward), p))
+        out = max(out, before + m * busy)
+        before += forward[r]
+    return out
+
+
 def sends_on_path(num_micro_batches: int, num_stages: int) -> int:
     """Blocking sends on the critical path of DeepSpeed's 1F1B with equal stages (`step_simulator`'s
     rendezvous model, counted off its replay; the tests check it for many sizes): the fill and drain's

@@ -46,7 +46,7 @@ from megatron_ds.estimate.efficiency import Kernels
 from megatron_ds.estimate.layer_time import PassTimes, layer_times, post_times, pre_times
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.run_features import DP_AFTER_BACKWARD, DP_OVERLAP_EACH, DP_OVERLAP_LAST, RunFeatures
-from megatron_ds.estimate.step_bounds import closed_form_step
+from megatron_ds.estimate.step_bounds import closed_form_step, start_and_work_bound
 from megatron_ds.estimate.step_simulator import simulate
 
 SIMULATE_LIMIT = 4096
@@ -258,6 +258,13 @@ def _send_time(inp: StepInputs, links: Links, features: RunFeatures, place: Plac
         return links.send(activation, not cross)
     gather = 0.0 if features.sequence_parallel else links.reduce_scatter(activation, inp.tp, within_node=True)
     return links.send(activation / inp.tp, within_node=False) + gather
+
+
+def layout_bound(inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures) -> float:
+    """No schedule steps this layout faster: its stage passes alone (`step_bounds.start_and_work_bound`), no
+    send, reduction or optimizer step; `stage_params` is not read."""
+    forward, backward, _, _ = _stage_passes(inp, kernels, links, features)
+    return start_and_work_bound(forward, backward, inp.num_micro_batches, inp.pp)
 
 
 def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures) -> StepTime:

@@ -4,10 +4,9 @@ command line."""
 
 from __future__ import annotations
 
-from megatron_ds.estimate import schedule_choice
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate.layout_costs import format_memory_table
 from megatron_ds.pipeline import methods as partition_methods
-from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import ds_json, ranking, search, time_report
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.report import Section
@@ -80,37 +79,54 @@ def _offload_text(plan: search.Candidate) -> str:
 
 
 def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None:
-    """Largest stage and predicted step under each layout method tried, same degrees and batch."""
+    """Largest stage and predicted step under each layout method tried, same degrees, batch and schedule."""
     if plan.pp < 2 or ctx.res.raw.layout:
         return
-    sec.add("Largest stage and predicted step by layout method, same degrees and batch (estimates):")
+    own = (plan.inputs.schedule, plan.virtual_stages)
+    tried = {t.method: t for t in ctx.choice().alternatives(ctx.res) if t.schedule == own}
+    sec.add("Largest stage and predicted step by layout method, same degrees, batch and schedule (estimates):")
     for method in search.METHODS:
-        if method not in ranking.refine_methods(ctx.res, plan.pp):
-            sec.add(f"  {method:<7} not tried at {plan.pp} stages (exact search; --layout {method} runs it)")
-            continue
-        try:
-            cand = search.evaluate(
-                ctx.res,
-                plan.tp,
-                plan.pp,
-                plan.micro_batch_size,
-                plan.zero_stage,
-                plan.precision,
-                plan.checkpoint_activations,
-                method,
-                plan.offload_optimizer,
-                selective=plan.selective_recompute,
-                schedule=plan.inputs.schedule,
-                virtual_stages=plan.virtual_stages,
+        t = tried.get(method)
+        if t is None:
+            size = f"{plan.pp} stages x {plan.num_micro_batches} micro-batches"
+            sec.add(f"  {method:<7} not tried at {size} (exact search; --layout {method} runs it)")
+        elif t.candidate is None:
+            sec.add(f"  {method:<7} not possible: {t.error}")
+        else:
+            cand = t.candidate
+            counts = " ".join(map(str, cand.layout.layers_per_stage))
+            fit = "" if search.fits(ctx.res, cand) else "  (does not fit)"
+            step = "not priced" if cand.time is None else f"{cand.seconds:.4g} s"
+            sec.add(
+                f"  {method:<7} {format_bytes(cand.peak.total):>10} on stage {cand.peak.stage:<3} step "
+                f"{step}  layers {counts}{fit}"
             )
-        except LayoutError as e:
-            sec.add(f"  {method:<7} not possible: {e}")
-            continue
-        counts = " ".join(map(str, cand.layout.layers_per_stage))
-        fit = "" if search.fits(ctx.res, cand) else "  (does not fit)"
+
+
+def _compare_schedules(ctx: Context, sec: Section, plan: search.Candidate) -> None:
+    """Each pipeline schedule's fastest layout that fits, same degrees and batch (`ranking.alternatives`)."""
+    if plan.pp < 2 or plan.engine != "pipeline":
+        return
+    best: dict[tuple[str, int], search.Candidate] = {}
+    for t in ctx.choice().alternatives(ctx.res):
+        c = t.candidate
+        if (
+            c is not None
+            and search.fits(ctx.res, c)
+            and (t.schedule not in best or c.seconds < best[t.schedule].seconds)
+        ):
+            best[t.schedule] = c
+    sec.add("Pipeline schedules, each with its fastest layout that fits (same degrees and batch; estimates):")
+    for schedule, c in sorted(best.items(), key=lambda kv: (kv[1].seconds, ranking.schedule_order(kv[0]))):
+        name, v = schedule
+        flags = [f"--pp-schedule {name}" if name != DEFAULT_PIPELINE_SCHEDULE else ""]
+        flags += [
+            f"--num-virtual-stages-per-pipeline-rank {v}" if v > 1 else "",
+            search.layout_flag(c.method, c.layout),
+        ]
         sec.add(
-            f"  {method:<7} {format_bytes(cand.peak.total):>10} on stage {cand.peak.stage:<3} step "
-            f"{cand.seconds:.4g} s  layers {counts}{fit}"
+            f"  {c.schedule.display:<22} step {c.seconds:.4g} s ({c.seconds / plan.seconds:.3f} x the choice)  "
+            f"largest stage {format_bytes(c.peak.total)}  {' '.join(f for f in flags if f)}".rstrip()
         )
 
 
@@ -158,23 +174,6 @@ def _data(plan: search.Candidate) -> dict:
             for s, t in zip(plan.stages, plan.rank_times)
         ],
     }
-
-
-def _compare_schedules(ctx: Context, sec: Section, plan: search.Candidate) -> None:
-    """Each pipeline schedule's fastest layout that fits, same degrees and batch (`estimate/schedule_choice.py`)."""
-    if plan.pp < 2 or plan.engine != "pipeline":
-        return
-    options = schedule_choice.choose(plan.inputs, plan.pp, ctx.res.usable_bytes)
-    if not options:
-        return
-    one = next(
-        (o.step for o in options if o.schedule == plan.inputs.schedule and o.virtual_stages == plan.virtual_stages),
-        None,
-    )
-    sec.add("Pipeline schedules, each with its fastest layout that fits (same degrees and batch; estimates):")
-    for o in options:
-        ratio = f"step {o.step / one:.3f} x {plan.schedule.label}'s" if one else f"step {o.step:.4g} GFLOP"
-        sec.add(f"  {o.label:<22} {ratio}  largest stage {format_bytes(o.peak_memory)}  {o.flags}")
 
 
 def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:

@@ -1,27 +1,33 @@
 """The search over configurations: every fitting one of a ZeRO option priced in the order of its time
 bound (branch and bound) under every schedule it can run, the fastest layout of one (`best_layout`), the
-fastest chosen and its layout refined; the message when nothing fits.
+fastest chosen and refined (`alternatives`: every layout method and schedule, interleaving at v = 2-4,
+with the same degrees, micro-batch, recomputation and ZeRO); the message when nothing fits.
 The configurations themselves and their pricing are `plan/search.py`'s."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.step_bounds import step_lower_bound
+from megatron_ds.estimate.step_time import StepInputs, layout_bound
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import timing
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import (
     DEFAULT,
+    FASTEST_MAX_REPLAY,
     FASTEST_MAX_STAGES,
     METHODS,
     RECOMPUTE,
     Candidate,
     evaluate,
     fits,
+    layout_options,
     micro_batches,
+    plain_layout,
     recompute_modes,
     sequence_parallel_at,
     states_lower_bound,
@@ -90,6 +96,14 @@ SCHEDULES = tuple((entry.name, entry.virtual_stages) for entry in pipeline_sched
 """The pipeline schedules the search tries (name, virtual stages: interleaving's default v = 2), in tie-break
 order: the registry's, 1F1B first."""
 assert SCHEDULES[0] == (DEFAULT_PIPELINE_SCHEDULE, 1), "ties prefer 1F1B"
+VIRTUAL_STAGES = (2, 3, 4)
+"""Chunks per rank the refinement tries for interleaving (the search itself tries v = 2: each v is one more
+schedule to replay for every configuration)."""
+
+
+def schedule_order(schedule: tuple[str, int]) -> tuple[int, int]:
+    """Tie-break order of a (name, virtual stages): the registry's, then fewer chunks."""
+    return list(pipeline_schedules.REGISTRY).index(schedule[0]), schedule[1]
 
 
 def schedules_for(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
@@ -103,34 +117,120 @@ def schedules_for(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tup
     return [(name, v) for name, v in SCHEDULES if v == 1 or (layers % (v * p) == 0 and m % p == 0)]
 
 
+def schedule_options(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
+    """`schedules_for`'s, interleaving at every v of VIRTUAL_STAGES the layers and micro-batches allow."""
+    options = [s for s in schedules_for(res, t, p, mb, zero) if s[1] == 1]
+    if len(options) > 1:  # the pipeline engine, P >= 2
+        m = res.global_batch_size // (mb * (res.num_gpus // (t * p)))
+        layers = res.dims["num_layers"]
+        interleaved = [name for name, v in SCHEDULES if v > 1]
+        options += [(n, v) for n in interleaved for v in VIRTUAL_STAGES if layers % (v * p) == 0 and m % p == 0]
+    return options
+
+
 def time_bound(
     res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, recompute: str,
-    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE, method: str | None = None, virtual_stages: int = 1,
 ) -> float:  # fmt: skip
-    """No layout of this configuration steps faster (`estimate/step_bounds.step_lower_bound`)."""
+    """No layout of this configuration steps faster (`estimate/step_bounds.step_lower_bound`); with `method`
+    one that needs no costs (the default partition, a dedicated mode: what the search prices), no run of that
+    method's layout steps faster either (`estimate/step_time.layout_bound`: its slowest rank's passes)."""
     dp = res.num_gpus // (t * p)
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
     m = res.global_batch_size // (mb * dp)
     run = res.run_features or timing.features(zero, precision, sequence_parallel_at(res, t))
-    return step_lower_bound(
-        res.model(t), mb, m, t, p, precision, recompute == "full", hw.kernels, hw.links, run,
+    model = res.model(t)
+    bound = step_lower_bound(
+        model, mb, m, t, p, precision, recompute == "full", hw.kernels, hw.links, run,
         schedule=schedule, selective_recompute=recompute == "selective",
     )  # fmt: skip
+    if method is None or "partition_method" in layout_options(method):
+        return bound
+    try:
+        layout = plain_layout(model, p, method, virtual_stages)
+    except LayoutError:
+        return bound
+    step = StepInputs(
+        model=model, layers_per_stage=tuple(layout.layers_per_stage), stage_params=(0,) * p, micro_batch_size=mb,
+        num_micro_batches=m, tp=t, dp=dp, precision=precision, zero_stage=zero,
+        checkpoint_activations=recompute == "full", selective_recompute=recompute == "selective",
+        gpus_per_node=res.gpus_per_node or 1, schedule=schedule, attention_dropout=False,
+        virtual_stages=virtual_stages,
+    )  # fmt: skip
+    return max(bound, layout_bound(step, hw.kernels, hw.links, run))
 
 
 def rank_key(c: Candidate) -> tuple:
     """Fastest first; ties: 1F1B before the other schedules, smaller t x p, larger t, less recomputation,
     the simpler layout flag."""
-    schedule = SCHEDULES.index((c.inputs.schedule, c.virtual_stages))
+    schedule = schedule_order((c.inputs.schedule, c.virtual_stages))
     return (round(c.seconds, 6), schedule, c.tp * c.pp, -c.tp, RECOMPUTE.index(c.recompute), METHODS.index(c.method))
 
 
-def refine_methods(res: Resolved, pp: int) -> list[str]:
+def refine_methods(res: Resolved, pp: int, num_micro_batches: int = 1) -> list[str]:
     """The layouts the chosen configuration is tried under: `--layout`'s alone, else every method but the
-    exact `fastest` beyond FASTEST_MAX_STAGES stages."""
+    exact `fastest` beyond FASTEST_MAX_STAGES stages or FASTEST_MAX_REPLAY micro-batches x stages."""
     if res.raw.layout:
         return [res.raw.layout]
-    return [m for m in METHODS if m != "fastest" or pp <= FASTEST_MAX_STAGES] if pp > 1 else [DEFAULT]
+    exact = pp <= FASTEST_MAX_STAGES and pp * num_micro_batches <= FASTEST_MAX_REPLAY
+    return [m for m in METHODS if m != "fastest" or exact] if pp > 1 else [DEFAULT]
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One layout method under one schedule, the chosen configuration's degrees and batch otherwise."""
+
+    method: str
+    schedule: tuple[str, int]
+    candidate: Candidate | None
+    """None: the method cannot lay out this schedule (`error` says why)."""
+    error: str = ""
+
+
+def config_key(c: Candidate) -> tuple:
+    """What the refinement keeps: degrees, micro-batch, recomputation, ZeRO and offload."""
+    return (c.tp, c.pp, c.micro_batch_size, c.recompute, c.zero_stage, c.offload_optimizer, c.offload_param)
+
+
+def alternatives(res: Resolved, top: Candidate) -> list[Tried]:
+    """`top` under every layout method (`refine_methods`) and every schedule it can run (`schedule_options`).
+    Under `top`'s own schedule each is priced whether or not it fits, under the others only those that fit
+    (a miss's `time` is None). The exact `fastest` split runs under `top`'s own schedule only (it is the
+    slow one; with virtual stages it is refused at once)."""
+    own = (top.inputs.schedule, top.virtual_stages)
+    methods = refine_methods(res, top.pp, top.num_micro_batches)
+    tried = []
+    for schedule in schedule_options(res, top.tp, top.pp, top.micro_batch_size, top.zero_stage):
+        for method in methods:
+            if method == "fastest" and schedule != own and schedule[1] == 1 and not res.raw.layout:
+                continue
+            try:
+                cand = evaluate(
+                    res, top.tp, top.pp, top.micro_batch_size, top.zero_stage, top.precision,
+                    top.recompute == "full", method, top.offload_optimizer, top.offload_param,
+                    selective=top.recompute == "selective", schedule=schedule[0], virtual_stages=schedule[1],
+                    time_misses=schedule == own,
+                )  # fmt: skip
+            except LayoutError as e:
+                tried.append(Tried(method, schedule, None, str(e)))
+                continue
+            tried.append(Tried(method, schedule, cand))
+    return tried
+
+
+def fastest_tried(res: Resolved, tried: list[Tried]) -> Candidate | None:
+    """The fastest that fits (ties: the earlier schedule, the smaller largest stage, the simpler method)."""
+    fitting = [t.candidate for t in tried if t.candidate is not None and fits(res, t.candidate)]
+    return min(
+        fitting,
+        key=lambda c: (
+            round(c.seconds, 9),
+            schedule_order((c.inputs.schedule, c.virtual_stages)),
+            round(c.peak.total),
+            METHODS.index(c.method),
+        ),
+        default=None,
+    )
 
 
 class Search:
@@ -146,6 +246,8 @@ class Search:
         self.bounds: list[tuple[float, int, int]] = []
         self.batch_ok = False
         self.ranked: list[Candidate] = []
+        self.tried: dict[tuple, list[Tried]] = {}
+        """Per refined configuration (`config_key`): its `alternatives`."""
 
     def fitting(self, option: Any, pairs: list[tuple[int, int]], keep: int = 2) -> list[Candidate]:
         """The `keep` fastest fitting configurations of `option` (a `zero_options.ZeroOption`; None: ZeRO 0/1
@@ -168,7 +270,9 @@ class Search:
             for recompute in self.recomputes:
                 for mb in sizes:
                     for schedule in schedules_for(res, t, p, mb, zero):
-                        bound = time_bound(res, t, p, mb, zero, self.precision, recompute, schedule[0])
+                        bound = time_bound(
+                            res, t, p, mb, zero, self.precision, recompute, schedule[0], self.methods[0], schedule[1]
+                        )
                         order.append((bound, SCHEDULES.index(schedule), t, p, RECOMPUTE.index(recompute), mb, zero))
         found: list[Candidate] = []
         missed: dict[tuple[int, int, int, int], int] = {}
@@ -212,31 +316,20 @@ class Search:
             price(t, p, r, mb, zero, k)
         return sorted(found, key=rank_key)
 
-    def best(self, option: Any, pairs: list[tuple[int, int]]) -> Candidate | None:
-        """The fastest fitting configuration of `option`, its layout refined (None: nothing fits)."""
+    def best(self, option: Any, pairs: list[tuple[int, int]], refine: bool = True) -> Candidate | None:
+        """The fastest fitting configuration of `option`, its layout and schedule refined unless `refine` is
+        False (None: nothing fits)."""
         found = self.fitting(option, pairs)
         if not found:
             return None
-        top = found[0]
-        methods = [m for m in refine_methods(self.res, top.pp) if m != top.method]
-        offload, offload_param = top.offload_optimizer, top.offload_param
-        zero = top.zero_stage
-        better = best_layout(
-            self.res,
-            top.tp,
-            top.pp,
-            top.micro_batch_size,
-            zero,
-            top.precision,
-            top.recompute,
-            [top.method, *methods],
-            offload,
-            offload_param,
-            (top.inputs.schedule, top.virtual_stages),
-        )
-        chosen = better if better is not None and fits(self.res, better) else top
+        chosen = self.refine(found[0]) if refine else found[0]
         self.ranked = sorted([chosen, *found[1:]], key=rank_key)
         return chosen
+
+    def refine(self, top: Candidate) -> Candidate:
+        """The fastest fitting of `top`'s `alternatives` (kept in `tried`)."""
+        tried = self.tried[config_key(top)] = alternatives(self.res, top)
+        return fastest_tried(self.res, tried) or top
 
 
 def no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool) -> str:

@@ -6,8 +6,10 @@ The search: every (t, p) whose product divides the GPUs (t within a node, dividi
 with no, selective (the core attention) and full recomputation, every micro-batch that divides the batch, ascending until one misses
 memory (a larger one holds more activations), each under every pipeline schedule it can run
 (`ranking.schedules_for`: 1F1B, ZB-H1, interleaved with v = 2) and the default layout (or `--layout`'s); a (t, p)
-whose model states alone overflow is skipped. The fastest then gets the other layouts (the exact `fastest`
-split only up to `FASTEST_MAX_STAGES` stages: its search grows quickly with P). Ties: the smaller t x p,
+whose model states alone overflow is skipped. The fastest then gets the other layouts and schedules,
+interleaving at v = 2-4 (`ranking.alternatives`; the exact `fastest` split only up to `FASTEST_MAX_STAGES`
+stages and `FASTEST_MAX_REPLAY` micro-batches x stages: its search replays the schedule many times and
+grows quickly with P). Ties: the smaller t x p,
 then the larger t, then less recomputation (none, selective, full), then the simpler layout flag.
 Sequence parallelism (`--sequence-parallel`) is on whenever t > 1 (unless `--no-sequence-parallel`): it
 splits the norms', dropouts' and residuals' activations t ways for the same communication volume
@@ -54,6 +56,8 @@ METHODS = (DEFAULT, "both", "pre", "post", *partition_methods.planned_methods())
 MICRO_BATCH_CHOICES = (1, 2, 4, 8, 16)
 FASTEST_MAX_STAGES = 16
 """The exact `fastest` split is tried for the chosen configuration up to this many stages."""
+FASTEST_MAX_REPLAY = 4096
+"""... and up to this many micro-batches x stages (each of its many replays costs that many steps)."""
 RECOMPUTE = ("none", "selective", "full")
 """Activation recomputation in tie-break order (the least compute first)."""
 
@@ -176,7 +180,7 @@ def layout_flag(method: str, layout: Layout) -> str:
 
 
 @functools.lru_cache(maxsize=512)
-def _plain_layout(model: ModelConfig, pp: int, method: str, virtual_stages: int = 1) -> Layout:
+def plain_layout(model: ModelConfig, pp: int, method: str, virtual_stages: int = 1) -> Layout:
     """A layout that needs no costs (the default partition, a dedicated mode): the same for every micro-batch,
     recomputation and ZeRO option, so built once."""
     return build_layout(gpt_spec_groups(model), pp, virtual_stages=virtual_stages, **layout_options(method))
@@ -188,7 +192,7 @@ def layout_for(res: Resolved, tp: int, pp: int, method: str, inputs: MemoryInput
     groups = gpt_spec_groups(model)
     opts, v = layout_options(method), inputs.virtual_stages
     if "partition_method" not in opts:
-        return _plain_layout(model, pp, method, v)
+        return plain_layout(model, pp, method, v)
     limit = res.usable_bytes
     costs = method_costs(partition_methods.find(method), model, pp * v, lambda: inputs, memory_limit=lambda: limit)
     chosen = build_layout(groups, pp, costs=costs, virtual_stages=v, **opts)

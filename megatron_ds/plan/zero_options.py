@@ -19,7 +19,7 @@ from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.zero_time import INTERCONNECT, LINKS, Links, step_overheads
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.ranking import Search, no_fit_message, rank_key
+from megatron_ds.plan.ranking import Search, Tried, alternatives, config_key, no_fit_message, rank_key
 from megatron_ds.plan.search import Candidate, degree_pairs
 
 
@@ -118,6 +118,10 @@ class OffloadChoice:
         return self.timed[0].candidate
 
 
+def _offload_order(t: Timed) -> tuple[float, int]:
+    return round(t.seconds, 9), OFFLOAD.index(t.option)
+
+
 def choose_offload(search: Search) -> OffloadChoice | None:
     """Every allowed offload option's preferred fitting configuration, by estimated step (None: none fits)."""
     res = search.res
@@ -125,10 +129,13 @@ def choose_offload(search: Search) -> OffloadChoice | None:
     for option in OFFLOAD:
         if not allowed(res, option):
             continue
-        cand = search.best(option, pairs_for(res, option))
+        cand = search.best(option, pairs_for(res, option), refine=False)
         if cand is not None:
             found.append(timed(res, option, cand))
-    found.sort(key=lambda t: (round(t.seconds, 9), OFFLOAD.index(t.option)))
+    found.sort(key=_offload_order)
+    if found:  # only the fastest option's layout and schedule are refined
+        found[0] = timed(res, found[0].option, search.refine(found[0].candidate))
+        found.sort(key=_offload_order)
     return OffloadChoice(found) if found else None
 
 
@@ -137,10 +144,19 @@ class Choice:
     """The chosen configuration and every fitting one priced beside it, fastest first."""
 
     ranked: list[Candidate]
+    tried: dict[tuple, list[Tried]] = field(default_factory=dict)
+    """The refined configurations' layout methods and schedules (`ranking.alternatives`), by `config_key`."""
 
     @property
     def candidate(self) -> Candidate:
         return self.ranked[0]
+
+    def alternatives(self, res: Resolved) -> list[Tried]:
+        """The choice under every layout method and schedule (priced once, by the search's refinement)."""
+        key = config_key(self.candidate)
+        if key not in self.tried:
+            self.tried[key] = alternatives(res, self.candidate)
+        return self.tried[key]
 
     @property
     def runner_up(self) -> Candidate | None:
@@ -177,10 +193,10 @@ def _choose_all(res: Resolved, precision: str) -> Choice:
         if search.best(option, pairs_for(res, option)) is not None:
             ranked += search.ranked
     if ranked:
-        return Choice(sorted(ranked, key=rank_key))
+        return Choice(sorted(ranked, key=rank_key), search.tried)
     chosen = choose_offload(search)
     if chosen is not None:
-        return Choice([t.candidate for t in chosen.timed])
+        return Choice([t.candidate for t in chosen.timed], search.tried)
     raise PlanError(no_fit_message(res, search.closest, search.bounds, search.batch_ok))
 
 

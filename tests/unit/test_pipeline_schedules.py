@@ -161,3 +161,19 @@ def test_steady_schedules_moments_beyond_2p_plus_2_are_those_of_the_whole_stream
             for s in sorted({0, 1, p // 2, p - 2, p - 1} & set(range(p))):
                 got = schedules.distinct_moments(entry, m, p, s)
                 assert got == schedules.stream_moments(entry, m, p, s), (entry.name, m, p, s)
+
+
+def test_interleaved_moments_beyond_3p_are_those_of_the_whole_stream() -> None:
+    """Interleaving (`steady_rounds`) is read at M = 3P in place of a larger multiple of P: the same distinct
+    moments, in the same order, for every v; other M are read whole."""
+    entries = [e for e in schedules.REGISTRY.values() if e.steady_rounds]
+    assert entries
+    for entry, v in ((e, v) for e in entries for v in (2, 3, 4, 5)):
+        chunked = schedules.find(entry.name, v)
+        sizes = [(k * p, p) for p in range(2, 11) for k in range(1, 9)] + [(6 * 16, 16), (5 * 32, 32), (15, 4)]
+        for m, p in sizes:
+            if chunked.check(m, p) is not None:
+                continue
+            for s in sorted({0, 1, p // 2, p - 2, p - 1}):
+                got = schedules.distinct_moments(chunked, m, p, s)
+                assert got == schedules.stream_moments(chunked, m, p, s), (v, m, p, s)
