@@ -1,5 +1,6 @@
-"""The planner tries every pipeline schedule it can run (1F1B, ZB-H1, interleaved with v = 2), ranks them
-by predicted seconds with 1F1B first on ties, and its choice reaches the printed command and the JSON."""
+"""The planner tries every pipeline schedule it can run (1F1B, ZB-H1, interleaved with v = 2; v = 3, 4 for
+the fastest configuration), ranks them by predicted seconds with 1F1B first on ties, and its choice reaches
+the printed command and the JSON."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from megatron_ds.flags.parser import parse_config
 from megatron_ds.plan import ds_json, ranking, search
 from megatron_ds.plan.__main__ import main
 from megatron_ds.plan.inputs import PlanInputs, resolve
+from megatron_ds.plan.zero_options import choose_all
 
 JOB = dict(model="1.3b", num_gpus=32, gpus_per_node=8, gpu="A100-40GB", global_batch_size=64)
 
@@ -72,3 +74,33 @@ def test_ties_prefer_1f1b() -> None:
     one = search.evaluate(res, 1, 4, 1, 1, "bf16", False, "none")
     same = dataclasses.replace(one, inputs=dataclasses.replace(one.inputs, schedule="zbh1"))
     assert same.seconds == one.seconds and sorted([same, one], key=ranking.rank_key)[0] is one
+
+
+def test_the_choice_is_refined_over_every_schedule_and_v_and_the_report_lists_them_in_seconds(capsys) -> None:
+    """The search tries v = 2; the fastest configuration is then priced under every schedule it can run,
+    interleaving at v = 2, 3, 4 where the layers split, and the choice is the fastest of those that fit. The
+    report's schedule lines are those prices, the choice's first at 1.000."""
+    res = resolve(PlanInputs(**JOB))
+    assert ranking.schedule_options(res, 1, 4, 1, 1) == [
+        ("1f1b", 1),
+        ("zbh1", 1),
+        ("interleaved", 2),
+        ("interleaved", 3),
+    ]  # fmt: skip  (24 layers: 8 and 12 chunks, not 16)
+    argv = ["pipeline", "--model", "1.3b", "--num-gpus", "32", "--gpu", "A100-40GB", "--global-batch-size", "64"]
+    assert main([*argv, "--pipeline-model-parallel-size", "4"]) == 0
+    out = capsys.readouterr().out
+    lines = out[out.index("Pipeline schedules, each") :].splitlines()[1:]
+    lines = lines[: next(i for i, line in enumerate(lines) if not line.startswith("  "))]
+    assert "(1.000 x the choice)" in lines[0] and len(lines) == 4, lines
+    assert any(
+        "interleaved 1F1B (v=3)" in line and "--num-virtual-stages-per-pipeline-rank 3" in line for line in lines
+    )
+    res4 = resolve(PlanInputs(**JOB, pipeline_model_parallel_size=4))
+    choice = choose_all(res4, "bf16")
+    tried = choice.alternatives(res4)
+    fitting = [t.candidate for t in tried if t.candidate is not None and search.fits(res4, t.candidate)]
+    assert {t.schedule for t in tried} == {("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("interleaved", 3)}
+    assert choice.candidate.seconds == min(c.seconds for c in fitting)
+    priced = [float(line.split("step ")[1].split(" s ")[0]) for line in lines]
+    assert priced == sorted(priced) and abs(priced[0] - choice.candidate.seconds) < 1e-3 * priced[0]

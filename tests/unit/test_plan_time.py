@@ -28,8 +28,10 @@ def test_the_choice_is_the_fastest_fitting_configuration_and_the_bound_holds() -
             for ckpt in (False, True):
                 for name, v in ranking.schedules_for(res, t, p, mb, 1):
                     cand = search.evaluate(res, t, p, mb, 1, "bf16", ckpt, "none", schedule=name, virtual_stages=v)
-                    bound = ranking.time_bound(res, t, p, mb, 1, "bf16", "full" if ckpt else "none", name)
-                    assert bound <= cand.seconds * (1 + 1e-9)
+                    rec = "full" if ckpt else "none"
+                    bound = ranking.time_bound(res, t, p, mb, 1, "bf16", rec, name)
+                    layout_bound = ranking.time_bound(res, t, p, mb, 1, "bf16", rec, name, "none", v)
+                    assert bound <= layout_bound <= cand.seconds * (1 + 1e-9)
                     if search.fits(res, cand):
                         every.append(cand)
     best = min(every, key=lambda c: c.seconds)

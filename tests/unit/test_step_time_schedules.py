@@ -4,6 +4,7 @@ optimizer and reduction, v x the sends), ZB-H1's weight passes, and the lower bo
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -12,7 +13,8 @@ from megatron_ds.estimate.communication import Links
 from megatron_ds.estimate.devices import find_named
 from megatron_ds.estimate.efficiency import Kernels
 from megatron_ds.estimate.run_features import deepspeed_features
-from megatron_ds.estimate.step_bounds import step_lower_bound
+from megatron_ds.estimate.step_bounds import start_and_work_bound, step_lower_bound
+from megatron_ds.estimate.step_simulator import simulate
 from megatron_ds.estimate.step_time import StepInputs, predict_step
 from megatron_ds.model.shapes import layer_params
 
@@ -65,6 +67,33 @@ def test_the_lower_bound_holds_for_every_schedule(schedule: str, v: int, pp: int
     # uneven stages too: a layout cannot beat the bound
     uneven = dataclasses.replace(inp, layers_per_stage=(0, *inp.layers_per_stage[1:-1], 2 * inp.layers_per_stage[-1]))
     assert bound <= predict_step(uneven, KERNELS, LINKS, features).seconds * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("schedule,v", [*SCHEDULES, ("interleaved", 3)])
+def test_the_layout_bound_holds_for_random_stage_times_and_is_tight_on_a_lone_heavy_stage(
+    schedule: str, v: int
+) -> None:
+    """`start_and_work_bound` (the planner's per-layout bound) never exceeds the replayed step, whatever the
+    stage times, sends, reductions and optimizer; with one stage far heavier than the rest it is nearly the step."""
+    rng = random.Random(7)
+    for _ in range(60):
+        p = rng.choice((2, 3, 4, 6))
+        m = p * rng.choice((1, 2, 3, 5)) if v > 1 else rng.randint(1, 3 * p + 3)
+        n = p * v
+        forward = [rng.uniform(0.0, 3.0) for _ in range(n)]
+        backward = [2 * f + rng.uniform(0.0, 1.0) for f in forward]
+        weight = [b * rng.uniform(0.2, 0.5) for b in backward]
+        bound = start_and_work_bound(forward, backward, m, p)
+        step = simulate(
+            m, forward, backward, optimizer=rng.uniform(0, 1), send=rng.uniform(0, 0.3), schedule=schedule,
+            weight=weight, virtual_stages=v, reduce_grads=rng.uniform(0, 1),
+        ).step_time  # fmt: skip
+        assert 0 < bound <= step * (1 + 1e-12), (p, m, forward, backward)
+    heavy = [0.01] * (2 * v)
+    heavy[1] = 10.0
+    bound = start_and_work_bound(heavy, [2 * f for f in heavy], 64, 2)
+    step = simulate(64, heavy, [2 * f for f in heavy], schedule=schedule, virtual_stages=v).step_time
+    assert bound <= step < 1.01 * bound
 
 
 def test_interleaving_runs_chunks_on_flat_stages_with_the_ends_on_the_first_and_last() -> None:
