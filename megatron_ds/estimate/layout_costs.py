@@ -64,8 +64,10 @@ def method_costs(
     inputs: Callable[[], MemoryInputs],
     memory_limit: Callable[[], float] | None = None,
     measured_time: Callable[[], StageTimeFn] | None = None,
+    max_visits: int | None = None,
 ) -> Costs:
-    """The costs `entry` needs, and only those (each callable is called only if its cost is needed)."""
+    """The costs `entry` needs, and only those (each callable is called only if its cost is needed);
+    `max_visits` limits the exact search's work (`Costs.max_visits`)."""
     if entry is None:
         return Costs()
     needs = set(entry.needs)
@@ -90,6 +92,7 @@ def method_costs(
         if mem is not None and methods.STEP_TIME in needs
         else None,
         memory_limit=memory_limit() if memory_limit and methods.MEMORY_LIMIT in needs else None,
+        max_visits=max_visits,
     )
 
 

@@ -68,6 +68,10 @@ class NoFitError(LayoutError):
         self.counts, self.least, self.limit = counts, least, limit
 
 
+class SearchBudgetError(LayoutError):
+    """The search expanded `max_visits` nodes without finishing (a caller's limit on its work)."""
+
+
 def fastest_counts(
     num_layers: int,
     num_stages: int,
@@ -77,10 +81,18 @@ def fastest_counts(
     *,
     step_time: StepTimeFn,
     method: str = METHOD,
+    max_visits: int | None = None,
 ) -> list[int]:
     """Layers per stage of the fastest split whose every stage fits `memory_limit` (module docstring)."""
     split = fastest_split(
-        num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time=step_time, method=method
+        num_layers,
+        num_stages,
+        stage_time,
+        stage_memory,
+        memory_limit,
+        step_time=step_time,
+        method=method,
+        max_visits=max_visits,
     )
     return list(split.counts)
 
@@ -94,9 +106,11 @@ def fastest_split(
     *,
     step_time: StepTimeFn,
     method: str = METHOD,
+    max_visits: int | None = None,
 ) -> FastestSplit:
     """`fastest_counts` with the predicted step time, peak memory and search effort; `method` names
-    the `--pp-partition-method` in errors."""
+    the `--pp-partition-method` in errors; `max_visits`: SearchBudgetError once the search has expanded
+    that many nodes (None: no limit)."""
     flag = f"--pp-partition-method {method}"
     check_shape(num_layers, num_stages, flag)
     search = _Search(num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time)
@@ -110,7 +124,14 @@ def fastest_split(
             peak,
             memory_limit,
         )
-    search.run()
+    search.max_visits = max_visits
+    try:
+        search.run()
+    except SearchBudgetError:
+        raise SearchBudgetError(
+            f"{flag}: the exact search over --num-layers {num_layers} and {num_stages} stages stopped after "
+            f"{max_visits:,} nodes (a caller's limit; run it alone to finish it)"
+        ) from None
     step, memories, counts = search.result()
     return FastestSplit(tuple(counts), step, memories[0], search.evaluations)
 
@@ -159,6 +180,7 @@ class _Search:
         self, n: int, p: int, stage_time: StageTimeFn, stage_memory: StageMemoryFn, limit: float, step_time: StepTimeFn
     ) -> None:
         self.n, self.p, self.step_time, self.evaluations = n, p, step_time, 0
+        self.visits, self.max_visits = 0, None
         self.best = math.inf  # the smallest step evaluated
         self.ties: list[tuple[float, tuple[float, ...], list[int]]] = []  # (step, memories sorted down, counts)
         # Feasible counts per stage with their times and memory (each cost function called once per count).
@@ -228,6 +250,9 @@ class _Search:
 
     def visit(self, counts: list[int], left: int) -> None:
         """Expand the node with stages < len(counts) <= P - 2 fixed and `left` layers to place."""
+        self.visits += 1
+        if self.max_visits is not None and self.visits > self.max_visits:
+            raise SearchBudgetError("budget")
         j = len(counts)
         ks = np.array([k for k in self.feasible[j] if k <= left and self.reachable[j + 1][left - k]], dtype=int)
         lower = self._bounds(counts, left, ks)

@@ -40,6 +40,9 @@ class Costs:
     """The run's pipeline-schedule step of a split from its stages' times (`estimate/step_simulator.step_estimator`)."""
     memory_limit: float | None = None
     """Bytes every stage must fit in (`--pp-memory-limit`, default the GPU's memory)."""
+    max_visits: int | None = None
+    """Not a need: a caller's limit on the exact search's work (`fastest.SearchBudgetError` past it; the
+    planner's refinement sets it, a run does not)."""
 
 
 SPEC_WEIGHTS = "spec_weights"
@@ -140,6 +143,7 @@ def _fastest_with(
         costs.memory_limit,
         step_time=costs.step_time,
         method=method,
+        max_visits=costs.max_visits,
     )
 
 

@@ -87,7 +87,10 @@ def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None
     sec.add("Largest stage and predicted step by layout method, same degrees, batch and schedule (estimates):")
     for method in search.METHODS:
         t = tried.get(method)
-        if t is None:
+        if t is None and method in ranking.refine_methods(ctx.res, plan.pp, plan.num_micro_batches):
+            sec.add(f"  {method:<7} not tried under {plan.schedule.display} (the exact search runs under the "
+                    f"search's own schedule; --layout {method} runs it)")  # fmt: skip
+        elif t is None:
             size = f"{plan.pp} stages x {plan.num_micro_batches} micro-batches"
             sec.add(f"  {method:<7} not tried at {size} (exact search; --layout {method} runs it)")
         elif t.candidate is None:

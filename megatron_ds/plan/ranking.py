@@ -20,6 +20,7 @@ from megatron_ds.plan.search import (
     DEFAULT,
     FASTEST_MAX_REPLAY,
     FASTEST_MAX_STAGES,
+    FASTEST_MAX_VISITS,
     METHODS,
     RECOMPUTE,
     Candidate,
@@ -209,7 +210,7 @@ def alternatives(res: Resolved, top: Candidate) -> list[Tried]:
                     res, top.tp, top.pp, top.micro_batch_size, top.zero_stage, top.precision,
                     top.recompute == "full", method, top.offload_optimizer, top.offload_param,
                     selective=top.recompute == "selective", schedule=schedule[0], virtual_stages=schedule[1],
-                    time_misses=schedule == own,
+                    time_misses=schedule == own, max_visits=None if res.raw.layout else FASTEST_MAX_VISITS,
                 )  # fmt: skip
             except LayoutError as e:
                 tried.append(Tried(method, schedule, None, str(e)))

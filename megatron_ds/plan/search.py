@@ -58,6 +58,9 @@ FASTEST_MAX_STAGES = 16
 """The exact `fastest` split is tried for the chosen configuration up to this many stages."""
 FASTEST_MAX_REPLAY = 4096
 """... and up to this many micro-batches x stages (each of its many replays costs that many steps)."""
+FASTEST_MAX_VISITS = 20_000
+"""... and stopped after expanding this many nodes (about half a second here; a tight memory limit makes
+it wander: 171,448 for Llama 3 405B over 8 stages of MI300X)."""
 RECOMPUTE = ("none", "selective", "full")
 """Activation recomputation in tie-break order (the least compute first)."""
 
@@ -186,15 +189,20 @@ def plain_layout(model: ModelConfig, pp: int, method: str, virtual_stages: int =
     return build_layout(gpt_spec_groups(model), pp, virtual_stages=virtual_stages, **layout_options(method))
 
 
-def layout_for(res: Resolved, tp: int, pp: int, method: str, inputs: MemoryInputs) -> Layout:
-    """The layout `pretrain_gpt.py --print-layout` prints for the command of this choice."""
+def layout_for(
+    res: Resolved, tp: int, pp: int, method: str, inputs: MemoryInputs, max_visits: int | None = None
+) -> Layout:
+    """The layout `pretrain_gpt.py --print-layout` prints for the command of this choice (`max_visits`: the
+    exact search's limit, `pipeline/fastest.SearchBudgetError` past it)."""
     model = res.model(tp)
     groups = gpt_spec_groups(model)
     opts, v = layout_options(method), inputs.virtual_stages
     if "partition_method" not in opts:
         return plain_layout(model, pp, method, v)
     limit = res.usable_bytes
-    costs = method_costs(partition_methods.find(method), model, pp * v, lambda: inputs, memory_limit=lambda: limit)
+    costs = method_costs(
+        partition_methods.find(method), model, pp * v, lambda: inputs, memory_limit=lambda: limit, max_visits=max_visits
+    )
     chosen = build_layout(groups, pp, costs=costs, virtual_stages=v, **opts)
     return build_layout(groups, pp, layout=chosen.to_string(), virtual_stages=v)
 
@@ -215,12 +223,14 @@ def evaluate(
     virtual_stages: int = 1,
     time_misses: bool = True,
     timed: bool = True,
+    max_visits: int | None = None,
 ) -> Candidate:
     """Predicted memory and step of one configuration (raises LayoutError if the layout is impossible;
     `time_misses` False: a configuration that misses memory is not timed, its `time` None; `timed` False:
     none is, and only the end ranks' memory is computed);
     `ckpt` full recomputation, `selective` the core attention's; sequence parallelism at tp > 1 unless
-    `--no-sequence-parallel`; `schedule` a registered pipeline schedule with `virtual_stages` chunks per rank."""
+    `--no-sequence-parallel`; `schedule` a registered pipeline schedule with `virtual_stages` chunks per rank;
+    `max_visits` limits an exact layout search (`layout_for`)."""
     dp = res.num_gpus // (tp * pp)
     sequence_parallel = sequence_parallel_at(res, tp)
     inputs = MemoryInputs(
@@ -240,7 +250,7 @@ def evaluate(
         schedule=schedule,
         virtual_stages=virtual_stages,
     )
-    layout = layout_for(res, tp, pp, method, inputs)
+    layout = layout_for(res, tp, pp, method, inputs, max_visits)
     flops = flop_stage_time(inputs, layout.num_stages)
     times = tuple(flops(s, k) for s, k in enumerate(layout.layers_per_stage))
     if not time_misses and pp > 1:  # the ends hold the most (in flight on rank 0, ZB-H1's weight store on P - 1)

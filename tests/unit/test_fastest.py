@@ -14,7 +14,7 @@ from megatron_ds.estimate.compute import ComputeInputs, stage_flops_for
 from megatron_ds.estimate.step_simulator import simulate, step_estimator
 from megatron_ds.pipeline.balance import minimax_split
 from megatron_ds.pipeline.costs import StageTime, StepEstimate
-from megatron_ds.pipeline.fastest import fastest_counts, fastest_split
+from megatron_ds.pipeline.fastest import SearchBudgetError, fastest_counts, fastest_split
 from megatron_ds.units import format_bytes
 
 
@@ -189,3 +189,17 @@ def test_realistic_sizes_need_few_simulations(n: int, p: int, m: int) -> None:
         if moved[i] >= (0 if i in (0, p - 1) else 1):
             times = [stage_time(s, k) for s, k in enumerate(moved)]
             assert step_estimator(m)(times).time >= split.step_time
+
+
+def test_a_visit_budget_stops_the_search_with_one_line_and_a_larger_one_changes_nothing() -> None:
+    """`max_visits` (the planner's limit on its refinement): past it a SearchBudgetError (a LayoutError) in one
+    line naming the method and the limit; a budget the search stays within returns the unlimited answer."""
+    rnd = random.Random(3)
+    stage_time, stage_memory = random_case(rnd, 9, 5)
+    objective = objectives(rnd, 5)["bare"]  # no certificate: the pigeonhole bound expands more nodes
+    full = fastest_split(9, 5, stage_time, stage_memory, math.inf, step_time=objective)
+    with pytest.raises(SearchBudgetError, match=r"^--pp-partition-method fastest: .* stopped after 1 nodes") as err:
+        fastest_split(9, 5, stage_time, stage_memory, math.inf, step_time=objective, max_visits=1)
+    assert isinstance(err.value, LayoutError) and "\n" not in str(err.value)
+    roomy = fastest_split(9, 5, stage_time, stage_memory, math.inf, step_time=objective, max_visits=10**6)
+    assert (roomy.counts, roomy.step_time) == (full.counts, full.step_time)

@@ -106,7 +106,7 @@ def test_docs_table_is_the_generated_one() -> None:
 
 
 def test_entries_are_well_formed() -> None:
-    cost_fields = {f.name for f in fields(Costs)}
+    cost_fields = {f.name for f in fields(Costs)} - {"max_visits"}  # a caller's limit, not a need
     assert set(methods.NEED_DOCS) == cost_fields
     for name, entry in REGISTRY.items():
         assert name == entry.name and entry.summary and "\n" not in entry.summary
@@ -176,7 +176,7 @@ def test_costs_are_built_from_needs_only() -> None:
 
     for entry in REGISTRY.values():
         costs = method_costs(entry, model, 3, memory_inputs, memory_limit=limit, measured_time=measured)
-        for f in fields(Costs):
+        for f in (f for f in fields(Costs) if f.name in methods.NEED_DOCS):
             assert (getattr(costs, f.name) is not None) == (f.name in entry.needs), (entry.name, f.name)
     assert calls.count(1) == sum(e.needs_stage_memory for e in REGISTRY.values())
     assert calls.count("limit") == sum(methods.MEMORY_LIMIT in e.needs for e in REGISTRY.values())
