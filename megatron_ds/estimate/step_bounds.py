@@ -91,6 +91,31 @@ def start_and_work_bound(
     return out
 
 
+def last_stage_path_bound(
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight: Sequence[float],
+    num_micro_batches: int,
+    send: float,
+    schedule: str,
+) -> float:
+    """One path of the replay with one stage per rank (0 for schedules it does not know): micro-batch 0's
+    forward to the last stage, every pass the last stage runs up to its last backward, then micro-batch
+    M - 1's backward back to stage 0, a transfer per hop. 1F1B's last stage runs all its passes first (equal
+    stages: (M + P - 1)(F + B), its whole bubble). ZB-H1 (`schedule_streams.zero_bubble_h1`): the last stage
+    runs M - P of its weight passes before its last input-gradient pass, and stage 0 whole backwards (equal
+    stages: M(F + B) + (P - 1)(F + B - W) with B the input-gradient pass, its bubble)."""
+    p, m = len(forward), num_micro_batches
+    if p < 2 or schedule not in ("1f1b", "zbh1"):
+        return 0.0
+    fill = sum(forward[:-1]) + 2 * (p - 1) * send
+    if schedule == "1f1b":
+        return fill + m * (forward[-1] + backward[-1]) + sum(backward[:-1])
+    inputs = [b - w for b, w in zip(backward, weight)]
+    last = m * (forward[-1] + inputs[-1]) + max(0, m - p) * weight[-1]
+    return fill + last + sum(inputs[1:-1]) + backward[0]
+
+
 def sends_on_path(num_micro_batches: int, num_stages: int) -> int:
     """Blocking sends on the critical path of DeepSpeed's 1F1B with equal stages (`step_simulator`'s
     rendezvous model, counted off its replay; the tests check it for many sizes): the fill and drain's

@@ -46,7 +46,7 @@ from megatron_ds.estimate.efficiency import Kernels
 from megatron_ds.estimate.layer_time import PassTimes, layer_times, post_times, pre_times
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.run_features import DP_AFTER_BACKWARD, DP_OVERLAP_EACH, DP_OVERLAP_LAST, RunFeatures
-from megatron_ds.estimate.step_bounds import closed_form_step, start_and_work_bound
+from megatron_ds.estimate.step_bounds import closed_form_step, last_stage_path_bound, start_and_work_bound
 from megatron_ds.estimate.step_simulator import simulate
 
 SIMULATE_LIMIT = 4096
@@ -261,10 +261,15 @@ def _send_time(inp: StepInputs, links: Links, features: RunFeatures, place: Plac
 
 
 def layout_bound(inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures) -> float:
-    """No schedule steps this layout faster: its stage passes alone (`step_bounds.start_and_work_bound`), no
-    send, reduction or optimizer step; `stage_params` is not read."""
-    forward, backward, _, _ = _stage_passes(inp, kernels, links, features)
-    return start_and_work_bound(forward, backward, inp.num_micro_batches, inp.pp)
+    """This layout under its schedule steps no faster: its stage passes alone (`step_bounds.start_and_work_bound`)
+    and, with one stage per rank, the last stage's path (`step_bounds.last_stage_path_bound`, the sends
+    included); no reduction or optimizer step; `stage_params` is not read."""
+    forward, backward, _, weight = _stage_passes(inp, kernels, links, features)
+    bound = start_and_work_bound(forward, backward, inp.num_micro_batches, inp.pp)
+    if inp.virtual_stages > 1:
+        return bound
+    send = _send_time(inp, links, features, Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node))
+    return max(bound, last_stage_path_bound(forward, backward, weight, inp.num_micro_batches, send, inp.schedule))
 
 
 def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures) -> StepTime:

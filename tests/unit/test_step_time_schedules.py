@@ -13,7 +13,7 @@ from megatron_ds.estimate.communication import Links
 from megatron_ds.estimate.devices import find_named
 from megatron_ds.estimate.efficiency import Kernels
 from megatron_ds.estimate.run_features import deepspeed_features
-from megatron_ds.estimate.step_bounds import start_and_work_bound, step_lower_bound
+from megatron_ds.estimate.step_bounds import last_stage_path_bound, start_and_work_bound, step_lower_bound
 from megatron_ds.estimate.step_simulator import simulate
 from megatron_ds.estimate.step_time import StepInputs, predict_step
 from megatron_ds.model.shapes import layer_params
@@ -94,6 +94,33 @@ def test_the_layout_bound_holds_for_random_stage_times_and_is_tight_on_a_lone_he
     bound = start_and_work_bound(heavy, [2 * f for f in heavy], 64, 2)
     step = simulate(64, heavy, [2 * f for f in heavy], schedule=schedule, virtual_stages=v).step_time
     assert bound <= step < 1.01 * bound
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_the_last_stage_path_is_a_path_of_the_replay_and_the_whole_step_on_equal_stages(schedule: str) -> None:
+    """`last_stage_path_bound` never exceeds the replayed step (random stage times, sends, reductions, optimizer),
+    and on equal stages with free sends it is the step itself: the schedule's bubble, (P - 1)(F + B) for 1F1B and
+    (P - 1)(F + B - W) for ZB-H1 (B its input-gradient pass)."""
+    rng = random.Random(11)
+    for _ in range(80):
+        p, m = rng.choice((2, 3, 4, 7)), rng.randint(1, 20)
+        forward = [rng.uniform(0.1, 3.0) for _ in range(p)]
+        backward = [2 * f + rng.uniform(0.0, 1.0) for f in forward]
+        weight = [b * rng.uniform(0.2, 0.5) for b in backward] if schedule == "zbh1" else [0.0] * p
+        send = rng.uniform(0, 0.3)
+        bound = last_stage_path_bound(forward, backward, weight, m, send, schedule)
+        step = simulate(
+            m, forward, backward, optimizer=rng.uniform(0, 1), send=send, schedule=schedule, weight=weight,
+            reduce_grads=rng.uniform(0, 1),
+        ).step_time  # fmt: skip
+        assert 0 < bound <= step * (1 + 1e-12), (p, m, forward, backward, weight)
+    for p, m in ((2, 1), (4, 3), (4, 8), (8, 32)):
+        f, b, w = 1.0, 2.0, (1.0 if schedule == "zbh1" else 0.0)
+        equal = simulate(m, [f] * p, [b] * p, schedule=schedule, weight=w, tied=False, grad_norm_sync=False).step_time
+        bound = last_stage_path_bound([f] * p, [b] * p, [w] * p, m, 0.0, schedule)
+        assert bound == pytest.approx(equal, rel=1e-12), (p, m)
+        bubble = (p - 1) * (f + b) if schedule == "1f1b" else (p - 1) * (f + b - 2 * w)
+        assert bound == pytest.approx(m * (f + b) + bubble, rel=1e-12) or m < p
 
 
 def test_interleaving_runs_chunks_on_flat_stages_with_the_ends_on_the_first_and_last() -> None:
