@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_ds.config.parallel import INTERLEAVED, PIPELINE_SCHEDULES
@@ -81,6 +81,9 @@ class PipelineSchedule:
     steady: bool = False
     """Beyond M = 2P + 2 micro-batches more only repeat the steady state's backward moment (same micro-batches in
     flight, same weight passes pending): warm-up and drain depend on P and s alone (`distinct_moments`)."""
+    last_stage_path: Callable[[Sequence[float], Sequence[float], Sequence[float], int, float], float] | None = None
+    """(forward, backward, weight per stage, M, send) -> the length of one path of the replay through the last
+    stage (`step_bounds.last_stage_path_bound`, the planner's bound); None: not derived."""
     steady_rounds: bool = False
     """With M a multiple of P, beyond M = 3P micro-batches more rounds of P only repeat the moments of the
     middle rounds (torch's interleaved order; `distinct_moments`)."""
@@ -132,6 +135,7 @@ REGISTRY: dict[str, PipelineSchedule] = {
             streams.one_f_one_b,
             streams.one_f_one_b_buffers,
             steady=True,
+            last_stage_path=streams.one_f_one_b_last_path,
         ),
         PipelineSchedule(
             "zbh1",
@@ -145,6 +149,7 @@ REGISTRY: dict[str, PipelineSchedule] = {
             blocking_sends=False,
             splits_backward=True,
             steady=True,
+            last_stage_path=streams.zero_bubble_h1_last_path,
         ),
         PipelineSchedule(
             "interleaved",

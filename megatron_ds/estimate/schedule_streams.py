@@ -25,6 +25,7 @@ rank, and that of interleaved its `ScheduleInterleaved1F1B` (tests/unit/test_pip
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Instruction kinds: DeepSpeed's class names (deepspeed/runtime/pipe/schedule.py), and the two that
@@ -125,6 +126,15 @@ def one_f_one_b(num_micro_batches: int, num_stages: int, stage: int, virtual: in
     return tuple(out)
 
 
+def one_f_one_b_last_path(
+    forward: Sequence[float], backward: Sequence[float], weight: Sequence[float], m: int, send: float
+) -> float:
+    """A path of 1F1B's replay (`step_bounds.last_stage_path_bound`): the last stage runs all its passes before
+    its last backward; on equal stages (M + P - 1)(F + B), the whole step."""
+    p = len(forward)
+    return sum(forward[:-1]) + m * (forward[-1] + backward[-1]) + sum(backward[:-1]) + 2 * (p - 1) * send
+
+
 # ---- ZB-H1 ---------------------------------------------------------------------------------------
 
 
@@ -193,6 +203,19 @@ def zero_bubble_h1(num_micro_batches: int, num_stages: int, stage: int, virtual:
         out.append(weight())
     out.append(list(STEP_END))
     return tuple(tuple(step) for step in out)
+
+
+def zero_bubble_h1_last_path(
+    forward: Sequence[float], backward: Sequence[float], weight: Sequence[float], m: int, send: float
+) -> float:
+    """A path of ZB-H1's replay (`step_bounds.last_stage_path_bound`): the last stage runs its M forwards and
+    input-gradient passes and M - P of its weight passes before its last input-gradient pass (`zero_bubble_h1`'s
+    order), and stage 0 runs whole backwards; on equal stages M(F + B) + (P - 1)(F + B - W) with B the
+    input-gradient pass, the whole step."""
+    p = len(forward)
+    inputs = [b - w for b, w in zip(backward, weight)]
+    last = m * (forward[-1] + inputs[-1]) + max(0, m - p) * weight[-1]
+    return sum(forward[:-1]) + last + sum(inputs[1:-1]) + backward[0] + 2 * (p - 1) * send
 
 
 # ---- interleaved 1F1B ----------------------------------------------------------------------------

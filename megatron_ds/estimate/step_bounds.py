@@ -99,21 +99,13 @@ def last_stage_path_bound(
     send: float,
     schedule: str,
 ) -> float:
-    """One path of the replay with one stage per rank (0 for schedules it does not know): micro-batch 0's
-    forward to the last stage, every pass the last stage runs up to its last backward, then micro-batch
-    M - 1's backward back to stage 0, a transfer per hop. 1F1B's last stage runs all its passes first (equal
-    stages: (M + P - 1)(F + B), its whole bubble). ZB-H1 (`schedule_streams.zero_bubble_h1`): the last stage
-    runs M - P of its weight passes before its last input-gradient pass, and stage 0 whole backwards (equal
-    stages: M(F + B) + (P - 1)(F + B - W) with B the input-gradient pass, its bubble)."""
-    p, m = len(forward), num_micro_batches
-    if p < 2 or schedule not in ("1f1b", "zbh1"):
+    """One path of the replay with one stage per rank, read off the schedule's stream (its registry entry's
+    `last_stage_path`; 0 where it has none): micro-batch 0's forward to the last stage, every pass the last
+    stage runs up to its last backward, then micro-batch M - 1's backward back to stage 0, a transfer per hop."""
+    path = pipeline_schedules.find(schedule).last_stage_path
+    if len(forward) < 2 or path is None:
         return 0.0
-    fill = sum(forward[:-1]) + 2 * (p - 1) * send
-    if schedule == "1f1b":
-        return fill + m * (forward[-1] + backward[-1]) + sum(backward[:-1])
-    inputs = [b - w for b, w in zip(backward, weight)]
-    last = m * (forward[-1] + inputs[-1]) + max(0, m - p) * weight[-1]
-    return fill + last + sum(inputs[1:-1]) + backward[0]
+    return path(forward, backward, weight, num_micro_batches, send)
 
 
 def sends_on_path(num_micro_batches: int, num_stages: int) -> int:
