@@ -205,9 +205,11 @@ def _fp32(zero_stage: int, s: int) -> StateFactors:
         MASTER_BYTES + s,
         gathered=8,
         source=(
-            "fp32 ZeRO-3: DeepSpeedZeroOptimizer_Stage3 (zero/stage3.py): the param partition, its fp32 master "
-            "clone (fp32_partitioned_groups_flat), a grad partition and the master's fp32 gradient = 24/N with Adam; "
-            "one gathered layer (params + grads) (benchmarks/zero_memory.py)"
+            "fp32 ZeRO-3: DeepSpeedZeroOptimizer_Stage3 (zero/stage3.py): the param partition, which is the fp32 "
+            "master itself (_create_fp32_partitions reuses it when the dtypes match), the grad partitions' flat "
+            "buffer (grad_partitions_flat_buffer) and its flattened copy in step() (_prepare_fp32_grad_for_sub_group), "
+            "Adam's two moments and the denominator torch's single-tensor AdamW (the CPU kernel) makes over the flat "
+            "partition = 24/N; one gathered layer (params + grads) (benchmarks/zero_memory.py)"
         ),
     )
 
