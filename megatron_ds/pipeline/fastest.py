@@ -110,7 +110,7 @@ def fastest_split(
 ) -> FastestSplit:
     """`fastest_counts` with the predicted step time, peak memory and search effort; `method` names
     the `--pp-partition-method` in errors; `max_visits`: SearchBudgetError once the search has expanded
-    that many nodes (None: no limit)."""
+    that many nodes, leaves included (None: no limit)."""
     flag = f"--pp-partition-method {method}"
     check_shape(num_layers, num_stages, flag)
     search = _Search(num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time)
@@ -130,7 +130,7 @@ def fastest_split(
     except SearchBudgetError:
         raise SearchBudgetError(
             f"{flag}: the exact search over --num-layers {num_layers} and {num_stages} stages stopped after "
-            f"{max_visits:,} nodes (a caller's limit; run it alone to finish it)"
+            f"{max_visits:,} nodes (the caller's limit)"
         ) from None
     step, memories, counts = search.result()
     return FastestSplit(tuple(counts), step, memories[0], search.evaluations)
@@ -250,9 +250,7 @@ class _Search:
 
     def visit(self, counts: list[int], left: int) -> None:
         """Expand the node with stages < len(counts) <= P - 2 fixed and `left` layers to place."""
-        self.visits += 1
-        if self.max_visits is not None and self.visits > self.max_visits:
-            raise SearchBudgetError("budget")
+        self._count_visit()
         j = len(counts)
         ks = np.array([k for k in self.feasible[j] if k <= left and self.reachable[j + 1][left - k]], dtype=int)
         lower = self._bounds(counts, left, ks)
@@ -301,7 +299,14 @@ class _Search:
             assert length <= estimate.time * (1 + TOLERANCE) + 1e-12, ("certificate longer than the step", estimate)
         return estimate
 
+    def _count_visit(self) -> None:
+        """One more node expanded or leaf evaluated; SearchBudgetError past `max_visits`."""
+        self.visits += 1
+        if self.max_visits is not None and self.visits > self.max_visits:
+            raise SearchBudgetError("budget")
+
     def _leaf(self, counts: list[int]) -> None:
+        self._count_visit()
         estimate = self._evaluate([self.feasible[s][k][0] for s, k in enumerate(counts)])
         if estimate.path:
             self.certificates.add(estimate)

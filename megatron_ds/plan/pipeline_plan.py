@@ -5,6 +5,7 @@ command line."""
 from __future__ import annotations
 
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.layout_costs import format_memory_table
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.plan import ds_json, ranking, search, time_report
@@ -131,6 +132,11 @@ def _compare_schedules(ctx: Context, sec: Section, plan: search.Candidate) -> No
             f"  {c.schedule.display:<22} step {c.seconds:.4g} s ({c.seconds / plan.seconds:.3f} x the choice)  "
             f"largest stage {format_bytes(c.peak.total)}  {' '.join(f for f in flags if f)}".rstrip()
         )
+    skipped = ranking.too_long_to_replay(ctx.res, plan.tp, plan.pp, plan.micro_batch_size, plan.zero_stage)
+    for name, v in skipped:
+        label = pipeline_schedules.find(name, v).display
+        size = plan.num_micro_batches * plan.pp * v
+        sec.add(f"  {label:<22} not priced: {size:,} micro-batch steps to replay, over {search.REPLAY_LIMIT:,}")
 
 
 def _data(plan: search.Candidate) -> dict:

@@ -13,6 +13,7 @@ from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.step_bounds import step_lower_bound
 from megatron_ds.estimate.step_time import StepInputs, layout_bound
+from megatron_ds.pipeline.fastest import SearchBudgetError
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import timing
 from megatron_ds.plan.inputs import Resolved
@@ -23,6 +24,7 @@ from megatron_ds.plan.search import (
     FASTEST_MAX_VISITS,
     METHODS,
     RECOMPUTE,
+    REPLAY_LIMIT,
     Candidate,
     evaluate,
     fits,
@@ -107,26 +109,39 @@ def schedule_order(schedule: tuple[str, int]) -> tuple[int, int]:
     return list(pipeline_schedules.REGISTRY).index(schedule[0]), schedule[1]
 
 
-def schedules_for(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
-    """The schedules a configuration can run: 1F1B always; ZB-H1 and interleaving (v = 2) on the pipeline
-    engine (ZeRO 0/1) with P >= 2, interleaving when the layers divide into v x P chunks and the
-    micro-batches are a multiple of P (config/tree.py's `_check_engine`)."""
+def _runnable(res: Resolved, t: int, p: int, mb: int, zero: int, chunks: tuple[int, ...]) -> list[tuple[str, int]]:
+    """Every (schedule, v) the engine runs for this configuration, v from `chunks` for interleaving: 1F1B
+    always; ZB-H1 and interleaving on the pipeline engine (ZeRO 0/1) with P >= 2, interleaving when the layers
+    divide into v x P chunks and the micro-batches are a multiple of P (config/tree.py's `_check_engine`)."""
     if p < 2 or zero >= 2:
         return [SCHEDULES[0]]
     m = res.global_batch_size // (mb * (res.num_gpus // (t * p)))
     layers = res.dims["num_layers"]
-    return [(name, v) for name, v in SCHEDULES if v == 1 or (layers % (v * p) == 0 and m % p == 0)]
+    out = [(name, v) for name, v in SCHEDULES if v == 1]
+    interleaved = [name for name, v in SCHEDULES if v > 1]
+    return out + [(n, v) for n in interleaved for v in chunks if layers % (v * p) == 0 and m % p == 0]
+
+
+def _replayable(res: Resolved, t: int, p: int, mb: int, schedule: tuple[str, int]) -> bool:
+    """1F1B (its closed form past the replay limit), or M x P x v within REPLAY_LIMIT."""
+    m = res.global_batch_size // (mb * (res.num_gpus // (t * p)))
+    return schedule == SCHEDULES[0] or m * p * schedule[1] <= REPLAY_LIMIT
+
+
+def schedules_for(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
+    """The schedules the search prices a configuration under: `_runnable`'s with v = 2, those past
+    REPLAY_LIMIT but 1F1B left out."""
+    return [s for s in _runnable(res, t, p, mb, zero, (2,)) if _replayable(res, t, p, mb, s)]
 
 
 def schedule_options(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
-    """`schedules_for`'s, interleaving at every v of VIRTUAL_STAGES the layers and micro-batches allow."""
-    options = [s for s in schedules_for(res, t, p, mb, zero) if s[1] == 1]
-    if len(options) > 1:  # the pipeline engine, P >= 2
-        m = res.global_batch_size // (mb * (res.num_gpus // (t * p)))
-        layers = res.dims["num_layers"]
-        interleaved = [name for name, v in SCHEDULES if v > 1]
-        options += [(n, v) for n in interleaved for v in VIRTUAL_STAGES if layers % (v * p) == 0 and m % p == 0]
-    return options
+    """The schedules the refinement prices: `schedules_for`'s with interleaving at every v of VIRTUAL_STAGES."""
+    return [s for s in _runnable(res, t, p, mb, zero, VIRTUAL_STAGES) if _replayable(res, t, p, mb, s)]
+
+
+def too_long_to_replay(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
+    """The schedules the refinement leaves out for their size alone."""
+    return [s for s in _runnable(res, t, p, mb, zero, VIRTUAL_STAGES) if not _replayable(res, t, p, mb, s)]
 
 
 def time_bound(
@@ -212,6 +227,9 @@ def alternatives(res: Resolved, top: Candidate) -> list[Tried]:
                     selective=top.recompute == "selective", schedule=schedule[0], virtual_stages=schedule[1],
                     time_misses=schedule == own, max_visits=None if res.raw.layout else FASTEST_MAX_VISITS,
                 )  # fmt: skip
+            except SearchBudgetError as e:
+                tried.append(Tried(method, schedule, None, f"{e}; --layout {method} runs it to the end"))
+                continue
             except LayoutError as e:
                 tried.append(Tried(method, schedule, None, str(e)))
                 continue

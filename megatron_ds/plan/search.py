@@ -54,13 +54,17 @@ DEFAULT = "none"
 # --pp-dedicated-embedding-stages (both), pre, post, then the registry's planned partition methods.
 METHODS = (DEFAULT, "both", "pre", "post", *partition_methods.planned_methods())
 MICRO_BATCH_CHOICES = (1, 2, 4, 8, 16)
+REPLAY_LIMIT = 32_768
+"""Micro-batches x stages x chunks per rank up to which ZB-H1 and interleaving are priced (their replay costs
+about a second per 300,000 steps here; 1F1B beyond `estimate/step_time.SIMULATE_LIMIT` has its closed form)."""
 FASTEST_MAX_STAGES = 16
 """The exact `fastest` split is tried for the chosen configuration up to this many stages."""
 FASTEST_MAX_REPLAY = 4096
 """... and up to this many micro-batches x stages (each of its many replays costs that many steps)."""
-FASTEST_MAX_VISITS = 20_000
-"""... and stopped after expanding this many nodes (about half a second here; a tight memory limit makes
-it wander: 171,448 for Llama 3 405B over 8 stages of MI300X)."""
+FASTEST_MAX_VISITS = 5_000
+"""... and stopped after this many nodes expanded or leaves replayed (under a second here; a tight memory limit
+makes it wander: 171,448 nodes for Llama 3 405B over 8 stages of MI300X, 9,496 leaves for GPT-3 13B over 16
+stages of L40S)."""
 RECOMPUTE = ("none", "selective", "full")
 """Activation recomputation in tie-break order (the least compute first)."""
 

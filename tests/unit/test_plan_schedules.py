@@ -104,3 +104,17 @@ def test_the_choice_is_refined_over_every_schedule_and_v_and_the_report_lists_th
     assert choice.candidate.seconds == min(c.seconds for c in fitting)
     priced = [float(line.split("step ")[1].split(" s ")[0]) for line in lines]
     assert priced == sorted(priced) and abs(priced[0] - choice.candidate.seconds) < 1e-3 * priced[0]
+
+
+def test_schedules_too_long_to_replay_are_left_out_and_named() -> None:
+    """Past REPLAY_LIMIT micro-batches x stages x chunks the search and the refinement price 1F1B alone (its
+    closed form); the report's schedule lines name what was left out."""
+    res = resolve(PlanInputs(**{**JOB, "global_batch_size": 131072}))
+    # t = 1, p = 4: 8 data-parallel ranks; micro-batch 1 gives M = 16384 (65536 steps), micro-batch 16 M = 1024
+    assert ranking.schedules_for(res, 1, 4, 1, 1) == [("1f1b", 1)]
+    assert ranking.too_long_to_replay(res, 1, 4, 1, 1) == [("zbh1", 1), ("interleaved", 2), ("interleaved", 3)]
+    assert ranking.schedule_options(res, 1, 4, 16, 1) == [
+        ("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("interleaved", 3),
+    ]  # fmt: skip
+    limit = search.REPLAY_LIMIT
+    assert all(1024 * 4 * v <= limit < 16384 * 4 * v for _, v in ranking.too_long_to_replay(res, 1, 4, 1, 1))

@@ -1,0 +1,95 @@
+"""How long `python -m megatron_ds.plan pipeline` takes, process start to exit, over many jobs.
+
+Issue 25's target: under 5 s for any model and GPU count up to 4096 GPUs. Each job runs as its own process
+(imports included, as a user runs it), one at a time, under a 120 s timeout:
+  sweep   every model preset x GPU counts 8 to 4096 on an A100-80GB and an H100-80GB, the preset's batch;
+  random  `--random N` jobs drawn with `--seed S`: a preset, a GPU count up to 4096, a GPU of the table
+          and the preset's batch or one of 256 to 4096.
+It prints the slowest jobs, then the count, median and maximum per group. Wall time on a shared machine is
+noisy: run it on a quiet one.
+
+    python benchmarks/planner_speed.py [--random 120] [--seed 1] [--no-sweep] [--top 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_ds.plan.hardware import PRESETS  # noqa: E402
+
+GPU_COUNTS = (8, 64, 256, 512, 1024, 2048, 4096)
+RANDOM_COUNTS = (8, 16, 32, 64, 96, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+RANDOM_GPUS = ("A100-80GB", "A100-40GB", "H100-80GB", "H200", "V100-32GB", "MI300X", "L40S")
+BATCHES = (None, 256, 512, 1024, 2048, 4096)
+TIMEOUT_S = 120
+
+
+def run(args: list[str]) -> tuple[float, int]:
+    """Seconds from start to exit and the exit status (124 on timeout)."""
+    argv = [sys.executable, "-m", "megatron_ds.plan", "pipeline", *args]
+    started = time.perf_counter()
+    try:
+        status = subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=TIMEOUT_S).returncode
+    except subprocess.TimeoutExpired:
+        status = 124
+    return time.perf_counter() - started, status
+
+
+def sweep_jobs() -> list[list[str]]:
+    return [
+        ["--model", name, "--num-gpus", str(n), "--gpu", gpu]
+        for name in PRESETS
+        for n in GPU_COUNTS
+        for gpu in ("A100-80GB", "H100-80GB")
+    ]
+
+
+def random_jobs(count: int, seed: int) -> list[list[str]]:
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(count):
+        batch = rng.choice(BATCHES)
+        job = ["--model", rng.choice(list(PRESETS)), "--num-gpus", str(rng.choice(RANDOM_COUNTS))]
+        job += ["--gpu", rng.choice(RANDOM_GPUS)] + (["--global-batch-size", str(batch)] if batch else [])
+        jobs.append(job)
+    return jobs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--random", type=int, default=120, help="random jobs (default 120)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the presets x GPU counts sweep")
+    parser.add_argument("--top", type=int, default=10, help="slowest jobs to list")
+    args = parser.parse_args()
+    groups = {} if args.no_sweep else {"sweep": sweep_jobs()}
+    groups[f"random (seed {args.seed})"] = random_jobs(args.random, args.seed)
+    results = []
+    for group, jobs in groups.items():
+        for job in jobs:
+            seconds, status = run(job)
+            results.append((seconds, status, group, " ".join(job)))
+    print(f"{'seconds':>8} {'exit':>4}  {'group':<16} job")
+    for seconds, status, group, job in sorted(results, reverse=True)[: args.top]:
+        print(f"{seconds:8.2f} {status:4d}  {group:<16} {job}")
+    print()
+    print(f"{'group':<16} {'jobs':>5} {'median s':>9} {'max s':>7} {'over 5 s':>8} {'failed':>6}")
+    for group in groups:
+        times = [r[0] for r in results if r[2] == group]
+        failed = sum(1 for r in results if r[2] == group and r[1] != 0)
+        over = sum(1 for t in times if t > 5.0)
+        print(f"{group:<16} {len(times):5d} {statistics.median(times):9.2f} {max(times):7.2f} {over:8d} {failed:6d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
