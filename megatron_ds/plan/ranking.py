@@ -211,8 +211,8 @@ def config_key(c: Candidate) -> tuple:
 def alternatives(res: Resolved, top: Candidate) -> list[Tried]:
     """`top` under every layout method (`refine_methods`) and every schedule it can run (`schedule_options`).
     Under `top`'s own schedule each is priced whether or not it fits, under the others only those that fit
-    (a miss's `time` is None). The exact `fastest` split runs under `top`'s own schedule only (it is the
-    slow one; with virtual stages it is refused at once)."""
+    (a miss's `time` is None until `retimed`). The exact `fastest` split runs under `top`'s own schedule only
+    (it is the slow one; with virtual stages it is refused at once)."""
     own = (top.inputs.schedule, top.virtual_stages)
     methods = refine_methods(res, top.pp, top.num_micro_batches)
     tried = []
@@ -220,21 +220,34 @@ def alternatives(res: Resolved, top: Candidate) -> list[Tried]:
         for method in methods:
             if method == "fastest" and schedule != own and schedule[1] == 1 and not res.raw.layout:
                 continue
-            try:
-                cand = evaluate(
-                    res, top.tp, top.pp, top.micro_batch_size, top.zero_stage, top.precision,
-                    top.recompute == "full", method, top.offload_optimizer, top.offload_param,
-                    selective=top.recompute == "selective", schedule=schedule[0], virtual_stages=schedule[1],
-                    time_misses=schedule == own, max_visits=None if res.raw.layout else FASTEST_MAX_VISITS,
-                )  # fmt: skip
-            except SearchBudgetError as e:
-                tried.append(Tried(method, schedule, None, f"{e}; --layout {method} runs it to the end"))
-                continue
-            except LayoutError as e:
-                tried.append(Tried(method, schedule, None, str(e)))
-                continue
-            tried.append(Tried(method, schedule, cand))
+            tried.append(_try(res, top, method, schedule, time_misses=schedule == own))
     return tried
+
+
+def retimed(res: Resolved, tried: list[Tried], schedule: tuple[str, int]) -> list[Tried]:
+    """`tried` with `schedule`'s misses priced too (the layout table reads the chosen schedule's)."""
+    return [
+        _try(res, t.candidate, t.method, t.schedule, time_misses=True)
+        if t.schedule == schedule and t.candidate is not None and t.candidate.time is None
+        else t
+        for t in tried
+    ]
+
+
+def _try(res: Resolved, top: Candidate, method: str, schedule: tuple[str, int], time_misses: bool) -> Tried:
+    """`top`'s degrees, batch, recomputation and ZeRO under `method` and `schedule`."""
+    try:
+        cand = evaluate(
+            res, top.tp, top.pp, top.micro_batch_size, top.zero_stage, top.precision,
+            top.recompute == "full", method, top.offload_optimizer, top.offload_param,
+            selective=top.recompute == "selective", schedule=schedule[0], virtual_stages=schedule[1],
+            time_misses=time_misses, max_visits=None if res.raw.layout else FASTEST_MAX_VISITS,
+        )  # fmt: skip
+    except SearchBudgetError as e:
+        return Tried(method, schedule, None, f"{e}; --layout {method} runs it to the end")
+    except LayoutError as e:
+        return Tried(method, schedule, None, str(e))
+    return Tried(method, schedule, cand)
 
 
 def fastest_tried(res: Resolved, tried: list[Tried]) -> Candidate | None:
@@ -347,8 +360,13 @@ class Search:
 
     def refine(self, top: Candidate) -> Candidate:
         """The fastest fitting of `top`'s `alternatives` (kept in `tried`)."""
-        tried = self.tried[config_key(top)] = alternatives(self.res, top)
-        return fastest_tried(self.res, tried) or top
+        tried = alternatives(self.res, top)
+        chosen = fastest_tried(self.res, tried) or top
+        schedule = (chosen.inputs.schedule, chosen.virtual_stages)
+        if schedule != (top.inputs.schedule, top.virtual_stages):
+            tried = retimed(self.res, tried, schedule)
+        self.tried[config_key(top)] = tried
+        return chosen
 
 
 def no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool) -> str:

@@ -118,3 +118,19 @@ def test_schedules_too_long_to_replay_are_left_out_and_named() -> None:
     ]  # fmt: skip
     limit = search.REPLAY_LIMIT
     assert all(1024 * 4 * v <= limit < 16384 * 4 * v for _, v in ranking.too_long_to_replay(res, 1, 4, 1, 1))
+
+
+def test_misses_are_priced_under_the_own_schedule_and_retimed_under_the_chosen_one() -> None:
+    """The refinement times every layout under the search's own schedule and only fitting ones under the others;
+    `retimed` prices a schedule's misses too (the layout table of a choice that switched schedule)."""
+    res = resolve(PlanInputs(**JOB))
+    top = search.evaluate(res, 1, 4, 1, 1, "bf16", False, "none")
+    tight = dataclasses.replace(res, gpu_memory_bytes=top.peak.total * 0.99 / (1 - res.headroom))
+    tried = ranking.alternatives(tight, top)
+    priced = [t for t in tried if t.candidate is not None]
+    assert all(t.candidate.time is not None for t in priced if t.schedule == ("1f1b", 1))
+    misses = [t for t in priced if t.schedule == ("zbh1", 1) and not search.fits(tight, t.candidate)]
+    assert misses and all(t.candidate.time is None for t in misses)
+    again = ranking.retimed(tight, tried, ("zbh1", 1))
+    assert all(t.candidate.time is not None for t in again if t.schedule == ("zbh1", 1) and t.candidate is not None)
+    assert [t for t in again if t.schedule != ("zbh1", 1)] == [t for t in tried if t.schedule != ("zbh1", 1)]
