@@ -113,7 +113,7 @@ def fastest_split(
     that many nodes, leaves included (None: no limit)."""
     flag = f"--pp-partition-method {method}"
     check_shape(num_layers, num_stages, flag)
-    search = _Search(num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time)
+    search = _Search(num_layers, num_stages, stage_time, stage_memory, memory_limit, step_time, max_visits, flag)
     if not search.reachable[0][num_layers]:
         counts, peak = minimax_split(num_layers, num_stages, stage_memory)
         raise NoFitError(
@@ -124,14 +124,7 @@ def fastest_split(
             peak,
             memory_limit,
         )
-    search.max_visits = max_visits
-    try:
-        search.run()
-    except SearchBudgetError:
-        raise SearchBudgetError(
-            f"{flag}: the exact search over --num-layers {num_layers} and {num_stages} stages stopped after "
-            f"{max_visits:,} nodes (the caller's limit)"
-        ) from None
+    search.run()
     step, memories, counts = search.result()
     return FastestSplit(tuple(counts), step, memories[0], search.evaluations)
 
@@ -177,10 +170,18 @@ class _Search:
     """Branch and bound over splits (the state of one `fastest_split` call)."""
 
     def __init__(
-        self, n: int, p: int, stage_time: StageTimeFn, stage_memory: StageMemoryFn, limit: float, step_time: StepTimeFn
+        self,
+        n: int,
+        p: int,
+        stage_time: StageTimeFn,
+        stage_memory: StageMemoryFn,
+        limit: float,
+        step_time: StepTimeFn,
+        max_visits: int | None = None,
+        flag: str = f"--pp-partition-method {METHOD}",
     ) -> None:
         self.n, self.p, self.step_time, self.evaluations = n, p, step_time, 0
-        self.visits, self.max_visits = 0, None
+        self.visits, self.max_visits, self.flag = 0, max_visits, flag
         self.best = math.inf  # the smallest step evaluated
         self.ties: list[tuple[float, tuple[float, ...], list[int]]] = []  # (step, memories sorted down, counts)
         # Feasible counts per stage with their times and memory (each cost function called once per count).
@@ -303,7 +304,10 @@ class _Search:
         """One more node expanded or leaf evaluated; SearchBudgetError past `max_visits`."""
         self.visits += 1
         if self.max_visits is not None and self.visits > self.max_visits:
-            raise SearchBudgetError("budget")
+            raise SearchBudgetError(
+                f"{self.flag}: the exact search over --num-layers {self.n} and {self.p} stages stopped after "
+                f"{self.max_visits:,} nodes (the caller's limit)"
+            )
 
     def _leaf(self, counts: list[int]) -> None:
         self._count_visit()

@@ -100,10 +100,9 @@ def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None
             cand = t.candidate
             counts = " ".join(map(str, cand.layout.layers_per_stage))
             fit = "" if search.fits(ctx.res, cand) else "  (does not fit)"
-            step = "not priced" if cand.time is None else f"{cand.seconds:.4g} s"
             sec.add(
                 f"  {method:<7} {format_bytes(cand.peak.total):>10} on stage {cand.peak.stage:<3} step "
-                f"{step}  layers {counts}{fit}"
+                f"{cand.seconds:.4g} s  layers {counts}{fit}"
             )
 
 
@@ -111,15 +110,12 @@ def _compare_schedules(ctx: Context, sec: Section, plan: search.Candidate) -> No
     """Each pipeline schedule's fastest layout that fits, same degrees and batch (`ranking.alternatives`)."""
     if plan.pp < 2 or plan.engine != "pipeline":
         return
-    best: dict[tuple[str, int], search.Candidate] = {}
-    for t in ctx.choice().alternatives(ctx.res):
-        c = t.candidate
-        if (
-            c is not None
-            and search.fits(ctx.res, c)
-            and (t.schedule not in best or c.seconds < best[t.schedule].seconds)
-        ):
-            best[t.schedule] = c
+    tried = ctx.choice().alternatives(ctx.res)
+    best = {}
+    for schedule in dict.fromkeys(t.schedule for t in tried):
+        fastest = ranking.fastest_tried(ctx.res, [t for t in tried if t.schedule == schedule])
+        if fastest is not None:
+            best[schedule] = fastest
     sec.add("Pipeline schedules, each with its fastest layout that fits (same degrees and batch; estimates):")
     for schedule, c in sorted(best.items(), key=lambda kv: (kv[1].seconds, ranking.schedule_order(kv[0]))):
         name, v = schedule

@@ -82,7 +82,7 @@ def best_layout(
     if fitting and memory_only:
         return min(fitting, key=lambda c: (round(c.peak.total), METHODS.index(c.method)))
     if fitting:
-        return min(fitting, key=lambda c: (round(c.seconds, 9), round(c.peak.total), METHODS.index(c.method)))
+        return min(fitting, key=_fastest_key)
     return min(found, key=lambda c: (round(c.peak.total), METHODS.index(c.method)), default=None)
 
 
@@ -109,13 +109,18 @@ def schedule_order(schedule: tuple[str, int]) -> tuple[int, int]:
     return list(pipeline_schedules.REGISTRY).index(schedule[0]), schedule[1]
 
 
+def _num_micro_batches(res: Resolved, t: int, p: int, mb: int) -> int:
+    """Micro-batches per step M of this configuration (gradient accumulation steps)."""
+    return res.global_batch_size // (mb * (res.num_gpus // (t * p)))
+
+
 def _runnable(res: Resolved, t: int, p: int, mb: int, zero: int, chunks: tuple[int, ...]) -> list[tuple[str, int]]:
     """Every (schedule, v) the engine runs for this configuration, v from `chunks` for interleaving: 1F1B
     always; ZB-H1 and interleaving on the pipeline engine (ZeRO 0/1) with P >= 2, interleaving when the layers
     divide into v x P chunks and the micro-batches are a multiple of P (config/tree.py's `_check_engine`)."""
     if p < 2 or zero >= 2:
         return [SCHEDULES[0]]
-    m = res.global_batch_size // (mb * (res.num_gpus // (t * p)))
+    m = _num_micro_batches(res, t, p, mb)
     layers = res.dims["num_layers"]
     out = [(name, v) for name, v in SCHEDULES if v == 1]
     interleaved = [name for name, v in SCHEDULES if v > 1]
@@ -124,8 +129,7 @@ def _runnable(res: Resolved, t: int, p: int, mb: int, zero: int, chunks: tuple[i
 
 def _replayable(res: Resolved, t: int, p: int, mb: int, schedule: tuple[str, int]) -> bool:
     """1F1B (its closed form past the replay limit), or M x P x v within REPLAY_LIMIT."""
-    m = res.global_batch_size // (mb * (res.num_gpus // (t * p)))
-    return schedule == SCHEDULES[0] or m * p * schedule[1] <= REPLAY_LIMIT
+    return schedule == SCHEDULES[0] or _num_micro_batches(res, t, p, mb) * p * schedule[1] <= REPLAY_LIMIT
 
 
 def schedules_for(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
@@ -153,7 +157,7 @@ def time_bound(
     method's layout steps faster either (`estimate/step_time.layout_bound`: its slowest rank's passes)."""
     dp = res.num_gpus // (t * p)
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
-    m = res.global_batch_size // (mb * dp)
+    m = _num_micro_batches(res, t, p, mb)
     run = res.run_features or timing.features(zero, precision, sequence_parallel_at(res, t))
     model = res.model(t)
     bound = step_lower_bound(
@@ -253,16 +257,13 @@ def _try(res: Resolved, top: Candidate, method: str, schedule: tuple[str, int], 
 def fastest_tried(res: Resolved, tried: list[Tried]) -> Candidate | None:
     """The fastest that fits (ties: the earlier schedule, the smaller largest stage, the simpler method)."""
     fitting = [t.candidate for t in tried if t.candidate is not None and fits(res, t.candidate)]
-    return min(
-        fitting,
-        key=lambda c: (
-            round(c.seconds, 9),
-            schedule_order((c.inputs.schedule, c.virtual_stages)),
-            round(c.peak.total),
-            METHODS.index(c.method),
-        ),
-        default=None,
-    )
+    return min(fitting, key=_fastest_key, default=None)
+
+
+def _fastest_key(c: Candidate) -> tuple:
+    """Fastest first; ties: the earlier schedule, the smaller largest stage, the simpler layout flag."""
+    schedule = schedule_order((c.inputs.schedule, c.virtual_stages))
+    return round(c.seconds, 9), schedule, round(c.peak.total), METHODS.index(c.method)
 
 
 class Search:
