@@ -60,17 +60,22 @@ def run_ranks(
     cwd: str | None = None,
     env: dict | None = None,
     check: bool = True,
+    preload: Sequence[str] = (),
 ) -> list[RankResult]:
     """Start `python argv...` once per rank; wait at most `timeout` seconds for all of them."""
-    return start_ranks(argv, world_size, cwd, env).finish(timeout, check)
+    return start_ranks(argv, world_size, cwd, env, preload).finish(timeout, check)
 
 
 @dataclass
 class Ranks:
-    """Ranks started by `start_ranks`, each in a session of its own with its output in a log file."""
+    """Ranks started by `start_ranks`, each in a session of its own (forked ones: in their zygote's) with its
+    output in a log file."""
 
-    procs: list[subprocess.Popen]
+    procs: list
     logs: list
+    zygote: subprocess.Popen | None = None
+    zygote_files: tuple[str, ...] = ()
+    """The zygote's status file and its own output (an import error before any fork shows there)."""
 
     def output(self, rank: int) -> str:
         """What `rank` has written so far."""
@@ -100,32 +105,120 @@ class Ranks:
             results.append(RankResult(rank, None if rank in timed_out else p.returncode, log.read()))
             log.close()
             os.unlink(log.name)
+        self._finish_zygote(results)
         if check:
             _raise_on_failure(results, timeout)
         return results
 
+    def _finish_zygote(self, results: list[RankResult]) -> None:
+        if self.zygote is None:
+            return
+        try:
+            self.zygote.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _signal(self.zygote, signal.SIGKILL)
+            self.zygote.wait()
+        status_file, output_file = self.zygote_files
+        with open(output_file) as f:
+            said = f.read().strip()
+        for path in self.zygote_files:
+            os.unlink(path)
+        if said:
+            for r in results:
+                if r.returncode != 0:
+                    r.output += f"\n[zygote] {said}"
 
-def start_ranks(argv: Sequence[str], world_size: int, cwd: str | None = None, env: dict | None = None) -> Ranks:
-    """Start `python argv...` once per rank without waiting; `Ranks.finish` waits under a hard timeout."""
+
+def start_ranks(
+    argv: Sequence[str],
+    world_size: int,
+    cwd: str | None = None,
+    env: dict | None = None,
+    preload: Sequence[str] = (),
+) -> Ranks:
+    """Start `python argv...` once per rank without waiting; `Ranks.finish` waits under a hard timeout.
+
+    With `preload` (modules; `argv` must be `-m MODULE ARGS...`) the ranks are forked from one process that
+    imported those modules once (`megatron_ds.testing.zygote`): the same run without each rank's seconds of
+    imports."""
     port = free_port()
-    logs, procs = [], []
-    for rank in range(world_size):
-        log = open(_log_path(rank, port), "w+")
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *argv],
-                cwd=cwd,
-                env=rank_env(rank, world_size, port, env),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+    logs = [open(_log_path(rank, port), "w+") for rank in range(world_size)]
+    if preload:
+        return _fork_ranks(argv, logs, cwd, rank_env(0, world_size, port, env), preload, port)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=cwd,
+            env=rank_env(rank, world_size, port, env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
+        for rank, log in enumerate(logs)
+    ]
     return Ranks(procs, logs)
 
 
-def _log_path(rank: int, port: int) -> str:
+@dataclass
+class ForkedRank:
+    """One rank forked by a zygote: Popen's `pid`, `poll`, `wait` and `returncode`, read from the zygote's
+    status file. Every rank shares the zygote's process group (its `pid` here), so a signal reaches all."""
+
+    rank: int
+    zygote: subprocess.Popen
+    status_file: str
+    returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.zygote.pid
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with open(self.status_file) as f:
+                codes = dict(line.split() for line in f if line.strip())
+            if str(self.rank) in codes:
+                self.returncode = int(codes[str(self.rank)])
+            elif self.zygote.poll() is not None:  # the zygote died before forking or reaping this rank
+                self.returncode = self.zygote.returncode or -signal.SIGKILL
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.05)
+        return self.returncode
+
+
+def _fork_ranks(
+    argv: Sequence[str], logs: list, cwd: str | None, env: dict, preload: Sequence[str], port: int
+) -> Ranks:
+    if len(argv) < 2 or argv[0] != "-m":
+        raise ValueError(f"preload needs argv '-m MODULE ...', got {list(argv)[:2]}")
+    status_file, output_file = _log_path("status", port), _log_path("zygote", port)
+    open(status_file, "w").close()
+    with open(output_file, "w") as out:
+        zygote = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "megatron_ds.testing.zygote",
+                status_file,
+                _log_path("{rank}", port),
+                str(len(logs)),
+                ",".join(preload),
+                *argv[1:],
+            ],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    procs = [ForkedRank(rank, zygote, status_file) for rank in range(len(logs))]
+    return Ranks(procs, logs, zygote, (status_file, output_file))
+
+
+def _log_path(rank: int | str, port: int) -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), f"megatron_ds_rank{rank}_{port}_{os.getpid()}.log")

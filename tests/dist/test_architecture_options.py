@@ -14,7 +14,7 @@ import pytest
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.model import norms
-from megatron_ds.testing.launch import run_ranks
+from megatron_ds.testing.scenario_runs import by_name, run_scenarios
 
 TOL = 1e-6
 LLAMA = {"model__num_key_value_heads": 2, "model__activation": "swiglu", "model__use_rotary_position_embeddings": True,
@@ -48,12 +48,7 @@ def scenario(options: dict[str, Any], p: int = 1, t: int = 1, dedicated: str = "
 
 def run(out: Path, world: int, scenarios: dict[str, dict], timeout: float) -> dict[str, list[dict]]:
     """Run the scenarios in one process group of `world` ranks; per scenario name, every rank's result."""
-    out.mkdir(parents=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"scenarios": list(scenarios.values())}))
-    run_ranks(["-m", "megatron_ds.testing.scenario", str(spec), str(out)], world, timeout=timeout)
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(scenarios)}
+    return by_name(list(scenarios), run_scenarios(out, world, list(scenarios.values()), timeout))
 
 
 @pytest.fixture(scope="module")

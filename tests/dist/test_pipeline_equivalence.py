@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from megatron_ds.testing.defects import FIXES
-from megatron_ds.testing.launch import run_ranks
+from megatron_ds.testing.scenario_runs import by_name, run_scenarios
 
 LAYERS = 6
 LOSS_TOL = 1e-6
@@ -31,15 +31,7 @@ def scenario(p: int, dedicated: str = "none", zero: int = 0, precision: str = "f
 
 
 def run(tmp_path: Path, name: str, world: int, scenarios: list[dict], timeout: float = 420, check: bool = True):
-    out = tmp_path / name
-    out.mkdir()
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"scenarios": scenarios}))
-    results = run_ranks(["-m", "megatron_ds.testing.scenario", str(spec), str(out)], world, timeout=timeout,
-                        check=check)
-    if not check:
-        return results
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_scenarios(tmp_path / name, world, scenarios, timeout, check)
 
 
 @pytest.fixture(scope="module")

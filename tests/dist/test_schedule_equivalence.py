@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from megatron_ds.testing.defects import FIXES
-from megatron_ds.testing.launch import run_ranks
+from megatron_ds.testing.scenario_runs import by_name, run_scenarios
 
 LAYERS = 6
 TOL = 1e-6
@@ -71,13 +71,7 @@ SCENARIOS = {
 
 
 def run(out: Path, world: int, scenarios: list[dict], timeout: float, check: bool = True) -> Any:
-    out.mkdir(parents=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"scenarios": scenarios}))
-    results = run_ranks(["-m", "megatron_ds.testing.scenario", str(spec), str(out)], world, timeout=timeout, check=check)
-    if not check:
-        return results
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return run_scenarios(out, world, scenarios, timeout, check)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from megatron_ds.testing.launch import run_ranks
+from megatron_ds.testing.scenario_runs import by_name, run_scenarios
 
 LAYERS = 6
 TOL = 1e-6
@@ -39,12 +39,7 @@ def scenario(t: int = 1, p: int = 1, sp: bool = False, n: int = 1, zero: int = 0
 
 
 def run(out: Path, world: int, scenarios: dict[str, dict], timeout: float) -> dict[str, list[dict]]:
-    out.mkdir(parents=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"scenarios": list(scenarios.values())}))
-    run_ranks(["-m", "megatron_ds.testing.scenario", str(spec), str(out)], world, timeout=timeout)
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(scenarios)}
+    return by_name(list(scenarios), run_scenarios(out, world, list(scenarios.values()), timeout))
 
 
 REFERENCE = {

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from megatron_ds.testing.launch import run_ranks
+from megatron_ds.testing.scenario_runs import by_name, run_scenarios
 
 LAYERS = 6
 TOL = 1e-6
@@ -43,11 +43,7 @@ def scenario(t: int = 2, p: int = 2, dedicated: str = "none", zero: int = 0, pre
 
 def run(out: Path, world: int, scenarios: list[dict], timeout: float) -> list[list[dict]]:
     """Run `scenarios` in one process group of `world` ranks; per scenario, the list of rank results."""
-    out.mkdir(parents=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"scenarios": scenarios}))
-    run_ranks(["-m", "megatron_ds.testing.scenario", str(spec), str(out)], world, timeout=timeout)
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    per_rank = run_scenarios(out, world, scenarios, timeout)
     return [[ranks[i] for ranks in per_rank] for i in range(len(scenarios))]
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from megatron_ds.testing.launch import run_ranks
+from megatron_ds.testing.scenario_runs import by_name, run_scenarios
 
 LAYERS, DROPOUT, TOL = 3, 0.1, 1e-6
 PARTITIONED = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
@@ -92,12 +92,7 @@ def launches(ck: Path) -> list[tuple[str, int, dict[str, dict]]]:
 
 
 def _launch(out: Path, world: int, scenarios: dict[str, dict], timeout: float) -> dict[str, list[dict]]:
-    out.mkdir(parents=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"scenarios": list(scenarios.values())}))
-    run_ranks(["-m", "megatron_ds.testing.scenario", str(spec), str(out)], world, timeout=timeout)
-    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(scenarios)}
+    return by_name(list(scenarios), run_scenarios(out, world, list(scenarios.values()), timeout))
 
 
 @pytest.fixture(scope="module")

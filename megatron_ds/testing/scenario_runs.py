@@ -1,0 +1,62 @@
+"""Run `megatron_ds.testing.scenario` on N ranks from a test: write the spec, launch, read every rank's results.
+
+The ranks are forked from one process that imported what they all import (`megatron_ds.testing.zygote`), so
+a launch pays torch's, DeepSpeed's and (at T > 1) megatron-core's import once rather than once per rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_ds.testing.launch import RankResult, run_ranks
+
+PRELOAD = (
+    "torch",
+    "torch._dynamo",  # torch.optim imports it at the first optimizer: a second of CPU per rank
+    "deepspeed",
+    "megatron_ds.distributed",
+    "megatron_ds.testing.scenario",
+    "megatron_ds.training.builder",
+    "megatron_ds.training.checkpoint.save_load",
+)
+TENSOR_PARALLEL_PRELOAD = ("megatron_ds.model.tensor_parallel_layers",)
+"""megatron-core's layers: imported by the ranks of a T > 1 scenario only (about 3 s each)."""
+HOST_OPTIMIZER_PRELOAD = ("megatron_ds.testing.zygote:answer_cpu_info_once",)
+"""DeepSpeed's CPU Adam asks py-cpuinfo (a Python process per question) several times per rank."""
+HOST_OPTIMIZER_KEYS = ("training__cpu_optimizer", "training__offload_optimizer", "training__offload_param")
+
+
+def preload_for(scenarios: list[dict[str, Any]]) -> tuple[str, ...]:
+    """What the ranks of these scenarios import: megatron-core too when one of them runs at T > 1; py-cpuinfo's
+    answer when one keeps its optimizer on the host."""
+    overrides = [sc.get("overrides", {}) for sc in scenarios]
+    overrides += [o for sc in scenarios for o in sc.get("rank_overrides", {}).values()]
+    tensor_parallel = any(o.get("parallel__tensor_model_parallel_size", 1) > 1 for o in overrides)
+    host_optimizer = any(o.get(key) not in (None, False, "none") for o in overrides for key in HOST_OPTIMIZER_KEYS)
+    return (
+        PRELOAD
+        + (TENSOR_PARALLEL_PRELOAD if tensor_parallel else ())
+        + (HOST_OPTIMIZER_PRELOAD if host_optimizer else ())
+    )
+
+
+def run_scenarios(
+    out: Path, world: int, scenarios: list[dict[str, Any]], timeout: float, check: bool = True
+) -> list[list[dict[str, Any]]] | list[RankResult]:
+    """Run `scenarios` in sequence in one process group of `world` ranks; per rank, the list of its scenario
+    results (`OUT/rank<r>.json`). `check=False`: the ranks' exit statuses and output instead, failures included."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"scenarios": scenarios}))
+    argv = ["-m", "megatron_ds.testing.scenario", str(spec), str(out)]
+    results = run_ranks(argv, world, timeout=timeout, check=check, preload=preload_for(scenarios))
+    if not check:
+        return results
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def by_name(names: list[str], per_rank: list[list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Per scenario name (in spec order), every rank's result."""
+    return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(names)}

@@ -1,0 +1,104 @@
+"""Start every rank of one multi-rank test run from one process that imported the heavy libraries once.
+
+    python -m megatron_ds.testing.zygote STATUS_FILE LOG_TEMPLATE WORLD PRELOAD MODULE [ARGS...]
+
+Each rank of a test run spends about 3 s of CPU importing torch, DeepSpeed, torch's compiler stack
+(which `torch.optim` imports at the first optimizer) and, at T > 1, megatron-core; on a 2-core machine
+that start-up, not the training, is most of a multi-rank test. Here one process imports `PRELOAD` (a
+comma-separated list of modules; `module:function` also calls that function) and then forks one child per rank, as torch's DataLoader forks its
+workers: each child sets its `RANK`/`LOCAL_RANK`, writes to `LOG_TEMPLATE.format(rank=rank)` and runs `MODULE` as
+`python -m MODULE ARGS...` would. Nothing before the fork starts a thread pool, a process group or a
+random stream (torch's import keeps its one idle native thread, which a fork leaves behind as it does for
+DataLoader workers).
+
+The children stay in this process's group (the launcher starts it in a session of its own), so one
+`killpg` reaches every rank. This process ignores the signals the launcher sends to the group, reaps the
+children, and appends `<rank> <exit status>` to STATUS_FILE as each one ends (a negative status: killed
+by that signal). Used by `megatron_ds.testing.launch.start_ranks(..., preload=...)`; test-only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+"""Signals the launcher sends to the whole group: the ranks act on them, this process must not."""
+
+
+def answer_cpu_info_once() -> None:
+    """py-cpuinfo's `get_cpu_info` starts a Python process per call (about 1 s of CPU) and DeepSpeed's CPU Adam
+    asks it several times per rank; ask once here, and every rank reads the same answer from memory."""
+    import cpuinfo
+
+    info = cpuinfo.get_cpu_info()
+    cpuinfo.get_cpu_info = lambda: dict(info)
+
+
+def _run_rank(rank: int, log_template: str, module: str, args: list[str]) -> None:
+    """In the child: become rank `rank`, run `module` as `__main__`, and leave with its exit status."""
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    fd = os.open(log_template.format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    code = 1
+    try:
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as a fresh interpreter would, then the status
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()  # what a normal interpreter exit runs (logging's flush, ...)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # never return into the zygote's own code
+
+
+def main(argv: list[str]) -> int:
+    status_file, log_template, world, preload, module, *args = argv
+    for name in filter(None, preload.split(",")):
+        module_name, _, function = name.partition(":")
+        loaded = importlib.import_module(module_name)
+        if function:
+            getattr(loaded, function)()
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_IGN)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = {}
+    for rank in range(int(world)):
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(rank, log_template, module, args)
+        children[pid] = rank
+    worst = 0
+    while children:
+        pid, status = os.wait()
+        rank = children.pop(pid, None)
+        if rank is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        with open(status_file, "a") as f:
+            f.write(f"{rank} {code}\n")
+        worst = worst or code
+    return 0 if worst == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,106 @@
+"""Ranks forked from one zygote (`start_ranks(..., preload=...)`) behave as ranks started one by one: their
+own RANK, output and exit status; a stalled rank is named with its stack; a zygote that cannot import fails
+fast with its error."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ds.testing.launch import RanksFailed, run_ranks, start_ranks
+
+PROGRAM = """
+import faulthandler, os, signal, sys, time
+faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+rank = int(os.environ["RANK"])
+print(f"rank {rank} of {os.environ['WORLD_SIZE']} args {sys.argv[1:]} main {__name__}")
+
+def wait_for_ever():
+    while True:
+        time.sleep(0.1)
+
+mode = sys.argv[1]
+if mode == "fail" and rank == 1:
+    sys.exit(3)
+if mode == "stall" and rank == 1:
+    wait_for_ever()
+if mode == "raise" and rank == 0:
+    raise RuntimeError("boom on rank 0")
+"""
+
+
+@pytest.fixture
+def program(tmp_path: Path) -> str:
+    (tmp_path / "rank_program.py").write_text(PROGRAM)
+    return str(tmp_path)
+
+
+def test_each_rank_has_its_own_rank_output_and_status(program: str) -> None:
+    results = run_ranks(["-m", "rank_program", "ok"], 3, timeout=60, cwd=program, preload=("json",))
+    assert [r.returncode for r in results] == [0, 0, 0]
+    for r in results:
+        assert f"rank {r.rank} of 3 args ['ok'] main __main__" in r.output
+
+
+def test_a_failing_rank_is_named_with_its_status(program: str) -> None:
+    with pytest.raises(RanksFailed, match=r"rank 1 exited 3"):
+        run_ranks(["-m", "rank_program", "fail"], 2, timeout=60, cwd=program, preload=("json",))
+    results = run_ranks(["-m", "rank_program", "raise"], 2, timeout=60, cwd=program, preload=("json",), check=False)
+    assert [r.returncode for r in results] == [1, 0]
+    assert "RuntimeError: boom on rank 0" in results[0].output
+
+
+def test_a_stalled_rank_is_named_with_its_stack_and_killed(program: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(RanksFailed) as err:
+        run_ranks(["-m", "rank_program", "stall"], 2, timeout=2, cwd=program, preload=("json",))
+    assert time.monotonic() - start < 30
+    text = str(err.value)
+    assert "rank 1 stalled (no exit within 2s)" in text
+    assert "wait_for_ever" in text  # the stack dumped on SIGUSR1
+    assert "rank 0" not in text  # rank 0 finished
+
+
+def test_signals_reach_every_rank(program: str) -> None:
+    ranks = start_ranks(["-m", "rank_program", "stall"], 2, cwd=program, preload=("json",))
+    deadline = time.monotonic() + 30
+    while "rank 1 of 2" not in ranks.output(1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ranks.signal(2)  # SIGINT, as Ctrl-C: the stalled rank stops with KeyboardInterrupt
+    results = ranks.finish(timeout=30, check=False)
+    assert results[1].returncode == 1 and "KeyboardInterrupt" in results[1].output
+
+
+def test_a_zygote_that_cannot_import_fails_fast_with_its_error(program: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(RanksFailed, match=r"ModuleNotFoundError: No module named 'no_such_module'"):
+        run_ranks(["-m", "rank_program", "ok"], 2, timeout=60, cwd=program, preload=("no_such_module",))
+    assert time.monotonic() - start < 30
+
+
+def test_py_cpuinfo_is_asked_once_for_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cpuinfo
+
+    from megatron_ds.testing.zygote import answer_cpu_info_once
+
+    asked = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: asked.append(1) or {"vendor_id_raw": "GenuineIntel"})
+    answer_cpu_info_once()
+    assert cpuinfo.get_cpu_info() == cpuinfo.get_cpu_info() == {"vendor_id_raw": "GenuineIntel"}
+    assert len(asked) == 1
+
+
+def test_scenarios_preload_what_their_ranks_import() -> None:
+    from megatron_ds.testing.scenario_runs import HOST_OPTIMIZER_PRELOAD, PRELOAD, TENSOR_PARALLEL_PRELOAD, preload_for
+
+    plain = {"overrides": {"parallel__pipeline_model_parallel_size": 2}}
+    assert preload_for([plain]) == PRELOAD
+    tp_on_one_rank = {"overrides": {}, "rank_overrides": {"1": {"parallel__tensor_model_parallel_size": 2}}}
+    assert preload_for([plain, tp_on_one_rank]) == PRELOAD + TENSOR_PARALLEL_PRELOAD
+    offload = {"overrides": {"training__offload_optimizer": "cpu"}}
+    assert (
+        preload_for([offload, {"overrides": {"training__offload_param": "none"}}]) == PRELOAD + HOST_OPTIMIZER_PRELOAD
+    )
+    assert preload_for([{"overrides": {"training__cpu_optimizer": True}}]) == PRELOAD + HOST_OPTIMIZER_PRELOAD
