@@ -138,7 +138,7 @@ def start_ranks(
 ) -> Ranks:
     """Start `python argv...` once per rank without waiting; `Ranks.finish` waits under a hard timeout.
 
-    With `preload` (modules; `argv` must be `-m MODULE ARGS...`) the ranks are forked from one process that
+    With `preload` (modules; `argv` must be `-m MODULE ARGS...` or `SCRIPT.py ARGS...`) the ranks are forked from one process that
     imported those modules once (`megatron_ds.testing.zygote`): the same run without each rank's seconds of
     imports."""
     port = free_port()
@@ -192,8 +192,10 @@ class ForkedRank:
 def _fork_ranks(
     argv: Sequence[str], logs: list, cwd: str | None, env: dict, preload: Sequence[str], port: int
 ) -> Ranks:
+    if argv and str(argv[0]).endswith(".py"):
+        argv = ["-m", *argv]  # the zygote takes a script where it takes a module
     if len(argv) < 2 or argv[0] != "-m":
-        raise ValueError(f"preload needs argv '-m MODULE ...', got {list(argv)[:2]}")
+        raise ValueError(f"preload needs argv '-m MODULE ...' or 'SCRIPT.py ...', got {list(argv)[:2]}")
     status_file, output_file = _log_path("status", port), _log_path("zygote", port)
     open(status_file, "w").close()
     with open(output_file, "w") as out:

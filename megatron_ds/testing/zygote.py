@@ -1,13 +1,13 @@
 """Start every rank of one multi-rank test run from one process that imported the heavy libraries once.
 
-    python -m megatron_ds.testing.zygote STATUS_FILE LOG_TEMPLATE WORLD PRELOAD MODULE [ARGS...]
+    python -m megatron_ds.testing.zygote STATUS_FILE LOG_TEMPLATE WORLD PRELOAD MODULE|SCRIPT.py [ARGS...]
 
 Each rank of a test run spends about 3 s of CPU importing torch, DeepSpeed, torch's compiler stack
 (which `torch.optim` imports at the first optimizer) and, at T > 1, megatron-core; on a 2-core machine
 that start-up, not the training, is most of a multi-rank test. Here one process imports `PRELOAD` (a
 comma-separated list of modules; `module:function` also calls that function) and then forks one child per rank, as torch's DataLoader forks its
 workers: each child sets its `RANK`/`LOCAL_RANK`, writes to `LOG_TEMPLATE.format(rank=rank)` and runs `MODULE` as
-`python -m MODULE ARGS...` would. Nothing before the fork starts a thread pool, a process group or a
+`python -m MODULE ARGS...` (or `python SCRIPT.py ARGS...`) would. Nothing before the fork starts a thread pool, a process group or a
 random stream (torch's import keeps its one idle native thread, which a fork leaves behind as it does for
 DataLoader workers).
 
@@ -41,7 +41,7 @@ def answer_cpu_info_once() -> None:
 
 
 def _run_rank(rank: int, log_template: str, module: str, args: list[str]) -> None:
-    """In the child: become rank `rank`, run `module` as `__main__`, and leave with its exit status."""
+    """In the child: become rank `rank`, run `module` (or a script) as `__main__`, and leave with its exit status."""
     for sig in FORWARDED:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -53,7 +53,11 @@ def _run_rank(rank: int, log_template: str, module: str, args: list[str]) -> Non
     code = 1
     try:
         sys.argv = [module, *args]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module.endswith(".py"):
+            sys.path[0] = os.path.dirname(os.path.abspath(module))  # as `python SCRIPT.py` sets it
+            runpy.run_path(module, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -104,3 +104,15 @@ def test_scenarios_preload_what_their_ranks_import() -> None:
         preload_for([offload, {"overrides": {"training__offload_param": "none"}}]) == PRELOAD + HOST_OPTIMIZER_PRELOAD
     )
     assert preload_for([{"overrides": {"training__cpu_optimizer": True}}]) == PRELOAD + HOST_OPTIMIZER_PRELOAD
+
+
+def test_pretrain_runs_preload_what_the_line_needs(tmp_path: Path) -> None:
+    from megatron_ds.testing import pretrain_runs as pr
+
+    assert pr.preload_for(["--mock-data", "--tensor-model-parallel-size", "1"]) == pr.PRELOAD
+    assert pr.preload_for(["--tensor-model-parallel-size", "2"]) == pr.PRELOAD + pr.MEGATRON_CORE_PRELOAD
+    assert pr.preload_for(["--data-path", "x"]) == pr.PRELOAD + pr.MEGATRON_CORE_PRELOAD
+    config = tmp_path / "ds.json"
+    config.write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}')
+    assert pr.preload_for(["--deepspeed_config", str(config)]) == pr.PRELOAD + pr.HOST_OPTIMIZER_PRELOAD
+    assert pr.preload_for(["--cpu-optimizer"]) == pr.PRELOAD + pr.HOST_OPTIMIZER_PRELOAD

@@ -20,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 from megatron_ds.inference import generate, load_model  # noqa: E402
 from megatron_ds.interop.hf_export import export_hf  # noqa: E402
 from megatron_ds.interop.hf_import import import_hf  # noqa: E402
-from megatron_ds.testing.launch import run_torchrun  # noqa: E402
+from megatron_ds.testing.pretrain_runs import run_pretrain_gpt  # noqa: E402
 from megatron_ds.training.checkpoint import reader as checkpoint_reader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ LLAMA = [
 
 
 def pretrain(nproc: int, *argv: str) -> str:
-    out = run_torchrun(nproc, [str(ROOT / "pretrain_gpt.py"), *argv], timeout=400, cwd=str(ROOT))
+    out = run_pretrain_gpt(nproc, argv, timeout=400, cwd=str(ROOT))
     assert out.returncode == 0, out.stdout[-4000:]
     return out.stdout
 

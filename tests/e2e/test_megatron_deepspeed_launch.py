@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.testing.launch import run_torchrun
+from megatron_ds.testing.pretrain_runs import run_pretrain_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*lm loss: ([0-9.E+-]+)")
@@ -114,7 +114,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def launch(nproc: int, argv: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    out = run_torchrun(nproc, [str(ROOT / "pretrain_gpt.py"), *argv], timeout=timeout, cwd=str(ROOT))
+    out = run_pretrain_gpt(nproc, argv, timeout=timeout, cwd=str(ROOT))
     assert "killed after" not in out.stdout, out.stdout[-4000:]
     return out
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.testing.launch import run_torchrun
+from megatron_ds.testing.pretrain_runs import run_pretrain_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*global batch size:\s+(\d+) \| lm loss: ([0-9.E+-]+)")
@@ -140,7 +140,7 @@ def real_data_args(tmp: str, data: dict[str, str]) -> list[str]:
 
 
 def launch(nproc: int, argv: list[str], cwd: str) -> str:
-    out = run_torchrun(nproc, [str(ROOT / "pretrain_gpt.py"), *argv], timeout=300, cwd=cwd)
+    out = run_pretrain_gpt(nproc, argv, timeout=300, cwd=cwd)
     assert "killed after" not in out.stdout and out.returncode == 0, out.stdout[-5000:]
     return out.stdout
 

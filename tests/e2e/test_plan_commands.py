@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ds.plan.cli import main as plan_main
-from megatron_ds.testing.launch import run_torchrun
+from megatron_ds.testing.pretrain_runs import run_pretrain_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
 V100_6_7B = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096"]
@@ -77,7 +77,7 @@ def shrink(argv: list[str], ranks: int, tmp: Path) -> list[str]:
 
 
 def train(argv: list[str], ranks: int) -> str:
-    done = run_torchrun(ranks, [str(ROOT / "pretrain_gpt.py"), *argv], timeout=240, cwd=str(ROOT))
+    done = run_pretrain_gpt(ranks, argv, timeout=240, cwd=str(ROOT))
     assert done.returncode == 0, done.stdout[-3000:]
     assert ITERATION.search(done.stdout), done.stdout[-3000:]
     return done.stdout

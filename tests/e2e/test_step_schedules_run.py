@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ds.flags.parser import parse_config
-from megatron_ds.testing.launch import run_torchrun
+from megatron_ds.testing.pretrain_runs import run_pretrain_gpt
 from megatron_ds.training.lr_schedule import build_schedule, learning_rate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,8 +62,8 @@ def parse_lines(text: str) -> dict[int, dict]:
     return out
 
 
-def torchrun(nproc: int, *argv: str) -> str:
-    out = run_torchrun(nproc, [str(ROOT / "pretrain_gpt.py"), *argv], timeout=300, cwd=str(ROOT))
+def launch(nproc: int, *argv: str) -> str:
+    out = run_pretrain_gpt(nproc, argv, timeout=300, cwd=str(ROOT))
     assert out.returncode == 0, out.stdout[-4000:]
     return out.stdout
 
@@ -98,8 +98,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ds.write_text(json.dumps(CURRICULUM))
     base = flags(ds)
     ref = single(*base, "--save", str(tmp / "ref"), "--save-interval", "4")
-    p2 = torchrun(2, *base, "--pipeline-model-parallel-size", "2", "--exit-interval", "4", "--save", str(tmp / "p2"))
-    dp2 = torchrun(2, *base, "--load", str(tmp / "p2"))  # DP=2: resumed through the universal form
+    p2 = launch(2, *base, "--pipeline-model-parallel-size", "2", "--exit-interval", "4", "--save", str(tmp / "p2"))
+    dp2 = launch(2, *base, "--load", str(tmp / "p2"))  # DP=2: resumed through the universal form
     half = at_step(tmp / "ref4", tmp / "ref", "global_step4")
     resumed = single(*base, "--load", str(half))
     return {"tmp": tmp, "base": base, "ref": ref, "p2": p2, "dp2": dp2, "resumed": resumed, "half": half}

@@ -1,0 +1,77 @@
+"""Run `pretrain_gpt.py` on N local ranks from a test, as `torchrun --nproc_per_node N` would, but with the
+ranks forked from one process that imported the training stack once (`megatron_ds.testing.zygote`).
+
+The ranks get torchrun's rendezvous variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) and the result is torchrun's: one exit status (0 when every rank exits 0) and one output, here
+each rank's in rank order rather than interleaved. Tests of the launcher itself (tests/e2e/test_pretrain_gpt.py,
+the demo) keep the real `torchrun`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_ds.testing.launch import start_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+PRELOAD = (
+    "torch",
+    "torch._dynamo",  # torch.optim imports it at the first optimizer: a second of CPU per rank
+    "deepspeed",
+    "megatron_ds.distributed",
+    "megatron_ds.flags.parser",
+    "megatron_ds.training.launch_checks",
+    "megatron_ds.training.loop",
+    "megatron_ds.training.machine",
+    "megatron_ds.training.signals",
+)
+MEGATRON_CORE_PRELOAD = (
+    "megatron_ds.data.indexed:megatron_indexed_dataset_module",
+    "megatron.core.datasets.gpt_dataset",
+    "megatron.core.datasets.blended_dataset",
+    "megatron_ds.model.tensor_parallel_layers",
+)
+"""megatron-core (about 3 s per rank): its datasets for files given by path, its layers at T > 1."""
+HOST_OPTIMIZER_PRELOAD = ("megatron_ds.testing.zygote:answer_cpu_info_once",)
+DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
+
+
+def preload_for(argv: Sequence[str]) -> tuple[str, ...]:
+    """What these ranks will import, guessed from the line (a wrong guess costs time, not correctness)."""
+    args = list(map(str, argv))
+    tensor_parallel = any(
+        flag in ("--tensor-model-parallel-size", "--tensor-parallel-size") and value != "1"
+        for flag, value in zip(args, args[1:])
+    )
+    files = any(flag in DATA_FLAGS for flag in args)
+    host = "--cpu-optimizer" in args or any("offload" in a for a in args) or _config_offloads(args)
+    return (
+        PRELOAD + (MEGATRON_CORE_PRELOAD if tensor_parallel or files else ()) + (HOST_OPTIMIZER_PRELOAD if host else ())
+    )
+
+
+def _config_offloads(args: list[str]) -> bool:
+    """A DeepSpeed config file on the line that offloads (its CPU Adam asks py-cpuinfo)."""
+    for flag, value in zip(args, args[1:]):
+        if flag in ("--deepspeed_config", "--deepspeed-config") and Path(value).is_file():
+            return "offload" in Path(value).read_text()
+    return False
+
+
+def run_pretrain_gpt(
+    nproc: int, argv: Sequence[str], timeout: float, cwd: str | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node nproc pretrain_gpt.py argv...` under a hard timeout: on timeout every rank dumps
+    its stack and is killed, and the output ends with `[launch] killed after ...` (as `run_torchrun`'s)."""
+    script = str(ROOT / "pretrain_gpt.py")
+    env = {"DS_ACCELERATOR": "cpu", **(env or {})}  # what pretrain_gpt.py sets on a machine without CUDA
+    ranks = start_ranks([script, *argv], nproc, cwd=cwd or str(ROOT), env=env, preload=preload_for(argv))
+    results = ranks.finish(timeout, check=False)
+    output = "".join(r.output for r in results)
+    stalled = [r.rank for r in results if r.returncode is None]
+    if stalled:
+        return subprocess.CompletedProcess(script, -9, output + f"\n[launch] killed after {timeout:.0f}s timeout\n")
+    code = next((r.returncode for r in results if r.returncode != 0), 0)
+    return subprocess.CompletedProcess([script, *argv], code, output)
