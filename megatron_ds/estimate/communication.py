@@ -13,8 +13,14 @@ of S bytes over r ranks moves 2 (r - 1) / r x S through each rank's link, a redu
                   bandwidths of about 200-208 GB/s on 8 A100 SXM4 (NVLink 300 GB/s one way): 0.7
   INTER_FRACTION  InfiniBand between nodes: nccl-tests issue #119 reports 85-96 GB/s average-to-peak on
                   4 x HDR per 8 A100s (100 GB/s): 0.9
-A group that spans nodes runs at its network link (one adapter per GPU in the reference systems, so the
-ring's inter-node hop is each GPU's own adapter). Latency is not modelled (large messages only).
+A group that spans nodes runs at the network adapters of its ranks in one node (one adapter per GPU in the
+reference systems): NCCL splits a collective over channels, each a ring that enters and leaves every node
+once, so a group with g ranks per node drives g adapters at once. NVIDIA/nccl issue #569 (NCCL_ALGO=Ring,
+DGX-2 nodes, 8 GPUs: 1, 2 and 4 GPUs per node take 363, 173 and 132 ms) and #1168 (4 nodes: about 45 GB/s
+bus bandwidth with 4 GPUs per node, 90 GB/s with 8) show the bus bandwidth growing with the adapters used;
+the NVLink ring inside the node caps it. Megatron's data-parallel group of a stage has gpus_per_node / t
+ranks per node (tensor ranks innermost), so at t = 8 one adapter, at t = 1 eight. Latency is not modelled
+(large messages only).
 """
 
 from __future__ import annotations
@@ -58,18 +64,22 @@ class Links:
             source += f"; network {net:g} Gb/s per GPU"
         return cls(intra, net / 8 * GB, gpus_per_node, source=source)
 
-    def bandwidth(self, within_node: bool) -> float:
-        """Achievable one-way bytes per second of a group inside one node, or spanning nodes."""
+    def bandwidth(self, within_node: bool, ranks_per_node: int = 1) -> float:
+        """Achievable one-way bytes per second (bus bandwidth) of a group inside one node, or spanning nodes with
+        `ranks_per_node` of its ranks (and their adapters) in each."""
         if within_node:
             return self.intra_node * self.intra_fraction
-        return min(self.inter_node * self.inter_fraction, self.intra_node * self.intra_fraction)
+        network = self.inter_node * self.inter_fraction * max(1, ranks_per_node)
+        return min(network, self.intra_node * self.intra_fraction)
 
-    def all_reduce(self, nbytes: float, ranks: int, within_node: bool) -> float:
-        return 0.0 if ranks <= 1 else 2 * (ranks - 1) / ranks * nbytes / self.bandwidth(within_node)
+    def all_reduce(self, nbytes: float, ranks: int, within_node: bool, ranks_per_node: int = 1) -> float:
+        if ranks <= 1:
+            return 0.0
+        return 2 * (ranks - 1) / ranks * nbytes / self.bandwidth(within_node, ranks_per_node)
 
-    def reduce_scatter(self, nbytes: float, ranks: int, within_node: bool) -> float:
+    def reduce_scatter(self, nbytes: float, ranks: int, within_node: bool, ranks_per_node: int = 1) -> float:
         """Also an all-gather of the same total size."""
-        return 0.0 if ranks <= 1 else (ranks - 1) / ranks * nbytes / self.bandwidth(within_node)
+        return 0.0 if ranks <= 1 else (ranks - 1) / ranks * nbytes / self.bandwidth(within_node, ranks_per_node)
 
     def send(self, nbytes: float, within_node: bool) -> float:
         return nbytes / self.bandwidth(within_node)
@@ -92,6 +102,11 @@ class Placement:
     def dp_within_node(self) -> bool:
         """A stage's data-parallel group (t x d consecutive ranks, stride t) fits one node."""
         return self.tp * self.dp <= self.gpus_per_node
+
+    @property
+    def dp_ranks_per_node(self) -> int:
+        """Ranks of a stage's data-parallel group in one node (stride t: a node holds gpus_per_node / t of them)."""
+        return max(1, min(self.dp, self.gpus_per_node // self.tp))
 
     @property
     def stages_within_node(self) -> bool:

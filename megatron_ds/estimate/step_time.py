@@ -203,6 +203,7 @@ def _dp_times(
     one micro-batch are its chunks' together, the exposure lands on chunk 0, whose backward runs last)."""
     place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node)
     inside, d, w = place.dp_within_node, inp.dp, PRECISION_BYTES[inp.precision]
+    g = place.dp_ranks_per_node
     partitioned = features.partitioned_optimizer or inp.zero_stage >= 1
     p, v = inp.pp, inp.virtual_stages
     out, per_mb = [], []
@@ -210,8 +211,8 @@ def _dp_times(
         chunks = [c * p + r for c in range(v)]
         rank_forward, rank_backward = sum(forward[i] for i in chunks), sum(backward[i] for i in chunks)
         grads = params * features.grad_bytes
-        gather = links.reduce_scatter(params * w, d, inside) if partitioned else 0.0
-        reduce = links.reduce_scatter(grads, d, inside) if partitioned else links.all_reduce(grads, d, inside)
+        gather = links.reduce_scatter(params * w, d, inside, g) if partitioned else 0.0
+        reduce = links.reduce_scatter(grads, d, inside, g) if partitioned else links.all_reduce(grads, d, inside, g)
         if features.dp_mode == DP_OVERLAP_EACH or inp.zero_stage >= 2:
             exposed = max(0.0, reduce - rank_backward) + (2 * gather if inp.zero_stage == 3 else 0.0)
             backward[r] += exposed - (gather if inp.zero_stage == 3 else 0.0)

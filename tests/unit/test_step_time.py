@@ -75,6 +75,12 @@ def test_collectives_follow_ncclS_ring_formulas_over_the_groups_link() -> None:
     place = Placement(tp=2, pp=4, dp=4, gpus_per_node=8)
     assert place.tp_within_node and place.dp_within_node and not place.stages_within_node
     assert not Placement(tp=8, pp=2, dp=2, gpus_per_node=8).dp_within_node
+    # a group spanning nodes drives the adapters of its ranks in each node (NCCL's channels), up to NVLink's ring
+    assert LINKS.bandwidth(False, 4) == pytest.approx(4 * network)
+    assert LINKS.bandwidth(False, 8) == pytest.approx(min(8 * network, nvlink))
+    assert LINKS.reduce_scatter(8e9, 16, False, 2) == pytest.approx(15 / 16 * 8e9 / (2 * network))
+    assert [Placement(t, 2, 48, 8).dp_ranks_per_node for t in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert Placement(1, 1, 4, 8).dp_ranks_per_node == 4  # the whole group in one node
     l40s = Links.for_device(find_named("L40S")[0], 8)  # no NVLink: PCIe Gen4, and no reference network
     assert l40s.intra_node == pytest.approx(32e9) and "assumed 200 Gb/s" in l40s.source
 
@@ -190,8 +196,8 @@ def test_delayed_grad_reduce_overlaps_only_the_first_stages_last_backward() -> N
     eager = predict_step(inp, KERNELS, LINKS, RunFeatures("e", dp_mode=DP_OVERLAP_LAST))
     delayed = predict_step(inp, KERNELS, LINKS, RunFeatures("d", dp_mode=DP_OVERLAP_LAST, delay_grad_reduce=True))
     params, place = inp.stage_params[1], Placement(1, 2, 16, 8)
-    reduce = LINKS.reduce_scatter(params * 2, 16, place.dp_within_node)
-    gather = LINKS.reduce_scatter(params * 2, 16, place.dp_within_node)
+    reduce = LINKS.reduce_scatter(params * 2, 16, place.dp_within_node, place.dp_ranks_per_node)
+    gather = LINKS.reduce_scatter(params * 2, 16, place.dp_within_node, place.dp_ranks_per_node)
     assert delayed.reduce_grads[0] == pytest.approx(eager.reduce_grads[0])
     assert delayed.reduce_grads[1] == pytest.approx(reduce + max(0.0, gather - delayed.forward[1]))
     assert delayed.reduce_grads[1] > eager.reduce_grads[1]
