@@ -14,13 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_ds.testing.launch import start_ranks
+from megatron_ds.testing.zygote import HOST_OPTIMIZER, TRAINING_STACK
 
 ROOT = Path(__file__).resolve().parents[2]
 PRELOAD = (
-    "torch",
-    "torch._dynamo",  # torch.optim imports it at the first optimizer: a second of CPU per rank
-    "deepspeed",
-    "megatron_ds.distributed",
+    *TRAINING_STACK,
     "megatron_ds.flags.parser",
     "megatron_ds.training.launch_checks",
     "megatron_ds.training.loop",
@@ -34,7 +32,7 @@ MEGATRON_CORE_PRELOAD = (
     "megatron_ds.model.tensor_parallel_layers",
 )
 """megatron-core (about 3 s per rank): its datasets for files given by path, its layers at T > 1."""
-HOST_OPTIMIZER_PRELOAD = ("megatron_ds.testing.zygote:answer_cpu_info_once",)
+HOST_OPTIMIZER_PRELOAD = HOST_OPTIMIZER
 DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
 
 

@@ -11,20 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ds.testing.launch import RankResult, run_ranks
+from megatron_ds.testing.zygote import HOST_OPTIMIZER, TRAINING_STACK
 
 PRELOAD = (
-    "torch",
-    "torch._dynamo",  # torch.optim imports it at the first optimizer: a second of CPU per rank
-    "deepspeed",
-    "megatron_ds.distributed",
+    *TRAINING_STACK,
     "megatron_ds.testing.scenario",
     "megatron_ds.training.builder",
     "megatron_ds.training.checkpoint.save_load",
 )
 TENSOR_PARALLEL_PRELOAD = ("megatron_ds.model.tensor_parallel_layers",)
 """megatron-core's layers: imported by the ranks of a T > 1 scenario only (about 3 s each)."""
-HOST_OPTIMIZER_PRELOAD = ("megatron_ds.testing.zygote:answer_cpu_info_once",)
-"""DeepSpeed's CPU Adam asks py-cpuinfo (a Python process per question) several times per rank."""
+HOST_OPTIMIZER_PRELOAD = HOST_OPTIMIZER
 HOST_OPTIMIZER_KEYS = ("training__cpu_optimizer", "training__offload_optimizer", "training__offload_param")
 
 

@@ -27,6 +27,15 @@ import signal
 import sys
 import traceback
 
+TRAINING_STACK = (
+    "torch",
+    "torch._dynamo",  # torch.optim imports it at the first optimizer: a second of CPU per rank
+    "deepspeed",
+    "megatron_ds.distributed",
+)
+"""What every training rank imports: the start of each test launcher's `preload`."""
+HOST_OPTIMIZER = ("megatron_ds.testing.zygote:answer_cpu_info_once",)
+"""For ranks whose optimizer runs on the host: DeepSpeed's CPU Adam asks py-cpuinfo (a process per question)."""
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 """Signals the launcher sends to the whole group: the ranks act on them, this process must not."""
 
