@@ -138,9 +138,9 @@ def start_ranks(
 ) -> Ranks:
     """Start `python argv...` once per rank without waiting; `Ranks.finish` waits under a hard timeout.
 
-    With `preload` (modules; `argv` must be `-m MODULE ARGS...` or `SCRIPT.py ARGS...`) the ranks are forked from one process that
-    imported those modules once (`megatron_ds.testing.zygote`): the same run without each rank's seconds of
-    imports."""
+    With `preload` (modules; `argv` must be `-m MODULE ARGS...` or `SCRIPT.py ARGS...`) the ranks are forked
+    from one process that imported those modules once (`megatron_ds.testing.zygote`): the same run without
+    each rank's seconds of imports."""
     port = free_port()
     logs = [open(_log_path(rank, port), "w+") for rank in range(world_size)]
     if preload:
@@ -175,11 +175,12 @@ class ForkedRank:
 
     def poll(self) -> int | None:
         if self.returncode is None:
+            zygote_done = self.zygote.poll() is not None  # first: once it has exited, its file is complete
             with open(self.status_file) as f:
                 codes = dict(line.split() for line in f if line.strip())
             if str(self.rank) in codes:
                 self.returncode = int(codes[str(self.rank)])
-            elif self.zygote.poll() is not None:  # the zygote died before forking or reaping this rank
+            elif zygote_done:  # it died before forking or reaping this rank
                 self.returncode = self.zygote.returncode or -signal.SIGKILL
         return self.returncode
 
