@@ -83,10 +83,11 @@ class Ranks:
             return f.read()
 
     def signal(self, sig: int) -> None:
-        """Send `sig` to every rank still running (as a terminal's Ctrl-C or a scheduler's SIGTERM does)."""
-        for p in self.procs:
-            if p.poll() is None:
-                _signal(p, sig)
+        """Send `sig` to every rank still running (as a terminal's Ctrl-C or a scheduler's SIGTERM does): once to
+        each process group (forked ranks share their zygote's, so each still gets it once)."""
+        running = {p.pid: p for p in self.procs if p.poll() is None}
+        for p in running.values():
+            _signal(p, sig)
 
     def finish(self, timeout: float, check: bool = True) -> list[RankResult]:
         """Wait at most `timeout` seconds; ranks still running then dump their stacks and are killed."""
