@@ -119,8 +119,7 @@ class Ranks:
         except subprocess.TimeoutExpired:
             _signal(self.zygote, signal.SIGKILL)
             self.zygote.wait()
-        status_file, output_file = self.zygote_files
-        with open(output_file) as f:
+        with open(self.zygote_files[1]) as f:
             said = f.read().strip()
         for path in self.zygote_files:
             os.unlink(path)
@@ -194,9 +193,8 @@ class ForkedRank:
 def _fork_ranks(
     argv: Sequence[str], logs: list, cwd: str | None, env: dict, preload: Sequence[str], port: int
 ) -> Ranks:
-    if argv and str(argv[0]).endswith(".py"):
-        argv = ["-m", *argv]  # the zygote takes a script where it takes a module
-    if len(argv) < 2 or argv[0] != "-m":
+    target = list(argv[1:]) if argv and argv[0] == "-m" else list(argv)  # MODULE ARGS... or SCRIPT.py ARGS...
+    if not target or (argv[0] != "-m" and not str(target[0]).endswith(".py")):
         raise ValueError(f"preload needs argv '-m MODULE ...' or 'SCRIPT.py ...', got {list(argv)[:2]}")
     status_file, output_file = _log_path("status", port), _log_path("zygote", port)
     open(status_file, "w").close()
@@ -210,7 +208,7 @@ def _fork_ranks(
                 _log_path("{rank}", port),
                 str(len(logs)),
                 ",".join(preload),
-                *argv[1:],
+                *target,
             ],
             cwd=cwd,
             env=env,

@@ -32,7 +32,6 @@ MEGATRON_CORE_PRELOAD = (
     "megatron_ds.model.tensor_parallel_layers",
 )
 """megatron-core (about 3 s per rank): its datasets for files given by path, its layers at T > 1."""
-HOST_OPTIMIZER_PRELOAD = HOST_OPTIMIZER
 DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
 
 
@@ -45,9 +44,7 @@ def preload_for(argv: Sequence[str]) -> tuple[str, ...]:
     )
     files = any(flag in DATA_FLAGS for flag in args)
     host = "--cpu-optimizer" in args or any("offload" in a for a in args) or _config_offloads(args)
-    return (
-        PRELOAD + (MEGATRON_CORE_PRELOAD if tensor_parallel or files else ()) + (HOST_OPTIMIZER_PRELOAD if host else ())
-    )
+    return PRELOAD + (MEGATRON_CORE_PRELOAD if tensor_parallel or files else ()) + (HOST_OPTIMIZER if host else ())
 
 
 def _config_offloads(args: list[str]) -> bool:
@@ -68,8 +65,9 @@ def run_pretrain_gpt(
     ranks = start_ranks([script, *argv], nproc, cwd=cwd or str(ROOT), env=env, preload=preload_for(argv))
     results = ranks.finish(timeout, check=False)
     output = "".join(r.output for r in results)
-    stalled = [r.rank for r in results if r.returncode is None]
-    if stalled:
-        return subprocess.CompletedProcess(script, -9, output + f"\n[launch] killed after {timeout:.0f}s timeout\n")
+    if any(r.returncode is None for r in results):
+        return subprocess.CompletedProcess(
+            [script, *argv], -9, output + f"\n[launch] killed after {timeout:.0f}s timeout\n"
+        )
     code = next((r.returncode for r in results if r.returncode != 0), 0)
     return subprocess.CompletedProcess([script, *argv], code, output)

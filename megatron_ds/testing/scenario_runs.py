@@ -21,7 +21,6 @@ PRELOAD = (
 )
 TENSOR_PARALLEL_PRELOAD = ("megatron_ds.model.tensor_parallel_layers",)
 """megatron-core's layers: imported by the ranks of a T > 1 scenario only (about 3 s each)."""
-HOST_OPTIMIZER_PRELOAD = HOST_OPTIMIZER
 HOST_OPTIMIZER_KEYS = ("training__cpu_optimizer", "training__offload_optimizer", "training__offload_param")
 
 
@@ -32,11 +31,7 @@ def preload_for(scenarios: list[dict[str, Any]]) -> tuple[str, ...]:
     overrides += [o for sc in scenarios for o in sc.get("rank_overrides", {}).values()]
     tensor_parallel = any(o.get("parallel__tensor_model_parallel_size", 1) > 1 for o in overrides)
     host_optimizer = any(o.get(key) not in (None, False, "none") for o in overrides for key in HOST_OPTIMIZER_KEYS)
-    return (
-        PRELOAD
-        + (TENSOR_PARALLEL_PRELOAD if tensor_parallel else ())
-        + (HOST_OPTIMIZER_PRELOAD if host_optimizer else ())
-    )
+    return PRELOAD + (TENSOR_PARALLEL_PRELOAD if tensor_parallel else ()) + (HOST_OPTIMIZER if host_optimizer else ())
 
 
 def run_scenarios(

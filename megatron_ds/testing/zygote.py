@@ -5,11 +5,12 @@
 Each rank of a test run spends about 3 s of CPU importing torch, DeepSpeed, torch's compiler stack
 (which `torch.optim` imports at the first optimizer) and, at T > 1, megatron-core; on a 2-core machine
 that start-up, not the training, is most of a multi-rank test. Here one process imports `PRELOAD` (a
-comma-separated list of modules; `module:function` also calls that function) and then forks one child per rank, as torch's DataLoader forks its
-workers: each child sets its `RANK`/`LOCAL_RANK`, writes to `LOG_TEMPLATE.format(rank=rank)` and runs `MODULE` as
-`python -m MODULE ARGS...` (or `python SCRIPT.py ARGS...`) would. Nothing before the fork starts a thread pool, a process group or a
-random stream (torch's import keeps its one idle native thread, which a fork leaves behind as it does for
-DataLoader workers).
+comma-separated list of modules; `module:function` also calls that function) and then forks one child per
+rank, as torch's DataLoader forks its workers: each child sets its `RANK`/`LOCAL_RANK`, writes to
+`LOG_TEMPLATE.format(rank=rank)` and runs `MODULE` as `python -m MODULE ARGS...` (or `SCRIPT.py` as
+`python SCRIPT.py ARGS...`) would. Nothing before the fork starts a thread pool, a process group or a random
+stream (torch's import keeps its one idle native thread, which a fork leaves behind as it does for DataLoader
+workers).
 
 The children stay in this process's group (the launcher starts it in a session of its own), so one
 `killpg` reaches every rank. This process ignores the signals the launcher sends to the group, reaps the

@@ -94,17 +94,16 @@ def test_py_cpuinfo_is_asked_once_for_every_rank(monkeypatch: pytest.MonkeyPatch
 
 
 def test_scenarios_preload_what_their_ranks_import() -> None:
-    from megatron_ds.testing.scenario_runs import HOST_OPTIMIZER_PRELOAD, PRELOAD, TENSOR_PARALLEL_PRELOAD, preload_for
+    from megatron_ds.testing.scenario_runs import PRELOAD, TENSOR_PARALLEL_PRELOAD, preload_for
+    from megatron_ds.testing.zygote import HOST_OPTIMIZER
 
     plain = {"overrides": {"parallel__pipeline_model_parallel_size": 2}}
     assert preload_for([plain]) == PRELOAD
     tp_on_one_rank = {"overrides": {}, "rank_overrides": {"1": {"parallel__tensor_model_parallel_size": 2}}}
     assert preload_for([plain, tp_on_one_rank]) == PRELOAD + TENSOR_PARALLEL_PRELOAD
     offload = {"overrides": {"training__offload_optimizer": "cpu"}}
-    assert (
-        preload_for([offload, {"overrides": {"training__offload_param": "none"}}]) == PRELOAD + HOST_OPTIMIZER_PRELOAD
-    )
-    assert preload_for([{"overrides": {"training__cpu_optimizer": True}}]) == PRELOAD + HOST_OPTIMIZER_PRELOAD
+    assert preload_for([offload, {"overrides": {"training__offload_param": "none"}}]) == PRELOAD + HOST_OPTIMIZER
+    assert preload_for([{"overrides": {"training__cpu_optimizer": True}}]) == PRELOAD + HOST_OPTIMIZER
 
 
 def test_pretrain_runs_preload_what_the_line_needs(tmp_path: Path) -> None:
@@ -115,5 +114,5 @@ def test_pretrain_runs_preload_what_the_line_needs(tmp_path: Path) -> None:
     assert pr.preload_for(["--data-path", "x"]) == pr.PRELOAD + pr.MEGATRON_CORE_PRELOAD
     config = tmp_path / "ds.json"
     config.write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}')
-    assert pr.preload_for(["--deepspeed_config", str(config)]) == pr.PRELOAD + pr.HOST_OPTIMIZER_PRELOAD
-    assert pr.preload_for(["--cpu-optimizer"]) == pr.PRELOAD + pr.HOST_OPTIMIZER_PRELOAD
+    assert pr.preload_for(["--deepspeed_config", str(config)]) == pr.PRELOAD + pr.HOST_OPTIMIZER
+    assert pr.preload_for(["--cpu-optimizer"]) == pr.PRELOAD + pr.HOST_OPTIMIZER
