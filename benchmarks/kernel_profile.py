@@ -88,7 +88,7 @@ def predicted(model, mb: int, kernels: Kernels) -> dict[str, tuple[float, float,
     links = Links(1e12, 1e12, 1)  # one process: no communication
     run = deepspeed_features(0, 4)
     layer = layer_times(model, mb, 1, 4, kernels, links, run, attention_dropout=False)
-    pre, post = pre_times(model, mb, 1, 4, kernels, links), post_times(model, mb, 1, 4, kernels, links)
+    pre, post = pre_times(model, mb, 1, 4, kernels, links), post_times(model, mb, 1, 4, kernels, links, run)
 
     def adam(params: int) -> float:
         return kernels.memory(params * (ADAM_BYTES_FP32_STATES + 4))

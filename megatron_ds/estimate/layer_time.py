@@ -17,7 +17,8 @@ backward is two matmuls, the input gradient (n x out) @ (out x in) and the weigh
 A backward moves `BACKWARD_MEMORY_RATIO` times its forward's bytes (the incoming gradient, the saved
 input, the outgoing gradient). The tensor-parallel all-reduces (two per pass: after attention and after
 the MLP; with sequence parallelism a reduce-scatter and an all-gather of the same volume) run over the
-node's link; with `tp_overlap` only their part beyond the pass's matmuls is exposed.
+node's link; with `tp_overlap` only their part beyond the pass's matmuls is exposed, and the matmuls pay for
+the overlap as Transformer Engine's userbuffers run it (`_overlapped_linear`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ its backward as 2.5 x the forward's FLOPs)."""
 CROSS_ENTROPY_BYTES = (14, 10)
 """Bytes per logit element of the loss, forward and backward: the fp32 copy (read w, write 4), the max
 and the exponent sums (two reads of 4); the softmax gradient (read 4, write 4 and the w-byte gradient)."""
+MEGATRON_CROSS_ENTROPY_BYTES = (36, 12)
+"""The same for Megatron's unfused vocabulary-parallel loss on fp32 logits, plus w each way (the cast's read
+and its gradient's write). Forward: `logits.float()` (read w, write 4), the max (read 4), the in-place
+subtraction of the max (read 4, write 4), the in-place exponent (4, 4), its sum (4) and the in-place
+division into the softmax it saves (4, 4); backward: the in-place product with the incoming gradient (4, 4)
+and the cast's gradient (read 4, write w). Megatron-LM 2021 (`mpu/cross_entropy.py`, commit 6985e58938,
+fed `output.float()` by `gpt_model.py`) and megatron-core at f2e5db402c (`tensor_parallel/cross_entropy.py`;
+the fused kernel only with `--cross-entropy-loss-fusion`) run it so."""
+TE_COMM_SMS = 16
+"""Streaming multiprocessors a userbuffers communication kernel occupies while a matmul runs beside it, for
+the `bulk` and `pipeline` overlaps (ring exchanges use copy engines and 1): Transformer Engine v1.8's
+`initialize_ub` defaults (`transformer_engine/pytorch/module/base.py`), which Megatron-LM f2e5db402c keeps
+unless `--tp-comm-overlap-cfg` names a file (`_initialize_tp_communicators` passes empty `ub_cfgs`)."""
+TE_PIPELINE_SPLITS = 4
+"""Chunks a `pipeline` overlap cuts the row-parallel forward matmul into (`num_splits`, the same defaults)."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +102,63 @@ class LayerShapes:
         )
 
 
-def _linear(k: Kernels, n: int, d_in: int, d_out: int, w: int) -> tuple[float, float]:
-    """(forward, backward) seconds of y = x W for x (n, d_in)."""
-    forward = k.matmul(n, d_out, d_in, element_bytes=w)
-    return forward, k.matmul(n, d_in, d_out, element_bytes=w) + k.matmul(d_in, d_out, n, element_bytes=w)
+@dataclass(frozen=True)
+class LinearTimes:
+    """Seconds of one linear y = x W's three matmuls."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+
+    @property
+    def backward(self) -> float:
+        return self.input_grad + self.weight_grad
+
+
+def _linear(k: Kernels, n: int, d_in: int, d_out: int, w: int) -> LinearTimes:
+    """y = x W for x (n, d_in): the forward, the input gradient (n x out) @ (out x in) and the weight gradient
+    (in x n) @ (n x out)."""
+    return LinearTimes(
+        k.matmul(n, d_out, d_in, element_bytes=w),
+        k.matmul(n, d_in, d_out, element_bytes=w),
+        k.matmul(d_in, d_out, n, element_bytes=w),
+    )
+
+
+def _chunks(k: Kernels, m: int, n: int, d: int, w: int, parts: int) -> float:
+    """One (m x d) @ (d x n) matmul run as `parts` matmuls of m / parts rows (each its own waves of tiles)."""
+    return parts * k.matmul(max(1, m // parts), n, d, element_bytes=w)
+
+
+def _beside_comm(k: Kernels, matmul: float, comm: float) -> float:
+    """A matmul sharing the processors with a communication kernel on `TE_COMM_SMS` of them for `comm`
+    seconds: the processor-seconds it loses while both run (none without a processor count)."""
+    if not k.compute_units:
+        return matmul
+    return matmul + TE_COMM_SMS / k.compute_units * min(comm, matmul)
+
+
+def _overlapped_linear(
+    k: Kernels, n: int, d_in: int, d_out: int, w: int, tp: int, column: bool, comm: float
+) -> LinearTimes:
+    """One tensor-parallel linear under sequence parallelism with `--tp-comm-overlap`, as Transformer Engine
+    v1.8's default userbuffers methods run it (`initialize_ub`: ring exchange for qkv and fc1 forward and for
+    proj and fc2 input gradients; pipeline for proj and fc2 forward; bulk for qkv and fc1 backward). A ring
+    exchange all-gathers chunk by chunk, one matmul per arriving 1/t of the rows; a pipeline reduce-scatters
+    the forward's output in `TE_PIPELINE_SPLITS` chunks, each computed beside the previous one's reduction;
+    a bulk overlap runs the column-parallel backward's all-gather of the input (for the weight gradient)
+    beside the input-gradient matmul and the reduce-scatter of that gradient beside the weight-gradient
+    matmul. `comm`: one all-gather or reduce-scatter of an (n, h) activation over the tensor group."""
+    plain = _linear(k, n, d_in, d_out, w)
+    if column:  # qkv, fc1: x (n, h) gathered from its sequence shards
+        return LinearTimes(
+            _chunks(k, n, d_out, d_in, w, tp),
+            _beside_comm(k, plain.input_grad, comm),
+            _beside_comm(k, plain.weight_grad, comm),
+        )
+    # proj, fc2: the output reduce-scattered into sequence shards; its gradient all-gathered back
+    forward = _chunks(k, n, d_out, d_in, w, TE_PIPELINE_SPLITS)
+    return LinearTimes(_beside_comm(k, forward, comm), _chunks(k, n, d_in, d_out, w, tp), plain.weight_grad)
 
 
 def _attention(k: Kernels, sh: LayerShapes, features: RunFeatures, w: int, dropout: bool) -> tuple[float, float]:
@@ -134,14 +203,18 @@ def layer_times(
     """One transformer layer (w: bytes per activation element)."""
     sh = LayerShapes.of(model, micro_batch_size, tp)
     n, h = sh.tokens, sh.hidden
-    q_width = sh.heads * sh.head_dim
-    linears = [
-        _linear(kernels, n, h, (sh.heads + 2 * sh.kv_heads) * sh.head_dim, w),
-        _linear(kernels, n, q_width, h, w),
-        _linear(kernels, n, h, sh.fc1, w),
-        _linear(kernels, n, sh.ffn, h, w),
+    shapes = [  # (d_in, d_out, column-parallel)
+        (h, (sh.heads + 2 * sh.kv_heads) * sh.head_dim, True),
+        (sh.heads * sh.head_dim, h, False),
+        (h, sh.fc1, True),
+        (sh.ffn, h, False),
     ]
-    mm_f, mm_b = sum(f for f, _ in linears), sum(b for _, b in linears)
+    if features.tp_overlap and features.sequence_parallel and tp > 1:
+        one = links.reduce_scatter(n * h * w, tp, within_node=True)
+        linears = [_overlapped_linear(kernels, n, a, b, w, tp, col, one) for a, b, col in shapes]
+    else:
+        linears = [_linear(kernels, n, a, b, w) for a, b, _ in shapes]
+    mm_f, mm_b = sum(x.forward for x in linears), sum(x.backward for x in linears)
     at_f, at_b = _attention(kernels, sh, features, w, attention_dropout)
     mem = _elementwise_bytes(model, sh, features, tp, w)
     me_f, me_b = kernels.memory(mem), kernels.memory(BACKWARD_MEMORY_RATIO * mem)
@@ -150,7 +223,7 @@ def layer_times(
     tp_b = max(0.0, comm - mm_b) if features.tp_overlap else comm
     forward = mm_f + at_f + me_f + tp_f
     parts = {"matmul": mm_f + mm_b, "attention": at_f + at_b, "memory": me_f + me_b, "tp-comm": tp_f + tp_b}
-    weight = sum(b for _, b in linears) / 2  # each linear's backward: the input and the weight gradient
+    weight = sum(x.weight_grad for x in linears)
     return PassTimes(
         forward, mm_b + at_b + me_b + tp_b, recompute=forward, attention_recompute=at_f, weight=weight, parts=parts
     )
@@ -169,14 +242,26 @@ def pre_times(model: ModelConfig, micro_batch_size: int, tp: int, w: int, kernel
     return PassTimes(forward, backward, parts={"memory": kernels.memory(3 * nbytes), "tp-comm": comm})
 
 
-def post_times(model: ModelConfig, micro_batch_size: int, tp: int, w: int, kernels: Kernels, links: Links) -> PassTimes:
+def post_times(
+    model: ModelConfig,
+    micro_batch_size: int,
+    tp: int,
+    w: int,
+    kernels: Kernels,
+    links: Links,
+    features: RunFeatures,
+) -> PassTimes:
     """The final norm, the LM head's logits (vocabulary-parallel) and the loss on the last stage."""
     sh = LayerShapes.of(model, micro_batch_size, tp)
-    logits_f, logits_b = _linear(kernels, sh.tokens, sh.hidden, sh.vocab, w)
+    head = _linear(kernels, sh.tokens, sh.hidden, sh.vocab, w)
     norm = 2 * w * sh.tokens * sh.hidden
     logits = sh.tokens * sh.vocab
-    mem_f = kernels.memory(norm + CROSS_ENTROPY_BYTES[0] * logits)
-    mem_b = kernels.memory(BACKWARD_MEMORY_RATIO * norm + CROSS_ENTROPY_BYTES[1] * logits)
+    if features.megatron_cross_entropy:
+        loss_f, loss_b = (b + w for b in MEGATRON_CROSS_ENTROPY_BYTES)
+    else:
+        loss_f, loss_b = CROSS_ENTROPY_BYTES
+    mem_f = kernels.memory(norm + loss_f * logits)
+    mem_b = kernels.memory(BACKWARD_MEMORY_RATIO * norm + loss_b * logits)
     comm = _tp_comm(links, sh, tp, w, 1)  # the head's input gradient, summed over the tensor ranks
-    parts = {"matmul": logits_f + logits_b, "memory": mem_f + mem_b, "tp-comm": comm}
-    return PassTimes(logits_f + mem_f, logits_b + mem_b + comm, weight=logits_b / 2, parts=parts)
+    parts = {"matmul": head.forward + head.backward, "memory": mem_f + mem_b, "tp-comm": comm}
+    return PassTimes(head.forward + mem_f, head.backward + mem_b + comm, weight=head.weight_grad, parts=parts)

@@ -39,7 +39,11 @@ class RunFeatures:
     all-gather of the same volume (Korthikanti et al. 2022)."""
     tp_overlap: bool = False
     """Tensor-parallel communication overlapped with the matmuls beside it (`--tp-comm-overlap`): only the
-    part longer than those matmuls is exposed."""
+    part longer than those matmuls is exposed; with sequence parallelism the matmuls run as Transformer
+    Engine's userbuffers cut them and share the processors with the communication (`layer_time`)."""
+    megatron_cross_entropy: bool = False
+    """The loss is Megatron's unfused vocabulary-parallel cross entropy on fp32 logits
+    (`layer_time.MEGATRON_CROSS_ENTROPY_BYTES`); False: `CROSS_ENTROPY_BYTES`."""
     dp_mode: str = DP_AFTER_BACKWARD
     grad_bytes: int = 2
     """Bytes per gradient element in the data-parallel reduction."""
@@ -90,6 +94,7 @@ MEGATRON_LM_2021 = RunFeatures(
     grad_bytes=2,  # fp16 gradients all-reduced after backward
     partitioned_optimizer=False,  # no distributed optimizer then
     p2p_scatter_gather=True,
+    megatron_cross_entropy=True,
 )
 MEGATRON_CORE_H100 = RunFeatures(
     name="Megatron-core on H100 (Megatron-LM README)",
@@ -103,4 +108,5 @@ MEGATRON_CORE_H100 = RunFeatures(
     partitioned_optimizer=True,
     p2p_scatter_gather=True,
     p2p_overlap=True,  # "PP (enabled by default)"
+    megatron_cross_entropy=True,  # no --cross-entropy-loss-fusion among the README's flags
 )

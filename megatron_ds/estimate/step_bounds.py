@@ -62,7 +62,7 @@ def step_lower_bound(
     w = PRECISION_BYTES[precision]
     layer = layer_times(model, micro_batch_size, tp, w, kernels, links, features)
     pre = pre_times(model, micro_batch_size, tp, w, kernels, links)
-    post = post_times(model, micro_batch_size, tp, w, kernels, links)
+    post = post_times(model, micro_batch_size, tp, w, kernels, links, features)
     per_layer = layer.forward + layer.backward + (layer.recompute if checkpoint_activations else 0.0)
     per_layer += layer.attention_recompute if selective_recompute and not checkpoint_activations else 0.0
     total = model.num_layers * per_layer + pre.forward + pre.backward + post.forward + post.backward

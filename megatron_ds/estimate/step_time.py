@@ -172,7 +172,7 @@ def _stage_passes(
     w = PRECISION_BYTES[inp.precision]
     layer = layer_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links, features, inp.attention_dropout)
     pre = pre_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links)
-    post = post_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links)
+    post = post_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links, features)
     forward, backward, weight, flat_parts = [], [], [], []
     p = inp.num_flat
     interval = inp.checkpoint_num_layers if inp.checkpoint_activations else 0

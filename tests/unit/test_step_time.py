@@ -13,7 +13,15 @@ from megatron_ds.estimate.communication import INTER_FRACTION, INTRA_FRACTION, L
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.devices import find_named
 from megatron_ds.estimate.efficiency import MEMORY_FRACTION, Kernels
-from megatron_ds.estimate.layer_time import layer_times
+from megatron_ds.estimate.layer_time import (
+    CROSS_ENTROPY_BYTES,
+    MEGATRON_CROSS_ENTROPY_BYTES,
+    TE_COMM_SMS,
+    TE_PIPELINE_SPLITS,
+    _overlapped_linear,
+    layer_times,
+    post_times,
+)
 from megatron_ds.estimate.run_features import (
     DP_AFTER_BACKWARD,
     DP_OVERLAP_LAST,
@@ -99,6 +107,39 @@ def test_a_layers_backward_is_twice_its_matmuls_and_recomputation_is_its_forward
     assert sp.parts["memory"] < two.parts["memory"]  # norms and dropout on 1/t of the tokens
     math = layer_times(gpt(), 1, 1, 2, KERNELS, LINKS, dataclasses.replace(features, attention=MATH))
     assert math.parts["attention"] > t.parts["attention"]  # the full score matrix through memory
+
+
+def test_tp_comm_overlap_cuts_matmuls_as_userbuffers_does_and_shares_the_processors() -> None:
+    k, links = Kernels.for_device(H100, "bf16"), Links.for_device(H100, 8)
+    n, h, t, w, comm = 4096, 8192, 8, 2, 1e-4
+    column = _overlapped_linear(k, n, h, 3 * h // t, w, t, column=True, comm=comm)
+    share = TE_COMM_SMS / 132  # H100 SXM: 132 processors, 16 of them on the bulk communication
+    assert column.forward == pytest.approx(t * k.matmul(n // t, 3 * h // t, h))  # ring exchange: 1/t rows at a time
+    assert column.input_grad == pytest.approx(k.matmul(n, h, 3 * h // t) + share * comm)
+    assert column.weight_grad == pytest.approx(k.matmul(h, 3 * h // t, n) + share * comm)
+    row = _overlapped_linear(k, n, 4 * h // t, h, w, t, column=False, comm=1.0)  # a comm longer than the matmul
+    chunked = TE_PIPELINE_SPLITS * k.matmul(n // TE_PIPELINE_SPLITS, h, 4 * h // t)
+    assert row.forward == pytest.approx(chunked * (1 + share))  # the whole matmul beside the reduce-scatter
+    assert row.input_grad == pytest.approx(t * k.matmul(n // t, 4 * h // t, h))
+    assert row.weight_grad == pytest.approx(k.matmul(4 * h // t, h, n))
+    assert t * k.matmul(n // t, 3 * h // t, h) > k.matmul(n, 3 * h // t, h)  # 4 x 24 tiles: under one wave
+    model = gpt(h=h, heads=64, s=n)
+    plain = dataclasses.replace(MEGATRON_CORE_H100, tp_overlap=False)
+    over = layer_times(model, 1, t, w, k, links, MEGATRON_CORE_H100)
+    assert over.parts["matmul"] > layer_times(model, 1, t, w, k, links, plain).parts["matmul"]
+    assert over.parts["tp-comm"] < layer_times(model, 1, t, w, k, links, plain).parts["tp-comm"]
+    no_sms = dataclasses.replace(k, compute_units=None)  # no processor count: chunking only
+    assert _overlapped_linear(no_sms, n, h, h, w, t, True, comm).input_grad == no_sms.matmul(n, h, h)
+
+
+def test_megatrons_loss_moves_its_fp32_logits_through_memory_op_by_op() -> None:
+    model, w = gpt(vocab=131072), 2
+    ours = post_times(model, 1, 1, w, KERNELS, LINKS, deepspeed_features(1, w))
+    megatron = post_times(model, 1, 1, w, KERNELS, LINKS, MEGATRON_CORE_H100)
+    logits = 2048 * 131072
+    extra = sum(MEGATRON_CROSS_ENTROPY_BYTES) + 2 * w - sum(CROSS_ENTROPY_BYTES)
+    assert megatron.parts["memory"] - ours.parts["memory"] == pytest.approx(KERNELS.memory(extra * logits))
+    assert MEGATRON_CROSS_ENTROPY_BYTES[0] + w == 38 and MEGATRON_CROSS_ENTROPY_BYTES[1] + w == 14
 
 
 def inputs(model: ModelConfig, pp: int, m: int, dp: int = 1, tp: int = 1, zero: int = 1, **kw) -> StepInputs:
