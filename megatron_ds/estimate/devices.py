@@ -60,6 +60,9 @@ class Device:
     """Measured maximum achievable bf16 matmul TFLOP/s (MAMF: the best of a brute-force search over shapes,
     stas00/ml-engineering `compute/accelerator/README.md`, "Maximum Achievable Matmul FLOPS comparison
     table"); None: not measured there."""
+    matmul_table: str | None = None
+    """A measured table of matmul rates by shape (`estimate/matmul_table.TABLES`) that prices its 16-bit matmuls
+    instead of the ceiling and wave quantization; None: no such table."""
     vendor: str = "nvidia"
 
     def peak_tflops(self, precision: str) -> float | None:
@@ -69,7 +72,14 @@ class Device:
 
 _V100 = {"memory_bandwidth": 900.0, "scale_up": 300.0, "pcie": 32.0, "network": 50.0, "compute_units": 80}
 _A100 = {"scale_up": 600.0, "pcie": 64.0, "network": 200.0, "compute_units": 108, "matmul_tflops": 271.2}
-_HOPPER_SXM = {"scale_up": 900.0, "pcie": 128.0, "network": 400.0, "compute_units": 132, "matmul_tflops": 794.5}
+_HOPPER_SXM = {
+    "scale_up": 900.0,
+    "pcie": 128.0,
+    "network": 400.0,
+    "compute_units": 132,
+    "matmul_tflops": 794.5,
+    "matmul_table": "sm90-bf16",  # OpenXLA's sm_90 table: an SXM-class part (estimate/matmul_table.py)
+}
 # Bandwidth sources (vendor datasheets): V100 (volta-v100-datasheet: SXM2 900 GB/s, NVLink 300 GB/s, PCIe
 # 32 GB/s; V100S 1134 GB/s); T4 (320 GB/s, PCIe Gen3); A10 (600 GB/s), A30 (933 GB/s, NVLink 200 GB/s), A40
 # (696 GB/s, NVLink 112.5 GB/s) datasheets; A100 (nvidia-a100-datasheet: 40GB 1555 GB/s, 80GB SXM 2039 GB/s,

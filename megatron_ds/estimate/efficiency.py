@@ -11,7 +11,9 @@ Model (each term a kind of kernel the step runs):
       writing the result at the achievable bandwidth). Wave efficiency: the output is cut into
       TILE x TILE tiles, one per streaming multiprocessor at a time; a last partial wave leaves the rest
       idle (NVIDIA, "Matrix Multiplication Background User's Guide", wave quantization). A matmul of
-      fewer tiles than processors is split along k (split-K) while k allows.
+      fewer tiles than processors is split along k (split-K) while k allows. A device with a measured
+      table of rates by shape (`estimate/matmul_table.py`: the H100 SXM and H200 in 16 bits) takes its
+      compute time from the table instead, `batch` products as `batch` times one.
   flash attention: its FLOPs (the causal triangle it computes) at a stated share of the peak, forward
       and backward apart (`ATTENTION_FRACTION`).
   memory-bound kernels (norms, activations, softmax, dropout, residual adds, the loss, the optimizer
@@ -25,6 +27,7 @@ import math
 from dataclasses import dataclass, replace
 
 from megatron_ds.estimate.devices import Device
+from megatron_ds.estimate.matmul_table import TABLES, MatmulTable
 
 TILE = 128
 """Output tile edge of one thread block (cuBLAS's common 128 x 128 tiles on Ampere and Hopper)."""
@@ -70,6 +73,8 @@ class Kernels:
     memory_fraction: float = MEMORY_FRACTION
     source: str = ""
     """Where the matmul ceiling comes from (reports print it)."""
+    shape_rates: MatmulTable | None = None
+    """Measured matmul rates by shape; None: the ceiling times the wave efficiency."""
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "matmul_fraction", "memory_bandwidth", "attention_forward", "attention_backward"):
@@ -94,6 +99,9 @@ class Kernels:
             if measured
             else f"assumed matmul ceiling {DEFAULT_MATMUL_FRACTION:.0%} of the peak (no measured figure)"
         )
+        table = TABLES[device.matmul_table] if device.matmul_table and precision in ("bf16", "fp16") else None
+        if table is not None:
+            source = f"matmul rates by shape from {table.source}"
         return cls(
             device.name,
             peak * 1e12,
@@ -103,6 +111,7 @@ class Kernels:
             min(backward, fraction),
             device.compute_units,
             source=source,
+            shape_rates=table,
         )
 
     @classmethod
@@ -125,8 +134,8 @@ class Kernels:
     def measured(self, profile: dict) -> Kernels:
         """These kernels with a measured profile's figures (`matmul_tflops`, `memory_gbs`, `attention_*_tflops`)."""
         changes: dict = {}
-        if "matmul_tflops" in profile:
-            changes["matmul_fraction"] = profile["matmul_tflops"] * 1e12 / self.peak_flops
+        if "matmul_tflops" in profile:  # the measured rate replaces the table too
+            changes.update(matmul_fraction=profile["matmul_tflops"] * 1e12 / self.peak_flops, shape_rates=None)
         if "memory_gbs" in profile:
             changes.update(memory_bandwidth=profile["memory_gbs"] * 1e9, memory_fraction=1.0)
         for key, field in (
@@ -154,7 +163,10 @@ class Kernels:
         if min(m, n, k, batch) <= 0:
             return 0.0
         flops = 2.0 * m * n * k * batch
-        compute = flops / (self.peak_flops * self.matmul_fraction * self.wave_efficiency(m, n, k, batch))
+        if self.shape_rates is not None:
+            compute = flops / self.shape_rates.flops_per_second(m, n, k)
+        else:
+            compute = flops / (self.peak_flops * self.matmul_fraction * self.wave_efficiency(m, n, k, batch))
         traffic = element_bytes * batch * (m * k + k * n + m * n)
         return max(compute, self.memory(traffic))
 
