@@ -4,8 +4,9 @@
 `xla/service/gpu/model/matmul_interpolator_data.h`, as vendored in tensorflow/tensorflow at commit
 372d578bb861; the default of XLA's matmul cost model): bf16 x bf16 -> bf16 FLOP/s of one (m x k) @ (k x n)
 product (b = 1) for every m, n, k in 256, 512, ..., 4096, here in TFLOP/s rounded to 0.1. The figures are
-timings (each is 2mnk over a measured time: 1024 x 2048 x 2048's 524288000000000 FLOP/s is exactly 16.384 us). Its largest product runs at 783.3 TFLOP/s, above the H100 PCIe's 756 TFLOP/s peak and next to the
-MAMF table's 794.5 for the H100 SXM, so it is read as an SXM-class sm_90 part (H100 SXM, H200).
+timings (each is 2mnk over a measured time: 1024 x 2048 x 2048's 524288000000000 FLOP/s is exactly
+16.384 us). Its largest product runs at 783.3 TFLOP/s, above the H100 PCIe's 756 TFLOP/s peak and next to
+the MAMF table's 794.5 for the H100 SXM, so it is read as an SXM-class sm_90 part (H100 SXM, H200).
 
 Between the grid's points the rate is interpolated linearly in log2 of each dimension and in the log of
 the rate; beyond the grid each dimension is taken at the grid's nearest size: above 4096 a larger product
