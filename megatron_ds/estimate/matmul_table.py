@@ -18,7 +18,7 @@ stated assumptions, not measurements.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GRID = (256, 512, 1024, 2048, 4096)
 """Each dimension's measured sizes."""
@@ -70,11 +70,20 @@ class MatmulTable:
     tflops: tuple
     """[m][n][k] TFLOP/s at the grid's sizes."""
     source: str
+    _rates: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Rates already interpolated, by shape: a planner search asks for the same few shapes tens of thousands
+    of times."""
 
     def flops_per_second(self, m: int, n: int, k: int) -> float:
         """FLOP/s of one (m x k) @ (k x n) product (see the module's interpolation and its limits)."""
         if min(m, n, k) <= 0:
             raise ValueError(f"matmul dimensions must be > 0, got {m} x {n} x {k}")
+        rate = self._rates.get((m, n, k))
+        if rate is None:
+            rate = self._rates[(m, n, k)] = self._interpolate(m, n, k)
+        return rate
+
+    def _interpolate(self, m: int, n: int, k: int) -> float:
         (im, fm), (jn, fn), (ik, fk) = (_coordinate(d) for d in (m, n, k))
         log_rate = 0.0
         for dm, wm in ((0, 1.0 - fm), (1, fm)):
