@@ -201,6 +201,12 @@ def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:
         plan.tp <= (res.gpus_per_node or 1),
         f"tensor parallel {plan.tp} stays inside a node of {res.gpus_per_node} GPUs",
     )
+    if res.raw.sequence_parallel and plan.tp == 1:  # what pretrain_gpt.py says of the same flags
+        sec.check(
+            False,
+            "--sequence-parallel changes nothing at tensor parallel 1 (Megatron-LM turns it off): planned without it",
+            blocking=False,
+        )
     middle = plan.layout.layers_per_stage[1:-1]
     sec.check(all(k >= 1 for k in middle), "every middle stage holds at least one transformer layer")
     peak = plan.peak

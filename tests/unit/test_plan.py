@@ -299,6 +299,16 @@ def test_unknown_gpu_with_memory_is_accepted(capsys) -> None:
     assert rc == 0 and report["all_checks_pass"]
 
 
+def test_sequence_parallel_at_tensor_parallel_1_is_said_to_change_nothing(capsys) -> None:
+    """As pretrain_gpt.py says (and Megatron-LM does): the flag is dropped at t = 1, not silently."""
+    args = ["pipeline", *A100_1_3B, "--tensor-model-parallel-size", "1"]
+    for flags, said in (([], False), (["--sequence-parallel"], True)):
+        rc, report = run_json([*args, *flags], capsys)
+        texts = [c["text"] for s in report["sections"] for c in s["checks"] if c["ok"] is False and not c["blocking"]]
+        assert rc == 0 and report["all_checks_pass"]
+        assert any("--sequence-parallel changes nothing at tensor parallel 1" in t for t in texts) is said
+
+
 def test_profile_round_trip_never_asks_twice(tmp_path, capsys) -> None:
     profile = tmp_path / "me.json"
     rc = main(["pipeline", *A100_1_3B, "--global-batch-size", "256", "--save-profile", str(profile)])
