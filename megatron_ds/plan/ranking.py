@@ -26,6 +26,7 @@ from megatron_ds.plan.search import (
     RECOMPUTE,
     REPLAY_LIMIT,
     Candidate,
+    degree_pairs,
     evaluate,
     fits,
     layout_options,
@@ -370,15 +371,29 @@ class Search:
         return chosen
 
 
+def batch_message(res: Resolved) -> str:
+    """Why no configuration takes the global batch, and the nearest batch sizes that one would: each (t, p) needs
+    a multiple of micro-batch x its data-parallel size (micro-batch 1 when it is not fixed)."""
+    gbs, fixed = res.global_batch_size, res.raw.micro_batch_size
+    mb = fixed or 1
+    t, p = max(degree_pairs(res), key=lambda tp: tp[0] * tp[1])  # the fewest data-parallel ranks
+    unit = mb * (res.num_gpus // (t * p))
+    below, above = gbs // unit * unit, (gbs // unit + 1) * unit
+    nearest = f"{below} or {above}" if below else f"{above}"
+    micro = f"micro-batch {fixed}" if fixed else "micro-batch"
+    return (
+        f"--global-batch-size {gbs} does not divide into {micro} x data-parallel size for any tensor/pipeline "
+        f"degree on --num-gpus {res.num_gpus}; use a multiple of {unit} (micro-batch {mb} x data-parallel "
+        f"{unit // mb} at t={t}, p={p}), e.g. {nearest}"
+    )
+
+
 def no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool) -> str:
     usable = format_bytes(res.usable_bytes)
     fix = "add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism"
     tried = "recomputation, ZeRO-2/3 at pipeline size 1 and optimizer/parameter offload were tried too"
     if not batch_ok:
-        return (
-            f"--global-batch-size {res.global_batch_size} does not divide into micro-batch x data-parallel size "
-            f"for any tensor/pipeline degree on --num-gpus {res.num_gpus}; use a multiple of {res.num_gpus}"
-        )
+        return batch_message(res)
     if closest is not None and closest.peak.total <= res.usable_bytes:  # the host memory ruled it out
         return (
             f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, ZeRO-"

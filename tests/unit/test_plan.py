@@ -259,6 +259,25 @@ def test_write_config_matches_the_generated_json(tmp_path, capsys) -> None:
             ],
             "does not fit",
         ),
+        (
+            ["pipeline", *A100_1_3B, "--micro-batch-size", "3"],
+            "use a multiple of 3 (micro-batch 3 x data-parallel 1 at t=8, p=1), e.g. 510 or 513",
+        ),
+        (
+            [
+                "pipeline",
+                *A100_1_3B,
+                "--global-batch-size",
+                "8",
+                "--micro-batch-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "1",
+                "--pipeline-model-parallel-size",
+                "1",
+            ],
+            "use a multiple of 16 (micro-batch 2 x data-parallel 8 at t=1, p=1), e.g. 16",
+        ),
         (["pipeline", "--num-gpus", "8"], "Which model?"),
         (["zero", "--model", "1.3b"], "How many GPUs in total? (--num-gpus)"),
         (
