@@ -25,6 +25,12 @@ at pipeline size 1 (`Config` refuses them with P > 1; `engine_kind` says which e
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 """Where ZeRO's `offload_optimizer` / `offload_param` put their tensors (DeepSpeed's `device` key)."""
 
+BOTH_RECOMPUTATIONS = (
+    "selective recomputation (--recompute-activations / --recompute-granularity selective) and full "
+    "recomputation (--checkpoint-activations / --recompute-granularity full) were both asked for; keep one"
+)
+"""Megatron has one recomputation granularity; the planner refuses the pair with the same words."""
+
 
 @dataclass(frozen=True)
 class OptimizerConfig:
@@ -249,11 +255,7 @@ class TrainingConfig:
         one_of("precision", self.precision, PRECISIONS)
         one_of("--zero-stage", self.zero_stage, ZERO_STAGES)
         self._check_offload()
-        check(
-            not (self.selective_recompute and self.checkpoint_activations),
-            "selective recomputation (--recompute-activations / --recompute-granularity selective) and full "
-            "recomputation (--checkpoint-activations / --recompute-granularity full) were both asked for; keep one",
-        )
+        check(not (self.selective_recompute and self.checkpoint_activations), BOTH_RECOMPUTATIONS)
         check(
             self.checkpoint_num_layers >= 1,
             f"layers per recomputed chunk (--checkpoint-num-layers / --recompute-num-layers) is "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ds.config import DEDICATED_CHOICES, ModelConfig
+from megatron_ds.config.training import BOTH_RECOMPUTATIONS
 from megatron_ds.errors import ConfigError
 from megatron_ds.files import read_json
 from megatron_ds.pipeline.methods import planned_methods
@@ -285,6 +286,8 @@ def _check_choices(raw: PlanInputs) -> None:
             raise PlanError(f"--{name.replace('_', '-')} {value!r} is not one of {', '.join(choices)}")
     if raw.zero_stage is not None and raw.zero_stage not in (0, 1, 2, 3):
         raise PlanError(f"--zero-stage {raw.zero_stage} is not one of 0, 1, 2, 3")
+    if raw.checkpoint_activations and raw.recompute_activations:  # as pretrain_gpt.py refuses them
+        raise PlanError(BOTH_RECOMPUTATIONS)
     pp = raw.pipeline_model_parallel_size
     if raw.zero_stage in (2, 3) and pp is not None and pp > 1:
         raise PlanError(

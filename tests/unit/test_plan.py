@@ -278,6 +278,10 @@ def test_write_config_matches_the_generated_json(tmp_path, capsys) -> None:
             ],
             "use a multiple of 16 (micro-batch 2 x data-parallel 8 at t=1, p=1), e.g. 16",
         ),
+        (
+            ["pipeline", *A100_1_3B, "--checkpoint-activations", "--recompute-activations"],
+            "were both asked for; keep one",
+        ),
         (["pipeline", "--num-gpus", "8"], "Which model?"),
         (["zero", "--model", "1.3b"], "How many GPUs in total? (--num-gpus)"),
         (
