@@ -14,6 +14,13 @@ first holds start-up and the memory report's profiled steps).
     # the CPU smoke test (tests/e2e/test_gpu_throughput_script.py): a tiny model on 2 gloo ranks
     python benchmarks/gpu_throughput.py --cpu --model tiny --gpus 2 --pipeline-model-parallel-size 2
 
+Beside each measurement it prints the planner's prediction for the same model, degrees, micro-batch,
+layout and device (`plan.search.evaluate`, the step-time model of `estimate/step_time.py` with
+pretrain_gpt.py's run features; pure, no GPU needed) and measured / predicted, when the device is in
+`estimate/devices.py` (`--gpu NAME` names it; a CPU run has none). The `h100-1.7b` model is the
+smallest of the Megatron-LM README's H100 table (the record `planner_vs_published.py` finds 40% too
+fast): on one H100 it measures the same shape's compute with our own kernels.
+
 Layouts: `stock` (DeepSpeed's type:transformer), `both` (--pp-dedicated-embedding-stages both,
 P >= 3), `memory`, `fastest` (the memory limit is the GPU's memory unless --pp-memory-limit is
 given). One rank per GPU: ranks sharing a GPU are not attempted (NCCL refuses two ranks of one
@@ -36,7 +43,11 @@ sys.path.insert(0, str(ROOT))
 MODELS = {
     "1b": "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --vocab-size 50257",
     "tiny": "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 512",
+    "h100-1.7b": "--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 4096 --vocab-size 131072 "
+    "--untie-embeddings-and-output-weights",
 }
+METHODS = {"stock": "none", "both": "both", "memory": "memory", "fastest": "fastest"}
+"""The planner's `--layout` of each layout."""
 LAYOUTS = {
     "stock": [],
     "both": ["--pp-dedicated-embedding-stages", "both"],
@@ -113,8 +124,75 @@ def run(args: argparse.Namespace, layout: str) -> dict:
     }
 
 
+def model_inputs(model: str) -> tuple[dict[str, int], list[str]]:
+    """A MODELS entry as the planner's inputs: its sizes (`--num-layers 24` -> num_layers=24) and its
+    architecture flags (those without a value)."""
+    words = MODELS[model].split()
+    sizes, flags = {}, []
+    for i, word in enumerate(words):
+        value = words[i + 1] if i + 1 < len(words) else "--"
+        if word.startswith("--") and not value.startswith("--"):
+            sizes[word[2:].replace("-", "_")] = int(value)
+        elif word.startswith("--"):
+            flags.append(word)
+    return sizes, flags
+
+
+def predict(args: argparse.Namespace, layout: str, gpu: str | None) -> dict | None:
+    """The planner's predicted step and model TFLOP/s per GPU for this run on `gpu` (a table name), or None
+    when there is no device to price (a CPU run) or the layout cannot be built."""
+    if gpu is None:
+        return None
+    from megatron_ds.pipeline.layout import LayoutError
+    from megatron_ds.plan import search
+    from megatron_ds.plan.hardware import PlanError
+    from megatron_ds.plan.inputs import PlanInputs, resolve
+
+    dims, arch = model_inputs(args.model)
+    p = args.pipeline_model_parallel_size
+    raw = PlanInputs(
+        **dims,
+        architecture=arch or None,
+        num_gpus=args.gpus,
+        gpus_per_node=args.gpus,
+        gpu=gpu,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        zero_stage=args.zero_stage,
+        precision=args.precision,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=p,
+        layout=METHODS[layout],
+    )
+    try:
+        res = resolve(raw)
+        ckpt = args.checkpoint_activations
+        cand = search.evaluate(res, 1, p, args.micro_batch_size, args.zero_stage, args.precision, ckpt, METHODS[layout])
+    except (PlanError, LayoutError) as e:
+        print(f"  no prediction for {layout}: {e}", file=sys.stderr)
+        return None
+    return {"tflops": cand.time.tflops_per_gpu, "step_ms": cand.seconds * 1e3, "string": cand.layout.to_string()}
+
+
+def device_name(args: argparse.Namespace) -> str | None:
+    """The planner's name of the GPU the runs use (`--gpu`, else the visible GPU's), None on CPU or off the table."""
+    if args.cpu:
+        return None  # a CPU smoke run is not priced as a GPU
+    if args.gpu:
+        return args.gpu
+    import torch
+
+    from megatron_ds.estimate.devices import find_device
+
+    found = find_device(torch.cuda.get_device_name(0))
+    return found.name if found else None
+
+
 def format_table(results: list[dict], args: argparse.Namespace) -> str:
-    head = f"{'layout':<8} {'tokens/s':>10} {'TFLOP/s/GPU':>12} {'MFU':>6} {'step ms':>9}  layout string"
+    head = (
+        f"{'layout':<8} {'tokens/s':>10} {'TFLOP/s/GPU':>12} {'MFU':>6} {'step ms':>9} {'predicted':>9} "
+        f"{'meas/pred':>9}  layout string"
+    )
     lines = [
         f"model {args.model}: {MODELS[args.model]}; {args.gpus} rank(s), P={args.pipeline_model_parallel_size}, "
         f"micro-batch {args.micro_batch_size}, global batch {args.global_batch_size}, {args.precision}, "
@@ -124,9 +202,25 @@ def format_table(results: list[dict], args: argparse.Namespace) -> str:
     for r in results:
         mfu = f"{r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         tflops = f"{r['tflops']:.1f}" if r["tflops"] >= 10 else f"{r['tflops']:.3g}"
+        pred = r.get("predicted")
+        predicted, ratio = (f"{pred['tflops']:.1f}", f"{r['tflops'] / pred['tflops']:.3f}") if pred else ("n/a", "n/a")
+        if pred and pred["string"] != r["string"]:
+            predicted += "*"  # the planner's method split the layers otherwise
         lines.append(
-            f"{r['layout']:<8} {r['tokens_per_s']:>10.1f} {tflops:>12} {mfu:>6} {r['step_ms']:>9.1f}  {r['string']}"
+            f"{r['layout']:<8} {r['tokens_per_s']:>10.1f} {tflops:>12} {mfu:>6} {r['step_ms']:>9.1f} {predicted:>9} "
+            f"{ratio:>9}  {r['string']}"
         )
+    gpu = next((r["gpu"] for r in results if r.get("gpu")), None)
+    lines += [
+        f"  * predicted for the planner's layout {r['predicted']['string']} of the same method"
+        for r in results
+        if r.get("predicted") and r["predicted"]["string"] != r["string"]
+    ]
+    lines.append(
+        f"predicted: the planner's model TFLOP/s per GPU for the same run on {gpu} (estimate/step_time.py)"
+        if gpu
+        else "predicted: n/a (no device of estimate/devices.py to price; give --gpu NAME)"
+    )
     return "\n".join(lines)
 
 
@@ -146,6 +240,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pp-memory-limit", help="for `fastest` (default: the GPU's memory; required with --cpu)")
     p.add_argument("--peak-tflops", type=float, help="for MFU when the device is not in estimate/devices.py")
     p.add_argument("--cpu", action="store_true", help="run on CPU ranks (gloo): a smoke test, not a measurement")
+    p.add_argument(
+        "--gpu", help="the device's name in estimate/devices.py for the prediction (default: the visible GPU's)"
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     args = p.parse_args(argv)
     if not args.cpu:
@@ -179,9 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         layouts = ["stock"]  # one stage: every method gives the same layout
     if p < 3:
         layouts = [name for name in layouts if name != "both"]  # needs P >= 3
-    results, start = [], time.time()
+    results, start, gpu = [], time.time(), device_name(args)
     for layout in layouts:
-        results.append(run(args, layout))
+        results.append({**run(args, layout), "predicted": predict(args, layout, gpu), "gpu": gpu})
         print(f"  ran {layout} ({time.time() - start:.0f} s so far)", file=sys.stderr, flush=True)
     print(format_table(results, args))
     print("commands (from the repository root):")

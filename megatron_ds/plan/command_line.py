@@ -37,6 +37,9 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--checkpoint-activations": "without it or --no-checkpoint-activations, the planner tries none, selective, full",
     "--recompute-activations": "without it the planner tries none, selective and full recomputation in that order",
     "--sequence-parallel": "on whenever t > 1 unless --no-sequence-parallel",
+    "--pp-schedule": "the planner chooses among 1F1B, ZB-H1 and interleaved 1F1B when not given",
+    "--enable-zbh1-pipeline": None,
+    "--num-virtual-stages-per-pipeline-rank": "with interleaving the planner tries 2, 3 and 4 when not given",
 }
 """The `pretrain_gpt.py` flags the planner takes, each with what the planner does differently."""
 ARCHITECTURE_FLAGS = (
@@ -138,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     training(g, "--checkpoint-activations")
     g.add_argument("--no-checkpoint-activations", dest="checkpoint_activations", action="store_const", const=False)
     training(g, "--recompute-activations", "--sequence-parallel")
+    training(g, "--pp-schedule", "--enable-zbh1-pipeline", "--num-virtual-stages-per-pipeline-rank")
     g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)
     methods = ", ".join(planned_methods())
     g.add_argument(

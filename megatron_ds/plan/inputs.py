@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ds.config import DEDICATED_CHOICES, ModelConfig
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, ParallelConfig
 from megatron_ds.config.training import BOTH_RECOMPUTATIONS
 from megatron_ds.errors import ConfigError
 from megatron_ds.files import read_json
+from megatron_ds.flags.schedule_flags import ZERO_BUBBLE
 from megatron_ds.pipeline.methods import planned_methods
 from megatron_ds.plan import hardware
 from megatron_ds.plan.hardware import PlanError
@@ -50,6 +52,9 @@ class PlanInputs:
     checkpoint_activations: bool | None = None
     recompute_activations: bool | None = None
     sequence_parallel: bool | None = None
+    pp_schedule: str | None = None
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    enable_zbh1_pipeline: bool | None = None
     layout: str | None = None
     memory_headroom: float | None = None
     cpu_memory_gb: float | None = None
@@ -130,6 +135,8 @@ class Resolved:
     global_batch_size: int | None
     lr: float | None
     headroom: float
+    schedule: tuple[str | None, int | None] = (None, None)
+    """The pipeline schedule and its chunks per rank the flags fix (`fixed_schedule`); None: the planner chooses."""
     run_features: Any = None
     """The training software the step is priced for (`estimate.run_features.RunFeatures`); None: what
     pretrain_gpt.py runs. benchmarks/planner_vs_published.py sets Megatron's."""
@@ -227,7 +234,38 @@ def resolve(raw: PlanInputs) -> Resolved:
         global_batch_size=gbs,
         lr=preset.lr if preset else None,
         headroom=headroom,
+        schedule=fixed_schedule(raw),
     )
+
+
+def fixed_schedule(raw: PlanInputs) -> tuple[str | None, int | None]:
+    """(schedule, chunks per rank) that `--pp-schedule`, `--enable-zbh1-pipeline` and
+    `--num-virtual-stages-per-pipeline-rank` fix, each None where the planner chooses; refused as
+    pretrain_gpt.py refuses them (`config.parallel.ParallelConfig`'s checks)."""
+    name, v = raw.pp_schedule, raw.num_virtual_stages_per_pipeline_rank
+    if raw.enable_zbh1_pipeline:
+        if name not in (None, ZERO_BUBBLE):
+            raise PlanError(f"--enable-zbh1-pipeline and --pp-schedule {name} were both given; keep one")
+        name = ZERO_BUBBLE
+    if v is not None and v > 1 and name is None:
+        name = INTERLEAVED  # virtual stages select it, as in pretrain_gpt.py
+    if name is None and v is None:
+        return None, None
+    pp = raw.pipeline_model_parallel_size
+    try:
+        ParallelConfig(
+            pipeline_model_parallel_size=pp or 2,
+            pipeline_schedule=name or DEFAULT_PIPELINE_SCHEDULE,
+            virtual_stages=v if v is not None else (2 if name == INTERLEAVED else 1),
+        )
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+    if name not in (None, DEFAULT_PIPELINE_SCHEDULE) and raw.zero_stage in (2, 3):
+        raise PlanError(
+            f"--pp-schedule {name} runs on DeepSpeed's pipeline engine, which runs ZeRO 0 and 1 only; use "
+            f"--zero-stage 1, or the {DEFAULT_PIPELINE_SCHEDULE} schedule"
+        )
+    return name, (v if name == INTERLEAVED else 1) if name else v
 
 
 def _dims(raw: PlanInputs) -> tuple[dict | None, hardware.Preset | None]:

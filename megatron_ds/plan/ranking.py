@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.step_bounds import step_lower_bound
 from megatron_ds.estimate.step_time import StepInputs, layout_bound
@@ -118,14 +118,21 @@ def _num_micro_batches(res: Resolved, t: int, p: int, mb: int) -> int:
 def _runnable(res: Resolved, t: int, p: int, mb: int, zero: int, chunks: tuple[int, ...]) -> list[tuple[str, int]]:
     """Every (schedule, v) the engine runs for this configuration, v from `chunks` for interleaving: 1F1B
     always; ZB-H1 and interleaving on the pipeline engine (ZeRO 0/1) with P >= 2, interleaving when the layers
-    divide into v x P chunks and the micro-batches are a multiple of P (config/tree.py's `_check_engine`)."""
+    divide into v x P chunks and the micro-batches are a multiple of P (config/tree.py's `_check_engine`).
+    Only the schedule and chunks the flags fix (`Resolved.schedule`), where they are fixed; at P = 1 a fixed
+    ZB-H1 runs as given (DeepSpeed's engine runs it; no weight pass waits)."""
+    fixed, chunks_fixed = res.schedule
+    chunks = chunks if chunks_fixed is None else (chunks_fixed,)
+    if fixed is not None and fixed != SCHEDULES[0][0] and zero >= 2:
+        return []  # the plain engine runs 1F1B only
     if p < 2 or zero >= 2:
-        return [SCHEDULES[0]]
+        return [SCHEDULES[0]] if fixed in (None, SCHEDULES[0][0]) else [(fixed, 1)] if chunks == (1,) else []
     m = _num_micro_batches(res, t, p, mb)
     layers = res.dims["num_layers"]
     out = [(name, v) for name, v in SCHEDULES if v == 1]
     interleaved = [name for name, v in SCHEDULES if v > 1]
-    return out + [(n, v) for n in interleaved for v in chunks if layers % (v * p) == 0 and m % p == 0]
+    out += [(n, v) for n in interleaved for v in chunks if v > 1 and layers % (v * p) == 0 and m % p == 0]
+    return [s for s in out if fixed in (None, s[0]) and chunks_fixed in (None, s[1])]
 
 
 def _replayable(res: Resolved, t: int, p: int, mb: int, schedule: tuple[str, int]) -> bool:
@@ -279,6 +286,8 @@ class Search:
         self.closest: Candidate | None = None
         self.bounds: list[tuple[float, int, int]] = []
         self.batch_ok = False
+        self.schedule_ok = False
+        """Some configuration runs the schedule the flags fix (always, when they fix none)."""
         self.ranked: list[Candidate] = []
         self.tried: dict[tuple, list[Tried]] = {}
         """Per refined configuration (`config_key`): its `alternatives`."""
@@ -297,6 +306,7 @@ class Search:
             sizes = micro_batches(res, dp)
             self.batch_ok = self.batch_ok or bool(sizes)
             zero = zero_for(res, dp, offload, zero_opt)
+            self.schedule_ok = self.schedule_ok or any(schedules_for(res, t, p, mb, zero) for mb in sizes)
             states = states_lower_bound(res, t, p, zero, self.precision, offload, offload_param)
             if states > res.usable_bytes:
                 self.bounds.append((states, t, p))
@@ -307,21 +317,23 @@ class Search:
                         bound = time_bound(
                             res, t, p, mb, zero, self.precision, recompute, schedule[0], self.methods[0], schedule[1]
                         )
-                        order.append((bound, SCHEDULES.index(schedule), t, p, RECOMPUTE.index(recompute), mb, zero))
+                        r = RECOMPUTE.index(recompute)
+                        order.append((bound, schedule_order(schedule), t, p, r, mb, zero, schedule))
         found: list[Candidate] = []
-        missed: dict[tuple[int, int, int, int], int] = {}
+        missed: dict[tuple, int] = {}
         priced: dict[tuple, Candidate | None] = {}
 
         def layout(
-            t: int, p: int, r: int, mb: int, zero: int, k: int = 0, memory_only: bool = False
+            t: int, p: int, r: int, mb: int, zero: int, k: tuple[str, int] = SCHEDULES[0], memory_only: bool = False
         ) -> Candidate | None:
-            """`best_layout` of this option's offload, layout flags and precision (r, k: RECOMPUTE, SCHEDULES index)."""
+            """`best_layout` of this option's offload, layout flags and precision (r: RECOMPUTE index, k: the
+            schedule and its chunks)."""
             return best_layout(
                 res, t, p, mb, zero, self.precision, RECOMPUTE[r], self.methods, offload, offload_param,
-                SCHEDULES[k], memory_only=memory_only,
+                k, memory_only=memory_only,
             )  # fmt: skip
 
-        def price(t: int, p: int, r: int, mb: int, zero: int, k: int) -> Candidate | None:
+        def price(t: int, p: int, r: int, mb: int, zero: int, k: tuple[str, int]) -> Candidate | None:
             key = (t, p, r, mb, zero, k)
             if key not in priced:
                 cand = priced[key] = layout(t, p, r, mb, zero, k)
@@ -335,16 +347,16 @@ class Search:
 
         def twin_fits(t: int, p: int, r: int, mb: int, zero: int) -> bool:
             """1F1B's end ranks (its fullest) fit with the same degrees, micro-batch and recomputation (not timed)."""
-            key = (t, p, r, mb, zero, 0)
+            key = (t, p, r, mb, zero, SCHEDULES[0])
             cand = priced[key] if key in priced else layout(t, p, r, mb, zero, memory_only=True)
             return cand is not None and fits(res, cand)
 
-        for bound, k, t, p, r, mb, zero in sorted(order):
+        for bound, _, t, p, r, mb, zero, k in sorted(order):
             if len(found) >= keep and bound > sorted(c.seconds for c in found)[keep - 1]:
                 break
             if mb >= missed.get((t, p, r, k), mb + 1):
                 continue  # a larger micro-batch holds more activations
-            if SCHEDULES[k][1] > 1 and not twin_fits(t, p, r, mb, zero):
+            if k[1] > 1 and not twin_fits(t, p, r, mb, zero):
                 continue  # interleaving holds more in flight than 1F1B; ZB-H1 may hold less (its weight
                 # gradients come later), so it is priced whatever 1F1B's memory
             price(t, p, r, mb, zero, k)
@@ -388,10 +400,41 @@ def batch_message(res: Resolved) -> str:
     )
 
 
-def no_fit_message(res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool) -> str:
+def schedule_message(res: Resolved) -> str:
+    """Why no configuration runs the schedule the flags fix."""
+    name, v = res.schedule
+    raw = res.raw
+    asked = " with ".join(
+        flag
+        for flag, given in (
+            (f"--pp-schedule {raw.pp_schedule}", raw.pp_schedule),
+            ("--enable-zbh1-pipeline", raw.enable_zbh1_pipeline),
+            (f"--num-virtual-stages-per-pipeline-rank {v}", raw.num_virtual_stages_per_pipeline_rank),
+        )
+        if given
+    )
+    if name == INTERLEAVED or (v or 1) > 1:
+        chunks = f"{v} x P chunks" if v else "2, 3 or 4 x P chunks"
+        need = (
+            f"P >= 2 pipeline ranks, ZeRO 0 or 1, the {res.dims['num_layers']} layers split into {chunks} and a "
+            f"multiple of P micro-batches per step"
+        )
+    else:
+        need = "ZeRO 0 or 1 (DeepSpeed's pipeline engine)"
+    return f"{asked} runs on no configuration of --num-gpus {res.num_gpus} here: it needs {need}; change it or drop it"
+
+
+def no_fit_message(
+    res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool, also: tuple[str, ...] = ()
+) -> str:
+    """Why nothing fits; `also` names what was tried beside the flags' own choices (recomputation, ZeRO-2/3,
+    offload: what the flags leave open)."""
     usable = format_bytes(res.usable_bytes)
     fix = "add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism"
-    tried = "recomputation, ZeRO-2/3 at pipeline size 1 and optimizer/parameter offload were tried too"
+    if len(also) > 1:
+        tried = f"{', '.join(also[:-1])} and {also[-1]} were tried too"
+    else:
+        tried = f"{also[0]} was tried too" if also else "the flags leave nothing else to try"
     if not batch_ok:
         return batch_message(res)
     if closest is not None and closest.peak.total <= res.usable_bytes:  # the host memory ruled it out

@@ -15,12 +15,21 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass, field
 
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.zero_time import INTERCONNECT, LINKS, Links, step_overheads
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.ranking import Search, Tried, alternatives, config_key, no_fit_message, rank_key
-from megatron_ds.plan.search import Candidate, degree_pairs
+from megatron_ds.plan.ranking import (
+    Search,
+    Tried,
+    alternatives,
+    config_key,
+    no_fit_message,
+    rank_key,
+    schedule_message,
+)
+from megatron_ds.plan.search import Candidate, degree_pairs, recompute_modes
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,8 @@ def allowed(res: Resolved, option: ZeroOption) -> bool:
         return False
     if not option.any_pipeline and (raw.pipeline_model_parallel_size or 1) > 1:
         return False
+    if not option.any_pipeline and res.schedule[0] not in (None, DEFAULT_PIPELINE_SCHEDULE):
+        return False  # the plain engine runs no pipeline schedule
     return "nvme" not in option.fields or raw.storage == "nvme"
 
 
@@ -197,7 +208,22 @@ def _choose_all(res: Resolved, precision: str) -> Choice:
     chosen = choose_offload(search)
     if chosen is not None:
         return Choice([t.candidate for t in chosen.timed], search.tried)
-    raise PlanError(no_fit_message(res, search.closest, search.bounds, search.batch_ok))
+    if search.batch_ok and not search.schedule_ok:
+        raise PlanError(schedule_message(res))
+    raise PlanError(no_fit_message(res, search.closest, search.bounds, search.batch_ok, also_tried(res)))
+
+
+def also_tried(res: Resolved) -> tuple[str, ...]:
+    """What the search tried beyond the configurations the flags name outright, as the no-fit message says."""
+    return tuple(
+        text
+        for text, tried in (
+            ("recomputation", "full" in recompute_modes(res.raw)),
+            ("ZeRO-2/3 at pipeline size 1", bool(plain_options(res))),
+            ("optimizer/parameter offload", any(allowed(res, o) for o in OFFLOAD)),
+        )
+        if tried
+    )
 
 
 def choose(res: Resolved, precision: str) -> Candidate:

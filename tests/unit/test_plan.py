@@ -282,6 +282,17 @@ def test_write_config_matches_the_generated_json(tmp_path, capsys) -> None:
             ["pipeline", *A100_1_3B, "--checkpoint-activations", "--recompute-activations"],
             "were both asked for; keep one",
         ),
+        (
+            ["pipeline", *A100_1_3B, "--pp-schedule", "zbh1", "--num-virtual-stages-per-pipeline-rank", "2"],
+            "2 virtual stages per rank run only on the interleaved schedule, not --pp-schedule zbh1",
+        ),
+        (["pipeline", *A100_1_3B, "--pp-schedule", "interleaved", "--pipeline-model-parallel-size", "1"], "needs"),
+        (["pipeline", *A100_1_3B, "--enable-zbh1-pipeline", "--zero-stage", "3"], "runs ZeRO 0 and 1 only"),
+        (
+            ["pipeline", *A100_1_3B, "--num-virtual-stages-per-pipeline-rank", "5"],
+            "--num-virtual-stages-per-pipeline-rank 5 runs on no configuration of --num-gpus 8 here: it needs P >= 2 "
+            "pipeline ranks, ZeRO 0 or 1, the 24 layers split into 5 x P chunks",
+        ),
         (["pipeline", "--num-gpus", "8"], "Which model?"),
         (["zero", "--model", "1.3b"], "How many GPUs in total? (--num-gpus)"),
         (

@@ -134,3 +134,55 @@ def test_misses_are_priced_under_the_own_schedule_and_retimed_under_the_chosen_o
     again = ranking.retimed(tight, tried, ("zbh1", 1))
     assert all(t.candidate.time is not None for t in again if t.schedule == ("zbh1", 1) and t.candidate is not None)
     assert [t for t in again if t.schedule != ("zbh1", 1)] == [t for t in tried if t.schedule != ("zbh1", 1)]
+
+
+def _planned(argv: list[str], capsys) -> dict:
+    base = ["pipeline", "--model", "1.3b", "--num-gpus", "32", "--gpu", "A100-40GB", "--global-batch-size", "64"]
+    assert main([*base, *argv, "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    return next(s for s in report["sections"] if s["name"] == "pipeline")
+
+
+def test_a_schedule_the_flags_fix_is_the_one_planned_and_priced(capsys) -> None:
+    """pretrain_gpt.py's --pp-schedule, --enable-zbh1-pipeline and --num-virtual-stages-per-pipeline-rank fix
+    what the search otherwise chooses (here ZB-H1 at P = 4, the previous test): the plan prices the user's
+    own schedule, and its refinement lists no other."""
+    free = _planned(["--pipeline-model-parallel-size", "4"], capsys)["data"]
+    assert free["pipeline_schedule"] == "zbh1"
+    for flags, want in (
+        (["--pp-schedule", "1f1b"], ("1f1b", 1)),
+        (["--enable-zbh1-pipeline"], ("zbh1", 1)),
+        (["--num-virtual-stages-per-pipeline-rank", "3"], ("interleaved", 3)),
+        (["--pp-schedule", "interleaved"], None),  # v chosen among 2, 3, 4
+    ):
+        section = _planned(["--pipeline-model-parallel-size", "4", *flags], capsys)
+        data = section["data"]
+        got = (data["pipeline_schedule"], data["virtual_stages"])
+        assert got == want if want else got[0] == "interleaved" and got[1] in (2, 3, 4), (flags, got)
+        assert data["step_seconds"] >= free["step_seconds"] - 1e-9  # the free search's choice is the fastest
+        listed = [line for line in section["text"] if "x the choice)" in line]  # the schedules the report compares
+        label = ranking.pipeline_schedules.find(got[0], got[1] if got[0] == "interleaved" else None).display
+        # one schedule when the flags fix its v; with interleaving alone, its v = 2 and 3 (24 layers: no 4 x 4 chunks)
+        assert len(listed) == (1 if want else 2) and all(line.strip().startswith(label[:11]) for line in listed), listed
+        res = resolve(PlanInputs(**JOB, pipeline_model_parallel_size=4))
+        t, mb = data["tensor_parallel"], data["micro_batch_size"]
+        recompute, selective = data["checkpoint_activations"], data["selective_recompute"]
+        priced = search.evaluate(
+            res, t, 4, mb, 1, "bf16", recompute, data["layout_method"], schedule=got[0], virtual_stages=got[1],
+            selective=selective,
+        )  # fmt: skip
+        assert data["step_seconds"] == priced.seconds
+
+
+def test_fixed_schedules_only_where_the_engine_runs_them() -> None:
+    fixed = resolve(PlanInputs(**JOB, pp_schedule="interleaved", num_virtual_stages_per_pipeline_rank=3))
+    assert fixed.schedule == ("interleaved", 3)
+    assert ranking.schedules_for(fixed, 1, 4, 1, 1) == [("interleaved", 3)]  # 24 layers = 3 x 4 x 2
+    assert ranking.schedules_for(fixed, 1, 16, 1, 1) == []  # 24 layers are not 3 x 16 chunks
+    assert ranking.schedules_for(fixed, 1, 1, 1, 1) == [] and ranking.schedules_for(fixed, 1, 4, 1, 2) == []
+    zbh1 = resolve(PlanInputs(**JOB, enable_zbh1_pipeline=True))
+    assert zbh1.schedule == ("zbh1", 1) and ranking.schedules_for(zbh1, 1, 1, 1, 1) == [("zbh1", 1)]
+    assert ranking.schedules_for(zbh1, 1, 1, 1, 2) == []  # ZeRO-2 runs on the plain engine: no schedule
+    one = resolve(PlanInputs(**JOB, num_virtual_stages_per_pipeline_rank=1))
+    assert one.schedule == (None, 1) and ranking.schedules_for(one, 1, 4, 1, 1) == [("1f1b", 1), ("zbh1", 1)]
+    assert resolve(PlanInputs(**JOB)).schedule == (None, None)
