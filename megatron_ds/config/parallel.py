@@ -20,6 +20,14 @@ INTERLEAVED = PIPELINE_SCHEDULES[2]
 """The schedule that runs several model chunks (virtual stages) per rank."""
 
 
+def pipeline_engine_only(schedule: str) -> str:
+    """Why a pipeline schedule other than 1F1B cannot run with ZeRO-2/3 (the Config check's and the planner's words)."""
+    return (
+        f"--pp-schedule {schedule} runs on DeepSpeed's pipeline engine, which runs ZeRO 0 and 1 only; "
+        f"use --zero-stage 1, or the {DEFAULT_PIPELINE_SCHEDULE} schedule"
+    )
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over processes.

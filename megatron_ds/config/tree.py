@@ -10,7 +10,7 @@ from megatron_ds.config.checks import check
 from megatron_ds.config.data import DataConfig
 from megatron_ds.config.model import ModelConfig, RegularizationConfig
 from megatron_ds.config.output import CheckpointConfig, LoggingConfig
-from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, ParallelConfig
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, ParallelConfig, pipeline_engine_only
 from megatron_ds.config.training import OptimizerConfig, TrainingConfig
 
 
@@ -120,8 +120,7 @@ class Config:
         schedule = self.parallel.pipeline_schedule
         check(
             z < 2 or schedule == DEFAULT_PIPELINE_SCHEDULE,
-            f"--pp-schedule {schedule} runs on DeepSpeed's pipeline engine, which runs ZeRO 0 and 1 only; "
-            f"use --zero-stage 1, or the 1f1b schedule",
+            pipeline_engine_only(schedule),
         )
         if schedule == INTERLEAVED:
             per_micro = self.training.micro_batch_size * self.parallel.data_parallel_size

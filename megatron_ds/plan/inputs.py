@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ds.config import DEDICATED_CHOICES, ModelConfig
-from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, ParallelConfig
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, ParallelConfig, pipeline_engine_only
 from megatron_ds.config.training import BOTH_RECOMPUTATIONS
 from megatron_ds.errors import ConfigError
 from megatron_ds.files import read_json
@@ -261,10 +261,7 @@ def fixed_schedule(raw: PlanInputs) -> tuple[str | None, int | None]:
     except ConfigError as e:
         raise PlanError(str(e)) from None
     if name not in (None, DEFAULT_PIPELINE_SCHEDULE) and raw.zero_stage in (2, 3):
-        raise PlanError(
-            f"--pp-schedule {name} runs on DeepSpeed's pipeline engine, which runs ZeRO 0 and 1 only; use "
-            f"--zero-stage 1, or the {DEFAULT_PIPELINE_SCHEDULE} schedule"
-        )
+        raise PlanError(pipeline_engine_only(name))
     return name, (v if name == INTERLEAVED else 1) if name else v
 
 

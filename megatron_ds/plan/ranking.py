@@ -306,14 +306,15 @@ class Search:
             sizes = micro_batches(res, dp)
             self.batch_ok = self.batch_ok or bool(sizes)
             zero = zero_for(res, dp, offload, zero_opt)
-            self.schedule_ok = self.schedule_ok or any(schedules_for(res, t, p, mb, zero) for mb in sizes)
+            runs = {mb: schedules_for(res, t, p, mb, zero) for mb in sizes}
+            self.schedule_ok = self.schedule_ok or any(runs.values())
             states = states_lower_bound(res, t, p, zero, self.precision, offload, offload_param)
             if states > res.usable_bytes:
                 self.bounds.append((states, t, p))
                 continue
             for recompute in self.recomputes:
                 for mb in sizes:
-                    for schedule in schedules_for(res, t, p, mb, zero):
+                    for schedule in runs[mb]:
                         bound = time_bound(
                             res, t, p, mb, zero, self.precision, recompute, schedule[0], self.methods[0], schedule[1]
                         )
