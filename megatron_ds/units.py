@@ -8,8 +8,8 @@ MIB = 1024**2
 GIB = 1024**3
 
 
-def format_bytes(num_bytes: float) -> str:
-    """Binary units, three significant figures: `512 B`, `1.50 KiB`, `12.3 GiB`, `456 MiB`;
+def format_bytes(num_bytes: float, digits: int = 3) -> str:
+    """Binary units: `512 B`, `1.50 KiB`, `12.30 GiB`, `456 MiB`, `digits - 3` more decimals when asked;
     infinity (no limit) is `unlimited`."""
     if math.isinf(num_bytes):
         return "unlimited"
@@ -20,4 +20,17 @@ def format_bytes(num_bytes: float) -> str:
         value /= 1024
     if unit == "B":
         return f"{value:.0f} B"
-    return f"{value:.3g} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
+    extra = digits - 3  # decimals beyond the default's
+    if abs(value) >= 100:
+        return f"{value:.{extra}f} {unit}" if extra > 0 else f"{value:.3g} {unit}"
+    return f"{value:.{2 + extra}f} {unit}"
+
+
+def format_apart(a: float, b: float) -> tuple[str, str]:
+    """`format_bytes` of two different sizes with enough figures that they read differently (a need just over
+    a limit: `127.4 GiB`, `127.0 GiB`, not `127 GiB` twice)."""
+    for digits in range(3, 7):
+        pair = format_bytes(a, digits), format_bytes(b, digits)
+        if pair[0] != pair[1] or a == b:
+            return pair
+    return pair

@@ -16,7 +16,7 @@ from megatron_ds.plan import search
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.report import Section
-from megatron_ds.units import format_bytes
+from megatron_ds.units import format_apart, format_bytes
 
 END_HEAVY = 1.15  # first/last stage this much above the middle ones counts as the seed's pattern
 
@@ -164,9 +164,8 @@ def _diagnose(ctx: Context, sec: Section, stages: list[StageMemory], schedule_la
         f"micro-batch(es) in flight under {schedule_label}."
     )
     if ctx.res.usable_bytes and st.total > ctx.res.usable_bytes:
-        sec.check(
-            False, f"stage {peak} predicted {format_bytes(st.total)} exceeds {format_bytes(ctx.res.usable_bytes)}"
-        )
+        need, usable = format_apart(st.total, ctx.res.usable_bytes)
+        sec.check(False, f"stage {peak} predicted {need} exceeds {usable}")
 
 
 def _changes(ctx: Context, now: search.Candidate) -> list[Change]:

@@ -36,7 +36,7 @@ from megatron_ds.plan.search import (
     sequence_parallel_at,
     states_lower_bound,
 )
-from megatron_ds.units import format_bytes
+from megatron_ds.units import format_apart, format_bytes
 
 
 def best_layout(
@@ -144,6 +144,42 @@ def schedules_for(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tup
     """The schedules the search prices a configuration under: `_runnable`'s with v = 2, those past
     REPLAY_LIMIT but 1F1B left out."""
     return [s for s in _runnable(res, t, p, mb, zero, (2,)) if _replayable(res, t, p, mb, s)]
+
+
+@dataclass(frozen=True, order=True)
+class Unreplayed:
+    """A configuration the fixed schedule runs on but the search does not price: its replay is too long."""
+
+    steps: int
+    """Micro-batches x stages x chunks per rank, over REPLAY_LIMIT."""
+    tp: int
+    pp: int
+    micro_batch_size: int
+
+
+def unreplayed(res: Resolved, t: int, p: int, sizes: list[int], zero: int) -> list[Unreplayed]:
+    """The (t, p, micro-batch) of `sizes` whose runnable schedules the search leaves out for their size."""
+    return [
+        Unreplayed(_num_micro_batches(res, t, p, mb) * p * v, t, p, mb)
+        for mb in sizes
+        for s in _runnable(res, t, p, mb, zero, (2,))
+        if not _replayable(res, t, p, mb, s)
+        for v in (s[1],)
+    ]
+
+
+def replay_note(skipped: list[Unreplayed]) -> str:
+    """What the search left unpriced for its size (empty when nothing)."""
+    if not skipped:
+        return ""
+    first = min(skipped)
+    count = len(set(skipped))
+    which = "one configuration" if count == 1 else f"{count} configurations"
+    return (
+        f"{which} that {'runs' if count == 1 else 'run'} it {'was' if count == 1 else 'were'} not priced, {'its' if count == 1 else 'each'} replay too long (micro-batches "
+        f"x P x v over the planner's limit of {REPLAY_LIMIT:,}; the shortest: t={first.tp}, p={first.pp}, "
+        f"micro-batch {first.micro_batch_size}, {first.steps:,})"
+    )
 
 
 def schedule_options(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
@@ -288,6 +324,8 @@ class Search:
         self.batch_ok = False
         self.schedule_ok = False
         """Some configuration runs the schedule the flags fix (always, when they fix none)."""
+        self.unreplayed: list[Unreplayed] = []
+        """Configurations that run the schedule the flags fix but are too long to replay (not priced)."""
         self.ranked: list[Candidate] = []
         self.tried: dict[tuple, list[Tried]] = {}
         """Per refined configuration (`config_key`): its `alternatives`."""
@@ -308,6 +346,8 @@ class Search:
             zero = zero_for(res, dp, offload, zero_opt)
             runs = {mb: schedules_for(res, t, p, mb, zero) for mb in sizes}
             self.schedule_ok = self.schedule_ok or any(runs.values())
+            if res.schedule[0] is not None:
+                self.unreplayed += unreplayed(res, t, p, sizes, zero)
             states = states_lower_bound(res, t, p, zero, self.precision, offload, offload_param)
             if states > res.usable_bytes:
                 self.bounds.append((states, t, p))
@@ -401,8 +441,8 @@ def batch_message(res: Resolved) -> str:
     )
 
 
-def schedule_message(res: Resolved) -> str:
-    """Why no configuration runs the schedule the flags fix."""
+def schedule_message(res: Resolved, skipped: list[Unreplayed] = ()) -> str:
+    """Why no configuration runs the schedule the flags fix (or none short enough to replay: `skipped`)."""
     name, v = res.schedule
     raw = res.raw
     asked = " with ".join(
@@ -422,20 +462,32 @@ def schedule_message(res: Resolved) -> str:
         )
     else:
         need = "ZeRO 0 or 1 (DeepSpeed's pipeline engine)"
+    if skipped:
+        return (
+            f"{asked} cannot be priced on --num-gpus {res.num_gpus}: {replay_note(list(skipped))}; ask for a larger "
+            f"--micro-batch-size, fewer pipeline or virtual stages, or drop it"
+        )
     return f"{asked} runs on no configuration of --num-gpus {res.num_gpus} here: it needs {need}; change it or drop it"
 
 
 def no_fit_message(
-    res: Resolved, closest: Candidate | None, bounds: list, batch_ok: bool, also: tuple[str, ...] = ()
+    res: Resolved,
+    closest: Candidate | None,
+    bounds: list,
+    batch_ok: bool,
+    also: tuple[str, ...] = (),
+    skipped: list[Unreplayed] = (),
 ) -> str:
     """Why nothing fits; `also` names what was tried beside the flags' own choices (recomputation, ZeRO-2/3,
-    offload: what the flags leave open)."""
+    offload: what the flags leave open); `skipped`, what the fixed schedule's replay limit left unpriced."""
     usable = format_bytes(res.usable_bytes)
     fix = "add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism"
     if len(also) > 1:
         tried = f"{', '.join(also[:-1])} and {also[-1]} were tried too"
     else:
         tried = f"{also[0]} was tried too" if also else "the flags leave nothing else to try"
+    if skipped:
+        tried += f"; {replay_note(list(skipped))}"
     if not batch_ok:
         return batch_message(res)
     if closest is not None and closest.peak.total <= res.usable_bytes:  # the host memory ruled it out
@@ -447,14 +499,16 @@ def no_fit_message(
             f"to offload to NVMe"
         )
     if closest is not None:
+        need, usable = format_apart(closest.peak.total, res.usable_bytes)
         return (
             f"the model does not fit: the closest configuration (t={closest.tp}, p={closest.pp}, micro-batch "
             f"{closest.micro_batch_size}, recompute {closest.recompute}, optimizer offload "
-            f"{closest.offload_optimizer}) needs {format_bytes(closest.peak.total)} on stage {closest.peak.stage} "
+            f"{closest.offload_optimizer}) needs {need} on stage {closest.peak.stage} "
             f"but {usable} is usable ({tried}); {fix}"
         )
     bound, t, p = min(bounds)
+    average, usable = format_apart(bound, res.usable_bytes)
     return (
         f"the model does not fit: even with t={t}, p={p} the model states alone average "
-        f"{format_bytes(bound)} per GPU, over the {usable} usable ({tried}); {fix}"
+        f"{average} per GPU, over the {usable} usable ({tried}); {fix}"
     )

@@ -209,8 +209,10 @@ def _choose_all(res: Resolved, precision: str) -> Choice:
     if chosen is not None:
         return Choice([t.candidate for t in chosen.timed], search.tried)
     if search.batch_ok and not search.schedule_ok:
-        raise PlanError(schedule_message(res))
-    raise PlanError(no_fit_message(res, search.closest, search.bounds, search.batch_ok, also_tried(res)))
+        raise PlanError(schedule_message(res, search.unreplayed))
+    raise PlanError(
+        no_fit_message(res, search.closest, search.bounds, search.batch_ok, also_tried(res), search.unreplayed)
+    )
 
 
 def also_tried(res: Resolved) -> tuple[str, ...]:

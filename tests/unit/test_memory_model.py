@@ -19,7 +19,7 @@ from megatron_ds.estimate.transients import in_flight
 from megatron_ds.model import naming, shapes
 from megatron_ds.pipeline.layout import SpecGroups, build_layout
 from megatron_ds.testing.models import GPT_1_3B
-from megatron_ds.units import format_bytes
+from megatron_ds.units import format_apart, format_bytes
 
 
 def tiny(**kw) -> ModelConfig:
@@ -300,6 +300,15 @@ def test_format_bytes() -> None:
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(80 * 1024**3) == "80.00 GiB"
     assert format_bytes(150 * 1024**3) == "150 GiB"
+
+
+def test_format_apart_adds_figures_until_two_sizes_read_differently() -> None:
+    gib = 1024**3
+    assert format_apart(127.3 * gib, 126.9 * gib) == ("127.3 GiB", "126.9 GiB")  # not "127 GiB" twice
+    assert format_apart(80.004 * gib, 80.0 * gib) == ("80.004 GiB", "80.000 GiB")
+    assert format_apart(75.06 * gib, 72 * gib) == ("75.06 GiB", "72.00 GiB")  # the default when they differ
+    assert format_apart(gib, gib) == ("1.00 GiB", "1.00 GiB")
+    assert format_bytes(150.25 * gib, digits=5) == "150.25 GiB" and format_bytes(1.5 * gib, digits=4) == "1.500 GiB"
 
 
 def test_spec_names_follow_naming() -> None:

@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.plan import ds_json, ranking, search
 from megatron_ds.plan.__main__ import main
+from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import PlanInputs, resolve
 from megatron_ds.plan.zero_options import choose_all
 
@@ -186,3 +189,28 @@ def test_fixed_schedules_only_where_the_engine_runs_them() -> None:
     one = resolve(PlanInputs(**JOB, num_virtual_stages_per_pipeline_rank=1))
     assert one.schedule == (None, 1) and ranking.schedules_for(one, 1, 4, 1, 1) == [("1f1b", 1), ("zbh1", 1)]
     assert resolve(PlanInputs(**JOB)).schedule == (None, None)
+
+
+def test_a_fixed_schedule_too_long_to_replay_is_named_as_such() -> None:
+    """A fixed schedule that runs only where its replay passes REPLAY_LIMIT is refused for that reason (not
+    as one no configuration runs), naming the shortest; a no-fit message names what was left unpriced."""
+    big = {**JOB, "global_batch_size": 131072}
+    fixed = dict(pp_schedule="interleaved", num_virtual_stages_per_pipeline_rank=2, micro_batch_size=1)
+    res = resolve(PlanInputs(**big, **fixed, pipeline_model_parallel_size=4, tensor_model_parallel_size=1))
+    # t = 1, p = 4: 8 data-parallel ranks, M = 16384 micro-batches, 16384 x 4 x 2 replay steps
+    assert ranking.unreplayed(res, 1, 4, [1], 1) == [ranking.Unreplayed(131072, 1, 4, 1)]
+    with pytest.raises(PlanError) as e:
+        choose_all(res, "bf16")
+    message = str(e.value)
+    assert message.startswith("--pp-schedule interleaved with --num-virtual-stages-per-pipeline-rank 2 cannot be")
+    assert "replay too long" in message and "t=1, p=4, micro-batch 1, 131,072)" in message
+    assert "runs on no configuration" not in message
+    free = resolve(PlanInputs(**big, pipeline_model_parallel_size=4, tensor_model_parallel_size=1, micro_batch_size=1))
+    assert ranking.unreplayed(free, 1, 4, [1], 1) == [
+        ranking.Unreplayed(65536, 1, 4, 1), ranking.Unreplayed(131072, 1, 4, 1),
+    ]  # fmt: skip
+    skipped = [ranking.Unreplayed(131072, 1, 4, 1), ranking.Unreplayed(65536, 2, 4, 1)]
+    no_fit = ranking.no_fit_message(res, None, [(1e12, 1, 4)], True, (), skipped)
+    assert "2 configurations that run it were not priced, each replay too long" in no_fit
+    assert "the shortest: t=2, p=4, micro-batch 1, 65,536)" in no_fit
+    assert "not priced" not in ranking.no_fit_message(res, None, [(1e12, 1, 4)], True, ())
