@@ -45,6 +45,13 @@ class Remedy:
     """True: the stage split stays as it is (moving states off the GPU moves no layer)."""
     single_stage: bool = False
     """True: it runs at pipeline size 1 only (DeepSpeed's plain engine)."""
+    replaces: Callable[[MemoryInputs], str | None] = lambda before: None
+    """A flag of the configuration before the change that must go (pretrain_gpt.py refuses both), or None."""
+
+    def ask(self, before: MemoryInputs, after: MemoryInputs) -> str:
+        """The flags that turn `before` into `after`."""
+        dropped = self.replaces(before)
+        return f"{self.flags(after)} in place of {dropped}" if dropped else self.flags(after)
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,7 @@ RECOMPUTE = Remedy(
         else dataclasses.replace(i, checkpoint_activations=True, selective_recompute=False)
     ),
     lambda i: "--checkpoint-activations",
+    replaces=lambda before: "--recompute-activations" if before.selective_recompute else None,
 )
 HALVE_MICRO_BATCH = Remedy(
     "halve the micro-batch",
@@ -287,7 +295,7 @@ def fit_advice(inputs: MemoryInputs, num_stages: int, limit: float) -> str:
         if changed is not None:
             need = least_memory(changed, num_stages)
             if need <= limit:
-                found.append(f"{remedy.flags(changed)} ({format_bytes(need)}{where})")
+                found.append(f"{remedy.ask(inputs, changed)} ({format_bytes(need)}{where})")
     if found:
         return "it would fit with " + ", or ".join(found)
     return (
@@ -335,5 +343,7 @@ def ranked_changes(
         else:
             rebuilt = _rebuilt_peak(changed, method, layout_for)
             saving = 0.0 if rebuilt is None else base - rebuilt[0]
-        found.append(Change(remedy.name, remedy.flags(changed), saving, remedy.cost, remedy.cost_rank, base - saving))
+        found.append(
+            Change(remedy.name, remedy.ask(inputs, changed), saving, remedy.cost, remedy.cost_rank, base - saving)
+        )
     return sorted(found, key=lambda c: (c.cost_rank, -c.saving))

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from megatron_ds.config import ModelConfig
+from megatron_ds.errors import ConfigError
 from megatron_ds.estimate import fit_advice
 from megatron_ds.estimate.fit_advice import (
     HALVE_MICRO_BATCH,
@@ -215,3 +216,23 @@ def test_the_one_line_advice_names_zero_2_3_and_offload_at_pipeline_size_1_only(
     at_two = fit_advice.fit_advice(INPUTS, 2, least_memory(fit_advice.OFFLOAD_OPTIMIZER.change(INPUTS), 2))
     assert "--cpu-optimizer --zero-stage 1 (" in at_two
     assert "--zero-stage 2" not in at_two and "--zero-stage 3" not in at_two and "--offload-param" not in at_two
+
+
+def test_full_recomputation_from_selective_says_to_drop_the_selective_flag() -> None:
+    """pretrain_gpt.py refuses --checkpoint-activations beside --recompute-activations, so the change from a
+    selective run names the flag it replaces, and swapping them gives exactly the changed configuration."""
+    argv = [*ZERO_ARGV, "--recompute-activations"]
+    before = _run_inputs(argv)
+    assert before.selective_recompute
+    changed = RECOMPUTE.change(before)
+    assert RECOMPUTE.ask(before, changed) == "--checkpoint-activations in place of --recompute-activations"
+    swapped = [a for a in argv if a != "--recompute-activations"] + ["--checkpoint-activations"]
+    assert _run_inputs(swapped) == changed
+    with pytest.raises(ConfigError):
+        _run_inputs([*argv, "--checkpoint-activations"])
+    assert RECOMPUTE.ask(INPUTS, RECOMPUTE.change(INPUTS)) == "--checkpoint-activations"
+    layout = default_layout(before, "none")
+    listed = next(c for c in ranked_changes(before, layout, "none", default_layout) if c.name == RECOMPUTE.name)
+    assert listed.flags == "--checkpoint-activations in place of --recompute-activations"
+    advice = fit_advice.fit_advice(before, 2, least_memory(changed, 2))
+    assert "--checkpoint-activations in place of --recompute-activations (" in advice
