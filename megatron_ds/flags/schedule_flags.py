@@ -33,23 +33,29 @@ ZERO_BUBBLE = next(s.name for s in pipeline_schedules.REGISTRY.values() if s.spl
 
 def pipeline_schedule(args: argparse.Namespace) -> tuple[str, int]:
     """(schedule name, virtual stages per rank) the flags ask for."""
-    virtual = virtual_stages(args)
-    given = args.pp_schedule
     if args.enable_zbh1_exact_semantics and not args.enable_zbh1_pipeline:
         raise ConfigError(f"{EXACT} needs {ZBH1} (as in Megatron-DeepSpeed); add it or drop {EXACT}")
-    if args.enable_zbh1_pipeline:
+    name, virtual = named_schedule(args.pp_schedule, args.enable_zbh1_pipeline, virtual_stages(args))
+    if args.enable_zbh1_pipeline and not args.enable_zbh1_exact_semantics:
+        notice(
+            f"{ZBH1} runs ZB-H1 with exact semantics here (as with {EXACT}): every backward after stage 0's "
+            f"is split, and each weight gets 1F1B's gradients summed in 1F1B's order; Megatron-DeepSpeed's "
+            f"default variant splits fewer backwards and sums some weight gradients in another order"
+        )
+    return name or DEFAULT_PIPELINE_SCHEDULE, virtual
+
+
+def named_schedule(given: str | None, zbh1: bool, virtual: int) -> tuple[str | None, int]:
+    """(schedule, virtual stages) that `--pp-schedule` (`given`), `--enable-zbh1-pipeline` and V virtual stages
+    per rank name together; the schedule None when they name none. Refuses the combinations no schedule runs
+    (the planner's `--pp-schedule` flags go through here too)."""
+    if zbh1:
         if given not in (None, ZERO_BUBBLE):
             raise ConfigError(f"{ZBH1} and --pp-schedule {given} were both given; keep one")
         if virtual > 1:
             raise ConfigError(
                 f"{ZBH1} with {virtual} virtual stages per rank: ZB-H1 runs one stage per rank here (interleaved "
                 f"zero-bubble schedules are not implemented); drop {ZBH1} or the virtual stages"
-            )
-        if not args.enable_zbh1_exact_semantics:
-            notice(
-                f"{ZBH1} runs ZB-H1 with exact semantics here (as with {EXACT}): every backward after stage 0's "
-                f"is split, and each weight gets 1F1B's gradients summed in 1F1B's order; Megatron-DeepSpeed's "
-                f"default variant splits fewer backwards and sums some weight gradients in another order"
             )
         return ZERO_BUBBLE, 1
     if virtual > 1:
@@ -59,7 +65,7 @@ def pipeline_schedule(args: argparse.Namespace) -> tuple[str, int]:
                 f"use --pp-schedule {INTERLEAVED} or one stage per rank"
             )
         return INTERLEAVED, virtual
-    return given or DEFAULT_PIPELINE_SCHEDULE, 1
+    return given, virtual
 
 
 def virtual_stages(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, 
 from megatron_ds.config.training import BOTH_RECOMPUTATIONS
 from megatron_ds.errors import ConfigError
 from megatron_ds.files import read_json
-from megatron_ds.flags.schedule_flags import ZERO_BUBBLE
+from megatron_ds.flags.schedule_flags import named_schedule
 from megatron_ds.pipeline.methods import planned_methods
 from megatron_ds.plan import hardware
 from megatron_ds.plan.hardware import PlanError
@@ -242,13 +242,11 @@ def fixed_schedule(raw: PlanInputs) -> tuple[str | None, int | None]:
     """(schedule, chunks per rank) that `--pp-schedule`, `--enable-zbh1-pipeline` and
     `--num-virtual-stages-per-pipeline-rank` fix, each None where the planner chooses; refused as
     pretrain_gpt.py refuses them (`config.parallel.ParallelConfig`'s checks)."""
-    name, v = raw.pp_schedule, raw.num_virtual_stages_per_pipeline_rank
-    if raw.enable_zbh1_pipeline:
-        if name not in (None, ZERO_BUBBLE):
-            raise PlanError(f"--enable-zbh1-pipeline and --pp-schedule {name} were both given; keep one")
-        name = ZERO_BUBBLE
-    if v is not None and v > 1 and name is None:
-        name = INTERLEAVED  # virtual stages select it, as in pretrain_gpt.py
+    v = raw.num_virtual_stages_per_pipeline_rank
+    try:  # pretrain_gpt.py's own rules for the three flags together
+        name, _ = named_schedule(raw.pp_schedule, raw.enable_zbh1_pipeline, v or 1)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
     if name is None and v is None:
         return None, None
     pp = raw.pipeline_model_parallel_size

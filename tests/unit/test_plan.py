@@ -286,6 +286,10 @@ def test_write_config_matches_the_generated_json(tmp_path, capsys) -> None:
             ["pipeline", *A100_1_3B, "--pp-schedule", "zbh1", "--num-virtual-stages-per-pipeline-rank", "2"],
             "2 virtual stages per rank run only on the interleaved schedule, not --pp-schedule zbh1",
         ),
+        (
+            ["pipeline", *A100_1_3B, "--enable-zbh1-pipeline", "--num-virtual-stages-per-pipeline-rank", "2"],
+            "--enable-zbh1-pipeline with 2 virtual stages per rank: ZB-H1 runs one stage per rank here",
+        ),  # pretrain_gpt.py's words (flags/schedule_flags.named_schedule), not a --pp-schedule the line lacks
         (["pipeline", *A100_1_3B, "--pp-schedule", "interleaved", "--pipeline-model-parallel-size", "1"], "needs"),
         (["pipeline", *A100_1_3B, "--enable-zbh1-pipeline", "--zero-stage", "3"], "runs ZeRO 0 and 1 only"),
         (
