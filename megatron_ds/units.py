@@ -22,7 +22,7 @@ def format_bytes(num_bytes: float, digits: int = 3) -> str:
         return f"{value:.0f} B"
     extra = digits - 3  # decimals beyond the default's
     if abs(value) >= 100:
-        return f"{value:.{extra}f} {unit}" if extra > 0 else f"{value:.3g} {unit}"
+        return f"{value:.{max(0, extra)}f} {unit}"  # not .3g: 1000-1023 would read 1e+03
     return f"{value:.{2 + extra}f} {unit}"
 
 
@@ -34,3 +34,12 @@ def format_apart(a: float, b: float) -> tuple[str, str]:
         if pair[0] != pair[1] or a == b:
             return pair
     return pair
+
+
+def format_seconds(seconds: float) -> str:
+    """Three significant figures without exponents: `0.0104 s`, `6.07 s`, `1,870 s`, `18.6 us`."""
+    if seconds >= 1000:
+        return f"{seconds:,.0f} s"
+    if 0 < seconds < 1e-4:
+        return f"{seconds * 1e6:.3g} us"
+    return f"{seconds:.3g} s"

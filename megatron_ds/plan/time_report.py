@@ -7,7 +7,7 @@ from megatron_ds.estimate.step_time import StepTime
 from megatron_ds.plan import timing
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import Candidate
-from megatron_ds.units import format_bytes
+from megatron_ds.units import format_bytes, format_seconds
 
 PART_NAMES = {
     "matmul": "matmuls",
@@ -48,11 +48,11 @@ def step_lines(res: Resolved, plan: Candidate) -> list[str]:
     hw = timing.hardware(res.gpu_name, plan.precision, res.gpus_per_node or 1, res.raw.kernel_profile)
     how = "the schedule replayed" if t.simulated else "1F1B's closed form (M x P too large to replay quickly)"
     lines = [
-        f"Predicted step: {t.seconds:.3g} s ({how}); {t.tflops_per_gpu:.0f} TFLOP/s per GPU in model FLOPs "
+        f"Predicted step: {format_seconds(t.seconds)} ({how}); {t.tflops_per_gpu:.0f} TFLOP/s per GPU in model FLOPs "
         f"(MFU {t.mfu:.1%} of the {t.peak_flops / 1e12:g} TFLOP/s peak), {t.tokens_per_second:,.0f} tokens/s; "
         f"{t.seconds / t.ideal:.3f} x the same compute in equal stages with no bubble.",
         "  where it goes (slowest stage): "
-        + ", ".join(f"{k} {v:.3g} s" for k, v in terms(t, plan.num_micro_batches).items() if v > 0),
+        + ", ".join(f"{k} {format_seconds(v)}" for k, v in terms(t, plan.num_micro_batches).items() if v > 0),
         f"  priced on {hw.source}" + ("" if hw.known else " (seconds only rank configurations here)"),
     ]
     return lines
@@ -84,8 +84,8 @@ def runner_up_lines(plan: Candidate, other: Candidate | None) -> list[str]:
     worse = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in {*mine, *theirs}}
     cause = max(worse, key=lambda k: worse[k])
     return [
-        f"Runner-up: {describe(other)}: {other.seconds:.3g} s, {other.seconds / plan.seconds - 1:+.1%}; it loses "
-        f"most on {cause} (+{worse[cause]:.3g} s)."
+        f"Runner-up: {describe(other)}: {format_seconds(other.seconds)}, {other.seconds / plan.seconds - 1:+.1%}; it loses "
+        f"most on {cause} (+{format_seconds(worse[cause])})."
     ]
 
 

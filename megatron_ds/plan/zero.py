@@ -26,7 +26,7 @@ from megatron_ds.plan.inputs import GIB
 from megatron_ds.plan.ranking import Search
 from megatron_ds.plan.report import Section, guide
 from megatron_ds.training import deepspeed_config
-from megatron_ds.units import format_bytes
+from megatron_ds.units import format_bytes, format_seconds
 
 
 @dataclass(frozen=True)
@@ -231,11 +231,11 @@ def _offload_reason(ctx: Context, sec: Section, label: str, where: str, engine: 
         f"the GPUs, estimate/step_time.py, plus the traffic and CPU work each adds, estimate/zero_time.py):"
     )
     for t in choice.timed if choice else []:
-        terms = "; ".join(f"{k} {v:.3g} s" for k, v in t.overheads.items())
+        terms = "; ".join(f"{k} {format_seconds(v)}" for k, v in t.overheads.items())
         c = t.candidate
         sec.add(
             f"  {t.option.label} (t={c.tp}, p={c.pp}, micro-batch {c.micro_batch_size}, recompute "
-            f"{'off' if c.recompute == 'none' else c.recompute}): {t.seconds:.3g} s = GPU step {t.compute:.3g} s"
+            f"{'off' if c.recompute == 'none' else c.recompute}): {format_seconds(t.seconds)} = GPU step {format_seconds(t.compute)}"
             + (f"; {terms}" if terms else "")
         )
 

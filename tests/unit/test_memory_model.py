@@ -19,7 +19,7 @@ from megatron_ds.estimate.transients import in_flight
 from megatron_ds.model import naming, shapes
 from megatron_ds.pipeline.layout import SpecGroups, build_layout
 from megatron_ds.testing.models import GPT_1_3B
-from megatron_ds.units import format_apart, format_bytes
+from megatron_ds.units import format_apart, format_bytes, format_seconds
 
 
 def tiny(**kw) -> ModelConfig:
@@ -300,6 +300,7 @@ def test_format_bytes() -> None:
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(80 * 1024**3) == "80.00 GiB"
     assert format_bytes(150 * 1024**3) == "150 GiB"
+    assert format_bytes(1000 * 1024**2) == "1000 MiB"  # not 1e+03
 
 
 def test_format_apart_adds_figures_until_two_sizes_read_differently() -> None:
@@ -328,3 +329,9 @@ def test_estimator_prints_are_not_needed() -> None:
         estimate_zero2_model_states_mem_needs_all_cold(total_params=10**9, num_gpus_per_node=8, num_nodes=1)
     cpu, gpu = zero2_estimate(10**9, 8, 1, cpu_offload=False)
     assert f"{gpu / 2**30:6.2f}GB" in buf.getvalue() and f"{cpu / 2**30:7.2f}GB" in buf.getvalue()
+
+
+def test_format_seconds_has_no_exponents() -> None:
+    assert [format_seconds(s) for s in (0.0104, 6.07, 0.0, 1870.4, 18.6e-6)] == [
+        "0.0104 s", "6.07 s", "0 s", "1,870 s", "18.6 us",
+    ]  # fmt: skip

@@ -105,7 +105,7 @@ def test_the_choice_is_refined_over_every_schedule_and_v_and_the_report_lists_th
     fitting = [t.candidate for t in tried if t.candidate is not None and search.fits(res4, t.candidate)]
     assert {t.schedule for t in tried} == {("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("interleaved", 3)}
     assert choice.candidate.seconds == min(c.seconds for c in fitting)
-    priced = [float(line.split("step ")[1].split(" s ")[0]) for line in lines]
+    priced = [float(line.split("step ")[1].split(" s ")[0].replace(",", "")) for line in lines]
     assert priced == sorted(priced) and abs(priced[0] - choice.candidate.seconds) < 1e-3 * priced[0]
 
 
