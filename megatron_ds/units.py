@@ -36,10 +36,13 @@ def format_apart(a: float, b: float) -> tuple[str, str]:
     return pair
 
 
-def format_seconds(seconds: float) -> str:
-    """Three significant figures without exponents: `0.0104 s`, `6.07 s`, `1,870 s`, `18.6 us`."""
-    if seconds >= 1000:
+def format_seconds(seconds: float, digits: int = 3) -> str:
+    """`digits` significant figures, trailing zeros kept so columns compare, no exponents: `0.0104 s`,
+    `6.00 s`, `1,870 s`, `18.6 us`."""
+    if seconds >= 10**digits:
         return f"{seconds:,.0f} s"
     if 0 < seconds < 1e-4:
-        return f"{seconds * 1e6:.3g} us"
-    return f"{seconds:.3g} s"
+        return f"{seconds * 1e6:#.{digits}g}".rstrip(".") + " us"
+    if seconds == 0:
+        return "0 s"
+    return f"{seconds:#.{digits}g}".rstrip(".") + " s"

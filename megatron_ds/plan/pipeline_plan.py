@@ -12,7 +12,7 @@ from megatron_ds.plan import ds_json, ranking, search, time_report
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.report import Section
 from megatron_ds.training import deepspeed_config
-from megatron_ds.units import format_bytes
+from megatron_ds.units import format_bytes, format_seconds
 
 
 def method_description(method: str) -> str:
@@ -102,7 +102,7 @@ def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None
             fit = "" if search.fits(ctx.res, cand) else "  (does not fit)"
             sec.add(
                 f"  {method:<7} {format_bytes(cand.peak.total):>10} on stage {cand.peak.stage:<3} step "
-                f"{cand.seconds:.4g} s  layers {counts}{fit}"
+                f"{format_seconds(cand.seconds, 4)}  layers {counts}{fit}"
             )
 
 
@@ -125,7 +125,7 @@ def _compare_schedules(ctx: Context, sec: Section, plan: search.Candidate) -> No
             search.layout_flag(c.method, c.layout),
         ]
         sec.add(
-            f"  {c.schedule.display:<22} step {c.seconds:.4g} s ({c.seconds / plan.seconds:.3f} x the choice)  "
+            f"  {c.schedule.display:<22} step {format_seconds(c.seconds, 4)} ({c.seconds / plan.seconds:.3f} x the choice)  "
             f"largest stage {format_bytes(c.peak.total)}  {' '.join(f for f in flags if f)}".rstrip()
         )
     skipped = ranking.too_long_to_replay(ctx.res, plan.tp, plan.pp, plan.micro_batch_size, plan.zero_stage)

@@ -335,3 +335,6 @@ def test_format_seconds_has_no_exponents() -> None:
     assert [format_seconds(s) for s in (0.0104, 6.07, 0.0, 1870.4, 18.6e-6)] == [
         "0.0104 s", "6.07 s", "0 s", "1,870 s", "18.6 us",
     ]  # fmt: skip
+    # trailing zeros kept so a column of steps compares figure by figure ("20 s" beside "15.61 s" did not)
+    assert [format_seconds(s, 4) for s in (20.0, 15.612, 249.0, 1234.5)] == ["20.00 s", "15.61 s", "249.0 s", "1234 s"]
+    assert format_seconds(6.0) == "6.00 s" and format_seconds(249.0) == "249 s"
