@@ -46,3 +46,13 @@ def format_seconds(seconds: float, digits: int = 3) -> str:
     if seconds == 0:
         return "0 s"
     return f"{seconds:#.{digits}g}".rstrip(".") + " s"
+
+
+def format_number(value: float, digits: int = 4) -> str:
+    """A table cell: `digits` significant figures, thousands separated, never an exponent (`11,090`,
+    `106.8`, `0.0123`, `<0.0001`)."""
+    if abs(value) >= 10 ** (digits - 1):
+        return f"{value:,.0f}"
+    if value == 0 or abs(value) >= 1e-4:
+        return f"{value:.{digits}g}"
+    return "<0.0001" if value > 0 else "-<0.0001"

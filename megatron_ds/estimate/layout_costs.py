@@ -24,7 +24,7 @@ from megatron_ds.model.shapes import gpt_spec_param_counts
 from megatron_ds.pipeline import methods
 from megatron_ds.pipeline.costs import StageTime, StageTimeFn
 from megatron_ds.pipeline.methods import Costs, PartitionMethod
-from megatron_ds.units import format_bytes
+from megatron_ds.units import format_bytes, format_number
 
 GFLOP = 1e9
 
@@ -145,8 +145,8 @@ def format_time_table(
         layers = st.num_layers if virtual_stages == 1 else ""
         memory = format_bytes(st.total) if i < p else ""  # with virtual stages a rank's memory: on its first chunk
         lines.append(
-            f"{i:>5} {layers:>6} {t.forward:>10.4g} {t.backward:>10.4g} {t.optimizer:>10.4g} "
-            f"{per_step:>10.4g} {memory:>10}"
+            f"{i:>5} {layers:>6} {format_number(t.forward):>10} {format_number(t.backward):>10} "
+            f"{format_number(t.optimizer):>10} {format_number(per_step):>10} {memory:>10}"
         )
     fwd, bwd, opt, wgt = ([getattr(t, a) for t in times] for a in ("forward", "backward", "optimizer", "weight"))
     step = simulate(m, fwd, bwd, opt, schedule=schedule, weight=wgt, virtual_stages=virtual_stages).step_time
@@ -155,7 +155,7 @@ def format_time_table(
     limit = f" of the {format_bytes(memory_limit)} limit" if memory_limit is not None else ""
     label = pipeline_schedules.find(schedule, virtual_stages).display
     lines.append(
-        f"simulated {label} step (M={m}, one device per stage): {step:.4g} {unit} = {step / ideal:.3f} x the ideal "
+        f"simulated {label} step (M={m}, one device per stage): {format_number(step)} {unit} = {step / ideal:.3f} x the ideal "
         f"(the same work in {len(times)} equal stages); largest stage {format_bytes(peak)}{limit}"
     )
     return "\n".join(lines)

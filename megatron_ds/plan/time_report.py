@@ -7,7 +7,7 @@ from megatron_ds.estimate.step_time import StepTime
 from megatron_ds.plan import timing
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import Candidate
-from megatron_ds.units import format_bytes, format_seconds
+from megatron_ds.units import format_bytes, format_number, format_seconds
 
 PART_NAMES = {
     "matmul": "matmuls",
@@ -70,8 +70,8 @@ def stage_table(plan: Candidate) -> list[str]:
     forward, backward = t.rank_forward, t.rank_backward  # with chunks, a rank's chunks together
     for s, st in enumerate(plan.stages):
         lines.append(
-            f"{s:>5} {st.num_layers:>6} {forward[s] * 1e3:>10.4g} {backward[s] * 1e3:>10.4g} "
-            f"{t.optimizer[s] * 1e3:>10.4g} {t.reduce_grads[s] * 1e3:>10.4g} {format_bytes(st.total):>10}"
+            f"{s:>5} {st.num_layers:>6} {format_number(forward[s] * 1e3):>10} {format_number(backward[s] * 1e3):>10} "
+            f"{format_number(t.optimizer[s] * 1e3):>10} {format_number(t.reduce_grads[s] * 1e3):>10} {format_bytes(st.total):>10}"
         )
     return lines
 

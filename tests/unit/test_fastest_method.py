@@ -86,9 +86,9 @@ def test_fastest_is_the_exact_search_under_the_limit(capsys: pytest.CaptureFixtu
     rc, out, _ = print_layout(capsys, "--pp-partition-method", "fastest", "--pp-memory-limit", "600MiB")
     assert rc == 0
     assert "predicted time per stage (GFLOP; compute model" in out
-    step = re.search(r"simulated 1F1B step \(M=4, one device per stage\): ([\d.]+) GFLOP = ([\d.]+) x the ideal", out)
-    assert step and float(step.group(1)) == pytest.approx(expected.step_time, rel=1e-3)
-    rows = re.findall(r"^\s+(\d) +(\d+) +[\d.e+]+ +[\d.e+]+ +0 +[\d.e+]+ +[\d.]+ MiB$", out, re.MULTILINE)
+    step = re.search(r"simulated 1F1B step \(M=4, one device per stage\): ([\d.,]+) GFLOP = ([\d.]+) x the ideal", out)
+    assert step and float(step.group(1).replace(",", "")) == pytest.approx(expected.step_time, rel=1e-3)
+    rows = re.findall(r"^\s+(\d) +(\d+) +[\d.,]+ +[\d.,]+ +0 +[\d.,]+ +[\d.]+ MiB$", out, re.MULTILINE)
     assert [int(k) for _, k in rows] == list(expected.counts)  # one row per stage with its time and memory
 
 

@@ -19,7 +19,7 @@ from megatron_ds.estimate.transients import in_flight
 from megatron_ds.model import naming, shapes
 from megatron_ds.pipeline.layout import SpecGroups, build_layout
 from megatron_ds.testing.models import GPT_1_3B
-from megatron_ds.units import format_apart, format_bytes, format_seconds
+from megatron_ds.units import format_apart, format_bytes, format_number, format_seconds
 
 
 def tiny(**kw) -> ModelConfig:
@@ -338,3 +338,8 @@ def test_format_seconds_has_no_exponents() -> None:
     # trailing zeros kept so a column of steps compares figure by figure ("20 s" beside "15.61 s" did not)
     assert [format_seconds(s, 4) for s in (20.0, 15.612, 249.0, 1234.5)] == ["20.00 s", "15.61 s", "249.0 s", "1234 s"]
     assert format_seconds(6.0) == "6.00 s" and format_seconds(249.0) == "249 s"
+
+
+def test_format_number_is_a_table_cell_without_exponents() -> None:
+    cells = [format_number(x) for x in (11090.4, 3893.2, 106.84, 0.0, 0.012345, 999.96, 2e-6)]
+    assert cells == ["11,090", "3,893", "106.8", "0", "0.01235", "1000", "<0.0001"]

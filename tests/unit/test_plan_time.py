@@ -131,3 +131,15 @@ def test_an_amd_gpu_of_the_table_is_planned_and_priced(capsys) -> None:
     assert main(["--model", "llama3-8b", "--num-gpus", "16", "--gpu", "MI300X"]) == 0
     out = capsys.readouterr().out
     assert "Recommended: bf16 (MI300X" in out and "matmul ceiling 668.4 TFLOP/s" in out and "Infinity Fabric" in out
+
+
+def test_a_long_stage_prints_its_milliseconds_without_exponents(capsys) -> None:
+    """A 70B model's 11-second backward read `1.109e+04` ms in the stage table."""
+    argv = ["pipeline", "--model", "llama3-70b", "--num-gpus", "512", "--gpu", "H100-80GB", "--seq-length", "8192"]
+    assert main([*argv, "--global-batch-size", "1024"]) == 0
+    text = capsys.readouterr().out
+    rows = text.split("(ms; one micro-batch's forward and backward")[1].split("Predicted step:")[0].splitlines()[2:]
+    cells = [cell for row in rows if row.strip() for cell in row.split()[2:6]]
+    assert cells and not any("e+" in c or "e-" in c for c in cells)
+    assert any(float(c.replace(",", "")) >= 1000 for c in cells)  # the case the exponent came from
+    assert "e+0" not in text.split("-- DeepSpeed JSON --")[0]
