@@ -146,7 +146,7 @@ class Layout:
 
     def _ranks_line(self, stage: int, data_parallel: int, tensor_parallel: int) -> str:
         replicas = self.stage_ranks(stage, data_parallel, tensor_parallel)
-        if data_parallel <= MAX_LISTED_REPLICAS:
+        if data_parallel * tensor_parallel <= MAX_LISTED_RANKS:
             return " | ".join(f"data {d}: tensor ranks -> {','.join(map(str, r))}" for d, r in enumerate(replicas))
         # Many replicas: every one is the same pattern, so say it once instead of listing them all.
         first, last = replicas[0][0], replicas[-1][-1]
@@ -157,8 +157,9 @@ class Layout:
         return f"global ranks {first}-{last}; data replica d = 0..{data_parallel - 1} holds {holds}"
 
 
-MAX_LISTED_REPLICAS = 8
-"""Beyond this many data-parallel replicas the rank table states the pattern instead of listing them."""
+MAX_LISTED_RANKS = 16
+"""Beyond this many ranks per stage the rank table states the pattern instead of listing them (at 8 x 8 the
+list was a 600-character line per stage)."""
 
 
 def requested_method(

@@ -252,15 +252,15 @@ def test_stage_ranks_follow_deepspeed_topology() -> None:
     assert "ranks per stage" not in build_layout(groups(4), 3).format()
 
 
-@pytest.mark.parametrize("dp,tp", [(9, 1), (64, 8), (16, 2)])
-def test_rank_table_states_the_pattern_for_many_replicas(dp: int, tp: int) -> None:
-    """Beyond MAX_LISTED_REPLICAS replicas the table says which ranks a replica holds instead of
+@pytest.mark.parametrize("dp,tp", [(17, 1), (64, 8), (16, 2), (8, 8), (3, 8)])
+def test_rank_table_states_the_pattern_for_many_ranks(dp: int, tp: int) -> None:
+    """Beyond MAX_LISTED_RANKS ranks per stage the table says which ranks a replica holds instead of
     listing them; the stated pattern must be the one stage_ranks uses."""
     import re
 
-    from megatron_ds.pipeline.layout import MAX_LISTED_REPLICAS
+    from megatron_ds.pipeline.layout import MAX_LISTED_RANKS
 
-    assert dp > MAX_LISTED_REPLICAS
+    assert dp * tp > MAX_LISTED_RANKS
     layout = build_layout(groups(6), 3)
     lines = [ln for ln in layout.format(dp, tp).splitlines() if ln.startswith("  stage ")]
     for s, line in enumerate(lines):
