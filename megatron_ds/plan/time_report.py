@@ -76,6 +76,12 @@ def stage_table(plan: Candidate) -> list[str]:
     return lines
 
 
+def slower_by(seconds: float, than: float) -> str:
+    """`+11.4%`; under 0.1% two decimals (`+0.02%`), so a near tie does not read as no difference."""
+    change = seconds / than - 1
+    return f"{change:+.1%}" if abs(change) >= 1e-3 else f"{change:+.2%}"
+
+
 def runner_up_lines(plan: Candidate, other: Candidate | None) -> list[str]:
     """The fastest configuration that differs in degrees, micro-batch, recomputation or ZeRO, and why it lost."""
     if other is None or other.time is None or plan.time is None:
@@ -84,7 +90,7 @@ def runner_up_lines(plan: Candidate, other: Candidate | None) -> list[str]:
     worse = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in {*mine, *theirs}}
     cause = max(worse, key=lambda k: worse[k])
     return [
-        f"Runner-up: {describe(other)}: {format_seconds(other.seconds)}, {other.seconds / plan.seconds - 1:+.1%}; it loses "
+        f"Runner-up: {describe(other)}: {format_seconds(other.seconds)}, {slower_by(other.seconds, plan.seconds)}; it loses "
         f"most on {cause} (+{format_seconds(worse[cause])})."
     ]
 

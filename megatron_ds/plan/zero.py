@@ -5,7 +5,8 @@ allocates: benchmarks/zero_memory.py measures it within 1%); for 16-bit ZeRO-2/3
 estimators (`model_states.zero*_estimate`) are shown beside it. Every row is a configuration
 pretrain_gpt.py runs: ZeRO 0/1 on DeepSpeed's pipeline engine at any pipeline size, ZeRO 2/3 on its
 plain engine at pipeline size 1. The recommendation is the `pipeline` plan's (`zero_options.choose`), with
-why: the lowest stage that fits on the GPUs, else the offload option with the smallest estimated step
+why: the smallest predicted step of those that fit on the GPUs alone (each other stage's fastest shown
+beside it), else the offload option with the smallest estimated step
 (`plan/zero_options.py`). Communication volumes per step are from Rajbhandari et al. 2020, "ZeRO: Memory
 Optimizations Toward Training Trillion Parameter Models", Sec. 7 (in units of the parameter count Psi).
 The fixed lines are `guides/zero.txt`.
@@ -25,6 +26,7 @@ from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import GIB
 from megatron_ds.plan.ranking import Search
 from megatron_ds.plan.report import Section, guide
+from megatron_ds.plan.time_report import describe, slower_by
 from megatron_ds.training import deepspeed_config
 from megatron_ds.units import format_bytes, format_seconds
 
@@ -188,7 +190,7 @@ def zero_section(ctx: Context) -> Section:
 
 
 def _recommend(ctx: Context, sec: Section, table: list[Row], act: float, cpu_cap: float | None) -> None:
-    """The `pipeline` plan, and why: the lowest ZeRO stage that fits on the GPUs, else the fastest offload."""
+    """The `pipeline` plan, and why: the fastest configuration that fits on the GPUs, else the fastest offload."""
     try:
         plan = ctx.plan()
     except PlanError as e:
@@ -207,19 +209,31 @@ def _recommend(ctx: Context, sec: Section, table: list[Row], act: float, cpu_cap
     )
     engine = "DeepSpeed's plain engine (pipeline size 1)" if plan.engine == "plain" else "DeepSpeed's pipeline engine"
     if plan.offload_optimizer == "none":
-        why = (
-            "the lowest stage that fits on the GPUs (ZeRO-1 partitions optimizer states at no extra communication "
-            "volume; ZeRO-2 communicates as data parallelism does, ZeRO-3 1.5x as much)"
-            if plan.zero_stage >= 2 or plan.tp * plan.pp == 1
-            else "no ZeRO stage alone fits with pure data parallelism, so the model is split over GPUs"
+        sec.add(
+            f"Recommended for pretrain_gpt.py (as `pipeline`): {label} with {where} on {engine}: the smallest "
+            f"predicted step of the configurations that fit on the GPUs alone ({format_seconds(plan.seconds)}; "
+            "ZeRO 0/1 priced at every t x p, ZeRO-2/3 at pipeline size 1; `pipeline` says where the time goes).",
+            *_other_stages(ctx.choice().ranked),
         )
-        sec.add(f"Recommended for pretrain_gpt.py (as `pipeline`): {label} with {where} on {engine}: {why}.")
     else:
         _offload_reason(ctx, sec, label, where, engine)
     sec.check(plan.zero_stage < 2 or plan.pp == 1, f"ZeRO-{plan.zero_stage} at pipeline size {plan.pp} runs")
     _snippet_for(ctx, sec, plan)
     if cpu_cap is None and plan.offload_optimizer == "cpu":
         sec.check(None, "host memory for the offloaded model states not checked: give --cpu-memory-gb (per node)")
+
+
+def _other_stages(ranked: list) -> list[str]:
+    """The fastest fitting configuration of each ZeRO stage the choice does not use, against the choice."""
+    top, seen, lines = ranked[0], set(), []
+    for c in ranked[1:]:
+        if c.zero_stage != top.zero_stage and c.zero_stage not in seen:
+            seen.add(c.zero_stage)
+            lines.append(
+                f"  fastest with ZeRO-{c.zero_stage}: {describe(c)}: {format_seconds(c.seconds)} "
+                f"({slower_by(c.seconds, top.seconds)})"
+            )
+    return sorted(lines, key=lambda line: line.split("ZeRO-")[1][0])
 
 
 def _offload_reason(ctx: Context, sec: Section, label: str, where: str, engine: str) -> None:

@@ -143,3 +143,26 @@ def test_a_long_stage_prints_its_milliseconds_without_exponents(capsys) -> None:
     assert cells and not any("e+" in c or "e-" in c for c in cells)
     assert any(float(c.replace(",", "")) >= 1000 for c in cells)  # the case the exponent came from
     assert "e+0" not in text.split("-- DeepSpeed JSON --")[0]
+
+
+def test_the_zero_recommendation_says_it_is_the_fastest_and_prices_the_other_stages(capsys) -> None:
+    """It said 'the lowest stage that fits' while choosing ZeRO-2 over a ZeRO-1 that fits, by time."""
+    argv = ["--model", "llama2-7b", "--num-gpus", "8", "--gpu", "A100-40GB"]
+    assert main(["zero", *argv]) == 0
+    text = capsys.readouterr().out
+    assert "lowest stage" not in text
+    why = next(line for line in text.splitlines() if line.startswith("Recommended for pretrain_gpt.py"))
+    choice = choose_all(resolve(PlanInputs(model="llama2-7b", num_gpus=8, gpu="A100-40GB")), "bf16")
+    top = choice.candidate
+    assert f"ZeRO-{top.zero_stage} with tensor parallel {top.tp} x pipeline parallel {top.pp}" in why
+    assert "the smallest predicted step of the configurations that fit on the GPUs alone" in why
+    others = [line for line in text.splitlines() if line.startswith("  fastest with ZeRO-")]
+    stages = {c.zero_stage for c in choice.ranked} - {top.zero_stage}
+    assert stages and [int(line.split("ZeRO-")[1][0]) for line in others] == sorted(stages)
+    for line in others:
+        z = int(line.split("ZeRO-")[1][0])
+        best = min((c for c in choice.ranked if c.zero_stage == z), key=lambda c: c.seconds)
+        assert line.endswith(f"({best.seconds / top.seconds - 1:+.2%})") or line.endswith(
+            f"({best.seconds / top.seconds - 1:+.1%})"
+        )
+        assert best.seconds >= top.seconds
