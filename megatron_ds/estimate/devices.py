@@ -87,7 +87,11 @@ _HOPPER_SXM = {
 # NVLink) datasheets; H100 (h100-datasheet: SXM 3.35 TB/s and NVLink 900 GB/s, PCIe 2 TB/s, NVL 3.9 TB/s,
 # both NVLink bridges 600 GB/s, PCIe Gen5 128 GB/s); H200 (h200-datasheet: 4.8 TB/s, NVLink 900 GB/s, PCIe
 # Gen5 128 GB/s); MI300X (AMD Instinct MI300X data sheet: 192 GB HBM3 at 5.3 TB/s, dense FP16/BF16 1307.4
-# TFLOP/s, FP32 163.4, 304 compute units, 7 Infinity Fabric links of 128 GB/s = 896 GB/s, PCIe Gen5 x16).
+# TFLOP/s, FP32 163.4, 304 compute units, 7 Infinity Fabric links of 128 GB/s = 896 GB/s, PCIe Gen5 x16);
+# RTX 3090 and RTX A6000 (NVIDIA Ampere GA102 GPU Architecture whitepaper v2.0, Appendices A and C: 71 and
+# 154.8 dense FP16/BF16 tensor TFLOP/s with FP32 accumulate, FP32 35.6 and 38.7, 936 and 768 GB/s, 82 and 84
+# SMs, the A6000's NVLink bridge 112.5 GB/s); RTX 4090 (NVIDIA Ada GPU Architecture whitepaper, Appendix A:
+# 165.2 dense FP16/BF16 with FP32 accumulate, FP32 82.6, 1008 GB/s, 128 SMs); all PCIe Gen4 x16.
 # Networks: the DGX-1/DGX-2 (4 or 8 x 100 Gb/s EDR for 8 or 16 V100s), DGX A100 (8 x 200 Gb/s) and DGX
 # H100/H200 (8 x 400 Gb/s) datasheets. Compute units: the Volta, Turing, Ampere, Ada and Hopper whitepapers.
 # A row that covers two boards (A100-80GB: SXM and PCIe) keeps the SXM figures.
@@ -106,9 +110,36 @@ DEVICES: tuple[Device, ...] = (
     Device("A100-40GB", r"A100.*40GB", (8, 0), 40, 312.0, 312.0, 19.5, memory_bandwidth=1555.0, **_A100),
     # SXM or PCIe: the same peaks
     Device("A100-80GB", r"A100", (8, 0), 80, 312.0, 312.0, 19.5, memory_bandwidth=2039.0, **_A100),
-    Device("RTX-3090", r"RTX[- ]3090", (8, 6), 24, None, None, None),  # the RTX rows: no peaks in the MFU table
-    Device("RTX-A6000", r"RTX[- ]A6000", (8, 6), 48, None, None, None),
-    Device("RTX-4090", r"RTX[- ]4090", (8, 9), 24, None, None, None),
+    # The RTX rows: 16-bit peaks with FP32 accumulation (what torch's cuBLAS matmuls use; GeForce cards
+    # run FP16 accumulation at twice the rate, which torch does not use), from the whitepapers below.
+    Device(
+        "RTX-3090", r"RTX[- ]3090", (8, 6), 24, 71.0, 71.0, 35.6, memory_bandwidth=936.0, pcie=64.0, compute_units=82
+    ),
+    Device(
+        "RTX-A6000",
+        r"RTX[- ]A6000",
+        (8, 6),
+        48,
+        154.8,
+        154.8,
+        38.7,
+        memory_bandwidth=768.0,
+        scale_up=112.5,
+        pcie=64.0,
+        compute_units=84,
+    ),
+    Device(
+        "RTX-4090",
+        r"RTX[- ]4090",
+        (8, 9),
+        24,
+        165.2,
+        165.2,
+        82.6,
+        memory_bandwidth=1008.0,
+        pcie=64.0,
+        compute_units=128,
+    ),
     Device("L4", r"\bL4\b", (8, 9), 24, 121.0, 121.0, 30.3, memory_bandwidth=300.0, pcie=64.0, compute_units=58),
     Device("L40S", r"\bL40S\b", (8, 9), 48, 362.0, 362.0, 91.6, memory_bandwidth=864.0, pcie=64.0, compute_units=142),
     # H100 PCIe and NVL: peaks from the MFU table; memory None (the planner's table had neither row)

@@ -71,7 +71,9 @@ def test_a_measured_profile_replaces_the_tables_figures() -> None:
     k = KERNELS.measured({"matmul_tflops": 156.0, "memory_gbs": 1000.0, "name": "here"})
     assert k.matmul_fraction == pytest.approx(0.5) and k.memory(1e9) == pytest.approx(1e-3)
     assert "measured profile here" in k.source
-    assert Kernels.for_device(find_named("RTX-4090")[0], "bf16") is None  # no peak or bandwidth in the table
+    assert Kernels.for_device(find_named("P100-16GB")[0], "fp16") is None  # no peak or bandwidth in the table
+    rtx = Kernels.for_device(find_named("RTX-4090")[0], "bf16")  # the Ada whitepaper's peak, no measured ceiling
+    assert rtx is not None and rtx.peak_flops == 165.2e12 and "assumed matmul ceiling" in rtx.source
 
 
 def test_collectives_follow_ncclS_ring_formulas_over_the_groups_link() -> None:
