@@ -35,7 +35,7 @@ def pipeline_section(ctx: Context) -> Section:
     sec = Section("pipeline", "Pipeline and tensor parallelism")
     sec.add(
         f"Degrees: tensor parallel {plan.tp} x pipeline parallel {plan.pp} x data parallel {plan.dp} = "
-        f"{res.num_gpus} GPUs.",
+        f"{res.num_gpus} GPU{'s' if res.num_gpus != 1 else ''}.",
         f"Batch: global {res.global_batch_size} = micro-batch {plan.micro_batch_size} x {plan.num_micro_batches} "
         f"micro-batches (gradient accumulation steps) x data parallel {plan.dp}.",
         f"Precision {plan.precision}, ZeRO-{plan.zero_stage}{_offload_text(plan)}, activation recomputation "
