@@ -9,7 +9,8 @@ Two askers read the same changes:
   ZeRO-2 with optimizer offload and ZeRO-3 parameter offload, each with the least largest stage any split reaches (exact).
 - `ranked_changes`, the planner's `memory` section (`plan/memory_advice.py` renders it): every
   change that applies to a configuration, with its saving on the fullest stage under the layout
-  the changed configuration gets, cheapest first.
+  the changed configuration gets, cheapest first; and, when none of them fits alone,
+  `fitting_combination`: the cheapest two or three of them together that fit.
 """
 
 from __future__ import annotations
@@ -347,3 +348,70 @@ def ranked_changes(
             Change(remedy.name, remedy.ask(inputs, changed), saving, remedy.cost, remedy.cost_rank, base - saving)
         )
     return sorted(found, key=lambda c: (c.cost_rank, -c.saving))
+
+
+def _steps(remedies: Sequence[Remedy], inputs: MemoryInputs) -> list[tuple[Remedy, MemoryInputs, MemoryInputs]] | None:
+    """Each remedy applied to what the ones before it made, with its before and after; None where one does not apply."""
+    steps, now = [], inputs
+    for remedy in remedies:
+        changed = remedy.change(now)
+        if changed is None or changed == now:
+            return None
+        steps.append((remedy, now, changed))
+        now = changed
+    return steps
+
+
+def fitting_combination(
+    inputs: MemoryInputs,
+    layout: Layout,
+    method: str,
+    layout_for: LayoutFor,
+    limit: float,
+    rebalance: str | None = None,
+    rebalance_flags: Callable[[str, Layout], str] = lambda method, layout: method,
+) -> Change | None:
+    """The cheapest changes together whose fullest stage fits `limit`, for when no single change does: two of
+    `REMEDIES` (halving the micro-batch may come twice), one or two of them with the layout method
+    `rebalance`. Cheapest: the largest cost rank of the parts, then their sum, then fewer parts, then the
+    smaller fullest stage. None when none of these fits."""
+    usable = [
+        r for r in REMEDIES if r is not ONE_BIT and not (r.single_stage and layout.num_stages > 1) and r.change(inputs)
+    ]
+    combos = [(r,) for r in usable]
+    combos += [(a, b) for i, a in enumerate(usable) for b in usable[i:] if a is not b or a is HALVE_MICRO_BATCH]
+    methods = [method] + ([rebalance] if rebalance and rebalance != method and layout.num_stages > 1 else [])
+    best: tuple[tuple, Change] | None = None
+    for combo in combos:
+        steps = _steps(combo, inputs)
+        if steps is None:
+            continue
+        changed = steps[-1][2]
+        for m in methods:
+            if len(combo) + (m != method) < 2:
+                continue  # a single change alone is one of `ranked_changes`' rows
+            if m == method and all(r.same_layout for r in combo):
+                peak, new_layout = _peak(changed, layout), layout
+            else:
+                rebuilt = _rebuilt_peak(changed, m, layout_for)
+                if rebuilt is None:
+                    continue
+                peak, new_layout = rebuilt
+            if peak > limit:
+                continue
+            parts = [(r.name, r.ask(before, after), r.cost, r.cost_rank) for r, before, after in steps]
+            if m != method:
+                parts.append((f"rebalance stages ({m})", rebalance_flags(m, new_layout), REBALANCE_COST, 0))
+            ranks = [p[3] for p in parts]
+            key = (max(ranks), sum(ranks), len(parts), peak)
+            if best is None or key < best[0]:
+                change = Change(
+                    " + ".join(p[0] for p in parts),
+                    " ".join(p[1] for p in parts),
+                    _peak(inputs, layout) - peak,
+                    "; ".join(p[2] for p in parts),
+                    max(ranks),
+                    peak,
+                )
+                best = (key, change)
+    return best[1] if best else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ds.estimate.fit_advice import Change, ranked_changes
+from megatron_ds.estimate.fit_advice import Change, fitting_combination, ranked_changes
 from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import Layout
@@ -101,7 +101,23 @@ def memory_section(ctx: Context) -> Section:
             else "saves nothing"
         )
         sec.add(f"  {i}. {c.name} [{c.flags}]: {saving} ({format_bytes(c.peak)} per GPU); cost: {c.cost}")
-    sec.data = {"stages": [s.total for s in stages], "changes": [dataclasses.asdict(c) for c in changes]}
+    together = _together(ctx, now) if _needs_more(ctx, now, changes) else None
+    sec.data = {
+        "stages": [s.total for s in stages],
+        "changes": [dataclasses.asdict(c) for c in changes],
+        "together": dataclasses.asdict(together) if together else None,
+    }
+    if together is not None:
+        sec.add(
+            f"No single change fits in {format_bytes(ctx.res.usable_bytes)}; together they do: {together.name} "
+            f"[{together.flags}]: {format_bytes(together.peak)} per GPU; cost: {together.cost}"
+        )
+    elif _needs_more(ctx, now, changes):
+        sec.add(
+            f"No single change, nor two together, fits in {format_bytes(ctx.res.usable_bytes)}: split the model over "
+            "more GPUs (a larger --tensor-model-parallel-size or --pipeline-model-parallel-size; `pipeline` searches "
+            "them) or shorten --seq-length."
+        )
     # ranked_changes offers the plain engine's changes (ZeRO 2/3, Ulysses) at pipeline size 1 only
     engine = (
         "pipeline engine (ZeRO 0/1)"
@@ -176,6 +192,22 @@ def _changes(ctx: Context, now: search.Candidate) -> list[Change]:
 
     rebalance = (*partition_methods.planned_methods(), "both") if now.pp > 1 else ()
     return ranked_changes(now.inputs, now.layout, now.method, layout_for, rebalance, _layout_flags)
+
+
+def _needs_more(ctx: Context, now: search.Candidate, changes: list[Change]) -> bool:
+    """The configuration does not fit the GPU and no single change makes it fit."""
+    usable = ctx.res.usable_bytes
+    return bool(usable) and max(s.total for s in now.stages) > usable and all(c.peak > usable for c in changes)
+
+
+def _together(ctx: Context, now: search.Candidate) -> Change | None:
+    """The cheapest changes together that fit (`fit_advice.fitting_combination`), the memory method rebalancing."""
+
+    def layout_for(inputs: MemoryInputs, method: str) -> Layout:
+        return search.layout_for(ctx.res, now.tp, now.pp, method, inputs)
+
+    usable = ctx.res.usable_bytes
+    return fitting_combination(now.inputs, now.layout, now.method, layout_for, usable, "memory", _layout_flags)
 
 
 def _layout_flags(method: str, layout: Layout) -> str:

@@ -236,3 +236,63 @@ def test_full_recomputation_from_selective_says_to_drop_the_selective_flag() -> 
     assert listed.flags == "--checkpoint-activations in place of --recompute-activations"
     advice = fit_advice.fit_advice(before, 2, least_memory(changed, 2))
     assert "--checkpoint-activations in place of --recompute-activations (" in advice
+
+
+def _peak(inputs: MemoryInputs) -> float:
+    return max(s.total for s in stage_memory(inputs, default_layout(inputs, "none")))
+
+
+def test_changes_together_when_none_fits_alone_cheapest_first() -> None:
+    """Between the largest single saving and the peak of two changes together, the combination is the cheapest
+    pair that fits, priced by the memory model exactly as the pair's configuration."""
+    layout = default_layout(INPUTS, "none")
+    singles = ranked_changes(INPUTS, layout, "none", default_layout)
+    alone = min(c.peak for c in singles)
+    pair = fit_advice.fitting_combination(INPUTS, layout, "none", default_layout, alone * 0.999)
+    assert pair is not None and pair.peak <= alone * 0.999 < alone
+    names = pair.name.split(" + ")
+    remedies = [next(r for r in REMEDIES if r.name == n) for n in names]
+    now = INPUTS
+    for r in remedies:
+        now = r.change(now)
+    assert pair.peak == pytest.approx(_peak(now))
+    assert pair.flags == " ".join(
+        r.flags(after)
+        for r, after in zip(remedies, [remedies[0].change(INPUTS), now])  # both steps' flags, in order
+    )
+    # no pair of a lower largest cost, or of the same and a lower sum, fits
+    ranks = [r.cost_rank for r in remedies]
+    for a in REMEDIES:
+        for b in REMEDIES:
+            if a is ONE_BIT or b is ONE_BIT or a.single_stage or b.single_stage:
+                continue
+            first = a.change(INPUTS)
+            both = b.change(first) if first is not None else None
+            if both is None or both == first or first == INPUTS:
+                continue
+            if (max(a.cost_rank, b.cost_rank), a.cost_rank + b.cost_rank) < (max(ranks), sum(ranks)):
+                assert _peak(both) > alone * 0.999, (a.name, b.name)
+    assert fit_advice.fitting_combination(INPUTS, layout, "none", default_layout, 1.0) is None  # one byte: nothing
+
+
+def test_the_memory_section_offers_changes_together_when_none_fits_alone(capsys) -> None:
+    """A 13B model over 8 A100-40GB stages without data parallelism: its model states alone exceed what
+    recomputation leaves room for, so recomputation and the optimizer offloaded go together."""
+    argv = ["memory", "--model", "llama2-13b", "--num-gpus", "8", "--gpu", "A100-40GB", "--seq-length", "4096"]
+    argv += ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "8", "--micro-batch-size", "4"]
+    assert main([*argv, "--zero-stage", "1", "--format", "json"]) == 1  # a failed check: it does not fit
+    out = capsys.readouterr().out
+    data = json.loads(out[out.index("{") :])["sections"][0]["data"]
+    usable = 0.9 * 40 * 2**30
+    assert max(data["stages"]) > usable and all(c["peak"] > usable for c in data["changes"])
+    together = data["together"]
+    assert together is not None and together["peak"] <= usable
+    assert together["name"] == f"{RECOMPUTE.name} + {fit_advice.OFFLOAD_OPTIMIZER.name}"
+    assert together["flags"] == "--checkpoint-activations --cpu-optimizer --zero-stage 1"
+    assert main([*argv, "--zero-stage", "1"]) == 1
+    text = capsys.readouterr().out
+    assert "No single change fits in 36.00 GiB; together they do: activation recomputation + offload" in text
+    assert main([*argv, "--zero-stage", "1", "--num-layers", "400"]) == 1  # hopeless: says what to do instead
+    assert "No single change, nor two together, fits in 36.00 GiB: split the model over more GPUs" in (
+        capsys.readouterr().out
+    )
