@@ -28,6 +28,7 @@ from megatron_ds.config.model import (
     NORMALIZATIONS,
     ModelConfig,
     RegularizationConfig,
+    default_ffn_hidden_size,
     padded_vocab_size,
 )
 from megatron_ds.config.output import CheckpointConfig, LoggingConfig
@@ -62,5 +63,6 @@ __all__ = [
     "ParallelConfig",
     "RegularizationConfig",
     "TrainingConfig",
+    "default_ffn_hidden_size",
     "padded_vocab_size",
 ]

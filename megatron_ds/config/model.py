@@ -25,6 +25,16 @@ which holds each one's function, Hugging Face name and costs (it checks on impor
 gated entries are these)."""
 GATED_ACTIVATIONS = ("swiglu",)
 """Activations of a gated MLP: fc1 produces a gate and an up half (2 x ffn features)."""
+
+
+def default_ffn_hidden_size(hidden_size: int, activation: str) -> int:
+    """`--ffn-hidden-size` when not given, as Megatron-DeepSpeed and Megatron-LM derive it: 4h; for a gated MLP
+    two thirds of that, rounded down to a multiple of 64, so its two fc1 halves keep about 4h's parameters."""
+    if activation in GATED_ACTIVATIONS:
+        return int(4 * hidden_size * 2 / 3 / 64) * 64
+    return 4 * hidden_size
+
+
 DEFAULT_ROTARY_BASE = 10000.0
 
 
@@ -46,7 +56,7 @@ class ModelConfig:
     num_attention_heads: int
     """Attention heads a; h must be divisible by a (`--num-attention-heads`)."""
     ffn_hidden_size: int
-    """Width of the MLP's inner layer; 4h by default (`--ffn-hidden-size`)."""
+    """Width of the MLP's inner layer (`--ffn-hidden-size`; `default_ffn_hidden_size` when not given)."""
     seq_length: int
     """Tokens per sample s (`--seq-length`)."""
     max_position_embeddings: int

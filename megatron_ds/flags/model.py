@@ -18,7 +18,8 @@ NETWORK: tuple[Flag, ...] = (
     accepted(
         "--ffn-hidden-size",
         _NET,
-        "MLP inner width; 4 x hidden by default",
+        "MLP inner width; 4 x hidden by default, with --swiglu 2/3 of that rounded down to a multiple of 64 "
+        "(Megatron-DeepSpeed's and Megatron-LM's default)",
         "model.ffn_hidden_size",
         type=int,
         default=None,
@@ -116,7 +117,8 @@ NETWORK: tuple[Flag, ...] = (
     switch(
         "--swiglu",
         _NET,
-        "SwiGLU MLP (give --ffn-hidden-size explicitly, as the Llama-2 script does)",
+        "SwiGLU MLP; without --ffn-hidden-size its width is int(8 x hidden / 3 / 64) x 64, as upstream (the "
+        "Llama scripts give it)",
         "model.activation",
         derived=True,  # with --openai-gelu and --no-bias-gelu-fusion: model_activation below
     ),

@@ -27,6 +27,7 @@ from megatron_ds.config import (
     ParallelConfig,
     RegularizationConfig,
     TrainingConfig,
+    default_ffn_hidden_size,
     padded_vocab_size,
 )
 from megatron_ds.errors import ConfigError
@@ -131,14 +132,15 @@ def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConf
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     rotary, table = model_flags.position_embeddings(args)
     norm, norm_warning = model_flags.normalization(args)
+    activation = model_activation(args)
     model = ModelConfig(
         **direct,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or default_ffn_hidden_size(args.hidden_size, activation),
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         vocab_size=_vocab_size(args),
         use_rotary_position_embeddings=rotary,
         add_position_embedding=table,
-        activation=model_activation(args),
+        activation=activation,
         normalization=norm,
         num_key_value_heads=model_flags.key_value_heads(args),
     )

@@ -59,7 +59,7 @@ class Preset:
     global_batch_size: int
     lr: float | None
     ffn_hidden_size: int | None = None
-    """None: 4 x hidden (GPT)."""
+    """None: pretrain_gpt.py's default (`config.model.default_ffn_hidden_size`: 4 x hidden, less with --swiglu)."""
     seq_length: int = 2048
     vocab_size: int = 50257
     architecture: tuple[str, ...] = ()

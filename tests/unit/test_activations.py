@@ -75,6 +75,17 @@ def test_megatron_flags_select_the_activation(flags: list[str], activation: str)
     assert model(*flags).activation == activation
 
 
+@pytest.mark.parametrize("hidden,swiglu_ffn", [(32, 64), (4096, 10880), (5120, 13632), (8192, 21824)])
+def test_swiglu_without_ffn_hidden_size_takes_upstreams_width(hidden: int, swiglu_ffn: int) -> None:
+    """Megatron-DeepSpeed's and Megatron-LM's arguments.py: with --swiglu and no --ffn-hidden-size,
+    int((4 * h * 2 / 3) / 64) * 64 (the figures here written out by hand); 4h otherwise. It was 4h with
+    --swiglu too: a launch line without the flag trained a 1.5x wider MLP than upstream's."""
+    sizes = ["--hidden-size", str(hidden), "--num-attention-heads", "4"]
+    assert model(*sizes, "--swiglu").ffn_hidden_size == swiglu_ffn
+    assert model(*sizes).ffn_hidden_size == 4 * hidden
+    assert model(*sizes, "--swiglu", "--ffn-hidden-size", "96").ffn_hidden_size == 96
+
+
 def test_openai_gelu_with_swiglu_is_refused() -> None:
     with pytest.raises(ConfigError, match=re.escape("--openai-gelu and --swiglu were both given")):
         model("--openai-gelu", "--swiglu")
