@@ -113,7 +113,14 @@ NETWORK: tuple[Flag, ...] = (
         "model.normalization",
         derived=True,
     ),
-    accepted("--layernorm-epsilon", _NET, "epsilon of every norm", "model.layernorm_epsilon", type=float),
+    accepted(
+        "--layernorm-epsilon",
+        _NET,
+        "epsilon of every norm (Megatron-LM's name: --norm-epsilon; both default to 1e-5)",
+        "model.layernorm_epsilon",
+        type=float,
+        aliases=("--norm-epsilon",),
+    ),
     switch(
         "--swiglu",
         _NET,

@@ -86,6 +86,13 @@ def test_swiglu_without_ffn_hidden_size_takes_upstreams_width(hidden: int, swigl
     assert model(*sizes, "--swiglu", "--ffn-hidden-size", "96").ffn_hidden_size == 96
 
 
+def test_megatron_lms_norm_epsilon_is_the_layernorm_epsilon() -> None:
+    """megatron-core's TransformerConfig exposes `layernorm_epsilon` as --norm-epsilon (arg_names)."""
+    assert model("--norm-epsilon", "1e-6").layernorm_epsilon == 1e-6
+    assert model("--layernorm-epsilon", "1e-6").layernorm_epsilon == 1e-6
+    assert model().layernorm_epsilon == 1e-5
+
+
 def test_openai_gelu_with_swiglu_is_refused() -> None:
     with pytest.raises(ConfigError, match=re.escape("--openai-gelu and --swiglu were both given")):
         model("--openai-gelu", "--swiglu")
