@@ -374,7 +374,8 @@ def fitting_combination(
     """The cheapest changes together whose fullest stage fits `limit`, for when no single change does: two of
     `REMEDIES` (halving the micro-batch may come twice), one or two of them with the layout method
     `rebalance`. Cheapest: the largest cost rank of the parts, then their sum, then fewer parts, then the
-    smaller fullest stage. None when none of these fits."""
+    milder changes (earlier in `REMEDIES`: optimizer offload before parameter offload), then the smaller
+    fullest stage. None when none of these fits."""
     usable = [
         r for r in REMEDIES if r is not ONE_BIT and not (r.single_stage and layout.num_stages > 1) and r.change(inputs)
     ]
@@ -403,7 +404,8 @@ def fitting_combination(
             if m != method:
                 parts.append((f"rebalance stages ({m})", rebalance_flags(m, new_layout), REBALANCE_COST, 0))
             ranks = [p[3] for p in parts]
-            key = (max(ranks), sum(ranks), len(parts), peak)
+            order = sum(REMEDIES.index(r) for r in combo)  # REMEDIES lists equal costs mildest first
+            key = (max(ranks), sum(ranks), len(parts), order, peak)
             if best is None or key < best[0]:
                 change = Change(
                     " + ".join(p[0] for p in parts),
