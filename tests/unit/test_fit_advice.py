@@ -296,3 +296,16 @@ def test_the_memory_section_offers_changes_together_when_none_fits_alone(capsys)
     assert "No single change, nor two together, fits in 36.00 GiB: split the model over more GPUs" in (
         capsys.readouterr().out
     )
+
+
+def test_of_changes_together_at_equal_cost_the_milder_is_named(capsys) -> None:
+    """7B on 2 A100-40GB at pipeline size 1: recomputation with ZeRO-2's optimizer offload fits, and so does
+    recomputation with the parameters offloaded too (less memory, more PCIe traffic): the milder is named."""
+    argv = ["memory", "--model", "llama2-7b", "--num-gpus", "2", "--gpu", "A100-40GB", "--seq-length", "4096"]
+    argv += ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--micro-batch-size", "4"]
+    assert main([*argv, "--zero-stage", "1", "--format", "json"]) == 1
+    out = capsys.readouterr().out
+    together = json.loads(out[out.index("{") :])["sections"][0]["data"]["together"]
+    assert together["name"] == f"{RECOMPUTE.name} + {fit_advice.ZERO_2_OFFLOAD.name}"
+    assert together["flags"] == "--checkpoint-activations --zero-stage 2 --cpu-optimizer"
+    assert together["peak"] <= 0.9 * 40 * 2**30
