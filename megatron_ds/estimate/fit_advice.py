@@ -299,10 +299,33 @@ def fit_advice(inputs: MemoryInputs, num_stages: int, limit: float) -> str:
                 found.append(f"{remedy.ask(inputs, changed)} ({format_bytes(need)}{where})")
     if found:
         return "it would fit with " + ", or ".join(found)
-    return (
-        f"no larger --pipeline-model-parallel-size (up to {max_stages}), nor {', '.join(r.name for r in tried)} "
-        f"makes it fit; lower --micro-batch-size or raise --pp-memory-limit"
+    pair = _fitting_pair(inputs, num_stages, limit, tried)
+    alone = (
+        f"no larger --pipeline-model-parallel-size (up to {max_stages}), nor {', '.join(r.name for r in tried)} alone"
     )
+    if pair is not None:
+        return f"{alone} makes it fit; together {pair} would"
+    return f"{alone} or two of them together makes it fit; lower --micro-batch-size or raise --pp-memory-limit"
+
+
+def _fitting_pair(inputs: MemoryInputs, num_stages: int, limit: float, tried: Sequence[Remedy]) -> str | None:
+    """The cheapest two of `tried` together whose least largest stage fits (`fitting_combination`'s order
+    without a layout: any split), as flags with that stage; None when no pair does."""
+    best: tuple[tuple, str] | None = None
+    for i, a in enumerate(tried):
+        for b in tried[i + 1 :]:
+            steps = _steps((a, b), inputs)
+            if steps is None:
+                continue
+            need = least_memory(steps[-1][2], num_stages)
+            if need > limit:
+                continue
+            key = (max(a.cost_rank, b.cost_rank), a.cost_rank + b.cost_rank, tried.index(a) + tried.index(b), need)
+            flags = " ".join(r.ask(before, after) for r, before, after in steps)
+            where = " per rank" if num_stages == 1 else " on its largest stage"
+            if best is None or key < best[0]:
+                best = (key, f"{flags} ({format_bytes(need)}{where})")
+    return best[1] if best else None
 
 
 def _peak(inputs: MemoryInputs, layout: Layout) -> float:

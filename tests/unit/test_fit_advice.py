@@ -309,3 +309,21 @@ def test_of_changes_together_at_equal_cost_the_milder_is_named(capsys) -> None:
     assert together["name"] == f"{RECOMPUTE.name} + {fit_advice.ZERO_2_OFFLOAD.name}"
     assert together["flags"] == "--checkpoint-activations --zero-stage 2 --cpu-optimizer"
     assert together["peak"] <= 0.9 * 40 * 2**30
+
+
+def test_the_one_line_advice_names_two_changes_together_when_none_fits_alone() -> None:
+    """Two layers over two stages: neither more stages nor one change fits 15 MiB; recomputation with the
+    optimizer offloaded does (its least largest stage by the memory model, as the message prints it)."""
+    two = dataclasses.replace(INPUTS, model=dataclasses.replace(MODEL, num_layers=2))
+    both = fit_advice.OFFLOAD_OPTIMIZER.change(RECOMPUTE.change(two))
+    limit = 15 * 2**20
+    assert least_memory(both, 2) <= limit < min(least_memory(two, p) for p in (3, 4))
+    advice = fit_advice.fit_advice(two, 2, limit)
+    assert advice.startswith("no larger --pipeline-model-parallel-size (up to 4), nor ")
+    assert advice.endswith(
+        f"alone makes it fit; together --checkpoint-activations --cpu-optimizer --zero-stage 1 "
+        f"({format_bytes(least_memory(both, 2))} on its largest stage) would"
+    )
+    assert fit_advice.fit_advice(two, 2, 1.0).endswith(
+        "or two of them together makes it fit; lower --micro-batch-size or raise --pp-memory-limit"
+    )
