@@ -14,8 +14,9 @@ def format_bytes(num_bytes: float, digits: int = 3) -> str:
     if math.isinf(num_bytes):
         return "unlimited"
     value, unit = float(num_bytes), "B"
+    rounds_up = 1024 - 0.5 * 10 ** -max(0, digits - 3)  # a value that prints as 1024 reads as the next unit
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
+        if abs(value) < rounds_up or unit == "TiB":
             break
         value /= 1024
     if unit == "B":

@@ -301,6 +301,11 @@ def test_format_bytes() -> None:
     assert format_bytes(80 * 1024**3) == "80.00 GiB"
     assert format_bytes(150 * 1024**3) == "150 GiB"
     assert format_bytes(1000 * 1024**2) == "1000 MiB"  # not 1e+03
+    assert format_bytes(1023.6 * 1024**2) == "1.00 GiB"  # not 1024 MiB
+    assert format_bytes(1023.4 * 1024**2) == "1023 MiB"
+    assert (
+        format_bytes(1023.96 * 1024**2, digits=4) == "1.000 GiB" and format_bytes(1023.94 * 1024**2, 4) == "1023.9 MiB"
+    )
 
 
 def test_format_apart_adds_figures_until_two_sizes_read_differently() -> None:
