@@ -26,6 +26,7 @@ from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import GIB
 from megatron_ds.plan.ranking import Search
 from megatron_ds.plan.report import Section, guide
+from megatron_ds.plan.search import Candidate
 from megatron_ds.plan.time_report import describe, slower_by
 from megatron_ds.training import deepspeed_config
 from megatron_ds.units import format_bytes, format_seconds
@@ -213,8 +214,19 @@ def _recommend(ctx: Context, sec: Section, table: list[Row], act: float, cpu_cap
             f"Recommended for pretrain_gpt.py (as `pipeline`): {label} with {where} on {engine}: the smallest "
             f"predicted step of the configurations that fit on the GPUs alone ({format_seconds(plan.seconds)}; "
             "ZeRO 0/1 priced at every t x p, ZeRO-2/3 at pipeline size 1; `pipeline` says where the time goes).",
-            *_other_stages(ctx.choice().ranked),
         )
+        ranked = ctx.choice().ranked
+        others = _other_stages(ranked)
+        for c in others:
+            sec.add(
+                f"  fastest with ZeRO-{c.zero_stage}: {describe(c)}: {format_seconds(c.seconds)} "
+                f"({slower_by(c.seconds, ranked[0].seconds)})"
+            )
+        sec.data["other_zero_stages"] = [
+            {"zero_stage": c.zero_stage, "tp": c.tp, "pp": c.pp, "dp": c.dp, "micro_batch_size": c.micro_batch_size,
+             "step_seconds": c.seconds}
+            for c in others
+        ]  # fmt: skip
     else:
         _offload_reason(ctx, sec, label, where, engine)
     sec.check(plan.zero_stage < 2 or plan.pp == 1, f"ZeRO-{plan.zero_stage} at pipeline size {plan.pp} runs")
@@ -223,17 +235,13 @@ def _recommend(ctx: Context, sec: Section, table: list[Row], act: float, cpu_cap
         sec.check(None, "host memory for the offloaded model states not checked: give --cpu-memory-gb (per node)")
 
 
-def _other_stages(ranked: list) -> list[str]:
-    """The fastest fitting configuration of each ZeRO stage the choice does not use, against the choice."""
-    top, seen, lines = ranked[0], set(), []
+def _other_stages(ranked: list[Candidate]) -> list[Candidate]:
+    """The fastest fitting configuration of each ZeRO stage the choice (`ranked[0]`) does not use, by stage."""
+    best: dict[int, Candidate] = {}
     for c in ranked[1:]:
-        if c.zero_stage != top.zero_stage and c.zero_stage not in seen:
-            seen.add(c.zero_stage)
-            lines.append(
-                f"  fastest with ZeRO-{c.zero_stage}: {describe(c)}: {format_seconds(c.seconds)} "
-                f"({slower_by(c.seconds, top.seconds)})"
-            )
-    return sorted(lines, key=lambda line: line.split("ZeRO-")[1][0])
+        if c.zero_stage != ranked[0].zero_stage and c.zero_stage not in best:
+            best[c.zero_stage] = c  # ranked is fastest first
+    return [best[z] for z in sorted(best)]
 
 
 def _offload_reason(ctx: Context, sec: Section, label: str, where: str, engine: str) -> None:

@@ -166,3 +166,8 @@ def test_the_zero_recommendation_says_it_is_the_fastest_and_prices_the_other_sta
             f"({best.seconds / top.seconds - 1:+.1%})"
         )
         assert best.seconds >= top.seconds
+    assert main(["zero", *argv, "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)["sections"][0]["data"]
+    assert [(o["zero_stage"], o["step_seconds"]) for o in data["other_zero_stages"]] == [
+        (z, min(c.seconds for c in choice.ranked if c.zero_stage == z)) for z in sorted(stages)
+    ]
