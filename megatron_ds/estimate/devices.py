@@ -97,8 +97,9 @@ _HOPPER_SXM = {
 # A row that covers two boards (A100-80GB: SXM and PCIe) keeps the SXM figures.
 DEVICES: tuple[Device, ...] = (
     Device("P100-16GB", r"P100", (6, 0), 16, None, None, None),  # no peaks in the MFU table
-    # V100S and V100 PCIe: peaks from the MFU table; memory None (the planner's table had neither row)
-    Device("V100S", r"V100S", (7, 0), None, 130.0, None, 16.4, memory_bandwidth=1134.0, pcie=32.0, compute_units=80),
+    # V100S and V100 PCIe: peaks from the MFU table; the V100S is 32 GB (its datasheet), the V100 PCIe 16 or
+    # 32 GB, so None (`--gpu-memory-gb` gives it)
+    Device("V100S", r"V100S", (7, 0), 32, 130.0, None, 16.4, memory_bandwidth=1134.0, pcie=32.0, compute_units=80),
     Device("V100-PCIe", r"V100.*PCIE", (7, 0), None, 112.0, None, 14.0, memory_bandwidth=900.0, pcie=32.0),
     Device("V100-16GB", r"V100.*16GB", (7, 0), 16, 125.0, None, 15.7, **_V100),  # SXM2
     Device("V100-32GB", r"V100", (7, 0), 32, 125.0, None, 15.7, **_V100),  # SXM2
@@ -142,12 +143,12 @@ DEVICES: tuple[Device, ...] = (
     ),
     Device("L4", r"\bL4\b", (8, 9), 24, 121.0, 121.0, 30.3, memory_bandwidth=300.0, pcie=64.0, compute_units=58),
     Device("L40S", r"\bL40S\b", (8, 9), 48, 362.0, 362.0, 91.6, memory_bandwidth=864.0, pcie=64.0, compute_units=142),
-    # H100 PCIe and NVL: peaks from the MFU table; memory None (the planner's table had neither row)
+    # H100 PCIe and NVL: peaks from the MFU table; memory from the H100 datasheet (PCIe 80 GB, NVL 94 GB)
     Device(
         "H100-PCIe",
         r"H100.*PCIE",
         (9, 0),
-        None,
+        80,
         756.0,
         756.0,
         51.2,
@@ -157,7 +158,7 @@ DEVICES: tuple[Device, ...] = (
         compute_units=114,
     ),
     Device(
-        "H100-NVL", r"H100.*NVL", (9, 0), None, 835.0, 835.0, 60.0, memory_bandwidth=3900.0, scale_up=600.0, pcie=128.0
+        "H100-NVL", r"H100.*NVL", (9, 0), 94, 835.0, 835.0, 60.0, memory_bandwidth=3900.0, scale_up=600.0, pcie=128.0
     ),
     # SXM; `--gpu H100` keeps naming it, as it did before the PCIe and NVL rows joined
     Device(

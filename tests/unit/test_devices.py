@@ -89,11 +89,12 @@ def test_planner_lookup_by_name(capsys) -> None:
         find_gpu("a100")
     from megatron_ds.plan.__main__ import main
 
-    # a row without a memory figure: `pipeline` asks for it, `precision` needs only the generation
-    assert main(["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "H100-PCIe"]) == 2
-    assert "How much memory has one H100-PCIe? (--gpu-memory-gb" in capsys.readouterr().err
-    assert main(["precision", "--gpu", "H100-PCIe"]) == 0
-    assert "Recommended: bf16" in capsys.readouterr().out
+    # a row without a memory figure (the V100 PCIe came with 16 or 32 GB): `pipeline` asks for it,
+    # `precision` needs only the generation
+    assert main(["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "V100-PCIe"]) == 2
+    assert "How much memory has one V100-PCIe? (--gpu-memory-gb" in capsys.readouterr().err
+    assert main(["precision", "--gpu", "V100-PCIe"]) == 0
+    assert "Recommended: fp16" in capsys.readouterr().out  # Volta: no bf16 tensor cores
 
 
 def test_bandwidth_columns_for_the_gpus_the_time_model_prices() -> None:
