@@ -248,7 +248,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         self._from_json_forms()
         mbs, gbs = self.micro_batch_size, self.global_batch_size
-        check(mbs >= 1 and gbs >= 1, f"--micro-batch-size {mbs} and --global-batch-size {gbs} must be >= 1")
+        at_least("--micro-batch-size", mbs, 1)  # first: an absent --global-batch-size is derived from it
+        at_least("--global-batch-size", gbs, 1)
         at_least("--train-iters", self.train_iters, 0)
         at_least("--eval-interval", self.eval_interval, 1)
         at_least("--eval-iters", self.eval_iters, 0)
