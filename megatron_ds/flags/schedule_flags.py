@@ -90,6 +90,12 @@ def virtual_stages(args: argparse.Namespace) -> int:
     layout = args.pipeline_model_parallel_layout or args.pp_layout
     if layout is not None and layout != "auto" and p >= 1:
         stages = layout_string.count_stages(layout)
+        if p == 1 and stages > 1:  # not virtual stages: interleaving needs two ranks or more
+            flag = megatron_lm.LAYOUT if args.pipeline_model_parallel_layout else "--pp-layout"
+            raise ConfigError(
+                f"{flag} {layout!r} has {stages} stages but --pipeline-model-parallel-size is 1; give "
+                f"--pipeline-model-parallel-size {stages} (a divisor of it from 2 up makes virtual stages), or a one-stage layout"
+            )
         return stages // p if stages % p == 0 else 1  # the layout check names a count that does not divide
     if args.num_layers_per_virtual_pipeline_stage is not None:
         return _from_layers_per_stage(args)

@@ -79,6 +79,17 @@ def test_virtual_stage_conflicts() -> None:
     )
 
 
+def test_a_layout_of_several_stages_on_one_rank_names_the_layout_not_the_interleaved_schedule() -> None:
+    """It said '--pp-schedule interleaved needs --pipeline-model-parallel-size 2 or more', a flag the line lacked."""
+    for flag in ("--pp-layout", "--pipeline-model-parallel-layout"):
+        got = error("--pipeline-model-parallel-size", "1", flag, "E|t*4|t*4|L")
+        assert got == (
+            f"{flag} 'E|t*4|t*4|L' has 4 stages but --pipeline-model-parallel-size is 1; give "
+            "--pipeline-model-parallel-size 4 (a divisor of it from 2 up makes virtual stages), or a one-stage layout"
+        )
+    assert parallel("--pipeline-model-parallel-size", "1", "--pp-layout", "Et*8L").virtual_stages == 1
+
+
 def test_methods_that_balance_one_stage_per_rank_are_refused_with_virtual_stages() -> None:
     from megatron_ds.errors import LayoutError
     from megatron_ds.estimate.machine import CPU
