@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 from megatron_ds.config.checks import at_least, check, one_of
@@ -14,6 +16,24 @@ TOKENIZER_TYPES = (
     "HuggingFaceTokenizer",
 )
 DATA_UPSTREAMS = ("megatron-deepspeed", "megatron-lm")
+
+
+def split_fractions(split: str) -> list[float] | None:
+    """`--split 969,30,1` (or `0.8/0.1/0.1`) -> normalised train/valid/test fractions; None when malformed."""
+    try:
+        values = [float(p) for p in re.split(r"[,/]", split.strip())]
+    except ValueError:
+        return None
+    if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
+        return None
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
+
+
+def split_message(split: str) -> str:
+    return (
+        f"--split {split}: expected up to three comma-separated non-negative weights with a positive sum, e.g. 969,30,1"
+    )
 
 
 @dataclass(frozen=True)
@@ -60,5 +80,6 @@ class DataConfig:
         if self.tokenizer_type is not None:
             one_of("--tokenizer-type", self.tokenizer_type, TOKENIZER_TYPES)
         one_of("--data-upstream", self.data_upstream, DATA_UPSTREAMS)
+        check(split_fractions(self.split) is not None, split_message(self.split))  # before launch, mock data too
         at_least("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by, 1)
         at_least("--num-workers", self.num_workers, 0)

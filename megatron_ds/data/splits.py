@@ -16,13 +16,13 @@ see the same samples in the same order as its upstream would:
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_ds.config import DATA_UPSTREAMS, TrainingConfig
+from megatron_ds.config.data import split_fractions, split_message
 from megatron_ds.data import DataError
 
 MEGATRON_DEEPSPEED, MEGATRON_LM = DATA_UPSTREAMS
@@ -34,18 +34,11 @@ Range = tuple[int, int]
 
 
 def parse_split(split: str) -> list[float]:
-    """`--split 969,30,1` -> normalised train/valid/test fractions."""
-    try:
-        values = [float(p) for p in re.split(r"[,/]", split.strip())]
-    except ValueError:
-        values = []
-    if not 1 <= len(values) <= 3 or any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
-        raise DataError(
-            f"--split {split}: expected up to three comma-separated non-negative "
-            f"weights with a positive sum, e.g. 969,30,1"
-        )
-    values += [0.0] * (3 - len(values))
-    return [v / sum(values) for v in values]
+    """`--split 969,30,1` -> normalised train/valid/test fractions (`config.data.split_fractions`)."""
+    fractions = split_fractions(split)
+    if fractions is None:
+        raise DataError(split_message(split))
+    return fractions
 
 
 def _megatron_deepspeed_bounds(num_documents: int, split: str) -> list[int]:

@@ -74,9 +74,12 @@ def raises(make, message: str) -> str:
         (lambda: ParallelConfig(pipeline_model_parallel_size=2, world_size=5), "world size 5 is not divisible by"),
         (lambda: ParallelConfig(distributed_timeout_minutes=0), "--distributed-timeout-minutes 0 must be > 0"),
         (lambda: TrainingConfig(micro_batch_size=0), "--micro-batch-size 0 must be >= 1"),
+        (lambda: TrainingConfig(global_batch_size=0), "--global-batch-size 0 must be >= 1"),
         (lambda: TrainingConfig(initial_loss_scale=3000.0), "--initial-loss-scale 3000.0 must be a power of 2"),
         (lambda: TrainingConfig(checkpoint_num_layers=0), "it must be >= 1"),
         (lambda: DataConfig(mock_data=True, data_path=["x"]), "--mock-data and --data-path were both given"),
+        (lambda: DataConfig(mock_data=True, split="a,b,c"), "--split a,b,c: expected up to three"),  # mock data too
+        (lambda: DataConfig(split="1,2,3,4"), "--split 1,2,3,4: expected up to three"),
     ],
 )
 def test_sections_refuse_bad_values(make, message: str) -> None:
