@@ -31,6 +31,8 @@ import numpy as np
 from megatron_ds.data import DataError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
+LEGACY_INDEX_HEADER = b"TNTIDX\x00\x00"
+"""Megatron-DeepSpeed's older IndexedDataset (`--data-impl lazy/cached`), which `infer` tells apart by it."""
 INDEX_VERSION = 1
 HEADER_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8
 TOKEN_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
@@ -99,6 +101,8 @@ def _read_header(path: str) -> tuple[type, int, int]:
     """(dtype, sequence count, document count) of an `.idx`, or a DataError."""
     with open(path, "rb") as f:
         head = f.read(HEADER_BYTES)
+    if head.startswith(LEGACY_INDEX_HEADER):
+        raise DataError(f"{path}: a legacy (lazy/cached) index, not the mmap format read here; {REWRITE}")
     if not head[: len(INDEX_HEADER)] == INDEX_HEADER[: len(head)]:
         raise DataError(f"{path}: bad magic header (not a Megatron index file); {REWRITE}")
     if len(head) < HEADER_BYTES:

@@ -31,11 +31,11 @@ DATA: tuple[Flag, ...] = (
     accepted(
         "--data-impl",
         _DATA,
-        "only `mmap`, the format our tools and megatron-core write",
+        "`mmap`, the format our tools and megatron-core write, or `infer` (Megatron-DeepSpeed's default: the "
+        "index header decides, so an mmap index reads and a legacy lazy/cached one is refused when opened)",
         default="mmap",
-        choices=("mmap",),
+        choices=("mmap", "infer"),
         refused_values=(
-            Refusal("infer", _MMAP_ONLY, "use --data-impl mmap (or drop it)"),
             Refusal("lazy", _MMAP_ONLY, _CONVERT),
             Refusal("cached", _MMAP_ONLY, _CONVERT),
         ),

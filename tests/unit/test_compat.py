@@ -296,6 +296,7 @@ def test_model_options_that_keep_todays_model() -> None:
             "single",
         )
         == parse()
+        == parse("--data-impl", "infer")  # upstream's default: the header decides (a legacy one fails when read)
     )
     for argv, message in (
         (["--num-key-value-heads", "3"], "--num-key-value-heads 3 must divide"),

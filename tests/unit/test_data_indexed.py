@@ -159,6 +159,7 @@ def test_writer_dtype_and_atomicity(tmp_path: Path) -> None:
         ("idx_short", r"\.idx: truncated or corrupt \(header says 3 sequences"),
         ("idx_tiny", r"\.idx: truncated \(10 bytes"),
         ("magic", r"\.idx: bad magic header"),
+        ("legacy", r"\.idx: a legacy \(lazy/cached\) index, not the mmap format read here"),
         ("version", r"\.idx: index version 7 is not supported"),
         ("dtype", r"\.idx: dtype code 6 is not a token dtype"),
         ("offsets", r"\.idx: corrupt \(sequence offsets"),
@@ -179,6 +180,8 @@ def test_validation_errors(tmp_path: Path, damage: str, message: str) -> None:
         idx.write_bytes(raw[:10])
     elif damage == "magic":
         idx.write_bytes(b"XXXXXXXXX" + raw[9:])
+    elif damage == "legacy":  # Megatron-DeepSpeed's IndexedDataset header (`--data-impl lazy/cached`)
+        idx.write_bytes(b"TNTIDX\x00\x00" + raw[8:])
     elif damage == "version":
         idx.write_bytes(raw[:9] + struct.pack("<Q", 7) + raw[17:])
     elif damage == "dtype":
