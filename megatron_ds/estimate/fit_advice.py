@@ -311,20 +311,19 @@ def fit_advice(inputs: MemoryInputs, num_stages: int, limit: float) -> str:
 def _fitting_pair(inputs: MemoryInputs, num_stages: int, limit: float, tried: Sequence[Remedy]) -> str | None:
     """The cheapest two of `tried` together whose least largest stage fits (`fitting_combination`'s order
     without a layout: any split), as flags with that stage; None when no pair does."""
+    where = " per rank" if num_stages == 1 else " on its largest stage"
     best: tuple[tuple, str] | None = None
-    for i, a in enumerate(tried):
-        for b in tried[i + 1 :]:
-            steps = _steps((a, b), inputs)
-            if steps is None:
-                continue
-            need = least_memory(steps[-1][2], num_stages)
-            if need > limit:
-                continue
-            key = (max(a.cost_rank, b.cost_rank), a.cost_rank + b.cost_rank, tried.index(a) + tried.index(b), need)
+    for combo in _pairs(tried):
+        steps = _steps(combo, inputs)
+        if steps is None:
+            continue
+        need = least_memory(steps[-1][2], num_stages)
+        if need > limit:
+            continue
+        key = (*_cheapness(combo, [r.cost_rank for r in combo]), need)
+        if best is None or key < best[0]:
             flags = " ".join(r.ask(before, after) for r, before, after in steps)
-            where = " per rank" if num_stages == 1 else " on its largest stage"
-            if best is None or key < best[0]:
-                best = (key, f"{flags} ({format_bytes(need)}{where})")
+            best = (key, f"{flags} ({format_bytes(need)}{where})")
     return best[1] if best else None
 
 
@@ -385,6 +384,17 @@ def _steps(remedies: Sequence[Remedy], inputs: MemoryInputs) -> list[tuple[Remed
     return steps
 
 
+def _pairs(remedies: Sequence[Remedy]) -> list[tuple[Remedy, Remedy]]:
+    """Each two of `remedies` in their order (halving the micro-batch may come twice)."""
+    return [(a, b) for i, a in enumerate(remedies) for b in remedies[i:] if a is not b or a is HALVE_MICRO_BATCH]
+
+
+def _cheapness(combo: Sequence[Remedy], ranks: Sequence[int]) -> tuple[int, int, int, int]:
+    """How cheap changes together are (`ranks`: each part's cost rank, a rebalance's too): the largest cost
+    rank, then their sum, then fewer parts, then the milder remedies (REMEDIES lists equal costs mildest first)."""
+    return max(ranks), sum(ranks), len(ranks), sum(REMEDIES.index(r) for r in combo)
+
+
 def fitting_combination(
     inputs: MemoryInputs,
     layout: Layout,
@@ -396,15 +406,13 @@ def fitting_combination(
 ) -> Change | None:
     """The cheapest changes together whose fullest stage fits `limit`, for when no single change does: two of
     `REMEDIES` (halving the micro-batch may come twice), one or two of them with the layout method
-    `rebalance`. Cheapest: the largest cost rank of the parts, then their sum, then fewer parts, then the
-    milder changes (earlier in `REMEDIES`: optimizer offload before parameter offload), then the smaller
-    fullest stage. None when none of these fits."""
+    `rebalance`. Cheapest: `_cheapness`, then the smaller fullest stage. None when none of these fits."""
     usable = [
         r for r in REMEDIES if r is not ONE_BIT and not (r.single_stage and layout.num_stages > 1) and r.change(inputs)
     ]
-    combos = [(r,) for r in usable]
-    combos += [(a, b) for i, a in enumerate(usable) for b in usable[i:] if a is not b or a is HALVE_MICRO_BATCH]
+    combos: list[tuple[Remedy, ...]] = [(r,) for r in usable] + _pairs(usable)
     methods = [method] + ([rebalance] if rebalance and rebalance != method and layout.num_stages > 1 else [])
+    base = _peak(inputs, layout)
     best: tuple[tuple, Change] | None = None
     for combo in combos:
         steps = _steps(combo, inputs)
@@ -426,17 +434,11 @@ def fitting_combination(
             parts = [(r.name, r.ask(before, after), r.cost, r.cost_rank) for r, before, after in steps]
             if m != method:
                 parts.append((f"rebalance stages ({m})", rebalance_flags(m, new_layout), REBALANCE_COST, 0))
-            ranks = [p[3] for p in parts]
-            order = sum(REMEDIES.index(r) for r in combo)  # REMEDIES lists equal costs mildest first
-            key = (max(ranks), sum(ranks), len(parts), order, peak)
+            key = (*_cheapness(combo, [p[3] for p in parts]), peak)
             if best is None or key < best[0]:
-                change = Change(
-                    " + ".join(p[0] for p in parts),
-                    " ".join(p[1] for p in parts),
-                    _peak(inputs, layout) - peak,
-                    "; ".join(p[2] for p in parts),
-                    max(ranks),
-                    peak,
+                names, flags, costs, ranks = zip(*parts)
+                best = (
+                    key,
+                    Change(" + ".join(names), " ".join(flags), base - peak, "; ".join(costs), max(ranks), peak),
                 )
-                best = (key, change)
     return best[1] if best else None

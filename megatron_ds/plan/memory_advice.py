@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_ds.estimate.fit_advice import Change, fitting_combination, ranked_changes
+from megatron_ds.estimate.fit_advice import Change, LayoutFor, fitting_combination, ranked_changes
 from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import Layout
@@ -101,7 +101,8 @@ def memory_section(ctx: Context) -> Section:
             else "saves nothing"
         )
         sec.add(f"  {i}. {c.name} [{c.flags}]: {saving} ({format_bytes(c.peak)} per GPU); cost: {c.cost}")
-    together = _together(ctx, now) if _needs_more(ctx, now, changes) else None
+    needs_more = _needs_more(ctx, now, changes)
+    together = _together(ctx, now) if needs_more else None
     sec.data = {
         "stages": [s.total for s in stages],
         "changes": [dataclasses.asdict(c) for c in changes],
@@ -112,7 +113,7 @@ def memory_section(ctx: Context) -> Section:
             f"No single change fits in {format_bytes(ctx.res.usable_bytes)}; together they do: {together.name} "
             f"[{together.flags}]: {format_bytes(together.peak)} per GPU; cost: {together.cost}"
         )
-    elif _needs_more(ctx, now, changes):
+    elif needs_more:
         sec.add(
             f"No single change, nor two together, fits in {format_bytes(ctx.res.usable_bytes)}: split the model over "
             "more GPUs (a larger --tensor-model-parallel-size or --pipeline-model-parallel-size; `pipeline` searches "
@@ -184,14 +185,19 @@ def _diagnose(ctx: Context, sec: Section, stages: list[StageMemory], schedule_la
         sec.check(False, f"stage {peak} predicted {need} exceeds {usable}")
 
 
-def _changes(ctx: Context, now: search.Candidate) -> list[Change]:
-    """`estimate.fit_advice`'s changes for this configuration, laid out as the planner lays it out."""
+def _layout_for(ctx: Context, now: search.Candidate) -> LayoutFor:
+    """The layout a method gives a changed configuration, with `now`'s degrees, as the planner lays it out."""
 
     def layout_for(inputs: MemoryInputs, method: str) -> Layout:
         return search.layout_for(ctx.res, now.tp, now.pp, method, inputs)
 
+    return layout_for
+
+
+def _changes(ctx: Context, now: search.Candidate) -> list[Change]:
+    """`estimate.fit_advice`'s changes for this configuration, laid out as the planner lays it out."""
     rebalance = (*partition_methods.planned_methods(), "both") if now.pp > 1 else ()
-    return ranked_changes(now.inputs, now.layout, now.method, layout_for, rebalance, _layout_flags)
+    return ranked_changes(now.inputs, now.layout, now.method, _layout_for(ctx, now), rebalance, _layout_flags)
 
 
 def _needs_more(ctx: Context, now: search.Candidate, changes: list[Change]) -> bool:
@@ -202,11 +208,7 @@ def _needs_more(ctx: Context, now: search.Candidate, changes: list[Change]) -> b
 
 def _together(ctx: Context, now: search.Candidate) -> Change | None:
     """The cheapest changes together that fit (`fit_advice.fitting_combination`), the memory method rebalancing."""
-
-    def layout_for(inputs: MemoryInputs, method: str) -> Layout:
-        return search.layout_for(ctx.res, now.tp, now.pp, method, inputs)
-
-    usable = ctx.res.usable_bytes
+    layout_for, usable = _layout_for(ctx, now), ctx.res.usable_bytes
     return fitting_combination(now.inputs, now.layout, now.method, layout_for, usable, "memory", _layout_flags)
 
 
