@@ -253,6 +253,7 @@ class TrainingConfig:
         at_least("--train-iters", self.train_iters, 0)
         at_least("--eval-interval", self.eval_interval, 1)
         at_least("--eval-iters", self.eval_iters, 0)
+        at_least("--seed", self.seed, 1, "; give a positive seed, as Megatron-DeepSpeed and Megatron-LM require")
         one_of("precision", self.precision, PRECISIONS)
         one_of("--zero-stage", self.zero_stage, ZERO_STAGES)
         self._check_offload()

@@ -75,6 +75,7 @@ def raises(make, message: str) -> str:
         (lambda: ParallelConfig(distributed_timeout_minutes=0), "--distributed-timeout-minutes 0 must be > 0"),
         (lambda: TrainingConfig(micro_batch_size=0), "--micro-batch-size 0 must be >= 1"),
         (lambda: TrainingConfig(global_batch_size=0), "--global-batch-size 0 must be >= 1"),
+        (lambda: TrainingConfig(seed=0), "--seed 0 must be >= 1; give a positive seed, as Megatron-DeepSpeed"),
         (lambda: TrainingConfig(initial_loss_scale=3000.0), "--initial-loss-scale 3000.0 must be a power of 2"),
         (lambda: TrainingConfig(checkpoint_num_layers=0), "it must be >= 1"),
         (lambda: DataConfig(mock_data=True, data_path=["x"]), "--mock-data and --data-path were both given"),
