@@ -36,6 +36,11 @@ def default_ffn_hidden_size(hidden_size: int, activation: str) -> int:
 
 
 DEFAULT_ROTARY_BASE = 10000.0
+DEFAULT_ROPE_SCALING_FACTOR = 8.0
+"""`--rope-scaling-factor`'s default (Megatron-LM's; Llama 3.1 and 3.3 use 8, Llama 3.2 32)."""
+LLAMA3_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The other parameters of Llama 3.x's RoPE scaling: megatron-core's `RotaryEmbedding._apply_scaling` fixes them
+at Llama 3.1's released values (no Megatron-LM flag sets them), as every Llama 3.x config.json has them."""
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
@@ -90,6 +95,13 @@ class ModelConfig:
     """The share of each head's channels that rotary embeddings rotate (`--rotary-percent`): the first
     `rotary_dim` channels of q and k; the rest pass through, as Megatron's partial rotary. Stored as
     1.0 without rotary embeddings (one spelling of the same model)."""
+    use_rope_scaling: bool = False
+    """Llama 3.x's RoPE frequency scaling (Megatron-LM's `--use-rope-scaling`): frequencies whose wavelength
+    exceeds the original context / low_freq_factor are divided by rope_scaling_factor, those under the original
+    context / high_freq_factor kept, the ones between interpolated smoothly (`model.rotary.llama3_scaled`;
+    `LLAMA3_ROPE_SCALING`). Stored as False without rotary embeddings."""
+    rope_scaling_factor: float = DEFAULT_ROPE_SCALING_FACTOR
+    """The scaling's factor (`--rope-scaling-factor`); stored as the default without use_rope_scaling."""
     add_position_embedding: bool = True
     """Add the learned absolute position embedding after the word embedding; False with
     `--no-position-embedding` (Llama-style models that use rotary embeddings only). Without it the
@@ -135,9 +147,13 @@ class ModelConfig:
             math.isfinite(self.rotary_percent) and 0.0 < self.rotary_percent <= 1.0,
             f"--rotary-percent {self.rotary_percent} must be in (0, 1]",
         )
+        positive("--rope-scaling-factor", self.rope_scaling_factor)
         if not self.use_rotary_position_embeddings:  # one spelling of the same model (as kv heads above)
             object.__setattr__(self, "rotary_base", DEFAULT_ROTARY_BASE)
             object.__setattr__(self, "rotary_percent", 1.0)
+            object.__setattr__(self, "use_rope_scaling", False)
+        if not self.use_rope_scaling:
+            object.__setattr__(self, "rope_scaling_factor", DEFAULT_ROPE_SCALING_FACTOR)
         dim = self.rotary_dim
         check(
             not self.use_rotary_position_embeddings or (dim >= 2 and dim % 2 == 0),

@@ -66,6 +66,32 @@ NETWORK: tuple[Flag, ...] = (
         type=int,
         derived=True,
     ),
+    switch(
+        "--use-rope-scaling",
+        _NET,
+        f"{_MLM}: Llama 3.x's RoPE frequency scaling (long wavelengths divided by --rope-scaling-factor, short ones "
+        "kept, smoothed between; megatron-core's fixed low/high frequency factors 1 and 4 and original context "
+        "8192); ignored, with a warning, without rotary embeddings",
+        "model.use_rope_scaling",
+    ),
+    accepted(
+        "--rope-scaling-factor",
+        _NET,
+        f"{_MLM}: the factor of --use-rope-scaling (8 for Llama 3.1 and 3.3, 32 for Llama 3.2); ignored, with a "
+        "warning, without it",
+        "model.rope_scaling_factor",
+        type=float,
+    ),
+    no_op(
+        "--no-rope-fusion",
+        _NET,
+        f"{_MLM}: an unfused kernel of the same rotary embeddings; torch's operations apply them here",
+    ),
+    no_op(
+        "--no-bias-swiglu-fusion",
+        _NET,
+        f"{_MLM}: an unfused kernel of the same bias and SwiGLU; torch's operations compute them here",
+    ),
 )
 
 TRAINING: tuple[Flag, ...] = (

@@ -152,6 +152,10 @@ def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConf
         warn(f"--rotary-base {args.rotary_base:g} only applies with --use-rotary-position-embeddings; ignored")
     if args.rotary_percent != model.rotary_percent:
         warn(f"--rotary-percent {args.rotary_percent:g} only applies with --use-rotary-position-embeddings; ignored")
+    if args.use_rope_scaling and not model.use_rope_scaling:
+        warn("--use-rope-scaling only applies with --use-rotary-position-embeddings; ignored")
+    if args.rope_scaling_factor != model.rope_scaling_factor:
+        warn(f"--rope-scaling-factor {args.rope_scaling_factor:g} only applies with --use-rope-scaling; ignored")
     return model
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.config.model import DEFAULT_ROTARY_BASE
+from megatron_ds.config.model import DEFAULT_ROTARY_BASE, LLAMA3_ROPE_SCALING
 from megatron_ds.errors import UserError
 from megatron_ds.flags.to_config import ACTIVATION_FLAGS
 from megatron_ds.model import activations, norms
@@ -84,6 +84,11 @@ LLAMA_REQUIRES = (
 )
 PHI3_REQUIRES = (
     _norm_requirement(PHI3_NORM, "Phi-3"),
+    Requirement(
+        lambda m: not m.use_rope_scaling,
+        "--use-rope-scaling with --rotary-percent below 1: partial rotary exports as Phi-3, whose rope scaling is "
+        "not Llama 3.x's",
+    ),
     Requirement(
         lambda m: not m.add_bias_linear,
         lambda m: (
@@ -156,12 +161,19 @@ def to_hf_config(
         "hidden_act": activations.find(model.activation).hf_names[0],
         "rms_norm_eps": model.layernorm_epsilon,
         "rope_theta": model.rotary_base,
-        "rope_scaling": None,
+        "rope_scaling": _llama3_scaling(model),
         "attention_bias": model.add_bias_linear,
         "mlp_bias": model.add_bias_linear,
         "attention_dropout": regularization.attention_dropout,
         "pretraining_tp": 1,
     }
+
+
+def _llama3_scaling(model: ModelConfig) -> dict[str, Any] | None:
+    """transformers' `rope_scaling` of a Llama 3.x-scaled model (None without scaling)."""
+    if not model.use_rope_scaling:
+        return None
+    return {"rope_type": "llama3", "factor": model.rope_scaling_factor, **LLAMA3_ROPE_SCALING}
 
 
 def _phi3_fields(model: ModelConfig, regularization: RegularizationConfig) -> dict[str, Any]:
@@ -297,7 +309,8 @@ def _from_llama(f: _Fields) -> HFModel:
         "normalization": LLAMA_NORM.name,
         **ACTIVATION_FLAGS[LLAMA_ACTIVATIONS[act]],
         "use_rotary_position_embeddings": True,
-        "rotary_base": _rope_theta(f),
+        "rotary_base": _rope_base(f),
+        **_scaling_flags(_rope_scaling(f)),
         "rotary_percent": 1.0,  # transformers' Llama rotates whole heads (whatever partial_rotary_factor says)
         "add_position_embedding": False,
         "add_bias_linear": attention_bias,
@@ -310,6 +323,11 @@ def _from_llama(f: _Fields) -> HFModel:
         "seq_length": architecture["max_position_embeddings"],
     }
     return HFModel(LLAMA, architecture, defaults, f.get("vocab_size", int))
+
+
+def _scaling_flags(factor: float | None) -> dict[str, Any]:
+    """The dests of `--use-rope-scaling` / `--rope-scaling-factor` for a scaling factor or None."""
+    return {"use_rope_scaling": False} if factor is None else {"use_rope_scaling": True, "rope_scaling_factor": factor}
 
 
 def _from_phi3(f: _Fields) -> HFModel:
@@ -332,7 +350,7 @@ def _from_phi3(f: _Fields) -> HFModel:
         "normalization": PHI3_NORM.name,
         **ACTIVATION_FLAGS[LLAMA_ACTIVATIONS[act]],
         "use_rotary_position_embeddings": True,
-        "rotary_base": _rope_theta(f),
+        "rotary_base": _plain_rope_base(f),
         "rotary_percent": float(factor),
         "add_position_embedding": False,
         "add_bias_linear": False,
@@ -347,17 +365,39 @@ def _from_phi3(f: _Fields) -> HFModel:
     return HFModel(PHI3, architecture, defaults, f.get("vocab_size", int))
 
 
-def _rope_theta(f: _Fields) -> float:
-    """The rotary base; plain rotary embeddings only (no scaling)."""
-    # transformers < 5 writes rope_theta / rope_scaling; 5 writes rope_parameters {rope_type, rope_theta}.
+def _plain_rope_base(f: _Fields) -> float:
+    """The rotary base of a model with plain rotary embeddings only (Phi-3's scalings are not built)."""
+    _rope_scaling(f, allowed=())
+    return _rope_base(f)
+
+
+def _rope_scaling(f: _Fields, allowed: tuple[str, ...] = ("llama3",)) -> float | None:
+    """The factor of Llama 3.x's RoPE scaling (rope type `llama3`, its other parameters megatron-core's fixed ones:
+    `LLAMA3_ROPE_SCALING`), or None for plain rotary embeddings; another rope type is refused."""
+    # transformers < 5 writes rope_theta / rope_scaling; 5 writes rope_parameters {rope_type, rope_theta, ...}.
     params = f.hf.get("rope_parameters") or {}
-    scaling = f.hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        name = "rope_parameters" if params.get("rope_type") else "rope_scaling"
-        raise HFConfigError(
-            f"{f.source}: {name} type {kind!r} is not supported: only plain rotary embeddings are built"
-        )
+    scaling = params if params.get("rope_type") else (f.hf.get("rope_scaling") or {})
+    name = "rope_parameters" if params.get("rope_type") else "rope_scaling"
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in allowed:
+        built = "plain and Llama 3.x-scaled (llama3)" if allowed else "only plain"
+        raise HFConfigError(f"{f.source}: {name} type {kind!r} is not supported: {built} rotary embeddings are built")
+    for key, value in LLAMA3_ROPE_SCALING.items():
+        if scaling.get(key, value) != value:
+            raise HFConfigError(
+                f"{f.source}: {name} {key} {scaling.get(key)!r} is not supported: Llama 3.x's scaling is built with "
+                f"{key} {value:g}, as megatron-core fixes it (every Llama 3.x config.json has it)"
+            )
+    factor = scaling.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise HFConfigError(f"{f.source}: {name} factor {factor!r} is not a positive number; fix the config.json")
+    return float(factor)
+
+
+def _rope_base(f: _Fields) -> float:
+    params = f.hf.get("rope_parameters") or {}
     theta = params.get("rope_theta", f.hf.get("rope_theta", DEFAULT_ROTARY_BASE))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
         raise HFConfigError(f"{f.source}: rope_theta {theta!r} is not a positive number; fix the config.json")

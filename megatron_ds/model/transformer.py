@@ -3,7 +3,8 @@ activation is an entry of `megatron_ds.model.activations` (tanh or exact GeLU, S
 
 Options (ModelConfig): grouped-query attention (`num_key_value_heads`: kv heads shared by groups
 of nh/kv query heads), rotary embeddings on q and k (base `rotary_base`, on the first `rotary_dim`
-channels of each head), the MLP activation, no biases in the linears.
+channels of each head; Llama 3.x's frequency scaling with `use_rope_scaling`), the MLP activation, no biases in
+the linears.
 Dropout probabilities and the init std come from RegularizationConfig; the weight shapes from
 `megatron_ds.model.shapes.layer_linear_shapes` (the same shapes the parameter counts use).
 
@@ -75,6 +76,7 @@ class TransformerLayer(nn.Module):
         self.rotary = model.use_rotary_position_embeddings
         self.rotary_base = model.rotary_base
         self.rotary_dim = model.rotary_dim
+        self.rope_scaling_factor = model.rope_scaling_factor if model.use_rope_scaling else None
         self.activation = activations.find(model.activation).function
         self.hidden_dropout = regularization.hidden_dropout
         self.attention_dropout = regularization.attention_dropout
@@ -136,7 +138,9 @@ class TransformerLayer(nn.Module):
         q = q.view(b, s, nq, hd).transpose(1, 2)  # (b, nh/T, s, hd)
         k, v = (t.view(b, s, nkv, hd).transpose(1, 2) for t in (k, v))  # each (b, kv/T, s, hd)
         if self.rotary:
-            angles = rotary_angles(first_position + s, self.rotary_dim, q.device, self.rotary_base)[first_position:]
+            angles = rotary_angles(
+                first_position + s, self.rotary_dim, q.device, self.rotary_base, self.rope_scaling_factor
+            )[first_position:]
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
         return q, k, v
 

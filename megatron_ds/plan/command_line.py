@@ -55,6 +55,8 @@ ARCHITECTURE_FLAGS = (
     "--position-embedding-type",
     "--rotary-base",
     "--rotary-percent",
+    "--use-rope-scaling",
+    "--rope-scaling-factor",
     "--no-position-embedding",
     "--disable-bias-linear",
     "--make-vocab-size-divisible-by",

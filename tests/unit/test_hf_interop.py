@@ -36,6 +36,23 @@ CONFIGS = {
         rope_theta=500000.0,  # Llama-3's base
         **SMALL,
     ),
+    "llama32_rope_scaling": lambda: transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # head size 32: frequencies in all three of the scaling's bands
+        num_key_value_heads=1,
+        max_position_embeddings=16384,  # transformers warns below the original 8192
+        rope_theta=500000.0,
+        rope_scaling={  # Llama 3.2 1B/3B's (--use-rope-scaling --rope-scaling-factor 32)
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        **SMALL,
+    ),
     "phi3_partial_rotary": lambda: transformers.Phi3Config(
         hidden_size=32,
         intermediate_size=48,
@@ -76,6 +93,7 @@ EXPECTED = {
     "gpt2": ("gelu", 10000.0),
     "gpt2_gelu_new": ("gelu_tanh", 10000.0),  # GPT-2's default activation_function
     "llama_gqa": ("swiglu", 500000.0),
+    "llama32_rope_scaling": ("swiglu", 500000.0),
     "tied_llama": ("swiglu", 10000.0),
     "phi3_partial_rotary": ("swiglu", 10000.0),
 }
@@ -104,6 +122,9 @@ def test_import_equals_transformers_and_exports_back_bit_identical(
     model = result.config.model
     assert (model.activation, model.rotary_base) == EXPECTED[name]
     assert model.rotary_percent == (0.5 if name.startswith("phi3") else 1.0)
+    assert (model.use_rope_scaling, model.rope_scaling_factor) == (
+        (True, 32.0) if "rope_scaling" in name else (False, 8.0)
+    )
     ours = load_model(str(tmp_path / "ours"))
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     with torch.no_grad():

@@ -175,6 +175,33 @@ def test_partial_rotary_exports_as_phi3_and_round_trips() -> None:
         hf_config.architecture_of(dataclasses.replace(partial, add_bias_linear=True))
     with pytest.raises(HFConfigError, match="sliding_window 128 is not supported"):
         hf_config.from_hf_config({**hf, "sliding_window": 128}, "x")
+    with pytest.raises(HFConfigError, match="phi3: --use-rope-scaling with --rotary-percent below 1"):
+        hf_config.architecture_of(dataclasses.replace(partial, use_rope_scaling=True))
+    llama3 = {"rope_type": "llama3", "factor": 8.0}
+    with pytest.raises(HFConfigError, match="rope_scaling type 'llama3' is not supported: only plain rotary"):
+        hf_config.from_hf_config({**hf, "rope_scaling": llama3}, "x")
+
+
+def test_llama3_rope_scaling_round_trips_in_both_transformers_spellings() -> None:
+    """transformers < 5 writes `rope_scaling` beside `rope_theta`, 5 one `rope_parameters`; export writes the former,
+    which both read."""
+    scaled = dataclasses.replace(LLAMA, use_rope_scaling=True, rope_scaling_factor=32.0)
+    hf = hf_config.to_hf_config(scaled, REG, 200, "float32", {})
+    assert hf["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert hf_config.to_hf_config(LLAMA, REG, 200, "float32", {})["rope_scaling"] is None
+    new_style = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta")}
+    new_style["rope_parameters"] = {**hf["rope_scaling"], "rope_theta": hf["rope_theta"]}
+    for config in (hf, new_style):
+        architecture = hf_config.from_hf_config(config, "x").architecture
+        assert (architecture["use_rope_scaling"], architecture["rope_scaling_factor"]) == (True, 32.0)
+        assert architecture["rotary_base"] == LLAMA.rotary_base
+    assert hf_config.from_hf_config(_llama_json(), "x").architecture["use_rope_scaling"] is False
 
 
 def test_swiglu_with_layernorm_is_an_error() -> None:
@@ -199,7 +226,17 @@ def _llama_json(**change: object) -> dict:
             "scale_attn",
         ),
         (_llama_json(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling type 'linear'"),
-        (_llama_json(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_parameters type 'llama3'"),
+        (_llama_json(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_parameters factor None"),
+        (
+            _llama_json(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}),
+            "low_freq_factor 2.0",
+        ),
+        (
+            _llama_json(rope_scaling={"rope_type": "llama3", "factor": 8, "original_max_position_embeddings": 4096}),
+            "original_max_position_embeddings 4096 is not supported: Llama 3.x's scaling is built with "
+            "original_max_position_embeddings 8192",
+        ),
+        (_llama_json(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "type 'yarn' is not supported: plain and"),
         (_llama_json(rope_theta=-1.0), "rope_theta -1.0 is not a positive number"),
         (_llama_json(rope_parameters={"rope_type": "default", "rope_theta": "big"}), "rope_theta 'big'"),
         (_llama_json(attention_bias=True, mlp_bias=False), "mlp_bias"),

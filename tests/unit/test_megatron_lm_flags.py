@@ -134,6 +134,23 @@ def test_rotary_percent(capsys: pytest.CaptureFixture) -> None:
     assert "gives 1 rotary channels" in error(*rope, "0.2")  # head size 8: int(1.6) = 1, not a pair
 
 
+def test_rope_scaling_flags(capsys: pytest.CaptureFixture) -> None:
+    rope = ["--use-rotary-position-embeddings", "--use-rope-scaling"]
+    m = parse(*rope).model
+    assert (m.use_rope_scaling, m.rope_scaling_factor) == (True, 8.0)  # Megatron-LM's default factor
+    assert parse(*rope, "--rope-scaling-factor", "32").model.rope_scaling_factor == 32.0
+    assert parse("--position-embedding-type", "rope", "--use-rope-scaling").model.use_rope_scaling
+    assert parse("--use-rope-scaling").model == parse().model  # no rotary embeddings: nothing to scale
+    assert "--use-rope-scaling only applies with --use-rotary-position-embeddings; ignored" in capsys.readouterr().err
+    plain = parse("--use-rotary-position-embeddings").model
+    assert parse("--use-rotary-position-embeddings", "--rope-scaling-factor", "4").model == plain
+    assert "--rope-scaling-factor 4 only applies with --use-rope-scaling; ignored" in capsys.readouterr().err
+    assert "--rope-scaling-factor 0.0 must be > 0" in error(*rope, "--rope-scaling-factor", "0")
+    assert parse(*rope).model != plain  # another model: a checkpoint of one does not resume as the other
+    for fused in ("--no-rope-fusion", "--no-bias-swiglu-fusion"):
+        assert parse(*rope, fused).model == parse(*rope).model
+
+
 def reference_rotary(x: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
     """Megatron's partial rotary written as complex multiplication: pair (x_i, x_{i+r/2}) of the first r
     channels times exp(i p theta_i), theta_i = base^(-2i/r); channels r.. unchanged."""
