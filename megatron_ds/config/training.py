@@ -237,6 +237,10 @@ class TrainingConfig:
     """Megatron-LM's `--calculate-per-token-loss`: the loss averaged over every token of the global batch.
     Here it is the mean of micro-batch means, the same while every micro-batch counts all its tokens
     (`--eod-mask-loss` is refused with it; a step whose batch masks a padded token gets a warning)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop the run at the first step whose loss or gradient norm is NaN or Inf, before anything is saved
+    (Megatron-LM's default; `--no-check-for-nan-in-loss-and-grad` trains on). Off under fp16 with dynamic loss
+    scaling, whose overflows are the scaler's signal, as Megatron-LM turns it off (`training.finite_check`)."""
     manual_gc: bool = False
     """Megatron-LM's `--manual-gc`: Python's automatic garbage collection is off during training, and
     `gc.collect()` runs every manual_gc_interval steps (0: never) and around evaluations."""

@@ -135,6 +135,17 @@ TRAINING: tuple[Flag, ...] = (
         f"{_MLM}: a fused kernel of the same cross entropy; the loss here is torch's, from fp32 logits",
     ),
     switch(
+        "--no-check-for-nan-in-loss-and-grad",
+        _TRAIN,
+        f"{_MLM}: train on when a step's loss or gradient norm is NaN or Inf. Without it the run stops at that "
+        "step with one line, before saving (the check is off under fp16 with dynamic loss scaling, as in "
+        "Megatron-LM; Megatron-DeepSpeed trains on and counts nan iterations)",
+        "training.check_for_nan_in_loss_and_grad",
+        stores=False,
+        dest="check_for_nan_in_loss_and_grad",
+        default=True,
+    ),
+    switch(
         "--manual-gc",
         _TRAIN,
         f"{_MLM}: Python's automatic garbage collection off while training; gc.collect() every "

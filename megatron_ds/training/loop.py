@@ -17,7 +17,7 @@ from megatron_ds.config import Config
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import logger, signals
+from megatron_ds.training import finite_check, logger, signals
 from megatron_ds.training.builder import Pipeline, build_pipeline
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.grad_norm import grad_norm
@@ -258,6 +258,8 @@ def train(run: Run) -> bool:
         timed = step != start_iteration + 1 and step not in profiled
         with memory.step_context(meter, step, measured_iteration), run.pipeline.timers.counting(timed):
             losses.append(train_step(run))
+        if finite_check.checking(cfg, run.engine):
+            finite_check.check_step(state.iteration, losses[-1], grad_norm(run.engine))
         if state.iteration % lg.log_interval == 0 or state.iteration == t.train_iters:
             log_step(run, losses, time.time() - window_start, start_iteration)
             losses = []

@@ -343,3 +343,19 @@ def test_straight_run_reports_stage_compute_apart_from_waiting(straight: dict) -
     flops = model_flops_per_iteration(model, 8)
     assert tflops == pytest.approx(flops / (ms / 1e3 * 3) / 1e12, rel=0.01)
     assert "MFU" not in line  # no peak known on CPU
+
+
+def test_a_nan_step_stops_every_stage_before_saving(tmp_path: Path) -> None:
+    """--lr 1e30 leaves step 1's weights so large that step 2's loss is NaN: both pipeline stages stop at iteration 2
+    with one line each and no traceback, the checkpoint of iteration 1 stays the latest (Megatron-LM's
+    --check-for-nan-in-loss-and-grad, on by default)."""
+    save = tmp_path / "ckpt"
+    flags = [*MODEL, *TRAIN, "--pipeline-model-parallel-size", "2", "--lr", "1e30", "--lr-warmup-iters", "0"]
+    out = pretrain(2, *flags, "--eval-iters", "0", "--save", str(save), "--save-interval", "1")
+    assert out.returncode not in (0, -9), out.stdout[-4000:]
+    ours = [f'File "{ROOT / "megatron_ds"}', 'pretrain_gpt.py", line']  # torchrun prints its own traceback
+    assert not any(frame in out.stdout for frame in ours), out.stdout[-4000:]
+    errors = [ln for ln in out.stdout.splitlines() if "error: iteration 2: lm loss nan" in ln]
+    assert sorted(ln.split("]")[0] for ln in errors) == ["[rank 0", "[rank 1"], out.stdout[-4000:]
+    assert "--no-check-for-nan-in-loss-and-grad to train on" in errors[0]
+    assert (save / "latest").read_text().strip() == "global_step1" and not (save / "global_step2").exists()
