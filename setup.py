@@ -31,6 +31,7 @@ setup(
         "hf": ["transformers>=4.40", "safetensors>=0.4", "tqdm>=4.60"],
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard>=2.14"],
+        "wandb": ["wandb>=0.15"],
     },
     entry_points={
         "console_scripts": [

@@ -48,6 +48,16 @@ class LoggingConfig:
     """Write TensorBoard scalars here (`--tensorboard-dir`)."""
     log_memory: bool = True
     """Print each stage's measured memory once, after the first log interval (`--log-memory`)."""
+    wandb_project: str | None = None
+    """Weights & Biases project the last rank logs the TensorBoard scalars to (`--wandb-project`; None or "": no
+    wandb run, as in Megatron)."""
+    wandb_exp_name: str | None = None
+    """The wandb run's name (`--wandb-exp-name`); None: wandb names it."""
+    wandb_save_dir: str | None = None
+    """Where wandb writes its local files (`--wandb-save-dir`); None: `<--save>/wandb` as in Megatron, or wandb's
+    default (./wandb) without --save."""
+    wandb_entity: str | None = None
+    """The wandb team or user that owns the project (Megatron-LM's `--wandb-entity`); None: wandb's default."""
     tensorboard_queue_size: int = 1000
     """Events the TensorBoard writer buffers before flushing (`--tensorboard-queue-size`)."""
     log_timers_to_tensorboard: bool = False
@@ -87,6 +97,9 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "profile_ranks", tuple(self.profile_ranks))
+        for name in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity"):
+            if getattr(self, name) == "":  # Megatron's default spelling of "not given"
+                object.__setattr__(self, name, None)
         at_least("--log-interval", self.log_interval, 1)
         at_least("--tensorboard-queue-size", self.tensorboard_queue_size, 1)
         if self.peak_tflops is not None:

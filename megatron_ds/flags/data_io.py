@@ -222,6 +222,28 @@ LOGGING: tuple[Flag, ...] = (
     ),
     accepted("--tensorboard-dir", _LOG, "TensorBoard scalars, written by the last rank", "logging.tensorboard_dir"),
     accepted(
+        "--wandb-project",
+        _LOG,
+        "log the TensorBoard scalars (same names, same logging flags) to this Weights & Biases project from the "
+        "last rank; needs the wandb package (a clear error before launch without it, where Megatron-DeepSpeed "
+        "warns and logs nothing)",
+        "logging.wandb_project",
+    ),
+    accepted(
+        "--wandb-exp-name",
+        _LOG,
+        "the wandb run's name (wandb picks one when not given, as in Megatron-DeepSpeed; Megatron-LM requires it); "
+        "ignored, with a warning, without --wandb-project",
+        "logging.wandb_exp_name",
+    ),
+    accepted(
+        "--wandb-save-dir",
+        _LOG,
+        "wandb's local directory (default <--save>/wandb, or wandb's ./wandb without --save); ignored, with a "
+        "warning, without --wandb-project",
+        "logging.wandb_save_dir",
+    ),
+    accepted(
         "--tensorboard-queue-size",
         _LOG,
         "events the writer buffers before flushing",

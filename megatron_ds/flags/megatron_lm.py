@@ -250,6 +250,12 @@ CHECKPOINTING: tuple[Flag, ...] = (
 )
 
 LOGGING: tuple[Flag, ...] = (
+    accepted(
+        "--wandb-entity",
+        _LOG,
+        f"{_MLM}: the wandb team or user that owns --wandb-project; ignored, with a warning, without it",
+        "logging.wandb_entity",
+    ),
     no_op(
         "--log-throughput",
         _LOG,

@@ -290,7 +290,11 @@ def _warn_loss_scale_ignored(args: argparse.Namespace, precision: str) -> None:
 
 
 def _warn_tensorboard_ignored(args: argparse.Namespace) -> None:
-    if args.tensorboard_dir is not None:
+    if not args.wandb_project:
+        given = [d for d in ("wandb_exp_name", "wandb_save_dir", "wandb_entity") if getattr(args, d)]
+        if given:
+            warn(f"{', '.join(map(flag_of, given))} need --wandb-project; ignored without it")
+    if args.tensorboard_dir is not None or args.wandb_project:
         return
     defaults = LoggingConfig()
     ignored = [
@@ -299,7 +303,7 @@ def _warn_tensorboard_ignored(args: argparse.Namespace) -> None:
         if f.name.endswith("_tensorboard") and getattr(args, f.name) != getattr(defaults, f.name)
     ]
     if ignored:
-        warn(f"{', '.join(map(flag_of, ignored))} need --tensorboard-dir; ignored without it")
+        warn(f"{', '.join(map(flag_of, ignored))} need --tensorboard-dir or --wandb-project; ignored without them")
 
 
 def _optimizer_config(

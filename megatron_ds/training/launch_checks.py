@@ -37,6 +37,13 @@ def check_logging(config: Config) -> None:
             f"--tensorboard-dir {config.logging.tensorboard_dir}: tensorboard is not installed; "
             f"pip install tensorboard (or pip install -e '.[tensorboard]'), or drop the flag"
         )
+    from megatron_ds.training.scalar_writers import wandb_available
+
+    if config.logging.wandb_project and not wandb_available():
+        raise ConfigError(
+            f"--wandb-project {config.logging.wandb_project}: wandb is not installed; pip install wandb, or drop the "
+            "--wandb-* flags"
+        )
 
 
 def check_launch(config: Config, dry_run: bool = False) -> list[str]:

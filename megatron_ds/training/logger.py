@@ -85,20 +85,17 @@ def format_eval(name: str, iteration: int, loss: float) -> str:
     return f" {name} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
 
 
-class TensorBoard:
-    """Scalars to `--tensorboard-dir` (one writer, on the last rank, as Megatron does).
+class Scalars:
+    """The scalars Megatron writes to TensorBoard, written by the last rank to `writer` (a SummaryWriter, or
+    `scalar_writers.FanOut` in front of TensorBoard and wandb).
 
     Which scalars follow Megatron's logging flags (`LoggingConfig`): loss, grad norm and throughput
     always; learning rate and loss scale unless turned off; batch size, iteration time, validation
-    perplexity, optimizer-state norms, memory and world size when asked for. `writer` is for tests.
+    perplexity, optimizer-state norms, memory and world size when asked for.
     """
 
-    def __init__(self, log_dir: str, cfg: LoggingConfig | None = None, world_size: int = 1, writer: Any = None) -> None:
-        self.cfg = cfg or LoggingConfig(tensorboard_dir=log_dir)
-        if writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(log_dir=log_dir, max_queue=self.cfg.tensorboard_queue_size)
+    def __init__(self, writer: Any, cfg: LoggingConfig, world_size: int = 1) -> None:
+        self.cfg = cfg
         self.writer = writer
         if self.cfg.log_world_size_to_tensorboard:
             self.writer.add_scalar("world-size/world-size", world_size, 0)

@@ -17,7 +17,7 @@ from megatron_ds.config import Config
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import finite_check, logger, signals
+from megatron_ds.training import finite_check, logger, scalar_writers, signals
 from megatron_ds.training.builder import Pipeline, build_pipeline
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.grad_norm import grad_norm
@@ -43,7 +43,7 @@ class Run:
     rank: int
     is_logging_rank: bool
     data: RunData
-    tensorboard: logger.TensorBoard | None = None
+    scalars: logger.Scalars | None = None
     start_time: float = 0.0
     """When setup began (time.time()); `--exit-duration-in-mins` counts from here."""
     peak_tflops: float | None = None
@@ -104,8 +104,9 @@ def setup(config: Config) -> Run:
         hooks=StepHooks(config, pipeline.engine, rank),
     )
     run.data.train = run.hooks.train_batches(run.data.train)
-    if config.logging.tensorboard_dir and run.is_logging_rank:
-        run.tensorboard = logger.TensorBoard(config.logging.tensorboard_dir, config.logging, dist.get_world_size())
+    writer = scalar_writers.open_writers(config) if run.is_logging_rank else None
+    if writer is not None:
+        run.scalars = logger.Scalars(writer, config.logging, dist.get_world_size())
     return run
 
 
@@ -158,8 +159,8 @@ def evaluate(run: Run, name: str, data_iter: Iterator[Any] | None, num_batches: 
     loss = sum(losses) / len(losses)
     if run.is_logging_rank:
         print(logger.format_eval(name, run.state.iteration, loss), flush=True)
-        if run.tensorboard:
-            run.tensorboard.eval(name, run.state.iteration, loss)
+        if run.scalars:
+            run.scalars.eval(name, run.state.iteration, loss)
     return loss
 
 
@@ -191,16 +192,16 @@ def log_step(run: Run, losses: list[float], seconds: float, start_iteration: int
     )
     if run.is_logging_rank:
         print(logger.format_line(stats), flush=True)
-        if run.tensorboard:
-            run.tensorboard.step(stats)
-            run.tensorboard.optimizer_states(run.engine, state.iteration)
+        if run.scalars:
+            run.scalars.step(stats)
+            run.scalars.optimizer_states(run.engine, state.iteration)
 
 
 def report_memory(run: Run, meter: memory.StepMeter) -> None:
     mine = meter.result(run.rank, run.engine.stage_id)
     everyone = memory.gather_report(mine)
-    if run.tensorboard:
-        run.tensorboard.memory(mine, run.state.iteration)
+    if run.scalars:
+        run.scalars.memory(mine, run.state.iteration)
     if run.rank == 0:
         for m in everyone:
             print(m.format(run.state.iteration), flush=True)
@@ -311,6 +312,6 @@ def pretrain(config: Config) -> TrainState:
         if run.data.test_dataset is not None:
             evaluate(run, "test", test_iter, t.eval_iters)
     run.hooks.close()
-    if run.tensorboard:
-        run.tensorboard.close()
+    if run.scalars:
+        run.scalars.close()
     return run.state

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -427,7 +428,7 @@ def stats() -> logger.StepStats:
 
 def test_tensorboard_scalars_follow_the_logging_flags(capsys: pytest.CaptureFixture) -> None:
     plain = FakeWriter()
-    tb = logger.TensorBoard("unused", parse("--tensorboard-dir", "x").logging, writer=plain)
+    tb = logger.Scalars(plain, parse("--tensorboard-dir", "x").logging)
     tb.step(stats())
     tb.eval("validation", 5, 2.0)
     assert set(plain.scalars) == {
@@ -450,7 +451,7 @@ def test_tensorboard_scalars_follow_the_logging_flags(capsys: pytest.CaptureFixt
         "1",
     ).logging
     assert cfg.tensorboard_queue_size == 1
-    tb = logger.TensorBoard("unused", cfg, world_size=3, writer=every)
+    tb = logger.Scalars(every, cfg, world_size=3)
     tb.step(stats())
     tb.eval("validation", 5, 2.0)
     assert every.scalars["iteration-time/iteration-time-ms"] == [(5, 12.5)]
@@ -459,7 +460,69 @@ def test_tensorboard_scalars_follow_the_logging_flags(capsys: pytest.CaptureFixt
     assert every.scalars["lm-loss-validation/lm loss ppl"][0][1] == pytest.approx(7.389056)
     assert "learning-rate/learning-rate" not in every.scalars
     parse("--log-timers-to-tensorboard")
-    assert "--log-timers-to-tensorboard need --tensorboard-dir; ignored without it" in capsys.readouterr().err
+    assert "--log-timers-to-tensorboard need --tensorboard-dir or --wandb-project; ignored" in capsys.readouterr().err
+    parse("--log-timers-to-tensorboard", "--wandb-project", "p")  # the same scalars go to wandb
+    assert "--log-timers-to-tensorboard" not in capsys.readouterr().err
+
+
+class FakeWandb:
+    """wandb's module as `scalar_writers` uses it: `init(...)` returns a run with `log` and `finish`."""
+
+    def __init__(self) -> None:
+        self.init_kwargs: dict = {}
+        self.logged: list[tuple[dict, int]] = []
+        self.finished = False
+
+    def init(self, **kwargs: object) -> FakeWandb:
+        self.init_kwargs = kwargs
+        return self
+
+    def log(self, data: dict, step: int) -> None:
+        self.logged.append((data, step))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_gets_the_tensorboard_scalars_as_megatron_starts_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture
+) -> None:
+    from megatron_ds.training import scalar_writers
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    flags = ("--wandb-project", "gpt", "--wandb-exp-name", "run1", "--wandb-entity", "team", "--save", str(tmp_path))
+    cfg = parse(*flags, "--log-batch-size-to-tensorboard")
+    assert scalar_writers.wandb_directory(cfg) == str(tmp_path / "wandb")  # Megatron's <--save>/wandb
+    writer = scalar_writers.open_writers(cfg)  # no --tensorboard-dir: wandb alone
+    assert [type(w) for w in writer.writers] == [scalar_writers.WandbWriter]
+    assert (tmp_path / "wandb").is_dir()
+    kwargs = fake.init_kwargs
+    assert (kwargs["project"], kwargs["name"], kwargs["entity"], kwargs["dir"]) == (
+        "gpt",
+        "run1",
+        "team",
+        str(tmp_path / "wandb"),
+    )
+    assert kwargs["config"] == cfg.to_dict()
+    scalars = logger.Scalars(writer, cfg.logging)
+    scalars.step(stats())
+    scalars.eval("validation", 5, 2.0)
+    scalars.close()
+    tags = {tag for data, step in fake.logged for tag in data if step == 5}
+    assert {"lm-loss-training/lm loss", "batch-size/batch-size", "lm-loss-validation/lm loss"} <= tags
+    assert ({"lm-loss-training/lm loss": 2.0}, 5) in fake.logged and fake.finished
+    summary = SimpleNamespace(SummaryWriter=lambda log_dir, max_queue: SimpleNamespace(log_dir=log_dir))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", summary)  # tensorboard is an optional extra
+    both = scalar_writers.open_writers(parse(*flags, "--tensorboard-dir", str(tmp_path / "tb"))).writers
+    assert both[0].log_dir == str(tmp_path / "tb") and isinstance(both[1], scalar_writers.WandbWriter)
+    assert scalar_writers.wandb_directory(parse("--wandb-project", "gpt")) is None  # wandb's ./wandb
+    assert scalar_writers.wandb_directory(parse(*flags, "--wandb-save-dir", "w")) == "w"
+    assert scalar_writers.open_writers(parse()) is None
+    assert parse("--wandb-project", "").logging.wandb_project is None  # Megatron's "" is "not given"
+    capsys.readouterr()
+    assert parse("--wandb-exp-name", "run1", "--wandb-save-dir", "w").logging.wandb_exp_name == "run1"
+    assert "--wandb-exp-name, --wandb-save-dir need --wandb-project; ignored without it" in capsys.readouterr().err
 
 
 def test_optimizer_state_norms_of_adam() -> None:
@@ -475,9 +538,7 @@ def test_optimizer_state_norms_of_adam() -> None:
     assert norms["variance_sqrt_l2"] == pytest.approx(float(state["exp_avg_sq"].sqrt().norm()))
     assert norms["weight_l2"] == pytest.approx(float(w.detach().norm()))
     writer = FakeWriter()
-    tb = logger.TensorBoard(
-        "unused", parse("--tensorboard-dir", "x", "--log-optimizer-states-to-tensorboard").logging, writer=writer
-    )
+    tb = logger.Scalars(writer, parse("--tensorboard-dir", "x", "--log-optimizer-states-to-tensorboard").logging)
     tb.optimizer_states(engine, 7)
     assert writer.scalars["optimizer/momentum_l2"] == [(7, pytest.approx(norms["momentum_l2"]))]
     sgd = torch.optim.SGD([w], lr=0.1)

@@ -101,3 +101,8 @@ def test_optional_packages_are_checked(monkeypatch: pytest.MonkeyPatch, capsys: 
     monkeypatch.setattr(logger, "tensorboard_available", lambda: False)
     rc, _, err = run(capsys, *TINY, *LAUNCH, "--tensorboard-dir", "tb")
     assert rc == 2 and "--tensorboard-dir tb: tensorboard is not installed" in err
+    from megatron_ds.training import scalar_writers
+
+    monkeypatch.setattr(scalar_writers, "wandb_available", lambda: False)
+    rc, _, err = run(capsys, *TINY, *LAUNCH, "--wandb-project", "gpt")
+    assert rc == 2 and "--wandb-project gpt: wandb is not installed; pip install wandb" in err
