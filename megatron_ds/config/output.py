@@ -17,6 +17,9 @@ class CheckpointConfig:
     """Save every this many iterations, and at the end (`--save-interval`)."""
     load: str | None = None
     """Directory to resume from (`--load`)."""
+    load_tag: str | None = None
+    """The checkpoint of `--load` to resume from, e.g. `global_step1000` (Megatron-DeepSpeed's `--load-tag`);
+    None: the one `latest` names."""
     exit_on_missing_checkpoint: bool = False
     """A `--load` that holds no checkpoint yet is an error (`--exit-on-missing-checkpoint`); without it
     the run starts from scratch with a notice, as Megatron's does (`checkpoint.first_launch`)."""

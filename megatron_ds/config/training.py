@@ -207,6 +207,9 @@ class TrainingConfig:
     exit_duration_in_mins: float | None = None
     """Save (with `--save`) and stop once training has run this long (`--exit-duration-in-mins`);
     checked after every iteration, the same on every rank."""
+    kill_switch_file: str | None = None
+    """Megatron-DeepSpeed's `--kill-switch-file`: once this file exists (checked before every step, the same
+    answer on every rank), save (with `--save`) and exit with status 0; before the first step, exit at once."""
     exit_signal_handler: bool = False
     """On SIGTERM finish the step, save (`--save` is required) and exit with status 0
     (`--exit-signal-handler`); without it SIGTERM and SIGINT stop every rank at once

@@ -23,7 +23,7 @@ from megatron_ds.config import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.registry import FLAGS
-from megatron_ds.training.checkpoint.directory import TOKENIZER_DIR, latest_tag, read_meta
+from megatron_ds.training.checkpoint.directory import TOKENIZER_DIR, load_tag, read_meta
 
 DERIVED_MODEL_DESTS = (
     "ffn_hidden_size",
@@ -69,7 +69,9 @@ def apply(args: argparse.Namespace, given: set[str]) -> None:
         )
     if args.use_checkpoint_args and not args.load:
         raise ConfigError("--use-checkpoint-args takes the architecture from --load's checkpoint; add --load DIR")
-    meta, where = _latest(args.load) if args.load else (None, "")
+    if args.load_tag and not args.load:
+        raise ConfigError(f"--load-tag {args.load_tag} names a checkpoint of --load; add --load DIR")
+    meta, where = _latest(args.load, args.load_tag) if args.load else (None, "")
     if meta is None:
         if args.use_checkpoint_args:
             notice(f"--use-checkpoint-args: --load {args.load} holds no checkpoint yet; the flags give the model")
@@ -81,8 +83,9 @@ def apply(args: argparse.Namespace, given: set[str]) -> None:
         _keep_dropout(args, given, saved, where)
 
 
-def _latest(load_dir: str) -> tuple[dict[str, Any] | None, str]:
-    tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
+def _latest(load_dir: str, tag: str | None) -> tuple[dict[str, Any] | None, str]:
+    """The metadata of the checkpoint a launch resumes from (`--load-tag`, else `latest`) and where it is."""
+    tag = load_tag(load_dir, tag)
     return (None, "") if tag is None else (read_meta(load_dir, tag), f"--load {load_dir} ({tag})")
 
 

@@ -142,6 +142,13 @@ CHECKPOINTING: tuple[Flag, ...] = (
         "something else but no `latest` is an error naming what it found",
         "checkpoint.load",
     ),
+    accepted(
+        "--load-tag",
+        _CKPT,
+        "resume from this checkpoint of --load (e.g. global_step1000) instead of the one `latest` names; it must "
+        "exist and be complete, first launch or not",
+        "checkpoint.load_tag",
+    ),
     Flag(
         "--load-optional",
         _CKPT,

@@ -206,6 +206,61 @@ DISTRIBUTED: tuple[Flag, ...] = (
         f"{_MLM}: overlaps the distributed optimizer's parameter all-gather with the forward; ZeRO-1 gathers after "
         "the step, the parameters are the same",
     ),
+    no_op(
+        "--overlap-param-gather-with-optimizer-step",
+        _DIST,
+        f"{_MLM}: starts the first bucket's parameter all-gather during the optimizer step; the parameters are the "
+        "same",
+    ),
+    no_op(
+        "--no-align-param-gather",
+        _DIST,
+        f"{_MLM}: each pipeline stage launches its parameter all-gathers on its own; the parameters are the same",
+    ),
+    no_op(
+        "--ddp-average-in-collective",
+        _DIST,
+        f"{_MLM}: averages inside the data-parallel collective instead of scaling before it; the same mean",
+    ),
+    no_op(
+        "--ddp-bucket-size",
+        _DIST,
+        f"{_MLM}: the gradient buckets' size; DeepSpeed's buckets are set in --deepspeed_config "
+        "(zero_optimization.reduce_bucket_size); the sums are the same",
+        takes=VALUE,
+    ),
+    no_op("--ddp-num-buckets", _DIST, f"{_MLM}: the number of gradient buckets; as --ddp-bucket-size", takes=VALUE),
+    no_op(
+        "--num-distributed-optimizer-instances",
+        _DIST,
+        f"{_MLM}: replicas of the distributed optimizer's shards (memory against communication); ZeRO-1 shards over "
+        "the whole data-parallel group here, the update is the same",
+        takes=VALUE,
+    ),
+    no_op(
+        "--use-precision-aware-optimizer",
+        _DIST,
+        f"{_MLM}: Transformer Engine's FusedAdam keeps the fp32 master weights and moments itself; at its default "
+        "fp32 dtypes the update is DeepSpeed's Adam's",
+    ),
+    no_op(
+        "--tp-comm-overlap",
+        _DIST,
+        f"{_MLM}: overlaps tensor-parallel communication with the matmuls (Transformer Engine userbuffers); the "
+        "sums are the same, not overlapped here",
+    ),
+    no_op(
+        "--tp-comm-overlap-cfg",
+        _DIST,
+        f"{_MLM}: the userbuffers configuration of --tp-comm-overlap",
+        takes=VALUE,
+    ),
+    no_op(
+        "--no-overlap-p2p-communication",
+        _DIST,
+        f"{_MLM}: blocking pipeline sends and receives under the interleaved schedule; the interleaved engine here "
+        "posts its sends (docs/training.md), the values are the same",
+    ),
     accepted(
         "--context-parallel-size",
         _DIST,
@@ -246,6 +301,23 @@ CHECKPOINTING: tuple[Flag, ...] = (
         f"{_MLM}: accepted, and a NOTICE says that checkpoints are DeepSpeed's here (docs/checkpoints.md); like "
         "torch_dist they resume under any P, T, DP and layout",
         choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr"),
+    ),
+    no_op(
+        "--async-save",
+        _CKPT,
+        f"{_MLM}: writes torch_dist checkpoints in the background; here every rank writes its files and the "
+        "directory is renamed into place before training goes on (atomic, docs/checkpoints.md)",
+    ),
+    no_op(
+        "--ckpt-fully-parallel-save",
+        _CKPT,
+        f"{_MLM} (deprecated there): spreads torch_dist's writing over data-parallel ranks; DeepSpeed's format "
+        "is written here",
+    ),
+    no_op(
+        "--ckpt-fully-parallel-load",
+        _CKPT,
+        f"{_MLM}: spreads torch_dist's reading over data-parallel ranks; DeepSpeed's format is read here",
     ),
 )
 

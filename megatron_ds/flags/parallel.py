@@ -187,6 +187,12 @@ DISTRIBUTED: tuple[Flag, ...] = (
     no_op("--DDP-impl", _DIST, _DS_DP, takes=VALUE),
     no_op("--use-contiguous-buffers-in-local-ddp", _DIST, _DS_DP),
     no_op("--no-contiguous-buffers-in-local-ddp", _DIST, _DS_DP),
+    no_op(
+        "--overlap-p2p-communication",
+        _DIST,
+        "overlaps pipeline sends and receives with compute under the interleaved schedule; the interleaved engine "
+        "here posts its sends (docs/training.md), the values are the same",
+    ),
     no_op("--no-scatter-gather-tensors-in-pipeline", _DIST, "DeepSpeed's pipeline sends whole activations"),
     no_op("--use-cpu-initialization", _DIST, "weights are always drawn on CPU from per-spec generators"),
     no_op("--empty-unused-memory-level", _DIST, "a CUDA cache housekeeping switch; numerics unchanged", takes=VALUE),

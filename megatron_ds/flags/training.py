@@ -62,6 +62,14 @@ TRAINING: tuple[Flag, ...] = (
         "training.exit_duration_in_mins",
         type=float,
     ),
+    accepted(
+        "--kill-switch-file",
+        _TRAIN,
+        "once this file exists, save (with --save) and exit with status 0; checked before every step, and every rank "
+        "stops at the same iteration (upstream's ranks each look on their own); present before the first step: exit "
+        "at once. No final evaluation",
+        "training.kill_switch_file",
+    ),
     accepted("--optimizer", _TRAIN, "`adam` (AdamW) or `sgd`", "optimizer.optimizer", choices=OPTIMIZERS),
     accepted(
         "--dataloader-type",

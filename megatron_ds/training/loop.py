@@ -222,22 +222,32 @@ def save(run: Run) -> None:
     print_rank0(run.rank, f"saved checkpoint {os.path.join(ck.save, tag)} at iteration {run.state.iteration}")
 
 
-def time_is_up(run: Run) -> bool:
-    """`--exit-duration-in-mins` has passed on some rank (a max all-reduce: every rank agrees)."""
+def _on_some_rank(run: Run, found: bool) -> bool:
+    """`found` on any rank (a max all-reduce: every rank gets the same answer)."""
     import torch.distributed as dist
 
+    flag = torch.tensor([float(found)], device=run.engine.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def time_is_up(run: Run) -> bool:
+    """`--exit-duration-in-mins` has passed on some rank (every rank agrees)."""
     limit = run.config.training.exit_duration_in_mins
-    if not limit:
-        return False
-    late = torch.tensor([float(time.time() - run.start_time > 60.0 * limit)], device=run.engine.device)
-    dist.all_reduce(late, op=dist.ReduceOp.MAX)
-    return bool(late.item())
+    return bool(limit) and _on_some_rank(run, time.time() - run.start_time > 60.0 * limit)
+
+
+def kill_switch(run: Run) -> bool:
+    """`--kill-switch-file` exists, as some rank sees it (every rank agrees: a file appearing between two ranks'
+    looks stops them all at the same step)."""
+    path = run.config.training.kill_switch_file
+    return bool(path) and _on_some_rank(run, os.path.exists(path))
 
 
 def train(run: Run) -> bool:
     """Iterate to --train-iters, logging, evaluating and saving at their intervals.
 
-    Returns True when it stopped because of --exit-duration-in-mins or a SIGTERM under
+    Returns True when it stopped because of --exit-duration-in-mins, --kill-switch-file or a SIGTERM under
     --exit-signal-handler (the caller then saves and skips the final evaluation, as Megatron exits
     right after saving)."""
     cfg, state = run.config, run.state
@@ -255,6 +265,11 @@ def train(run: Run) -> bool:
     losses, window_start = [], time.time()
     signals.set_progress(lambda: f"in iteration {state.iteration + 1}")
     while state.iteration < t.train_iters:
+        if kill_switch(run):
+            print_rank0(
+                run.rank, f"exiting at iteration {state.iteration}: found --kill-switch-file {t.kill_switch_file}"
+            )
+            return True
         step = state.iteration + 1
         timed = step != start_iteration + 1 and step not in profiled
         with memory.step_context(meter, step, measured_iteration), run.pipeline.timers.counting(timed):

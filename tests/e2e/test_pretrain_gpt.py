@@ -130,6 +130,24 @@ def test_resume_is_exact(straight: dict, half: dict, tmp_path: Path) -> None:
         assert all(torch.equal(wa[k], wb[k]) for k in wa), f.name
 
 
+def test_load_tag_resumes_from_a_checkpoint_older_than_latest(straight: dict, half: dict, tmp_path: Path) -> None:
+    """Megatron-DeepSpeed's --load-tag: a directory holding iterations 3 and 6 (latest 6) resumes from 3 and
+    continues exactly as the straight run; a tag it does not hold is one line naming what it holds."""
+    import shutil
+
+    both = tmp_path / "both"
+    shutil.copytree(straight["save"], both)
+    shutil.copytree(half["save"] / "global_step3", both / "global_step3")
+    assert (both / "latest").read_text().strip() == "global_step6"
+    before = tree_digest(both)
+    resumed = pretrain(3, *STRAIGHT, "--load", str(both), "--load-tag", "global_step3")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout and "at iteration 3" in resumed.stdout
+    assert {**half["losses"], **losses(resumed.stdout)} == straight["losses"]
+    assert tree_digest(both) == before  # no --save: the source is untouched
+    out = single(*BASE, "--mock-data", "--vocab-size", "128", "--load", str(both), "--load-tag", "global_step4")
+    assert_one_line_error(out, "--load-tag global_step4:", "(its last: global_step3, global_step6)")
+
+
 def test_whole_state_resumes_into_another_layout(straight: dict, half: dict) -> None:
     """Saved at P=3 with dedicated stages, resumed at P=4 with the stock split: optimizer, schedule,
     data position and dropout continue, so iterations 4-6 print the straight run's losses (to the
@@ -359,3 +377,34 @@ def test_a_nan_step_stops_every_stage_before_saving(tmp_path: Path) -> None:
     assert sorted(ln.split("]")[0] for ln in errors) == ["[rank 0", "[rank 1"], out.stdout[-4000:]
     assert "--no-check-for-nan-in-loss-and-grad to train on" in errors[0]
     assert (save / "latest").read_text().strip() == "global_step1" and not (save / "global_step2").exists()
+
+
+def test_the_kill_switch_file_saves_and_stops_every_stage(tmp_path: Path) -> None:
+    """Megatron-DeepSpeed's --kill-switch-file: created while 2 stages train (once the first --save-interval
+    checkpoint exists), both stop at the same iteration, save it and exit 0; present at the next launch, it exits
+    before the first step without writing anything."""
+    import threading
+    import time
+
+    save, switch = tmp_path / "ckpt", tmp_path / "STOP"
+    flags = [*MODEL, *TRAIN, "--pipeline-model-parallel-size", "2", "--train-iters", "100000", "--eval-iters", "0"]
+    flags += ["--log-interval", "1000", "--save", str(save), "--save-interval", "5", "--kill-switch-file", str(switch)]
+
+    def touch_after_first_save() -> None:
+        deadline = time.monotonic() + 200
+        while not (save / "latest").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        switch.touch()
+
+    watcher = threading.Thread(target=touch_after_first_save, daemon=True)
+    watcher.start()
+    out = pretrain(2, *flags)
+    watcher.join()
+    assert out.returncode == 0, out.stdout[-4000:]
+    stops = re.findall(r"exiting at iteration (\d+): found --kill-switch-file", out.stdout)
+    assert len(stops) == 1 and int(stops[0]) >= 5, out.stdout[-4000:]  # rank 0 speaks for both
+    assert (save / "latest").read_text().strip() == f"global_step{stops[0]}"
+    before = tree_digest(save)
+    again = pretrain(2, *flags, "--load", str(save))
+    assert again.returncode == 0 and f"exiting at iteration {stops[0]}: found --kill-switch-file" in again.stdout
+    assert tree_digest(save) == before  # nothing trained, nothing written

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 from megatron_ds.errors import UserError
@@ -52,6 +53,28 @@ def sha256(path: str) -> str:
 def fingerprint(meta_path: str) -> str:
     """SHA-256 of a source checkpoint's metadata file: which checkpoint a conversion came from."""
     return sha256(meta_path)
+
+
+def load_tag(load_dir: str, tag: str | None) -> str | None:
+    """The checkpoint of `load_dir` to resume from: `tag` (`--load-tag`) when given, which must be complete,
+    else the one `latest` names (`latest_tag`)."""
+    if tag is None:
+        return latest_tag(load_dir) if os.path.isdir(load_dir) else None
+    if not os.path.isfile(os.path.join(load_dir, tag, META)):
+        refuse_foreign(load_dir)
+        names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
+        found = sorted((t for t in names if os.path.isfile(os.path.join(load_dir, t, META))), key=_natural)
+        have = f"its last: {', '.join(found[-5:])}" if found else "it holds no complete checkpoint"
+        raise CheckpointError(
+            f"--load-tag {tag}: --load {load_dir} has no complete checkpoint {tag!r} ({have}); give one of them, or "
+            "drop --load-tag to resume from latest"
+        )
+    return tag
+
+
+def _natural(name: str) -> list:
+    """Sort key: global_step9 before global_step10 (re.split alternates text and digit runs)."""
+    return [int(part) if k % 2 else part for k, part in enumerate(re.split(r"(\d+)", name))]
 
 
 def latest_tag(load_dir: str) -> str | None:

@@ -37,7 +37,7 @@ import torch
 from megatron_ds.config import Config
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.checkpoint import first_launch, reader
-from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointError, latest_tag, read_meta, write_atomic
+from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointError, load_tag, read_meta, write_atomic
 from megatron_ds.training.checkpoint.rules import (
     check_compatible,
     deepspeed_cannot_restore,
@@ -145,7 +145,7 @@ def check_dirs(config: Config, dry_run: bool = False) -> list[str]:
         check_writable(ck.save, create=not dry_run)
     if not ck.load:
         return []
-    tag = latest_tag(ck.load) if os.path.isdir(ck.load) else None
+    tag = load_tag(ck.load, ck.load_tag)
     if tag is None:
         return [first_launch.check_without_checkpoint(ck.load, ck.exit_on_missing_checkpoint)]
     meta = read_meta(ck.load, tag)
@@ -168,7 +168,7 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
 
     ck = config.checkpoint
     check_dirs(config)  # again: the directory may have changed since start-up
-    tag = latest_tag(load_dir) if os.path.isdir(load_dir) else None
+    tag = load_tag(load_dir, ck.load_tag if load_dir == ck.load else None)
     if tag is None:
         return None
     meta = read_meta(load_dir, tag)
