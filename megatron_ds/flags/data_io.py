@@ -81,6 +81,7 @@ DATA: tuple[Flag, ...] = (
         "data.tokenizer_model",
     ),
     accepted("--num-workers", _DATA, "DataLoader worker processes", "data.num_workers", type=int),
+    no_op("--mmap-warmup", _DATA, "reads every memory-mapped file once before training; the same tokens are read"),
     switch("--eod-mask-loss", _DATA, "end-of-document tokens do not count in the loss", "data.eod_mask_loss"),
     refused("--train-data-path", _DATA, *_SPLIT_FILES, VALUES),
     refused("--valid-data-path", _DATA, *_SPLIT_FILES, VALUES),

@@ -155,6 +155,19 @@ TRAINING: tuple[Flag, ...] = (
     no_op("--use-flash-attn", _TRAIN, _SDPA),
     no_op("--use-flash-attn-v2", _TRAIN, _SDPA),
     no_op("--use-flash-attn-triton", _TRAIN, _SDPA),
+    no_op("--use-flash-attn-builder", _TRAIN, _SDPA),
+    no_op("--disable-mem-efficient-ln", _TRAIN, "apex's fused LayerNorm is not used: torch's computes the same norm"),
+    no_op(
+        "--ds_fused_adam",
+        _TRAIN,
+        "DeepSpeed's FusedAdam instead of apex's: the same Adam update; the optimizer here is DeepSpeed's or torch's",
+    ),
+    no_op(
+        "--cpu_torch_adam",
+        _TRAIN,
+        "torch's Adam instead of DeepSpeed's CPU Adam under --cpu-optimizer: the same update; DeepSpeed's CPU Adam "
+        "runs it here",
+    ),
     no_op("--no-masked-softmax-fusion", _TRAIN, _NO_FUSION),
     switch(
         "--no-bias-gelu-fusion",
