@@ -32,7 +32,8 @@ def _report(exc: BaseException) -> None:
 
     if dist.is_available() and dist.is_initialized():
         prefix = f"[rank {dist.get_rank()}] " if dist.get_world_size() > 1 else ""
-        print(f"{prefix}error: {exc}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"{prefix}error: {exc}\n")  # one write: ranks sharing a pipe do not split each other's lines
+        sys.stderr.flush()
     elif os.environ.get("RANK", "0") == "0":
         print(f"error: {exc}", file=sys.stderr, flush=True)
 
