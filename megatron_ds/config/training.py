@@ -240,6 +240,9 @@ class TrainingConfig:
     """Megatron-LM's `--calculate-per-token-loss`: the loss averaged over every token of the global batch.
     Here it is the mean of micro-batch means, the same while every micro-batch counts all its tokens
     (`--eod-mask-loss` is refused with it; a step whose batch masks a padded token gets a warning)."""
+    deterministic_mode: bool = False
+    """Bit-identical reruns (Megatron-LM's `--deterministic-mode`): deterministic NCCL and cuBLAS settings and
+    torch's deterministic kernels only (`training.determinism`)."""
     check_for_nan_in_loss_and_grad: bool = True
     """Stop the run at the first step whose loss or gradient norm is NaN or Inf, before anything is saved
     (Megatron-LM's default; `--no-check-for-nan-in-loss-and-grad` trains on). Off under fp16 with dynamic loss

@@ -83,6 +83,25 @@ NETWORK: tuple[Flag, ...] = (
         type=float,
     ),
     no_op(
+        "--apply-query-key-layer-scaling",
+        _NET,
+        f"{_MLM}: an fp16 safeguard that divides the scores by the layer number before the softmax and multiplies "
+        "them back inside it; the same attention (the softmax here runs in fp32)",
+    ),
+    refused(
+        "--qk-layernorm",
+        _NET,
+        f"{_MLM}: layer norms on the queries and keys are not built (the model would be another)",
+        "drop it; a model that has them cannot be trained here",
+    ),
+    refused(
+        "--rotary-interleaved",
+        _NET,
+        f"{_MLM}: rotary embeddings here rotate the two halves of each head (Megatron's and Llama's default), not "
+        "interleaved pairs",
+        "drop it",
+    ),
+    no_op(
         "--no-rope-fusion",
         _NET,
         f"{_MLM}: an unfused kernel of the same rotary embeddings; torch's operations apply them here",
@@ -133,6 +152,14 @@ TRAINING: tuple[Flag, ...] = (
         "--cross-entropy-loss-fusion",
         _TRAIN,
         f"{_MLM}: a fused kernel of the same cross entropy; the loss here is torch's, from fp32 logits",
+    ),
+    switch(
+        "--deterministic-mode",
+        _TRAIN,
+        f"{_MLM}: bit-identical reruns. NCCL_ALGO (Ring) and CUBLAS_WORKSPACE_CONFIG (:4096:8) are set when the "
+        "environment lacks them and checked when it has them (a non-deterministic value is a one-line error before "
+        "launch), and torch runs deterministic kernels only (an operation without one raises)",
+        "training.deterministic_mode",
     ),
     switch(
         "--no-check-for-nan-in-loss-and-grad",
@@ -244,6 +271,19 @@ DISTRIBUTED: tuple[Flag, ...] = (
         "fp32 dtypes the update is DeepSpeed's Adam's",
     ),
     no_op(
+        "--use-tp-pp-dp-mapping",
+        _DIST,
+        f"{_MLM}: orders ranks tensor, pipeline, data instead of tensor, data, pipeline; ranks are DeepSpeed's order "
+        "here (tensor innermost, pipeline outermost): which GPUs exchange what changes, not the values",
+    ),
+    no_op(
+        "--cuda-graph-impl",
+        _DIST,
+        f"{_MLM}: CUDA graphs replay the same kernels with less launch overhead; none are captured here",
+        takes=VALUE,
+    ),
+    no_op("--enable-cuda-graph", _DIST, f"{_MLM} (deprecated there): as --cuda-graph-impl local"),
+    no_op(
         "--tp-comm-overlap",
         _DIST,
         f"{_MLM}: overlaps tensor-parallel communication with the matmuls (Transformer Engine userbuffers); the "
@@ -318,6 +358,28 @@ CHECKPOINTING: tuple[Flag, ...] = (
         "--ckpt-fully-parallel-load",
         _CKPT,
         f"{_MLM}: spreads torch_dist's reading over data-parallel ranks; DeepSpeed's format is read here",
+    ),
+    no_op("--no-ckpt-fully-parallel-save", _CKPT, f"{_MLM}: as --ckpt-fully-parallel-save"),
+    no_op(
+        "--dist-ckpt-strictness",
+        _CKPT,
+        f"{_MLM}: how torch_dist loading treats missing or unexpected keys; DeepSpeed's checkpoints are loaded "
+        "here, and another architecture is a one-line error at --load",
+        takes=VALUE,
+    ),
+    no_op(
+        "--dist-ckpt-optim-fully-reshardable",
+        _CKPT,
+        f"{_MLM}: torch_dist's optimizer layout that reshards to any parallelism; every checkpoint here resumes "
+        "under any P, T, DP and layout (docs/checkpoints.md)",
+    ),
+    no_op("--use-persistent-ckpt-worker", _CKPT, f"{_MLM}: a persistent process for --async-save; as --async-save"),
+    no_op("--ckpt-assume-constant-structure", _CKPT, f"{_MLM}: a torch_dist save shortcut; as --ckpt-format"),
+    no_op(
+        "--auto-detect-ckpt-format",
+        _CKPT,
+        f"{_MLM}: one format is read here (DeepSpeed's, ours); a Megatron-DeepSpeed checkpoint at --load is named "
+        "with the command that converts it",
     ),
 )
 

@@ -6,9 +6,11 @@ in a path costs seconds, not a cluster start-up (and never a hang).
 
 from __future__ import annotations
 
+import os
+
 from megatron_ds.config import Config
 from megatron_ds.errors import ConfigError, UserError
-from megatron_ds.training import deepspeed_config, zero_checks
+from megatron_ds.training import deepspeed_config, determinism, zero_checks
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.dependencies import check_deepspeed
 
@@ -52,6 +54,8 @@ def check_launch(config: Config, dry_run: bool = False) -> list[str]:
     the NOTICE lines to print once (a first launch, JSON sections ignored, flags the JSON overrules).
     `dry_run` (`--print-layout`) runs the same checks and creates nothing."""
     check_deepspeed(config)
+    if config.training.deterministic_mode:
+        determinism.check_environment(os.environ)
     check_data(config, dry_run)
     if config.training.exit_signal_handler and not config.checkpoint.save:
         raise ConfigError("--exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR; add it")

@@ -17,7 +17,7 @@ from megatron_ds.config import Config
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import finite_check, logger, scalar_writers, signals
+from megatron_ds.training import determinism, finite_check, logger, scalar_writers, signals
 from megatron_ds.training.builder import Pipeline, build_pipeline
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.grad_norm import grad_norm
@@ -78,6 +78,8 @@ def setup(config: Config) -> Run:
     install_stack_dump_handler()
     if config.checkpoint.save:
         save_load.check_writable(config.checkpoint.save)
+    if config.training.deterministic_mode:
+        determinism.apply()  # before NCCL and cuBLAS start
     init_distributed(config.parallel)
     rank = dist.get_rank()
     set_seeds(config.training.seed)

@@ -4,6 +4,7 @@ and every bad input as a one-line error that leaves existing checkpoints untouch
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 import sys
@@ -410,3 +411,17 @@ def test_the_kill_switch_file_saves_and_stops_every_stage(tmp_path: Path) -> Non
     again = pretrain(2, *flags, "--load", str(save))
     assert again.returncode == 0 and f"exiting at iteration {stops[0]}: found --kill-switch-file" in again.stdout
     assert tree_digest(save) == before  # nothing trained, nothing written
+
+
+def test_deterministic_mode_trains_and_refuses_a_non_deterministic_nccl_algorithm(tmp_path: Path) -> None:
+    """Megatron-LM's --deterministic-mode: every operation of a rotary/SwiGLU/RMSNorm step with recomputation has a
+    deterministic kernel on CPU (torch raises otherwise); NCCL_ALGO=Tree is refused before launch."""
+    flags = [*BASE, "--mock-data", "--vocab-size", "128", "--deterministic-mode", "--eval-iters", "0"]
+    flags += ["--use-rotary-position-embeddings", "--swiglu", "--normalization", "rmsnorm", "--checkpoint-activations"]
+    out = single(*flags)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    tree = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt.py"), *flags],
+        capture_output=True, text=True, timeout=180, cwd=ROOT, env={**os.environ, "NCCL_ALGO": "Tree"},
+    )  # fmt: skip
+    assert_one_line_error(tree, "--deterministic-mode with NCCL_ALGO='Tree'")
