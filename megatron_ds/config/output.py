@@ -15,6 +15,9 @@ class CheckpointConfig:
     """Directory checkpoints are written to (`--save`)."""
     save_interval: int | None = None
     """Save every this many iterations, and at the end (`--save-interval`)."""
+    save_retain_interval: int | None = None
+    """Megatron-LM's `--save-retain-interval`: after each save, the checkpoint saved before it is deleted unless
+    its iteration is a multiple of this (or it is a symbolic link); None keeps every checkpoint."""
     load: str | None = None
     """Directory to resume from (`--load`)."""
     load_tag: str | None = None
@@ -39,6 +42,18 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         optional_at_least("--save-interval", self.save_interval, 1)
+        optional_at_least("--save-retain-interval", self.save_retain_interval, 1)
+        if self.save_retain_interval is not None:
+            check(
+                self.save_interval is not None,
+                f"--save-retain-interval {self.save_retain_interval} keeps every so many --save-interval "
+                "checkpoints; add --save-interval",
+            )
+            check(
+                self.save_retain_interval % self.save_interval == 0,
+                f"--save-retain-interval {self.save_retain_interval} must be a multiple of --save-interval "
+                f"{self.save_interval}; give a multiple of it",
+            )
 
 
 @dataclass(frozen=True)

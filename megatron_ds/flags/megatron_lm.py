@@ -342,6 +342,15 @@ CHECKPOINTING: tuple[Flag, ...] = (
         "torch_dist they resume under any P, T, DP and layout",
         choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr"),
     ),
+    accepted(
+        "--save-retain-interval",
+        _CKPT,
+        f"{_MLM}: after each save the checkpoint saved before it is deleted, unless its iteration is a multiple of "
+        "this (a multiple of --save-interval) or it is a symbolic link; deleted only once the new checkpoint is "
+        "complete and `latest` names it",
+        "checkpoint.save_retain_interval",
+        type=int,
+    ),
     no_op(
         "--async-save",
         _CKPT,

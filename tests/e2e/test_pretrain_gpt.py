@@ -425,3 +425,14 @@ def test_deterministic_mode_trains_and_refuses_a_non_deterministic_nccl_algorith
         capture_output=True, text=True, timeout=180, cwd=ROOT, env={**os.environ, "NCCL_ALGO": "Tree"},
     )  # fmt: skip
     assert_one_line_error(tree, "--deterministic-mode with NCCL_ALGO='Tree'")
+
+
+def test_save_retain_interval_keeps_the_multiples_and_the_last(tmp_path: Path) -> None:
+    """Megatron-LM's --save-retain-interval 4 with --save-interval 2 over 7 iterations: saves at 2, 4, 6 and 7 leave
+    4 (a multiple) and 7 (the last), as Megatron-LM's deletion of the previous checkpoint after each save does."""
+    save = tmp_path / "ckpt"
+    flags = [*BASE, "--mock-data", "--vocab-size", "128", "--train-iters", "7", "--eval-iters", "0"]
+    out = single(*flags, "--save", str(save), "--save-interval", "2", "--save-retain-interval", "4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in save.iterdir()) == ["global_step4", "global_step7", "latest"]
+    assert out.stdout.count("deleted checkpoint") == 2

@@ -131,10 +131,39 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
             "optimizer_state": not config.checkpoint.no_save_optim,
         }
         write_atomic(os.path.join(save_dir, tmp_tag, META), json.dumps(meta, indent=1))
+        previous = _latest_or_none(save_dir)
         os.replace(os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag))
         write_atomic(os.path.join(save_dir, LATEST), tag)
+        if config.checkpoint.save_retain_interval and previous not in (None, tag):
+            _retire(save_dir, previous, config.checkpoint.save_retain_interval)
     dist.barrier()
     return tag
+
+
+def _latest_or_none(save_dir: str) -> str | None:
+    pointer = os.path.join(save_dir, LATEST)
+    return open(pointer).read().strip() if os.path.isfile(pointer) else None
+
+
+def _retire(save_dir: str, tag: str, retain_interval: int) -> None:
+    """`--save-retain-interval`: delete the checkpoint `tag` that `latest` named before this save, now that the
+    new one is complete and `latest` names it, unless its iteration is a multiple of `retain_interval`; a symbolic
+    link, or anything but a complete checkpoint of ours, is kept (as Megatron-LM keeps links)."""
+    path = os.path.join(save_dir, tag)
+    meta_path = os.path.join(path, META)
+    if os.path.islink(path) or not os.path.isfile(meta_path):
+        return
+    try:
+        iteration = int(json.load(open(meta_path))["train_state"]["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # unreadable: not ours to delete
+    if iteration % retain_interval:
+        shutil.rmtree(path)
+        print(
+            f"deleted checkpoint {path} (iteration {iteration}: not a multiple of --save-retain-interval "
+            f"{retain_interval})",
+            flush=True,
+        )
 
 
 def check_dirs(config: Config, dry_run: bool = False) -> list[str]:

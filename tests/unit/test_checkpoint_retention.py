@@ -1,0 +1,59 @@
+"""Megatron-LM's `--save-retain-interval` (`save_load._retire`) and Megatron-DeepSpeed's `--load-tag`
+(`directory.load_tag`), on directories made here. Runs that use them: tests/e2e/test_pretrain_gpt.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_ds.config import CheckpointConfig
+from megatron_ds.errors import ConfigError
+from megatron_ds.training.checkpoint import save_load
+from megatron_ds.training.checkpoint.directory import META, CheckpointError, load_tag
+
+
+def checkpoint(root: Path, tag: str, iteration: int) -> Path:
+    path = root / tag
+    path.mkdir(parents=True)
+    (path / META).write_text(json.dumps({"config": {}, "train_state": {"iteration": iteration}}))
+    return path
+
+
+def test_the_previous_checkpoint_goes_unless_retained_a_link_or_not_ours(tmp_path: Path, capsys) -> None:
+    save_load._retire(str(tmp_path), checkpoint(tmp_path, "global_step6", 6).name, 4)
+    assert not (tmp_path / "global_step6").exists()
+    assert "(iteration 6: not a multiple of --save-retain-interval 4)" in capsys.readouterr().out
+    save_load._retire(str(tmp_path), checkpoint(tmp_path, "global_step8", 8).name, 4)
+    assert (tmp_path / "global_step8").is_dir()  # a multiple of 4: retained
+    target = checkpoint(tmp_path / "elsewhere", "global_step2", 2)
+    os.symlink(target, tmp_path / "global_step2")
+    save_load._retire(str(tmp_path), "global_step2", 4)
+    assert (tmp_path / "global_step2").is_symlink() and target.is_dir()  # links are kept, as Megatron-LM
+    (tmp_path / "global_step3").mkdir()
+    save_load._retire(str(tmp_path), "global_step3", 4)
+    assert (tmp_path / "global_step3").is_dir()  # no metadata: not a checkpoint of ours
+
+
+def test_the_retain_interval_is_a_multiple_of_the_save_interval() -> None:
+    assert CheckpointConfig(save="s", save_interval=2, save_retain_interval=4).save_retain_interval == 4
+    with pytest.raises(ConfigError, match="--save-retain-interval 5 must be a multiple of --save-interval 2"):
+        CheckpointConfig(save="s", save_interval=2, save_retain_interval=5)
+    with pytest.raises(ConfigError, match="add --save-interval"):
+        CheckpointConfig(save="s", save_retain_interval=4)
+
+
+def test_load_tag_names_a_complete_checkpoint(tmp_path: Path) -> None:
+    for step in (9, 10):
+        checkpoint(tmp_path, f"global_step{step}", step)
+    (tmp_path / "latest").write_text("global_step10")
+    assert load_tag(str(tmp_path), None) == "global_step10"
+    assert load_tag(str(tmp_path), "global_step9") == "global_step9"
+    (tmp_path / "global_step11").mkdir()  # an interrupted save: no metadata
+    with pytest.raises(CheckpointError) as err:
+        load_tag(str(tmp_path), "global_step11")
+    assert "(its last: global_step9, global_step10)" in str(err.value)  # in iteration order, not by name
+    with pytest.raises(CheckpointError, match="it holds no complete checkpoint"):
+        load_tag(str(tmp_path / "new"), "global_step1")
