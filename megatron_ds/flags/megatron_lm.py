@@ -166,7 +166,7 @@ TRAINING: tuple[Flag, ...] = (
         _TRAIN,
         f"{_MLM}: train on when a step's loss or gradient norm is NaN or Inf. Without it the run stops at that "
         "step with one line, before saving (the check is off under fp16 with dynamic loss scaling, as in "
-        "Megatron-LM; Megatron-DeepSpeed trains on and counts nan iterations)",
+        "Megatron-LM; Megatron-DeepSpeed trains on)",
         "training.check_for_nan_in_loss_and_grad",
         stores=False,
         dest="check_for_nan_in_loss_and_grad",

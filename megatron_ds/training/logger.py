@@ -22,7 +22,9 @@ class StepStats:
     elapsed_ms: float
     learning_rate: float
     global_batch_size: int
-    loss: float
+    loss: float | None
+    """Mean lm loss of the interval's iterations that updated the weights (Megatron's: skipped fp16 steps left
+    out); None when every one was skipped (Megatron then prints no loss)."""
     grad_norm: float | None
     loss_scale: float | None
     tokens_per_second: float
@@ -37,6 +39,10 @@ class StepStats:
     """Zero elements of the last step's reduced gradients (`--log-num-zeros-in-grad`)."""
     curriculum_seq_length: int | None = None
     """The curriculum's sequence length of the last step (`curriculum_learning`)."""
+    skipped_iterations: int = 0
+    """Iterations of the interval whose update fp16's loss scaler skipped (an overflow)."""
+    nan_iterations: int = 0
+    """Of those, the ones whose loss was NaN or Inf (Megatron's count)."""
 
 
 def throughput(
@@ -64,7 +70,7 @@ def format_line(s: StepStats) -> str:
     parts += [
         f"learning rate: {s.learning_rate:.6E}",
         f"global batch size: {s.global_batch_size:5d}",
-        f"lm loss: {s.loss:.6E}",
+        *([] if s.loss is None else [f"lm loss: {s.loss:.6E}"]),
         f"grad norm: {s.grad_norm:.6f}" if s.grad_norm is not None else "grad norm: n/a",
     ]
     if s.num_zeros is not None:
@@ -75,6 +81,8 @@ def format_line(s: StepStats) -> str:
         parts.append(f"curriculum seqlen: {s.curriculum_seq_length:5d}")
     if s.loss_scale is not None:
         parts.append(f"loss scale: {s.loss_scale:.1f}")
+    parts.append(f"number of skipped iterations: {s.skipped_iterations:3d}")
+    parts.append(f"number of nan iterations: {s.nan_iterations:3d}")
     parts.append(f"tokens per second: {s.tokens_per_second:.1f}")
     parts.append(f"ETA: {datetime.timedelta(seconds=int(max(0.0, s.eta_s)))}")
     return " | ".join(parts) + " |"
@@ -102,7 +110,8 @@ class Scalars:
 
     def step(self, s: StepStats) -> None:
         w, i, c = self.writer, s.iteration, self.cfg
-        w.add_scalar("lm-loss-training/lm loss", s.loss, i)
+        if s.loss is not None:
+            w.add_scalar("lm-loss-training/lm loss", s.loss, i)
         w.add_scalar("throughput/tokens-per-second", s.tokens_per_second, i)
         if s.tflops_per_gpu is not None:
             w.add_scalar("throughput/tflops-per-gpu", s.tflops_per_gpu, i)

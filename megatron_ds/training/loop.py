@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import time
@@ -136,8 +137,18 @@ def _load_or_fresh(config: Config, layout: Layout, pipeline: Pipeline, rank: int
     return state
 
 
-def train_step(run: Run) -> float:
+@dataclass(frozen=True)
+class StepResult:
+    """What one training step reports to the log line."""
+
+    loss: float
+    skipped: bool = False
+    """fp16's loss scaler skipped the update (DeepSpeed's `skipped_steps` grew)."""
+
+
+def train_step(run: Run) -> StepResult:
     size = run.hooks.before_step(run.state)
+    skipped_before = getattr(run.engine, "skipped_steps", 0)
     with run.watchdog.watch(f"train_batch at iteration {run.state.iteration + 1}"):
         loss = run.engine.train_batch(data_iter=run.data.train)
     run.state.iteration += 1
@@ -146,7 +157,16 @@ def train_step(run: Run) -> float:
     trace = run.hooks.after_step(run.state)
     if trace:
         print(f"[rank {run.rank}] wrote the --profile trace {trace}", flush=True)
-    return float(loss.item())
+    return StepResult(float(loss.item()), getattr(run.engine, "skipped_steps", 0) > skipped_before)
+
+
+def window_losses(steps: list[StepResult]) -> tuple[float | None, int, int]:
+    """(mean loss of the updated steps or None, skipped steps, skipped steps with a NaN or Inf loss): Megatron's
+    `training_log` rule, which leaves skipped iterations out of the loss and counts NaN among them."""
+    kept = [s.loss for s in steps if not s.skipped]
+    skipped = [s for s in steps if s.skipped]
+    nan = sum(1 for s in skipped if not math.isfinite(s.loss))
+    return (sum(kept) / len(kept) if kept else None), len(skipped), nan
 
 
 def evaluate(run: Run, name: str, data_iter: Iterator[Any] | None, num_batches: int) -> float:
@@ -166,10 +186,11 @@ def evaluate(run: Run, name: str, data_iter: Iterator[Any] | None, num_batches: 
     return loss
 
 
-def log_step(run: Run, losses: list[float], seconds: float, start_iteration: int) -> None:
+def log_step(run: Run, steps: list[StepResult], seconds: float, start_iteration: int) -> None:
     cfg, state = run.config, run.state
     t = cfg.training
-    n = len(losses)
+    n = len(steps)
+    loss, skipped, nan = window_losses(steps)
     ms = 1000.0 * seconds / n
     done = state.iteration - start_iteration
     world = cfg.parallel.world_size or cfg.parallel.model_parallel_size
@@ -183,13 +204,15 @@ def log_step(run: Run, losses: list[float], seconds: float, start_iteration: int
         elapsed_ms=ms,
         learning_rate=run.engine.get_lr()[0],
         global_batch_size=size.samples,
-        loss=sum(losses) / n,
+        loss=loss,
         grad_norm=grad_norm(run.engine),
         loss_scale=logger.loss_scale(run.engine),
         tokens_per_second=run.hooks.take_window_tokens() / seconds,
         eta_s=(t.train_iters - state.iteration) * seconds / n if done else 0.0,
         tflops_per_gpu=tflops,
         mfu=mfu,
+        skipped_iterations=skipped,
+        nan_iterations=nan,
         **run.hooks.log_extras(),
     )
     if run.is_logging_rank:
@@ -264,7 +287,8 @@ def train(run: Run) -> bool:
     # reported beside the memory, at the first log line after a timed step.
     profiled = {measured_iteration - 1, measured_iteration} if meter is not None else set()
     compute_reported = False
-    losses, window_start = [], time.time()
+    steps: list[StepResult] = []
+    window_start = time.time()
     signals.set_progress(lambda: f"in iteration {state.iteration + 1}")
     while state.iteration < t.train_iters:
         if kill_switch(run):
@@ -275,12 +299,12 @@ def train(run: Run) -> bool:
         step = state.iteration + 1
         timed = step != start_iteration + 1 and step not in profiled
         with memory.step_context(meter, step, measured_iteration), run.pipeline.timers.counting(timed):
-            losses.append(train_step(run))
+            steps.append(train_step(run))
         if finite_check.checking(cfg, run.engine):
-            finite_check.check_step(state.iteration, losses[-1], grad_norm(run.engine))
+            finite_check.check_step(state.iteration, steps[-1].loss, grad_norm(run.engine))
         if state.iteration % lg.log_interval == 0 or state.iteration == t.train_iters:
-            log_step(run, losses, time.time() - window_start, start_iteration)
-            losses = []
+            log_step(run, steps, time.time() - window_start, start_iteration)
+            steps = []
             if not memory_reported:
                 report_memory(run, meter)
                 memory_reported = True

@@ -1,0 +1,43 @@
+"""The log line's loss and iteration counts as Megatron's `training_log` keeps them: fp16 steps the loss scaler
+skipped are left out of the mean loss and counted, and those with a NaN or Inf loss counted again."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_ds.training import logger
+from megatron_ds.training.loop import StepResult, window_losses
+
+
+def test_skipped_steps_leave_the_mean_and_nan_ones_are_counted() -> None:
+    steps = [StepResult(2.0), StepResult(math.inf, skipped=True), StepResult(4.0), StepResult(3.0, skipped=True)]
+    assert window_losses(steps) == (3.0, 2, 1)
+    assert window_losses([StepResult(2.0), StepResult(4.0)]) == (3.0, 0, 0)
+    assert window_losses([StepResult(math.nan, skipped=True)]) == (None, 1, 1)
+
+
+def test_the_line_carries_megatrons_counts_and_no_loss_when_every_step_was_skipped() -> None:
+    stats = logger.StepStats(8, 10, 64, 20.0, 1e-4, 8, 2.5, 1.0, 65536.0, 100.0, 0.0, skipped_iterations=1)
+    line = logger.format_line(stats)
+    assert "| lm loss: 2.500000E+00 |" in line
+    assert "| number of skipped iterations:   1 | number of nan iterations:   0 |" in line
+    none = logger.format_line(logger.StepStats(8, 10, 64, 20.0, 1e-4, 8, None, None, 65536.0, 100.0, 0.0, 0, 0))
+    assert "lm loss" not in none and "loss scale: 65536.0" in none
+
+
+@pytest.mark.parametrize("loss, written", [(2.5, True), (None, False)])
+def test_tensorboard_writes_the_loss_only_when_there_is_one(loss: float | None, written: bool) -> None:
+    class Writer:
+        def __init__(self) -> None:
+            self.tags: list[str] = []
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            self.tags.append(tag)
+
+    writer = Writer()
+    logger.Scalars(writer, logger.LoggingConfig()).step(
+        logger.StepStats(8, 10, 64, 20.0, 1e-4, 8, loss, 1.0, None, 100.0, 0.0)
+    )
+    assert ("lm-loss-training/lm loss" in writer.tags) == written
