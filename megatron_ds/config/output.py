@@ -66,6 +66,9 @@ class LoggingConfig:
     """Write TensorBoard scalars here (`--tensorboard-dir`)."""
     log_memory: bool = True
     """Print each stage's measured memory once, after the first log interval (`--log-memory`)."""
+    log_progress: bool = False
+    """Append job starts and saved checkpoints, with job and cumulative throughput, to `<--save>/progress.txt`
+    (Megatron-LM's `--log-progress`; `training.progress_log`)."""
     wandb_project: str | None = None
     """Weights & Biases project the last rank logs the TensorBoard scalars to (`--wandb-project`; None or "": no
     wandb run, as in Megatron)."""

@@ -399,6 +399,14 @@ LOGGING: tuple[Flag, ...] = (
         f"{_MLM}: the wandb team or user that owns --wandb-project; ignored, with a warning, without it",
         "logging.wandb_entity",
     ),
+    switch(
+        "--log-progress",
+        _LOG,
+        f"{_MLM}: append each job start and saved checkpoint, with the job's and the cumulative TFLOP/s per GPU, "
+        "the FLOPs and tokens so far, to <--save>/progress.txt in Megatron-LM's format; ignored, with a warning, "
+        "without --save",
+        "logging.log_progress",
+    ),
     no_op(
         "--log-throughput",
         _LOG,

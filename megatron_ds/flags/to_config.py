@@ -290,6 +290,8 @@ def _warn_loss_scale_ignored(args: argparse.Namespace, precision: str) -> None:
 
 
 def _warn_tensorboard_ignored(args: argparse.Namespace) -> None:
+    if args.log_progress and not args.save:
+        warn("--log-progress writes <--save>/progress.txt; ignored without --save")
     if not args.wandb_project:
         given = [d for d in ("wandb_exp_name", "wandb_save_dir", "wandb_entity") if getattr(args, d)]
         if given:

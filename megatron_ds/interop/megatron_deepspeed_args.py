@@ -218,7 +218,9 @@ def train_state(ckpt: MegatronDeepSpeedCheckpoint) -> dict[str, Any]:
         # upstream saves args.consumed_train_tokens as the checkpoint's `tokens` (megatron/checkpointing.py)
         consumed_train_tokens=int(ckpt.states.get("tokens") or a.get("consumed_train_tokens") or 0),
     )
-    return asdict(state)
+    saved = asdict(state)
+    del saved["floating_point_operations_so_far"]  # not saved upstream: estimated from the samples at --load
+    return saved
 
 
 def lr_schedule_state(ckpt: MegatronDeepSpeedCheckpoint, config: Config) -> dict[str, Any] | None:

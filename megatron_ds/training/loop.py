@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import functools
 import math
 import os
 import random
@@ -14,11 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_ds.config import Config
+from megatron_ds.config import Config, ModelConfig
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import determinism, finite_check, logger, scalar_writers, signals
+from megatron_ds.training import determinism, finite_check, logger, progress_log, scalar_writers, signals
 from megatron_ds.training.builder import Pipeline, build_pipeline
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.grad_norm import grad_norm
@@ -47,6 +49,8 @@ class Run:
     scalars: logger.Scalars | None = None
     start_time: float = 0.0
     """When setup began (time.time()); `--exit-duration-in-mins` counts from here."""
+    start_flops: float = 0.0
+    """The run state's FLOPs so far when this job began training (`--log-progress`'s job throughput)."""
     peak_tflops: float | None = None
     """One device's peak for MFU (`--peak-tflops`, else `estimate.devices`), None if unknown."""
     hooks: StepHooks | None = None
@@ -83,6 +87,8 @@ def setup(config: Config) -> Run:
         determinism.apply()  # before NCCL and cuBLAS start
     init_distributed(config.parallel)
     rank = dist.get_rank()
+    if config.logging.log_progress and config.checkpoint.save and rank == 0:
+        progress_log.append(config.checkpoint.save, dist.get_world_size(), progress_log.STARTING)
     set_seeds(config.training.seed)
     pipeline = build_pipeline(
         config,
@@ -103,6 +109,7 @@ def setup(config: Config) -> Run:
         is_logging_rank=is_logging_rank,
         data=build_run_data(config, pipeline.engine, state),
         start_time=start_time,
+        start_flops=state.floating_point_operations_so_far,
         peak_tflops=peak,
         hooks=StepHooks(config, pipeline.engine, rank),
     )
@@ -137,6 +144,12 @@ def _load_or_fresh(config: Config, layout: Layout, pipeline: Pipeline, rank: int
     return state
 
 
+@functools.lru_cache(maxsize=64)
+def step_flops(model: ModelConfig, seq_length: int, samples: int) -> float:
+    """Model FLOPs of one step of `samples` samples of `seq_length` tokens (Megatron-LM's count)."""
+    return float(model_flops_per_iteration(dataclasses.replace(model, seq_length=seq_length), samples))
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one training step reports to the log line."""
@@ -154,6 +167,7 @@ def train_step(run: Run) -> StepResult:
     run.state.iteration += 1
     run.state.consumed_train_samples += size.samples
     run.state.consumed_train_tokens += size.tokens
+    run.state.floating_point_operations_so_far += step_flops(run.config.model, size.seq_length, size.samples)
     trace = run.hooks.after_step(run.state)
     if trace:
         print(f"[rank {run.rank}] wrote the --profile trace {trace}", flush=True)
@@ -195,7 +209,7 @@ def log_step(run: Run, steps: list[StepResult], seconds: float, start_iteration:
     done = state.iteration - start_iteration
     world = cfg.parallel.world_size or cfg.parallel.model_parallel_size
     size = run.hooks.last  # the last step's batch size and length (a ramp-up or curriculum changes them)
-    flops = model_flops_per_iteration(dataclasses.replace(cfg.model, seq_length=size.seq_length), size.samples)
+    flops = step_flops(cfg.model, size.seq_length, size.samples)
     tflops, mfu = logger.throughput(flops, seconds / n, world, run.peak_tflops)
     stats = logger.StepStats(
         iteration=state.iteration,
@@ -245,6 +259,21 @@ def save(run: Run) -> None:
     with run.watchdog.watch(f"save_checkpoint at iteration {run.state.iteration}"):
         tag = save_load.save(run.engine, run.config, run.layout, run.state, ck.save)
     print_rank0(run.rank, f"saved checkpoint {os.path.join(ck.save, tag)} at iteration {run.state.iteration}")
+    if run.config.logging.log_progress and run.rank == 0:  # after the save, as Megatron-LM
+        import torch.distributed as dist
+
+        state, now, world = run.state, datetime.datetime.now(), dist.get_world_size()
+        text = progress_log.saved_line(
+            state.iteration,
+            state.floating_point_operations_so_far,
+            state.floating_point_operations_so_far - run.start_flops,
+            time.time() - run.start_time,
+            world,
+            state.consumed_train_tokens,
+            progress_log.start_of_world_size(ck.save, world),
+            now,
+        )
+        progress_log.append(ck.save, world, text, now)
 
 
 def _on_some_rank(run: Run, found: bool) -> bool:

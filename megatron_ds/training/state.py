@@ -18,3 +18,7 @@ class TrainState:
     consumed_train_tokens: int = 0
     """Training tokens consumed (samples x the tokens each step kept: a curriculum shortens them);
     checkpoints written before the field existed count samples x --seq-length."""
+    floating_point_operations_so_far: float = 0.0
+    """Model FLOPs of every training step so far (Megatron-LM's `num_floating_point_operations_so_far`, what
+    `--log-progress` reports); checkpoints written before the field existed count consumed samples x the FLOPs
+    of one sample at --seq-length."""

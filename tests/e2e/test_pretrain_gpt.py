@@ -436,3 +436,33 @@ def test_save_retain_interval_keeps_the_multiples_and_the_last(tmp_path: Path) -
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in save.iterdir()) == ["global_step4", "global_step7", "latest"]
     assert out.stdout.count("deleted checkpoint") == 2
+
+
+def test_log_progress_appends_megatron_lms_lines_across_a_resume(tmp_path: Path) -> None:
+    """Megatron-LM's --log-progress: a job stopped at 4 (--exit-interval) and resumed to 6 leave two job starts and
+    saves at 2, 4 and 6 whose FLOPs are those iterations' model FLOPs (the count survives the resume)."""
+    from megatron_ds.estimate.compute import model_flops_per_iteration
+    from megatron_ds.flags.parser import parse_config
+
+    save = tmp_path / "ckpt"
+    flags = [*BASE, "--mock-data", "--vocab-size", "128", "--train-iters", "6", "--eval-iters", "0"]
+    flags += ["--save", str(save), "--save-interval", "2", "--log-progress", "--global-batch-size", "2"]
+    first = single(*flags, "--exit-interval", "4")
+    second = single(*flags, "--load", str(save))
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr + second.stderr)[-3000:]
+    lines = [ln.split("\t") for ln in (save / "progress.txt").read_text().splitlines()]
+    assert [f[3] for f in lines] == [
+        "Starting job",
+        "Saved checkpoint",
+        "Saved checkpoint",
+        "Starting job",
+        "Saved checkpoint",
+    ]
+    assert all(f[2] == "# GPUs: 1" for f in lines)
+    per_step = model_flops_per_iteration(parse_config(flags)[0].model, 2)
+    saves = [f for f in lines if f[3] == "Saved checkpoint"]
+    assert [f[4] for f in saves] == ["Iteration: 2", "Iteration: 4", "Iteration: 6"]
+    assert [float(f[7].split(": ")[1]) for f in saves] == pytest.approx(
+        [2 * per_step, 4 * per_step, 6 * per_step], rel=1e-2
+    )
+    assert all(f[5].startswith("Job throughput: ") and f[6].startswith("Cumulative throughput: ") for f in saves)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from megatron_ds.config import Config
+from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.checkpoint import first_launch, reader
 from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointError, load_tag, read_meta, write_atomic
@@ -249,6 +250,10 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
     saved = dict(meta["train_state"])
     # Written before the token count existed: every step then kept whole samples.
     saved.setdefault("consumed_train_tokens", saved.get("consumed_train_samples", 0) * config.model.seq_length)
+    saved.setdefault(
+        "floating_point_operations_so_far",
+        float(model_flops_per_iteration(config.model, saved.get("consumed_train_samples", 0))),
+    )
     return TrainState(**saved)
 
 
