@@ -95,6 +95,13 @@ NETWORK: tuple[Flag, ...] = (
         "drop it; a model that has them cannot be trained here",
     ),
     refused(
+        "--window-size",
+        _NET,
+        f"{_MLM}: sliding-window attention is not built; attention here covers the whole causal sequence",
+        "drop it; a model trained with a window attends differently",
+        takes=VALUE,
+    ),
+    refused(
         "--rotary-interleaved",
         _NET,
         f"{_MLM}: rotary embeddings here rotate the two halves of each head (Megatron's and Llama's default), not "
@@ -350,6 +357,15 @@ CHECKPOINTING: tuple[Flag, ...] = (
         "complete and `latest` names it",
         "checkpoint.save_retain_interval",
         type=int,
+    ),
+    switch(
+        "--no-use-tokenizer-model-from-checkpoint-args",
+        _CKPT,
+        f"{_MLM}: with --use-checkpoint-args, take the architecture but not the tokenizer from the checkpoint (the "
+        "tokenizer flags of the line, or none, hold)",
+        stores=False,
+        dest="use_tokenizer_model_from_checkpoint_args",
+        default=True,
     ),
     no_op(
         "--async-save",

@@ -10,6 +10,7 @@ import pytest
 
 from megatron_ds.config import Config, DataConfig, ModelConfig, RegularizationConfig
 from megatron_ds.flags.parser import parse_config
+from megatron_ds.testing.launch_lines import sentencepiece_model
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.tokenizer_check import tokenizer_notice
 
@@ -138,3 +139,19 @@ def test_nccl_without_gpus_is_a_one_line_error_before_any_process_group() -> Non
             ],
             machine=CPU,
         )
+
+
+def test_the_tokenizer_comes_from_the_checkpoint_unless_megatron_lms_flag_says_no(tmp_path: Path) -> None:
+    """--use-checkpoint-args takes the tokenizer with the architecture when the line names none (moved files are
+    found in the checkpoint's tokenizer directory); Megatron-LM's --no-use-tokenizer-model-from-checkpoint-args
+    keeps the architecture and leaves the tokenizer to the line."""
+    model_file = tmp_path / "tok" / "tokenizer.model"
+    model_file.parent.mkdir()
+    model_file.write_bytes(sentencepiece_model(200))  # a minimal model file of 200 pieces
+    data = DataConfig(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(model_file))
+    load = checkpoint(tmp_path / "ck", Config(model=LLAMA, data=data))
+    args = ["--use-checkpoint-args", "--load", load, *TRAIN]
+    taken = parse_config(args)[0]
+    assert (taken.data.tokenizer_type, taken.data.tokenizer_model) == ("SentencePieceTokenizer", str(model_file))
+    kept = parse_config([*args, "--no-use-tokenizer-model-from-checkpoint-args"])[0]
+    assert kept.model == LLAMA and kept.data.tokenizer_type is None
