@@ -91,8 +91,11 @@ def _latest(load_dir: str, tag: str | None) -> tuple[dict[str, Any] | None, str]
 
 def _take_architecture(args: argparse.Namespace, given: set[str], saved: Config, where: str, root: str) -> None:
     taken = {d: v for d, v in model_dests(saved.model).items() if d not in given}
-    take_tokenizer = getattr(args, "use_tokenizer_model_from_checkpoint_args", True)  # Megatron-LM's --no-use-...
-    if take_tokenizer and not any(d in given for d in TOKENIZER_DESTS) and saved.data.tokenizer_type:
+    if (
+        args.use_tokenizer_model_from_checkpoint_args
+        and not any(d in given for d in TOKENIZER_DESTS)
+        and saved.data.tokenizer_type
+    ):
         for dest in TOKENIZER_DESTS:
             path = getattr(saved.data, dest)
             if dest != "tokenizer_type" and path and not os.path.isfile(path):

@@ -289,7 +289,7 @@ def _warn_loss_scale_ignored(args: argparse.Namespace, precision: str) -> None:
         warn(f"{', '.join(map(flag_of, given))} only apply with --fp16; ignored with {precision}")
 
 
-def _warn_tensorboard_ignored(args: argparse.Namespace) -> None:
+def _warn_logging_ignored(args: argparse.Namespace) -> None:
     if args.log_progress and not args.save:
         warn("--log-progress writes <--save>/progress.txt; ignored without --save")
     if not args.wandb_project:
@@ -339,7 +339,7 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
     model = _model_config(args, direct.get("model", {}))
     parallel = _parallel_config(args, direct.get("parallel", {}), world_size)
     training = _training_config(args, direct.get("training", {}), parallel, model)
-    _warn_tensorboard_ignored(args)
+    _warn_logging_ignored(args)
     model_flags.check_loss_options(args)
     model_flags.check_logging_options(args, training.zero_stage)
     model_flags.format_notices(args)

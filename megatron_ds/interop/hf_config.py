@@ -391,7 +391,7 @@ def _rope_scaling(f: _Fields, allowed: tuple[str, ...] = ("llama3",)) -> float |
                 f"{key} {value:g}, as megatron-core fixes it (every Llama 3.x config.json has it)"
             )
     factor = scaling.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+    if not _positive_number(factor):
         raise HFConfigError(f"{f.source}: {name} factor {factor!r} is not a positive number; fix the config.json")
     return float(factor)
 
@@ -399,9 +399,14 @@ def _rope_scaling(f: _Fields, allowed: tuple[str, ...] = ("llama3",)) -> float |
 def _rope_base(f: _Fields) -> float:
     params = f.hf.get("rope_parameters") or {}
     theta = params.get("rope_theta", f.hf.get("rope_theta", DEFAULT_ROTARY_BASE))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+    if not _positive_number(theta):
         raise HFConfigError(f"{f.source}: rope_theta {theta!r} is not a positive number; fix the config.json")
     return float(theta)
+
+
+def _positive_number(value: Any) -> bool:
+    """A finite number > 0 as JSON gives it (a bool is not one)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def render_flags(values: dict[str, Any]) -> list[str]:

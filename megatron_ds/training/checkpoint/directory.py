@@ -77,13 +77,18 @@ def _natural(name: str) -> list:
     return [int(part) if k % 2 else part for k, part in enumerate(re.split(r"(\d+)", name))]
 
 
+def latest_pointer(directory: str) -> str | None:
+    """What the `latest` file of `directory` names, as written (None without one); `latest_tag` checks it."""
+    pointer = os.path.join(directory, LATEST)
+    return open(pointer).read().strip() if os.path.isfile(pointer) else None
+
+
 def latest_tag(load_dir: str) -> str | None:
     """The tag `latest` names, if it points at a complete checkpoint."""
-    pointer = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(pointer):
+    tag = latest_pointer(load_dir)
+    if tag is None:
         refuse_foreign(load_dir)
         return None
-    tag = open(pointer).read().strip()
     if not os.path.isfile(os.path.join(load_dir, tag, META)):
         refuse_foreign(load_dir)
         raise CheckpointError(
@@ -111,8 +116,8 @@ def foreign_checkpoint(path: str) -> str | None:
     if os.path.isfile(os.path.join(path, DEEPSPEED_MODEL_STATES)) and not os.path.isfile(os.path.join(path, META)):
         step, root = path, os.path.dirname(os.path.abspath(path))
     else:
-        pointer, tracker = os.path.join(path, LATEST), os.path.join(path, MEGATRON_TRACKER)
-        tag = open(pointer).read().strip() if os.path.isfile(pointer) else ""
+        tracker = os.path.join(path, MEGATRON_TRACKER)
+        tag = latest_pointer(path) or ""
         if not tag and os.path.isfile(tracker):
             tag = "global_step" + open(tracker).read().strip()
         if not tag or not os.path.isfile(os.path.join(path, tag, DEEPSPEED_MODEL_STATES)):

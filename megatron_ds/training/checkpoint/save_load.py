@@ -38,7 +38,15 @@ from megatron_ds.config import Config
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.checkpoint import first_launch, reader
-from megatron_ds.training.checkpoint.directory import LATEST, META, CheckpointError, load_tag, read_meta, write_atomic
+from megatron_ds.training.checkpoint.directory import (
+    LATEST,
+    META,
+    CheckpointError,
+    latest_pointer,
+    load_tag,
+    read_meta,
+    write_atomic,
+)
 from megatron_ds.training.checkpoint.rules import (
     check_compatible,
     deepspeed_cannot_restore,
@@ -132,7 +140,7 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
             "optimizer_state": not config.checkpoint.no_save_optim,
         }
         write_atomic(os.path.join(save_dir, tmp_tag, META), json.dumps(meta, indent=1))
-        previous = _latest_or_none(save_dir)
+        previous = latest_pointer(save_dir)
         os.replace(os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag))
         write_atomic(os.path.join(save_dir, LATEST), tag)
         if config.checkpoint.save_retain_interval and previous not in (None, tag):
@@ -141,23 +149,17 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
     return tag
 
 
-def _latest_or_none(save_dir: str) -> str | None:
-    pointer = os.path.join(save_dir, LATEST)
-    return open(pointer).read().strip() if os.path.isfile(pointer) else None
-
-
 def _retire(save_dir: str, tag: str, retain_interval: int) -> None:
     """`--save-retain-interval`: delete the checkpoint `tag` that `latest` named before this save, now that the
     new one is complete and `latest` names it, unless its iteration is a multiple of `retain_interval`; a symbolic
     link, or anything but a complete checkpoint of ours, is kept (as Megatron-LM keeps links)."""
     path = os.path.join(save_dir, tag)
-    meta_path = os.path.join(path, META)
-    if os.path.islink(path) or not os.path.isfile(meta_path):
+    if os.path.islink(path) or not os.path.isfile(os.path.join(path, META)):
         return
     try:
-        iteration = int(json.load(open(meta_path))["train_state"]["iteration"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # unreadable: not ours to delete
+        iteration = int(read_meta(save_dir, tag)["train_state"]["iteration"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return  # damaged: not ours to delete
     if iteration % retain_interval:
         shutil.rmtree(path)
         print(
