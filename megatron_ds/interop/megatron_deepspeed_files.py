@@ -11,110 +11,33 @@
         fp32 partitions with `param_slice_mappings` (read by `deepspeed_source.load_file`)
 
 Layer files hold tensors only: `torch.load(weights_only=True)`. The `mp_rank` files hold pickled
-objects as well; they go through `_RestrictedUnpickler`, which builds the types such a file is
-expected to hold (argparse.Namespace, containers, tensors and storages, torch dtypes) and keeps
-upstream's own values (Megatron's enums, numpy RNG states) as inert records; any other global is
-refused. Nothing of Megatron-DeepSpeed is imported or run.
+objects as well; they go through `restricted_pickle.upstream_values`, which builds the types such a
+file is expected to hold (argparse.Namespace, containers, tensors and storages, torch dtypes) and
+keeps upstream's own values (Megatron's enums, numpy RNG states) as inert records; any other global
+is refused. Nothing of Megatron-DeepSpeed is imported or run.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import pickle
-import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from megatron_ds.interop import restricted_pickle
 from megatron_ds.training.checkpoint.directory import LATEST, MEGATRON_TRACKER, CheckpointError
 
-INERT_MODULES = ("megatron", "numpy")
-"""Packages whose pickled values are kept as inert records (upstream's enums in `args`, numpy's
-RNG state): never imported."""
-_TENSOR_REBUILDERS = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_parameter", "_rebuild_from_type_v2")
-
-
-class Inert:
-    """An upstream value as data: the arguments it was pickled with and its state; nothing runs."""
-
-    qualname = "?"
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-        self.state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"<{self.qualname}{self.args!r}>"
-
-
-_inert_types: dict[str, type] = {}
-
-
-def _inert(module: str, name: str) -> type:
-    qualname = f"{module}.{name}"
-    if qualname not in _inert_types:
-        _inert_types[qualname] = type(name, (Inert,), {"qualname": qualname})
-    return _inert_types[qualname]
-
-
-def _latin1(text: str, encoding: str = "latin1") -> bytes:
-    """Protocol-2 pickles spell bytes as `_codecs.encode(text, "latin1")` (numpy's RNG state does)."""
-    if encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError(f"holds bytes in encoding {encoding!r}, which such a file does not hold")
-    return text.encode("latin1")
-
-
-def _allowed(module: str, name: str) -> Any:
-    """The object a global of a Megatron-DeepSpeed `mp_rank` file stands for, or None if refused."""
-    if (module, name) == ("argparse", "Namespace"):
-        return argparse.Namespace
-    if (module, name) == ("collections", "OrderedDict"):
-        return collections.OrderedDict
-    if (module, name) == ("_codecs", "encode"):
-        return _latin1
-    if module == "builtins" and name in ("set", "frozenset", "slice", "complex"):
-        return getattr(__import__("builtins"), name)
-    if module == "torch._utils" and name in _TENSOR_REBUILDERS:
-        return getattr(torch._utils, name)
-    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-        return getattr(torch, name)
-    if (module, name) in (
-        ("torch", "Size"),
-        ("torch", "device"),
-        ("torch", "Tensor"),
-        ("torch.nn.parameter", "Parameter"),
-    ):
-        return {"Size": torch.Size, "device": torch.device, "Tensor": torch.Tensor, "Parameter": torch.nn.Parameter}[
-            name
-        ]
-    if module.split(".")[0] in INERT_MODULES:
-        return _inert(module, name)
-    return None
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        found = _allowed(module, name)
-        if found is None:
-            raise pickle.UnpicklingError(f"holds a pickled {module}.{name}, which such a file does not hold")
-        return found
-
-
-_RESTRICTED = types.SimpleNamespace(__name__="restricted_pickle", Unpickler=_RestrictedUnpickler, load=pickle.load)
-"""What `torch.load(pickle_module=...)` takes: storages through torch's persistent ids, every other
-global through `_RestrictedUnpickler.find_class`."""
+_TORCH_LOAD = restricted_pickle.pickle_module(restricted_pickle.upstream_values)
+"""Storages through torch's persistent ids, every other global through `upstream_values`."""
 
 
 def load_model_states(path: str) -> dict[str, Any]:
     """An `mp_rank_MM_model_states.pt` file: tensors memory-mapped, other globals restricted."""
     state = _load(
-        path, lambda p: torch.load(p, map_location="cpu", weights_only=False, pickle_module=_RESTRICTED, mmap=True)
+        path, lambda p: torch.load(p, map_location="cpu", weights_only=False, pickle_module=_TORCH_LOAD, mmap=True)
     )
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a dictionary of states; the checkpoint is damaged")
@@ -145,7 +68,7 @@ class MegatronDeepSpeedCheckpoint:
     directory: str
     tag: str
     args: dict[str, Any]
-    """`vars()` of the saved Namespace (upstream's enums as `Inert` records)."""
+    """`vars()` of the saved Namespace (upstream's enums as `restricted_pickle.Inert` records)."""
     states: dict[str, Any]
     """mp_rank_00's entries other than the optimizer and `args`."""
 

@@ -23,6 +23,7 @@ import torch
 from megatron_ds.inference.model import load_model
 from megatron_ds.interop import megatron_deepspeed_args as saved_args
 from megatron_ds.interop import megatron_deepspeed_files as mds_files
+from megatron_ds.interop import restricted_pickle
 from megatron_ds.interop.megatron_deepspeed import import_megatron_deepspeed
 from megatron_ds.training.checkpoint.directory import META, CheckpointError, latest_tag
 from megatron_ds.training.checkpoint.universal.store import Universal
@@ -169,7 +170,7 @@ def test_pickled_metadata_runs_no_code(tmp_path: Path) -> None:
 
 def test_upstream_values_stay_inert_records() -> None:
     ckpt = mds_files.open_megatron_deepspeed(str(FIXTURES / "tp1_pp2_tied"))
-    assert isinstance(ckpt.args["model_type"], mds_files.Inert)  # megatron.core.enums.ModelType, not imported
+    assert isinstance(ckpt.args["model_type"], restricted_pickle.Inert)  # megatron.core.enums.ModelType, not imported
     assert ckpt.args["params_dtype"] is torch.float32
 
 

@@ -1,0 +1,226 @@
+"""Megatron-LM checkpoints written by megatron-core itself, for the conversion tests.
+
+    from megatron_ds.testing.megatron_lm_checkpoints import write_checkpoint
+    reference = write_checkpoint("llama", "/tmp/mlm", fmt="torch_dist", iteration=5)
+
+The run's `args` are those Megatron-LM's own argument code produced for a launch line
+(tests/data/megatron_lm_args.json, recorded by tools/capture_megatron_lm_args.py). On as many gloo
+ranks as the line's tensor-parallel size, megatron-core builds its `GPTModel` (local layer spec,
+CPU initialisation, the model's options taken from those args as Megatron-LM's
+`core_transformer_config_from_args` takes them), steps its own `OptimizerParamScheduler` through
+the iterations, and saves what Megatron-LM's `save_checkpoint` saves without an optimizer
+(`--no-save-optim`): `torch_dist` through `dist_checkpointing.save` (megatron-core's sharded state
+dict), `torch` as one `mp_rank_TT/model_optim_rng.pt` per tensor rank. It also runs the model
+(in fp32, after the save) forward on fixed tokens and returns the logits (tensor shards gathered), the reference a converted
+model must reproduce. CPU shims: megatron-core's sequence-parallel allocations on the CPU
+(`model.megatron_core_cpu`), DeepSpeed's RNG tracker in place of its CUDA one, and
+`torch.cuda.synchronize` / `current_device` answered for the CPU (the checkpoint writer calls them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import importlib
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+
+RECORDED = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data", "megatron_lm_args.json")
+FORMATS = ("torch_dist", "torch")
+TOKENS = ((3, 17, 42, 99, 5, 64, 7, 23, 88, 1, 0, 50), (9, 8, 7, 6, 5, 4, 3, 2, 1, 60, 70, 80))
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def recorded(name: str) -> dict[str, Any]:
+    """{"world_size", "argv", "args"} of one recorded launch line."""
+    with open(RECORDED) as f:
+        return json.load(f)[name]
+
+
+def namespace(saved: dict[str, Any]) -> argparse.Namespace:
+    """The recorded args as the Namespace Megatron-LM pickles (torch dtypes and Megatron's enums restored)."""
+
+    def value(v: Any) -> Any:
+        if isinstance(v, dict) and "torch.dtype" in v:
+            return getattr(torch, v["torch.dtype"])
+        if isinstance(v, dict) and "enum" in v:
+            module, _, cls = v["enum"].rpartition(".")
+            kind: type[enum.Enum] = getattr(importlib.import_module(module), cls)
+            return kind[v["name"]]
+        return [value(x) for x in v] if isinstance(v, list) else v
+
+    return argparse.Namespace(**{k: value(v) for k, v in saved.items()})
+
+
+def write_checkpoint(name: str, directory: str, fmt: str, iteration: int = 5, timeout: float = 240) -> dict[str, Any]:
+    """Write launch line `name`'s checkpoint at `iteration` into `directory` (its --save); return
+    {"tokens", "logits"} of megatron-core's forward (float32, full vocabulary)."""
+    from megatron_ds.testing.launch import run_ranks
+
+    world = recorded(name)["world_size"]
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "reference.pt")
+        argv = ["-m", __name__, name, directory, fmt, str(iteration), out]
+        run_ranks(argv, world, timeout=timeout, env={"PYTHONPATH": _root()})
+        return torch.load(out, weights_only=True)
+
+
+def _root() -> str:
+    return os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+# ----- on each rank -------------------------------------------------------------------------------
+
+
+def _transformer_config(a: argparse.Namespace) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    activation = torch.nn.functional.silu if a.swiglu else torch.nn.functional.gelu
+    return TransformerConfig(
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups if a.group_query_attention else None,
+        ffn_hidden_size=a.ffn_hidden_size,
+        kv_channels=a.kv_channels,
+        tensor_model_parallel_size=a.tensor_model_parallel_size,
+        normalization=a.normalization,
+        layernorm_epsilon=a.layernorm_epsilon,
+        layernorm_zero_centered_gamma=a.layernorm_zero_centered_gamma,
+        gated_linear_unit=a.swiglu,
+        activation_func=activation,
+        bias_activation_fusion=False,
+        add_bias_linear=a.add_bias_linear,
+        add_qkv_bias=a.add_qkv_bias,
+        hidden_dropout=a.hidden_dropout,
+        attention_dropout=a.attention_dropout,
+        init_method_std=a.init_method_std,
+        params_dtype=a.params_dtype,
+        bf16=a.bf16,
+        use_cpu_initialization=True,
+        pipeline_dtype=a.params_dtype,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+
+
+def _model(a: argparse.Namespace) -> Any:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization=a.normalization)
+    return GPTModel(
+        _transformer_config(a),
+        spec,
+        vocab_size=a.padded_vocab_size,
+        max_sequence_length=a.max_position_embeddings,
+        share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+        position_embedding_type=a.position_embedding_type,
+        rotary_percent=a.rotary_percent,
+        rotary_base=a.rotary_base,
+        rope_scaling=a.use_rope_scaling,
+    )
+
+
+def _cpu_shims(seed: int, tensor_rank: int) -> None:
+    from megatron_ds.model import megatron_core_cpu, rng
+    from megatron_ds.model.tensor_parallel_layers import MODEL_PARALLEL_RNG, share_rng_tracker
+
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    megatron_core_cpu.install()
+    share_rng_tracker()
+    rng.set_stream(MODEL_PARALLEL_RNG, seed + 2718 + tensor_rank)  # Megatron's model-parallel seed
+
+
+def _logits(model: Any, a: argparse.Namespace) -> torch.Tensor:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tokens = torch.tensor(TOKENS)
+    s = tokens.shape[1]
+    positions = torch.arange(s).expand_as(tokens)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True: masked
+    model.eval()
+    with torch.no_grad():
+        local = model(tokens, positions, mask).float()
+    t = a.tensor_model_parallel_size
+    pieces = [torch.empty_like(local) for _ in range(t)]
+    dist.all_gather(pieces, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(pieces, dim=-1)
+
+
+def _scheduler_state(a: argparse.Namespace, iteration: int) -> dict[str, Any]:
+    """megatron-core's own OptimizerParamScheduler after `iteration` steps, as Megatron-LM builds it."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs = a.global_batch_size
+    optimizer = argparse.Namespace(param_groups=[{"lr": a.lr, "weight_decay": a.weight_decay}])
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=a.lr_warmup_init,
+        max_lr=a.lr,
+        min_lr=a.min_lr,
+        lr_warmup_steps=a.lr_warmup_iters * gbs,
+        lr_decay_steps=(a.lr_decay_iters or a.train_iters) * gbs,
+        lr_decay_style=a.lr_decay_style,
+        start_wd=a.start_weight_decay,
+        end_wd=a.end_weight_decay,
+        wd_incr_steps=a.train_iters * gbs,
+        wd_incr_style=a.weight_decay_incr_style,
+    )
+    for _ in range(iteration):
+        scheduler.step(increment=gbs)
+    return scheduler.state_dict()
+
+
+def _main(name: str, directory: str, fmt: str, iteration: int, out: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    dist.init_process_group("gloo")
+    a = namespace(recorded(name)["args"])
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tensor_model_parallel_size)
+    _cpu_shims(a.seed, parallel_state.get_tensor_model_parallel_rank())
+    torch.manual_seed(a.seed)
+    model = _model(a)
+    a.consumed_train_samples = iteration * a.global_batch_size
+    a.iteration = iteration
+    state: dict[str, Any] = {
+        "args": a,
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "opt_param_scheduler": _scheduler_state(a, iteration),
+        "num_floating_point_operations_so_far": 1.0e12 * iteration,
+    }
+    step = os.path.join(directory, f"iter_{iteration:07d}")
+    rank = dist.get_rank()
+    if fmt == "torch_dist":
+        os.makedirs(step, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({**state, "model": model.sharded_state_dict()}, step)
+    else:
+        tp = parallel_state.get_tensor_model_parallel_rank()
+        rank_dir = os.path.join(step, f"mp_rank_{tp:02d}")
+        os.makedirs(rank_dir, exist_ok=True)
+        torch.save(
+            {**state, "model": model.state_dict_for_save_checkpoint()}, os.path.join(rank_dir, "model_optim_rng.pt")
+        )
+    dist.barrier()
+    logits = _logits(model.float(), a)  # bf16 weights, fp32 arithmetic: what a converted fp32 model computes
+    if rank == 0:
+        with open(os.path.join(directory, TRACKER), "w") as f:
+            f.write(str(iteration))
+        torch.save({"tokens": torch.tensor(TOKENS), "logits": logits}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
