@@ -15,24 +15,17 @@ the run under any layout. The source is only read (see `megatron_deepspeed_files
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from megatron_ds import files
 from megatron_ds.config import Config
+from megatron_ds.interop import converted
 from megatron_ds.interop import megatron_deepspeed_args as saved_args
 from megatron_ds.interop.megatron_deepspeed_files import MegatronDeepSpeedCheckpoint, open_megatron_deepspeed
 from megatron_ds.interop.megatron_deepspeed_layout import BLOCKED, QKV_LAYOUTS
 from megatron_ds.interop.megatron_deepspeed_source import MegatronDeepSpeedSource, check_split
-from megatron_ds.model import naming, sharding
-from megatron_ds.training.checkpoint import reader
-from megatron_ds.training.checkpoint.directory import CONVERTED, LATEST, META, CheckpointError
-from megatron_ds.training.checkpoint.universal import store
+from megatron_ds.training.checkpoint.directory import CONVERTED, CheckpointError
 from megatron_ds.training.checkpoint.universal.convert import SUFFIX
-from megatron_ds.training.checkpoint.universal.names import ModelTensor, model_tensors
 from megatron_ds.training.resolve_layout import resolve_layout
 
 SECTION = CONVERTED
@@ -68,32 +61,24 @@ def import_megatron_deepspeed(
     tokenizer_flags, note = saved_args.tokenizer_flags(mds, tokenizer or {})
     config = saved_args.config_from_args(mds, tokenizer_flags)
     layout = resolve_layout(config)  # a layout error now, before anything is written
-    root = os.path.abspath(output)
-    with files.atomic_directory(root, "output") as tmp:
-        step_dir = os.path.join(tmp, mds.tag)
-        os.makedirs(step_dir)
-        meta = _meta(mds, config, layout.to_string(), qkv_layout)
-        files.write_json(os.path.join(step_dir, META), meta)
-        ours = reader.Checkpoint(tmp, mds.tag, meta, config)
-        src = MegatronDeepSpeedSource(mds, ours, qkv_layout)
-        check_split(src)
-        _write_weights(src, step_dir, show_progress)
-        universal = os.path.join(tmp, mds.tag + SUFFIX)
-        os.makedirs(universal)
-        bar = files.progress(len(model_tensors(config.model)), "universal", show_progress)
-        try:
-            store.write(src, universal, bar)
-        finally:
-            bar.close()
-        states = store.Universal(universal).states  # validated before the output gets its name
-        with open(os.path.join(tmp, LATEST), "w") as f:
-            f.write(mds.tag)
+    meta = _meta(mds, config, layout.to_string(), qkv_layout)
+    states = converted.write(
+        output,
+        mds.tag,
+        meta,
+        config,
+        lambda ours: MegatronDeepSpeedSource(mds, ours, qkv_layout),
+        check_split,
+        show_progress,
+    )
     notes = [note] if note else []
     if not states:
         notes.append("no optimizer state in the source: a resume from it starts the optimizer's moments at zero")
     flags = saved_args.render(mds.args, saved_args.MODEL_ARGS) + ["--vocab-size", str(saved_args.vocab_size(mds))]
     flags += tokenizer_flags + saved_args.render(mds.args, saved_args.TRAINING_ARGS)
-    return ImportResult(root, mds.tag, config, meta["train_state"]["iteration"], states, flags, notes)
+    return ImportResult(
+        os.path.abspath(output), mds.tag, config, meta["train_state"]["iteration"], states, flags, notes
+    )
 
 
 def _meta(mds: MegatronDeepSpeedCheckpoint, config: Config, layout: str, qkv_layout: str) -> dict[str, Any]:
@@ -118,25 +103,3 @@ def _meta(mds: MegatronDeepSpeedCheckpoint, config: Config, layout: str, qkv_lay
             "ds_version": mds.states.get("ds_version"),
         },
     }
-
-
-def _write_weights(src: MegatronDeepSpeedSource, step_dir: str, show_progress: bool) -> None:
-    """Our layer files at the source's T, in the source's weight dtype (as DeepSpeed writes them)."""
-    model, t = src.model, src.tensor_parallel
-    by_spec: dict[int, list[ModelTensor]] = defaultdict(list)
-    for tensor in model_tensors(model):
-        by_spec[tensor.spec_index].append(tensor)
-    names = naming.gpt_spec_groups(model).names
-    bar = files.progress(len(by_spec), "weights", show_progress)
-    try:
-        for index, tensors in sorted(by_spec.items()):
-            states: list[dict[str, Any]] = [{} for _ in range(t)]
-            for tensor in tensors:
-                for state, piece in zip(states, sharding.split(tensor.rule, src.weight(tensor), t)):
-                    state[tensor.key] = piece
-            for rank, state in enumerate(states):
-                state.update(dict.fromkeys(sharding.extra_state_keys(names[index], t)))
-                torch.save(state, reader.layer_file(step_dir, index, rank))
-            bar.update(1)
-    finally:
-        bar.close()

@@ -10,47 +10,16 @@ size (`universal_checkpoint_info`'s `original_vocab_size`) with the same divisor
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from megatron_ds.config import Config
 from megatron_ds.errors import UserError
+from megatron_ds.interop import megatron_scheduler, saved_flags
 from megatron_ds.interop.megatron_deepspeed_files import MegatronDeepSpeedCheckpoint
+from megatron_ds.interop.saved_flags import Arg, off, on, render
 from megatron_ds.training.checkpoint.directory import CheckpointError
-from megatron_ds.training.lr_schedule import SAMPLES, TOKENS
 from megatron_ds.training.state import TrainState
-
-Neutral = Any
-"""What is not rendered: a value, a tuple of values, or a function of the args giving one (e.g. the
-number of heads for the key/value heads)."""
-
-
-@dataclass(frozen=True)
-class Arg:
-    """One saved value and the Megatron-DeepSpeed flag that sets it."""
-
-    flag: str
-    neutral: Neutral = None
-    switch: bool = False
-    saved_as: str | None = None
-    """Its `args` attribute when not the flag's name (`--disable-bias-linear` sets add_bias_linear)."""
-
-    @property
-    def dest(self) -> str:
-        return self.saved_as or self.flag.lstrip("-").replace("-", "_")
-
-
-def on(flag: str) -> Arg:
-    """A switch that sets its value True (store_true): given when the run had it on."""
-    return Arg(flag, False, switch=True)
-
-
-def off(flag: str, saved_as: str) -> Arg:
-    """A `--no-...`-style switch that sets `saved_as` False: given when the run had it off."""
-    return Arg(flag, True, switch=True, saved_as=saved_as)
-
 
 MODEL_ARGS = (
     Arg("--num-layers"),
@@ -136,38 +105,11 @@ def _constant_wd(a: dict[str, Any], dest: str) -> Any:
     return a.get(dest) if same or a.get("start_weight_decay") is None else None
 
 
-def render(args: dict[str, Any], table: Sequence[Arg]) -> list[str]:
-    """The flags that set these values (none for a value at its neutral setting)."""
-    argv: list[str] = []
-    for arg in table:
-        value = args.get(arg.dest)
-        neutral = arg.neutral(args) if callable(arg.neutral) else arg.neutral
-        if value is None or value in (neutral if isinstance(neutral, tuple) else (neutral,)):
-            continue
-        if arg.switch:
-            argv.append(arg.flag)
-        elif isinstance(value, (list, tuple)):
-            argv += [arg.flag, *map(str, value)]
-        else:
-            argv += [arg.flag, str(value)]
-    return argv
-
-
 def tokenizer_flags(
     ckpt: MegatronDeepSpeedCheckpoint, overrides: dict[str, str | None]
 ) -> tuple[list[str], str | None]:
     """Our tokenizer flags for the run's tokenizer, and a note when it cannot be recorded."""
-    given = {k: v for k, v in overrides.items() if v}
-    if given:
-        return [x for k, v in given.items() for x in (f"--{k.replace('_', '-')}", v)], None
-    kind = ckpt.args.get("tokenizer_type")
-    needs = TOKENIZER_FILES.get(kind)
-    paths = {k: ckpt.args.get(k) for k in needs or ()}
-    if needs and all(p and os.path.isfile(p) for p in paths.values()):
-        files = [x for k, v in paths.items() for x in (f"--{k.replace('_', '-')}", v)]
-        return ["--tokenizer-type", kind, *files], None
-    missing = "its files are not here" if needs else "not one of ours"
-    return [], f"tokenizer {kind} not recorded ({missing}): give --tokenizer-type and its files when training from it"
+    return saved_flags.tokenizer_flags(ckpt.args, overrides, TOKENIZER_FILES)
 
 
 def vocab_size(ckpt: MegatronDeepSpeedCheckpoint) -> int:
@@ -224,29 +166,6 @@ def train_state(ckpt: MegatronDeepSpeedCheckpoint) -> dict[str, Any]:
 
 
 def lr_schedule_state(ckpt: MegatronDeepSpeedCheckpoint, config: Config) -> dict[str, Any] | None:
-    """Megatron's OptimizerParamScheduler state as our `LRSchedule`'s: progress counted in samples
-    (or tokens) either way; ours stores optimizer steps, upstream the samples they consumed."""
+    """Megatron's OptimizerParamScheduler state as our `LRSchedule`'s (see `megatron_scheduler`)."""
     saved = ckpt.states.get("lr_scheduler")
-    if not isinstance(saved, dict):
-        return None
-    gbs = config.training.global_batch_size
-    steps, remainder = divmod(int(saved["num_steps"]), gbs)
-    if remainder:
-        raise CheckpointError(
-            f"{ckpt.directory}: its schedule counted {saved['num_steps']} samples, not a multiple of the global batch "
-            f"size {gbs} (a batch-size ramp-up?); it cannot be continued here"
-        )
-    in_tokens = saved.get("lr_decay_tokens") is not None or saved.get("lr_warmup_tokens") is not None
-    per_sample = config.model.seq_length if in_tokens else 1
-    # A length upstream counts in samples is that many samples' tokens in a schedule counted in tokens
-    # (as upstream does itself when its warm-up is in samples and its decay in tokens).
-    warmup, decay = saved.get("lr_warmup_tokens"), saved.get("lr_decay_tokens")
-    return {
-        "num_steps": steps,
-        "max_lr": float(saved["max_lr"]),
-        "min_lr": float(saved["min_lr"]),
-        "decay_style": saved["lr_decay_style"],
-        "unit": TOKENS if in_tokens else SAMPLES,
-        "warmup": int(warmup if warmup is not None else int(saved["lr_warmup_steps"]) * per_sample),
-        "decay": int(decay if decay is not None else int(saved["lr_decay_steps"]) * per_sample),
-    }
+    return megatron_scheduler.schedule_state(saved, config, ckpt.directory) if isinstance(saved, dict) else None

@@ -1,0 +1,77 @@
+"""An upstream run's saved `args` as command-line flags: each saved value that differs from its
+upstream default becomes the flag that sets it, so our own parser reads it (and refuses what is not
+built here, in one line naming the flag). The tables live with each upstream's import
+(`megatron_deepspeed_args`, `megatron_lm_args`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Neutral = Any
+"""What is not rendered: a value, a tuple of values, or a function of the args giving one (e.g. the
+number of heads for the key/value heads)."""
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One saved value and the upstream flag that sets it."""
+
+    flag: str
+    neutral: Neutral = None
+    switch: bool = False
+    saved_as: str | None = None
+    """Its `args` attribute when not the flag's name (`--disable-bias-linear` sets add_bias_linear)."""
+
+    @property
+    def dest(self) -> str:
+        return self.saved_as or self.flag.lstrip("-").replace("-", "_")
+
+
+def on(flag: str, saved_as: str | None = None) -> Arg:
+    """A switch that sets its value True (store_true): given when the run had it on."""
+    return Arg(flag, False, switch=True, saved_as=saved_as)
+
+
+def off(flag: str, saved_as: str) -> Arg:
+    """A `--no-...`-style switch that sets `saved_as` False: given when the run had it off."""
+    return Arg(flag, True, switch=True, saved_as=saved_as)
+
+
+def render(args: dict[str, Any], table: Sequence[Arg]) -> list[str]:
+    """The flags that set these values (none for a value at its neutral setting)."""
+    argv: list[str] = []
+    for arg in table:
+        value = args.get(arg.dest)
+        neutral = arg.neutral(args) if callable(arg.neutral) else arg.neutral
+        if value is None or value in (neutral if isinstance(neutral, tuple) else (neutral,)):
+            continue
+        if arg.switch:
+            argv.append(arg.flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [arg.flag, *map(str, value)]
+        else:
+            argv += [arg.flag, str(value)]
+    return argv
+
+
+def tokenizer_flags(
+    args: dict[str, Any], overrides: dict[str, str | None], files: dict[str, tuple[str, ...]]
+) -> tuple[list[str], str | None]:
+    """Our tokenizer flags for the run's tokenizer (`files`: the tokenizer types we build and the
+    `args` holding the files each needs), and a note when it cannot be recorded. Files are recorded
+    only if they still exist; `overrides` (given on the command line) win."""
+    given = {k: v for k, v in overrides.items() if v}
+    if given:
+        return [x for k, v in given.items() for x in (f"--{k.replace('_', '-')}", v)], None
+    kind = args.get("tokenizer_type")
+    needs = files.get(kind)
+    paths = {k: args.get(k) for k in needs or ()}
+    if needs is not None and all(p and os.path.isfile(p) for p in paths.values()):
+        recorded = [x for k, v in paths.items() for x in (f"--{k.replace('_', '-')}", v)]
+        return ["--tokenizer-type", kind, *recorded], None
+    missing = "its files are not here" if needs else "not one of ours"
+    return [], f"tokenizer {kind} not recorded ({missing}): give --tokenizer-type and its files when training from it"
