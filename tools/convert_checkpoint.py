@@ -11,10 +11,13 @@
     # a Megatron-DeepSpeed (GPTModelPipe) checkpoint, any T and P -> ours: weights, and its whole training
     # state in universal form (`pretrain_gpt.py --load OUT` continues the run under any layout)
     python tools/convert_checkpoint.py --from megatron-deepspeed mds/checkpoints checkpoints/mds
+    # a Megatron-LM (megatron-core GPTModel) checkpoint, --ckpt-format torch_dist or torch, any T and P ->
+    # ours: weights, iteration, counters and schedule (not the optimizer's moments)
+    python tools/convert_checkpoint.py --from megatron-lm mlm/checkpoints checkpoints/mlm
 
 With --from hf, pretrain_gpt.py flags pass through (T, sequence length, tokenizer, ...); architecture
 flags come from config.json and must agree if given. With --from megatron-deepspeed everything comes
-from the run's saved args; its fused QKV rows are taken in current Megatron-DeepSpeed's order unless
+from the run's saved args (so with --from megatron-lm); its fused QKV rows are taken in current Megatron-DeepSpeed's order unless
 --qkv-layout interleaved (releases before Dec 2024; see docs/interop.md). The output directory must not exist; it
 appears only when complete. Bad input: one `error:` line, exit status 2, nothing written.
 The Hugging Face directions need the `hf` extra (`pip install -e '.[hf]'`); see docs/interop.md.
@@ -34,6 +37,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron_ds.errors import UserError
 
 MEGATRON_DEEPSPEED = "megatron-deepspeed"
+MEGATRON_LM = "megatron-lm"
 QKV_LAYOUTS = ("blocked", "interleaved")
 """`megatron_ds.interop.megatron_deepspeed_layout.QKV_LAYOUTS` (this tool imports no torch for --help)."""
 HF_EXTRA = ("safetensors", "transformers", "tokenizers")
@@ -58,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     way.add_argument(
         "--from",
         dest="from_",
-        choices=("hf", MEGATRON_DEEPSPEED),
-        help="import Hugging Face directory SOURCE, or Megatron-DeepSpeed checkpoint SOURCE, as OUTPUT",
+        choices=("hf", MEGATRON_DEEPSPEED, MEGATRON_LM),
+        help="import Hugging Face directory SOURCE, or Megatron-DeepSpeed or Megatron-LM checkpoint SOURCE, as OUTPUT",
     )
     p.add_argument("source")
     p.add_argument("output")
@@ -86,6 +90,8 @@ def run(argv: Sequence[str] | None = None) -> None:
         raise UserError("--qkv-layout applies to --from megatron-deepspeed only; drop it")
     if args.from_ == MEGATRON_DEEPSPEED:
         _from_megatron_deepspeed(args, rest, tokenizer)
+    elif args.from_ == MEGATRON_LM:
+        _from_megatron_lm(args, rest, tokenizer)
     elif args.to == "universal":
         _to_universal(args, rest, tokenizer)
     elif args.to:
@@ -136,14 +142,19 @@ def _to_universal(args: argparse.Namespace, rest: list[str], tokenizer: dict[str
     )
 
 
-def _from_megatron_deepspeed(args: argparse.Namespace, rest: list[str], tokenizer: dict[str, str | None]) -> None:
+def _saved_args_only(args: argparse.Namespace, rest: list[str]) -> None:
+    """--from megatron-deepspeed / megatron-lm take the model and run from the checkpoint's saved args."""
     others = [*rest, *(f for f, v in (("--vocab-size", args.vocab_size), ("--dtype", args.dtype)) if v is not None)]
     if args.max_shard_size_mb != 2048:
         others.append("--max-shard-size-mb")
     if others:
         raise UserError(
-            f"--from megatron-deepspeed takes the model and run from the checkpoint's saved args; drop {' '.join(others)}"
+            f"--from {args.from_} takes the model and run from the checkpoint's saved args; drop {' '.join(others)}"
         )
+
+
+def _from_megatron_deepspeed(args: argparse.Namespace, rest: list[str], tokenizer: dict[str, str | None]) -> None:
+    _saved_args_only(args, rest)
     from megatron_ds.interop.megatron_deepspeed import import_megatron_deepspeed
 
     result = import_megatron_deepspeed(
@@ -155,6 +166,21 @@ def _from_megatron_deepspeed(args: argparse.Namespace, rest: list[str], tokenize
         f"converted Megatron-DeepSpeed {os.path.abspath(args.source)} ({result.tag}, iteration {result.iteration}, "
         f"T={par.tensor_model_parallel_size} P={par.pipeline_model_parallel_size}, QKV rows "
         f"{args.qkv_layout or 'blocked'}) to {result.output}: weights and {carried}"
+    )
+    for note in result.notes:
+        print(f"NOTICE: {note}")
+    print("continue the run with its flags (any parallel layout; with --finetune: a new run from its weights):")
+    print(f"  pretrain_gpt.py --load {result.output} " + " ".join(result.train_flags))
+
+
+def _from_megatron_lm(args: argparse.Namespace, rest: list[str], tokenizer: dict[str, str | None]) -> None:
+    _saved_args_only(args, rest)
+    from megatron_ds.interop.megatron_lm import import_megatron_lm
+
+    result = import_megatron_lm(args.source, args.output, tokenizer, show_progress=not args.no_progress)
+    print(
+        f"converted Megatron-LM {os.path.abspath(args.source)} (iteration {result.iteration}, "
+        f"T={result.config.parallel.tensor_model_parallel_size}) to {result.output}: weights, counters and schedule"
     )
     for note in result.notes:
         print(f"NOTICE: {note}")

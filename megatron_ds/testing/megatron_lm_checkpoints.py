@@ -157,6 +157,15 @@ def _logits(model: Any, a: argparse.Namespace) -> torch.Tensor:
     return torch.cat(pieces, dim=-1)
 
 
+def _fp32_copy(model: Any, a: argparse.Namespace) -> Any:
+    """The same weights (bf16 ones rounded as saved) in an fp32 model: what a converted fp32 model computes."""
+    if a.params_dtype == torch.float32:
+        return model
+    fp32 = _model(argparse.Namespace(**{**vars(a), "params_dtype": torch.float32, "bf16": False, "fp16": False}))
+    fp32.load_state_dict(model.state_dict())
+    return fp32
+
+
 def _scheduler_state(a: argparse.Namespace, iteration: int) -> dict[str, Any]:
     """megatron-core's own OptimizerParamScheduler after `iteration` steps, as Megatron-LM builds it."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -214,7 +223,7 @@ def _main(name: str, directory: str, fmt: str, iteration: int, out: str) -> None
             {**state, "model": model.state_dict_for_save_checkpoint()}, os.path.join(rank_dir, "model_optim_rng.pt")
         )
     dist.barrier()
-    logits = _logits(model.float(), a)  # bf16 weights, fp32 arithmetic: what a converted fp32 model computes
+    logits = _logits(_fp32_copy(model, a), a)
     if rank == 0:
         with open(os.path.join(directory, TRACKER), "w") as f:
             f.write(str(iteration))

@@ -23,9 +23,12 @@ MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 DEEPSPEED_MODEL_STATES = "mp_rank_00_model_states.pt"
 """DeepSpeed's per-stage engine file: every DeepSpeed checkpoint has one (ours too, beside META)."""
 CONVERTED = "megatron_deepspeed"
-"""Metadata section of a checkpoint converted from Megatron-DeepSpeed (`megatron_ds.interop`): per-spec
-weight files and `<tag>.universal/`, no DeepSpeed engine or optimizer files of ours."""
+"""Metadata section of a checkpoint converted from Megatron-DeepSpeed or Megatron-LM (`megatron_ds.interop`;
+its `upstream` says which, Megatron-DeepSpeed when absent): per-spec weight files and `<tag>.universal/`,
+no DeepSpeed engine or optimizer files of ours."""
 CONVERT_MEGATRON_DEEPSPEED = "python tools/convert_checkpoint.py --from megatron-deepspeed"
+CONVERT_MEGATRON_LM = "python tools/convert_checkpoint.py --from megatron-lm"
+UPSTREAM_NAMES = {"megatron-deepspeed": "Megatron-DeepSpeed", "megatron-lm": "Megatron-LM"}
 
 
 class CheckpointError(UserError):
@@ -130,10 +133,35 @@ def foreign_checkpoint(path: str) -> str | None:
     return f"{who} ({os.path.basename(step)}: DeepSpeed's layer and mp_rank files, no {META})"
 
 
+def megatron_lm_checkpoint(path: str) -> str | None:
+    """What `path` holds when it is a Megatron-LM checkpoint root or iteration directory (the tracker
+    naming an iter_NNNNNNN or release directory with torch_dist's metadata.json or `--ckpt-format
+    torch`'s mp_rank_00 files): a description, else None."""
+    step = path
+    tracker = os.path.join(path, MEGATRON_TRACKER)
+    if os.path.isfile(tracker) and not os.path.isfile(os.path.join(path, LATEST)):
+        text = open(tracker).read().strip()
+        step = os.path.join(path, "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else "")
+    if os.path.isfile(os.path.join(step, "metadata.json")) and os.path.isfile(os.path.join(step, "common.pt")):
+        return f"a Megatron-LM checkpoint ({os.path.basename(step)}: torch_dist)"
+    if any(os.path.isfile(os.path.join(step, d, "model_optim_rng.pt")) for d in ("mp_rank_00", "mp_rank_00_000")):
+        return f"a Megatron-LM checkpoint ({os.path.basename(step)}: --ckpt-format torch)"
+    return None
+
+
+def converted_from(meta: dict[str, Any]) -> str | None:
+    """The upstream a converted checkpoint came from ("Megatron-LM"...), None when not converted."""
+    section = meta.get(CONVERTED)
+    if not isinstance(section, dict):
+        return None
+    upstream = section.get("upstream", "megatron-deepspeed")
+    return UPSTREAM_NAMES.get(upstream, str(upstream))
+
+
 def refuse_foreign(path: str) -> None:
-    """Raise the one-line error for a checkpoint of Megatron-DeepSpeed (or another DeepSpeed program)."""
-    found = foreign_checkpoint(path)
+    """Raise the one-line error for a checkpoint of Megatron-DeepSpeed, Megatron-LM (or another DeepSpeed program)."""
+    found, convert = foreign_checkpoint(path), CONVERT_MEGATRON_DEEPSPEED
+    if found is None:
+        found, convert = megatron_lm_checkpoint(path), CONVERT_MEGATRON_LM
     if found is not None:
-        raise CheckpointError(
-            f"--load {path}: {found}; convert it first: {CONVERT_MEGATRON_DEEPSPEED} {path} OUT, then --load OUT"
-        )
+        raise CheckpointError(f"--load {path}: {found}; convert it first: {convert} {path} OUT, then --load OUT")

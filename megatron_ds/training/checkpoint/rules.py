@@ -12,7 +12,7 @@ from typing import Any
 
 from megatron_ds.config import Config
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training.checkpoint.directory import CONVERTED, CheckpointError
+from megatron_ds.training.checkpoint.directory import CheckpointError, converted_from
 
 WEIGHT_FREE_FIELDS = ("seq_length",)
 """Architecture fields that shape no weight: a weights-only checkpoint (an import) may be trained on
@@ -124,8 +124,9 @@ def topology_changes(meta: dict[str, Any], config: Config, layout: Layout, world
     """How this run's parallel layout differs from the checkpoint's ([] when DeepSpeed can load it as saved)."""
     saved = Config.from_dict(meta["config"])
     diffs = []
-    if meta.get(CONVERTED) is not None:  # its training state exists in universal form only
-        diffs.append("Megatron-DeepSpeed (converted: its training state is in universal form)")
+    upstream = converted_from(meta)
+    if upstream is not None:  # its training state exists in universal form only
+        diffs.append(f"{upstream} (converted: its training state is in universal form)")
     if meta.get("layout") != layout.to_string():
         diffs.append(f"layout {meta.get('layout')} vs {layout.to_string()}")
     if meta.get("world_size") != world_size:

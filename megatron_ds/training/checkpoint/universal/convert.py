@@ -27,7 +27,14 @@ from typing import Any
 from megatron_ds import files
 from megatron_ds.errors import UserError
 from megatron_ds.training.checkpoint import reader
-from megatron_ds.training.checkpoint.directory import CONVERTED, LATEST, META, CheckpointError, fingerprint
+from megatron_ds.training.checkpoint.directory import (
+    CONVERTED,
+    LATEST,
+    META,
+    CheckpointError,
+    converted_from,
+    fingerprint,
+)
 from megatron_ds.training.checkpoint.rules import universal_refusal
 from megatron_ds.training.checkpoint.universal import names, store
 from megatron_ds.training.checkpoint.universal.deepspeed_source import DeepSpeedSource
@@ -63,7 +70,7 @@ def _open_source(path: str) -> DeepSpeedSource:
         raise CheckpointError(f"{ckpt.directory}: already in universal form; --load it directly")
     if ckpt.meta.get(CONVERTED) is not None:
         raise CheckpointError(
-            f"{ckpt.directory}: converted from Megatron-DeepSpeed, its universal form is {ckpt.directory}{SUFFIX}; "
+            f"{ckpt.directory}: converted from {converted_from(ckpt.meta)}, its universal form is {ckpt.directory}{SUFFIX}; "
             f"--load it as it is"
         )
     refusal = universal_refusal(ckpt.meta, ckpt.directory)
@@ -131,7 +138,7 @@ def convert_next_to(load_dir: str, tag: str, show_progress: bool, log: Any = pri
     ckpt = reader.open_checkpoint(source_dir)
     if ckpt.meta.get(CONVERTED) is not None:
         raise CheckpointError(
-            f"--load {load_dir} ({tag}): converted from Megatron-DeepSpeed, its training state is in {target}, which "
+            f"--load {load_dir} ({tag}): converted from {converted_from(ckpt.meta)}, its training state is in {target}, which "
             f"is missing; convert {ckpt.meta[CONVERTED].get('source')} again, or pass --no-load-optim (or --finetune) "
             f"to load its weights only"
         )

@@ -1,0 +1,239 @@
+"""Import a Megatron-LM checkpoint (megatron-core `GPTModel`, `--ckpt-format torch_dist` or `torch`) as
+ours: its weights, its iteration, counters and learning-rate schedule.
+
+    from megatron_ds.interop.megatron_lm import import_megatron_lm
+    result = import_megatron_lm("mlm/checkpoints", "checkpoints/converted")
+
+The output is what `converted.write` writes (our weight files at the source's T, the universal form
+a `--load` resumes from under any layout). The optimizer's state is not converted (Megatron-LM's
+distributed optimizer shards it in its own flat buffers): a resume starts Adam's moments at zero
+and takes the model's weights (bf16 in a bf16 run) as its fp32 master weights. The source is only
+read (`megatron_lm_files`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_ds.config import Config
+from megatron_ds.interop import converted, megatron_scheduler
+from megatron_ds.interop import megatron_lm_args as saved_args
+from megatron_ds.interop import megatron_lm_layout as where
+from megatron_ds.interop.megatron_deepspeed_layout import qkv_to_blocked
+from megatron_ds.interop.megatron_lm_files import (
+    TORCH_DIST,
+    DistTensors,
+    MegatronLMCheckpoint,
+    RankTensors,
+    open_megatron_lm,
+)
+from megatron_ds.model import sharding
+from megatron_ds.training.checkpoint import reader
+from megatron_ds.training.checkpoint.directory import CONVERTED, META, CheckpointError, fingerprint
+from megatron_ds.training.checkpoint.universal.convert import SUFFIX
+from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
+from megatron_ds.training.checkpoint.universal.names import ModelTensor, model_tensors
+from megatron_ds.training.resolve_layout import resolve_layout
+
+NO_OPTIMIZER_NOTE = (
+    "the optimizer state is not converted: a resume from it starts Adam's moments at zero, with the model's "
+    "weights as the fp32 master weights"
+)
+
+
+@dataclass
+class ImportResult:
+    output: str
+    tag: str
+    config: Config
+    iteration: int
+    train_flags: list[str]
+    """Our flags for its model, tokenizer and schedule (Megatron-LM's spelling)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def import_megatron_lm(
+    source: str, output: str, tokenizer: dict[str, str | None] | None = None, show_progress: bool = True
+) -> ImportResult:
+    """Convert Megatron-LM checkpoint `source` (its --save directory or an iter_NNNNNNN directory) into
+    `output` (created; never overwritten)."""
+    mlm = open_megatron_lm(source)
+    tokenizer_flags, note = saved_args.tokenizer_flags(mlm, tokenizer or {})
+    config = saved_args.config_from_args(mlm, tokenizer_flags)
+    layout = resolve_layout(config)  # a layout error now, before anything is written
+    tag = f"global_step{mlm.iteration}"
+    meta = _meta(mlm, config, layout.to_string(), tag)
+    converted.write(output, tag, meta, config, lambda ours: MegatronLMSource(mlm, ours), check_names, show_progress)
+    notes = [note] if note else []
+    notes.append(NO_OPTIMIZER_NOTE)
+    flags = saved_args.render(mlm.args, saved_args.MODEL_ARGS) + tokenizer_flags
+    flags += saved_args.render(mlm.args, saved_args.TRAINING_ARGS)
+    return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, flags, notes)
+
+
+def _meta(mlm: MegatronLMCheckpoint, config: Config, layout: str, tag: str) -> dict[str, Any]:
+    return {
+        "config": config.to_dict(),
+        "train_state": saved_args.train_state(mlm, config),
+        "layout": layout,
+        "world_size": config.parallel.tensor_model_parallel_size,
+        "format": 1,
+        CONVERTED: {
+            "source": mlm.directory,
+            "upstream": "megatron-lm",
+            "vocab_size": saved_args.tokenizer_vocab_size(mlm),
+            "ckpt_format": mlm.format,
+            "universal": tag + SUFFIX,
+            "tensor_model_parallel_size": mlm.tensor_parallel,
+            "pipeline_model_parallel_size": mlm.pipeline_parallel,
+            "precision": mlm.precision,
+            "checkpoint_version": mlm.states.get("checkpoint_version"),
+        },
+    }
+
+
+class MegatronLMSource:
+    """Reads `mlm` for the converted checkpoint `ours` (its config and metadata, already written): the
+    reader `converted.write` takes. Weights only; no optimizer state."""
+
+    def __init__(self, mlm: MegatronLMCheckpoint, ours: reader.Checkpoint) -> None:
+        self.mlm, self.ckpt = mlm, ours
+        self.model = ours.config.model
+        self.tensor_parallel = mlm.tensor_parallel
+        self.dist = DistTensors(mlm.directory) if mlm.format == TORCH_DIST else None
+        self.ranks = None if self.dist is not None else RankTensors(mlm)
+
+    # ----- what store.write and converted.write ask -----------------------------------------------
+
+    def state_keys(self) -> list[str]:
+        return []
+
+    def step(self, tensor: ModelTensor) -> int | None:
+        return None
+
+    def read(self, tensor: ModelTensor, state: str) -> torch.Tensor:
+        if state != FP32:
+            raise AssertionError(state)
+        return self.weight(tensor).float()
+
+    def weight(self, tensor: ModelTensor) -> torch.Tensor:
+        """The model's weight as the checkpoint stores it (its dtype), as our full tensor."""
+        full = self._from_dist(tensor) if self.dist is not None else self._from_ranks(tensor)
+        if tuple(full.shape) != tensor.rule.shape:
+            raise CheckpointError(
+                f"{self.mlm.directory}: {where.names(self.model, tensor)[0][0]} has shape {list(full.shape)}, its "
+                f"saved args imply {list(tensor.rule.shape)}; the checkpoint is damaged"
+            )
+        return full.contiguous()
+
+    def engine_state(self) -> dict[str, Any]:
+        state = self.ckpt.meta["train_state"]
+        saved = self.mlm.states.get("opt_param_scheduler")
+        schedule = (
+            megatron_scheduler.schedule_state(saved, self.ckpt.config, self.mlm.directory)
+            if isinstance(saved, dict)
+            else None
+        )
+        return {
+            "global_steps": state["iteration"],
+            "global_samples": state["consumed_train_samples"],
+            "skipped_steps": 0,
+            "lr_scheduler": schedule,
+        }
+
+    def loss_scaler(self) -> dict[str, Any] | None:
+        return None
+
+    def record(self) -> dict[str, Any]:
+        m = self.mlm
+        return {
+            "format": "megatron-lm",
+            "ckpt_format": m.format,
+            "directory": m.directory,
+            "fingerprint": fingerprint(os.path.join(self.ckpt.directory, META)),
+            "pipeline_model_parallel_size": m.pipeline_parallel,
+            "tensor_model_parallel_size": m.tensor_parallel,
+            "precision": m.precision,
+        }
+
+    # ----- upstream's files -------------------------------------------------------------------------
+
+    def _from_dist(self, tensor: ModelTensor) -> torch.Tensor:
+        assert self.dist is not None
+        candidates, layer = where.names(self.model, tensor)
+        key = self._dist_key(candidates, layer)
+        if key is None:
+            raise CheckpointError(
+                f"{self.mlm.directory}: no tensor {candidates[0]!r}; the checkpoint is of another model"
+            )
+        full = self.dist.read(key, layer)
+        return qkv_to_blocked(full, self.model, 1) if tensor.key in where.FUSED_QKV else full
+
+    def _dist_key(self, candidates: tuple[str, ...], layer: int | None) -> str | None:
+        assert self.dist is not None
+        keys = [where.LAYERS + c if layer is not None else c for c in candidates]
+        return next((k for k in keys if k in self.dist.tensors), None)
+
+    def _from_ranks(self, tensor: ModelTensor) -> torch.Tensor:
+        assert self.ranks is not None
+        candidates, layer = where.names(self.model, tensor)
+        found = self.ranks.find(candidates, layer)
+        if found is None:
+            raise CheckpointError(
+                f"{self.mlm.directory}: no tensor {candidates[0]!r}; the checkpoint is of another model"
+            )
+        shards = self.ranks.shards(*found)
+        if tensor.key in where.FUSED_QKV:
+            shards = [qkv_to_blocked(s, self.model, self.tensor_parallel) for s in shards]
+        if tensor.rule.split == sharding.REPLICATED and sharding.replicas_differ(shards):
+            raise CheckpointError(
+                f"{self.mlm.directory}: {found[1]} differs between tensor-parallel ranks; it is damaged"
+            )
+        return sharding.gather(tensor.rule, shards)
+
+
+def stored_names(source: MegatronLMSource) -> set[str]:
+    """The model tensors the checkpoint stores (names as stored; the optimizer's and non-weights left out)."""
+    if source.dist is not None:
+        keys = set(source.dist.tensors)
+        return {k for k in keys if not k.startswith("optimizer.") and not k.endswith(where.IGNORED_SUFFIXES)}
+    assert source.ranks is not None
+    return {
+        f"{stage}:{k}"
+        for stage in range(source.mlm.pipeline_parallel)
+        for k in source.ranks.keys(stage)
+        if not k.endswith(where.IGNORED_SUFFIXES)
+    }
+
+
+def check_names(source: MegatronLMSource) -> None:
+    """Every stored model tensor is one the converted model takes (else the model is another: MoE
+    experts, QK norms, a second embedding...), before anything is written."""
+    used: set[str] = set()
+    for tensor in model_tensors(source.model):
+        candidates, layer = where.names(source.model, tensor)
+        if source.dist is not None:
+            key = source._dist_key(candidates, layer)
+        else:
+            assert source.ranks is not None
+            found = source.ranks.find(candidates, layer)
+            key = None if found is None else f"{found[0]}:{found[1]}"
+        if key is None:
+            at = "" if layer is None else f" of layer {layer}"
+            raise CheckpointError(
+                f"{source.mlm.directory}: no tensor {candidates[0]!r}{at}, which the model of its saved args has; "
+                f"the checkpoint is incomplete or of another model"
+            )
+        used.add(key)
+    if source.ranks is not None and not source.model.untie_embeddings_and_output_weights:
+        used |= {n for n in stored_names(source) if n.endswith(":output_layer.weight")}  # the last stage's tied copy
+    left = sorted(stored_names(source) - used)
+    if left:
+        raise CheckpointError(
+            f"{source.mlm.directory}: holds {len(left)} tensor(s) the model of its saved args does not have "
+            f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); it was written by another model"
+        )

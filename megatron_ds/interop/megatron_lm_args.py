@@ -1,0 +1,174 @@
+"""A Megatron-LM run's saved `args` as our flags, and its counters as ours.
+
+`config_from_args` renders the saved values that shape the model or its training as Megatron-LM
+command-line flags (its own spellings: `--norm-epsilon`, `--group-query-attention`,
+`--position-embedding-type`...) and parses them with our parser, so each means here what it meant
+upstream and one we do not build (MoE, multi-latent attention, QK layer norm, a QKV bias without the
+other biases, multi-token prediction, the WSD schedule...) is refused in one line naming the flag.
+Values at Megatron-LM's defaults are not rendered. The run's tensor-parallel size is kept (it pads
+the vocabulary); its pipeline split is not (our weight files load at any layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from megatron_ds.config import Config
+from megatron_ds.errors import UserError
+from megatron_ds.interop import saved_flags
+from megatron_ds.interop.megatron_lm_files import MegatronLMCheckpoint
+from megatron_ds.interop.saved_flags import Arg, off, on, render
+from megatron_ds.training.checkpoint.directory import CheckpointError
+from megatron_ds.training.state import TrainState
+
+
+def _qkv_bias_alone(a: dict[str, Any]) -> Any:
+    """--add-qkv-bias is implied by the linear biases (validate_args sets it): rendered only without them."""
+    return a.get("add_qkv_bias") if a.get("add_bias_linear") else False
+
+
+def _groups_unused(a: dict[str, Any]) -> Any:
+    """--num-query-groups means something only with --group-query-attention."""
+    return None if a.get("group_query_attention") else a.get("num_query_groups")
+
+
+MODEL_ARGS = (
+    Arg("--num-layers"),
+    Arg("--hidden-size"),
+    Arg("--num-attention-heads"),
+    Arg("--ffn-hidden-size"),
+    on("--group-query-attention"),
+    Arg("--num-query-groups", _groups_unused),
+    Arg("--kv-channels", lambda a: a["hidden_size"] // a["num_attention_heads"]),
+    Arg("--seq-length"),
+    Arg("--max-position-embeddings"),
+    Arg("--make-vocab-size-divisible-by"),
+    Arg("--normalization"),
+    Arg("--norm-epsilon", 1e-5, saved_as="layernorm_epsilon"),
+    on("--apply-layernorm-1p", saved_as="layernorm_zero_centered_gamma"),
+    on("--apply-residual-connection-post-layernorm"),
+    on("--fp32-residual-connection"),
+    on("--openai-gelu"),
+    on("--squared-relu"),
+    on("--swiglu"),
+    off("--disable-bias-linear", "add_bias_linear"),
+    Arg("--add-qkv-bias", _qkv_bias_alone, switch=True),
+    Arg("--position-embedding-type", "learned_absolute"),
+    Arg("--rotary-percent", 1.0),
+    Arg("--rotary-base", 10000),
+    on("--rotary-interleaved"),
+    Arg("--rotary-seq-len-interpolation-factor"),
+    on("--use-rope-scaling"),
+    Arg("--rope-scaling-factor", lambda a: a["rope_scaling_factor"] if not a.get("use_rope_scaling") else 8.0),
+    on("--untie-embeddings-and-output-weights"),
+    Arg("--num-experts"),
+    on("--qk-layernorm"),
+    on("--multi-latent-attention"),
+    Arg("--mtp-num-layers"),
+    Arg("--window-size"),
+    Arg("--heterogeneous-layers-config-path"),
+    Arg("--init-method-std", 0.02),
+    Arg("--hidden-dropout", 0.1),
+    Arg("--attention-dropout", 0.1),
+)
+"""What shapes the model (and its dropout and init), in Megatron-LM's spelling."""
+TRAINING_ARGS = (
+    Arg("--micro-batch-size"),
+    Arg("--global-batch-size"),
+    Arg("--train-iters"),
+    Arg("--train-samples", lambda a: a["train_samples"] if a.get("train_iters") else None),
+    Arg("--optimizer", "adam"),
+    Arg("--lr"),
+    Arg("--min-lr", 0.0),
+    Arg("--lr-decay-style", "linear"),
+    Arg("--lr-decay-iters"),
+    Arg("--lr-decay-samples"),
+    Arg("--lr-warmup-iters", 0),
+    Arg("--lr-warmup-samples", 0),
+    Arg("--lr-warmup-fraction"),
+    Arg("--lr-warmup-init", 0.0),
+    Arg("--weight-decay", 0.01),
+    Arg("--start-weight-decay", lambda a: a["weight_decay"]),
+    Arg("--end-weight-decay", lambda a: a["weight_decay"]),
+    Arg("--weight-decay-incr-style", "constant"),
+    Arg("--clip-grad", 1.0),
+    Arg("--adam-beta1", 0.9),
+    Arg("--adam-beta2", 0.999),
+    Arg("--adam-eps", 1e-8),
+    Arg("--seed", 1234),
+    on("--fp16"),
+    on("--bf16"),
+    Arg("--rampup-batch-size"),
+)
+"""What a resume compares (batch sizes, optimizer, schedule) and records."""
+TOKENIZER_FILES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+}
+"""Megatron-LM's tokenizers we build, and the files each needs (recorded only if they still exist)."""
+NULL_TOKENIZER = "NullTokenizer"
+
+
+def padded_vocab_size(ckpt: MegatronLMCheckpoint) -> int:
+    padded = ckpt.args.get("padded_vocab_size")
+    if not isinstance(padded, int) or padded <= 0:
+        raise CheckpointError(f"{ckpt.directory}: its saved args have no padded_vocab_size; the checkpoint is damaged")
+    return padded
+
+
+def tokenizer_vocab_size(ckpt: MegatronLMCheckpoint) -> int | None:
+    """The tokenizer's own vocabulary when the args say it (a NullTokenizer: --vocab-size ids and its eod)."""
+    a = ckpt.args
+    return int(a["vocab_size"]) + 1 if a.get("tokenizer_type") == NULL_TOKENIZER and a.get("vocab_size") else None
+
+
+def tokenizer_flags(ckpt: MegatronLMCheckpoint, overrides: dict[str, str | None]) -> tuple[list[str], str | None]:
+    """Our flags for the run's tokenizer and vocabulary, and a note when the tokenizer is not recorded.
+    A NullTokenizer is its --vocab-size; otherwise the padded size stands for the vocabulary (Megatron-LM
+    does not save the tokenizer's own size), which pads to itself."""
+    a = ckpt.args
+    if a.get("tokenizer_type") == NULL_TOKENIZER and not any(overrides.values()):
+        return ["--tokenizer-type", NULL_TOKENIZER, "--vocab-size", str(a["vocab_size"])], None
+    flags, note = saved_flags.tokenizer_flags(a, overrides, TOKENIZER_FILES)
+    return ["--vocab-size", str(padded_vocab_size(ckpt)), *flags], note
+
+
+def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config:
+    """Our Config of the run (T as saved, one pipeline stage and data-parallel rank: both are free on resume)."""
+    from megatron_ds.flags.parser import parse_config
+
+    flags = [
+        *render(ckpt.args, MODEL_ARGS),
+        *render(ckpt.args, TRAINING_ARGS),
+        f"--tensor-model-parallel-size={ckpt.tensor_parallel}",
+        *tokenizer,
+    ]
+    try:
+        config, _ = parse_config(flags, world_size=ckpt.tensor_parallel)
+    except UserError as err:
+        raise CheckpointError(f"{ckpt.directory}: its saved args, as flags, are refused here: {err}") from None
+    padded = padded_vocab_size(ckpt)
+    if config.model.vocab_size != padded:
+        raise CheckpointError(
+            f"{ckpt.directory}: its padded vocabulary has {padded} rows, our padding of the same tokenizer gives "
+            f"{config.model.vocab_size}; the checkpoint's args are inconsistent"
+        )
+    return config
+
+
+def train_state(ckpt: MegatronLMCheckpoint, config: Config) -> dict[str, Any]:
+    """Our TrainState of the run: Megatron-LM saves the samples consumed in its args and the model
+    FLOPs so far beside them; tokens are the samples' (Megatron-LM does not count them)."""
+    a, s = ckpt.args, ckpt.states
+    samples = int(a.get("consumed_train_samples") or 0)
+    state = TrainState(
+        iteration=int(s.get("iteration") or ckpt.iteration),
+        consumed_train_samples=samples,
+        consumed_valid_samples=int(a.get("consumed_valid_samples") or 0),
+        consumed_train_tokens=samples * config.model.seq_length,
+        floating_point_operations_so_far=float(s.get("num_floating_point_operations_so_far") or 0.0),
+    )
+    return asdict(state)

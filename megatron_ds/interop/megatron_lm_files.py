@@ -1,0 +1,301 @@
+"""The files of a Megatron-LM checkpoint, read without running code from them.
+
+    ROOT/latest_checkpointed_iteration.txt   N (or `release`)
+    ROOT/iter_000000N/                        `--ckpt-format torch_dist` (the default since 2024):
+        metadata.json                         {"sharded_backend": "torch_dist", ...}
+        common.pt                             what is not sharded: `args` (the run's Namespace),
+                                              `iteration`, `opt_param_scheduler`, ...
+        .metadata, __R_I.distcp               torch's distributed checkpoint: every sharded tensor
+                                              under megatron-core's canonical name (one name for the
+                                              local and Transformer Engine layer specs; a layer's
+                                              tensors stacked over the layers on dim 0), in chunks
+    ROOT/iter_000000N/mp_rank_TT[_PPP]/model_optim_rng.pt   `--ckpt-format torch`: per tensor rank TT
+                                              (and pipeline stage PPP when P > 1) the stage's
+                                              `state_dict` (layers numbered from 0 on each stage)
+                                              beside the same entries as common.pt
+
+Tensors are read with `weights_only=True` (each distributed-checkpoint chunk is its own `torch.save`
+blob at an offset the metadata gives). The pickled `.metadata`, `common.pt` and `model_optim_rng.pt`
+go through `restricted_pickle`: torch's checkpoint dataclasses, argparse's Namespace, tensors and
+dtypes; Megatron's enums as inert records; anything else refused. Nothing of Megatron is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pickle
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_ds.interop import restricted_pickle
+from megatron_ds.training.checkpoint.directory import MEGATRON_TRACKER, CheckpointError
+
+TORCH_DIST, TORCH = "torch_dist", "torch"
+COMMON = "common.pt"
+DCP_METADATA = ".metadata"
+CONFIG = "metadata.json"
+RANK_FILE = "model_optim_rng.pt"
+_ITERATION_DIR = re.compile(r"iter_(\d{7})$")
+_TORCH_LOAD = restricted_pickle.pickle_module(restricted_pickle.upstream_values)
+
+
+def load_pickled_state(path: str) -> dict[str, Any]:
+    """`common.pt` or a `model_optim_rng.pt`: tensors memory-mapped, other globals restricted."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_TORCH_LOAD, mmap=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(
+            f"{path}: unreadable ({_first_line(err)}); the checkpoint is damaged or not Megatron-LM's"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a dictionary of states; the checkpoint is damaged")
+    return state
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+@dataclass(frozen=True)
+class MegatronLMCheckpoint:
+    """One iteration directory of a Megatron-LM checkpoint and the run's saved arguments."""
+
+    directory: str
+    iteration: int
+    """0 for a `release` checkpoint."""
+    format: str
+    """TORCH_DIST or TORCH."""
+    args: dict[str, Any]
+    """`vars()` of the saved Namespace (Megatron's enums as `restricted_pickle.Inert` records)."""
+    states: dict[str, Any] = field(repr=False)
+    """The saved entries other than `args`, the model and the optimizer."""
+
+    @property
+    def tensor_parallel(self) -> int:
+        return int(self.args["tensor_model_parallel_size"])
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return int(self.args["pipeline_model_parallel_size"])
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.args.get("bf16") else "fp16" if self.args.get("fp16") else "fp32"
+
+    def rank_file(self, tensor_rank: int, stage: int) -> str:
+        """`--ckpt-format torch`: the file of one tensor rank and pipeline stage."""
+        name = f"mp_rank_{tensor_rank:02d}" + (f"_{stage:03d}" if self.pipeline_parallel > 1 else "")
+        return os.path.join(self.directory, name, RANK_FILE)
+
+
+def find_iteration_directory(path: str) -> str:
+    """The iteration directory from a checkpoint root (the tracker file) or the directory itself."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such directory; give a Megatron-LM checkpoint directory (--save)")
+    if _format(path) is not None:
+        return path
+    tracker = os.path.join(path, MEGATRON_TRACKER)
+    if os.path.isfile(tracker):
+        text = open(tracker).read().strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+        if name is None:
+            raise CheckpointError(f"{tracker}: holds {text!r}, not an iteration number or 'release'; it is damaged")
+        found = os.path.join(path, name)
+        if _format(found) is not None:
+            return found
+        raise CheckpointError(f"{tracker}: names {name}, which holds no Megatron-LM checkpoint; it is incomplete")
+    raise CheckpointError(
+        f"{path}: not a Megatron-LM checkpoint (no {MEGATRON_TRACKER}, no {CONFIG} or mp_rank_00 directory); give the "
+        f"directory its run passed as --save, or one of its iter_NNNNNNN directories"
+    )
+
+
+def _format(directory: str) -> str | None:
+    if os.path.isfile(os.path.join(directory, CONFIG)):
+        return TORCH_DIST
+    if any(os.path.isfile(os.path.join(directory, d, RANK_FILE)) for d in ("mp_rank_00", "mp_rank_00_000")):
+        return TORCH
+    return None
+
+
+def _backend(directory: str) -> None:
+    path = os.path.join(directory, CONFIG)
+    try:
+        with open(path) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{path}: unreadable ({_first_line(err)}); the checkpoint is damaged") from None
+    if backend != TORCH_DIST:
+        raise CheckpointError(
+            f"{path}: sharded backend {backend!r}; only torch_dist (Megatron-LM's default) converts here; convert it "
+            f"upstream first (tools/checkpoint/convert.py, or a load and save with --ckpt-format torch_dist)"
+        )
+
+
+def open_megatron_lm(path: str) -> MegatronLMCheckpoint:
+    directory = find_iteration_directory(path)
+    fmt = _format(directory)
+    if fmt == TORCH_DIST:
+        _backend(directory)
+        first = os.path.join(directory, COMMON)
+    else:
+        single = os.path.join(directory, "mp_rank_00", RANK_FILE)
+        first = single if os.path.isfile(single) else os.path.join(directory, "mp_rank_00_000", RANK_FILE)
+    state = load_pickled_state(first)
+    args = state.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"{first}: no saved 'args'; not a checkpoint Megatron-LM's pretrain_gpt.py wrote")
+    kept = {k: v for k, v in state.items() if k not in ("args", "optimizer") and not k.startswith("model")}
+    if any(k.startswith("model") and k != "model" for k in state):
+        raise CheckpointError(
+            f"{first}: holds one model per virtual pipeline stage (model0, model1, ...); a --ckpt-format torch "
+            f"checkpoint of an interleaved run does not convert here; save it as torch_dist upstream first"
+        )
+    name = os.path.basename(directory)
+    match = _ITERATION_DIR.match(name)
+    iteration = int(match.group(1)) if match else int(state.get("iteration") or 0)
+    ckpt = MegatronLMCheckpoint(directory, iteration, str(fmt), dict(vars(args)), kept)
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size"):
+        if not isinstance(ckpt.args.get(key), int):
+            raise CheckpointError(f"{first}: its saved args have no integer {key}; the checkpoint is damaged")
+    return ckpt
+
+
+# ----- torch_dist: torch's distributed checkpoint, chunk by chunk --------------------------------
+
+
+class DistTensors:
+    """The tensors of a torch_dist iteration directory, read chunk by chunk."""
+
+    def __init__(self, directory: str) -> None:
+        from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+        self.directory = directory
+        path = os.path.join(directory, DCP_METADATA)
+        try:
+            with open(path, "rb") as f:
+                metadata = restricted_pickle.load(f, restricted_pickle.dcp_metadata)
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError) as err:
+            raise CheckpointError(f"{path}: unreadable ({_first_line(err)}); the checkpoint is damaged") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path}: not a distributed checkpoint's metadata; the checkpoint is damaged")
+        self.tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        self.storage = {
+            (index.fqn, tuple(index.offset)): info
+            for index, info in (metadata.storage_data or {}).items()
+            if index.offset is not None
+        }
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].size)
+
+    def read(self, key: str, layer: int | None = None) -> torch.Tensor:
+        """Tensor `key` whole, or its slice `layer` on dim 0 (a layer of a stacked layer tensor)."""
+        meta = self.tensors[key]
+        size = tuple(meta.size)
+        out = torch.empty(size if layer is None else size[1:], dtype=meta.properties.dtype)
+        covered = 0
+        for chunk in meta.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
+                continue
+            blob = self._chunk(key, offsets, sizes)
+            if layer is not None:
+                blob, offsets, sizes = blob[layer - offsets[0]], offsets[1:], sizes[1:]
+            out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].copy_(blob)
+            covered += blob.numel()
+        if covered != out.numel():
+            where = key if layer is None else f"{key}[{layer}]"
+            raise CheckpointError(
+                f"{self.directory}: {where} has {covered} of its {out.numel()} elements in the checkpoint's chunks; "
+                f"it is incomplete"
+            )
+        return out
+
+    def _chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        info = self.storage.get((key, offsets))
+        if info is None:
+            raise CheckpointError(f"{self.directory}: no stored chunk of {key} at {list(offsets)}; it is incomplete")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(
+                f"{self.directory}: {key} is stored transformed ({info.transform_descriptors}); only plain chunks "
+                f"are read here"
+            )
+        path = os.path.join(self.directory, info.relative_path)
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            blob = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
+            raise CheckpointError(f"{path}: unreadable at {info.offset} ({_first_line(err)}); it is damaged") from None
+        if not isinstance(blob, torch.Tensor) or tuple(blob.shape) != sizes:
+            raise CheckpointError(
+                f"{path}: the chunk of {key} at {list(offsets)} is not a {list(sizes)} tensor; damaged"
+            )
+        return blob
+
+
+# ----- torch: one state dict per tensor rank and stage --------------------------------------------
+
+
+class RankTensors:
+    """The model tensors of a `--ckpt-format torch` iteration directory, per tensor rank and stage."""
+
+    def __init__(self, ckpt: MegatronLMCheckpoint) -> None:
+        self.ckpt = ckpt
+        self._models: dict[tuple[int, int], dict[str, Any]] = {}
+        layers = [self._layer_count(stage) for stage in range(ckpt.pipeline_parallel)]
+        self.first_layer = [sum(layers[:s]) for s in range(len(layers))]
+        """Each stage's first layer's global number (a stage numbers its layers from 0)."""
+        self.num_layers = sum(layers)
+
+    def model(self, tensor_rank: int, stage: int) -> dict[str, Any]:
+        if (tensor_rank, stage) not in self._models:
+            path = self.ckpt.rank_file(tensor_rank, stage)
+            model = load_pickled_state(path).get("model")
+            if not isinstance(model, dict):
+                raise CheckpointError(f"{path}: no 'model' state dict; the checkpoint is damaged or saved without it")
+            self._models[tensor_rank, stage] = model
+        return self._models[tensor_rank, stage]
+
+    def _layer_count(self, stage: int) -> int:
+        found = {int(m.group(1)) for k in self.model(0, stage) if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
+        return max(found) + 1 if found else 0
+
+    def keys(self, stage: int) -> list[str]:
+        return [k for k, v in self.model(0, stage).items() if isinstance(v, torch.Tensor)]
+
+    def find(self, names: tuple[str, ...], layer: int | None) -> tuple[int, str] | None:
+        """(stage, key) of the first of `names` (a layer tensor's name without its layer prefix) stored."""
+        for stage in range(self.ckpt.pipeline_parallel):
+            for name in names:
+                key = name if layer is None else self._layer_key(stage, layer, name)
+                if key is not None and isinstance(self.model(0, stage).get(key), torch.Tensor):
+                    return stage, key
+        return None
+
+    def _layer_key(self, stage: int, layer: int, name: str) -> str | None:
+        local = layer - self.first_layer[stage]
+        last = self.first_layer[stage + 1] if stage + 1 < len(self.first_layer) else self.num_layers
+        return f"decoder.layers.{local}.{name}" if 0 <= layer < last and local >= 0 else None
+
+    def shards(self, stage: int, key: str) -> list[torch.Tensor]:
+        shards = []
+        for rank in range(self.ckpt.tensor_parallel):
+            value = self.model(rank, stage).get(key)
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"{self.ckpt.rank_file(rank, stage)}: no tensor {key!r}; the checkpoint is damaged"
+                )
+            shards.append(value.detach().clone())
+        return shards
