@@ -94,7 +94,8 @@ def _transformer_config(a: argparse.Namespace) -> Any:
         layernorm_zero_centered_gamma=a.layernorm_zero_centered_gamma,
         gated_linear_unit=a.swiglu,
         activation_func=activation,
-        bias_activation_fusion=False,
+        # Megatron-LM's fused bias-GeLU is GeLU's tanh approximation: the activation its runs compute
+        bias_activation_fusion=a.bias_swiglu_fusion if a.swiglu else a.bias_gelu_fusion,
         add_bias_linear=a.add_bias_linear,
         add_qkv_bias=a.add_qkv_bias,
         hidden_dropout=a.hidden_dropout,

@@ -1,0 +1,120 @@
+"""A Megatron-LM run's saved args (as Megatron-LM core_v0.16.1's own argument code produced them:
+tests/data/megatron_lm_args.json) as our config and flags; what we do not build is refused in one line
+naming the flag; the unpickler of its files admits only what they hold."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import pytest
+import torch
+
+from megatron_ds.interop import megatron_lm_args as saved_args
+from megatron_ds.interop import restricted_pickle
+from megatron_ds.interop.megatron_lm_files import MegatronLMCheckpoint
+from megatron_ds.testing.megatron_lm_checkpoints import namespace, recorded
+from megatron_ds.training.checkpoint.directory import CheckpointError
+
+
+def _ckpt(name: str, **changes: Any) -> MegatronLMCheckpoint:
+    args = {**vars(namespace(recorded(name)["args"])), **changes}
+    return MegatronLMCheckpoint("/ckpt/iter_0000005", 5, "torch_dist", args, {"iteration": 5})
+
+
+def _config(ckpt: MegatronLMCheckpoint):
+    flags, _ = saved_args.tokenizer_flags(ckpt, {})
+    return saved_args.config_from_args(ckpt, flags)
+
+
+def test_llama_style_args_become_our_model() -> None:
+    m = _config(_ckpt("llama")).model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads, m.ffn_hidden_size) == (3, 32, 4, 2, 48)
+    assert m.activation == "swiglu" and m.use_rotary_position_embeddings and not m.add_position_embedding
+    assert m.untie_embeddings_and_output_weights and not m.add_bias_linear
+    assert m.normalization == "rmsnorm" and m.layernorm_epsilon == 1e-6 and m.rotary_base == 500000
+    assert m.vocab_size == 256  # 101 ids padded to a multiple of 128 x T=2, as Megatron-LM padded them
+
+
+def test_gpt_style_args_become_our_model() -> None:
+    config = _config(_ckpt("gpt"))
+    m = config.model
+    assert m.add_position_embedding and not m.use_rotary_position_embeddings
+    assert m.activation == "gelu_tanh"  # Megatron-LM's default fused bias-GeLU is the tanh approximation
+    assert m.add_bias_linear and not m.untie_embeddings_and_output_weights and m.normalization == "layernorm"
+    assert config.training.precision == "fp32" and config.optimizer.lr_decay_style == "cosine"
+    assert config.training.global_batch_size == 8 and config.training.train_iters == 20
+
+
+@pytest.mark.parametrize(
+    ("changes", "flag"),
+    [
+        ({"num_experts": 8}, "--num-experts"),
+        ({"qk_layernorm": True}, "--qk-layernorm"),
+        ({"multi_latent_attention": True}, "--multi-latent-attention"),
+        ({"mtp_num_layers": 1}, "--mtp-num-layers"),
+        ({"rotary_interleaved": True}, "--rotary-interleaved"),
+        ({"add_bias_linear": False, "add_qkv_bias": True}, "--add-qkv-bias"),
+        ({"lr_decay_style": "WSD"}, "--lr-decay-style"),
+        ({"lr_warmup_init": 1e-5}, "--lr-warmup-init"),
+    ],
+)
+def test_what_is_not_built_is_refused_naming_the_flag(changes: dict[str, Any], flag: str) -> None:
+    with pytest.raises(
+        CheckpointError, match=f"^/ckpt/iter_0000005: its saved args, as flags, are refused here: .*{flag}"
+    ):
+        _config(_ckpt("llama", **changes))
+
+
+def test_a_padding_that_does_not_match_is_refused() -> None:
+    with pytest.raises(
+        CheckpointError, match="its padded vocabulary has 512 rows, our padding of the same tokenizer gives 256"
+    ):
+        _config(_ckpt("llama", padded_vocab_size=512))
+
+
+def test_tokenizer_flags() -> None:
+    assert saved_args.tokenizer_flags(_ckpt("gpt"), {}) == (
+        ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
+        None,
+    )
+    flags, note = saved_args.tokenizer_flags(_ckpt("gpt", tokenizer_type="GPT2BPETokenizer", vocab_file="/gone"), {})
+    assert flags == ["--vocab-size", "128"]  # the padded rows stand for the vocabulary
+    assert note is not None and "GPT2BPETokenizer not recorded (its files are not here)" in note
+    flags, _ = saved_args.tokenizer_flags(_ckpt("gpt"), {"tokenizer_model": "/x.model"})
+    assert flags == ["--vocab-size", "128", "--tokenizer-model", "/x.model"]
+
+
+def test_train_state_counts_megatron_lms_samples_and_flops() -> None:
+    ckpt = _ckpt("gpt", consumed_train_samples=40, consumed_valid_samples=16)
+    ckpt.states["num_floating_point_operations_so_far"] = 3.5e12
+    state = saved_args.train_state(ckpt, _config(ckpt))
+    assert state == {
+        "iteration": 5,
+        "consumed_train_samples": 40,
+        "consumed_valid_samples": 16,
+        "consumed_train_tokens": 40 * 32,
+        "floating_point_operations_so_far": 3.5e12,
+    }
+
+
+def test_args_unpickle_with_megatrons_values_inert() -> None:
+    buffer = io.BytesIO()
+    torch.save({"args": namespace(recorded("llama")["args"])}, buffer)
+    buffer.seek(0)
+    module = restricted_pickle.pickle_module(restricted_pickle.upstream_values)
+    args = torch.load(buffer, weights_only=False, pickle_module=module)["args"]
+    assert args.params_dtype is torch.bfloat16 and args.num_query_groups == 2
+    assert isinstance(args.attention_backend, restricted_pickle.Inert)  # megatron.core's AttnBackend, not imported
+    assert isinstance(args.exit_signal, restricted_pickle.Inert)  # signal.SIGTERM
+
+
+def test_dcp_metadata_admits_torchs_dataclasses_only() -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    good = pickle.dumps(Metadata(state_dict_metadata={}))
+    assert isinstance(restricted_pickle.load(io.BytesIO(good), restricted_pickle.dcp_metadata), Metadata)
+    bad = pickle.dumps(Metadata(state_dict_metadata={"x": torch.nn.Linear}))
+    with pytest.raises(pickle.UnpicklingError, match="holds a pickled torch.nn.modules.linear.Linear"):
+        restricted_pickle.load(io.BytesIO(bad), restricted_pickle.dcp_metadata)
