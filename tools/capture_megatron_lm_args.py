@@ -37,10 +37,15 @@ CONFIGS: dict[str, tuple[int, str]] = {
         "--position-embedding-type rope --rotary-base 500000 --untie-embeddings-and-output-weights "
         "--tensor-model-parallel-size 2 --bf16 " + _COMMON,
     ),
+    "gpt_pp2": (
+        2,
+        "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --pipeline-model-parallel-size 2 " + _COMMON,
+    ),
 }
 """name -> (world size, launch line): a GPT-3-style model (learned positions, LayerNorm, GeLU, biases,
-tied output) and a Llama-style one (rotary, RMSNorm, SwiGLU, grouped-query attention, no biases,
-untied output, bf16, two tensor-parallel ranks)."""
+tied output), a Llama-style one (rotary, RMSNorm, SwiGLU, grouped-query attention, no biases, untied
+output, bf16, two tensor-parallel ranks), and the GPT on two pipeline stages (the tied output layer on
+the last one)."""
 
 _CHILD = r"""
 import json, sys, types, importlib.machinery, enum

@@ -4,17 +4,18 @@
     reference = write_checkpoint("llama", "/tmp/mlm", fmt="torch_dist", iteration=5)
 
 The run's `args` are those Megatron-LM's own argument code produced for a launch line
-(tests/data/megatron_lm_args.json, recorded by tools/capture_megatron_lm_args.py). On as many gloo
-ranks as the line's tensor-parallel size, megatron-core builds its `GPTModel` (local layer spec,
+(tests/data/megatron_lm_args.json, recorded by tools/capture_megatron_lm_args.py). On T x P gloo
+ranks (the line's tensor- and pipeline-parallel sizes), megatron-core builds its `GPTModel` (local layer spec,
 CPU initialisation, the model's options taken from those args as Megatron-LM's
 `core_transformer_config_from_args` takes them), steps its own `OptimizerParamScheduler` through
 the iterations, and saves what Megatron-LM's `save_checkpoint` saves without an optimizer
 (`--no-save-optim`): `torch_dist` through `dist_checkpointing.save` (megatron-core's sharded state
-dict), `torch` as one `mp_rank_TT/model_optim_rng.pt` per tensor rank. It also runs the model
+dict), `torch` as one `mp_rank_TT[_PPP]/model_optim_rng.pt` per tensor rank and stage. It also runs the model
 (in fp32, after the save) forward on fixed tokens and returns the logits (tensor shards gathered), the reference a converted
 model must reproduce. CPU shims: megatron-core's sequence-parallel allocations on the CPU
 (`model.megatron_core_cpu`), DeepSpeed's RNG tracker in place of its CUDA one, and
-`torch.cuda.synchronize` / `current_device` answered for the CPU (the checkpoint writer calls them).
+`torch.cuda.synchronize` / `current_device` answered for the CPU (the checkpoint writer calls them),
+and with P > 1 and tied weights the embedding copy's `.cuda()` kept on the CPU.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def _transformer_config(a: argparse.Namespace) -> Any:
         ffn_hidden_size=a.ffn_hidden_size,
         kv_channels=a.kv_channels,
         tensor_model_parallel_size=a.tensor_model_parallel_size,
+        pipeline_model_parallel_size=a.pipeline_model_parallel_size,  # each stage's first layer number
         normalization=a.normalization,
         layernorm_epsilon=a.layernorm_epsilon,
         layernorm_zero_centered_gamma=a.layernorm_zero_centered_gamma,
@@ -113,21 +115,32 @@ def _transformer_config(a: argparse.Namespace) -> Any:
 
 
 def _model(a: argparse.Namespace) -> Any:
+    """This rank's stage of the model (embedding on the first stage, the output layer on the last)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization=a.normalization)
-    return GPTModel(
-        _transformer_config(a),
-        spec,
-        vocab_size=a.padded_vocab_size,
-        max_sequence_length=a.max_position_embeddings,
-        share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
-        position_embedding_type=a.position_embedding_type,
-        rotary_percent=a.rotary_percent,
-        rotary_base=a.rotary_base,
-        rope_scaling=a.use_rope_scaling,
-    )
+    cuda = torch.Tensor.cuda
+    # With P > 1 and tied weights the last stage's copy of the embedding is moved with `.cuda()` before
+    # the all-reduce that copies the first stage's into it: kept on the CPU here.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        return GPTModel(
+            _transformer_config(a),
+            spec,
+            vocab_size=a.padded_vocab_size,
+            max_sequence_length=a.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights,
+            position_embedding_type=a.position_embedding_type,
+            rotary_percent=a.rotary_percent,
+            rotary_base=a.rotary_base,
+            rope_scaling=a.use_rope_scaling,
+        )
+    finally:
+        torch.Tensor.cuda = cuda  # type: ignore[method-assign]
 
 
 def _cpu_shims(seed: int, tensor_rank: int) -> None:
@@ -141,20 +154,29 @@ def _cpu_shims(seed: int, tensor_rank: int) -> None:
     rng.set_stream(MODEL_PARALLEL_RNG, seed + 2718 + tensor_rank)  # Megatron's model-parallel seed
 
 
-def _logits(model: Any, a: argparse.Namespace) -> torch.Tensor:
+def _logits(model: Any, a: argparse.Namespace) -> torch.Tensor | None:
+    """The full logits on the last stage's ranks (stages pass hidden states with send/recv); None elsewhere."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
     tokens = torch.tensor(TOKENS)
     s = tokens.shape[1]
     positions = torch.arange(s).expand_as(tokens)
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True: masked
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    hidden_shape = (s, tokens.shape[0], a.hidden_size)
     model.eval()
     with torch.no_grad():
-        local = model(tokens, positions, mask).float()
-    t = a.tensor_model_parallel_size
-    pieces = [torch.empty_like(local) for _ in range(t)]
-    dist.all_gather(pieces, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        if stage > 0:
+            hidden = torch.empty(hidden_shape)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        local = model(tokens if stage == 0 else None, positions, mask).float()
+        if stage < stages - 1:
+            dist.send(local.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+    pieces = [torch.empty_like(local) for _ in range(a.tensor_model_parallel_size)]
+    dist.all_gather(pieces, local.contiguous(), group=ps.get_tensor_model_parallel_group())
     return torch.cat(pieces, dim=-1)
 
 
@@ -197,7 +219,10 @@ def _main(name: str, directory: str, fmt: str, iteration: int, out: str) -> None
 
     dist.init_process_group("gloo")
     a = namespace(recorded(name)["args"])
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=a.tensor_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=a.tensor_model_parallel_size,
+        pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+    )
     _cpu_shims(a.seed, parallel_state.get_tensor_model_parallel_rank())
     torch.manual_seed(a.seed)
     model = _model(a)
@@ -217,8 +242,8 @@ def _main(name: str, directory: str, fmt: str, iteration: int, out: str) -> None
         dist.barrier()
         dist_checkpointing.save({**state, "model": model.sharded_state_dict()}, step)
     else:
-        tp = parallel_state.get_tensor_model_parallel_rank()
-        rank_dir = os.path.join(step, f"mp_rank_{tp:02d}")
+        tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+        rank_dir = os.path.join(step, f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if a.pipeline_model_parallel_size > 1 else ""))
         os.makedirs(rank_dir, exist_ok=True)
         torch.save(
             {**state, "model": model.state_dict_for_save_checkpoint()}, os.path.join(rank_dir, "model_optim_rng.pt")
@@ -228,6 +253,7 @@ def _main(name: str, directory: str, fmt: str, iteration: int, out: str) -> None
     if rank == 0:
         with open(os.path.join(directory, TRACKER), "w") as f:
             f.write(str(iteration))
+    if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         torch.save({"tokens": torch.tensor(TOKENS), "logits": logits}, out)
     dist.destroy_process_group()
 

@@ -25,9 +25,11 @@ from megatron_ds.training.checkpoint.directory import CONVERTED, META, Checkpoin
 from megatron_ds.training.checkpoint.universal.store import Universal
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = [("gpt", "torch_dist"), ("gpt", "torch"), ("llama", "torch_dist"), ("llama", "torch")]
+CASES = [(name, fmt) for name in ("gpt", "llama", "gpt_pp2") for fmt in ("torch_dist", "torch")]
 """GPT-3 style at T=1 (learned positions, LayerNorm, GeLU, biases, tied); Llama style at T=2 (rotary,
-RMSNorm, SwiGLU, 2 query groups, no biases, untied, bf16); each in both checkpoint formats."""
+RMSNorm, SwiGLU, 2 query groups, no biases, untied, bf16); the GPT on P=2 (each stage numbers its
+layers from 0 in `torch`'s files; the tied output layer's copy on the last stage); each in both
+checkpoint formats."""
 
 
 @pytest.fixture(scope="module")
