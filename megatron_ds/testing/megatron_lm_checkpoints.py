@@ -243,7 +243,9 @@ def _main(name: str, directory: str, fmt: str, iteration: int, out: str) -> None
         dist_checkpointing.save({**state, "model": model.sharded_state_dict()}, step)
     else:
         tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-        rank_dir = os.path.join(step, f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if a.pipeline_model_parallel_size > 1 else ""))
+        rank_dir = os.path.join(
+            step, f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if a.pipeline_model_parallel_size > 1 else "")
+        )
         os.makedirs(rank_dir, exist_ok=True)
         torch.save(
             {**state, "model": model.state_dict_for_save_checkpoint()}, os.path.join(rank_dir, "model_optim_rng.pt")
