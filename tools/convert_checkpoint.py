@@ -178,9 +178,11 @@ def _from_megatron_lm(args: argparse.Namespace, rest: list[str], tokenizer: dict
     from megatron_ds.interop.megatron_lm import import_megatron_lm
 
     result = import_megatron_lm(args.source, args.output, tokenizer, show_progress=not args.no_progress)
+    src = result.source
     print(
-        f"converted Megatron-LM {os.path.abspath(args.source)} (iteration {result.iteration}, "
-        f"T={result.config.parallel.tensor_model_parallel_size}) to {result.output}: weights, counters and schedule"
+        f"converted Megatron-LM {os.path.abspath(args.source)} ({os.path.basename(src.directory)}, {src.format}, "
+        f"iteration {result.iteration}, T={src.tensor_parallel} P={src.pipeline_parallel}) to {result.output}: weights, "
+        f"counters and learning-rate schedule"
     )
     for note in result.notes:
         print(f"NOTICE: {note}")

@@ -53,6 +53,7 @@ class ImportResult:
     iteration: int
     train_flags: list[str]
     """Our flags for its model, tokenizer and schedule (Megatron-LM's spelling)."""
+    source: MegatronLMCheckpoint
     notes: list[str] = field(default_factory=list)
 
 
@@ -72,7 +73,7 @@ def import_megatron_lm(
     notes.append(NO_OPTIMIZER_NOTE)
     flags = saved_args.render(mlm.args, saved_args.MODEL_ARGS) + tokenizer_flags
     flags += saved_args.render(mlm.args, saved_args.TRAINING_ARGS)
-    return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, flags, notes)
+    return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, flags, mlm, notes)
 
 
 def _meta(mlm: MegatronLMCheckpoint, config: Config, layout: str, tag: str) -> dict[str, Any]:

@@ -70,7 +70,7 @@ def tokenizer_flags(
     kind = args.get("tokenizer_type")
     needs = files.get(kind)
     paths = {k: args.get(k) for k in needs or ()}
-    if needs is not None and all(p and os.path.isfile(p) for p in paths.values()):
+    if needs is not None and all(p and os.path.exists(p) for p in paths.values()):
         recorded = [x for k, v in paths.items() for x in (f"--{k.replace('_', '-')}", v)]
         return ["--tokenizer-type", kind, *recorded], None
     missing = "its files are not here" if needs else "not one of ours"
