@@ -12,7 +12,7 @@
     # state in universal form (`pretrain_gpt.py --load OUT` continues the run under any layout)
     python tools/convert_checkpoint.py --from megatron-deepspeed mds/checkpoints checkpoints/mds
     # a Megatron-LM (megatron-core GPTModel) checkpoint, --ckpt-format torch_dist or torch, any T and P ->
-    # ours: weights, iteration, counters and schedule (not the optimizer's moments)
+    # ours: weights, Adam's state (torch_dist, when named by tensor), counters and schedule
     python tools/convert_checkpoint.py --from megatron-lm mlm/checkpoints checkpoints/mlm
 
 With --from hf, pretrain_gpt.py flags pass through (T, sequence length, tokenizer, ...); architecture
@@ -179,10 +179,11 @@ def _from_megatron_lm(args: argparse.Namespace, rest: list[str], tokenizer: dict
 
     result = import_megatron_lm(args.source, args.output, tokenizer, show_progress=not args.no_progress)
     src = result.source
+    carried = f"optimizer state ({', '.join(result.states)})" if result.states else "no optimizer state"
     print(
         f"converted Megatron-LM {os.path.abspath(args.source)} ({os.path.basename(src.directory)}, {src.format}, "
         f"iteration {result.iteration}, T={src.tensor_parallel} P={src.pipeline_parallel}) to {result.output}: weights, "
-        f"counters and learning-rate schedule"
+        f"{carried}, counters and learning-rate schedule"
     )
     for note in result.notes:
         print(f"NOTICE: {note}")

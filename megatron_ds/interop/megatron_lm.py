@@ -5,10 +5,12 @@ ours: its weights, its iteration, counters and learning-rate schedule.
     result = import_megatron_lm("mlm/checkpoints", "checkpoints/converted")
 
 The output is what `converted.write` writes (our weight files at the source's T, the universal form
-a `--load` resumes from under any layout). The optimizer's state is not converted (Megatron-LM's
-distributed optimizer shards it in its own flat buffers): a resume starts Adam's moments at zero
-and takes the model's weights (bf16 in a bf16 run) as its fp32 master weights. The source is only
-read (`megatron_lm_files`).
+a `--load` resumes from under any layout). Adam's state converts from torch_dist checkpoints that
+name it by model tensor (`optimizer.state.exp_avg.<tensor>`: Megatron-LM without
+--use-distributed-optimizer, or with --dist-ckpt-optim-fully-reshardable; the fp32 master weights
+too, where saved); the distributed optimizer's default `dp_reshardable` buffers and `--ckpt-format
+torch` optimizer state do not: a resume then starts Adam's moments at zero and takes the model's
+weights (bf16 in a bf16 run) as its fp32 master weights. The source is only read (`megatron_lm_files`).
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
 from megatron_ds.training.checkpoint.universal.names import ModelTensor, model_tensors
 from megatron_ds.training.resolve_layout import resolve_layout
 
-NO_OPTIMIZER_NOTE = (
-    "the optimizer state is not converted: a resume from it starts Adam's moments at zero, with the model's "
-    "weights as the fp32 master weights"
-)
+STATES = ("exp_avg", "exp_avg_sq")
+"""Adam's per-tensor states, as megatron-core names them in `optimizer.state.<state>.<tensor>`."""
+MASTERS = ("param", "fp32_param")
+"""The fp32 master weight's state name: the distributed optimizer's, then the local float16 optimizer's."""
+RESTART = "a resume from it starts Adam's moments at zero, with the model's weights as the fp32 master weights"
 
 
 @dataclass
@@ -51,6 +54,8 @@ class ImportResult:
     tag: str
     config: Config
     iteration: int
+    states: list[str]
+    """The optimizer states carried over (Adam: exp_avg, exp_avg_sq); [] when not converted."""
     train_flags: list[str]
     """Our flags for its model, tokenizer and schedule (Megatron-LM's spelling)."""
     source: MegatronLMCheckpoint
@@ -68,12 +73,28 @@ def import_megatron_lm(
     layout = resolve_layout(config)  # a layout error now, before anything is written
     tag = f"global_step{mlm.iteration}"
     meta = _meta(mlm, config, layout.to_string(), tag)
-    converted.write(output, tag, meta, config, lambda ours: MegatronLMSource(mlm, ours), check_names, show_progress)
+    states = converted.write(
+        output, tag, meta, config, lambda ours: MegatronLMSource(mlm, ours), check_names, show_progress
+    )
     notes = [note] if note else []
-    notes.append(NO_OPTIMIZER_NOTE)
+    if not states:
+        notes.append(f"{optimizer_absence(mlm)}: {RESTART}")
     flags = saved_args.render(mlm.args, saved_args.MODEL_ARGS) + tokenizer_flags
     flags += saved_args.render(mlm.args, saved_args.TRAINING_ARGS)
-    return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, flags, mlm, notes)
+    return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, states, flags, mlm, notes)
+
+
+def optimizer_absence(mlm: MegatronLMCheckpoint) -> str:
+    """Why a checkpoint's optimizer state does not convert."""
+    if mlm.format != TORCH_DIST:
+        return "its optimizer state (--ckpt-format torch) is not converted"
+    sharding = (mlm.optimizer or {}).get("param_state_sharding_type")
+    if sharding == "dp_reshardable":
+        return (
+            "its optimizer state is in the distributed optimizer's dp_reshardable buffers, which do not convert; "
+            "to keep it, load the checkpoint in Megatron-LM and save it with --dist-ckpt-optim-fully-reshardable"
+        )
+    return "it holds no optimizer state (saved with --no-save-optim or before the first step)"
 
 
 def _meta(mlm: MegatronLMCheckpoint, config: Config, layout: str, tag: str) -> dict[str, Any]:
@@ -111,15 +132,57 @@ class MegatronLMSource:
     # ----- what store.write and converted.write ask -----------------------------------------------
 
     def state_keys(self) -> list[str]:
-        return []
+        """Adam's states when the checkpoint names them by model tensor (else [])."""
+        if self.dist is None or self.mlm.optimizer is None:
+            return []
+        first = next(iter(model_tensors(self.model)))
+        candidates, layer = where.names(self.model, first)
+        found = self._dist_key(candidates, layer, prefix=f"optimizer.state.{STATES[0]}.")
+        return list(STATES) if found is not None else []
 
     def step(self, tensor: ModelTensor) -> int | None:
-        return None
+        """Adam's step: the distributed optimizer's param groups' `step`, or the local one's `common_step`."""
+        saved = self.mlm.optimizer or {}
+        groups = (saved.get("optimizer") or saved).get("param_groups") or []
+        steps = {float(g["step"]) for g in groups if isinstance(g, dict) and "step" in g}
+        common = (saved.get("state") or {}).get("common_step")
+        if common is not None:
+            steps.add(float(common))
+        if len(steps) != 1:
+            raise CheckpointError(
+                f"{self.mlm.directory}: its optimizer's step is {sorted(steps) or 'missing'}; expected one step count"
+            )
+        return int(steps.pop())
 
     def read(self, tensor: ModelTensor, state: str) -> torch.Tensor:
-        if state != FP32:
-            raise AssertionError(state)
-        return self.weight(tensor).float()
+        """`state` (FP32: the fp32 master where saved, else the weight; or an Adam state) as our full fp32 tensor."""
+        if state == FP32:
+            master = next((m for m in MASTERS if self._optimizer_key(tensor, m) is not None), None)
+            return (self.weight(tensor) if master is None else self._optimizer_state(tensor, master)).float()
+        return self._optimizer_state(tensor, state).float()
+
+    def _optimizer_key(self, tensor: ModelTensor, state: str) -> str | None:
+        if self.dist is None or not self.state_keys():
+            return None
+        candidates, layer = where.names(self.model, tensor)
+        return self._dist_key(candidates, layer, prefix=f"optimizer.state.{state}.")
+
+    def _optimizer_state(self, tensor: ModelTensor, state: str) -> torch.Tensor:
+        assert self.dist is not None
+        key = self._optimizer_key(tensor, state)
+        if key is None:
+            name = where.names(self.model, tensor)[0][0]
+            raise CheckpointError(
+                f"{self.mlm.directory}: no optimizer.state.{state} of {name}; the checkpoint is incomplete"
+            )
+        _, layer = where.names(self.model, tensor)
+        full = self.dist.read(key, layer)
+        full = qkv_to_blocked(full, self.model, 1) if tensor.key in where.FUSED_QKV else full
+        if tuple(full.shape) != tensor.rule.shape:
+            raise CheckpointError(
+                f"{self.mlm.directory}: {key} has shape {list(full.shape)}, not {list(tensor.rule.shape)}"
+            )
+        return full.contiguous()
 
     def weight(self, tensor: ModelTensor) -> torch.Tensor:
         """The model's weight as the checkpoint stores it (its dtype), as our full tensor."""
@@ -174,9 +237,9 @@ class MegatronLMSource:
         full = self.dist.read(key, layer)
         return qkv_to_blocked(full, self.model, 1) if tensor.key in where.FUSED_QKV else full
 
-    def _dist_key(self, candidates: tuple[str, ...], layer: int | None) -> str | None:
+    def _dist_key(self, candidates: tuple[str, ...], layer: int | None, prefix: str = "") -> str | None:
         assert self.dist is not None
-        keys = [where.LAYERS + c if layer is not None else c for c in candidates]
+        keys = [prefix + (where.LAYERS + c if layer is not None else c) for c in candidates]
         return next((k for k in keys if k in self.dist.tensors), None)
 
     def _from_ranks(self, tensor: ModelTensor) -> torch.Tensor:

@@ -77,6 +77,9 @@ class MegatronLMCheckpoint:
     """`vars()` of the saved Namespace (Megatron's enums as `restricted_pickle.Inert` records)."""
     states: dict[str, Any] = field(repr=False)
     """The saved entries other than `args`, the model and the optimizer."""
+    optimizer: dict[str, Any] | None = field(default=None, repr=False)
+    """torch_dist: common.pt's `optimizer` entry (its param groups and step; the moments are sharded
+    tensors named `optimizer.state.<state>.<model tensor>`); None without one or in `torch` format."""
 
     @property
     def tensor_parallel(self) -> int:
@@ -163,7 +166,8 @@ def open_megatron_lm(path: str) -> MegatronLMCheckpoint:
     name = os.path.basename(directory)
     match = _ITERATION_DIR.match(name)
     iteration = int(match.group(1)) if match else int(state.get("iteration") or 0)
-    ckpt = MegatronLMCheckpoint(directory, iteration, str(fmt), dict(vars(args)), kept)
+    optimizer = state.get("optimizer") if fmt == TORCH_DIST and isinstance(state.get("optimizer"), dict) else None
+    ckpt = MegatronLMCheckpoint(directory, iteration, str(fmt), dict(vars(args)), kept, optimizer)
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size"):
         if not isinstance(ckpt.args.get(key), int):
             raise CheckpointError(f"{first}: its saved args have no integer {key}; the checkpoint is damaged")

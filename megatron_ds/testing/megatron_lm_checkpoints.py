@@ -33,6 +33,7 @@ import torch
 
 RECORDED = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data", "megatron_lm_args.json")
 FORMATS = ("torch_dist", "torch")
+OPTIMIZERS = ("local", "fully_reshardable", "dp_reshardable")
 TOKENS = ((3, 17, 42, 99, 5, 64, 7, 23, 88, 1, 0, 50), (9, 8, 7, 6, 5, 4, 3, 2, 1, 60, 70, 80))
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -58,15 +59,23 @@ def namespace(saved: dict[str, Any]) -> argparse.Namespace:
     return argparse.Namespace(**{k: value(v) for k, v in saved.items()})
 
 
-def write_checkpoint(name: str, directory: str, fmt: str, iteration: int = 5, timeout: float = 240) -> dict[str, Any]:
+def write_checkpoint(
+    name: str, directory: str, fmt: str, iteration: int = 5, optimizer: str | None = None, timeout: float = 240
+) -> dict[str, Any]:
     """Write launch line `name`'s checkpoint at `iteration` into `directory` (its --save); return
-    {"tokens", "logits"} of megatron-core's forward (float32, full vocabulary)."""
+    {"tokens", "logits"} of megatron-core's forward (float32, full vocabulary).
+
+    `optimizer` (torch_dist, P = 1 only): train `iteration` steps on fixed tokens with megatron-core's
+    Adam, `local` (Megatron-LM without --use-distributed-optimizer) or its distributed optimizer saved
+    as `fully_reshardable` (--dist-ckpt-optim-fully-reshardable) or `dp_reshardable` (the default), and
+    save after every step from 1 to `iteration` with its state; None: no training, no optimizer state
+    (--no-save-optim)."""
     from megatron_ds.testing.launch import run_ranks
 
     world = recorded(name)["world_size"]
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "reference.pt")
-        argv = ["-m", __name__, name, directory, fmt, str(iteration), out]
+        argv = ["-m", __name__, name, directory, fmt, str(iteration), out, optimizer or "none"]
         run_ranks(argv, world, timeout=timeout, env={"PYTHONPATH": _root()})
         return torch.load(out, weights_only=True)
 
@@ -213,9 +222,9 @@ def _scheduler_state(a: argparse.Namespace, iteration: int) -> dict[str, Any]:
     return scheduler.state_dict()
 
 
-def _main(name: str, directory: str, fmt: str, iteration: int, out: str) -> None:
+def _main(name: str, directory: str, fmt: str, iteration: int, out: str, optimizer: str) -> None:
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
 
     dist.init_process_group("gloo")
     a = namespace(recorded(name)["args"])
@@ -226,33 +235,12 @@ def _main(name: str, directory: str, fmt: str, iteration: int, out: str) -> None
     _cpu_shims(a.seed, parallel_state.get_tensor_model_parallel_rank())
     torch.manual_seed(a.seed)
     model = _model(a)
-    a.consumed_train_samples = iteration * a.global_batch_size
-    a.iteration = iteration
-    state: dict[str, Any] = {
-        "args": a,
-        "checkpoint_version": 3.0,
-        "iteration": iteration,
-        "opt_param_scheduler": _scheduler_state(a, iteration),
-        "num_floating_point_operations_so_far": 1.0e12 * iteration,
-    }
-    step = os.path.join(directory, f"iter_{iteration:07d}")
-    rank = dist.get_rank()
-    if fmt == "torch_dist":
-        os.makedirs(step, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save({**state, "model": model.sharded_state_dict()}, step)
+    if optimizer == "none":
+        _save(a, model, directory, fmt, iteration, {"opt_param_scheduler": _scheduler_state(a, iteration)})
     else:
-        tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-        rank_dir = os.path.join(
-            step, f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if a.pipeline_model_parallel_size > 1 else "")
-        )
-        os.makedirs(rank_dir, exist_ok=True)
-        torch.save(
-            {**state, "model": model.state_dict_for_save_checkpoint()}, os.path.join(rank_dir, "model_optim_rng.pt")
-        )
-    dist.barrier()
+        _train(a, model, directory, optimizer, iteration)
     logits = _logits(_fp32_copy(model, a), a)
-    if rank == 0:
+    if dist.get_rank() == 0:
         with open(os.path.join(directory, TRACKER), "w") as f:
             f.write(str(iteration))
     if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
@@ -260,5 +248,141 @@ def _main(name: str, directory: str, fmt: str, iteration: int, out: str) -> None
     dist.destroy_process_group()
 
 
+def _save(a: argparse.Namespace, model: Any, directory: str, fmt: str, iteration: int, extra: dict[str, Any]) -> None:
+    """What Megatron-LM's save_checkpoint writes at `iteration` (`extra`: the scheduler, the optimizer)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    a.consumed_train_samples = iteration * a.global_batch_size
+    a.iteration = iteration
+    state: dict[str, Any] = {
+        "args": a,
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "num_floating_point_operations_so_far": 1.0e12 * iteration,
+    }
+    step = os.path.join(directory, f"iter_{iteration:07d}")
+    if fmt == "torch_dist":
+        os.makedirs(step, exist_ok=True)
+        dist.barrier()
+        state["model"] = model.sharded_state_dict()
+        optimizer = extra.pop("optimizer", None)
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_optimizer_metadata(a))
+        dist_checkpointing.save({**state, **extra}, step)
+    else:
+        tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+        rank_dir = os.path.join(
+            step, f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if a.pipeline_model_parallel_size > 1 else "")
+        )
+        os.makedirs(rank_dir, exist_ok=True)
+        state["model"] = model.state_dict_for_save_checkpoint()
+        torch.save({**state, **extra}, os.path.join(rank_dir, "model_optim_rng.pt"))
+    dist.barrier()
+
+
+def _optimizer_metadata(a: argparse.Namespace) -> dict[str, Any]:
+    """Megatron-LM's `_build_sharded_state_dict_metadata` for these args."""
+    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if a.use_distributed_optimizer:
+        fully = a.dist_ckpt_optim_fully_reshardable
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable" if fully else "dp_reshardable"
+    return metadata
+
+
+def _train(a: argparse.Namespace, model: Any, directory: str, kind: str, iterations: int) -> None:
+    """`iterations` steps of megatron-core's DDP and Adam on fixed tokens, saving after each (torch_dist)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    assert kind in OPTIMIZERS and a.pipeline_model_parallel_size == 1, (kind, a.pipeline_model_parallel_size)
+    _optimizer_shims()
+    a.use_distributed_optimizer = kind != "local"
+    a.dist_ckpt_optim_fully_reshardable = kind == "fully_reshardable"
+    a.clip_grad = 0.0  # megatron-core's gradient clipping asserts CUDA tensors: the runs here do not clip
+    ddp = DistributedDataParallel(
+        _transformer_config(a),
+        DistributedDataParallelConfig(use_distributed_optimizer=a.use_distributed_optimizer),
+        model,
+    )
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=a.lr,
+        min_lr=a.min_lr,
+        weight_decay=a.weight_decay,
+        adam_beta1=a.adam_beta1,
+        adam_beta2=a.adam_beta2,
+        adam_eps=a.adam_eps,
+        bf16=a.bf16,
+        params_dtype=a.params_dtype,
+        use_distributed_optimizer=a.use_distributed_optimizer,
+        clip_grad=a.clip_grad,
+    )
+    optimizer = get_megatron_optimizer(config, [ddp])
+    gbs = a.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=a.lr_warmup_init,
+        max_lr=a.lr,
+        min_lr=a.min_lr,
+        lr_warmup_steps=a.lr_warmup_iters * gbs,
+        lr_decay_steps=(a.lr_decay_iters or a.train_iters) * gbs,
+        lr_decay_style=a.lr_decay_style,
+        start_wd=a.start_weight_decay,
+        end_wd=a.end_weight_decay,
+        wd_incr_steps=a.train_iters * gbs,
+        wd_incr_style=a.weight_decay_incr_style,
+    )
+    tokens = torch.tensor(TOKENS)
+    s = tokens.shape[1]
+    positions = torch.arange(s).expand_as(tokens)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    labels = torch.roll(tokens, -1, dims=1)
+    ddp.train()
+    for iteration in range(1, iterations + 1):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        ddp(tokens, positions, mask, labels=labels).float().mean().backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        scheduler.step(increment=gbs)
+        _save(
+            a,
+            model,
+            directory,
+            "torch_dist",
+            iteration,
+            {"optimizer": optimizer, "opt_param_scheduler": scheduler.state_dict()},
+        )
+
+
+def _optimizer_shims() -> None:
+    """megatron-core's DDP and optimizers allocate with `device='cuda'` and check `Tensor.type()` for CUDA
+    names: on the CPU, factories given a CUDA device allocate on the CPU and `type()` answers CUDA's names."""
+    import functools
+
+    def on_cpu(factory: Any) -> Any:
+        @functools.wraps(factory)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if "cuda" in str(kwargs.get("device", "")):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return call
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like", "ones_like"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    plain_type = torch.Tensor.type
+
+    def type_name(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None:
+            return plain_type(self).replace("torch.", "torch.cuda.", 1)
+        return plain_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_name  # type: ignore[method-assign,assignment]
+
+
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    _main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])

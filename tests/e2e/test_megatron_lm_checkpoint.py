@@ -7,6 +7,7 @@ one line, with nothing written and the source untouched."""
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import pickle
 import shutil
@@ -22,6 +23,7 @@ from megatron_ds.inference.model import load_model
 from megatron_ds.interop.megatron_lm import import_megatron_lm
 from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoint
 from megatron_ds.training.checkpoint.directory import CONVERTED, META, CheckpointError, read_meta
+from megatron_ds.training.checkpoint.universal.convert import convert_checkpoint
 from megatron_ds.training.checkpoint.universal.store import Universal
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,33 +71,105 @@ def test_converted_model_computes_megatron_cores_logits(sources, tmp_path: Path,
     assert meta["train_state"]["floating_point_operations_so_far"] == 5.0e12
     assert meta[CONVERTED]["upstream"] == "megatron-lm" and meta[CONVERTED]["ckpt_format"] == fmt
     universal = Universal(str(tmp_path / "out" / "global_step5.universal"))
-    assert universal.states == []  # weights only: the optimizer's moments are not converted
+    assert universal.states == []  # saved without an optimizer (--no-save-optim)
+    assert any("holds no optimizer state" in n or "--ckpt-format torch" in n for n in result.notes)
 
 
-def test_tool_prints_the_flags_and_a_resume_continues_megatron_lms_schedule(sources, tmp_path: Path) -> None:
-    """The T=2 bf16 checkpoint resumes on one process (T=1, vocabulary padded to the same 256 rows) at
-    iteration 6, with the learning rate megatron-core's own scheduler gives after 6 and 7 steps."""
-    source, _ = sources["llama", "torch_dist"]
-    out = tmp_path / "converted"
+TRAINED = {"gpt": "local", "llama": "fully_reshardable", "gpt-dp": "dp_reshardable"}
+"""Two steps of megatron-core's Adam, saved after each: the GPT without the distributed optimizer, the
+T=2 bf16 Llama with it saved --dist-ckpt-optim-fully-reshardable (fp32 masters beside the bf16
+weights), the GPT with it in its default dp_reshardable buffers (not converted)."""
+LR, WD, B1, B2, EPS = 3e-4, 0.1, 0.9, 0.999, 1e-8  # the recorded launch lines' Adam
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    root = tmp_path_factory.mktemp("megatron_lm_trained")
+    return {
+        case: (root / case, write_checkpoint(case.split("-")[0], str(root / case), "torch_dist", 2, optimizer=kind))
+        for case, kind in TRAINED.items()
+    }
+
+
+def _scheduler_lr(steps: int) -> float:
+    """megatron-core's own OptimizerParamScheduler of the recorded lines after `steps` steps of 8 samples."""
+    import argparse
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    group = {"lr": LR, "weight_decay": WD}
+    scheduler = OptimizerParamScheduler(
+        argparse.Namespace(param_groups=[group]), 0.0, LR, 3e-5, 16, 160, "cosine", WD, WD, 160, "constant"
+    )
+    for _ in range(steps):
+        scheduler.step(8)
+    return scheduler.get_lr(group)
+
+
+@pytest.mark.parametrize("case", ["gpt", "llama"])
+def test_adam_state_is_the_runs(trained, tmp_path: Path, case: str) -> None:
+    """Upstream's second AdamW step, w2 = w1 (1 - lr wd) - lr/(1-b1^2) m / (sqrt(v)/sqrt(1-b2^2) + eps), holds
+    for every tensor with the converted moments of step 2 and the fp32 weights of steps 1 and 2 (lr: the
+    scheduler's after one step; no weight decay on biases and norms)."""
+    source, reference = trained[case]
+    first = import_megatron_lm(str(source / "iter_0000001"), str(tmp_path / "one"), show_progress=False)
+    second = import_megatron_lm(str(source / "iter_0000002"), str(tmp_path / "two"), show_progress=False)
+    assert first.states == second.states == ["exp_avg", "exp_avg_sq"] and second.notes == []
+    u1 = Universal(str(tmp_path / "one" / "global_step1.universal"))
+    u2 = Universal(str(tmp_path / "two" / "global_step2.universal"))
+    lr = _scheduler_lr(1)
+    for name, entry in u2.tensors.items():
+        assert entry["step"] == 2
+        m, v = u2.read(name, "exp_avg"), u2.read(name, "exp_avg_sq")
+        decay = WD if len(entry["shape"]) >= 2 else 0.0
+        predicted = u1.read(name, "fp32") * (1 - lr * decay) - (lr / (1 - B1**2)) * m / (
+            v.sqrt() / math.sqrt(1 - B2**2) + EPS
+        )
+        torch.testing.assert_close(u2.read(name, "fp32"), predicted, rtol=0, atol=1e-7, msg=name)
+    if case == "llama":  # bf16 weights: the fp32 masters are the optimizer's, not the weights widened
+        masters = [u2.read(name, "fp32") for name in u2.tensors]
+        assert any(not torch.equal(x, x.bfloat16().float()) for x in masters)
+    model = load_model(str(tmp_path / "two"))
+    with torch.no_grad():
+        logits = model.float()(reference["tokens"])
+    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+
+
+def test_dp_reshardable_optimizer_state_is_named_and_left_out(trained, tmp_path: Path) -> None:
+    result = import_megatron_lm(str(trained["gpt-dp"][0]), str(tmp_path / "out"), show_progress=False)
+    assert result.states == []
+    assert result.notes == [
+        "its optimizer state is in the distributed optimizer's dp_reshardable buffers, which do not convert; to keep "
+        "it, load the checkpoint in Megatron-LM and save it with --dist-ckpt-optim-fully-reshardable: a resume from "
+        "it starts Adam's moments at zero, with the model's weights as the fp32 master weights"
+    ]
+
+
+def test_tool_prints_the_flags_and_a_resume_continues_the_run(trained, tmp_path: Path) -> None:
+    """The T=2 bf16 checkpoint with its Adam state resumes on one process (T=1, vocabulary padded to the same
+    256 rows) at iteration 3, with the learning rates megatron-core's scheduler gives after 3 and 4 steps and
+    Adam's step going on from the run's 2."""
+    source, _ = trained["llama"]
+    out, saved = tmp_path / "converted", tmp_path / "saved"
     tool = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "--from", "megatron-lm"]
     run = subprocess.run([*tool, str(source), str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "NOTICE: the optimizer state is not converted" in run.stdout
+    assert "weights, optimizer state (exp_avg, exp_avg_sq), counters and learning-rate schedule" in run.stdout
     flags = run.stdout.strip().splitlines()[-1].split()
     assert flags[:3] == ["pretrain_gpt.py", "--load", str(out)]
     assert {"--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights", "--bf16"} <= set(flags)
-    extra = "--mock-data --num-workers 0 --log-interval 1 --eval-iters 0 --train-iters 7 --lr-decay-iters 20"
-    extra += " --make-vocab-size-divisible-by 256"
+    extra = "--mock-data --num-workers 0 --log-interval 1 --eval-iters 0 --train-iters 4 --lr-decay-iters 20"
+    extra += f" --make-vocab-size-divisible-by 256 --save {saved} --save-interval 100"
     cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *flags[1:], *extra.split()]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "was saved with Megatron-LM (converted" in run.stdout
-    assert "resumed from" in run.stdout and "at iteration 5 (40 samples consumed)" in run.stdout
-    # megatron-core's OptimizerParamScheduler(max 3e-4, min 3e-5, warm-up 16 and cosine decay over 160 samples)
-    # after 6 and 7 steps of 8 samples: 2.6841599982e-4 and 2.5177632731e-4
-    assert "iteration        6/       7 | consumed samples:           48" in run.stdout
-    assert "learning rate: 2.684160E-04" in run.stdout
-    assert "learning rate: 2.517763E-04" in run.stdout
+    assert "resumed from" in run.stdout and "at iteration 2 (16 samples consumed)" in run.stdout
+    assert "iteration        3/       4 | consumed samples:           24" in run.stdout
+    assert f"learning rate: {_scheduler_lr(3):.6E}" in run.stdout
+    assert f"learning rate: {_scheduler_lr(4):.6E}" in run.stdout
+    convert_checkpoint(str(saved), str(tmp_path / "universal"), show_progress=False)
+    assert Universal(str(tmp_path / "universal" / "global_step4")).group_step("decay") == 4
 
 
 def test_load_of_a_megatron_lm_checkpoint_says_how_to_convert_it(sources) -> None:
