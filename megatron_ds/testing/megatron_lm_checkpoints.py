@@ -70,12 +70,20 @@ def write_checkpoint(
     as `fully_reshardable` (--dist-ckpt-optim-fully-reshardable) or `dp_reshardable` (the default), and
     save after every step from 1 to `iteration` with its state; None: no training, no optimizer state
     (--no-save-optim)."""
+    return write_checkpoints(name, {fmt: directory}, iteration, optimizer, timeout)
+
+
+def write_checkpoints(
+    name: str, directories: dict[str, str], iteration: int = 5, optimizer: str | None = None, timeout: float = 240
+) -> dict[str, Any]:
+    """`write_checkpoint` of one model in several formats (format -> directory), from one launch."""
     from megatron_ds.testing.launch import run_ranks
 
+    assert set(directories) <= set(FORMATS) and (optimizer is None or set(directories) == {"torch_dist"}), directories
     world = recorded(name)["world_size"]
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "reference.pt")
-        argv = ["-m", __name__, name, directory, fmt, str(iteration), out, optimizer or "none"]
+        argv = ["-m", __name__, name, json.dumps(directories), str(iteration), out, optimizer or "none"]
         run_ranks(argv, world, timeout=timeout, env={"PYTHONPATH": _root()})
         return torch.load(out, weights_only=True)
 
@@ -222,7 +230,7 @@ def _scheduler_state(a: argparse.Namespace, iteration: int) -> dict[str, Any]:
     return scheduler.state_dict()
 
 
-def _main(name: str, directory: str, fmt: str, iteration: int, out: str, optimizer: str) -> None:
+def _main(name: str, directories: dict[str, str], iteration: int, out: str, optimizer: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -235,14 +243,15 @@ def _main(name: str, directory: str, fmt: str, iteration: int, out: str, optimiz
     _cpu_shims(a.seed, parallel_state.get_tensor_model_parallel_rank())
     torch.manual_seed(a.seed)
     model = _model(a)
-    if optimizer == "none":
-        _save(a, model, directory, fmt, iteration, {"opt_param_scheduler": _scheduler_state(a, iteration)})
-    else:
-        _train(a, model, directory, optimizer, iteration)
+    for fmt, directory in directories.items():
+        if optimizer == "none":
+            _save(a, model, directory, fmt, iteration, {"opt_param_scheduler": _scheduler_state(a, iteration)})
+        else:
+            _train(a, model, directory, optimizer, iteration)
+        if dist.get_rank() == 0:
+            with open(os.path.join(directory, TRACKER), "w") as f:
+                f.write(str(iteration))
     logits = _logits(_fp32_copy(model, a), a)
-    if dist.get_rank() == 0:
-        with open(os.path.join(directory, TRACKER), "w") as f:
-            f.write(str(iteration))
     if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         torch.save({"tokens": torch.tensor(TOKENS), "logits": logits}, out)
     dist.destroy_process_group()
@@ -385,4 +394,4 @@ def _optimizer_shims() -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])
+    _main(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

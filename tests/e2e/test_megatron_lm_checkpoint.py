@@ -21,7 +21,7 @@ import torch
 from megatron_ds.errors import UserError
 from megatron_ds.inference.model import load_model
 from megatron_ds.interop.megatron_lm import import_megatron_lm
-from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoint
+from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoint, write_checkpoints
 from megatron_ds.training.checkpoint.directory import CONVERTED, META, CheckpointError, read_meta
 from megatron_ds.training.checkpoint.universal.convert import convert_checkpoint
 from megatron_ds.training.checkpoint.universal.store import Universal
@@ -38,9 +38,10 @@ checkpoint formats."""
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[Path, dict]]:
     root = tmp_path_factory.mktemp("megatron_lm")
     out = {}
-    for name, fmt in CASES:
-        path = root / f"{name}-{fmt}"
-        out[name, fmt] = path, write_checkpoint(name, str(path), fmt, iteration=5)
+    for name in dict.fromkeys(name for name, _ in CASES):  # both formats of one model from one launch
+        paths = {fmt: root / f"{name}-{fmt}" for n, fmt in CASES if n == name}
+        reference = write_checkpoints(name, {fmt: str(p) for fmt, p in paths.items()}, iteration=5)
+        out |= {(name, fmt): (path, reference) for fmt, path in paths.items()}
     return out
 
 
