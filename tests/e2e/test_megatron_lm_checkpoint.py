@@ -243,3 +243,23 @@ def test_an_existing_output_is_never_overwritten(sources, tmp_path: Path) -> Non
     with pytest.raises(UserError, match="already exists; choose a new directory"):
         import_megatron_lm(str(sources["gpt", "torch_dist"][0]), str(out), show_progress=False)
     assert (out / "keep").read_text() == "x" and not (out / META).exists()
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_megatron_lm_to_hugging_face(sources, tmp_path: Path, name: str) -> None:
+    """Megatron-LM -> ours -> a Hugging Face directory: transformers computes megatron-core's logits (GPT-2
+    for the GPT, Llama for the Llama-style run; the vocabulary trimmed to the tokenizer's 101 ids)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ds.interop.hf_export import export_hf
+
+    source, reference = sources[name, "torch_dist"]
+    import_megatron_lm(str(source), str(tmp_path / "ours"), show_progress=False)
+    result = export_hf(str(tmp_path / "ours"), str(tmp_path / "hf"), dtype="float32", show_progress=False)
+    assert result.arch == ("gpt2" if name == "gpt" else "llama")
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        logits = hf(reference["tokens"]).logits
+    assert logits.shape[-1] == 101
+    torch.testing.assert_close(logits, reference["logits"][..., :101], rtol=0, atol=1e-6)
