@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_ds.interop import restricted_pickle
+from megatron_ds.interop.saved_flags import SavedArgs, check_saved_args
 from megatron_ds.training.checkpoint.directory import LATEST, MEGATRON_TRACKER, CheckpointError
 
 _TORCH_LOAD = restricted_pickle.pickle_module(restricted_pickle.upstream_values)
@@ -62,7 +63,7 @@ def _load(path: str, load: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class MegatronDeepSpeedCheckpoint:
+class MegatronDeepSpeedCheckpoint(SavedArgs):
     """One global_step directory of a Megatron-DeepSpeed checkpoint and the run's saved arguments."""
 
     directory: str
@@ -71,14 +72,6 @@ class MegatronDeepSpeedCheckpoint:
     """`vars()` of the saved Namespace (upstream's enums as `restricted_pickle.Inert` records)."""
     states: dict[str, Any]
     """mp_rank_00's entries other than the optimizer and `args`."""
-
-    @property
-    def tensor_parallel(self) -> int:
-        return int(self.args["tensor_model_parallel_size"])
-
-    @property
-    def pipeline_parallel(self) -> int:
-        return int(self.args["pipeline_model_parallel_size"])
 
     @property
     def data_parallel(self) -> int:
@@ -91,10 +84,6 @@ class MegatronDeepSpeedCheckpoint:
     @property
     def zero_stage(self) -> int:
         return int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
-
-    @property
-    def precision(self) -> str:
-        return "bf16" if self.args.get("bf16") else "fp16" if self.args.get("fp16") else "fp32"
 
     @property
     def checkpoint_info(self) -> dict[str, Any]:
@@ -156,7 +145,5 @@ def open_megatron_deepspeed(path: str) -> MegatronDeepSpeedCheckpoint:
         )
     kept = {k: v for k, v in states.items() if k not in ("args", "optimizer", "module")}
     ckpt = MegatronDeepSpeedCheckpoint(directory, tag, dict(vars(args)), kept)
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size"):
-        if not isinstance(ckpt.args.get(key), int):
-            raise CheckpointError(f"{first}: its saved args have no integer {key}; the checkpoint is damaged")
+    check_saved_args(ckpt.args, first)
     return ckpt

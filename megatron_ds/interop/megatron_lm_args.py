@@ -68,22 +68,11 @@ MODEL_ARGS = (
     Arg("--mtp-num-layers"),
     Arg("--window-size"),
     Arg("--heterogeneous-layers-config-path"),
-    Arg("--init-method-std", 0.02),
-    Arg("--hidden-dropout", 0.1),
-    Arg("--attention-dropout", 0.1),
+    *saved_flags.INIT_AND_DROPOUT_ARGS,
 )
 """What shapes the model (and its dropout and init), in Megatron-LM's spelling."""
 TRAINING_ARGS = (
-    Arg("--micro-batch-size"),
-    Arg("--global-batch-size"),
-    Arg("--train-iters"),
-    Arg("--train-samples", lambda a: a["train_samples"] if a.get("train_iters") else None),
-    Arg("--optimizer", "adam"),
-    Arg("--lr"),
-    Arg("--min-lr", 0.0),
-    Arg("--lr-decay-style", "linear"),
-    Arg("--lr-decay-iters"),
-    Arg("--lr-decay-samples"),
+    *saved_flags.SCHEDULE_ARGS,
     Arg("--lr-warmup-iters", 0),
     Arg("--lr-warmup-samples", 0),
     Arg("--lr-warmup-fraction"),
@@ -92,22 +81,10 @@ TRAINING_ARGS = (
     Arg("--start-weight-decay", lambda a: a["weight_decay"]),
     Arg("--end-weight-decay", lambda a: a["weight_decay"]),
     Arg("--weight-decay-incr-style", "constant"),
-    Arg("--clip-grad", 1.0),
-    Arg("--adam-beta1", 0.9),
-    Arg("--adam-beta2", 0.999),
-    Arg("--adam-eps", 1e-8),
-    Arg("--seed", 1234),
-    on("--fp16"),
-    on("--bf16"),
-    Arg("--rampup-batch-size"),
+    *saved_flags.ADAM_AND_PRECISION_ARGS,
 )
 """What a resume compares (batch sizes, optimizer, schedule) and records."""
-TOKENIZER_FILES = {
-    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-    "SentencePieceTokenizer": ("tokenizer_model",),
-    "GPTSentencePieceTokenizer": ("tokenizer_model",),
-    "HuggingFaceTokenizer": ("tokenizer_model",),
-}
+TOKENIZER_FILES = {**saved_flags.TOKENIZER_FILES, "HuggingFaceTokenizer": ("tokenizer_model",)}
 """Megatron-LM's tokenizers we build, and the files each needs (recorded only if they still exist)."""
 NULL_TOKENIZER = "NullTokenizer"
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from megatron_ds.interop import restricted_pickle
+from megatron_ds.interop.saved_flags import SavedArgs, check_saved_args
 from megatron_ds.training.checkpoint.directory import MEGATRON_TRACKER, CheckpointError
 
 TORCH_DIST, TORCH = "torch_dist", "torch"
@@ -65,7 +66,7 @@ def _first_line(err: BaseException) -> str:
 
 
 @dataclass(frozen=True)
-class MegatronLMCheckpoint:
+class MegatronLMCheckpoint(SavedArgs):
     """One iteration directory of a Megatron-LM checkpoint and the run's saved arguments."""
 
     directory: str
@@ -80,18 +81,6 @@ class MegatronLMCheckpoint:
     optimizer: dict[str, Any] | None = field(default=None, repr=False)
     """torch_dist: common.pt's `optimizer` entry (its param groups and step; the moments are sharded
     tensors named `optimizer.state.<state>.<model tensor>`); None without one or in `torch` format."""
-
-    @property
-    def tensor_parallel(self) -> int:
-        return int(self.args["tensor_model_parallel_size"])
-
-    @property
-    def pipeline_parallel(self) -> int:
-        return int(self.args["pipeline_model_parallel_size"])
-
-    @property
-    def precision(self) -> str:
-        return "bf16" if self.args.get("bf16") else "fp16" if self.args.get("fp16") else "fp32"
 
     def rank_file(self, tensor_rank: int, stage: int) -> str:
         """`--ckpt-format torch`: the file of one tensor rank and pipeline stage."""
@@ -168,9 +157,7 @@ def open_megatron_lm(path: str) -> MegatronLMCheckpoint:
     iteration = int(match.group(1)) if match else int(state.get("iteration") or 0)
     optimizer = state.get("optimizer") if fmt == TORCH_DIST and isinstance(state.get("optimizer"), dict) else None
     ckpt = MegatronLMCheckpoint(directory, iteration, str(fmt), dict(vars(args)), kept, optimizer)
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size"):
-        if not isinstance(ckpt.args.get(key), int):
-            raise CheckpointError(f"{first}: its saved args have no integer {key}; the checkpoint is damaged")
+    check_saved_args(ckpt.args, first)
     return ckpt
 
 

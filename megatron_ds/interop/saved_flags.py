@@ -11,6 +11,38 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_ds.training.checkpoint.directory import CheckpointError
+
+
+class SavedArgs:
+    """What both upstreams' saved args say of the run's parallel sizes and precision (a mixin of the
+    checkpoint records, which hold `args`: `vars()` of the saved Namespace)."""
+
+    args: dict[str, Any]
+
+    @property
+    def tensor_parallel(self) -> int:
+        return int(self.args["tensor_model_parallel_size"])
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return int(self.args["pipeline_model_parallel_size"])
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.args.get("bf16") else "fp16" if self.args.get("fp16") else "fp32"
+
+
+REQUIRED_INTEGERS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size")
+
+
+def check_saved_args(args: dict[str, Any], path: str) -> None:
+    """The saved args every conversion reads are there (else the file is damaged)."""
+    for key in REQUIRED_INTEGERS:
+        if not isinstance(args.get(key), int):
+            raise CheckpointError(f"{path}: its saved args have no integer {key}; the checkpoint is damaged")
+
+
 Neutral = Any
 """What is not rendered: a value, a tuple of values, or a function of the args giving one (e.g. the
 number of heads for the key/value heads)."""
@@ -39,6 +71,39 @@ def on(flag: str, saved_as: str | None = None) -> Arg:
 def off(flag: str, saved_as: str) -> Arg:
     """A `--no-...`-style switch that sets `saved_as` False: given when the run had it off."""
     return Arg(flag, True, switch=True, saved_as=saved_as)
+
+
+SCHEDULE_ARGS = (
+    Arg("--micro-batch-size"),
+    Arg("--global-batch-size"),
+    Arg("--train-iters"),
+    Arg("--train-samples", lambda a: a["train_samples"] if a.get("train_iters") else None),
+    Arg("--optimizer", "adam"),
+    Arg("--lr"),
+    Arg("--min-lr", 0.0),
+    Arg("--lr-decay-style", "linear"),
+    Arg("--lr-decay-iters"),  # explicit: a longer --train-iters keeps the run's schedule
+    Arg("--lr-decay-samples"),
+)
+"""The batch sizes and the schedule's first flags, spelled alike by both upstreams."""
+ADAM_AND_PRECISION_ARGS = (
+    Arg("--clip-grad", 1.0),
+    Arg("--adam-beta1", 0.9),
+    Arg("--adam-beta2", 0.999),
+    Arg("--adam-eps", 1e-8),
+    Arg("--seed", 1234),
+    on("--fp16"),
+    on("--bf16"),
+    Arg("--rampup-batch-size"),
+)
+"""The training flags' tail, spelled alike by both upstreams."""
+TOKENIZER_FILES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+}
+"""Tokenizers of both upstreams that we build, and the `args` naming the files each needs."""
+INIT_AND_DROPOUT_ARGS = (Arg("--init-method-std", 0.02), Arg("--hidden-dropout", 0.1), Arg("--attention-dropout", 0.1))
 
 
 def render(args: dict[str, Any], table: Sequence[Arg]) -> list[str]:

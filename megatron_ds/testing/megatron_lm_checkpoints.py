@@ -206,13 +206,12 @@ def _fp32_copy(model: Any, a: argparse.Namespace) -> Any:
     return fp32
 
 
-def _scheduler_state(a: argparse.Namespace, iteration: int) -> dict[str, Any]:
-    """megatron-core's own OptimizerParamScheduler after `iteration` steps, as Megatron-LM builds it."""
+def _scheduler(a: argparse.Namespace, optimizer: Any) -> Any:
+    """megatron-core's own OptimizerParamScheduler, as Megatron-LM builds it from the args (iterations)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     gbs = a.global_batch_size
-    optimizer = argparse.Namespace(param_groups=[{"lr": a.lr, "weight_decay": a.weight_decay}])
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=a.lr_warmup_init,
         max_lr=a.lr,
@@ -225,6 +224,12 @@ def _scheduler_state(a: argparse.Namespace, iteration: int) -> dict[str, Any]:
         wd_incr_steps=a.train_iters * gbs,
         wd_incr_style=a.weight_decay_incr_style,
     )
+
+
+def _scheduler_state(a: argparse.Namespace, iteration: int) -> dict[str, Any]:
+    """The scheduler's state after `iteration` steps (without an optimizer to drive)."""
+    gbs = a.global_batch_size
+    scheduler = _scheduler(a, argparse.Namespace(param_groups=[{"lr": a.lr, "weight_decay": a.weight_decay}]))
     for _ in range(iteration):
         scheduler.step(increment=gbs)
     return scheduler.state_dict()
@@ -303,7 +308,6 @@ def _train(a: argparse.Namespace, model: Any, directory: str, kind: str, iterati
     """`iterations` steps of megatron-core's DDP and Adam on fixed tokens, saving after each (torch_dist)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     assert kind in OPTIMIZERS and a.pipeline_model_parallel_size == 1, (kind, a.pipeline_model_parallel_size)
     _optimizer_shims()
@@ -330,19 +334,7 @@ def _train(a: argparse.Namespace, model: Any, directory: str, kind: str, iterati
     )
     optimizer = get_megatron_optimizer(config, [ddp])
     gbs = a.global_batch_size
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=a.lr_warmup_init,
-        max_lr=a.lr,
-        min_lr=a.min_lr,
-        lr_warmup_steps=a.lr_warmup_iters * gbs,
-        lr_decay_steps=(a.lr_decay_iters or a.train_iters) * gbs,
-        lr_decay_style=a.lr_decay_style,
-        start_wd=a.start_weight_decay,
-        end_wd=a.end_weight_decay,
-        wd_incr_steps=a.train_iters * gbs,
-        wd_incr_style=a.weight_decay_incr_style,
-    )
+    scheduler = _scheduler(a, optimizer)
     tokens = torch.tensor(TOKENS)
     s = tokens.shape[1]
     positions = torch.arange(s).expand_as(tokens)
