@@ -263,3 +263,28 @@ def test_megatron_lm_to_hugging_face(sources, tmp_path: Path, name: str) -> None
         logits = hf(reference["tokens"]).logits
     assert logits.shape[-1] == 101
     torch.testing.assert_close(logits, reference["logits"][..., :101], rtol=0, atol=1e-6)
+
+
+def test_transformer_engine_names_in_torch_format(sources, tmp_path: Path) -> None:
+    """A `--ckpt-format torch` state dict of Transformer Engine layers names the input and pre-MLP norms after
+    the fused linears (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_bias`); the same weights under
+    those names convert to the same model."""
+    source, reference = sources["gpt", "torch"]
+    copy = _copy(source, tmp_path)
+    path = copy / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)  # the test's own file
+    renames = {
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    }
+    model = {}
+    for key, value in state["model"].items():
+        for old, new in renames.items():
+            key = key.replace(old, new)
+        model[key] = value
+    assert sum("layer_norm_" in k for k in model) == 8  # 2 layers x 2 norms x (weight, bias)
+    torch.save({**state, "model": model}, path)
+    import_megatron_lm(str(copy), str(tmp_path / "out"), show_progress=False)
+    with torch.no_grad():
+        logits = load_model(str(tmp_path / "out")).float()(reference["tokens"])
+    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
