@@ -118,3 +118,13 @@ def test_dcp_metadata_admits_torchs_dataclasses_only() -> None:
     bad = pickle.dumps(Metadata(state_dict_metadata={"x": torch.nn.Linear}))
     with pytest.raises(pickle.UnpicklingError, match="holds a pickled torch.nn.modules.linear.Linear"):
         restricted_pickle.load(io.BytesIO(bad), restricted_pickle.dcp_metadata)
+
+
+def test_llama3_rope_scaling_and_no_positions() -> None:
+    m = _config(_ckpt("llama", use_rope_scaling=True, rope_scaling_factor=32.0)).model
+    assert m.use_rope_scaling and m.rope_scaling_factor == 32.0
+    m = _config(_ckpt("gpt", position_embedding_type="none")).model
+    assert not m.add_position_embedding and not m.use_rotary_position_embeddings
+    assert "--rope-scaling-factor" not in saved_args.render(
+        vars(namespace(recorded("llama")["args"])), saved_args.MODEL_ARGS
+    )
