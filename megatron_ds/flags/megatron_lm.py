@@ -346,7 +346,8 @@ CHECKPOINTING: tuple[Flag, ...] = (
         "--ckpt-format",
         _CKPT,
         f"{_MLM}: accepted, and a NOTICE says that checkpoints are DeepSpeed's here (docs/checkpoints.md); like "
-        "torch_dist they resume under any P, T, DP and layout",
+        "torch_dist they resume under any P, T, DP and layout; Megatron-LM's own torch_dist and torch checkpoints "
+        "convert with tools/convert_checkpoint.py --from megatron-lm",
         choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr"),
     ),
     accepted(
@@ -403,8 +404,8 @@ CHECKPOINTING: tuple[Flag, ...] = (
     no_op(
         "--auto-detect-ckpt-format",
         _CKPT,
-        f"{_MLM}: one format is read here (DeepSpeed's, ours); a Megatron-DeepSpeed checkpoint at --load is named "
-        "with the command that converts it",
+        f"{_MLM}: one format is read here (DeepSpeed's, ours); a Megatron-DeepSpeed or Megatron-LM checkpoint at "
+        "--load is named with the command that converts it",
     ),
 )
 
