@@ -41,11 +41,22 @@ CONFIGS: dict[str, tuple[int, str]] = {
         2,
         "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --pipeline-model-parallel-size 2 " + _COMMON,
     ),
+    "converted": (
+        1,
+        "--num-layers 2 --hidden-size 32 --seq-length 32 --num-experts 0 --num-attention-heads 4 "
+        "--max-position-embeddings 32 --position-embedding-type rope --tokenizer-type NullTokenizer --vocab-size 100 "
+        "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 1 "
+        "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion "
+        "--no-async-tensor-model-parallel-allreduce --use-cpu-initialization --micro-batch-size 1 --no-load-optim "
+        "--no-load-rng --no-save-optim --no-save-rng --no-initialization --save-interval 1 --save /tmp/converted "
+        "--ckpt-format torch --no-one-logger --make-vocab-size-divisible-by 128 --bf16 --disable-bias-linear",
+    ),
 }
 """name -> (world size, launch line): a GPT-3-style model (learned positions, LayerNorm, GeLU, biases,
 tied output), a Llama-style one (rotary, RMSNorm, SwiGLU, grouped-query attention, no biases, untied
 output, bf16, two tensor-parallel ranks), and the GPT on two pipeline stages (the tied output layer on
-the last one)."""
+the last one), and the line Megatron-LM's checkpoint converter (tools/checkpoint/saver_base.py) builds
+for the model it writes (no training length, no learning rate, `--num-experts 0`)."""
 
 _CHILD = r"""
 import json, sys, types, importlib.machinery, enum

@@ -77,6 +77,11 @@ def import_megatron_lm(
         output, tag, meta, config, lambda ours: MegatronLMSource(mlm, ours), check_names, show_progress
     )
     notes = [note] if note else []
+    if saved_args.placeholders(mlm):
+        notes.append(
+            "its args hold no training length or learning rate (a converted model?): give --train-iters and --lr "
+            "when training from it"
+        )
     if not states:
         notes.append(f"{optimizer_absence(mlm)}: {RESTART}")
     flags = saved_args.render(mlm.args, saved_args.MODEL_ARGS) + tokenizer_flags

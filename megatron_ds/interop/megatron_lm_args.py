@@ -62,7 +62,7 @@ MODEL_ARGS = (
     on("--use-rope-scaling"),
     Arg("--rope-scaling-factor", lambda a: a["rope_scaling_factor"] if not a.get("use_rope_scaling") else 8.0),
     on("--untie-embeddings-and-output-weights"),
-    Arg("--num-experts"),
+    Arg("--num-experts", (None, 0)),  # 0: what Megatron-LM's own checkpoint converter saves for a dense model
     on("--qk-layernorm"),
     on("--multi-latent-attention"),
     Arg("--mtp-num-layers"),
@@ -113,8 +113,21 @@ def tokenizer_flags(ckpt: MegatronLMCheckpoint, overrides: dict[str, str | None]
     return ["--vocab-size", str(padded_vocab_size(ckpt)), *flags], note
 
 
+def placeholders(ckpt: MegatronLMCheckpoint) -> list[str]:
+    """Flags our config requires that the args lack (Megatron-LM's checkpoint converter, tools/checkpoint,
+    saves no training length or learning rate): --train-iters at the iteration, --lr 1e-4, as a
+    weights-only Hugging Face import records them; the training run's own flags apply."""
+    a, flags = ckpt.args, []
+    if not any(a.get(k) for k in ("train_iters", "train_samples")):
+        flags.append(f"--train-iters={max(ckpt.iteration, 1)}")
+    if not a.get("lr"):
+        flags.append("--lr=1e-4")
+    return flags
+
+
 def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config:
-    """Our Config of the run (T as saved, one pipeline stage and data-parallel rank: both are free on resume)."""
+    """Our Config of the run (T as saved, one pipeline stage and data-parallel rank: both are free on resume).
+    Args without a training length or learning rate (a converted model) get `placeholders`."""
     from megatron_ds.flags.parser import parse_config
 
     flags = [
@@ -122,6 +135,7 @@ def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config
         *render(ckpt.args, TRAINING_ARGS),
         f"--tensor-model-parallel-size={ckpt.tensor_parallel}",
         *tokenizer,
+        *placeholders(ckpt),
     ]
     try:
         config, _ = parse_config(flags, world_size=ckpt.tensor_parallel)

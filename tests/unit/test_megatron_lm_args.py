@@ -128,3 +128,16 @@ def test_llama3_rope_scaling_and_no_positions() -> None:
     assert "--rope-scaling-factor" not in saved_args.render(
         vars(namespace(recorded("llama")["args"])), saved_args.MODEL_ARGS
     )
+
+
+def test_a_converted_models_args_get_placeholders() -> None:
+    """Megatron-LM's checkpoint converter saves args without a training length or learning rate: the
+    model converts, recorded with --train-iters at the iteration and --lr 1e-4 (the training run's own
+    flags apply), and nothing else is invented."""
+    ckpt = _ckpt("converted")
+    assert saved_args.placeholders(ckpt) == ["--train-iters=5", "--lr=1e-4"]
+    config = _config(ckpt)
+    assert config.training.train_iters == 5 and config.optimizer.lr == 1e-4
+    assert config.model.activation == "gelu" and not config.model.add_bias_linear  # no fused bias-GeLU without biases
+    assert config.training.precision == "bf16" and config.model.use_rotary_position_embeddings
+    assert saved_args.placeholders(_ckpt("gpt")) == []
