@@ -1,5 +1,6 @@
 """Import a Megatron-LM checkpoint (megatron-core `GPTModel`, `--ckpt-format torch_dist` or `torch`) as
-ours: its weights, its iteration, counters and learning-rate schedule.
+ours: its weights, Adam's state where it is named by tensor, its iteration, counters and learning-rate
+schedule.
 
     from megatron_ds.interop.megatron_lm import import_megatron_lm
     result = import_megatron_lm("mlm/checkpoints", "checkpoints/converted")
@@ -93,8 +94,7 @@ def optimizer_absence(mlm: MegatronLMCheckpoint) -> str:
     """Why a checkpoint's optimizer state does not convert."""
     if mlm.format != TORCH_DIST:
         return "its optimizer state (--ckpt-format torch) is not converted"
-    sharding = (mlm.optimizer or {}).get("param_state_sharding_type")
-    if sharding == "dp_reshardable":
+    if (mlm.optimizer or {}).get("param_state_sharding_type") == "dp_reshardable":
         return (
             "its optimizer state is in the distributed optimizer's dp_reshardable buffers, which do not convert; "
             "to keep it, load the checkpoint in Megatron-LM and save it with --dist-ckpt-optim-fully-reshardable"
