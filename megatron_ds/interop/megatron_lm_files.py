@@ -224,9 +224,10 @@ class DistTensors:
         path = os.path.join(self.directory, info.relative_path)
         try:
             with open(path, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.length)
-            blob = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                # read in place (one copy of a chunk in memory, not the file bytes and then the tensor)
+                blob = torch.load(
+                    io.BufferedReader(_FileSlice(f, info.offset, info.length)), map_location="cpu", weights_only=True
+                )
         except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
             raise CheckpointError(f"{path}: unreadable at {info.offset} ({_first_line(err)}); it is damaged") from None
         if not isinstance(blob, torch.Tensor) or tuple(blob.shape) != sizes:
@@ -234,6 +235,37 @@ class DistTensors:
                 f"{path}: the chunk of {key} at {list(offsets)} is not a {list(sizes)} tensor; damaged"
             )
         return blob
+
+
+class _FileSlice(io.RawIOBase):
+    """Bytes `offset` to `offset + length` of an open binary file, as a seekable file of their own."""
+
+    def __init__(self, file: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self.file, self.offset, self.length, self.position = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = min(max(base + position, 0), self.length)
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.length - self.position)
+        if n <= 0:
+            return 0
+        self.file.seek(self.offset + self.position)
+        got = self.file.readinto(memoryview(buffer)[:n])
+        self.position += got
+        return got
 
 
 # ----- torch: one state dict per tensor rank and stage --------------------------------------------
