@@ -177,13 +177,13 @@ class DistTensors:
                 metadata = restricted_pickle.load(f, restricted_pickle.dcp_metadata)
         except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError) as err:
             raise CheckpointError(f"{path}: unreadable ({_first_line(err)}); the checkpoint is damaged") from None
-        if not isinstance(metadata, Metadata):
+        fields = _metadata_fields(metadata, Metadata)
+        if fields is None:
             raise CheckpointError(f"{path}: not a distributed checkpoint's metadata; the checkpoint is damaged")
-        self.tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        tensors, storage = fields
+        self.tensors = {k: v for k, v in tensors.items() if isinstance(v, TensorStorageMetadata)}
         self.storage = {
-            (index.fqn, tuple(index.offset)): info
-            for index, info in (metadata.storage_data or {}).items()
-            if index.offset is not None
+            (index.fqn, tuple(index.offset)): info for index, info in storage.items() if index.offset is not None
         }
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -235,6 +235,17 @@ class DistTensors:
                 f"{path}: the chunk of {key} at {list(offsets)} is not a {list(sizes)} tensor; damaged"
             )
         return blob
+
+
+def _metadata_fields(metadata: Any, metadata_type: type) -> tuple[dict[str, Any], dict[Any, Any]] | None:
+    """(state_dict_metadata, storage_data) of torch's Metadata, or of megatron-core's `MCoreMetadata` (its
+    subclass in releases up to 0.15, unpickled as an inert record holding the same fields); None otherwise."""
+    if isinstance(metadata, metadata_type):
+        return metadata.state_dict_metadata, metadata.storage_data or {}
+    state = metadata.state if isinstance(metadata, restricted_pickle.Inert) else None
+    if isinstance(state, dict) and isinstance(state.get("state_dict_metadata"), dict):
+        return state["state_dict_metadata"], state.get("storage_data") or {}
+    return None
 
 
 class _FileSlice(io.RawIOBase):

@@ -106,7 +106,10 @@ def upstream_values(module: str, name: str) -> Any:
 
 def dcp_metadata(module: str, name: str) -> Any:
     """A global of torch's distributed-checkpoint `.metadata`: its own dataclasses and enums (plain
-    records, imported from torch), `torch.Size`, dtypes, and the layout looked up by name."""
+    records, imported from torch), `torch.Size`, dtypes, and the layout looked up by name; megatron-core's
+    own classes there (`MCoreMetadata`, `MCoreSavePlan` of its releases up to 0.15) as inert records."""
+    if module.split(".")[0] == "megatron":
+        return _inert(module, name)
     if module in _DCP_MODULES and not name.startswith("__"):
         found = getattr(importlib.import_module(module), name, None)
         if isinstance(found, type):

@@ -288,3 +288,40 @@ def test_transformer_engine_names_in_torch_format(sources, tmp_path: Path) -> No
     with torch.no_grad():
         logits = load_model(str(tmp_path / "out")).float()(reference["tokens"])
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+
+
+def test_metadata_of_megatron_core_up_to_0_15(sources, tmp_path: Path) -> None:
+    """megatron-core up to 0.15 pickles its own `MCoreMetadata` (a Metadata subclass) as `.metadata`: read as an
+    inert record holding the same fields, never imported, and the checkpoint converts the same."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from megatron_ds.interop import restricted_pickle
+
+    source, reference = sources["gpt", "torch_dist"]
+    copy = _copy(source, tmp_path)
+    path = copy / "iter_0000005" / ".metadata"
+    with open(path, "rb") as f:
+        metadata = restricted_pickle.load(f, restricted_pickle.dcp_metadata)
+
+    @dataclasses.dataclass
+    class MCoreMetadata(Metadata):
+        mcore_data: dict | None = None
+
+    MCoreMetadata.__module__ = "megatron.core.dist_checkpointing.strategies.torch"
+    MCoreMetadata.__qualname__ = "MCoreMetadata"
+    old = MCoreMetadata(**{f.name: getattr(metadata, f.name) for f in dataclasses.fields(Metadata)}, mcore_data={})
+    import megatron.core.dist_checkpointing.strategies.torch as mcore_torch
+
+    saved = mcore_torch.MCoreMetadata
+    mcore_torch.MCoreMetadata = MCoreMetadata  # pickle finds the class by its module and name
+    try:
+        path.write_bytes(pickle.dumps(old))
+    finally:
+        mcore_torch.MCoreMetadata = saved
+    assert b"MCoreMetadata" in path.read_bytes()
+    import_megatron_lm(str(copy), str(tmp_path / "out"), show_progress=False)
+    with torch.no_grad():
+        logits = load_model(str(tmp_path / "out")).float()(reference["tokens"])
+    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
