@@ -42,7 +42,7 @@ COMMON = "common.pt"
 DCP_METADATA = ".metadata"
 CONFIG = "metadata.json"
 RANK_FILE = "model_optim_rng.pt"
-_ITERATION_DIR = re.compile(r"iter_(\d{7})$")
+_ITERATION_DIR = re.compile(r"iter_(\d{7,})$")
 _TORCH_LOAD = restricted_pickle.pickle_module(restricted_pickle.upstream_values)
 
 
