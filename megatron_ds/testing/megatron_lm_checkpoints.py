@@ -34,6 +34,16 @@ import torch
 RECORDED = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data", "megatron_lm_args.json")
 FORMATS = ("torch_dist", "torch")
 OPTIMIZERS = ("local", "fully_reshardable", "dp_reshardable")
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "deepspeed",
+    "megatron.core.models.gpt",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+)
+"""Imported once by the launch's zygote before it forks the ranks (`testing.zygote`)."""
 TOKENS = ((3, 17, 42, 99, 5, 64, 7, 23, 88, 1, 0, 50), (9, 8, 7, 6, 5, 4, 3, 2, 1, 60, 70, 80))
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -84,7 +94,7 @@ def write_checkpoints(
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "reference.pt")
         argv = ["-m", __name__, name, json.dumps(directories), str(iteration), out, optimizer or "none"]
-        run_ranks(argv, world, timeout=timeout, env={"PYTHONPATH": _root()})
+        run_ranks(argv, world, timeout=timeout, env={"PYTHONPATH": _root()}, preload=PRELOAD)
         return torch.load(out, weights_only=True)
 
 
