@@ -75,11 +75,11 @@ def write_checkpoint(
     """Write launch line `name`'s checkpoint at `iteration` into `directory` (its --save); return
     {"tokens", "logits"} of megatron-core's forward (float32, full vocabulary).
 
-    `optimizer` (torch_dist, P = 1 only): train `iteration` steps on fixed tokens with megatron-core's
-    Adam, `local` (Megatron-LM without --use-distributed-optimizer) or its distributed optimizer saved
-    as `fully_reshardable` (--dist-ckpt-optim-fully-reshardable) or `dp_reshardable` (the default), and
-    save after every step from 1 to `iteration` with its state; None: no training, no optimizer state
-    (--no-save-optim)."""
+    `optimizer` (P = 1 only): train `iteration` steps on fixed tokens with megatron-core's Adam, `local`
+    (Megatron-LM without --use-distributed-optimizer) or its distributed optimizer saved as
+    `fully_reshardable` (--dist-ckpt-optim-fully-reshardable) or `dp_reshardable` (the default); torch_dist
+    is saved after every step from 1 to `iteration` with the optimizer's state, `torch` once at the end
+    without it. None: no training, no optimizer state (--no-save-optim)."""
     return write_checkpoints(name, {fmt: directory}, iteration, optimizer, timeout)
 
 
@@ -89,7 +89,7 @@ def write_checkpoints(
     """`write_checkpoint` of one model in several formats (format -> directory), from one launch."""
     from megatron_ds.testing.launch import run_ranks
 
-    assert set(directories) <= set(FORMATS) and (optimizer is None or set(directories) == {"torch_dist"}), directories
+    assert set(directories) <= set(FORMATS), directories
     world = recorded(name)["world_size"]
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "reference.pt")
@@ -258,11 +258,12 @@ def _main(name: str, directories: dict[str, str], iteration: int, out: str, opti
     _cpu_shims(a.seed, parallel_state.get_tensor_model_parallel_rank())
     torch.manual_seed(a.seed)
     model = _model(a)
+    scheduler = _scheduler_state(a, iteration)
+    if optimizer != "none":  # torch_dist after every step with the optimizer; the other formats at the end
+        scheduler = _train(a, model, directories.get("torch_dist"), optimizer, iteration)
     for fmt, directory in directories.items():
-        if optimizer == "none":
-            _save(a, model, directory, fmt, iteration, {"opt_param_scheduler": _scheduler_state(a, iteration)})
-        else:
-            _train(a, model, directory, optimizer, iteration)
+        if optimizer == "none" or fmt != "torch_dist":
+            _save(a, model, directory, fmt, iteration, {"opt_param_scheduler": scheduler})
         if dist.get_rank() == 0:
             with open(os.path.join(directory, TRACKER), "w") as f:
                 f.write(str(iteration))
@@ -314,8 +315,9 @@ def _optimizer_metadata(a: argparse.Namespace) -> dict[str, Any]:
     return metadata
 
 
-def _train(a: argparse.Namespace, model: Any, directory: str, kind: str, iterations: int) -> None:
-    """`iterations` steps of megatron-core's DDP and Adam on fixed tokens, saving after each (torch_dist)."""
+def _train(a: argparse.Namespace, model: Any, directory: str | None, kind: str, iterations: int) -> dict[str, Any]:
+    """`iterations` steps of megatron-core's DDP and Adam on fixed tokens, saving after each into `directory`
+    (torch_dist) when given; the scheduler's state at the end."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -358,14 +360,10 @@ def _train(a: argparse.Namespace, model: Any, directory: str, kind: str, iterati
         ddp.finish_grad_sync()
         optimizer.step()
         scheduler.step(increment=gbs)
-        _save(
-            a,
-            model,
-            directory,
-            "torch_dist",
-            iteration,
-            {"optimizer": optimizer, "opt_param_scheduler": scheduler.state_dict()},
-        )
+        if directory is not None:
+            extra = {"optimizer": optimizer, "opt_param_scheduler": scheduler.state_dict()}
+            _save(a, model, directory, "torch_dist", iteration, extra)
+    return scheduler.state_dict()
 
 
 def _optimizer_shims() -> None:

@@ -21,7 +21,7 @@ import torch
 from megatron_ds.errors import UserError
 from megatron_ds.inference.model import load_model
 from megatron_ds.interop.megatron_lm import import_megatron_lm
-from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoint, write_checkpoints
+from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoints
 from megatron_ds.training.checkpoint.directory import CONVERTED, META, CheckpointError, read_meta
 from megatron_ds.training.checkpoint.universal.convert import convert_checkpoint
 from megatron_ds.training.checkpoint.universal.store import Universal
@@ -34,14 +34,26 @@ layers from 0 in `torch`'s files; the tied output layer's copy on the last stage
 checkpoint formats."""
 
 
+TRAINED = {"gpt": "local", "llama": "fully_reshardable", "gpt-dp": "dp_reshardable"}
+"""Two steps of megatron-core's Adam on fixed tokens, torch_dist saved after each: the GPT without the
+distributed optimizer, the T=2 bf16 Llama with it saved --dist-ckpt-optim-fully-reshardable (fp32 masters
+beside the bf16 weights), both also in `torch` format at the end (without the optimizer), and the GPT with
+it in its default dp_reshardable buffers (not converted). The P=2 GPT is saved untrained."""
+ITERATION = 2
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[Path, dict]]:
+    """(name, format) -> (the --save directory, megatron-core's logits at its last iteration), one launch per model."""
     root = tmp_path_factory.mktemp("megatron_lm")
     out = {}
     for name in dict.fromkeys(name for name, _ in CASES):  # both formats of one model from one launch
         paths = {fmt: root / f"{name}-{fmt}" for n, fmt in CASES if n == name}
-        reference = write_checkpoints(name, {fmt: str(p) for fmt, p in paths.items()}, iteration=5)
+        optimizer = TRAINED.get(name)
+        reference = write_checkpoints(name, {f: str(p) for f, p in paths.items()}, ITERATION, optimizer=optimizer)
         out |= {(name, fmt): (path, reference) for fmt, path in paths.items()}
+    path = root / "gpt-dp"
+    out["gpt-dp", "torch_dist"] = path, write_checkpoints("gpt", {"torch_dist": str(path)}, ITERATION, "dp_reshardable")
     return out
 
 
@@ -64,32 +76,23 @@ def test_converted_model_computes_megatron_cores_logits(sources, tmp_path: Path,
     args = recorded(name)["args"]
     assert logits.shape[-1] == args["vocab_size"] + 1  # the NullTokenizer's ids; the padding rows are not tokens
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
-    assert result.iteration == 5 and result.tag == "global_step5"
+    assert result.iteration == ITERATION and result.tag == f"global_step{ITERATION}"
     assert result.config.model.vocab_size == args["padded_vocab_size"]
     assert result.config.parallel.tensor_model_parallel_size == args["tensor_model_parallel_size"]
-    meta = read_meta(str(tmp_path / "out"), "global_step5")
-    assert meta["train_state"]["consumed_train_samples"] == 5 * args["global_batch_size"]
-    assert meta["train_state"]["floating_point_operations_so_far"] == 5.0e12
+    meta = read_meta(str(tmp_path / "out"), f"global_step{ITERATION}")
+    assert meta["train_state"]["consumed_train_samples"] == ITERATION * args["global_batch_size"]
+    assert meta["train_state"]["floating_point_operations_so_far"] == ITERATION * 1.0e12
     assert meta[CONVERTED]["upstream"] == "megatron-lm" and meta[CONVERTED]["ckpt_format"] == fmt
-    universal = Universal(str(tmp_path / "out" / "global_step5.universal"))
-    assert universal.states == []  # saved without an optimizer (--no-save-optim)
-    assert any("holds no optimizer state" in n or "--ckpt-format torch" in n for n in result.notes)
+    universal = Universal(str(tmp_path / "out" / f"global_step{ITERATION}.universal"))
+    if name in TRAINED and fmt == "torch_dist":
+        assert universal.states == ["exp_avg", "exp_avg_sq"] and result.notes == []
+    else:  # the torch format's optimizer state does not convert; the P=2 GPT saved none
+        assert universal.states == []
+        expected = "(--ckpt-format torch) is not converted" if fmt == "torch" else "holds no optimizer state"
+        assert any(expected in n for n in result.notes), result.notes
 
 
-TRAINED = {"gpt": "local", "llama": "fully_reshardable", "gpt-dp": "dp_reshardable"}
-"""Two steps of megatron-core's Adam, saved after each: the GPT without the distributed optimizer, the
-T=2 bf16 Llama with it saved --dist-ckpt-optim-fully-reshardable (fp32 masters beside the bf16
-weights), the GPT with it in its default dp_reshardable buffers (not converted)."""
 LR, WD, B1, B2, EPS = 3e-4, 0.1, 0.9, 0.999, 1e-8  # the recorded launch lines' Adam
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
-    root = tmp_path_factory.mktemp("megatron_lm_trained")
-    return {
-        case: (root / case, write_checkpoint(case.split("-")[0], str(root / case), "torch_dist", 2, optimizer=kind))
-        for case, kind in TRAINED.items()
-    }
 
 
 def _scheduler_lr(steps: int) -> float:
@@ -108,11 +111,11 @@ def _scheduler_lr(steps: int) -> float:
 
 
 @pytest.mark.parametrize("case", ["gpt", "llama"])
-def test_adam_state_is_the_runs(trained, tmp_path: Path, case: str) -> None:
+def test_adam_state_is_the_runs(sources, tmp_path: Path, case: str) -> None:
     """Upstream's second AdamW step, w2 = w1 (1 - lr wd) - lr/(1-b1^2) m / (sqrt(v)/sqrt(1-b2^2) + eps), holds
     for every tensor with the converted moments of step 2 and the fp32 weights of steps 1 and 2 (lr: the
     scheduler's after one step; no weight decay on biases and norms)."""
-    source, reference = trained[case]
+    source, reference = sources[case, "torch_dist"]
     first = import_megatron_lm(str(source / "iter_0000001"), str(tmp_path / "one"), show_progress=False)
     second = import_megatron_lm(str(source / "iter_0000002"), str(tmp_path / "two"), show_progress=False)
     assert first.states == second.states == ["exp_avg", "exp_avg_sq"] and second.notes == []
@@ -136,8 +139,8 @@ def test_adam_state_is_the_runs(trained, tmp_path: Path, case: str) -> None:
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
 
 
-def test_dp_reshardable_optimizer_state_is_named_and_left_out(trained, tmp_path: Path) -> None:
-    result = import_megatron_lm(str(trained["gpt-dp"][0]), str(tmp_path / "out"), show_progress=False)
+def test_dp_reshardable_optimizer_state_is_named_and_left_out(sources, tmp_path: Path) -> None:
+    result = import_megatron_lm(str(sources["gpt-dp", "torch_dist"][0]), str(tmp_path / "out"), show_progress=False)
     assert result.states == []
     assert result.notes == [
         "its optimizer state is in the distributed optimizer's dp_reshardable buffers, which do not convert; to keep "
@@ -146,11 +149,11 @@ def test_dp_reshardable_optimizer_state_is_named_and_left_out(trained, tmp_path:
     ]
 
 
-def test_tool_prints_the_flags_and_a_resume_continues_the_run(trained, tmp_path: Path) -> None:
+def test_tool_prints_the_flags_and_a_resume_continues_the_run(sources, tmp_path: Path) -> None:
     """The T=2 bf16 checkpoint with its Adam state resumes on one process (T=1, vocabulary padded to the same
     256 rows) at iteration 3, with the learning rates megatron-core's scheduler gives after 3 and 4 steps and
     Adam's step going on from the run's 2."""
-    source, _ = trained["llama"]
+    source, _ = sources["llama", "torch_dist"]
     out, saved = tmp_path / "converted", tmp_path / "saved"
     tool = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "--from", "megatron-lm"]
     run = subprocess.run([*tool, str(source), str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
@@ -165,7 +168,7 @@ def test_tool_prints_the_flags_and_a_resume_continues_the_run(trained, tmp_path:
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "was saved with Megatron-LM (converted" in run.stdout
-    assert "resumed from" in run.stdout and "at iteration 2 (16 samples consumed)" in run.stdout
+    assert "resumed from" in run.stdout and "at iteration 2 (16 samples consumed)" in run.stdout  # ITERATION
     assert "iteration        3/       4 | consumed samples:           24" in run.stdout
     assert f"learning rate: {_scheduler_lr(3):.6E}" in run.stdout
     assert f"learning rate: {_scheduler_lr(4):.6E}" in run.stdout
@@ -188,7 +191,7 @@ def test_load_of_a_megatron_lm_checkpoint_says_how_to_convert_it(sources) -> Non
     assert "Traceback" not in run.stderr
     line = run.stderr.strip().splitlines()[-1]
     assert line == (
-        f"error: --load {source}: a Megatron-LM checkpoint (iter_0000005: --ckpt-format torch); convert it first: "
+        f"error: --load {source}: a Megatron-LM checkpoint (iter_0000002: --ckpt-format torch); convert it first: "
         f"python tools/convert_checkpoint.py --from megatron-lm {source} OUT, then --load OUT"
     )
 
@@ -206,7 +209,7 @@ def test_a_pickled_global_in_the_metadata_is_refused(sources, tmp_path: Path) ->
         def __reduce__(self):
             return (os.system, ("touch " + str(tmp_path / "ran"),))
 
-    (source / "iter_0000005" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    (source / "iter_0000002" / ".metadata").write_bytes(pickle.dumps(Payload()))
     with pytest.raises(CheckpointError, match=r"\.metadata: unreadable \(holds a pickled posix\.system"):
         import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
     assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
@@ -214,7 +217,7 @@ def test_a_pickled_global_in_the_metadata_is_refused(sources, tmp_path: Path) ->
 
 def test_a_missing_chunk_file_is_named(sources, tmp_path: Path) -> None:
     source = _copy(sources["llama", "torch_dist"][0], tmp_path)
-    (source / "iter_0000005" / "__1_0.distcp").unlink()
+    (source / "iter_0000002" / "__1_0.distcp").unlink()
     with pytest.raises(CheckpointError, match=r"__1_0\.distcp: unreadable"):
         import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
     assert not (tmp_path / "out").exists()
@@ -223,7 +226,7 @@ def test_a_missing_chunk_file_is_named(sources, tmp_path: Path) -> None:
 def test_a_tensor_the_model_does_not_have_is_refused(sources, tmp_path: Path) -> None:
     """A stored weight the saved args do not account for (here a QK layer norm) is not silently dropped."""
     source = _copy(sources["gpt", "torch"][0], tmp_path)
-    path = source / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
+    path = source / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=False)  # the test's own file: megatron-core's classes are importable
     state["model"]["decoder.layers.1.self_attention.q_layernorm.weight"] = torch.ones(8)
     torch.save(state, path)
@@ -271,7 +274,7 @@ def test_transformer_engine_names_in_torch_format(sources, tmp_path: Path) -> No
     those names convert to the same model."""
     source, reference = sources["gpt", "torch"]
     copy = _copy(source, tmp_path)
-    path = copy / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"
+    path = copy / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=False)  # the test's own file
     renames = {
         "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
@@ -301,7 +304,7 @@ def test_metadata_of_megatron_core_up_to_0_15(sources, tmp_path: Path) -> None:
 
     source, reference = sources["gpt", "torch_dist"]
     copy = _copy(source, tmp_path)
-    path = copy / "iter_0000005" / ".metadata"
+    path = copy / "iter_0000002" / ".metadata"
     with open(path, "rb") as f:
         metadata = restricted_pickle.load(f, restricted_pickle.dcp_metadata)
 
