@@ -153,6 +153,14 @@ def _saved_args_only(args: argparse.Namespace, rest: list[str]) -> None:
         )
 
 
+def _print_continuation(notes: list[str], output: str, train_flags: list[str]) -> None:
+    """After an upstream conversion: its notices and the command that continues the run."""
+    for note in notes:
+        print(f"NOTICE: {note}")
+    print("continue the run with its flags (any parallel layout; with --finetune: a new run from its weights):")
+    print(f"  pretrain_gpt.py --load {output} " + " ".join(train_flags))
+
+
 def _from_megatron_deepspeed(args: argparse.Namespace, rest: list[str], tokenizer: dict[str, str | None]) -> None:
     _saved_args_only(args, rest)
     from megatron_ds.interop.megatron_deepspeed import import_megatron_deepspeed
@@ -167,10 +175,7 @@ def _from_megatron_deepspeed(args: argparse.Namespace, rest: list[str], tokenize
         f"T={par.tensor_model_parallel_size} P={par.pipeline_model_parallel_size}, QKV rows "
         f"{args.qkv_layout or 'blocked'}) to {result.output}: weights and {carried}"
     )
-    for note in result.notes:
-        print(f"NOTICE: {note}")
-    print("continue the run with its flags (any parallel layout; with --finetune: a new run from its weights):")
-    print(f"  pretrain_gpt.py --load {result.output} " + " ".join(result.train_flags))
+    _print_continuation(result.notes, result.output, result.train_flags)
 
 
 def _from_megatron_lm(args: argparse.Namespace, rest: list[str], tokenizer: dict[str, str | None]) -> None:
@@ -185,10 +190,7 @@ def _from_megatron_lm(args: argparse.Namespace, rest: list[str], tokenizer: dict
         f"iteration {result.iteration}, T={src.tensor_parallel} P={src.pipeline_parallel}) to {result.output}: weights, "
         f"{carried}, counters and learning-rate schedule"
     )
-    for note in result.notes:
-        print(f"NOTICE: {note}")
-    print("continue the run with its flags (any parallel layout; with --finetune: a new run from its weights):")
-    print(f"  pretrain_gpt.py --load {result.output} " + " ".join(result.train_flags))
+    _print_continuation(result.notes, result.output, result.train_flags)
 
 
 def _import(args: argparse.Namespace, argv: list[str]) -> None:

@@ -133,17 +133,20 @@ class MegatronLMSource:
         self.tensor_parallel = mlm.tensor_parallel
         self.dist = DistTensors(mlm.directory) if mlm.format == TORCH_DIST else None
         self.ranks = None if self.dist is not None else RankTensors(mlm)
+        self._states = self._find_states()
 
     # ----- what store.write and converted.write ask -----------------------------------------------
 
     def state_keys(self) -> list[str]:
         """Adam's states when the checkpoint names them by model tensor (else [])."""
+        return list(self._states)
+
+    def _find_states(self) -> tuple[str, ...]:
+        """Once, at the start: whether the first model tensor has an `optimizer.state.exp_avg.` entry."""
         if self.dist is None or self.mlm.optimizer is None:
-            return []
-        first = next(iter(model_tensors(self.model)))
-        candidates, layer = where.names(self.model, first)
-        found = self._dist_key(candidates, layer, prefix=f"optimizer.state.{STATES[0]}.")
-        return list(STATES) if found is not None else []
+            return ()
+        candidates, layer = where.names(self.model, model_tensors(self.model)[0])
+        return STATES if self._dist_key(candidates, layer, prefix=f"optimizer.state.{STATES[0]}.") else ()
 
     def step(self, tensor: ModelTensor) -> int | None:
         """Adam's step: the distributed optimizer's param groups' `step`, or the local one's `common_step`."""
@@ -167,7 +170,7 @@ class MegatronLMSource:
         return self._optimizer_state(tensor, state).float()
 
     def _optimizer_key(self, tensor: ModelTensor, state: str) -> str | None:
-        if self.dist is None or not self.state_keys():
+        if not self._states:
             return None
         candidates, layer = where.names(self.model, tensor)
         return self._dist_key(candidates, layer, prefix=f"optimizer.state.{state}.")
@@ -180,9 +183,7 @@ class MegatronLMSource:
             raise CheckpointError(
                 f"{self.mlm.directory}: no optimizer.state.{state} of {name}; the checkpoint is incomplete"
             )
-        _, layer = where.names(self.model, tensor)
-        full = self.dist.read(key, layer)
-        full = qkv_to_blocked(full, self.model, 1) if tensor.key in where.FUSED_QKV else full
+        full = self._read_dist(tensor, key)
         if tuple(full.shape) != tensor.rule.shape:
             raise CheckpointError(
                 f"{self.mlm.directory}: {key} has shape {list(full.shape)}, not {list(tensor.rule.shape)}"
@@ -239,7 +240,12 @@ class MegatronLMSource:
             raise CheckpointError(
                 f"{self.mlm.directory}: no tensor {candidates[0]!r}; the checkpoint is of another model"
             )
-        full = self.dist.read(key, layer)
+        return self._read_dist(tensor, key)
+
+    def _read_dist(self, tensor: ModelTensor, key: str) -> torch.Tensor:
+        """Stored tensor `key` (the weight or an optimizer state of `tensor`) in our row order, T=1."""
+        assert self.dist is not None
+        full = self.dist.read(key, where.names(self.model, tensor)[1])
         return qkv_to_blocked(full, self.model, 1) if tensor.key in where.FUSED_QKV else full
 
     def _dist_key(self, candidates: tuple[str, ...], layer: int | None, prefix: str = "") -> str | None:
