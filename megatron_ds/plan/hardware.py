@@ -4,8 +4,8 @@ and the GPT model presets.
 Model presets: the GPT-3 family of Brown et al. 2020, "Language Models are Few-Shot Learners",
 Table 2.1 (layers, width, batch size, learning rate), with the head counts Megatron-DeepSpeed's GPT-3
 example scripts use (hidden size divisible by heads: 1.3B uses 16 heads, 13B uses width 5120), sequence
-length 2048 and the GPT-2 BPE vocabulary of 50257 tokens; and Llama 2 (7B, 13B, 70B) and Llama 3
-(8B, 70B, 405B) with their architecture as pretrain_gpt.py's flags (each preset's `source`). A preset's
+length 2048 and the GPT-2 BPE vocabulary of 50257 tokens; and Llama 2 (7B, 13B, 70B), Llama 3
+(8B, 70B, 405B), Llama 3.1 (8B, 70B; RoPE scaling) and Llama 3.2 (1B, 3B; tied) with their architecture as pretrain_gpt.py's flags (each preset's `source`). A preset's
 model is built by pretrain_gpt.py's own flag rules (`flags.parser.model_config`), so its parameter
 count is what pretrain_gpt.py builds (tests/unit/test_plan_models.py checks the published counts).
 """
@@ -65,6 +65,7 @@ class Preset:
     architecture: tuple[str, ...] = ()
     """pretrain_gpt.py's flags for everything a GPT-3 model does not have (SwiGLU, RMSNorm, GQA, ...)."""
     source: str = "Brown et al. 2020, Table 2.1"
+    aliases: tuple[str, ...] = ()
 
 
 _LLAMA = (
@@ -82,6 +83,19 @@ _LLAMA3 = (
     "config.json files; 8B/70B learning rates are not published (the printed --lr is the placeholder)"
 )
 _LLAMA3_ARCH = (*_LLAMA, "--rotary-base", "500000")
+_LLAMA31_ARCH = (*_LLAMA3_ARCH, "--use-rope-scaling")  # factor 8, --rope-scaling-factor's default
+_LLAMA31 = "Meta's released Llama-3.1 config.json files (rope_scaling: llama3, factor 8); " + _LLAMA3
+# Llama 3.2 1B/3B tie the output layer to the embedding and scale RoPE by 32.
+_LLAMA32_ARCH = (
+    *(f for f in _LLAMA3_ARCH if f != "--untie-embeddings-and-output-weights"),
+    "--use-rope-scaling",
+    "--rope-scaling-factor",
+    "32",
+)
+_LLAMA32 = (
+    "Meta's released Llama-3.2-1B/3B config.json files (tied embeddings, rope_scaling: llama3, factor 32); batch "
+    "and learning rate are not published (the Llama 3 batch and the placeholder --lr are printed)"
+)
 
 
 def _gqa(kv: int) -> tuple[str, ...]:
@@ -104,7 +118,25 @@ PRESETS = {
         Preset("llama2-70b", 80, 8192, 64, 1024, 1.5e-4, 28672, 4096, 32000, (*_LLAMA, *_gqa(8)), _LLAMA2),
         Preset("llama3-8b", 32, 4096, 32, 512, None, 14336, 8192, 128256, (*_LLAMA3_ARCH, *_gqa(8)), _LLAMA3),
         Preset("llama3-70b", 80, 8192, 64, 512, None, 28672, 8192, 128256, (*_LLAMA3_ARCH, *_gqa(8)), _LLAMA3),
-        Preset("llama3-405b", 126, 16384, 128, 512, 8.0e-5, 53248, 8192, 128256, (*_LLAMA3_ARCH, *_gqa(8)), _LLAMA3),
+        Preset("llama3.1-8b", 32, 4096, 32, 512, None, 14336, 8192, 128256, (*_LLAMA31_ARCH, *_gqa(8)), _LLAMA31),
+        Preset("llama3.1-70b", 80, 8192, 64, 512, None, 28672, 8192, 128256, (*_LLAMA31_ARCH, *_gqa(8)), _LLAMA31),
+        # Llama 3 405B was released as Llama 3.1 only, with its RoPE scaling.
+        Preset(
+            "llama3-405b",
+            126,
+            16384,
+            128,
+            512,
+            8.0e-5,
+            53248,
+            8192,
+            128256,
+            (*_LLAMA31_ARCH, *_gqa(8)),
+            _LLAMA31,
+            ("llama3.1-405b",),
+        ),
+        Preset("llama3.2-1b", 16, 2048, 32, 512, None, 8192, 8192, 128256, (*_LLAMA32_ARCH, *_gqa(8)), _LLAMA32),
+        Preset("llama3.2-3b", 28, 3072, 24, 512, None, 8192, 8192, 128256, (*_LLAMA32_ARCH, *_gqa(8)), _LLAMA32),
     )
 }
 PRESET_SEQ_LENGTH = 2048
@@ -115,10 +147,11 @@ def _normal(name: str) -> str:
 
 
 def find_preset(name: str) -> Preset:
-    """`gpt3-1.3b`, `1.3b`, `1.3B`, `175b`, `llama2-7b`, `Llama-2-7B` and `llama3-405b` all work."""
+    """`gpt3-1.3b`, `1.3b`, `1.3B`, `175b`, `llama2-7b`, `Llama-2-7B`, `llama3-405b` and `Llama-3.1-405B` all work."""
     key = _normal(name)
     for preset in PRESETS.values():
-        if key in (_normal(preset.name), _normal(preset.name.removeprefix("gpt3-"))):
+        names = (preset.name, preset.name.removeprefix("gpt3-"), *preset.aliases)
+        if key in (_normal(n) for n in names):
             return preset
     raise PlanError(
         f"--model {name!r} is not a preset; use one of {', '.join(PRESETS)} or give "

@@ -16,14 +16,22 @@ from megatron_ds.plan.__main__ import main
 from megatron_ds.plan.inputs import PlanInputs, resolve
 
 PUBLISHED_BILLIONS = {
-    # Touvron et al. 2023 (Llama 2) and the released configs: 6.74B, 13.0B, 69.0B; Llama 3: 8.03B, 70.6B, 405.9B
+    # Touvron et al. 2023 (Llama 2) and the released configs: 6.74B, 13.0B, 69.0B; Llama 3 and 3.1: 8.03B,
+    # 70.6B, 405.9B; Llama 3.2 (tied): 1.24B, 3.21B
     "llama2-7b": 6.738,
     "llama2-13b": 13.016,
     "llama2-70b": 68.977,
     "llama3-8b": 8.030,
     "llama3-70b": 70.554,
+    "llama3.1-8b": 8.030,
+    "llama3.1-70b": 70.554,
     "llama3-405b": 405.853,
+    "llama3.2-1b": 1.236,
+    "llama3.2-3b": 3.213,
 }
+# Released config.json: rope_scaling (llama3) factor, or None; tie_word_embeddings
+ROPE_SCALING = {"llama3.1-8b": 8.0, "llama3.1-70b": 8.0, "llama3-405b": 8.0, "llama3.2-1b": 32.0, "llama3.2-3b": 32.0}
+TIED = {"llama3.2-1b", "llama3.2-3b"}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
@@ -31,12 +39,32 @@ def test_llama_presets_have_their_published_parameter_counts(name: str) -> None:
     res = resolve(PlanInputs(model=name))
     assert total_params(res.model()) / 1e9 == pytest.approx(PUBLISHED_BILLIONS[name], rel=2e-3)
     m = res.model()
-    assert m.activation == "swiglu" and m.normalization == "rmsnorm" and m.untie_embeddings_and_output_weights
+    assert m.activation == "swiglu" and m.normalization == "rmsnorm"
+    assert m.untie_embeddings_and_output_weights == (name not in TIED)
     assert m.use_rotary_position_embeddings and not m.add_position_embedding and not m.add_bias_linear
+    assert m.use_rope_scaling == (name in ROPE_SCALING)
+    if name in ROPE_SCALING:
+        assert m.rope_scaling_factor == ROPE_SCALING[name]
+
+
+@pytest.mark.parametrize(("name", "gpus"), [("llama3.2-1b", 8), ("llama3-405b", 1024)])
+def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, capsys) -> None:
+    """RoPE scaling and tied embeddings reach the printed pretrain_gpt.py line, not only the planner's model."""
+    rc = main(["pipeline", "--model", name, "--num-gpus", str(gpus), "--gpu", "H100-80GB", "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    sec = next(s for s in report["sections"] if s["name"] == "pipeline")
+    tokens = shlex.split(sec["snippets"]["command"].split("\n", 1)[1].replace("\\\n", " "))
+    config, _ = parse_config(tokens[tokens.index("pretrain_gpt.py") + 1 :], world_size=gpus)
+    assert config.model == resolve(PlanInputs(model=name)).model(sec["data"]["tensor_parallel"])
+    assert config.model.use_rope_scaling and config.model.rope_scaling_factor == ROPE_SCALING[name]
 
 
 def test_preset_names_are_forgiving_and_gpt3_sizes_unchanged() -> None:
     assert hardware.find_preset("Llama-2-7B").name == "llama2-7b"
+    assert hardware.find_preset("Llama-3.1-405B").name == "llama3-405b"
+    assert hardware.find_preset("Llama-3.2-1B").name == "llama3.2-1b"
+    assert hardware.find_preset("Llama-3.1-8B").name == "llama3.1-8b"
     assert hardware.find_preset("175b").name == "gpt3-175b" and hardware.find_preset("1.3B").name == "gpt3-1.3b"
     assert total_params(resolve(PlanInputs(model="1.3b")).model()) / 1e9 == pytest.approx(1.32, abs=0.01)
 
