@@ -26,7 +26,14 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "transformers>=4.40", "safetensors>=0.4"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",
+            "ruff==0.17.6",
+            "transformers>=4.40",
+            "safetensors>=0.4",
+        ],
         # Hugging Face export/import (tools/convert_checkpoint.py); the trainer never imports these.
         "hf": ["transformers>=4.40", "safetensors>=0.4", "tqdm>=4.60"],
         "plot": ["matplotlib>=3.7"],

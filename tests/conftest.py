@@ -15,18 +15,20 @@ _build: subprocess.Popen | None = None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """When multi-rank runs are selected, compile CPU Adam (about a minute on 2 cores, once per machine) at the
-    lowest priority now: the unit tier runs first in one process (pytest.ini's testpaths), leaving a core idle,
-    and the `--cpu-optimizer` and offload runs find it built (or wait on its build lock, as they would for their
-    own build). Already built: it loads in a second."""
+    """When multi-rank runs are selected, compile CPU Adam (about a minute on 2 cores, once per machine) now, so
+    that the `--cpu-optimizer` and offload runs find it built (or wait on its build lock, as they would for their
+    own build). Already built: it loads in a second. In one process the unit tier runs first (pytest.ini's
+    testpaths) and leaves a core idle, so the build takes the lowest priority; under pytest-xdist (`make test`)
+    no core is idle, so one worker builds at normal priority rather than starve the build behind the tests."""
     global _build
-    if not any(i.path.parent.name in ("dist", "e2e") for i in session.items):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker not in (None, "gw0") or not any(i.path.parent.name in ("dist", "e2e") for i in session.items):
         return
     _build = subprocess.Popen(
         [sys.executable, "-c", _BUILD_CPU_ADAM],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        preexec_fn=lambda: os.nice(19),
+        preexec_fn=(lambda: os.nice(19)) if worker is None else None,
     )
 
 
