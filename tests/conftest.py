@@ -9,6 +9,9 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# megatron-core wraps some fused functions in torch.compile (our trainer never compiles); eager runs the same
+# formulas, where inductor's C++ build would cost minutes of CPU on a fresh machine (its cache is per checkout).
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 _BUILD_CPU_ADAM = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
 _build: subprocess.Popen | None = None
