@@ -213,8 +213,18 @@ def check_split(source: MegatronDeepSpeedSource) -> None:
     """Every stage's parameters are where DeepSpeed's split puts them (checked against the files)."""
     for stage in range(source.mds.pipeline_parallel):
         if source.flat and source._has_optimizer():
-            mappings = load_file(source.mds.optim_file(stage, 0, 0))["optimizer_state_dict"]["param_slice_mappings"]
-            found = sorted(n for group in mappings for n in group)
+            # ZeRO partitions each group over the data-parallel ranks: a rank maps only the tensors (or parts of
+            # tensors) in its partition, so the stage's tensors are the union over the ranks.
+            found = sorted(
+                {
+                    name
+                    for dp in range(source.mds.data_parallel)
+                    for group in load_file(source.mds.optim_file(stage, 0, dp))["optimizer_state_dict"][
+                        "param_slice_mappings"
+                    ]
+                    for name in group
+                }
+            )
             expected = sorted(n for n, _ in where.stage_parameters(source.model, source.parts, stage))
             if found != expected:
                 raise CheckpointError(
