@@ -71,7 +71,13 @@ def namespace(saved: dict[str, Any]) -> argparse.Namespace:
 
 
 def write_checkpoint(
-    name: str, directory: str, fmt: str, iteration: int = 5, optimizer: str | None = None, timeout: float = 240
+    name: str,
+    directory: str,
+    fmt: str,
+    iteration: int = 5,
+    optimizer: str | None = None,
+    timeout: float = 240,
+    data_parallel: int = 1,
 ) -> dict[str, Any]:
     """Write launch line `name`'s checkpoint at `iteration` into `directory` (its --save); return
     {"tokens", "logits"} of megatron-core's forward (float32, full vocabulary).
@@ -80,21 +86,28 @@ def write_checkpoint(
     (Megatron-LM without --use-distributed-optimizer) or its distributed optimizer saved as
     `fully_reshardable` (--dist-ckpt-optim-fully-reshardable) or `dp_reshardable` (the default); torch_dist
     is saved after every step from 1 to `iteration` with the optimizer's state, `torch` once at the end
-    without it. None: no training, no optimizer state (--no-save-optim)."""
-    return write_checkpoints(name, {fmt: directory}, iteration, optimizer, timeout)
+    without it. None: no training, no optimizer state (--no-save-optim). `data_parallel`: replicas of the
+    line's T x P ranks (the saved args' data_parallel_size), each training on the same tokens."""
+    return write_checkpoints(name, {fmt: directory}, iteration, optimizer, timeout, data_parallel)
 
 
 def write_checkpoints(
-    name: str, directories: dict[str, str], iteration: int = 5, optimizer: str | None = None, timeout: float = 240
+    name: str,
+    directories: dict[str, str],
+    iteration: int = 5,
+    optimizer: str | None = None,
+    timeout: float = 240,
+    data_parallel: int = 1,
 ) -> dict[str, Any]:
     """`write_checkpoint` of one model in several formats (format -> directory), from one launch."""
     from megatron_ds.testing.launch import run_ranks
 
     assert set(directories) <= set(FORMATS), directories
-    world = recorded(name)["world_size"]
+    world = recorded(name)["world_size"] * data_parallel
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "reference.pt")
         argv = ["-m", __name__, name, json.dumps(directories), str(iteration), out, optimizer or "none"]
+        argv.append(str(data_parallel))
         # megatron-core wraps its fused bias-GeLU/SwiGLU in torch.compile; eager runs the same formulas without
         # inductor's C++ build (on a fresh machine ~2.5 CPU-minutes for these fixtures).
         env = {"PYTHONPATH": _root(), "TORCHDYNAMO_DISABLE": "1"}
@@ -249,12 +262,13 @@ def _scheduler_state(a: argparse.Namespace, iteration: int) -> dict[str, Any]:
     return scheduler.state_dict()
 
 
-def _main(name: str, directories: dict[str, str], iteration: int, out: str, optimizer: str) -> None:
+def _main(name: str, directories: dict[str, str], iteration: int, out: str, optimizer: str, dp: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     dist.init_process_group("gloo")
     a = namespace(recorded(name)["args"])
+    a.data_parallel_size, a.world_size = dp, a.world_size * dp  # as Megatron-LM's validate_args derives them
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         pipeline_model_parallel_size=a.pipeline_model_parallel_size,
@@ -272,7 +286,8 @@ def _main(name: str, directories: dict[str, str], iteration: int, out: str, opti
             with open(os.path.join(directory, TRACKER), "w") as f:
                 f.write(str(iteration))
     logits = _logits(_fp32_copy(model, a), a)
-    if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+    first_replica = parallel_state.get_data_parallel_rank() == 0
+    if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0 and first_replica:
         torch.save({"tokens": torch.tensor(TOKENS), "logits": logits}, out)
     dist.destroy_process_group()
 
@@ -398,4 +413,4 @@ def _optimizer_shims() -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    _main(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6]))

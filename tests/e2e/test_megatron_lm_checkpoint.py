@@ -34,11 +34,12 @@ layers from 0 in `torch`'s files; the tied output layer's copy on the last stage
 checkpoint formats."""
 
 
-TRAINED = {"gpt": "local", "llama": "fully_reshardable", "gpt-dp": "dp_reshardable"}
+TRAINED = {"gpt": "local", "llama": "fully_reshardable", "gpt-dp": "dp_reshardable", "gpt-dp2": "fully_reshardable"}
 """Two steps of megatron-core's Adam on fixed tokens, torch_dist saved after each: the GPT without the
 distributed optimizer, the T=2 bf16 Llama with it saved --dist-ckpt-optim-fully-reshardable (fp32 masters
-beside the bf16 weights), both also in `torch` format at the end (without the optimizer), and the GPT with
-it in its default dp_reshardable buffers (not converted). The P=2 GPT is saved untrained."""
+beside the bf16 weights), both also in `torch` format at the end (without the optimizer), the GPT with
+it in its default dp_reshardable buffers (not converted), and the GPT on two data-parallel replicas with it
+fully reshardable (each replica saves its share of every state). The P=2 GPT is saved untrained."""
 ITERATION = 2
 
 
@@ -54,6 +55,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], t
         out |= {(name, fmt): (path, reference) for fmt, path in paths.items()}
     path = root / "gpt-dp"
     out["gpt-dp", "torch_dist"] = path, write_checkpoints("gpt", {"torch_dist": str(path)}, ITERATION, "dp_reshardable")
+    path = root / "gpt-dp2"
+    reference = write_checkpoints("gpt", {"torch_dist": str(path)}, ITERATION, TRAINED["gpt-dp2"], data_parallel=2)
+    out["gpt-dp2", "torch_dist"] = path, reference
     return out
 
 
@@ -110,7 +114,7 @@ def _scheduler_lr(steps: int) -> float:
     return scheduler.get_lr(group)
 
 
-@pytest.mark.parametrize("case", ["gpt", "llama"])
+@pytest.mark.parametrize("case", ["gpt", "llama", "gpt-dp2"])
 def test_adam_state_is_the_runs(sources, tmp_path: Path, case: str) -> None:
     """Upstream's second AdamW step, w2 = w1 (1 - lr wd) - lr/(1-b1^2) m / (sqrt(v)/sqrt(1-b2^2) + eps), holds
     for every tensor with the converted moments of step 2 and the fp32 weights of steps 1 and 2 (lr: the
