@@ -74,6 +74,11 @@ class MegatronDeepSpeedCheckpoint(SavedArgs):
     """mp_rank_00's entries other than the optimizer and `args`."""
 
     @property
+    def no_pipeline(self) -> bool:
+        """Saved with `--no-pipeline-parallel`: GPTModel on DeepSpeed's plain engine, no layer files."""
+        return bool(self.args.get("no_pipeline_parallel"))
+
+    @property
     def data_parallel(self) -> int:
         return int(self.args.get("data_parallel_size") or self.states.get("dp_world_size") or 1)
 

@@ -56,6 +56,11 @@ LAYER_KEYS = {
 TIED_PREFIX = "tied_modules.embed."
 EMBEDDING_SPEC = 1
 FIRST_LAYER_SPEC = 2
+NO_PIPELINE_SPEC = -1
+"""`Place.spec_index` of a `--no-pipeline-parallel` run's tensors: GPTModel on DeepSpeed's plain engine saves no
+layer files; each tensor rank's `mp_rank_TT_model_states.pt` holds the whole model's nested `module` dict
+(`language_model.embedding.*`, `language_model.encoder.layers.N.*`, `language_model.encoder.final_layernorm.*`,
+`language_model.output_layer.weight` when untied), whose dotted names are also the optimizer's."""
 
 
 @dataclass(frozen=True)
@@ -88,9 +93,12 @@ def _tied(model: ModelConfig) -> bool:
     return not model.untie_embeddings_and_output_weights
 
 
-def place(model: ModelConfig, tensor: ModelTensor) -> Place:
-    """Where `tensor` (one of ours) is stored by GPTModelPipe."""
+def place(model: ModelConfig, tensor: ModelTensor, no_pipeline: bool = False) -> Place:
+    """Where `tensor` (one of ours) is stored by GPTModelPipe (or, `no_pipeline`, by GPTModel)."""
     group = 0 if len(tensor.rule.shape) >= 2 else 1
+    if no_pipeline:
+        name = _no_pipeline_name(model, tensor)
+        return Place(NO_PIPELINE_SPEC, name, name, group)
     if tensor.spec in (naming.WORD_EMBEDDING, naming.POSITION_EMBEDDING):
         key = "word_embeddings.weight" if tensor.spec == naming.WORD_EMBEDDING else "position_embeddings.weight"
         prefix = TIED_PREFIX if _tied(model) else f"{EMBEDDING_SPEC}."
@@ -109,13 +117,32 @@ def place(model: ModelConfig, tensor: ModelTensor) -> Place:
     raise AssertionError(tensor.spec)
 
 
+def _no_pipeline_name(model: ModelConfig, tensor: ModelTensor) -> str:
+    if tensor.spec in (naming.WORD_EMBEDDING, naming.POSITION_EMBEDDING):
+        key = "word_embeddings.weight" if tensor.spec == naming.WORD_EMBEDDING else "position_embeddings.weight"
+        return f"language_model.embedding.{key}"
+    if tensor.spec == naming.TRANSFORMER_LAYER:
+        layer = tensor.spec_index - len(naming.gpt_spec_groups(model).pre)
+        return f"language_model.encoder.layers.{layer}.{LAYER_KEYS[tensor.key]}"
+    if tensor.spec == naming.FINAL_NORM:
+        return f"language_model.encoder.final_layernorm.{tensor.key.removeprefix('norm.')}"
+    if tensor.spec == naming.UNTIED_LM_HEAD:
+        return "language_model.output_layer.weight"
+    raise AssertionError(tensor.spec)
+
+
 def stage_of(parts: list[int], spec_index: int) -> int:
     return next(s for s in range(len(parts) - 1) if parts[s] <= spec_index < parts[s + 1])
 
 
-def stage_parameters(model: ModelConfig, parts: list[int], stage: int) -> list[tuple[str, ModelTensor]]:
+def stage_parameters(
+    model: ModelConfig, parts: list[int], stage: int, no_pipeline: bool = False
+) -> list[tuple[str, ModelTensor]]:
     """(module name, our tensor) of the stage's parameters in `named_parameters()` order: the tied
-    embedding module first (on the first stage, and its copy on the last), then each spec's."""
+    embedding module first (on the first stage, and its copy on the last), then each spec's. `no_pipeline`:
+    GPTModel's, in its registration order (ours too)."""
+    if no_pipeline:
+        return [(place(model, t, no_pipeline=True).module_name, t) for t in model_tensors(model)]
     specs = range(parts[stage], parts[stage + 1])
     tensors = [(place(model, t), t) for t in model_tensors(model)]
     tied_specs = {EMBEDDING_SPEC, model.num_layers + 3} if _tied(model) else set()
@@ -126,9 +153,9 @@ def stage_parameters(model: ModelConfig, parts: list[int], stage: int) -> list[t
     return out
 
 
-def optimizer_index(model: ModelConfig, parts: list[int], stage: int) -> dict[str, int]:
+def optimizer_index(model: ModelConfig, parts: list[int], stage: int, no_pipeline: bool = False) -> dict[str, int]:
     """Each parameter's number in the stage's torch optimizer state: group 0's, then group 1's."""
-    params = stage_parameters(model, parts, stage)
+    params = stage_parameters(model, parts, stage, no_pipeline)
     ordered = [name for g in (0, 1) for name, t in params if place(model, t).group == g]
     return {name: i for i, name in enumerate(ordered)}
 

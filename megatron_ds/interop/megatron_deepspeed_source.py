@@ -77,13 +77,11 @@ class MegatronDeepSpeedSource:
         if tensor.key in ("qkv.weight", "qkv.bias") and self.qkv_layout == where.INTERLEAVED:
             shards = [where.qkv_to_blocked(s, self.model, self.tensor_parallel) for s in shards]
         if tensor.rule.split == sharding.REPLICATED and sharding.replicas_differ(shards):
-            raise CheckpointError(
-                f"{self.mds.layer_file(p.spec_index, 0)}: {p.key} differs between tensor-parallel ranks; it is damaged"
-            )
+            raise CheckpointError(f"{self._file(p, 0)}: {p.key} differs between tensor-parallel ranks; it is damaged")
         full = sharding.gather(tensor.rule, shards).contiguous()
         if tuple(full.shape) != tensor.rule.shape:
             raise CheckpointError(
-                f"{self.mds.layer_file(p.spec_index, 0)}: {p.key} joins to shape {list(full.shape)}, its saved args "
+                f"{self._file(p, 0)}: {p.key} joins to shape {list(full.shape)}, its saved args "
                 f"imply {list(tensor.rule.shape)}; the checkpoint is damaged"
             )
         return full
@@ -108,6 +106,7 @@ class MegatronDeepSpeedSource:
             "directory": m.directory,
             "fingerprint": fingerprint(os.path.join(self.ckpt.directory, META)),
             "pipeline_model_parallel_size": m.pipeline_parallel,
+            "no_pipeline_parallel": m.no_pipeline,
             "tensor_model_parallel_size": m.tensor_parallel,
             "data_parallel_size": m.data_parallel,
             "zero_stage": m.zero_stage,
@@ -119,8 +118,24 @@ class MegatronDeepSpeedSource:
     # ----- upstream's files ---------------------------------------------------------------------
 
     def _where(self, tensor: ModelTensor) -> tuple[int, where.Place]:
-        p = where.place(self.model, tensor)
-        return where.stage_of(self.parts, p.spec_index), p
+        p = where.place(self.model, tensor, self.mds.no_pipeline)
+        return (0 if self.mds.no_pipeline else where.stage_of(self.parts, p.spec_index)), p
+
+    def stage_parameters(self, stage: int) -> list[tuple[str, ModelTensor]]:
+        return where.stage_parameters(self.model, self.parts, stage, self.mds.no_pipeline)
+
+    def _file(self, p: where.Place, tp: int) -> str:
+        """The file holding `p`'s weight on tensor rank `tp`."""
+        if p.spec_index == where.NO_PIPELINE_SPEC:
+            return self.mds.model_states_file(0, tp)
+        return self.mds.layer_file(p.spec_index, tp)
+
+    def _module(self, tp: int) -> dict[str, Any]:
+        """A `--no-pipeline-parallel` run's weights on tensor rank `tp`, by dotted name."""
+        key = f"module{tp}"
+        if key not in self._cache:
+            self._cache[key] = _flatten(self._model_states(0, tp).get("module") or {})
+        return self._cache[key]
 
     def _has_optimizer(self) -> bool:
         if self.flat:
@@ -142,13 +157,10 @@ class MegatronDeepSpeedSource:
     def _index(self, stage: int) -> dict[str, int]:
         key = f"index{stage}"
         if key not in self._cache:
-            index = where.optimizer_index(self.model, self.parts, stage)
+            index = where.optimizer_index(self.model, self.parts, stage, self.mds.no_pipeline)
             groups = self._optimizer(stage, 0, 0).get("param_groups", [])
             counts = [len(g["params"]) for g in groups]
-            expected = [
-                sum(1 for n, t in where.stage_parameters(self.model, self.parts, stage) if _group(t) == g)
-                for g in (0, 1)
-            ]
+            expected = [sum(1 for n, t in self.stage_parameters(stage) if _group(t) == g) for g in (0, 1)]
             names = [g.get("name") for g in groups]
             if counts != expected or any(n not in (None, *MEGATRON_GROUPS) for n in names):
                 raise CheckpointError(
@@ -181,8 +193,8 @@ class MegatronDeepSpeedSource:
         return torch.cat(pieces).view(shape)
 
     def _weight(self, p: where.Place, tp: int) -> torch.Tensor:
-        path = self.mds.layer_file(p.spec_index, tp)
-        value = load_layer(path).get(p.key)
+        path = self._file(p, tp)
+        value = (self._module(tp) if p.spec_index == where.NO_PIPELINE_SPEC else load_layer(path)).get(p.key)
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"{path}: no tensor {p.key!r}; the checkpoint is damaged or of another model")
         return value.detach().clone()
@@ -205,6 +217,17 @@ class MegatronDeepSpeedSource:
             ) from None
 
 
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": x}} -> {"a.b": x} (GPTModel's state_dict_for_save_checkpoint nests its sub-modules)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def _group(tensor: ModelTensor) -> int:
     return 0 if len(tensor.rule.shape) >= 2 else 1
 
@@ -225,7 +248,7 @@ def check_split(source: MegatronDeepSpeedSource) -> None:
                     for name in group
                 }
             )
-            expected = sorted(n for n, _ in where.stage_parameters(source.model, source.parts, stage))
+            expected = sorted(n for n, _ in source.stage_parameters(stage))
             if found != expected:
                 raise CheckpointError(
                     f"{source.mds.optim_file(stage, 0, 0)}: stage {stage} holds {found[:4]}..., GPTModelPipe's "
