@@ -36,6 +36,7 @@ CASES = {
     "tp2_pp1_interleaved_llama": "interleaved",  # older release: rotary, GQA (2 kv groups per rank)
     "tp1_pp2_dp2_bf16": "blocked",  # bf16, ZeRO-1 over 2 data-parallel replicas: masters and moments split
     "tp2_nopp": "blocked",  # --no-pipeline-parallel: GPTModel on the plain engine, T=2, ZeRO-1, no layer files
+    "tp1_nopp_zero0_untied": "blocked",  # the same without ZeRO (torch Adam state), untied output layer
 }
 BF16 = {"tp1_pp2_dp2_bf16"}
 """Cases upstream ran in bf16: its logits are bf16 computations, the converted model's fp32."""
@@ -81,7 +82,9 @@ def test_the_qkv_layout_flag_decides_the_model(convert, case: str, wrong: str) -
     assert (ours - theirs).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("case", ["tp1_pp2_tied", "tp2_pp2_tied", "tp1_pp2_dp2_bf16", "tp2_nopp"])
+@pytest.mark.parametrize(
+    "case", ["tp1_pp2_tied", "tp2_pp2_tied", "tp1_pp2_dp2_bf16", "tp2_nopp", "tp1_nopp_zero0_untied"]
+)
 def test_optimizer_state_is_the_runs_adam_state(convert, case: str) -> None:
     """Upstream's second step, w2 = w1 - lr/(1-b1^2) m / (sqrt(v)/sqrt(1-b2^2) + eps), holds for every
     tensor with the converted step-2 moments: each moment sits on its own tensor."""
