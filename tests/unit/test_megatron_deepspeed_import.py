@@ -37,8 +37,9 @@ CASES = {
     "tp1_pp2_dp2_bf16": "blocked",  # bf16, ZeRO-1 over 2 data-parallel replicas: masters and moments split
     "tp2_nopp": "blocked",  # --no-pipeline-parallel: GPTModel on the plain engine, T=2, ZeRO-1, no layer files
     "tp1_nopp_zero0_untied": "blocked",  # the same without ZeRO (torch Adam state), untied output layer
+    "tp1_nopp_bf16": "blocked",  # the same in bf16 with ZeRO-1
 }
-BF16 = {"tp1_pp2_dp2_bf16"}
+BF16 = {"tp1_pp2_dp2_bf16", "tp1_nopp_bf16"}
 """Cases upstream ran in bf16: its logits are bf16 computations, the converted model's fp32."""
 
 
@@ -99,17 +100,19 @@ def test_optimizer_state_is_the_runs_adam_state(convert, case: str) -> None:
         torch.testing.assert_close(second.read(name, "fp32"), predicted, rtol=0, atol=1e-7, msg=name)
 
 
-def test_bf16_masters_over_data_parallel_ranks_round_to_the_models_weights(convert, tmp_path: Path) -> None:
-    """ZeRO-1 split the fp32 masters between two replicas: joined, each rounds to the bf16 weight upstream's
-    model holds (read from its layer files by a conversion without the optimizer files)."""
+@pytest.mark.parametrize("case", sorted(BF16))
+def test_bf16_masters_round_to_the_models_weights(convert, tmp_path: Path, case: str) -> None:
+    """The fp32 masters (with DP=2, split between two replicas by ZeRO-1 and joined) each round to the bf16
+    weight upstream's model holds (read from its layer or mp_rank files by a conversion without the optimizer
+    files)."""
     source = tmp_path / "weights_only" / "global_step2"
-    shutil.copytree(FIXTURES / "tp1_pp2_dp2_bf16" / "global_step2", source)
+    shutil.copytree(FIXTURES / case / "global_step2", source)
     for name in os.listdir(source):
         if name.endswith("_optim_states.pt"):
             os.remove(source / name)
     import_megatron_deepspeed(str(source), str(tmp_path / "out"), show_progress=False)
     weights = Universal(str(tmp_path / "out" / "global_step2.universal"))
-    masters = Universal(str(convert("tp1_pp2_dp2_bf16") / "global_step2.universal"))
+    masters = Universal(str(convert(case) / "global_step2.universal"))
     assert sorted(weights.tensors) == sorted(masters.tensors) and len(masters.tensors) > 10
     for name in masters.tensors:
         master, weight = masters.read(name, "fp32"), weights.read(name, "fp32")
