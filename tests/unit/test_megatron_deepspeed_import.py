@@ -247,3 +247,15 @@ def test_cli_converts_and_refuses_in_one_line(tmp_path: Path, capsys: pytest.Cap
         err = capsys.readouterr().err
         assert expected in err and err.count("\n") == 1, (argv, err)
     assert not os.path.exists(out + "2")
+
+
+def test_load_names_what_an_upstream_directory_holds() -> None:
+    """`--load` of an upstream directory says which files it found (no layer files without the pipeline)."""
+    from megatron_ds.training.checkpoint.directory import foreign_checkpoint
+
+    assert foreign_checkpoint(str(FIXTURES / "tp2_pp2_tied")) == (
+        "a Megatron-DeepSpeed checkpoint (global_step2: DeepSpeed's layer and mp_rank files, no megatron_ds.json)"
+    )
+    assert foreign_checkpoint(str(FIXTURES / "tp2_nopp" / "global_step2")).endswith(
+        "(global_step2: DeepSpeed's mp_rank files, no megatron_ds.json)"
+    )

@@ -4,6 +4,7 @@ conversion (no torch.distributed, no DeepSpeed): `DIR/latest` names a tag, `DIR/
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -130,7 +131,8 @@ def foreign_checkpoint(path: str) -> str | None:
         step, root = os.path.join(path, tag), path
     megatron = os.path.isfile(os.path.join(root, MEGATRON_TRACKER))
     who = "a Megatron-DeepSpeed checkpoint" if megatron else "a DeepSpeed checkpoint that pretrain_gpt.py did not write"
-    return f"{who} ({os.path.basename(step)}: DeepSpeed's layer and mp_rank files, no {META})"
+    files = "layer and mp_rank" if glob.glob(os.path.join(step, "layer_*-model_*")) else "mp_rank"
+    return f"{who} ({os.path.basename(step)}: DeepSpeed's {files} files, no {META})"
 
 
 def megatron_lm_checkpoint(path: str) -> str | None:
