@@ -1,4 +1,5 @@
-"""Where each of our tensors lives in a Megatron-DeepSpeed GPTModelPipe checkpoint.
+"""Where each of our tensors lives in a Megatron-DeepSpeed GPTModelPipe checkpoint (or a `--no-pipeline-parallel`
+GPTModel one: `NO_PIPELINE_SPEC`).
 
 GPTModelPipe's specs (`megatron/model/gpt_model.py`), by index XX of the layer files:
 
