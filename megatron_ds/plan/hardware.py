@@ -119,7 +119,21 @@ PRESETS = {
         Preset("llama3-8b", 32, 4096, 32, 512, None, 14336, 8192, 128256, (*_LLAMA3_ARCH, *_gqa(8)), _LLAMA3),
         Preset("llama3-70b", 80, 8192, 64, 512, None, 28672, 8192, 128256, (*_LLAMA3_ARCH, *_gqa(8)), _LLAMA3),
         Preset("llama3.1-8b", 32, 4096, 32, 512, None, 14336, 8192, 128256, (*_LLAMA31_ARCH, *_gqa(8)), _LLAMA31),
-        Preset("llama3.1-70b", 80, 8192, 64, 512, None, 28672, 8192, 128256, (*_LLAMA31_ARCH, *_gqa(8)), _LLAMA31),
+        # Llama 3.3 70B has Llama 3.1 70B's architecture and config (the same shapes and RoPE scaling).
+        Preset(
+            "llama3.1-70b",
+            80,
+            8192,
+            64,
+            512,
+            None,
+            28672,
+            8192,
+            128256,
+            (*_LLAMA31_ARCH, *_gqa(8)),
+            _LLAMA31,
+            ("llama3.3-70b",),
+        ),
         # Llama 3 405B was released as Llama 3.1 only, with its RoPE scaling.
         Preset(
             "llama3-405b",

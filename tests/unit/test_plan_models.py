@@ -64,6 +64,7 @@ def test_preset_names_are_forgiving_and_gpt3_sizes_unchanged() -> None:
     assert hardware.find_preset("Llama-2-7B").name == "llama2-7b"
     assert hardware.find_preset("Llama-3.1-405B").name == "llama3-405b"
     assert hardware.find_preset("Llama-3.2-1B").name == "llama3.2-1b"
+    assert hardware.find_preset("Llama-3.3-70B").name == "llama3.1-70b"
     assert hardware.find_preset("Llama-3.1-8B").name == "llama3.1-8b"
     assert hardware.find_preset("175b").name == "gpt3-175b" and hardware.find_preset("1.3B").name == "gpt3-1.3b"
     assert total_params(resolve(PlanInputs(model="1.3b")).model()) / 1e9 == pytest.approx(1.32, abs=0.01)
