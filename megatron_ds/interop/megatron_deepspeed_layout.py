@@ -96,10 +96,15 @@ def _tied(model: ModelConfig) -> bool:
 
 def place(model: ModelConfig, tensor: ModelTensor, no_pipeline: bool = False) -> Place:
     """Where `tensor` (one of ours) is stored by GPTModelPipe (or, `no_pipeline`, by GPTModel)."""
+    p = _pipeline_place(model, tensor)
+    if not no_pipeline:
+        return p
+    name = _no_pipeline_name(model, p)
+    return Place(NO_PIPELINE_SPEC, name, name, p.group)
+
+
+def _pipeline_place(model: ModelConfig, tensor: ModelTensor) -> Place:
     group = 0 if len(tensor.rule.shape) >= 2 else 1
-    if no_pipeline:
-        name = _no_pipeline_name(model, tensor)
-        return Place(NO_PIPELINE_SPEC, name, name, group)
     if tensor.spec in (naming.WORD_EMBEDDING, naming.POSITION_EMBEDDING):
         key = "word_embeddings.weight" if tensor.spec == naming.WORD_EMBEDDING else "position_embeddings.weight"
         prefix = TIED_PREFIX if _tied(model) else f"{EMBEDDING_SPEC}."
@@ -118,18 +123,15 @@ def place(model: ModelConfig, tensor: ModelTensor, no_pipeline: bool = False) ->
     raise AssertionError(tensor.spec)
 
 
-def _no_pipeline_name(model: ModelConfig, tensor: ModelTensor) -> str:
-    if tensor.spec in (naming.WORD_EMBEDDING, naming.POSITION_EMBEDDING):
-        key = "word_embeddings.weight" if tensor.spec == naming.WORD_EMBEDDING else "position_embeddings.weight"
-        return f"language_model.embedding.{key}"
-    if tensor.spec == naming.TRANSFORMER_LAYER:
-        layer = tensor.spec_index - len(naming.gpt_spec_groups(model).pre)
-        return f"language_model.encoder.layers.{layer}.{LAYER_KEYS[tensor.key]}"
-    if tensor.spec == naming.FINAL_NORM:
-        return f"language_model.encoder.final_layernorm.{tensor.key.removeprefix('norm.')}"
-    if tensor.spec == naming.UNTIED_LM_HEAD:
-        return "language_model.output_layer.weight"
-    raise AssertionError(tensor.spec)
+def _no_pipeline_name(model: ModelConfig, p: Place) -> str:
+    """GPTModel's dotted name of the tensor GPTModelPipe keeps at `p` (the same module keys, another nesting)."""
+    if p.spec_index == EMBEDDING_SPEC:
+        return f"language_model.embedding.{p.key}"
+    if p.spec_index == model.num_layers + 2:
+        return f"language_model.encoder.final_layernorm.{p.key}"
+    if p.spec_index == model.num_layers + 3:
+        return "language_model.output_layer.weight"  # GPTModelPipe's LMHeadPipe calls it lm_head
+    return f"language_model.encoder.layers.{p.spec_index - FIRST_LAYER_SPEC}.{p.key}"
 
 
 def stage_of(parts: list[int], spec_index: int) -> int:
