@@ -96,7 +96,7 @@ class MegatronDeepSpeedSource:
     def loss_scaler(self) -> dict[str, Any] | None:
         if not self.flat or not self._has_optimizer():
             return None
-        scaler = load_file(self.mds.optim_file(0, 0, 0))["optimizer_state_dict"].get("loss_scaler")
+        scaler = self._optim_states(0, 0, 0).get("loss_scaler")
         return None if scaler is None else {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
 
     def record(self) -> dict[str, Any]:
@@ -151,8 +151,16 @@ class MegatronDeepSpeedSource:
     def _optimizer(self, stage: int, tp: int, dp: int) -> dict[str, Any]:
         """The torch optimizer state (`state`, `param_groups`), or the flat optimizer's base state."""
         if self.flat:
-            return load_file(self.mds.optim_file(stage, tp, dp))["optimizer_state_dict"]["base_optimizer_state"]
+            return self._optim_states(stage, tp, dp)["base_optimizer_state"]
         return self._model_states(stage, tp)["optimizer"]
+
+    def _optim_states(self, stage: int, tp: int, dp: int) -> dict[str, Any]:
+        """The `optimizer_state_dict` of one flat optimizer file, loaded once (memory-mapped): every tensor's
+        fragments, step and the split check read it."""
+        path = self.mds.optim_file(stage, tp, dp)
+        if path not in self._cache:
+            self._cache[path] = load_file(path)["optimizer_state_dict"]
+        return self._cache[path]
 
     def _index(self, stage: int) -> dict[str, int]:
         key = f"index{stage}"
@@ -201,7 +209,7 @@ class MegatronDeepSpeedSource:
 
     def _fragment(self, stage: int, tp: int, dp: int, p: where.Place, state: str) -> torch.Tensor | None:
         path = self.mds.optim_file(stage, tp, dp)
-        osd = load_file(path)["optimizer_state_dict"]
+        osd = self._optim_states(stage, tp, dp)
         try:
             fragment = osd["param_slice_mappings"][p.group].get(p.module_name)
             if fragment is None:
@@ -242,9 +250,7 @@ def check_split(source: MegatronDeepSpeedSource) -> None:
                 {
                     name
                     for dp in range(source.mds.data_parallel)
-                    for group in load_file(source.mds.optim_file(stage, 0, dp))["optimizer_state_dict"][
-                        "param_slice_mappings"
-                    ]
+                    for group in source._optim_states(stage, 0, dp)["param_slice_mappings"]
                     for name in group
                 }
             )
