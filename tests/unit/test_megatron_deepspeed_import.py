@@ -60,6 +60,15 @@ def convert(tmp_path_factory: pytest.TempPathFactory):
     return run
 
 
+def _without_optimizer_files(case: str, copy: Path) -> Path:
+    """A copy of the case's global_step2 without its flat optimizer files (as saved with --no-save-optim)."""
+    shutil.copytree(FIXTURES / case / "global_step2", copy)
+    for name in os.listdir(copy):
+        if name.endswith("_optim_states.pt"):
+            os.remove(copy / name)
+    return copy
+
+
 def _logits(out: Path, case: str) -> tuple[torch.Tensor, torch.Tensor]:
     reference = torch.load(FIXTURES / case / "reference.pt", weights_only=True)
     model = load_model(str(out), vocab_size=reference["logits"].shape[-1])  # upstream's padded columns too
@@ -105,11 +114,7 @@ def test_bf16_masters_round_to_the_models_weights(convert, tmp_path: Path, case:
     """The fp32 masters (with DP=2, split between two replicas by ZeRO-1 and joined) each round to the bf16
     weight upstream's model holds (read from its layer or mp_rank files by a conversion without the optimizer
     files)."""
-    source = tmp_path / "weights_only" / "global_step2"
-    shutil.copytree(FIXTURES / case / "global_step2", source)
-    for name in os.listdir(source):
-        if name.endswith("_optim_states.pt"):
-            os.remove(source / name)
+    source = _without_optimizer_files(case, tmp_path / "weights_only" / "global_step2")
     import_megatron_deepspeed(str(source), str(tmp_path / "out"), show_progress=False)
     weights = Universal(str(tmp_path / "out" / "global_step2.universal"))
     masters = Universal(str(convert(case) / "global_step2.universal"))
@@ -148,11 +153,7 @@ def test_training_state_and_provenance_are_recorded(convert) -> None:
 
 
 def test_a_weights_only_source_converts_without_optimizer_state(convert, tmp_path: Path) -> None:
-    source = tmp_path / "no_optim"
-    shutil.copytree(FIXTURES / "tp2_pp2_tied" / "global_step2", source)
-    for name in os.listdir(source):
-        if name.endswith("_optim_states.pt"):
-            os.remove(source / name)
+    source = _without_optimizer_files("tp2_pp2_tied", tmp_path / "no_optim")
     result = import_megatron_deepspeed(str(source), str(tmp_path / "out"), show_progress=False)
     assert result.states == [] and any("optimizer" in n for n in result.notes)
     ours, theirs = _logits(tmp_path / "out", "tp2_pp2_tied")
