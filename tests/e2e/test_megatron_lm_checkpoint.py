@@ -53,11 +53,12 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], t
         optimizer = TRAINED.get(name)
         reference = write_checkpoints(name, {f: str(p) for f, p in paths.items()}, ITERATION, optimizer=optimizer)
         out |= {(name, fmt): (path, reference) for fmt, path in paths.items()}
-    path = root / "gpt-dp"
-    out["gpt-dp", "torch_dist"] = path, write_checkpoints("gpt", {"torch_dist": str(path)}, ITERATION, "dp_reshardable")
-    path = root / "gpt-dp2"
-    reference = write_checkpoints("gpt", {"torch_dist": str(path)}, ITERATION, TRAINED["gpt-dp2"], data_parallel=2)
-    out["gpt-dp2", "torch_dist"] = path, reference
+    for case, replicas in (("gpt-dp", 1), ("gpt-dp2", 2)):  # the GPT again, with the distributed optimizer
+        path = root / case
+        reference = write_checkpoints(
+            "gpt", {"torch_dist": str(path)}, ITERATION, TRAINED[case], data_parallel=replicas
+        )
+        out[case, "torch_dist"] = path, reference
     return out
 
 
