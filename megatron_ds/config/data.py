@@ -14,6 +14,7 @@ TOKENIZER_TYPES = (
     "GPTSentencePieceTokenizer",
     "NullTokenizer",
     "HuggingFaceTokenizer",
+    "HFTokenizer",
 )
 DATA_UPSTREAMS = ("megatron-deepspeed", "megatron-lm")
 
@@ -73,6 +74,13 @@ class DataConfig:
     out and the offsets misaligned (`--misaligned-append-eod`); by default each EOD is included."""
     mmap_bin_files: bool = True
     """Read the `.bin` token files through a memory map; file reads with `--no-mmap-bin-files`."""
+    prompt_data: bool = False
+    """`--data-path` is one JSON list of Alpaca-style examples, made into supervised fine-tuning samples as
+    Megatron-DeepSpeed's finetune_llama.py makes them (`data/prompt_data.py`; `--prompt-data`, which
+    finetune_llama.py adds)."""
+    repeated_dataloader: bool = False
+    """When the training samples run out, read them again from the first (`--repeated-dataloader`); only prompt
+    data can run out (the indexed datasets are built as long as the run)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_path", tuple(self.data_path))
@@ -83,3 +91,14 @@ class DataConfig:
         check(split_fractions(self.split) is not None, split_message(self.split))  # before launch, mock data too
         at_least("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by, 1)
         at_least("--num-workers", self.num_workers, 0)
+        if self.prompt_data:
+            check(not self.mock_data, "finetune_llama.py reads --data-path EXAMPLES.json; --mock-data has no prompts")
+            check(
+                len(self.data_path) <= 1,
+                f"--data-path {' '.join(self.data_path)}: finetune_llama.py reads one JSON file of examples; give one",
+            )
+            check(
+                self.tokenizer_type in (None, "HFTokenizer"),
+                f"--tokenizer-type {self.tokenizer_type}: finetune_llama.py tokenizes its prompts with "
+                "--tokenizer-type HFTokenizer (Megatron-DeepSpeed's); use it with --tokenizer-model DIR",
+            )

@@ -291,11 +291,18 @@ def pipeline_batches(
     start_sample: int,
     num_workers: int,
     seed: int,
+    repeat: bool = False,
 ) -> Iterator[Batch]:
     """Micro-batches `(tokens, (labels, loss_mask))` for one data-parallel rank, in Megatron's
-    order, starting at global sample `start_sample` (the consumed samples, for exact resume)."""
+    order, starting at global sample `start_sample` (the consumed samples, for exact resume).
+    `repeat` (`--repeated-dataloader`): after the last whole micro-batch group, again from sample 0, for ever;
+    `start_sample` then counts over the passes, so a resumed run reads what an uninterrupted one would."""
     if num_workers < 0:
         raise ValueError(f"--num-workers {num_workers} must be >= 0")
+    if repeat:
+        return _passes(
+            dataset, micro_batch_size, data_parallel_rank, data_parallel_size, start_sample, num_workers, seed
+        )
     sampler = PretrainingBatchSampler(
         len(dataset), start_sample, micro_batch_size, data_parallel_rank, data_parallel_size
     )
@@ -309,3 +316,20 @@ def pipeline_batches(
         persistent_workers=num_workers > 0,
     )
     return iter(loader)
+
+
+def _passes(
+    dataset: Any, micro_batch_size: int, dp_rank: int, dp_size: int, start_sample: int, num_workers: int, seed: int
+) -> Iterator[Batch]:
+    """The repeated loader: pass after pass over the whole micro-batch groups (as DeepSpeed's RepeatingLoader
+    re-iterates Megatron's sampler from its start)."""
+    group = micro_batch_size * dp_size
+    per_pass = len(dataset) // group * group
+    if per_pass == 0:
+        raise DataError(
+            f"{len(dataset)} samples are fewer than one micro-batch on each of {dp_size} data-parallel ranks"
+        )
+    start = start_sample % per_pass
+    while True:
+        yield from pipeline_batches(dataset, micro_batch_size, dp_rank, dp_size, start, num_workers, seed)
+        start = 0

@@ -25,14 +25,15 @@ class HuggingFaceTokenizer:
     """A Hugging Face tokenizer directory (tokenizer.json, or vocab.json + merges.txt, ...); the
     interface of `megatron_ds.data.tokenizer.Tokenizer`."""
 
+    TYPE = "HuggingFaceTokenizer"
+    """Its `--tokenizer-type` (messages name it)."""
+
     def __init__(self, directory: str | None) -> None:
         if not directory:
-            raise DataError(
-                "--tokenizer-model is required with --tokenizer-type HuggingFaceTokenizer; give its directory"
-            )
+            raise DataError(f"--tokenizer-model is required with --tokenizer-type {self.TYPE}; give its directory")
         if not os.path.isdir(directory):
             raise DataError(
-                f"--tokenizer-model {directory}: not a directory; HuggingFaceTokenizer reads a local tokenizer "
+                f"--tokenizer-model {directory}: not a directory; {self.TYPE} reads a local tokenizer "
                 f"directory (nothing is downloaded)"
             )
         self.directory = directory
@@ -79,3 +80,55 @@ class HuggingFaceTokenizer:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.directory = state["directory"]
         self._load()
+
+
+MEGATRON_DEEPSPEED_SPECIALS = (
+    ("pad_token", "[PAD]"),
+    ("eos_token", "</s>"),
+    ("bos_token", "<s>"),
+    ("unk_token", "<unk>"),
+)
+"""What Megatron-DeepSpeed's HFTokenizer adds to a tokenizer that lacks them (Stanford Alpaca's defaults)."""
+
+
+class MegatronDeepSpeedHFTokenizer(HuggingFaceTokenizer):
+    """Megatron-DeepSpeed's `--tokenizer-type HFTokenizer` (its `_HFTokenizer`, which finetune_llama.py's
+    prompt data tokenizes with): `AutoTokenizer` with `use_fast=False` and right padding, and a pad, eos,
+    bos or unk token the directory lacks added as a new token (`[PAD]`, `</s>`, `<s>`, `<unk>`). Unlike
+    Megatron-LM's HuggingFaceTokenizer, `vocab_size` is the tokenizer's base vocabulary (`tok.vocab_size`,
+    the added tokens left out), so the model of a Llama directory keeps its 32000 rows, and Llama's added
+    `[PAD]` (id 32000) lies outside it: `data/prompt_data.py` keeps it out of the model's input.
+    Read with `local_files_only` and no remote code, as HuggingFaceTokenizer."""
+
+    TYPE = "HFTokenizer"
+
+    def _load(self) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise DataError(
+                "--tokenizer-type HFTokenizer needs the transformers package; pip install transformers"
+            ) from None
+        try:
+            tok = AutoTokenizer.from_pretrained(
+                self.directory, local_files_only=True, trust_remote_code=False, padding_side="right", use_fast=False
+            )
+        except (OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise DataError(f"--tokenizer-model {self.directory}: not a Hugging Face tokenizer ({first})") from None
+        tok.add_special_tokens({role: text for role, text in MEGATRON_DEEPSPEED_SPECIALS if getattr(tok, role) is None})
+        self._tok = tok
+        self.vocab_size = int(tok.vocab_size)
+        self.eod = int(tok.eos_token_id)
+        self.pad = int(tok.pad_token_id)
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_path", [os.path.abspath(self.directory)])]
+        )
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer itself (prompt data calls it with padding and truncation)."""
+        return self._tok
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok.encode(text))

@@ -17,7 +17,13 @@ from typing import Any
 
 from megatron_ds.data import DataError
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "GPT2BPETokenizer",
+    "NullTokenizer",
+    "HuggingFaceTokenizer",
+    "HFTokenizer",
+)
 # Megatron-LM's name for a SentencePiece model used as a GPT tokenizer (eod = eos); same thing here.
 _ALIASES = {"GPTSentencePieceTokenizer": "SentencePieceTokenizer"}
 GPT2_EOD_TOKEN = "<|endoftext|>"
@@ -284,7 +290,7 @@ def build_tokenizer(
     vocab_size: int | None = None,
 ) -> Tokenizer:
     """The tokenizer named by `--tokenizer-type`; `vocab_size` is only for `NullTokenizer`, and
-    `tokenizer_model` is HuggingFaceTokenizer's directory."""
+    `tokenizer_model` is HuggingFaceTokenizer's (or HFTokenizer's) directory."""
     kind = _ALIASES.get(tokenizer_type or "", tokenizer_type)
     if kind == "SentencePieceTokenizer":
         if not tokenizer_model:
@@ -306,6 +312,10 @@ def build_tokenizer(
         from megatron_ds.data.huggingface_tokenizer import HuggingFaceTokenizer
 
         return HuggingFaceTokenizer(tokenizer_model)
+    if kind == "HFTokenizer":
+        from megatron_ds.data.huggingface_tokenizer import MegatronDeepSpeedHFTokenizer
+
+        return MegatronDeepSpeedHFTokenizer(tokenizer_model)
     raise DataError(f"--tokenizer-type {tokenizer_type}: unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 

@@ -59,7 +59,9 @@ DATA: tuple[Flag, ...] = (
         "`GPT2BPETokenizer` (the default with --vocab-file/--merge-file, as in Megatron's pretrain_gpt.py), "
         "`SentencePieceTokenizer` or `GPTSentencePieceTokenizer`, `NullTokenizer` (token ids as they are, "
         "--vocab-size of them, eod the last: megatron-core's) or `HuggingFaceTokenizer` (--tokenizer-model a "
-        "local directory read by transformers' AutoTokenizer; nothing is downloaded). SentencePieceTokenizer is "
+        "local directory read by transformers' AutoTokenizer; nothing is downloaded) or `HFTokenizer` (Megatron-DeepSpeed's: "
+        "the same directory read as its finetune_llama.py reads it, slow tokenizer, a missing pad, eos, bos or unk token "
+        "added, the base vocabulary sized without them). SentencePieceTokenizer is "
         "Megatron's GPTSentencePieceTokenizer here: eod is the model's eos and no special tokens are added",
         "data.tokenizer_type",
         choices=TOKENIZER_TYPES,
@@ -67,18 +69,20 @@ DATA: tuple[Flag, ...] = (
         refused_values=(
             Refusal("BertWordPieceLowerCase", "BERT tokenizers are not provided", _GPT_TOKENIZERS),
             Refusal("BertWordPieceCase", "BERT tokenizers are not provided", _GPT_TOKENIZERS),
-            Refusal(
-                "HFTokenizer",
-                "Megatron-DeepSpeed's Hugging Face tokenizer is not provided under that name",
-                "use --tokenizer-type HuggingFaceTokenizer with --tokenizer-model DIR",
-            ),
         ),
     ),
     accepted(
         "--tokenizer-model",
         _DATA,
-        "SentencePiece model file, or HuggingFaceTokenizer's local directory",
+        "SentencePiece model file, or HuggingFaceTokenizer's (HFTokenizer's) local directory",
         "data.tokenizer_model",
+    ),
+    refused(
+        "--trust-remote-code",
+        _DATA,
+        "code from a tokenizer directory is never run (HFTokenizer and HuggingFaceTokenizer read it with "
+        "trust_remote_code off)",
+        "drop it; a directory that needs its own code can be saved as a standard tokenizer with transformers first",
     ),
     accepted("--num-workers", _DATA, "DataLoader worker processes", "data.num_workers", type=int),
     no_op("--mmap-warmup", _DATA, "reads every memory-mapped file once before training; the same tokens are read"),
@@ -89,11 +93,23 @@ DATA: tuple[Flag, ...] = (
     refused("--encoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
     refused("--decoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
     refused("--reset-position-ids", _DATA, "position ids always run 0..s-1 within a sample"),
-    no_op(
+    switch(
+        "--prompt-data",
+        _DATA,
+        "--data-path is one JSON list of Alpaca-style examples ({instruction, input, output}), each one sample with "
+        "its prompt kept out of the loss, as Megatron-DeepSpeed's finetune_llama.py makes them; finetune_llama.py "
+        "sets it (docs/data.md)",
+        "data.prompt_data",
+        megatron=False,
+    ),
+    switch(
         "--repeated-dataloader",
         _DATA,
-        "the datasets are built for every sample the run asks for (iterations, evaluations, test), so the loader "
-        "never runs out and has nothing to repeat",
+        "when the training samples run out, read them again from the first (finetune_llama.py's JSON examples; the "
+        "indexed datasets of pretrain_gpt.py are built for every sample the run asks for and never run out). A "
+        "resumed run continues where an uninterrupted one would be; Megatron-DeepSpeed's restarts each later pass at "
+        "the sample it resumed from",
+        "data.repeated_dataloader",
     ),
     refused("--reset-attention-mask", _DATA, "attention is causal over the whole sample (SDPA is_causal)"),
     refused(

@@ -113,10 +113,43 @@ def sentencepiece_model(num_pieces: int = 32000) -> bytes:
     return pieces + _field(2, trainer) + _field(3, normalizer)
 
 
+HF_TOKENIZERS = ("HFTokenizer", "HuggingFaceTokenizer")
+"""Tokenizer types whose `--tokenizer-model` is a Hugging Face tokenizer directory."""
+
+
+def _hf_directory(directory: Path, size: int = 32000) -> str:
+    """A Hugging Face tokenizer directory of Llama's vocabulary size (a GPT-2 format one: loads in milliseconds)."""
+    from megatron_ds.data.tokenizer import _bytes_to_unicode
+
+    directory.mkdir()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for s in _bytes_to_unicode().values():
+        vocab[s] = len(vocab)
+    while len(vocab) < size:
+        vocab[f"tok{len(vocab)}"] = len(vocab)
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\n")
+    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
 def _standins(directory: Path) -> dict[str, str]:
     files = _gpt2_files(directory)
     (directory / "tokenizer.model").write_bytes(sentencepiece_model())
-    return {**files, "--tokenizer-model": str(directory / "tokenizer.model")}
+    return {
+        **files,
+        "--tokenizer-model": str(directory / "tokenizer.model"),
+        "--tokenizer-model (directory)": _hf_directory(directory / "hf_tokenizer"),
+    }
+
+
+def _flag_value(args: list[str], name: str) -> str | None:
+    for k, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if flag == name:
+            return value if eq else (args[k + 1] if k + 1 < len(args) else None)
+    return None
 
 
 def _rewritten(line: dict[str, Any], scratch: Path, standins: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -133,7 +166,8 @@ def _rewritten(line: dict[str, Any], scratch: Path, standins: dict[str, str]) ->
             path.write_text(json.dumps(line["ds_config"]))
             new = str(path)
         elif name in FILE_FLAGS and target is not None and not target.startswith("-"):
-            new = standins[name]
+            hf = name == "--tokenizer-model" and _flag_value(args, "--tokenizer-type") in HF_TOKENIZERS
+            new = standins[f"{name} (directory)" if hf else name]
         elif target in existing:
             new = str(scratch / "dirs" / str(k))
             os.makedirs(new, exist_ok=True)
@@ -191,7 +225,8 @@ def replay(line: dict[str, Any], gpu_name: str) -> Outcome:
         argv, originals = _rewritten(line, scratch_dir, _standins(scratch_dir))
         try:
             with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-                _launch_checks(argv, out.world_size, _machine(gpu_name))
+                prompts = ["--prompt-data"] if line.get("entry") == "finetune_llama.py" else []  # what that entry adds
+                _launch_checks(argv + prompts, out.world_size, _machine(gpu_name))
             out.status = "accepted"
         except UserError as e:
             out.status, out.message = "refused", str(e)

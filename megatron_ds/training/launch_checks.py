@@ -15,20 +15,52 @@ from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.dependencies import check_deepspeed
 
 
-def check_data(config: Config, dry_run: bool = False) -> None:
+def check_data(config: Config, dry_run: bool = False) -> list[str]:
     """Data prefixes exist and are sound, every split that is read gets tokens, a tokenizer is given
-    for real data."""
+    for real data; finetune_llama.py's examples are read and tokenized (`check_prompt_data`). Returns the
+    lines to print."""
     from megatron_ds.data.gpt_data import plan_data
     from megatron_ds.data.splits import requested_samples
 
     data = config.data
     if data.mock_data or (dry_run and not data.data_path):  # --print-layout says what it lacks
-        return
+        return []
+    if data.prompt_data:
+        return check_prompt_data(config)
     if not data.data_path:
         raise ConfigError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
     if data.tokenizer_type is None:
         raise ConfigError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-file/--merge-file)")
     plan_data(data, requested_samples(config.training))
+    return []
+
+
+def check_prompt_data(config: Config) -> list[str]:
+    """finetune_llama.py's JSON: every example tokenized (on every rank alike, before any process group), enough
+    samples for the run (or --repeated-dataloader); what it prints."""
+    from megatron_ds.config.data import split_fractions
+    from megatron_ds.data.prompt_data import build_prompt_data, check_length, samples_per_pass
+    from megatron_ds.data.splits import requested_samples
+
+    data, t = config.data, config.training
+    if not data.data_path:
+        raise ConfigError("no training data: finetune_llama.py needs --data-path EXAMPLES.json (Alpaca's format)")
+    prompts = build_prompt_data(data, config.model.seq_length, config.model.vocab_size)
+    path, wanted = data.data_path[0], requested_samples(t)[0]
+    per_pass = samples_per_pass(len(prompts), t.micro_batch_size, config.parallel.data_parallel_size)
+    lines = [check_length(path, len(prompts), per_pass, wanted, t.global_batch_size, data.repeated_dataloader)]
+    if prompts.untrained():
+        lines.append(
+            f"NOTICE: {prompts.untrained()} examples of {path} have no response token within --seq-length "
+            f"{config.model.seq_length}: they train nothing"
+        )
+    fractions = split_fractions(data.split) or [1.0, 0.0, 0.0]
+    if t.eval_iters > 0 and (fractions[1] > 0 or fractions[2] > 0):
+        lines.append(
+            f"NOTICE: --split {data.split} is not used: finetune_llama.py trains on every example and evaluates "
+            "none, as Megatron-DeepSpeed's does"
+        )
+    return lines
 
 
 def check_logging(config: Config) -> None:
@@ -56,7 +88,7 @@ def check_launch(config: Config, dry_run: bool = False) -> list[str]:
     check_deepspeed(config)
     if config.training.deterministic_mode:
         determinism.check_environment(os.environ)
-    check_data(config, dry_run)
+    data_lines = check_data(config, dry_run)
     if config.training.exit_signal_handler and not config.checkpoint.save:
         raise ConfigError("--exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR; add it")
     notices = save_load.check_dirs(config, dry_run=dry_run)
@@ -68,4 +100,4 @@ def check_launch(config: Config, dry_run: bool = False) -> list[str]:
             raise
         # what this machine cannot run, previewed anyway (a login node previews a GPU node's run)
         notices.append(f"WARNING: a launch on this machine would stop here: {err} (--print-layout previews it anyway)")
-    return notices + deepspeed_config.launch_notices(config)
+    return data_lines + notices + deepspeed_config.launch_notices(config)

@@ -25,9 +25,9 @@ class BatchReader:
     reads_data: bool
     """The first or the last stage: the only stages whose `train_batch` reads micro-batches."""
 
-    def batches(self, dataset: Any, start_sample: int, num_workers: int) -> Iterator[Any] | None:
-        """This rank's micro-batches of `dataset` from global sample `start_sample`; None without a
-        dataset or on a stage that reads none."""
+    def batches(self, dataset: Any, start_sample: int, num_workers: int, repeat: bool = False) -> Iterator[Any] | None:
+        """This rank's micro-batches of `dataset` from global sample `start_sample` (pass after pass with
+        `repeat`); None without a dataset or on a stage that reads none."""
         from megatron_ds.data.gpt_data import pipeline_batches
 
         if dataset is None or not self.reads_data:
@@ -40,6 +40,7 @@ class BatchReader:
             start_sample,
             num_workers,
             self.seed,
+            repeat,
         )
 
 
@@ -70,6 +71,8 @@ def build_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
     from megatron_ds.data.tokenizer import build_tokenizer
 
     t = cfg.training
+    if cfg.data.prompt_data:
+        return _prompt_run_data(cfg, engine, state)
     tokenizer = None
     if cfg.data.tokenizer_type:
         tokenizer = build_tokenizer(
@@ -82,13 +85,7 @@ def build_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
     train, valid, test = build_gpt_datasets(
         cfg.data, cfg.model.seq_length, t.seed, requested_samples(t), tokenizer, cfg.model.vocab_size
     )
-    reader = BatchReader(
-        micro_batch_size=t.micro_batch_size,
-        data_parallel_rank=engine.grid.get_data_parallel_rank(),
-        data_parallel_size=cfg.parallel.data_parallel_size,
-        seed=t.seed,
-        reads_data=engine.is_first_stage() or engine.is_last_stage(),
-    )
+    reader = _reader(cfg, engine)
     return RunData(
         train=reader.batches(train, state.consumed_train_samples, cfg.data.num_workers),
         valid=reader.batches(valid, state.consumed_valid_samples, 0),
@@ -96,3 +93,37 @@ def build_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
         test_dataset=test,
         reader=reader,
     )
+
+
+def _reader(cfg: Config, engine: Any) -> BatchReader:
+    return BatchReader(
+        micro_batch_size=cfg.training.micro_batch_size,
+        data_parallel_rank=engine.grid.get_data_parallel_rank(),
+        data_parallel_size=cfg.parallel.data_parallel_size,
+        seed=cfg.training.seed,
+        reads_data=engine.is_first_stage() or engine.is_last_stage(),
+    )
+
+
+def _prompt_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
+    """finetune_llama.py: every example trains, none evaluates (as upstream's provider returns no validation or
+    test set); the examples were read and checked at launch (`launch_checks.check_prompt_data`)."""
+    from megatron_ds.data.prompt_data import build_prompt_data
+
+    reader = _reader(cfg, engine)
+    train = build_prompt_data(cfg.data, cfg.model.seq_length, cfg.model.vocab_size) if reader.reads_data else None
+    batches = reader.batches(train, state.consumed_train_samples, cfg.data.num_workers, cfg.data.repeated_dataloader)
+    if cfg.data.repeated_dataloader and state.consumed_train_samples and _is_rank_zero():
+        print(
+            f"NOTICE: --repeated-dataloader: resumed after {state.consumed_train_samples} samples, the examples are "
+            "read on as in an uninterrupted run (Megatron-DeepSpeed's loader would restart each later pass at that "
+            "sample)",
+            flush=True,
+        )
+    return RunData(train=batches, valid=None, has_valid=False, test_dataset=None, reader=reader)
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
