@@ -1,0 +1,120 @@
+"""finetune_llama.py end to end under torchrun on CPU: supervised fine-tuning on a JSON of examples over more than
+one pass (--repeated-dataloader), its exact resume across a pass boundary, and its launch errors as one line."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ds.testing.launch import run_torchrun
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT2 = ROOT / "tests" / "fixtures" / "megatron_deepspeed"
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*lm loss: ([0-9.E+-]+)")
+WORDS = "the cat sat on a mat and ran to see what is there in this world of many things".split()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """13 short examples and a GPT-2 BPE tokenizer without a pad token (HFTokenizer adds [PAD] as id 377)."""
+    root = tmp_path_factory.mktemp("finetune")
+    tok = root / "tok"
+    tok.mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(GPT2 / name, tok / name)
+    eos = "<|endoftext|>"
+    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": eos, "eos_token": eos, "unk_token": eos}
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    examples = [
+        {
+            "instruction": " ".join(WORDS[k % 7 : k % 7 + 2]),
+            "input": "" if k % 3 else WORDS[k % 11],
+            "output": " ".join(WORDS[k : k + 1 + k % 4]),
+        }
+        for k in range(13)
+    ]
+    (root / "examples.json").write_text(json.dumps(examples))
+    return {"tok": str(tok), "data": str(root / "examples.json"), "root": str(root)}
+
+
+def line(inputs: dict[str, str], *extra: str) -> list[str]:
+    """A tiny Llama-style line as finetune_llama.sh writes it. --make-vocab-size-divisible-by 1 keeps the model at
+    the tokenizer's 377 ids, so the added [PAD] (377) lies outside it, as Llama's does."""
+    return [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
+        "--seq-length", "200", "--max-position-embeddings", "200", "--swiglu", "--normalization", "rmsnorm",
+        "--use-rotary-position-embeddings", "--no-position-embedding", "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--make-vocab-size-divisible-by", "1", "--tokenizer-type", "HFTokenizer", "--tokenizer-model", inputs["tok"],
+        "--data-path", inputs["data"], "--split", "100,0,0", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", "6", "--lr", "1e-3", "--lr-decay-style", "constant", "--log-interval", "1",
+        "--eval-iters", "0", "--num-workers", "0", "--distributed-timeout-minutes", "2",
+        "--pipeline-model-parallel-size", "2", *extra,
+    ]  # fmt: skip
+
+
+def finetune(inputs: dict[str, str], *extra: str) -> str:
+    out = run_torchrun(2, [str(ROOT / "finetune_llama.py"), *line(inputs, *extra)], timeout=300, cwd=str(ROOT))
+    assert "killed after" not in out.stdout, out.stdout[-4000:]
+    assert out.returncode == 0, out.stdout[-4000:]
+    return out.stdout
+
+
+def losses(text: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in LOSS.finditer(text)}
+
+
+@pytest.fixture(scope="module")
+def straight(inputs: dict[str, str]) -> str:
+    """Six iterations: 24 samples of 12 per pass (the 13th example is dropped each pass), saved every 2."""
+    save = str(Path(inputs["root"]) / "ck")
+    return finetune(inputs, "--repeated-dataloader", "--save", save, "--save-interval", "2")
+
+
+def test_finetuning_runs_two_passes_over_the_examples(straight: str, inputs: dict[str, str]) -> None:
+    assert f"prompt data: 13 examples in {inputs['data']}, 12 samples per pass; the run trains on 24 (2.00 passes)" in (
+        straight
+    )
+    assert sorted(losses(straight)) == list(range(1, 7))
+    assert float(losses(straight)[6]) < float(losses(straight)[1])  # it learns the responses
+
+
+def test_resume_across_the_pass_boundary_is_exact(straight: str, inputs: dict[str, str]) -> None:
+    """Resumed after 2 iterations (8 samples): iterations 4-6 read the second pass as the straight run did."""
+    root = Path(inputs["root"])
+    second = finetune(
+        inputs,
+        "--repeated-dataloader",
+        "--load",
+        str(root / "ck"),
+        "--load-tag",
+        "global_step2",
+        "--save",
+        str(root / "ck2"),
+    )
+    assert "NOTICE: --repeated-dataloader: resumed after 8 samples" in second
+    assert sorted(losses(second)) == [3, 4, 5, 6]
+    assert losses(second) == {k: v for k, v in losses(straight).items() if k > 2}
+
+
+def test_too_few_examples_without_the_repeated_loader_is_one_line(inputs: dict[str, str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "finetune_llama.py"), *line(inputs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (
+        f"error: --data-path {inputs['data']} gives 12 samples per pass, the run trains on 24; add "
+        "--repeated-dataloader (as finetune_llama.sh does) or lower --train-iters to 3"
+    )
