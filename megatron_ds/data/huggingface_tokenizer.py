@@ -73,6 +73,10 @@ class HuggingFaceTokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
 
+    def piece(self, token_id: int) -> str | None:
+        """The tokenizer's token string for one id (`convert_ids_to_tokens`: a SentencePiece piece, a BPE token)."""
+        return self._tok.convert_ids_to_tokens(int(token_id))
+
     # DataLoader workers under the spawn start method pickle the dataset and its tokenizer.
     def __getstate__(self) -> dict[str, Any]:
         return {"directory": self.directory}

@@ -141,9 +141,9 @@ class PromptData(torch.utils.data.Dataset):
             "position_ids": torch.arange(len(tokens)),
         }
 
-    def untrained(self) -> int:
-        """Examples whose response lies wholly beyond `seq_length` (no label is trained on)."""
-        return int(((self.labels[:, 1:] != self.pad).sum(1) == 0).sum())
+    def untrained(self) -> list[int]:
+        """The examples whose response lies wholly beyond `seq_length` (no label is trained on)."""
+        return ((self.labels[:, 1:] != self.pad).sum(1) == 0).nonzero().flatten().tolist()
 
 
 @functools.lru_cache(maxsize=1)

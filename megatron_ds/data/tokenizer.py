@@ -56,6 +56,11 @@ class Tokenizer:
         """megatron-core checks `pad` against `eos` and `eod`; they are the same token here."""
         return self.eod
 
+    def piece(self, token_id: int) -> str | None:
+        """The vocabulary's own string for one id (a SentencePiece piece, a byte-level BPE token), comparable across
+        tokenizer types that read the same vocabulary; None when there is no such string (ids only)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
 
@@ -112,6 +117,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def piece(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))
 
     # DataLoader workers under the spawn start method pickle the dataset and its tokenizer.
     def __getstate__(self) -> dict[str, Any]:
@@ -190,6 +198,9 @@ class GPT2BPETokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         chars = "".join(self._decoder[int(i)] for i in ids)
         return bytes(self._byte_decoder[c] for c in chars).decode("utf-8", errors="replace")
+
+    def piece(self, token_id: int) -> str | None:
+        return self._decoder.get(int(token_id))
 
     def _word_ids(self, word: str) -> list[int]:
         symbols = "".join(self._byte_encoder[b] for b in word.encode("utf-8"))

@@ -49,10 +49,15 @@ def check_prompt_data(config: Config) -> list[str]:
     path, wanted = data.data_path[0], requested_samples(t)[0]
     per_pass = samples_per_pass(len(prompts), t.micro_batch_size, config.parallel.data_parallel_size)
     lines = [check_length(path, len(prompts), per_pass, wanted, t.global_batch_size, data.repeated_dataloader)]
-    if prompts.untrained():
+    untrained = prompts.untrained()
+    if untrained:
+        shown = ", ".join(str(k) for k in untrained[:5]) + (
+            f" and {len(untrained) - 5} more" if len(untrained) > 5 else ""
+        )
         lines.append(
-            f"NOTICE: {prompts.untrained()} examples of {path} have no response token within --seq-length "
-            f"{config.model.seq_length}: they train nothing"
+            f"NOTICE: --data-path {path}: {'examples' if len(untrained) > 1 else 'example'} {shown} (counting from 0) "
+            f"{'have' if len(untrained) > 1 else 'has'} no response token within --seq-length {config.model.seq_length}: "
+            "the prompt fills it, nothing is trained on"
         )
     fractions = split_fractions(data.split) or [1.0, 0.0, 0.0]
     if t.eval_iters > 0 and (fractions[1] > 0 or fractions[2] > 0):

@@ -117,6 +117,40 @@ def test_another_tokenizer_is_a_notice_or_if_its_vocabulary_differs_an_error(tmp
     assert tokenizer_notice(meta, Config(model=LLAMA), "ck", "global_step0") is None  # --mock-data: nothing to compare
 
 
+SFT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "megatron_deepspeed_sft"
+
+
+@pytest.mark.parametrize(
+    ("saved", "files"),
+    [
+        (
+            DataConfig(
+                tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(SFT / "tok_llama" / "tokenizer.model")
+            ),
+            "tok_llama",
+        ),
+        (
+            DataConfig(
+                tokenizer_type="GPT2BPETokenizer",
+                vocab_file=str(SFT / "tok_gpt2" / "vocab.json"),
+                merge_file=str(SFT / "tok_gpt2" / "merges.txt"),
+            ),
+            "tok_gpt2",
+        ),
+    ],
+)
+def test_a_hugging_face_directory_of_the_imported_tokenizer_has_its_vocabulary(saved: DataConfig, files: str) -> None:
+    """An HF import records the SentencePiece model (or GPT-2 files) it copied; fine-tuning then reads the HF directory
+    with HFTokenizer. The pieces are compared, not their decoded text (SentencePiece decodes <unk> as ' ⁇ ' and
+    control tokens as '', transformers as '<unk>', '<s>')."""
+    pytest.importorskip("transformers")
+    meta = {"config": Config(model=LLAMA, data=saved).to_dict()}
+    for kind in ("HFTokenizer", "HuggingFaceTokenizer"):
+        ours = Config(model=LLAMA, data=DataConfig(tokenizer_type=kind, tokenizer_model=str(SFT / files)))
+        notice = tokenizer_notice(meta, ours, "ck", "global_step0")
+        assert notice is not None and notice.endswith(f"this run's {kind} ({SFT / files}) has the same vocabulary")
+
+
 def test_nccl_without_gpus_is_a_one_line_error_before_any_process_group() -> None:
     from megatron_ds.estimate.machine import CPU
 

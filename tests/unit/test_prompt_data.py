@@ -123,7 +123,7 @@ def test_the_prompt_is_masked_and_the_response_and_eos_are_trained(tmp_path: Pat
         n = len(whole)
         assert item["tokens"][:n].tolist() == whole[:n] and item["tokens"][n:].eq(tok.pad).all()  # in range
         assert item["position_ids"].tolist() == list(range(256))
-    assert data.untrained() == 0
+    assert data.untrained() == []
 
 
 def test_a_pad_id_outside_the_model_is_fed_as_eos(tmp_path: Path) -> None:
@@ -151,7 +151,7 @@ def test_an_out_of_vocabulary_token_in_an_example_is_refused(tmp_path: Path) -> 
 def test_a_prompt_longer_than_the_sequence_trains_nothing(tmp_path: Path) -> None:
     tok = build_tokenizer("HFTokenizer", tokenizer_model=str(tokenizer_dir(tmp_path)))
     data = PromptData(write_examples(tmp_path, EXAMPLES), tok, 32, 384)
-    assert data.untrained() == 3 and all(not data[k]["loss_mask"].any() for k in range(3))
+    assert data.untrained() == [0, 1, 2] and all(not data[k]["loss_mask"].any() for k in range(3))
     assert all(not data[k]["tokens"].eq(tok.pad).any() for k in range(3))  # truncated: no padding
 
 
@@ -229,6 +229,11 @@ def test_launch_checks_read_the_examples(tmp_path: Path) -> None:
         launch(tmp_path, "--train-iters", "2")
     assert launch(tmp_path, "--repeated-dataloader", "--train-iters", "3")[0].endswith("trains on 6 (2.00 passes)")
     assert any("--split 969,30,1 is not used" in ln for ln in launch(tmp_path, "--repeated-dataloader"))
+    short = launch(tmp_path, "--seq-length", "32", "--max-position-embeddings", "32")
+    assert (
+        f"NOTICE: --data-path {tmp_path / 'examples.json'}: examples 0, 1, 2 (counting from 0) have no response"
+        in (short[1])
+    )
 
 
 @pytest.mark.parametrize(

@@ -82,11 +82,14 @@ def _name(fields: dict[str, Any]) -> str:
 
 
 def _first_difference(a: Tokenizer, b: Tokenizer) -> str | None:
-    """The first way two vocabularies differ (size, an id whose token differs, eod), or None."""
+    """The first way two vocabularies differ (size, an id whose token differs, eod), or None. Tokens are compared as
+    the vocabulary's strings when both have them (`Tokenizer.piece`: a SentencePiece model and the Hugging Face
+    tokenizer made from it decode `<unk>` and control tokens differently but hold the same pieces), else decoded."""
     if a.vocab_size != b.vocab_size:
         return f"{a.vocab_size} vs {b.vocab_size} tokens"
+    by_piece = a.piece(0) is not None and b.piece(0) is not None
     for i in range(a.vocab_size):
-        x, y = a.detokenize([i]), b.detokenize([i])
+        x, y = (a.piece(i), b.piece(i)) if by_piece else (a.detokenize([i]), b.detokenize([i]))
         if x != y:
             return f"id {i} is {x!r} vs {y!r}"
     return f"end-of-document id {a.eod} vs {b.eod}" if a.eod != b.eod else None
