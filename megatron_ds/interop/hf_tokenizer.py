@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 
+from megatron_ds.data.huggingface_tokenizer import HuggingFaceTokenizer
 from megatron_ds.data.tokenizer import GPT2_EOD_TOKEN, GPT2BPETokenizer, SentencePieceTokenizer, Tokenizer
 from megatron_ds.files import write_json
 from megatron_ds.interop import sentencepiece_json
@@ -21,10 +22,25 @@ from megatron_ds.interop import sentencepiece_json
 SP_FILE, VOCAB_FILE, MERGES_FILE = "tokenizer.model", "vocab.json", "merges.txt"
 
 
+HF_DIRECTORY_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+"""The files a Hugging Face tokenizer directory may hold; an export copies those it finds."""
+
+
 def special_ids(tok: Tokenizer | None) -> dict[str, int]:
     """bos/eos/pad token ids for config.json and generation_config.json."""
     if tok is None:
         return {}
+    if isinstance(tok, HuggingFaceTokenizer):
+        return _directory_ids(tok)
     ids = {"eos_token_id": tok.eod}
     if isinstance(tok, SentencePieceTokenizer):
         bos = tok._sp.bos_id()
@@ -37,8 +53,22 @@ def special_ids(tok: Tokenizer | None) -> dict[str, int]:
     return ids
 
 
+def _directory_ids(tok: HuggingFaceTokenizer) -> dict[str, int]:
+    """A tokenizer directory's own bos/eos/pad ids: not those HFTokenizer added (a `[PAD]` after the vocabulary has
+    no embedding row in the exported model)."""
+    hf = tok.hf_tokenizer
+    ids = {f"{role}_token_id": getattr(hf, f"{role}_token_id") for role in ("bos", "eos", "pad")}
+    return {k: int(v) for k, v in ids.items() if v is not None and 0 <= int(v) < tok.vocab_size}
+
+
 def export_tokenizer(tok: Tokenizer | None, out_dir: str, max_length: int) -> list[str]:
-    """Write `tok` as HF tokenizer files into `out_dir`; returns the file names (none without a tokenizer)."""
+    """Write `tok` as HF tokenizer files into `out_dir`; returns the file names (none without a tokenizer). A Hugging
+    Face directory's files (HFTokenizer, HuggingFaceTokenizer) are copied as they are."""
+    if isinstance(tok, HuggingFaceTokenizer):
+        names = [n for n in HF_DIRECTORY_FILES if os.path.isfile(os.path.join(tok.directory, n))]
+        for name in names:
+            shutil.copyfile(os.path.join(tok.directory, name), os.path.join(out_dir, name))
+        return names
     if isinstance(tok, GPT2BPETokenizer):
         shutil.copyfile(tok.vocab_file, os.path.join(out_dir, VOCAB_FILE))
         shutil.copyfile(tok.merge_file, os.path.join(out_dir, MERGES_FILE))

@@ -118,3 +118,55 @@ def test_too_few_examples_without_the_repeated_loader_is_one_line(inputs: dict[s
         f"error: --data-path {inputs['data']} gives 12 samples per pass, the run trains on 24; add "
         "--repeated-dataloader (as finetune_llama.sh does) or lower --train-iters to 3"
     )
+
+
+def test_a_hugging_face_llama_fine_tunes_and_exports_with_its_tokenizer(tmp_path: Path) -> None:
+    """transformers' Llama -> tools/convert_checkpoint.py --from hf -> finetune_llama.py --finetune with HFTokenizer on
+    the same directory -> --to hf: transformers computes our logits, with the directory's own tokenizer files and
+    special ids (not HFTokenizer's added [PAD], which has no embedding row)."""
+    import torch
+    import transformers
+
+    from megatron_ds.inference import load_model
+
+    sft = ROOT / "tests" / "fixtures" / "megatron_deepspeed_sft"
+    hf = tmp_path / "tiny-llama"
+    config = transformers.LlamaConfig(
+        vocab_size=700, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(sft / "tok_llama" / name, hf / name)
+    tool = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
+    imported = subprocess.run([*tool, "--from", "hf", str(hf), str(tmp_path / "ck")], capture_output=True, text=True)
+    assert imported.returncode == 0, imported.stderr
+    flags = imported.stdout.split("pretrain_gpt.py ", 1)[1].split(" --tokenizer-type")[0].split()
+    out = run_torchrun(
+        2,
+        [
+            str(ROOT / "finetune_llama.py"), *flags, "--finetune", "--tokenizer-type", "HFTokenizer",
+            "--tokenizer-model", str(hf), "--data-path", str(sft / "alpaca.json"), "--seq-length", "32",
+            "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "2", "--lr", "1e-3", "--split", "100,0,0", "--eval-iters", "0", "--num-workers", "0",
+            "--distributed-timeout-minutes", "2", "--save", str(tmp_path / "sft"),
+        ],
+        timeout=300,
+        cwd=str(ROOT),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "this run's HFTokenizer" in out.stdout and "has the same vocabulary" in out.stdout
+    exported = subprocess.run([*tool, "--to", "hf", str(tmp_path / "sft"), str(tmp_path / "out")], capture_output=True)
+    assert exported.returncode == 0, exported.stderr
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (hf / name).read_bytes()
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (saved["bos_token_id"], saved["eos_token_id"], saved.get("pad_token_id")) == (1, 2, None)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ours = load_model(str(tmp_path / "sft"), vocab_size=700)
+    tokens = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")("### Response: hi", return_tensors="pt")
+    with torch.no_grad():
+        assert (ours(tokens.input_ids) - theirs(tokens.input_ids).logits).abs().max().item() <= 1e-4
+        before = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()(tokens.input_ids).logits
+        assert (before - theirs(tokens.input_ids).logits).abs().max().item() > 1e-3  # fine-tuning changed the model
