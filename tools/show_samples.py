@@ -8,6 +8,7 @@
 Takes pretrain_gpt.py's flags (a whole launch line works; the data, tokenizer, batch, length, split
 and seed flags decide the samples, with --data-upstream and --misaligned-append-eod) plus
 --num-samples N, and --consumed-samples K to start after K samples (where a resumed run continues).
+A finetune_llama.py line (add --prompt-data) prints its examples' samples and what each trains on.
 Prints each sample's seq_length + 1 token ids (tokens, then the last label), with the decoded text
 when a tokenizer is given; `--json` prints `{"samples": [[ids], ...]}` alone on stdout (the split
 report goes to stderr). The global batch defaults to --micro-batch-size times the data-parallel size
@@ -67,8 +68,9 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
     return dataclasses.replace(training, train_iters=train_length(args, gbs, args.seq_length)[0])
 
 
-def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
-    """The ids of samples [consumed, consumed + num_samples) of the training split, and the tokenizer."""
+def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any, list[list[int]] | None]:
+    """The ids of samples [consumed, consumed + num_samples) of the training split, the tokenizer, and for prompt
+    data (`--prompt-data`, finetune_llama.py's) the ids each sample trains on."""
     from megatron_ds.data.gpt_data import build_gpt_datasets
     from megatron_ds.data.splits import requested_samples
     from megatron_ds.data.tokenizer import build_tokenizer
@@ -80,6 +82,8 @@ def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
         tokenizer = build_tokenizer(
             data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file, vocab_size=args.vocab_size
         )
+    if data.prompt_data:
+        return (*prompt_samples(args, data, training, tokenizer),)
     vocab = args.vocab_size or (tokenizer.vocab_size if tokenizer else 0)
     train, _, _ = build_gpt_datasets(
         data, args.seq_length, training.seed, requested_samples(training), tokenizer, vocab
@@ -91,7 +95,38 @@ def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
             f"has {len(train)} samples for this line; ask for fewer"
         )
     rows = [train[i] for i in range(args.consumed_samples, end)]
-    return [r["tokens"].tolist() + [int(r["labels"][-1])] for r in rows], tokenizer
+    return [r["tokens"].tolist() + [int(r["labels"][-1])] for r in rows], tokenizer, None
+
+
+def prompt_samples(args: argparse.Namespace, data: Any, training: TrainingConfig, tokenizer: Any) -> tuple:
+    """finetune_llama.py's samples in training order: each example's seq_length + 1 ids (padded) and the ids it
+    trains on (the response and its eos), pass after pass with --repeated-dataloader."""
+    from megatron_ds.config import padded_vocab_size
+    from megatron_ds.data.prompt_data import PromptData, check_length, samples_per_pass
+
+    if tokenizer is None or not data.data_path:
+        raise ConfigError(
+            "--prompt-data needs --data-path EXAMPLES.json and --tokenizer-type HFTokenizer --tokenizer-model DIR"
+        )
+    vocab = args.vocab_size or padded_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    )
+    dataset = PromptData(data.data_path[0], tokenizer, args.seq_length, vocab)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    dp = max(1, world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
+    per_pass = samples_per_pass(len(dataset), training.micro_batch_size, dp)
+    end = args.consumed_samples + args.num_samples
+    if per_pass and end > per_pass and not data.repeated_dataloader:
+        raise ConfigError(
+            f"--consumed-samples {args.consumed_samples} --num-samples {args.num_samples}: one pass over "
+            f"{data.data_path[0]} gives {per_pass} samples; ask for fewer or add --repeated-dataloader"
+        )
+    check_length(data.data_path[0], len(dataset), per_pass, 0, training.global_batch_size, data.repeated_dataloader)
+    print(f"prompt data: {len(dataset)} examples in {data.data_path[0]}, {per_pass} samples per pass")
+    order = [k % per_pass for k in range(args.consumed_samples, end)]
+    rows = [dataset[k] for k in order]
+    ids = [dataset.ids[k].tolist() for k in order]  # the example's seq_length + 1 ids, padding included
+    return ids, tokenizer, [r["labels"][r["loss_mask"].bool()].tolist() for r in rows]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,17 +135,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
         report = sys.stderr if args.json else sys.stdout
         with contextlib.redirect_stdout(report):  # the notices and split report of the build
-            ids, tokenizer = samples(args)
+            ids, tokenizer, trained = samples(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"samples": ids}))
+        print(json.dumps({"samples": ids} if trained is None else {"samples": ids, "trained": trained}))
         return 0
     for k, row in enumerate(ids, args.consumed_samples):
         print(f"sample {k}: {' '.join(map(str, row))}")
         if tokenizer is not None:
-            print(f"  text: {tokenizer.detokenize(row)!r}")
+            shown = row if trained is None else [i for i in row if i != tokenizer.pad]  # not the padding
+            print(f"  text: {tokenizer.detokenize(shown)!r}")
+        if trained is not None:
+            print(f"  trained on: {tokenizer.detokenize(trained[k - args.consumed_samples])!r}")
     return 0
 
 

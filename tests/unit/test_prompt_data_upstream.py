@@ -78,3 +78,24 @@ def test_an_out_of_vocabulary_pad_differs_only_where_padding_is_read() -> None:
             [float(m) for m in r] for r in theirs["loss_mask"]
         ]
     assert padded > 0
+
+
+def test_show_samples_prints_upstreams_samples_and_what_they_train_on(capsys: pytest.CaptureFixture) -> None:
+    """tools/show_samples.py on the llama case's line: samples 10-17 (the pass wraps after 12) are upstream's
+    micro-batches 5-8, each example's seq_length + 1 ids, and what it trains on is its counted labels."""
+    from megatron_ds.data.demo_corpus import _load_tool
+
+    ref = reference("llama")
+    tool = _load_tool("show_samples")
+    assert tool.main([*our_line(ref), "--num-samples", "8", "--consumed-samples", "10", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    theirs = ref["micro_batches"][5:9]
+    tokens = [row for mb in theirs for row in mb["tokens"]]
+    assert [ids[:-1] for ids in shown["samples"]] == tokens
+    counted = [
+        [label for label, m in zip(labels, mask) if m]
+        for mb in theirs
+        for labels, mask in zip(mb["labels"], mb["loss_mask"])
+    ]
+    assert shown["trained"] == counted
+    assert [e for mb in theirs for e in mb["example"]] == [10, 11, 0, 1, 2, 3, 4, 5]
