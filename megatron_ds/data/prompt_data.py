@@ -74,14 +74,10 @@ def _prompt_and_output(path: str, k: int, example: Any) -> tuple[str, str]:
     return template.format(instruction=example["instruction"], input=given), example["output"]
 
 
-def count_examples(path: str) -> int:
-    """How many examples the file holds (checked as `read_examples` checks them), before any process starts."""
-    return len(read_examples(path))
-
-
 def _padded_ids(hf: Any, texts: Sequence[str], length: int) -> list[list[int]]:
-    """Each text as `length` ids, right-padded or truncated, as upstream calls the tokenizer."""
-    return [list(hf(text, padding="max_length", max_length=length, truncation=True).input_ids) for text in texts]
+    """Each text as `length` ids, right-padded or truncated, as upstream calls the tokenizer (one text at a time
+    there; one batched call here gives the same ids, since every text is padded to `length` alone)."""
+    return [list(ids) for ids in hf(list(texts), padding="max_length", max_length=length, truncation=True).input_ids]
 
 
 class PromptData(torch.utils.data.Dataset):
