@@ -40,6 +40,14 @@ def test_missing_empty_or_only_our_hidden_leftovers_is_a_first_launch(tmp_path: 
     )
 
 
+def test_finetune_from_nothing_is_a_warning(tmp_path: Path) -> None:
+    """finetune_llama.sh's --finetune --load of a missing directory trains from random weights (upstream carries on)."""
+    assert save_load.check_dirs(config(load=str(tmp_path / "none"), finetune=True)) == [
+        f"WARNING: --finetune --load {tmp_path / 'none'}: no checkpoint there, so nothing is fine-tuned: the weights "
+        "start random, as Megatron-DeepSpeed carries on (--exit-on-missing-checkpoint makes this an error)"
+    ]
+
+
 def test_exit_on_missing_checkpoint_makes_it_an_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no checkpoint yet and --exit-on-missing-checkpoint is given"):
         save_load.check_dirs(config(load=str(tmp_path), exit_on_missing_checkpoint=True))

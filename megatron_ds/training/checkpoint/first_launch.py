@@ -22,15 +22,20 @@ _SHOWN = 4
 """Entries named in the error; the rest are counted."""
 
 
-def first_launch_notice(load_dir: str) -> str:
-    """The one line a first launch prints (rank 0)."""
+def first_launch_notice(load_dir: str, finetune: bool = False) -> str:
+    """The one line a first launch prints (rank 0); a warning with `--finetune`, which has nothing to start from."""
+    if finetune:
+        return (
+            f"WARNING: --finetune --load {load_dir}: no checkpoint there, so nothing is fine-tuned: the weights start "
+            f"random, as Megatron-DeepSpeed carries on (--exit-on-missing-checkpoint makes this an error)"
+        )
     return (
         f"NOTICE: --load {load_dir} holds no checkpoint yet: starting from scratch, as Megatron-DeepSpeed does "
         f"(--exit-on-missing-checkpoint makes this an error)"
     )
 
 
-def check_without_checkpoint(load_dir: str, exit_on_missing: bool) -> str:
+def check_without_checkpoint(load_dir: str, exit_on_missing: bool, finetune: bool = False) -> str:
     """For a `--load` without `latest`: the first-launch notice, or a CheckpointError naming what the
     directory holds instead (or `--exit-on-missing-checkpoint`'s refusal)."""
     if os.path.exists(load_dir) and not os.path.isdir(load_dir):
@@ -46,7 +51,7 @@ def check_without_checkpoint(load_dir: str, exit_on_missing: bool) -> str:
             f"--load {load_dir}: no checkpoint yet and --exit-on-missing-checkpoint is given; check the path, "
             f"or drop the flag to start from scratch"
         )
-    return first_launch_notice(load_dir)
+    return first_launch_notice(load_dir, finetune)
 
 
 def unexpected_entries(load_dir: str) -> list[str]:

@@ -179,7 +179,7 @@ def check_dirs(config: Config, dry_run: bool = False) -> list[str]:
         return []
     tag = load_tag(ck.load, ck.load_tag)
     if tag is None:
-        return [first_launch.check_without_checkpoint(ck.load, ck.exit_on_missing_checkpoint)]
+        return [first_launch.check_without_checkpoint(ck.load, ck.exit_on_missing_checkpoint, ck.finetune)]
     meta = read_meta(ck.load, tag)
     check_compatible(meta, config, ck.load, tag)
     if store.is_universal(meta):
