@@ -178,3 +178,14 @@ def check_length(path: str, num_examples: int, per_pass: int, wanted: int, globa
         f"prompt data: {num_examples} examples in {path}, {per_pass} samples per pass; the run trains on {wanted} "
         f"({passes:.2f} passes)"
     )
+
+
+def untrained_notice(path: str, examples: list[int], seq_length: int) -> str:
+    """The launch's line naming the examples whose prompt fills the sequence (the first five, then a count)."""
+    shown = ", ".join(str(k) for k in examples[:5]) + (f" and {len(examples) - 5} more" if len(examples) > 5 else "")
+    many = len(examples) > 1
+    return (
+        f"NOTICE: --data-path {path}: {'examples' if many else 'example'} {shown} (counting from 0) "
+        f"{'have' if many else 'has'} no response token within --seq-length {seq_length}: the prompt fills it, "
+        "nothing is trained on"
+    )

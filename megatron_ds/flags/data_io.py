@@ -60,8 +60,8 @@ DATA: tuple[Flag, ...] = (
         "`SentencePieceTokenizer` or `GPTSentencePieceTokenizer`, `NullTokenizer` (token ids as they are, "
         "--vocab-size of them, eod the last: megatron-core's) or `HuggingFaceTokenizer` (--tokenizer-model a "
         "local directory read by transformers' AutoTokenizer; nothing is downloaded) or `HFTokenizer` (Megatron-DeepSpeed's: "
-        "the same directory read as its finetune_llama.py reads it, slow tokenizer, a missing pad, eos, bos or unk token "
-        "added, the base vocabulary sized without them). SentencePieceTokenizer is "
+        "the same directory read as its finetune_llama.py reads it: AutoTokenizer with use_fast=False, a missing pad, eos, "
+        "bos or unk token added, the model's vocabulary the base one without them). SentencePieceTokenizer is "
         "Megatron's GPTSentencePieceTokenizer here: eod is the model's eos and no special tokens are added",
         "data.tokenizer_type",
         choices=TOKENIZER_TYPES,

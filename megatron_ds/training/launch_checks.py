@@ -39,7 +39,7 @@ def check_prompt_data(config: Config) -> list[str]:
     """finetune_llama.py's JSON: every example tokenized (on every rank alike, before any process group), enough
     samples for the run (or --repeated-dataloader); what it prints."""
     from megatron_ds.config.data import split_fractions
-    from megatron_ds.data.prompt_data import build_prompt_data, check_length, samples_per_pass
+    from megatron_ds.data.prompt_data import build_prompt_data, check_length, samples_per_pass, untrained_notice
     from megatron_ds.data.splits import requested_samples
 
     data, t = config.data, config.training
@@ -49,16 +49,8 @@ def check_prompt_data(config: Config) -> list[str]:
     path, wanted = data.data_path[0], requested_samples(t)[0]
     per_pass = samples_per_pass(len(prompts), t.micro_batch_size, config.parallel.data_parallel_size)
     lines = [check_length(path, len(prompts), per_pass, wanted, t.global_batch_size, data.repeated_dataloader)]
-    untrained = prompts.untrained()
-    if untrained:
-        shown = ", ".join(str(k) for k in untrained[:5]) + (
-            f" and {len(untrained) - 5} more" if len(untrained) > 5 else ""
-        )
-        lines.append(
-            f"NOTICE: --data-path {path}: {'examples' if len(untrained) > 1 else 'example'} {shown} (counting from 0) "
-            f"{'have' if len(untrained) > 1 else 'has'} no response token within --seq-length {config.model.seq_length}: "
-            "the prompt fills it, nothing is trained on"
-        )
+    if prompts.untrained():
+        lines.append(untrained_notice(path, prompts.untrained(), config.model.seq_length))
     fractions = split_fractions(data.split) or [1.0, 0.0, 0.0]
     if t.eval_iters > 0 and (fractions[1] > 0 or fractions[2] > 0):
         lines.append(
