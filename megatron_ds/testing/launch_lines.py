@@ -8,9 +8,11 @@ The lines come from `tools/capture_launch_lines.py` (tests/data/launch_lines.jso
 training command line and the DeepSpeed JSON it writes, captured with stub launchers). Each line is
 replayed as a launch on the GPUs the capture's `nvidia-smi` stub reported: the flags parsed with the
 launcher's world size, the DeepSpeed JSON merged, the `--load`/`--save` directories, optional
-packages and the layout checked, exactly as `pretrain_gpt.py` does before any process group exists.
+packages and the layout checked, exactly as `pretrain_gpt.py` does before any process group exists
+(a `finetune_llama.py` line with the `--prompt-data` that entry adds).
 Stand-ins, so that the line is judged and not the machine: tokenizer files of the same vocabulary
-size (GPT-2's 50257, SentencePiece 32000), fresh empty directories for the ones the script created,
+size (GPT-2's 50257, SentencePiece 32000, a Hugging Face directory of 32000 for HFTokenizer and
+HuggingFaceTokenizer), fresh empty directories for the ones the script created,
 optional packages (tensorboard) taken as installed, and the data files are not opened (they are
 the user's).
 """
