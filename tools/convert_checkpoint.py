@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=QKV_LAYOUTS,
         default=None,
         help="--from megatron-deepspeed: the fused QKV rows of each tensor rank, `blocked` (all q, then k, then v: "
-        "Megatron-DeepSpeed since Dec 2024, the default) or `interleaved` (per head group: older releases)",
+        "Megatron-DeepSpeed since Dec 2024, the default) or `interleaved` (per head group: older releases, and the "
+        "default for what its tools/hf2megads_weight_converter.py wrote)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -166,14 +167,14 @@ def _from_megatron_deepspeed(args: argparse.Namespace, rest: list[str], tokenize
     from megatron_ds.interop.megatron_deepspeed import import_megatron_deepspeed
 
     result = import_megatron_deepspeed(
-        args.source, args.output, args.qkv_layout or "blocked", tokenizer, show_progress=not args.no_progress
+        args.source, args.output, args.qkv_layout, tokenizer, show_progress=not args.no_progress
     )
     par = result.config.parallel
     carried = f"optimizer state ({', '.join(result.states)})" if result.states else "no optimizer state"
     print(
         f"converted Megatron-DeepSpeed {os.path.abspath(args.source)} ({result.tag}, iteration {result.iteration}, "
         f"T={par.tensor_model_parallel_size} P={par.pipeline_model_parallel_size}, QKV rows "
-        f"{args.qkv_layout or 'blocked'}) to {result.output}: weights and {carried}"
+        f"{result.qkv_layout}) to {result.output}: weights and {carried}"
     )
     _print_continuation(result.notes, result.output, result.train_flags)
 

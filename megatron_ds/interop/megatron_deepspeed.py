@@ -22,7 +22,7 @@ from megatron_ds.config import Config
 from megatron_ds.interop import converted
 from megatron_ds.interop import megatron_deepspeed_args as saved_args
 from megatron_ds.interop.megatron_deepspeed_files import MegatronDeepSpeedCheckpoint, open_megatron_deepspeed
-from megatron_ds.interop.megatron_deepspeed_layout import BLOCKED, QKV_LAYOUTS
+from megatron_ds.interop.megatron_deepspeed_layout import BLOCKED, INTERLEAVED, QKV_LAYOUTS
 from megatron_ds.interop.megatron_deepspeed_source import MegatronDeepSpeedSource, check_split
 from megatron_ds.training.checkpoint.directory import CONVERTED, CheckpointError
 from megatron_ds.training.checkpoint.universal.convert import SUFFIX
@@ -44,20 +44,25 @@ class ImportResult:
     train_flags: list[str]
     """Our flags for its model, tokenizer and schedule (Megatron-DeepSpeed's spelling)."""
     notes: list[str] = field(default_factory=list)
+    qkv_layout: str = BLOCKED
+    """How each tensor rank's fused QKV rows were read (`QKV_LAYOUTS`)."""
 
 
 def import_megatron_deepspeed(
     source: str,
     output: str,
-    qkv_layout: str = BLOCKED,
+    qkv_layout: str | None = None,
     tokenizer: dict[str, str | None] | None = None,
     show_progress: bool = True,
 ) -> ImportResult:
     """Convert Megatron-DeepSpeed checkpoint `source` (its --save directory or a global_step directory)
-    into `output` (created; never overwritten)."""
-    if qkv_layout not in QKV_LAYOUTS:
+    into `output` (created; never overwritten). `qkv_layout` None: the one its writer used (`written_qkv_layout`)."""
+    if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
         raise CheckpointError(f"--qkv-layout {qkv_layout}: choose one of {', '.join(QKV_LAYOUTS)}")
     mds = open_megatron_deepspeed(source)
+    layout_note = None
+    if qkv_layout is None:
+        qkv_layout, layout_note = written_qkv_layout(mds)
     tokenizer_flags, note = saved_args.tokenizer_flags(mds, tokenizer or {})
     config = saved_args.config_from_args(mds, tokenizer_flags)
     layout = resolve_layout(config)  # a layout error now, before anything is written
@@ -71,13 +76,29 @@ def import_megatron_deepspeed(
         check_split,
         show_progress,
     )
-    notes = [note] if note else []
+    notes = [n for n in (layout_note, note) if n]
     if not states:
         notes.append("no optimizer state in the source: a resume from it starts the optimizer's moments at zero")
     flags = saved_args.render(mds.args, saved_args.MODEL_ARGS) + ["--vocab-size", str(saved_args.vocab_size(mds))]
     flags += tokenizer_flags + saved_args.render(mds.args, saved_args.TRAINING_ARGS)
     return ImportResult(
-        os.path.abspath(output), mds.tag, config, meta["train_state"]["iteration"], states, flags, notes
+        os.path.abspath(output), mds.tag, config, meta["train_state"]["iteration"], states, flags, notes, qkv_layout
+    )
+
+
+def written_qkv_layout(mds: MegatronDeepSpeedCheckpoint) -> tuple[str, str | None]:
+    """The QKV row order of a checkpoint, and a note when it is not the current release's training order: a
+    Hugging Face model written by upstream's `tools/hf2megads_weight_converter.py` (its saved args carry
+    `--hf-ckpt-dir`) has its rows per key/value group (`refactor._qkv_refactor`, also at 4efb479, whose model reads
+    them blocked); anything else is taken as trained by the current release (blocked)."""
+    hf_dir = mds.args.get("hf_ckpt_dir")
+    if not hf_dir or mds.args.get("to_hf_ckpt"):
+        return BLOCKED, None
+    return INTERLEAVED, (
+        f"{mds.directory} was written by Megatron-DeepSpeed's tools/hf2megads_weight_converter.py (from {hf_dir}), "
+        "which orders each tensor rank's QKV rows per key/value group: read as --qkv-layout interleaved, the Hugging "
+        "Face model it converted (Megatron-DeepSpeed's own model at 4efb479 reads them blocked, so its training from "
+        "this checkpoint scrambles the attention heads of a rank that holds more than one key/value head)"
     )
 
 

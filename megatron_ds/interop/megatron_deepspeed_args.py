@@ -69,8 +69,9 @@ TRAINING_ARGS = (
     *saved_flags.ADAM_AND_PRECISION_ARGS,
 )
 """What a resume compares (batch sizes, optimizer, schedule) and records."""
-TOKENIZER_FILES = saved_flags.TOKENIZER_FILES
-"""Tokenizers of upstream's we build, and the files each needs (recorded only if they still exist)."""
+TOKENIZER_FILES = {**saved_flags.TOKENIZER_FILES, "HFTokenizer": ("tokenizer_model",)}
+"""Tokenizers of upstream's we build, and the files each needs (recorded only if they still exist; HFTokenizer's
+`--tokenizer-model` is a Hugging Face directory)."""
 
 
 def _rotary(a: dict[str, Any]) -> bool:

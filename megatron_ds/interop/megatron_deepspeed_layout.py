@@ -37,7 +37,9 @@ QKV_LAYOUTS = (BLOCKED, INTERLEAVED)
 heads, then its key heads, then its value heads (Megatron-DeepSpeed since PR #441, Dec 2024, and
 at its current commit: `mixed_x_layer[..., :projection_size]` ...). `interleaved`: per key/value
 group, its query heads, its key head, its value head (older releases, and PR #469: the view
-`[sq, b, nkv, nq/nkv + 2, hd]` of `split_tensor`). Nothing in a checkpoint tells them apart."""
+`[sq, b, nkv, nq/nkv + 2, hd]` of `split_tensor`; also what `tools/hf2megads_weight_converter.py` writes, at the
+current commit too). A trained checkpoint does not say which; a converter's output does (its saved args:
+`megatron_deepspeed.written_qkv_layout`)."""
 
 LAYER_KEYS = {
     "input_norm.weight": "input_layernorm.weight",
