@@ -170,3 +170,46 @@ def test_a_hugging_face_llama_fine_tunes_and_exports_with_its_tokenizer(tmp_path
         assert (ours(tokens.input_ids) - theirs(tokens.input_ids).logits).abs().max().item() <= 1e-4
         before = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()(tokens.input_ids).logits
         assert (before - theirs(tokens.input_ids).logits).abs().max().item() > 1e-3  # fine-tuning changed the model
+
+
+def test_the_example_script_converts_and_checks_its_line(tmp_path: Path) -> None:
+    """examples/finetune_llama.sh: the Hugging Face conversion, then its finetune_llama.py line (--print-layout: the
+    launch's checks, the examples read, no training)."""
+    import os
+
+    import transformers
+
+    sft = ROOT / "tests" / "fixtures" / "megatron_deepspeed_sft"
+    hf = tmp_path / "tiny-llama"
+    config = transformers.LlamaConfig(
+        vocab_size=700, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(sft / "tok_llama" / name, hf / name)
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "HF_DIR": str(hf),
+        "DATA_PATH": str(sft / "alpaca.json"),
+        "CONVERTED": str(tmp_path / "ck"),
+        "SAVE_DIR": str(tmp_path / "sft"),
+        "LAUNCHER": sys.executable,
+        "TP": "1",
+        "PP": "1",
+        "SEQ_LENGTH": "64",
+        "MICRO_BATCH": "2",
+        "GLOBAL_BATCH": "4",
+        "PRECISION": "--bf16",
+    }
+    out = subprocess.run(
+        ["bash", str(ROOT / "examples" / "finetune_llama.sh"), "--print-layout"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"imported Hugging Face llama {hf} to {tmp_path / 'ck'}" in out.stdout
+    assert f"prompt data: 13 examples in {sft / 'alpaca.json'}, 12 samples per pass; the run trains on 14000" in (
+        out.stdout
+    )
+    assert "this run's HFTokenizer" in out.stdout and "has the same vocabulary" in out.stdout
