@@ -82,6 +82,7 @@ def setup(config: Config, topology: ProcessTopology) -> TensorParallel:
     share_rng_tracker()
     if par.sequence_parallel:
         megatron_core_cpu.install()
+    if t > 1:
         _quiet_collective_renames()
     tp = TensorParallel(
         size=t,
@@ -95,8 +96,10 @@ def setup(config: Config, topology: ProcessTopology) -> TensorParallel:
 
 
 def _quiet_collective_renames() -> None:
-    """torch 2.13 deprecates the names megatron-core calls (`all_gather_into_tensor`, `reduce_scatter_tensor`)
-    with a FutureWarning on every rank; the collectives are the same, the warning is not ours to act on."""
+    """torch 2.13 deprecates the names megatron-core (sequence parallelism) and DeepSpeed's pipeline engine
+    (`PartitionedTensor.full`: activations cut across the tensor ranks between stages) call (`all_gather_into_tensor`,
+    `reduce_scatter_tensor`) with a FutureWarning on every rank; the collectives are the same, the warning is not
+    ours to act on."""
     import warnings
 
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):

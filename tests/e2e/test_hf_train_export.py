@@ -55,8 +55,11 @@ def gpt_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def llama_t2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save = tmp_path_factory.mktemp("llama") / "ckpt"
-    pretrain(4, *COMMON, *LLAMA, "--train-iters", "3", "--lr", "1e-2", "--pipeline-model-parallel-size", "2",
-             "--tensor-model-parallel-size", "2", "--save", str(save))  # fmt: skip
+    out = pretrain(4, *COMMON, *LLAMA, "--train-iters", "3", "--lr", "1e-2", "--pipeline-model-parallel-size", "2",
+                   "--tensor-model-parallel-size", "2", "--save", str(save))  # fmt: skip
+    # DeepSpeed's pipeline engine cuts activations across the tensor ranks between stages with a collective torch
+    # 2.13 renamed: its deprecation warning is quieted (tensor_parallel_layers._quiet_collective_renames)
+    assert "FutureWarning" not in out
     return save
 
 
