@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +29,21 @@ from megatron_ds.training.checkpoint.directory import LATEST, META
 from megatron_ds.training.checkpoint.universal import store
 from megatron_ds.training.checkpoint.universal.convert import SUFFIX
 from megatron_ds.training.checkpoint.universal.names import ModelTensor, model_tensors
+
+
+@dataclass
+class UpstreamImport:
+    """What converting an upstream trainer's checkpoint wrote, and how to continue from it."""
+
+    output: str
+    tag: str
+    config: Config
+    iteration: int
+    states: list[str]
+    """The optimizer states carried over (Adam: exp_avg, exp_avg_sq); [] when none are."""
+    train_flags: list[str]
+    """Our flags for its model, tokenizer and schedule (the upstream's spelling)."""
+    notes: list[str] = field(default_factory=list)
 
 
 def write(

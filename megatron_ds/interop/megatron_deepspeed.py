@@ -15,7 +15,7 @@ the run under any layout. The source is only read (see `megatron_deepspeed_files
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_ds.config import Config
@@ -34,16 +34,7 @@ is in universal form only: `rules.topology_changes`)."""
 
 
 @dataclass
-class ImportResult:
-    output: str
-    tag: str
-    config: Config
-    iteration: int
-    states: list[str]
-    """The optimizer states carried over (Adam: exp_avg, exp_avg_sq); [] when the source saved none."""
-    train_flags: list[str]
-    """Our flags for its model, tokenizer and schedule (Megatron-DeepSpeed's spelling)."""
-    notes: list[str] = field(default_factory=list)
+class ImportResult(converted.UpstreamImport):
     qkv_layout: str = BLOCKED
     """How each tensor rank's fused QKV rows were read (`QKV_LAYOUTS`)."""
 

@@ -17,7 +17,7 @@ weights (bf16 in a bf16 run) as its fp32 master weights. The source is only read
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,17 +50,9 @@ RESTART = "a resume from it starts Adam's moments at zero, with the model's weig
 
 
 @dataclass
-class ImportResult:
-    output: str
-    tag: str
-    config: Config
-    iteration: int
-    states: list[str]
-    """The optimizer states carried over (Adam: exp_avg, exp_avg_sq); [] when not converted."""
-    train_flags: list[str]
-    """Our flags for its model, tokenizer and schedule (Megatron-LM's spelling)."""
-    source: MegatronLMCheckpoint
-    notes: list[str] = field(default_factory=list)
+class ImportResult(converted.UpstreamImport):
+    source: MegatronLMCheckpoint | None = None
+    """The checkpoint as read (its format and directory, for the tool's summary)."""
 
 
 def import_megatron_lm(
@@ -87,7 +79,7 @@ def import_megatron_lm(
         notes.append(f"{optimizer_absence(mlm)}: {RESTART}")
     flags = saved_args.render(mlm.args, saved_args.MODEL_ARGS) + tokenizer_flags
     flags += saved_args.render(mlm.args, saved_args.TRAINING_ARGS)
-    return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, states, flags, mlm, notes)
+    return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, states, flags, notes, source=mlm)
 
 
 def optimizer_absence(mlm: MegatronLMCheckpoint) -> str:
