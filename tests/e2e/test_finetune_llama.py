@@ -120,6 +120,26 @@ def test_too_few_examples_without_the_repeated_loader_is_one_line(inputs: dict[s
     )
 
 
+SFT = ROOT / "tests" / "fixtures" / "megatron_deepspeed_sft"
+
+
+def tiny_hf_llama(directory: Path) -> Path:
+    """A Llama that transformers creates with random weights (seed 0), with the fixture's 700-piece Llama-like
+    tokenizer files beside it."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=700, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SFT / "tok_llama" / name, directory / name)
+    return directory
+
+
 def test_a_hugging_face_llama_fine_tunes_and_exports_with_its_tokenizer(tmp_path: Path) -> None:
     """transformers' Llama -> tools/convert_checkpoint.py --from hf -> finetune_llama.py --finetune with HFTokenizer on
     the same directory -> --to hf: transformers computes our logits, with the directory's own tokenizer files and
@@ -129,16 +149,7 @@ def test_a_hugging_face_llama_fine_tunes_and_exports_with_its_tokenizer(tmp_path
 
     from megatron_ds.inference import load_model
 
-    sft = ROOT / "tests" / "fixtures" / "megatron_deepspeed_sft"
-    hf = tmp_path / "tiny-llama"
-    config = transformers.LlamaConfig(
-        vocab_size=700, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(hf)
-    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(sft / "tok_llama" / name, hf / name)
+    sft, hf = SFT, tiny_hf_llama(tmp_path / "tiny-llama")
     tool = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
     imported = subprocess.run([*tool, "--from", "hf", str(hf), str(tmp_path / "ck")], capture_output=True, text=True)
     assert imported.returncode == 0, imported.stderr
@@ -177,17 +188,7 @@ def test_the_example_script_converts_and_checks_its_line(tmp_path: Path) -> None
     launch's checks, the examples read, no training)."""
     import os
 
-    import transformers
-
-    sft = ROOT / "tests" / "fixtures" / "megatron_deepspeed_sft"
-    hf = tmp_path / "tiny-llama"
-    config = transformers.LlamaConfig(
-        vocab_size=700, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(hf)
-    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(sft / "tok_llama" / name, hf / name)
+    sft, hf = SFT, tiny_hf_llama(tmp_path / "tiny-llama")
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
