@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +32,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage and exiting."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(f"{message}; see `python pretrain_gpt.py --help`")
+        raise ConfigError(f"{message}; see `python {self.prog} --help`")
 
 
 class _Refused(argparse.Action):
@@ -83,10 +85,19 @@ def _argparse_kwargs(f: Flag) -> dict[str, Any]:
     return kw
 
 
+FINETUNE_ENTRY = "finetune_llama.py"
+"""The entry point that is pretrain_gpt.py with `--prompt-data`: its `--help` and argparse errors name it."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every declared flag, grouped in `--help` by Megatron-DeepSpeed's groups."""
+    finetune = os.path.basename(sys.argv[0]) == FINETUNE_ENTRY
     p = _Parser(
-        prog="pretrain_gpt.py", description="GPT pretraining on DeepSpeed's pipeline engine", allow_abbrev=False
+        prog=FINETUNE_ENTRY if finetune else "pretrain_gpt.py",
+        description="supervised fine-tuning on a JSON of instruction examples (pretrain_gpt.py --prompt-data)"
+        if finetune
+        else "GPT pretraining on DeepSpeed's pipeline engine",
+        allow_abbrev=False,
     )
     groups: dict[str, Any] = {}
     exclusive: dict[str, Any] = {}

@@ -250,3 +250,14 @@ def test_launch_checks_read_the_examples(tmp_path: Path) -> None:
 def test_prompt_data_refusals(tmp_path: Path, extra: list[str], says: str) -> None:
     with pytest.raises(UserError, match=says):
         launch(tmp_path, *extra)
+
+
+def test_finetune_llama_names_itself_in_help_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_ds.flags.parser import build_parser, parse_config
+
+    monkeypatch.setattr("sys.argv", ["/somewhere/finetune_llama.py"])
+    assert build_parser().prog == "finetune_llama.py"
+    with pytest.raises(UserError, match=r"unrecognized arguments: --bogus; see `python finetune_llama.py --help`"):
+        parse_config(["--bogus"])
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py"])
+    assert build_parser().prog == "pretrain_gpt.py"
