@@ -39,29 +39,44 @@ class HuggingFaceTokenizer:
         self.directory = directory
         self._load()
 
+    LOAD_OPTIONS: dict[str, Any] = {}
+    """`AutoTokenizer.from_pretrained` options beyond `local_files_only` and `trust_remote_code` off."""
+
     def _load(self) -> None:
         try:
             from transformers import AutoTokenizer
         except ImportError:
             raise DataError(
-                "--tokenizer-type HuggingFaceTokenizer needs the transformers package; pip install transformers"
+                f"--tokenizer-type {self.TYPE} needs the transformers package; pip install transformers"
             ) from None
         try:
-            tok = AutoTokenizer.from_pretrained(self.directory, local_files_only=True, trust_remote_code=False)
+            tok = AutoTokenizer.from_pretrained(
+                self.directory, local_files_only=True, trust_remote_code=False, **self.LOAD_OPTIONS
+            )
         except (OSError, ValueError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise DataError(f"--tokenizer-model {self.directory}: not a Hugging Face tokenizer ({first})") from None
+        self._tok = tok
+        self._adopt(tok)
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_path", [os.path.abspath(self.directory)])]
+        )
+
+    def _adopt(self, tok: Any) -> None:
+        """vocab_size, eod and pad from the loaded tokenizer (megatron-core's reading)."""
         if tok.eos_token_id is None:
             raise DataError(
                 f"--tokenizer-model {self.directory}: the tokenizer has no eos token to end documents; set eos_token"
             )
-        self._tok = tok
         self.vocab_size = len(tok)
         self.eod = int(tok.eos_token_id)
         self.pad = NO_PAD if tok.pad_token_id is None else int(tok.pad_token_id)
-        self.unique_identifiers = OrderedDict(
-            [("class", type(self).__name__), ("tokenizer_path", [os.path.abspath(self.directory)])]
-        )
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer itself (prompt data calls it with padding and truncation; an export reads its
+        special ids)."""
+        return self._tok
 
     @property
     def eos(self) -> int:
@@ -105,34 +120,13 @@ class MegatronDeepSpeedHFTokenizer(HuggingFaceTokenizer):
     Read with `local_files_only` and no remote code, as HuggingFaceTokenizer."""
 
     TYPE = "HFTokenizer"
+    LOAD_OPTIONS = {"padding_side": "right", "use_fast": False}
 
-    def _load(self) -> None:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise DataError(
-                "--tokenizer-type HFTokenizer needs the transformers package; pip install transformers"
-            ) from None
-        try:
-            tok = AutoTokenizer.from_pretrained(
-                self.directory, local_files_only=True, trust_remote_code=False, padding_side="right", use_fast=False
-            )
-        except (OSError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise DataError(f"--tokenizer-model {self.directory}: not a Hugging Face tokenizer ({first})") from None
+    def _adopt(self, tok: Any) -> None:
         tok.add_special_tokens({role: text for role, text in MEGATRON_DEEPSPEED_SPECIALS if getattr(tok, role) is None})
-        self._tok = tok
         self.vocab_size = int(tok.vocab_size)
         self.eod = int(tok.eos_token_id)
         self.pad = int(tok.pad_token_id)
-        self.unique_identifiers = OrderedDict(
-            [("class", type(self).__name__), ("tokenizer_path", [os.path.abspath(self.directory)])]
-        )
-
-    @property
-    def hf_tokenizer(self) -> Any:
-        """The transformers tokenizer itself (prompt data calls it with padding and truncation)."""
-        return self._tok
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tok.encode(text))

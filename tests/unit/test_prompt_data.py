@@ -261,3 +261,17 @@ def test_finetune_llama_names_itself_in_help_and_errors(monkeypatch: pytest.Monk
         parse_config(["--bogus"])
     monkeypatch.setattr("sys.argv", ["pretrain_gpt.py"])
     assert build_parser().prog == "pretrain_gpt.py"
+
+
+@pytest.mark.parametrize("kind", ["HFTokenizer", "HuggingFaceTokenizer"])
+def test_an_export_copies_a_tokenizer_directory_and_its_own_ids(tmp_path: Path, kind: str) -> None:
+    """Both Hugging Face directory tokenizers export the directory's files and its own special ids, not HFTokenizer's
+    added [PAD] (id 377, no embedding row)."""
+    from megatron_ds.interop.hf_tokenizer import export_tokenizer, special_ids
+
+    tok = build_tokenizer(kind, tokenizer_model=str(tokenizer_dir(tmp_path)))
+    assert special_ids(tok) == {"bos_token_id": 376, "eos_token_id": 376}
+    out = tmp_path / "out"
+    out.mkdir()
+    assert export_tokenizer(tok, str(out), 64) == ["tokenizer_config.json", "vocab.json", "merges.txt"]
+    assert (out / "vocab.json").read_bytes() == (GPT2 / "vocab.json").read_bytes()
