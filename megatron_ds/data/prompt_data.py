@@ -22,7 +22,6 @@ tensor-parallel embedding zeroes it at T > 1, and at T = 1 the lookup fails.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 
 from megatron_ds.config import DataConfig
 from megatron_ds.data import DataError
+from megatron_ds.files import read_json
 
 PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -50,11 +50,7 @@ def read_examples(path: str) -> list[tuple[str, str]]:
     example."""
     if not os.path.isfile(path):
         raise DataError(f"--data-path {path}: no such file; finetune_llama.py reads a JSON list of examples")
-    try:
-        with open(path, encoding="utf-8") as f:
-            examples = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"--data-path {path}: not JSON ({err})") from None
+    examples = read_json(path, "--data-path", DataError, ("give a readable JSON file", "fix the file"))
     if not isinstance(examples, list) or not examples:
         raise DataError(f"--data-path {path}: expected a non-empty JSON list of {{instruction, input, output}} objects")
     return [_prompt_and_output(path, k, example) for k, example in enumerate(examples)]

@@ -105,7 +105,7 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         read_examples(str(tmp_path / "none.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("[{")
-    with pytest.raises(DataError, match="not JSON"):
+    with pytest.raises(DataError, match=r"--data-path .*bad.json: not valid JSON \(.* at line 1\); fix the file"):
         read_examples(str(bad))
 
 
