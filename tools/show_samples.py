@@ -56,13 +56,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def data_parallel_size(args: argparse.Namespace) -> int:
+    """The line's data-parallel size: --world-size (or $WORLD_SIZE, else 1) over T x P."""
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    return max(1, world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
+
+
 def training_config(args: argparse.Namespace) -> TrainingConfig:
     """What decides the sample order of a line: batch sizes, training length, evaluation, seed."""
     direct = direct_values(args).get("training", {})
     mbs = args.micro_batch_size or 1
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    dp = max(1, world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
-    gbs = args.global_batch_size or mbs * dp
+    gbs = args.global_batch_size or mbs * data_parallel_size(args)
     keep = {k: direct[k] for k in ("eval_interval", "eval_iters", "seed")}
     training = TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, **keep)
     return dataclasses.replace(training, train_iters=train_length(args, gbs, args.seq_length)[0])
@@ -83,7 +87,7 @@ def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any, list[list[i
             data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file, vocab_size=args.vocab_size
         )
     if data.prompt_data:
-        return (*prompt_samples(args, data, training, tokenizer),)
+        return prompt_samples(args, data, training, tokenizer)
     vocab = args.vocab_size or (tokenizer.vocab_size if tokenizer else 0)
     train, _, _ = build_gpt_datasets(
         data, args.seq_length, training.seed, requested_samples(training), tokenizer, vocab
@@ -98,11 +102,14 @@ def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any, list[list[i
     return [r["tokens"].tolist() + [int(r["labels"][-1])] for r in rows], tokenizer, None
 
 
-def prompt_samples(args: argparse.Namespace, data: Any, training: TrainingConfig, tokenizer: Any) -> tuple:
+def prompt_samples(
+    args: argparse.Namespace, data: Any, training: TrainingConfig, tokenizer: Any
+) -> tuple[list[list[int]], Any, list[list[int]]]:
     """finetune_llama.py's samples in training order: each example's seq_length + 1 ids (padded) and the ids it
     trains on (the response and its eos), pass after pass with --repeated-dataloader."""
     from megatron_ds.config import padded_vocab_size
-    from megatron_ds.data.prompt_data import PromptData, check_length, samples_per_pass
+    from megatron_ds.data.gpt_data import samples_per_pass
+    from megatron_ds.data.prompt_data import PromptData, check_one_pass
 
     if tokenizer is None or not data.data_path:
         raise ConfigError(
@@ -112,16 +119,14 @@ def prompt_samples(args: argparse.Namespace, data: Any, training: TrainingConfig
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     dataset = PromptData(data.data_path[0], tokenizer, args.seq_length, vocab)
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    dp = max(1, world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
-    per_pass = samples_per_pass(len(dataset), training.micro_batch_size, dp)
+    per_pass = samples_per_pass(len(dataset), training.micro_batch_size, data_parallel_size(args))
+    check_one_pass(data.data_path[0], len(dataset), per_pass)
     end = args.consumed_samples + args.num_samples
-    if per_pass and end > per_pass and not data.repeated_dataloader:
+    if end > per_pass and not data.repeated_dataloader:
         raise ConfigError(
             f"--consumed-samples {args.consumed_samples} --num-samples {args.num_samples}: one pass over "
             f"{data.data_path[0]} gives {per_pass} samples; ask for fewer or add --repeated-dataloader"
         )
-    check_length(data.data_path[0], len(dataset), per_pass, 0, training.global_batch_size, data.repeated_dataloader)
     print(f"prompt data: {len(dataset)} examples in {data.data_path[0]}, {per_pass} samples per pass")
     order = [k % per_pass for k in range(args.consumed_samples, end)]
     rows = [dataset[k] for k in order]

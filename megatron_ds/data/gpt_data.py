@@ -268,6 +268,13 @@ class PretrainingBatchSampler:
             yield list(range(first + offset, first + offset + mbs))
 
 
+def samples_per_pass(num_samples: int, micro_batch_size: int, data_parallel_size: int) -> int:
+    """Samples one pass of `PretrainingBatchSampler` over a dataset yields from its start: whole micro-batches on
+    every data-parallel rank (the last incomplete group is dropped, as Megatron's sampler drops it)."""
+    group = micro_batch_size * data_parallel_size
+    return num_samples // group * group
+
+
 def collate_pipeline(items: list[dict[str, Any]]) -> Batch:
     """Stack items into DeepSpeed's pipeline format: (tokens, (labels, loss_mask)), each (mbs, s)."""
     tokens = torch.stack([torch.as_tensor(it["tokens"], dtype=torch.int64) for it in items])
@@ -323,8 +330,7 @@ def _passes(
 ) -> Iterator[Batch]:
     """The repeated loader: pass after pass over the whole micro-batch groups (as DeepSpeed's RepeatingLoader
     re-iterates Megatron's sampler from its start)."""
-    group = micro_batch_size * dp_size
-    per_pass = len(dataset) // group * group
+    per_pass = samples_per_pass(len(dataset), micro_batch_size, dp_size)
     if per_pass == 0:
         raise DataError(
             f"{len(dataset)} samples are fewer than one micro-batch on each of {dp_size} data-parallel ranks"

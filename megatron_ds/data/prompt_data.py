@@ -150,20 +150,19 @@ def build_prompt_data(data: DataConfig, seq_length: int, vocab_size: int) -> Pro
     return PromptData(data.data_path[0], tokenizer, seq_length, vocab_size)
 
 
-def samples_per_pass(num_examples: int, micro_batch_size: int, data_parallel_size: int) -> int:
-    """Samples one pass over the examples yields: whole micro-batches on every data-parallel rank (Megatron's
-    sampler drops the last incomplete group)."""
-    group = micro_batch_size * data_parallel_size
-    return num_examples // group * group
-
-
-def check_length(path: str, num_examples: int, per_pass: int, wanted: int, global_batch: int, repeated: bool) -> str:
-    """The line printed at launch; a one-line error when the examples cannot feed `wanted` training samples."""
+def check_one_pass(path: str, num_examples: int, per_pass: int) -> None:
+    """A one-line error when the examples do not fill one micro-batch on every data-parallel rank
+    (`per_pass`: `gpt_data.samples_per_pass`)."""
     if per_pass == 0:
         raise DataError(
             f"--data-path {path} holds {num_examples} examples, fewer than one micro-batch on every data-parallel "
             f"rank; add examples or lower --micro-batch-size"
         )
+
+
+def check_length(path: str, num_examples: int, per_pass: int, wanted: int, global_batch: int, repeated: bool) -> str:
+    """The line printed at launch; a one-line error when the examples cannot feed `wanted` training samples."""
+    check_one_pass(path, num_examples, per_pass)
     if wanted > per_pass and not repeated:
         raise DataError(
             f"--data-path {path} gives {per_pass} samples per pass, the run trains on {wanted}; add "

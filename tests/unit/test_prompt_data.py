@@ -11,14 +11,13 @@ import pytest
 import torch
 
 from megatron_ds.data import DataError
-from megatron_ds.data.gpt_data import pipeline_batches
+from megatron_ds.data.gpt_data import pipeline_batches, samples_per_pass
 from megatron_ds.data.prompt_data import (
     PROMPT_WITH_INPUT,
     PROMPT_WITHOUT_INPUT,
     PromptData,
     check_length,
     read_examples,
-    samples_per_pass,
 )
 from megatron_ds.data.tokenizer import build_tokenizer
 from megatron_ds.errors import UserError
