@@ -141,6 +141,13 @@ def _load_or_fresh(config: Config, layout: Layout, pipeline: Pipeline, rank: int
         f"resumed from {config.checkpoint.load} at iteration {state.iteration} "
         f"({state.consumed_train_samples} samples consumed)",
     )
+    if config.data.prompt_data and config.data.repeated_dataloader and state.consumed_train_samples:
+        print_rank0(
+            rank,
+            f"NOTICE: --repeated-dataloader: resumed after {state.consumed_train_samples} samples, the examples are "
+            "read on as in an uninterrupted run (Megatron-DeepSpeed's loader would restart each later pass at that "
+            "sample)",
+        )
     return state
 
 

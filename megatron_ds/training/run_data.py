@@ -107,23 +107,11 @@ def _reader(cfg: Config, engine: Any) -> BatchReader:
 
 def _prompt_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
     """finetune_llama.py: every example trains, none evaluates (as upstream's provider returns no validation or
-    test set); the examples were read and checked at launch (`launch_checks.check_prompt_data`)."""
+    test set); the examples were read and checked at launch (`launch_checks.check_prompt_data`). A resume's
+    NOTICE on the repeated loader is the loop's (`loop._load_or_fresh`)."""
     from megatron_ds.data.prompt_data import build_prompt_data
 
     reader = _reader(cfg, engine)
     train = build_prompt_data(cfg.data, cfg.model.seq_length, cfg.model.vocab_size) if reader.reads_data else None
     batches = reader.batches(train, state.consumed_train_samples, cfg.data.num_workers, cfg.data.repeated_dataloader)
-    if cfg.data.repeated_dataloader and state.consumed_train_samples and _is_rank_zero():
-        print(
-            f"NOTICE: --repeated-dataloader: resumed after {state.consumed_train_samples} samples, the examples are "
-            "read on as in an uninterrupted run (Megatron-DeepSpeed's loader would restart each later pass at that "
-            "sample)",
-            flush=True,
-        )
     return RunData(train=batches, valid=None, has_valid=False, test_dataset=None, reader=reader)
-
-
-def _is_rank_zero() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
