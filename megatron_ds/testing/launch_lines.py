@@ -62,12 +62,8 @@ def world_size_of(line: dict[str, Any]) -> int | None:
     args = line.get("launcher_args", [])
 
     def value(*names: str) -> int | None:
-        for k, a in enumerate(args):
-            name, _, v = a.partition("=")
-            if name in names:
-                v = v or (args[k + 1] if k + 1 < len(args) else "")
-                return int(v) if v.isdigit() else None
-        return None
+        v = _flag_value(args, *names)
+        return int(v) if v and v.isdigit() else None
 
     if line.get("launcher") == "deepspeed":
         gpus, nodes = value("--num_gpus", "--num-gpus"), value("--num_nodes")
@@ -77,15 +73,23 @@ def world_size_of(line: dict[str, Any]) -> int | None:
     return None
 
 
-def _gpt2_files(directory: Path) -> dict[str, str]:
+def _byte_level_files(directory: Path, size: int, first: tuple[str, ...] = (), last: tuple[str, ...] = ()) -> None:
+    """vocab.json (`first`, the 256 byte symbols, placeholders, `last`: `size` tokens) and an empty merges.txt."""
     from megatron_ds.data.tokenizer import _bytes_to_unicode
 
-    vocab = {s: i for i, s in enumerate(_bytes_to_unicode().values())}
-    while len(vocab) < 50256:
+    vocab = {t: i for i, t in enumerate(first)}
+    for symbol in _bytes_to_unicode().values():
+        vocab[symbol] = len(vocab)
+    while len(vocab) < size - len(last):
         vocab[f"tok{len(vocab)}"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
+    for token in last:
+        vocab[token] = len(vocab)
     (directory / "vocab.json").write_text(json.dumps(vocab))
     (directory / "merges.txt").write_text("#version: 0.2\n")
+
+
+def _gpt2_files(directory: Path) -> dict[str, str]:
+    _byte_level_files(directory, 50257, last=("<|endoftext|>",))
     return {"--vocab-file": str(directory / "vocab.json"), "--merge-file": str(directory / "merges.txt")}
 
 
@@ -121,16 +125,8 @@ HF_TOKENIZERS = ("HFTokenizer", "HuggingFaceTokenizer")
 
 def _hf_directory(directory: Path, size: int = 32000) -> str:
     """A Hugging Face tokenizer directory of Llama's vocabulary size (a GPT-2 format one: loads in milliseconds)."""
-    from megatron_ds.data.tokenizer import _bytes_to_unicode
-
     directory.mkdir()
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for s in _bytes_to_unicode().values():
-        vocab[s] = len(vocab)
-    while len(vocab) < size:
-        vocab[f"tok{len(vocab)}"] = len(vocab)
-    (directory / "vocab.json").write_text(json.dumps(vocab))
-    (directory / "merges.txt").write_text("#version: 0.2\n")
+    _byte_level_files(directory, size, first=("<unk>", "<s>", "</s>"))
     config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return str(directory)
@@ -146,11 +142,12 @@ def _standins(directory: Path) -> dict[str, str]:
     }
 
 
-def _flag_value(args: list[str], name: str) -> str | None:
+def _flag_value(args: list[str], *names: str) -> str | None:
+    """The value of the first of `names` in `args` (`--flag value` or `--flag=value`), or None."""
     for k, a in enumerate(args):
-        flag, eq, value = a.partition("=")
-        if flag == name:
-            return value if eq else (args[k + 1] if k + 1 < len(args) else None)
+        flag, _, value = a.partition("=")
+        if flag in names:
+            return value or (args[k + 1] if k + 1 < len(args) else None)
     return None
 
 
