@@ -50,8 +50,9 @@ def check_prompt_data(config: Config) -> list[str]:
     path, wanted = data.data_path[0], requested_samples(t)[0]
     per_pass = samples_per_pass(len(prompts), t.micro_batch_size, config.parallel.data_parallel_size)
     lines = [check_length(path, len(prompts), per_pass, wanted, t.global_batch_size, data.repeated_dataloader)]
-    if prompts.untrained():
-        lines.append(untrained_notice(path, prompts.untrained(), config.model.seq_length))
+    untrained = prompts.untrained()
+    if untrained:
+        lines.append(untrained_notice(path, untrained, config.model.seq_length))
     fractions = split_fractions(data.split) or [1.0, 0.0, 0.0]
     if t.eval_iters > 0 and (fractions[1] > 0 or fractions[2] > 0):
         lines.append(
