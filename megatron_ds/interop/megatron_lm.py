@@ -6,12 +6,13 @@ schedule.
     result = import_megatron_lm("mlm/checkpoints", "checkpoints/converted")
 
 The output is what `converted.write` writes (our weight files at the source's T, the universal form
-a `--load` resumes from under any layout). Adam's state converts from torch_dist checkpoints that
-name it by model tensor (`optimizer.state.exp_avg.<tensor>`: Megatron-LM without
---use-distributed-optimizer, or with --dist-ckpt-optim-fully-reshardable; the fp32 master weights
-too, where saved); the distributed optimizer's default `dp_reshardable` buffers and `--ckpt-format
-torch` optimizer state do not: a resume then starts Adam's moments at zero and takes the model's
-weights (bf16 in a bf16 run) as its fp32 master weights. The source is only read (`megatron_lm_files`).
+a `--load` resumes from under any layout). Adam's state and the fp32 master weights convert
+from torch_dist checkpoints: named by model tensor (`optimizer.state.exp_avg.<tensor>`: Megatron-LM
+without --use-distributed-optimizer, or with --dist-ckpt-optim-fully-reshardable), or in the
+distributed optimizer's default `dp_reshardable` buckets, placed by `megatron_lm_buckets`. `--ckpt-format
+torch` optimizer state does not convert (nor buckets that do not match the weights, with the reason):
+a resume then starts Adam's moments at zero and takes the model's weights (bf16 in a bf16 run) as its
+fp32 master weights. The source is only read (`megatron_lm_files`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import Any
 import torch
 
 from megatron_ds.config import Config
+from megatron_ds.config.model import GATED_ACTIVATIONS
 from megatron_ds.interop import converted, megatron_scheduler
 from megatron_ds.interop import megatron_lm_args as saved_args
 from megatron_ds.interop import megatron_lm_layout as where
 from megatron_ds.interop.megatron_deepspeed_layout import qkv_to_blocked
+from megatron_ds.interop.megatron_lm_buckets import SHARDING_TYPES, BucketStates, PlacementError, optimizer_step
 from megatron_ds.interop.megatron_lm_files import (
     TORCH_DIST,
     DistTensors,
@@ -66,9 +69,13 @@ def import_megatron_lm(
     layout = resolve_layout(config)  # a layout error now, before anything is written
     tag = f"global_step{mlm.iteration}"
     meta = _meta(mlm, config, layout.to_string(), tag)
-    states = converted.write(
-        output, tag, meta, config, lambda ours: MegatronLMSource(mlm, ours), check_names, show_progress
-    )
+    sources: list[MegatronLMSource] = []
+
+    def source_for(ours: reader.Checkpoint) -> MegatronLMSource:
+        sources.append(MegatronLMSource(mlm, ours))
+        return sources[-1]
+
+    states = converted.write(output, tag, meta, config, source_for, check_names, show_progress)
     notes = [note] if note else []
     if saved_args.placeholders(mlm):
         notes.append(
@@ -76,7 +83,8 @@ def import_megatron_lm(
             "when training from it"
         )
     if not states:
-        notes.append(f"{optimizer_absence(mlm)}: {RESTART}")
+        reason = sources[-1].absence if sources and sources[-1].absence else optimizer_absence(mlm)
+        notes.append(f"{reason}: {RESTART}")
     flags = saved_args.render(mlm.args, saved_args.MODEL_ARGS) + tokenizer_flags
     flags += saved_args.render(mlm.args, saved_args.TRAINING_ARGS)
     return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, states, flags, notes, source=mlm)
@@ -86,11 +94,6 @@ def optimizer_absence(mlm: MegatronLMCheckpoint) -> str:
     """Why a checkpoint's optimizer state does not convert."""
     if mlm.format != TORCH_DIST:
         return "its optimizer state (--ckpt-format torch) is not converted"
-    if (mlm.optimizer or {}).get("param_state_sharding_type") == "dp_reshardable":
-        return (
-            "its optimizer state is in the distributed optimizer's dp_reshardable buffers, which do not convert; "
-            "to keep it, load the checkpoint in Megatron-LM and save it with --dist-ckpt-optim-fully-reshardable"
-        )
     return "it holds no optimizer state (saved with --no-save-optim or before the first step)"
 
 
@@ -117,7 +120,7 @@ def _meta(mlm: MegatronLMCheckpoint, config: Config, layout: str, tag: str) -> d
 
 class MegatronLMSource:
     """Reads `mlm` for the converted checkpoint `ours` (its config and metadata, already written): the
-    reader `converted.write` takes. Weights only; no optimizer state."""
+    reader `converted.write` takes: the weights, and Adam's state where it converts."""
 
     def __init__(self, mlm: MegatronLMCheckpoint, ours: reader.Checkpoint) -> None:
         self.mlm, self.ckpt = mlm, ours
@@ -125,6 +128,10 @@ class MegatronLMSource:
         self.tensor_parallel = mlm.tensor_parallel
         self.dist = DistTensors(mlm.directory) if mlm.format == TORCH_DIST else None
         self.ranks = None if self.dist is not None else RankTensors(mlm)
+        self.buckets: BucketStates | None = None
+        """The distributed optimizer's dp_reshardable buckets, placed (None: the state is named by tensor)."""
+        self.absence = ""
+        """Why optimizer state the checkpoint holds does not convert ("" when it does or there is none)."""
         self._states = self._find_states()
 
     # ----- what store.write and converted.write ask -----------------------------------------------
@@ -137,8 +144,24 @@ class MegatronLMSource:
         """Once, at the start: whether the first model tensor has an `optimizer.state.exp_avg.` entry."""
         if self.dist is None or self.mlm.optimizer is None:
             return ()
+        if self.mlm.optimizer.get("param_state_sharding_type") in SHARDING_TYPES:
+            return self._place_buckets()
         candidates, layer = where.names(self.model, model_tensors(self.model)[0])
         return STATES if self._dist_key(candidates, layer, prefix=f"optimizer.state.{STATES[0]}.") else ()
+
+    def _place_buckets(self) -> tuple[str, ...]:
+        assert self.dist is not None
+        try:
+            gated = self.model.activation in GATED_ACTIVATIONS
+            self.buckets = BucketStates(self.dist, sorted(stored_names(self)), gated)
+        except PlacementError as err:
+            self.absence = (
+                f"its optimizer state is in the distributed optimizer's dp_reshardable buckets, which do not match "
+                f"its weights ({err}); to keep it, load the checkpoint in Megatron-LM and save it with "
+                f"--dist-ckpt-optim-fully-reshardable"
+            )
+            return ()
+        return STATES
 
     def step(self, tensor: ModelTensor) -> int | None:
         """Adam's step: the distributed optimizer's param groups' `step`, or the local one's `common_step`."""
@@ -148,6 +171,8 @@ class MegatronLMSource:
         common = (saved.get("state") or {}).get("common_step")
         if common is not None:
             steps.add(float(common))
+        if self.buckets is not None:
+            steps |= optimizer_step(self.buckets.dist)
         if len(steps) != 1:
             raise CheckpointError(
                 f"{self.mlm.directory}: its optimizer's step is {sorted(steps) or 'missing'}; expected one step count"
@@ -156,6 +181,8 @@ class MegatronLMSource:
 
     def read(self, tensor: ModelTensor, state: str) -> torch.Tensor:
         """`state` (FP32: the fp32 master where saved, else the weight; or an Adam state) as our full fp32 tensor."""
+        if self.buckets is not None:
+            return self._from_buckets(tensor, "param" if state == FP32 else state)
         if state == FP32:
             master = next((m for m in MASTERS if self._optimizer_key(tensor, m) is not None), None)
             return (self.weight(tensor) if master is None else self._optimizer_state(tensor, master)).float()
@@ -181,6 +208,17 @@ class MegatronLMSource:
                 f"{self.mlm.directory}: {key} has shape {list(full.shape)}, not {list(tensor.rule.shape)}"
             )
         return full.contiguous()
+
+    def _from_buckets(self, tensor: ModelTensor, state: str) -> torch.Tensor:
+        assert self.buckets is not None
+        candidates, layer = where.names(self.model, tensor)
+        key = self._dist_key(candidates, layer)
+        if key is None:
+            raise CheckpointError(
+                f"{self.mlm.directory}: no tensor {candidates[0]!r}; the checkpoint is of another model"
+            )
+        full = self.buckets.read(key, state, layer)
+        return (qkv_to_blocked(full, self.model, 1) if tensor.key in where.FUSED_QKV else full).contiguous()
 
     def weight(self, tensor: ModelTensor) -> torch.Tensor:
         """The model's weight as the checkpoint stores it (its dtype), as our full tensor."""

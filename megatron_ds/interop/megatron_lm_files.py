@@ -185,6 +185,8 @@ class DistTensors:
         self.storage = {
             (index.fqn, tuple(index.offset)): info for index, info in storage.items() if index.offset is not None
         }
+        self.objects = {index.fqn: info for index, info in storage.items() if index.offset is None}
+        """Pickled entries (megatron-core's ShardedObjects, `<key>/shard_<i>_<n>`) by name."""
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)
@@ -199,7 +201,7 @@ class DistTensors:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
             if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
                 continue
-            blob = self._chunk(key, offsets, sizes)
+            blob = self.chunk(key, offsets, sizes)
             if layer is not None:
                 blob, offsets, sizes = blob[layer - offsets[0]], offsets[1:], sizes[1:]
             out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].copy_(blob)
@@ -212,7 +214,21 @@ class DistTensors:
             )
         return out
 
-    def _chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    def read_object(self, name: str) -> Any:
+        """Pickled entry `name`, loaded with `weights_only=True` (plain containers, numbers, strings, tensors,
+        dtypes: no code runs)."""
+        info = self.objects[name]
+        path = os.path.join(self.directory, info.relative_path)
+        try:
+            with open(path, "rb") as f:
+                return torch.load(
+                    io.BufferedReader(_FileSlice(f, info.offset, info.length)), map_location="cpu", weights_only=True
+                )
+        except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
+            raise CheckpointError(f"{path}: {name} is unreadable ({_first_line(err)}); it is damaged") from None
+
+    def chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The stored chunk of `key` at `offsets` (a `sizes` tensor, as one rank saved it)."""
         info = self.storage.get((key, offsets))
         if info is None:
             raise CheckpointError(f"{self.directory}: no stored chunk of {key} at {list(offsets)}; it is incomplete")

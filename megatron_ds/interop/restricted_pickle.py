@@ -17,6 +17,7 @@ import argparse
 import builtins
 import collections
 import importlib
+import pathlib
 import pickle
 import types
 from collections.abc import Callable
@@ -106,7 +107,7 @@ def upstream_values(module: str, name: str) -> Any:
 
 def dcp_metadata(module: str, name: str) -> Any:
     """A global of torch's distributed-checkpoint `.metadata`: its own dataclasses and enums (plain
-    records, imported from torch), `torch.Size`, dtypes, and the layout looked up by name; megatron-core's
+    records, imported from torch), `torch.Size`, dtypes, pure paths, and the layout looked up by name; megatron-core's
     own classes there (`MCoreMetadata`, `MCoreSavePlan` of its releases up to 0.15) as inert records."""
     if module.split(".")[0] == "megatron":
         return _inert(module, name)
@@ -118,7 +119,18 @@ def dcp_metadata(module: str, name: str) -> Any:
         return _layout
     if module == "builtins" and name in ("set", "frozenset"):
         return getattr(builtins, name)
+    if module == "pathlib" and name in _PURE_PATHS:  # torch's own writer records the checkpoint's path
+        return _PURE_PATHS[name]
     return _torch_value(module, name)
+
+
+_PURE_PATHS = {
+    "PosixPath": pathlib.PurePosixPath,
+    "PurePosixPath": pathlib.PurePosixPath,
+    "WindowsPath": pathlib.PureWindowsPath,
+    "PureWindowsPath": pathlib.PureWindowsPath,
+}
+"""Paths in a `.metadata` (torch's `StorageMeta.checkpoint_id`) as pure paths: strings, no file access."""
 
 
 def _layout(name: str) -> torch.layout:

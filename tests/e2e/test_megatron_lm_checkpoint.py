@@ -21,6 +21,7 @@ import torch
 from megatron_ds.errors import UserError
 from megatron_ds.inference.model import load_model
 from megatron_ds.interop.megatron_lm import import_megatron_lm
+from megatron_ds.interop.megatron_lm_files import DistTensors
 from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoints
 from megatron_ds.training.checkpoint.directory import CONVERTED, META, CheckpointError, read_meta
 from megatron_ds.training.checkpoint.universal.convert import convert_checkpoint
@@ -34,12 +35,21 @@ layers from 0 in `torch`'s files; the tied output layer's copy on the last stage
 checkpoint formats."""
 
 
-TRAINED = {"gpt": "local", "llama": "fully_reshardable", "gpt-dp": "dp_reshardable", "gpt-dp2": "fully_reshardable"}
+TRAINED = {
+    "gpt": "local",
+    "llama": "fully_reshardable",
+    "gpt-dp": "dp_reshardable",
+    "gpt-dp2": "fully_reshardable",
+    "llama-dp": "dp_reshardable",
+}
 """Two steps of megatron-core's Adam on fixed tokens, torch_dist saved after each: the GPT without the
 distributed optimizer, the T=2 bf16 Llama with it saved --dist-ckpt-optim-fully-reshardable (fp32 masters
-beside the bf16 weights), both also in `torch` format at the end (without the optimizer), the GPT with
-it in its default dp_reshardable buffers (not converted), and the GPT on two data-parallel replicas with it
-fully reshardable (each replica saves its share of every state). The P=2 GPT is saved untrained."""
+beside the bf16 weights), both also in `torch` format at the end (without the optimizer); the GPT on two
+data-parallel replicas with the distributed optimizer, saved in its default dp_reshardable buckets and
+fully reshardable (each replica saves its share of every state), and the Llama again in dp_reshardable
+buckets. The P=2 GPT is saved untrained."""
+SAME_RUN = {"gpt-dp": "gpt-dp2", "llama-dp": "llama"}
+"""The same training run saved dp_reshardable and fully reshardable."""
 ITERATION = 2
 
 
@@ -53,10 +63,10 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], t
         optimizer = TRAINED.get(name)
         reference = write_checkpoints(name, {f: str(p) for f, p in paths.items()}, ITERATION, optimizer=optimizer)
         out |= {(name, fmt): (path, reference) for fmt, path in paths.items()}
-    for case, replicas in (("gpt-dp", 1), ("gpt-dp2", 2)):  # the GPT again, with the distributed optimizer
+    for case, replicas in (("gpt-dp", 2), ("gpt-dp2", 2), ("llama-dp", 1)):  # again, with the distributed optimizer
         path = root / case
         reference = write_checkpoints(
-            "gpt", {"torch_dist": str(path)}, ITERATION, TRAINED[case], data_parallel=replicas
+            case.split("-")[0], {"torch_dist": str(path)}, ITERATION, TRAINED[case], data_parallel=replicas
         )
         out[case, "torch_dist"] = path, reference
     return out
@@ -135,7 +145,7 @@ def test_adam_state_is_the_runs(sources, tmp_path: Path, case: str) -> None:
             v.sqrt() / math.sqrt(1 - B2**2) + EPS
         )
         torch.testing.assert_close(u2.read(name, "fp32"), predicted, rtol=0, atol=1e-7, msg=name)
-    if case == "llama":  # bf16 weights: the fp32 masters are the optimizer's, not the weights widened
+    if case.startswith("llama"):  # bf16 weights: the fp32 masters are the optimizer's, not the weights widened
         masters = [u2.read(name, "fp32") for name in u2.tensors]
         assert any(not torch.equal(x, x.bfloat16().float()) for x in masters)
     model = load_model(str(tmp_path / "two"))
@@ -144,14 +154,48 @@ def test_adam_state_is_the_runs(sources, tmp_path: Path, case: str) -> None:
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
 
 
-def test_dp_reshardable_optimizer_state_is_named_and_left_out(sources, tmp_path: Path) -> None:
-    result = import_megatron_lm(str(sources["gpt-dp", "torch_dist"][0]), str(tmp_path / "out"), show_progress=False)
-    assert result.states == []
-    assert result.notes == [
-        "its optimizer state is in the distributed optimizer's dp_reshardable buffers, which do not convert; to keep "
-        "it, load the checkpoint in Megatron-LM and save it with --dist-ckpt-optim-fully-reshardable: a resume from "
-        "it starts Adam's moments at zero, with the model's weights as the fp32 master weights"
-    ]
+@pytest.mark.parametrize("case", sorted(SAME_RUN))
+def test_dp_reshardable_buckets_convert_to_the_same_state_as_fully_reshardable(sources, tmp_path: Path, case) -> None:
+    """One run saved both ways converts to bitwise the same masters and moments: the buckets' parameters
+    (two data-parallel replicas' shards of the GPT; the T=2 Llama's SwiGLU gate and up chunks, bf16 weights
+    and fp32 norms in two buffers per tensor rank) are placed where megatron-core put them."""
+    converted = {}
+    for name in (case, SAME_RUN[case]):
+        result = import_megatron_lm(str(sources[name, "torch_dist"][0]), str(tmp_path / name), show_progress=False)
+        assert result.states == ["exp_avg", "exp_avg_sq"] and result.notes == []
+        converted[name] = Universal(str(tmp_path / name / f"global_step{ITERATION}.universal"))
+    buckets, named = converted[case], converted[SAME_RUN[case]]
+    assert set(buckets.tensors) == set(named.tensors)
+    for name, entry in buckets.tensors.items():
+        assert entry["step"] == named.tensors[name]["step"] == ITERATION
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            ours = buckets.read(name, state)
+            assert torch.equal(ours, named.read(name, state)), (name, state)
+            assert ours.abs().sum() > 0, (name, state)  # a trained state, not zeros
+
+
+def test_buckets_that_do_not_place_leave_the_state_out_saying_why(sources, tmp_path: Path) -> None:
+    """After one step the tiny GPT's zero-initialised biases all moved by -lr sign(g) with the same signs: their
+    fp32 masters are equal, so the values cannot tell which bias sits where in a bucket. The moments are left
+    out, naming the tensors, and the weights still convert."""
+    source = sources["gpt-dp", "torch_dist"][0] / "iter_0000001"
+    result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
+    assert result.states == [] and len(result.notes) == 1, result.notes
+    note = result.notes[0]
+    assert note.startswith(
+        "its optimizer state is in the distributed optimizer's dp_reshardable buckets, which do not match its "
+        "weights (optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0: "
+    ), note
+    assert "model tensors' (decoder.final_layernorm.bias, " in note
+    assert note.endswith(
+        "weights equal its fp32 master weights at element 0); to keep it, load the checkpoint in Megatron-LM and save "
+        "it with --dist-ckpt-optim-fully-reshardable: a resume from it starts Adam's moments at zero, with the model's "
+        "weights as the fp32 master weights"
+    ), note
+    universal = Universal(str(tmp_path / "out" / "global_step1.universal"))
+    stored = DistTensors(str(source)).read("embedding.word_embeddings.weight")
+    assert universal.states == []
+    torch.testing.assert_close(universal.read("01.WordEmbedding.weight", "fp32"), stored, rtol=0, atol=0)
 
 
 def test_tool_prints_the_flags_and_a_resume_continues_the_run(sources, tmp_path: Path) -> None:
