@@ -1,18 +1,19 @@
 """Import a Megatron-LM checkpoint (megatron-core `GPTModel`, `--ckpt-format torch_dist` or `torch`) as
-ours: its weights, Adam's state where it is named by tensor, its iteration, counters and learning-rate
-schedule.
+ours: its weights, Adam's state, its iteration, counters and learning-rate schedule.
 
     from megatron_ds.interop.megatron_lm import import_megatron_lm
     result = import_megatron_lm("mlm/checkpoints", "checkpoints/converted")
 
 The output is what `converted.write` writes (our weight files at the source's T, the universal form
-a `--load` resumes from under any layout). Adam's state and the fp32 master weights convert
-from torch_dist checkpoints: named by model tensor (`optimizer.state.exp_avg.<tensor>`: Megatron-LM
-without --use-distributed-optimizer, or with --dist-ckpt-optim-fully-reshardable), or in the
-distributed optimizer's default `dp_reshardable` buckets, placed by `megatron_lm_buckets`. `--ckpt-format
-torch` optimizer state does not convert (nor buckets that do not match the weights, with the reason):
-a resume then starts Adam's moments at zero and takes the model's weights (bf16 in a bf16 run) as its
-fp32 master weights. The source is only read (`megatron_lm_files`).
+a `--load` resumes from under any layout). Adam's state and the fp32 master weights convert from
+torch_dist checkpoints, named by model tensor (`optimizer.state.exp_avg.<tensor>`: Megatron-LM without
+--use-distributed-optimizer, or with --dist-ckpt-optim-fully-reshardable) or in the distributed
+optimizer's default `dp_reshardable` buckets, and from `torch` checkpoints of the distributed optimizer
+(`distrib_optim.pt`); the buffers are placed by `megatron_lm_buckets`. torch's optimizer state by
+parameter number (`torch` without the distributed optimizer) does not convert, nor do buffers that do not
+match the weights (the notice says why): a resume then starts Adam's moments at zero and takes the
+model's weights (bf16 in a bf16 run) as its fp32 master weights. The source is only read
+(`megatron_lm_files`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from megatron_ds.interop import converted, megatron_scheduler
 from megatron_ds.interop import megatron_lm_args as saved_args
 from megatron_ds.interop import megatron_lm_layout as where
 from megatron_ds.interop.megatron_deepspeed_layout import qkv_to_blocked
-from megatron_ds.interop.megatron_lm_buckets import SHARDING_TYPES, BucketStates, PlacementError, optimizer_step
+from megatron_ds.interop.megatron_lm_buckets import (
+    SHARDING_TYPES,
+    DistBuckets,
+    PlacementError,
+    RankBuckets,
+    has_rank_buckets,
+    optimizer_step,
+)
 from megatron_ds.interop.megatron_lm_files import (
     TORCH_DIST,
     DistTensors,
@@ -92,8 +100,11 @@ def import_megatron_lm(
 
 def optimizer_absence(mlm: MegatronLMCheckpoint) -> str:
     """Why a checkpoint's optimizer state does not convert."""
-    if mlm.format != TORCH_DIST:
-        return "its optimizer state (--ckpt-format torch) is not converted"
+    if mlm.format != TORCH_DIST and mlm.optimizer is not None:
+        return (
+            "its optimizer state (--ckpt-format torch without --use-distributed-optimizer: torch's state by "
+            "parameter number) is not converted"
+        )
     return "it holds no optimizer state (saved with --no-save-optim or before the first step)"
 
 
@@ -128,8 +139,10 @@ class MegatronLMSource:
         self.tensor_parallel = mlm.tensor_parallel
         self.dist = DistTensors(mlm.directory) if mlm.format == TORCH_DIST else None
         self.ranks = None if self.dist is not None else RankTensors(mlm)
-        self.buckets: BucketStates | None = None
-        """The distributed optimizer's dp_reshardable buckets, placed (None: the state is named by tensor)."""
+        self.buckets: DistBuckets | None = None
+        """torch_dist: the distributed optimizer's dp_reshardable buckets, placed (None: named by tensor)."""
+        self.rank_buckets: RankBuckets | None = None
+        """torch: the distributed optimizer's `distrib_optim.pt` of each rank, placed."""
         self.absence = ""
         """Why optimizer state the checkpoint holds does not convert ("" when it does or there is none)."""
         self._states = self._find_states()
@@ -142,8 +155,10 @@ class MegatronLMSource:
 
     def _find_states(self) -> tuple[str, ...]:
         """Once, at the start: whether the first model tensor has an `optimizer.state.exp_avg.` entry."""
-        if self.dist is None or self.mlm.optimizer is None:
+        if self.mlm.optimizer is None:
             return ()
+        if self.dist is None:
+            return self._place_rank_buckets() if has_rank_buckets(self.mlm) else ()
         if self.mlm.optimizer.get("param_state_sharding_type") in SHARDING_TYPES:
             return self._place_buckets()
         candidates, layer = where.names(self.model, model_tensors(self.model)[0])
@@ -153,13 +168,22 @@ class MegatronLMSource:
         assert self.dist is not None
         try:
             gated = self.model.activation in GATED_ACTIVATIONS
-            self.buckets = BucketStates(self.dist, sorted(stored_names(self)), gated)
+            self.buckets = DistBuckets(self.dist, sorted(stored_names(self)), gated)
         except PlacementError as err:
             self.absence = (
                 f"its optimizer state is in the distributed optimizer's dp_reshardable buckets, which do not match "
                 f"its weights ({err}); to keep it, load the checkpoint in Megatron-LM and save it with "
                 f"--dist-ckpt-optim-fully-reshardable"
             )
+            return ()
+        return STATES
+
+    def _place_rank_buckets(self) -> tuple[str, ...]:
+        assert self.ranks is not None
+        try:
+            self.rank_buckets = RankBuckets(self.mlm, self.ranks, where.IGNORED_SUFFIXES)
+        except PlacementError as err:
+            self.absence = f"its distributed optimizer's state (distrib_optim.pt) does not match its weights ({err})"
             return ()
         return STATES
 
@@ -183,6 +207,8 @@ class MegatronLMSource:
         """`state` (FP32: the fp32 master where saved, else the weight; or an Adam state) as our full fp32 tensor."""
         if self.buckets is not None:
             return self._from_buckets(tensor, "param" if state == FP32 else state)
+        if self.rank_buckets is not None:
+            return self._from_ranks(tensor, "param" if state == FP32 else state).float()
         if state == FP32:
             master = next((m for m in MASTERS if self._optimizer_key(tensor, m) is not None), None)
             return (self.weight(tensor) if master is None else self._optimizer_state(tensor, master)).float()
@@ -283,7 +309,8 @@ class MegatronLMSource:
         keys = [prefix + (where.LAYERS + c if layer is not None else c) for c in candidates]
         return next((k for k in keys if k in self.dist.tensors), None)
 
-    def _from_ranks(self, tensor: ModelTensor) -> torch.Tensor:
+    def _from_ranks(self, tensor: ModelTensor, state: str | None = None) -> torch.Tensor:
+        """The weight (or, with the distributed optimizer's files, optimizer state `state`) as our full tensor."""
         assert self.ranks is not None
         candidates, layer = where.names(self.model, tensor)
         found = self.ranks.find(candidates, layer)
@@ -291,7 +318,11 @@ class MegatronLMSource:
             raise CheckpointError(
                 f"{self.mlm.directory}: no tensor {candidates[0]!r}; the checkpoint is of another model"
             )
-        shards = self.ranks.shards(*found)
+        if state is None:
+            shards = self.ranks.shards(*found)
+        else:
+            assert self.rank_buckets is not None
+            shards = [self.rank_buckets.shard(found[0], r, found[1], state) for r in range(self.tensor_parallel)]
         if tensor.key in where.FUSED_QKV:
             shards = [qkv_to_blocked(s, self.model, self.tensor_parallel) for s in shards]
         if tensor.rule.split == sharding.REPLICATED and sharding.replicas_differ(shards):

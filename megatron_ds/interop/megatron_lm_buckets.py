@@ -1,73 +1,144 @@
-"""Adam's state from the distributed optimizer's `dp_reshardable` buffers of a Megatron-LM torch_dist
-checkpoint (megatron-core's default `distrib_optim_sharding_type`; `fully_sharded_bucket_space` in
-releases before 0.14), named by model tensor. Pure reading; nothing of Megatron is imported.
+"""Adam's state from the distributed optimizer's flat buffers in a Megatron-LM checkpoint, named by model
+tensor. Pure reading; nothing of Megatron is imported.
 
-What upstream saves (megatron-core 0.16 `DistributedOptimizer.sharded_param_state_dp_reshardable`): per
-model-parallel rank g, gradient buffer b (one per parameter dtype) and bucket k, one flat tensor per state,
-`optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<b>.dtype_<dtypes>.bucket_idx_<k>.<param|exp_avg|
-exp_avg_sq>`, holding the bucket as the buffer lays it out (`_ParamAndGradBuffer`): the rank's parameters
-in reverse registration order, each starting at a multiple of 64 elements, up to the last parameter's end
-(the padding to the data-parallel multiple is left out, so the tensor does not depend on d). `param` is
-the fp32 master weight.
+Two ways upstream saves them, one layout (megatron-core's `_ParamAndGradBuffer`: a tensor and pipeline
+rank's parameters in reverse registration order, each starting at a multiple of 64 elements, in buckets
+whose ends are padded to a data-parallel multiple; `param` is the fp32 master weight):
+  torch_dist, `dp_reshardable` (the default `distrib_optim_sharding_type`; `fully_sharded_bucket_space`
+      before megatron-core 0.14): per model-parallel rank g, buffer b (one per parameter dtype) and bucket
+      k, one flat tensor per state, `optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<b>.dtype_<dtypes>.
+      bucket_idx_<k>.<param|exp_avg|exp_avg_sq>`, up to the bucket's last parameter (`DistBuckets`);
+  `--ckpt-format torch` with --use-distributed-optimizer: `distrib_optim.pt` beside each rank's
+      `model_optim_rng.pt`, one flat tensor per buffer and state with the buckets' end padding cut out
+      (`{"buckets_coalesced": True, b: {dtypes: {"param": ..., ...}}}`, megatron-core since Feb 2024;
+      `RankBuckets`).
 
 Which parameter sits where depends on the layer spec's registration order (Transformer Engine's differs
-from the local spec's), which the checkpoint does not record. So it is read off the values: a
-parameter's master weight, rounded to the model's dtype, is the saved weight exactly (megatron-core
-copies the masters into the weights after every step), and each of a rank's parameters (a stored chunk
-of a model tensor; for SwiGLU's fc1 under tensor parallelism its rank's gate and up chunks together) is
-looked for at each 64-aligned start in turn. Anything else - no match, two tensors with the same values,
-a bucket not covered to its end, a model tensor not found - is a `PlacementError`, and the caller converts
-the weights without the optimizer state, saying why.
+from the local spec's), which neither records. So it is read off the values: a parameter's master
+weight, rounded to the model's dtype, is the saved weight exactly (megatron-core copies the masters into
+the weights after every step), and after each parameter the next one is looked for at the next multiple
+of 64, or right at its end (a bucket boundary with the padding cut out). Anything else - no parameter
+matching, two with the same values, a buffer not covered to its end, a parameter in no buffer - is a
+`PlacementError`, and the caller converts the weights without the optimizer state, saying why.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import os
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from megatron_ds.interop.megatron_lm_files import DistTensors
+from megatron_ds.interop.megatron_lm_files import DistTensors, MegatronLMCheckpoint, RankTensors, load_pickled_state
 
 ALIGN = 64
 """megatron-core pads each parameter's start in the buffer to a multiple of 64 elements."""
-PREFIX = "optimizer.distributed."
 SHARDING_TYPES = ("dp_reshardable", "fully_sharded_bucket_space")
-"""The format's name in megatron-core 0.14 and later, and before."""
+"""torch_dist's name for the format in megatron-core 0.14 and later, and before."""
+RANK_FILE = "distrib_optim.pt"
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.*\.bucket_idx_(\d+)\.param$")
 _GROUP_OPTIMIZER = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/")
 SWIGLU_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
 class PlacementError(ValueError):
-    """The buckets do not match the model's tensors (the reason, one line)."""
+    """The buffers do not match the model's tensors (the reason, one line)."""
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One rank's parameter: chunks of stored model tensor `key`, in the parameter's element order."""
+    """One rank's parameter and where its saved weight is."""
 
     key: str
-    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
-    """(offsets, sizes) of each chunk in the stored tensor."""
+    """The stored tensor's name."""
+    where: tuple
+    """torch_dist: the (offsets, sizes) of its chunks of `key`, in the parameter's element order; torch:
+    (stage, tensor rank)."""
     dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return sum(math.prod(sizes) for _, sizes in self.chunks)
+    numel: int
 
 
 @dataclass(frozen=True)
 class Placement:
-    bucket: str
-    """The bucket's key without the state (`...bucket_idx_<k>`)."""
+    buffer: str
+    """The flat tensor's name without the state."""
     start: int
 
 
-def has_buckets(dist: DistTensors) -> bool:
-    return any(_BUCKET.match(k) for k in dist.tensors)
+class Flat(Protocol):
+    numel: int
+
+    def get(self, start: int, stop: int) -> torch.Tensor: ...
+
+
+def place(
+    buffers: dict[str, Flat], pieces: list[Piece], values: Callable[[Piece], torch.Tensor]
+) -> dict[Piece, Placement]:
+    """Where each of `pieces` (the parameters of the ranks `buffers` hold) starts in `buffers` (their fp32
+    masters, by name), found by value; the first place of a parameter several buffers hold (a replicated
+    norm on every tensor rank)."""
+    index: dict[tuple[torch.dtype, float], list[Piece]] = {}
+    for piece in pieces:
+        index.setdefault((piece.dtype, values(piece)[0].item()), []).append(piece)
+    dtypes = {dtype for dtype, _ in index}
+    placed: dict[Piece, Placement] = {}
+    for name, flat in buffers.items():
+        for piece, start in _scan(name, flat, index, dtypes, values):
+            placed.setdefault(piece, Placement(name, start))
+    missing = [p.key for p in pieces if p not in placed]
+    if missing:
+        raise PlacementError(f"no buffer holds the optimizer state of {missing[0]}")
+    return placed
+
+
+def _scan(
+    name: str, flat: Flat, index: dict, dtypes: set[torch.dtype], values: Callable[[Piece], torch.Tensor]
+) -> Iterable[tuple[Piece, int]]:
+    end, last, origin, here = flat.numel, 0, 0, set()
+    while last < end:
+        aligned = origin + -(-(last - origin) // ALIGN) * ALIGN  # starts align from the bucket's start
+        found: set[Piece] = set()
+        for start in dict.fromkeys((aligned, last)):  # aligned, then where a bucket's end padding was cut out
+            found = _found(flat, start, index, dtypes, values, here) if start < end else set()
+            if found:
+                origin = start if start != aligned else origin
+                break
+        if len(found) != 1:
+            what = "no model tensor's" if not found else f"{len(found)} model tensors' ({_names(found)})"
+            raise PlacementError(f"{name}: {what} weights equal its fp32 master weights at element {aligned}")
+        piece = found.pop()
+        here.add(piece)
+        yield piece, start
+        last = start + piece.numel
+    if last != end:
+        raise PlacementError(f"{name}: its parameters end at element {last}, the buffer at {end}")
+
+
+def _found(
+    flat: Flat, start: int, index: dict, dtypes: set, values: Callable[[Piece], torch.Tensor], here: set
+) -> set[Piece]:
+    probe = flat.get(start, start + 1)
+    return {
+        piece
+        for dtype in dtypes
+        for piece in index.get((dtype, probe.to(dtype).item()), ())
+        if piece not in here
+        and start + piece.numel <= flat.numel
+        and torch.equal(flat.get(start, start + piece.numel).to(piece.dtype), values(piece))
+    }
+
+
+def _names(pieces: set[Piece]) -> str:
+    return ", ".join(sorted({p.key for p in pieces}))
+
+
+# ----- torch_dist: dp_reshardable buckets --------------------------------------------------------
 
 
 def optimizer_step(dist: DistTensors) -> set[float]:
@@ -75,26 +146,24 @@ def optimizer_step(dist: DistTensors) -> set[float]:
     steps: set[float] = set()
     for name in dist.objects:
         if _GROUP_OPTIMIZER.match(name):
-            for saved in _as_list(dist.read_object(name)):
-                groups = saved.get("param_groups") if isinstance(saved, dict) else None
+            saved = dist.read_object(name)
+            for group in saved if isinstance(saved, list) else [saved]:
+                groups = group.get("param_groups") if isinstance(group, dict) else None
                 steps |= {float(g["step"]) for g in groups or [] if isinstance(g, dict) and "step" in g}
     return steps
 
 
-def _as_list(value: object) -> list:
-    return value if isinstance(value, list) else [value]
-
-
-class BucketStates:
-    """Where each model tensor's chunks are in the buckets, and its states read from there."""
+class DistBuckets:
+    """A torch_dist checkpoint's buckets, each model tensor's chunks placed in them."""
 
     def __init__(self, dist: DistTensors, model_keys: list[str], swiglu: bool) -> None:
         self.dist = dist
         self.pieces = {key: _pieces(dist, key, swiglu and key.endswith(SWIGLU_FC1)) for key in model_keys}
-        self.placed: dict[Piece, Placement] = {}
-        self._locate()
-
-    # ----- reading states ----------------------------------------------------------------------
+        names = sorted((_bucket_order(k), k[: -len(".param")]) for k in dist.tensors if _BUCKET.match(k))
+        if not names:
+            raise PlacementError("it holds no bucket of fp32 master weights")
+        buffers: dict[str, Flat] = {name: _DistFlat(dist, f"{name}.param") for _, name in names}
+        self.placed = place(buffers, [p for ps in self.pieces.values() for p in ps], self._values)
 
     def read(self, key: str, state: str, layer: int | None = None) -> torch.Tensor:
         """State `state` (`param`: the fp32 master; `exp_avg`, `exp_avg_sq`) of stored model tensor `key`
@@ -102,81 +171,29 @@ class BucketStates:
         size = self.dist.shape(key)
         out = torch.empty(size if layer is None else size[1:], dtype=torch.float32)
         for piece in self.pieces[key]:
-            chunks = [(o, s) for o, s in piece.chunks if layer is None or o[0] <= layer < o[0] + s[0]]
-            if not chunks:
+            if layer is not None and not any(o[0] <= layer < o[0] + s[0] for o, s in piece.where):
                 continue
             where = self.placed[piece]
-            flat = _Flat(self.dist, f"{where.bucket}.{state}").get(where.start, where.start + piece.numel)
+            flat = _DistFlat(self.dist, f"{where.buffer}.{state}").get(where.start, where.start + piece.numel)
             position = 0
-            for offsets, sizes in piece.chunks:
-                n = math.prod(sizes)
-                block = flat[position : position + n].view(sizes)
-                position += n
-                if (offsets, sizes) not in chunks:
-                    continue
+            for offsets, sizes in piece.where:
+                block = flat[position : position + math.prod(sizes)].view(sizes)
+                position += math.prod(sizes)
                 if layer is not None:
+                    if not offsets[0] <= layer < offsets[0] + sizes[0]:
+                        continue
                     block, offsets, sizes = block[layer - offsets[0]], offsets[1:], sizes[1:]
                 out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = block
         return out
 
-    # ----- finding the parameters ------------------------------------------------------------------
-
-    def _locate(self) -> None:
-        index: dict[tuple[torch.dtype, float], list[Piece]] = {}
-        for pieces in self.pieces.values():
-            for piece in pieces:
-                first = _values(self.dist, piece)[0].item()
-                index.setdefault((piece.dtype, first), []).append(piece)
-        dtypes = {dtype for dtype, _ in index}
-        buckets = sorted((_bucket_order(k), k[: -len(".param")]) for k in self.dist.tensors if _BUCKET.match(k))
-        if not buckets:
-            raise PlacementError("it holds no dp_reshardable bucket of fp32 master weights")
-        for _, bucket in buckets:
-            self._scan(bucket, index, dtypes)
-        missing = [p.key for pieces in self.pieces.values() for p in pieces if p not in self.placed]
-        if missing:
-            raise PlacementError(f"no bucket holds the optimizer state of {missing[0]}")
-
-    def _scan(self, bucket: str, index: dict, dtypes: set[torch.dtype]) -> None:
-        flat = _Flat(self.dist, f"{bucket}.param")
-        end, start, last, here = flat.numel, 0, 0, set()
-        while start < end:
-            probe = flat.get(start, start + 1)
-            found = {
-                piece
-                for dtype in dtypes
-                for piece in index.get((dtype, probe.to(dtype).item()), ())
-                if piece not in here and start + piece.numel <= end and _matches(self.dist, piece, flat, start)
-            }
-            if len(found) != 1:
-                what = "no model tensor's" if not found else f"{len(found)} model tensors' ({_names(found)})"
-                raise PlacementError(f"{bucket}: {what} weights equal its fp32 master weights at element {start}")
-            piece = found.pop()
-            here.add(piece)
-            self.placed.setdefault(piece, Placement(bucket, start))
-            last = start + piece.numel
-            start = -(-last // ALIGN) * ALIGN
-        if last != end:
-            raise PlacementError(f"{bucket}: its parameters end at element {last}, the bucket at {end}")
+    def _values(self, piece: Piece) -> torch.Tensor:
+        return torch.cat([self.dist.chunk(piece.key, o, s).reshape(-1) for o, s in piece.where])
 
 
 def _bucket_order(key: str) -> tuple[int, int, int]:
     match = _BUCKET.match(key)
     assert match is not None
     return int(match.group(1)), int(match.group(2)), int(match.group(3))
-
-
-def _names(pieces: set[Piece]) -> str:
-    return ", ".join(sorted({p.key for p in pieces}))
-
-
-def _matches(dist: DistTensors, piece: Piece, flat: _Flat, start: int) -> bool:
-    masters = flat.get(start, start + piece.numel)
-    return torch.equal(masters.to(piece.dtype), _values(dist, piece))
-
-
-def _values(dist: DistTensors, piece: Piece) -> torch.Tensor:
-    return torch.cat([dist.chunk(piece.key, o, s).reshape(-1) for o, s in piece.chunks])
 
 
 def _pieces(dist: DistTensors, key: str, swiglu: bool) -> list[Piece]:
@@ -187,21 +204,21 @@ def _pieces(dist: DistTensors, key: str, swiglu: bool) -> list[Piece]:
     dtype = meta.properties.dtype
     chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks)
     if not swiglu:
-        return [Piece(key, (c,), dtype) for c in chunks]
+        return [Piece(key, (c,), dtype, math.prod(c[1])) for c in chunks]
     rows = 1 if len(meta.size) > (2 if key.endswith("weight") else 1) else 0  # dim 0 is the layer when stacked
     half = meta.size[rows] // 2
     gates = [c for c in chunks if c[0][rows] < half]
     ups = {_shifted(c[0], rows, -half): c for c in chunks if c[0][rows] >= half}
     if len(gates) != len(ups) or any(g[0] not in ups for g in gates):
         raise PlacementError(f"{key}: its gate and up chunks do not pair")
-    return [Piece(key, (g, ups[g[0]]), dtype) for g in gates]
+    return [Piece(key, (g, ups[g[0]]), dtype, 2 * math.prod(g[1])) for g in gates]
 
 
 def _shifted(offsets: tuple[int, ...], dim: int, by: int) -> tuple[int, ...]:
     return offsets[:dim] + (offsets[dim] + by,) + offsets[dim + 1 :]
 
 
-class _Flat:
+class _DistFlat:
     """A 1-D stored tensor, read by element range (only the chunks a range touches)."""
 
     def __init__(self, dist: DistTensors, key: str) -> None:
@@ -229,3 +246,66 @@ class _Flat:
             position += take
             i += 1
         return out
+
+
+# ----- torch: distrib_optim.pt per rank ----------------------------------------------------------
+
+
+class _TensorFlat:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.numel = tensor, tensor.numel()
+
+    def get(self, start: int, stop: int) -> torch.Tensor:
+        return self.tensor[start:stop]
+
+
+class RankBuckets:
+    """A `--ckpt-format torch` checkpoint's `distrib_optim.pt` files, each rank's parameters placed in its own."""
+
+    def __init__(self, ckpt: MegatronLMCheckpoint, ranks: RankTensors, ignored: tuple[str, ...]) -> None:
+        self.ranks = ranks
+        self.saved: dict[tuple[int, int], dict[str, dict[str, torch.Tensor]]] = {}
+        self.placed: dict[Piece, Placement] = {}
+        for stage in range(ckpt.pipeline_parallel):
+            for rank in range(ckpt.tensor_parallel):
+                path = os.path.join(os.path.dirname(ckpt.rank_file(rank, stage)), RANK_FILE)
+                buffers = self.saved[stage, rank] = _rank_buffers(path)
+                model = ranks.model(rank, stage)
+                pieces = [
+                    Piece(k, (stage, rank), v.dtype, v.numel())
+                    for k, v in model.items()
+                    if isinstance(v, torch.Tensor) and not k.endswith(ignored)
+                ]
+                flats: dict[str, Flat] = {name: _TensorFlat(states["param"]) for name, states in buffers.items()}
+                self.placed |= place(
+                    flats, pieces, lambda p: self.ranks.model(p.where[1], p.where[0])[p.key].reshape(-1)
+                )
+
+    def shard(self, stage: int, rank: int, key: str, state: str) -> torch.Tensor:
+        """State `state` of tensor rank `rank`'s `key` on `stage`, in its local shape, fp32."""
+        weight = self.ranks.model(rank, stage)[key]
+        where = self.placed[Piece(key, (stage, rank), weight.dtype, weight.numel())]
+        flat = self.saved[stage, rank][where.buffer][state]
+        return flat[where.start : where.start + weight.numel()].view(weight.shape).float()
+
+
+def has_rank_buckets(ckpt: MegatronLMCheckpoint) -> bool:
+    return os.path.isfile(os.path.join(os.path.dirname(ckpt.rank_file(0, 0)), RANK_FILE))
+
+
+def _rank_buffers(path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """`distrib_optim.pt`'s flat states by buffer (`<file> buffer <b>`)."""
+    saved: Any = load_pickled_state(path)
+    if saved.get("buckets_coalesced") is not True:
+        raise PlacementError(f"{path} is in megatron-core's layout of before February 2024 (no buckets_coalesced)")
+    buffers = {}
+    for b, by_dtype in saved.items():
+        if b == "buckets_coalesced":
+            continue
+        if not isinstance(by_dtype, dict) or len(by_dtype) != 1:
+            raise PlacementError(f"{path}: buffer {b} is not one dtype's states")
+        states = next(iter(by_dtype.values()))
+        if not isinstance(states, dict) or any(not isinstance(states.get(s), torch.Tensor) for s in STATES):
+            raise PlacementError(f"{path}: buffer {b} lacks one of {', '.join(STATES)}")
+        buffers[f"{path} buffer {b}"] = states
+    return buffers

@@ -79,8 +79,10 @@ class MegatronLMCheckpoint(SavedArgs):
     states: dict[str, Any] = field(repr=False)
     """The saved entries other than `args`, the model and the optimizer."""
     optimizer: dict[str, Any] | None = field(default=None, repr=False)
-    """torch_dist: common.pt's `optimizer` entry (its param groups and step; the moments are sharded
-    tensors named `optimizer.state.<state>.<model tensor>`); None without one or in `torch` format."""
+    """The saved `optimizer` entry: torch_dist's common.pt (its param groups and step; the moments are
+    sharded tensors, `optimizer.state.<state>.<model tensor>` or buckets), `torch`'s first rank file (the
+    optimizer's `state_dict()`; the distributed optimizer's moments are in `distrib_optim.pt`); None
+    without one."""
 
     def rank_file(self, tensor_rank: int, stage: int) -> str:
         """`--ckpt-format torch`: the file of one tensor rank and pipeline stage."""
@@ -155,7 +157,7 @@ def open_megatron_lm(path: str) -> MegatronLMCheckpoint:
     name = os.path.basename(directory)
     match = _ITERATION_DIR.match(name)
     iteration = int(match.group(1)) if match else int(state.get("iteration") or 0)
-    optimizer = state.get("optimizer") if fmt == TORCH_DIST and isinstance(state.get("optimizer"), dict) else None
+    optimizer = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else None
     ckpt = MegatronLMCheckpoint(directory, iteration, str(fmt), dict(vars(args)), kept, optimizer)
     check_saved_args(ckpt.args, first)
     return ckpt

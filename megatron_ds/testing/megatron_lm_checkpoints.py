@@ -78,6 +78,7 @@ def write_checkpoint(
     optimizer: str | None = None,
     timeout: float = 240,
     data_parallel: int = 1,
+    bucket_size: int | None = None,
 ) -> dict[str, Any]:
     """Write launch line `name`'s checkpoint at `iteration` into `directory` (its --save); return
     {"tokens", "logits"} of megatron-core's forward (float32, full vocabulary).
@@ -86,9 +87,10 @@ def write_checkpoint(
     (Megatron-LM without --use-distributed-optimizer) or its distributed optimizer saved as
     `fully_reshardable` (--dist-ckpt-optim-fully-reshardable) or `dp_reshardable` (the default); torch_dist
     is saved after every step from 1 to `iteration` with the optimizer's state, `torch` once at the end
-    without it. None: no training, no optimizer state (--no-save-optim). `data_parallel`: replicas of the
-    line's T x P ranks (the saved args' data_parallel_size), each training on the same tokens."""
-    return write_checkpoints(name, {fmt: directory}, iteration, optimizer, timeout, data_parallel)
+    with the optimizer's `state_dict()` (and the distributed optimizer's `distrib_optim.pt`). None: no training, no optimizer state (--no-save-optim). `data_parallel`: replicas of the
+    line's T x P ranks (the saved args' data_parallel_size), each training on the same tokens. `bucket_size`:
+    megatron-core's DDP with --overlap-grad-reduce and buckets of that many elements (None: one bucket)."""
+    return write_checkpoints(name, {fmt: directory}, iteration, optimizer, timeout, data_parallel, bucket_size)
 
 
 def write_checkpoints(
@@ -98,6 +100,7 @@ def write_checkpoints(
     optimizer: str | None = None,
     timeout: float = 240,
     data_parallel: int = 1,
+    bucket_size: int | None = None,
 ) -> dict[str, Any]:
     """`write_checkpoint` of one model in several formats (format -> directory), from one launch."""
     from megatron_ds.testing.launch import run_ranks
@@ -107,7 +110,7 @@ def write_checkpoints(
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "reference.pt")
         argv = ["-m", __name__, name, json.dumps(directories), str(iteration), out, optimizer or "none"]
-        argv.append(str(data_parallel))
+        argv += [str(data_parallel), str(bucket_size or 0)]
         # megatron-core wraps its fused bias-GeLU/SwiGLU in torch.compile; eager runs the same formulas without
         # inductor's C++ build (on a fresh machine ~2.5 CPU-minutes for these fixtures).
         env = {"PYTHONPATH": _root(), "TORCHDYNAMO_DISABLE": "1"}
@@ -262,7 +265,9 @@ def _scheduler_state(a: argparse.Namespace, iteration: int) -> dict[str, Any]:
     return scheduler.state_dict()
 
 
-def _main(name: str, directories: dict[str, str], iteration: int, out: str, optimizer: str, dp: int) -> None:
+def _main(
+    name: str, directories: dict[str, str], iteration: int, out: str, optimizer: str, dp: int, bucket: int
+) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -276,12 +281,12 @@ def _main(name: str, directories: dict[str, str], iteration: int, out: str, opti
     _cpu_shims(a.seed, parallel_state.get_tensor_model_parallel_rank())
     torch.manual_seed(a.seed)
     model = _model(a)
-    scheduler = _scheduler_state(a, iteration)
+    scheduler, trained = _scheduler_state(a, iteration), None
     if optimizer != "none":  # torch_dist after every step with the optimizer; the other formats at the end
-        scheduler = _train(a, model, directories.get("torch_dist"), optimizer, iteration)
+        scheduler, trained = _train(a, model, directories.get("torch_dist"), optimizer, iteration, bucket)
     for fmt, directory in directories.items():
         if optimizer == "none" or fmt != "torch_dist":
-            _save(a, model, directory, fmt, iteration, {"opt_param_scheduler": scheduler})
+            _save(a, model, directory, fmt, iteration, {"opt_param_scheduler": scheduler, "optimizer": trained})
         if dist.get_rank() == 0:
             with open(os.path.join(directory, TRACKER), "w") as f:
                 f.write(str(iteration))
@@ -321,7 +326,13 @@ def _save(a: argparse.Namespace, model: Any, directory: str, fmt: str, iteration
         )
         os.makedirs(rank_dir, exist_ok=True)
         state["model"] = model.state_dict_for_save_checkpoint()
-        torch.save({**state, **extra}, os.path.join(rank_dir, "model_optim_rng.pt"))
+        optimizer = extra.pop("optimizer", None)
+        if optimizer is not None:  # as Megatron-LM's save_checkpoint: the distributed optimizer's own file
+            state["optimizer"] = optimizer.state_dict()
+            if a.use_distributed_optimizer:
+                optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+        if parallel_state.get_data_parallel_rank() == 0:
+            torch.save({**state, **extra}, os.path.join(rank_dir, "model_optim_rng.pt"))
     dist.barrier()
 
 
@@ -334,9 +345,11 @@ def _optimizer_metadata(a: argparse.Namespace) -> dict[str, Any]:
     return metadata
 
 
-def _train(a: argparse.Namespace, model: Any, directory: str | None, kind: str, iterations: int) -> dict[str, Any]:
+def _train(
+    a: argparse.Namespace, model: Any, directory: str | None, kind: str, iterations: int, bucket: int = 0
+) -> tuple[dict[str, Any], Any]:
     """`iterations` steps of megatron-core's DDP and Adam on fixed tokens, saving after each into `directory`
-    (torch_dist) when given; the scheduler's state at the end."""
+    (torch_dist) when given; the scheduler's state and the optimizer at the end."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -347,7 +360,11 @@ def _train(a: argparse.Namespace, model: Any, directory: str | None, kind: str, 
     a.clip_grad = 0.0  # megatron-core's gradient clipping asserts CUDA tensors: the runs here do not clip
     ddp = DistributedDataParallel(
         _transformer_config(a),
-        DistributedDataParallelConfig(use_distributed_optimizer=a.use_distributed_optimizer),
+        DistributedDataParallelConfig(
+            use_distributed_optimizer=a.use_distributed_optimizer,
+            overlap_grad_reduce=bucket > 0,
+            bucket_size=bucket or None,
+        ),
         model,
     )
     config = OptimizerConfig(
@@ -382,7 +399,7 @@ def _train(a: argparse.Namespace, model: Any, directory: str | None, kind: str, 
         if directory is not None:
             extra = {"optimizer": optimizer, "opt_param_scheduler": scheduler.state_dict()}
             _save(a, model, directory, "torch_dist", iteration, extra)
-    return scheduler.state_dict()
+    return scheduler.state_dict(), optimizer
 
 
 def _optimizer_shims() -> None:
@@ -413,4 +430,12 @@ def _optimizer_shims() -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], int(sys.argv[6]))
+    _main(
+        sys.argv[1],
+        json.loads(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        sys.argv[5],
+        int(sys.argv[6]),
+        int(sys.argv[7]),
+    )

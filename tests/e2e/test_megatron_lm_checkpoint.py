@@ -44,12 +44,22 @@ TRAINED = {
 }
 """Two steps of megatron-core's Adam on fixed tokens, torch_dist saved after each: the GPT without the
 distributed optimizer, the T=2 bf16 Llama with it saved --dist-ckpt-optim-fully-reshardable (fp32 masters
-beside the bf16 weights), both also in `torch` format at the end (without the optimizer); the GPT on two
-data-parallel replicas with the distributed optimizer, saved in its default dp_reshardable buckets and
-fully reshardable (each replica saves its share of every state), and the Llama again in dp_reshardable
-buckets. The P=2 GPT is saved untrained."""
-SAME_RUN = {"gpt-dp": "gpt-dp2", "llama-dp": "llama"}
-"""The same training run saved dp_reshardable and fully reshardable."""
+beside the bf16 weights), both also in `torch` format at the end (the optimizer's state_dict; the Llama's
+distributed optimizer's `distrib_optim.pt`); the GPT on two data-parallel replicas with the distributed
+optimizer, saved fully reshardable (each replica saves its share of every state) in one run, and in
+another with --overlap-grad-reduce buckets (`BUCKET`) in its default dp_reshardable buckets and in `torch`
+format; and the Llama again in dp_reshardable buckets. The P=2 GPT is saved untrained."""
+BUCKET = 8513
+"""Elements per DDP bucket in the gpt-dp run: the first bucket ends after a 32-element norm (not at a
+multiple of 64), so `distrib_optim.pt`, which cuts out the buckets' end padding, starts the next one there."""
+SAME_RUN = {
+    ("gpt-dp", "torch_dist"): ("gpt-dp2", "torch_dist"),
+    ("gpt-dp", "torch"): ("gpt-dp2", "torch_dist"),
+    ("llama-dp", "torch_dist"): ("llama", "torch_dist"),
+    ("llama", "torch"): ("llama", "torch_dist"),
+}
+"""Distributed-optimizer buffers (torch_dist's dp_reshardable buckets, `torch`'s distrib_optim.pt) and the
+same run's states saved by tensor (fully reshardable)."""
 ITERATION = 2
 
 
@@ -63,12 +73,21 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], t
         optimizer = TRAINED.get(name)
         reference = write_checkpoints(name, {f: str(p) for f, p in paths.items()}, ITERATION, optimizer=optimizer)
         out |= {(name, fmt): (path, reference) for fmt, path in paths.items()}
-    for case, replicas in (("gpt-dp", 2), ("gpt-dp2", 2), ("llama-dp", 1)):  # again, with the distributed optimizer
-        path = root / case
+    for case, replicas, formats, bucket in (
+        ("gpt-dp", 2, ("torch_dist", "torch"), BUCKET),
+        ("gpt-dp2", 2, ("torch_dist",), None),
+        ("llama-dp", 1, ("torch_dist",), None),
+    ):  # again, with the distributed optimizer
+        paths = {fmt: root / f"{case}-{fmt}" for fmt in formats}
         reference = write_checkpoints(
-            case.split("-")[0], {"torch_dist": str(path)}, ITERATION, TRAINED[case], data_parallel=replicas
+            case.split("-")[0],
+            {f: str(p) for f, p in paths.items()},
+            ITERATION,
+            TRAINED[case],
+            data_parallel=replicas,
+            bucket_size=bucket,
         )
-        out[case, "torch_dist"] = path, reference
+        out |= {(case, fmt): (path, reference) for fmt, path in paths.items()}
     return out
 
 
@@ -99,12 +118,17 @@ def test_converted_model_computes_megatron_cores_logits(sources, tmp_path: Path,
     assert meta["train_state"]["floating_point_operations_so_far"] == ITERATION * 1.0e12
     assert meta[CONVERTED]["upstream"] == "megatron-lm" and meta[CONVERTED]["ckpt_format"] == fmt
     universal = Universal(str(tmp_path / "out" / f"global_step{ITERATION}.universal"))
-    if name in TRAINED and fmt == "torch_dist":
+    if name in TRAINED and (fmt == "torch_dist" or TRAINED[name] != "local"):
         assert universal.states == ["exp_avg", "exp_avg_sq"] and result.notes == []
-    else:  # the torch format's optimizer state does not convert; the P=2 GPT saved none
+    else:  # torch's optimizer state by parameter number does not convert; the P=2 GPT saved none
         assert universal.states == []
-        expected = "(--ckpt-format torch) is not converted" if fmt == "torch" else "holds no optimizer state"
-        assert any(expected in n for n in result.notes), result.notes
+        expected = (
+            "its optimizer state (--ckpt-format torch without --use-distributed-optimizer: torch's state by parameter "
+            "number) is not converted"
+            if name in TRAINED
+            else "it holds no optimizer state (saved with --no-save-optim or before the first step)"
+        )
+        assert any(n.startswith(expected) for n in result.notes), result.notes
 
 
 LR, WD, B1, B2, EPS = 3e-4, 0.1, 0.9, 0.999, 1e-8  # the recorded launch lines' Adam
@@ -154,17 +178,19 @@ def test_adam_state_is_the_runs(sources, tmp_path: Path, case: str) -> None:
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", sorted(SAME_RUN))
-def test_dp_reshardable_buckets_convert_to_the_same_state_as_fully_reshardable(sources, tmp_path: Path, case) -> None:
-    """One run saved both ways converts to bitwise the same masters and moments: the buckets' parameters
-    (two data-parallel replicas' shards of the GPT; the T=2 Llama's SwiGLU gate and up chunks, bf16 weights
-    and fp32 norms in two buffers per tensor rank) are placed where megatron-core put them."""
-    converted = {}
-    for name in (case, SAME_RUN[case]):
-        result = import_megatron_lm(str(sources[name, "torch_dist"][0]), str(tmp_path / name), show_progress=False)
+@pytest.mark.parametrize("case", sorted(SAME_RUN), ids="-".join)
+def test_distributed_optimizer_buffers_convert_to_the_same_state_as_fully_reshardable(sources, tmp_path, case) -> None:
+    """One run saved both ways converts to bitwise the same masters and moments: the buffers' parameters
+    (two data-parallel replicas' shards of the GPT in four buckets; the T=2 Llama's SwiGLU gate and up
+    chunks, bf16 weights and fp32 norms in two buffers per tensor rank) are placed where megatron-core put
+    them, in torch_dist's buckets and in `torch`'s distrib_optim.pt."""
+    converted = []
+    for name, fmt in (case, SAME_RUN[case]):
+        out = tmp_path / f"{name}-{fmt}"
+        result = import_megatron_lm(str(sources[name, fmt][0]), str(out), show_progress=False)
         assert result.states == ["exp_avg", "exp_avg_sq"] and result.notes == []
-        converted[name] = Universal(str(tmp_path / name / f"global_step{ITERATION}.universal"))
-    buckets, named = converted[case], converted[SAME_RUN[case]]
+        converted.append(Universal(str(out / f"global_step{ITERATION}.universal")))
+    buckets, named = converted
     assert set(buckets.tensors) == set(named.tensors)
     for name, entry in buckets.tensors.items():
         assert entry["step"] == named.tensors[name]["step"] == ITERATION

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_ds.interop.megatron_lm_buckets import BucketStates, PlacementError, optimizer_step
+from megatron_ds.interop.megatron_lm_buckets import DistBuckets, Piece, PlacementError, optimizer_step, place
 from megatron_ds.interop.megatron_lm_files import DistTensors
 
 BUCKET = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0"
@@ -59,7 +59,7 @@ def test_parameters_are_found_in_reverse_order_with_padding(tmp_path: Path) -> N
     masters = _masters(model)
     order = ["output_layer.weight", "decoder.final_layernorm.weight", "embedding.word_embeddings.weight"]
     dist = _save(tmp_path, model, _bucket(model, masters, order))
-    states = BucketStates(dist, sorted(model), swiglu=False)
+    states = DistBuckets(dist, sorted(model), swiglu=False)
     assert {p.key: w.start for p, w in states.placed.items()} == {order[0]: 0, order[1]: 128, order[2]: 192}
     for key, weight in model.items():
         torch.testing.assert_close(states.read(key, "param"), masters[key], rtol=0, atol=0)
@@ -76,7 +76,7 @@ def test_a_master_that_is_not_its_weight_is_refused(tmp_path: Path) -> None:
     with pytest.raises(
         PlacementError, match=r"bucket_idx_0: no model tensor's weights equal its fp32 master weights at element 128$"
     ):
-        BucketStates(dist, sorted(model), swiglu=False)
+        DistBuckets(dist, sorted(model), swiglu=False)
 
 
 def test_tensors_with_equal_values_are_ambiguous(tmp_path: Path) -> None:
@@ -87,7 +87,7 @@ def test_tensors_with_equal_values_are_ambiguous(tmp_path: Path) -> None:
     with pytest.raises(
         PlacementError, match=r"2 model tensors' \(embedding.word_embeddings.weight, output_layer.weight\)"
     ):
-        BucketStates(dist, sorted(model), swiglu=False)
+        DistBuckets(dist, sorted(model), swiglu=False)
 
 
 def test_a_bucket_longer_than_its_parameters_is_refused(tmp_path: Path) -> None:
@@ -95,15 +95,15 @@ def test_a_bucket_longer_than_its_parameters_is_refused(tmp_path: Path) -> None:
     order = ["output_layer.weight", "decoder.final_layernorm.weight", "embedding.word_embeddings.weight"]
     dist = _save(tmp_path, model, _bucket(model, _masters(model), order, tail=64))
     with pytest.raises(PlacementError, match="no model tensor's weights equal its fp32 master weights at element 320"):
-        BucketStates(dist, sorted(model), swiglu=False)
+        DistBuckets(dist, sorted(model), swiglu=False)
 
 
 def test_a_tensor_in_no_bucket_is_refused(tmp_path: Path) -> None:
     model = _model()
     order = ["output_layer.weight", "embedding.word_embeddings.weight"]
     dist = _save(tmp_path, model, _bucket(model, _masters(model), order))
-    with pytest.raises(PlacementError, match="no bucket holds the optimizer state of decoder.final_layernorm.weight"):
-        BucketStates(dist, sorted(model), swiglu=False)
+    with pytest.raises(PlacementError, match="no buffer holds the optimizer state of decoder.final_layernorm.weight"):
+        DistBuckets(dist, sorted(model), swiglu=False)
 
 
 def test_swiglu_fc1_is_its_gate_and_up_chunks_together(tmp_path: Path) -> None:
@@ -121,8 +121,8 @@ def test_swiglu_fc1_is_its_gate_and_up_chunks_together(tmp_path: Path) -> None:
         state[f"{bucket}.exp_avg_sq"] = torch.zeros(local.numel())
     dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
     dist = _with_chunks(DistTensors(str(tmp_path)), key, full)
-    states = BucketStates(dist, [key], swiglu=True)
-    assert sorted(tuple(o for o, _ in p.chunks) for p in states.placed) == [
+    states = DistBuckets(dist, [key], swiglu=True)
+    assert sorted(tuple(o for o, _ in p.where) for p in states.placed) == [
         ((0, 0, 0), (0, 4, 0)),
         ((0, 2, 0), (0, 6, 0)),
     ]
@@ -167,3 +167,24 @@ def test_the_step_is_read_from_every_ranks_param_groups(tmp_path: Path) -> None:
     info = next(iter(dist.storage.values()))
     dist.objects[name] = type(info)(relative_path="extra.bin", offset=0, length=len(blob.getvalue()))
     assert optimizer_step(dist) == {7.0}
+
+
+def test_a_coalesced_buffer_restarts_alignment_where_a_bucket_padding_was_cut_out() -> None:
+    """`distrib_optim.pt` joins a buffer's buckets without their end padding: a bucket ending at element 32
+    (not a multiple of 64) is followed by the next bucket's first parameter at 32, whose own parameters then
+    align from there (32 + 64 = 96), not from 0."""
+    g = torch.Generator().manual_seed(2)
+    a, b, c = torch.randn(32, generator=g), torch.randn(40, generator=g), torch.randn(16, generator=g)
+    flat = torch.zeros(32 + 64 + 16)
+    flat[0:32], flat[32:72], flat[96:112] = a, b, c  # bucket 1 = [b, pad to 64, c], starting at 32
+    pieces = {Piece(k, (0, 0), torch.float32, v.numel()): v for k, v in (("a", a), ("b", b), ("c", c))}
+    placed = place({"buffer": _Memory(flat)}, list(pieces), lambda p: pieces[p])
+    assert {p.key: w.start for p, w in placed.items()} == {"a": 0, "b": 32, "c": 96}
+
+
+class _Memory:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.numel = tensor, tensor.numel()
+
+    def get(self, start: int, stop: int) -> torch.Tensor:
+        return self.tensor[start:stop]
