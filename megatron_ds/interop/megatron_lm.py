@@ -9,9 +9,9 @@ a `--load` resumes from under any layout). Adam's state and the fp32 master weig
 torch_dist checkpoints, named by model tensor (`optimizer.state.exp_avg.<tensor>`: Megatron-LM without
 --use-distributed-optimizer, or with --dist-ckpt-optim-fully-reshardable) or in the distributed
 optimizer's default `dp_reshardable` buckets, and from `torch` checkpoints of the distributed optimizer
-(`distrib_optim.pt`); the buffers are placed by `megatron_lm_buckets`. torch's optimizer state by
-parameter number (`torch` without the distributed optimizer) does not convert, nor do buffers that do not
-match the weights (the notice says why): a resume then starts Adam's moments at zero and takes the
+(`distrib_optim.pt`; the buffers are placed by `megatron_lm_buckets`) or without it (torch's state by
+parameter number, `megatron_lm_torch_optimizer`). State that does not match the weights does not convert
+(the notice says why): a resume then starts Adam's moments at zero and takes the
 model's weights (bf16 in a bf16 run) as its fp32 master weights. The source is only read
 (`megatron_lm_files`).
 """
@@ -45,6 +45,7 @@ from megatron_ds.interop.megatron_lm_files import (
     RankTensors,
     open_megatron_lm,
 )
+from megatron_ds.interop.megatron_lm_torch_optimizer import RankParamStates
 from megatron_ds.model import sharding
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import CONVERTED, META, CheckpointError, fingerprint
@@ -100,11 +101,6 @@ def import_megatron_lm(
 
 def optimizer_absence(mlm: MegatronLMCheckpoint) -> str:
     """Why a checkpoint's optimizer state does not convert."""
-    if mlm.format != TORCH_DIST and mlm.optimizer is not None:
-        return (
-            "its optimizer state (--ckpt-format torch without --use-distributed-optimizer: torch's state by "
-            "parameter number) is not converted"
-        )
     return "it holds no optimizer state (saved with --no-save-optim or before the first step)"
 
 
@@ -141,8 +137,9 @@ class MegatronLMSource:
         self.ranks = None if self.dist is not None else RankTensors(mlm)
         self.buckets: DistBuckets | None = None
         """torch_dist: the distributed optimizer's dp_reshardable buckets, placed (None: named by tensor)."""
-        self.rank_buckets: RankBuckets | None = None
-        """torch: the distributed optimizer's `distrib_optim.pt` of each rank, placed."""
+        self.rank_states: RankBuckets | RankParamStates | None = None
+        """torch: each rank's optimizer state (the distributed optimizer's `distrib_optim.pt`, or torch's in
+        `model_optim_rng.pt`), placed."""
         self.absence = ""
         """Why optimizer state the checkpoint holds does not convert ("" when it does or there is none)."""
         self._states = self._find_states()
@@ -158,7 +155,7 @@ class MegatronLMSource:
         if self.mlm.optimizer is None:
             return ()
         if self.dist is None:
-            return self._place_rank_buckets() if has_rank_buckets(self.mlm) else ()
+            return self._place_rank_states()
         if self.mlm.optimizer.get("param_state_sharding_type") in SHARDING_TYPES:
             return self._place_buckets()
         candidates, layer = where.names(self.model, model_tensors(self.model)[0])
@@ -178,12 +175,15 @@ class MegatronLMSource:
             return ()
         return STATES
 
-    def _place_rank_buckets(self) -> tuple[str, ...]:
+    def _place_rank_states(self) -> tuple[str, ...]:
         assert self.ranks is not None
+        buckets = has_rank_buckets(self.mlm)
+        kind = RankBuckets if buckets else RankParamStates
         try:
-            self.rank_buckets = RankBuckets(self.mlm, self.ranks, where.IGNORED_SUFFIXES)
+            self.rank_states = kind(self.mlm, self.ranks, where.IGNORED_SUFFIXES)
         except PlacementError as err:
-            self.absence = f"its distributed optimizer's state (distrib_optim.pt) does not match its weights ({err})"
+            file = "the distributed optimizer's distrib_optim.pt" if buckets else "model_optim_rng.pt"
+            self.absence = f"its optimizer state ({file}) does not match its weights ({err})"
             return ()
         return STATES
 
@@ -197,6 +197,8 @@ class MegatronLMSource:
             steps.add(float(common))
         if self.buckets is not None:
             steps |= optimizer_step(self.buckets.dist)
+        if isinstance(self.rank_states, RankParamStates):
+            steps |= self.rank_states.steps
         if len(steps) != 1:
             raise CheckpointError(
                 f"{self.mlm.directory}: its optimizer's step is {sorted(steps) or 'missing'}; expected one step count"
@@ -207,7 +209,7 @@ class MegatronLMSource:
         """`state` (FP32: the fp32 master where saved, else the weight; or an Adam state) as our full fp32 tensor."""
         if self.buckets is not None:
             return self._from_buckets(tensor, "param" if state == FP32 else state)
-        if self.rank_buckets is not None:
+        if self.rank_states is not None:
             return self._from_ranks(tensor, "param" if state == FP32 else state).float()
         if state == FP32:
             master = next((m for m in MASTERS if self._optimizer_key(tensor, m) is not None), None)
@@ -321,8 +323,8 @@ class MegatronLMSource:
         if state is None:
             shards = self.ranks.shards(*found)
         else:
-            assert self.rank_buckets is not None
-            shards = [self.rank_buckets.shard(found[0], r, found[1], state) for r in range(self.tensor_parallel)]
+            assert self.rank_states is not None
+            shards = [self.rank_states.shard(found[0], r, found[1], state) for r in range(self.tensor_parallel)]
         if tensor.key in where.FUSED_QKV:
             shards = [qkv_to_blocked(s, self.model, self.tensor_parallel) for s in shards]
         if tensor.rule.split == sharding.REPLICATED and sharding.replicas_differ(shards):

@@ -77,6 +77,8 @@ def _torch_value(module: str, name: str) -> Any:
     """Tensors, storages' rebuilders, dtypes and torch's small value types."""
     if module == "torch._utils" and name in _TENSOR_REBUILDERS:
         return getattr(torch._utils, name)
+    if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):  # a tensor with attributes set (as
+        return torch._tensor._rebuild_from_type_v2  # torch's weights_only loader admits it; its parts are checked here)
     if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
         return getattr(torch, name)
     plain = {"Size": torch.Size, "device": torch.device, "Tensor": torch.Tensor}

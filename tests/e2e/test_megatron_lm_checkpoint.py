@@ -41,6 +41,7 @@ TRAINED = {
     "gpt-dp": "dp_reshardable",
     "gpt-dp2": "fully_reshardable",
     "llama-dp": "dp_reshardable",
+    "llama-local": "local",
 }
 """Two steps of megatron-core's Adam on fixed tokens, torch_dist saved after each: the GPT without the
 distributed optimizer, the T=2 bf16 Llama with it saved --dist-ckpt-optim-fully-reshardable (fp32 masters
@@ -48,7 +49,9 @@ beside the bf16 weights), both also in `torch` format at the end (the optimizer'
 distributed optimizer's `distrib_optim.pt`); the GPT on two data-parallel replicas with the distributed
 optimizer, saved fully reshardable (each replica saves its share of every state) in one run, and in
 another with --overlap-grad-reduce buckets (`BUCKET`) in its default dp_reshardable buckets and in `torch`
-format; and the Llama again in dp_reshardable buckets. The P=2 GPT is saved untrained."""
+format; the Llama again in dp_reshardable buckets, and without the distributed optimizer in `torch` format
+(its `fp32_from_fp16_params`; megatron-core 0.16 cannot save that optimizer as torch_dist on this model).
+The P=2 GPT is saved untrained."""
 BUCKET = 8513
 """Elements per DDP bucket in the gpt-dp run: the first bucket ends after a 32-element norm (not at a
 multiple of 64), so `distrib_optim.pt`, which cuts out the buckets' end padding, starts the next one there."""
@@ -57,9 +60,12 @@ SAME_RUN = {
     ("gpt-dp", "torch"): ("gpt-dp2", "torch_dist"),
     ("llama-dp", "torch_dist"): ("llama", "torch_dist"),
     ("llama", "torch"): ("llama", "torch_dist"),
+    ("gpt", "torch"): ("gpt", "torch_dist"),
+    ("llama-local", "torch"): ("llama", "torch_dist"),
 }
-"""Distributed-optimizer buffers (torch_dist's dp_reshardable buckets, `torch`'s distrib_optim.pt) and the
-same run's states saved by tensor (fully reshardable)."""
+"""Optimizer state saved in buffers or by parameter number (torch_dist's dp_reshardable buckets, `torch`'s
+distrib_optim.pt and its torch optimizer state) and the same run's (or, for the Llama without the
+distributed optimizer, the same training's) states saved by tensor name."""
 ITERATION = 2
 
 
@@ -77,6 +83,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], t
         ("gpt-dp", 2, ("torch_dist", "torch"), BUCKET),
         ("gpt-dp2", 2, ("torch_dist",), None),
         ("llama-dp", 1, ("torch_dist",), None),
+        ("llama-local", 1, ("torch",), None),
     ):  # again, with the distributed optimizer
         paths = {fmt: root / f"{case}-{fmt}" for fmt in formats}
         reference = write_checkpoints(
@@ -118,16 +125,11 @@ def test_converted_model_computes_megatron_cores_logits(sources, tmp_path: Path,
     assert meta["train_state"]["floating_point_operations_so_far"] == ITERATION * 1.0e12
     assert meta[CONVERTED]["upstream"] == "megatron-lm" and meta[CONVERTED]["ckpt_format"] == fmt
     universal = Universal(str(tmp_path / "out" / f"global_step{ITERATION}.universal"))
-    if name in TRAINED and (fmt == "torch_dist" or TRAINED[name] != "local"):
+    if name in TRAINED:
         assert universal.states == ["exp_avg", "exp_avg_sq"] and result.notes == []
-    else:  # torch's optimizer state by parameter number does not convert; the P=2 GPT saved none
+    else:  # the P=2 GPT saved none
         assert universal.states == []
-        expected = (
-            "its optimizer state (--ckpt-format torch without --use-distributed-optimizer: torch's state by parameter "
-            "number) is not converted"
-            if name in TRAINED
-            else "it holds no optimizer state (saved with --no-save-optim or before the first step)"
-        )
+        expected = "it holds no optimizer state (saved with --no-save-optim or before the first step)"
         assert any(n.startswith(expected) for n in result.notes), result.notes
 
 
@@ -179,11 +181,12 @@ def test_adam_state_is_the_runs(sources, tmp_path: Path, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(SAME_RUN), ids="-".join)
-def test_distributed_optimizer_buffers_convert_to_the_same_state_as_fully_reshardable(sources, tmp_path, case) -> None:
+def test_optimizer_state_converts_to_the_same_state_as_saved_by_tensor_name(sources, tmp_path, case) -> None:
     """One run saved both ways converts to bitwise the same masters and moments: the buffers' parameters
     (two data-parallel replicas' shards of the GPT in four buckets; the T=2 Llama's SwiGLU gate and up
     chunks, bf16 weights and fp32 norms in two buffers per tensor rank) are placed where megatron-core put
-    them, in torch_dist's buckets and in `torch`'s distrib_optim.pt."""
+    them, in torch_dist's buckets and in `torch`'s distrib_optim.pt, and torch's numbered parameters (fp32
+    GPT; bf16 Llama with fp32 masters of its 16-bit tensors only) are the tensors megatron-core grouped."""
     converted = []
     for name, fmt in (case, SAME_RUN[case]):
         out = tmp_path / f"{name}-{fmt}"
