@@ -159,7 +159,19 @@ class MegatronLMSource:
         if self.mlm.optimizer.get("param_state_sharding_type") in SHARDING_TYPES:
             return self._place_buckets()
         candidates, layer = where.names(self.model, model_tensors(self.model)[0])
-        return STATES if self._dist_key(candidates, layer, prefix=f"optimizer.state.{STATES[0]}.") else ()
+        key = self._dist_key(candidates, layer, prefix=f"optimizer.state.{STATES[0]}.")
+        weight = self._dist_key(candidates, layer)
+        if key is None or weight is None:
+            return ()
+        if self.dist.shape(key) != self.dist.shape(weight):  # e.g. megatron-core's flattened fully_sharded_model_space
+            sharding = self.mlm.optimizer.get("param_state_sharding_type") or "by tensor"
+            self.absence = (
+                f"its optimizer state ({sharding}) is stored as {key} of shape {list(self.dist.shape(key))}, not its "
+                f"weight's {list(self.dist.shape(weight))}, a layout that does not convert; to keep it, load the "
+                f"checkpoint in Megatron-LM and save it with --dist-ckpt-optim-fully-reshardable"
+            )
+            return ()
+        return STATES
 
     def _place_buckets(self) -> tuple[str, ...]:
         assert self.dist is not None

@@ -20,7 +20,7 @@ import torch
 
 from megatron_ds.errors import UserError
 from megatron_ds.inference.model import load_model
-from megatron_ds.interop.megatron_lm import import_megatron_lm
+from megatron_ds.interop.megatron_lm import RESTART, import_megatron_lm
 from megatron_ds.interop.megatron_lm_files import DistTensors
 from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoints
 from megatron_ds.training.checkpoint.directory import CONVERTED, META, CheckpointError, read_meta
@@ -315,6 +315,38 @@ def test_a_tensor_the_model_does_not_have_is_refused(sources, tmp_path: Path) ->
     ):
         import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_optimizer_state_in_another_layout_is_left_out_saying_why(sources, tmp_path: Path) -> None:
+    """torch_dist moments not in their weight's shape (megatron-core's flattened fully_sharded_model_space, which
+    0.16 can no longer write: emulated by editing the metadata) and a `torch` rank file whose param groups do not
+    number the model's tensors: the weights convert, the state does not, and the note says why."""
+    flat = _copy(sources["gpt", "torch_dist"][0], tmp_path / "flat")
+    metadata = flat / "iter_0000002" / ".metadata"
+    saved = pickle.loads(metadata.read_bytes())  # the test's own file
+    saved.state_dict_metadata["optimizer.state.exp_avg.embedding.word_embeddings.weight"].size = torch.Size([4096])
+    metadata.write_bytes(pickle.dumps(saved))
+    numbered = _copy(sources["gpt", "torch"][0], tmp_path / "numbered")
+    path = numbered / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["optimizer"]["param_groups"][0]["params"].pop()
+    torch.save(state, path)
+    expected = {
+        flat: "its optimizer state (by tensor) is stored as optimizer.state.exp_avg.embedding.word_embeddings.weight "
+        "of shape [4096], not its weight's [128, 32], a layout that does not convert; to keep it, load the checkpoint "
+        "in Megatron-LM and save it with --dist-ckpt-optim-fully-reshardable",
+        numbered: f"its optimizer state (model_optim_rng.pt) does not match its weights ({path}: param group 0 has 9 "
+        f"parameters, the model 10)",
+    }
+    for source, reason in expected.items():
+        out = tmp_path / f"{source.parent.name}-out"
+        result = import_megatron_lm(str(source), str(out), show_progress=False)
+        assert result.states == [] and result.notes == [f"{reason}: {RESTART}"], result.notes
+        model = load_model(str(out))
+        with torch.no_grad():
+            logits = model.float()(sources["gpt", "torch"][1]["tokens"])
+        reference = sources["gpt", "torch"][1]["logits"]
+        torch.testing.assert_close(logits, reference[..., : logits.shape[-1]], rtol=0, atol=1e-6)
 
 
 def test_an_existing_output_is_never_overwritten(sources, tmp_path: Path) -> None:
