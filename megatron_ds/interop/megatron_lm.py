@@ -31,6 +31,7 @@ from megatron_ds.interop import megatron_lm_args as saved_args
 from megatron_ds.interop import megatron_lm_layout as where
 from megatron_ds.interop.megatron_deepspeed_layout import qkv_to_blocked
 from megatron_ds.interop.megatron_lm_buckets import (
+    GATHERED,
     SHARDING_TYPES,
     DistBuckets,
     PlacementError,
@@ -156,8 +157,9 @@ class MegatronLMSource:
             return ()
         if self.dist is None:
             return self._place_rank_states()
-        if self.mlm.optimizer.get("param_state_sharding_type") in SHARDING_TYPES:
-            return self._place_buckets()
+        sharding = self.mlm.optimizer.get("param_state_sharding_type")
+        if sharding in SHARDING_TYPES or sharding == GATHERED:
+            return self._place_buckets(sharding)
         candidates, layer = where.names(self.model, model_tensors(self.model)[0])
         key = self._dist_key(candidates, layer, prefix=f"optimizer.state.{STATES[0]}.")
         weight = self._dist_key(candidates, layer)
@@ -173,14 +175,14 @@ class MegatronLMSource:
             return ()
         return STATES
 
-    def _place_buckets(self) -> tuple[str, ...]:
+    def _place_buckets(self, sharding: str) -> tuple[str, ...]:
         assert self.dist is not None
         try:
             gated = self.model.activation in GATED_ACTIVATIONS
-            self.buckets = DistBuckets(self.dist, sorted(stored_names(self)), gated)
+            self.buckets = DistBuckets(self.dist, sorted(stored_names(self)), gated, gathered=sharding == GATHERED)
         except PlacementError as err:
             self.absence = (
-                f"its optimizer state is in the distributed optimizer's dp_reshardable buckets, which do not match "
+                f"its optimizer state is in the distributed optimizer's {sharding} buffers, which do not match "
                 f"its weights ({err}); to keep it, load the checkpoint in Megatron-LM and save it with "
                 f"--dist-ckpt-optim-fully-reshardable"
             )

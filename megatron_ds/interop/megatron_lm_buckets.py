@@ -40,8 +40,11 @@ ALIGN = 64
 """megatron-core pads each parameter's start in the buffer to a multiple of 64 elements."""
 SHARDING_TYPES = ("dp_reshardable", "fully_sharded_bucket_space")
 """torch_dist's name for the format in megatron-core 0.14 and later, and before."""
+GATHERED = "dp_zero_gather_scatter"
+"""torch_dist's name for the per-rank pickled buffers (megatron-core 0.5-0.6's default)."""
 RANK_FILE = "distrib_optim.pt"
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_.*\.bucket_idx_(\d+)\.param$")
+_PARAM_STATE = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.param_state/")
 _GROUP_OPTIMIZER = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/")
 SWIGLU_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -154,15 +157,16 @@ def optimizer_step(dist: DistTensors) -> set[float]:
 
 
 class DistBuckets:
-    """A torch_dist checkpoint's buckets, each model tensor's chunks placed in them."""
+    """A torch_dist checkpoint's buffers, each model tensor's chunks placed in them: dp_reshardable's buckets
+    (sharded tensors) or, with `gathered`, dp_zero_gather_scatter's (megatron-core 0.5-0.6's default: per
+    model-parallel rank a pickled `param_state` holding what `distrib_optim.pt` holds)."""
 
-    def __init__(self, dist: DistTensors, model_keys: list[str], swiglu: bool) -> None:
+    def __init__(self, dist: DistTensors, model_keys: list[str], swiglu: bool, gathered: bool = False) -> None:
         self.dist = dist
         self.pieces = {key: _pieces(dist, key, swiglu and key.endswith(SWIGLU_FC1)) for key in model_keys}
-        names = sorted((_bucket_order(k), k[: -len(".param")]) for k in dist.tensors if _BUCKET.match(k))
-        if not names:
-            raise PlacementError("it holds no bucket of fp32 master weights")
-        buffers: dict[str, Flat] = {name: _DistFlat(dist, f"{name}.param") for _, name in names}
+        self.states = _gathered_buffers(dist) if gathered else _bucket_buffers(dist)
+        """Each buffer's flat state tensors (`param`, `exp_avg`, `exp_avg_sq`) by name."""
+        buffers = {name: flats("param") for name, flats in self.states.items()}
         self.placed = place(buffers, [p for ps in self.pieces.values() for p in ps], self._values)
 
     def read(self, key: str, state: str, layer: int | None = None) -> torch.Tensor:
@@ -174,7 +178,7 @@ class DistBuckets:
             if layer is not None and not any(o[0] <= layer < o[0] + s[0] for o, s in piece.where):
                 continue
             where = self.placed[piece]
-            flat = _DistFlat(self.dist, f"{where.buffer}.{state}").get(where.start, where.start + piece.numel)
+            flat = self.states[where.buffer](state).get(where.start, where.start + piece.numel)
             position = 0
             for offsets, sizes in piece.where:
                 block = flat[position : position + math.prod(sizes)].view(sizes)
@@ -188,6 +192,24 @@ class DistBuckets:
 
     def _values(self, piece: Piece) -> torch.Tensor:
         return torch.cat([self.dist.chunk(piece.key, o, s).reshape(-1) for o, s in piece.where])
+
+
+def _bucket_buffers(dist: DistTensors) -> dict[str, Callable[[str], Flat]]:
+    names = sorted((_bucket_order(k), k[: -len(".param")]) for k in dist.tensors if _BUCKET.match(k))
+    if not names:
+        raise PlacementError("it holds no bucket of fp32 master weights")
+    return {name: lambda state, name=name: _DistFlat(dist, f"{name}.{state}") for _, name in names}
+
+
+def _gathered_buffers(dist: DistTensors) -> dict[str, Callable[[str], Flat]]:
+    out: dict[str, Callable[[str], Flat]] = {}
+    for name in sorted(n for n in dist.objects if _PARAM_STATE.match(n)):
+        saved = dist.read_object(name)
+        for buffer, states in _coalesced(saved[0] if isinstance(saved, list) and saved else saved, name).items():
+            out[buffer] = lambda state, states=states: _TensorFlat(states[state])
+    if not out:
+        raise PlacementError("it holds no param_state of the distributed optimizer")
+    return out
 
 
 def _bucket_order(key: str) -> tuple[int, int, int]:
@@ -295,8 +317,12 @@ def has_rank_buckets(ckpt: MegatronLMCheckpoint) -> bool:
 
 def _rank_buffers(path: str) -> dict[str, dict[str, torch.Tensor]]:
     """`distrib_optim.pt`'s flat states by buffer (`<file> buffer <b>`)."""
-    saved: Any = load_pickled_state(path)
-    if saved.get("buckets_coalesced") is not True:
+    return _coalesced(load_pickled_state(path), path)
+
+
+def _coalesced(saved: Any, path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """megatron-core's `get_parameter_state_dp_zero` output (`path`: where it was read) as flat states by buffer."""
+    if not isinstance(saved, dict) or saved.get("buckets_coalesced") is not True:
         raise PlacementError(f"{path} is in megatron-core's layout of before February 2024 (no buckets_coalesced)")
     buffers = {}
     for b, by_dtype in saved.items():

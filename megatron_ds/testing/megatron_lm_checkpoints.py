@@ -34,7 +34,7 @@ import torch
 
 RECORDED = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data", "megatron_lm_args.json")
 FORMATS = ("torch_dist", "torch")
-OPTIMIZERS = ("local", "fully_reshardable", "dp_reshardable")
+OPTIMIZERS = ("local", "fully_reshardable", "dp_reshardable", "dp_zero_gather_scatter")
 PRELOAD = (
     "torch",
     "torch._dynamo",
@@ -85,11 +85,13 @@ def write_checkpoint(
 
     `optimizer` (P = 1 only): train `iteration` steps on fixed tokens with megatron-core's Adam, `local`
     (Megatron-LM without --use-distributed-optimizer) or its distributed optimizer saved as
-    `fully_reshardable` (--dist-ckpt-optim-fully-reshardable) or `dp_reshardable` (the default); torch_dist
-    is saved after every step from 1 to `iteration` with the optimizer's state, `torch` once at the end
-    with the optimizer's `state_dict()` (and the distributed optimizer's `distrib_optim.pt`). None: no training, no optimizer state (--no-save-optim). `data_parallel`: replicas of the
-    line's T x P ranks (the saved args' data_parallel_size), each training on the same tokens. `bucket_size`:
-    megatron-core's DDP with --overlap-grad-reduce and buckets of that many elements (None: one bucket)."""
+    `fully_reshardable` (--dist-ckpt-optim-fully-reshardable), `dp_reshardable` (the default) or
+    `dp_zero_gather_scatter` (core 0.5-0.6's); torch_dist is saved after every step from 1 to `iteration`
+    with the optimizer's state, `torch` once at the end with the optimizer's `state_dict()` (and the
+    distributed optimizer's `distrib_optim.pt`). None: no training, no optimizer state (--no-save-optim).
+    `data_parallel`: replicas of the line's T x P ranks (the saved args' data_parallel_size), each training
+    on the same tokens. `bucket_size`: megatron-core's DDP with --overlap-grad-reduce and buckets of that
+    many elements (None: one bucket)."""
     return write_checkpoints(name, {fmt: directory}, iteration, optimizer, timeout, data_parallel, bucket_size)
 
 
@@ -340,8 +342,7 @@ def _optimizer_metadata(a: argparse.Namespace) -> dict[str, Any]:
     """Megatron-LM's `_build_sharded_state_dict_metadata` for these args."""
     metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if a.use_distributed_optimizer:
-        fully = a.dist_ckpt_optim_fully_reshardable
-        metadata["distrib_optim_sharding_type"] = "fully_reshardable" if fully else "dp_reshardable"
+        metadata["distrib_optim_sharding_type"] = a.distrib_optim_sharding_type
     return metadata
 
 
@@ -357,6 +358,7 @@ def _train(
     _optimizer_shims()
     a.use_distributed_optimizer = kind != "local"
     a.dist_ckpt_optim_fully_reshardable = kind == "fully_reshardable"
+    a.distrib_optim_sharding_type = kind  # dp_zero_gather_scatter: Megatron-LM's torch_dist default in core 0.5-0.6
     a.clip_grad = 0.0  # megatron-core's gradient clipping asserts CUDA tensors: the runs here do not clip
     ddp = DistributedDataParallel(
         _transformer_config(a),

@@ -42,6 +42,7 @@ TRAINED = {
     "gpt-dp2": "fully_reshardable",
     "llama-dp": "dp_reshardable",
     "llama-local": "local",
+    "llama-dz": "dp_zero_gather_scatter",
 }
 """Two steps of megatron-core's Adam on fixed tokens, torch_dist saved after each: the GPT without the
 distributed optimizer, the T=2 bf16 Llama with it saved --dist-ckpt-optim-fully-reshardable (fp32 masters
@@ -50,7 +51,8 @@ distributed optimizer's `distrib_optim.pt`); the GPT on two data-parallel replic
 optimizer, saved fully reshardable (each replica saves its share of every state) in one run, and in
 another with --overlap-grad-reduce buckets (`BUCKET`) in its default dp_reshardable buckets and in `torch`
 format; the Llama again in dp_reshardable buckets, and without the distributed optimizer in `torch` format
-(its `fp32_from_fp16_params`; megatron-core 0.16 cannot save that optimizer as torch_dist on this model).
+(its `fp32_from_fp16_params`; megatron-core 0.16 cannot save that optimizer as torch_dist on this model),
+and with it as `dp_zero_gather_scatter` (core 0.5-0.6's torch_dist default: pickled buffers per rank).
 The P=2 GPT is saved untrained."""
 BUCKET = 8513
 """Elements per DDP bucket in the gpt-dp run: the first bucket ends after a 32-element norm (not at a
@@ -62,6 +64,7 @@ SAME_RUN = {
     ("llama", "torch"): ("llama", "torch_dist"),
     ("gpt", "torch"): ("gpt", "torch_dist"),
     ("llama-local", "torch"): ("llama", "torch_dist"),
+    ("llama-dz", "torch_dist"): ("llama", "torch_dist"),
 }
 """Optimizer state saved in buffers or by parameter number (torch_dist's dp_reshardable buckets, `torch`'s
 distrib_optim.pt and its torch optimizer state) and the same run's (or, for the Llama without the
@@ -84,6 +87,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], t
         ("gpt-dp2", 2, ("torch_dist",), None),
         ("llama-dp", 1, ("torch_dist",), None),
         ("llama-local", 1, ("torch",), None),
+        ("llama-dz", 1, ("torch_dist",), None),
     ):  # again, with the distributed optimizer
         paths = {fmt: root / f"{case}-{fmt}" for fmt in formats}
         reference = write_checkpoints(
@@ -212,7 +216,7 @@ def test_buckets_that_do_not_place_leave_the_state_out_saying_why(sources, tmp_p
     assert result.states == [] and len(result.notes) == 1, result.notes
     note = result.notes[0]
     assert note.startswith(
-        "its optimizer state is in the distributed optimizer's dp_reshardable buckets, which do not match its "
+        "its optimizer state is in the distributed optimizer's dp_reshardable buffers, which do not match its "
         "weights (optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0: "
     ), note
     assert "model tensors' (decoder.final_layernorm.bias, " in note
