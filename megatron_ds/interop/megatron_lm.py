@@ -36,7 +36,6 @@ from megatron_ds.interop.megatron_lm_buckets import (
     DistBuckets,
     PlacementError,
     RankBuckets,
-    has_rank_buckets,
     optimizer_step,
 )
 from megatron_ds.interop.megatron_lm_files import (
@@ -95,7 +94,11 @@ def import_megatron_lm(
     if not states:
         reason = sources[-1].absence if sources and sources[-1].absence else optimizer_absence(mlm)
         notes.append(f"{reason}: {RESTART}")
-    flags = saved_args.render(mlm.args, saved_args.MODEL_ARGS) + tokenizer_flags
+    # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by x T: printed times the
+    # source's T, the flags keep its padded size at our default T=1 (at another T the --load error says what to give)
+    divisible = mlm.args.get("make_vocab_size_divisible_by")
+    printed = {**mlm.args, "make_vocab_size_divisible_by": divisible * mlm.tensor_parallel} if divisible else mlm.args
+    flags = saved_args.render(printed, saved_args.MODEL_ARGS) + tokenizer_flags
     flags += saved_args.render(mlm.args, saved_args.TRAINING_ARGS)
     return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, states, flags, notes, source=mlm)
 
@@ -173,7 +176,39 @@ class MegatronLMSource:
                 f"checkpoint in Megatron-LM and save it with --dist-ckpt-optim-fully-reshardable"
             )
             return ()
+        mislabeled = self._master_not_its_weight()
+        if mislabeled is not None:
+            self.absence = (
+                f"its optimizer state is saved under the wrong tensor names ({mislabeled}'s fp32 master does not "
+                f"round to its weight: megatron-core 0.16's --dist-ckpt-optim-fully-reshardable slices each tensor's "
+                f"state at its bucket-padded position in buffers saved without that padding, so runs with several "
+                f"DDP buckets are shifted); to keep it, save the run with the default dp_reshardable layout"
+            )
+            return ()
         return STATES
+
+    def _master_not_its_weight(self) -> str | None:
+        """The first tensor whose saved fp32 master (`param` or `fp32_param`) does not round to its saved
+        weight exactly (megatron-core copies the masters into the weights after every step), or None; None
+        also when no masters are saved (a run without --use-distributed-optimizer in fp32)."""
+        assert self.dist is not None
+        for tensor in model_tensors(self.model):
+            candidates, layer = where.names(self.model, tensor)
+            weight_key = self._dist_key(candidates, layer)
+            master_key = next(
+                (
+                    k
+                    for m in MASTERS
+                    if (k := self._dist_key(candidates, layer, prefix=f"optimizer.state.{m}.")) is not None
+                ),
+                None,
+            )
+            if weight_key is None or master_key is None:
+                continue
+            weight = self.dist.read(weight_key, layer)
+            if not torch.equal(self.dist.read(master_key, layer).to(weight.dtype), weight):
+                return weight_key if layer is None else f"{weight_key}[{layer}]"
+        return None
 
     def _place_buckets(self, sharding: str) -> tuple[str, ...]:
         assert self.dist is not None
@@ -191,7 +226,7 @@ class MegatronLMSource:
 
     def _place_rank_states(self) -> tuple[str, ...]:
         assert self.ranks is not None
-        buckets = has_rank_buckets(self.mlm)
+        buckets = bool(self.mlm.args.get("use_distributed_optimizer"))  # its distrib_optim.pt files must be there
         kind = RankBuckets if buckets else RankParamStates
         try:
             self.rank_states = kind(self.mlm, self.ranks, where.IGNORED_SUFFIXES)

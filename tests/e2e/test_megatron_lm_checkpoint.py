@@ -43,6 +43,7 @@ TRAINED = {
     "llama-dp": "dp_reshardable",
     "llama-local": "local",
     "llama-dz": "dp_zero_gather_scatter",
+    "gpt-fr-buckets": "fully_reshardable",
 }
 """Two steps of megatron-core's Adam on fixed tokens, torch_dist saved after each: the GPT without the
 distributed optimizer, the T=2 bf16 Llama with it saved --dist-ckpt-optim-fully-reshardable (fp32 masters
@@ -52,8 +53,9 @@ optimizer, saved fully reshardable (each replica saves its share of every state)
 another with --overlap-grad-reduce buckets (`BUCKET`) in its default dp_reshardable buckets and in `torch`
 format; the Llama again in dp_reshardable buckets, and without the distributed optimizer in `torch` format
 (its `fp32_from_fp16_params`; megatron-core 0.16 cannot save that optimizer as torch_dist on this model),
-and with it as `dp_zero_gather_scatter` (core 0.5-0.6's torch_dist default: pickled buffers per rank).
-The P=2 GPT is saved untrained."""
+and with it as `dp_zero_gather_scatter` (core 0.5-0.6's torch_dist default: pickled buffers per rank); the
+GPT fully reshardable with `BUCKET` buckets, which megatron-core 0.16 saves under shifted names. The P=2 GPT
+is saved untrained."""
 BUCKET = 8513
 """Elements per DDP bucket in the gpt-dp run: the first bucket ends after a 32-element norm (not at a
 multiple of 64), so `distrib_optim.pt`, which cuts out the buckets' end padding, starts the next one there."""
@@ -88,6 +90,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], t
         ("llama-dp", 1, ("torch_dist",), None),
         ("llama-local", 1, ("torch",), None),
         ("llama-dz", 1, ("torch_dist",), None),
+        ("gpt-fr-buckets", 1, ("torch_dist",), BUCKET),
     ):  # again, with the distributed optimizer
         paths = {fmt: root / f"{case}-{fmt}" for fmt in formats}
         reference = write_checkpoints(
@@ -245,7 +248,8 @@ def test_tool_prints_the_flags_and_a_resume_continues_the_run(sources, tmp_path:
     assert flags[:3] == ["pretrain_gpt.py", "--load", str(out)]
     assert {"--swiglu", "--group-query-attention", "--untie-embeddings-and-output-weights", "--bf16"} <= set(flags)
     extra = "--mock-data --num-workers 0 --log-interval 1 --eval-iters 0 --train-iters 4 --lr-decay-iters 20"
-    extra += f" --make-vocab-size-divisible-by 256 --save {saved} --save-interval 100"
+    assert flags[flags.index("--make-vocab-size-divisible-by") + 1] == "256"  # 128 x T=2: the padded size at T=1
+    extra += f" --save {saved} --save-interval 100"
     cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *flags[1:], *extra.split()]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -351,6 +355,33 @@ def test_optimizer_state_in_another_layout_is_left_out_saying_why(sources, tmp_p
             logits = model.float()(sources["gpt", "torch"][1]["tokens"])
         reference = sources["gpt", "torch"][1]["logits"]
         torch.testing.assert_close(logits, reference[..., : logits.shape[-1]], rtol=0, atol=1e-6)
+
+
+def test_fully_reshardable_state_under_shifted_names_is_left_out(sources, tmp_path: Path) -> None:
+    """megatron-core 0.16 saves a bucketed run's --dist-ckpt-optim-fully-reshardable state sliced at bucket-padded
+    positions of buffers saved without that padding: each tensor's name holds a neighbour's state. The fp32
+    masters then do not round to the weights; the state is left out, saying so, and the weights convert."""
+    source, reference = sources["gpt-fr-buckets", "torch_dist"]
+    result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
+    assert result.states == [] and len(result.notes) == 1
+    assert result.notes[0].startswith(
+        "its optimizer state is saved under the wrong tensor names (embedding.word_embeddings.weight's fp32 master "
+        "does not round to its weight: megatron-core 0.16's --dist-ckpt-optim-fully-reshardable"
+    ), result.notes
+    model = load_model(str(tmp_path / "out"))
+    with torch.no_grad():
+        logits = model.float()(reference["tokens"])
+    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+
+
+def test_a_missing_distrib_optim_file_is_named(sources, tmp_path: Path) -> None:
+    """A distributed-optimizer run's `torch` checkpoint without rank 0's distrib_optim.pt is incomplete (its
+    saved args say --use-distributed-optimizer), as without any other rank's."""
+    source = _copy(sources["llama", "torch"][0], tmp_path)
+    (source / "iter_0000002" / "mp_rank_00" / "distrib_optim.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"mp_rank_00/distrib_optim\.pt: missing; the checkpoint is incomplete"):
+        import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_existing_output_is_never_overwritten(sources, tmp_path: Path) -> None:
