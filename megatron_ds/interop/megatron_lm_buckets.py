@@ -311,10 +311,6 @@ class RankBuckets:
         return flat[where.start : where.start + weight.numel()].view(weight.shape).float()
 
 
-def has_rank_buckets(ckpt: MegatronLMCheckpoint) -> bool:
-    return os.path.isfile(os.path.join(os.path.dirname(ckpt.rank_file(0, 0)), RANK_FILE))
-
-
 def _rank_buffers(path: str) -> dict[str, dict[str, torch.Tensor]]:
     """`distrib_optim.pt`'s flat states by buffer (`<file> buffer <b>`)."""
     return _coalesced(load_pickled_state(path), path)
