@@ -7,6 +7,7 @@ reads the report, picks the configuration and renders the section."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from megatron_ds.estimate.fit_advice import Change, LayoutFor, fitting_combination, ranked_changes
 from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
@@ -43,6 +44,21 @@ def parse_reported(text: str, num_stages: int | None) -> dict[str, float]:
     unknown = set(out) - {"first", "middle", "last"}
     if unknown:
         raise PlanError(f"--reported-mb: unknown key(s) {', '.join(sorted(unknown))}; use first, middle, last")
+    bad = {k: v for k, v in out.items() if not 0 < v < math.inf}
+    if bad:
+        key, value = next(iter(bad.items()))
+        raise PlanError(f"--reported-mb {text!r}: {key}={value:g} is not a memory figure; give MB above 0")
+    per_stage = not all("=" in t for t in items)
+    if num_stages is not None and num_stages < 2:
+        raise PlanError(
+            f"--reported-mb {text!r}: a 1-stage pipeline has no first and last stages to compare; "
+            f"give --pipeline-model-parallel-size of the run"
+        )
+    if per_stage and num_stages is not None and len(items) != num_stages:
+        raise PlanError(
+            f"--reported-mb {text!r}: {len(items)} values for a {num_stages}-stage pipeline; give {num_stages} "
+            f"values or first=MB,middle=MB,last=MB"
+        )
     return out
 
 

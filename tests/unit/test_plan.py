@@ -307,6 +307,19 @@ def test_write_config_matches_the_generated_json(tmp_path, capsys) -> None:
         (["pipeline", "--model", "1.3b", "--hidden-size", "100"], "--hidden-size 100 is not divisible"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["memory", *A100_1_3B, "--reported-mb", "first=ten"], "--reported-mb 'first=ten'"),
+        (
+            ["memory", *V100_PP4, "--reported-mb", "first=100,middle=0,last=50"],
+            "--reported-mb 'first=100,middle=0,last=50': middle=0 is not a memory figure; give MB above 0",
+        ),
+        (["memory", *V100_PP4, "--reported-mb", "first=-100,middle=50,last=60"], "first=-100 is not a memory"),
+        (
+            ["memory", *V100_PP4, "--reported-mb", "10,20"],
+            "--reported-mb '10,20': 2 values for a 4-stage pipeline; give 4 values or first=MB,middle=MB,last=MB",
+        ),
+        (
+            ["memory", *A100_1_3B, "--pipeline-model-parallel-size", "1", "--reported-mb", "10,20"],
+            "a 1-stage pipeline has no first and last stages to compare",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys) -> None:
@@ -374,6 +387,28 @@ def test_bad_profile_is_one_line(tmp_path, capsys) -> None:
     path.write_text(json.dumps({"format": "megatron_ds.plan profile v1", "inputs": {"gpus": 8}}))
     assert main(["--profile", str(path)]) == 2
     assert "unknown input(s) gpus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("inputs", "needle"),
+    [
+        ({"num_gpus": "eight"}, 'input num_gpus is "eight", not an integer'),
+        ({"num_gpus": True}, "input num_gpus is true, not an integer"),
+        ({"num_gpus": 8.5}, "input num_gpus is 8.5, not an integer"),
+        ({"model": ["llama2-7b"]}, 'input model is ["llama2-7b"], not a string'),
+        ({"memory_headroom": "x"}, 'input memory_headroom is "x", not a number'),
+        ({"architecture": [1]}, "input architecture is [1], not a list"),
+        ([1, 2], '"inputs" must be an object and "handled" a list of names'),
+        (None, '"inputs" must be an object'),
+    ],
+)
+def test_a_profile_value_of_the_wrong_type_is_one_line(tmp_path, capsys, inputs, needle) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"format": "megatron_ds.plan profile v1", "handled": ["pipeline"], "inputs": inputs}))
+    assert main(["pipeline", "--profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --profile {path}: ") and needle in err and "\n" not in err, err
+    assert err.endswith("fix or re-create it with --save-profile")
 
 
 def test_default_runs_every_workflow_and_json_has_the_same_sections(capsys) -> None:
