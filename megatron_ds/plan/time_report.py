@@ -21,6 +21,7 @@ PART_NAMES = {
 def describe(c: Candidate) -> str:
     """One configuration in a few words."""
     zero = f"ZeRO-{c.zero_stage}" + (f", optimizer on {c.offload_optimizer}" if c.offload_optimizer != "none" else "")
+    zero += f", parameters on {c.offload_param}" if c.offload_param != "none" else ""
     return (
         f"t={c.tp} p={c.pp} d={c.dp}, micro-batch {c.micro_batch_size}, recompute "
         f"{'off' if c.recompute == 'none' else c.recompute}"
@@ -83,16 +84,24 @@ def slower_by(seconds: float, than: float) -> str:
 
 
 def runner_up_lines(plan: Candidate, other: Candidate | None) -> list[str]:
-    """The fastest configuration that differs in degrees, micro-batch, recomputation or ZeRO, and why it lost."""
+    """The fastest configuration that differs in degrees, micro-batch, recomputation, ZeRO or offload, and why it
+    lost."""
     if other is None or other.time is None or plan.time is None:
         return ["Runner-up: none (no other configuration fits)."]
+    cause, worse = lost_on(plan, other)
+    return [
+        f"Runner-up: {describe(other)}: {format_seconds(other.seconds)}, {slower_by(other.seconds, plan.seconds)}; it loses "
+        f"most on {cause} (+{format_seconds(worse)})."
+    ]
+
+
+def lost_on(plan: Candidate, other: Candidate) -> tuple[str, float]:
+    """The step term `other` is slowest on against `plan`, and by how many seconds."""
+    assert plan.time is not None and other.time is not None
     mine, theirs = terms(plan.time, plan.num_micro_batches), terms(other.time, other.num_micro_batches)
     worse = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in {*mine, *theirs}}
     cause = max(worse, key=lambda k: worse[k])
-    return [
-        f"Runner-up: {describe(other)}: {format_seconds(other.seconds)}, {slower_by(other.seconds, plan.seconds)}; it loses "
-        f"most on {cause} (+{format_seconds(worse[cause])})."
-    ]
+    return cause, worse[cause]
 
 
 def time_data(plan: Candidate, other: Candidate | None) -> dict:
@@ -117,6 +126,13 @@ def time_data(plan: Candidate, other: Candidate | None) -> dict:
             "selective_recompute": other.selective_recompute,
             "sequence_parallel": other.sequence_parallel,
             "zero_stage": other.zero_stage,
+            "offload_optimizer": other.offload_optimizer,
+            "offload_param": other.offload_param,
+            "pipeline_schedule": other.inputs.schedule,
+            "virtual_stages": other.virtual_stages,
             "step_seconds": other.seconds,
         }
+        if other.time is not None:
+            cause, seconds = lost_on(plan, other)
+            data["runner_up"]["loses_most_on"] = {"term": cause, "seconds": seconds}
     return data

@@ -123,10 +123,17 @@ class OffloadChoice:
     """The offload options that fit, fastest first; `candidate` is the chosen configuration."""
 
     timed: list[Timed]
+    others: list[Candidate] = field(default_factory=list)
+    """The other fitting configurations the options' searches priced (for the runner-up)."""
 
     @property
     def candidate(self) -> Candidate:
         return self.timed[0].candidate
+
+    def ranked(self) -> list[Candidate]:
+        """The choice, then every other fitting configuration, fastest first."""
+        rest = [t.candidate for t in self.timed[1:]] + self.others
+        return [self.candidate, *sorted(rest, key=rank_key)]
 
 
 def _offload_order(t: Timed) -> tuple[float, int]:
@@ -136,18 +143,19 @@ def _offload_order(t: Timed) -> tuple[float, int]:
 def choose_offload(search: Search) -> OffloadChoice | None:
     """Every allowed offload option's preferred fitting configuration, by estimated step (None: none fits)."""
     res = search.res
-    found = []
+    found, others = [], []
     for option in OFFLOAD:
         if not allowed(res, option):
             continue
         cand = search.best(option, pairs_for(res, option), refine=False)
         if cand is not None:
             found.append(timed(res, option, cand))
+            others += search.ranked[1:]
     found.sort(key=_offload_order)
     if found:  # only the fastest option's layout and schedule are refined
         found[0] = timed(res, found[0].option, search.refine(found[0].candidate))
         found.sort(key=_offload_order)
-    return OffloadChoice(found) if found else None
+    return OffloadChoice(found, others) if found else None
 
 
 @dataclass
@@ -171,13 +179,13 @@ class Choice:
 
     @property
     def runner_up(self) -> Candidate | None:
-        """The fastest configuration that differs from the choice in degrees, micro-batch, recomputation or ZeRO."""
-        top = self.candidate
-        key = (top.tp, top.pp, top.micro_batch_size, top.recompute, top.zero_stage)
-        return next(
-            (c for c in self.ranked[1:] if (c.tp, c.pp, c.micro_batch_size, c.recompute, c.zero_stage) != key),
-            None,
-        )
+        """The fastest configuration that differs from the choice in degrees, micro-batch, recomputation, ZeRO or
+        offload."""
+
+        def key(c: Candidate) -> tuple:
+            return c.tp, c.pp, c.micro_batch_size, c.recompute, c.zero_stage, c.offload_optimizer, c.offload_param
+
+        return next((c for c in self.ranked[1:] if key(c) != key(self.candidate)), None)
 
 
 def choose_all(res: Resolved, precision: str) -> Choice:
@@ -207,7 +215,7 @@ def _choose_all(res: Resolved, precision: str) -> Choice:
         return Choice(sorted(ranked, key=rank_key), search.tried)
     chosen = choose_offload(search)
     if chosen is not None:
-        return Choice([t.candidate for t in chosen.timed], search.tried)
+        return Choice(chosen.ranked(), search.tried)
     if search.batch_ok and not search.schedule_ok:
         raise PlanError(schedule_message(res, search.unreplayed))
     raise PlanError(

@@ -62,10 +62,27 @@ def test_json_carries_seconds_throughput_and_the_runner_up(capsys) -> None:
     for key in ("step_seconds", "tflops_per_gpu", "tokens_per_second", "mfu"):
         assert data[key] > 0, key
     assert data["tokens_per_second"] == pytest.approx(512 * 2048 / data["step_seconds"])
-    assert data["runner_up"]["step_seconds"] >= data["step_seconds"]
+    runner = data["runner_up"]
+    assert runner["step_seconds"] >= data["step_seconds"]
+    assert runner["pipeline_schedule"] and runner["offload_optimizer"] == runner["offload_param"] == "none"
+    assert runner["loses_most_on"]["term"] in data["step_terms_seconds"] and runner["loses_most_on"]["seconds"] >= 0
     assert main(argv[:-2]) == 0
     text = capsys.readouterr().out
     assert "Predicted step:" in text and "Runner-up:" in text and "it loses most on" in text
+
+
+def test_an_offloaded_choice_has_a_runner_up_among_its_options_configurations(capsys) -> None:
+    """Llama 3 405B on 8 A100s fits only with ZeRO-3 and the optimizer and parameters on the CPU: the runner-up is
+    another fitting configuration of that option (the search priced them), not "none fits"."""
+    argv = ["pipeline", "--model", "llama3-405b", "--num-gpus", "8", "--gpu", "A100-80GB", "--format", "json"]
+    assert main(argv) == 0
+    data = next(s for s in json.loads(capsys.readouterr().out)["sections"] if s["name"] == "pipeline")["data"]
+    runner = data["runner_up"]
+    assert runner["zero_stage"] == 3 and runner["offload_optimizer"] == runner["offload_param"] == "cpu"
+    assert runner["step_seconds"] >= data["step_seconds"]
+    assert main(argv[:-2]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Runner-up:"))
+    assert "ZeRO-3, optimizer on cpu, parameters on cpu" in line and "it loses most on" in line
 
 
 def test_a_trillion_parameters_on_4096_gpus_is_planned_in_seconds(capsys) -> None:
