@@ -85,6 +85,8 @@ def main() -> int:
     print(f"{'group':<16} {'jobs':>5} {'median s':>9} {'max s':>7} {'over 5 s':>8} {'failed':>6}")
     for group in groups:
         times = [r[0] for r in results if r[2] == group]
+        if not times:  # e.g. --random 0
+            continue
         failed = sum(1 for r in results if r[2] == group and r[1] != 0)
         over = sum(1 for t in times if t > 5.0)
         print(f"{group:<16} {len(times):5d} {statistics.median(times):9.2f} {max(times):7.2f} {over:8d} {failed:6d}")

@@ -46,6 +46,10 @@ def parse_compute_capability(text: str, flag: str = "--compute-capability") -> t
     parts = str(text).split(".")
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         raise PlanError(f"{flag} {text!r} is not MAJOR.MINOR (e.g. 8.0 for A100, 9.0 for H100); fix the value")
+    if not 1 <= int(parts[0]) <= 15:  # CUDA's are 1.0 (2006) to 12.x (Blackwell), with room for what comes
+        raise PlanError(
+            f"{flag} {text!r} is no CUDA compute capability; give the GPU's (7.0 V100, 8.0 A100, 9.0 H100, 10.0 B200)"
+        )
     return int(parts[0]), int(parts[1])
 
 

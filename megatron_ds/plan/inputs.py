@@ -140,6 +140,8 @@ QUESTIONS = {
     "gpu_memory": "Which GPU? --gpu NAME (e.g. A100-80GB), or --gpu-memory-gb with --compute-capability",
     "compute_capability": "Which GPU generation? --gpu NAME, or --compute-capability MAJOR.MINOR (e.g. 8.0)",
     "global_batch_size": "How many samples per optimizer step? (--global-batch-size)",
+    "precision": "Which GPU generation (it decides bf16 or fp16)? --gpu NAME, --compute-capability MAJOR.MINOR "
+    "(e.g. 8.0), or --precision",
 }
 
 
@@ -191,7 +193,10 @@ class Resolved:
             "gpu_memory": self.gpu_memory_bytes is not None,
             "compute_capability": self.cc is not None or self.non_nvidia_gpu,
             "global_batch_size": self.global_batch_size is not None,
+            "precision": self.cc is not None or self.non_nvidia_gpu or self.raw.precision is not None,
         }
+        if any(not have[n] and n in needs for n in ("compute_capability", "gpu_memory")):
+            needs = [n for n in needs if n != "precision"]  # their questions ask for the GPU already
         return [self._question(n) for n in needs if not have[n]]
 
     def _question(self, need: str) -> str:

@@ -43,13 +43,13 @@ SECTIONS: tuple[PlannerSection, ...] = (
     PlannerSection("precision", ("compute_capability",), precision.precision_section, "fp16, bf16 or fp8 for this GPU"),
     PlannerSection(
         "pipeline",
-        (*_FLEET, "global_batch_size"),
+        (*_FLEET, "global_batch_size", "precision"),
         pipeline_plan.pipeline_section,
         "degrees, layout, memory and time per stage, JSON, command",
     ),
     PlannerSection(
         "memory",
-        (*_FLEET, "global_batch_size"),
+        (*_FLEET, "global_batch_size", "precision"),
         memory_advice.memory_section,
         "why a stage runs out of memory; changes, cheapest first",
     ),

@@ -308,6 +308,24 @@ def test_write_config_matches_the_generated_json(tmp_path, capsys) -> None:
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["memory", *A100_1_3B, "--reported-mb", "first=ten"], "--reported-mb 'first=ten'"),
         (
+            ["pipeline", "--model", "llama2-7b", "--num-gpus", "8", "--gpu-memory-gb", "80"],
+            "Which GPU generation (it decides bf16 or fp16)? --gpu NAME, --compute-capability MAJOR.MINOR",
+        ),  # not bf16 assumed
+        (
+            [
+                "pipeline",
+                "--model",
+                "llama2-7b",
+                "--num-gpus",
+                "8",
+                "--gpu-memory-gb",
+                "80",
+                "--compute-capability",
+                "99.0",
+            ],
+            "--compute-capability '99.0' is no CUDA compute capability; give the GPU's",
+        ),
+        (
             ["memory", *V100_PP4, "--reported-mb", "first=100,middle=0,last=50"],
             "--reported-mb 'first=100,middle=0,last=50': middle=0 is not a memory figure; give MB above 0",
         ),
