@@ -29,6 +29,7 @@ from typing import Any
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_ds.config import TrainingConfig
+from megatron_ds.config.checks import at_least, check
 from megatron_ds.errors import ConfigError, UserError
 from megatron_ds.flags import compat
 from megatron_ds.flags.lengths import train_length
@@ -53,6 +54,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 0")
     if args.seq_length is None:
         raise ConfigError("missing --seq-length; give the training line's sequence length")
+    at_least("--seq-length", args.seq_length, 1)  # pretrain_gpt.py checks it with the model, not built here
     return args
 
 
@@ -65,10 +67,16 @@ def data_parallel_size(args: argparse.Namespace) -> int:
 def training_config(args: argparse.Namespace) -> TrainingConfig:
     """What decides the sample order of a line: batch sizes, training length, evaluation, seed."""
     direct = direct_values(args).get("training", {})
-    mbs = args.micro_batch_size or 1
-    gbs = args.global_batch_size or mbs * data_parallel_size(args)
+    mbs = 1 if args.micro_batch_size is None else args.micro_batch_size
+    dp = data_parallel_size(args)
+    gbs = mbs * dp if args.global_batch_size is None else args.global_batch_size
     keep = {k: direct[k] for k in ("eval_interval", "eval_iters", "seed")}
     training = TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, **keep)
+    check(  # as the training launch's Config checks it
+        gbs % (mbs * dp) == 0,
+        f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp}; "
+        f"use a multiple of {mbs * dp}",
+    )
     return dataclasses.replace(training, train_iters=train_length(args, gbs, args.seq_length)[0])
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 from collections import OrderedDict
@@ -351,6 +352,15 @@ def train_sentencepiece(
 
     if model_type not in ("bpe", "unigram", "char", "word"):
         raise DataError(f"--model-type {model_type}: unknown; choose bpe or unigram")
+    for flag, value, low, high in (  # sentencepiece's own ranges, checked first for a message naming the flag
+        ("--vocab-size", vocab_size, 1, math.inf),
+        ("--character-coverage", character_coverage, 0.98, 1.0),
+        ("--num-threads", num_threads, 1, 1024),
+        ("--input-sentence-size", input_sentence_size, 0, math.inf),
+    ):
+        if not low <= value <= high:
+            span = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+            raise DataError(f"{flag} {value:g}: must be {span} (sentencepiece's range)")
     out_dir = os.path.dirname(os.path.abspath(model_prefix))
     os.makedirs(out_dir, exist_ok=True)
     options: dict[str, Any] = dict(
@@ -378,10 +388,12 @@ def train_sentencepiece(
     except RuntimeError as err:
         if failures:  # sentencepiece turns an error of the input iterator into a RuntimeError
             raise failures[0] from None
-        reason = str(err).splitlines()[0].split("] ")[-1]
-        raise DataError(
-            f"--vocab-size {vocab_size}: sentencepiece could not train ({reason}); lower --vocab-size or give more text"
-        ) from None
+        first = str(err).splitlines()[0] if str(err) else ""
+        reason = first.split("] ")[-1].strip() or first.split("[")[-1].rstrip("] ")  # the message, else the check
+        if "sentences_.empty()" in first:
+            raise DataError("--input: no training text (empty input or every line blank); give text") from None
+        advice = "raise --vocab-size" if "Increase vocab_size" in first else "lower --vocab-size or give more text"
+        raise DataError(f"--vocab-size {vocab_size}: sentencepiece could not train ({reason}); {advice}") from None
     path = model_prefix + ".model"
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:

@@ -102,6 +102,27 @@ def test_train_errors_are_one_line(tmp_path: Path) -> None:
         tool.run(tool.parse_args(["--input", str(bad), "--model-prefix", str(tmp_path / "m"), "--vocab-size", "50"]))
 
 
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"character_coverage": 5.0}, "--character-coverage 5: must be in [0.98, 1] (sentencepiece's range)"),
+        ({"num_threads": 0}, "--num-threads 0: must be in [1, 1024] (sentencepiece's range)"),
+        ({"input_sentence_size": -1}, "--input-sentence-size -1: must be >= 0 (sentencepiece's range)"),
+        ({"byte_fallback": True}, "Increase vocab_size or decrease character_coverage"),
+    ],
+)
+def test_train_errors_name_the_flag_at_fault(tmp_path: Path, options, needle) -> None:
+    """Not "--vocab-size ...: could not train ()" for every sentencepiece failure; with --byte-fallback (260+
+    pieces) a small vocabulary is to be raised, not lowered."""
+    with pytest.raises(DataError) as err:
+        train_sentencepiece(["the quick brown fox jumps"] * 20, str(tmp_path / "t"), 64, **options)
+    assert needle in str(err.value) and "()" not in str(err.value), str(err.value)
+    if options.get("byte_fallback"):
+        assert str(err.value).endswith("; raise --vocab-size")
+    with pytest.raises(DataError, match=r"^--input: no training text"):
+        train_sentencepiece([], str(tmp_path / "t"), 64)
+
+
 def test_train_tokenizer_cli_error(tmp_path: Path) -> None:
     proc = subprocess.run(
         [

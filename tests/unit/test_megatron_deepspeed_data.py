@@ -217,3 +217,34 @@ def test_show_samples_prints_the_training_order(tmp_path: Path) -> None:
     with contextlib.redirect_stderr(err):
         assert tool.main([*argv, "--num-samples", "500"]) == 2
     assert err.getvalue().startswith("error: --consumed-samples 0 --num-samples 500: the training split has 56")
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"--seq-length": "0"}, "error: --seq-length 0 must be >= 1"),
+        ({"--seq-length": "-4"}, "error: --seq-length -4 must be >= 1"),
+        ({"--micro-batch-size": "0"}, "error: --micro-batch-size 0 must be >= 1"),
+        (
+            {"--micro-batch-size": "2", "--global-batch-size": "3"},
+            "error: --global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel size 1",
+        ),
+    ],
+)
+def test_show_samples_refuses_what_the_training_launch_refuses(tmp_path: Path, change, needle) -> None:
+    """Not a crash in the index builder, nor samples of a line pretrain_gpt.py would not run."""
+    argv = _line(_case("split_98")["command"], tmp_path / "cache")
+    for flag, value in change.items():
+        argv = (
+            [*argv[: argv.index(flag)], flag, value, *argv[argv.index(flag) + 2 :]]
+            if flag in argv
+            else [
+                *argv,
+                flag,
+                value,
+            ]
+        )
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        assert _load_tool("show_samples").main([*argv, "--num-samples", "1"]) == 2
+    assert err.getvalue().startswith(needle) and err.getvalue().count("\n") == 1, err.getvalue()
