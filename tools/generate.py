@@ -65,6 +65,12 @@ def run(argv: Sequence[str] | None = None) -> list[int]:
     except ValueError:
         raise UserError(f"--prompt-ids {args.prompt_ids!r}: expected space-separated integers") from None
     model = load_model(args.load, vocab_size=args.vocab_size, tokenizer=overrides)
+    if tok is not None and any(overrides.values()) and tok.vocab_size > model.config.vocab_size:
+        given = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items() if v)
+        raise UserError(
+            f"{given}: the tokenizer has {tok.vocab_size} tokens, the model {args.load} {model.config.vocab_size} "
+            f"vocabulary rows; give the tokenizer the model was trained with"
+        )
     t0 = time.time()
     new = generate(
         model,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -32,8 +33,8 @@ def sample_next(
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
     """One-line errors for impossible sampling settings."""
-    if temperature < 0:
-        raise UserError(f"--temperature {temperature} must be >= 0 (0 means greedy)")
+    if not temperature >= 0 or temperature == math.inf:  # NaN fails the first test
+        raise UserError(f"--temperature {temperature} must be a finite number >= 0 (0 means greedy)")
     if top_k < 0:
         raise UserError(f"--top-k {top_k} must be >= 0 (0 keeps every token)")
     if not 0.0 < top_p <= 1.0:
@@ -54,9 +55,14 @@ def generate(
 ) -> list[int]:
     """The new token ids after `prompt` (stops after `eos_id`); temperature 0 is greedy decoding."""
     check_sampling(temperature, top_k, top_p)
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {max_new_tokens} must be >= 1")
     vocab = model.config.vocab_size
-    if not prompt or any(not 0 <= int(i) < vocab for i in prompt):
-        raise UserError(f"prompt: needs at least one token, each id in [0, {vocab})")
+    if not prompt:
+        raise UserError("prompt: empty; give at least one token (--prompt TEXT or --prompt-ids IDS)")
+    bad = next((int(i) for i in prompt if not 0 <= int(i) < vocab), None)
+    if bad is not None:
+        raise UserError(f"prompt: token id {bad} is not in the model's vocabulary [0, {vocab}); fix the prompt")
     limit = model.config.max_position_embeddings if model.config.add_position_embedding else None
     if limit is not None and len(prompt) + max_new_tokens > limit:
         raise UserError(

@@ -95,6 +95,24 @@ def test_gpt_export_through_the_cli_matches_transformers(gpt_ckpt: Path, tmp_pat
     assert gen.stdout.split() == [str(i) for i in generate(ours, [11, 22, 33], 20, temperature=0.0)]
 
 
+def test_generate_refuses_a_tokenizer_larger_than_the_model(gpt_ckpt: Path, tmp_path: Path, capsys) -> None:
+    """A --tokenizer-* override with more tokens than the model has rows is one line up front, not a prompt
+    error later (or a silent run)."""
+    from megatron_ds.data.demo_corpus import _load_tool
+    from megatron_ds.data.tokenizer import train_sentencepiece
+
+    words = [f"w{i} x{i * 7} y{i * 13} z{i * 31} q{i * 17}" for i in range(1000)]
+    model = train_sentencepiece(words, str(tmp_path / "big"), VOCAB + 100, model_type="unigram")
+    argv = ["--load", str(gpt_ckpt), "--prompt", "w1", "--max-new-tokens", "2", "--vocab-size", str(VOCAB)]
+    argv += ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model]
+    assert _load_tool("generate").main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: --tokenizer-type SentencePieceTokenizer --tokenizer-model {model}: the tokenizer has {VOCAB + 100} "
+        f"tokens, the model {gpt_ckpt} {VOCAB} vocabulary rows; give the tokenizer the model was trained with"
+    ), err
+
+
 def test_gpt_round_trip_is_bit_identical(gpt_ckpt: Path, tmp_path: Path) -> None:
     export_hf(str(gpt_ckpt), str(tmp_path / "hf"), vocab_size=VOCAB, show_progress=False)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "back"), ["--seq-length", "16"], show_progress=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -83,7 +84,14 @@ def test_generation_stops_at_eos_and_checks_inputs() -> None:
     assert generate(model, [5, 6], 5, temperature=0.0, eos_id=first[1]) == first[: first.index(first[1]) + 1]
     with pytest.raises(UserError, match="exceed the 40 learned positions"):
         generate(model, [1] * 30, 11, temperature=0.0)
-    with pytest.raises(UserError, match=r"each id in \[0, 96\)"):
+    with pytest.raises(UserError, match=r"token id 96 is not in the model's vocabulary \[0, 96\)"):
         generate(model, [96], 1)
+    with pytest.raises(UserError, match=r"^prompt: empty"):
+        generate(model, [], 1)
     with pytest.raises(UserError, match="--top-p 0"):
         generate(model, [1], 1, top_p=0.0)
+    for bad in (math.nan, math.inf, -1.0):  # NaN used to reach torch.multinomial
+        with pytest.raises(UserError, match=f"--temperature {bad} must be a finite number >= 0"):
+            generate(model, [1], 1, temperature=bad)
+    with pytest.raises(UserError, match="--max-new-tokens -3 must be >= 1"):
+        generate(model, [1], -3)

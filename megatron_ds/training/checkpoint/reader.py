@@ -202,9 +202,13 @@ def unpadded_vocab_size(ckpt: Checkpoint, tokenizer: Tokenizer | None, override:
     """
     padded = ckpt.config.model.vocab_size
     recorded = recorded_vocab_size(ckpt.meta)
-    size = override or recorded or (tokenizer.vocab_size if tokenizer is not None else None) or padded
+    size = (
+        override
+        if override is not None
+        else recorded or (tokenizer.vocab_size if tokenizer is not None else None) or padded
+    )
     if not 1 <= size <= padded:
         raise CheckpointError(
-            f"--vocab-size {size}: the checkpoint {ckpt.directory} has {padded} vocabulary rows; give at most {padded}"
+            f"--vocab-size {size}: the checkpoint {ckpt.directory} has {padded} vocabulary rows; give 1 to {padded}"
         )
     return size
