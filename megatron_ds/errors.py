@@ -23,3 +23,8 @@ class ConfigError(UserError):
 
 class LayoutError(ConfigError):
     """A pipeline layout option that cannot be satisfied."""
+
+
+INTERRUPTED = "interrupted (Ctrl-C); outputs are moved into place only when complete, so none is half-written"
+"""What a tool prints (as `error: ...`, exit status 130) when Ctrl-C stops it."""
+EXIT_INTERRUPTED = 130

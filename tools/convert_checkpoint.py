@@ -34,7 +34,7 @@ from collections.abc import Sequence
 # The checkout this tool lives in comes first (as pretrain_gpt.py's own directory does for it).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_ds.errors import UserError
+from megatron_ds.errors import EXIT_INTERRUPTED, INTERRUPTED, UserError
 
 MEGATRON_DEEPSPEED = "megatron-deepspeed"
 MEGATRON_LM = "megatron-lm"
@@ -110,6 +110,9 @@ def run(argv: Sequence[str] | None = None) -> None:
 
 def _export(args: argparse.Namespace, tokenizer: dict[str, str | None]) -> None:
     from megatron_ds.interop.hf_export import export_hf
+
+    if args.max_shard_size_mb < 1:
+        raise UserError(f"--max-shard-size-mb {args.max_shard_size_mb} must be >= 1 (default 2048)")
 
     result = export_hf(
         args.source,
@@ -208,11 +211,15 @@ def _import(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # converting needs no accelerator (and no detection notice)
     try:
         run(argv)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: {INTERRUPTED}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ImportError as err:
         if err.name not in HF_EXTRA:
             raise

@@ -30,6 +30,7 @@ from megatron_ds.data import DataError
 from megatron_ds.data.documents import read_documents
 from megatron_ds.data.indexed import IndexedWriter
 from megatron_ds.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megatron_ds.errors import EXIT_INTERRUPTED, INTERRUPTED
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -172,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DataError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: {INTERRUPTED}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

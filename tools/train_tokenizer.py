@@ -24,6 +24,7 @@ except ImportError:  # run from a source checkout without installing the package
 from megatron_ds.data import DataError
 from megatron_ds.data.documents import read_documents
 from megatron_ds.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megatron_ds.errors import EXIT_INTERRUPTED, INTERRUPTED
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -106,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DataError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: {INTERRUPTED}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

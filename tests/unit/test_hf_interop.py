@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
+from megatron_ds.data.demo_corpus import _load_tool  # noqa: E402
 from megatron_ds.errors import UserError  # noqa: E402
 from megatron_ds.inference import generate, load_model  # noqa: E402
 from megatron_ds.interop.hf_export import export_hf  # noqa: E402
@@ -224,7 +225,7 @@ def test_sentencepiece_tokenizer_travels_both_ways(hf_dirs: dict[str, Path], tmp
     assert (config["eos_token_id"], config["bos_token_id"]) == (ours.eod, 1)
 
 
-def test_cli_reports_user_errors_in_one_line(tmp_path: Path) -> None:
+def test_cli_reports_user_errors_in_one_line(tmp_path: Path, capsys) -> None:
     tool = ROOT / "tools" / "convert_checkpoint.py"
     proc = subprocess.run(
         [sys.executable, str(tool), "--from", "hf", str(tmp_path / "nothing"), str(tmp_path / "out")],
@@ -237,6 +238,12 @@ def test_cli_reports_user_errors_in_one_line(tmp_path: Path) -> None:
         f"error: {tmp_path / 'nothing' / 'config.json'}: missing; give a Hugging Face model directory "
         "(config.json + weights)"
     ]
+    assert not (tmp_path / "out").exists()
+    tool_module = _load_tool("convert_checkpoint")
+    for bad in ("0", "-1"):  # was an export of one file per tensor
+        argv = ["--to", "hf", "--max-shard-size-mb", bad, str(tmp_path / "nothing"), str(tmp_path / "out")]
+        assert tool_module.main(argv) == 2
+        assert capsys.readouterr().err == f"error: --max-shard-size-mb {bad} must be >= 1 (default 2048)\n"
     assert not (tmp_path / "out").exists()
 
 
