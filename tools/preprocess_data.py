@@ -129,12 +129,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.time()
     for path in args.input:
         if not os.path.isfile(path):
-            raise DataError(f"--input {path}: file not found; fix the path")
+            what = "a directory; give a file" if os.path.isdir(path) else "file not found; fix the path"
+            raise DataError(f"--input {path}: {what}")
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be >= 1")
     tokenizer = _make_tokenizer(args)  # fails fast on a bad tokenizer, before any worker starts
     writers = {
         key: IndexedWriter(f"{args.output_prefix}_{key}_document", tokenizer.vocab_size) for key in args.json_keys
+    }
+    args.replaced = {  # as upstream's tool, an existing pair is replaced; the summary says so
+        key for key in args.json_keys if os.path.exists(f"{args.output_prefix}_{key}_document.bin")
     }
     progress = Progress(sum(os.path.getsize(p) for p in args.input), args.log_interval)
     pool = multiprocessing.Pool(args.workers, initializer=Encoder(args).initializer) if args.workers > 1 else None
@@ -160,8 +164,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _summary(args: argparse.Namespace, stats: dict[str, Any], seconds: float) -> None:
     for key, s in stats.items():
         skipped = f", {s.num_empty} empty skipped" if s.num_empty else ""
+        replaced = " (replacing the pair that was there)" if key in getattr(args, "replaced", ()) else ""
         print(
-            f"wrote {args.output_prefix}_{key}_document.bin/.idx: {s.num_documents} documents, "
+            f"wrote {args.output_prefix}_{key}_document.bin/.idx{replaced}: {s.num_documents} documents, "
             f"{s.num_tokens} tokens{skipped} in {seconds:.1f} s"
         )
 

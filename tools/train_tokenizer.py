@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> str:
     t0 = time.time()
     for path in args.input:
         if not os.path.isfile(path):
-            raise DataError(f"--input {path}: file not found; fix the path")
+            what = "a directory; give a file" if os.path.isdir(path) else "file not found; fix the path"
+            raise DataError(f"--input {path}: {what}")
+    replaced = os.path.exists(args.model_prefix + ".model")
     if args.vocab_size < 8:
         raise DataError(f"--vocab-size {args.vocab_size}: too small; use at least 8")
     num_lines = 0
@@ -92,6 +94,8 @@ def run(args: argparse.Namespace) -> str:
         byte_fallback=args.byte_fallback,
     )
     tok = SentencePieceTokenizer(path)
+    if replaced:
+        print(f"NOTICE: replaced the model that was at {path}; data tokenized with it no longer matches this one")
     print(
         f"trained {args.model_type} tokenizer {path}: {tok.vocab_size} pieces, eod id {tok.eod} "
         f"(</s>), pad id {tok.pad}, from {num_lines} lines of {len(args.input)} file(s) in "

@@ -281,6 +281,10 @@ class IndexedWriter:
         """Finish the files and move them into place."""
         builder = self._start()
         builder.finalize(idx_path(self._tmp))
+        for path in (bin_path(self.prefix), idx_path(self.prefix)):  # both checked before either is replaced
+            if os.path.isdir(path):
+                self.abort()
+                raise DataError(f"{path}: is a directory; remove it or give another --output-prefix")
         os.replace(bin_path(self._tmp), bin_path(self.prefix))
         os.replace(idx_path(self._tmp), idx_path(self.prefix))
         return self.stats

@@ -106,6 +106,11 @@ def find_iteration_directory(path: str) -> str:
         found = os.path.join(path, name)
         if _format(found) is not None:
             return found
+        if text.isdigit() and os.path.isdir(os.path.join(path, f"global_step{int(text)}")):  # the same tracker file
+            raise CheckpointError(
+                f"{path}: a Megatron-DeepSpeed checkpoint (global_step{int(text)}), not a Megatron-LM one; convert it "
+                f"with --from megatron-deepspeed"
+            )
         raise CheckpointError(f"{tracker}: names {name}, which holds no Megatron-LM checkpoint; it is incomplete")
     raise CheckpointError(
         f"{path}: not a Megatron-LM checkpoint (no {MEGATRON_TRACKER}, no {CONFIG} or mp_rank_00 directory); give the "

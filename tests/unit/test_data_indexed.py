@@ -146,6 +146,24 @@ def test_writer_dtype_and_atomicity(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="token id 5 outside"):
         write_indexed_dataset(str(tmp_path / "bad"), [[1, 2], [5]], vocab_size=5)
     assert sorted(os.listdir(tmp_path)) == ["big.bin", "big.idx"]  # no partial files left
+    (tmp_path / "half.idx").mkdir()  # a directory in the way of one of the pair: neither is written
+    with pytest.raises(DataError, match=r"half\.idx: is a directory; remove it or give another --output-prefix"):
+        write_indexed_dataset(str(tmp_path / "half"), [[1, 2]], vocab_size=5)
+    assert sorted(os.listdir(tmp_path)) == ["big.bin", "big.idx", "half.idx"]
+
+
+def test_preprocess_says_it_replaced_a_pair(corpus: tuple[Path, str], tmp_path: Path, capsys) -> None:
+    path, model = corpus
+    argv = ["--input", str(path), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type"]
+    argv += ["SentencePieceTokenizer", "--tokenizer-model", model]
+    assert _preprocess(argv) == 0
+    assert "(replacing" not in capsys.readouterr().out
+    assert _preprocess(argv) == 0  # as upstream's tool, it replaces the pair, and says so
+    assert f"wrote {tmp_path / 'out'}_text_document.bin/.idx (replacing the pair that was there):" in (
+        capsys.readouterr().out
+    )
+    assert _preprocess([*argv[:1], str(tmp_path), *argv[2:]]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --input {tmp_path}: a directory; give a file"
 
 
 @pytest.mark.parametrize(

@@ -260,3 +260,16 @@ def test_load_names_what_an_upstream_directory_holds() -> None:
     assert foreign_checkpoint(str(FIXTURES / "tp2_nopp" / "global_step2")).endswith(
         "(global_step2: DeepSpeed's mp_rank files, no megatron_ds.json)"
     )
+
+
+def test_a_megatron_deepspeed_checkpoint_given_as_megatron_lm_is_named() -> None:
+    """Both write latest_checkpointed_iteration.txt; the global_stepN beside it says which tool wrote it."""
+    from megatron_ds.interop.megatron_lm_files import open_megatron_lm
+
+    source = FIXTURES / "tp1_nopp_bf16"
+    with pytest.raises(CheckpointError) as err:
+        open_megatron_lm(str(source))
+    assert str(err.value) == (
+        f"{source}: a Megatron-DeepSpeed checkpoint (global_step2), not a Megatron-LM one; convert it with "
+        f"--from megatron-deepspeed"
+    )
