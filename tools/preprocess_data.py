@@ -133,6 +133,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise DataError(f"--input {path}: {what}")
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be >= 1")
+    if args.log_interval < 1:
+        raise DataError(f"--log-interval {args.log_interval}: must be >= 1 (documents between progress lines)")
+    if os.path.basename(args.output_prefix) == "":
+        raise DataError(f"--output-prefix {args.output_prefix}: ends in a directory; add a file name prefix")
     tokenizer = _make_tokenizer(args)  # fails fast on a bad tokenizer, before any worker starts
     writers = {
         key: IndexedWriter(f"{args.output_prefix}_{key}_document", tokenizer.vocab_size) for key in args.json_keys
@@ -147,6 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for key, ids in ids_by_key.items():
                 writers[key].add(ids)
             progress.update(sum(len(i) for i in ids_by_key.values()), num_bytes)
+        if not any(w.stats.num_documents for w in writers.values()):  # an empty dataset fails only in training
+            raise DataError(f"--input {' '.join(args.input)}: no documents (empty, or every one empty); give text")
         stats = {key: w.close() for key, w in writers.items()}
     except BaseException:
         for w in writers.values():

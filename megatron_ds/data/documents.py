@@ -47,6 +47,7 @@ def _parse_json_line(path: str, line_no: int, line: str, json_keys: Sequence[str
     except json.JSONDecodeError as err:
         raise DataError(
             f"--input {path}:{line_no}: invalid JSON ({err.msg}, column {err.colno}); fix or drop the line"
+            + ("" if path.endswith((".json", ".jsonl")) else " (only a .txt file is read as plain text)")
         ) from None
     if not isinstance(obj, dict):
         raise DataError(

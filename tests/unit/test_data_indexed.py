@@ -283,3 +283,24 @@ def test_preprocess_bad_tokenizer_in_process(tmp_path: Path, capsys: pytest.Capt
         f"error: --tokenizer-model {tmp_path / 'none.model'}: file not found; train one with "
         f"tools/train_tokenizer.py or fix the path"
     )
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "needle"),
+    [
+        ("", [], "no documents (empty, or every one empty); give text"),
+        ('{"text": ""}\n', [], "no documents (empty, or every one empty); give text"),
+        ('{"text": "a b"}\n', ["--log-interval", "0"], "--log-interval 0: must be >= 1"),
+        ("plain words\n", [], "invalid JSON (Expecting value, column 1); fix or drop the line (only a .txt file"),
+    ],
+)
+def test_preprocess_refuses_what_would_fail_later(tmp_path: Path, capsys, content, extra, needle) -> None:
+    """An empty dataset (which only training would trip on), a zero log interval (was taken as 1), and a
+    plain-text file not named .txt (the error says which files are read as plain text)."""
+    source = tmp_path / ("in.md" if content.startswith("plain") else "in.jsonl")
+    source.write_text(content)
+    argv = ["--input", str(source), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer"]
+    assert _preprocess([*argv, "--vocab-size", "100", *extra]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+    assert not list(tmp_path.glob("out*"))

@@ -95,3 +95,14 @@ def test_generation_stops_at_eos_and_checks_inputs() -> None:
             generate(model, [1], 1, temperature=bad)
     with pytest.raises(UserError, match="--max-new-tokens -3 must be >= 1"):
         generate(model, [1], -3)
+
+
+def test_a_file_given_as_a_checkpoint_is_named_as_one(tmp_path) -> None:
+    from megatron_ds.training.checkpoint.directory import CheckpointError
+    from megatron_ds.training.checkpoint.reader import open_checkpoint
+
+    (tmp_path / "model.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"model\.pt: a file, not a directory; give a checkpoint directory$"):
+        open_checkpoint(str(tmp_path / "model.pt"))
+    with pytest.raises(CheckpointError, match=r"absent: no such directory; give a checkpoint directory$"):
+        open_checkpoint(str(tmp_path / "absent"))

@@ -85,7 +85,8 @@ def open_checkpoint(path: str) -> Checkpoint:
                 f"written by pretrain_gpt.py --save, or one of its global_step directories"
             )
     else:
-        raise CheckpointError(f"{path}: no such directory; give a checkpoint directory")
+        what = "a file, not a directory" if os.path.isfile(path) else "no such directory"
+        raise CheckpointError(f"{path}: {what}; give a checkpoint directory")
     try:
         meta = read_meta(root, tag)
         config = read_config(meta)
