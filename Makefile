@@ -1,11 +1,13 @@
 # One-command set-up: `make demo` trains the CPU demo and lets the model continue a prompt,
 # `make test` runs the whole suite.
-# Both create .venv on first use. CPU machines get the CPU torch wheel pinned below so no multi-GB
-# CUDA build is pulled; on a GPU machine install your CUDA torch into .venv first (see README).
+# Both create .venv on first use and install the torch pinned below (its CPU wheel where pip finds one
+# locally; elsewhere give TORCH_INDEX=https://download.pytorch.org/whl/cpu so no multi-GB CUDA build is
+# pulled); on a GPU machine install your CUDA torch into .venv first (see README).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 STAMP := $(VENV)/.megatron_ds-installed
 
 .PHONY: install lint format test demo clean
@@ -15,7 +17,8 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): setup.py $(BIN)/python
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	@$(BIN)/python -c "import torch" 2>/dev/null || \
+		$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
