@@ -169,9 +169,8 @@ class MegatronLMSource:
         if key is None or weight is None:
             return ()
         if self.dist.shape(key) != self.dist.shape(weight):  # e.g. megatron-core's flattened fully_sharded_model_space
-            sharding = self.mlm.optimizer.get("param_state_sharding_type") or "by tensor"
             self.absence = (
-                f"its optimizer state ({sharding}) is stored as {key} of shape {list(self.dist.shape(key))}, not its "
+                f"its optimizer state ({sharding or 'by tensor'}) is stored as {key} of shape {list(self.dist.shape(key))}, not its "
                 f"weight's {list(self.dist.shape(weight))}, a layout that does not convert; to keep it, load the "
                 f"checkpoint in Megatron-LM and save it with --dist-ckpt-optim-fully-reshardable"
             )
@@ -257,7 +256,7 @@ class MegatronLMSource:
     def read(self, tensor: ModelTensor, state: str) -> torch.Tensor:
         """`state` (FP32: the fp32 master where saved, else the weight; or an Adam state) as our full fp32 tensor."""
         if self.buckets is not None:
-            return self._from_buckets(tensor, "param" if state == FP32 else state)
+            return self._from_dist(tensor, "param" if state == FP32 else state).contiguous()
         if self.rank_states is not None:
             return self._from_ranks(tensor, "param" if state == FP32 else state).float()
         if state == FP32:
@@ -285,17 +284,6 @@ class MegatronLMSource:
                 f"{self.mlm.directory}: {key} has shape {list(full.shape)}, not {list(tensor.rule.shape)}"
             )
         return full.contiguous()
-
-    def _from_buckets(self, tensor: ModelTensor, state: str) -> torch.Tensor:
-        assert self.buckets is not None
-        candidates, layer = where.names(self.model, tensor)
-        key = self._dist_key(candidates, layer)
-        if key is None:
-            raise CheckpointError(
-                f"{self.mlm.directory}: no tensor {candidates[0]!r}; the checkpoint is of another model"
-            )
-        full = self.buckets.read(key, state, layer)
-        return (qkv_to_blocked(full, self.model, 1) if tensor.key in where.FUSED_QKV else full).contiguous()
 
     def weight(self, tensor: ModelTensor) -> torch.Tensor:
         """The model's weight as the checkpoint stores it (its dtype), as our full tensor."""
@@ -339,7 +327,8 @@ class MegatronLMSource:
 
     # ----- upstream's files -------------------------------------------------------------------------
 
-    def _from_dist(self, tensor: ModelTensor) -> torch.Tensor:
+    def _from_dist(self, tensor: ModelTensor, state: str | None = None) -> torch.Tensor:
+        """The weight (or, from the distributed optimizer's buckets, state `state`) as our full tensor."""
         assert self.dist is not None
         candidates, layer = where.names(self.model, tensor)
         key = self._dist_key(candidates, layer)
@@ -347,12 +336,18 @@ class MegatronLMSource:
             raise CheckpointError(
                 f"{self.mlm.directory}: no tensor {candidates[0]!r}; the checkpoint is of another model"
             )
-        return self._read_dist(tensor, key)
+        return self._read_dist(tensor, key, state)
 
-    def _read_dist(self, tensor: ModelTensor, key: str) -> torch.Tensor:
-        """Stored tensor `key` (the weight or an optimizer state of `tensor`) in our row order, T=1."""
+    def _read_dist(self, tensor: ModelTensor, key: str, state: str | None = None) -> torch.Tensor:
+        """Stored tensor `key` (the weight or an optimizer state of `tensor`; with `state`, that state of
+        weight `key` from the buckets) in our row order, T=1."""
         assert self.dist is not None
-        full = self.dist.read(key, where.names(self.model, tensor)[1])
+        layer = where.names(self.model, tensor)[1]
+        if state is None:
+            full = self.dist.read(key, layer)
+        else:
+            assert self.buckets is not None
+            full = self.buckets.read(key, state, layer)
         return qkv_to_blocked(full, self.model, 1) if tensor.key in where.FUSED_QKV else full
 
     def _dist_key(self, candidates: tuple[str, ...], layer: int | None, prefix: str = "") -> str | None:

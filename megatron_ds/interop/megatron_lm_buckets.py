@@ -291,7 +291,7 @@ class RankBuckets:
         for stage in range(ckpt.pipeline_parallel):
             for rank in range(ckpt.tensor_parallel):
                 path = os.path.join(os.path.dirname(ckpt.rank_file(rank, stage)), RANK_FILE)
-                buffers = self.saved[stage, rank] = _rank_buffers(path)
+                buffers = self.saved[stage, rank] = _coalesced(load_pickled_state(path), path)
                 model = ranks.model(rank, stage)
                 pieces = [
                     Piece(k, (stage, rank), v.dtype, v.numel())
@@ -311,13 +311,9 @@ class RankBuckets:
         return flat[where.start : where.start + weight.numel()].view(weight.shape).float()
 
 
-def _rank_buffers(path: str) -> dict[str, dict[str, torch.Tensor]]:
-    """`distrib_optim.pt`'s flat states by buffer (`<file> buffer <b>`)."""
-    return _coalesced(load_pickled_state(path), path)
-
-
 def _coalesced(saved: Any, path: str) -> dict[str, dict[str, torch.Tensor]]:
-    """megatron-core's `get_parameter_state_dp_zero` output (`path`: where it was read) as flat states by buffer."""
+    """megatron-core's `get_parameter_state_dp_zero` output (`distrib_optim.pt`, or dp_zero_gather_scatter's
+    pickled param_state; `path`: where it was read) as flat states by buffer (`<path> buffer <b>`)."""
     if not isinstance(saved, dict) or saved.get("buckets_coalesced") is not True:
         raise PlacementError(f"{path} is in megatron-core's layout of before February 2024 (no buckets_coalesced)")
     buffers = {}
