@@ -27,7 +27,7 @@ except ImportError:  # run from a source checkout without installing the package
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_ds.data import DataError
-from megatron_ds.data.documents import read_documents
+from megatron_ds.data.documents import check_input_file, read_documents
 from megatron_ds.data.indexed import IndexedWriter
 from megatron_ds.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megatron_ds.errors import EXIT_INTERRUPTED, INTERRUPTED
@@ -128,9 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Tokenize and write; return the per-key write stats. Raises DataError on bad input."""
     t0 = time.time()
     for path in args.input:
-        if not os.path.isfile(path):
-            what = "a directory; give a file" if os.path.isdir(path) else "file not found; fix the path"
-            raise DataError(f"--input {path}: {what}")
+        check_input_file(path)
     if args.workers < 1:
         raise DataError(f"--workers {args.workers}: must be >= 1")
     if args.log_interval < 1:
@@ -141,7 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     writers = {
         key: IndexedWriter(f"{args.output_prefix}_{key}_document", tokenizer.vocab_size) for key in args.json_keys
     }
-    args.replaced = {  # as upstream's tool, an existing pair is replaced; the summary says so
+    replaced = {  # as upstream's tool, an existing pair is replaced; the summary says so
         key for key in args.json_keys if os.path.exists(f"{args.output_prefix}_{key}_document.bin")
     }
     progress = Progress(sum(os.path.getsize(p) for p in args.input), args.log_interval)
@@ -163,16 +161,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pool.terminate()
     if progress.tty:
         progress.draw(end="\n")
-    _summary(args, stats, time.time() - t0)
+    _summary(args, stats, time.time() - t0, replaced)
     return stats
 
 
-def _summary(args: argparse.Namespace, stats: dict[str, Any], seconds: float) -> None:
+def _summary(args: argparse.Namespace, stats: dict[str, Any], seconds: float, replaced: set[str]) -> None:
     for key, s in stats.items():
         skipped = f", {s.num_empty} empty skipped" if s.num_empty else ""
-        replaced = " (replacing the pair that was there)" if key in getattr(args, "replaced", ()) else ""
+        note = " (replacing the pair that was there)" if key in replaced else ""
         print(
-            f"wrote {args.output_prefix}_{key}_document.bin/.idx{replaced}: {s.num_documents} documents, "
+            f"wrote {args.output_prefix}_{key}_document.bin/.idx{note}: {s.num_documents} documents, "
             f"{s.num_tokens} tokens{skipped} in {seconds:.1f} s"
         )
 

@@ -29,7 +29,8 @@ from typing import Any
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_ds.config import TrainingConfig
-from megatron_ds.config.checks import at_least, check
+from megatron_ds.config.checks import at_least
+from megatron_ds.config.training import check_global_batch
 from megatron_ds.errors import EXIT_INTERRUPTED, INTERRUPTED, ConfigError, UserError
 from megatron_ds.flags import compat
 from megatron_ds.flags.lengths import train_length
@@ -72,11 +73,7 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
     gbs = mbs * dp if args.global_batch_size is None else args.global_batch_size
     keep = {k: direct[k] for k in ("eval_interval", "eval_iters", "seed")}
     training = TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, **keep)
-    check(  # as the training launch's Config checks it
-        gbs % (mbs * dp) == 0,
-        f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp}; "
-        f"use a multiple of {mbs * dp}",
-    )
+    check_global_batch(gbs, mbs, dp)
     return dataclasses.replace(training, train_iters=train_length(args, gbs, args.seq_length)[0])
 
 

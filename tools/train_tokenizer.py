@@ -22,7 +22,7 @@ except ImportError:  # run from a source checkout without installing the package
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_ds.data import DataError
-from megatron_ds.data.documents import read_documents
+from megatron_ds.data.documents import check_input_file, read_documents
 from megatron_ds.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 from megatron_ds.errors import EXIT_INTERRUPTED, INTERRUPTED
 
@@ -67,9 +67,7 @@ def run(args: argparse.Namespace) -> str:
     """Train and return the model path; raises DataError on bad input."""
     t0 = time.time()
     for path in args.input:
-        if not os.path.isfile(path):
-            what = "a directory; give a file" if os.path.isdir(path) else "file not found; fix the path"
-            raise DataError(f"--input {path}: {what}")
+        check_input_file(path)
     replaced = os.path.exists(args.model_prefix + ".model")
     if args.vocab_size < 8:
         raise DataError(f"--vocab-size {args.vocab_size}: too small; use at least 8")

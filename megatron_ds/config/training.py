@@ -395,3 +395,13 @@ class TrainingConfig:
                 f"--initial-loss-scale {initial} must be a power of 2 (DeepSpeed's initial_scale_power); "
                 f"e.g. {nearest:g}",
             )
+
+
+def check_global_batch(gbs: int, mbs: int, dp: int) -> None:
+    """The global batch is whole micro-batches on every data-parallel rank (the launch's `Config` and
+    `tools/show_samples.py` check it alike)."""
+    check(
+        gbs % (mbs * dp) == 0,
+        f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+        f"data-parallel size {dp}; use a multiple of {mbs * dp}",
+    )

@@ -11,7 +11,7 @@ from megatron_ds.config.data import DataConfig
 from megatron_ds.config.model import ModelConfig, RegularizationConfig
 from megatron_ds.config.output import CheckpointConfig, LoggingConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, ParallelConfig, pipeline_engine_only
-from megatron_ds.config.training import OptimizerConfig, TrainingConfig
+from megatron_ds.config.training import OptimizerConfig, TrainingConfig, check_global_batch
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,7 @@ class Config:
         )
         mbs, gbs = self.training.micro_batch_size, self.training.global_batch_size
         dp = self.parallel.data_parallel_size
-        check(
-            gbs % (mbs * dp) == 0,
-            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
-            f"data-parallel size {dp}; use a multiple of {mbs * dp}",
-        )
+        check_global_batch(gbs, mbs, dp)
         uneven = [b for b in self.training.batch_sizes() if b % (mbs * dp)]
         check(
             not uneven,

@@ -10,14 +10,20 @@ from collections.abc import Iterator, Sequence
 from megatron_ds.data import DataError
 
 
+def check_input_file(path: str) -> None:
+    """An `--input` that is no file is a one-line error saying what it is."""
+    if not os.path.isfile(path):
+        what = "a directory; give a file" if os.path.isdir(path) else "file not found; fix the path"
+        raise DataError(f"--input {path}: {what}")
+
+
 def read_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[dict[str, str]]:
     """Documents of one input file as `{key: text}`.
 
     `.txt`: documents are separated by one or more blank lines (paragraph style), stored under the
     single json key. Anything else: JSON lines, one object per line, blank lines ignored.
     """
-    if not os.path.isfile(path):
-        raise DataError(f"--input {path}: file not found; fix the path")
+    check_input_file(path)
     if path.endswith(".txt"):
         if len(json_keys) != 1:
             raise DataError(
