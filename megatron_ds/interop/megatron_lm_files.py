@@ -224,15 +224,7 @@ class DistTensors:
     def read_object(self, name: str) -> Any:
         """Pickled entry `name`, loaded with `weights_only=True` (plain containers, numbers, strings, tensors,
         dtypes: no code runs)."""
-        info = self.objects[name]
-        path = os.path.join(self.directory, info.relative_path)
-        try:
-            with open(path, "rb") as f:
-                return torch.load(
-                    io.BufferedReader(_FileSlice(f, info.offset, info.length)), map_location="cpu", weights_only=True
-                )
-        except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
-            raise CheckpointError(f"{path}: {name} is unreadable ({_first_line(err)}); it is damaged") from None
+        return self._load(self.objects[name], f"{name} is unreadable")
 
     def chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The stored chunk of `key` at `offsets` (a `sizes` tensor, as one rank saved it)."""
@@ -244,20 +236,25 @@ class DistTensors:
                 f"{self.directory}: {key} is stored transformed ({info.transform_descriptors}); only plain chunks "
                 f"are read here"
             )
+        blob = self._load(info, f"unreadable at {info.offset}")
+        if not isinstance(blob, torch.Tensor) or tuple(blob.shape) != sizes:
+            raise CheckpointError(
+                f"{os.path.join(self.directory, info.relative_path)}: the chunk of {key} at {list(offsets)} is not a "
+                f"{list(sizes)} tensor; damaged"
+            )
+        return blob
+
+    def _load(self, info: Any, failure: str) -> Any:
+        """The `torch.save` blob `info` locates, read in place (one copy in memory, not the file bytes and then
+        the value) with `weights_only=True`; `failure` heads the error of a damaged one."""
         path = os.path.join(self.directory, info.relative_path)
         try:
             with open(path, "rb") as f:
-                # read in place (one copy of a chunk in memory, not the file bytes and then the tensor)
-                blob = torch.load(
+                return torch.load(
                     io.BufferedReader(_FileSlice(f, info.offset, info.length)), map_location="cpu", weights_only=True
                 )
         except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
-            raise CheckpointError(f"{path}: unreadable at {info.offset} ({_first_line(err)}); it is damaged") from None
-        if not isinstance(blob, torch.Tensor) or tuple(blob.shape) != sizes:
-            raise CheckpointError(
-                f"{path}: the chunk of {key} at {list(offsets)} is not a {list(sizes)} tensor; damaged"
-            )
-        return blob
+            raise CheckpointError(f"{path}: {failure} ({_first_line(err)}); it is damaged") from None
 
 
 def _metadata_fields(metadata: Any, metadata_type: type) -> tuple[dict[str, Any], dict[Any, Any]] | None:
