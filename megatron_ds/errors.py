@@ -28,3 +28,11 @@ class LayoutError(ConfigError):
 INTERRUPTED = "interrupted (Ctrl-C); outputs are moved into place only when complete, so none is half-written"
 """What a tool prints (as `error: ...`, exit status 130) when Ctrl-C stops it."""
 EXIT_INTERRUPTED = 130
+
+
+def interrupted() -> int:
+    """A tool's answer to Ctrl-C: the one line on stderr, and the exit status to return."""
+    import sys
+
+    print(f"error: {INTERRUPTED}", file=sys.stderr)
+    return EXIT_INTERRUPTED

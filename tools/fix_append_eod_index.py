@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron_ds.data import DataError
 from megatron_ds.data.append_eod import rewrite_index
-from megatron_ds.errors import EXIT_INTERRUPTED, INTERRUPTED
+from megatron_ds.errors import interrupted
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -43,8 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"error: {INTERRUPTED}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted()
     print(
         f"wrote {output}.idx ({info.num_documents} documents, {info.num_tokens} tokens, each EOD counted) and "
         f"{output}.bin (linked to {args.input}.bin); train with --data-path {output}"

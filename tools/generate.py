@@ -20,7 +20,7 @@ from collections.abc import Sequence
 # The checkout this tool lives in comes first (as pretrain_gpt.py's own directory does for it).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_ds.errors import EXIT_INTERRUPTED, INTERRUPTED, UserError
+from megatron_ds.errors import UserError, interrupted
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
@@ -99,8 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"error: {INTERRUPTED}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted()
     return 0
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron_ds.config import TrainingConfig
 from megatron_ds.config.checks import at_least
 from megatron_ds.config.training import check_global_batch
-from megatron_ds.errors import EXIT_INTERRUPTED, INTERRUPTED, ConfigError, UserError
+from megatron_ds.errors import ConfigError, UserError, interrupted
 from megatron_ds.flags import compat
 from megatron_ds.flags.lengths import train_length
 from megatron_ds.flags.parser import build_parser
@@ -150,8 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"error: {INTERRUPTED}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted()
     if args.json:
         print(json.dumps({"samples": ids} if trained is None else {"samples": ids, "trained": trained}))
         return 0

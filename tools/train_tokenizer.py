@@ -24,7 +24,7 @@ except ImportError:  # run from a source checkout without installing the package
 from megatron_ds.data import DataError
 from megatron_ds.data.documents import check_input_file, read_documents
 from megatron_ds.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
-from megatron_ds.errors import EXIT_INTERRUPTED, INTERRUPTED
+from megatron_ds.errors import interrupted
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -110,8 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"error: {INTERRUPTED}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted()
     return 0
 
 
