@@ -4,7 +4,9 @@ Issue 25's target: under 5 s for any model and GPU count up to 4096 GPUs. Each j
 (imports included, as a user runs it), one at a time, under a 120 s timeout:
   sweep   every model preset x GPU counts 8 to 4096 on an A100-80GB and an H100-80GB, the preset's batch;
   random  `--random N` jobs drawn with `--seed S`: a preset, a GPU count up to 4096, a GPU of the table
-          and the preset's batch or one of 256 to 4096.
+          and the preset's batch or one of 256 to 4096;
+  deep    models deeper than any preset, up to the planner's limit (`plan.inputs.MAX_LAYERS`, 512 layers:
+          hidden 4096, 32 heads, sequence 4096, batch 4096) on 64, 1024 and 4096 H100s.
 It prints the slowest jobs, then the count, median and maximum per group. Wall time on a shared machine is
 noisy: run it on a quiet one.
 
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_ds.plan.hardware import PRESETS  # noqa: E402
+from megatron_ds.plan.inputs import MAX_LAYERS  # noqa: E402
 
 GPU_COUNTS = (8, 64, 256, 512, 1024, 2048, 4096)
 RANDOM_COUNTS = (8, 16, 32, 64, 96, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -53,6 +56,15 @@ def sweep_jobs() -> list[list[str]]:
     ]
 
 
+def deep_jobs() -> list[list[str]]:
+    model = ["--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096", "--vocab-size", "50257"]
+    return [
+        ["--num-layers", str(layers), *model, "--num-gpus", str(n), "--gpu", "H100-80GB", "--global-batch-size", "4096"]
+        for layers in (128, 256, 384, MAX_LAYERS)
+        for n in (64, 1024, 4096)
+    ]
+
+
 def random_jobs(count: int, seed: int) -> list[list[str]]:
     rng = random.Random(seed)
     jobs = []
@@ -73,6 +85,7 @@ def main() -> int:
     args = parser.parse_args()
     groups = {} if args.no_sweep else {"sweep": sweep_jobs()}
     groups[f"random (seed {args.seed})"] = random_jobs(args.random, args.seed)
+    groups["deep"] = deep_jobs()
     results = []
     for group, jobs in groups.items():
         for job in jobs:

@@ -240,16 +240,30 @@ def core_attention_forward(layer: SpecFlops) -> int:
 
 
 def recomputed_layers(num_pre: int, num_layers: int, num_post: int, interval: int) -> int:
-    """Transformer layers of a stage that DeepSpeed recomputes in backward.
+    """Transformer layers of a stage that DeepSpeed recomputes in backward (`checkpointed_chunks`)."""
+    return checkpointed_chunks(num_pre, num_layers, num_post, interval)[0]
+
+
+def checkpointed_chunks(num_pre: int, num_layers: int, num_post: int, interval: int) -> tuple[int, int]:
+    """(transformer layers recomputed in backward, the largest recomputed chunk in layers) of a stage of
+    `num_pre` functions, `num_layers` transformer layers and `num_post` functions.
 
     PipelineModule.forward (deepspeed/runtime/pipe/module.py) cuts the stage's functions into chunks
     of `activation_checkpoint_interval` from local index 0 and checkpoints a chunk only when every
     function in it is a TransformerLayer (GPTModelPipe._is_checkpointable). `interval` 0: none.
+    Closed form (a planner search asks for stages of thousands of layers): the chunks that start at or
+    after the first layer and end by the last one, the stage's last chunk included when no post function
+    follows it.
     """
-    if interval <= 0:
-        return 0
-    kinds = [False] * num_pre + [True] * num_layers + [False] * num_post
-    return sum(len(c) for c in (kinds[i : i + interval] for i in range(0, len(kinds), interval)) if all(c))
+    if interval <= 0 or num_layers <= 0:
+        return 0, 0
+    start = -(-num_pre // interval) * interval  # the first chunk boundary at or after the first layer
+    end = num_pre + num_layers
+    if start >= end:
+        return 0, 0
+    whole, rest = divmod(end - start, interval)
+    tail = rest if num_post == 0 else 0  # the stage's last chunk, shorter, holding only layers
+    return whole * interval + tail, interval if whole else tail
 
 
 @dataclass(frozen=True)
@@ -281,11 +295,14 @@ class StageFlops:
 def stage_flops_for(inputs: ComputeInputs, stage: int, num_stages: int, num_layers: int) -> StageFlops:
     """Stage `stage` of `num_stages` holding `num_layers` transformer layers (plus the pre group on
     stage 0, the post group and the loss on the last stage)."""
-    specs = spec_flops(inputs)
-    pre = [sp for sp in specs if sp.group == "pre"] if stage == 0 else []
-    post = [sp for sp in specs if sp.group in ("post", "loss")] if stage == num_stages - 1 else []
-    layer = next(sp for sp in specs if sp.group == "body")
-    held = pre + post + [layer] * num_layers
+    all_pre, all_post, layer = _stage_parts(inputs)
+    pre = list(all_pre) if stage == 0 else []
+    post = list(all_post) if stage == num_stages - 1 else []
+    ends = pre + post
+
+    def total(attr: str) -> int:  # the ends, then the layer num_layers times
+        return sum(getattr(sp, attr) for sp in ends) + num_layers * getattr(layer, attr)
+
     interval = inputs.checkpoint_num_layers if inputs.checkpoint_activations else 0
     num_post_funcs = sum(1 for sp in post if sp.group == "post")  # the loss is not a forward function
     again = recomputed_layers(len(pre), num_layers, num_post_funcs, interval)
@@ -298,13 +315,22 @@ def stage_flops_for(inputs: ComputeInputs, stage: int, num_stages: int, num_laye
     return StageFlops(
         stage=stage,
         num_layers=num_layers,
-        forward=sum(sp.forward for sp in held),
-        backward=sum(sp.backward for sp in held),
+        forward=total("forward"),
+        backward=total("backward"),
         recompute=again * layer.forward + attention,
-        matmul_forward=sum(sp.matmul_forward for sp in held),
-        matmul_backward=sum(sp.matmul_backward for sp in held) + again * layer.matmul_forward + attention_matmul,
-        weight=sum(sp.weight_backward for sp in held),
+        matmul_forward=total("matmul_forward"),
+        matmul_backward=total("matmul_backward") + again * layer.matmul_forward + attention_matmul,
+        weight=total("weight_backward"),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_parts(inputs: ComputeInputs) -> tuple[tuple[SpecFlops, ...], tuple[SpecFlops, ...], SpecFlops]:
+    """(the pre specs, the post specs and the loss, one transformer layer): what a stage can hold."""
+    specs = spec_flops(inputs)
+    pre = tuple(sp for sp in specs if sp.group == "pre")
+    post = tuple(sp for sp in specs if sp.group in ("post", "loss"))
+    return pre, post, next(sp for sp in specs if sp.group == "body")
 
 
 def stage_flops(inputs: ComputeInputs, layers_per_stage: Sequence[int]) -> list[StageFlops]:

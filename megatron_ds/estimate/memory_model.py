@@ -41,10 +41,12 @@ torch's two loss gradients beside them, had put it 12% (1F1B) and 7.6% (ZB-H1) o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.estimate.compute import checkpointed_chunks
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.transients import (
@@ -62,8 +64,9 @@ from megatron_ds.model import naming, shapes
 
 
 @functools.lru_cache(maxsize=256)
-def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
-    """Every spec of the GPT in spec-index order (see `megatron_ds.model.naming.gpt_spec_groups`)."""
+def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemory, ...]:
+    """Every spec of the GPT in spec-index order (see `megatron_ds.model.naming.gpt_spec_groups`); with
+    `one_layer` only the first transformer layer of the body (the others are its copies)."""
     m, t, k = inputs.model, inputs.tensor_parallel_size, inputs.kernels
     b, dp, fac = inputs.micro_batch_size, inputs.data_parallel_size, inputs.factors
     groups = naming.gpt_spec_groups(m)
@@ -75,9 +78,14 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
     pre = act.pre_terms(m, b, k, regularization=inputs.regularization, split=split)
     terms = {**pre, **act.post_terms(m, b, k, head, split)}
     layer_terms = act.transformer_layer_terms(m, b, k, split, regularization=inputs.regularization)
-    out = []
+    out: list[SpecMemory] = []
+    body: SpecMemory | None = None  # every transformer layer's figures are the same: made once
     for idx, name in enumerate(groups.names):
         group = groups.group_of(idx)
+        if group == "body" and body is not None:
+            if not one_layer:
+                out.append(dataclasses.replace(body, index=idx, name=name))
+            continue
         n, largest, n_no_decay = params[idx].num_params, params[idx].largest, params[idx].no_decay
         spec_terms = layer_terms if group == "body" else terms[name]
         saved = sum(spec_terms.values())
@@ -108,7 +116,17 @@ def spec_memory(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
                 largest_undeferred=max(rest, default=0),
             )
         )
+        body = out[-1] if group == "body" else body
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_parts(inputs: MemoryInputs) -> tuple[tuple[SpecMemory, ...], tuple[SpecMemory, ...], SpecMemory]:
+    """(the pre specs, the post specs, one transformer layer): what a stage can hold."""
+    specs = spec_memory(inputs, one_layer=True)
+    pre = tuple(sp for sp in specs if sp.group == "pre")
+    post = tuple(sp for sp in specs if sp.group == "post")
+    return pre, post, next(sp for sp in specs if sp.group == "body")
 
 
 def _deferrable(inputs: MemoryInputs, name: str, group: str) -> tuple[int, ...]:
@@ -140,13 +158,13 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
 
 def _chunks(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layers: tuple[int, ...]) -> list[tuple]:
     """Per model chunk: (pre specs, layers, post specs); chunk c is flat stage c x P + rank."""
-    specs = spec_memory(inputs)
+    all_pre, all_post, _ = _spec_parts(inputs)
     last = len(chunk_layers) * num_ranks - 1
     out = []
     for c, k in enumerate(chunk_layers):
         flat = c * num_ranks + rank
-        pre = [sp for sp in specs if sp.group == "pre"] if flat == 0 else []
-        post = [sp for sp in specs if sp.group == "post"] if flat == last else []
+        pre = list(all_pre) if flat == 0 else []
+        post = list(all_post) if flat == last else []
         if flat == 0 == last:  # one stage: the tied head is the embedding module itself, held once
             post = [sp for sp in post if not sp.tied]
         out.append((pre, k, post))
@@ -156,15 +174,18 @@ def _chunks(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layers: tuple
 def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layers: tuple[int, ...]) -> StageMemory:
     """Memory of pipeline rank `rank` of `num_ranks` holding `chunk_layers[c]` transformer layers in
     model chunk c (one chunk without virtual stages)."""
-    specs = spec_memory(inputs)
     chunks = _chunks(inputs, rank, num_ranks, chunk_layers)
-    layer = next(sp for sp in specs if sp.group == "body")
+    layer = _spec_parts(inputs)[2]
     ends = [sp for pre, _, post in chunks for sp in pre + post]
     num_layers = sum(chunk_layers)
-    held = ends + [layer] * num_layers
+    held = ends + [layer] * bool(num_layers)  # each distinct spec once; totals count the layer num_layers times
     last = any(post for _, _, post in chunks)
-    num_params = sum(sp.num_params for sp in held)
-    states = [sum(getattr(sp, a) for sp in held) for a in ("params", "grads", "optimizer", "host")]
+
+    def total(attr: str) -> int:
+        return sum(getattr(sp, attr) for sp in ends) + num_layers * getattr(layer, attr)
+
+    num_params = total("num_params")
+    states = [total(a) for a in ("params", "grads", "optimizer", "host")]
     if inputs.offload_optimizer != "none" and inputs.zero_stage <= 2:
         # stage_1_and_2.py's two staging buffers of the stage's largest parameter: one pinned on the host
         # (temp_grad_buffer_for_cpu_offload), one on the device (temp_grad_buffer_for_gpu_offload)
@@ -233,7 +254,7 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
     later_source = _moment_label(mo, held_share, what if extra else "")
     accumulating = inputs.num_micro_batches > 1
     later_bwd = backward_transient(inputs, layer, recompute, held, last, freed, accumulating=accumulating)
-    step, step_source = step_temporaries(inputs, held, num_params, num_ranks)
+    step, step_source = step_temporaries(inputs, held, num_params, total("no_decay_params"), num_ranks)
     moments = [
         (
             base + first_saved + first_buffers + first_bwd[0],
@@ -308,22 +329,8 @@ def _checkpoint_states(inputs: MemoryInputs, first: bool, num_layers: int, full_
 
 
 def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: int) -> tuple[int, int]:
-    """(transformer layers that keep full activations, largest recomputed chunk in layers).
-
-    PipelineModule.forward (deepspeed/runtime/pipe/module.py) cuts the stage's local functions into
-    chunks of `activation_checkpoint_interval` starting at local index 0, and recomputes a chunk only
-    when every function in it is a TransformerLayer (GPTModelPipe._is_checkpointable): a chunk that
-    also holds a pre/post function runs normally and keeps its layers' activations.
-    """
-    if not inputs.checkpoint_activations or num_layers == 0:
-        return num_layers, 0
-    k = inputs.checkpoint_num_layers
-    kinds = ["x"] * num_pre + ["t"] * num_layers + ["x"] * num_post
-    full, chunk = 0, 0
-    for start in range(0, len(kinds), k):
-        part = kinds[start : start + k]
-        if all(c == "t" for c in part):
-            chunk = max(chunk, len(part))
-        else:
-            full += part.count("t")
-    return full, chunk
+    """(transformer layers that keep full activations, largest recomputed chunk in layers): DeepSpeed's
+    chunking (`compute.checkpointed_chunks`)."""
+    interval = inputs.checkpoint_num_layers if inputs.checkpoint_activations else 0
+    recomputed, largest = checkpointed_chunks(num_pre, num_layers, num_post, interval)
+    return num_layers - recomputed, largest

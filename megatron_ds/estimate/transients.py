@@ -7,6 +7,8 @@ no torch.
 
 from __future__ import annotations
 
+import functools
+
 from megatron_ds.config import ModelConfig
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
@@ -67,6 +69,7 @@ def backward_transient(
     activation that micro-batch saved on the stage (`freed_before_embedding` bytes) has been
     released by then, so it adds only what it exceeds them by (measured on CPU by
     `benchmarks/stage_memory.py`: the stage-0 peak is at `embedding_dense_backward`).
+    `held`: the stage's distinct specs (a transformer layer once, however many the stage holds).
     """
     options = [(0.0, "none")]
     m, b, k, split = inputs.model, inputs.micro_batch_size, inputs.kernels, inputs.split
@@ -122,6 +125,7 @@ ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
 all-reduce bucket (elements)."""
 
 
+@functools.lru_cache(maxsize=256)  # the memory model asks for every rank of every candidate
 def zero_bucket_elements_for(model: ModelConfig, num_stages: int, data_parallel_size: int, t: int = 1) -> int:
     """ZeRO-1's `reduce_bucket_size` our DeepSpeed JSON sets for this model (`model_states.zero_bucket_elements`)."""
     params = sum(sp.num_params for sp in shapes.gpt_spec_params(model, t))
@@ -129,9 +133,10 @@ def zero_bucket_elements_for(model: ModelConfig, num_stages: int, data_parallel_
 
 
 def step_temporaries(
-    inputs: MemoryInputs, held: list[SpecMemory], num_params: int, num_stages: int
+    inputs: MemoryInputs, held: list[SpecMemory], num_params: int, no_decay: int, num_stages: int
 ) -> tuple[float, str]:
-    """The largest buffer alive between the last backward and the end of the optimizer step.
+    """The largest buffer alive between the last backward and the end of the optimizer step, for a stage
+    holding the distinct specs `held`, `num_params` parameters and `no_decay` of them without weight decay.
 
     * Without ZeRO, the pipeline engine all-reduces gradients over data parallelism (also when
       that group has one rank) through `buffered_allreduce_fallback`, which flattens them into
@@ -171,7 +176,6 @@ def step_temporaries(
             big = max((sp.largest_param for sp in held), default=0)
             options.append((copies * MASTER_BYTES * big, f"{copies} fp32 temporaries of the largest tensor"))
         else:
-            no_decay = sum(sp.no_decay_params for sp in held)
             group = max(num_params - no_decay, no_decay) / inputs.data_parallel_size
             options.append((copies * MASTER_BYTES * group, f"{copies} fp32 temporaries of the largest flat group"))
     return max(options, key=lambda o: o[0])

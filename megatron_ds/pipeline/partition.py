@@ -8,8 +8,11 @@ DeepSpeed. Both return `parts`: num_parts + 1 offsets, part i being items [parts
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 
 def uniform(num_items: int, num_parts: int) -> list[int]:
@@ -26,41 +29,43 @@ def uniform(num_items: int, num_parts: int) -> list[int]:
 
 def balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     """Contiguous parts minimising (heaviest part - lightest part), as DeepSpeed chooses them."""
+    return list(_balanced(tuple(float(w) for w in weights), num_parts))
+
+
+@functools.lru_cache(maxsize=64)
+def _balanced(weights: tuple[float, ...], num_parts: int) -> tuple[int, ...]:
+    # A planner search asks for the same model's split into each pipeline size many times: cached.
     n, m = len(weights), num_parts
     if n <= m:
-        return uniform(n, m)
+        return tuple(uniform(n, m))
     prefix = [0.0]
     for w in weights:
-        prefix.append(prefix[-1] + float(w))
-    inf = math.inf
-    # best[i][j]: (cost, max, min) of splitting the first i items into j parts.
-    best_max = [[inf] * (m + 1) for _ in range(n + 1)]
-    best_min = [[inf] * (m + 1) for _ in range(n + 1)]
-    best_cost = [[inf] * (m + 1) for _ in range(n + 1)]
-    cut = [[0] * (m + 1) for _ in range(n + 1)]
-    best_max[0][0] = 0.0
-    best_cost[0][0] = 0.0
-    # Only the states the answer can reach are filled (i items in j parts with n - i items left for m - j
-    # parts), and only cuts k after j - 1 items (fewer cannot make j - 1 non-empty parts: infinite cost,
-    # which never wins the comparison); DeepSpeed's loop computes the same values for those states.
+        prefix.append(prefix[-1] + w)
+    # best_*[k, j]: (max, min) part weight of the chosen split of the first k items into j parts; cut[i, j]
+    # its last cut. Only the states the answer can reach are filled (i items in j parts with n - i items
+    # left for m - j parts); states left infinite cost infinity, which never wins, as DeepSpeed's loop over
+    # every k. For one i, every j and k at once: elementwise the same float operations as DeepSpeed's
+    # loop, and its `>=` keeps the last of equal costs, so the last k reaching the row's minimum.
+    best_max = np.full((n + 1, m + 1), np.inf)
+    best_min = np.full((n + 1, m + 1), np.inf)
+    cut = np.zeros((n + 1, m + 1), dtype=np.int64)
+    best_max[0, 0] = 0.0
+    prefix_arr = np.array(prefix)
     for i in range(1, n + 1):
-        pi = prefix[i]
-        for j in range(max(1, i - (n - m)), min(i, m) + 1):
-            row_max, row_min = best_max, best_min
-            cost, hi_best, lo_best, at = best_cost[i][j], best_max[i][j], best_min[i][j], cut[i][j]
-            for k in range(j - 1, i) if j > 1 else (0,):
-                part = pi - prefix[k]
-                hk, lk = row_max[k][j - 1], row_min[k][j - 1]
-                hi = hk if hk > part else part
-                lo = lk if lk < part else part
-                if cost >= hi - lo:
-                    cost, hi_best, lo_best, at = hi - lo, hi, lo, k
-            best_cost[i][j], best_max[i][j], best_min[i][j], cut[i][j] = cost, hi_best, lo_best, at
+        lo_j, hi_j = max(1, i - (n - m)), min(i, m)
+        part = prefix_arr[i] - prefix_arr[:i]  # [k]: the last part's weight when it starts at item k
+        hi = np.maximum(best_max[:i, lo_j - 1 : hi_j].T, part)  # [j, k]
+        lo = np.minimum(best_min[:i, lo_j - 1 : hi_j].T, part)
+        at = i - 1 - np.argmin((hi - lo)[:, ::-1], axis=1)
+        rows = np.arange(hi_j - lo_j + 1)
+        best_max[i, lo_j : hi_j + 1] = hi[rows, at]
+        best_min[i, lo_j : hi_j + 1] = lo[rows, at]
+        cut[i, lo_j : hi_j + 1] = at
     parts = [n]
     for j in range(m, 0, -1):
-        parts.append(cut[parts[-1]][j])
+        parts.append(int(cut[parts[-1], j]))
     parts.reverse()
-    return parts
+    return tuple(parts)
 
 
 def min_max(weights: Sequence[float], num_parts: int) -> list[int]:

@@ -23,6 +23,10 @@ from megatron_ds.plan.hardware import PlanError
 
 PROFILE_FORMAT = "megatron_ds.plan profile v1"
 GIB = 1024**3
+MAX_LAYERS = 512
+"""The deepest model the planner prices: 4 x the deepest published GPT (Megatron's 1T, 128 layers). The layouts'
+dynamic programmes grow with the square of the layers: 512 on 4096 GPUs take about 3 s (tests/unit/test_plan_time.py),
+1024 about 7 s, 2048 about 30 s, 100000 would not finish."""
 
 
 @dataclass
@@ -238,6 +242,12 @@ def resolve(raw: PlanInputs) -> Resolved:
     ):
         _positive(name, getattr(raw, name))
     dims, preset = _dims(raw)
+    layers = (dims or {}).get("num_layers") or 0
+    if layers > MAX_LAYERS:
+        raise PlanError(
+            f"--num-layers {layers}: the planner prices models of at most {MAX_LAYERS} transformer "
+            f"layers (4 x the deepest published GPT's 128) in seconds; give at most {MAX_LAYERS}"
+        )
     gpu_name, mem_gb, cc = _gpu(raw)
     _check_choices(raw)
     gpn = raw.gpus_per_node or (min(raw.num_gpus, 8) if raw.num_gpus else None)

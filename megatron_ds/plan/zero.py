@@ -21,7 +21,7 @@ from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.estimate.model_states import zero2_estimate, zero3_estimate
 from megatron_ds.model.shapes import largest_layer_params, total_params
 from megatron_ds.plan import ds_json, zero_options
-from megatron_ds.plan.context import Context
+from megatron_ds.plan.context import NEEDS_BATCH, Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import GIB
 from megatron_ds.plan.ranking import Search
@@ -192,6 +192,9 @@ def zero_section(ctx: Context) -> Section:
 
 def _recommend(ctx: Context, sec: Section, table: list[Row], act: float, cpu_cap: float | None) -> None:
     """The `pipeline` plan, and why: the fastest configuration that fits on the GPUs, else the fastest offload."""
+    if ctx.res.global_batch_size is None:
+        sec.add(f"No recommendation: {NEEDS_BATCH}.")
+        return
     try:
         plan = ctx.plan()
     except PlanError as e:

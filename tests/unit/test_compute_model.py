@@ -11,6 +11,7 @@ be equal. Element-wise terms are conventions (see compute.py) and are only check
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate import memory_model
 from megatron_ds.estimate.compute import (
     ComputeInputs,
+    checkpointed_chunks,
     model_flops_per_iteration,
     recomputed_layers,
     spec_flops,
@@ -178,18 +180,20 @@ def test_elementwise_terms_are_small_at_benchmark_sizes() -> None:
                 assert sp.forward - sp.matmul_forward < 0.02 * sp.matmul_forward, sp
 
 
-@pytest.mark.parametrize("interval", [1, 2, 3])
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_recomputed_layers_agree_with_memory_model(interval: int, stage: int) -> None:
-    """Both estimates apply DeepSpeed's chunking rule; they must agree for every stage size."""
+def test_checkpointed_chunks_follow_deepspeeds_chunking_rule() -> None:
+    """The closed form against the rule itself: cut the stage's functions into chunks of `interval` from local index
+    0; a chunk of transformer layers only is recomputed. Both estimates use it (`recomputed_layers` and the memory
+    model's `_recomputed`)."""
+    for interval, pre, post, layers in itertools.product(range(0, 7), range(0, 5), range(0, 4), range(0, 40)):
+        kinds = [False] * pre + [True] * layers + [False] * post
+        chunks = [kinds[i : i + interval] for i in range(0, len(kinds), interval)] if interval else []
+        recomputed = [len(c) for c in chunks if all(c)]
+        want = (sum(recomputed), max(recomputed, default=0))
+        assert checkpointed_chunks(pre, layers, post, interval) == want, (interval, pre, layers, post)
+        assert recomputed_layers(pre, layers, post, interval) == want[0]
     m = BASE
-    groups = naming.gpt_spec_groups(m)
-    for k in range(0 if stage != 1 else 1, 7):
-        mem = MemoryInputs(m, 1, 4, checkpoint_activations=True, checkpoint_num_layers=interval, device="cpu")
-        pre = len(groups.pre) if stage == 0 else 0
-        post = len(groups.post) if stage == 2 else 0
-        full, _ = memory_model._recomputed(mem, pre, k, post)
-        assert recomputed_layers(pre, k, post, interval) == k - full
+    mem = MemoryInputs(m, 1, 4, checkpoint_activations=True, checkpoint_num_layers=2, device="cpu")
+    assert memory_model._recomputed(mem, 3, 5, 0) == (1, 2)  # chunks [x x][x t][t t][t t]: 4 layers recomputed
 
 
 def test_stage_flops_place_pre_post_and_recompute() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
@@ -116,6 +117,18 @@ def test_default_matches_deepspeed_partition_balanced() -> None:
             continue
         ds_counts = [sum(weights[a:b]) for a, b in zip(ds_parts[:-1], ds_parts[1:])]
         assert list(layout.layers_per_stage) == ds_counts
+
+
+def test_balanced_matches_deepspeed_partition_balanced_on_any_weights() -> None:
+    """Float, integer, zero and negative weights, where ties between equal costs pick the cut DeepSpeed picks."""
+    from deepspeed.runtime import utils as ds_utils
+
+    rng = random.Random(3)
+    draws = (lambda: rng.random(), lambda: rng.choice([0.0, 0.5, 1.0, 2.0]), lambda: float(rng.randint(-2, 4)))
+    for trial in range(150):
+        n, p = rng.randint(1, 18), rng.randint(1, 8)
+        weights = [draws[trial % 3]() for _ in range(n)]
+        assert partition.balanced(weights, p) == [int(x) for x in ds_utils.partition_balanced(weights, p)]
 
 
 def test_uniform_matches_deepspeed() -> None:

@@ -338,6 +338,10 @@ def test_write_config_matches_the_generated_json(tmp_path, capsys) -> None:
             ["memory", *A100_1_3B, "--pipeline-model-parallel-size", "1", "--reported-mb", "10,20"],
             "a 1-stage pipeline has no first and last stages to compare",
         ),
+        (
+            ["pipeline", *A100_1_3B, "--num-layers", "100000"],
+            "--num-layers 100000: the planner prices models of at most 512 transformer layers",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys) -> None:
@@ -346,6 +350,25 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys) -> None:
     assert captured.out == ""
     err = captured.err.strip()
     assert err.startswith("error: ") and needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_zero_without_a_batch_prints_its_table_and_asks_for_the_batch_to_recommend(tmp_path, capsys) -> None:
+    """`zero` needs no batch for its table; its recommendation (the `pipeline` choice) does. It gave a TypeError
+    traceback when neither --global-batch-size nor a preset gave one."""
+    dims = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048"]
+    argv = ["zero", *dims, "--vocab-size", "50257", "--num-gpus", "64", "--gpu", "H100-80GB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-1" in out and "Traceback" not in out
+    assert "No recommendation: choosing a configuration needs the batch: give --global-batch-size" in out
+    assert main([*argv, "--write-config", str(tmp_path / "ds.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "error: choosing a configuration needs the batch: give --global-batch-size (samples per optimizer step)"
+    )
+    assert not (tmp_path / "ds.json").exists()
+    assert main([*argv, "--global-batch-size", "512"]) == 0
+    assert "Recommended for pretrain_gpt.py" in capsys.readouterr().out
 
 
 def test_unknown_gpu_with_memory_is_accepted(capsys) -> None:
