@@ -36,7 +36,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    output = args.output_prefix or f"{args.input}_eod"
+    output = f"{args.input}_eod" if args.output_prefix is None else args.output_prefix
+    if not os.path.basename(output):  # "" or a directory: no file name for the pair
+        print(
+            f"error: --output-prefix {output!r}: names no file; give a prefix such as data/corpus_eod", file=sys.stderr
+        )
+        return 2
     try:
         info = rewrite_index(args.input, output)
     except (DataError, OSError) as err:

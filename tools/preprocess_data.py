@@ -27,7 +27,7 @@ except ImportError:  # run from a source checkout without installing the package
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_ds.data import DataError
-from megatron_ds.data.documents import check_input_file, read_documents
+from megatron_ds.data.documents import check_input_file, sized_documents
 from megatron_ds.data.indexed import IndexedWriter
 from megatron_ds.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megatron_ds.errors import interrupted
@@ -70,8 +70,9 @@ class Encoder:
     def initializer(self) -> None:
         Encoder.tokenizer = _make_tokenizer(self.args)
 
-    def encode(self, doc: dict[str, str]) -> tuple[dict[str, list[int]], int]:
-        """Token ids per key, and the UTF-8 size of the text (for the progress line)."""
+    def encode(self, sized: tuple[dict[str, str], int]) -> tuple[dict[str, list[int]], int]:
+        """Token ids per key of a document; its size in the input file passes through (for the progress line)."""
+        doc, num_bytes = sized
         tok = Encoder.tokenizer
         assert tok is not None, "initializer() runs first"
         out = {}
@@ -80,15 +81,15 @@ class Encoder:
             if ids and self.args.append_eod:  # as Megatron-LM: empty documents stay empty
                 ids.append(tok.eod)
             out[key] = ids
-        return out, sum(len(t.encode("utf-8")) for t in doc.values())
+        return out, num_bytes
 
 
-def _documents(paths: Sequence[str], json_keys: Sequence[str]) -> Iterator[dict[str, str]]:
-    return itertools.chain.from_iterable(read_documents(p, json_keys) for p in paths)
+def _documents(paths: Sequence[str], json_keys: Sequence[str]) -> Iterator[tuple[dict[str, str], int]]:
+    return itertools.chain.from_iterable(sized_documents(p, json_keys) for p in paths)
 
 
 def _encoded(
-    args: argparse.Namespace, docs: Iterable[dict[str, str]], tokenizer: Tokenizer, pool: Any
+    args: argparse.Namespace, docs: Iterable[tuple[dict[str, str], int]], tokenizer: Tokenizer, pool: Any
 ) -> Iterator[tuple[dict[str, list[int]], int]]:
     encoder = Encoder(args)
     if pool is None:
@@ -116,8 +117,8 @@ class Progress:
         if self.docs % self.interval == 0:
             self.draw()
 
-    def draw(self, end: str = "") -> None:
-        frac = min(self.bytes / self.total_bytes, 1.0)
+    def draw(self, end: str = "", done: bool = False) -> None:
+        frac = 1.0 if done else min(self.bytes / self.total_bytes, 1.0)
         bar = "#" * int(frac * 30)
         mb_s = self.bytes / 1e6 / max(time.time() - self.t0, 1e-9)
         line = f"[{bar:<30}] {frac:4.0%} {self.docs} docs {self.tokens} tokens {mb_s:.2f} MB/s"
@@ -159,8 +160,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if pool is not None:
             pool.terminate()
-    if progress.tty:
-        progress.draw(end="\n")
+    if progress.tty or progress.docs % progress.interval:  # the last line says 100%, once
+        progress.draw(end="\n" if progress.tty else "", done=True)
     _summary(args, stats, time.time() - t0, replaced)
     return stats
 

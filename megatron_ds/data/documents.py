@@ -23,6 +23,12 @@ def read_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[
     `.txt`: documents are separated by one or more blank lines (paragraph style), stored under the
     single json key. Anything else: JSON lines, one object per line, blank lines ignored.
     """
+    return (doc for doc, _ in sized_documents(path, json_keys))
+
+
+def sized_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[tuple[dict[str, str], int]]:
+    """`read_documents`, each document with the bytes of the file it took (its lines and the blank lines before
+    it): their sum is the file's size but for trailing blank lines, so progress can reach 100%."""
     check_input_file(path)
     if path.endswith(".txt"):
         if len(json_keys) != 1:
@@ -30,12 +36,15 @@ def read_documents(path: str, json_keys: Sequence[str] = ("text",)) -> Iterator[
                 f"--input {path}: a .txt file holds one field, but --json-keys names "
                 f"{len(json_keys)}; pass one key or use JSONL"
             )
-        yield from ({json_keys[0]: doc} for doc in _text_blocks(path))
+        yield from (({json_keys[0]: doc}, size) for doc, size in _text_blocks(path))
         return
     with open(path, encoding="utf-8", errors="strict") as f:
+        size = 0
         for line_no, line in enumerate(_lines(f, path), 1):
+            size += len(line.encode("utf-8"))
             if line.strip():
-                yield _parse_json_line(path, line_no, line, json_keys)
+                yield _parse_json_line(path, line_no, line, json_keys), size
+                size = 0
 
 
 def _lines(f, path: str) -> Iterator[str]:
@@ -75,14 +84,17 @@ def _parse_json_line(path: str, line_no: int, line: str, json_keys: Sequence[str
     return doc
 
 
-def _text_blocks(path: str) -> Iterator[str]:
+def _text_blocks(path: str) -> Iterator[tuple[str, int]]:
+    """Paragraphs and the bytes each took (its lines and the blank lines before it)."""
     block: list[str] = []
+    size = 0
     with open(path, encoding="utf-8") as f:
         for line in _lines(f, path):
             if line.strip():
                 block.append(line)
             elif block:
-                yield "".join(block).rstrip("\n")
-                block = []
+                yield "".join(block).rstrip("\n"), size
+                block, size = [], 0
+            size += len(line.encode("utf-8"))
     if block:
-        yield "".join(block).rstrip("\n")
+        yield "".join(block).rstrip("\n"), size

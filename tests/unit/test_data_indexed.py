@@ -14,7 +14,7 @@ import pytest
 
 from megatron_ds.data import DataError
 from megatron_ds.data.demo_corpus import _load_tool
-from megatron_ds.data.documents import read_documents
+from megatron_ds.data.documents import read_documents, sized_documents
 from megatron_ds.data.indexed import (
     HEADER_BYTES,
     INDEX_HEADER,
@@ -133,6 +133,30 @@ def test_read_documents_errors(tmp_path: Path) -> None:
         list(read_documents(str(p)))
     with pytest.raises(DataError, match="--input /nope.jsonl: file not found"):
         list(read_documents("/nope.jsonl"))
+
+
+def test_sized_documents_add_up_to_the_file(tmp_path: Path) -> None:
+    """Each document's bytes of the input (its lines, the blank lines before it) sum to the file's size but for
+    trailing blank lines: the progress line's fraction (it stopped at 88% on JSONL, counting only the text)."""
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text('{"text": "caf\u00e9", "id": 1}\n\n{"text": "b\\nc", "id": 2}\n\n', encoding="utf-8")
+    txt = tmp_path / "c.txt"
+    txt.write_text("one\ntwo\n\n\nthré\n", encoding="utf-8")
+    for path, docs, trailing in ((jsonl, ["café", "b\nc"], 1), (txt, ["one\ntwo", "thré"], 0)):
+        sized = list(sized_documents(str(path)))
+        assert [d["text"] for d, _ in sized] == docs == [d["text"] for d in read_documents(str(path))]
+        assert sum(n for _, n in sized) == path.stat().st_size - trailing
+
+
+def test_preprocess_progress_ends_at_100_percent(corpus: tuple[Path, str], tmp_path: Path, capsys) -> None:
+    path, model = corpus
+    argv = ["--input", str(path), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type"]
+    argv += ["SentencePieceTokenizer", "--tokenizer-model", model, "--log-interval", "7"]
+    assert _preprocess(argv) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == len(DOCS) // 7 + 1  # one per 7 documents, then the last one
+    assert " 100% 40 docs " in lines[-1] and all("%" in line for line in lines)
+    assert int(lines[-2].split("%")[0].split()[-1]) < 100
 
 
 def _write(prefix: Path, docs: list[list[int]], vocab_size: int = 1000) -> str:

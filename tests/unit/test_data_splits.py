@@ -99,6 +99,17 @@ def test_data_upstream_from_the_command_line(capsys: pytest.CaptureFixture) -> N
         parse_config(_line("--data-upstream", "megatron"), world_size=1)
 
 
+def test_docs_list_every_flag_that_makes_auto_pick_megatron_lm() -> None:
+    import re
+
+    from megatron_ds.flags.data_upstream import MEGATRON_LM_FLAGS
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `auto` (default) |"))
+    assert re.findall(r"`(--[a-z0-9-]+)`", row) == list(MEGATRON_LM_FLAGS)
+    assert f"(all {len(MEGATRON_LM_FLAGS)}: " in row
+
+
 def _build(data: DataConfig) -> list[list[int]]:
     with contextlib.redirect_stdout(io.StringIO()):
         train, _, _ = build_gpt_datasets(data, 16, 5, (40, 0, 0), NullTokenizer(400), 400)

@@ -146,7 +146,11 @@ def test_rewrite_index_once_next_to_the_original(tmp_path: Path) -> None:
     with contextlib.redirect_stderr(err):
         assert tool.main(["--input", str(tmp_path / "up")]) == 2  # never over an existing file
         assert tool.main(["--input", str(tmp_path / "up_eod")]) == 2  # nothing to rewrite
+        assert tool.main(["--input", str(tmp_path / "up"), "--output-prefix", ""]) == 2  # fell back to the default
+        assert tool.main(["--input", str(tmp_path / "up"), "--output-prefix", f"{tmp_path}/"]) == 2
     assert "up_eod.idx exists; remove it or give a new prefix" in err.getvalue()
+    assert "error: --output-prefix '': names no file; give a prefix such as data/corpus_eod" in err.getvalue()
+    assert f"error: --output-prefix '{tmp_path}/': names no file" in err.getvalue()
     assert "already counts every token" in err.getvalue()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("up")) == [
         "up.bin",
