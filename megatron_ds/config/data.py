@@ -56,6 +56,10 @@ class DataConfig:
     """SentencePiece model file, or the local directory of a HuggingFaceTokenizer (`--tokenizer-model`)."""
     null_tokenizer_vocab_size: int | None = None
     """The NullTokenizer's ids (`--vocab-size` before padding; its eod is the last), None otherwise."""
+    unpadded_vocab_size: int | None = None
+    """The tokens: `--vocab-size`, else the tokenizer's size; the model's rows above it are
+    `--make-vocab-size-divisible-by` padding, which no sample holds (mock data draws below it; checkpoints
+    record it for export and generation). None when neither is given (`--print-layout`)."""
     vocab_file: str | None = None
     """GPT-2 BPE vocabulary (`--vocab-file`)."""
     merge_file: str | None = None

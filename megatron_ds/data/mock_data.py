@@ -53,7 +53,8 @@ def build_mock(
     del is_built_on_rank  # nothing is cached: every rank builds its own (instantly)
     if data.data_path:
         warnings.warn(f"--data-path {' '.join(data.data_path)} is ignored with --mock-data", stacklevel=2)
-    tokenizer = tokenizer or NullTokenizer(vocab_size)
+    # ids below the unpadded vocabulary: rows above it are padding no real sample holds (an import's are zero)
+    tokenizer = tokenizer or NullTokenizer(data.unpadded_vocab_size or vocab_size)
     check_vocab(tokenizer, vocab_size)
     splits = [
         MockGPTData(n, seq_length, tokenizer.vocab_size, seed, k) if n > 0 else None for k, n in enumerate(num_samples)

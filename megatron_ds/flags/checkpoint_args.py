@@ -23,7 +23,7 @@ from megatron_ds.config import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.registry import FLAGS
-from megatron_ds.training.checkpoint.directory import TOKENIZER_DIR, load_tag, read_meta
+from megatron_ds.training.checkpoint.directory import TOKENIZER_DIR, load_tag, read_meta, recorded_vocab_size
 
 DERIVED_MODEL_DESTS = (
     "ffn_hidden_size",
@@ -78,7 +78,7 @@ def apply(args: argparse.Namespace, given: set[str]) -> None:
         return
     saved = Config.from_dict(meta["config"])
     if args.use_checkpoint_args:
-        _take_architecture(args, given, saved, where, args.load)
+        _take_architecture(args, given, saved, where, args.load, recorded_vocab_size(meta))
     if meta.get("weights_only"):
         _keep_dropout(args, given, saved, where)
 
@@ -89,7 +89,10 @@ def _latest(load_dir: str, tag: str | None) -> tuple[dict[str, Any] | None, str]
     return (None, "") if tag is None else (read_meta(load_dir, tag), f"--load {load_dir} ({tag})")
 
 
-def _take_architecture(args: argparse.Namespace, given: set[str], saved: Config, where: str, root: str) -> None:
+def _take_architecture(
+    args: argparse.Namespace, given: set[str], saved: Config, where: str, root: str, recorded: int | None
+) -> None:
+    """`recorded`: the unpadded vocabulary the checkpoint records (`directory.recorded_vocab_size`)."""
     taken = {d: v for d, v in model_dests(saved.model).items() if d not in given}
     if (
         args.use_tokenizer_model_from_checkpoint_args
@@ -103,7 +106,13 @@ def _take_architecture(args: argparse.Namespace, given: set[str], saved: Config,
                 path = moved if os.path.isfile(moved) else path
             taken[dest] = path
     if "vocab_size" in taken and "make_vocab_size_divisible_by" not in given:
-        taken["make_vocab_size_divisible_by"] = 1  # the stored size is padded already, as Megatron's padded_vocab_size
+        rows, t = saved.model.vocab_size, args.tensor_model_parallel_size or 1
+        if recorded and recorded < rows and rows % t == 0:  # the tokens, padded to the stored rows at this run's T
+            taken["vocab_size"], taken["make_vocab_size_divisible_by"] = recorded, rows // t
+        else:
+            taken["make_vocab_size_divisible_by"] = (
+                1  # the stored size is padded already, as Megatron's padded_vocab_size
+            )
     for dest, value in taken.items():
         setattr(args, dest, value)
     parts = [p for d, v in taken.items() for p in _rendered(d, v)]

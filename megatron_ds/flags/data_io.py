@@ -45,7 +45,7 @@ DATA: tuple[Flag, ...] = (
         "--vocab-size",
         _DATA,
         "vocabulary size; else the tokenizer's (then padded); the NullTokenizer's ids",
-        fields=("model.vocab_size", "data.null_tokenizer_vocab_size"),
+        fields=("model.vocab_size", "data.null_tokenizer_vocab_size", "data.unpadded_vocab_size"),
         type=int,
         default=None,
         derived=True,

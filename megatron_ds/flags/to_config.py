@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from typing import Any
@@ -88,24 +89,28 @@ def data_config(args: argparse.Namespace, direct: dict[str, Any]) -> DataConfig:
     kind = tokenizer_type(args)
     null_vocab = args.vocab_size if kind == "NullTokenizer" else None
     return DataConfig(
-        **direct, tokenizer_type=kind, data_upstream=data_upstream(args), null_tokenizer_vocab_size=null_vocab
+        **direct,
+        tokenizer_type=kind,
+        data_upstream=data_upstream(args),
+        null_tokenizer_vocab_size=null_vocab,
+        unpadded_vocab_size=unpadded_vocab_size(args) or None,
     )
 
 
 def _vocab_size(args: argparse.Namespace) -> int:
     """Padded vocabulary from --vocab-size and/or the tokenizer (0 only for --print-layout)."""
-    tokenizer_vocab = None
-    if tokenizer_type(args) is not None:
-        from megatron_ds.data.tokenizer import build_tokenizer
+    base = unpadded_vocab_size(args)
+    return padded_vocab_size(base, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size) if base else 0
 
-        tok = build_tokenizer(
-            tokenizer_type(args),
-            tokenizer_model=args.tokenizer_model,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-            vocab_size=args.vocab_size,
-        )
-        tokenizer_vocab = tok.vocab_size
+
+def unpadded_vocab_size(args: argparse.Namespace) -> int:
+    """The tokens: --vocab-size, else the tokenizer's size (0 only for --print-layout without either)."""
+    kind = tokenizer_type(args)
+    tokenizer_vocab = (
+        _tokenizer_vocab(kind, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size)
+        if kind is not None
+        else None
+    )
     if args.vocab_size is not None:
         if args.vocab_size < 1:
             raise ConfigError(f"--vocab-size {args.vocab_size} must be >= 1")
@@ -115,17 +120,25 @@ def _vocab_size(args: argparse.Namespace) -> int:
                 f"tokenizer {source} has {tokenizer_vocab} tokens but --vocab-size is "
                 f"{args.vocab_size}; raise --vocab-size or drop it to use the tokenizer's size"
             )
-        base = args.vocab_size
-    elif tokenizer_vocab is not None:
-        base = tokenizer_vocab
-    elif args.print_layout:
+        return args.vocab_size
+    if tokenizer_vocab is not None:
+        return tokenizer_vocab
+    if args.print_layout:
         return 0
-    else:
-        raise ConfigError(
-            "no vocabulary size: give --vocab-size, or --tokenizer-type with --tokenizer-model "
-            "(or --vocab-file/--merge-file)"
-        )
-    return padded_vocab_size(base, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    raise ConfigError(
+        "no vocabulary size: give --vocab-size, or --tokenizer-type with --tokenizer-model "
+        "(or --vocab-file/--merge-file)"
+    )
+
+
+@functools.lru_cache(maxsize=8)  # the model and data sections both ask
+def _tokenizer_vocab(
+    kind: str, model: str | None, vocab_file: str | None, merge_file: str | None, size: int | None
+) -> int:
+    from megatron_ds.data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(kind, tokenizer_model=model, vocab_file=vocab_file, merge_file=merge_file, vocab_size=size)
+    return tok.vocab_size
 
 
 def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConfig:

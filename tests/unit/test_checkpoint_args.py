@@ -60,7 +60,11 @@ def test_use_checkpoint_args_takes_the_architecture(tmp_path: Path, capsys: pyte
     # T stays this run's, and the stored (padded) vocabulary is kept at T=2.
     config, _ = parse_config(["--use-checkpoint-args", "--load", load, "--tensor-model-parallel-size", "2", *TRAIN])
     assert config.model.vocab_size == 256 and config.parallel.tensor_model_parallel_size == 2
-    assert "T and P stay this run's (2 and 1; the checkpoint's are 1 and 1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "T and P stay this run's (2 and 1; the checkpoint's are 1 and 1" in out
+    # The import's 250 tokens stay the tokens (mock data draws below them), padded to the stored 256 rows at T=2.
+    assert config.data.unpadded_vocab_size == 250 and "--vocab-size 250, " in out
+    assert "--make-vocab-size-divisible-by" not in out  # 256 / T: Megatron's default 128, not printed
 
 
 def test_use_checkpoint_args_needs_load(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -167,3 +167,20 @@ def refuse_foreign(path: str) -> None:
         found, convert = megatron_lm_checkpoint(path), CONVERT_MEGATRON_LM
     if found is not None:
         raise CheckpointError(f"--load {path}: {found}; convert it first: {convert} {path} OUT, then --load OUT")
+
+
+IMPORTS = ("hf", CONVERTED)
+"""Metadata sections of imported checkpoints (`megatron_ds.interop`); each records `vocab_size`,
+the tokenizer's rows (the rest is `--make-vocab-size-divisible-by` padding)."""
+
+
+def recorded_vocab_size(meta: dict[str, Any]) -> int | None:
+    """The unpadded vocabulary a checkpoint recorded, if any: the training run's (its config's
+    `data.unpadded_vocab_size`: `--vocab-size` or the tokenizer's size), else an import's."""
+    data = meta.get("config", {}).get("data", {}) if isinstance(meta.get("config"), dict) else {}
+    trained = data.get("unpadded_vocab_size") if isinstance(data, dict) else None
+    if isinstance(trained, int) and trained > 0:
+        return trained
+    return next(
+        (meta[k]["vocab_size"] for k in IMPORTS if isinstance(meta.get(k), dict) and meta[k].get("vocab_size")), None
+    )

@@ -21,7 +21,6 @@ from megatron_ds.config import Config
 from megatron_ds.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_ds.model import naming, sharding
 from megatron_ds.training.checkpoint.directory import (
-    CONVERTED,
     LATEST,
     META,
     TOKENIZER_DIR,
@@ -29,6 +28,7 @@ from megatron_ds.training.checkpoint.directory import (
     CheckpointError,
     latest_tag,
     read_meta,
+    recorded_vocab_size,
 )
 
 
@@ -181,18 +181,6 @@ def checkpoint_tokenizer(ckpt: Checkpoint, overrides: dict[str, str | None] | No
             beside = os.path.join(ckpt.root, TOKENIZER_DIR, os.path.basename(path))
             fields[key] = beside if os.path.isfile(beside) else path
     return build_tokenizer(fields.pop("tokenizer_type"), **fields)
-
-
-IMPORTS = ("hf", CONVERTED)
-"""Metadata sections of imported checkpoints (`megatron_ds.interop`); each records `vocab_size`,
-the tokenizer's rows (the rest is `--make-vocab-size-divisible-by` padding)."""
-
-
-def recorded_vocab_size(meta: dict[str, Any]) -> int | None:
-    """The unpadded vocabulary an import recorded, if any."""
-    return next(
-        (meta[k]["vocab_size"] for k in IMPORTS if isinstance(meta.get(k), dict) and meta[k].get("vocab_size")), None
-    )
 
 
 def unpadded_vocab_size(ckpt: Checkpoint, tokenizer: Tokenizer | None, override: int | None = None) -> int:
