@@ -63,8 +63,9 @@ def test_use_checkpoint_args_takes_the_architecture(tmp_path: Path, capsys: pyte
     out = capsys.readouterr().out
     assert "T and P stay this run's (2 and 1; the checkpoint's are 1 and 1" in out
     # The import's 250 tokens stay the tokens (mock data draws below them), padded to the stored 256 rows at T=2.
-    assert config.data.unpadded_vocab_size == 250 and "--vocab-size 250, " in out
-    assert "--make-vocab-size-divisible-by" not in out  # 256 / T: Megatron's default 128, not printed
+    assert config.data.unpadded_vocab_size == 250 and out.count("--vocab-size 250, ") == 2
+    # 256 / T: at T=1 (the --num-layers 4 line) 256, at T=2 Megatron's default 128, not printed
+    assert out.count("--make-vocab-size-divisible-by 256") == 1 and "--make-vocab-size-divisible-by 128" not in out
 
 
 def test_use_checkpoint_args_needs_load(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
