@@ -374,10 +374,11 @@ def _plain_rope_base(f: _Fields) -> float:
 def _rope_scaling(f: _Fields, allowed: tuple[str, ...] = ("llama3",)) -> float | None:
     """The factor of Llama 3.x's RoPE scaling (rope type `llama3`, its other parameters megatron-core's fixed ones:
     `LLAMA3_ROPE_SCALING`), or None for plain rotary embeddings; another rope type is refused."""
-    # transformers < 5 writes rope_theta / rope_scaling; 5 writes rope_parameters {rope_type, rope_theta, ...}.
+    # transformers < 5 writes rope_theta / rope_scaling; 5 writes rope_parameters {rope_type, rope_theta, ...}, and
+    # reads a rope_scaling that is there in place of rope_parameters' type (a config.json may hold both).
+    legacy = f.hf.get("rope_scaling")
     params = f.hf.get("rope_parameters") or {}
-    scaling = params if params.get("rope_type") else (f.hf.get("rope_scaling") or {})
-    name = "rope_parameters" if params.get("rope_type") else "rope_scaling"
+    scaling, name = (legacy, "rope_scaling") if isinstance(legacy, dict) and legacy else (params, "rope_parameters")
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
         return None

@@ -137,6 +137,14 @@ def _check_weights(weights: HFWeights, hf: HFModel, config: Config, hf_dir: str)
                 f"{hf_dir}: tensor {name} has shape {list(weights.shapes[name])}, config.json implies {list(shape)}"
             )
     tied = not config.model.untie_embeddings_and_output_weights
+    if tied and "lm_head.weight" in weights.shapes:
+        (embedding,) = hf_weights.hf_names(hf.arch, naming.WORD_EMBEDDING, "weight", None)
+        if not torch.equal(weights.get("lm_head.weight"), weights.get(embedding)):  # transformers keeps both then
+            raise HFWeightsError(
+                f"{hf_dir}: tensor lm_head.weight differs from {embedding}, but config.json ties them "
+                f'(tie_word_embeddings); transformers then keeps the separate head: set "tie_word_embeddings": false '
+                f"in config.json to import it as an untied head"
+            )
     for name in weights.shapes:
         if name in expected or hf_weights.IGNORED_HF_TENSORS.search(name) or (tied and name == "lm_head.weight"):
             continue

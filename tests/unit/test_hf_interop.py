@@ -189,6 +189,28 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(hf_dirs: dict[str, Pat
     assert (tmp_path / "taken" / "x").read_text() == "keep"
 
 
+def test_a_tied_config_with_its_own_head_is_refused(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """transformers keeps a separate lm_head.weight that differs from the embedding though config.json ties them:
+    tying it here would drop the head (a different model). An equal copy is the tied model and imports."""
+    from safetensors.torch import save_file
+
+    source = hf_dirs["tied_llama"]
+    tensors = load_file(source / "model.safetensors")
+    for name, head in (("equal", tensors["model.embed_tokens.weight"]), ("other", torch.randn(200, 32))):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text((source / "config.json").read_text())
+        save_file({**tensors, "lm_head.weight": head.clone().contiguous()}, d / "model.safetensors")
+    import_hf(str(tmp_path / "equal"), str(tmp_path / "ok"), [], show_progress=False)
+    message = _error(import_hf, str(tmp_path / "other"), str(tmp_path / "out"), [])
+    assert message == (
+        f"{tmp_path / 'other'}: tensor lm_head.weight differs from model.embed_tokens.weight, but config.json ties them "
+        '(tie_word_embeddings); transformers then keeps the separate head: set "tie_word_embeddings": false in '
+        "config.json to import it as an untied head"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def _sentencepiece(tmp_path: Path, vocab: int) -> str:
     from megatron_ds.data.demo_corpus import demo_documents
     from megatron_ds.data.tokenizer import train_sentencepiece

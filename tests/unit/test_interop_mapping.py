@@ -227,6 +227,10 @@ def _llama_json(**change: object) -> dict:
         ),
         (_llama_json(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling type 'linear'"),
         (_llama_json(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_parameters factor None"),
+        (  # both keys: transformers takes rope_scaling's type over rope_parameters' (it imported as plain rotary)
+            _llama_json(rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rope_scaling={"type": "linear"}),
+            "rope_scaling type 'linear' is not supported",
+        ),
         (
             _llama_json(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}),
             "low_freq_factor 2.0",
