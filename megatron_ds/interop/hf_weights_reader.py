@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_ds import files
 from megatron_ds.errors import UserError
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -73,8 +74,7 @@ class HFWeights:
                 return {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as err:  # noqa: BLE001 - safetensors and torch raise various types on damaged files
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise HFWeightsError(f"{path}: unreadable ({reason}); the file is damaged or truncated") from None
+            raise HFWeightsError(files.load_failure(path, err)) from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise HFWeightsError(f"{path}: not a state dict of tensors; give a transformers checkpoint")
         self._open[path] = state

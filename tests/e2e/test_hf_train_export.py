@@ -172,3 +172,38 @@ def test_training_continues_from_an_imported_llama(tmp_path: Path) -> None:
     )
     assert original.keys() == again.keys()
     assert [k for k in original if not torch.equal(original[k], again[k])] == []
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_load_refuses_a_damaged_or_pickled_layer_file_in_one_line(tmp_path: Path) -> None:
+    """DeepSpeed's loader reads layer files with weights_only=False and asserts on a missing one: each file this rank
+    loads is read tensors-only first, so a missing one is named and one holding code is refused before it runs."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    result = import_hf(str(tmp_path / "hf"), str(tmp_path / "ck"), [], show_progress=False)
+    layer = tmp_path / "ck" / "global_step0" / "layer_03-model_00-model_states.pt"
+    state = torch.load(layer, weights_only=True)
+    torch.save({**state, "x": _RunsCode(tmp_path / "ran")}, layer)
+    missing = tmp_path / "ck" / "global_step0" / "layer_04-model_00-model_states.pt"
+    missing.rename(tmp_path / "aside.pt")
+    argv = [*result.train_flags, "--load", str(tmp_path / "ck"), *COMMON, "--train-iters", "1", "--lr", "1e-3"]
+    out = run_pretrain_gpt(1, argv, timeout=300, cwd=str(ROOT))
+    assert out.returncode != 0 and "Traceback" not in out.stdout, out.stdout[-3000:]
+    assert f"error: {layer}: holds a pickled posix.system, which a weights file does not hold; refused" in out.stdout
+    assert not (tmp_path / "ran").exists()
+    torch.save(state, layer)  # clean again: the missing file is named next
+    out = run_pretrain_gpt(1, argv, timeout=300, cwd=str(ROOT))
+    assert f"error: {missing}: missing; the checkpoint is incomplete" in out.stdout and "Traceback" not in out.stdout

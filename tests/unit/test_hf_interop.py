@@ -211,6 +211,30 @@ def test_a_tied_config_with_its_own_head_is_refused(hf_dirs: dict[str, Path], tm
     assert not (tmp_path / "out").exists()
 
 
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickled_bin_that_holds_code_is_named_and_never_run(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    source = hf_dirs["gpt2"]
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    (evil / "config.json").write_text((source / "config.json").read_text())
+    torch.save(
+        {**load_file(source / "model.safetensors"), "x": _RunsCode(tmp_path / "ran")}, evil / "pytorch_model.bin"
+    )
+    message = _error(import_hf, str(evil), str(tmp_path / "out"), [])
+    assert message == (
+        f"{evil / 'pytorch_model.bin'}: holds a pickled posix.system, which a weights file does not hold; refused "
+        "(nothing in it was run)"
+    )
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()
+
+
 def _sentencepiece(tmp_path: Path, vocab: int) -> str:
     from megatron_ds.data.demo_corpus import demo_documents
     from megatron_ds.data.tokenizer import train_sentencepiece

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatron_ds import files
 from megatron_ds.config import Config
 from megatron_ds.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_ds.model import naming, sharding
@@ -102,14 +103,17 @@ def layer_file(directory: str, index: int, tensor_rank: int) -> str:
     return os.path.join(directory, f"layer_{index:02d}-model_{tensor_rank:02d}-model_states.pt")
 
 
-def _load_state(path: str) -> dict[str, Any]:
+def load_state(path: str) -> dict[str, Any]:
+    """One layer file's state, tensors only (`weights_only`, memory-mapped); CheckpointError naming it if it is
+    missing, damaged or holds anything but tensors."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise CheckpointError(f"{path}: unreadable ({reason}); the checkpoint is damaged") from None
+        raise CheckpointError(
+            files.load_failure(path, err).replace("the file is damaged", "the checkpoint is damaged")
+        ) from None
 
 
 def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
@@ -126,7 +130,7 @@ def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
         rules = sharding.spec_tensors(model, spec)
         if not rules:
             continue
-        states = [_load_state(layer_file(ckpt.directory, index, r)) for r in range(ckpt.tensor_parallel)]
+        states = [load_state(layer_file(ckpt.directory, index, r)) for r in range(ckpt.tensor_parallel)]
         layer = index - first_layer if spec == naming.TRANSFORMER_LAYER else None
         for key, rule in rules.items():
             yield SpecTensor(index, spec, layer, key, rule, _gathered(ckpt, index, key, rule, states))
@@ -135,7 +139,7 @@ def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
 
 def read_spec_tensor(ckpt: Checkpoint, index: int, key: str, rule: sharding.TensorRule) -> torch.Tensor:
     """One full T=1 tensor (`key` of spec `index`), read from its layer files alone."""
-    states = [_load_state(layer_file(ckpt.directory, index, r)) for r in range(ckpt.tensor_parallel)]
+    states = [load_state(layer_file(ckpt.directory, index, r)) for r in range(ckpt.tensor_parallel)]
     return _gathered(ckpt, index, key, rule, states)
 
 

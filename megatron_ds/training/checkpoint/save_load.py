@@ -240,6 +240,7 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
         )
         restore.load_training_state(engine, config, layout, store.Universal(path))
     else:
+        check_layer_files(engine, os.path.join(load_dir, tag))
         engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     rng_file = os.path.join(load_dir, tag, f"rng_rank{dist.get_rank()}.pt")
     if not moved and not ck.no_load_rng and not ck.finetune and os.path.isfile(rng_file):
@@ -287,6 +288,7 @@ def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, ta
         return
     saved_t = Config.from_dict(meta["config"]).parallel.tensor_model_parallel_size
     if saved_t == config.parallel.tensor_model_parallel_size:
+        check_layer_files(engine, directory)
         engine.module.load_state_dir(directory, checkpoint_engine=engine.checkpoint_engine)
         if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
             # ZeRO and bf16/fp16 optimizers keep their own fp32 copy of the weights, made when the
@@ -295,6 +297,23 @@ def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, ta
         return
     ckpt = reader.open_checkpoint(directory)
     restore.load_weights(engine, config, layout, lambda t: reader.read_spec_tensor(ckpt, t.spec_index, t.key, t.rule))
+
+
+def check_layer_files(engine: Any, directory: str) -> None:
+    """The per-spec weight files this rank is about to load, each read tensors-only first (memory-mapped): a
+    missing or damaged file is a one-line CheckpointError naming it instead of a traceback from DeepSpeed's loader,
+    and one that holds pickled code is refused before that loader (`torch.load(weights_only=False)`) opens it."""
+    module = engine.module
+    if hasattr(module, "spec_modules"):  # our GPTModel (the plain engine)
+        paths = [module.layer_file(directory, index) for index in module.spec_modules]
+    else:  # DeepSpeed's PipelineModule: the layers with weights of this stage, this tensor rank's files
+        paths = [
+            module.ckpt_layer_path(directory, i)
+            for i, layer in enumerate(module.forward_funcs)
+            if hasattr(layer, "load_state_dict")
+        ]
+    for path in paths:
+        reader.load_state(path)
 
 
 def remove_incomplete(save_dir: str) -> None:
