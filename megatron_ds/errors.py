@@ -28,11 +28,35 @@ class LayoutError(ConfigError):
 INTERRUPTED = "interrupted (Ctrl-C); outputs are moved into place only when complete, so none is half-written"
 """What a tool prints (as `error: ...`, exit status 130) when Ctrl-C stops it."""
 EXIT_INTERRUPTED = 130
+TERMINATED = "terminated (SIGTERM); outputs are moved into place only when complete, so none is half-written"
+"""What a tool prints (exit status 143) when SIGTERM stops it (`timeout`, SLURM, `docker stop`, Kubernetes)."""
+EXIT_TERMINATED = 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the tool is, so that its clean-up (temporary outputs removed) runs as for Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """Make SIGTERM stop a tool as Ctrl-C does (its default ends the process at once, leaving temporary outputs)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def interrupted() -> int:
-    """A tool's answer to Ctrl-C: the one line on stderr, and the exit status to return."""
+    """A tool's answer to Ctrl-C (or SIGTERM, `stop_cleanly_on_sigterm`): the one line on stderr, and the exit
+    status to return. Call it in the `except KeyboardInterrupt` block."""
     import sys
 
+    if isinstance(sys.exc_info()[1], Terminated):
+        print(f"error: {TERMINATED}", file=sys.stderr)
+        return EXIT_TERMINATED
     print(f"error: {INTERRUPTED}", file=sys.stderr)
     return EXIT_INTERRUPTED

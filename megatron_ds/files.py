@@ -8,6 +8,7 @@ complete and validated, so a failed conversion leaves nothing behind and never t
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -30,6 +31,7 @@ def atomic_directory(target: str, flag: str) -> Iterator[str]:
     if os.path.lexists(target) and not (os.path.isdir(target) and not os.listdir(target)):
         raise OutputExistsError(f"{flag} {target}: already exists; choose a new directory (nothing is overwritten)")
     parent = os.path.dirname(target)
+    clear_leftovers(target)
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.incomplete.", dir=parent)
@@ -44,6 +46,14 @@ def atomic_directory(target: str, flag: str) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def clear_leftovers(target: str) -> None:
+    """Remove the temporary directories earlier writes of `target` left when killed (SIGKILL, a power cut: nothing
+    ran their clean-up); `atomic_directory`'s names, which nothing else uses."""
+    parent, base = os.path.split(os.path.abspath(target))
+    for path in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.incomplete.*")):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _set_permissions(directory: str) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 # The checkout this tool lives in comes first (as pretrain_gpt.py's own directory does for it).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_ds.errors import UserError, interrupted
+from megatron_ds.errors import UserError, interrupted, stop_cleanly_on_sigterm
 
 MEGATRON_DEEPSPEED = "megatron-deepspeed"
 MEGATRON_LM = "megatron-lm"
@@ -228,4 +228,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_sigterm()
     sys.exit(main())

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron_ds.data import DataError
 from megatron_ds.data.append_eod import rewrite_index
-from megatron_ds.errors import interrupted
+from megatron_ds.errors import interrupted, stop_cleanly_on_sigterm
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -57,4 +57,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_sigterm()
     sys.exit(main())

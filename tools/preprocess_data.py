@@ -30,7 +30,7 @@ from megatron_ds.data import DataError
 from megatron_ds.data.documents import check_input_file, sized_documents
 from megatron_ds.data.indexed import IndexedWriter
 from megatron_ds.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
-from megatron_ds.errors import interrupted
+from megatron_ds.errors import interrupted, stop_cleanly_on_sigterm
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -189,4 +189,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_sigterm()
     sys.exit(main())

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 from megatron_ds.config import TrainingConfig
 from megatron_ds.config.checks import at_least
 from megatron_ds.config.training import check_global_batch
-from megatron_ds.errors import ConfigError, UserError, interrupted
+from megatron_ds.errors import ConfigError, UserError, interrupted, stop_cleanly_on_sigterm
 from megatron_ds.flags import compat
 from megatron_ds.flags.lengths import train_length
 from megatron_ds.flags.parser import build_parser
@@ -165,4 +165,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_sigterm()
     sys.exit(main())

@@ -24,7 +24,7 @@ except ImportError:  # run from a source checkout without installing the package
 from megatron_ds.data import DataError
 from megatron_ds.data.documents import check_input_file, read_documents
 from megatron_ds.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
-from megatron_ds.errors import interrupted
+from megatron_ds.errors import interrupted, stop_cleanly_on_sigterm
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -115,4 +115,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    stop_cleanly_on_sigterm()
     sys.exit(main())

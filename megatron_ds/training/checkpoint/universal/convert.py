@@ -16,9 +16,7 @@ output (the next one clears the leftover temporary directory).
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -83,7 +81,6 @@ def convert_checkpoint(source_path: str, output: str, show_progress: bool = True
     """`source_path` (a checkpoint root or a global_step directory) -> OUT/latest + OUT/<tag>/."""
     source = _open_source(source_path)
     tag = source.ckpt.tag
-    _clear_leftovers(os.path.abspath(output))
     return _convert(source, output, "--to universal", tag, show_progress)
 
 
@@ -121,13 +118,6 @@ def _reusable(target: str, source_dir: str) -> bool:
     return True
 
 
-def _clear_leftovers(target: str) -> None:
-    """Temporary directories of killed conversions of the same target (`files.atomic_directory`'s names)."""
-    parent, base = os.path.split(target)
-    for path in glob.glob(os.path.join(parent, f".{base}.incomplete.*")):
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def convert_next_to(load_dir: str, tag: str, show_progress: bool, log: Any = print) -> str:
     """Convert `DIR/<tag>` into `DIR/<tag>.universal` unless a valid conversion is there; its path."""
     source_dir = os.path.join(os.path.abspath(load_dir), tag)
@@ -143,7 +133,6 @@ def convert_next_to(load_dir: str, tag: str, show_progress: bool, log: Any = pri
             f"to load its weights only"
         )
     source = open_source(ckpt)
-    _clear_leftovers(target)
     log(f"--load {load_dir} ({tag}): converting it once to universal form in {target}")
     try:
         summary = _convert(source, target, f"--load {load_dir}: its universal form", None, show_progress)
