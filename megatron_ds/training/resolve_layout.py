@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from megatron_ds.config import Config
 from megatron_ds.estimate import run_layout
+from megatron_ds.estimate.compute import recomputed_layers
 from megatron_ds.estimate.machine import Machine, describe
 from megatron_ds.estimate.measured_time import Calibration
 from megatron_ds.pipeline.layout import Layout
@@ -43,4 +44,32 @@ def layout_text(config: Config, layout: Layout, calibration: Calibration | None 
     table = layout.format(par.data_parallel_size * n, par.tensor_model_parallel_size)
     if n > 1:
         table += f"\nDeepSpeed-Ulysses: data ranks {n}g .. {n}g+{n - 1} split the sequences of data-parallel replica g"
+    notice = recompute_notice(config, layout)
+    table += f"\n{notice}" if notice else ""
     return f"{table}\n{report}\n{describe(config, machine)}" if report else table
+
+
+def recompute_notice(config: Config, layout: Layout) -> str | None:
+    """A NOTICE when full recomputation leaves layers of a stage unrecomputed: DeepSpeed recomputes a chunk of
+    `--recompute-num-layers` functions only when all are transformer layers, counting from each stage's first
+    function (its embedding or head too; `compute.checkpointed_chunks`), where Megatron-LM recomputes every layer."""
+    t = config.training
+    if not t.checkpoint_activations:
+        return None
+    groups, interval = layout.groups, t.checkpoint_num_layers
+    first, end = len(groups.pre), len(groups.pre) + sum(layout.layers_per_stage)  # the body's spec indices
+    short = []
+    for s, k in enumerate(layout.layers_per_stage):
+        specs = layout.stage_specs(s)
+        pre, post = sum(1 for i in specs if i < first), sum(1 for i in specs if i >= end)
+        again = recomputed_layers(pre, k, post, interval)
+        if again < k:
+            short.append(f"stage {s} recomputes {again} of its {k} layers")
+    if not short:
+        return None
+    shown = "; ".join(short[:4]) + (f"; and {len(short) - 4} more stages" if len(short) > 4 else "")
+    return (
+        f"NOTICE: --recompute-num-layers {interval} leaves layers unrecomputed ({shown}): DeepSpeed recomputes a chunk of {interval} functions only when all are transformer layers, "
+        f"counting from each stage's first function, embedding and head included (Megatron-LM recomputes every "
+        f"layer); --recompute-num-layers 1 recomputes them all"
+    )

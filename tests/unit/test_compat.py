@@ -197,6 +197,30 @@ def test_recompute_flags_map_onto_activation_checkpointing() -> None:
     assert not parse().training.checkpoint_activations
 
 
+def test_a_recompute_interval_that_leaves_layers_unrecomputed_is_a_notice() -> None:
+    """Megatron-LM recomputes every layer in groups of --recompute-num-layers; DeepSpeed only chunks of transformer
+    layers alone, counted from the stage's first function: 4 layers after the embedding's functions in chunks of 4
+    recompute none, with no sign of it but the memory."""
+    from megatron_ds.model.naming import gpt_spec_groups
+    from megatron_ds.pipeline.layout import build_layout
+    from megatron_ds.training.resolve_layout import recompute_notice
+
+    def notice(n: int, p: int) -> str | None:
+        cfg = parse(
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", str(n)
+        )
+        return recompute_notice(cfg, build_layout(gpt_spec_groups(cfg.model), p))
+
+    assert notice(1, 1) is None
+    text = notice(4, 1)
+    assert text is not None and text.startswith(
+        "NOTICE: --recompute-num-layers 4 leaves layers unrecomputed (stage 0 recomputes 0 of its 4 layers)"
+    )
+    assert "--recompute-num-layers 1 recomputes them all" in text
+    two = notice(2, 2)  # stage 0: [E E][E t][t]: 1 of 2; stage 1: [t t][L ..]: both
+    assert two is not None and "(stage 0 recomputes 1 of its 2 layers)" in two
+
+
 @pytest.mark.parametrize(
     "flags,message",
     [
