@@ -126,7 +126,9 @@ class ParallelConfig:
         )
         check(
             not interleaved or p >= 2,
-            "--pp-schedule interleaved needs --pipeline-model-parallel-size 2 or more (its chunks pass between ranks)",
+            f"the interleaved schedule ({self.virtual_stages} model chunks per rank: --num-virtual-stages-per-pipeline-rank"
+            f" {self.virtual_stages} or --pp-schedule interleaved) needs --pipeline-model-parallel-size 2 or more (its "
+            f"chunks pass between ranks); give it, or drop the virtual stages",
         )
         if self.distributed_backend is not None:
             one_of("--distributed-backend", self.distributed_backend, BACKENDS)

@@ -99,8 +99,8 @@ def _parts_to_counts(groups: SpecGroups, parts: list[int], method: str) -> list[
     empty = [i for i in range(1, len(counts) - 1) if counts[i] == 0]
     if empty:
         raise LayoutError(
-            f"{FLAG} {method} splits --num-layers {groups.num_layers} over "
-            f"--pipeline-model-parallel-size {len(counts)} leaving stage(s) "
+            f"{FLAG} {method} splits --num-layers {groups.num_layers} over {len(counts)} stages "
+            f"(--pipeline-model-parallel-size, times --num-virtual-stages-per-pipeline-rank if given) leaving stage(s) "
             f"{', '.join(map(str, empty))} without a transformer layer; use fewer stages, "
             f"more layers, or --pp-dedicated-embedding-stages"
         )

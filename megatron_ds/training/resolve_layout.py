@@ -44,9 +44,20 @@ def layout_text(config: Config, layout: Layout, calibration: Calibration | None 
     table = layout.format(par.data_parallel_size * n, par.tensor_model_parallel_size)
     if n > 1:
         table += f"\nDeepSpeed-Ulysses: data ranks {n}g .. {n}g+{n - 1} split the sequences of data-parallel replica g"
-    notice = recompute_notice(config, layout)
-    table += f"\n{notice}" if notice else ""
+    notices = [padding_line(config), recompute_notice(config, layout)]
+    table += "".join(f"\n{line}" for line in notices if line)
     return f"{table}\n{report}\n{describe(config, machine)}" if report else table
+
+
+def padding_line(config: Config) -> str | None:
+    """What Megatron prints as `> padded vocab (size: V) with D dummy tokens (new size: P)`: the rows the model adds
+    to the tokens (a loss over P classes, ln P at the start, not ln V)."""
+    tokens, rows = config.data.unpadded_vocab_size, config.model.vocab_size
+    if not tokens or rows == tokens:
+        return None
+    d, t = config.data.make_vocab_size_divisible_by, config.parallel.tensor_model_parallel_size
+    by = f"--make-vocab-size-divisible-by {d}" + (f" x --tensor-model-parallel-size {t}" if t > 1 else "")
+    return f"vocabulary: {tokens} tokens padded with {rows - tokens} dummy rows to {rows} (a multiple of {by})"
 
 
 def recompute_notice(config: Config, layout: Layout) -> str | None:

@@ -175,12 +175,13 @@ the tokenizer's rows (the rest is `--make-vocab-size-divisible-by` padding)."""
 
 
 def recorded_vocab_size(meta: dict[str, Any]) -> int | None:
-    """The unpadded vocabulary a checkpoint recorded, if any: the training run's (its config's
-    `data.unpadded_vocab_size`: `--vocab-size` or the tokenizer's size), else an import's."""
-    data = meta.get("config", {}).get("data", {}) if isinstance(meta.get("config"), dict) else {}
-    trained = data.get("unpadded_vocab_size") if isinstance(data, dict) else None
-    if isinstance(trained, int) and trained > 0:
-        return trained
-    return next(
+    """The unpadded vocabulary a checkpoint recorded, if any: an import's (its source's tokenizer), else the
+    training run's (its config's `data.unpadded_vocab_size`: `--vocab-size` or the tokenizer's size)."""
+    imported = next(
         (meta[k]["vocab_size"] for k in IMPORTS if isinstance(meta.get(k), dict) and meta[k].get("vocab_size")), None
     )
+    if imported:
+        return imported
+    data = meta.get("config", {}).get("data", {}) if isinstance(meta.get("config"), dict) else {}
+    trained = data.get("unpadded_vocab_size") if isinstance(data, dict) else None
+    return trained if isinstance(trained, int) and trained > 0 else None
