@@ -89,6 +89,7 @@ def run(argv: Sequence[str] | None = None) -> None:
     tokenizer = {k: getattr(args, k) for k in TOKENIZER_FLAGS}
     if args.qkv_layout is not None and args.from_ != MEGATRON_DEEPSPEED:
         raise UserError("--qkv-layout applies to --from megatron-deepspeed only; drop it")
+    _check_output_outside_source(args.source, args.output)
     if args.from_ == MEGATRON_DEEPSPEED:
         _from_megatron_deepspeed(args, rest, tokenizer)
     elif args.from_ == MEGATRON_LM:
@@ -106,6 +107,16 @@ def run(argv: Sequence[str] | None = None) -> None:
         if args.vocab_size is not None:
             passthrough.append(f"--vocab-size={args.vocab_size}")
         _import(args, [*rest, *passthrough])
+
+
+def _check_output_outside_source(source: str, output: str) -> None:
+    """A conversion never writes into its source: not the source itself, not a directory inside it."""
+    src, out = os.path.realpath(source), os.path.realpath(output)
+    if os.path.isdir(src) and os.path.commonpath([src, out]) == src:
+        raise UserError(
+            f"OUTPUT {output} is SOURCE {source} or inside it; a conversion never writes into its source: give "
+            f"a directory outside it"
+        )
 
 
 def _export(args: argparse.Namespace, tokenizer: dict[str, str | None]) -> None:

@@ -291,6 +291,15 @@ def test_cli_reports_user_errors_in_one_line(tmp_path: Path, capsys) -> None:
         assert tool_module.main(argv) == 2
         assert capsys.readouterr().err == f"error: --max-shard-size-mb {bad} must be >= 1 (default 2048)\n"
     assert not (tmp_path / "out").exists()
+    source = tmp_path / "src"
+    source.mkdir()
+    for direction, output in (("--from", source / "sub"), ("--to", source)):  # the source gained a directory
+        assert tool_module.main([direction, "hf", str(source), str(output)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: OUTPUT {output} is SOURCE {source} or inside it; a conversion never writes into its source: "
+            "give a directory outside it\n"
+        )
+    assert os.listdir(source) == []
 
 
 def test_sharded_safetensors_and_pickled_bin_both_convert(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
