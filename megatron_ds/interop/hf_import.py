@@ -57,6 +57,9 @@ class ImportResult:
 
 def read_hf_config(hf_dir: str) -> tuple[dict[str, Any], str]:
     path = os.path.join(os.path.abspath(hf_dir), "config.json")
+    if not os.path.isdir(hf_dir):
+        what = "a file, not a directory" if os.path.exists(hf_dir) else "no such directory"
+        raise HFConfigError(f"{hf_dir}: {what}; give a Hugging Face model directory (config.json + weights)")
     if not os.path.isfile(path):
         raise HFConfigError(f"{path}: missing; give a Hugging Face model directory (config.json + weights)")
     try:

@@ -73,6 +73,17 @@ def test_anything_else_is_named(tmp_path: Path) -> None:
         check_without_checkpoint(str(tmp_path), exit_on_missing=False)
 
 
+def test_a_hugging_face_directory_says_to_import_it(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_text("x")
+    with pytest.raises(CheckpointError) as err:
+        check_without_checkpoint(str(tmp_path), exit_on_missing=False)
+    assert str(err.value) == (
+        f"--load {tmp_path}: a Hugging Face model directory (config.json), not a checkpoint; import it first: "
+        f"python tools/convert_checkpoint.py --from hf {tmp_path} OUT, then --load OUT with the flags it prints"
+    )
+
+
 def test_a_file_is_not_a_directory(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(CheckpointError, match="a file, not a directory"):

@@ -189,6 +189,16 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(hf_dirs: dict[str, Pat
     assert (tmp_path / "taken" / "x").read_text() == "keep"
 
 
+def test_a_hugging_face_directory_given_as_a_checkpoint_says_to_import_it(hf_dirs: dict[str, Path]) -> None:
+    from megatron_ds.training.checkpoint.reader import open_checkpoint
+
+    source = hf_dirs["gpt2"]
+    assert _error(open_checkpoint, str(source)) == (
+        f"{source}: a Hugging Face model directory (config.json), not a checkpoint; import it first with "
+        f"python tools/convert_checkpoint.py --from hf {source} OUT"
+    )
+
+
 def test_a_tied_config_with_its_own_head_is_refused(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
     """transformers keeps a separate lm_head.weight that differs from the embedding though config.json ties them:
     tying it here would drop the head (a different model). An equal copy is the tied model and imports."""
@@ -281,8 +291,7 @@ def test_cli_reports_user_errors_in_one_line(tmp_path: Path, capsys) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'nothing' / 'config.json'}: missing; give a Hugging Face model directory "
-        "(config.json + weights)"
+        f"error: {tmp_path / 'nothing'}: no such directory; give a Hugging Face model directory (config.json + weights)"
     ]
     assert not (tmp_path / "out").exists()
     tool_module = _load_tool("convert_checkpoint")

@@ -41,6 +41,11 @@ def check_without_checkpoint(load_dir: str, exit_on_missing: bool, finetune: boo
     if os.path.exists(load_dir) and not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir}: a file, not a directory; give the checkpoint directory")
     found = unexpected_entries(load_dir)
+    if "config.json" in found:  # a Hugging Face model directory
+        raise CheckpointError(
+            f"--load {load_dir}: a Hugging Face model directory (config.json), not a checkpoint; import it first: "
+            f"python tools/convert_checkpoint.py --from hf {load_dir} OUT, then --load OUT with the flags it prints"
+        )
     if found:
         raise CheckpointError(
             f"--load {load_dir}: no checkpoint (no 'latest' file) but it holds {_describe(load_dir, found)}; "

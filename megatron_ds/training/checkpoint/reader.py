@@ -80,6 +80,11 @@ def open_checkpoint(path: str) -> Checkpoint:
         root, tag = os.path.split(path)
     elif os.path.isdir(path):
         root, tag = path, latest_tag(path)
+        if tag is None and os.path.isfile(os.path.join(path, "config.json")):
+            raise CheckpointError(
+                f"{path}: a Hugging Face model directory (config.json), not a checkpoint; import it first with "
+                f"python tools/convert_checkpoint.py --from hf {path} OUT"
+            )
         if tag is None:
             raise CheckpointError(
                 f"{path}: no checkpoint here (no '{LATEST}' file and no {META}); give a directory "
