@@ -99,4 +99,8 @@ def check_launch(config: Config, dry_run: bool = False) -> list[str]:
             raise
         # what this machine cannot run, previewed anyway (a login node previews a GPU node's run)
         notices.append(f"WARNING: a launch on this machine would stop here: {err} (--print-layout previews it anyway)")
-    return data_lines + notices + deepspeed_config.launch_notices(config)
+    ds, ds_notices = deepspeed_config.build_with_notices(config)
+    from megatron_ds.training import pipe_schedules  # imports DeepSpeed's schedules
+
+    pipe_schedules.check_deepspeed_config(config.parallel.pipeline_schedule, ds)  # the JSON against the schedule
+    return data_lines + notices + ds_notices

@@ -125,7 +125,8 @@ def build(name: str, num_micro_batches: int, num_stages: int, stage: int, virtua
 
 
 def check_deepspeed_config(name: str, ds_config: dict[str, Any]) -> None:
-    """Refuse (before any process group) what the schedule cannot run with: a schedule that splits
+    """Refuse what the schedule cannot run with (`launch_checks.check_launch` calls it before any process group and
+    for --print-layout; the builder again for library callers): a schedule that splits
     backwards adds its weight gradients after the backward, which bf16's `immediate_grad_update`
     (fp32 accumulation in hooks during the backward) would never see."""
     entry = pipeline_schedules.find(name)

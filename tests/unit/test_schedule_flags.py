@@ -98,3 +98,21 @@ def test_methods_that_balance_one_stage_per_rank_are_refused_with_virtual_stages
     argv = ["--num-virtual-stages-per-pipeline-rank", "2", "--pp-partition-method", "memory"]
     with pytest.raises(LayoutError, match="balances one stage per rank, not 2 model chunks per rank"):
         build_run_layout(parse_config([*BASE, *argv], world_size=4)[0], CPU)
+
+
+def test_zbh1_with_immediate_grad_update_is_refused_before_launch_and_by_print_layout(tmp_path, capsys) -> None:
+    """The check ran in the builder, after the process group (once per rank), and --print-layout missed it."""
+    import json
+
+    import pretrain_gpt
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"bf16": {"enabled": True, "immediate_grad_update": True}}))
+    argv = [*BASE, "--mock-data", "--bf16", "--pp-schedule", "zbh1", "--deepspeed_config", str(ds)]
+    assert pretrain_gpt.main([*argv, "--print-layout", "--world-size", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --pp-schedule zbh1 and the DeepSpeed JSON's bf16.immediate_grad_update: true: the deferred weight "
+        "gradients would miss the fp32 accumulation; drop immediate_grad_update"
+    )
+    ds.write_text(json.dumps({"bf16": {"enabled": True}}))
+    assert pretrain_gpt.main([*argv, "--print-layout", "--world-size", "4"]) == 0
