@@ -88,7 +88,7 @@ class Config:
         if par.ds_sequence_parallel_size > 1:
             for what, heads in (
                 ("--num-attention-heads", model.num_attention_heads),
-                ("key/value heads", model.kv_heads),
+                ("--num-key-value-heads (--num-query-groups)", model.kv_heads),
             ):
                 check(
                     heads % n == 0,

@@ -247,10 +247,10 @@ def _check_sizes(config: Config, layout: Layout | None) -> None:
         fix = (
             f"set config.parallel.data_parallel_size to {world // (p * t * n)}"
             if world % (p * t * n) == 0
-            else f"launch a multiple of {p * t * n} processes"
+            else f"launch a multiple of {p * t * n} processes (torchrun --nproc_per_node, or deepspeed)"
         )
-        ulysses = f" x Ulysses {n}" if n > 1 else ""
+        ulysses = f" x --ds-sequence-parallel-size {n}" if n > 1 else ""
         raise ConfigError(
-            f"config.parallel gives pipeline {p} x tensor {t}{ulysses} x data {d} = {p * t * d * n} ranks but the "
-            f"world size is {world}; {fix}"
+            f"--pipeline-model-parallel-size {p} x --tensor-model-parallel-size {t}{ulysses} x data parallel {d} "
+            f"(config.parallel) = {p * t * d * n} ranks but the world size is {world}; {fix}"
         )

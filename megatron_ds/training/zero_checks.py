@@ -60,11 +60,22 @@ def check_offload_runs_here(config: Config) -> None:
         if device == "nvme":
             _check_nvme_path(t.offload_nvme_path or "", key)
     if t.cpu_optimizer:
-        _check_op("CPUAdamBuilder", "--cpu-optimizer runs DeepSpeed's CPU Adam op (cpu_adam, compiled on first use)")
-    if "nvme" in (t.optimizer_offload, t.offload_param):
+        _check_op(
+            "CPUAdamBuilder",
+            "--cpu-optimizer runs DeepSpeed's CPU Adam op (cpu_adam, compiled on first use)",
+            "--cpu-optimizer",
+        )
+    nvme = [
+        f
+        for f, d in (("--offload-optimizer", t.optimizer_offload), ("--offload-param", t.offload_param))
+        if d == "nvme"
+    ]
+    if nvme:
         _check_op(
             "AsyncIOBuilder",
-            "NVMe offload swaps through DeepSpeed's async_io op (it needs libaio: apt install libaio-dev)",
+            f"NVMe offload ({' and '.join(f'{f} nvme' for f in nvme)}) swaps through DeepSpeed's async_io op (it "
+            f"needs libaio: apt install libaio-dev)",
+            " and ".join(f"{f} nvme" for f in nvme) + " (offload to cpu instead)",
         )
     needed = predicted_host_bytes(config)
     if needed:
@@ -79,12 +90,12 @@ def check_offload_runs_here(config: Config) -> None:
             )
 
 
-def _check_op(builder: str, what: str) -> None:
+def _check_op(builder: str, what: str, flags: str) -> None:
     from deepspeed.accelerator import get_accelerator
 
     op = get_accelerator().create_op_builder(builder)
     if op is None or not op.is_compatible(verbose=False):
-        raise ZeroConfigError(f"{what}, which cannot be built on this machine; install what it needs or drop the flag")
+        raise ZeroConfigError(f"{what}, which cannot be built on this machine; install what it needs or drop {flags}")
 
 
 def _local_ranks(config: Config) -> int:

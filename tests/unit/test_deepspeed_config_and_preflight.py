@@ -136,11 +136,11 @@ def test_builder_refuses_mismatched_sizes_before_any_process_group(monkeypatch: 
     with pytest.raises(ConfigError) as err:
         megatron_ds.build_pipeline(cfg)
     assert str(err.value) == (
-        "config.parallel gives pipeline 2 x tensor 1 x data 1 = 2 ranks but the world size is 4; "
-        "set config.parallel.data_parallel_size to 2"
+        "--pipeline-model-parallel-size 2 x --tensor-model-parallel-size 1 x data parallel 1 (config.parallel) = 2 "
+        "ranks but the world size is 4; set config.parallel.data_parallel_size to 2"
     )
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ConfigError, match="world size is 3; launch a multiple of 2 processes"):
+    with pytest.raises(ConfigError, match="world size is 3; launch a multiple of 2 processes \\(torchrun"):
         megatron_ds.build_pipeline(cfg)
     three = build_layout(gpt_spec_groups(cfg.model), 3)
     with pytest.raises(ConfigError, match="has 3 stages but config.parallel.pipeline_model_parallel_size is 2"):

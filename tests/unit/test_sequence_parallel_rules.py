@@ -60,7 +60,11 @@ def test_ulysses_is_carved_out_of_data_parallelism() -> None:
         ("--ds-sequence-parallel-size 2 --tensor-model-parallel-size 2", 4, "needs --tensor-model-parallel-size 1"),
         ("--ds-sequence-parallel-size 2 --pipeline-model-parallel-size 2", 4, "and --pipeline-model-parallel-size 1"),
         ("--ds-sequence-parallel-size 8 --seq-length 32", 8, "--num-attention-heads is 4, not divisible by 8"),
-        ("--ds-sequence-parallel-size 4 --num-key-value-heads 2", 4, "key/value heads is 2, not divisible by 4"),
+        (
+            "--ds-sequence-parallel-size 4 --num-key-value-heads 2",
+            4,
+            "--num-key-value-heads (--num-query-groups) is 2, not divisible by 4",
+        ),
         ("--ds-sequence-parallel-size 3", 3, "--seq-length 16 is not divisible by 3"),
         ("--ds-sequence-parallel-size 2", 3, "launch a multiple of 2 processes"),
         ("--ds-sequence-parallel-size 2 --sequence-parallel --tensor-model-parallel-size 2", 4, "were both given"),
