@@ -86,9 +86,17 @@ def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dic
         values["train_iters"] = 1  # required by the flag checks; a weights-only checkpoint does not use it
     if given.lr is None:
         values["lr"] = 1e-4  # likewise: the training run's own --lr applies
+    positions = hf.architecture.get("max_position_embeddings")
+    if hf.architecture.get("add_position_embedding", True) and given.seq_length and positions < given.seq_length:
+        raise HFConfigError(
+            f"--seq-length {given.seq_length} exceeds {source}'s max_position_embeddings {positions}, the size of "
+            f"its learned position table; give --seq-length {positions} or less"
+        )
     world = given.pipeline_model_parallel_size * given.tensor_model_parallel_size
     config, args = parse_config([*hf_config.render_flags(values), *argv], world_size=max(world, 1))
     for dest, value in {**hf.architecture, "vocab_size": hf.vocab_size}.items():
+        if dest == "max_position_embeddings" and not hf.architecture.get("add_position_embedding", True):
+            continue  # rotary positions: no weight has this shape, so a longer --seq-length may raise it
         if getattr(args, dest) != value:
             flag = "--" + dest.replace("_", "-")
             raise HFConfigError(
@@ -224,6 +232,7 @@ def _write_meta(tmp: str, config: Config, layout: str, hf: HFModel, hf_dir: str)
 def _train_flags(config: Config, hf: HFModel) -> list[str]:
     values = {
         **hf.architecture,
+        "max_position_embeddings": config.model.max_position_embeddings,  # a rotary model's may be raised
         "vocab_size": hf.vocab_size,
         "make_vocab_size_divisible_by": config.data.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,

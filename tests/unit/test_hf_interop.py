@@ -199,6 +199,22 @@ def test_a_hugging_face_directory_given_as_a_checkpoint_says_to_import_it(hf_dir
     )
 
 
+def test_a_longer_sequence_raises_a_rotary_models_positions_but_not_a_learned_table(
+    hf_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The advice to raise --max-position-embeddings was then refused as contradicting config.json: a rotary model
+    has no weight of that size, so the flag is taken (and printed for training); GPT-2's table is refused plainly."""
+    flags = ["--seq-length", "128", "--max-position-embeddings", "128"]
+    result = import_hf(str(hf_dirs["llama_gqa"]), str(tmp_path / "llama"), flags, show_progress=False)
+    assert result.config.model.max_position_embeddings == 128
+    assert "--max-position-embeddings 128" in " ".join(result.train_flags)
+    source = hf_dirs["gpt2"] / "config.json"
+    assert _error(import_hf, str(hf_dirs["gpt2"]), str(tmp_path / "gpt2"), flags[:2]) == (
+        f"--seq-length 128 exceeds {source}'s max_position_embeddings 64, the size of its learned position table; "
+        "give --seq-length 64 or less"
+    )
+
+
 def test_a_tied_config_with_its_own_head_is_refused(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
     """transformers keeps a separate lm_head.weight that differs from the embedding though config.json ties them:
     tying it here would drop the head (a different model). An equal copy is the tied model and imports."""
