@@ -8,6 +8,7 @@ failure that says which rank stalled where, never a stuck CI job.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,9 +30,31 @@ class RankResult:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port to serve the rendezvous on, free now, below the kernel's ephemeral range: a port the kernel hands out
+    (bind to 0) can be taken again, before the store listens on it, by the outgoing connections of the other
+    runs' ranks (EADDRINUSE in parallel test workers); ports below the range are never given to those."""
+    low = _ephemeral_low()
+    rng = random.Random()  # not the tests' seeded global generator
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that whole range in use: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel picks for outgoing connections (Linux; 32768 elsewhere, its default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def rank_env(rank: int, world_size: int, port: int, extra: dict | None = None) -> dict:
