@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
+from megatron_ds.errors import UserError  # noqa: E402
 from megatron_ds.inference import generate, load_model  # noqa: E402
 from megatron_ds.interop.hf_export import export_hf  # noqa: E402
 from megatron_ds.interop.hf_import import import_hf  # noqa: E402
@@ -166,6 +167,10 @@ def test_training_continues_from_an_imported_llama(tmp_path: Path) -> None:
     # The run records its vocabulary (--vocab-size): the export needs no --vocab-size to drop the padding.
     exported = export_hf(str(tmp_path / "trained"), str(tmp_path / "again"), show_progress=False)
     assert exported.vocab_size == VOCAB
+    with pytest.raises(
+        UserError, match=f"records {VOCAB} tokens, so rows 150 to {VOCAB - 1} are tokens that would be cut"
+    ):
+        export_hf(str(tmp_path / "trained"), str(tmp_path / "cut"), vocab_size=150, show_progress=False)
     original, again = (
         load_file(tmp_path / "hf" / "model.safetensors"),
         load_file(tmp_path / "again" / "model.safetensors"),

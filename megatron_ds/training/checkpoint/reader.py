@@ -209,4 +209,9 @@ def unpadded_vocab_size(ckpt: Checkpoint, tokenizer: Tokenizer | None, override:
         raise CheckpointError(
             f"--vocab-size {size}: the checkpoint {ckpt.directory} has {padded} vocabulary rows; give 1 to {padded}"
         )
+    if override is not None and recorded and override < recorded:  # those rows are tokens, not padding
+        raise CheckpointError(
+            f"--vocab-size {override}: the checkpoint {ckpt.directory} records {recorded} tokens, so rows {override} "
+            f"to {recorded - 1} are tokens that would be cut; give {recorded}, or drop the flag"
+        )
     return size
