@@ -43,7 +43,10 @@ def layout_text(config: Config, layout: Layout, calibration: Calibration | None 
     n = par.ds_sequence_parallel_size  # Ulysses: the data axis holds DP x N ranks, N consecutive per sequence
     table = layout.format(par.data_parallel_size * n, par.tensor_model_parallel_size)
     if n > 1:
-        table += f"\nDeepSpeed-Ulysses: data ranks {n}g .. {n}g+{n - 1} split the sequences of data-parallel replica g"
+        table += (
+            f"\nDeepSpeed-Ulysses: the data axis above is {par.data_parallel_size} data-parallel replica(s) x "
+            f"--ds-sequence-parallel-size {n}: data ranks {n}g .. {n}g+{n - 1} split the sequences of replica g"
+        )
     notices = [padding_line(config), recompute_notice(config, layout)]
     table += "".join(f"\n{line}" for line in notices if line)
     return f"{table}\n{report}\n{describe(config, machine)}" if report else table

@@ -187,3 +187,18 @@ def test_stage_memory_counts_each_option() -> None:
     with pytest.raises(ValueError, match="one granularity or the other"):
         MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1, selective_recompute=True,
                      checkpoint_activations=True)  # fmt: skip
+
+
+def test_the_layout_table_says_what_its_data_axis_holds_under_ulysses() -> None:
+    """Its rank table lists DP x N data ranks ("data parallel 4" for 2 replicas x N = 2): the line under it says so."""
+    from megatron_ds.model.naming import gpt_spec_groups
+    from megatron_ds.pipeline.layout import build_layout
+    from megatron_ds.training.resolve_layout import layout_text
+
+    config = parse("--ds-sequence-parallel-size 2 --micro-batch-size 1 --global-batch-size 2", world_size=4)
+    text = layout_text(config, build_layout(gpt_spec_groups(config.model), 1))
+    assert "then data parallel 4, then pipeline" in text
+    assert (
+        "DeepSpeed-Ulysses: the data axis above is 2 data-parallel replica(s) x --ds-sequence-parallel-size 2: data "
+        "ranks 2g .. 2g+1 split the sequences of replica g"
+    ) in text
