@@ -232,6 +232,8 @@ def test_cli_converts_and_refuses_in_one_line(tmp_path: Path, capsys: pytest.Cap
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     source, out = str(FIXTURES / "tp2_pp1_interleaved_llama"), str(tmp_path / "out")
+    empty = tmp_path / "empty"
+    empty.mkdir()
     assert tool.main(["--from", "megatron-deepspeed", source, out, "--qkv-layout", "interleaved", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "QKV rows interleaved" in printed and "optimizer state (exp_avg, exp_avg_sq)" in printed
@@ -240,7 +242,8 @@ def test_cli_converts_and_refuses_in_one_line(tmp_path: Path, capsys: pytest.Cap
         (["--from", "megatron-deepspeed", source, out], "already exists"),
         (["--from", "megatron-deepspeed", source, out + "2", "--qkv-layout", "rows"], "invalid choice"),
         (["--from", "megatron-deepspeed", source, out + "2", "--num-layers", "4"], "drop --num-layers 4"),
-        (["--from", "megatron-deepspeed", str(tmp_path), out + "2"], "not a Megatron-DeepSpeed checkpoint"),
+        (["--from", "megatron-deepspeed", str(empty), out + "2"], "not a Megatron-DeepSpeed checkpoint"),
+        (["--from", "megatron-deepspeed", str(tmp_path), out + "2"], "or inside it; a conversion never writes into"),
         (["--from", "hf", source, out + "2", "--qkv-layout", "blocked"], "--qkv-layout applies to"),
         (["--to", "universal", out, out + "2"], "converted from Megatron-DeepSpeed"),
     ):
