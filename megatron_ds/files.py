@@ -104,14 +104,14 @@ class _NoProgress:
         pass
 
 
-def load_failure(path: str, err: BaseException) -> str:
+def load_failure(path: str, err: BaseException, whole: str = "the file") -> str:
     """Why `torch.load(path, weights_only=True)` (or a safetensors read) failed, as the rest of a one-line error: a
     refused pickled object is named as such (torch's own text advises turning the protection off), anything else is
-    damage."""
+    damage (of `whole`: the file, or the checkpoint it belongs to)."""
     text = str(err)
     found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", text)
     if found or "Weights only load failed" in text:
         what = f"a pickled {found.group(1)}" if found else "pickled objects other than tensors"
         return f"{path}: holds {what}, which a weights file does not hold; refused (nothing in it was run)"
     reason = text.splitlines()[0] if text else type(err).__name__
-    return f"{path}: unreadable ({reason}); the file is damaged or truncated"
+    return f"{path}: unreadable ({reason}); {whole} is damaged or truncated"
