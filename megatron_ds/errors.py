@@ -25,6 +25,12 @@ class LayoutError(ConfigError):
     """A pipeline layout option that cannot be satisfied."""
 
 
+def first_line(err: BaseException) -> str:
+    """An exception's first line for a one-line message (its type's name when it has no text): libraries' own
+    messages (torch's, sentencepiece's) run over many lines."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
 INTERRUPTED = "interrupted (Ctrl-C); outputs are moved into place only when complete, so none is half-written"
 """What a tool prints (as `error: ...`, exit status 130) when Ctrl-C stops it."""
 EXIT_INTERRUPTED = 130

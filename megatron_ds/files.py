@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from megatron_ds.errors import UserError
+from megatron_ds.errors import UserError, first_line
 
 
 class OutputExistsError(UserError):
@@ -113,5 +113,4 @@ def load_failure(path: str, err: BaseException, whole: str = "the file") -> str:
     if found or "Weights only load failed" in text:
         what = f"a pickled {found.group(1)}" if found else "pickled objects other than tensors"
         return f"{path}: holds {what}, which a weights file does not hold; refused (nothing in it was run)"
-    reason = text.splitlines()[0] if text else type(err).__name__
-    return f"{path}: unreadable ({reason}); {whole} is damaged or truncated"
+    return f"{path}: unreadable ({first_line(err)}); {whole} is damaged or truncated"

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from megatron_ds.data import DataError
+from megatron_ds.errors import first_line
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
@@ -98,7 +99,7 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp = spm.SentencePieceProcessor(model_file=self.model_file)
         except (RuntimeError, OSError) as err:
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            reason = first_line(err)
             raise DataError(
                 f"--tokenizer-model {self.model_file}: not a SentencePiece model "
                 f"({reason}); train one with tools/train_tokenizer.py"

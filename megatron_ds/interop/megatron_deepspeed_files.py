@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from megatron_ds.errors import first_line
 from megatron_ds.interop import restricted_pickle
 from megatron_ds.interop.saved_flags import SavedArgs, check_saved_args
 from megatron_ds.training.checkpoint.directory import LATEST, MEGATRON_TRACKER, CheckpointError
@@ -56,9 +57,8 @@ def _load(path: str, load: Any) -> Any:
     try:
         return load(path)
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError, AttributeError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(
-            f"{path}: unreadable ({reason}); the checkpoint is damaged or not Megatron-DeepSpeed's"
+            f"{path}: unreadable ({first_line(err)}); the checkpoint is damaged or not Megatron-DeepSpeed's"
         ) from None
 
 

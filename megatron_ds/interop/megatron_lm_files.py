@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from megatron_ds.errors import first_line
 from megatron_ds.interop import restricted_pickle
 from megatron_ds.interop.saved_flags import SavedArgs, check_saved_args
 from megatron_ds.training.checkpoint.directory import MEGATRON_TRACKER, CheckpointError
@@ -54,15 +55,11 @@ def load_pickled_state(path: str) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_TORCH_LOAD, mmap=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError, AttributeError) as err:
         raise CheckpointError(
-            f"{path}: unreadable ({_first_line(err)}); the checkpoint is damaged or not Megatron-LM's"
+            f"{path}: unreadable ({first_line(err)}); the checkpoint is damaged or not Megatron-LM's"
         ) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a dictionary of states; the checkpoint is damaged")
     return state
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,7 @@ def _backend(directory: str) -> None:
         with open(path) as f:
             backend = json.load(f).get("sharded_backend")
     except (OSError, ValueError, AttributeError) as err:
-        raise CheckpointError(f"{path}: unreadable ({_first_line(err)}); the checkpoint is damaged") from None
+        raise CheckpointError(f"{path}: unreadable ({first_line(err)}); the checkpoint is damaged") from None
     if backend != TORCH_DIST:
         raise CheckpointError(
             f"{path}: sharded backend {backend!r}; only torch_dist (Megatron-LM's default) converts here; convert it "
@@ -183,7 +180,7 @@ class DistTensors:
             with open(path, "rb") as f:
                 metadata = restricted_pickle.load(f, restricted_pickle.dcp_metadata)
         except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError) as err:
-            raise CheckpointError(f"{path}: unreadable ({_first_line(err)}); the checkpoint is damaged") from None
+            raise CheckpointError(f"{path}: unreadable ({first_line(err)}); the checkpoint is damaged") from None
         fields = _metadata_fields(metadata, Metadata)
         if fields is None:
             raise CheckpointError(f"{path}: not a distributed checkpoint's metadata; the checkpoint is damaged")
@@ -254,7 +251,7 @@ class DistTensors:
                     io.BufferedReader(_FileSlice(f, info.offset, info.length)), map_location="cpu", weights_only=True
                 )
         except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
-            raise CheckpointError(f"{path}: {failure} ({_first_line(err)}); it is damaged") from None
+            raise CheckpointError(f"{path}: {failure} ({first_line(err)}); it is damaged") from None
 
 
 def _metadata_fields(metadata: Any, metadata_type: type) -> tuple[dict[str, Any], dict[Any, Any]] | None:
