@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.model import activations, naming, norms
@@ -298,10 +299,9 @@ def stage_flops_for(inputs: ComputeInputs, stage: int, num_stages: int, num_laye
     all_pre, all_post, layer = _stage_parts(inputs)
     pre = list(all_pre) if stage == 0 else []
     post = list(all_post) if stage == num_stages - 1 else []
-    ends = pre + post
 
-    def total(attr: str) -> int:  # the ends, then the layer num_layers times
-        return sum(getattr(sp, attr) for sp in ends) + num_layers * getattr(layer, attr)
+    def total(attr: str) -> int:
+        return held_total(pre + post, layer, num_layers, attr)
 
     interval = inputs.checkpoint_num_layers if inputs.checkpoint_activations else 0
     num_post_funcs = sum(1 for sp in post if sp.group == "post")  # the loss is not a forward function
@@ -327,10 +327,21 @@ def stage_flops_for(inputs: ComputeInputs, stage: int, num_stages: int, num_laye
 @functools.lru_cache(maxsize=256)
 def _stage_parts(inputs: ComputeInputs) -> tuple[tuple[SpecFlops, ...], tuple[SpecFlops, ...], SpecFlops]:
     """(the pre specs, the post specs and the loss, one transformer layer): what a stage can hold."""
-    specs = spec_flops(inputs)
+    return stage_parts(spec_flops(inputs), ("post", "loss"))
+
+
+def stage_parts(specs: Sequence[Any], post_groups: tuple[str, ...] = ("post",)) -> tuple[tuple, tuple, Any]:
+    """(the pre specs, the specs of `post_groups`, the first transformer layer) of a model's specs (`SpecFlops` or
+    `SpecMemory`): every layer is that one's copy, so a stage's totals are its ends plus k times the layer."""
     pre = tuple(sp for sp in specs if sp.group == "pre")
-    post = tuple(sp for sp in specs if sp.group in ("post", "loss"))
+    post = tuple(sp for sp in specs if sp.group in post_groups)
     return pre, post, next(sp for sp in specs if sp.group == "body")
+
+
+def held_total(ends: Sequence[Any], layer: Any, num_layers: int, attr: str) -> int:
+    """`attr` summed over a stage holding `ends` (pre and post specs) and `num_layers` copies of `layer`: the
+    planner prices stages of hundreds of layers, so the layer is counted, not listed."""
+    return sum(getattr(sp, attr) for sp in ends) + num_layers * getattr(layer, attr)
 
 
 def stage_flops(inputs: ComputeInputs, layers_per_stage: Sequence[int]) -> list[StageFlops]:

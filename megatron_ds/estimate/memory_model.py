@@ -46,7 +46,7 @@ import functools
 
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
-from megatron_ds.estimate.compute import checkpointed_chunks
+from megatron_ds.estimate.compute import checkpointed_chunks, held_total, stage_parts
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.transients import (
@@ -123,10 +123,7 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
 @functools.lru_cache(maxsize=256)
 def _spec_parts(inputs: MemoryInputs) -> tuple[tuple[SpecMemory, ...], tuple[SpecMemory, ...], SpecMemory]:
     """(the pre specs, the post specs, one transformer layer): what a stage can hold."""
-    specs = spec_memory(inputs, one_layer=True)
-    pre = tuple(sp for sp in specs if sp.group == "pre")
-    post = tuple(sp for sp in specs if sp.group == "post")
-    return pre, post, next(sp for sp in specs if sp.group == "body")
+    return stage_parts(spec_memory(inputs, one_layer=True))
 
 
 def _deferrable(inputs: MemoryInputs, name: str, group: str) -> tuple[int, ...]:
@@ -182,7 +179,7 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
     last = any(post for _, _, post in chunks)
 
     def total(attr: str) -> int:
-        return sum(getattr(sp, attr) for sp in ends) + num_layers * getattr(layer, attr)
+        return held_total(ends, layer, num_layers, attr)
 
     num_params = total("num_params")
     states = [total(a) for a in ("params", "grads", "optimizer", "host")]
