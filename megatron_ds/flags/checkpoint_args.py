@@ -109,10 +109,8 @@ def _take_architecture(
         rows, t = saved.model.vocab_size, args.tensor_model_parallel_size or 1
         if recorded and recorded < rows and rows % t == 0:  # the tokens, padded to the stored rows at this run's T
             taken["vocab_size"], taken["make_vocab_size_divisible_by"] = recorded, rows // t
-        else:
-            taken["make_vocab_size_divisible_by"] = (
-                1  # the stored size is padded already, as Megatron's padded_vocab_size
-            )
+        else:  # the stored size is padded already, as Megatron's padded_vocab_size
+            taken["make_vocab_size_divisible_by"] = 1
     for dest, value in taken.items():
         setattr(args, dest, value)
     parts = [p for d, v in taken.items() for p in _rendered(d, v)]

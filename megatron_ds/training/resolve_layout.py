@@ -83,7 +83,8 @@ def recompute_notice(config: Config, layout: Layout) -> str | None:
         return None
     shown = "; ".join(short[:4]) + (f"; and {len(short) - 4} more stages" if len(short) > 4 else "")
     return (
-        f"NOTICE: --recompute-num-layers {interval} leaves layers unrecomputed ({shown}): DeepSpeed recomputes a chunk of {interval} functions only when all are transformer layers, "
-        f"counting from each stage's first function, embedding and head included (Megatron-LM recomputes every "
-        f"layer); --recompute-num-layers 1 recomputes them all"
+        f"NOTICE: --recompute-num-layers {interval} leaves layers unrecomputed ({shown}): DeepSpeed recomputes a "
+        f"chunk of {interval} functions only when all are transformer layers, counting from each stage's first "
+        f"function, embedding and head included (Megatron-LM recomputes every layer); --recompute-num-layers 1 "
+        f"recomputes them all"
     )

@@ -65,17 +65,13 @@ def check_offload_runs_here(config: Config) -> None:
             "--cpu-optimizer runs DeepSpeed's CPU Adam op (cpu_adam, compiled on first use)",
             "--cpu-optimizer",
         )
-    nvme = [
-        f
-        for f, d in (("--offload-optimizer", t.optimizer_offload), ("--offload-param", t.offload_param))
-        if d == "nvme"
-    ]
+    offload = (("--offload-optimizer", t.optimizer_offload), ("--offload-param", t.offload_param))
+    nvme = " and ".join(f"{f} nvme" for f, d in offload if d == "nvme")
     if nvme:
         _check_op(
             "AsyncIOBuilder",
-            f"NVMe offload ({' and '.join(f'{f} nvme' for f in nvme)}) swaps through DeepSpeed's async_io op (it "
-            f"needs libaio: apt install libaio-dev)",
-            " and ".join(f"{f} nvme" for f in nvme) + " (offload to cpu instead)",
+            f"NVMe offload ({nvme}) swaps through DeepSpeed's async_io op (it needs libaio: apt install libaio-dev)",
+            f"{nvme} (offload to cpu instead)",
         )
     needed = predicted_host_bytes(config)
     if needed:
