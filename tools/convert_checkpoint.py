@@ -139,6 +139,8 @@ def _export(args: argparse.Namespace, tokenizer: dict[str, str | None]) -> None:
         f"({result.num_tensors} tensors, vocabulary {result.vocab_size}) to {result.output}:"
     )
     print("  " + " ".join(result.files))
+    for note in result.notes:
+        print(f"note: {note}")
     print(f"load it with: AutoModelForCausalLM.from_pretrained({result.output!r})")
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ds import files
+from megatron_ds.data.tokenizer import Tokenizer
 from megatron_ds.errors import UserError
 from megatron_ds.interop import hf_config, hf_tokenizer, hf_weights
 from megatron_ds.interop.safetensors_writer import ShardWriter
@@ -32,6 +33,8 @@ class ExportResult:
     vocab_size: int
     num_tensors: int
     files: list[str]
+    notes: list[str]
+    """What the directory lacks that a user may expect, one line each."""
 
 
 def export_hf(
@@ -73,7 +76,16 @@ def export_hf(
         files.write_json(os.path.join(tmp, "generation_config.json"), {"_from_model_config": True, **special})
         names = [*written, "config.json", "generation_config.json"]
         names += hf_tokenizer.export_tokenizer(tok, tmp, model.max_position_embeddings)
-    return ExportResult(os.path.abspath(output), arch, vocab, len(expected), names)
+    return ExportResult(os.path.abspath(output), arch, vocab, len(expected), names, _notes(tok))
+
+
+def _notes(tok: Tokenizer | None) -> list[str]:
+    if tok is not None:
+        return []
+    return [
+        "no tokenizer (the checkpoint records none): no tokenizer files, and config.json names no bos/eos token, so "
+        "generate() stops only at its length limit; give --tokenizer-type and its file flags to add them"
+    ]
 
 
 def _write_weights(

@@ -201,15 +201,16 @@ def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _copy_tokenizer(config: Config, tmp: str, final_root: str) -> Config:
-    """Copy the tokenizer files into `<checkpoint>/tokenizer/` and point the config at them."""
+    """Copy the tokenizer files into `<checkpoint>/tokenizer/` and point the config at them; the Hugging Face
+    tokenizer files beside them go too, for the export to write back (`hf_tokenizer.hf_files_beside`)."""
     data, moved = config.data, {}
-    for dest in ("tokenizer_model", "vocab_file", "merge_file"):
-        path = getattr(data, dest)
-        if path:
-            os.makedirs(os.path.join(tmp, checkpoint_reader.TOKENIZER_DIR), exist_ok=True)
-            name = os.path.basename(path)
-            shutil.copyfile(path, os.path.join(tmp, checkpoint_reader.TOKENIZER_DIR, name))
-            moved[f"data__{dest}"] = os.path.join(final_root, checkpoint_reader.TOKENIZER_DIR, name)
+    dests = [d for d in ("tokenizer_model", "vocab_file", "merge_file") if getattr(data, d)]
+    paths = [getattr(data, d) for d in dests]
+    for path in dict.fromkeys([*paths, *hf_tokenizer.hf_files_beside(paths)]):
+        os.makedirs(os.path.join(tmp, checkpoint_reader.TOKENIZER_DIR), exist_ok=True)
+        shutil.copyfile(path, os.path.join(tmp, checkpoint_reader.TOKENIZER_DIR, os.path.basename(path)))
+    for dest, path in zip(dests, paths):
+        moved[f"data__{dest}"] = os.path.join(final_root, checkpoint_reader.TOKENIZER_DIR, os.path.basename(path))
     return config.replace(**moved) if moved else config
 
 

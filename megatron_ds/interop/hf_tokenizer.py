@@ -6,7 +6,9 @@
                             needs neither sentencepiece nor protobuf
 
 On import, the HF directory's `tokenizer.model` or `vocab.json`/`merges.txt` become our tokenizer;
-a tokenizer with only `tokenizer.json` (no file our tokenizers read) is left out, with a note.
+a tokenizer with only `tokenizer.json` (no file our tokenizers read) is left out, with a note. The
+directory's other tokenizer files travel with it (`hf_files_beside`), and an export writes them back as
+they were, so a round trip keeps the source's settings (a Llama's `add_bos_token`, its chat template).
 """
 
 from __future__ import annotations
@@ -61,14 +63,41 @@ def _directory_ids(tok: HuggingFaceTokenizer) -> dict[str, int]:
     return {k: int(v) for k, v in ids.items() if v is not None and 0 <= int(v) < tok.vocab_size}
 
 
+def hf_files_beside(paths: list[str | None]) -> list[str]:
+    """The paths of the Hugging Face tokenizer files that came with our tokenizer's files `paths` (its
+    tokenizer.model, or vocab.json and merges.txt): those of HF_DIRECTORY_FILES in their directory, if they are
+    all one directory's files under Hugging Face's names beside its tokenizer_config.json; else none."""
+    given = [os.path.abspath(p) for p in paths if p]
+    directories = {os.path.dirname(p) for p in given}
+    if not given or len(directories) != 1 or any(os.path.basename(p) not in HF_DIRECTORY_FILES for p in given):
+        return []
+    (directory,) = directories
+    if not os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
+        return []
+    return [os.path.join(directory, n) for n in HF_DIRECTORY_FILES if os.path.isfile(os.path.join(directory, n))]
+
+
+def _tokenizer_files(tok: Tokenizer) -> list[str | None]:
+    if isinstance(tok, GPT2BPETokenizer):
+        return [tok.vocab_file, tok.merge_file]
+    return [tok.model_file] if isinstance(tok, SentencePieceTokenizer) else []
+
+
+def _copy(paths: list[str], out_dir: str) -> list[str]:
+    for path in paths:
+        shutil.copyfile(path, os.path.join(out_dir, os.path.basename(path)))
+    return [os.path.basename(p) for p in paths]
+
+
 def export_tokenizer(tok: Tokenizer | None, out_dir: str, max_length: int) -> list[str]:
     """Write `tok` as HF tokenizer files into `out_dir`; returns the file names (none without a tokenizer). A Hugging
-    Face directory's files (HFTokenizer, HuggingFaceTokenizer) are copied as they are."""
+    Face directory's files (HFTokenizer, HuggingFaceTokenizer, or those beside our tokenizer's files: an imported
+    model's) are copied as they are."""
     if isinstance(tok, HuggingFaceTokenizer):
-        names = [n for n in HF_DIRECTORY_FILES if os.path.isfile(os.path.join(tok.directory, n))]
-        for name in names:
-            shutil.copyfile(os.path.join(tok.directory, name), os.path.join(out_dir, name))
-        return names
+        return _copy([p for n in HF_DIRECTORY_FILES if os.path.isfile(p := os.path.join(tok.directory, n))], out_dir)
+    beside = hf_files_beside(_tokenizer_files(tok)) if tok is not None else []
+    if beside:
+        return _copy(beside, out_dir)
     if isinstance(tok, GPT2BPETokenizer):
         shutil.copyfile(tok.vocab_file, os.path.join(out_dir, VOCAB_FILE))
         shutil.copyfile(tok.merge_file, os.path.join(out_dir, MERGES_FILE))

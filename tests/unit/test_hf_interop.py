@@ -354,3 +354,37 @@ def test_architecture_flags_that_change_a_gpt2_are_refused(
     message = _error(import_hf, str(hf_dirs["gpt2"]), str(tmp_path / "out"), flag)
     assert message.startswith(f"{flag[0]} ") and "contradicts" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_an_imported_tokenizer_directory_exports_back_as_it_was(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    # A Llama directory with its own tokenizer files: the import reads tokenizer.model, the export wrote LlamaTokenizer
+    # settings of its own (add_bos_token false) where the source said true, and dropped the chat template.
+    source = tmp_path / "llama"
+    source.mkdir()
+    for name in os.listdir(hf_dirs["llama_gqa"]):
+        (source / name).write_bytes((hf_dirs["llama_gqa"] / name).read_bytes())
+    (source / "tokenizer.model").write_bytes(Path(_sentencepiece(tmp_path, 120)).read_bytes())
+    settings = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>"}
+    (source / "tokenizer_config.json").write_text(json.dumps(settings))
+    (source / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    result = import_hf(str(source), str(tmp_path / "ours"), [], show_progress=False)
+    assert result.config.data.tokenizer_model == str(tmp_path / "ours" / "tokenizer" / "tokenizer.model")
+    exported = export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False)
+    names = ["tokenizer_config.json", "tokenizer.model", "chat_template.jinja"]
+    assert exported.files == ["model.safetensors", "config.json", "generation_config.json", *names]
+    for name in names:
+        assert (tmp_path / "back" / name).read_bytes() == (source / name).read_bytes(), name
+    assert "tokenizer.json" not in exported.files and exported.notes == []
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+
+
+def test_an_export_without_a_tokenizer_says_what_the_directory_lacks(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    import_hf(str(hf_dirs["llama_gqa"]), str(tmp_path / "ours"), [], show_progress=False)
+    exported = export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False)
+    assert exported.notes == [
+        "no tokenizer (the checkpoint records none): no tokenizer files, and config.json names no bos/eos token, so "
+        "generate() stops only at its length limit; give --tokenizer-type and its file flags to add them"
+    ]
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (None, None)
