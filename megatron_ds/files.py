@@ -104,13 +104,18 @@ class _NoProgress:
         pass
 
 
-def load_failure(path: str, err: BaseException, whole: str = "the file") -> str:
-    """Why `torch.load(path, weights_only=True)` (or a safetensors read) failed, as the rest of a one-line error: a
-    refused pickled object is named as such (torch's own text advises turning the protection off), anything else is
-    damage (of `whole`: the file, or the checkpoint it belongs to)."""
+def load_failure(path: str, err: BaseException, damaged: str = "the file is damaged or truncated") -> str:
+    """Why `torch.load(path, weights_only=True)`, a restricted unpickler (`interop.restricted_pickle`) or a
+    safetensors read failed, as a one-line error: a refused pickled object is named as such (torch's own text
+    advises turning the protection off), anything else is damage (`damaged` says whose and what)."""
+    return refused_pickle(path, err) or f"{path}: unreadable ({first_line(err)}); {damaged}"
+
+
+def refused_pickle(path: str, err: BaseException) -> str | None:
+    """`load_failure`'s line for a pickled object the load refused; None when `err` is something else."""
     text = str(err)
-    found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", text)
-    if found or "Weights only load failed" in text:
-        what = f"a pickled {found.group(1)}" if found else "pickled objects other than tensors"
-        return f"{path}: holds {what}, which a weights file does not hold; refused (nothing in it was run)"
-    return f"{path}: unreadable ({first_line(err)}); {whole} is damaged or truncated"
+    found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)|^holds a pickled ([\w.]+),", text)
+    if not found and "Weights only load failed" not in text:
+        return None
+    what = f"a pickled {found.group(1) or found.group(2)}" if found else "pickled objects other than tensors"
+    return f"{path}: holds {what}, which such a file does not hold; refused (nothing in it was run)"

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from megatron_ds.errors import first_line
+from megatron_ds import files
 from megatron_ds.interop import restricted_pickle
 from megatron_ds.interop.saved_flags import SavedArgs, check_saved_args
 from megatron_ds.training.checkpoint.directory import LATEST, MEGATRON_TRACKER, CheckpointError
@@ -58,7 +58,7 @@ def _load(path: str, load: Any) -> Any:
         return load(path)
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError, AttributeError) as err:
         raise CheckpointError(
-            f"{path}: unreadable ({first_line(err)}); the checkpoint is damaged or not Megatron-DeepSpeed's"
+            files.load_failure(path, err, "the checkpoint is damaged or not Megatron-DeepSpeed's")
         ) from None
 
 

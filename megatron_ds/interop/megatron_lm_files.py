@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from megatron_ds import files
 from megatron_ds.errors import first_line
 from megatron_ds.interop import restricted_pickle
 from megatron_ds.interop.saved_flags import SavedArgs, check_saved_args
@@ -54,9 +55,7 @@ def load_pickled_state(path: str) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_TORCH_LOAD, mmap=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError, AttributeError) as err:
-        raise CheckpointError(
-            f"{path}: unreadable ({first_line(err)}); the checkpoint is damaged or not Megatron-LM's"
-        ) from None
+        raise CheckpointError(files.load_failure(path, err, "the checkpoint is damaged or not Megatron-LM's")) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a dictionary of states; the checkpoint is damaged")
     return state
@@ -180,7 +179,7 @@ class DistTensors:
             with open(path, "rb") as f:
                 metadata = restricted_pickle.load(f, restricted_pickle.dcp_metadata)
         except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError, TypeError) as err:
-            raise CheckpointError(f"{path}: unreadable ({first_line(err)}); the checkpoint is damaged") from None
+            raise CheckpointError(files.load_failure(path, err, "the checkpoint is damaged")) from None
         fields = _metadata_fields(metadata, Metadata)
         if fields is None:
             raise CheckpointError(f"{path}: not a distributed checkpoint's metadata; the checkpoint is damaged")
@@ -251,7 +250,8 @@ class DistTensors:
                     io.BufferedReader(_FileSlice(f, info.offset, info.length)), map_location="cpu", weights_only=True
                 )
         except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
-            raise CheckpointError(f"{path}: {failure} ({first_line(err)}); it is damaged") from None
+            refused = files.refused_pickle(path, err)
+            raise CheckpointError(refused or f"{path}: {failure} ({first_line(err)}); it is damaged") from None
 
 
 def _metadata_fields(metadata: Any, metadata_type: type) -> tuple[dict[str, Any], dict[Any, Any]] | None:

@@ -207,7 +207,7 @@ def test_load_refuses_a_damaged_or_pickled_layer_file_in_one_line(tmp_path: Path
     argv = [*result.train_flags, "--load", str(tmp_path / "ck"), *COMMON, "--train-iters", "1", "--lr", "1e-3"]
     out = run_pretrain_gpt(1, argv, timeout=300, cwd=str(ROOT))
     assert out.returncode != 0 and "Traceback" not in out.stdout, out.stdout[-3000:]
-    assert f"error: {layer}: holds a pickled posix.system, which a weights file does not hold; refused" in out.stdout
+    assert f"error: {layer}: holds a pickled posix.system, which such a file does not hold; refused" in out.stdout
     assert not (tmp_path / "ran").exists()
     torch.save(state, layer)  # clean again: the missing file is named next
     out = run_pretrain_gpt(1, argv, timeout=300, cwd=str(ROOT))

@@ -255,7 +255,7 @@ def test_a_pickled_bin_that_holds_code_is_named_and_never_run(hf_dirs: dict[str,
     )
     message = _error(import_hf, str(evil), str(tmp_path / "out"), [])
     assert message == (
-        f"{evil / 'pytorch_model.bin'}: holds a pickled posix.system, which a weights file does not hold; refused "
+        f"{evil / 'pytorch_model.bin'}: holds a pickled posix.system, which such a file does not hold; refused "
         "(nothing in it was run)"
     )
     assert not (tmp_path / "ran").exists() and not (tmp_path / "out").exists()

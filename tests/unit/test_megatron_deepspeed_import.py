@@ -192,10 +192,16 @@ def test_pickled_metadata_runs_no_code(tmp_path: Path) -> None:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    path = tmp_path / "mp_rank_00_model_states.pt"
+    path, layer = tmp_path / "mp_rank_00_model_states.pt", tmp_path / "layer_01-model_00-model_states.pt"
     torch.save({"args": Payload()}, path)
-    with pytest.raises(CheckpointError, match=r"system, which such a file does not hold"):
-        mds_files.load_model_states(str(path))
+    torch.save({"weight": Payload()}, layer)
+    for load, where in ((mds_files.load_model_states, path), (mds_files.load_layer, layer)):
+        with pytest.raises(CheckpointError) as err:
+            load(str(where))
+        # named as a refusal, not in torch's words (which advise weights_only=False)
+        assert str(err.value) == (
+            f"{where}: holds a pickled posix.system, which such a file does not hold; refused (nothing in it was run)"
+        )
     assert not marker.exists()
 
 
@@ -276,3 +282,24 @@ def test_a_megatron_deepspeed_checkpoint_given_as_megatron_lm_is_named() -> None
         f"{source}: a Megatron-DeepSpeed checkpoint (global_step2), not a Megatron-LM one; convert it with "
         f"--from megatron-deepspeed"
     )
+
+
+def test_every_checkpoint_reader_names_a_refused_pickle(tmp_path: Path) -> None:
+    from megatron_ds.interop import megatron_lm_files
+    from megatron_ds.training.checkpoint.universal import deepspeed_source
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "model_optim_rng.pt"
+    torch.save({"args": Payload()}, path)
+    for load in (megatron_lm_files.load_pickled_state, deepspeed_source.load_file):
+        with pytest.raises(CheckpointError) as err:
+            load(str(path))
+        assert str(err.value) == (
+            f"{path}: holds a pickled posix.system, which such a file does not hold; refused (nothing in it was run)"
+        )
+    assert not marker.exists()

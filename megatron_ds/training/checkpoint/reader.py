@@ -116,7 +116,7 @@ def load_state(path: str) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(files.load_failure(path, err, "the checkpoint")) from None
+        raise CheckpointError(files.load_failure(path, err, "the checkpoint is damaged or truncated")) from None
 
 
 def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:

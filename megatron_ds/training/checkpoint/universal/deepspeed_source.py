@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from megatron_ds.errors import first_line
+from megatron_ds import files
 from megatron_ds.model import naming, sharding
 from megatron_ds.pipeline.layout import Layout, build_layout
 from megatron_ds.training.checkpoint import reader
@@ -56,7 +56,7 @@ def load_file(path: str) -> dict[str, Any]:
         with torch.serialization.safe_globals(_allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable ({first_line(err)}); the checkpoint is damaged") from None
+        raise CheckpointError(files.load_failure(path, err, "the checkpoint is damaged")) from None
 
 
 def local_shape(rule: sharding.TensorRule, tensor_parallel: int) -> tuple[int, ...]:
