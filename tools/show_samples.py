@@ -89,7 +89,13 @@ def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any, list[list[i
     tokenizer = None
     if data.tokenizer_type:
         tokenizer = build_tokenizer(
-            data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file, vocab_size=args.vocab_size
+            data.tokenizer_type,
+            data.tokenizer_model,
+            data.vocab_file,
+            data.merge_file,
+            vocab_size=args.vocab_size,
+            null_eod_id=data.null_tokenizer_eod_id,
+            null_pad_id=data.null_tokenizer_pad_id,
         )
     if data.prompt_data:
         return prompt_samples(args, data, training, tokenizer)

@@ -56,6 +56,10 @@ class DataConfig:
     """SentencePiece model file, or the local directory of a HuggingFaceTokenizer (`--tokenizer-model`)."""
     null_tokenizer_vocab_size: int | None = None
     """The NullTokenizer's ids (`--vocab-size` before padding; its eod is the last), None otherwise."""
+    null_tokenizer_eod_id: int | None = None
+    """The NullTokenizer's end-of-document id; None: its last id (`--null-tokenizer-eod-id`)."""
+    null_tokenizer_pad_id: int = -1
+    """The NullTokenizer's padding id, masked out of the loss; -1: none (`--null-tokenizer-pad-id`)."""
     unpadded_vocab_size: int | None = None
     """The tokens: `--vocab-size`, else the tokenizer's size; the model's rows above it are
     `--make-vocab-size-divisible-by` padding, which no sample holds (mock data draws below it; checkpoints
@@ -94,6 +98,23 @@ class DataConfig:
         one_of("--data-upstream", self.data_upstream, DATA_UPSTREAMS)
         check(split_fractions(self.split) is not None, split_message(self.split))  # before launch, mock data too
         at_least("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by, 1)
+        for flag, value, default in (
+            ("--null-tokenizer-eod-id", self.null_tokenizer_eod_id, None),
+            ("--null-tokenizer-pad-id", self.null_tokenizer_pad_id, -1),
+        ):
+            check(
+                value == default or self.tokenizer_type == "NullTokenizer",
+                f"{flag} {value}: it sets an id of --tokenizer-type NullTokenizer, and this line's tokenizer is "
+                f"{self.tokenizer_type or 'none'}; drop it",
+            )
+        eod, ids = self.null_tokenizer_eod_id, self.null_tokenizer_vocab_size
+        if eod is not None and ids is not None:
+            check(
+                0 <= eod < ids,
+                f"--null-tokenizer-eod-id {eod}: outside the tokenizer's ids [0, {ids}); give an id below --vocab-size, "
+                "or drop it for the last one",
+            )
+        at_least("--null-tokenizer-pad-id", self.null_tokenizer_pad_id, -1)
         at_least("--num-workers", self.num_workers, 0)
         if self.prompt_data:
             check(not self.mock_data, "finetune_llama.py reads --data-path EXAMPLES.json; --mock-data has no prompts")

@@ -271,15 +271,27 @@ def _read_merges(path: str) -> list[tuple[str, str]]:
 
 
 class NullTokenizer(Tokenizer):
-    """For `--mock-data`: ids are written as space-separated integers; eod is the last id."""
+    """Token ids as they are, written as space-separated integers: megatron-core's (since Megatron-LM's April 2026
+    change; before it, and in Megatron-DeepSpeed, `--vocab-size V` gave V + 1 ids with eod V). eod is the last id
+    unless `eod_id` (`--null-tokenizer-eod-id`) says; `pad_id` (`--null-tokenizer-pad-id`, -1: none) is masked out
+    of the loss by megatron-core's dataset."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, eod_id: int | None = None, pad_id: int = NO_PAD) -> None:
         if vocab_size < 2:
             raise DataError(f"--vocab-size {vocab_size}: the null tokenizer needs at least 2 ids")
+        if eod_id is not None and not 0 <= eod_id < vocab_size:
+            raise DataError(
+                f"--null-tokenizer-eod-id {eod_id}: outside the tokenizer's ids [0, {vocab_size}); give an id below "
+                "--vocab-size, or drop it for the last one"
+            )
+        if pad_id < NO_PAD:
+            raise DataError(f"--null-tokenizer-pad-id {pad_id}: give -1 (no padding token) or an id >= 0")
         self.vocab_size = vocab_size
-        self.eod = vocab_size - 1
-        self.pad = NO_PAD
+        self.eod = vocab_size - 1 if eod_id is None else eod_id
+        self.pad = pad_id
         self.unique_identifiers = OrderedDict([("class", type(self).__name__), ("vocab_size", vocab_size)])
+        if (self.eod, self.pad) != (vocab_size - 1, NO_PAD):  # new keys only where they change the samples
+            self.unique_identifiers.update(eod_id=self.eod, pad_id=self.pad)
 
     def tokenize(self, text: str) -> list[int]:
         try:
@@ -301,9 +313,11 @@ def build_tokenizer(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     vocab_size: int | None = None,
+    null_eod_id: int | None = None,
+    null_pad_id: int = NO_PAD,
 ) -> Tokenizer:
-    """The tokenizer named by `--tokenizer-type`; `vocab_size` is only for `NullTokenizer`, and
-    `tokenizer_model` is HuggingFaceTokenizer's (or HFTokenizer's) directory."""
+    """The tokenizer named by `--tokenizer-type`; `vocab_size`, `null_eod_id` and `null_pad_id` are only for
+    `NullTokenizer`, and `tokenizer_model` is HuggingFaceTokenizer's (or HFTokenizer's) directory."""
     kind = _ALIASES.get(tokenizer_type or "", tokenizer_type)
     if kind == "SentencePieceTokenizer":
         if not tokenizer_model:
@@ -320,7 +334,7 @@ def build_tokenizer(
     if kind == "NullTokenizer":
         if vocab_size is None:
             raise DataError("--vocab-size is required with --tokenizer-type NullTokenizer")
-        return NullTokenizer(vocab_size)
+        return NullTokenizer(vocab_size, null_eod_id, null_pad_id)
     if kind == "HuggingFaceTokenizer":
         from megatron_ds.data.huggingface_tokenizer import HuggingFaceTokenizer
 

@@ -58,7 +58,8 @@ DATA: tuple[Flag, ...] = (
         _DATA,
         "`GPT2BPETokenizer` (the default with --vocab-file/--merge-file, as in Megatron's pretrain_gpt.py), "
         "`SentencePieceTokenizer` or `GPTSentencePieceTokenizer`, `NullTokenizer` (token ids as they are, "
-        "--vocab-size of them, eod the last: megatron-core's) or `HuggingFaceTokenizer` (--tokenizer-model a "
+        "--vocab-size of them, eod the last: megatron-core's; a Megatron-DeepSpeed line is told that its NullTokenizer "
+        "had one id more) or `HuggingFaceTokenizer` (--tokenizer-model a "
         "local directory read by transformers' AutoTokenizer; nothing is downloaded) or `HFTokenizer` (Megatron-DeepSpeed's: "
         "the same directory read as its finetune_llama.py reads it: AutoTokenizer with use_fast=False, a missing pad, eos, "
         "bos or unk token added, the model's vocabulary the base one without them). SentencePieceTokenizer is "

@@ -333,6 +333,21 @@ DATA: tuple[Flag, ...] = (
         _DATA,
         f"{_MLM}: the loader never builds an attention mask here (attention is causal inside the model)",
     ),
+    accepted(
+        "--null-tokenizer-eod-id",
+        _DATA,
+        f"{_MLM}: the NullTokenizer's end-of-document id (its last id, --vocab-size - 1, when not given)",
+        "data.null_tokenizer_eod_id",
+        type=int,
+    ),
+    accepted(
+        "--null-tokenizer-pad-id",
+        _DATA,
+        f"{_MLM}: the NullTokenizer's padding id, masked out of the loss (-1: none)",
+        "data.null_tokenizer_pad_id",
+        type=int,
+        default=-1,
+    ),
     no_op(
         "--tiktoken-pattern",
         _DATA,

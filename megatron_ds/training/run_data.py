@@ -81,6 +81,8 @@ def build_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
             vocab_file=cfg.data.vocab_file,
             merge_file=cfg.data.merge_file,
             vocab_size=cfg.data.null_tokenizer_vocab_size,
+            null_eod_id=cfg.data.null_tokenizer_eod_id,
+            null_pad_id=cfg.data.null_tokenizer_pad_id,
         )
     train, valid, test = build_gpt_datasets(
         cfg.data, cfg.model.seq_length, t.seed, requested_samples(t), tokenizer, cfg.model.vocab_size

@@ -83,6 +83,22 @@ def test_items_and_splits(corpora: tuple[str, str]) -> None:
     assert none_test[2] is None
 
 
+def test_null_tokenizer_eod_and_pad_ids_reach_the_samples(corpora: tuple[str, str]) -> None:
+    # --null-tokenizer-eod-id / --null-tokenizer-pad-id: megatron-core masks the pad id out of the loss (and reads it
+    # as token 0), and --eod-mask-loss masks the given end-of-document id
+    tok = NullTokenizer(VOCAB, eod_id=5, pad_id=7)
+    (train, _, _) = build_gpt_datasets(_config((corpora[0],), eod_mask_loss=True), SEQ, 7, (50, 0, 0), tok, 128)
+    (plain, _, _) = build_gpt_datasets(_config((corpora[0],)), SEQ, 7, (50, 0, 0), TOK, 128)
+    seen = 0
+    for k in range(50):
+        item, raw = train[k], plain[k]
+        expected = ((raw["labels"] != 7) & (raw["tokens"] != 5)).float()
+        assert torch.equal(item["loss_mask"], expected)
+        assert torch.equal(item["tokens"], torch.where(raw["tokens"] == 7, 0, raw["tokens"]))
+        seen += int((raw["labels"] == 7).sum())
+    assert seen > 0
+
+
 def test_empty_split_fails_instead_of_looping(tmp_path: Path, corpora: tuple[str, str]) -> None:
     small = _corpus(tmp_path / "small", 20, 3)  # 90,9,1 leaves its test split empty
     data = DataConfig(data_path=("0.5", corpora[0], "0.5", small), split="90,9,1")

@@ -5,6 +5,7 @@ zero-centred norms compute what Megatron computes."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,31 @@ def test_null_tokenizer_is_megatron_cores() -> None:
     argv = [a for a in BASE if a not in ("--vocab-size", "128")]
     with pytest.raises(UserError, match="--vocab-size is required with --tokenizer-type NullTokenizer"):
         parse_config([*argv, "--tokenizer-type", "NullTokenizer"], world_size=1)
+
+
+def test_null_tokenizer_ids_are_megatron_lms_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_ds.data.tokenizer import build_tokenizer
+
+    argv = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    data = parse(*argv, "--null-tokenizer-eod-id", "0", "--null-tokenizer-pad-id", "7").data
+    assert (data.null_tokenizer_eod_id, data.null_tokenizer_pad_id, data.data_upstream) == (0, 7, "megatron-lm")
+    tok = build_tokenizer("NullTokenizer", vocab_size=100, null_eod_id=0, null_pad_id=7)
+    assert (tok.vocab_size, tok.eod, tok.pad) == (100, 0, 7)
+    assert dict(tok.unique_identifiers) == {"class": "NullTokenizer", "vocab_size": 100, "eod_id": 0, "pad_id": 7}
+    assert "NOTICE" not in capsys.readouterr().err  # a Megatron-LM line: megatron-core's tokenizer is its own
+    for extra, message in (
+        (["--null-tokenizer-eod-id", "100"], "--null-tokenizer-eod-id 100: outside the tokenizer's ids [0, 100)"),
+        (["--null-tokenizer-pad-id", "-2"], "--null-tokenizer-pad-id -2 must be >= -1"),
+    ):
+        with pytest.raises(UserError, match=re.escape(message)):
+            parse(*argv, *extra)
+    with pytest.raises(UserError, match="--null-tokenizer-pad-id 3: it sets an id of --tokenizer-type NullTokenizer"):
+        parse("--null-tokenizer-pad-id", "3")
+    parse(*argv)  # Megatron-DeepSpeed's line: its NullTokenizer has one id more, which is printed
+    assert capsys.readouterr().err.strip() == (
+        "NOTICE: --tokenizer-type NullTokenizer --vocab-size 100: ids 0..99, end-of-document 99, as megatron-core's "
+        "NullTokenizer; Megatron-DeepSpeed's has 101 ids, end-of-document 100: give --vocab-size 101 for its model"
+    )
 
 
 def test_hugging_face_tokenizer_reads_a_local_directory(tmp_path: Path) -> None:
