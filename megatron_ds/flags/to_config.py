@@ -35,7 +35,7 @@ from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.machine import Machine, for_layout
 from megatron_ds.estimate.run_layout import check_layout
 from megatron_ds.flags import compat, dry_run, model_flags, schedule_flags, step_flags
-from megatron_ds.flags.data_upstream import MEGATRON_DEEPSPEED, data_upstream
+from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.deepspeed_json import json_default
 from megatron_ds.flags.lengths import schedule_lengths, train_length
@@ -88,24 +88,12 @@ def data_config(args: argparse.Namespace, direct: dict[str, Any]) -> DataConfig:
     """The data section (also what tools/show_samples.py reads from a pretrain_gpt.py line)."""
     kind = tokenizer_type(args)
     null_vocab = args.vocab_size if kind == "NullTokenizer" else None
-    upstream = data_upstream(args)
-    if null_vocab and upstream == MEGATRON_DEEPSPEED and os.environ.get("RANK", "0") == "0":
-        print(null_tokenizer_notice(null_vocab), file=sys.stderr, flush=True)
     return DataConfig(
         **direct,
         tokenizer_type=kind,
-        data_upstream=upstream,
+        data_upstream=data_upstream(args),
         null_tokenizer_vocab_size=null_vocab,
         unpadded_vocab_size=unpadded_vocab_size(args) or None,
-    )
-
-
-def null_tokenizer_notice(vocab: int) -> str:
-    """Megatron-DeepSpeed's NullTokenizer (and Megatron-LM's before April 2026) has one id more than ours."""
-    return (
-        f"NOTICE: --tokenizer-type NullTokenizer --vocab-size {vocab}: ids 0..{vocab - 1}, end-of-document {vocab - 1}, "
-        f"as megatron-core's NullTokenizer; Megatron-DeepSpeed's has {vocab + 1} ids, end-of-document {vocab}: give "
-        f"--vocab-size {vocab + 1} for its model"
     )
 
 

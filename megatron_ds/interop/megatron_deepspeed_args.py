@@ -78,6 +78,9 @@ def _rotary(a: dict[str, Any]) -> bool:
     return bool(a.get("use_rotary_position_embeddings"))
 
 
+NULL_TOKENIZER = "NullTokenizer"
+
+
 def _constant_wd(a: dict[str, Any], dest: str) -> Any:
     """Megatron sets start and end weight decay to --weight-decay when no schedule was asked for."""
     same = a.get("start_weight_decay") == a.get("end_weight_decay") == a.get("weight_decay")
@@ -87,15 +90,25 @@ def _constant_wd(a: dict[str, Any], dest: str) -> Any:
 def tokenizer_flags(
     ckpt: MegatronDeepSpeedCheckpoint, overrides: dict[str, str | None]
 ) -> tuple[list[str], str | None]:
-    """Our tokenizer flags for the run's tokenizer, and a note when it cannot be recorded."""
+    """Our tokenizer flags for the run's tokenizer, and a note when it cannot be recorded. A NullTokenizer needs no
+    files: ours with `vocab_size`'s ids is upstream's."""
+    if _null_tokenizer_ids(ckpt.args) and not any(overrides.values()):
+        return ["--tokenizer-type", NULL_TOKENIZER], None
     return saved_flags.tokenizer_flags(ckpt.args, overrides, TOKENIZER_FILES)
 
 
 def vocab_size(ckpt: MegatronDeepSpeedCheckpoint) -> int:
-    """The tokenizer's vocabulary (unpadded): upstream records it since universal checkpoints exist;
-    older checkpoints: the padded size itself (padding then counts as vocabulary)."""
+    """The tokenizer's vocabulary (unpadded): a NullTokenizer's ids; else upstream records it since universal
+    checkpoints exist; older checkpoints: the padded size itself (padding then counts as vocabulary)."""
     info = ckpt.checkpoint_info
-    return int(info.get("original_vocab_size") or ckpt.args["padded_vocab_size"])
+    return int(_null_tokenizer_ids(ckpt.args) or info.get("original_vocab_size") or ckpt.args["padded_vocab_size"])
+
+
+def _null_tokenizer_ids(args: dict[str, Any]) -> int | None:
+    """Megatron-DeepSpeed's NullTokenizer has --vocab-size + 1 ids, the last its end-of-document."""
+    if args.get("tokenizer_type") != NULL_TOKENIZER or not args.get("vocab_size"):
+        return None
+    return int(args["vocab_size"]) + 1
 
 
 def config_from_args(ckpt: MegatronDeepSpeedCheckpoint, tokenizer: list[str]) -> Config:

@@ -100,6 +100,7 @@ def import_megatron_lm(
     printed = {**mlm.args, "make_vocab_size_divisible_by": divisible * mlm.tensor_parallel} if divisible else mlm.args
     flags = saved_args.render(printed, saved_args.MODEL_ARGS) + tokenizer_flags
     flags += saved_args.render(mlm.args, saved_args.TRAINING_ARGS)
+    flags += ["--data-upstream", "megatron-lm"]  # its data files split and blended as Megatron-LM does
     return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, states, flags, notes, source=mlm)
 
 

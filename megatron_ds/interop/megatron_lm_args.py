@@ -97,18 +97,35 @@ def padded_vocab_size(ckpt: MegatronLMCheckpoint) -> int:
 
 
 def tokenizer_vocab_size(ckpt: MegatronLMCheckpoint) -> int | None:
-    """The tokenizer's own vocabulary when the args say it (a NullTokenizer: --vocab-size ids and its eod)."""
+    """The tokenizer's own vocabulary when the args say it (a NullTokenizer's ids, `null_tokenizer_flags`)."""
     a = ckpt.args
-    return int(a["vocab_size"]) + 1 if a.get("tokenizer_type") == NULL_TOKENIZER and a.get("vocab_size") else None
+    if a.get("tokenizer_type") != NULL_TOKENIZER or not a.get("vocab_size"):
+        return None
+    return int(null_tokenizer_flags(a)[3])
+
+
+def null_tokenizer_flags(args: dict[str, Any]) -> list[str]:
+    """Our flags for the run's NullTokenizer. Megatron-LM's since April 2026 (commit c9dfe34798, which added
+    --null-tokenizer-eod-id and --null-tokenizer-pad-id, so its args hold them) has --vocab-size ids, as ours; the
+    one before it had --vocab-size + 1, the last its end-of-document, which ours is given --vocab-size + 1."""
+    vocab = int(args["vocab_size"])
+    if "null_tokenizer_pad_id" not in args:
+        return ["--tokenizer-type", NULL_TOKENIZER, "--vocab-size", str(vocab + 1)]
+    flags = ["--tokenizer-type", NULL_TOKENIZER, "--vocab-size", str(vocab)]
+    if args.get("null_tokenizer_eod_id") is not None:
+        flags += ["--null-tokenizer-eod-id", str(args["null_tokenizer_eod_id"])]
+    if args.get("null_tokenizer_pad_id", -1) != -1:
+        flags += ["--null-tokenizer-pad-id", str(args["null_tokenizer_pad_id"])]
+    return flags
 
 
 def tokenizer_flags(ckpt: MegatronLMCheckpoint, overrides: dict[str, str | None]) -> tuple[list[str], str | None]:
     """Our flags for the run's tokenizer and vocabulary, and a note when the tokenizer is not recorded.
-    A NullTokenizer is its --vocab-size; otherwise the padded size stands for the vocabulary (Megatron-LM
-    does not save the tokenizer's own size), which pads to itself."""
+    A NullTokenizer is its ids (`null_tokenizer_flags`); otherwise the padded size stands for the vocabulary
+    (Megatron-LM does not save the tokenizer's own size), which pads to itself."""
     a = ckpt.args
     if a.get("tokenizer_type") == NULL_TOKENIZER and not any(overrides.values()):
-        return ["--tokenizer-type", NULL_TOKENIZER, "--vocab-size", str(a["vocab_size"])], None
+        return null_tokenizer_flags(a), None
     flags, note = saved_flags.tokenizer_flags(a, overrides, TOKENIZER_FILES)
     return ["--vocab-size", str(padded_vocab_size(ckpt)), *flags], note
 
@@ -134,6 +151,7 @@ def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config
         *render(ckpt.args, MODEL_ARGS),
         *render(ckpt.args, TRAINING_ARGS),
         f"--tensor-model-parallel-size={ckpt.tensor_parallel}",
+        "--data-upstream=megatron-lm",  # its data files split and blended as Megatron-LM does
         *tokenizer,
         *placeholders(ckpt),
     ]

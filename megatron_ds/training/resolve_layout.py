@@ -7,7 +7,7 @@ prints; `layout_text` is the stage table with what the method predicts under it.
 
 from __future__ import annotations
 
-from megatron_ds.config import Config
+from megatron_ds.config import DATA_UPSTREAMS, Config
 from megatron_ds.estimate import run_layout
 from megatron_ds.estimate.compute import recomputed_layers
 from megatron_ds.estimate.machine import Machine, describe
@@ -47,7 +47,7 @@ def layout_text(config: Config, layout: Layout, calibration: Calibration | None 
             f"\nDeepSpeed-Ulysses: the data axis above is {par.data_parallel_size} data-parallel replica(s) x "
             f"--ds-sequence-parallel-size {n}: data ranks {n}g .. {n}g+{n - 1} split the sequences of replica g"
         )
-    notices = [padding_line(config), recompute_notice(config, layout)]
+    notices = [padding_line(config), null_tokenizer_notice(config), recompute_notice(config, layout)]
     table += "".join(f"\n{line}" for line in notices if line)
     return f"{table}\n{report}\n{describe(config, machine)}" if report else table
 
@@ -61,6 +61,20 @@ def padding_line(config: Config) -> str | None:
     d, t = config.data.make_vocab_size_divisible_by, config.parallel.tensor_model_parallel_size
     by = f"--make-vocab-size-divisible-by {d}" + (f" x --tensor-model-parallel-size {t}" if t > 1 else "")
     return f"vocabulary: {tokens} tokens padded with {rows - tokens} dummy rows to {rows} (a multiple of {by})"
+
+
+def null_tokenizer_notice(config: Config) -> str | None:
+    """A NOTICE for a new Megatron-DeepSpeed-style run (not a resume, whose vocabulary is the checkpoint's) with
+    NullTokenizer: ours is megatron-core's (--vocab-size ids); Megatron-DeepSpeed's had one id more."""
+    data = config.data
+    vocab = data.null_tokenizer_vocab_size
+    if not vocab or data.data_upstream != DATA_UPSTREAMS[0] or config.checkpoint.load:  # megatron-deepspeed
+        return None
+    return (
+        f"NOTICE: --tokenizer-type NullTokenizer --vocab-size {vocab}: ids 0..{vocab - 1}, end-of-document {vocab - 1}, "
+        f"as megatron-core's NullTokenizer; Megatron-DeepSpeed's has {vocab + 1} ids, end-of-document {vocab}: give "
+        f"--vocab-size {vocab + 1} for its model"
+    )
 
 
 def recompute_notice(config: Config, layout: Layout) -> str | None:

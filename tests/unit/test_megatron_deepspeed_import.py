@@ -137,6 +137,13 @@ def test_training_state_and_provenance_are_recorded(convert) -> None:
     assert meta["megatron_deepspeed"]["qkv_layout"] == "blocked"
     assert meta["megatron_deepspeed"]["vocab_size"] == 100  # the tokenizer's rows; 128 with T=2 padding
     assert meta["config"]["model"]["vocab_size"] == 128
+    # --tokenizer-type NullTokenizer --vocab-size 99 upstream: 100 ids, end-of-document 99; ours, recorded, is the same
+    data = meta["config"]["data"]
+    assert (data["tokenizer_type"], data["null_tokenizer_vocab_size"], data["null_tokenizer_eod_id"]) == (
+        "NullTokenizer",
+        100,
+        None,
+    )
     universal = json.loads((out / "global_step2.universal" / META).read_text())
     assert universal["engine"] == {"global_steps": 2, "global_samples": 8, "skipped_steps": 0}
     assert universal["lr_scheduler"] == {

@@ -75,10 +75,27 @@ def test_a_padding_that_does_not_match_is_refused() -> None:
 
 
 def test_tokenizer_flags() -> None:
+    # the recorded args are Megatron-LM's before April 2026: its NullTokenizer had --vocab-size + 1 ids, eod the last
     assert saved_args.tokenizer_flags(_ckpt("gpt"), {}) == (
-        ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
+        ["--tokenizer-type", "NullTokenizer", "--vocab-size", "101"],
         None,
     )
+    assert saved_args.tokenizer_vocab_size(_ckpt("gpt")) == 101
+    newer = _ckpt("gpt", null_tokenizer_eod_id=None, null_tokenizer_pad_id=-1)  # --vocab-size ids since then
+    assert saved_args.tokenizer_flags(newer, {})[0] == ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    assert saved_args.tokenizer_vocab_size(newer) == 100
+    ids = _ckpt("gpt", null_tokenizer_eod_id=0, null_tokenizer_pad_id=5)
+    assert saved_args.tokenizer_flags(ids, {})[0][4:] == [
+        "--null-tokenizer-eod-id",
+        "0",
+        "--null-tokenizer-pad-id",
+        "5",
+    ]
+    data = _config(ids).data
+    assert (data.null_tokenizer_vocab_size, data.null_tokenizer_eod_id, data.null_tokenizer_pad_id) == (100, 0, 5)
+    assert data.data_upstream == "megatron-lm" and _config(_ckpt("gpt")).data.null_tokenizer_vocab_size == 101
+    # --vocab-size 128 padded 129 to 256 rows then: converted with 129 ids, not refused as "our padding gives 128"
+    assert _config(_ckpt("gpt", vocab_size=128, padded_vocab_size=256)).model.vocab_size == 256
     flags, note = saved_args.tokenizer_flags(_ckpt("gpt", tokenizer_type="GPT2BPETokenizer", vocab_file="/gone"), {})
     assert flags == ["--vocab-size", "128"]  # the padded rows stand for the vocabulary
     assert note is not None and "GPT2BPETokenizer not recorded (its files are not here)" in note

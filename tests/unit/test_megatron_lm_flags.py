@@ -185,7 +185,7 @@ def test_null_tokenizer_is_megatron_cores() -> None:
         parse_config([*argv, "--tokenizer-type", "NullTokenizer"], world_size=1)
 
 
-def test_null_tokenizer_ids_are_megatron_lms_flags(capsys: pytest.CaptureFixture[str]) -> None:
+def test_null_tokenizer_ids_are_megatron_lms_flags() -> None:
     from megatron_ds.data.tokenizer import build_tokenizer
 
     argv = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
@@ -194,7 +194,6 @@ def test_null_tokenizer_ids_are_megatron_lms_flags(capsys: pytest.CaptureFixture
     tok = build_tokenizer("NullTokenizer", vocab_size=100, null_eod_id=0, null_pad_id=7)
     assert (tok.vocab_size, tok.eod, tok.pad) == (100, 0, 7)
     assert dict(tok.unique_identifiers) == {"class": "NullTokenizer", "vocab_size": 100, "eod_id": 0, "pad_id": 7}
-    assert "NOTICE" not in capsys.readouterr().err  # a Megatron-LM line: megatron-core's tokenizer is its own
     for extra, message in (
         (["--null-tokenizer-eod-id", "100"], "--null-tokenizer-eod-id 100: outside the tokenizer's ids [0, 100)"),
         (["--null-tokenizer-pad-id", "-2"], "--null-tokenizer-pad-id -2 must be >= -1"),
@@ -203,11 +202,15 @@ def test_null_tokenizer_ids_are_megatron_lms_flags(capsys: pytest.CaptureFixture
             parse(*argv, *extra)
     with pytest.raises(UserError, match="--null-tokenizer-pad-id 3: it sets an id of --tokenizer-type NullTokenizer"):
         parse("--null-tokenizer-pad-id", "3")
-    parse(*argv)  # Megatron-DeepSpeed's line: its NullTokenizer has one id more, which is printed
-    assert capsys.readouterr().err.strip() == (
+    from megatron_ds.training.resolve_layout import null_tokenizer_notice
+
+    # Megatron-DeepSpeed's line: its NullTokenizer has one id more, which the launch and --print-layout print
+    assert null_tokenizer_notice(parse(*argv)) == (
         "NOTICE: --tokenizer-type NullTokenizer --vocab-size 100: ids 0..99, end-of-document 99, as megatron-core's "
         "NullTokenizer; Megatron-DeepSpeed's has 101 ids, end-of-document 100: give --vocab-size 101 for its model"
     )
+    assert null_tokenizer_notice(parse(*argv, "--null-tokenizer-pad-id", "5")) is None  # a Megatron-LM line
+    assert null_tokenizer_notice(parse(*argv, "--load", "/ckpt")) is None  # the checkpoint's vocabulary
 
 
 def test_hugging_face_tokenizer_reads_a_local_directory(tmp_path: Path) -> None:
