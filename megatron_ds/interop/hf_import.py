@@ -202,15 +202,22 @@ def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _copy_tokenizer(config: Config, tmp: str, final_root: str) -> Config:
     """Copy the tokenizer files into `<checkpoint>/tokenizer/` and point the config at them; the Hugging Face
-    tokenizer files beside them go too, for the export to write back (`hf_tokenizer.hf_files_beside`)."""
+    tokenizer files beside them go too, for the export to write back (`hf_tokenizer.hf_files_beside`). A tokenizer
+    that is a directory (HuggingFaceTokenizer, HFTokenizer) becomes `<checkpoint>/tokenizer/` itself: its Hugging
+    Face tokenizer files, not the model's weights beside them."""
     data, moved = config.data, {}
     dests = [d for d in ("tokenizer_model", "vocab_file", "merge_file") if getattr(data, d)]
     paths = [getattr(data, d) for d in dests]
-    for path in dict.fromkeys([*paths, *hf_tokenizer.hf_files_beside(paths)]):
-        os.makedirs(os.path.join(tmp, checkpoint_reader.TOKENIZER_DIR), exist_ok=True)
-        shutil.copyfile(path, os.path.join(tmp, checkpoint_reader.TOKENIZER_DIR, os.path.basename(path)))
+    file_paths = [p for p in paths if not os.path.isdir(p)]
+    copied = [*file_paths, *hf_tokenizer.hf_files_beside(file_paths)]
+    copied += [os.path.join(p, name) for p in paths if os.path.isdir(p) for name in hf_tokenizer.hf_directory_files(p)]
+    target = os.path.join(tmp, checkpoint_reader.TOKENIZER_DIR)
+    for path in dict.fromkeys(copied):
+        os.makedirs(target, exist_ok=True)
+        shutil.copyfile(path, os.path.join(target, os.path.basename(path)))
+    final = os.path.join(final_root, checkpoint_reader.TOKENIZER_DIR)
     for dest, path in zip(dests, paths):
-        moved[f"data__{dest}"] = os.path.join(final_root, checkpoint_reader.TOKENIZER_DIR, os.path.basename(path))
+        moved[f"data__{dest}"] = final if os.path.isdir(path) else os.path.join(final, os.path.basename(path))
     return config.replace(**moved) if moved else config
 
 

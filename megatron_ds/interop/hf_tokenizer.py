@@ -5,14 +5,15 @@
                             (`megatron_ds.interop.sentencepiece_json`) so that `AutoTokenizer`
                             needs neither sentencepiece nor protobuf
 
-On import, the HF directory's `tokenizer.model` or `vocab.json`/`merges.txt` become our tokenizer;
-a tokenizer with only `tokenizer.json` (no file our tokenizers read) is left out, with a note. The
-directory's other tokenizer files travel with it (`hf_files_beside`), and an export writes them back as
+On import, the HF directory's `tokenizer.model` or `vocab.json`/`merges.txt` become our tokenizer; a
+directory with only `tokenizer.json` (a Llama 3's) becomes Megatron-LM's HuggingFaceTokenizer (transformers
+reads it; without transformers it is left out). The directory's other tokenizer files travel with it (`hf_files_beside`), and an export writes them back as
 they were, so a round trip keeps the source's settings (a Llama's `add_bos_token`, its chat template).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 
@@ -21,7 +22,7 @@ from megatron_ds.data.tokenizer import GPT2_EOD_TOKEN, GPT2BPETokenizer, Sentenc
 from megatron_ds.files import write_json
 from megatron_ds.interop import sentencepiece_json
 
-SP_FILE, VOCAB_FILE, MERGES_FILE = "tokenizer.model", "vocab.json", "merges.txt"
+SP_FILE, VOCAB_FILE, MERGES_FILE, TOKENIZER_JSON = "tokenizer.model", "vocab.json", "merges.txt", "tokenizer.json"
 
 
 HF_DIRECTORY_FILES = (
@@ -74,7 +75,7 @@ def hf_files_beside(paths: list[str | None]) -> list[str]:
     (directory,) = directories
     if not os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
         return []
-    return [os.path.join(directory, n) for n in HF_DIRECTORY_FILES if os.path.isfile(os.path.join(directory, n))]
+    return [os.path.join(directory, n) for n in hf_directory_files(directory)]
 
 
 def _tokenizer_files(tok: Tokenizer) -> list[str | None]:
@@ -89,12 +90,17 @@ def _copy(paths: list[str], out_dir: str) -> list[str]:
     return [os.path.basename(p) for p in paths]
 
 
+def hf_directory_files(directory: str) -> list[str]:
+    """The names of HF_DIRECTORY_FILES that `directory` holds."""
+    return [n for n in HF_DIRECTORY_FILES if os.path.isfile(os.path.join(directory, n))]
+
+
 def export_tokenizer(tok: Tokenizer | None, out_dir: str, max_length: int) -> list[str]:
     """Write `tok` as HF tokenizer files into `out_dir`; returns the file names (none without a tokenizer). A Hugging
     Face directory's files (HFTokenizer, HuggingFaceTokenizer, or those beside our tokenizer's files: an imported
     model's) are copied as they are."""
     if isinstance(tok, HuggingFaceTokenizer):
-        return _copy([p for n in HF_DIRECTORY_FILES if os.path.isfile(p := os.path.join(tok.directory, n))], out_dir)
+        return _copy([os.path.join(tok.directory, n) for n in hf_directory_files(tok.directory)], out_dir)
     beside = hf_files_beside(_tokenizer_files(tok)) if tok is not None else []
     if beside:
         return _copy(beside, out_dir)
@@ -149,11 +155,15 @@ def _export_sentencepiece(tok: SentencePieceTokenizer, out_dir: str, max_length:
 
 
 def find_hf_tokenizer(hf_dir: str) -> dict[str, str] | None:
-    """pretrain_gpt.py tokenizer flags (argparse dests) for the HF directory's tokenizer files, if ours can read them."""
+    """pretrain_gpt.py tokenizer flags (argparse dests) for the HF directory's tokenizer files, if ours can read them:
+    its tokenizer.model (SentencePiece) or vocab.json + merges.txt (GPT-2 BPE), else a tokenizer.json read through
+    transformers as Megatron-LM's HuggingFaceTokenizer (a Llama 3's), when transformers is installed."""
     sp = os.path.join(hf_dir, SP_FILE)
     if os.path.isfile(sp):
         return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp}
     vocab, merges = os.path.join(hf_dir, VOCAB_FILE), os.path.join(hf_dir, MERGES_FILE)
     if os.path.isfile(vocab) and os.path.isfile(merges):
         return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges}
+    if os.path.isfile(os.path.join(hf_dir, TOKENIZER_JSON)) and importlib.util.find_spec("transformers") is not None:
+        return {"tokenizer_type": HuggingFaceTokenizer.TYPE, "tokenizer_model": hf_dir}
     return None

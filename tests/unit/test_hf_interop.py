@@ -388,3 +388,48 @@ def test_an_export_without_a_tokenizer_says_what_the_directory_lacks(hf_dirs: di
     ]
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (None, None)
+
+
+def _tokenizer_json_dir(tmp_path: Path, model_dir: Path) -> Path:
+    """`model_dir`'s files plus a tokenizer.json-only tokenizer (no tokenizer.model, as a Llama 3's)."""
+    from megatron_ds.data.tokenizer import build_tokenizer
+    from megatron_ds.interop.hf_tokenizer import export_tokenizer
+
+    source = tmp_path / "tokjson"
+    source.mkdir()
+    for name in os.listdir(model_dir):
+        (source / name).write_bytes((model_dir / name).read_bytes())
+    export_tokenizer(
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=_sentencepiece(tmp_path, 120)), source, 64
+    )
+    (source / "tokenizer.model").unlink()
+    return source
+
+
+def test_a_tokenizer_json_directory_imports_as_hugging_face_tokenizer_and_exports_back(
+    hf_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # A Llama 3 style directory (tokenizer.json only) imported without a tokenizer; a directory given with
+    # --tokenizer-type HuggingFaceTokenizer failed copying it as a file.
+    source = _tokenizer_json_dir(tmp_path, hf_dirs["llama_gqa"])
+    runs = {
+        "found": (source, []),
+        "given": (hf_dirs["gpt2"], ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(source)]),
+    }
+    for name, (model_dir, flags) in runs.items():
+        result = import_hf(str(model_dir), str(tmp_path / name), flags, show_progress=False)
+        copied = tmp_path / name / "tokenizer"
+        assert (result.config.data.tokenizer_type, result.config.data.tokenizer_model) == (
+            "HuggingFaceTokenizer",
+            str(copied),
+        ), name
+        assert sorted(os.listdir(copied)) == ["tokenizer.json", "tokenizer_config.json"], name
+        assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {copied}" in " ".join(result.train_flags)
+        exported = export_hf(str(tmp_path / name), str(tmp_path / f"{name}_hf"), show_progress=False)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            assert (tmp_path / f"{name}_hf" / file).read_bytes() == (source / file).read_bytes(), (name, file)
+        assert exported.notes == []
+    theirs = transformers.AutoTokenizer.from_pretrained(source)
+    ours = transformers.AutoTokenizer.from_pretrained(tmp_path / "found_hf")
+    text = "def add(a, b):\n    return a + b"
+    assert ours(text).input_ids == theirs(text).input_ids and len(theirs(text).input_ids) > 5
