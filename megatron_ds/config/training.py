@@ -82,6 +82,9 @@ class OptimizerConfig:
     """Samples over which lr decays (`--lr-decay-samples`); --train-samples by default."""
     lr_warmup_tokens: int | None = None
     """Linear warm-up over this many tokens (`--lr-warmup-tokens`); tokens = samples x seq_length."""
+    lr_warmup_fraction: float | None = None
+    """Linear warm-up over this fraction of the decay, in [0, 1] (`--lr-warmup-fraction`): Megatron's
+    `lr_warmup_fraction * lr_decay_steps`, kept fractional, not rounded to whole steps."""
     lr_decay_tokens: int | None = None
     """Tokens over which lr decays (`--lr-decay-tokens`); takes precedence over iterations/samples."""
     override_opt_param_scheduler: bool = False
@@ -111,12 +114,59 @@ class OptimizerConfig:
             ("--lr-warmup-tokens", self.lr_warmup_tokens),
         ):
             optional_at_least(flag, value, 0)
+        fraction = self.lr_warmup_fraction
+        check(fraction is None or 0.0 <= fraction <= 1.0, f"--lr-warmup-fraction {fraction} must be in [0, 1]")
         check(
             not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler were both given; keep one",
         )
         self._check_weight_decay_schedule()
         self._check_decoupled_lr()
+
+    def schedule_lengths(self, train_iters: int, global_batch_size: int, seq_length: int) -> tuple[str, float, int]:
+        """(unit, warm-up, decay): the schedule's lengths in its one unit of progress, `tokens` (samples x
+        seq_length) when a token bound is given, else `samples` (an iteration is the global batch size)."""
+        in_tokens = self.lr_warmup_tokens is not None or self.lr_decay_tokens is not None
+        per_sample = seq_length if in_tokens else 1  # one sample in the schedule's unit
+        if self.lr_decay_tokens is not None:
+            decay = self.lr_decay_tokens
+        elif self.lr_decay_samples is not None:
+            decay = self.lr_decay_samples * per_sample
+        else:
+            decay = (self.lr_decay_iters or train_iters) * global_batch_size * per_sample
+        warmup: float
+        if self.lr_warmup_fraction is not None:
+            warmup = self.lr_warmup_fraction * decay
+        elif self.lr_warmup_tokens is not None:
+            warmup = self.lr_warmup_tokens
+        elif self.lr_warmup_samples:
+            warmup = self.lr_warmup_samples * per_sample
+        else:
+            warmup = self.lr_warmup_iters * global_batch_size * per_sample
+        return ("tokens" if in_tokens else "samples"), warmup, decay
+
+    def check_schedule(self, train_iters: int, global_batch_size: int, seq_length: int) -> None:
+        """Megatron's OptimizerParamScheduler asserts a decay longer than the warm-up (a config that trains nothing,
+        `train_iters` 0, is not held to it)."""
+        unit, warmup, decay = self.schedule_lengths(train_iters, global_batch_size, seq_length)
+        if warmup == 0 or train_iters == 0:
+            return
+        given = [
+            f"{flag} {value:g}"
+            for flag, value in (
+                ("--lr-warmup-fraction", self.lr_warmup_fraction),
+                ("--lr-warmup-tokens", self.lr_warmup_tokens),
+                ("--lr-warmup-samples", self.lr_warmup_samples or None),
+                ("--lr-warmup-iters", self.lr_warmup_iters or None),
+            )
+            if value is not None
+        ][:1]
+        check(
+            warmup < decay,
+            f"{given[0] if given else 'the warm-up'} warms up over {warmup:g} {unit}, not less than the decay's "
+            f"{decay:g} (--lr-decay-*, by default the training length); Megatron requires a warm-up shorter than "
+            f"the decay: shorten the warm-up or lengthen the decay",
+        )
 
     def _check_weight_decay_schedule(self) -> None:
         """Megatron's rule: `constant` takes --weight-decay alone; linear/cosine take both ends."""

@@ -61,6 +61,7 @@ class Config:
             f"that are multiples of {mbs * dp}",
         )
         self._check_sequence_split()
+        self.optimizer.check_schedule(self.training.train_iters, gbs, model.seq_length)
         curriculum = self.training.curriculum
         if curriculum is not None:
             longest = max((curriculum.max_difficulty, *curriculum.difficulty))

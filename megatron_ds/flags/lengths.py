@@ -116,7 +116,7 @@ def schedule_lengths(
     args: argparse.Namespace, gbs: int, seq_length: int, sizes: StepSizes | None = None
 ) -> dict[str, int | None]:
     """The OptimizerConfig warm-up and decay fields: the decay in one unit (tokens if given, else the
-    unit of training), the warm-up as given or as --lr-warmup-fraction of the decay."""
+    unit of training), the warm-up as given (--lr-warmup-fraction: of the decay)."""
     _check_schedule_units(args)
     budget = train_length(args, gbs, seq_length, sizes)[1]
     if args.lr_decay_tokens is not None:
@@ -127,16 +127,10 @@ def schedule_lengths(
         decay = {"lr_decay_iters": args.lr_decay_iters or budget}
     else:  # --train-tokens alone: decay over exactly those tokens
         decay = {"lr_decay_tokens": args.train_tokens}
-    fraction = args.lr_warmup_fraction
-    if fraction is None:
-        warmup = {
-            "lr_warmup_iters": args.lr_warmup_iters,
-            "lr_warmup_samples": args.lr_warmup_samples,
-            "lr_warmup_tokens": args.lr_warmup_tokens,
-        }
-    elif not 0.0 <= fraction <= 1.0:
-        raise ConfigError(f"--lr-warmup-fraction {fraction} must be in [0, 1]")
-    else:
-        ((key, length),) = decay.items()
-        warmup = {key.replace("decay", "warmup"): int(fraction * length)}
+    warmup = {
+        "lr_warmup_iters": args.lr_warmup_iters,
+        "lr_warmup_samples": args.lr_warmup_samples,
+        "lr_warmup_tokens": args.lr_warmup_tokens,
+        "lr_warmup_fraction": args.lr_warmup_fraction,  # of the decay, in its unit (OptimizerConfig.schedule_lengths)
+    }
     return {**decay, **warmup}

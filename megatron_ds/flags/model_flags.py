@@ -118,15 +118,24 @@ def recompute(args: argparse.Namespace, warn: Callable[[str], None]) -> tuple[bo
         raise ConfigError(
             f"--checkpoint-num-layers {ckpt_layers} and --recompute-num-layers {layers} disagree; keep one"
         )
-    use_recompute_layers = granularity == "full" and not (args.checkpoint_activations and ckpt_layers is not None)
-    chunk = layers if use_recompute_layers else ckpt_layers
+    if args.checkpoint_activations:
+        chunk = 1 if ckpt_layers is None else ckpt_layers  # its default, 1, even beside --recompute-num-layers
+        if layers is not None and layers != chunk:
+            warn(
+                f"--recompute-num-layers {layers} is not used with --checkpoint-activations: Megatron-DeepSpeed's "
+                f"GPTModelPipe recomputes in chunks of --checkpoint-num-layers ({chunk}); give --checkpoint-num-layers "
+                f"{layers} for chunks of {layers}"
+            )
+    else:
+        given = layers if granularity == "full" else ckpt_layers
+        chunk = 1 if given is None else given
     full = args.checkpoint_activations or granularity == "full"
     if args.deepspeed_activation_checkpointing and not full:
         warn(
             "--deepspeed-activation-checkpointing recomputes nothing by itself; add --checkpoint-activations "
             "or --recompute-granularity full --recompute-method uniform"
         )
-    return full, 1 if chunk is None else chunk, granularity == "selective"  # chunk >= 1: TrainingConfig's check
+    return full, chunk, granularity == "selective"  # chunk >= 1: TrainingConfig's check
 
 
 def check_loss_options(args: argparse.Namespace) -> None:

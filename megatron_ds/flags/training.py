@@ -297,7 +297,7 @@ LEARNING_RATE: tuple[Flag, ...] = (
         _LR,
         "warm-up as a fraction of the decay length",
         type=float,
-        fields=_WARMUP,
+        fields=(*_WARMUP, "optimizer.lr_warmup_fraction"),
         derived=True,
     ),
     switch(

@@ -308,8 +308,8 @@ def kill_switch(run: Run) -> bool:
 def train(run: Run) -> bool:
     """Iterate to --train-iters, logging, evaluating and saving at their intervals.
 
-    Returns True when it stopped because of --exit-duration-in-mins, --kill-switch-file or a SIGTERM under
-    --exit-signal-handler (the caller then saves and skips the final evaluation, as Megatron exits
+    Returns True when it stopped because of --exit-interval, --exit-duration-in-mins, --kill-switch-file or a
+    SIGTERM under --exit-signal-handler (the caller then saves and skips the final evaluation, as Megatron exits
     right after saving)."""
     cfg, state = run.config, run.state
     t, ck, lg = cfg.training, cfg.checkpoint, cfg.logging
@@ -365,7 +365,7 @@ def train(run: Run) -> bool:
             return True
         if t.exit_interval and state.iteration % t.exit_interval == 0:
             print_rank0(run.rank, f"exiting at iteration {state.iteration} (--exit-interval)")
-            break
+            return True
     return False
 
 

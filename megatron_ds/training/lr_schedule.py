@@ -11,7 +11,7 @@ lr(p) = lr * p / W                                               for p <= W
       = min_lr + (lr - min_lr) * f((p - W) / (D - W))            for W < p <= D
       = min_lr                                                   after D
 with f = 1 (constant), 1 - x (linear) or (cos(pi x) + 1) / 2 (cosine);
-inverse-square-root: max(min_lr, lr * sqrt(max(W, 1) / max(p, 1))) after the warm-up.
+inverse-square-root: max(min_lr, lr * sqrt(max(W, 1) / max(p, 1))) after the warm-up, min_lr after D.
 p counts the samples (or tokens) of the optimizer steps already taken (so with warm-up the first
 step has lr 0): the loop tells the schedule what each step consumes (`set_next_step`), so a batch
 size ramp-up and a sequence-length curriculum move it by what they really consume (Megatron-DeepSpeed
@@ -50,8 +50,8 @@ class Schedule:
     min_lr: float
     decay_style: str
     unit: str
-    warmup: int
-    """Warm-up length, in `unit`."""
+    warmup: float
+    """Warm-up length, in `unit` (fractional from --lr-warmup-fraction, as Megatron keeps it)."""
     decay: int
     """Position (in `unit`) where the decay reaches min_lr."""
     wd_incr_style: str = "constant"
@@ -67,28 +67,15 @@ class Schedule:
 
 def build_schedule(opt: OptimizerConfig, train_iters: int, global_batch_size: int, seq_length: int) -> Schedule:
     """The schedule the optimizer config describes, in samples, or in tokens if any bound is in tokens."""
-    in_tokens = opt.lr_warmup_tokens is not None or opt.lr_decay_tokens is not None
-    per_sample = seq_length if in_tokens else 1  # one sample in the schedule's unit
-    if opt.lr_warmup_tokens is not None:
-        warmup = opt.lr_warmup_tokens
-    elif opt.lr_warmup_samples:
-        warmup = opt.lr_warmup_samples * per_sample
-    else:
-        warmup = opt.lr_warmup_iters * global_batch_size * per_sample
-    if opt.lr_decay_tokens is not None:
-        decay = opt.lr_decay_tokens
-    elif opt.lr_decay_samples is not None:
-        decay = opt.lr_decay_samples * per_sample
-    else:
-        decay = (opt.lr_decay_iters or train_iters) * global_batch_size * per_sample
+    unit, warmup, decay = opt.schedule_lengths(train_iters, global_batch_size, seq_length)
     # A constant weight decay stays with the optimizer groups (and out of the compared schedule).
     start_wd, end_wd = opt.weight_decay_range() if opt.weight_decay_incr_style != "constant" else (0.0, 0.0)
     return Schedule(
         max_lr=opt.lr,
         min_lr=opt.min_lr,
         decay_style=opt.lr_decay_style,
-        unit=TOKENS if in_tokens else SAMPLES,
-        warmup=int(warmup),
+        unit=unit,
+        warmup=warmup,
         decay=int(decay),
         wd_incr_style=opt.weight_decay_incr_style,
         start_wd=start_wd,
@@ -122,10 +109,10 @@ def learning_rate(s: Schedule, progress: int) -> float:
         return s.max_lr * (progress / s.warmup)
     if s.decay_style == "constant":
         return s.max_lr
+    if progress > s.decay:  # Megatron tests this before the decay style (inverse-square-root too)
+        return s.min_lr
     if s.decay_style == "inverse-square-root":
         return max(s.min_lr, s.max_lr * math.sqrt(max(s.warmup, 1) / max(progress, 1)))
-    if progress > s.decay:
-        return s.min_lr
     x = (progress - s.warmup) / (s.decay - s.warmup)
     factor = 1.0 - x if s.decay_style == "linear" else 0.5 * (math.cos(math.pi * x) + 1.0)
     return s.min_lr + (s.max_lr - s.min_lr) * factor

@@ -114,6 +114,8 @@ def half(tmp_path_factory: pytest.TempPathFactory) -> dict:
     save = tmp_path_factory.mktemp("half") / "ckpt"
     out = pretrain(3, *STRAIGHT, "--save", str(save), "--exit-interval", "3")
     assert out.returncode == 0, out.stdout[-4000:]
+    # Megatron exits right after saving: no final validation and test evaluation (there was one)
+    assert "exiting at iteration 3 (--exit-interval)" in out.stdout and not TEST_LOSS.search(out.stdout)
     return {"save": save, "losses": losses(out.stdout)}
 
 

@@ -50,7 +50,7 @@ def test_flags_map_onto_config() -> None:
     assert cfg.parallel.pp_dedicated_embedding_stages == "both"  # the bare flag means both
     assert cfg.parallel.data_parallel_size == 2 and cfg.grad_accumulation_steps == 2
     assert cfg.training.precision == "bf16" and cfg.training.zero_stage == 1
-    assert cfg.optimizer.clip_grad == 0.5 and cfg.optimizer.lr_warmup_iters == 2
+    assert cfg.optimizer.clip_grad == 0.5 and cfg.optimizer.lr_warmup_fraction == 0.2
 
 
 def test_dedicated_choices_and_padding_with_tensor_parallel() -> None:

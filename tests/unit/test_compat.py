@@ -197,6 +197,16 @@ def test_recompute_flags_map_onto_activation_checkpointing() -> None:
     assert not parse().training.checkpoint_activations
 
 
+def test_checkpoint_activations_chunks_by_checkpoint_num_layers_alone(capsys: pytest.CaptureFixture) -> None:
+    # Megatron-DeepSpeed's GPTModelPipe: --checkpoint-activations takes --checkpoint-num-layers (default 1) and leaves
+    # --recompute-num-layers unused; the chunk was 2 here.
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"]
+    assert parse("--checkpoint-activations", *full).training.checkpoint_num_layers == 1
+    assert "--recompute-num-layers 2 is not used with --checkpoint-activations" in capsys.readouterr().err
+    assert parse("--checkpoint-activations", *full[:-1], "1").training.checkpoint_num_layers == 1
+    assert capsys.readouterr().err == ""
+
+
 def test_a_recompute_interval_that_leaves_layers_unrecomputed_is_a_notice() -> None:
     """Megatron-LM recomputes every layer in groups of --recompute-num-layers; DeepSpeed only chunks of transformer
     layers alone, counted from the stage's first function: 4 layers after the embedding's functions in chunks of 4

@@ -101,12 +101,43 @@ def test_iterations_samples_and_tokens_give_the_same_schedule(style: str) -> Non
 def test_warmup_fraction_and_default_decay_match_across_units() -> None:
     by_iters = config("--train-iters", "20", "--lr-warmup-fraction", "0.25", "--lr-decay-style", "cosine")
     by_samples = config("--train-samples", str(20 * GBS), "--lr-warmup-fraction", "0.25", "--lr-decay-style", "cosine")
-    assert by_iters.optimizer.lr_warmup_iters == 5 and by_iters.optimizer.lr_decay_iters == 20
-    assert by_samples.optimizer.lr_warmup_samples == 40 and by_samples.optimizer.lr_decay_samples == 160
+    assert by_iters.optimizer.lr_decay_iters == 20 and by_samples.optimizer.lr_decay_samples == 160
+    for cfg in (by_iters, by_samples):
+        assert build_schedule(cfg.optimizer, 20, GBS, SEQ).warmup == 40
     assert lrs(by_iters, 22) == lrs(by_samples, 22)
     by_tokens = config("--train-iters", "20", "--lr-decay-tokens", str(20 * GBS * SEQ), "--lr-warmup-fraction", "0.25")
-    assert by_tokens.optimizer.lr_warmup_tokens == 5 * GBS * SEQ
+    assert build_schedule(by_tokens.optimizer, 20, GBS, SEQ).warmup == 5 * GBS * SEQ
     assert lrs(by_tokens, 22) == lrs(config("--train-iters", "20", "--lr-warmup-fraction", "0.25"), 22)
+
+
+def test_a_warmup_fraction_is_not_rounded_to_whole_steps() -> None:
+    # Megatron: lr_warmup_steps = lr_warmup_fraction * lr_decay_steps, in samples, a float. Half of a 5-iteration
+    # decay is 2.5 iterations (20 samples); it was truncated to 2.
+    cfg = config("--train-iters", "6", "--lr-decay-iters", "5", "--lr-warmup-fraction", "0.5", "--min-lr", "0")
+    assert build_schedule(cfg.optimizer, 6, GBS, SEQ).warmup == 20.0
+    assert lrs(cfg, 6) == pytest.approx([0.0, 4e-4, 8e-4, 8e-4, 4e-4, 0.0])
+    assert build_schedule(
+        config("--train-iters", "100", "--lr-warmup-fraction", "0.29").optimizer, 100, GBS, SEQ
+    ).warmup == (
+        0.29 * 100 * GBS  # 231.99999999999997, as Megatron computes it; int() gave 28 iterations
+    )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--lr-warmup-iters", "10"],
+        ["--lr-warmup-iters", "20"],
+        ["--lr-decay-iters", "5", "--lr-warmup-iters", "6"],
+        ["--lr-warmup-fraction", "1"],
+    ],
+)
+def test_a_warmup_as_long_as_the_decay_is_refused(flags: list[str]) -> None:
+    # Megatron's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps; the run only ever warmed up.
+    with pytest.raises(ConfigError) as err:
+        config("--train-iters", "10", *flags)
+    assert f"{flags[-2]} {flags[-1]} warms up over" in str(err.value) and "shorter than the decay" in str(err.value)
+    assert config("--train-iters", "10", "--lr-warmup-iters", "9").optimizer.lr_warmup_iters == 9
 
 
 def test_build_schedule_units() -> None:
@@ -132,6 +163,8 @@ def test_shapes_at_key_points() -> None:
     assert learning_rate(cos, 110) == pytest.approx(0.1) and learning_rate(cos, 111) == 0.1
     assert learning_rate(const, 60) == 1.0 and learning_rate(const, 10_000) == 1.0
     assert learning_rate(isr, 40) == pytest.approx(0.5) and learning_rate(isr, 4000) == 0.1  # floored at min_lr
+    # past the decay it is min_lr, as Megatron (it tests the decay's end before the style); it went on as sqrt(W / p)
+    assert learning_rate(isr, 110) == pytest.approx(math.sqrt(10 / 110)) and learning_rate(isr, 111) == 0.1
 
 
 def make(sched: Schedule, **kw) -> LRSchedule:
