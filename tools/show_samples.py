@@ -32,7 +32,7 @@ from megatron_ds.config import TrainingConfig
 from megatron_ds.config.checks import at_least
 from megatron_ds.config.training import check_global_batch
 from megatron_ds.errors import ConfigError, UserError, interrupted, stop_cleanly_on_sigterm
-from megatron_ds.flags import compat
+from megatron_ds.flags import compat, step_flags
 from megatron_ds.flags.lengths import train_length
 from megatron_ds.flags.parser import build_parser
 from megatron_ds.flags.to_config import data_config, direct_values
@@ -70,11 +70,21 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
     direct = direct_values(args).get("training", {})
     mbs = 1 if args.micro_batch_size is None else args.micro_batch_size
     dp = data_parallel_size(args)
-    gbs = mbs * dp if args.global_batch_size is None else args.global_batch_size
+    schedule = step_flags.step_schedule(args.step_batch_size_schedule, args.seq_length)
+    gbs = step_flags.global_batch_size(args, schedule, mbs * dp)
     keep = {k: direct[k] for k in ("eval_interval", "eval_iters", "seed")}
-    training = TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, **keep)
+    training = TrainingConfig(  # the batch sizes that decide the training length, as pretrain_gpt.py's
+        micro_batch_size=mbs,
+        global_batch_size=gbs,
+        rampup_batch_size=step_flags.rampup(args),
+        step_batch_size_schedule=schedule,
+        curriculum=step_flags.curriculum(args.deepspeed_config),
+        **keep,
+    )
     check_global_batch(gbs, mbs, dp)
-    return dataclasses.replace(training, train_iters=train_length(args, gbs, args.seq_length)[0])
+    sizes = training if training.varies else None
+    iters = train_length(args, gbs, args.seq_length, sizes)[0]
+    return dataclasses.replace(training, train_iters=iters, train_samples=args.train_samples)
 
 
 def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any, list[list[int]] | None]:

@@ -220,6 +220,9 @@ class TrainingConfig:
     of micro_batch_size x data-parallel size (checked by `Config`)."""
     train_iters: int = 0
     """Optimizer steps to train (`--train-iters`, or derived from `--train-samples`; capped by `--train-tokens`)."""
+    train_samples: int | None = None
+    """`--train-samples` when training is sample-based: the training split's size (Megatron asks the dataset for
+    exactly these; `train_iters` runs their whole global batches); None: `train_iters` x the global batch size."""
     eval_interval: int = 1000
     """Evaluate on the validation split every this many iterations (`--eval-interval`)."""
     eval_iters: int = 100

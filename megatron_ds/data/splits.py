@@ -168,11 +168,12 @@ def _empty_part_error(
 
 
 def requested_samples(training: TrainingConfig) -> tuple[int, int, int]:
-    """Samples each split must provide, as both upstreams' training.py computes them: every
-    training iteration, every evaluation (one per --eval-interval and one at the end) and one test."""
+    """Samples each split must provide, as both upstreams' training.py computes them: --train-samples, or every
+    training iteration's batch; every evaluation (one per --eval-interval and one at the end) and one test."""
     gbs, t = training.global_batch_size, training
     evaluations = (t.train_iters // t.eval_interval + 1) * t.eval_iters
-    return t.train_iters * gbs, evaluations * gbs, t.eval_iters * gbs
+    train = t.train_iters * gbs if t.train_samples is None else t.train_samples
+    return train, evaluations * gbs, t.eval_iters * gbs
 
 
 def _split_matrix(split: str) -> list[tuple[float, float] | None]:

@@ -48,22 +48,70 @@ def steps_to_reach(sizes: StepSizes, seq_length: int, samples: int | None, token
     return step + min(more)
 
 
+def rampup_steps(sizes: StepSizes, ramp_samples: int, samples: int, gbs: int) -> int:
+    """--train-samples' iterations under --rampup-batch-size as Megatron-DeepSpeed's `update_train_iters` counts them:
+    the ramp-up's steps while the consumed samples are at most its length, then `(samples - consumed) // gbs` (a last
+    partial batch is not run)."""
+    step, consumed = 0, 0
+    while consumed <= ramp_samples:
+        consumed, step = consumed + sizes.batch_size_at(consumed), step + 1
+    return step + (samples - consumed) // gbs
+
+
+def samples_after(sizes: StepSizes, seq_length: int, steps: int) -> int:
+    """The samples `steps` steps consume under a batch-size schedule."""
+    settle_samples, settle_step = sizes.sizes_settle_at(seq_length)
+    step, consumed = 0, 0
+    while step < steps and (consumed < settle_samples or step < settle_step):
+        consumed, step = consumed + sizes.batch_size_at(consumed), step + 1
+    return consumed + (steps - step) * sizes.batch_size_at(consumed)
+
+
+def rampup_decay_notice(args: argparse.Namespace, gbs: int, seq_length: int, sizes: StepSizes) -> str | None:
+    """--rampup-batch-size with --train-iters: the iterations consume fewer samples than the decay they default to
+    spans (--train-iters x the global batch size), so training ends before the decay. Megatron-DeepSpeed refuses the
+    pair; Megatron-LM runs it as here."""
+    if args.rampup_batch_size is None or args.train_iters is None or args.lr_decay_tokens is not None:
+        return None
+    consumed = samples_after(sizes, seq_length, args.train_iters)
+    decay = (args.lr_decay_iters or args.train_iters) * gbs
+    if consumed >= decay:
+        return None
+    return (
+        f"--rampup-batch-size with --train-iters {args.train_iters}: the ramp-up's smaller batches make them consume "
+        f"{consumed} samples, but the learning-rate decay spans {decay} (--lr-decay-iters, by default --train-iters, x "
+        f"--global-batch-size {gbs}), so training ends before the decay does; Megatron-DeepSpeed refuses this pair, "
+        f"Megatron-LM runs it as here; give --train-samples (and --lr-decay-samples) for a decay that ends with training"
+    )
+
+
+def _too_short(samples: int, gbs: int) -> ConfigError:
+    return ConfigError(
+        f"--train-samples {samples} is less than one global batch of {gbs} samples: Megatron runs only whole "
+        f"batches (train_samples // global batch size iterations); give at least {gbs}"
+    )
+
+
 def train_length(
     args: argparse.Namespace, gbs: int, seq_length: int, sizes: StepSizes | None = None
 ) -> tuple[int, int]:
     """(train_iters, budget): the iterations to run, and those of --train-iters/--train-samples alone
-    (what the lr decay defaults to; --train-tokens may stop training earlier). With `sizes` (a
-    batch-size schedule or a curriculum), samples and tokens are counted step by step."""
+    (what the lr decay defaults to; --train-tokens may stop training earlier). --train-samples runs its whole
+    global batches, as Megatron (`update_train_iters`: train_samples // global batch size; the dataset is still
+    asked for all of them). With `sizes` (a batch-size schedule or a curriculum), samples and tokens are counted
+    step by step."""
     if args.train_iters is not None and args.train_samples is not None:
         raise ConfigError("--train-iters and --train-samples were both given; keep one")
     for dest in ("train_iters", "train_samples", "train_tokens"):
         if getattr(args, dest) is not None and getattr(args, dest) < 1:
             raise ConfigError(f"{flag_of(dest)} {getattr(args, dest)} must be >= 1")
     if sizes is not None:
-        return _scheduled_length(args, seq_length, sizes)
+        return _scheduled_length(args, gbs, seq_length, sizes)
     by_tokens = math.ceil(args.train_tokens / (gbs * seq_length)) if args.train_tokens is not None else None
     if args.train_samples is not None:
-        budget = math.ceil(args.train_samples / gbs)
+        budget = args.train_samples // gbs
+        if budget == 0:
+            raise _too_short(args.train_samples, gbs)
     elif args.train_iters is not None:
         budget = args.train_iters
     elif by_tokens is not None:
@@ -75,10 +123,15 @@ def train_length(
     return min(budget, by_tokens or budget), budget
 
 
-def _scheduled_length(args: argparse.Namespace, seq_length: int, sizes: StepSizes) -> tuple[int, int]:
+def _scheduled_length(args: argparse.Namespace, gbs: int, seq_length: int, sizes: StepSizes) -> tuple[int, int]:
     """`train_length` when the batch size or the sequence length changes from step to step."""
-    if args.train_samples is not None:
-        budget = steps_to_reach(sizes, seq_length, args.train_samples, None)
+    if args.train_samples is not None and args.step_batch_size_schedule is not None:
+        budget = steps_to_reach(sizes, seq_length, args.train_samples, None)  # Megatron-LM's loop: a partial last step
+    elif args.train_samples is not None:
+        ramp = args.rampup_batch_size
+        budget = args.train_samples // gbs if ramp is None else rampup_steps(sizes, ramp[2], args.train_samples, gbs)
+        if budget < 1:
+            raise _too_short(args.train_samples, gbs)
     elif args.train_iters is not None:
         budget = args.train_iters
     elif args.train_tokens is not None:

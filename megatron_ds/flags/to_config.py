@@ -38,7 +38,7 @@ from megatron_ds.flags import compat, dry_run, model_flags, schedule_flags, step
 from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.deepspeed_json import json_default
-from megatron_ds.flags.lengths import schedule_lengths, train_length
+from megatron_ds.flags.lengths import rampup_decay_notice, schedule_lengths, train_length
 from megatron_ds.flags.registry import FLAGS
 
 __all__ = ["ConfigError", "build_config", "warn"]
@@ -290,7 +290,11 @@ def _training_config(
         curriculum=step_flags.curriculum(args.deepspeed_config),
     )  # checked before train_length divides by the batch size
     sizes = training if training.varies else None
-    return dataclasses.replace(training, train_iters=train_length(args, gbs, model.seq_length, sizes)[0])
+    iters = train_length(args, gbs, model.seq_length, sizes)[0]
+    notice = rampup_decay_notice(args, gbs, model.seq_length, training) if training.rampup_batch_size else None
+    if notice:
+        model_flags.notice(notice)
+    return dataclasses.replace(training, train_iters=iters, train_samples=args.train_samples)
 
 
 _LOSS_SCALE_FLAGS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")

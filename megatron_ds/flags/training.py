@@ -37,9 +37,10 @@ TRAINING: tuple[Flag, ...] = (
     accepted(
         "--train-samples",
         _TRAIN,
-        "sample-based training: iterations = ceil(samples / global batch) (Megatron rounds down); lr flags must "
-        "then be sample- or token-based",
-        "training.train_iters",
+        "sample-based training: the training split's size; iterations = samples // global batch (a batch ramp-up's "
+        "steps as Megatron-DeepSpeed counts them, a --step-batch-size-schedule's as Megatron-LM); lr flags must then "
+        "be sample- or token-based",
+        fields=("training.train_iters", "training.train_samples"),
         type=int,
         default=None,
         derived=True,

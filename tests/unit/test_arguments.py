@@ -72,7 +72,7 @@ def test_train_samples_become_iterations() -> None:
         [*MODEL, "--vocab-size", "100", "--global-batch-size", "8", "--train-samples", "20", "--lr", "1e-3"],
         world_size=1,
     )[0]
-    assert cfg.training.train_iters == 3
+    assert cfg.training.train_iters == 2 and cfg.training.train_samples == 20  # whole batches, as Megatron
 
 
 def test_config_round_trips_through_dict() -> None:

@@ -268,7 +268,7 @@ def test_deepspeed_activation_checkpointing_alone_warns(capsys: pytest.CaptureFi
 
 def test_train_samples_and_tokens_become_iterations() -> None:
     # 8 samples x 16 tokens = 128 tokens per iteration
-    assert parse_config([*BASE[:-4], "--train-samples", "20", "--lr", "1"], world_size=1)[0].training.train_iters == 3
+    assert parse_config([*BASE[:-4], "--train-samples", "20", "--lr", "1"], world_size=1)[0].training.train_iters == 2
     cfg = parse("--train-tokens", str(128 * 4 + 1))
     assert cfg.training.train_iters == 5 and cfg.training.train_tokens == 513  # the smaller limit wins
     assert cfg.optimizer.lr_decay_iters == 10  # the decay still spans --train-iters

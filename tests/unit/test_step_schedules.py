@@ -164,6 +164,56 @@ def brute_force(training, seq: int, samples: int | None, tokens: int | None) -> 
     return step
 
 
+def megatron_deepspeed_iters(training, ramp_samples: int, train_samples: int) -> int:
+    """Megatron-DeepSpeed's `update_train_iters` (megatron/training.py at 4efb479) with a batch ramp-up."""
+    iterations = consumed_samples = 0
+    while consumed_samples <= ramp_samples:
+        consumed_samples += training.batch_size_at(consumed_samples)
+        iterations += 1
+    return iterations + (train_samples - consumed_samples) // training.global_batch_size
+
+
+@pytest.mark.parametrize("train_samples", [40, 100, 160, 161, 1000])
+def test_train_samples_with_a_rampup_run_megatron_deepspeeds_iterations_and_read_exactly_them(
+    train_samples: int,
+) -> None:
+    # The dataset was asked for iterations x the final batch (224 for 160 samples), so every sample differed;
+    # tools/show_samples.py counted without the ramp-up and so showed yet other samples.
+    from megatron_ds.data.demo_corpus import _load_tool
+    from megatron_ds.data.splits import requested_samples
+
+    tool = _load_tool("show_samples")
+    argv = ["--rampup-batch-size", "2", "2", "40", "--global-batch-size", "8", "--train-samples", str(train_samples)]
+    t = parse(*argv).training
+    assert t.train_iters == megatron_deepspeed_iters(t, 40, train_samples)
+    assert requested_samples(t)[0] == train_samples
+    shown = tool.training_config(tool.parse_args([*BASE, "--seq-length", str(SEQ), *argv, "--mock-data"]))
+    assert (shown.train_iters, requested_samples(shown)) == (t.train_iters, requested_samples(t))
+
+
+def test_train_samples_not_a_multiple_of_the_batch_run_whole_batches() -> None:
+    from megatron_ds.data.splits import requested_samples
+
+    t = parse("--global-batch-size", "8", "--train-samples", "161").training
+    assert (t.train_iters, requested_samples(t)[0]) == (20, 161)  # Megatron: 161 // 8, and all 161 asked for
+    with pytest.raises(ConfigError, match=r"--train-samples 5 is less than one global batch of 8 samples"):
+        parse("--global-batch-size", "8", "--train-samples", "5")
+
+
+def test_a_rampup_with_train_iters_says_the_decay_outlasts_training(capsys: pytest.CaptureFixture) -> None:
+    # Megatron-DeepSpeed refuses the pair (Megatron-LM runs it): 6 ramp-up steps consume 12 samples of a 48-sample decay
+    parse("--rampup-batch-size", "2", "2", "40", "--global-batch-size", "8", "--train-iters", "6")
+    err = capsys.readouterr().err
+    assert (
+        "NOTICE: --rampup-batch-size with --train-iters 6: the ramp-up's smaller batches make them consume 12 " in err
+    )
+    assert "the learning-rate decay spans 48" in err
+    parse(
+        "--rampup-batch-size", "2", "2", "40", "--global-batch-size", "8", "--train-iters", "6", "--lr-decay-iters", "1"
+    )
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("curriculum_name", [None, "linear", "discrete, never max"])
 def test_training_length_counts_each_steps_samples_and_tokens(tmp_path: Path, curriculum_name: str | None) -> None:
     argv = ["--rampup-batch-size", "2", "2", "30", "--global-batch-size", "8"]
@@ -174,7 +224,7 @@ def test_training_length_counts_each_steps_samples_and_tokens(tmp_path: Path, cu
     t = parse(*argv, "--train-iters", "10").training
     for samples, tokens in ((1, None), (31, None), (500, None), (None, 1), (None, 3000), (200, 9000)):
         assert steps_to_reach(t, SEQ, samples, tokens) == brute_force(t, SEQ, samples, tokens)
-    assert parse(*argv, "--train-samples", "100").training.train_iters == brute_force(t, SEQ, 100, None)
+    assert parse(*argv, "--train-samples", "100").training.train_iters == megatron_deepspeed_iters(t, 30, 100)
     assert parse(*argv, "--train-tokens", "3000").training.train_iters == brute_force(t, SEQ, None, 3000)
     capped = parse(*argv, "--train-iters", "10", "--train-tokens", "3000").training
     assert capped.train_iters == min(10, brute_force(t, SEQ, None, 3000)) and capped.train_tokens == 3000
