@@ -119,6 +119,29 @@ def half(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"save": save, "losses": losses(out.stdout)}
 
 
+def test_a_missing_or_cut_rank_file_is_one_line_on_every_rank(half: dict, tmp_path: Path) -> None:
+    """A resume as saved checks every rank's files first: a missing RNG state was skipped without a word (Megatron
+    names --no-load-rng), a cut engine state was a zip-reader traceback on one rank and 'Connection closed by peer'
+    on the others."""
+    import shutil
+
+    ours = [f'File "{ROOT / "megatron_ds"}', 'pretrain_gpt.py", line']
+    for damage, needle in (("rng", "rng_rank1.pt: missing; give --no-load-rng"), ("cut", "cut short or damaged")):
+        copy = tmp_path / damage
+        shutil.copytree(half["save"], copy)
+        step = copy / "global_step3"
+        if damage == "rng":
+            (step / "rng_rank1.pt").unlink()
+        else:
+            (step / "mp_rank_01_model_states.pt").write_bytes((step / "mp_rank_01_model_states.pt").read_bytes()[:500])
+        out = pretrain(3, *STRAIGHT, "--load", str(copy))
+        assert out.returncode not in (0, -9), out.stdout[-4000:]
+        assert not any(frame in out.stdout for frame in ours), out.stdout[-4000:]
+        assert sorted(re.findall(r"\[rank (\d)\] error: .*" + re.escape(needle), out.stdout)) == ["0", "1", "2"], (
+            out.stdout[-4000:]
+        )
+
+
 def test_resume_is_exact(straight: dict, half: dict, tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
     second = pretrain(3, *STRAIGHT, "--load", str(half["save"]), "--save", str(save))

@@ -33,6 +33,10 @@ def test_missing_empty_or_only_our_hidden_leftovers_is_a_first_launch(tmp_path: 
     new.mkdir()
     (new / ".incomplete.global_step2").mkdir()  # a save that crashed before the first checkpoint
     (new / ".write_probe_123").write_text("ok")
+    # DeepSpeed's ZeRO save copies its recovery scripts into the directory before the checkpoint: a first save that
+    # failed (a full disk) left them, and the relaunch of the same line was refused as holding foreign files
+    (new / "zero_to_fp32.py").write_text("# DeepSpeed's")
+    (new / "zero_to_torch.py").write_text("# DeepSpeed's")
     assert save_load.check_dirs(config(load=str(new), save=str(new))) == [first_launch_notice(str(new))]
     assert first_launch_notice(str(new)) == (
         f"NOTICE: --load {new} holds no checkpoint yet: starting from scratch, as Megatron-DeepSpeed does "
@@ -99,3 +103,17 @@ def test_a_dry_run_creates_nothing_but_checks_the_save_directory(tmp_path: Path)
         save_load.check_dirs(config(save=str(tmp_path / "file" / "sub")), dry_run=True)
     save_load.check_dirs(config(save=str(save)))
     assert save.is_dir()  # a launch creates it
+
+
+def test_one_checkpoints_own_directory_says_to_name_its_tag(tmp_path: Path) -> None:
+    # --load DIR/global_step3 listed the files inside it
+    step = tmp_path / "ckpt" / "global_step3"
+    step.mkdir(parents=True)
+    (step / "megatron_ds.json").write_text("{}")
+    (step / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError) as err:
+        check_without_checkpoint(str(step), exit_on_missing=False)
+    assert str(err.value) == (
+        f"--load {step}: the directory of one checkpoint, not of the checkpoints; give --load {tmp_path / 'ckpt'} "
+        "--load-tag global_step3"
+    )

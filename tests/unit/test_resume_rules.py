@@ -28,6 +28,27 @@ def test_another_dropout_and_init_std_resume_with_a_notice() -> None:
     assert rules.regularization_notice(meta(SAVED), SAVED, "ckpt", "global_step6") is None
 
 
+def test_fields_that_shape_no_weight_change_with_a_notice() -> None:
+    # Megatron does not compare them: fine-tuning (or resuming) at another context length or rope base was refused as
+    # "another architecture", also under --finetune
+    rotary = SAVED.replace(
+        model__use_rotary_position_embeddings=True,
+        model__add_position_embedding=False,
+        model__max_position_embeddings=32,
+    )
+    now = rotary.replace(model__seq_length=8, model__rotary_base=500000.0, model__max_position_embeddings=64)
+    for run in (now, now.replace(checkpoint__finetune=True)):
+        rules.check_compatible(meta(rotary), run, "ckpt", "global_step6")  # no error
+    assert rules.weight_free_notice(meta(rotary), now, "ckpt", "global_step6") == (
+        "NOTICE: --load ckpt (global_step6): seq_length 16 -> 8; rotary_base 10000.0 -> 500000.0; "
+        "max_position_embeddings 32 -> 64: these shape no weight, so the checkpoint loads and trains on with the new values (Megatron does not "
+        "compare them)"
+    )
+    assert rules.weight_free_notice(meta(rotary), rotary, "ckpt", "global_step6") is None
+    learned = SAVED.replace(model__max_position_embeddings=64)  # a position table of another size: a weight's shape
+    assert rules.architecture_mismatch(meta(SAVED), learned) == ["max_position_embeddings 16 (checkpoint) vs 64 (now)"]
+
+
 def test_another_hidden_size_is_still_refused() -> None:
     now = SAVED.replace(model__hidden_size=64, regularization__hidden_dropout=0.0)
     with pytest.raises(CheckpointError) as err:

@@ -4,7 +4,8 @@ Megatron-DeepSpeed's launch scripts pass the same directory as `--save` and `--l
 launch finds nothing to resume and starts from scratch (Megatron prints a warning and carries on).
 We do the same, with one NOTICE line, when the directory does not exist or holds nothing but what
 an earlier launch of ours leaves before its first checkpoint (hidden names: a crashed save's
-`.incomplete.*`, a write probe). A directory that holds anything else but no `latest` file is an
+`.incomplete.*`, a write probe; DeepSpeed's `zero_to_fp32.py` and `zero_to_torch.py`, which a ZeRO save
+copies in before the checkpoint). A directory that holds anything else but no `latest` file is an
 error naming what it found: a typo'd path or a parent directory would otherwise silently train a
 new model over the old one's schedule. `--exit-on-missing-checkpoint` makes the first case an
 error too, as in Megatron. Pure: the standard library only.
@@ -20,6 +21,9 @@ MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's tracker file (Megatron-LM, and Megatron-DeepSpeed beside DeepSpeed's `latest`)."""
 _SHOWN = 4
 """Entries named in the error; the rest are counted."""
+DEEPSPEED_RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+"""What DeepSpeed's ZeRO save copies into the save directory itself before it writes the checkpoint
+(`DeepSpeedEngine._copy_recovery_script`): a first save that failed leaves them without `latest`."""
 
 
 def first_launch_notice(load_dir: str, finetune: bool = False) -> str:
@@ -46,6 +50,12 @@ def check_without_checkpoint(load_dir: str, exit_on_missing: bool, finetune: boo
             f"--load {load_dir}: a Hugging Face model directory (config.json), not a checkpoint; import it first: "
             f"python tools/convert_checkpoint.py --from hf {load_dir} OUT, then --load OUT with the flags it prints"
         )
+    if META in found:  # one tag's directory (global_stepN/)
+        parent, name = os.path.split(os.path.normpath(load_dir))
+        raise CheckpointError(
+            f"--load {load_dir}: the directory of one checkpoint, not of the checkpoints; give --load {parent} "
+            f"--load-tag {name}"
+        )
     if found:
         raise CheckpointError(
             f"--load {load_dir}: no checkpoint (no 'latest' file) but it holds {_describe(load_dir, found)}; "
@@ -60,10 +70,12 @@ def check_without_checkpoint(load_dir: str, exit_on_missing: bool, finetune: boo
 
 
 def unexpected_entries(load_dir: str) -> list[str]:
-    """Sorted names in `load_dir` other than hidden leftovers of ours ([] when it does not exist)."""
+    """Sorted names in `load_dir` other than leftovers of a launch that had not saved its first checkpoint: hidden
+    names of ours and DeepSpeed's recovery scripts ([] when it does not exist)."""
     if not os.path.isdir(load_dir):
         return []
-    return sorted(name for name in os.listdir(load_dir) if not name.startswith("."))
+    leftovers = set(DEEPSPEED_RECOVERY_SCRIPTS)
+    return sorted(name for name in os.listdir(load_dir) if not name.startswith(".") and name not in leftovers)
 
 
 def _describe(load_dir: str, names: list[str]) -> str:

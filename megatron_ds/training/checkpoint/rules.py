@@ -14,9 +14,23 @@ from megatron_ds.config import Config
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.checkpoint.directory import CheckpointError, converted_from
 
-WEIGHT_FREE_FIELDS = ("seq_length",)
-"""Architecture fields that shape no weight: a weights-only checkpoint (an import) may be trained on
-with other values. (Dropout and init std are not architecture at all: `regularization_changes`.)"""
+WEIGHT_FREE_FIELDS = (
+    "seq_length",
+    "layernorm_epsilon",
+    "rotary_base",
+    "rotary_percent",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+)
+"""Architecture fields that shape no weight: a run may load the checkpoint with other values, as Megatron's
+checkpoint-argument check does not compare them (fine-tuning at another context length, a longer rope base);
+`max_position_embeddings` too when neither model has a position table. A resume prints the change
+(`weight_free_notice`). (Dropout and init std are not architecture at all: `regularization_changes`.)"""
+
+
+def _weight_free(theirs: dict[str, Any], ours: dict[str, Any]) -> tuple[str, ...]:
+    no_table = not theirs.get("add_position_embedding", True) and not ours.get("add_position_embedding", True)
+    return WEIGHT_FREE_FIELDS + (("max_position_embeddings",) if no_table else ())
 
 
 def is_weights_only(meta: dict[str, Any]) -> bool:
@@ -47,15 +61,31 @@ def architecture_mismatch(saved: dict[str, Any], config: Config) -> list[str]:
 
     Regularization (dropout, init std) is not architecture: see `regularization_changes`.
     """
-    ours = config.to_dict()["model"]
-    # Through from_dict, fields added after the checkpoint was written take their defaults.
-    theirs = Config.from_dict(saved["config"]).to_dict()["model"]
-    free = WEIGHT_FREE_FIELDS if is_weights_only(saved) else ()
+    theirs, ours = _models(saved, config)
+    free = _weight_free(theirs, ours)
     return [
         f"{k} {theirs.get(k)!r} (checkpoint) vs {v!r} (now)"
         for k, v in ours.items()
         if theirs.get(k) != v and k not in free
     ]
+
+
+def _models(saved: dict[str, Any], config: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+    # Through from_dict, fields added after the checkpoint was written take their defaults.
+    return Config.from_dict(saved["config"]).to_dict()["model"], config.to_dict()["model"]
+
+
+def weight_free_notice(saved: dict[str, Any], config: Config, load_dir: str, tag: str) -> str | None:
+    """The one-line notice of a resume that changes fields which shape no weight (None for an import: a
+    weights-only checkpoint was not trained here)."""
+    theirs, ours = _models(saved, config)
+    changes = [f"{k} {theirs.get(k)!r} -> {ours[k]!r}" for k in _weight_free(theirs, ours) if theirs.get(k) != ours[k]]
+    if not changes or is_weights_only(saved):
+        return None
+    return (
+        f"NOTICE: --load {load_dir} ({tag}): {'; '.join(changes)}: these shape no weight, so the checkpoint loads "
+        f"and trains on with the new values (Megatron does not compare them)"
+    )
 
 
 def regularization_changes(saved: dict[str, Any], config: Config) -> list[str]:

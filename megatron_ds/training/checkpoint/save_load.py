@@ -28,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import zipfile
 from dataclasses import asdict
 from typing import Any
 
@@ -56,6 +57,7 @@ from megatron_ds.training.checkpoint.rules import (
     regularization_notice,
     topology_changes,
     universal_refusal,
+    weight_free_notice,
 )
 from megatron_ds.training.checkpoint.tokenizer_check import tokenizer_notice
 from megatron_ds.training.checkpoint.universal import restore, store
@@ -211,6 +213,7 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
     moved = ["universal form"] if universal else topology_changes(meta, config, layout, dist.get_world_size())
     for notice in (
         regularization_notice(meta, config, load_dir, tag),
+        weight_free_notice(meta, config, load_dir, tag),
         None if weights_only else precision_notice(meta, config, load_dir, tag),
         *resume_flag_notices(meta, config, load_dir, tag),
     ):
@@ -240,7 +243,7 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
         )
         restore.load_training_state(engine, config, layout, store.Universal(path))
     else:
-        check_layer_files(engine, os.path.join(load_dir, tag))
+        check_rank_files(engine, config, load_dir, tag)
         engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     rng_file = os.path.join(load_dir, tag, f"rng_rank{dist.get_rank()}.pt")
     if not moved and not ck.no_load_rng and not ck.finetune and os.path.isfile(rng_file):
@@ -297,6 +300,42 @@ def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, ta
         return
     ckpt = reader.open_checkpoint(directory)
     restore.load_weights(engine, config, layout, lambda t: reader.read_spec_tensor(ckpt, t.spec_index, t.key, t.rule))
+
+
+def check_rank_files(engine: Any, config: Config, load_dir: str, tag: str) -> None:
+    """Before DeepSpeed loads the checkpoint as saved: every file of each rank's (its weights, its engine state, its
+    ZeRO partition, its RNG state) is there and whole, agreed on all ranks, so a missing or cut file is the same
+    one-line CheckpointError everywhere instead of one rank's traceback from DeepSpeed's loader (and the others'
+    'Connection closed by peer'). A missing RNG state is an error unless --no-load-rng, as Megatron's."""
+    import torch.distributed as dist
+
+    directory = os.path.join(load_dir, tag)
+    problems = []
+    try:
+        check_layer_files(engine, directory)
+    except CheckpointError as err:
+        problems.append(str(err))
+    wanted = [engine._get_ckpt_name(load_dir, tag)]  # DeepSpeed's own names for this rank's files
+    if engine.zero_optimization():
+        wanted.append(engine._get_zero_ckpt_name(load_dir, tag))
+    rng = os.path.join(directory, f"rng_rank{dist.get_rank()}.pt")
+    for path in [*wanted, *([rng] if not config.checkpoint.no_load_rng else [])]:
+        if not os.path.isfile(path):
+            fix = (
+                "give --no-load-rng to start the RNG from --seed, as Megatron says"
+                if path == rng
+                else "the checkpoint is incomplete: resume from another one (--load-tag), or --no-load-optim for its weights"
+            )
+            problems.append(f"{path}: missing; {fix}")
+        elif not zipfile.is_zipfile(path):
+            problems.append(
+                f"{path}: cut short or damaged (not a whole torch file); resume from another checkpoint (--load-tag)"
+            )
+    found: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problems)
+    first = next((p[0] for p in found if p), None)
+    if first is not None:
+        raise CheckpointError(first)
 
 
 def check_layer_files(engine: Any, directory: str) -> None:
