@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from megatron_ds.config import DataConfig
+from megatron_ds.config.data import split_fractions
 from megatron_ds.data.tokenizer import NullTokenizer, Tokenizer, check_vocab
 
 
@@ -56,7 +57,11 @@ def build_mock(
     # ids below the unpadded vocabulary: rows above it are padding no real sample holds (an import's are zero)
     tokenizer = tokenizer or NullTokenizer(data.unpadded_vocab_size or vocab_size)
     check_vocab(tokenizer, vocab_size)
+    # megatron-core's MockGPTDataset builds only the splits of weight > 0 (its split matrix), so `--split 100,0,0`
+    # evaluates nothing; the config checked the split, so its fractions exist
+    shares = split_fractions(data.split) or [1.0, 0.0, 0.0]
     splits = [
-        MockGPTData(n, seq_length, tokenizer.vocab_size, seed, k) if n > 0 else None for k, n in enumerate(num_samples)
+        MockGPTData(n, seq_length, tokenizer.vocab_size, seed, k) if n > 0 and share > 0 else None
+        for k, (n, share) in enumerate(zip(num_samples, shares))
     ]
     return splits[0], splits[1], splits[2]

@@ -25,7 +25,8 @@ DATA: tuple[Flag, ...] = (
     switch(
         "--mock-data",
         _DATA,
-        "seeded synthetic tokens (our MockGPTData; values follow --seed)",
+        "seeded synthetic tokens (our MockGPTData; values follow --seed); as megatron-core's MockGPTDataset, a "
+        "split of --split weight 0 gets no dataset (nothing to evaluate)",
         "data.mock_data",
     ),
     accepted(

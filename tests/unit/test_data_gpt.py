@@ -153,6 +153,14 @@ def test_mock_data_is_deterministic_per_seed() -> None:
     assert _tokens(valid, 4) != _tokens(a, 4)  # the splits are different samples
 
 
+@pytest.mark.parametrize("split, built", [("100,0,0", [True, False, False]), ("99,1,0", [True, True, False])])
+def test_mock_data_builds_no_split_of_weight_zero(split: str, built: list[bool]) -> None:
+    """megatron-core's MockGPTDataset builds only the splits of weight > 0: `--split 100,0,0` evaluates nothing."""
+    datasets = build_gpt_datasets(DataConfig(mock_data=True, split=split), 16, 1, (20, 4, 4), None, 128)
+    assert [d is not None for d in datasets] == built
+    assert all(d is not None for d in build_gpt_datasets(DataConfig(mock_data=True), 16, 1, (20, 4, 4), None, 128))
+
+
 def test_sampler_order_across_ranks() -> None:
     """Group g of mbs*dp consecutive samples; rank d takes [d*mbs, (d+1)*mbs) of it."""
     mbs, dp, total = 2, 3, 40
