@@ -147,9 +147,9 @@ def neutral(name: str, group: str, reason: str, values: tuple[Any, ...] | None, 
     return Flag(name, group, ACCEPTED, f"only {shown}: {reason}", fix=fix, type=type, default=values[0], only=values)
 
 
-def no_op(name: str, group: str, reason: str, takes: int | str = SWITCH) -> Flag:
+def no_op(name: str, group: str, reason: str, takes: int | str = SWITCH, aliases: tuple[str, ...] = ()) -> Flag:
     """A Megatron-DeepSpeed flag accepted here that changes nothing; `reason` says why."""
-    return Flag(name, group, NO_OP, reason, nargs=takes)
+    return Flag(name, group, NO_OP, reason, nargs=takes, aliases=aliases)
 
 
 def refused(name: str, group: str, reason: str, fix: str = "drop it", takes: int | str = SWITCH) -> Flag:

@@ -153,7 +153,12 @@ TRAINING: tuple[Flag, ...] = (
         "runs them); ZeRO 0/1 keep a 1-stage PipelineModule, whose engine runs the same micro-batch loop and "
         "optimizer step as the plain engine",
     ),
-    no_op("--use-flash-attn", _TRAIN, _SDPA),
+    no_op(
+        "--use-flash-attn",
+        _TRAIN,
+        f"{_SDPA} (also spelled --use-flash-attn-v1, as Megatron-DeepSpeed declares it)",
+        aliases=("--use-flash-attn-v1",),
+    ),
     no_op("--use-flash-attn-v2", _TRAIN, _SDPA),
     no_op("--use-flash-attn-triton", _TRAIN, _SDPA),
     no_op("--use-flash-attn-builder", _TRAIN, _SDPA),
@@ -305,16 +310,17 @@ LEARNING_RATE: tuple[Flag, ...] = (
         "--override-opt_param-scheduler",
         _LR,
         "on resume, use the flags' schedule, not the checkpoint's (without either flag a difference is an error); "
-        "older name --override-lr-scheduler",
+        "also spelled --override-opt-param-scheduler (Megatron-LM's) and --override-lr-scheduler (the older name)",
         "optimizer.override_opt_param_scheduler",
-        aliases=("--override-lr-scheduler",),
+        aliases=("--override-opt-param-scheduler", "--override-lr-scheduler"),
     ),
     switch(
         "--use-checkpoint-opt_param-scheduler",
         _LR,
-        "on resume, keep the checkpoint's schedule; older name --use-checkpoint-lr-scheduler",
+        "on resume, keep the checkpoint's schedule; also spelled --use-checkpoint-opt-param-scheduler (Megatron-LM's) "
+        "and --use-checkpoint-lr-scheduler (the older name)",
         "optimizer.use_checkpoint_opt_param_scheduler",
-        aliases=("--use-checkpoint-lr-scheduler",),
+        aliases=("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-lr-scheduler"),
     ),
     refused("--warmup", _LR, "Megatron's deprecated name", "use --lr-warmup-fraction", VALUE),
 )

@@ -108,6 +108,23 @@ def test_llama_options_are_accepted_and_change_the_model(name: str) -> None:
     assert parse(name, *LLAMA_FLAGS[name]).model != parse().model
 
 
+@pytest.mark.parametrize(
+    "alias, spelling",
+    [
+        ("--use-flash-attn-v1", "--use-flash-attn"),  # Megatron-DeepSpeed declares both as one flag
+        ("--override-opt-param-scheduler", "--override-opt_param-scheduler"),  # Megatron-LM's current spellings
+        ("--use-checkpoint-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"),
+    ],
+)
+def test_upstream_aliases_mean_their_flag(alias: str, spelling: str) -> None:
+    assert flags.BY_NAME[alias] is flags.BY_NAME[spelling]
+    args = parse_config([*BASE, alias])[1]
+    assert getattr(args, flags.BY_NAME[spelling].attr) == getattr(
+        parse_config([*BASE, spelling])[1], flags.BY_NAME[spelling].attr
+    )
+    assert parse(alias) == parse(spelling)
+
+
 def test_no_flag_is_pending() -> None:
     assert {f.status for f in flags.FLAGS} == {flags.ACCEPTED, flags.NO_OP, flags.REFUSED}
     assert "not yet" not in compat.markdown_table() and not hasattr(compat, "PENDING_MODEL_FIELDS")
