@@ -31,7 +31,7 @@ from megatron_ds.config import (
     default_ffn_hidden_size,
     padded_vocab_size,
 )
-from megatron_ds.errors import ConfigError
+from megatron_ds.errors import ConfigError, LayoutError
 from megatron_ds.estimate.machine import Machine, for_layout
 from megatron_ds.estimate.run_layout import check_layout
 from megatron_ds.flags import compat, dry_run, model_flags, schedule_flags, step_flags
@@ -141,6 +141,20 @@ def _tokenizer_vocab(
     return tok.vocab_size
 
 
+def _ffn_hidden_size(args: argparse.Namespace, activation: str) -> int:
+    """--ffn-hidden-size, else upstream's default for the activation; a SwiGLU default of 0 (a hidden size under
+    24) names --swiglu, which chose it, rather than --ffn-hidden-size, which was not given."""
+    if args.ffn_hidden_size is not None:
+        return args.ffn_hidden_size
+    width = default_ffn_hidden_size(args.hidden_size, activation)
+    if width < 1 and args.hidden_size >= 1 and activation == "swiglu":
+        raise ConfigError(
+            f"--swiglu's default ffn width for --hidden-size {args.hidden_size} is {width} "
+            f"(int(8 x {args.hidden_size} / 3 / 64) x 64, as upstream); give --ffn-hidden-size"
+        )
+    return width
+
+
 def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConfig:
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     rotary, table = model_flags.position_embeddings(args)
@@ -148,7 +162,7 @@ def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConf
     activation = model_activation(args)
     model = ModelConfig(
         **direct,
-        ffn_hidden_size=args.ffn_hidden_size or default_ffn_hidden_size(args.hidden_size, activation),
+        ffn_hidden_size=_ffn_hidden_size(args, activation),
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         vocab_size=_vocab_size(args),
         use_rotary_position_embeddings=rotary,
@@ -373,5 +387,19 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
     warning = None if machine is None else dry_run.runs_on_warning(config, machine, args.print_layout)
     if warning:
         warn(warning)
-    check_layout(config, machine if machine is None else for_layout(config, machine))  # fail fast
+    try:
+        check_layout(config, machine if machine is None else for_layout(config, machine))  # fail fast
+    except LayoutError as err:
+        raise _as_given(err, args, config.parallel.pp_dedicated_embedding_stages) from None
     return config
+
+
+def _as_given(err: LayoutError, args: argparse.Namespace, dedicated: str) -> LayoutError:
+    """A layout error about the dedicated stages in the words of the line: --standalone-embedding-stage (folded
+    into --pp-dedicated-embedding-stages by `_dedicated_stages`) is named as given, not as the flag it became."""
+    if not args.standalone_embedding_stage:
+        return err
+    given = "--standalone-embedding-stage"
+    if args.pp_dedicated_embedding_stages == "post":
+        given += " with --pp-dedicated-embedding-stages post"
+    return LayoutError(str(err).replace(f"--pp-dedicated-embedding-stages {dedicated}", given))

@@ -135,6 +135,38 @@ def test_bad_flags(argv: list[str], message: str) -> None:
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (
+            ["--standalone-embedding-stage"],
+            "--standalone-embedding-stage needs --pipeline-model-parallel-size >= 2 (got 1)",
+        ),
+        (
+            ["--standalone-embedding-stage", "--pp-dedicated-embedding-stages", "post"],
+            "--standalone-embedding-stage with --pp-dedicated-embedding-stages post needs "
+            "--pipeline-model-parallel-size >= 3 (got 1)",
+        ),
+        (
+            ["--standalone-embedding-stage", "--pipeline-model-parallel-size", "5"],
+            "--standalone-embedding-stage with --pipeline-model-parallel-size 5 leaves 4 stages for --num-layers 3",
+        ),
+        (
+            ["--swiglu", "--hidden-size", "16", "--num-attention-heads", "4"],
+            "--swiglu's default ffn width for --hidden-size 16 is 0 (int(8 x 16 / 3 / 64) x 64, as upstream); "
+            "give --ffn-hidden-size",
+        ),
+        (["--ffn-hidden-size", "0"], "--ffn-hidden-size 0 must be >= 1"),  # given: named as given, not defaulted
+    ],
+)
+def test_errors_name_the_flags_the_line_gave(extra: list[str], message: str) -> None:
+    """--standalone-embedding-stage is folded into --pp-dedicated-embedding-stages and --swiglu picks the ffn width,
+    but an error about either names what the user wrote."""
+    with pytest.raises(ConfigError) as err:
+        parse(*extra, world_size=5 if "5" in extra else None)
+    assert str(err.value).startswith(message) and "--pp-dedicated-embedding-stages pre" not in str(err.value)
+
+
 def test_world_size_must_divide() -> None:
     with pytest.raises(ConfigError, match="world size 5 is not divisible"):
         parse("--pipeline-model-parallel-size", "2", world_size=5)
