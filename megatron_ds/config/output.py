@@ -79,6 +79,10 @@ class LoggingConfig:
     default (./wandb) without --save."""
     wandb_entity: str | None = None
     """The wandb team or user that owns the project (Megatron-LM's `--wandb-entity`); None: wandb's default."""
+    tensorboard_log_interval: int = 1
+    """Write the iteration's scalars (loss, learning rate, grad norm, ...) to TensorBoard and wandb every this many
+    iterations (`--tensorboard-log-interval`, Megatron's default 1); the throughput and iteration time, which are
+    averages over the log window, are written with the log line."""
     tensorboard_queue_size: int = 1000
     """Events the TensorBoard writer buffers before flushing (`--tensorboard-queue-size`)."""
     log_timers_to_tensorboard: bool = False
@@ -122,6 +126,7 @@ class LoggingConfig:
             if getattr(self, name) == "":  # Megatron's default spelling of "not given"
                 object.__setattr__(self, name, None)
         at_least("--log-interval", self.log_interval, 1)
+        at_least("--tensorboard-log-interval", self.tensorboard_log_interval, 1)
         at_least("--tensorboard-queue-size", self.tensorboard_queue_size, 1)
         if self.peak_tflops is not None:
             positive("--peak-tflops", self.peak_tflops)

@@ -246,7 +246,13 @@ LOGGING: tuple[Flag, ...] = (
         "logging.log_interval",
         type=int,
     ),
-    accepted("--tensorboard-dir", _LOG, "TensorBoard scalars, written by the last rank", "logging.tensorboard_dir"),
+    accepted(
+        "--tensorboard-dir",
+        _LOG,
+        "TensorBoard scalars, written by the last rank: each iteration's values every --tensorboard-log-interval "
+        "(default 1) iterations, as upstream",
+        "logging.tensorboard_dir",
+    ),
     accepted(
         "--wandb-project",
         _LOG,
@@ -369,11 +375,13 @@ LOGGING: tuple[Flag, ...] = (
         "TensorBoard",
         "logging.log_num_zeros_in_grad",
     ),
-    refused(
+    accepted(
         "--tensorboard-log-interval",
         _LOG,
-        "TensorBoard is written every --log-interval",
-        "use --log-interval",
-        VALUE,
+        "write the iteration's own loss, learning rate, grad norm, batch size, loss scale, norms and world size (and "
+        "the optimizer-state norms) to TensorBoard and wandb every this many iterations, as Megatron's training_log; "
+        "the throughput and iteration time, averages over the log window, are written every --log-interval",
+        "logging.tensorboard_log_interval",
+        type=int,
     ),
 )

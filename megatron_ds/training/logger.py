@@ -45,6 +45,23 @@ class StepStats:
     """Of those, the ones whose loss was NaN or Inf (Megatron's count)."""
 
 
+@dataclass
+class IterationStats:
+    """One iteration's own values, which TensorBoard and wandb get every `--tensorboard-log-interval` iterations
+    (Megatron's `training_log`: that iteration's loss, not the log window's mean)."""
+
+    iteration: int
+    learning_rate: float
+    global_batch_size: int
+    loss: float
+    """The iteration's lm loss, written whether or not fp16's loss scaler skipped the update, as upstream."""
+    grad_norm: float | None
+    loss_scale: float | None
+    params_norm: float | None = None
+    num_zeros: int | None = None
+    curriculum_seq_length: int | None = None
+
+
 def throughput(
     model_flops: float, seconds_per_iteration: float, world_size: int, peak_tflops: float | None
 ) -> tuple[float, float | None]:
@@ -97,40 +114,46 @@ class Scalars:
     """The scalars Megatron writes to TensorBoard, written by the last rank to `writer` (a SummaryWriter, or
     `scalar_writers.FanOut` in front of TensorBoard and wandb).
 
-    Which scalars follow Megatron's logging flags (`LoggingConfig`): loss, grad norm and throughput
-    always; learning rate and loss scale unless turned off; batch size, iteration time, validation
-    perplexity, optimizer-state norms, memory and world size when asked for.
+    As Megatron's `training_log`: each iteration's own values every `--tensorboard-log-interval` iterations
+    (`iteration`; loss and grad norm always, learning rate and loss scale unless turned off, batch size and world
+    size when asked for), the throughput and iteration time of the log window with the log line (`window`);
+    validation perplexity, optimizer-state norms and memory when asked for.
     """
 
     def __init__(self, writer: Any, cfg: LoggingConfig, world_size: int = 1) -> None:
         self.cfg = cfg
         self.writer = writer
-        if self.cfg.log_world_size_to_tensorboard:
-            self.writer.add_scalar("world-size/world-size", world_size, 0)
+        self.world_size = world_size
 
-    def step(self, s: StepStats) -> None:
+    def iteration(self, s: IterationStats) -> None:
         w, i, c = self.writer, s.iteration, self.cfg
-        if s.loss is not None:
-            w.add_scalar("lm-loss-training/lm loss", s.loss, i)
-        w.add_scalar("throughput/tokens-per-second", s.tokens_per_second, i)
-        if s.tflops_per_gpu is not None:
-            w.add_scalar("throughput/tflops-per-gpu", s.tflops_per_gpu, i)
+        w.add_scalar("lm-loss-training/lm loss", s.loss, i)
         if c.log_learning_rate_to_tensorboard:
             w.add_scalar("learning-rate/learning-rate", s.learning_rate, i)
         if c.log_batch_size_to_tensorboard:
             w.add_scalar("batch-size/batch-size", s.global_batch_size, i)
-        if c.log_timers_to_tensorboard:
-            w.add_scalar("iteration-time/iteration-time-ms", s.elapsed_ms, i)
         if s.grad_norm is not None:
             w.add_scalar("grad-norm/grad-norm", s.grad_norm, i)
         if s.loss_scale is not None and c.log_loss_scale_to_tensorboard:
             w.add_scalar("loss-scale/loss-scale", s.loss_scale, i)
+        if c.log_world_size_to_tensorboard:
+            w.add_scalar("world-size/world-size", self.world_size, i)
         if s.num_zeros is not None:
             w.add_scalar("num-zeros/num-zeros", s.num_zeros, i)
         if s.params_norm is not None:
             w.add_scalar("params-norm/params-norm", s.params_norm, i)
         if s.curriculum_seq_length is not None:
             w.add_scalar("seqlen/curriculum_seqlen", s.curriculum_seq_length, i)
+
+    def window(self, s: StepStats) -> None:
+        """The log window's throughput and time per iteration, written with the log line (Megatron writes them
+        every --log-interval)."""
+        w, i = self.writer, s.iteration
+        w.add_scalar("throughput/tokens-per-second", s.tokens_per_second, i)
+        if s.tflops_per_gpu is not None:
+            w.add_scalar("throughput/tflops-per-gpu", s.tflops_per_gpu, i)
+        if self.cfg.log_timers_to_tensorboard:
+            w.add_scalar("iteration-time/iteration-time-ms", s.elapsed_ms, i)
 
     def optimizer_states(self, engine: Any, iteration: int) -> None:
         """Norms of this rank's Adam moments and weights (`--log-optimizer-states-to-tensorboard`)."""

@@ -207,7 +207,27 @@ def evaluate(run: Run, name: str, data_iter: Iterator[Any] | None, num_batches: 
     return loss
 
 
-def log_step(run: Run, steps: list[StepResult], seconds: float, start_iteration: int) -> None:
+def write_scalars(run: Run, step: StepResult, extras: dict[str, Any]) -> None:
+    """The iteration's own values to TensorBoard and wandb (every --tensorboard-log-interval iterations, as
+    Megatron's training_log), and the optimizer-state norms when asked for."""
+    if not (run.is_logging_rank and run.scalars):
+        return
+    iteration = run.state.iteration
+    run.scalars.iteration(
+        logger.IterationStats(
+            iteration=iteration,
+            learning_rate=run.engine.get_lr()[0],
+            global_batch_size=run.hooks.last.samples,
+            loss=step.loss,
+            grad_norm=grad_norm(run.engine),
+            loss_scale=logger.loss_scale(run.engine),
+            **extras,
+        )
+    )
+    run.scalars.optimizer_states(run.engine, iteration)
+
+
+def log_step(run: Run, steps: list[StepResult], seconds: float, start_iteration: int, extras: dict[str, Any]) -> None:
     cfg, state = run.config, run.state
     t = cfg.training
     n = len(steps)
@@ -234,13 +254,12 @@ def log_step(run: Run, steps: list[StepResult], seconds: float, start_iteration:
         mfu=mfu,
         skipped_iterations=skipped,
         nan_iterations=nan,
-        **run.hooks.log_extras(),
+        **extras,
     )
     if run.is_logging_rank:
         print(logger.format_line(stats), flush=True)
         if run.scalars:
-            run.scalars.step(stats)
-            run.scalars.optimizer_states(run.engine, state.iteration)
+            run.scalars.window(stats)
 
 
 def report_memory(run: Run, meter: memory.StepMeter) -> None:
@@ -324,6 +343,7 @@ def train(run: Run) -> bool:
     profiled = {measured_iteration - 1, measured_iteration} if meter is not None else set()
     compute_reported = False
     steps: list[StepResult] = []
+    scalars_asked = scalar_writers.asked_for(cfg)  # the same on every rank: the extras below are collective
     window_start = time.time()
     signals.set_progress(lambda: f"in iteration {state.iteration + 1}")
     while state.iteration < t.train_iters:
@@ -338,8 +358,13 @@ def train(run: Run) -> bool:
             steps.append(train_step(run))
         if finite_check.checking(cfg, run.engine):
             finite_check.check_step(state.iteration, steps[-1].loss, grad_norm(run.engine))
-        if state.iteration % lg.log_interval == 0 or state.iteration == t.train_iters:
-            log_step(run, steps, time.time() - window_start, start_iteration)
+        log_now = state.iteration % lg.log_interval == 0 or state.iteration == t.train_iters
+        scalars_now = scalars_asked and state.iteration % lg.tensorboard_log_interval == 0
+        extras = run.hooks.log_extras() if log_now or scalars_now else {}
+        if scalars_now:
+            write_scalars(run, steps[-1], extras)
+        if log_now:
+            log_step(run, steps, time.time() - window_start, start_iteration, extras)
             steps = []
             if not memory_reported:
                 report_memory(run, meter)

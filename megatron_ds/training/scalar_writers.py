@@ -76,9 +76,17 @@ def open_wandb(config: Config) -> WandbWriter:
     return WandbWriter(run)
 
 
+def asked_for(config: Config) -> bool:
+    """Whether the run writes scalars (`--tensorboard-dir` or `--wandb-project`): every rank knows it, so every rank
+    joins the collectives of the values the logging rank writes."""
+    return bool(config.logging.tensorboard_dir or config.logging.wandb_project)
+
+
 def open_writers(config: Config) -> FanOut | None:
     """The logging rank's writers for this run's flags, or None when neither is asked for."""
     lg = config.logging
+    if not asked_for(config):
+        return None
     writers: list[Any] = []
     if lg.tensorboard_dir:
         from torch.utils.tensorboard import SummaryWriter

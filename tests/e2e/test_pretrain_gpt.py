@@ -4,6 +4,7 @@ and every bad input as a one-line error that leaves existing checkpoints untouch
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -491,3 +492,44 @@ def test_log_progress_appends_megatron_lms_lines_across_a_resume(tmp_path: Path)
         [2 * per_step, 4 * per_step, 6 * per_step], rel=1e-2
     )
     assert all(f[5].startswith("Job throughput: ") and f[6].startswith("Cumulative throughput: ") for f in saves)
+
+
+STUB_TENSORBOARD = """
+import json, runpy, sys, types
+import megatron_ds.training.logger
+out = open(sys.argv[1], "w")
+class SummaryWriter:  # tensorboard is an optional extra: a stub records the writes
+    def __init__(self, log_dir=None, max_queue=None): pass
+    def add_scalar(self, tag, value, step): out.write(json.dumps([tag, step, float(value)]) + "\\n")
+    def flush(self): out.flush()
+    def close(self): out.close()
+module = types.ModuleType("torch.utils.tensorboard")
+module.SummaryWriter = SummaryWriter
+sys.modules["torch.utils.tensorboard"] = module
+megatron_ds.training.logger.tensorboard_available = lambda: True
+sys.argv = ["pretrain_gpt.py", *sys.argv[2:]]
+runpy.run_path("pretrain_gpt.py", run_name="__main__")
+"""
+
+
+def test_tensorboard_gets_each_iterations_values_every_tensorboard_log_interval(tmp_path: Path) -> None:
+    """As Megatron's training_log: the iteration's own loss, lr, grad norm and params norm every
+    --tensorboard-log-interval iterations (default 1), the window's throughput with the log line (--log-interval)."""
+    writes = tmp_path / "scalars.jsonl"
+    flags = [*BASE, "--mock-data", "--vocab-size", "128", "--train-iters", "6", "--eval-iters", "0", "--no-log-memory"]
+    flags += ["--tensorboard-dir", str(tmp_path / "tb"), "--log-interval", "3", "--log-params-norm"]
+    out = subprocess.run(
+        [sys.executable, "-c", STUB_TENSORBOARD, str(writes), *flags, "--tensorboard-log-interval", "2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps: dict[str, list[int]] = {}
+    for tag, step, _ in map(json.loads, writes.read_text().splitlines()):
+        steps.setdefault(tag, []).append(step)
+    for tag in ("lm-loss-training/lm loss", "learning-rate/learning-rate", "grad-norm/grad-norm"):
+        assert steps[tag] == [2, 4, 6], tag
+    assert steps["params-norm/params-norm"] == [2, 4, 6]
+    assert steps["throughput/tokens-per-second"] == [3, 6]

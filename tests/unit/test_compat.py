@@ -477,10 +477,17 @@ def stats() -> logger.StepStats:
     )
 
 
+def iteration_stats() -> logger.IterationStats:
+    return logger.IterationStats(
+        iteration=5, learning_rate=1e-3, global_batch_size=8, loss=2.0, grad_norm=1.5, loss_scale=None
+    )
+
+
 def test_tensorboard_scalars_follow_the_logging_flags(capsys: pytest.CaptureFixture) -> None:
     plain = FakeWriter()
     tb = logger.Scalars(plain, parse("--tensorboard-dir", "x").logging)
-    tb.step(stats())
+    tb.iteration(iteration_stats())
+    tb.window(stats())
     tb.eval("validation", 5, 2.0)
     assert set(plain.scalars) == {
         "lm-loss-training/lm loss",
@@ -503,13 +510,18 @@ def test_tensorboard_scalars_follow_the_logging_flags(capsys: pytest.CaptureFixt
     ).logging
     assert cfg.tensorboard_queue_size == 1
     tb = logger.Scalars(every, cfg, world_size=3)
-    tb.step(stats())
+    tb.iteration(iteration_stats())
+    tb.window(stats())
     tb.eval("validation", 5, 2.0)
     assert every.scalars["iteration-time/iteration-time-ms"] == [(5, 12.5)]
     assert every.scalars["batch-size/batch-size"] == [(5, 8.0)]
-    assert every.scalars["world-size/world-size"] == [(0, 3.0)]
+    assert every.scalars["world-size/world-size"] == [(5, 3.0)]  # every --tensorboard-log-interval, as upstream
     assert every.scalars["lm-loss-validation/lm loss ppl"][0][1] == pytest.approx(7.389056)
     assert "learning-rate/learning-rate" not in every.scalars
+    assert parse().logging.tensorboard_log_interval == 1  # Megatron's default: every iteration
+    assert parse("--tensorboard-log-interval", "10").logging.tensorboard_log_interval == 10
+    with pytest.raises(ConfigError, match="--tensorboard-log-interval 0 must be >= 1"):
+        parse("--tensorboard-log-interval", "0")
     parse("--log-timers-to-tensorboard")
     assert "--log-timers-to-tensorboard need --tensorboard-dir or --wandb-project; ignored" in capsys.readouterr().err
     parse("--log-timers-to-tensorboard", "--wandb-project", "p")  # the same scalars go to wandb
@@ -557,7 +569,8 @@ def test_wandb_gets_the_tensorboard_scalars_as_megatron_starts_it(
     )
     assert kwargs["config"] == cfg.to_dict()
     scalars = logger.Scalars(writer, cfg.logging)
-    scalars.step(stats())
+    scalars.iteration(iteration_stats())
+    scalars.window(stats())
     scalars.eval("validation", 5, 2.0)
     scalars.close()
     tags = {tag for data, step in fake.logged for tag in data if step == 5}

@@ -27,17 +27,21 @@ def test_the_line_carries_megatrons_counts_and_no_loss_when_every_step_was_skipp
     assert "lm loss" not in none and "loss scale: 65536.0" in none
 
 
-@pytest.mark.parametrize("loss, written", [(2.5, True), (None, False)])
-def test_tensorboard_writes_the_loss_only_when_there_is_one(loss: float | None, written: bool) -> None:
+@pytest.mark.parametrize("loss", [2.5, math.inf])
+def test_tensorboard_gets_the_iterations_loss_and_the_window_no_loss(loss: float) -> None:
+    """As Megatron's training_log: TensorBoard gets each iteration's own loss (a step the fp16 scaler skipped
+    included), never the log window's mean, which only the line prints."""
+
     class Writer:
         def __init__(self) -> None:
-            self.tags: list[str] = []
+            self.tags: dict[str, float] = {}
 
         def add_scalar(self, tag: str, value: float, step: int) -> None:
-            self.tags.append(tag)
+            self.tags[tag] = value
 
     writer = Writer()
-    logger.Scalars(writer, logger.LoggingConfig()).step(
-        logger.StepStats(8, 10, 64, 20.0, 1e-4, 8, loss, 1.0, None, 100.0, 0.0)
-    )
-    assert ("lm-loss-training/lm loss" in writer.tags) == written
+    scalars = logger.Scalars(writer, logger.LoggingConfig())
+    scalars.window(logger.StepStats(8, 10, 64, 20.0, 1e-4, 8, 3.0, 1.0, None, 100.0, 0.0))
+    assert "lm-loss-training/lm loss" not in writer.tags
+    scalars.iteration(logger.IterationStats(8, 1e-4, 8, loss, 1.0, None))
+    assert writer.tags["lm-loss-training/lm loss"] == loss
