@@ -133,6 +133,29 @@ class SentencePieceTokenizer(Tokenizer):
         self.unique_identifiers = _identifiers(self, self.model_file)
 
 
+def megatron_deepspeed_sentencepiece(model_file: str) -> tuple[int, int, list[str]]:
+    """(ids, end-of-document id, pieces it adds) of Megatron-DeepSpeed's `--tokenizer-type SentencePieceTokenizer`
+    on this model (`megatron/tokenizer/tokenizer.py` `_SentencePieceTokenizer._initalize`): the model's pieces, then
+    <CLS>, <SEP>, <EOD> and <MASK>, and the pad, bos and eos pieces (<PAD>, <BOS>, <EOS> for a model without one),
+    each appended when the model lacks it; its eod is <EOD>. Ours is its GPTSentencePieceTokenizer (eod the eos)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    added: list[str] = []
+
+    def add(piece: str) -> int:
+        if piece not in vocab:
+            vocab[piece] = len(vocab)
+            added.append(piece)
+        return vocab[piece]
+
+    eod = [add(piece) for piece in ("<CLS>", "<SEP>", "<EOD>", "<MASK>")][2]
+    for special, default in ((sp.pad_id(), "<PAD>"), (sp.bos_id(), "<BOS>"), (sp.eos_id(), "<EOS>")):
+        add(sp.id_to_piece(special) if 0 <= special < sp.get_piece_size() else default)  # upstream: IndexError
+    return len(vocab), eod, added
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (printable bytes map to themselves)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

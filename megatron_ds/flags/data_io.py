@@ -45,7 +45,9 @@ DATA: tuple[Flag, ...] = (
     accepted(
         "--vocab-size",
         _DATA,
-        "vocabulary size; else the tokenizer's (then padded); the NullTokenizer's ids",
+        "vocabulary size; else the tokenizer's (then padded); the NullTokenizer's ids. Beside another tokenizer it "
+        "still sizes the vocabulary (an imported model's embedding may have more rows than its tokenizer), where "
+        "both upstreams ignore it and size it from the tokenizer: a NOTICE at launch gives upstream's padded size",
         fields=("model.vocab_size", "data.null_tokenizer_vocab_size", "data.unpadded_vocab_size"),
         type=int,
         default=None,
@@ -64,7 +66,8 @@ DATA: tuple[Flag, ...] = (
         "local directory read by transformers' AutoTokenizer; nothing is downloaded) or `HFTokenizer` (Megatron-DeepSpeed's: "
         "the same directory read as its finetune_llama.py reads it: AutoTokenizer with use_fast=False, a missing pad, eos, "
         "bos or unk token added, the model's vocabulary the base one without them). SentencePieceTokenizer is "
-        "Megatron's GPTSentencePieceTokenizer here: eod is the model's eos and no special tokens are added",
+        "Megatron's GPTSentencePieceTokenizer here: eod is the model's eos and no special tokens are added (a "
+        "Megatron-DeepSpeed line is told at launch the ids and <EOD> its SentencePieceTokenizer has)",
         "data.tokenizer_type",
         choices=TOKENIZER_TYPES,
         derived=True,

@@ -7,7 +7,8 @@ prints; `layout_text` is the stage table with what the method predicts under it.
 
 from __future__ import annotations
 
-from megatron_ds.config import DATA_UPSTREAMS, Config
+from megatron_ds.config import DATA_UPSTREAMS, Config, padded_vocab_size
+from megatron_ds.data.tokenizer import build_tokenizer, megatron_deepspeed_sentencepiece
 from megatron_ds.estimate import run_layout
 from megatron_ds.estimate.compute import recomputed_layers
 from megatron_ds.estimate.machine import Machine, describe
@@ -47,7 +48,7 @@ def layout_text(config: Config, layout: Layout, calibration: Calibration | None 
             f"\nDeepSpeed-Ulysses: the data axis above is {par.data_parallel_size} data-parallel replica(s) x "
             f"--ds-sequence-parallel-size {n}: data ranks {n}g .. {n}g+{n - 1} split the sequences of replica g"
         )
-    notices = [padding_line(config), null_tokenizer_notice(config), recompute_notice(config, layout)]
+    notices = [padding_line(config), *tokenizer_notices(config), recompute_notice(config, layout)]
     table += "".join(f"\n{line}" for line in notices if line)
     return f"{table}\n{report}\n{describe(config, machine)}" if report else table
 
@@ -74,6 +75,58 @@ def null_tokenizer_notice(config: Config) -> str | None:
         f"NOTICE: --tokenizer-type NullTokenizer --vocab-size {vocab}: ids 0..{vocab - 1}, end-of-document {vocab - 1}, "
         f"as megatron-core's NullTokenizer; Megatron-DeepSpeed's has {vocab + 1} ids, end-of-document {vocab}: give "
         f"--vocab-size {vocab + 1} for its model"
+    )
+
+
+def tokenizer_notices(config: Config) -> list[str | None]:
+    """The NOTICEs where the line's tokenizer or vocabulary is not upstream's (printed once, with the layout)."""
+    return [null_tokenizer_notice(config), vocab_size_notice(config), sentencepiece_notice(config)]
+
+
+def _mds_sentencepiece(config: Config) -> bool:
+    """A Megatron-DeepSpeed line (its data upstream) with its SentencePieceTokenizer, which is not ours."""
+    data = config.data
+    return data.tokenizer_type == "SentencePieceTokenizer" and data.data_upstream == DATA_UPSTREAMS[0]
+
+
+def vocab_size_notice(config: Config) -> str | None:
+    """A NOTICE when --vocab-size, not the tokenizer, sizes the vocabulary: both upstreams ignore --vocab-size with
+    a tokenizer other than NullTokenizer and size it from the tokenizer. Ours is kept for imported models whose
+    embedding has more rows than their tokenizer (the Hugging Face import prints such a --vocab-size)."""
+    data = config.data
+    if data.tokenizer_type in (None, "NullTokenizer") or not data.unpadded_vocab_size:
+        return None
+    kind, given = data.tokenizer_type, data.unpadded_vocab_size
+    tokens = build_tokenizer(kind, data.tokenizer_model, data.vocab_file, data.merge_file).vocab_size
+    if given == tokens:
+        return None
+    upstream = "Megatron-DeepSpeed" if data.data_upstream == DATA_UPSTREAMS[0] else "Megatron-LM"
+    theirs = megatron_deepspeed_sentencepiece(data.tokenizer_model)[0] if _mds_sentencepiece(config) else tokens
+    rows = padded_vocab_size(theirs, data.make_vocab_size_divisible_by, config.parallel.tensor_model_parallel_size)
+    shape = f", not this model's {config.model.vocab_size}" if rows != config.model.vocab_size else ""
+    return (
+        f"NOTICE: --vocab-size {given} sizes the vocabulary here ({config.model.vocab_size} rows), not --tokenizer-type "
+        f"{kind}'s {tokens} tokens; {upstream} ignores --vocab-size with a tokenizer and sizes it from the tokenizer: "
+        f"{theirs} tokens padded to {rows} rows{shape}; drop --vocab-size for upstream's model (keep it for an "
+        f"imported model whose embedding has more rows than its tokenizer)"
+    )
+
+
+def sentencepiece_notice(config: Config) -> str | None:
+    """A NOTICE for a Megatron-DeepSpeed line with --tokenizer-type SentencePieceTokenizer: ours is its
+    GPTSentencePieceTokenizer (the model's pieces, eod its eos); its SentencePieceTokenizer adds special pieces and
+    ends documents with <EOD> (`data.tokenizer.megatron_deepspeed_sentencepiece`)."""
+    if not _mds_sentencepiece(config):
+        return None
+    model = config.data.tokenizer_model
+    here = build_tokenizer("SentencePieceTokenizer", model)
+    ids, eod, added = megatron_deepspeed_sentencepiece(model)
+    return (
+        f"NOTICE: --tokenizer-type SentencePieceTokenizer is Megatron-DeepSpeed's GPTSentencePieceTokenizer here: "
+        f"{here.vocab_size} ids, end-of-document {here.eod} (the model's eos); its SentencePieceTokenizer adds "
+        f"{', '.join(added)}: {ids} ids, end-of-document <EOD> {eod}, so data it preprocessed ends documents with "
+        f"{eod}, not an end-of-document here: preprocess the data again with tools/preprocess_data.py, or give "
+        f"--tokenizer-type GPTSentencePieceTokenizer (this tokenizer, without this notice)"
     )
 
 

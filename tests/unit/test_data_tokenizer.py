@@ -20,6 +20,7 @@ from megatron_ds.data.tokenizer import (
     SentencePieceTokenizer,
     _bytes_to_unicode,
     build_tokenizer,
+    megatron_deepspeed_sentencepiece,
     train_sentencepiece,
 )
 
@@ -90,6 +91,66 @@ def test_sentencepiece_without_eos_is_rejected(tmp_path: Path) -> None:
     path.write_bytes(model.getvalue())
     with pytest.raises(DataError, match="no end-of-document"):
         SentencePieceTokenizer(str(path))
+
+
+def test_megatron_deepspeeds_sentencepiece_ids(sp_model: str, tmp_path: Path) -> None:
+    """Megatron-DeepSpeed's SentencePieceTokenizer (its _SentencePieceTokenizer._initalize, checked against its
+    tokenizer.py at 4efb479 on these models): <CLS>, <SEP>, <EOD>, <MASK> appended, and <PAD>/<BOS> where the model
+    has no pad or bos piece; its eod is <EOD>."""
+    assert megatron_deepspeed_sentencepiece(sp_model) == (204, 202, ["<CLS>", "<SEP>", "<EOD>", "<MASK>"])
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TEXT), model_writer=model, vocab_size=60, bos_id=-1, minloglevel=2
+    )
+    path = tmp_path / "nopad.model"  # sentencepiece's defaults: no pad piece; and no bos
+    path.write_bytes(model.getvalue())
+    assert megatron_deepspeed_sentencepiece(str(path)) == (
+        66,
+        62,
+        ["<CLS>", "<SEP>", "<EOD>", "<MASK>", "<PAD>", "<BOS>"],
+    )
+
+
+def test_tokenizer_notices_say_where_upstream_differs(sp_model: str) -> None:
+    """A Megatron-DeepSpeed line with SentencePieceTokenizer is told its ids and eod; a --vocab-size beside a real
+    tokenizer (kept here: imported models have more rows than their tokenizer) is told upstream's padded size."""
+    from megatron_ds.flags.parser import parse_config
+    from megatron_ds.training.resolve_layout import sentencepiece_notice, tokenizer_notices, vocab_size_notice
+
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --lr 1e-3 --train-iters 4"
+    base += f" --mock-data --tokenizer-model {sp_model}"
+
+    def config(extra: str):
+        return parse_config([*base.split(), *extra.split()])[0]
+
+    sp = config("--tokenizer-type SentencePieceTokenizer")
+    assert sentencepiece_notice(sp) == (
+        "NOTICE: --tokenizer-type SentencePieceTokenizer is Megatron-DeepSpeed's GPTSentencePieceTokenizer here: 200 "
+        "ids, end-of-document 2 (the model's eos); its SentencePieceTokenizer adds <CLS>, <SEP>, <EOD>, <MASK>: 204 "
+        "ids, end-of-document <EOD> 202, so data it preprocessed ends documents with 202, not an end-of-document "
+        "here: preprocess the data again with tools/preprocess_data.py, or give --tokenizer-type "
+        "GPTSentencePieceTokenizer (this tokenizer, without this notice)"
+    )
+    assert vocab_size_notice(sp) is None  # the tokenizer sizes the vocabulary, as upstream
+    assert tokenizer_notices(config("--tokenizer-type GPTSentencePieceTokenizer")) == [None, None, None]
+    assert sentencepiece_notice(config("--tokenizer-type SentencePieceTokenizer --data-upstream megatron-lm")) is None
+    given = config("--tokenizer-type SentencePieceTokenizer --vocab-size 300")
+    assert given.model.vocab_size == 384  # --vocab-size keeps sizing the model here
+    assert vocab_size_notice(given) == (
+        "NOTICE: --vocab-size 300 sizes the vocabulary here (384 rows), not --tokenizer-type SentencePieceTokenizer's "
+        "200 tokens; Megatron-DeepSpeed ignores --vocab-size with a tokenizer and sizes it from the tokenizer: 204 "
+        "tokens padded to 256 rows, not this model's 384; drop --vocab-size for upstream's model (keep it for an "
+        "imported model whose embedding has more rows than its tokenizer)"
+    )
+    lm = vocab_size_notice(
+        config("--tokenizer-type GPTSentencePieceTokenizer --vocab-size 250 --data-upstream megatron-lm")
+    )
+    assert (
+        lm is not None
+        and "Megatron-LM ignores --vocab-size with a tokenizer" in lm
+        and "200 tokens padded to 256 rows;" in lm
+    )
+    assert vocab_size_notice(config("--tokenizer-type SentencePieceTokenizer --vocab-size 200")) is None
 
 
 def test_train_errors_are_one_line(tmp_path: Path) -> None:
