@@ -6,6 +6,8 @@ flags -> config, and the refusals and compatibility table. Parsing imports no to
     training.py   declarations: training, learning rate, mixed precision, validation
     parallel.py   declarations: distributed (with our pipeline-layout flags), DeepSpeed/ZeRO/recompute
     data_io.py    declarations: data and tokenizer, checkpointing, logging
+    megatron_lm.py  declarations: Megatron-LM's flags, spliced into those groups
+    other_models.py declarations: Megatron-DeepSpeed's groups of its other models (Retro, vision, ...)
     registry.py   FLAGS (all of them, in the compatibility table's order) and BY_NAME
     parser.py     the argparse parser and `--help` drawn from FLAGS; `parse_config(argv)`
     to_config.py  parsed flags -> the config tree (which checks itself), then the layout check

@@ -10,6 +10,20 @@ _MMAP_ONLY = "only the mmap format is read"
 _CONVERT = "convert with tools/preprocess_data.py and use mmap"
 _SPLIT_FILES = ("separate split files are not supported", "use --data-path with --split")
 _GPT_TOKENIZERS = "use GPT2BPETokenizer, SentencePieceTokenizer or HuggingFaceTokenizer"
+_NOT_GPT = "; GPT datasets never read it, nor does Megatron-DeepSpeed's pretrain_gpt.py"
+_ORQA = f"the ORQA/REALM retriever's evidence data (megatron/data/orqa_wiki_dataset.py){_NOT_GPT}"
+_MASKING = f"BERT's and T5's masking (their datasets){_NOT_GPT}"
+_FORCED_INDEX = (
+    "reads the training split's index file from this path instead of the one built for the data, split and seed; "
+    "here the index is always built for them (and kept, keyed by its contents, in --data-cache-path)",
+    "drop it",
+)
+_FORCED_INDEX_FLAGS = (
+    "--train-desc-path",
+    "--train-doc-idx-path",
+    "--train-sample-idx-path",
+    "--train-shuffle-idx-path",
+)
 
 DATA: tuple[Flag, ...] = (
     accepted(
@@ -117,6 +131,39 @@ DATA: tuple[Flag, ...] = (
         "data.repeated_dataloader",
     ),
     refused("--reset-attention-mask", _DATA, "attention is causal over the whole sample (SDPA is_causal)"),
+    accepted(
+        "--aml-data-download-path",
+        _DATA,
+        "the directory an AzureML job mounted its data in: each --data-path prefix is read as <it>/<prefix>, as "
+        "Megatron-DeepSpeed joins them (its examples_deepspeed/azureml line); a weighted blend is refused (it joins "
+        "the weights too)",
+    ),
+    no_op("--retriever-seq-length", _DATA, _ORQA, VALUE),
+    no_op("--sample-rate", _DATA, _ORQA, VALUE),
+    no_op("--mask-prob", _DATA, _MASKING, VALUE),
+    no_op("--short-seq-prob", _DATA, _MASKING, VALUE),
+    refused(
+        "--train-data-exact-num-epochs",
+        _DATA,
+        "makes the training split's index exactly N passes over its documents (Megatron-DeepSpeed's gpt_dataset.py), "
+        "which changes the sample order; not implemented",
+        "drop it (the passes follow the samples the run asks for, as without it upstream)",
+        VALUE,
+    ),
+    no_op(
+        "--return-data-index",
+        _DATA,
+        "adds each sample's index to the batch, which training never reads (Megatron-DeepSpeed's pretrain_gpt.py "
+        "neither)",
+    ),
+    no_op(
+        "--train-idx-path",
+        _DATA,
+        "the samples-mapping file of BERT's, T5's and ICT's datasets (megatron/data/dataset_utils.py); GPT datasets "
+        "never read it",
+        VALUE,
+    ),
+    *(refused(name, _DATA, *_FORCED_INDEX, VALUE) for name in _FORCED_INDEX_FLAGS),
     refused(
         "--data-efficiency-curriculum-learning",
         _DATA,
@@ -364,6 +411,19 @@ LOGGING: tuple[Flag, ...] = (
     ),
     no_op("--timing-log-level", _LOG, _ONLY_ITERATIONS, takes=VALUE),
     no_op("--timing-log-option", _LOG, _ONLY_ITERATIONS, takes=VALUE),
+    refused(
+        "--profile_steps",
+        _LOG,
+        "Megatron-DeepSpeed's profiler (--profile pt or pt-full over these steps, traces in --tensorboard-dir) is not "
+        "implemented",
+        "use --profile with --profile-step-start and --profile-step-end (Megatron-LM's, torch's profiler)",
+        VALUE,
+    ),
+    no_op(
+        "--no-barrier-with-level-1-timing",
+        _LOG,
+        f"drops the barrier before Megatron's level-1 timers; {_ONLY_ITERATIONS}",
+    ),
     switch(
         "--log-params-norm",
         _LOG,

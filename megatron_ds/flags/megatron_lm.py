@@ -15,6 +15,10 @@ _MLM = "Megatron-LM's flag"
 _FP8 = "FP8 training runs on Transformer Engine, which is not used here (the layers are torch's)"
 _FP8_FIX = "drop the --fp8-* flags and train in --bf16"
 _CP = "context parallelism is not implemented"
+_MDS_PROFILER = (
+    "Megatron-DeepSpeed's profiler (torch's, over its --profile_steps, traces in --tensorboard-dir) is not implemented",
+    "give --profile alone (Megatron-LM's: torch's profiler over --profile-step-start+1 .. --profile-step-end)",
+)
 
 NETWORK: tuple[Flag, ...] = (
     no_op(
@@ -444,7 +448,7 @@ LOGGING: tuple[Flag, ...] = (
         _LOG,
         f"{_MLM}: the TFLOP/s per GPU in the log line; every line here shows it already",
     ),
-    switch(
+    accepted(
         "--profile",
         _LOG,
         f"{_MLM}: profile training steps --profile-step-start+1 .. --profile-step-end with torch's profiler (a "
@@ -452,6 +456,8 @@ LOGGING: tuple[Flag, ...] = (
         "range is also marked for nsys (cudaProfilerStart/Stop) as Megatron-LM does without "
         "--use-pytorch-profiler",
         "logging.profile",
+        nargs="?",  # Megatron-DeepSpeed's takes a value (pt, pt-full): refused, not "unrecognized"
+        refused_values=(Refusal("pt", *_MDS_PROFILER), Refusal("pt-full", *_MDS_PROFILER)),
     ),
     accepted(
         "--profile-step-start",

@@ -156,6 +156,20 @@ NETWORK: tuple[Flag, ...] = (
     refused("--apply-residual-connection-post-layernorm", _NET, "the layer is pre-LN only"),
     refused("--squared-relu", _NET, "the MLP is GeLU (or SwiGLU); squared ReLU is not implemented"),
     refused("--embedding-weights-in-fp32", _NET, "embeddings are kept in the training precision"),
+    refused(
+        "--onnx-safe",
+        _NET,
+        "any value switches Megatron-DeepSpeed's MLP to its erf GeLU (x / 1.41421), in place of --swiglu and the fused "
+        "tanh GeLU: a workaround for torch's ONNX exporter, not built here",
+        "drop it (--no-bias-gelu-fusion gives torch's exact GeLU)",
+        VALUE,
+    ),
+    no_op(
+        "--bert-no-binary-head",
+        _NET,
+        "BERT's sentence-order head (pretrain_bert.py); GPT training never reads it, nor does Megatron-DeepSpeed's "
+        "pretrain_gpt.py",
+    ),
 )
 
 _DENSE = (
@@ -176,6 +190,8 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
     no_op("--disable-moe-token-dropping", _MOE, f"{_DENSE} (no expert drops tokens)"),
     refused("--use-tutel", _MOE, _MOE_WHY),
     refused("--enable-expert-tensor-parallelism", _MOE, _MOE_WHY),
+    refused("--num-experts-switch", _MOE, f"Switch Transformer MLPs (top-1 experts): {_MOE_WHY}", takes=VALUE),
+    no_op("--disable-moe-top2-2nd-expert-sampling", _MOE, f"{_DENSE} (no top-2 gate samples a second expert)"),
 )
 
 REGULARIZATION: tuple[Flag, ...] = (

@@ -235,6 +235,20 @@ DEEPSPEED: tuple[Flag, ...] = (
         derived=True,
         aliases=("--deepspeed-config",),
     ),
+    refused(
+        "--deepscale",
+        _DS,
+        "DeepSpeed's deprecated spelling of --deepspeed, which Megatron-DeepSpeed never reads (without --deepspeed it "
+        "trains without DeepSpeed)",
+        "use --deepspeed",
+    ),
+    refused(
+        "--deepscale_config",
+        _DS,
+        "DeepSpeed's deprecated spelling of --deepspeed_config",
+        "use --deepspeed_config",
+        VALUE,
+    ),
     accepted(
         "--zero-stage",
         _DS,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import megatron_ds.flags.data_io as data_io
 import megatron_ds.flags.megatron_lm as megatron_lm
 import megatron_ds.flags.model as model
+import megatron_ds.flags.other_models as other_models
 import megatron_ds.flags.parallel as parallel
 import megatron_ds.flags.training as training
 from megatron_ds.flags.declare import Flag
@@ -32,6 +33,7 @@ FLAGS: tuple[Flag, ...] = (
     *data_io.DATA,
     *megatron_lm.DATA,
     *parallel.DEEPSPEED,
+    *(f for group in other_models.GROUPS for f in group),
 )
 """All flags, in the compatibility table's order (Megatron-DeepSpeed's groups, each followed by the
 Megatron-LM flags of that group)."""

@@ -84,10 +84,36 @@ def tokenizer_type(args: argparse.Namespace) -> str | None:
     return args.tokenizer_type
 
 
+def _aml_data_path(args: argparse.Namespace, data_path: Any) -> Any:
+    """--data-path under --aml-data-download-path: each entry joined to it as Megatron-DeepSpeed joins them
+    (`f"{aml}/{path}"`, the weights too, on which it then fails: a weighted blend is refused here)."""
+    root = args.aml_data_download_path
+    if root is None:
+        return data_path
+    weights = [p for p in data_path if _is_number(p)]
+    if weights:
+        raise ConfigError(
+            f"--aml-data-download-path {root} with the weighted --data-path {' '.join(data_path)}: Megatron-DeepSpeed "
+            f"joins the weights to it too ({root}/{weights[0]}) and fails; give the blend's full prefixes in --data-path "
+            f"and drop --aml-data-download-path"
+        )
+    return tuple(f"{root}/{p}" for p in data_path)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def data_config(args: argparse.Namespace, direct: dict[str, Any]) -> DataConfig:
     """The data section (also what tools/show_samples.py reads from a pretrain_gpt.py line)."""
     kind = tokenizer_type(args)
     null_vocab = args.vocab_size if kind == "NullTokenizer" else None
+    if "data_path" in direct:
+        direct = {**direct, "data_path": _aml_data_path(args, direct["data_path"])}
     return DataConfig(
         **direct,
         tokenizer_type=kind,

@@ -13,6 +13,7 @@ _DS_CKPT = (
     "profiled checkpoints are not configured"
 )
 _UNIFORM_ONLY = "DeepSpeed's PipelineModule recomputes uniform chunks only"
+_FPDT_ONLY = "an FPDT setting, read only with --ds-sequence-parallel-fpdt (refused)"
 
 TRAINING: tuple[Flag, ...] = (
     accepted(
@@ -254,6 +255,42 @@ TRAINING: tuple[Flag, ...] = (
         "(and key/value heads) divisible by N; DeepSpeed's plain engine runs it",
         "parallel.ds_sequence_parallel_size",
         type=int,
+    ),
+    no_op(
+        "--force-ds-sequence-parallel",
+        _TRAIN,
+        "DeepSpeed-Ulysses' DistributedAttention even at --ds-sequence-parallel-size 1, where its all-to-alls move "
+        "nothing: the same attention on the same batches",
+    ),
+    refused(
+        "--ds-sequence-parallel-fpdt",
+        _TRAIN,
+        "DeepSpeed's FPDT (Ulysses with chunked, optionally offloaded attention, MLP and loss for long sequences) is "
+        "not implemented",
+        "drop it; --ds-sequence-parallel-size N runs DeepSpeed-Ulysses",
+    ),
+    no_op("--ds-sequence-parallel-fpdt-chunk-size", _TRAIN, _FPDT_ONLY, VALUE),
+    no_op("--ds-sequence-parallel-fpdt-offloading", _TRAIN, _FPDT_ONLY),
+    refused(
+        "--ds-inference",
+        _TRAIN,
+        "switches Megatron-DeepSpeed's transformer to the outputs of DeepSpeed's inference engine (text generation), "
+        "which its training loop cannot take",
+        "drop it; tools/generate.py generates from a checkpoint",
+    ),
+    refused(
+        "--inference",
+        _TRAIN,
+        "Megatron-DeepSpeed's basic inference mode builds no optimizer or lr schedule, so nothing would train",
+        "drop it; tools/generate.py generates from a checkpoint",
+    ),
+    refused(
+        "--use-dataset-only",
+        _TRAIN,
+        "Megatron-DeepSpeed then builds only its datasets, for an external trainer (any value is true: argparse's "
+        "bool), with samples its own pretrain_gpt.py cannot read",
+        "drop it",
+        VALUE,
     ),
     refused("--random-ltd", _TRAIN, "DeepSpeed data-efficiency (random-LTD) is not implemented"),
     switch(

@@ -125,6 +125,47 @@ def test_upstream_aliases_mean_their_flag(alias: str, spelling: str) -> None:
     assert parse(alias) == parse(spelling)
 
 
+def test_every_megatron_deepspeed_option_is_declared() -> None:
+    """README: every Megatron-DeepSpeed flag is accepted, a no-op or refused with the reason, none "unrecognized":
+    the options of its arguments.py and DeepSpeed's add_config_arguments (tools/capture_megatron_deepspeed_flags.py)."""
+    upstream = json.loads((ROOT / "tests" / "data" / "megatron_deepspeed_flags.json").read_text())
+    options = {name for names in upstream["groups"].values() for name in names}
+    assert len(options) > 300 and "--train-data-exact-num-epochs" in options and "--deepscale" in options
+    missing = sorted(options - set(flags.BY_NAME))
+    assert not missing, f"declare these Megatron-DeepSpeed {upstream['commit']} flags in megatron_ds/flags: {missing}"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--train-data-exact-num-epochs", "2"], "--train-data-exact-num-epochs is not supported: makes the training"),
+        (["--train-shuffle-idx-path", "x.npy"], "--train-shuffle-idx-path is not supported: reads the training split"),
+        (["--use-dataset-only", "True"], "--use-dataset-only is not supported: Megatron-DeepSpeed then builds only"),
+        (["--profile", "pt"], "--profile pt is not supported: Megatron-DeepSpeed's profiler"),
+        (["--kd", "--load-teacher", "t"], "--kd is not supported: knowledge distillation from a teacher model"),
+    ],
+)
+def test_megatron_deepspeed_data_and_training_flags_that_change_its_run_are_refused(argv, message) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(*argv)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_megatron_deepspeed_flags_its_gpt_never_reads_change_nothing() -> None:
+    ignored = ["--return-data-index", "--train-idx-path", "x", "--mask-prob", "0.2", "--force-ds-sequence-parallel"]
+    ignored += ["--img-h", "32", "--retro-encoder-layers", "3", "--num-experts-teacher", "4", "8"]
+    assert parse(*ignored) == parse()
+    assert parse("--profile").logging.profile is True  # Megatron-LM's switch, still bare
+
+
+def test_aml_data_download_path_joins_each_data_prefix_as_megatron_deepspeed() -> None:
+    assert parse("--data-path", "a/b_text_document", "--aml-data-download-path", "/mnt/d").data.data_path == (
+        "/mnt/d/a/b_text_document",
+    )
+    with pytest.raises(ConfigError, match=r"--aml-data-download-path /mnt with the weighted --data-path 0.3 a 0.7 b: "):
+        parse("--data-path", "0.3", "a", "0.7", "b", "--aml-data-download-path", "/mnt")
+
+
 def test_no_flag_is_pending() -> None:
     assert {f.status for f in flags.FLAGS} == {flags.ACCEPTED, flags.NO_OP, flags.REFUSED}
     assert "not yet" not in compat.markdown_table() and not hasattr(compat, "PENDING_MODEL_FIELDS")
