@@ -93,7 +93,11 @@ def setup(config: Config) -> Run:
     pipeline = build_pipeline(
         config,
         lr_scheduler=lambda opt: LRSchedule.from_config(opt, config),
-        on_layout=lambda layout, calibration: print_rank0(rank, layout_text(config, layout, calibration)),
+        on_layout=lambda layout, calibration: (
+            print_rank0(rank, layout_text(config, layout, calibration))
+            if rank == 0  # the table and its notices (which may build the tokenizer) on the printing rank only
+            else None
+        ),
     )
     layout = pipeline.layout
     state = _load_or_fresh(config, layout, pipeline, rank)
