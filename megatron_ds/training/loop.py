@@ -285,9 +285,12 @@ def report_compute(run: Run) -> None:
 
 
 def save(run: Run) -> None:
-    ck = run.config.checkpoint
+    ck, state = run.config.checkpoint, run.state
+    # a stopping signal says what it interrupted: this save (the last complete checkpoint is kept), not an iteration
+    signals.set_progress(lambda: f"while saving the checkpoint of iteration {state.iteration} (left incomplete)")
     with run.watchdog.watch(f"save_checkpoint at iteration {run.state.iteration}"):
         tag = save_load.save(run.engine, run.config, run.layout, run.state, ck.save)
+    signals.set_progress(lambda: f"in iteration {state.iteration + 1}")
     print_rank0(run.rank, f"saved checkpoint {os.path.join(ck.save, tag)} at iteration {run.state.iteration}")
     if run.config.logging.log_progress and run.rank == 0:  # after the save, as Megatron-LM
         import torch.distributed as dist

@@ -37,6 +37,15 @@ def test_the_previous_checkpoint_goes_unless_retained_a_link_or_not_ours(tmp_pat
     assert (tmp_path / "global_step3").is_dir()  # no metadata: not a checkpoint of ours
 
 
+def test_a_retired_checkpoint_takes_its_universal_form_along(tmp_path: Path, capsys) -> None:
+    # the universal form a resume at another layout converted (larger than the checkpoint) was left behind forever
+    checkpoint(tmp_path, "global_step3", 3)
+    (tmp_path / "global_step3.universal" / "zero").mkdir(parents=True)
+    save_load._retire(str(tmp_path), "global_step3", 4)
+    assert not (tmp_path / "global_step3").exists() and not (tmp_path / "global_step3.universal").exists()
+    assert f"and its universal form {tmp_path / 'global_step3.universal'} (iteration 3" in capsys.readouterr().out
+
+
 def test_the_retain_interval_is_a_multiple_of_the_save_interval() -> None:
     assert CheckpointConfig(save="s", save_interval=2, save_retain_interval=4).save_retain_interval == 4
     with pytest.raises(ConfigError, match="--save-retain-interval 5 must be a multiple of --save-interval 2"):
@@ -57,3 +66,30 @@ def test_load_tag_names_a_complete_checkpoint(tmp_path: Path) -> None:
     assert "(its last: global_step9, global_step10)" in str(err.value)  # in iteration order, not by name
     with pytest.raises(CheckpointError, match="it holds no complete checkpoint"):
         load_tag(str(tmp_path / "new"), "global_step1")
+
+
+def test_a_stop_during_a_save_says_it_interrupted_the_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C while checkpoint 338 was written said "stopped in iteration 339"
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron_ds.training import loop, signals
+    from megatron_ds.training.state import TrainState
+
+    seen = []
+    monkeypatch.setattr(save_load, "save", lambda *a: seen.append(signals.current().progress()) or "global_step338")
+    run = SimpleNamespace(
+        config=SimpleNamespace(checkpoint=CheckpointConfig(save="ck"), logging=SimpleNamespace(log_progress=False)),
+        state=TrainState(iteration=338),
+        watchdog=SimpleNamespace(watch=lambda what: contextlib.nullcontext()),
+        engine=None,
+        layout=None,
+        rank=1,
+    )
+    signals.install()
+    try:
+        loop.save(run)
+        assert seen == ["while saving the checkpoint of iteration 338 (left incomplete)"]
+        assert signals.current().progress() == "in iteration 339"
+    finally:
+        signals.uninstall()

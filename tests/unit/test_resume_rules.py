@@ -90,3 +90,15 @@ def test_a_padded_vocabulary_that_moves_with_t_names_the_fix() -> None:
         rules.check_compatible(meta(at_t2), SAVED, "ckpt", "t")
     assert "vocab_size 256 (checkpoint) vs 128 (now)" in str(err.value)
     assert "choose --make-vocab-size-divisible-by so that the padded size stays 256" in str(err.value)
+
+
+def test_a_vocabulary_change_inside_the_padding_is_a_notice() -> None:
+    # 128 tokens trained, this run calls 8 of those rows padding: same 128 rows, so it resumed without a word
+    saved = SAVED.replace(data__unpadded_vocab_size=128)
+    now = SAVED.replace(data__unpadded_vocab_size=120)
+    rules.check_compatible(meta(saved), now, "ckpt", "t")  # no error: the same rows
+    assert rules.vocabulary_notice(meta(saved), now, "ckpt", "t") == (
+        f"NOTICE: --load ckpt (t) recorded a vocabulary of 128 tokens, this run 120 (both padded to {now.model.vocab_size} "
+        "rows): rows 120-127 change between token and padding, and later exports keep 120"
+    )
+    assert rules.vocabulary_notice(meta(saved), saved, "ckpt", "t") is None

@@ -88,6 +88,20 @@ def weight_free_notice(saved: dict[str, Any], config: Config, load_dir: str, tag
     )
 
 
+def vocabulary_notice(saved: dict[str, Any], config: Config, load_dir: str, tag: str) -> str | None:
+    """The padded rows match (the architecture check), but the tokens among them differ: rows the checkpoint trained
+    as tokens become padding here, or the reverse (an export cuts the vocabulary at this run's size)."""
+    theirs = Config.from_dict(saved["config"]).data.unpadded_vocab_size
+    ours = config.data.unpadded_vocab_size
+    if theirs is None or ours is None or theirs == ours:
+        return None
+    return (
+        f"NOTICE: --load {load_dir} ({tag}) recorded a vocabulary of {theirs} tokens, this run {ours} (both padded to "
+        f"{config.model.vocab_size} rows): rows {min(theirs, ours)}-{max(theirs, ours) - 1} change between token and "
+        f"padding, and later exports keep {ours}"
+    )
+
+
 def regularization_changes(saved: dict[str, Any], config: Config) -> list[str]:
     """`RegularizationConfig` fields this run changes relative to the checkpoint (allowed on resume)."""
     ours = config.to_dict()["regularization"]

@@ -57,10 +57,12 @@ from megatron_ds.training.checkpoint.rules import (
     regularization_notice,
     topology_changes,
     universal_refusal,
+    vocabulary_notice,
     weight_free_notice,
 )
 from megatron_ds.training.checkpoint.tokenizer_check import tokenizer_notice
 from megatron_ds.training.checkpoint.universal import restore, store
+from megatron_ds.training.checkpoint.universal.convert import SUFFIX as UNIVERSAL_SUFFIX
 from megatron_ds.training.checkpoint.universal.convert import ensure_converted
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
 from megatron_ds.training.state import TrainState
@@ -164,8 +166,12 @@ def _retire(save_dir: str, tag: str, retain_interval: int) -> None:
         return  # damaged: not ours to delete
     if iteration % retain_interval:
         shutil.rmtree(path)
+        universal = path + UNIVERSAL_SUFFIX  # its universal form, converted from it for a resume at another layout
+        also = f" and its universal form {universal}" if os.path.isdir(universal) else ""
+        if also:
+            shutil.rmtree(universal)
         print(
-            f"deleted checkpoint {path} (iteration {iteration}: not a multiple of --save-retain-interval "
+            f"deleted checkpoint {path}{also} (iteration {iteration}: not a multiple of --save-retain-interval "
             f"{retain_interval})",
             flush=True,
         )
@@ -214,6 +220,7 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
     for notice in (
         regularization_notice(meta, config, load_dir, tag),
         weight_free_notice(meta, config, load_dir, tag),
+        vocabulary_notice(meta, config, load_dir, tag),
         None if weights_only else precision_notice(meta, config, load_dir, tag),
         *resume_flag_notices(meta, config, load_dir, tag),
     ):
