@@ -93,3 +93,19 @@ def test_a_stop_during_a_save_says_it_interrupted_the_save(monkeypatch: pytest.M
         assert signals.current().progress() == "in iteration 339"
     finally:
         signals.uninstall()
+
+
+def test_latest_naming_a_damaged_checkpoint_of_ours_names_the_complete_ones(tmp_path: Path) -> None:
+    # global_step6 lost its megatron_ds.json: it was called 'a DeepSpeed checkpoint that pretrain_gpt.py did not
+    # write' with a conversion that then failed, and global_step3 beside it went unmentioned
+    checkpoint(tmp_path, "global_step3", 3)
+    damaged = tmp_path / "global_step6"
+    damaged.mkdir()
+    (damaged / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (tmp_path / "latest").write_text("global_step6")
+    with pytest.raises(CheckpointError) as err:
+        load_tag(str(tmp_path), None)
+    assert str(err.value) == (
+        f"--load {tmp_path}: 'latest' names 'global_step6', which is incomplete or missing; point 'latest' at a "
+        "complete global_step directory, or resume from one of its last (global_step3) with --load-tag"
+    )

@@ -66,14 +66,19 @@ def load_tag(load_dir: str, tag: str | None) -> str | None:
         return latest_tag(load_dir) if os.path.isdir(load_dir) else None
     if not os.path.isfile(os.path.join(load_dir, tag, META)):
         refuse_foreign(load_dir)
-        names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
-        found = sorted((t for t in names if os.path.isfile(os.path.join(load_dir, t, META))), key=_natural)
+        found = complete_tags(load_dir)
         have = f"its last: {', '.join(found[-5:])}" if found else "it holds no complete checkpoint"
         raise CheckpointError(
             f"--load-tag {tag}: --load {load_dir} has no complete checkpoint {tag!r} ({have}); give one of them, or "
             "drop --load-tag to resume from latest"
         )
     return tag
+
+
+def complete_tags(load_dir: str) -> list[str]:
+    """The checkpoints of ours in `load_dir` (global_step directories with META), oldest first."""
+    names = os.listdir(load_dir) if os.path.isdir(load_dir) else []
+    return sorted((t for t in names if os.path.isfile(os.path.join(load_dir, t, META))), key=_natural)
 
 
 def _natural(name: str) -> list:
@@ -95,9 +100,15 @@ def latest_tag(load_dir: str) -> str | None:
         return None
     if not os.path.isfile(os.path.join(load_dir, tag, META)):
         refuse_foreign(load_dir)
+        found = complete_tags(load_dir)
+        give = (
+            f", or resume from one of its last ({', '.join(found[-5:])}) with --load-tag"
+            if found
+            else " (it holds none)"
+        )
         raise CheckpointError(
-            f"--load {load_dir}: 'latest' names {tag!r}, which is incomplete or missing; "
-            f"point 'latest' at a complete global_step directory"
+            f"--load {load_dir}: 'latest' names {tag!r}, which is incomplete or missing; point 'latest' at a "
+            f"complete global_step directory{give}"
         )
     return tag
 
@@ -126,8 +137,8 @@ def foreign_checkpoint(path: str) -> str | None:
             tag = "global_step" + open(tracker).read().strip()
         if not tag or not os.path.isfile(os.path.join(path, tag, DEEPSPEED_MODEL_STATES)):
             return None
-        if os.path.isfile(os.path.join(path, tag, META)):
-            return None
+        if os.path.isfile(os.path.join(path, tag, META)) or complete_tags(path):
+            return None  # ours: a damaged tag beside complete ones is not another program's checkpoint
         step, root = os.path.join(path, tag), path
     megatron = os.path.isfile(os.path.join(root, MEGATRON_TRACKER))
     who = "a Megatron-DeepSpeed checkpoint" if megatron else "a DeepSpeed checkpoint that pretrain_gpt.py did not write"
