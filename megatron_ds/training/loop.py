@@ -289,7 +289,10 @@ def save(run: Run) -> None:
     # a stopping signal says what it interrupted: this save (the last complete checkpoint is kept), not an iteration
     signals.set_progress(lambda: f"while saving the checkpoint of iteration {state.iteration} (left incomplete)")
     with run.watchdog.watch(f"save_checkpoint at iteration {run.state.iteration}"):
-        tag = save_load.save(run.engine, run.config, run.layout, run.state, ck.save)
+        try:
+            tag = save_load.save(run.engine, run.config, run.layout, run.state, ck.save)
+        except (OSError, RuntimeError) as err:  # a full disk: torch's writer says 'iostream error', not ENOSPC
+            raise save_load.save_failed(ck.save, state.iteration, err) from None
     signals.set_progress(lambda: f"in iteration {state.iteration + 1}")
     print_rank0(run.rank, f"saved checkpoint {os.path.join(ck.save, tag)} at iteration {run.state.iteration}")
     if run.config.logging.log_progress and run.rank == 0:  # after the save, as Megatron-LM

@@ -109,3 +109,40 @@ def test_latest_naming_a_damaged_checkpoint_of_ours_names_the_complete_ones(tmp_
         f"--load {tmp_path}: 'latest' names 'global_step6', which is incomplete or missing; point 'latest' at a "
         "complete global_step directory, or resume from one of its last (global_step3) with --load-tag"
     )
+
+
+def test_a_save_that_cannot_be_written_is_one_line_naming_the_kept_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a full disk during a save was torch's 'basic_ios::clear: iostream error' traceback
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron_ds.training import loop
+    from megatron_ds.training.state import TrainState
+
+    checkpoint(tmp_path, "global_step4", 4)
+    (tmp_path / "latest").write_text("global_step4")
+
+    def full(*args: object) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 354112 vs 354004\nframe 0")
+
+    monkeypatch.setattr(save_load, "save", full)
+    run = SimpleNamespace(
+        config=SimpleNamespace(checkpoint=CheckpointConfig(save=str(tmp_path))),
+        state=TrainState(iteration=6),
+        watchdog=SimpleNamespace(watch=lambda what: contextlib.nullcontext()),
+        engine=None,
+        layout=None,
+    )
+    with pytest.raises(CheckpointError) as err:
+        loop.save(run)
+    message = str(err.value)
+    assert message.startswith(
+        f"--save {tmp_path}: writing the checkpoint of iteration 6 failed ([enforce fail at inline_container.cc:672] "
+        ". unexpected pos 354112 vs 354004; "
+    )
+    assert message.endswith(
+        "the last checkpoint, global_step4, is kept: free space or fix the directory, then relaunch to resume from it"
+    )
+    assert "\n" not in message

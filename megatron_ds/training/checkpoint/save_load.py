@@ -153,6 +153,21 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
     return tag
 
 
+def save_failed(save_dir: str, iteration: int, err: BaseException) -> CheckpointError:
+    """One line for a save that could not be written (the previous checkpoint stays: `latest` moves last)."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    last = latest_pointer(save_dir)
+    try:
+        free = f"; {shutil.disk_usage(save_dir).free / 2**20:.0f} MiB free there"
+    except OSError:
+        free = ""
+    kept = f"the last checkpoint, {last}, is kept" if last else "no earlier checkpoint there"
+    return CheckpointError(
+        f"--save {save_dir}: writing the checkpoint of iteration {iteration} failed ({first}{free}); {kept}: free "
+        f"space or fix the directory, then relaunch to resume from it"
+    )
+
+
 def _retire(save_dir: str, tag: str, retain_interval: int) -> None:
     """`--save-retain-interval`: delete the checkpoint `tag` that `latest` named before this save, now that the
     new one is complete and `latest` names it, unless its iteration is a multiple of `retain_interval`; a symbolic
