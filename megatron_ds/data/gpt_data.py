@@ -56,17 +56,31 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | 
         )
     weights = [_as_float(s) for s in items[0::2]] if len(items) % 2 == 0 else None
     if weights is None or any(w is None for w in weights):
-        numbers = [s for s in items if _as_float(s) is not None and not os.path.exists(s + ".idx")]
+        numbers = [s for s in items if _looks_like_weight(s)]
         if numbers:
-            raise DataError(
-                f"--data-path {' '.join(items)}: {numbers[0]!r} looks like a weight, but "
-                f"weights and prefixes must alternate (0.7 a 0.3 b)"
-            )
+            raise DataError(f"--data-path {' '.join(items)}: {_misplaced_weight(items, numbers[0])}")
         return items, None
     bad = [w for w in weights if not (w > 0 and np.isfinite(w))]
     if bad:
         raise DataError(f"--data-path {' '.join(items)}: weight {bad[0]} must be a positive number")
     return items[1::2], [float(w) for w in weights]  # type: ignore[misc]
+
+
+def _looks_like_weight(item: str) -> bool:
+    return _as_float(item) is not None and not os.path.exists(item + ".idx")
+
+
+def _misplaced_weight(items: Sequence[str], first_number: str) -> str:
+    """What is wrong with a list that has weights but does not parse as `W1 P1 W2 P2 ...`: the actual bad item."""
+    if _looks_like_weight(items[0]):  # a weighted list was begun
+        if len(items) % 2 == 1 and _looks_like_weight(items[-1]):
+            return f"weight {items[-1]} has no prefix after it; give weights and prefixes in pairs (0.7 a 0.3 b)"
+        for k, item in enumerate(items[0::2], 1):
+            if _as_float(item) is None:
+                point = _as_float(item.replace(",", "."))
+                fix = f"write it {point} (a decimal point)" if point is not None else "give a number before each prefix"
+                return f"weight {k}, {item!r}, is not a number; {fix}: weights and prefixes alternate (0.7 a 0.3 b)"
+    return f"{first_number!r} looks like a weight, but weights and prefixes must alternate (0.7 a 0.3 b)"
 
 
 def _as_float(s: str) -> float | None:

@@ -41,12 +41,24 @@ def test_parse_data_path() -> None:
     assert parse_data_path(("a", "b")) == (["a", "b"], None)
     assert parse_data_path(("0.7", "a", "0.3", "b")) == (["a", "b"], [0.7, 0.3])
     assert parse_data_path(("1", "a")) == (["a"], [1.0])
-    with pytest.raises(DataError, match="'0.7' looks like a weight, but weights and prefixes must alternate"):
-        parse_data_path(("0.7", "a", "0.3"))
+    with pytest.raises(DataError, match="'0.3' looks like a weight, but weights and prefixes must alternate"):
+        parse_data_path(("a", "0.3", "b", "0.7"))  # weights after their prefixes
     with pytest.raises(DataError, match="weight -1.0 must be a positive number"):
         parse_data_path(("-1", "a", "2", "b"))
     with pytest.raises(DataError, match="--data-path"):
         parse_data_path(())
+
+
+def test_parse_data_path_names_the_bad_weight() -> None:
+    """The item that breaks the weighted list is named, not the first weight."""
+    with pytest.raises(
+        DataError, match=r"a 0.3: weight 0.3 has no prefix after it; give weights and prefixes in pairs"
+    ):
+        parse_data_path(("0.7", "a", "0.3"))
+    with pytest.raises(DataError, match=r"weight 2, 'x', is not a number; give a number before each prefix"):
+        parse_data_path(("0.7", "a", "x", "b"))
+    with pytest.raises(DataError, match=r"weight 2, '0,3', is not a number; write it 0.3 \(a decimal point\)"):
+        parse_data_path(("0.7", "a", "0,3", "b"))
 
 
 def test_parse_split_matches_megatron_core() -> None:
