@@ -91,11 +91,13 @@ def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any, list[list[i
     """The ids of samples [consumed, consumed + num_samples) of the training split, the tokenizer, and for prompt
     data (`--prompt-data`, finetune_llama.py's) the ids each sample trains on."""
     from megatron_ds.data.gpt_data import build_gpt_datasets
-    from megatron_ds.data.splits import requested_samples
+    from megatron_ds.data.splits import check_train_share, requested_samples
     from megatron_ds.data.tokenizer import build_tokenizer
 
     data = data_config(args, direct_values(args).get("data", {}))
     training = training_config(args)
+    if not data.prompt_data:
+        check_train_share(data.split, training.train_iters)
     tokenizer = None
     if data.tokenizer_type:
         tokenizer = build_tokenizer(

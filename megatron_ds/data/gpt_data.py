@@ -10,7 +10,8 @@ indices as Megatron-DeepSpeed's given those, so a run sees the same samples in t
 its upstream. Each corpus is read as `corpus.open_corpus` says (Megatron-DeepSpeed's `--append-eod`
 pairs with each EOD included). Guarded here:
 - a split that is read but gets no tokens is an error (megatron-core would loop forever counting
-  epochs); one that nothing reads is not built;
+  epochs), except a validation or test split to which Megatron-DeepSpeed's rounding gives no
+  documents of any corpus: absent, with a NOTICE, as there; one that nothing reads is not built;
 - the index caches are keyed on each corpus's index content and reading, not only on its path;
 - megatron-core's `BlendedDataset` calls `torch.distributed.get_rank()` on a cache miss whenever a
   cache path is set, so without a process group its (cheap) blending index is built in memory.
@@ -36,7 +37,15 @@ from megatron_ds.data import DataError
 from megatron_ds.data.append_eod import notice
 from megatron_ds.data.indexed import IndexInfo, megatron_indexed_dataset_module, read_index, read_lengths
 from megatron_ds.data.mock_data import build_mock
-from megatron_ds.data.splits import Part, normalized_weights, parse_split, plan_parts, split_log
+from megatron_ds.data.splits import (
+    Part,
+    absent_notice,
+    absent_splits,
+    normalized_weights,
+    parse_split,
+    plan_parts,
+    split_log,
+)
 from megatron_ds.data.tokenizer import Tokenizer, check_vocab
 
 Batch = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -143,15 +152,15 @@ def build_gpt_datasets(
     check_vocab(tokenizer, vocab_size)
     infos, parts = plan_data(data, num_samples)
     _check_cache_dir(data, [i.prefix for i in infos])
-    _report(data, infos, tokenizer)
+    _report(data, infos, tokenizer, num_samples)
     config = _dataset_config(data, seq_length, seed, tokenizer)
     _, weights = parse_data_path(data.data_path)
     built = _on_rank_zero_first(lambda: [_build_part(p, infos, weights, data, config) for p in parts], is_built_on_rank)
     return tuple(built) if built is not None else (None, None, None)  # type: ignore[return-value]
 
 
-def _report(data: DataConfig, infos: Sequence[IndexInfo], tokenizer: Tokenizer) -> None:
-    """The append-eod notices and the document ranges, once (rank 0)."""
+def _report(data: DataConfig, infos: Sequence[IndexInfo], tokenizer: Tokenizer, num_samples: Sequence[int]) -> None:
+    """The append-eod notices, the document ranges and the splits skipped for want of documents, once (rank 0)."""
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     if data.misaligned_append_eod and all(info.eod_id is None for info in infos):
@@ -171,6 +180,9 @@ def _report(data: DataConfig, infos: Sequence[IndexInfo], tokenizer: Tokenizer) 
                     flush=True,
                 )
         print("\n".join(split_log(info.prefix, info.num_sequences, data.split, data.data_upstream)), flush=True)
+    prefixes, sizes = [i.prefix for i in infos], [i.num_sequences for i in infos]
+    for k in absent_splits(sizes, data.split, data.data_upstream, num_samples):
+        print(absent_notice(prefixes, sizes, data.split, k), flush=True)
 
 
 def _on_rank_zero_first(build: Callable[[], Any], is_built_on_rank: Callable[[], bool] | None) -> Any:

@@ -128,16 +128,24 @@ def plan_parts(
     upstream: str,
     num_samples: Sequence[int],
 ) -> list[Part | None]:
-    """Each split's documents and sample counts; None for a split nothing reads or that has no share.
+    """Each split's documents and sample counts; None for a split nothing reads, that has no share, or
+    that is absent (`absent_splits`).
 
-    A split with a share but no tokens in some corpus is a DataError only if it is read (a positive
-    `num_samples`): megatron-core would loop forever, Megatron-DeepSpeed skips such a split.
+    Training with no share of `--split` is a DataError. A split with a share but no tokens in some
+    corpus is a DataError only if it is read (a positive `num_samples`) and not absent: megatron-core
+    would loop forever, Megatron-DeepSpeed fails on a blend that lacks it in some corpora only.
     """
     shares = parse_split(split)
+    if shares[0] <= 0 and num_samples[0] > 0:
+        raise DataError(
+            f"--split {split} gives training no documents, but training reads {num_samples[0]} samples: give train "
+            "a share"
+        )
     ranges = [split_ranges(len(n), split, upstream) for n in lengths]
+    absent = absent_splits([len(n) for n in lengths], split, upstream, num_samples)
     parts: list[Part | None] = []
     for k, name in enumerate(SPLIT_NAMES):
-        if shares[k] <= 0 or num_samples[k] <= 0:
+        if shares[k] <= 0 or num_samples[k] <= 0 or k in absent:
             parts.append(None)
             continue
         for prefix, n, r in zip(prefixes, lengths, ranges):
@@ -154,15 +162,53 @@ def plan_parts(
     return parts
 
 
+def check_train_share(split: str, train_iters: int) -> None:
+    """DataError when `--split` gives training no share but the run trains (upstream would skip training, or
+    reach the first step without data): said before anything starts."""
+    if train_iters > 0 and parse_split(split)[0] <= 0:
+        raise DataError(
+            f"--split {split} gives training no documents, but the run trains {train_iters} iterations "
+            f"(--train-iters {train_iters}): give train a share, e.g. --split 969,30,1"
+        )
+
+
+def absent_splits(num_documents: Sequence[int], split: str, upstream: str, num_samples: Sequence[int]) -> list[int]:
+    """The validation and test splits (1, 2) that are read and have a share of `--split`, but to which
+    Megatron-DeepSpeed's rounding gives no documents of any corpus: absent, as there (its gpt_dataset.py
+    builds no dataset for an empty range, and its training.py then skips that evaluation). None under
+    megatron-core's rules (Megatron-LM loops forever on such a split) nor for training."""
+    if upstream != MEGATRON_DEEPSPEED:
+        return []
+    shares = parse_split(split)
+    ranges = [split_ranges(n, split, upstream) for n in num_documents]
+    return [k for k in (1, 2) if shares[k] > 0 and num_samples[k] > 0 and all(r[k] is None for r in ranges)]
+
+
+def absent_notice(prefixes: Sequence[str], num_documents: Sequence[int], split: str, index: int) -> str:
+    """The one line that says an absent split (`absent_splits`) is skipped, and why."""
+    name = SPLIT_NAMES[index]
+    corpora = (
+        f"the {num_documents[0]} documents of {prefixes[0]}"
+        if len(prefixes) == 1
+        else "any corpus (" + ", ".join(f"{p}: {n} documents" for p, n in zip(prefixes, num_documents)) + ")"
+    )
+    skipped = "no validation during or after training" if index == 1 else "no test evaluation at the end"
+    return (
+        f"NOTICE: --split {split} gives the {name} split no documents of {corpora} (Megatron-DeepSpeed's "
+        f"rounding): it is skipped as Megatron-DeepSpeed skips it, {skipped}; give {name} a larger share or add "
+        "documents to evaluate it"
+    )
+
+
 def _empty_part_error(
     prefix: str, num_documents: int, split: str, upstream: str, name: str, rng: Range | None, num_samples: int
 ) -> DataError:
     docs = "no documents" if rng is None or rng[1] <= rng[0] else f"documents [{rng[0]}, {rng[1]}) but no tokens"
     rounding = "Megatron-DeepSpeed's" if upstream == MEGATRON_DEEPSPEED else "megatron-core's"
-    fix = "" if name == "train" else ", or --eval-iters 0 to skip it"
+    reader, fix = ("training", "") if name == "train" else ("evaluation", ", or --eval-iters 0 to skip it")
     return DataError(
         f"--split {split}: corpus {prefix} has {num_documents} documents, so its {name} split gets {docs} "
-        f"({rounding} rounding), but training reads {num_samples} {name} samples; give {name} a larger share "
+        f"({rounding} rounding), but {reader} reads {num_samples} {name} samples; give {name} a larger share "
         f"or add documents{fix}"
     )
 

@@ -20,7 +20,7 @@ def check_data(config: Config, dry_run: bool = False) -> list[str]:
     for real data; finetune_llama.py's examples are read and tokenized (`check_prompt_data`). Returns the
     lines to print."""
     from megatron_ds.data.gpt_data import plan_data
-    from megatron_ds.data.splits import requested_samples
+    from megatron_ds.data.splits import check_train_share, requested_samples
 
     data = config.data
     if data.mock_data or (dry_run and not data.data_path):  # --print-layout says what it lacks
@@ -31,6 +31,7 @@ def check_data(config: Config, dry_run: bool = False) -> list[str]:
         raise ConfigError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
     if data.tokenizer_type is None:
         raise ConfigError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-file/--merge-file)")
+    check_train_share(data.split, config.training.train_iters)
     plan_data(data, requested_samples(config.training))
     return []
 

@@ -117,7 +117,7 @@ def test_empty_split_fails_instead_of_looping(tmp_path: Path, corpora: tuple[str
     with pytest.raises(
         DataError,
         match=r"--split 90,9,1: corpus .*small has 20 documents, so its test split gets no documents "
-        r"\(Megatron-DeepSpeed's rounding\), but training reads 10 test samples; give test a larger share or "
+        r"\(Megatron-DeepSpeed's rounding\), but evaluation reads 10 test samples; give test a larger share or "
         r"add documents, or --eval-iters 0 to skip it$",
     ):
         build_gpt_datasets(data, SEQ, 1, (10, 10, 10), TOK, 128)

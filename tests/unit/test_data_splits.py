@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ from megatron_ds.config import DataConfig
 from megatron_ds.data import DataError
 from megatron_ds.data.gpt_data import build_gpt_datasets, plan_data
 from megatron_ds.data.indexed import write_indexed_dataset
-from megatron_ds.data.splits import blend_sizes, plan_parts, split_log, split_ranges
+from megatron_ds.data.splits import absent_notice, absent_splits, blend_sizes, plan_parts, split_log, split_ranges
 from megatron_ds.data.tokenizer import NullTokenizer
 from megatron_ds.flags.parser import parse_config
 
@@ -65,18 +66,82 @@ def test_a_split_is_an_error_only_if_it_is_read() -> None:
     with pytest.raises(
         DataError,
         match=r"--split 949,50,1: corpus a has 75 documents, so its test split gets no documents "
-        r"\(Megatron-DeepSpeed's rounding\), but training reads 4 test samples; .*--eval-iters 0 to skip it",
+        r"\(megatron-core's rounding\), but evaluation reads 4 test samples; .*--eval-iters 0 to skip it",
     ):
-        plan_parts(["a"], lengths, None, "949,50,1", MDS, (40, 4, 4))
-    train, valid, test = plan_parts(["a"], lengths, None, "949,50,1", MDS, (40, 0, 0))  # --eval-iters 0
+        plan_parts(["a"], lengths, None, "949,50,1", MLM, (40, 4, 4))
+    train, valid, test = plan_parts(["a"], lengths, None, "949,50,1", MLM, (40, 0, 0))  # --eval-iters 0
     assert train is not None and train.ranges == ((0, 71),) and valid is None and test is None
-    with pytest.raises(DataError, match=r"its validation split gets no documents"):
-        plan_parts(["a"], [np.full(25, 3, np.int32)], None, "98,2,0", MDS, (40, 4, 4))
+    with pytest.raises(DataError, match=r"its validation split gets no documents .* but evaluation reads 4"):
+        plan_parts(["a"], [np.full(10, 3, np.int32)], None, "98,2,0", MLM, (40, 4, 4))
     zeros = [np.zeros(75, dtype=np.int32)]
     with pytest.raises(DataError, match=r"its train split gets documents \[0, 74\) but no tokens .*add documents$"):
         plan_parts(["a"], zeros, None, "98,2,0", MLM, (40, 0, 0))
     parts = plan_parts(["a", "b"], lengths * 2, [0.7, 0.3], "98,2,0", MDS, (96, 4, 0))
     assert parts[0].sizes == (68, 29) and parts[0].blend_size == 97 and parts[1].sizes == (3, 2)
+
+
+def test_an_empty_evaluation_split_is_absent_under_megatron_deepspeed_rules(capsys: pytest.CaptureFixture) -> None:
+    """Megatron-DeepSpeed's default --split 969,30,1 gives a corpus under ~500 documents no test documents: it
+    builds no test dataset and skips the test evaluation (training and validation run), so here too."""
+    lengths = [np.full(75, 12, dtype=np.int32)]
+    train, valid, test = plan_parts(["a"], lengths, None, "969,30,1", MDS, (40, 8, 4))
+    assert train.ranges == ((0, 73),) and valid.ranges == ((73, 75),) and test is None
+    assert absent_splits([75], "969,30,1", MDS, (40, 8, 4)) == [2]
+    assert absent_splits([75], "969,30,1", MDS, (40, 8, 0)) == []  # not read: nothing to say
+    assert absent_splits([75], "969,30,1", MLM, (40, 8, 4)) == []  # megatron-core would loop forever
+    with pytest.raises(DataError, match=r"its test split gets no documents .* but evaluation reads 4 test"):
+        plan_parts(["a"], lengths, None, "969,30,1", MLM, (40, 8, 4))
+    _, valid, _ = plan_parts(["a"], [np.full(25, 3, np.int32)], None, "98,2,0", MDS, (40, 4, 4))
+    assert valid is None
+    # a blend: absent only when no corpus has the split (Megatron-DeepSpeed asserts on a blend lacking some)
+    both = [np.full(75, 12, dtype=np.int32), np.full(60, 12, dtype=np.int32)]
+    assert plan_parts(["a", "b"], both, [0.7, 0.3], "969,30,1", MDS, (40, 8, 4))[2] is None
+    big = [np.full(75, 12, dtype=np.int32), np.full(1000, 12, dtype=np.int32)]
+    with pytest.raises(DataError, match=r"corpus a has 75 documents, so its test split gets no documents"):
+        plan_parts(["a", "b"], big, [0.7, 0.3], "969,30,1", MDS, (40, 8, 4))
+    assert absent_notice(["d/a"], [75], "969,30,1", 2) == (
+        "NOTICE: --split 969,30,1 gives the test split no documents of the 75 documents of d/a (Megatron-DeepSpeed's "
+        "rounding): it is skipped as Megatron-DeepSpeed skips it, no test evaluation at the end; give test a larger "
+        "share or add documents to evaluate it"
+    )
+    assert "no documents of any corpus (a: 75 documents, b: 60 documents)" in absent_notice(
+        ["a", "b"], [75, 60], "969,30,1", 2
+    )
+    capsys.readouterr()
+
+
+def test_the_build_skips_an_absent_split_with_one_notice(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    prefix = tmp_path / "d75"
+    write_indexed_dataset(str(prefix), [[1, 2, 3, 4, 5, 6, 7]] * 75, 10)
+    data = DataConfig(data_path=(str(prefix),), data_cache_path=str(tmp_path / "cache"))  # --split 969,30,1
+    train, valid, test = build_gpt_datasets(data, 8, 1, (20, 8, 4), NullTokenizer(10), 10)
+    assert len(train) >= 20 and len(valid) >= 8 and test is None
+    notices = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("NOTICE: ")]
+    assert notices == [
+        f"NOTICE: --split 969,30,1 gives the test split no documents of the 75 documents of {prefix} "
+        "(Megatron-DeepSpeed's rounding): it is skipped as Megatron-DeepSpeed skips it, no test "
+        "evaluation at the end; give test a larger share or add documents to evaluate it"
+    ]
+
+
+def test_training_without_a_share_is_refused_before_launch(tmp_path: Path) -> None:
+    """--split 0,100,0 with --train-iters > 0 reached DeepSpeed's first step with no data (a TypeError there)."""
+    from megatron_ds.training.launch_checks import check_data
+
+    prefix = tmp_path / "corpus"
+    write_indexed_dataset(str(prefix), [[1, 2, 3, 4, 5, 6, 7]] * 75, 128)
+    line = [*_line("--split", "0,100,0", "--tokenizer-type", "NullTokenizer", "--eval-iters", "0")]
+    line[line.index("x")] = str(prefix)
+    config, _ = parse_config(line, world_size=1)
+    with pytest.raises(
+        DataError,
+        match=r"^--split 0,100,0 gives training no documents, but the run trains 2 iterations \(--train-iters 2\): "
+        r"give train a share, e.g. --split 969,30,1$",
+    ):
+        check_data(config)
+    with pytest.raises(DataError, match=r"^--split 0,100,0 gives training no documents, but training reads 8 samples"):
+        plan_parts(["a"], [np.full(75, 12, dtype=np.int32)], None, "0,100,0", MDS, (8, 0, 0))
+    assert plan_parts(["a"], [np.full(75, 12, dtype=np.int32)], None, "0,100,0", MDS, (0, 8, 0))[0] is None
 
 
 def _line(*extra: str) -> list[str]:
@@ -149,9 +214,10 @@ def test_misaligned_flag_without_append_eod_files_says_so(tmp_path: Path, capsys
 
 def test_launch_check_uses_the_same_plan(tmp_path: Path) -> None:
     prefix = tmp_path / "small"
-    write_indexed_dataset(str(prefix), [[1, 2, 3]] * 25, 10)
+    write_indexed_dataset(str(prefix), [[1, 2, 3]] * 10, 10)
     data = DataConfig(data_path=(str(prefix),), split="98,2,0")
     infos, parts = plan_data(data, (10, 0, 0))
-    assert infos[0].num_documents == 25 and parts[0].ranges == ((0, 25),) and parts[1] is None
+    assert infos[0].num_documents == 10 and parts[0].ranges == ((0, 10),) and parts[1] is None
+    assert plan_data(data, (10, 4, 0))[1][1] is None  # Megatron-DeepSpeed's rules: absent
     with pytest.raises(DataError, match="validation split gets no documents"):
-        plan_data(data, (10, 4, 0))
+        plan_data(dataclasses.replace(data, data_upstream=MLM), (10, 4, 0))

@@ -233,6 +233,7 @@ def test_show_samples_prints_the_training_order(tmp_path: Path) -> None:
             {"--micro-batch-size": "2", "--global-batch-size": "3"},
             "error: --global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel size 1",
         ),
+        ({"--split": "0,100,0"}, "error: --split 0,100,0 gives training no documents, but the run trains"),
     ],
 )
 def test_show_samples_refuses_what_the_training_launch_refuses(tmp_path: Path, change, needle) -> None:
