@@ -6,7 +6,8 @@
 writes `data/corpus_text_document.bin/.idx` (`{prefix}_{key}_document` for each `--json-keys` key),
 which `--data-path data/corpus_text_document` reads. Input: JSONL (one `{"text": ...}` object per
 line) or `.txt`, where documents are separated by blank lines. Documents keep their input order
-for any `--workers`; empty documents are skipped. Progress goes to stderr, one summary line to
+for any `--workers`; an empty document is recorded in the `.idx` as both upstreams' tools record it (a
+document boundary without tokens; no sample reads it). Progress goes to stderr, one summary line to
 stdout. Bad input: one `error:` line naming the file (and line), exit code 2 (as pretrain_gpt.py and the other tools).
 """
 
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for key, ids in ids_by_key.items():
                 writers[key].add(ids)
             progress.update(sum(len(i) for i in ids_by_key.values()), num_bytes)
-        if not any(w.stats.num_documents for w in writers.values()):  # an empty dataset fails only in training
+        if not any(w.stats.num_tokens for w in writers.values()):  # an empty dataset fails only in training
             raise DataError(f"--input {' '.join(args.input)}: no documents (empty, or every one empty); give text")
         stats = {key: w.close() for key, w in writers.items()}
     except BaseException:
@@ -168,11 +169,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _summary(args: argparse.Namespace, stats: dict[str, Any], seconds: float, replaced: set[str]) -> None:
     for key, s in stats.items():
-        skipped = f", {s.num_empty} empty skipped" if s.num_empty else ""
+        empty = f" ({s.num_empty} empty, recorded as upstream's tools record them)" if s.num_empty else ""
         note = " (replacing the pair that was there)" if key in replaced else ""
         print(
-            f"wrote {args.output_prefix}_{key}_document.bin/.idx{note}: {s.num_documents} documents, "
-            f"{s.num_tokens} tokens{skipped} in {seconds:.1f} s"
+            f"wrote {args.output_prefix}_{key}_document.bin/.idx{note}: {s.num_documents} documents{empty}, "
+            f"{s.num_tokens} tokens in {seconds:.1f} s"
         )
 
 

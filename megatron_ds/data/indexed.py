@@ -234,9 +234,11 @@ class WriteStats:
     """What an `IndexedWriter` wrote."""
 
     num_documents: int = 0
+    """Documents the `.idx` records, the empty ones included."""
     num_tokens: int = 0
     num_empty: int = 0
-    """Documents with no tokens: skipped, because a zero-length sequence is not a sample."""
+    """Documents with no tokens: recorded as both upstreams' tools record them (a document boundary with no
+    sequence, `builder.add_document([], [])`), so the `.idx` is theirs byte for byte; no sample reads them."""
 
 
 class IndexedWriter:
@@ -256,9 +258,11 @@ class IndexedWriter:
         self._builder = None
 
     def add(self, ids: Sequence[int]) -> None:
-        """Append one document."""
+        """Append one document (an empty one as a boundary without a sequence, as upstream's tools)."""
+        self.stats.num_documents += 1
         if len(ids) == 0:
             self.stats.num_empty += 1
+            self._start().add_document(np.zeros(0, dtype=np.int64), [])
             return
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= self.vocab_size:
@@ -268,7 +272,6 @@ class IndexedWriter:
                 f"does not match its vocabulary size"
             )
         self._start().add_document(np.asarray(ids, dtype=np.int64), [len(ids)])
-        self.stats.num_documents += 1
         self.stats.num_tokens += len(ids)
 
     def _start(self) -> Any:

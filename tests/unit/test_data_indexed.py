@@ -28,7 +28,7 @@ from megatron_ds.data.tokenizer import _bytes_to_unicode, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [f"Document {i}: " + " ".join(f"word{j % 13} and more text" for j in range(i % 7 + 1)) for i in range(40)]
-DOCS[5] = ""  # empty documents are skipped
+DOCS[5] = ""  # recorded in the .idx as upstream's tools record it; no sample reads it
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_preprocess_round_trip(corpus: tuple[Path, str], tmp_path: Path, workers
     got = read_tokens(f"{prefix}_text_document")
     assert [g.tolist() for g in got] == expected
     info = read_index(f"{prefix}_text_document")
-    assert info.dtype is np.uint16 and info.num_documents == len(DOCS) - 1
+    assert info.dtype is np.uint16 and info.num_documents == len(DOCS) and info.num_sequences == len(DOCS) - 1
     mc = load_indexed_dataset(f"{prefix}_text_document")  # megatron-core reads the same
     assert [mc[i].tolist() for i in range(len(mc))] == expected
 
@@ -112,6 +112,36 @@ def test_preprocess_txt_and_gpt2_and_keys(tmp_path: Path) -> None:
     assert _preprocess(argv) == 0
     assert read_tokens(str(tmp_path / "g_title_document"))[0].tolist() == tok.tokenize("hello")
     assert read_tokens(str(tmp_path / "g_body_document"))[0].tolist() == tok.tokenize("world")
+
+
+@pytest.mark.parametrize("append_eod", [False, True])
+def test_preprocess_records_empty_documents_as_upstream(tmp_path: Path, capsys, append_eod: bool) -> None:
+    """Both upstreams' tools/preprocess_data.py call builder.add_document(ids, lens) for every document, an empty
+    one with [] and []: a repeated document boundary. Ours skipped it, so the .idx (its document count and
+    boundaries) differed; now both files are byte-identical to what their loop writes (Megatron-LM's counts each
+    EOD in the lengths; an empty document gets none)."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    jsonl = tmp_path / "in.jsonl"
+    texts = ["1 2 3", "", "4 5", ""]
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    argv = ["--input", str(jsonl), "--output-prefix", str(tmp_path / "ours"), "--tokenizer-type", "NullTokenizer"]
+    assert _preprocess([*argv, "--vocab-size", "1000", *(["--append-eod"] if append_eod else [])]) == 0
+    assert "4 documents (2 empty, recorded as upstream's tools record them), " in capsys.readouterr().out
+    tok = build_tokenizer("NullTokenizer", vocab_size=1000)
+    builder = IndexedDatasetBuilder(str(tmp_path / "ref.bin"), dtype=DType.optimal_dtype(tok.vocab_size))
+    for text in texts:  # upstream's encode() and its write loop
+        ids = tok.tokenize(text)
+        lens = [len(ids)] if ids else []
+        if ids and append_eod:
+            ids, lens = [*ids, tok.eod], [lens[0] + 1]
+        builder.add_document(np.asarray(ids, dtype=np.int64), lens)
+    builder.finalize(str(tmp_path / "ref.idx"))
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"ours_text_document.{ext}").read_bytes() == (tmp_path / f"ref.{ext}").read_bytes(), ext
+    info = read_index(str(tmp_path / "ours_text_document"))
+    assert (info.num_documents, info.num_sequences) == (4, 2)
+    assert info.document_indices.tolist() == [0, 1, 1, 2, 2]
 
 
 def _tiny_gpt2_files(tmp_path: Path) -> tuple[str, str]:

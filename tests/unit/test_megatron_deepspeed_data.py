@@ -129,6 +129,19 @@ def test_mismatched_pairs_say_which_file_disagrees(tmp_path: Path) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_an_empty_document_is_recorded_as_upstream_records_it(tmp_path: Path) -> None:
+    """Corpus B has an empty document, which Megatron-DeepSpeed's tool records (a repeated boundary): the index
+    tools/fix_append_eod_index.py writes of its append-eod pair is byte-identical to what our tool writes (ours
+    skipped the empty document: 39 documents against 40)."""
+    for ext in (".bin", ".idx"):
+        shutil.copy(UPSTREAM_B + ext, tmp_path / f"up{ext}")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert _load_tool("fix_append_eod_index").main(["--input", str(tmp_path / "up")]) == 0
+    ours = _preprocess(tmp_path, "corpus_b", GPT2, "--append-eod")
+    assert (tmp_path / "up_eod.idx").read_bytes() == Path(ours + ".idx").read_bytes()
+    assert read_index(ours).num_documents == read_index(UPSTREAM_B).num_documents == 40
+
+
 def test_rewrite_index_once_next_to_the_original(tmp_path: Path) -> None:
     for ext in (".bin", ".idx"):
         shutil.copy(UPSTREAM_A + ext, tmp_path / f"up{ext}")
