@@ -14,7 +14,10 @@ pairs with each EOD included). Guarded here:
   documents of any corpus: absent, with a NOTICE, as there; one that nothing reads is not built;
 - the index caches are keyed on each corpus's index content and reading, not only on its path;
 - megatron-core's `BlendedDataset` calls `torch.distributed.get_rank()` on a cache miss whenever a
-  cache path is set, so without a process group its (cheap) blending index is built in memory.
+  cache path is set, so without a process group its (cheap) blending index is built in memory (and
+  megatron-core's warning that it cannot save it is dropped);
+- the cache files are written atomically and an unreadable one is rebuilt, or a one-line error
+  (`index_cache`).
 Under torch.distributed, rank 0 builds first (writing the index caches), then the other ranks,
 which read them: the cache directory must be shared by all ranks.
 """
@@ -210,23 +213,30 @@ def _build_part(
     from megatron.core.datasets.utils import Split
 
     from megatron_ds.data.corpus import open_corpus, reading
+    from megatron_ds.data.index_cache import cache_io, rebuilt_if_damaged
 
+    builds = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0  # writes the caches
     datasets = []
-    for info, (lo, hi), size in zip(infos, part.ranges, part.sizes):
-        # The description (and so the cache file names) records what the indices are built from.
-        key = f"{info.prefix} [index {info.fingerprint}, {reading(info, data.misaligned_append_eod)}, documents {lo}:{hi}]"
-        documents = np.arange(lo, hi, dtype=np.int32)
-        corpus = open_corpus(info, data.misaligned_append_eod)
-        datasets.append(GPTDataset(corpus, key, documents, size, Split(part.index), config))
-    if weights is None and len(datasets) == 1:
-        return datasets[0]
-    if config.path_to_cache and not torch.distributed.is_initialized():
-        config = copy.copy(config)  # the GPTDataset caches above still went to the cache path
-        config.path_to_cache = None
-    if weights is None:  # megatron-core: one epoch of each corpus, weighted by its size
-        sizes = [len(d) for d in datasets]
-        return BlendedDataset(datasets, sizes, min(part.num_samples, sum(sizes)), config)
-    return BlendedDataset(datasets, normalized_weights(weights, data.data_upstream), part.blend_size, config)
+    with cache_io():
+        for info, (lo, hi), size in zip(infos, part.ranges, part.sizes):
+            # The description (and so the cache file names) records what the indices are built from.
+            key = f"{info.prefix} [index {info.fingerprint}, {reading(info, data.misaligned_append_eod)}, documents {lo}:{hi}]"
+            documents = np.arange(lo, hi, dtype=np.int32)
+            corpus = open_corpus(info, data.misaligned_append_eod)
+            build = functools.partial(GPTDataset, corpus, key, documents, size, Split(part.index), config)
+            datasets.append(rebuilt_if_damaged(build, builds))
+        if weights is None and len(datasets) == 1:
+            return datasets[0]
+        if config.path_to_cache and not torch.distributed.is_initialized():
+            config = copy.copy(config)  # the GPTDataset caches above still went to the cache path
+            config.path_to_cache = None
+        if weights is None:  # megatron-core: one epoch of each corpus, weighted by its size
+            sizes = [len(d) for d in datasets]
+            build = functools.partial(BlendedDataset, datasets, sizes, min(part.num_samples, sum(sizes)), config)
+        else:
+            blend_weights = normalized_weights(weights, data.data_upstream)
+            build = functools.partial(BlendedDataset, datasets, blend_weights, part.blend_size, config)
+        return rebuilt_if_damaged(build, builds)
 
 
 def _always() -> bool:
