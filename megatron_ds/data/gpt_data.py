@@ -50,6 +50,7 @@ from megatron_ds.data.splits import (
     split_log,
 )
 from megatron_ds.data.tokenizer import Tokenizer, check_vocab
+from megatron_ds.data.vocab_check import Vocabulary, checked_batches
 
 Batch = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -335,16 +336,25 @@ def pipeline_batches(
     num_workers: int,
     seed: int,
     repeat: bool = False,
+    vocabulary: Vocabulary | None = None,
 ) -> Iterator[Batch]:
     """Micro-batches `(tokens, (labels, loss_mask))` for one data-parallel rank, in Megatron's
     order, starting at global sample `start_sample` (the consumed samples, for exact resume).
     `repeat` (`--repeated-dataloader`): after the last whole micro-batch group, again from sample 0, for ever;
-    `start_sample` then counts over the passes, so a resumed run reads what an uninterrupted one would."""
+    `start_sample` then counts over the passes, so a resumed run reads what an uninterrupted one would.
+    `vocabulary`: every micro-batch's ids are checked against it (`vocab_check`)."""
     if num_workers < 0:
         raise ValueError(f"--num-workers {num_workers} must be >= 0")
     if repeat:
         return _passes(
-            dataset, micro_batch_size, data_parallel_rank, data_parallel_size, start_sample, num_workers, seed
+            dataset,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+            start_sample,
+            num_workers,
+            seed,
+            vocabulary,
         )
     sampler = PretrainingBatchSampler(
         len(dataset), start_sample, micro_batch_size, data_parallel_rank, data_parallel_size
@@ -358,11 +368,20 @@ def pipeline_batches(
         generator=torch.Generator().manual_seed(seed),
         persistent_workers=num_workers > 0,
     )
-    return iter(loader)
+    if vocabulary is None:
+        return iter(loader)
+    return checked_batches(loader, sampler, dataset, vocabulary)  # the sampler gives each batch's sample indices
 
 
 def _passes(
-    dataset: Any, micro_batch_size: int, dp_rank: int, dp_size: int, start_sample: int, num_workers: int, seed: int
+    dataset: Any,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    start_sample: int,
+    num_workers: int,
+    seed: int,
+    vocabulary: Vocabulary | None,
 ) -> Iterator[Batch]:
     """The repeated loader: pass after pass over the whole micro-batch groups (as DeepSpeed's RepeatingLoader
     re-iterates Megatron's sampler from its start)."""
@@ -373,5 +392,7 @@ def _passes(
         )
     start = start_sample % per_pass
     while True:
-        yield from pipeline_batches(dataset, micro_batch_size, dp_rank, dp_size, start, num_workers, seed)
+        yield from pipeline_batches(
+            dataset, micro_batch_size, dp_rank, dp_size, start, num_workers, seed, vocabulary=vocabulary
+        )
         start = 0

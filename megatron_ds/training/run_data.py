@@ -7,7 +7,35 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ds.config import Config
+from megatron_ds.data import DataError
 from megatron_ds.training.state import TrainState
+
+
+class BadData:
+    """Bad samples (ids outside the vocabulary) this rank fed to the engine harmless (`data.vocab_check`), so
+    that every rank stops at the same point with the same one line: `stop_if_any` after each step and each
+    evaluation, one all-reduce of one number (the message only travels when there is one)."""
+
+    def __init__(self) -> None:
+        self.error: DataError | None = None
+        """The first one this rank read."""
+
+    def record(self, error: DataError) -> None:
+        if self.error is None:
+            self.error = error
+
+    def stop_if_any(self, device: Any) -> None:
+        """Raise the first rank's error on every rank if any rank read a bad sample (collective: every rank)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(self.error is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        messages: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, None if self.error is None else str(self.error))
+        raise DataError(next(m for m in messages if m is not None))
 
 
 @dataclass(frozen=True)
@@ -24,6 +52,8 @@ class BatchReader:
     """`--seed`: the data loader's generator and workers are seeded from it."""
     reads_data: bool
     """The first or the last stage: the only stages whose `train_batch` reads micro-batches."""
+    vocabulary: Any = None
+    """The ids a sample may hold (`data.vocab_check.Vocabulary`), checked at every micro-batch; None: unchecked."""
 
     def batches(self, dataset: Any, start_sample: int, num_workers: int, repeat: bool = False) -> Iterator[Any] | None:
         """This rank's micro-batches of `dataset` from global sample `start_sample` (pass after pass with
@@ -41,6 +71,7 @@ class BatchReader:
             num_workers,
             self.seed,
             repeat,
+            vocabulary=self.vocabulary,
         )
 
 
@@ -59,10 +90,18 @@ class RunData:
     """The test split's dataset, or None; `test_batches` opens it at the final evaluation."""
     reader: BatchReader
     """How this rank reads each split."""
+    bad: BadData | None = None
+    """Under torch.distributed with more than one rank: the bad samples read, for the loop to stop on."""
 
     def test_batches(self) -> Iterator[Any] | None:
         """The test split's micro-batches from its first sample (no loader workers)."""
         return self.reader.batches(self.test_dataset, 0, 0)
+
+    def stop_if_bad(self, device: Any) -> None:
+        """After a step or an evaluation, on every rank: a one-line DataError on every rank if some rank read a
+        sample with an id outside the vocabulary (a single process raised it as it read it)."""
+        if self.bad is not None:
+            self.bad.stop_if_any(device)
 
 
 def build_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
@@ -87,24 +126,46 @@ def build_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
     train, valid, test = build_gpt_datasets(
         cfg.data, cfg.model.seq_length, t.seed, requested_samples(t), tokenizer, cfg.model.vocab_size
     )
-    reader = _reader(cfg, engine)
+    import torch.distributed as dist
+
+    bad = BadData() if dist.is_initialized() and dist.get_world_size() > 1 else None
+    reader = _reader(cfg, engine, vocabulary(cfg, bad))
     return RunData(
         train=reader.batches(train, state.consumed_train_samples, cfg.data.num_workers),
         valid=reader.batches(valid, state.consumed_valid_samples, 0),
         has_valid=valid is not None,
         test_dataset=test,
         reader=reader,
+        bad=bad,
     )
 
 
-def _reader(cfg: Config, engine: Any) -> BatchReader:
+def _reader(cfg: Config, engine: Any, vocabulary: Any = None) -> BatchReader:
     return BatchReader(
         micro_batch_size=cfg.training.micro_batch_size,
         data_parallel_rank=engine.grid.get_data_parallel_rank(),
         data_parallel_size=cfg.parallel.data_parallel_size,
         seed=cfg.training.seed,
         reads_data=engine.is_first_stage() or engine.is_last_stage(),
+        vocabulary=vocabulary,
     )
+
+
+def vocabulary(cfg: Config, bad: BadData | None = None) -> Any:
+    """The ids the run's GPT samples may hold (`data.vocab_check.Vocabulary`): the unpadded vocabulary
+    (`--vocab-size`, else the tokenizer's size); the model's rows above it are padding no sample should reach.
+    With `bad` a bad sample is recorded there (the loop stops every rank after the step), else raised at once."""
+    from megatron_ds.data.vocab_check import Vocabulary
+
+    d = cfg.data
+    size = d.unpadded_vocab_size or cfg.model.vocab_size
+    if not size or d.prompt_data:  # finetune_llama.py's examples are checked at launch (their labels hold the pad)
+        return None
+    on_bad = bad.record if bad is not None else None
+    if d.tokenizer_type in (None, "NullTokenizer"):
+        return Vocabulary(size, f"--vocab-size {size}" if d.tokenizer_type else f"{size} ids", on_bad)
+    files = " ".join(f for f in (d.tokenizer_model, d.vocab_file) if f)
+    return Vocabulary(size, f"--tokenizer-type {d.tokenizer_type}{' ' + files if files else ''}", on_bad)
 
 
 def _prompt_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:

@@ -284,6 +284,38 @@ def test_missing_tokenizer_and_vocab_too_small(corpus: dict, tmp_path: Path) -> 
     assert_one_line_error(single(*BASE, "--vocab-size", "100", *data_args(corpus)), "300 tokens", "--vocab-size is 100")
 
 
+def test_a_corpus_of_another_tokenizer_stops_at_its_first_sample(corpus: dict) -> None:
+    """The demo corpus (a 300-piece SentencePiece model) trained with a 120-piece one: its ids past 119 reached the
+    embedding, an IndexError traceback at the first forward."""
+    other = str(ROOT / "tests" / "fixtures" / "megatron_deepspeed" / "sp.model")
+    out = single(*BASE, "--eval-iters", "0", *data_args(corpus, model=other))
+    assert_one_line_error(
+        out, f"{corpus['prefix']}: train sample ", "outside the vocabulary's 120 ids", "another tokenizer"
+    )
+
+
+def test_one_ranks_bad_sample_stops_both_data_parallel_ranks_with_one_line_each(tmp_path: Path) -> None:
+    """Only rank 1 reads the sample holding id 500 (--vocab-size 100): both ranks stop after that step with its
+    line and status 2, none is stranded in the gradient all-reduce (a 'Connection closed by peer' traceback)."""
+    import numpy as np
+
+    from megatron_ds.data.indexed import write_indexed_dataset
+
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(0, 99, rng.integers(5, 30))) + [99] for _ in range(60)]
+    docs[30][2] = 500
+    write_indexed_dataset(str(tmp_path / "onebad"), docs, 1000)
+    line = [*BASE, "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "60", "--eval-iters", "0"]
+    line += ["--log-interval", "100", "--split", "100,0,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    out = pretrain(2, *line, "--data-path", str(tmp_path / "onebad"), "--data-cache-path", str(tmp_path / "cache"))
+    stopped = re.findall(r"\[rank (\d)\] error: (.*)", out.stdout)
+    assert sorted(r for r, _ in stopped) == ["0", "1"], out.stdout[-4000:]
+    assert len({m for _, m in stopped}) == 1 and "holds token id 500, outside the vocabulary's 100 ids" in stopped[0][1]
+    ours = [f'File "{ROOT / "megatron_ds"}', 'pretrain_gpt.py", line', "Connection closed"]  # torchrun has its own
+    assert not any(frame in out.stdout for frame in ours) and out.returncode not in (0, -9), out.stdout[-4000:]
+    assert "exitcode  : 2" in out.stdout  # the first rank to leave (torchrun then ends the other)
+
+
 def test_bad_checkpoint_dirs_leave_checkpoints_intact(straight: dict, tmp_path: Path) -> None:
     before = tree_digest(straight["save"])
     assert_one_line_error(
