@@ -160,7 +160,9 @@ def find_hf_tokenizer(hf_dir: str) -> dict[str, str] | None:
     transformers as Megatron-LM's HuggingFaceTokenizer (a Llama 3's), when transformers is installed."""
     sp = os.path.join(hf_dir, SP_FILE)
     if os.path.isfile(sp):
-        return {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": sp}
+        # Megatron's GPTSentencePieceTokenizer (the model's own pieces, eod its eos), which ours is; Megatron-DeepSpeed's
+        # SentencePieceTokenizer would add ids the model has no rows for
+        return {"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": sp}
     vocab, merges = os.path.join(hf_dir, VOCAB_FILE), os.path.join(hf_dir, MERGES_FILE)
     if os.path.isfile(vocab) and os.path.isfile(merges):
         return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": vocab, "merge_file": merges}
