@@ -8,6 +8,7 @@ complete and validated, so a failed conversion leaves nothing behind and never t
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import os
@@ -43,9 +44,39 @@ def atomic_directory(target: str, flag: str) -> Iterator[str]:
         if os.path.isdir(target):
             os.rmdir(target)  # the empty directory checked above
         os.rename(tmp, target)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        failure = write_failure(err)
+        if failure is None:
+            raise
+        raise UserError(
+            f"{flag} {target}: writing failed ({failure}{free_space(parent)}); nothing was written and the source is "
+            f"untouched: free space or choose another directory"
+        ) from None
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES, errno.EPERM)
+_TORCH_WRITER_FAILURES = ("iostream error", "PytorchStreamWriter failed", "inline_container.cc")
+"""How torch.save reports a failed write (its C++ writer does not pass the errno on)."""
+
+
+def write_failure(err: BaseException) -> str | None:
+    """What a write failure says, in one line: a full disk or quota, a read-only or failing device (an OSError, or
+    torch.save's RuntimeError); None for any other error."""
+    if isinstance(err, OSError) and err.errno in _WRITE_ERRNOS:
+        return err.strerror or str(err)
+    text = str(err).strip()
+    if isinstance(err, RuntimeError) and any(s in text for s in _TORCH_WRITER_FAILURES):
+        return (text.splitlines() or [type(err).__name__])[0]
+    return None
+
+
+def free_space(directory: str) -> str:
+    """'; N MiB free there' for a message (empty when it cannot be told)."""
+    try:
+        return f"; {shutil.disk_usage(directory).free / 2**20:.0f} MiB free there"
+    except OSError:
+        return ""
 
 
 def clear_leftovers(target: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_ds import files
 from megatron_ds.config import Config, ModelConfig
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.devices import peak_tflops
@@ -293,7 +294,10 @@ def save(run: Run) -> None:
         try:
             tag = save_load.save(run.engine, run.config, run.layout, run.state, ck.save)
         except (OSError, RuntimeError) as err:  # a full disk: torch's writer says 'iostream error', not ENOSPC
-            raise save_load.save_failed(ck.save, state.iteration, err) from None
+            failure = files.write_failure(err)
+            if failure is None:
+                raise
+            raise save_load.save_failed(ck.save, state.iteration, failure) from None
     signals.set_progress(lambda: f"in iteration {state.iteration + 1}")
     print_rank0(run.rank, f"saved checkpoint {os.path.join(ck.save, tag)} at iteration {run.state.iteration}")
     if run.config.logging.log_progress and run.rank == 0:  # after the save, as Megatron-LM

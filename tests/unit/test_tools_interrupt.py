@@ -3,6 +3,8 @@ outputs to temporary names and moves them into place when complete, so the line 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_ds.data.demo_corpus import _load_tool
@@ -82,3 +84,27 @@ class _Args:
 
     input = "x"
     output_prefix = "y"
+
+
+@pytest.mark.parametrize(
+    "error,said",
+    [
+        (OSError(28, "No space left on device"), "No space left on device"),
+        (RuntimeError("basic_ios::clear: iostream error"), "basic_ios::clear: iostream error"),
+    ],
+)
+def test_a_write_that_fails_is_one_line_and_leaves_nothing(tmp_path, error, said) -> None:
+    # a conversion onto a full disk printed torch's C++ stream traceback; the data was safe, the message not
+    from megatron_ds.errors import UserError
+    from megatron_ds.files import atomic_directory
+
+    with pytest.raises(UserError) as err:
+        with atomic_directory(str(tmp_path / "out"), "OUT") as tmp:
+            (Path(tmp) / "layer_01.pt").write_text("half")
+            raise error
+    assert str(err.value).startswith(f"OUT {tmp_path / 'out'}: writing failed ({said}; ")
+    assert "nothing was written and the source is untouched" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    with pytest.raises(ValueError):  # any other error is not a write failure: it propagates as it is
+        with atomic_directory(str(tmp_path / "out"), "OUT"):
+            raise ValueError("a bug")

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_ds import files
 from megatron_ds.config import Config
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.pipeline.layout import Layout
@@ -153,18 +154,14 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
     return tag
 
 
-def save_failed(save_dir: str, iteration: int, err: BaseException) -> CheckpointError:
-    """One line for a save that could not be written (the previous checkpoint stays: `latest` moves last)."""
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+def save_failed(save_dir: str, iteration: int, failure: str) -> CheckpointError:
+    """One line for a save that could not be written (`files.write_failure`); the previous checkpoint stays, since
+    `latest` moves last."""
     last = latest_pointer(save_dir)
-    try:
-        free = f"; {shutil.disk_usage(save_dir).free / 2**20:.0f} MiB free there"
-    except OSError:
-        free = ""
     kept = f"the last checkpoint, {last}, is kept" if last else "no earlier checkpoint there"
     return CheckpointError(
-        f"--save {save_dir}: writing the checkpoint of iteration {iteration} failed ({first}{free}); {kept}: free "
-        f"space or fix the directory, then relaunch to resume from it"
+        f"--save {save_dir}: writing the checkpoint of iteration {iteration} failed ({failure}"
+        f"{files.free_space(save_dir)}); {kept}: free space or fix the directory, then relaunch to resume from it"
     )
 
 
