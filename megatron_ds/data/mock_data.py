@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from megatron_ds.config import DataConfig
-from megatron_ds.config.data import split_fractions
+from megatron_ds.data.splits import parse_split
 from megatron_ds.data.tokenizer import NullTokenizer, Tokenizer, check_vocab
 
 
@@ -58,8 +58,8 @@ def build_mock(
     tokenizer = tokenizer or NullTokenizer(data.unpadded_vocab_size or vocab_size)
     check_vocab(tokenizer, vocab_size)
     # megatron-core's MockGPTDataset builds only the splits of weight > 0 (its split matrix), so `--split 100,0,0`
-    # evaluates nothing; the config checked the split, so its fractions exist
-    shares = split_fractions(data.split) or [1.0, 0.0, 0.0]
+    # evaluates nothing
+    shares = parse_split(data.split)
     splits = [
         MockGPTData(n, seq_length, tokenizer.vocab_size, seed, k) if n > 0 and share > 0 else None
         for k, (n, share) in enumerate(zip(num_samples, shares))

@@ -331,7 +331,7 @@ def _training_config(
     )  # checked before train_length divides by the batch size
     sizes = training if training.varies else None
     iters = train_length(args, gbs, model.seq_length, sizes)[0]
-    notice = rampup_decay_notice(args, gbs, model.seq_length, training) if training.rampup_batch_size else None
+    notice = rampup_decay_notice(args, gbs, model.seq_length, training)
     if notice:
         model_flags.notice(notice)
     return dataclasses.replace(training, train_iters=iters, train_samples=args.train_samples)

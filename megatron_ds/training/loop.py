@@ -9,7 +9,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,6 +286,11 @@ def report_compute(run: Run) -> None:
         print("\n".join(stage_timers.format_report(everyone)), flush=True)
 
 
+def _in_next_iteration(state: TrainState) -> Callable[[], str]:
+    """Where the loop is between saves, for the line a stopping signal prints."""
+    return lambda: f"in iteration {state.iteration + 1}"
+
+
 def save(run: Run) -> None:
     ck, state = run.config.checkpoint, run.state
     # a stopping signal says what it interrupted: this save (the last complete checkpoint is kept), not an iteration
@@ -298,7 +303,7 @@ def save(run: Run) -> None:
             if failure is None:
                 raise
             raise save_load.save_failed(ck.save, state.iteration, failure) from None
-    signals.set_progress(lambda: f"in iteration {state.iteration + 1}")
+    signals.set_progress(_in_next_iteration(state))
     print_rank0(run.rank, f"saved checkpoint {os.path.join(ck.save, tag)} at iteration {run.state.iteration}")
     if run.config.logging.log_progress and run.rank == 0:  # after the save, as Megatron-LM
         import torch.distributed as dist
@@ -360,7 +365,7 @@ def train(run: Run) -> bool:
     steps: list[StepResult] = []
     scalars_asked = scalar_writers.asked_for(cfg)  # the same on every rank: the extras below are collective
     window_start = time.time()
-    signals.set_progress(lambda: f"in iteration {state.iteration + 1}")
+    signals.set_progress(_in_next_iteration(state))
     while state.iteration < t.train_iters:
         if kill_switch(run):
             print_rank0(
