@@ -114,9 +114,13 @@ def test_one_ranks_bad_sample_stops_every_rank_with_its_line(tmp_path: Path) -> 
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        results = dict(queue.get(timeout=120) for _ in procs)
+    finally:  # never leave a stalled rank behind
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
     assert results == {r: "data/x: train sample 5 holds token id 500, ..." for r in range(2)}
 
 
