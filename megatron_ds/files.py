@@ -1,8 +1,9 @@
 """Atomic output directories, JSON and progress bars, shared by checkpoint conversions; JSON inputs read
 with one-line errors.
 
-Output is written into a temporary directory next to the target and renamed into place only when
-complete and validated, so a failed conversion leaves nothing behind and never touches the source.
+Output is written into a temporary directory next to the target, flushed to the device and renamed into place only
+when complete and validated, so a failed conversion (or a power cut) leaves nothing behind and never touches the
+source.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ def atomic_directory(target: str, flag: str) -> Iterator[str]:
     try:
         yield tmp
         _set_permissions(tmp)
+        fsync_tree(tmp)
         if os.path.isdir(target):
             os.rmdir(target)  # the empty directory checked above
         os.rename(tmp, target)
+        fsync_directory(parent)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         failure = write_failure(err)
@@ -85,6 +88,43 @@ def clear_leftovers(target: str) -> None:
     parent, base = os.path.split(os.path.abspath(target))
     for path in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.incomplete.*")):
         shutil.rmtree(path, ignore_errors=True)
+
+
+_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.ENOTSUP)
+"""What a file system that cannot flush an open file (some network and FUSE ones refuse directories) says."""
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _FSYNC_UNSUPPORTED:
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str) -> None:
+    """Flush a written file to the device before a rename publishes it."""
+    _fsync(path)
+
+
+def fsync_directory(path: str) -> None:
+    """Flush `path`'s own entries (a rename into it, a new file) to the device."""
+    _fsync(path)
+
+
+def fsync_tree(directory: str) -> None:
+    """Flush every file under `directory`, then its directories, to the device. A rename that publishes written
+    files reaches the disk independently of their contents: without this, a power cut just after it can leave a
+    complete-looking checkpoint of empty or torn files (the page cache held them). Symbolic links are skipped."""
+    for root, _dirs, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                _fsync(path)
+        _fsync(root)
 
 
 def _set_permissions(directory: str) -> None:

@@ -13,6 +13,7 @@ import struct
 
 import numpy as np
 
+from megatron_ds import files
 from megatron_ds.data import DataError
 from megatron_ds.data.indexed import (
     CHUNK,
@@ -76,7 +77,9 @@ def rewrite_index(prefix: str, output_prefix: str) -> IndexInfo:
     try:
         _write_index(info, tmp)
         _link(bin_path(prefix), bin_path(output_prefix))
+        files.fsync_file(tmp)
         os.replace(tmp, idx_path(output_prefix))
+        files.fsync_directory(os.path.dirname(os.path.abspath(output_prefix)))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ds import files
 from megatron_ds.data import DataError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
@@ -288,8 +289,11 @@ class IndexedWriter:
             if os.path.isdir(path):
                 self.abort()
                 raise DataError(f"{path}: is a directory; remove it or give another --output-prefix")
+        for path in (bin_path(self._tmp), idx_path(self._tmp)):  # on the device before the names say complete
+            files.fsync_file(path)
         os.replace(bin_path(self._tmp), bin_path(self.prefix))
         os.replace(idx_path(self._tmp), idx_path(self.prefix))
+        files.fsync_directory(os.path.dirname(os.path.abspath(self.prefix)))
         return self.stats
 
     def abort(self) -> None:

@@ -436,6 +436,8 @@ def train_sentencepiece(
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(model.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)  # a crash never leaves a half-written model behind
     return path
 

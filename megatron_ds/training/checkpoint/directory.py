@@ -11,6 +11,7 @@ import os
 import re
 from typing import Any
 
+from megatron_ds import files
 from megatron_ds.errors import UserError
 
 LATEST = "latest"
@@ -44,6 +45,7 @@ def write_atomic(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    files.fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
 def sha256(path: str) -> str:

@@ -135,6 +135,11 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
         engine.save_checkpoint(save_dir, tag=tmp_tag, save_latest=False)  # ends with a barrier
     torch.save(_rng_state(), os.path.join(save_dir, tmp_tag, f"rng_rank{rank}.pt"))
     dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        # one process per node flushes what its node wrote (a node's page cache holds it) before the rename
+        # publishes the checkpoint: a power cut must not leave `latest` naming empty or torn files
+        files.fsync_tree(os.path.join(save_dir, tmp_tag))
+    dist.barrier()
     if rank == 0:
         meta = {
             "config": config.to_dict(),
@@ -147,6 +152,7 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
         write_atomic(os.path.join(save_dir, tmp_tag, META), json.dumps(meta, indent=1))
         previous = latest_pointer(save_dir)
         os.replace(os.path.join(save_dir, tmp_tag), os.path.join(save_dir, tag))
+        files.fsync_directory(save_dir)  # the rename is on the device before `latest` names it
         write_atomic(os.path.join(save_dir, LATEST), tag)
         if config.checkpoint.save_retain_interval and previous not in (None, tag):
             _retire(save_dir, previous, config.checkpoint.save_retain_interval)
