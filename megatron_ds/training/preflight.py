@@ -7,7 +7,8 @@ with the same clear error instead of a deadlock deep inside DeepSpeed.
 
 Agreement (`check_run_agreement`, the first collective a build issues): every rank runs the same
 pipeline schedule with the same virtual stages, micro-batches, sizes and layout; a rank given
-other flags would issue other point-to-point messages and hang its peers.
+other flags would issue other point-to-point messages and hang its peers. Then the whole config but
+file locations (`check_config_agreement`): a replica with another `--lr` or `--seed` would train apart.
 
 Watchdog: `Watchdog.watch(label)` arms a timer around a step; if it does not finish within
 `--distributed-timeout-minutes`, the rank prints its rank, stage, the label and every thread's
@@ -17,6 +18,8 @@ stack, then exits non-zero (its peers then fail on the broken connection or thei
 from __future__ import annotations
 
 import faulthandler
+import hashlib
+import json
 import os
 import signal
 import sys
@@ -147,12 +150,76 @@ def compare_run_facts(facts: list[dict[str, Any]]) -> None:
 
 def check_run_agreement(config: Any, layout: Any = None) -> None:
     """Exchange `run_facts` over all ranks (one all_gather_object) and raise the same PreflightError
-    on every rank when they differ."""
+    on every rank when they differ; then the same for the rest of the config (`check_config_agreement`)."""
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, run_facts(config, layout))
     compare_run_facts(gathered)
+    check_config_agreement(config)
+
+
+LOCAL_PATHS = frozenset(
+    {
+        "data.data_path",
+        "data.data_cache_path",
+        "data.tokenizer_model",
+        "data.vocab_file",
+        "data.merge_file",
+        "data.prompt_data",
+        "training.offload_nvme_path",
+        "training.deepspeed_config",
+        "training.kill_switch_file",
+        "logging.tensorboard_dir",
+        "logging.wandb_save_dir",
+    }
+)
+"""Config fields that may differ between ranks: where a node finds or keeps its files (a copy of the corpus on its
+own disk, its NVMe, its logs) is the node's business; what they hold is checked where they are read."""
+
+
+def _shared(config: Any) -> dict[str, Any]:
+    """Every config field but `LOCAL_PATHS`, as `section.field` -> value."""
+    return {
+        f"{section}.{name}": value
+        for section, fields in config.to_dict().items()
+        for name, value in fields.items()
+        if f"{section}.{name}" not in LOCAL_PATHS
+    }
+
+
+def _digest(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_config_agreement(config: Any) -> None:
+    """Every rank was given the same settings. A data-parallel replica launched with another `--lr` or `--seed`
+    trains apart silently, and other differences (intervals, lengths) end in mismatched collectives; neither
+    upstream checks. One all_gather of a digest; the settings themselves only when the digests differ (every
+    rank sees that alike, so every rank takes the same branch)."""
+    import torch.distributed as dist
+
+    mine, world = _shared(config), dist.get_world_size()
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, _digest(mine))
+    if len(set(digests)) == 1:
+        return
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    raise PreflightError(config_difference(everyone))
+
+
+def config_difference(settings: list[dict[str, Any]], shown: int = 3) -> str:
+    """The line naming the first rank whose settings differ from rank 0's, and how (up to `shown` fields)."""
+    rank, other = next((r, s) for r, s in enumerate(settings) if s != settings[0])
+    keys = list(settings[0]) + [k for k in other if k not in settings[0]]  # in the config's order
+    differ = [k for k in keys if other.get(k) != settings[0].get(k)]
+    listed = "; ".join(f"{k} {other.get(k)!r} (rank 0: {settings[0].get(k)!r})" for k in differ[:shown])
+    more = f"; and {len(differ) - shown} more" if len(differ) > shown else ""
+    return (
+        f"rank {rank} was launched with other settings than rank 0: {listed}{more}; give every rank the same flags "
+        f"(only file locations may differ between nodes)"
+    )
 
 
 class Watchdog:

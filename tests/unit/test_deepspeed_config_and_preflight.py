@@ -206,3 +206,74 @@ def test_preflight_names_rank_stage_and_difference(bad: dict, message: str) -> N
     with pytest.raises(PreflightError) as err:
         compare([sig(), bad], [0, 1])
     assert message in str(err.value)
+
+
+def test_run_facts_that_differ_name_the_rank_and_the_fact() -> None:
+    from megatron_ds.training.preflight import compare_run_facts, run_facts
+
+    same = run_facts(tiny_config())
+    compare_run_facts([same, dict(same)])
+    with pytest.raises(PreflightError, match=r"rank 1 has micro-batches per step 2 but rank 0 has 4"):
+        compare_run_facts([same, run_facts(tiny_config(training__global_batch_size=4))])
+
+
+def test_settings_that_differ_name_the_rank_the_fields_and_both_values() -> None:
+    from megatron_ds.training.preflight import _digest, _shared, config_difference
+
+    base = _shared(tiny_config())
+    other = _shared(tiny_config(optimizer__lr=3e-4, training__seed=7))
+    assert _digest(base) == _digest(_shared(tiny_config())) != _digest(other)
+    assert config_difference([base, base, other]) == (
+        "rank 2 was launched with other settings than rank 0: optimizer.lr 0.0003 (rank 0: 0.01); training.seed 7 "
+        "(rank 0: 1234); give every rank the same flags (only file locations may differ between nodes)"
+    )
+    many = _shared(tiny_config(optimizer__lr=3e-4, training__seed=7, training__eval_iters=3, logging__log_interval=5))
+    assert config_difference([base, many]).endswith(
+        "training.eval_iters 3 (rank 0: 100); training.seed 7 (rank 0: 1234); and 1 more; give every rank the same "
+        "flags (only file locations may differ between nodes)"
+    )
+
+
+def test_where_a_node_keeps_its_files_may_differ() -> None:
+    from megatron_ds.training.preflight import LOCAL_PATHS, _digest, _shared
+
+    a = tiny_config(data__data_cache_path="/local/node0/cache", training__offload_nvme_path="/nvme0")
+    b = tiny_config(data__data_cache_path="/local/node1/cache", training__offload_nvme_path="/nvme1")
+    assert _digest(_shared(a)) == _digest(_shared(b))
+    fields = {f"{s}.{n}" for s, section in tiny_config().to_dict().items() for n in section}
+    assert LOCAL_PATHS <= fields  # every exemption names a real field
+
+
+def _agreement_rank(rank: int, store: str, lr: float, queue) -> None:
+    import torch.distributed as dist
+
+    from megatron_ds.training.preflight import check_config_agreement
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    try:
+        check_config_agreement(tiny_config(optimizer__lr=lr))
+        queue.put((rank, None))
+    except PreflightError as err:
+        queue.put((rank, str(err)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lrs", [(1e-2, 1e-2), (1e-2, 3e-4)])
+def test_every_rank_stops_with_the_same_line_when_one_was_given_another_lr(tmp_path, lrs) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_agreement_rank, args=(r, str(tmp_path / "store"), lrs[r], queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=120) for _ in procs)
+    finally:  # never leave a stalled rank behind
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    expected = None if lrs[0] == lrs[1] else "rank 1 was launched with other settings than rank 0: optimizer.lr 0.0003"
+    assert {r: m and m.split(" (rank 0")[0] for r, m in results.items()} == {0: expected, 1: expected}
