@@ -94,7 +94,31 @@ def tokenizer_flags(
     files: ours with `vocab_size`'s ids is upstream's."""
     if _null_tokenizer_ids(ckpt.args) and not any(overrides.values()):
         return ["--tokenizer-type", NULL_TOKENIZER], None
-    return saved_flags.tokenizer_flags(ckpt.args, overrides, TOKENIZER_FILES)
+    flags, note = saved_flags.tokenizer_flags(ckpt.args, overrides, TOKENIZER_FILES)
+    return flags, note or _sentencepiece_note(flags)
+
+
+def _sentencepiece_note(flags: list[str]) -> str | None:
+    """A note when the recorded tokenizer is `SentencePieceTokenizer`: ours is Megatron-DeepSpeed's
+    GPTSentencePieceTokenizer, and the run's own had special pieces more (`megatron_deepspeed_sentencepiece`)."""
+    if (
+        flags[flags.index("--tokenizer-type") + 1 :][:1] != ["SentencePieceTokenizer"]
+        or "--tokenizer-model" not in flags
+    ):
+        return None
+    from megatron_ds.data.tokenizer import build_tokenizer, megatron_deepspeed_sentencepiece
+
+    model = flags[flags.index("--tokenizer-model") + 1]
+    here = build_tokenizer("SentencePieceTokenizer", model)
+    ids, eod, added = megatron_deepspeed_sentencepiece(model)
+    more = f"{', '.join(added)} added, " if added else ""
+    unused = f"the embedding keeps every row, but ids from {here.vocab_size} are never produced here; " if added else ""
+    return (
+        f"tokenizer SentencePieceTokenizer recorded as ours, Megatron-DeepSpeed's GPTSentencePieceTokenizer: "
+        f"{here.vocab_size} ids, end-of-document {here.eod}; the run's had {ids} ({more}end-of-document <EOD> {eod}): "
+        f"{unused}data Megatron-DeepSpeed preprocessed ends documents with {eod}, so preprocess it again with "
+        f"tools/preprocess_data.py"
+    )
 
 
 def vocab_size(ckpt: MegatronDeepSpeedCheckpoint) -> int:

@@ -310,3 +310,22 @@ def test_every_checkpoint_reader_names_a_refused_pickle(tmp_path: Path) -> None:
             f"{path}: holds a pickled posix.system, which such a file does not hold; refused (nothing in it was run)"
         )
     assert not marker.exists()
+
+
+def test_a_sentencepiece_tokenizer_is_recorded_with_a_note_on_its_ids_and_end_of_document() -> None:
+    from types import SimpleNamespace
+
+    from megatron_ds.interop.megatron_deepspeed_args import tokenizer_flags
+
+    model = str(Path(__file__).resolve().parents[1] / "fixtures" / "megatron_deepspeed" / "sp.model")
+    ckpt = SimpleNamespace(args={"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": model})
+    flags, note = tokenizer_flags(ckpt, {})
+    assert flags == ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model]
+    assert note == (
+        "tokenizer SentencePieceTokenizer recorded as ours, Megatron-DeepSpeed's GPTSentencePieceTokenizer: 120 ids, "
+        "end-of-document 2; the run's had 124 (<CLS>, <SEP>, <EOD>, <MASK> added, end-of-document <EOD> 122): the "
+        "embedding keeps every row, but ids from 120 are never produced here; data Megatron-DeepSpeed preprocessed "
+        "ends documents with 122, so preprocess it again with tools/preprocess_data.py"
+    )
+    gpt = SimpleNamespace(args={"tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": model})
+    assert tokenizer_flags(gpt, {})[1] is None  # ours exactly: nothing to say
