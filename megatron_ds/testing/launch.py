@@ -7,15 +7,18 @@ failure that says which rank stalled where, never a stuck CI job.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue as queue_module
 import random
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class RanksFailed(AssertionError):
@@ -309,3 +312,48 @@ def run_torchrun(
         out, _ = proc.communicate()
         return subprocess.CompletedProcess(cmd, -9, out + f"\n[launch] killed after {timeout:.0f}s timeout\n")
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def forked_gloo_ranks(
+    target: Callable[..., Any], world_size: int, store: str, *args: Any, timeout: float = 120.0
+) -> list:
+    """`target(rank, *args)` on `world_size` ranks forked from this process (nothing imported again), each in a gloo
+    group over the file store `store`; returns each rank's result (an exception's message in its place). A rank that
+    has not answered within `timeout` seconds is killed and named: a stalled rank never outlives the test."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_gloo_rank, args=(r, world_size, store, queue, target, args)) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size and time.monotonic() < deadline:
+            with contextlib.suppress(queue_module.Empty):
+                rank, value = queue.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                results[rank] = value
+    finally:
+        for rank, p in enumerate(procs):
+            p.join(timeout=30 if rank in results else 0)  # one that answered is tearing down its group
+            if p.is_alive():
+                p.kill()
+    stalled = sorted(set(range(world_size)) - set(results))
+    if stalled:
+        raise RanksFailed(f"rank(s) {stalled} gave no result within {timeout:.0f}s (killed); the others: {results}")
+    return [results[r] for r in range(world_size)]
+
+
+def _gloo_rank(rank: int, world_size: int, store: str, queue: Any, target: Callable[..., Any], args: tuple) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
+    try:
+        queue.put((rank, target(rank, *args)))
+    except Exception as err:  # the rank's answer: its error's message (a one-line error is what tests look at)
+        queue.put((rank, str(err)))
+    finally:
+        dist.destroy_process_group()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from megatron_ds.data.gpt_data import PretrainingBatchSampler, build_gpt_dataset
 from megatron_ds.data.indexed import write_indexed_dataset
 from megatron_ds.data.splits import parse_split, split_ranges
 from megatron_ds.data.tokenizer import NullTokenizer
+from megatron_ds.testing.launch import forked_gloo_ranks
 
 VOCAB = 100
 TOK = NullTokenizer(VOCAB)  # eod = 99
@@ -202,36 +201,16 @@ def test_pipeline_batches_resume(corpora: tuple[str, str]) -> None:
         assert torch.equal(t1, t2) and torch.equal(l1, l2) and torch.equal(m1, m2)
 
 
-def _rank_main(rank: int, store_path: str, prefix: str, cache: str, out: str) -> None:
-    import torch.distributed as dist
-
-    store = dist.FileStore(store_path, 2)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    try:
-        data = DataConfig(data_path=("0.5", prefix, "0.5", prefix), split="90,8,2", data_cache_path=cache)
-        train, valid, _ = build_gpt_datasets(data, SEQ, 11, (40, 8, 4), TOK, 128)
-        result = {"train": _tokens(train, 10), "valid": _tokens(valid, 4)}
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+def _build(rank: int, prefix: str, cache: str) -> dict:
+    data = DataConfig(data_path=("0.5", prefix, "0.5", prefix), split="90,8,2", data_cache_path=cache)
+    train, valid, _ = build_gpt_datasets(data, SEQ, 11, (40, 8, 4), TOK, 128)
+    return {"train": _tokens(train, 10), "valid": _tokens(valid, 4)}
 
 
 def test_build_under_two_ranks(tmp_path: Path, corpora: tuple[str, str]) -> None:
     """Rank 0 builds the caches, then rank 1 reads them (megatron-core's barriers); both agree."""
-    ctx = multiprocessing.get_context("fork")  # megatron-core is already imported: no start-up cost
-    cache, out = str(tmp_path / "cache"), str(tmp_path / "out")
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), corpora[1], cache, out)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0], "a rank failed or hung (see captured output)"
-    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    cache = str(tmp_path / "cache")  # forked: megatron-core is already imported, no start-up cost
+    results = forked_gloo_ranks(_build, 2, str(tmp_path / "store"), corpora[1], cache, timeout=180)
+    assert all(isinstance(r, dict) for r in results), results  # a rank's error is its message
     assert results[0] == results[1]
     assert any(f.endswith("sample_index.npy") for f in os.listdir(cache))

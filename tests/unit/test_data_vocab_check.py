@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import multiprocessing
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from megatron_ds.data.gpt_data import build_gpt_datasets, pipeline_batches
 from megatron_ds.data.indexed import write_indexed_dataset
 from megatron_ds.data.tokenizer import NullTokenizer
 from megatron_ds.data.vocab_check import Vocabulary
+from megatron_ds.testing.launch import forked_gloo_ranks
 
 SEQ = 8
 FIX = (
@@ -88,40 +88,19 @@ def test_with_a_recorder_the_bad_sample_goes_on_harmless(tmp_path: Path) -> None
     assert torch.equal(batches[k - 1][0][0], train[k - 1]["tokens"])  # the others as they are
 
 
-def _rank(rank: int, store: str, queue) -> None:
-    import torch.distributed as dist
-
+def _stop_if_any(rank: int) -> None:
     from megatron_ds.training.run_data import BadData
 
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    try:
-        bad = BadData()
-        bad.stop_if_any("cpu")  # nothing read: nothing happens
-        if rank == 1:
-            bad.record(DataError("data/x: train sample 5 holds token id 500, ..."))
-        try:
-            bad.stop_if_any("cpu")
-            queue.put((rank, None))
-        except DataError as err:
-            queue.put((rank, str(err)))
-    finally:
-        dist.destroy_process_group()
+    bad = BadData()
+    bad.stop_if_any("cpu")  # nothing read: nothing happens
+    if rank == 1:
+        bad.record(DataError("data/x: train sample 5 holds token id 500, ..."))
+    bad.stop_if_any("cpu")
 
 
 def test_one_ranks_bad_sample_stops_every_rank_with_its_line(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=120) for _ in procs)
-    finally:  # never leave a stalled rank behind
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert results == {r: "data/x: train sample 5 holds token id 500, ..." for r in range(2)}
+    results = forked_gloo_ranks(_stop_if_any, 2, str(tmp_path / "store"))
+    assert results == ["data/x: train sample 5 holds token id 500, ..."] * 2
 
 
 def test_the_runs_vocabulary() -> None:

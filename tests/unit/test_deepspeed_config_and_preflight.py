@@ -244,36 +244,16 @@ def test_where_a_node_keeps_its_files_may_differ() -> None:
     assert LOCAL_PATHS <= fields  # every exemption names a real field
 
 
-def _agreement_rank(rank: int, store: str, lr: float, queue) -> None:
-    import torch.distributed as dist
-
+def _check_agreement(rank: int, lrs: tuple[float, float]) -> None:
     from megatron_ds.training.preflight import check_config_agreement
 
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    try:
-        check_config_agreement(tiny_config(optimizer__lr=lr))
-        queue.put((rank, None))
-    except PreflightError as err:
-        queue.put((rank, str(err)))
-    finally:
-        dist.destroy_process_group()
+    check_config_agreement(tiny_config(optimizer__lr=lrs[rank]))
 
 
 @pytest.mark.parametrize("lrs", [(1e-2, 1e-2), (1e-2, 3e-4)])
 def test_every_rank_stops_with_the_same_line_when_one_was_given_another_lr(tmp_path, lrs) -> None:
-    import multiprocessing
+    from megatron_ds.testing.launch import forked_gloo_ranks
 
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_agreement_rank, args=(r, str(tmp_path / "store"), lrs[r], queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=120) for _ in procs)
-    finally:  # never leave a stalled rank behind
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    results = forked_gloo_ranks(_check_agreement, 2, str(tmp_path / "store"), lrs)
     expected = None if lrs[0] == lrs[1] else "rank 1 was launched with other settings than rank 0: optimizer.lr 0.0003"
-    assert {r: m and m.split(" (rank 0")[0] for r, m in results.items()} == {0: expected, 1: expected}
+    assert [m and m.split(" (rank 0")[0] for m in results] == [expected, expected]
