@@ -419,6 +419,15 @@ LOGGING: tuple[Flag, ...] = (
         "use --profile with --profile-step-start and --profile-step-end (Megatron-LM's, torch's profiler)",
         VALUE,
     ),
+    accepted(
+        "--profile-ranks",
+        _LOG,
+        "the global ranks that profile under --profile (all when not given); both upstreams have this flag",
+        "logging.profile_ranks",
+        type=int,
+        nargs=VALUES,
+        derived=True,
+    ),
     no_op(
         "--no-barrier-with-level-1-timing",
         _LOG,

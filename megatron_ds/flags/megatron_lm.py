@@ -7,7 +7,7 @@ above 1 are refused.
 
 from __future__ import annotations
 
-from megatron_ds.flags.declare import VALUE, VALUES, Flag, Refusal, accepted, no_op, refused, switch
+from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, no_op, refused, switch
 
 _NET, _TRAIN, _LOG, _CKPT = "network size", "training", "logging", "checkpointing"
 _DIST, _DATA, _TE = "distributed", "data and tokenizer", "Transformer Engine"
@@ -478,15 +478,6 @@ LOGGING: tuple[Flag, ...] = (
         _LOG,
         f"{_MLM}: the torch profiler's trace only (no nsys range)",
         "logging.use_pytorch_profiler",
-    ),
-    accepted(
-        "--profile-ranks",
-        _LOG,
-        f"{_MLM}: the global ranks that profile (all when not given, as Megatron-LM's empty list)",
-        "logging.profile_ranks",
-        type=int,
-        nargs=VALUES,
-        derived=True,
     ),
 )
 

@@ -164,6 +164,12 @@ def test_data_upstream_from_the_command_line(capsys: pytest.CaptureFixture) -> N
         parse_config(_line("--data-upstream", "megatron"), world_size=1)
 
 
+def test_a_flag_both_upstreams_have_leaves_the_data_rules_to_megatron_deepspeed(capsys: pytest.CaptureFixture) -> None:
+    """--profile-ranks is in Megatron-DeepSpeed's _add_profiler_args too: it says nothing about the line's upstream."""
+    assert parse_config(_line("--profile-ranks", "0"), world_size=1)[0].data.data_upstream == MDS
+    assert capsys.readouterr().err == ""
+
+
 def test_docs_list_every_flag_that_makes_auto_pick_megatron_lm() -> None:
     import re
 
