@@ -31,7 +31,7 @@ from megatron_ds.config.model import (
     default_ffn_hidden_size,
     padded_vocab_size,
 )
-from megatron_ds.config.output import CheckpointConfig, LoggingConfig
+from megatron_ds.config.output import PROFILER_MODES, CheckpointConfig, LoggingConfig
 from megatron_ds.config.parallel import BACKENDS, DEDICATED_CHOICES, ParallelConfig
 from megatron_ds.config.training import (
     LR_DECAY_STYLES,
@@ -52,6 +52,7 @@ __all__ = [
     "NORMALIZATIONS",
     "OPTIMIZERS",
     "PRECISIONS",
+    "PROFILER_MODES",
     "TOKENIZER_TYPES",
     "ZERO_STAGES",
     "CheckpointConfig",

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from megatron_ds.config.checks import at_least, check, optional_at_least, positive
 
+PROFILER_MODES = ("pt", "pt-full")
+"""Megatron-DeepSpeed's `--profile` values: torch's profiler; `pt-full` also records each op's Python stack."""
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -110,7 +113,15 @@ class LoggingConfig:
     log_num_zeros_in_grad: bool = False
     """Print (and write) the number of zero elements of the reduced gradients (`--log-num-zeros-in-grad`)."""
     profile: bool = False
-    """Trace training steps profile_step_start+1 .. profile_step_end with torch's profiler (`--profile`)."""
+    """Megatron-LM's bare `--profile`: trace training steps profile_step_start+1 .. profile_step_end with torch's
+    profiler (`training.housekeeping.Profiler`)."""
+    profile_pt: str | None = None
+    """Megatron-DeepSpeed's `--profile pt|pt-full` (`PROFILER_MODES`): trace this process's steps `profile_steps`
+    with torch's profiler into `tensorboard_dir`, `pt-full` with each op's Python stack
+    (`training.housekeeping.PtProfiler`); None: off."""
+    profile_steps: tuple[int, int] = (2, 3)
+    """The first and last step `profile_pt` traces (`--profile_steps S,E`), counted from 1 in each process as
+    Megatron-DeepSpeed counts them: a resumed run's first step is step 1 again."""
     profile_step_start: int = 10
     """Iterations done when profiling starts (`--profile-step-start`)."""
     profile_step_end: int = 12
@@ -118,10 +129,11 @@ class LoggingConfig:
     use_pytorch_profiler: bool = False
     """The torch profiler alone, no nsys range on CUDA (`--use-pytorch-profiler`)."""
     profile_ranks: tuple[int, ...] = ()
-    """Global ranks that profile; empty: all (`--profile-ranks`)."""
+    """Global ranks that profile, under either profiler; empty: all (`--profile-ranks`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "profile_ranks", tuple(self.profile_ranks))
+        object.__setattr__(self, "profile_steps", tuple(self.profile_steps))
         for name in ("wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity"):
             if getattr(self, name) == "":  # Megatron's default spelling of "not given"
                 object.__setattr__(self, name, None)
@@ -136,3 +148,23 @@ class LoggingConfig:
             f"--profile-step-end {self.profile_step_end} must be above --profile-step-start {self.profile_step_start}",
         )
         check(all(r >= 0 for r in self.profile_ranks), f"--profile-ranks {list(self.profile_ranks)}: ranks are >= 0")
+        self._check_profile_pt()
+
+    def _check_profile_pt(self) -> None:
+        start, end = self.profile_steps
+        steps = f"--profile_steps {start},{end}"
+        check(start >= 1, f"{steps}: a process's steps count from 1, so step {start} never comes; give S >= 1")
+        check(end >= start, f"{steps}: the last step {end} comes before the first {start}; give S,E with E >= S")
+        if self.profile_pt is None:
+            return
+        check(self.profile_pt in PROFILER_MODES, f"--profile {self.profile_pt}: give pt or pt-full")
+        check(
+            not self.profile,
+            "profile (Megatron-LM's bare --profile) and profile_pt (Megatron-DeepSpeed's --profile pt) are one flag; "
+            "set one",
+        )
+        check(
+            self.tensorboard_dir is not None,
+            f"--profile {self.profile_pt} writes its trace into --tensorboard-dir, as Megatron-DeepSpeed does; "
+            "add --tensorboard-dir DIR",
+        )

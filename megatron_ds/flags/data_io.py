@@ -411,18 +411,20 @@ LOGGING: tuple[Flag, ...] = (
     ),
     no_op("--timing-log-level", _LOG, _ONLY_ITERATIONS, takes=VALUE),
     no_op("--timing-log-option", _LOG, _ONLY_ITERATIONS, takes=VALUE),
-    refused(
+    accepted(
         "--profile_steps",
         _LOG,
-        "Megatron-DeepSpeed's profiler (--profile pt or pt-full over these steps, traces in --tensorboard-dir) is not "
-        "implemented",
-        "use --profile with --profile-step-start and --profile-step-end (Megatron-LM's, torch's profiler)",
-        VALUE,
+        "S,E: the first and last step --profile pt or pt-full traces, counted from 1 in each process as "
+        "Megatron-DeepSpeed counts them (a resumed run's first step is step 1 again); ignored, with a warning, "
+        "without --profile pt or pt-full",
+        "logging.profile_steps",
+        default="2,3",
+        derived=True,
     ),
     accepted(
         "--profile-ranks",
         _LOG,
-        "the global ranks that profile under --profile (all when not given); both upstreams have this flag",
+        "the global ranks that profile under either --profile (all when not given); both upstreams have this flag",
         "logging.profile_ranks",
         type=int,
         nargs=VALUES,

@@ -14,7 +14,7 @@ import os
 import sys
 
 import megatron_ds.flags.megatron_lm as megatron_lm
-from megatron_ds.config import DATA_UPSTREAMS
+from megatron_ds.config import DATA_UPSTREAMS, PROFILER_MODES
 from megatron_ds.flags.declare import ACCEPTED
 from megatron_ds.flags.registry import BY_NAME
 
@@ -35,9 +35,18 @@ layout flags, and each one of `flags/megatron_lm.py` (its example lines' flags) 
 field (those that change nothing here are left out: they change nothing, the data's rules included)."""
 
 
+MEGATRON_DEEPSPEED_VALUES = {"--profile": PROFILER_MODES}
+"""Values of a flag above that are Megatron-DeepSpeed's: its `--profile pt|pt-full` (Megatron-LM's takes none)."""
+
+
 def megatron_lm_flags(args: argparse.Namespace) -> list[str]:
     """The Megatron-LM-only flags this line sets to a value other than their default."""
-    return [n for n in MEGATRON_LM_FLAGS if getattr(args, BY_NAME[n].attr) != BY_NAME[n].resolved_default()]
+    return [
+        n
+        for n in MEGATRON_LM_FLAGS
+        if (value := getattr(args, BY_NAME[n].attr)) != BY_NAME[n].resolved_default()
+        and value not in MEGATRON_DEEPSPEED_VALUES.get(n, ())
+    ]
 
 
 def data_upstream(args: argparse.Namespace) -> str:

@@ -7,6 +7,7 @@ above 1 are refused.
 
 from __future__ import annotations
 
+from megatron_ds.config import PROFILER_MODES
 from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, no_op, refused, switch
 
 _NET, _TRAIN, _LOG, _CKPT = "network size", "training", "logging", "checkpointing"
@@ -15,10 +16,6 @@ _MLM = "Megatron-LM's flag"
 _FP8 = "FP8 training runs on Transformer Engine, which is not used here (the layers are torch's)"
 _FP8_FIX = "drop the --fp8-* flags and train in --bf16"
 _CP = "context parallelism is not implemented"
-_MDS_PROFILER = (
-    "Megatron-DeepSpeed's profiler (torch's, over its --profile_steps, traces in --tensorboard-dir) is not implemented",
-    "give --profile alone (Megatron-LM's: torch's profiler over --profile-step-start+1 .. --profile-step-end)",
-)
 
 NETWORK: tuple[Flag, ...] = (
     no_op(
@@ -451,13 +448,16 @@ LOGGING: tuple[Flag, ...] = (
     accepted(
         "--profile",
         _LOG,
-        f"{_MLM}: profile training steps --profile-step-start+1 .. --profile-step-end with torch's profiler (a "
-        "Chrome trace per rank in <--tensorboard-dir>/../torch_profile, else ./torch_profile); on CUDA the "
-        "range is also marked for nsys (cudaProfilerStart/Stop) as Megatron-LM does without "
-        "--use-pytorch-profiler",
-        "logging.profile",
-        nargs="?",  # Megatron-DeepSpeed's takes a value (pt, pt-full): refused, not "unrecognized"
-        refused_values=(Refusal("pt", *_MDS_PROFILER), Refusal("pt-full", *_MDS_PROFILER)),
+        "bare, Megatron-LM's: profile training steps --profile-step-start+1 .. --profile-step-end with torch's "
+        "profiler (a Chrome trace per rank in <--tensorboard-dir>/../torch_profile, else ./torch_profile); on CUDA the "
+        "range is also marked for nsys (cudaProfilerStart/Stop) as Megatron-LM does without --use-pytorch-profiler. "
+        "`pt` or `pt-full`, Megatron-DeepSpeed's: profile this process's steps --profile_steps S..E with torch's "
+        "profiler, a gzipped Chrome trace per rank in --tensorboard-dir named as torch's tensorboard_trace_handler "
+        "names it (`<host>_<pid>.<ns>.pt.trace.json.gz`); pt-full adds each op's Python stack",
+        fields=("logging.profile", "logging.profile_pt"),
+        nargs="?",  # Megatron-LM's is a switch, Megatron-DeepSpeed's takes a value: flags.profiler_flags tells them
+        choices=PROFILER_MODES,
+        derived=True,
     ),
     accepted(
         "--profile-step-start",

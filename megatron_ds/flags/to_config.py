@@ -34,7 +34,7 @@ from megatron_ds.config import (
 from megatron_ds.errors import ConfigError, LayoutError
 from megatron_ds.estimate.machine import Machine, for_layout
 from megatron_ds.estimate.run_layout import check_layout
-from megatron_ds.flags import compat, dry_run, model_flags, schedule_flags, step_flags
+from megatron_ds.flags import compat, dry_run, model_flags, profiler_flags, schedule_flags, step_flags
 from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.deepspeed_json import json_default
@@ -400,6 +400,8 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
     model_flags.check_loss_options(args)
     model_flags.check_logging_options(args, training.zero_stage)
     model_flags.format_notices(args)
+    logging = LoggingConfig(**direct.get("logging", {}), **profiler_flags.profiler_fields(args))
+    profiler_flags.warn_ignored(args, logging, warn)
     config = Config(
         model=model,
         regularization=RegularizationConfig(**direct.get("regularization", {})),
@@ -408,7 +410,7 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         optimizer=_optimizer_config(args, direct.get("optimizer", {}), training, model.seq_length),
         training=training,
         checkpoint=CheckpointConfig(**direct.get("checkpoint", {})),
-        logging=LoggingConfig(**direct.get("logging", {}), profile_ranks=tuple(args.profile_ranks or ())),
+        logging=logging,
     )
     warning = None if machine is None else dry_run.runs_on_warning(config, machine, args.print_layout)
     if warning:

@@ -66,16 +66,19 @@ def check_prompt_data(config: Config) -> list[str]:
 def check_logging(config: Config) -> None:
     from megatron_ds.training.logger import tensorboard_available
 
-    if config.logging.tensorboard_dir and not tensorboard_available():
+    lg = config.logging
+    if lg.tensorboard_dir and not tensorboard_available():
+        # --profile pt needs the directory: dropping it is no way out there
+        drop = f" (--profile {lg.profile_pt} writes its trace there too)" if lg.profile_pt else ", or drop the flag"
         raise ConfigError(
-            f"--tensorboard-dir {config.logging.tensorboard_dir}: tensorboard is not installed; "
-            f"pip install tensorboard (or pip install -e '.[tensorboard]'), or drop the flag"
+            f"--tensorboard-dir {lg.tensorboard_dir}: tensorboard is not installed; "
+            f"pip install tensorboard (or pip install -e '.[tensorboard]'){drop}"
         )
     from megatron_ds.training.scalar_writers import wandb_available
 
-    if config.logging.wandb_project and not wandb_available():
+    if lg.wandb_project and not wandb_available():
         raise ConfigError(
-            f"--wandb-project {config.logging.wandb_project}: wandb is not installed; pip install wandb, or drop the "
+            f"--wandb-project {lg.wandb_project}: wandb is not installed; pip install wandb, or drop the "
             "--wandb-* flags"
         )
 

@@ -1,6 +1,6 @@
 """What the loop does around each step besides the step itself, in one object (`StepHooks`): the
-step's batch size and sequence length (`step_plan`), Megatron-LM's `--manual-gc` and `--profile`
-(`housekeeping`), and the extra numbers of the log line (`--log-params-norm`,
+step's batch size and sequence length (`step_plan`), Megatron-LM's `--manual-gc` and either upstream's
+`--profile` (`housekeeping`), and the extra numbers of the log line (`--log-params-norm`,
 `--log-num-zeros-in-grad`, the curriculum's length). Every rank runs the same hooks."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from megatron_ds.config import Config
 from megatron_ds.training.grad_norm import ZeroCounter, params_norm
-from megatron_ds.training.housekeeping import ManualGC, Profiler
+from megatron_ds.training.housekeeping import ManualGC, build_profiler
 from megatron_ds.training.state import TrainState
 from megatron_ds.training.step_plan import StepPlan, StepSize
 
@@ -20,7 +20,7 @@ class StepHooks:
         self.config, self.engine = config, engine
         self.plan = StepPlan(config, engine)
         self.gc = ManualGC(config)
-        self.profiler = Profiler(config, rank)
+        self.profiler = build_profiler(config, rank)
         self.zeros = ZeroCounter(engine) if config.logging.log_num_zeros_in_grad else None
         self.last: StepSize | None = None
         self.window_tokens = 0

@@ -141,7 +141,6 @@ def test_every_megatron_deepspeed_option_is_declared() -> None:
         (["--train-data-exact-num-epochs", "2"], "--train-data-exact-num-epochs is not supported: makes the training"),
         (["--train-shuffle-idx-path", "x.npy"], "--train-shuffle-idx-path is not supported: reads the training split"),
         (["--use-dataset-only", "True"], "--use-dataset-only is not supported: Megatron-DeepSpeed then builds only"),
-        (["--profile", "pt"], "--profile pt is not supported: Megatron-DeepSpeed's profiler"),
         (["--kd", "--load-teacher", "t"], "--kd is not supported: knowledge distillation from a teacher model"),
     ],
 )
