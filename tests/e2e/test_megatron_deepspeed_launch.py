@@ -11,6 +11,8 @@ directory starts from scratch, as in Megatron-DeepSpeed, with one NOTICE.
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import json
 import os
 import re
@@ -314,6 +316,37 @@ def test_exit_duration_saves_and_stops_without_final_evaluation(tmp_path: Path) 
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(losses(out.stdout)) == [1] and "exiting at iteration 1 after" in out.stdout
     assert "validation loss" not in out.stdout and (ckpt / "latest").read_text() == "global_step1"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="--tensorboard-dir needs tensorboard")
+def test_profile_pt_full_writes_one_trace_of_its_steps_into_the_tensorboard_dir(tmp_path: Path) -> None:
+    """Megatron-DeepSpeed's --profile pt-full --profile_steps 2,2 on one process: one gzipped trace of step 2 with
+    the Python stacks, named as torch's tensorboard_trace_handler names it, beside the TensorBoard events."""
+    tensorboard = tmp_path / "tb"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "pretrain_gpt.py"),
+            *"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 128".split(),
+            *"--mock-data --micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-3".split(),
+            *"--log-interval 1 --eval-iters 0 --no-pipeline-parallel".split(),
+            *"--profile pt-full --profile_steps 2,2 --tensorboard-dir".split(),
+            str(tensorboard),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    traces = list(tensorboard.glob("*.pt.trace.json.gz"))
+    assert len(traces) == 1 and f"[rank 0] wrote the --profile trace {traces[0]}\n" in out.stdout
+    # written at the end of step 2: before iteration 2's log line
+    assert out.stdout.index("wrote the --profile trace") < out.stdout.index("iteration        2/")
+    with gzip.open(traces[0], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("cat") == "python_function" and e["name"].endswith(": train_batch") for e in events)
+    assert list(tensorboard.glob("events.out.tfevents.*"))
 
 
 def llama2_line(data: dict[str, str], ckpt: str, ds_json: str) -> list[str]:
