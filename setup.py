@@ -33,6 +33,7 @@ setup(
             "ruff==0.17.6",
             "transformers>=4.40",
             "safetensors>=0.4",
+            "tensorboard>=2.14",  # the real TensorBoard writer and --profile pt's trace directory run in the suite
         ],
         # Hugging Face export/import (tools/convert_checkpoint.py); the trainer never imports these.
         "hf": ["transformers>=4.40", "safetensors>=0.4", "tqdm>=4.60"],
