@@ -121,6 +121,13 @@ def launch(nproc: int, argv: list[str], timeout: float = 240) -> subprocess.Comp
     return out
 
 
+def one_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """`pretrain_gpt.py` in one plain process (no launcher) under a hard timeout."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True, timeout=180, cwd=ROOT
+    )
+
+
 def losses(text: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(text)}
 
@@ -275,10 +282,8 @@ def test_exit_duration_saves_and_stops_without_final_evaluation(tmp_path: Path) 
     """--exit-duration-in-mins on one process (P=1, --no-pipeline-parallel): the first iteration
     already passes 0.0001 minutes, so it saves and stops there."""
     ckpt = tmp_path / "ckpt"
-    out = subprocess.run(
+    out = one_process(
         [
-            sys.executable,
-            str(ROOT / "pretrain_gpt.py"),
             "--num-layers",
             "2",
             "--hidden-size",
@@ -307,11 +312,7 @@ def test_exit_duration_saves_and_stops_without_final_evaluation(tmp_path: Path) 
             "0.0001",
             "--save",
             str(ckpt),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
+        ]
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(losses(out.stdout)) == [1] and "exiting at iteration 1 after" in out.stdout
@@ -323,20 +324,14 @@ def test_profile_pt_full_writes_one_trace_of_its_steps_into_the_tensorboard_dir(
     """Megatron-DeepSpeed's --profile pt-full --profile_steps 2,2 on one process: one gzipped trace of step 2 with
     the Python stacks, named as torch's tensorboard_trace_handler names it, beside the TensorBoard events."""
     tensorboard = tmp_path / "tb"
-    out = subprocess.run(
+    out = one_process(
         [
-            sys.executable,
-            str(ROOT / "pretrain_gpt.py"),
             *"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 128".split(),
             *"--mock-data --micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-3".split(),
             *"--log-interval 1 --eval-iters 0 --no-pipeline-parallel".split(),
             *"--profile pt-full --profile_steps 2,2 --tensorboard-dir".split(),
             str(tensorboard),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
+        ]
     )
     assert out.returncode == 0, out.stderr[-3000:]
     traces = list(tensorboard.glob("*.pt.trace.json.gz"))
