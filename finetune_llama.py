@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from pretrain_gpt import main
+from pretrain_gpt import run_script
 
 if __name__ == "__main__":
-    sys.exit(main([*sys.argv[1:], "--prompt-data"]))
+    run_script([*sys.argv[1:], "--prompt-data"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 
 def is_user_error(exc: BaseException) -> bool:
@@ -99,5 +100,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def run_script(argv: Sequence[str] | None = None) -> NoReturn:
+    """`python pretrain_gpt.py ...`: `main`'s status (an uncaught exception printed as the interpreter prints it,
+    status 1), left through `megatron_ds.distributed.exit_process`: after process groups the interpreter must not
+    finalise (a gloo worker thread still alive then aborts the rank; see there)."""
+    try:
+        code: int | str | None = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    except Exception:  # noqa: BLE001 - reported as an uncaught exception would be, then the status
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    from megatron_ds.distributed import exit_process
+
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script()

@@ -7,7 +7,9 @@ teardown the process then exits; a gloo worker thread may still hold the finishe
 and release its tensor while the interpreter finalises, which aborts the rank (SIGABRT,
 "terminate called without an active exception"; backtrace: ProcessGroupGloo::runLoop ->
 ~AsyncBroadcastWork -> TensorImpl::decref_pyobject -> take_gil -> pthread_exit -> std::terminate).
-With `megatron_ds.distributed.shutdown_distributed` the threads are joined first.
+With `megatron_ds.distributed.shutdown_distributed` (a closing barrier, then every group destroyed)
+the workers are done first; the groups the script still holds (`pairs`, as DeepSpeed's engine holds
+its own) keep their threads to the end, which is why scripts also leave through `exit_process`.
 
     python benchmarks/exit_abort_repro.py --launches 20     # ~4 minutes on 2 cores
 

@@ -6,16 +6,21 @@ result. If the interpreter is already finalising when that happens, releasing th
 the GIL, the thread is unwound mid-destructor and the process dies with SIGABRT ("terminate
 called without an active exception") after it trained and saved. DeepSpeed's pipeline engine
 makes this likely: its point-to-point sends are broadcasts over one subgroup per stage pair. So
-every entry point ends with `shutdown_distributed`, which joins those threads while the
-interpreter is fully alive. (The watchdog exits with `os._exit`, which runs no finalisation.)
+every entry point ends with `shutdown_distributed` (a closing barrier, then every group destroyed)
+while the interpreter is fully alive, and a script leaves through `exit_process`: a gloo group's
+threads end only with the last reference to the group, which DeepSpeed's engine keeps until
+finalisation, so after process groups the interpreter is not finalised at all (see there). (The
+watchdog exits with `os._exit` too.)
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 
@@ -23,6 +28,9 @@ from megatron_ds.config import ParallelConfig
 
 TEARDOWN_STUCK_EXIT_CODE = 4
 """Exit status when destroying the process groups does not finish in time (see `shutdown_distributed`)."""
+
+_had_process_groups = False
+"""Set by `shutdown_distributed` when this process had process groups: `exit_process` then skips finalisation."""
 
 
 def default_backend(parallel: ParallelConfig) -> str:
@@ -78,8 +86,9 @@ def skip_cpu_shared_memory_allreduce() -> None:
 
 def shutdown_distributed(clean: bool = True, timeout_s: float = 120.0) -> None:
     """Finish outstanding communication and destroy every process group (ours, DeepSpeed's and
-    megatron-core's), so no gloo worker thread outlives the interpreter. Safe to call when no
-    process group exists.
+    megatron-core's): a group no one else holds ends its gloo worker threads here; those of groups
+    DeepSpeed's engine still holds live on, which is why a script then leaves through
+    `exit_process`. Safe to call when no process group exists.
 
     `clean=True` (normal exit): a barrier first, so every rank has finished its collectives and
     destroying the groups here cannot strand a peer. `clean=False` (error exit): peers may be
@@ -89,8 +98,11 @@ def shutdown_distributed(clean: bool = True, timeout_s: float = 120.0) -> None:
     """
     import torch.distributed as dist
 
+    global _had_process_groups
+
     if not (dist.is_available() and dist.is_initialized()):
         return
+    _had_process_groups = True
     rank = dist.get_rank()
     finished = threading.Event()
     failure: list[BaseException] = []
@@ -119,6 +131,41 @@ def shutdown_distributed(clean: bool = True, timeout_s: float = 120.0) -> None:
         os._exit(TEARDOWN_STUCK_EXIT_CODE)
     if failure:
         raise failure[0]
+
+
+def exit_process(code: int | str | None) -> NoReturn:
+    """End the process with `code` as `sys.exit(code)` would (non-daemon threads joined, atexit handlers run,
+    stdout and stderr flushed), but, once this process has had process groups, without finalising the interpreter.
+
+    Why: destroying the groups shuts gloo's down, yet a group's worker threads only end when the last reference to
+    it goes, and DeepSpeed's pipeline engine keeps its groups until the interpreter frees it at finalisation (an
+    output tensor's backward hook holds the engine, and the autograd graph holds the tensor: a cycle through C++
+    that the garbage collector cannot see; DeepSpeed's module globals hold more groups). A worker letting go of its
+    last collective releases the tensor's Python object, which needs the GIL; if the interpreter has begun to
+    finalise by then, taking the GIL unwinds the thread inside a destructor and the rank dies with SIGABRT
+    ("terminate called without an active exception", or SIGSEGV) after it printed its line. A clean exit's
+    closing barrier makes that rare; an error skips it, and a 2-stage run stopped by a NaN loss or a token id
+    outside the vocabulary died so in 4 launches of 175. `os._exit` ends the worker threads with the process
+    instead: nothing is finalised, so nothing is unwound.
+    """
+    if not isinstance(code, int):  # sys.exit's rules: None is 0, anything else is printed and is 1
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    if not _had_process_groups:
+        sys.exit(code)
+    try:
+        for thread in threading.enumerate():  # what finalisation would wait for first
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()  # logging's flush, multiprocessing's children, wandb's finish
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said
+                pass
+        os._exit(code)
 
 
 def forget_megatron_core_groups() -> None:
