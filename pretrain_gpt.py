@@ -101,19 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_script(argv: Sequence[str] | None = None) -> NoReturn:
-    """`python pretrain_gpt.py ...`: `main`'s status (an uncaught exception printed as the interpreter prints it,
-    status 1), left through `megatron_ds.distributed.exit_process`: after process groups the interpreter must not
-    finalise (a gloo worker thread still alive then aborts the rank; see there)."""
-    try:
-        code: int | str | None = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    except Exception:  # noqa: BLE001 - reported as an uncaught exception would be, then the status
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    from megatron_ds.distributed import exit_process
+    """`python pretrain_gpt.py ...`: `main`'s status, left through `megatron_ds.distributed.run_and_exit`: after
+    process groups the interpreter must not finalise (a gloo worker thread still alive then aborts the rank)."""
+    from megatron_ds.distributed import run_and_exit
 
-    exit_process(code)
+    run_and_exit(main, argv)
 
 
 if __name__ == "__main__":

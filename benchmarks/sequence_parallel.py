@@ -199,6 +199,8 @@ def main() -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]))
+        from megatron_ds.distributed import run_and_exit
+
+        run_and_exit(worker, sys.argv[2], int(sys.argv[3]))
     else:
         sys.exit(main())

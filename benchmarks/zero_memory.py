@@ -208,8 +208,9 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, metavar=("CASE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker)
-        return
+        from megatron_ds.distributed import run_and_exit
+
+        run_and_exit(worker, *args.worker)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     data = rows()
     print(json.dumps(data, indent=1) if args.json else table(data))

@@ -7,7 +7,8 @@ A small GPT on 3 pipeline stages whose first and last hold only the embedding an
 (layout E|t*4|L), ZeRO-1, trained a few steps on random tokens. `megatron_ds.build_pipeline`
 generates the DeepSpeed JSON from the config and keeps every invariant that stops a pipeline from
 hanging or clipping with a wrong norm (docs/training.md); leaving the `with` block destroys the
-process groups.
+process groups, and `run_and_exit` ends the process without finalising the interpreter (DeepSpeed's
+engine keeps gloo worker threads alive that would otherwise abort the rank at exit).
 """
 
 from __future__ import annotations
@@ -78,4 +79,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_ds.distributed import run_and_exit
+
+    run_and_exit(main)

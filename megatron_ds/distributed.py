@@ -19,10 +19,9 @@ import atexit
 import os
 import sys
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import NoReturn
-
-import torch
 
 from megatron_ds.config import ParallelConfig
 
@@ -30,13 +29,15 @@ TEARDOWN_STUCK_EXIT_CODE = 4
 """Exit status when destroying the process groups does not finish in time (see `shutdown_distributed`)."""
 
 _had_process_groups = False
-"""Set by `shutdown_distributed` when this process had process groups: `exit_process` then skips finalisation."""
+"""Set by `init_distributed` and `shutdown_distributed` when this process had process groups: `exit_process` then skips finalisation."""
 
 
 def default_backend(parallel: ParallelConfig) -> str:
     """`--distributed-backend`, else nccl on GPU and gloo on CPU."""
     if parallel.distributed_backend:
         return parallel.distributed_backend
+    import torch  # here, not at the top: a script's launch-line errors and exit path need no torch
+
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -48,9 +49,13 @@ def env_world_size() -> int:
 def init_distributed(parallel: ParallelConfig) -> None:
     """Initialise torch.distributed once; collectives time out after the configured minutes."""
     import deepspeed
+    import torch
+
+    global _had_process_groups
 
     if torch.distributed.is_initialized():
         return
+    _had_process_groups = True
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -166,6 +171,20 @@ def exit_process(code: int | str | None) -> NoReturn:
             except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said
                 pass
         os._exit(code)
+
+
+def run_and_exit(entry: Callable[..., int | str | None], *args: object) -> NoReturn:
+    """Run a process's entry point and leave through `exit_process` with its status: a returned code, a `SystemExit`'s
+    code, or 1 for an uncaught exception (printed as the interpreter prints it). Every script or worker that creates
+    process groups ends so (pretrain_gpt.py, the test scenarios, the benchmarks' workers)."""
+    try:
+        code = entry(*args)
+    except SystemExit as exc:
+        code = exc.code
+    except Exception:  # noqa: BLE001 - reported as an uncaught exception would be, then the status
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    exit_process(code)
 
 
 def forget_megatron_core_groups() -> None:

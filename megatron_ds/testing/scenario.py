@@ -299,4 +299,6 @@ def main(spec_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from megatron_ds.distributed import run_and_exit
+
+    run_and_exit(main, sys.argv[1], sys.argv[2])

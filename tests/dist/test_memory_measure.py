@@ -151,4 +151,6 @@ def test_reported_model_states_equal_exact_counts(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    from megatron_ds.distributed import run_and_exit
+
+    run_and_exit(worker, sys.argv[1])

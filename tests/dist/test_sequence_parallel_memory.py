@@ -280,4 +280,6 @@ def test_ulysses_activation_memory_at_sequence_4096_is_the_model_within_5_percen
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], sys.argv[2])
+    from megatron_ds.distributed import run_and_exit
+
+    run_and_exit(worker, sys.argv[1], sys.argv[2])
