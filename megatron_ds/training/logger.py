@@ -176,9 +176,15 @@ class Scalars:
         if self.cfg.log_validation_ppl_to_tensorboard:
             self.writer.add_scalar(f"lm-loss-{name}/lm loss ppl", math.exp(min(20.0, loss)), iteration)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Flush and close; `failed` (training stopped on an error) marks a wandb run failed."""
+        from megatron_ds.training.scalar_writers import FanOut
+
         self.writer.flush()
-        self.writer.close()
+        if isinstance(self.writer, FanOut):
+            self.writer.close(failed)
+        else:
+            self.writer.close()
 
 
 def _innermost_optimizer(engine: Any) -> Any:

@@ -418,7 +418,17 @@ def train(run: Run) -> bool:
 def pretrain(config: Config) -> TrainState:
     """The whole job: set up, train, final evaluation on validation and test, final save."""
     run = setup(config)
-    t, ck = config.training, config.checkpoint
+    failed = True
+    try:
+        _train_evaluate_save(run)
+        failed = False
+    finally:
+        close_outputs(run, failed)
+    return run.state
+
+
+def _train_evaluate_save(run: Run) -> None:
+    t, ck = run.config.training, run.config.checkpoint
     start = run.state.iteration
     out_of_time = train(run) if start < t.train_iters else False
     if (
@@ -434,7 +444,14 @@ def pretrain(config: Config) -> TrainState:
         test_iter = run.data.test_batches()
         if run.data.test_dataset is not None:
             evaluate(run, "test", test_iter, t.eval_iters)
-    run.hooks.close()
-    if run.scalars:
-        run.scalars.close()
-    return run.state
+
+
+def close_outputs(run: Run, failed: bool) -> None:
+    """Stop the profiler and close the scalar writers on every way out, an error stop (a NaN loss, a bad token, a
+    stall) included: a buffered writer's last events reach the disk, and a wandb run is finished as failed (the
+    process leaves through `os._exit`, so wandb's own exit hook would only see its atexit call, not the status)."""
+    try:
+        run.hooks.close()
+    finally:
+        if run.scalars:
+            run.scalars.close(failed=failed)

@@ -29,8 +29,8 @@ class WandbWriter:
     def flush(self) -> None:
         """wandb sends in the background; `close` waits for it."""
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a stopped run shows as failed in wandb
 
 
 class FanOut:
@@ -47,9 +47,16 @@ class FanOut:
         for w in self.writers:
             w.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close every writer, even if one fails to (the first failure is raised after)."""
+        errors: list[BaseException] = []
         for w in self.writers:
-            w.close()
+            try:
+                w.close(failed) if isinstance(w, WandbWriter) else w.close()
+            except Exception as exc:  # noqa: BLE001 - raised below, once the others are closed
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 def wandb_available() -> bool:

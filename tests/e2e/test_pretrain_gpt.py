@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_ds.testing.launch import run_torchrun
+from megatron_ds.training.logger import tensorboard_available
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = [
@@ -435,8 +436,10 @@ def test_a_nan_step_stops_every_stage_before_saving(tmp_path: Path) -> None:
     """--lr 1e30 leaves step 1's weights so large that step 2's loss is NaN: both pipeline stages stop at iteration 2
     with one line each and no traceback, the checkpoint of iteration 1 stays the latest (Megatron-LM's
     --check-for-nan-in-loss-and-grad, on by default)."""
-    save = tmp_path / "ckpt"
+    save, tb = tmp_path / "ckpt", tmp_path / "tb"
     flags = [*MODEL, *TRAIN, "--pipeline-model-parallel-size", "2", "--lr", "1e30", "--lr-warmup-iters", "0"]
+    if tensorboard_available():
+        flags += ["--tensorboard-dir", str(tb)]
     out = pretrain(2, *flags, "--eval-iters", "0", "--save", str(save), "--save-interval", "1")
     assert out.returncode not in (0, -9), out.stdout[-4000:]
     ours = [f'File "{ROOT / "megatron_ds"}', 'pretrain_gpt.py", line']  # torchrun prints its own traceback
@@ -448,6 +451,12 @@ def test_a_nan_step_stops_every_stage_before_saving(tmp_path: Path) -> None:
     assert "--no-check-for-nan-in-loss-and-grad to train on" in out.stdout
     assert_every_rank_left_with_2(out)  # a stage aborted while finalising in a few launches in 100 (SIGABRT)
     assert (save / "latest").read_text().strip() == "global_step1" and not (save / "global_step2").exists()
+    if tensorboard_available():  # the scalars up to the stop are on disk
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tb))
+        events.Reload()
+        assert [e.step for e in events.Scalars("lm-loss-training/lm loss")] == [1]
 
 
 def test_the_kill_switch_file_saves_and_stops_every_stage(tmp_path: Path) -> None:

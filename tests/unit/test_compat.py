@@ -574,7 +574,7 @@ class FakeWandb:
     def __init__(self) -> None:
         self.init_kwargs: dict = {}
         self.logged: list[tuple[dict, int]] = []
-        self.finished = False
+        self.finished, self.exit_code = False, None
 
     def init(self, **kwargs: object) -> FakeWandb:
         self.init_kwargs = kwargs
@@ -583,8 +583,8 @@ class FakeWandb:
     def log(self, data: dict, step: int) -> None:
         self.logged.append((data, step))
 
-    def finish(self) -> None:
-        self.finished = True
+    def finish(self, exit_code: int | None = None) -> None:
+        self.finished, self.exit_code = True, exit_code
 
 
 def test_wandb_gets_the_tensorboard_scalars_as_megatron_starts_it(
@@ -615,7 +615,9 @@ def test_wandb_gets_the_tensorboard_scalars_as_megatron_starts_it(
     scalars.close()
     tags = {tag for data, step in fake.logged for tag in data if step == 5}
     assert {"lm-loss-training/lm loss", "batch-size/batch-size", "lm-loss-validation/lm loss"} <= tags
-    assert ({"lm-loss-training/lm loss": 2.0}, 5) in fake.logged and fake.finished
+    assert ({"lm-loss-training/lm loss": 2.0}, 5) in fake.logged and fake.finished and fake.exit_code == 0
+    logger.Scalars(scalar_writers.open_writers(cfg), cfg.logging).close(failed=True)  # an error stop
+    assert fake.exit_code == 1  # shown as failed in wandb
     summary = SimpleNamespace(SummaryWriter=lambda log_dir, max_queue: SimpleNamespace(log_dir=log_dir))
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", summary)  # tensorboard is an optional extra
     both = scalar_writers.open_writers(parse(*flags, "--tensorboard-dir", str(tmp_path / "tb"))).writers

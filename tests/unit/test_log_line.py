@@ -45,3 +45,34 @@ def test_tensorboard_gets_the_iterations_loss_and_the_window_no_loss(loss: float
     assert "lm-loss-training/lm loss" not in writer.tags
     scalars.iteration(logger.IterationStats(8, 1e-4, 8, loss, 1.0, None))
     assert writer.tags["lm-loss-training/lm loss"] == loss
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_pretrain_closes_the_profiler_and_writers_on_every_way_out(
+    monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    """An error stop (a NaN loss, a bad token) still stops the profiler and flushes and closes the scalar writers,
+    telling them the run failed (wandb marks it so); a finished run closes them as finished."""
+    from types import SimpleNamespace
+
+    from megatron_ds.training import loop
+
+    closed: list[object] = []
+    run = SimpleNamespace(
+        state="state",
+        hooks=SimpleNamespace(close=lambda: closed.append("hooks")),
+        scalars=SimpleNamespace(close=lambda failed: closed.append(("scalars", failed))),
+    )
+    monkeypatch.setattr(loop, "setup", lambda config: run)
+
+    def body(r: object) -> None:
+        if fails:
+            raise ValueError("iteration 2: lm loss nan")
+
+    monkeypatch.setattr(loop, "_train_evaluate_save", body)
+    if fails:
+        with pytest.raises(ValueError, match="lm loss nan"):
+            loop.pretrain(None)
+    else:
+        assert loop.pretrain(None) == "state"
+    assert closed == ["hooks", ("scalars", fails)]
