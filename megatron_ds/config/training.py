@@ -263,6 +263,9 @@ class TrainingConfig:
     kill_switch_file: str | None = None
     """Megatron-DeepSpeed's `--kill-switch-file`: once this file exists (checked before every step, the same
     answer on every rank), save (with `--save`) and exit with status 0; before the first step, exit at once."""
+    skip_train: bool = False
+    """Evaluate only (`--skip-train`): no training step and no save, then the final validation and test
+    evaluations at the loaded iteration, kept out of TensorBoard and wandb, as both upstreams do."""
     exit_signal_handler: bool = False
     """On SIGTERM finish the step, save (`--save` is required) and exit with status 0
     (`--exit-signal-handler`); without it SIGTERM and SIGINT stop every rank at once

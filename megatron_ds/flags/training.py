@@ -420,5 +420,11 @@ MIXED_PRECISION: tuple[Flag, ...] = (
 VALIDATION: tuple[Flag, ...] = (
     accepted("--eval-interval", _VAL, "validate every this many iterations", "training.eval_interval", type=int),
     accepted("--eval-iters", _VAL, "batches per evaluation; 0 disables", "training.eval_iters", type=int),
-    refused("--skip-train", _VAL, "evaluation-only runs are not implemented"),
+    switch(
+        "--skip-train",
+        _VAL,
+        "evaluate only: no training step and no save; the validation and test sets are evaluated (--eval-iters "
+        "batches each) at the --load checkpoint's iteration, not written to TensorBoard or wandb",
+        "training.skip_train",
+    ),
 )

@@ -208,7 +208,7 @@ def evaluate(run: Run, name: str, data_iter: Iterator[Any] | None, num_batches: 
     loss = sum(losses) / len(losses)
     if run.is_logging_rank:
         print(logger.format_eval(name, run.state.iteration, loss), flush=True)
-        if run.scalars:
+        if run.scalars and not run.config.training.skip_train:  # upstream's write_to_tensorboard=not skip_train
             run.scalars.eval(name, run.state.iteration, loss)
     return loss
 
@@ -430,7 +430,9 @@ def pretrain(config: Config) -> TrainState:
 def _train_evaluate_save(run: Run) -> None:
     t, ck = run.config.training, run.config.checkpoint
     start = run.state.iteration
-    out_of_time = train(run) if start < t.train_iters else False
+    if t.skip_train:
+        print_rank0(run.rank, "skipping training (--skip-train is on) ...")
+    out_of_time = train(run) if start < t.train_iters and not t.skip_train else False
     if (
         ck.save
         and run.state.iteration > start

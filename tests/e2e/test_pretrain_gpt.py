@@ -200,6 +200,25 @@ def test_whole_state_resumes_into_another_layout(straight: dict, half: dict) -> 
     assert abs(test_loss - float(TEST_LOSS.search(straight["out"]).group(1))) <= 2e-6
 
 
+VALID_LOSS = re.compile(r"validation loss at iteration \d+ \| lm loss value: [0-9.E+-]+")
+
+
+def test_skip_train_evaluates_the_loaded_checkpoint_and_writes_nothing(straight: dict, tmp_path: Path) -> None:
+    """--skip-train --load (both upstreams' evaluation-only run): no training step and no save, then exactly the
+    straight run's final validation and test losses at its iteration 6 (its checkpoint was saved before them, so
+    the same validation batches are drawn); the checkpoint is untouched, and --save gets nothing."""
+    before, save = tree_digest(straight["save"]), tmp_path / "save"
+    out = pretrain(3, *STRAIGHT, "--load", str(straight["save"]), "--skip-train", "--save", str(save))
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "skipping training (--skip-train is on) ..." in out.stdout
+    assert not losses(out.stdout), out.stdout[-3000:]  # no training log line
+    for pattern in (VALID_LOSS, TEST_LOSS):
+        mine, theirs = pattern.search(out.stdout), pattern.search(straight["out"])
+        assert mine is not None and theirs is not None, out.stdout[-3000:]
+        assert mine.group(0) == theirs.group(0)
+    assert tree_digest(straight["save"]) == before and not (save.exists() and any(save.iterdir()))
+
+
 def test_resume_with_another_dropout_prints_a_notice(straight: dict) -> None:
     """Dropout and init std are not architecture: another value resumes, rank 0 says what changed."""
     model = [a if a != "0.1" else "0.0" for a in MODEL]  # --hidden-dropout and --attention-dropout 0.0
