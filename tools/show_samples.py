@@ -96,7 +96,7 @@ def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any, list[list[i
 
     data = data_config(args, direct_values(args).get("data", {}))
     training = training_config(args)
-    if not data.prompt_data:
+    if not data.prompt_data and not data.has_split_paths:
         check_train_share(data.split, training.train_iters)
     tokenizer = None
     if data.tokenizer_type:

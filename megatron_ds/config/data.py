@@ -17,6 +17,8 @@ TOKENIZER_TYPES = (
     "HFTokenizer",
 )
 DATA_UPSTREAMS = ("megatron-deepspeed", "megatron-lm")
+DEFAULT_SPLIT = "969,30,1"
+SPLIT_PATH_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
 
 
 def split_fractions(split: str) -> list[float] | None:
@@ -44,8 +46,15 @@ class DataConfig:
     data_path: tuple[str, ...] = ()
     """One prefix, or a weighted blend `0.7 a 0.3 b` of `<prefix>.bin/.idx` (`--data-path`); a list
     is stored as a tuple."""
-    split: str = "969,30,1"
-    """Train/validation/test proportions of the documents (`--split`)."""
+    train_data_path: tuple[str, ...] = ()
+    """The training split's own data, read whole: one prefix or a weighted blend, as `data_path`
+    (`--train-data-path`); with `valid_data_path` and `test_data_path` instead of `data_path` and `split`."""
+    valid_data_path: tuple[str, ...] = ()
+    """The validation split's own data (`--valid-data-path`); none: no validation."""
+    test_data_path: tuple[str, ...] = ()
+    """The test split's own data (`--test-data-path`); none: no test evaluation."""
+    split: str = DEFAULT_SPLIT
+    """Train/validation/test proportions of the documents (`--split`); unused with the per-split paths."""
     data_cache_path: str | None = None
     """Where dataset index caches are written; next to the data by default (`--data-cache-path`)."""
     mock_data: bool = False
@@ -91,8 +100,10 @@ class DataConfig:
     data can run out (the indexed datasets are built as long as the run)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "data_path", tuple(self.data_path))
+        for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         check(not (self.mock_data and self.data_path), "--mock-data and --data-path were both given; keep one")
+        self._check_split_paths()
         if self.tokenizer_type is not None:
             one_of("--tokenizer-type", self.tokenizer_type, TOKENIZER_TYPES)
         one_of("--data-upstream", self.data_upstream, DATA_UPSTREAMS)
@@ -127,3 +138,40 @@ class DataConfig:
                 f"--tokenizer-type {self.tokenizer_type}: finetune_llama.py tokenizes its prompts with "
                 "--tokenizer-type HFTokenizer (Megatron-DeepSpeed's); use it with --tokenizer-model DIR",
             )
+
+    @property
+    def split_paths(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """(`--train-data-path`, `--valid-data-path`, `--test-data-path`); () for a split without one."""
+        return self.train_data_path, self.valid_data_path, self.test_data_path
+
+    @property
+    def has_split_paths(self) -> bool:
+        """Each split is read from its own path(s) instead of `--split`'s share of `--data-path`."""
+        return any(self.split_paths)
+
+    @property
+    def has_data(self) -> bool:
+        """Some data files are named (`--data-path` or a per-split path)."""
+        return bool(self.data_path) or self.has_split_paths
+
+    def _check_split_paths(self) -> None:
+        given = [(flag, path) for flag, path in zip(SPLIT_PATH_FLAGS, self.split_paths) if path]
+        if not given:
+            return
+        flag, path = given[0]
+        shown = f"{flag} {' '.join(path)}"
+        check(not self.mock_data, f"--mock-data and {flag} were both given; keep one")
+        check(
+            not self.data_path,
+            f"{shown} beside --data-path {' '.join(self.data_path)}: both upstreams then read every split from "
+            f"--data-path and ignore {flag}; give either --data-path (with --split) or a path per split",
+        )
+        check(
+            not self.prompt_data,
+            f"{shown}: finetune_llama.py reads its examples from --data-path EXAMPLES.json; use it",
+        )
+        check(
+            self.data_upstream != DATA_UPSTREAMS[1] or self.split.replace(" ", "") == DEFAULT_SPLIT,
+            f"--split {self.split} with {shown}: megatron-core (Megatron-LM) refuses a split beside per-split "
+            "paths (each split reads its whole data); drop --split",
+        )

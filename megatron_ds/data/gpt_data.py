@@ -36,16 +36,21 @@ import numpy as np
 import torch
 
 from megatron_ds.config import DataConfig
+from megatron_ds.config.data import DEFAULT_SPLIT
 from megatron_ds.data import DataError
 from megatron_ds.data.append_eod import notice
 from megatron_ds.data.indexed import IndexInfo, megatron_indexed_dataset_module, read_index, read_lengths
 from megatron_ds.data.mock_data import build_mock
 from megatron_ds.data.splits import (
+    SPLIT_PATH_FLAGS,
+    OwnData,
     Part,
     absent_notice,
     absent_splits,
     normalized_weights,
+    own_paths_log,
     parse_split,
+    plan_own_parts,
     plan_parts,
     split_log,
 )
@@ -55,8 +60,8 @@ from megatron_ds.data.vocab_check import Vocabulary, checked_batches
 Batch = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
-def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
-    """`--data-path` -> (prefixes, weights or None), as Megatron reads it.
+def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> tuple[list[str], list[float] | None]:
+    """`--data-path` (or a per-split path, `flag`) -> (prefixes, weights or None), as Megatron reads it.
 
     One or more prefixes (no weights: blended by size), or `W1 P1 W2 P2 ...` with every weight a
     positive number.
@@ -64,18 +69,18 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | 
     items = [s.strip() for s in data_path]
     if not items or not all(items):
         raise DataError(
-            f"--data-path {' '.join(data_path) or '(empty)'}: give a prefix, or weights "
+            f"{flag} {' '.join(data_path) or '(empty)'}: give a prefix, or weights "
             f"and prefixes alternating (0.7 a 0.3 b)"
         )
     weights = [_as_float(s) for s in items[0::2]] if len(items) % 2 == 0 else None
     if weights is None or any(w is None for w in weights):
         numbers = [s for s in items if _looks_like_weight(s)]
         if numbers:
-            raise DataError(f"--data-path {' '.join(items)}: {_misplaced_weight(items, numbers[0])}")
+            raise DataError(f"{flag} {' '.join(items)}: {_misplaced_weight(items, numbers[0])}")
         return items, None
     bad = [w for w in weights if not (w > 0 and np.isfinite(w))]
     if bad:
-        raise DataError(f"--data-path {' '.join(items)}: weight {bad[0]} must be a positive number")
+        raise DataError(f"{flag} {' '.join(items)}: weight {bad[0]} must be a positive number")
     return items[1::2], [float(w) for w in weights]  # type: ignore[misc]
 
 
@@ -106,11 +111,30 @@ def _as_float(s: str) -> float | None:
 def plan_data(data: DataConfig, num_samples: Sequence[int]) -> tuple[list[IndexInfo], list[Part | None]]:
     """Validate every corpus and plan the splits (DataError on bad input); no megatron-core, no
     process group. The launch checks and the build both call it."""
+    if data.has_split_paths:
+        return _plan_own_paths(data, num_samples)
     prefixes, weights = parse_data_path(data.data_path)
     parse_split(data.split)
     infos = [read_index(p) for p in prefixes]
     lengths = [read_lengths(info, data.misaligned_append_eod) for info in infos]
     return infos, plan_parts(prefixes, lengths, weights, data.split, data.data_upstream, num_samples)
+
+
+def _plan_own_paths(data: DataConfig, num_samples: Sequence[int]) -> tuple[list[IndexInfo], list[Part | None]]:
+    """`--train-data-path`, `--valid-data-path`, `--test-data-path`: the corpora of every split in one list (a
+    prefix read by two splits is there twice), each part naming its own (`Part.corpora`)."""
+    infos: list[IndexInfo] = []
+    own: list[OwnData | None] = []
+    for flag, path in zip(SPLIT_PATH_FLAGS, data.split_paths):
+        if not path:
+            own.append(None)
+            continue
+        prefixes, weights = parse_data_path(path, flag)
+        split_infos = [read_index(p, flag) for p in prefixes]
+        lengths = tuple(read_lengths(info, data.misaligned_append_eod) for info in split_infos)
+        own.append(OwnData(tuple(prefixes), lengths, None if weights is None else tuple(weights), len(infos)))
+        infos += split_infos
+    return infos, plan_own_parts(own, data.data_upstream, num_samples)
 
 
 def _dataset_config(data: DataConfig, seq_length: int, seed: int, tokenizer: Tokenizer) -> Any:
@@ -120,7 +144,8 @@ def _dataset_config(data: DataConfig, seq_length: int, seed: int, tokenizer: Tok
     return GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=(list(data.data_path), None),  # bookkeeping only: the split and blend are planned here
+        # bookkeeping only: the split and blend are planned here
+        blend=(list(data.data_path or [p for path in data.split_paths for p in path]), None),
         split=data.split,
         path_to_cache=data.data_cache_path,
         tokenizer=tokenizer,
@@ -156,15 +181,21 @@ def build_gpt_datasets(
     check_vocab(tokenizer, vocab_size)
     infos, parts = plan_data(data, num_samples)
     _check_cache_dir(data, [i.prefix for i in infos])
-    _report(data, infos, tokenizer, num_samples)
+    _report(data, infos, tokenizer, num_samples, parts)
     config = _dataset_config(data, seq_length, seed, tokenizer)
-    _, weights = parse_data_path(data.data_path)
-    built = _on_rank_zero_first(lambda: [_build_part(p, infos, weights, data, config) for p in parts], is_built_on_rank)
+    built = _on_rank_zero_first(lambda: [_build_part(p, infos, data, config) for p in parts], is_built_on_rank)
     return tuple(built) if built is not None else (None, None, None)  # type: ignore[return-value]
 
 
-def _report(data: DataConfig, infos: Sequence[IndexInfo], tokenizer: Tokenizer, num_samples: Sequence[int]) -> None:
-    """The append-eod notices, the document ranges and the splits skipped for want of documents, once (rank 0)."""
+def _report(
+    data: DataConfig,
+    infos: Sequence[IndexInfo],
+    tokenizer: Tokenizer,
+    num_samples: Sequence[int],
+    parts: Sequence[Part | None],
+) -> None:
+    """The append-eod notices, the document ranges and the splits skipped for want of documents (or of a
+    per-split path), once (rank 0)."""
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     if data.misaligned_append_eod and all(info.eod_id is None for info in infos):
@@ -183,10 +214,33 @@ def _report(data: DataConfig, infos: Sequence[IndexInfo], tokenizer: Tokenizer, 
                     file=sys.stderr,
                     flush=True,
                 )
-        print("\n".join(split_log(info.prefix, info.num_sequences, data.split, data.data_upstream)), flush=True)
+        if not data.has_split_paths:
+            print("\n".join(split_log(info.prefix, info.num_sequences, data.split, data.data_upstream)), flush=True)
+    if data.has_split_paths:
+        _report_own_paths(data, infos, num_samples, parts)
+        return
     prefixes, sizes = [i.prefix for i in infos], [i.num_sequences for i in infos]
     for k in absent_splits(sizes, data.split, data.data_upstream, num_samples):
         print(absent_notice(prefixes, sizes, data.split, k), flush=True)
+
+
+def _report_own_paths(
+    data: DataConfig, infos: Sequence[IndexInfo], num_samples: Sequence[int], parts: Sequence[Part | None]
+) -> None:
+    """Each split's own corpora (all their documents), and the evaluations skipped for want of a path."""
+    if data.split.replace(" ", "") != DEFAULT_SPLIT:
+        print(
+            f"NOTICE: --split {data.split} is not used: each split reads all the documents of its own path "
+            "(Megatron-DeepSpeed ignores it too)",
+            flush=True,
+        )
+    for k, (flag, part) in enumerate(zip(SPLIT_PATH_FLAGS, parts)):
+        if part is not None and part.corpora is not None:
+            read = [infos[i] for i in part.corpora]
+            print(own_paths_log(flag, [i.prefix for i in read], [i.num_sequences for i in read]), flush=True)
+        elif k > 0 and not data.split_paths[k] and num_samples[k] > 0:
+            skipped = "no validation during or after training" if k == 1 else "no test evaluation at the end"
+            print(f"NOTICE: no {flag}: {skipped}, as upstream", flush=True)
 
 
 def _on_rank_zero_first(build: Callable[[], Any], is_built_on_rank: Callable[[], bool] | None) -> Any:
@@ -203,12 +257,14 @@ def _on_rank_zero_first(build: Callable[[], Any], is_built_on_rank: Callable[[],
     return result
 
 
-def _build_part(
-    part: Part | None, infos: Sequence[IndexInfo], weights: list[float] | None, data: DataConfig, config: Any
-) -> Any:
-    """One split: a GPTDataset per corpus over its planned documents, blended when there are several."""
+def _build_part(part: Part | None, infos: Sequence[IndexInfo], data: DataConfig, config: Any) -> Any:
+    """One split: a GPTDataset per corpus over its planned documents, blended when there are several (or
+    when Megatron-DeepSpeed's rules blend one weighted corpus alone)."""
     if part is None:
         return None
+    if part.corpora is not None:
+        infos = [infos[i] for i in part.corpora]
+    weights = part.weights
     from megatron.core.datasets.blended_dataset import BlendedDataset
     from megatron.core.datasets.gpt_dataset import GPTDataset
     from megatron.core.datasets.utils import Split

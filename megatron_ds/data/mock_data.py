@@ -52,7 +52,7 @@ def build_mock(
     is_built_on_rank: Callable[[], bool] | None,
 ) -> tuple[Any, Any, Any]:
     del is_built_on_rank  # nothing is cached: every rank builds its own (instantly)
-    if data.data_path:
+    if data.data_path:  # (a per-split path beside --mock-data is refused by DataConfig)
         warnings.warn(f"--data-path {' '.join(data.data_path)} is ignored with --mock-data", stacklevel=2)
     # ids below the unpadded vocabulary: rows above it are padding no real sample holds (an import's are zero)
     tokenizer = tokenizer or NullTokenizer(data.unpadded_vocab_size or vocab_size)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_ds.config import DATA_UPSTREAMS, TrainingConfig
-from megatron_ds.config.data import split_fractions, split_message
+from megatron_ds.config.data import SPLIT_PATH_FLAGS, split_fractions, split_message
 from megatron_ds.data import DataError
 
 MEGATRON_DEEPSPEED, MEGATRON_LM = DATA_UPSTREAMS
@@ -114,6 +114,10 @@ class Part:
     """Samples of the weighted blend; None for one corpus without a weight, or a blend by size."""
     num_samples: int
     """Samples the run asks of this split."""
+    weights: tuple[float, ...] | None = None
+    """The blend's weights as given (None: one corpus read as it is, or a blend by size)."""
+    corpora: tuple[int, ...] | None = None
+    """Which of the planned corpora this split reads (its own path's, `plan_own_parts`); None: all of them."""
 
     @property
     def name(self) -> str:
@@ -158,8 +162,66 @@ def plan_parts(
             sizes, blend = [None] * len(prefixes), None
         else:
             sizes, blend = blend_sizes(weights, num_samples[k], upstream)
-        parts.append(Part(k, tuple(r[k] for r in ranges), tuple(sizes), blend, num_samples[k]))  # type: ignore[misc]
+        w = None if weights is None else tuple(weights)
+        parts.append(Part(k, tuple(r[k] for r in ranges), tuple(sizes), blend, num_samples[k], w))  # type: ignore[misc]
     return parts
+
+
+@dataclass(frozen=True)
+class OwnData:
+    """The corpora of one split's own path (`--train-data-path` ...), as parsed."""
+
+    prefixes: tuple[str, ...]
+    lengths: tuple[np.ndarray, ...]
+    """Each corpus's document lengths."""
+    weights: tuple[float, ...] | None
+    first: int
+    """Where its corpora start in the list of every split's corpora (`Part.corpora`)."""
+
+
+def plan_own_parts(own: Sequence[OwnData | None], upstream: str, num_samples: Sequence[int]) -> list[Part | None]:
+    """Each split read whole from its own path(s) (`--train-data-path`, `--valid-data-path`, `--test-data-path`),
+    `--split` unused; None for a split without a path or that nothing reads.
+
+    Every document of each corpus, as both upstreams read them. A weighted blend's parts are sized as `--data-path`'s
+    (`blend_sizes`). The rules differ in one place: megatron-core reads a single prefix as it is, its weight
+    ignored, where Megatron-DeepSpeed blends it alone (`1.0 a` asks `ceil(n * 1.005)` samples of it). Training
+    without a path is a DataError when the run trains; a corpus without tokens, when its split is read.
+    """
+    if own[0] is None and num_samples[0] > 0:
+        raise DataError(
+            f"no --train-data-path, but training reads {num_samples[0]} samples: give the training data with "
+            "--train-data-path (or --data-path with --split)"
+        )
+    parts: list[Part | None] = []
+    for k, split in enumerate(own):
+        if split is None or num_samples[k] <= 0:
+            parts.append(None)
+            continue
+        for prefix, n in zip(split.prefixes, split.lengths):
+            if int(np.sum(n, dtype=np.int64)) == 0:
+                reader = "training" if k == 0 else "evaluation"
+                raise DataError(
+                    f"{SPLIT_PATH_FLAGS[k]} {prefix}: its {len(n)} documents hold no tokens, but {reader} reads "
+                    f"{num_samples[k]} {SPLIT_NAMES[k]} samples; give a corpus with tokens"
+                )
+        weights = split.weights
+        if len(split.prefixes) == 1 and (weights is None or upstream == MEGATRON_LM):
+            sizes, blend, weights = [num_samples[k]], None, None
+        elif weights is None:  # megatron-core blends one epoch of each corpus by their sizes
+            sizes, blend = [None] * len(split.prefixes), None
+        else:
+            sizes, blend = blend_sizes(weights, num_samples[k], upstream)
+        ranges = tuple((0, len(n)) for n in split.lengths)
+        corpora = tuple(range(split.first, split.first + len(split.prefixes)))
+        parts.append(Part(k, ranges, tuple(sizes), blend, num_samples[k], weights, corpora))  # type: ignore[arg-type]
+    return parts
+
+
+def own_paths_log(flag: str, prefixes: Sequence[str], num_documents: Sequence[int]) -> str:
+    """The documents a split reads from its own path(s)."""
+    corpora = ", ".join(f"{p}: all {n} documents [0, {n})" for p, n in zip(prefixes, num_documents))
+    return f"> {flag}: {corpora}"
 
 
 def check_train_share(split: str, train_iters: int) -> None:

@@ -8,7 +8,6 @@ from megatron_ds.flags.declare import NO_OP, VALUE, VALUES, Flag, Refusal, accep
 _DATA, _CKPT, _LOG = "data and tokenizer", "checkpointing", "logging"
 _MMAP_ONLY = "only the mmap format is read"
 _CONVERT = "convert with tools/preprocess_data.py and use mmap"
-_SPLIT_FILES = ("separate split files are not supported", "use --data-path with --split")
 _GPT_TOKENIZERS = "use GPT2BPETokenizer, SentencePieceTokenizer or HuggingFaceTokenizer"
 _NOT_GPT = "; GPT datasets never read it, nor does Megatron-DeepSpeed's pretrain_gpt.py"
 _ORQA = f"the ORQA/REALM retriever's evidence data (megatron/data/orqa_wiki_dataset.py){_NOT_GPT}"
@@ -106,9 +105,22 @@ DATA: tuple[Flag, ...] = (
     accepted("--num-workers", _DATA, "DataLoader worker processes", "data.num_workers", type=int),
     no_op("--mmap-warmup", _DATA, "reads every memory-mapped file once before training; the same tokens are read"),
     switch("--eod-mask-loss", _DATA, "end-of-document tokens do not count in the loss", "data.eod_mask_loss"),
-    refused("--train-data-path", _DATA, *_SPLIT_FILES, VALUES),
-    refused("--valid-data-path", _DATA, *_SPLIT_FILES, VALUES),
-    refused("--test-data-path", _DATA, *_SPLIT_FILES, VALUES),
+    *(
+        accepted(
+            f"--{name}-data-path",
+            _DATA,
+            f"the {split} split's own data, all its documents: a prefix or a weighted blend `W1 P1 W2 P2 ...`, "
+            f"instead of --data-path and --split; {without}. Sized and blended by --data-upstream's rules (docs/data.md)",
+            f"data.{name}_data_path",
+            nargs="+",
+            default=(),
+        )
+        for name, split, without in (
+            ("train", "training", "needed when the run trains"),
+            ("valid", "validation", "without it, no validation"),
+            ("test", "test", "without it, no test evaluation"),
+        )
+    ),
     refused("--encoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
     refused("--decoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
     refused("--reset-position-ids", _DATA, "position ids always run 0..s-1 within a sample"),

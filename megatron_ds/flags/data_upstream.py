@@ -57,7 +57,8 @@ def data_upstream(args: argparse.Namespace) -> str:
     found = megatron_lm_flags(args)
     if not found:
         return MEGATRON_DEEPSPEED
-    if args.data_path and os.environ.get("RANK", "0") == "0":
+    reads_files = args.data_path or args.train_data_path or args.valid_data_path or args.test_data_path
+    if reads_files and os.environ.get("RANK", "0") == "0":
         print(
             f"NOTICE: {found[0]} is a Megatron-LM flag, so the documents are split and blended by megatron-core's "
             f"rules (--data-upstream {MEGATRON_LM}); give --data-upstream {MEGATRON_DEEPSPEED} for Megatron-DeepSpeed's",

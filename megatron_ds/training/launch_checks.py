@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from megatron_ds.config import Config
+from megatron_ds.config.data import SPLIT_PATH_FLAGS
 from megatron_ds.errors import ConfigError, UserError
 from megatron_ds.training import deepspeed_config, determinism, zero_checks
 from megatron_ds.training.checkpoint import save_load
@@ -23,15 +24,18 @@ def check_data(config: Config, dry_run: bool = False) -> list[str]:
     from megatron_ds.data.splits import check_train_share, requested_samples
 
     data = config.data
-    if data.mock_data or (dry_run and not data.data_path):  # --print-layout says what it lacks
+    if data.mock_data or (dry_run and not data.has_data):  # --print-layout says what it lacks
         return []
     if data.prompt_data:
         return check_prompt_data(config)
-    if not data.data_path:
+    if not data.has_data:
         raise ConfigError("no training data: give --data-path PREFIX (see tools/preprocess_data.py) or --mock-data")
     if data.tokenizer_type is None:
-        raise ConfigError("--data-path needs --tokenizer-type (and --tokenizer-model or --vocab-file/--merge-file)")
-    check_train_share(data.split, config.training.train_iters)
+        given = [f for f, path in zip(SPLIT_PATH_FLAGS, data.split_paths) if path]
+        flag = "--data-path" if data.data_path else given[0]
+        raise ConfigError(f"{flag} needs --tokenizer-type (and --tokenizer-model or --vocab-file/--merge-file)")
+    if not data.has_split_paths:
+        check_train_share(data.split, config.training.train_iters)
     plan_data(data, requested_samples(config.training))
     return []
 

@@ -162,6 +162,9 @@ def check_run_agreement(config: Any, layout: Any = None) -> None:
 LOCAL_PATHS = frozenset(
     {
         "data.data_path",
+        "data.train_data_path",
+        "data.valid_data_path",
+        "data.test_data_path",
         "data.data_cache_path",
         "data.tokenizer_model",
         "data.vocab_file",

@@ -48,15 +48,18 @@ def _line(command: str, cache: Path) -> list[str]:
     return [names.get(a, a) for a in argv]
 
 
-def _samples(argv: list[str], first: int = 0, count: int | None = None) -> tuple[list[list[int]], object]:
+def _samples(
+    argv: list[str], first: int = 0, count: int | None = None, split: int = 0
+) -> tuple[list[list[int]], object]:
+    """Samples [first, first + count) of the training split (or of `split`), and that dataset."""
     config, _ = parse_config(argv, world_size=1)
     tok = build_tokenizer(
         config.data.tokenizer_type, vocab_file=config.data.vocab_file, merge_file=config.data.merge_file
     )
     with contextlib.redirect_stdout(io.StringIO()):
-        train, _, _ = build_gpt_datasets(
+        train = build_gpt_datasets(
             config.data, config.model.seq_length, config.training.seed, requested_samples(config.training), tok, 384
-        )
+        )[split]
     end = len(train) if count is None else first + count
     return [train[i]["tokens"].tolist() + [int(train[i]["labels"][-1])] for i in range(first, end)], train
 
@@ -183,15 +186,19 @@ def test_samples_equal_upstream(tmp_path: Path, name: str) -> None:
     argv = _line(case["command"], tmp_path / "cache")
     if name.startswith("misaligned"):
         argv.append("--misaligned-append-eod")
-    if name == "megatron_lm_split_98":
+    if name in ("megatron_lm_split_98", "megatron_lm_split_paths_blend", "megatron_lm_split_paths_one_weight"):
         argv += ["--data-upstream", "megatron-lm"]
     if name == "megatron_lm_blend":
         argv += ["--rotary-base", "500000"]  # a Megatron-LM flag: --data-upstream auto picks megatron-lm
     first, ref = case["consumed_samples"], case["samples"]
-    got, train = _samples(argv, first, len(ref))
+    split = 1 if name.endswith("_valid") else 0  # upstream.py's MDS_SPLIT=valid: the validation split's samples
+    got, train = _samples(argv, first, len(ref), split)
     assert got == ref
-    assert len(train) - len(ref) - first in (0, 1)  # upstream's loader drops an incomplete micro-batch pair
-    if name != "split_949":  # 949,50,1 over 75 documents rounds alike in both
+    if name.startswith("megatron_lm_split_paths"):  # core_samples.py reads every sample of the split
+        assert len(train) == len(ref)
+    else:
+        assert len(train) - len(ref) - first in (0, 1)  # upstream's loader drops an incomplete micro-batch pair
+    if "split_paths" not in name and name != "split_949":  # 949,50,1 over 75 documents rounds alike in both
         other = "megatron-lm" if "megatron_lm" not in name else "megatron-deepspeed"
         argv = [a for a in argv if a != "500000" and a != "--rotary-base"] + ["--data-upstream", other]
         assert _samples(argv, first, 8)[0] != ref[:8]
