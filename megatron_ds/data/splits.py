@@ -277,10 +277,14 @@ def _empty_part_error(
 
 def requested_samples(training: TrainingConfig) -> tuple[int, int, int]:
     """Samples each split must provide, as both upstreams' training.py computes them: --train-samples, or every
-    training iteration's batch; every evaluation (one per --eval-interval and one at the end) and one test."""
+    training iteration's batch; every evaluation (one per --eval-interval and one at the end) and one test.
+    `--skip-train` reads no training sample, so an evaluation-only run needs no training data (upstream builds
+    the training set it never reads, when there is one)."""
     gbs, t = training.global_batch_size, training
     evaluations = (t.train_iters // t.eval_interval + 1) * t.eval_iters
     train = t.train_iters * gbs if t.train_samples is None else t.train_samples
+    if t.skip_train:
+        train = 0
     return train, evaluations * gbs, t.eval_iters * gbs
 
 

@@ -34,7 +34,7 @@ def check_data(config: Config, dry_run: bool = False) -> list[str]:
         given = [f for f, path in zip(SPLIT_PATH_FLAGS, data.split_paths) if path]
         flag = "--data-path" if data.data_path else given[0]
         raise ConfigError(f"{flag} needs --tokenizer-type (and --tokenizer-model or --vocab-file/--merge-file)")
-    if not data.has_split_paths:
+    if not data.has_split_paths and not config.training.skip_train:
         check_train_share(data.split, config.training.train_iters)
     plan_data(data, requested_samples(config.training))
     return []

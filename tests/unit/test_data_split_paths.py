@@ -4,6 +4,7 @@ megatron-core's own code: the `split_paths*` cases of tests/unit/test_megatron_d
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,20 @@ def test_pretrain_gpt_trains_and_validates_on_its_own_paths(tmp_path: Path) -> N
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert " iteration        2/       2 |" in out.stdout and " validation loss at iteration 2 |" in out.stdout
     assert f"> --valid-data-path: {B}: all 39 documents" in out.stdout
+
+
+def test_skip_train_evaluates_on_a_validation_path_alone(tmp_path: Path) -> None:
+    """--skip-train reads no training sample: --valid-data-path alone evaluates (at iteration 0, no --load), where a
+    training run without --train-data-path is refused."""
+    argv = [*BASE, "--max-position-embeddings", "16", "--global-batch-size", "2", "--eval-iters", "1"]
+    argv += ["--num-workers", "0", "--data-cache-path", str(tmp_path), "--valid-data-path", B]
+    run = [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv]
+    out = subprocess.run([*run, "--skip-train"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "skipping training (--skip-train is on) ..." in out.stdout
+    assert " validation loss at iteration 0 |" in out.stdout and not re.search(r"iteration\s+\d+/\s*\d+ \|", out.stdout)
+    refused = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert refused.returncode == 2 and "no --train-data-path, but training reads" in refused.stdout + refused.stderr
 
 
 def test_a_refusal_stops_pretrain_gpt_with_one_line(tmp_path: Path) -> None:
