@@ -19,7 +19,7 @@ NORMALIZATIONS = ("layernorm", "rmsnorm", "layernorm1p", "rmsnorm1p")
 """The norms ModelConfig accepts: the names of `megatron_ds.model.norms.REGISTRY`, which holds each
 one's module, parameters, stored keys, costs and Hugging Face model types (it checks on import that
 its names are these)."""
-ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu")
+ACTIVATIONS = ("gelu_tanh", "gelu", "swiglu", "squared_relu")
 """The MLP activations ModelConfig accepts: the names of `megatron_ds.model.activations.REGISTRY`,
 which holds each one's function, Hugging Face name and costs (it checks on import that its names and
 gated entries are these)."""

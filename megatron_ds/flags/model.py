@@ -138,6 +138,13 @@ NETWORK: tuple[Flag, ...] = (
         derived=True,
     ),
     switch(
+        "--squared-relu",
+        _NET,
+        "squared ReLU MLP, relu(x)^2; not with --swiglu or --openai-gelu",
+        "model.activation",
+        derived=True,
+    ),
+    switch(
         "--untie-embeddings-and-output-weights",
         _NET,
         "the last stage gets its own LM head",
@@ -154,7 +161,6 @@ NETWORK: tuple[Flag, ...] = (
     refused("--encoder-num-layers", _NET, "encoder-decoder models are not built", "use --num-layers", VALUE),
     refused("--decoder-num-layers", _NET, "encoder-decoder models are not built", "use --num-layers", VALUE),
     refused("--apply-residual-connection-post-layernorm", _NET, "the layer is pre-LN only"),
-    refused("--squared-relu", _NET, "the MLP is GeLU (or SwiGLU); squared ReLU is not implemented"),
     refused("--embedding-weights-in-fp32", _NET, "embeddings are kept in the training precision"),
     refused(
         "--onnx-safe",

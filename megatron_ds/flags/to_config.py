@@ -238,9 +238,10 @@ def _check_fixed_model_options(args: argparse.Namespace, model: ModelConfig) -> 
 
 
 ACTIVATION_FLAGS: dict[str, dict[str, bool]] = {
-    "gelu_tanh": {"openai_gelu": True, "swiglu": False},
-    "gelu": {"openai_gelu": False, "bias_gelu_fusion": False, "swiglu": False},
-    "swiglu": {"swiglu": True, "openai_gelu": False},
+    "gelu_tanh": {"openai_gelu": True, "swiglu": False, "squared_relu": False},
+    "gelu": {"openai_gelu": False, "bias_gelu_fusion": False, "swiglu": False, "squared_relu": False},
+    "swiglu": {"swiglu": True, "openai_gelu": False, "squared_relu": False},
+    "squared_relu": {"squared_relu": True, "swiglu": False, "openai_gelu": False},
 }
 """Flag values (argparse dests) that select each activation whatever the other flags say; the
 Hugging Face import renders these (`interop/hf_config.py`). `model_activation` is the inverse."""
@@ -248,7 +249,8 @@ Hugging Face import renders these (`interop/hf_config.py`). `model_activation` i
 
 def model_activation(args: Any) -> str:
     """The MLP activation Megatron-DeepSpeed's ParallelMLP builds for these flags (parsed values, by
-    argparse dest: swiglu, openai_gelu, bias_gelu_fusion, add_bias_linear): --swiglu; else
+    argparse dest: swiglu, squared_relu, openai_gelu, bias_gelu_fusion, add_bias_linear): --swiglu; else
+    --squared-relu (relu(x)^2, as its ParallelMLP); else
     --openai-gelu's tanh GeLU; else its fused bias-GeLU (on by default, off with --no-bias-gelu-fusion
     or --disable-bias-linear), whose kernel is the tanh approximation; else torch's exact GeLU."""
     if args.swiglu and args.openai_gelu:
@@ -256,8 +258,16 @@ def model_activation(args: Any) -> str:
             "--openai-gelu and --swiglu were both given; Megatron-DeepSpeed would apply GeLU to SwiGLU's doubled "
             "fc1 output and fail: keep one"
         )
+    if args.squared_relu and (args.swiglu or args.openai_gelu):
+        other = "--swiglu" if args.swiglu else "--openai-gelu"
+        raise ConfigError(
+            f"--squared-relu and {other} were both given; Megatron-DeepSpeed silently uses {other} and Megatron-LM "
+            "refuses the pair: keep one"
+        )
     if args.swiglu:
         return "swiglu"
+    if args.squared_relu:
+        return "squared_relu"
     fused = args.bias_gelu_fusion and args.add_bias_linear
     return "gelu_tanh" if args.openai_gelu or fused else "gelu"
 

@@ -67,6 +67,12 @@ def _swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _squared_relu(x: torch.Tensor) -> torch.Tensor:
+    from torch.nn import functional as F
+
+    return F.relu(x).square()  # relu saves its output and square its input: one tensor, saved once
+
+
 REGISTRY: dict[str, Activation] = {
     a.name: a
     for a in (
@@ -97,6 +103,15 @@ REGISTRY: dict[str, Activation] = {
             hf_names=("silu",),
             elementwise_flops=2,
             saved_features=3,
+        ),
+        Activation(
+            "squared_relu",
+            "relu(x)^2 (--squared-relu; Primer's, Nemotron's)",
+            _squared_relu,
+            gated=False,
+            hf_names=("relu2",),
+            elementwise_flops=2,
+            saved_features=1,
         ),
     )
 }

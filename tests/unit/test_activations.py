@@ -69,6 +69,8 @@ def test_hugging_face_names_compute_the_same_function() -> None:
         (["--openai-gelu", "--disable-bias-linear"], "gelu_tanh"),
         (["--swiglu", "--ffn-hidden-size", "48"], "swiglu"),
         (["--swiglu", "--ffn-hidden-size", "48", "--no-bias-gelu-fusion"], "swiglu"),
+        (["--squared-relu"], "squared_relu"),  # as Megatron-DeepSpeed's ParallelMLP: torch.pow(F.relu(x), 2)
+        (["--squared-relu", "--disable-bias-linear", "--no-bias-gelu-fusion"], "squared_relu"),
     ],
 )
 def test_megatron_flags_select_the_activation(flags: list[str], activation: str) -> None:
@@ -96,6 +98,24 @@ def test_megatron_lms_norm_epsilon_is_the_layernorm_epsilon() -> None:
 def test_openai_gelu_with_swiglu_is_refused() -> None:
     with pytest.raises(ConfigError, match=re.escape("--openai-gelu and --swiglu were both given")):
         model("--openai-gelu", "--swiglu")
+
+
+@pytest.mark.parametrize("other", ["--swiglu", "--openai-gelu"])
+def test_squared_relu_with_another_activation_is_refused(other: str) -> None:
+    """Megatron-DeepSpeed would silently take the other one, Megatron-LM asserts: one line naming both."""
+    with pytest.raises(ConfigError, match=re.escape(f"--squared-relu and {other} were both given")):
+        model("--squared-relu", other)
+
+
+def test_squared_relu_is_upstreams_function_forward_and_backward() -> None:
+    """Megatron-DeepSpeed's torch.pow(F.relu(x), 2) and transformers' relu2 (ReLUSquaredActivation)."""
+    x = torch.randn(4000, dtype=torch.float64, requires_grad=True)
+    ours = activations.find("squared_relu").function(x)
+    theirs = torch.pow(torch.nn.functional.relu(x), 2)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    (g_ours,) = torch.autograd.grad(ours.sum(), x)
+    (g_theirs,) = torch.autograd.grad(theirs.sum(), x)
+    torch.testing.assert_close(g_ours, g_theirs, rtol=0, atol=0)
 
 
 def test_rotary_base_flag_and_its_megatron_deepspeed_name(capsys: pytest.CaptureFixture) -> None:
@@ -137,7 +157,8 @@ def test_activation_flags_select_their_activation_whatever_else_is_given() -> No
 
     from megatron_ds.flags.to_config import ACTIVATION_FLAGS, model_activation
 
-    dests = ("swiglu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear")
+    dests = ("swiglu", "squared_relu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear")
+    assert set(ACTIVATION_FLAGS) == set(activations.REGISTRY)
     for name, fixed in ACTIVATION_FLAGS.items():
         for values in itertools.product((False, True), repeat=len(dests)):
             args = argparse.Namespace(**{**dict(zip(dests, values)), **fixed})

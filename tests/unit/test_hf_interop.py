@@ -27,6 +27,9 @@ CONFIGS = {
         n_layer=2, n_embd=32, n_head=4, n_positions=64, activation_function="gelu", **SMALL
     ),
     "gpt2_gelu_new": lambda: transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **SMALL),
+    "gpt2_relu2": lambda: transformers.GPT2Config(  # --squared-relu
+        n_layer=2, n_embd=32, n_head=4, n_positions=64, activation_function="relu2", **SMALL
+    ),
     "llama_gqa": lambda: transformers.LlamaConfig(
         hidden_size=32,
         intermediate_size=48,
@@ -93,6 +96,7 @@ def _hf_model(config: object) -> object:
 EXPECTED = {
     "gpt2": ("gelu", 10000.0),
     "gpt2_gelu_new": ("gelu_tanh", 10000.0),  # GPT-2's default activation_function
+    "gpt2_relu2": ("squared_relu", 10000.0),
     "llama_gqa": ("swiglu", 500000.0),
     "llama32_rope_scaling": ("swiglu", 500000.0),
     "tied_llama": ("swiglu", 10000.0),

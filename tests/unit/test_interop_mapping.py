@@ -116,7 +116,8 @@ def test_config_round_trip(model: ModelConfig) -> None:
 
 
 @pytest.mark.parametrize(
-    "hf_name,ours", [("gelu_new", "gelu_tanh"), ("gelu_pytorch_tanh", "gelu_tanh"), ("gelu", "gelu")]
+    "hf_name,ours",
+    [("gelu_new", "gelu_tanh"), ("gelu_pytorch_tanh", "gelu_tanh"), ("gelu", "gelu"), ("relu2", "squared_relu")],
 )
 def test_gpt2_activation_names(hf_name: str, ours: str) -> None:
     """GPT-2's own `gelu_new` and torch's tanh GeLU are our default; `gelu` is the exact one."""
@@ -124,7 +125,7 @@ def test_gpt2_activation_names(hf_name: str, ours: str) -> None:
     architecture = hf_config.from_hf_config(hf, "x").architecture
     assert _activation(architecture) == ours
     exported = hf_config.to_hf_config(dataclasses.replace(GPT, activation=ours), REG, 200, "float32", {})
-    assert exported["activation_function"] == {"gelu_tanh": "gelu_new", "gelu": "gelu"}[ours]
+    assert exported["activation_function"] == {"gelu_tanh": "gelu_new", "gelu": "gelu", "squared_relu": "relu2"}[ours]
 
 
 def test_transformers_own_configs_are_read() -> None:

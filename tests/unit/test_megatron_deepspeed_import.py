@@ -171,7 +171,6 @@ def test_saved_values_we_do_not_build_are_refused_by_name() -> None:
     ckpt = mds_files.open_megatron_deepspeed(str(FIXTURES / "tp1_pp2_tied"))
     for change, flag in (
         ({"num_experts": [4]}, "--num-experts"),
-        ({"squared_relu": True}, "--squared-relu"),
         ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection-post-layernorm"),
         ({"kv_channels": 16}, "--kv-channels"),
     ):
@@ -179,6 +178,8 @@ def test_saved_values_we_do_not_build_are_refused_by_name() -> None:
         with pytest.raises(CheckpointError, match=flag) as err:
             saved_args.config_from_args(changed, [])
         assert "\n" not in str(err.value)
+    relu2 = dataclasses.replace(ckpt, args={**ckpt.args, "squared_relu": True})  # built since --squared-relu is
+    assert saved_args.config_from_args(relu2, []).model.activation == "squared_relu"
     zero3 = dataclasses.replace(ckpt, args={**ckpt.args, "deepspeed_config_dict": {"zero_optimization": {"stage": 3}}})
     with pytest.raises(CheckpointError, match="ZeRO-3"):
         saved_args.config_from_args(zero3, [])

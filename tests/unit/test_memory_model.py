@@ -158,7 +158,7 @@ def saved_bytes(fn, *modules: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu", "swiglu", "squared_relu"])
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_transformer_layer_activations_equal_saved_tensors(
