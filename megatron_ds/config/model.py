@@ -108,6 +108,10 @@ class ModelConfig:
     model has no position table at all."""
     add_bias_linear: bool = True
     """Biases in the attention and MLP linear layers; False with `--disable-bias-linear`."""
+    add_qkv_bias: bool = False
+    """A bias on the fused query/key/value projection alone (Megatron-LM's `--add-qkv-bias`; Qwen2's layout) when
+    `add_bias_linear` is off. Stored as False with `add_bias_linear`, which already gives QKV its bias (one
+    spelling of the same model; Megatron-LM sets it True there): ask `has_bias` which linears have one."""
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -154,6 +158,8 @@ class ModelConfig:
             object.__setattr__(self, "use_rope_scaling", False)
         if not self.use_rope_scaling:
             object.__setattr__(self, "rope_scaling_factor", DEFAULT_ROPE_SCALING_FACTOR)
+        if self.add_bias_linear:
+            object.__setattr__(self, "add_qkv_bias", False)
         dim = self.rotary_dim
         check(
             not self.use_rotary_position_embeddings or (dim >= 2 and dim % 2 == 0),
@@ -182,6 +188,11 @@ class ModelConfig:
         """Output features of the fused QKV projection: (heads + 2 kv heads) x head size, in the
         order all q heads, all k heads, all v heads."""
         return (self.num_attention_heads + 2 * self.kv_heads) * self.head_dim
+
+    def has_bias(self, linear: str) -> bool:
+        """Whether the layer's linear `linear` (qkv, proj, fc1, fc2) has a bias: all with add_bias_linear, else
+        qkv alone with add_qkv_bias (megatron-core's `add_bias_linear or add_qkv_bias` on linear_qkv)."""
+        return self.add_bias_linear or (self.add_qkv_bias and linear == "qkv")
 
     @property
     def gated_mlp(self) -> bool:

@@ -184,8 +184,9 @@ def layer_terms(inputs: ComputeInputs) -> tuple[Term, ...]:
     ]
     if m.use_rotary_position_embeddings:
         terms.append(_elementwise("rotary", 3 * n * (nq + nkv) * hd))  # x cos + rotate_half(x) sin
-    if m.add_bias_linear:
-        terms.append(_elementwise("bias adds", n * ((nq + 2 * nkv) * hd + h + fc1 + h)))
+    biased = {"qkv": (nq + 2 * nkv) * hd, "proj": h, "fc1": fc1, "fc2": h}  # output features on this rank
+    if any(m.has_bias(name) for name in biased):
+        terms.append(_elementwise("bias adds", n * sum(f for name, f in biased.items() if m.has_bias(name))))
     return tuple(terms)
 
 

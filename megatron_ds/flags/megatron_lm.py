@@ -89,6 +89,13 @@ NETWORK: tuple[Flag, ...] = (
         f"{_MLM}: an fp16 safeguard that divides the scores by the layer number before the softmax and multiplies "
         "them back inside it; the same attention (the softmax here runs in fp32)",
     ),
+    switch(
+        "--add-qkv-bias",
+        _NET,
+        f"{_MLM}: a bias on the query/key/value projection even with --disable-bias-linear (Qwen2's layout; zero "
+        "at init, split over tensor ranks with the QKV rows); implied without --disable-bias-linear",
+        "model.add_qkv_bias",
+    ),
     refused(
         "--qk-layernorm",
         _NET,

@@ -3,8 +3,8 @@
 `config_from_args` renders the saved values that shape the model or its training as Megatron-LM
 command-line flags (its own spellings: `--norm-epsilon`, `--group-query-attention`,
 `--position-embedding-type`...) and parses them with our parser, so each means here what it meant
-upstream and one we do not build (MoE, multi-latent attention, QK layer norm, a QKV bias without the
-other biases, multi-token prediction, the WSD schedule...) is refused in one line naming the flag.
+upstream and one we do not build (MoE, multi-latent attention, QK layer norm,
+multi-token prediction, the WSD schedule...) is refused in one line naming the flag.
 Values at Megatron-LM's defaults are not rendered. The run's tensor-parallel size is kept (it pads
 the vocabulary); its pipeline split is not (our weight files load at any layout).
 """

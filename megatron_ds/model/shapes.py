@@ -55,11 +55,12 @@ def layer_params(model: ModelConfig, tensor_parallel_size: int = 1) -> LayerPara
     """Parameters of one transformer layer per tensor-parallel rank (megatron-core's sharding:
     column-parallel weights and biases split, row-parallel weights split and biases replicated,
     norms replicated)."""
-    t, bias = tensor_parallel_size, 1 if model.add_bias_linear else 0
+    t = tensor_parallel_size
     shapes = layer_linear_shapes(model)
 
     def linear(name: str) -> int:
         rows, cols = shapes[name]
+        bias = 1 if model.has_bias(name) else 0
         if name in COLUMN_PARALLEL:
             return (rows * cols + bias * rows) // t
         return rows * cols // t + bias * rows
@@ -73,7 +74,7 @@ def layer_params(model: ModelConfig, tensor_parallel_size: int = 1) -> LayerPara
         ("fc1", linear("fc1")),
         ("fc2", linear("fc2")),
     )
-    biases = sum(shapes[n][0] // (t if n in COLUMN_PARALLEL else 1) for n in shapes) if bias else 0
+    biases = sum(shapes[n][0] // (t if n in COLUMN_PARALLEL else 1) for n in shapes if model.has_bias(n))
     return LayerParams(modules=modules, no_decay=2 * norm + biases)
 
 
@@ -132,7 +133,7 @@ def gpt_spec_tensor_numels(model: ModelConfig, tensor_parallel_size: int = 1) ->
     for name, (rows, cols) in layer_linear_shapes(model).items():
         column = name in COLUMN_PARALLEL
         layer.append(rows * cols // t)
-        if model.add_bias_linear:
+        if model.has_bias(name):
             layer.append(rows // t if column else rows)
     vocab = (word_embedding_params(model, t),)
     position = (position_embedding_params(model),) if model.add_position_embedding else ()

@@ -66,17 +66,17 @@ def _layer_tensors(model: ModelConfig) -> dict[str, TensorRule]:
     fc1 = (f, f) if model.gated_mlp else (f,)
     out: dict[str, TensorRule] = {f"input_norm.{k}": r for k, r in _norm(model, h).items()}
     out["qkv.weight"] = TensorRule((sum(qkv), h), FUSED_ROWS, qkv)
-    if model.add_bias_linear:
+    if model.has_bias("qkv"):
         out["qkv.bias"] = TensorRule((sum(qkv),), FUSED_ROWS, qkv)
     out["proj.weight"] = TensorRule((h, h), COLUMNS)
-    if model.add_bias_linear:
+    if model.has_bias("proj"):
         out["proj.bias"] = TensorRule((h,))
     out.update({f"post_attention_norm.{k}": r for k, r in _norm(model, h).items()})
     out["fc1.weight"] = TensorRule((sum(fc1), h), FUSED_ROWS, fc1)
-    if model.add_bias_linear:
+    if model.has_bias("fc1"):
         out["fc1.bias"] = TensorRule((sum(fc1),), FUSED_ROWS, fc1)
     out["fc2.weight"] = TensorRule((h, f), COLUMNS)
-    if model.add_bias_linear:
+    if model.has_bias("fc2"):
         out["fc2.bias"] = TensorRule((h,))
     return out
 

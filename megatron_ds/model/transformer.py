@@ -92,13 +92,13 @@ class TransformerLayer(nn.Module):
         qkv, proj, fc1, fc2 = self._full_weights(model, regularization.init_method_std, init_seed)
         # Registration order = parameter order (optimizer state, ZeRO partitions): keep it.
         self.input_norm = make_norm(model, tp)
-        bias = model.add_bias_linear
-        self.qkv = column_linear(tp, qkv, bias, fused_rows=qkv_row_parts(qkv.shape[0], nh, kv))
-        self.proj = row_linear(tp, proj, bias)
+        bias = model.has_bias  # QKV may have one alone (--add-qkv-bias): split over tensor ranks with its rows
+        self.qkv = column_linear(tp, qkv, bias("qkv"), fused_rows=qkv_row_parts(qkv.shape[0], nh, kv))
+        self.proj = row_linear(tp, proj, bias("proj"))
         self.post_attention_norm = make_norm(model, tp)
         ffn = model.ffn_hidden_size
-        self.fc1 = column_linear(tp, fc1, bias, fused_rows=(ffn, ffn) if model.gated_mlp else None)
-        self.fc2 = row_linear(tp, fc2, bias)
+        self.fc1 = column_linear(tp, fc1, bias("fc1"), fused_rows=(ffn, ffn) if model.gated_mlp else None)
+        self.fc2 = row_linear(tp, fc2, bias("fc2"))
 
     @staticmethod
     def _full_weights(model: ModelConfig, std: float, init_seed: int) -> tuple[torch.Tensor, ...]:

@@ -59,6 +59,7 @@ ARCHITECTURE_FLAGS = (
     "--rope-scaling-factor",
     "--no-position-embedding",
     "--disable-bias-linear",
+    "--add-qkv-bias",
     "--make-vocab-size-divisible-by",
 )
 """`pretrain_gpt.py`'s architecture flags: declared from `megatron_ds.flags`, passed on as given to size the model

@@ -35,6 +35,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "untied": {"model__untie_embeddings_and_output_weights": True},
     "llama": LLAMA,
 }
+QKV_BIAS = {**LLAMA, "model__add_qkv_bias": True}  # Qwen2's layout: --disable-bias-linear --add-qkv-bias
 LLAMA_PARTIAL_1P = {**LLAMA, "model__rotary_percent": 0.5, "model__normalization": "rmsnorm1p"}  # Megatron-LM's forms
 
 
@@ -56,6 +57,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """Single-process T=1, P=1 runs of every option."""
     scenarios = {name: scenario(opts, init_checksums=name == "llama") for name, opts in OPTIONS.items()}
     scenarios["llama_partial_1p"] = scenario(LLAMA_PARTIAL_1P)
+    scenarios["qkv_bias"] = scenario(QKV_BIAS)
     scenarios[ModelConfig.normalization] = scenario({})  # tiny_config itself: the base of its norm's 1p form
     results = run(tmp_path_factory.mktemp("arch_ref") / "ref", 1, scenarios, timeout=300)
     return {name: ranks[0] for name, ranks in results.items()}
@@ -74,7 +76,8 @@ def tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[
     """The Llama-like model at T=2 x P=2, plain and with a dedicated post stage."""
     scenarios = {"llama": scenario(LLAMA, p=2, t=2, init_checksums=True),
                  "llama_post_zero1": scenario(LLAMA, p=2, t=2, dedicated="post", zero=1),
-                 "llama_partial_1p": scenario(LLAMA_PARTIAL_1P, p=2, t=2)}
+                 "llama_partial_1p": scenario(LLAMA_PARTIAL_1P, p=2, t=2),
+                 "qkv_bias": scenario(QKV_BIAS, p=2, t=2)}
     return run(tmp_path_factory.mktemp("arch_t2") / "run", 4, scenarios, timeout=420)
 
 
@@ -134,9 +137,9 @@ def test_no_position_embedding_leaves_the_dropout_spec(dedicated: dict) -> None:
     assert "2: EmbeddingDropout" in table and "PositionEmbedding" not in table, table
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_post_zero1", "llama_partial_1p"])
+@pytest.mark.parametrize("name", ["llama", "llama_post_zero1", "llama_partial_1p", "qkv_bias"])
 def test_llama_tensor_parallel_equals_single_process(tensor_parallel: dict, reference: dict, name: str) -> None:
-    assert_matches(tensor_parallel[name], reference["llama" if name != "llama_partial_1p" else name])
+    assert_matches(tensor_parallel[name], reference["llama" if name == "llama_post_zero1" else name])
 
 
 def test_llama_tensor_parallel_initial_weights_equal_t1(tensor_parallel: dict, reference: dict) -> None:

@@ -289,8 +289,9 @@ def _rank_attention(layer: TransformerLayer, cfg: ModelConfig, normed: torch.Ten
         model(add_bias_linear=False),
         model(use_rotary_position_embeddings=True),
         LLAMA,
+        dataclasses.replace(LLAMA, add_qkv_bias=True),
     ],
-    ids=["gqa", "swiglu", "no_bias", "rope", "llama"],
+    ids=["gqa", "swiglu", "no_bias", "rope", "llama", "qkv_bias"],
 )
 @pytest.mark.parametrize("t", [2])
 @torch.no_grad()

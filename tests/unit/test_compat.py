@@ -210,9 +210,13 @@ def test_copied_switches_set_their_field(flag: flags.Flag) -> None:
     assert getattr(getattr(parse(flag.name, *needs), section), name) == flag.const
 
 
-SWITCH_NEEDS = {"--cpu-optimizer": ("--zero-stage", "1"), "--use-rope-scaling": ("--use-rotary-position-embeddings",)}
+SWITCH_NEEDS = {
+    "--cpu-optimizer": ("--zero-stage", "1"),
+    "--use-rope-scaling": ("--use-rotary-position-embeddings",),
+    "--add-qkv-bias": ("--disable-bias-linear",),
+}
 """Switches that are an error (CPU Adam runs in ZeRO's offloaded optimizer) or ignored (RoPE scaling scales rotary
-embeddings) without another flag."""
+embeddings; a QKV bias alone is implied by the linear biases) without another flag."""
 
 
 def test_help_lists_every_partition_method_and_the_config_fields() -> None:

@@ -23,6 +23,7 @@ from megatron_ds.estimate import memory_model
 from megatron_ds.estimate.compute import (
     ComputeInputs,
     checkpointed_chunks,
+    layer_terms,
     model_flops_per_iteration,
     recomputed_layers,
     spec_flops,
@@ -218,3 +219,13 @@ def test_bad_inputs_are_rejected() -> None:
         ComputeInputs(BASE, 1, tensor_parallel_size=3)
     with pytest.raises(ValueError, match=">= 1"):
         ComputeInputs(BASE, 0)
+
+
+def test_a_qkv_bias_alone_adds_only_its_rows() -> None:
+    """--add-qkv-bias under --disable-bias-linear: the bias adds are the QKV output features', at T=1 and 2."""
+    model = dataclasses.replace(ARCHITECTURES["gqa-swiglu-rotary"], add_qkv_bias=True)
+    for t in (1, 2):
+        terms = {term.name: term for term in layer_terms(ComputeInputs(model, 2, tensor_parallel_size=t))}
+        bare = {term.name for term in layer_terms(ComputeInputs(ARCHITECTURES["gqa-swiglu-rotary"], 2))}
+        assert "bias adds" in terms and "bias adds" not in bare
+        assert terms["bias adds"].forward == 2 * model.seq_length * model.qkv_rows // t

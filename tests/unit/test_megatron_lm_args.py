@@ -35,6 +35,13 @@ def test_llama_style_args_become_our_model() -> None:
     assert m.untie_embeddings_and_output_weights and not m.add_bias_linear
     assert m.normalization == "rmsnorm" and m.layernorm_epsilon == 1e-6 and m.rotary_base == 500000
     assert m.vocab_size == 256  # 101 ids padded to a multiple of 128 x T=2, as Megatron-LM padded them
+    assert not m.add_qkv_bias
+
+
+def test_a_qkv_bias_without_the_other_biases_is_qwen2s_layout() -> None:
+    m = _config(_ckpt("llama", add_qkv_bias=True)).model
+    assert m.add_qkv_bias and not m.add_bias_linear
+    assert [m.has_bias(n) for n in ("qkv", "proj", "fc1", "fc2")] == [True, False, False, False]
 
 
 def test_gpt_style_args_become_our_model() -> None:
@@ -55,7 +62,6 @@ def test_gpt_style_args_become_our_model() -> None:
         ({"multi_latent_attention": True}, "--multi-latent-attention"),
         ({"mtp_num_layers": 1}, "--mtp-num-layers"),
         ({"rotary_interleaved": True}, "--rotary-interleaved"),
-        ({"add_bias_linear": False, "add_qkv_bias": True}, "--add-qkv-bias"),
         ({"lr_decay_style": "WSD"}, "--lr-decay-style"),
         ({"lr_warmup_init": 1e-5}, "--lr-warmup-init"),
     ],

@@ -38,6 +38,7 @@ LLAMA_GQA = dataclasses.replace(
 ARCHITECTURES = {
     "gpt": GPT,
     "llama_gqa": LLAMA_GQA,
+    "qkv_bias": dataclasses.replace(LLAMA_GQA, add_qkv_bias=True),  # Qwen2's layout: a bias on QKV alone
     "untied": dataclasses.replace(GPT, untie_embeddings_and_output_weights=True),
     "no_bias": dataclasses.replace(GPT, add_bias_linear=False),
     "rotary_no_table": dataclasses.replace(GPT, use_rotary_position_embeddings=True, add_position_embedding=False),
@@ -90,7 +91,7 @@ def test_spec_counts_equal_the_modules_at_t1(name: str) -> None:
     assert shapes.largest_layer_params(model) == largest
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama_gqa", "untied", "no_bias"])
+@pytest.mark.parametrize("name", ["gpt", "llama_gqa", "untied", "no_bias", "qkv_bias"])
 def test_spec_counts_equal_the_shards_at_t2(name: str, two_tensor_ranks: TensorParallel) -> None:
     model = ARCHITECTURES[name]
     modules = spec_modules(model, two_tensor_ranks)
@@ -105,3 +106,13 @@ def test_a_model_without_a_position_table_counts_none() -> None:
     rotary = ARCHITECTURES["rotary_no_table"]
     assert shapes.total_params(GPT) - shapes.total_params(rotary) == GPT.max_position_embeddings * GPT.hidden_size
     assert shapes.position_embedding_params(rotary) == 0
+
+
+def test_a_qkv_bias_alone_is_zero_and_split_with_its_rows(two_tensor_ranks: TensorParallel) -> None:
+    """--add-qkv-bias under --disable-bias-linear: QKV alone has a bias, zero at init as Megatron's, and a
+    tensor rank keeps its heads' rows of it (megatron-core's ColumnParallelLinear)."""
+    model = ARCHITECTURES["qkv_bias"]
+    for tp, rows in ((NO_TENSOR_PARALLEL, model.qkv_rows), (two_tensor_ranks, model.qkv_rows // 2)):
+        layer = spec_modules(model, tp)[3]
+        assert [n for n, _ in layer.named_parameters() if n.endswith("bias")] == ["qkv.bias"]
+        assert layer.qkv.bias.shape == (rows,) and not layer.qkv.bias.any()
