@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, help="export: vocabulary rows to keep (default: see docs)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="export: convert weights")
     p.add_argument("--max-shard-size-mb", type=int, default=2048, help="export: largest safetensors file")
+    p.add_argument(
+        "--hf-model-type",
+        default=None,
+        help="export: the config.json's model_type when the model has more than one exact form: `mistral` for a "
+        "Llama without biases (default: gpt2, llama, qwen2 or phi3, whichever the model is)",
+    )
     for flag in TOKENIZER_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), default=None, help="tokenizer override (export) or flag (import)")
     p.add_argument(
@@ -89,6 +95,8 @@ def run(argv: Sequence[str] | None = None) -> None:
     tokenizer = {k: getattr(args, k) for k in TOKENIZER_FLAGS}
     if args.qkv_layout is not None and args.from_ != MEGATRON_DEEPSPEED:
         raise UserError("--qkv-layout applies to --from megatron-deepspeed only; drop it")
+    if args.hf_model_type is not None and args.to != "hf":
+        raise UserError("--hf-model-type applies to --to hf only; drop it")
     _check_output_outside_source(args.source, args.output)
     if args.from_ == MEGATRON_DEEPSPEED:
         _from_megatron_deepspeed(args, rest, tokenizer)
@@ -133,6 +141,7 @@ def _export(args: argparse.Namespace, tokenizer: dict[str, str | None]) -> None:
         tokenizer=tokenizer,
         max_shard_bytes=args.max_shard_size_mb * 1024**2,
         show_progress=not args.no_progress,
+        model_type=args.hf_model_type,
     )
     print(
         f"exported {os.path.abspath(args.source)} as Hugging Face {result.arch} "

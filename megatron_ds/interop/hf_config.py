@@ -2,7 +2,10 @@
 
 GPT-2 (`GPT2LMHeadModel`): LayerNorm, a GeLU (tanh `gelu_new` or exact `gelu`), learned positions,
 biases, multi-head attention. Llama (`LlamaForCausalLM`): RMSNorm, SwiGLU, rotary embeddings (any
-`rope_theta`) on whole heads, optional grouped-query attention and biases. Phi-3 (`Phi3ForCausalLM`):
+`rope_theta`) on whole heads, optional grouped-query attention and biases. Qwen2 (`Qwen2ForCausalLM`): Llama
+with q/k/v biases alone (our `--add-qkv-bias`). Mistral (`MistralForCausalLM`): Llama without biases, written
+only on request (`--hf-model-type mistral`). Their sliding windows are not built: `HFModel.attention_window`
+lets the import refuse one shorter than the sequence. Phi-3 (`Phi3ForCausalLM`):
 Llama's layer without biases, with fused q|k|v and gate|up tensors and partial rotary embeddings
 (`partial_rotary_factor`, our `--rotary-percent`: the Llama-like models whose rotary share is below
 1 export as Phi-3, since transformers' Llama rotates whole heads). Each may tie or untie its LM head
@@ -26,8 +29,16 @@ from megatron_ds.errors import UserError
 from megatron_ds.flags.to_config import ACTIVATION_FLAGS
 from megatron_ds.model import activations, norms
 
-GPT2, LLAMA, PHI3 = "gpt2", "llama", "phi3"
-ARCHITECTURE_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM", PHI3: "Phi3ForCausalLM"}
+GPT2, LLAMA, QWEN2, MISTRAL, PHI3 = "gpt2", "llama", "qwen2", "mistral", "phi3"
+ARCHITECTURE_CLASSES = {
+    GPT2: "GPT2LMHeadModel",
+    LLAMA: "LlamaForCausalLM",
+    QWEN2: "Qwen2ForCausalLM",
+    MISTRAL: "MistralForCausalLM",
+    PHI3: "Phi3ForCausalLM",
+}
+LLAMA_LAYOUT = (LLAMA, QWEN2, MISTRAL)
+"""Llama's layer and tensor names: Qwen2 adds q/k/v biases (our --add-qkv-bias), Mistral a sliding window."""
 
 GPT2_ACTIVATIONS: dict[str, str] = {
     hf: a.name for a in activations.REGISTRY.values() if not a.gated for hf in a.hf_names
@@ -37,6 +48,7 @@ and `gelu_fast` are the tanh form, `gelu` the exact one."""
 LLAMA_ACTIVATIONS: dict[str, str] = {hf: a.name for a in activations.REGISTRY.values() if a.gated for hf in a.hf_names}
 """Llama's `hidden_act` (the gate's function) -> our gated activation."""
 GPT2_NORM, LLAMA_NORM = norms.for_hf_model_type(GPT2), norms.for_hf_model_type(LLAMA)
+assert all(norms.for_hf_model_type(t) is LLAMA_NORM for t in LLAMA_LAYOUT)
 PHI3_NORM = norms.for_hf_model_type(PHI3)
 """The norm each architecture is built with (LayerNorm, RMSNorm, RMSNorm)."""
 
@@ -99,12 +111,42 @@ PHI3_REQUIRES = (
 )
 
 
-def architecture_of(model: ModelConfig) -> str:
-    """GPT2, LLAMA or PHI3 for a model both sides express exactly; HFConfigError naming the first obstacle."""
+MISTRAL_REQUIRES = (
+    Requirement(lambda m: not m.add_bias_linear, "biases (no --disable-bias-linear): Mistral has none"),
+    Requirement(lambda m: not m.add_qkv_bias, "--add-qkv-bias: Mistral has no biases (Qwen2 has this one)"),
+)
+QWEN2_REQUIRES = (
+    Requirement(
+        lambda m: m.add_qkv_bias,
+        lambda m: (
+            "no --add-qkv-bias: Qwen2 has q/k/v biases"
+            + (" and no others" if m.add_bias_linear else " (a model without biases exports as llama or mistral)")
+        ),
+    ),
+)
+
+
+_QKV_BIAS_IS_QWEN2S = Requirement(
+    lambda m: not m.add_qkv_bias, "--add-qkv-bias: of these types only Qwen2 (Llama's layout with --swiglu) has it"
+)
+
+
+def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
+    """GPT2, LLAMA, QWEN2 or PHI3 for a model both sides express exactly (a QKV bias alone is Qwen2's), or
+    `model_type` when asked for and exact (MISTRAL: a Llama without biases); HFConfigError naming the first
+    obstacle."""
     if model.gated_mlp and model.rotary_percent < 1.0:
         arch, requires = PHI3, LLAMA_REQUIRES[1:] + PHI3_REQUIRES
+    elif model.gated_mlp:
+        arch, requires = (QWEN2 if model.add_qkv_bias else LLAMA), LLAMA_REQUIRES
     else:
-        arch, requires = (LLAMA, LLAMA_REQUIRES) if model.gated_mlp else (GPT2, GPT2_REQUIRES)
+        arch, requires = GPT2, GPT2_REQUIRES
+    if model_type is not None and model_type != arch:
+        _check_model_type(model_type, arch)
+        arch = model_type
+        requires = (*requires, *{MISTRAL: MISTRAL_REQUIRES, QWEN2: QWEN2_REQUIRES}.get(model_type, ()))
+    if arch not in (QWEN2, MISTRAL):
+        requires = (*requires, _QKV_BIAS_IS_QWEN2S)
     for r in requires:
         if not r.holds(model):
             problem = r.problem(model) if callable(r.problem) else r.problem
@@ -112,12 +154,27 @@ def architecture_of(model: ModelConfig) -> str:
     return arch
 
 
+def _check_model_type(model_type: str, arch: str) -> None:
+    """A model of `arch` may be written as another Llama-layout type (checked by that type's requirements)."""
+    if model_type not in ARCHITECTURE_CLASSES:
+        raise HFConfigError(f"--hf-model-type {model_type}: choose one of {', '.join(ARCHITECTURE_CLASSES)}")
+    if model_type not in LLAMA_LAYOUT or arch not in LLAMA_LAYOUT:
+        raise HFConfigError(
+            f"--hf-model-type {model_type}: the checkpoint's model exports as {arch} only; drop --hf-model-type"
+        )
+
+
 def to_hf_config(
-    model: ModelConfig, regularization: RegularizationConfig, vocab_size: int, dtype: str, special: dict[str, int]
+    model: ModelConfig,
+    regularization: RegularizationConfig,
+    vocab_size: int,
+    dtype: str,
+    special: dict[str, int],
+    model_type: str | None = None,
 ) -> dict[str, Any]:
     """`config.json` for `model` with `vocab_size` rows (padding removed); `special` holds token ids;
-    dropout and the init std come from `regularization`."""
-    arch = architecture_of(model)
+    dropout and the init std come from `regularization`; `model_type` as `architecture_of`'s."""
+    arch = architecture_of(model, model_type)
     common = {
         "architectures": [ARCHITECTURE_CLASSES[arch]],
         "model_type": arch,
@@ -149,8 +206,20 @@ def to_hf_config(
         }
     if arch == PHI3:
         return {**common, **_phi3_fields(model, regularization)}
+    return {**common, **_llama_layout_fields(model, regularization), **_type_fields(arch, model)}
+
+
+def _type_fields(arch: str, model: ModelConfig) -> dict[str, Any]:
+    """What Llama, Qwen2 and Mistral's config.json say differently: biases, and no sliding window."""
+    if arch == QWEN2:  # q/k/v biases are built in; no window on any layer
+        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": model.num_layers}
+    if arch == MISTRAL:
+        return {"sliding_window": None}
+    return {"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear, "pretraining_tp": 1}
+
+
+def _llama_layout_fields(model: ModelConfig, regularization: RegularizationConfig) -> dict[str, Any]:
     return {
-        **common,
         "num_hidden_layers": model.num_layers,
         "hidden_size": model.hidden_size,
         "num_attention_heads": model.num_attention_heads,
@@ -162,10 +231,7 @@ def to_hf_config(
         "rms_norm_eps": model.layernorm_epsilon,
         "rope_theta": model.rotary_base,
         "rope_scaling": _llama3_scaling(model),
-        "attention_bias": model.add_bias_linear,
-        "mlp_bias": model.add_bias_linear,
         "attention_dropout": regularization.attention_dropout,
-        "pretraining_tp": 1,
     }
 
 
@@ -209,19 +275,26 @@ class HFModel:
     """Dests taken from config.json that flags may change (dropout, init std, sequence length)."""
     vocab_size: int = 0
     """Rows of the Hugging Face vocabulary (ours is padded from this)."""
+    attention_window: int | None = None
+    """The sliding window (tokens each attends to, itself included) of a layer that has one, None when every
+    layer attends to the whole causal sequence: only a --seq-length within it computes the same here."""
 
 
 def from_hf_config(hf: dict[str, Any], source: str) -> HFModel:
-    """Read a GPT-2 or Llama `config.json` (already parsed); HFConfigError names an unsupported field."""
+    """Read a `config.json` of a type in ARCHITECTURE_CLASSES (already parsed); HFConfigError names an unsupported
+    field."""
     reader = _Fields(hf, source)
     model_type = reader.get("model_type", str, None)
-    if model_type not in (GPT2, LLAMA, PHI3):
+    if model_type not in ARCHITECTURE_CLASSES:
         archs = hf.get("architectures")
+        known = ", ".join(f"{t} ({c})" for t, c in ARCHITECTURE_CLASSES.items())
         raise HFConfigError(
-            f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; "
-            f"only gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM) and phi3 (Phi3ForCausalLM) convert exactly"
+            f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; only {known} convert "
+            f"exactly"
         )
-    return {GPT2: _from_gpt2, LLAMA: _from_llama, PHI3: _from_phi3}[model_type](reader)
+    if model_type in LLAMA_LAYOUT:
+        return _from_llama(reader, model_type)
+    return {GPT2: _from_gpt2, PHI3: _from_phi3}[model_type](reader)
 
 
 class _Fields:
@@ -285,8 +358,12 @@ def _from_gpt2(f: _Fields) -> HFModel:
     return HFModel(GPT2, architecture, defaults, f.get("vocab_size", int))
 
 
-def _from_llama(f: _Fields) -> HFModel:
-    act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", "Llama's MLP here is SwiGLU (silu)")
+def _biases(f: _Fields, arch: str) -> dict[str, bool]:
+    """The bias dests: Llama's attention_bias and mlp_bias (both or neither), Qwen2's q/k/v biases, Mistral none."""
+    if arch == QWEN2:  # transformers' Qwen2 builds q/k/v biases whatever config.json says
+        return {"add_bias_linear": False, "add_qkv_bias": True}
+    if arch == MISTRAL:
+        return {"add_bias_linear": False, "add_qkv_bias": False}
     attention_bias = f.get("attention_bias", bool, False)
     f.require(
         "mlp_bias",
@@ -294,6 +371,38 @@ def _from_llama(f: _Fields) -> HFModel:
         False,
         f"biases are in all linear layers or none (attention_bias is {attention_bias})",
     )
+    return {"add_bias_linear": attention_bias, "add_qkv_bias": False}
+
+
+def _window(f: _Fields, arch: str, layers: int) -> int | None:
+    """The sliding window a layer attends within (see HFModel.attention_window), as transformers reads it:
+    Mistral's `sliding_window` on every layer; Qwen2's only with use_sliding_window, on the layers `layer_types`
+    names sliding (when absent: from max_window_layers on)."""
+    if arch == LLAMA:
+        return None
+    if arch == QWEN2:
+        if not f.get("use_sliding_window", bool, False):
+            return None
+        kinds = f.hf.get("layer_types") or [
+            "sliding_attention" if i >= f.get("max_window_layers", int, 28) else "full_attention" for i in range(layers)
+        ]
+        if not isinstance(kinds, list):
+            raise HFConfigError(f"{f.source}: layer_types {kinds!r} is not a list; fix the config.json")
+        unknown = [k for k in kinds if k not in ("full_attention", "sliding_attention")]
+        if unknown:
+            raise HFConfigError(f"{f.source}: layer_types {unknown[0]!r} is not supported: full or sliding attention")
+        if "sliding_attention" not in kinds:
+            return None
+    window = f.get("sliding_window", int, None)
+    if window is not None and window < 1:
+        raise HFConfigError(f"{f.source}: sliding_window {window} is not a positive number; fix the config.json")
+    return window
+
+
+def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
+    """Llama's layout: Llama, Qwen2 (q/k/v biases) or Mistral (a sliding window)."""
+    act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", f"{arch}'s MLP here is SwiGLU (silu)")
+    biases = _biases(f, arch)
     h, heads = f.get("hidden_size", int), f.get("num_attention_heads", int)
     f.require(
         "head_dim", (None, h // heads), None, f"the head size is hidden_size / num_attention_heads = {h // heads}"
@@ -313,7 +422,7 @@ def _from_llama(f: _Fields) -> HFModel:
         **_scaling_flags(_rope_scaling(f)),
         "rotary_percent": 1.0,  # transformers' Llama rotates whole heads (whatever partial_rotary_factor says)
         "add_position_embedding": False,
-        "add_bias_linear": attention_bias,
+        **biases,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
     }
     defaults = {
@@ -322,7 +431,8 @@ def _from_llama(f: _Fields) -> HFModel:
         "init_method_std": f.get("initializer_range", float, 0.02),
         "seq_length": architecture["max_position_embeddings"],
     }
-    return HFModel(LLAMA, architecture, defaults, f.get("vocab_size", int))
+    window = _window(f, arch, architecture["num_layers"])
+    return HFModel(arch, architecture, defaults, f.get("vocab_size", int), window)
 
 
 def _scaling_flags(factor: float | None) -> dict[str, Any]:
@@ -354,6 +464,7 @@ def _from_phi3(f: _Fields) -> HFModel:
         "rotary_percent": float(factor),
         "add_position_embedding": False,
         "add_bias_linear": False,
+        "add_qkv_bias": False,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
     }
     defaults = {

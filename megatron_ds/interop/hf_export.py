@@ -45,16 +45,18 @@ def export_hf(
     tokenizer: dict[str, str | None] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     show_progress: bool = True,
+    model_type: str | None = None,
 ) -> ExportResult:
     """Write `source` (a checkpoint directory) as a Hugging Face model directory `output`.
 
     `vocab_size` overrides the unpadded vocabulary (see `checkpoint_reader.unpadded_vocab_size`);
     `dtype` (float32, bfloat16, float16) converts the stored weights; `tokenizer` overrides the
-    checkpoint's tokenizer flags (tokenizer_type, tokenizer_model, vocab_file, merge_file).
+    checkpoint's tokenizer flags (tokenizer_type, tokenizer_model, vocab_file, merge_file); `model_type` picks
+    among the model's exact forms (`mistral` for a Llama without biases; see `hf_config.architecture_of`).
     """
     ckpt = checkpoint_reader.open_checkpoint(source)
     model = ckpt.config.model
-    arch = hf_config.architecture_of(model)
+    arch = hf_config.architecture_of(model, model_type)
     tok = checkpoint_reader.checkpoint_tokenizer(ckpt, tokenizer)
     vocab = checkpoint_reader.unpadded_vocab_size(ckpt, tok, vocab_size)
     if tok is not None and tok.vocab_size > vocab:
@@ -71,7 +73,7 @@ def export_hf(
         special = hf_tokenizer.special_ids(tok)
         files.write_json(
             os.path.join(tmp, "config.json"),
-            hf_config.to_hf_config(model, ckpt.config.regularization, vocab, dtype_name, special),
+            hf_config.to_hf_config(model, ckpt.config.regularization, vocab, dtype_name, special, arch),
         )
         files.write_json(os.path.join(tmp, "generation_config.json"), {"_from_model_config": True, **special})
         names = [*written, "config.json", "generation_config.json"]

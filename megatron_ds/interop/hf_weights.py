@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.interop.hf_config import GPT2, LLAMA, PHI3
+from megatron_ds.interop.hf_config import GPT2, LLAMA, MISTRAL, PHI3, QWEN2
 from megatron_ds.model import naming, sharding
 
 COPY, TRANSPOSE, SPLIT = "copy", "transpose", "split"
@@ -79,7 +79,8 @@ PHI3_NAMES: dict[tuple[str, str], WeightMap] = {
     (naming.FINAL_NORM, "norm.weight"): WeightMap(("model.norm.weight",)),
     (naming.UNTIED_LM_HEAD, "weight"): WeightMap(("lm_head.weight",)),
 }
-TABLES = {GPT2: GPT2_NAMES, LLAMA: LLAMA_NAMES, PHI3: PHI3_NAMES}
+TABLES = {GPT2: GPT2_NAMES, LLAMA: LLAMA_NAMES, QWEN2: LLAMA_NAMES, MISTRAL: LLAMA_NAMES, PHI3: PHI3_NAMES}
+"""Qwen2 and Mistral name their tensors as Llama (Qwen2's q/k/v biases are Llama's with attention_bias)."""
 
 IGNORED_HF_TENSORS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 """Buffers some HF checkpoints store that are not weights (causal masks, rotary frequencies)."""

@@ -70,6 +70,41 @@ CONFIGS = {
         eos_token_id=None,
         **SMALL,
     ),
+    "qwen2": lambda: transformers.Qwen2Config(  # q/k/v biases: --disable-bias-linear --add-qkv-bias
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=1000000.0,  # Qwen2.5's base
+        **SMALL,
+    ),
+    "tied_qwen2": lambda: transformers.Qwen2Config(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,  # Qwen2Config's default is 32 whatever the heads
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        use_sliding_window=True,  # on layers from max_window_layers 1 on, but no shorter than --seq-length 32
+        sliding_window=32,
+        max_window_layers=1,
+        **SMALL,
+    ),
+    "mistral": lambda: transformers.MistralConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=32,  # Mistral 7B v0.1's 4096, scaled: covers --seq-length 32, so the same attention
+        bos_token_id=None,
+        eos_token_id=None,
+        **SMALL,
+    ),
     "tied_llama": lambda: transformers.LlamaConfig(
         hidden_size=32,
         intermediate_size=48,
@@ -100,6 +135,9 @@ EXPECTED = {
     "llama_gqa": ("swiglu", 500000.0),
     "llama32_rope_scaling": ("swiglu", 500000.0),
     "tied_llama": ("swiglu", 10000.0),
+    "qwen2": ("swiglu", 1000000.0),
+    "tied_qwen2": ("swiglu", 10000.0),
+    "mistral": ("swiglu", 10000.0),
     "phi3_partial_rotary": ("swiglu", 10000.0),
 }
 
@@ -320,6 +358,10 @@ def test_cli_reports_user_errors_in_one_line(tmp_path: Path, capsys) -> None:
         assert tool_module.main(argv) == 2
         assert capsys.readouterr().err == f"error: --max-shard-size-mb {bad} must be >= 1 (default 2048)\n"
     assert not (tmp_path / "out").exists()
+    assert (
+        tool_module.main(["--from", "hf", "--hf-model-type", "mistral", str(tmp_path / "x"), str(tmp_path / "y")]) == 2
+    )
+    assert capsys.readouterr().err == "error: --hf-model-type applies to --to hf only; drop it\n"
     source = tmp_path / "src"
     source.mkdir()
     for direction, output in (("--from", source / "sub"), ("--to", source)):  # the source gained a directory
@@ -437,3 +479,47 @@ def test_a_tokenizer_json_directory_imports_as_hugging_face_tokenizer_and_export
     ours = transformers.AutoTokenizer.from_pretrained(tmp_path / "found_hf")
     text = "def add(a, b):\n    return a + b"
     assert ours(text).input_ids == theirs(text).input_ids and len(theirs(text).input_ids) > 5
+
+
+@pytest.mark.parametrize(
+    ("name", "model_type", "cls"),
+    [
+        ("qwen2", None, "Qwen2ForCausalLM"),  # a QKV bias alone is Qwen2's
+        ("tied_qwen2", None, "Qwen2ForCausalLM"),
+        ("mistral", "mistral", "MistralForCausalLM"),  # by default a bias-free Llama, which computes the same
+    ],
+)
+def test_qwen2_and_mistral_export_back_as_themselves(
+    name: str, model_type: str | None, cls: str, hf_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    result = import_hf(str(hf_dirs[name]), str(tmp_path / "ours"), ["--seq-length", "32"], show_progress=False)
+    assert result.arch == name.removeprefix("tied_")
+    m = result.config.model
+    assert not m.add_bias_linear and m.add_qkv_bias == ("qwen2" in name)
+    assert ("--add-qkv-bias" in result.train_flags) == ("qwen2" in name)
+    exported = export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False, model_type=model_type)
+    assert exported.arch == name.removeprefix("tied_")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[name]).eval()
+    assert type(back).__name__ == cls
+    with torch.no_grad():
+        assert torch.equal(back(_tokens()).logits, reference(_tokens()).logits)
+
+
+def test_a_window_shorter_than_the_sequence_and_an_inexact_model_type_are_refused(
+    hf_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    before = set(os.listdir(tmp_path))
+    for name in ("mistral", "tied_qwen2"):  # sliding_window 32 (Qwen2: on layer 1)
+        source = hf_dirs[name]
+        message = _error(import_hf, str(source), str(tmp_path / "out"), ["--seq-length", "48"])
+        assert message == (
+            f"--seq-length 48: {source / 'config.json'} has sliding_window 32, shorter than the sequence, and "
+            f"sliding-window attention is not built here (every token attends to the whole causal sequence); give "
+            f"--seq-length 32 or less"
+        )
+    _nothing_written(tmp_path, before)
+    import_hf(str(hf_dirs["qwen2"]), str(tmp_path / "q"), ["--seq-length", "32"], show_progress=False)
+    message = _error(export_hf, str(tmp_path / "q"), str(tmp_path / "m"), None, None, None, 1 << 30, False, "mistral")
+    assert message.startswith("cannot export to Hugging Face mistral: --add-qkv-bias: Mistral has no biases")
+    assert not (tmp_path / "m").exists()

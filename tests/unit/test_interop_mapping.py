@@ -38,6 +38,7 @@ LLAMA = dataclasses.replace(
     num_key_value_heads=2,
     ffn_hidden_size=48,
 )
+QWEN2 = dataclasses.replace(LLAMA, add_qkv_bias=True, rotary_base=1e6)  # Qwen2.5's base
 MODULES = {
     naming.WORD_EMBEDDING: WordEmbedding,
     naming.POSITION_EMBEDDING: PositionEmbedding,
@@ -49,9 +50,9 @@ MODULES = {
 
 @pytest.mark.parametrize(
     "model",
-    [GPT, LLAMA, dataclasses.replace(LLAMA, add_bias_linear=True)]
+    [GPT, LLAMA, dataclasses.replace(LLAMA, add_bias_linear=True), QWEN2]
     + [dataclasses.replace(GPT, normalization=norm) for norm in norms.REGISTRY],
-    ids=["gpt", "llama", "llama_bias", *(f"gpt_{norm}" for norm in norms.REGISTRY)],
+    ids=["gpt", "llama", "llama_bias", "qwen2", *(f"gpt_{norm}" for norm in norms.REGISTRY)],
 )
 def test_tensor_table_matches_the_layers(model: ModelConfig) -> None:
     for spec in naming.gpt_spec_groups(model).names:
@@ -99,8 +100,9 @@ def _activation(architecture: dict) -> str:
         dataclasses.replace(GPT, activation="gelu"),
         LLAMA,
         dataclasses.replace(LLAMA, untie_embeddings_and_output_weights=False, rotary_base=500000.0),
+        QWEN2,
     ],
-    ids=["gpt", "gpt_exact_gelu", "llama", "tied_llama3_base"],
+    ids=["gpt", "gpt_exact_gelu", "llama", "tied_llama3_base", "qwen2"],
 )
 def test_config_round_trip(model: ModelConfig) -> None:
     hf = hf_config.to_hf_config(model, REG, 200, "float32", {"eos_token_id": 2})
@@ -215,6 +217,60 @@ def _llama_json(**change: object) -> dict:
     return {**base, **change}
 
 
+def _qwen2_json(**change: object) -> dict:
+    return {**hf_config.to_hf_config(QWEN2, REG, 200, "float32", {}), **change}
+
+
+def _mistral_json(**change: object) -> dict:
+    return {**hf_config.to_hf_config(LLAMA, REG, 200, "float32", {}, hf_config.MISTRAL), **change}
+
+
+def test_a_qkv_bias_alone_exports_as_qwen2_and_a_bias_free_llama_as_mistral_on_request() -> None:
+    assert hf_config.architecture_of(QWEN2) == hf_config.QWEN2
+    hf = _qwen2_json()
+    assert (hf["model_type"], hf["architectures"], hf["use_sliding_window"]) == ("qwen2", ["Qwen2ForCausalLM"], False)
+    assert "attention_bias" not in hf and hf["rope_theta"] == 1e6
+    back = hf_config.from_hf_config(hf, "x")
+    assert back.arch == hf_config.QWEN2 and back.attention_window is None
+    assert (back.architecture["add_qkv_bias"], back.architecture["add_bias_linear"]) == (True, False)
+    mistral = hf_config.from_hf_config(_mistral_json(), "x")
+    assert (mistral.arch, mistral.architecture["add_bias_linear"], mistral.attention_window) == ("mistral", False, None)
+    assert hf_config.from_hf_config(_mistral_json(sliding_window=4096), "x").attention_window == 4096
+
+
+@pytest.mark.parametrize(
+    "model, model_type, problem",
+    [
+        (QWEN2, "mistral", "mistral: --add-qkv-bias: Mistral has no biases"),
+        (QWEN2, "llama", "llama: --add-qkv-bias: of these types only Qwen2"),
+        (LLAMA, "qwen2", "qwen2: no --add-qkv-bias: Qwen2 has q/k/v biases .a model without biases"),
+        (dataclasses.replace(LLAMA, add_bias_linear=True), "mistral", "mistral: biases .no --disable-bias-linear."),
+        (dataclasses.replace(LLAMA, add_bias_linear=True), "qwen2", "qwen2: no --add-qkv-bias: .* and no others"),
+        (dataclasses.replace(QWEN2, rotary_percent=0.5), None, "phi3: --add-qkv-bias"),
+        (GPT, "mistral", "--hf-model-type mistral: the checkpoint's model exports as gpt2 only"),
+        (LLAMA, "gemma", "--hf-model-type gemma: choose one of gpt2, llama, qwen2, mistral, phi3"),
+    ],
+)
+def test_a_model_type_that_is_not_exact_is_refused(model: ModelConfig, model_type: str | None, problem: str) -> None:
+    with pytest.raises(HFConfigError, match=problem) as err:
+        hf_config.architecture_of(model, model_type)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "change, window",
+    [
+        ({}, None),
+        ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, 16),  # as Qwen2Config derives
+        ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, None),  # no layer from 2 of 2
+        ({"use_sliding_window": True, "sliding_window": 16, "layer_types": ["full_attention"] * 2}, None),
+        ({"use_sliding_window": False, "sliding_window": 16, "layer_types": ["sliding_attention"] * 2}, None),
+    ],
+)
+def test_qwen2s_window_is_the_one_transformers_applies(change: dict, window: int | None) -> None:
+    assert hf_config.from_hf_config(_qwen2_json(**change), "x").attention_window == window
+
+
 @pytest.mark.parametrize(
     "hf, field",
     [
@@ -247,7 +303,12 @@ def _llama_json(**change: object) -> dict:
         (_llama_json(attention_bias=True, mlp_bias=False), "mlp_bias"),
         (_llama_json(hidden_act="gelu"), "hidden_act"),
         (_llama_json(head_dim=16), "head_dim"),
-        (_llama_json(model_type="mistral"), "model_type 'mistral'"),
+        (_llama_json(model_type="gemma"), "model_type 'gemma'"),
+        (_qwen2_json(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn' is not supported"),
+        (_qwen2_json(use_sliding_window=True, layer_types=["full_attention", "chunked_attention"]), "'chunked_"),
+        (_qwen2_json(hidden_act="gelu"), "hidden_act"),
+        (_mistral_json(head_dim=16), "head_dim 16 is not supported: the head size is hidden_size / num_attention"),
+        (_mistral_json(sliding_window=0), "sliding_window 0 is not a positive number"),
         ({k: v for k, v in _llama_json().items() if k != "hidden_size"}, "no 'hidden_size' field"),
         (_llama_json(num_hidden_layers="2"), "num_hidden_layers '2' is not an int"),
     ],
