@@ -49,10 +49,20 @@ TOKENS = ((3, 17, 42, 99, 5, 64, 7, 23, 88, 1, 0, 50), (9, 8, 7, 6, 5, 4, 3, 2, 
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama_qkv_bias": ("llama", {"add_qkv_bias": True}),
+}
+"""A recorded line with a switch added whose only effect on the args is its own value (Megatron-LM's
+validate_args derives nothing from --add-qkv-bias): name -> (the recorded line, the changed args)."""
+
+
 def recorded(name: str) -> dict[str, Any]:
-    """{"world_size", "argv", "args"} of one recorded launch line."""
+    """{"world_size", "argv", "args"} of one recorded launch line (or of a VARIANTS line)."""
+    base, changes = VARIANTS.get(name, (name, {}))
     with open(RECORDED) as f:
-        return json.load(f)[name]
+        line = json.load(f)[base]
+    flags = [f"--{k.replace('_', '-')}" for k in changes]
+    return {**line, "argv": [*line["argv"], *flags], "args": {**line["args"], **changes}}
 
 
 def namespace(saved: dict[str, Any]) -> argparse.Namespace:

@@ -475,3 +475,19 @@ def test_metadata_of_megatron_core_up_to_0_15(sources, tmp_path: Path) -> None:
     with torch.no_grad():
         logits = load_model(str(tmp_path / "out")).float()(reference["tokens"])
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+
+
+def test_a_qkv_bias_alone_converts_with_its_rows(tmp_path: Path) -> None:
+    """The T=2 Llama with --add-qkv-bias (Qwen2's layout), trained two steps so the bias is not its zero init:
+    megatron-core's `linear_qkv.bias`, split over the tensor ranks with the QKV rows, converts to the same logits."""
+    source = tmp_path / "mlm"
+    reference = write_checkpoints("llama_qkv_bias", {"torch_dist": str(source)}, ITERATION, "fully_reshardable")
+    result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
+    assert result.config.model.add_qkv_bias and not result.config.model.add_bias_linear
+    model = load_model(str(tmp_path / "out"))
+    biases = {n for n, p in model.named_parameters() if n.endswith(".bias")}
+    assert biases and all(n.endswith("qkv.bias") for n in biases)
+    assert all(p.abs().max() > 0 for n, p in model.named_parameters() if n in biases)
+    with torch.no_grad():
+        logits = model.float()(reference["tokens"])
+    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
