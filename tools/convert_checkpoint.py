@@ -3,7 +3,7 @@
 
     # ours (any P, T, DP, layout) -> a transformers / lm-eval-harness / vLLM directory
     python tools/convert_checkpoint.py --to hf checkpoints/gpt hf/gpt
-    # a local Hugging Face GPT-2 or Llama directory -> a checkpoint pretrain_gpt.py --load trains from
+    # a local Hugging Face GPT-2, Llama, Qwen2, Mistral or Phi-3 directory -> a checkpoint pretrain_gpt.py --load trains from
     python tools/convert_checkpoint.py --from hf hf/llama checkpoints/llama --tensor-model-parallel-size 2
     # ours -> the layout-free training state (weights, fp32 masters, Adam moments, schedule, data
     # position) that `pretrain_gpt.py --load OUT` resumes under any P, layout, T, DP or ZeRO stage

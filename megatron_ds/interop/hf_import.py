@@ -1,4 +1,4 @@
-"""Import a Hugging Face GPT-2 or Llama directory as a checkpoint `pretrain_gpt.py --load` trains from.
+"""Import a Hugging Face directory (a model type of `hf_config.ARCHITECTURE_CLASSES`) as a checkpoint `pretrain_gpt.py --load` trains from.
 
     from megatron_ds.interop.hf_import import import_hf
     result = import_hf("hf/llama", "checkpoints/llama", ["--tensor-model-parallel-size", "2"])
