@@ -156,15 +156,23 @@ def plan_parts(
             lo, hi = r[k] or (0, 0)
             if r[k] is None or int(np.sum(n[lo:hi], dtype=np.int64)) == 0:
                 raise _empty_part_error(prefix, len(n), split, upstream, name, r[k], num_samples[k])
-        if weights is None and len(prefixes) == 1:
-            sizes, blend = [num_samples[k]], None
-        elif weights is None:  # megatron-core blends one epoch of each corpus by their sizes
-            sizes, blend = [None] * len(prefixes), None
-        else:
-            sizes, blend = blend_sizes(weights, num_samples[k], upstream)
+        sizes, blend = _part_sizes(weights, len(prefixes), num_samples[k], upstream)
         w = None if weights is None else tuple(weights)
         parts.append(Part(k, tuple(r[k] for r in ranges), tuple(sizes), blend, num_samples[k], w))  # type: ignore[misc]
     return parts
+
+
+def _part_sizes(
+    weights: Sequence[float] | None, count: int, num_samples: int, upstream: str
+) -> tuple[Sequence[int | None], int | None]:
+    """A split's samples per corpus and its blend's size: one corpus without a weight gives what the run asks;
+    several without weights are blended one epoch each, by their sizes (megatron-core's rule); weighted ones as
+    `blend_sizes`."""
+    if weights is None and count == 1:
+        return [num_samples], None
+    if weights is None:
+        return [None] * count, None
+    return blend_sizes(weights, num_samples, upstream)
 
 
 @dataclass(frozen=True)
@@ -206,12 +214,9 @@ def plan_own_parts(own: Sequence[OwnData | None], upstream: str, num_samples: Se
                     f"{num_samples[k]} {SPLIT_NAMES[k]} samples; give a corpus with tokens"
                 )
         weights = split.weights
-        if len(split.prefixes) == 1 and (weights is None or upstream == MEGATRON_LM):
-            sizes, blend, weights = [num_samples[k]], None, None
-        elif weights is None:  # megatron-core blends one epoch of each corpus by their sizes
-            sizes, blend = [None] * len(split.prefixes), None
-        else:
-            sizes, blend = blend_sizes(weights, num_samples[k], upstream)
+        if len(split.prefixes) == 1 and upstream == MEGATRON_LM:
+            weights = None  # megatron-core reads one prefix as it is, its weight ignored
+        sizes, blend = _part_sizes(weights, len(split.prefixes), num_samples[k], upstream)
         ranges = tuple((0, len(n)) for n in split.lengths)
         corpora = tuple(range(split.first, split.first + len(split.prefixes)))
         parts.append(Part(k, ranges, tuple(sizes), blend, num_samples[k], weights, corpora))  # type: ignore[arg-type]

@@ -22,19 +22,17 @@ from megatron_ds.interop.hf_import import import_hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"vocab_size": 200, "initializer_range": 0.1}
+GPT2_LAYERS = {"n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64}
+LAYERS = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4}
+"""The Llama-layout test models' shape (the rope-scaling one has its own)."""
 CONFIGS = {
-    "gpt2": lambda: transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, n_positions=64, activation_function="gelu", **SMALL
-    ),
-    "gpt2_gelu_new": lambda: transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **SMALL),
+    "gpt2": lambda: transformers.GPT2Config(**GPT2_LAYERS, activation_function="gelu", **SMALL),
+    "gpt2_gelu_new": lambda: transformers.GPT2Config(**GPT2_LAYERS, **SMALL),
     "gpt2_relu2": lambda: transformers.GPT2Config(  # --squared-relu
-        n_layer=2, n_embd=32, n_head=4, n_positions=64, activation_function="relu2", **SMALL
+        **GPT2_LAYERS, activation_function="relu2", **SMALL
     ),
     "llama_gqa": lambda: transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **LAYERS,
         num_key_value_heads=2,
         max_position_embeddings=64,
         rope_theta=500000.0,  # Llama-3's base
@@ -58,10 +56,7 @@ CONFIGS = {
         **SMALL,
     ),
     "phi3_partial_rotary": lambda: transformers.Phi3Config(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **LAYERS,
         num_key_value_heads=2,
         max_position_embeddings=64,
         partial_rotary_factor=0.5,  # --rotary-percent 0.5
@@ -71,20 +66,14 @@ CONFIGS = {
         **SMALL,
     ),
     "qwen2": lambda: transformers.Qwen2Config(  # q/k/v biases: --disable-bias-linear --add-qkv-bias
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **LAYERS,
         num_key_value_heads=2,
         max_position_embeddings=64,
         rope_theta=1000000.0,  # Qwen2.5's base
         **SMALL,
     ),
     "tied_qwen2": lambda: transformers.Qwen2Config(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **LAYERS,
         num_key_value_heads=4,  # Qwen2Config's default is 32 whatever the heads
         max_position_embeddings=64,
         tie_word_embeddings=True,
@@ -94,10 +83,7 @@ CONFIGS = {
         **SMALL,
     ),
     "mistral": lambda: transformers.MistralConfig(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **LAYERS,
         num_key_value_heads=2,
         max_position_embeddings=64,
         sliding_window=32,  # Mistral 7B v0.1's 4096, scaled: covers --seq-length 32, so the same attention
@@ -106,10 +92,7 @@ CONFIGS = {
         **SMALL,
     ),
     "tied_llama": lambda: transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **LAYERS,
         max_position_embeddings=64,
         tie_word_embeddings=True,
         attention_bias=True,
