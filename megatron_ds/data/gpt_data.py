@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from megatron_ds.config import DataConfig
-from megatron_ds.config.data import DEFAULT_SPLIT
+from megatron_ds.config.data import DATA_UPSTREAMS, DEFAULT_SPLIT
 from megatron_ds.data import DataError
 from megatron_ds.data.append_eod import notice
 from megatron_ds.data.indexed import IndexInfo, megatron_indexed_dataset_module, read_index, read_lengths
-from megatron_ds.data.mock_data import build_mock
+from megatron_ds.data.mock_data import build_core_mock, build_mock, mock_tokenizer
 from megatron_ds.data.splits import (
     SPLIT_PATH_FLAGS,
     OwnData,
@@ -137,17 +137,18 @@ def _plan_own_paths(data: DataConfig, num_samples: Sequence[int]) -> tuple[list[
     return infos, plan_own_parts(own, data.data_upstream, num_samples)
 
 
-def _dataset_config(data: DataConfig, seq_length: int, seed: int, tokenizer: Tokenizer) -> Any:
+def _dataset_config(data: DataConfig, seq_length: int, seed: int, tokenizer: Tokenizer, mock: bool = False) -> Any:
     megatron_indexed_dataset_module()  # the first megatron-core import, minus its GPU-kernel noise
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     return GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        # bookkeeping only: the split and blend are planned here
-        blend=(list(data.data_path or [p for path in data.split_paths for p in path]), None),
+        # bookkeeping only: the split and blend are planned here (no blend: megatron-core's mock data)
+        blend=None if mock else (list(data.data_path or [p for path in data.split_paths for p in path]), None),
         split=data.split,
-        path_to_cache=data.data_cache_path,
+        # mock samples are built in memory (the same samples; Megatron-LM would also cache their indices)
+        path_to_cache=None if mock else data.data_cache_path,
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
@@ -169,11 +170,16 @@ def build_gpt_datasets(
     """(train, valid, test) datasets of at least `num_samples` samples each.
 
     A split that gets no share of `--split`, or of which no samples are asked, comes back as None.
-    With `data.mock_data` the samples are `MockGPTData` (seeded synthetic tokens; the tokenizer
-    defaults to a `NullTokenizer(vocab_size)`). `is_built_on_rank` (default: every rank) must be
+    With `data.mock_data` the samples are megatron-core's `MockGPTDataset`'s under Megatron-LM's data
+    rules (whose flag it is), else `MockGPTData` (seeded synthetic tokens); the tokenizer defaults to a
+    `NullTokenizer` of the unpadded vocabulary. `is_built_on_rank` (default: every rank) must be
     true on global rank 0. Call on every rank when torch.distributed is initialised: it has a
     barrier. All checks happen before it, so a bad input fails on every rank alike.
     """
+    if data.mock_data and data.data_upstream == DATA_UPSTREAMS[1]:
+        tokenizer = mock_tokenizer(data, tokenizer, vocab_size)
+        config = _dataset_config(data, seq_length, seed, tokenizer, mock=True)
+        return build_core_mock(config, num_samples, is_built_on_rank)
     if data.mock_data:
         return build_mock(data, seq_length, seed, num_samples, tokenizer, vocab_size, is_built_on_rank)
     if tokenizer is None:

@@ -1,7 +1,16 @@
-"""`--mock-data`: seeded synthetic GPT samples, without files or megatron-core."""
+"""`--mock-data`: synthetic GPT samples, without files.
+
+Under Megatron-LM's data rules (`--data-upstream`, docs/data.md), whose flag it is, the samples are
+Megatron-LM's: megatron-core's `MockGPTDataset` through its `BlendedMegatronDatasetBuilder`, as Megatron-LM's
+pretrain_gpt.py builds them (documents of random length holding 1, 2, 3, ... and an EOD; with no blend,
+megatron-core splits them 1,1,1 whatever `--split` says). Megatron-DeepSpeed has no mock data: under its rules
+the samples are `MockGPTData`'s seeded random tokens, which start without megatron-core (fast smoke tests), and
+a NOTICE says so.
+"""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +20,11 @@ import torch
 from megatron_ds.config import DataConfig
 from megatron_ds.data.splits import parse_split
 from megatron_ds.data.tokenizer import NullTokenizer, Tokenizer, check_vocab
+
+MDS_RULES_NOTICE = (
+    "NOTICE: --mock-data under Megatron-DeepSpeed's data rules (it has no mock data): seeded random tokens "
+    "(MockGPTData); --data-upstream megatron-lm gives Megatron-LM's samples (megatron-core's MockGPTDataset)"
+)
 
 
 class MockGPTData(torch.utils.data.Dataset):
@@ -42,6 +56,44 @@ class MockGPTData(torch.utils.data.Dataset):
         }
 
 
+def mock_tokenizer(data: DataConfig, tokenizer: Tokenizer | None, vocab_size: int) -> Tokenizer:
+    """The run's tokenizer, or a `NullTokenizer` of the unpadded vocabulary: ids below it (rows above it are
+    padding no real sample holds; an import's are zero)."""
+    tokenizer = tokenizer or NullTokenizer(data.unpadded_vocab_size or vocab_size)
+    check_vocab(tokenizer, vocab_size)
+    return tokenizer
+
+
+def build_core_mock(
+    config: Any, num_samples: tuple[int, int, int], is_built_on_rank: Callable[[], bool] | None
+) -> tuple[Any, Any, Any]:
+    """Megatron-LM's `--mock-data` samples: megatron-core's builder over `MockGPTDataset` with `config` (a
+    GPTDatasetConfig without a blend, hence mock). Collective when torch.distributed is initialised (the
+    builder's own rank-0-first barriers): call it on every rank."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    assert config.mock, config
+    built = BlendedMegatronDatasetBuilder(MockGPTDataset, list(num_samples), is_built_on_rank or _always, config)
+    quiet = _NoCacheWarning()  # the indices are built in memory on purpose: a warning per split is noise
+    logger = logging.getLogger("megatron.core.datasets.gpt_dataset")
+    logger.addFilter(quiet)
+    try:
+        train, valid, test = built.build()
+    finally:
+        logger.removeFilter(quiet)
+    return train, valid, test
+
+
+class _NoCacheWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "indexes because path_to_cache is None" not in record.getMessage()
+
+
+def _always() -> bool:
+    return True
+
+
 def build_mock(
     data: DataConfig,
     seq_length: int,
@@ -54,9 +106,9 @@ def build_mock(
     del is_built_on_rank  # nothing is cached: every rank builds its own (instantly)
     if data.data_path:  # (a per-split path beside --mock-data is refused by DataConfig)
         warnings.warn(f"--data-path {' '.join(data.data_path)} is ignored with --mock-data", stacklevel=2)
-    # ids below the unpadded vocabulary: rows above it are padding no real sample holds (an import's are zero)
-    tokenizer = tokenizer or NullTokenizer(data.unpadded_vocab_size or vocab_size)
-    check_vocab(tokenizer, vocab_size)
+    tokenizer = mock_tokenizer(data, tokenizer, vocab_size)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(MDS_RULES_NOTICE, flush=True)
     # megatron-core's MockGPTDataset builds only the splits of weight > 0 (its split matrix), so `--split 100,0,0`
     # evaluates nothing
     shares = parse_split(data.split)

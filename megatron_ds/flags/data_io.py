@@ -38,8 +38,10 @@ DATA: tuple[Flag, ...] = (
     switch(
         "--mock-data",
         _DATA,
-        "seeded synthetic tokens (our MockGPTData; values follow --seed); as megatron-core's MockGPTDataset, a "
-        "split of --split weight 0 gets no dataset (nothing to evaluate)",
+        "Megatron-LM's flag: under its data rules (--data-upstream megatron-lm, or auto picking it) Megatron-LM's "
+        "samples, megatron-core's MockGPTDataset (its documents split 1,1,1 whatever --split says); under "
+        "Megatron-DeepSpeed's (which has no mock data) seeded random tokens (our MockGPTData: values follow --seed, "
+        "a split of --split weight 0 is not built), said in a NOTICE",
         "data.mock_data",
     ),
     accepted(

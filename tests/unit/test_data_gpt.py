@@ -165,11 +165,25 @@ def test_mock_data_is_deterministic_per_seed() -> None:
 
 
 @pytest.mark.parametrize("split, built", [("100,0,0", [True, False, False]), ("99,1,0", [True, True, False])])
-def test_mock_data_builds_no_split_of_weight_zero(split: str, built: list[bool]) -> None:
-    """megatron-core's MockGPTDataset builds only the splits of weight > 0: `--split 100,0,0` evaluates nothing."""
+def test_mock_data_builds_no_split_of_weight_zero(split: str, built: list[bool], capsys) -> None:
+    """Under Megatron-DeepSpeed's rules (our MockGPTData) only the splits of weight > 0 are built: `--split
+    100,0,0` evaluates nothing; a NOTICE says these are not Megatron-LM's samples."""
     datasets = build_gpt_datasets(DataConfig(mock_data=True, split=split), 16, 1, (20, 4, 4), None, 128)
     assert [d is not None for d in datasets] == built
     assert all(d is not None for d in build_gpt_datasets(DataConfig(mock_data=True), 16, 1, (20, 4, 4), None, 128))
+    assert "NOTICE: --mock-data under Megatron-DeepSpeed's data rules (it has no mock data)" in capsys.readouterr().out
+
+
+def test_megatron_lm_mock_data_is_megatron_cores(capsys) -> None:
+    """Under Megatron-LM's rules megatron-core splits its mock documents 1,1,1 whatever --split says (so all three
+    splits exist), and each document counts up from 1 to its EOD (the samples themselves: the fixture case
+    megatron_lm_mock of test_megatron_deepspeed_data.py)."""
+    data = DataConfig(mock_data=True, split="100,0,0", data_upstream="megatron-lm")
+    train, valid, test = build_gpt_datasets(data, 16, 1, (20, 4, 4), None, 128)
+    assert valid is not None and test is not None and "NOTICE" not in capsys.readouterr().out
+    tokens = train[0]["tokens"].tolist() + [int(train[0]["labels"][-1])]
+    steps = {(b - a) % 127 for a, b in zip(tokens, tokens[1:]) if 127 not in (a, b)}  # 127: the NullTokenizer's EOD
+    assert steps == {1}, tokens
 
 
 def test_sampler_order_across_ranks() -> None:

@@ -186,7 +186,13 @@ def test_samples_equal_upstream(tmp_path: Path, name: str) -> None:
     argv = _line(case["command"], tmp_path / "cache")
     if name.startswith("misaligned"):
         argv.append("--misaligned-append-eod")
-    if name in ("megatron_lm_split_98", "megatron_lm_split_paths_blend", "megatron_lm_split_paths_one_weight"):
+    # (--mock-data alone leaves Megatron-DeepSpeed's rules, and our MockGPTData)
+    if name in (
+        "megatron_lm_split_98",
+        "megatron_lm_split_paths_blend",
+        "megatron_lm_split_paths_one_weight",
+        "megatron_lm_mock",
+    ):
         argv += ["--data-upstream", "megatron-lm"]
     if name == "megatron_lm_blend":
         argv += ["--rotary-base", "500000"]  # a Megatron-LM flag: --data-upstream auto picks megatron-lm
@@ -196,6 +202,8 @@ def test_samples_equal_upstream(tmp_path: Path, name: str) -> None:
     assert got == ref
     if name.startswith("megatron_lm_split_paths"):  # core_samples.py reads every sample of the split
         assert len(train) == len(ref)
+    elif name == "megatron_lm_mock":  # one epoch of its split's third of megatron-core's 100,000 documents
+        assert len(train) > 2_000_000
     else:
         assert len(train) - len(ref) - first in (0, 1)  # upstream's loader drops an incomplete micro-batch pair
     if "split_paths" not in name and name != "split_949":  # 949,50,1 over 75 documents rounds alike in both
