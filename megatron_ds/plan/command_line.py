@@ -48,7 +48,9 @@ ARCHITECTURE_FLAGS = (
     "--num-query-groups",
     "--swiglu",
     "--openai-gelu",
+    "--squared-relu",
     "--normalization",
+    "--layernorm-epsilon",
     "--apply-layernorm-1p",
     "--untie-embeddings-and-output-weights",
     "--use-rotary-position-embeddings",
@@ -114,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ARCHITECTURE_FLAGS:
         flag = BY_NAME[name]
         extra = {} if flag.is_switch else {"metavar": flag.attr.upper()}
-        g.add_argument(name, **{**training_flag_kwargs(name), "dest": "arch_" + flag.attr, **extra})
+        names = (name, *flag.aliases)  # Megatron-LM's spelling too (--norm-epsilon)
+        g.add_argument(*names, **{**training_flag_kwargs(name), "dest": "arch_" + flag.attr, **extra})
     g = p.add_argument_group("hardware")
     g.add_argument("--num-gpus", type=int)
     g.add_argument("--gpus-per-node", type=int)

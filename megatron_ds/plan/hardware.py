@@ -103,6 +103,20 @@ _LLAMA32 = (
 )
 
 
+# Qwen2.5: Llama's layer with biases on q, k and v, RoPE base 1e6, norm epsilon 1e-6; untied at 7B and 72B.
+_QWEN25_ARCH = (*_LLAMA, "--add-qkv-bias", "--rotary-base", "1000000", "--layernorm-epsilon", "1e-6")
+_QWEN25 = (
+    "Qwen Team 2024, Qwen2.5 Technical Report (arXiv 2412.15115), Table 1; the released config.json files "
+    "(7.61B and 72.7B parameters, as their model cards state); batch and learning rate are not published (the "
+    "Llama 3 batch and the placeholder --lr are printed)"
+)
+# Mistral 7B (v0.1): Llama's layer with 8 kv heads; its 4096-token sliding window covers the whole sequence here.
+_MISTRAL = (
+    "Jiang et al. 2023, Mistral 7B (arXiv 2310.06825), Table 1; the released Mistral-7B-v0.1 config.json (7.24B "
+    "parameters); batch and learning rate are not published (the Llama 2 batch and the placeholder --lr are printed)"
+)
+
+
 def _gqa(kv: int) -> tuple[str, ...]:
     return ("--num-key-value-heads", str(kv))
 
@@ -156,6 +170,9 @@ PRESETS = {
         ),
         Preset("llama3.2-1b", 16, 2048, 32, 512, None, 8192, 8192, 128256, (*_LLAMA32_ARCH, *_gqa(8)), _LLAMA32),
         Preset("llama3.2-3b", 28, 3072, 24, 512, None, 8192, 8192, 128256, (*_LLAMA32_ARCH, *_gqa(8)), _LLAMA32),
+        Preset("qwen2.5-7b", 28, 3584, 28, 512, None, 18944, 4096, 152064, (*_QWEN25_ARCH, *_gqa(4)), _QWEN25),
+        Preset("qwen2.5-72b", 80, 8192, 64, 512, None, 29568, 4096, 152064, (*_QWEN25_ARCH, *_gqa(8)), _QWEN25),
+        Preset("mistral-7b", 32, 4096, 32, 1024, None, 14336, 4096, 32000, (*_LLAMA, *_gqa(8)), _MISTRAL),
     )
 }
 PRESET_SEQ_LENGTH = 2048

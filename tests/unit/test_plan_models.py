@@ -28,17 +28,27 @@ PUBLISHED_BILLIONS = {
     "llama3-405b": 405.853,
     "llama3.2-1b": 1.236,
     "llama3.2-3b": 3.213,
+    # Qwen2.5 model cards: 7.61B, 72.7B (7,615,616,512 and 72,706,203,648 in their safetensors indexes); Mistral
+    # 7B v0.1: 7,241,732,096
+    "qwen2.5-7b": 7.6156,
+    "qwen2.5-72b": 72.7062,
+    "mistral-7b": 7.2417,
 }
+QWEN = {"qwen2.5-7b", "qwen2.5-72b"}
 # Released config.json: rope_scaling (llama3) factor, or None; tie_word_embeddings
 ROPE_SCALING = {"llama3.1-8b": 8.0, "llama3.1-70b": 8.0, "llama3-405b": 8.0, "llama3.2-1b": 32.0, "llama3.2-3b": 32.0}
 TIED = {"llama3.2-1b", "llama3.2-3b"}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_BILLIONS))
-def test_llama_presets_have_their_published_parameter_counts(name: str) -> None:
+def test_llama_class_presets_have_their_published_parameter_counts(name: str) -> None:
     res = resolve(PlanInputs(model=name))
-    assert total_params(res.model()) / 1e9 == pytest.approx(PUBLISHED_BILLIONS[name], rel=2e-3)
+    assert total_params(res.model()) / 1e9 == pytest.approx(
+        PUBLISHED_BILLIONS[name], rel=2e-3 if "llama" in name else 1e-5
+    )
     m = res.model()
+    assert m.add_qkv_bias == (name in QWEN) and m.rotary_base == (1e6 if name in QWEN else m.rotary_base)
+    assert m.layernorm_epsilon == (1e-6 if name in QWEN else 1e-5)
     assert m.activation == "swiglu" and m.normalization == "rmsnorm"
     assert m.untie_embeddings_and_output_weights == (name not in TIED)
     assert m.use_rotary_position_embeddings and not m.add_position_embedding and not m.add_bias_linear
@@ -47,9 +57,10 @@ def test_llama_presets_have_their_published_parameter_counts(name: str) -> None:
         assert m.rope_scaling_factor == ROPE_SCALING[name]
 
 
-@pytest.mark.parametrize(("name", "gpus"), [("llama3.2-1b", 8), ("llama3-405b", 1024)])
+@pytest.mark.parametrize(("name", "gpus"), [("llama3.2-1b", 8), ("llama3-405b", 1024), ("qwen2.5-7b", 16)])
 def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, capsys) -> None:
-    """RoPE scaling and tied embeddings reach the printed pretrain_gpt.py line, not only the planner's model."""
+    """RoPE scaling, tied embeddings, q/k/v biases and the norm epsilon reach the printed pretrain_gpt.py line, not
+    only the planner's model."""
     rc = main(["pipeline", "--model", name, "--num-gpus", str(gpus), "--gpu", "H100-80GB", "--format", "json"])
     report = json.loads(capsys.readouterr().out)
     assert rc == 0
@@ -57,7 +68,9 @@ def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, 
     tokens = shlex.split(sec["snippets"]["command"].split("\n", 1)[1].replace("\\\n", " "))
     config, _ = parse_config(tokens[tokens.index("pretrain_gpt.py") + 1 :], world_size=gpus)
     assert config.model == resolve(PlanInputs(model=name)).model(sec["data"]["tensor_parallel"])
-    assert config.model.use_rope_scaling and config.model.rope_scaling_factor == ROPE_SCALING[name]
+    assert config.model.use_rope_scaling == (name in ROPE_SCALING)
+    assert config.model.rope_scaling_factor == ROPE_SCALING.get(name, config.model.rope_scaling_factor)
+    assert config.model.add_qkv_bias == (name in QWEN)
 
 
 def test_preset_names_are_forgiving_and_gpt3_sizes_unchanged() -> None:
@@ -66,6 +79,10 @@ def test_preset_names_are_forgiving_and_gpt3_sizes_unchanged() -> None:
     assert hardware.find_preset("Llama-3.2-1B").name == "llama3.2-1b"
     assert hardware.find_preset("Llama-3.3-70B").name == "llama3.1-70b"
     assert hardware.find_preset("Llama-3.1-8B").name == "llama3.1-8b"
+    assert (
+        hardware.find_preset("Qwen2.5-72B").name == "qwen2.5-72b"
+        and hardware.find_preset("Mistral-7B").name == "mistral-7b"
+    )
     assert hardware.find_preset("175b").name == "gpt3-175b" and hardware.find_preset("1.3B").name == "gpt3-1.3b"
     assert total_params(resolve(PlanInputs(model="1.3b")).model()) / 1e9 == pytest.approx(1.32, abs=0.01)
 
@@ -107,3 +124,19 @@ def test_the_long_guides_run_only_when_named(capsys) -> None:
     main(["--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB"])
     assert len(capsys.readouterr().out.splitlines()) < 260  # 404 lines with the guides
     assert main(["nvme"]) == 0 and "DeepNVMe" in capsys.readouterr().out
+
+
+def test_megatron_lm_spellings_and_squared_relu_reach_the_printed_command(capsys) -> None:
+    """An alias (Megatron-LM's --norm-epsilon) is taken as pretrain_gpt.py takes it; the command spells it ours."""
+    arch = ["--squared-relu", "--norm-epsilon", "1e-6", "--use-rotary-position-embeddings"]
+    arch += ["--rotary-position-embeddings-theta", "20000"]  # Megatron-DeepSpeed's name of --rotary-base
+    rc = main(["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "H100", *arch, "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    sec = next(s for s in report["sections"] if s["name"] == "pipeline")
+    command = sec["snippets"]["command"].split("\n", 1)[1]
+    assert "--layernorm-epsilon 1e-06" in command and "--squared-relu" in command
+    tokens = shlex.split(command.replace("\\\n", " "))
+    config, _ = parse_config(tokens[tokens.index("pretrain_gpt.py") + 1 :], world_size=8)
+    assert config.model.activation == "squared_relu" and config.model.layernorm_epsilon == 1e-6
+    assert config.model.rotary_base == 20000
