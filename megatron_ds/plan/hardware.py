@@ -13,6 +13,10 @@ flag rules (`flags.parser.model_config`), so its parameter count is what pretrai
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
+import sys
 from dataclasses import dataclass
 
 from megatron_ds.config import DataConfig, ModelConfig
@@ -230,4 +234,21 @@ def model_config(
     declarations, rules, checks and vocabulary padding; a ConfigError naming the flag)."""
     sizes = (num_layers, hidden_size, num_attention_heads, seq_length, vocab_size, ffn_hidden_size)
     argv = (*model_flags(*sizes, tuple(architecture)), "--tensor-model-parallel-size", str(tensor_parallel_size))
-    return parser.model_config(argv)
+    return _model_config(argv)
+
+
+_WARNED: set[str] = set()
+
+
+@functools.lru_cache(maxsize=256)
+def _model_config(argv: tuple[str, ...]) -> ModelConfig:
+    """`parser.model_config`, each of its warnings (an ignored flag) printed once per process: the planner sizes
+    the same model at every tensor-parallel size it tries."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        model = parser.model_config(argv)
+    for line in err.getvalue().splitlines():
+        if line not in _WARNED:
+            _WARNED.add(line)
+            print(line, file=sys.stderr, flush=True)
+    return model

@@ -140,3 +140,10 @@ def test_megatron_lm_spellings_and_squared_relu_reach_the_printed_command(capsys
     config, _ = parse_config(tokens[tokens.index("pretrain_gpt.py") + 1 :], world_size=8)
     assert config.model.activation == "squared_relu" and config.model.layernorm_epsilon == 1e-6
     assert config.model.rotary_base == 20000
+
+
+def test_an_ignored_architecture_flag_is_warned_about_once(capsys) -> None:
+    """The planner sizes the model at every tensor-parallel size it tries; pretrain_gpt.py's warning comes once."""
+    assert main(["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "H100", "--rotary-base", "20001"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("WARNING: --rotary-base 20001 only applies with --use-rotary-position-embeddings") == 1
