@@ -58,6 +58,7 @@ def data_upstream(args: argparse.Namespace) -> str:
     if not found:
         return MEGATRON_DEEPSPEED
     reads_files = args.data_path or args.train_data_path or args.valid_data_path or args.test_data_path
+    reads_files = reads_files or args.data_args_path or args.per_split_data_args_path
     if reads_files and os.environ.get("RANK", "0") == "0":
         print(
             f"NOTICE: {found[0]} is a Megatron-LM flag, so the documents are split and blended by megatron-core's "

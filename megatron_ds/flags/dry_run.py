@@ -30,6 +30,7 @@ def launch_gaps(args: argparse.Namespace) -> list[str]:
         gaps.append("--vocab-size or a tokenizer")
     if args.train_iters is None and args.train_samples is None and args.train_tokens is None:
         gaps.append("--train-iters (or --train-samples, --train-tokens)")
-    if not (args.data_path or args.train_data_path) and not args.mock_data:
+    files = args.data_args_path or args.per_split_data_args_path
+    if not (args.data_path or args.train_data_path or files) and not args.mock_data:
         gaps.append("--data-path or --mock-data")
     return gaps

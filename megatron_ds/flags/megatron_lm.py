@@ -356,6 +356,22 @@ DATA: tuple[Flag, ...] = (
         type=int,
         default=-1,
     ),
+    accepted(
+        "--data-args-path",
+        _DATA,
+        f"{_MLM}: a file holding --data-path's value (a prefix or a weighted blend, whitespace-separated), for "
+        "blends too long for a command line; instead of --data-path",
+        fields=("data.data_path",),
+        derived=True,
+    ),
+    accepted(
+        "--per-split-data-args-path",
+        _DATA,
+        f'{_MLM}: a JSON file {{"train": ..., "valid": ..., "test": ...}} holding each split\'s --train-data-path, '
+        "--valid-data-path and --test-data-path value (a string or a list; null: no such split); instead of them",
+        fields=("data.train_data_path", "data.valid_data_path", "data.test_data_path"),
+        derived=True,
+    ),
     no_op(
         "--tiktoken-pattern",
         _DATA,

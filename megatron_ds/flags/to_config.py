@@ -35,6 +35,7 @@ from megatron_ds.errors import ConfigError, LayoutError
 from megatron_ds.estimate.machine import Machine, for_layout
 from megatron_ds.estimate.run_layout import check_layout
 from megatron_ds.flags import compat, dry_run, model_flags, profiler_flags, schedule_flags, step_flags
+from megatron_ds.flags.data_args_files import data_paths_from_files
 from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.deepspeed_json import json_default
@@ -112,6 +113,7 @@ def data_config(args: argparse.Namespace, direct: dict[str, Any]) -> DataConfig:
     """The data section (also what tools/show_samples.py reads from a pretrain_gpt.py line)."""
     kind = tokenizer_type(args)
     null_vocab = args.vocab_size if kind == "NullTokenizer" else None
+    direct = {**direct, **data_paths_from_files(args)}  # --data-args-path, --per-split-data-args-path
     if "data_path" in direct:
         direct = {**direct, "data_path": _aml_data_path(args, direct["data_path"])}
     return DataConfig(
