@@ -83,6 +83,14 @@ class DataConfig:
     """DataLoader worker processes (`--num-workers`)."""
     eod_mask_loss: bool = False
     """Exclude end-of-document tokens from the loss (`--eod-mask-loss`)."""
+    reset_position_ids: bool = False
+    """Position ids restart at 0 after every end-of-document token of a sample's input tokens
+    (`--reset-position-ids`; upstream's `get_ltor_masks_and_position_ids`): the learned position embedding and
+    rotary embeddings see each packed document from position 0."""
+    reset_attention_mask: bool = False
+    """A token attends to no token at or before an end-of-document token that precedes it (`--reset-attention-mask`):
+    each packed document attends only within itself; attention takes a dense (b, 1, s, s) boolean mask instead of
+    SDPA's causal fast path."""
     data_upstream: str = "megatron-deepspeed"
     """Whose rules split the documents and size a blend's parts: `megatron-deepspeed` or
     `megatron-lm` (megatron-core's); `--data-upstream`, by default from the command line's flags."""

@@ -87,6 +87,7 @@ class Config:
             f"{n}; use a multiple of {n}",
         )
         if par.ds_sequence_parallel_size > 1:
+            self._check_no_document_reset(n)
             for what, heads in (
                 ("--num-attention-heads", model.num_attention_heads),
                 ("--num-key-value-heads (--num-query-groups)", model.kv_heads),
@@ -104,6 +105,25 @@ class Config:
                 f"{flag} {n} needs every sequence length divisible by {n}, but curriculum_learning gives "
                 f"{bad[0] if bad else 0}-token batches; make its lengths (and difficulty_step) multiples of {n}",
             )
+
+    def _check_no_document_reset(self, n: int) -> None:
+        """Ulysses gives each rank 1/N of the tokens before attention; the document structure would have to follow
+        its all-to-all (Megatron's sequence parallelism gathers the whole sequence for attention: no limit there)."""
+        d = self.data
+        given = [
+            f
+            for f, on in (
+                ("--reset-position-ids", d.reset_position_ids),
+                ("--reset-attention-mask", d.reset_attention_mask),
+            )
+            if on
+        ]
+        check(
+            not given,
+            f"{' and '.join(given)} with --ds-sequence-parallel-size {n}: DeepSpeed-Ulysses splits each sample's "
+            f"tokens over ranks, and packed documents are not carried through its all-to-all here; drop "
+            f"{' and '.join(given)} or use --ds-sequence-parallel-size 1 (--sequence-parallel works with them)",
+        )
 
     def _check_engine(self) -> None:
         """ZeRO 2/3 only where the plain engine runs; CPU Adam is an Adam."""

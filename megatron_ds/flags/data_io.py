@@ -125,7 +125,13 @@ DATA: tuple[Flag, ...] = (
     ),
     refused("--encoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
     refused("--decoder-seq-length", _DATA, "encoder-decoder models are not built", "use --seq-length", VALUE),
-    refused("--reset-position-ids", _DATA, "position ids always run 0..s-1 within a sample"),
+    switch(
+        "--reset-position-ids",
+        _DATA,
+        "position ids restart at 0 after each end-of-document token (the tokenizer's eod) of a sample's input "
+        "tokens, for the position embedding and rotary embeddings; not in generation (as upstream's)",
+        "data.reset_position_ids",
+    ),
     switch(
         "--prompt-data",
         _DATA,
@@ -144,7 +150,14 @@ DATA: tuple[Flag, ...] = (
         "the sample it resumed from",
         "data.repeated_dataloader",
     ),
-    refused("--reset-attention-mask", _DATA, "attention is causal over the whole sample (SDPA is_causal)"),
+    switch(
+        "--reset-attention-mask",
+        _DATA,
+        "tokens after an end-of-document token (the tokenizer's eod) attend to nothing at or before it: each packed "
+        "document attends within itself, through a dense (b, 1, s, s) mask instead of SDPA's causal fast path; not "
+        "in generation (as upstream's); refused with --ds-sequence-parallel-size > 1",
+        "data.reset_attention_mask",
+    ),
     accepted(
         "--aml-data-download-path",
         _DATA,

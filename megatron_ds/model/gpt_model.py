@@ -83,7 +83,13 @@ class GPTModel(nn.Module):
         self.spec_modules: dict[int, nn.Module] = {}
         """The module whose state is stored in spec i's file (the tied embedding at its first index)."""
         specs = build_layer_specs(
-            config.model, config.regularization, train.seed, tp, ulysses, train.selective_recompute
+            config.model,
+            config.regularization,
+            train.seed,
+            tp,
+            ulysses,
+            train.selective_recompute,
+            config.data.reset_attention_mask,
         )
         for index, spec in enumerate(specs):
             self._add_spec(index, spec, partition or (lambda module: None))
@@ -117,7 +123,7 @@ class GPTModel(nn.Module):
         return self._grid
 
     def forward(self, inputs: Any) -> torch.Tensor:
-        """(tokens,) -> fp32 logits (b, s, v/T); the loss is `loss_fn(logits, (labels, loss_mask))`."""
+        """(tokens,) (or packed documents' (tokens, position_ids, document_ids)) -> fp32 logits (b, s, v/T); the loss is `loss_fn(logits, (labels, loss_mask))`."""
         interval = self.activation_checkpoint_interval
         funcs = self.forward_funcs
         if interval == 0:

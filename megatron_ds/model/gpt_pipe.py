@@ -68,8 +68,10 @@ def build_layer_specs(
     tp: TensorParallel = NO_TENSOR_PARALLEL,
     ulysses: UlyssesGroup = NO_ULYSSES,
     selective_recompute: bool = False,
+    document_mask: bool = False,
 ) -> list[Spec]:
-    """The full spec list (the same for every layout; only the stage boundaries move)."""
+    """The full spec list (the same for every layout; only the stage boundaries move). `document_mask`
+    (`--reset-attention-mask`): the transformer layers attend within each packed document."""
     reg = regularization
     groups = naming.gpt_spec_groups(model)
     embedding_idx = groups.pre.index(naming.WORD_EMBEDDING)
@@ -106,7 +108,16 @@ def build_layer_specs(
     )
     pre: list[Spec] = [cast_token_ids, word, LayerSpec(position, model, reg, seeded(position_name), tp, ulysses)]
     body: list[Spec] = [
-        LayerSpec(TransformerLayer, model, reg, seeded(naming.TRANSFORMER_LAYER, i), tp, ulysses, selective_recompute)
+        LayerSpec(
+            TransformerLayer,
+            model,
+            reg,
+            seeded(naming.TRANSFORMER_LAYER, i),
+            tp,
+            ulysses,
+            selective_recompute,
+            document_mask,
+        )
         for i in range(model.num_layers)
     ]
     if untied:
@@ -167,7 +178,12 @@ class GPTModelPipe(PipelineModule):
         rng.reset_streams()  # this model's dropout streams start from their seeds
         super().__init__(
             layers=build_layer_specs(
-                config.model, config.regularization, train.seed, tp, selective_recompute=train.selective_recompute
+                config.model,
+                config.regularization,
+                train.seed,
+                tp,
+                selective_recompute=train.selective_recompute,
+                document_mask=config.data.reset_attention_mask,
             ),
             topology=topology or build_topology(config),
             loss_fn=loss_function(tp),

@@ -4,6 +4,8 @@ Contract between stages (batch-first, no side channels):
   tokens (b, s) int64 -> embeddings (b, s, h) -> ... -> hidden (b, s, h) in the compute dtype
   -> logits (b, s, v) -> logits (b, s, v) float32 -> loss (scalar float32).
 Labels travel as the tuple (labels (b, s) int64, loss_mask (b, s) float32) to the last stage.
+With packed documents (`--reset-position-ids`, `--reset-attention-mask`) the tokens come as (tokens, position_ids,
+document_ids) and the ids travel beside every activation up to the final norm (`megatron_ds.model.documents`).
 
 These are the T=1 forms; at T > 1 the word embedding, LM head and loss come from
 `megatron_ds.model.tensor_parallel_layers` (vocabulary-parallel), the others are used as they are.
@@ -16,22 +18,26 @@ positions. Dropout of a split tensor draws the unsplit tensor's mask (`rng.dropo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import megatron_ds.model.norms as norms
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.model import weight_grad
+from megatron_ds.model import documents, weight_grad
 from megatron_ds.model.init import init_generator, normal_
 from megatron_ds.model.rng import Stream, dropout, register_streams
 from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, mark_partial_gradient
 from megatron_ds.model.tensor_parallel_rank import NO_ULYSSES, UlyssesGroup
 
 
-def cast_token_ids(tokens: torch.Tensor) -> torch.Tensor:
-    """Input dtype conversion: token ids to int64, whatever integer type the loader produced."""
-    return tokens.long()
+def cast_token_ids(tokens: Any) -> Any:
+    """Input dtype conversion: token ids to int64, whatever integer type the loader produced (packed
+    documents' ids pass through)."""
+    ids, carried = documents.split(tokens)
+    return documents.join(ids.long(), carried)
 
 
 def logits_to_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -47,8 +53,9 @@ class WordEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(model.vocab_size, model.hidden_size))
         normal_(self.weight, regularization.init_method_std, init_generator(init_seed))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weight)  # (b, s) -> (b, s, h)
+    def forward(self, tokens: Any) -> Any:
+        ids, carried = documents.split(tokens)
+        return documents.join(F.embedding(ids, self.weight), carried)  # (b, s) -> (b, s, h)
 
 
 def lm_head_logits(embedding: WordEmbedding, hidden: torch.Tensor) -> torch.Tensor:
@@ -96,7 +103,11 @@ class PositionEmbedding(_EmbeddingOutput):
         self.weight = nn.Parameter(torch.empty(model.max_position_embeddings, model.hidden_size))
         normal_(self.weight, regularization.init_method_std, init_generator(init_seed))
 
-    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeddings: Any) -> Any:
+        embeddings, carried = documents.split(embeddings)
+        if carried:  # packed documents: each token at its position in its document
+            position = F.embedding(carried[0], self.weight)  # (b, s, h)
+            return documents.join(self.dropout(embeddings + position.to(embeddings.dtype)), carried)
         seq = embeddings.shape[1]  # this rank's tokens under Ulysses, from position `first`
         first = self.dropout.ulysses.rank * seq
         return self.dropout(embeddings + self.weight[first : first + seq].to(embeddings.dtype))
@@ -107,8 +118,9 @@ class EmbeddingDropout(_EmbeddingOutput):
     embedding (`--no-position-embedding`, e.g. with rotary embeddings); no parameters, the stream
     PositionEmbedding would use."""
 
-    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
-        return self.dropout(embeddings)
+    def forward(self, embeddings: Any) -> Any:
+        embeddings, carried = documents.split(embeddings)
+        return documents.join(self.dropout(embeddings), carried)
 
 
 class _SplitEmbeddingDropout(nn.Module):
@@ -147,8 +159,9 @@ class FinalNorm(nn.Module):
         del init_seed  # norms start at weight 1, bias 0
         self.norm = make_norm(model, tp)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.norm(hidden)
+    def forward(self, hidden: Any) -> torch.Tensor:
+        """The norm of the hidden states; packed documents' ids end here (the head needs none)."""
+        return self.norm(documents.split(hidden)[0])
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

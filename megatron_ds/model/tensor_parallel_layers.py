@@ -47,7 +47,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from megatron_ds.config import Config, ModelConfig, RegularizationConfig
-from megatron_ds.model import megatron_core_cpu, naming, rng, weight_grad
+from megatron_ds.model import documents, megatron_core_cpu, naming, rng, weight_grad
 from megatron_ds.model.init import draw_normal, gather_fused, init_generator, shard_fused
 from megatron_ds.model.tensor_parallel_rank import TensorParallel
 
@@ -261,6 +261,11 @@ class VocabParallelWordEmbedding(VocabParallelEmbedding):
             model.vocab_size, model.hidden_size, init_method=_copy_of(full), config=_layer_config(tp), tp_group=tp.group
         )
         self.sequence_first = tp.sequence_parallel
+
+    def forward(self, x: Any) -> Any:  # type: ignore[override]
+        """Tokens (b, s) -> (b, s, h); packed documents' ids pass through (`model.documents`)."""
+        tokens, ids = documents.split(x)
+        return documents.join(super().forward(tokens), ids)
 
     def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM head on the last stage: (b, s, h) -> vocabulary-parallel logits (b, s, v/T); under

@@ -25,6 +25,10 @@ Split sequences (the shapes in and out of the layer):
 Residual dropout of a part draws the whole tensor's mask (`rng.dropout`): the result does not depend
 on how the sequence is split.
 
+Packed documents (`megatron_ds.model.documents`): the layer takes and returns (x, position_ids, document_ids); rotary
+embeddings rotate each token by its position id, and with `document_mask` (`--reset-attention-mask`) SDPA takes the
+boolean mask "same document and not later" (b, 1, s, s), built here from the document ids, instead of `is_causal`.
+
 Selective recomputation (`selective_recompute`, Megatron's `--recompute-granularity selective`): the
 core attention (SDPA: scores, softmax, attention dropout, the product with v) runs under DeepSpeed's
 activation checkpointing, which keeps q, k, v and replays the attention-dropout stream in backward.
@@ -34,13 +38,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.model import activations
+from megatron_ds.model import activations, documents
 from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
 from megatron_ds.model.layers import make_norm
 from megatron_ds.model.rng import Stream, dropout, register_streams
@@ -55,7 +60,7 @@ class TransformerLayer(nn.Module):
     (split sequences: see the module).
 
     The causal mask is applied inside (SDPA `is_causal`): nothing but the hidden states travels
-    between pipeline stages.
+    between pipeline stages, except the ids of packed documents (`megatron_ds.model.documents`).
     """
 
     def __init__(
@@ -66,8 +71,10 @@ class TransformerLayer(nn.Module):
         tp: TensorParallel = NO_TENSOR_PARALLEL,
         ulysses: UlyssesGroup = NO_ULYSSES,
         selective_recompute: bool = False,
+        document_mask: bool = False,
     ) -> None:
         super().__init__()
+        self.document_mask = document_mask
         nh, kv = model.num_attention_heads, model.kv_heads
         assert nh % tp.size == 0 and kv % tp.size == 0 and nh % kv == 0, (nh, kv, tp.size)
         self.num_local_heads = nh // tp.size
@@ -111,9 +118,12 @@ class TransformerLayer(nn.Module):
         stds = {"qkv": std, "proj": out_std, "fc1": std, "fc2": out_std}
         return tuple(draw_normal(shape, stds[name], gen) for name, shape in layer_linear_shapes(model).items())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._residual_dropout(self._attention(self.input_norm(x)))
-        return x + self._residual_dropout(self.mlp(x))
+    def forward(self, x: Any) -> Any:
+        x, ids = documents.split(x)
+        positions = ids[0] if ids else None
+        mask = documents.attention_mask(ids[1]) if ids and self.document_mask else None
+        x = x + self._residual_dropout(self._attention(self.input_norm(x), positions, mask))
+        return documents.join(x + self._residual_dropout(self.mlp(x)), ids)
 
     def _residual_dropout(self, y: torch.Tensor) -> torch.Tensor:
         return dropout(y, self.hidden_dropout, self.training, self.hidden_stream, self.shard)
@@ -123,9 +133,10 @@ class TransformerLayer(nn.Module):
         return self.fc2(self.activation(self.fc1(self.post_attention_norm(x))))
 
     def attention_heads(
-        self, normed: torch.Tensor, first_position: int = 0
+        self, normed: torch.Tensor, first_position: int = 0, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (b, nh/T, s, hd) and k, v (b, kv/T, s, hd) of tokens at positions first_position.. (rotary applied).
+        """q (b, nh/T, s, hd) and k, v (b, kv/T, s, hd) of tokens at positions first_position.. (rotary applied),
+        or at `positions` (b, s) (packed documents' position ids).
 
         Inference with a KV cache calls this with the position of its first new token.
         """
@@ -137,37 +148,52 @@ class TransformerLayer(nn.Module):
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(b, s, nq, hd).transpose(1, 2)  # (b, nh/T, s, hd)
         k, v = (t.view(b, s, nkv, hd).transpose(1, 2) for t in (k, v))  # each (b, kv/T, s, hd)
-        if self.rotary:
+        if self.rotary and positions is not None:  # (s, r) angles looked up per token: (b, 1, s, r)
+            angles = rotary_angles(s, self.rotary_dim, q.device, self.rotary_base, self.rope_scaling_factor)
+            angles = F.embedding(positions, angles).unsqueeze(1)
+            q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        elif self.rotary:
             angles = rotary_angles(
                 first_position + s, self.rotary_dim, q.device, self.rotary_base, self.rope_scaling_factor
             )[first_position:]
             q, k = apply_rotary(q, angles), apply_rotary(k, angles)
         return q, k, v
 
-    def _attention(self, normed: torch.Tensor) -> torch.Tensor:
-        # Ulysses: this rank's tokens (b, s/N, h) start at position rank x s/N.
-        q, k, v = self.attention_heads(normed, self.ulysses.rank * normed.shape[1] if self.ulysses.size > 1 else 0)
+    def _attention(
+        self, normed: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # Ulysses: this rank's tokens (b, s/N, h) start at position rank x s/N (packed documents are refused there).
+        first = self.ulysses.rank * normed.shape[1] if self.ulysses.size > 1 else 0
+        q, k, v = self.attention_heads(normed, first, positions)
         b, nq, s, hd = q.shape
         if self.ulysses.size > 1:
             from megatron_ds.model.ulysses import distributed_attention
 
             attn = distributed_attention(self.ulysses, self._attend, q, k, v)
         else:
-            attn = self._attend(q, k, v)
+            attn = self._attend(q, k, v, mask)
         if self.sequence_first:  # (b, nh/T, s, hd) -> (s, b, nh/T x hd): proj reduce-scatters the sequence
             return self.proj(attn.permute(2, 0, 1, 3).reshape(s, b, nq * hd))
         return self.proj(attn.transpose(1, 2).reshape(b, s, nq * hd))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The core attention of (b, heads, s, hd) q, k, v; recomputed in backward under selective recomputation."""
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The core attention of (b, heads, s, hd) q, k, v (causal, or under `mask` (b, 1, s, s)); recomputed in
+        backward under selective recomputation."""
+        masks = () if mask is None else (mask,)
         if self.selective_recompute and self.training and torch.is_grad_enabled():
             from deepspeed.runtime.activation_checkpointing import checkpointing
 
-            return checkpointing.checkpoint(self._core_attention, q, k, v)
-        return self._core_attention(q, k, v)
+            return checkpointing.checkpoint(self._core_attention, q, k, v, *masks)
+        return self._core_attention(q, k, v, *masks)
 
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         p = self.attention_dropout if self.training else 0.0
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}  # query head i uses kv head i // (nq / nkv)
+        # without a mask, SDPA's causal path; a document mask is causal already (True: attend)
+        causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
         with self.attention_stream.fork() if p > 0.0 else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **causal, **gqa)

@@ -1,0 +1,167 @@
+"""Packed documents (`--reset-position-ids`, `--reset-attention-mask`): the position ids and attention mask equal
+upstream's own functions (megatron-core's, imported; Megatron-DeepSpeed's, recorded by
+tools/record_ltor_masks.py from its own code), and a packed sample's logits equal each document's run alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.data.packed_documents import PackedDocuments, document_structure
+from megatron_ds.model import documents, naming
+from megatron_ds.model.gpt_pipe import build_layer_specs
+
+FIXTURE = Path(__file__).parent / "fixtures" / "megatron_deepspeed_ltor_masks.json"
+EOD = 7
+FLAGS = [(True, False), (False, True), (True, True)]
+
+
+def random_rows(seed: int, rows: int = 4, seq: int = 24) -> torch.Tensor:
+    """Token rows over 10 ids, so that EOD (7) occurs several times per row; one row ends with EOD, one starts."""
+    tokens = torch.randint(0, 10, (rows, seq), generator=torch.Generator().manual_seed(seed))
+    tokens[:, seq // 3] = EOD  # at least one in every row
+    tokens[0, -1] = EOD
+    tokens[1, 0] = EOD
+    return tokens
+
+
+def our_mask(tokens: torch.Tensor, reset_position_ids: bool, reset_attention_mask: bool) -> torch.Tensor:
+    """Ours as upstream's convention: True where attention is masked out, (b, 1, s, s); causal without the flag."""
+    _, doc = document_structure(tokens, EOD, reset_position_ids, reset_attention_mask)
+    return ~documents.attention_mask(doc)
+
+
+@pytest.mark.parametrize(("reset_position_ids", "reset_attention_mask"), FLAGS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_equals_megatron_core(seed: int, reset_position_ids: bool, reset_attention_mask: bool) -> None:
+    tokens = random_rows(seed)
+    assert int((tokens == EOD).sum(1).min()) >= 1 and int((tokens == EOD).sum()) > 2 * tokens.shape[0]
+    positions, _ = document_structure(tokens, EOD, reset_position_ids, reset_attention_mask)
+    mask = our_mask(tokens, reset_position_ids, reset_attention_mask)
+    for row in range(tokens.shape[0]):  # megatron-core's works on one sample
+        ref_mask, _, ref_positions = _get_ltor_masks_and_position_ids(
+            tokens[row].clone(), EOD, reset_position_ids, reset_attention_mask, False, True
+        )
+        assert torch.equal(positions[row], ref_positions)
+        assert torch.equal(mask[row], ref_mask)
+
+
+def as_text(mask: torch.Tensor) -> list[list[str]]:
+    """A (b, 1, s, s) boolean mask as the fixture stores it: per row, per query, "1" where a key is masked out."""
+    return [["".join("1" if m else "0" for m in query) for query in row[0].tolist()] for row in mask]
+
+
+CASES = json.loads(FIXTURE.read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+def test_equals_megatron_deepspeed(case: dict) -> None:
+    tokens = torch.tensor(case["tokens"])
+    assert int((tokens == case["eod"]).sum()) > 2 * tokens.shape[0]  # several documents per row
+    rp, ram = case["reset_position_ids"], case["reset_attention_mask"]
+    positions, doc = document_structure(tokens, case["eod"], rp, ram)
+    assert positions.tolist() == case["position_ids"]
+    assert as_text(~documents.attention_mask(doc)) == case["attention_mask"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+def test_upstreams_agree(case: dict) -> None:
+    """megatron-core's function (one sample) gives Megatron-DeepSpeed's recorded rows: the two upstreams agree on
+    positions and mask, including an EOD at the last index (so --data-upstream changes nothing here)."""
+    for row, tokens in enumerate(torch.tensor(case["tokens"])):
+        mask, _, positions = _get_ltor_masks_and_position_ids(
+            tokens, case["eod"], case["reset_position_ids"], case["reset_attention_mask"], False, True
+        )
+        assert positions.tolist() == case["position_ids"][row]
+        assert as_text(mask.unsqueeze(0))[0] == case["attention_mask"][row]
+
+
+def test_without_flags_positions_run_and_one_document() -> None:
+    tokens = random_rows(0)
+    positions, doc = PackedDocuments(EOD, False, False).structure(tokens)
+    assert torch.equal(positions, torch.arange(tokens.shape[1]).expand_as(tokens))
+    assert not doc.any()
+
+
+def test_batches_carry_the_ids() -> None:
+    tokens = random_rows(3)
+    labels = (tokens.roll(-1, 1), torch.ones(tokens.shape))
+    packed = PackedDocuments(EOD, True, True)
+    ((t, pos, doc), lab) = next(packed.batches(iter([((tokens,), labels)])))
+    assert t is tokens and lab is labels
+    assert torch.equal(pos, packed.structure(tokens)[0]) and torch.equal(doc, packed.structure(tokens)[1])
+
+
+MODELS = {
+    "learned": ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
+        max_position_embeddings=16, vocab_size=64,
+    ),
+    "llama": ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=64,
+        seq_length=16, max_position_embeddings=16, vocab_size=64, activation="swiglu",
+        use_rotary_position_embeddings=True, add_position_embedding=False, normalization="rmsnorm",
+        add_bias_linear=False,
+    ),
+}  # fmt: skip
+
+
+def logits(model: ModelConfig, x: object, document_mask: bool) -> torch.Tensor:
+    """The spec list run in one process (as one pipeline stage runs it) on `x`."""
+    torch.manual_seed(0)
+    specs = build_layer_specs(model, RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0), 1234,
+                              document_mask=document_mask)  # fmt: skip
+    modules = [s.build() if hasattr(s, "build") else s for s in specs]
+    embedding = modules[naming.gpt_spec_groups(model).pre.index(naming.WORD_EMBEDDING)]
+    with torch.no_grad():
+        for spec, module in zip(specs, modules):
+            fn = getattr(spec, "forward_fn", None)
+            x = fn(embedding, x) if fn else module(x)
+    return x
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_packed_sample_equals_each_document_alone(name: str) -> None:
+    """Two documents packed in one sample with both flags: each document's logits equal its own run from
+    position 0 (within 1e-6 in fp32); without --reset-attention-mask the second document's differ."""
+    model = MODELS[name]
+    gen = torch.Generator().manual_seed(5)
+    first = torch.randint(0, EOD, (1, 6), generator=gen)
+    first[0, -1] = EOD  # the first document ends with its EOD
+    second = torch.randint(0, EOD, (1, 10), generator=gen)
+    packed = torch.cat([first, second], dim=1)
+    both = PackedDocuments(EOD, True, True)
+    out = logits(model, (packed, *both.structure(packed)), True)
+    alone = [logits(model, doc, False) for doc in (first, second)]
+    torch.testing.assert_close(out[:, :6], alone[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out[:, 6:], alone[1], rtol=0, atol=1e-6)
+    positions_only = PackedDocuments(EOD, True, False)
+    mixed = logits(model, (packed, *positions_only.structure(packed)), False)
+    assert (mixed[:, 6:] - alone[1]).abs().max() > 1e-3
+
+
+def test_no_flags_keep_the_causal_path() -> None:
+    """Without packed documents a layer takes and returns a tensor, and SDPA gets is_causal (no mask)."""
+    from unittest import mock
+
+    model = MODELS["llama"]
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    tokens = torch.randint(0, EOD, (2, 16), generator=torch.Generator().manual_seed(1))
+    with mock.patch("torch.nn.functional.scaled_dot_product_attention", spy):
+        out = logits(model, tokens, False)
+        assert isinstance(out, torch.Tensor)
+        assert calls and all(c.get("is_causal") is True and "attn_mask" not in c for c in calls)
+        calls.clear()
+        logits(model, (tokens, *PackedDocuments(EOD, True, True).structure(tokens)), True)
+        assert calls and all("is_causal" not in c and c["attn_mask"].dtype == torch.bool for c in calls)
