@@ -146,6 +146,13 @@ class DataConfig:
                 f"--tokenizer-type {self.tokenizer_type}: finetune_llama.py tokenizes its prompts with "
                 "--tokenizer-type HFTokenizer (Megatron-DeepSpeed's); use it with --tokenizer-model DIR",
             )
+            given = [f for f, on in (("--reset-position-ids", self.reset_position_ids),
+                                     ("--reset-attention-mask", self.reset_attention_mask)) if on]  # fmt: skip
+            check(
+                not given,
+                f"{' and '.join(given)} with finetune_llama.py's examples (--prompt-data): each example is one "
+                f"sample here, with no packed documents to reset at; drop {' and '.join(given)}",
+            )
 
     @property
     def split_paths(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:

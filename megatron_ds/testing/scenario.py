@@ -88,7 +88,8 @@ def synthetic_sample(seed: int, index: int, seq_length: int, vocab_size: int) ->
 
 
 def micro_batches(config: Config, step: int, dp_rank: int, loss_mask: str = "ones"):
-    """Yield ((tokens,), (labels, loss_mask)) micro-batches of `step` for data-parallel rank `dp_rank`.
+    """Yield ((tokens,), (labels, loss_mask)) micro-batches of `step` for data-parallel rank `dp_rank` (with packed
+    documents ((tokens, position_ids, document_ids), ...): `packed_documents`).
 
     Megatron's sampler order: micro-batch j of rank d holds samples (j * dp + d) * mbs + [0, mbs).
     `loss_mask="partial"` zeroes the mask on every fourth token (offset by sample).
@@ -105,7 +106,25 @@ def micro_batches(config: Config, step: int, dp_rank: int, loss_mask: str = "one
         if loss_mask == "partial":
             sample = first + torch.arange(rows.shape[0]).unsqueeze(1)
             mask[(sample + torch.arange(m.seq_length)) % 4 == 0] = 0.0
-        yield rows[:, :-1].contiguous(), (rows[:, 1:].contiguous(), mask)
+        documents = packed_documents(config)
+        if documents is None:
+            yield rows[:, :-1].contiguous(), (rows[:, 1:].contiguous(), mask)
+            continue
+        sample = first + torch.arange(rows.shape[0]).unsqueeze(1)
+        rows[(sample * 3 + torch.arange(m.seq_length + 1)) % 5 == 0] = documents.eod  # documents of 5 tokens
+        yield next(documents.batches(iter([(rows[:, :-1].contiguous(), (rows[:, 1:].contiguous(), mask))])))
+
+
+def packed_documents(config: Config):  # noqa: ANN201 - data.packed_documents.PackedDocuments | None
+    """Under the config's `--reset-position-ids` / `--reset-attention-mask`: the samples hold documents of five
+    tokens (the NullTokenizer's eod, the last id, every fifth token, offset by sample), and the micro-batches carry
+    (tokens, position_ids, document_ids) as the loop's data reader makes them."""
+    from megatron_ds.data.packed_documents import PackedDocuments
+
+    d = config.data
+    if not (d.reset_position_ids or d.reset_attention_mask):
+        return None
+    return PackedDocuments(config.model.vocab_size - 1, d.reset_position_ids, d.reset_attention_mask)
 
 
 def checksum(t: torch.Tensor) -> str:

@@ -54,6 +54,9 @@ class BatchReader:
     """The first or the last stage: the only stages whose `train_batch` reads micro-batches."""
     vocabulary: Any = None
     """The ids a sample may hold (`data.vocab_check.Vocabulary`), checked at every micro-batch; None: unchecked."""
+    documents: Any = None
+    """`data.packed_documents.PackedDocuments` under `--reset-position-ids` / `--reset-attention-mask`: every
+    micro-batch's inputs become (tokens, position_ids, document_ids); None: the tokens alone."""
 
     def batches(self, dataset: Any, start_sample: int, num_workers: int, repeat: bool = False) -> Iterator[Any] | None:
         """This rank's micro-batches of `dataset` from global sample `start_sample` (pass after pass with
@@ -62,7 +65,7 @@ class BatchReader:
 
         if dataset is None or not self.reads_data:
             return None
-        return pipeline_batches(
+        batches = pipeline_batches(
             dataset,
             self.micro_batch_size,
             self.data_parallel_rank,
@@ -73,6 +76,7 @@ class BatchReader:
             repeat,
             vocabulary=self.vocabulary,
         )
+        return batches if self.documents is None else self.documents.batches(batches)
 
 
 @dataclass
@@ -129,7 +133,7 @@ def build_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
     import torch.distributed as dist
 
     bad = BadData() if dist.is_initialized() and dist.get_world_size() > 1 else None
-    reader = _reader(cfg, engine, vocabulary(cfg, bad))
+    reader = _reader(cfg, engine, vocabulary(cfg, bad), packed_documents(cfg, tokenizer))
     return RunData(
         train=reader.batches(train, state.consumed_train_samples, cfg.data.num_workers),
         valid=reader.batches(valid, state.consumed_valid_samples, 0),
@@ -140,7 +144,21 @@ def build_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:
     )
 
 
-def _reader(cfg: Config, engine: Any, vocabulary: Any = None) -> BatchReader:
+def packed_documents(cfg: Config, tokenizer: Any) -> Any:
+    """What the micro-batches carry for `--reset-position-ids` / `--reset-attention-mask` (None without them): the
+    end-of-document id is the tokenizer's `eod`, as upstream's get_batch reads it (without --tokenizer-type, mock
+    data's NullTokenizer's: its last id)."""
+    from megatron_ds.data.packed_documents import PackedDocuments
+    from megatron_ds.data.tokenizer import NullTokenizer
+
+    d = cfg.data
+    if not (d.reset_position_ids or d.reset_attention_mask):
+        return None
+    eod = (tokenizer or NullTokenizer(d.unpadded_vocab_size or cfg.model.vocab_size)).eod
+    return PackedDocuments(eod, d.reset_position_ids, d.reset_attention_mask)
+
+
+def _reader(cfg: Config, engine: Any, vocabulary: Any = None, documents: Any = None) -> BatchReader:
     return BatchReader(
         micro_batch_size=cfg.training.micro_batch_size,
         data_parallel_rank=engine.grid.get_data_parallel_rank(),
@@ -148,6 +166,7 @@ def _reader(cfg: Config, engine: Any, vocabulary: Any = None) -> BatchReader:
         seed=cfg.training.seed,
         reads_data=engine.is_first_stage() or engine.is_last_stage(),
         vocabulary=vocabulary,
+        documents=documents,
     )
 
 

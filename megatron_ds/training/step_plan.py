@@ -99,8 +99,13 @@ class StepPlan:
             yield batch
 
     def _cut(self, batches: Iterator[Any]) -> Iterator[Any]:
-        for tokens, (labels, loss_mask) in batches:
+        for inputs, (labels, loss_mask) in batches:
             n = self.length
-            if n < tokens.shape[1]:
-                tokens, labels, loss_mask = (t[:, :n].contiguous() for t in (tokens, labels, loss_mask))
-            yield tokens, (labels, loss_mask)
+            if n < labels.shape[1]:  # the tokens, or packed documents' (tokens, position_ids, document_ids)
+                inputs = (
+                    tuple(t[:, :n].contiguous() for t in inputs)
+                    if isinstance(inputs, tuple)
+                    else inputs[:, :n].contiguous()
+                )
+                labels, loss_mask = (t[:, :n].contiguous() for t in (labels, loss_mask))
+            yield inputs, (labels, loss_mask)

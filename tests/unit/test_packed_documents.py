@@ -165,3 +165,70 @@ def test_no_flags_keep_the_causal_path() -> None:
         calls.clear()
         logits(model, (tokens, *PackedDocuments(EOD, True, True).structure(tokens)), True)
         assert calls and all("is_causal" not in c and c["attn_mask"].dtype == torch.bool for c in calls)
+
+
+ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--vocab-size", "1000", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "10",
+        "--lr", "1e-3"]  # fmt: skip
+
+
+def test_flags_map_onto_the_config() -> None:
+    from megatron_ds.flags.parser import parse_config
+
+    data = parse_config(ARGS, world_size=1)[0].data
+    assert (data.reset_position_ids, data.reset_attention_mask) == (False, False)
+    data = parse_config([*ARGS, "--reset-position-ids", "--reset-attention-mask"], world_size=1)[0].data
+    assert (data.reset_position_ids, data.reset_attention_mask) == (True, True)
+    data = parse_config([*ARGS, "--reset-attention-mask"], world_size=1)[0].data
+    assert (data.reset_position_ids, data.reset_attention_mask) == (False, True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "world", "message"),
+    [
+        (["--reset-attention-mask", "--ds-sequence-parallel-size", "2", "--zero-stage", "2"], 2,
+         "--reset-attention-mask with --ds-sequence-parallel-size 2: DeepSpeed-Ulysses splits"),
+        (["--reset-position-ids", "--reset-attention-mask", "--ds-sequence-parallel-size", "2", "--zero-stage", "2"], 2,
+         "--reset-position-ids and --reset-attention-mask with --ds-sequence-parallel-size 2"),
+    ],
+)  # fmt: skip
+def test_refusals_are_one_line(extra: list[str], world: int, message: str) -> None:
+    from megatron_ds.flags.parser import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as error:
+        parse_config([*ARGS, *extra], world_size=world)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    without = [a for a in extra if not a.startswith("--reset-")]
+    parse_config([*ARGS, *without], world_size=world)  # the same line without the flags is accepted
+
+
+@pytest.mark.parametrize("field", ["reset_position_ids", "reset_attention_mask"])
+def test_prompt_data_refuses_them(field: str) -> None:
+    from megatron_ds.config import DataConfig
+    from megatron_ds.errors import ConfigError
+
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ConfigError, match=f"^{flag} with finetune_llama.py's examples .--prompt-data.: [^\\n]*; drop"):
+        DataConfig(prompt_data=True, data_path=("x.json",), **{field: True})
+    DataConfig(prompt_data=True, data_path=("x.json",))
+
+
+def test_megatron_sequence_parallelism_is_accepted() -> None:
+    """Megatron's sequence parallelism gathers the sequence for attention: the whole sample's ids serve
+    (tests/dist/test_packed_documents_training.py trains it)."""
+    from megatron_ds.flags.parser import parse_config
+
+    argv = [*ARGS, "--reset-position-ids", "--reset-attention-mask", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel"]  # fmt: skip
+    assert parse_config(argv, world_size=2)[0].parallel.sequence_parallel
+
+
+def test_run_data_takes_the_eod_from_the_tokenizer() -> None:
+    from megatron_ds.data.tokenizer import NullTokenizer
+    from megatron_ds.flags.parser import parse_config
+    from megatron_ds.training.run_data import packed_documents
+
+    cfg = parse_config([*ARGS, "--reset-attention-mask"], world_size=1)[0]
+    assert packed_documents(cfg, NullTokenizer(1000, eod_id=5)) == PackedDocuments(5, False, True)
+    assert packed_documents(cfg, None).eod == NullTokenizer(1000).eod == 999  # mock data's default tokenizer
+    assert packed_documents(parse_config(ARGS, world_size=1)[0], None) is None
