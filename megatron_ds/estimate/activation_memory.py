@@ -28,6 +28,14 @@ recomputation drops what the core attention saves besides q, k, v (the 5as/h ter
 the log-sum-exp on the flash path), giving sbh/t x 34 with sequence parallelism. DeepSpeed-Ulysses
 splits every tensor N ways: the sequence outside attention, the heads inside it; its attention
 output comes back from the all-to-all as a tensor of its own, beside the one the flash kernel saves.
+
+Packed documents (`--reset-attention-mask`): SDPA gets a boolean (b, 1, s, s) mask instead of `is_causal`. The
+fused kernels save it converted to the compute dtype, b*s*s*w bytes per layer, the same on every tensor rank (it has
+one head); the math path saves nothing more (its softmax output already holds the masked scores); selective
+recomputation keeps the boolean mask, b*s*s bytes, as an input of the recomputed core attention (measured on CPU:
+flash path fp32 and bf16, math path, selective). With either packed-documents flag the two int64 id tensors
+(`DOCUMENT_ID_BYTES` per token) travel with every activation (pipe buffers, `transients.py`) and are kept by full
+recomputation with each checkpointed chunk's input.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ DEVICES = ("cuda", "cpu")
 ATTENTION_KINDS = ("flash", "math")
 TOKEN_ID_BYTES = 8  # int64 token ids and labels
 LOSS_MASK_BYTES = 4  # float32 loss mask
+DOCUMENT_ID_BYTES = 2 * 8  # packed documents: int64 position id and document id per token
 
 
 @dataclass(frozen=True)
@@ -121,10 +130,11 @@ def transformer_layer_terms(
     split: Split | int = 1,
     *,
     regularization: RegularizationConfig,
+    document_mask: bool = False,
 ) -> dict[str, float]:
     """Saved bytes of one TransformerLayer for one micro-batch, by tensor (Korthikanti Sec. 4.1 terms);
     dropout masks exist only when `regularization`'s probabilities are > 0. `split`: a `Split`, or the
-    tensor-parallel size."""
+    tensor-parallel size. `document_mask`: `--reset-attention-mask`'s dense mask (module docstring)."""
     sp = as_split(split)
     b, s, h, f = micro_batch_size, model.seq_length, model.hidden_size, model.ffn_hidden_size
     r, t, a = sp.replicated, sp.split, model.num_attention_heads
@@ -145,7 +155,18 @@ def transformer_layer_terms(
         "fc2 input": s * b * f * k.w / t,
     }
     terms.update(_attention_terms(b, s, h, a, sp, k, drop_a))
+    if document_mask:
+        terms["document mask"] = document_mask_bytes(b, s, k, sp)
     return terms
+
+
+def document_mask_bytes(b: int, s: int, k: Kernels, split: Split) -> float:
+    """What one layer keeps of `--reset-attention-mask`'s (b, 1, s, s) mask (module docstring): the boolean mask
+    under selective recomputation, the fused kernels' copy in the compute dtype, nothing on the math path. Ulysses
+    is refused with the flag; under sequence parallelism attention sees the whole sequence."""
+    if split.selective:
+        return float(b * s * s)
+    return float(b * s * s * k.w) if k.attention == "flash" else 0.0
 
 
 def _attention_terms(b: int, s: int, h: int, a: int, sp: Split, k: Kernels, dropout: bool) -> dict[str, float]:
@@ -232,10 +253,14 @@ def korthikanti_layer_bytes(
     return s * b * h * (10 + 24 / t + scores / t)
 
 
-def checkpointed_layer_bytes(model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split | int = 1) -> float:
+def checkpointed_layer_bytes(
+    model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split | int = 1, document_ids: bool = False
+) -> float:
     """With full recomputation only a chunk's input survives: 2sbh in the paper's 16-bit terms (sbh/t with
-    sequence parallelism, sbh/N under Ulysses: the layer's input is this rank's part)."""
-    return model.seq_length * micro_batch_size * model.hidden_size * k.w / as_split(split).replicated
+    sequence parallelism, sbh/N under Ulysses: the layer's input is this rank's part); with packed documents'
+    `document_ids` also the whole sample's two int64 id tensors."""
+    ids = model.seq_length * micro_batch_size * DOCUMENT_ID_BYTES if document_ids else 0
+    return model.seq_length * micro_batch_size * model.hidden_size * k.w / as_split(split).replicated + ids
 
 
 def pre_terms(

@@ -59,6 +59,11 @@ class MemoryInputs:
     optimizer kernel runs (`model_states.OPTIMIZER_KERNEL`)."""
     attention: str | None = None
     """`flash`, `math`, or None for what torch's SDPA picks on `device`."""
+    document_ids: bool = False
+    """Packed documents (`--reset-position-ids` or `--reset-attention-mask`): two int64 ids per token travel with
+    every activation between stages and into each recomputed chunk."""
+    document_mask: bool = False
+    """`--reset-attention-mask`: every layer's attention takes a dense (b, 1, s, s) mask (`act.document_mask_bytes`)."""
     regularization: RegularizationConfig = RegularizationConfig()
     """The run's dropout (which masks are saved, which attention kernel runs); Megatron's defaults
     (0.1) unless given, as the planner assumes."""

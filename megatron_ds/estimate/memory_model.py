@@ -77,7 +77,9 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
     split = inputs.split
     pre = act.pre_terms(m, b, k, regularization=inputs.regularization, split=split)
     terms = {**pre, **act.post_terms(m, b, k, head, split)}
-    layer_terms = act.transformer_layer_terms(m, b, k, split, regularization=inputs.regularization)
+    layer_terms = act.transformer_layer_terms(
+        m, b, k, split, regularization=inputs.regularization, document_mask=inputs.document_mask
+    )
     out: list[SpecMemory] = []
     body: SpecMemory | None = None  # every transformer layer's figures are the same: made once
     for idx, name in enumerate(groups.names):
@@ -107,7 +109,9 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
                 optimizer=fac.optimizer(n, dp),
                 host=fac.host(n, dp),
                 activations=saved,
-                checkpointed_activations=act.checkpointed_layer_bytes(m, b, k, split) if group == "body" else saved,
+                checkpointed_activations=(
+                    act.checkpointed_layer_bytes(m, b, k, split, inputs.document_ids) if group == "body" else saved
+                ),
                 activation_terms=dict(spec_terms),
                 tied=name == naming.TIED_LM_HEAD,
                 no_decay_params=n_no_decay,

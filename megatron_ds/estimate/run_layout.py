@@ -57,6 +57,8 @@ def memory_inputs(config: Config, machine: Machine) -> MemoryInputs:
         device=machine.device,
         schedule=par.pipeline_schedule,
         virtual_stages=par.virtual_stages,
+        document_ids=config.data.reset_position_ids or config.data.reset_attention_mask,
+        document_mask=config.data.reset_attention_mask,
     )
 
 

@@ -193,6 +193,11 @@ def gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, nu
     return inputs.factors.gathered * max((sp.largest_param for sp in held), default=0) + prefetch
 
 
+def _document_ids(inputs: MemoryInputs, tokens: int) -> float:
+    """Packed documents' ids beside `tokens` tokens (`model/documents.py`); 0 without them."""
+    return float(tokens * act.DOCUMENT_ID_BYTES) if inputs.document_ids else 0.0
+
+
 def chunk_pipe_buffers(inputs: MemoryInputs, rank: int, num_ranks: int, flight: tuple[int, ...]) -> tuple[float, float]:
     """`pipe_buffers` for v model chunks per rank (`training/interleaved.py`), with `flight[c]`
     micro-batches in flight on chunk c: each buffer is freed after its last use, so every chunk holds
@@ -200,13 +205,14 @@ def chunk_pipe_buffers(inputs: MemoryInputs, rank: int, num_ranks: int, flight: 
     last flat stage's are the fp32 logits), token ids (flat stage 0) and labels (the last); the rank
     keeps one persistent receive buffer for activations and one for gradients (DeepSpeed's)."""
     m, v = inputs.model, len(flight)
-    hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
     tokens = m.seq_length * inputs.micro_batch_size
+    hidden = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
+    hidden += _document_ids(inputs, tokens)
     last = v * num_ranks - 1
     total, persistent = 2 * hidden, 2 * hidden
     for c, n in enumerate(flight):
         flat = c * num_ranks + rank
-        total += n * hidden if flat > 0 else n * tokens * act.TOKEN_ID_BYTES
+        total += n * hidden if flat > 0 else n * (tokens * act.TOKEN_ID_BYTES + _document_ids(inputs, tokens))
         if flat < last:
             total += n * hidden
         else:
@@ -234,14 +240,16 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
     * token ids on the first stage, labels and loss mask on the last, kept in every slot used;
     * under sequence parallelism each message is this rank's part of the sequence (sent whole: the
       engine's own partitioning is off), and a column-parallel linear's all-gathered (s, b, h) input is
-      alive in each backward.
+      alive in each backward;
+    * with packed documents every activation buffer and the first stage's inputs also hold the whole
+      sample's two int64 id tensors (`act.DOCUMENT_ID_BYTES` per token).
     """
     m, mb = inputs.model, inputs.num_micro_batches
     whole = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
-    hidden = whole / inputs.split.replicated  # sequence parallelism sends each rank's part
     tokens = m.seq_length * inputs.micro_batch_size
+    hidden = whole / inputs.split.replicated + _document_ids(inputs, tokens)  # sequence parallelism: the part
     if inputs.engine == "plain":  # the micro-batch it loaded: tokens, labels, loss mask (Ulysses: views of them)
-        loaded = tokens * (2 * act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
+        loaded = tokens * (2 * act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES) + _document_ids(inputs, tokens)
         return loaded, loaded
     schedule = inputs.pipeline_schedule
     slots = min(pipeline_schedules.pipe_buffers(schedule, mb, num_stages, stage), mb)
@@ -258,8 +266,8 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
         total += logits
         persistent += logits
     if stage == 0:
-        total += slots * tokens * act.TOKEN_ID_BYTES
-        persistent += slots * tokens * act.TOKEN_ID_BYTES
+        total += slots * (tokens * act.TOKEN_ID_BYTES + _document_ids(inputs, tokens))
+        persistent += slots * (tokens * act.TOKEN_ID_BYTES + _document_ids(inputs, tokens))
     if stage == num_stages - 1:
         total += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
         persistent += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
