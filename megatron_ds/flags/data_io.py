@@ -129,7 +129,8 @@ DATA: tuple[Flag, ...] = (
         "--reset-position-ids",
         _DATA,
         "position ids restart at 0 after each end-of-document token (the tokenizer's eod) of a sample's input "
-        "tokens, for the position embedding and rotary embeddings; not in generation (as upstream's)",
+        "tokens, for the position embedding and rotary embeddings; not in generation (as upstream's); refused with "
+        "--ds-sequence-parallel-size > 1 and --prompt-data",
         "data.reset_position_ids",
     ),
     switch(
@@ -155,7 +156,7 @@ DATA: tuple[Flag, ...] = (
         _DATA,
         "tokens after an end-of-document token (the tokenizer's eod) attend to nothing at or before it: each packed "
         "document attends within itself, through a dense (b, 1, s, s) mask instead of SDPA's causal fast path; not "
-        "in generation (as upstream's); refused with --ds-sequence-parallel-size > 1",
+        "in generation (as upstream's); refused with --ds-sequence-parallel-size > 1 and --prompt-data",
         "data.reset_attention_mask",
     ),
     accepted(
