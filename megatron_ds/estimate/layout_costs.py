@@ -31,14 +31,15 @@ GFLOP = 1e9
 
 def compute_inputs(mem: MemoryInputs) -> ComputeInputs:
     """The compute model's inputs for the run the memory model describes. Causal attention is
-    counted as the triangle when the flash kernel runs (it skips the blocks above the diagonal)."""
+    counted as the triangle when the flash kernel runs (it skips the blocks above the diagonal), the whole
+    square under `--reset-attention-mask`'s explicit mask (a masked kernel computes every block)."""
     return ComputeInputs(
         mem.model,
         micro_batch_size=mem.micro_batch_size,
         tensor_parallel_size=mem.tensor_parallel_size,
         checkpoint_activations=mem.checkpoint_activations,
         checkpoint_num_layers=mem.checkpoint_num_layers,
-        causal_attention=mem.kernels.attention == "flash",
+        causal_attention=mem.kernels.attention == "flash" and not mem.document_mask,
         selective_recompute=mem.selective_recompute,
         ulysses_size=mem.ulysses_size,
     )

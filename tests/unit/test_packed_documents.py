@@ -270,3 +270,16 @@ def test_memory_model_counts_the_ids_between_stages() -> None:
         more = [a - b for a, b in zip(pipe_buffers(packed, stage, 3), pipe_buffers(base, stage, 3))]
         assert all(x > 0 and x % ids == 0 for x in more), (stage, more)  # whole buffers of ids, none forgotten
         assert more[0] >= more[1]
+
+
+def test_flop_costs_count_the_whole_square_under_the_mask() -> None:
+    """A kernel given an explicit mask computes every block: the layout's FLOP costs drop the causal triangle."""
+    from megatron_ds.estimate.layout_costs import compute_inputs
+    from megatron_ds.estimate.memory_inputs import MemoryInputs
+
+    base = MemoryInputs(model=MODELS["learned"], micro_batch_size=2, num_micro_batches=4, device="cuda")
+    assert compute_inputs(base).causal_attention
+    assert compute_inputs(MemoryInputs(**{**base.__dict__, "document_ids": True})).causal_attention
+    assert not compute_inputs(
+        MemoryInputs(**{**base.__dict__, "document_ids": True, "document_mask": True})
+    ).causal_attention
