@@ -339,7 +339,9 @@ DATA: tuple[Flag, ...] = (
     no_op(
         "--no-create-attention-mask-in-dataloader",
         _DATA,
-        f"{_MLM}: the loader never builds an attention mask here (attention is causal inside the model)",
+        f"{_MLM}: the loader never builds an attention mask here (attention is causal inside the model; "
+        "--reset-attention-mask's mask is built in each layer from document ids); refused with "
+        "--reset-attention-mask, which Megatron-LM then ignores",
     ),
     accepted(
         "--null-tokenizer-eod-id",

@@ -116,6 +116,11 @@ def data_config(args: argparse.Namespace, direct: dict[str, Any]) -> DataConfig:
     direct = {**direct, **data_paths_from_files(args)}  # --data-args-path, --per-split-data-args-path
     if "data_path" in direct:
         direct = {**direct, "data_path": _aml_data_path(args, direct["data_path"])}
+    if getattr(args, "reset_attention_mask", False) and getattr(args, "no_create_attention_mask_in_dataloader", False):
+        raise ConfigError(
+            "--reset-attention-mask with --no-create-attention-mask-in-dataloader: Megatron-LM then builds no mask and "
+            "attends causally over the whole sample, ignoring --reset-attention-mask; drop one of them"
+        )
     return DataConfig(
         **direct,
         tokenizer_type=kind,

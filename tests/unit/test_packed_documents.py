@@ -202,6 +202,17 @@ def test_refusals_are_one_line(extra: list[str], world: int, message: str) -> No
     parse_config([*ARGS, *without], world_size=world)  # the same line without the flags is accepted
 
 
+def test_megatron_lm_without_dataloader_masks_is_refused() -> None:
+    """Megatron-LM's --no-create-attention-mask-in-dataloader makes it ignore --reset-attention-mask: named, not
+    silently run with a meaning it would not have there."""
+    from megatron_ds.flags.parser import ConfigError, parse_config
+
+    flag = "--no-create-attention-mask-in-dataloader"
+    with pytest.raises(ConfigError, match=f"^--reset-attention-mask with {flag}: [^\\n]*; drop one of them$"):
+        parse_config([*ARGS, "--reset-attention-mask", flag], world_size=1)
+    assert parse_config([*ARGS, "--reset-position-ids", flag], world_size=1)[0].data.reset_position_ids
+
+
 @pytest.mark.parametrize("field", ["reset_position_ids", "reset_attention_mask"])
 def test_prompt_data_refuses_them(field: str) -> None:
     from megatron_ds.config import DataConfig
