@@ -294,3 +294,55 @@ def test_flop_costs_count_the_whole_square_under_the_mask() -> None:
     assert not compute_inputs(
         MemoryInputs(**{**base.__dict__, "document_ids": True, "document_mask": True})
     ).causal_attention
+
+
+def test_curriculum_cut_keeps_each_prefix_its_ids(tmp_path: Path) -> None:
+    """The legacy curriculum cuts (tokens, position_ids, document_ids) together, and what it leaves equals the ids
+    of the cut tokens themselves (both are causal in the tokens), as upstream cuts its full sample's ids."""
+    from megatron_ds.flags.parser import parse_config
+    from megatron_ds.training.step_plan import StepPlan
+
+    schedule = {"difficulty": [8, 24], "max_step": [2]}
+    curriculum = {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": 24,
+                  "schedule_type": "fixed_discrete", "schedule_config": schedule}  # fmt: skip
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"curriculum_learning": curriculum}))
+    argv = [*ARGS[:6], "--seq-length", "24", *ARGS[8:], "--deepspeed_config", str(path), "--reset-position-ids",
+            "--reset-attention-mask"]  # fmt: skip
+    config = parse_config(argv, world_size=1)[0]
+
+    class Engine:
+        def train_batch_size(self) -> int:
+            return 8
+
+        def reset_activation_shape(self) -> None:
+            pass
+
+    plan = StepPlan(config, Engine())
+    packed = PackedDocuments(EOD, True, True)
+    tokens = random_rows(6, rows=2, seq=24)
+    labels = (tokens.roll(-1, 1), torch.ones(2, 24))
+    batches = plan.cut(packed.batches(iter([(tokens, labels)] * 3)))
+    state = type("S", (), {"iteration": 0, "consumed_train_samples": 0})()
+    plan.before_step(state)
+    (cut, positions, doc), (cut_labels, mask) = next(batches)
+    assert cut.shape == positions.shape == doc.shape == cut_labels.shape == mask.shape == (2, 8)
+    expected = packed.structure(tokens[:, :8])
+    assert torch.equal(positions, expected[0]) and torch.equal(doc, expected[1])
+
+
+def test_batch_reader_gives_every_split_the_ids() -> None:
+    """The loop's reader (train, validation and test all read through it) hands the engine packed inputs."""
+    from megatron_ds.data.mock_data import MockGPTData
+    from megatron_ds.training.run_data import BatchReader
+
+    data = MockGPTData(num_samples=8, seq_length=16, vocab_size=8, seed=3, split_index=0)
+    packed = PackedDocuments(7, True, True)
+    plain = BatchReader(micro_batch_size=2, data_parallel_rank=0, data_parallel_size=1, seed=3, reads_data=True)
+    reader = BatchReader(**{**plain.__dict__, "documents": packed})
+    for (tokens, labels), ((same, positions, doc), same_labels) in zip(
+        plain.batches(data, 0, 0), reader.batches(data, 0, 0)
+    ):
+        assert torch.equal(tokens, same) and torch.equal(labels[0], same_labels[0])
+        assert (tokens == 7).any() and torch.equal(positions, packed.structure(tokens)[0])
+        assert torch.equal(doc, packed.structure(tokens)[1])
