@@ -18,6 +18,8 @@ COMMON = [
     *("--mock-data --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --log-interval 1 --num-workers 0".split()),
     *("--no-log-memory --distributed-timeout-minutes 2 --pipeline-model-parallel-size 2".split()),
     *("--hidden-dropout 0 --attention-dropout 0 --seed 1234 --train-iters 6 --eval-iters 1 --eval-interval 2".split()),
+    # Megatron-LM's --num-virtual-stages-per-pipeline-rank would switch auto to its data rules (other mock samples)
+    *("--data-upstream megatron-deepspeed".split()),
 ]
 TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*lm loss: ([0-9.E+-]+)")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ds.data.mock_data import MDS_RULES_NOTICE
 from megatron_ds.testing.launch import run_torchrun
 from megatron_ds.training.logger import tensorboard_available
 
@@ -232,6 +233,7 @@ def test_resume_with_another_dropout_prints_a_notice(straight: dict) -> None:
         f"NOTICE: --no-load-optim: --load {straight['save']} (global_step6)'s weights, iteration and consumed "
         "samples are loaded, its optimizer and learning-rate schedule are not (Megatron-DeepSpeed's DeepSpeed path "
         "would load them anyway)",
+        MDS_RULES_NOTICE,
     ]
     assert "iteration        7/       7" in out.stdout
 

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_ds.data.mock_data import MDS_RULES_NOTICE
 from megatron_ds.testing.launch import Ranks, start_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +125,8 @@ def test_first_launch_starts_then_use_checkpoint_args_continues(tmp_path: Path) 
     notices = [ln for ln in first.stdout.splitlines() if ln.startswith("NOTICE")]
     assert notices == [
         f"NOTICE: --load {ckpt} holds no checkpoint yet: starting from scratch, as Megatron-DeepSpeed does "
-        "(--exit-on-missing-checkpoint makes this an error)"
+        "(--exit-on-missing-checkpoint makes this an error)",
+        MDS_RULES_NOTICE,
     ]
     again = single("--use-checkpoint-args", *schedule, "--train-iters", "3", "--save", ckpt, "--load", ckpt)
     assert again.returncode == 0, again.stderr[-3000:]  # no model flag given
