@@ -253,6 +253,17 @@ class TrainingConfig:
     """Recompute each layer's core attention (scores, softmax, attention dropout, the product with v) in
     backward and keep the rest (Megatron's `--recompute-activations`, `--recompute-granularity selective`);
     not with `checkpoint_activations` (one granularity, as in Megatron)."""
+    partition_activations: bool = False
+    """DeepSpeed's partitioned checkpoints (`--partition-activations` under `--deepspeed-activation-checkpointing`):
+    each tensor rank keeps 1/T of every recomputed chunk's input and all-gathers it for the recompute."""
+    contiguous_checkpointing: bool = False
+    """Partitioned checkpoints copied into preallocated buffers (`--contigious-checkpointing`, upstream's spelling)."""
+    checkpoint_in_cpu: bool = False
+    """Recomputed chunks' inputs kept in host memory until their recompute (`--checkpoint-in-cpu`)."""
+    synchronize_each_layer: bool = False
+    """Synchronize the device before and after every checkpointed call (`--synchronize-each-layer`)."""
+    profile_backward: bool = False
+    """Log each checkpointed call's forward and backward time (`--profile-backward`, DeepSpeed's timers)."""
     deepspeed_config: str | None = None
     """Optional user DeepSpeed JSON merged into the generated one (`--deepspeed_config`)."""
     exit_interval: int | None = None
@@ -324,6 +335,7 @@ class TrainingConfig:
         one_of("--zero-stage", self.zero_stage, ZERO_STAGES)
         self._check_offload()
         check(not (self.selective_recompute and self.checkpoint_activations), BOTH_RECOMPUTATIONS)
+        self._check_checkpoint_options()
         check(
             self.checkpoint_num_layers >= 1,
             f"layers per recomputed chunk (--checkpoint-num-layers / --recompute-num-layers) is "
@@ -336,6 +348,31 @@ class TrainingConfig:
         at_least("--manual-gc-interval", self.manual_gc_interval, 0)
         self._check_loss_scale()
         self._check_batch_schedule()
+
+    def _check_checkpoint_options(self) -> None:
+        """What DeepSpeed's checkpointing options need (`training.activation_checkpointing` configures them)."""
+        check(
+            self.partition_activations or not self.contiguous_checkpointing,
+            "--contigious-checkpointing needs --partition-activations: DeepSpeed keeps only partitioned checkpoints "
+            "in contiguous buffers (deepspeed.checkpointing.configure asserts it); add --partition-activations or "
+            "drop --contigious-checkpointing",
+        )
+        on = (("--partition-activations", self.partition_activations), ("--checkpoint-in-cpu", self.checkpoint_in_cpu))
+        given = [flag for flag, value in on if value]
+        if not given or self.checkpoint_activations:
+            return
+        check(
+            not self.selective_recompute,
+            f"{given[0]} with selective recomputation (--recompute-activations / --recompute-granularity "
+            f"selective): it configures full recomputation's checkpoints (each recomputed chunk's input, the same "
+            f"on every tensor rank); selective recomputation checkpoints each rank's own q, k and v, which "
+            f"partitioning would mix across tensor ranks; use --checkpoint-activations or drop {given[0]}",
+        )
+        check(
+            False,
+            f"{given[0]} needs full recomputation (--checkpoint-activations or --recompute-granularity full): it "
+            f"configures the checkpoints of recomputed chunks; add --checkpoint-activations or drop {given[0]}",
+        )
 
     def _from_json_forms(self) -> None:
         """Sections read back from a checkpoint's JSON hold lists and dicts: the frozen forms here."""

@@ -61,6 +61,7 @@ class Config:
             f"that are multiples of {mbs * dp}",
         )
         self._check_sequence_split()
+        self._check_partitioned_checkpoints()
         self.optimizer.check_schedule(self.training.train_iters, gbs, model.seq_length)
         curriculum = self.training.curriculum
         if curriculum is not None:
@@ -105,6 +106,18 @@ class Config:
                 f"{flag} {n} needs every sequence length divisible by {n}, but curriculum_learning gives "
                 f"{bad[0] if bad else 0}-token batches; make its lengths (and difficulty_step) multiples of {n}",
             )
+
+    def _check_partitioned_checkpoints(self) -> None:
+        """DeepSpeed's partitioned checkpoints assume the checkpointed input is the same on every tensor rank: each
+        keeps its 1/T and the recompute all-gathers the whole. Under sequence parallelism each rank's input is its own
+        part of the sequence already, so the gather would join pieces of different tensors."""
+        t = self.parallel.tensor_model_parallel_size
+        check(
+            not (self.training.partition_activations and self.parallel.sequence_parallel and t > 1),
+            f"--partition-activations with --sequence-parallel at --tensor-model-parallel-size {t}: each tensor rank's "
+            f"checkpointed input is already its own 1/{t} of the sequence, and DeepSpeed's partitioning assumes inputs "
+            f"equal on every tensor rank (its all-gather would join pieces of different tensors); drop one of them",
+        )
 
     def _check_no_document_reset(self, n: int) -> None:
         """Ulysses gives each rank 1/N of the tokens before attention; the document structure would have to follow

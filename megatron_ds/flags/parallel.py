@@ -5,15 +5,12 @@ from __future__ import annotations
 
 from megatron_ds.config import BACKENDS, DEDICATED_CHOICES
 from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.flags.checkpointing_flags import FLAGS as CHECKPOINTING_FLAGS
 from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, no_op, refused, switch
 from megatron_ds.pipeline.methods import partition_method_help
 
 _DIST, _DS = "distributed", "DeepSpeed, ZeRO, recompute"
 _DS_DP = "DeepSpeed's engine does the data-parallel gradient reduction; Megatron's DDP options do not apply"
-_DS_CKPT = (
-    "recomputation uses deepspeed.checkpointing with its defaults; partitioned, contiguous, CPU and "
-    "profiled checkpoints are not configured"
-)
 _ZERO_JSON = "ZeRO tuning lives in the DeepSpeed JSON; set the matching zero_optimization key in --deepspeed_config"
 _ZERO3 = "zero.Init's initial device; parameter offload is DeepSpeed's offload_param"
 _ZERO3_FIX = "use --offload-param cpu|nvme (with --zero-stage 3), which sets offload_param and partitions there"
@@ -262,17 +259,14 @@ DEEPSPEED: tuple[Flag, ...] = (
         derived=True,  # absent: the JSON's stage, else 0; --use-distributed-optimizer is 1
         choices=(0, 1, 2, 3),
     ),
-    no_op(
+    switch(
         "--deepspeed-activation-checkpointing",
         _DS,
-        "recomputation always goes through deepspeed.checkpointing; turn it on with --checkpoint-activations or "
+        "recomputation always goes through deepspeed.checkpointing; this flag, as in Megatron-DeepSpeed, makes the "
+        "five options below configure it. Recomputation itself is --checkpoint-activations or "
         "--recompute-granularity full (a warning says so when neither is given)",
     ),
-    refused("--partition-activations", _DS, _DS_CKPT),
-    refused("--contigious-checkpointing", _DS, _DS_CKPT),
-    refused("--checkpoint-in-cpu", _DS, _DS_CKPT),
-    refused("--synchronize-each-layer", _DS, _DS_CKPT),
-    refused("--profile-backward", _DS, _DS_CKPT),
+    *CHECKPOINTING_FLAGS,
     refused("--zero-reduce-scatter", _DS, _ZERO_JSON),
     refused("--zero-contigious-gradients", _DS, _ZERO_JSON),
     refused("--zero-reduce-bucket-size", _DS, _ZERO_JSON, takes=VALUE),

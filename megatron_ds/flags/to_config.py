@@ -34,7 +34,15 @@ from megatron_ds.config import (
 from megatron_ds.errors import ConfigError, LayoutError
 from megatron_ds.estimate.machine import Machine, for_layout
 from megatron_ds.estimate.run_layout import check_layout
-from megatron_ds.flags import compat, dry_run, model_flags, profiler_flags, schedule_flags, step_flags
+from megatron_ds.flags import (
+    checkpointing_flags,
+    compat,
+    dry_run,
+    model_flags,
+    profiler_flags,
+    schedule_flags,
+    step_flags,
+)
 from megatron_ds.flags.data_args_files import data_paths_from_files
 from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
@@ -340,6 +348,7 @@ def _training_config(
         precision=precision,
         checkpoint_activations=recompute,
         checkpoint_num_layers=chunk,
+        **checkpointing_flags.checkpoint_options(args, recompute, selective),
         zero_stage=model_flags.zero_stage(args, absent=lambda: json_default(args, "zero_stage")),
         rampup_batch_size=step_flags.rampup(args),
         step_batch_size_schedule=schedule,
@@ -429,6 +438,7 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         checkpoint=CheckpointConfig(**direct.get("checkpoint", {})),
         logging=logging,
     )
+    checkpointing_flags.checkpoint_notices(config, machine)
     warning = None if machine is None else dry_run.runs_on_warning(config, machine, args.print_layout)
     if warning:
         warn(warning)

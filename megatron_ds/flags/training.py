@@ -9,8 +9,9 @@ _TRAIN, _LR, _MIXED, _VAL = "training", "learning rate", "mixed precision", "val
 _SDPA = "attention is torch's scaled_dot_product_attention, which picks flash/memory-efficient kernels itself"
 _NO_FUSION = "no hand-fused kernels here: the unfused torch ops compute the same function"
 _DS_CKPT = (
-    "recomputation uses deepspeed.checkpointing with its defaults; partitioned, contiguous, CPU and "
-    "profiled checkpoints are not configured"
+    "Megatron's own checkpoint function (which distributes the saved activations) is not used: recomputation goes "
+    "through deepspeed.checkpointing",
+    "use --deepspeed-activation-checkpointing --partition-activations (DeepSpeed's partitioned checkpoints)",
 )
 _UNIFORM_ONLY = "DeepSpeed's PipelineModule recomputes uniform chunks only"
 _FPDT_ONLY = "an FPDT setting, read only with --ds-sequence-parallel-fpdt (refused)"
@@ -221,8 +222,8 @@ TRAINING: tuple[Flag, ...] = (
         "training.selective_recompute",
         derived=True,
     ),
-    refused("--distribute-saved-activations", _TRAIN, _DS_CKPT),
-    refused("--distribute-checkpointed-activations", _TRAIN, _DS_CKPT),
+    refused("--distribute-saved-activations", _TRAIN, *_DS_CKPT),
+    refused("--distribute-checkpointed-activations", _TRAIN, *_DS_CKPT),
     switch(
         "--exit-signal-handler",
         _TRAIN,

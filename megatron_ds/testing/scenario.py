@@ -27,13 +27,15 @@ Optional scenario keys (all off by default):
                     launched with different flags, which the preflight agreement check must refuse)
     expect_build_error  true: an exception while building is recorded as "build_error" (the scenario
                     ends there)
+    eval            true: after every training step, an `eval_batch` over that step's micro-batches, its losses
+                    recorded as "eval_losses" (evaluation forwards between training steps)
     output_shapes   true: record the shape of what this stage's module returns in its first training
                     forward ("output_shape": what it sends on, e.g. (s/T, b, h) under sequence parallelism)
 
 Every result also records "layout_table" (the layout printout with spec names), the keys of the
 model's "tied_modules" and "tied_comms" (empty for an untied head), the "engine" class, and the
 model's parameter "elements" on this tensor rank with the "held_elements" this rank keeps (fewer under
-ZeRO-3, which partitions them).
+ZeRO-3, which partitions them), and how deepspeed.checkpointing is configured ("checkpointing").
 """
 
 from __future__ import annotations
@@ -200,6 +202,8 @@ def run_one(
         loss = pipeline.train_batch(iter(batches), label=f"train_batch of step {step}")
         losses.append(float(loss.item()))
         norms.append(pipeline.grad_norm())
+        if opts.get("eval"):
+            result.setdefault("eval_losses", []).append(float(engine.eval_batch(data_iter=iter(batches)).item()))
     if opts.get("checksums"):
         _record_checksums(result, "checksums_trained", pipeline.model)
     if opts.get("save"):
@@ -210,12 +214,28 @@ def run_one(
         save_load.save(engine, config, layout, done, opts["save"])
     emb_after = _embedding(pipeline.model)
     result.update({"losses": losses, "grad_norms": norms})
+    result["checkpointing"] = _checkpointing_state()
     store = getattr(engine, "weight_grads", None)
     result["deferred_weight_grads"] = 0 if store is None else store.deferred
     if emb_after is not None:
         result["embedding_checksum"] = checksum(emb_after)
         result["embedding_changed"] = bool(not torch.equal(emb_before, emb_after))
     return result
+
+
+def _checkpointing_state() -> dict[str, Any]:
+    """How deepspeed.checkpointing is configured in this process (`training.activation_checkpointing`)."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds
+
+    return {
+        "partition_activations": ds.PARTITION_ACTIVATIONS,
+        "contiguous_checkpointing": ds.CONTIGUOUS_CHECKPOINTING,
+        "checkpoint_in_cpu": ds.CPU_CHECKPOINT,
+        "synchronize": ds.SYNCHRONIZE,
+        "profile": ds.PROFILE_TIME,
+        "num_checkpoints": ds.num_layers,
+        "partition_size": ds.mp_size,
+    }
 
 
 def _record_output_shape(result: dict[str, Any], model: torch.nn.Module) -> None:

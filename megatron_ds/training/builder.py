@@ -19,7 +19,9 @@ What `build_pipeline` does, in order (docs/training.md says why each step matter
    (`rng.install_micro_batch_seeding`: masks independent of layout, P, DP and interruptions);
 7. `Pipeline.train_batch`, `eval_batch` and `watch` run under the step watchdog, and
    `Pipeline.close` (or leaving its `with` block) destroys the process groups;
-8. the engine's instructions are timed (`stage_timers.install`): `Pipeline.timers` holds each
+8. deepspeed.checkpointing is configured with the config's options (`activation_checkpointing`: its
+   contiguous buffers sized for what this rank keeps, emptied around evaluation forwards);
+9. the engine's instructions are timed (`stage_timers.install`): `Pipeline.timers` holds each
    stage's compute per step, apart from the time it waits.
 A layout that depends on timing this machine (`--pp-partition-method profile`) is built after the
 process group exists, from rank 0's measurement, so every rank builds the same one.
@@ -47,7 +49,14 @@ from megatron_ds.model.gpt_chunks import ChunkedGPTModelPipe
 from megatron_ds.model.gpt_model import GPTModel
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training import deepspeed_config, interleaved, pipe_schedules, plain_engine, zero_bubble
+from megatron_ds.training import (
+    activation_checkpointing,
+    deepspeed_config,
+    interleaved,
+    pipe_schedules,
+    plain_engine,
+    zero_bubble,
+)
 from megatron_ds.training.dependencies import check_deepspeed
 from megatron_ds.training.grad_norm import grad_norm, install_fp32_grad_norm
 from megatron_ds.training.machine import probe
@@ -180,7 +189,7 @@ def _assemble(
     lr_scheduler: Any,
     calibration: Calibration | None = None,
 ) -> Pipeline:
-    """Steps 3-7 of the module docstring; the order is part of the contract (weights, RNG streams)."""
+    """Steps 3-9 of the module docstring; the order is part of the contract (weights, RNG streams)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -201,6 +210,7 @@ def _assemble(
     if config.engine_kind == "pipeline":
         engine = _schedule_engine(engine, schedule)
     install_fp32_grad_norm(engine)
+    activation_checkpointing.configure(config, layout, engine, tp)  # deepspeed.checkpointing's options, per rank
     rng.install_micro_batch_seeding(
         engine, lambda m: pipeline_schedules.forward_micro_batches(schedule, m, engine.num_stages, engine.stage_id)
     )

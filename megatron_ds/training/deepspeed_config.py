@@ -256,25 +256,49 @@ def load_user_config(path: str) -> dict[str, Any]:
     return data
 
 
-ACTIVATION_CHECKPOINTING_OPTIONS = (
-    "partition_activations",
-    "contiguous_memory_optimization",
-    "cpu_checkpointing",
-    "synchronize_checkpoint_boundary",
-    "profile",
-)
+ACTIVATION_CHECKPOINTING_OPTIONS: dict[str, tuple[str, str]] = {
+    "partition_activations": ("partition_activations", "--partition-activations"),
+    "contiguous_memory_optimization": ("contiguous_checkpointing", "--contigious-checkpointing"),
+    "cpu_checkpointing": ("checkpoint_in_cpu", "--checkpoint-in-cpu"),
+    "synchronize_checkpoint_boundary": ("synchronize_each_layer", "--synchronize-each-layer"),
+    "profile": ("profile_backward", "--profile-backward"),
+}
+"""A user JSON's activation_checkpointing key -> (the TrainingConfig field, the flag) that configures it."""
 
 
-def _check_activation_checkpointing(ds: dict[str, Any], source: UserSource) -> None:
-    """DeepSpeed reads `activation_checkpointing` only through deepspeed.checkpointing.configure, which
-    is not called: an option turned on there would be silently ignored, so it is an error."""
+def _check_activation_checkpointing(ds: dict[str, Any], config: Config, source: UserSource) -> None:
+    """Megatron-DeepSpeed passes every option to deepspeed.checkpointing.configure from its flags, which overrule
+    the JSON's section (`training.activation_checkpointing` does the same): a key that says otherwise would be
+    silently ignored, so it must agree with the flags."""
     section = ds.get("activation_checkpointing") or {}
-    on = [k for k in ACTIVATION_CHECKPOINTING_OPTIONS if section.get(k)]
-    if on:
-        raise DeepSpeedConfigError(
-            f"{source.label} turns on activation_checkpointing.{on[0]}, which is not supported "
-            f"(recomputation uses deepspeed.checkpointing's defaults); set it to false or remove it"
+    for key, (field, flag) in ACTIVATION_CHECKPOINTING_OPTIONS.items():
+        if key not in section:
+            continue
+        ours = bool(getattr(config.training, field))
+        if bool(section[key]) == ours:
+            continue
+        fix = (
+            f"remove the key, set it to true, or drop {flag}"
+            if ours
+            else f"set it to false or remove it, or give {flag} (with --deepspeed-activation-checkpointing and "
+            f"recomputation on, where it takes effect)"
         )
+        raise DeepSpeedConfigError(
+            f"{source.label} sets activation_checkpointing.{key} {json.dumps(section[key])} but {flag} makes it "
+            f"{json.dumps(ours)}; {fix}"
+        )
+
+
+def _number_checkpoints_notice(keys: dict[str, Any], source: UserSource) -> list[str]:
+    """number_checkpoints is replaced by each rank's own count, as Megatron-DeepSpeed replaces it by its."""
+    section = keys.get("activation_checkpointing")
+    if not isinstance(section, dict) or "number_checkpoints" not in section:
+        return []
+    return [
+        f"NOTICE: {source.label} sets activation_checkpointing.number_checkpoints {section['number_checkpoints']}: "
+        f"each rank is configured with the checkpoints it keeps at its fullest instead (Megatron-DeepSpeed too "
+        f"replaces it, by --num-layers / --checkpoint-num-layers)"
+    ]
 
 
 def _check_curriculum(keys: dict[str, Any], config: Config, source: UserSource) -> None:
@@ -313,7 +337,7 @@ def build_with_notices(config: Config, user: dict[str, Any] | None = None) -> tu
     for source, keys in sources:
         kept, section_notices = deepspeed_sections.classify(keys, source.label)
         classified.append((source, kept))
-        notices += section_notices
+        notices += section_notices + _number_checkpoints_notice(kept, source)
     fp16_owner = (
         next((src for src, kept in classified if "fp16" in kept), None) if config.training.precision == "fp16" else None
     )
@@ -321,7 +345,7 @@ def build_with_notices(config: Config, user: dict[str, Any] | None = None) -> tu
     overridable = user_overridable(config, loss_scale_from_flags=fp16_owner is None)
     for source, kept in classified:
         ds = merge(ds, kept, source, overridable)
-        _check_activation_checkpointing(ds, source)
+        _check_activation_checkpointing(ds, config, source)
     overruled = {k: v for k, v in fp16_from_flags(config).items() if fp16_owner and ds["fp16"].get(k) != v}
     if overruled:
         notices.append(_loss_scale_notice(overruled, fp16_owner, ds["fp16"]))

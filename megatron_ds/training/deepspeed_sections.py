@@ -68,7 +68,11 @@ SECTIONS: tuple[Section, ...] = (
     Section("zero_allow_untested_optimizer", GENERATED, "the optimizer is torch's; the file's value is used"),
     Section("zero_force_ds_cpu_optimizer", GENERATED, "false is needed with optimizer offload (torch's optimizer)"),
     Section(
-        "activation_checkpointing", PASSED, "options off only: recomputation uses deepspeed.checkpointing's defaults"
+        "activation_checkpointing",
+        PASSED,
+        "each option must agree with its flag (--partition-activations, --contigious-checkpointing, "
+        "--checkpoint-in-cpu, --synchronize-each-layer, --profile-backward), which configure deepspeed.checkpointing "
+        "as in Megatron-DeepSpeed; number_checkpoints is replaced by each rank's count (a NOTICE says so)",
     ),
     Section(
         "optimizer", IGNORED, "the optimizer is built from the flags (--optimizer, --lr, --adam-*, --weight-decay)"

@@ -475,12 +475,12 @@ def test_the_user_files_fp16_section_rules_loss_scaling(tmp_path: Path) -> None:
     assert not [n for n in dsc.launch_notices(fp16_config(deepspeed_config=str(user))) if "fp16 section" in n]
 
 
-def test_activation_checkpointing_options_in_the_user_file_are_refused(tmp_path: Path) -> None:
+def test_activation_checkpointing_options_in_the_user_file_must_agree_with_the_flags(tmp_path: Path) -> None:
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"activation_checkpointing": {"partition_activations": False, "number_checkpoints": 4}}))
     dsc.build(tiny_config(training__deepspeed_config=str(user)))
     user.write_text(json.dumps({"activation_checkpointing": {"cpu_checkpointing": True}}))
-    with pytest.raises(dsc.DeepSpeedConfigError, match="activation_checkpointing.cpu_checkpointing"):
+    with pytest.raises(dsc.DeepSpeedConfigError, match="activation_checkpointing.cpu_checkpointing true but"):
         dsc.build(tiny_config(training__deepspeed_config=str(user)))
 
 

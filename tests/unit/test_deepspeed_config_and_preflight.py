@@ -120,7 +120,10 @@ def test_a_ds_config_dict_merges_like_a_user_file(tmp_path: Path) -> None:
     user.write_text(json.dumps({"wall_clock_breakdown": True}))
     both = dsc.build(cfg.replace(training__deepspeed_config=str(user)), {"steps_per_print": 5})
     assert both["wall_clock_breakdown"] is True and both["steps_per_print"] == 5
-    with pytest.raises(dsc.DeepSpeedConfigError, match=r"ds_config=...\) turns on activation_checkpointing.profile"):
+    with pytest.raises(
+        dsc.DeepSpeedConfigError,
+        match=r"ds_config=...\) sets activation_checkpointing.profile true but --profile-backward",
+    ):
         dsc.build(cfg, {"activation_checkpointing": {"profile": True}})
 
 
