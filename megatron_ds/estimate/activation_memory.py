@@ -254,13 +254,28 @@ def korthikanti_layer_bytes(
 
 
 def checkpointed_layer_bytes(
-    model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split | int = 1, document_ids: bool = False
+    model: ModelConfig,
+    micro_batch_size: int,
+    k: Kernels,
+    split: Split | int = 1,
+    document_ids: bool = False,
+    partitioned: bool = False,
+    on_host: bool = False,
 ) -> float:
     """With full recomputation only a chunk's input survives: 2sbh in the paper's 16-bit terms (sbh/t with
     sequence parallelism, sbh/N under Ulysses: the layer's input is this rank's part); with packed documents'
-    `document_ids` also the whole sample's two int64 id tensors."""
+    `document_ids` also the whole sample's two int64 id tensors.
+
+    DeepSpeed's options (`training.activation_checkpointing`): `partitioned` (`--partition-activations`) keeps
+    1/t of the input on each tensor rank; `on_host` (`--checkpoint-in-cpu`) keeps it in host memory, none on the
+    device. Both act on floating-point inputs only: the integer ids stay where they are. (The recompute gathers
+    or copies one chunk's input back for its backward, within the recompute's own transient.)"""
+    sp = as_split(split)
     ids = model.seq_length * micro_batch_size * DOCUMENT_ID_BYTES if document_ids else 0
-    return model.seq_length * micro_batch_size * model.hidden_size * k.w / as_split(split).replicated + ids
+    if on_host:
+        return ids
+    hidden = model.seq_length * micro_batch_size * model.hidden_size * k.w / sp.replicated
+    return hidden / (sp.tensor if partitioned else 1) + ids
 
 
 def pre_terms(

@@ -39,6 +39,11 @@ class MemoryInputs:
     """Layers per recomputed chunk (`--checkpoint-num-layers`)."""
     selective_recompute: bool = False
     """Recompute each layer's core attention in backward (`--recompute-activations`)."""
+    partition_activations: bool = False
+    """Full recomputation's checkpoints partitioned over the tensor ranks (`--partition-activations`): each keeps
+    1/t of every recomputed chunk's input."""
+    checkpoint_in_cpu: bool = False
+    """Full recomputation's checkpoints kept in host memory (`--checkpoint-in-cpu` on a GPU): none on the device."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (`--sequence-parallel`, t > 1): the replicated activations, and what
     passes between stages, split t ways along the sequence."""
@@ -103,6 +108,8 @@ class MemoryInputs:
             raise ValueError("sequence_parallel needs tensor_parallel_size > 1")
         if self.selective_recompute and self.checkpoint_activations:
             raise ValueError("selective_recompute and checkpoint_activations are one granularity or the other")
+        if (self.partition_activations or self.checkpoint_in_cpu) and not self.checkpoint_activations:
+            raise ValueError("partition_activations and checkpoint_in_cpu place full recomputation's checkpoints")
         self.factors  # noqa: B018 - validates zero stage and offload combination
         self.kernels  # noqa: B018 - validates device and attention
 

@@ -110,7 +110,17 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
                 host=fac.host(n, dp),
                 activations=saved,
                 checkpointed_activations=(
-                    act.checkpointed_layer_bytes(m, b, k, split, inputs.document_ids) if group == "body" else saved
+                    act.checkpointed_layer_bytes(
+                        m,
+                        b,
+                        k,
+                        split,
+                        inputs.document_ids,
+                        partitioned=inputs.partition_activations,
+                        on_host=inputs.checkpoint_in_cpu,
+                    )
+                    if group == "body"
+                    else saved
                 ),
                 activation_terms=dict(spec_terms),
                 tied=name == naming.TIED_LM_HEAD,

@@ -48,6 +48,8 @@ def memory_inputs(config: Config, machine: Machine) -> MemoryInputs:
         checkpoint_activations=t.checkpoint_activations,
         checkpoint_num_layers=t.checkpoint_num_layers,
         selective_recompute=t.selective_recompute,
+        partition_activations=t.partition_activations,
+        checkpoint_in_cpu=t.checkpoint_in_cpu and machine.device != "cpu",  # on a CPU they stay where they are
         sequence_parallel=par.sequence_parallel,
         ulysses_size=par.ds_sequence_parallel_size,
         engine=config.engine_kind,

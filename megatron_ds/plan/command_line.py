@@ -36,6 +36,10 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--pipeline-model-parallel-size": _CHOSEN,
     "--checkpoint-activations": "without it or --no-checkpoint-activations, the planner tries none, selective, full",
     "--recompute-activations": "without it the planner tries none, selective and full recomputation in that order",
+    "--partition-activations": "applied to the plans with full recomputation (needs --no-sequence-parallel); the "
+    "printed command adds --deepspeed-activation-checkpointing",
+    "--checkpoint-in-cpu": "applied to the plans with full recomputation; the printed command adds "
+    "--deepspeed-activation-checkpointing",
     "--sequence-parallel": "on whenever t > 1 unless --no-sequence-parallel",
     "--pp-schedule": "the planner chooses among 1F1B, ZB-H1 and interleaved 1F1B when not given",
     "--enable-zbh1-pipeline": None,
@@ -146,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=CHOICES["precision"])
     training(g, "--checkpoint-activations")
     g.add_argument("--no-checkpoint-activations", dest="checkpoint_activations", action="store_const", const=False)
-    training(g, "--recompute-activations", "--sequence-parallel")
+    training(g, "--recompute-activations", "--partition-activations", "--checkpoint-in-cpu", "--sequence-parallel")
     training(g, "--pp-schedule", "--enable-zbh1-pipeline", "--num-virtual-stages-per-pipeline-rank")
     g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)
     methods = ", ".join(planned_methods())

@@ -46,6 +46,8 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
         zero_stage=cand.zero_stage,
         checkpoint_activations=cand.checkpoint_activations,
         selective_recompute=cand.selective_recompute,
+        partition_activations=cand.inputs.partition_activations,
+        checkpoint_in_cpu=cand.inputs.checkpoint_in_cpu,
         # an offloaded optimizer steps as DeepSpeed's CPU Adam (torch's AdamW on the host is several times slower)
         cpu_optimizer=offload != "none",
         offload_optimizer="nvme" if offload == "nvme" else "none",
@@ -103,6 +105,9 @@ def command_flags(config: Config, vocab_size: int) -> list[str]:
         flags.append("--sequence-parallel")
     if t.checkpoint_activations:
         flags.append("--checkpoint-activations")
+    if t.partition_activations or t.checkpoint_in_cpu:
+        flags.append("--deepspeed-activation-checkpointing")
+        flags += ["--partition-activations"] * t.partition_activations + ["--checkpoint-in-cpu"] * t.checkpoint_in_cpu
     if t.selective_recompute:
         flags.append("--recompute-activations")
     if t.cpu_optimizer:

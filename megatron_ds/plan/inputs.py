@@ -55,6 +55,8 @@ class PlanInputs:
     precision: str | None = None
     checkpoint_activations: bool | None = None
     recompute_activations: bool | None = None
+    partition_activations: bool | None = None
+    checkpoint_in_cpu: bool | None = None
     sequence_parallel: bool | None = None
     pp_schedule: str | None = None
     num_virtual_stages_per_pipeline_rank: int | None = None
@@ -359,6 +361,11 @@ def _check_choices(raw: PlanInputs) -> None:
         raise PlanError(f"--zero-stage {raw.zero_stage} is not one of 0, 1, 2, 3")
     if raw.checkpoint_activations and raw.recompute_activations:  # as pretrain_gpt.py refuses them
         raise PlanError(BOTH_RECOMPUTATIONS)
+    if raw.partition_activations and raw.sequence_parallel is not False:  # as pretrain_gpt.py refuses the pair
+        raise PlanError(
+            "--partition-activations: the planner plans sequence parallelism at t > 1, whose checkpoints are split "
+            "already and cannot be partitioned; add --no-sequence-parallel"
+        )
     pp = raw.pipeline_model_parallel_size
     if raw.zero_stage in (2, 3) and pp is not None and pp > 1:
         raise PlanError(

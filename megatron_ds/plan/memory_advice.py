@@ -97,7 +97,7 @@ def memory_section(ctx: Context) -> Section:
     stages = list(now.stages)
     sec.add(
         f"Configuration analysed: t={now.tp} p={now.pp} d={now.dp}, micro-batch {now.micro_batch_size}, "
-        f"ZeRO-{now.zero_stage}{_offloaded(now)}, recompute {'off' if now.recompute == 'none' else now.recompute}"
+        f"ZeRO-{now.zero_stage}{_offloaded(now)}, recompute {now.recompute_label}"
         + (", sequence parallel" if now.sequence_parallel else "")
         + ", layout "
         f"{now.layout.to_string()}."

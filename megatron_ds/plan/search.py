@@ -124,6 +124,21 @@ class Candidate:
         return "full" if self.checkpoint_activations else "selective" if self.selective_recompute else "none"
 
     @property
+    def recompute_label(self) -> str:
+        """`off`, `selective` or `full`, with where full recomputation's checkpoints wait (`--partition-activations`,
+        `--checkpoint-in-cpu`)."""
+        where = [
+            text
+            for text, on in (
+                (f"partitioned over t={self.tp}", self.inputs.partition_activations),
+                ("in host memory", self.inputs.checkpoint_in_cpu),
+            )
+            if on
+        ]
+        label = "off" if self.recompute == "none" else self.recompute
+        return label + (f" (checkpoints {', '.join(where)})" if where else "")
+
+    @property
     def offload_optimizer(self) -> str:
         return self.inputs.offload_optimizer
 
@@ -247,6 +262,8 @@ def evaluate(
         tensor_parallel_size=tp,
         checkpoint_activations=ckpt,
         selective_recompute=selective and not ckpt,
+        partition_activations=ckpt and bool(res.raw.partition_activations),
+        checkpoint_in_cpu=ckpt and bool(res.raw.checkpoint_in_cpu),
         sequence_parallel=sequence_parallel,
         offload_optimizer=offload,
         offload_param=offload_param,

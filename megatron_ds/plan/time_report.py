@@ -24,9 +24,7 @@ def describe(c: Candidate) -> str:
     zero += f", parameters on {c.offload_param}" if c.offload_param != "none" else ""
     return (
         f"t={c.tp} p={c.pp} d={c.dp}, micro-batch {c.micro_batch_size}, recompute "
-        f"{'off' if c.recompute == 'none' else c.recompute}"
-        + (", sequence parallel" if c.sequence_parallel else "")
-        + f", {zero}"
+        f"{c.recompute_label}" + (", sequence parallel" if c.sequence_parallel else "") + f", {zero}"
     )
 
 

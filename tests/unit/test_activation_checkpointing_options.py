@@ -5,6 +5,7 @@ group), the user JSON's section against the flags, and the contiguous buffers' s
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -276,3 +277,46 @@ def test_options_are_configure_keywords_and_host_copies_stay_off_on_cpu() -> Non
     assert not ac.options(
         recompute(), build_layout(naming.gpt_spec_groups(recompute().model), 1), 0, "cpu"
     ).changes_defaults
+
+
+# --- the planner ---------------------------------------------------------------------------------------------
+
+PLAN = (
+    "--model gpt3-1.3b --num-gpus 8 --gpu h100 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+    "--zero-stage 1 --checkpoint-activations --no-sequence-parallel"
+).split()
+
+
+def test_the_planner_counts_partitioned_and_host_checkpoints_and_prints_their_flags(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    from megatron_ds.flags.parser import parse_config
+    from megatron_ds.plan.__main__ import main
+
+    def activations(*extra: str) -> tuple[float, str]:
+        assert main(["memory", *PLAN, *extra]) == 0
+        out = capsys.readouterr().out
+        line = next(ln for ln in out.splitlines() if ln.startswith("Configuration analysed"))
+        stage = next(ln for ln in out.splitlines() if ln.startswith("Stage "))
+        return float(stage.split("activations ")[1].split(" MiB")[0]), line
+
+    whole, line = activations()
+    parted, parted_line = activations("--partition-activations")
+    host, host_line = activations("--checkpoint-in-cpu")
+    assert host < parted < whole, (whole, parted, host)
+    assert "recompute full," in line and "recompute full (checkpoints partitioned over t=2)," in parted_line
+    assert "recompute full (checkpoints in host memory)," in host_line
+    assert main(["pipeline", *PLAN, "--partition-activations", "--write-command"]) == 0
+    command = capsys.readouterr().out.split("-- pretrain_gpt.py command --\n", 1)[1].split("\n\n")[0]
+    argv = shlex.split(command.split("pretrain_gpt.py", 1)[1].replace("\\\n", " "))
+    assert "--deepspeed-activation-checkpointing" in argv and "--partition-activations" in argv
+    assert parse_config(argv, world_size=8)[0].training.partition_activations
+
+
+def test_the_planner_refuses_partitioning_with_its_sequence_parallelism(capsys: pytest.CaptureFixture) -> None:
+    from megatron_ds.plan.__main__ import main
+
+    argv = [a for a in PLAN if a != "--no-sequence-parallel"]
+    assert main(["memory", *argv, "--partition-activations"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "add --no-sequence-parallel" in err

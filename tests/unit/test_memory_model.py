@@ -286,6 +286,32 @@ def test_activation_checkpointing_keeps_chunk_inputs_except_mixed_chunks() -> No
     assert ck2.activation_per_micro_batch == pre + layer.activations + 5 * layer.checkpointed_activations + calls
 
 
+def test_partitioned_checkpoints_keep_a_tensor_share_and_cpu_checkpoints_none_on_the_device() -> None:
+    """--partition-activations: each tensor rank keeps 1/T of every recomputed chunk's input; --checkpoint-in-cpu:
+    the input waits in host memory (the integer ids of packed documents stay on the device either way)."""
+    m = tiny(num_layers=6)
+    base = dict(model=m, micro_batch_size=2, num_micro_batches=4, tensor_parallel_size=2, checkpoint_activations=True)
+    sbh_w = m.seq_length * 2 * m.hidden_size * 2  # bf16
+    ids = m.seq_length * 2 * act.DOCUMENT_ID_BYTES
+
+    def kept(**kw: object) -> float:
+        return spec_memory(MemoryInputs(**base, **kw))[3].checkpointed_activations
+
+    assert kept() == sbh_w
+    assert kept(partition_activations=True) == sbh_w / 2
+    assert kept(checkpoint_in_cpu=True) == 0
+    assert kept(partition_activations=True, checkpoint_in_cpu=True) == 0
+    assert kept(partition_activations=True, document_ids=True) == sbh_w / 2 + ids
+    assert kept(checkpoint_in_cpu=True, document_ids=True) == ids
+    # A stage's activations fall by what its checkpoints no longer keep, per micro-batch in flight.
+    whole, parted = (
+        stage_memory_for(MemoryInputs(**base, **kw), 1, 3, 6) for kw in ({}, {"partition_activations": True})
+    )
+    assert whole.activation_per_micro_batch - parted.activation_per_micro_batch == 6 * sbh_w / 2
+    with pytest.raises(ValueError, match="place full recomputation's checkpoints"):
+        MemoryInputs(model=m, micro_batch_size=1, num_micro_batches=1, partition_activations=True)
+
+
 def test_memory_inputs_reject_bad_values() -> None:
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
         MemoryInputs(model=tiny(), micro_batch_size=0, num_micro_batches=1)
