@@ -13,9 +13,11 @@ num_checkpoints=..., checkpoint_in_cpu=..., synchronize=..., profile=...)` under
   at its fullest: the checkpointed calls between two backwards that recompute, read off the schedule's
   instruction stream (`checkpoint_slots`). Upstream passes num_layers / checkpoint_num_layers, which a
   stage holding more than its share of layers, with micro-batches in flight, can overrun.
-* Only a backward empties DeepSpeed's buffers. An evaluation runs forwards alone, so DeepSpeed's
-  `reset()` runs before and after every forward of a module in eval mode: an eval interval neither
-  overruns the slots nor leaves its checkpoints to the training step after it.
+* Only a backward empties DeepSpeed's buffers. An evaluation runs forwards alone: DeepSpeed's pipeline
+  engine calls `reset()` after each of them itself, its plain engine (`PlainEngine`, ZeRO 2/3 at P = 1)
+  does not, and its forwards would overrun the slots. So `reset()` runs before and after every forward
+  of a module in eval mode, whichever engine: an eval interval neither overruns the slots nor leaves its
+  checkpoints to the training step after it.
 * The module's state is global: every build configures it (back to DeepSpeed's defaults when no
   option is on and an earlier build in this process changed them).
 """

@@ -5,6 +5,9 @@ with micro-batches in flight, on a stage holding three of four layers; 1F1B and 
 norms equal the run without them and the single-process run within 1e-6 in fp32, with an evaluation after every
 step (eval forwards alone must not fill DeepSpeed's buffers). Hidden dropout is on, so the recompute must replay
 the masks; attention dropout is off (per tensor rank streams: T=2 draws other masks than T=1, by design).
+Both guards of `training.activation_checkpointing` are needed here: without the reset around evaluation forwards
+the ZeRO-2 run indexes past DeepSpeed's contiguous buffers at its first evaluation, and with Megatron-DeepSpeed's
+slot count (num_layers / checkpoint_num_layers = 4) the P=2 runs do in their first step (IndexError, tried).
 """
 
 from __future__ import annotations
