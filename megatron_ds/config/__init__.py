@@ -9,6 +9,7 @@
       training        TrainingConfig        batch sizes, length, precision, recomputation
       checkpoint      CheckpointConfig      save / load
       logging         LoggingConfig         log lines, TensorBoard
+      distillation    DistillationConfig    knowledge distillation from a teacher checkpoint (--kd)
 
 Every section checks its own fields in `__post_init__` and `Config` checks the rules that span
 sections, raising a one-line `megatron_ds.errors.ConfigError` that names the command-line flag; so
@@ -23,6 +24,7 @@ the defaults below. Run state (iteration, consumed samples) is *not* configurati
 """
 
 from megatron_ds.config.data import DATA_UPSTREAMS, TOKENIZER_TYPES, DataConfig
+from megatron_ds.config.distillation import DistillationConfig
 from megatron_ds.config.model import (
     ACTIVATIONS,
     NORMALIZATIONS,
@@ -58,6 +60,7 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "DistillationConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",

@@ -8,6 +8,7 @@ from typing import Any
 
 from megatron_ds.config.checks import check
 from megatron_ds.config.data import DataConfig
+from megatron_ds.config.distillation import DistillationConfig
 from megatron_ds.config.model import ModelConfig, RegularizationConfig
 from megatron_ds.config.output import CheckpointConfig, LoggingConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, ParallelConfig, pipeline_engine_only
@@ -31,9 +32,11 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
 
     def __post_init__(self) -> None:
         self._check_engine()
+        self._check_distillation()
         t = self.parallel.tensor_model_parallel_size
         model = self.model
         for flag, value in (
@@ -168,12 +171,52 @@ class Config:
             f"use --optimizer adam or drop --cpu-optimizer",
         )
 
+    def _check_distillation(self) -> None:
+        """--kd where Megatron-DeepSpeed runs it: GPTModel on DeepSpeed's plain engine (P = 1), one tensor rank (its
+        KL over a vocabulary shard is not the full one), no grouped-query attention (its own assert)."""
+        if not self.distillation.kd:
+            return
+        par, model, data = self.parallel, self.model, self.data
+        refusals = (
+            (
+                par.pipeline_model_parallel_size == 1,
+                f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size}: Megatron-DeepSpeed distils "
+                "without pipeline parallelism only (its teacher cannot load into a pipeline engine); use "
+                "--pipeline-model-parallel-size 1 (--no-pipeline-parallel)",
+            ),
+            (
+                par.tensor_model_parallel_size == 1,
+                f"--tensor-model-parallel-size {par.tensor_model_parallel_size}: Megatron-DeepSpeed's kd loss takes "
+                "the softmax over each rank's vocabulary shard, not the full vocabulary's KL divergence, and that is "
+                "not reproduced here; use --tensor-model-parallel-size 1",
+            ),
+            (
+                par.ds_sequence_parallel_size == 1,
+                f"--ds-sequence-parallel-size {par.ds_sequence_parallel_size}: the teacher sees whole sequences here; "
+                "use --ds-sequence-parallel-size 1",
+            ),
+            (
+                model.num_key_value_heads is None,
+                f"--num-key-value-heads {model.num_key_value_heads}: Megatron-DeepSpeed refuses grouped-query "
+                "attention with --kd ('GQA currently does not support args.kd'); drop --num-key-value-heads",
+            ),
+            (
+                not (data.reset_position_ids or data.reset_attention_mask),
+                "--reset-position-ids / --reset-attention-mask: the teacher here runs on whole causal sequences, "
+                "not on packed documents; drop them",
+            ),
+        )
+        for ok, why in refusals:
+            check(ok, f"--kd with {why}")
+
     @property
     def engine_kind(self) -> str:
-        """`plain` (DeepSpeed's DeepSpeedEngine: ZeRO 2/3 at P = 1, and Ulysses) or `pipeline` (its PipelineEngine,
-        every other run): which DeepSpeed engine trains this run; ZeRO 0/1 keep the pipeline engine at P = 1 too."""
+        """`plain` (DeepSpeed's DeepSpeedEngine: ZeRO 2/3 at P = 1, Ulysses, and --kd, as Megatron-DeepSpeed's
+        --no-pipeline-parallel) or `pipeline` (its PipelineEngine, every other run): which DeepSpeed engine trains
+        this run; ZeRO 0/1 keep the pipeline engine at P = 1 too."""
         ulysses = self.parallel.ds_sequence_parallel_size > 1  # its groups exist in the plain engine only
-        return "plain" if self.training.zero_stage >= 2 or ulysses else "pipeline"
+        plain = self.training.zero_stage >= 2 or ulysses or self.distillation.kd
+        return "plain" if plain else "pipeline"
 
     @property
     def grad_accumulation_steps(self) -> int:
@@ -225,4 +268,5 @@ SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "distillation": DistillationConfig,
 }

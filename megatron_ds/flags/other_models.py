@@ -3,14 +3,15 @@
 
 Its pretrain_gpt.py parses them all. Most are read only by those models, so they change nothing in its GPT
 training either: a no-op here, saying so. Those that do change its GPT training (Retro's retriever layers, the
-autoresume hook, vision pretraining's steps, distillation from a teacher) are refused in one line. Declared so
+autoresume hook, vision pretraining's steps, mixture of students) are refused in one line. Knowledge distillation
+(`--kd` and its teacher) is built: `megatron_ds.config.distillation`, docs/training.md. Declared so
 that every flag of its `megatron/arguments.py` is accepted, a no-op or refused with the reason
 (`tests/data/megatron_deepspeed_flags.json`, `tests/unit/test_compat.py`).
 """
 
 from __future__ import annotations
 
-from megatron_ds.flags.declare import VALUE, VALUES, Flag, no_op, refused
+from megatron_ds.flags.declare import VALUE, VALUES, Flag, accepted, no_op, refused, switch
 
 _INFER, _RETRO, _AUTO, _BIENC, _VISION, _KD = (
     "inference",
@@ -26,7 +27,6 @@ _BERT_EMBEDDER = f"BERT's embedder (megatron/model/bert_model.py, for Retro's pr
 _RETRO_ONLY = "a Retro setting, read only with --retro-add-retriever (refused): the GPT is the same without it"
 _ICT = f"an ICT/REALM retriever setting (pretrain_ict.py, tasks/orqa, the indexer){_NOT_GPT}"
 _VIT = f"a vision model's setting (pretrain_vision_*.py){_NOT_GPT}"
-_KD_ONLY = "a distillation setting, read only with --kd or --mos (refused): training is the same without them"
 
 INFERENCE: tuple[Flag, ...] = (
     no_op("--inference-batch-times-seqlen-threshold", _INFER, _SERVER, VALUE),
@@ -126,19 +126,63 @@ VISION: tuple[Flag, ...] = (
     no_op("--dino-warmup-teacher-temp-epochs", _VISION, _VIT, VALUE),
 )
 
-_DISTILLATION = "knowledge distillation from a teacher model (--load-teacher) is not implemented"
+_TEACHER = (
+    "; must equal what --load-teacher's checkpoint saved (its own architecture is the teacher's); when not given, "
+    "the checkpoint's"
+)
 
 DISTILLATION: tuple[Flag, ...] = (
-    no_op("--num-layers-teacher", _KD, _KD_ONLY, VALUE),
-    no_op("--num-experts-teacher", _KD, _KD_ONLY, VALUES),
-    no_op("--hidden-size-teacher", _KD, _KD_ONLY, VALUE),
-    no_op("--num-attention-heads-teacher", _KD, _KD_ONLY, VALUE),
-    refused("--mos", _KD, f"mixture-of-students training: {_DISTILLATION}"),
-    refused("--kd", _KD, _DISTILLATION),
-    no_op("--kd-alpha-ce", _KD, _KD_ONLY, VALUE),
-    no_op("--kd-beta-ce", _KD, _KD_ONLY, VALUE),
-    no_op("--kd-temp", _KD, _KD_ONLY, VALUE),
-    no_op("--load-teacher", _KD, _KD_ONLY, VALUE),
+    accepted(
+        "--num-layers-teacher", _KD, f"the teacher's layers{_TEACHER}", "distillation.num_layers_teacher", type=int
+    ),
+    accepted(
+        "--num-experts-teacher",
+        _KD,
+        "only 1 with --kd (a dense teacher, Megatron-DeepSpeed's default): mixture-of-experts models are not built",
+        type=int,
+        nargs="+",
+        default=(1,),
+    ),
+    accepted(
+        "--hidden-size-teacher", _KD, f"the teacher's width{_TEACHER}", "distillation.hidden_size_teacher", type=int
+    ),
+    accepted(
+        "--num-attention-heads-teacher",
+        _KD,
+        f"the teacher's attention heads{_TEACHER}",
+        "distillation.num_attention_heads_teacher",
+        type=int,
+    ),
+    refused(
+        "--mos",
+        _KD,
+        "mixture-of-students training is not built (Megatron-DeepSpeed adds its mos loss beside the lm loss)",
+        "use --kd for knowledge distillation, or drop it",
+    ),
+    switch(
+        "--kd",
+        _KD,
+        "knowledge distillation from the teacher of --load-teacher, as Megatron-DeepSpeed: each training step adds "
+        "kd loss = T^2 KL(softmax(teacher/T) || softmax(student/T)) per sample / --seq-length x --kd-beta-ce to the lm "
+        "loss, the teacher run forward without gradients (not in evaluation); at pipeline and tensor size 1 "
+        "(docs/training.md)",
+        "distillation.kd",
+    ),
+    accepted(
+        "--kd-alpha-ce",
+        _KD,
+        "read but scales nothing, as in Megatron-DeepSpeed (a NOTICE says so when it is not 1)",
+        "distillation.kd_alpha_ce",
+        type=float,
+    ),
+    accepted("--kd-beta-ce", _KD, "beta: the kd loss's factor", "distillation.kd_beta_ce", type=float),
+    accepted("--kd-temp", _KD, "T: the softmax temperature of student and teacher", "distillation.kd_temp", type=float),
+    accepted(
+        "--load-teacher",
+        _KD,
+        "the teacher's checkpoint (pretrain_gpt.py --save DIR, any layout; weights only); needed with --kd",
+        "distillation.load_teacher",
+    ),
 )
 
 GROUPS: tuple[tuple[Flag, ...], ...] = (INFERENCE, RETRO, AUTORESUME, BIENCODER, VISION, DISTILLATION)

@@ -47,6 +47,7 @@ from megatron_ds.flags.data_args_files import data_paths_from_files
 from megatron_ds.flags.data_upstream import data_upstream
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.deepspeed_json import json_default
+from megatron_ds.flags.distillation_flags import distillation_config
 from megatron_ds.flags.lengths import rampup_decay_notice, schedule_lengths, train_length
 from megatron_ds.flags.registry import FLAGS
 
@@ -437,6 +438,7 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         training=training,
         checkpoint=CheckpointConfig(**direct.get("checkpoint", {})),
         logging=logging,
+        distillation=distillation_config(args, direct.get("distillation", {}), warn),
     )
     checkpointing_flags.checkpoint_notices(config, machine)
     warning = None if machine is None else dry_run.runs_on_warning(config, machine, args.print_layout)

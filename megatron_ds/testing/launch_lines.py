@@ -13,8 +13,8 @@ packages and the layout checked, exactly as `pretrain_gpt.py` does before any pr
 Stand-ins, so that the line is judged and not the machine: tokenizer files of the same vocabulary
 size (GPT-2's 50257, SentencePiece 32000, a Hugging Face directory of 32000 for HFTokenizer and
 HuggingFaceTokenizer), fresh empty directories for the ones the script created,
-optional packages (tensorboard) taken as installed, and the data files are not opened (they are
-the user's).
+optional packages (tensorboard) taken as installed, and the data files and `--load-teacher`'s checkpoint
+are not opened (they are the user's).
 """
 
 from __future__ import annotations

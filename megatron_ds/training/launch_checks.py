@@ -11,7 +11,7 @@ import os
 from megatron_ds.config import Config
 from megatron_ds.config.data import SPLIT_PATH_FLAGS
 from megatron_ds.errors import ConfigError, UserError
-from megatron_ds.training import deepspeed_config, determinism, zero_checks
+from megatron_ds.training import deepspeed_config, determinism, distillation, zero_checks
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.dependencies import check_deepspeed
 
@@ -99,6 +99,7 @@ def check_launch(config: Config, dry_run: bool = False) -> list[str]:
     if config.training.exit_signal_handler and not config.checkpoint.save:
         raise ConfigError("--exit-signal-handler saves a checkpoint on SIGTERM and needs --save DIR; add it")
     notices = save_load.check_dirs(config, dry_run=dry_run)
+    notices += distillation.check_teacher(config)  # --kd: the teacher's checkpoint fits the student
     check_logging(config)
     try:
         zero_checks.check_offload_runs_here(config)  # offload's ops build here, its host memory is there

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,9 @@ class StepStats:
     """Iterations of the interval whose update fp16's loss scaler skipped (an overflow)."""
     nan_iterations: int = 0
     """Of those, the ones whose loss was NaN or Inf (Megatron's count)."""
+    other_losses: dict[str, float] = field(default_factory=dict)
+    """Mean losses beside the lm loss over the same iterations (`kd loss` under --kd); with any, the line also
+    gives their sum with the lm loss as `total loss` first, as Megatron-DeepSpeed's loss dict under --kd."""
 
 
 @dataclass
@@ -60,6 +63,8 @@ class IterationStats:
     params_norm: float | None = None
     num_zeros: int | None = None
     curriculum_seq_length: int | None = None
+    other_losses: dict[str, float] = field(default_factory=dict)
+    """The iteration's losses beside the lm loss (`kd loss`), written as `lm-loss-training/<name>`."""
 
 
 def throughput(
@@ -87,7 +92,7 @@ def format_line(s: StepStats) -> str:
     parts += [
         f"learning rate: {s.learning_rate:.6E}",
         f"global batch size: {s.global_batch_size:5d}",
-        *([] if s.loss is None else [f"lm loss: {s.loss:.6E}"]),
+        *([] if s.loss is None else losses_text(s.loss, s.other_losses)),
         f"grad norm: {s.grad_norm:.6f}" if s.grad_norm is not None else "grad norm: n/a",
     ]
     if s.num_zeros is not None:
@@ -103,6 +108,14 @@ def format_line(s: StepStats) -> str:
     parts.append(f"tokens per second: {s.tokens_per_second:.1f}")
     parts.append(f"ETA: {datetime.timedelta(seconds=int(max(0.0, s.eta_s)))}")
     return " | ".join(parts) + " |"
+
+
+def losses_text(lm: float, others: dict[str, float]) -> list[str]:
+    """`lm loss: ...`, or with other losses Megatron-DeepSpeed's order: total loss, lm loss, then each other."""
+    if not others:
+        return [f"lm loss: {lm:.6E}"]
+    total = lm + sum(others.values())
+    return [f"total loss: {total:.6E}", f"lm loss: {lm:.6E}", *(f"{k}: {v:.6E}" for k, v in others.items())]
 
 
 def format_eval(name: str, iteration: int, loss: float) -> str:
@@ -128,6 +141,8 @@ class Scalars:
     def iteration(self, s: IterationStats) -> None:
         w, i, c = self.writer, s.iteration, self.cfg
         w.add_scalar("lm-loss-training/lm loss", s.loss, i)
+        for name, value in s.other_losses.items():
+            w.add_scalar(f"lm-loss-training/{name}", value, i)
         if c.log_learning_rate_to_tensorboard:
             w.add_scalar("learning-rate/learning-rate", s.learning_rate, i)
         if c.log_batch_size_to_tensorboard:

@@ -169,6 +169,8 @@ class StepResult:
     loss: float
     skipped: bool = False
     """fp16's loss scaler skipped the update (DeepSpeed's `skipped_steps` grew)."""
+    other_losses: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Losses beside the lm loss, by their name in the log line (`kd loss` under --kd)."""
 
 
 def train_step(run: Run) -> StepResult:
@@ -183,7 +185,14 @@ def train_step(run: Run) -> StepResult:
     trace = run.hooks.after_step(run.state)
     if trace:
         print(f"[rank {run.rank}] wrote the --profile trace {trace}", flush=True)
-    return StepResult(float(loss.item()), getattr(run.engine, "skipped_steps", 0) > skipped_before)
+    other = {name: float(value.item()) for name, value in getattr(run.engine, "step_losses", {}).items()}
+    return StepResult(float(loss.item()), getattr(run.engine, "skipped_steps", 0) > skipped_before, other)
+
+
+def window_other_losses(steps: list[StepResult]) -> dict[str, float]:
+    """The mean of each loss beside the lm loss over the updated steps (as `window_losses`)."""
+    kept = [s.other_losses for s in steps if not s.skipped]
+    return {name: sum(k[name] for k in kept) / len(kept) for name in (kept[0] if kept else {})}
 
 
 def window_losses(steps: list[StepResult]) -> tuple[float | None, int, int]:
@@ -225,6 +234,7 @@ def write_scalars(run: Run, step: StepResult, extras: dict[str, Any]) -> None:
             learning_rate=run.engine.get_lr()[0],
             global_batch_size=run.hooks.last.samples,
             loss=step.loss,
+            other_losses=step.other_losses,
             grad_norm=grad_norm(run.engine),
             loss_scale=logger.loss_scale(run.engine),
             **extras,
@@ -252,6 +262,7 @@ def log_step(run: Run, steps: list[StepResult], seconds: float, start_iteration:
         learning_rate=run.engine.get_lr()[0],
         global_batch_size=size.samples,
         loss=loss,
+        other_losses=window_other_losses(steps),
         grad_norm=grad_norm(run.engine),
         loss_scale=logger.loss_scale(run.engine),
         tokens_per_second=run.hooks.take_window_tokens() / seconds,

@@ -13,7 +13,10 @@ timers, dropout reseeding, checkpoints and the tests drive either engine alike:
     ranks, as `PipelineEngine.train_batch` does;
   * `eval_batch`, `grid`, `stage_id`, `num_stages`, `micro_batches`, `is_first_stage`, `is_last_stage`;
   * checkpoints keep the pipeline's per-spec weight files (`GPTModel.save_state_dict` through
-    `module_state_dict`, as `PipelineEngine` overrides it) beside DeepSpeed's own model-state and ZeRO files.
+    `module_state_dict`, as `PipelineEngine` overrides it) beside DeepSpeed's own model-state and ZeRO files;
+  * knowledge distillation (`--kd`, Megatron-DeepSpeed's engine for it too): with a `teacher`, each training
+    micro-batch's loss is lm loss + the teacher's kd loss; `train_batch` still returns the lm loss, and
+    `step_losses` holds the step's other losses (`kd loss`), averaged alike. Evaluation stays the lm loss.
 
 `build` makes it the way `deepspeed.initialize` makes a `DeepSpeedEngine` (the config object, the
 optimizer flags, `zero.Init` shut off meanwhile, its garbage-collection setting); only the class differs.
@@ -51,6 +54,11 @@ class PlainEngine(DeepSpeedEngine):
         self._spec_dir: str | None = None
         self._micro: dict[str, Any] = {}
         self.total_loss: torch.Tensor | None = None
+        self.teacher: Any = None
+        """`training.distillation.Teacher` under --kd: its kd loss joins each training micro-batch's loss."""
+        self.kd_total: torch.Tensor | None = None
+        self.step_losses: dict[str, torch.Tensor] = {}
+        """The last step's losses beside the lm loss (`kd loss` under --kd), averaged as `train_batch`'s."""
 
     def is_first_stage(self) -> bool:
         return True
@@ -64,9 +72,11 @@ class PlainEngine(DeepSpeedEngine):
         if data_iter is not None:
             self.data_iterator = data_iter
         self.module.train()
-        self.total_loss = None
+        self.total_loss = self.kd_total = None
         for cmd in self.train_instructions():
             self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
+        if self.teacher is not None:
+            self.step_losses = {"kd loss": self._mean_over_data_parallel(self.kd_total / self.micro_batches)}
         return self._mean_over_data_parallel(self.total_loss / self.micro_batches)
 
     def train_instructions(self) -> list[schedule.PipeInstruction]:
@@ -93,15 +103,26 @@ class PlainEngine(DeepSpeedEngine):
 
     def _exec_forward_pass(self, buffer_id: int) -> None:
         del buffer_id
-        outputs = self(self._micro.pop("inputs"))
-        self._micro["loss"] = self.module.loss_fn(outputs, self._micro.pop("labels"))
+        inputs = self._micro.pop("inputs")
+        outputs = self(inputs)
+        loss = self.module.loss_fn(outputs, self._micro.pop("labels"))
+        self._micro["lm"] = loss.detach().float()
+        if self.teacher is not None:  # the teacher sees the student's tokens (b, s): a curriculum's cut too
+            tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+            kd = self.teacher.loss(tokens, outputs)
+            self._micro["kd"] = kd.detach().float()
+            loss = loss + kd
+        self._micro["loss"] = loss
 
     def _exec_backward_pass(self, buffer_id: int) -> None:
         del buffer_id
         loss = self._micro.pop("loss")
         self.backward(loss)
-        detached = loss.detach().float()
-        self.total_loss = detached if self.total_loss is None else self.total_loss + detached
+        lm = self._micro.pop("lm")
+        self.total_loss = lm if self.total_loss is None else self.total_loss + lm
+        if self.teacher is not None:
+            kd = self._micro.pop("kd")
+            self.kd_total = kd if self.kd_total is None else self.kd_total + kd
         if not self.is_gradient_accumulation_boundary():
             self.step()  # DeepSpeed's accumulation: counts the micro-batch, steps nothing
 
@@ -196,6 +217,10 @@ def assemble(
     optimizer = build_optimizer(model, config.optimizer, factory, config.training.cpu_optimizer)
     check_structure(model, optimizer)
     engine = build(model, optimizer, ds, lr_scheduler)
+    if config.distillation.kd:
+        from megatron_ds.training.distillation import load_teacher
+
+        engine.teacher = load_teacher(config, engine.device)
     return engine, model, engine.optimizer
 
 

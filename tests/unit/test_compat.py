@@ -141,7 +141,7 @@ def test_every_megatron_deepspeed_option_is_declared() -> None:
         (["--train-data-exact-num-epochs", "2"], "--train-data-exact-num-epochs is not supported: makes the training"),
         (["--train-shuffle-idx-path", "x.npy"], "--train-shuffle-idx-path is not supported: reads the training split"),
         (["--use-dataset-only", "True"], "--use-dataset-only is not supported: Megatron-DeepSpeed then builds only"),
-        (["--kd", "--load-teacher", "t"], "--kd is not supported: knowledge distillation from a teacher model"),
+        (["--mos"], "--mos is not supported: mixture-of-students training is not built"),
     ],
 )
 def test_megatron_deepspeed_data_and_training_flags_that_change_its_run_are_refused(argv, message) -> None:
@@ -214,9 +214,10 @@ SWITCH_NEEDS = {
     "--cpu-optimizer": ("--zero-stage", "1"),
     "--use-rope-scaling": ("--use-rotary-position-embeddings",),
     "--add-qkv-bias": ("--disable-bias-linear",),
+    "--kd": ("--load-teacher", "teacher"),
 }
-"""Switches that are an error (CPU Adam runs in ZeRO's offloaded optimizer) or ignored (RoPE scaling scales rotary
-embeddings; a QKV bias alone is implied by the linear biases) without another flag."""
+"""Switches that are an error (CPU Adam runs in ZeRO's offloaded optimizer; --kd needs its teacher) or ignored (RoPE
+scaling scales rotary embeddings; a QKV bias alone is implied by the linear biases) without another flag."""
 
 
 def test_help_lists_every_partition_method_and_the_config_fields() -> None:

@@ -1,0 +1,57 @@
+"""Flags -> `DistillationConfig`: Megatron-DeepSpeed's knowledge-distillation group (`--kd` and its teacher).
+
+What only the command line says: `--num-experts-teacher` (a dense teacher only, with --kd), the NOTICEs that
+`--kd-alpha-ce` scales nothing (Megatron-DeepSpeed reads it into `alpha` and never uses it) and that the teacher
+runs without the dropout upstream's teacher keeps, and the warning for teacher flags
+given without `--kd` (Megatron-DeepSpeed reads them only with it). The teacher's checkpoint is checked against them
+with the files, before any process group (`training.distillation.check_teacher`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from megatron_ds.config import DistillationConfig
+from megatron_ds.errors import ConfigError
+from megatron_ds.flags import model_flags
+from megatron_ds.flags.declare import flag_of
+
+_TEACHER_FLAGS = (
+    "load_teacher",
+    "num_layers_teacher",
+    "hidden_size_teacher",
+    "num_attention_heads_teacher",
+)
+
+
+def distillation_config(
+    args: argparse.Namespace, direct: dict[str, Any], warn: Callable[[str], None]
+) -> DistillationConfig:
+    """The section from its flags (copied as given in `direct`), with the command line's own rules."""
+    experts = tuple(args.num_experts_teacher)
+    config = DistillationConfig(**direct)
+    if not config.kd:
+        given = [d for d in _TEACHER_FLAGS if getattr(args, d) is not None]
+        given += ["num_experts_teacher"] if any(n != 1 for n in experts) else []
+        if given:
+            warn(f"{', '.join(map(flag_of, given))}: read only with --kd; ignored without it")
+        return config
+    if any(n != 1 for n in experts):
+        raise ConfigError(
+            f"--num-experts-teacher {' '.join(map(str, experts))} is not supported: mixture-of-experts teachers are "
+            "not built; use --num-experts-teacher 1 or drop it"
+        )
+    if args.hidden_dropout or args.attention_dropout:
+        model_flags.notice(
+            "--kd: the teacher runs without dropout (eval mode); Megatron-DeepSpeed never puts its teacher in eval "
+            f"mode, so its teacher drops activations as the student does (--hidden-dropout {args.hidden_dropout:g}, "
+            f"--attention-dropout {args.attention_dropout:g})"
+        )
+    if config.kd_alpha_ce != 1.0:
+        model_flags.notice(
+            f"--kd-alpha-ce {config.kd_alpha_ce:g} scales nothing: Megatron-DeepSpeed reads it and never uses it "
+            "(its loss is lm loss + kd loss); --kd-beta-ce scales the kd loss"
+        )
+    return config

@@ -1,0 +1,150 @@
+"""The teacher of knowledge distillation (`--kd`): its checkpoint checked before launch, loaded on every rank.
+
+As Megatron-DeepSpeed 4efb479 builds it (`setup_teacher_model`): the student's model flags with the teacher's
+layers, width and heads swapped in, weights only from `--load-teacher`. Here the teacher's sizes (layers, width,
+heads, MLP width) are read from the checkpoint's own saved config, the `--*-teacher` flags must agree with it, and
+every other field that shapes a weight (norm, activation, vocabulary, position table, biases...) must equal the
+student's, since upstream takes them from the student's flags. Fields that shape no weight (sequence length,
+rotary base, norm epsilon) are the student's, as upstream.
+
+Differences from upstream, printed as NOTICEs: the teacher runs in eval mode (upstream never calls `.eval()` on
+it, so its dropout is on: `flags.distillation_flags`), and a teacher whose MLP width, head size or head count
+differ from the student's loads (upstream builds it with the student's --ffn-hidden-size, kv channels and
+key/value heads, which cannot load such a checkpoint: `check_teacher`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from megatron_ds.config import Config, ModelConfig
+from megatron_ds.inference.model import GPTModel, module_name
+from megatron_ds.model.distillation import kd_loss
+from megatron_ds.training.checkpoint import reader
+from megatron_ds.training.checkpoint.directory import CheckpointError
+from megatron_ds.training.checkpoint.rules import WEIGHT_FREE_FIELDS
+
+TEACHER_SIZES = (
+    ("num_layers", "--num-layers-teacher", "num_layers_teacher"),
+    ("hidden_size", "--hidden-size-teacher", "hidden_size_teacher"),
+    ("num_attention_heads", "--num-attention-heads-teacher", "num_attention_heads_teacher"),
+)
+"""(ModelConfig field, flag, DistillationConfig field): what upstream swaps into the student's args."""
+_OWN_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
+"""The teacher's own sizes, read from its checkpoint."""
+
+
+def open_teacher(config: Config) -> reader.Checkpoint:
+    """`--load-teacher`'s checkpoint, or a one-line CheckpointError naming the flag."""
+    path = config.distillation.load_teacher
+    assert path, "check_teacher runs with --kd, which needs --load-teacher"
+    try:
+        return reader.open_checkpoint(path)
+    except CheckpointError as err:
+        text = str(err)
+        for prefix in (f"--load {path}: ", f"--load {path.rstrip('/')}: "):
+            text = text.removeprefix(prefix)
+        raise CheckpointError(f"--load-teacher {path}: {text}") from None
+
+
+def teacher_model(config: Config, ckpt: reader.Checkpoint) -> ModelConfig:
+    """The teacher's architecture: the student's with the checkpoint's sizes, checked against both (one-line
+    CheckpointError naming the flag or field, both values and the fix)."""
+    where = f"--load-teacher {config.distillation.load_teacher} ({ckpt.tag})"
+    saved = ckpt.config.model
+    for field, flag, given_field in TEACHER_SIZES:
+        given, stored = getattr(config.distillation, given_field), getattr(saved, field)
+        if given is not None and given != stored:
+            raise CheckpointError(
+                f"{flag} {given} disagrees with {where}, whose model has {field} {stored}; use {flag} {stored} "
+                f"(or drop it: the checkpoint's is taken)"
+            )
+    teacher = dataclasses.replace(config.model, **{f: getattr(saved, f) for f in _OWN_FIELDS})
+    ours, theirs = dataclasses.asdict(teacher), dataclasses.asdict(saved)
+    free = WEIGHT_FREE_FIELDS + (("max_position_embeddings",) if not teacher.add_position_embedding else ())
+    differ = [
+        f"{k} {theirs[k]!r} (teacher) vs {v!r} (student)" for k, v in ours.items() if theirs[k] != v and k not in free
+    ]
+    if differ:
+        raise CheckpointError(
+            f"{where} differs from the student beyond its layers, width and heads: {'; '.join(differ)}; "
+            "Megatron-DeepSpeed builds the teacher from the student's model flags, so give the student the "
+            "teacher's values (or another --load-teacher)"
+        )
+    return teacher
+
+
+def check_teacher(config: Config) -> list[str]:
+    """Before any process group: the teacher's checkpoint is readable and fits the student (`teacher_model`).
+    Returns the NOTICE lines to print."""
+    if not config.distillation.kd:
+        return []
+    ckpt = open_teacher(config)
+    teacher = teacher_model(config, ckpt)
+    student = config.model
+    where = f"--load-teacher {config.distillation.load_teacher}"
+    notices = []
+    stale = [
+        f"{name} {mine} (student) vs {theirs} (teacher)"
+        for name, mine, theirs in (
+            ("MLP width", student.ffn_hidden_size, teacher.ffn_hidden_size),
+            ("head size", student.head_dim, teacher.head_dim),
+            ("key/value heads", student.kv_heads, teacher.kv_heads),
+        )
+        if mine != theirs
+    ]
+    if stale:
+        notices.append(
+            f"NOTICE: {where}: the teacher is built with its own {'; '.join(stale)}; Megatron-DeepSpeed would build "
+            "it with the student's --ffn-hidden-size, kv channels and key/value heads, which cannot load this "
+            "checkpoint"
+        )
+    free = [f"{k} {getattr(ckpt.config.model, k)!r} -> {getattr(teacher, k)!r}" for k in WEIGHT_FREE_FIELDS]
+    changed = [c for c, k in zip(free, WEIGHT_FREE_FIELDS) if getattr(ckpt.config.model, k) != getattr(teacher, k)]
+    if changed:
+        notices.append(
+            f"NOTICE: {where}: {'; '.join(changed)}: the teacher runs with the student's values (they shape no "
+            "weight), as Megatron-DeepSpeed builds it from the student's flags"
+        )
+    return notices
+
+
+class Teacher:
+    """The teacher on this rank and the kd loss it gives a student's logits."""
+
+    def __init__(self, config: Config, model: GPTModel) -> None:
+        self.model = model
+        self.temperature = config.distillation.kd_temp
+        self.beta = config.distillation.kd_beta_ce
+        self.seq_length = config.model.seq_length
+
+    def loss(self, tokens: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+        """kd loss of one micro-batch: tokens (b, s) as the student saw them (a curriculum's cut included),
+        student_logits (b, s, v) fp32; the teacher's forward keeps no graph."""
+        with torch.no_grad():
+            teacher_logits = self.model(tokens)
+        return kd_loss(student_logits, teacher_logits, self.temperature, self.beta, self.seq_length)
+
+
+def load_teacher(config: Config, device: Any) -> Teacher:
+    """The teacher of `--load-teacher` on `device`, in the training precision, frozen and in eval mode
+    (the checkpoint was checked at launch: `check_teacher`). Needs no process group."""
+    ckpt = open_teacher(config)
+    model_config = teacher_model(config, ckpt)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.training.precision, torch.float32)
+    with torch.device("meta"):  # no initial weights are drawn: the checkpoint's replace them
+        model = GPTModel(model_config)
+    state = {module_name(t.spec, t.key, t.layer): t.tensor.to(dtype) for t in _tensors(ckpt)}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device).requires_grad_(False).eval()
+    return Teacher(config, model)
+
+
+def _tensors(ckpt: reader.Checkpoint) -> Any:
+    try:
+        yield from reader.iter_tensors(ckpt)
+    except CheckpointError as err:
+        raise CheckpointError(f"--load-teacher: {err}") from None
