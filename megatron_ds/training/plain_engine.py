@@ -11,7 +11,8 @@ timers, dropout reseeding, checkpoints and the tests drive either engine alike:
     here), `engine.step()` (which steps the optimizer at the accumulation boundary only). It reads the
     micro-batches in the pipeline engine's order and returns their mean loss averaged over data-parallel
     ranks, as `PipelineEngine.train_batch` does;
-  * `eval_batch`, `grid`, `stage_id`, `num_stages`, `micro_batches`, `is_first_stage`, `is_last_stage`;
+  * `eval_batch`, `grid`, `stage_id`, `num_stages`, `micro_batches`, `is_first_stage`, `is_last_stage`,
+    `reset_activation_shape` (nothing to reset: a curriculum's lengths need no buffers here);
   * checkpoints keep the pipeline's per-spec weight files (`GPTModel.save_state_dict` through
     `module_state_dict`, as `PipelineEngine` overrides it) beside DeepSpeed's own model-state and ZeRO files;
   * knowledge distillation (`--kd`, Megatron-DeepSpeed's engine for it too): with a `teacher`, each training
@@ -65,6 +66,10 @@ class PlainEngine(DeepSpeedEngine):
 
     def is_last_stage(self) -> bool:
         return True
+
+    def reset_activation_shape(self) -> None:
+        """What a curriculum's new sequence length asks of `PipelineEngine` (`step_plan`): this engine keeps no
+        pipe buffers sized for it, so nothing."""
 
     # --- steps -------------------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
