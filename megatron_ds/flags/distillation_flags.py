@@ -37,7 +37,7 @@ def distillation_config(
         given += ["num_experts_teacher"] if any(n != 1 for n in experts) else []
         if given:
             warn(f"{', '.join(map(flag_of, given))}: read only with --kd; ignored without it")
-        return config
+        return DistillationConfig()  # nothing of it is read: the same config as without the flags
     if any(n != 1 for n in experts):
         raise ConfigError(
             f"--num-experts-teacher {' '.join(map(str, experts))} is not supported: mixture-of-experts teachers are "

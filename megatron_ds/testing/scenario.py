@@ -32,7 +32,8 @@ Optional scenario keys (all off by default):
     output_shapes   true: record the shape of what this stage's module returns in its first training
                     forward ("output_shape": what it sends on, e.g. (s/T, b, h) under sequence parallelism)
 
-Every result also records "layout_table" (the layout printout with spec names), the keys of the
+Under --kd (`distillation__kd` and `distillation__load_teacher` overrides) each step's "other_losses" ({"kd loss":
+...}) are recorded too. Every result also records "layout_table" (the layout printout with spec names), the keys of the
 model's "tied_modules" and "tied_comms" (empty for an untied head), the "engine" class, and the
 model's parameter "elements" on this tensor rank with the "held_elements" this rank keeps (fewer under
 ZeRO-3, which partitions them), and how deepspeed.checkpointing is configured ("checkpointing").
@@ -195,13 +196,14 @@ def run_one(
     if opts.get("output_shapes"):
         _record_output_shape(result, pipeline.model)
     emb_before = _embedding(pipeline.model)
-    losses, norms = [], []
+    losses, norms, others = [], [], []
     dp_rank = engine.grid.get_data_parallel_rank()
     for step in range(state.iteration, state.iteration + num_steps):
         batches = list(micro_batches(config, step, dp_rank, opts.get("loss_mask", "ones")))
         loss = pipeline.train_batch(iter(batches), label=f"train_batch of step {step}")
         losses.append(float(loss.item()))
         norms.append(pipeline.grad_norm())
+        others.append({k: float(v.item()) for k, v in getattr(engine, "step_losses", {}).items()})
         if opts.get("eval"):
             result.setdefault("eval_losses", []).append(float(engine.eval_batch(data_iter=iter(batches)).item()))
     if opts.get("checksums"):
@@ -215,6 +217,8 @@ def run_one(
     emb_after = _embedding(pipeline.model)
     result.update({"losses": losses, "grad_norms": norms})
     result["checkpointing"] = _checkpointing_state()
+    if any(others):  # the losses beside the lm loss (`kd loss` under --kd), per step
+        result["other_losses"] = others
     store = getattr(engine, "weight_grads", None)
     result["deferred_weight_grads"] = 0 if store is None else store.deferred
     if emb_after is not None:

@@ -16,6 +16,7 @@ key/value heads, which cannot load such a checkpoint: `check_teacher`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -45,8 +46,8 @@ def open_teacher(config: Config) -> reader.Checkpoint:
         return reader.open_checkpoint(path)
     except CheckpointError as err:
         text = str(err)
-        for prefix in (f"--load {path}: ", f"--load {path.rstrip('/')}: "):
-            text = text.removeprefix(prefix)
+        for prefix in (f"--load {path}: ", f"--load {path.rstrip('/')}: ", f"{os.path.abspath(path)}: "):
+            text = text.removeprefix(prefix)  # the path is named once, after the flag
         raise CheckpointError(f"--load-teacher {path}: {text}") from None
 
 

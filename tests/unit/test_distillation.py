@@ -1,0 +1,184 @@
+"""Knowledge distillation (--kd): the kd loss against a direct computation of Megatron-DeepSpeed's formula, the flag
+rules and refusals, and the teacher checkpoint's checks (before any process group)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ds.config import Config
+from megatron_ds.errors import ConfigError, UserError
+from megatron_ds.flags.parser import parse_config
+from megatron_ds.model.distillation import kd_loss
+from megatron_ds.testing.scenario import tiny_config
+from megatron_ds.training import distillation, logger
+from megatron_ds.training.checkpoint.directory import META
+
+BASE = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 128 --lr 1e-3"
+BASE += " --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --mock-data"
+
+
+def parse(*extra: str, world_size: int = 1) -> Config:
+    return parse_config([*BASE.split(), *extra], world_size=world_size)[0]
+
+
+def direct_kd(student: torch.Tensor, teacher: torch.Tensor, t: float, beta: float, seq_length: int) -> torch.Tensor:
+    """Megatron-DeepSpeed 4efb479's kd loss written out: T^2 sum_{b,s,v} p_t (log p_t - log q_s) / b / seq * beta."""
+    p = torch.softmax(teacher.double() / t, dim=-1)
+    log_q = torch.log_softmax(student.double() / t, dim=-1)
+    kl = (p * (p.log() - log_q)).sum() / student.shape[0]
+    return t * t * kl / seq_length * beta
+
+
+@pytest.mark.parametrize("t, beta, seq_length", [(1.0, 1.0, 8), (2.0, 0.5, 16), (0.5, 3.0, 8)])
+def test_kd_loss_is_upstream_formula(t: float, beta: float, seq_length: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    student = torch.randn(3, 8, 50, generator=gen, requires_grad=True)
+    teacher = torch.randn(3, 8, 50, generator=gen) * 2
+    got = kd_loss(student, teacher, t, beta, seq_length)
+    want = direct_kd(student.detach(), teacher, t, beta, seq_length)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    assert got.item() > 0
+    got.backward()  # the student gets the gradient; the teacher (a plain tensor) none
+    assert student.grad is not None and float(student.grad.abs().sum()) > 0
+
+
+def test_kd_loss_of_identical_distributions_is_zero() -> None:
+    logits = torch.randn(2, 4, 30, generator=torch.Generator().manual_seed(1))
+    # 0 up to fp32 rounding: the teacher's log-probabilities come from softmax, the student's from log_softmax
+    assert abs(kd_loss(logits, logits.clone(), 2.0, 1.0, 4).item()) < 1e-6
+
+
+def test_kd_loss_divides_by_the_run_seq_length_not_the_curriculum_cut() -> None:
+    gen = torch.Generator().manual_seed(2)
+    student, teacher = torch.randn(2, 4, 30, generator=gen), torch.randn(2, 4, 30, generator=gen)
+    assert kd_loss(student, teacher, 1.0, 1.0, 16).item() == pytest.approx(
+        kd_loss(student, teacher, 1.0, 1.0, 4).item() / 4, rel=1e-6
+    )
+
+
+def test_kd_flags_set_the_section_and_the_plain_engine() -> None:
+    config = parse("--kd", "--load-teacher", "t", "--kd-temp", "2", "--kd-beta-ce", "0.5", "--num-layers-teacher", "4")
+    d = config.distillation
+    assert (d.kd, d.load_teacher, d.kd_temp, d.kd_beta_ce, d.num_layers_teacher) == (True, "t", 2.0, 0.5, 4)
+    assert config.engine_kind == "plain"  # Megatron-DeepSpeed's --no-pipeline-parallel engine
+    assert parse().engine_kind == "pipeline" and not parse().distillation.kd
+
+
+@pytest.mark.parametrize(
+    "extra, world, message",
+    [
+        ([], 1, "--kd needs --load-teacher DIR"),
+        (
+            ["--load-teacher", "t", "--pipeline-model-parallel-size", "2"],
+            2,
+            "--kd with --pipeline-model-parallel-size 2",
+        ),
+        (["--load-teacher", "t", "--tensor-model-parallel-size", "2"], 2, "--kd with --tensor-model-parallel-size 2"),
+        (["--load-teacher", "t", "--ds-sequence-parallel-size", "2"], 2, "--kd with --ds-sequence-parallel-size 2"),
+        (["--load-teacher", "t", "--num-key-value-heads", "2"], 1, "--kd with --num-key-value-heads 2"),
+        (["--load-teacher", "t", "--reset-position-ids"], 1, "--kd with --reset-position-ids"),
+        (["--load-teacher", "t", "--num-experts-teacher", "2"], 1, "--num-experts-teacher 2 is not supported"),
+        (["--load-teacher", "t", "--kd-temp", "0"], 1, "--kd-temp 0.0 must be > 0"),
+    ],
+)
+def test_kd_refusals_are_one_line(extra: list[str], world: int, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse("--kd", *extra, world_size=world)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_mos_stays_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^--mos is not supported: mixture-of-students"):
+        parse("--mos")
+
+
+def test_alpha_and_dropout_notices(capsys: pytest.CaptureFixture) -> None:
+    parse("--kd", "--load-teacher", "t", "--kd-alpha-ce", "0.5", "--hidden-dropout", "0", "--attention-dropout", "0")
+    err = capsys.readouterr().err
+    assert "NOTICE: --kd-alpha-ce 0.5 scales nothing" in err and "without dropout" not in err
+    parse("--kd", "--load-teacher", "t")
+    err = capsys.readouterr().err
+    assert "NOTICE: --kd: the teacher runs without dropout (eval mode)" in err and "kd-alpha-ce" not in err
+
+
+def test_teacher_flags_without_kd_are_ignored_with_a_warning(capsys: pytest.CaptureFixture) -> None:
+    assert parse("--load-teacher", "t", "--num-experts-teacher", "4") == parse()
+    assert "--load-teacher, --num-experts-teacher: read only with --kd; ignored without it" in capsys.readouterr().err
+
+
+def fake_teacher(root: Path, config: Config) -> str:
+    """A checkpoint directory as far as its metadata goes (what `check_teacher` reads)."""
+    (root / "global_step2").mkdir(parents=True)
+    (root / "global_step2" / META).write_text(json.dumps({"config": config.to_dict(), "train_state": {}}))
+    (root / "latest").write_text("global_step2")
+    return str(root)
+
+
+def student(path: str, **overrides: object) -> Config:
+    return tiny_config(model__num_layers=2, distillation__kd=True, distillation__load_teacher=path, **overrides)
+
+
+def test_teacher_is_the_checkpoints_model_with_the_students_other_fields(tmp_path: Path) -> None:
+    path = fake_teacher(tmp_path / "t", tiny_config(model__seq_length=8))  # 4 layers, trained on 8 tokens
+    config = student(path)
+    assert distillation.check_teacher(config) == [
+        f"NOTICE: --load-teacher {path}: seq_length 8 -> 16: the teacher runs with the student's values (they shape "
+        "no weight), as Megatron-DeepSpeed builds it from the student's flags"
+    ]
+    model = distillation.teacher_model(config, distillation.open_teacher(config))
+    assert (model.num_layers, model.seq_length) == (4, 16)
+    agreeing = config.replace(distillation__num_layers_teacher=4, distillation__hidden_size_teacher=32)
+    assert distillation.teacher_model(agreeing, distillation.open_teacher(agreeing)) == model
+
+
+def test_teacher_flag_that_disagrees_with_the_checkpoint_is_one_line(tmp_path: Path) -> None:
+    path = fake_teacher(tmp_path / "t", tiny_config())
+    with pytest.raises(UserError) as err:
+        distillation.check_teacher(student(path, distillation__num_layers_teacher=12))
+    assert str(err.value) == (
+        f"--num-layers-teacher 12 disagrees with --load-teacher {path} (global_step2), whose model has num_layers 4; "
+        "use --num-layers-teacher 4 (or drop it: the checkpoint's is taken)"
+    )
+
+
+def test_teacher_of_another_norm_or_vocabulary_is_refused(tmp_path: Path) -> None:
+    path = fake_teacher(tmp_path / "t", tiny_config(model__normalization="rmsnorm", model__vocab_size=256))
+    with pytest.raises(UserError) as err:
+        distillation.check_teacher(student(path))
+    text = str(err.value)
+    assert text.startswith(f"--load-teacher {path} (global_step2) differs from the student beyond its layers")
+    assert "vocab_size 256 (teacher) vs 128 (student)" in text and "normalization 'rmsnorm' (teacher)" in text
+    assert "\n" not in text
+
+
+def test_wider_teacher_loads_with_a_notice_of_what_upstream_would_build(tmp_path: Path) -> None:
+    path = fake_teacher(tmp_path / "t", tiny_config(model__hidden_size=64, model__ffn_hidden_size=128))
+    (notice,) = distillation.check_teacher(student(path))
+    assert notice.startswith(f"NOTICE: --load-teacher {path}: the teacher is built with its own MLP width 64 (student)")
+    assert "head size 8 (student) vs 16 (teacher)" in notice
+
+
+@pytest.mark.parametrize("make", ["missing", "empty", "damaged"])
+def test_missing_or_unreadable_teacher_is_one_line(tmp_path: Path, make: str) -> None:
+    path = tmp_path / "t"
+    if make == "empty":
+        path.mkdir()
+    elif make == "damaged":
+        fake_teacher(path, tiny_config())
+        (path / "global_step2" / META).write_text("{")
+    with pytest.raises(UserError) as err:
+        distillation.check_teacher(student(str(path)))
+    assert str(err.value).startswith(f"--load-teacher {path}") and "\n" not in str(err.value)
+
+
+def test_log_line_gives_total_lm_and_kd_loss_in_upstreams_order() -> None:
+    assert logger.losses_text(2.0, {}) == ["lm loss: 2.000000E+00"]
+    assert logger.losses_text(2.0, {"kd loss": 0.25}) == [
+        "total loss: 2.250000E+00",
+        "lm loss: 2.000000E+00",
+        "kd loss: 2.500000E-01",
+    ]
