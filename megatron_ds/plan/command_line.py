@@ -169,9 +169,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+NOT_PLANNED = {
+    "--kd": "the planner does not count --kd's teacher (its whole weights in the training precision on every rank, "
+    "beside the student, and its forward's transients); plan the student without --kd and leave room for the "
+    "teacher's weights (2 bytes x its parameters in bf16 or fp16, 4 in fp32)",
+}
+"""`pretrain_gpt.py` flags the planner refuses by name, each with why and what to do instead."""
+
+
 def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     """(the command, the inputs given on the command line, the output options)."""
     argv = list(argv)
+    refused = next((a for a in argv if a.split("=", 1)[0] in NOT_PLANNED), None)
+    if refused is not None:
+        raise PlanError(f"{refused.split('=', 1)[0]}: {NOT_PLANNED[refused.split('=', 1)[0]]}")
     command = argv.pop(0) if argv and argv[0] in (*sections.names(), sections.ALL) else sections.ALL
     ns = build_parser().parse_args(argv)
     fields = {f for f in PlanInputs.__dataclass_fields__ if f != "handled"}

@@ -182,3 +182,12 @@ def test_log_line_gives_total_lm_and_kd_loss_in_upstreams_order() -> None:
         "lm loss: 2.000000E+00",
         "kd loss: 2.500000E-01",
     ]
+
+
+def test_planner_refuses_kd_in_one_line() -> None:
+    from megatron_ds.plan.command_line import PlanError
+    from megatron_ds.plan.command_line import parse as plan_parse
+
+    with pytest.raises(PlanError) as err:
+        plan_parse(["memory", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--kd"])
+    assert str(err.value).startswith("--kd: the planner does not count --kd's teacher") and "\n" not in str(err.value)
