@@ -48,6 +48,7 @@ def open_teacher(config: Config) -> reader.Checkpoint:
         text = str(err)
         for prefix in (f"--load {path}: ", f"--load {path.rstrip('/')}: ", f"{os.path.abspath(path)}: "):
             text = text.removeprefix(prefix)  # the path is named once, after the flag
+        text = text.replace(", then --load OUT", ", then --load-teacher OUT")  # another trainer's checkpoint
         raise CheckpointError(f"--load-teacher {path}: {text}") from None
 
 

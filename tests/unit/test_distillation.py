@@ -191,3 +191,12 @@ def test_planner_refuses_kd_in_one_line() -> None:
     with pytest.raises(PlanError) as err:
         plan_parse(["memory", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--kd"])
     assert str(err.value).startswith("--kd: the planner does not count --kd's teacher") and "\n" not in str(err.value)
+
+
+def test_megatron_deepspeed_teacher_is_sent_to_the_converter(tmp_path: Path) -> None:
+    path = str(Path(__file__).resolve().parents[1] / "fixtures" / "megatron_deepspeed_checkpoints" / "tp1_pp2_tied")
+    with pytest.raises(UserError) as err:
+        distillation.check_teacher(student(path))
+    text = str(err.value)
+    assert text.startswith(f"--load-teacher {path}: a Megatron-DeepSpeed checkpoint") and "\n" not in text
+    assert text.endswith(", then --load-teacher OUT")
