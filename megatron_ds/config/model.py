@@ -10,6 +10,7 @@ counts built from them are in `megatron_ds.model.shapes`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,33 @@ which holds each one's function, Hugging Face name and costs (it checks on impor
 gated entries are these)."""
 GATED_ACTIVATIONS = ("swiglu",)
 """Activations of a gated MLP: fc1 produces a gate and an up half (2 x ffn features)."""
+MLP_TYPES = ("standard", "residual")
+"""Megatron-DeepSpeed's `--mlp-type` of a mixture-of-experts layer: experts alone, or PR-MoE's residual MLP beside
+them (DeepSpeed's `MoE(use_residual=True)`)."""
+MOE_TOP_K = (1, 2)
+"""The gates DeepSpeed's MoE layer documents (`--topk`): top-1 and top-2."""
+MOE_ROUTING_FIELDS = (
+    "moe_top_k",
+    "moe_train_capacity_factor",
+    "moe_eval_capacity_factor",
+    "moe_min_capacity",
+    "moe_token_dropping",
+    "moe_top2_2nd_expert_sampling",
+    "moe_loss_coeff",
+)
+"""The mixture-of-experts fields that shape no weight (how tokens are routed, the auxiliary loss's weight): stored
+at their defaults in a dense model, and free to change on resume (`training.checkpoint.rules.WEIGHT_FREE_FIELDS`)."""
+
+
+def experts_per_layer(num_experts: tuple[int, ...], num_layers: int, expert_interval: int) -> tuple[int, ...]:
+    """Experts of each transformer layer, as Megatron-DeepSpeed's `get_num_experts_per_layer`: layer i (from 1) has
+    experts when i is a multiple of `expert_interval`, the k-th such layer `num_experts[k - 1]` (one value: every
+    such layer); every other layer is dense (1)."""
+    groups = num_layers // expert_interval
+    counts = num_experts * groups if len(num_experts) == 1 else num_experts
+    return tuple(
+        counts[(i - 1) // expert_interval] if i % expert_interval == 0 else 1 for i in range(1, num_layers + 1)
+    )
 
 
 def default_ffn_hidden_size(hidden_size: int, activation: str) -> int:
@@ -112,6 +140,33 @@ class ModelConfig:
     """A bias on the fused query/key/value projection alone (Megatron-LM's `--add-qkv-bias`; Qwen2's layout) when
     `add_bias_linear` is off. Stored as False with `add_bias_linear`, which already gives QKV its bias (one
     spelling of the same model; Megatron-LM sets it True there): ask `has_bias` which linears have one."""
+    num_experts: tuple[int, ...] = (1,)
+    """Megatron-DeepSpeed's `--num-experts`: experts of each mixture-of-experts layer, one value for all of them or
+    one per such layer (`experts_per_layer`); (1,) is a dense model. A layer with experts replaces its MLP by
+    DeepSpeed's MoE layer (a gate and that many copies of the MLP, `megatron_ds.model.moe`)."""
+    expert_interval: int = 2
+    """`--expert-interval`: every this-many-th layer has experts (layers 2, 4, ... by default). Stored as 2 in a
+    dense model."""
+    mlp_type: str = "standard"
+    """`--mlp-type`: `standard` (experts alone) or `residual` (PR-MoE: a dense MLP beside the experts, mixed by a
+    learned two-way softmax). Stored as `standard` in a dense model."""
+    moe_top_k: int = 1
+    """`--topk`: experts each token is sent to (1 or 2)."""
+    moe_train_capacity_factor: float = 1.0
+    """`--moe-train-capacity-factor`: an expert takes at most factor x tokens / experts tokens in training (x 2 for
+    top-2; at least `moe_min_capacity`); the rest are dropped (their MLP output is 0) unless token dropping is off."""
+    moe_eval_capacity_factor: float = 1.0
+    """`--moe-eval-capacity-factor`: the same in evaluation."""
+    moe_min_capacity: int = 4
+    """`--moe-min-capacity`: the least capacity of an expert whatever the factor."""
+    moe_token_dropping: bool = True
+    """False with `--disable-moe-token-dropping`: every expert's capacity is the most tokens any expert of the
+    expert-parallel group got (nothing is dropped)."""
+    moe_top2_2nd_expert_sampling: bool = True
+    """False with `--disable-moe-top2-2nd-expert-sampling`: top-2's second expert is the argmax of the other
+    experts' logits instead of a Gumbel-max sample (drawn from torch's default generator, as DeepSpeed does)."""
+    moe_loss_coeff: float = 0.1
+    """`--moe-loss-coeff`: the loss is the LM loss + this x the sum of every MoE layer's load-balancing loss."""
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -160,12 +215,55 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling_factor", DEFAULT_ROPE_SCALING_FACTOR)
         if self.add_bias_linear:
             object.__setattr__(self, "add_qkv_bias", False)
+        self._check_experts()
         dim = self.rotary_dim
         check(
             not self.use_rotary_position_embeddings or (dim >= 2 and dim % 2 == 0),
             f"--rotary-percent {self.rotary_percent} gives {dim} rotary channels of the head's {self.head_dim}; "
             f"rotary embeddings rotate channel pairs, so choose a share that gives an even number >= 2",
         )
+
+    def _check_experts(self) -> None:
+        object.__setattr__(self, "num_experts", tuple(int(n) for n in self.num_experts))  # a JSON list on load
+        given = " ".join(map(str, self.num_experts))
+        check(
+            len(self.num_experts) >= 1 and all(n >= 1 for n in self.num_experts),
+            f"--num-experts {given} must be one or more counts >= 1",
+        )
+        at_least("--expert-interval", self.expert_interval, 1)
+        groups = self.num_layers // self.expert_interval
+        check(
+            len(self.num_experts) in (1, groups),
+            f"--num-experts {given} gives {len(self.num_experts)} counts, but --num-layers {self.num_layers} with "
+            f"--expert-interval {self.expert_interval} has {groups} expert layers; give one count, or {groups}",
+        )
+        one_of("--mlp-type", self.mlp_type, MLP_TYPES)
+        one_of("--topk", self.moe_top_k, MOE_TOP_K)
+        positive("--moe-train-capacity-factor", self.moe_train_capacity_factor)
+        positive("--moe-eval-capacity-factor", self.moe_eval_capacity_factor)
+        at_least("--moe-min-capacity", self.moe_min_capacity, 0)
+        at_least("--moe-loss-coeff", self.moe_loss_coeff, 0.0)
+        if not self.is_moe:  # one spelling of a dense model (as the rotary fields above)
+            defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+            for name in ("num_experts", "expert_interval", "mlp_type", *MOE_ROUTING_FIELDS):
+                object.__setattr__(self, name, defaults[name])
+            return
+        few = min(n for n in self.experts_per_layer if n > 1)
+        check(
+            self.moe_top_k <= few,
+            f"--topk {self.moe_top_k} sends each token to {self.moe_top_k} experts, but a layer has {few}; "
+            f"use --topk 1 or more experts",
+        )
+
+    @property
+    def experts_per_layer(self) -> tuple[int, ...]:
+        """Experts of each transformer layer (1: a dense MLP); see the module's `experts_per_layer`."""
+        return experts_per_layer(self.num_experts, self.num_layers, self.expert_interval)
+
+    @property
+    def is_moe(self) -> bool:
+        """Some layer has more than one expert (Megatron-DeepSpeed's `is_moe_model`)."""
+        return any(n > 1 for n in experts_per_layer(self.num_experts, self.num_layers, self.expert_interval))
 
     @property
     def kv_heads(self) -> int:

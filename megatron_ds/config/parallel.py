@@ -92,6 +92,10 @@ class ParallelConfig:
     """DeepSpeed-Ulysses sequence parallelism N (`--ds-sequence-parallel-size`): groups of N ranks carved
     out of data parallelism split each sequence N ways, attention exchanges heads for sequence with two
     all-to-alls (`megatron_ds.model.ulysses`); T = P = 1, as Megatron-DeepSpeed requires."""
+    expert_parallel_size: int = 1
+    """Mixture-of-experts expert parallelism E (`--moe-expert-parallel-size`): each group of E data-parallel ranks
+    shares out every MoE layer's experts (E divides the data-parallel size and each layer's experts), tokens reach
+    their expert through DeepSpeed's all-to-all; 1 for a dense model."""
 
     def __post_init__(self) -> None:
         p, t = self.pipeline_model_parallel_size, self.tensor_model_parallel_size
@@ -100,6 +104,7 @@ class ParallelConfig:
             f"--pipeline-model-parallel-size {p} and --tensor-model-parallel-size {t} must be >= 1",
         )
         self._check_sequence_parallel()
+        at_least("--moe-expert-parallel-size", self.expert_parallel_size, 1)
         if self.world_size is not None:
             at_least("world size", self.world_size, 1)
             n = self.ds_sequence_parallel_size

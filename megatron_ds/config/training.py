@@ -55,6 +55,10 @@ class OptimizerConfig:
     weight_decay_incr_samples: int = 0
     """Samples over which a linear or cosine weight decay goes from start to end: --train-samples, else
     --train-iters x --global-batch-size (Megatron's wd_incr_steps; set with the style)."""
+    create_moe_param_group: bool = False
+    """Megatron-DeepSpeed's `--create-moe-param-group`: the experts' parameters move into optimizer groups of their
+    own (DeepSpeed's `split_params_into_different_moe_groups_for_optimizer`, one per weight-decay group), which
+    DeepSpeed's ZeRO needs; the update is the same either way."""
     decoupled_lr: float | None = None
     """Megatron-LM's `--decoupled-lr`: the peak learning rate of the word embedding and output layer
     weights (their own optimizer group, same schedule shape); None: `lr` for every parameter."""

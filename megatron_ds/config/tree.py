@@ -37,6 +37,7 @@ class Config:
     def __post_init__(self) -> None:
         self._check_engine()
         self._check_distillation()
+        self._check_experts()
         t = self.parallel.tensor_model_parallel_size
         model = self.model
         for flag, value in (
@@ -206,16 +207,77 @@ class Config:
                 "not on packed documents; drop them",
             ),
         )
+        refusals += (
+            (
+                not model.is_moe,
+                f"--num-experts {' '.join(map(str, model.num_experts))}: a mixture-of-experts student is not "
+                "distilled here (untested); train a dense student (--num-experts 1)",
+            ),
+        )
         for ok, why in refusals:
             check(ok, f"--kd with {why}")
 
+    def _check_experts(self) -> None:
+        """Mixture-of-experts runs where Megatron-DeepSpeed's MoE example lines run them: GPTModel on DeepSpeed's plain
+        engine (`--no-pipeline-parallel`), without tensor parallelism; what is not built here is refused."""
+        model, par, train = self.model, self.parallel, self.training
+        if not model.is_moe:  # one spelling of a dense model: the MoE-only settings change nothing there
+            object.__setattr__(self, "parallel", dataclasses.replace(par, expert_parallel_size=1))
+            object.__setattr__(self, "optimizer", dataclasses.replace(self.optimizer, create_moe_param_group=False))
+            return
+        experts = " ".join(map(str, model.num_experts))
+        moe = f"--num-experts {experts}"
+        for ok, what, fix in (
+            (
+                par.pipeline_model_parallel_size == 1,
+                f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size}",
+                "use --pipeline-model-parallel-size 1 (--no-pipeline-parallel), "
+                "as Megatron-DeepSpeed's MoE example lines do",
+            ),
+            (
+                par.tensor_model_parallel_size == 1,
+                f"--tensor-model-parallel-size {par.tensor_model_parallel_size}",
+                "use --tensor-model-parallel-size 1",
+            ),
+            (
+                par.ds_sequence_parallel_size == 1,
+                f"--ds-sequence-parallel-size {par.ds_sequence_parallel_size}",
+                "drop it",
+            ),
+            (
+                train.zero_stage == 0,
+                f"--zero-stage {train.zero_stage}",
+                "use --zero-stage 0, as the MoE example lines do",
+            ),
+            (train.precision == "fp32", f"--{train.precision}", "train in fp32 (drop it)"),
+            (
+                not train.checkpoint_activations,
+                "--checkpoint-activations (full recomputation)",
+                "drop it (--recompute-granularity selective works)",
+            ),
+            (self.optimizer.decoupled_lr is None, "--decoupled-lr", "drop it"),
+        ):
+            check(ok, f"{moe} with {what}: mixture-of-experts layers are not built for that here; {fix}")
+        ep, dp = par.expert_parallel_size, par.data_parallel_size
+        check(
+            dp % ep == 0,
+            f"--moe-expert-parallel-size {ep} does not divide the data-parallel size {dp}: each group of {ep} "
+            f"data-parallel ranks shares out the experts; choose a divisor of {dp}",
+        )
+        uneven = sorted({n for n in model.experts_per_layer if n > 1 and n % ep})
+        check(
+            not uneven,
+            f"--moe-expert-parallel-size {ep} does not divide {uneven[0] if uneven else 0} experts ({moe}): each "
+            f"rank of the group holds the same number of experts; choose a divisor of every expert count",
+        )
+
     @property
     def engine_kind(self) -> str:
-        """`plain` (DeepSpeed's DeepSpeedEngine: ZeRO 2/3 at P = 1, Ulysses, and --kd, as Megatron-DeepSpeed's
-        --no-pipeline-parallel) or `pipeline` (its PipelineEngine, every other run): which DeepSpeed engine trains
-        this run; ZeRO 0/1 keep the pipeline engine at P = 1 too."""
+        """`plain` (DeepSpeed's DeepSpeedEngine: ZeRO 2/3 at P = 1, Ulysses, --kd and mixture-of-experts models, as
+        Megatron-DeepSpeed's --no-pipeline-parallel) or `pipeline` (its PipelineEngine, every other run): which
+        DeepSpeed engine trains this run; ZeRO 0/1 keep the pipeline engine at P = 1 too."""
         ulysses = self.parallel.ds_sequence_parallel_size > 1  # its groups exist in the plain engine only
-        plain = self.training.zero_stage >= 2 or ulysses or self.distillation.kd
+        plain = self.training.zero_stage >= 2 or ulysses or self.distillation.kd or self.model.is_moe
         return "plain" if plain else "pipeline"
 
     @property

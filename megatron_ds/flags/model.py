@@ -5,12 +5,12 @@ How Megatron's activation flags select `ModelConfig.activation` is flags -> conf
 
 from __future__ import annotations
 
+from megatron_ds.config.model import MLP_TYPES
 from megatron_ds.config.training import WD_INCR_STYLES
-from megatron_ds.flags.declare import VALUE, Flag, accepted, field_default, neutral, no_op, refused, switch
+from megatron_ds.flags.declare import VALUE, Flag, accepted, field_default, no_op, refused, switch
 from megatron_ds.model import norms
 
 _NET, _MOE, _REG, _INIT = "network size", "mixture of experts", "regularization", "initialization"
-_MOE_WHY = "mixture-of-experts models are not built here; train a dense model"
 
 NETWORK: tuple[Flag, ...] = (
     accepted("--num-layers", _NET, "transformer layers", "model.num_layers", type=int, default=None),
@@ -153,10 +153,12 @@ NETWORK: tuple[Flag, ...] = (
     accepted(
         "--num-experts",
         _NET,
-        "only 1 (a dense model, Megatron-DeepSpeed's default)",
+        "experts of each mixture-of-experts layer (every --expert-interval-th layer): one count for all, or one per "
+        "such layer; 1, the default, is a dense model. DeepSpeed's MoE layer around copies of the MLP, as "
+        "Megatron-DeepSpeed; pipeline size 1 (DeepSpeed's plain engine), T = 1, ZeRO 0, fp32 (docs/training.md)",
+        "model.num_experts",
         type=int,
         nargs="+",
-        default=(1,),
     ),
     refused("--encoder-num-layers", _NET, "encoder-decoder models are not built", "use --num-layers", VALUE),
     refused("--decoder-num-layers", _NET, "encoder-decoder models are not built", "use --num-layers", VALUE),
@@ -178,26 +180,77 @@ NETWORK: tuple[Flag, ...] = (
     ),
 )
 
-_DENSE = (
-    "with --num-experts 1 (the only value built) Megatron-DeepSpeed builds dense MLPs and no gate, so this "
-    "changes nothing"
-)
-
 MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
-    neutral("--mlp-type", _MOE, f"`residual` is PR-MoE's residual expert; {_MOE_WHY}", ("standard",)),
-    neutral("--topk", _MOE, f"top-k gating needs experts; {_MOE_WHY}", (1,), int),
-    neutral("--moe-expert-parallel-size", _MOE, f"expert parallelism needs experts; {_MOE_WHY}", (1,), int),
-    neutral("--expert-interval", _MOE, _DENSE, None, int),
-    neutral("--moe-train-capacity-factor", _MOE, _DENSE, None, float),
-    neutral("--moe-eval-capacity-factor", _MOE, _DENSE, None, float),
-    neutral("--moe-min-capacity", _MOE, _DENSE, None, int),
-    neutral("--moe-loss-coeff", _MOE, _DENSE, None, float),
-    no_op("--create-moe-param-group", _MOE, f"{_DENSE} (no expert parameter to put in a group of its own)"),
-    no_op("--disable-moe-token-dropping", _MOE, f"{_DENSE} (no expert drops tokens)"),
-    refused("--use-tutel", _MOE, _MOE_WHY),
-    refused("--enable-expert-tensor-parallelism", _MOE, _MOE_WHY),
-    refused("--num-experts-switch", _MOE, f"Switch Transformer MLPs (top-1 experts): {_MOE_WHY}", takes=VALUE),
-    no_op("--disable-moe-top2-2nd-expert-sampling", _MOE, f"{_DENSE} (no top-2 gate samples a second expert)"),
+    accepted(
+        "--mlp-type",
+        _MOE,
+        "`standard`: experts alone; `residual`: PR-MoE, a dense MLP beside the experts mixed by a learned softmax",
+        "model.mlp_type",
+        choices=MLP_TYPES,
+    ),
+    accepted("--topk", _MOE, "experts each token goes to: 1 or 2", "model.moe_top_k", type=int),
+    accepted(
+        "--moe-expert-parallel-size",
+        _MOE,
+        "ranks that share out each MoE layer's experts (divides the data-parallel size and every expert count); "
+        "tokens reach their expert through DeepSpeed's all-to-all",
+        "parallel.expert_parallel_size",
+        type=int,
+    ),
+    accepted("--expert-interval", _MOE, "every this-many-th layer has experts", "model.expert_interval", type=int),
+    accepted(
+        "--moe-train-capacity-factor",
+        _MOE,
+        "an expert takes at most factor x tokens / experts tokens in training (x 2 for top-2; at least "
+        "--moe-min-capacity), the rest are dropped at random",
+        "model.moe_train_capacity_factor",
+        type=float,
+    ),
+    accepted(
+        "--moe-eval-capacity-factor", _MOE, "the same in evaluation", "model.moe_eval_capacity_factor", type=float
+    ),
+    accepted("--moe-min-capacity", _MOE, "the least capacity of an expert", "model.moe_min_capacity", type=int),
+    accepted(
+        "--moe-loss-coeff",
+        _MOE,
+        "the loss trained is the LM loss + this x the sum of the MoE layers' load-balancing losses",
+        "model.moe_loss_coeff",
+        type=float,
+    ),
+    switch(
+        "--create-moe-param-group",
+        _MOE,
+        "the experts' parameters in optimizer groups of their own (DeepSpeed's "
+        "split_params_into_different_moe_groups_for_optimizer); the update is the same",
+        "optimizer.create_moe_param_group",
+    ),
+    switch(
+        "--disable-moe-token-dropping",
+        _MOE,
+        "no capacity limit: every expert takes the most tokens any expert got",
+        "model.moe_token_dropping",
+        stores=False,
+    ),
+    refused("--use-tutel", _MOE, "Tutel's MoE kernels are not built here"),
+    refused(
+        "--enable-expert-tensor-parallelism",
+        _MOE,
+        "mixture-of-experts models train at tensor-parallel size 1 here, without expert tensor parallelism",
+    ),
+    refused(
+        "--num-experts-switch",
+        _MOE,
+        "Megatron-LM's Switch Transformer MLPs (SwitchMLP) are not built here",
+        "use DeepSpeed's MoE layer: --num-experts N",
+        takes=VALUE,
+    ),
+    switch(
+        "--disable-moe-top2-2nd-expert-sampling",
+        _MOE,
+        "top-2's second expert is the argmax of the other experts' logits, not a Gumbel-max sample",
+        "model.moe_top2_2nd_expert_sampling",
+        stores=False,
+    ),
 )
 
 REGULARIZATION: tuple[Flag, ...] = (

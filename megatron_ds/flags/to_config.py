@@ -241,11 +241,6 @@ def _check_fixed_model_options(args: argparse.Namespace, model: ModelConfig) -> 
             f"--kv-channels {args.kv_channels} is not supported: only --hidden-size / "
             f"--num-attention-heads = {model.head_dim} is built; drop --kv-channels"
         )
-    if any(n != 1 for n in args.num_experts):
-        raise ConfigError(
-            f"--num-experts {' '.join(map(str, args.num_experts))} is not supported: "
-            f"mixture-of-experts models are not built; use --num-experts 1 or drop it"
-        )
     if args.vocab_extra_ids != 0:
         raise ConfigError(
             f"--vocab-extra-ids {args.vocab_extra_ids} is not supported: extra sentinel ids are "

@@ -90,9 +90,13 @@ class GPTModel(nn.Module):
             ulysses,
             train.selective_recompute,
             config.data.reset_attention_mask,
+            config.parallel.expert_parallel_size,
         )
         for index, spec in enumerate(specs):
             self._add_spec(index, spec, partition or (lambda module: None))
+        self.moe_loss_coeff = config.model.moe_loss_coeff
+        self.moe_layers = [m for m in self.spec_modules.values() if getattr(m, "moe", None) is not None]
+        """The transformer layers with experts (Megatron-DeepSpeed's MoE layers), in order."""
         mark_norm_counting(self, tp.rank)
         reduce_partial_gradients(self, tp)
 
@@ -139,6 +143,13 @@ class GPTModel(nn.Module):
             else:
                 x = _run(chunk)(*x)
         return x
+
+    def moe_loss(self) -> torch.Tensor | None:
+        """`--moe-loss-coeff` x the sum of the MoE layers' load-balancing losses of the last forward (pretrain_gpt.py's
+        `forward_step`); None for a dense model."""
+        if not self.moe_layers:
+            return None
+        return self.moe_loss_coeff * sum(layer.l_aux for layer in self.moe_layers)
 
     def layer_file(self, directory: str, index: int) -> str:
         """DeepSpeed's name of spec `index`'s weights on this tensor rank (as `PipelineModule.ckpt_layer_path`)."""

@@ -69,9 +69,12 @@ def build_layer_specs(
     ulysses: UlyssesGroup = NO_ULYSSES,
     selective_recompute: bool = False,
     document_mask: bool = False,
+    expert_parallel_size: int = 1,
 ) -> list[Spec]:
     """The full spec list (the same for every layout; only the stage boundaries move). `document_mask`
-    (`--reset-attention-mask`): the transformer layers attend within each packed document."""
+    (`--reset-attention-mask`): the transformer layers attend within each packed document. The layers with experts
+    (`ModelConfig.experts_per_layer`) hold DeepSpeed's MoE layer, its experts shared out over `expert_parallel_size`
+    ranks."""
     reg = regularization
     groups = naming.gpt_spec_groups(model)
     embedding_idx = groups.pre.index(naming.WORD_EMBEDDING)
@@ -117,8 +120,10 @@ def build_layer_specs(
             ulysses,
             selective_recompute,
             document_mask,
+            experts,
+            expert_parallel_size,
         )
-        for i in range(model.num_layers)
+        for i, experts in enumerate(model.experts_per_layer)
     ]
     if untied:
         head: Spec = LayerSpec(untied_head, model, reg, seeded(naming.UNTIED_LM_HEAD), *extra)

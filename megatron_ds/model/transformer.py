@@ -4,7 +4,7 @@ activation is an entry of `megatron_ds.model.activations` (tanh or exact GeLU, S
 Options (ModelConfig): grouped-query attention (`num_key_value_heads`: kv heads shared by groups
 of nh/kv query heads), rotary embeddings on q and k (base `rotary_base`, on the first `rotary_dim`
 channels of each head; Llama 3.x's frequency scaling with `use_rope_scaling`), the MLP activation, no biases in
-the linears.
+the linears; a mixture-of-experts MLP (DeepSpeed's MoE layer, `megatron_ds.model.moe`) on the layers that have experts.
 Dropout probabilities and the init std come from RegularizationConfig; the weight shapes from
 `megatron_ds.model.shapes.layer_linear_shapes` (the same shapes the parameter counts use).
 
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.model import activations, documents
+from megatron_ds.model import activations, documents, moe
 from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
 from megatron_ds.model.layers import make_norm
 from megatron_ds.model.rng import Stream, dropout, register_streams
@@ -72,6 +72,8 @@ class TransformerLayer(nn.Module):
         ulysses: UlyssesGroup = NO_ULYSSES,
         selective_recompute: bool = False,
         document_mask: bool = False,
+        num_experts: int = 1,
+        expert_parallel_size: int = 1,
     ) -> None:
         super().__init__()
         self.document_mask = document_mask
@@ -96,24 +98,32 @@ class TransformerLayer(nn.Module):
         self.hidden_stream = Stream.replicated(init_seed)
         self.attention_stream = Stream.tensor_parallel(init_seed, tp.rank if ulysses.size == 1 else ulysses.rank)
         register_streams(self, self.hidden_stream, self.attention_stream)
-        qkv, proj, fc1, fc2 = self._full_weights(model, regularization.init_method_std, init_seed)
+        gen = init_generator(init_seed)
+        qkv, proj, fc1, fc2 = self._full_weights(model, regularization.init_method_std, gen)
         # Registration order = parameter order (optimizer state, ZeRO partitions): keep it.
         self.input_norm = make_norm(model, tp)
         bias = model.has_bias  # QKV may have one alone (--add-qkv-bias): split over tensor ranks with its rows
         self.qkv = column_linear(tp, qkv, bias("qkv"), fused_rows=qkv_row_parts(qkv.shape[0], nh, kv))
         self.proj = row_linear(tp, proj, bias("proj"))
         self.post_attention_norm = make_norm(model, tp)
+        self.moe: nn.Module | None = None
+        """DeepSpeed's MoE layer in place of fc1 and fc2 when the layer has experts (`megatron_ds.model.moe`)."""
+        self.l_aux: torch.Tensor | None = None
+        """The MoE layer's load-balancing loss of the last forward (None without experts)."""
+        if num_experts > 1:  # Megatron-DeepSpeed 4efb479: DeepSpeed's MoE around copies of the MLP
+            expert = moe.ExpertMLP(fc1, fc2, bias("fc1"), self.activation)
+            self.moe = moe.build(model, num_experts, expert_parallel_size, expert, gen)
+            return
         ffn = model.ffn_hidden_size
         self.fc1 = column_linear(tp, fc1, bias("fc1"), fused_rows=(ffn, ffn) if model.gated_mlp else None)
         self.fc2 = row_linear(tp, fc2, bias("fc2"))
 
     @staticmethod
-    def _full_weights(model: ModelConfig, std: float, init_seed: int) -> tuple[torch.Tensor, ...]:
+    def _full_weights(model: ModelConfig, std: float, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
         # Megatron's init: N(0, std) for inputs to the residual branch, std / sqrt(2L) for the
         # projections that write into the residual stream; biases zero. Full (T=1) matrices,
         # drawn in this order whatever T is; each rank keeps its shard. The fused QKV rows are nh
         # query heads, then kv key heads, then kv value heads; a SwiGLU fc1 has the gate, then up.
-        gen = init_generator(init_seed)
         out_std = std / math.sqrt(2.0 * model.num_layers)
         stds = {"qkv": std, "proj": out_std, "fc1": std, "fc2": out_std}
         return tuple(draw_normal(shape, stds[name], gen) for name, shape in layer_linear_shapes(model).items())
@@ -129,7 +139,11 @@ class TransformerLayer(nn.Module):
         return dropout(y, self.hidden_dropout, self.training, self.hidden_stream, self.shard)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP branch fc2(act(fc1(norm(x)))), without residual or dropout (also used by inference)."""
+        """The MLP branch fc2(act(fc1(norm(x)))), or the MoE layer's output on norm(x) (its load-balancing loss kept
+        in `l_aux`), without residual or dropout (the dense one also used by inference)."""
+        if self.moe is not None:
+            out, self.l_aux = moe.run(self.moe, self.post_attention_norm(x))
+            return out
         return self.fc2(self.activation(self.fc1(self.post_attention_norm(x))))
 
     def attention_heads(

@@ -18,31 +18,60 @@ def install_fp32_grad_norm(engine: Any) -> None:
     megatron-core marks `tensor_model_parallel`) would be counted twice. This instance-level
     replacement counts exactly the parameters marked `model_parallel`, and stores the norm where
     the ZeRO and bf16 paths store theirs (DeepSpeed's version throws it away).
+
+    Mixture-of-experts models: each expert's gradient is held by one rank of its expert-parallel group, so
+    the experts' squares are summed over that group too, which gives the norm of the one-process run.
+    (DeepSpeed's `clip_grad_norm_` instead averages each rank's own norm over the data-parallel ranks, a
+    different number once the ranks hold different experts: `megatron_ds.flags.to_config` prints a NOTICE.)
     """
 
     def clip_fp32_gradients() -> None:
         params = engine.module.parameters()
         group = engine.mpu.get_model_parallel_group()
-        engine._global_grad_norm = clip_counted_grad_norm_(params, engine.gradient_clipping(), group)
+        engine._global_grad_norm = clip_counted_grad_norm_(
+            params, engine.gradient_clipping(), group, expert_parallel_group(engine)
+        )
 
     engine.clip_fp32_gradients = clip_fp32_gradients
 
 
+def expert_parallel_group(engine: Any) -> Any:
+    """The expert-parallel process group of a mixture-of-experts model (every MoE layer uses the one size), or None."""
+    groups = getattr(engine, "expert_parallel_group", None) or {}
+    assert len(groups) <= 1, sorted(groups)
+    return next(iter(groups.values()), None)
+
+
 @torch.no_grad()
-def clip_counted_grad_norm_(parameters: Any, max_norm: float, group: Any) -> torch.Tensor:
+def clip_counted_grad_norm_(parameters: Any, max_norm: float, group: Any, expert_group: Any = None) -> torch.Tensor:
     """Global L2 norm over the gradients this rank counts (all-reduced over `group`: every stage
-    and tensor rank of one data-parallel replica), then scale every gradient as DeepSpeed does."""
+    and tensor rank of one data-parallel replica; the experts' over `expert_group` too), then scale
+    every gradient as DeepSpeed does."""
     import torch.distributed as dist
 
     params = [p for p in parameters if p.grad is not None]
-    counted = [p.grad.detach().float().norm(2) for p in params if getattr(p, COUNTED_IN_NORM, False)]
-    total = torch.stack(counted).pow(2).sum() if counted else torch.zeros(())
+    counted = [p for p in params if getattr(p, COUNTED_IN_NORM, False)]
+    total = _squares([p for p in counted if expert_group is None or not _is_expert(p)])
+    if expert_group is not None:
+        expert_total = _squares([p for p in counted if _is_expert(p)])
+        dist.all_reduce(expert_total, op=dist.ReduceOp.SUM, group=expert_group)
+        total = total + expert_total
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         p.grad.mul_(coef.to(p.grad.dtype))
     return norm
+
+
+def _squares(params: list[torch.Tensor]) -> torch.Tensor:
+    norms = [p.grad.detach().float().norm(2) for p in params]
+    return torch.stack(norms).pow(2).sum() if norms else torch.zeros(())
+
+
+def _is_expert(p: torch.Tensor) -> bool:
+    """DeepSpeed's `is_moe_param`: an expert's parameter, not reduced over all data-parallel ranks."""
+    return hasattr(p, "allreduce") and not p.allreduce
 
 
 def grad_norm(engine: Any) -> float | None:

@@ -98,6 +98,10 @@ def build_optimizer(
     Megatron-DeepSpeed builds it; DeepSpeed compiles its op on first use, into the torch extensions cache).
     """
     groups = param_groups(module, cfg.weight_decay, decoupled=cfg.decoupled_lr is not None)
+    if cfg.create_moe_param_group:  # Megatron-DeepSpeed's --create-moe-param-group: experts in groups of their own
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)
     if factory is not None:
         return factory(groups)
     if cpu_adam:

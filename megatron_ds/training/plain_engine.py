@@ -60,6 +60,10 @@ class PlainEngine(DeepSpeedEngine):
         self.kd_total: torch.Tensor | None = None
         self.step_losses: dict[str, torch.Tensor] = {}
         """The last step's losses beside the lm loss (`kd loss` under --kd), averaged as `train_batch`'s."""
+        self.moe_loss_sum: torch.Tensor | None = None
+        self.last_moe_loss: float | None = None
+        """A mixture-of-experts model's weighted load-balancing loss of the last step, mean over its micro-batches on
+        this rank (Megatron-DeepSpeed's "moe loss"); None for a dense model."""
 
     def is_first_stage(self) -> bool:
         return True
@@ -77,11 +81,13 @@ class PlainEngine(DeepSpeedEngine):
         if data_iter is not None:
             self.data_iterator = data_iter
         self.module.train()
-        self.total_loss = self.kd_total = None
+        self.total_loss = self.kd_total = self.moe_loss_sum = None
         for cmd in self.train_instructions():
             self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
         if self.teacher is not None:
             self.step_losses = {"kd loss": self._mean_over_data_parallel(self.kd_total / self.micro_batches)}
+        if self.moe_loss_sum is not None:
+            self.last_moe_loss = float(self.moe_loss_sum / self.micro_batches)
         return self._mean_over_data_parallel(self.total_loss / self.micro_batches)
 
     def train_instructions(self) -> list[schedule.PipeInstruction]:
@@ -118,11 +124,16 @@ class PlainEngine(DeepSpeedEngine):
             self._micro["kd"] = kd.detach().float()
             loss = loss + kd
         self._micro["loss"] = loss
+        self._micro["moe_loss"] = self.module.moe_loss()
 
     def _exec_backward_pass(self, buffer_id: int) -> None:
         del buffer_id
-        loss = self._micro.pop("loss")
-        self.backward(loss)
+        loss, moe_loss = self._micro.pop("loss"), self._micro.pop("moe_loss")
+        # MoE: lm loss + the weighted load-balancing losses is what trains; the lm loss alone is reported (upstream's
+        # "lm loss"; `last_moe_loss` keeps the other, this rank's, as its "moe loss")
+        self.backward(loss if moe_loss is None else loss + moe_loss)
+        if moe_loss is not None:
+            self.moe_loss_sum = moe_loss.detach().float() + (self.moe_loss_sum if self.moe_loss_sum is not None else 0)
         lm = self._micro.pop("lm")
         self.total_loss = lm if self.total_loss is None else self.total_loss + lm
         if self.teacher is not None:

@@ -215,9 +215,13 @@ SWITCH_NEEDS = {
     "--use-rope-scaling": ("--use-rotary-position-embeddings",),
     "--add-qkv-bias": ("--disable-bias-linear",),
     "--kd": ("--load-teacher", "teacher"),
+    "--create-moe-param-group": ("--num-experts", "2"),
+    "--disable-moe-token-dropping": ("--num-experts", "2"),
+    "--disable-moe-top2-2nd-expert-sampling": ("--num-experts", "2"),
 }
 """Switches that are an error (CPU Adam runs in ZeRO's offloaded optimizer; --kd needs its teacher) or ignored (RoPE
-scaling scales rotary embeddings; a QKV bias alone is implied by the linear biases) without another flag."""
+scaling scales rotary embeddings; a QKV bias alone is implied by the linear biases; the MoE switches in a dense model)
+without another flag."""
 
 
 def test_help_lists_every_partition_method_and_the_config_fields() -> None:
@@ -399,7 +403,7 @@ def test_model_options_that_keep_todays_model() -> None:
     for argv, message in (
         (["--num-key-value-heads", "3"], "--num-key-value-heads 3 must divide"),
         (["--kv-channels", "16"], "--kv-channels 16 is not supported"),
-        (["--num-experts", "8"], "--num-experts 8 is not supported"),
+        (["--num-experts", "8", "8", "8"], "--num-experts 8 8 8 gives 3 counts"),
         (["--vocab-extra-ids", "100"], "--vocab-extra-ids 100 is not supported"),
     ):
         with pytest.raises(ConfigError, match=re.escape(message)):

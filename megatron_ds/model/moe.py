@@ -1,0 +1,111 @@
+"""Mixture-of-experts MLPs: DeepSpeed's MoE layer around our MLP, as Megatron-DeepSpeed 4efb479 builds it.
+
+A transformer layer with experts (`ModelConfig.experts_per_layer`) replaces its MLP by `deepspeed.moe.layer.MoE`:
+a top-k gate (a bias-free linear h -> experts, in fp32), `num_experts / E` local copies of the MLP on each rank of an
+expert-parallel group of E ranks (tokens reach their expert through DeepSpeed's all-to-all), and with `--mlp-type
+residual` (PR-MoE) a dense MLP beside them whose output is mixed with the experts' by a learned two-way softmax
+(`coefficient`, h -> 2). What matches Megatron-DeepSpeed's `ParallelTransformerLayer` and DeepSpeed:
+
+  * every expert (and the residual MLP) is a copy of one MLP (DeepSpeed's `Experts` deep-copies the module it is
+    given), whose weights are drawn as the dense MLP of that layer would be; the gate's and the coefficient's
+    weights are drawn like torch's `nn.Linear` default, U(-1/sqrt(h), 1/sqrt(h)), from the layer's generator;
+  * the expert's second linear has no bias: Megatron-DeepSpeed's expert (`ParallelMLP`, `skip_bias_add`) returns
+    its fc2 bias apart and DeepSpeed's `Experts` drops it ("Ignore the bias term for now"), so there it is a
+    parameter that stays zero; here it is not built;
+  * the tokens go to the gate sequence-first, (s x b, h), Megatron's order, which decides who keeps a slot when an
+    expert is over capacity;
+  * the layer's load-balancing loss (`l_aux`) is kept on the module after each forward; the model's loss adds
+    `--moe-loss-coeff` x their sum (`GPTModel.moe_loss`), as pretrain_gpt.py's `forward_step` does.
+
+Random choices come from torch's default generator, as in DeepSpeed: random token selection when an expert is over
+capacity (nothing is dropped with `--disable-moe-token-dropping`) and top-2's sampled second expert (argmax with
+`--disable-moe-top2-2nd-expert-sampling`). Without them routing is deterministic, and a run equals the one-process
+run of the same global batch (`tests/dist/test_moe.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from megatron_ds.config import ModelConfig
+
+EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
+"""Where a transformer layer's local experts sit among its parameter names (`moe.` is the layer's attribute)."""
+
+
+class ExpertMLP(nn.Module):
+    """fc2(act(fc1(x))): one expert, or PR-MoE's residual MLP; (.., h) in and out."""
+
+    def __init__(
+        self, fc1: torch.Tensor, fc2: torch.Tensor, fc1_bias: bool, activation: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(fc1.shape[1], fc1.shape[0], bias=fc1_bias)
+        self.fc2 = nn.Linear(fc2.shape[1], fc2.shape[0], bias=False)  # dropped upstream: see the module
+        with torch.no_grad():
+            self.fc1.weight.copy_(fc1)
+            self.fc2.weight.copy_(fc2)
+            if fc1_bias:
+                self.fc1.bias.zero_()
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.activation(self.fc1(x)))
+
+
+def build(
+    model: ModelConfig,
+    num_experts: int,
+    expert_parallel_size: int,
+    expert: ExpertMLP,
+    generator: torch.Generator,
+) -> nn.Module:
+    """DeepSpeed's MoE layer of `num_experts` copies of `expert`, configured from `model`'s MoE fields; its gate (and
+    PR-MoE's coefficient) drawn from `generator`. Its process groups are made by DeepSpeed's engine."""
+    from deepspeed.moe.layer import MoE
+
+    layer = MoE(
+        model.hidden_size,
+        expert,
+        num_experts=num_experts,
+        ep_size=expert_parallel_size,
+        k=model.moe_top_k,
+        capacity_factor=model.moe_train_capacity_factor,
+        eval_capacity_factor=model.moe_eval_capacity_factor,
+        min_capacity=model.moe_min_capacity,
+        use_residual=model.mlp_type == "residual",
+        drop_tokens=model.moe_token_dropping,
+        top2_2nd_expert_sampling=model.moe_top2_2nd_expert_sampling,
+    )
+    bound = 1.0 / math.sqrt(model.hidden_size)  # torch's nn.Linear default: kaiming_uniform(a=sqrt(5)), fan-in h
+    linears = [layer.deepspeed_moe.gate.wg]
+    if model.mlp_type == "residual":
+        linears.append(layer.coefficient)
+    with torch.no_grad():
+        for linear in linears:
+            for p in linear.parameters():
+                p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=generator))
+    return layer
+
+
+def run(layer: nn.Module, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, s, h) -> the MoE output (b, s, h) and the layer's load-balancing loss (a scalar)."""
+    out, l_aux, _ = layer(normed.transpose(0, 1))  # (s, b, h): Megatron's token order at the gate
+    return out.transpose(0, 1), l_aux
+
+
+def is_expert(name: str) -> bool:
+    """A parameter name of a local expert (held by one rank of the expert-parallel group)."""
+    return EXPERT_PREFIX in name
+
+
+def global_expert_name(name: str, expert_parallel_rank: int, num_local_experts: int) -> str:
+    """`name` with its local expert index replaced by the global one: rank r's expert i is expert r x local + i, the
+    name the one-process model gives it."""
+    head, tail = name.split(EXPERT_PREFIX, 1)
+    local, rest = tail.split(".", 1)
+    return f"{head}{EXPERT_PREFIX}{expert_parallel_rank * num_local_experts + int(local)}.{rest}"
