@@ -109,3 +109,20 @@ def global_expert_name(name: str, expert_parallel_rank: int, num_local_experts: 
     head, tail = name.split(EXPERT_PREFIX, 1)
     local, rest = tail.split(".", 1)
     return f"{head}{EXPERT_PREFIX}{expert_parallel_rank * num_local_experts + int(local)}.{rest}"
+
+
+def global_named_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of `module` by the name the one-process model gives it: local experts renamed to their global
+    index (collective-free: each MoE layer knows its expert-parallel group)."""
+    import torch.distributed as dist
+
+    ranks = {}
+    for name, sub in module.named_modules():
+        if hasattr(sub, "deepspeed_moe") and hasattr(sub, "num_local_experts"):
+            group = sub.deepspeed_moe.ep_group
+            ranks[name + "."] = (dist.get_rank(group=group) if group is not None else 0, sub.num_local_experts)
+    out = {}
+    for name, p in module.named_parameters():
+        owner = next((ranks[k] for k in ranks if name.startswith(k) and is_expert(name)), None)
+        out[name if owner is None else global_expert_name(name, *owner)] = p
+    return out

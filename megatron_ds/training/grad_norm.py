@@ -37,8 +37,8 @@ def install_fp32_grad_norm(engine: Any) -> None:
 
 def expert_parallel_group(engine: Any) -> Any:
     """The expert-parallel process group of a mixture-of-experts model (every MoE layer uses the one size), or None."""
-    groups = getattr(engine, "expert_parallel_group", None) or {}
-    assert len(groups) <= 1, sorted(groups)
+    groups = {id(g): g for g in (getattr(m, "ep_group", None) for m in engine.module.modules()) if g is not None}
+    assert len(groups) <= 1, len(groups)
     return next(iter(groups.values()), None)
 
 

@@ -1,0 +1,90 @@
+"""Mixture-of-experts on DeepSpeed's plain engine: expert parallelism equals the one-process run.
+
+Two ranks, data parallel 2, fp32, dropout 0, no token dropping (`--disable-moe-token-dropping`: routing is then
+deterministic) and top-2's second expert by argmax: with the experts shared out over both ranks
+(`--moe-expert-parallel-size 2`) or each rank holding all of them (EP=1), the losses, the clipped gradient norms
+(clip 0.05, active) and every final weight (experts by their global index) are within 1e-6 of the one-process run of
+the same global batch (4 micro-batches there, 2 per rank here). This checks DeepSpeed's expert-gradient scaling (an
+expert's gradient is summed over its expert-data-parallel group and divided by the whole data-parallel size: equal to
+the one-process gradient) and the counted norm (experts' squares summed over the expert-parallel group).
+Top-1, top-2, PR-MoE's residual MLP with `--create-moe-param-group`, and a per-layer expert list.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_ds.testing.scenario_runs import by_name, run_scenarios
+
+TOL = 1e-6
+MOE = {"model__num_experts": [4], "model__moe_token_dropping": False, "model__moe_top2_2nd_expert_sampling": False}
+VARIANTS = {
+    "top1": {},
+    "top2": {"model__moe_top_k": 2},
+    "residual": {"model__mlp_type": "residual", "optimizer__create_moe_param_group": True, "model__num_experts": [2, 4]},
+}
+
+
+def sc(variant: str, ep: int = 1, world: int = 1, **extra: Any) -> dict:
+    overrides = {**MOE, **VARIANTS[variant], "parallel__expert_parallel_size": ep, "parallel__world_size": world}
+    return {"overrides": overrides, "steps": 3, "weights": True, **extra}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    tmp = tmp_path_factory.mktemp("moe")
+    one = {f"{v}_one": sc(v) for v in VARIANTS}
+    two = {f"{v}_ep2": sc(v, ep=2, world=2) for v in VARIANTS}
+    two["top1_ep1"] = sc("top1", ep=1, world=2)
+    results: dict[str, list[dict]] = {}
+    for name, world, scenarios in (("w1", 1, one), ("w2", 2, two)):
+        per_rank = run_scenarios(tmp / name, world, list(scenarios.values()), timeout=120)
+        results.update(by_name(list(scenarios), per_rank))
+    return results
+
+
+def assert_equal_to(ranks: list[dict], ref: dict, what: str) -> None:
+    assert min(ref["grad_norms"]) > 0.05, "clipping must be active (clip_grad 0.05)"
+    for r in ranks:
+        assert r["engine"] == "PlainEngine", r["engine"]
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref["losses"], strict=True)) <= TOL, (what, r, ref)
+        norms = zip(r["grad_norms"], ref["grad_norms"], strict=True)
+        assert max(abs(a - b) / b for a, b in norms) <= TOL, (what, r["grad_norms"], ref["grad_norms"])
+    seen: set[str] = set()
+    for r in ranks:
+        for name, value in r["weights"].items():
+            assert name in ref["weights"], (what, name)
+            assert _max_diff(value, ref["weights"][name]) <= TOL, (what, name)
+            seen.add(name)
+    assert seen == set(ref["weights"]), (what, set(ref["weights"]) - seen)
+
+
+def _max_diff(a: Any, b: Any) -> float:
+    import torch
+
+    return float((torch.tensor(a) - torch.tensor(b)).abs().max())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_expert_parallel_two_equals_the_one_process_run(runs: dict, variant: str) -> None:
+    ref = runs[f"{variant}_one"][0]
+    ranks = runs[f"{variant}_ep2"]
+    experts = [n for n in ref["weights"] if ".deepspeed_experts." in n]
+    assert experts and all(len([n for n in r["weights"] if n in experts]) == len(experts) // 2 for r in ranks)
+    assert_equal_to(ranks, ref, f"{variant} EP=2")
+
+
+def test_data_parallel_two_with_every_expert_on_each_rank_equals_the_one_process_run(runs: dict) -> None:
+    assert_equal_to(runs["top1_ep1"], runs["top1_one"][0], "top1 EP=1 DP=2")
+
+
+def test_the_experts_train_apart(runs: dict) -> None:
+    """Every expert starts as a copy of one MLP (DeepSpeed's deepcopy, as upstream): after training they differ, so
+    the comparison above would see an expert's tokens sent to another."""
+    w = runs["top1_one"][0]["weights"]
+    first = [n for n in w if ".deepspeed_experts.0.fc1.weight" in n][0]
+    others = [first.replace(".deepspeed_experts.0.", f".deepspeed_experts.{i}.") for i in range(1, 4)]
+    assert all(_max_diff(w[first], w[o]) > 1e-5 for o in others)
