@@ -256,6 +256,11 @@ class Config:
                 "drop it (--recompute-granularity selective works)",
             ),
             (self.optimizer.decoupled_lr is None, "--decoupled-lr", "drop it"),
+            (
+                not self.checkpoint.no_save_optim,
+                "--no-save-optim",
+                "drop it (DeepSpeed saves each expert in its own file with the optimizer state)",
+            ),
         ):
             check(ok, f"{moe} with {what}: mixture-of-experts layers are not built for that here; {fix}")
         ep, dp = par.expert_parallel_size, par.data_parallel_size

@@ -50,6 +50,9 @@ class MemoryInputs:
     ulysses_size: int = 1
     """DeepSpeed-Ulysses degree N (`--ds-sequence-parallel-size`): every activation split N ways.
     `data_parallel_size` is then the ZeRO group, DP x N ranks."""
+    expert_parallel_size: int = 1
+    """Mixture-of-experts expert parallelism E (`--moe-expert-parallel-size`): a layer with experts holds experts / E
+    of them (`model.shapes.moe_layer_params`)."""
     engine: str = "pipeline"
     """`pipeline` (DeepSpeed's PipelineEngine and its pipe buffers) or `plain` (its DeepSpeedEngine: ZeRO 2/3
     at P = 1 and Ulysses, `Config.engine_kind`), which keeps no buffer but the micro-batch it loaded."""

@@ -71,7 +71,7 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
     b, dp, fac = inputs.micro_batch_size, inputs.data_parallel_size, inputs.factors
     groups = naming.gpt_spec_groups(m)
     head = groups.post[1]
-    params = shapes.gpt_spec_params(m, t)
+    params = shapes.gpt_spec_params(m, t, inputs.expert_parallel_size)
     numels = shapes.gpt_spec_tensor_numels(m, t)
     threshold = inputs.zero3_persistence_threshold if inputs.zero_stage == 3 else -1
     split = inputs.split
@@ -84,7 +84,7 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
     body: SpecMemory | None = None  # every transformer layer's figures are the same: made once
     for idx, name in enumerate(groups.names):
         group = groups.group_of(idx)
-        if group == "body" and body is not None:
+        if group == "body" and body is not None and not m.is_moe:  # MoE: the layers with experts differ
             if not one_layer:
                 out.append(dataclasses.replace(body, index=idx, name=name))
             continue

@@ -52,6 +52,7 @@ def memory_inputs(config: Config, machine: Machine) -> MemoryInputs:
         checkpoint_in_cpu=t.checkpoint_in_cpu and machine.device != "cpu",  # on a CPU they stay where they are
         sequence_parallel=par.sequence_parallel,
         ulysses_size=par.ds_sequence_parallel_size,
+        expert_parallel_size=par.expert_parallel_size,
         engine=config.engine_kind,
         optimizer=config.optimizer.optimizer,
         offload_optimizer=t.optimizer_offload,

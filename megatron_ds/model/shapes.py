@@ -78,6 +78,33 @@ def layer_params(model: ModelConfig, tensor_parallel_size: int = 1) -> LayerPara
     return LayerParams(modules=modules, no_decay=2 * norm + biases)
 
 
+def moe_layer_params(model: ModelConfig, num_experts: int, expert_parallel_size: int = 1) -> LayerParams:
+    """A transformer layer with experts on one rank (T = 1; `megatron_ds.model.moe`): attention and norms as a dense
+    layer's, then the gate (h x experts, no bias), this rank's experts (experts / E copies of the MLP, whose fc2 has
+    no bias) and with `mlp_type` residual the dense MLP beside them and its coefficient (h -> 2, with bias)."""
+    dense = layer_params(model)
+    (fc1_rows, h), (_, ffn) = layer_linear_shapes(model)["fc1"], layer_linear_shapes(model)["fc2"]
+    fc1_bias = fc1_rows if model.has_bias("fc1") else 0
+    expert = fc1_rows * h + fc1_bias + h * ffn
+    modules = [*dense.modules[:4], ("gate", h * num_experts), ("experts", expert * num_experts // expert_parallel_size)]
+    no_decay = dense.no_decay - sum(
+        rows for n, (rows, _) in layer_linear_shapes(model).items() if n in ("fc1", "fc2") and model.has_bias(n)
+    )
+    no_decay += fc1_bias * num_experts // expert_parallel_size
+    if model.mlp_type == "residual":
+        modules += [("residual_mlp", expert), ("coefficient", 2 * h + 2)]
+        no_decay += fc1_bias + 2
+    return LayerParams(modules=tuple(modules), no_decay=no_decay)
+
+
+def transformer_layer_params(
+    model: ModelConfig, tensor_parallel_size: int = 1, expert_parallel_size: int = 1
+) -> list[LayerParams]:
+    """Each transformer layer's parameters on one rank: `layer_params`, or `moe_layer_params` where it has experts."""
+    dense = layer_params(model, tensor_parallel_size)
+    return [dense if n == 1 else moe_layer_params(model, n, expert_parallel_size) for n in model.experts_per_layer]
+
+
 def word_embedding_params(model: ModelConfig, tensor_parallel_size: int = 1) -> int:
     """The (v, h) word embedding, or an untied LM head, per tensor-parallel rank (vocabulary-parallel)."""
     return model.vocab_size * model.hidden_size // tensor_parallel_size
@@ -99,8 +126,11 @@ class SpecParams:
     """Biases and norm parameters: the no-weight-decay group (`training/optimizer.py`)."""
 
 
-def gpt_spec_params(model: ModelConfig, tensor_parallel_size: int = 1) -> list[SpecParams]:
-    """Parameters of each spec per tensor-parallel rank, in spec order (`naming.gpt_spec_groups`).
+def gpt_spec_params(
+    model: ModelConfig, tensor_parallel_size: int = 1, expert_parallel_size: int = 1
+) -> list[SpecParams]:
+    """Parameters of each spec per tensor-parallel rank, in spec order (`naming.gpt_spec_groups`); a layer with
+    experts holds its experts / `expert_parallel_size` of them.
 
     The tied LM head counts the word embedding again: it is a second copy when the head is on
     another stage (callers that want unique parameters drop it, see `total_params`).
@@ -121,7 +151,13 @@ def gpt_spec_params(model: ModelConfig, tensor_parallel_size: int = 1) -> list[S
         naming.UNTIED_LM_HEAD: SpecParams(vocab, vocab, 0),
         naming.LOGITS_TO_FP32: SpecParams(0, 0, 0),
     }
-    return [by_name[name] for name in naming.gpt_spec_groups(model).names]
+    names = naming.gpt_spec_groups(model).names
+    out = [by_name[name] for name in names]
+    if model.is_moe:
+        first = names.index(naming.TRANSFORMER_LAYER)
+        for i, lp in enumerate(transformer_layer_params(model, t, expert_parallel_size)):
+            out[first + i] = SpecParams(lp.total, lp.largest, lp.no_decay)
+    return out
 
 
 def gpt_spec_tensor_numels(model: ModelConfig, tensor_parallel_size: int = 1) -> list[tuple[int, ...]]:

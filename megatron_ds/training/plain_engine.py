@@ -183,7 +183,9 @@ class PlainEngine(DeepSpeedEngine):
         exclude_frozen_parameters: bool = False,
     ) -> None:
         """Called by `save_checkpoint`: the weights go to per-spec files (as `PipelineEngine` does); None
-        is stored as the model-state file's `module`."""
+        is stored as the model-state file's `module`. (A mixture-of-experts model is saved by DeepSpeed's
+        `_save_moe_checkpoint`, which reads `DeepSpeedEngine.module_state_dict` itself: the model-state file holds
+        the other weights, each expert has its file, the optimizer one file per expert-parallel rank.)"""
         del destination, prefix, keep_vars
         assert self._curr_ckpt_path is not None, "module_state_dict is called by save_checkpoint only"
         self.module.save_state_dict(self._curr_ckpt_path, self.checkpoint_engine, exclude_frozen_parameters)
@@ -206,7 +208,11 @@ class PlainEngine(DeepSpeedEngine):
         z3_params_to_fetch: Any = None,
         allowed_missing_keys: Any = None,
     ) -> None:
-        """Called by `load_checkpoint`: the weights come from the per-spec files of the checkpoint."""
+        """Called by `load_checkpoint`: the weights come from the per-spec files of the checkpoint (a mixture-of-experts
+        model: from `checkpoint["module"]`, its experts added by DeepSpeed's `load_moe_state_dict`)."""
+        if self.module.moe_layers:
+            super().load_module_state_dict(checkpoint, strict=strict)
+            return
         assert custom_load_fn is None and self._spec_dir is not None, "weights load through load_checkpoint"
         self.module.load_state_dir(self._spec_dir, self.checkpoint_engine, strict=strict)
 

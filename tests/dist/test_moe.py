@@ -4,7 +4,8 @@ Two ranks, data parallel 2, fp32, dropout 0, no token dropping (`--disable-moe-t
 deterministic) and top-2's second expert by argmax: with the experts shared out over both ranks
 (`--moe-expert-parallel-size 2`) or each rank holding all of them (EP=1), the losses, the clipped gradient norms
 (clip 0.05, active) and every final weight (experts by their global index) are within 1e-6 of the one-process run of
-the same global batch (4 micro-batches there, 2 per rank here). This checks DeepSpeed's expert-gradient scaling (an
+the same global batch; saved and resumed at EP=2 the run goes on as the one-process run does, and the checkpoint is
+refused in one line under EP=1 (4 micro-batches there, 2 per rank here). This checks DeepSpeed's expert-gradient scaling (an
 expert's gradient is summed over its expert-data-parallel group and divided by the whole data-parallel size: equal to
 the one-process gradient) and the counted norm (experts' squares summed over the expert-parallel group).
 Top-1, top-2, PR-MoE's residual MLP with `--create-moe-param-group`, and a per-layer expert list.
@@ -30,15 +31,20 @@ VARIANTS = {
 
 def sc(variant: str, ep: int = 1, world: int = 1, **extra: Any) -> dict:
     overrides = {**MOE, **VARIANTS[variant], "parallel__expert_parallel_size": ep, "parallel__world_size": world}
-    return {"overrides": overrides, "steps": 3, "weights": True, **extra}
+    return {"overrides": overrides, "steps": 3, "weights": True, **extra}  # `extra` may set other steps
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("moe")
+    ck = str(tmp / "ck")
     one = {f"{v}_one": sc(v) for v in VARIANTS}
     two = {f"{v}_ep2": sc(v, ep=2, world=2) for v in VARIANTS}
+    two["top1_ep2"]["save"] = ck
+    two["top1_ep2_resumed"] = sc("top1", ep=2, world=2, load=ck)
+    two["top1_ep2_straight"] = sc("top1", ep=2, world=2, steps=6)
     two["top1_ep1"] = sc("top1", ep=1, world=2)
+    two["top1_ep1_from_ep2"] = sc("top1", ep=1, world=2, load=ck, expect_error=True)
     results: dict[str, list[dict]] = {}
     for name, world, scenarios in (("w1", 1, one), ("w2", 2, two)):
         per_rank = run_scenarios(tmp / name, world, list(scenarios.values()), timeout=120)
@@ -46,13 +52,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     return results
 
 
-def assert_equal_to(ranks: list[dict], ref: dict, what: str) -> None:
+def assert_equal_to(ranks: list[dict], ref: dict, what: str, weights: bool = True) -> None:
+    """The steps of `ref` (and its final weights when `weights`) against every rank's."""
     assert min(ref["grad_norms"]) > 0.05, "clipping must be active (clip_grad 0.05)"
     for r in ranks:
         assert r["engine"] == "PlainEngine", r["engine"]
-        assert max(abs(a - b) for a, b in zip(r["losses"], ref["losses"], strict=True)) <= TOL, (what, r, ref)
+        losses = zip(r["losses"], ref["losses"], strict=True)
+        assert max(abs(a - b) for a, b in losses) <= TOL, (what, r["losses"], ref["losses"])
         norms = zip(r["grad_norms"], ref["grad_norms"], strict=True)
         assert max(abs(a - b) / b for a, b in norms) <= TOL, (what, r["grad_norms"], ref["grad_norms"])
+    if not weights:
+        return
     seen: set[str] = set()
     for r in ranks:
         for name, value in r["weights"].items():
@@ -78,7 +88,20 @@ def test_expert_parallel_two_equals_the_one_process_run(runs: dict, variant: str
 
 
 def test_data_parallel_two_with_every_expert_on_each_rank_equals_the_one_process_run(runs: dict) -> None:
-    assert_equal_to(runs["top1_ep1"], runs["top1_one"][0], "top1 EP=1 DP=2")
+    assert_equal_to(runs["top1_ep1"], runs["top1_one"][0], "top1 EP=1 DP=2", weights=False)
+
+
+def test_a_checkpoint_resumes_at_its_expert_parallel_size_and_is_refused_at_another(runs: dict) -> None:
+    """DeepSpeed's MoE files (each expert's own, the optimizer per expert-parallel rank) resume exactly: saved after
+    3 steps and resumed for 3 equals the 6-step run bit for bit, losses, norms and every weight; under EP=1 the same
+    checkpoint is one line naming what is not built."""
+    for saved, resumed, straight in zip(runs["top1_ep2"], runs["top1_ep2_resumed"], runs["top1_ep2_straight"]):
+        assert saved["losses"] + resumed["losses"] == straight["losses"]
+        assert saved["grad_norms"] + resumed["grad_norms"] == straight["grad_norms"]
+        assert resumed["weights"] == straight["weights"]
+    for r in runs["top1_ep1_from_ep2"]:
+        assert "a mixture-of-experts checkpoint (--num-experts 4)" in r["error"], r
+        assert "another world size or --moe-expert-parallel-size" in r["error"] and "\n" not in r["error"]
 
 
 def test_the_experts_train_apart(runs: dict) -> None:

@@ -31,6 +31,7 @@ from megatron_ds.training.checkpoint.directory import (
     read_meta,
     recorded_vocab_size,
 )
+from megatron_ds.training.checkpoint.rules import moe_refusal
 
 
 def read_config(meta: dict[str, Any]) -> Config:
@@ -100,6 +101,9 @@ def open_checkpoint(path: str) -> Checkpoint:
         raise CheckpointError(
             f"{os.path.join(root, tag, META)}: unreadable ({err}); the checkpoint is damaged"
         ) from None
+    refusal = moe_refusal(meta, os.path.join(root, tag))
+    if refusal:
+        raise CheckpointError(refusal)
     return Checkpoint(root, tag, meta, config)
 
 

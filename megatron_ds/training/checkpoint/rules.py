@@ -43,8 +43,26 @@ def has_optimizer_state(meta: dict[str, Any]) -> bool:
     return not is_weights_only(meta) and bool(meta.get("optimizer_state", True))
 
 
+def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
+    """Why a mixture-of-experts checkpoint cannot be read tensor by tensor (None for a dense one): its experts are in
+    DeepSpeed's per-expert files and its optimizer state in one file per expert-parallel rank, which the universal
+    form, the weights reader, Hugging Face export and inference do not read here."""
+    model = Config.from_dict(meta["config"]).model
+    if not model.is_moe:
+        return None
+    experts = " ".join(map(str, model.num_experts))
+    return (
+        f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), whose experts are in DeepSpeed's "
+        f"per-expert files: it is not converted (universal form, Hugging Face), generated from, or resumed under "
+        f"another world size or --moe-expert-parallel-size here; resume it with pretrain_gpt.py as it was saved"
+    )
+
+
 def universal_refusal(meta: dict[str, Any], where: str) -> str | None:
     """Why the checkpoint has no universal form (None when it has one)."""
+    moe = moe_refusal(meta, where)
+    if moe:
+        return moe
     if not has_optimizer_state(meta):
         return f"{where}: holds weights only (no optimizer state); it loads under any layout as it is"
     if Config.from_dict(meta["config"]).optimizer.decoupled_lr is not None:
@@ -176,7 +194,12 @@ def topology_changes(meta: dict[str, Any], config: Config, layout: Layout, world
     if meta.get("world_size") != world_size:
         diffs.append(f"world size {meta.get('world_size')} vs {world_size}")
     # Megatron's sequence parallelism changes no parameter and no partition: DeepSpeed loads it as saved
-    for name in ("tensor_model_parallel_size", "data_parallel_size", "ds_sequence_parallel_size"):
+    for name in (
+        "tensor_model_parallel_size",
+        "data_parallel_size",
+        "ds_sequence_parallel_size",
+        "expert_parallel_size",
+    ):
         a, b = getattr(saved.parallel, name), getattr(config.parallel, name)
         if a != b:
             diffs.append(f"{name} {a} vs {b}")

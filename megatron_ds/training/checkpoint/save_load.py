@@ -310,6 +310,12 @@ def resume_flag_notices(meta: dict[str, Any], config: Config, load_dir: str, tag
 def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, tag: str, meta: dict[str, Any]) -> None:
     """Model weights only: DeepSpeed's per-spec files at the saved T, else full tensors resharded."""
     directory = os.path.join(load_dir, tag)
+    if getattr(engine.module, "moe_layers", None):  # DeepSpeed's MoE files: the weights alone, each expert's own file
+        check_rank_files(engine, config, load_dir, tag, weights_only=True)
+        engine.load_checkpoint(
+            load_dir, tag=tag, load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False
+        )
+        return
     if store.is_universal(meta):
         found = store.Universal(directory)
         restore.load_weights(engine, config, layout, lambda t: found.read(t.name, FP32))
@@ -327,7 +333,7 @@ def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, ta
     restore.load_weights(engine, config, layout, lambda t: reader.read_spec_tensor(ckpt, t.spec_index, t.key, t.rule))
 
 
-def check_rank_files(engine: Any, config: Config, load_dir: str, tag: str) -> None:
+def check_rank_files(engine: Any, config: Config, load_dir: str, tag: str, weights_only: bool = False) -> None:
     """Before DeepSpeed loads the checkpoint as saved: every file of each rank's (its weights, its engine state, its
     ZeRO partition, its RNG state) is there and whole, agreed on all ranks, so a missing or cut file is the same
     one-line CheckpointError everywhere instead of one rank's traceback from DeepSpeed's loader (and the others'
@@ -343,8 +349,10 @@ def check_rank_files(engine: Any, config: Config, load_dir: str, tag: str) -> No
     wanted = [engine._get_ckpt_name(load_dir, tag)]  # DeepSpeed's own names for this rank's files
     if engine.zero_optimization():
         wanted.append(engine._get_zero_ckpt_name(load_dir, tag))
+    wanted += _expert_files(engine, load_dir, tag, weights_only)
     rng = os.path.join(directory, f"rng_rank{dist.get_rank()}.pt")
-    for path in [*wanted, *([rng] if not config.checkpoint.no_load_rng else [])]:
+    no_rng = config.checkpoint.no_load_rng or weights_only
+    for path in [*wanted, *([rng] if not no_rng else [])]:
         if not os.path.isfile(path):
             fix = (
                 "give --no-load-rng to start the RNG from --seed, as Megatron says"
@@ -363,11 +371,32 @@ def check_rank_files(engine: Any, config: Config, load_dir: str, tag: str) -> No
         raise CheckpointError(first)
 
 
+def _expert_files(engine: Any, load_dir: str, tag: str, weights_only: bool) -> list[str]:
+    """A mixture-of-experts model's files this rank loads: its experts' (DeepSpeed numbers the MoE layers from 0 and
+    the experts globally) and, for a full resume, its expert-parallel rank's optimizer state."""
+    import torch.distributed as dist
+
+    layers = getattr(engine.module, "moe_layers", None) or []
+    paths = []
+    for layer_id, layer in enumerate(layers):
+        moe = layer.moe
+        rank = dist.get_rank(group=moe.deepspeed_moe.ep_group)
+        for local in range(moe.num_local_experts):
+            expert = rank * moe.num_local_experts + local
+            paths.append(engine._get_expert_ckpt_name(load_dir, layer_id, expert, tag, checkpoint_mp_rank=0))
+    if layers and not weights_only:
+        rank = dist.get_rank(group=layers[0].moe.deepspeed_moe.ep_group)
+        paths.append(engine._get_optimizer_ckpt_name(load_dir, tag, rank))
+    return paths
+
+
 def check_layer_files(engine: Any, directory: str) -> None:
     """The per-spec weight files this rank is about to load, each read tensors-only first (memory-mapped): a
     missing or damaged file is a one-line CheckpointError naming it instead of a traceback from DeepSpeed's loader,
     and one that holds pickled code is refused before that loader (`torch.load(weights_only=False)`) opens it."""
     module = engine.module
+    if getattr(module, "moe_layers", None):  # mixture of experts: DeepSpeed's own files (`check_rank_files`)
+        return
     if hasattr(module, "spec_modules"):  # our GPTModel (the plain engine)
         paths = [module.layer_file(directory, index) for index in module.spec_modules]
     else:  # DeepSpeed's PipelineModule: the layers with weights of this stage, this tensor rank's files
