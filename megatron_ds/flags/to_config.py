@@ -443,7 +443,20 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         check_layout(config, machine if machine is None else for_layout(config, machine))  # fail fast
     except LayoutError as err:
         raise _as_given(err, args, config.parallel.pp_dedicated_embedding_stages) from None
+    _moe_clip_notice(config)
     return config
+
+
+def _moe_clip_notice(config: Config) -> None:
+    """The clip of a mixture-of-experts run over several data-parallel ranks differs from Megatron-DeepSpeed's."""
+    if config.model.is_moe and config.parallel.data_parallel_size > 1 and (config.optimizer.clip_grad or 0) > 0:
+        from megatron_ds.flags.checkpoint_args import notice
+
+        notice(
+            f"--clip-grad {config.optimizer.clip_grad:g} with --num-experts: the norm clipped here is the whole "
+            f"model's gradient norm (each expert counted once over the expert-parallel group: a one-process run's "
+            f"norm); Megatron-DeepSpeed's DeepSpeed clip uses the mean of each data-parallel rank's own norm"
+        )
 
 
 def _as_given(err: LayoutError, args: argparse.Namespace, dedicated: str) -> LayoutError:

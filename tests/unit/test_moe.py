@@ -1,0 +1,126 @@
+"""Mixture-of-experts without a process group: which layers get experts, parameter counts per rank against the
+built model, the memory model's per-rank expert parameters, and the one-line refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from deepspeed.pipe import LayerSpec
+
+from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.config.model import experts_per_layer
+from megatron_ds.errors import ConfigError
+from megatron_ds.estimate.memory_inputs import MemoryInputs
+from megatron_ds.estimate.memory_model import spec_memory
+from megatron_ds.flags.parser import parse_config
+from megatron_ds.model import naming, shapes
+from megatron_ds.model.gpt_pipe import build_layer_specs
+from megatron_ds.training.checkpoint.rules import moe_refusal, universal_refusal
+
+MODEL = ModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    seq_length=16,
+    max_position_embeddings=16,
+    vocab_size=128,
+    num_experts=(4,),
+)
+BASE = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 128 --lr 1e-3"
+BASE += " --train-iters 2 --mock-data --micro-batch-size 2 --global-batch-size 4"
+
+
+def test_experts_go_on_every_interval_th_layer_as_megatron_deepspeed_puts_them() -> None:
+    # Megatron-DeepSpeed's get_num_experts_per_layer: layer i (from 1) has experts when i % interval == 0
+    assert experts_per_layer((4,), 4, 2) == (1, 4, 1, 4)
+    assert experts_per_layer((8, 16), 4, 2) == (1, 8, 1, 16)
+    assert experts_per_layer((2,), 3, 1) == (2, 2, 2)
+    assert experts_per_layer((4,), 1, 2) == (1,)
+    assert not dataclasses.replace(MODEL, num_layers=1).is_moe  # no layer reaches the interval: a dense model
+    assert dataclasses.replace(MODEL, num_layers=1).num_experts == (1,)  # stored as one
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"mlp_type": "residual"}, {"activation": "swiglu", "add_bias_linear": False}, {"num_experts": (2, 4)}],
+    ids=["standard", "residual", "swiglu-no-bias", "list"],
+)
+def test_parameter_counts_per_rank_are_the_built_models(ep: int, variant: dict) -> None:
+    model = dataclasses.replace(MODEL, **variant)
+    reg = RegularizationConfig()
+    specs = build_layer_specs(model, reg, 1234, expert_parallel_size=ep)
+    built = [s.build() if isinstance(s, LayerSpec) else None for s in specs]
+    counted = shapes.gpt_spec_params(model, 1, ep)
+    for module, sp in zip(built, counted, strict=True):
+        params = list(module.parameters()) if module is not None else []
+        assert sp.num_params == sum(p.numel() for p in params)
+        assert sp.no_decay == sum(p.numel() for p in params if p.dim() == 1)
+    layers = [m for m in built if getattr(m, "moe", None) is not None]
+    assert [m.moe.num_local_experts for m in layers] == [n // ep for n in model.experts_per_layer if n > 1]
+
+
+def test_every_expert_starts_as_a_copy_of_the_dense_mlp_of_its_layer() -> None:
+    """DeepSpeed deep-copies the expert it is given (as upstream); ours is the MLP the dense layer would draw."""
+    reg = RegularizationConfig()
+    dense = dataclasses.replace(MODEL, num_experts=(1,))
+    moe_layer = build_layer_specs(MODEL, reg, 1234)[4].build()
+    dense_layer = build_layer_specs(dense, reg, 1234)[4].build()
+    for expert in moe_layer.moe.deepspeed_moe.experts.deepspeed_experts:
+        assert expert.fc1.weight.equal(dense_layer.fc1.weight) and expert.fc2.weight.equal(dense_layer.fc2.weight)
+    assert moe_layer.qkv.weight.equal(dense_layer.qkv.weight)
+
+
+def test_the_memory_model_holds_each_ranks_share_of_the_experts() -> None:
+    def layer_params(ep: int) -> list[int]:
+        inputs = MemoryInputs(model=MODEL, micro_batch_size=2, num_micro_batches=1, expert_parallel_size=ep)
+        return [s.num_params for s in spec_memory(inputs) if s.name == naming.TRANSFORMER_LAYER]
+
+    one, two = layer_params(1), layer_params(2)
+    assert one[0] == two[0] and one[2] == two[2]  # dense layers
+    h, ffn = MODEL.hidden_size, MODEL.ffn_hidden_size
+    expert = 2 * h * ffn + ffn  # fc1 with its bias, fc2 without
+    assert one[1] - two[1] == 2 * expert  # 4 experts vs 2 per rank
+    assert shapes.total_params(MODEL) == shapes.total_params(dataclasses.replace(MODEL, num_experts=(1,))) + 2 * (
+        3 * expert + h * 4 - h  # three more experts, the gate, no fc2 bias
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ("--num-experts 4 --pipeline-model-parallel-size 2", "--num-experts 4 with --pipeline-model-parallel-size 2:"),
+        ("--num-experts 4 --zero-stage 1", "--num-experts 4 with --zero-stage 1:"),
+        ("--num-experts 4 --bf16", "--num-experts 4 with --bf16:"),
+        ("--num-experts 4 --checkpoint-activations", "--num-experts 4 with --checkpoint-activations"),
+        ("--num-experts 4 --moe-expert-parallel-size 2", "--moe-expert-parallel-size 2 does not divide the data-"),
+        ("--num-experts 3 --moe-expert-parallel-size 2 --world-size 2", "does not divide 3 experts"),
+        ("--num-experts 4 --topk 3", "--topk 3 is not one of 1, 2"),
+        ("--num-experts 4 4 4", "--num-experts 4 4 4 gives 3 counts"),
+        ("--num-experts 2 --mlp-type dense", "invalid choice: 'dense'"),
+    ],
+)
+def test_what_is_not_built_is_one_line(argv: str, message: str) -> None:
+    world = 2 if "--world-size 2" in argv or "pipeline-model-parallel-size 2" in argv else 1
+    argv = argv.replace("--world-size 2", "")
+    with pytest.raises(ConfigError) as err:
+        parse_config([*BASE.split(), *argv.split()], world_size=world)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_flags_build_the_model_and_a_dense_model_ignores_the_moe_switches() -> None:
+    config = parse_config([*BASE.split(), *"--num-experts 2 4 --topk 2 --mlp-type residual".split()])[0]
+    assert config.model.experts_per_layer == (1, 2, 1, 4) and config.model.moe_top_k == 2
+    assert config.engine_kind == "plain"
+    dense = parse_config([*BASE.split(), "--create-moe-param-group", "--topk", "2"])[0]
+    assert dense == parse_config(BASE.split())[0]
+
+
+def test_a_moe_checkpoint_has_no_universal_form() -> None:
+    config = parse_config([*BASE.split(), "--num-experts", "4"])[0]
+    meta = {"config": config.to_dict(), "optimizer_state": True}
+    assert universal_refusal(meta, "ck") == moe_refusal(meta, "ck")
+    assert moe_refusal(meta, "ck").startswith("ck: a mixture-of-experts checkpoint (--num-experts 4)")
+    assert moe_refusal({"config": parse_config(BASE.split())[0].to_dict()}, "ck") is None
