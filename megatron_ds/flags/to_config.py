@@ -447,12 +447,16 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
     return config
 
 
+def _notice(text: str) -> None:
+    """A one-line NOTICE on stdout, printed once (rank 0) before training starts."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"NOTICE: {text}", file=sys.stdout, flush=True)
+
+
 def _moe_clip_notice(config: Config) -> None:
     """The clip of a mixture-of-experts run over several data-parallel ranks differs from Megatron-DeepSpeed's."""
     if config.model.is_moe and config.parallel.data_parallel_size > 1 and (config.optimizer.clip_grad or 0) > 0:
-        from megatron_ds.flags.checkpoint_args import notice
-
-        notice(
+        _notice(
             f"--clip-grad {config.optimizer.clip_grad:g} with --num-experts: the norm clipped here is the whole "
             f"model's gradient norm (each expert counted once over the expert-parallel group: a one-process run's "
             f"norm); Megatron-DeepSpeed's DeepSpeed clip uses the mean of each data-parallel rank's own norm"

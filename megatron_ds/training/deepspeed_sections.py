@@ -135,7 +135,12 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section("pipeline", REFUSED, "the pipeline is configured from the flags (--pipeline-model-parallel-size, --pp-*)"),
     Section("tensor_parallel", REFUSED, "tensor parallelism is --tensor-model-parallel-size (megatron-core layers)"),
-    Section("expert_parallel", REFUSED, "mixture-of-experts models are not built"),
+    Section(
+        "expert_parallel",
+        REFUSED,
+        "DeepSpeed's AutoEP (its MoE layers swapped in by the engine) is not built; mixture-of-experts models come "
+        "from --num-experts",
+    ),
     Section("torch_autocast", REFUSED, "the precision is --bf16 / --fp16 (DeepSpeed's bf16/fp16 engines)"),
     Section("compile", REFUSED, "torch.compile is not set up for the pipeline engine"),
     Section("hybrid_engine", REFUSED, "DeepSpeed's RLHF hybrid engine is not used"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_ds.config import Config
+from megatron_ds.config.model import MOE_ROUTING_FIELDS
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.checkpoint.directory import CheckpointError, converted_from
 
@@ -21,6 +22,7 @@ WEIGHT_FREE_FIELDS = (
     "rotary_percent",
     "use_rope_scaling",
     "rope_scaling_factor",
+    *MOE_ROUTING_FIELDS,
 )
 """Architecture fields that shape no weight: a run may load the checkpoint with other values, as Megatron's
 checkpoint-argument check does not compare them (fine-tuning at another context length, a longer rope base);
