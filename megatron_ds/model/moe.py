@@ -20,7 +20,7 @@ residual` (PR-MoE) a dense MLP beside them whose output is mixed with the expert
 Random choices come from torch's default generator, as in DeepSpeed: random token selection when an expert is over
 capacity (nothing is dropped with `--disable-moe-token-dropping`) and top-2's sampled second expert (argmax with
 `--disable-moe-top2-2nd-expert-sampling`). Without them routing is deterministic, and a run equals the one-process
-run of the same global batch (`tests/dist/test_moe.py`).
+run of the same global batch (`tests/dist/test_moe_expert_parallel.py`).
 """
 
 from __future__ import annotations
