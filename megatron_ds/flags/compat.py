@@ -37,13 +37,6 @@ def refused_value(flag: Flag, value: object) -> str | None:
     return None
 
 
-def neutral_message(flag: Flag, value: object) -> str | None:
-    """The refusal of a value outside a neutral-valued flag's `only` values, else None."""
-    if flag.only is None or value in flag.only:
-        return None
-    return f"{flag.name} {value} is not supported ({flag.help}); {flag.fix}"
-
-
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 

@@ -73,9 +73,6 @@ class Flag:
     """True: `validation.py` computes the field(s) from this and other flags (defaults that depend on
     other flags, unit conversions). False: the value is copied into its one field as given."""
     refused_values: tuple[Refusal, ...] = ()
-    only: tuple[Any, ...] | None = None
-    """ACCEPTED without a field: the values that change nothing here (Megatron's neutral values, e.g.
-    `--topk 1`); any other value is refused with `help` and `fix` (`compat.neutral_message`)."""
     exclusive: str | None = None
     """Flags sharing this key are mutually exclusive (`--fp16`, `--bf16`)."""
     megatron: bool = True
@@ -135,16 +132,6 @@ def switch(name: str, group: str, help: str, field: str | None = None, stores: b
     """An accepted flag without a value; it stores `stores` (False for `--no-...`)."""
     fields = kw.pop("fields", (field,) if field else ())
     return Flag(name, group, ACCEPTED, help, nargs=0, const=stores, fields=fields, **kw)
-
-
-def neutral(name: str, group: str, reason: str, values: tuple[Any, ...] | None, type: type | None = None) -> Flag:
-    """A Megatron-DeepSpeed flag whose `values` change nothing here (`reason` says why); another value is
-    refused. `values=None`: every value of `type` is neutral (the flag is then a typed no-op)."""
-    if values is None:
-        return Flag(name, group, ACCEPTED, f"changes nothing here: {reason}", type=type)
-    shown = " or ".join(f"`{v}`" for v in values)
-    fix = f"use {name} {values[0]} or drop it"
-    return Flag(name, group, ACCEPTED, f"only {shown}: {reason}", fix=fix, type=type, default=values[0], only=values)
 
 
 def no_op(name: str, group: str, reason: str, takes: int | str = SWITCH, aliases: tuple[str, ...] = ()) -> Flag:

@@ -64,7 +64,6 @@ def _refuse_values(args: argparse.Namespace) -> None:
     """Refused values of accepted flags (`Flag.refused_values`), before anything else is checked."""
     for f in FLAGS:
         message = compat.refused_value(f, getattr(args, f.attr)) if f.refused_values else None
-        message = message or compat.neutral_message(f, getattr(args, f.attr))
         if message:
             raise ConfigError(message)
 
