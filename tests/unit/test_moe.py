@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from deepspeed.pipe import LayerSpec
 
-from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.config import RegularizationConfig
 from megatron_ds.config.model import experts_per_layer
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.memory_inputs import MemoryInputs
@@ -16,18 +16,10 @@ from megatron_ds.estimate.memory_model import spec_memory
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.model import naming, shapes
 from megatron_ds.model.gpt_pipe import build_layer_specs
+from megatron_ds.testing.scenario import tiny_config
 from megatron_ds.training.checkpoint.rules import moe_refusal, universal_refusal
 
-MODEL = ModelConfig(
-    num_layers=4,
-    hidden_size=32,
-    num_attention_heads=4,
-    ffn_hidden_size=64,
-    seq_length=16,
-    max_position_embeddings=16,
-    vocab_size=128,
-    num_experts=(4,),
-)
+MODEL = dataclasses.replace(tiny_config().model, num_experts=(4,))  # tiny_config's 4 layers, h 32; 4 experts
 BASE = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 128 --lr 1e-3"
 BASE += " --train-iters 2 --mock-data --micro-batch-size 2 --global-batch-size 4"
 
