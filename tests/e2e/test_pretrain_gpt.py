@@ -149,9 +149,11 @@ def test_a_missing_or_cut_rank_file_is_one_line_on_every_rank(half: dict, tmp_pa
         out = pretrain(3, *STRAIGHT, "--load", str(copy))
         assert out.returncode not in (0, -9), out.stdout[-4000:]
         assert not any(frame in out.stdout for frame in ours), out.stdout[-4000:]
-        assert sorted(re.findall(r"\[rank (\d)\] error: .*" + re.escape(needle), out.stdout)) == ["0", "1", "2"], (
-            out.stdout[-4000:]
-        )
+        # every rank checks every rank's files and names the damage; torchrun stops the ranks still starting as
+        # soon as one exits, so a slower rank may say it was stopped instead (never a traceback, never a hang)
+        named = set(re.findall(r"\[rank (\d)\] error: .*" + re.escape(needle), out.stdout))
+        stopped = set(re.findall(r"\[rank (\d)\] SIGTERM: stopped while starting", out.stdout))
+        assert named and named | stopped == {"0", "1", "2"}, out.stdout[-4000:]
 
 
 def test_resume_is_exact(straight: dict, half: dict, tmp_path: Path) -> None:
