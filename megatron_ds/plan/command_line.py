@@ -175,11 +175,27 @@ NOT_PLANNED = {
     "teacher's weights (2 bytes x its parameters in bf16 or fp16, 4 in fp32)",
 }
 """`pretrain_gpt.py` flags the planner refuses by name, each with why and what to do instead."""
+EXPERTS = (
+    "the planner plans dense models only (it counts no expert weights, no expert-parallel groups and no all-to-all); "
+    "mixture-of-experts models train at pipeline size 1 on DeepSpeed's plain engine (docs/training.md)"
+)
+
+
+def _dense_experts(argv: list[str]) -> list[str]:
+    """`argv` without a dense `--num-experts 1` (Megatron-DeepSpeed's default); more experts are refused in one line."""
+    if "--num-experts" not in argv:
+        return argv
+    at = argv.index("--num-experts")
+    end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--")), len(argv))
+    counts = argv[at + 1 : end]
+    if not counts or any(c != "1" for c in counts):
+        raise PlanError(f"--num-experts {' '.join(counts)}: {EXPERTS}")
+    return argv[:at] + argv[end:]
 
 
 def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     """(the command, the inputs given on the command line, the output options)."""
-    argv = list(argv)
+    argv = _dense_experts(list(argv))
     refused = next((a for a in argv if a.split("=", 1)[0] in NOT_PLANNED), None)
     if refused is not None:
         raise PlanError(f"{refused.split('=', 1)[0]}: {NOT_PLANNED[refused.split('=', 1)[0]]}")

@@ -116,3 +116,15 @@ def test_a_value_outside_the_declared_choices_is_one_line(capsys) -> None:
     assert main(["zero", *A100_1_3B, "--zero-stage", "5"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --zero-stage: invalid choice: 5 (choose from 0, 1, 2, 3)" in err
+
+
+def test_a_mixture_of_experts_model_is_refused_in_one_line_and_a_dense_one_planned() -> None:
+    model = ["memory", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    for counts in (["8"], ["4", "8"], []):
+        with pytest.raises(command_line.PlanError) as err:
+            command_line.parse([*model, "--num-experts", *counts, "--num-gpus", "8"])
+        message = str(err.value)
+        assert message.startswith(f"--num-experts {' '.join(counts)}: the planner plans dense models only")
+        assert "\n" not in message
+    dense = command_line.parse([*model, "--num-experts", "1", "--num-gpus", "8"])
+    assert dense == command_line.parse([*model, "--num-gpus", "8"])  # Megatron-DeepSpeed's default: a dense model
