@@ -219,7 +219,8 @@ class Config:
 
     def _check_experts(self) -> None:
         """Mixture-of-experts runs where Megatron-DeepSpeed's MoE example lines run them: GPTModel on DeepSpeed's plain
-        engine (`--no-pipeline-parallel`), without tensor parallelism; what is not built here is refused."""
+        engine (`--no-pipeline-parallel`), without tensor parallelism, ZeRO 0-2 (ZeRO 1/2 with the experts in
+        optimizer groups of their own), any precision; what is not built here is refused."""
         model, par, train = self.model, self.parallel, self.training
         if not model.is_moe:  # one spelling of a dense model: the MoE-only settings change nothing there
             object.__setattr__(self, "parallel", dataclasses.replace(par, expert_parallel_size=1))
@@ -245,15 +246,20 @@ class Config:
                 "drop it",
             ),
             (
-                train.zero_stage == 0,
+                train.zero_stage < 3,
                 f"--zero-stage {train.zero_stage}",
-                "use --zero-stage 0, as the MoE example lines do",
+                "use --zero-stage 0, 1 or 2 (DeepSpeed refuses ZeRO-3 with MoE layers)",
             ),
-            (train.precision == "fp32", f"--{train.precision}", "train in fp32 (drop it)"),
             (
                 not train.checkpoint_activations,
                 "--checkpoint-activations (full recomputation)",
                 "drop it (--recompute-granularity selective works)",
+            ),
+            (
+                train.zero_stage == 0 or self.optimizer.create_moe_param_group,
+                f"--zero-stage {train.zero_stage} without --create-moe-param-group",
+                "add --create-moe-param-group (DeepSpeed's ZeRO optimizer takes the experts in groups of their own, "
+                "as the PR-MoE example line gives them)",
             ),
             (self.optimizer.decoupled_lr is None, "--decoupled-lr", "drop it"),
             (

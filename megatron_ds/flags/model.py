@@ -155,7 +155,8 @@ NETWORK: tuple[Flag, ...] = (
         _NET,
         "experts of each mixture-of-experts layer (every --expert-interval-th layer): one count for all, or one per "
         "such layer; 1, the default, is a dense model. DeepSpeed's MoE layer around copies of the MLP, as "
-        "Megatron-DeepSpeed; pipeline size 1 (DeepSpeed's plain engine), T = 1, ZeRO 0, fp32 (docs/training.md)",
+        "Megatron-DeepSpeed; pipeline size 1 (DeepSpeed's plain engine), T = 1, ZeRO 0-2, any precision "
+        "(docs/training.md)",
         "model.num_experts",
         type=int,
         nargs="+",

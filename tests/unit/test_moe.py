@@ -84,8 +84,8 @@ def test_the_memory_model_holds_each_ranks_share_of_the_experts() -> None:
     ("argv", "message"),
     [
         ("--num-experts 4 --pipeline-model-parallel-size 2", "--num-experts 4 with --pipeline-model-parallel-size 2:"),
-        ("--num-experts 4 --zero-stage 1", "--num-experts 4 with --zero-stage 1:"),
-        ("--num-experts 4 --bf16", "--num-experts 4 with --bf16:"),
+        ("--num-experts 4 --zero-stage 3 --create-moe-param-group", "--num-experts 4 with --zero-stage 3:"),
+        ("--num-experts 4 --zero-stage 2", "with --zero-stage 2 without --create-moe-param-group: "),
         ("--num-experts 4 --checkpoint-activations", "--num-experts 4 with --checkpoint-activations"),
         ("--num-experts 4 --moe-expert-parallel-size 2", "--moe-expert-parallel-size 2 does not divide the data-"),
         ("--num-experts 3 --moe-expert-parallel-size 2 --world-size 2", "does not divide 3 experts"),
@@ -116,3 +116,43 @@ def test_a_moe_checkpoint_has_no_universal_form() -> None:
     assert universal_refusal(meta, "ck") == moe_refusal(meta, "ck")
     assert moe_refusal(meta, "ck").startswith("ck: a mixture-of-experts checkpoint (--num-experts 4)")
     assert moe_refusal({"config": parse_config(BASE.split())[0].to_dict()}, "ck") is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "notice"),
+    [
+        ("--zero-stage 2 --create-moe-param-group --bf16", None),  # DeepSpeed's ZeRO clip counts the experts
+        ("--zero-stage 1 --create-moe-param-group --fp16", None),
+        ("--bf16", "--num-experts and --bf16 without ZeRO: the norm clipped here leaves the experts' gradients out"),
+        ("--fp16", "--num-experts and --fp16 without ZeRO: the norm clipped here leaves the experts' gradients out"),
+        ("--fp16 --clip-grad 0", None),
+        ("", None),  # fp32 at DP = 1: the one-process norm, as upstream's
+    ],
+)
+def test_mixed_precision_and_zero_1_2_are_accepted_and_a_clip_that_differs_is_a_notice(
+    argv: str, notice: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = parse_config([*BASE.split(), "--num-experts", "4", *argv.split()])[0]
+    assert config.engine_kind == "plain"
+    printed = [line for line in capsys.readouterr().out.splitlines() if "--num-experts" in line]
+    assert (printed == []) if notice is None else (len(printed) == 1 and notice in printed[0]), printed
+
+
+def test_the_gate_runs_in_fp32_when_the_engine_casts_the_layer_to_bf16() -> None:
+    """DeepSpeed's engine casts the module to bf16/fp16; its TopKGate computes the logits from fp32 copies of the
+    tokens and of its weight (as upstream, which uses the same gate): the load-balancing loss is bit for bit that of
+    an fp32 gate on the same bf16 values, and it is fp32."""
+    import copy
+
+    import torch
+
+    from megatron_ds.model import moe
+
+    layer = build_layer_specs(MODEL, RegularizationConfig(), 1234)[4].build().moe.to(torch.bfloat16)
+    x = torch.randn(2, 8, MODEL.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out, l_aux = moe.run(layer, x)
+    gate = layer.deepspeed_moe.gate
+    assert gate.wg.weight.dtype == torch.bfloat16 and out.dtype == torch.bfloat16 and l_aux.dtype == torch.float32
+    fp32_gate = copy.deepcopy(gate).float()
+    tokens = x.float().transpose(0, 1).reshape(-1, MODEL.hidden_size)  # (s x b, h), as moe.run hands them over
+    assert torch.equal(fp32_gate(tokens)[0], l_aux)
