@@ -251,11 +251,6 @@ class Config:
                 "use --zero-stage 0, 1 or 2 (DeepSpeed refuses ZeRO-3 with MoE layers)",
             ),
             (
-                not train.checkpoint_activations,
-                "--checkpoint-activations (full recomputation)",
-                "drop it (--recompute-granularity selective works)",
-            ),
-            (
                 train.zero_stage == 0 or self.optimizer.create_moe_param_group,
                 f"--zero-stage {train.zero_stage} without --create-moe-param-group",
                 "add --create-moe-param-group (DeepSpeed's ZeRO optimizer takes the experts in groups of their own, "

@@ -315,6 +315,8 @@ def _parallel_config(args: argparse.Namespace, direct: dict[str, Any], world_siz
             f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {p}); drop one of the two"
         )
     default_world = max(p, 1) * max(t, 1) * max(args.ds_sequence_parallel_size, 1)  # one replica (< 1 refused)
+    if any(n > 1 for n in args.num_experts or ()):  # MoE: the fewest replicas that hold one expert-parallel group
+        default_world *= max(direct.get("expert_parallel_size", 1), 1)
     schedule, virtual = schedule_flags.pipeline_schedule(args)
     return ParallelConfig(
         **direct,

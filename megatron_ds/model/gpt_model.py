@@ -139,7 +139,7 @@ class GPTModel(nn.Module):
             chunk = funcs[start : start + interval]
             x = x if isinstance(x, tuple) else (x,)
             if all(isinstance(f, TransformerLayer) for f in chunk):
-                x = checkpointing.checkpoint(_run(chunk), *x)
+                x = _recomputed(chunk, x, checkpointing.checkpoint)
             else:
                 x = _run(chunk)(*x)
         return x
@@ -186,6 +186,26 @@ def _run(funcs: list[Callable[..., Any]]) -> Callable[..., Any]:
         return x
 
     return run
+
+
+def _recomputed(chunk: list[Any], x: tuple[Any, ...], checkpoint: Callable[..., Any]) -> Any:
+    """`chunk`'s output on `x` by DeepSpeed's activation checkpointing (its forward under no_grad, recomputed in
+    backward). The MoE layers' load-balancing losses leave the chunk as outputs of the checkpointed function, so they
+    reach the loss with a gradient path (through the recomputation, to the gates), kept as each layer's `l_aux` as
+    the forward without recomputation keeps them; the `l_aux` the no_grad forward leaves on a layer has none."""
+    moe_layers = [f for f in chunk if f.moe is not None]
+    if not moe_layers:
+        return checkpoint(_run(chunk), *x)
+
+    def run_with_losses(*inputs: Any) -> tuple[Any, ...]:
+        out = _run(chunk)(*inputs)
+        return (*(out if isinstance(out, tuple) else (out,)), *(layer.l_aux for layer in moe_layers))
+
+    out = list(checkpoint(run_with_losses, *x))
+    for layer, l_aux in zip(moe_layers, out[-len(moe_layers) :], strict=True):
+        layer.l_aux = l_aux
+    out = out[: -len(moe_layers)]
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def gathered(what: nn.Module | list[torch.Tensor], modify: bool = False) -> Any:

@@ -52,6 +52,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     two["top1_ep1"] = sc("top1", ep=1, world=2)
     two["top1_ep1_from_ep2"] = sc("top1", ep=1, world=2, load=ck, expect_error=True)
     two["residual_ep2_zero2"] = with_training(sc("residual", ep=2, world=2), zero_stage=2)
+    two["residual_ep2_recompute"] = with_training(sc("residual", ep=2, world=2), checkpoint_activations=True)
     for where, world, ep in (("one", 1, 1), ("ep2", 2, 2)):  # bf16: DeepSpeed's ZeRO-2 clip counts the experts
         runs_in = one if world == 1 else two
         runs_in[f"residual_bf16_{where}"] = with_training(sc("residual", ep, world), precision="bf16", zero_stage=2)
@@ -123,6 +124,13 @@ def test_zero_2_equals_zero_0(runs: dict) -> None:
     (each expert once over the expert-parallel group), so EP=2 at DP=2 under ZeRO-2 equals the ZeRO-0 run."""
     for zero2, zero0 in zip(runs["residual_ep2_zero2"], runs["residual_ep2"], strict=True):
         assert_equal_to([zero2], zero0, "residual EP=2 ZeRO-2 vs ZeRO-0")
+
+
+def test_full_recomputation_equals_the_run_without_it(runs: dict) -> None:
+    """`--checkpoint-activations`: each transformer layer recomputed in backward, its load-balancing loss carried out
+    of the checkpointed chunk (else the gate would get no gradient from it): the same losses, norms and weights."""
+    for recomputed, plain in zip(runs["residual_ep2_recompute"], runs["residual_ep2"], strict=True):
+        assert_equal_to([recomputed], plain, "residual EP=2 --checkpoint-activations")
 
 
 def test_bf16_expert_parallel_is_near_the_one_process_bf16_run(runs: dict) -> None:

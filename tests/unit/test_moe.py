@@ -86,7 +86,6 @@ def test_the_memory_model_holds_each_ranks_share_of_the_experts() -> None:
         ("--num-experts 4 --pipeline-model-parallel-size 2", "--num-experts 4 with --pipeline-model-parallel-size 2:"),
         ("--num-experts 4 --zero-stage 3 --create-moe-param-group", "--num-experts 4 with --zero-stage 3:"),
         ("--num-experts 4 --zero-stage 2", "with --zero-stage 2 without --create-moe-param-group: "),
-        ("--num-experts 4 --checkpoint-activations", "--num-experts 4 with --checkpoint-activations"),
         ("--num-experts 4 --moe-expert-parallel-size 2", "--moe-expert-parallel-size 2 does not divide the data-"),
         ("--num-experts 3 --moe-expert-parallel-size 2 --world-size 2", "does not divide 3 experts"),
         ("--num-experts 4 --topk 3", "--topk 3 is not one of 1, 2"),
