@@ -224,7 +224,7 @@ def run_one(
     emb_after = _embedding(pipeline.model)
     result.update({"losses": losses, "grad_norms": norms})
     result["checkpointing"] = _checkpointing_state()
-    if any(others):  # the losses beside the lm loss (`kd loss` under --kd), per step
+    if any(others):  # the losses beside the lm loss (`moe loss` with experts, `kd loss` under --kd), per step
         result["other_losses"] = others
     store = getattr(engine, "weight_grads", None)
     result["deferred_weight_grads"] = 0 if store is None else store.deferred

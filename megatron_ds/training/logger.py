@@ -44,8 +44,9 @@ class StepStats:
     nan_iterations: int = 0
     """Of those, the ones whose loss was NaN or Inf (Megatron's count)."""
     other_losses: dict[str, float] = field(default_factory=dict)
-    """Mean losses beside the lm loss over the same iterations (`kd loss` under --kd); with any, the line also
-    gives their sum with the lm loss as `total loss` first, as Megatron-DeepSpeed's loss dict under --kd."""
+    """Mean losses beside the lm loss over the same iterations (`moe loss` with experts, `kd loss` under --kd); with
+    `kd loss` the line also gives their sum with the lm loss as `total loss` first, as Megatron-DeepSpeed's loss dict
+    under --kd."""
 
 
 @dataclass
@@ -64,7 +65,7 @@ class IterationStats:
     num_zeros: int | None = None
     curriculum_seq_length: int | None = None
     other_losses: dict[str, float] = field(default_factory=dict)
-    """The iteration's losses beside the lm loss (`kd loss`), written as `lm-loss-training/<name>`."""
+    """The iteration's losses beside the lm loss (`moe loss`, `kd loss`), written as `lm-loss-training/<name>`."""
 
 
 def throughput(
@@ -111,11 +112,10 @@ def format_line(s: StepStats) -> str:
 
 
 def losses_text(lm: float, others: dict[str, float]) -> list[str]:
-    """`lm loss: ...`, or with other losses Megatron-DeepSpeed's order: total loss, lm loss, then each other."""
-    if not others:
-        return [f"lm loss: {lm:.6E}"]
-    total = lm + sum(others.values())
-    return [f"total loss: {total:.6E}", f"lm loss: {lm:.6E}", *(f"{k}: {v:.6E}" for k, v in others.items())]
+    """`lm loss: ...` and each other loss (`moe loss`), as Megatron-DeepSpeed's loss dict; under --kd its `total loss`
+    (the sum of them all) first."""
+    total = [f"total loss: {lm + sum(others.values()):.6E}"] if "kd loss" in others else []
+    return [*total, f"lm loss: {lm:.6E}", *(f"{k}: {v:.6E}" for k, v in others.items())]
 
 
 def format_eval(name: str, iteration: int, loss: float) -> str:

@@ -59,7 +59,8 @@ class PlainEngine(DeepSpeedEngine):
         """`training.distillation.Teacher` under --kd: its kd loss joins each training micro-batch's loss."""
         self.kd_total: torch.Tensor | None = None
         self.step_losses: dict[str, torch.Tensor] = {}
-        """The last step's losses beside the lm loss (`kd loss` under --kd), averaged as `train_batch`'s."""
+        """The last step's losses beside the lm loss: `moe loss` (a mixture-of-experts model's, `last_moe_loss`) and
+        `kd loss` under --kd, averaged as `train_batch`'s (the moe loss over this rank's micro-batches only)."""
         self.moe_loss_sum: torch.Tensor | None = None
         self.last_moe_loss: float | None = None
         """A mixture-of-experts model's weighted load-balancing loss of the last step, mean over its micro-batches on
@@ -84,10 +85,12 @@ class PlainEngine(DeepSpeedEngine):
         self.total_loss = self.kd_total = self.moe_loss_sum = None
         for cmd in self.train_instructions():
             self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
+        self.step_losses = {}  # in the order of Megatron-DeepSpeed's loss dict: lm loss, moe loss, kd loss
+        if self.moe_loss_sum is not None:  # this rank's, not averaged over data-parallel ranks (as upstream's)
+            self.step_losses["moe loss"] = self.moe_loss_sum / self.micro_batches
+            self.last_moe_loss = float(self.step_losses["moe loss"])
         if self.teacher is not None:
-            self.step_losses = {"kd loss": self._mean_over_data_parallel(self.kd_total / self.micro_batches)}
-        if self.moe_loss_sum is not None:
-            self.last_moe_loss = float(self.moe_loss_sum / self.micro_batches)
+            self.step_losses["kd loss"] = self._mean_over_data_parallel(self.kd_total / self.micro_batches)
         return self._mean_over_data_parallel(self.total_loss / self.micro_batches)
 
     def train_instructions(self) -> list[schedule.PipeInstruction]:

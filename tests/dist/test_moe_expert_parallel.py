@@ -144,6 +144,18 @@ def test_bf16_expert_parallel_is_near_the_one_process_bf16_run(runs: dict) -> No
     assert ref["losses"] != fp32["losses"]  # the bf16 runs did run in bf16
 
 
+def test_the_moe_loss_is_each_ranks_own_and_its_mean_is_the_one_process_runs(runs: dict) -> None:
+    """The log line's `moe loss` (Megatron-DeepSpeed's loss dict: {'lm loss', 'moe loss'}): each rank's weighted
+    load-balancing loss over its own micro-batches, not averaged over data-parallel ranks, as upstream's (the last
+    rank's is printed); the gate's loss of a micro-batch sees that micro-batch's tokens alone, so the mean over the
+    ranks is the one-process run's."""
+    ref = [step["moe loss"] for step in runs["top1_one"][0]["other_losses"]]
+    ranks = [[step["moe loss"] for step in r["other_losses"]] for r in runs["top1_ep2"]]
+    assert ranks[0] != ranks[1] and all(set(step) == {"moe loss"} for step in runs["top1_ep2"][0]["other_losses"])
+    for step, one in enumerate(ref):
+        assert abs((ranks[0][step] + ranks[1][step]) / 2 - one) <= TOL, (step, ranks, ref)
+
+
 def test_the_experts_train_apart(runs: dict) -> None:
     """Every expert starts as a copy of one MLP (DeepSpeed's deepcopy, as upstream): after training they differ, so
     the comparison above would see an expert's tokens sent to another."""

@@ -155,3 +155,26 @@ def test_the_gate_runs_in_fp32_when_the_engine_casts_the_layer_to_bf16() -> None
     fp32_gate = copy.deepcopy(gate).float()
     tokens = x.float().transpose(0, 1).reshape(-1, MODEL.hidden_size)  # (s x b, h), as moe.run hands them over
     assert torch.equal(fp32_gate(tokens)[0], l_aux)
+
+
+def test_the_log_line_gives_the_moe_loss_as_upstreams_loss_dict() -> None:
+    """Megatron-DeepSpeed's pretrain_gpt.py: {'lm loss', 'moe loss'} with experts; under --kd (its mos/kd path)
+    {'total loss', 'lm loss', 'moe loss', 'kd loss'}; TensorBoard gets `lm-loss-training/<key>` for each."""
+    from megatron_ds.training import logger
+
+    assert logger.losses_text(2.0, {"moe loss": 0.125}) == ["lm loss: 2.000000E+00", "moe loss: 1.250000E-01"]
+    assert logger.losses_text(2.0, {"moe loss": 0.125, "kd loss": 0.25}) == [
+        "total loss: 2.375000E+00",
+        "lm loss: 2.000000E+00",
+        "moe loss: 1.250000E-01",
+        "kd loss: 2.500000E-01",
+    ]
+    written: list[str] = []
+
+    class Writer:
+        def add_scalar(self, name: str, value: float, step: int) -> None:
+            written.append(name)
+
+    stats = logger.IterationStats(1, 1e-3, 4, 2.0, None, None, other_losses={"moe loss": 0.125})
+    logger.Scalars(Writer(), parse_config(BASE.split())[0].logging).iteration(stats)
+    assert written[:2] == ["lm-loss-training/lm loss", "lm-loss-training/moe loss"]
