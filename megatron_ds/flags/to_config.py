@@ -455,22 +455,16 @@ def _notice(text: str) -> None:
 
 
 def _moe_clip_notice(config: Config) -> None:
-    """The clip of a mixture-of-experts run where it differs from Megatron-DeepSpeed's (ZeRO 1/2 clip as upstream)."""
-    clip = config.optimizer.clip_grad or 0
-    if not config.model.is_moe or clip <= 0 or config.training.zero_stage > 0:
-        return
-    if config.training.precision != "fp32":
-        _notice(
-            f"--clip-grad {clip:g} with --num-experts and --{config.training.precision} without ZeRO: the norm "
-            f"clipped here leaves the experts' gradients out (DeepSpeed's FP16_UnfusedOptimizer, which wraps torch's "
-            f"AdamW); Megatron-DeepSpeed's fused Adam counts each expert once (so does --zero-stage 1 or 2 here)"
-        )
-    elif config.parallel.data_parallel_size > 1:
-        _notice(
-            f"--clip-grad {clip:g} with --num-experts: the norm clipped here is the whole "
-            f"model's gradient norm (each expert counted once over the expert-parallel group: a one-process run's "
-            f"norm); Megatron-DeepSpeed's DeepSpeed clip uses the mean of each data-parallel rank's own norm"
-        )
+    """The clip of a mixture-of-experts run where it differs from Megatron-DeepSpeed's: fp32 without ZeRO over several
+    data-parallel ranks (ZeRO 1/2 and --bf16/--fp16 count each expert once there too, as here)."""
+    t, clip = config.training, config.optimizer.clip_grad or 0
+    if config.model.is_moe and config.parallel.data_parallel_size > 1 and clip > 0:
+        if t.zero_stage == 0 and t.precision == "fp32":
+            _notice(
+                f"--clip-grad {clip:g} with --num-experts: the norm clipped here is the whole "
+                f"model's gradient norm (each expert counted once over the expert-parallel group: a one-process run's "
+                f"norm); Megatron-DeepSpeed's DeepSpeed clip uses the mean of each data-parallel rank's own norm"
+            )
 
 
 def _as_given(err: LayoutError, args: argparse.Namespace, dedicated: str) -> LayoutError:

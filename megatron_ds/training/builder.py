@@ -14,7 +14,8 @@ What `build_pipeline` does, in order (docs/training.md says why each step matter
 3. `GPTModelPipe` marks each parameter on the one rank that counts it in the global norm;
 4. every stage gets the same optimizer groups (`add_group_placeholders`);
 5. the preflight check compares every rank's structure before the first step (`check_structure`);
-6. the no-ZeRO fp32 clip uses the counted norm (`install_fp32_grad_norm`), and each training
+6. the no-ZeRO fp32 clip uses the counted norm (`install_fp32_grad_norm`; a MoE model's bf16/fp16 one too,
+   `install_mixed_precision_expert_norm`), and each training
    forward reseeds the stage's dropout streams from the global micro-batch index
    (`rng.install_micro_batch_seeding`: masks independent of layout, P, DP and interruptions);
 7. `Pipeline.train_batch`, `eval_batch` and `watch` run under the step watchdog, and
@@ -58,7 +59,7 @@ from megatron_ds.training import (
     zero_bubble,
 )
 from megatron_ds.training.dependencies import check_deepspeed
-from megatron_ds.training.grad_norm import grad_norm, install_fp32_grad_norm
+from megatron_ds.training.grad_norm import grad_norm, install_fp32_grad_norm, install_mixed_precision_expert_norm
 from megatron_ds.training.machine import probe
 from megatron_ds.training.measure import stage_timers
 from megatron_ds.training.optimizer import OptimizerFactory, add_group_placeholders, build_optimizer
@@ -210,6 +211,7 @@ def _assemble(
     if config.engine_kind == "pipeline":
         engine = _schedule_engine(engine, schedule)
     install_fp32_grad_norm(engine)
+    install_mixed_precision_expert_norm(engine)
     activation_checkpointing.configure(config, layout, engine, tp)  # deepspeed.checkpointing's options, per rank
     rng.install_micro_batch_seeding(
         engine, lambda m: pipeline_schedules.forward_micro_batches(schedule, m, engine.num_stages, engine.stage_id)

@@ -44,24 +44,56 @@ def expert_parallel_group(engine: Any) -> Any:
 
 @torch.no_grad()
 def clip_counted_grad_norm_(parameters: Any, max_norm: float, group: Any, expert_group: Any = None) -> torch.Tensor:
-    """Global L2 norm over the gradients this rank counts (all-reduced over `group`: every stage
-    and tensor rank of one data-parallel replica; the experts' over `expert_group` too), then scale
-    every gradient as DeepSpeed does."""
+    """Global L2 norm over the gradients this rank counts (`counted_grad_norm`), then scale every gradient as
+    DeepSpeed does."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = counted_grad_norm(params, group, expert_group)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
+
+
+@torch.no_grad()
+def counted_grad_norm(parameters: Any, group: Any, expert_group: Any = None) -> torch.Tensor:
+    """Global L2 norm (fp32) over the gradients this rank counts, all-reduced over `group` (every stage and tensor
+    rank of one data-parallel replica); the experts' squares summed over `expert_group` too."""
     import torch.distributed as dist
 
-    params = [p for p in parameters if p.grad is not None]
-    counted = [p for p in params if getattr(p, COUNTED_IN_NORM, False)]
+    counted = [p for p in parameters if p.grad is not None and getattr(p, COUNTED_IN_NORM, False)]
     total = _squares([p for p in counted if expert_group is None or not _is_expert(p)])
     if expert_group is not None:
         expert_total = _squares([p for p in counted if _is_expert(p)])
         dist.all_reduce(expert_total, op=dist.ReduceOp.SUM, group=expert_group)
         total = total + expert_total
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    norm = total.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
-    return norm
+    return total.sqrt()
+
+
+def install_mixed_precision_expert_norm(engine: Any) -> None:
+    """A mixture-of-experts model under --bf16/--fp16 without ZeRO: clip by the norm that counts the experts.
+
+    DeepSpeed wraps torch's AdamW there in `FP16_UnfusedOptimizer`, whose step leaves the experts' gradients out of
+    the norm (`split_params_grads_into_shared_and_expert_params`); Megatron-DeepSpeed's fused Adam gets
+    `FP16_Optimizer`, which counts each expert once over its expert-parallel group (`get_norm_with_moe_layers`), as
+    DeepSpeed's ZeRO 1/2 and the fp32 clip here do. This instance-level replacement of its `unscale_and_clip_grads`
+    hands it that norm (of the loss-scaled gradients, DeepSpeed's convention there) and keeps it as the step's norm.
+    """
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    optimizer, expert_group = engine.optimizer, expert_parallel_group(engine)
+    if expert_group is None or not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return
+    unscale_and_clip = optimizer.unscale_and_clip_grads
+
+    def with_experts_counted(total_norm: float, apply_scale: bool = True) -> Any:
+        del total_norm  # the non-expert gradients' norm
+        params = engine.module.parameters()
+        norm = float(counted_grad_norm(params, engine.mpu.get_model_parallel_group(), expert_group))
+        optimizer._global_grad_norm = norm
+        return unscale_and_clip(norm, apply_scale)
+
+    optimizer.unscale_and_clip_grads = with_experts_counted
 
 
 def _squares(params: list[torch.Tensor]) -> torch.Tensor:

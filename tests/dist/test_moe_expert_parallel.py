@@ -56,6 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     for where, world, ep in (("one", 1, 1), ("ep2", 2, 2)):  # bf16: DeepSpeed's ZeRO-2 clip counts the experts
         runs_in = one if world == 1 else two
         runs_in[f"residual_bf16_{where}"] = with_training(sc("residual", ep, world), precision="bf16", zero_stage=2)
+    two["residual_bf16_ep2_zero0"] = with_training(sc("residual", ep=2, world=2), precision="bf16")
     results: dict[str, list[dict]] = {}
     for name, world, scenarios in (("w1", 1, one), ("w2", 2, two)):
         per_rank = run_scenarios(tmp / name, world, list(scenarios.values()), timeout=120)
@@ -142,6 +143,17 @@ def test_bf16_expert_parallel_is_near_the_one_process_bf16_run(runs: dict) -> No
     assert_equal_to(ranks, ref, "residual bf16 EP=2 ZeRO-2", tol=2e-2, weight_tol=2e-2)
     fp32 = runs["residual_one"][0]
     assert ref["losses"] != fp32["losses"]  # the bf16 runs did run in bf16
+
+
+def test_bf16_without_zero_clips_by_the_norm_that_counts_the_experts(runs: dict) -> None:
+    """bf16 at ZeRO 0 (DeepSpeed's FP16_UnfusedOptimizer, whose own norm leaves the experts out) clips by the norm
+    that counts them (`install_mixed_precision_expert_norm`), as ZeRO-2 does: the first step's norms (the same weights,
+    the same bf16 gradients) agree to 3e-4 (6e-5 here; 9e-4 with the experts left out), the losses to bf16's 2e-2."""
+    zero0, zero2 = runs["residual_bf16_ep2_zero0"], runs["residual_bf16_ep2"]
+    for a, b in zip(zero0, zero2, strict=True):
+        first, ref = a["grad_norms"][0], b["grad_norms"][0]
+        assert abs(first - ref) / ref <= 3e-4, (a["grad_norms"], b["grad_norms"])
+        assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)) <= 2e-2
 
 
 def test_the_moe_loss_is_each_ranks_own_and_its_mean_is_the_one_process_runs(runs: dict) -> None:

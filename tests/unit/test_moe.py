@@ -122,17 +122,20 @@ def test_a_moe_checkpoint_has_no_universal_form() -> None:
     [
         ("--zero-stage 2 --create-moe-param-group --bf16", None),  # DeepSpeed's ZeRO clip counts the experts
         ("--zero-stage 1 --create-moe-param-group --fp16", None),
-        ("--bf16", "--num-experts and --bf16 without ZeRO: the norm clipped here leaves the experts' gradients out"),
-        ("--fp16", "--num-experts and --fp16 without ZeRO: the norm clipped here leaves the experts' gradients out"),
-        ("--fp16 --clip-grad 0", None),
+        ("--bf16", None),  # `install_mixed_precision_expert_norm`: counted as upstream's fused FP16_Optimizer does
         ("", None),  # fp32 at DP = 1: the one-process norm, as upstream's
+        ("--world-size 2", "--clip-grad 1 with --num-experts: the norm clipped here is the whole model's"),
+        ("--world-size 2 --clip-grad 0", None),
+        ("--world-size 2 --fp16", None),
     ],
 )
 def test_mixed_precision_and_zero_1_2_are_accepted_and_a_clip_that_differs_is_a_notice(
     argv: str, notice: str | None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = parse_config([*BASE.split(), "--num-experts", "4", *argv.split()])[0]
-    assert config.engine_kind == "plain"
+    world = 2 if "--world-size 2" in argv else 1
+    argv = argv.replace("--world-size 2", "")
+    config = parse_config([*BASE.split(), "--num-experts", "4", *argv.split()], world_size=world)[0]
+    assert config.engine_kind == "plain" and config.parallel.data_parallel_size == world
     printed = [line for line in capsys.readouterr().out.splitlines() if "--num-experts" in line]
     assert (printed == []) if notice is None else (len(printed) == 1 and notice in printed[0]), printed
 
