@@ -231,6 +231,8 @@ def precision_notice(meta: dict[str, Any], config: Config, load_dir: str, tag: s
 
 
 def deepspeed_cannot_restore(config: Config) -> bool:
-    """DeepSpeed 0.19.8's BF16_Optimizer (bf16 without ZeRO) fails to read its own optimizer state back
-    (KeyError in `_load_legacy_checkpoint`): such a resume goes through the universal form instead."""
-    return config.training.precision == "bf16" and config.training.zero_stage == 0
+    """DeepSpeed 0.19.8's BF16_Optimizer (bf16 without ZeRO on the pipeline engine) fails to read its own optimizer
+    state back (KeyError in `_load_legacy_checkpoint`): such a resume goes through the universal form instead. The
+    plain engine wraps torch's optimizer in FP16_UnfusedOptimizer there, which reads its state back."""
+    t = config.training
+    return t.precision == "bf16" and t.zero_stage == 0 and config.engine_kind == "pipeline"

@@ -373,7 +373,8 @@ def check_rank_files(engine: Any, config: Config, load_dir: str, tag: str, weigh
 
 def _expert_files(engine: Any, load_dir: str, tag: str, weights_only: bool) -> list[str]:
     """A mixture-of-experts model's files this rank loads: its experts' (DeepSpeed numbers the MoE layers from 0 and
-    the experts globally) and, for a full resume, its expert-parallel rank's optimizer state."""
+    the experts globally) and, for a full resume without ZeRO, its expert-parallel rank's optimizer state (under ZeRO
+    1/2 the optimizer state is in the ZeRO partition files, experts included)."""
     import torch.distributed as dist
 
     layers = getattr(engine.module, "moe_layers", None) or []
@@ -384,7 +385,7 @@ def _expert_files(engine: Any, load_dir: str, tag: str, weights_only: bool) -> l
         for local in range(moe.num_local_experts):
             expert = rank * moe.num_local_experts + local
             paths.append(engine._get_expert_ckpt_name(load_dir, layer_id, expert, tag, checkpoint_mp_rank=0))
-    if layers and not weights_only:
+    if layers and not weights_only and not engine.zero_optimization():
         rank = dist.get_rank(group=layers[0].moe.deepspeed_moe.ep_group)
         paths.append(engine._get_optimizer_ckpt_name(load_dir, tag, rank))
     return paths
