@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
@@ -61,6 +62,14 @@ from megatron_ds.estimate.transients import (
     weight_store_bytes,
 )
 from megatron_ds.model import naming, shapes
+
+
+def _partitioned(factor: Callable[[int, int], float], n: int, experts: int, dp: int, ep: int) -> float:
+    """Bytes of `n` parameters' state by `factor(count, ZeRO partition size)`: the experts' share partitioned over
+    the expert-data-parallel group (dp / E ranks: DeepSpeed's ZeRO takes each expert group apart), the rest over dp."""
+    if not experts:
+        return factor(n, dp)
+    return factor(n - experts, dp) + factor(experts, max(1, dp // ep))
 
 
 @functools.lru_cache(maxsize=256)
@@ -89,6 +98,7 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
                 out.append(dataclasses.replace(body, index=idx, name=name))
             continue
         n, largest, n_no_decay = params[idx].num_params, params[idx].largest, params[idx].no_decay
+        experts, ep = params[idx].expert_params, inputs.expert_parallel_size
         spec_terms = layer_terms if group == "body" else terms[name]
         saved = sum(spec_terms.values())
         deferrable = _deferrable(inputs, name, group)
@@ -103,11 +113,11 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
                 num_params=n,
                 largest_param=largest,
                 # ZeRO-3's persistent tensors are whole on every rank besides their partition
-                params=fac.params(n, dp)
+                params=_partitioned(fac.params, n, experts, dp, ep)
                 + sum(x for x in numels[idx] if x <= threshold) * PRECISION_BYTES[inputs.precision],
-                grads=fac.grads(n, dp),
-                optimizer=fac.optimizer(n, dp),
-                host=fac.host(n, dp),
+                grads=_partitioned(fac.grads, n, experts, dp, ep),
+                optimizer=_partitioned(fac.optimizer, n, experts, dp, ep),
+                host=_partitioned(fac.host, n, experts, dp, ep),
                 activations=saved,
                 checkpointed_activations=(
                     act.checkpointed_layer_bytes(

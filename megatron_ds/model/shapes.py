@@ -124,6 +124,9 @@ class SpecParams:
     """Its largest single module (ZeRO-3 gathers one module at a time)."""
     no_decay: int
     """Biases and norm parameters: the no-weight-decay group (`training/optimizer.py`)."""
+    expert_params: int = 0
+    """Of `num_params`, this rank's experts' (a mixture-of-experts layer): ZeRO partitions their state over the
+    expert-data-parallel group (data-parallel size / E ranks), not the whole data-parallel group."""
 
 
 def gpt_spec_params(
@@ -156,7 +159,8 @@ def gpt_spec_params(
     if model.is_moe:
         first = names.index(naming.TRANSFORMER_LAYER)
         for i, lp in enumerate(transformer_layer_params(model, t, expert_parallel_size)):
-            out[first + i] = SpecParams(lp.total, lp.largest, lp.no_decay)
+            experts = sum(n for name, n in lp.modules if name == "experts")
+            out[first + i] = SpecParams(lp.total, lp.largest, lp.no_decay, experts)
     return out
 
 

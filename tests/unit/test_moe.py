@@ -4,6 +4,7 @@ built model, the memory model's per-rank expert parameters, and the one-line ref
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from deepspeed.pipe import LayerSpec
@@ -63,6 +64,28 @@ def test_every_expert_starts_as_a_copy_of_the_dense_mlp_of_its_layer() -> None:
     for expert in moe_layer.moe.deepspeed_moe.experts.deepspeed_experts:
         assert expert.fc1.weight.equal(dense_layer.fc1.weight) and expert.fc2.weight.equal(dense_layer.fc2.weight)
     assert moe_layer.qkv.weight.equal(dense_layer.qkv.weight)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_partitions_the_experts_state_over_the_expert_data_parallel_group(zero: int) -> None:
+    """DeepSpeed's ZeRO 1/2 partitions an expert's optimizer state over its expert-data-parallel group (DP / E ranks):
+    at DP = 4 a rank keeps 4 experts' state / 4 at E = 1 and 2 experts' / 2 at E = 2, the same bytes; its weights
+    (not partitioned) halve."""
+
+    def moe_layer(ep: int) -> Any:
+        inputs = MemoryInputs(
+            model=MODEL,
+            micro_batch_size=2,
+            num_micro_batches=1,
+            expert_parallel_size=ep,
+            data_parallel_size=4,
+            zero_stage=zero,
+        )
+        return [s for s in spec_memory(inputs) if s.name == naming.TRANSFORMER_LAYER][1]
+
+    one, two = moe_layer(1), moe_layer(2)
+    assert two.num_params < one.num_params and two.params < one.params
+    assert two.optimizer == pytest.approx(one.optimizer) and one.optimizer > 0
 
 
 def test_the_memory_model_holds_each_ranks_share_of_the_experts() -> None:
