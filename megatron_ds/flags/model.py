@@ -222,7 +222,7 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
         "--create-moe-param-group",
         _MOE,
         "the experts' parameters in optimizer groups of their own (DeepSpeed's "
-        "split_params_into_different_moe_groups_for_optimizer); the update is the same",
+        "split_params_into_different_moe_groups_for_optimizer); the update is the same; needed under ZeRO 1/2",
         "optimizer.create_moe_param_group",
     ),
     switch(
