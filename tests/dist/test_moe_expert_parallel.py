@@ -8,7 +8,10 @@ the same global batch; saved and resumed at EP=2 the run goes on as the one-proc
 refused in one line under EP=1 (4 micro-batches there, 2 per rank here). This checks DeepSpeed's expert-gradient scaling (an
 expert's gradient is summed over its expert-data-parallel group and divided by the whole data-parallel size: equal to
 the one-process gradient) and the counted norm (experts' squares summed over the expert-parallel group).
-Top-1, top-2, PR-MoE's residual MLP with `--create-moe-param-group`, and a per-layer expert list.
+Top-1, top-2, PR-MoE's residual MLP with `--create-moe-param-group`, and a per-layer expert list. PR-MoE at EP=2 also
+under ZeRO-2 and with `--checkpoint-activations` (equal to the plain run within 1e-6), in bf16 (ZeRO-2 near the
+one-process bf16 run; ZeRO 0 clipping by the norm that counts the experts), with exact resumes under ZeRO-2 and bf16;
+and each rank's `moe loss`.
 """
 
 from __future__ import annotations
