@@ -55,6 +55,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     two["top1_ep1"] = sc("top1", ep=1, world=2)
     two["top1_ep1_from_ep2"] = sc("top1", ep=1, world=2, load=ck, expect_error=True)
     two["residual_ep2_zero2"] = with_training(sc("residual", ep=2, world=2), zero_stage=2)
+    two["residual_ep2_zero2_offload"] = with_training(sc("residual", 2, 2), zero_stage=2, offload_optimizer="cpu")
     two["residual_ep2_recompute"] = with_training(sc("residual", ep=2, world=2), checkpoint_activations=True)
     for where, world, ep in (("one", 1, 1), ("ep2", 2, 2)):  # bf16: DeepSpeed's ZeRO-2 clip counts the experts
         runs_in = one if world == 1 else two
@@ -129,9 +130,13 @@ def test_a_checkpoint_resumes_at_its_expert_parallel_size_and_is_refused_at_anot
 def test_zero_2_equals_zero_0(runs: dict) -> None:
     """DeepSpeed's ZeRO-2 with the experts in optimizer groups of their own (`--create-moe-param-group`, as the
     PR-MoE example line): its expert gradients reduced over the expert-data-parallel group, its norm the whole model's
-    (each expert once over the expert-parallel group), so EP=2 at DP=2 under ZeRO-2 equals the ZeRO-0 run."""
-    for zero2, zero0 in zip(runs["residual_ep2_zero2"], runs["residual_ep2"], strict=True):
+    (each expert once over the expert-parallel group), so EP=2 at DP=2 under ZeRO-2 equals the ZeRO-0 run; with the
+    optimizer offloaded to the host (`--offload-optimizer cpu`, torch's AdamW) too."""
+    for zero2, offload, zero0 in zip(
+        runs["residual_ep2_zero2"], runs["residual_ep2_zero2_offload"], runs["residual_ep2"], strict=True
+    ):
         assert_equal_to([zero2], zero0, "residual EP=2 ZeRO-2 vs ZeRO-0")
+        assert_equal_to([offload], zero0, "residual EP=2 ZeRO-2, optimizer offloaded to the host, vs ZeRO-0")
 
 
 def test_full_recomputation_equals_the_run_without_it(runs: dict) -> None:
