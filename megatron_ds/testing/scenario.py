@@ -30,7 +30,8 @@ Optional scenario keys (all off by default):
     eval            true: after every training step, an `eval_batch` over that step's micro-batches, its losses
                     recorded as "eval_losses" (evaluation forwards between training steps)
     weights         true: record every parameter's value after the steps ("weights": name -> nested lists), local
-                    experts under their global names (`model.moe.global_named_parameters`)
+                    experts under their global names (`model.moe.global_named_parameters`), and --log-params-norm's
+                    "params_norm" (`training.grad_norm.params_norm`, a collective)
     output_shapes   true: record the shape of what this stage's module returns in its first training
                     forward ("output_shape": what it sends on, e.g. (s/T, b, h) under sequence parallelism)
 
@@ -212,9 +213,11 @@ def run_one(
         _record_checksums(result, "checksums_trained", pipeline.model)
     if opts.get("weights"):
         from megatron_ds.model.moe import global_named_parameters
+        from megatron_ds.training.grad_norm import params_norm
 
         named = global_named_parameters(pipeline.model).items()
         result["weights"] = {n: p.detach().float().cpu().tolist() for n, p in named}
+        result["params_norm"] = params_norm(engine)
     if opts.get("save"):
         done = TrainState(
             iteration=state.iteration + num_steps,

@@ -118,16 +118,25 @@ def grad_norm(engine: Any) -> float | None:
 def params_norm(engine: Any) -> float:
     """Megatron's `calc_params_l2_norm` (`--log-params-norm`): the L2 norm of every parameter, each
     counted once over stages and tensor ranks (the same marking as the gradient norm), in fp32.
-    Collective over the model-parallel group."""
+    Collective over the model-parallel group, and over the expert-parallel group for a mixture-of-experts model:
+    the experts' squares are summed over it, the whole model's norm as the clip's (Megatron-DeepSpeed's counts the
+    logging rank's own experts only)."""
     import torch.distributed as dist
 
-    squares = [
-        p.detach().float().pow(2).sum() for p in engine.module.parameters() if getattr(p, COUNTED_IN_NORM, False)
-    ]
-    total = torch.stack(squares).sum() if squares else torch.zeros(())
-    total = total.to(engine.device)
+    counted = [p for p in engine.module.parameters() if getattr(p, COUNTED_IN_NORM, False)]
+    expert_group = expert_parallel_group(engine)
+    total = _param_squares([p for p in counted if expert_group is None or not _is_expert(p)]).to(engine.device)
+    if expert_group is not None:
+        experts = _param_squares([p for p in counted if _is_expert(p)]).to(engine.device)
+        dist.all_reduce(experts, op=dist.ReduceOp.SUM, group=expert_group)
+        total = total + experts
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=engine.mpu.get_model_parallel_group())
     return float(total.sqrt().item())
+
+
+def _param_squares(params: list[torch.Tensor]) -> torch.Tensor:
+    squares = [p.detach().float().pow(2).sum() for p in params]
+    return torch.stack(squares).sum() if squares else torch.zeros(())
 
 
 class ZeroCounter:

@@ -28,7 +28,11 @@ MOE = {"model__num_experts": [4], "model__moe_token_dropping": False, "model__mo
 VARIANTS = {
     "top1": {},
     "top2": {"model__moe_top_k": 2},
-    "residual": {"model__mlp_type": "residual", "optimizer__create_moe_param_group": True, "model__num_experts": [2, 4]},
+    "residual": {
+        "model__mlp_type": "residual",
+        "optimizer__create_moe_param_group": True,
+        "model__num_experts": [2, 4],
+    },
 }
 
 
@@ -108,6 +112,11 @@ def test_expert_parallel_two_equals_the_one_process_run(runs: dict, variant: str
     experts = [n for n in ref["weights"] if ".deepspeed_experts." in n]
     assert experts and all(len([n for n in r["weights"] if n in experts]) == len(experts) // 2 for r in ranks)
     assert_equal_to(ranks, ref, f"{variant} EP=2")
+    # --log-params-norm: the whole model's norm on every rank (experts' squares summed over the expert-parallel group)
+    assert all(abs(r["params_norm"] - ref["params_norm"]) <= TOL * ref["params_norm"] for r in ranks), (
+        [r["params_norm"] for r in ranks],
+        ref["params_norm"],
+    )
 
 
 def test_data_parallel_two_with_every_expert_on_each_rank_equals_the_one_process_run(runs: dict) -> None:
