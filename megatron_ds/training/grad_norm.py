@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,16 +59,8 @@ def clip_counted_grad_norm_(parameters: Any, max_norm: float, group: Any, expert
 def counted_grad_norm(parameters: Any, group: Any, expert_group: Any = None) -> torch.Tensor:
     """Global L2 norm (fp32) over the gradients this rank counts, all-reduced over `group` (every stage and tensor
     rank of one data-parallel replica); the experts' squares summed over `expert_group` too."""
-    import torch.distributed as dist
-
     counted = [p for p in parameters if p.grad is not None and getattr(p, COUNTED_IN_NORM, False)]
-    total = _squares([p for p in counted if expert_group is None or not _is_expert(p)])
-    if expert_group is not None:
-        expert_total = _squares([p for p in counted if _is_expert(p)])
-        dist.all_reduce(expert_total, op=dist.ReduceOp.SUM, group=expert_group)
-        total = total + expert_total
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    return total.sqrt()
+    return _summed_squares(counted, lambda p: p.grad.detach().float().norm(2).pow(2), group, expert_group).sqrt()
 
 
 def install_mixed_precision_expert_norm(engine: Any) -> None:
@@ -96,9 +89,29 @@ def install_mixed_precision_expert_norm(engine: Any) -> None:
     optimizer.unscale_and_clip_grads = with_experts_counted
 
 
-def _squares(params: list[torch.Tensor]) -> torch.Tensor:
-    norms = [p.grad.detach().float().norm(2) for p in params]
-    return torch.stack(norms).pow(2).sum() if norms else torch.zeros(())
+def _summed_squares(
+    params: list[torch.Tensor],
+    square: Callable[[torch.Tensor], torch.Tensor],
+    group: Any,
+    expert_group: Any,
+    device: Any = None,
+) -> torch.Tensor:
+    """The sum of `square(p)` over `params` (on `device` when given), all-reduced over `group`; a mixture-of-experts
+    model's experts (each held by one rank of `expert_group`) summed over `expert_group` first."""
+    import torch.distributed as dist
+
+    def total(ps: list[torch.Tensor]) -> torch.Tensor:
+        squares = [square(p) for p in ps]
+        summed = torch.stack(squares).sum() if squares else torch.zeros(())
+        return summed if device is None else summed.to(device)
+
+    summed = total([p for p in params if expert_group is None or not _is_expert(p)])
+    if expert_group is not None:
+        experts = total([p for p in params if _is_expert(p)])
+        dist.all_reduce(experts, op=dist.ReduceOp.SUM, group=expert_group)
+        summed = summed + experts
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    return summed
 
 
 def _is_expert(p: torch.Tensor) -> bool:
@@ -121,22 +134,10 @@ def params_norm(engine: Any) -> float:
     Collective over the model-parallel group, and over the expert-parallel group for a mixture-of-experts model:
     the experts' squares are summed over it, the whole model's norm as the clip's (Megatron-DeepSpeed's counts the
     logging rank's own experts only)."""
-    import torch.distributed as dist
-
     counted = [p for p in engine.module.parameters() if getattr(p, COUNTED_IN_NORM, False)]
-    expert_group = expert_parallel_group(engine)
-    total = _param_squares([p for p in counted if expert_group is None or not _is_expert(p)]).to(engine.device)
-    if expert_group is not None:
-        experts = _param_squares([p for p in counted if _is_expert(p)]).to(engine.device)
-        dist.all_reduce(experts, op=dist.ReduceOp.SUM, group=expert_group)
-        total = total + experts
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=engine.mpu.get_model_parallel_group())
+    group, expert_group = engine.mpu.get_model_parallel_group(), expert_parallel_group(engine)
+    total = _summed_squares(counted, lambda p: p.detach().float().pow(2).sum(), group, expert_group, engine.device)
     return float(total.sqrt().item())
-
-
-def _param_squares(params: list[torch.Tensor]) -> torch.Tensor:
-    squares = [p.detach().float().pow(2).sum() for p in params]
-    return torch.stack(squares).sum() if squares else torch.zeros(())
 
 
 class ZeroCounter:
