@@ -111,16 +111,27 @@ def global_expert_name(name: str, expert_parallel_rank: int, num_local_experts: 
     return f"{head}{EXPERT_PREFIX}{expert_parallel_rank * num_local_experts + int(local)}.{rest}"
 
 
+def expert_parallel_rank(layer: nn.Module) -> int:
+    """This rank's place in DeepSpeed MoE `layer`'s expert-parallel group (0 before the engine made the group)."""
+    import torch.distributed as dist
+
+    group = layer.deepspeed_moe.ep_group
+    return dist.get_rank(group=group) if group is not None else 0
+
+
+def local_expert_ids(layer: nn.Module) -> range:
+    """The global indices of the experts of DeepSpeed MoE `layer` this rank holds: rank r's r x local, ..."""
+    first = expert_parallel_rank(layer) * layer.num_local_experts
+    return range(first, first + layer.num_local_experts)
+
+
 def global_named_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of `module` by the name the one-process model gives it: local experts renamed to their global
     index (collective-free: each MoE layer knows its expert-parallel group)."""
-    import torch.distributed as dist
-
     ranks = {}
     for name, sub in module.named_modules():
         if hasattr(sub, "deepspeed_moe") and hasattr(sub, "num_local_experts"):
-            group = sub.deepspeed_moe.ep_group
-            ranks[name + "."] = (dist.get_rank(group=group) if group is not None else 0, sub.num_local_experts)
+            ranks[name + "."] = (expert_parallel_rank(sub), sub.num_local_experts)
     out = {}
     for name, p in module.named_parameters():
         owner = next((ranks[k] for k in ranks if name.startswith(k) and is_expert(name)), None)

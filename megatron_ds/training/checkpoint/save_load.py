@@ -375,19 +375,16 @@ def _expert_files(engine: Any, load_dir: str, tag: str, weights_only: bool) -> l
     """A mixture-of-experts model's files this rank loads: its experts' (DeepSpeed numbers the MoE layers from 0 and
     the experts globally) and, for a full resume without ZeRO, its expert-parallel rank's optimizer state (under ZeRO
     1/2 the optimizer state is in the ZeRO partition files, experts included)."""
-    import torch.distributed as dist
+    from megatron_ds.model.moe import expert_parallel_rank, local_expert_ids
 
     layers = getattr(engine.module, "moe_layers", None) or []
-    paths = []
-    for layer_id, layer in enumerate(layers):
-        moe = layer.moe
-        rank = dist.get_rank(group=moe.deepspeed_moe.ep_group)
-        for local in range(moe.num_local_experts):
-            expert = rank * moe.num_local_experts + local
-            paths.append(engine._get_expert_ckpt_name(load_dir, layer_id, expert, tag, checkpoint_mp_rank=0))
+    paths = [
+        engine._get_expert_ckpt_name(load_dir, layer_id, expert, tag, checkpoint_mp_rank=0)
+        for layer_id, layer in enumerate(layers)
+        for expert in local_expert_ids(layer.moe)
+    ]
     if layers and not weights_only and not engine.zero_optimization():
-        rank = dist.get_rank(group=layers[0].moe.deepspeed_moe.ep_group)
-        paths.append(engine._get_optimizer_ckpt_name(load_dir, tag, rank))
+        paths.append(engine._get_optimizer_ckpt_name(load_dir, tag, expert_parallel_rank(layers[0].moe)))
     return paths
 
 
