@@ -263,7 +263,7 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         """Some layer has more than one expert (Megatron-DeepSpeed's `is_moe_model`)."""
-        return any(n > 1 for n in experts_per_layer(self.num_experts, self.num_layers, self.expert_interval))
+        return any(n > 1 for n in self.experts_per_layer)
 
     @property
     def kv_heads(self) -> int:

@@ -82,13 +82,13 @@ def moe_layer_params(model: ModelConfig, num_experts: int, expert_parallel_size:
     """A transformer layer with experts on one rank (T = 1; `megatron_ds.model.moe`): attention and norms as a dense
     layer's, then the gate (h x experts, no bias), this rank's experts (experts / E copies of the MLP, whose fc2 has
     no bias) and with `mlp_type` residual the dense MLP beside them and its coefficient (h -> 2, with bias)."""
-    dense = layer_params(model)
-    (fc1_rows, h), (_, ffn) = layer_linear_shapes(model)["fc1"], layer_linear_shapes(model)["fc2"]
+    dense, linears = layer_params(model), layer_linear_shapes(model)
+    (fc1_rows, h), (_, ffn) = linears["fc1"], linears["fc2"]
     fc1_bias = fc1_rows if model.has_bias("fc1") else 0
     expert = fc1_rows * h + fc1_bias + h * ffn
     modules = [*dense.modules[:4], ("gate", h * num_experts), ("experts", expert * num_experts // expert_parallel_size)]
     no_decay = dense.no_decay - sum(
-        rows for n, (rows, _) in layer_linear_shapes(model).items() if n in ("fc1", "fc2") and model.has_bias(n)
+        rows for n, (rows, _) in linears.items() if n in ("fc1", "fc2") and model.has_bias(n)
     )
     no_decay += fc1_bias * num_experts // expert_parallel_size
     if model.mlp_type == "residual":

@@ -104,8 +104,12 @@ def check_teacher(config: Config) -> list[str]:
             "it with the student's --ffn-hidden-size, kv channels and key/value heads, which cannot load this "
             "checkpoint"
         )
-    free = [f"{k} {getattr(ckpt.config.model, k)!r} -> {getattr(teacher, k)!r}" for k in WEIGHT_FREE_FIELDS]
-    changed = [c for c, k in zip(free, WEIGHT_FREE_FIELDS) if getattr(ckpt.config.model, k) != getattr(teacher, k)]
+    saved = ckpt.config.model
+    changed = [
+        f"{k} {getattr(saved, k)!r} -> {getattr(teacher, k)!r}"
+        for k in WEIGHT_FREE_FIELDS
+        if getattr(saved, k) != getattr(teacher, k)
+    ]
     if changed:
         notices.append(
             f"NOTICE: {where}: {'; '.join(changed)}: the teacher runs with the student's values (they shape no "

@@ -59,12 +59,10 @@ class PlainEngine(DeepSpeedEngine):
         """`training.distillation.Teacher` under --kd: its kd loss joins each training micro-batch's loss."""
         self.kd_total: torch.Tensor | None = None
         self.step_losses: dict[str, torch.Tensor] = {}
-        """The last step's losses beside the lm loss: `moe loss` (a mixture-of-experts model's, `last_moe_loss`) and
-        `kd loss` under --kd, averaged as `train_batch`'s (the moe loss over this rank's micro-batches only)."""
+        """The last step's losses beside the lm loss: `moe loss` (a mixture-of-experts model's) and
+        `kd loss` under --kd, averaged as `train_batch`'s (the moe loss, Megatron-DeepSpeed's weighted load-balancing
+        loss, over this rank's micro-batches only)."""
         self.moe_loss_sum: torch.Tensor | None = None
-        self.last_moe_loss: float | None = None
-        """A mixture-of-experts model's weighted load-balancing loss of the last step, mean over its micro-batches on
-        this rank (Megatron-DeepSpeed's "moe loss"); None for a dense model."""
 
     def is_first_stage(self) -> bool:
         return True
@@ -88,7 +86,6 @@ class PlainEngine(DeepSpeedEngine):
         self.step_losses = {}  # in the order of Megatron-DeepSpeed's loss dict: lm loss, moe loss, kd loss
         if self.moe_loss_sum is not None:  # this rank's, not averaged over data-parallel ranks (as upstream's)
             self.step_losses["moe loss"] = self.moe_loss_sum / self.micro_batches
-            self.last_moe_loss = float(self.step_losses["moe loss"])
         if self.teacher is not None:
             self.step_losses["kd loss"] = self._mean_over_data_parallel(self.kd_total / self.micro_batches)
         return self._mean_over_data_parallel(self.total_loss / self.micro_batches)
@@ -133,7 +130,7 @@ class PlainEngine(DeepSpeedEngine):
         del buffer_id
         loss, moe_loss = self._micro.pop("loss"), self._micro.pop("moe_loss")
         # MoE: lm loss + the weighted load-balancing losses is what trains; the lm loss alone is reported (upstream's
-        # "lm loss"; `last_moe_loss` keeps the other, this rank's, as its "moe loss")
+        # "lm loss"; `step_losses` keeps the other, this rank's, as its "moe loss")
         self.backward(loss if moe_loss is None else loss + moe_loss)
         if moe_loss is not None:
             self.moe_loss_sum = moe_loss.detach().float() + (self.moe_loss_sum if self.moe_loss_sum is not None else 0)
