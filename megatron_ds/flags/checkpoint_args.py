@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
 from megatron_ds.config import Config, ModelConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.flags.declare import ACCEPTED, flag_of
+from megatron_ds.flags.notices import notice
 from megatron_ds.flags.registry import FLAGS
 from megatron_ds.training.checkpoint.directory import TOKENIZER_DIR, load_tag, read_meta, recorded_vocab_size
 
@@ -37,12 +37,6 @@ DERIVED_MODEL_DESTS = (
 """Model fields whose flag is derived (`Flag.derived`) but copies the value when given."""
 TOKENIZER_DESTS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 DROPOUT_DESTS = ("hidden_dropout", "attention_dropout")
-
-
-def notice(text: str) -> None:
-    """A one-line NOTICE on stdout, printed once (rank 0) before training starts."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"NOTICE: {text}", file=sys.stdout, flush=True)
 
 
 def model_dests(model: ModelConfig) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import argparse
 from megatron_ds.config import Config
 from megatron_ds.estimate.machine import Machine
 from megatron_ds.flags.declare import Flag, flag_of, switch
-from megatron_ds.flags.model_flags import notice
+from megatron_ds.flags.notices import notice
 
 _DS = "DeepSpeed, ZeRO, recompute"
 _UNDER = " (with --deepspeed-activation-checkpointing and full recomputation)"

@@ -15,8 +15,8 @@ from typing import Any
 
 from megatron_ds.config import DistillationConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.flags import model_flags
 from megatron_ds.flags.declare import flag_of
+from megatron_ds.flags.notices import notice
 
 _TEACHER_FLAGS = (
     "load_teacher",
@@ -44,13 +44,13 @@ def distillation_config(
             "not built; use --num-experts-teacher 1 or drop it"
         )
     if args.hidden_dropout or args.attention_dropout:
-        model_flags.notice(
+        notice(
             "--kd: the teacher runs without dropout (eval mode); Megatron-DeepSpeed never puts its teacher in eval "
             f"mode, so its teacher drops activations as the student does (--hidden-dropout {args.hidden_dropout:g}, "
             f"--attention-dropout {args.attention_dropout:g})"
         )
     if config.kd_alpha_ce != 1.0:
-        model_flags.notice(
+        notice(
             f"--kd-alpha-ce {config.kd_alpha_ce:g} scales nothing: Megatron-DeepSpeed reads it and never uses it "
             "(its loss is lm loss + kd loss); --kd-beta-ce scales the kd loss"
         )

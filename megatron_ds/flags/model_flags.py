@@ -8,19 +8,12 @@ effect here differs in form (`--ckpt-format`)."""
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from collections.abc import Callable
 
 from megatron_ds.errors import ConfigError
 from megatron_ds.flags.declare import flag_of
+from megatron_ds.flags.notices import notice
 from megatron_ds.model import norms
-
-
-def notice(message: str) -> None:
-    """One NOTICE line (rank 0) before training starts."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"NOTICE: {message}", file=sys.stderr, flush=True)
 
 
 def normalization(args: argparse.Namespace) -> tuple[str, str | None]:

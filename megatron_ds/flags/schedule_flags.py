@@ -21,7 +21,7 @@ import argparse
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate import pipeline_schedules
-from megatron_ds.flags.model_flags import notice
+from megatron_ds.flags.notices import notice
 from megatron_ds.pipeline import layout_string, megatron_lm
 
 ZBH1 = "--enable-zbh1-pipeline"

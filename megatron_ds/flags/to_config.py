@@ -49,6 +49,7 @@ from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.deepspeed_json import json_default
 from megatron_ds.flags.distillation_flags import distillation_config
 from megatron_ds.flags.lengths import rampup_decay_notice, schedule_lengths, train_length
+from megatron_ds.flags.notices import notice
 from megatron_ds.flags.registry import FLAGS
 
 __all__ = ["ConfigError", "build_config", "warn"]
@@ -354,9 +355,9 @@ def _training_config(
     )  # checked before train_length divides by the batch size
     sizes = training if training.varies else None
     iters = train_length(args, gbs, model.seq_length, sizes)[0]
-    notice = rampup_decay_notice(args, gbs, model.seq_length, training)
-    if notice:
-        model_flags.notice(notice)
+    rampup = rampup_decay_notice(args, gbs, model.seq_length, training)
+    if rampup:
+        notice(rampup)
     return dataclasses.replace(training, train_iters=iters, train_samples=args.train_samples)
 
 
@@ -448,19 +449,13 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
     return config
 
 
-def _notice(text: str) -> None:
-    """A one-line NOTICE on stdout, printed once (rank 0) before training starts."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"NOTICE: {text}", file=sys.stdout, flush=True)
-
-
 def _moe_clip_notice(config: Config) -> None:
     """The clip of a mixture-of-experts run where it differs from Megatron-DeepSpeed's: fp32 without ZeRO over several
     data-parallel ranks (ZeRO 1/2 and --bf16/--fp16 count each expert once there too, as here)."""
     t, clip = config.training, config.optimizer.clip_grad or 0
     if config.model.is_moe and config.parallel.data_parallel_size > 1 and clip > 0:
         if t.zero_stage == 0 and t.precision == "fp32":
-            _notice(
+            notice(
                 f"--clip-grad {clip:g} with --num-experts: the norm clipped here is the whole "
                 f"model's gradient norm (each expert counted once over the expert-parallel group: a one-process run's "
                 f"norm); Megatron-DeepSpeed's DeepSpeed clip uses the mean of each data-parallel rank's own norm"

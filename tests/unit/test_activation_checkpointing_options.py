@@ -58,7 +58,7 @@ def fields(config: Config) -> dict[str, bool]:
 def test_the_five_flags_set_the_config_under_deepspeed_activation_checkpointing(capsys: pytest.CaptureFixture) -> None:
     config = parse(*ON, *FIVE, "--tensor-model-parallel-size", "2", machine=Machine(device="cuda"))
     assert fields(config) == dict.fromkeys(FIELDS, True)
-    assert capsys.readouterr().err == ""  # T = 2 on a GPU: every option does something
+    assert tuple(capsys.readouterr()) == ("", "")  # T = 2 on a GPU: every option does something
     assert fields(parse(*ON)) == dict.fromkeys(FIELDS, False)
     assert fields(parse(*ON, "--synchronize-each-layer")) == {
         **dict.fromkeys(FIELDS, False),
@@ -73,7 +73,7 @@ def test_without_deepspeed_activation_checkpointing_they_change_nothing_as_upstr
     assert fields(parse("--checkpoint-activations", "--partition-activations", "--checkpoint-in-cpu")) == dict.fromkeys(
         FIELDS, False
     )
-    assert capsys.readouterr().err == (
+    assert capsys.readouterr().out == (
         "NOTICE: --partition-activations and --checkpoint-in-cpu change nothing without "
         "--deepspeed-activation-checkpointing: Megatron-DeepSpeed configures deepspeed.checkpointing with them only "
         "under it; add --deepspeed-activation-checkpointing\n"
@@ -82,22 +82,22 @@ def test_without_deepspeed_activation_checkpointing_they_change_nothing_as_upstr
 
 def test_without_recomputation_they_change_nothing(capsys: pytest.CaptureFixture) -> None:
     assert fields(parse("--deepspeed-activation-checkpointing", "--profile-backward")) == dict.fromkeys(FIELDS, False)
-    err = capsys.readouterr().err
-    assert "NOTICE: --profile-backward changes nothing: no layer is recomputed; add --checkpoint-activations" in err
+    out, err = capsys.readouterr()
+    assert "NOTICE: --profile-backward changes nothing: no layer is recomputed; add --checkpoint-activations" in out
     assert "recomputes nothing by itself" in err  # the warning --deepspeed-activation-checkpointing alone gives
 
 
 def test_notices_for_what_changes_nothing_at_t1_or_on_cpu(capsys: pytest.CaptureFixture) -> None:
     config = parse(*ON, *FIVE, world_size=1, machine=CPU)
     assert fields(config) == dict.fromkeys(FIELDS, True)  # accepted and run, as upstream runs them
-    lines = capsys.readouterr().err.splitlines()
+    lines = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[1].strip() for ln in lines] == [
         "--partition-activations changes nothing at --tensor-model-parallel-size 1",
         "--checkpoint-in-cpu changes nothing on a CPU device",
         "--synchronize-each-layer changes nothing on a CPU device",
     ]
     parse(*ON, "--checkpoint-in-cpu", "--synchronize-each-layer", world_size=1, machine=Machine(device="cuda"))
-    assert capsys.readouterr().err == ""
+    assert tuple(capsys.readouterr()) == ("", "")
 
 
 REFUSALS = [

@@ -98,10 +98,10 @@ def test_mos_stays_refused() -> None:
 
 def test_alpha_and_dropout_notices(capsys: pytest.CaptureFixture) -> None:
     parse("--kd", "--load-teacher", "t", "--kd-alpha-ce", "0.5", "--hidden-dropout", "0", "--attention-dropout", "0")
-    err = capsys.readouterr().err
+    err = capsys.readouterr().out
     assert "NOTICE: --kd-alpha-ce 0.5 scales nothing" in err and "without dropout" not in err
     parse("--kd", "--load-teacher", "t")
-    err = capsys.readouterr().err
+    err = capsys.readouterr().out
     assert "NOTICE: --kd: the teacher runs without dropout (eval mode)" in err and "kd-alpha-ce" not in err
 
 

@@ -105,7 +105,7 @@ def test_modes_that_change_nothing_here(capsys: pytest.CaptureFixture) -> None:
         "--tiktoken-pattern", "v2", "--no-create-attention-mask-in-dataloader",
     ]  # fmt: skip
     assert parse(*same) == parse()
-    assert "--sequence-parallel changes nothing at --tensor-model-parallel-size 1" in capsys.readouterr().err
+    assert "--sequence-parallel changes nothing at --tensor-model-parallel-size 1" in capsys.readouterr().out
     assert parse("--transformer-impl", "transformer_engine", "--attention-backend", "unfused") == parse()
     assert "invalid choice" in error("--attention-backend", "cudnn")
     assert parse("--sequence-parallel", "--tensor-model-parallel-size", "2", world_size=2).parallel.sequence_parallel
@@ -117,7 +117,7 @@ def test_modes_that_change_nothing_here(capsys: pytest.CaptureFixture) -> None:
 
 def test_ckpt_format_says_what_is_written(capsys: pytest.CaptureFixture) -> None:
     assert parse("--ckpt-format", "torch_dist") == parse()
-    assert "NOTICE: --ckpt-format torch_dist: checkpoints are written in DeepSpeed's format" in capsys.readouterr().err
+    assert "NOTICE: --ckpt-format torch_dist: checkpoints are written in DeepSpeed's format" in capsys.readouterr().out
 
 
 def test_fp8_is_refused_in_one_line() -> None:

@@ -32,9 +32,9 @@ def test_default_is_deepspeeds_1f1b() -> None:
 
 def test_zbh1_from_megatron_deepspeeds_flag_with_a_notice_without_exact_semantics(capsys) -> None:
     assert parallel("--enable-zbh1-pipeline").pipeline_schedule == "zbh1"
-    assert "NOTICE: --enable-zbh1-pipeline runs ZB-H1 with exact semantics here" in capsys.readouterr().err
+    assert "NOTICE: --enable-zbh1-pipeline runs ZB-H1 with exact semantics here" in capsys.readouterr().out
     assert parallel("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics").pipeline_schedule == "zbh1"
-    assert "NOTICE" not in capsys.readouterr().err
+    assert "NOTICE" not in capsys.readouterr().out
     assert parallel("--pp-schedule", "zbh1").pipeline_schedule == "zbh1"
 
 

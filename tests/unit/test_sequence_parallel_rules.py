@@ -42,7 +42,7 @@ def test_sequence_parallel_with_tensor_parallelism(capsys: pytest.CaptureFixture
     cfg = parse("--sequence-parallel --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 4)
     assert cfg.parallel.sequence_parallel and cfg.engine_kind == "pipeline"
     assert not parse("--sequence-parallel").parallel.sequence_parallel
-    assert "changes nothing at --tensor-model-parallel-size 1" in capsys.readouterr().err
+    assert "changes nothing at --tensor-model-parallel-size 1" in capsys.readouterr().out
     assert "--seq-length 15 is not divisible by 2" in error(
         "--sequence-parallel --tensor-model-parallel-size 2 --seq-length 15 --max-position-embeddings 16", 2
     )

@@ -203,11 +203,11 @@ def test_train_samples_not_a_multiple_of_the_batch_run_whole_batches() -> None:
 def test_a_rampup_with_train_iters_says_the_decay_outlasts_training(capsys: pytest.CaptureFixture) -> None:
     # Megatron-DeepSpeed refuses the pair (Megatron-LM runs it): 6 ramp-up steps consume 12 samples of a 48-sample decay
     parse("--rampup-batch-size", "2", "2", "40", "--global-batch-size", "8", "--train-iters", "6")
-    err = capsys.readouterr().err
+    out = capsys.readouterr().out
     assert (
-        "NOTICE: --rampup-batch-size with --train-iters 6: the ramp-up's smaller batches make them consume 12 " in err
+        "NOTICE: --rampup-batch-size with --train-iters 6: the ramp-up's smaller batches make them consume 12 " in out
     )
-    assert "the learning-rate decay spans 48" in err
+    assert "the learning-rate decay spans 48" in out
     parse(
         "--rampup-batch-size", "2", "2", "40", "--global-batch-size", "8", "--train-iters", "6", "--lr-decay-iters", "1"
     )
