@@ -35,6 +35,7 @@ Optional scenario keys (all off by default):
     output_shapes   true: record the shape of what this stage's module returns in its first training
                     forward ("output_shape": what it sends on, e.g. (s/T, b, h) under sequence parallelism)
 
+Under --log-num-zeros-in-grad (`logging__log_num_zeros_in_grad`) each step's count is recorded as "num_zeros".
 Under --kd (`distillation__kd` and `distillation__load_teacher` overrides) each step's "other_losses" ({"kd loss":
 ...}) are recorded too. Every result also records "layout_table" (the layout printout with spec names), the keys of the
 model's "tied_modules" and "tied_comms" (empty for an untied head), the "engine" class, and the
@@ -199,7 +200,8 @@ def run_one(
     if opts.get("output_shapes"):
         _record_output_shape(result, pipeline.model)
     emb_before = _embedding(pipeline.model)
-    losses, norms, others = [], [], []
+    zeros = _zero_counter(config, engine)
+    losses, norms, others, num_zeros = [], [], [], []
     dp_rank = engine.grid.get_data_parallel_rank()
     for step in range(state.iteration, state.iteration + num_steps):
         batches = list(micro_batches(config, step, dp_rank, opts.get("loss_mask", "ones")))
@@ -207,6 +209,8 @@ def run_one(
         losses.append(float(loss.item()))
         norms.append(pipeline.grad_norm())
         others.append({k: float(v.item()) for k, v in getattr(engine, "step_losses", {}).items()})
+        if zeros is not None:
+            num_zeros.append(zeros.total())
         if opts.get("eval"):
             result.setdefault("eval_losses", []).append(float(engine.eval_batch(data_iter=iter(batches)).item()))
     if opts.get("checksums"):
@@ -227,6 +231,8 @@ def run_one(
     emb_after = _embedding(pipeline.model)
     result.update({"losses": losses, "grad_norms": norms})
     result["checkpointing"] = _checkpointing_state()
+    if zeros is not None:
+        result["num_zeros"] = num_zeros
     if any(others):  # the losses beside the lm loss (`moe loss` with experts, `kd loss` under --kd), per step
         result["other_losses"] = others
     store = getattr(engine, "weight_grads", None)
@@ -235,6 +241,15 @@ def run_one(
         result["embedding_checksum"] = checksum(emb_after)
         result["embedding_changed"] = bool(not torch.equal(emb_before, emb_after))
     return result
+
+
+def _zero_counter(config: Config, engine: Any) -> Any:
+    """--log-num-zeros-in-grad's counter on `engine` (as the training loop's step hooks install it), or None."""
+    if not config.logging.log_num_zeros_in_grad:
+        return None
+    from megatron_ds.training.grad_norm import ZeroCounter
+
+    return ZeroCounter(engine)
 
 
 def _checkpointing_state() -> dict[str, Any]:

@@ -143,32 +143,41 @@ def params_norm(engine: Any) -> float:
 class ZeroCounter:
     """`--log-num-zeros-in-grad`: zero elements of the reduced gradients of the last step, each
     counted once (Megatron's `count_zeros_fp32`), read just before DeepSpeed's optimizer step, after
-    the data-parallel and tied reductions. The count of this rank is kept; `total` sums it over the
-    model-parallel group (outside the step, so no collective runs inside the engine's schedule)."""
+    the data-parallel and tied reductions. The counts of this rank are kept; `total` sums them over the
+    model-parallel group (outside the step, so no collective runs inside the engine's schedule), a
+    mixture-of-experts model's expert gradients over the expert-parallel group first (each expert is held by
+    one rank of it), so the count is the whole model's, as the one-process run's."""
 
     def __init__(self, engine: Any) -> None:
         from deepspeed.runtime.pipe import schedule
 
-        self.engine, self.local = engine, 0
+        self.engine, self.local, self.local_experts = engine, 0, 0
+        self.expert_group = expert_parallel_group(engine)
         step = schedule.OptimizerStep
         table = engine.__dict__.setdefault("_INSTRUCTION_MAP", dict(type(engine)._INSTRUCTION_MAP))
         run_step = table[step]
 
         def counted(eng: Any, *args: Any, **kwargs: Any) -> Any:
-            self.local = self._count()
+            self.local, self.local_experts = self._count()
             return run_step(eng, *args, **kwargs)
 
         table[step] = counted
 
-    def _count(self) -> int:
-        grads = [
-            p.grad for p in self.engine.module.parameters() if p.grad is not None and getattr(p, COUNTED_IN_NORM, False)
-        ]
-        return int(sum(int(g.numel() - torch.count_nonzero(g)) for g in grads))
+    def _count(self) -> tuple[int, int]:
+        """(zeros of the gradients every expert-parallel rank holds alike, zeros of this rank's experts)."""
+        counts = [0, 0]
+        for p in self.engine.module.parameters():
+            if p.grad is not None and getattr(p, COUNTED_IN_NORM, False):
+                expert = self.expert_group is not None and _is_expert(p)
+                counts[expert] += int(p.grad.numel() - torch.count_nonzero(p.grad))
+        return counts[0], counts[1]
 
     def total(self) -> int:
         import torch.distributed as dist
 
-        count = torch.tensor([float(self.local)], device=self.engine.device)
+        experts = torch.tensor([float(self.local_experts)], device=self.engine.device)
+        if self.expert_group is not None:
+            dist.all_reduce(experts, op=dist.ReduceOp.SUM, group=self.expert_group)
+        count = experts + float(self.local)
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.engine.mpu.get_model_parallel_group())
         return int(count.item())

@@ -11,7 +11,7 @@ the one-process gradient) and the counted norm (experts' squares summed over the
 Top-1, top-2, PR-MoE's residual MLP with `--create-moe-param-group`, and a per-layer expert list. PR-MoE at EP=2 also
 under ZeRO-2 and with `--checkpoint-activations` (equal to the plain run within 1e-6), in bf16 (ZeRO-2 near the
 one-process bf16 run; ZeRO 0 clipping by the norm that counts the experts), with exact resumes under ZeRO-2 and bf16;
-and each rank's `moe loss`.
+each rank's `moe loss`, and `--log-num-zeros-in-grad`'s count (the one-process run's on every rank).
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ VARIANTS = {
 }
 
 
-def sc(variant: str, ep: int = 1, world: int = 1, **extra: Any) -> dict:
+def sc(variant: str, ep: int = 1, world: int = 1, zeros: bool = False, **extra: Any) -> dict:
+    """`zeros`: with --log-num-zeros-in-grad (its count recorded per step)."""
     overrides = {**MOE, **VARIANTS[variant], "parallel__expert_parallel_size": ep, "parallel__world_size": world}
+    overrides["logging__log_num_zeros_in_grad"] = zeros
     return {"overrides": overrides, "steps": 3, "weights": True, **extra}  # `extra` may set other steps
 
 
@@ -51,8 +53,8 @@ def with_training(scenario: dict, **fields: Any) -> dict:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("moe")
     ck = str(tmp / "ck")
-    one = {f"{v}_one": sc(v) for v in VARIANTS}
-    two = {f"{v}_ep2": sc(v, ep=2, world=2) for v in VARIANTS}
+    one = {f"{v}_one": sc(v, zeros=True) for v in VARIANTS}
+    two = {f"{v}_ep2": sc(v, ep=2, world=2, zeros=True) for v in VARIANTS}
     two["top1_ep2"]["save"] = ck
     two["top1_ep2_resumed"] = sc("top1", ep=2, world=2, load=ck)
     two["top1_ep2_straight"] = sc("top1", ep=2, world=2, steps=6)
@@ -117,6 +119,16 @@ def test_expert_parallel_two_equals_the_one_process_run(runs: dict, variant: str
         [r["params_norm"] for r in ranks],
         ref["params_norm"],
     )
+
+
+def test_num_zeros_in_grad_counts_every_expert_once(runs: dict) -> None:
+    """--log-num-zeros-in-grad at EP=2 is the one-process run's count on every rank: an expert no token reached has an
+    all-zero gradient, held by one rank of the expert-parallel group, so the experts' counts are summed over it (each
+    rank counted only its own experts before, and this test failed: the one-process top-1 run counts 0, 16640, 8320)."""
+    counts = {v: runs[f"{v}_one"][0]["num_zeros"] for v in VARIANTS}
+    assert any(any(c) for c in counts.values()), counts  # some expert got no token in some step
+    for v in VARIANTS:
+        assert [r["num_zeros"] for r in runs[f"{v}_ep2"]] == [counts[v]] * 2, (v, counts[v])
 
 
 def test_data_parallel_two_with_every_expert_on_each_rank_equals_the_one_process_run(runs: dict) -> None:
