@@ -33,16 +33,10 @@ from megatron_ds.config.model import (
     default_ffn_hidden_size,
     padded_vocab_size,
 )
+from megatron_ds.config.optimizer import LR_DECAY_STYLES, OPTIMIZERS, OptimizerConfig
 from megatron_ds.config.output import PROFILER_MODES, CheckpointConfig, LoggingConfig
 from megatron_ds.config.parallel import BACKENDS, DEDICATED_CHOICES, ParallelConfig
-from megatron_ds.config.training import (
-    LR_DECAY_STYLES,
-    OPTIMIZERS,
-    PRECISIONS,
-    ZERO_STAGES,
-    OptimizerConfig,
-    TrainingConfig,
-)
+from megatron_ds.config.training import PRECISIONS, ZERO_STAGES, TrainingConfig
 from megatron_ds.config.tree import Config
 
 __all__ = [

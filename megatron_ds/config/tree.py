@@ -10,9 +10,10 @@ from megatron_ds.config.checks import check
 from megatron_ds.config.data import DataConfig
 from megatron_ds.config.distillation import DistillationConfig
 from megatron_ds.config.model import ModelConfig, RegularizationConfig
+from megatron_ds.config.optimizer import OptimizerConfig
 from megatron_ds.config.output import CheckpointConfig, LoggingConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED, ParallelConfig, pipeline_engine_only
-from megatron_ds.config.training import OptimizerConfig, TrainingConfig, check_global_batch
+from megatron_ds.config.training import TrainingConfig, check_global_batch
 
 
 @dataclass(frozen=True)

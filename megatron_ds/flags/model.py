@@ -6,7 +6,7 @@ How Megatron's activation flags select `ModelConfig.activation` is flags -> conf
 from __future__ import annotations
 
 from megatron_ds.config.model import MLP_TYPES
-from megatron_ds.config.training import WD_INCR_STYLES
+from megatron_ds.config.optimizer import WD_INCR_STYLES
 from megatron_ds.flags.declare import VALUE, Flag, accepted, field_default, no_op, refused, switch
 from megatron_ds.model import norms
 
