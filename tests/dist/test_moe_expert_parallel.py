@@ -5,7 +5,7 @@ deterministic) and top-2's second expert by argmax: with the experts shared out 
 (`--moe-expert-parallel-size 2`) or each rank holding all of them (EP=1), the losses, the clipped gradient norms
 (clip 0.05, active) and every final weight (experts by their global index) are within 1e-6 of the one-process run of
 the same global batch; saved and resumed at EP=2 the run goes on as the one-process run does, and the checkpoint is
-refused in one line under EP=1 (4 micro-batches there, 2 per rank here). This checks DeepSpeed's expert-gradient scaling (an
+refused in one line under EP=1 (4 micro-batches there, 2 per rank here), where `--no-load-optim` takes its weights. This checks DeepSpeed's expert-gradient scaling (an
 expert's gradient is summed over its expert-data-parallel group and divided by the whole data-parallel size: equal to
 the one-process gradient) and the counted norm (experts' squares summed over the expert-parallel group).
 Top-1, top-2, PR-MoE's residual MLP with `--create-moe-param-group`, and a per-layer expert list. PR-MoE at EP=2 also
@@ -60,6 +60,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     two["top1_ep2_straight"] = sc("top1", ep=2, world=2, steps=6)
     two["top1_ep1"] = sc("top1", ep=1, world=2)
     two["top1_ep1_from_ep2"] = sc("top1", ep=1, world=2, load=ck, expect_error=True)
+    weights_only = {**MOE, "parallel__world_size": 2, "checkpoint__no_load_optim": True}
+    two["top1_ep1_weights_from_ep2"] = {"overrides": weights_only, "steps": 0, "weights": True, "load": ck}
     two["residual_ep2_zero2"] = with_training(sc("residual", ep=2, world=2), zero_stage=2)
     two["residual_ep2_zero2_offload"] = with_training(sc("residual", 2, 2), zero_stage=2, offload_optimizer="cpu")
     two["residual_ep2_recompute"] = with_training(sc("residual", ep=2, world=2), checkpoint_activations=True)
@@ -146,6 +148,16 @@ def test_a_checkpoint_resumes_at_its_expert_parallel_size_and_is_refused_at_anot
     for r in runs["top1_ep1_from_ep2"]:
         assert "a mixture-of-experts checkpoint (--num-experts 4)" in r["error"], r
         assert "another world size or --moe-expert-parallel-size" in r["error"] and "\n" not in r["error"]
+        assert "take its weights alone under any world size and expert-parallel size with --no-load-optim" in r["error"]
+
+
+def test_its_weights_alone_load_under_another_expert_parallel_size(runs: dict) -> None:
+    """--no-load-optim at EP=1: every rank holds all four experts, each exactly as the EP=2 run saved it (DeepSpeed's
+    loader reads each expert's own file by its global index), and the dense weights too."""
+    saved = {name: value for r in runs["top1_ep2"] for name, value in r["weights"].items()}
+    for r in runs["top1_ep1_weights_from_ep2"]:
+        assert set(r["weights"]) == set(saved)
+        assert all(r["weights"][name] == value for name, value in saved.items())
 
 
 def test_zero_2_equals_zero_0(runs: dict) -> None:

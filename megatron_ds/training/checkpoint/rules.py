@@ -48,7 +48,9 @@ def has_optimizer_state(meta: dict[str, Any]) -> bool:
 def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
     """Why a mixture-of-experts checkpoint cannot be read tensor by tensor (None for a dense one): its experts are in
     DeepSpeed's per-expert files and its optimizer state in one file per expert-parallel rank, which the universal
-    form, the weights reader, Hugging Face export and inference do not read here."""
+    form, the weights reader, Hugging Face export and inference do not read here. DeepSpeed's own loader takes the
+    weights alone under another world size or expert-parallel size (`save_load._load_weights`: each rank reads its
+    experts' files by their global index)."""
     model = Config.from_dict(meta["config"]).model
     if not model.is_moe:
         return None
@@ -56,7 +58,8 @@ def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
     return (
         f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), whose experts are in DeepSpeed's "
         f"per-expert files: it is not converted (universal form, Hugging Face), generated from, or resumed under "
-        f"another world size or --moe-expert-parallel-size here; resume it with pretrain_gpt.py as it was saved"
+        f"another world size or --moe-expert-parallel-size here; resume it with pretrain_gpt.py as it was saved, or "
+        f"take its weights alone under any world size and expert-parallel size with --no-load-optim (or --finetune)"
     )
 
 
