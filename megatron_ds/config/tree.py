@@ -174,8 +174,9 @@ class Config:
         )
 
     def _check_distillation(self) -> None:
-        """--kd where Megatron-DeepSpeed runs it: GPTModel on DeepSpeed's plain engine (P = 1), one tensor rank (its
-        KL over a vocabulary shard is not the full one), no grouped-query attention (its own assert)."""
+        """--kd where Megatron-DeepSpeed runs it: GPTModel on DeepSpeed's plain engine (P = 1), any tensor size (the
+        full vocabulary's KL divergence here, not upstream's per-shard one: a NOTICE), no grouped-query attention
+        (its own assert)."""
         if not self.distillation.kd:
             return
         par, model, data = self.parallel, self.model, self.data
@@ -185,12 +186,6 @@ class Config:
                 f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size}: Megatron-DeepSpeed distils "
                 "without pipeline parallelism only (its teacher cannot load into a pipeline engine); use "
                 "--pipeline-model-parallel-size 1 (--no-pipeline-parallel)",
-            ),
-            (
-                par.tensor_model_parallel_size == 1,
-                f"--tensor-model-parallel-size {par.tensor_model_parallel_size}: Megatron-DeepSpeed's kd loss takes "
-                "the softmax over each rank's vocabulary shard, not the full vocabulary's KL divergence, and that is "
-                "not reproduced here; use --tensor-model-parallel-size 1",
             ),
             (
                 par.ds_sequence_parallel_size == 1,

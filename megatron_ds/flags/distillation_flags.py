@@ -1,8 +1,9 @@
 """Flags -> `DistillationConfig`: Megatron-DeepSpeed's knowledge-distillation group (`--kd` and its teacher).
 
 What only the command line says: `--num-experts-teacher` (a dense teacher only, with --kd), the NOTICEs that
-`--kd-alpha-ce` scales nothing (Megatron-DeepSpeed reads it into `alpha` and never uses it) and that the teacher
-runs without the dropout upstream's teacher keeps, and the warning for teacher flags
+`--kd-alpha-ce` scales nothing (Megatron-DeepSpeed reads it into `alpha` and never uses it), that the teacher
+runs without the dropout upstream's teacher keeps, and that at T > 1 the kd loss is the full vocabulary's KL
+divergence (upstream's is a sum of per-shard ones), and the warning for teacher flags
 given without `--kd` (Megatron-DeepSpeed reads them only with it). The teacher's checkpoint is checked against them
 with the files, before any process group (`training.distillation.check_teacher`).
 """
@@ -48,6 +49,13 @@ def distillation_config(
             "--kd: the teacher runs without dropout (eval mode); Megatron-DeepSpeed never puts its teacher in eval "
             f"mode, so its teacher drops activations as the student does (--hidden-dropout {args.hidden_dropout:g}, "
             f"--attention-dropout {args.attention_dropout:g})"
+        )
+    if (args.tensor_model_parallel_size or 1) > 1:
+        model_flags.notice(
+            f"--kd with --tensor-model-parallel-size {args.tensor_model_parallel_size}: the kd loss is the full "
+            "vocabulary's KL divergence (the softmax's maximum and sums all-reduced over the tensor group); "
+            "Megatron-DeepSpeed takes the softmax over each rank's vocabulary shard, so its kd loss is a sum of "
+            "per-shard KL divergences"
         )
     if config.kd_alpha_ce != 1.0:
         notice(

@@ -29,8 +29,8 @@ Optional scenario keys (all off by default):
                     ends there)
     eval            true: after every training step, an `eval_batch` over that step's micro-batches, its losses
                     recorded as "eval_losses" (evaluation forwards between training steps)
-    weights         true: record every parameter's value after the steps ("weights": name -> nested lists), local
-                    experts under their global names (`model.moe.global_named_parameters`), and --log-params-norm's
+    weights         true: record every parameter's value after the steps ("weights": name -> nested lists; at T > 1
+                    the full values, gathered over the tensor group), local experts under their global names (`model.moe.global_named_parameters`), and --log-params-norm's
                     "params_norm" (`training.grad_norm.params_norm`, a collective)
     output_shapes   true: record the shape of what this stage's module returns in its first training
                     forward ("output_shape": what it sends on, e.g. (s/T, b, h) under sequence parallelism)
@@ -220,6 +220,10 @@ def run_one(
         from megatron_ds.training.grad_norm import params_norm
 
         named = global_named_parameters(pipeline.model).items()
+        if tp.size > 1:  # the full (T = 1) values, gathered over the tensor group (a collective)
+            from megatron_ds.model.tensor_parallel_layers import gather_full
+
+            named = [(n, gather_full(p, tp)) for n, p in named]
         result["weights"] = {n: p.detach().float().cpu().tolist() for n, p in named}
         result["params_norm"] = params_norm(engine)
     if opts.get("save"):

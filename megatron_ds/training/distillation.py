@@ -7,8 +7,14 @@ every other field that shapes a weight (norm, activation, vocabulary, position t
 student's, since upstream takes them from the student's flags. Fields that shape no weight (sequence length,
 rotary base, norm epsilon) are the student's, as upstream.
 
+At T > 1 the teacher is tensor-parallel like the student (the training `GPTModel` on the student's tensor group,
+each rank holding its shards, cut from the checkpoint's full tensors whatever T it was saved with, as a weights-only
+`--load` at another T is), so its logits come out vocabulary-parallel beside the student's and the kd loss is the
+full vocabulary's KL divergence (`model.distillation.vocab_parallel_kd_loss`).
+
 Differences from upstream, printed as NOTICEs: the teacher runs in eval mode (upstream never calls `.eval()` on
-it, so its dropout is on: `flags.distillation_flags`), and a teacher whose MLP width, head size or head count
+it, so its dropout is on: `flags.distillation_flags`); at T > 1 the KL divergence is the full vocabulary's, not
+upstream's sum of per-shard ones (`flags.distillation_flags`); and a teacher whose MLP width, head size or head count
 differ from the student's loads (upstream builds it with the student's --ffn-hidden-size, kv channels and
 key/value heads, which cannot load such a checkpoint: `check_teacher`).
 """
@@ -23,10 +29,14 @@ import torch
 
 from megatron_ds.config import Config, ModelConfig
 from megatron_ds.inference.model import GPTModel, module_name
-from megatron_ds.model.distillation import kd_loss
+from megatron_ds.model import naming, sharding
+from megatron_ds.model.distillation import kd_loss, vocab_parallel_kd_loss
+from megatron_ds.model.tensor_parallel_rank import TensorParallel
+from megatron_ds.pipeline.layout import build_layout
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.rules import WEIGHT_FREE_FIELDS
+from megatron_ds.training.checkpoint.universal import names
 
 TEACHER_SIZES = (
     ("num_layers", "--num-layers-teacher", "num_layers_teacher"),
@@ -88,6 +98,13 @@ def check_teacher(config: Config) -> list[str]:
     teacher = teacher_model(config, ckpt)
     student = config.model
     where = f"--load-teacher {config.distillation.load_teacher}"
+    t = config.parallel.tensor_model_parallel_size
+    for what, value in (("attention heads", teacher.num_attention_heads), ("MLP width", teacher.ffn_hidden_size)):
+        if value % t:
+            raise CheckpointError(
+                f"{where}: the teacher's {what} {value} is not divisible by --tensor-model-parallel-size {t}, and "
+                f"the teacher is tensor-parallel like the student; use a tensor-parallel size that divides {value}"
+            )
     notices = []
     stale = [
         f"{name} {mine} (student) vs {theirs} (teacher)"
@@ -121,32 +138,74 @@ def check_teacher(config: Config) -> list[str]:
 class Teacher:
     """The teacher on this rank and the kd loss it gives a student's logits."""
 
-    def __init__(self, config: Config, model: GPTModel) -> None:
+    def __init__(self, config: Config, model: torch.nn.Module, tp: TensorParallel | None = None) -> None:
         self.model = model
+        self.tp = tp
+        """The tensor group at T > 1: the teacher's logits are vocabulary-parallel as the student's."""
         self.temperature = config.distillation.kd_temp
         self.beta = config.distillation.kd_beta_ce
         self.seq_length = config.model.seq_length
 
     def loss(self, tokens: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
         """kd loss of one micro-batch: tokens (b, s) as the student saw them (a curriculum's cut included),
-        student_logits (b, s, v) fp32; the teacher's forward keeps no graph."""
+        student_logits (b, s, v) fp32 (at T > 1 this rank's vocabulary shard (b, s, v/T), or (s, b, v/T) under
+        sequence parallelism); the teacher's forward keeps no graph."""
         with torch.no_grad():
             teacher_logits = self.model(tokens)
-        return kd_loss(student_logits, teacher_logits, self.temperature, self.beta, self.seq_length)
+        if self.tp is None:
+            return kd_loss(student_logits, teacher_logits, self.temperature, self.beta, self.seq_length)
+        return vocab_parallel_kd_loss(
+            student_logits, teacher_logits, self.temperature, self.beta, self.seq_length, tokens.shape[0], self.tp.group
+        )
 
 
-def load_teacher(config: Config, device: Any) -> Teacher:
+def load_teacher(config: Config, device: Any, student: Any = None) -> Teacher:
     """The teacher of `--load-teacher` on `device`, in the training precision, frozen and in eval mode
-    (the checkpoint was checked at launch: `check_teacher`). Needs no process group."""
+    (the checkpoint was checked at launch: `check_teacher`). At T = 1 one whole model, needing no process group; at
+    T > 1 `student` (the training `GPTModel`) gives the tensor group, topology and grid the teacher shares."""
     ckpt = open_teacher(config)
     model_config = teacher_model(config, ckpt)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.training.precision, torch.float32)
+    if config.parallel.tensor_model_parallel_size > 1:
+        assert student is not None, "a tensor-parallel teacher shares the student's tensor group"
+        return _tensor_parallel_teacher(config, ckpt, model_config, dtype, device, student)
     with torch.device("meta"):  # no initial weights are drawn: the checkpoint's replace them
         model = GPTModel(model_config)
     state = {module_name(t.spec, t.key, t.layer): t.tensor.to(dtype) for t in _tensors(ckpt)}
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device).requires_grad_(False).eval()
     return Teacher(config, model)
+
+
+def _tensor_parallel_teacher(
+    config: Config, ckpt: reader.Checkpoint, model_config: ModelConfig, dtype: torch.dtype, device: Any, student: Any
+) -> Teacher:
+    """The training `GPTModel` of the teacher's architecture on the student's tensor group, this rank's shards of
+    the checkpoint's full tensors copied in (`sharding.split`, as `--load` reshards weights for another T)."""
+    from megatron_ds.model.gpt_model import GPTModel as ShardedGPTModel
+
+    tp = student.tensor_parallel
+    layout = build_layout(naming.gpt_spec_groups(model_config), 1)
+    teacher_config = dataclasses.replace(config, model=model_config)
+    # its own seeded initial weights are drawn (a spec at a time) and replaced; the student's dropout streams restart
+    # from their seeds, as no forward has run yet
+    model = ShardedGPTModel(teacher_config, layout, tp=tp, grid=student.mpu())
+    model.activation_checkpoint_interval = 0  # no graph to save memory on
+    live = dict(model.named_parameters())
+    where = {
+        (p.tensor.spec_index, p.tensor.key): p.module_name
+        for p in names.stage_parameters(model_config, layout, 0)
+        if p.tensor is not None
+    }
+    loaded = set()
+    with torch.no_grad():
+        for t in _tensors(ckpt):
+            name = where[(t.index, t.key)]
+            live[name].copy_(sharding.split(t.rule, t.tensor, tp.size)[tp.rank])
+            loaded.add(name)
+    assert loaded == set(live), sorted(set(live) - loaded)
+    model.to(device=device, dtype=dtype).requires_grad_(False).eval()
+    return Teacher(config, model, tp)
 
 
 def _tensors(ckpt: reader.Checkpoint) -> Any:

@@ -116,12 +116,15 @@ class PlainEngine(DeepSpeedEngine):
         del buffer_id
         inputs = self._micro.pop("inputs")
         outputs = self(inputs)
-        loss = self.module.loss_fn(outputs, self._micro.pop("labels"))
-        self._micro["lm"] = loss.detach().float()
+        kd = None
         if self.teacher is not None:  # the teacher sees the student's tokens (b, s): a curriculum's cut too
             tokens = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+            # before the lm loss: at T > 1 megatron-core's cross entropy shifts the logits in place
             kd = self.teacher.loss(tokens, outputs)
             self._micro["kd"] = kd.detach().float()
+        loss = self.module.loss_fn(outputs, self._micro.pop("labels"))
+        self._micro["lm"] = loss.detach().float()
+        if kd is not None:
             loss = loss + kd
         self._micro["loss"] = loss
         self._micro["moe_loss"] = self.module.moe_loss()
@@ -242,7 +245,7 @@ def assemble(
     if config.distillation.kd:
         from megatron_ds.training.distillation import load_teacher
 
-        engine.teacher = load_teacher(config, engine.device)
+        engine.teacher = load_teacher(config, engine.device, model)  # at T > 1 on the student's tensor group
     return engine, model, engine.optimizer
 
 
