@@ -1,5 +1,6 @@
-"""Knowledge distillation (--kd): the kd loss against a direct computation of Megatron-DeepSpeed's formula, the flag
-rules and refusals, and the teacher checkpoint's checks (before any process group)."""
+"""Knowledge distillation (--kd): the kd loss against a direct computation of Megatron-DeepSpeed's formula, its
+vocabulary-parallel form against it (one process, and two gloo ranks each holding a vocabulary shard), the flag rules
+and refusals, and the teacher checkpoint's checks (before any process group)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from megatron_ds.config import Config
 from megatron_ds.errors import ConfigError, UserError
 from megatron_ds.flags.parser import parse_config
-from megatron_ds.model.distillation import kd_loss
+from megatron_ds.model.distillation import kd_loss, vocab_parallel_kd_loss
+from megatron_ds.testing.launch import forked_gloo_ranks
 from megatron_ds.testing.scenario import tiny_config
 from megatron_ds.training import distillation, logger
 from megatron_ds.training.checkpoint.directory import META
@@ -60,6 +62,49 @@ def test_kd_loss_divides_by_the_run_seq_length_not_the_curriculum_cut() -> None:
     )
 
 
+def logits(seed: int, shape: tuple[int, ...] = (2, 3, 8)) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_vocab_parallel_kd_loss_of_one_shard_is_kd_loss_with_its_gradient() -> None:
+    student, teacher = logits(0).requires_grad_(), logits(1)
+    want = kd_loss(student, teacher, 2.0, 0.5, 16)
+    (want_grad,) = torch.autograd.grad(want, student)
+    got = vocab_parallel_kd_loss(student, teacher, 2.0, 0.5, 16, batch_size=2, group=None)
+    (got_grad,) = torch.autograd.grad(got, student)
+    assert got.item() == pytest.approx(want.item(), abs=1e-7)
+    assert torch.allclose(got_grad, want_grad, atol=1e-8)
+
+
+def _sharded_kd(rank: int, sequence_first: bool) -> tuple[float, list]:
+    """This rank's half of the vocabulary of the logits `logits(0)` / `logits(1)` (sequence-first when asked): the
+    vocab-parallel kd loss and the gradient of 3 x it on this shard."""
+    import torch.distributed as dist
+
+    student, teacher = logits(0), logits(1)
+    if sequence_first:  # (s, b, v) as under sequence parallelism; batchmean still divides by b
+        student, teacher = student.transpose(0, 1), teacher.transpose(0, 1)
+    student = student.chunk(2, dim=-1)[rank].contiguous().requires_grad_()
+    loss = vocab_parallel_kd_loss(student, teacher.chunk(2, dim=-1)[rank], 2.0, 0.5, 16, 2, dist.group.WORLD)
+    (3 * loss).backward()
+    return loss.item(), student.grad.tolist()
+
+
+@pytest.mark.parametrize("sequence_first", [False, True])
+def test_vocab_parallel_kd_loss_on_two_shards_is_the_full_vocabularys(tmp_path: Path, sequence_first: bool) -> None:
+    student = logits(0).requires_grad_()
+    want = kd_loss(student, logits(1), 2.0, 0.5, 16)
+    (3 * want).backward()
+    want_grad = student.grad.transpose(0, 1) if sequence_first else student.grad
+    results = forked_gloo_ranks(_sharded_kd, 2, str(tmp_path / "store"), sequence_first, timeout=60)
+    for rank, (loss, grad) in enumerate(results):
+        assert loss == pytest.approx(want.item(), abs=1e-7)
+        assert torch.allclose(torch.tensor(grad), want_grad.chunk(2, dim=-1)[rank], atol=1e-8)
+    # Megatron-DeepSpeed's per-shard softmax gives another loss: the test tells them apart
+    per_shard = sum(kd_loss(s, t, 2.0, 0.5, 16) for s, t in zip(logits(0).chunk(2, -1), logits(1).chunk(2, -1)))
+    assert abs(per_shard.item() - want.item()) > 1e-3
+
+
 def test_kd_flags_set_the_section_and_the_plain_engine() -> None:
     config = parse("--kd", "--load-teacher", "t", "--kd-temp", "2", "--kd-beta-ce", "0.5", "--num-layers-teacher", "4")
     d = config.distillation
@@ -77,7 +122,6 @@ def test_kd_flags_set_the_section_and_the_plain_engine() -> None:
             2,
             "--kd with --pipeline-model-parallel-size 2",
         ),
-        (["--load-teacher", "t", "--tensor-model-parallel-size", "2"], 2, "--kd with --tensor-model-parallel-size 2"),
         (["--load-teacher", "t", "--ds-sequence-parallel-size", "2"], 2, "--kd with --ds-sequence-parallel-size 2"),
         (["--load-teacher", "t", "--num-key-value-heads", "2"], 1, "--kd with --num-key-value-heads 2"),
         (["--load-teacher", "t", "--reset-position-ids"], 1, "--kd with --reset-position-ids"),
@@ -103,6 +147,18 @@ def test_alpha_and_dropout_notices(capsys: pytest.CaptureFixture) -> None:
     parse("--kd", "--load-teacher", "t")
     err = capsys.readouterr().out
     assert "NOTICE: --kd: the teacher runs without dropout (eval mode)" in err and "kd-alpha-ce" not in err
+
+
+def test_tensor_parallel_kd_is_accepted_with_a_notice_of_upstreams_per_shard_softmax(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    config = parse("--kd", "--load-teacher", "t", "--tensor-model-parallel-size", "2", world_size=2)
+    assert (config.parallel.tensor_model_parallel_size, config.engine_kind) == (2, "plain")
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "--tensor-model-parallel-size" in x]
+    assert line.startswith("NOTICE: --kd with --tensor-model-parallel-size 2: the kd loss is the full vocabulary's")
+    assert "sum of per-shard KL divergences" in line
+    parse("--kd", "--load-teacher", "t")
+    assert "per-shard" not in capsys.readouterr().err
 
 
 def test_teacher_flags_without_kd_are_ignored_with_a_warning(capsys: pytest.CaptureFixture) -> None:
@@ -160,6 +216,18 @@ def test_wider_teacher_loads_with_a_notice_of_what_upstream_would_build(tmp_path
     (notice,) = distillation.check_teacher(student(path))
     assert notice.startswith(f"NOTICE: --load-teacher {path}: the teacher is built with its own MLP width 64 (student)")
     assert "head size 8 (student) vs 16 (teacher)" in notice
+
+
+def test_teacher_whose_heads_the_tensor_size_does_not_divide_is_one_line(tmp_path: Path) -> None:
+    teacher = tiny_config(model__hidden_size=48, model__num_attention_heads=6, model__ffn_hidden_size=96)
+    path = fake_teacher(tmp_path / "t", teacher)
+    config = student(path, parallel__world_size=4, parallel__tensor_model_parallel_size=4)
+    with pytest.raises(UserError) as err:
+        distillation.check_teacher(config)
+    assert str(err.value) == (
+        f"--load-teacher {path}: the teacher's attention heads 6 is not divisible by --tensor-model-parallel-size 4, "
+        "and the teacher is tensor-parallel like the student; use a tensor-parallel size that divides 6"
+    )
 
 
 @pytest.mark.parametrize("make", ["missing", "empty", "damaged"])
