@@ -7,8 +7,9 @@ The loss of a training step is lm loss + kd loss, where (Megatron-DeepSpeed 4efb
     kd loss = T^2 * KLDivLoss(batchmean)(log_softmax(student / T), softmax(teacher / T)) / seq_length * beta
 
 with T = `--kd-temp`, beta = `--kd-beta-ce`, batchmean dividing by the micro-batch size and seq_length the
-full `--seq-length` (also under a curriculum's shorter sequences); no loss mask. What the rest of the tree must
-be for it (pipeline and tensor size 1, no grouped-query attention...) is `Config`'s rule.
+full `--seq-length` (also under a curriculum's shorter sequences); no loss mask; at T > 1 the full vocabulary's KL
+divergence from vocabulary-parallel logits. What the rest of the tree must be for it (pipeline size 1, no
+grouped-query attention...) is `Config`'s rule.
 """
 
 from __future__ import annotations

@@ -164,8 +164,8 @@ DISTILLATION: tuple[Flag, ...] = (
         _KD,
         "knowledge distillation from the teacher of --load-teacher, as Megatron-DeepSpeed: each training step adds "
         "kd loss = T^2 KL(softmax(teacher/T) || softmax(student/T)) per sample / --seq-length x --kd-beta-ce to the lm "
-        "loss, the teacher run forward without gradients (not in evaluation); at pipeline and tensor size 1 "
-        "(docs/training.md)",
+        "loss, the teacher run forward without gradients (not in evaluation); at pipeline size 1, any tensor size "
+        "(the full vocabulary's KL divergence at T > 1, not upstream's per-shard one: a NOTICE; docs/training.md)",
         "distillation.kd",
     ),
     accepted(

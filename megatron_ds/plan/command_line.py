@@ -170,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 NOT_PLANNED = {
-    "--kd": "the planner does not count --kd's teacher (its whole weights in the training precision on every rank, "
-    "beside the student, and its forward's transients); plan the student without --kd and leave room for the "
-    "teacher's weights (2 bytes x its parameters in bf16 or fp16, 4 in fp32)",
+    "--kd": "the planner does not count --kd's teacher (its weights in the training precision on every rank, a "
+    "tensor rank's shard at T > 1, beside the student, and its forward's transients); plan the student without --kd "
+    "and leave room for the teacher's weights (2 bytes x its parameters / T in bf16 or fp16, 4 in fp32)",
 }
 """`pretrain_gpt.py` flags the planner refuses by name, each with why and what to do instead."""
 EXPERTS = (
