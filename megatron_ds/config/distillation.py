@@ -25,6 +25,9 @@ class DistillationConfig:
 
     kd: bool = False
     """Distil from the teacher of `load_teacher` (`--kd`)."""
+    mos: bool = False
+    """`--mos` (Megatron-DeepSpeed's mixture of students): the same loss from the same teacher as `kd`, logged as
+    `mos loss` (upstream's loss dict; with both flags too), meant for a mixture-of-experts student."""
     load_teacher: str | None = None
     """The teacher's checkpoint: one of ours, weights only (`--load-teacher`); needed with kd."""
     num_layers_teacher: int | None = None
@@ -53,6 +56,21 @@ class DistillationConfig:
             f"--kd-beta-ce {self.kd_beta_ce} is not a finite number; give the kd loss's factor (1 by default)",
         )
         check(
-            not self.kd or bool(self.load_teacher),
-            "--kd needs --load-teacher DIR, the teacher's checkpoint (pretrain_gpt.py --save DIR); add it",
+            not self.distils or bool(self.load_teacher),
+            f"{self.flag} needs --load-teacher DIR, the teacher's checkpoint (pretrain_gpt.py --save DIR); add it",
         )
+
+    @property
+    def distils(self) -> bool:
+        """A teacher's loss joins the student's (`--kd` or `--mos`)."""
+        return self.kd or self.mos
+
+    @property
+    def flag(self) -> str:
+        """The flag that asked for it, for messages."""
+        return "--mos" if self.mos else "--kd"
+
+    @property
+    def loss_name(self) -> str:
+        """The loss's name in the log line and TensorBoard: Megatron-DeepSpeed's loss dict key."""
+        return "mos loss" if self.mos else "kd loss"

@@ -177,7 +177,7 @@ class Config:
         """--kd where Megatron-DeepSpeed runs it: GPTModel on DeepSpeed's plain engine (P = 1), any tensor size (the
         full vocabulary's KL divergence here, not upstream's per-shard one: a NOTICE), no grouped-query attention
         (its own assert)."""
-        if not self.distillation.kd:
+        if not self.distillation.distils:
             return
         par, model, data = self.parallel, self.model, self.data
         refusals = (
@@ -203,15 +203,8 @@ class Config:
                 "not on packed documents; drop them",
             ),
         )
-        refusals += (
-            (
-                not model.is_moe,
-                f"--num-experts {' '.join(map(str, model.num_experts))}: a mixture-of-experts student is not "
-                "distilled here (untested); train a dense student (--num-experts 1)",
-            ),
-        )
         for ok, why in refusals:
-            check(ok, f"--kd with {why}")
+            check(ok, f"{self.distillation.flag} with {why}")
 
     def _check_experts(self) -> None:
         """Mixture-of-experts runs where Megatron-DeepSpeed's MoE example lines run them: GPTModel on DeepSpeed's plain
@@ -279,7 +272,7 @@ class Config:
         Megatron-DeepSpeed's --no-pipeline-parallel) or `pipeline` (its PipelineEngine, every other run): which
         DeepSpeed engine trains this run; ZeRO 0/1 keep the pipeline engine at P = 1 too."""
         ulysses = self.parallel.ds_sequence_parallel_size > 1  # its groups exist in the plain engine only
-        plain = self.training.zero_stage >= 2 or ulysses or self.distillation.kd or self.model.is_moe
+        plain = self.training.zero_stage >= 2 or ulysses or self.distillation.distils or self.model.is_moe
         return "plain" if plain else "pipeline"
 
     @property

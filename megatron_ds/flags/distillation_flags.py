@@ -1,4 +1,5 @@
-"""Flags -> `DistillationConfig`: Megatron-DeepSpeed's knowledge-distillation group (`--kd` and its teacher).
+"""Flags -> `DistillationConfig`: Megatron-DeepSpeed's knowledge-distillation group (`--kd`, `--mos` and their
+teacher).
 
 What only the command line says: `--num-experts-teacher` (a dense teacher only, with --kd), the NOTICEs that
 `--kd-alpha-ce` scales nothing (Megatron-DeepSpeed reads it into `alpha` and never uses it), that the teacher
@@ -33,11 +34,11 @@ def distillation_config(
     """The section from its flags (copied as given in `direct`), with the command line's own rules."""
     experts = tuple(args.num_experts_teacher)
     config = DistillationConfig(**direct)
-    if not config.kd:
+    if not config.distils:
         given = [d for d in _TEACHER_FLAGS if getattr(args, d) is not None]
         given += ["num_experts_teacher"] if any(n != 1 for n in experts) else []
         if given:
-            warn(f"{', '.join(map(flag_of, given))}: read only with --kd; ignored without it")
+            warn(f"{', '.join(map(flag_of, given))}: read only with --kd or --mos; ignored without them")
         return DistillationConfig()  # nothing of it is read: the same config as without the flags
     if any(n != 1 for n in experts):
         raise ConfigError(
@@ -46,13 +47,13 @@ def distillation_config(
         )
     if args.hidden_dropout or args.attention_dropout:
         notice(
-            "--kd: the teacher runs without dropout (eval mode); Megatron-DeepSpeed never puts its teacher in eval "
+            f"{config.flag}: the teacher runs without dropout (eval mode); Megatron-DeepSpeed never puts its teacher in eval "
             f"mode, so its teacher drops activations as the student does (--hidden-dropout {args.hidden_dropout:g}, "
             f"--attention-dropout {args.attention_dropout:g})"
         )
     if (args.tensor_model_parallel_size or 1) > 1:
-        model_flags.notice(
-            f"--kd with --tensor-model-parallel-size {args.tensor_model_parallel_size}: the kd loss is the full "
+        notice(
+            f"{config.flag} with --tensor-model-parallel-size {args.tensor_model_parallel_size}: the kd loss is the full "
             "vocabulary's KL divergence (the softmax's maximum and sums all-reduced over the tensor group); "
             "Megatron-DeepSpeed takes the softmax over each rank's vocabulary shard, so its kd loss is a sum of "
             "per-shard KL divergences"

@@ -153,11 +153,12 @@ DISTILLATION: tuple[Flag, ...] = (
         "distillation.num_attention_heads_teacher",
         type=int,
     ),
-    refused(
+    switch(
         "--mos",
         _KD,
-        "mixture-of-students training is not built (Megatron-DeepSpeed adds its mos loss beside the lm loss)",
-        "use --kd for knowledge distillation, or drop it",
+        "mixture of students: --kd's loss from the same teacher (--load-teacher, a dense one), logged as mos loss, as "
+        "Megatron-DeepSpeed (a mixture-of-experts student's step adds lm, moe and mos loss); docs/training.md",
+        "distillation.mos",
     ),
     switch(
         "--kd",
@@ -180,7 +181,7 @@ DISTILLATION: tuple[Flag, ...] = (
     accepted(
         "--load-teacher",
         _KD,
-        "the teacher's checkpoint (pretrain_gpt.py --save DIR, any layout; weights only); needed with --kd",
+        "the teacher's checkpoint (pretrain_gpt.py --save DIR, any layout; weights only); needed with --kd or --mos",
         "distillation.load_teacher",
     ),
 )

@@ -174,6 +174,7 @@ NOT_PLANNED = {
     "tensor rank's shard at T > 1, beside the student, and its forward's transients); plan the student without --kd "
     "and leave room for the teacher's weights (2 bytes x its parameters / T in bf16 or fp16, 4 in fp32)",
 }
+NOT_PLANNED["--mos"] = NOT_PLANNED["--kd"].replace("--kd", "--mos")
 """`pretrain_gpt.py` flags the planner refuses by name, each with why and what to do instead."""
 EXPERTS = (
     "the planner plans dense models only (it counts no expert weights, no expert-parallel groups and no all-to-all); "

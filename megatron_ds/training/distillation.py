@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from megatron_ds.config import Config, ModelConfig
+from megatron_ds.config.model import MOE_ROUTING_FIELDS
 from megatron_ds.inference.model import GPTModel, module_name
 from megatron_ds.model import naming, sharding
 from megatron_ds.model.distillation import kd_loss, vocab_parallel_kd_loss
@@ -44,8 +45,19 @@ TEACHER_SIZES = (
     ("num_attention_heads", "--num-attention-heads-teacher", "num_attention_heads_teacher"),
 )
 """(ModelConfig field, flag, DistillationConfig field): what upstream swaps into the student's args."""
-_OWN_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
-"""The teacher's own sizes, read from its checkpoint."""
+_OWN_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "num_experts",
+    "expert_interval",
+    "mlp_type",
+    *MOE_ROUTING_FIELDS,
+)
+"""The teacher's own sizes, read from its checkpoint, and its (dense) MLPs: a mixture-of-experts student distils from
+a dense teacher, as upstream's default --num-experts-teacher 1 builds it (a mixture-of-experts checkpoint is refused
+when opened)."""
 
 
 def open_teacher(config: Config) -> reader.Checkpoint:
@@ -92,7 +104,7 @@ def teacher_model(config: Config, ckpt: reader.Checkpoint) -> ModelConfig:
 def check_teacher(config: Config) -> list[str]:
     """Before any process group: the teacher's checkpoint is readable and fits the student (`teacher_model`).
     Returns the NOTICE lines to print."""
-    if not config.distillation.kd:
+    if not config.distillation.distils:
         return []
     ckpt = open_teacher(config)
     teacher = teacher_model(config, ckpt)
@@ -145,6 +157,8 @@ class Teacher:
         self.temperature = config.distillation.kd_temp
         self.beta = config.distillation.kd_beta_ce
         self.seq_length = config.model.seq_length
+        self.loss_name = config.distillation.loss_name
+        """`kd loss`, or `mos loss` under --mos."""
 
     def loss(self, tokens: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
         """kd loss of one micro-batch: tokens (b, s) as the student saw them (a curriculum's cut included),

@@ -114,7 +114,7 @@ def format_line(s: StepStats) -> str:
 def losses_text(lm: float, others: dict[str, float]) -> list[str]:
     """`lm loss: ...` and each other loss (`moe loss`), as Megatron-DeepSpeed's loss dict; under --kd its `total loss`
     (the sum of them all) first."""
-    total = [f"total loss: {lm + sum(others.values()):.6E}"] if "kd loss" in others else []
+    total = [f"total loss: {lm + sum(others.values()):.6E}"] if {"kd loss", "mos loss"} & others.keys() else []
     return [*total, f"lm loss: {lm:.6E}", *(f"{k}: {v:.6E}" for k, v in others.items())]
 
 

@@ -87,7 +87,7 @@ class PlainEngine(DeepSpeedEngine):
         if self.moe_loss_sum is not None:  # this rank's, not averaged over data-parallel ranks (as upstream's)
             self.step_losses["moe loss"] = self.moe_loss_sum / self.micro_batches
         if self.teacher is not None:
-            self.step_losses["kd loss"] = self._mean_over_data_parallel(self.kd_total / self.micro_batches)
+            self.step_losses[self.teacher.loss_name] = self._mean_over_data_parallel(self.kd_total / self.micro_batches)
         return self._mean_over_data_parallel(self.total_loss / self.micro_batches)
 
     def train_instructions(self) -> list[schedule.PipeInstruction]:
@@ -242,7 +242,7 @@ def assemble(
     optimizer = build_optimizer(model, config.optimizer, factory, config.training.cpu_optimizer)
     check_structure(model, optimizer)
     engine = build(model, optimizer, ds, lr_scheduler)
-    if config.distillation.kd:
+    if config.distillation.distils:
         from megatron_ds.training.distillation import load_teacher
 
         engine.teacher = load_teacher(config, engine.device, model)  # at T > 1 on the student's tensor group

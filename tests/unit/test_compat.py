@@ -141,7 +141,10 @@ def test_every_megatron_deepspeed_option_is_declared() -> None:
         (["--train-data-exact-num-epochs", "2"], "--train-data-exact-num-epochs is not supported: makes the training"),
         (["--train-shuffle-idx-path", "x.npy"], "--train-shuffle-idx-path is not supported: reads the training split"),
         (["--use-dataset-only", "True"], "--use-dataset-only is not supported: Megatron-DeepSpeed then builds only"),
-        (["--mos"], "--mos is not supported: mixture-of-students training is not built"),
+        (
+            ["--mos", "--load-teacher", "t", "--num-experts-teacher", "4"],
+            "--num-experts-teacher 4 is not supported: mixture-of-experts",
+        ),
     ],
 )
 def test_megatron_deepspeed_data_and_training_flags_that_change_its_run_are_refused(argv, message) -> None:
@@ -215,6 +218,7 @@ SWITCH_NEEDS = {
     "--use-rope-scaling": ("--use-rotary-position-embeddings",),
     "--add-qkv-bias": ("--disable-bias-linear",),
     "--kd": ("--load-teacher", "teacher"),
+    "--mos": ("--load-teacher", "teacher"),
     "--create-moe-param-group": ("--num-experts", "2"),
     "--disable-moe-token-dropping": ("--num-experts", "2"),
     "--disable-moe-top2-2nd-expert-sampling": ("--num-experts", "2"),

@@ -135,9 +135,33 @@ def test_kd_refusals_are_one_line(extra: list[str], world: int, message: str) ->
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
-def test_mos_stays_refused() -> None:
-    with pytest.raises(ConfigError, match=r"^--mos is not supported: mixture-of-students"):
+def test_mos_is_kds_loss_named_mos_loss_and_needs_a_teacher() -> None:
+    config = parse("--mos", "--load-teacher", "t", "--num-experts", "4", "--kd-temp", "2")
+    d = config.distillation
+    assert (d.mos, d.kd, d.distils, d.loss_name, d.kd_temp) == (True, False, True, "mos loss", 2.0)
+    assert config.engine_kind == "plain" and config.model.is_moe
+    assert parse("--kd", "--load-teacher", "t").distillation.loss_name == "kd loss"
+    assert parse("--kd", "--mos", "--load-teacher", "t").distillation.loss_name == "mos loss"  # upstream's order
+    with pytest.raises(ConfigError, match=r"^--mos needs --load-teacher DIR"):
         parse("--mos")
+    with pytest.raises(ConfigError, match=r"^--num-experts-teacher 2 is not supported: mixture-of-experts teachers"):
+        parse("--mos", "--load-teacher", "t", "--num-experts-teacher", "2")
+    with pytest.raises(ConfigError, match=r"^--mos with --pipeline-model-parallel-size 2"):
+        parse("--mos", "--load-teacher", "t", "--pipeline-model-parallel-size", "2", world_size=2)
+
+
+def test_mixture_of_experts_student_gets_a_dense_teacher(tmp_path: Path) -> None:
+    path = fake_teacher(tmp_path / "t", tiny_config())
+    config = tiny_config(
+        model__num_layers=2,
+        model__num_experts=(4,),
+        model__moe_top_k=2,
+        distillation__mos=True,
+        distillation__load_teacher=path,
+    )
+    assert distillation.check_teacher(config) == []  # no NOTICE of routing fields either: the teacher routes nothing
+    teacher = distillation.teacher_model(config, distillation.open_teacher(config))
+    assert teacher == tiny_config().model and not teacher.is_moe and config.model.is_moe  # the checkpoint's, dense
 
 
 def test_alpha_and_dropout_notices(capsys: pytest.CaptureFixture) -> None:
@@ -163,7 +187,10 @@ def test_tensor_parallel_kd_is_accepted_with_a_notice_of_upstreams_per_shard_sof
 
 def test_teacher_flags_without_kd_are_ignored_with_a_warning(capsys: pytest.CaptureFixture) -> None:
     assert parse("--load-teacher", "t", "--num-experts-teacher", "4") == parse()
-    assert "--load-teacher, --num-experts-teacher: read only with --kd; ignored without it" in capsys.readouterr().err
+    assert (
+        "--load-teacher, --num-experts-teacher: read only with --kd or --mos; ignored without them"
+        in capsys.readouterr().err
+    )
 
 
 def fake_teacher(root: Path, config: Config) -> str:
@@ -249,6 +276,12 @@ def test_log_line_gives_total_lm_and_kd_loss_in_upstreams_order() -> None:
         "total loss: 2.250000E+00",
         "lm loss: 2.000000E+00",
         "kd loss: 2.500000E-01",
+    ]
+    assert logger.losses_text(2.0, {"moe loss": 0.5, "mos loss": 0.25}) == [  # upstream's dict under --mos
+        "total loss: 2.750000E+00",
+        "lm loss: 2.000000E+00",
+        "moe loss: 5.000000E-01",
+        "mos loss: 2.500000E-01",
     ]
 
 
