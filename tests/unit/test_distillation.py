@@ -178,11 +178,11 @@ def test_tensor_parallel_kd_is_accepted_with_a_notice_of_upstreams_per_shard_sof
 ) -> None:
     config = parse("--kd", "--load-teacher", "t", "--tensor-model-parallel-size", "2", world_size=2)
     assert (config.parallel.tensor_model_parallel_size, config.engine_kind) == (2, "plain")
-    (line,) = [x for x in capsys.readouterr().err.splitlines() if "--tensor-model-parallel-size" in x]
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "--tensor-model-parallel-size" in x]
     assert line.startswith("NOTICE: --kd with --tensor-model-parallel-size 2: the kd loss is the full vocabulary's")
     assert "sum of per-shard KL divergences" in line
     parse("--kd", "--load-teacher", "t")
-    assert "per-shard" not in capsys.readouterr().err
+    assert "per-shard" not in capsys.readouterr().out
 
 
 def test_teacher_flags_without_kd_are_ignored_with_a_warning(capsys: pytest.CaptureFixture) -> None:
