@@ -44,8 +44,24 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--pp-schedule": "the planner chooses among 1F1B, ZB-H1 and interleaved 1F1B when not given",
     "--enable-zbh1-pipeline": None,
     "--num-virtual-stages-per-pipeline-rank": "with interleaving the planner tries 2, 3 and 4 when not given",
+    "--moe-expert-parallel-size": _CHOSEN + " (a divisor of every expert count and of the GPUs)",
+    "--create-moe-param-group": "the printed command adds it wherever a mixture-of-experts plan uses ZeRO 1 or 2",
 }
 """The `pretrain_gpt.py` flags the planner takes, each with what the planner does differently."""
+MOE_ARCHITECTURE_FLAGS = (
+    "--num-experts",
+    "--expert-interval",
+    "--mlp-type",
+    "--topk",
+    "--moe-train-capacity-factor",
+    "--moe-eval-capacity-factor",
+    "--moe-min-capacity",
+    "--disable-moe-token-dropping",
+    "--disable-moe-top2-2nd-expert-sampling",
+    "--moe-loss-coeff",
+)
+"""Megatron-DeepSpeed's mixture-of-experts flags that shape the model or its routing: architecture flags here (the
+expert-parallel size and `--create-moe-param-group` are the planner's choices, `TRAINING_FLAGS`)."""
 ARCHITECTURE_FLAGS = (
     "--num-key-value-heads",
     "--group-query-attention",
@@ -67,6 +83,7 @@ ARCHITECTURE_FLAGS = (
     "--disable-bias-linear",
     "--add-qkv-bias",
     "--make-vocab-size-divisible-by",
+    *MOE_ARCHITECTURE_FLAGS,
 )
 """`pretrain_gpt.py`'s architecture flags: declared from `megatron_ds.flags`, passed on as given to size the model
 by pretrain_gpt.py's own rules (`flags.parser.model_config`) and into the printed command."""
@@ -94,7 +111,8 @@ def training_flag_kwargs(name: str) -> dict[str, Any]:
     kw: dict[str, Any] = {"dest": flag.attr, "default": None, "help": text.replace("%", "%%")}
     if flag.is_switch:
         return {**kw, "action": "store_const", "const": flag.const}
-    return {**kw, "type": flag.type, "choices": flag.argparse_choices()}
+    nargs = {} if flag.nargs is None else {"nargs": flag.nargs}
+    return {**kw, "type": flag.type, "choices": flag.argparse_choices(), **nargs}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-checkpoint-activations", dest="checkpoint_activations", action="store_const", const=False)
     training(g, "--recompute-activations", "--partition-activations", "--checkpoint-in-cpu", "--sequence-parallel")
     training(g, "--pp-schedule", "--enable-zbh1-pipeline", "--num-virtual-stages-per-pipeline-rank")
+    training(g, "--moe-expert-parallel-size", "--create-moe-param-group")
     g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)
     methods = ", ".join(planned_methods())
     g.add_argument(
@@ -176,27 +195,11 @@ NOT_PLANNED = {
 }
 NOT_PLANNED["--mos"] = NOT_PLANNED["--kd"].replace("--kd", "--mos")
 """`pretrain_gpt.py` flags the planner refuses by name, each with why and what to do instead."""
-EXPERTS = (
-    "the planner plans dense models only (it counts no expert weights, no expert-parallel groups and no all-to-all); "
-    "mixture-of-experts models train at pipeline size 1 on DeepSpeed's plain engine (docs/training.md)"
-)
-
-
-def _dense_experts(argv: list[str]) -> list[str]:
-    """`argv` without a dense `--num-experts 1` (Megatron-DeepSpeed's default); more experts are refused in one line."""
-    if "--num-experts" not in argv:
-        return argv
-    at = argv.index("--num-experts")
-    end = next((i for i in range(at + 1, len(argv)) if argv[i].startswith("--")), len(argv))
-    counts = argv[at + 1 : end]
-    if not counts or any(c != "1" for c in counts):
-        raise PlanError(f"--num-experts {' '.join(counts)}: {EXPERTS}")
-    return argv[:at] + argv[end:]
 
 
 def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     """(the command, the inputs given on the command line, the output options)."""
-    argv = _dense_experts(list(argv))
+    argv = list(argv)
     refused = next((a for a in argv if a.split("=", 1)[0] in NOT_PLANNED), None)
     if refused is not None:
         raise PlanError(f"{refused.split('=', 1)[0]}: {NOT_PLANNED[refused.split('=', 1)[0]]}")
@@ -222,5 +225,6 @@ def architecture(ns: argparse.Namespace) -> list[str]:
         flag = BY_NAME[name]
         value = getattr(ns, "arch_" + flag.attr)
         if value is not None:
-            tokens += [name] if flag.is_switch else [name, str(value)]
+            values = value if isinstance(value, list) else [value]  # --num-experts takes one count per layer group
+            tokens += [name] if flag.is_switch else [name, *map(str, values)]
     return tokens

@@ -18,7 +18,7 @@ from megatron_ds.errors import ConfigError
 from megatron_ds.files import read_json
 from megatron_ds.flags.schedule_flags import named_schedule
 from megatron_ds.pipeline.methods import planned_methods
-from megatron_ds.plan import hardware
+from megatron_ds.plan import experts, hardware
 from megatron_ds.plan.hardware import PlanError
 
 PROFILE_FORMAT = "megatron_ds.plan profile v1"
@@ -61,6 +61,8 @@ class PlanInputs:
     pp_schedule: str | None = None
     num_virtual_stages_per_pipeline_rank: int | None = None
     enable_zbh1_pipeline: bool | None = None
+    moe_expert_parallel_size: int | None = None
+    create_moe_param_group: bool | None = None
     layout: str | None = None
     memory_headroom: float | None = None
     cpu_memory_gb: float | None = None
@@ -240,6 +242,7 @@ def resolve(raw: PlanInputs) -> Resolved:
         "micro_batch_size",
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
+        "moe_expert_parallel_size",
         "cpu_memory_gb",
     ):
         _positive(name, getattr(raw, name))
@@ -261,6 +264,8 @@ def resolve(raw: PlanInputs) -> Resolved:
     headroom = 0.10 if raw.memory_headroom is None else raw.memory_headroom
     if not 0 <= headroom < 1:
         raise PlanError(f"--memory-headroom {headroom} must be in [0, 1); e.g. 0.1 keeps 10% free")
+    if dims is not None:
+        _check_experts(raw, dims)
     gbs = raw.global_batch_size or (preset.global_batch_size if preset else None)
     return Resolved(
         raw=raw,
@@ -276,6 +281,20 @@ def resolve(raw: PlanInputs) -> Resolved:
         headroom=headroom,
         schedule=fixed_schedule(raw),
     )
+
+
+def _check_experts(raw: PlanInputs, dims: dict) -> None:
+    """A mixture-of-experts model with what the flags fix (pipeline and tensor size, ZeRO, expert-parallel size, the
+    GPUs) is refused with pretrain_gpt.py's own message where it would refuse it (`plan/experts.py`)."""
+    model = hardware.model_config(**dims, tensor_parallel_size=raw.tensor_model_parallel_size or 1)
+    if not model.is_moe:
+        return
+    ep = raw.moe_expert_parallel_size or 1
+    tp, pp = raw.tensor_model_parallel_size or 1, raw.pipeline_model_parallel_size or 1
+    world = raw.num_gpus if raw.num_gpus and raw.num_gpus % (tp * pp) == 0 else None
+    why = experts.refusal(model, tp, pp, world, raw.zero_stage or 0, ep)
+    if why is not None:
+        raise PlanError(why)
 
 
 def fixed_schedule(raw: PlanInputs) -> tuple[str | None, int | None]:

@@ -13,7 +13,7 @@ import pytest
 from megatron_ds.flags import BY_NAME
 from megatron_ds.plan import command_line, sections
 from megatron_ds.plan.__main__ import main
-from megatron_ds.plan.inputs import QUESTIONS, PlanInputs
+from megatron_ds.plan.inputs import QUESTIONS, PlanInputs, resolve
 from megatron_ds.plan.report import Section
 from megatron_ds.plan.sections import PlannerSection
 
@@ -118,13 +118,9 @@ def test_a_value_outside_the_declared_choices_is_one_line(capsys) -> None:
     assert err.count("\n") == 1 and "argument --zero-stage: invalid choice: 5 (choose from 0, 1, 2, 3)" in err
 
 
-def test_a_mixture_of_experts_model_is_refused_in_one_line_and_a_dense_one_planned() -> None:
-    model = ["memory", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-    for counts in (["8"], ["4", "8"], []):
-        with pytest.raises(command_line.PlanError) as err:
-            command_line.parse([*model, "--num-experts", *counts, "--num-gpus", "8"])
-        message = str(err.value)
-        assert message.startswith(f"--num-experts {' '.join(counts)}: the planner plans dense models only")
-        assert "\n" not in message
-    dense = command_line.parse([*model, "--num-experts", "1", "--num-gpus", "8"])
-    assert dense == command_line.parse([*model, "--num-gpus", "8"])  # Megatron-DeepSpeed's default: a dense model
+def test_num_experts_one_is_the_dense_model() -> None:
+    model = ["memory", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+    model += ["--vocab-size", "128"]
+    _, dense, _ = command_line.parse([*model, "--num-experts", "1", "--num-gpus", "8"])
+    _, plain, _ = command_line.parse([*model, "--num-gpus", "8"])
+    assert resolve(dense).model() == resolve(plain).model()  # Megatron-DeepSpeed's default: a dense model
