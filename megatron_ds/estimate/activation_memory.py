@@ -214,6 +214,22 @@ def checkpoint_rng_bytes(k: Kernels, tracker_streams: int) -> float:
     return CPU_RNG_STATE_BYTES + k.rng_state * (1 + tracker_streams)
 
 
+_ATTENTION_HALF = (
+    "norm inputs",
+    "norm statistics",
+    "residual dropout masks",
+    "qkv input",
+    "projection input",
+    "q, k, v",
+    "softmax log-sum-exp",
+    "attention output (flash)",
+    "softmax output",
+    "attention dropout mask",
+    "attention dropout output",
+    "document mask",
+)
+"""Terms of `transformer_layer_terms` outside the MLP half (the shared norm and dropout terms split below); every
+other term (a dense MLP's, or a mixture-of-experts layer's, `moe_costs.mlp_terms`) belongs to the MLP half."""
 MLP_HALF = ("fc1 input", "fc2 input")
 """Terms of `transformer_layer_terms` that belong to the MLP half of the layer (with the activation's inputs,
 and half of the norm and residual-dropout terms): freed once the layer's MLP backward has run."""
@@ -222,7 +238,8 @@ and half of the norm and residual-dropout terms): freed once the layer's MLP bac
 def mlp_half_bytes(terms: dict[str, float], activation: str) -> float:
     """What a layer's backward has freed when it reaches the core attention: the MLP half of `terms`."""
     halves = ("norm inputs", "norm statistics", "residual dropout masks")
-    return sum(terms[n] for n in (*MLP_HALF, f"{activation} inputs")) + sum(terms[n] for n in halves) / 2
+    mlp = sum(v for n, v in terms.items() if n in (*MLP_HALF, f"{activation} inputs") or n not in _ATTENTION_HALF)
+    return mlp + sum(terms.get(n, 0.0) for n in halves) / 2
 
 
 def attention_backward_bytes(model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split) -> float:

@@ -46,7 +46,7 @@ import functools
 from collections.abc import Callable
 
 from megatron_ds.estimate import activation_memory as act
-from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.estimate import moe_costs, pipeline_schedules
 from megatron_ds.estimate.compute import checkpointed_chunks, held_total, stage_parts
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.model_states import PRECISION_BYTES
@@ -100,6 +100,8 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
         n, largest, n_no_decay = params[idx].num_params, params[idx].largest, params[idx].no_decay
         experts, ep = params[idx].expert_params, inputs.expert_parallel_size
         spec_terms = layer_terms if group == "body" else terms[name]
+        if group == "body" and m.is_moe and m.experts_per_layer[idx - len(groups.pre)] > 1:
+            spec_terms = _moe_layer_terms(inputs, layer_terms, m.experts_per_layer[idx - len(groups.pre)])
         saved = sum(spec_terms.values())
         deferrable = _deferrable(inputs, name, group)
         rest = list(numels[idx])
@@ -144,10 +146,45 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
     return tuple(out)
 
 
+def _moe_layer_terms(inputs: MemoryInputs, layer_terms: dict[str, float], num_experts: int) -> dict[str, float]:
+    """A layer with experts: the dense layer's terms with its MLP's replaced by the MoE layer's (`moe_costs`)."""
+    m = inputs.model
+    dense_mlp = (*act.MLP_HALF, f"{m.activation} inputs")
+    out = {name: v for name, v in layer_terms.items() if name not in dense_mlp}
+    b, w = inputs.micro_batch_size, PRECISION_BYTES[inputs.precision]
+    return {**out, **moe_costs.mlp_terms(m, b, num_experts, w)}
+
+
 @functools.lru_cache(maxsize=256)
 def _spec_parts(inputs: MemoryInputs) -> tuple[tuple[SpecMemory, ...], tuple[SpecMemory, ...], SpecMemory]:
-    """(the pre specs, the post specs, one transformer layer): what a stage can hold."""
-    return stage_parts(spec_memory(inputs, one_layer=True))
+    """(the pre specs, the post specs, one transformer layer): what a stage can hold. A mixture-of-experts model's
+    layers differ (those with experts, and their counts); it trains at pipeline size 1, so its one stage holds every
+    layer and its layer is their mean (`_mean_layer`): the stage's sums are exact."""
+    pre, post, layer = stage_parts(spec_memory(inputs, one_layer=True))
+    if inputs.model.is_moe:
+        layer = _mean_layer([sp for sp in spec_memory(inputs) if sp.group == "body"])
+    return pre, post, layer
+
+
+def _mean_layer(layers: list[SpecMemory]) -> SpecMemory:
+    """One spec whose sums over len(layers) copies are those of `layers` (largest tensors: the largest of them;
+    the saved-activation terms: the layer that saves the most, what one layer's recompute allocates)."""
+    n = len(layers)
+
+    def mean(attr: str) -> float:
+        return sum(getattr(sp, attr) for sp in layers) / n
+
+    most = max(layers, key=lambda sp: sp.activations)
+    return dataclasses.replace(
+        layers[0],
+        **{a: mean(a) for a in ("num_params", "params", "grads", "optimizer", "host", "checkpointed_activations")},
+        **{a: mean(a) for a in ("no_decay_params", "deferrable_params", "activations")},
+        **{
+            a: max(getattr(sp, a) for sp in layers)
+            for a in ("largest_param", "largest_deferrable", "largest_undeferred")
+        },
+        activation_terms=dict(most.activation_terms),
+    )
 
 
 def _deferrable(inputs: MemoryInputs, name: str, group: str) -> tuple[int, ...]:

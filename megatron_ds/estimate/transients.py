@@ -11,7 +11,7 @@ import functools
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.estimate import activation_memory as act
-from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.estimate import moe_costs, pipeline_schedules
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory
 from megatron_ds.estimate.model_states import (
     MASTER_BYTES,
@@ -86,6 +86,10 @@ def backward_transient(
         options.append((again + attention, "recomputing one layer's core attention of one micro-batch"))
     elif has_layers and not chunk:
         options.append((attention, "the core attention's backward (its probabilities' gradient)"))
+    if m.is_moe and inputs.expert_parallel_size > 1:  # DeepSpeed's _AllToAll: input and output both alive
+        most = max(m.experts_per_layer)
+        buffer = moe_costs.all_to_all_bytes(m, b, most, PRECISION_BYTES[inputs.precision])
+        options.append((2 * buffer, "an all-to-all's input and output of one mixture-of-experts layer's backward"))
     if last:
         t = inputs.tensor_parallel_size
         loss = act.loss_backward_transient(m, b, t, inputs.ulysses_size, PRECISION_BYTES[inputs.precision])

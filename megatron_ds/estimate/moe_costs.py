@@ -1,0 +1,99 @@
+"""A mixture-of-experts layer's MLP half on one rank: its capacity, the activations it saves, its FLOPs and its
+all-to-all traffic, read off DeepSpeed's MoE layer as installed (0.19.8, `deepspeed/moe/sharded_moe.py`,
+`experts.py`, `layer.py`) around our MLP (`megatron_ds.model.moe`). Pure: no torch.
+
+Per micro-batch a rank routes its own S = b s tokens (sequence-first, T = 1). The gate is an fp32 linear h -> E
+(`TopKGate.forward`: `input.float()`, `wg.weight.float()`) and a softmax; `_capacity` gives every expert
+C = max(ceil(k S / E x capacity factor), min capacity) slots (top-2 passes 2 x the factor). Without token dropping
+C is the most tokens any expert got, data-dependent: planned here as the balanced ceil(k S / E), which a skewed
+router exceeds. DeepSpeed 0.19.8 routes sparsely: `_sparse_encode` gathers the tokens into an (E, C, h) buffer
+(`index_select`, no matmul: the one-hot dispatch einsum of earlier releases, S x E x C x h multiply-adds each way,
+is gone), the first all-to-all over the E-rank expert-parallel group exchanges it, each of the E / EP local
+experts runs our MLP on its EP x C slots (all E x C slots are computed, empty ones too), the second all-to-all
+brings the outputs back and `_sparse_decode` gathers each token's k results and sums them weighted by the fp32
+gate values. Backward runs the two all-to-alls again. PR-MoE (`--mlp-type residual`) adds a dense MLP and a
+two-way softmax coefficient on the same tokens, and mixes the two outputs.
+
+Saved for backward (equal to the bytes the autograd graph of the layer's output and load-balancing loss keeps
+on CPU, tests/unit/test_plan_moe.py), w the compute
+dtype's bytes, f the FFN size, `saved_features` the activation's saved inputs per feature:
+  gate input, fp32 copy                4 S h    (and, in 16-bit, the gate weight's fp32 copy, 4 h E)
+  gate probabilities                   4 S E    (the softmax output)
+  route masks                          top-1: the int64 one-hot, 8 S E; top-2: two fp32 ones, 8 S E, and
+                                       the sum of each token's two gate values (the clamp's input), 4 S
+  load-balancing loss                  4 E (the routed share per expert) and 8 k (the int64 factors E, and E again
+                                       for top-2, it is multiplied by)
+  dispatch index                       8 (E C + 1)  (int64 slot sources, one scratch slot)
+  expert inputs                        E C h w, saved_features E C f w, E C f w  (fc1, activation, fc2)
+  combine                              k S h w (the gathered outputs), 4 k S (gates), 8 k S (slots)
+  PR-MoE                               2 S h w (the residual fc1's and the coefficient's contiguous copies of
+                                       the (s, b, h) input), saved_features S f w, S f w, 2 S w (the
+                                       coefficient softmax), 2 S h w (both mixed outputs)
+These replace the dense MLP's fc1 input, activation inputs and fc2 input; the norms, attention and residual
+dropout of the layer are the dense layer's.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.model import activations
+
+INDEX_BYTES = 8
+"""int64 indices (one-hot masks, slot sources)."""
+FP32 = 4
+
+
+def capacity(model: ModelConfig, tokens: int, num_experts: int) -> int:
+    """Slots per expert for `tokens` tokens on one rank (`sharded_moe._capacity`; balanced without dropping)."""
+    k = model.moe_top_k
+    if not model.moe_token_dropping:
+        return min(tokens, math.ceil(k * tokens / num_experts))
+    return max(math.ceil(tokens / num_experts * model.moe_train_capacity_factor * k), model.moe_min_capacity)
+
+
+def mlp_terms(model: ModelConfig, micro_batch_size: int, num_experts: int, w: int) -> dict[str, float]:
+    """Bytes one MoE layer's MLP half saves for one micro-batch on one rank (the module docstring's table)."""
+    s_tok = micro_batch_size * model.seq_length
+    h, f, e, k = model.hidden_size, model.ffn_hidden_size, num_experts, model.moe_top_k
+    slots = e * capacity(model, s_tok, e)
+    saved = activations.find(model.activation).saved_features
+    masks = INDEX_BYTES * s_tok * e if k == 1 else 2 * FP32 * s_tok * e + FP32 * s_tok
+    terms = {
+        "gate input (fp32)": FP32 * s_tok * h + (FP32 * h * e if w < FP32 else 0),
+        "gate probabilities": FP32 * s_tok * e,
+        "route masks": masks,
+        "load-balancing loss": FP32 * e + INDEX_BYTES * k,
+        "dispatch index": INDEX_BYTES * (slots + 1),
+        "expert fc1 inputs": slots * h * w,
+        f"expert {model.activation} inputs": saved * slots * f * w,
+        "expert fc2 inputs": slots * f * w,
+        "combine (gathered outputs, gates, slots)": k * s_tok * (h * w + FP32 + INDEX_BYTES),
+    }
+    if model.mlp_type == "residual":
+        terms["residual MLP"] = 2 * s_tok * h * w + saved * s_tok * f * w + s_tok * f * w
+        terms["residual mixing"] = 2 * s_tok * w + 2 * s_tok * h * w
+    return terms
+
+
+def mlp_flops(model: ModelConfig, micro_batch_size: int, num_experts: int, active: bool = False) -> dict[str, int]:
+    """Forward matmul FLOPs of one MoE layer's MLP half for one micro-batch on one rank: what runs (`active` False:
+    every one of the E x C slots, empty ones too), or what the tokens use (`active`: k experts per token, the model
+    FLOPs of the throughput line). Backward is twice each."""
+    s_tok = micro_batch_size * model.seq_length
+    h, f, e = model.hidden_size, model.ffn_hidden_size, num_experts
+    rows = model.moe_top_k * s_tok if active else e * capacity(model, s_tok, e)
+    fc1 = model.fc1_rows
+    out = {"gate": 2 * s_tok * h * e, "expert fc1": 2 * rows * h * fc1, "expert fc2": 2 * rows * f * h}
+    if model.mlp_type == "residual":
+        out.update(
+            {"residual fc1": 2 * s_tok * h * fc1, "residual fc2": 2 * s_tok * f * h, "coefficient": 4 * s_tok * h}
+        )
+    return out
+
+
+def all_to_all_bytes(model: ModelConfig, micro_batch_size: int, num_experts: int, w: int) -> float:
+    """Bytes one rank hands one of the layer's all-to-alls: its (E, C, h) buffer (two per forward, two per backward)."""
+    s_tok = micro_batch_size * model.seq_length
+    return num_experts * capacity(model, s_tok, num_experts) * model.hidden_size * w
