@@ -81,6 +81,12 @@ class Links:
         """Also an all-gather of the same total size."""
         return 0.0 if ranks <= 1 else (ranks - 1) / ranks * nbytes / self.bandwidth(within_node, ranks_per_node)
 
+    def all_to_all(self, nbytes: float, ranks: int, within_node: bool) -> float:
+        """Each of `ranks` ranks hands the others (r - 1) / r of its `nbytes` (nccl-tests' PERFORMANCE.md: an
+        all-to-all's bus bandwidth is its algorithm bandwidth x (n - 1) / n); across nodes each rank's share leaves
+        through its own adapter."""
+        return 0.0 if ranks <= 1 else (ranks - 1) / ranks * nbytes / self.bandwidth(within_node)
+
     def send(self, nbytes: float, within_node: bool) -> float:
         return nbytes / self.bandwidth(within_node)
 
@@ -93,6 +99,20 @@ class Placement:
     pp: int
     dp: int
     gpus_per_node: int
+
+    expert_parallel: int = 1
+    """E (`--moe-expert-parallel-size`): DeepSpeed's expert-parallel groups are E consecutive data-parallel ranks
+    (`groups._create_expert_and_data_parallel`), its expert-data-parallel groups the d / E ranks E apart."""
+
+    @property
+    def ep_within_node(self) -> bool:
+        """An expert-parallel group (E consecutive data-parallel ranks, stride t) fits one node."""
+        return self.tp * self.expert_parallel <= self.gpus_per_node
+
+    @property
+    def experts_data_parallel(self) -> Placement:
+        """Where an expert-data-parallel group sits: a data-parallel group of d / E ranks, E x t apart."""
+        return Placement(self.tp * self.expert_parallel, self.pp, self.dp // self.expert_parallel, self.gpus_per_node)
 
     @property
     def tp_within_node(self) -> bool:

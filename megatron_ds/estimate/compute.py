@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ds.config import ModelConfig
+from megatron_ds.estimate import moe_costs
 from megatron_ds.model import activations, naming, norms
 
 MATMUL = "matmul"
@@ -77,6 +78,9 @@ class ComputeInputs:
     ulysses_size: int = 1
     """N (DeepSpeed-Ulysses): every rank computes 1/N of every spec (its tokens outside attention, its heads
     over the whole sequence inside it). Megatron's sequence parallelism changes no FLOPs."""
+    active_experts: bool = False
+    """A mixture-of-experts layer's experts counted for the k experts each token uses (model FLOPs), not for every
+    one of the E x C capacity slots DeepSpeed computes (`moe_costs.mlp_flops`)."""
 
     def __post_init__(self) -> None:
         m, t = self.model, self.tensor_parallel_size
@@ -154,8 +158,9 @@ def _score_pairs(s: int, causal: bool) -> int:
     return s * (s + 1) // 2 if causal else s * s
 
 
-def layer_terms(inputs: ComputeInputs) -> tuple[Term, ...]:
-    """One transformer layer on one tensor rank (model/transformer.py, in execution order).
+def layer_terms(inputs: ComputeInputs, num_experts: int = 1) -> tuple[Term, ...]:
+    """One transformer layer on one tensor rank (model/transformer.py, in execution order); with `num_experts` > 1
+    its MLP is DeepSpeed's MoE layer (T = 1; `moe_costs.mlp_flops`: the gate, the experts, PR-MoE's residual MLP).
 
     At T = 1, multi-head attention and f = 4h these are Narayanan et al.'s terms: QKV 6nh^2, scores
     and attention over values 2nsh each, proj 2nh^2, MLP 16nh^2 (n = b s tokens).
@@ -182,6 +187,13 @@ def layer_terms(inputs: ComputeInputs) -> tuple[Term, ...]:
         _elementwise(act.name, act.elementwise_flops * n * f),  # gelu; or silu and * up
         _matmul("fc2", 2 * n * f * h),
     ]
+    if num_experts > 1:  # the dense fc1, activation and fc2 give way to the MoE layer's matmuls
+        terms = terms[:8] + [
+            _matmul(name, flops)
+            for name, flops in moe_costs.mlp_flops(
+                m, inputs.micro_batch_size, num_experts, inputs.active_experts
+            ).items()
+        ]
     if m.use_rotary_position_embeddings:
         terms.append(_elementwise("rotary", 3 * n * (nq + nkv) * hd))  # x cos + rotate_half(x) sin
     biased = {"qkv": (nq + 2 * nkv) * hd, "proj": h, "fc1": fc1, "fc2": h}  # output features on this rank
@@ -215,13 +227,14 @@ def _post_terms(inputs: ComputeInputs, name: str) -> tuple[Term, ...]:
 def spec_flops(inputs: ComputeInputs) -> tuple[SpecFlops, ...]:
     """Every spec in spec-index order (`naming.gpt_spec_groups`), then the loss (group `loss`)."""
     groups = naming.gpt_spec_groups(inputs.model)
-    layer = layer_terms(inputs)
+    experts = inputs.model.experts_per_layer
+    layers = {e: layer_terms(inputs, e) for e in set(experts)}  # a dense layer, and one per expert count
     n = inputs.ulysses_size
     out = []
     for idx, name in enumerate([*groups.names, groups.loss_name]):
         group = "loss" if idx == groups.num_specs else groups.group_of(idx)
         if group == "body":
-            terms = layer
+            terms = layers[experts[idx - len(groups.pre)]]
         elif group == "pre":
             terms = _pre_terms(inputs, name)
         else:
@@ -359,10 +372,14 @@ def model_flops_per_iteration(model: ModelConfig, global_batch_size: int, recomp
     GQA and SwiGLU terms and no recomputation; equal to this count, as the tests check).
     `recompute=True` adds one forward of every layer: the paper's eq. (3) with its factor 4.
     Tensor parallelism does not change the total (each rank computes 1/T).
+    A mixture-of-experts layer counts its active parameters: the gate, the k experts each token is routed to and
+    PR-MoE's residual MLP (`ComputeInputs.active_experts`), not the empty capacity slots DeepSpeed also computes.
+    Megatron-DeepSpeed's `throughput_calculator` (megatron/utils.py) counts `--topk` x the MLP on every layer, the
+    dense ones at `--expert-interval` 2 too, and no gate.
     """
-    inputs = ComputeInputs(model, micro_batch_size=1)
+    inputs = ComputeInputs(model, micro_batch_size=1, active_experts=True)
     specs = spec_flops(inputs)
     per_sample = sum(sp.matmul_forward + sp.matmul_backward for sp in specs)
     if recompute:
-        per_sample += model.num_layers * next(sp for sp in specs if sp.group == "body").matmul_forward
+        per_sample += sum(sp.matmul_forward for sp in specs if sp.group == "body")
     return global_batch_size * per_sample

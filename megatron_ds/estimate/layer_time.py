@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_ds.config import ModelConfig
+from megatron_ds.estimate import moe_costs
 from megatron_ds.estimate.communication import Links
 from megatron_ds.estimate.efficiency import Kernels
 from megatron_ds.estimate.run_features import FLASH, RunFeatures
@@ -175,12 +176,15 @@ def _attention(k: Kernels, sh: LayerShapes, features: RunFeatures, w: int, dropo
     return scores + values + k.memory(softmax), back_mm + k.memory(BACKWARD_MEMORY_RATIO * softmax)
 
 
-def _elementwise_bytes(model: ModelConfig, sh: LayerShapes, features: RunFeatures, tp: int, w: int) -> float:
-    """One forward's memory-bound bytes outside the attention core."""
+def _elementwise_bytes(
+    model: ModelConfig, sh: LayerShapes, features: RunFeatures, tp: int, w: int, mlp_rows: int | None = None
+) -> float:
+    """One forward's memory-bound bytes outside the attention core (`mlp_rows`: the rows the MLP's activation runs
+    over, the tokens, or a MoE layer's E x C slots)."""
     e = sh.tokens * sh.hidden / (tp if features.sequence_parallel else 1)
     norms = 2 * 2 * w * e
     residual = 2 * ((3 * w + 1) if features.fused_elementwise else (5 * w + 1)) * e
-    activation = (sh.fc1 + sh.ffn) * sh.tokens * w
+    activation = (sh.fc1 + sh.ffn) * (sh.tokens if mlp_rows is None else mlp_rows) * w
     rotary = 4 * sh.tokens * (sh.heads + sh.kv_heads) * sh.head_dim * w if model.use_rotary_position_embeddings else 0
     return norms + residual + activation + rotary
 
@@ -188,6 +192,30 @@ def _elementwise_bytes(model: ModelConfig, sh: LayerShapes, features: RunFeature
 def _tp_comm(links: Links, sh: LayerShapes, tp: int, w: int, count: int) -> float:
     """`count` all-reduces (or reduce-scatter + all-gather pairs) of one (n, h) activation over the tensor group."""
     return count * links.all_reduce(sh.tokens * sh.hidden * w, tp, within_node=True)
+
+
+def _moe_mlp(
+    model: ModelConfig, sh: LayerShapes, num_experts: int, w: int, kernels: Kernels, links: Links, a2a: tuple[int, bool]
+) -> tuple[LinearTimes, float, float, int]:
+    """A MoE layer's MLP half (module docstring of `estimate/moe_costs.py`): (its matmuls, the memory-bound bytes of
+    one forward besides the activation, the seconds of one all-to-all, the activation's rows E x C). The gate is an
+    fp32 linear over the tokens; each of the E / EP local experts runs its MLP over its EP x C slots; the dispatch
+    gathers E C h elements into the slots, the combine gathers k S h and sums them weighted in fp32; PR-MoE's
+    residual MLP and coefficient run over the tokens. `a2a`: (EP, the group within a node)."""
+    n, h, ep = sh.tokens, sh.hidden, a2a[0]
+    k, local = model.moe_top_k, num_experts // ep
+    rows = num_experts * moe_costs.capacity(model, n, num_experts)
+    expert = [_linear(kernels, rows // local, h, sh.fc1, w), _linear(kernels, rows // local, sh.ffn, h, w)]
+    parts = [_linear(kernels, n, h, num_experts, moe_costs.FP32)] + [x for x in expert for _ in range(local)]
+    if model.mlp_type == "residual":
+        parts += [_linear(kernels, n, h, sh.fc1, w), _linear(kernels, n, sh.ffn, h, w), _linear(kernels, n, h, 2, w)]
+    total = LinearTimes(*(sum(getattr(x, a) for x in parts) for a in ("forward", "input_grad", "weight_grad")))
+    gate_copy = n * h * (w + moe_costs.FP32)  # the tokens' fp32 copy for the gate
+    dispatch = 2 * rows * h * w
+    combine = k * n * h * w + n * h * (2 * moe_costs.FP32 + w)  # gathered outputs; weighted fp32 sum, cast back
+    mixing = 3 * n * h * w if model.mlp_type == "residual" else 0
+    one = links.all_to_all(moe_costs.all_to_all_bytes(model, sh.batch, num_experts, w), ep, a2a[1])
+    return total, gate_copy + dispatch + combine + mixing, one, rows
 
 
 def layer_times(
@@ -199,8 +227,12 @@ def layer_times(
     links: Links,
     features: RunFeatures,
     attention_dropout: bool = True,
+    num_experts: int = 1,
+    all_to_all: tuple[int, bool] = (1, True),
 ) -> PassTimes:
-    """One transformer layer (w: bytes per activation element)."""
+    """One transformer layer (w: bytes per activation element); with `num_experts` > 1 a MoE layer (T = 1) whose
+    tokens reach their experts by two all-to-alls per pass over the expert-parallel group (`all_to_all`: its size
+    and whether it sits in one node), exposed (DeepSpeed runs them between the gate and the experts)."""
     sh = LayerShapes.of(model, micro_batch_size, tp)
     n, h = sh.tokens, sh.hidden
     shapes = [  # (d_in, d_out, column-parallel)
@@ -209,23 +241,35 @@ def layer_times(
         (h, sh.fc1, True),
         (sh.ffn, h, False),
     ]
+    moe = _moe_mlp(model, sh, num_experts, w, kernels, links, all_to_all) if num_experts > 1 else None
+    if moe is not None:
+        shapes = shapes[:2]
     if features.tp_overlap and features.sequence_parallel and tp > 1:
         one = links.reduce_scatter(n * h * w, tp, within_node=True)
         linears = [_overlapped_linear(kernels, n, a, b, w, tp, col, one) for a, b, col in shapes]
     else:
         linears = [_linear(kernels, n, a, b, w) for a, b, _ in shapes]
+    linears += [moe[0]] if moe is not None else []
     mm_f, mm_b = sum(x.forward for x in linears), sum(x.backward for x in linears)
     at_f, at_b = _attention(kernels, sh, features, w, attention_dropout)
-    mem = _elementwise_bytes(model, sh, features, tp, w)
+    mem = _elementwise_bytes(model, sh, features, tp, w, moe[3] if moe else None) + (moe[1] if moe else 0.0)
     me_f, me_b = kernels.memory(mem), kernels.memory(BACKWARD_MEMORY_RATIO * mem)
     comm = _tp_comm(links, sh, tp, w, 2)
     tp_f = max(0.0, comm - mm_f) if features.tp_overlap else comm
     tp_b = max(0.0, comm - mm_b) if features.tp_overlap else comm
-    forward = mm_f + at_f + me_f + tp_f
+    a2a = 2 * moe[2] if moe else 0.0  # two all-to-alls each pass
+    forward = mm_f + at_f + me_f + tp_f + a2a
     parts = {"matmul": mm_f + mm_b, "attention": at_f + at_b, "memory": me_f + me_b, "tp-comm": tp_f + tp_b}
+    if moe is not None:
+        parts["all-to-all"] = 2 * a2a
     weight = sum(x.weight_grad for x in linears)
     return PassTimes(
-        forward, mm_b + at_b + me_b + tp_b, recompute=forward, attention_recompute=at_f, weight=weight, parts=parts
+        forward,
+        mm_b + at_b + me_b + tp_b + a2a,
+        recompute=forward,
+        attention_recompute=at_f,
+        weight=weight,
+        parts=parts,
     )
 
 

@@ -80,6 +80,11 @@ class StepInputs:
     checkpoint_num_layers: int = 1
     virtual_stages: int = 1
     """Model chunks per rank v (the interleaved schedule; 1 otherwise)."""
+    expert_parallel_size: int = 1
+    """E (a mixture-of-experts model): each MoE layer's all-to-alls run over E consecutive data-parallel ranks."""
+    stage_expert_params: tuple[int, ...] = ()
+    """Of `stage_params`, the experts' on each rank (empty: none): their gradients are reduced, and their optimizer
+    state partitioned, over the d / E ranks of the expert-data-parallel group."""
 
     @property
     def pp(self) -> int:
@@ -170,22 +175,33 @@ def _stage_passes(
     """Per flat stage: one micro-batch's forward and backward (recomputation included), the slowest rank's
     parts (its chunks together), and the weight-gradient part of each backward; pre on flat stage 0, post on the last."""
     w = PRECISION_BYTES[inp.precision]
-    layer = layer_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links, features, inp.attention_dropout)
+    place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node, inp.expert_parallel_size)
+    experts = inp.model.experts_per_layer
+    kinds = {
+        n: layer_times(
+            inp.model, inp.micro_batch_size, inp.tp, w, kernels, links, features, inp.attention_dropout,
+            num_experts=n, all_to_all=(inp.expert_parallel_size, place.ep_within_node),
+        )
+        for n in sorted(set(experts))
+    }  # fmt: skip
     pre = pre_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links)
     post = post_times(inp.model, inp.micro_batch_size, inp.tp, w, kernels, links, features)
     forward, backward, weight, flat_parts = [], [], [], []
     p = inp.num_flat
     interval = inp.checkpoint_num_layers if inp.checkpoint_activations else 0
+    keys = list(dict.fromkeys(key for t in kinds.values() for key in t.parts))
     for s, k in enumerate(inp.layers_per_stage):
-        held: list[tuple[PassTimes, int]] = [(layer, k)]
-        held += [(pre, 1)] if s == 0 else []
-        held += [(post, 1)] if s == p - 1 else []
+        first = sum(inp.layers_per_stage[:s])  # flat stages hold the layers in order
+        counts = [experts[first : first + k].count(n) for n in kinds]
+        layers: list[tuple[PassTimes, int]] = [(t, c) for t, c in zip(kinds.values(), counts) if c]
+        held = layers + ([(pre, 1)] if s == 0 else []) + ([(post, 1)] if s == p - 1 else [])
         again = recomputed_layers(1 if s == 0 else 0, k, 1 if s == p - 1 else 0, interval)
-        redo = again * layer.recompute + (k * layer.attention_recompute if inp.selective_recompute else 0.0)
+        mean = sum(t.recompute * c for t, c in layers) / k if k else 0.0  # the recomputed layers' average
+        redo = again * mean + (sum(t.attention_recompute * c for t, c in layers) if inp.selective_recompute else 0.0)
         forward.append(sum(t.forward * n for t, n in held))
         backward.append(sum(t.backward * n for t, n in held) + redo)
         weight.append(sum(t.weight * n for t, n in held))
-        flat_parts.append({key: sum(t.parts.get(key, 0.0) * n for t, n in held) for key in layer.parts})
+        flat_parts.append({key: sum(t.parts.get(key, 0.0) * n for t, n in held) for key in keys})
         flat_parts[-1]["recompute"] = redo
     ranks, v = inp.pp, inp.virtual_stages
     busy = [sum(forward[c * ranks + r] + backward[c * ranks + r] for c in range(v)) for r in range(ranks)]
@@ -201,18 +217,27 @@ def _dp_times(
     """Per rank: the exposed reduction after the last backward, and the exposure added to each micro-batch's
     passes (ZeRO-2/3; `forward` and `backward`, per flat stage, are updated: with v chunks a rank's passes of
     one micro-batch are its chunks' together, the exposure lands on chunk 0, whose backward runs last)."""
-    place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node)
+    place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node, inp.expert_parallel_size)
     inside, d, w = place.dp_within_node, inp.dp, PRECISION_BYTES[inp.precision]
     g = place.dp_ranks_per_node
     partitioned = features.partitioned_optimizer or inp.zero_stage >= 1
     p, v = inp.pp, inp.virtual_stages
     out, per_mb = [], []
-    for r, params in enumerate(inp.stage_params):
+    experts = inp.stage_expert_params or (0,) * len(inp.stage_params)
+    ed = place.experts_data_parallel  # the experts' state: over d / E ranks, E apart
+    for r, (params, expert) in enumerate(zip(inp.stage_params, experts)):
         chunks = [c * p + r for c in range(v)]
         rank_forward, rank_backward = sum(forward[i] for i in chunks), sum(backward[i] for i in chunks)
-        grads = params * features.grad_bytes
-        gather = links.reduce_scatter(params * w, d, inside, g) if partitioned else 0.0
-        reduce = links.reduce_scatter(grads, d, inside, g) if partitioned else links.all_reduce(grads, d, inside, g)
+        dense, fb = params - expert, features.grad_bytes
+        gather = links.reduce_scatter(dense * w, d, inside, g) if partitioned else 0.0
+        if partitioned:
+            reduce = links.reduce_scatter(dense * fb, d, inside, g)
+        else:
+            reduce = links.all_reduce(dense * fb, d, inside, g)
+        if expert:
+            e_args = (ed.dp, ed.dp_within_node, ed.dp_ranks_per_node)
+            gather += links.reduce_scatter(expert * w, *e_args) if partitioned else 0.0
+            reduce += (links.reduce_scatter if partitioned else links.all_reduce)(expert * fb, *e_args)
         if features.dp_mode == DP_OVERLAP_EACH or inp.zero_stage >= 2:
             exposed = max(0.0, reduce - rank_backward) + (2 * gather if inp.zero_stage == 3 else 0.0)
             backward[r] += exposed - (gather if inp.zero_stage == 3 else 0.0)
@@ -235,8 +260,9 @@ def _optimizer_times(inp: StepInputs, kernels: Kernels, features: RunFeatures) -
     w = PRECISION_BYTES[inp.precision]
     partitioned = features.partitioned_optimizer or inp.zero_stage >= 1
     out = []
-    for params in inp.stage_params:
-        updated = params / inp.dp if partitioned else params
+    experts = inp.stage_expert_params or (0,) * len(inp.stage_params)
+    for params, expert in zip(inp.stage_params, experts):  # the experts' partitions over d / E ranks
+        updated = (params - expert) / inp.dp + expert / (inp.dp // inp.expert_parallel_size) if partitioned else params
         state_bytes = ADAM_BYTES_FP32_STATES + (w if w < 4 else 0)  # the 16-bit copy written back
         out.append(kernels.memory(updated * state_bytes + params * 4))  # + the norm's read of every gradient
     return out

@@ -36,6 +36,7 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
         sequence_parallel=cand.sequence_parallel,
         pipeline_schedule=cand.inputs.schedule,
         virtual_stages=cand.virtual_stages,
+        expert_parallel_size=cand.expert_parallel_size,
     )
     offload, params_to = cand.offload_optimizer, cand.offload_param
     training = TrainingConfig(
@@ -54,11 +55,14 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
         offload_param=params_to,
         offload_nvme_path=NVME_PATH_PLACEHOLDER if "nvme" in (offload, params_to) else None,
     )
+    model = res.model(cand.tp)
+    # ZeRO's optimizer takes a MoE model's experts in groups of their own (Config._check_experts)
+    moe_groups = model.is_moe and (cand.zero_stage > 0 or bool(res.raw.create_moe_param_group))
     return Config(
-        model=res.model(cand.tp),
+        model=model,
         parallel=parallel,
         training=training,
-        optimizer=OptimizerConfig(lr=res.lr or DEFAULT_LR),
+        optimizer=OptimizerConfig(lr=res.lr or DEFAULT_LR, create_moe_param_group=moe_groups),
     )
 
 
@@ -91,6 +95,10 @@ def command_flags(config: Config, vocab_size: int) -> list[str]:
         "--zero-stage",
         t.zero_stage,
     ]
+    if m.is_moe:
+        flags += ["--moe-expert-parallel-size", par.expert_parallel_size]
+    if config.optimizer.create_moe_param_group:
+        flags.append("--create-moe-param-group")
     if t.precision != "fp32":
         flags.append(f"--{t.precision}")
     if par.pp_dedicated_embedding_stages != "none":

@@ -170,6 +170,8 @@ class Resolved:
     headroom: float
     schedule: tuple[str | None, int | None] = (None, None)
     """The pipeline schedule and its chunks per rank the flags fix (`fixed_schedule`); None: the planner chooses."""
+    expert_parallel_size: int = 1
+    """A mixture-of-experts plan's expert-parallel size (the search sets each it tries, `plan/experts.py`)."""
     run_features: Any = None
     """The training software the step is priced for (`estimate.run_features.RunFeatures`); None: what
     pretrain_gpt.py runs. benchmarks/planner_vs_published.py sets Megatron's."""
@@ -280,6 +282,7 @@ def resolve(raw: PlanInputs) -> Resolved:
         lr=preset.lr if preset else None,
         headroom=headroom,
         schedule=fixed_schedule(raw),
+        expert_parallel_size=raw.moe_expert_parallel_size or 1,
     )
 
 

@@ -6,6 +6,7 @@ The configurations themselves and their pricing are `plan/search.py`'s."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +201,8 @@ def time_bound(
     one that needs no costs (the default partition, a dedicated mode: what the search prices), no run of that
     method's layout steps faster either (`estimate/step_time.layout_bound`: its slowest rank's passes)."""
     dp = res.num_gpus // (t * p)
+    if res.model().is_moe:
+        return 0.0  # the bound prices dense layers; a MoE plan's few configurations (t = p = 1) are all priced
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
     m = _num_micro_batches(res, t, p, mb)
     run = res.run_features or timing.features(zero, precision, sequence_parallel_at(res, t))
@@ -252,8 +255,12 @@ class Tried:
 
 
 def config_key(c: Candidate) -> tuple:
-    """What the refinement keeps: degrees, micro-batch, recomputation, ZeRO and offload."""
-    return (c.tp, c.pp, c.micro_batch_size, c.recompute, c.zero_stage, c.offload_optimizer, c.offload_param)
+    """What the refinement keeps: degrees (the expert-parallel size too), micro-batch, recomputation, ZeRO and
+    offload."""
+    return (
+        c.tp, c.pp, c.micro_batch_size, c.recompute, c.zero_stage, c.offload_optimizer, c.offload_param,
+        c.expert_parallel_size,
+    )  # fmt: skip
 
 
 def alternatives(res: Resolved, top: Candidate) -> list[Tried]:
@@ -284,6 +291,7 @@ def retimed(res: Resolved, tried: list[Tried], schedule: tuple[str, int]) -> lis
 
 def _try(res: Resolved, top: Candidate, method: str, schedule: tuple[str, int], time_misses: bool) -> Tried:
     """`top`'s degrees, batch, recomputation and ZeRO under `method` and `schedule`."""
+    res = dataclasses.replace(res, expert_parallel_size=top.expert_parallel_size)
     try:
         cand = evaluate(
             res, top.tp, top.pp, top.micro_batch_size, top.zero_stage, top.precision,

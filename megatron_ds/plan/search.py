@@ -41,6 +41,7 @@ from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
 from megatron_ds.estimate.memory_model import rank_memory_for, stage_memory, stage_memory_for
 from megatron_ds.estimate.step_simulator import bubble_ratio, idle_fraction
 from megatron_ds.estimate.step_time import StepInputs, StepTime
+from megatron_ds.model import shapes
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.costs import StageTime
@@ -148,8 +149,13 @@ class Candidate:
 
     @property
     def engine(self) -> str:
-        """DeepSpeed's `pipeline` engine (ZeRO 0/1, any P) or its `plain` one (ZeRO 2/3, P = 1)."""
-        return "plain" if self.zero_stage >= 2 else "pipeline"
+        """DeepSpeed's `pipeline` engine (ZeRO 0/1, any P) or its `plain` one (ZeRO 2/3, mixture of experts; P = 1)."""
+        return self.inputs.engine
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """E: the ranks that share out each MoE layer's experts (1 for a dense model)."""
+        return self.inputs.expert_parallel_size
 
     @property
     def host_per_gpu(self) -> float:
@@ -252,8 +258,10 @@ def evaluate(
     `max_visits` limits an exact layout search (`layout_for`)."""
     dp = res.num_gpus // (tp * pp)
     sequence_parallel = sequence_parallel_at(res, tp)
+    model = res.model(tp)
+    ep = res.expert_parallel_size if model.is_moe else 1
     inputs = MemoryInputs(
-        model=res.model(tp),
+        model=model,
         micro_batch_size=mb,
         num_micro_batches=res.global_batch_size // (mb * dp),
         precision=precision,
@@ -267,9 +275,10 @@ def evaluate(
         sequence_parallel=sequence_parallel,
         offload_optimizer=offload,
         offload_param=offload_param,
-        engine="plain" if zero >= 2 else "pipeline",
+        engine="plain" if zero >= 2 or model.is_moe else "pipeline",
         schedule=schedule,
         virtual_stages=virtual_stages,
+        expert_parallel_size=ep,
     )
     layout = layout_for(res, tp, pp, method, inputs, max_visits)
     flops = flop_stage_time(inputs, layout.num_stages)
@@ -315,6 +324,8 @@ def evaluate(
         schedule=inputs.schedule,
         attention_dropout=inputs.regularization.attention_dropout > 0,
         virtual_stages=virtual_stages,
+        expert_parallel_size=ep,
+        stage_expert_params=(sum(s.expert_params for s in shapes.gpt_spec_params(model, tp, ep)),) if ep > 1 else (),
     )
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
     cand = Candidate(
@@ -357,6 +368,8 @@ def recompute_modes(raw: object) -> list[str]:
 def degree_pairs(res: Resolved) -> list[tuple[int, int]]:
     """(t, p) pairs in preference order: smallest t*p, then larger t."""
     raw, dims = res.raw, res.dims
+    if res.model().is_moe:  # pretrain_gpt.py trains experts at t = p = 1 only (plan/experts.py)
+        return [(1, 1)]
     ts = (
         [raw.tensor_model_parallel_size]
         if raw.tensor_model_parallel_size
@@ -407,6 +420,7 @@ def states_lower_bound(
         tensor_parallel_size=t,
         offload_optimizer=offload,
         offload_param=offload_param,
+        expert_parallel_size=res.expert_parallel_size,
     )
     whole = stage_memory_for(inputs, 0, 1, res.dims["num_layers"])
     return whole.model_states / p

@@ -12,12 +12,14 @@ configuration that fits without it.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass, field
 
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.zero_time import INTERCONNECT, LINKS, Links, step_overheads
+from megatron_ds.plan import experts
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.ranking import (
@@ -182,10 +184,7 @@ class Choice:
         """The fastest configuration that differs from the choice in degrees, micro-batch, recomputation, ZeRO or
         offload."""
 
-        def key(c: Candidate) -> tuple:
-            return c.tp, c.pp, c.micro_batch_size, c.recompute, c.zero_stage, c.offload_optimizer, c.offload_param
-
-        return next((c for c in self.ranked[1:] if key(c) != key(self.candidate)), None)
+        return next((c for c in self.ranked[1:] if config_key(c) != config_key(self.candidate)), None)
 
 
 def choose_all(res: Resolved, precision: str) -> Choice:
@@ -204,6 +203,8 @@ def choose_all(res: Resolved, precision: str) -> Choice:
 
 
 def _choose_all(res: Resolved, precision: str) -> Choice:
+    if res.model().is_moe:
+        return _choose_experts(res, precision)
     search = Search(res, precision)
     ranked: list[Candidate] = []
     if res.raw.zero_stage in (None, 0, 1) and search.best(None, degree_pairs(res)) is not None:
@@ -221,6 +222,31 @@ def _choose_all(res: Resolved, precision: str) -> Choice:
     raise PlanError(
         no_fit_message(res, search.closest, search.bounds, search.batch_ok, also_tried(res), search.unreplayed)
     )
+
+
+def _choose_experts(res: Resolved, precision: str) -> Choice:
+    """A mixture-of-experts model: t = p = 1 on the plain engine, every expert-parallel size (a divisor of every
+    expert count and of the GPUs) under ZeRO 0, 1 and 2 (what `--zero-stage` leaves open), by predicted step."""
+    ranked: list[Candidate] = []
+    tried: dict = {}
+    closest: Candidate | None = None
+    bounds: list = []
+    batch_ok = False
+    fixed = res.raw.moe_expert_parallel_size
+    for ep in experts.expert_parallel_sizes(res.model(), res.num_gpus, fixed):
+        search = Search(dataclasses.replace(res, expert_parallel_size=ep), precision)
+        for zero in experts.MOE_ZERO_STAGES:
+            if res.raw.zero_stage in (None, zero) and search.best(ZeroOption(zero), [(1, 1)]) is not None:
+                ranked += search.ranked
+        tried.update(search.tried)
+        batch_ok = batch_ok or search.batch_ok
+        bounds += search.bounds
+        if search.closest is not None and (closest is None or search.closest.peak.total < closest.peak.total):
+            closest = search.closest
+    if ranked:
+        return Choice(sorted(ranked, key=rank_key), tried)
+    also = ("recomputation",) if "full" in recompute_modes(res.raw) else ()
+    raise PlanError(no_fit_message(res, closest, bounds, batch_ok, (*also, "every expert-parallel size")))
 
 
 def also_tried(res: Resolved) -> tuple[str, ...]:
