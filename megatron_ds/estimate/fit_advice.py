@@ -259,6 +259,12 @@ REMEDIES: tuple[Remedy, ...] = (
 REBALANCE_COST = "none in memory or communication; stage times become unequal"
 
 
+def trains(inputs: MemoryInputs) -> bool:
+    """pretrain_gpt.py trains a changed run: not ZeRO-3 or Ulysses with a mixture-of-experts model
+    (`Config._check_experts`)."""
+    return not (inputs.model.is_moe and (inputs.zero_stage > 2 or inputs.ulysses_size > 1))
+
+
 def least_memory(inputs: MemoryInputs, num_stages: int) -> float:
     """The smallest largest-stage memory any split of the layers over `num_stages` needs (exact)."""
     n = inputs.model.num_layers
@@ -359,7 +365,7 @@ def ranked_changes(
             found.append(Change(name, flags, base - rebuilt[0], REBALANCE_COST, 0, rebuilt[0]))
     for remedy in REMEDIES:
         changed = remedy.change(inputs)
-        if changed is None or (remedy.single_stage and layout.num_stages > 1):
+        if changed is None or (remedy.single_stage and layout.num_stages > 1) or not trains(changed):
             continue
         if remedy.same_layout:
             saving = base - _peak(changed, layout)
@@ -408,7 +414,10 @@ def fitting_combination(
     `REMEDIES` (halving the micro-batch may come twice), one or two of them with the layout method
     `rebalance`. Cheapest: `_cheapness`, then the smaller fullest stage. None when none of these fits."""
     usable = [
-        r for r in REMEDIES if r is not ONE_BIT and not (r.single_stage and layout.num_stages > 1) and r.change(inputs)
+        r
+        for r in REMEDIES
+        if r is not ONE_BIT and not (r.single_stage and layout.num_stages > 1) and r.change(inputs)
+        if trains(r.change(inputs))
     ]
     combos: list[tuple[Remedy, ...]] = [(r,) for r in usable] + _pairs(usable)
     methods = [method] + ([rebalance] if rebalance and rebalance != method and layout.num_stages > 1 else [])

@@ -35,7 +35,13 @@ def pipeline_section(ctx: Context) -> Section:
     sec = Section("pipeline", "Pipeline and tensor parallelism")
     sec.add(
         f"Degrees: tensor parallel {plan.tp} x pipeline parallel {plan.pp} x data parallel {plan.dp} = "
-        f"{res.num_gpus} GPU{'s' if res.num_gpus != 1 else ''}.",
+        f"{res.num_gpus} GPU{'s' if res.num_gpus != 1 else ''}"
+        + (
+            f"; expert parallel {plan.expert_parallel_size} (each MoE layer's experts shared out over "
+            f"{plan.expert_parallel_size} consecutive data-parallel ranks, reached by all-to-alls)."
+            if plan.inputs.model.is_moe
+            else "."
+        ),
         f"Batch: global {res.global_batch_size} = micro-batch {plan.micro_batch_size} x {plan.num_micro_batches} "
         f"micro-batches (gradient accumulation steps) x data parallel {plan.dp}.",
         f"Precision {plan.precision}, ZeRO-{plan.zero_stage}{_offload_text(plan)}, activation recomputation "

@@ -15,6 +15,7 @@ PART_NAMES = {
     "memory": "memory-bound kernels",
     "tp-comm": "tensor-parallel communication",
     "recompute": "recomputation",
+    "all-to-all": "expert-parallel all-to-all",
 }
 
 
@@ -23,7 +24,9 @@ def describe(c: Candidate) -> str:
     zero = f"ZeRO-{c.zero_stage}" + (f", optimizer on {c.offload_optimizer}" if c.offload_optimizer != "none" else "")
     zero += f", parameters on {c.offload_param}" if c.offload_param != "none" else ""
     return (
-        f"t={c.tp} p={c.pp} d={c.dp}, micro-batch {c.micro_batch_size}, recompute "
+        f"t={c.tp} p={c.pp} d={c.dp}"
+        + (f" E={c.expert_parallel_size}" if c.inputs.model.is_moe else "")
+        + f", micro-batch {c.micro_batch_size}, recompute "
         f"{c.recompute_label}" + (", sequence parallel" if c.sequence_parallel else "") + f", {zero}"
     )
 

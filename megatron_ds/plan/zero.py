@@ -180,6 +180,14 @@ def zero_section(ctx: Context) -> Section:
         f"  CPU offload: {text['cpu-offload']}.",
         f"  NVMe offload: {text['nvme-offload']}.",
     )
+    if res.model().is_moe:
+        sec.add(
+            "Mixture of experts: the rows above hold every expert on every GPU (expert-parallel size 1); pretrain_gpt.py "
+            "trains experts with ZeRO 0-2 at t = p = 1 on DeepSpeed's plain engine (ZeRO-3 is refused), so the plan "
+            "below is chosen among those, at every expert-parallel size (each rank then holds experts / E of each MoE "
+            "layer, their optimizer state partitioned over the d / E ranks holding the same experts); offload is not "
+            "planned for it."
+        )
     sec.data = {
         "parameters": psi,
         "activation_bytes": act,

@@ -4,6 +4,7 @@ trainer's own refusals, and what a MoE plan prices and prints."""
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 import pytest
 import torch
@@ -12,14 +13,22 @@ from megatron_ds.config import RegularizationConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import moe_costs
+from megatron_ds.estimate.communication import Links
+from megatron_ds.estimate.compute import model_flops_per_iteration
+from megatron_ds.estimate.devices import find_device
+from megatron_ds.estimate.efficiency import Kernels
+from megatron_ds.estimate.layer_time import layer_times
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import spec_memory, stage_memory_for
+from megatron_ds.estimate.run_features import deepspeed_features
+from megatron_ds.estimate.step_time import StepInputs, StepTime, predict_step
 from megatron_ds.flags import BY_NAME
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.model.gpt_pipe import build_layer_specs
-from megatron_ds.plan import command_line
+from megatron_ds.plan import command_line, ds_json
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import resolve
+from megatron_ds.plan.zero_options import choose_all
 from megatron_ds.testing.saved_tensors import graph_bytes
 from megatron_ds.testing.scenario import tiny_config
 
@@ -117,3 +126,111 @@ def test_the_one_stage_holds_every_layers_parameters_states_and_activations() ->
     for attr in ("params", "grads", "optimizer"):
         assert getattr(stage, attr) == pytest.approx(sum(getattr(s, attr) for s in held)), attr
     assert stage.activation_per_micro_batch == pytest.approx(sum(s.activations for s in held))
+
+
+# --- FLOPs and step time ----------------------------------------------------------------------------------------
+
+
+def _megatron_deepspeed_flops(m, batch: int) -> int:
+    """Megatron-DeepSpeed 4efb479's throughput_calculator (megatron/utils.py) without recomputation, MHA, GeLU."""
+    s, h, layers, v = m.seq_length, m.hidden_size, m.num_layers, m.vocab_size
+    macs = batch * layers * 4 * h * h * s + batch * layers * 2 * h * s * s
+    macs += batch * layers * 2 * m.ffn_hidden_size * h * s * m.moe_top_k + batch * v * h * s
+    return 3 * 2 * macs
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_model_flops_count_the_active_experts_and_the_gate(top_k: int) -> None:
+    """Every layer with experts (--expert-interval 1): Megatron-DeepSpeed's count (--topk x the MLP) plus the gate's
+    three h x E matmuls per token; the empty capacity slots are not model FLOPs."""
+    m = dataclasses.replace(TINY_MOE, expert_interval=1, moe_top_k=top_k, moe_train_capacity_factor=2.0)
+    gate = 3 * 2 * m.seq_length * m.hidden_size * 4 * m.num_layers
+    assert model_flops_per_iteration(m, 8) == 8 * gate + _megatron_deepspeed_flops(m, 8)
+    dense = dataclasses.replace(m, num_experts=(1,))
+    assert model_flops_per_iteration(dense, 8) == _megatron_deepspeed_flops(dataclasses.replace(dense, moe_top_k=1), 8)
+
+
+def test_the_experts_compute_every_capacity_slot() -> None:
+    m = dataclasses.replace(TINY_MOE, moe_train_capacity_factor=2.0, moe_min_capacity=0)
+    b, s_tok, h, f = 3, 3 * m.seq_length, m.hidden_size, m.ffn_hidden_size
+    runs = moe_costs.mlp_flops(m, b, 4)
+    assert runs["expert fc1"] == 2 * (4 * 24) * h * f == 2 * runs["expert fc2"] // 2  # E x C = 4 x 24 = 2 x tokens
+    assert moe_costs.mlp_flops(m, b, 4, active=True)["expert fc1"] == 2 * s_tok * h * f
+    assert runs["gate"] == 2 * s_tok * h * 4
+
+
+def test_each_pass_of_a_moe_layer_runs_two_all_to_alls_over_the_expert_parallel_group() -> None:
+    m = dataclasses.replace(
+        TINY_MOE,
+        hidden_size=1024,
+        num_attention_heads=8,
+        ffn_hidden_size=4096,
+        seq_length=1024,
+        max_position_embeddings=1024,
+    )
+    kernels, links = Kernels.for_device(find_device("H100-SXM"), "bf16"), Links.for_device(find_device("H100-SXM"), 8)
+    run = deepspeed_features(0, 2)
+    one = links.all_to_all(moe_costs.all_to_all_bytes(m, 2, 4, 2), 4, True)
+    assert one == pytest.approx(3 / 4 * 4 * moe_costs.capacity(m, 2048, 4) * 1024 * 2 / links.bandwidth(True))
+    ep1 = layer_times(m, 2, 1, 2, kernels, links, run, num_experts=4, all_to_all=(1, True))
+    ep4 = layer_times(m, 2, 1, 2, kernels, links, run, num_experts=4, all_to_all=(4, True))
+    assert ep1.parts["all-to-all"] == 0 and ep4.parts["all-to-all"] == pytest.approx(4 * one)
+    across = layer_times(m, 2, 1, 2, kernels, links, run, num_experts=4, all_to_all=(4, False))
+    far = links.all_to_all(moe_costs.all_to_all_bytes(m, 2, 4, 2), 4, False)  # the group leaves the node
+    assert far > one and across.parts["all-to-all"] == pytest.approx(4 * far)
+    assert across.forward - ep4.forward == pytest.approx(2 * (far - one))  # two in the forward, the same matmuls
+    assert across.backward - ep4.backward == pytest.approx(2 * (far - one))
+
+
+def test_the_experts_gradients_are_reduced_over_the_expert_data_parallel_group() -> None:
+    m = dataclasses.replace(
+        TINY_MOE,
+        hidden_size=1024,
+        num_attention_heads=8,
+        ffn_hidden_size=4096,
+        seq_length=1024,
+        max_position_embeddings=1024,
+    )
+    device = find_device("H100-SXM")
+    kernels, links, run = Kernels.for_device(device, "bf16"), Links.for_device(device, 8), deepspeed_features(1, 2)
+
+    def step(ep: int, experts: int) -> StepTime:
+        inp = StepInputs(
+            m, (4,), (10**9,), 1, 4, 1, 16, "bf16", 1, False, 8, expert_parallel_size=ep,
+            stage_expert_params=(experts,) if experts else (),
+        )  # fmt: skip
+        return predict_step(inp, kernels, links, run)
+
+    # half the parameters are experts: their reduce-scatter runs over 4 ranks, 4 apart (two per node), not 16
+    dense, moe = step(4, 0), step(4, 5 * 10**8)
+    assert moe.reduce_grads[0] != dense.reduce_grads[0] and moe.optimizer[0] > dense.optimizer[0]
+    assert step(1, 0).optimizer == dense.optimizer  # without expert parameters E changes no optimizer step
+
+
+# --- the search and its command ------------------------------------------------------------------------------------
+
+
+def test_a_moe_plan_is_t_p_1_with_an_expert_parallel_size_dividing_experts_and_gpus_and_its_command_trains() -> None:
+    _, given, _ = command_line.parse(
+        ["--model", "1.3b", "--num-gpus", "16", "--gpu", "A100-80GB", "--num-experts", "8"]
+    )
+    res = resolve(given)
+    choice = choose_all(res, "bf16")
+    top = choice.candidate
+    assert (top.tp, top.pp, top.dp) == (1, 1, 16) and top.zero_stage in (0, 1, 2) and top.engine == "plain"
+    assert 8 % top.expert_parallel_size == 0 and top.time is not None and top.time.parts["all-to-all"] >= 0
+    assert all(c.tp == c.pp == 1 and c.zero_stage < 3 and c.offload_optimizer == "none" for c in choice.ranked)
+    assert choice.runner_up is not None
+    config = ds_json.plan_config(res, top)
+    text = ds_json.command_line(res, config)
+    flags = shlex.split(text.split("pretrain_gpt.py", 1)[1].replace("\\\n", " "))
+    parsed = parse_config(flags, world_size=16)[0]  # the trainer's own parser and checks accept it
+    assert parsed.model == res.model() and parsed.parallel.expert_parallel_size == top.expert_parallel_size
+    assert parsed.training.zero_stage == top.zero_stage and parsed.engine_kind == "plain"
+
+
+def test_a_fixed_expert_parallel_size_and_zero_stage_are_kept() -> None:
+    argv = ["--model", "1.3b", "--num-gpus", "16", "--gpu", "A100-80GB", "--num-experts", "8"]
+    argv += ["--moe-expert-parallel-size", "2", "--zero-stage", "1"]
+    choice = choose_all(resolve(command_line.parse(argv)[1]), "bf16")
+    assert {(c.expert_parallel_size, c.zero_stage) for c in choice.ranked} == {(2, 1)}
