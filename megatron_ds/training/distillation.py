@@ -36,7 +36,7 @@ from megatron_ds.model.tensor_parallel_rank import TensorParallel
 from megatron_ds.pipeline.layout import build_layout
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import CheckpointError
-from megatron_ds.training.checkpoint.rules import WEIGHT_FREE_FIELDS
+from megatron_ds.training.checkpoint.rules import WEIGHT_FREE_FIELDS, vocabulary_hint
 from megatron_ds.training.checkpoint.universal import names
 
 TEACHER_SIZES = (
@@ -96,7 +96,7 @@ def teacher_model(config: Config, ckpt: reader.Checkpoint) -> ModelConfig:
         raise CheckpointError(
             f"{where} differs from the student beyond its layers, width and heads: {'; '.join(differ)}; "
             "Megatron-DeepSpeed builds the teacher from the student's model flags, so give the student the "
-            "teacher's values (or another --load-teacher)"
+            f"teacher's values (or another --load-teacher){vocabulary_hint(ckpt.config, config)}"
         )
     return teacher
 

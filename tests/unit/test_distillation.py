@@ -238,6 +238,20 @@ def test_teacher_of_another_norm_or_vocabulary_is_refused(tmp_path: Path) -> Non
     assert "\n" not in text
 
 
+def test_teacher_padded_for_another_tensor_size_names_the_padding_flag(tmp_path: Path) -> None:
+    # the same 100 tokens padded to 128 rows at T = 1 (divisible by 128), to 256 at T = 2 (128 x 2)
+    path = fake_teacher(tmp_path / "t", tiny_config(model__vocab_size=128))
+    config = student(path, model__vocab_size=256, parallel__world_size=2, parallel__tensor_model_parallel_size=2)
+    with pytest.raises(UserError) as err:
+        distillation.check_teacher(config)
+    text = str(err.value)
+    assert "vocab_size 128 (teacher) vs 256 (student)" in text and "\n" not in text
+    assert text.endswith(
+        "(the padded vocabulary follows --make-vocab-size-divisible-by x --tensor-model-parallel-size; at T=2 choose "
+        "--make-vocab-size-divisible-by so that the padded size stays 128)"
+    )
+
+
 def test_wider_teacher_loads_with_a_notice_of_what_upstream_would_build(tmp_path: Path) -> None:
     path = fake_teacher(tmp_path / "t", tiny_config(model__hidden_size=64, model__ffn_hidden_size=128))
     (notice,) = distillation.check_teacher(student(path))

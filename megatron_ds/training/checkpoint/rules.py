@@ -140,7 +140,7 @@ def regularization_notice(saved: dict[str, Any], config: Config, load_dir: str, 
     return f"NOTICE: --load {load_dir} ({tag}): regularization differs from the checkpoint's: {'; '.join(changes)}"
 
 
-def _vocabulary_hint(saved: Config, config: Config) -> str:
+def vocabulary_hint(saved: Config, config: Config) -> str:
     """Why the padded vocabulary differs when only T changed: `--make-vocab-size-divisible-by` pads to a
     multiple of that x T, so keep the padded rows with a divisor that gives the checkpoint's size."""
     t_saved, t = saved.parallel.tensor_model_parallel_size, config.parallel.tensor_model_parallel_size
@@ -159,7 +159,7 @@ def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: s
     if mismatch:
         raise CheckpointError(
             f"--load {load_dir} ({tag}) has another architecture: {'; '.join(mismatch)}; "
-            f"use matching model flags or another --load directory{_vocabulary_hint(saved, config)}"
+            f"use matching model flags or another --load directory{vocabulary_hint(saved, config)}"
         )
     ck = config.checkpoint
     if ck.no_load_optim or ck.finetune or not has_optimizer_state(meta):
