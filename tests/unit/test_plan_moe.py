@@ -81,6 +81,15 @@ def test_what_the_trainer_refuses_is_refused_with_its_own_line(argv: str, traine
 # --- memory: what DeepSpeed's MoE layer saves, and the one stage's sums ---------------------------------------------
 
 TINY_MOE = dataclasses.replace(tiny_config().model, num_experts=(4,))  # layers 2 and 4 have 4 experts
+WIDE_MOE = dataclasses.replace(
+    TINY_MOE,
+    hidden_size=1024,
+    num_attention_heads=8,
+    ffn_hidden_size=4096,
+    seq_length=1024,
+    max_position_embeddings=1024,
+)
+"""Wide enough that the all-to-alls and the reductions are not lost in rounding."""
 
 
 def test_capacity_is_deepspeeds() -> None:
@@ -160,14 +169,7 @@ def test_the_experts_compute_every_capacity_slot() -> None:
 
 
 def test_each_pass_of_a_moe_layer_runs_two_all_to_alls_over_the_expert_parallel_group() -> None:
-    m = dataclasses.replace(
-        TINY_MOE,
-        hidden_size=1024,
-        num_attention_heads=8,
-        ffn_hidden_size=4096,
-        seq_length=1024,
-        max_position_embeddings=1024,
-    )
+    m = WIDE_MOE
     kernels, links = Kernels.for_device(find_device("H100-SXM"), "bf16"), Links.for_device(find_device("H100-SXM"), 8)
     run = deepspeed_features(0, 2)
     one = links.all_to_all(moe_costs.all_to_all_bytes(m, 2, 4, 2), 4, True)
@@ -183,14 +185,7 @@ def test_each_pass_of_a_moe_layer_runs_two_all_to_alls_over_the_expert_parallel_
 
 
 def test_the_experts_gradients_are_reduced_over_the_expert_data_parallel_group() -> None:
-    m = dataclasses.replace(
-        TINY_MOE,
-        hidden_size=1024,
-        num_attention_heads=8,
-        ffn_hidden_size=4096,
-        seq_length=1024,
-        max_position_embeddings=1024,
-    )
+    m = WIDE_MOE
     device = find_device("H100-SXM")
     kernels, links, run = Kernels.for_device(device, "bf16"), Links.for_device(device, 8), deepspeed_features(1, 2)
 
