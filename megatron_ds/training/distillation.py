@@ -22,13 +22,11 @@ key/value heads, which cannot load such a checkpoint: `check_teacher`).
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
 
 from megatron_ds.config import Config, ModelConfig
-from megatron_ds.config.model import MOE_ROUTING_FIELDS
 from megatron_ds.inference.model import GPTModel, module_name
 from megatron_ds.model import naming, sharding
 from megatron_ds.model.distillation import kd_loss, vocab_parallel_kd_loss
@@ -36,69 +34,9 @@ from megatron_ds.model.tensor_parallel_rank import TensorParallel
 from megatron_ds.pipeline.layout import build_layout
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import CheckpointError
-from megatron_ds.training.checkpoint.rules import WEIGHT_FREE_FIELDS, vocabulary_hint
+from megatron_ds.training.checkpoint.rules import WEIGHT_FREE_FIELDS
+from megatron_ds.training.checkpoint.teacher import check_sharding, open_teacher, teacher_model
 from megatron_ds.training.checkpoint.universal import names
-
-TEACHER_SIZES = (
-    ("num_layers", "--num-layers-teacher", "num_layers_teacher"),
-    ("hidden_size", "--hidden-size-teacher", "hidden_size_teacher"),
-    ("num_attention_heads", "--num-attention-heads-teacher", "num_attention_heads_teacher"),
-)
-"""(ModelConfig field, flag, DistillationConfig field): what upstream swaps into the student's args."""
-_OWN_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "num_experts",
-    "expert_interval",
-    "mlp_type",
-    *MOE_ROUTING_FIELDS,
-)
-"""The teacher's own sizes, read from its checkpoint, and its (dense) MLPs: a mixture-of-experts student distils from
-a dense teacher, as upstream's default --num-experts-teacher 1 builds it (a mixture-of-experts checkpoint is refused
-when opened)."""
-
-
-def open_teacher(config: Config) -> reader.Checkpoint:
-    """`--load-teacher`'s checkpoint, or a one-line CheckpointError naming the flag."""
-    path = config.distillation.load_teacher
-    assert path, "check_teacher runs with --kd, which needs --load-teacher"
-    try:
-        return reader.open_checkpoint(path)
-    except CheckpointError as err:
-        text = str(err)
-        for prefix in (f"--load {path}: ", f"--load {path.rstrip('/')}: ", f"{os.path.abspath(path)}: "):
-            text = text.removeprefix(prefix)  # the path is named once, after the flag
-        text = text.replace(", then --load OUT", ", then --load-teacher OUT")  # another trainer's checkpoint
-        raise CheckpointError(f"--load-teacher {path}: {text}") from None
-
-
-def teacher_model(config: Config, ckpt: reader.Checkpoint) -> ModelConfig:
-    """The teacher's architecture: the student's with the checkpoint's sizes, checked against both (one-line
-    CheckpointError naming the flag or field, both values and the fix)."""
-    where = f"--load-teacher {config.distillation.load_teacher} ({ckpt.tag})"
-    saved = ckpt.config.model
-    for field, flag, given_field in TEACHER_SIZES:
-        given, stored = getattr(config.distillation, given_field), getattr(saved, field)
-        if given is not None and given != stored:
-            raise CheckpointError(
-                f"{flag} {given} disagrees with {where}, whose model has {field} {stored}; use {flag} {stored} "
-                f"(or drop it: the checkpoint's is taken)"
-            )
-    teacher = dataclasses.replace(config.model, **{f: getattr(saved, f) for f in _OWN_FIELDS})
-    ours, theirs = dataclasses.asdict(teacher), dataclasses.asdict(saved)
-    free = WEIGHT_FREE_FIELDS + (("max_position_embeddings",) if not teacher.add_position_embedding else ())
-    differ = [
-        f"{k} {theirs[k]!r} (teacher) vs {v!r} (student)" for k, v in ours.items() if theirs[k] != v and k not in free
-    ]
-    if differ:
-        raise CheckpointError(
-            f"{where} differs from the student beyond its layers, width and heads: {'; '.join(differ)}; "
-            "Megatron-DeepSpeed builds the teacher from the student's model flags, so give the student the "
-            f"teacher's values (or another --load-teacher){vocabulary_hint(ckpt.config, config)}"
-        )
-    return teacher
 
 
 def check_teacher(config: Config) -> list[str]:
@@ -110,13 +48,7 @@ def check_teacher(config: Config) -> list[str]:
     teacher = teacher_model(config, ckpt)
     student = config.model
     where = f"--load-teacher {config.distillation.load_teacher}"
-    t = config.parallel.tensor_model_parallel_size
-    for what, value in (("attention heads", teacher.num_attention_heads), ("MLP width", teacher.ffn_hidden_size)):
-        if value % t:
-            raise CheckpointError(
-                f"{where}: the teacher's {what} {value} is not divisible by --tensor-model-parallel-size {t}, and "
-                f"the teacher is tensor-parallel like the student; use a tensor-parallel size that divides {value}"
-            )
+    check_sharding(config, teacher)
     notices = []
     stale = [
         f"{name} {mine} (student) vs {theirs} (teacher)"
