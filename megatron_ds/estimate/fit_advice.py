@@ -261,7 +261,9 @@ REBALANCE_COST = "none in memory or communication; stage times become unequal"
 
 def trains(inputs: MemoryInputs) -> bool:
     """pretrain_gpt.py trains a changed run: not ZeRO-3 or Ulysses with a mixture-of-experts model
-    (`Config._check_experts`)."""
+    (`Config._check_experts`), not Ulysses with a teacher (`Config._check_distillation`)."""
+    if inputs.teacher is not None and inputs.ulysses_size > 1:
+        return False
     return not (inputs.model.is_moe and (inputs.zero_stage > 2 or inputs.ulysses_size > 1))
 
 

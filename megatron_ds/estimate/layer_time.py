@@ -309,3 +309,11 @@ def post_times(
     comm = _tp_comm(links, sh, tp, w, 1)  # the head's input gradient, summed over the tensor ranks
     parts = {"matmul": head.forward + head.backward, "memory": mem_f + mem_b, "tp-comm": comm}
     return PassTimes(head.forward + mem_f, head.backward + mem_b + comm, weight=head.weight_grad, parts=parts)
+
+
+def head_forward(model: ModelConfig, micro_batch_size: int, tp: int, w: int, kernels: Kernels) -> float:
+    """A forward-only head (knowledge distillation's teacher): the final norm, the LM head's vocabulary-parallel
+    logits and their fp32 copy (read w, write 4 per logit), no loss."""
+    sh = LayerShapes.of(model, micro_batch_size, tp)
+    head = _linear(kernels, sh.tokens, sh.hidden, sh.vocab, w)
+    return head.forward + kernels.memory(2 * w * sh.tokens * sh.hidden + (w + 4) * sh.tokens * sh.vocab)

@@ -53,6 +53,9 @@ class MemoryInputs:
     expert_parallel_size: int = 1
     """Mixture-of-experts expert parallelism E (`--moe-expert-parallel-size`): a layer with experts holds experts / E
     of them (`model.shapes.moe_layer_params`)."""
+    teacher: ModelConfig | None = None
+    """Knowledge distillation's teacher (`--kd`, `--mos`; at the student's tensor size, the plain engine): its
+    weights beside the student, the kd loss's saved tensors and its forward's transients (`distillation_costs`)."""
     engine: str = "pipeline"
     """`pipeline` (DeepSpeed's PipelineEngine and its pipe buffers) or `plain` (its DeepSpeedEngine: ZeRO 2/3
     at P = 1 and Ulysses, `Config.engine_kind`), which keeps no buffer but the micro-batch it loaded."""
@@ -205,6 +208,8 @@ class StageMemory:
     that add it to activations, as `plan/zero.py` does for pure data parallelism)."""
     weight_store_per_micro_batch: float = 0.0
     """ZB-H1: what one micro-batch keeps from its input-gradient backward to its weight pass."""
+    teacher: float = 0.0
+    """Of `params`, knowledge distillation's teacher's weights (`distillation_costs.teacher_weight_bytes`)."""
 
     @property
     def model_states(self) -> float:

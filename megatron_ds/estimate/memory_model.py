@@ -46,7 +46,7 @@ import functools
 from collections.abc import Callable
 
 from megatron_ds.estimate import activation_memory as act
-from megatron_ds.estimate import moe_costs, pipeline_schedules
+from megatron_ds.estimate import distillation_costs, moe_costs, pipeline_schedules
 from megatron_ds.estimate.compute import checkpointed_chunks, held_total, stage_parts
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.model_states import PRECISION_BYTES
@@ -86,6 +86,9 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
     split = inputs.split
     pre = act.pre_terms(m, b, k, regularization=inputs.regularization, split=split)
     terms = {**pre, **act.post_terms(m, b, k, head, split)}
+    if inputs.teacher is not None:  # the kd loss's saved tensors sit with the lm loss's
+        kd = distillation_costs.kd_loss_terms(m, b, t)
+        terms[naming.LOGITS_TO_FP32] = {**terms[naming.LOGITS_TO_FP32], **kd}
     layer_terms = act.transformer_layer_terms(
         m, b, k, split, regularization=inputs.regularization, document_mask=inputs.document_mask
     )
@@ -250,6 +253,13 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
         staging = max(sp.largest_param for sp in held) * PRECISION_BYTES[inputs.precision]
         states[2] += staging
         states[3] += staging
+    w = PRECISION_BYTES[inputs.precision]
+    teacher = (
+        distillation_costs.teacher_weight_bytes(inputs.teacher, inputs.tensor_parallel_size, w)
+        if inputs.teacher
+        else 0.0
+    )
+    states[0] += teacher  # frozen, outside the engine: no gradient, optimizer state, partition or offload
     per_mb, store, recompute = [], [], 0
     for pre, k, post in chunks:
         full, chunk = _recomputed(inputs, len(pre), k, len(post))
@@ -322,6 +332,12 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
         (later_total, later_source),
         (sum(states[:3]) + persistent + step, f"optimizer step: {step_source}"),
     ]
+    if inputs.teacher is not None:  # after the student's forward: its activations, the teacher's forward, the kd loss
+        kd, kd_what = distillation_costs.forward_transient(
+            inputs.teacher, inputs.micro_batch_size, inputs.tensor_parallel_size, w
+        )
+        grads = fresh if inputs.num_micro_batches > 1 else 0.0  # the earlier micro-batches' gradients
+        moments.append((base + grads + per_mb[0] + buffers + kd, f"a training forward's end, 1 micro-batch: {kd_what}"))
     peak, source = max(moments, key=lambda m: m[0])
     peak += gathered(inputs, ends, layer, num_layers)
     return StageMemory(
@@ -340,6 +356,7 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
         transient_source=source,
         backward_transient=later_bwd[0],
         weight_store_per_micro_batch=store[0],
+        teacher=teacher,
     )
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
+from megatron_ds.estimate import distillation_costs
 from megatron_ds.estimate.communication import Links, Placement
 from megatron_ds.estimate.compute import model_flops_per_iteration, recomputed_layers
 from megatron_ds.estimate.efficiency import Kernels
@@ -85,6 +86,9 @@ class StepInputs:
     stage_expert_params: tuple[int, ...] = ()
     """Of `stage_params`, the experts' on each rank (empty: none): their gradients are reduced, and their optimizer
     state partitioned, over the d / E ranks of the expert-data-parallel group."""
+    teacher: ModelConfig | None = None
+    """Knowledge distillation's teacher (`--kd`, P = 1): its forward and the kd loss join every micro-batch
+    (`distillation_costs.step_times`); model FLOPs stay the student's, as the trainer's log line counts them."""
 
     @property
     def pp(self) -> int:
@@ -123,7 +127,8 @@ class StepTime:
     model_flops: float
     """Model FLOPs of the step over all GPUs (no recomputation)."""
     hardware_flops: float
-    """FLOPs run, recomputation included (eq. 3's counting with recomputation on)."""
+    """FLOPs run, recomputation included (eq. 3's counting with recomputation on), and a distilling run's teacher
+    forward."""
     num_gpus: int
     tokens: int
     peak_flops: float
@@ -203,6 +208,13 @@ def _stage_passes(
         weight.append(sum(t.weight * n for t, n in held))
         flat_parts.append({key: sum(t.parts.get(key, 0.0) * n for t, n in held) for key in keys})
         flat_parts[-1]["recompute"] = redo
+    if inp.teacher is not None:  # after the student's forward on its one stage (P = 1)
+        kd_f, kd_b, kd_parts = distillation_costs.step_times(
+            inp.teacher, inp.micro_batch_size, inp.tp, w, kernels, links, features
+        )
+        forward[-1] += kd_f
+        backward[-1] += kd_b
+        flat_parts[-1].update(kd_parts)
     ranks, v = inp.pp, inp.virtual_stages
     busy = [sum(forward[c * ranks + r] + backward[c * ranks + r] for c in range(v)) for r in range(ranks)]
     slowest = max(range(ranks), key=lambda r: (busy[r], r))  # the last of equals, as before
@@ -353,7 +365,8 @@ def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunF
         send=send,
         tied_reduce=tied_reduce,
         model_flops=float(model_flops_per_iteration(model, gbs)),
-        hardware_flops=float(model_flops_per_iteration(model, gbs, recompute=inp.checkpoint_activations)),
+        hardware_flops=float(model_flops_per_iteration(model, gbs, recompute=inp.checkpoint_activations))
+        + (distillation_costs.forward_flops(inp.teacher, gbs * model.seq_length) if inp.teacher else 0.0),
         num_gpus=inp.num_gpus,
         tokens=gbs * model.seq_length,
         peak_flops=kernels.peak_flops,

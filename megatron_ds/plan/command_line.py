@@ -46,8 +46,15 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--num-virtual-stages-per-pipeline-rank": "with interleaving the planner tries 2, 3 and 4 when not given",
     "--moe-expert-parallel-size": _CHOSEN + " (a divisor of every expert count and of the GPUs)",
     "--create-moe-param-group": "the printed command adds it wherever a mixture-of-experts plan uses ZeRO 1 or 2",
+    "--kd": "the plan counts the teacher (its weights, its forward, the kd loss) at pipeline size 1",
+    "--mos": "planned as --kd (the same teacher and loss)",
+    "--load-teacher": "the teacher's sizes are read from its latest megatron_ds.json (no tensor is read)",
+    "--num-layers-teacher": "without --load-teacher, with the other two, it sizes the teacher",
+    "--hidden-size-teacher": "without --load-teacher, with the other two, it sizes the teacher",
+    "--num-attention-heads-teacher": "without --load-teacher, with the other two, it sizes the teacher",
 }
 """The `pretrain_gpt.py` flags the planner takes, each with what the planner does differently."""
+DISTILLATION_SIZES = ("--num-layers-teacher", "--hidden-size-teacher", "--num-attention-heads-teacher")
 MOE_ARCHITECTURE_FLAGS = (
     "--num-experts",
     "--expert-interval",
@@ -171,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     training(g, "--recompute-activations", "--partition-activations", "--checkpoint-in-cpu", "--sequence-parallel")
     training(g, "--pp-schedule", "--enable-zbh1-pipeline", "--num-virtual-stages-per-pipeline-rank")
     training(g, "--moe-expert-parallel-size", "--create-moe-param-group")
+    g2 = p.add_argument_group("knowledge distillation", "the teacher: its checkpoint, or its sizes (docs/planner.md)")
+    training(g2, "--kd", "--mos", "--load-teacher", *DISTILLATION_SIZES)
     g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)
     methods = ", ".join(planned_methods())
     g.add_argument(
@@ -188,21 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-NOT_PLANNED = {
-    "--kd": "the planner does not count --kd's teacher (its weights in the training precision on every rank, a "
-    "tensor rank's shard at T > 1, beside the student, and its forward's transients); plan the student without --kd "
-    "and leave room for the teacher's weights (2 bytes x its parameters / T in bf16 or fp16, 4 in fp32)",
-}
-NOT_PLANNED["--mos"] = NOT_PLANNED["--kd"].replace("--kd", "--mos")
-"""`pretrain_gpt.py` flags the planner refuses by name, each with why and what to do instead."""
-
-
 def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     """(the command, the inputs given on the command line, the output options)."""
     argv = list(argv)
-    refused = next((a for a in argv if a.split("=", 1)[0] in NOT_PLANNED), None)
-    if refused is not None:
-        raise PlanError(f"{refused.split('=', 1)[0]}: {NOT_PLANNED[refused.split('=', 1)[0]]}")
     command = argv.pop(0) if argv and argv[0] in (*sections.names(), sections.ALL) else sections.ALL
     ns = build_parser().parse_args(argv)
     fields = {f for f in PlanInputs.__dataclass_fields__ if f != "handled"}

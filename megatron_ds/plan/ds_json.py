@@ -9,10 +9,12 @@ contradiction.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 
-from megatron_ds.config import Config, OptimizerConfig, ParallelConfig, TrainingConfig
+from megatron_ds.config import Config, DistillationConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
+from megatron_ds.plan import distillation
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import Candidate, layout_options
 from megatron_ds.training.deepspeed_config import NVME_PATH_PLACEHOLDER
@@ -63,6 +65,21 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
         parallel=parallel,
         training=training,
         optimizer=OptimizerConfig(lr=res.lr or DEFAULT_LR, create_moe_param_group=moe_groups),
+        distillation=_distillation(res, cand.tp),
+    )
+
+
+def _distillation(res: Resolved, tp: int) -> DistillationConfig:
+    """The kd section of the plan: `--kd` / `--mos`, `--load-teacher` (a placeholder when the teacher was sized by the
+    flags) and the teacher's sizes, which the trainer checks against its checkpoint."""
+    teacher = res.teacher(tp)
+    if teacher is None:
+        return DistillationConfig()
+    return dataclasses.replace(
+        distillation.distillation_config(res.raw),
+        num_layers_teacher=teacher.num_layers,
+        hidden_size_teacher=teacher.hidden_size,
+        num_attention_heads_teacher=teacher.num_attention_heads,
     )
 
 
@@ -99,6 +116,11 @@ def command_flags(config: Config, vocab_size: int) -> list[str]:
         flags += ["--moe-expert-parallel-size", par.expert_parallel_size]
     if config.optimizer.create_moe_param_group:
         flags.append("--create-moe-param-group")
+    kd = config.distillation
+    if kd.distils:
+        flags += ["--kd"] * kd.kd + ["--mos"] * kd.mos + ["--load-teacher", kd.load_teacher]
+        flags += ["--num-layers-teacher", kd.num_layers_teacher, "--hidden-size-teacher", kd.hidden_size_teacher]
+        flags += ["--num-attention-heads-teacher", kd.num_attention_heads_teacher]
     if t.precision != "fp32":
         flags.append(f"--{t.precision}")
     if par.pp_dedicated_embedding_stages != "none":
@@ -155,6 +177,11 @@ def command_line(res: Resolved, config: Config, ds_config_path: str | None = Non
         + (
             f"; {NVME_PATH_PLACEHOLDER} stands for a directory on a local NVMe drive"
             if config.training.offload_nvme_path
+            else ""
+        )
+        + (
+            f"; {distillation.TEACHER_DIR_PLACEHOLDER} stands for the teacher's checkpoint (pretrain_gpt.py --save DIR)"
+            if config.distillation.load_teacher == distillation.TEACHER_DIR_PLACEHOLDER
             else ""
         )
     )

@@ -18,7 +18,7 @@ from megatron_ds.errors import ConfigError
 from megatron_ds.files import read_json
 from megatron_ds.flags.schedule_flags import named_schedule
 from megatron_ds.pipeline.methods import planned_methods
-from megatron_ds.plan import experts, hardware
+from megatron_ds.plan import distillation, experts, hardware
 from megatron_ds.plan.hardware import PlanError
 
 PROFILE_FORMAT = "megatron_ds.plan profile v1"
@@ -63,6 +63,12 @@ class PlanInputs:
     enable_zbh1_pipeline: bool | None = None
     moe_expert_parallel_size: int | None = None
     create_moe_param_group: bool | None = None
+    kd: bool | None = None
+    mos: bool | None = None
+    load_teacher: str | None = None
+    num_layers_teacher: int | None = None
+    hidden_size_teacher: int | None = None
+    num_attention_heads_teacher: int | None = None
     layout: str | None = None
     memory_headroom: float | None = None
     cpu_memory_gb: float | None = None
@@ -172,6 +178,9 @@ class Resolved:
     """The pipeline schedule and its chunks per rank the flags fix (`fixed_schedule`); None: the planner chooses."""
     expert_parallel_size: int = 1
     """A mixture-of-experts plan's expert-parallel size (the search sets each it tries, `plan/experts.py`)."""
+    teachers: tuple = ()
+    """Knowledge distillation (`--kd`, `--mos`): per tensor size the trainer accepts the teacher at, (t, its own
+    fields) (`plan/distillation.py`); empty without a teacher."""
     run_features: Any = None
     """The training software the step is priced for (`estimate.run_features.RunFeatures`); None: what
     pretrain_gpt.py runs. benchmarks/planner_vs_published.py sets Megatron's."""
@@ -179,6 +188,18 @@ class Resolved:
     def model(self, tensor_parallel_size: int = 1) -> ModelConfig:
         assert self.dims is not None
         return hardware.model_config(**self.dims, tensor_parallel_size=tensor_parallel_size)
+
+    @property
+    def distils(self) -> bool:
+        """`--kd` or `--mos`: a teacher's forward and kd loss join every training micro-batch."""
+        return bool(self.teachers)
+
+    def teacher(self, tensor_parallel_size: int = 1) -> ModelConfig | None:
+        """The teacher at this tensor size (the student's architecture with its own sizes); None without one."""
+        fields = dict(self.teachers).get(tensor_parallel_size)
+        if fields is None:
+            return None
+        return dataclasses.replace(self.model(tensor_parallel_size), **dict(fields))
 
     @property
     def usable_bytes(self) -> float | None:
@@ -268,6 +289,7 @@ def resolve(raw: PlanInputs) -> Resolved:
         raise PlanError(f"--memory-headroom {headroom} must be in [0, 1); e.g. 0.1 keeps 10% free")
     if dims is not None:
         _check_experts(raw, dims)
+    teachers = _teachers(raw, dims, gpn) if raw.kd or raw.mos else ()
     gbs = raw.global_batch_size or (preset.global_batch_size if preset else None)
     return Resolved(
         raw=raw,
@@ -283,7 +305,32 @@ def resolve(raw: PlanInputs) -> Resolved:
         headroom=headroom,
         schedule=fixed_schedule(raw),
         expert_parallel_size=raw.moe_expert_parallel_size or 1,
+        teachers=teachers,
     )
+
+
+def _teachers(raw: PlanInputs, dims: dict | None, gpus_per_node: int | None) -> tuple:
+    """(t, the teacher's fields) for every tensor size a distilling plan may use (`--tensor-model-parallel-size`, else
+    1, 2, 4, ... within a node) where the trainer accepts the configuration and the teacher; a PlanError with the
+    trainer's line where the flags fix what it refuses (or no size is left)."""
+    if dims is None:
+        return ()
+    tp, pp = raw.tensor_model_parallel_size, raw.pipeline_model_parallel_size or 1
+    model = hardware.model_config(**dims, tensor_parallel_size=tp or 1)
+    world = raw.num_gpus if raw.num_gpus and raw.num_gpus % ((tp or 1) * pp) == 0 else None
+    why = distillation.refusal(raw, model, tp or 1, pp, world, raw.zero_stage or 0)
+    if why is not None:
+        raise PlanError(why)
+    sizes = [tp] if tp else [t for t in (1, 2, 4, 8, 16) if t <= (gpus_per_node or 1)]
+    out, first_error = [], None
+    for t in sizes:
+        try:
+            out.append((t, distillation.teacher_fields(raw, dims, t)))
+        except (PlanError, ConfigError) as e:
+            first_error = first_error or str(e)
+    if not out:
+        raise PlanError(first_error or "no tensor size fits the teacher")
+    return tuple(out)
 
 
 def _check_experts(raw: PlanInputs, dims: dict) -> None:

@@ -260,6 +260,7 @@ def evaluate(
     sequence_parallel = sequence_parallel_at(res, tp)
     model = res.model(tp)
     ep = res.expert_parallel_size if model.is_moe else 1
+    teacher = res.teacher(tp)
     inputs = MemoryInputs(
         model=model,
         micro_batch_size=mb,
@@ -275,7 +276,8 @@ def evaluate(
         sequence_parallel=sequence_parallel,
         offload_optimizer=offload,
         offload_param=offload_param,
-        engine="plain" if zero >= 2 or model.is_moe else "pipeline",
+        engine="plain" if zero >= 2 or model.is_moe or teacher is not None else "pipeline",
+        teacher=teacher,
         schedule=schedule,
         virtual_stages=virtual_stages,
         expert_parallel_size=ep,
@@ -326,6 +328,7 @@ def evaluate(
         virtual_stages=virtual_stages,
         expert_parallel_size=ep,
         stage_expert_params=(sum(s.expert_params for s in shapes.gpt_spec_params(model, tp, ep)),) if ep > 1 else (),
+        teacher=teacher,
     )
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
     cand = Candidate(
@@ -370,6 +373,8 @@ def degree_pairs(res: Resolved) -> list[tuple[int, int]]:
     raw, dims = res.raw, res.dims
     if res.model().is_moe:  # pretrain_gpt.py trains experts at t = p = 1 only (plan/experts.py)
         return [(1, 1)]
+    if res.distils:  # pretrain_gpt.py distils at p = 1, at the tensor sizes the teacher allows (plan/distillation.py)
+        return [(t, 1) for t, _ in res.teachers if res.num_gpus % t == 0]
     ts = (
         [raw.tensor_model_parallel_size]
         if raw.tensor_model_parallel_size

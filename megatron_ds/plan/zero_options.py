@@ -33,6 +33,9 @@ from megatron_ds.plan.ranking import (
 )
 from megatron_ds.plan.search import Candidate, degree_pairs, recompute_modes
 
+DISTILLATION_ZERO_STAGES = (0, 1, 2, 3)
+"""The ZeRO stages a distilling plan tries (the plain engine runs them all; offload is not planned for it)."""
+
 
 @dataclass(frozen=True)
 class ZeroOption:
@@ -203,8 +206,8 @@ def choose_all(res: Resolved, precision: str) -> Choice:
 
 
 def _choose_all(res: Resolved, precision: str) -> Choice:
-    if res.model().is_moe:
-        return _choose_experts(res, precision)
+    if res.model().is_moe or res.distils:
+        return _choose_plain(res, precision)
     search = Search(res, precision)
     ranked: list[Candidate] = []
     if res.raw.zero_stage in (None, 0, 1) and search.best(None, degree_pairs(res)) is not None:
@@ -224,19 +227,24 @@ def _choose_all(res: Resolved, precision: str) -> Choice:
     )
 
 
-def _choose_experts(res: Resolved, precision: str) -> Choice:
-    """A mixture-of-experts model: t = p = 1 on the plain engine, every expert-parallel size (a divisor of every
-    expert count and of the GPUs) under ZeRO 0, 1 and 2 (what `--zero-stage` leaves open), by predicted step."""
+def _choose_plain(res: Resolved, precision: str) -> Choice:
+    """What trains on the plain engine alone, by predicted step: a mixture-of-experts model at t = p = 1, every
+    expert-parallel size (a divisor of every expert count and of the GPUs) under ZeRO 0, 1 and 2; a distilling run
+    (`--kd`) at p = 1, every tensor size the teacher allows, under ZeRO 0-3 (what `--zero-stage` leaves open); no
+    offload."""
+    moe = res.model().is_moe
+    zeros = experts.MOE_ZERO_STAGES if moe else DISTILLATION_ZERO_STAGES
+    pairs = degree_pairs(res)
     ranked: list[Candidate] = []
     tried: dict = {}
     closest: Candidate | None = None
     bounds: list = []
     batch_ok = False
     fixed = res.raw.moe_expert_parallel_size
-    for ep in experts.expert_parallel_sizes(res.model(), res.num_gpus, fixed):
+    for ep in experts.expert_parallel_sizes(res.model(), res.num_gpus, fixed) if moe else [1]:
         search = Search(dataclasses.replace(res, expert_parallel_size=ep), precision)
-        for zero in experts.MOE_ZERO_STAGES:
-            if res.raw.zero_stage in (None, zero) and search.best(ZeroOption(zero), [(1, 1)]) is not None:
+        for zero in zeros:
+            if res.raw.zero_stage in (None, zero) and search.best(ZeroOption(zero), pairs) is not None:
                 ranked += search.ranked
         tried.update(search.tried)
         batch_ok = batch_ok or search.batch_ok
@@ -246,7 +254,8 @@ def _choose_experts(res: Resolved, precision: str) -> Choice:
     if ranked:
         return Choice(sorted(ranked, key=rank_key), tried)
     also = ("recomputation",) if "full" in recompute_modes(res.raw) else ()
-    raise PlanError(no_fit_message(res, closest, bounds, batch_ok, (*also, "every expert-parallel size")))
+    also += ("every expert-parallel size",) if moe else ("every tensor size and ZeRO stage",)
+    raise PlanError(no_fit_message(res, closest, bounds, batch_ok, also))
 
 
 def also_tried(res: Resolved) -> tuple[str, ...]:

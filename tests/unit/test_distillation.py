@@ -299,13 +299,15 @@ def test_log_line_gives_total_lm_and_kd_loss_in_upstreams_order() -> None:
     ]
 
 
-def test_planner_refuses_kd_in_one_line() -> None:
+def test_the_planner_plans_kd_and_asks_for_the_teachers_sizes_in_one_line() -> None:
     from megatron_ds.plan.command_line import PlanError
     from megatron_ds.plan.command_line import parse as plan_parse
+    from megatron_ds.plan.inputs import resolve
 
+    argv = ["memory", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
     with pytest.raises(PlanError) as err:
-        plan_parse(["memory", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--kd"])
-    assert str(err.value).startswith("--kd: the planner does not count --kd's teacher") and "\n" not in str(err.value)
+        resolve(plan_parse([*argv, "--vocab-size", "256", "--kd"])[1])
+    assert str(err.value).startswith("--kd: the planner needs the teacher's sizes") and "\n" not in str(err.value)
 
 
 def test_megatron_deepspeed_teacher_is_sent_to_the_converter(tmp_path: Path) -> None:
