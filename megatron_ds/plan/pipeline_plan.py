@@ -42,7 +42,7 @@ def pipeline_section(ctx: Context) -> Section:
             if plan.inputs.model.is_moe
             else "."
         ),
-        *([_teacher_line(plan)] if plan.inputs.teacher is not None else []),
+        *([_teacher_line(plan, "--mos" if res.raw.mos else "--kd")] if plan.inputs.teacher is not None else []),
         f"Batch: global {res.global_batch_size} = micro-batch {plan.micro_batch_size} x {plan.num_micro_batches} "
         f"micro-batches (gradient accumulation steps) x data parallel {plan.dp}.",
         f"Precision {plan.precision}, ZeRO-{plan.zero_stage}{_offload_text(plan)}, activation recomputation "
@@ -240,13 +240,13 @@ def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:
     )
 
 
-def _teacher_line(plan: search.Candidate) -> str:
+def _teacher_line(plan: search.Candidate, flag: str) -> str:
     """What a distilling plan adds to every rank (`estimate/distillation_costs.py`)."""
     teacher, stage = plan.inputs.teacher, plan.peak
     assert plan.time is not None and teacher is not None
     parts = plan.time.parts
     return (
-        f"Teacher (--kd): {teacher.num_layers} layers, hidden {teacher.hidden_size}, {teacher.num_attention_heads} "
+        f"Teacher ({flag}): {teacher.num_layers} layers, hidden {teacher.hidden_size}, {teacher.num_attention_heads} "
         f"heads; its weights {format_bytes(stage.teacher)} per GPU (1/{plan.tp} of them, frozen: no gradient or "
         f"optimizer state); its forward {parts.get('teacher forward', 0.0) * 1e3:.1f} ms and the kd loss "
         f"{parts.get('kd loss', 0.0) * 1e3:.1f} ms per micro-batch."
