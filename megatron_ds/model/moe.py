@@ -32,9 +32,11 @@ import torch
 from torch import nn
 
 from megatron_ds.config import ModelConfig
+from megatron_ds.model import naming, sharding
 
 EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 """Where a transformer layer's local experts sit among its parameter names (`moe.` is the layer's attribute)."""
+GATE_WEIGHT = "moe.deepspeed_moe.gate.wg.weight"
 
 
 class ExpertMLP(nn.Module):
@@ -123,6 +125,24 @@ def local_expert_ids(layer: nn.Module) -> range:
     """The global indices of the experts of DeepSpeed MoE `layer` this rank holds: rank r's r x local, ..."""
     first = expert_parallel_rank(layer) * layer.num_local_experts
     return range(first, first + layer.num_local_experts)
+
+
+def layer_tensor_rules(model: ModelConfig, num_experts: int) -> dict[str, sharding.TensorRule]:
+    """Every tensor of a transformer layer with `num_experts` experts, whole (T = 1), under the names the one-process
+    model gives them within the layer: the dense layer's attention and norms, then the MoE layer's gate, each expert's
+    fc1 (and its bias) and fc2 (no bias: see the module), and PR-MoE's residual MLP and coefficient, in
+    `named_parameters()` order (checked against the built layer in tests/unit/test_moe_universal.py)."""
+    dense = sharding.spec_tensors(model, naming.TRANSFORMER_LAYER)
+    mlp = {k: r for k, r in dense.items() if k.split(".")[0] in ("fc1", "fc2") and k != "fc2.bias"}
+    out = {k: r for k, r in dense.items() if k.split(".")[0] not in ("fc1", "fc2")}
+    out[GATE_WEIGHT] = sharding.TensorRule((num_experts, model.hidden_size))
+    for expert in range(num_experts):
+        out.update({f"{EXPERT_PREFIX}{expert}.{k}": r for k, r in mlp.items()})
+    if model.mlp_type == "residual":
+        out.update({f"moe.mlp.{k}": r for k, r in mlp.items()})
+        out["moe.coefficient.weight"] = sharding.TensorRule((2, model.hidden_size))
+        out["moe.coefficient.bias"] = sharding.TensorRule((2,))
+    return out
 
 
 def global_named_parameters(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -38,8 +38,10 @@ class Checkpoint:
         return self.config.parallel.tensor_model_parallel_size
 
 
-def open_checkpoint(path: str) -> Checkpoint:
-    """A checkpoint from its root directory (uses `latest`) or from a `global_stepN` directory."""
+def open_checkpoint(path: str, moe: bool = False) -> Checkpoint:
+    """A checkpoint from its root directory (uses `latest`) or from a `global_stepN` directory. A mixture-of-experts
+    checkpoint only with `moe` (the universal conversion, which reads DeepSpeed's MoE files); else it is refused in one
+    line (`rules.moe_refusal`): the per-spec readers (export, generation, a teacher) do not read its experts."""
     path = os.path.abspath(path)
     if os.path.isfile(os.path.join(path, META)):
         root, tag = os.path.split(path)
@@ -65,7 +67,7 @@ def open_checkpoint(path: str) -> Checkpoint:
         raise CheckpointError(
             f"{os.path.join(root, tag, META)}: unreadable ({err}); the checkpoint is damaged"
         ) from None
-    refusal = moe_refusal(meta, os.path.join(root, tag))
+    refusal = None if moe else moe_refusal(meta, os.path.join(root, tag))
     if refusal:
         raise CheckpointError(refusal)
     return Checkpoint(root, tag, meta, config)

@@ -46,28 +46,27 @@ def has_optimizer_state(meta: dict[str, Any]) -> bool:
 
 
 def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
-    """Why a mixture-of-experts checkpoint cannot be read tensor by tensor (None for a dense one): its experts are in
-    DeepSpeed's per-expert files and its optimizer state in one file per expert-parallel rank, which the universal
-    form, the weights reader, Hugging Face export and inference do not read here. DeepSpeed's own loader takes the
-    weights alone under another world size or expert-parallel size (`save_load._load_weights`: each rank reads its
-    experts' files by their global index)."""
+    """Why the per-spec readers (Hugging Face export, generation and inference, a `--kd` teacher) refuse a
+    mixture-of-experts checkpoint (None for a dense one): its experts are in DeepSpeed's per-expert files, which only
+    the universal conversion reads (`universal.moe_source`). What works is said in the same line: a resume under any
+    world size, expert-parallel size and ZeRO stage 0-2 (through the universal form), the conversion itself, and its
+    weights alone (`--no-load-optim`)."""
     model = Config.from_dict(meta["config"]).model
     if not model.is_moe:
         return None
     experts = " ".join(map(str, model.num_experts))
     return (
         f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), whose experts are in DeepSpeed's "
-        f"per-expert files: it is not converted (universal form, Hugging Face), generated from, or resumed under "
-        f"another world size or --moe-expert-parallel-size here; resume it with pretrain_gpt.py as it was saved, or "
-        f"take its weights alone under any world size and expert-parallel size with --no-load-optim (or --finetune)"
+        f"per-expert files: Hugging Face export, generation and inference, and a --kd teacher do not read it here; "
+        f"pretrain_gpt.py --load resumes it under any world size, --moe-expert-parallel-size and ZeRO stage 0-2 "
+        f"(through its universal form, which `tools/convert_checkpoint.py --to universal` also writes), or takes its "
+        f"weights alone with --no-load-optim"
     )
 
 
 def universal_refusal(meta: dict[str, Any], where: str) -> str | None:
-    """Why the checkpoint has no universal form (None when it has one)."""
-    moe = moe_refusal(meta, where)
-    if moe:
-        return moe
+    """Why the checkpoint has no universal form (None when it has one; a mixture-of-experts checkpoint's reader
+    refuses what it does not read itself: `universal.moe_source`)."""
     if not has_optimizer_state(meta):
         return f"{where}: holds weights only (no optimizer state); it loads under any layout as it is"
     if Config.from_dict(meta["config"]).optimizer.decoupled_lr is not None:

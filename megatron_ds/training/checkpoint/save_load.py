@@ -39,7 +39,7 @@ from megatron_ds import files
 from megatron_ds.config import Config
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.pipeline.layout import Layout
-from megatron_ds.training.checkpoint import first_launch, reader
+from megatron_ds.training.checkpoint import experts, first_launch, reader
 from megatron_ds.training.checkpoint.directory import (
     LATEST,
     META,
@@ -134,6 +134,11 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
     else:
         engine.save_checkpoint(save_dir, tag=tmp_tag, save_latest=False)  # ends with a barrier
     torch.save(_rng_state(), os.path.join(save_dir, tmp_tag, f"rng_rank{rank}.pt"))
+    if getattr(engine.module, "moe_layers", None):  # where each expert's optimizer state is, for the universal form
+        records: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(records, experts.rank_record(engine))
+        if rank == 0:
+            experts.write(os.path.join(save_dir, tmp_tag), records)
     dist.barrier()
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         # one process per node flushes what its node wrote (a node's page cache holds it) before the rename
@@ -310,15 +315,15 @@ def resume_flag_notices(meta: dict[str, Any], config: Config, load_dir: str, tag
 def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, tag: str, meta: dict[str, Any]) -> None:
     """Model weights only: DeepSpeed's per-spec files at the saved T, else full tensors resharded."""
     directory = os.path.join(load_dir, tag)
+    if store.is_universal(meta):
+        found = store.Universal(directory)
+        restore.load_weights(engine, config, layout, lambda t: found.read(t.name, FP32))
+        return
     if getattr(engine.module, "moe_layers", None):  # DeepSpeed's MoE files: the weights alone, each expert's own file
         check_rank_files(engine, config, load_dir, tag, weights_only=True)
         engine.load_checkpoint(
             load_dir, tag=tag, load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False
         )
-        return
-    if store.is_universal(meta):
-        found = store.Universal(directory)
-        restore.load_weights(engine, config, layout, lambda t: found.read(t.name, FP32))
         return
     saved_t = Config.from_dict(meta["config"]).parallel.tensor_model_parallel_size
     if saved_t == config.parallel.tensor_model_parallel_size:

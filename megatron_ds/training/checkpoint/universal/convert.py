@@ -63,7 +63,7 @@ def universal_path(load_dir: str, tag: str) -> str:
 
 
 def _open_source(path: str) -> DeepSpeedSource:
-    ckpt = reader.open_checkpoint(path)
+    ckpt = reader.open_checkpoint(path, moe=True)
     if store.is_universal(ckpt.meta):
         raise CheckpointError(f"{ckpt.directory}: already in universal form; --load it directly")
     if ckpt.meta.get(CONVERTED) is not None:
@@ -125,7 +125,7 @@ def convert_next_to(load_dir: str, tag: str, show_progress: bool, log: Any = pri
     if _reusable(target, source_dir):
         log(f"--load {load_dir} ({tag}): using its universal form {target}")
         return target
-    ckpt = reader.open_checkpoint(source_dir)
+    ckpt = reader.open_checkpoint(source_dir, moe=True)
     if ckpt.meta.get(CONVERTED) is not None:
         raise CheckpointError(
             f"--load {load_dir} ({tag}): converted from {converted_from(ckpt.meta)}, its training state is in {target}, which "

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.model import naming, sharding
+from megatron_ds.model import moe, naming, sharding
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.optimizer import GROUP_NAMES, GROUP_PLACEHOLDER_PREFIX
 
@@ -55,12 +55,26 @@ def tensor_name(spec_index: int, spec: str, key: str) -> str:
 
 
 def model_tensors(model: ModelConfig) -> list[ModelTensor]:
-    """Every layout-free tensor of the model, in spec order; the tied LM head has none of its own."""
+    """Every layout-free tensor of the model, in spec order; the tied LM head has none of its own. A transformer layer
+    with experts holds its MoE layer's tensors (`moe.layer_tensor_rules`: every expert by its global index)."""
+    groups = naming.gpt_spec_groups(model)
+    experts = model.experts_per_layer
     out = []
-    for index, spec in enumerate(naming.gpt_spec_groups(model).names):
-        for key, rule in sharding.spec_tensors(model, spec).items():
+    for index, spec in enumerate(groups.names):
+        layer = index - len(groups.pre)
+        if spec == naming.TRANSFORMER_LAYER and experts[layer] > 1:
+            rules = moe.layer_tensor_rules(model, experts[layer])
+        else:
+            rules = sharding.spec_tensors(model, spec)
+        for key, rule in rules.items():
             out.append(ModelTensor(tensor_name(index, spec, key), index, spec, key, rule))
     return out
+
+
+def module_name(model: ModelConfig, tensor: ModelTensor) -> str:
+    """`tensor`'s parameter name in the one-process model (`GPTModel` at P = 1, T = 1): DeepSpeed's one-stage
+    `PipelineModule` names, experts by their global index (`moe.global_named_parameters`)."""
+    return TIED_MODULE_NAME if _is_tied(model, tensor.spec) else f"{tensor.spec_index}.{tensor.key}"
 
 
 def _is_tied(model: ModelConfig, spec: str) -> bool:

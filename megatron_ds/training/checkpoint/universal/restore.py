@@ -29,17 +29,37 @@ from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.universal import names
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
 from megatron_ds.training.checkpoint.universal.store import Universal
-from megatron_ds.training.optimizer import GROUP_NAMES
+from megatron_ds.training.optimizer import GROUP_NAMES, GROUP_PLACEHOLDER_PREFIX
 
 ReadFull = Callable[[names.ModelTensor], torch.Tensor]
 """Returns one layout-free tensor's full weight."""
 
 
 def _stage_params(engine: Any, config: Config, layout: Layout) -> list[tuple[names.StageParameter, torch.nn.Parameter]]:
+    if config.model.is_moe:
+        return _moe_params(engine, config)
     params = names.stage_parameters(config.model, layout, engine.stage_id)
     live = dict(engine.module.named_parameters())
     assert [p.module_name for p in params] == list(live), ([p.module_name for p in params], list(live))
     return [(p, live[p.module_name]) for p in params]
+
+
+def _moe_params(engine: Any, config: Config) -> list[tuple[names.StageParameter, torch.nn.Parameter]]:
+    """A mixture-of-experts model (P = T = 1): every live parameter by its one-process name, this rank's experts by
+    their global index; every tensor but the other ranks' experts is among them."""
+    from megatron_ds.model.moe import global_named_parameters, is_expert
+
+    tensors = {names.module_name(config.model, t): t for t in names.model_tensors(config.model)}
+    out = []
+    for name, param in global_named_parameters(engine.module).items():
+        if name.startswith(GROUP_PLACEHOLDER_PREFIX):
+            out.append((names.StageParameter(name, name[len(GROUP_PLACEHOLDER_PREFIX) :], None), param))
+            continue
+        assert name in tensors, (name, sorted(tensors)[:5])
+        out.append((names.StageParameter(name, tensors[name].group, tensors[name]), param))
+    held = {sp.module_name for sp, _ in out}
+    assert all(n in held for n in tensors if not is_expert(n)), sorted(set(tensors) - held)
+    return out
 
 
 def _shard(engine: Any, tensor: names.ModelTensor, full: torch.Tensor) -> torch.Tensor:
@@ -67,15 +87,17 @@ def load_training_state(engine: Any, config: Config, layout: Layout, universal: 
             f"{universal.directory}: its optimizer state is {saved_optimizer.get('name')}'s, this run uses "
             f"--optimizer {config.optimizer.optimizer}; use the same optimizer or pass --no-load-optim"
         )
-    target = _optimizer_target(engine.optimizer, universal)
-    for sp, param in _stage_params(engine, config, layout):
+    params = _stage_params(engine, config, layout)
+    steps = {id(p): universal.tensors[sp.tensor.name].get("step") for sp, p in params if sp.tensor is not None}
+    target = _optimizer_target(engine.optimizer, universal, steps)
+    for sp, param in params:
         if sp.tensor is None:
             continue
         master = _shard(engine, sp.tensor, universal.read(sp.tensor.name, FP32))
         _write_weight(param, master)
         states = {k: _shard(engine, sp.tensor, universal.read(sp.tensor.name, k)) for k in universal.states}
         target.set(param, master, states)
-    target.finish([p for sp, p in _stage_params(engine, config, layout) if sp.tensor is None])
+    target.finish([p for sp, p in params if sp.tensor is None])
     _restore_engine(engine, config, universal)
 
 
@@ -94,13 +116,27 @@ def _step_state(optimizer: Any, step: int | None) -> dict[str, Any]:
     return {"step": int(step) if isinstance(optimizer, DeepSpeedCPUAdam) else torch.tensor(float(step))}
 
 
+Steps = dict[int, "int | None"]
+"""The optimizer step count of each live parameter that has a tensor, by `id(param)` (the universal table's)."""
+
+
+def _group_step(universal: Universal, group: dict[str, Any], params: list[Any], steps: Steps, index: int) -> int | None:
+    """The step count of one optimizer group: its parameters' (one optimizer step for all), else, for a group of
+    placeholders only, the step of the universal group of its name (a MoE group, `ep_size_E`: by its index's)."""
+    found = [steps[id(p)] for p in params if steps.get(id(p)) is not None]
+    if found:
+        return found[0]
+    name = group.get("name")
+    return universal.group_step(name if name in GROUP_NAMES else GROUP_NAMES[min(index, 1)])
+
+
 class _TorchTarget:
     """A plain torch optimizer (ZeRO-0, fp32): its state keyed by parameter; the weight is the master."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, universal: Universal) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, universal: Universal, steps: Steps) -> None:
         self.optimizer, self.universal = optimizer, universal
         self.step = {
-            id(p): universal.group_step(g.get("name", GROUP_NAMES[min(i, 1)]))
+            id(p): steps[id(p)] if id(p) in steps else _group_step(universal, g, g["params"], steps, i)
             for i, g in enumerate(optimizer.param_groups)
             for p in g["params"]
         }
@@ -126,16 +162,18 @@ class _TorchTarget:
 class _FlatTarget:
     """DeepSpeed's ZeRO-1/2 or BF16 optimizer: flat fp32 partitions, linked to each parameter by `_hp_mapping`."""
 
-    def __init__(self, wrapper: Any, lp_groups: list[list[torch.nn.Parameter]], universal: Universal) -> None:
+    def __init__(
+        self, wrapper: Any, lp_groups: list[list[torch.nn.Parameter]], universal: Universal, steps: Steps
+    ) -> None:
         from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
 
         self.wrapper, self.states = wrapper, universal.states
         base = wrapper.optimizer
-        if self.states:
-            for name, group, lp in zip(GROUP_NAMES, base.param_groups, lp_groups):
+        if self.states:  # every group: a MoE model's expert groups follow the two dense ones
+            for index, (group, lp) in enumerate(zip(base.param_groups, lp_groups, strict=True)):
                 flat = group["params"][0]
                 state = {k: torch.zeros_like(flat) for k in self.states}
-                base.state[flat] = _step_state(base, universal.group_step(name)) | state
+                base.state[flat] = _step_state(base, _group_step(universal, group, lp, steps, index)) | state
                 lazy_init_hp_params_optimizer_state(lp, flat, base.state)  # fragments view the new states
             wrapper._hp_optimizer_states_linked = True
 
@@ -163,14 +201,48 @@ class _Zero3Target(_FlatTarget):
             }
 
 
-def _optimizer_target(optimizer: Any, universal: Universal) -> _TorchTarget | _FlatTarget:
+class _UnfusedTarget:
+    """DeepSpeed's FP16_UnfusedOptimizer (bf16 without ZeRO on the plain engine, a mixture-of-experts model's): an fp32
+    copy of each parameter (`fp32_groups`, beside `fp16_groups`), torch's optimizer over the copies."""
+
+    def __init__(self, wrapper: Any, universal: Universal, steps: Steps) -> None:
+        self.wrapper, self.universal, self.steps = wrapper, universal, steps
+        self.copy = {
+            id(p): (copy, _group_step(universal, group, lp, steps, i))
+            for i, (group, lp, fp32) in enumerate(
+                zip(wrapper.optimizer.param_groups, wrapper.fp16_groups, wrapper.fp32_groups, strict=True)
+            )
+            for p, copy in zip(lp, fp32, strict=True)
+        }
+
+    def set(self, param: torch.nn.Parameter, master: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+        copy, step = self.copy[id(param)]
+        copy.data.copy_(master)
+        if states:
+            self.wrapper.optimizer.state[copy] = _step_state(self.wrapper.optimizer, step) | {
+                k: v.to(copy.device, copy=True) for k, v in states.items()
+            }
+
+    def finish(self, placeholders: list[torch.nn.Parameter]) -> None:
+        for p in placeholders:
+            copy, step = self.copy[id(p)]
+            copy.data.zero_()
+            if self.universal.states:
+                self.wrapper.optimizer.state[copy] = _step_state(self.wrapper.optimizer, step) | {
+                    k: torch.zeros_like(copy) for k in self.universal.states
+                }
+
+
+def _optimizer_target(optimizer: Any, universal: Universal, steps: Steps) -> Any:
     if getattr(optimizer, "fp32_partitioned_groups_flat", None) is not None:
         return _Zero3Target(optimizer, universal)
     groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
     if groups is not None:
-        return _FlatTarget(optimizer, groups, universal)
+        return _FlatTarget(optimizer, groups, universal, steps)
+    if getattr(optimizer, "fp16_groups", None) is not None and getattr(optimizer, "fp32_groups", None) is not None:
+        return _UnfusedTarget(optimizer, universal, steps)
     if isinstance(optimizer, torch.optim.Optimizer):
-        return _TorchTarget(optimizer, universal)
+        return _TorchTarget(optimizer, universal, steps)
     raise CheckpointError(
         f"{universal.directory}: this run's optimizer ({type(optimizer).__name__}: --fp16 without ZeRO) cannot take "
         f"a converted optimizer state; use --zero-stage 1, or pass --no-load-optim"

@@ -124,10 +124,18 @@ class Zero3Source(DeepSpeedSource):
 
 
 def open_source(path_or_ckpt: Any) -> DeepSpeedSource:
-    """The reader of one of our DeepSpeed checkpoints: ZeRO-3's partitioned files or the flat/torch ones."""
+    """The reader of one of our DeepSpeed checkpoints: a mixture-of-experts model's MoE files, ZeRO-3's partitioned
+    files or the flat/torch ones."""
     from megatron_ds.training.checkpoint import reader
 
-    ckpt = reader.open_checkpoint(path_or_ckpt) if isinstance(path_or_ckpt, (str, os.PathLike)) else path_or_ckpt
+    if isinstance(path_or_ckpt, (str, os.PathLike)):
+        ckpt = reader.open_checkpoint(path_or_ckpt, moe=True)
+    else:
+        ckpt = path_or_ckpt
+    if ckpt.config.model.is_moe:
+        from megatron_ds.training.checkpoint.universal.moe_source import MoeSource
+
+        return MoeSource(ckpt)
     if ckpt.config.training.zero_stage == 3:
         return Zero3Source(ckpt)
     return DeepSpeedSource(ckpt)
