@@ -2,8 +2,9 @@
 
 Free: dropout and init std (a notice), and the whole parallel layout: P, the stage split, T, DP,
 sequence parallelism (Megatron's: as saved; Ulysses' degree N), ZeRO stage, offload, CPU Adam and precision (`topology_changes`; a full resume then goes through the universal form,
-`megatron_ds.training.checkpoint.universal`). Refused with one line: another architecture, and for a full
-resume another global batch size or optimizer. Pure: no torch.distributed.
+`megatron_ds.training.checkpoint.universal`; a mixture-of-experts model's world size, expert-parallel size and ZeRO
+stage 0-2 too). Refused with one line: another architecture, and for a full resume another global batch size or
+optimizer; a mixture-of-experts checkpoint in the per-spec readers (`moe_refusal`). Pure: no torch.distributed.
 """
 
 from __future__ import annotations
