@@ -6,8 +6,9 @@ tests/dist/test_moe_expert_parallel.py, whose scenarios and helpers this reuses.
 resumed at E = 1 for 3 more (`--load` converts it once next to the source, then each rank takes its experts by their
 global index, its fp32 masters and Adam's moments), the 3 resumed steps equal steps 4-6 of the 6-step E = 2 run within
 1e-6 (losses, clipped gradient norms), and so does every final weight by its global name: top-1 at ZeRO 0 -> ZeRO 0,
-PR-MoE (experts in optimizer groups of their own) at ZeRO-2 -> ZeRO 0 and ZeRO 0 -> ZeRO-2, and top-1 at ZeRO 0 into
-one process (E = 1, DP = 1: 4 micro-batches there, 2 per rank here). The load-balancing loss stays in (coefficient
+PR-MoE (experts in optimizer groups of their own) at ZeRO-2 -> ZeRO 0 (against the 6-step ZeRO-2 run: its first 3
+steps' sums, rounded in ZeRO-2's order, put the ZeRO-0 run's sixth norm 1.2e-6 away) and ZeRO 0 -> ZeRO-2, and top-1
+at ZeRO 0 into one process (E = 1, DP = 1: 4 micro-batches there, 2 per rank here). The load-balancing loss stays in (coefficient
 0.01, the default): a micro-batch's gate loss sees that micro-batch alone, so runs of another DP train the same sum.
 bf16 without ZeRO (DeepSpeed's FP16_UnfusedOptimizer, whose fp32 copies are the masters) resumes at E = 1 near the
 E = 2 run (bf16's 2e-2: the ranks sum expert gradients in bf16 over other groups). `tools/convert_checkpoint.py --to
