@@ -60,6 +60,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     second: dict[str, dict] = {}
     for name, (variant, _, target) in PAIRS.items():
         second[f"{name}_resumed"] = with_training(sc(variant, ep=1, world=2, load=ck[name]), **target)
+    # the same E = 2 under ZeRO 0: the universal path into ranks that hold half the experts each (by global index)
+    second["residual_z2_to_z0_ep2_resumed"] = sc("residual", ep=2, world=2, load=ck["residual_z2_to_z0"])
     second["top1_from_converted"] = sc("top1", ep=1, world=2, load=converted)
     second["top1_old"] = sc("top1", ep=1, world=2, load=old, expect_error=True)
     results.update(by_name(list(second), run_scenarios(tmp / "w2b", 2, list(second.values()), timeout=150)))
@@ -97,6 +99,10 @@ def test_saved_at_ep2_resumes_at_ep1_as_the_straight_run(runs: dict, name: str) 
     assert min(straight[0]["grad_norms"]) > 0.05, "clipping must be active (clip_grad 0.05)"
     assert all(len([n for n in r["weights"] if ".deepspeed_experts." in n]) > 0 for r in runs[f"{name}_resumed"])
     assert_continues(runs[f"{name}_saved"], runs[f"{name}_resumed"], straight, name)
+    if name == "residual_z2_to_z0":  # at E = 2 too, each rank taking its own two experts of four
+        resumed = runs["residual_z2_to_z0_ep2_resumed"]
+        assert [len([n for n in r["weights"] if ".deepspeed_experts.3." in n]) > 0 for r in resumed] == [False, True]
+        assert_continues(runs[f"{name}_saved"], resumed, straight, f"{name} at E = 2")
     assert os.path.isdir(runs["dirs"]["ck"][name] + "/" + "global_step3.universal")  # converted once, next to it
 
 
