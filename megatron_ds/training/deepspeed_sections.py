@@ -107,7 +107,12 @@ SECTIONS: tuple[Section, ...] = (
     Section("aio", PASSED, f"NVMe offload only: {_INERT}"),
     Section("dataloader_drop_last", PASSED, f"DeepSpeed's data loader only: {_INERT}"),
     Section("autotuning", PASSED, f"DeepSpeed's autotuning launcher only: {_INERT}"),
-    Section("use_data_before_expert_parallelism", PASSED, f"mixture-of-experts only: {_INERT}"),
+    Section(
+        "use_data_before_expert_parallelism",
+        PASSED,
+        "mixture-of-experts only: DeepSpeed's engine reads it when it builds the expert-parallel groups (data-parallel "
+        "ranks first or expert-parallel ranks first), as under Megatron-DeepSpeed; checkpoints record the order used",
+    ),
     Section(
         "checkpoint",
         PASSED,
