@@ -36,6 +36,10 @@ class DistillationConfig:
     """The teacher's width (`--hidden-size-teacher`): must equal the checkpoint's; None takes the checkpoint's."""
     num_attention_heads_teacher: int | None = None
     """The teacher's heads (`--num-attention-heads-teacher`): must equal the checkpoint's; None takes its."""
+    num_experts_teacher: tuple[int, ...] | None = None
+    """The teacher's experts (`--num-experts-teacher`, one count or one per mixture-of-experts layer, as `--num-experts`):
+    its experts per layer must equal the checkpoint's; None takes the checkpoint's (a dense or a mixture-of-experts
+    teacher)."""
     kd_alpha_ce: float = 1.0
     """`--kd-alpha-ce`: read by Megatron-DeepSpeed but scaling nothing there, nor here (a NOTICE says so)."""
     kd_beta_ce: float = 1.0
@@ -50,6 +54,12 @@ class DistillationConfig:
             ("--num-attention-heads-teacher", self.num_attention_heads_teacher),
         ):
             optional_at_least(flag, value, 1)
+        if self.num_experts_teacher is not None:
+            object.__setattr__(self, "num_experts_teacher", tuple(int(n) for n in self.num_experts_teacher))
+            check(
+                len(self.num_experts_teacher) >= 1 and all(n >= 1 for n in self.num_experts_teacher),
+                f"--num-experts-teacher {' '.join(map(str, self.num_experts_teacher))} must be one or more counts >= 1",
+            )
         positive("--kd-temp", self.kd_temp)
         check(
             self.kd_beta_ce == self.kd_beta_ce and abs(self.kd_beta_ce) != float("inf"),

@@ -210,11 +210,33 @@ class Config:
         """Mixture-of-experts runs where Megatron-DeepSpeed's MoE example lines run them: GPTModel on DeepSpeed's plain
         engine (`--no-pipeline-parallel`), without tensor parallelism, ZeRO 0-2 (ZeRO 1/2 with the experts in
         optimizer groups of their own), any precision; what is not built here is refused."""
-        model, par, train = self.model, self.parallel, self.training
+        model, par = self.model, self.parallel
         if not model.is_moe:  # one spelling of a dense model: the MoE-only settings change nothing there
-            object.__setattr__(self, "parallel", dataclasses.replace(par, expert_parallel_size=1))
             object.__setattr__(self, "optimizer", dataclasses.replace(self.optimizer, create_moe_param_group=False))
-            return
+            if not self.distillation.distils:
+                object.__setattr__(self, "parallel", dataclasses.replace(par, expert_parallel_size=1))
+                return
+            # a mixture-of-experts teacher (known from its checkpoint: `training/checkpoint/teacher.py`) shares out its
+            # experts over the student's expert-parallel groups, as upstream builds it from the student's flags
+        else:
+            self._check_moe_student()
+        ep, dp = par.expert_parallel_size, par.data_parallel_size
+        check(
+            dp % ep == 0,
+            f"--moe-expert-parallel-size {ep} does not divide the data-parallel size {dp}: each group of {ep} "
+            f"data-parallel ranks shares out the experts; choose a divisor of {dp}",
+        )
+        uneven = sorted({n for n in model.experts_per_layer if n > 1 and n % ep})
+        check(
+            not uneven,
+            f"--moe-expert-parallel-size {ep} does not divide {uneven[0] if uneven else 0} experts "
+            f"(--num-experts {' '.join(map(str, model.num_experts))}): each rank of the group holds the same number "
+            "of experts; choose a divisor of every expert count",
+        )
+
+    def _check_moe_student(self) -> None:
+        """What a mixture-of-experts model needs of the rest of the tree (one line per refusal)."""
+        model, par, train = self.model, self.parallel, self.training
         experts = " ".join(map(str, model.num_experts))
         moe = f"--num-experts {experts}"
         for ok, what, fix in (
@@ -253,18 +275,6 @@ class Config:
             ),
         ):
             check(ok, f"{moe} with {what}: mixture-of-experts layers are not built for that here; {fix}")
-        ep, dp = par.expert_parallel_size, par.data_parallel_size
-        check(
-            dp % ep == 0,
-            f"--moe-expert-parallel-size {ep} does not divide the data-parallel size {dp}: each group of {ep} "
-            f"data-parallel ranks shares out the experts; choose a divisor of {dp}",
-        )
-        uneven = sorted({n for n in model.experts_per_layer if n > 1 and n % ep})
-        check(
-            not uneven,
-            f"--moe-expert-parallel-size {ep} does not divide {uneven[0] if uneven else 0} experts ({moe}): each "
-            f"rank of the group holds the same number of experts; choose a divisor of every expert count",
-        )
 
     @property
     def engine_kind(self) -> str:

@@ -1,8 +1,7 @@
 """Flags -> `DistillationConfig`: Megatron-DeepSpeed's knowledge-distillation group (`--kd`, `--mos` and their
 teacher).
 
-What only the command line says: `--num-experts-teacher` (a dense teacher only, with --kd), the NOTICEs that
-`--kd-alpha-ce` scales nothing (Megatron-DeepSpeed reads it into `alpha` and never uses it), that the teacher
+What only the command line says: the NOTICEs that `--kd-alpha-ce` scales nothing (Megatron-DeepSpeed reads it into `alpha` and never uses it), that the teacher
 runs without the dropout upstream's teacher keeps, and that at T > 1 the kd loss is the full vocabulary's KL
 divergence (upstream's is a sum of per-shard ones), and the warning for teacher flags
 given without `--kd` (Megatron-DeepSpeed reads them only with it). The teacher's checkpoint is checked against them
@@ -16,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_ds.config import DistillationConfig
-from megatron_ds.errors import ConfigError
 from megatron_ds.flags.declare import flag_of
 from megatron_ds.flags.notices import notice
 
@@ -25,6 +23,7 @@ _TEACHER_FLAGS = (
     "num_layers_teacher",
     "hidden_size_teacher",
     "num_attention_heads_teacher",
+    "num_experts_teacher",
 )
 
 
@@ -32,19 +31,12 @@ def distillation_config(
     args: argparse.Namespace, direct: dict[str, Any], warn: Callable[[str], None]
 ) -> DistillationConfig:
     """The section from its flags (copied as given in `direct`), with the command line's own rules."""
-    experts = tuple(args.num_experts_teacher)
     config = DistillationConfig(**direct)
     if not config.distils:
         given = [d for d in _TEACHER_FLAGS if getattr(args, d) is not None]
-        given += ["num_experts_teacher"] if any(n != 1 for n in experts) else []
         if given:
             warn(f"{', '.join(map(flag_of, given))}: read only with --kd or --mos; ignored without them")
         return DistillationConfig()  # nothing of it is read: the same config as without the flags
-    if any(n != 1 for n in experts):
-        raise ConfigError(
-            f"--num-experts-teacher {' '.join(map(str, experts))} is not supported: mixture-of-experts teachers are "
-            "not built; use --num-experts-teacher 1 or drop it"
-        )
     if args.hidden_dropout or args.attention_dropout:
         notice(
             f"{config.flag}: the teacher runs without dropout (eval mode); Megatron-DeepSpeed never puts its teacher in eval "

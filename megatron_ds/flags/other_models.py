@@ -138,10 +138,12 @@ DISTILLATION: tuple[Flag, ...] = (
     accepted(
         "--num-experts-teacher",
         _KD,
-        "only 1 with --kd (a dense teacher, Megatron-DeepSpeed's default): mixture-of-experts models are not built",
+        "the teacher's experts, one count or one per mixture-of-experts layer (as --num-experts); its experts per "
+        "layer must equal what --load-teacher's checkpoint saved; when not given, the checkpoint's. A "
+        "mixture-of-experts teacher shares the student's --moe-expert-parallel-size (docs/training.md)",
+        "distillation.num_experts_teacher",
         type=int,
         nargs="+",
-        default=(1,),
     ),
     accepted(
         "--hidden-size-teacher", _KD, f"the teacher's width{_TEACHER}", "distillation.hidden_size_teacher", type=int
@@ -156,7 +158,8 @@ DISTILLATION: tuple[Flag, ...] = (
     switch(
         "--mos",
         _KD,
-        "mixture of students: --kd's loss from the same teacher (--load-teacher, a dense one), logged as mos loss, as "
+        "mixture of students: --kd's loss from the same teacher (--load-teacher, dense or mixture-of-experts), logged as "
+        "mos loss, as "
         "Megatron-DeepSpeed (a mixture-of-experts student's step adds lm, moe and mos loss); docs/training.md",
         "distillation.mos",
     ),

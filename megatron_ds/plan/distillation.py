@@ -5,7 +5,8 @@ The teacher is sized as the trainer sizes it (`training/checkpoint/teacher.py`, 
 `--load-teacher DIR`'s latest `megatron_ds.json` (its layers, width, heads and MLP width; the `--*-teacher` flags, when
 given, must agree), or, without a checkpoint, from `--num-layers-teacher`, `--hidden-size-teacher` and
 `--num-attention-heads-teacher` (its MLP width then what pretrain_gpt.py gives a model of that width); everything else is
-the student's. Every refusal is the trainer's own line: `Config._check_distillation` (pipeline size 1, no grouped-query
+the student's. A mixture-of-experts teacher, which pretrain_gpt.py trains with, is refused in one line (its experts are
+not priced). Every other refusal is the trainer's own line: `Config._check_distillation` (pipeline size 1, no grouped-query
 attention) asked through a config tree, and the checkpoint's checks (`teacher_model`, `check_sharding`).
 """
 
@@ -71,6 +72,12 @@ def teacher_fields(raw: Any, dims: dict, tp: int = 1) -> tuple[tuple[str, Any], 
             check_sharding(config, teacher)
         except CheckpointError as e:
             raise PlanError(str(e)) from None
+        if teacher.is_moe:
+            raise PlanError(
+                f"--load-teacher {raw.load_teacher}: a mixture-of-experts teacher (--num-experts "
+                f"{' '.join(map(str, teacher.num_experts))}) is not priced by the planner (pretrain_gpt.py trains with "
+                f"it); plan the student without {flag}, or with a dense teacher's --load-teacher"
+            )
         return tuple((f, getattr(teacher, f)) for f in OWN_FIELDS)
     sizes = (raw.num_layers_teacher, raw.hidden_size_teacher, raw.num_attention_heads_teacher)
     if None in sizes:

@@ -12,11 +12,19 @@ each rank holding its shards, cut from the checkpoint's full tensors whatever T 
 `--load` at another T is), so its logits come out vocabulary-parallel beside the student's and the kd loss is the
 full vocabulary's KL divergence (`model.distillation.vocab_parallel_kd_loss`).
 
+A mixture-of-experts teacher (its checkpoint's `--num-experts`; `--num-experts-teacher` must agree) is the training
+`GPTModel` too, its DeepSpeed MoE layers on the student's expert-parallel groups (`--moe-expert-parallel-size` E, which
+must divide its expert counts: `check_experts`), each rank holding experts / E of each MoE layer, read by global index
+from the checkpoint's per-expert files whatever E it was saved with (`MoeSource.weight`); its load-balancing losses
+are not added (as upstream's `calculate_mos_loss` drops them). In eval mode DeepSpeed's gate takes its eval capacity
+factor; the teacher's is set to its train one, the capacity upstream's train-mode teacher routes with.
+
 Differences from upstream, printed as NOTICEs: the teacher runs in eval mode (upstream never calls `.eval()` on
 it, so its dropout is on: `flags.distillation_flags`); at T > 1 the KL divergence is the full vocabulary's, not
 upstream's sum of per-shard ones (`flags.distillation_flags`); and a teacher whose MLP width, head size or head count
 differ from the student's loads (upstream builds it with the student's --ffn-hidden-size, kv channels and
-key/value heads, which cannot load such a checkpoint: `check_teacher`).
+key/value heads, which cannot load such a checkpoint: `check_teacher`); a mixture-of-experts teacher routes as its
+checkpoint was trained (top-k, capacity, token dropping), upstream's with the student's MoE flags (`routing_notice`).
 """
 
 from __future__ import annotations
@@ -35,7 +43,13 @@ from megatron_ds.pipeline.layout import build_layout
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.rules import WEIGHT_FREE_FIELDS
-from megatron_ds.training.checkpoint.teacher import check_sharding, open_teacher, teacher_model
+from megatron_ds.training.checkpoint.teacher import (
+    check_experts,
+    check_sharding,
+    open_teacher,
+    routing_notice,
+    teacher_model,
+)
 from megatron_ds.training.checkpoint.universal import names
 
 
@@ -49,6 +63,7 @@ def check_teacher(config: Config) -> list[str]:
     student = config.model
     where = f"--load-teacher {config.distillation.load_teacher}"
     check_sharding(config, teacher)
+    check_experts(config, teacher)
     notices = []
     stale = [
         f"{name} {mine} (student) vs {theirs} (teacher)"
@@ -76,7 +91,8 @@ def check_teacher(config: Config) -> list[str]:
             f"NOTICE: {where}: {'; '.join(changed)}: the teacher runs with the student's values (they shape no "
             "weight), as Megatron-DeepSpeed builds it from the student's flags"
         )
-    return notices
+    routing = routing_notice(config, teacher)
+    return notices + ([routing] if routing else [])
 
 
 class Teacher:
@@ -105,13 +121,21 @@ class Teacher:
         )
 
 
-def load_teacher(config: Config, device: Any, student: Any = None) -> Teacher:
+def load_teacher(
+    config: Config, device: Any, student: Any = None, data_before_expert_parallel: bool = False
+) -> Teacher:
     """The teacher of `--load-teacher` on `device`, in the training precision, frozen and in eval mode
-    (the checkpoint was checked at launch: `check_teacher`). At T = 1 one whole model, needing no process group; at
-    T > 1 `student` (the training `GPTModel`) gives the tensor group, topology and grid the teacher shares."""
+    (the checkpoint was checked at launch: `check_teacher`). At T = 1 a dense one is one whole model, needing no
+    process group; at T > 1, or with experts, `student` (the training `GPTModel`) gives the tensor group, topology and
+    grid the teacher shares (with experts: the expert-parallel groups DeepSpeed's engine made, or makes here as it
+    would, `data_before_expert_parallel` being the DeepSpeed JSON's use_data_before_expert_parallelism)."""
     ckpt = open_teacher(config)
     model_config = teacher_model(config, ckpt)
+    check_experts(config, model_config)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.training.precision, torch.float32)
+    if model_config.is_moe:
+        assert student is not None, "a mixture-of-experts teacher shares the student's expert-parallel groups"
+        return _expert_parallel_teacher(config, ckpt, model_config, dtype, device, student, data_before_expert_parallel)
     if config.parallel.tensor_model_parallel_size > 1:
         assert student is not None, "a tensor-parallel teacher shares the student's tensor group"
         return _tensor_parallel_teacher(config, ckpt, model_config, dtype, device, student)
@@ -128,15 +152,9 @@ def _tensor_parallel_teacher(
 ) -> Teacher:
     """The training `GPTModel` of the teacher's architecture on the student's tensor group, this rank's shards of
     the checkpoint's full tensors copied in (`sharding.split`, as `--load` reshards weights for another T)."""
-    from megatron_ds.model.gpt_model import GPTModel as ShardedGPTModel
-
     tp = student.tensor_parallel
-    layout = build_layout(naming.gpt_spec_groups(model_config), 1)
-    teacher_config = dataclasses.replace(config, model=model_config)
-    # its own seeded initial weights are drawn (a spec at a time) and replaced; the student's dropout streams restart
-    # from their seeds, as no forward has run yet
-    model = ShardedGPTModel(teacher_config, layout, tp=tp, grid=student.mpu())
-    model.activation_checkpoint_interval = 0  # no graph to save memory on
+    model = _training_model(config, model_config, student)
+    layout = model.layout
     live = dict(model.named_parameters())
     where = {
         (p.tensor.spec_index, p.tensor.key): p.module_name
@@ -152,6 +170,61 @@ def _tensor_parallel_teacher(
     assert loaded == set(live), sorted(set(live) - loaded)
     model.to(device=device, dtype=dtype).requires_grad_(False).eval()
     return Teacher(config, model, tp)
+
+
+def _training_model(config: Config, model_config: ModelConfig, student: Any) -> Any:
+    """The training `GPTModel` of the teacher's architecture on the student's tensor group and grid, no activation
+    checkpointing; its own seeded initial weights are drawn (a spec at a time), to be replaced, and the student's
+    dropout streams restart from their seeds, as no forward has run yet."""
+    from megatron_ds.model.gpt_model import GPTModel as ShardedGPTModel
+
+    # the student's optimizer and checkpoint settings are the student's own: none refuses the teacher's experts
+    teacher_config = config.replace(
+        model=model_config,
+        optimizer=dataclasses.replace(config.optimizer, create_moe_param_group=model_config.is_moe, decoupled_lr=None),
+        checkpoint=dataclasses.replace(config.checkpoint, no_save_optim=False),
+    )
+    layout = build_layout(naming.gpt_spec_groups(model_config), 1)
+    model = ShardedGPTModel(teacher_config, layout, tp=student.tensor_parallel, grid=student.mpu())
+    model.activation_checkpoint_interval = 0  # no graph to save memory on
+    return model
+
+
+def _expert_parallel_teacher(
+    config: Config,
+    ckpt: reader.Checkpoint,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: Any,
+    student: Any,
+    data_before_expert_parallel: bool,
+) -> Teacher:
+    """The mixture-of-experts teacher: the training `GPTModel` (its gates at the train capacity factor in eval mode),
+    its MoE layers on the student's expert-parallel groups (made here by DeepSpeed, as its engine makes them, when the
+    student is dense), this rank's experts and every other weight copied in by their one-process names."""
+    from megatron_ds.model.moe import global_named_parameters
+    from megatron_ds.training.checkpoint.universal.moe_source import MoeSource
+
+    routed = dataclasses.replace(model_config, moe_eval_capacity_factor=model_config.moe_train_capacity_factor)
+    model = _training_model(config, routed, student)
+    for module in model.modules():
+        if hasattr(module, "set_deepspeed_parallelism"):  # DeepSpeed's MoE layer: the "ep_size_E" groups
+            module.set_deepspeed_parallelism(data_before_expert_parallel)
+    live = global_named_parameters(model)  # local experts under their global index
+    try:
+        source = MoeSource(ckpt)
+        loaded = set()
+        with torch.no_grad():
+            for tensor in names.model_tensors(ckpt.config.model):
+                name = names.module_name(ckpt.config.model, tensor)
+                if name in live:  # else another expert-parallel rank's expert
+                    live[name].copy_(source.weight(tensor))
+                    loaded.add(name)
+    except CheckpointError as err:
+        raise CheckpointError(f"--load-teacher: {err}") from None
+    assert loaded == set(live), sorted(set(live) - loaded)
+    model.to(device=device, dtype=dtype).requires_grad_(False).eval()
+    return Teacher(config, model)
 
 
 def _tensors(ckpt: reader.Checkpoint) -> Any:

@@ -245,7 +245,8 @@ def assemble(
     if config.distillation.distils:
         from megatron_ds.training.distillation import load_teacher
 
-        engine.teacher = load_teacher(config, engine.device, model)  # at T > 1 on the student's tensor group
+        # at T > 1 on the student's tensor group; with experts on its expert-parallel groups
+        engine.teacher = load_teacher(config, engine.device, model, engine._config.use_data_before_expert_parallel_)
     return engine, model, engine.optimizer
 
 

@@ -141,10 +141,6 @@ def test_every_megatron_deepspeed_option_is_declared() -> None:
         (["--train-data-exact-num-epochs", "2"], "--train-data-exact-num-epochs is not supported: makes the training"),
         (["--train-shuffle-idx-path", "x.npy"], "--train-shuffle-idx-path is not supported: reads the training split"),
         (["--use-dataset-only", "True"], "--use-dataset-only is not supported: Megatron-DeepSpeed then builds only"),
-        (
-            ["--mos", "--load-teacher", "t", "--num-experts-teacher", "4"],
-            "--num-experts-teacher 4 is not supported: mixture-of-experts",
-        ),
     ],
 )
 def test_megatron_deepspeed_data_and_training_flags_that_change_its_run_are_refused(argv, message) -> None:

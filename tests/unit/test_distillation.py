@@ -125,7 +125,12 @@ def test_kd_flags_set_the_section_and_the_plain_engine() -> None:
         (["--load-teacher", "t", "--ds-sequence-parallel-size", "2"], 2, "--kd with --ds-sequence-parallel-size 2"),
         (["--load-teacher", "t", "--num-key-value-heads", "2"], 1, "--kd with --num-key-value-heads 2"),
         (["--load-teacher", "t", "--reset-position-ids"], 1, "--kd with --reset-position-ids"),
-        (["--load-teacher", "t", "--num-experts-teacher", "2"], 1, "--num-experts-teacher 2 is not supported"),
+        (["--load-teacher", "t", "--num-experts-teacher", "0"], 1, "--num-experts-teacher 0 must be one or more"),
+        (
+            ["--load-teacher", "t", "--moe-expert-parallel-size", "2"],
+            1,
+            "--moe-expert-parallel-size 2 does not divide the data-parallel size 1",
+        ),
         (["--load-teacher", "t", "--kd-temp", "0"], 1, "--kd-temp 0.0 must be > 0"),
     ],
 )
@@ -144,8 +149,8 @@ def test_mos_is_kds_loss_named_mos_loss_and_needs_a_teacher() -> None:
     assert parse("--kd", "--mos", "--load-teacher", "t").distillation.loss_name == "mos loss"  # upstream's order
     with pytest.raises(ConfigError, match=r"^--mos needs --load-teacher DIR"):
         parse("--mos")
-    with pytest.raises(ConfigError, match=r"^--num-experts-teacher 2 is not supported: mixture-of-experts teachers"):
-        parse("--mos", "--load-teacher", "t", "--num-experts-teacher", "2")
+    experts = parse("--mos", "--load-teacher", "t", "--num-experts-teacher", "2", "4").distillation.num_experts_teacher
+    assert experts == (2, 4)
     with pytest.raises(ConfigError, match=r"^--mos with --pipeline-model-parallel-size 2"):
         parse("--mos", "--load-teacher", "t", "--pipeline-model-parallel-size", "2", world_size=2)
 
@@ -317,3 +322,130 @@ def test_megatron_deepspeed_teacher_is_sent_to_the_converter(tmp_path: Path) -> 
     text = str(err.value)
     assert text.startswith(f"--load-teacher {path}: a Megatron-DeepSpeed checkpoint") and "\n" not in text
     assert text.endswith(", then --load-teacher OUT")
+
+
+def moe_teacher(root: Path, **overrides: object) -> str:
+    """A mixture-of-experts teacher's metadata: 4 layers, experts in layers 2 and 4 (4 each unless overridden)."""
+    overrides = {"model__num_experts": (4,), "model__moe_token_dropping": False, **overrides}
+    return fake_teacher(root, tiny_config(**overrides))
+
+
+def test_dense_student_keeps_its_expert_parallel_size_for_a_teacher_with_experts() -> None:
+    config = parse("--kd", "--load-teacher", "t", "--moe-expert-parallel-size", "2", world_size=2)
+    assert (config.parallel.expert_parallel_size, config.model.is_moe) == (2, False)
+    assert parse("--moe-expert-parallel-size", "2", world_size=2).parallel.expert_parallel_size == 1  # no teacher
+
+
+@pytest.mark.parametrize("given", [None, (4,), (4, 4)])
+def test_mixture_of_experts_teacher_is_its_checkpoints(tmp_path: Path, given: tuple[int, ...] | None) -> None:
+    path = moe_teacher(tmp_path / "t")
+    config = student(path, distillation__num_experts_teacher=given, parallel__world_size=2)
+    config = config.replace(parallel__expert_parallel_size=2)  # a dense student: its groups are the teacher's
+    (notice,) = distillation.check_teacher(config)
+    assert notice == (
+        f"NOTICE: --load-teacher {path}: the mixture-of-experts teacher routes tokens as its checkpoint was trained "
+        "(moe_top_k 1; moe_train_capacity_factor 1.0; moe_min_capacity 4; moe_token_dropping False; "
+        "moe_top2_2nd_expert_sampling True), its gates at the train capacity factor; Megatron-DeepSpeed routes its "
+        "teacher with the student's MoE flags"
+    )
+    teacher = distillation.teacher_model(config, distillation.open_teacher(config))
+    assert teacher.experts_per_layer == (1, 4, 1, 4) and not teacher.moe_token_dropping
+
+
+def test_moe_students_own_routing_gives_no_notice_and_another_names_each_field(tmp_path: Path) -> None:
+    path = moe_teacher(tmp_path / "t")
+    same = student(path, model__num_experts=(2,), model__moe_token_dropping=False)
+    assert distillation.check_teacher(same) == []
+    (notice,) = distillation.check_teacher(same.replace(model__moe_top_k=2, model__moe_min_capacity=2))
+    assert "(moe_top_k 1 (student: 2); moe_min_capacity 4 (student: 2))," in notice
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ((1,), "--num-experts-teacher 1 disagrees"),
+        ((2,), "--num-experts-teacher 2 disagrees"),
+        ((4, 4, 4), "--num-experts-teacher 4 4 4 disagrees"),
+        ((4, 2), "--num-experts-teacher 4 2 disagrees"),
+    ],
+)
+def test_num_experts_teacher_that_disagrees_with_the_checkpoint_is_one_line(
+    tmp_path: Path, given: tuple[int, ...], message: str
+) -> None:
+    path = moe_teacher(tmp_path / "t")
+    with pytest.raises(UserError) as err:
+        distillation.check_teacher(student(path, distillation__num_experts_teacher=given))
+    assert str(err.value) == (
+        f"{message} with --load-teacher {path} (global_step2), whose model has --num-experts 4 (experts per layer "
+        "[1, 4, 1, 4]); use --num-experts-teacher 4 (or drop it: the checkpoint's is taken)"
+    )
+
+
+def test_dense_teacher_takes_num_experts_teacher_1_and_refuses_more(tmp_path: Path) -> None:
+    path = fake_teacher(tmp_path / "t", tiny_config())
+    assert distillation.check_teacher(student(path, distillation__num_experts_teacher=(1,))) == []
+    with pytest.raises(
+        UserError, match=r"^--num-experts-teacher 4 disagrees with .*, whose model has --num-experts 1 "
+    ):
+        distillation.check_teacher(student(path, distillation__num_experts_teacher=(4,)))
+
+
+@pytest.mark.parametrize(
+    "overrides, why",
+    [
+        (
+            {"parallel__world_size": 4, "parallel__expert_parallel_size": 4},
+            "--moe-expert-parallel-size 4 does not divide its 6 experts, and it shares out its experts over the "
+            "student's expert-parallel groups; choose a --moe-expert-parallel-size that divides every expert count of "
+            "the student and the teacher",
+        ),
+        (
+            {"parallel__world_size": 2, "parallel__tensor_model_parallel_size": 2},
+            "its MoE layers are not tensor-parallel here, and the student runs at --tensor-model-parallel-size 2; use "
+            "--tensor-model-parallel-size 1",
+        ),
+        (
+            {"training__zero_stage": 3},
+            "--zero-stage 3 is not run with MoE layers here (DeepSpeed refuses ZeRO-3 with them); use --zero-stage 0, "
+            "1 or 2",
+        ),
+    ],
+)
+def test_teacher_experts_the_run_cannot_hold_are_one_line(tmp_path: Path, overrides: dict, why: str) -> None:
+    path = moe_teacher(tmp_path / "t", model__num_experts=(6,))
+    with pytest.raises(UserError) as err:
+        distillation.check_teacher(student(path, **overrides))
+    assert str(err.value) == f"--load-teacher {path}: a mixture-of-experts teacher (--num-experts 6): {why}"
+
+
+def test_universal_form_of_a_moe_teacher_is_one_line(tmp_path: Path) -> None:
+    path = moe_teacher(tmp_path / "t")
+    meta = tmp_path / "t" / "global_step2" / META
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": "megatron_ds.universal"}))
+    with pytest.raises(UserError) as err:
+        distillation.check_teacher(student(path))
+    assert str(err.value).startswith(f"--load-teacher {path}: a universal checkpoint (training state, no per-expert")
+
+
+def test_the_planner_refuses_a_moe_teacher_in_one_line(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from megatron_ds.plan import distillation as plan_distillation
+    from megatron_ds.plan.hardware import PlanError
+
+    path = moe_teacher(tmp_path / "t")
+    raw = SimpleNamespace(
+        kd=True,
+        mos=False,
+        load_teacher=path,
+        num_layers_teacher=None,
+        hidden_size_teacher=None,
+        num_attention_heads_teacher=None,
+    )
+    dims = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 128}
+    with pytest.raises(PlanError) as err:
+        plan_distillation.teacher_fields(raw, {**dims, "ffn_hidden_size": 64})
+    assert str(err.value) == (
+        f"--load-teacher {path}: a mixture-of-experts teacher (--num-experts 4) is not priced by the planner "
+        "(pretrain_gpt.py trains with it); plan the student without --kd, or with a dense teacher's --load-teacher"
+    )
