@@ -138,7 +138,7 @@ def test_a_moe_checkpoint_has_a_universal_form_and_the_per_spec_readers_refuse_i
     assert universal_refusal(meta, "ck") is None  # its reader (universal/moe_source.py) refuses what it does not read
     line = moe_refusal(meta, "ck")
     assert line.startswith("ck: a mixture-of-experts checkpoint (--num-experts 4)") and "\n" not in line
-    assert "Hugging Face export, generation and inference, and a --kd teacher do not read it" in line
+    assert "Hugging Face export, generation and inference do not read it here (a --kd teacher does)" in line
     assert "resumes it under any world size, --moe-expert-parallel-size and ZeRO stage 0-2" in line
     assert "--no-load-optim" in line and "--to universal" in line
     assert moe_refusal({"config": parse_config(BASE.split())[0].to_dict()}, "ck") is None

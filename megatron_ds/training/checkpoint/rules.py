@@ -4,7 +4,8 @@ Free: dropout and init std (a notice), and the whole parallel layout: P, the sta
 sequence parallelism (Megatron's: as saved; Ulysses' degree N), ZeRO stage, offload, CPU Adam and precision (`topology_changes`; a full resume then goes through the universal form,
 `megatron_ds.training.checkpoint.universal`; a mixture-of-experts model's world size, expert-parallel size and ZeRO
 stage 0-2 too). Refused with one line: another architecture, and for a full resume another global batch size or
-optimizer; a mixture-of-experts checkpoint in the per-spec readers (`moe_refusal`). Pure: no torch.distributed.
+optimizer; a mixture-of-experts checkpoint in the per-spec readers (`moe_refusal`; a `--kd` teacher reads its
+per-expert files). Pure: no torch.distributed.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def has_optimizer_state(meta: dict[str, Any]) -> bool:
 
 
 def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
-    """Why the per-spec readers (Hugging Face export, generation and inference, a `--kd` teacher) refuse a
-    mixture-of-experts checkpoint (None for a dense one): its experts are in DeepSpeed's per-expert files, which only
+    """Why the per-spec readers (Hugging Face export, generation and inference) refuse a mixture-of-experts
+    checkpoint (None for a dense one): its experts are in DeepSpeed's per-expert files, which only
     the universal conversion reads (`universal.moe_source`). What works is said in the same line: a resume under any
     world size, expert-parallel size and ZeRO stage 0-2 (through the universal form), the conversion itself, and its
     weights alone (`--no-load-optim`)."""
@@ -58,7 +59,8 @@ def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
     experts = " ".join(map(str, model.num_experts))
     return (
         f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), whose experts are in DeepSpeed's "
-        f"per-expert files: Hugging Face export, generation and inference, and a --kd teacher do not read it here; "
+        f"per-expert files: Hugging Face export, generation and inference do not read it here (a --kd teacher "
+        f"does); "
         f"pretrain_gpt.py --load resumes it under any world size, --moe-expert-parallel-size and ZeRO stage 0-2 "
         f"(through its universal form, which `tools/convert_checkpoint.py --to universal` also writes), or takes its "
         f"weights alone with --no-load-optim"

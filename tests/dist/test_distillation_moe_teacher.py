@@ -1,0 +1,90 @@
+"""--mos / --kd from a mixture-of-experts teacher: its experts shared out over the student's expert-parallel groups
+equal the one-process run.
+
+Launch 1 (two ranks, DP = 2, --moe-expert-parallel-size 2): a 4-layer teacher with 4 experts in layers 2 and 4 (top-1,
+no token dropping: deterministic routing) trains 2 steps and saves (each rank writes its 2 experts' files); a 2-layer
+student with 4 experts in its second layer distils from it under --mos, and a dense 2-layer student under --kd (the
+teacher on the same expert-parallel size, its groups made for it), 3 steps each (temperature 2, beta 0.5, clipping
+active). Launch 2 (one rank, E = 1: every expert of the teacher read by its global index from the files the two ranks
+wrote): the same two students. kd / mos loss, lm loss, gradient norm, parameter norm and every final weight (experts
+by their global index) within 1e-6 in fp32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ds.testing.scenario_runs import by_name, run_scenarios
+
+TOL = 1e-6
+ROUTING = {"model__moe_token_dropping": False}
+
+
+def teacher(path: str) -> dict:
+    overrides = {**ROUTING, "model__num_experts": [4], "parallel__expert_parallel_size": 2, "parallel__world_size": 2}
+    return {"overrides": overrides, "steps": 2, "save": path}
+
+
+def student(path: str, experts: int, ep: int) -> dict:
+    overrides = {
+        **ROUTING,
+        "model__num_layers": 2,
+        "model__num_experts": [experts],
+        "parallel__expert_parallel_size": ep,
+        "parallel__world_size": ep,
+        "distillation__mos" if experts > 1 else "distillation__kd": True,
+        "distillation__load_teacher": path,
+        "distillation__kd_temp": 2.0,
+        "distillation__kd_beta_ce": 0.5,
+    }
+    return {"overrides": overrides, "steps": 3, "weights": True}
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("moe_teacher") / "teacher"
+
+
+@pytest.fixture(scope="module")
+def runs(teacher_dir: Path) -> tuple[dict, dict]:
+    root, path = teacher_dir.parent, str(teacher_dir)
+    two = run_scenarios(root / "w2", 2, [teacher(path), student(path, 4, 2), student(path, 1, 2)], timeout=150)
+    one = run_scenarios(root / "w1", 1, [student(path, 4, 1), student(path, 1, 1)], timeout=150)
+    return by_name(["teacher", "moe", "dense"], two), by_name(["moe", "dense"], one)
+
+
+@pytest.mark.parametrize("name, loss", [("moe", "mos loss"), ("dense", "kd loss")])
+def test_moe_teacher_at_expert_parallel_2_equals_one_process(runs: tuple[dict, dict], name: str, loss: str) -> None:
+    two, one = runs
+    (ref,) = one[name]
+    assert ref["engine"] == "PlainEngine"
+    keys = [loss] if name == "dense" else ["moe loss", loss]  # the teacher's load-balancing losses join nothing
+    assert [sorted(o) for o in ref["other_losses"]] == [keys] * 3
+    kd_ref = [o[loss] for o in ref["other_losses"]]
+    assert all(k > 0 for k in kd_ref)
+    assert min(ref["grad_norms"]) > 0.05, "clipping must be active (clip_grad 0.05)"
+    seen = set()
+    for r in two[name]:
+        assert [o[loss] for o in r["other_losses"]] == pytest.approx(kd_ref, abs=TOL)
+        assert r["losses"] == pytest.approx(ref["losses"], abs=TOL)
+        assert r["grad_norms"] == pytest.approx(ref["grad_norms"], abs=TOL)
+        assert r["params_norm"] == pytest.approx(ref["params_norm"], abs=TOL)
+        for key, value in r["weights"].items():  # a MoE student's rank holds 2 of its 4 experts
+            diff = (torch.tensor(value) - torch.tensor(ref["weights"][key])).abs().max().item()
+            assert diff <= TOL, (key, diff)
+            seen.add(key)
+    assert seen == set(ref["weights"])
+
+
+def test_the_teacher_was_saved_with_its_experts_shared_out(runs: tuple[dict, dict], teacher_dir: Path) -> None:
+    import json
+
+    two, _ = runs
+    assert [r["engine"] for r in two["teacher"]] == ["PlainEngine"] * 2
+    (tag,) = [p for p in teacher_dir.iterdir() if p.is_dir()]
+    files = {p.name for p in tag.iterdir()}
+    assert {f"layer_{m}_expert_{e}_mp_rank_00_model_states.pt" for m in (0, 1) for e in range(4)} <= files
+    assert json.loads((tag / "experts.json").read_text())["expert_parallel_size"] == 2
