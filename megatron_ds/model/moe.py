@@ -9,9 +9,9 @@ residual` (PR-MoE) a dense MLP beside them whose output is mixed with the expert
   * every expert (and the residual MLP) is a copy of one MLP (DeepSpeed's `Experts` deep-copies the module it is
     given), whose weights are drawn as the dense MLP of that layer would be; the gate's and the coefficient's
     weights are drawn like torch's `nn.Linear` default, U(-1/sqrt(h), 1/sqrt(h)), from the layer's generator;
-  * the expert's second linear has no bias: Megatron-DeepSpeed's expert (`ParallelMLP`, `skip_bias_add`) returns
-    its fc2 bias apart and DeepSpeed's `Experts` drops it ("Ignore the bias term for now"), so there it is a
-    parameter that stays zero; here it is not built;
+  * the expert (and the residual MLP) adds its fc2 bias itself (with --add-bias-linear): at 4efb479 Megatron-DeepSpeed's
+    `ParallelMLP` builds its `dense_4h_to_h` without `skip_bias_add`, so the bias is inside the output DeepSpeed's
+    `Experts` keeps (its "Ignore the bias term" drops the `None` beside it);
   * the tokens go to the gate sequence-first, (s x b, h), Megatron's order, which decides who keeps a slot when an
     expert is over capacity;
   * the layer's load-balancing loss (`l_aux`) is kept on the module after each forward; the model's loss adds
@@ -47,12 +47,13 @@ class ExpertMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(fc1.shape[1], fc1.shape[0], bias=fc1_bias)
-        self.fc2 = nn.Linear(fc2.shape[1], fc2.shape[0], bias=False)  # dropped upstream: see the module
+        self.fc2 = nn.Linear(fc2.shape[1], fc2.shape[0], bias=fc1_bias)  # biases as --disable-bias-linear says
         with torch.no_grad():
             self.fc1.weight.copy_(fc1)
             self.fc2.weight.copy_(fc2)
             if fc1_bias:
                 self.fc1.bias.zero_()
+                self.fc2.bias.zero_()
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,10 +131,10 @@ def local_expert_ids(layer: nn.Module) -> range:
 def layer_tensor_rules(model: ModelConfig, num_experts: int) -> dict[str, sharding.TensorRule]:
     """Every tensor of a transformer layer with `num_experts` experts, whole (T = 1), under the names the one-process
     model gives them within the layer: the dense layer's attention and norms, then the MoE layer's gate, each expert's
-    fc1 (and its bias) and fc2 (no bias: see the module), and PR-MoE's residual MLP and coefficient, in
+    fc1 and fc2 (and their biases), and PR-MoE's residual MLP and coefficient, in
     `named_parameters()` order (checked against the built layer in tests/unit/test_moe_universal.py)."""
     dense = sharding.spec_tensors(model, naming.TRANSFORMER_LAYER)
-    mlp = {k: r for k, r in dense.items() if k.split(".")[0] in ("fc1", "fc2") and k != "fc2.bias"}
+    mlp = {k: r for k, r in dense.items() if k.split(".")[0] in ("fc1", "fc2")}
     out = {k: r for k, r in dense.items() if k.split(".")[0] not in ("fc1", "fc2")}
     out[GATE_WEIGHT] = sharding.TensorRule((num_experts, model.hidden_size))
     for expert in range(num_experts):

@@ -80,20 +80,21 @@ def layer_params(model: ModelConfig, tensor_parallel_size: int = 1) -> LayerPara
 
 def moe_layer_params(model: ModelConfig, num_experts: int, expert_parallel_size: int = 1) -> LayerParams:
     """A transformer layer with experts on one rank (T = 1; `megatron_ds.model.moe`): attention and norms as a dense
-    layer's, then the gate (h x experts, no bias), this rank's experts (experts / E copies of the MLP, whose fc2 has
-    no bias) and with `mlp_type` residual the dense MLP beside them and its coefficient (h -> 2, with bias)."""
+    layer's, then the gate (h x experts, no bias), this rank's experts (experts / E copies of the MLP, biases as the
+    dense MLP's) and with `mlp_type` residual the dense MLP beside them and its coefficient (h -> 2, with bias)."""
     dense, linears = layer_params(model), layer_linear_shapes(model)
     (fc1_rows, h), (_, ffn) = linears["fc1"], linears["fc2"]
     fc1_bias = fc1_rows if model.has_bias("fc1") else 0
-    expert = fc1_rows * h + fc1_bias + h * ffn
+    fc2_bias = h if model.has_bias("fc2") else 0
+    expert = fc1_rows * h + fc1_bias + h * ffn + fc2_bias
     modules = [*dense.modules[:4], ("gate", h * num_experts), ("experts", expert * num_experts // expert_parallel_size)]
     no_decay = dense.no_decay - sum(
         rows for n, (rows, _) in linears.items() if n in ("fc1", "fc2") and model.has_bias(n)
     )
-    no_decay += fc1_bias * num_experts // expert_parallel_size
+    no_decay += (fc1_bias + fc2_bias) * num_experts // expert_parallel_size
     if model.mlp_type == "residual":
         modules += [("residual_mlp", expert), ("coefficient", 2 * h + 2)]
-        no_decay += fc1_bias + 2
+        no_decay += fc1_bias + fc2_bias + 2
     return LayerParams(modules=tuple(modules), no_decay=no_decay)
 
 
