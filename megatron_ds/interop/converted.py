@@ -54,10 +54,13 @@ def write(
     open_source: Callable[[reader.Checkpoint], Any],
     check: Callable[[Any], None] = lambda source: None,
     show_progress: bool = True,
+    weight_files: bool = True,
 ) -> list[str]:
     """Write the converted checkpoint into `output` (created; never overwritten); return the
     optimizer states carried over ([] when the source has none). `open_source` makes the reader
-    for our checkpoint's metadata, once written; `check` validates it before any tensor is written."""
+    for our checkpoint's metadata, once written; `check` validates it before any tensor is written.
+    `weight_files` False (a mixture-of-experts model, which the per-spec readers refuse): the universal form
+    alone holds the weights."""
     root = os.path.abspath(output)
     with files.atomic_directory(root, "output") as tmp:
         step_dir = os.path.join(tmp, tag)
@@ -65,7 +68,8 @@ def write(
         files.write_json(os.path.join(step_dir, META), meta)
         source = open_source(reader.Checkpoint(tmp, tag, meta, config))
         check(source)
-        write_weights(source, step_dir, show_progress)
+        if weight_files:
+            write_weights(source, step_dir, show_progress)
         universal = os.path.join(tmp, tag + SUFFIX)
         os.makedirs(universal)
         bar = files.progress(len(model_tensors(config.model)), "universal", show_progress)

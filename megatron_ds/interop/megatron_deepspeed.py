@@ -21,6 +21,7 @@ from typing import Any
 from megatron_ds.config import Config
 from megatron_ds.interop import converted
 from megatron_ds.interop import megatron_deepspeed_args as saved_args
+from megatron_ds.interop.megatron_deepspeed_experts import MegatronDeepSpeedMoeSource, check_moe
 from megatron_ds.interop.megatron_deepspeed_files import MegatronDeepSpeedCheckpoint, open_megatron_deepspeed
 from megatron_ds.interop.megatron_deepspeed_layout import BLOCKED, INTERLEAVED, QKV_LAYOUTS
 from megatron_ds.interop.megatron_deepspeed_source import MegatronDeepSpeedSource, check_split
@@ -58,19 +59,22 @@ def import_megatron_deepspeed(
     config = saved_args.config_from_args(mds, tokenizer_flags)
     layout = resolve_layout(config)  # a layout error now, before anything is written
     meta = _meta(mds, config, layout.to_string(), qkv_layout)
+    moe = config.model.is_moe
     states = converted.write(
         output,
         mds.tag,
         meta,
         config,
-        lambda ours: MegatronDeepSpeedSource(mds, ours, qkv_layout),
-        check_split,
+        lambda ours: (MegatronDeepSpeedMoeSource if moe else MegatronDeepSpeedSource)(mds, ours, qkv_layout),
+        check_moe if moe else check_split,
         show_progress,
+        weight_files=not moe,
     )
     notes = [n for n in (layout_note, note) if n]
     if not states:
         notes.append("no optimizer state in the source: a resume from it starts the optimizer's moments at zero")
     flags = saved_args.render(mds.args, saved_args.MODEL_ARGS) + ["--vocab-size", str(saved_args.vocab_size(mds))]
+    flags += saved_args.render(mds.args, saved_args.MOE_ARGS) if moe else []
     flags += tokenizer_flags + saved_args.render(mds.args, saved_args.TRAINING_ARGS)
     return ImportResult(
         os.path.abspath(output), mds.tag, config, meta["train_state"]["iteration"], states, flags, notes, qkv_layout
@@ -111,6 +115,7 @@ def _meta(mds: MegatronDeepSpeedCheckpoint, config: Config, layout: str, qkv_lay
             "data_parallel_size": mds.data_parallel,
             "zero_stage": mds.zero_stage,
             "precision": mds.precision,
+            "expert_parallel_size": saved_args.expert_parallel_size(mds),
             "checkpoint_version": mds.states.get("checkpoint_version"),
             "ds_version": mds.states.get("ds_version"),
         },

@@ -51,11 +51,28 @@ MODEL_ARGS = (
     ),
     on("--untie-embeddings-and-output-weights"),
     Arg("--num-experts", ([1],)),
-    Arg("--mlp-type", "standard"),
     Arg("--num-layers-per-virtual-pipeline-stage"),
     *saved_flags.INIT_AND_DROPOUT_ARGS,
 )
 """What shapes the model (and its dropout and init), in Megatron-DeepSpeed's spelling."""
+MOE_ARGS = (
+    Arg("--expert-interval", 2),
+    Arg("--mlp-type", "standard"),
+    Arg("--topk", 1),
+    Arg("--moe-train-capacity-factor", 1.0),
+    Arg("--moe-eval-capacity-factor", 1.0),
+    Arg("--moe-min-capacity", 4),
+    Arg("--moe-loss-coeff", 0.1),
+    off("--disable-moe-token-dropping", "moe_token_dropping"),
+    off("--disable-moe-top2-2nd-expert-sampling", "moe_top2_2nd_expert_sampling"),
+    on("--create-moe-param-group"),
+    Arg("--moe-expert-parallel-size", 1),
+    on("--enable-expert-tensor-parallelism"),
+    on("--use-tutel"),
+    Arg("--num-experts-switch"),
+)
+"""A mixture-of-experts run's routing, experts and their parallelism (rendered only when it has experts: a dense run
+saves them at upstream's defaults, which mean nothing there)."""
 TRAINING_ARGS = (
     *saved_flags.SCHEDULE_ARGS,
     Arg("--lr-decay-tokens"),
@@ -145,8 +162,12 @@ def config_from_args(ckpt: MegatronDeepSpeedCheckpoint, tokenizer: list[str]) ->
             f"{ckpt.directory}: a ZeRO-3 checkpoint (parameters partitioned over data-parallel ranks) cannot be "
             f"converted; convert it to full weights upstream first (DeepSpeed's zero_to_fp32.py) or save it with ZeRO 0-2"
         )
+    moe = is_moe(ckpt)
+    if moe:
+        check_moe(ckpt)
     flags = [
         *render(a, MODEL_ARGS),
+        *(render(a, MOE_ARGS) if moe else []),
         *render(a, TRAINING_ARGS),
         f"--vocab-size={vocab_size(ckpt)}",
         f"--tensor-model-parallel-size={ckpt.tensor_parallel}",
@@ -155,7 +176,9 @@ def config_from_args(ckpt: MegatronDeepSpeedCheckpoint, tokenizer: list[str]) ->
         *tokenizer,
     ]
     try:
-        config, _ = parse_config(flags, world_size=ckpt.tensor_parallel * ckpt.pipeline_parallel)
+        # one data-parallel rank per expert-parallel one: the fewest ranks the experts' split allows (DP is free)
+        world_size = ckpt.tensor_parallel * ckpt.pipeline_parallel * (expert_parallel_size(ckpt) if moe else 1)
+        config, _ = parse_config(flags, world_size=world_size)
     except UserError as err:
         raise CheckpointError(f"{ckpt.directory}: its saved args, as flags, are refused here: {err}") from None
     padded = int(a.get("padded_vocab_size") or 0)
@@ -165,6 +188,33 @@ def config_from_args(ckpt: MegatronDeepSpeedCheckpoint, tokenizer: list[str]) ->
             f"{config.model.vocab_size}; the checkpoint's args are inconsistent"
         )
     return config
+
+
+def is_moe(ckpt: MegatronDeepSpeedCheckpoint) -> bool:
+    """The run had a mixture-of-experts layer (upstream's `is_moe_model`: some --num-experts count above 1)."""
+    return any(int(n) > 1 for n in ckpt.args.get("num_experts") or [1])
+
+
+def expert_parallel_size(ckpt: MegatronDeepSpeedCheckpoint) -> int:
+    return int(ckpt.args.get("moe_expert_parallel_size") or 1)
+
+
+def check_moe(ckpt: MegatronDeepSpeedCheckpoint) -> None:
+    """A mixture-of-experts checkpoint converts when it is what upstream's MoE examples save: GPTModel
+    (`--no-pipeline-parallel`) on DeepSpeed's plain engine at T = 1, in fp32, ZeRO 0-2; else one line saying so."""
+    experts = " ".join(map(str, ckpt.args.get("num_experts") or []))
+    why = None
+    if not ckpt.no_pipeline:
+        why = "saved by GPTModelPipe (without --no-pipeline-parallel), whose MoE files are not read here"
+    elif ckpt.tensor_parallel > 1:
+        why = f"saved at --tensor-model-parallel-size {ckpt.tensor_parallel}; MoE models are built at T = 1 here"
+    elif ckpt.precision != "fp32":
+        why = f"saved in {ckpt.precision}, whose MoE optimizer files are not read here"
+    if why:
+        raise CheckpointError(
+            f"{ckpt.directory}: a mixture-of-experts checkpoint (--num-experts {experts}) {why}; only --no-pipeline-parallel "
+            f"MoE checkpoints at T = 1 in fp32 (ZeRO 0-2) convert"
+        )
 
 
 def train_state(ckpt: MegatronDeepSpeedCheckpoint) -> dict[str, Any]:

@@ -175,3 +175,26 @@ def qkv_to_blocked(shard: torch.Tensor, model: ModelConfig, tensor_parallel: int
     k = per_group[:, groups].reshape(nkv * hd, *shard.shape[1:])
     v = per_group[:, groups + 1].reshape(nkv * hd, *shard.shape[1:])
     return torch.cat((q, k, v)).contiguous()
+
+
+MOE_MLP_KEYS = {"fc1": "dense_h_to_4h", "fc2": "dense_4h_to_h"}
+"""Our expert (and PR-MoE residual) MLP keys -> Megatron-DeepSpeed's ParallelMLP's."""
+
+
+def moe_key(key: str) -> str:
+    """Our MoE-layer key (`model.moe.layer_tensor_rules`) -> GPTModel's within the transformer layer: DeepSpeed's MoE
+    layer is its `mlp` (`moe.deepspeed_moe.gate.wg.weight` -> `mlp.deepspeed_moe.gate.wg.weight`, an expert's or the
+    residual MLP's `fc1` -> `dense_h_to_4h`, `moe.coefficient.*` -> `mlp.coefficient.*`)."""
+    parts = key.removeprefix("moe.").split(".")
+    return "mlp." + ".".join(MOE_MLP_KEYS.get(p, p) for p in parts)
+
+
+def expert_places(world_size: int, expert_parallel_size: int, data_before_expert: bool) -> list[tuple[int, int]]:
+    """(expert-parallel rank, expert-data-parallel rank) of each global rank at P = T = 1, as DeepSpeed's
+    `_create_expert_and_data_parallel` groups them: expert-parallel groups of consecutive ranks (rank d is r = d mod E,
+    q = d // E), or with `use_data_before_expert_parallelism` consecutive expert-data-parallel groups (r = d // (W/E),
+    q = d mod (W/E))."""
+    stride = world_size // expert_parallel_size
+    if data_before_expert:
+        return [(d // stride, d % stride) for d in range(world_size)]
+    return [(d % expert_parallel_size, d // expert_parallel_size) for d in range(world_size)]
