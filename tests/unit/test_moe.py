@@ -96,10 +96,10 @@ def test_the_memory_model_holds_each_ranks_share_of_the_experts() -> None:
     one, two = layer_params(1), layer_params(2)
     assert one[0] == two[0] and one[2] == two[2]  # dense layers
     h, ffn = MODEL.hidden_size, MODEL.ffn_hidden_size
-    expert = 2 * h * ffn + ffn  # fc1 with its bias, fc2 without
+    expert = 2 * h * ffn + ffn + h  # fc1 and fc2 with their biases (Megatron-DeepSpeed 4efb479's ParallelMLP)
     assert one[1] - two[1] == 2 * expert  # 4 experts vs 2 per rank
     assert shapes.total_params(MODEL) == shapes.total_params(dataclasses.replace(MODEL, num_experts=(1,))) + 2 * (
-        3 * expert + h * 4 - h  # three more experts, the gate, no fc2 bias
+        3 * expert + h * 4  # three more experts, the gate
     )
 
 
