@@ -184,3 +184,8 @@ def test_a_converted_run_continues_under_another_world_size_and_zero_stage(conve
     assert "iteration        3/       3" in run.stdout
     convert_checkpoint(str(saved), str(tmp_path / "universal"), show_progress=False)
     assert Universal(str(tmp_path / "universal" / "global_step3")).group_step("decay") == 3
+    # its weights alone (no DeepSpeed files in a converted checkpoint: they come from its universal form)
+    fresh = [*cmd[: cmd.index("--save")], "--save", str(tmp_path / "fresh"), "--no-load-optim"]
+    run = subprocess.run(fresh, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "NOTICE: --no-load-optim" in run.stdout and "iteration        3/       3" in run.stdout

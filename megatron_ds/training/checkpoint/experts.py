@@ -79,10 +79,9 @@ def read(directory: str, world_size: int, expert_parallel_size: int) -> dict[str
     path = os.path.join(directory, EXPERTS_FILE)
     if not os.path.isfile(path):
         raise CheckpointError(
-            f"{directory}: a mixture-of-experts checkpoint without {EXPERTS_FILE} (saved before megatron_ds recorded "
-            f"where each expert's optimizer state is), so it has no universal form; resume it at the world size, "
-            f"--moe-expert-parallel-size, ZeRO stage and precision it was saved with, or take its weights alone with "
-            f"--no-load-optim"
+            f"{directory}: a mixture-of-experts checkpoint without {EXPERTS_FILE}, saved before megatron_ds gave "
+            f"each expert the fc2 bias Megatron-DeepSpeed's experts have (and recorded where each expert's optimizer "
+            f"state is): its experts do not fit this model; load it with the megatron_ds release that wrote it"
         )
     try:
         with open(path) as f:

@@ -44,6 +44,7 @@ from megatron_ds.training.checkpoint.directory import (
     LATEST,
     META,
     CheckpointError,
+    converted_from,
     latest_pointer,
     load_tag,
     read_meta,
@@ -319,6 +320,11 @@ def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, ta
         found = store.Universal(directory)
         restore.load_weights(engine, config, layout, lambda t: found.read(t.name, FP32))
         return
+    if getattr(engine.module, "moe_layers", None) and converted_from(meta) is not None:
+        # a converted mixture-of-experts checkpoint holds no DeepSpeed files: its weights are in its universal form
+        found = store.Universal(ensure_converted(load_dir, tag, 60.0 * config.parallel.distributed_timeout_minutes))
+        restore.load_weights(engine, config, layout, lambda t: found.read(t.name, FP32))
+        return
     if getattr(engine.module, "moe_layers", None):  # DeepSpeed's MoE files: the weights alone, each expert's own file
         check_rank_files(engine, config, load_dir, tag, weights_only=True)
         engine.load_checkpoint(
@@ -355,6 +361,12 @@ def check_rank_files(engine: Any, config: Config, load_dir: str, tag: str, weigh
     if engine.zero_optimization():
         wanted.append(engine._get_zero_ckpt_name(load_dir, tag))
     wanted += _expert_files(engine, load_dir, tag, weights_only)
+    if getattr(engine.module, "moe_layers", None) and not os.path.isfile(os.path.join(directory, experts.EXPERTS_FILE)):
+        problems.append(
+            f"{directory}: a mixture-of-experts checkpoint without {experts.EXPERTS_FILE}, saved before megatron_ds gave "
+            f"each expert the fc2 bias Megatron-DeepSpeed's experts have: its experts do not fit this model; load it "
+            f"with the megatron_ds release that wrote it"
+        )
     rng = os.path.join(directory, f"rng_rank{dist.get_rank()}.pt")
     no_rng = config.checkpoint.no_load_rng or weights_only
     for path in [*wanted, *([rng] if not no_rng else [])]:
