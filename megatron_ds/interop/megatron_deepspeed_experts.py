@@ -34,7 +34,7 @@ from megatron_ds.model import naming
 from megatron_ds.model.moe import EXPERT_PREFIX
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import CheckpointError
-from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, load_file
+from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, load_file, partition_fragment
 from megatron_ds.training.checkpoint.universal.names import ModelTensor, model_tensors
 
 USE_DATA_BEFORE_EXPERT = "use_data_before_expert_parallelism"
@@ -232,16 +232,7 @@ class MegatronDeepSpeedMoeSource(MegatronDeepSpeedSource):
                 continue
             group, fragment = found
             osd = self._optim_states(0, 0, rank)
-            try:
-                if state == FP32:
-                    flat = osd["single_partition_of_fp32_groups"][group]
-                else:
-                    flat = osd["base_optimizer_state"]["state"][group][state]
-            except (KeyError, IndexError) as err:
-                raise CheckpointError(
-                    f"{self.mds.optim_file(0, 0, rank)}: no {state} for {name} ({err}); the checkpoint is damaged"
-                ) from None
-            pieces.append(flat.detach().narrow(0, fragment.start, fragment.numel).clone())
+            pieces.append(partition_fragment(osd, group, fragment, state, self.mds.optim_file(0, 0, rank), name))
         numel = int(torch.Size(tensor.rule.shape).numel())
         if sum(p.numel() for p in pieces) != numel:
             raise CheckpointError(

@@ -203,17 +203,9 @@ class DeepSpeedSource:
         g = GROUP_NAMES.index(group)
         try:
             fragment = osd["param_slice_mappings"][g].get(module_name)
-            if fragment is None:
-                return None
-            if state == FP32:
-                flat = osd["single_partition_of_fp32_groups"][g]
-            else:
-                flat = osd["base_optimizer_state"]["state"][g][state]
-            # detach: DeepSpeed saved the fp32 partitions with requires_grad, and a clone with a graph
-            # would keep the whole memory-mapped partition alive
-            return flat.detach().narrow(0, fragment.start, fragment.numel).clone()
-        except (KeyError, IndexError, RuntimeError) as err:
+        except (KeyError, IndexError) as err:
             raise CheckpointError(f"{path}: no {state} for {module_name} ({err}); the checkpoint is damaged") from None
+        return None if fragment is None else partition_fragment(osd, g, fragment, state, path, module_name)
 
     def _steps(self, path: str) -> list[int | None]:
         """Each group's step count in a flat optimizer file (small metadata, read once per file)."""
@@ -244,6 +236,24 @@ class DeepSpeedSource:
             )
         self._meta_cache[path] = {p.module_name: i for i, p in enumerate(names.optimizer_order(params))}
         return self._meta_cache[path]
+
+
+def partition_fragment(
+    osd: dict[str, Any], group: int, fragment: Any, state: str, path: str, name: str
+) -> torch.Tensor:
+    """`state` (FP32: the fp32 master) of one parameter's `fragment` (DeepSpeed's `param_slice_mappings` entry) of
+    group `group` in a ZeRO-1/2 or bf16 flat partition file's `optimizer_state_dict`, as a tensor of its own; a
+    CheckpointError naming `path` and `name` when it is not there."""
+    try:
+        if state == FP32:
+            flat = osd["single_partition_of_fp32_groups"][group]
+        else:
+            flat = osd["base_optimizer_state"]["state"][group][state]
+        # detach: DeepSpeed saved the fp32 partitions with requires_grad, and a clone with a graph
+        # would keep the whole memory-mapped partition alive
+        return flat.detach().narrow(0, fragment.start, fragment.numel).clone()
+    except (KeyError, IndexError, RuntimeError) as err:
+        raise CheckpointError(f"{path}: no {state} for {name} ({err}); the checkpoint is damaged") from None
 
 
 def _int(step: Any) -> int | None:

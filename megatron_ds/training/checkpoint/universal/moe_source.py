@@ -28,7 +28,13 @@ from megatron_ds.model.moe import EXPERT_PREFIX
 from megatron_ds.training.checkpoint import experts
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.universal import names
-from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, DeepSpeedSource, _int, load_file
+from megatron_ds.training.checkpoint.universal.deepspeed_source import (
+    FP32,
+    DeepSpeedSource,
+    _int,
+    load_file,
+    partition_fragment,
+)
 
 
 class MoeSource(DeepSpeedSource):
@@ -176,16 +182,7 @@ class MoeSource(DeepSpeedSource):
                 continue
             path, g, fragment = found
             osd = load_file(path)["optimizer_state_dict"]
-            try:
-                if state == FP32:
-                    flat = osd["single_partition_of_fp32_groups"][g]
-                else:
-                    flat = osd["base_optimizer_state"]["state"][g][state]
-            except (KeyError, IndexError) as err:
-                raise CheckpointError(
-                    f"{path}: no {state} for {module_name} ({err}); the checkpoint is damaged"
-                ) from None
-            pieces.append(flat.detach().narrow(0, fragment.start, fragment.numel).clone())
+            pieces.append(partition_fragment(osd, g, fragment, state, path, module_name))
         if not pieces:
             raise CheckpointError(
                 f"{self.ckpt.directory}: no ZeRO partition holds {tensor.name}; the checkpoint is damaged"
