@@ -261,8 +261,15 @@ REBALANCE_COST = "none in memory or communication; stage times become unequal"
 
 def trains(inputs: MemoryInputs) -> bool:
     """pretrain_gpt.py trains a changed run: not ZeRO-3 or Ulysses with a mixture-of-experts model
-    (`Config._check_experts`), not Ulysses with a teacher (`Config._check_distillation`)."""
+    (`Config._check_experts`), not Ulysses with a teacher (`Config._check_distillation`), not ZeRO-3 or T > 1 with a
+    mixture-of-experts teacher (`training/checkpoint/teacher.check_experts`)."""
     if inputs.teacher is not None and inputs.ulysses_size > 1:
+        return False
+    if (
+        inputs.teacher is not None
+        and inputs.teacher.is_moe
+        and (inputs.zero_stage > 2 or inputs.tensor_parallel_size > 1)
+    ):
         return False
     return not (inputs.model.is_moe and (inputs.zero_stage > 2 or inputs.ulysses_size > 1))
 

@@ -52,7 +52,7 @@ class MemoryInputs:
     `data_parallel_size` is then the ZeRO group, DP x N ranks."""
     expert_parallel_size: int = 1
     """Mixture-of-experts expert parallelism E (`--moe-expert-parallel-size`): a layer with experts holds experts / E
-    of them (`model.shapes.moe_layer_params`)."""
+    of them (`model.shapes.moe_layer_params`), the student's and a mixture-of-experts teacher's."""
     teacher: ModelConfig | None = None
     """Knowledge distillation's teacher (`--kd`, `--mos`; at the student's tensor size, the plain engine): its
     weights beside the student, the kd loss's saved tensors and its forward's transients (`distillation_costs`)."""

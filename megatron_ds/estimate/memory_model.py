@@ -255,7 +255,9 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
         states[3] += staging
     w = PRECISION_BYTES[inputs.precision]
     teacher = (
-        distillation_costs.teacher_weight_bytes(inputs.teacher, inputs.tensor_parallel_size, w)
+        distillation_costs.teacher_weight_bytes(
+            inputs.teacher, inputs.tensor_parallel_size, w, inputs.expert_parallel_size
+        )
         if inputs.teacher
         else 0.0
     )
@@ -334,7 +336,7 @@ def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layer
     ]
     if inputs.teacher is not None:  # after the student's forward: its activations, the teacher's forward, the kd loss
         kd, kd_what = distillation_costs.forward_transient(
-            inputs.teacher, inputs.micro_batch_size, inputs.tensor_parallel_size, w
+            inputs.teacher, inputs.micro_batch_size, inputs.tensor_parallel_size, w, inputs.expert_parallel_size
         )
         grads = fresh if inputs.num_micro_batches > 1 else 0.0  # the earlier micro-batches' gradients
         moments.append((base + grads + per_mb[0] + buffers + kd, f"a training forward's end, 1 micro-batch: {kd_what}"))

@@ -97,3 +97,25 @@ def all_to_all_bytes(model: ModelConfig, micro_batch_size: int, num_experts: int
     """Bytes one rank hands one of the layer's all-to-alls: its (E, C, h) buffer (two per forward, two per backward)."""
     s_tok = micro_batch_size * model.seq_length
     return num_experts * capacity(model, s_tok, num_experts) * model.hidden_size * w
+
+
+def forward_working_set(model: ModelConfig, micro_batch_size: int, num_experts: int, ep: int, w: int) -> float:
+    """Bytes one MoE layer holds at once in a forward under no_grad (knowledge distillation's teacher), one micro-batch
+    on one rank: the layer's input and attention output (2 S h w, as a dense layer's) and the largest of the gate's
+    fp32 copy of the tokens and its logits and probabilities; the all-to-all's input and output (2 E C h w); the
+    experts' pass (`MOELayer.forward` keeps the exchanged (E, C, h) buffer; `Experts.forward` runs each of the E / EP
+    local experts on its EP x C slots, keeping the outputs so far, then concatenates them: 3 E C h w at the end, or
+    the buffer, the earlier outputs and one expert's fc1 output and activation); PR-MoE's residual MLP beside the
+    experts' output."""
+    s_tok = micro_batch_size * model.seq_length
+    h, e = model.hidden_size, num_experts
+    slots, local = e * capacity(model, s_tok, e), e // ep
+    one_expert = slots / local * (model.fc1_rows + model.ffn_hidden_size) * w
+    options = [
+        FP32 * s_tok * h + 2 * FP32 * s_tok * e,
+        3 * slots * h * w,
+        (2 - 1 / local) * slots * h * w + one_expert,
+    ]
+    if model.mlp_type == "residual":
+        options.append(s_tok * h * w + s_tok * (model.fc1_rows + model.ffn_hidden_size) * w)
+    return 2 * s_tok * h * w + max(options)

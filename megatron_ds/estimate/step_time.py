@@ -82,7 +82,8 @@ class StepInputs:
     virtual_stages: int = 1
     """Model chunks per rank v (the interleaved schedule; 1 otherwise)."""
     expert_parallel_size: int = 1
-    """E (a mixture-of-experts model): each MoE layer's all-to-alls run over E consecutive data-parallel ranks."""
+    """E (a mixture-of-experts student or teacher): each MoE layer's all-to-alls run over E consecutive data-parallel
+    ranks."""
     stage_expert_params: tuple[int, ...] = ()
     """Of `stage_params`, the experts' on each rank (empty: none): their gradients are reduced, and their optimizer
     state partitioned, over the d / E ranks of the expert-data-parallel group."""
@@ -210,8 +211,9 @@ def _stage_passes(
         flat_parts[-1]["recompute"] = redo
     if inp.teacher is not None:  # after the student's forward on its one stage (P = 1)
         kd_f, kd_b, kd_parts = distillation_costs.step_times(
-            inp.teacher, inp.micro_batch_size, inp.tp, w, kernels, links, features
-        )
+            inp.teacher, inp.micro_batch_size, inp.tp, w, kernels, links, features,
+            all_to_all=(inp.expert_parallel_size, place.ep_within_node),
+        )  # fmt: skip
         forward[-1] += kd_f
         backward[-1] += kd_b
         flat_parts[-1].update(kd_parts)

@@ -44,7 +44,8 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--pp-schedule": "the planner chooses among 1F1B, ZB-H1 and interleaved 1F1B when not given",
     "--enable-zbh1-pipeline": None,
     "--num-virtual-stages-per-pipeline-rank": "with interleaving the planner tries 2, 3 and 4 when not given",
-    "--moe-expert-parallel-size": _CHOSEN + " (a divisor of every expert count and of the GPUs)",
+    "--moe-expert-parallel-size": _CHOSEN + " (a divisor of every expert count, a mixture-of-experts teacher's too, "
+    "and of the GPUs)",
     "--create-moe-param-group": "the printed command adds it wherever a mixture-of-experts plan uses ZeRO 1 or 2",
     "--kd": "the plan counts the teacher (its weights, its forward, the kd loss) at pipeline size 1",
     "--mos": "planned as --kd (the same teacher and loss)",
@@ -52,9 +53,17 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--num-layers-teacher": "without --load-teacher, with the other two, it sizes the teacher",
     "--hidden-size-teacher": "without --load-teacher, with the other two, it sizes the teacher",
     "--num-attention-heads-teacher": "without --load-teacher, with the other two, it sizes the teacher",
+    "--num-experts-teacher": "without --load-teacher, the teacher's experts (not given or 1: dense MLPs) with the "
+    "student's --expert-interval, --mlp-type and routing flags, as Megatron-DeepSpeed builds its teacher; the plan "
+    "shares them out over the student's expert-parallel size",
 }
 """The `pretrain_gpt.py` flags the planner takes, each with what the planner does differently."""
-DISTILLATION_SIZES = ("--num-layers-teacher", "--hidden-size-teacher", "--num-attention-heads-teacher")
+DISTILLATION_SIZES = (
+    "--num-layers-teacher",
+    "--hidden-size-teacher",
+    "--num-attention-heads-teacher",
+    "--num-experts-teacher",
+)
 MOE_ARCHITECTURE_FLAGS = (
     "--num-experts",
     "--expert-interval",

@@ -71,7 +71,8 @@ def plan_config(res: Resolved, cand: Candidate) -> Config:
 
 def _distillation(res: Resolved, tp: int) -> DistillationConfig:
     """The kd section of the plan: `--kd` / `--mos`, `--load-teacher` (a placeholder when the teacher was sized by the
-    flags) and the teacher's sizes, which the trainer checks against its checkpoint."""
+    flags) and the teacher's sizes and, for a mixture-of-experts teacher, its experts, which the trainer checks against
+    its checkpoint."""
     teacher = res.teacher(tp)
     if teacher is None:
         return DistillationConfig()
@@ -80,6 +81,7 @@ def _distillation(res: Resolved, tp: int) -> DistillationConfig:
         num_layers_teacher=teacher.num_layers,
         hidden_size_teacher=teacher.hidden_size,
         num_attention_heads_teacher=teacher.num_attention_heads,
+        num_experts_teacher=teacher.num_experts if teacher.is_moe else None,
     )
 
 
@@ -112,7 +114,7 @@ def command_flags(config: Config, vocab_size: int) -> list[str]:
         "--zero-stage",
         t.zero_stage,
     ]
-    if m.is_moe:
+    if m.is_moe or par.expert_parallel_size > 1:  # a dense student keeps E for a mixture-of-experts teacher
         flags += ["--moe-expert-parallel-size", par.expert_parallel_size]
     if config.optimizer.create_moe_param_group:
         flags.append("--create-moe-param-group")
@@ -121,6 +123,7 @@ def command_flags(config: Config, vocab_size: int) -> list[str]:
         flags += ["--kd"] * kd.kd + ["--mos"] * kd.mos + ["--load-teacher", kd.load_teacher]
         flags += ["--num-layers-teacher", kd.num_layers_teacher, "--hidden-size-teacher", kd.hidden_size_teacher]
         flags += ["--num-attention-heads-teacher", kd.num_attention_heads_teacher]
+        flags += ["--num-experts-teacher", *kd.num_experts_teacher] if kd.num_experts_teacher else []
     if t.precision != "fp32":
         flags.append(f"--{t.precision}")
     if par.pp_dedicated_embedding_stages != "none":

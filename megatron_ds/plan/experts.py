@@ -38,10 +38,14 @@ def refusal(
     return None
 
 
-def expert_parallel_sizes(model: ModelConfig, num_gpus: int, fixed: int | None = None) -> list[int]:
+def expert_parallel_sizes(
+    model: ModelConfig, num_gpus: int, fixed: int | None = None, teacher: ModelConfig | None = None
+) -> list[int]:
     """The expert-parallel sizes a plan on `num_gpus` GPUs (all data-parallel) may use: `fixed` when given, else
-    every divisor of the GPU count and of every expert count, smallest first."""
+    every divisor of the GPU count and of every expert count, the student's and a mixture-of-experts `teacher`'s
+    (which shares out its experts over the same groups: `training/checkpoint/teacher.check_experts`), smallest first."""
     if fixed is not None:
         return [fixed]
-    counts = [n for n in model.experts_per_layer if n > 1]
+    layers = model.experts_per_layer + (teacher.experts_per_layer if teacher is not None else ())
+    counts = [n for n in layers if n > 1]
     return [e for e in range(1, num_gpus + 1) if num_gpus % e == 0 and all(n % e == 0 for n in counts)]

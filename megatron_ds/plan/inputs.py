@@ -69,6 +69,7 @@ class PlanInputs:
     num_layers_teacher: int | None = None
     hidden_size_teacher: int | None = None
     num_attention_heads_teacher: int | None = None
+    num_experts_teacher: list | None = None
     layout: str | None = None
     memory_headroom: float | None = None
     cpu_memory_gb: float | None = None
@@ -202,6 +203,13 @@ class Resolved:
         return dataclasses.replace(self.model(tensor_parallel_size), **dict(fields))
 
     @property
+    def moe_teacher(self) -> ModelConfig | None:
+        """A mixture-of-experts teacher (T = 1 only): it shares out its experts over the student's expert-parallel
+        groups, so a dense student has them too (`plan/distillation.py`); None without one."""
+        teacher = self.teacher(1)
+        return teacher if teacher is not None and teacher.is_moe else None
+
+    @property
     def usable_bytes(self) -> float | None:
         return None if self.gpu_memory_bytes is None else self.gpu_memory_bytes * (1 - self.headroom)
 
@@ -318,7 +326,7 @@ def _teachers(raw: PlanInputs, dims: dict | None, gpus_per_node: int | None) -> 
     tp, pp = raw.tensor_model_parallel_size, raw.pipeline_model_parallel_size or 1
     model = hardware.model_config(**dims, tensor_parallel_size=tp or 1)
     world = raw.num_gpus if raw.num_gpus and raw.num_gpus % ((tp or 1) * pp) == 0 else None
-    why = distillation.refusal(raw, model, tp or 1, pp, world, raw.zero_stage or 0)
+    why = distillation.refusal(raw, model, tp or 1, pp, world, raw.zero_stage or 0, raw.moe_expert_parallel_size or 1)
     if why is not None:
         raise PlanError(why)
     sizes = [tp] if tp else [t for t in (1, 2, 4, 8, 16) if t <= (gpus_per_node or 1)]

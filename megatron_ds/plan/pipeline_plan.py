@@ -37,9 +37,9 @@ def pipeline_section(ctx: Context) -> Section:
         f"Degrees: tensor parallel {plan.tp} x pipeline parallel {plan.pp} x data parallel {plan.dp} = "
         f"{res.num_gpus} GPU{'s' if res.num_gpus != 1 else ''}"
         + (
-            f"; expert parallel {plan.expert_parallel_size} (each MoE layer's experts shared out over "
+            f"; expert parallel {plan.expert_parallel_size} ({_whose_experts(plan)} shared out over "
             f"{plan.expert_parallel_size} consecutive data-parallel ranks, reached by all-to-alls)."
-            if plan.inputs.model.is_moe
+            if plan.inputs.model.is_moe or _moe_teacher(plan)
             else "."
         ),
         *([_teacher_line(plan, "--mos" if res.raw.mos else "--kd")] if plan.inputs.teacher is not None else []),
@@ -245,9 +245,30 @@ def _teacher_line(plan: search.Candidate, flag: str) -> str:
     teacher, stage = plan.inputs.teacher, plan.peak
     assert plan.time is not None and teacher is not None
     parts = plan.time.parts
+    exchange = parts.get("teacher all-to-all", 0.0)
+    forward = parts.get("teacher forward", 0.0) + exchange
+    share = f"1/{plan.tp} of them"
+    if teacher.is_moe:
+        share = f"its dense parts and gates, experts / {plan.expert_parallel_size} of each MoE layer"
     return (
         f"Teacher ({flag}): {teacher.num_layers} layers, hidden {teacher.hidden_size}, {teacher.num_attention_heads} "
-        f"heads; its weights {format_bytes(stage.teacher)} per GPU (1/{plan.tp} of them, frozen: no gradient or "
-        f"optimizer state); its forward {parts.get('teacher forward', 0.0) * 1e3:.1f} ms and the kd loss "
-        f"{parts.get('kd loss', 0.0) * 1e3:.1f} ms per micro-batch."
+        + (f"heads, --num-experts {' '.join(map(str, teacher.num_experts))}" if teacher.is_moe else "heads")
+        + f"; its weights {format_bytes(stage.teacher)} per GPU ({share}, frozen: no gradient or optimizer state); "
+        f"its forward {forward * 1e3:.1f} ms"
+        + (f" ({exchange * 1e3:.1f} ms of it all-to-alls)" if exchange else "")
+        + f" and the kd loss {parts.get('kd loss', 0.0) * 1e3:.1f} ms per micro-batch."
     )
+
+
+def _whose_experts(plan: search.Candidate) -> str:
+    """Whose MoE layers the expert-parallel groups share out: the student's, the teacher's or both."""
+    if not _moe_teacher(plan):
+        return "each MoE layer's experts"
+    if plan.inputs.model.is_moe:
+        return "each MoE layer's experts, the student's and the teacher's,"
+    return "each of the teacher's MoE layers' experts"
+
+
+def _moe_teacher(plan: search.Candidate) -> bool:
+    """The plan distils from a mixture-of-experts teacher (it shares the student's expert-parallel groups)."""
+    return plan.inputs.teacher is not None and plan.inputs.teacher.is_moe

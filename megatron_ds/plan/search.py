@@ -259,8 +259,8 @@ def evaluate(
     dp = res.num_gpus // (tp * pp)
     sequence_parallel = sequence_parallel_at(res, tp)
     model = res.model(tp)
-    ep = res.expert_parallel_size if model.is_moe else 1
     teacher = res.teacher(tp)
+    ep = res.expert_parallel_size if model.is_moe or (teacher is not None and teacher.is_moe) else 1
     inputs = MemoryInputs(
         model=model,
         micro_batch_size=mb,

@@ -16,6 +16,7 @@ PART_NAMES = {
     "tp-comm": "tensor-parallel communication",
     "recompute": "recomputation",
     "all-to-all": "expert-parallel all-to-all",
+    "teacher all-to-all": "the teacher's all-to-all",
 }
 
 
@@ -25,7 +26,7 @@ def describe(c: Candidate) -> str:
     zero += f", parameters on {c.offload_param}" if c.offload_param != "none" else ""
     return (
         f"t={c.tp} p={c.pp} d={c.dp}"
-        + (f" E={c.expert_parallel_size}" if c.inputs.model.is_moe else "")
+        + (f" E={c.expert_parallel_size}" if c.inputs.model.is_moe or c.expert_parallel_size > 1 else "")
         + f", micro-batch {c.micro_batch_size}, recompute "
         f"{c.recompute_label}" + (", sequence parallel" if c.sequence_parallel else "") + f", {zero}"
     )

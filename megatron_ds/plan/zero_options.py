@@ -230,9 +230,10 @@ def _choose_all(res: Resolved, precision: str) -> Choice:
 def _choose_plain(res: Resolved, precision: str) -> Choice:
     """What trains on the plain engine alone, by predicted step: a mixture-of-experts model at t = p = 1, every
     expert-parallel size (a divisor of every expert count and of the GPUs) under ZeRO 0, 1 and 2; a distilling run
-    (`--kd`) at p = 1, every tensor size the teacher allows, under ZeRO 0-3 (what `--zero-stage` leaves open); no
+    (`--kd`) at p = 1, every tensor size the teacher allows, under ZeRO 0-3 (what `--zero-stage` leaves open), with a
+    mixture-of-experts teacher at t = 1, every expert-parallel size dividing its expert counts too, under ZeRO 0-2; no
     offload."""
-    moe = res.model().is_moe
+    moe = res.model().is_moe or res.moe_teacher is not None  # a MoE teacher: the student's E, ZeRO 0-2 too
     zeros = experts.MOE_ZERO_STAGES if moe else DISTILLATION_ZERO_STAGES
     pairs = degree_pairs(res)
     ranked: list[Candidate] = []
@@ -241,7 +242,7 @@ def _choose_plain(res: Resolved, precision: str) -> Choice:
     bounds: list = []
     batch_ok = False
     fixed = res.raw.moe_expert_parallel_size
-    for ep in experts.expert_parallel_sizes(res.model(), res.num_gpus, fixed) if moe else [1]:
+    for ep in experts.expert_parallel_sizes(res.model(), res.num_gpus, fixed, res.moe_teacher) if moe else [1]:
         search = Search(dataclasses.replace(res, expert_parallel_size=ep), precision)
         for zero in zeros:
             if res.raw.zero_stage in (None, zero) and search.best(ZeroOption(zero), pairs) is not None:
