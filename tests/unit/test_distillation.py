@@ -427,11 +427,13 @@ def test_universal_form_of_a_moe_teacher_is_one_line(tmp_path: Path) -> None:
     assert str(err.value).startswith(f"--load-teacher {path}: a universal checkpoint (training state, no per-expert")
 
 
-def test_the_planner_refuses_a_moe_teacher_in_one_line(tmp_path: Path) -> None:
+def test_the_planner_sizes_a_moe_teacher_as_the_trainer_reads_it(tmp_path: Path) -> None:
+    """The planner asks the same checks (`teacher_model`, `check_experts`): its teacher is the checkpoint's, experts and
+    routing included (what it prices: tests/unit/test_plan_distillation.py)."""
     from types import SimpleNamespace
 
     from megatron_ds.plan import distillation as plan_distillation
-    from megatron_ds.plan.hardware import PlanError
+    from megatron_ds.training.checkpoint.teacher import OWN_FIELDS
 
     path = moe_teacher(tmp_path / "t")
     raw = SimpleNamespace(
@@ -441,11 +443,12 @@ def test_the_planner_refuses_a_moe_teacher_in_one_line(tmp_path: Path) -> None:
         num_layers_teacher=None,
         hidden_size_teacher=None,
         num_attention_heads_teacher=None,
+        num_experts_teacher=None,
+        moe_expert_parallel_size=None,
+        zero_stage=None,
     )
     dims = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 128}
-    with pytest.raises(PlanError) as err:
-        plan_distillation.teacher_fields(raw, {**dims, "ffn_hidden_size": 64})
-    assert str(err.value) == (
-        f"--load-teacher {path}: a mixture-of-experts teacher (--num-experts 4) is not priced by the planner "
-        "(pretrain_gpt.py trains with it); plan the student without --kd, or with a dense teacher's --load-teacher"
-    )
+    fields = dict(plan_distillation.teacher_fields(raw, {**dims, "ffn_hidden_size": 64}))
+    config = student(path)
+    teacher = distillation.teacher_model(config, distillation.open_teacher(config))
+    assert fields == {f: getattr(teacher, f) for f in OWN_FIELDS} and fields["num_experts"] == (4,)

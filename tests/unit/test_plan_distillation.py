@@ -14,11 +14,12 @@ import torch
 
 from megatron_ds.config import Config, DistillationConfig
 from megatron_ds.errors import ConfigError, UserError
-from megatron_ds.estimate import distillation_costs
+from megatron_ds.estimate import distillation_costs, moe_costs
 from megatron_ds.estimate.communication import Links
 from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.devices import find_device
 from megatron_ds.estimate.efficiency import Kernels
+from megatron_ds.estimate.layer_time import layer_times
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import spec_memory, stage_memory_for
 from megatron_ds.estimate.run_features import deepspeed_features
@@ -206,3 +207,167 @@ def test_the_search_keeps_pipeline_size_1_and_its_command_parses_in_the_trainer(
     )  # fmt: skip
     assert parsed.parallel.pipeline_model_parallel_size == 1 and parsed.engine_kind == "plain"
     assert parsed.parallel.tensor_model_parallel_size == best.tp and parsed.training.zero_stage == best.zero_stage
+
+
+# --- a mixture-of-experts teacher ---------------------------------------------------------------------------------
+
+MOE_TEACHER = dict(num_layers=6, hidden_size=384, num_attention_heads=4, ffn_hidden_size=1536, num_experts=(6,))
+"""A teacher with 6 experts on every 2nd of its 6 layers: E = 1 or 2 share them out on 8 GPUs (4 does not)."""
+GPUS = ["--num-gpus", "8", "--gpus-per-node", "8"]
+
+
+def trainer_config(path: str, *argv: str, world: int = 8) -> Config:
+    return parse_config([*SIZES, *TRAINER, "--kd", "--load-teacher", path, *argv], world)[0]
+
+
+def test_the_planner_takes_num_experts_teacher_from_the_trainers_declaration() -> None:
+    from megatron_ds.flags import BY_NAME
+
+    actions = {a.option_strings[0]: a for a in command_line.build_parser()._actions if a.option_strings}
+    flag, action = BY_NAME["--num-experts-teacher"], actions["--num-experts-teacher"]
+    assert action.help.startswith(flag.help) and (action.type, action.nargs) == (flag.type, flag.nargs) == (int, "+")
+
+
+def test_a_moe_teachers_weights_on_a_rank_are_its_dense_parts_gates_and_experts_over_e() -> None:
+    from deepspeed.pipe import LayerSpec
+
+    from megatron_ds.config import RegularizationConfig
+    from megatron_ds.model.gpt_pipe import build_layer_specs
+
+    teacher = dataclasses.replace(TINY, num_experts=(4,), mlp_type="residual")
+    names = naming.gpt_spec_groups(teacher).names
+    for ep in (1, 2):  # the built layers (DeepSpeed's MoE layers, experts / E of them), the tied head counted once
+        specs = build_layer_specs(teacher, RegularizationConfig(), 1234, expert_parallel_size=ep)
+        built = sum(
+            p.numel()
+            for name, s in zip(names, specs, strict=True)
+            if isinstance(s, LayerSpec) and name != naming.TIED_LM_HEAD
+            for p in s.build().parameters()
+        )
+        assert distillation_costs.teacher_params(teacher, 1, ep) == built
+    base = MemoryInputs(TINY, 2, 4, precision="bf16", zero_stage=2, data_parallel_size=4, engine="plain")
+    one, two = (
+        stage_memory_for(dataclasses.replace(base, teacher=teacher, expert_parallel_size=e), 0, 1, TINY.num_layers)
+        for e in (1, 2)
+    )
+    expert = 2 * (teacher.fc1_rows * teacher.hidden_size + teacher.fc1_rows + teacher.ffn_hidden_size * 32 + 32)
+    assert one.teacher == 2 * distillation_costs.teacher_params(teacher, 1, 1)
+    assert one.teacher - two.teacher == 2 * 4 // 2 * expert  # two MoE layers, half of their 4 experts, bf16
+    assert (one.grads, one.optimizer) == (two.grads, two.optimizer)  # the dense student's states do not change
+
+
+def test_a_moe_teachers_forward_transient_is_its_moe_layers_no_grad_working_set_when_that_is_larger() -> None:
+    # top-2 at capacity factor 2: 4 S slots through the experts, more than a dense layer's working set
+    teacher = dataclasses.replace(
+        TINY, num_experts=(8,), hidden_size=256, ffn_hidden_size=1024, moe_top_k=2, moe_train_capacity_factor=2.0
+    )
+    size, what = distillation_costs.forward_transient(teacher, 4, 1, 2, ep=2)
+    saved = sum(distillation_costs.kd_loss_terms(teacher, 4, 1).values())
+    assert what == "one teacher MoE layer's no-grad working set"
+    assert size == moe_costs.forward_working_set(teacher, 4, 8, 2, 2) - saved
+    assert size > distillation_costs.forward_transient(dataclasses.replace(teacher, num_experts=(1,)), 4, 1, 2)[0]
+
+
+def test_a_moe_teachers_forward_has_its_moe_layers_and_their_all_to_alls_over_the_students_e() -> None:
+    model = parse_config([*SIZES, *TRAINER], 1)[0].model
+    teacher = dataclasses.replace(model, **MOE_TEACHER)
+    device = find_device("A100-80GB")
+    kernels, links = Kernels.for_device(device, "bf16"), Links.for_device(device, 8)
+    features = deepspeed_features(1, 2)
+    forward, _, parts = distillation_costs.step_times(teacher, 2, 1, 2, kernels, links, features, all_to_all=(2, True))
+    one = links.all_to_all(moe_costs.all_to_all_bytes(teacher, 2, 6, 2), 2, True)
+    assert parts["teacher all-to-all"] == pytest.approx(3 * 2 * one)  # 3 MoE layers, 2 all-to-alls each forward
+    dense = dataclasses.replace(teacher, num_experts=(1,))
+    moe_layer = layer_times(teacher, 2, 1, 2, kernels, links, features, False, num_experts=6, all_to_all=(2, True))
+    dense_layer = layer_times(dense, 2, 1, 2, kernels, links, features, False)
+    dense_forward = distillation_costs.step_times(dense, 2, 1, 2, kernels, links, features)[0]
+    assert forward - dense_forward == pytest.approx(3 * (moe_layer.forward - dense_layer.forward))
+    assert "teacher all-to-all" not in distillation_costs.step_times(dense, 2, 1, 2, kernels, links, features)[2]
+    plain = StepInputs(model, (4,), (10**7,), 2, 4, 1, 8, "bf16", 2, False, 8, expert_parallel_size=2)
+    step = predict_step(dataclasses.replace(plain, teacher=teacher), kernels, links, features)
+    assert step.parts["teacher all-to-all"] == pytest.approx(parts["teacher all-to-all"])
+
+
+def test_the_search_tries_only_an_e_dividing_the_teachers_experts_and_a_dense_student_keeps_it(
+    tmp_path: Path,
+) -> None:
+    from megatron_ds.training.distillation import check_teacher
+
+    path = write_teacher(tmp_path / "t", **MOE_TEACHER)
+    argv = [*SIZES, "--kd", "--load-teacher", path, *GPUS, "--gpu", "A100-80GB", "--global-batch-size", "16"]
+    res = resolve(command_line.parse(argv)[1])
+    assert [t for t, _ in res.teachers] == [1] and res.moe_teacher.experts_per_layer == (1, 6) * 3
+    choice = choose_all(res, "bf16")
+    assert {c.expert_parallel_size for c in choice.ranked} == {1, 2}  # divisors of 8 GPUs and of the 6 experts
+    assert {c.zero_stage for c in choice.ranked} == {0, 1, 2} and {(c.tp, c.pp) for c in choice.ranked} == {(1, 1)}
+    best = choice.candidate
+    assert best.inputs.teacher == res.teacher(1) and best.inputs.expert_parallel_size == best.expert_parallel_size
+    config = ds_json.plan_config(res, best)
+    tokens = shlex.split(ds_json.command_line(res, config).split("\n", 1)[1].replace("\\\n", " "))
+    tokens = tokens[tokens.index("pretrain_gpt.py") + 1 :]
+    assert tokens[tokens.index("--num-experts-teacher") + 1] == "6"
+    parsed = parse_config(tokens, best.dp)[0]
+    assert parsed.distillation.num_experts_teacher == (6,) and not parsed.model.is_moe
+    assert parsed.parallel.expert_parallel_size == best.expert_parallel_size
+    check_teacher(parsed)  # the trainer's launch check takes the planned command with this checkpoint
+    moe_student = resolve(command_line.parse([*argv, "--num-experts", "4"])[1])
+    assert {c.expert_parallel_size for c in choose_all(moe_student, "bf16").ranked} == {1, 2}  # 4 and 6 both
+
+
+def test_a_moe_teacher_sized_by_its_flags_takes_the_students_moe_flags_and_its_command_parses() -> None:
+    res = resolve(
+        command_line.parse(
+            [*SIZES, "--mos", *TEACHER, "--num-experts-teacher", "4", "--num-experts", "2", "--expert-interval", "1",
+             "--mlp-type", "residual", *GPUS, "--gpu", "A100-80GB", "--global-batch-size", "16"]
+        )[1]
+    )  # fmt: skip
+    teacher = res.moe_teacher
+    assert teacher.experts_per_layer == (4,) * 6 and teacher.mlp_type == "residual" and teacher.num_layers == 6
+    best = choose_all(res, "bf16").candidate
+    assert best.expert_parallel_size in (1, 2)  # divides the student's 2 experts and the teacher's 4
+    tokens = shlex.split(ds_json.command_line(res, ds_json.plan_config(res, best)).split("\n", 1)[1])
+    tokens = [t for t in tokens[tokens.index("pretrain_gpt.py") + 1 :] if t != "\n"]
+    parsed = parse_config(tokens, best.dp)[0]
+    assert parsed.distillation.num_experts_teacher == (4,) and parsed.distillation.mos
+    assert parsed.parallel.expert_parallel_size == best.expert_parallel_size
+    dense = planned("--kd", *TEACHER, "--num-experts", "2", "--expert-interval", "1", "--num-experts-teacher", "1")
+    assert dense.moe_teacher is None and dense.teacher(1).experts_per_layer == (1,) * 6
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        "--moe-expert-parallel-size 4",  # divides the 8 GPUs, not the teacher's 6 experts
+        "--tensor-model-parallel-size 2",
+        "--zero-stage 3",
+        "--num-experts-teacher 8",  # the checkpoint has 6
+    ],
+)
+def test_what_the_trainer_refuses_with_a_moe_teacher_is_refused_with_its_own_line(tmp_path: Path, argv: str) -> None:
+    from megatron_ds.training.distillation import check_teacher
+
+    path = write_teacher(tmp_path / "t", **MOE_TEACHER)
+    with pytest.raises(PlanError) as err:
+        planned("--kd", "--load-teacher", path, *GPUS, *argv.split())
+    with pytest.raises(UserError) as expected:
+        check_teacher(trainer_config(path, *argv.split()))
+    assert str(err.value) == str(expected.value) and "\n" not in str(err.value)
+
+
+def test_the_teacher_flags_refusals_name_them() -> None:
+    with pytest.raises(PlanError) as err:
+        planned("--kd", *TEACHER, "--num-experts-teacher", "4", "8", *GPUS)
+    assert str(err.value) == (
+        "--num-experts-teacher 4 8 gives 2 counts, but --num-layers-teacher 6 with --expert-interval 2 has 3 expert "
+        "layers; give one count, or 3"
+    )
+    with pytest.raises(PlanError) as err:
+        planned("--kd", *TEACHER, "--num-experts-teacher", "6", *GPUS, "--moe-expert-parallel-size", "4")
+    assert str(err.value).startswith(
+        "--kd: a mixture-of-experts teacher (--num-experts 6): --moe-expert-parallel-size 4"
+    )
+    with pytest.raises(PlanError) as err:  # E must divide the data-parallel size: Config's own line
+        planned("--kd", *TEACHER, "--num-experts-teacher", "6", *GPUS, "--moe-expert-parallel-size", "3")
+    with pytest.raises(ConfigError) as expected:
+        trainer_config("T", *TEACHER, "--num-experts-teacher", "6", "--moe-expert-parallel-size", "3")
+    assert str(err.value) == str(expected.value)
