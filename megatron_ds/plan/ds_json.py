@@ -166,13 +166,12 @@ def command_line(res: Resolved, config: Config, ds_config_path: str | None = Non
         launcher += " --hostfile hostfile"
     lines = [f"{launcher} pretrain_gpt.py"]
     pairs, i = [], 0
-    while i < len(flags):
-        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
-            pairs.append(f"{flags[i]} {shlex.quote(flags[i + 1])}")
-            i += 2
-        else:
-            pairs.append(flags[i])
-            i += 1
+    while i < len(flags):  # a flag and its values on one line (--num-experts 4 8 takes several)
+        j = i + 1
+        while j < len(flags) and not flags[j].startswith("--"):
+            j += 1
+        pairs.append(" ".join([flags[i], *map(shlex.quote, flags[i + 1 : j])]))
+        i = j
     body = " \\\n    ".join([lines[0], *pairs])
     note = (
         "# --lr is the preset's published value (a placeholder without one); --train-iters and "

@@ -325,8 +325,10 @@ def test_a_moe_teacher_sized_by_its_flags_takes_the_students_moe_flags_and_its_c
     assert teacher.experts_per_layer == (4,) * 6 and teacher.mlp_type == "residual" and teacher.num_layers == 6
     best = choose_all(res, "bf16").candidate
     assert best.expert_parallel_size in (1, 2)  # divides the student's 2 experts and the teacher's 4
-    tokens = shlex.split(ds_json.command_line(res, ds_json.plan_config(res, best)).split("\n", 1)[1])
-    tokens = [t for t in tokens[tokens.index("pretrain_gpt.py") + 1 :] if t != "\n"]
+    tokens = shlex.split(
+        ds_json.command_line(res, ds_json.plan_config(res, best)).split("\n", 1)[1].replace("\\\n", " ")
+    )
+    tokens = tokens[tokens.index("pretrain_gpt.py") + 1 :]
     parsed = parse_config(tokens, best.dp)[0]
     assert parsed.distillation.num_experts_teacher == (4,) and parsed.distillation.mos
     assert parsed.parallel.expert_parallel_size == best.expert_parallel_size
