@@ -80,7 +80,10 @@ class DeepSpeedSource:
         # ZeRO's partitions: over DP x N ranks under Ulysses (DeepSpeed's sequence-data-parallel group)
         self.data_parallel = cfg.parallel.data_parallel_size * cfg.parallel.ds_sequence_parallel_size
         self.precision = cfg.training.precision
-        self.flat = cfg.training.zero_stage >= 1 or self.precision == "bf16"
+        self.unfused = self.precision == "bf16" and cfg.training.zero_stage == 0 and cfg.engine_kind == "plain"
+        """bf16 without ZeRO on the plain engine (--kd, Ulysses): DeepSpeed's FP16_UnfusedOptimizer in the model-states
+        file, its `fp32_groups` the masters, the torch optimizer's state over them by position."""
+        self.flat = cfg.training.zero_stage >= 1 or (self.precision == "bf16" and not self.unfused)
         if self.precision == "fp16" and not self.flat:
             raise CheckpointError(
                 f"{ckpt.directory}: an --fp16 checkpoint without ZeRO (DeepSpeed's FP16_Optimizer) cannot be "
@@ -120,7 +123,12 @@ class DeepSpeedSource:
     def _first_optimizer_state(self) -> dict[str, Any]:
         if self.flat:
             return load_file(self.optim_file(0, 0, 0))["optimizer_state_dict"]["base_optimizer_state"]
-        return load_file(self.model_states_file(0, 0))["optimizer"] or {}
+        return self._torch_optimizer(self.model_states_file(0, 0))
+
+    def _torch_optimizer(self, path: str) -> dict[str, Any]:
+        """The torch optimizer's state dict in a model-states file (inside FP16_UnfusedOptimizer's under bf16)."""
+        saved = load_file(path)["optimizer"] or {}
+        return saved.get("optimizer_state_dict", {}) if self.unfused else saved
 
     def state_keys(self) -> list[str]:
         """The per-parameter tensor states the optimizer keeps (Adam: exp_avg, exp_avg_sq); [] before its first step."""
@@ -157,7 +165,7 @@ class DeepSpeedSource:
     def read(self, tensor: names.ModelTensor, state: str) -> torch.Tensor:
         """`state` (FP32 or an optimizer state) of `tensor` as its full T=1 tensor."""
         stage, module_name = names.source_stage(self.model, self.layout, tensor)
-        if state == FP32 and not self.flat:
+        if state == FP32 and not self.flat and not self.unfused:  # fp32 without ZeRO: the weights are the masters
             return reader.read_spec_tensor(self.ckpt, tensor.spec_index, tensor.key, tensor.rule)
         shape = local_shape(tensor.rule, self.tensor_parallel)
         shards = [self._local(stage, tp, module_name, tensor.group, state, shape) for tp in range(self.tensor_parallel)]
@@ -180,7 +188,13 @@ class DeepSpeedSource:
         if not self.flat:
             path = self.model_states_file(stage, tp)
             index = self._torch_index(stage, path)[module_name]
-            value = load_file(path)["optimizer"]["state"].get(index, {}).get(state)
+            if state == FP32:  # FP16_UnfusedOptimizer's fp32 copy of the parameter at `index`
+                groups = self._torch_optimizer(path).get("param_groups", [])
+                g = next((g for g, group in enumerate(groups) if index in group["params"]), None)
+                fp32 = load_file(path)["optimizer"].get("fp32_groups") or []
+                value = None if g is None else fp32[g][groups[g]["params"].index(index)]
+            else:
+                value = self._torch_optimizer(path)["state"].get(index, {}).get(state)
             if not isinstance(value, torch.Tensor) or value.numel() != numel:
                 raise CheckpointError(
                     f"{path}: no {state} of shape {list(shape)} for {module_name}; the checkpoint is damaged"
@@ -217,7 +231,7 @@ class DeepSpeedSource:
     def _torch_steps(self, stage: int, path: str) -> dict[int, int | None]:
         key = path + "#steps"
         if key not in self._meta_cache:
-            state = load_file(path)["optimizer"]["state"]
+            state = self._torch_optimizer(path)["state"]
             self._meta_cache[key] = {i: _int(entry.get("step")) for i, entry in state.items()}
         return self._meta_cache[key]
 
@@ -226,7 +240,7 @@ class DeepSpeedSource:
         if path in self._meta_cache:
             return self._meta_cache[path]
         params = names.stage_parameters(self.model, self.layout, stage)
-        saved = load_file(path)["optimizer"]
+        saved = self._torch_optimizer(path)
         counts = [len(g["params"]) for g in saved.get("param_groups", [])]
         expected = [sum(1 for p in params if p.group == g) for g in GROUP_NAMES]
         if counts != expected:
