@@ -22,16 +22,20 @@ STUDENT = {
 }
 
 
-def kd(teacher: str) -> dict:
+def kd(teacher: str, student: dict | None = None, weights: bool = False, **parallel: object) -> dict:
+    """A student (`STUDENT` unless given) distilling 3 steps from `teacher` (temperature 2, beta 0.5) under the
+    `parallel__` fields given; `weights`: its final weights recorded."""
     return {
         "overrides": {
-            **STUDENT,
+            **(STUDENT if student is None else student),
+            **{f"parallel__{k}": v for k, v in parallel.items()},
             "distillation__kd": True,
             "distillation__load_teacher": teacher,
             "distillation__kd_temp": 2.0,
             "distillation__kd_beta_ce": 0.5,
         },
         "steps": 3,
+        "weights": weights,
     }
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_ds.testing.scenario_runs import by_name, run_scenarios
+from tests.dist.test_distillation_data_parallel import kd as distil
 
 TOL = 1e-6
 STUDENT = {
@@ -26,18 +27,7 @@ STUDENT = {
 
 
 def kd(teacher: str, **parallel: object) -> dict:
-    return {
-        "overrides": {
-            **STUDENT,
-            **{f"parallel__{k}": v for k, v in parallel.items()},
-            "distillation__kd": True,
-            "distillation__load_teacher": teacher,
-            "distillation__kd_temp": 2.0,
-            "distillation__kd_beta_ce": 0.5,
-        },
-        "steps": 3,
-        "weights": True,
-    }
+    return distil(teacher, STUDENT, weights=True, **parallel)
 
 
 @pytest.fixture(scope="module")
