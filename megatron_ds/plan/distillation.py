@@ -101,6 +101,18 @@ def teacher_fields(raw: Any, dims: dict, tp: int = 1) -> tuple[tuple[str, Any], 
     return tuple((f, getattr(teacher, f)) for f in OWN_FIELDS)
 
 
+def teacher_refusal(raw: Any, student: ModelConfig, teacher: ModelConfig, ep: int, zero: int) -> str | None:
+    """The trainer's one-line refusal of this teacher beside a student at t = 1, expert-parallel size `ep` and ZeRO
+    stage `zero` (`check_experts`: a mixture-of-experts teacher and ZeRO-3, an E that divides not its experts);
+    None: it runs."""
+    distillation = distillation_config(raw)
+    try:
+        check_experts(_student_config(student, 1, distillation, ep, zero), teacher)
+    except CheckpointError as e:
+        return str(e).replace(f"--load-teacher {TEACHER_DIR_PLACEHOLDER}", distillation.flag)
+    return None
+
+
 def _flag_fields(raw: Any, dims: dict, flag: str) -> dict[str, Any]:
     """The teacher's own fields from its flags: the model pretrain_gpt.py builds from the student's architecture
     flags with the teacher's sizes and `--num-experts-teacher` (1 when not given) as its `--num-experts`."""

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_ds.config import ModelConfig
+from megatron_ds.estimate import distillation_costs
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import stage_memory_for
-from megatron_ds.estimate.model_states import zero2_estimate, zero3_estimate
+from megatron_ds.estimate.model_states import PRECISION_BYTES, zero2_estimate, zero3_estimate
 from megatron_ds.model.shapes import largest_layer_params, total_params
-from megatron_ds.plan import ds_json, zero_options
+from megatron_ds.plan import distillation, ds_json, experts, zero_options
 from megatron_ds.plan.context import NEEDS_BATCH, Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import GIB
@@ -38,17 +40,22 @@ class Row:
     stage: int
     offload_optimizer: str
     offload_param: str
-    gpu_states: float
+    gpu_states: float | None
+    """None where pretrain_gpt.py refuses the row (`refused` says why)."""
     cpu_per_node: float | None
     source: str
     deepspeed_gpu: float | None = None
-    """DeepSpeed's estimator for the same row (16-bit ZeRO-2/3), None where it has none."""
+    """DeepSpeed's estimator for the same row (16-bit ZeRO-2/3 of a dense model), None where it has none."""
+    refused: str | None = None
+    """pretrain_gpt.py's refusal of the row (a mixture-of-experts model or teacher under ZeRO-3), None: it runs."""
+    plain_only: bool = False
+    """The run trains on the plain engine at pipeline size 1 whatever its stage (experts, a teacher)."""
 
     @property
     def pipeline_ok(self) -> bool:
         """DeepSpeed's PipelineEngine asserts ZeRO < 2 (deepspeed/runtime/pipe/engine.py); ZeRO 2/3 run on its
-        plain engine at pipeline size 1."""
-        return self.stage < 2
+        plain engine at pipeline size 1, and so does every stage with experts or a teacher."""
+        return self.stage < 2 and not self.plain_only
 
     @property
     def engine(self) -> str:
@@ -71,9 +78,56 @@ CPU optimizer time), then NVMe (disk bandwidth). A judgement, not a measurement.
 
 
 def rows(ctx: Context) -> list[Row]:
-    """Per-GPU model states of the whole model on pure data parallelism, in `ORDER`."""
-    found = _rows(ctx)
+    """Per-GPU model states of the whole model on pure data parallelism, in `ORDER`; a mixture-of-experts model's at
+    the expert-parallel size `expert_parallel_size` gives (experts / E of each MoE layer on a rank, their states
+    partitioned over the d / E ranks that hold the same experts, the rest over d: the memory model's own split)."""
+    found = _rows(ctx, expert_parallel_size(ctx)[0])
     return sorted(found, key=lambda r: ORDER.index(r.label))
+
+
+def has_experts(ctx: Context) -> bool:
+    """The student or its teacher has experts: the table is at an expert-parallel size and ZeRO-3 is refused."""
+    return ctx.res.model().is_moe or ctx.res.moe_teacher is not None
+
+
+def expert_parallel_size(ctx: Context) -> tuple[int, str]:
+    """(E, where it comes from): `--moe-expert-parallel-size` when given, else the `pipeline` plan's when there is
+    one (it needs the batch), else the largest E the trainer accepts on these GPUs (`experts.expert_parallel_sizes`);
+    1 without experts."""
+    res = ctx.res
+    if not has_experts(ctx):
+        return 1, ""
+    if res.raw.moe_expert_parallel_size:
+        return res.raw.moe_expert_parallel_size, "--moe-expert-parallel-size"
+    if res.global_batch_size is not None:
+        try:
+            return ctx.plan().expert_parallel_size, "the recommended plan's"
+        except PlanError:
+            pass
+    sizes = experts.expert_parallel_sizes(res.model(), res.num_gpus, None, res.moe_teacher)
+    return sizes[-1], "the largest the trainer accepts here; no plan chosen"
+
+
+def teacher(ctx: Context) -> tuple[ModelConfig, int] | None:
+    """The teacher on the table's ranks and its tensor size: 1 (the table's pure data parallelism) where the trainer
+    accepts it, else the smallest it does (`Resolved.teachers`); None without `--kd`/`--mos`."""
+    res = ctx.res
+    if not res.distils:
+        return None
+    t = 1 if res.teacher(1) is not None else min(t for t, _ in res.teachers)
+    return res.teacher(t), t
+
+
+def teacher_bytes(ctx: Context) -> float:
+    """The teacher's weights on one rank (`distillation_costs.teacher_weight_bytes` at the table's E): frozen and
+    outside the engine, the same on every row (no ZeRO partition, no offload); 0 without one."""
+    found = teacher(ctx)
+    if found is None:
+        return 0.0
+    model, t = found
+    return distillation_costs.teacher_weight_bytes(
+        model, t, PRECISION_BYTES[ctx.precision], expert_parallel_size(ctx)[0]
+    )
 
 
 _SPECS = (
@@ -89,13 +143,18 @@ _SPECS = (
 )
 
 
-def _rows(ctx: Context) -> list[Row]:
+def _rows(ctx: Context, ep: int) -> list[Row]:
     res, prec = ctx.res, ctx.precision
     n, gpn, nodes = res.num_gpus, res.gpus_per_node, res.num_nodes
     model = res.model()
     psi, big = total_params(model), largest_layer_params(model)
+    moe = has_experts(ctx)
     out = []
     for label, stage, off_o, off_p in _SPECS:
+        if moe and stage == 3:
+            why = _zero3_refusal(ctx, ep)
+            out.append(Row(label, stage, off_o, off_p, None, None, "pretrain_gpt.py refuses it", None, why, True))
+            continue
         inputs = MemoryInputs(
             model=model,
             micro_batch_size=1,
@@ -105,6 +164,7 @@ def _rows(ctx: Context) -> list[Row]:
             data_parallel_size=n,
             offload_optimizer=off_o,
             offload_param=off_p,
+            expert_parallel_size=ep,
         )
         whole = stage_memory_for(inputs, 0, 1, res.dims["num_layers"])
         gathered = inputs.factors.gathered * big
@@ -118,10 +178,21 @@ def _rows(ctx: Context) -> list[Row]:
                 whole.model_states + gathered,
                 cpu,
                 "ours: " + inputs.factors.source,
-                _estimator(prec, stage, off_o, off_p, psi, big, gpn, nodes),
+                None if model.is_moe else _estimator(prec, stage, off_o, off_p, psi, big, gpn, nodes),
+                plain_only=moe or res.distils,
             )
         )
     return out
+
+
+def _zero3_refusal(ctx: Context, ep: int) -> str:
+    """The trainer's own line refusing ZeRO-3 with experts (`experts.refusal`, a MoE teacher's by the student's rules)."""
+    res = ctx.res
+    if res.model().is_moe:
+        why = experts.refusal(res.model(), world=res.num_gpus, zero=3, ep=ep)
+    else:  # a dense student's mixture-of-experts teacher: the trainer's distillation check says it
+        why = distillation.teacher_refusal(res.raw, res.model(), res.moe_teacher, ep, 3)
+    return why or "ZeRO-3 with experts"
 
 
 def _estimator(prec: str, stage: int, off_o: str, off_p: str, psi: int, big: int, gpn: int, nodes: int) -> float | None:
@@ -136,6 +207,11 @@ def _estimator(prec: str, stage: int, off_o: str, off_p: str, psi: int, big: int
 def activation_bytes(ctx: Context) -> float:
     """Activations, pipe buffers and transients of the whole model on one GPU (no pipeline)."""
     res = ctx.res
+    extra: dict = {}
+    if has_experts(ctx) or res.distils:  # the plain engine, at the table's E, with the kd loss's saved tensors
+        found = teacher(ctx)
+        extra = dict(expert_parallel_size=expert_parallel_size(ctx)[0], engine="plain")
+        extra["teacher"] = found[0] if found is not None and found[1] == 1 else None
     inputs = MemoryInputs(
         model=res.model(),
         micro_batch_size=res.raw.micro_batch_size or 1,
@@ -144,6 +220,7 @@ def activation_bytes(ctx: Context) -> float:
         zero_stage=1,
         data_parallel_size=res.num_gpus,
         checkpoint_activations=bool(res.raw.checkpoint_activations),
+        **extra,
     )
     # The backward's transient, not the whole-step remainder: the optimizer step's temporaries
     # depend on each row's optimizer placement (none on the GPU with offload), and this one
@@ -155,9 +232,10 @@ def activation_bytes(ctx: Context) -> float:
 def zero_section(ctx: Context) -> Section:
     res = ctx.res
     sec = Section("zero", "ZeRO stage")
-    table, act = rows(ctx), activation_bytes(ctx)
+    table, act, kd = rows(ctx), activation_bytes(ctx), teacher_bytes(ctx)
     usable, cpu_cap = res.usable_bytes, (res.raw.cpu_memory_gb * GIB if res.raw.cpu_memory_gb else None)
     psi = total_params(res.model())
+    ep, ep_source = expert_parallel_size(ctx)
     sec.add(
         f"Model: {psi / 1e9:.2f} B parameters, {ctx.precision}, Adam; {res.num_gpus} GPU(s) "
         f"({res.gpus_per_node} per node), {format_bytes(usable)} usable per GPU "
@@ -165,12 +243,37 @@ def zero_section(ctx: Context) -> Section:
         f"Per-GPU model states with pure data parallelism over all {res.num_gpus} GPU(s) (estimates), plus "
         f"{format_bytes(act)} of activations for micro-batch {res.raw.micro_batch_size or 1} "
         f"(Korthikanti et al. 2022 per-tensor count, see docs/planner.md):",
-        f"  {'configuration':<48} {'GPU states':>11} {'DeepSpeed':>10} {'w/ activ.':>10} {'CPU/node':>10}  engine",
     )
+    if has_experts(ctx):
+        whose = "each MoE layer's" if res.model().is_moe else "the teacher's MoE layers'"
+        sec.add(
+            f"  at expert-parallel size E = {ep} ({ep_source}): {whose} experts / {ep} on each GPU"
+            + (
+                f", their parameters, gradients and optimizer state partitioned over the {max(1, res.num_gpus // ep)} "
+                "GPU(s) holding the same experts (d / E), the rest over all d; DeepSpeed's estimators know no experts"
+                if res.model().is_moe
+                else ""
+            )
+            + ";"
+        )
+    found = teacher(ctx)
+    if found is not None:
+        model, t = found
+        at = "" if t == 1 else f" at tensor size {t} (the smallest the trainer accepts it at)"
+        experts_note = f", experts / {ep} of each MoE layer" if model.is_moe else ""
+        sec.add(
+            f"  plus the teacher's weights{at}: {format_bytes(kd)} per GPU on every row ({res.raw.kd and '--kd' or '--mos'}"
+            f"{experts_note}; frozen and outside the engine: no gradient or optimizer state, not partitioned by ZeRO, "
+            "not offloaded), counted in 'w/ activ.';"
+        )
+    sec.add(f"  {'configuration':<48} {'GPU states':>11} {'DeepSpeed':>10} {'w/ activ.':>10} {'CPU/node':>10}  engine")
     for r in table:
+        if r.gpu_states is None:
+            sec.add(f"  {r.label:<48} {'refused':>11}  (pretrain_gpt.py runs no ZeRO-3 with experts, below)")
+            continue
         cpu = format_bytes(r.cpu_per_node) if r.cpu_per_node is not None else "n/a"
         theirs = format_bytes(r.deepspeed_gpu) if r.deepspeed_gpu is not None else "-"
-        fits = "fits" if r.gpu_states + act <= usable else "too big"
+        fits = "fits" if r.gpu_states + act + kd <= usable else "too big"
         sec.add(f"  {r.label:<48} {format_bytes(r.gpu_states):>11} {theirs:>10} {fits:>10} {cpu:>10}  {r.engine}")
     text = guide("zero")
     sec.add(
@@ -180,20 +283,36 @@ def zero_section(ctx: Context) -> Section:
         f"  CPU offload: {text['cpu-offload']}.",
         f"  NVMe offload: {text['nvme-offload']}.",
     )
-    if res.model().is_moe:
+    refused = next((r.refused for r in table if r.refused), None)
+    if refused:
+        sec.add(f"ZeRO-3 with experts, in the trainer's words: {refused}")
+    if has_experts(ctx) or res.distils:
         sec.add(
-            "Mixture of experts: the rows above hold every expert on every GPU (expert-parallel size 1); pretrain_gpt.py "
-            "trains experts with ZeRO 0-2 at t = p = 1 on DeepSpeed's plain engine (ZeRO-3 is refused), so the plan "
-            "below is chosen among those, at every expert-parallel size (each rank then holds experts / E of each MoE "
-            "layer, their optimizer state partitioned over the d / E ranks holding the same experts); offload is not "
-            "planned for it."
+            "With "
+            + ("experts" if has_experts(ctx) else "a teacher")
+            + ", pretrain_gpt.py trains on DeepSpeed's plain engine at pipeline size 1"
+            + (" and tensor size 1" if has_experts(ctx) else "")
+            + "; the plan below is chosen among what it runs"
+            + (" at every expert-parallel size" if has_experts(ctx) and not res.raw.moe_expert_parallel_size else "")
+            + ", offload not planned."
         )
     sec.data = {
         "parameters": psi,
         "activation_bytes": act,
         "usable_bytes": usable,
-        "rows": [dict(r.__dict__, engine=r.engine, fits=r.gpu_states + act <= usable) for r in table],
+        "rows": [
+            {
+                **{k: v for k, v in r.__dict__.items() if k not in ("refused", "plain_only") or v},
+                "engine": r.engine,
+                "fits": r.gpu_states is not None and r.gpu_states + act + kd <= usable,
+            }
+            for r in table
+        ],
     }
+    if has_experts(ctx):
+        sec.data["expert_parallel_size"] = ep
+    if found is not None:
+        sec.data["teacher_weight_bytes"] = kd
     _recommend(ctx, sec, table, act, cpu_cap)
     return sec
 
