@@ -373,3 +373,20 @@ def test_the_teacher_flags_refusals_name_them() -> None:
     with pytest.raises(ConfigError) as expected:
         trainer_config("T", *TEACHER, "--num-experts-teacher", "6", "--moe-expert-parallel-size", "3")
     assert str(err.value) == str(expected.value)
+
+
+def test_the_zero_table_shows_the_teachers_weights_once_unpartitioned_and_counts_them_in_the_fit() -> None:
+    from megatron_ds.estimate.distillation_costs import teacher_weight_bytes
+    from megatron_ds.plan.context import Context
+    from megatron_ds.plan.zero import zero_section
+
+    argv = ["--kd", *TEACHER, "--num-gpus", "8", "--gpus-per-node", "8", "--gpu", "A100-80GB"]
+    res = planned(*argv)
+    sec = zero_section(Context(res, "bf16", ""))
+    expected = teacher_weight_bytes(res.teacher(1), 1, 2)
+    assert sec.data["teacher_weight_bytes"] == expected > 0
+    alone = zero_section(Context(planned(*argv[len(TEACHER) + 1 :]), "bf16", ""))
+    for r, s in zip(sec.data["rows"], alone.data["rows"]):
+        assert r["gpu_states"] == s["gpu_states"]  # the student's states, the teacher on its own line
+    assert sum("teacher's weights" in line for line in sec.lines) == 1
+    assert not any("teacher" in line for line in alone.lines)

@@ -229,3 +229,56 @@ def test_a_fixed_expert_parallel_size_and_zero_stage_are_kept() -> None:
     argv += ["--moe-expert-parallel-size", "2", "--zero-stage", "1"]
     choice = choose_all(resolve(command_line.parse(argv)[1]), "bf16")
     assert {(c.expert_parallel_size, c.zero_stage) for c in choice.ranked} == {(2, 1)}
+
+
+# --- the `zero` section's table ---------------------------------------------------------------------------------------
+
+
+def _zero_section(*argv: str):
+    from megatron_ds.plan.context import Context
+    from megatron_ds.plan.zero import zero_section
+
+    res = planned("--num-gpus", "8", "--gpus-per-node", "8", "--gpu", "A100-80GB", *argv)
+    return zero_section(Context(res, "bf16", "")), res
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_the_zero_table_holds_experts_over_e_and_their_states_over_d_over_e(ep: int) -> None:
+    from megatron_ds.estimate.model_states import state_factors
+    from megatron_ds.model import shapes
+
+    sec, res = _zero_section("--num-experts", "4", "--moe-expert-parallel-size", str(ep))
+    m, d = res.model(), 8
+    experts_at = {e: sum(p.expert_params for p in shapes.gpt_spec_params(m, 1, e)) for e in (1, ep)}
+    assert experts_at[ep] * ep == experts_at[1] > 0 and sec.data["expert_parallel_size"] == ep
+    by_label = {r["label"]: r for r in sec.data["rows"]}
+    for stage in (0, 1, 2):
+        row = by_label[f"ZeRO-{stage}"]
+        at = {
+            e: stage_memory_for(
+                MemoryInputs(m, 1, 1, precision="bf16", zero_stage=stage, data_parallel_size=d, expert_parallel_size=e),
+                0, 1, m.num_layers,
+            ).model_states
+            for e in (1, ep)
+        }  # fmt: skip
+        assert row["gpu_states"] == pytest.approx(at[ep], rel=1e-12)
+        # only the experts' share moved: experts / E of them per rank, their states partitioned over d / E ranks
+        f = state_factors("bf16", stage)
+        moved = f.per_param(d // ep) * experts_at[ep] - f.per_param(d) * experts_at[1]
+        assert row["gpu_states"] - at[1] == pytest.approx(moved, rel=1e-9) and moved < 0
+        assert row["deepspeed_gpu"] is None and row["engine"] == "plain, P = 1"  # its estimators know no experts
+    text = "\n".join(sec.lines)
+    assert "expert-parallel size 1" not in text and f"E = {ep} (--moe-expert-parallel-size)" in text
+
+
+def test_the_zero_tables_zero3_rows_are_refused_in_the_trainers_words() -> None:
+    sec, res = _zero_section("--num-experts", "4", "--moe-expert-parallel-size", "2")
+    stage3 = [r for r in sec.data["rows"] if r["stage"] == 3]
+    assert len(stage3) == 4 and all(r["gpu_states"] is None and not r["fits"] for r in stage3)
+    with pytest.raises(ConfigError) as err:  # the trainer's own check of the same configuration
+        parse_config([*SIZES, *res.dims["architecture"], *TRAINER, "--zero-stage", "3",
+                      "--moe-expert-parallel-size", "2"], world_size=8)  # fmt: skip
+    assert all(r["refused"] == str(err.value) for r in stage3)
+    lines = [line for line in sec.lines if line.startswith("  ZeRO-3 ")]
+    assert len(lines) == 4 and all("refused" in line and "GiB" not in line for line in lines)
+    assert any(str(err.value) in line for line in sec.lines)
