@@ -22,7 +22,7 @@ from typing import Any
 
 from megatron_ds.config import Config, DistillationConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.plan import hardware
+from megatron_ds.plan import experts, hardware
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.teacher import (
@@ -58,23 +58,7 @@ def refusal(
 ) -> str | None:
     """pretrain_gpt.py's one-line refusal of distilling into this configuration (None: it trains); `ep` the
     expert-parallel size, which a dense student keeps for a mixture-of-experts teacher."""
-    world = world or tp * pp * ep
-    try:
-        Config(
-            model=model,
-            parallel=ParallelConfig(
-                pipeline_model_parallel_size=pp,
-                tensor_model_parallel_size=tp,
-                world_size=world,
-                expert_parallel_size=ep,
-            ),
-            training=TrainingConfig(zero_stage=zero, global_batch_size=max(1, world // (tp * pp))),
-            optimizer=OptimizerConfig(create_moe_param_group=model.is_moe),
-            distillation=distillation_config(raw),
-        )
-    except ConfigError as e:
-        return str(e)
-    return None
+    return experts.refusal(model, tp, pp, world, zero, ep, distillation_config(raw))
 
 
 def teacher_fields(raw: Any, dims: dict, tp: int = 1) -> tuple[tuple[str, Any], ...]:

@@ -8,7 +8,14 @@ asked here through a config tree of the configuration in question, so the planne
 
 from __future__ import annotations
 
-from megatron_ds.config import Config, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megatron_ds.config import (
+    Config,
+    DistillationConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
+)
 from megatron_ds.errors import ConfigError
 
 MOE_ZERO_STAGES = (0, 1, 2)
@@ -16,10 +23,17 @@ MOE_ZERO_STAGES = (0, 1, 2)
 
 
 def refusal(
-    model: ModelConfig, tp: int = 1, pp: int = 1, world: int | None = None, zero: int = 0, ep: int = 1
+    model: ModelConfig,
+    tp: int = 1,
+    pp: int = 1,
+    world: int | None = None,
+    zero: int = 0,
+    ep: int = 1,
+    distillation: DistillationConfig | None = None,
 ) -> str | None:
-    """pretrain_gpt.py's one-line refusal of this mixture-of-experts configuration (None: it trains). The printed
-    command passes `--create-moe-param-group` wherever ZeRO needs it, so that rule is met here."""
+    """pretrain_gpt.py's one-line refusal of this configuration (None: it trains), asked of a config tree: a
+    mixture-of-experts model's rules, and with `distillation` the rules of distilling into it. The printed command
+    passes `--create-moe-param-group` wherever a model with experts needs it, so that rule is met here."""
     world = world or tp * pp * ep
     try:
         Config(
@@ -31,7 +45,8 @@ def refusal(
                 expert_parallel_size=ep,
             ),
             training=TrainingConfig(zero_stage=zero, global_batch_size=max(1, world // (tp * pp))),
-            optimizer=OptimizerConfig(create_moe_param_group=True),
+            optimizer=OptimizerConfig(create_moe_param_group=model.is_moe),
+            distillation=distillation or DistillationConfig(),
         )
     except ConfigError as e:
         return str(e)
