@@ -11,6 +11,7 @@ counts built from them are in `megatron_ds.model.shapes`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -255,12 +256,12 @@ class ModelConfig:
             f"use --topk 1 or more experts",
         )
 
-    @property
+    @functools.cached_property  # the planner asks per candidate stage; O(layers) each time was most of its time
     def experts_per_layer(self) -> tuple[int, ...]:
         """Experts of each transformer layer (1: a dense MLP); see the module's `experts_per_layer`."""
         return experts_per_layer(self.num_experts, self.num_layers, self.expert_interval)
 
-    @property
+    @functools.cached_property
     def is_moe(self) -> bool:
         """Some layer has more than one expert (Megatron-DeepSpeed's `is_moe_model`)."""
         return any(n > 1 for n in self.experts_per_layer)
