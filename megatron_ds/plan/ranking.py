@@ -478,6 +478,15 @@ def schedule_message(res: Resolved, skipped: list[Unreplayed] = ()) -> str:
     return f"{asked} runs on no configuration of --num-gpus {res.num_gpus} here: it needs {need}; change it or drop it"
 
 
+def no_fit_fix(res: Resolved) -> str:
+    """What would make it fit: more parallelism only where pretrain_gpt.py allows it (`search.degree_pairs`)."""
+    if res.model().is_moe:  # t = p = 1: more GPUs spread the experts (a larger E) and ZeRO's partitions
+        return "add GPUs (a larger --moe-expert-parallel-size holds fewer experts per GPU) or use GPUs with more memory"
+    if res.distils:  # p = 1 and the tensor sizes the teacher allows were all tried
+        return "add GPUs or use GPUs with more memory (pretrain_gpt.py distils at pipeline size 1)"
+    return "add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism"
+
+
 def no_fit_message(
     res: Resolved,
     closest: Candidate | None,
@@ -489,7 +498,7 @@ def no_fit_message(
     """Why nothing fits; `also` names what was tried beside the flags' own choices (recomputation, ZeRO-2/3,
     offload: what the flags leave open); `skipped`, what the fixed schedule's replay limit left unpriced."""
     usable = format_bytes(res.usable_bytes)
-    fix = "add GPUs, use GPUs with more memory, or allow more pipeline/tensor parallelism"
+    fix = no_fit_fix(res)
     if len(also) > 1:
         tried = f"{', '.join(also[:-1])} and {also[-1]} were tried too"
     else:

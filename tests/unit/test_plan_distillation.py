@@ -390,3 +390,12 @@ def test_the_zero_table_shows_the_teachers_weights_once_unpartitioned_and_counts
         assert r["gpu_states"] == s["gpu_states"]  # the student's states, the teacher on its own line
     assert sum("teacher's weights" in line for line in sec.lines) == 1
     assert not any("teacher" in line for line in alone.lines)
+
+
+def test_a_distilling_run_that_does_not_fit_asks_for_gpus_not_for_pipeline_parallelism() -> None:
+    """pretrain_gpt.py distils at P = 1 and every tensor size the teacher allows was tried."""
+    argv = ["--model", "1.3b", "--num-gpus", "8", "--gpu", "V100-16GB", "--kd", "--num-layers-teacher", "96"]
+    argv += ["--hidden-size-teacher", "12288", "--num-attention-heads-teacher", "96"]
+    with pytest.raises(PlanError, match="does not fit") as caught:
+        choose_all(resolve(command_line.parse(argv)[1]), "fp16")
+    assert "pipeline size 1" in str(caught.value) and "pipeline/tensor" not in str(caught.value)

@@ -282,3 +282,11 @@ def test_the_zero_tables_zero3_rows_are_refused_in_the_trainers_words() -> None:
     lines = [line for line in sec.lines if line.startswith("  ZeRO-3 ")]
     assert len(lines) == 4 and all("refused" in line and "GiB" not in line for line in lines)
     assert any(str(err.value) in line for line in sec.lines)
+
+
+def test_a_moe_model_that_does_not_fit_asks_for_gpus_not_for_parallelism_the_trainer_refuses() -> None:
+    """The trainer runs experts at t = p = 1: the fix is more GPUs (a larger E) or larger ones."""
+    argv = ["--model", "1.3b", "--num-gpus", "2", "--gpu", "V100-16GB", "--num-experts", "128"]
+    with pytest.raises(PlanError, match="does not fit") as caught:
+        choose_all(resolve(command_line.parse(argv)[1]), "fp16")
+    assert "--moe-expert-parallel-size" in str(caught.value) and "pipeline/tensor" not in str(caught.value)
