@@ -6,7 +6,11 @@ Issue 25's target: under 5 s for any model and GPU count up to 4096 GPUs. Each j
   random  `--random N` jobs drawn with `--seed S`: a preset, a GPU count up to 4096, a GPU of the table
           and the preset's batch or one of 256 to 4096;
   deep    models deeper than any preset, up to the planner's limit (`plan.inputs.MAX_LAYERS`, 512 layers:
-          hidden 4096, 32 heads, sequence 4096, batch 4096) on 64, 1024 and 4096 H100s.
+          hidden 4096, 32 heads, sequence 4096, batch 4096) on 64, 1024 and 4096 H100s;
+  moe     Megatron-DeepSpeed's mixture-of-experts example models (examples_deepspeed/MoE: 350M MoE-128, 1.3B
+          PR-MoE 64/128 with its residual MLP, top-2 on a 1.3B MoE-64) on 16 to 4096 H100s, batch 4096;
+  kd      knowledge distillation as examples_deepspeed/MoE's kd lines: a 1.3B student of a 6.7B dense teacher
+          (--kd), and a 1.3B PR-MoE student of a 1.3B MoE-128 teacher (--mos), on 16 to 4096 H100s, batch 4096.
 It prints the slowest jobs, then the count, median and maximum per group. Wall time on a shared machine is
 noisy: run it on a quiet one.
 
@@ -65,6 +69,34 @@ def deep_jobs() -> list[list[str]]:
     ]
 
 
+GPT_1_3B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16"]
+GPT_350M = ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16"]
+DATA = ["--seq-length", "2048", "--vocab-size", "50257", "--global-batch-size", "4096", "--gpu", "H100-80GB"]
+PR_MOE = ["--num-experts", *["64"] * 10, "128", "128", "--mlp-type", "residual", "--expert-interval", "2"]
+MOE_COUNTS = (16, 64, 512, 4096)
+
+
+def moe_jobs() -> list[list[str]]:
+    models = (
+        [*GPT_350M, "--num-experts", "128", "--expert-interval", "2"],
+        [*GPT_1_3B, *PR_MOE],
+        [*GPT_1_3B, "--num-experts", "64", "--expert-interval", "2", "--topk", "2"],
+    )
+    return [[*model, *DATA, "--num-gpus", str(n)] for model in models for n in MOE_COUNTS]
+
+
+def kd_jobs() -> list[list[str]]:
+    teacher_6_7b = ["--num-layers-teacher", "32", "--hidden-size-teacher", "4096"]
+    teacher_6_7b += ["--num-attention-heads-teacher", "32"]
+    teacher_moe = ["--num-layers-teacher", "24", "--hidden-size-teacher", "2048"]
+    teacher_moe += ["--num-attention-heads-teacher", "16", "--num-experts-teacher", "128"]
+    runs = (
+        [*GPT_1_3B, "--kd", *teacher_6_7b],
+        [*GPT_1_3B, *PR_MOE, "--mos", *teacher_moe],
+    )
+    return [[*run, *DATA, "--num-gpus", str(n)] for run in runs for n in MOE_COUNTS]
+
+
 def random_jobs(count: int, seed: int) -> list[list[str]]:
     rng = random.Random(seed)
     jobs = []
@@ -86,6 +118,8 @@ def main() -> int:
     groups = {} if args.no_sweep else {"sweep": sweep_jobs()}
     groups[f"random (seed {args.seed})"] = random_jobs(args.random, args.seed)
     groups["deep"] = deep_jobs()
+    groups["moe"] = moe_jobs()
+    groups["kd"] = kd_jobs()
     results = []
     for group, jobs in groups.items():
         for job in jobs:
