@@ -19,6 +19,11 @@ from the checkpoint's per-expert files whatever E it was saved with (`MoeSource.
 are not added (as upstream's `calculate_mos_loss` drops them). In eval mode DeepSpeed's gate takes its eval capacity
 factor; the teacher's is set to its train one, the capacity upstream's train-mode teacher routes with.
 
+No initial weight is drawn for a teacher: each is built on the meta device, materialised in the training precision
+on the student's device and filled from the checkpoint alone. The training `GPTModel` of T > 1 and of experts was
+once built on the CPU with its own initial weights; the random state the student's run reads on is left as that
+build left it (`_training_model`).
+
 Differences from upstream, printed as NOTICEs: the teacher runs in eval mode (upstream never calls `.eval()` on
 it, so its dropout is on: `flags.distillation_flags`); at T > 1 the KL divergence is the full vocabulary's, not
 upstream's sum of per-shard ones (`flags.distillation_flags`); and a teacher whose MLP width, head size or head count
@@ -36,7 +41,7 @@ import torch
 
 from megatron_ds.config import Config, ModelConfig
 from megatron_ds.inference.model import GPTModel, module_name
-from megatron_ds.model import naming, sharding
+from megatron_ds.model import init, naming, sharding
 from megatron_ds.model.distillation import kd_loss, vocab_parallel_kd_loss
 from megatron_ds.model.tensor_parallel_rank import TensorParallel
 from megatron_ds.pipeline.layout import build_layout
@@ -152,13 +157,19 @@ def _tensor_parallel_teacher(
 ) -> Teacher:
     """The training `GPTModel` of the teacher's architecture on the student's tensor group, this rank's shards of
     the checkpoint's full tensors copied in (`sharding.split`, as `--load` reshards weights for another T)."""
-    tp = student.tensor_parallel
     model = _training_model(config, model_config, student)
-    layout = model.layout
+    _materialise(model, dtype, device)
+    copy_shards(model, ckpt, model_config)
+    return Teacher(config, model.eval(), student.tensor_parallel)
+
+
+def copy_shards(model: Any, ckpt: reader.Checkpoint, model_config: ModelConfig) -> None:
+    """Every parameter of the tensor-parallel teacher `model`: this rank's shard of its checkpoint tensor."""
+    tp = model.tensor_parallel
     live = dict(model.named_parameters())
     where = {
         (p.tensor.spec_index, p.tensor.key): p.module_name
-        for p in names.stage_parameters(model_config, layout, 0)
+        for p in names.stage_parameters(model_config, model.layout, 0)
         if p.tensor is not None
     }
     loaded = set()
@@ -168,26 +179,54 @@ def _tensor_parallel_teacher(
             live[name].copy_(sharding.split(t.rule, t.tensor, tp.size)[tp.rank])
             loaded.add(name)
     assert loaded == set(live), sorted(set(live) - loaded)
-    model.to(device=device, dtype=dtype).requires_grad_(False).eval()
-    return Teacher(config, model, tp)
 
 
-def _training_model(config: Config, model_config: ModelConfig, student: Any) -> Any:
-    """The training `GPTModel` of the teacher's architecture on the student's tensor group and grid, no activation
-    checkpointing; its own seeded initial weights are drawn (a spec at a time), to be replaced, and the student's
-    dropout streams restart from their seeds, as no forward has run yet."""
-    from megatron_ds.model.gpt_model import GPTModel as ShardedGPTModel
-
+def teacher_training_config(config: Config, model_config: ModelConfig) -> Config:
+    """The student's run with the teacher's model: the config the teacher's training `GPTModel` is built from."""
     # the student's optimizer and checkpoint settings are the student's own: none refuses the teacher's experts
-    teacher_config = config.replace(
+    return config.replace(
         model=model_config,
         optimizer=dataclasses.replace(config.optimizer, create_moe_param_group=model_config.is_moe, decoupled_lr=None),
         checkpoint=dataclasses.replace(config.checkpoint, no_save_optim=False),
     )
+
+
+def _training_model(config: Config, model_config: ModelConfig, student: Any) -> Any:
+    """The training `GPTModel` of the teacher's architecture on the student's tensor group and grid, no activation
+    checkpointing, on the meta device: no initial weight is drawn, the checkpoint's fill it (`_materialise`). The
+    random state is left as building it on the CPU leaves it, which the student's run reads on: the default
+    generator's draws of torch's own initialisers (`nn.Linear`'s, DeepSpeed's gate's) are replayed on the CPU
+    (`init.SkippedDraws`), and the dropout streams are forgotten as every model build forgets them (the student's
+    restart from their seeds, as no forward has run yet)."""
+    from megatron_ds.model.gpt_model import GPTModel as ShardedGPTModel
+
     layout = build_layout(naming.gpt_spec_groups(model_config), 1)
-    model = ShardedGPTModel(teacher_config, layout, tp=student.tensor_parallel, grid=student.mpu())
+    with torch.device("meta"), init.SkippedDraws() as skipped:
+        teacher_config = teacher_training_config(config, model_config)
+        model = ShardedGPTModel(teacher_config, layout, tp=student.tensor_parallel, grid=student.mpu())
+    skipped.replay()
     model.activation_checkpoint_interval = 0  # no graph to save memory on
     return model
+
+
+def _materialise(model: torch.nn.Module, dtype: torch.dtype, device: Any) -> None:
+    """A model built on the meta device, in place: frozen, in `dtype` (its floating-point parameters, as
+    `Module.to` casts them) on `device`, its storage uninitialised until the checkpoint's tensors are copied in. Each
+    parameter keeps its attributes (megatron-core's tensor-parallel marks, DeepSpeed's expert flags)."""
+    marks = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    model.requires_grad_(False).to(dtype=dtype).to_empty(device=device)
+    for name, p in model.named_parameters():
+        vars(p).update(marks[name])
+    # what no checkpoint tensor fills: a buffer (to_empty leaves it uninitialised), a plain tensor left on the meta
+    # device (a rotary table would be either); the model has none
+    unfilled = [name for name, _ in model.named_buffers()] + [
+        f"{m}.{k}" for m, module in model.named_modules() for k, v in vars(module).items() if _is_meta(v)
+    ]
+    assert not unfilled, unfilled
+
+
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta
 
 
 def _expert_parallel_teacher(
@@ -202,14 +241,22 @@ def _expert_parallel_teacher(
     """The mixture-of-experts teacher: the training `GPTModel` (its gates at the train capacity factor in eval mode),
     its MoE layers on the student's expert-parallel groups (made here by DeepSpeed, as its engine makes them, when the
     student is dense), this rank's experts and every other weight copied in by their one-process names."""
-    from megatron_ds.model.moe import global_named_parameters
-    from megatron_ds.training.checkpoint.universal.moe_source import MoeSource
-
     routed = dataclasses.replace(model_config, moe_eval_capacity_factor=model_config.moe_train_capacity_factor)
     model = _training_model(config, routed, student)
     for module in model.modules():
         if hasattr(module, "set_deepspeed_parallelism"):  # DeepSpeed's MoE layer: the "ep_size_E" groups
             module.set_deepspeed_parallelism(data_before_expert_parallel)
+    _materialise(model, dtype, device)
+    copy_experts(model, ckpt)
+    return Teacher(config, model.eval())
+
+
+def copy_experts(model: Any, ckpt: reader.Checkpoint) -> None:
+    """Every parameter of the mixture-of-experts teacher `model` (its expert-parallel groups made): its checkpoint
+    tensor by one-process name, this rank's experts by their global index."""
+    from megatron_ds.model.moe import global_named_parameters
+    from megatron_ds.training.checkpoint.universal.moe_source import MoeSource
+
     live = global_named_parameters(model)  # local experts under their global index
     try:
         source = MoeSource(ckpt)
@@ -223,8 +270,6 @@ def _expert_parallel_teacher(
     except CheckpointError as err:
         raise CheckpointError(f"--load-teacher: {err}") from None
     assert loaded == set(live), sorted(set(live) - loaded)
-    model.to(device=device, dtype=dtype).requires_grad_(False).eval()
-    return Teacher(config, model)
 
 
 def _tensors(ckpt: reader.Checkpoint) -> Any:
