@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 _SEED_STRIDE = 1_000_003  # a prime larger than any spec count: (seed, idx) pairs never collide
 _DROPOUT_STREAMS_PER_SPEC = 4096  # stream 0: replicated activations; 1 + r: tensor rank r's own
@@ -123,7 +124,7 @@ class SkippedDraws(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         seeded = torch.Tag.nondeterministic_seeded in func.tags and kwargs.get("generator") is None
-        if seeded and isinstance(out, torch.Tensor) and out.is_meta:
+        if seeded and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(out)):
             assert not any(isinstance(a, torch.Generator) for a in args), func
             self.draws.append((func, args, kwargs))
         return out
