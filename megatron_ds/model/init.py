@@ -6,17 +6,14 @@ Tensor-parallel shards are cut from the full matrix drawn this way (`shard`, `sh
 the tensor-parallel size does not matter either: gathering the shards gives the T=1 matrix.
 
 A model whose weights come from elsewhere (a checkpoint) is built under `torch.device("meta")`, which draws
-nothing; `SkippedDraws` keeps torch's default generator where the CPU build would have left it.
+nothing from any generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 _SEED_STRIDE = 1_000_003  # a prime larger than any spec count: (seed, idx) pairs never collide
 _DROPOUT_STREAMS_PER_SPEC = 4096  # stream 0: replicated activations; 1 + r: tensor rank r's own
@@ -107,38 +104,3 @@ def gather_qkv(shards: Sequence[torch.Tensor], num_heads: int, num_kv_heads: int
     """Inverse of `shard_qkv`: the full fused QKV weight or bias from every rank's shard."""
     rows = shards[0].shape[0] * len(shards)
     return gather_fused(shards, qkv_row_parts(rows, num_heads, num_kv_heads))
-
-
-class SkippedDraws(TorchDispatchMode):
-    """Inside it, the random ops on meta tensors that draw from torch's default generator (no `generator=`:
-    `nn.Linear`'s and DeepSpeed's gate's own initialisers) are recorded, and `replay` then makes each on a CPU tensor
-    of its shape, so the default CPU generator stands exactly where a CPU build would have left it (other seeded code
-    reads it afterwards: DeepSpeed's token dropping and top-2 sampling). Draws from a generator the caller gives are
-    skipped for good: ours are each spec's own, dropped after the build (`init_generator`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.draws: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        seeded = torch.Tag.nondeterministic_seeded in func.tags and kwargs.get("generator") is None
-        if seeded and any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves(out)):
-            assert not any(isinstance(a, torch.Generator) for a in args), func
-            self.draws.append((func, args, kwargs))
-        return out
-
-    def replay(self) -> None:
-        """Make every recorded draw on the CPU, in order, on a tensor of its shape, strides and dtype."""
-        for func, args, kwargs in self.draws:
-            func(*(_on_cpu(a) for a in args), **{k: _on_cpu(v) for k, v in kwargs.items()})
-        self.draws.clear()
-
-
-def _on_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_meta:
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
-    if isinstance(value, torch.device) and value.type == "meta":
-        return torch.device("cpu")
-    return value

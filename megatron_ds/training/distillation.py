@@ -20,9 +20,8 @@ are not added (as upstream's `calculate_mos_loss` drops them). In eval mode Deep
 factor; the teacher's is set to its train one, the capacity upstream's train-mode teacher routes with.
 
 No initial weight is drawn for a teacher: each is built on the meta device, materialised in the training precision
-on the student's device and filled from the checkpoint alone. The training `GPTModel` of T > 1 and of experts was
-once built on the CPU with its own initial weights; the random state the student's run reads on is left as that
-build left it (`_training_model`).
+on the student's device and filled from the checkpoint alone, so building it moves no generator the student reads on
+(`_training_model`).
 
 Differences from upstream, printed as NOTICEs: the teacher runs in eval mode (upstream never calls `.eval()` on
 it, so its dropout is on: `flags.distillation_flags`); at T > 1 the KL divergence is the full vocabulary's, not
@@ -41,7 +40,7 @@ import torch
 
 from megatron_ds.config import Config, ModelConfig
 from megatron_ds.inference.model import GPTModel, module_name
-from megatron_ds.model import init, naming, sharding
+from megatron_ds.model import naming, sharding
 from megatron_ds.model.distillation import kd_loss, vocab_parallel_kd_loss
 from megatron_ds.model.tensor_parallel_rank import TensorParallel
 from megatron_ds.pipeline.layout import build_layout
@@ -193,18 +192,16 @@ def teacher_training_config(config: Config, model_config: ModelConfig) -> Config
 
 def _training_model(config: Config, model_config: ModelConfig, student: Any) -> Any:
     """The training `GPTModel` of the teacher's architecture on the student's tensor group and grid, no activation
-    checkpointing, on the meta device: no initial weight is drawn, the checkpoint's fill it (`_materialise`). The
-    random state is left as building it on the CPU leaves it, which the student's run reads on: the default
-    generator's draws of torch's own initialisers (`nn.Linear`'s, DeepSpeed's gate's) are replayed on the CPU
-    (`init.SkippedDraws`), and the dropout streams are forgotten as every model build forgets them (the student's
-    restart from their seeds, as no forward has run yet)."""
+    checkpointing, on the meta device: no initial weight is drawn, the checkpoint's fill it (`_materialise`). Torch's
+    default generator stays where the student left it (a CPU build would advance it by its `nn.Linear` and
+    DeepSpeed gate initialisers, by how many experts this rank holds); the dropout streams are forgotten as every
+    model build forgets them (the student's restart from their seeds, as no forward has run yet)."""
     from megatron_ds.model.gpt_model import GPTModel as ShardedGPTModel
 
     layout = build_layout(naming.gpt_spec_groups(model_config), 1)
-    with torch.device("meta"), init.SkippedDraws() as skipped:
+    with torch.device("meta"):
         teacher_config = teacher_training_config(config, model_config)
         model = ShardedGPTModel(teacher_config, layout, tp=student.tensor_parallel, grid=student.mpu())
-    skipped.replay()
     model.activation_checkpoint_interval = 0  # no graph to save memory on
     return model
 
