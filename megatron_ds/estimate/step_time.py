@@ -196,19 +196,20 @@ def _stage_passes(
     p = inp.num_flat
     interval = inp.checkpoint_num_layers if inp.checkpoint_activations else 0
     keys = list(dict.fromkeys(key for t in kinds.values() for key in t.parts))
+    priced: dict[tuple, tuple[float, float, float, dict]] = {}  # a deep model's stages are mostly alike
+    first = 0  # flat stages hold the layers in order
     for s, k in enumerate(inp.layers_per_stage):
-        first = sum(inp.layers_per_stage[:s])  # flat stages hold the layers in order
-        counts = [experts[first : first + k].count(n) for n in kinds]
-        layers: list[tuple[PassTimes, int]] = [(t, c) for t, c in zip(kinds.values(), counts) if c]
-        held = layers + ([(pre, 1)] if s == 0 else []) + ([(post, 1)] if s == p - 1 else [])
-        again = recomputed_layers(1 if s == 0 else 0, k, 1 if s == p - 1 else 0, interval)
-        mean = sum(t.recompute * c for t, c in layers) / k if k else 0.0  # the recomputed layers' average
-        redo = again * mean + (sum(t.attention_recompute * c for t, c in layers) if inp.selective_recompute else 0.0)
-        forward.append(sum(t.forward * n for t, n in held))
-        backward.append(sum(t.backward * n for t, n in held) + redo)
-        weight.append(sum(t.weight * n for t, n in held))
-        flat_parts.append({key: sum(t.parts.get(key, 0.0) * n for t, n in held) for key in keys})
-        flat_parts[-1]["recompute"] = redo
+        counts = tuple(experts[first : first + k].count(n) for n in kinds)
+        first += k
+        shape = (counts, s == 0, s == p - 1)
+        if shape not in priced:
+            priced[shape] = _one_stage(kinds, counts, k, pre if s == 0 else None, post if s == p - 1 else None,
+                                       interval, inp.selective_recompute, keys)  # fmt: skip
+        f, b, wt, parts = priced[shape]
+        forward.append(f)
+        backward.append(b)
+        weight.append(wt)
+        flat_parts.append(parts)  # shared between alike stages: read only
     if inp.teacher is not None:  # after the student's forward on its one stage (P = 1)
         kd_f, kd_b, kd_parts = distillation_costs.step_times(
             inp.teacher, inp.micro_batch_size, inp.tp, w, kernels, links, features,
@@ -216,13 +217,38 @@ def _stage_passes(
         )  # fmt: skip
         forward[-1] += kd_f
         backward[-1] += kd_b
-        flat_parts[-1].update(kd_parts)
+        flat_parts[-1] = {**flat_parts[-1], **kd_parts}
     ranks, v = inp.pp, inp.virtual_stages
     busy = [sum(forward[c * ranks + r] + backward[c * ranks + r] for c in range(v)) for r in range(ranks)]
     slowest = max(range(ranks), key=lambda r: (busy[r], r))  # the last of equals, as before
     chunks = [flat_parts[c * ranks + slowest] for c in range(v)]
     parts = {key: sum(part[key] for part in chunks) for key in chunks[0]}
     return forward, backward, parts, weight
+
+
+def _one_stage(
+    kinds: dict[int, PassTimes],
+    counts: tuple[int, ...],
+    k: int,
+    pre: PassTimes | None,
+    post: PassTimes | None,
+    interval: int,
+    selective: bool,
+    keys: list[str],
+) -> tuple[float, float, float, dict]:
+    """One flat stage of `k` layers (`counts` of each kind), with the pre and post groups it holds: one
+    micro-batch's forward, backward (recomputation included), weight-gradient part and parts by term."""
+    layers: list[tuple[PassTimes, int]] = [(t, c) for t, c in zip(kinds.values(), counts) if c]
+    held = layers + ([(pre, 1)] if pre is not None else []) + ([(post, 1)] if post is not None else [])
+    again = recomputed_layers(1 if pre is not None else 0, k, 1 if post is not None else 0, interval)
+    mean = sum(t.recompute * c for t, c in layers) / k if k else 0.0  # the recomputed layers' average
+    redo = again * mean + (sum(t.attention_recompute * c for t, c in layers) if selective else 0.0)
+    forward = sum(t.forward * n for t, n in held)
+    backward = sum(t.backward * n for t, n in held) + redo
+    weight = sum(t.weight * n for t, n in held)
+    parts = {key: sum(t.parts.get(key, 0.0) * n for t, n in held) for key in keys}
+    parts["recompute"] = redo
+    return forward, backward, weight, parts
 
 
 def _dp_times(
