@@ -55,7 +55,7 @@ def run(argv: Sequence[str] | None = None) -> list[int]:
     from megatron_ds.training.checkpoint.reader import checkpoint_tokenizer, open_checkpoint
 
     overrides = {k: getattr(args, k) for k in TOKENIZER_FLAGS}
-    tok = checkpoint_tokenizer(open_checkpoint(args.load), overrides)
+    tok = checkpoint_tokenizer(open_checkpoint(args.load, moe=True), overrides)
     if args.prompt is not None and tok is None:
         raise UserError(
             f"--load {args.load}: the checkpoint has no tokenizer (mock data); give --prompt-ids or --tokenizer-*"

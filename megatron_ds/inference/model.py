@@ -1,18 +1,28 @@
-"""`GPTModel`: the pipeline's layers in one plain `nn.Module`, and `load_model` for checkpoints."""
+"""`GPTModel`: the pipeline's layers in one plain `nn.Module`, and `load_model` for checkpoints.
+
+A mixture-of-experts model (`ModelConfig.experts_per_layer`) has the training MoE layer (DeepSpeed's, every expert on
+this process: expert-parallel size 1) where the training model has one, its gate set to route every token to its top-k
+experts whatever else is in the batch (`moe.route_every_token`: no token dropped, top-2's second expert by score), so
+a KV-cached step computes what the whole sequence does.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.model import naming
+from megatron_ds.model import moe, naming
 from megatron_ds.model.layers import FinalNorm, LMHead, PositionEmbedding, WordEmbedding
+from megatron_ds.model.sharding import TensorRule
 from megatron_ds.model.transformer import TransformerLayer
+from megatron_ds.training.checkpoint import moe_weights
 from megatron_ds.training.checkpoint import reader as checkpoint_reader
 
 
@@ -42,7 +52,7 @@ class GPTModel(nn.Module):
         # `init` only scales freshly drawn weights (a loaded checkpoint replaces them); no dropout runs in eval.
         self.embedding = WordEmbedding(model, init, 0)
         self.position = PositionEmbedding(model, init, 0) if model.add_position_embedding else None
-        self.layers = nn.ModuleList(TransformerLayer(model, init, 0) for _ in range(model.num_layers))
+        self.layers = nn.ModuleList(_layer(model, init, n) for n in model.experts_per_layer)
         self.final_norm = FinalNorm(model, 0)
         self.lm_head = LMHead(model, init, 0) if model.untie_embeddings_and_output_weights else None
         self.eval()
@@ -71,6 +81,14 @@ class GPTModel(nn.Module):
             x = _cached_layer(layer, x, cache, i, start)
         cache.length = start + s
         return x
+
+
+def _layer(model: ModelConfig, init: RegularizationConfig, num_experts: int) -> TransformerLayer:
+    """A transformer layer as training builds it (with `num_experts` > 1: its MoE layer, all experts here)."""
+    layer = TransformerLayer(model, init, 0, num_experts=num_experts)
+    if layer.moe is not None:
+        moe.route_every_token(layer.moe)
+    return layer
 
 
 def _cached_layer(layer: TransformerLayer, x: torch.Tensor, cache: KVCache, i: int, start: int) -> torch.Tensor:
@@ -114,14 +132,29 @@ def load_model(
     overrides it); `dtype` converts the stored weights; `tokenizer` overrides the checkpoint's
     tokenizer flags (only its size is used here). Needs no process group.
     """
-    ckpt = checkpoint_reader.open_checkpoint(path)
+    ckpt = checkpoint_reader.open_checkpoint(path, moe=True)
     tok = checkpoint_reader.checkpoint_tokenizer(ckpt, tokenizer)
     vocab = checkpoint_reader.unpadded_vocab_size(ckpt, tok, vocab_size)
     with torch.device("meta"):  # no initial weights are drawn: the checkpoint's replace them
         model = GPTModel(dataclasses.replace(ckpt.config.model, vocab_size=vocab))
     state = {}
-    for t in checkpoint_reader.iter_tensors(ckpt):
-        tensor = t.tensor[:vocab] if t.rule.vocab else t.tensor
-        state[module_name(t.spec, t.key, t.layer)] = tensor.to(dtype) if dtype is not None else tensor
+    for spec, key, layer, rule, tensor in _checkpoint_tensors(ckpt):
+        tensor = tensor[:vocab] if rule.vocab else tensor
+        state[module_name(spec, key, layer)] = tensor.to(dtype) if dtype is not None else tensor
     model.load_state_dict(state, strict=True, assign=True)
     return model
+
+
+def _checkpoint_tensors(ckpt: checkpoint_reader.Checkpoint) -> Iterator[tuple[str, str, int | None, TensorRule, Any]]:
+    """(spec, key, transformer layer or None, rule, whole tensor) of every tensor of the checkpoint: per-spec files,
+    or a mixture-of-experts checkpoint's DeepSpeed files (every expert by its global index, whatever expert-parallel
+    size saved them) or converted universal form (`moe_weights`)."""
+    if not ckpt.config.model.is_moe:
+        for t in checkpoint_reader.iter_tensors(ckpt):
+            yield t.spec, t.key, t.layer, t.rule, t.tensor
+        return
+    checkpoint_reader.refuse_universal(ckpt)
+    first = len(naming.gpt_spec_groups(ckpt.config.model).pre)
+    for t, tensor in moe_weights.iter_weights(ckpt):
+        layer = t.spec_index - first if t.spec == naming.TRANSFORMER_LAYER else None
+        yield t.spec, t.key, layer, t.rule, tensor

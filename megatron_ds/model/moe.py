@@ -95,6 +95,22 @@ def build(
     return layer
 
 
+def route_every_token(layer: nn.Module) -> None:
+    """Make DeepSpeed MoE `layer`'s gate send every token to its top-k experts by score, whatever else is in the batch:
+    no token dropped (each expert's capacity is the most tokens any expert got, as `--disable-moe-token-dropping`),
+    top-2's second expert the best other one (no Gumbel sample, as `--disable-moe-top2-2nd-expert-sampling`), no
+    minimum capacity (DeepSpeed's top-1 gate asserts at least that many tokens: one token is a KV-cached step) and no
+    random token selection (it only picks among tokens over capacity, and would draw from torch's default generator).
+    A token's output then depends on that token alone, which decoding with a KV cache needs (`megatron_ds.inference`);
+    DeepSpeed's eval-mode gate would instead drop tokens over `eval_capacity_factor` x tokens / experts in each
+    forward and sample top-2's second expert."""
+    gate = layer.deepspeed_moe.gate
+    gate.drop_tokens = False
+    gate.top2_2nd_expert_sampling = False
+    gate.min_capacity = 0
+    gate.use_rts = False
+
+
 def run(layer: nn.Module, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(b, s, h) -> the MoE output (b, s, h) and the layer's load-balancing loss (a scalar)."""
     out, l_aux, _ = layer(normed.transpose(0, 1))  # (s, b, h): Megatron's token order at the gate

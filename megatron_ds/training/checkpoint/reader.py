@@ -63,13 +63,18 @@ def load_state(path: str) -> dict[str, Any]:
         raise CheckpointError(files.load_failure(path, err, "the checkpoint is damaged or truncated")) from None
 
 
-def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
-    """Every tensor of the model as its full T=1 tensor, in spec order (tied head: no entry)."""
+def refuse_universal(ckpt: Checkpoint) -> None:
+    """A universal checkpoint holds no weight files: the one-line CheckpointError of the weight readers."""
     if ckpt.meta.get("format") == UNIVERSAL_FORMAT:
         raise CheckpointError(
             f"{ckpt.directory}: a universal checkpoint (training state, no per-spec weight files); give the "
             f"checkpoint it was converted from, or resume it with pretrain_gpt.py --load and --save a regular one"
         )
+
+
+def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
+    """Every tensor of the model as its full T=1 tensor, in spec order (tied head: no entry)."""
+    refuse_universal(ckpt)
     model = ckpt.config.model
     groups = naming.gpt_spec_groups(model)
     first_layer = len(groups.pre)

@@ -4,8 +4,8 @@ Free: dropout and init std (a notice), and the whole parallel layout: P, the sta
 sequence parallelism (Megatron's: as saved; Ulysses' degree N), ZeRO stage, offload, CPU Adam and precision (`topology_changes`; a full resume then goes through the universal form,
 `megatron_ds.training.checkpoint.universal`; a mixture-of-experts model's world size, expert-parallel size and ZeRO
 stage 0-2 too). Refused with one line: another architecture, and for a full resume another global batch size or
-optimizer; a mixture-of-experts checkpoint in the per-spec readers (`moe_refusal`; a `--kd` teacher reads its
-per-expert files). Pure: no torch.distributed.
+optimizer; a mixture-of-experts checkpoint in the Hugging Face export (`moe_refusal`; generation, inference and a
+`--kd` teacher read its per-expert files). Pure: no torch.distributed.
 """
 
 from __future__ import annotations
@@ -48,20 +48,18 @@ def has_optimizer_state(meta: dict[str, Any]) -> bool:
 
 
 def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
-    """Why the per-spec readers (Hugging Face export, generation and inference) refuse a mixture-of-experts
-    checkpoint (None for a dense one): its experts are in DeepSpeed's per-expert files, which only
-    the universal conversion reads (`universal.moe_source`). What works is said in the same line: a resume under any
-    world size, expert-parallel size and ZeRO stage 0-2 (through the universal form), the conversion itself, and its
-    weights alone (`--no-load-optim`)."""
+    """Why the Hugging Face export refuses a mixture-of-experts checkpoint (None for a dense one): transformers' GPT-2
+    and Llama have no experts. What reads it is said in the same line: generation and inference (`moe_weights`), a
+    resume under any world size, expert-parallel size and ZeRO stage 0-2 (through the universal form,
+    `universal.moe_source`), the conversion itself, and its weights alone (`--no-load-optim`)."""
     model = Config.from_dict(meta["config"]).model
     if not model.is_moe:
         return None
     experts = " ".join(map(str, model.num_experts))
     return (
-        f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), whose experts are in DeepSpeed's "
-        f"per-expert files: Hugging Face export, generation and inference do not read it here (a --kd teacher "
-        f"does); "
-        f"pretrain_gpt.py --load resumes it under any world size, --moe-expert-parallel-size and ZeRO stage 0-2 "
+        f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), which the Hugging Face export does not "
+        f"write (transformers' GPT-2 and Llama have no experts); tools/generate.py and inference.load_model read it "
+        f"(a --kd teacher too); pretrain_gpt.py --load resumes it under any world size, --moe-expert-parallel-size and ZeRO stage 0-2 "
         f"(through its universal form, which `tools/convert_checkpoint.py --to universal` also writes), or takes its "
         f"weights alone with --no-load-optim"
     )

@@ -25,7 +25,7 @@ import torch
 
 from megatron_ds.model import naming
 from megatron_ds.model.moe import EXPERT_PREFIX
-from megatron_ds.training.checkpoint import experts
+from megatron_ds.training.checkpoint import experts, moe_weights
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.universal import names
 from megatron_ds.training.checkpoint.universal.deepspeed_source import (
@@ -47,9 +47,6 @@ class MoeSource(DeepSpeedSource):
         self.world_size = int(ckpt.meta.get("world_size") or 0)
         self.expert_parallel = cfg.parallel.expert_parallel_size
         self.experts = experts.read(ckpt.directory, self.world_size, self.expert_parallel)
-        groups = naming.gpt_spec_groups(self.model)
-        moe_specs = [i + len(groups.pre) for i, n in enumerate(self.model.experts_per_layer) if n > 1]
-        self._moe_layer = {spec: layer_id for layer_id, spec in enumerate(moe_specs)}  # DeepSpeed's MoE layer ids
 
     def record(self) -> dict[str, Any]:
         return {**super().record(), "expert_parallel_size": self.expert_parallel, "world_size": self.world_size}
@@ -159,16 +156,11 @@ class MoeSource(DeepSpeedSource):
         return value
 
     def _weight(self, tensor: names.ModelTensor) -> torch.Tensor:
-        expert = self._expert(tensor)
+        file, key = moe_weights.weight_file(self.model, tensor)  # the model-state file, or the expert's own
+        path = self._path(file)
+        weights = load_file(path)
+        weights = (weights.get(key) or {}) if key is not None else weights
         name = names.module_name(self.model, tensor)
-        if expert is None:
-            path = self.model_states_file(0, 0)
-            weights = load_file(path).get("module") or {}
-        else:
-            path = self._path(
-                f"layer_{self._moe_layer[tensor.spec_index]}_expert_{expert[0]}_mp_rank_00_model_states.pt"
-            )
-            weights = load_file(path)
         if name not in weights:
             raise CheckpointError(f"{path}: no {name}; the checkpoint is damaged or of another model")
         return weights[name]

@@ -1,0 +1,90 @@
+"""A mixture-of-experts checkpoint's model weights as whole tensors, every expert by its global index, without torch
+.distributed: what one-process inference loads (`megatron_ds.inference.load_model`).
+
+Where they are (P = T = 1: MoE runs on DeepSpeed's plain engine):
+
+  ours            `mp_rank_00_model_states.pt` "module": every parameter but the experts (the gates, PR-MoE's residual
+                  MLP and coefficient included), by its one-process name; `layer_<l>_expert_<e>_mp_rank_00_model_
+                  states.pt`: expert e (global index) of the l-th MoE layer. Each expert-parallel rank saved its own
+                  experts under their global index, so these names do not depend on the expert-parallel size the run
+                  had. The weights are in the training precision.
+  converted       a Megatron-DeepSpeed MoE checkpoint imported by `tools/convert_checkpoint.py --from megatron-deepspeed`
+                  holds no DeepSpeed files: its weights are the fp32 masters of its universal form (`<tag>.universal/`).
+
+Files are read with `weights_only=True` (no code from them runs), memory-mapped, each once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.model import naming
+from megatron_ds.model.moe import EXPERT_PREFIX
+from megatron_ds.training.checkpoint.directory import CONVERTED, CheckpointError, converted_from
+from megatron_ds.training.checkpoint.opening import Checkpoint
+from megatron_ds.training.checkpoint.universal import names
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+"""DeepSpeed's model-state file of a P = T = 1 run: the weights of every parameter but the experts ("module")."""
+
+
+def expert_file(model: ModelConfig, tensor: names.ModelTensor) -> str | None:
+    """DeepSpeed's file of the expert `tensor` belongs to (None when it is no expert's): `layer_<l>_expert_<e>_...`,
+    l counting the MoE layers from 0, e the expert's global index."""
+    if not tensor.key.startswith(EXPERT_PREFIX):
+        return None
+    first = len(naming.gpt_spec_groups(model).pre)
+    moe_layer = sum(1 for n in model.experts_per_layer[: tensor.spec_index - first] if n > 1)
+    expert = int(tensor.key[len(EXPERT_PREFIX) :].split(".", 1)[0])
+    return f"layer_{moe_layer}_expert_{expert}_mp_rank_00_model_states.pt"
+
+
+def weight_file(model: ModelConfig, tensor: names.ModelTensor) -> tuple[str, str | None]:
+    """(file, key of the state dict inside it or None for the whole file) that holds `tensor`'s saved weight."""
+    found = expert_file(model, tensor)
+    return (MODEL_STATES, "module") if found is None else (found, None)
+
+
+def iter_weights(ckpt: Checkpoint) -> Iterator[tuple[names.ModelTensor, torch.Tensor]]:
+    """Every tensor of the mixture-of-experts checkpoint `ckpt` (`names.model_tensors` order), whole, as saved; a
+    missing or damaged file, or a tensor missing from it or of another shape, is a one-line CheckpointError naming
+    the file."""
+    model = ckpt.config.model
+    if converted_from(ckpt.meta) is not None:
+        yield from _converted(ckpt)
+        return
+    from megatron_ds.training.checkpoint.universal.deepspeed_source import load_file
+
+    opened: tuple[str, dict[str, Any]] = ("", {})  # the last file read: an expert's tensors are consecutive
+    for tensor in names.model_tensors(model):
+        name, key = weight_file(model, tensor)
+        path = os.path.join(ckpt.directory, name)
+        if opened[0] != path:
+            state = load_file(path)
+            opened = (path, state.get(key) if key is not None else state)
+            if not isinstance(opened[1], dict):
+                raise CheckpointError(f"{path}: no {key!r} state dict; the checkpoint is damaged")
+        saved = names.module_name(model, tensor)
+        value = opened[1].get(saved)
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{path}: no tensor {saved!r}; the checkpoint is damaged or of another model")
+        if tuple(value.shape) != tensor.rule.shape:
+            raise CheckpointError(
+                f"{path}: {saved} has shape {tuple(value.shape)}, the config in {ckpt.tag} implies "
+                f"{tensor.rule.shape}; the checkpoint is damaged"
+            )
+        yield tensor, value
+
+
+def _converted(ckpt: Checkpoint) -> Iterator[tuple[names.ModelTensor, torch.Tensor]]:
+    from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
+    from megatron_ds.training.checkpoint.universal.store import Universal
+
+    found = Universal(os.path.join(ckpt.root, str(ckpt.meta[CONVERTED].get("universal"))))  # the import records it
+    for tensor in names.model_tensors(ckpt.config.model):
+        yield tensor, found.read(tensor.name, FP32)
