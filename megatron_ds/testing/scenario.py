@@ -32,6 +32,8 @@ Optional scenario keys (all off by default):
     weights         true: record every parameter's value after the steps ("weights": name -> nested lists; at T > 1
                     the full values, gathered over the tensor group), local experts under their global names (`model.moe.global_named_parameters`), and --log-params-norm's
                     "params_norm" (`training.grad_norm.params_norm`, a collective)
+    eval_logits     token ids (b, s) (a plain engine's model): after the steps, the logits the model computes for them
+                    in eval mode ("eval_logits"; its MoE layers' collectives run on every rank, give each the same ids)
     output_shapes   true: record the shape of what this stage's module returns in its first training
                     forward ("output_shape": what it sends on, e.g. (s/T, b, h) under sequence parallelism)
 
@@ -226,6 +228,8 @@ def run_one(
             named = [(n, gather_full(p, tp)) for n, p in named]
         result["weights"] = {n: p.detach().float().cpu().tolist() for n, p in named}
         result["params_norm"] = params_norm(engine)
+    if opts.get("eval_logits"):
+        result["eval_logits"] = _eval_logits(pipeline.model, opts["eval_logits"])
     if opts.get("save"):
         done = TrainState(
             iteration=state.iteration + num_steps,
@@ -245,6 +249,15 @@ def run_one(
         result["embedding_checksum"] = checksum(emb_after)
         result["embedding_changed"] = bool(not torch.equal(emb_before, emb_after))
     return result
+
+
+def _eval_logits(model: torch.nn.Module, tokens: list[list[int]]) -> list:
+    """The logits (b, s, v) of `tokens` from the plain engine's model in eval mode, left in train mode after."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(tokens, dtype=torch.long))
+    model.train()
+    return logits.float().tolist()
 
 
 def _zero_counter(config: Config, engine: Any) -> Any:

@@ -12,7 +12,10 @@ the one-process gradient) and the counted norm (experts' squares summed over the
 Top-1, top-2, PR-MoE's residual MLP with `--create-moe-param-group`, and a per-layer expert list. PR-MoE at EP=2 also
 under ZeRO-2 and with `--checkpoint-activations` (equal to the plain run within 1e-6), in bf16 (ZeRO-2 near the
 one-process bf16 run; ZeRO 0 clipping by the norm that counts the experts), with exact resumes under ZeRO-2 and bf16;
-each rank's `moe loss`, and `--log-num-zeros-in-grad`'s count (the one-process run's on every rank).
+each rank's `moe loss`, and `--log-num-zeros-in-grad`'s count (the one-process run's on every rank). The checkpoints
+saved at EP=1 (top-1, top-2, PR-MoE) and EP=2 load for generation in one process (`inference.load_model`): every weight
+the trained one, the logits the training model's in eval mode within 1e-6, KV-cached decoding equal to uncached; a
+missing expert file is one line naming it.
 """
 
 from __future__ import annotations
@@ -50,13 +53,21 @@ def with_training(scenario: dict, **fields: Any) -> dict:
     return {**scenario, "overrides": {**scenario["overrides"], **extra}}
 
 
+TOKENS = [[(7 * i + 3 * j * j + 1) % 128 for j in range(16)] for i in range(2)]
+"""Token ids (2 x 16) whose eval logits the trained models record, for the generation tests below."""
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    tmp = tmp_path_factory.mktemp("moe")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("moe")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp: Path) -> dict[str, list[dict]]:
     ck = str(tmp / "ck")
-    one = {f"{v}_one": sc(v, zeros=True) for v in VARIANTS}
+    one = {f"{v}_one": sc(v, zeros=True, save=str(tmp / f"ck_{v}_one"), eval_logits=TOKENS) for v in VARIANTS}
     two = {f"{v}_ep2": sc(v, ep=2, world=2, zeros=True) for v in VARIANTS}
-    two["top1_ep2"]["save"] = ck
+    two["top1_ep2"].update(save=ck, eval_logits=TOKENS)
     two["top1_ep2_resumed"] = sc("top1", ep=2, world=2, load=ck)
     two["top1_ep2_straight"] = sc("top1", ep=2, world=2, steps=6)
     two["top1_ep1"] = sc("top1", ep=1, world=2)
@@ -227,3 +238,77 @@ def test_the_experts_train_apart(runs: dict) -> None:
     first = [n for n in w if ".deepspeed_experts.0.fc1.weight" in n][0]
     others = [first.replace(".deepspeed_experts.0.", f".deepspeed_experts.{i}.") for i in range(1, 4)]
     assert all(_max_diff(w[first], w[o]) > 1e-5 for o in others)
+
+
+# --- one-process generation from these checkpoints (`megatron_ds.inference`) ---------------------------------------
+GENERATED = {"top1_one": "ck_top1_one", "top2_one": "ck_top2_one", "residual_one": "ck_residual_one", "top1_ep2": "ck"}
+"""The runs that saved a checkpoint and recorded their eval logits of TOKENS, and the checkpoint's directory."""
+
+
+def _inference_name(name: str) -> str:
+    """A one-process training name (`4.moe.deepspeed_moe...`, `tied_modules.word_embeddings.weight`) -> the
+    inference model's (`layers.2.moe.deepspeed_moe...`, `embedding.weight`): tiny_config has 2 specs before the
+    layers (token cast, embedding) and no position table outside spec 2."""
+    head, rest = name.split(".", 1)
+    if head == "tied_modules":
+        return "embedding.weight"
+    index = int(head)
+    return {2: "position.", 7: "final_norm."}.get(index, f"layers.{index - 3}.") + rest
+
+
+@pytest.mark.parametrize("name", list(GENERATED))
+def test_a_checkpoint_loads_for_generation_as_the_training_model_computes(runs: dict, tmp: Path, name: str) -> None:
+    """`inference.load_model` (one process, every expert here) of a checkpoint saved at expert-parallel size 1 (top-1,
+    top-2, PR-MoE with 2 and 4 experts) or 2 (each rank wrote its own experts' files): every weight is the trained one
+    (experts by their global index, exactly), and its logits are the training model's in eval mode within 1e-6 (its
+    routing drops no token and takes top-2's second expert by score, as these runs do)."""
+    import torch
+
+    from megatron_ds.inference import load_model
+
+    model = load_model(str(tmp / GENERATED[name]))
+    assert [layer.moe is not None for layer in model.layers] == [False, True, False, True]
+    trained = {_inference_name(n): v for r in runs[name] for n, v in r["weights"].items()}
+    loaded = dict(model.named_parameters())
+    assert set(loaded) == set(trained)
+    assert all(torch.equal(loaded[n], torch.tensor(v)) for n, v in trained.items())
+    with torch.no_grad():
+        logits = model(torch.tensor(TOKENS))
+    for rank in runs[name]:
+        torch.testing.assert_close(logits, torch.tensor(rank["eval_logits"]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["top1_one", "top2_one"])
+def test_generation_with_a_kv_cache_equals_generation_without(tmp: Path, name: str) -> None:
+    """The cached forward (a prefill, then one token at a time: a MoE layer routing one token) equals the whole
+    sequence's, and greedy generation is the same with and without the cache."""
+    import torch
+
+    from megatron_ds.inference import KVCache, generate, load_model
+
+    model = load_model(str(tmp / GENERATED[name]))
+    tokens = torch.tensor(TOKENS)
+    with torch.no_grad():
+        full, cache = model(tokens), KVCache()
+        pieces = [model(tokens[:, :9], cache)] + [model(tokens[:, i : i + 1], cache) for i in range(9, 16)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
+    cached = generate(model, TOKENS[0][:5], 11, temperature=0.0)
+    assert cached == generate(model, TOKENS[0][:5], 11, temperature=0.0, use_cache=False)
+
+
+def test_a_missing_expert_file_is_one_line_naming_it(tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """tools/generate.py on a checkpoint whose expert file is gone: exit status 2 and one `error:` line naming it."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("generate_tool", Path(__file__).parents[2] / "tools" / "generate.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    broken = tmp / "ck_missing_expert"
+    shutil.copytree(tmp / "ck", broken)  # the EP=2 checkpoint
+    gone = next(broken.glob("global_step*/layer_1_expert_2_mp_rank_00_model_states.pt"))
+    gone.unlink()
+    capsys.readouterr()
+    assert tool.main(["--load", str(broken), "--prompt-ids", "1 2 3", "--greedy", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {gone}: missing; the checkpoint is incomplete\n"
