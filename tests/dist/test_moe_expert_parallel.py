@@ -296,19 +296,35 @@ def test_generation_with_a_kv_cache_equals_generation_without(tmp: Path, name: s
     assert cached == generate(model, TOKENS[0][:5], 11, temperature=0.0, use_cache=False)
 
 
-def test_a_missing_expert_file_is_one_line_naming_it(tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """tools/generate.py on a checkpoint whose expert file is gone: exit status 2 and one `error:` line naming it."""
+@pytest.mark.parametrize(
+    ("file", "damage", "says"),
+    [
+        ("layer_1_expert_2_mp_rank_00_model_states.pt", "delete", "{path}: missing; the checkpoint is incomplete"),
+        ("mp_rank_00_model_states.pt", "truncate", "{path}: "),
+        ("experts.json", "delete", "{dir}: a mixture-of-experts checkpoint without experts.json, saved before"),
+    ],
+    ids=["expert-missing", "model-states-truncated", "no-record"],
+)
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(
+    tmp: Path, capsys: pytest.CaptureFixture[str], file: str, damage: str, says: str
+) -> None:
+    """tools/generate.py on the EP=2 checkpoint with one file gone or cut: exit status 2 and one `error:` line naming
+    it (an older checkpoint without experts.json: its experts lack their fc2 bias, which the line says)."""
     import importlib.util
     import shutil
 
     spec = importlib.util.spec_from_file_location("generate_tool", Path(__file__).parents[2] / "tools" / "generate.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    broken = tmp / "ck_missing_expert"
-    shutil.copytree(tmp / "ck", broken)  # the EP=2 checkpoint
-    gone = next(broken.glob("global_step*/layer_1_expert_2_mp_rank_00_model_states.pt"))
-    gone.unlink()
+    broken = tmp / f"ck_{damage}_{file}"
+    shutil.copytree(tmp / "ck", broken)
+    path = next(broken.glob(f"global_step*/{file}"))
+    if damage == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[:100])
     capsys.readouterr()
     assert tool.main(["--load", str(broken), "--prompt-ids", "1 2 3", "--greedy", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: {gone}: missing; the checkpoint is incomplete\n"
+    assert err.startswith("error: " + says.format(path=path, dir=path.parent)), err
+    assert err.count("\n") == 1, err

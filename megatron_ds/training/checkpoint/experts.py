@@ -73,16 +73,22 @@ def write(directory: str, records: list[dict[str, Any]]) -> None:
     write_atomic(os.path.join(directory, EXPERTS_FILE), json.dumps(record))
 
 
-def read(directory: str, world_size: int, expert_parallel_size: int) -> dict[str, Any]:
-    """The record of the MoE checkpoint in `directory`, checked against its world size and E; CheckpointError naming
-    what to do when it is missing (a checkpoint saved before the record existed) or does not fit."""
-    path = os.path.join(directory, EXPERTS_FILE)
-    if not os.path.isfile(path):
+def check_recorded(directory: str) -> None:
+    """CheckpointError naming what to do when the MoE checkpoint in `directory` has no record: it was saved before the
+    record existed, when its experts had no fc2 bias."""
+    if not os.path.isfile(os.path.join(directory, EXPERTS_FILE)):
         raise CheckpointError(
             f"{directory}: a mixture-of-experts checkpoint without {EXPERTS_FILE}, saved before megatron_ds gave "
             f"each expert the fc2 bias Megatron-DeepSpeed's experts have (and recorded where each expert's optimizer "
             f"state is): its experts do not fit this model; load it with the megatron_ds release that wrote it"
         )
+
+
+def read(directory: str, world_size: int, expert_parallel_size: int) -> dict[str, Any]:
+    """The record of the MoE checkpoint in `directory`, checked against its world size and E; CheckpointError naming
+    what to do when it is missing (`check_recorded`) or does not fit."""
+    check_recorded(directory)
+    path = os.path.join(directory, EXPERTS_FILE)
     try:
         with open(path) as f:
             record = json.load(f)

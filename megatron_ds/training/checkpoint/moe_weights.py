@@ -25,6 +25,7 @@ import torch
 from megatron_ds.config import ModelConfig
 from megatron_ds.model import naming
 from megatron_ds.model.moe import EXPERT_PREFIX
+from megatron_ds.training.checkpoint import experts
 from megatron_ds.training.checkpoint.directory import CONVERTED, CheckpointError, converted_from
 from megatron_ds.training.checkpoint.opening import Checkpoint
 from megatron_ds.training.checkpoint.universal import names
@@ -60,6 +61,7 @@ def iter_weights(ckpt: Checkpoint) -> Iterator[tuple[names.ModelTensor, torch.Te
         return
     from megatron_ds.training.checkpoint.universal.deepspeed_source import load_file
 
+    experts.check_recorded(ckpt.directory)  # an older checkpoint's experts lack their fc2 bias: named as such
     opened: tuple[str, dict[str, Any]] = ("", {})  # the last file read: an expert's tensors are consecutive
     for tensor in names.model_tensors(model):
         name, key = weight_file(model, tensor)
