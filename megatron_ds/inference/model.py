@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -145,7 +144,9 @@ def load_model(
     return model
 
 
-def _checkpoint_tensors(ckpt: checkpoint_reader.Checkpoint) -> Iterator[tuple[str, str, int | None, TensorRule, Any]]:
+def _checkpoint_tensors(
+    ckpt: checkpoint_reader.Checkpoint,
+) -> Iterator[tuple[str, str, int | None, TensorRule, torch.Tensor]]:
     """(spec, key, transformer layer or None, rule, whole tensor) of every tensor of the checkpoint: per-spec files,
     or a mixture-of-experts checkpoint's DeepSpeed files (every expert by its global index, whatever expert-parallel
     size saved them) or converted universal form (`moe_weights`)."""
