@@ -21,7 +21,6 @@ from megatron_ds.model import moe, naming
 from megatron_ds.model.layers import FinalNorm, LMHead, PositionEmbedding, WordEmbedding
 from megatron_ds.model.sharding import TensorRule
 from megatron_ds.model.transformer import TransformerLayer
-from megatron_ds.training.checkpoint import moe_weights
 from megatron_ds.training.checkpoint import reader as checkpoint_reader
 
 
@@ -154,6 +153,8 @@ def _checkpoint_tensors(
         for t in checkpoint_reader.iter_tensors(ckpt):
             yield t.spec, t.key, t.layer, t.rule, t.tensor
         return
+    from megatron_ds.training.checkpoint import moe_weights  # DeepSpeed's files: dense models import no DeepSpeed
+
     checkpoint_reader.refuse_universal(ckpt)
     first = len(naming.gpt_spec_groups(ckpt.config.model).pre)
     for t, tensor in moe_weights.iter_weights(ckpt):
