@@ -141,6 +141,11 @@ class ModelConfig:
     """A bias on the fused query/key/value projection alone (Megatron-LM's `--add-qkv-bias`; Qwen2's layout) when
     `add_bias_linear` is off. Stored as False with `add_bias_linear`, which already gives QKV its bias (one
     spelling of the same model; Megatron-LM sets it True there): ask `has_bias` which linears have one."""
+    qk_layernorm: bool = False
+    """A norm on each query and key head (Megatron-LM's `--qk-layernorm`, megatron-core's q_layernorm/k_layernorm;
+    Qwen3's q_norm/k_norm): after the QKV projection, before rotary embeddings, over the head's channels, of the kind
+    `normalization` names and with its epsilon; one weight (and bias) of head_dim per layer for all query heads,
+    another for all key heads."""
     num_experts: tuple[int, ...] = (1,)
     """Megatron-DeepSpeed's `--num-experts`: experts of each mixture-of-experts layer, one value for all of them or
     one per such layer (`experts_per_layer`); (1,) is a dense model. A layer with experts replaces its MLP by

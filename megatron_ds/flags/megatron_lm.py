@@ -96,11 +96,13 @@ NETWORK: tuple[Flag, ...] = (
         "at init, split over tensor ranks with the QKV rows); implied without --disable-bias-linear",
         "model.add_qkv_bias",
     ),
-    refused(
+    switch(
         "--qk-layernorm",
         _NET,
-        f"{_MLM}: layer norms on the queries and keys are not built (the model would be another)",
-        "drop it; a model that has them cannot be trained here",
+        f"{_MLM}: a norm over each query and each key head after the QKV projection, before rotary embeddings "
+        "(megatron-core's q_layernorm and k_layernorm; Qwen3's q_norm and k_norm): the --normalization kind with "
+        "its epsilon, replicated over tensor ranks, its gradients summed over them",
+        "model.qk_layernorm",
     ),
     refused(
         "--window-size",

@@ -199,7 +199,7 @@ class GPTModelPipe(PipelineModule):
         self._check_tied_group()
         mark_norm_counting(self, tp.rank)
         mark_embedding_and_output(self)
-        reduce_partial_gradients(self, tp)  # sequence parallelism: norm and row-parallel bias gradients
+        reduce_partial_gradients(self, tp)  # sequence parallelism's norms and biases, --qk-layernorm's norms
 
     def _check_tied_group(self) -> None:
         # Invariant: each tied copy is reduced with exactly the other stage's copy of the same

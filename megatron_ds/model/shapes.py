@@ -32,12 +32,19 @@ def norm_params(model: ModelConfig) -> int:
     return norms.find(model.normalization).params_per_hidden * model.hidden_size
 
 
+def head_norm_params(model: ModelConfig) -> int:
+    """Parameters of `--qk-layernorm`'s query and key norms together (each one norm over head_dim, replicated over
+    tensor ranks); 0 without them."""
+    return 2 * norms.find(model.normalization).params_per_hidden * model.head_dim if model.qk_layernorm else 0
+
+
 @dataclass(frozen=True)
 class LayerParams:
     """One transformer layer's parameters on one tensor-parallel rank, by module, in registration order."""
 
     modules: tuple[tuple[str, int], ...]
-    """(module name, its parameters on this rank): norms, qkv, proj, norm, fc1, fc2."""
+    """(module name, its parameters on this rank): norm, qkv, the query and key norms (--qk-layernorm), proj, norm,
+    fc1, fc2."""
     no_decay: int
     """Biases and norm parameters: the no-weight-decay group (`training/optimizer.py`)."""
 
@@ -65,17 +72,18 @@ def layer_params(model: ModelConfig, tensor_parallel_size: int = 1) -> LayerPara
             return (rows * cols + bias * rows) // t
         return rows * cols // t + bias * rows
 
-    norm = norm_params(model)
+    norm, head_norms = norm_params(model), head_norm_params(model)
     modules = (
         ("input_norm", norm),
         ("qkv", linear("qkv")),
+        *((("q_norm", head_norms // 2), ("k_norm", head_norms // 2)) if head_norms else ()),
         ("proj", linear("proj")),
         ("post_attention_norm", norm),
         ("fc1", linear("fc1")),
         ("fc2", linear("fc2")),
     )
     biases = sum(shapes[n][0] // (t if n in COLUMN_PARALLEL else 1) for n in shapes if model.has_bias(n))
-    return LayerParams(modules=modules, no_decay=2 * norm + biases)
+    return LayerParams(modules=modules, no_decay=2 * norm + head_norms + biases)
 
 
 def moe_layer_params(model: ModelConfig, num_experts: int, expert_parallel_size: int = 1) -> LayerParams:
@@ -87,7 +95,8 @@ def moe_layer_params(model: ModelConfig, num_experts: int, expert_parallel_size:
     fc1_bias = fc1_rows if model.has_bias("fc1") else 0
     fc2_bias = h if model.has_bias("fc2") else 0
     expert = fc1_rows * h + fc1_bias + h * ffn + fc2_bias
-    modules = [*dense.modules[:4], ("gate", h * num_experts), ("experts", expert * num_experts // expert_parallel_size)]
+    attention = [m for m in dense.modules if m[0] not in ("fc1", "fc2")]
+    modules = [*attention, ("gate", h * num_experts), ("experts", expert * num_experts // expert_parallel_size)]
     no_decay = dense.no_decay - sum(
         rows for n, (rows, _) in linears.items() if n in ("fc1", "fc2") and model.has_bias(n)
     )
@@ -169,8 +178,10 @@ def gpt_spec_tensor_numels(model: ModelConfig, tensor_parallel_size: int = 1) ->
     """Each spec's parameter tensors, as element counts per tensor-parallel rank, in spec order (ZeRO-3 keeps a
     tensor at or below its persistence threshold whole on every rank)."""
     t, h = tensor_parallel_size, model.hidden_size
-    norm = (h,) * norms.find(model.normalization).params_per_hidden
-    layer: list[int] = [*norm, *norm]
+    per_norm = norms.find(model.normalization).params_per_hidden
+    norm = (h,) * per_norm
+    head_norms = (model.head_dim,) * (2 * per_norm) if model.qk_layernorm else ()
+    layer: list[int] = [*norm, *norm, *head_norms]
     for name, (rows, cols) in layer_linear_shapes(model).items():
         column = name in COLUMN_PARALLEL
         layer.append(rows * cols // t)

@@ -68,6 +68,9 @@ def _layer_tensors(model: ModelConfig) -> dict[str, TensorRule]:
     out["qkv.weight"] = TensorRule((sum(qkv), h), FUSED_ROWS, qkv)
     if model.has_bias("qkv"):
         out["qkv.bias"] = TensorRule((sum(qkv),), FUSED_ROWS, qkv)
+    if model.qk_layernorm:  # --qk-layernorm: over head_dim, replicated over tensor ranks
+        for name in ("q_norm", "k_norm"):
+            out.update({f"{name}.{k}": r for k, r in _norm(model, model.head_dim).items()})
     out["proj.weight"] = TensorRule((h, h), COLUMNS)
     if model.has_bias("proj"):
         out["proj.bias"] = TensorRule((h,))

@@ -10,7 +10,8 @@ parallel layers otherwise.
 Under sequence parallelism (`TensorParallel.sequence_parallel`) the norms and the row-parallel
 biases see only this rank's part of the sequence, so their gradients are partial sums:
 `reduce_partial_gradients` sums them over the tensor group (Megatron's `sequence_parallel`
-parameter attribute; Megatron-DeepSpeed #170).
+parameter attribute; Megatron-DeepSpeed #170). The query and key norms of `--qk-layernorm` see only
+this rank's heads at any T > 1, so theirs are partial sums with or without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ def setup(config: Config, topology: ProcessTopology) -> TensorParallel:
 PARTIAL_GRADIENT = "sequence_parallel"
 """megatron-core's parameter attribute (set on a row-parallel bias under sequence parallelism, and by us
 on the norms): the parameter is replicated over tensor ranks but each rank's gradient covers only its
-part of the sequence."""
+part of the sequence (or, for the query and key norms, its heads)."""
 
 
 def mark_partial_gradient(module: nn.Module) -> nn.Module:
-    """Mark every parameter of `module` (a norm under sequence parallelism) with `PARTIAL_GRADIENT`."""
+    """Mark every parameter of `module` (a norm under sequence parallelism, a query/key norm at T > 1) with
+    `PARTIAL_GRADIENT`."""
     for p in module.parameters():
         setattr(p, PARTIAL_GRADIENT, True)
     return module
@@ -58,7 +60,7 @@ def reduce_partial_gradients(module: nn.Module, tp: TensorParallel) -> int:
     many parameters it hooked. One small all-reduce per parameter per micro-batch (Megatron sums the
     accumulated gradients once per step, coalesced); every tensor rank runs the same backward, so the
     collectives come in the same order on each."""
-    if not tp.sequence_parallel:
+    if tp.size == 1:
         return 0
     import torch.distributed as dist
 

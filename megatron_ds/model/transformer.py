@@ -3,14 +3,14 @@ activation is an entry of `megatron_ds.model.activations` (tanh or exact GeLU, S
 
 Options (ModelConfig): grouped-query attention (`num_key_value_heads`: kv heads shared by groups
 of nh/kv query heads), rotary embeddings on q and k (base `rotary_base`, on the first `rotary_dim`
-channels of each head; Llama 3.x's frequency scaling with `use_rope_scaling`), the MLP activation, no biases in
-the linears; a mixture-of-experts MLP (DeepSpeed's MoE layer, `megatron_ds.model.moe`) on the layers that have experts.
+channels of each head; Llama 3.x's frequency scaling with `use_rope_scaling`), a norm on each query and key head
+before rotary (`qk_layernorm`), the MLP activation, no biases in the linears; a mixture-of-experts MLP (DeepSpeed's MoE layer, `megatron_ds.model.moe`) on the layers that have experts.
 Dropout probabilities and the init std come from RegularizationConfig; the weight shapes from
 `megatron_ds.model.shapes.layer_linear_shapes` (the same shapes the parameter counts use).
 
 At T > 1 the same layer runs on each tensor rank with megatron-core's parallel linears: QKV and
 fc1 are column-parallel (this rank's heads / MLP features), proj and fc2 row-parallel (their
-outputs summed over tensor ranks), norms and row-parallel biases replicated. Each rank attends
+outputs summed over tensor ranks), norms (the per-head query and key norms too) and row-parallel biases replicated. Each rank attends
 with its own nh/T query heads and kv/T key/value heads (those of its groups); the fused QKV
 shard holds exactly their rows, and a SwiGLU fc1 shard its block of the gate and of the up half
 (`megatron_ds.model.init.shard_fused`), so the code below is the same for every T.
@@ -47,7 +47,7 @@ from torch import nn
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.model import activations, documents, moe
 from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
-from megatron_ds.model.layers import make_norm
+from megatron_ds.model.layers import make_head_norm, make_norm
 from megatron_ds.model.rng import Stream, dropout, register_streams
 from megatron_ds.model.rotary import apply_rotary, rotary_angles
 from megatron_ds.model.shapes import layer_linear_shapes
@@ -104,6 +104,10 @@ class TransformerLayer(nn.Module):
         self.input_norm = make_norm(model, tp)
         bias = model.has_bias  # QKV may have one alone (--add-qkv-bias): split over tensor ranks with its rows
         self.qkv = column_linear(tp, qkv, bias("qkv"), fused_rows=qkv_row_parts(qkv.shape[0], nh, kv))
+        # --qk-layernorm: one norm over head_dim shared by every query head, one by every key head (megatron-core's
+        # q_layernorm / k_layernorm, registered after linear_qkv as there)
+        self.q_norm = make_head_norm(model, tp) if model.qk_layernorm else None
+        self.k_norm = make_head_norm(model, tp) if model.qk_layernorm else None
         self.proj = row_linear(tp, proj, bias("proj"))
         self.post_attention_norm = make_norm(model, tp)
         self.moe: nn.Module | None = None
@@ -149,8 +153,8 @@ class TransformerLayer(nn.Module):
     def attention_heads(
         self, normed: torch.Tensor, first_position: int = 0, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (b, nh/T, s, hd) and k, v (b, kv/T, s, hd) of tokens at positions first_position.. (rotary applied),
-        or at `positions` (b, s) (packed documents' position ids).
+        """q (b, nh/T, s, hd) and k, v (b, kv/T, s, hd) of tokens at positions first_position.. (q and k normed per
+        head with `qk_layernorm`, then rotary applied), or at `positions` (b, s) (packed documents' position ids).
 
         Inference with a KV cache calls this with the position of its first new token.
         """
@@ -160,8 +164,11 @@ class TransformerLayer(nn.Module):
         b, s, _ = qkv.shape
         nq, nkv, hd = self.num_local_heads, self.num_local_kv_heads, self.head_dim
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-        q = q.view(b, s, nq, hd).transpose(1, 2)  # (b, nh/T, s, hd)
-        k, v = (t.view(b, s, nkv, hd).transpose(1, 2) for t in (k, v))  # each (b, kv/T, s, hd)
+        q, k, v = q.view(b, s, nq, hd), k.view(b, s, nkv, hd), v.view(b, s, nkv, hd)
+        if self.q_norm is not None and self.k_norm is not None:  # over each head's hd channels, before rotary
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)  # (b, nh/T, s, hd)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # each (b, kv/T, s, hd)
         if self.rotary and positions is not None:  # (s, r) angles looked up per token: (b, 1, s, r)
             angles = rotary_angles(s, self.rotary_dim, q.device, self.rotary_base, self.rope_scaling_factor)
             angles = F.embedding(positions, angles).unsqueeze(1)

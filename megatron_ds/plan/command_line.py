@@ -98,6 +98,7 @@ ARCHITECTURE_FLAGS = (
     "--no-position-embedding",
     "--disable-bias-linear",
     "--add-qkv-bias",
+    "--qk-layernorm",
     "--make-vocab-size-divisible-by",
     *MOE_ARCHITECTURE_FLAGS,
 )

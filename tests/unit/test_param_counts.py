@@ -39,6 +39,8 @@ ARCHITECTURES = {
     "gpt": GPT,
     "llama_gqa": LLAMA_GQA,
     "qkv_bias": dataclasses.replace(LLAMA_GQA, add_qkv_bias=True),  # Qwen2's layout: a bias on QKV alone
+    "qwen3": dataclasses.replace(LLAMA_GQA, qk_layernorm=True),  # RMSNorm weights on q and k heads
+    "qk_layernorm": dataclasses.replace(GPT, qk_layernorm=True),  # LayerNorm weights and biases on q and k heads
     "untied": dataclasses.replace(GPT, untie_embeddings_and_output_weights=True),
     "no_bias": dataclasses.replace(GPT, add_bias_linear=False),
     "rotary_no_table": dataclasses.replace(GPT, use_rotary_position_embeddings=True, add_position_embedding=False),
@@ -91,7 +93,7 @@ def test_spec_counts_equal_the_modules_at_t1(name: str) -> None:
     assert shapes.largest_layer_params(model) == largest
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama_gqa", "untied", "no_bias", "qkv_bias"])
+@pytest.mark.parametrize("name", ["gpt", "llama_gqa", "untied", "no_bias", "qkv_bias", "qwen3", "qk_layernorm"])
 def test_spec_counts_equal_the_shards_at_t2(name: str, two_tensor_ranks: TensorParallel) -> None:
     model = ARCHITECTURES[name]
     modules = spec_modules(model, two_tensor_ranks)
