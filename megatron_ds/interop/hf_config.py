@@ -3,7 +3,8 @@
 GPT-2 (`GPT2LMHeadModel`): LayerNorm, a GeLU (tanh `gelu_new` or exact `gelu`), learned positions,
 biases, multi-head attention. Llama (`LlamaForCausalLM`): RMSNorm, SwiGLU, rotary embeddings (any
 `rope_theta`) on whole heads, optional grouped-query attention and biases. Qwen2 (`Qwen2ForCausalLM`): Llama
-with q/k/v biases alone (our `--add-qkv-bias`). Mistral (`MistralForCausalLM`): Llama without biases, written
+with q/k/v biases alone (our `--add-qkv-bias`). Qwen3 (`Qwen3ForCausalLM`): Llama without biases, with an RMSNorm
+on each query and key head (our `--qk-layernorm`; its `head_dim` must be hidden_size / num_attention_heads). Mistral (`MistralForCausalLM`): Llama without biases, written
 only on request (`--hf-model-type mistral`). Their sliding windows are not built: `HFModel.attention_window`
 lets the import refuse one shorter than the sequence. Phi-3 (`Phi3ForCausalLM`):
 Llama's layer without biases, with fused q|k|v and gate|up tensors and partial rotary embeddings
@@ -29,16 +30,18 @@ from megatron_ds.errors import UserError
 from megatron_ds.flags.to_config import ACTIVATION_FLAGS
 from megatron_ds.model import activations, norms
 
-GPT2, LLAMA, QWEN2, MISTRAL, PHI3 = "gpt2", "llama", "qwen2", "mistral", "phi3"
+GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, PHI3 = "gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3"
 ARCHITECTURE_CLASSES = {
     GPT2: "GPT2LMHeadModel",
     LLAMA: "LlamaForCausalLM",
     QWEN2: "Qwen2ForCausalLM",
+    QWEN3: "Qwen3ForCausalLM",
     MISTRAL: "MistralForCausalLM",
     PHI3: "Phi3ForCausalLM",
 }
-LLAMA_LAYOUT = (LLAMA, QWEN2, MISTRAL)
-"""Llama's layer and tensor names: Qwen2 adds q/k/v biases (our --add-qkv-bias), Mistral a sliding window."""
+LLAMA_LAYOUT = (LLAMA, QWEN2, QWEN3, MISTRAL)
+"""Llama's layer and tensor names: Qwen2 adds q/k/v biases (our --add-qkv-bias), Qwen3 query and key norms (our
+--qk-layernorm), Mistral a sliding window."""
 
 GPT2_ACTIVATIONS: dict[str, str] = {
     hf: a.name for a in activations.REGISTRY.values() if not a.gated for hf in a.hf_names
@@ -51,6 +54,10 @@ GPT2_NORM, LLAMA_NORM = norms.for_hf_model_type(GPT2), norms.for_hf_model_type(L
 assert all(norms.for_hf_model_type(t) is LLAMA_NORM for t in LLAMA_LAYOUT)
 PHI3_NORM = norms.for_hf_model_type(PHI3)
 """The norm each architecture is built with (LayerNorm, RMSNorm, RMSNorm)."""
+
+
+QWEN3_DEFAULT_HEAD_DIM = 128
+"""transformers' Qwen3Config `head_dim` when config.json has none (whatever hidden_size / num_attention_heads is)."""
 
 
 class HFConfigError(UserError):
@@ -126,16 +133,38 @@ QWEN2_REQUIRES = (
 )
 
 
+QWEN3_REQUIRES = (
+    Requirement(lambda m: m.qk_layernorm, "no --qk-layernorm: Qwen3 has query and key norms"),
+    Requirement(
+        lambda m: not m.add_bias_linear,
+        "biases (no --disable-bias-linear): Qwen3's attention_bias puts them on q, k, v and o alone, none in the MLP",
+    ),
+    Requirement(
+        lambda m: m.rotary_percent == 1.0,
+        lambda m: f"--rotary-percent {m.rotary_percent:g}: Qwen3 rotates whole heads",
+    ),
+)
+
+
+_TYPE_REQUIRES = {MISTRAL: MISTRAL_REQUIRES, QWEN2: QWEN2_REQUIRES, QWEN3: QWEN3_REQUIRES}
+"""What a Llama-layout type asked for by --hf-model-type needs beyond Llama's."""
 _QKV_BIAS_IS_QWEN2S = Requirement(
     lambda m: not m.add_qkv_bias, "--add-qkv-bias: of these types only Qwen2 (Llama's layout with --swiglu) has it"
+)
+_QK_NORM_IS_QWEN3S = Requirement(
+    lambda m: not m.qk_layernorm,
+    "--qk-layernorm: of these types only Qwen3 (Llama's layout with --swiglu, no biases) has query and key norms",
 )
 
 
 def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
-    """GPT2, LLAMA, QWEN2 or PHI3 for a model both sides express exactly (a QKV bias alone is Qwen2's), or
+    """GPT2, LLAMA, QWEN2, QWEN3 or PHI3 for a model both sides express exactly (a QKV bias alone is Qwen2's, query
+    and key norms Qwen3's), or
     `model_type` when asked for and exact (MISTRAL: a Llama without biases); HFConfigError naming the first
     obstacle."""
-    if model.gated_mlp and model.rotary_percent < 1.0:
+    if model.gated_mlp and model.qk_layernorm:
+        arch, requires = QWEN3, LLAMA_REQUIRES + QWEN3_REQUIRES
+    elif model.gated_mlp and model.rotary_percent < 1.0:
         arch, requires = PHI3, LLAMA_REQUIRES[1:] + PHI3_REQUIRES
     elif model.gated_mlp:
         arch, requires = (QWEN2 if model.add_qkv_bias else LLAMA), LLAMA_REQUIRES
@@ -144,9 +173,11 @@ def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
     if model_type is not None and model_type != arch:
         _check_model_type(model_type, arch)
         arch = model_type
-        requires = (*requires, *{MISTRAL: MISTRAL_REQUIRES, QWEN2: QWEN2_REQUIRES}.get(model_type, ()))
+        requires = (*requires, *_TYPE_REQUIRES.get(arch, ()))
     if arch not in (QWEN2, MISTRAL):
         requires = (*requires, _QKV_BIAS_IS_QWEN2S)
+    if arch != QWEN3:
+        requires = (*requires, _QK_NORM_IS_QWEN3S)
     for r in requires:
         if not r.holds(model):
             problem = r.problem(model) if callable(r.problem) else r.problem
@@ -210,9 +241,12 @@ def to_hf_config(
 
 
 def _type_fields(arch: str, model: ModelConfig) -> dict[str, Any]:
-    """What Llama, Qwen2 and Mistral's config.json say differently: biases, and no sliding window."""
+    """What Llama, Qwen2, Qwen3 and Mistral's config.json say differently: biases, and no sliding window."""
+    no_window = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": model.num_layers}
     if arch == QWEN2:  # q/k/v biases are built in; no window on any layer
-        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": model.num_layers}
+        return no_window
+    if arch == QWEN3:  # q/k norms are built in; attention_bias would add o_proj's too
+        return {**no_window, "attention_bias": False}
     if arch == MISTRAL:
         return {"sliding_window": None}
     return {"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear, "pretraining_tp": 1}
@@ -346,6 +380,7 @@ def _from_gpt2(f: _Fields) -> HFModel:
         "use_rotary_position_embeddings": False,
         "add_position_embedding": True,
         "add_bias_linear": True,
+        "qk_layernorm": False,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, True),
         **ACTIVATION_FLAGS[GPT2_ACTIVATIONS[act]],
     }
@@ -362,6 +397,9 @@ def _biases(f: _Fields, arch: str) -> dict[str, bool]:
     """The bias dests: Llama's attention_bias and mlp_bias (both or neither), Qwen2's q/k/v biases, Mistral none."""
     if arch == QWEN2:  # transformers' Qwen2 builds q/k/v biases whatever config.json says
         return {"add_bias_linear": False, "add_qkv_bias": True}
+    if arch == QWEN3:  # its attention_bias is on q, k, v and o_proj, none on the MLP: no flags build that
+        f.require("attention_bias", (False,), False, "Qwen3's biases on q, k, v and o alone are not built")
+        return {"add_bias_linear": False, "add_qkv_bias": False}
     if arch == MISTRAL:
         return {"add_bias_linear": False, "add_qkv_bias": False}
     attention_bias = f.get("attention_bias", bool, False)
@@ -377,10 +415,10 @@ def _biases(f: _Fields, arch: str) -> dict[str, bool]:
 def _window(f: _Fields, arch: str, layers: int) -> int | None:
     """The sliding window a layer attends within (see HFModel.attention_window), as transformers reads it:
     Mistral's `sliding_window` on every layer; Qwen2's only with use_sliding_window, on the layers `layer_types`
-    names sliding (when absent: from max_window_layers on)."""
+    names sliding (when absent: from max_window_layers on); Qwen3's as Qwen2's."""
     if arch == LLAMA:
         return None
-    if arch == QWEN2:
+    if arch in (QWEN2, QWEN3):
         if not f.get("use_sliding_window", bool, False):
             return None
         kinds = f.hf.get("layer_types") or [
@@ -400,12 +438,15 @@ def _window(f: _Fields, arch: str, layers: int) -> int | None:
 
 
 def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
-    """Llama's layout: Llama, Qwen2 (q/k/v biases) or Mistral (a sliding window)."""
+    """Llama's layout: Llama, Qwen2 (q/k/v biases), Qwen3 (query and key norms) or Mistral (a sliding window)."""
     act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", f"{arch}'s MLP here is SwiGLU (silu)")
     biases = _biases(f, arch)
     h, heads = f.get("hidden_size", int), f.get("num_attention_heads", int)
     f.require(
-        "head_dim", (None, h // heads), None, f"the head size is hidden_size / num_attention_heads = {h // heads}"
+        "head_dim",
+        (None, h // heads),
+        QWEN3_DEFAULT_HEAD_DIM if arch == QWEN3 else None,  # transformers' Qwen3Config default, not h / heads
+        f"only head_dim = hidden_size / num_attention_heads ({h} / {heads} = {h // heads}) is built",
     )
     architecture = {
         "num_layers": f.get("num_hidden_layers", int),
@@ -423,6 +464,7 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
         "rotary_percent": 1.0,  # transformers' Llama rotates whole heads (whatever partial_rotary_factor says)
         "add_position_embedding": False,
         **biases,
+        "qk_layernorm": arch == QWEN3,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
     }
     defaults = {
@@ -465,6 +507,7 @@ def _from_phi3(f: _Fields) -> HFModel:
         "add_position_embedding": False,
         "add_bias_linear": False,
         "add_qkv_bias": False,
+        "qk_layernorm": False,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
     }
     defaults = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.interop.hf_config import GPT2, LLAMA, MISTRAL, PHI3, QWEN2
+from megatron_ds.interop.hf_config import GPT2, LLAMA, MISTRAL, PHI3, QWEN2, QWEN3
 from megatron_ds.model import naming, sharding
 
 COPY, TRANSPOSE, SPLIT = "copy", "transpose", "split"
@@ -68,6 +68,11 @@ LLAMA_NAMES: dict[tuple[str, str], WeightMap] = {
     (naming.FINAL_NORM, "norm.weight"): WeightMap(("model.norm.weight",)),
     (naming.UNTIED_LM_HEAD, "weight"): WeightMap(("lm_head.weight",)),
 }
+QWEN3_NAMES: dict[tuple[str, str], WeightMap] = {
+    **LLAMA_NAMES,
+    (_L, "q_norm.weight"): WeightMap((_ATTN + "q_norm.weight",)),  # (head_dim,), shared by every query head
+    (_L, "k_norm.weight"): WeightMap((_ATTN + "k_norm.weight",)),
+}
 PHI3_NAMES: dict[tuple[str, str], WeightMap] = {
     (naming.WORD_EMBEDDING, "weight"): WeightMap(("model.embed_tokens.weight",)),
     (_L, "input_norm.weight"): WeightMap((_LLAMA_BLOCK + "input_layernorm.weight",)),
@@ -79,8 +84,16 @@ PHI3_NAMES: dict[tuple[str, str], WeightMap] = {
     (naming.FINAL_NORM, "norm.weight"): WeightMap(("model.norm.weight",)),
     (naming.UNTIED_LM_HEAD, "weight"): WeightMap(("lm_head.weight",)),
 }
-TABLES = {GPT2: GPT2_NAMES, LLAMA: LLAMA_NAMES, QWEN2: LLAMA_NAMES, MISTRAL: LLAMA_NAMES, PHI3: PHI3_NAMES}
-"""Qwen2 and Mistral name their tensors as Llama (Qwen2's q/k/v biases are Llama's with attention_bias)."""
+TABLES = {
+    GPT2: GPT2_NAMES,
+    LLAMA: LLAMA_NAMES,
+    QWEN2: LLAMA_NAMES,
+    QWEN3: QWEN3_NAMES,
+    MISTRAL: LLAMA_NAMES,
+    PHI3: PHI3_NAMES,
+}
+"""Qwen2 and Mistral name their tensors as Llama (Qwen2's q/k/v biases are Llama's with attention_bias); Qwen3 adds
+its query and key norms."""
 
 IGNORED_HF_TENSORS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 """Buffers some HF checkpoints store that are not weights (causal masks, rotary frequencies)."""

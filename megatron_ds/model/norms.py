@@ -134,7 +134,7 @@ REGISTRY: dict[str, Norm] = {
             stored_keys=("weight",),
             saved_statistics=1,
             forward_flops=4,
-            hf_model_types=("llama", "qwen2", "mistral", "phi3"),
+            hf_model_types=("llama", "qwen2", "qwen3", "mistral", "phi3"),
             megatron_lm="RMSNorm",
         ),
         Norm(

@@ -82,6 +82,22 @@ CONFIGS = {
         max_window_layers=1,
         **SMALL,
     ),
+    "qwen3": lambda: transformers.Qwen3Config(  # per-head q/k RMSNorms: --qk-layernorm, no biases
+        **LAYERS,
+        num_key_value_heads=2,
+        head_dim=8,  # hidden_size / heads (Qwen3Config's default is 128)
+        max_position_embeddings=64,
+        rope_theta=1000000.0,  # Qwen3's base
+        **SMALL,
+    ),
+    "tied_qwen3": lambda: transformers.Qwen3Config(
+        **LAYERS,
+        num_key_value_heads=4,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,  # Qwen3-0.6B's
+        **SMALL,
+    ),
     "mistral": lambda: transformers.MistralConfig(
         **LAYERS,
         num_key_value_heads=2,
@@ -120,6 +136,8 @@ EXPECTED = {
     "tied_llama": ("swiglu", 10000.0),
     "qwen2": ("swiglu", 1000000.0),
     "tied_qwen2": ("swiglu", 10000.0),
+    "qwen3": ("swiglu", 1000000.0),
+    "tied_qwen3": ("swiglu", 10000.0),
     "mistral": ("swiglu", 10000.0),
     "phi3_partial_rotary": ("swiglu", 10000.0),
 }
@@ -155,7 +173,7 @@ def test_import_equals_transformers_and_exports_back_bit_identical(
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     with torch.no_grad():
         diff = (ours(_tokens()) - reference(_tokens()).logits).abs().max().item()
-    assert diff <= 1e-4, diff
+    assert diff <= (1e-5 if "qwen3" in name else 1e-4), diff
     prompt = [5, 6, 7]
     hf_greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
     assert generate(ours, prompt, 20, temperature=0.0) == hf_greedy[0, 3:].tolist()
@@ -469,10 +487,12 @@ def test_a_tokenizer_json_directory_imports_as_hugging_face_tokenizer_and_export
     [
         ("qwen2", None, "Qwen2ForCausalLM"),  # a QKV bias alone is Qwen2's
         ("tied_qwen2", None, "Qwen2ForCausalLM"),
+        ("qwen3", None, "Qwen3ForCausalLM"),  # query and key norms are Qwen3's
+        ("tied_qwen3", None, "Qwen3ForCausalLM"),
         ("mistral", "mistral", "MistralForCausalLM"),  # by default a bias-free Llama, which computes the same
     ],
 )
-def test_qwen2_and_mistral_export_back_as_themselves(
+def test_qwen2_qwen3_and_mistral_export_back_as_themselves(
     name: str, model_type: str | None, cls: str, hf_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     result = import_hf(str(hf_dirs[name]), str(tmp_path / "ours"), ["--seq-length", "32"], show_progress=False)
@@ -480,6 +500,8 @@ def test_qwen2_and_mistral_export_back_as_themselves(
     m = result.config.model
     assert not m.add_bias_linear and m.add_qkv_bias == ("qwen2" in name)
     assert ("--add-qkv-bias" in result.train_flags) == ("qwen2" in name)
+    assert m.qk_layernorm == ("--qk-layernorm" in result.train_flags) == ("qwen3" in name)
+    assert m.untie_embeddings_and_output_weights == (not name.startswith("tied_"))
     exported = export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False, model_type=model_type)
     assert exported.arch == name.removeprefix("tied_")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()

@@ -39,6 +39,7 @@ LLAMA = dataclasses.replace(
     ffn_hidden_size=48,
 )
 QWEN2 = dataclasses.replace(LLAMA, add_qkv_bias=True, rotary_base=1e6)  # Qwen2.5's base
+QWEN3 = dataclasses.replace(LLAMA, qk_layernorm=True, rotary_base=1e6)
 MODULES = {
     naming.WORD_EMBEDDING: WordEmbedding,
     naming.POSITION_EMBEDDING: PositionEmbedding,
@@ -50,9 +51,9 @@ MODULES = {
 
 @pytest.mark.parametrize(
     "model",
-    [GPT, LLAMA, dataclasses.replace(LLAMA, add_bias_linear=True), QWEN2]
-    + [dataclasses.replace(GPT, normalization=norm) for norm in norms.REGISTRY],
-    ids=["gpt", "llama", "llama_bias", "qwen2", *(f"gpt_{norm}" for norm in norms.REGISTRY)],
+    [GPT, LLAMA, dataclasses.replace(LLAMA, add_bias_linear=True), QWEN2, QWEN3]
+    + [dataclasses.replace(GPT, normalization=norm, qk_layernorm=True) for norm in norms.REGISTRY],
+    ids=["gpt", "llama", "llama_bias", "qwen2", "qwen3", *(f"gpt_{norm}_qk_layernorm" for norm in norms.REGISTRY)],
 )
 def test_tensor_table_matches_the_layers(model: ModelConfig) -> None:
     for spec in naming.gpt_spec_groups(model).names:
@@ -66,7 +67,7 @@ def test_tensor_table_matches_the_layers(model: ModelConfig) -> None:
         assert {k: tuple(p.shape) for k, p in module.named_parameters()} == {k: r.shape for k, r in rules.items()}
 
 
-@pytest.mark.parametrize("model", [GPT, LLAMA], ids=["gpt", "llama_gqa"])
+@pytest.mark.parametrize("model", [GPT, LLAMA, QWEN3], ids=["gpt", "llama_gqa", "qwen3"])
 def test_split_then_gather_is_identity_and_matches_the_model_sharding(model: ModelConfig) -> None:
     gen = torch.Generator().manual_seed(0)
     for spec in set(naming.gpt_spec_groups(model).names):
@@ -101,8 +102,10 @@ def _activation(architecture: dict) -> str:
         LLAMA,
         dataclasses.replace(LLAMA, untie_embeddings_and_output_weights=False, rotary_base=500000.0),
         QWEN2,
+        QWEN3,
+        dataclasses.replace(QWEN3, untie_embeddings_and_output_weights=False),
     ],
-    ids=["gpt", "gpt_exact_gelu", "llama", "tied_llama3_base", "qwen2"],
+    ids=["gpt", "gpt_exact_gelu", "llama", "tied_llama3_base", "qwen2", "qwen3", "tied_qwen3"],
 )
 def test_config_round_trip(model: ModelConfig) -> None:
     hf = hf_config.to_hf_config(model, REG, 200, "float32", {"eos_token_id": 2})
@@ -221,6 +224,10 @@ def _qwen2_json(**change: object) -> dict:
     return {**hf_config.to_hf_config(QWEN2, REG, 200, "float32", {}), **change}
 
 
+def _qwen3_json(**change: object) -> dict:
+    return {**hf_config.to_hf_config(QWEN3, REG, 200, "float32", {}), **change}
+
+
 def _mistral_json(**change: object) -> dict:
     return {**hf_config.to_hf_config(LLAMA, REG, 200, "float32", {}, hf_config.MISTRAL), **change}
 
@@ -248,7 +255,13 @@ def test_a_qkv_bias_alone_exports_as_qwen2_and_a_bias_free_llama_as_mistral_on_r
         (dataclasses.replace(LLAMA, add_bias_linear=True), "qwen2", "qwen2: no --add-qkv-bias: .* and no others"),
         (dataclasses.replace(QWEN2, rotary_percent=0.5), None, "phi3: --add-qkv-bias"),
         (GPT, "mistral", "--hf-model-type mistral: the checkpoint's model exports as gpt2 only"),
-        (LLAMA, "gemma", "--hf-model-type gemma: choose one of gpt2, llama, qwen2, mistral, phi3"),
+        (LLAMA, "gemma", "--hf-model-type gemma: choose one of gpt2, llama, qwen2, qwen3, mistral, phi3"),
+        (QWEN3, "llama", "llama: --qk-layernorm: of these types only Qwen3"),
+        (LLAMA, "qwen3", "qwen3: no --qk-layernorm: Qwen3 has query and key norms"),
+        (dataclasses.replace(QWEN3, add_bias_linear=True), None, "qwen3: biases .no --disable-bias-linear.: Qwen3's"),
+        (dataclasses.replace(QWEN3, add_qkv_bias=True), None, "qwen3: --add-qkv-bias: of these types only Qwen2"),
+        (dataclasses.replace(QWEN3, rotary_percent=0.5), None, "qwen3: --rotary-percent 0.5: Qwen3 rotates whole"),
+        (dataclasses.replace(GPT, qk_layernorm=True), None, "gpt2: --qk-layernorm: of these types only Qwen3"),
     ],
 )
 def test_a_model_type_that_is_not_exact_is_refused(model: ModelConfig, model_type: str | None, problem: str) -> None:
@@ -307,7 +320,10 @@ def test_qwen2s_window_is_the_one_transformers_applies(change: dict, window: int
         (_qwen2_json(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn' is not supported"),
         (_qwen2_json(use_sliding_window=True, layer_types=["full_attention", "chunked_attention"]), "'chunked_"),
         (_qwen2_json(hidden_act="gelu"), "hidden_act"),
-        (_mistral_json(head_dim=16), "head_dim 16 is not supported: the head size is hidden_size / num_attention"),
+        (_mistral_json(head_dim=16), "head_dim 16 is not supported: only head_dim = hidden_size / num_attention"),
+        (_qwen3_json(head_dim=16), r"head_dim 16 is not supported: only head_dim = .* \(32 / 4 = 8\) is built$"),
+        ({k: v for k, v in _qwen3_json().items() if k != "head_dim"}, "head_dim 128 is not supported"),  # its default
+        (_qwen3_json(attention_bias=True), "attention_bias True is not supported: Qwen3's biases on q, k, v and o"),
         (_mistral_json(sliding_window=0), "sliding_window 0 is not a positive number"),
         ({k: v for k, v in _llama_json().items() if k != "hidden_size"}, "no 'hidden_size' field"),
         (_llama_json(num_hidden_layers="2"), "num_hidden_layers '2' is not an int"),
@@ -317,6 +333,22 @@ def test_unsupported_hf_fields_are_one_line_errors(hf: dict, field: str) -> None
     with pytest.raises(HFConfigError, match=field) as err:
         hf_config.from_hf_config(hf, "m/config.json")
     assert str(err.value).startswith("m/config.json: ") and "\n" not in str(err.value)
+
+
+def test_qwen3_is_llama_with_query_and_key_norms_and_its_head_dim() -> None:
+    hf = _qwen3_json()
+    assert (hf["model_type"], hf["architectures"], hf["head_dim"], hf["attention_bias"]) == (
+        "qwen3",
+        ["Qwen3ForCausalLM"],
+        8,
+        False,
+    )
+    back = hf_config.from_hf_config(hf, "x")
+    assert back.arch == hf_config.QWEN3 and back.architecture["qk_layernorm"] and back.attention_window is None
+    assert not hf_config.from_hf_config(_llama_json(), "x").architecture["qk_layernorm"]
+    shapes = hf_weights.hf_shapes(hf_config.QWEN3, QWEN3, 200)
+    assert shapes["model.layers.1.self_attn.q_norm.weight"] == shapes["model.layers.1.self_attn.k_norm.weight"] == (8,)
+    assert len(shapes) == len(hf_weights.hf_shapes(hf_config.LLAMA, LLAMA, 200)) + 2 * LLAMA.num_layers
 
 
 def test_hf_names_cover_every_tensor_once() -> None:

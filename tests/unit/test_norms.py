@@ -108,7 +108,8 @@ def test_hugging_face_norm_computes_ours(name: str) -> None:
             pad_token_id=None,
         )
         hf_model = transformers.AutoModelForCausalLM.from_config(config)
-        theirs = [m for m in hf_model.modules() if type(m).__name__.endswith("Norm")]
+        norms_of = [m for m in hf_model.modules() if type(m).__name__.endswith("Norm")]
+        theirs = [m for m in norms_of if m.weight.shape == (h,)]  # Qwen3's q/k norms over its head_dim aside
         assert len({type(m) for m in theirs}) == 1 and len(theirs) == 3, (model_type, theirs)  # 2 per block + final
         hf_norm = theirs[0]
         with torch.no_grad():
