@@ -150,6 +150,13 @@ TRAINING: tuple[Flag, ...] = (
         "optimizer.decoupled_lr",
         type=float,
     ),
+    refused(
+        "--apply-wd-to-qk-layernorm",
+        _TRAIN,
+        f"{_MLM}: weight decay on the --qk-layernorm norms is not built; here, as in Megatron-LM without it, no "
+        "norm weight decays",
+        "drop it (a run that had it decayed those norms)",
+    ),
     accepted(
         "--decoupled-min-lr",
         _TRAIN,

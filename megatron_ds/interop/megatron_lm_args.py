@@ -3,7 +3,7 @@
 `config_from_args` renders the saved values that shape the model or its training as Megatron-LM
 command-line flags (its own spellings: `--norm-epsilon`, `--group-query-attention`,
 `--position-embedding-type`...) and parses them with our parser, so each means here what it meant
-upstream and one we do not build (MoE, multi-latent attention, QK layer norm,
+upstream and one we do not build (MoE, multi-latent attention, weight decay on the QK layer norms,
 multi-token prediction, the WSD schedule...) is refused in one line naming the flag.
 Values at Megatron-LM's defaults are not rendered. The run's tensor-parallel size is kept (it pads
 the vocabulary); its pipeline split is not (our weight files load at any layout).
@@ -81,6 +81,7 @@ TRAINING_ARGS = (
     Arg("--start-weight-decay", lambda a: a["weight_decay"]),
     Arg("--end-weight-decay", lambda a: a["weight_decay"]),
     Arg("--weight-decay-incr-style", "constant"),
+    on("--apply-wd-to-qk-layernorm"),
     *saved_flags.ADAM_AND_PRECISION_ARGS,
 )
 """What a resume compares (batch sizes, optimizer, schedule) and records."""

@@ -27,6 +27,10 @@ LAYER_NAMES: dict[str, tuple[str, ...]] = {
     "input_norm.bias": ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
     "qkv.weight": ("self_attention.linear_qkv.weight",),
     "qkv.bias": ("self_attention.linear_qkv.bias",),
+    "q_norm.weight": ("self_attention.q_layernorm.weight",),  # --qk-layernorm (both specs' name)
+    "q_norm.bias": ("self_attention.q_layernorm.bias",),
+    "k_norm.weight": ("self_attention.k_layernorm.weight",),
+    "k_norm.bias": ("self_attention.k_layernorm.bias",),
     "proj.weight": ("self_attention.linear_proj.weight",),
     "proj.bias": ("self_attention.linear_proj.bias",),
     "post_attention_norm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),

@@ -51,9 +51,11 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_qkv_bias": ("llama", {"add_qkv_bias": True}),
+    "llama_qk_layernorm": ("llama", {"qk_layernorm": True}),
 }
 """A recorded line with a switch added whose only effect on the args is its own value (Megatron-LM's
-validate_args derives nothing from --add-qkv-bias): name -> (the recorded line, the changed args)."""
+validate_args derives nothing from --add-qkv-bias or --qk-layernorm): name -> (the recorded line, the changed
+args)."""
 
 
 def recorded(name: str) -> dict[str, Any]:
@@ -159,6 +161,7 @@ def _transformer_config(a: argparse.Namespace) -> Any:
         bias_activation_fusion=a.bias_swiglu_fusion if a.swiglu else a.bias_gelu_fusion,
         add_bias_linear=a.add_bias_linear,
         add_qkv_bias=a.add_qkv_bias,
+        qk_layernorm=a.qk_layernorm,
         hidden_dropout=a.hidden_dropout,
         attention_dropout=a.attention_dropout,
         init_method_std=a.init_method_std,
@@ -179,7 +182,7 @@ def _model(a: argparse.Namespace) -> Any:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization=a.normalization)
+    spec = get_gpt_layer_local_spec(normalization=a.normalization, qk_layernorm=a.qk_layernorm)
     cuda = torch.Tensor.cuda
     # With P > 1 and tied weights the last stage's copy of the embedding is moved with `.cuda()` before
     # the all-reduce that copies the first stage's into it: kept on the CPU here.
@@ -361,7 +364,7 @@ def _train(
 ) -> tuple[dict[str, Any], Any]:
     """`iterations` steps of megatron-core's DDP and Adam on fixed tokens, saving after each into `directory`
     (torch_dist) when given; the scheduler's state and the optimizer at the end."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     assert kind in OPTIMIZERS and a.pipeline_model_parallel_size == 1, (kind, a.pipeline_model_parallel_size)
@@ -405,7 +408,7 @@ def _train(
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         ddp(tokens, positions, mask, labels=labels).float().mean().backward()
-        ddp.finish_grad_sync()
+        finalize_model_grads([ddp])  # Megatron-LM's step: the DDP sync, then q/k_layernorm grads summed over T
         optimizer.step()
         scheduler.step(increment=gbs)
         if directory is not None:

@@ -44,6 +44,11 @@ def test_a_qkv_bias_without_the_other_biases_is_qwen2s_layout() -> None:
     assert [m.has_bias(n) for n in ("qkv", "proj", "fc1", "fc2")] == [True, False, False, False]
 
 
+def test_query_and_key_norms_are_qwen3s_layout() -> None:
+    assert _config(_ckpt("llama", qk_layernorm=True)).model.qk_layernorm
+    assert not _config(_ckpt("llama")).model.qk_layernorm
+
+
 def test_gpt_style_args_become_our_model() -> None:
     config = _config(_ckpt("gpt"))
     m = config.model
@@ -58,7 +63,7 @@ def test_gpt_style_args_become_our_model() -> None:
     ("changes", "flag"),
     [
         ({"num_experts": 8}, "--num-experts"),
-        ({"qk_layernorm": True}, "--qk-layernorm"),
+        ({"qk_layernorm": True, "apply_wd_to_qk_layernorm": True}, "--apply-wd-to-qk-layernorm"),
         ({"multi_latent_attention": True}, "--multi-latent-attention"),
         ({"mtp_num_layers": 1}, "--mtp-num-layers"),
         ({"rotary_interleaved": True}, "--rotary-interleaved"),
