@@ -33,9 +33,12 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "no_bias": {"model__add_bias_linear": False},
     **{n: {"model__normalization": n} for n in norms.REGISTRY if n != ModelConfig.normalization},  # every other norm
     "untied": {"model__untie_embeddings_and_output_weights": True},
+    "qk_layernorm": {"model__qk_layernorm": True},  # LayerNorm weights and biases over each q and k head
     "llama": LLAMA,
 }
 QKV_BIAS = {**LLAMA, "model__add_qkv_bias": True}  # Qwen2's layout: --disable-bias-linear --add-qkv-bias
+QWEN3 = {**LLAMA, "model__qk_layernorm": True}  # Qwen3's layout: RMSNorm over each q and k head
+QWEN3_SP = {**QWEN3, "parallel__sequence_parallel": True}  # the norms' gradients: partial over heads and sequence
 LLAMA_PARTIAL_1P = {**LLAMA, "model__rotary_percent": 0.5, "model__normalization": "rmsnorm1p"}  # Megatron-LM's forms
 
 
@@ -58,6 +61,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     scenarios = {name: scenario(opts, init_checksums=name == "llama") for name, opts in OPTIONS.items()}
     scenarios["llama_partial_1p"] = scenario(LLAMA_PARTIAL_1P)
     scenarios["qkv_bias"] = scenario(QKV_BIAS)
+    scenarios["qwen3"] = scenario(QWEN3)
     scenarios[ModelConfig.normalization] = scenario({})  # tiny_config itself: the base of its norm's 1p form
     results = run(tmp_path_factory.mktemp("arch_ref") / "ref", 1, scenarios, timeout=300)
     return {name: ranks[0] for name, ranks in results.items()}
@@ -77,7 +81,9 @@ def tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[
     scenarios = {"llama": scenario(LLAMA, p=2, t=2, init_checksums=True),
                  "llama_post_zero1": scenario(LLAMA, p=2, t=2, dedicated="post", zero=1),
                  "llama_partial_1p": scenario(LLAMA_PARTIAL_1P, p=2, t=2),
-                 "qkv_bias": scenario(QKV_BIAS, p=2, t=2)}
+                 "qkv_bias": scenario(QKV_BIAS, p=2, t=2),
+                 "qwen3": scenario(QWEN3, p=2, t=2),
+                 "qwen3_sp": scenario(QWEN3_SP, p=2, t=2)}
     return run(tmp_path_factory.mktemp("arch_t2") / "run", 4, scenarios, timeout=420)
 
 
@@ -137,9 +143,9 @@ def test_no_position_embedding_leaves_the_dropout_spec(dedicated: dict) -> None:
     assert "2: EmbeddingDropout" in table and "PositionEmbedding" not in table, table
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_post_zero1", "llama_partial_1p", "qkv_bias"])
+@pytest.mark.parametrize("name", ["llama", "llama_post_zero1", "llama_partial_1p", "qkv_bias", "qwen3", "qwen3_sp"])
 def test_llama_tensor_parallel_equals_single_process(tensor_parallel: dict, reference: dict, name: str) -> None:
-    assert_matches(tensor_parallel[name], reference["llama" if name == "llama_post_zero1" else name])
+    assert_matches(tensor_parallel[name], reference[{"llama_post_zero1": "llama", "qwen3_sp": "qwen3"}.get(name, name)])
 
 
 def test_llama_tensor_parallel_initial_weights_equal_t1(tensor_parallel: dict, reference: dict) -> None:

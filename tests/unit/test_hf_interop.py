@@ -184,10 +184,11 @@ def test_import_equals_transformers_and_exports_back_bit_identical(
     assert all(torch.equal(original[k], back[k]) for k in back)  # GPT-2's file also holds attn.bias buffers
 
 
-def test_tensor_parallel_import_gathers_to_the_same_model(hf_dirs: dict[str, Path], tmp_path: Path) -> None:
-    one = import_hf(str(hf_dirs["llama_gqa"]), str(tmp_path / "t1"), [], show_progress=False)
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3"])  # Qwen3's q/k norms: one copy per tensor rank
+def test_tensor_parallel_import_gathers_to_the_same_model(name: str, hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    one = import_hf(str(hf_dirs[name]), str(tmp_path / "t1"), [], show_progress=False)
     two = import_hf(
-        str(hf_dirs["llama_gqa"]), str(tmp_path / "t2"), ["--tensor-model-parallel-size", "2"], show_progress=False
+        str(hf_dirs[name]), str(tmp_path / "t2"), ["--tensor-model-parallel-size", "2"], show_progress=False
     )
     assert (one.config.parallel.tensor_model_parallel_size, two.config.parallel.tensor_model_parallel_size) == (1, 2)
     assert two.config.model.vocab_size == 256  # 128 x T
