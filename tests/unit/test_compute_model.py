@@ -229,3 +229,14 @@ def test_a_qkv_bias_alone_adds_only_its_rows() -> None:
         bare = {term.name for term in layer_terms(ComputeInputs(ARCHITECTURES["gqa-swiglu-rotary"], 2))}
         assert "bias adds" in terms and "bias adds" not in bare
         assert terms["bias adds"].forward == 2 * model.seq_length * model.qkv_rows // t
+
+
+def test_query_and_key_norms_count_their_heads() -> None:
+    """--qk-layernorm: RMSNorm's 4 FLOPs per element of this rank's query and key heads, at T=1 and 2."""
+    model = dataclasses.replace(ARCHITECTURES["gqa-swiglu-rotary"], normalization="rmsnorm", qk_layernorm=True)
+    for t in (1, 2):
+        terms = {term.name: term for term in layer_terms(ComputeInputs(model, 2, tensor_parallel_size=t))}
+        heads = (model.num_attention_heads + model.kv_heads) // t
+        assert terms["query and key norms"].forward == 4 * 2 * model.seq_length * heads * model.head_dim
+    bare = layer_terms(ComputeInputs(dataclasses.replace(model, qk_layernorm=False), 2))
+    assert "query and key norms" not in {term.name for term in bare}
