@@ -3,7 +3,7 @@
 
     # ours (any P, T, DP, layout) -> a transformers / lm-eval-harness / vLLM directory
     python tools/convert_checkpoint.py --to hf checkpoints/gpt hf/gpt
-    # a local Hugging Face GPT-2, Llama, Qwen2, Mistral or Phi-3 directory -> a checkpoint pretrain_gpt.py --load trains from
+    # a local Hugging Face GPT-2, Llama, Qwen2, Qwen3, Mistral or Phi-3 directory -> a checkpoint pretrain_gpt.py --load trains from
     python tools/convert_checkpoint.py --from hf hf/llama checkpoints/llama --tensor-model-parallel-size 2
     # ours -> the layout-free training state (weights, fp32 masters, Adam moments, schedule, data
     # position) that `pretrain_gpt.py --load OUT` resumes under any P, layout, T, DP or ZeRO stage
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf-model-type",
         default=None,
         help="export: the config.json's model_type when the model has more than one exact form: `mistral` for a "
-        "Llama without biases (default: gpt2, llama, qwen2 or phi3, whichever the model is)",
+        "Llama without biases (default: gpt2, llama, qwen2, qwen3 or phi3, whichever the model is)",
     )
     for flag in TOKENIZER_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), default=None, help="tokenizer override (export) or flag (import)")
