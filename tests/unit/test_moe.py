@@ -38,8 +38,14 @@ def test_experts_go_on_every_interval_th_layer_as_megatron_deepspeed_puts_them()
 @pytest.mark.parametrize("ep", [1, 2])
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"mlp_type": "residual"}, {"activation": "swiglu", "add_bias_linear": False}, {"num_experts": (2, 4)}],
-    ids=["standard", "residual", "swiglu-no-bias", "list"],
+    [
+        {},
+        {"mlp_type": "residual"},
+        {"activation": "swiglu", "add_bias_linear": False},
+        {"num_experts": (2, 4)},
+        {"qk_layernorm": True},
+    ],
+    ids=["standard", "residual", "swiglu-no-bias", "list", "qk-layernorm"],
 )
 def test_parameter_counts_per_rank_are_the_built_models(ep: int, variant: dict) -> None:
     model = dataclasses.replace(MODEL, **variant)
