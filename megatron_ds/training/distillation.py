@@ -15,9 +15,10 @@ full vocabulary's KL divergence (`model.distillation.vocab_parallel_kd_loss`).
 A mixture-of-experts teacher (its checkpoint's `--num-experts`; `--num-experts-teacher` must agree) is the training
 `GPTModel` too, its DeepSpeed MoE layers on the student's expert-parallel groups (`--moe-expert-parallel-size` E, which
 must divide its expert counts: `check_experts`), each rank holding experts / E of each MoE layer, read by global index
-from the checkpoint's per-expert files whatever E it was saved with (`MoeSource.weight`); its load-balancing losses
-are not added (as upstream's `calculate_mos_loss` drops them). In eval mode DeepSpeed's gate takes its eval capacity
-factor; the teacher's is set to its train one, the capacity upstream's train-mode teacher routes with.
+(`moe_weights`: our per-expert files whatever E they were saved with, or a converted Megatron-DeepSpeed checkpoint's
+universal form; another rank's experts are not read); its load-balancing losses are not added (as upstream's
+`calculate_mos_loss` drops them). In eval mode DeepSpeed's gate takes its eval capacity factor; the teacher's is set
+to its train one, the capacity upstream's train-mode teacher routes with.
 
 No initial weight is drawn for a teacher: each is built on the meta device, materialised in the training precision
 on the student's device and filled from the checkpoint alone, so building it moves no generator the student reads on
@@ -250,20 +251,20 @@ def _expert_parallel_teacher(
 
 def copy_experts(model: Any, ckpt: reader.Checkpoint) -> None:
     """Every parameter of the mixture-of-experts teacher `model` (its expert-parallel groups made): its checkpoint
-    tensor by one-process name, this rank's experts by their global index."""
+    tensor by one-process name, this rank's experts by their global index; another rank's experts are not read
+    (`moe_weights`: ours at any expert-parallel size, or a converted Megatron-DeepSpeed one's universal form)."""
     from megatron_ds.model.moe import global_named_parameters
-    from megatron_ds.training.checkpoint.universal.moe_source import MoeSource
+    from megatron_ds.training.checkpoint import moe_weights
 
     live = global_named_parameters(model)  # local experts under their global index
+    saved = ckpt.config.model
+    loaded = set()
     try:
-        source = MoeSource(ckpt)
-        loaded = set()
         with torch.no_grad():
-            for tensor in names.model_tensors(ckpt.config.model):
-                name = names.module_name(ckpt.config.model, tensor)
-                if name in live:  # else another expert-parallel rank's expert
-                    live[name].copy_(source.weight(tensor))
-                    loaded.add(name)
+            for tensor, value in moe_weights.iter_weights(ckpt, lambda t: names.module_name(saved, t) in live):
+                name = names.module_name(saved, tensor)
+                live[name].copy_(value)
+                loaded.add(name)
     except CheckpointError as err:
         raise CheckpointError(f"--load-teacher: {err}") from None
     assert loaded == set(live), sorted(set(live) - loaded)

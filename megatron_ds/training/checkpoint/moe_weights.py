@@ -1,5 +1,6 @@
 """A mixture-of-experts checkpoint's model weights as whole tensors, every expert by its global index, without torch
-.distributed: what one-process inference loads (`megatron_ds.inference.load_model`).
+.distributed: what one-process inference loads (`megatron_ds.inference.load_model`), and a `--kd` teacher's rank its
+own experts of (`training/distillation.py`).
 
 Where they are (P = T = 1: MoE runs on DeepSpeed's plain engine):
 
@@ -17,7 +18,7 @@ Files are read with `weights_only=True` (no code from them runs), memory-mapped,
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,19 +52,24 @@ def weight_file(model: ModelConfig, tensor: names.ModelTensor) -> tuple[str, str
     return (MODEL_STATES, "module") if found is None else (found, None)
 
 
-def iter_weights(ckpt: Checkpoint) -> Iterator[tuple[names.ModelTensor, torch.Tensor]]:
-    """Every tensor of the mixture-of-experts checkpoint `ckpt` (`names.model_tensors` order), whole, as saved; a
-    missing or damaged file, or a tensor missing from it or of another shape, is a one-line CheckpointError naming
-    the file."""
+Wanted = Callable[[names.ModelTensor], bool]
+"""Which tensors to read (an expert-parallel rank: the experts it holds and every other weight)."""
+
+
+def iter_weights(ckpt: Checkpoint, wanted: Wanted | None = None) -> Iterator[tuple[names.ModelTensor, torch.Tensor]]:
+    """Every tensor of the mixture-of-experts checkpoint `ckpt` (`names.model_tensors` order), or those `wanted`
+    accepts (a file holding none of them is not opened), whole, as saved; a missing or damaged file, or a tensor
+    missing from it or of another shape, is a one-line CheckpointError naming the file."""
     model = ckpt.config.model
+    tensors = [t for t in names.model_tensors(model) if wanted is None or wanted(t)]
     if converted_from(ckpt.meta) is not None:
-        yield from _converted(ckpt)
+        yield from _converted(ckpt, tensors)
         return
     from megatron_ds.training.checkpoint.universal.deepspeed_source import load_file
 
     experts.check_recorded(ckpt.directory)  # an older checkpoint's experts lack their fc2 bias: named as such
     opened: tuple[str, dict[str, Any]] = ("", {})  # the last file read: an expert's tensors are consecutive
-    for tensor in names.model_tensors(model):
+    for tensor in tensors:
         name, key = weight_file(model, tensor)
         path = os.path.join(ckpt.directory, name)
         if opened[0] != path:
@@ -83,10 +89,10 @@ def iter_weights(ckpt: Checkpoint) -> Iterator[tuple[names.ModelTensor, torch.Te
         yield tensor, value
 
 
-def _converted(ckpt: Checkpoint) -> Iterator[tuple[names.ModelTensor, torch.Tensor]]:
+def _converted(ckpt: Checkpoint, tensors: list[names.ModelTensor]) -> Iterator[tuple[names.ModelTensor, torch.Tensor]]:
     from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
     from megatron_ds.training.checkpoint.universal.store import Universal
 
     found = Universal(os.path.join(ckpt.root, str(ckpt.meta[CONVERTED].get("universal"))))  # the import records it
-    for tensor in names.model_tensors(ckpt.config.model):
+    for tensor in tensors:
         yield tensor, found.read(tensor.name, FP32)

@@ -144,17 +144,6 @@ class MoeSource(DeepSpeedSource):
             )
         return value.detach().reshape(shape).float().clone()
 
-    def weight(self, tensor: names.ModelTensor) -> torch.Tensor:
-        """`tensor`'s model weight as saved (the training precision), whole: an expert's from its own file, by global
-        index, whatever expert-parallel size reads it (a `--kd` teacher's weights: `training/distillation.py`)."""
-        value = self._weight(tensor)
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(tensor.rule.shape):
-            raise CheckpointError(
-                f"{self.ckpt.directory}: no weight of shape {list(tensor.rule.shape)} for {tensor.name}; the "
-                "checkpoint is damaged"
-            )
-        return value
-
     def _weight(self, tensor: names.ModelTensor) -> torch.Tensor:
         file, key = moe_weights.weight_file(self.model, tensor)  # the model-state file, or the expert's own
         path = self._path(file)
