@@ -7,7 +7,7 @@ student with 4 experts in its second layer distils from it under --mos, and a de
 teacher on the same expert-parallel size, its groups made for it), 3 steps each (temperature 2, beta 0.5, clipping
 active). Launch 2 (one rank, E = 1: every expert of the teacher read by its global index from the files the two ranks
 wrote): the same two students. kd / mos loss, lm loss, gradient norm, parameter norm and every final weight (experts
-by their global index) within 1e-6 in fp32.
+by their global index) within 1e-6 in fp32. A rank of the teacher opens only its own experts' files.
 """
 
 from __future__ import annotations
@@ -88,3 +88,30 @@ def test_the_teacher_was_saved_with_its_experts_shared_out(runs: tuple[dict, dic
     files = {p.name for p in tag.iterdir()}
     assert {f"layer_{m}_expert_{e}_mp_rank_00_model_states.pt" for m in (0, 1) for e in range(4)} <= files
     assert json.loads((tag / "experts.json").read_text())["expert_parallel_size"] == 2
+
+
+def test_a_rank_opens_only_the_expert_files_it_reads(runs: tuple[dict, dict], teacher_dir: Path) -> None:
+    """`moe_weights.iter_weights` with an expert-parallel rank's filter (experts 0 and 1 of each MoE layer, as the
+    teacher's rank 0 at E = 2 holds): the files of experts 2 and 3 gone, it reads every wanted tensor as the whole
+    read does, and no other."""
+    import shutil
+
+    from megatron_ds.training.checkpoint import moe_weights, reader
+    from megatron_ds.training.checkpoint.universal.names import ModelTensor
+
+    copy = teacher_dir.parent / "rank0_files"
+    shutil.copytree(teacher_dir, copy)
+    gone = {p.name for p in copy.glob("*/layer_*_expert_[23]_mp_rank_00_model_states.pt")}
+    assert len(gone) == 4
+    for name in gone:
+        next(copy.glob(f"*/{name}")).unlink()
+    ckpt = reader.open_checkpoint(str(copy), moe=True)
+    model = ckpt.config.model
+
+    def wanted(t: ModelTensor) -> bool:
+        return moe_weights.expert_file(model, t) not in gone
+
+    whole = {t.name: v for t, v in moe_weights.iter_weights(reader.open_checkpoint(str(teacher_dir), moe=True))}
+    read = {t.name: v for t, v in moe_weights.iter_weights(ckpt, wanted)}
+    assert set(read) == {n for n in whole if not any(f".deepspeed_experts.{e}." in n for e in (2, 3))}
+    assert len(read) < len(whole) and all(torch.equal(v, whole[n]) for n, v in read.items())

@@ -5,8 +5,9 @@ written by upstream's own `pretrain()` (GPTModel, `--no-pipeline-parallel`, 2 ra
 without token dropping; README.md there). Checked here: the architecture and routing flags come from the saved args;
 the converted model (one process, every expert by its global index) computes upstream's logits; the optimizer state is
 the run's Adam state (the step between the two saved checkpoints is the update its converted moments give); a
-converted run continues under another world size, expert-parallel size and ZeRO stage; what is not built is refused
-in one line.
+converted run continues under another world size, expert-parallel size and ZeRO stage; a converted checkpoint is a
+`--kd` teacher computing upstream's logits, each expert-parallel rank reading its own experts; what is not built is
+refused in one line.
 """
 
 from __future__ import annotations
@@ -189,3 +190,62 @@ def test_a_converted_run_continues_under_another_world_size_and_zero_stage(conve
     run = subprocess.run(fresh, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "NOTICE: --no-load-optim" in run.stdout and "iteration        3/       3" in run.stdout
+
+
+def _teacher_logits(rank: int, good: str, damaged: str, tokens: torch.Tensor) -> dict:
+    """A dense 2-layer student's --kd teacher from the converted checkpoint at expert-parallel size 2 (this rank holds
+    2 of its 4 experts): its logits of `tokens`; and the error of loading `damaged` (a tensor of expert 3 altered), or None."""
+    from types import SimpleNamespace
+
+    import deepspeed
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+    from megatron_ds.model.gpt_pipe import build_topology
+    from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL
+    from megatron_ds.training import distillation
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = _config(Path(good)).replace(
+        model__num_layers=2, model__num_experts=(1,), distillation__kd=True, distillation__load_teacher=good
+    )
+    grid = PipelineParallelGrid(topology=build_topology(config))
+    student = SimpleNamespace(tensor_parallel=NO_TENSOR_PARALLEL, mpu=lambda: grid)
+    teacher = distillation.load_teacher(config, "cpu", student)
+    with torch.no_grad():
+        logits = teacher.model(tokens).tolist()
+    try:
+        distillation.load_teacher(config.replace(distillation__load_teacher=damaged), "cpu", student)
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    return {"logits": logits, "error": error}
+
+
+def test_a_converted_checkpoint_is_a_kd_teacher_whose_ranks_read_their_own_experts(convert, tmp_path: Path) -> None:
+    """--load-teacher of the converted top-1 run at expert-parallel size 2: each rank's teacher computes upstream's
+    logits and inference's `load_model`'s (1e-6; no token dropped); each reads only the experts it holds, so one
+    expert's tensor file altered in the universal form (its size kept: opening the directory checks sizes, reading a
+    file its digest) fails the rank holding it alone, in one line naming the file."""
+    from megatron_ds.inference import load_model
+
+    out = convert("moe_ep2_zero0")
+    reference = torch.load(FIXTURES / "moe_ep2_zero0" / "reference.pt", weights_only=True)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    altered = next(damaged.glob("*.universal/tensors/*deepspeed_experts.3.fc1.weight/fp32.pt"))
+    data = bytearray(altered.read_bytes())
+    data[-100] ^= 1
+    altered.write_bytes(bytes(data))
+    ranks = forked_gloo_ranks(
+        _teacher_logits, 2, str(tmp_path / "store"), str(out), str(damaged), reference["tokens"], timeout=120
+    )
+    assert all(isinstance(r, dict) for r in ranks), ranks
+    with torch.no_grad():
+        inference = load_model(str(out), vocab_size=reference["logits"].shape[-1])(reference["tokens"])
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["logits"]), reference["logits"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(r["logits"]), inference, rtol=0, atol=1e-6)
+    assert ranks[0]["error"] is None  # experts 0 and 1
+    error = ranks[1]["error"]
+    assert error.startswith("--load-teacher: ") and "\n" not in error, error
+    assert f"{altered.parent.name}/fp32.pt does not match its recorded SHA-256" in error, error
