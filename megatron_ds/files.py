@@ -137,6 +137,29 @@ def _set_permissions(directory: str) -> None:
             os.chmod(os.path.join(parent, name), 0o666 & ~umask)
 
 
+def check_writable_directory(flag: str, path: str, create: bool = True, error: type[UserError] = UserError) -> None:
+    """The output directory `flag` names can be written: created and probed, or (`create=False`, a dry run) its
+    nearest existing ancestor is a writable directory. Checked before training starts, so a typo fails in one line."""
+    if not create:
+        nearest = os.path.abspath(path)
+        while not os.path.exists(nearest):
+            nearest = os.path.dirname(nearest)
+        if not os.path.isdir(nearest) or not os.access(nearest, os.W_OK | os.X_OK):
+            why = "not a directory" if not os.path.isdir(nearest) else "not writable"
+            raise error(f"{flag} {path}: {nearest} is {why}; choose a writable directory")
+        return
+    if os.path.exists(path) and not os.path.isdir(path):  # makedirs would say "File exists"
+        raise error(f"{flag} {path}: a file, not a directory; choose a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_probe_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise error(f"{flag} {path}: not writable ({e.strerror}); choose a writable directory") from None
+
+
 def read_json(path: str, flag: str, error: type[UserError], fixes: tuple[str, str], at_line: bool = True) -> Any:
     """The JSON value in `path`, the file `flag` names; a file that cannot be read or is not JSON is one
     line of `error` with its fix (`fixes`: for each of the two; `at_line`: name the line of bad JSON)."""

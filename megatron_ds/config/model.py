@@ -75,6 +75,7 @@ at Llama 3.1's released values (no Megatron-LM flag sets them), as every Llama 3
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
     """Round up to a multiple of divisible_by x T, as Megatron does (keeps vocabulary shards aligned)."""
     at_least("--make-vocab-size-divisible-by", divisible_by, 1)
+    at_least("--tensor-model-parallel-size", tensor_parallel_size, 1)  # padding comes before ParallelConfig's check
     multiple = divisible_by * tensor_parallel_size
     return int(math.ceil(vocab_size / multiple) * multiple)
 

@@ -38,7 +38,9 @@ def position_embeddings(args: argparse.Namespace) -> tuple[bool, bool]:
 def key_value_heads(args: argparse.Namespace) -> int | None:
     """--num-key-value-heads, or Megatron-LM's --group-query-attention with --num-query-groups (1 when
     not given, megatron-core's default; ignored without --group-query-attention, as there)."""
-    groups = (args.num_query_groups or 1) if args.group_query_attention else None
+    groups = (1 if args.num_query_groups is None else args.num_query_groups) if args.group_query_attention else None
+    if groups is not None and groups < 1:
+        raise ConfigError(f"--num-query-groups {groups} must be >= 1 (it divides --num-attention-heads)")
     if groups is not None and args.num_key_value_heads is not None and groups != args.num_key_value_heads:
         raise ConfigError(
             f"--num-key-value-heads {args.num_key_value_heads} and --num-query-groups {groups} disagree; keep one"

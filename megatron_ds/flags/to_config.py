@@ -205,7 +205,7 @@ def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConf
     model = ModelConfig(
         **direct,
         ffn_hidden_size=_ffn_hidden_size(args, activation),
-        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        max_position_embeddings=args.seq_length if args.max_position_embeddings is None else args.max_position_embeddings,
         vocab_size=_vocab_size(args),
         use_rotary_position_embeddings=rotary,
         add_position_embedding=table,

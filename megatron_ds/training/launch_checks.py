@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from megatron_ds import files
 from megatron_ds.config import Config
 from megatron_ds.config.data import SPLIT_PATH_FLAGS
 from megatron_ds.errors import ConfigError, UserError
@@ -87,6 +88,15 @@ def check_logging(config: Config) -> None:
         )
 
 
+def check_output_dirs(config: Config, dry_run: bool = False) -> None:
+    """--tensorboard-dir and --wandb-save-dir can be written (created unless `dry_run`), as --save is: the logging
+    rank creates them only after the process group exists, where a typo was an OSError traceback."""
+    lg = config.logging
+    for flag, path in (("--tensorboard-dir", lg.tensorboard_dir), ("--wandb-save-dir", lg.wandb_save_dir)):
+        if path:
+            files.check_writable_directory(flag, path, create=not dry_run, error=ConfigError)
+
+
 def check_launch(config: Config, dry_run: bool = False) -> list[str]:
     """All file-system checks, in the order a user would fix them (the `--deepspeed_config` file
     included: a contradiction with the flags is reported before any process group exists). Returns
@@ -101,6 +111,7 @@ def check_launch(config: Config, dry_run: bool = False) -> list[str]:
     notices = save_load.check_dirs(config, dry_run=dry_run)
     notices += distillation.check_teacher(config)  # --kd: the teacher's checkpoint fits the student
     check_logging(config)
+    check_output_dirs(config, dry_run)
     try:
         zero_checks.check_offload_runs_here(config)  # offload's ops build here, its host memory is there
     except UserError as err:

@@ -73,26 +73,7 @@ from megatron_ds.training.state import TrainState
 def check_writable(save_dir: str, create: bool = True) -> None:
     """`--save` must be creatable and writable; checked before training starts. `create=False`
     (`--print-layout`, a dry run) creates nothing: the nearest existing directory must be writable."""
-    if not create:
-        _check_creatable(save_dir)
-        return
-    try:
-        os.makedirs(save_dir, exist_ok=True)
-        probe = os.path.join(save_dir, f".write_probe_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise CheckpointError(f"--save {save_dir}: not writable ({e.strerror}); choose a writable directory") from None
-
-
-def _check_creatable(save_dir: str) -> None:
-    path = os.path.abspath(save_dir)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-        why = "not a directory" if not os.path.isdir(path) else "not writable"
-        raise CheckpointError(f"--save {save_dir}: {path} is {why}; choose a writable directory")
+    files.check_writable_directory("--save", save_dir, create, CheckpointError)
 
 
 def _free_tag(save_dir: str, iteration: int) -> str:
