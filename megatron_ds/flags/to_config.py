@@ -197,6 +197,11 @@ def _ffn_hidden_size(args: argparse.Namespace, activation: str) -> int:
     return width
 
 
+def _max_positions(args: argparse.Namespace) -> int:
+    """--max-position-embeddings, else --seq-length (a given 0 is refused by ModelConfig, not replaced)."""
+    return args.seq_length if args.max_position_embeddings is None else args.max_position_embeddings
+
+
 def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConfig:
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     rotary, table = model_flags.position_embeddings(args)
@@ -205,7 +210,7 @@ def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConf
     model = ModelConfig(
         **direct,
         ffn_hidden_size=_ffn_hidden_size(args, activation),
-        max_position_embeddings=args.seq_length if args.max_position_embeddings is None else args.max_position_embeddings,
+        max_position_embeddings=_max_positions(args),
         vocab_size=_vocab_size(args),
         use_rotary_position_embeddings=rotary,
         add_position_embedding=table,
