@@ -9,6 +9,8 @@ with no traceback; anything else is a bug and keeps its traceback. Internal inva
 
 from __future__ import annotations
 
+import argparse
+
 
 class UserError(ValueError):
     """A user-fixable problem; the message names what is wrong, the value and the fix.
@@ -23,6 +25,18 @@ class ConfigError(UserError):
 
 class LayoutError(ConfigError):
     """A pipeline layout option that cannot be satisfied."""
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors (a missing or mistyped flag) are a `UserError`, so that the tool prints one
+    `error:` line naming where its help is, not the whole usage text; `command` is how the help is asked for."""
+
+    def __init__(self, *args: object, command: str, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.command = command
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UserError(f"{message}; see `{self.command} --help`")
 
 
 def first_line(err: BaseException) -> str:

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from megatron_ds.errors import UserError, first_line
@@ -38,7 +38,9 @@ def atomic_directory(target: str, flag: str) -> Iterator[str]:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.incomplete.", dir=parent)
     except OSError as err:
-        raise UserError(f"{flag} {target}: cannot write there ({err.strerror}); choose a writable directory") from None
+        blocker = _file_in_the_way(parent)
+        why = f"{blocker} is a file, not a directory" if blocker else err.strerror
+        raise UserError(f"{flag} {target}: cannot write there ({why}); choose a writable directory") from None
     try:
         yield tmp
         _set_permissions(tmp)
@@ -148,16 +150,53 @@ def check_writable_directory(flag: str, path: str, create: bool = True, error: t
             why = "not a directory" if not os.path.isdir(nearest) else "not writable"
             raise error(f"{flag} {path}: {nearest} is {why}; choose a writable directory")
         return
-    if os.path.exists(path) and not os.path.isdir(path):  # makedirs would say "File exists"
-        raise error(f"{flag} {path}: a file, not a directory; choose a directory")
+    blocker = _file_in_the_way(path)
+    if blocker:  # makedirs would say "File exists" or "Not a directory"
+        raise error(f"{flag} {path}: {blocker} is a file, not a directory; choose a directory")
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_probe_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        _probe(path)
     except OSError as e:
         raise error(f"{flag} {path}: not writable ({e.strerror}); choose a writable directory") from None
+
+
+def check_output_prefix(
+    flag: str, prefix: str, outputs: Sequence[str] = (), error: type[UserError] = UserError
+) -> None:
+    """`prefix`, the output files' name that `flag` gives, names a file (`outputs`, the files it makes, are no
+    directories) in a directory that is created and can be written: checked before any work (a tokenizer's
+    training, a corpus' tokenization), where the failed write came after it as an OSError naming a temporary file."""
+    if not os.path.basename(prefix):
+        raise error(f"{flag} {prefix}: ends in a directory; add a file name prefix")
+    for path in outputs:
+        if os.path.isdir(path):
+            raise error(f"{path}: a directory; remove it or give another {flag}")
+    directory = os.path.dirname(os.path.abspath(prefix))
+    blocker = _file_in_the_way(directory)
+    if blocker:
+        raise error(f"{flag} {prefix}: {blocker} is a file, not a directory; choose a directory")
+    try:
+        _probe(directory)
+    except OSError as e:
+        raise error(
+            f"{flag} {prefix}: cannot write in {directory} ({e.strerror}); choose a writable directory"
+        ) from None
+
+
+def _file_in_the_way(directory: str) -> str | None:
+    """The nearest existing path at or above `directory` when it is not a directory (nothing can be made there)."""
+    nearest = os.path.abspath(directory)
+    while not os.path.lexists(nearest):
+        nearest = os.path.dirname(nearest)
+    return None if os.path.isdir(nearest) else nearest
+
+
+def _probe(directory: str) -> None:
+    """Create `directory` if needed and write (then remove) a file in it; OSError when that cannot be done."""
+    os.makedirs(directory, exist_ok=True)
+    probe = os.path.join(directory, f".write_probe_{os.getpid()}")
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
 
 
 def read_json(path: str, flag: str, error: type[UserError], fixes: tuple[str, str], at_line: bool = True) -> Any:

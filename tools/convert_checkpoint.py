@@ -34,7 +34,7 @@ from collections.abc import Sequence
 # The checkout this tool lives in comes first (as pretrain_gpt.py's own directory does for it).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_ds.errors import UserError, interrupted, stop_cleanly_on_sigterm
+from megatron_ds.errors import OneLineArgumentParser, UserError, interrupted, stop_cleanly_on_sigterm
 
 MEGATRON_DEEPSPEED = "megatron-deepspeed"
 MEGATRON_LM = "megatron-lm"
@@ -45,13 +45,10 @@ HF_EXTRA = ("safetensors", "transformers", "tokenizers")
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{message}; see `python tools/convert_checkpoint.py --help`")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = OneLineArgumentParser(
+        description=__doc__.splitlines()[0], allow_abbrev=False, command="python tools/convert_checkpoint.py"
+    )
     way = p.add_mutually_exclusive_group(required=True)
     way.add_argument(
         "--to",

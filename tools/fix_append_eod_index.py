@@ -24,18 +24,24 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron_ds.data import DataError
 from megatron_ds.data.append_eod import rewrite_index
-from megatron_ds.errors import interrupted, stop_cleanly_on_sigterm
+from megatron_ds.errors import OneLineArgumentParser, UserError, interrupted, stop_cleanly_on_sigterm
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = OneLineArgumentParser(
+        description=__doc__.splitlines()[0], allow_abbrev=False, command="python tools/fix_append_eod_index.py"
+    )
     p.add_argument("--input", required=True, help="prefix of the pair (without .bin/.idx)")
     p.add_argument("--output-prefix", help="prefix of the corrected pair (default: <input>_eod)")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     output = f"{args.input}_eod" if args.output_prefix is None else args.output_prefix
     if not os.path.basename(output):  # "" or a directory: no file name for the pair
         print(

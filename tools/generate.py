@@ -20,18 +20,15 @@ from collections.abc import Sequence
 # The checkout this tool lives in comes first (as pretrain_gpt.py's own directory does for it).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_ds.errors import UserError, interrupted, stop_cleanly_on_sigterm
+from megatron_ds.errors import OneLineArgumentParser, UserError, interrupted, stop_cleanly_on_sigterm
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UserError(f"{message}; see `python tools/generate.py --help`")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = OneLineArgumentParser(
+        description=__doc__.splitlines()[0], allow_abbrev=False, command="python tools/generate.py"
+    )
     p.add_argument("--load", required=True, help="checkpoint directory (or one of its global_step directories)")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, tokenized with the checkpoint's tokenizer")
@@ -71,6 +68,12 @@ def run(argv: Sequence[str] | None = None) -> list[int]:
             f"{given}: the tokenizer has {tok.vocab_size} tokens, the model {args.load} {model.config.vocab_size} "
             f"vocabulary rows; give the tokenizer the model was trained with"
         )
+    limit = tok.vocab_size if tok is not None and tok.vocab_size < model.config.vocab_size else None
+    if limit is not None and max(prompt, default=0) >= limit:  # a padding row: no text to print for it
+        raise UserError(
+            f"--prompt-ids {args.prompt_ids!r}: id {max(prompt)} is not in the tokenizer's {limit} tokens (the model's "
+            f"rows from {limit} on are padding); give ids below {limit}"
+        )
     t0 = time.time()
     new = generate(
         model,
@@ -82,6 +85,7 @@ def run(argv: Sequence[str] | None = None) -> list[int]:
         seed=args.seed,
         eos_id=tok.eod if tok is not None else None,
         use_cache=not args.no_kv_cache,
+        vocab_limit=limit,
     )
     seconds = time.time() - t0
     if tok is not None:

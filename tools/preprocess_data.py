@@ -27,15 +27,16 @@ try:
 except ImportError:  # run from a source checkout without installing the package
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from megatron_ds import files
 from megatron_ds.data import DataError
 from megatron_ds.data.documents import check_input_file, sized_documents
 from megatron_ds.data.indexed import IndexedWriter
 from megatron_ds.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
-from megatron_ds.errors import interrupted, stop_cleanly_on_sigterm
+from megatron_ds.errors import OneLineArgumentParser, UserError, interrupted, stop_cleanly_on_sigterm
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0], command="python tools/preprocess_data.py")
     g = p.add_argument_group("input")
     g.add_argument("--input", nargs="+", required=True, help="JSONL or .txt files")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize")
@@ -135,8 +136,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise DataError(f"--workers {args.workers}: must be >= 1")
     if args.log_interval < 1:
         raise DataError(f"--log-interval {args.log_interval}: must be >= 1 (documents between progress lines)")
-    if os.path.basename(args.output_prefix) == "":
-        raise DataError(f"--output-prefix {args.output_prefix}: ends in a directory; add a file name prefix")
+    outputs = [f"{args.output_prefix}_{key}_document{ext}" for key in args.json_keys for ext in (".bin", ".idx")]
+    files.check_output_prefix("--output-prefix", args.output_prefix, outputs, DataError)
     tokenizer = _make_tokenizer(args)  # fails fast on a bad tokenizer, before any worker starts
     writers = {
         key: IndexedWriter(f"{args.output_prefix}_{key}_document", tokenizer.vocab_size) for key in args.json_keys
@@ -178,10 +179,9 @@ def _summary(args: argparse.Namespace, stats: dict[str, Any], seconds: float, re
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
-        run(args)
-    except (DataError, OSError) as err:
+        run(parse_args(argv))
+    except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

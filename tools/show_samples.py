@@ -122,6 +122,16 @@ def samples(args: argparse.Namespace) -> tuple[list[list[int]], Any, list[list[i
             f"has {len(train)} samples for this line; ask for fewer"
         )
     rows = [train[i] for i in range(args.consumed_samples, end)]
+    if tokenizer is not None:  # the training's check: text is printed for ids the tokenizer has
+        import torch
+
+        from megatron_ds.data.vocab_check import Vocabulary, check_sample
+
+        files = " ".join(f for f in (data.tokenizer_model, data.vocab_file) if f)
+        source = f"--tokenizer-type {data.tokenizer_type}{' ' + files if files else ''}"
+        for i, r in enumerate(rows, args.consumed_samples):
+            ids = torch.cat([r["tokens"], r["labels"][-1:]])
+            check_sample(train, i, ids, Vocabulary(min(vocab, tokenizer.vocab_size), source))
     return [r["tokens"].tolist() + [int(r["labels"][-1])] for r in rows], tokenizer, None
 
 

@@ -21,14 +21,15 @@ try:
 except ImportError:  # run from a source checkout without installing the package
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from megatron_ds import files
 from megatron_ds.data import DataError
 from megatron_ds.data.documents import check_input_file, read_documents
 from megatron_ds.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
-from megatron_ds.errors import interrupted, stop_cleanly_on_sigterm
+from megatron_ds.errors import OneLineArgumentParser, UserError, interrupted, stop_cleanly_on_sigterm
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0], command="python tools/train_tokenizer.py")
     p.add_argument("--input", nargs="+", required=True, help="JSONL or .txt files")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields holding text")
     p.add_argument("--model-prefix", required=True, help="writes <prefix>.model")
@@ -71,6 +72,9 @@ def run(args: argparse.Namespace) -> str:
     replaced = os.path.exists(args.model_prefix + ".model")
     if args.vocab_size < 8:
         raise DataError(f"--vocab-size {args.vocab_size}: too small; use at least 8")
+    files.check_output_prefix(
+        "--model-prefix", args.model_prefix, [args.model_prefix + ".model"], DataError
+    )  # before the training, not after
     num_lines = 0
 
     def counted() -> Iterator[str]:
@@ -103,10 +107,9 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
-        run(args)
-    except (DataError, OSError) as err:
+        run(parse_args(argv))
+    except (UserError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -72,7 +72,7 @@ def rewrite_index(prefix: str, output_prefix: str) -> IndexInfo:
     existing = [p for p in (idx_path(output_prefix), bin_path(output_prefix)) if os.path.lexists(p)]
     if existing:
         raise DataError(f"--output-prefix {output_prefix}: {existing[0]} exists; remove it or give a new prefix")
-    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    files.check_output_prefix("--output-prefix", output_prefix, error=DataError)
     tmp = f"{idx_path(output_prefix)}.tmp{os.getpid()}"
     try:
         _write_index(info, tmp)

@@ -56,6 +56,12 @@ def checked_batches(
         yield tokens, (labels, loss_mask)
 
 
+def check_sample(dataset: Any, index: int, ids: torch.Tensor, vocabulary: Vocabulary) -> None:
+    """One sample's ids (`tools/show_samples.py`'s rows) against the vocabulary: the training's DataError if not."""
+    if int(ids.min()) < 0 or int(ids.max()) >= vocabulary.size:
+        raise _bad_id(dataset, index, ids, vocabulary)
+
+
 def _bad_id(dataset: Any, index: int, ids: torch.Tensor, vocabulary: Vocabulary) -> DataError:
     bad = ids[(ids < 0) | (ids >= vocabulary.size)]
     worst = int(bad.max()) if int(bad.max()) >= vocabulary.size else int(bad.min())

@@ -52,8 +52,11 @@ def generate(
     seed: int | None = None,
     eos_id: int | None = None,
     use_cache: bool = True,
+    vocab_limit: int | None = None,
 ) -> list[int]:
-    """The new token ids after `prompt` (stops after `eos_id`); temperature 0 is greedy decoding."""
+    """The new token ids after `prompt` (stops after `eos_id`); temperature 0 is greedy decoding. `vocab_limit`:
+    only ids below it are drawn (a tokenizer smaller than the model's vocabulary has no text for the rest: padding
+    rows, as Megatron-LM's sampling keeps to the tokenizer's ids)."""
     check_sampling(temperature, top_k, top_p)
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {max_new_tokens} must be >= 1")
@@ -76,7 +79,8 @@ def generate(
     step_input, out = tokens, []
     for _ in range(max_new_tokens):
         logits = model(step_input, cache) if cache is not None else model(tokens)
-        nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+        last = logits[:, -1] if vocab_limit is None else logits[:, -1, :vocab_limit]
+        nxt = sample_next(last, temperature, top_k, top_p, generator)
         out.append(int(nxt.item()))
         if eos_id is not None and out[-1] == eos_id:
             break

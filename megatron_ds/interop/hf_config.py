@@ -350,6 +350,14 @@ class _Fields:
             raise HFConfigError(f"{self.source}: {name} {value!r} is not a{'n' if kind is int else ''} {kind.__name__}")
         return value
 
+    def size(self, name: str, default: Any = ...) -> int:
+        """An int field that counts something (layers, heads, widths, rows): 0 or less is a damaged config.json,
+        named here rather than as the pretrain_gpt.py flag it becomes."""
+        value = self.get(name, int, default)
+        if value < 1:
+            raise HFConfigError(f"{self.source}: {name} {value} must be >= 1; fix the config.json")
+        return value
+
     def require(self, name: str, allowed: Sequence[Any], default: Any, why: str) -> Any:
         value = self.hf.get(name, default)
         if value not in allowed:
@@ -367,16 +375,16 @@ def _from_gpt2(f: _Fields) -> HFModel:
     f.require("scale_attn_weights", (True,), True, "attention is always scaled by 1/sqrt(head size)")
     f.require("scale_attn_by_inverse_layer_idx", (False,), False, "no per-layer attention scaling is built")
     f.require("add_cross_attention", (False,), False, "a decoder-only GPT has no cross-attention")
-    h = f.get("n_embd", int)
+    h = f.size("n_embd")
     architecture = {
-        "num_layers": f.get("n_layer", int),
+        "num_layers": f.size("n_layer"),
         "hidden_size": h,
-        "num_attention_heads": f.get("n_head", int),
-        "ffn_hidden_size": f.get("n_inner", int, 4 * h),
-        "max_position_embeddings": f.get("n_positions", int),
+        "num_attention_heads": f.size("n_head"),
+        "ffn_hidden_size": f.size("n_inner", 4 * h),
+        "max_position_embeddings": f.size("n_positions"),
         "layernorm_epsilon": f.get("layer_norm_epsilon", float, 1e-5),
         "normalization": GPT2_NORM.name,
-        "num_key_value_heads": f.get("n_head", int),
+        "num_key_value_heads": f.size("n_head"),
         "use_rotary_position_embeddings": False,
         "add_position_embedding": True,
         "add_bias_linear": True,
@@ -390,7 +398,7 @@ def _from_gpt2(f: _Fields) -> HFModel:
         "init_method_std": f.get("initializer_range", float, 0.02),
         "seq_length": architecture["max_position_embeddings"],
     }
-    return HFModel(GPT2, architecture, defaults, f.get("vocab_size", int))
+    return HFModel(GPT2, architecture, defaults, f.size("vocab_size"))
 
 
 def _biases(f: _Fields, arch: str) -> dict[str, bool]:
@@ -441,7 +449,7 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
     """Llama's layout: Llama, Qwen2 (q/k/v biases), Qwen3 (query and key norms) or Mistral (a sliding window)."""
     act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", f"{arch}'s MLP here is SwiGLU (silu)")
     biases = _biases(f, arch)
-    h, heads = f.get("hidden_size", int), f.get("num_attention_heads", int)
+    h, heads = f.size("hidden_size"), f.size("num_attention_heads")
     f.require(
         "head_dim",
         (None, h // heads),
@@ -449,12 +457,12 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
         f"only head_dim = hidden_size / num_attention_heads ({h} / {heads} = {h // heads}) is built",
     )
     architecture = {
-        "num_layers": f.get("num_hidden_layers", int),
+        "num_layers": f.size("num_hidden_layers"),
         "hidden_size": h,
         "num_attention_heads": heads,
-        "num_key_value_heads": f.get("num_key_value_heads", int, heads),
-        "ffn_hidden_size": f.get("intermediate_size", int),
-        "max_position_embeddings": f.get("max_position_embeddings", int),
+        "num_key_value_heads": f.size("num_key_value_heads", heads),
+        "ffn_hidden_size": f.size("intermediate_size"),
+        "max_position_embeddings": f.size("max_position_embeddings"),
         "layernorm_epsilon": f.get("rms_norm_eps", float, 1e-6),
         "normalization": LLAMA_NORM.name,
         **ACTIVATION_FLAGS[LLAMA_ACTIVATIONS[act]],
@@ -474,7 +482,7 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
         "seq_length": architecture["max_position_embeddings"],
     }
     window = _window(f, arch, architecture["num_layers"])
-    return HFModel(arch, architecture, defaults, f.get("vocab_size", int), window)
+    return HFModel(arch, architecture, defaults, f.size("vocab_size"), window)
 
 
 def _scaling_flags(factor: float | None) -> dict[str, Any]:
@@ -486,18 +494,18 @@ def _from_phi3(f: _Fields) -> HFModel:
     """Phi-3: Llama's layer without biases, partial rotary embeddings."""
     act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", "Phi-3's MLP here is SwiGLU (silu)")
     f.require("sliding_window", (None,), None, "attention is over the whole sequence here")
-    h, heads = f.get("hidden_size", int), f.get("num_attention_heads", int)
+    h, heads = f.size("hidden_size"), f.size("num_attention_heads")
     params = f.hf.get("rope_parameters") or {}
     factor = params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise HFConfigError(f"{f.source}: partial_rotary_factor {factor!r} is not in (0, 1]; fix the config.json")
     architecture = {
-        "num_layers": f.get("num_hidden_layers", int),
+        "num_layers": f.size("num_hidden_layers"),
         "hidden_size": h,
         "num_attention_heads": heads,
-        "num_key_value_heads": f.get("num_key_value_heads", int, heads),
-        "ffn_hidden_size": f.get("intermediate_size", int),
-        "max_position_embeddings": f.get("max_position_embeddings", int),
+        "num_key_value_heads": f.size("num_key_value_heads", heads),
+        "ffn_hidden_size": f.size("intermediate_size"),
+        "max_position_embeddings": f.size("max_position_embeddings"),
         "layernorm_epsilon": f.get("rms_norm_eps", float, 1e-5),
         "normalization": PHI3_NORM.name,
         **ACTIVATION_FLAGS[LLAMA_ACTIVATIONS[act]],
@@ -516,7 +524,7 @@ def _from_phi3(f: _Fields) -> HFModel:
         "init_method_std": f.get("initializer_range", float, 0.02),
         "seq_length": architecture["max_position_embeddings"],
     }
-    return HFModel(PHI3, architecture, defaults, f.get("vocab_size", int))
+    return HFModel(PHI3, architecture, defaults, f.size("vocab_size"))
 
 
 def _plain_rope_base(f: _Fields) -> float:

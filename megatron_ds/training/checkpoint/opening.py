@@ -60,8 +60,8 @@ def open_checkpoint(path: str, moe: bool = False) -> Checkpoint:
     else:
         what = "a file, not a directory" if os.path.isfile(path) else "no such directory"
         raise CheckpointError(f"{path}: {what}; give a checkpoint directory")
+    meta = read_meta(root, tag)  # its own one-line errors, not wrapped again below
     try:
-        meta = read_meta(root, tag)
         config = read_config(meta)
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(
