@@ -142,17 +142,16 @@ def _set_permissions(directory: str) -> None:
 def check_writable_directory(flag: str, path: str, create: bool = True, error: type[UserError] = UserError) -> None:
     """The output directory `flag` names can be written: created and probed, or (`create=False`, a dry run) its
     nearest existing ancestor is a writable directory. Checked before training starts, so a typo fails in one line."""
+    blocker = _file_in_the_way(path)
+    if blocker:  # makedirs would say "File exists" or "Not a directory"
+        raise error(f"{flag} {path}: {blocker} is a file, not a directory; choose a directory")
     if not create:
         nearest = os.path.abspath(path)
         while not os.path.exists(nearest):
             nearest = os.path.dirname(nearest)
-        if not os.path.isdir(nearest) or not os.access(nearest, os.W_OK | os.X_OK):
-            why = "not a directory" if not os.path.isdir(nearest) else "not writable"
-            raise error(f"{flag} {path}: {nearest} is {why}; choose a writable directory")
+        if not os.access(nearest, os.W_OK | os.X_OK):
+            raise error(f"{flag} {path}: {nearest} is not writable; choose a writable directory")
         return
-    blocker = _file_in_the_way(path)
-    if blocker:  # makedirs would say "File exists" or "Not a directory"
-        raise error(f"{flag} {path}: {blocker} is a file, not a directory; choose a directory")
     try:
         _probe(path)
     except OSError as e:
@@ -241,7 +240,19 @@ def load_failure(path: str, err: BaseException, damaged: str = "the file is dama
     """Why `torch.load(path, weights_only=True)`, a restricted unpickler (`interop.restricted_pickle`) or a
     safetensors read failed, as a one-line error: a refused pickled object is named as such (torch's own text
     advises turning the protection off), anything else is damage (`damaged` says whose and what)."""
-    return refused_pickle(path, err) or f"{path}: unreadable ({first_line(err)}); {damaged}"
+    return refused_pickle(path, err) or f"{path}: unreadable ({_damage(path, err)}); {damaged}"
+
+
+def _damage(path: str, err: BaseException) -> str:
+    """What is wrong with the file, in a few words: torch's text for an empty or non-zip file advises re-saving
+    with a torch.save option, and a truncated zip's runs on about a possible cause for a full line."""
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path) == 0:
+            return "empty, 0 bytes"
+    text = first_line(err)
+    if "mmap can only be used with files saved with" in text:
+        return "not a zip archive, as torch.save writes"
+    return text.split(". This is an internal miniz error")[0]  # torch's advice after it is the fix we give
 
 
 def refused_pickle(path: str, err: BaseException) -> str | None:

@@ -99,7 +99,7 @@ def test_a_dry_run_creates_nothing_but_checks_the_save_directory(tmp_path: Path)
     assert save_load.check_dirs(config(save=str(save)), dry_run=True) == []
     assert not (tmp_path / "a").exists()
     (tmp_path / "file").write_text("x")
-    with pytest.raises(CheckpointError, match="is not a directory"):
+    with pytest.raises(CheckpointError, match="file is a file, not a directory; choose a directory"):
         save_load.check_dirs(config(save=str(tmp_path / "file" / "sub")), dry_run=True)
     save_load.check_dirs(config(save=str(save)))
     assert save.is_dir()  # a launch creates it
