@@ -49,7 +49,8 @@ def read_examples(path: str) -> list[tuple[str, str]]:
     """(prompt, output) of each example in the JSON file at `path`; one-line errors name the file and the
     example."""
     if not os.path.isfile(path):
-        raise DataError(f"--data-path {path}: no such file; finetune_llama.py reads a JSON list of examples")
+        what = "a directory, not a file" if os.path.isdir(path) else "no such file"
+        raise DataError(f"--data-path {path}: {what}; finetune_llama.py reads a JSON list of examples")
     examples = read_json(path, "--data-path", DataError, ("give a readable JSON file", "fix the file"))
     if not isinstance(examples, list) or not examples:
         raise DataError(f"--data-path {path}: expected a non-empty JSON list of {{instruction, input, output}} objects")

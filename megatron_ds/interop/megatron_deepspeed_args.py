@@ -118,10 +118,9 @@ def tokenizer_flags(
 def _sentencepiece_note(flags: list[str]) -> str | None:
     """A note when the recorded tokenizer is `SentencePieceTokenizer`: ours is Megatron-DeepSpeed's
     GPTSentencePieceTokenizer, and the run's own had special pieces more (`megatron_deepspeed_sentencepiece`)."""
-    if (
-        flags[flags.index("--tokenizer-type") + 1 :][:1] != ["SentencePieceTokenizer"]
-        or "--tokenizer-model" not in flags
-    ):
+    if "--tokenizer-type" not in flags or "--tokenizer-model" not in flags:  # overrides may give files alone
+        return None
+    if flags[flags.index("--tokenizer-type") + 1] != "SentencePieceTokenizer":
         return None
     from megatron_ds.data.tokenizer import build_tokenizer, megatron_deepspeed_sentencepiece
 

@@ -123,6 +123,26 @@ def render(args: dict[str, Any], table: Sequence[Arg]) -> list[str]:
     return argv
 
 
+def _whole_override(given: dict[str, str], saved_type: Any, files: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """The tokenizer given on the command line, its type the saved one when only files are given (a run's
+    tokenizer files moved); its files are loaded here, so a bad one is the tokenizer's own one-line error (the
+    conversion's flag checks would name it as the checkpoint's saved args)."""
+    if "tokenizer_type" not in given:
+        if saved_type not in files:
+            flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
+            raise CheckpointError(
+                f"{flags}: the checkpoint's tokenizer {saved_type} takes no such file; give --tokenizer-type too"
+            )
+        given = {"tokenizer_type": saved_type, **given}
+    if given["tokenizer_type"] != "NullTokenizer":  # its ids come from the saved args' --vocab-size
+        from megatron_ds.data.tokenizer import build_tokenizer
+
+        build_tokenizer(
+            given["tokenizer_type"], given.get("tokenizer_model"), given.get("vocab_file"), given.get("merge_file")
+        )
+    return given
+
+
 def tokenizer_flags(
     args: dict[str, Any], overrides: dict[str, str | None], files: dict[str, tuple[str, ...]]
 ) -> tuple[list[str], str | None]:
@@ -131,6 +151,7 @@ def tokenizer_flags(
     only if they still exist; `overrides` (given on the command line) win."""
     given = {k: v for k, v in overrides.items() if v}
     if given:
+        given = _whole_override(given, args.get("tokenizer_type"), files)
         return [x for k, v in given.items() for x in (f"--{k.replace('_', '-')}", v)], None
     kind = args.get("tokenizer_type")
     needs = files.get(kind)

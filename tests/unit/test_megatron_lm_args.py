@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,8 @@ from megatron_ds.interop import restricted_pickle
 from megatron_ds.interop.megatron_lm_files import MegatronLMCheckpoint
 from megatron_ds.testing.megatron_lm_checkpoints import namespace, recorded
 from megatron_ds.training.checkpoint.directory import CheckpointError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_deepspeed"
 
 
 def _ckpt(name: str, **changes: Any) -> MegatronLMCheckpoint:
@@ -110,8 +113,11 @@ def test_tokenizer_flags() -> None:
     flags, note = saved_args.tokenizer_flags(_ckpt("gpt", tokenizer_type="GPT2BPETokenizer", vocab_file="/gone"), {})
     assert flags == ["--vocab-size", "128"]  # the padded rows stand for the vocabulary
     assert note is not None and "GPT2BPETokenizer not recorded (its files are not here)" in note
-    flags, _ = saved_args.tokenizer_flags(_ckpt("gpt"), {"tokenizer_model": "/x.model"})
-    assert flags == ["--vocab-size", "128", "--tokenizer-model", "/x.model"]
+    with pytest.raises(CheckpointError, match="^--tokenizer-model /x.model: the checkpoint's tokenizer NullTokenizer"):
+        saved_args.tokenizer_flags(_ckpt("gpt"), {"tokenizer_model": "/x.model"})  # was recorded without a type
+    moved = {"vocab_file": str(FIXTURES / "vocab.json"), "merge_file": str(FIXTURES / "merges.txt")}
+    flags, _ = saved_args.tokenizer_flags(_ckpt("gpt", tokenizer_type="GPT2BPETokenizer", vocab_file="/gone"), moved)
+    assert flags[2:4] == ["--tokenizer-type", "GPT2BPETokenizer"] and flags[-1] == moved["merge_file"]
 
 
 def test_train_state_counts_megatron_lms_samples_and_flops() -> None:
