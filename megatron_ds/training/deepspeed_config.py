@@ -253,6 +253,7 @@ def load_user_config(path: str) -> dict[str, Any]:
     data = read_json(path, "--deepspeed_config", DeepSpeedConfigError, ("give an existing JSON file", "fix the file"))
     if not isinstance(data, dict):
         raise DeepSpeedConfigError(f"--deepspeed_config {path}: expected a JSON object; fix the file")
+    deepspeed_sections.check_shapes(data, f"--deepspeed_config {path}")
     return data
 
 

@@ -19,6 +19,7 @@ and is dropped, so no DeepSpeed release sees a key it may reject (0.19.8 rejects
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,6 +168,26 @@ SECTIONS: tuple[Section, ...] = (
 BY_NAME = {s.name: s for s in SECTIONS}
 ALIASES = {"bfloat16": "bf16"}
 """Older names DeepSpeed still reads; the file's section is checked and passed under the new name."""
+
+
+OBJECTS = frozenset(
+    {
+        *("zero_optimization", "fp16", "bf16", "activation_checkpointing", "data_types", "checkpoint", "aio"),
+        *("tensorboard", "wandb", "comet", "csv_monitor", "flops_profiler", "comms_logger", "timers", "autotuning"),
+        "curriculum_learning",
+    }
+)
+"""Sections DeepSpeed (or our owner) reads as a JSON object: another value was a TypeError traceback at start-up."""
+
+
+def check_shapes(user: dict[str, Any], label: str) -> None:
+    """Every section in OBJECTS is a JSON object (`{...}`), before anything reads one."""
+    for name, value in user.items():
+        if ALIASES.get(name, name) in OBJECTS and not isinstance(value, dict):
+            raise DeepSpeedSectionError(
+                f"{label}: {name} is {json.dumps(value)}, not a JSON object; write it as {name}: {{...}} (see "
+                "DeepSpeed's config documentation) or remove it"
+            )
 
 
 def classify(user: dict[str, Any], label: str) -> tuple[dict[str, Any], list[str]]:

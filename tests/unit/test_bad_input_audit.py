@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -232,3 +233,27 @@ def test_the_process_exits_with_one_line() -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["error: --tensor-model-parallel-size 0 must be >= 1"], proc.stderr
+
+
+@pytest.mark.parametrize("section", ['"zero_optimization": []', '"fp16": true', '"bfloat16": 1'])
+def test_a_deepspeed_json_section_that_is_not_an_object(section: str, tmp_path: Path) -> None:
+    from megatron_ds.training.deepspeed_config import load_user_config
+
+    path = tmp_path / "ds.json"
+    path.write_text("{" + section + "}")  # was DeepSpeed's TypeError traceback on every rank at start-up
+    name, value = (part.strip().strip('"') for part in section.split(":"))
+    said = f"--deepspeed_config {path}: {name} is {value}, not a JSON object; write it"
+    with pytest.raises(UserError, match="^" + re.escape(said)):
+        load_user_config(str(path))
+
+
+def test_tokenizer_files_without_a_type_for_an_upstream_conversion(tmp_path: Path, capsys) -> None:
+    source = ROOT / "tests" / "fixtures" / "megatron_deepspeed_checkpoints" / "tp1_pp2_tied"
+    convert = _load_tool("convert_checkpoint")
+    argv = ["--from", "megatron-deepspeed", str(source), str(tmp_path / "out"), "--vocab-file", str(tmp_path / "v")]
+    line = one_error_line(capsys, convert.main(argv))  # was ValueError: '--tokenizer-type' is not in list
+    assert line == (
+        f"--vocab-file {tmp_path / 'v'}: the checkpoint's tokenizer NullTokenizer takes no such file; give "
+        "--tokenizer-type too"
+    )
+    assert os.listdir(tmp_path) == []
