@@ -190,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-name", default="NVIDIA A100-SXM4-80GB", help="what the nvidia-smi stub reports")
     p.add_argument("--out", required=True, help="the JSON file to write")
     args = p.parse_args(argv)
+    for flag, checkout in (("--megatron-deepspeed", args.megatron_deepspeed), ("--megatron-lm", args.megatron_lm)):
+        if checkout and not os.path.isdir(checkout):
+            print(f"error: {flag} {checkout}: no such directory; give a checkout of it", file=sys.stderr)
+            return 2
     lines = capture(args.megatron_deepspeed, "Megatron-DeepSpeed", args.gpu_name)
     if args.megatron_lm:
         lines += capture(args.megatron_lm, "Megatron-LM", args.gpu_name, MEGATRON_LM_SCRIPTS)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--utils-py", required=True, help="Megatron-DeepSpeed's megatron/utils.py")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if not os.path.isfile(args.utils_py):
+        raise SystemExit(
+            f"error: --utils-py {args.utils_py}: no such file; give Megatron-DeepSpeed's megatron/utils.py"
+        )
     function = upstream_function(Path(args.utils_py).read_text())
     cases = []
     for seed in range(3):
