@@ -20,6 +20,7 @@ is refused. Nothing of Megatron-DeepSpeed is imported or run.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import pickle
 from dataclasses import dataclass
@@ -117,6 +118,9 @@ class MegatronDeepSpeedCheckpoint(SavedArgs):
         return self.zero_stage >= 1 or self.precision == "bf16"
 
 
+FIRST_STATES = "mp_rank_00_model_states.pt"
+
+
 def find_step_directory(path: str) -> tuple[str, str]:
     """(global_step directory, tag) from a checkpoint root (DeepSpeed's `latest`, else Megatron's
     tracker) or from a global_step directory itself."""
@@ -130,6 +134,12 @@ def find_step_directory(path: str) -> tuple[str, str]:
         tag = open(os.path.join(path, LATEST)).read().strip()
     elif os.path.isfile(os.path.join(path, MEGATRON_TRACKER)):
         tag = "global_step" + open(os.path.join(path, MEGATRON_TRACKER)).read().strip()
+    steps = sorted(os.path.basename(os.path.dirname(f)) for f in glob.glob(os.path.join(path, "*", FIRST_STATES)))
+    if tag and steps and tag not in steps:  # the pointer names a step deleted, or a save that did not finish
+        raise CheckpointError(
+            f"{path}: its pointer names {tag!r}, which holds no {FIRST_STATES}; give one of its complete steps as "
+            f"the source, e.g. {os.path.join(path, steps[-1])}"
+        )
     if tag is None or not os.path.isfile(os.path.join(path, tag, "mp_rank_00_model_states.pt")):
         raise CheckpointError(
             f"{path}: not a Megatron-DeepSpeed checkpoint (no '{LATEST}' naming a global_step directory with "

@@ -257,3 +257,18 @@ def test_tokenizer_files_without_a_type_for_an_upstream_conversion(tmp_path: Pat
         "--tokenizer-type too"
     )
     assert os.listdir(tmp_path) == []
+
+
+def test_a_megatron_deepspeed_pointer_to_a_missing_step(tmp_path: Path, capsys) -> None:
+    source = tmp_path / "mds"
+    fixture = ROOT / "tests" / "fixtures" / "megatron_deepspeed_checkpoints" / "tp1_pp2_tied"
+    subprocess.run(["cp", "-r", str(fixture), str(source)], check=True)
+    (source / "latest").write_text("global_step7")  # was: "not a Megatron-DeepSpeed checkpoint"
+    line = one_error_line(
+        capsys,
+        _load_tool("convert_checkpoint").main(["--from", "megatron-deepspeed", str(source), str(tmp_path / "o")]),
+    )
+    assert line == (
+        f"{source}: its pointer names 'global_step7', which holds no mp_rank_00_model_states.pt; give one of its "
+        f"complete steps as the source, e.g. {source / 'global_step2'}"
+    )
