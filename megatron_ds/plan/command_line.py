@@ -212,6 +212,12 @@ def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     argv = list(argv)
     command = argv.pop(0) if argv and argv[0] in (*sections.names(), sections.ALL) else sections.ALL
     ns = build_parser().parse_args(argv)
+    memory_only = [f for f, v in (("--reported-mb", ns.reported_mb), ("--oom-stage", ns.oom_stage)) if v is not None]
+    if memory_only and command not in ("memory", sections.ALL):  # read by the memory section alone
+        raise PlanError(
+            f"{' and '.join(memory_only)}: read by the memory command only, not by {command}; run `python -m "
+            f"megatron_ds.plan memory` (or no command), or drop the flag"
+        )
     fields = {f for f in PlanInputs.__dataclass_fields__ if f != "handled"}
     given = PlanInputs(**{k: v for k, v in vars(ns).items() if k in fields}, architecture=architecture(ns) or None)
     out = Output(

@@ -272,3 +272,13 @@ def test_a_megatron_deepspeed_pointer_to_a_missing_step(tmp_path: Path, capsys) 
         f"{source}: its pointer names 'global_step7', which holds no mp_rank_00_model_states.pt; give one of its "
         f"complete steps as the source, e.g. {source / 'global_step2'}"
     )
+
+
+def test_a_memory_report_given_to_another_planner_command(capsys) -> None:
+    from megatron_ds.plan.__main__ import main
+
+    argv = ["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "A100-80GB", "--oom-stage", "1"]
+    assert one_error_line(capsys, main(argv)) == (  # was ignored: the plan printed as if it were not given
+        "--oom-stage: read by the memory command only, not by pipeline; run `python -m megatron_ds.plan memory` (or "
+        "no command), or drop the flag"
+    )
