@@ -74,12 +74,18 @@ def rewrite_index(prefix: str, output_prefix: str) -> IndexInfo:
         raise DataError(f"--output-prefix {output_prefix}: {existing[0]} exists; remove it or give a new prefix")
     files.check_output_prefix("--output-prefix", output_prefix, error=DataError)
     tmp = f"{idx_path(output_prefix)}.tmp{os.getpid()}"
+    linked = False
     try:
         _write_index(info, tmp)
         _link(bin_path(prefix), bin_path(output_prefix))
+        linked = True
         files.fsync_file(tmp)
         os.replace(tmp, idx_path(output_prefix))
         files.fsync_directory(os.path.dirname(os.path.abspath(output_prefix)))
+    except BaseException:
+        if linked and not os.path.lexists(idx_path(output_prefix)):  # no half pair left to block a rerun
+            os.remove(bin_path(output_prefix))
+        raise
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

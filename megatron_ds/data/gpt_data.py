@@ -76,12 +76,17 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> tupl
     if weights is None or any(w is None for w in weights):
         numbers = [s for s in items if _looks_like_weight(s)]
         if numbers:
-            raise DataError(f"{flag} {' '.join(items)}: {_misplaced_weight(items, numbers[0])}")
+            raise DataError(f"{flag} {_shown(items)}: {_misplaced_weight(items, numbers[0])}")
         return items, None
     bad = [w for w in weights if not (w > 0 and np.isfinite(w))]
     if bad:
-        raise DataError(f"{flag} {' '.join(items)}: weight {bad[0]} must be a positive number")
+        raise DataError(f"{flag} {_shown(items)}: weight {bad[0]} must be a positive number")
     return items[1::2], [float(w) for w in weights]  # type: ignore[misc]
+
+
+def _shown(items: Sequence[str], most: int = 8) -> str:
+    """The value for a message, its first items only when long (a wrong --data-args-path file held a corpus)."""
+    return " ".join(items) if len(items) <= most else f"{' '.join(items[:most])} ... ({len(items)} items)"
 
 
 def _looks_like_weight(item: str) -> bool:

@@ -282,3 +282,28 @@ def test_a_memory_report_given_to_another_planner_command(capsys) -> None:
         "--oom-stage: read by the memory command only, not by pipeline; run `python -m megatron_ds.plan memory` (or "
         "no command), or drop the flag"
     )
+
+
+def test_a_failed_eod_rewrite_leaves_no_half_pair(tmp_path: Path, monkeypatch) -> None:
+    from megatron_ds.data import append_eod
+
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"{PAIR}{ext}").write_bytes((FIXTURES / f"{PAIR}{ext}").read_bytes())
+    before = sorted(os.listdir(tmp_path))
+
+    def full_disk(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(append_eod.os, "replace", full_disk)  # after the .bin link, before the .idx is in place
+    with pytest.raises(OSError):
+        append_eod.rewrite_index(str(tmp_path / PAIR), str(tmp_path / "eod"))
+    assert sorted(os.listdir(tmp_path)) == before  # the lone eod.bin link blocked every rerun ("exists")
+
+
+def test_a_long_data_path_value_is_shortened_in_its_message() -> None:
+    from megatron_ds.data.gpt_data import parse_data_path
+
+    corpus = [json.dumps({"text": f"document {k} with 42 in it"}) for k in range(100)]  # a JSONL as --data-args-path
+    with pytest.raises(UserError) as err:
+        parse_data_path(" ".join(corpus).split())
+    assert len(str(err.value)) < 300 and "(700 items)" in str(err.value)
