@@ -326,6 +326,13 @@ def from_hf_config(hf: dict[str, Any], source: str) -> HFModel:
             f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; only {known} convert "
             f"exactly"
         )
+    quantized = hf.get("quantization_config")
+    if quantized:  # GPTQ, AWQ, bitsandbytes, fp8: the stored tensors are not the weights
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
+        raise HFConfigError(
+            f"{source}: quantization_config ({method}): a quantized model does not convert; give its unquantized "
+            f"weights (the original release, or the model dequantized and saved with save_pretrained)"
+        )
     if model_type in LLAMA_LAYOUT:
         return _from_llama(reader, model_type)
     return {GPT2: _from_gpt2, PHI3: _from_phi3}[model_type](reader)

@@ -84,6 +84,12 @@ class HFWeights:
         path, stored = self.location[name], self.stored_name[name]
         handle = self._open[path]
         try:
-            return handle[stored] if isinstance(handle, dict) else handle.get_tensor(stored)
+            tensor = handle[stored] if isinstance(handle, dict) else handle.get_tensor(stored)
         except (RuntimeError, OSError, pickle.UnpicklingError, ValueError) as err:
             raise HFWeightsError(f"{path}: tensor {name} unreadable ({err}); the file is damaged") from None
+        if not tensor.is_floating_point():  # cast to the model's dtype, its integers would be the weights
+            raise HFWeightsError(
+                f"{path}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}, not floating point (quantized "
+                f"weights?); give the model's unquantized weights"
+            )
+        return tensor

@@ -307,3 +307,26 @@ def test_a_long_data_path_value_is_shortened_in_its_message() -> None:
     with pytest.raises(UserError) as err:
         parse_data_path(" ".join(corpus).split())
     assert len(str(err.value)) < 300 and "(700 items)" in str(err.value)
+
+
+def test_quantized_hugging_face_weights_are_refused(padded_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    from safetensors.torch import load_file, save_file
+
+    convert = _load_tool("convert_checkpoint")
+    hf = tmp_path / "hf"
+    subprocess.run(["cp", "-r", str(padded_checkpoint / "hf"), str(hf)], check=True)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    line = one_error_line(capsys, convert.main(["--from", "hf", str(hf), str(tmp_path / "o")]))  # was imported
+    assert line.startswith(f"{hf / 'config.json'}: quantization_config (gptq): a quantized model does not convert")
+    (hf / "config.json").write_text(json.dumps(config))
+    tensors = load_file(hf / "model.safetensors")
+    name = "transformer.h.0.attn.c_attn.weight"
+    tensors[name] = tensors[name].to(torch.int8)  # was cast to float: the integers became the weights
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    line = one_error_line(capsys, convert.main(["--from", "hf", str(hf), str(tmp_path / "o"), "--no-progress"]))
+    assert line == (
+        f"{hf / 'model.safetensors'}: tensor {name} is int8, not floating point (quantized weights?); give the "
+        "model's unquantized weights"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
