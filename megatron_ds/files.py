@@ -159,16 +159,19 @@ def check_writable_directory(flag: str, path: str, create: bool = True, error: t
 
 
 def check_output_prefix(
-    flag: str, prefix: str, outputs: Sequence[str] = (), error: type[UserError] = UserError
+    flag: str, prefix: str, outputs: Sequence[str] = (), error: type[UserError] = UserError, inputs: Sequence[str] = ()
 ) -> None:
     """`prefix`, the output files' name that `flag` gives, names a file (`outputs`, the files it makes, are no
-    directories) in a directory that is created and can be written: checked before any work (a tokenizer's
+    directories and none of `inputs`) in a directory that is created and can be written: checked before any work (a tokenizer's
     training, a corpus' tokenization), where the failed write came after it as an OSError naming a temporary file."""
     if not os.path.basename(prefix):
         raise error(f"{flag} {prefix}: ends in a directory; add a file name prefix")
+    sources = {os.path.realpath(p) for p in inputs}
     for path in outputs:
         if os.path.isdir(path):
             raise error(f"{path}: a directory; remove it or give another {flag}")
+        if os.path.realpath(path) in sources:  # replaced at the end, after being read: the input would be lost
+            raise error(f"{flag} {prefix}: would write {path}, which is an --input; give another prefix")
     directory = os.path.dirname(os.path.abspath(prefix))
     blocker = _file_in_the_way(directory)
     if blocker:

@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.log_interval < 1:
         raise DataError(f"--log-interval {args.log_interval}: must be >= 1 (documents between progress lines)")
     outputs = [f"{args.output_prefix}_{key}_document{ext}" for key in args.json_keys for ext in (".bin", ".idx")]
-    files.check_output_prefix("--output-prefix", args.output_prefix, outputs, DataError)
+    files.check_output_prefix("--output-prefix", args.output_prefix, outputs, DataError, inputs=args.input)
     tokenizer = _make_tokenizer(args)  # fails fast on a bad tokenizer, before any worker starts
     writers = {
         key: IndexedWriter(f"{args.output_prefix}_{key}_document", tokenizer.vocab_size) for key in args.json_keys

@@ -72,9 +72,8 @@ def run(args: argparse.Namespace) -> str:
     replaced = os.path.exists(args.model_prefix + ".model")
     if args.vocab_size < 8:
         raise DataError(f"--vocab-size {args.vocab_size}: too small; use at least 8")
-    files.check_output_prefix(
-        "--model-prefix", args.model_prefix, [args.model_prefix + ".model"], DataError
-    )  # before the training, not after
+    model = [args.model_prefix + ".model"]  # checked before the training, not after it
+    files.check_output_prefix("--model-prefix", args.model_prefix, model, DataError, inputs=args.input)
     num_lines = 0
 
     def counted() -> Iterator[str]:

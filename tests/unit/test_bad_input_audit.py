@@ -103,6 +103,11 @@ def _corpus(tmp_path: Path) -> str:
             "{tmp}/taken_text_document.idx: a directory; remove it or give another --output-prefix",
         ),
         (
+            "preprocess_data",
+            ["--input", "{tmp}/corpus_text_document.idx", "--output-prefix", "{tmp}/corpus", *GPT2_TOKENIZER],
+            "--output-prefix {tmp}/corpus: would write {tmp}/corpus_text_document.idx, which is an --input; give",
+        ),
+        (
             "train_tokenizer",
             ["--input", "{corpus}", "--model-prefix", "{tmp}/", "--vocab-size", "16"],
             "--model-prefix {tmp}/: ends in a directory; add a file name prefix",
@@ -133,6 +138,7 @@ def _corpus(tmp_path: Path) -> str:
         "usage-error-was-usage-text",
         "output-under-a-file-was-errno",
         "output-is-a-directory-was-after-the-work",
+        "output-is-the-input-was-replaced",
         "model-prefix-dir-wrote-.model",
         "model-path-is-a-directory-was-errno-after-training",
         "usage-error-was-usage-text-eod",
@@ -147,6 +153,7 @@ def test_tools(
     for ext in (".bin", ".idx"):
         (data / f"{PAIR}{ext}").write_bytes((FIXTURES / f"{PAIR}{ext}").read_bytes())
     corpus = _corpus(tmp_path)
+    (tmp_path / "corpus_text_document.idx").write_text(Path(corpus).read_text())  # text, named like an output
     (tmp_path / "taken_text_document.idx").mkdir()
     (tmp_path / "taken.model").mkdir()
     before = sorted(os.listdir(tmp_path))
@@ -154,6 +161,7 @@ def test_tools(
     line = one_error_line(capsys, _load_tool(tool).main([a.format(**fill) for a in argv]))
     assert line.startswith(said.format(**fill))
     assert sorted(os.listdir(tmp_path)) == before  # nothing written, no temporary file left
+    assert (tmp_path / "corpus_text_document.idx").read_text() == Path(corpus).read_text()  # no input replaced
 
 
 def test_generate_draws_no_id_the_tokenizer_lacks(padded_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
