@@ -354,7 +354,7 @@ def test_bad_checkpoint_dirs_leave_checkpoints_intact(straight: dict, tmp_path: 
     assert_one_line_error(
         single(*BASE, "--mock-data", "--vocab-size", "128", "--save", "/etc/passwd/sub"),
         "--save /etc/passwd/sub",
-        "not writable",
+        "/etc/passwd is a file, not a directory",
     )
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     assert_one_line_error(
