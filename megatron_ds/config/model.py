@@ -89,7 +89,7 @@ class ModelConfig:
     hidden_size: int
     """Model width h (`--hidden-size`)."""
     num_attention_heads: int
-    """Attention heads a; h must be divisible by a (`--num-attention-heads`)."""
+    """Attention heads a; h must be divisible by a unless `kv_channels` gives the head size (`--num-attention-heads`)."""
     ffn_hidden_size: int
     """Width of the MLP's inner layer (`--ffn-hidden-size`; `default_ffn_hidden_size` when not given)."""
     seq_length: int
@@ -109,6 +109,11 @@ class ModelConfig:
     """Key/value heads for grouped-query attention (`--num-key-value-heads`); divides
     num_attention_heads. None: one per attention head (multi-head attention); a value equal to
     num_attention_heads is the same model and is stored as None. See `kv_heads`."""
+    kv_channels: int | None = None
+    """Channels of each attention head (Megatron's `--kv-channels`, transformers' `head_dim`): the QKV projection
+    maps h to (heads + 2 kv heads) x kv_channels, the output projection heads x kv_channels back to h, and the
+    softmax scale, rotary embeddings and the query and key norms work over kv_channels. None: hidden_size /
+    num_attention_heads (Megatron's default); that value is stored as None (one spelling). See `head_dim`."""
     activation: str = "gelu_tanh"
     """The MLP activation, one of ACTIVATIONS (`megatron_ds.model.activations`). `gelu_tanh`, the
     default, is GeLU's tanh approximation: what Megatron-DeepSpeed's default fused bias-GeLU and
@@ -186,13 +191,8 @@ class ModelConfig:
         ):
             at_least(flag, value, 1)
         at_least("--vocab-size", self.vocab_size, 0)
-        h, nh = self.hidden_size, self.num_attention_heads
-        check(
-            h % nh == 0,
-            f"--hidden-size {h} is not divisible by --num-attention-heads {nh}; "
-            f"choose sizes whose ratio is an integer head size",
-        )
-        kv = self.num_key_value_heads
+        self._check_head_size()
+        nh, kv = self.num_attention_heads, self.num_key_value_heads
         if kv is not None:
             check(
                 kv >= 1 and nh % kv == 0,
@@ -228,6 +228,20 @@ class ModelConfig:
             not self.use_rotary_position_embeddings or (dim >= 2 and dim % 2 == 0),
             f"--rotary-percent {self.rotary_percent} gives {dim} rotary channels of the head's {self.head_dim}; "
             f"rotary embeddings rotate channel pairs, so choose a share that gives an even number >= 2",
+        )
+
+    def _check_head_size(self) -> None:
+        # Megatron-LM's rule: hidden / heads must be an integer only when it is the head size (no --kv-channels)
+        h, nh, kv_channels = self.hidden_size, self.num_attention_heads, self.kv_channels
+        if kv_channels is not None:
+            at_least("--kv-channels", kv_channels, 1)
+            if h % nh == 0 and kv_channels == h // nh:  # the default head size: one spelling of the same model
+                object.__setattr__(self, "kv_channels", None)
+            return
+        check(
+            h % nh == 0,
+            f"--hidden-size {h} is not divisible by --num-attention-heads {nh}; "
+            f"choose sizes whose ratio is an integer head size, or give the head size with --kv-channels",
         )
 
     def _check_experts(self) -> None:
@@ -279,8 +293,14 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head: hidden_size / num_attention_heads (Megatron's kv_channels)."""
-        return self.hidden_size // self.num_attention_heads
+        """Channels per attention head: `kv_channels`, by default hidden_size / num_attention_heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_size(self) -> int:
+        """Query heads x head size: the attention's width between the QKV and the output projection (megatron-core's
+        `query_projection_size`; the hidden size unless `kv_channels` says otherwise)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def rotary_dim(self) -> int:

@@ -38,7 +38,9 @@ NETWORK: tuple[Flag, ...] = (
     accepted(
         "--kv-channels",
         _NET,
-        "only hidden / heads, its default (other projection widths are not built)",
+        "channels of each attention head (QKV: h -> (heads + 2 kv heads) x this; output projection: heads x this -> "
+        "h; softmax scale 1/sqrt(this)); hidden / heads by default, which --hidden-size must then divide",
+        "model.kv_channels",
         type=int,
     ),
     accepted(

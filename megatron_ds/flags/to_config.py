@@ -241,11 +241,6 @@ def model_config_of(args: argparse.Namespace) -> ModelConfig:
 
 def _check_fixed_model_options(args: argparse.Namespace, model: ModelConfig) -> None:
     """Megatron options accepted only at the one value the model builds."""
-    if args.kv_channels is not None and args.kv_channels != model.head_dim:
-        raise ConfigError(
-            f"--kv-channels {args.kv_channels} is not supported: only --hidden-size / "
-            f"--num-attention-heads = {model.head_dim} is built; drop --kv-channels"
-        )
     if args.vocab_extra_ids != 0:
         raise ConfigError(
             f"--vocab-extra-ids {args.vocab_extra_ids} is not supported: extra sentinel ids are "

@@ -21,9 +21,10 @@ COLUMN_PARALLEL = ("qkv", "fc1")
 
 def layer_linear_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
     """Full (T=1) weight shapes (out, in) of a transformer layer's linears, in the order the layer
-    draws them: fused QKV, attention output projection, fc1 (gate and up halves with SwiGLU), fc2."""
+    draws them: fused QKV, attention output projection (heads x head size -> h), fc1 (gate and up halves with
+    SwiGLU), fc2."""
     h, f = model.hidden_size, model.ffn_hidden_size
-    return {"qkv": (model.qkv_rows, h), "proj": (h, h), "fc1": (model.fc1_rows, h), "fc2": (h, f)}
+    return {"qkv": (model.qkv_rows, h), "proj": (h, model.query_size), "fc1": (model.fc1_rows, h), "fc2": (h, f)}
 
 
 def norm_params(model: ModelConfig) -> int:

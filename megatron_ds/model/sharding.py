@@ -58,11 +58,7 @@ def _norm(model: ModelConfig, h: int) -> dict[str, TensorRule]:
 
 def _layer_tensors(model: ModelConfig) -> dict[str, TensorRule]:
     h, f = model.hidden_size, model.ffn_hidden_size
-    qkv = qkv_row_parts(
-        (model.num_attention_heads + 2 * model.kv_heads) * (h // model.num_attention_heads),
-        model.num_attention_heads,
-        model.kv_heads,
-    )
+    qkv = qkv_row_parts(model.qkv_rows, model.num_attention_heads, model.kv_heads)
     fc1 = (f, f) if model.gated_mlp else (f,)
     out: dict[str, TensorRule] = {f"input_norm.{k}": r for k, r in _norm(model, h).items()}
     out["qkv.weight"] = TensorRule((sum(qkv), h), FUSED_ROWS, qkv)
@@ -71,7 +67,7 @@ def _layer_tensors(model: ModelConfig) -> dict[str, TensorRule]:
     if model.qk_layernorm:  # --qk-layernorm: over head_dim, replicated over tensor ranks
         for name in ("q_norm", "k_norm"):
             out.update({f"{name}.{k}": r for k, r in _norm(model, model.head_dim).items()})
-    out["proj.weight"] = TensorRule((h, h), COLUMNS)
+    out["proj.weight"] = TensorRule((h, model.query_size), COLUMNS)
     if model.has_bias("proj"):
         out["proj.bias"] = TensorRule((h,))
     out.update({f"post_attention_norm.{k}": r for k, r in _norm(model, h).items()})

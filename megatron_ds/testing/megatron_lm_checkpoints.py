@@ -52,10 +52,11 @@ TRACKER = "latest_checkpointed_iteration.txt"
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_qkv_bias": ("llama", {"add_qkv_bias": True}),
     "llama_qk_layernorm": ("llama", {"qk_layernorm": True}),
+    "llama_kv_channels": ("llama", {"kv_channels": 12, "qk_layernorm": True}),  # hidden / heads is 8
 }
-"""A recorded line with a switch added whose only effect on the args is its own value (Megatron-LM's
-validate_args derives nothing from --add-qkv-bias or --qk-layernorm): name -> (the recorded line, the changed
-args)."""
+"""A recorded line with flags added whose only effect on the args is their own values (Megatron-LM's
+validate_args derives nothing from --add-qkv-bias, --qk-layernorm or a given --kv-channels): name -> (the recorded
+line, the changed args)."""
 
 
 def recorded(name: str) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def recorded(name: str) -> dict[str, Any]:
     base, changes = VARIANTS.get(name, (name, {}))
     with open(RECORDED) as f:
         line = json.load(f)[base]
-    flags = [f"--{k.replace('_', '-')}" for k in changes]
+    flags = [a for k, v in changes.items() for a in (f"--{k.replace('_', '-')}", *(() if v is True else (str(v),)))]
     return {**line, "argv": [*line["argv"], *flags], "args": {**line["args"], **changes}}
 
 

@@ -508,3 +508,21 @@ def test_query_and_key_norms_convert(tmp_path: Path) -> None:
     with torch.no_grad():
         logits = model.float()(reference["tokens"])
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+
+
+def test_a_head_size_other_than_hidden_over_heads_converts(tmp_path: Path) -> None:
+    """The T=2 Llama with --kv-channels 12 (hidden 32 / 4 heads is 8) and --qk-layernorm, trained two steps: QKV of
+    (4 + 2 x 2) x 12 rows, the output projection 48 -> 32 and the q/k norms over 12 convert to the same logits, and
+    the flags carry --kv-channels."""
+    source = tmp_path / "mlm"
+    reference = write_checkpoints("llama_kv_channels", {"torch_dist": str(source)}, ITERATION, "fully_reshardable")
+    result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
+    model_config = result.config.model
+    assert (model_config.head_dim, model_config.query_size, model_config.hidden_size) == (12, 48, 32)
+    assert "--kv-channels" in result.train_flags
+    model = load_model(str(tmp_path / "out"))
+    shapes = {n.rsplit(".", 2)[-2]: p.shape for n, p in model.named_parameters() if n.endswith("weight")}
+    assert shapes["qkv"] == (96, 32) and shapes["proj"] == (32, 48) and shapes["q_norm"] == (12,)
+    with torch.no_grad():
+        logits = model.float()(reference["tokens"])
+    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)

@@ -402,7 +402,7 @@ def test_model_options_that_keep_todays_model() -> None:
     )
     for argv, message in (
         (["--num-key-value-heads", "3"], "--num-key-value-heads 3 must divide"),
-        (["--kv-channels", "16"], "--kv-channels 16 is not supported"),
+        (["--kv-channels", "0"], "--kv-channels 0 must be >= 1"),
         (["--num-experts", "8", "8", "8"], "--num-experts 8 8 8 gives 3 counts"),
         (["--vocab-extra-ids", "100"], "--vocab-extra-ids 100 is not supported"),
     ):

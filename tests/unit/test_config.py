@@ -51,6 +51,7 @@ def raises(make, message: str) -> str:
     [
         (lambda: ModelConfig(**{**MODEL, "hidden_size": 30}), "--hidden-size 30 is not divisible by --num-attention-"),
         (lambda: ModelConfig(**{**MODEL, "num_key_value_heads": 3}), "--num-key-value-heads 3 must divide"),
+        (lambda: ModelConfig(**{**MODEL, "kv_channels": 0}), "--kv-channels 0 must be >= 1"),
         (lambda: ModelConfig(**{**MODEL, "seq_length": 32}), "--seq-length 32 exceeds --max-position-embeddings 16"),
         (lambda: ModelConfig(**{**MODEL, "num_layers": 0}), "--num-layers 0 must be >= 1"),
         (lambda: ModelConfig(**{**MODEL, "normalization": "batchnorm"}), "--normalization 'batchnorm' is not one of"),
@@ -127,6 +128,20 @@ def test_kv_heads_equal_to_heads_is_the_same_model() -> None:
     gqa = ModelConfig(**MODEL, num_key_value_heads=2)
     assert (gqa.kv_heads, gqa.head_dim, gqa.qkv_rows) == (2, 8, (4 + 2 * 2) * 8)
     assert dataclasses.replace(gqa, activation="swiglu").fc1_rows == 2 * 64
+
+
+def test_kv_channels_set_the_head_size_and_its_default_is_one_spelling() -> None:
+    assert ModelConfig(**MODEL, kv_channels=8) == ModelConfig(**MODEL)  # 32 / 4: stored as None
+    wide = ModelConfig(**MODEL, num_key_value_heads=2, kv_channels=12)
+    assert (wide.head_dim, wide.query_size, wide.qkv_rows) == (12, 4 * 12, (4 + 2 * 2) * 12)
+    # Megatron-LM asks hidden / heads to be an integer only when it is the head size
+    odd = ModelConfig(**{**MODEL, "hidden_size": 30}, kv_channels=8)
+    assert (odd.head_dim, odd.query_size, odd.kv_channels) == (8, 32, 8)
+    parsed = parse_config([*FLAGS, "--kv-channels", "12"], world_size=1)[0].model
+    assert (parsed.kv_channels, parsed.head_dim) == (12, 12)
+    stored = tiny_config().to_dict()
+    del stored["model"]["kv_channels"]  # a checkpoint saved before the field existed
+    assert Config.from_dict(stored) == tiny_config()
 
 
 def test_padded_vocabulary_is_one_function() -> None:

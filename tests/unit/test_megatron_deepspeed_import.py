@@ -172,12 +172,13 @@ def test_saved_values_we_do_not_build_are_refused_by_name() -> None:
     for change, flag in (
         ({"num_experts": [4]}, "--num-experts"),
         ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection-post-layernorm"),
-        ({"kv_channels": 16}, "--kv-channels"),
     ):
         changed = dataclasses.replace(ckpt, args={**ckpt.args, **change})
         with pytest.raises(CheckpointError, match=flag) as err:
             saved_args.config_from_args(changed, [])
         assert "\n" not in str(err.value)
+    wide = dataclasses.replace(ckpt, args={**ckpt.args, "kv_channels": 16})  # built since --kv-channels is
+    assert saved_args.config_from_args(wide, []).model.head_dim == 16
     relu2 = dataclasses.replace(ckpt, args={**ckpt.args, "squared_relu": True})  # built since --squared-relu is
     assert saved_args.config_from_args(relu2, []).model.activation == "squared_relu"
     zero3 = dataclasses.replace(ckpt, args={**ckpt.args, "deepspeed_config_dict": {"zero_optimization": {"stage": 3}}})

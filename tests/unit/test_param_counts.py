@@ -45,6 +45,8 @@ ARCHITECTURES = {
     "no_bias": dataclasses.replace(GPT, add_bias_linear=False),
     "rotary_no_table": dataclasses.replace(GPT, use_rotary_position_embeddings=True, add_position_embedding=False),
     "mqa_swiglu": dataclasses.replace(GPT, num_key_value_heads=2, activation="swiglu"),
+    # --kv-channels other than hidden / heads: QKV (heads + 2 kv) x 12 rows, proj 48 -> 32, q/k norms over 12
+    "kv_channels": dataclasses.replace(LLAMA_GQA, qk_layernorm=True, kv_channels=12),
 }
 REG = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -93,7 +95,9 @@ def test_spec_counts_equal_the_modules_at_t1(name: str) -> None:
     assert shapes.largest_layer_params(model) == largest
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama_gqa", "untied", "no_bias", "qkv_bias", "qwen3", "qk_layernorm"])
+@pytest.mark.parametrize(
+    "name", ["gpt", "llama_gqa", "untied", "no_bias", "qkv_bias", "qwen3", "qk_layernorm", "kv_channels"]
+)
 def test_spec_counts_equal_the_shards_at_t2(name: str, two_tensor_ranks: TensorParallel) -> None:
     model = ARCHITECTURES[name]
     modules = spec_modules(model, two_tensor_ranks)
