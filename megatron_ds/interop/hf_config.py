@@ -4,7 +4,8 @@ GPT-2 (`GPT2LMHeadModel`): LayerNorm, a GeLU (tanh `gelu_new` or exact `gelu`), 
 biases, multi-head attention. Llama (`LlamaForCausalLM`): RMSNorm, SwiGLU, rotary embeddings (any
 `rope_theta`) on whole heads, optional grouped-query attention and biases. Qwen2 (`Qwen2ForCausalLM`): Llama
 with q/k/v biases alone (our `--add-qkv-bias`). Qwen3 (`Qwen3ForCausalLM`): Llama without biases, with an RMSNorm
-on each query and key head (our `--qk-layernorm`; its `head_dim` must be hidden_size / num_attention_heads). Mistral (`MistralForCausalLM`): Llama without biases, written
+on each query and key head (our `--qk-layernorm`). Their `head_dim` is our `--kv-channels` (hidden_size /
+num_attention_heads when absent, Qwen3's 128). Mistral (`MistralForCausalLM`): Llama without biases, written
 only on request (`--hf-model-type mistral`). Their sliding windows are not built: `HFModel.attention_window`
 lets the import refuse one shorter than the sequence. Phi-3 (`Phi3ForCausalLM`):
 Llama's layer without biases, with fused q|k|v and gate|up tensors and partial rotary embeddings
@@ -93,6 +94,10 @@ GPT2_REQUIRES = (
     Requirement(
         lambda m: m.kv_heads == m.num_attention_heads, "--num-key-value-heads: GPT-2 has no grouped-query attention"
     ),
+    Requirement(
+        lambda m: m.kv_channels is None,
+        lambda m: f"--kv-channels {m.kv_channels}: GPT-2's head size is n_embd / n_head ({_default_head(m)})",
+    ),
 )
 LLAMA_REQUIRES = (
     _norm_requirement(LLAMA_NORM, "Llama"),
@@ -103,6 +108,14 @@ LLAMA_REQUIRES = (
 )
 PHI3_REQUIRES = (
     _norm_requirement(PHI3_NORM, "Phi-3"),
+    Requirement(
+        lambda m: m.kv_channels is None,
+        lambda m: (
+            f"--kv-channels {m.kv_channels} with --rotary-percent {m.rotary_percent:g}: partial rotary exports as "
+            f"Phi-3, whose config has no head_dim (its head size is hidden_size / num_attention_heads, "
+            f"{_default_head(m)})"
+        ),
+    ),
     Requirement(
         lambda m: not m.use_rope_scaling,
         "--use-rope-scaling with --rotary-percent below 1: partial rotary exports as Phi-3, whose rope scaling is "
@@ -144,6 +157,12 @@ QWEN3_REQUIRES = (
         lambda m: f"--rotary-percent {m.rotary_percent:g}: Qwen3 rotates whole heads",
     ),
 )
+
+
+def _default_head(model: ModelConfig) -> str:
+    """hidden / heads as a head size, or the fraction when it is none."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    return str(h // heads) if h % heads == 0 else f"{h}/{heads}, not an integer"
 
 
 _TYPE_REQUIRES = {MISTRAL: MISTRAL_REQUIRES, QWEN2: QWEN2_REQUIRES, QWEN3: QWEN3_REQUIRES}
@@ -258,7 +277,7 @@ def _llama_layout_fields(model: ModelConfig, regularization: RegularizationConfi
         "hidden_size": model.hidden_size,
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.kv_heads,
-        "head_dim": model.hidden_size // model.num_attention_heads,
+        "head_dim": model.head_dim,
         "intermediate_size": model.ffn_hidden_size,
         "max_position_embeddings": model.max_position_embeddings,
         "hidden_act": activations.find(model.activation).hf_names[0],
@@ -457,17 +476,12 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
     act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", f"{arch}'s MLP here is SwiGLU (silu)")
     biases = _biases(f, arch)
     h, heads = f.size("hidden_size"), f.size("num_attention_heads")
-    f.require(
-        "head_dim",
-        (None, h // heads),
-        QWEN3_DEFAULT_HEAD_DIM if arch == QWEN3 else None,  # transformers' Qwen3Config default, not h / heads
-        f"only head_dim = hidden_size / num_attention_heads ({h} / {heads} = {h // heads}) is built",
-    )
     architecture = {
         "num_layers": f.size("num_hidden_layers"),
         "hidden_size": h,
         "num_attention_heads": heads,
         "num_key_value_heads": f.size("num_key_value_heads", heads),
+        "kv_channels": _head_dim(f, arch, h, heads),
         "ffn_hidden_size": f.size("intermediate_size"),
         "max_position_embeddings": f.size("max_position_embeddings"),
         "layernorm_epsilon": f.get("rms_norm_eps", float, 1e-6),
@@ -492,6 +506,18 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
     return HFModel(arch, architecture, defaults, f.size("vocab_size"), window)
 
 
+def _head_dim(f: _Fields, arch: str, hidden: int, heads: int) -> int | None:
+    """`--kv-channels` of config.json's `head_dim` (transformers' default when absent or null: hidden_size /
+    num_attention_heads, Qwen3's 128); None when it is hidden / heads (no flag, the same model)."""
+    default = QWEN3_DEFAULT_HEAD_DIM if arch == QWEN3 else None  # transformers' Qwen3Config default, not h / heads
+    head_dim = f.get("head_dim", int, default)
+    if head_dim is not None and head_dim < 1:
+        raise HFConfigError(f"{f.source}: head_dim {head_dim} is not a positive number; fix the config.json")
+    if heads >= 1 and hidden % heads == 0 and head_dim == hidden // heads:
+        return None
+    return head_dim
+
+
 def _scaling_flags(factor: float | None) -> dict[str, Any]:
     """The dests of `--use-rope-scaling` / `--rope-scaling-factor` for a scaling factor or None."""
     return {"use_rope_scaling": False} if factor is None else {"use_rope_scaling": True, "rope_scaling_factor": factor}
@@ -502,6 +528,12 @@ def _from_phi3(f: _Fields) -> HFModel:
     act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", "Phi-3's MLP here is SwiGLU (silu)")
     f.require("sliding_window", (None,), None, "attention is over the whole sequence here")
     h, heads = f.size("hidden_size"), f.size("num_attention_heads")
+    f.require(
+        "head_dim",
+        (None, h // heads),
+        None,
+        f"Phi-3's head size is hidden_size / num_attention_heads ({h // heads}) here",
+    )
     params = f.hf.get("rope_parameters") or {}
     factor = params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:

@@ -98,6 +98,21 @@ CONFIGS = {
         tie_word_embeddings=True,  # Qwen3-0.6B's
         **SMALL,
     ),
+    "qwen3_head_dim": lambda: transformers.Qwen3Config(  # head_dim 12, not 32 / 4 (as Qwen3-0.6B's 128, not 64)
+        **LAYERS,
+        num_key_value_heads=2,
+        head_dim=12,  # --kv-channels 12: q_proj 32 -> 48, o_proj 48 -> 32, q/k norms and rotary over 12
+        max_position_embeddings=64,
+        rope_theta=1000000.0,
+        **SMALL,
+    ),
+    "llama_head_dim": lambda: transformers.LlamaConfig(  # a head smaller than hidden / heads
+        **LAYERS,
+        num_key_value_heads=2,
+        head_dim=6,
+        max_position_embeddings=64,
+        **SMALL,
+    ),
     "mistral": lambda: transformers.MistralConfig(
         **LAYERS,
         num_key_value_heads=2,
@@ -139,6 +154,8 @@ EXPECTED = {
     "qwen3": ("swiglu", 1000000.0),
     "tied_qwen3": ("swiglu", 10000.0),
     "mistral": ("swiglu", 10000.0),
+    "qwen3_head_dim": ("swiglu", 1000000.0),
+    "llama_head_dim": ("swiglu", 10000.0),
     "phi3_partial_rotary": ("swiglu", 10000.0),
 }
 
@@ -173,7 +190,9 @@ def test_import_equals_transformers_and_exports_back_bit_identical(
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     with torch.no_grad():
         diff = (ours(_tokens()) - reference(_tokens()).logits).abs().max().item()
-    assert diff <= (1e-5 if "qwen3" in name else 1e-4), diff
+    assert diff <= (1e-5 if "qwen3" in name or "head_dim" in name else 1e-4), diff
+    if "head_dim" in name:  # --kv-channels other than hidden / heads
+        assert model.head_dim == reference.config.head_dim != 32 // 4 and "--kv-channels" in result.train_flags
     prompt = [5, 6, 7]
     hf_greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
     assert generate(ours, prompt, 20, temperature=0.0) == hf_greedy[0, 3:].tolist()
@@ -182,9 +201,12 @@ def test_import_equals_transformers_and_exports_back_bit_identical(
     if not name.startswith("gpt2"):
         assert original.keys() == back.keys()
     assert all(torch.equal(original[k], back[k]) for k in back)  # GPT-2's file also holds attn.bias buffers
+    if not name.startswith(("gpt2", "phi3")):
+        head_dim = getattr(reference.config, "head_dim", None) or 32 // 4  # Qwen2Config has none by default
+        assert json.loads((tmp_path / "back" / "config.json").read_text())["head_dim"] == head_dim
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen3"])  # Qwen3's q/k norms: one copy per tensor rank
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "qwen3_head_dim"])  # Qwen3's q/k norms: one per tensor rank
 def test_tensor_parallel_import_gathers_to_the_same_model(name: str, hf_dirs: dict[str, Path], tmp_path: Path) -> None:
     one = import_hf(str(hf_dirs[name]), str(tmp_path / "t1"), [], show_progress=False)
     two = import_hf(

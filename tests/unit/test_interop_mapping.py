@@ -40,6 +40,7 @@ LLAMA = dataclasses.replace(
 )
 QWEN2 = dataclasses.replace(LLAMA, add_qkv_bias=True, rotary_base=1e6)  # Qwen2.5's base
 QWEN3 = dataclasses.replace(LLAMA, qk_layernorm=True, rotary_base=1e6)
+PHI3_WIDE = dataclasses.replace(LLAMA, rotary_percent=0.5, kv_channels=16)  # partial rotary exports as Phi-3
 MODULES = {
     naming.WORD_EMBEDDING: WordEmbedding,
     naming.POSITION_EMBEDDING: PositionEmbedding,
@@ -51,9 +52,24 @@ MODULES = {
 
 @pytest.mark.parametrize(
     "model",
-    [GPT, LLAMA, dataclasses.replace(LLAMA, add_bias_linear=True), QWEN2, QWEN3]
+    [
+        GPT,
+        LLAMA,
+        dataclasses.replace(LLAMA, add_bias_linear=True),
+        QWEN2,
+        QWEN3,
+        dataclasses.replace(QWEN3, kv_channels=12),
+    ]
     + [dataclasses.replace(GPT, normalization=norm, qk_layernorm=True) for norm in norms.REGISTRY],
-    ids=["gpt", "llama", "llama_bias", "qwen2", "qwen3", *(f"gpt_{norm}_qk_layernorm" for norm in norms.REGISTRY)],
+    ids=[
+        "gpt",
+        "llama",
+        "llama_bias",
+        "qwen2",
+        "qwen3",
+        "qwen3_kv_channels",
+        *(f"gpt_{norm}_qk_layernorm" for norm in norms.REGISTRY),
+    ],
 )
 def test_tensor_table_matches_the_layers(model: ModelConfig) -> None:
     for spec in naming.gpt_spec_groups(model).names:
@@ -315,14 +331,12 @@ def test_qwen2s_window_is_the_one_transformers_applies(change: dict, window: int
         (_llama_json(rope_parameters={"rope_type": "default", "rope_theta": "big"}), "rope_theta 'big'"),
         (_llama_json(attention_bias=True, mlp_bias=False), "mlp_bias"),
         (_llama_json(hidden_act="gelu"), "hidden_act"),
-        (_llama_json(head_dim=16), "head_dim"),
         (_llama_json(model_type="gemma"), "model_type 'gemma'"),
+        (_llama_json(head_dim=0), "head_dim 0 is not a positive number"),
+        (_llama_json(head_dim="8"), "head_dim '8' is not an int"),
         (_qwen2_json(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn' is not supported"),
         (_qwen2_json(use_sliding_window=True, layer_types=["full_attention", "chunked_attention"]), "'chunked_"),
         (_qwen2_json(hidden_act="gelu"), "hidden_act"),
-        (_mistral_json(head_dim=16), "head_dim 16 is not supported: only head_dim = hidden_size / num_attention"),
-        (_qwen3_json(head_dim=16), r"head_dim 16 is not supported: only head_dim = .* \(32 / 4 = 8\) is built$"),
-        ({k: v for k, v in _qwen3_json().items() if k != "head_dim"}, "head_dim 128 is not supported"),  # its default
         (_qwen3_json(attention_bias=True), "attention_bias True is not supported: Qwen3's biases on q, k, v and o"),
         (_mistral_json(sliding_window=0), "sliding_window 0 is not a positive number"),
         ({k: v for k, v in _llama_json().items() if k != "hidden_size"}, "no 'hidden_size' field"),
@@ -349,6 +363,29 @@ def test_qwen3_is_llama_with_query_and_key_norms_and_its_head_dim() -> None:
     shapes = hf_weights.hf_shapes(hf_config.QWEN3, QWEN3, 200)
     assert shapes["model.layers.1.self_attn.q_norm.weight"] == shapes["model.layers.1.self_attn.k_norm.weight"] == (8,)
     assert len(shapes) == len(hf_weights.hf_shapes(hf_config.LLAMA, LLAMA, 200)) + 2 * LLAMA.num_layers
+
+
+def test_head_dim_is_kv_channels_both_ways() -> None:
+    """config.json's head_dim is --kv-channels, absent (no flag) at hidden / heads; Qwen3's default is 128."""
+    for hf in (
+        _llama_json(head_dim=16),
+        _mistral_json(head_dim=16),
+        _qwen2_json(head_dim=16),
+        _qwen3_json(head_dim=16),
+    ):
+        assert hf_config.from_hf_config(hf, "x").architecture["kv_channels"] == 16
+    assert hf_config.from_hf_config(_llama_json(), "x").architecture["kv_channels"] is None  # head_dim 8 = 32 / 4
+    assert hf_config.from_hf_config({**_llama_json(), "head_dim": None}, "x").architecture["kv_channels"] is None
+    no_head_dim = {k: v for k, v in _qwen3_json().items() if k != "head_dim"}
+    assert hf_config.from_hf_config(no_head_dim, "x").architecture["kv_channels"] == 128  # Qwen3Config's default
+    wide = dataclasses.replace(QWEN3, kv_channels=16)
+    assert hf_config.to_hf_config(wide, REG, 200, "float32", {})["head_dim"] == 16
+    for refused, flag in ((dataclasses.replace(GPT, kv_channels=16), "gpt2"), (PHI3_WIDE, "phi3")):
+        with pytest.raises(HFConfigError, match=f"cannot export to Hugging Face {flag}: --kv-channels 16"):
+            hf_config.to_hf_config(refused, REG, 200, "float32", {})
+    phi3 = hf_config.to_hf_config(dataclasses.replace(PHI3_WIDE, kv_channels=None), REG, 200, "float32", {})
+    with pytest.raises(HFConfigError, match="head_dim 16 is not supported: Phi-3's head size"):
+        hf_config.from_hf_config({**phi3, "head_dim": 16}, "x")
 
 
 def test_hf_names_cover_every_tensor_once() -> None:
