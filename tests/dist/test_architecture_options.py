@@ -39,6 +39,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
 QKV_BIAS = {**LLAMA, "model__add_qkv_bias": True}  # Qwen2's layout: --disable-bias-linear --add-qkv-bias
 QWEN3 = {**LLAMA, "model__qk_layernorm": True}  # Qwen3's layout: RMSNorm over each q and k head
 QWEN3_SP = {**QWEN3, "parallel__sequence_parallel": True}  # the norms' gradients: partial over heads and sequence
+QWEN3_KV_CHANNELS = {**QWEN3, "model__kv_channels": 12}  # --kv-channels 12, not 32 / 4: Qwen3-0.6B/4B/32B's kind
 LLAMA_PARTIAL_1P = {**LLAMA, "model__rotary_percent": 0.5, "model__normalization": "rmsnorm1p"}  # Megatron-LM's forms
 
 
@@ -62,6 +63,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     scenarios["llama_partial_1p"] = scenario(LLAMA_PARTIAL_1P)
     scenarios["qkv_bias"] = scenario(QKV_BIAS)
     scenarios["qwen3"] = scenario(QWEN3)
+    scenarios["qwen3_kv_channels"] = scenario(QWEN3_KV_CHANNELS)
     scenarios[ModelConfig.normalization] = scenario({})  # tiny_config itself: the base of its norm's 1p form
     results = run(tmp_path_factory.mktemp("arch_ref") / "ref", 1, scenarios, timeout=300)
     return {name: ranks[0] for name, ranks in results.items()}
@@ -83,7 +85,8 @@ def tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[
                  "llama_partial_1p": scenario(LLAMA_PARTIAL_1P, p=2, t=2),
                  "qkv_bias": scenario(QKV_BIAS, p=2, t=2),
                  "qwen3": scenario(QWEN3, p=2, t=2),
-                 "qwen3_sp": scenario(QWEN3_SP, p=2, t=2)}
+                 "qwen3_sp": scenario(QWEN3_SP, p=2, t=2),
+                 "qwen3_kv_channels": scenario(QWEN3_KV_CHANNELS, p=2, t=2)}
     return run(tmp_path_factory.mktemp("arch_t2") / "run", 4, scenarios, timeout=420)
 
 
@@ -143,7 +146,9 @@ def test_no_position_embedding_leaves_the_dropout_spec(dedicated: dict) -> None:
     assert "2: EmbeddingDropout" in table and "PositionEmbedding" not in table, table
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_post_zero1", "llama_partial_1p", "qkv_bias", "qwen3", "qwen3_sp"])
+@pytest.mark.parametrize(
+    "name", ["llama", "llama_post_zero1", "llama_partial_1p", "qkv_bias", "qwen3", "qwen3_sp", "qwen3_kv_channels"]
+)
 def test_llama_tensor_parallel_equals_single_process(tensor_parallel: dict, reference: dict, name: str) -> None:
     assert_matches(tensor_parallel[name], reference[{"llama_post_zero1": "llama", "qwen3_sp": "qwen3"}.get(name, name)])
 
