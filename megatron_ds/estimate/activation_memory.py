@@ -137,7 +137,7 @@ def transformer_layer_terms(
     tensor-parallel size. `document_mask`: `--reset-attention-mask`'s dense mask (module docstring)."""
     sp = as_split(split)
     b, s, h, f = micro_batch_size, model.seq_length, model.hidden_size, model.ffn_hidden_size
-    r, t, a = sp.replicated, sp.split, model.num_attention_heads
+    r, t, a, q = sp.replicated, sp.split, model.num_attention_heads, model.query_size
     sbh, bs = s * b * h, s * b
     drop_h = regularization.hidden_dropout > 0
     drop_a = regularization.attention_dropout > 0
@@ -149,12 +149,12 @@ def transformer_layer_terms(
         "fc1 input": sbh * k.w / r,
         "residual dropout masks": (2 * sbh * k.mask / r) if drop_h else 0,
         # Split over tensor-parallel ranks (the paper's "24/t").
-        "projection input": sbh * k.w / t,
+        "projection input": s * b * q * k.w / t,  # heads x head size wide (h unless --kv-channels)
         # GeLU saves its input (the paper's 4h-wide "GeLU input"); SwiGLU fc1's two halves and silu's output.
         f"{model.activation} inputs": activations.find(model.activation).saved_features * s * b * f * k.w / t,
         "fc2 input": s * b * f * k.w / t,
     }
-    terms.update(_attention_terms(b, s, h, a, sp, k, drop_a))
+    terms.update(_attention_terms(b, s, q, a, sp, k, drop_a))
     if document_mask:
         terms["document mask"] = document_mask_bytes(b, s, k, sp)
     return terms
@@ -169,9 +169,10 @@ def document_mask_bytes(b: int, s: int, k: Kernels, split: Split) -> float:
     return float(b * s * s * k.w) if k.attention == "flash" else 0.0
 
 
-def _attention_terms(b: int, s: int, h: int, a: int, sp: Split, k: Kernels, dropout: bool) -> dict[str, float]:
+def _attention_terms(b: int, s: int, q: int, a: int, sp: Split, k: Kernels, dropout: bool) -> dict[str, float]:
+    # q: the attention's width, heads x head size (`ModelConfig.query_size`; the hidden size unless --kv-channels)
     t = sp.split
-    sbh, scores = s * b * h, a * s * s * b
+    sbh, scores = s * b * q, a * s * s * b
     if sp.selective:  # the checkpointed core attention keeps its inputs only (views of the qkv output)
         return {"q, k, v": 3 * sbh * k.w / t}
     if k.attention == "flash":
@@ -194,7 +195,7 @@ def recomputed_attention_bytes(
     """What recomputing one layer's core attention in backward allocates for one micro-batch (selective
     recomputation): what it would save besides q, k, v (views of the qkv output, kept), and on the flash
     path its output, a new tensor then (under Ulysses already one of the terms)."""
-    s, b, h = model.seq_length, micro_batch_size, model.hidden_size
+    s, b, h = model.seq_length, micro_batch_size, model.query_size  # the attention's width
     whole = Split(split.tensor, split.sequence_parallel, split.ulysses, selective=False)
     full = _attention_terms(b, s, h, model.num_attention_heads, whole, k, regularization.attention_dropout > 0)
     views = 3 * s * b * h * k.w / whole.split

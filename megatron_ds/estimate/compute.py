@@ -25,7 +25,8 @@ Conventions kept from the paper:
     predict the time of such kernels, not to report TFLOP/s. The attention terms are s/6h of the
     rest of a layer (5.6% at s = 128, h = 384), so there the choice moves a stage's time little.
 Generalised beyond the paper, term by term from our layer (megatron_ds/model/transformer.py): QKV
-has nh query and kv key/value heads of hd = h/nh (grouped-query attention), SwiGLU's fc1 has 2f
+has nh query and kv key/value heads of hd = --kv-channels (h/nh by default; proj maps nh x hd back to h, so the
+model FLOPs carry Megatron-LM's query_projection_to_hidden_size_ratio nh hd / h), SwiGLU's fc1 has 2f
 outputs, f = ffn_hidden_size; at T > 1 each rank computes 1/T of QKV, scores, values, proj, fc1,
 fc2 (megatron-core's column/row-parallel layers) and of the vocabulary-parallel head.
 
@@ -167,7 +168,7 @@ def layer_terms(inputs: ComputeInputs, num_experts: int = 1) -> tuple[Term, ...]
     """
     m, t = inputs.model, inputs.tensor_parallel_size
     n = inputs.micro_batch_size * m.seq_length  # tokens per micro-batch
-    h, hd, b = m.hidden_size, m.hidden_size // m.num_attention_heads, inputs.micro_batch_size
+    h, hd, b = m.hidden_size, m.head_dim, inputs.micro_batch_size
     nq, nkv = m.num_attention_heads // t, m.kv_heads // t  # this rank's query / key-value heads
     f = m.ffn_hidden_size // t
     act = activations.find(m.activation)

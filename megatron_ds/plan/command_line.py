@@ -82,6 +82,7 @@ ARCHITECTURE_FLAGS = (
     "--num-key-value-heads",
     "--group-query-attention",
     "--num-query-groups",
+    "--kv-channels",
     "--swiglu",
     "--openai-gelu",
     "--squared-relu",

@@ -61,6 +61,9 @@ ARCHITECTURES = {
     "mqa-untied": dataclasses.replace(BASE, num_key_value_heads=1, untie_embeddings_and_output_weights=True),
     "swiglu-bias-dropout": dataclasses.replace(BASE, activation="swiglu"),
 }
+ARCHITECTURES["kv-channels-qk-norms"] = dataclasses.replace(  # --kv-channels 12 (64 / 8 is 8): Qwen3-0.6B's kind
+    ARCHITECTURES["gqa-swiglu-rotary"], kv_channels=12, qk_layernorm=True
+)
 REGULARIZATION = {"swiglu-bias-dropout": RegularizationConfig(hidden_dropout=0.1, attention_dropout=0.1)}
 
 
@@ -137,10 +140,12 @@ def test_paper_formula_classic_gpt() -> None:
 
 def megatron_lm_flops(m: ModelConfig, batch: int) -> float:
     """Megatron-LM's throughput count (megatron/training/training.py, num_floating_point_operations):
-    12 B s L h^2 ((1 + g/a + s/h) q/h + f/h x (3/2 if swiglu) + V/(2Lh)), q = a x head dim = h."""
+    12 B s L h^2 ((1 + g/a + s/h) q/h + f/h x (3/2 if swiglu) + V/(2Lh)), q = a x kv_channels (its
+    query_projection_to_hidden_size_ratio q/h is 1 unless --kv-channels says otherwise)."""
     h, s, n = m.hidden_size, m.seq_length, m.num_layers
     gated = 1.5 if m.gated_mlp else 1.0
-    attention = 1 + m.kv_heads / m.num_attention_heads + s / h
+    kv_channels = m.kv_channels or h // m.num_attention_heads  # Megatron-LM's args.kv_channels after validate_args
+    attention = (1 + m.kv_heads / m.num_attention_heads + s / h) * (m.num_attention_heads * kv_channels / h)
     return 12 * batch * s * n * h * h * (attention + m.ffn_hidden_size / h * gated + m.vocab_size / (2 * n * h))
 
 

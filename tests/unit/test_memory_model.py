@@ -175,6 +175,20 @@ def test_transformer_layer_activations_equal_saved_tensors(
     assert sum(act.transformer_layer_terms(m, b, k, regularization=reg).values()) == measured
 
 
+@pytest.mark.parametrize("kv_channels", [8, 24])  # heads x head size 32 and 96 beside hidden 64
+@pytest.mark.parametrize("dropout", [0.0, 0.1])  # the flash and the math path
+def test_a_head_size_other_than_hidden_over_heads_saves_its_width(kv_channels: int, dropout: float) -> None:
+    from megatron_ds.model.transformer import TransformerLayer
+
+    m, reg = tiny(kv_channels=kv_channels), RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout)
+    layer = TransformerLayer(m, reg, 1).train()
+    x = torch.randn(3, m.seq_length, m.hidden_size, requires_grad=True)
+    k = act.kernels("fp32", "cpu", dropout)
+    terms = act.transformer_layer_terms(m, 3, k, regularization=reg)
+    assert sum(terms.values()) == saved_bytes(lambda: layer(x), layer)
+    assert terms["projection input"] == 3 * m.seq_length * 4 * kv_channels * 4  # b s (heads x head size) fp32
+
+
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: torch.dtype) -> None:
     from megatron_ds.model.layers import (

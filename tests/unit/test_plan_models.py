@@ -108,6 +108,30 @@ def test_architecture_flags_reach_the_model_as_pretrain_gpt_builds_it(capsys) ->
     assert config.model.kv_heads == 4 and config.model.activation == "swiglu"
 
 
+QWEN3_06B = ["--num-layers", "28", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "4096"]
+QWEN3_06B += ["--vocab-size", "151936", "--ffn-hidden-size", "3072", "--global-batch-size", "64"]
+QWEN3_06B_ARCH = ["--swiglu", "--num-key-value-heads", "8", "--kv-channels", "128", "--qk-layernorm"]
+QWEN3_06B_ARCH += ["--normalization", "RMSNorm", "--disable-bias-linear", "--use-rotary-position-embeddings"]
+QWEN3_06B_ARCH += ["--no-position-embedding", "--make-vocab-size-divisible-by", "1"]
+"""Qwen3-0.6B's config.json as flags: head_dim 128 beside hidden / heads = 64, tied embeddings."""
+
+
+def test_kv_channels_size_the_planned_model_and_reach_the_printed_command(capsys) -> None:
+    sizes = dict(num_layers=28, hidden_size=1024, num_attention_heads=16, seq_length=4096, vocab_size=151936)
+    model = resolve(PlanInputs(**sizes, ffn_hidden_size=3072, architecture=QWEN3_06B_ARCH)).model()
+    # its model card: 0.44B parameters besides the (tied) embedding; 28 x (q, k, v, o of 128-channel heads, the
+    # SwiGLU MLP, two norms and the 128-wide q/k norms) + the final norm
+    assert (model.head_dim, model.query_size) == (128, 2048)
+    assert total_params(model) - 151936 * 1024 == 28 * (6_291_456 + 9_437_184 + 2 * 1024 + 2 * 128) + 1024
+    rc = main(["pipeline", *QWEN3_06B, *QWEN3_06B_ARCH, "--num-gpus", "8", "--gpu", "H100", "--format", "json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    sec = next(s for s in report["sections"] if s["name"] == "pipeline")
+    tokens = shlex.split(sec["snippets"]["command"].split("\n", 1)[1].replace("\\\n", " "))
+    config, _ = parse_config(tokens[tokens.index("pretrain_gpt.py") + 1 :], world_size=8)
+    assert config.model == model and "--kv-channels" in tokens
+
+
 def test_a_bad_architecture_value_is_one_line(capsys) -> None:
     assert main(["pipeline", "--model", "1.3b", "--num-key-value-heads", "5", "--num-gpus", "8", "--gpu", "H100"]) == 2
     err = capsys.readouterr().err
