@@ -262,6 +262,12 @@ def test_wider_teacher_loads_with_a_notice_of_what_upstream_would_build(tmp_path
     (notice,) = distillation.check_teacher(student(path))
     assert notice.startswith(f"NOTICE: --load-teacher {path}: the teacher is built with its own MLP width 64 (student)")
     assert "head size 8 (student) vs 16 (teacher)" in notice
+    # --kv-channels: the teacher's head size is its checkpoint's too, whatever the student's
+    path = fake_teacher(tmp_path / "kv", tiny_config(model__kv_channels=12))
+    (notice,) = distillation.check_teacher(student(path))
+    assert "head size 8 (student) vs 12 (teacher)" in notice
+    config = student(str(tmp_path / "t"), model__kv_channels=12)
+    assert distillation.teacher_model(config, distillation.open_teacher(config)).head_dim == 16
 
 
 def test_teacher_whose_heads_the_tensor_size_does_not_divide_is_one_line(tmp_path: Path) -> None:

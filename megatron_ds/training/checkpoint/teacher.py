@@ -26,6 +26,7 @@ OWN_FIELDS = (
     "num_layers",
     "hidden_size",
     "num_attention_heads",
+    "kv_channels",  # its head size, as its hidden size / heads when not given (the NOTICE of `check_teacher`)
     "ffn_hidden_size",
     "num_experts",
     "expert_interval",
