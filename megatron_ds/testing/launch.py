@@ -314,6 +314,10 @@ def run_torchrun(
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 
+TEARDOWN_S = 5.0
+"""How long `forked_gloo_ranks` waits for a rank that answered to leave before killing it."""
+
+
 def forked_gloo_ranks(
     target: Callable[..., Any], world_size: int, store: str, *args: Any, timeout: float = 120.0
 ) -> list:
@@ -338,7 +342,9 @@ def forked_gloo_ranks(
                 results[rank] = value
     finally:
         for rank, p in enumerate(procs):
-            p.join(timeout=30 if rank in results else 0)  # one that answered is tearing down its group
+            # One that answered is tearing down its group (well under a second); one still there after TEARDOWN_S is
+            # stuck in it (seen under pytest-xdist: 30 s per rank) and is killed: its answer is already in.
+            p.join(timeout=TEARDOWN_S if rank in results else 0)
             if p.is_alive():
                 p.kill()
     stalled = sorted(set(range(world_size)) - set(results))
