@@ -51,7 +51,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_qkv_bias": ("llama", {"add_qkv_bias": True}),
-    "llama_qk_layernorm": ("llama", {"qk_layernorm": True}),
     "llama_kv_channels": ("llama", {"kv_channels": 12, "qk_layernorm": True}),  # hidden / heads is 8
 }
 """A recorded line with flags added whose only effect on the args is their own values (Megatron-LM's

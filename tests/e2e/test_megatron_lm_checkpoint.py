@@ -493,34 +493,23 @@ def test_a_qkv_bias_alone_converts_with_its_rows(tmp_path: Path) -> None:
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
 
 
-def test_query_and_key_norms_convert(tmp_path: Path) -> None:
-    """The T=2 Llama with --qk-layernorm (megatron-core's q_layernorm/k_layernorm, Qwen3's norms), trained two steps
-    (their gradients summed over the tensor ranks, as Megatron-LM's step does) so the weights are not their init of
-    ones: `self_attention.q_layernorm.weight` and `k_layernorm.weight` convert to the same logits."""
-    source = tmp_path / "mlm"
-    reference = write_checkpoints("llama_qk_layernorm", {"torch_dist": str(source)}, ITERATION, "fully_reshardable")
-    result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
-    assert result.config.model.qk_layernorm and "--qk-layernorm" in result.train_flags
-    model = load_model(str(tmp_path / "out"))
-    head_norms = {n: p for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n}
-    assert len(head_norms) == 2 * result.config.model.num_layers
-    assert all(p.shape == (result.config.model.head_dim,) and (p - 1).abs().max() > 0 for p in head_norms.values())
-    with torch.no_grad():
-        logits = model.float()(reference["tokens"])
-    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
-
-
 def test_a_head_size_other_than_hidden_over_heads_converts(tmp_path: Path) -> None:
-    """The T=2 Llama with --kv-channels 12 (hidden 32 / 4 heads is 8) and --qk-layernorm, trained two steps: QKV of
-    (4 + 2 x 2) x 12 rows, the output projection 48 -> 32 and the q/k norms over 12 convert to the same logits, and
-    the flags carry --kv-channels."""
+    """The T=2 Llama with --kv-channels 12 (hidden 32 / 4 heads is 8) and --qk-layernorm (megatron-core's
+    q_layernorm/k_layernorm, Qwen3's norms), trained two steps (the norms' gradients summed over the tensor ranks, as
+    Megatron-LM's step does, so they are not their init of ones): QKV of (4 + 2 x 2) x 12 rows, the output
+    projection 48 -> 32 and `self_attention.q_layernorm.weight` / `k_layernorm.weight` over 12 convert to the same
+    logits, and the flags carry --kv-channels and --qk-layernorm (one Megatron-LM launch checks both)."""
     source = tmp_path / "mlm"
     reference = write_checkpoints("llama_kv_channels", {"torch_dist": str(source)}, ITERATION, "fully_reshardable")
     result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
     model_config = result.config.model
     assert (model_config.head_dim, model_config.query_size, model_config.hidden_size) == (12, 48, 32)
     assert "--kv-channels" in result.train_flags
+    assert model_config.qk_layernorm and "--qk-layernorm" in result.train_flags
     model = load_model(str(tmp_path / "out"))
+    head_norms = {n: p for n, p in model.named_parameters() if "q_norm" in n or "k_norm" in n}
+    assert len(head_norms) == 2 * model_config.num_layers
+    assert all(p.shape == (12,) and (p - 1).abs().max() > 0 for p in head_norms.values())
     shapes = {n.rsplit(".", 2)[-2]: p.shape for n, p in model.named_parameters() if n.endswith("weight")}
     assert shapes["qkv"] == (96, 32) and shapes["proj"] == (32, 48) and shapes["q_norm"] == (12,)
     with torch.no_grad():
