@@ -15,19 +15,12 @@ from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.inference import GPTModel, KVCache, generate, load_model
 from megatron_ds.interop.megatron_deepspeed import import_megatron_deepspeed
 from megatron_ds.model.transformer import TransformerLayer
+from megatron_ds.testing.scenario import tiny_config
 from megatron_ds.training.checkpoint.directory import CheckpointError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_deepspeed_checkpoints"
-MOE = ModelConfig(
-    num_layers=4,
-    hidden_size=32,
-    num_attention_heads=4,
-    ffn_hidden_size=64,
-    seq_length=16,
-    max_position_embeddings=40,
-    vocab_size=96,
-    num_experts=(4,),  # on layers 2 and 4 (--expert-interval 2); routing flags at their defaults: tokens are dropped
-)
+# on layers 2 and 4 (--expert-interval 2); routing flags at their defaults: tokens are dropped
+MOE = tiny_config(model__max_position_embeddings=40, model__vocab_size=96, model__num_experts=(4,)).model
 INIT = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
 TOKENS = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(1))
 
