@@ -2,7 +2,7 @@
 
 `config_from_args` renders the saved values that shape the model or its training as
 Megatron-DeepSpeed command-line flags and parses them with our own parser, so each one means
-here what it meant upstream, and one we do not build (MoE, post-LN residuals,
+here what it meant upstream, and one we do not build (post-LN residuals,
 fp32 residuals...) is refused in one line naming the flag. Values at upstream's neutral
 setting are not rendered. The padded vocabulary comes out as upstream padded it: the tokenizer's
 size (`universal_checkpoint_info`'s `original_vocab_size`) with the same divisor and T.
