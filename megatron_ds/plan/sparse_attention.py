@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from importlib import metadata
 
+from megatron_ds.config import ModelConfig
+from megatron_ds.estimate.compute import ComputeInputs, core_attention_forward, spec_flops
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.report import Section
 from megatron_ds.units import format_bytes
@@ -96,20 +98,25 @@ def _major_minor(text: str | None) -> tuple[int, int] | None:
     return (parts + [0, 0])[0], (parts + [0, 0])[1]
 
 
-def attention_share(seq_length: int, hidden_size: int) -> float:
-    return seq_length / (6 * hidden_size + seq_length)
+def attention_share(model: ModelConfig) -> float:
+    """The core attention's share (scores, softmax, attention over values) of one transformer layer's forward FLOPs,
+    by the compute model: GQA, SwiGLU, the head size (`--kv-channels`) and the FFN width counted. For a GPT layer
+    it is 4bs^2h of 24bsh^2 + 4bs^2h (Narayanan et al. 2021): s / (6h + s)."""
+    body = next(sp for sp in spec_flops(ComputeInputs(model, micro_batch_size=1)) if sp.group == "body")
+    return core_attention_forward(body) / body.forward
 
 
 def sparse_attention_section(ctx: Context) -> Section:
     res = ctx.res
     sec = Section("sparse-attention", "Sparse attention")
     s, h, a = res.dims["seq_length"], res.dims["hidden_size"], res.dims["num_attention_heads"]
-    share = attention_share(s, h)
+    share = attention_share(res.model())
     dense = a * s * s * 2  # one 16-bit score matrix per sample per layer if it were stored
     sec.add(
-        f"Sequence {s}, hidden {h}: attention is about {share:.0%} of a layer's forward FLOPs (estimate: "
-        f"4bs^2h of 24bsh^2 + 4bs^2h, Narayanan et al. 2021). Block-sparse attention keeping a fraction f of the "
-        f"blocks cuts that part to f; it matters once s approaches 6h = {6 * h} tokens.",
+        f"Sequence {s}, hidden {h}: attention is about {share:.0%} of a layer's forward FLOPs (estimate: the core "
+        f"attention's share in megatron_ds/estimate/compute.py; for a GPT layer 4bs^2h of 24bsh^2 + 4bs^2h, Narayanan "
+        f"et al. 2021). Block-sparse attention keeping a fraction f of the blocks cuts that part to f; for a GPT layer "
+        f"it matters once s approaches 6h = {6 * h} tokens.",
         f"Memory: pretrain_gpt.py uses torch SDPA, whose flash/memory-efficient kernels never store the "
         f"{format_bytes(dense)} score matrix per sample and layer (16-bit, a x s x s), so sparse attention would "
         f"save compute, not activation memory, here.",

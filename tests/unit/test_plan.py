@@ -531,3 +531,26 @@ def test_console_entry_point_is_importable_without_torch() -> None:
         "c.run; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())
+
+
+def test_sparse_attention_share_is_the_compute_models_and_sees_the_head_size() -> None:
+    """The sparse-attention guide's attention share comes from the compute model: Narayanan et al.'s s / (6h + s)
+    for a GPT layer (the softmax's few FLOPs aside), larger with a head size above h / a (`--kv-channels`)."""
+    import dataclasses
+
+    from megatron_ds.config import ModelConfig
+    from megatron_ds.plan.sparse_attention import attention_share
+
+    gpt = ModelConfig(
+        num_layers=2,
+        hidden_size=2048,
+        num_attention_heads=16,
+        ffn_hidden_size=8192,
+        seq_length=2048,
+        max_position_embeddings=2048,
+        vocab_size=1000,
+    )
+    assert abs(attention_share(gpt) - 2048 / (6 * 2048 + 2048)) < 1e-3
+    wide = attention_share(dataclasses.replace(gpt, kv_channels=256))  # heads x 256 = 2h of attention width
+    # s / (4h + s): 8bs^2h of 16bsh^2 (q, k, v, o each 2h wide) + 16bsh^2 (MLP) + 8bs^2h
+    assert abs(wide - 2048 / (4 * 2048 + 2048)) < 1e-3
