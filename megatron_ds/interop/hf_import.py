@@ -23,6 +23,7 @@ import torch
 
 from megatron_ds import files
 from megatron_ds.config import Config
+from megatron_ds.data import DataError
 from megatron_ds.data.tokenizer import build_tokenizer
 from megatron_ds.interop import hf_config, hf_tokenizer, hf_weights
 from megatron_ds.interop.hf_config import HFConfigError, HFModel
@@ -79,9 +80,20 @@ def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dic
 
     given, _ = build_parser().parse_known_args(list(argv))
     values = {**hf.defaults, **hf.architecture, "vocab_size": hf.vocab_size}
-    if given.tokenizer_type is None and given.vocab_file is None and tokenizer:
+    found = given.tokenizer_type is None and given.vocab_file is None and bool(tokenizer)
+    if found:
         values.update(tokenizer)
-    _check_tokenizer({k: values.get(k, getattr(given, k)) for k in TOKENIZER_DESTS}, hf, source)
+    try:
+        _check_tokenizer({k: values.get(k, getattr(given, k)) for k in TOKENIZER_DESTS}, hf, source)
+    except DataError as err:
+        if not found:
+            raise
+        # the tokenizer files came with the model, not from a flag: name them, not --tokenizer-model
+        reason = str(err).split(": ", 1)[-1]
+        raise HFConfigError(
+            f"{os.path.dirname(source)}: its tokenizer files: {reason}; fix or remove them, or give the "
+            f"tokenizer with --tokenizer-type / --tokenizer-model"
+        ) from None
     if given.train_iters is None and given.train_samples is None and given.train_tokens is None:
         values["train_iters"] = 1  # required by the flag checks; a weights-only checkpoint does not use it
     if given.lr is None:

@@ -338,3 +338,16 @@ def test_quantized_hugging_face_weights_are_refused(padded_checkpoint: Path, tmp
         "model's unquantized weights"
     )
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_damaged_tokenizer_files_of_a_hugging_face_model_are_named_as_its_files(
+    padded_checkpoint: Path, tmp_path: Path, capsys
+) -> None:
+    hf = tmp_path / "hf"
+    subprocess.run(["cp", "-r", str(padded_checkpoint / "hf"), str(hf)], check=True)
+    (hf / "tokenizer.json").write_text("{not json")
+    line = one_error_line(capsys, _load_tool("convert_checkpoint").main(["--from", "hf", str(hf), str(tmp_path / "o")]))
+    # was: "--tokenizer-model <dir>: ...", a flag the user never gave
+    assert line.startswith(f"{hf}: its tokenizer files: not a Hugging Face tokenizer ("), line
+    assert line.endswith("fix or remove them, or give the tokenizer with --tokenizer-type / --tokenizer-model"), line
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
