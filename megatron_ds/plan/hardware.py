@@ -5,7 +5,8 @@ Model presets: the GPT-3 family of Brown et al. 2020, "Language Models are Few-S
 Table 2.1 (layers, width, batch size, learning rate), with the head counts Megatron-DeepSpeed's GPT-3
 example scripts use (hidden size divisible by heads: 1.3B uses 16 heads, 13B uses width 5120), sequence
 length 2048 and the GPT-2 BPE vocabulary of 50257 tokens; and Llama 2 (7B, 13B, 70B), Llama 3
-(8B, 70B, 405B), Llama 3.1 (8B, 70B; RoPE scaling) and Llama 3.2 (1B, 3B; tied) with their architecture
+(8B, 70B, 405B), Llama 3.1 (8B, 70B; RoPE scaling), Llama 3.2 (1B, 3B; tied), Qwen2.5 (7B, 72B), Qwen3 (0.6B-32B dense; q/k norms,
+128-channel heads) and Mistral 7B with their architecture
 as pretrain_gpt.py's flags (each preset's `source`). A preset's model is built by pretrain_gpt.py's own
 flag rules (`flags.parser.model_config`), so its parameter count is what pretrain_gpt.py builds
 (tests/unit/test_plan_models.py checks the published counts).
@@ -125,6 +126,29 @@ def _gqa(kv: int) -> tuple[str, ...]:
     return ("--num-key-value-heads", str(kv))
 
 
+# Qwen3 dense: Llama's layer without the q/k/v biases, with RMSNorm on each head's queries and keys, 128-channel heads
+# at every size (--kv-channels where hidden / heads is not 128), RoPE base 1e6, epsilon 1e-6; 0.6B-4B tied.
+_QWEN3_ARCH = (*_LLAMA, "--qk-layernorm", "--rotary-base", "1000000", "--layernorm-epsilon", "1e-6", *_gqa(8))
+_QWEN3_TIED = tuple(f for f in _QWEN3_ARCH if f != "--untie-embeddings-and-output-weights")
+_QWEN3 = (
+    "Qwen Team 2025, Qwen3 Technical Report (arXiv 2505.09388), Table 1; the released config.json files (4B-32B as "
+    "quoted in citsjtu2020/LLM-Prof sglang/Model_Config.md; 0.6B/1.7B as in rasbt/LLMs-from-scratch "
+    "pkg/llms_from_scratch/qwen3.py): head_dim 128, 8 kv heads, rope_theta 1e6, rms_norm_eps 1e-6, vocab 151936, "
+    "40960 positions; parameters 0.6B/1.7B/4.0B/8.2B/14.8B/32.8B as their model cards state; batch and learning rate "
+    "are not published (the Llama 3 batch and the placeholder --lr are printed)"
+)
+
+
+def _kv128(hidden: int, heads: int) -> tuple[str, ...]:
+    """--kv-channels 128 where Qwen3's head_dim is not hidden / heads (0.6B, 4B, 32B)."""
+    return () if hidden == 128 * heads else ("--kv-channels", "128")
+
+
+def _qwen3(name: str, layers: int, hidden: int, heads: int, ffn: int, tied: bool) -> Preset:
+    arch = (*(_QWEN3_TIED if tied else _QWEN3_ARCH), *_kv128(hidden, heads))
+    return Preset(name, layers, hidden, heads, 512, None, ffn, 4096, 151936, arch, _QWEN3)
+
+
 PRESETS = {
     p.name: p
     for p in (
@@ -176,6 +200,12 @@ PRESETS = {
         Preset("llama3.2-3b", 28, 3072, 24, 512, None, 8192, 8192, 128256, (*_LLAMA32_ARCH, *_gqa(8)), _LLAMA32),
         Preset("qwen2.5-7b", 28, 3584, 28, 512, None, 18944, 4096, 152064, (*_QWEN25_ARCH, *_gqa(4)), _QWEN25),
         Preset("qwen2.5-72b", 80, 8192, 64, 512, None, 29568, 4096, 152064, (*_QWEN25_ARCH, *_gqa(8)), _QWEN25),
+        _qwen3("qwen3-0.6b", 28, 1024, 16, 3072, tied=True),
+        _qwen3("qwen3-1.7b", 28, 2048, 16, 6144, tied=True),
+        _qwen3("qwen3-4b", 36, 2560, 32, 9728, tied=True),
+        _qwen3("qwen3-8b", 36, 4096, 32, 12288, tied=False),
+        _qwen3("qwen3-14b", 40, 5120, 40, 17408, tied=False),
+        _qwen3("qwen3-32b", 64, 5120, 64, 25600, tied=False),
         Preset("mistral-7b", 32, 4096, 32, 1024, None, 14336, 4096, 32000, (*_LLAMA, *_gqa(8)), _MISTRAL),
     )
 }

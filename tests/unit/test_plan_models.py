@@ -57,7 +57,37 @@ def test_llama_class_presets_have_their_published_parameter_counts(name: str) ->
         assert m.rope_scaling_factor == ROPE_SCALING[name]
 
 
-@pytest.mark.parametrize(("name", "gpus"), [("llama3.2-1b", 8), ("llama3-405b", 1024), ("qwen2.5-7b", 16)])
+# Qwen3 (arXiv 2505.09388, the model cards): total and non-embedding billions; 0.6B-4B as the exact counts of
+# keras-hub's Qwen3 presets (596,049,920, 1,720,574,976, 4,022,468,096), whose cards say 0.6B, 1.7B and 4.0B
+QWEN3_BILLIONS = {
+    "qwen3-0.6b": (0.59605, 0.44),
+    "qwen3-1.7b": (1.72057, 1.4),
+    "qwen3-4b": (4.02247, 3.6),
+    "qwen3-8b": (8.2, 6.95),
+    "qwen3-14b": (14.8, 13.2),
+    "qwen3-32b": (32.8, 31.2),
+}
+QWEN3_TIED = {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_BILLIONS))
+def test_qwen3_presets_have_their_published_parameter_counts(name: str) -> None:
+    m = resolve(PlanInputs(model=name)).model()
+    total, body = QWEN3_BILLIONS[name]
+    embeddings = 151936 * m.hidden_size * (1 if name in QWEN3_TIED else 2)
+    assert total_params(m) / 1e9 == pytest.approx(total, rel=1e-2 if total > 5 else 1e-5)
+    assert (total_params(m) - embeddings) / 1e9 == pytest.approx(body, rel=1e-2)
+    assert m.qk_layernorm and not m.add_qkv_bias and not m.add_bias_linear and m.kv_heads == 8
+    assert (m.head_dim, m.rotary_base, m.layernorm_epsilon) == (128, 1e6, 1e-6)
+    assert m.activation == "swiglu" and m.normalization == "rmsnorm" and not m.add_position_embedding
+    assert m.untie_embeddings_and_output_weights == (name not in QWEN3_TIED)
+    assert hardware.find_preset("Qwen3-" + name.split("-")[1].upper()).name == name  # Qwen3-0.6B, ...
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus"),
+    [("llama3.2-1b", 8), ("llama3-405b", 1024), ("qwen2.5-7b", 16), ("qwen3-0.6b", 8), ("qwen3-32b", 64)],
+)
 def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, capsys) -> None:
     """RoPE scaling, tied embeddings, q/k/v biases and the norm epsilon reach the printed pretrain_gpt.py line, not
     only the planner's model."""
@@ -71,6 +101,15 @@ def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, 
     assert config.model.use_rope_scaling == (name in ROPE_SCALING)
     assert config.model.rope_scaling_factor == ROPE_SCALING.get(name, config.model.rope_scaling_factor)
     assert config.model.add_qkv_bias == (name in QWEN)
+    assert config.model.qk_layernorm == name.startswith("qwen3")
+    assert ("--kv-channels" in tokens) == (name in {"qwen3-0.6b", "qwen3-32b"})  # hidden / heads is not 128
+
+
+def test_the_qwen3_8b_plan_prints_every_default_section(capsys) -> None:
+    """`python -m megatron_ds.plan --model qwen3-8b --num-gpus 8 --gpu H100-80GB`: every default section."""
+    assert main(["--model", "qwen3-8b", "--num-gpus", "8", "--gpu", "H100-80GB", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in report["sections"]] == ["zero", "precision", "pipeline", "memory"]
 
 
 def test_preset_names_are_forgiving_and_gpt3_sizes_unchanged() -> None:
