@@ -131,10 +131,11 @@ def _gqa(kv: int) -> tuple[str, ...]:
 _QWEN3_ARCH = (*_LLAMA, "--qk-layernorm", "--rotary-base", "1000000", "--layernorm-epsilon", "1e-6", *_gqa(8))
 _QWEN3_TIED = tuple(f for f in _QWEN3_ARCH if f != "--untie-embeddings-and-output-weights")
 _QWEN3 = (
-    "Qwen Team 2025, Qwen3 Technical Report (arXiv 2505.09388), Table 1; the released config.json files (4B-32B as "
-    "quoted in citsjtu2020/LLM-Prof sglang/Model_Config.md; 0.6B/1.7B as in rasbt/LLMs-from-scratch "
+    "Qwen Team 2025, Qwen3 (arXiv 2505.09388); the released config.json files (4B-32B as quoted in "
+    "citsjtu2020/LLM-Prof sglang/Model_Config.md; 0.6B/1.7B as in rasbt/LLMs-from-scratch "
     "pkg/llms_from_scratch/qwen3.py): head_dim 128, 8 kv heads, rope_theta 1e6, rms_norm_eps 1e-6, vocab 151936, "
-    "40960 positions; parameters 0.6B/1.7B/4.0B/8.2B/14.8B/32.8B as their model cards state; batch and learning rate "
+    "40960 positions; parameters 0.6B/1.7B/4.0B/8.2B/14.8B/32.8B (0.6B-4B exactly keras-hub's Qwen3 preset counts); "
+    "batch and learning rate "
     "are not published (the Llama 3 batch and the placeholder --lr are printed)"
 )
 
