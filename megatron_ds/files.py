@@ -146,9 +146,7 @@ def check_writable_directory(flag: str, path: str, create: bool = True, error: t
     if blocker:  # makedirs would say "File exists" or "Not a directory"
         raise error(f"{flag} {path}: {blocker} is a file, not a directory; choose a directory")
     if not create:
-        nearest = os.path.abspath(path)
-        while not os.path.exists(nearest):
-            nearest = os.path.dirname(nearest)
+        nearest = _nearest_existing(path)  # a directory: no file is in the way
         if not os.access(nearest, os.W_OK | os.X_OK):
             raise error(f"{flag} {path}: {nearest} is not writable; choose a writable directory")
         return
@@ -184,11 +182,17 @@ def check_output_prefix(
         ) from None
 
 
-def _file_in_the_way(directory: str) -> str | None:
-    """The nearest existing path at or above `directory` when it is not a directory (nothing can be made there)."""
-    nearest = os.path.abspath(directory)
+def _nearest_existing(path: str) -> str:
+    """`path` or its nearest ancestor that exists (a dangling link counts: it blocks as a file would)."""
+    nearest = os.path.abspath(path)
     while not os.path.lexists(nearest):
         nearest = os.path.dirname(nearest)
+    return nearest
+
+
+def _file_in_the_way(directory: str) -> str | None:
+    """The nearest existing path at or above `directory` when it is not a directory (nothing can be made there)."""
+    nearest = _nearest_existing(directory)
     return None if os.path.isdir(nearest) else nearest
 
 
