@@ -179,6 +179,15 @@ class ModelConfig:
     experts' logits instead of a Gumbel-max sample (drawn from torch's default generator, as DeepSpeed does)."""
     moe_loss_coeff: float = 0.1
     """`--moe-loss-coeff`: the loss is the LM loss + this x the sum of every MoE layer's load-balancing loss."""
+    window_size: tuple[int, int] | None = None
+    """Megatron-LM's `--window-size` (left, right) of sliding-window attention: on a layer with the window the query
+    at position i attends the keys i - left .. i (left + 1 keys, itself included; Hugging Face's `sliding_window` is
+    left + 1); right is 0 (attention is causal). None: every layer attends to the whole causal sequence; a left of
+    -1 (upstream's "infinite") is stored as None. See `layer_windows` and `megatron_ds.model.sliding_window`."""
+    window_attn_skip_freq: tuple[int, ...] | None = None
+    """Which layers have the window (`--window-attn-skip-freq`), one 0 (full attention) or 1 (the window) per layer;
+    None: every layer (upstream's default). Upstream's integer N (layer numbers from 1 that are multiples of N attend
+    fully) is stored as its pattern, and a pattern of all ones as None (one spelling of the same model)."""
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -223,6 +232,7 @@ class ModelConfig:
         if self.add_bias_linear:
             object.__setattr__(self, "add_qkv_bias", False)
         self._check_experts()
+        self._check_window()
         dim = self.rotary_dim
         check(
             not self.use_rotary_position_embeddings or (dim >= 2 and dim % 2 == 0),
@@ -275,6 +285,40 @@ class ModelConfig:
             f"--topk {self.moe_top_k} sends each token to {self.moe_top_k} experts, but a layer has {few}; "
             f"use --topk 1 or more experts",
         )
+
+    def _check_window(self) -> None:
+        window, pattern = self.window_size, self.window_attn_skip_freq
+        if window is not None:
+            window = tuple(int(n) for n in window)  # a JSON list on load
+            given = ",".join(map(str, window))
+            check(len(window) == 2, f"--window-size {given} must be two numbers LEFT,RIGHT, e.g. 4095,0")
+            check(window[0] >= -1, f"--window-size {given}: LEFT must be >= 0, or -1 for no window")
+            check(
+                window[0] == -1 or window[1] == 0,
+                f"--window-size {given}: RIGHT lets a token attend {window[1]} later tokens, but a GPT attends causally "
+                f"(Megatron-LM's Transformer Engine attention replaces it by 0); give {window[0]},0",
+            )
+            window = None if window[0] == -1 else window
+        if pattern is not None:
+            pattern = tuple(int(n) for n in pattern)
+            check(
+                len(pattern) == self.num_layers and set(pattern) <= {0, 1},
+                f"--window-attn-skip-freq {list(pattern)} must give one 0 (full attention) or 1 (the window) for each "
+                f"of the --num-layers {self.num_layers} layers",
+            )
+            pattern = None if window is None or all(pattern) else pattern
+            window = None if pattern is not None and not any(pattern) else window
+        object.__setattr__(self, "window_size", window)
+        object.__setattr__(self, "window_attn_skip_freq", pattern)
+
+    @functools.cached_property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per transformer layer: the keys before each query that it attends (`window_size`'s left), or None for
+        the whole causal sequence (Megatron-LM's `is_layer_window_attention` over layer numbers from 1)."""
+        if self.window_size is None:
+            return (None,) * self.num_layers
+        pattern = self.window_attn_skip_freq or (1,) * self.num_layers
+        return tuple(self.window_size[0] if on else None for on in pattern)
 
     @functools.cached_property  # the planner asks per candidate stage; O(layers) each time was most of its time
     def experts_per_layer(self) -> tuple[int, ...]:

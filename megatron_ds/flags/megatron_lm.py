@@ -104,12 +104,22 @@ NETWORK: tuple[Flag, ...] = (
         "its epsilon, replicated over tensor ranks, its gradients summed over them",
         "model.qk_layernorm",
     ),
-    refused(
+    accepted(
         "--window-size",
         _NET,
-        f"{_MLM}: sliding-window attention is not built; attention here covers the whole causal sequence",
-        "drop it; a model trained with a window attends differently",
-        takes=VALUE,
+        f"{_MLM}: sliding-window attention LEFT,RIGHT (e.g. 4095,0): on a layer with the window each token attends "
+        "itself and the LEFT tokens before it (Hugging Face's sliding_window is LEFT + 1), within its document with "
+        "--reset-attention-mask; RIGHT must be 0 (causal); LEFT -1: no window",
+        "model.window_size",
+        derived=True,
+    ),
+    accepted(
+        "--window-attn-skip-freq",
+        _NET,
+        f"{_MLM}: which layers have --window-size's window: N (every layer but the N-th, 2N-th, ...; they attend "
+        "fully) or a list pattern such as ([1]*3+[0])*2, one 1 (window) or 0 (full) per layer; all when not given",
+        "model.window_attn_skip_freq",
+        derived=True,
     ),
     refused(
         "--rotary-interleaved",

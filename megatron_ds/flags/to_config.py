@@ -42,6 +42,7 @@ from megatron_ds.flags import (
     profiler_flags,
     schedule_flags,
     step_flags,
+    window_flags,
 )
 from megatron_ds.flags.data_args_files import data_paths_from_files
 from megatron_ds.flags.data_upstream import data_upstream
@@ -217,6 +218,8 @@ def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConf
         activation=activation,
         normalization=norm,
         num_key_value_heads=model_flags.key_value_heads(args),
+        window_size=window_flags.window_size(args),
+        window_attn_skip_freq=window_flags.window_layers(args),
     )
     _check_fixed_model_options(args, model)
     model_flags.check_parallel_modes(args)

@@ -3,7 +3,9 @@
 A mixture-of-experts model (`ModelConfig.experts_per_layer`) has the training MoE layer (DeepSpeed's, every expert on
 this process: expert-parallel size 1) where the training model has one, its gate set to route every token to its top-k
 experts whatever else is in the batch (`moe.route_every_token`: no token dropped, top-2's second expert by score), so
-a KV-cached step computes what the whole sequence does.
+a KV-cached step computes what the whole sequence does. A layer with a sliding window
+(`ModelConfig.layer_windows`) keeps every key in the cache and lets each new token attend the cached keys its window
+holds (`sliding_window.visible`), as the whole sequence's forward does.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.model import moe, naming
+from megatron_ds.model import moe, naming, sliding_window
 from megatron_ds.model.layers import FinalNorm, LMHead, PositionEmbedding, WordEmbedding
 from megatron_ds.model.sharding import TensorRule
 from megatron_ds.model.transformer import TransformerLayer
@@ -50,7 +52,9 @@ class GPTModel(nn.Module):
         # `init` only scales freshly drawn weights (a loaded checkpoint replaces them); no dropout runs in eval.
         self.embedding = WordEmbedding(model, init, 0)
         self.position = PositionEmbedding(model, init, 0) if model.add_position_embedding else None
-        self.layers = nn.ModuleList(_layer(model, init, n) for n in model.experts_per_layer)
+        self.layers = nn.ModuleList(
+            _layer(model, init, n, w) for n, w in zip(model.experts_per_layer, model.layer_windows)
+        )
         self.final_norm = FinalNorm(model, 0)
         self.lm_head = LMHead(model, init, 0) if model.untie_embeddings_and_output_weights else None
         self.eval()
@@ -81,9 +85,10 @@ class GPTModel(nn.Module):
         return x
 
 
-def _layer(model: ModelConfig, init: RegularizationConfig, num_experts: int) -> TransformerLayer:
-    """A transformer layer as training builds it (with `num_experts` > 1: its MoE layer, all experts here)."""
-    layer = TransformerLayer(model, init, 0, num_experts=num_experts)
+def _layer(model: ModelConfig, init: RegularizationConfig, num_experts: int, window: int | None) -> TransformerLayer:
+    """A transformer layer as training builds it (with `num_experts` > 1: its MoE layer, all experts here; its
+    sliding window)."""
+    layer = TransformerLayer(model, init, 0, num_experts=num_experts, window=window)
     if layer.moe is not None:
         moe.route_every_token(layer.moe)
     return layer
@@ -97,8 +102,11 @@ def _cached_layer(layer: TransformerLayer, x: torch.Tensor, cache: KVCache, i: i
         k, v = torch.cat((cache.keys[i], k), dim=2), torch.cat((cache.values[i], v), dim=2)
     cache.keys[i], cache.values[i] = k, v
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    if start == 0:
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+    if start == 0:  # the prompt: the training layer's attention (causal, or within its window)
+        attn = layer.core_attention(q, k, v)
+    elif layer.window is not None:  # new token j (position start + j) sees its window of the cached positions
+        visible = sliding_window.visible(start, s, 0, start + s, layer.window, x.device)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, **gqa)
     else:  # new token j (position start + j) sees cached positions 0 .. start + j
         visible = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(diagonal=start)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, **gqa)

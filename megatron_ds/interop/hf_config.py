@@ -6,8 +6,10 @@ biases, multi-head attention. Llama (`LlamaForCausalLM`): RMSNorm, SwiGLU, rotar
 with q/k/v biases alone (our `--add-qkv-bias`). Qwen3 (`Qwen3ForCausalLM`): Llama without biases, with an RMSNorm
 on each query and key head (our `--qk-layernorm`). Their `head_dim` is our `--kv-channels` (hidden_size /
 num_attention_heads when absent, Qwen3's 128). Mistral (`MistralForCausalLM`): Llama without biases, written
-only on request (`--hf-model-type mistral`). Their sliding windows are not built: `HFModel.attention_window`
-lets the import refuse one shorter than the sequence. Phi-3 (`Phi3ForCausalLM`):
+only on request (`--hf-model-type mistral`) or for a model with a sliding window on every layer. Sliding windows
+are Megatron-LM's `--window-size LEFT,0` with transformers' `sliding_window` LEFT + 1 (a key k is seen by the query
+q when q - sliding_window < k <= q): Mistral's on every layer, Qwen2's and Qwen3's with `use_sliding_window` on the
+layers `layer_types` names `sliding_attention` (`--window-attn-skip-freq`'s pattern). Phi-3 (`Phi3ForCausalLM`):
 Llama's layer without biases, with fused q|k|v and gate|up tensors and partial rotary embeddings
 (`partial_rotary_factor`, our `--rotary-percent`: the Llama-like models whose rotary share is below
 1 export as Phi-3, since transformers' Llama rotates whole heads). Each may tie or untie its LM head
@@ -57,6 +59,8 @@ PHI3_NORM = norms.for_hf_model_type(PHI3)
 """The norm each architecture is built with (LayerNorm, RMSNorm, RMSNorm)."""
 
 
+TRANSFORMERS_SLIDING_WINDOW = 4096
+"""MistralConfig's, Qwen2Config's and Qwen3Config's `sliding_window` when config.json has no such key."""
 QWEN3_DEFAULT_HEAD_DIM = 128
 """transformers' Qwen3Config `head_dim` when config.json has none (whatever hidden_size / num_attention_heads is)."""
 
@@ -133,6 +137,10 @@ PHI3_REQUIRES = (
 
 MISTRAL_REQUIRES = (
     Requirement(lambda m: not m.add_bias_linear, "biases (no --disable-bias-linear): Mistral has none"),
+    Requirement(
+        lambda m: m.window_attn_skip_freq is None,
+        "--window-attn-skip-freq: Mistral's sliding window is on every layer (Qwen2 and Qwen3 name the layers)",
+    ),
     Requirement(lambda m: not m.add_qkv_bias, "--add-qkv-bias: Mistral has no biases (Qwen2 has this one)"),
 )
 QWEN2_REQUIRES = (
@@ -170,6 +178,13 @@ _TYPE_REQUIRES = {MISTRAL: MISTRAL_REQUIRES, QWEN2: QWEN2_REQUIRES, QWEN3: QWEN3
 _QKV_BIAS_IS_QWEN2S = Requirement(
     lambda m: not m.add_qkv_bias, "--add-qkv-bias: of these types only Qwen2 (Llama's layout with --swiglu) has it"
 )
+_WINDOW_IS_NOT_HERE = Requirement(
+    lambda m: m.window_size is None,
+    "--window-size: this type has no sliding window here (Mistral has one on every layer, Qwen2 and Qwen3 on the "
+    "layers they name)",
+)
+WINDOWED = (QWEN2, QWEN3, MISTRAL)
+"""The types whose config.json holds a sliding window."""
 _QK_NORM_IS_QWEN3S = Requirement(
     lambda m: not m.qk_layernorm,
     "--qk-layernorm: of these types only Qwen3 (Llama's layout with --swiglu, no biases) has query and key norms",
@@ -185,8 +200,12 @@ def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
         arch, requires = QWEN3, LLAMA_REQUIRES + QWEN3_REQUIRES
     elif model.gated_mlp and model.rotary_percent < 1.0:
         arch, requires = PHI3, LLAMA_REQUIRES[1:] + PHI3_REQUIRES
+    elif model.gated_mlp and model.add_qkv_bias:
+        arch, requires = QWEN2, LLAMA_REQUIRES
+    elif model.gated_mlp and model.window_size is not None:  # Llama has no window; Mistral is Llama with one
+        arch, requires = MISTRAL, LLAMA_REQUIRES + MISTRAL_REQUIRES
     elif model.gated_mlp:
-        arch, requires = (QWEN2 if model.add_qkv_bias else LLAMA), LLAMA_REQUIRES
+        arch, requires = LLAMA, LLAMA_REQUIRES
     else:
         arch, requires = GPT2, GPT2_REQUIRES
     if model_type is not None and model_type != arch:
@@ -197,6 +216,8 @@ def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
         requires = (*requires, _QKV_BIAS_IS_QWEN2S)
     if arch != QWEN3:
         requires = (*requires, _QK_NORM_IS_QWEN3S)
+    if arch not in WINDOWED:
+        requires = (*requires, _WINDOW_IS_NOT_HERE)
     for r in requires:
         if not r.holds(model):
             problem = r.problem(model) if callable(r.problem) else r.problem
@@ -260,15 +281,29 @@ def to_hf_config(
 
 
 def _type_fields(arch: str, model: ModelConfig) -> dict[str, Any]:
-    """What Llama, Qwen2, Qwen3 and Mistral's config.json say differently: biases, and no sliding window."""
-    no_window = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": model.num_layers}
-    if arch == QWEN2:  # q/k/v biases are built in; no window on any layer
-        return no_window
+    """What Llama, Qwen2, Qwen3 and Mistral's config.json say differently: biases, and the sliding window."""
+    if arch == QWEN2:  # q/k/v biases are built in
+        return _qwen_window(model)
     if arch == QWEN3:  # q/k norms are built in; attention_bias would add o_proj's too
-        return {**no_window, "attention_bias": False}
-    if arch == MISTRAL:
-        return {"sliding_window": None}
+        return {**_qwen_window(model), "attention_bias": False}
+    if arch == MISTRAL:  # on every layer (MISTRAL_REQUIRES)
+        return {"sliding_window": None if model.window_size is None else model.window_size[0] + 1}
     return {"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear, "pretraining_tp": 1}
+
+
+def _qwen_window(model: ModelConfig) -> dict[str, Any]:
+    """Qwen2's and Qwen3's window fields: `layer_types` names each layer's attention (transformers >= 4.53 reads
+    it); `max_window_layers` counts the full-attention layers before the first sliding one (what older releases
+    read, exact when the sliding layers are the last ones)."""
+    if model.window_size is None:
+        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": model.num_layers}
+    kinds = ["full_attention" if w is None else "sliding_attention" for w in model.layer_windows]
+    return {
+        "use_sliding_window": True,
+        "sliding_window": model.window_size[0] + 1,
+        "max_window_layers": kinds.index("sliding_attention"),
+        "layer_types": kinds,
+    }
 
 
 def _llama_layout_fields(model: ModelConfig, regularization: RegularizationConfig) -> dict[str, Any]:
@@ -328,9 +363,6 @@ class HFModel:
     """Dests taken from config.json that flags may change (dropout, init std, sequence length)."""
     vocab_size: int = 0
     """Rows of the Hugging Face vocabulary (ours is padded from this)."""
-    attention_window: int | None = None
-    """The sliding window (tokens each attends to, itself included) of a layer that has one, None when every
-    layer attends to the whole causal sequence: only a --seq-length within it computes the same here."""
 
 
 def from_hf_config(hf: dict[str, Any], source: str) -> HFModel:
@@ -446,29 +478,38 @@ def _biases(f: _Fields, arch: str) -> dict[str, bool]:
     return {"add_bias_linear": attention_bias, "add_qkv_bias": False}
 
 
-def _window(f: _Fields, arch: str, layers: int) -> int | None:
-    """The sliding window a layer attends within (see HFModel.attention_window), as transformers reads it:
-    Mistral's `sliding_window` on every layer; Qwen2's only with use_sliding_window, on the layers `layer_types`
-    names sliding (when absent: from max_window_layers on); Qwen3's as Qwen2's."""
+def _window(f: _Fields, arch: str, layers: int) -> dict[str, str | None]:
+    """The dests of `--window-size` and `--window-attn-skip-freq` for the sliding window as transformers reads it:
+    Mistral's `sliding_window` W on every layer; Qwen2's only with use_sliding_window, on the layers `layer_types`
+    names sliding (when absent: from max_window_layers on); Qwen3's as Qwen2's. W keys, the query's own included,
+    are Megatron-LM's window LEFT = W - 1."""
+    none = {"window_size": None, "window_attn_skip_freq": None}
     if arch == LLAMA:
-        return None
+        return none
+    kinds = None
     if arch in (QWEN2, QWEN3):
         if not f.get("use_sliding_window", bool, False):
-            return None
+            return none
         kinds = f.hf.get("layer_types") or [
             "sliding_attention" if i >= f.get("max_window_layers", int, 28) else "full_attention" for i in range(layers)
         ]
-        if not isinstance(kinds, list):
-            raise HFConfigError(f"{f.source}: layer_types {kinds!r} is not a list; fix the config.json")
+        if not isinstance(kinds, list) or len(kinds) != layers:
+            raise HFConfigError(
+                f"{f.source}: layer_types {kinds!r} is not a list of {layers} kinds; fix the config.json"
+            )
         unknown = [k for k in kinds if k not in ("full_attention", "sliding_attention")]
         if unknown:
             raise HFConfigError(f"{f.source}: layer_types {unknown[0]!r} is not supported: full or sliding attention")
         if "sliding_attention" not in kinds:
-            return None
-    window = f.get("sliding_window", int, None)
+            return none
+    # absent is transformers' dataclass default (4096), unlike null
+    window = f.get("sliding_window", int, None) if "sliding_window" in f.hf else TRANSFORMERS_SLIDING_WINDOW
     if window is not None and window < 1:
         raise HFConfigError(f"{f.source}: sliding_window {window} is not a positive number; fix the config.json")
-    return window
+    if window is None:
+        return none
+    pattern = None if kinds is None or "full_attention" not in kinds else [int(k == "sliding_attention") for k in kinds]
+    return {"window_size": f"{window - 1},0", "window_attn_skip_freq": None if pattern is None else str(pattern)}
 
 
 def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
@@ -495,6 +536,7 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
         **biases,
         "qk_layernorm": arch == QWEN3,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
+        **_window(f, arch, f.size("num_hidden_layers")),
     }
     defaults = {
         "hidden_dropout": 0.0,  # Llama has no residual dropout
@@ -502,8 +544,7 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
         "init_method_std": f.get("initializer_range", float, 0.02),
         "seq_length": architecture["max_position_embeddings"],
     }
-    window = _window(f, arch, architecture["num_layers"])
-    return HFModel(arch, architecture, defaults, f.size("vocab_size"), window)
+    return HFModel(arch, architecture, defaults, f.size("vocab_size"))
 
 
 def _head_dim(f: _Fields, arch: str, hidden: int, heads: int) -> int | None:

@@ -106,7 +106,6 @@ def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dic
         )
     world = given.pipeline_model_parallel_size * given.tensor_model_parallel_size
     config, args = parse_config([*hf_config.render_flags(values), *argv], world_size=max(world, 1))
-    _check_window(hf, config.model.seq_length, source)
     for dest, value in {**hf.architecture, "vocab_size": hf.vocab_size}.items():
         if dest == "max_position_embeddings" and not hf.architecture.get("add_position_embedding", True):
             continue  # rotary positions: no weight has this shape, so a longer --seq-length may raise it
@@ -117,17 +116,6 @@ def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dic
                 f"comes from config.json"
             )
     return config
-
-
-def _check_window(hf: HFModel, seq_length: int, source: str) -> None:
-    """A sliding window shorter than the sequence would attend differently: it is not built here."""
-    window = hf.attention_window
-    if window is not None and window < seq_length:
-        raise HFConfigError(
-            f"--seq-length {seq_length}: {source} has sliding_window {window}, shorter than the sequence, and "
-            f"sliding-window attention is not built here (every token attends to the whole causal sequence); give "
-            f"--seq-length {window} or less"
-        )
 
 
 def _check_tokenizer(fields: dict[str, str | None], hf: HFModel, source: str) -> None:
@@ -269,7 +257,5 @@ def _train_flags(config: Config, hf: HFModel) -> list[str]:
         "make_vocab_size_divisible_by": config.data.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,
     }
-    if hf.attention_window is not None:  # a longer sequence would leave the window: keep the one checked
-        values["seq_length"] = config.model.seq_length
     values.update({k: getattr(config.data, k) for k in TOKENIZER_DESTS if getattr(config.data, k)})
     return hf_config.render_flags(values)

@@ -122,8 +122,9 @@ def build_layer_specs(
             document_mask,
             experts,
             expert_parallel_size,
+            window,
         )
-        for i, experts in enumerate(model.experts_per_layer)
+        for i, (experts, window) in enumerate(zip(model.experts_per_layer, model.layer_windows))
     ]
     if untied:
         head: Spec = LayerSpec(untied_head, model, reg, seeded(naming.UNTIED_LM_HEAD), *extra)

@@ -29,6 +29,11 @@ Packed documents (`megatron_ds.model.documents`): the layer takes and returns (x
 embeddings rotate each token by its position id, and with `document_mask` (`--reset-attention-mask`) SDPA takes the
 boolean mask "same document and not later" (b, 1, s, s), built here from the document ids, instead of `is_causal`.
 
+Sliding-window attention (`window`: this layer's entry of `ModelConfig.layer_windows`, Megatron-LM's
+`--window-size`): each query attends its window's keys only, combined with a document mask
+(`megatron_ds.model.sliding_window`); the attention sees the whole sequence of its heads under every
+parallelism above, so T, sequence parallelism, Ulysses and P do not change what it attends.
+
 Selective recomputation (`selective_recompute`, Megatron's `--recompute-granularity selective`): the
 core attention (SDPA: scores, softmax, attention dropout, the product with v) runs under DeepSpeed's
 activation checkpointing, which keeps q, k, v and replays the attention-dropout stream in backward.
@@ -45,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.model import activations, documents, moe
+from megatron_ds.model import activations, documents, moe, sliding_window
 from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
 from megatron_ds.model.layers import make_head_norm, make_norm
 from megatron_ds.model.rng import Stream, dropout, register_streams
@@ -74,9 +79,12 @@ class TransformerLayer(nn.Module):
         document_mask: bool = False,
         num_experts: int = 1,
         expert_parallel_size: int = 1,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.document_mask = document_mask
+        self.window = window
+        """Keys before each query this layer attends (sliding-window attention), None: the whole causal sequence."""
         nh, kv = model.num_attention_heads, model.kv_heads
         assert nh % tp.size == 0 and kv % tp.size == 0 and nh % kv == 0, (nh, kv, tp.size)
         self.num_local_heads = nh // tp.size
@@ -200,21 +208,25 @@ class TransformerLayer(nn.Module):
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The core attention of (b, heads, s, hd) q, k, v (causal, or under `mask` (b, 1, s, s)); recomputed in
-        backward under selective recomputation."""
+        """The core attention of (b, heads, s, hd) q, k, v (causal, or under `mask` (b, 1, s, s); within the layer's
+        window when it has one); recomputed in backward under selective recomputation."""
         masks = () if mask is None else (mask,)
         if self.selective_recompute and self.training and torch.is_grad_enabled():
             from deepspeed.runtime.activation_checkpointing import checkpointing
 
-            return checkpointing.checkpoint(self._core_attention, q, k, v, *masks)
-        return self._core_attention(q, k, v, *masks)
+            return checkpointing.checkpoint(self.core_attention, q, k, v, *masks)
+        return self.core_attention(q, k, v, *masks)
 
-    def _core_attention(
+    def core_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """Softmax attention of (b, heads, s, hd) q, k, v at positions 0.. (also a KV-cached prompt's)."""
         p = self.attention_dropout if self.training else 0.0
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}  # query head i uses kv head i // (nq / nkv)
+        grouped = k.shape[1] != q.shape[1]  # query head i uses kv head i // (nq / nkv)
+        gqa = {"enable_gqa": True} if grouped else {}
         # without a mask, SDPA's causal path; a document mask is causal already (True: attend)
         causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
         with self.attention_stream.fork() if p > 0.0 else contextlib.nullcontext():
+            if self.window is not None:
+                return sliding_window.attention(q, k, v, self.window, mask, p, grouped)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **causal, **gqa)

@@ -534,19 +534,16 @@ def test_qwen2_qwen3_and_mistral_export_back_as_themselves(
         assert torch.equal(back(_tokens()).logits, reference(_tokens()).logits)
 
 
-def test_a_window_shorter_than_the_sequence_and_an_inexact_model_type_are_refused(
+def test_a_window_shorter_than_the_sequence_imports_and_an_inexact_model_type_is_refused(
     hf_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    before = set(os.listdir(tmp_path))
-    for name in ("mistral", "tied_qwen2"):  # sliding_window 32 (Qwen2: on layer 1)
-        source = hf_dirs[name]
-        message = _error(import_hf, str(source), str(tmp_path / "out"), ["--seq-length", "48"])
-        assert message == (
-            f"--seq-length 48: {source / 'config.json'} has sliding_window 32, shorter than the sequence, and "
-            f"sliding-window attention is not built here (every token attends to the whole causal sequence); give "
-            f"--seq-length 32 or less"
-        )
-    _nothing_written(tmp_path, before)
+    """sliding_window 32 at --seq-length 48 (it was refused before windows were built): Mistral's on every layer,
+    Qwen2's from max_window_layers 1 on, as the flags that rebuild the model say."""
+    for name, pattern in (("mistral", []), ("tied_qwen2", ["--window-attn-skip-freq", "[0, 1]"])):
+        result = import_hf(str(hf_dirs[name]), str(tmp_path / name), ["--seq-length", "48"], show_progress=False)
+        assert result.config.model.layer_windows == ((31, 31) if name == "mistral" else (None, 31))
+        flags = " ".join(result.train_flags)
+        assert " ".join(["--window-size", "31,0", *pattern]) in flags and "--seq-length" not in flags
     import_hf(str(hf_dirs["qwen2"]), str(tmp_path / "q"), ["--seq-length", "32"], show_progress=False)
     message = _error(export_hf, str(tmp_path / "q"), str(tmp_path / "m"), None, None, None, 1 << 30, False, "mistral")
     assert message.startswith("cannot export to Hugging Face mistral: --add-qkv-bias: Mistral has no biases")

@@ -254,11 +254,18 @@ def test_a_qkv_bias_alone_exports_as_qwen2_and_a_bias_free_llama_as_mistral_on_r
     assert (hf["model_type"], hf["architectures"], hf["use_sliding_window"]) == ("qwen2", ["Qwen2ForCausalLM"], False)
     assert "attention_bias" not in hf and hf["rope_theta"] == 1e6
     back = hf_config.from_hf_config(hf, "x")
-    assert back.arch == hf_config.QWEN2 and back.attention_window is None
+    assert back.arch == hf_config.QWEN2 and _window(back) == (None, None)
     assert (back.architecture["add_qkv_bias"], back.architecture["add_bias_linear"]) == (True, False)
     mistral = hf_config.from_hf_config(_mistral_json(), "x")
-    assert (mistral.arch, mistral.architecture["add_bias_linear"], mistral.attention_window) == ("mistral", False, None)
-    assert hf_config.from_hf_config(_mistral_json(sliding_window=4096), "x").attention_window == 4096
+    assert (mistral.arch, mistral.architecture["add_bias_linear"], _window(mistral)) == ("mistral", False, (None, None))
+    assert _window(hf_config.from_hf_config(_mistral_json(sliding_window=4096), "x")) == ("4095,0", None)
+    absent = {k: v for k, v in _mistral_json().items() if k != "sliding_window"}  # MistralConfig's default
+    assert _window(hf_config.from_hf_config(absent, "x")) == ("4095,0", None)
+
+
+def _window(hf: hf_config.HFModel) -> tuple[str | None, str | None]:
+    """The --window-size and --window-attn-skip-freq values an import renders."""
+    return hf.architecture["window_size"], hf.architecture["window_attn_skip_freq"]
 
 
 @pytest.mark.parametrize(
@@ -278,6 +285,18 @@ def test_a_qkv_bias_alone_exports_as_qwen2_and_a_bias_free_llama_as_mistral_on_r
         (dataclasses.replace(QWEN3, add_qkv_bias=True), None, "qwen3: --add-qkv-bias: of these types only Qwen2"),
         (dataclasses.replace(QWEN3, rotary_percent=0.5), None, "qwen3: --rotary-percent 0.5: Qwen3 rotates whole"),
         (dataclasses.replace(GPT, qk_layernorm=True), None, "gpt2: --qk-layernorm: of these types only Qwen3"),
+        (dataclasses.replace(GPT, window_size=(3, 0)), None, "gpt2: --window-size: this type has no sliding window"),
+        (dataclasses.replace(LLAMA, window_size=(3, 0)), "llama", "llama: --window-size: this type has no sliding"),
+        (
+            dataclasses.replace(LLAMA, window_size=(3, 0), window_attn_skip_freq=(1, 0)),
+            None,
+            "mistral: --window-attn-skip-freq: Mistral's sliding window is on every layer",
+        ),
+        (
+            dataclasses.replace(LLAMA, window_size=(3, 0), add_bias_linear=True),
+            None,
+            "mistral: biases .no --disable-bias-linear.: Mistral has none",
+        ),
     ],
 )
 def test_a_model_type_that_is_not_exact_is_refused(model: ModelConfig, model_type: str | None, problem: str) -> None:
@@ -289,15 +308,22 @@ def test_a_model_type_that_is_not_exact_is_refused(model: ModelConfig, model_typ
 @pytest.mark.parametrize(
     "change, window",
     [
-        ({}, None),
-        ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, 16),  # as Qwen2Config derives
-        ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, None),  # no layer from 2 of 2
-        ({"use_sliding_window": True, "sliding_window": 16, "layer_types": ["full_attention"] * 2}, None),
-        ({"use_sliding_window": False, "sliding_window": 16, "layer_types": ["sliding_attention"] * 2}, None),
+        ({}, (None, None)),
+        ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, ("15,0", "[0, 1]")),
+        ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, ("15,0", None)),  # every layer
+        ({"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}, (None, None)),  # none from 2 of 2
+        ({"use_sliding_window": True, "sliding_window": 16, "layer_types": ["full_attention"] * 2}, (None, None)),
+        (
+            {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+            ("15,0", "[1, 0]"),
+        ),  # layer_types wins over max_window_layers
+        ({"use_sliding_window": False, "sliding_window": 16, "layer_types": ["sliding_attention"] * 2}, (None, None)),
     ],
 )
-def test_qwen2s_window_is_the_one_transformers_applies(change: dict, window: int | None) -> None:
-    assert hf_config.from_hf_config(_qwen2_json(**change), "x").attention_window == window
+def test_qwen2s_window_is_the_one_transformers_applies(change: dict, window: tuple) -> None:
+    """As Qwen2Config derives it: sliding_window W keys (Megatron-LM's LEFT W - 1) on the layers layer_types names
+    sliding, from max_window_layers on when it names none; nothing without use_sliding_window."""
+    assert _window(hf_config.from_hf_config(_qwen2_json(**change), "x")) == window
 
 
 @pytest.mark.parametrize(
@@ -358,7 +384,7 @@ def test_qwen3_is_llama_with_query_and_key_norms_and_its_head_dim() -> None:
         False,
     )
     back = hf_config.from_hf_config(hf, "x")
-    assert back.arch == hf_config.QWEN3 and back.architecture["qk_layernorm"] and back.attention_window is None
+    assert back.arch == hf_config.QWEN3 and back.architecture["qk_layernorm"] and _window(back) == (None, None)
     assert not hf_config.from_hf_config(_llama_json(), "x").architecture["qk_layernorm"]
     shapes = hf_weights.hf_shapes(hf_config.QWEN3, QWEN3, 200)
     assert shapes["model.layers.1.self_attn.q_norm.weight"] == shapes["model.layers.1.self_attn.k_norm.weight"] == (8,)
@@ -408,3 +434,32 @@ def test_render_flags_inverts_parsing() -> None:
     assert flags == ["--num-layers", "2", "--swiglu", "--no-position-embedding", "--normalization", "rmsnorm"]
     parsed = build_parser().parse_known_args(flags)[0]
     assert all(getattr(parsed, k) == v for k, v in values.items())
+
+
+@pytest.mark.parametrize(
+    "model, fields",
+    [
+        (dataclasses.replace(LLAMA, window_size=(3, 0)), {"model_type": "mistral", "sliding_window": 4}),
+        (
+            dataclasses.replace(QWEN2, window_size=(3, 0), window_attn_skip_freq=(0, 1)),
+            {
+                "use_sliding_window": True,
+                "sliding_window": 4,
+                "max_window_layers": 1,
+                "layer_types": ["full_attention", "sliding_attention"],
+            },
+        ),
+        (
+            dataclasses.replace(QWEN3, window_size=(0, 0), window_attn_skip_freq=(1, 0)),
+            {"use_sliding_window": True, "sliding_window": 1, "layer_types": ["sliding_attention", "full_attention"]},
+        ),
+    ],
+)
+def test_a_window_exports_as_transformers_sliding_window_and_reads_back(model: ModelConfig, fields: dict) -> None:
+    """--window-size LEFT,0 is sliding_window LEFT + 1 (keys the query sees, itself included); a Llama with one on
+    every layer is a Mistral; Qwen2's and Qwen3's layers are named; the import gives the same flags back."""
+    hf = hf_config.to_hf_config(model, REG, 200, "float32", {})
+    assert {k: hf[k] for k in fields} == fields
+    back = hf_config.from_hf_config(hf, "x")
+    pattern = model.window_attn_skip_freq
+    assert _window(back) == (f"{model.window_size[0]},0", None if pattern is None else str(list(pattern)))

@@ -1,0 +1,202 @@
+"""Sliding-window attention (`--window-size LEFT,0`, Hugging Face's `sliding_window` LEFT + 1): the keys a query
+sees are upstream's (megatron-core's mask function and transformers' mask function themselves), the chunked
+attention equals SDPA under the whole band mask (with packed documents too), the KV-cached generation equals the
+whole sequence's forward, and Mistral, Qwen2 and Qwen3 with windows shorter than the sequence import with
+transformers' logits and export back to the same files."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.inference import generate, load_model
+from megatron_ds.inference.model import GPTModel, KVCache
+from megatron_ds.model import documents, sliding_window
+from megatron_ds.model.transformer import TransformerLayer
+
+MODEL = ModelConfig(
+    num_layers=3,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    ffn_hidden_size=48,
+    seq_length=96,
+    max_position_embeddings=96,
+    vocab_size=64,
+    normalization="rmsnorm",
+    activation="swiglu",
+    use_rotary_position_embeddings=True,
+    add_position_embedding=False,
+    add_bias_linear=False,
+    window_size=(5, 0),
+    window_attn_skip_freq=(1, 0, 1),
+)
+NO_DROPOUT = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2)
+
+
+def _megatron_core_mask(seq: int, left: int) -> torch.Tensor:
+    """megatron-core's own mask (True: attend), its torch.ones given the CPU for the CUDA device it names."""
+    from megatron.core.transformer.utils import get_sliding_window_causal_mask
+
+    ones = torch.ones
+    with mock.patch.object(torch, "ones", lambda *a, device=None, **k: ones(*a, **k)):
+        return ~get_sliding_window_causal_mask(seq, seq, (left, 0))
+
+
+def _transformers_mask(seq: int, sliding_window: int) -> torch.Tensor:
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    q, k = torch.arange(seq).unsqueeze(1), torch.arange(seq).unsqueeze(0)
+    return sliding_window_causal_mask_function(sliding_window)(0, 0, q, k)
+
+
+@pytest.mark.parametrize("seq, left", [(12, 0), (12, 3), (12, 11), (12, 30), (70, 5)])
+def test_the_keys_a_query_sees_are_megatron_cores_and_transformers(seq: int, left: int) -> None:
+    """Query q sees keys q - left .. q: megatron-core's window (left, 0) and transformers' sliding_window left + 1
+    (q - W < k <= q) hold the same keys; the pair counts are the mask's."""
+    ours = sliding_window.visible(0, seq, 0, seq, left, "cpu")
+    assert torch.equal(ours, _megatron_core_mask(seq, left))
+    assert torch.equal(ours, _transformers_mask(seq, left + 1))
+    assert ours.sum(dim=1).tolist() == [min(i, left) + 1 for i in range(seq)]
+    assert sliding_window.band_pairs(seq, left) == int(ours.sum())
+
+
+def _layer(window: int | None) -> TransformerLayer:
+    torch.manual_seed(0)
+    return TransformerLayer(MODEL, NO_DROPOUT, init_seed=3, window=window).eval()
+
+
+@pytest.mark.parametrize("left", [0, 5, 40])
+def test_chunked_attention_equals_sdpa_under_the_whole_band_mask(left: int) -> None:
+    """Queries in chunks (several at s = 96: 32-row chunks for the small windows, 41 for left 40) against the keys
+    their rows can see equal one SDPA over the whole sequence under the band mask, alone and with packed documents'
+    mask (a document boundary inside the window), GQA included; the gradients too."""
+    layer = _layer(left)
+    x = torch.randn(2, MODEL.seq_length, MODEL.hidden_size, generator=torch.Generator().manual_seed(1))
+    q, k, v = (t.detach().requires_grad_() for t in layer.attention_heads(layer.input_norm(x)))
+    ids = torch.tensor([[0] * 50 + [1] * 46, [0] * 7 + [1] * 89])
+    band = _megatron_core_mask(MODEL.seq_length, left)
+    for mask in (None, documents.attention_mask(ids)):
+        ours = layer.core_attention(q, k, v, mask)
+        full = band if mask is None else mask & band
+        reference = F.scaled_dot_product_attention(q, k, v, attn_mask=full, enable_gqa=True)
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
+        grads = torch.autograd.grad(ours.square().sum(), (q, k, v))
+        expected = torch.autograd.grad(reference.square().sum(), (q, k, v))
+        for a, b in zip(grads, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    counted = sum((e - s) * (e - f) for s, e, f in sliding_window.chunks(MODEL.seq_length, left))
+    assert sliding_window.computed_pairs(MODEL.seq_length, left) == counted < MODEL.seq_length**2
+
+
+def test_kv_cached_generation_attends_as_the_whole_sequence() -> None:
+    """Prompt 9 tokens, then 40 single-token steps (49 > the window of 6 keys, layers 1 and 3; layer 2 attends
+    fully): every cached step's logits equal the whole sequence's forward at that position (1e-6; in float64, so
+    the check is of the keys attended, not of fp32 rounding), and greedy decoding with and without the cache
+    agrees."""
+    torch.manual_seed(0)
+    model = GPTModel(MODEL, NO_DROPOUT).double()
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 49), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole = model(tokens)
+        cache = KVCache()
+        steps = [model(tokens[:, :9], cache)] + [model(tokens[:, i : i + 1], cache) for i in range(9, 49)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-6)
+    prompt = tokens[0, :5].tolist()
+    assert generate(model, prompt, 30, temperature=0.0) == generate(model, prompt, 30, temperature=0.0, use_cache=False)
+
+
+def test_without_the_window_the_model_differs() -> None:
+    """The check above can fail: the same weights attending the whole causal sequence give other logits."""
+    torch.manual_seed(0)
+    windowed = GPTModel(MODEL, NO_DROPOUT)
+    torch.manual_seed(0)
+    full = GPTModel(dataclasses.replace(MODEL, window_size=None), NO_DROPOUT)
+    full.load_state_dict(windowed.state_dict())
+    tokens = torch.randint(0, MODEL.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = windowed(tokens), full(tokens)
+    assert torch.equal(a[:, :6], b[:, :6]) and (a[:, 6:] - b[:, 6:]).abs().max() > 1e-3
+
+
+# ----- Hugging Face: Mistral, Qwen2, Qwen3 with windows shorter than the sequence --------------------------------
+
+transformers = pytest.importorskip("transformers")
+HF_LAYERS = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4}
+HF_SMALL = {"vocab_size": 200, "initializer_range": 0.1, "num_key_value_heads": 2, "max_position_embeddings": 64}
+HF_CONFIGS = {
+    "mistral": (lambda: transformers.MistralConfig(**HF_LAYERS, **HF_SMALL, sliding_window=8), (7, 7, 7)),
+    "qwen2": (  # layers from max_window_layers 1 on
+        lambda: transformers.Qwen2Config(
+            **HF_LAYERS, **HF_SMALL, use_sliding_window=True, sliding_window=6, max_window_layers=1
+        ),
+        (None, 5, 5),
+    ),
+    "qwen3": (  # layer_types names them
+        lambda: transformers.Qwen3Config(
+            **HF_LAYERS,
+            **HF_SMALL,
+            head_dim=8,
+            use_sliding_window=True,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        (4, None, 4),
+    ),
+}
+WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "layer_types")
+"""What transformers reads the window from (max_window_layers only when layer_types is absent: both written)."""
+
+
+@pytest.fixture(scope="module")
+def windowed_hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for name, (make, _) in HF_CONFIGS.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(make())
+        with torch.no_grad():  # norms start at 1: move them so a mix-up shows
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        out[name] = tmp_path_factory.mktemp(name) / "hf"
+        model.save_pretrained(out[name])
+    return out
+
+
+@pytest.mark.parametrize("name", list(HF_CONFIGS))
+def test_windowed_models_import_with_transformers_logits_and_export_back(
+    name: str, windowed_hf: dict[str, Path], tmp_path: Path
+) -> None:
+    """40 tokens, windows of 5 to 8: the imported model computes transformers' logits (1e-5) and its greedy
+    continuation past the window (transformers' sliding-window cache against ours); the export writes the same
+    window fields and tensors, and the exported model computes the same logits."""
+    from safetensors.torch import load_file
+
+    from megatron_ds.interop.hf_export import export_hf
+    from megatron_ds.interop.hf_import import import_hf
+
+    source = windowed_hf[name]
+    result = import_hf(str(source), str(tmp_path / "ours"), ["--seq-length", "48"], show_progress=False)
+    assert result.config.model.layer_windows == HF_CONFIGS[name][1]
+    ours = load_model(str(tmp_path / "ours"))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+    tokens = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, rtol=0, atol=1e-5)
+    prompt = tokens[0, :4].tolist()
+    hf_greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert generate(ours, prompt, 20, temperature=0.0) == hf_greedy[0, 4:].tolist()
+    export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False)
+    original, back = (transformers.AutoConfig.from_pretrained(d) for d in (source, tmp_path / "back"))
+    assert [getattr(back, k, None) for k in WINDOW_FIELDS] == [getattr(original, k, None) for k in WINDOW_FIELDS]
+    a, b = load_file(source / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, expected)
