@@ -24,6 +24,12 @@ Conventions kept from the paper:
     `causal_attention=True` counts the s(s+1)/2 query-key pairs a causal kernel needs: use it to
     predict the time of such kernels, not to report TFLOP/s. The attention terms are s/6h of the
     rest of a layer (5.6% at s = 128, h = 384), so there the choice moves a stage's time little.
+  - a layer with a sliding window (`ModelConfig.layer_windows`, `megatron_ds.model.sliding_window`) counts, with
+    or without `causal_attention`, the scores our chunked attention computes (`computed_pairs`: about
+    s (left + 1 + chunk) instead of s^2, the window's band and at most 1/8 more for windows over 256 tokens; what
+    FlopCounterMode counts on the layer, whichever kernel runs each chunk). A windowed flash kernel computes the
+    band alone (`band_pairs`; `estimate/layer_time.py` prices software that has one). The stage totals take
+    every layer as the mean layer when their windows differ (`--window-attn-skip-freq`, Qwen2's full layers).
 Generalised beyond the paper, term by term from our layer (megatron_ds/model/transformer.py): QKV
 has nh query and kv key/value heads of hd = --kv-channels (h/nh by default; proj maps nh x hd back to h, so the
 model FLOPs carry Megatron-LM's query_projection_to_hidden_size_ratio nh hd / h), SwiGLU's fc1 has 2f
@@ -42,6 +48,7 @@ time per spec type).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,7 +56,7 @@ from typing import Any
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.estimate import moe_costs
-from megatron_ds.model import activations, naming, norms
+from megatron_ds.model import activations, naming, norms, sliding_window
 
 MATMUL = "matmul"
 ELEMENTWISE = "elementwise"
@@ -154,14 +161,18 @@ def _elementwise(name: str, flops: int, backward: int | None = None) -> Term:
     return Term(name, ELEMENTWISE, flops, 2 * flops if backward is None else backward)
 
 
-def _score_pairs(s: int, causal: bool) -> int:
-    """Query-key pairs per head and sample: the full square, or the causal triangle."""
+def _score_pairs(s: int, causal: bool, window: int | None = None) -> int:
+    """Query-key pairs per head and sample: the full square, or the causal triangle; within a window the chunks our
+    attention computes."""
+    if sliding_window.effective(window, s) is not None:
+        return sliding_window.computed_pairs(s, window)
     return s * (s + 1) // 2 if causal else s * s
 
 
-def layer_terms(inputs: ComputeInputs, num_experts: int = 1) -> tuple[Term, ...]:
+def layer_terms(inputs: ComputeInputs, num_experts: int = 1, window: int | None = None) -> tuple[Term, ...]:
     """One transformer layer on one tensor rank (model/transformer.py, in execution order); with `num_experts` > 1
-    its MLP is DeepSpeed's MoE layer (T = 1; `moe_costs.mlp_flops`: the gate, the experts, PR-MoE's residual MLP).
+    its MLP is DeepSpeed's MoE layer (T = 1; `moe_costs.mlp_flops`: the gate, the experts, PR-MoE's residual MLP);
+    `window`: its sliding window's left (`ModelConfig.layer_windows`).
 
     At T = 1, multi-head attention and f = 4h these are Narayanan et al.'s terms: QKV 6nh^2, scores
     and attention over values 2nsh each, proj 2nh^2, MLP 16nh^2 (n = b s tokens).
@@ -173,7 +184,7 @@ def layer_terms(inputs: ComputeInputs, num_experts: int = 1) -> tuple[Term, ...]
     f = m.ffn_hidden_size // t
     act = activations.find(m.activation)
     fc1 = 2 * f if act.gated else f
-    pairs = b * nq * _score_pairs(m.seq_length, inputs.causal_attention)  # score entries on this rank
+    pairs = b * nq * _score_pairs(m.seq_length, inputs.causal_attention, window)  # score entries on this rank
     norm = norms.find(m.normalization).forward_flops * n * h
     terms = [
         _elementwise("input norm", norm),
@@ -232,14 +243,14 @@ def _post_terms(inputs: ComputeInputs, name: str) -> tuple[Term, ...]:
 def spec_flops(inputs: ComputeInputs) -> tuple[SpecFlops, ...]:
     """Every spec in spec-index order (`naming.gpt_spec_groups`), then the loss (group `loss`)."""
     groups = naming.gpt_spec_groups(inputs.model)
-    experts = inputs.model.experts_per_layer
-    layers = {e: layer_terms(inputs, e) for e in set(experts)}  # a dense layer, and one per expert count
+    kinds = list(zip(inputs.model.experts_per_layer, inputs.model.layer_windows))
+    layers = {kind: layer_terms(inputs, *kind) for kind in set(kinds)}  # per expert count and window
     n = inputs.ulysses_size
     out = []
     for idx, name in enumerate([*groups.names, groups.loss_name]):
         group = "loss" if idx == groups.num_specs else groups.group_of(idx)
         if group == "body":
-            terms = layers[experts[idx - len(groups.pre)]]
+            terms = layers[kinds[idx - len(groups.pre)]]
         elif group == "pre":
             terms = _pre_terms(inputs, name)
         else:
@@ -345,8 +356,20 @@ def stage_flops_for(inputs: ComputeInputs, stage: int, num_stages: int, num_laye
 
 @functools.lru_cache(maxsize=256)
 def _stage_parts(inputs: ComputeInputs) -> tuple[tuple[SpecFlops, ...], tuple[SpecFlops, ...], SpecFlops]:
-    """(the pre specs, the post specs and the loss, one transformer layer): what a stage can hold."""
-    return stage_parts(spec_flops(inputs), ("post", "loss"))
+    """(the pre specs, the post specs and the loss, one transformer layer): what a stage can hold. Layers whose
+    windows differ are counted as their mean (each term's FLOPs averaged over the layers)."""
+    pre, post, layer = stage_parts(spec_flops(inputs), ("post", "loss"))
+    if len(set(inputs.model.layer_windows)) == 1:
+        return pre, post, layer
+    names = [t.name for t in layer.terms]  # the layers of the first one's kind (a MoE model's dense ones apart)
+    body = [sp for sp in spec_flops(inputs) if sp.group == "body" and [t.name for t in sp.terms] == names]
+    mean = tuple(
+        Term(
+            t.name, t.kind, *(sum(getattr(sp.terms[i], a) for sp in body) // len(body) for a in ("forward", "backward"))
+        )
+        for i, t in enumerate(layer.terms)
+    )
+    return pre, post, dataclasses.replace(layer, terms=mean)
 
 
 def stage_parts(specs: Sequence[Any], post_groups: tuple[str, ...] = ("post",)) -> tuple[tuple, tuple, Any]:

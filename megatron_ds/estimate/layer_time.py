@@ -13,6 +13,9 @@ backward is two matmuls, the input gradient (n x out) @ (out x in) and the weigh
   the activation: read and write n f / t (SwiGLU reads both halves);
   math attention: scale, mask and softmax over the b nq s^2 scores (4 w each, or 2 w fused), dropout
       (2w + 1); flash attention keeps them on chip;
+  a layer with a sliding window (`ModelConfig.layer_windows`): the scores the software computes for it
+      (`RunFeatures.window_kernel`: our query chunks' rectangles, a windowed flash kernel's band, or the masked
+      square), the layer's time the mean over the model's layers;
   rotary embeddings: read and write q and k.
 A backward moves `BACKWARD_MEMORY_RATIO` times its forward's bytes (the incoming gradient, the saved
 input, the outgoing gradient). The tensor-parallel all-reduces (two per pass: after attention and after
@@ -29,7 +32,8 @@ from megatron_ds.config import ModelConfig
 from megatron_ds.estimate import moe_costs
 from megatron_ds.estimate.communication import Links
 from megatron_ds.estimate.efficiency import Kernels
-from megatron_ds.estimate.run_features import FLASH, RunFeatures
+from megatron_ds.estimate.run_features import FLASH, WINDOW_BAND, WINDOW_CHUNKS, RunFeatures
+from megatron_ds.model import sliding_window
 
 BACKWARD_MEMORY_RATIO = 2.0
 FLASH_BACKWARD_FLOPS = 2.5
@@ -162,18 +166,37 @@ def _overlapped_linear(
     return LinearTimes(_beside_comm(k, forward, comm), _chunks(k, n, d_in, d_out, w, tp), plain.weight_grad)
 
 
-def _attention(k: Kernels, sh: LayerShapes, features: RunFeatures, w: int, dropout: bool) -> tuple[float, float]:
-    """(forward, backward) seconds of the attention core (scores, softmax, dropout, weighted values)."""
+def _attention(
+    k: Kernels, sh: LayerShapes, features: RunFeatures, w: int, dropout: bool, window: int | None = None
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core (scores, softmax, dropout, weighted values) of a layer
+    whose sliding window is `window` (its left; None: the whole causal sequence)."""
     bh, s, hd = sh.batch * sh.heads, sh.seq, sh.head_dim
-    if features.attention == FLASH:
-        flops = 4.0 * bh * hd * s * (s + 1) / 2  # the causal triangle's two matmuls
+    window = sliding_window.effective(window, s)
+    chunks = window is not None and features.window_kernel == WINDOW_CHUNKS
+    if features.attention == FLASH:  # the causal triangle's (or the window's band's, or chunks') two matmuls
+        band = window if features.window_kernel == WINDOW_BAND else None
+        pairs = sliding_window.computed_pairs(s, window) if chunks else sliding_window.band_pairs(s, band)
+        flops = 4.0 * bh * hd * pairs
         return k.attention(flops), k.attention(FLASH_BACKWARD_FLOPS * flops, backward=True)
-    scores = k.matmul(s, s, hd, batch=bh, element_bytes=w)
-    values = k.matmul(s, hd, s, batch=bh, element_bytes=w)
-    elements = bh * s * s
+    # (query rows, keys) of each score matrix: the square, or each chunk's rectangle
+    blocks = [(e - a, e - f) for a, e, f in sliding_window.chunks(s, window)] if chunks else [(s, s)]
+    scores = sum(k.matmul(r, c, hd, batch=bh, element_bytes=w) for r, c in blocks)
+    values = sum(k.matmul(r, hd, c, batch=bh, element_bytes=w) for r, c in blocks)
+    elements = bh * sum(r * c for r, c in blocks)
     softmax = (2 if features.fused_elementwise else 4) * w * elements + ((2 * w + 1) * elements if dropout else 0)
-    back_mm = 2 * k.matmul(s, hd, s, batch=bh, element_bytes=w) + scores + values
+    back_mm = sum(2 * k.matmul(r, hd, c, batch=bh, element_bytes=w) for r, c in blocks) + scores + values
     return scores + values + k.memory(softmax), back_mm + k.memory(BACKWARD_MEMORY_RATIO * softmax)
+
+
+def _mean_attention(
+    k: Kernels, sh: LayerShapes, features: RunFeatures, w: int, dropout: bool, windows: tuple[int | None, ...]
+) -> tuple[float, float]:
+    """`_attention` averaged over the model's layers (their sliding windows)."""
+    counts = {window: windows.count(window) for window in set(windows)}
+    times = {window: _attention(k, sh, features, w, dropout, window) for window in counts}
+    forward, backward = (sum(n * times[window][i] for window, n in counts.items()) / len(windows) for i in (0, 1))
+    return forward, backward
 
 
 def _elementwise_bytes(
@@ -251,7 +274,7 @@ def layer_times(
         linears = [_linear(kernels, n, a, b, w) for a, b, _ in shapes]
     linears += [moe[0]] if moe is not None else []
     mm_f, mm_b = sum(x.forward for x in linears), sum(x.backward for x in linears)
-    at_f, at_b = _attention(kernels, sh, features, w, attention_dropout)
+    at_f, at_b = _mean_attention(kernels, sh, features, w, attention_dropout, model.layer_windows)
     mem = _elementwise_bytes(model, sh, features, tp, w, moe[3] if moe else None) + (moe[1] if moe else 0.0)
     me_f, me_b = kernels.memory(mem), kernels.memory(BACKWARD_MEMORY_RATIO * mem)
     comm = _tp_comm(links, sh, tp, w, 2)

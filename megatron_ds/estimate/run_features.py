@@ -21,6 +21,15 @@ DP_OVERLAP_LAST = "overlap-last"
 DP_OVERLAP_EACH = "overlap-each"
 """Reduced in buckets during every micro-batch's backward (DeepSpeed ZeRO-2/3 with `overlap_comm`)."""
 DP_MODES = (DP_AFTER_BACKWARD, DP_OVERLAP_LAST, DP_OVERLAP_EACH)
+WINDOW_CHUNKS = "chunks"
+"""A sliding-window layer's queries run in chunks, each against the keys its rows can see (pretrain_gpt.py:
+`megatron_ds.model.sliding_window.computed_pairs` scores)."""
+WINDOW_BAND = "band"
+"""A windowed flash kernel computes the window's band only (Transformer Engine's and flash-attention's
+`window_size`, which megatron-core passes)."""
+WINDOW_MASKED = "masked"
+"""The full score square under a window mask (megatron-core's unfused softmax path)."""
+WINDOW_KERNELS = (WINDOW_CHUNKS, WINDOW_BAND, WINDOW_MASKED)
 
 
 @dataclass(frozen=True)
@@ -63,12 +72,16 @@ class RunFeatures:
     sync only `if config.grad_sync_func is None or rank == 0`)."""
     grad_norm_sync: bool = True
     """Gradient clipping's global-norm all-reduce joins every stage before the optimizer step."""
+    window_kernel: str = WINDOW_CHUNKS
+    """How a layer with a sliding window attends: one of WINDOW_KERNELS."""
 
     def __post_init__(self) -> None:
         if self.attention not in (FLASH, MATH):
             raise ValueError(f"attention {self.attention!r} is not flash or math")
         if self.dp_mode not in DP_MODES:
             raise ValueError(f"dp_mode {self.dp_mode!r} is not one of {', '.join(DP_MODES)}")
+        if self.window_kernel not in WINDOW_KERNELS:
+            raise ValueError(f"window_kernel {self.window_kernel!r} is not one of {', '.join(WINDOW_KERNELS)}")
 
 
 def deepspeed_features(
@@ -95,6 +108,7 @@ MEGATRON_LM_2021 = RunFeatures(
     partitioned_optimizer=False,  # no distributed optimizer then
     p2p_scatter_gather=True,
     megatron_cross_entropy=True,
+    window_kernel=WINDOW_MASKED,  # no window kernel then (its runs had no window)
 )
 MEGATRON_CORE_H100 = RunFeatures(
     name="Megatron-core on H100 (Megatron-LM README)",
@@ -109,4 +123,5 @@ MEGATRON_CORE_H100 = RunFeatures(
     p2p_scatter_gather=True,
     p2p_overlap=True,  # "PP (enabled by default)"
     megatron_cross_entropy=True,  # no --cross-entropy-loss-fusion among the README's flags
+    window_kernel=WINDOW_BAND,  # Transformer Engine's attention takes window_size
 )

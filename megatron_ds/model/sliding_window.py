@@ -8,8 +8,10 @@ Engine's and flash-attention's `window_size=(left, 0)`), and Hugging Face's `sli
 
 Training runs the queries in chunks of `chunk_size(left)` rows, each against the keys its rows can see (from
 `left` before its first row to its last row) under the band mask, so a layer computes about s x (chunk + left)
-scores instead of s^2; `computed_pairs` counts them exactly (the compute model's FLOPs), `band_pairs` the pairs the
-window itself holds (what a windowed flash kernel computes). Importing this module loads no torch (the functions
+scores instead of s^2 (torch's SDPA has no window argument; its flash kernel takes no mask, so each chunk runs its
+memory-efficient or math kernel); `computed_pairs` counts them exactly (what the compute model counts for this
+code), `band_pairs` the pairs the window itself holds (what a windowed flash kernel, Transformer Engine's or
+flash-attention's `window_size`, computes). Importing this module loads no torch (the functions
 that run attention import it), so the estimate layer counts with it.
 """
 
@@ -22,12 +24,21 @@ if TYPE_CHECKING:
     import torch
 
 MIN_CHUNK = 32
-"""The fewest query rows per chunk: tiny windows would otherwise cost one kernel per token."""
+"""The fewest query rows per chunk: tiny windows would otherwise cost one kernel per few tokens."""
+CHUNKS_PER_WINDOW = 8
+"""Chunks of rows per window length: each row's chunk computes (chunk + left) scores for the window's left + 1,
+so 1/8 more than the band for windows over 8 x MIN_CHUNK tokens, in s / chunk kernel calls."""
 
 
 def chunk_size(left: int) -> int:
-    """Query rows per chunk: the window's keys (left + 1), at least MIN_CHUNK."""
-    return max(left + 1, MIN_CHUNK)
+    """Query rows per chunk: an eighth of the window's keys (left + 1), at least MIN_CHUNK."""
+    return max(-(-(left + 1) // CHUNKS_PER_WINDOW), MIN_CHUNK)
+
+
+def effective(left: int | None, seq: int) -> int | None:
+    """The window a sequence of `seq` tokens is attended with: None (the plain causal attention, which computes the
+    same) when the window holds every earlier key."""
+    return None if left is None or left + 1 >= seq else left
 
 
 def chunks(seq: int, left: int) -> Iterator[tuple[int, int, int]]:
@@ -38,7 +49,9 @@ def chunks(seq: int, left: int) -> Iterator[tuple[int, int, int]]:
 
 
 def computed_pairs(seq: int, left: int | None) -> int:
-    """Query-key scores one head of one sample computes in training: the chunks' rectangles (s^2 without a window)."""
+    """Query-key scores one head of one sample computes in training: the chunks' rectangles (s^2 without a window,
+    the full-square count of plain attention)."""
+    left = effective(left, seq)
     if left is None:
         return seq * seq
     return sum((end - start) * (end - first_key) for start, end, first_key in chunks(seq, left))
@@ -47,7 +60,8 @@ def computed_pairs(seq: int, left: int | None) -> int:
 def band_pairs(seq: int, left: int | None) -> int:
     """Query-key pairs the (causal) window holds for one head and sample: query i sees min(i, left) + 1 keys;
     without a window the causal triangle s(s + 1)/2."""
-    if left is None or left + 1 >= seq:
+    left = effective(left, seq)
+    if left is None:
         return seq * (seq + 1) // 2
     keys = left + 1
     return keys * (keys + 1) // 2 + (seq - keys) * keys

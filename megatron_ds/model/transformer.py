@@ -227,6 +227,7 @@ class TransformerLayer(nn.Module):
         # without a mask, SDPA's causal path; a document mask is causal already (True: attend)
         causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
         with self.attention_stream.fork() if p > 0.0 else contextlib.nullcontext():
-            if self.window is not None:
-                return sliding_window.attention(q, k, v, self.window, mask, p, grouped)
+            window = sliding_window.effective(self.window, q.shape[2])
+            if window is not None:
+                return sliding_window.attention(q, k, v, window, mask, p, grouped)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, **causal, **gqa)

@@ -100,6 +100,8 @@ ARCHITECTURE_FLAGS = (
     "--disable-bias-linear",
     "--add-qkv-bias",
     "--qk-layernorm",
+    "--window-size",
+    "--window-attn-skip-freq",
     "--make-vocab-size-divisible-by",
     *MOE_ARCHITECTURE_FLAGS,
 )

@@ -179,6 +179,46 @@ def test_causal_attention_counts_the_triangle() -> None:
     assert causal["qkv"] == full["qkv"]
 
 
+WINDOWED = dataclasses.replace(
+    ARCHITECTURES["gqa-swiglu-rotary"],
+    seq_length=80,
+    max_position_embeddings=80,
+    window_size=(5, 0),
+    window_attn_skip_freq=(1, 0, 1),
+)
+"""Sliding windows of 6 keys on layers 1 and 3 (80 tokens: three 32-row chunks), layer 2 attending fully."""
+
+
+def test_windowed_layers_count_the_chunks_they_compute_and_the_band() -> None:
+    """FlopCounterMode on the whole windowed model equals the per-layer counts (the chunks' scores on layers 1 and
+    3, the full square on layer 2), and the stage total takes their mean layer; a causal kernel computes the same
+    chunks (layer 1), the causal triangle on layer 2."""
+    model, batch = WINDOWED, 2
+    specs = build_layer_specs(model, NO_DROPOUT, seed=1234)
+    modules = [s.build() if hasattr(s, "build") else s for s in specs]
+    tokens = torch.randint(0, model.vocab_size, (batch, model.seq_length))
+    labels = (torch.randint(0, model.vocab_size, (batch, model.seq_length)), torch.ones(batch, model.seq_length))
+
+    def run() -> torch.Tensor:
+        x = tokens
+        for module in modules:
+            x = module(x)
+        return cross_entropy_loss(x, labels)
+
+    fwd, bwd = counted(run)
+    predicted = spec_flops(ComputeInputs(model, batch))
+    assert (sum(sp.matmul_forward for sp in predicted), sum(sp.matmul_backward for sp in predicted)) == (fwd, bwd)
+    body = [sp for sp in predicted if sp.group == "body"]
+    assert body[0].matmul_forward == body[2].matmul_forward < body[1].matmul_forward
+    whole = stage_flops_for(ComputeInputs(model, batch), 0, 1, model.num_layers)
+    assert abs(whole.matmul_forward - fwd) < model.num_layers  # the mean layer's floor, times three
+    s, hd, heads = model.seq_length, model.head_dim, model.num_attention_heads
+    causal = [sp for sp in spec_flops(ComputeInputs(model, batch, causal_attention=True)) if sp.group == "body"]
+    scores = [next(t.forward for t in sp.terms if t.name == "scores") for sp in causal]
+    assert scores[0] == next(t.forward for t in body[0].terms if t.name == "scores")
+    assert scores[1] == 2 * batch * heads * hd * s * (s + 1) // 2
+
+
 def test_elementwise_terms_are_small_at_benchmark_sizes() -> None:
     for m in (ModelConfig(48, 384, 8, 1536, 128, 128, 32000), ModelConfig(8, 512, 8, 2048, 128, 128, 32000)):
         for sp in spec_flops(ComputeInputs(m, 1)):

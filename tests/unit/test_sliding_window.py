@@ -95,6 +95,15 @@ def test_chunked_attention_equals_sdpa_under_the_whole_band_mask(left: int) -> N
     assert sliding_window.computed_pairs(MODEL.seq_length, left) == counted < MODEL.seq_length**2
 
 
+@pytest.mark.parametrize("seq, left", [(32768, 4095), (8192, 4095), (131072, 32767), (4096, 255)])
+def test_the_chunks_compute_the_band_and_at_most_an_eighth_more(seq: int, left: int) -> None:
+    """Mistral-sized windows: the scores the chunks compute are the band (its pairs counted directly: query i sees
+    min(i, left) + 1 keys) plus at most 1/8 (each row's chunk of (left + 1) / 8 rows), far below the square."""
+    band = sum(min(i, left) + 1 for i in range(seq))
+    assert sliding_window.band_pairs(seq, left) == band
+    assert band < sliding_window.computed_pairs(seq, left) <= 1.125 * band + seq
+
+
 def test_kv_cached_generation_attends_as_the_whole_sequence() -> None:
     """Prompt 9 tokens, then 40 single-token steps (49 > the window of 6 keys, layers 1 and 3; layer 2 attends
     fully): every cached step's logits equal the whole sequence's forward at that position (1e-6; in float64, so

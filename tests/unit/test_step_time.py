@@ -244,3 +244,25 @@ def test_delayed_grad_reduce_overlaps_only_the_first_stages_last_backward() -> N
     assert delayed.reduce_grads[0] == pytest.approx(eager.reduce_grads[0])
     assert delayed.reduce_grads[1] == pytest.approx(reduce + max(0.0, gather - delayed.forward[1]))
     assert delayed.reduce_grads[1] > eager.reduce_grads[1]
+
+
+def test_a_sliding_window_prices_the_scores_each_software_computes() -> None:
+    """A Mistral-like window of 4096 at s = 32768: a windowed flash kernel (megatron-core with Transformer Engine)
+    computes the band, pretrain_gpt.py's query chunks the band and at most 1/8 more, a masked square all of it; a
+    layer attending fully (half of them with --window-attn-skip-freq 2) weighs in as the mean layer."""
+    full = gpt(layers=2, s=32768)
+    windowed = dataclasses.replace(full, window_size=(4095, 0))
+    half = dataclasses.replace(windowed, window_attn_skip_freq=(1, 0))
+    ours = deepspeed_features(1, 2)
+    attention = {
+        (name, features.window_kernel): layer_times(model, 1, 1, 2, KERNELS, LINKS, features).parts["attention"]
+        for name, model in (("full", full), ("window", windowed), ("half", half))
+        for features in (ours, MEGATRON_CORE_H100, dataclasses.replace(ours, attention=MATH, window_kernel="masked"))
+    }
+    s, w = 32768, 4096
+    band = (w * (w + 1) // 2 + (s - w) * w) / (s * (s + 1) // 2)  # the band over the causal triangle
+    assert attention["window", "band"] == pytest.approx(band * attention["full", "band"])
+    assert band < attention["window", "chunks"] / attention["full", "chunks"] <= 1.13 * band
+    assert attention["window", "masked"] == attention["full", "masked"]
+    for kind in ("band", "chunks"):
+        assert attention["half", kind] == pytest.approx((attention["full", kind] + attention["window", kind]) / 2)
