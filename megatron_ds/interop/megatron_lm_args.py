@@ -66,7 +66,8 @@ MODEL_ARGS = (
     on("--qk-layernorm"),
     on("--multi-latent-attention"),
     Arg("--mtp-num-layers"),
-    Arg("--window-size"),
+    Arg("--window-size", spelled=lambda w: ",".join(map(str, w))),  # its tuple_type reads "LEFT,RIGHT"
+    Arg("--window-attn-skip-freq", spelled=str),  # its moe_freq_type: N, or a list as "[1, 1, 0]"
     Arg("--heterogeneous-layers-config-path"),
     *saved_flags.INIT_AND_DROPOUT_ARGS,
 )

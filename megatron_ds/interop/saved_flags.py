@@ -7,7 +7,7 @@ built here, in one line naming the flag). The tables live with each upstream's i
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,9 @@ class Arg:
     switch: bool = False
     saved_as: str | None = None
     """Its `args` attribute when not the flag's name (`--disable-bias-linear` sets add_bias_linear)."""
+    spelled: Callable[[Any], str] | None = None
+    """The one command-line value upstream's parser reads back as the saved value (a tuple's "5,0"); None: one
+    value per item of a list, else `str`."""
 
     @property
     def dest(self) -> str:
@@ -116,6 +119,8 @@ def render(args: dict[str, Any], table: Sequence[Arg]) -> list[str]:
             continue
         if arg.switch:
             argv.append(arg.flag)
+        elif arg.spelled is not None:
+            argv += [arg.flag, arg.spelled(value)]
         elif isinstance(value, (list, tuple)):
             argv += [arg.flag, *map(str, value)]
         else:

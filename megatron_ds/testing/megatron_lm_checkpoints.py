@@ -15,7 +15,7 @@ dict), `torch` as one `mp_rank_TT[_PPP]/model_optim_rng.pt` per tensor rank and 
 model must reproduce. CPU shims: megatron-core's sequence-parallel allocations on the CPU
 (`model.megatron_core_cpu`), DeepSpeed's RNG tracker in place of its CUDA one, and
 `torch.cuda.synchronize` / `current_device` answered for the CPU (the checkpoint writer calls them),
-and with P > 1 and tied weights the embedding copy's `.cuda()` kept on the CPU. Its fused activations run
+`torch.ones` given the CPU where asked for CUDA (megatron-core's sliding-window mask), and with P > 1 and tied weights the embedding copy's `.cuda()` kept on the CPU. Its fused activations run
 eagerly (`TORCHDYNAMO_DISABLE=1`): the same formulas, without torch.compile's build.
 """
 
@@ -51,11 +51,15 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_qkv_bias": ("llama", {"add_qkv_bias": True}),
-    "llama_kv_channels": ("llama", {"kv_channels": 12, "qk_layernorm": True}),  # hidden / heads is 8
+    # hidden / heads is 8; the window: layers 1 and 2 see 4 keys of TOKENS' 12, layer 3 all
+    "llama_kv_channels_window": (
+        "llama",
+        {"kv_channels": 12, "qk_layernorm": True, "window_size": (3, 0), "window_attn_skip_freq": 3},
+    ),
 }
 """A recorded line with flags added whose only effect on the args is their own values (Megatron-LM's
-validate_args derives nothing from --add-qkv-bias, --qk-layernorm or a given --kv-channels): name -> (the recorded
-line, the changed args)."""
+validate_args derives nothing from --add-qkv-bias, --qk-layernorm, a given --kv-channels, --window-size or
+--window-attn-skip-freq): name -> (the recorded line, the changed args)."""
 
 
 def recorded(name: str) -> dict[str, Any]:
@@ -63,8 +67,13 @@ def recorded(name: str) -> dict[str, Any]:
     base, changes = VARIANTS.get(name, (name, {}))
     with open(RECORDED) as f:
         line = json.load(f)[base]
-    flags = [a for k, v in changes.items() for a in (f"--{k.replace('_', '-')}", *(() if v is True else (str(v),)))]
+    flags = [a for k, v in changes.items() for a in (f"--{k.replace('_', '-')}", *(() if v is True else (_flag(v),)))]
     return {**line, "argv": [*line["argv"], *flags], "args": {**line["args"], **changes}}
+
+
+def _flag(value: Any) -> str:
+    """A value as Megatron-LM's command line spells it (a tuple as its tuple_type reads it: "3,0")."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def namespace(saved: dict[str, Any]) -> argparse.Namespace:
@@ -173,6 +182,8 @@ def _transformer_config(a: argparse.Namespace) -> Any:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,
+        window_size=getattr(a, "window_size", None),
+        window_attn_skip_freq=getattr(a, "window_attn_skip_freq", None),
     )
 
 
@@ -211,6 +222,7 @@ def _cpu_shims(seed: int, tensor_rank: int) -> None:
 
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.ones = _on_cpu(torch.ones)  # megatron-core's sliding-window mask is made with torch.ones(device="cuda")
     megatron_core_cpu.install()
     share_rng_tracker()
     rng.set_stream(MODEL_PARALLEL_RNG, seed + 2718 + tensor_rank)  # Megatron's model-parallel seed
@@ -420,19 +432,8 @@ def _train(
 def _optimizer_shims() -> None:
     """megatron-core's DDP and optimizers allocate with `device='cuda'` and check `Tensor.type()` for CUDA
     names: on the CPU, factories given a CUDA device allocate on the CPU and `type()` answers CUDA's names."""
-    import functools
-
-    def on_cpu(factory: Any) -> Any:
-        @functools.wraps(factory)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if "cuda" in str(kwargs.get("device", "")):
-                kwargs["device"] = "cpu"
-            return factory(*args, **kwargs)
-
-        return call
-
-    for name in ("tensor", "zeros", "empty", "ones", "full", "arange", "zeros_like", "empty_like", "ones_like"):
-        setattr(torch, name, on_cpu(getattr(torch, name)))
+    for name in ("tensor", "zeros", "empty", "full", "arange", "zeros_like", "empty_like", "ones_like"):
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     plain_type = torch.Tensor.type
 
@@ -442,6 +443,19 @@ def _optimizer_shims() -> None:
         return plain_type(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = type_name  # type: ignore[method-assign,assignment]
+
+
+def _on_cpu(factory: Any) -> Any:
+    """`factory` (torch.ones...) allocating on the CPU when called with a CUDA device."""
+    import functools
+
+    @functools.wraps(factory)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "cuda" in str(kwargs.get("device", "")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return call
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ one line, with nothing written and the source untouched."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from megatron_ds.errors import UserError
-from megatron_ds.inference.model import load_model
+from megatron_ds.inference.model import GPTModel, load_model
 from megatron_ds.interop.megatron_lm import RESTART, import_megatron_lm
 from megatron_ds.interop.megatron_lm_files import DistTensors
 from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoints
@@ -493,14 +494,18 @@ def test_a_qkv_bias_alone_converts_with_its_rows(tmp_path: Path) -> None:
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
 
 
-def test_a_head_size_other_than_hidden_over_heads_converts(tmp_path: Path) -> None:
+def test_a_head_size_other_than_hidden_over_heads_and_a_sliding_window_convert(tmp_path: Path) -> None:
     """The T=2 Llama with --kv-channels 12 (hidden 32 / 4 heads is 8) and --qk-layernorm (megatron-core's
     q_layernorm/k_layernorm, Qwen3's norms), trained two steps (the norms' gradients summed over the tensor ranks, as
     Megatron-LM's step does, so they are not their init of ones): QKV of (4 + 2 x 2) x 12 rows, the output
     projection 48 -> 32 and `self_attention.q_layernorm.weight` / `k_layernorm.weight` over 12 convert to the same
-    logits, and the flags carry --kv-channels and --qk-layernorm (one Megatron-LM launch checks both)."""
+    logits, and the flags carry --kv-channels and --qk-layernorm. The same launch has --window-size 3,0
+    --window-attn-skip-freq 3 (layers 1 and 2 see 4 keys of the 12 tokens, attended by megatron-core's own
+    sliding-window mask; layer 3 all): the flags carry the window, and the same weights without it differ."""
     source = tmp_path / "mlm"
-    reference = write_checkpoints("llama_kv_channels", {"torch_dist": str(source)}, ITERATION, "fully_reshardable")
+    reference = write_checkpoints(
+        "llama_kv_channels_window", {"torch_dist": str(source)}, ITERATION, "fully_reshardable"
+    )
     result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
     model_config = result.config.model
     assert (model_config.head_dim, model_config.query_size, model_config.hidden_size) == (12, 48, 32)
@@ -515,3 +520,9 @@ def test_a_head_size_other_than_hidden_over_heads_converts(tmp_path: Path) -> No
     with torch.no_grad():
         logits = model.float()(reference["tokens"])
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+    assert model_config.layer_windows == (3, 3, None)
+    assert "--window-size 3,0 --window-attn-skip-freq 3" in " ".join(result.train_flags), result.train_flags
+    full = GPTModel(dataclasses.replace(model.config, window_size=None))
+    full.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (full(reference["tokens"]) - logits).abs().max() > 1e-4
