@@ -207,7 +207,19 @@ PRESETS = {
         _qwen3("qwen3-8b", 36, 4096, 32, 12288, tied=False),
         _qwen3("qwen3-14b", 40, 5120, 40, 17408, tied=False),
         _qwen3("qwen3-32b", 64, 5120, 64, 25600, tied=False),
-        Preset("mistral-7b", 32, 4096, 32, 1024, None, 14336, 4096, 32000, (*_LLAMA, *_gqa(8)), _MISTRAL),
+        Preset(  # its sliding window of 4096 tokens (--window-size 4095,0) covers the 4096-token sequence
+            "mistral-7b",
+            32,
+            4096,
+            32,
+            1024,
+            None,
+            14336,
+            4096,
+            32000,
+            (*_LLAMA, *_gqa(8), "--window-size", "4095,0"),
+            _MISTRAL,
+        ),
     )
 }
 PRESET_SEQ_LENGTH = 2048
