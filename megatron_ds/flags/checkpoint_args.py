@@ -33,6 +33,8 @@ DERIVED_MODEL_DESTS = (
     "num_key_value_heads",
     "use_rotary_position_embeddings",
     "normalization",
+    "window_size",
+    "window_attn_skip_freq",
 )
 """Model fields whose flag is derived (`Flag.derived`) but copies the value when given."""
 TOKENIZER_DESTS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")

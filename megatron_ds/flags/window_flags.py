@@ -20,8 +20,8 @@ MAX_REPEAT = 100_000
 def window_size(args: argparse.Namespace) -> tuple[int, int] | None:
     """--window-size as (left, right), None when not given."""
     text = args.window_size
-    if text is None:
-        return None
+    if text is None or isinstance(text, (list, tuple)):  # a checkpoint's pair (`--use-checkpoint-args`)
+        return None if text is None else tuple(text)
     try:
         values = tuple(int(part) for part in str(text).strip().strip("()").split(","))
     except ValueError:
@@ -35,8 +35,8 @@ def window_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
     """--window-attn-skip-freq as one 0 or 1 per layer (1: the window), None when not given: N gives 0 to the layer
     numbers (from 1) that are multiples of N, as megatron-core's `is_layer_window_attention`."""
     text = args.window_attn_skip_freq
-    if text is None:
-        return None
+    if text is None or isinstance(text, (list, tuple)):  # a checkpoint's pattern (`--use-checkpoint-args`)
+        return None if text is None else tuple(text)
     text = str(text).strip()
     if "[" not in text:
         if not text.isdigit() or int(text) < 1:

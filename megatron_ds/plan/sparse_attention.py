@@ -131,8 +131,9 @@ def sparse_attention_section(ctx: Context) -> Section:
         f"Can it run here? No: the installed DeepSpeed {ds or '(not found)'} "
         f'rejects the block ("{REMOVED_MESSAGE}"), and the op itself needed torch >= 1.5 and < 2.0 with '
         f"triton 1.0.0, while torch here is {torch_text or '(not found)'}.",
-        "Alternatives on this torch: keep SDPA (flash attention: exact, O(s) memory); for sliding-window or "
-        "global-token patterns use torch.nn.attention.flex_attention with a block mask"
+        "Alternatives on this torch: keep SDPA (flash attention: exact, O(s) memory); a sliding window is "
+        "Megatron-LM's --window-size LEFT,0 (built: query chunks over the band); for global-token patterns use "
+        "torch.nn.attention.flex_attention with a block mask"
         + (
             " (available from torch 2.5; this torch qualifies)"
             if torch and torch >= (2, 5)

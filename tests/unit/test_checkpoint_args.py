@@ -3,6 +3,7 @@ tokenizer check on resume; a checkpoint directory holding only `megatron_ds.json
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -66,6 +67,12 @@ def test_use_checkpoint_args_takes_the_architecture(tmp_path: Path, capsys: pyte
     assert config.data.unpadded_vocab_size == 250 and out.count("--vocab-size 250, ") == 2
     # 256 / T: at T=1 (the --num-layers 4 line) 256, at T=2 Megatron's default 128, not printed
     assert out.count("--make-vocab-size-divisible-by 256") == 1 and "--make-vocab-size-divisible-by 128" not in out
+
+
+def test_use_checkpoint_args_takes_a_sliding_window(tmp_path: Path) -> None:
+    windowed = dataclasses.replace(LLAMA, window_size=(7, 0), window_attn_skip_freq=(1, 0, 1))
+    load = checkpoint(tmp_path / "ck", Config(model=windowed))
+    assert parse_config(["--use-checkpoint-args", "--load", load, *TRAIN])[0].model == windowed
 
 
 def test_use_checkpoint_args_needs_load(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
