@@ -67,6 +67,48 @@ def test_the_keys_a_query_sees_are_megatron_cores_and_transformers(seq: int, lef
     assert sliding_window.band_pairs(seq, left) == int(ours.sum())
 
 
+FLAGS = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 64 --vocab-size 100 --lr 1e-3 "
+FLAGS += "--train-iters 1 --mock-data"
+
+
+@pytest.mark.parametrize(
+    "flags, windows",
+    [
+        ("--window-size 7,0", (7, 7, 7, 7)),
+        ("--window-size (7,0)", (7, 7, 7, 7)),  # Megatron-LM's tuple_type strips the parentheses
+        ("--window-size 7,0 --window-attn-skip-freq 2", (7, None, 7, None)),  # layer numbers 2, 4 attend fully
+        ("--window-size 7,0 --window-attn-skip-freq ([1]*3+[0])", (7, 7, 7, None)),
+        ("--window-size=-1,0", (None,) * 4),  # upstream's infinite window (argparse takes -1,0 for a flag)
+        ("--window-attn-skip-freq 2", (None,) * 4),  # without --window-size (upstream ignores it too)
+    ],
+)
+def test_the_flags_mean_megatron_lms(flags: str, windows: tuple) -> None:
+    from megatron_ds.flags.parser import parse_config
+
+    config, _ = parse_config([*FLAGS.split(), *flags.split()])
+    assert config.model.layer_windows == windows
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        ("--window-size 7,2", "--window-size 7,2: RIGHT lets a token attend 2 later tokens, but a GPT attends"),
+        ("--window-size 7", "--window-size 7 must be two integers LEFT,RIGHT, e.g. 4095,0"),
+        ("--window-size=-2,0", "--window-size -2,0: LEFT must be >= 0, or -1 for no window"),
+        ("--window-size 7,0 --window-attn-skip-freq [1,0]", "must give one 0 (full attention) or 1 (the window) for"),
+        ("--window-size 7,0 --window-attn-skip-freq [1,0]*2+__import__", "is not a list expression of digits"),
+        ("--window-size 7,0 --window-attn-skip-freq 0", "--window-attn-skip-freq 0 must be an integer >= 1"),
+    ],
+)
+def test_bad_window_flags_are_one_line_errors(flags: str, error: str) -> None:
+    from megatron_ds.errors import UserError
+    from megatron_ds.flags.parser import parse_config
+
+    with pytest.raises(UserError) as err:
+        parse_config([*FLAGS.split(), *flags.split()])
+    assert error in str(err.value) and "\n" not in str(err.value)
+
+
 def _layer(window: int | None) -> TransformerLayer:
     torch.manual_seed(0)
     return TransformerLayer(MODEL, NO_DROPOUT, init_seed=3, window=window).eval()
