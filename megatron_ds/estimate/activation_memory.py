@@ -36,6 +36,16 @@ recomputation keeps the boolean mask, b*s*s bytes, as an input of the recomputed
 flash path fp32 and bf16, math path, selective). With either packed-documents flag the two int64 id tensors
 (`DOCUMENT_ID_BYTES` per token) travel with every activation (pipe buffers, `transients.py`) and are kept by full
 recomputation with each checkpointed chunk's input.
+
+Sliding windows (`window`: a layer's entry of `ModelConfig.layer_windows`): the layer runs its queries in chunks
+(`megatron_ds.model.sliding_window`), each SDPA call under a boolean band mask. What is saved is then counted per
+chunk, P = `computed_pairs` scores per head and sample instead of s^2 (measured on CPU, fp32 and bf16, both paths):
+the fused kernels keep each chunk's output (a tensor of its own: `torch.cat` copies them into the projection's
+input) and its mask in the compute dtype, (chunk, keys) per chunk, P x w bytes, one for all heads and samples, or
+b x P x w combined with packed documents' mask (the whole (b, 1, s, s) mask is then never an SDPA input); the math
+path saves the chunk's float32 copies of q and of its keys' slice of k and v, and a x b x P probabilities (and
+dropout mask and output), nothing of the mask. The CUDA figures (memory-efficient kernel, as the mask rules out
+flash) follow the same rules and are not measured.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ from dataclasses import dataclass
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate.model_states import PRECISION_BYTES
-from megatron_ds.model import activations, norms
+from megatron_ds.model import activations, norms, sliding_window
 
 DEVICES = ("cuda", "cpu")
 ATTENTION_KINDS = ("flash", "math")
@@ -131,10 +141,12 @@ def transformer_layer_terms(
     *,
     regularization: RegularizationConfig,
     document_mask: bool = False,
+    window: int | None = None,
 ) -> dict[str, float]:
     """Saved bytes of one TransformerLayer for one micro-batch, by tensor (Korthikanti Sec. 4.1 terms);
     dropout masks exist only when `regularization`'s probabilities are > 0. `split`: a `Split`, or the
-    tensor-parallel size. `document_mask`: `--reset-attention-mask`'s dense mask (module docstring)."""
+    tensor-parallel size. `document_mask`: `--reset-attention-mask`'s dense mask; `window`: the layer's sliding
+    window (module docstring)."""
     sp = as_split(split)
     b, s, h, f = micro_batch_size, model.seq_length, model.hidden_size, model.ffn_hidden_size
     r, t, a, q = sp.replicated, sp.split, model.num_attention_heads, model.query_size
@@ -154,8 +166,14 @@ def transformer_layer_terms(
         f"{model.activation} inputs": activations.find(model.activation).saved_features * s * b * f * k.w / t,
         "fc2 input": s * b * f * k.w / t,
     }
-    terms.update(_attention_terms(b, s, q, a, sp, k, drop_a))
-    if document_mask:
+    left = sliding_window.effective(window, s)
+    if left is None:
+        terms.update(_attention_terms(b, s, q, a, sp, k, drop_a))
+        if document_mask:
+            terms["document mask"] = document_mask_bytes(b, s, k, sp)
+        return terms
+    terms.update(_window_terms(b, s, q, a, sp, k, drop_a, left, document_mask))
+    if document_mask and sp.selective:  # the checkpointed core attention's input, the whole boolean mask
         terms["document mask"] = document_mask_bytes(b, s, k, sp)
     return terms
 
@@ -189,19 +207,58 @@ def _attention_terms(b: int, s: int, q: int, a: int, sp: Split, k: Kernels, drop
     return out
 
 
+def _window_terms(
+    b: int, s: int, q: int, a: int, sp: Split, k: Kernels, dropout: bool, left: int, document_mask: bool
+) -> dict[str, float]:
+    """`_attention_terms` of a windowed layer, chunk by chunk (module docstring)."""
+    t, sbh = sp.split, s * b * q
+    if sp.selective:
+        return {"q, k, v": 3 * sbh * k.w / t}
+    pairs = sliding_window.computed_pairs(s, left)
+    if k.attention == "flash":
+        mask = pairs * (b if document_mask else 1) * k.w  # one (chunk, keys) mask, or (b, 1, chunk, keys)
+        return {
+            "q, k, v": 3 * sbh * k.w / t,
+            "softmax log-sum-exp": 4 * b * a * s / t,
+            "attention output (flash)": sbh * k.w / t,  # the chunks' outputs
+            "window mask": float(mask),
+        }
+    scores = a * b * pairs
+    if k.qkv_copies:  # each chunk's q rows and its keys' k and v rows
+        qkv = (s + 2 * sliding_window.chunk_keys(s, left)) * b * q * k.math_bytes / t
+    else:
+        qkv = 3 * sbh * k.w / t
+    out = {"q, k, v": qkv, "softmax output": scores * k.math_bytes / t}
+    if dropout:
+        out["attention dropout mask"] = scores * k.attn_mask / t
+        out["attention dropout output"] = scores * k.math_bytes / t
+    return out
+
+
 def recomputed_attention_bytes(
-    model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split, *, regularization: RegularizationConfig
+    model: ModelConfig,
+    micro_batch_size: int,
+    k: Kernels,
+    split: Split,
+    *,
+    regularization: RegularizationConfig,
+    window: int | None = None,
 ) -> float:
     """What recomputing one layer's core attention in backward allocates for one micro-batch (selective
     recomputation): what it would save besides q, k, v (views of the qkv output, kept), and on the flash
-    path its output, a new tensor then (under Ulysses already one of the terms)."""
+    path its output, a new tensor then (under Ulysses already one of the terms; windowed: the chunks' outputs
+    are, their concatenation is new)."""
     s, b, h = model.seq_length, micro_batch_size, model.query_size  # the attention's width
     whole = Split(split.tensor, split.sequence_parallel, split.ulysses, selective=False)
-    full = _attention_terms(b, s, h, model.num_attention_heads, whole, k, regularization.attention_dropout > 0)
+    dropout, left = regularization.attention_dropout > 0, sliding_window.effective(window, s)
+    if left is None:
+        full = _attention_terms(b, s, h, model.num_attention_heads, whole, k, dropout)
+    else:
+        full = _window_terms(b, s, h, model.num_attention_heads, whole, k, dropout, left, False)
     views = 3 * s * b * h * k.w / whole.split
     if k.attention == "math":  # CPU's math path copies q, k, v itself: all of it is new
         return sum(full.values()) - (0 if k.qkv_copies else views)
-    output = 0 if split.ulysses > 1 else s * b * h * k.w / whole.split
+    output = 0 if split.ulysses > 1 and left is None else s * b * h * k.w / whole.split
     return sum(full.values()) - views + output
 
 
@@ -228,6 +285,7 @@ _ATTENTION_HALF = (
     "attention dropout mask",
     "attention dropout output",
     "document mask",
+    "window mask",
 )
 """Terms of `transformer_layer_terms` outside the MLP half (the shared norm and dropout terms split below); every
 other term (a dense MLP's, or a mixture-of-experts layer's, `moe_costs.mlp_terms`) belongs to the MLP half."""
@@ -243,14 +301,18 @@ def mlp_half_bytes(terms: dict[str, float], activation: str) -> float:
     return mlp + sum(terms.get(n, 0.0) for n in halves) / 2
 
 
-def attention_backward_bytes(model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split) -> float:
+def attention_backward_bytes(
+    model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split, window: int | None = None
+) -> float:
     """The largest gradient the core attention's backward allocates while what it saved is alive: on the math
     path the gradient of the attention probabilities, (b, a/t, s, s) in the math dtype (measured on CPU:
-    four s x s blocks alive at the peak, three saved and this one); the flash kernels keep no s x s tensor."""
+    four s x s blocks alive at the peak, three saved and this one), under a `window` its largest chunk's; the
+    flash kernels keep no s x s tensor."""
     if k.attention != "math":
         return 0.0
-    s = model.seq_length
-    return model.num_attention_heads * s * s * micro_batch_size * k.math_bytes / split.split
+    s, left = model.seq_length, sliding_window.effective(window, model.seq_length)
+    pairs = s * s if left is None else sliding_window.largest_chunk_pairs(s, left)
+    return model.num_attention_heads * pairs * micro_batch_size * k.math_bytes / split.split
 
 
 def korthikanti_layer_bytes(

@@ -89,17 +89,23 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
     if inputs.teacher is not None:  # the kd loss's saved tensors sit with the lm loss's
         kd = distillation_costs.kd_loss_terms(m, b, t)
         terms[naming.LOGITS_TO_FP32] = {**terms[naming.LOGITS_TO_FP32], **kd}
-    layer_terms = act.transformer_layer_terms(
-        m, b, k, split, regularization=inputs.regularization, document_mask=inputs.document_mask
-    )
+    windows = {
+        w: act.transformer_layer_terms(
+            m, b, k, split, regularization=inputs.regularization, document_mask=inputs.document_mask, window=w
+        )
+        for w in set(m.layer_windows)
+    }
     out: list[SpecMemory] = []
-    body: SpecMemory | None = None  # every transformer layer's figures are the same: made once
+    bodies: dict[int | None, SpecMemory] = {}  # the layers of one sliding window have the same figures: made once
     for idx, name in enumerate(groups.names):
         group = groups.group_of(idx)
+        window = m.layer_windows[idx - len(groups.pre)] if group == "body" else None
+        body = bodies.get(window)
         if group == "body" and body is not None and not m.is_moe:  # MoE: the layers with experts differ
             if not one_layer:
                 out.append(dataclasses.replace(body, index=idx, name=name))
             continue
+        layer_terms = windows[window] if group == "body" else {}
         n, largest, n_no_decay = params[idx].num_params, params[idx].largest, params[idx].no_decay
         experts, ep = params[idx].expert_params, inputs.expert_parallel_size
         spec_terms = layer_terms if group == "body" else terms[name]
@@ -145,7 +151,8 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
                 largest_undeferred=max(rest, default=0),
             )
         )
-        body = out[-1] if group == "body" else body
+        if group == "body":
+            bodies[window] = out[-1]
     return tuple(out)
 
 
@@ -162,9 +169,10 @@ def _moe_layer_terms(inputs: MemoryInputs, layer_terms: dict[str, float], num_ex
 def _spec_parts(inputs: MemoryInputs) -> tuple[tuple[SpecMemory, ...], tuple[SpecMemory, ...], SpecMemory]:
     """(the pre specs, the post specs, one transformer layer): what a stage can hold. A mixture-of-experts model's
     layers differ (those with experts, and their counts); it trains at pipeline size 1, so its one stage holds every
-    layer and its layer is their mean (`_mean_layer`): the stage's sums are exact."""
+    layer and its layer is their mean (`_mean_layer`): the stage's sums are exact. Layers of different sliding
+    windows (`--window-attn-skip-freq`) take the mean layer too (what `compute.py` does for their flops)."""
     pre, post, layer = stage_parts(spec_memory(inputs, one_layer=True))
-    if inputs.model.is_moe:
+    if inputs.model.is_moe or len(set(inputs.model.layer_windows)) > 1:
         layer = _mean_layer([sp for sp in spec_memory(inputs) if sp.group == "body"])
     return pre, post, layer
 

@@ -76,13 +76,17 @@ def backward_transient(
     has_layers = any(sp.group == "body" for sp in held)
     # A layer's backward reaches its core attention with its MLP half freed; on the math path the gradient
     # of the attention probabilities is then allocated beside what the attention saved.
-    attention = act.attention_backward_bytes(m, b, k, split) - act.mlp_half_bytes(layer.activation_terms, m.activation)
+    # The layers' sliding windows: the largest of their figures.
+    windows = set(m.layer_windows)
+    attention = max(act.attention_backward_bytes(m, b, k, split, w) for w in windows)
+    attention -= act.mlp_half_bytes(layer.activation_terms, m.activation)
     if chunk:
         options.append(
             (chunk * layer.activations + max(0.0, attention), f"recomputing {chunk} layer(s) of one micro-batch")
         )
     if inputs.selective_recompute and has_layers:
-        again = act.recomputed_attention_bytes(m, b, k, split, regularization=inputs.regularization)
+        reg = inputs.regularization
+        again = max(act.recomputed_attention_bytes(m, b, k, split, regularization=reg, window=w) for w in windows)
         options.append((again + attention, "recomputing one layer's core attention of one micro-batch"))
     elif has_layers and not chunk:
         options.append((attention, "the core attention's backward (its probabilities' gradient)"))

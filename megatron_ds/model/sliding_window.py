@@ -57,6 +57,16 @@ def computed_pairs(seq: int, left: int | None) -> int:
     return sum((end - start) * (end - first_key) for start, end, first_key in chunks(seq, left))
 
 
+def chunk_keys(seq: int, left: int) -> int:
+    """Keys summed over the chunks (each chunk's slice of k and v; what the CPU math kernel copies per chunk)."""
+    return sum(end - first_key for _, end, first_key in chunks(seq, left))
+
+
+def largest_chunk_pairs(seq: int, left: int) -> int:
+    """Scores of the largest chunk (its probabilities' gradient is the math path's backward peak)."""
+    return max((end - start) * (end - first_key) for start, end, first_key in chunks(seq, left))
+
+
 def band_pairs(seq: int, left: int | None) -> int:
     """Query-key pairs the (causal) window holds for one head and sample: query i sees min(i, left) + 1 keys;
     without a window the causal triangle s(s + 1)/2."""

@@ -176,6 +176,68 @@ def test_without_the_window_the_model_differs() -> None:
     assert torch.equal(a[:, :6], b[:, :6]) and (a[:, 6:] - b[:, 6:]).abs().max() > 1e-3
 
 
+MEMORY_MODEL = ModelConfig(
+    num_layers=1,
+    hidden_size=64,
+    num_attention_heads=4,
+    ffn_hidden_size=128,
+    seq_length=128,
+    max_position_embeddings=128,
+    vocab_size=64,
+    window_size=(40, 0),
+)
+"""128 tokens, 41 keys a query: four chunks of 32 queries (the first against 32 keys, the others against 72)."""
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])  # CPU: the flash kernel, the math kernel
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_the_memory_model_counts_what_the_chunks_save(dropout: float, precision: str, dtype: torch.dtype) -> None:
+    """A windowed layer keeps exactly the activation terms' bytes: alone, with packed documents' mask, and under
+    selective recomputation; the terms without the window (the whole square's) differ, so the check can fail."""
+    from megatron_ds.data.packed_documents import PackedDocuments
+    from megatron_ds.estimate import activation_memory as act
+    from megatron_ds.testing.saved_tensors import graph_bytes
+
+    m, b, left = MEMORY_MODEL, 3, MEMORY_MODEL.window_size[0]
+    assert [c[1:] for c in sliding_window.chunks(m.seq_length, left)] == [(32, 0), (64, 0), (96, 24), (128, 56)]
+    reg = RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout)
+    k = act.kernels(precision, "cpu", dropout)
+    tokens = torch.randint(0, 10, (b, m.seq_length), generator=torch.Generator().manual_seed(0))
+    tokens[:, 50] = 7
+    for selective, packed in [(False, False), (False, True), (True, True)]:
+        torch.manual_seed(0)
+        layer = TransformerLayer(m, reg, 1, selective_recompute=selective, document_mask=packed, window=left)
+        layer = layer.to(dtype).train()
+        x = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
+        y = layer((x, *PackedDocuments(7, True, True).structure(tokens)) if packed else x)
+        y = y[0] if packed else y
+        kw = {"regularization": reg, "document_mask": packed}
+        split = act.Split(selective=selective)
+        terms = act.transformer_layer_terms(m, b, k, split, **kw, window=left)
+        assert graph_bytes(y, layer.parameters()) == sum(terms.values()), (selective, packed)
+        if not selective:
+            assert sum(terms.values()) != sum(act.transformer_layer_terms(m, b, k, split, **kw).values())
+
+
+def test_the_memory_model_takes_each_layers_window() -> None:
+    """A model whose layers attend with and without the window: its layer specs carry each one's terms (on CPU's
+    flash path, fp32 without dropout, the windowed layer keeps more: the chunks' outputs and masks, where the whole
+    sequence's kernel keeps no score of either)."""
+    from megatron_ds.estimate import activation_memory as act
+    from megatron_ds.estimate.memory_inputs import MemoryInputs
+    from megatron_ds.estimate.memory_model import spec_memory
+
+    m = dataclasses.replace(MEMORY_MODEL, num_layers=3, window_attn_skip_freq=(1, 0, 1))
+    inputs = MemoryInputs(model=m, micro_batch_size=2, num_micro_batches=1, precision="fp32")
+    layers = [sp for sp in spec_memory(inputs) if sp.group == "body"]
+    reg = inputs.regularization
+    expected = [
+        sum(act.transformer_layer_terms(m, 2, inputs.kernels, regularization=reg, window=w).values())
+        for w in m.layer_windows
+    ]
+    assert [sp.activations for sp in layers] == expected and expected[0] == expected[2] > expected[1]
+
+
 # ----- Hugging Face: Mistral, Qwen2, Qwen3 with windows shorter than the sequence --------------------------------
 
 transformers = pytest.importorskip("transformers")
