@@ -9,7 +9,8 @@ num_attention_heads when absent, Qwen3's 128). Mistral (`MistralForCausalLM`): L
 only on request (`--hf-model-type mistral`) or for a model with a sliding window on every layer. Sliding windows
 are Megatron-LM's `--window-size LEFT,0` with transformers' `sliding_window` LEFT + 1 (a key k is seen by the query
 q when q - sliding_window < k <= q): Mistral's on every layer, Qwen2's and Qwen3's with `use_sliding_window` on the
-layers `layer_types` names `sliding_attention` (`--window-attn-skip-freq`'s pattern). Phi-3 (`Phi3ForCausalLM`):
+layers `layer_types` names `sliding_attention` (`--window-attn-skip-freq`'s pattern), Phi-3's on every layer (its
+`sliding_window`, transformers' mask as Mistral's; absent or null: none). Phi-3 (`Phi3ForCausalLM`):
 Llama's layer without biases, with fused q|k|v and gate|up tensors and partial rotary embeddings
 (`partial_rotary_factor`, our `--rotary-percent`: the Llama-like models whose rotary share is below
 1 export as Phi-3, since transformers' Llama rotates whole heads). Each may tie or untie its LM head
@@ -121,6 +122,11 @@ PHI3_REQUIRES = (
         ),
     ),
     Requirement(
+        lambda m: m.window_attn_skip_freq is None,
+        "--window-attn-skip-freq with --rotary-percent below 1: partial rotary exports as Phi-3, whose sliding window "
+        "is on every layer",
+    ),
+    Requirement(
         lambda m: not m.use_rope_scaling,
         "--use-rope-scaling with --rotary-percent below 1: partial rotary exports as Phi-3, whose rope scaling is "
         "not Llama 3.x's",
@@ -180,10 +186,10 @@ _QKV_BIAS_IS_QWEN2S = Requirement(
 )
 _WINDOW_IS_NOT_HERE = Requirement(
     lambda m: m.window_size is None,
-    "--window-size: this type has no sliding window here (Mistral has one on every layer, Qwen2 and Qwen3 on the "
-    "layers they name)",
+    "--window-size: this type has no sliding window here (Mistral and Phi-3 have one on every layer, Qwen2 and Qwen3 "
+    "on the layers they name)",
 )
-WINDOWED = (QWEN2, QWEN3, MISTRAL)
+WINDOWED = (QWEN2, QWEN3, MISTRAL, PHI3)
 """The types whose config.json holds a sliding window."""
 _QK_NORM_IS_QWEN3S = Requirement(
     lambda m: not m.qk_layernorm,
@@ -344,7 +350,7 @@ def _phi3_fields(model: ModelConfig, regularization: RegularizationConfig) -> di
         "rope_theta": model.rotary_base,
         "partial_rotary_factor": model.rotary_percent,
         "rope_scaling": None,
-        "sliding_window": None,
+        "sliding_window": None if model.window_size is None else model.window_size[0] + 1,  # every layer's
         "resid_pdrop": regularization.hidden_dropout,
         "embd_pdrop": regularization.hidden_dropout,
         "attention_dropout": regularization.attention_dropout,
@@ -481,8 +487,8 @@ def _biases(f: _Fields, arch: str) -> dict[str, bool]:
 def _window(f: _Fields, arch: str, layers: int) -> dict[str, str | None]:
     """The dests of `--window-size` and `--window-attn-skip-freq` for the sliding window as transformers reads it:
     Mistral's `sliding_window` W on every layer; Qwen2's only with use_sliding_window, on the layers `layer_types`
-    names sliding (when absent: from max_window_layers on); Qwen3's as Qwen2's. W keys, the query's own included,
-    are Megatron-LM's window LEFT = W - 1."""
+    names sliding (when absent: from max_window_layers on); Qwen3's as Qwen2's; Phi-3's as Mistral's, but none when
+    absent (Phi3Config's default). W keys, the query's own included, are Megatron-LM's window LEFT = W - 1."""
     none = {"window_size": None, "window_attn_skip_freq": None}
     if arch == LLAMA:
         return none
@@ -502,8 +508,9 @@ def _window(f: _Fields, arch: str, layers: int) -> dict[str, str | None]:
             raise HFConfigError(f"{f.source}: layer_types {unknown[0]!r} is not supported: full or sliding attention")
         if "sliding_attention" not in kinds:
             return none
-    # absent is transformers' dataclass default (4096), unlike null
-    window = f.get("sliding_window", int, None) if "sliding_window" in f.hf else TRANSFORMERS_SLIDING_WINDOW
+    # absent is transformers' dataclass default (4096; Phi-3's None), unlike null
+    absent = None if arch == PHI3 else TRANSFORMERS_SLIDING_WINDOW
+    window = f.get("sliding_window", int, None) if "sliding_window" in f.hf else absent
     if window is not None and window < 1:
         raise HFConfigError(f"{f.source}: sliding_window {window} is not a positive number; fix the config.json")
     if window is None:
@@ -567,7 +574,6 @@ def _scaling_flags(factor: float | None) -> dict[str, Any]:
 def _from_phi3(f: _Fields) -> HFModel:
     """Phi-3: Llama's layer without biases, partial rotary embeddings."""
     act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", "Phi-3's MLP here is SwiGLU (silu)")
-    f.require("sliding_window", (None,), None, "attention is over the whole sequence here")
     h, heads = f.size("hidden_size"), f.size("num_attention_heads")
     f.require(
         "head_dim",
@@ -597,6 +603,7 @@ def _from_phi3(f: _Fields) -> HFModel:
         "add_qkv_bias": False,
         "qk_layernorm": False,
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
+        **_window(f, PHI3, f.size("num_hidden_layers")),
     }
     defaults = {
         "hidden_dropout": f.get("resid_pdrop", float, 0.0),

@@ -195,8 +195,12 @@ def test_partial_rotary_exports_as_phi3_and_round_trips() -> None:
     assert back.arch == hf_config.PHI3 and back.architecture["rotary_percent"] == 0.5
     with pytest.raises(HFConfigError, match="phi3: biases with --rotary-percent 0.5: .*Phi-3, which has no biases"):
         hf_config.architecture_of(dataclasses.replace(partial, add_bias_linear=True))
-    with pytest.raises(HFConfigError, match="sliding_window 128 is not supported"):
-        hf_config.from_hf_config({**hf, "sliding_window": 128}, "x")
+    assert hf["sliding_window"] is None and _window(back) == (None, None)
+    assert _window(hf_config.from_hf_config({**hf, "sliding_window": 128}, "x")) == ("127,0", None)  # every layer
+    absent = {k: v for k, v in hf.items() if k != "sliding_window"}  # Phi3Config's default: no window
+    assert _window(hf_config.from_hf_config(absent, "x")) == (None, None)
+    windowed = hf_config.to_hf_config(dataclasses.replace(partial, window_size=(127, 0)), REG, 200, "float32", {})
+    assert (windowed["model_type"], windowed["sliding_window"]) == ("phi3", 128)
     with pytest.raises(HFConfigError, match="phi3: --use-rope-scaling with --rotary-percent below 1"):
         hf_config.architecture_of(dataclasses.replace(partial, use_rope_scaling=True))
     llama3 = {"rope_type": "llama3", "factor": 8.0}
@@ -291,6 +295,11 @@ def _window(hf: hf_config.HFModel) -> tuple[str | None, str | None]:
             dataclasses.replace(LLAMA, window_size=(3, 0), window_attn_skip_freq=(1, 0)),
             None,
             "mistral: --window-attn-skip-freq: Mistral's sliding window is on every layer",
+        ),
+        (
+            dataclasses.replace(LLAMA, window_size=(3, 0), window_attn_skip_freq=(1, 0), rotary_percent=0.5),
+            None,
+            "phi3: --window-attn-skip-freq with --rotary-percent below 1: .*Phi-3, whose sliding window is on every",
         ),
         (
             dataclasses.replace(LLAMA, window_size=(3, 0), add_bias_linear=True),

@@ -1,7 +1,7 @@
 """Sliding-window attention (`--window-size LEFT,0`, Hugging Face's `sliding_window` LEFT + 1): the keys a query
 sees are upstream's (megatron-core's mask function and transformers' mask function themselves), the chunked
 attention equals SDPA under the whole band mask (with packed documents too), the KV-cached generation equals the
-whole sequence's forward, and Mistral, Qwen2 and Qwen3 with windows shorter than the sequence import with
+whole sequence's forward, and Mistral, Qwen2, Qwen3 and Phi-3 with windows shorter than the sequence import with
 transformers' logits and export back to the same files."""
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def test_the_memory_model_takes_each_layers_window() -> None:
     assert [sp.activations for sp in layers] == expected and expected[0] == expected[2] > expected[1]
 
 
-# ----- Hugging Face: Mistral, Qwen2, Qwen3 with windows shorter than the sequence --------------------------------
+# ----- Hugging Face: Mistral, Qwen2, Qwen3, Phi-3 with windows shorter than the sequence --------------------------------
 
 transformers = pytest.importorskip("transformers")
 HF_LAYERS = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4}
@@ -261,6 +261,12 @@ HF_CONFIGS = {
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         ),
         (4, None, 4),
+    ),
+    "phi3": (  # every layer; partial rotary, so that it exports as Phi-3 (a whole-head one exports as Mistral)
+        lambda: transformers.Phi3Config(
+            **HF_LAYERS, **HF_SMALL, sliding_window=7, partial_rotary_factor=0.5, pad_token_id=None
+        ),
+        (6, 6, 6),
     ),
 }
 WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "layer_types")
