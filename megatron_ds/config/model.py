@@ -152,6 +152,10 @@ class ModelConfig:
     Qwen3's q_norm/k_norm): after the QKV projection, before rotary embeddings, over the head's channels, of the kind
     `normalization` names and with its epsilon; one weight (and bias) of head_dim per layer for all query heads,
     another for all key heads."""
+    qk_l2_norm: bool = False
+    """Llama 4's query and key norm (Megatron-LM's `--qk-l2-norm`, megatron-core's L2Norm): x * rsqrt(mean(x^2) + eps)
+    over each query and key head in float32, no weights, on every layer where `qk_layernorm`'s would be; it replaces
+    that one (as in megatron-core), so `qk_layernorm` is stored as False with it."""
     num_experts: tuple[int, ...] = (1,)
     """Megatron-DeepSpeed's `--num-experts`: experts of each mixture-of-experts layer, one value for all of them or
     one per such layer (`experts_per_layer`); (1,) is a dense model. A layer with experts replaces its MLP by
@@ -231,6 +235,8 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling_factor", DEFAULT_ROPE_SCALING_FACTOR)
         if self.add_bias_linear:
             object.__setattr__(self, "add_qkv_bias", False)
+        if self.qk_l2_norm:
+            object.__setattr__(self, "qk_layernorm", False)
         self._check_experts()
         self._check_window()
         dim = self.rotary_dim

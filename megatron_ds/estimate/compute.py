@@ -208,10 +208,9 @@ def layer_terms(inputs: ComputeInputs, num_experts: int = 1, window: int | None 
         ]
     if m.use_rotary_position_embeddings:
         terms.append(_elementwise("rotary", 3 * n * (nq + nkv) * hd))  # x cos + rotate_half(x) sin
-    if m.qk_layernorm:  # --qk-layernorm: the norm over each of this rank's query and key heads
-        terms.append(
-            _elementwise("query and key norms", norms.find(m.normalization).forward_flops * n * (nq + nkv) * hd)
-        )
+    head_norm = norms.head_norm(m)  # --qk-layernorm's or --qk-l2-norm's norm over each of this rank's q and k heads
+    if head_norm is not None:
+        terms.append(_elementwise("query and key norms", head_norm.forward_flops * n * (nq + nkv) * hd))
     biased = {"qkv": (nq + 2 * nkv) * hd, "proj": h, "fc1": fc1, "fc2": h}  # output features on this rank
     if any(m.has_bias(name) for name in biased):
         terms.append(_elementwise("bias adds", n * sum(f for name, f in biased.items() if m.has_bias(name))))

@@ -104,6 +104,15 @@ NETWORK: tuple[Flag, ...] = (
         "its epsilon, replicated over tensor ranks, its gradients summed over them",
         "model.qk_layernorm",
     ),
+    switch(
+        "--qk-l2-norm",
+        _NET,
+        f"{_MLM}: Llama 4's query and key norm, x * rsqrt(mean(x^2) + eps) over each query and each key head in "
+        "float32, no weights, after the QKV projection and before rotary embeddings, on every layer (megatron-core's "
+        "L2Norm; eps is --norm-epsilon); with --qk-layernorm it replaces that norm, as in Megatron-LM (a warning says "
+        "so)",
+        "model.qk_l2_norm",
+    ),
     accepted(
         "--window-size",
         _NET,

@@ -229,6 +229,8 @@ def _model_config(args: argparse.Namespace, direct: dict[str, Any]) -> ModelConf
         warn(f"--rotary-base {args.rotary_base:g} only applies with --use-rotary-position-embeddings; ignored")
     if args.rotary_percent != model.rotary_percent:
         warn(f"--rotary-percent {args.rotary_percent:g} only applies with --use-rotary-position-embeddings; ignored")
+    if args.qk_layernorm and model.qk_l2_norm:
+        warn("--qk-layernorm with --qk-l2-norm: megatron-core builds the weightless L2 norm alone, as here; ignored")
     if args.use_rope_scaling and not model.use_rope_scaling:
         warn("--use-rope-scaling only applies with --use-rotary-position-embeddings; ignored")
     if args.rope_scaling_factor != model.rope_scaling_factor:

@@ -196,6 +196,12 @@ _QK_NORM_IS_QWEN3S = Requirement(
     "--qk-layernorm: of these types only Qwen3 (Llama's layout with --swiglu, no biases) has query and key norms",
 )
 
+_NO_QK_L2_NORM = Requirement(
+    lambda m: not m.qk_l2_norm,
+    "--qk-l2-norm: no type here has a weightless norm on every layer's query and key heads (Llama 4's is on its "
+    "rotary layers only, of a mixture-of-experts model with interleaved rotary)",
+)
+
 
 def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
     """GPT2, LLAMA, QWEN2, QWEN3 or PHI3 for a model both sides express exactly (a QKV bias alone is Qwen2's, query
@@ -224,6 +230,7 @@ def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
         requires = (*requires, _QK_NORM_IS_QWEN3S)
     if arch not in WINDOWED:
         requires = (*requires, _WINDOW_IS_NOT_HERE)
+    requires = (_NO_QK_L2_NORM, *requires)
     for r in requires:
         if not r.holds(model):
             problem = r.problem(model) if callable(r.problem) else r.problem

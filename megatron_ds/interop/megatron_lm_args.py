@@ -64,6 +64,7 @@ MODEL_ARGS = (
     on("--untie-embeddings-and-output-weights"),
     Arg("--num-experts", (None, 0)),  # 0: what Megatron-LM's own checkpoint converter saves for a dense model
     on("--qk-layernorm"),
+    on("--qk-l2-norm"),
     on("--multi-latent-attention"),
     Arg("--mtp-num-layers"),
     Arg("--window-size", spelled=lambda w: ",".join(map(str, w))),  # its tuple_type reads "LEFT,RIGHT"

@@ -151,12 +151,16 @@ def make_norm(model: ModelConfig, tp: TensorParallel = NO_TENSOR_PARALLEL) -> nn
     return mark_partial_gradient(norm) if tp.sequence_parallel else norm
 
 
-def make_head_norm(model: ModelConfig, tp: TensorParallel = NO_TENSOR_PARALLEL) -> nn.Module:
-    """The norm the config names over one attention head's channels (`--qk-layernorm`'s query and key norms).
-    Replicated over tensor ranks, each normalising only its own heads: at T > 1 its gradients are partial sums over
-    the tensor ranks whether or not the sequence is split (megatron-core all-reduces q/k_layernorm gradients over the
-    tensor group with any sequence_parallel setting: `finalize_model_grads`)."""
-    norm = norms.find(model.normalization).module(model.head_dim, model.layernorm_epsilon)
+def make_head_norm(model: ModelConfig, tp: TensorParallel = NO_TENSOR_PARALLEL) -> nn.Module | None:
+    """The norm over one attention head's channels (`--qk-layernorm`: the config's norm; `--qk-l2-norm`: the weightless
+    L2Norm; `norms.head_norm`), or None without either. Replicated over tensor ranks, each normalising only its own
+    heads: at T > 1 its gradients are partial sums over the tensor ranks whether or not the sequence is split
+    (megatron-core all-reduces q/k_layernorm gradients over the tensor group with any sequence_parallel setting:
+    `finalize_model_grads`)."""
+    kind = norms.head_norm(model)
+    if kind is None:
+        return None
+    norm = kind.module(model.head_dim, model.layernorm_epsilon)
     return mark_partial_gradient(norm) if tp.size > 1 else norm
 
 

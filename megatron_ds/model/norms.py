@@ -11,6 +11,9 @@ a norm's name (tests/unit/test_norms.py derives those two files from the registr
 docs/architecture.md lists them, and checks each entry's parameters, stored keys and Hugging Face
 counterpart against the real modules).
 
+Beside the registry, `L2_NORM` is `--qk-l2-norm`'s weightless norm over each query and key head (megatron-core's
+L2Norm; not a `--normalization` choice), and `head_norm` says which norm a model's query and key heads get.
+
 Importing this module loads no torch (the factories import it when called): the memory and compute
 models and the planner read the registry without torch.
 """
@@ -27,6 +30,8 @@ from megatron_ds.config.model import NORMALIZATIONS
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from megatron_ds.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,33 @@ def _rmsnorm1p(hidden_size: int, eps: float) -> nn.Module:
     return _zero_centered(True)(hidden_size, eps=eps)
 
 
+@functools.cache
+def _l2_norm_class() -> type:
+    """megatron-core's L2Norm (its `torch_norm.L2Norm`), one class built on first use (no torch on import)."""
+    import torch
+    from torch import nn
+
+    class L2Norm(nn.Module):
+        """x * rsqrt(mean(x^2) + eps) over the last dimension, computed in float32 and cast back; no weights."""
+
+        def __init__(self, hidden_size: int, eps: float) -> None:
+            super().__init__()
+            self.hidden_size, self.eps = hidden_size, eps
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x32 = x.float()
+            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+        def extra_repr(self) -> str:
+            return f"{self.hidden_size}, eps={self.eps}"
+
+    return L2Norm
+
+
+def _l2norm(hidden_size: int, eps: float) -> nn.Module:
+    return _l2_norm_class()(hidden_size, eps)
+
+
 REGISTRY: dict[str, Norm] = {
     n.name: n
     for n in (
@@ -177,6 +209,28 @@ def for_hf_model_type(model_type: str) -> Norm:
     """The norm of Hugging Face's `model_type` (each supported type names exactly one)."""
     (norm,) = (n for n in REGISTRY.values() if model_type in n.hf_model_types)
     return norm
+
+
+L2_NORM = Norm(
+    "l2norm",
+    "L2Norm",
+    "x * rsqrt(mean(x^2) + eps) in float32, no weights (--qk-l2-norm): Llama 4's query and key norm",
+    _l2norm,
+    stored_keys=(),
+    saved_statistics=1,  # rsqrt's output; the input is saved as float32 (a copy of a bf16 one)
+    forward_flops=3,  # rmsnorm's without the weight (DeepSpeed's layer_norm without affine, 4, less the mean)
+    hf_model_types=(),  # Llama 4's weightless norm follows rotary on its rotary layers only: not this model
+    megatron_lm="L2Norm",
+)
+"""The norm over each query and key head of `--qk-l2-norm` (megatron-core's L2Norm); not a `--normalization`
+choice, so not in `REGISTRY`."""
+
+
+def head_norm(model: ModelConfig) -> Norm | None:
+    """The norm over each query and key head: `--qk-l2-norm`'s L2Norm, `--qk-layernorm`'s the model's norm, or None."""
+    if model.qk_l2_norm:
+        return L2_NORM
+    return find(model.normalization) if model.qk_layernorm else None
 
 
 FLAG_SPELLINGS: tuple[str, ...] = (*REGISTRY, *dict.fromkeys(n.megatron_lm for n in REGISTRY.values()))

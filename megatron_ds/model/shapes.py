@@ -34,9 +34,10 @@ def norm_params(model: ModelConfig) -> int:
 
 
 def head_norm_params(model: ModelConfig) -> int:
-    """Parameters of `--qk-layernorm`'s query and key norms together (each one norm over head_dim, replicated over
-    tensor ranks); 0 without them."""
-    return 2 * norms.find(model.normalization).params_per_hidden * model.head_dim if model.qk_layernorm else 0
+    """Parameters of the query and key norms together (each one norm over head_dim, replicated over tensor ranks:
+    `--qk-layernorm`'s; `--qk-l2-norm`'s has none); 0 without them."""
+    head = norms.head_norm(model)
+    return 2 * head.params_per_hidden * model.head_dim if head else 0
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,8 @@ def gpt_spec_tensor_numels(model: ModelConfig, tensor_parallel_size: int = 1) ->
     t, h = tensor_parallel_size, model.hidden_size
     per_norm = norms.find(model.normalization).params_per_hidden
     norm = (h,) * per_norm
-    head_norms = (model.head_dim,) * (2 * per_norm) if model.qk_layernorm else ()
+    head = norms.head_norm(model)
+    head_norms = (model.head_dim,) * (2 * head.params_per_hidden) if head else ()
     layer: list[int] = [*norm, *norm, *head_norms]
     for name, (rows, cols) in layer_linear_shapes(model).items():
         column = name in COLUMN_PARALLEL

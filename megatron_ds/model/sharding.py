@@ -52,8 +52,8 @@ def spec_tensors(model: ModelConfig, spec_name: str) -> dict[str, TensorRule]:
     return {}
 
 
-def _norm(model: ModelConfig, h: int) -> dict[str, TensorRule]:
-    return {k: TensorRule((h,)) for k in norms.find(model.normalization).stored_keys}
+def _norm(model: ModelConfig, h: int, norm: norms.Norm | None = None) -> dict[str, TensorRule]:
+    return {k: TensorRule((h,)) for k in (norm or norms.find(model.normalization)).stored_keys}
 
 
 def _layer_tensors(model: ModelConfig) -> dict[str, TensorRule]:
@@ -64,9 +64,10 @@ def _layer_tensors(model: ModelConfig) -> dict[str, TensorRule]:
     out["qkv.weight"] = TensorRule((sum(qkv), h), FUSED_ROWS, qkv)
     if model.has_bias("qkv"):
         out["qkv.bias"] = TensorRule((sum(qkv),), FUSED_ROWS, qkv)
-    if model.qk_layernorm:  # --qk-layernorm: over head_dim, replicated over tensor ranks
+    head = norms.head_norm(model)
+    if head is not None:  # --qk-layernorm: over head_dim, replicated over tensor ranks (--qk-l2-norm: no tensors)
         for name in ("q_norm", "k_norm"):
-            out.update({f"{name}.{k}": r for k, r in _norm(model, model.head_dim).items()})
+            out.update({f"{name}.{k}": r for k, r in _norm(model, model.head_dim, head).items()})
     out["proj.weight"] = TensorRule((h, model.query_size), COLUMNS)
     if model.has_bias("proj"):
         out["proj.bias"] = TensorRule((h,))

@@ -4,7 +4,7 @@ activation is an entry of `megatron_ds.model.activations` (tanh or exact GeLU, S
 Options (ModelConfig): grouped-query attention (`num_key_value_heads`: kv heads shared by groups
 of nh/kv query heads), rotary embeddings on q and k (base `rotary_base`, on the first `rotary_dim`
 channels of each head; Llama 3.x's frequency scaling with `use_rope_scaling`), a norm on each query and key head
-before rotary (`qk_layernorm`), the MLP activation, no biases in the linears; a mixture-of-experts MLP (DeepSpeed's MoE layer, `megatron_ds.model.moe`) on the layers that have experts.
+before rotary (`qk_layernorm`, or the weightless L2 norm of `qk_l2_norm`), the MLP activation, no biases in the linears; a mixture-of-experts MLP (DeepSpeed's MoE layer, `megatron_ds.model.moe`) on the layers that have experts.
 Dropout probabilities and the init std come from RegularizationConfig; the weight shapes from
 `megatron_ds.model.shapes.layer_linear_shapes` (the same shapes the parameter counts use).
 
@@ -113,9 +113,9 @@ class TransformerLayer(nn.Module):
         bias = model.has_bias  # QKV may have one alone (--add-qkv-bias): split over tensor ranks with its rows
         self.qkv = column_linear(tp, qkv, bias("qkv"), fused_rows=qkv_row_parts(qkv.shape[0], nh, kv))
         # --qk-layernorm: one norm over head_dim shared by every query head, one by every key head (megatron-core's
-        # q_layernorm / k_layernorm, registered after linear_qkv as there)
-        self.q_norm = make_head_norm(model, tp) if model.qk_layernorm else None
-        self.k_norm = make_head_norm(model, tp) if model.qk_layernorm else None
+        # q_layernorm / k_layernorm, registered after linear_qkv as there); --qk-l2-norm: the weightless L2Norm
+        self.q_norm = make_head_norm(model, tp)
+        self.k_norm = make_head_norm(model, tp)
         self.proj = row_linear(tp, proj, bias("proj"))
         self.post_attention_norm = make_norm(model, tp)
         self.moe: nn.Module | None = None
@@ -162,7 +162,7 @@ class TransformerLayer(nn.Module):
         self, normed: torch.Tensor, first_position: int = 0, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (b, nh/T, s, hd) and k, v (b, kv/T, s, hd) of tokens at positions first_position.. (q and k normed per
-        head with `qk_layernorm`, then rotary applied), or at `positions` (b, s) (packed documents' position ids).
+        head with `qk_layernorm` or `qk_l2_norm`, then rotary applied), or at `positions` (b, s) (packed documents' position ids).
 
         Inference with a KV cache calls this with the position of its first new token.
         """

@@ -100,6 +100,7 @@ ARCHITECTURE_FLAGS = (
     "--disable-bias-linear",
     "--add-qkv-bias",
     "--qk-layernorm",
+    "--qk-l2-norm",
     "--window-size",
     "--window-attn-skip-freq",
     "--make-vocab-size-divisible-by",
