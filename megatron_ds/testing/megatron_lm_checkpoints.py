@@ -50,7 +50,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama_qkv_bias": ("llama", {"add_qkv_bias": True}),
+    "llama_qkv_bias_qk_l2_norm": ("llama", {"add_qkv_bias": True, "qk_l2_norm": True}),
     # hidden / heads is 8; the window: layers 1 and 2 see 4 keys of TOKENS' 12, layer 3 all
     "llama_kv_channels_window": (
         "llama",
@@ -58,7 +58,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 """A recorded line with flags added whose only effect on the args is their own values (Megatron-LM's
-validate_args derives nothing from --add-qkv-bias, --qk-layernorm, a given --kv-channels, --window-size or
+validate_args derives nothing from --add-qkv-bias, --qk-layernorm, --qk-l2-norm, a given --kv-channels, --window-size or
 --window-attn-skip-freq): name -> (the recorded line, the changed args)."""
 
 
@@ -171,6 +171,7 @@ def _transformer_config(a: argparse.Namespace) -> Any:
         add_bias_linear=a.add_bias_linear,
         add_qkv_bias=a.add_qkv_bias,
         qk_layernorm=a.qk_layernorm,
+        qk_l2_norm=a.qk_l2_norm,
         hidden_dropout=a.hidden_dropout,
         attention_dropout=a.attention_dropout,
         init_method_std=a.init_method_std,
@@ -193,7 +194,7 @@ def _model(a: argparse.Namespace) -> Any:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization=a.normalization, qk_layernorm=a.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=a.normalization, qk_layernorm=a.qk_layernorm, qk_l2_norm=a.qk_l2_norm)
     cuda = torch.Tensor.cuda
     # With P > 1 and tied weights the last stage's copy of the embedding is moved with `.cuda()` before
     # the all-reduce that copies the first stage's into it: kept on the CPU here.

@@ -478,13 +478,18 @@ def test_metadata_of_megatron_core_up_to_0_15(sources, tmp_path: Path) -> None:
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
 
 
-def test_a_qkv_bias_alone_converts_with_its_rows(tmp_path: Path) -> None:
+def test_a_qkv_bias_alone_and_the_qk_l2_norm_convert(tmp_path: Path) -> None:
     """The T=2 Llama with --add-qkv-bias (Qwen2's layout), trained two steps so the bias is not its zero init:
-    megatron-core's `linear_qkv.bias`, split over the tensor ranks with the QKV rows, converts to the same logits."""
+    megatron-core's `linear_qkv.bias`, split over the tensor ranks with the QKV rows, converts to the same logits. The
+    same launch has --qk-l2-norm (megatron-core's weightless L2Norm on every layer's query and key heads, eps
+    --norm-epsilon 1e-6): the flags carry it, and the same weights without it give other logits."""
     source = tmp_path / "mlm"
-    reference = write_checkpoints("llama_qkv_bias", {"torch_dist": str(source)}, ITERATION, "fully_reshardable")
+    reference = write_checkpoints(
+        "llama_qkv_bias_qk_l2_norm", {"torch_dist": str(source)}, ITERATION, "fully_reshardable"
+    )
     result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
     assert result.config.model.add_qkv_bias and not result.config.model.add_bias_linear
+    assert result.config.model.qk_l2_norm and "--qk-l2-norm" in result.train_flags
     model = load_model(str(tmp_path / "out"))
     biases = {n for n, p in model.named_parameters() if n.endswith(".bias")}
     assert biases and all(n.endswith("qkv.bias") for n in biases)
@@ -492,6 +497,10 @@ def test_a_qkv_bias_alone_converts_with_its_rows(tmp_path: Path) -> None:
     with torch.no_grad():
         logits = model.float()(reference["tokens"])
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+    plain = GPTModel(dataclasses.replace(model.config, qk_l2_norm=False))
+    plain.load_state_dict(model.state_dict())  # the norm has no weights: the same tensors
+    with torch.no_grad():
+        assert (plain.float()(reference["tokens"]) - logits).abs().max() > 1e-3
 
 
 def test_a_head_size_other_than_hidden_over_heads_and_a_sliding_window_convert(tmp_path: Path) -> None:
