@@ -41,6 +41,8 @@ QWEN3 = {**LLAMA, "model__qk_layernorm": True}  # Qwen3's layout: RMSNorm over e
 QWEN3_SP = {**QWEN3, "parallel__sequence_parallel": True}  # the norms' gradients: partial over heads and sequence
 QWEN3_KV_CHANNELS = {**QWEN3, "model__kv_channels": 12}  # --kv-channels 12, not 32 / 4: Qwen3-0.6B/4B/32B's kind
 LLAMA_PARTIAL_1P = {**LLAMA, "model__rotary_percent": 0.5, "model__normalization": "rmsnorm1p"}  # Megatron-LM's forms
+QK_L2_NORM = {**LLAMA, "model__qk_l2_norm": True}  # Llama 4's weightless L2 norm over each q and k head
+QK_L2_NORM_SP = {**QK_L2_NORM, "parallel__sequence_parallel": True}
 WINDOW = {**LLAMA, "model__seq_length": 72, "model__max_position_embeddings": 72, "model__window_size": [5, 0],
           "model__window_attn_skip_freq": [1, 0, 1, 1]}  # --window-size 5,0 on layers 1, 3, 4: three 32-row chunks
 WINDOW_SP = {**WINDOW, "parallel__sequence_parallel": True}  # attention gathers the whole sequence of its heads
@@ -67,6 +69,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     scenarios["qkv_bias"] = scenario(QKV_BIAS)
     scenarios["qwen3"] = scenario(QWEN3)
     scenarios["qwen3_kv_channels"] = scenario(QWEN3_KV_CHANNELS)
+    scenarios["qk_l2_norm"] = scenario(QK_L2_NORM)
     scenarios["window"] = scenario(WINDOW)
     scenarios["window_full"] = scenario({**WINDOW, "model__window_size": None})  # the window changes the model
     scenarios[ModelConfig.normalization] = scenario({})  # tiny_config itself: the base of its norm's 1p form
@@ -92,6 +95,7 @@ def tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[
                  "qwen3": scenario(QWEN3, p=2, t=2),
                  "qwen3_sp": scenario(QWEN3_SP, p=2, t=2),
                  "qwen3_kv_channels": scenario(QWEN3_KV_CHANNELS, p=2, t=2),
+                 "qk_l2_norm_sp": scenario(QK_L2_NORM_SP, p=2, t=2),
                  "window_sp": scenario(WINDOW_SP, p=2, t=2)}
     return run(tmp_path_factory.mktemp("arch_t2") / "run", 4, scenarios, timeout=420)
 
@@ -154,10 +158,11 @@ def test_no_position_embedding_leaves_the_dropout_spec(dedicated: dict) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["llama", "llama_post_zero1", "llama_partial_1p", "qkv_bias", "qwen3", "qwen3_sp", "qwen3_kv_channels", "window_sp"],
+    ["llama", "llama_post_zero1", "llama_partial_1p", "qkv_bias", "qwen3", "qwen3_sp", "qwen3_kv_channels",
+     "qk_l2_norm_sp", "window_sp"],
 )
 def test_llama_tensor_parallel_equals_single_process(tensor_parallel: dict, reference: dict, name: str) -> None:
-    same = {"llama_post_zero1": "llama", "qwen3_sp": "qwen3", "window_sp": "window"}
+    same = {"llama_post_zero1": "llama", "qwen3_sp": "qwen3", "qk_l2_norm_sp": "qk_l2_norm", "window_sp": "window"}
     assert_matches(tensor_parallel[name], reference[same.get(name, name)])
 
 
