@@ -17,6 +17,7 @@ import argparse
 import itertools
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -61,6 +62,11 @@ def _make_tokenizer(args: argparse.Namespace) -> Tokenizer:
     )
 
 
+def worker_pool(args: argparse.Namespace) -> Any:
+    """`--workers` tokenizing processes (a multiprocessing Pool), or None for one: the tool tokenizes itself."""
+    return multiprocessing.Pool(args.workers, initializer=Encoder(args).initializer) if args.workers > 1 else None
+
+
 class Encoder:
     """Turns a `{key: text}` document into `{key: ids}`; one per worker process."""
 
@@ -70,6 +76,11 @@ class Encoder:
         self.args = args
 
     def initializer(self) -> None:
+        # A forked worker inherits the tool's SIGTERM handler (`stop_cleanly_on_sigterm`), which raises there instead
+        # of ending it: Pool.terminate() then waited for ever on a worker stuck in a lock (seen under load). Only the
+        # parent cleans up, so a worker ends on SIGTERM and leaves Ctrl-C to the parent, which terminates it.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         Encoder.tokenizer = _make_tokenizer(self.args)
 
     def encode(self, sized: tuple[dict[str, str], int]) -> tuple[dict[str, list[int]], int]:
@@ -146,7 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         key for key in args.json_keys if os.path.exists(f"{args.output_prefix}_{key}_document.bin")
     }
     progress = Progress(sum(os.path.getsize(p) for p in args.input), args.log_interval)
-    pool = multiprocessing.Pool(args.workers, initializer=Encoder(args).initializer) if args.workers > 1 else None
+    pool = worker_pool(args)
     try:
         for ids_by_key, num_bytes in _encoded(args, _documents(args.input, args.json_keys), tokenizer, pool):
             for key, ids in ids_by_key.items():
