@@ -207,9 +207,10 @@ class Config:
             check(ok, f"{self.distillation.flag} with {why}")
 
     def _check_experts(self) -> None:
-        """Mixture-of-experts runs where Megatron-DeepSpeed's MoE example lines run them: GPTModel on DeepSpeed's plain
-        engine (`--no-pipeline-parallel`), without tensor parallelism, ZeRO 0-2 (ZeRO 1/2 with the experts in
-        optimizer groups of their own), any precision; what is not built here is refused."""
+        """Mixture-of-experts runs where Megatron-DeepSpeed runs them: GPTModel on DeepSpeed's plain engine
+        (`--no-pipeline-parallel`, ZeRO 0-2) or GPTModelPipe on its pipeline engine (P > 1, ZeRO 0/1), without tensor
+        parallelism, ZeRO 1/2 with the experts in optimizer groups of their own, any precision; what is not built
+        here is refused."""
         model, par = self.model, self.parallel
         if not model.is_moe:  # one spelling of a dense model: the MoE-only settings change nothing there
             object.__setattr__(self, "optimizer", dataclasses.replace(self.optimizer, create_moe_param_group=False))
@@ -240,12 +241,7 @@ class Config:
         experts = " ".join(map(str, model.num_experts))
         moe = f"--num-experts {experts}"
         for ok, what, fix in (
-            (
-                par.pipeline_model_parallel_size == 1,
-                f"--pipeline-model-parallel-size {par.pipeline_model_parallel_size}",
-                "use --pipeline-model-parallel-size 1 (--no-pipeline-parallel), "
-                "as Megatron-DeepSpeed's MoE example lines do",
-            ),
+            *self._moe_pipeline_refusals(),
             (
                 par.tensor_model_parallel_size == 1,
                 f"--tensor-model-parallel-size {par.tensor_model_parallel_size}",
@@ -276,13 +272,45 @@ class Config:
         ):
             check(ok, f"{moe} with {what}: mixture-of-experts layers are not built for that here; {fix}")
 
+    def _moe_pipeline_refusals(self) -> list[tuple[bool, str, str]]:
+        """What a mixture-of-experts model at pipeline size > 1 (DeepSpeed's pipeline engine, the aggregated
+        load-balancing loss passed between stages: `model/moe_loss.py`) is not built for here."""
+        par, data = self.parallel, self.data
+        if par.pipeline_model_parallel_size == 1:
+            return []
+        p = f"at --pipeline-model-parallel-size {par.pipeline_model_parallel_size}"
+        return [
+            (
+                par.pipeline_schedule == DEFAULT_PIPELINE_SCHEDULE and par.virtual_stages == 1,
+                f"--pp-schedule {par.pipeline_schedule}"
+                + (f" ({par.virtual_stages} virtual stages per rank)" if par.virtual_stages > 1 else "")
+                + f" {p}",
+                f"use --pp-schedule {DEFAULT_PIPELINE_SCHEDULE} (DeepSpeed's own schedule, as Megatron-DeepSpeed's "
+                "GPTModelPipe runs MoE models) without virtual stages",
+            ),
+            (
+                not self.training.checkpoint_activations,
+                f"--checkpoint-activations (--recompute-granularity full) {p}",
+                "use --recompute-granularity selective or no recomputation (DeepSpeed's pipeline engine runs backward "
+                "once per tensor a stage sends, the activation and the aggregated load-balancing loss, and its "
+                "recomputation keeps what it saved for one backward only), or --pipeline-model-parallel-size 1",
+            ),
+            (
+                not (data.reset_position_ids or data.reset_attention_mask),
+                f"--reset-position-ids / --reset-attention-mask {p}",
+                "drop them, or use --pipeline-model-parallel-size 1",
+            ),
+        ]
+
     @property
     def engine_kind(self) -> str:
-        """`plain` (DeepSpeed's DeepSpeedEngine: ZeRO 2/3 at P = 1, Ulysses, --kd and mixture-of-experts models, as
-        Megatron-DeepSpeed's --no-pipeline-parallel) or `pipeline` (its PipelineEngine, every other run): which
-        DeepSpeed engine trains this run; ZeRO 0/1 keep the pipeline engine at P = 1 too."""
+        """`plain` (DeepSpeed's DeepSpeedEngine: ZeRO 2/3 at P = 1, Ulysses, --kd and mixture-of-experts models at
+        P = 1, as Megatron-DeepSpeed's --no-pipeline-parallel) or `pipeline` (its PipelineEngine, every other run,
+        mixture-of-experts models at P > 1 as Megatron-DeepSpeed's GPTModelPipe): which DeepSpeed engine trains this
+        run; ZeRO 0/1 keep the pipeline engine at P = 1 too."""
         ulysses = self.parallel.ds_sequence_parallel_size > 1  # its groups exist in the plain engine only
-        plain = self.training.zero_stage >= 2 or ulysses or self.distillation.distils or self.model.is_moe
+        moe_at_one = self.model.is_moe and self.parallel.pipeline_model_parallel_size == 1
+        plain = self.training.zero_stage >= 2 or ulysses or self.distillation.distils or moe_at_one
         return "plain" if plain else "pipeline"
 
     @property

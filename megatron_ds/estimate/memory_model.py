@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import distillation_costs, moe_costs, pipeline_schedules
@@ -168,13 +169,43 @@ def _moe_layer_terms(inputs: MemoryInputs, layer_terms: dict[str, float], num_ex
 @functools.lru_cache(maxsize=256)
 def _spec_parts(inputs: MemoryInputs) -> tuple[tuple[SpecMemory, ...], tuple[SpecMemory, ...], SpecMemory]:
     """(the pre specs, the post specs, one transformer layer): what a stage can hold. A mixture-of-experts model's
-    layers differ (those with experts, and their counts); it trains at pipeline size 1, so its one stage holds every
-    layer and its layer is their mean (`_mean_layer`): the stage's sums are exact. Layers of different sliding
-    windows (`--window-attn-skip-freq`) take the mean layer too (what `compute.py` does for their flops)."""
+    layers differ (those with experts, and their counts), and so do layers of different sliding windows
+    (`--window-attn-skip-freq`): its layer is then the mean of every layer (`_mean_layer`), exact for a stage that
+    holds them all; a stage of a layout holds the mean of its own (`_held_layer`)."""
     pre, post, layer = stage_parts(spec_memory(inputs, one_layer=True))
-    if inputs.model.is_moe or len(set(inputs.model.layer_windows)) > 1:
-        layer = _mean_layer([sp for sp in spec_memory(inputs) if sp.group == "body"])
+    if _layers_differ(inputs):
+        layer = _mean_layer(list(_body_layers(inputs)))
     return pre, post, layer
+
+
+def _layers_differ(inputs: MemoryInputs) -> bool:
+    """Whether the transformer layers' memory differs from layer to layer (experts, or per-layer windows)."""
+    return inputs.model.is_moe or len(set(inputs.model.layer_windows)) > 1
+
+
+@functools.lru_cache(maxsize=256)
+def _body_layers(inputs: MemoryInputs) -> tuple[SpecMemory, ...]:
+    """Every transformer layer's spec, in order (a mixture-of-experts model's differ)."""
+    return tuple(sp for sp in spec_memory(inputs) if sp.group == "body")
+
+
+def _held_layer(
+    inputs: MemoryInputs, chunk_layers: tuple[int, ...], first_layers: tuple[int, ...] | None
+) -> SpecMemory:
+    """The layer a rank holds `sum(chunk_layers)` copies of: for a mixture-of-experts model whose chunks start at
+    `first_layers` (their global layer indices), the mean of the layers it holds, so that its sums count the experts
+    of its own layers (P > 1), or the windows of its own layers; otherwise `_spec_parts`' layer."""
+    if not _layers_differ(inputs) or first_layers is None or not sum(chunk_layers):
+        return _spec_parts(inputs)[2]
+    body = _body_layers(inputs)
+    held = [sp for first, k in zip(first_layers, chunk_layers, strict=True) for sp in body[first : first + k]]
+    return _mean_layer(held)
+
+
+def first_layers_of(layout: Any, rank: int) -> tuple[int, ...]:
+    """The global index of the first transformer layer of each of `rank`'s stages in `layout`."""
+    starts = [sum(layout.layers_per_stage[:s]) for s in range(len(layout.layers_per_stage))]
+    return tuple(starts[s] for s in layout.rank_stages(rank))
 
 
 def _mean_layer(layers: list[SpecMemory]) -> SpecMemory:
@@ -214,7 +245,9 @@ def stage_memory(inputs: MemoryInputs, layout) -> list[StageMemory]:
     per rank (its model chunks together)."""
     p = layout.num_ranks
     return [
-        rank_memory_for(inputs, r, p, tuple(layout.layers_per_stage[s] for s in layout.rank_stages(r)))
+        rank_memory_for(
+            inputs, r, p, tuple(layout.layers_per_stage[s] for s in layout.rank_stages(r)), first_layers_of(layout, r)
+        )
         for r in range(p)
     ]
 
@@ -240,11 +273,18 @@ def _chunks(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layers: tuple
     return out
 
 
-def rank_memory_for(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layers: tuple[int, ...]) -> StageMemory:
+def rank_memory_for(
+    inputs: MemoryInputs,
+    rank: int,
+    num_ranks: int,
+    chunk_layers: tuple[int, ...],
+    first_layers: tuple[int, ...] | None = None,
+) -> StageMemory:
     """Memory of pipeline rank `rank` of `num_ranks` holding `chunk_layers[c]` transformer layers in
-    model chunk c (one chunk without virtual stages)."""
+    model chunk c (one chunk without virtual stages), chunk c's first being layer `first_layers[c]` when given (a
+    mixture-of-experts model: the experts of those layers are counted; without it, its layers' mean)."""
     chunks = _chunks(inputs, rank, num_ranks, chunk_layers)
-    layer = _spec_parts(inputs)[2]
+    layer = _held_layer(inputs, chunk_layers, first_layers)
     ends = [sp for pre, _, post in chunks for sp in pre + post]
     num_layers = sum(chunk_layers)
     held = ends + [layer] * bool(num_layers)  # each distinct spec once; totals count the layer num_layers times

@@ -70,11 +70,13 @@ def build_layer_specs(
     selective_recompute: bool = False,
     document_mask: bool = False,
     expert_parallel_size: int = 1,
+    carry_moe_loss: bool = False,
 ) -> list[Spec]:
     """The full spec list (the same for every layout; only the stage boundaries move). `document_mask`
     (`--reset-attention-mask`): the transformer layers attend within each packed document. The layers with experts
     (`ModelConfig.experts_per_layer`) hold DeepSpeed's MoE layer, its experts shared out over `expert_parallel_size`
-    ranks."""
+    ranks. `carry_moe_loss` (a MoE model on the pipeline engine): the layers pass the aggregated load-balancing loss on
+    to the final norm (`megatron_ds.model.moe_loss`)."""
     reg = regularization
     groups = naming.gpt_spec_groups(model)
     embedding_idx = groups.pre.index(naming.WORD_EMBEDDING)
@@ -123,6 +125,7 @@ def build_layer_specs(
             experts,
             expert_parallel_size,
             window,
+            (carry_moe_loss and i > 0, carry_moe_loss),
         )
         for i, (experts, window) in enumerate(zip(model.experts_per_layer, model.layer_windows))
     ]
@@ -130,7 +133,11 @@ def build_layer_specs(
         head: Spec = LayerSpec(untied_head, model, reg, seeded(naming.UNTIED_LM_HEAD), *extra)
     else:
         head = TiedLayerSpec(naming.TIED_EMBEDDING_KEY, embedding, model, reg, tied_seed, *extra, forward_fn=head_fn)
-    post: list[Spec] = [LayerSpec(FinalNorm, model, seeded(naming.FINAL_NORM), tp), head, logits_to_fp32]
+    post: list[Spec] = [
+        LayerSpec(FinalNorm, model, seeded(naming.FINAL_NORM), tp, carry_moe_loss),
+        head,
+        logits_to_fp32,
+    ]
     specs = pre + body + post
     assert [spec_name(s) for s in specs] == groups.names, ([spec_name(s) for s in specs], groups.names)
     return specs
@@ -182,6 +189,8 @@ class GPTModelPipe(PipelineModule):
         self.tensor_parallel = tp
         train = config.training
         rng.reset_streams()  # this model's dropout streams start from their seeds
+        is_moe = config.model.is_moe
+        lm_loss = loss_function(tp)
         super().__init__(
             layers=build_layer_specs(
                 config.model,
@@ -190,12 +199,20 @@ class GPTModelPipe(PipelineModule):
                 tp,
                 selective_recompute=train.selective_recompute,
                 document_mask=config.data.reset_attention_mask,
+                expert_parallel_size=config.parallel.expert_parallel_size,
+                carry_moe_loss=is_moe,
             ),
             topology=topology or build_topology(config),
-            loss_fn=loss_function(tp),
+            loss_fn=functools.partial(_loss_with_moe, self, lm_loss) if is_moe else lm_loss,
             partition_method="megatron_ds.layout",
             activation_checkpoint_interval=train.checkpoint_num_layers if train.checkpoint_activations else 0,
         )
+        self.moe_loss_coeff = config.model.moe_loss_coeff
+        self.moe_layers = [f for f in self.forward_funcs if isinstance(f, TransformerLayer) and f.moe is not None]
+        """This stage's transformer layers with experts, in order (DeepSpeed numbers them from 0 in its expert files)."""
+        self.last_losses: dict[str, torch.Tensor] | None = {} if is_moe else None
+        """A MoE model's last micro-batch's `lm loss` and `moe loss` (detached; on the last stage), which DeepSpeed's
+        engine averages over the step's micro-batches and data-parallel ranks (`get_additional_losses`)."""
         assert self._grid.get_slice_parallel_rank() == tp.rank, (self._grid.get_slice_parallel_rank(), tp)
         self._check_tied_group()
         mark_norm_counting(self, tp.rank)
@@ -225,6 +242,30 @@ class GPTModelPipe(PipelineModule):
     @property
     def layout(self) -> Layout:
         return self._layout
+
+    def get_additional_losses(self) -> dict[str, torch.Tensor | None] | None:
+        """DeepSpeed's hook: a MoE model's `lm loss` and `moe loss` of the last micro-batch (the same keys on every
+        stage: DeepSpeed broadcasts the last stage's means to the others), None for a dense model."""
+        if self.last_losses is None:
+            return None
+        return {name: self.last_losses.get(name) for name in ("lm loss", "moe loss")}
+
+
+def _loss_with_moe(
+    model: GPTModelPipe,
+    lm_loss: Callable[..., torch.Tensor],
+    logits: torch.Tensor,
+    labels: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """A MoE model's micro-batch loss on the pipeline engine: the lm loss + `--moe-loss-coeff` x the aggregated
+    load-balancing losses the final norm took off (Megatron-DeepSpeed's GPTModelPipe `loss_func`); in evaluation the lm
+    loss alone, as the plain engine's `eval_batch`."""
+    lm = lm_loss(logits, labels)
+    norm = next(m for m in model.modules() if isinstance(m, FinalNorm))  # the last stage holds the post specs
+    assert norm.aggregated_moe_loss is not None, "the final norm of a MoE model takes the aggregated loss"
+    moe = model.moe_loss_coeff * norm.aggregated_moe_loss
+    model.last_losses = {"lm loss": lm.detach().float(), "moe loss": moe.detach().float()}
+    return lm + moe if model.training else lm
 
 
 COUNTED_IN_NORM = "model_parallel"

@@ -26,7 +26,7 @@ from torch import nn
 
 import megatron_ds.model.norms as norms
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.model import documents, weight_grad
+from megatron_ds.model import documents, moe_loss, weight_grad
 from megatron_ds.model.init import init_generator, normal_
 from megatron_ds.model.rng import Stream, dropout, register_streams
 from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel, mark_partial_gradient
@@ -167,13 +167,21 @@ def make_head_norm(model: ModelConfig, tp: TensorParallel = NO_TENSOR_PARALLEL) 
 class FinalNorm(nn.Module):
     """The final norm before the LM head."""
 
-    def __init__(self, model: ModelConfig, init_seed: int, tp: TensorParallel = NO_TENSOR_PARALLEL) -> None:
+    def __init__(
+        self, model: ModelConfig, init_seed: int, tp: TensorParallel = NO_TENSOR_PARALLEL, takes_moe_loss: bool = False
+    ) -> None:
         super().__init__()
         del init_seed  # norms start at weight 1, bias 0
         self.norm = make_norm(model, tp)
+        self.takes_moe_loss = takes_moe_loss
+        self.aggregated_moe_loss: torch.Tensor | None = None
+        """With `takes_moe_loss` (experts on the pipeline engine): the sum of the MoE layers' load-balancing losses of
+        the last forward, taken off the input (`megatron_ds.model.moe_loss`), for the loss."""
 
     def forward(self, hidden: Any) -> torch.Tensor:
-        """The norm of the hidden states; packed documents' ids end here (the head needs none)."""
+        """The norm of the hidden states; packed documents' ids and the aggregated load-balancing loss end here (the
+        head needs neither)."""
+        hidden, self.aggregated_moe_loss = moe_loss.take(hidden, self.takes_moe_loss)
         return self.norm(documents.split(hidden)[0])
 
 

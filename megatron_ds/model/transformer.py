@@ -28,6 +28,7 @@ on how the sequence is split.
 Packed documents (`megatron_ds.model.documents`): the layer takes and returns (x, position_ids, document_ids); rotary
 embeddings rotate each token by its position id, and with `document_mask` (`--reset-attention-mask`) SDPA takes the
 boolean mask "same document and not later" (b, 1, s, s), built here from the document ids, instead of `is_causal`.
+With experts on the pipeline engine the aggregated load-balancing loss travels last in the tuple (`moe_loss`).
 
 Sliding-window attention (`window`: this layer's entry of `ModelConfig.layer_windows`, Megatron-LM's
 `--window-size`): each query attends its window's keys only, combined with a document mask
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.model import activations, documents, moe, sliding_window
+from megatron_ds.model import activations, documents, moe, moe_loss, sliding_window
 from megatron_ds.model.init import draw_normal, init_generator, qkv_row_parts
 from megatron_ds.model.layers import make_head_norm, make_norm
 from megatron_ds.model.rng import Stream, dropout, register_streams
@@ -80,8 +81,12 @@ class TransformerLayer(nn.Module):
         num_experts: int = 1,
         expert_parallel_size: int = 1,
         window: int | None = None,
+        moe_loss_carry: tuple[bool, bool] = (False, False),
     ) -> None:
         super().__init__()
+        self.takes_moe_loss, self.returns_moe_loss = moe_loss_carry
+        """On the pipeline engine with experts: this layer takes / returns the aggregated load-balancing loss
+        (`megatron_ds.model.moe_loss`; layer 0 returns it only)."""
         self.document_mask = document_mask
         self.window = window
         """Keys before each query this layer attends (sliding-window attention), None: the whole causal sequence."""
@@ -141,11 +146,15 @@ class TransformerLayer(nn.Module):
         return tuple(draw_normal(shape, stds[name], gen) for name, shape in layer_linear_shapes(model).items())
 
     def forward(self, x: Any) -> Any:
+        x, aggregate = moe_loss.take(x, self.takes_moe_loss)
         x, ids = documents.split(x)
         positions = ids[0] if ids else None
         mask = documents.attention_mask(ids[1]) if ids and self.document_mask else None
         x = x + self._residual_dropout(self._attention(self.input_norm(x), positions, mask))
-        return documents.join(x + self._residual_dropout(self.mlp(x)), ids)
+        out = documents.join(x + self._residual_dropout(self.mlp(x)), ids)
+        if not self.returns_moe_loss:
+            return out
+        return moe_loss.give(out, moe_loss.add(aggregate, self.l_aux if self.moe is not None else None, x.device))
 
     def _residual_dropout(self, y: torch.Tensor) -> torch.Tensor:
         return dropout(y, self.hidden_dropout, self.training, self.hidden_stream, self.shard)

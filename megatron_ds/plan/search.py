@@ -276,7 +276,7 @@ def evaluate(
         sequence_parallel=sequence_parallel,
         offload_optimizer=offload,
         offload_param=offload_param,
-        engine="plain" if zero >= 2 or model.is_moe or teacher is not None else "pipeline",
+        engine="plain" if zero >= 2 or (model.is_moe and pp == 1) or teacher is not None else "pipeline",
         teacher=teacher,
         schedule=schedule,
         virtual_stages=virtual_stages,
@@ -285,7 +285,8 @@ def evaluate(
     layout = layout_for(res, tp, pp, method, inputs, max_visits)
     flops = flop_stage_time(inputs, layout.num_stages)
     times = tuple(flops(s, k) for s, k in enumerate(layout.layers_per_stage))
-    if not time_misses and pp > 1:  # the ends hold the most (in flight on rank 0, ZB-H1's weight store on P - 1)
+    # the ends hold the most (in flight on rank 0, ZB-H1's weight store on P - 1); not so with experts in the middle
+    if not time_misses and pp > 1 and not model.is_moe:
         ends: list[StageMemory] = []
         for rank in (0, pp - 1):
             ends.append(

@@ -54,6 +54,7 @@ from megatron_ds.training import (
     activation_checkpointing,
     deepspeed_config,
     interleaved,
+    moe_pipeline,
     pipe_schedules,
     plain_engine,
     zero_bubble,
@@ -200,8 +201,13 @@ def _assemble(
         engine, model, optimizer = plain_engine.assemble(config, layout, ds, topology, tp, factory, lr_scheduler)
     else:
         chunks = layout.virtual_stages > 1  # interleaved: v model chunks per rank
+        if config.model.is_moe:  # every rank makes DeepSpeed's expert groups, from our topology
+            data_first = bool(ds.get("use_data_before_expert_parallelism", False))
+            moe_pipeline.create_expert_groups(topology, config.parallel.expert_parallel_size, data_first)
         model = (ChunkedGPTModelPipe if chunks else GPTModelPipe)(config, layout, topology=topology, tp=tp)
-        add_group_placeholders(model, decoupled=config.optimizer.decoupled_lr is not None)
+        moe_groups = config.optimizer.create_moe_param_group  # set for MoE models only (`Config._check_experts`)
+        expert_group = f"ep_size_{config.parallel.expert_parallel_size}" if moe_groups else None
+        add_group_placeholders(model, decoupled=config.optimizer.decoupled_lr is not None, expert_group=expert_group)
         optimizer = build_optimizer(model, config.optimizer, factory, config.training.cpu_optimizer)
         check_structure(model, optimizer)
         engine, optimizer, _, _ = deepspeed.initialize(
@@ -210,6 +216,8 @@ def _assemble(
     schedule = pipeline_schedules.find(config.parallel.pipeline_schedule, config.parallel.virtual_stages)
     if config.engine_kind == "pipeline":
         engine = _schedule_engine(engine, schedule)
+        if config.model.is_moe:
+            moe_pipeline.install_loss_report(engine)
     install_fp32_grad_norm(engine)
     install_mixed_precision_expert_norm(engine)
     activation_checkpointing.configure(config, layout, engine, tp)  # deepspeed.checkpointing's options, per rank

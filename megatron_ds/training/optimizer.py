@@ -30,6 +30,8 @@ DECOUPLED_GROUP = "decoupled"
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 """Builds an optimizer from `param_groups`' list (each group: "name", "params", "weight_decay")."""
 GROUP_PLACEHOLDER_PREFIX = "optimizer_group_placeholder_"
+EXPERT_PLACEHOLDER_SUFFIX = "_experts"
+"""Ends the name of a group's expert placeholder (`add_group_placeholders(expert_group=...)`)."""
 
 
 def group_names(decoupled: bool) -> tuple[str, ...]:
@@ -49,9 +51,14 @@ def _wants_decay(name: str, param: nn.Parameter) -> bool:
     return len(getattr(param, "ds_shape", param.shape)) >= 2 and not name.startswith(GROUP_PLACEHOLDER_PREFIX)
 
 
-def add_group_placeholders(module: nn.Module, decoupled: bool = False) -> list[str]:
+def add_group_placeholders(module: nn.Module, decoupled: bool = False, expert_group: str | None = None) -> list[str]:
     """Register a one-element zero parameter for each group this module would leave empty
     (`decoupled`: the `--decoupled-lr` group is one of them).
+
+    `expert_group` (a mixture-of-experts model on the pipeline engine under `--create-moe-param-group`: DeepSpeed's
+    expert-parallel group name, `ep_size_E`): each of those groups also gets an expert placeholder (DeepSpeed's
+    expert marks, `allreduce` False) where it holds no expert, so DeepSpeed's split gives every stage the same expert
+    groups, the embedding's stage and a stage of dense layers too.
 
     Returns the names of the groups that needed one. Call once, before the DeepSpeed engine is
     built, so the placeholders are ordinary parameters of the module.
@@ -61,7 +68,27 @@ def add_group_placeholders(module: nn.Module, decoupled: bool = False) -> list[s
     missing = [g for g in group_names(decoupled) if g not in present]
     for group in missing:
         module.register_parameter(GROUP_PLACEHOLDER_PREFIX + group, nn.Parameter(torch.zeros(1)))
+    if expert_group is None:
+        return missing
+    with_experts = {_group_of(n, p, decoupled) for n, p in params if not getattr(p, "allreduce", True)}
+    for group in [g for g in GROUP_NAMES if g not in with_experts]:
+        placeholder = nn.Parameter(torch.zeros(1))
+        placeholder.allreduce, placeholder.group_name = False, expert_group  # DeepSpeed's `is_moe_param` marks
+        module.register_parameter(GROUP_PLACEHOLDER_PREFIX + group + EXPERT_PLACEHOLDER_SUFFIX, placeholder)
+        missing.append(group + EXPERT_PLACEHOLDER_SUFFIX)
     return missing
+
+
+def _unmark_lone_expert_placeholders(module: nn.Module) -> None:
+    """On a stage without experts, the expert placeholders lose DeepSpeed's expert marks once they are in their
+    groups: DeepSpeed's engine reduces a marked gradient by its expert group, which it knows only on stages that hold
+    a MoE layer."""
+    named = list(module.named_parameters())
+    if any(not getattr(p, "allreduce", True) for n, p in named if not n.startswith(GROUP_PLACEHOLDER_PREFIX)):
+        return
+    for name, p in named:
+        if name.endswith(EXPERT_PLACEHOLDER_SUFFIX) and name.startswith(GROUP_PLACEHOLDER_PREFIX):
+            del p.allreduce, p.group_name
 
 
 def param_groups(module: nn.Module, weight_decay: float, decoupled: bool = False) -> list[dict[str, Any]]:
@@ -75,7 +102,7 @@ def param_groups(module: nn.Module, weight_decay: float, decoupled: bool = False
         if not p.requires_grad:
             continue
         if name.startswith(GROUP_PLACEHOLDER_PREFIX):
-            groups[name[len(GROUP_PLACEHOLDER_PREFIX) :]].append(p)
+            groups[name[len(GROUP_PLACEHOLDER_PREFIX) :].removesuffix(EXPERT_PLACEHOLDER_SUFFIX)].append(p)
         else:
             groups[_group_of(name, p, decoupled)].append(p)
     mult = {GROUP_NAMES[0]: 1.0, GROUP_NAMES[1]: 0.0, DECOUPLED_GROUP: 1.0}
@@ -102,6 +129,7 @@ def build_optimizer(
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
         groups = split_params_into_different_moe_groups_for_optimizer(groups)
+        _unmark_lone_expert_placeholders(module)
     if factory is not None:
         return factory(groups)
     if cpu_adam:

@@ -112,7 +112,10 @@ def test_the_memory_model_holds_each_ranks_share_of_the_experts() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ("--num-experts 4 --pipeline-model-parallel-size 2", "--num-experts 4 with --pipeline-model-parallel-size 2:"),
+        (
+            "--num-experts 4 --pipeline-model-parallel-size 2 --checkpoint-activations",
+            "--num-experts 4 with --checkpoint-activations (--recompute-granularity full) at --pipeline-model-parallel",
+        ),
         ("--num-experts 4 --zero-stage 3 --create-moe-param-group", "--num-experts 4 with --zero-stage 3:"),
         ("--num-experts 4 --zero-stage 2", "with --zero-stage 2 without --create-moe-param-group: "),
         ("--num-experts 4 --moe-expert-parallel-size 2", "--moe-expert-parallel-size 2 does not divide the data-"),

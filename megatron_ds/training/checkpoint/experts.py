@@ -39,19 +39,20 @@ def optimizer_param_groups(optimizer: Any) -> list[list[Any]]:
     return [list(g["params"]) for g in optimizer.param_groups]
 
 
-def rank_record(engine: Any) -> dict[str, Any]:
-    """This rank's part of the record (every rank; the collective gather is the caller's)."""
+def rank_record(engine: Any, expert_parallel_size: int) -> dict[str, Any]:
+    """This rank's part of the record (every rank, a stage without experts too; the collective gather is the
+    caller's). At P > 1 each rank records its stage too, and every stage's optimizer groups are kept apart."""
     from deepspeed.utils import groups
 
     from megatron_ds.model.moe import global_named_parameters
 
-    layer = engine.module.moe_layers[0].moe
-    name = layer.expert_group_name
+    name = f"ep_size_{expert_parallel_size}"  # DeepSpeed's group name, made on every rank at P > 1 too
     out: dict[str, Any] = {
         "expert_parallel_rank": groups._get_expert_parallel_rank(name),
         "expert_data_parallel_rank": groups._get_expert_data_parallel_rank(name),
+        "stage": int(engine.stage_id),
     }
-    if out["expert_data_parallel_rank"] == 0:  # one rank per expert-parallel rank sends its groups
+    if out["expert_data_parallel_rank"] == 0:  # one rank per expert-parallel rank (and stage) sends its groups
         by_id = {id(p): n for n, p in global_named_parameters(engine.module).items()}
         out["optimizer_groups"] = [[by_id[id(p)] for p in g] for g in optimizer_param_groups(engine.optimizer)]
     return out
@@ -60,16 +61,20 @@ def rank_record(engine: Any) -> dict[str, Any]:
 def write(directory: str, records: list[dict[str, Any]]) -> None:
     """Rank 0: the gathered `rank_record`s (in global rank order) as `directory/experts.json`."""
     size = 1 + max(r["expert_parallel_rank"] for r in records)
-    groups: list[Any] = [None] * size
+    num_stages = 1 + max(r["stage"] for r in records)
+    by_stage: list[list[Any]] = [[None] * size for _ in range(num_stages)]
     for r in records:
         if "optimizer_groups" in r:
-            groups[r["expert_parallel_rank"]] = r["optimizer_groups"]
+            by_stage[r["stage"]][r["expert_parallel_rank"]] = r["optimizer_groups"]
     record = {
         "format": FORMAT,
         "expert_parallel_size": size,
         "ranks": [{k: r[k] for k in ("expert_parallel_rank", "expert_data_parallel_rank")} for r in records],
-        "optimizer_groups": groups,
+        "optimizer_groups": by_stage[0],
     }
+    if num_stages > 1:  # P > 1: every rank's stage and each stage's groups (its universal form is not read here)
+        record["stages"] = [r["stage"] for r in records]
+        record["optimizer_groups_by_stage"] = by_stage
     write_atomic(os.path.join(directory, EXPERTS_FILE), json.dumps(record))
 
 

@@ -51,17 +51,25 @@ def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
     """Why the Hugging Face export refuses a mixture-of-experts checkpoint (None for a dense one): transformers' GPT-2
     and Llama have no experts. What reads it is said in the same line: generation and inference (`moe_weights`), a
     resume under any world size, expert-parallel size and ZeRO stage 0-2 (through the universal form,
-    `universal.moe_source`), the conversion itself, and its weights alone (`--no-load-optim`)."""
-    model = Config.from_dict(meta["config"]).model
+    `universal.moe_source`), the conversion itself, and its weights alone (`--no-load-optim`); saved at P > 1, a
+    resume under its own topology only (`moe_pipeline_refusal`)."""
+    saved = Config.from_dict(meta["config"])
+    model = saved.model
     if not model.is_moe:
         return None
     experts = " ".join(map(str, model.num_experts))
+    resumes = (
+        "pretrain_gpt.py --load resumes it under any world size, --moe-expert-parallel-size and ZeRO stage 0-2 "
+        "(through its universal form, which `tools/convert_checkpoint.py --to universal` also writes), or takes its "
+        "weights alone with --no-load-optim"
+        if saved.parallel.pipeline_model_parallel_size == 1
+        else f"pretrain_gpt.py --load resumes it (or takes its weights alone with --no-load-optim) under the layout "
+        f"({meta.get('layout')}) and sizes it was saved with"
+    )
     return (
         f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), which the Hugging Face export does not "
         f"write (transformers' GPT-2 and Llama have no experts); tools/generate.py and inference.load_model read it "
-        f"(a --kd teacher too); pretrain_gpt.py --load resumes it under any world size, --moe-expert-parallel-size and ZeRO stage 0-2 "
-        f"(through its universal form, which `tools/convert_checkpoint.py --to universal` also writes), or takes its "
-        f"weights alone with --no-load-optim"
+        f"(a --kd teacher too); {resumes}"
     )
 
 
@@ -70,7 +78,14 @@ def universal_refusal(meta: dict[str, Any], where: str) -> str | None:
     refuses what it does not read itself: `universal.moe_source`)."""
     if not has_optimizer_state(meta):
         return f"{where}: holds weights only (no optimizer state); it loads under any layout as it is"
-    if Config.from_dict(meta["config"]).optimizer.decoupled_lr is not None:
+    saved = Config.from_dict(meta["config"])
+    if saved.model.is_moe and saved.parallel.pipeline_model_parallel_size > 1:
+        return (
+            f"{where} is a mixture-of-experts checkpoint saved at --pipeline-model-parallel-size "
+            f"{saved.parallel.pipeline_model_parallel_size}, which has no universal form here; resume it under the "
+            f"layout ({meta.get('layout')}), world size, expert-parallel size, ZeRO stage and precision it was saved with"
+        )
+    if saved.optimizer.decoupled_lr is not None:
         return (
             f"{where} was trained with --decoupled-lr, whose third optimizer group the universal form does not "
             f"hold; resume it under the layout, T, DP and ZeRO stage it was saved with (bf16 needs ZeRO 1 there), "
@@ -185,6 +200,20 @@ def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: s
             f"optimizer groups differ; {'give' if a else 'drop'} --decoupled-lr, or --no-load-optim to load the "
             f"weights only"
         )
+
+
+def moe_pipeline_refusal(meta: dict[str, Any], config: Config, changes: list[str], where: str) -> str | None:
+    """Why a mixture-of-experts checkpoint cannot load here (None when it can): at pipeline size > 1, saved or now,
+    DeepSpeed's own loader reads each stage's files (its MoE layers numbered per stage), so the layout and every other
+    size must be the saved ones; `changes`: `topology_changes`."""
+    saved = Config.from_dict(meta["config"])
+    pipelined = max(saved.parallel.pipeline_model_parallel_size, config.parallel.pipeline_model_parallel_size) > 1
+    if not (saved.model.is_moe and config.model.is_moe and pipelined and changes):
+        return None
+    return (
+        f"{where}: a mixture-of-experts checkpoint at pipeline size > 1 loads under the topology it was saved with "
+        f"only, but {'; '.join(changes)}; use the saved layout ({meta.get('layout')}), sizes, ZeRO stage and precision"
+    )
 
 
 def topology_changes(meta: dict[str, Any], config: Config, layout: Layout, world_size: int) -> list[str]:

@@ -55,6 +55,7 @@ from megatron_ds.training.checkpoint.rules import (
     deepspeed_cannot_restore,
     has_optimizer_state,
     is_weights_only,
+    moe_pipeline_refusal,
     precision_notice,
     regularization_notice,
     topology_changes,
@@ -116,9 +117,9 @@ def save(engine: Any, config: Config, layout: Layout, state: TrainState, save_di
     else:
         engine.save_checkpoint(save_dir, tag=tmp_tag, save_latest=False)  # ends with a barrier
     torch.save(_rng_state(), os.path.join(save_dir, tmp_tag, f"rng_rank{rank}.pt"))
-    if getattr(engine.module, "moe_layers", None):  # where each expert's optimizer state is, for the universal form
+    if config.model.is_moe:  # where each expert's optimizer state is, for the universal form
         records: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(records, experts.rank_record(engine))
+        dist.all_gather_object(records, experts.rank_record(engine, config.parallel.expert_parallel_size))
         if rank == 0:
             experts.write(os.path.join(save_dir, tmp_tag), records)
     dist.barrier()
@@ -222,6 +223,9 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
     weights_only = ck.no_load_optim or ck.finetune or not has_optimizer_state(meta)
     universal = store.is_universal(meta)
     moved = ["universal form"] if universal else topology_changes(meta, config, layout, dist.get_world_size())
+    refusal = moe_pipeline_refusal(meta, config, moved, f"--load {load_dir} ({tag})")
+    if refusal:
+        raise CheckpointError(refusal)
     for notice in (
         regularization_notice(meta, config, load_dir, tag),
         weight_free_notice(meta, config, load_dir, tag),
@@ -375,9 +379,9 @@ def _expert_files(engine: Any, load_dir: str, tag: str, weights_only: bool) -> l
     1/2 the optimizer state is in the ZeRO partition files, experts included)."""
     from megatron_ds.model.moe import expert_parallel_rank, local_expert_ids
 
-    layers = getattr(engine.module, "moe_layers", None) or []
+    layers = getattr(engine.module, "moe_layers", None) or []  # at P > 1: this stage's, under its model-parallel rank
     paths = [
-        engine._get_expert_ckpt_name(load_dir, layer_id, expert, tag, checkpoint_mp_rank=0)
+        engine._get_expert_ckpt_name(load_dir, layer_id, expert, tag, mpu=engine.mpu)
         for layer_id, layer in enumerate(layers)
         for expert in local_expert_ids(layer.moe)
     ]
