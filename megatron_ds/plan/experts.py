@@ -1,8 +1,9 @@
 """What a mixture-of-experts model may train with, as pretrain_gpt.py decides it: its refusals and the expert-parallel
 sizes the planner tries.
 
-A model with experts (`ModelConfig.is_moe`: `--num-experts` above 1 on some layer) trains at pipeline and tensor size 1
-on DeepSpeed's plain engine with ZeRO 0-2 (docs/training.md); every rule is `Config._check_experts`'s (config/tree.py),
+A model with experts (`ModelConfig.is_moe`: `--num-experts` above 1 on some layer) trains at tensor size 1, at pipeline
+size 1 on DeepSpeed's plain engine with ZeRO 0-2 and at a pipeline size the flags fix on its pipeline engine with ZeRO
+0/1 (docs/training.md); every rule is `Config._check_experts`'s (config/tree.py),
 asked here through a config tree of the configuration in question, so the planner never restates one.
 """
 
@@ -16,6 +17,7 @@ from megatron_ds.config import (
     ParallelConfig,
     TrainingConfig,
 )
+from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.errors import ConfigError
 
 MOE_ZERO_STAGES = (0, 1, 2)
@@ -30,6 +32,8 @@ def refusal(
     zero: int = 0,
     ep: int = 1,
     distillation: DistillationConfig | None = None,
+    checkpoint_activations: bool = False,
+    schedule: str = DEFAULT_PIPELINE_SCHEDULE,
 ) -> str | None:
     """pretrain_gpt.py's one-line refusal of this configuration (None: it trains), asked of a config tree: a
     mixture-of-experts model's rules, and with `distillation` the rules of distilling into it. The printed command
@@ -43,8 +47,13 @@ def refusal(
                 tensor_model_parallel_size=tp,
                 world_size=world,
                 expert_parallel_size=ep,
+                pipeline_schedule=schedule,
             ),
-            training=TrainingConfig(zero_stage=zero, global_batch_size=max(1, world // (tp * pp))),
+            training=TrainingConfig(
+                zero_stage=zero,
+                global_batch_size=max(1, world // (tp * pp)),
+                checkpoint_activations=checkpoint_activations,
+            ),
             optimizer=OptimizerConfig(create_moe_param_group=model.is_moe),
             distillation=distillation or DistillationConfig(),
         )

@@ -350,7 +350,10 @@ def _check_experts(raw: PlanInputs, dims: dict) -> None:
     ep = raw.moe_expert_parallel_size or 1
     tp, pp = raw.tensor_model_parallel_size or 1, raw.pipeline_model_parallel_size or 1
     world = raw.num_gpus if raw.num_gpus and raw.num_gpus % (tp * pp) == 0 else None
-    why = experts.refusal(model, tp, pp, world, raw.zero_stage or 0, ep)
+    schedule = fixed_schedule(raw)[0] or DEFAULT_PIPELINE_SCHEDULE  # at P > 1 with experts: 1F1B only
+    why = experts.refusal(
+        model, tp, pp, world, raw.zero_stage or 0, ep, None, bool(raw.checkpoint_activations), schedule
+    )
     if why is not None:
         raise PlanError(why)
 

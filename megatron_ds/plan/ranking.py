@@ -128,6 +128,8 @@ def _runnable(res: Resolved, t: int, p: int, mb: int, zero: int, chunks: tuple[i
         return []  # the plain engine runs 1F1B only
     if p < 2 or zero >= 2:
         return [SCHEDULES[0]] if fixed in (None, SCHEDULES[0][0]) else [(fixed, 1)] if chunks == (1,) else []
+    if res.model().is_moe:  # experts at P > 1: DeepSpeed's own 1F1B only (`Config._moe_pipeline_refusals`)
+        return [SCHEDULES[0]] if fixed in (None, SCHEDULES[0][0]) else []
     m = _num_micro_batches(res, t, p, mb)
     layers = res.dims["num_layers"]
     out = [(name, v) for name, v in SCHEDULES if v == 1]
@@ -326,6 +328,8 @@ class Search:
         raw = res.raw
         self.res, self.precision = res, precision
         self.recomputes = recompute_modes(raw)
+        if res.model().is_moe and (raw.pipeline_model_parallel_size or 1) > 1:  # refused with experts at P > 1
+            self.recomputes = [r for r in self.recomputes if r != "full"]
         self.methods = [raw.layout] if raw.layout else [DEFAULT]
         self.closest: Candidate | None = None
         self.bounds: list[tuple[float, int, int]] = []

@@ -328,7 +328,7 @@ def evaluate(
         attention_dropout=inputs.regularization.attention_dropout > 0,
         virtual_stages=virtual_stages,
         expert_parallel_size=ep,
-        stage_expert_params=(sum(s.expert_params for s in shapes.gpt_spec_params(model, tp, ep)),) if ep > 1 else (),
+        stage_expert_params=_rank_expert_params(model, tp, ep, layout) if ep > 1 else (),
         teacher=teacher,
     )
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
@@ -369,11 +369,20 @@ def recompute_modes(raw: object) -> list[str]:
     return ["none", "selective"] if getattr(raw, "checkpoint_activations", None) is False else list(RECOMPUTE)
 
 
+def _rank_expert_params(model: ModelConfig, tp: int, ep: int, layout: Layout) -> tuple[int, ...]:
+    """Per pipeline rank, the expert parameters it holds (its stages' layers' experts / `ep`)."""
+    specs = shapes.gpt_spec_params(model, tp, ep)
+    return tuple(
+        sum(sp.expert_params for s in layout.rank_stages(r) for sp in specs[layout.parts[s] : layout.parts[s + 1]])
+        for r in range(layout.num_ranks)
+    )
+
+
 def degree_pairs(res: Resolved) -> list[tuple[int, int]]:
     """(t, p) pairs in preference order: smallest t*p, then larger t."""
     raw, dims = res.raw, res.dims
-    if res.model().is_moe:  # pretrain_gpt.py trains experts at t = p = 1 only (plan/experts.py)
-        return [(1, 1)]
+    if res.model().is_moe:  # experts at t = 1 (plan/experts.py); p = 1 unless --pipeline-model-parallel-size fixes it
+        return [(1, raw.pipeline_model_parallel_size or 1)]
     if res.distils:  # pretrain_gpt.py distils at p = 1, at the tensor sizes the teacher allows (plan/distillation.py)
         return [(t, 1) for t, _ in res.teachers if res.num_gpus % t == 0]
     ts = (

@@ -229,7 +229,8 @@ def _choose_all(res: Resolved, precision: str) -> Choice:
 
 def _choose_plain(res: Resolved, precision: str) -> Choice:
     """What trains on the plain engine alone, by predicted step: a mixture-of-experts model at t = p = 1, every
-    expert-parallel size (a divisor of every expert count and of the GPUs) under ZeRO 0, 1 and 2; a distilling run
+    expert-parallel size (a divisor of every expert count and of the GPUs) under ZeRO 0, 1 and 2 (at a pipeline size
+    > 1 the flags fix, on the pipeline engine: ZeRO 0 and 1, E dividing a stage's data-parallel ranks); a distilling run
     (`--kd`) at p = 1, every tensor size the teacher allows, under ZeRO 0-3 (what `--zero-stage` leaves open), with a
     mixture-of-experts teacher at t = 1, every expert-parallel size dividing its expert counts too, under ZeRO 0-2; no
     offload."""
@@ -242,7 +243,10 @@ def _choose_plain(res: Resolved, precision: str) -> Choice:
     bounds: list = []
     batch_ok = False
     fixed = res.raw.moe_expert_parallel_size
-    for ep in experts.expert_parallel_sizes(res.model(), res.num_gpus, fixed, res.moe_teacher) if moe else [1]:
+    p = pairs[0][1]  # a mixture-of-experts plan has one (t, p): p > 1 only when the flags fix it
+    if p > 1:  # DeepSpeed's pipeline engine: ZeRO 0/1, E dividing the data-parallel ranks of a stage
+        zeros = tuple(z for z in zeros if z < 2)
+    for ep in experts.expert_parallel_sizes(res.model(), res.num_gpus // p, fixed, res.moe_teacher) if moe else [1]:
         search = Search(dataclasses.replace(res, expert_parallel_size=ep), precision)
         for zero in zeros:
             if res.raw.zero_stage in (None, zero) and search.best(ZeroOption(zero), pairs) is not None:

@@ -24,6 +24,7 @@ from megatron_ds.estimate.run_features import deepspeed_features
 from megatron_ds.estimate.step_time import StepInputs, StepTime, predict_step
 from megatron_ds.flags import BY_NAME
 from megatron_ds.flags.parser import parse_config
+from megatron_ds.model import shapes
 from megatron_ds.model.gpt_pipe import build_layer_specs
 from megatron_ds.plan import command_line, ds_json
 from megatron_ds.plan.hardware import PlanError
@@ -63,7 +64,11 @@ def test_the_moe_flags_are_the_trainers_declarations_and_reach_the_model() -> No
 @pytest.mark.parametrize(
     "argv,trainer",
     [
-        ("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size 2"),
+        (
+            "--pipeline-model-parallel-size 2 --checkpoint-activations",
+            "--pipeline-model-parallel-size 2 --checkpoint-activations",
+        ),
+        ("--pipeline-model-parallel-size 2 --pp-schedule zbh1", "--pipeline-model-parallel-size 2 --pp-schedule zbh1"),
         ("--tensor-model-parallel-size 2", "--tensor-model-parallel-size 2"),
         ("--zero-stage 3", "--zero-stage 3"),
         ("--moe-expert-parallel-size 3", "--moe-expert-parallel-size 3"),  # divides neither 8 GPUs nor 4 experts
@@ -222,6 +227,31 @@ def test_a_moe_plan_is_t_p_1_with_an_expert_parallel_size_dividing_experts_and_g
     parsed = parse_config(flags, world_size=16)[0]  # the trainer's own parser and checks accept it
     assert parsed.model == res.model() and parsed.parallel.expert_parallel_size == top.expert_parallel_size
     assert parsed.training.zero_stage == top.zero_stage and parsed.engine_kind == "plain"
+
+
+def test_a_moe_plan_at_a_fixed_pipeline_size_runs_on_the_pipeline_engine_and_its_command_trains() -> None:
+    """--pipeline-model-parallel-size 2 with experts: the plan keeps p = 2 (DeepSpeed's pipeline engine: ZeRO 0/1,
+    1F1B, no full recomputation, E dividing a stage's 8 data-parallel ranks), each stage's memory counts its own
+    layers' experts, and pretrain_gpt.py's parser accepts the printed command (before, a MoE plan was t = p = 1
+    whatever the flag said)."""
+    argv = ["--model", "1.3b", "--num-gpus", "16", "--gpu", "A100-80GB", "--num-experts", "8"]
+    res = resolve(command_line.parse([*argv, "--pipeline-model-parallel-size", "2"])[1])
+    choice = choose_all(res, "bf16")
+    top = choice.candidate
+    assert (top.tp, top.pp, top.dp) == (1, 2, 8) and top.engine == "pipeline" and top.zero_stage in (0, 1)
+    assert all(c.pp == 2 and c.zero_stage < 2 and c.recompute != "full" for c in choice.ranked)
+    assert all(c.schedule.name == "1f1b" and 8 % c.expert_parallel_size == 0 for c in choice.ranked)
+    specs = shapes.gpt_spec_params(res.model(), 1, top.expert_parallel_size)
+    held = [specs[lo:hi] for lo, hi in zip(top.layout.parts, top.layout.parts[1:])]
+    moe_layers = [sum(1 for s in stage if s.expert_params) for stage in held]
+    layers = list(top.layout.layers_per_stage)
+    assert moe_layers[0] * sum(layers) != sum(moe_layers) * layers[0]  # not the model's share: the mean would miss
+    assert [s.num_params for s in top.stages] == [sum(s.num_params for s in stage) for stage in held]
+    config = ds_json.plan_config(res, top)
+    text = ds_json.command_line(res, config)
+    flags = shlex.split(text.split("pretrain_gpt.py", 1)[1].replace("\\\n", " "))
+    parsed = parse_config(flags, world_size=16)[0]
+    assert parsed.engine_kind == "pipeline" and parsed.parallel.pipeline_model_parallel_size == 2
 
 
 def test_a_fixed_expert_parallel_size_and_zero_stage_are_kept() -> None:
