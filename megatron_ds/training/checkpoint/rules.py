@@ -210,9 +210,11 @@ def moe_pipeline_refusal(meta: dict[str, Any], config: Config, changes: list[str
     pipelined = max(saved.parallel.pipeline_model_parallel_size, config.parallel.pipeline_model_parallel_size) > 1
     if not (saved.model.is_moe and config.model.is_moe and pipelined and changes):
         return None
+    differs = "it is in universal form" if changes == ["universal form"] else "; ".join(changes)
     return (
-        f"{where}: a mixture-of-experts checkpoint at pipeline size > 1 loads under the topology it was saved with "
-        f"only, but {'; '.join(changes)}; use the saved layout ({meta.get('layout')}), sizes, ZeRO stage and precision"
+        f"{where}: a mixture-of-experts checkpoint at pipeline size > 1 (saved or loaded) loads under the topology it "
+        f"was saved with only (DeepSpeed reads each stage's own files), but {differs}; use the saved layout "
+        f"({meta.get('layout')}), sizes, ZeRO stage and precision"
     )
 
 
