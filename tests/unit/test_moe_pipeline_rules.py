@@ -6,6 +6,8 @@ tests/dist/test_moe_pipeline.py)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from megatron_ds.model import moe_loss, naming
 from megatron_ds.model.gpt_pipe import build_layer_specs
 from megatron_ds.pipeline.layout import build_layout
 from megatron_ds.testing.scenario import tiny_config
+from megatron_ds.training.checkpoint import experts
 from megatron_ds.training.checkpoint.rules import moe_pipeline_refusal, moe_refusal, universal_refusal
 from megatron_ds.training.moe_pipeline import expert_group_ranks
 from megatron_ds.training.optimizer import add_group_placeholders, build_optimizer
@@ -154,3 +157,15 @@ def test_a_checkpoint_saved_at_two_stages_loads_at_its_topology_only() -> None:
     )
     refused = universal_refusal(meta, "ck")
     assert refused is not None and "saved at --pipeline-model-parallel-size 2, which has no universal form" in refused
+
+
+def test_the_expert_record_keeps_each_stages_optimizer_groups(tmp_path: Path) -> None:
+    """experts.json at P = 2, E = 1: each rank's stage, and each stage's groups apart (at P = 1 the record is as
+    before: tests/unit/test_moe_universal.py)."""
+    records = [
+        {"expert_parallel_rank": 0, "expert_data_parallel_rank": 0, "stage": 0, "optimizer_groups": [["a"]]},
+        {"expert_parallel_rank": 0, "expert_data_parallel_rank": 0, "stage": 1, "optimizer_groups": [["b"]]},
+    ]
+    experts.write(str(tmp_path), records)
+    found = json.loads((tmp_path / experts.EXPERTS_FILE).read_text())
+    assert found["stages"] == [0, 1] and found["optimizer_groups_by_stage"] == [[[["a"]]], [[["b"]]]]

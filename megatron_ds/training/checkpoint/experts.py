@@ -61,19 +61,19 @@ def rank_record(engine: Any, expert_parallel_size: int) -> dict[str, Any]:
 def write(directory: str, records: list[dict[str, Any]]) -> None:
     """Rank 0: the gathered `rank_record`s (in global rank order) as `directory/experts.json`."""
     size = 1 + max(r["expert_parallel_rank"] for r in records)
-    num_stages = 1 + max(r["stage"] for r in records)
-    by_stage: list[list[Any]] = [[None] * size for _ in range(num_stages)]
-    for r in records:
+    stages = [r.get("stage", 0) for r in records]
+    by_stage: list[list[Any]] = [[None] * size for _ in range(1 + max(stages))]
+    for r, stage in zip(records, stages, strict=True):
         if "optimizer_groups" in r:
-            by_stage[r["stage"]][r["expert_parallel_rank"]] = r["optimizer_groups"]
+            by_stage[stage][r["expert_parallel_rank"]] = r["optimizer_groups"]
     record = {
         "format": FORMAT,
         "expert_parallel_size": size,
         "ranks": [{k: r[k] for k in ("expert_parallel_rank", "expert_data_parallel_rank")} for r in records],
         "optimizer_groups": by_stage[0],
     }
-    if num_stages > 1:  # P > 1: every rank's stage and each stage's groups (its universal form is not read here)
-        record["stages"] = [r["stage"] for r in records]
+    if len(by_stage) > 1:  # P > 1: every rank's stage and each stage's groups (its universal form is not read here)
+        record["stages"] = stages
         record["optimizer_groups_by_stage"] = by_stage
     write_atomic(os.path.join(directory, EXPERTS_FILE), json.dumps(record))
 
