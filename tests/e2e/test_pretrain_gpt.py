@@ -1,5 +1,10 @@
-"""pretrain_gpt.py end to end under torchrun on CPU: training, exact resume, layout-changing resume,
-and every bad input as a one-line error that leaves existing checkpoints untouched."""
+"""pretrain_gpt.py end to end on CPU: training, exact resume, layout-changing resume, and every bad input as a
+one-line error that leaves existing checkpoints untouched.
+
+The reference run and the runs that check what torchrun reports (its per-rank exit statuses, its stop of the ranks
+still starting) go through the real `torchrun`; the other multi-rank runs fork their ranks from one process that
+imported the training stack once (`megatron_ds.testing.pretrain_runs`), and the one-process runs are forked from a
+server that did (`megatron_ds.testing.script_runs`): the same script, without each process's seconds of imports."""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,8 @@ import torch
 
 from megatron_ds.data.mock_data import MDS_RULES_NOTICE
 from megatron_ds.testing.launch import run_torchrun
+from megatron_ds.testing.pretrain_runs import run_pretrain_gpt
+from megatron_ds.testing.script_runs import run_python
 from megatron_ds.training.logger import tensorboard_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +70,15 @@ TEST_LOSS = re.compile(r"test loss at iteration \d+ \| lm loss value: ([0-9.E+-]
 
 
 def pretrain(nproc: int, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Under the real torchrun."""
     out = run_torchrun(nproc, [str(ROOT / "pretrain_gpt.py"), *argv], timeout=timeout, cwd=str(ROOT))
+    assert "killed after" not in out.stdout, out.stdout[-4000:]
+    return out
+
+
+def forked(nproc: int, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The same ranks forked from one process that imported the training stack once (no torchrun)."""
+    out = run_pretrain_gpt(nproc, argv, timeout=timeout, cwd=str(ROOT))
     assert "killed after" not in out.stdout, out.stdout[-4000:]
     return out
 
@@ -124,7 +138,7 @@ def test_straight_run_prints_megatron_lines_and_memory(straight: dict) -> None:
 def half(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The straight run's first 3 iterations (same flags, --exit-interval 3), saved."""
     save = tmp_path_factory.mktemp("half") / "ckpt"
-    out = pretrain(3, *STRAIGHT, "--save", str(save), "--exit-interval", "3")
+    out = forked(3, *STRAIGHT, "--save", str(save), "--exit-interval", "3")
     assert out.returncode == 0, out.stdout[-4000:]
     # Megatron exits right after saving: no final validation and test evaluation (there was one)
     assert "exiting at iteration 3 (--exit-interval)" in out.stdout and not TEST_LOSS.search(out.stdout)
@@ -158,7 +172,7 @@ def test_a_missing_or_cut_rank_file_is_one_line_on_every_rank(half: dict, tmp_pa
 
 def test_resume_is_exact(straight: dict, half: dict, tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
-    second = pretrain(3, *STRAIGHT, "--load", str(half["save"]), "--save", str(save))
+    second = forked(3, *STRAIGHT, "--load", str(half["save"]), "--save", str(save))
     assert second.returncode == 0, second.stdout[-4000:]
     assert "resumed from" in second.stdout and "at iteration 3" in second.stdout
     resumed = {**half["losses"], **losses(second.stdout)}
@@ -180,7 +194,7 @@ def test_load_tag_resumes_from_a_checkpoint_older_than_latest(straight: dict, ha
     shutil.copytree(half["save"] / "global_step3", both / "global_step3")
     assert (both / "latest").read_text().strip() == "global_step6"
     before = tree_digest(both)
-    resumed = pretrain(3, *STRAIGHT, "--load", str(both), "--load-tag", "global_step3")
+    resumed = forked(3, *STRAIGHT, "--load", str(both), "--load-tag", "global_step3")
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout and "at iteration 3" in resumed.stdout
     assert {**half["losses"], **losses(resumed.stdout)} == straight["losses"]
     assert tree_digest(both) == before  # no --save: the source is untouched
@@ -192,7 +206,7 @@ def test_whole_state_resumes_into_another_layout(straight: dict, half: dict) -> 
     """Saved at P=3 with dedicated stages, resumed at P=4 with the stock split: optimizer, schedule,
     data position and dropout continue, so iterations 4-6 print the straight run's losses (to the
     printed digits, within the 1e-6 of another layout's summation order)."""
-    moved = pretrain(4, *MODEL, *TRAIN, "--pipeline-model-parallel-size", "4", "--load", str(half["save"]))
+    moved = forked(4, *MODEL, *TRAIN, "--pipeline-model-parallel-size", "4", "--load", str(half["save"]))
     assert moved.returncode == 0, moved.stdout[-4000:]
     assert "resuming the whole training state through its universal form" in moved.stdout
     assert "transformer layers per stage: 1 1 1 1" in moved.stdout
@@ -211,7 +225,7 @@ def test_skip_train_evaluates_the_loaded_checkpoint_and_writes_nothing(straight:
     straight run's final validation and test losses at its iteration 6 (its checkpoint was saved before them, so
     the same validation batches are drawn); the checkpoint is untouched, and --save gets nothing."""
     before, save = tree_digest(straight["save"]), tmp_path / "save"
-    out = pretrain(3, *STRAIGHT, "--load", str(straight["save"]), "--skip-train", "--save", str(save))
+    out = forked(3, *STRAIGHT, "--load", str(straight["save"]), "--skip-train", "--save", str(save))
     assert out.returncode == 0, out.stdout[-4000:]
     assert "skipping training (--skip-train is on) ..." in out.stdout
     assert not losses(out.stdout), out.stdout[-3000:]  # no training log line
@@ -241,9 +255,8 @@ def test_resume_with_another_dropout_prints_a_notice(straight: dict) -> None:
 
 
 def single(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True, timeout=180, cwd=ROOT
-    )
+    """`python pretrain_gpt.py argv...`, forked from the script server (`megatron_ds.testing.script_runs`)."""
+    return run_python([str(ROOT / "pretrain_gpt.py"), *argv], timeout=180, cwd=ROOT)
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
@@ -501,14 +514,14 @@ def test_the_kill_switch_file_saves_and_stops_every_stage(tmp_path: Path) -> Non
 
     watcher = threading.Thread(target=touch_after_first_save, daemon=True)
     watcher.start()
-    out = pretrain(2, *flags)
+    out = forked(2, *flags)
     watcher.join()
     assert out.returncode == 0, out.stdout[-4000:]
     stops = re.findall(r"exiting at iteration (\d+): found --kill-switch-file", out.stdout)
     assert len(stops) == 1 and int(stops[0]) >= 5, out.stdout[-4000:]  # rank 0 speaks for both
     assert (save / "latest").read_text().strip() == f"global_step{stops[0]}"
     before = tree_digest(save)
-    again = pretrain(2, *flags, "--load", str(save))
+    again = forked(2, *flags, "--load", str(save))
     assert again.returncode == 0 and f"exiting at iteration {stops[0]}: found --kill-switch-file" in again.stdout
     assert tree_digest(save) == before  # nothing trained, nothing written
 
@@ -520,10 +533,9 @@ def test_deterministic_mode_trains_and_refuses_a_non_deterministic_nccl_algorith
     flags += ["--use-rotary-position-embeddings", "--swiglu", "--normalization", "rmsnorm", "--checkpoint-activations"]
     out = single(*flags)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    tree = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *flags],
-        capture_output=True, text=True, timeout=180, cwd=ROOT, env={**os.environ, "NCCL_ALGO": "Tree"},
-    )  # fmt: skip
+    tree = run_python(  # NCCL_ALGO is read at launch, not at import: the server's imports are the same
+        [str(ROOT / "pretrain_gpt.py"), *flags], timeout=180, cwd=ROOT, env={**os.environ, "NCCL_ALGO": "Tree"}
+    )
     assert_one_line_error(tree, "--deterministic-mode with NCCL_ALGO='Tree'")
 
 
@@ -592,12 +604,8 @@ def test_tensorboard_gets_each_iterations_values_every_tensorboard_log_interval(
     writes = tmp_path / "scalars.jsonl"
     flags = [*BASE, "--mock-data", "--vocab-size", "128", "--train-iters", "6", "--eval-iters", "0", "--no-log-memory"]
     flags += ["--tensorboard-dir", str(tmp_path / "tb"), "--log-interval", "3", "--log-params-norm"]
-    out = subprocess.run(
-        [sys.executable, "-c", STUB_TENSORBOARD, str(writes), *flags, "--tensorboard-log-interval", "2"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
+    out = run_python(
+        ["-c", STUB_TENSORBOARD, str(writes), *flags, "--tensorboard-log-interval", "2"], timeout=180, cwd=ROOT
     )
     assert out.returncode == 0, out.stderr[-3000:]
     steps: dict[str, list[int]] = {}
