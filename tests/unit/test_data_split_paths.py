@@ -5,8 +5,6 @@ megatron-core's own code: the `split_paths*` cases of tests/unit/test_megatron_d
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +18,7 @@ from megatron_ds.data.tokenizer import build_tokenizer
 from megatron_ds.errors import ConfigError
 from megatron_ds.flags.dry_run import launch_gaps
 from megatron_ds.flags.parser import build_parser, parse_config
+from megatron_ds.testing.script_runs import run_python
 from megatron_ds.training.preflight import _shared
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,9 +167,7 @@ def test_pretrain_gpt_trains_and_validates_on_its_own_paths(tmp_path: Path) -> N
     argv = [*BASE, "--max-position-embeddings", "16", "--global-batch-size", "2", "--eval-interval", "2"]
     argv += ["--eval-iters", "1", "--num-workers", "0", "--log-interval", "1", "--data-cache-path", str(tmp_path)]
     argv += ["--train-data-path", A, "--valid-data-path", B]
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    out = run_python([str(ROOT / "pretrain_gpt.py"), *argv], timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert " iteration        2/       2 |" in out.stdout and " validation loss at iteration 2 |" in out.stdout
     assert f"> --valid-data-path: {B}: all 39 documents" in out.stdout
@@ -181,19 +178,17 @@ def test_skip_train_evaluates_on_a_validation_path_alone(tmp_path: Path) -> None
     training run without --train-data-path is refused."""
     argv = [*BASE, "--max-position-embeddings", "16", "--global-batch-size", "2", "--eval-iters", "1"]
     argv += ["--num-workers", "0", "--data-cache-path", str(tmp_path), "--valid-data-path", B]
-    run = [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv]
-    out = subprocess.run([*run, "--skip-train"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    run = [str(ROOT / "pretrain_gpt.py"), *argv]
+    out = run_python([*run, "--skip-train"], timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "skipping training (--skip-train is on) ..." in out.stdout
     assert " validation loss at iteration 0 |" in out.stdout and not re.search(r"iteration\s+\d+/\s*\d+ \|", out.stdout)
-    refused = subprocess.run(run, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    refused = run_python(run, timeout=120, cwd=ROOT)
     assert refused.returncode == 2 and "no --train-data-path, but training reads" in refused.stdout + refused.stderr
 
 
 def test_a_refusal_stops_pretrain_gpt_with_one_line(tmp_path: Path) -> None:
     argv = [*BASE, "--data-path", A, "--train-data-path", A]
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    out = run_python([str(ROOT / "pretrain_gpt.py"), *argv], timeout=120, cwd=ROOT)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "--train-data-path" in out.stderr.strip().splitlines()[-1]
