@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_ds.flags.parser import ConfigError, parse_config
 from megatron_ds.pipeline.layout import LayoutError
+from megatron_ds.testing.script_runs import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
@@ -173,9 +173,7 @@ def test_world_size_must_divide() -> None:
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    return run_python([str(ROOT / "pretrain_gpt.py"), *argv], timeout=120, cwd=ROOT)
 
 
 def test_print_layout_seed_example_without_process_group() -> None:
