@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+
+from megatron_ds.testing.script_runs import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "megatron_deepspeed"
@@ -18,9 +18,7 @@ def test_trains_on_upstream_append_eod_files(tmp_path: Path) -> None:
         *("--vocab-file", str(FIXTURE / "vocab.json"), "--merge-file", str(FIXTURE / "merges.txt")),
         *("--data-path", str(FIXTURE / "mds_gpt2_a_eod_text_document"), "--data-cache-path", str(tmp_path / "cache")),
     ]
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *line], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    out = run_python([str(ROOT / "pretrain_gpt.py"), *line], timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     notices = [ln for ln in out.stdout.splitlines() if ln.startswith("NOTICE: ")]
     assert len(notices) == 1 and "Megatron-DeepSpeed's --append-eod layout" in notices[0], out.stdout[-3000:]
