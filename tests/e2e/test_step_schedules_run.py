@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.testing.pretrain_runs import run_pretrain_gpt
+from megatron_ds.testing.script_runs import run_python
 from megatron_ds.training.lr_schedule import build_schedule, learning_rate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,9 +68,7 @@ def launch(nproc: int, *argv: str) -> str:
 
 
 def single(*argv: str) -> str:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True, timeout=240, cwd=ROOT
-    )
+    out = run_python([str(ROOT / "pretrain_gpt.py"), *argv], timeout=240, cwd=ROOT)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     return out.stdout + out.stderr
 
