@@ -5,10 +5,10 @@ continues from it under another layout (T=2 P=2 ZeRO-1 -> one process), with its
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 from megatron_ds.interop.megatron_deepspeed import import_megatron_deepspeed
+from megatron_ds.testing.script_runs import run_python
 from megatron_ds.training.checkpoint.universal.convert import convert_checkpoint
 from megatron_ds.training.checkpoint.universal.store import Universal
 
@@ -25,8 +25,7 @@ FLAGS = (
 
 
 def _pretrain(*extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *FLAGS, *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return run_python([str(ROOT / "pretrain_gpt.py"), *FLAGS, *extra], timeout=300, cwd=ROOT)
 
 
 def test_load_of_a_megatron_deepspeed_checkpoint_says_how_to_convert_it() -> None:
