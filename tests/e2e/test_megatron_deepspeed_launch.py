@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ds.testing.pretrain_runs import run_pretrain_gpt
+from megatron_ds.testing.script_runs import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*lm loss: ([0-9.E+-]+)")
@@ -123,9 +124,7 @@ def launch(nproc: int, argv: list[str], timeout: float = 240) -> subprocess.Comp
 
 def one_process(argv: list[str]) -> subprocess.CompletedProcess:
     """`pretrain_gpt.py` in one plain process (no launcher) under a hard timeout."""
-    return subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv], capture_output=True, text=True, timeout=180, cwd=ROOT
-    )
+    return run_python([str(ROOT / "pretrain_gpt.py"), *argv], timeout=180, cwd=ROOT)
 
 
 def losses(text: str) -> dict[int, float]:
