@@ -12,8 +12,6 @@ import math
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from megatron_ds.inference.model import GPTModel, load_model
 from megatron_ds.interop.megatron_lm import RESTART, import_megatron_lm
 from megatron_ds.interop.megatron_lm_files import DistTensors
 from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoints
+from megatron_ds.testing.script_runs import run_python
 from megatron_ds.training.checkpoint.directory import CONVERTED, META, CheckpointError, read_meta
 from megatron_ds.training.checkpoint.universal.convert import convert_checkpoint
 from megatron_ds.training.checkpoint.universal.store import Universal
@@ -241,8 +240,8 @@ def test_tool_prints_the_flags_and_a_resume_continues_the_run(sources, tmp_path:
     Adam's step going on from the run's 2."""
     source, _ = sources["llama", "torch_dist"]
     out, saved = tmp_path / "converted", tmp_path / "saved"
-    tool = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "--from", "megatron-lm"]
-    run = subprocess.run([*tool, str(source), str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
+    tool = [str(ROOT / "tools" / "convert_checkpoint.py"), "--from", "megatron-lm"]
+    run = run_python([*tool, str(source), str(out), "--no-progress"], timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "weights, optimizer state (exp_avg, exp_avg_sq), counters and learning-rate schedule" in run.stdout
     flags = run.stdout.strip().splitlines()[-1].split()
@@ -251,8 +250,8 @@ def test_tool_prints_the_flags_and_a_resume_continues_the_run(sources, tmp_path:
     extra = "--mock-data --num-workers 0 --log-interval 1 --eval-iters 0 --train-iters 4 --lr-decay-iters 20"
     assert flags[flags.index("--make-vocab-size-divisible-by") + 1] == "256"  # 128 x T=2: the padded size at T=1
     extra += f" --save {saved} --save-interval 100"
-    cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *flags[1:], *extra.split()]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    cmd = [str(ROOT / "pretrain_gpt.py"), *flags[1:], *extra.split()]
+    run = run_python(cmd, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "was saved with Megatron-LM (converted" in run.stdout
     assert "resumed from" in run.stdout and "at iteration 2 (16 samples consumed)" in run.stdout  # ITERATION
@@ -266,14 +265,13 @@ def test_tool_prints_the_flags_and_a_resume_continues_the_run(sources, tmp_path:
 def test_load_of_a_megatron_lm_checkpoint_says_how_to_convert_it(sources) -> None:
     source, _ = sources["gpt", "torch"]
     cmd = [
-        sys.executable,
         str(ROOT / "pretrain_gpt.py"),
         *recorded("gpt")["argv"],
         "--mock-data",
         "--load",
         str(source),
     ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = run_python(cmd, timeout=300, cwd=ROOT)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
     line = run.stderr.strip().splitlines()[-1]
