@@ -29,6 +29,7 @@ from megatron_ds.testing.launch import forked_gloo_ranks
 from megatron_ds.training.checkpoint.directory import META, CheckpointError
 from megatron_ds.training.checkpoint.universal.convert import convert_checkpoint
 from megatron_ds.training.checkpoint.universal.store import Universal
+from megatron_ds.testing.script_runs import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron_deepspeed_checkpoints"
@@ -177,8 +178,8 @@ def test_a_converted_run_continues_under_another_world_size_and_zero_stage(conve
         "--lr-decay-iters 2 --mock-data --num-workers 0 --log-interval 1 --eval-iters 0"
     ).split()
     saved = tmp_path / "saved"
-    cmd = [sys.executable, str(ROOT / "pretrain_gpt.py"), *result_flags, "--load", str(out), "--save", str(saved)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    cmd = [str(ROOT / "pretrain_gpt.py"), *result_flags, "--load", str(out), "--save", str(saved)]
+    run = run_python(cmd, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "was saved with Megatron-DeepSpeed (converted" in run.stdout
     assert "using its universal form" in run.stdout
@@ -187,7 +188,7 @@ def test_a_converted_run_continues_under_another_world_size_and_zero_stage(conve
     assert Universal(str(tmp_path / "universal" / "global_step3")).group_step("decay") == 3
     # its weights alone (no DeepSpeed files in a converted checkpoint: they come from its universal form)
     fresh = [*cmd[: cmd.index("--save")], "--save", str(tmp_path / "fresh"), "--no-load-optim"]
-    run = subprocess.run(fresh, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = run_python(fresh, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "NOTICE: --no-load-optim" in run.stdout and "iteration        3/       3" in run.stdout
 
