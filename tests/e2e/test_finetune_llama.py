@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ds.testing.launch import run_torchrun
+from megatron_ds.testing.script_runs import run_python
 
 pytest.importorskip("transformers")
 
@@ -106,13 +107,7 @@ def test_resume_across_the_pass_boundary_is_exact(straight: str, inputs: dict[st
 
 
 def test_too_few_examples_without_the_repeated_loader_is_one_line(inputs: dict[str, str]) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "finetune_llama.py"), *line(inputs)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(ROOT),
-    )
+    proc = run_python([str(ROOT / "finetune_llama.py"), *line(inputs)], timeout=120, cwd=str(ROOT))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == (
         f"error: --data-path {inputs['data']} gives 12 samples per pass, the run trains on 24; add "
@@ -150,8 +145,8 @@ def test_a_hugging_face_llama_fine_tunes_and_exports_with_its_tokenizer(tmp_path
     from megatron_ds.inference import load_model
 
     sft, hf = SFT, tiny_hf_llama(tmp_path / "tiny-llama")
-    tool = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
-    imported = subprocess.run([*tool, "--from", "hf", str(hf), str(tmp_path / "ck")], capture_output=True, text=True)
+    tool = [str(ROOT / "tools" / "convert_checkpoint.py")]
+    imported = run_python([*tool, "--from", "hf", str(hf), str(tmp_path / "ck")], timeout=300)
     assert imported.returncode == 0, imported.stderr
     flags = imported.stdout.split("pretrain_gpt.py ", 1)[1].split(" --tokenizer-type")[0].split()
     out = run_torchrun(
@@ -168,7 +163,7 @@ def test_a_hugging_face_llama_fine_tunes_and_exports_with_its_tokenizer(tmp_path
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
     assert "this run's HFTokenizer" in out.stdout and "has the same vocabulary" in out.stdout
-    exported = subprocess.run([*tool, "--to", "hf", str(tmp_path / "sft"), str(tmp_path / "out")], capture_output=True)
+    exported = run_python([*tool, "--to", "hf", str(tmp_path / "sft"), str(tmp_path / "out")], timeout=300)
     assert exported.returncode == 0, exported.stderr
     for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "out" / name).read_bytes() == (hf / name).read_bytes()
