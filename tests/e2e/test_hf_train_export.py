@@ -7,8 +7,6 @@ that transformers created. Logits are compared in fp32 (<= 1e-4), weights to the
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from megatron_ds.inference import generate, load_model  # noqa: E402
 from megatron_ds.interop.hf_export import export_hf  # noqa: E402
 from megatron_ds.interop.hf_import import import_hf  # noqa: E402
 from megatron_ds.testing.pretrain_runs import run_pretrain_gpt  # noqa: E402
+from megatron_ds.testing.script_runs import run_python  # noqa: E402
 from megatron_ds.training.checkpoint import reader as checkpoint_reader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,16 +79,17 @@ def _compare_with_transformers(ckpt: Path, hf_dir: Path) -> None:
 
 
 def test_gpt_export_through_the_cli_matches_transformers(gpt_ckpt: Path, tmp_path: Path) -> None:
-    tool = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
-    out = subprocess.run([*tool, "--to", "hf", str(gpt_ckpt), str(tmp_path / "hf"), "--vocab-size", str(VOCAB)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    tool = [str(ROOT / "tools" / "convert_checkpoint.py")]
+    out = run_python(
+        [*tool, "--to", "hf", str(gpt_ckpt), str(tmp_path / "hf"), "--vocab-size", str(VOCAB)], timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert "as Hugging Face gpt2 (28 tensors, vocabulary 200)" in out.stdout
     _compare_with_transformers(gpt_ckpt, tmp_path / "hf")
-    gen = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "generate.py"), "--load", str(gpt_ckpt), "--prompt-ids", "11 22 33",
+    gen = run_python(
+        [str(ROOT / "tools" / "generate.py"), "--load", str(gpt_ckpt), "--prompt-ids", "11 22 33",
          "--greedy", "--max-new-tokens", "20", "--vocab-size", str(VOCAB)],
-        capture_output=True, text=True, timeout=300,
+        timeout=300,
     )  # fmt: skip
     assert gen.returncode == 0, gen.stderr
     ours = load_model(str(gpt_ckpt), vocab_size=VOCAB)
