@@ -115,6 +115,17 @@ class Ranks:
         for p in running.values():
             _signal(p, sig)
 
+    def exit_times(self, timeout: float) -> dict[int, float]:
+        """Wait at most `timeout` seconds for every rank to exit; when each did (`time.monotonic()`), by rank (a rank
+        still running then is missing). `finish` collects them (and kills what is left) after."""
+        exited: dict[int, float] = {}
+        deadline = time.monotonic() + timeout
+        while len(exited) < len(self.procs) and time.monotonic() < deadline:
+            now = time.monotonic()
+            exited.update({r: now for r, p in enumerate(self.procs) if r not in exited and p.poll() is not None})
+            time.sleep(0.05)
+        return exited
+
     def finish(self, timeout: float, check: bool = True) -> list[RankResult]:
         """Wait at most `timeout` seconds; ranks still running then dump their stacks and are killed."""
         deadline = time.monotonic() + timeout

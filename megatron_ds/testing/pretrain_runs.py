@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_ds.testing.launch import start_ranks
+from megatron_ds.testing.launch import Ranks, start_ranks
 from megatron_ds.testing.zygote import HOST_OPTIMIZER, TRAINING_STACK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,14 +55,20 @@ def _config_offloads(args: list[str]) -> bool:
     return False
 
 
+def start_pretrain_gpt(nproc: int, argv: Sequence[str], cwd: str | None = None, env: dict | None = None) -> Ranks:
+    """`run_pretrain_gpt`'s ranks, started and not waited for (`Ranks.exit_times`, `Ranks.finish`)."""
+    env = {"DS_ACCELERATOR": "cpu", **(env or {})}  # what pretrain_gpt.py sets on a machine without CUDA
+    script = str(ROOT / "pretrain_gpt.py")
+    return start_ranks([script, *argv], nproc, cwd=cwd or str(ROOT), env=env, preload=preload_for(argv))
+
+
 def run_pretrain_gpt(
     nproc: int, argv: Sequence[str], timeout: float, cwd: str | None = None, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node nproc pretrain_gpt.py argv...` under a hard timeout: on timeout every rank dumps
     its stack and is killed, and the output ends with `[launch] killed after ...` (as `run_torchrun`'s)."""
     script = str(ROOT / "pretrain_gpt.py")
-    env = {"DS_ACCELERATOR": "cpu", **(env or {})}  # what pretrain_gpt.py sets on a machine without CUDA
-    ranks = start_ranks([script, *argv], nproc, cwd=cwd or str(ROOT), env=env, preload=preload_for(argv))
+    ranks = start_pretrain_gpt(nproc, argv, cwd, env)
     results = ranks.finish(timeout, check=False)
     output = "".join(r.output for r in results)
     if any(r.returncode is None for r in results):

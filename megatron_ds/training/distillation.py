@@ -16,7 +16,8 @@ A mixture-of-experts teacher (its checkpoint's `--num-experts`; `--num-experts-t
 `GPTModel` too, its DeepSpeed MoE layers on the student's expert-parallel groups (`--moe-expert-parallel-size` E, which
 must divide its expert counts: `check_experts`), each rank holding experts / E of each MoE layer, read by global index
 (`moe_weights`: our per-expert files whatever E they were saved with, or a converted Megatron-DeepSpeed checkpoint's
-universal form; another rank's experts are not read); its load-balancing losses are not added (as upstream's
+universal form; another rank's experts are not read, so a damaged expert file fails the rank reading it, and every
+rank then stops with its one line: `rank_agreement.fail_together`); its load-balancing losses are not added (as upstream's
 `calculate_mos_loss` drops them). In eval mode DeepSpeed's gate takes its eval capacity factor; the teacher's is set
 to its train one, the capacity upstream's train-mode teacher routes with.
 
@@ -56,6 +57,7 @@ from megatron_ds.training.checkpoint.teacher import (
     teacher_model,
 )
 from megatron_ds.training.checkpoint.universal import names
+from megatron_ds.training.rank_agreement import fail_together
 
 
 def check_teacher(config: Config) -> list[str]:
@@ -146,7 +148,8 @@ def load_teacher(
         return _tensor_parallel_teacher(config, ckpt, model_config, dtype, device, student)
     with torch.device("meta"):  # no initial weights are drawn: the checkpoint's replace them
         model = GPTModel(model_config)
-    state = {module_name(t.spec, t.key, t.layer): t.tensor.to(dtype) for t in _tensors(ckpt)}
+    with fail_together():  # every rank reads the files: one that fails stops them all
+        state = {module_name(t.spec, t.key, t.layer): t.tensor.to(dtype) for t in _tensors(ckpt)}
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device).requires_grad_(False).eval()
     return Teacher(config, model)
@@ -159,7 +162,8 @@ def _tensor_parallel_teacher(
     the checkpoint's full tensors copied in (`sharding.split`, as `--load` reshards weights for another T)."""
     model = _training_model(config, model_config, student)
     _materialise(model, dtype, device)
-    copy_shards(model, ckpt, model_config)
+    with fail_together():
+        copy_shards(model, ckpt, model_config)
     return Teacher(config, model.eval(), student.tensor_parallel)
 
 
@@ -245,7 +249,8 @@ def _expert_parallel_teacher(
         if hasattr(module, "set_deepspeed_parallelism"):  # DeepSpeed's MoE layer: the "ep_size_E" groups
             module.set_deepspeed_parallelism(data_before_expert_parallel)
     _materialise(model, dtype, device)
-    copy_experts(model, ckpt)
+    with fail_together():  # each rank reads its own experts' files: a damaged one fails its reader alone
+        copy_experts(model, ckpt)
     return Teacher(config, model.eval())
 
 

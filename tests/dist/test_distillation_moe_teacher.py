@@ -115,3 +115,36 @@ def test_a_rank_opens_only_the_expert_files_it_reads(runs: tuple[dict, dict], te
     read = {t.name: v for t, v in moe_weights.iter_weights(ckpt, wanted)}
     assert set(read) == {n for n in whole if not any(f".deepspeed_experts.{e}." in n for e in (2, 3))}
     assert len(read) < len(whole) and all(torch.equal(v, whole[n]) for n, v in read.items())
+
+
+STUDENT = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 --seq-length 16 "
+    "--max-position-embeddings 16 --vocab-size 128 --micro-batch-size 2 --global-batch-size 4 --train-iters 2 "
+    "--lr 1e-3 --mock-data --num-workers 0 --eval-iters 0 --log-interval 1 --no-log-memory --hidden-dropout 0 "
+    "--attention-dropout 0 --moe-expert-parallel-size 2 --kd"
+)
+
+
+def test_a_damaged_expert_file_stops_every_rank_at_once(runs: tuple[dict, dict], teacher_dir: Path) -> None:
+    """pretrain_gpt.py --kd on 2 ranks, the teacher's expert 3 of its first MoE layer cut short: rank 1, which holds
+    experts 2 and 3, cannot read it; both ranks print its one line naming the file and rank 1, no traceback, and
+    exit 2 within seconds of each other (before, rank 0 went on to its next collective: gloo ended it with a
+    'Connection closed by peer' traceback, NCCL would have waited there until the launcher killed it)."""
+    import shutil
+
+    from megatron_ds.testing.pretrain_runs import start_pretrain_gpt
+
+    damaged = teacher_dir.parent / "damaged_teacher"
+    shutil.copytree(teacher_dir, damaged)
+    cut = next(damaged.glob("*/layer_0_expert_3_mp_rank_00_model_states.pt"))
+    cut.write_bytes(cut.read_bytes()[:200])
+    ranks = start_pretrain_gpt(2, [*STUDENT.split(), "--load-teacher", str(damaged)])
+    exited = ranks.exit_times(200)
+    results = ranks.finish(5, check=False)  # kills what is left
+    outputs = [r.output for r in results]
+    assert [r.returncode for r in results] == [2, 2], outputs
+    assert max(exited.values()) - min(exited.values()) < 5.0, (exited, outputs)
+    for rank, out in enumerate(outputs):
+        line = f"[rank {rank}] error: --load-teacher: {cut}: unreadable ("
+        assert line in out and out.rstrip().endswith("(on rank 1; every rank stops)"), out[-3000:]
+        assert "Traceback" not in out, out[-3000:]

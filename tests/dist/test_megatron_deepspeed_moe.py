@@ -226,7 +226,7 @@ def test_a_converted_checkpoint_is_a_kd_teacher_whose_ranks_read_their_own_exper
     """--load-teacher of the converted top-1 run at expert-parallel size 2: each rank's teacher computes upstream's
     logits and inference's `load_model`'s (1e-6; no token dropped); each reads only the experts it holds, so one
     expert's tensor file altered in the universal form (its size kept: opening the directory checks sizes, reading a
-    file its digest) fails the rank holding it alone, in one line naming the file."""
+    file its digest) fails the rank holding it, and every rank stops with its one line naming the file and the rank."""
     from megatron_ds.inference import load_model
 
     out = convert("moe_ep2_zero0")
@@ -247,7 +247,9 @@ def test_a_converted_checkpoint_is_a_kd_teacher_whose_ranks_read_their_own_exper
     for r in ranks:
         torch.testing.assert_close(torch.tensor(r["logits"]), reference["logits"], rtol=0, atol=1e-6)
         torch.testing.assert_close(torch.tensor(r["logits"]), inference, rtol=0, atol=1e-6)
-    assert ranks[0]["error"] is None  # experts 0 and 1
+    # rank 0 (experts 0 and 1) read its files, rank 1 did not: both stop with rank 1's line (`fail_together`)
     error = ranks[1]["error"]
+    assert ranks[0]["error"] == error, ranks
     assert error.startswith("--load-teacher: ") and "\n" not in error, error
     assert f"{altered.parent.name}/fp32.pt does not match its recorded SHA-256" in error, error
+    assert error.endswith(" (on rank 1; every rank stops)"), error

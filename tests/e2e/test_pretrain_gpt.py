@@ -170,6 +170,30 @@ def test_a_missing_or_cut_rank_file_is_one_line_on_every_rank(half: dict, tmp_pa
         assert named and named | stopped == {"0", "1", "2"}, out.stdout[-4000:]
 
 
+def test_a_damaged_layer_file_of_one_stage_stops_every_stage_at_once(half: dict, tmp_path: Path) -> None:
+    """A weights-only resume (--finetune) reads each stage's own layer files: one of stage 1's cut short fails rank 1
+    alone; every rank prints its one line naming the file and rank 1, no traceback, and exits 2 within seconds of the
+    others (before, ranks 0 and 2 went on to tie their embeddings and train, and stopped only when a collective
+    with rank 1 failed or the launcher killed them)."""
+    import shutil
+
+    from megatron_ds.testing.pretrain_runs import start_pretrain_gpt
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(half["save"], copy)
+    cut = copy / "global_step3" / "layer_04-model_00-model_states.pt"  # a transformer layer: stage 1's
+    cut.write_bytes(cut.read_bytes()[:300])
+    ranks = start_pretrain_gpt(3, [*STRAIGHT, "--load", str(copy), "--finetune"])
+    exited = ranks.exit_times(200)
+    results = ranks.finish(5, check=False)  # kills what is left
+    outputs = [r.output for r in results]
+    assert [r.returncode for r in results] == [2, 2, 2], outputs
+    assert max(exited.values()) - min(exited.values()) < 5.0, (exited, outputs)
+    for rank, out in enumerate(outputs):
+        assert f"[rank {rank}] error: {cut}: unreadable (" in out, out[-3000:]
+        assert out.rstrip().endswith("(on rank 1; every rank stops)") and "Traceback" not in out, out[-3000:]
+
+
 def test_resume_is_exact(straight: dict, half: dict, tmp_path: Path) -> None:
     save = tmp_path / "ckpt"
     second = forked(3, *STRAIGHT, "--load", str(half["save"]), "--save", str(save))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import zipfile
@@ -68,6 +69,7 @@ from megatron_ds.training.checkpoint.universal import restore, store
 from megatron_ds.training.checkpoint.universal.convert import SUFFIX as UNIVERSAL_SUFFIX
 from megatron_ds.training.checkpoint.universal.convert import ensure_converted
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
+from megatron_ds.training.rank_agreement import fail_together
 from megatron_ds.training.state import TrainState
 
 
@@ -262,8 +264,9 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
         check_rank_files(engine, config, load_dir, tag)
         engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     rng_file = os.path.join(load_dir, tag, f"rng_rank{dist.get_rank()}.pt")
-    if not moved and not ck.no_load_rng and not ck.finetune and os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    rng_state = None if moved or ck.no_load_rng or ck.finetune else _read_rng_state(rng_file)  # every rank or none
+    if rng_state is not None:
+        _set_rng_state(rng_state)
     if ck.finetune or is_weights_only(meta):
         return TrainState()
     if ck.reset_iteration:  # Megatron-DeepSpeed: iteration and consumed samples from 0, the rest resumed
@@ -277,6 +280,20 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
         float(model_flops_per_iteration(config.model, saved.get("consumed_train_samples", 0))),
     )
     return TrainState(**saved)
+
+
+def _read_rng_state(path: str) -> dict[str, Any] | None:
+    """This rank's RNG state file (None when it has none), read on every rank at once (`fail_together`): a damaged
+    one stops them all."""
+    with fail_together():
+        if not os.path.isfile(path):
+            return None
+        try:
+            return torch.load(path, weights_only=False)  # python's and numpy's states are pickled objects
+        except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as err:
+            raise CheckpointError(
+                files.load_failure(path, err, "resume from another checkpoint (--load-tag), or give --no-load-rng")
+            ) from None
 
 
 def resume_flag_notices(meta: dict[str, Any], config: Config, load_dir: str, tag: str) -> list[str]:
@@ -318,7 +335,8 @@ def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, ta
         return
     saved_t = Config.from_dict(meta["config"]).parallel.tensor_model_parallel_size
     if saved_t == config.parallel.tensor_model_parallel_size:
-        check_layer_files(engine, directory)
+        with fail_together():  # each stage reads its own layer files; loading them ties weights (collective)
+            check_layer_files(engine, directory)
         engine.module.load_state_dir(directory, checkpoint_engine=engine.checkpoint_engine)
         if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
             # ZeRO and bf16/fp16 optimizers keep their own fp32 copy of the weights, made when the
@@ -331,10 +349,21 @@ def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, ta
 
 def check_rank_files(engine: Any, config: Config, load_dir: str, tag: str, weights_only: bool = False) -> None:
     """Before DeepSpeed loads the checkpoint as saved: every file of each rank's (its weights, its engine state, its
-    ZeRO partition, its RNG state) is there and whole, agreed on all ranks, so a missing or cut file is the same
-    one-line CheckpointError everywhere instead of one rank's traceback from DeepSpeed's loader (and the others'
-    'Connection closed by peer'). A missing RNG state is an error unless --no-load-rng, as Megatron's."""
+    ZeRO partition, its RNG state) is there and whole (its experts' files, tensors only, read memory-mapped), agreed
+    on all ranks (`fail_together`), so a missing or damaged file is the same one-line CheckpointError everywhere
+    instead of one rank's traceback from DeepSpeed's loader and the others waiting at their next collective. A
+    missing RNG state is an error unless --no-load-rng, as Megatron's."""
+    with fail_together():
+        problems = _rank_file_problems(engine, config, load_dir, tag, weights_only)
+        if problems:
+            raise CheckpointError(problems[0])
+
+
+def _rank_file_problems(engine: Any, config: Config, load_dir: str, tag: str, weights_only: bool) -> list[str]:
+    """What is wrong with this rank's files of `tag` (`check_rank_files`), each as one line."""
     import torch.distributed as dist
+
+    from megatron_ds.training.checkpoint.universal.deepspeed_source import load_file
 
     directory = os.path.join(load_dir, tag)
     problems = []
@@ -345,7 +374,8 @@ def check_rank_files(engine: Any, config: Config, load_dir: str, tag: str, weigh
     wanted = [engine._get_ckpt_name(load_dir, tag)]  # DeepSpeed's own names for this rank's files
     if engine.zero_optimization():
         wanted.append(engine._get_zero_ckpt_name(load_dir, tag))
-    wanted += _expert_files(engine, load_dir, tag, weights_only)
+    expert_files = _expert_files(engine, load_dir, tag, weights_only)
+    wanted += expert_files
     if getattr(engine.module, "moe_layers", None) and not os.path.isfile(os.path.join(directory, experts.EXPERTS_FILE)):
         problems.append(
             f"{directory}: a mixture-of-experts checkpoint without {experts.EXPERTS_FILE}, saved before megatron_ds gave "
@@ -366,11 +396,12 @@ def check_rank_files(engine: Any, config: Config, load_dir: str, tag: str, weigh
             problems.append(
                 f"{path}: cut short or damaged (not a whole torch file); resume from another checkpoint (--load-tag)"
             )
-    found: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, problems)
-    first = next((p[0] for p in found if p), None)
-    if first is not None:
-        raise CheckpointError(first)
+        elif path in expert_files:  # an expert's weights alone: tensors, read as DeepSpeed's loader will
+            try:
+                load_file(path)
+            except CheckpointError as err:
+                problems.append(f"{err}; resume from another checkpoint (--load-tag)")
+    return problems
 
 
 def _expert_files(engine: Any, load_dir: str, tag: str, weights_only: bool) -> list[str]:

@@ -16,6 +16,7 @@ learning-rate schedule and (fp16 to fp16) the loss scaler are restored.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ from megatron_ds.training.checkpoint.universal import names
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
 from megatron_ds.training.checkpoint.universal.store import Universal
 from megatron_ds.training.optimizer import GROUP_NAMES, GROUP_PLACEHOLDER_PREFIX
+from megatron_ds.training.rank_agreement import fail_together
 
 ReadFull = Callable[[names.ModelTensor], torch.Tensor]
 """Returns one layout-free tensor's full weight."""
@@ -71,9 +73,10 @@ def _shard(engine: Any, tensor: names.ModelTensor, full: torch.Tensor) -> torch.
 def load_weights(engine: Any, config: Config, layout: Layout, read_full: ReadFull) -> None:
     """Copy every weight of this rank from `read_full` (cast to the model's dtype), then refresh
     the fp32 copies ZeRO and bf16 optimizers keep (else the first step would write them back)."""
-    for sp, param in _stage_params(engine, config, layout):
-        if sp.tensor is not None:
-            _write_weight(param, _shard(engine, sp.tensor, read_full(sp.tensor)))
+    params = [(sp, param) for sp, param in _stage_params(engine, config, layout) if sp.tensor is not None]
+    _check_reads([functools.partial(read_full, sp.tensor) for sp, _ in params])
+    for sp, param in params:
+        _write_weight(param, _shard(engine, sp.tensor, read_full(sp.tensor)))
     if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
         engine.optimizer.refresh_fp32_params()
 
@@ -88,6 +91,14 @@ def load_training_state(engine: Any, config: Config, layout: Layout, universal: 
             f"--optimizer {config.optimizer.optimizer}; use the same optimizer or pass --no-load-optim"
         )
     params = _stage_params(engine, config, layout)
+    _check_reads(
+        [
+            functools.partial(universal.read, sp.tensor.name, state)
+            for sp, _ in params
+            if sp.tensor is not None
+            for state in (FP32, *universal.states)
+        ]
+    )
     steps = {id(p): universal.tensors[sp.tensor.name].get("step") for sp, p in params if sp.tensor is not None}
     target = _optimizer_target(engine.optimizer, universal, steps)
     for sp, param in params:
@@ -99,6 +110,16 @@ def load_training_state(engine: Any, config: Config, layout: Layout, universal: 
         target.set(param, master, states)
     target.finish([p for sp, p in params if sp.tensor is None])
     _restore_engine(engine, config, universal)
+
+
+def _check_reads(reads: list[Callable[[], Any]]) -> None:
+    """Every read this rank is about to make, made once first, on every rank at once (`fail_together`): ranks read
+    different tensors, so a damaged file fails only the ranks that read it, and the writes that follow may be
+    collective (a ZeRO-3 weight's gather). A universal file's digest is checked here only (`Universal.read`
+    remembers it); another reader's tensors are read twice, one at a time."""
+    with fail_together():
+        for read in reads:
+            read()
 
 
 def _write_weight(param: torch.nn.Parameter, value: torch.Tensor) -> None:

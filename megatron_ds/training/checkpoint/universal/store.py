@@ -129,6 +129,8 @@ class Universal:
         self.meta = _read_meta(self.directory)
         self.config = _config(self.meta, self.directory)
         self._check_files()
+        self._digested: set[str] = set()
+        """Files whose SHA-256 `read` has checked already (a resume checks every file first, then reads it)."""
 
     @property
     def tensors(self) -> dict[str, Any]:
@@ -167,12 +169,14 @@ class Universal:
         )
 
     def read(self, name: str, state: str) -> torch.Tensor:
-        """One full tensor, after checking its file's SHA-256 and its shape against the table."""
+        """One full tensor, after checking its file's SHA-256 (once per file) and its shape against the table."""
         entry = self.tensors[name]
         relative = tensor_file(name, state)
         path = os.path.join(self.directory, relative)
-        if _sha256(path) != entry["files"][state]["sha256"]:
-            raise self._damaged(f"{relative} does not match its recorded SHA-256")
+        if relative not in self._digested:
+            if _sha256(path) != entry["files"][state]["sha256"]:
+                raise self._damaged(f"{relative} does not match its recorded SHA-256")
+            self._digested.add(relative)
         try:
             value = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as err:
