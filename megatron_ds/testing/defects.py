@@ -48,7 +48,7 @@ UNFIXED: dict[str, tuple[str, str, Any]] = {
     "group_placeholders": (
         "megatron_ds.training.builder",
         "add_group_placeholders",
-        lambda module, decoupled=False: [],
+        lambda module, decoupled=False, expert_group=None: [],
     ),
     # No parameter says "count me": DeepSpeed's norm paths fall back to model-parallel rank 0 (stage 0).
     "norm_marking": ("megatron_ds.model.gpt_pipe", "mark_norm_counting", lambda module, tp_rank: None),

@@ -25,9 +25,10 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
+
+from megatron_ds.testing import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 PRELOAD = ("torch", "torch._dynamo", "deepspeed", "megatron_ds.distributed", "megatron_ds.flags.parser")
@@ -154,25 +155,10 @@ def _child(request: dict) -> None:
         target = os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    code = 1
-    try:
-        code = _run(request["argv"])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - reported as a fresh interpreter would, then the status
-        traceback.print_exc()
-    finally:
-        try:
-            atexit._run_exitfuncs()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+    zygote.leave_as_interpreter(lambda: _run(request["argv"]))
 
 
-def _run(argv: list[str]) -> int:
+def _run(argv: list[str]) -> None:
     """`python argv...` in this process: `-m MODULE`, `-c CODE` or `SCRIPT.py`, each as `__main__`."""
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
@@ -185,7 +171,6 @@ def _run(argv: list[str]) -> int:
         sys.argv = list(argv)
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
-    return 0
 
 
 def main(preload: str) -> None:

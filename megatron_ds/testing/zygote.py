@@ -27,6 +27,8 @@ import runpy
 import signal
 import sys
 import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 TRAINING_STACK = (
     "torch",
@@ -60,14 +62,25 @@ def _run_rank(rank: int, log_template: str, module: str, args: list[str]) -> Non
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    code = 1
-    try:
+
+    def run() -> None:
         sys.argv = [module, *args]
         if module.endswith(".py"):
             sys.path[0] = os.path.dirname(os.path.abspath(module))  # as `python SCRIPT.py` sets it
             runpy.run_path(module, run_name="__main__")
         else:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+    leave_as_interpreter(run)
+
+
+def leave_as_interpreter(run: Callable[[], object]) -> NoReturn:
+    """In a forked child: call `run` (a script as `__main__`) and end the process as an interpreter would end it,
+    with status 0, SystemExit's code (its message on stderr) or a traceback and 1, after the atexit functions
+    (logging's flush, ...); never return into the forking process's own code."""
+    code = 1
+    try:
+        run()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -77,11 +90,11 @@ def _run_rank(rank: int, log_template: str, module: str, args: list[str]) -> Non
         traceback.print_exc()
     finally:
         try:
-            atexit._run_exitfuncs()  # what a normal interpreter exit runs (logging's flush, ...)
+            atexit._run_exitfuncs()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(code)  # never return into the zygote's own code
+            os._exit(code)
 
 
 def main(argv: list[str]) -> int:

@@ -32,21 +32,16 @@ from typing import Any
 import pytest
 
 from megatron_ds.testing.scenario_runs import by_name, run_scenarios
+from tests.dist.test_moe_expert_parallel import MOE
+from tests.dist.test_moe_expert_parallel import VARIANTS as EP_VARIANTS
 
 TOL = 1e-6
 WEIGHT_TOL = 2e-6
 """The weights after 3 steps: a stage sums its input's gradient in another order than one process does, and three
 Adam updates (eps 1e-6) carry that last-bit difference into the weights: 1.4e-6 on PR-MoE's position embedding at P = 2
 (of weights up to 0.08), below 1e-6 everywhere else, while the losses stay within 1e-6."""
-MOE = {"model__num_experts": [4], "model__moe_token_dropping": False, "model__moe_top2_2nd_expert_sampling": False}
-VARIANTS = {
-    "top1": {},
-    "top2": {"model__moe_top_k": 2},
-    "residual": {
-        "model__mlp_type": "residual",
-        "optimizer__create_moe_param_group": True,
-        "model__num_experts": [2, 4],
-    },
+VARIANTS = {  # the plain engine's (top-1, top-2, PR-MoE), and PR-MoE under ZeRO-1
+    **EP_VARIANTS,
     "residual_zero1": {
         "model__mlp_type": "residual",
         "optimizer__create_moe_param_group": True,
