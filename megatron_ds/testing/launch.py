@@ -337,6 +337,8 @@ def forked_gloo_ranks(
     has not answered within `timeout` seconds is killed and named: a stalled rank never outlives the test."""
     import multiprocessing
 
+    import torch.distributed  # noqa: F401  here, once: ranks importing it after the fork took 18 s under load
+
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     procs = [
