@@ -46,6 +46,22 @@ b x P x w combined with packed documents' mask (the whole (b, 1, s, s) mask is t
 path saves the chunk's float32 copies of q and of its keys' slice of k and v, and a x b x P probabilities (and
 dropout mask and output), nothing of the mask. The CUDA figures (memory-efficient kernel, as the mask rules out
 flash) follow the same rules and are not measured.
+
+Grouped-query attention, rotary embeddings and `--qk-layernorm` (measured on CPU, fp32 and bf16, both paths, windowed
+and selective; widths per token and tensor rank: query heads x head size q, kv heads x head size k_v):
+* the QKV output is q + 2 k_v wide; where the core attention keeps views of it (flash path, selective
+  recomputation) it keeps all of it (v, and q and k unless rotary or the norms made new ones, are views). CPU's math
+  path copies q and k and v repeated to every query head (3 q wide, float32) and keeps none of it; under Ulysses the
+  attention keeps the all-to-all's outputs (q + 2 k_v wide again).
+* rotary embeddings (and the head norms) make new q and k (q + k_v wide), which the attention keeps where it keeps
+  its inputs; each `apply_rotary` (one for q, one for k) saves its cos and sin, (s, rotary_dim) in the compute
+  dtype (per sample with packed documents' position ids; this rank's tokens under Ulysses, whole on every tensor
+  rank).
+* the query and key norms save their input, a view of the QKV output (counted once, and on its own only where the
+  attention does not keep it), and their statistics per token and head.
+* torch's RMSNorm on CPU is composite (`Kernels.composite_rmsnorm`): it saves its input in float32 (a copy for
+  16-bit inputs), x x rstd in float32 and rstd in float32, for the hidden norms as for the head norms; CUDA's fused
+  kernel saves the input and rstd (not measured here).
 """
 
 from __future__ import annotations
@@ -83,6 +99,9 @@ class Kernels:
     """Bytes of one norm statistic (mean or rstd) per token."""
     rng_state: int = 16
     """Bytes of one generator state (`get_rng_state()`): CUDA's Philox seed and offset, the CPU's mt19937 5056."""
+    composite_rmsnorm: bool = False
+    """RMSNorm runs torch's composite function (CPU), which saves float32 input, output and rstd, rather than a
+    fused kernel (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -126,11 +145,27 @@ def kernels(precision: str, device: str, attention_dropout: float, attention: st
         return Kernels(w=w, mask=1, attention=attention or "flash", math_bytes=w, attn_mask=1, qkv_copies=False, stat=4)
     # CPU: the flash kernel takes no dropout, so SDPA falls back to math when dropout is on.
     chosen = attention or ("math" if attention_dropout > 0 else "flash")
-    return Kernels(w=w, mask=w, attention=chosen, math_bytes=4, attn_mask=4, qkv_copies=True, stat=w, rng_state=5056)
+    return Kernels(
+        w=w,
+        mask=w,
+        attention=chosen,
+        math_bytes=4,
+        attn_mask=4,
+        qkv_copies=True,
+        stat=w,
+        rng_state=5056,
+        composite_rmsnorm=True,
+    )
 
 
-def _norm_stats(model: ModelConfig) -> int:
-    return norms.find(model.normalization).saved_statistics  # LayerNorm mean + rstd, RMSNorm rstd
+def _norm_saved(model: ModelConfig, k: Kernels, elements: float, rows: float) -> tuple[float, float, float]:
+    """(input, output, statistics) bytes one norm saves over `elements` values in `rows` rows: a fused kernel its
+    input and statistics (LayerNorm mean + rstd, RMSNorm rstd); torch's composite RMSNorm (CPU) its input as float32
+    (a copy for 16-bit inputs, the input itself in fp32), x x rstd in float32 and a float32 rstd."""
+    norm = norms.find(model.normalization)
+    if k.composite_rmsnorm and norm.megatron_lm == "RMSNorm":
+        return 4 * elements, 4 * elements, 4 * rows
+    return elements * k.w, 0.0, norm.saved_statistics * rows * k.stat
 
 
 def transformer_layer_terms(
@@ -142,21 +177,24 @@ def transformer_layer_terms(
     regularization: RegularizationConfig,
     document_mask: bool = False,
     window: int | None = None,
+    position_ids: bool = False,
 ) -> dict[str, float]:
     """Saved bytes of one TransformerLayer for one micro-batch, by tensor (Korthikanti Sec. 4.1 terms);
     dropout masks exist only when `regularization`'s probabilities are > 0. `split`: a `Split`, or the
     tensor-parallel size. `document_mask`: `--reset-attention-mask`'s dense mask; `window`: the layer's sliding
-    window (module docstring)."""
+    window; `position_ids`: packed documents' position ids (either flag), by which rotary embeddings rotate (module
+    docstring)."""
     sp = as_split(split)
     b, s, h, f = micro_batch_size, model.seq_length, model.hidden_size, model.ffn_hidden_size
-    r, t, a, q = sp.replicated, sp.split, model.num_attention_heads, model.query_size
+    r, t, q = sp.replicated, sp.split, model.query_size
     sbh, bs = s * b * h, s * b
     drop_h = regularization.hidden_dropout > 0
     drop_a = regularization.attention_dropout > 0
+    norm_input, norm_output, norm_stats = _norm_saved(model, k, sbh, bs)
     terms = {
         # Replicated over tensor-parallel ranks (the paper's "10"): norm inputs, qkv and fc1 inputs, masks.
-        "norm inputs": 2 * sbh * k.w / r,
-        "norm statistics": 2 * _norm_stats(model) * bs * k.stat / r,
+        "norm inputs": 2 * norm_input / r,
+        "norm statistics": 2 * norm_stats / r,
         "qkv input": sbh * k.w / r,
         "fc1 input": sbh * k.w / r,
         "residual dropout masks": (2 * sbh * k.mask / r) if drop_h else 0,
@@ -166,13 +204,16 @@ def transformer_layer_terms(
         f"{model.activation} inputs": activations.find(model.activation).saved_features * s * b * f * k.w / t,
         "fc2 input": s * b * f * k.w / t,
     }
+    if norm_output:  # CPU's composite RMSNorm
+        terms["norm outputs"] = 2 * norm_output / r
+    terms.update(_query_key_terms(model, b, k, sp, position_ids))
     left = sliding_window.effective(window, s)
     if left is None:
-        terms.update(_attention_terms(b, s, q, a, sp, k, drop_a))
+        terms.update(_attention_terms(model, b, sp, k, drop_a))
         if document_mask:
             terms["document mask"] = document_mask_bytes(b, s, k, sp)
         return terms
-    terms.update(_window_terms(b, s, q, a, sp, k, drop_a, left, document_mask))
+    terms.update(_window_terms(model, b, sp, k, drop_a, left, document_mask))
     if document_mask and sp.selective:  # the checkpointed core attention's input, the whole boolean mask
         terms["document mask"] = document_mask_bytes(b, s, k, sp)
     return terms
@@ -187,20 +228,73 @@ def document_mask_bytes(b: int, s: int, k: Kernels, split: Split) -> float:
     return float(b * s * s * k.w) if k.attention == "flash" else 0.0
 
 
-def _attention_terms(b: int, s: int, q: int, a: int, sp: Split, k: Kernels, dropout: bool) -> dict[str, float]:
+def _keeps_qkv_output(sp: Split, k: Kernels) -> bool:
+    """Whether the core attention keeps views of the QKV output (v always; q and k unless rotary embeddings or the head
+    norms made new ones) among its saved inputs: not under Ulysses (it attends the all-to-all's outputs) nor on CPU's
+    math path (its own float32 copies)."""
+    return sp.ulysses == 1 and (sp.selective or k.attention == "flash" or not k.qkv_copies)
+
+
+def _qkv_output_bytes(model: ModelConfig, b: int, k: Kernels, sp: Split) -> float:
+    """The QKV output, (query heads + 2 kv heads) x head size wide (`ModelConfig.qkv_rows`); under Ulysses the same
+    bytes as the all-to-all's q, k, v outputs."""
+    return model.seq_length * b * model.qkv_rows * k.w / sp.split
+
+
+def _query_key_terms(model: ModelConfig, b: int, k: Kernels, sp: Split, position_ids: bool) -> dict[str, float]:
+    """What rotary embeddings and --qk-layernorm's head norms save between the QKV output and the core attention
+    (module docstring)."""
+    s, t, hd = model.seq_length, sp.split, model.head_dim
+    heads = model.num_attention_heads + model.kv_heads  # the query and key heads rotary and the norms act on
+    kept = _keeps_qkv_output(sp, k)
+    terms: dict[str, float] = {}
+    if model.use_rotary_position_embeddings:  # q's and k's apply_rotary each save a cos and a sin
+        rows = b * s if position_ids else s  # (s, r) angles, or each sample's (b, 1, s, r) looked up by position
+        terms["rotary cos, sin"] = 4 * rows * model.rotary_dim * k.w / sp.ulysses
+    if (model.use_rotary_position_embeddings or model.qk_layernorm) and kept:
+        terms["q, k after rotary or norms"] = s * b * heads * hd * k.w / t  # new tensors the attention keeps
+    if not model.qk_layernorm:
+        return terms
+    norm_input, norm_output, norm_stats = _norm_saved(model, k, s * b * heads * hd / t, s * b * heads / t)
+    if norm_output and k.w < 4:  # CPU's composite RMSNorm: float32 copies of q and k
+        terms["query and key norm inputs"] = norm_input
+    elif not kept:  # their input is a view of the QKV output, kept whole
+        terms["query and key norm inputs"] = _qkv_output_bytes(model, b, k, sp)
+    terms["query and key norm statistics"] = norm_stats
+    if norm_output:  # CPU's composite RMSNorm
+        terms["query and key norm outputs"] = norm_output
+    return terms
+
+
+def _math_inputs(model: ModelConfig, b: int, sp: Split, k: Kernels, key_rows: int) -> float:
+    """What the math path keeps of q, k, v, whose keys span `key_rows` rows (s, or a window's chunks' keys summed):
+    CPU's float32 copies of q and of k and v repeated to every query head; CUDA's views of the QKV output and, with
+    grouped kv heads, the repeated k and v (not measured)."""
+    s, q, t = model.seq_length, model.query_size, sp.split
+    if k.qkv_copies:
+        return (s + 2 * key_rows) * b * q * k.math_bytes / t
+    repeated = 2 * key_rows * b * q * k.w / t if model.kv_heads < model.num_attention_heads else 0
+    return _qkv_output_bytes(model, b, k, sp) + repeated
+
+
+def _attention_terms(model: ModelConfig, b: int, sp: Split, k: Kernels, dropout: bool) -> dict[str, float]:
     # q: the attention's width, heads x head size (`ModelConfig.query_size`; the hidden size unless --kv-channels)
-    t = sp.split
+    s, q, a, t = model.seq_length, model.query_size, model.num_attention_heads, sp.split
     sbh, scores = s * b * q, a * s * s * b
+    qkv = _qkv_output_bytes(model, b, k, sp)
     if sp.selective:  # the checkpointed core attention keeps its inputs only (views of the qkv output)
-        return {"q, k, v": 3 * sbh * k.w / t}
+        return {"q, k, v": qkv}
     if k.attention == "flash":
         # q, k, v are views of the qkv output, saved whole; plus float32 log-sum-exp per (b, head, s).
-        out = {"q, k, v": 3 * sbh * k.w / t, "softmax log-sum-exp": 4 * b * a * s / t}
-        if sp.ulysses > 1:  # the projection reads the all-to-all's result, not a view of the kernel's output
+        out = {"q, k, v": qkv, "softmax log-sum-exp": 4 * b * a * s / t}
+        # The projection reads a view of the kernel's output unless it reads the all-to-all's result (Ulysses), or
+        # copies it: the output takes the query's memory layout (torch's CPU kernel; flash-attention's
+        # empty_like(q)), and partial rotary's concatenation leaves q in (b, heads, s, hd) order, not (b, s, ..).
+        partial_rotary = model.use_rotary_position_embeddings and model.rotary_dim < model.head_dim
+        if sp.ulysses > 1 or partial_rotary:
             out["attention output (flash)"] = sbh * k.w / t
         return out
-    qkv = 3 * sbh * (k.math_bytes if k.qkv_copies else k.w) / t
-    out = {"q, k, v": qkv, "softmax output": scores * k.math_bytes / t}
+    out = {"q, k, v": _math_inputs(model, b, sp, k, s), "softmax output": scores * k.math_bytes / t}
     if dropout:
         out["attention dropout mask"] = scores * k.attn_mask / t
         out["attention dropout output"] = scores * k.math_bytes / t
@@ -208,27 +302,26 @@ def _attention_terms(b: int, s: int, q: int, a: int, sp: Split, k: Kernels, drop
 
 
 def _window_terms(
-    b: int, s: int, q: int, a: int, sp: Split, k: Kernels, dropout: bool, left: int, document_mask: bool
+    model: ModelConfig, b: int, sp: Split, k: Kernels, dropout: bool, left: int, document_mask: bool
 ) -> dict[str, float]:
     """`_attention_terms` of a windowed layer, chunk by chunk (module docstring)."""
-    t, sbh = sp.split, s * b * q
+    s, q, a, t = model.seq_length, model.query_size, model.num_attention_heads, sp.split
+    qkv = _qkv_output_bytes(model, b, k, sp)
     if sp.selective:
-        return {"q, k, v": 3 * sbh * k.w / t}
+        return {"q, k, v": qkv}
     pairs = sliding_window.computed_pairs(s, left)
     if k.attention == "flash":
         mask = pairs * (b if document_mask else 1) * k.w  # one (chunk, keys) mask, or (b, 1, chunk, keys)
         return {
-            "q, k, v": 3 * sbh * k.w / t,
+            "q, k, v": qkv,
             "softmax log-sum-exp": 4 * b * a * s / t,
-            "attention output (flash)": sbh * k.w / t,  # the chunks' outputs
+            "attention output (flash)": s * b * q * k.w / t,  # the chunks' outputs
             "window mask": float(mask),
         }
     scores = a * b * pairs
-    if k.qkv_copies:  # each chunk's q rows and its keys' k and v rows
-        qkv = (s + 2 * sliding_window.chunk_keys(s, left)) * b * q * k.math_bytes / t
-    else:
-        qkv = 3 * sbh * k.w / t
-    out = {"q, k, v": qkv, "softmax output": scores * k.math_bytes / t}
+    # each chunk's q rows and its keys' k and v rows
+    out = {"q, k, v": _math_inputs(model, b, sp, k, sliding_window.chunk_keys(s, left))}
+    out["softmax output"] = scores * k.math_bytes / t
     if dropout:
         out["attention dropout mask"] = scores * k.attn_mask / t
         out["attention dropout output"] = scores * k.math_bytes / t
@@ -252,13 +345,14 @@ def recomputed_attention_bytes(
     whole = Split(split.tensor, split.sequence_parallel, split.ulysses, selective=False)
     dropout, left = regularization.attention_dropout > 0, sliding_window.effective(window, s)
     if left is None:
-        full = _attention_terms(b, s, h, model.num_attention_heads, whole, k, dropout)
+        full = _attention_terms(model, b, whole, k, dropout)
     else:
-        full = _window_terms(b, s, h, model.num_attention_heads, whole, k, dropout, left, False)
-    views = 3 * s * b * h * k.w / whole.split
+        full = _window_terms(model, b, whole, k, dropout, left, False)
+    views = _qkv_output_bytes(model, b, k, whole)  # the kept inputs (or the all-to-all's outputs)
     if k.attention == "math":  # CPU's math path copies q, k, v itself: all of it is new
         return sum(full.values()) - (0 if k.qkv_copies else views)
-    output = 0 if split.ulysses > 1 and left is None else s * b * h * k.w / whole.split
+    # the kernel's output, new then, unless already a term (Ulysses, partial rotary: the projection reads a copy)
+    output = 0 if "attention output (flash)" in full and left is None else s * b * h * k.w / whole.split
     return sum(full.values()) - views + output
 
 
@@ -275,10 +369,16 @@ def checkpoint_rng_bytes(k: Kernels, tracker_streams: int) -> float:
 _ATTENTION_HALF = (
     "norm inputs",
     "norm statistics",
+    "norm outputs",
     "residual dropout masks",
     "qkv input",
     "projection input",
     "q, k, v",
+    "rotary cos, sin",
+    "q, k after rotary or norms",
+    "query and key norm inputs",
+    "query and key norm statistics",
+    "query and key norm outputs",
     "softmax log-sum-exp",
     "attention output (flash)",
     "softmax output",
@@ -296,7 +396,7 @@ and half of the norm and residual-dropout terms): freed once the layer's MLP bac
 
 def mlp_half_bytes(terms: dict[str, float], activation: str) -> float:
     """What a layer's backward has freed when it reaches the core attention: the MLP half of `terms`."""
-    halves = ("norm inputs", "norm statistics", "residual dropout masks")
+    halves = ("norm inputs", "norm statistics", "norm outputs", "residual dropout masks")
     mlp = sum(v for n, v in terms.items() if n in (*MLP_HALF, f"{activation} inputs") or n not in _ATTENTION_HALF)
     return mlp + sum(terms.get(n, 0.0) for n in halves) / 2
 
@@ -389,11 +489,12 @@ def post_terms(
     bs = model.seq_length * micro_batch_size
     sbh = bs * model.hidden_size
     bsv = bs * model.vocab_size / (sp.tensor * sp.ulysses)  # vocab-parallel logits under tensor parallelism
+    norm_input, norm_output, norm_stats = _norm_saved(model, k, sbh, bs)
+    final_norm = {"norm input": norm_input / sp.replicated, "norm statistics": norm_stats / sp.replicated}
+    if norm_output:  # CPU's composite RMSNorm
+        final_norm["norm output"] = norm_output / sp.replicated
     return {
-        "FinalNorm": {
-            "norm input": sbh * k.w / sp.replicated,
-            "norm statistics": _norm_stats(model) * bs * k.stat / sp.replicated,
-        },
+        "FinalNorm": final_norm,
         head_name: {"LM head input": sbh * k.w / sp.replicated},
         # log_softmax saves its float32 output (nll_loss reuses it); the fp32 logits themselves are not
         # saved by autograd but DeepSpeed keeps them as the stage output (see `logits_bytes`). At T > 1

@@ -92,7 +92,14 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
         terms[naming.LOGITS_TO_FP32] = {**terms[naming.LOGITS_TO_FP32], **kd}
     windows = {
         w: act.transformer_layer_terms(
-            m, b, k, split, regularization=inputs.regularization, document_mask=inputs.document_mask, window=w
+            m,
+            b,
+            k,
+            split,
+            regularization=inputs.regularization,
+            document_mask=inputs.document_mask,
+            window=w,
+            position_ids=inputs.document_ids,
         )
         for w in set(m.layer_windows)
     }

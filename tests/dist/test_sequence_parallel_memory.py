@@ -3,7 +3,8 @@
 * Saved tensors, exactly: what one layer (and the pre and post specs) keeps for backward on a rank
   of T = 2 with and without sequence parallelism, with selective recomputation, and on a rank of a
   Ulysses group of N = 2, equals `activation_memory`'s terms (the autograd graph walked, DeepSpeed's
-  checkpoint inputs included).
+  checkpoint inputs included), for a plain layer and one with grouped kv heads, partial rotary and RMSNorm query
+  and key norms.
 * Per stage, measured: a T = 2 x P = 2 pipeline (activations far above the model states) with and
   without sequence parallelism, with no, selective and full recomputation: the measured peak of each
   stage (the allocation trace of `training/measure/memory.py`) less its model states is within 5% of the
@@ -14,6 +15,7 @@ Run as a script, this file is the per-rank worker (`worker`, 2 or 4 ranks).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -36,13 +38,22 @@ def tiny_model(**kw: Any) -> Any:
     return ModelConfig(**{**base, **kw})
 
 
+VARIANTS = {
+    "plain": {},
+    # grouped kv heads, partial rotary and the query and key norms, with CPU's composite RMSNorm
+    "grouped": {"num_key_value_heads": 2, "qk_layernorm": True, "normalization": "rmsnorm",
+                "use_rotary_position_embeddings": True, "add_position_embedding": False, "rotary_percent": 0.5},
+}
+
+
 def layer_cases(world: int) -> list[dict[str, Any]]:
     cases = []
-    for dropout in (0.0, 0.1):
+    for variant, dropout in itertools.product(VARIANTS, (0.0, 0.1)):
+        case = {"variant": variant, "dropout": dropout}
         for selective in (False, True):
-            cases.append({"kind": "tensor", "sp": True, "dropout": dropout, "selective": selective})
-            cases.append({"kind": "ulysses", "dropout": dropout, "selective": selective})
-        cases.append({"kind": "tensor", "sp": False, "dropout": dropout, "selective": False})
+            cases.append({**case, "kind": "tensor", "sp": True, "selective": selective})
+            cases.append({**case, "kind": "ulysses", "selective": selective})
+        cases.append({**case, "kind": "tensor", "sp": False, "selective": False})
     return cases if world == 2 else []
 
 
@@ -57,8 +68,9 @@ def saved_bytes_worker(rank: int) -> list[dict[str, Any]]:
 
     import torch.distributed as dist
 
-    m, b, out = tiny_model(), 3, []
+    b, out = 3, []
     for case in layer_cases(2):
+        m = tiny_model(**VARIANTS[case["variant"]])
         reg = RegularizationConfig(hidden_dropout=case["dropout"], attention_dropout=case["dropout"])
         k = act.kernels("fp32", "cpu", case["dropout"])
         if case["kind"] == "tensor":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 
@@ -189,6 +190,71 @@ def test_a_head_size_other_than_hidden_over_heads_saves_its_width(kv_channels: i
     assert terms["projection input"] == 3 * m.seq_length * 4 * kv_channels * 4  # b s (heads x head size) fp32
 
 
+ROTARY = dict(use_rotary_position_embeddings=True, add_position_embedding=False)
+ATTENTION_VARIANTS = {
+    "2 kv heads": dict(num_key_value_heads=2),
+    "1 kv head": dict(num_key_value_heads=1),
+    "rotary": ROTARY,
+    "partial rotary": {**ROTARY, "rotary_percent": 0.5},  # q leaves the concatenation in (b, heads, s, hd) order
+    "qk layernorm": dict(qk_layernorm=True),
+    "rmsnorm": dict(normalization="rmsnorm"),  # CPU's composite RMSNorm on the hidden states
+    "qk rmsnorm": dict(qk_layernorm=True, normalization="rmsnorm"),
+    "2 kv heads, rotary, qk layernorm": dict(num_key_value_heads=2, qk_layernorm=True, **ROTARY),
+    "1 kv head, head size 24, partial rotary, qk rmsnorm": dict(
+        num_key_value_heads=1, kv_channels=24, qk_layernorm=True, normalization="rmsnorm", **ROTARY, rotary_percent=0.5
+    ),
+}
+"""Grouped kv heads, rotary embeddings and the query and key norms, alone and combined."""
+WINDOW = 8
+"""Keys before each query of the windowed case, at 64 tokens: two chunks of 32 queries, against 32 and 40 keys."""
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])  # CPU: the flash and the math path
+def test_grouped_rotary_and_head_norm_layers_save_what_the_terms_say(
+    precision: str, dtype: torch.dtype, dropout: float
+) -> None:
+    """Each variant keeps exactly its terms' bytes: whole, under selective recomputation (graph_bytes: DeepSpeed's
+    checkpoint keeps its inputs outside autograd's hooks), with a sliding window, and with packed documents (rotary
+    by position ids, the document mask)."""
+    from megatron_ds.data.packed_documents import PackedDocuments
+    from megatron_ds.model.transformer import TransformerLayer
+    from megatron_ds.testing.saved_tensors import graph_bytes
+
+    reg, b = RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout), 3
+    k = act.kernels(precision, "cpu", dropout)
+    tokens = torch.randint(0, 10, (b, 64), generator=torch.Generator().manual_seed(0))
+    tokens[:, 20] = 7  # an end of document in every sample
+    ids = PackedDocuments(7, True, True).structure(tokens)
+    modes = {"whole": {}, "selective": {"selective_recompute": True}, "window": {"window": WINDOW}}
+    modes["packed"] = {"document_mask": True}
+    for (name, fields), (mode, kw) in itertools.product(ATTENTION_VARIANTS.items(), modes.items()):
+        m = tiny(seq_length=64, max_position_embeddings=64, **fields)
+        layer = TransformerLayer(m, reg, 1, **kw).to(dtype).train()
+        x = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
+        if mode == "packed":
+            measured = graph_bytes(layer((x, *ids))[0], layer.parameters())
+        elif mode == "selective":
+            measured = graph_bytes(layer(x), layer.parameters())
+        else:
+            measured = saved_bytes(functools.partial(layer, x), layer)
+        split = act.Split(selective=mode == "selective")
+        extra = {"document_mask": True, "position_ids": True} if mode == "packed" else {}
+        terms = act.transformer_layer_terms(m, b, k, split, regularization=reg, window=kw.get("window"), **extra)
+        assert sum(terms.values()) == measured, (name, mode)
+
+
+def test_the_memory_model_rotates_by_position_ids_with_packed_documents() -> None:
+    """With packed documents rotary embeddings look their angles up per sample: the layer specs count the (b, 1, s, r)
+    cos and sin, not the (s, r) ones."""
+    m = tiny(**ROTARY)
+    base = dict(model=m, micro_batch_size=3, num_micro_batches=1)
+    (layer, packed) = (spec_memory(MemoryInputs(**base, document_ids=d))[3] for d in (False, True))
+    k, reg = MemoryInputs(**base).kernels, MemoryInputs(**base).regularization
+    terms = act.transformer_layer_terms(m, 3, k, regularization=reg, position_ids=True)
+    assert packed.activations == sum(terms.values()) == layer.activations + 4 * 2 * m.seq_length * m.head_dim * 2
+
+
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: torch.dtype) -> None:
     from megatron_ds.model.layers import (
@@ -202,7 +268,7 @@ def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: tor
     )
 
     m, b, reg = tiny(), 3, MEGATRON_DROPOUT
-    we, fn = WordEmbedding(m, reg, 1).to(dtype), FinalNorm(m, 3).to(dtype)
+    we = WordEmbedding(m, reg, 1).to(dtype)
     pe = PositionEmbedding(m, reg, 2).to(dtype).train()
     tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), dtype=torch.int32)
     k = act.kernels(precision, "cpu", reg.attention_dropout)
@@ -210,9 +276,14 @@ def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: tor
     assert saved_bytes(lambda: pe(we(cast_token_ids(tokens))), we, pe) == sum(sum(t.values()) for t in pre.values())
     hidden = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
     labels = (torch.randint(0, m.vocab_size, (b, m.seq_length)), torch.ones(b, m.seq_length))
-    post = act.post_terms(m, b, k, naming.TIED_LM_HEAD)
-    measured = saved_bytes(lambda: cross_entropy_loss(logits_to_fp32(lm_head_logits(we, fn(hidden))), labels), we, fn)
-    assert measured == sum(sum(t.values()) for t in post.values())
+
+    def post_saved(fn: FinalNorm) -> int:
+        return saved_bytes(lambda: cross_entropy_loss(logits_to_fp32(lm_head_logits(we, fn(hidden))), labels), we, fn)
+
+    for norm in ("layernorm", "rmsnorm"):  # CPU's RMSNorm is composite: float32 input, output and rstd
+        m = tiny(normalization=norm)
+        post = act.post_terms(m, b, k, naming.TIED_LM_HEAD)
+        assert post_saved(FinalNorm(m, 3).to(dtype)) == sum(sum(t.values()) for t in post.values()), norm
 
 
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
