@@ -61,7 +61,8 @@ and selective; widths per token and tensor rank: query heads x head size q, kv h
   attention does not keep it), and their statistics per token and head.
 * torch's RMSNorm on CPU is composite (`Kernels.composite_rmsnorm`): it saves its input in float32 (a copy for
   16-bit inputs), x x rstd in float32 and rstd in float32, for the hidden norms as for the head norms; CUDA's fused
-  kernel saves the input and rstd (not measured here).
+  kernel saves the input and rstd (not measured here). A zero-centred norm (`--apply-layernorm-1p`) also saves the
+  weight + 1 it computes with.
 """
 
 from __future__ import annotations
@@ -168,6 +169,12 @@ def _norm_saved(model: ModelConfig, k: Kernels, elements: float, rows: float) ->
     return elements * k.w, 0.0, norm.saved_statistics * rows * k.stat
 
 
+def _one_plus_weights(model: ModelConfig, k: Kernels, widths: int) -> float:
+    """A zero-centred norm (`--apply-layernorm-1p`) computes with weight + 1, a new tensor each forward that the norm
+    saves: `widths` channels of them (whole on every rank), in the compute dtype."""
+    return widths * k.w if norms.find(model.normalization).zero_centered_gamma else 0.0
+
+
 def transformer_layer_terms(
     model: ModelConfig,
     micro_batch_size: int,
@@ -206,6 +213,9 @@ def transformer_layer_terms(
     }
     if norm_output:  # CPU's composite RMSNorm
         terms["norm outputs"] = 2 * norm_output / r
+    head_norms = 2 * model.head_dim if model.qk_layernorm else 0
+    if one_plus := _one_plus_weights(model, k, 2 * h + head_norms):
+        terms["norm weights + 1"] = one_plus
     terms.update(_query_key_terms(model, b, k, sp, position_ids))
     left = sliding_window.effective(window, s)
     if left is None:
@@ -370,6 +380,7 @@ _ATTENTION_HALF = (
     "norm inputs",
     "norm statistics",
     "norm outputs",
+    "norm weights + 1",
     "residual dropout masks",
     "qkv input",
     "projection input",
@@ -493,6 +504,8 @@ def post_terms(
     final_norm = {"norm input": norm_input / sp.replicated, "norm statistics": norm_stats / sp.replicated}
     if norm_output:  # CPU's composite RMSNorm
         final_norm["norm output"] = norm_output / sp.replicated
+    if one_plus := _one_plus_weights(model, k, model.hidden_size):
+        final_norm["norm weight + 1"] = one_plus
     return {
         "FinalNorm": final_norm,
         head_name: {"LM head input": sbh * k.w / sp.replicated},

@@ -199,12 +199,20 @@ ATTENTION_VARIANTS = {
     "qk layernorm": dict(qk_layernorm=True),
     "rmsnorm": dict(normalization="rmsnorm"),  # CPU's composite RMSNorm on the hidden states
     "qk rmsnorm": dict(qk_layernorm=True, normalization="rmsnorm"),
-    "2 kv heads, rotary, qk layernorm": dict(num_key_value_heads=2, qk_layernorm=True, **ROTARY),
-    "1 kv head, head size 24, partial rotary, qk rmsnorm": dict(
-        num_key_value_heads=1, kv_channels=24, qk_layernorm=True, normalization="rmsnorm", **ROTARY, rotary_percent=0.5
+    "2 kv heads, rotary, qk layernorm1p": dict(
+        num_key_value_heads=2, qk_layernorm=True, normalization="layernorm1p", **ROTARY
+    ),
+    "1 kv head, head size 24, partial rotary, qk rmsnorm1p": dict(
+        num_key_value_heads=1,
+        kv_channels=24,
+        qk_layernorm=True,
+        normalization="rmsnorm1p",
+        **ROTARY,
+        rotary_percent=0.5,
     ),
 }
-"""Grouped kv heads, rotary embeddings and the query and key norms, alone and combined."""
+"""Grouped kv heads, rotary embeddings and the query and key norms, alone and combined (with zero-centred norms,
+whose weight + 1 is saved)."""
 WINDOW = 8
 """Keys before each query of the windowed case, at 64 tokens: two chunks of 32 queries, against 32 and 40 keys."""
 
@@ -280,7 +288,7 @@ def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: tor
     def post_saved(fn: FinalNorm) -> int:
         return saved_bytes(lambda: cross_entropy_loss(logits_to_fp32(lm_head_logits(we, fn(hidden))), labels), we, fn)
 
-    for norm in ("layernorm", "rmsnorm"):  # CPU's RMSNorm is composite: float32 input, output and rstd
+    for norm in ("layernorm", "rmsnorm", "rmsnorm1p"):  # CPU's RMSNorm is composite: float32 input, output, rstd
         m = tiny(normalization=norm)
         post = act.post_terms(m, b, k, naming.TIED_LM_HEAD)
         assert post_saved(FinalNorm(m, 3).to(dtype)) == sum(sum(t.values()) for t in post.values()), norm
