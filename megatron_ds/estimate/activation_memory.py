@@ -58,7 +58,8 @@ and selective; widths per token and tensor rank: query heads x head size q, kv h
   dtype (per sample with packed documents' position ids; this rank's tokens under Ulysses, whole on every tensor
   rank).
 * the query and key norms save their input, a view of the QKV output (counted once, and on its own only where the
-  attention does not keep it), and their statistics per token and head.
+  attention does not keep it), and their statistics per token and head; `--qk-l2-norm`'s weightless norm computes in
+  float32, so it saves a float32 input (a copy of a 16-bit one) and a float32 rsqrt per token and head.
 * torch's RMSNorm on CPU is composite (`Kernels.composite_rmsnorm`): it saves its input in float32 (a copy for
   16-bit inputs), x x rstd in float32 and rstd in float32, for the hidden norms as for the head norms; CUDA's fused
   kernel saves the input and rstd (not measured here). A zero-centred norm (`--apply-layernorm-1p`) also saves the
@@ -252,8 +253,8 @@ def _qkv_output_bytes(model: ModelConfig, b: int, k: Kernels, sp: Split) -> floa
 
 
 def _query_key_terms(model: ModelConfig, b: int, k: Kernels, sp: Split, position_ids: bool) -> dict[str, float]:
-    """What rotary embeddings and --qk-layernorm's head norms save between the QKV output and the core attention
-    (module docstring)."""
+    """What rotary embeddings and the head norms (--qk-layernorm's, --qk-l2-norm's) save between the QKV output and
+    the core attention (module docstring)."""
     s, t, hd = model.seq_length, sp.split, model.head_dim
     heads = model.num_attention_heads + model.kv_heads  # the query and key heads rotary and the norms act on
     kept = _keeps_qkv_output(sp, k)
@@ -261,8 +262,15 @@ def _query_key_terms(model: ModelConfig, b: int, k: Kernels, sp: Split, position
     if model.use_rotary_position_embeddings:  # q's and k's apply_rotary each save a cos and a sin
         rows = b * s if position_ids else s  # (s, r) angles, or each sample's (b, 1, s, r) looked up by position
         terms["rotary cos, sin"] = 4 * rows * model.rotary_dim * k.w / sp.ulysses
-    if (model.use_rotary_position_embeddings or model.qk_layernorm) and kept:
+    if (model.use_rotary_position_embeddings or model.qk_layernorm or model.qk_l2_norm) and kept:
         terms["q, k after rotary or norms"] = s * b * heads * hd * k.w / t  # new tensors the attention keeps
+    if model.qk_l2_norm:  # --qk-l2-norm: its float32 input (a copy of a 16-bit one) and a float32 rsqrt per head
+        if k.w < 4:
+            terms["query and key norm inputs"] = 4 * s * b * heads * hd / t
+        elif not kept:  # its fp32 input is a view of the QKV output, kept whole
+            terms["query and key norm inputs"] = _qkv_output_bytes(model, b, k, sp)
+        terms["query and key norm statistics"] = 4 * s * b * heads / t
+        return terms
     if not model.qk_layernorm:
         return terms
     norm_input, norm_output, norm_stats = _norm_saved(model, k, s * b * heads * hd / t, s * b * heads / t)

@@ -51,8 +51,8 @@ class Norm:
     saved_statistics: int
     """Statistics per token that autograd saves for backward besides the input, one element each of
     `activation_memory.Kernels.stat` bytes (float32 on CUDA): LayerNorm its mean and rstd, a fused
-    RMSNorm its rstd. (torch's CPU RMSNorm is composite and saves more; the memory model does not
-    count that.)"""
+    RMSNorm its rstd. (torch's CPU RMSNorm is composite and saves more: `activation_memory.Kernels`
+    counts that.)"""
     forward_flops: int
     """Forward FLOPs per element, DeepSpeed flops-profiler convention (layer_norm with weights 5;
     rmsnorm 4, as layer_norm without the mean); backward is assumed 2x (`estimate/compute.py`)."""

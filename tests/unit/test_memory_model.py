@@ -199,6 +199,7 @@ ATTENTION_VARIANTS = {
     "qk layernorm": dict(qk_layernorm=True),
     "rmsnorm": dict(normalization="rmsnorm"),  # CPU's composite RMSNorm on the hidden states
     "qk rmsnorm": dict(qk_layernorm=True, normalization="rmsnorm"),
+    "qk l2 norm, 2 kv heads, rotary": dict(qk_l2_norm=True, num_key_value_heads=2, **ROTARY),
     "2 kv heads, rotary, qk layernorm1p": dict(
         num_key_value_heads=2, qk_layernorm=True, normalization="layernorm1p", **ROTARY
     ),
