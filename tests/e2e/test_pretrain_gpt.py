@@ -1,8 +1,8 @@
 """pretrain_gpt.py end to end on CPU: training, exact resume, layout-changing resume, and every bad input as a
 one-line error that leaves existing checkpoints untouched.
 
-The reference run and the runs that check what torchrun reports (its per-rank exit statuses, its stop of the ranks
-still starting) go through the real `torchrun`; the other multi-rank runs fork their ranks from one process that
+The reference run and the runs that check what torchrun reports (its per-rank exit statuses) go through the real
+`torchrun`; the other multi-rank runs fork their ranks from one process that
 imported the training stack once (`megatron_ds.testing.pretrain_runs`), and the one-process runs are forked from a
 server that did (`megatron_ds.testing.script_runs`): the same script, without each process's seconds of imports."""
 
@@ -160,14 +160,12 @@ def test_a_missing_or_cut_rank_file_is_one_line_on_every_rank(half: dict, tmp_pa
             (step / "rng_rank1.pt").unlink()
         else:
             (step / "mp_rank_01_model_states.pt").write_bytes((step / "mp_rank_01_model_states.pt").read_bytes()[:500])
-        out = pretrain(3, *STRAIGHT, "--load", str(copy))
+        out = forked(3, *STRAIGHT, "--load", str(copy))  # no launcher stops a rank: each one must say it
         assert out.returncode not in (0, -9), out.stdout[-4000:]
         assert not any(frame in out.stdout for frame in ours), out.stdout[-4000:]
-        # every rank checks every rank's files and names the damage; torchrun stops the ranks still starting as
-        # soon as one exits, so a slower rank may say it was stopped instead (never a traceback, never a hang)
+        # every rank checks every rank's files and names the damage (never a traceback, never a hang)
         named = set(re.findall(r"\[rank (\d)\] error: .*" + re.escape(needle), out.stdout))
-        stopped = set(re.findall(r"\[rank (\d)\] SIGTERM: stopped while starting", out.stdout))
-        assert named and named | stopped == {"0", "1", "2"}, out.stdout[-4000:]
+        assert named == {"0", "1", "2"}, out.stdout[-4000:]
 
 
 def test_a_damaged_layer_file_of_one_stage_stops_every_stage_at_once(half: dict, tmp_path: Path) -> None:
