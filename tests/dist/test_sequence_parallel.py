@@ -1,7 +1,7 @@
 """Megatron's sequence parallelism (T = 2 inside pipeline stages, dedicated embedding and head stages
-included, with DP = 2), selective recomputation and DeepSpeed-Ulysses (N = 2 and 4, with GQA) equal a
-single-process run; checkpoints carry across them; the two traps of sequence parallelism on DeepSpeed's
-pipeline engine are shown.
+included, with DP = 2), selective recomputation and DeepSpeed-Ulysses (N = 2 and 4, with GQA; N = 2 with a
+sliding window) equal a single-process run; checkpoints carry across them; the two traps of sequence
+parallelism on DeepSpeed's pipeline engine are shown.
 
 One process group per world size runs every scenario (start-up paid once); the tests judge the results
 against single-process T = P = 1 runs of the same models. Hidden dropout is on where the reference has
@@ -23,6 +23,8 @@ LAYERS = 6
 TOL = 1e-6
 DROPOUT = 0.1
 GQA = {"model__num_attention_heads": 8, "model__num_key_value_heads": 4}
+WINDOW = {**GQA, "model__window_size": [5, 0], "model__window_attn_skip_freq": [1, 0, 1, 1, 0, 1]}
+"""--window-size 5,0 on four of the six layers (16 tokens: each windowed layer attends in query chunks)."""
 
 
 def scenario(t: int = 1, p: int = 1, sp: bool = False, n: int = 1, zero: int = 0, steps: int = 3,
@@ -46,6 +48,8 @@ REFERENCE = {
     "dropout": scenario(),
     "untied": scenario(overrides={"model__untie_embeddings_and_output_weights": True}),
     "gqa": scenario(overrides=GQA),
+    "window": scenario(overrides=WINDOW),
+    "window_full": scenario(overrides={**WINDOW, "model__window_size": None}),  # the window changes the model
 }
 
 
@@ -75,6 +79,7 @@ def four_rank_scenarios(ckpt: Path) -> dict[str, dict]:
         "sp_save": scenario(**sp, **BOTH_DROPOUTS, steps=1, save=str(ckpt / "sp")),
         "tp_resume": scenario(t=2, p=2, **BOTH_DROPOUTS, steps=2, load=str(ckpt / "sp")),
         "ulysses4_gqa": scenario(n=4, overrides=GQA, output_shapes=True),
+        "ulysses2_window_zero1": scenario(n=2, zero=1, overrides=WINDOW),
         "ulysses2_dp2_zero1": scenario(n=2, zero=1),
         "ulysses2_dp2_zero3": scenario(n=2, zero=3, **ZERO3),
         "ulysses2_selective_zero2": scenario(n=2, zero=2, overrides={"training__selective_recompute": True}),
@@ -172,6 +177,12 @@ def test_ulysses_four_ways_with_gqa_equals_single_process(four_ranks: dict, refe
     assert_matches(four_ranks["ulysses4_gqa"], reference["gqa"])
     assert {tuple(r["output_shape"]) for r in four_ranks["ulysses4_gqa"]} == {(2, 4, 128)}  # logits of s/4 tokens
     assert all(r["engine"] == "PlainEngine" for r in four_ranks["ulysses4_gqa"])
+
+
+def test_ulysses_with_a_sliding_window_equals_single_process(four_ranks: dict, reference: dict) -> None:
+    """Ulysses attends with every token of its heads: the window sees the whole sequence's positions."""
+    assert_matches(four_ranks["ulysses2_window_zero1"], reference["window"])
+    assert reference["window"]["losses"] != reference["window_full"]["losses"]
 
 
 @pytest.mark.parametrize("name", ["ulysses2_dp2_zero1", "ulysses2_dp2_zero3", "ulysses2_selective_zero2"])
