@@ -160,11 +160,13 @@ def kernels(precision: str, device: str, attention_dropout: float, attention: st
     )
 
 
-def _norm_saved(model: ModelConfig, k: Kernels, elements: float, rows: float) -> tuple[float, float, float]:
+def _norm_saved(norm: norms.Norm, k: Kernels, elements: float, rows: float) -> tuple[float, float, float]:
     """(input, output, statistics) bytes one norm saves over `elements` values in `rows` rows: a fused kernel its
     input and statistics (LayerNorm mean + rstd, RMSNorm rstd); torch's composite RMSNorm (CPU) its input as float32
-    (a copy for 16-bit inputs, the input itself in fp32), x x rstd in float32 and a float32 rstd."""
-    norm = norms.find(model.normalization)
+    (a copy for 16-bit inputs, the input itself in fp32), x x rstd in float32 and a float32 rstd; --qk-l2-norm's
+    L2Norm, which computes in float32 on every device, its float32 input and a float32 rsqrt."""
+    if norm is norms.L2_NORM:
+        return 4 * elements, 0.0, 4 * rows
     if k.composite_rmsnorm and norm.megatron_lm == "RMSNorm":
         return 4 * elements, 4 * elements, 4 * rows
     return elements * k.w, 0.0, norm.saved_statistics * rows * k.stat
@@ -198,7 +200,7 @@ def transformer_layer_terms(
     sbh, bs = s * b * h, s * b
     drop_h = regularization.hidden_dropout > 0
     drop_a = regularization.attention_dropout > 0
-    norm_input, norm_output, norm_stats = _norm_saved(model, k, sbh, bs)
+    norm_input, norm_output, norm_stats = _norm_saved(norms.find(model.normalization), k, sbh, bs)
     terms = {
         # Replicated over tensor-parallel ranks (the paper's "10"): norm inputs, qkv and fc1 inputs, masks.
         "norm inputs": 2 * norm_input / r,
@@ -262,19 +264,14 @@ def _query_key_terms(model: ModelConfig, b: int, k: Kernels, sp: Split, position
     if model.use_rotary_position_embeddings:  # q's and k's apply_rotary each save a cos and a sin
         rows = b * s if position_ids else s  # (s, r) angles, or each sample's (b, 1, s, r) looked up by position
         terms["rotary cos, sin"] = 4 * rows * model.rotary_dim * k.w / sp.ulysses
-    if (model.use_rotary_position_embeddings or model.qk_layernorm or model.qk_l2_norm) and kept:
+    head_norm = norms.head_norm(model)
+    if (model.use_rotary_position_embeddings or head_norm is not None) and kept:
         terms["q, k after rotary or norms"] = s * b * heads * hd * k.w / t  # new tensors the attention keeps
-    if model.qk_l2_norm:  # --qk-l2-norm: its float32 input (a copy of a 16-bit one) and a float32 rsqrt per head
-        if k.w < 4:
-            terms["query and key norm inputs"] = 4 * s * b * heads * hd / t
-        elif not kept:  # its fp32 input is a view of the QKV output, kept whole
-            terms["query and key norm inputs"] = _qkv_output_bytes(model, b, k, sp)
-        terms["query and key norm statistics"] = 4 * s * b * heads / t
+    if head_norm is None:
         return terms
-    if not model.qk_layernorm:
-        return terms
-    norm_input, norm_output, norm_stats = _norm_saved(model, k, s * b * heads * hd / t, s * b * heads / t)
-    if norm_output and k.w < 4:  # CPU's composite RMSNorm: float32 copies of q and k
+    elements = s * b * heads * hd / t
+    norm_input, norm_output, norm_stats = _norm_saved(head_norm, k, elements, s * b * heads / t)
+    if norm_input != elements * k.w:  # a float32 copy of 16-bit q and k (composite RMSNorm, L2Norm)
         terms["query and key norm inputs"] = norm_input
     elif not kept:  # their input is a view of the QKV output, kept whole
         terms["query and key norm inputs"] = _qkv_output_bytes(model, b, k, sp)
@@ -508,7 +505,7 @@ def post_terms(
     bs = model.seq_length * micro_batch_size
     sbh = bs * model.hidden_size
     bsv = bs * model.vocab_size / (sp.tensor * sp.ulysses)  # vocab-parallel logits under tensor parallelism
-    norm_input, norm_output, norm_stats = _norm_saved(model, k, sbh, bs)
+    norm_input, norm_output, norm_stats = _norm_saved(norms.find(model.normalization), k, sbh, bs)
     final_norm = {"norm input": norm_input / sp.replicated, "norm statistics": norm_stats / sp.replicated}
     if norm_output:  # CPU's composite RMSNorm
         final_norm["norm output"] = norm_output / sp.replicated
