@@ -210,7 +210,7 @@ def evaluate(run: Run, name: str, data_iter: Iterator[Any] | None, num_batches: 
     for i in range(num_batches):
         with run.watchdog.watch(f"{name} eval_batch {i}"):
             losses.append(float(run.engine.eval_batch(data_iter=data_iter).item()))
-    run.data.stop_if_bad(run.engine.device)
+    run.data.stop_if_bad()
     run.hooks.after_eval()
     if name == "validation":  # at the step's batch size, as Megatron (a ramp-up changes it)
         run.state.consumed_valid_samples += num_batches * run.engine.train_batch_size()
@@ -387,7 +387,7 @@ def train(run: Run) -> bool:
         timed = step != start_iteration + 1 and step not in profiled
         with memory.step_context(meter, step, measured_iteration), run.pipeline.timers.counting(timed):
             steps.append(train_step(run))
-        run.data.stop_if_bad(run.engine.device)  # a sample outside the vocabulary, on any rank: all stop here
+        run.data.stop_if_bad()  # a sample outside the vocabulary, on any rank: all stop here
         if finite_check.checking(cfg, run.engine):
             finite_check.check_step(state.iteration, steps[-1].loss, grad_norm(run.engine))
         log_now = state.iteration % lg.log_interval == 0 or state.iteration == t.train_iters

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_ds.errors import UserError
@@ -38,16 +39,40 @@ def fail_together(group: Any = None) -> Iterator[None]:
         yield
     except Exception as err:  # noqa: BLE001 - shared with the other ranks below, then raised
         failure = err
-    agreed = _agree(failure, group)
+    agreed = agree(failure, group)
     if agreed is None:
         return
     if failure is not None and not isinstance(failure, UserError):
         raise failure  # a bug: its traceback, on the rank where it happened
-    raise agreed
+    raise agreed.error()
 
 
-def _agree(failure: Exception | None, group: Any) -> Exception | None:
-    """The error every rank raises (None when no rank failed): collective over `group`."""
+@dataclass(frozen=True)
+class Failure:
+    """What every rank learns when some rank of a group failed (`agree`)."""
+
+    ranks: tuple[int, ...]
+    """The global ranks that failed, lowest first."""
+    kind: type[UserError] | None
+    """The lowest failing rank's error class when it is a user error; None for a bug."""
+    message: str
+    """That error's message, as one line."""
+
+    def error(self) -> Exception:
+        """The error every rank raises: the message naming the lowest failing rank (and the others)."""
+        first, others = self.ranks[0], self.ranks[1:]
+        also = f"; ranks {', '.join(map(str, others))} failed too" if others else ""
+        if self.kind is None:  # a bug on `first`: its traceback is in that rank's output
+            return UserError(
+                f"{self.message} (on rank {first}{also}, whose output has its traceback; every rank stops)"
+            )
+        return self.kind(f"{self.message} (on rank {first}{also}; every rank stops)")
+
+
+def agree(failure: Exception | None, group: Any = None) -> Failure | None:
+    """Whether any rank of `group` (the world when None) failed, and the lowest failing rank's error, on every rank
+    (None when none did): one all-reduce of a flag per rank, and one broadcast only when some rank failed.
+    Collective: every rank of the group calls it."""
     import torch
     import torch.distributed as dist
 
@@ -65,10 +90,7 @@ def _agree(failure: Exception | None, group: Any) -> Exception | None:
     first = ranks[0]
     dist.broadcast_object_list(box, src=first, group=group, device=device)
     kind, message = box[0]
-    others = f"; ranks {', '.join(map(str, ranks[1:]))} failed too" if len(ranks) > 1 else ""
-    if kind is None:  # a bug on `first`: its traceback is in that rank's output
-        return UserError(f"{message} (on rank {first}{others}, whose output has its traceback; every rank stops)")
-    return kind(f"{message} (on rank {first}{others}; every rank stops)")
+    return Failure(tuple(ranks), kind, message)
 
 
 def _portable(failure: Exception | None) -> tuple[type[UserError] | None, str]:

@@ -8,13 +8,15 @@ from typing import Any
 
 from megatron_ds.config import Config
 from megatron_ds.data import DataError
+from megatron_ds.training.rank_agreement import agree
 from megatron_ds.training.state import TrainState
 
 
 class BadData:
     """Bad samples (ids outside the vocabulary) this rank fed to the engine harmless (`data.vocab_check`), so
     that every rank stops at the same point with the same one line: `stop_if_any` after each step and each
-    evaluation, one all-reduce of one number (the message only travels when there is one)."""
+    evaluation, one all-reduce of a flag per rank (`rank_agreement.agree`: the message only travels when there is
+    one)."""
 
     def __init__(self) -> None:
         self.error: DataError | None = None
@@ -24,18 +26,11 @@ class BadData:
         if self.error is None:
             self.error = error
 
-    def stop_if_any(self, device: Any) -> None:
+    def stop_if_any(self) -> None:
         """Raise the first rank's error on every rank if any rank read a bad sample (collective: every rank)."""
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([float(self.error is not None)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
-            return
-        messages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, None if self.error is None else str(self.error))
-        raise DataError(next(m for m in messages if m is not None))
+        found = agree(self.error)
+        if found is not None:
+            raise DataError(found.message)
 
 
 @dataclass(frozen=True)
@@ -101,11 +96,11 @@ class RunData:
         """The test split's micro-batches from its first sample (no loader workers)."""
         return self.reader.batches(self.test_dataset, 0, 0)
 
-    def stop_if_bad(self, device: Any) -> None:
+    def stop_if_bad(self) -> None:
         """After a step or an evaluation, on every rank: a one-line DataError on every rank if some rank read a
         sample with an id outside the vocabulary (a single process raised it as it read it)."""
         if self.bad is not None:
-            self.bad.stop_if_any(device)
+            self.bad.stop_if_any()
 
 
 def build_run_data(cfg: Config, engine: Any, state: TrainState) -> RunData:

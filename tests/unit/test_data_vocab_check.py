@@ -92,10 +92,10 @@ def _stop_if_any(rank: int) -> None:
     from megatron_ds.training.run_data import BadData
 
     bad = BadData()
-    bad.stop_if_any("cpu")  # nothing read: nothing happens
+    bad.stop_if_any()  # nothing read: nothing happens
     if rank == 1:
         bad.record(DataError("data/x: train sample 5 holds token id 500, ..."))
-    bad.stop_if_any("cpu")
+    bad.stop_if_any()
 
 
 def test_one_ranks_bad_sample_stops_every_rank_with_its_line(tmp_path: Path) -> None:
