@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_ds.testing import fork_server
+
 
 class RanksFailed(AssertionError):
     """Some rank exited non-zero or did not finish in time."""
@@ -99,7 +101,7 @@ class Ranks:
 
     procs: list
     logs: list
-    zygote: subprocess.Popen | None = None
+    zygote: subprocess.Popen | fork_server.Forked | None = None
     zygote_files: tuple[str, ...] = ()
     """The zygote's status file and its own output (an import error before any fork shows there)."""
 
@@ -159,7 +161,8 @@ class Ranks:
         with open(self.zygote_files[1]) as f:
             said = f.read().strip()
         for path in self.zygote_files:
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         if said:
             for r in results:
                 if r.returncode != 0:
@@ -176,8 +179,8 @@ def start_ranks(
     """Start `python argv...` once per rank without waiting; `Ranks.finish` waits under a hard timeout.
 
     With `preload` (modules; `argv` must be `-m MODULE ARGS...` or `SCRIPT.py ARGS...`) the ranks are forked
-    from one process that imported those modules once (`megatron_ds.testing.zygote`): the same run without
-    each rank's seconds of imports."""
+    from one process (`megatron_ds.testing.zygote`), itself forked from this test process's server that imported
+    those modules once (`megatron_ds.testing.fork_server`): the same run without each launch's seconds of imports."""
     port = free_port()
     logs = [open(_log_path(rank, port), "w+") for rank in range(world_size)]
     if preload:
@@ -202,7 +205,7 @@ class ForkedRank:
     status file. Every rank shares the zygote's process group (its `pid` here), so a signal reaches all."""
 
     rank: int
-    zygote: subprocess.Popen
+    zygote: subprocess.Popen | fork_server.Forked
     status_file: str
     returncode: int | None = None
 
@@ -233,17 +236,31 @@ def _fork_ranks(
     target = list(argv[1:]) if argv and argv[0] == "-m" else list(argv)  # MODULE ARGS... or SCRIPT.py ARGS...
     if not target or (argv[0] != "-m" and not str(target[0]).endswith(".py")):
         raise ValueError(f"preload needs argv '-m MODULE ...' or 'SCRIPT.py ...', got {list(argv)[:2]}")
-    status_file, output_file = _log_path("status", port), _log_path("zygote", port)
+    status_file, exit_file = _log_path("status", port), _log_path("exit", port)
     open(status_file, "w").close()
+    ranks = fork_server.Zygote(len(logs), status_file, _log_path("{rank}", port))
+    try:  # from this test process's server for these imports: no fresh interpreter to import them
+        zygote = fork_server.fork(preload, argv, cwd or os.getcwd(), env, exit_file=exit_file, ranks=ranks)
+        files = (status_file, fork_server.zygote_output(zygote), exit_file)
+    except fork_server.ServerFailed:  # a fresh zygote, which reports what went wrong as the run's failure
+        zygote, files = _fresh_zygote(target, cwd, env, preload, ranks, _log_path("zygote", port))
+    procs = [ForkedRank(rank, zygote, status_file) for rank in range(len(logs))]
+    return Ranks(procs, logs, zygote, files)
+
+
+def _fresh_zygote(
+    target: list, cwd: str | None, env: dict, preload: Sequence[str], ranks: fork_server.Zygote, output_file: str
+) -> tuple[subprocess.Popen, tuple[str, ...]]:
+    """`python -m megatron_ds.testing.zygote ...`: its own interpreter, which imports `preload` itself."""
     with open(output_file, "w") as out:
         zygote = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "megatron_ds.testing.zygote",
-                status_file,
-                _log_path("{rank}", port),
-                str(len(logs)),
+                ranks.status_file,
+                ranks.log_template,
+                str(ranks.world),
                 ",".join(preload),
                 *target,
             ],
@@ -253,8 +270,7 @@ def _fork_ranks(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    procs = [ForkedRank(rank, zygote, status_file) for rank in range(len(logs))]
-    return Ranks(procs, logs, zygote, (status_file, output_file))
+    return zygote, (ranks.status_file, output_file)
 
 
 def _log_path(rank: int | str, port: int) -> str:

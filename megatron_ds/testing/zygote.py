@@ -98,18 +98,25 @@ def leave_as_interpreter(run: Callable[[], object]) -> NoReturn:
 
 
 def main(argv: list[str]) -> int:
-    status_file, log_template, world, preload, module, *args = argv
+    status_file, log_template, world, preload, *target = argv
     for name in filter(None, preload.split(",")):
         module_name, _, function = name.partition(":")
         loaded = importlib.import_module(module_name)
         if function:
             getattr(loaded, function)()
+    return fork_ranks(status_file, log_template, int(world), target)
+
+
+def fork_ranks(status_file: str, log_template: str, world: int, target: list[str]) -> int:
+    """Fork `world` ranks running `target` (MODULE or SCRIPT.py, then its args), reap them, and record each one's
+    status in `status_file`; 0 when every rank exited 0. Also the zygote forked by `megatron_ds.testing.fork_server`."""
+    module, *args = target
     for sig in FORWARDED:
         signal.signal(sig, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
     children = {}
-    for rank in range(int(world)):
+    for rank in range(world):
         pid = os.fork()
         if pid == 0:
             _run_rank(rank, log_template, module, args)

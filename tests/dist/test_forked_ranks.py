@@ -116,3 +116,44 @@ def test_pretrain_runs_preload_what_the_line_needs(tmp_path: Path) -> None:
     config.write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}')
     assert pr.preload_for(["--deepspeed_config", str(config)]) == pr.PRELOAD + pr.HOST_OPTIMIZER
     assert pr.preload_for(["--cpu-optimizer"]) == pr.PRELOAD + pr.HOST_OPTIMIZER
+
+
+PROBE = """
+import os
+IMPORTED_IN, PROBE_AT_IMPORT = os.getpid(), os.environ.get("FORK_SERVER_PROBE")
+"""
+REPORT = """
+import os, probe
+print("server", probe.IMPORTED_IN, "probe", probe.PROBE_AT_IMPORT, "rank", os.environ["RANK"], "pid", os.getpid())
+"""
+
+
+def test_runs_share_a_server_per_imports_and_environment(tmp_path: Path) -> None:
+    """Launches that differ only in what each run sets for itself (the port) fork from one server, which imported
+    `preload` once; a variable read at import gives its own server, so the run sees it as a fresh interpreter would."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "report.py").write_text(REPORT)
+    env = {"PYTHONPATH": str(tmp_path)}
+
+    def run(probe: str) -> list[list[str]]:
+        results = run_ranks(
+            ["-m", "report"], 2, 60, cwd=str(tmp_path), env={**env, "FORK_SERVER_PROBE": probe}, preload=("probe",)
+        )
+        return [r.output.split() for r in results]
+
+    first, second, other = run("a"), run("a"), run("b")
+    assert first[0][1] == first[1][1] == second[0][1] != other[0][1]  # the importing process
+    assert {first[0][3], other[0][3]} == {"a", "b"}
+    assert len({line[7] for line in first + second}) == 4  # each rank its own process
+
+
+def test_a_run_outlives_its_servers_eviction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The least recently used server leaves when another starts, after its last run: that run still reports."""
+    from megatron_ds.testing import fork_server
+
+    (tmp_path / "slow.py").write_text("import time, sys; time.sleep(3); sys.exit(4)")
+    monkeypatch.setattr(fork_server, "MAX_SERVERS", 1)
+    slow = start_ranks(["-m", "slow"], 2, cwd=str(tmp_path), preload=("json",))
+    quick = run_ranks(["-m", "slow"], 1, 60, cwd=str(tmp_path), preload=("csv",), check=False)
+    assert [r.returncode for r in quick] == [4]
+    assert [r.returncode for r in slow.finish(timeout=60, check=False)] == [4, 4]
