@@ -1,4 +1,4 @@
-"""finetune_llama.py end to end under torchrun on CPU: supervised fine-tuning on a JSON of examples over more than
+"""finetune_llama.py end to end on 2 CPU ranks (forked as torchrun would start them): supervised fine-tuning on a JSON of examples over more than
 one pass (--repeated-dataloader), its exact resume across a pass boundary, and its launch errors as one line."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ds.testing.launch import run_torchrun
+from megatron_ds.testing.pretrain_runs import run_pretrain_gpt
 from megatron_ds.testing.script_runs import run_python
 
 pytest.importorskip("transformers")
@@ -63,7 +63,7 @@ def line(inputs: dict[str, str], *extra: str) -> list[str]:
 
 
 def finetune(inputs: dict[str, str], *extra: str) -> str:
-    out = run_torchrun(2, [str(ROOT / "finetune_llama.py"), *line(inputs, *extra)], timeout=300, cwd=str(ROOT))
+    out = run_pretrain_gpt(2, line(inputs, *extra), timeout=300, script="finetune_llama.py")
     assert "killed after" not in out.stdout, out.stdout[-4000:]
     assert out.returncode == 0, out.stdout[-4000:]
     return out.stdout
@@ -149,17 +149,17 @@ def test_a_hugging_face_llama_fine_tunes_and_exports_with_its_tokenizer(tmp_path
     imported = run_python([*tool, "--from", "hf", str(hf), str(tmp_path / "ck")], timeout=300)
     assert imported.returncode == 0, imported.stderr
     flags = imported.stdout.split("pretrain_gpt.py ", 1)[1].split(" --tokenizer-type")[0].split()
-    out = run_torchrun(
+    out = run_pretrain_gpt(
         2,
         [
-            str(ROOT / "finetune_llama.py"), *flags, "--finetune", "--tokenizer-type", "HFTokenizer",
+            *flags, "--finetune", "--tokenizer-type", "HFTokenizer",
             "--tokenizer-model", str(hf), "--data-path", str(sft / "alpaca.json"), "--seq-length", "32",
             "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--train-iters", "2", "--lr", "1e-3", "--split", "100,0,0", "--eval-iters", "0", "--num-workers", "0",
             "--distributed-timeout-minutes", "2", "--save", str(tmp_path / "sft"),
         ],
         timeout=300,
-        cwd=str(ROOT),
+        script="finetune_llama.py",
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
     assert "this run's HFTokenizer" in out.stdout and "has the same vocabulary" in out.stdout

@@ -13,12 +13,13 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from megatron_ds.data.mock_data import MDS_RULES_NOTICE
-from megatron_ds.testing.launch import Ranks, start_ranks
+from megatron_ds.testing.launch import Ranks
+from megatron_ds.testing.pretrain_runs import start_pretrain_gpt
+from megatron_ds.testing.script_runs import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
@@ -48,7 +49,7 @@ LOGGING_RANK = 1  # the last stage prints the iteration lines
 
 
 def start(*argv: str) -> Ranks:
-    return start_ranks([str(ROOT / "pretrain_gpt.py"), *MODEL, *RUN, *argv], 2, cwd=str(ROOT))
+    return start_pretrain_gpt(2, [*MODEL, *RUN, *argv])
 
 
 def wait_for(ranks: Ranks, text: str, rank: int = LOGGING_RANK, timeout: float = 120.0) -> None:
@@ -108,13 +109,7 @@ def test_sigterm_with_exit_signal_handler_saves_and_resumes_exactly(tmp_path: Pa
 
 def single(*argv: str) -> subprocess.CompletedProcess:
     run = RUN[: RUN.index("--pipeline-model-parallel-size")]  # one process, P=1
-    return subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *argv, *run],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-    )
+    return run_python([str(ROOT / "pretrain_gpt.py"), *argv, *run], timeout=180, cwd=ROOT)
 
 
 def test_first_launch_starts_then_use_checkpoint_args_continues(tmp_path: Path) -> None:
