@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from megatron_ds.testing.scenario_runs import by_name, run_scenarios
+from megatron_ds.testing.script_runs import run_python
 
 LAYERS, VOCAB, DROPOUT, TOL = 6, 512, 0.1, 1e-6  # vocabulary 512: the memory split differs from the stock one
 BIG = {"model__vocab_size": 32768, "model__hidden_size": 256, "model__ffn_hidden_size": 1024,
@@ -268,8 +269,7 @@ def test_killed_or_failed_conversion_leaves_the_source_and_no_output(runs: dict,
     proc.wait()
     assert not out.exists() and tree_digest(source) == before
     assert list(tmp_path.glob(".out.incomplete.*")), "the kill came after the conversion"
-    done = subprocess.run([*TOOL, str(source), str(out), "--no-progress"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+    done = run_python([*TOOL[1:], str(source), str(out), "--no-progress"], timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(rf"converted {source}/global_step1 to universal form {out}: 52 tensors \(156 files, "
                      r"[0-9.]+ MiB\) in [0-9.]+ s", done.stdout), done.stdout
@@ -282,8 +282,7 @@ def test_killed_or_failed_conversion_leaves_the_source_and_no_output(runs: dict,
     optim = sorted(broken.glob("global_step3/zero_pp_rank_0_mp_rank_01_optim_states.pt"))[0]
     optim.write_bytes(optim.read_bytes()[:1000])
     before = tree_digest(broken)
-    failed = subprocess.run([*TOOL, str(broken), str(tmp_path / "out2")], capture_output=True, text=True, cwd=ROOT,
-                            timeout=300)
+    failed = run_python([*TOOL[1:], str(broken), str(tmp_path / "out2")], timeout=300, cwd=ROOT)
     errors = [ln for ln in failed.stderr.splitlines() if ln.startswith("error: ")]
     assert failed.returncode == 2 and len(errors) == 1 and str(optim) in errors[0], failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr

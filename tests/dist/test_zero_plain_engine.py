@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from megatron_ds.testing.scenario_runs import by_name, run_scenarios
+from megatron_ds.testing.script_runs import run_python
 
 LAYERS, DROPOUT, TOL = 3, 0.1, 1e-6
 PARTITIONED = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
@@ -193,20 +194,12 @@ def test_bf16_two_ranks_are_within_bf16_rounding_of_the_single_process_bf16_run(
 def test_hf_export_reads_a_zero3_checkpoint(runs: dict, tmp_path: Path) -> None:
     """ZeRO-3's partitions are gathered into the per-spec files, so Hugging Face export reads them as it
     reads any checkpoint: the exported word embedding is the one the run trained."""
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
 
     from megatron_ds.testing.scenario import checksum
 
     root, ck = Path(__file__).resolve().parents[2], runs["checkpoints"] / "zero3"
-    done = subprocess.run(
-        [sys.executable, str(root / "tools" / "convert_checkpoint.py"), "--to", "hf", str(ck), str(tmp_path / "hf")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_python([str(root / "tools" / "convert_checkpoint.py"), "--to", "hf", str(ck), str(tmp_path / "hf")], 300)
     assert done.returncode == 0, done.stderr[-2000:]
     weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert checksum(weights["transformer.wte.weight"]) == runs["zero3_save"][0]["embedding_checksum"]

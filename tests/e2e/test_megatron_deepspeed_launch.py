@@ -511,8 +511,6 @@ def test_one_stage_pipeline_engine_equals_the_plain_engine(tmp_path: Path) -> No
         "MASTER_PORT": str(free_port()),
         "DS_ACCELERATOR": "cpu",
     }
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
-    )
+    out = run_python([str(script)], timeout=120, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "BIT-IDENTICAL" in out.stdout, out.stdout[-2000:]

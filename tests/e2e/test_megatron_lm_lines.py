@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ds.testing.pretrain_runs import run_pretrain_gpt
+from megatron_ds.testing.script_runs import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*global batch size:\s+(\d+) \| lm loss: ([0-9.E+-]+)")
@@ -170,20 +171,16 @@ def test_llama3_8b_line_trains_without_fp8(data: dict[str, str], tmp_path: Path)
     )
     assert meta["config"]["training"]["zero_stage"] == 1 and meta["config"]["optimizer"]["decoupled_lr"] == 5e-4
     # the real-data branch: --tokenizer-type HuggingFaceTokenizer on a local directory, one process
-    real = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *llama3_8b_line(f"{tmp}/real", real_data_args(tmp, data))],
-        capture_output=True, text=True, timeout=240, cwd=tmp,
-    )  # fmt: skip
+    real = run_python(
+        [str(ROOT / "pretrain_gpt.py"), *llama3_8b_line(f"{tmp}/real", real_data_args(tmp, data))], timeout=240, cwd=tmp
+    )
     assert real.returncode == 0, (real.stdout + real.stderr)[-4000:]
     assert {int(m.group(1)) for m in LOSS.finditer(real.stdout)} == {1, 2, 3, 4}
 
 
 def test_llama3_8b_line_with_fp8_is_one_line_naming_fp8(tmp_path: Path) -> None:
     tmp = str(tmp_path)
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *llama3_8b_line(tmp, mock_data_args(tmp)), *FP8],
-        capture_output=True, text=True, timeout=120, cwd=tmp,
-    )  # fmt: skip
+    out = run_python([str(ROOT / "pretrain_gpt.py"), *llama3_8b_line(tmp, mock_data_args(tmp)), *FP8], 120, cwd=tmp)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: --fp8-format is not supported: FP8 training"), errors
