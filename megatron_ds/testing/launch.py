@@ -290,11 +290,17 @@ def _wait_all(procs: list, deadline: float) -> set[int]:
     return {i for i, p in enumerate(procs) if p.poll() is None}
 
 
-def _signal(p: subprocess.Popen, sig: int) -> None:
+def signal_group(pid: int, sig: int) -> bool:
+    """`sig` to the process group (session) that `pid` leads; False when it is already gone."""
     try:
-        os.killpg(p.pid, sig)
+        os.killpg(pid, sig)
     except ProcessLookupError:
-        pass
+        return False
+    return True
+
+
+def _signal(p: subprocess.Popen | fork_server.Forked, sig: int) -> None:
+    signal_group(p.pid, sig)
 
 
 def _raise_on_failure(results: list[RankResult], timeout: float) -> None:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_ds.testing import fork_server
+from megatron_ds.testing.launch import signal_group
 
 ROOT = Path(__file__).resolve().parents[2]
 PRELOAD = ("torch", "torch._dynamo", "deepspeed", "megatron_ds.distributed", "megatron_ds.flags.parser")
@@ -58,20 +59,11 @@ def _wait(run: fork_server.Forked, timeout: float) -> int | None:
     try:
         return run.wait(timeout)
     except subprocess.TimeoutExpired:
-        if _kill_group(run.pid, signal.SIGUSR1):
+        if signal_group(run.pid, signal.SIGUSR1):
             time.sleep(3.0)
-            _kill_group(run.pid, signal.SIGKILL)
+            signal_group(run.pid, signal.SIGKILL)
         run.wait(30)
         return None
     except BaseException:
-        _kill_group(run.pid, signal.SIGKILL)
+        signal_group(run.pid, signal.SIGKILL)
         raise
-
-
-def _kill_group(pid: int, sig: int) -> bool:
-    """`sig` to the run's session; False when it is already gone."""
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
