@@ -319,6 +319,22 @@ def _qwen_window(model: ModelConfig) -> dict[str, Any]:
     }
 
 
+def export_notes(arch: str, model: ModelConfig) -> list[str]:
+    """What a reader of the exported config.json may take differently, one line each: Qwen2's and Qwen3's sliding
+    layers when they are not the last ones, which `max_window_layers` (all that transformers before 4.53 reads)
+    cannot say."""
+    if arch not in (QWEN2, QWEN3) or model.window_size is None:
+        return []
+    sliding = [i for i, w in enumerate(model.layer_windows) if w is not None]
+    if sliding == list(range(sliding[0], model.num_layers)):
+        return []
+    return [
+        f"the sliding-window layers are {sliding} of 0..{model.num_layers - 1}, which config.json's layer_types "
+        f"names and transformers 4.53 or newer reads; older releases read only max_window_layers {sliding[0]} and "
+        f"would slide every layer from {sliding[0]} on: load it with transformers >= 4.53"
+    ]
+
+
 def _llama_layout_fields(model: ModelConfig, regularization: RegularizationConfig) -> dict[str, Any]:
     return {
         "num_hidden_layers": model.num_layers,

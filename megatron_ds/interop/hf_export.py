@@ -78,7 +78,8 @@ def export_hf(
         files.write_json(os.path.join(tmp, "generation_config.json"), {"_from_model_config": True, **special})
         names = [*written, "config.json", "generation_config.json"]
         names += hf_tokenizer.export_tokenizer(tok, tmp, model.max_position_embeddings)
-    return ExportResult(os.path.abspath(output), arch, vocab, len(expected), names, _notes(tok))
+    notes = [*_notes(tok), *hf_config.export_notes(arch, model)]
+    return ExportResult(os.path.abspath(output), arch, vocab, len(expected), names, notes)
 
 
 def _notes(tok: Tokenizer | None) -> list[str]:

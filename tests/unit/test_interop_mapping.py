@@ -472,3 +472,24 @@ def test_a_window_exports_as_transformers_sliding_window_and_reads_back(model: M
     back = hf_config.from_hf_config(hf, "x")
     pattern = model.window_attn_skip_freq
     assert _window(back) == (f"{model.window_size[0]},0", None if pattern is None else str(list(pattern)))
+
+
+@pytest.mark.parametrize(
+    "pattern, noted",
+    [
+        (None, False),  # every layer
+        ((0, 1), False),  # the last ones: max_window_layers says it
+        ((1, 0), True),  # layer_types alone says it
+    ],
+)
+def test_qwen_sliding_layers_that_are_not_the_last_are_noted_on_export(pattern: tuple | None, noted: bool) -> None:
+    model = dataclasses.replace(
+        LLAMA, num_layers=2, add_qkv_bias=True, window_size=(15, 0), window_attn_skip_freq=pattern
+    )
+    hf = hf_config.to_hf_config(model, REG, 200, "float32", {}, hf_config.QWEN2)
+    older = ["sliding_attention" if i >= hf["max_window_layers"] else "full_attention" for i in range(2)]
+    notes = hf_config.export_notes(hf_config.QWEN2, model)
+    assert bool(notes) == noted == (older != hf["layer_types"])  # noted exactly when an older reader differs
+    if noted:
+        assert notes[0].startswith("the sliding-window layers are [0] of 0..1") and "transformers >= 4.53" in notes[0]
+    assert hf_config.export_notes(hf_config.LLAMA, model) == []  # Llama has no window fields
