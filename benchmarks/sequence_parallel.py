@@ -93,6 +93,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     from megatron_ds.config import ModelConfig, RegularizationConfig
     from megatron_ds.estimate import activation_memory as act
     from megatron_ds.estimate import compute
+    from megatron_ds.estimate.activation_kernels import Split, kernels
     from megatron_ds.testing.saved_tensors import graph_bytes
 
     kind, t, sp, n, recompute = OPTIONS[name]
@@ -111,8 +112,8 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         x.grad = None
         layer.zero_grad(set_to_none=True)
     m, reg = ModelConfig(**MODEL), RegularizationConfig(hidden_dropout=DROPOUT, attention_dropout=DROPOUT)
-    k = act.kernels("fp32", "cpu", DROPOUT)
-    split = act.Split(t, sp, n, selective=recompute == "selective")
+    k = kernels("fp32", "cpu", DROPOUT)
+    split = Split(t, sp, n, selective=recompute == "selective")
     model = (
         act.checkpointed_layer_bytes(m, MICRO_BATCH, k, split)
         if recompute == "full"

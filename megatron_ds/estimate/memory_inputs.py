@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
-from megatron_ds.estimate import activation_memory as act
-from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.estimate import activation_kernels, pipeline_schedules
 from megatron_ds.estimate.model_states import OPTIMIZER_STATE_BYTES, PRECISION_BYTES, StateFactors, state_factors
 
 ZERO3_PERSISTENCE_THRESHOLD = 100_000
@@ -66,7 +65,7 @@ class MemoryInputs:
     offload_param: str = "none"
     """`none`, `cpu` or `nvme`: ZeRO-3 parameter offload."""
     device: str = "cuda"
-    """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activation_memory.kernels`), and which
+    """`cuda` or `cpu`: whose kernels' saved tensors to count (see `activation_kernels.kernels`), and which
     optimizer kernel runs (`model_states.OPTIMIZER_KERNEL`)."""
     attention: str | None = None
     """`flash`, `math`, or None for what torch's SDPA picks on `device`."""
@@ -74,7 +73,8 @@ class MemoryInputs:
     """Packed documents (`--reset-position-ids` or `--reset-attention-mask`): two int64 ids per token travel with
     every activation between stages and into each recomputed chunk."""
     document_mask: bool = False
-    """`--reset-attention-mask`: every layer's attention takes a dense (b, 1, s, s) mask (`act.document_mask_bytes`)."""
+    """`--reset-attention-mask`: every layer's attention takes a dense (b, 1, s, s) mask
+    (`attention_activations.document_mask_bytes`)."""
     regularization: RegularizationConfig = RegularizationConfig()
     """The run's dropout (which masks are saved, which attention kernel runs); Megatron's defaults
     (0.1) unless given, as the planner assumes."""
@@ -136,13 +136,17 @@ class MemoryInputs:
         )
 
     @property
-    def split(self) -> act.Split:
-        """How a layer's activations are cut on one rank (`activation_memory.Split`)."""
-        return act.Split(self.tensor_parallel_size, self.sequence_parallel, self.ulysses_size, self.selective_recompute)
+    def split(self) -> activation_kernels.Split:
+        """How a layer's activations are cut on one rank (`activation_kernels.Split`)."""
+        return activation_kernels.Split(
+            self.tensor_parallel_size, self.sequence_parallel, self.ulysses_size, self.selective_recompute
+        )
 
     @property
-    def kernels(self) -> act.Kernels:
-        return act.kernels(self.precision, self.device, self.regularization.attention_dropout, self.attention)
+    def kernels(self) -> activation_kernels.Kernels:
+        return activation_kernels.kernels(
+            self.precision, self.device, self.regularization.attention_dropout, self.attention
+        )
 
 
 @dataclass(frozen=True)

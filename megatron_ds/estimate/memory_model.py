@@ -19,8 +19,8 @@ The peak on one GPU of stage s is the largest of these moments of a training ste
                       temporary (the gradient all-reduce's flat copy or ZeRO-1's reduce buckets, AdamW's
                       sqrt/div temporaries)
 
-(model states: `model_states.py`; activations: `activation_memory.py`). in_flight(s) is read off the
-schedule's instruction stream (`pipeline_schedules.activations_in_flight`): under DeepSpeed's
+(model states: `model_states.py`; activations: `activation_memory.py` and `attention_activations.py`).
+in_flight(s) is read off the schedule's instruction stream (`pipeline_schedules.activations_in_flight`): under DeepSpeed's
 1F1B TrainSchedule stage s runs P - s forwards before its first backward, so min(P - s, M)
 micro-batches' activations are alive (M micro-batches per step); the engine cycles through the
 schedule's pipe buffers (`transients.pipe_buffers` says which of them hold what).
@@ -48,6 +48,7 @@ from typing import Any
 
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import distillation_costs, moe_costs, pipeline_schedules
+from megatron_ds.estimate.attention_activations import MLP_HALF
 from megatron_ds.estimate.compute import checkpointed_chunks, held_total, stage_parts
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.model_states import PRECISION_BYTES
@@ -167,7 +168,7 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
 def _moe_layer_terms(inputs: MemoryInputs, layer_terms: dict[str, float], num_experts: int) -> dict[str, float]:
     """A layer with experts: the dense layer's terms with its MLP's replaced by the MoE layer's (`moe_costs`)."""
     m = inputs.model
-    dense_mlp = (*act.MLP_HALF, f"{m.activation} inputs")
+    dense_mlp = (*MLP_HALF, f"{m.activation} inputs")
     out = {name: v for name, v in layer_terms.items() if name not in dense_mlp}
     b, w = inputs.micro_batch_size, PRECISION_BYTES[inputs.precision]
     return {**out, **moe_costs.mlp_terms(m, b, num_experts, w)}

@@ -12,6 +12,12 @@ import functools
 from megatron_ds.config import ModelConfig
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import moe_costs, pipeline_schedules
+from megatron_ds.estimate.activation_kernels import DOCUMENT_ID_BYTES, LOSS_MASK_BYTES, TOKEN_ID_BYTES
+from megatron_ds.estimate.attention_activations import (
+    attention_backward_bytes,
+    mlp_half_bytes,
+    recomputed_attention_bytes,
+)
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory
 from megatron_ds.estimate.model_states import (
     MASTER_BYTES,
@@ -78,15 +84,15 @@ def backward_transient(
     # of the attention probabilities is then allocated beside what the attention saved.
     # The layers' sliding windows: the largest of their figures.
     windows = set(m.layer_windows)
-    attention = max(act.attention_backward_bytes(m, b, k, split, w) for w in windows)
-    attention -= act.mlp_half_bytes(layer.activation_terms, m.activation)
+    attention = max(attention_backward_bytes(m, b, k, split, w) for w in windows)
+    attention -= mlp_half_bytes(layer.activation_terms, m.activation)
     if chunk:
         options.append(
             (chunk * layer.activations + max(0.0, attention), f"recomputing {chunk} layer(s) of one micro-batch")
         )
     if inputs.selective_recompute and has_layers:
         reg = inputs.regularization
-        again = max(act.recomputed_attention_bytes(m, b, k, split, regularization=reg, window=w) for w in windows)
+        again = max(recomputed_attention_bytes(m, b, k, split, regularization=reg, window=w) for w in windows)
         options.append((again + attention, "recomputing one layer's core attention of one micro-batch"))
     elif has_layers and not chunk:
         options.append((attention, "the core attention's backward (its probabilities' gradient)"))
@@ -203,7 +209,7 @@ def gathered(inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, nu
 
 def _document_ids(inputs: MemoryInputs, tokens: int) -> float:
     """Packed documents' ids beside `tokens` tokens (`model/documents.py`); 0 without them."""
-    return float(tokens * act.DOCUMENT_ID_BYTES) if inputs.document_ids else 0.0
+    return float(tokens * DOCUMENT_ID_BYTES) if inputs.document_ids else 0.0
 
 
 def chunk_pipe_buffers(inputs: MemoryInputs, rank: int, num_ranks: int, flight: tuple[int, ...]) -> tuple[float, float]:
@@ -220,14 +226,14 @@ def chunk_pipe_buffers(inputs: MemoryInputs, rank: int, num_ranks: int, flight: 
     total, persistent = 2 * hidden, 2 * hidden
     for c, n in enumerate(flight):
         flat = c * num_ranks + rank
-        total += n * hidden if flat > 0 else n * (tokens * act.TOKEN_ID_BYTES + _document_ids(inputs, tokens))
+        total += n * hidden if flat > 0 else n * (tokens * TOKEN_ID_BYTES + _document_ids(inputs, tokens))
         if flat < last:
             total += n * hidden
         else:
             # at T > 1 the logits of a micro-batch in flight are its saved softmax (`act.loss_in_logits`)
             t = inputs.tensor_parallel_size
             logits = 0.0 if act.loss_in_logits(t) else act.logits_bytes(m, inputs.micro_batch_size, t)
-            total += n * (logits + tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES))
+            total += n * (logits + tokens * (TOKEN_ID_BYTES + LOSS_MASK_BYTES))
     return total, persistent
 
 
@@ -250,14 +256,14 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
       engine's own partitioning is off), and a column-parallel linear's all-gathered (s, b, h) input is
       alive in each backward;
     * with packed documents every activation buffer and the first stage's inputs also hold the whole
-      sample's two int64 id tensors (`act.DOCUMENT_ID_BYTES` per token).
+      sample's two int64 id tensors (`DOCUMENT_ID_BYTES` per token).
     """
     m, mb = inputs.model, inputs.num_micro_batches
     whole = m.seq_length * inputs.micro_batch_size * m.hidden_size * PRECISION_BYTES[inputs.precision]
     tokens = m.seq_length * inputs.micro_batch_size
     hidden = whole / inputs.split.replicated + _document_ids(inputs, tokens)  # sequence parallelism: the part
     if inputs.engine == "plain":  # the micro-batch it loaded: tokens, labels, loss mask (Ulysses: views of them)
-        loaded = tokens * (2 * act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES) + _document_ids(inputs, tokens)
+        loaded = tokens * (2 * TOKEN_ID_BYTES + LOSS_MASK_BYTES) + _document_ids(inputs, tokens)
         return loaded, loaded
     schedule = inputs.pipeline_schedule
     slots = min(pipeline_schedules.pipe_buffers(schedule, mb, num_stages, stage), mb)
@@ -274,11 +280,11 @@ def pipe_buffers(inputs: MemoryInputs, stage: int, num_stages: int) -> tuple[flo
         total += logits
         persistent += logits
     if stage == 0:
-        total += slots * (tokens * act.TOKEN_ID_BYTES + _document_ids(inputs, tokens))
-        persistent += slots * (tokens * act.TOKEN_ID_BYTES + _document_ids(inputs, tokens))
+        total += slots * (tokens * TOKEN_ID_BYTES + _document_ids(inputs, tokens))
+        persistent += slots * (tokens * TOKEN_ID_BYTES + _document_ids(inputs, tokens))
     if stage == num_stages - 1:
-        total += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
-        persistent += slots * tokens * (act.TOKEN_ID_BYTES + act.LOSS_MASK_BYTES)
+        total += slots * tokens * (TOKEN_ID_BYTES + LOSS_MASK_BYTES)
+        persistent += slots * tokens * (TOKEN_ID_BYTES + LOSS_MASK_BYTES)
     if inputs.sequence_parallel:
         # a column-parallel linear's all-gathered (s, b, h) input (`weight_grad.linear`), alive while its
         # backward computes the weight gradient; freed before the optimizer step

@@ -60,7 +60,7 @@ def layer_cases(world: int) -> list[dict[str, Any]]:
 def saved_bytes_worker(rank: int) -> list[dict[str, Any]]:
     """One layer and the pre/post specs on this rank, per case: (graph bytes, model bytes)."""
     from megatron_ds.config import Config, ParallelConfig, RegularizationConfig
-    from megatron_ds.estimate import activation_memory as act
+    from megatron_ds.estimate.activation_kernels import Split, kernels
     from megatron_ds.model import tensor_parallel
     from megatron_ds.model.gpt_pipe import build_topology
     from megatron_ds.model.tensor_parallel_rank import NO_TENSOR_PARALLEL, UlyssesGroup
@@ -72,20 +72,20 @@ def saved_bytes_worker(rank: int) -> list[dict[str, Any]]:
     for case in layer_cases(2):
         m = tiny_model(**VARIANTS[case["variant"]])
         reg = RegularizationConfig(hidden_dropout=case["dropout"], attention_dropout=case["dropout"])
-        k = act.kernels("fp32", "cpu", case["dropout"])
+        k = kernels("fp32", "cpu", case["dropout"])
         if case["kind"] == "tensor":
             cfg = Config(model=m, regularization=reg,
                          parallel=ParallelConfig(tensor_model_parallel_size=2, world_size=2,
                                                  sequence_parallel=case["sp"]))
             tp = tensor_parallel.setup(cfg, build_topology(cfg))
-            split = act.Split(2, case["sp"], selective=case["selective"])
+            split = Split(2, case["sp"], selective=case["selective"])
             layer = TransformerLayer(m, reg, 1, tp, selective_recompute=case["selective"]).train()
             shape = (m.seq_length // 2, b, m.hidden_size) if case["sp"] else (b, m.seq_length, m.hidden_size)
             out.append({**case, "what": "layer", **_layer(layer, shape, m, b, k, split, reg)})
             out.append({**case, "what": "post", **_post(cfg, tp, m, b, k, split)})
         else:
             group = UlyssesGroup(size=2, rank=rank, group=dist.group.WORLD)
-            split = act.Split(ulysses=2, selective=case["selective"])
+            split = Split(ulysses=2, selective=case["selective"])
             layer = TransformerLayer(m, reg, 1, NO_TENSOR_PARALLEL, group, case["selective"]).train()
             out.append({**case, "what": "layer",
                         **_layer(layer, (b, m.seq_length // 2, m.hidden_size), m, b, k, split, reg)})

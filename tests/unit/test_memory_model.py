@@ -13,6 +13,7 @@ import torch
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
+from megatron_ds.estimate.activation_kernels import DOCUMENT_ID_BYTES, Kernels, Split, kernels
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import spec_memory, stage_memory, stage_memory_for
 from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
@@ -172,7 +173,7 @@ def test_transformer_layer_activations_equal_saved_tensors(
     layer = TransformerLayer(m, reg, 1).to(dtype).train()
     x = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
     measured = saved_bytes(lambda: layer(x), layer)
-    k = act.kernels(precision, "cpu", dropout)
+    k = kernels(precision, "cpu", dropout)
     assert sum(act.transformer_layer_terms(m, b, k, regularization=reg).values()) == measured
 
 
@@ -184,7 +185,7 @@ def test_a_head_size_other_than_hidden_over_heads_saves_its_width(kv_channels: i
     m, reg = tiny(kv_channels=kv_channels), RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout)
     layer = TransformerLayer(m, reg, 1).train()
     x = torch.randn(3, m.seq_length, m.hidden_size, requires_grad=True)
-    k = act.kernels("fp32", "cpu", dropout)
+    k = kernels("fp32", "cpu", dropout)
     terms = act.transformer_layer_terms(m, 3, k, regularization=reg)
     assert sum(terms.values()) == saved_bytes(lambda: layer(x), layer)
     assert terms["projection input"] == 3 * m.seq_length * 4 * kv_channels * 4  # b s (heads x head size) fp32
@@ -231,7 +232,7 @@ def test_grouped_rotary_and_head_norm_layers_save_what_the_terms_say(
     from megatron_ds.testing.saved_tensors import graph_bytes
 
     reg, b = RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout), 3
-    k = act.kernels(precision, "cpu", dropout)
+    k = kernels(precision, "cpu", dropout)
     tokens = torch.randint(0, 10, (b, 64), generator=torch.Generator().manual_seed(0))
     tokens[:, 20] = 7  # an end of document in every sample
     ids = PackedDocuments(7, True, True).structure(tokens)
@@ -247,7 +248,7 @@ def test_grouped_rotary_and_head_norm_layers_save_what_the_terms_say(
             measured = graph_bytes(layer(x), layer.parameters())
         else:
             measured = saved_bytes(functools.partial(layer, x), layer)
-        split = act.Split(selective=mode == "selective")
+        split = Split(selective=mode == "selective")
         extra = {"document_mask": True, "position_ids": True} if mode == "packed" else {}
         terms = act.transformer_layer_terms(m, b, k, split, regularization=reg, window=kw.get("window"), **extra)
         assert sum(terms.values()) == measured, (name, mode)
@@ -280,7 +281,7 @@ def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: tor
     we = WordEmbedding(m, reg, 1).to(dtype)
     pe = PositionEmbedding(m, reg, 2).to(dtype).train()
     tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), dtype=torch.int32)
-    k = act.kernels(precision, "cpu", reg.attention_dropout)
+    k = kernels(precision, "cpu", reg.attention_dropout)
     pre = act.pre_terms(m, b, k, regularization=reg)
     assert saved_bytes(lambda: pe(we(cast_token_ids(tokens))), we, pe) == sum(sum(t.values()) for t in pre.values())
     hidden = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
@@ -299,10 +300,10 @@ def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: tor
 def test_paper_closed_form_is_our_count_with_the_papers_assumptions(t: int) -> None:
     """16-bit, bool masks, softmax stored (math), no norm statistics, 4h MLP: sbh(10 + 24/t + 5as/(ht))."""
     m = GPT_1_3B
-    k = act.Kernels(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
+    k = Kernels(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
     ours = sum(act.transformer_layer_terms(m, 1, k, t, regularization=MEGATRON_DROPOUT).values())
     assert ours == pytest.approx(act.korthikanti_layer_bytes(m.seq_length, 1, m.hidden_size, m.num_attention_heads, t))
-    flash = act.kernels("bf16", "cuda", 0.1)
+    flash = kernels("bf16", "cuda", 0.1)
     no_scores = sum(
         v
         for n, v in act.transformer_layer_terms(m, 1, flash, t, regularization=MEGATRON_DROPOUT).items()
@@ -386,7 +387,7 @@ def test_partitioned_checkpoints_keep_a_tensor_share_and_cpu_checkpoints_none_on
     m = tiny(num_layers=6)
     base = dict(model=m, micro_batch_size=2, num_micro_batches=4, tensor_parallel_size=2, checkpoint_activations=True)
     sbh_w = m.seq_length * 2 * m.hidden_size * 2  # bf16
-    ids = m.seq_length * 2 * act.DOCUMENT_ID_BYTES
+    ids = m.seq_length * 2 * DOCUMENT_ID_BYTES
 
     def kept(**kw: object) -> float:
         return spec_memory(MemoryInputs(**base, **kw))[3].checkpointed_activations

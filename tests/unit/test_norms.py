@@ -13,6 +13,7 @@ import torch
 
 from megatron_ds.config import NORMALIZATIONS, ModelConfig, RegularizationConfig
 from megatron_ds.estimate import activation_memory
+from megatron_ds.estimate.activation_kernels import kernels
 from megatron_ds.estimate.compute import ComputeInputs, layer_terms, spec_flops
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.flags.registry import BY_NAME
@@ -141,7 +142,7 @@ def test_readers_follow_the_entry(name: str) -> None:
     assert terms["input norm"].forward == terms["post-attention norm"].forward == norm.forward_flops * n * h
     final = next(s for s in spec_flops(ComputeInputs(model, 3)) if s.name == naming.FINAL_NORM)
     assert sum(t.forward for t in final.terms) == norm.forward_flops * n * h
-    k = activation_memory.kernels("bf16", "cuda", 0.0)
+    k = kernels("bf16", "cuda", 0.0)
     saved = activation_memory.transformer_layer_terms(model, 3, k, regularization=RegularizationConfig())
     assert saved["norm statistics"] == 2 * norm.saved_statistics * n * k.stat
 

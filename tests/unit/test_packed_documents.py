@@ -251,32 +251,32 @@ def test_memory_model_counts_the_document_mask(dropout: float, precision: str, d
     """A layer attending under --reset-attention-mask's mask keeps exactly the terms' bytes, the mask's included
     (CPU: the flash path without attention dropout, the math path with it; and selective recomputation)."""
     from megatron_ds.estimate import activation_memory as act
+    from megatron_ds.estimate.activation_kernels import Split, kernels
     from megatron_ds.model.transformer import TransformerLayer
     from megatron_ds.testing.saved_tensors import graph_bytes
 
     m = MODELS["learned"]
     reg = RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout)
-    k = act.kernels(precision, "cpu", dropout)
+    k = kernels(precision, "cpu", dropout)
     tokens = random_rows(4, rows=3, seq=m.seq_length)
     ids = PackedDocuments(EOD, True, True).structure(tokens)
     for selective in (False, True):
         layer = TransformerLayer(m, reg, 1, selective_recompute=selective, document_mask=True).to(dtype).train()
         x = torch.randn(3, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
         y = layer((x, *ids))[0]
-        terms = act.transformer_layer_terms(m, 3, k, act.Split(selective=selective), regularization=reg,
-                                            document_mask=True)  # fmt: skip
+        terms = act.transformer_layer_terms(m, 3, k, Split(selective=selective), regularization=reg, document_mask=True)
         assert graph_bytes(y, layer.parameters()) == sum(terms.values()), selective
         assert terms["document mask"] == (3 * 16 * 16 * (1 if selective else k.w if k.attention == "flash" else 0))
 
 
 def test_memory_model_counts_the_ids_between_stages() -> None:
-    from megatron_ds.estimate import activation_memory as act
+    from megatron_ds.estimate.activation_kernels import DOCUMENT_ID_BYTES
     from megatron_ds.estimate.memory_inputs import MemoryInputs
     from megatron_ds.estimate.transients import pipe_buffers
 
     base = MemoryInputs(model=MODELS["learned"], micro_batch_size=2, num_micro_batches=4, precision="fp32")
     packed = MemoryInputs(**{**base.__dict__, "document_ids": True})
-    ids = 2 * 16 * act.DOCUMENT_ID_BYTES
+    ids = 2 * 16 * DOCUMENT_ID_BYTES
     for stage in range(3):  # the first stage's inputs, a middle stage's received and sent activations, the last's
         more = [a - b for a, b in zip(pipe_buffers(packed, stage, 3), pipe_buffers(base, stage, 3))]
         assert all(x > 0 and x % ids == 0 for x in more), (stage, more)  # whole buffers of ids, none forgotten

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate import activation_memory as act
+from megatron_ds.estimate.activation_kernels import Kernels, Split, kernels
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.flags.parser import parse_config
@@ -121,7 +122,7 @@ def test_split_dropout_is_the_part_of_the_unsplit_mask(dim: int, dtype: torch.dt
 
 # --- memory model ------------------------------------------------------------------------------------
 
-PAPER = act.Kernels(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
+PAPER = Kernels(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
@@ -133,7 +134,7 @@ def test_closed_forms_with_sequence_parallelism_and_selective_recompute(t: int, 
     s, h, a = m.seq_length, m.hidden_size, m.num_attention_heads
     for sp in (False, True):
         ours = sum(
-            act.transformer_layer_terms(m, 1, PAPER, act.Split(t, sp, selective=selective), regularization=reg).values()
+            act.transformer_layer_terms(m, 1, PAPER, Split(t, sp, selective=selective), regularization=reg).values()
         )
         assert ours == pytest.approx(act.korthikanti_layer_bytes(s, 1, h, a, t, sp, selective))
     assert act.korthikanti_layer_bytes(s, 1, h, a, t, True, True) == pytest.approx(s * h * 34 / t)
@@ -142,8 +143,8 @@ def test_closed_forms_with_sequence_parallelism_and_selective_recompute(t: int, 
 
 def test_ulysses_splits_every_tensor_n_ways() -> None:
     m, reg = GPT_1_3B, RegularizationConfig()
-    whole = act.transformer_layer_terms(m, 1, PAPER, act.Split(), regularization=reg)
-    four = act.transformer_layer_terms(m, 1, PAPER, act.Split(ulysses=4), regularization=reg)
+    whole = act.transformer_layer_terms(m, 1, PAPER, Split(), regularization=reg)
+    four = act.transformer_layer_terms(m, 1, PAPER, Split(ulysses=4), regularization=reg)
     assert sum(four.values()) == pytest.approx(sum(whole.values()) / 4)
 
 
@@ -160,11 +161,11 @@ def test_selective_recompute_keeps_what_the_model_says(
     m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, seq_length=32,
                     max_position_embeddings=32, vocab_size=128, activation=activation)  # fmt: skip
     reg = RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout)
-    k = act.kernels(precision, "cpu", dropout)
+    k = kernels(precision, "cpu", dropout)
     for selective in (False, True):
         layer = TransformerLayer(m, reg, 1, selective_recompute=selective).to(dtype).train()
         y = layer(torch.randn(3, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True))
-        terms = act.transformer_layer_terms(m, 3, k, act.Split(selective=selective), regularization=reg)
+        terms = act.transformer_layer_terms(m, 3, k, Split(selective=selective), regularization=reg)
         assert graph_bytes(y, layer.parameters()) == sum(terms.values()), selective
 
 

@@ -196,12 +196,13 @@ def test_the_memory_model_counts_what_the_chunks_save(dropout: float, precision:
     selective recomputation; the terms without the window (the whole square's) differ, so the check can fail."""
     from megatron_ds.data.packed_documents import PackedDocuments
     from megatron_ds.estimate import activation_memory as act
+    from megatron_ds.estimate.activation_kernels import Split, kernels
     from megatron_ds.testing.saved_tensors import graph_bytes
 
     m, b, left = MEMORY_MODEL, 3, MEMORY_MODEL.window_size[0]
     assert [c[1:] for c in sliding_window.chunks(m.seq_length, left)] == [(32, 0), (64, 0), (96, 24), (128, 56)]
     reg = RegularizationConfig(hidden_dropout=dropout, attention_dropout=dropout)
-    k = act.kernels(precision, "cpu", dropout)
+    k = kernels(precision, "cpu", dropout)
     tokens = torch.randint(0, 10, (b, m.seq_length), generator=torch.Generator().manual_seed(0))
     tokens[:, 50] = 7
     for selective, packed in [(False, False), (False, True), (True, True)]:
@@ -212,7 +213,7 @@ def test_the_memory_model_counts_what_the_chunks_save(dropout: float, precision:
         y = layer((x, *PackedDocuments(7, True, True).structure(tokens)) if packed else x)
         y = y[0] if packed else y
         kw = {"regularization": reg, "document_mask": packed}
-        split = act.Split(selective=selective)
+        split = Split(selective=selective)
         terms = act.transformer_layer_terms(m, b, k, split, **kw, window=left)
         assert graph_bytes(y, layer.parameters()) == sum(terms.values()), (selective, packed)
         if not selective:
