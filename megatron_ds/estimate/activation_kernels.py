@@ -3,7 +3,7 @@ and precision) and how one rank's share of a layer is cut (`Split`). `activation
 the core attention, the pre- and post-processing specs) and `attention_activations.py` (the core attention's) read
 both; this module owns the byte-size constants they share and what a norm saves (`norm_saved`).
 
-Widths (`kernels`), in place of Korthikanti et al.'s fixed 2 bytes (`activation_memory.py`):
+Widths (`kernels`), each from the kernel that runs, where Korthikanti et al. (`activation_memory.py`) count 16 bits:
 
 * compute dtype width w (2 for bf16/fp16, 4 for fp32) instead of the paper's fixed 2;
 * dropout masks: 1 byte (bool) in CUDA's native_dropout, w bytes on CPU (torch saves a mask in

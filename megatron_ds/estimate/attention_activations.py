@@ -1,14 +1,14 @@
 """What one layer's core attention saves for backward, from the QKV output to the output projection's input
 (`attention_terms`, the attention's share of `activation_memory.transformer_layer_terms`), and what its backward and
 its recomputation allocate beside that (`attention_backward_bytes`, `recomputed_attention_bytes`); which of a layer's
-terms its backward has freed on reaching the core attention (`mlp_half_bytes`). Byte widths and splits:
-`activation_kernels.py`.
+terms its backward has freed on reaching the core attention (`mlp_half_bytes`, `MLP_HALF`). Byte widths and
+splits: `activation_kernels.py`.
 
-* attention: Korthikanti et al.'s 5as/h term (softmax output 2, dropout mask 1, dropout output 2 bytes per
-  a*s*s*b element) is stored only by the "math" SDPA path. The flash and memory-efficient SDPA
-  kernels (CUDA; and torch's CPU flash kernel, which runs when attention dropout is 0) save the
-  output and a float32 log-sum-exp of b*a*s instead of any s*s matrix. Our layer's output
-  projection reads a view of that output, so it is counted once, as in the paper.
+The core attention: Korthikanti et al.'s 5as/h term (softmax output 2, dropout mask 1, dropout output 2 bytes per
+a*s*s*b element) is stored only by the "math" SDPA path. The flash and memory-efficient SDPA
+kernels (CUDA; and torch's CPU flash kernel, which runs when attention dropout is 0) save the
+output and a float32 log-sum-exp of b*a*s instead of any s*s matrix. Our layer's output
+projection reads a view of that output, so it is counted once, as in the paper.
 
 Packed documents (`--reset-attention-mask`): SDPA gets a boolean (b, 1, s, s) mask instead of `is_causal`. The
 fused kernels save it converted to the compute dtype, b*s*s*w bytes per layer, the same on every tensor rank (it has
