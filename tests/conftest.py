@@ -1,5 +1,5 @@
-"""Shared test settings: CPU only, one thread per rank, torch extensions cached in one place; DeepSpeed's
-shared-memory communication and CPU Adam ops compiled in the background while the single-process tests run."""
+"""Shared test settings: CPU only, one thread per rank, torch extensions cached in one place; DeepSpeed's CPU Adam
+op compiled in the background while the single-process tests run."""
 
 import os
 import subprocess
@@ -13,21 +13,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # formulas, where inductor's C++ build would cost minutes of CPU on a fresh machine (its cache is per checkout).
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-# The shared-memory op first: every deepspeed.init_distributed on the CPU accelerator loads it (TorchBackend's
-# build_shm_op), so without it the first multi-rank test compiles it (a minute of CPU) inside its own timeout: two
-# forked-rank tests (120 s) timed out on a loaded 2-core machine doing so. Then CPU Adam.
-_BUILD_OPS = (
-    "from deepspeed.accelerator import get_accelerator; "
-    "get_accelerator().create_op_builder('ShareMemCommBuilder').load(verbose=False); "
-    "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
-)
+# Not DeepSpeed's shared-memory all-reduce op, which deepspeed.init_distributed on the CPU accelerator would compile
+# (a minute of CPU; inside a forked-rank test's timeout on a loaded 2-core machine): only DeepSpeed-inference uses it,
+# and every process group the tests make is started past it (`megatron_ds.distributed.skip_cpu_shared_memory_allreduce`,
+# which the test scripts that call deepspeed.init_distributed themselves call first).
+_BUILD_OPS = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
 _build: subprocess.Popen | None = None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """When multi-rank runs are selected, compile DeepSpeed's shared-memory op and CPU Adam (about a minute each on
-    2 cores, once per environment) now, so that the multi-rank runs and the `--cpu-optimizer` and offload runs find
-    them built (or wait on their build lock, as they would for their own build). Already built: they load in a
+    """When multi-rank runs are selected, compile DeepSpeed's CPU Adam (a few minutes of CPU on 2 cores, once per
+    environment) now, so that the `--cpu-optimizer` and offload runs find it built (or wait on its build lock, as
+    they would for their own build). Already built: they load in a
     second. In one process the unit tier runs first (pytest.ini's testpaths) and leaves a core idle, so the build
     takes the lowest priority; under pytest-xdist (`make test`) no core is idle, so one worker builds at normal
     priority rather than starve the build behind the tests."""
