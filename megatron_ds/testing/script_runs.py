@@ -26,7 +26,6 @@ from pathlib import Path
 from megatron_ds.testing import fork_server
 from megatron_ds.testing.launch import signal_group
 
-ROOT = Path(__file__).resolve().parents[2]
 PRELOAD = ("torch", "torch._dynamo", "deepspeed", "megatron_ds.distributed", "megatron_ds.flags.parser")
 """What the scripts the tests run all import first (about 3 s of CPU per fresh interpreter)."""
 
