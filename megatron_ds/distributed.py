@@ -60,7 +60,11 @@ def init_distributed(parallel: ParallelConfig) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if env_world_size() == 1:
+        # Port 0: the store binds a port the kernel picks, atomically. A port found free and bound later
+        # can be taken in between by another run's connections (EADDRINUSE under parallel test workers).
+        # More ranks need the launcher's MASTER_PORT; torch names it when it is missing.
+        os.environ.setdefault("MASTER_PORT", "0")
     skip_cpu_shared_memory_allreduce()
     deepspeed.init_distributed(
         dist_backend=default_backend(parallel),
@@ -192,11 +196,3 @@ def forget_megatron_core_groups() -> None:
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is not None and ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
