@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import importlib
 import json
 import os
 import select
@@ -274,11 +273,9 @@ def _write_status(path: str, code: int) -> None:
 def main(preload: str) -> None:
     replies = os.fdopen(os.dup(1), "w")  # the answers to the client; what the imports print goes to the log
     os.dup2(2, 1)
-    for name in filter(None, preload.split(",")):
-        module_name, _, function = name.partition(":")
-        loaded = importlib.import_module(module_name)
-        if function:
-            getattr(loaded, function)()
+    from megatron_ds.testing import zygote
+
+    zygote.preload(preload)  # imports, then freezes them out of the collector's reach (see there)
     children: dict[int, str] = {}  # pid -> its exit file
     pending, reading = b"", True
     while reading or children:

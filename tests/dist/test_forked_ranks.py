@@ -4,6 +4,7 @@ fast with its error."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -12,10 +13,11 @@ import pytest
 from megatron_ds.testing.launch import RanksFailed, run_ranks, start_ranks
 
 PROGRAM = """
-import faulthandler, os, signal, sys, time
+import faulthandler, gc, os, signal, sys, time
 faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 rank = int(os.environ["RANK"])
 print(f"rank {rank} of {os.environ['WORLD_SIZE']} args {sys.argv[1:]} main {__name__}")
+print(f"frozen objects {gc.get_freeze_count()}")
 
 def wait_for_ever():
     while True:
@@ -42,6 +44,8 @@ def test_each_rank_has_its_own_rank_output_and_status(program: str) -> None:
     assert [r.returncode for r in results] == [0, 0, 0]
     for r in results:
         assert f"rank {r.rank} of 3 args ['ok'] main __main__" in r.output
+        # what the zygote imported is out of the garbage collector's walk (DeepSpeed's explicit collections)
+        assert int(re.search(r"frozen objects (\d+)", r.output).group(1)) > 1000, r.output
 
 
 def test_a_failing_rank_is_named_with_its_status(program: str) -> None:
