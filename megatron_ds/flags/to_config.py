@@ -260,7 +260,7 @@ ACTIVATION_FLAGS: dict[str, dict[str, bool]] = {
     "squared_relu": {"squared_relu": True, "swiglu": False, "openai_gelu": False},
 }
 """Flag values (argparse dests) that select each activation whatever the other flags say; the
-Hugging Face import renders these (`interop/hf_config.py`). `model_activation` is the inverse."""
+Hugging Face import renders these (`interop/hf_config_read.py`). `model_activation` is the inverse."""
 
 
 def model_activation(args: Any) -> str:

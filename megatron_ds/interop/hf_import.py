@@ -25,8 +25,9 @@ from megatron_ds import files
 from megatron_ds.config import Config
 from megatron_ds.data import DataError
 from megatron_ds.data.tokenizer import build_tokenizer
-from megatron_ds.interop import hf_config, hf_tokenizer, hf_weights
-from megatron_ds.interop.hf_config import HFConfigError, HFModel
+from megatron_ds.interop import hf_config, hf_config_read, hf_tokenizer, hf_weights
+from megatron_ds.interop.hf_config import HFConfigError
+from megatron_ds.interop.hf_config_read import HFModel
 from megatron_ds.interop.hf_weights_reader import HFWeights, HFWeightsError
 from megatron_ds.model import naming, sharding
 from megatron_ds.training.checkpoint import reader as checkpoint_reader
@@ -105,7 +106,7 @@ def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dic
             f"its learned position table; give --seq-length {positions} or less"
         )
     world = given.pipeline_model_parallel_size * given.tensor_model_parallel_size
-    config, args = parse_config([*hf_config.render_flags(values), *argv], world_size=max(world, 1))
+    config, args = parse_config([*hf_config_read.render_flags(values), *argv], world_size=max(world, 1))
     for dest, value in {**hf.architecture, "vocab_size": hf.vocab_size}.items():
         if dest == "max_position_embeddings" and not hf.architecture.get("add_position_embedding", True):
             continue  # rotary positions: no weight has this shape, so a longer --seq-length may raise it
@@ -134,7 +135,7 @@ def import_hf(hf_dir: str, output: str, argv: Sequence[str] = (), show_progress:
     """Convert `hf_dir` into our checkpoint `output` (created; never overwritten)."""
     hf_dir = os.path.abspath(hf_dir)
     raw, source = read_hf_config(hf_dir)
-    hf = hf_config.from_hf_config(raw, source)
+    hf = hf_config_read.from_hf_config(raw, source)
     config = config_from_hf(hf, argv, source, hf_tokenizer.find_hf_tokenizer(hf_dir))
     layout = resolve_layout(config)  # a layout error now, before anything is written
     weights = HFWeights(hf_dir)
@@ -258,4 +259,4 @@ def _train_flags(config: Config, hf: HFModel) -> list[str]:
         "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,
     }
     values.update({k: getattr(config.data, k) for k in TOKENIZER_DESTS if getattr(config.data, k)})
-    return hf_config.render_flags(values)
+    return hf_config_read.render_flags(values)

@@ -22,14 +22,13 @@ from megatron_ds.estimate.zero_time import INTERCONNECT, LINKS, Links, step_over
 from megatron_ds.plan import experts
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
+from megatron_ds.plan.no_fit import no_fit_message, schedule_message
 from megatron_ds.plan.ranking import (
     Search,
     Tried,
     alternatives,
     config_key,
-    no_fit_message,
     rank_key,
-    schedule_message,
 )
 from megatron_ds.plan.search import Candidate, degree_pairs, recompute_modes
 

@@ -10,7 +10,7 @@ import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.flags.to_config import ACTIVATION_FLAGS, model_activation
-from megatron_ds.interop import hf_config, hf_weights
+from megatron_ds.interop import hf_config, hf_config_read, hf_weights
 from megatron_ds.interop.hf_config import HFConfigError
 from megatron_ds.model import naming, norms, sharding
 from megatron_ds.model.init import shard_qkv
@@ -125,7 +125,7 @@ def _activation(architecture: dict) -> str:
 )
 def test_config_round_trip(model: ModelConfig) -> None:
     hf = hf_config.to_hf_config(model, REG, 200, "float32", {"eos_token_id": 2})
-    back = hf_config.from_hf_config(hf, "config.json")
+    back = hf_config_read.from_hf_config(hf, "config.json")
     activation_dests = {d for flags in ACTIVATION_FLAGS.values() for d in flags}
     for dest, value in back.architecture.items():
         if dest == "num_key_value_heads":
@@ -143,7 +143,7 @@ def test_config_round_trip(model: ModelConfig) -> None:
 def test_gpt2_activation_names(hf_name: str, ours: str) -> None:
     """GPT-2's own `gelu_new` and torch's tanh GeLU are our default; `gelu` is the exact one."""
     hf = {**hf_config.to_hf_config(GPT, REG, 200, "float32", {}), "activation_function": hf_name}
-    architecture = hf_config.from_hf_config(hf, "x").architecture
+    architecture = hf_config_read.from_hf_config(hf, "x").architecture
     assert _activation(architecture) == ours
     exported = hf_config.to_hf_config(dataclasses.replace(GPT, activation=ours), REG, 200, "float32", {})
     assert exported["activation_function"] == {"gelu_tanh": "gelu_new", "gelu": "gelu", "squared_relu": "relu2"}[ours]
@@ -152,9 +152,9 @@ def test_gpt2_activation_names(hf_name: str, ours: str) -> None:
 def test_transformers_own_configs_are_read() -> None:
     transformers = pytest.importorskip("transformers")
     gpt = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, activation_function="gelu").to_dict()
-    assert hf_config.from_hf_config(gpt, "x").architecture["ffn_hidden_size"] == 128
+    assert hf_config_read.from_hf_config(gpt, "x").architecture["ffn_hidden_size"] == 128
     llama = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2).to_dict()
-    assert hf_config.from_hf_config(llama, "x").architecture["num_key_value_heads"] == 2
+    assert hf_config_read.from_hf_config(llama, "x").architecture["num_key_value_heads"] == 2
 
 
 @pytest.mark.parametrize(
@@ -179,7 +179,7 @@ def test_each_architecture_takes_its_own_norm_only(norm: str) -> None:
         if arch in norms.find(norm).hf_model_types:
             assert hf_config.architecture_of(changed) == arch
             hf = hf_config.to_hf_config(changed, REG, 200, "float32", {})
-            assert hf_config.from_hf_config(hf, "x").architecture["normalization"] == norm
+            assert hf_config_read.from_hf_config(hf, "x").architecture["normalization"] == norm
         else:
             with pytest.raises(HFConfigError, match=f"Hugging Face {arch}: --normalization {norm}: "):
                 hf_config.architecture_of(changed)
@@ -191,21 +191,21 @@ def test_partial_rotary_exports_as_phi3_and_round_trips() -> None:
     assert hf_config.architecture_of(partial) == hf_config.PHI3
     hf = hf_config.to_hf_config(partial, REG, 200, "float32", {})
     assert (hf["model_type"], hf["partial_rotary_factor"], hf["pad_token_id"]) == ("phi3", 0.5, None)
-    back = hf_config.from_hf_config(hf, "x")
+    back = hf_config_read.from_hf_config(hf, "x")
     assert back.arch == hf_config.PHI3 and back.architecture["rotary_percent"] == 0.5
     with pytest.raises(HFConfigError, match="phi3: biases with --rotary-percent 0.5: .*Phi-3, which has no biases"):
         hf_config.architecture_of(dataclasses.replace(partial, add_bias_linear=True))
     assert hf["sliding_window"] is None and _window(back) == (None, None)
-    assert _window(hf_config.from_hf_config({**hf, "sliding_window": 128}, "x")) == ("127,0", None)  # every layer
+    assert _window(hf_config_read.from_hf_config({**hf, "sliding_window": 128}, "x")) == ("127,0", None)  # every layer
     absent = {k: v for k, v in hf.items() if k != "sliding_window"}  # Phi3Config's default: no window
-    assert _window(hf_config.from_hf_config(absent, "x")) == (None, None)
+    assert _window(hf_config_read.from_hf_config(absent, "x")) == (None, None)
     windowed = hf_config.to_hf_config(dataclasses.replace(partial, window_size=(127, 0)), REG, 200, "float32", {})
     assert (windowed["model_type"], windowed["sliding_window"]) == ("phi3", 128)
     with pytest.raises(HFConfigError, match="phi3: --use-rope-scaling with --rotary-percent below 1"):
         hf_config.architecture_of(dataclasses.replace(partial, use_rope_scaling=True))
     llama3 = {"rope_type": "llama3", "factor": 8.0}
     with pytest.raises(HFConfigError, match="rope_scaling type 'llama3' is not supported: only plain rotary"):
-        hf_config.from_hf_config({**hf, "rope_scaling": llama3}, "x")
+        hf_config_read.from_hf_config({**hf, "rope_scaling": llama3}, "x")
 
 
 def test_llama3_rope_scaling_round_trips_in_both_transformers_spellings() -> None:
@@ -224,10 +224,10 @@ def test_llama3_rope_scaling_round_trips_in_both_transformers_spellings() -> Non
     new_style = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta")}
     new_style["rope_parameters"] = {**hf["rope_scaling"], "rope_theta": hf["rope_theta"]}
     for config in (hf, new_style):
-        architecture = hf_config.from_hf_config(config, "x").architecture
+        architecture = hf_config_read.from_hf_config(config, "x").architecture
         assert (architecture["use_rope_scaling"], architecture["rope_scaling_factor"]) == (True, 32.0)
         assert architecture["rotary_base"] == LLAMA.rotary_base
-    assert hf_config.from_hf_config(_llama_json(), "x").architecture["use_rope_scaling"] is False
+    assert hf_config_read.from_hf_config(_llama_json(), "x").architecture["use_rope_scaling"] is False
 
 
 def test_swiglu_with_layernorm_is_an_error() -> None:
@@ -257,17 +257,17 @@ def test_a_qkv_bias_alone_exports_as_qwen2_and_a_bias_free_llama_as_mistral_on_r
     hf = _qwen2_json()
     assert (hf["model_type"], hf["architectures"], hf["use_sliding_window"]) == ("qwen2", ["Qwen2ForCausalLM"], False)
     assert "attention_bias" not in hf and hf["rope_theta"] == 1e6
-    back = hf_config.from_hf_config(hf, "x")
+    back = hf_config_read.from_hf_config(hf, "x")
     assert back.arch == hf_config.QWEN2 and _window(back) == (None, None)
     assert (back.architecture["add_qkv_bias"], back.architecture["add_bias_linear"]) == (True, False)
-    mistral = hf_config.from_hf_config(_mistral_json(), "x")
+    mistral = hf_config_read.from_hf_config(_mistral_json(), "x")
     assert (mistral.arch, mistral.architecture["add_bias_linear"], _window(mistral)) == ("mistral", False, (None, None))
-    assert _window(hf_config.from_hf_config(_mistral_json(sliding_window=4096), "x")) == ("4095,0", None)
+    assert _window(hf_config_read.from_hf_config(_mistral_json(sliding_window=4096), "x")) == ("4095,0", None)
     absent = {k: v for k, v in _mistral_json().items() if k != "sliding_window"}  # MistralConfig's default
-    assert _window(hf_config.from_hf_config(absent, "x")) == ("4095,0", None)
+    assert _window(hf_config_read.from_hf_config(absent, "x")) == ("4095,0", None)
 
 
-def _window(hf: hf_config.HFModel) -> tuple[str | None, str | None]:
+def _window(hf: hf_config_read.HFModel) -> tuple[str | None, str | None]:
     """The --window-size and --window-attn-skip-freq values an import renders."""
     return hf.architecture["window_size"], hf.architecture["window_attn_skip_freq"]
 
@@ -332,7 +332,7 @@ def test_a_model_type_that_is_not_exact_is_refused(model: ModelConfig, model_typ
 def test_qwen2s_window_is_the_one_transformers_applies(change: dict, window: tuple) -> None:
     """As Qwen2Config derives it: sliding_window W keys (Megatron-LM's LEFT W - 1) on the layers layer_types names
     sliding, from max_window_layers on when it names none; nothing without use_sliding_window."""
-    assert _window(hf_config.from_hf_config(_qwen2_json(**change), "x")) == window
+    assert _window(hf_config_read.from_hf_config(_qwen2_json(**change), "x")) == window
 
 
 @pytest.mark.parametrize(
@@ -380,7 +380,7 @@ def test_qwen2s_window_is_the_one_transformers_applies(change: dict, window: tup
 )
 def test_unsupported_hf_fields_are_one_line_errors(hf: dict, field: str) -> None:
     with pytest.raises(HFConfigError, match=field) as err:
-        hf_config.from_hf_config(hf, "m/config.json")
+        hf_config_read.from_hf_config(hf, "m/config.json")
     assert str(err.value).startswith("m/config.json: ") and "\n" not in str(err.value)
 
 
@@ -392,9 +392,9 @@ def test_qwen3_is_llama_with_query_and_key_norms_and_its_head_dim() -> None:
         8,
         False,
     )
-    back = hf_config.from_hf_config(hf, "x")
+    back = hf_config_read.from_hf_config(hf, "x")
     assert back.arch == hf_config.QWEN3 and back.architecture["qk_layernorm"] and _window(back) == (None, None)
-    assert not hf_config.from_hf_config(_llama_json(), "x").architecture["qk_layernorm"]
+    assert not hf_config_read.from_hf_config(_llama_json(), "x").architecture["qk_layernorm"]
     shapes = hf_weights.hf_shapes(hf_config.QWEN3, QWEN3, 200)
     assert shapes["model.layers.1.self_attn.q_norm.weight"] == shapes["model.layers.1.self_attn.k_norm.weight"] == (8,)
     assert len(shapes) == len(hf_weights.hf_shapes(hf_config.LLAMA, LLAMA, 200)) + 2 * LLAMA.num_layers
@@ -408,11 +408,11 @@ def test_head_dim_is_kv_channels_both_ways() -> None:
         _qwen2_json(head_dim=16),
         _qwen3_json(head_dim=16),
     ):
-        assert hf_config.from_hf_config(hf, "x").architecture["kv_channels"] == 16
-    assert hf_config.from_hf_config(_llama_json(), "x").architecture["kv_channels"] is None  # head_dim 8 = 32 / 4
-    assert hf_config.from_hf_config({**_llama_json(), "head_dim": None}, "x").architecture["kv_channels"] is None
+        assert hf_config_read.from_hf_config(hf, "x").architecture["kv_channels"] == 16
+    assert hf_config_read.from_hf_config(_llama_json(), "x").architecture["kv_channels"] is None  # head_dim 8 = 32 / 4
+    assert hf_config_read.from_hf_config({**_llama_json(), "head_dim": None}, "x").architecture["kv_channels"] is None
     no_head_dim = {k: v for k, v in _qwen3_json().items() if k != "head_dim"}
-    assert hf_config.from_hf_config(no_head_dim, "x").architecture["kv_channels"] == 128  # Qwen3Config's default
+    assert hf_config_read.from_hf_config(no_head_dim, "x").architecture["kv_channels"] == 128  # Qwen3Config's default
     wide = dataclasses.replace(QWEN3, kv_channels=16)
     assert hf_config.to_hf_config(wide, REG, 200, "float32", {})["head_dim"] == 16
     for refused, flag in ((dataclasses.replace(GPT, kv_channels=16), "gpt2"), (PHI3_WIDE, "phi3")):
@@ -420,7 +420,7 @@ def test_head_dim_is_kv_channels_both_ways() -> None:
             hf_config.to_hf_config(refused, REG, 200, "float32", {})
     phi3 = hf_config.to_hf_config(dataclasses.replace(PHI3_WIDE, kv_channels=None), REG, 200, "float32", {})
     with pytest.raises(HFConfigError, match="head_dim 16 is not supported: Phi-3's head size"):
-        hf_config.from_hf_config({**phi3, "head_dim": 16}, "x")
+        hf_config_read.from_hf_config({**phi3, "head_dim": 16}, "x")
 
 
 def test_hf_names_cover_every_tensor_once() -> None:
@@ -439,7 +439,7 @@ def test_render_flags_inverts_parsing() -> None:
     from megatron_ds.flags.parser import build_parser
 
     values = {"num_layers": 2, "swiglu": True, "add_position_embedding": False, "normalization": "rmsnorm"}
-    flags = hf_config.render_flags(values)
+    flags = hf_config_read.render_flags(values)
     assert flags == ["--num-layers", "2", "--swiglu", "--no-position-embedding", "--normalization", "rmsnorm"]
     parsed = build_parser().parse_known_args(flags)[0]
     assert all(getattr(parsed, k) == v for k, v in values.items())
@@ -469,7 +469,7 @@ def test_a_window_exports_as_transformers_sliding_window_and_reads_back(model: M
     every layer is a Mistral; Qwen2's and Qwen3's layers are named; the import gives the same flags back."""
     hf = hf_config.to_hf_config(model, REG, 200, "float32", {})
     assert {k: hf[k] for k in fields} == fields
-    back = hf_config.from_hf_config(hf, "x")
+    back = hf_config_read.from_hf_config(hf, "x")
     pattern = model.window_attn_skip_freq
     assert _window(back) == (f"{model.window_size[0]},0", None if pattern is None else str(list(pattern)))
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from megatron_ds.flags.parser import parse_config
-from megatron_ds.plan import ds_json, ranking, search
+from megatron_ds.plan import ds_json, no_fit, ranking, search
 from megatron_ds.plan.__main__ import main
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import PlanInputs, resolve
@@ -210,7 +210,7 @@ def test_a_fixed_schedule_too_long_to_replay_is_named_as_such() -> None:
         ranking.Unreplayed(65536, 1, 4, 1), ranking.Unreplayed(131072, 1, 4, 1),
     ]  # fmt: skip
     skipped = [ranking.Unreplayed(131072, 1, 4, 1), ranking.Unreplayed(65536, 2, 4, 1)]
-    no_fit = ranking.no_fit_message(res, None, [(1e12, 1, 4)], True, (), skipped)
-    assert "2 configurations that run it were not priced, each replay too long" in no_fit
-    assert "the shortest: t=2, p=4, micro-batch 1, 65,536)" in no_fit
-    assert "not priced" not in ranking.no_fit_message(res, None, [(1e12, 1, 4)], True, ())
+    said = no_fit.no_fit_message(res, None, [(1e12, 1, 4)], True, (), skipped)
+    assert "2 configurations that run it were not priced, each replay too long" in said
+    assert "the shortest: t=2, p=4, micro-batch 1, 65,536)" in said
+    assert "not priced" not in no_fit.no_fit_message(res, None, [(1e12, 1, 4)], True, ())
