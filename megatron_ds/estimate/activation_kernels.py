@@ -1,4 +1,4 @@
-"""How the activation terms are counted: the byte widths of what the kernels that run save (`Kernels`, for one device
+"""How the activation terms are counted: the byte widths of what the kernels that run save (`SavedWidths`, for one device
 and precision) and how one rank's share of a layer is cut (`Split`). `activation_memory.py` (a layer's terms outside
 the core attention, the pre- and post-processing specs) and `attention_activations.py` (the core attention's) read
 both; this module owns the byte-size constants they share and what a norm saves (`norm_saved`).
@@ -9,7 +9,7 @@ Widths (`kernels`), each from the kernel that runs, where Korthikanti et al. (`a
 * dropout masks: 1 byte (bool) in CUDA's native_dropout, w bytes on CPU (torch saves a mask in
   the input dtype there);
 * torch's CPU math path computes in float32 (also for bf16 inputs) and saves copies of q, k, v.
-* torch's RMSNorm on CPU is composite (`Kernels.composite_rmsnorm`): it saves its input in float32 (a copy for
+* torch's RMSNorm on CPU is composite (`SavedWidths.composite_rmsnorm`): it saves its input in float32 (a copy for
   16-bit inputs), x x rstd in float32 and rstd in float32, for the hidden norms as for the head norms; CUDA's fused
   kernel saves the input and rstd (not measured here). (A zero-centred norm's weight + 1: `activation_memory.py`.)
 
@@ -41,7 +41,7 @@ DOCUMENT_ID_BYTES = 2 * 8  # packed documents: int64 position id and document id
 
 
 @dataclass(frozen=True)
-class Kernels:
+class SavedWidths:
     """Byte widths of the tensors the forward pass saves, for one device and precision."""
 
     w: int
@@ -94,7 +94,7 @@ def as_split(split: Split | int) -> Split:
     return split if isinstance(split, Split) else Split(tensor=split)
 
 
-def kernels(precision: str, device: str, attention_dropout: float, attention: str | None = None) -> Kernels:
+def kernels(precision: str, device: str, attention_dropout: float, attention: str | None = None) -> SavedWidths:
     """The kernel byte widths; `attention` None picks what torch's SDPA dispatch runs."""
     if device not in DEVICES:
         raise ValueError(f"device {device!r} is not one of {', '.join(DEVICES)}")
@@ -103,10 +103,12 @@ def kernels(precision: str, device: str, attention_dropout: float, attention: st
     w = PRECISION_BYTES[precision]
     if device == "cuda":
         # LayerNorm's CUDA kernel saves mean/rstd in float32; native_dropout's mask is bool.
-        return Kernels(w=w, mask=1, attention=attention or "flash", math_bytes=w, attn_mask=1, qkv_copies=False, stat=4)
+        return SavedWidths(
+            w=w, mask=1, attention=attention or "flash", math_bytes=w, attn_mask=1, qkv_copies=False, stat=4
+        )
     # CPU: the flash kernel takes no dropout, so SDPA falls back to math when dropout is on.
     chosen = attention or ("math" if attention_dropout > 0 else "flash")
-    return Kernels(
+    return SavedWidths(
         w=w,
         mask=w,
         attention=chosen,
@@ -119,7 +121,7 @@ def kernels(precision: str, device: str, attention_dropout: float, attention: st
     )
 
 
-def norm_saved(norm: norms.Norm, k: Kernels, elements: float, rows: float) -> tuple[float, float, float]:
+def norm_saved(norm: norms.Norm, k: SavedWidths, elements: float, rows: float) -> tuple[float, float, float]:
     """(input, output, statistics) bytes one norm saves over `elements` values in `rows` rows: a fused kernel its
     input and statistics (LayerNorm mean + rstd, RMSNorm rstd); torch's composite RMSNorm (CPU) its input as float32
     (a copy for 16-bit inputs, the input itself in fp32), x x rstd in float32 and a float32 rstd; --qk-l2-norm's

@@ -5,7 +5,7 @@ Models" (arXiv:2205.05198), Sec. 4.1-4.2. For a 16-bit transformer layer without
 the paper counts sbh(34 + 5as/h) bytes (s sequence, b micro-batch, h hidden, a heads), and with
 t-way tensor parallelism (no sequence parallelism) sbh(10 + 24/t + 5as/(ht)). We apply the same
 per-tensor accounting to `megatron_ds.model.transformer.TransformerLayer`, with the byte width of
-each saved tensor taken from the kernels that actually run (`activation_kernels.Kernels`) and each rank's share
+each saved tensor taken from the kernels that actually run (`activation_kernels.SavedWidths`) and each rank's share
 cut as `activation_kernels.Split` says (`activation_kernels.py` gives both rules).
 
 This module owns a layer's terms outside the core attention (norms, the linears' inputs, the MLP's activation,
@@ -26,7 +26,7 @@ from megatron_ds.estimate.activation_kernels import (
     DOCUMENT_ID_BYTES,
     LOSS_MASK_BYTES,
     TOKEN_ID_BYTES,
-    Kernels,
+    SavedWidths,
     Split,
     as_split,
     norm_saved,
@@ -35,7 +35,7 @@ from megatron_ds.estimate.attention_activations import attention_terms
 from megatron_ds.model import activations, norms
 
 
-def _one_plus_weights(model: ModelConfig, k: Kernels, widths: int) -> float:
+def _one_plus_weights(model: ModelConfig, k: SavedWidths, widths: int) -> float:
     """A zero-centred norm (`--apply-layernorm-1p`) computes with weight + 1, a new tensor each forward that the norm
     saves: `widths` channels of them (whole on every rank), in the compute dtype."""
     return widths * k.w if norms.find(model.normalization).zero_centered_gamma else 0.0
@@ -44,7 +44,7 @@ def _one_plus_weights(model: ModelConfig, k: Kernels, widths: int) -> float:
 def transformer_layer_terms(
     model: ModelConfig,
     micro_batch_size: int,
-    k: Kernels,
+    k: SavedWidths,
     split: Split | int = 1,
     *,
     regularization: RegularizationConfig,
@@ -93,7 +93,7 @@ CPU_RNG_STATE_BYTES = 5056
 """torch.get_rng_state() on the CPU (mt19937)."""
 
 
-def checkpoint_rng_bytes(k: Kernels, tracker_streams: int) -> float:
+def checkpoint_rng_bytes(k: SavedWidths, tracker_streams: int) -> float:
     """What one call of DeepSpeed's activation checkpointing keeps for its recompute besides its inputs: the
     CPU generator's state, the accelerator's, and every stream of the RNG tracker (`CheckpointFunction.forward`)."""
     return CPU_RNG_STATE_BYTES + k.rng_state * (1 + tracker_streams)
@@ -120,7 +120,7 @@ def korthikanti_layer_bytes(
 def checkpointed_layer_bytes(
     model: ModelConfig,
     micro_batch_size: int,
-    k: Kernels,
+    k: SavedWidths,
     split: Split | int = 1,
     document_ids: bool = False,
     partitioned: bool = False,
@@ -145,7 +145,7 @@ def checkpointed_layer_bytes(
 def pre_terms(
     model: ModelConfig,
     micro_batch_size: int,
-    k: Kernels,
+    k: SavedWidths,
     *,
     regularization: RegularizationConfig,
     split: Split | int = 1,
@@ -165,7 +165,7 @@ def pre_terms(
 
 
 def post_terms(
-    model: ModelConfig, micro_batch_size: int, k: Kernels, head_name: str, split: Split | int = 1
+    model: ModelConfig, micro_batch_size: int, k: SavedWidths, head_name: str, split: Split | int = 1
 ) -> dict[str, dict[str, float]]:
     """Saved bytes of the post-processing specs (the loss's saved tensors are put on logits_to_fp32).
     Under sequence parallelism the head's linear saves its input split (and gathers it again in backward)."""

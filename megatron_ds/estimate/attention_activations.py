@@ -46,14 +46,14 @@ and selective; widths per token and tensor rank: query heads x head size q, kv h
 from __future__ import annotations
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.estimate.activation_kernels import Kernels, Split, norm_saved
+from megatron_ds.estimate.activation_kernels import SavedWidths, Split, norm_saved
 from megatron_ds.model import norms, sliding_window
 
 
 def attention_terms(
     model: ModelConfig,
     b: int,
-    k: Kernels,
+    k: SavedWidths,
     sp: Split,
     *,
     dropout: bool,
@@ -78,7 +78,7 @@ def attention_terms(
     return terms
 
 
-def document_mask_bytes(b: int, s: int, k: Kernels, split: Split) -> float:
+def document_mask_bytes(b: int, s: int, k: SavedWidths, split: Split) -> float:
     """What one layer keeps of `--reset-attention-mask`'s (b, 1, s, s) mask (module docstring): the boolean mask
     under selective recomputation, the fused kernels' copy in the compute dtype, nothing on the math path. Ulysses
     is refused with the flag; under sequence parallelism attention sees the whole sequence."""
@@ -87,20 +87,20 @@ def document_mask_bytes(b: int, s: int, k: Kernels, split: Split) -> float:
     return float(b * s * s * k.w) if k.attention == "flash" else 0.0
 
 
-def _keeps_qkv_output(sp: Split, k: Kernels) -> bool:
+def _keeps_qkv_output(sp: Split, k: SavedWidths) -> bool:
     """Whether the core attention keeps views of the QKV output (v always; q and k unless rotary embeddings or the head
     norms made new ones) among its saved inputs: not under Ulysses (it attends the all-to-all's outputs) nor on CPU's
     math path (its own float32 copies)."""
     return sp.ulysses == 1 and (sp.selective or k.attention == "flash" or not k.qkv_copies)
 
 
-def _qkv_output_bytes(model: ModelConfig, b: int, k: Kernels, sp: Split) -> float:
+def _qkv_output_bytes(model: ModelConfig, b: int, k: SavedWidths, sp: Split) -> float:
     """The QKV output, (query heads + 2 kv heads) x head size wide (`ModelConfig.qkv_rows`); under Ulysses the same
     bytes as the all-to-all's q, k, v outputs."""
     return model.seq_length * b * model.qkv_rows * k.w / sp.split
 
 
-def _query_key_terms(model: ModelConfig, b: int, k: Kernels, sp: Split, position_ids: bool) -> dict[str, float]:
+def _query_key_terms(model: ModelConfig, b: int, k: SavedWidths, sp: Split, position_ids: bool) -> dict[str, float]:
     """What rotary embeddings and the head norms (--qk-layernorm's, --qk-l2-norm's) save between the QKV output and
     the core attention (module docstring)."""
     s, t, hd = model.seq_length, sp.split, model.head_dim
@@ -127,7 +127,7 @@ def _query_key_terms(model: ModelConfig, b: int, k: Kernels, sp: Split, position
     return terms
 
 
-def _math_inputs(model: ModelConfig, b: int, sp: Split, k: Kernels, key_rows: int) -> float:
+def _math_inputs(model: ModelConfig, b: int, sp: Split, k: SavedWidths, key_rows: int) -> float:
     """What the math path keeps of q, k, v, whose keys span `key_rows` rows (s, or a window's chunks' keys summed):
     CPU's float32 copies of q and of k and v repeated to every query head; CUDA's views of the QKV output and, with
     grouped kv heads, the repeated k and v (not measured)."""
@@ -138,7 +138,7 @@ def _math_inputs(model: ModelConfig, b: int, sp: Split, k: Kernels, key_rows: in
     return _qkv_output_bytes(model, b, k, sp) + repeated
 
 
-def _attention_terms(model: ModelConfig, b: int, sp: Split, k: Kernels, dropout: bool) -> dict[str, float]:
+def _attention_terms(model: ModelConfig, b: int, sp: Split, k: SavedWidths, dropout: bool) -> dict[str, float]:
     # q: the attention's width, heads x head size (`ModelConfig.query_size`; the hidden size unless --kv-channels)
     s, q, a, t = model.seq_length, model.query_size, model.num_attention_heads, sp.split
     sbh, scores = s * b * q, a * s * s * b
@@ -163,7 +163,7 @@ def _attention_terms(model: ModelConfig, b: int, sp: Split, k: Kernels, dropout:
 
 
 def _window_terms(
-    model: ModelConfig, b: int, sp: Split, k: Kernels, dropout: bool, left: int, document_mask: bool
+    model: ModelConfig, b: int, sp: Split, k: SavedWidths, dropout: bool, left: int, document_mask: bool
 ) -> dict[str, float]:
     """`_attention_terms` of a windowed layer, chunk by chunk (module docstring)."""
     s, q, a, t = model.seq_length, model.query_size, model.num_attention_heads, sp.split
@@ -192,7 +192,7 @@ def _window_terms(
 def recomputed_attention_bytes(
     model: ModelConfig,
     micro_batch_size: int,
-    k: Kernels,
+    k: SavedWidths,
     split: Split,
     *,
     regularization: RegularizationConfig,
@@ -255,7 +255,7 @@ def mlp_half_bytes(terms: dict[str, float], activation: str) -> float:
 
 
 def attention_backward_bytes(
-    model: ModelConfig, micro_batch_size: int, k: Kernels, split: Split, window: int | None = None
+    model: ModelConfig, micro_batch_size: int, k: SavedWidths, split: Split, window: int | None = None
 ) -> float:
     """The largest gradient the core attention's backward allocates while what it saved is alive: on the math
     path the gradient of the attention probabilities, (b, a/t, s, s) in the math dtype (measured on CPU:

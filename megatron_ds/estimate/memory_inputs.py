@@ -143,7 +143,7 @@ class MemoryInputs:
         )
 
     @property
-    def kernels(self) -> activation_kernels.Kernels:
+    def kernels(self) -> activation_kernels.SavedWidths:
         return activation_kernels.kernels(
             self.precision, self.device, self.regularization.attention_dropout, self.attention
         )

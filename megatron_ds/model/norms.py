@@ -50,8 +50,8 @@ class Norm:
     (`model/sharding.py`); biases and weights alike go to the no-weight-decay group."""
     saved_statistics: int
     """Statistics per token that autograd saves for backward besides the input, one element each of
-    `activation_kernels.Kernels.stat` bytes (float32 on CUDA): LayerNorm its mean and rstd, a fused
-    RMSNorm its rstd. (torch's CPU RMSNorm is composite and saves more: `activation_kernels.Kernels`
+    `activation_kernels.SavedWidths.stat` bytes (float32 on CUDA): LayerNorm its mean and rstd, a fused
+    RMSNorm its rstd. (torch's CPU RMSNorm is composite and saves more: `activation_kernels.SavedWidths`
     counts that.)"""
     forward_flops: int
     """Forward FLOPs per element, DeepSpeed flops-profiler convention (layer_norm with weights 5;

@@ -13,7 +13,7 @@ import torch
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
-from megatron_ds.estimate.activation_kernels import DOCUMENT_ID_BYTES, Kernels, Split, kernels
+from megatron_ds.estimate.activation_kernels import DOCUMENT_ID_BYTES, SavedWidths, Split, kernels
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import spec_memory, stage_memory, stage_memory_for
 from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
@@ -300,7 +300,7 @@ def test_pre_and_post_activations_equal_saved_tensors(precision: str, dtype: tor
 def test_paper_closed_form_is_our_count_with_the_papers_assumptions(t: int) -> None:
     """16-bit, bool masks, softmax stored (math), no norm statistics, 4h MLP: sbh(10 + 24/t + 5as/(ht))."""
     m = GPT_1_3B
-    k = Kernels(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
+    k = SavedWidths(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
     ours = sum(act.transformer_layer_terms(m, 1, k, t, regularization=MEGATRON_DROPOUT).values())
     assert ours == pytest.approx(act.korthikanti_layer_bytes(m.seq_length, 1, m.hidden_size, m.num_attention_heads, t))
     flash = kernels("bf16", "cuda", 0.1)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate import activation_memory as act
-from megatron_ds.estimate.activation_kernels import Kernels, Split, kernels
+from megatron_ds.estimate.activation_kernels import SavedWidths, Split, kernels
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.flags.parser import parse_config
@@ -122,7 +122,7 @@ def test_split_dropout_is_the_part_of_the_unsplit_mask(dim: int, dtype: torch.dt
 
 # --- memory model ------------------------------------------------------------------------------------
 
-PAPER = Kernels(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
+PAPER = SavedWidths(w=2, mask=1, attention="math", math_bytes=2, attn_mask=1, qkv_copies=False, stat=0)
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
