@@ -257,81 +257,9 @@ def evaluate(
     `--no-sequence-parallel`; `schedule` a registered pipeline schedule with `virtual_stages` chunks per rank;
     `max_visits` limits an exact layout search (`layout_for`)."""
     dp = res.num_gpus // (tp * pp)
-    sequence_parallel = sequence_parallel_at(res, tp)
-    model = res.model(tp)
-    teacher = res.teacher(tp)
-    ep = res.expert_parallel_size if model.is_moe or (teacher is not None and teacher.is_moe) else 1
-    inputs = MemoryInputs(
-        model=model,
-        micro_batch_size=mb,
-        num_micro_batches=res.global_batch_size // (mb * dp),
-        precision=precision,
-        zero_stage=zero,
-        data_parallel_size=dp,
-        tensor_parallel_size=tp,
-        checkpoint_activations=ckpt,
-        selective_recompute=selective and not ckpt,
-        partition_activations=ckpt and bool(res.raw.partition_activations),
-        checkpoint_in_cpu=ckpt and bool(res.raw.checkpoint_in_cpu),
-        sequence_parallel=sequence_parallel,
-        offload_optimizer=offload,
-        offload_param=offload_param,
-        engine="plain" if zero >= 2 or (model.is_moe and pp == 1) or teacher is not None else "pipeline",
-        teacher=teacher,
-        schedule=schedule,
-        virtual_stages=virtual_stages,
-        expert_parallel_size=ep,
-    )
+    recompute, offloads = (ckpt, selective), (offload, offload_param)
+    inputs = _memory_inputs(res, (tp, pp, dp), mb, zero, precision, recompute, offloads, (schedule, virtual_stages))
     layout = layout_for(res, tp, pp, method, inputs, max_visits)
-    flops = flop_stage_time(inputs, layout.num_stages)
-    times = tuple(flops(s, k) for s, k in enumerate(layout.layers_per_stage))
-    # the ends hold the most (in flight on rank 0, ZB-H1's weight store on P - 1); not so with experts in the middle
-    if not time_misses and pp > 1 and not model.is_moe:
-        ends: list[StageMemory] = []
-        for rank in (0, pp - 1):
-            ends.append(
-                rank_memory_for(inputs, rank, pp, tuple(layout.layers_per_stage[i] for i in layout.rank_stages(rank)))
-            )
-            if ends[-1].total > res.usable_bytes:
-                break
-        if ends[-1].total > res.usable_bytes or not timed:  # a miss, or the ends asked: no other rank's streams
-            args = (
-                tp,
-                pp,
-                dp,
-                mb,
-                inputs.num_micro_batches,
-                zero,
-                precision,
-                ckpt,
-                method,
-                layout,
-                tuple(ends),
-                inputs,
-            )
-            return Candidate(*args)
-    stages = tuple(stage_memory(inputs, layout))
-    step = StepInputs(
-        model=inputs.model,
-        layers_per_stage=tuple(layout.layers_per_stage),
-        stage_params=tuple(s.num_params for s in stages),
-        micro_batch_size=mb,
-        num_micro_batches=inputs.num_micro_batches,
-        tp=tp,
-        dp=dp,
-        precision=precision,
-        zero_stage=zero,
-        checkpoint_activations=ckpt,
-        selective_recompute=inputs.selective_recompute,
-        gpus_per_node=res.gpus_per_node or 1,
-        schedule=inputs.schedule,
-        attention_dropout=inputs.regularization.attention_dropout > 0,
-        virtual_stages=virtual_stages,
-        expert_parallel_size=ep,
-        stage_expert_params=_rank_expert_params(model, tp, ep, layout) if ep > 1 else (),
-        teacher=teacher,
-    )
-    hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
     cand = Candidate(
         tp=tp,
         pp=pp,
@@ -343,14 +271,99 @@ def evaluate(
         checkpoint_activations=ckpt,
         method=method,
         layout=layout,
-        stages=stages,
+        stages=(),
         inputs=inputs,
-        times=times,
     )
+    # the ends hold the most (in flight on rank 0, ZB-H1's weight store on P - 1); not so with experts in the middle
+    if not time_misses and pp > 1 and not inputs.model.is_moe:
+        ends = _end_ranks(res, inputs, layout)
+        if ends[-1].total > res.usable_bytes or not timed:  # a miss, or the ends asked: no other rank's streams
+            return dataclasses.replace(cand, stages=ends)
+    flops = flop_stage_time(inputs, layout.num_stages)
+    times = tuple(flops(s, k) for s, k in enumerate(layout.layers_per_stage))
+    cand = dataclasses.replace(cand, stages=tuple(stage_memory(inputs, layout)), times=times)
     if not timed or (not time_misses and not fits(res, cand)):
         return cand  # the search only reads a miss's memory
-    run = res.run_features or timing.features(zero, precision, sequence_parallel)
-    return dataclasses.replace(cand, time=timing.step_time(step, hw, run))
+    hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
+    run = res.run_features or timing.features(zero, precision, inputs.sequence_parallel)
+    return dataclasses.replace(cand, time=timing.step_time(_step_inputs(res, cand), hw, run))
+
+
+def _memory_inputs(
+    res: Resolved,
+    degrees: tuple[int, int, int],
+    mb: int,
+    zero: int,
+    precision: str,
+    recompute: tuple[bool, bool],
+    offload: tuple[str, str],
+    schedule: tuple[str, int],
+) -> MemoryInputs:
+    """What the memory model reads of one configuration: (t, p, d) `degrees`, `recompute` (full, selective),
+    `offload` (optimizer, parameters), `schedule` (name, virtual stages per rank)."""
+    tp, pp, dp = degrees
+    ckpt, selective = recompute
+    model, teacher = res.model(tp), res.teacher(tp)
+    ep = res.expert_parallel_size if model.is_moe or (teacher is not None and teacher.is_moe) else 1
+    return MemoryInputs(
+        model=model,
+        micro_batch_size=mb,
+        num_micro_batches=res.global_batch_size // (mb * dp),
+        precision=precision,
+        zero_stage=zero,
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        checkpoint_activations=ckpt,
+        selective_recompute=selective and not ckpt,
+        partition_activations=ckpt and bool(res.raw.partition_activations),
+        checkpoint_in_cpu=ckpt and bool(res.raw.checkpoint_in_cpu),
+        sequence_parallel=sequence_parallel_at(res, tp),
+        offload_optimizer=offload[0],
+        offload_param=offload[1],
+        # pretrain_gpt.py's engine: the plain one for ZeRO-2/3, a one-stage MoE model and distillation
+        engine="plain" if zero >= 2 or (model.is_moe and pp == 1) or teacher is not None else "pipeline",
+        teacher=teacher,
+        schedule=schedule[0],
+        virtual_stages=schedule[1],
+        expert_parallel_size=ep,
+    )
+
+
+def _end_ranks(res: Resolved, inputs: MemoryInputs, layout: Layout) -> tuple[StageMemory, ...]:
+    """The first and last pipeline ranks' memory; the first alone when it already misses."""
+    pp = layout.num_ranks
+    ends: list[StageMemory] = []
+    for rank in (0, pp - 1):
+        chunk_layers = tuple(layout.layers_per_stage[i] for i in layout.rank_stages(rank))
+        ends.append(rank_memory_for(inputs, rank, pp, chunk_layers))
+        if ends[-1].total > res.usable_bytes:
+            break
+    return tuple(ends)
+
+
+def _step_inputs(res: Resolved, cand: Candidate) -> StepInputs:
+    """What the step-time model reads of a configuration whose memory is known."""
+    inputs, layout, ep = cand.inputs, cand.layout, cand.inputs.expert_parallel_size
+    return StepInputs(
+        model=inputs.model,
+        layers_per_stage=tuple(layout.layers_per_stage),
+        stage_params=tuple(s.num_params for s in cand.stages),
+        micro_batch_size=cand.micro_batch_size,
+        num_micro_batches=inputs.num_micro_batches,
+        tp=cand.tp,
+        dp=cand.dp,
+        precision=cand.precision,
+        zero_stage=cand.zero_stage,
+        checkpoint_activations=cand.checkpoint_activations,
+        selective_recompute=inputs.selective_recompute,
+        gpus_per_node=res.gpus_per_node or 1,
+        schedule=inputs.schedule,
+        attention_dropout=inputs.regularization.attention_dropout > 0,
+        virtual_stages=inputs.virtual_stages,
+        expert_parallel_size=ep,
+        stage_expert_params=_rank_expert_params(inputs.model, cand.tp, ep, layout) if ep > 1 else (),
+        teacher=inputs.teacher,
+    )
 
 
 def sequence_parallel_at(res: Resolved, tp: int) -> bool:
