@@ -1,6 +1,7 @@
 """Analytic per-spec and per-stage memory of our GPT on DeepSpeed's pipeline engine. Pure: no torch.
 
-The peak on one GPU of stage s is the largest of these moments of a training step:
+The peak on one GPU of stage s is the largest of these moments of a training step (`rank_memory_for` sums what
+the rank holds; `memory_moments.py` prices each moment and picks the largest):
 
     first backward  = params + optimizer + persistent grads + in_flight(s) x activations of one
                       micro-batch + pipe buffers + a backward transient (no gradient of this step yet)
@@ -47,22 +48,13 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_ds.estimate import activation_memory as act
-from megatron_ds.estimate import distillation_costs, moe_costs, pipeline_schedules
+from megatron_ds.estimate import distillation_costs, moe_costs
 from megatron_ds.estimate.attention_activations import MLP_HALF
 from megatron_ds.estimate.compute import checkpointed_chunks, held_total, stage_parts
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
+from megatron_ds.estimate.memory_moments import RankContents, RankStates, rank_peak
 from megatron_ds.estimate.model_states import PRECISION_BYTES
-from megatron_ds.estimate.transients import (
-    backward_transient,
-    chunk_pipe_buffers,
-    gathered,
-    logits_counted_twice,
-    pipe_buffers,
-    refilled_slot_logits,
-    step_temporaries,
-    weight_pass_transient,
-    weight_store_bytes,
-)
+from megatron_ds.estimate.transients import gathered, weight_store_bytes
 from megatron_ds.model import naming, shapes
 
 
@@ -296,20 +288,49 @@ def rank_memory_for(
     ends = [sp for pre, _, post in chunks for sp in pre + post]
     num_layers = sum(chunk_layers)
     held = ends + [layer] * bool(num_layers)  # each distinct spec once; totals count the layer num_layers times
-    last = any(post for _, _, post in chunks)
+    states = _model_states(inputs, ends, layer, num_layers, held)
+    per_mb, store, recompute = _chunk_activations(inputs, chunks, layer)
+    no_decay = held_total(ends, layer, num_layers, "no_decay_params")
+    contents = RankContents(inputs, rank, num_ranks, chunks, layer, held, states, no_decay, per_mb, store, recompute)
+    peak = rank_peak(contents)
+    total = peak.size + gathered(inputs, ends, layer, num_layers)
+    return StageMemory(
+        stage=rank,
+        num_layers=num_layers,
+        num_params=states.num_params,
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        host=states.host,
+        activation_per_micro_batch=max(per_mb),
+        in_flight=peak.in_flight,
+        activations=peak.activations,
+        pipe_buffers=peak.pipe_buffers,
+        transient=total - (states.params + states.grads + states.optimizer + peak.activations + peak.pipe_buffers),
+        transient_source=peak.source,
+        backward_transient=peak.backward_transient,
+        weight_store_per_micro_batch=store[0],
+        teacher=states.teacher,
+    )
+
+
+def _model_states(
+    inputs: MemoryInputs, ends: list[SpecMemory], layer: SpecMemory, num_layers: int, held: list[SpecMemory]
+) -> RankStates:
+    """The rank's parameters, gradients, optimizer and host states, with offload's staging buffers and a distillation
+    teacher's frozen weights: what it holds whatever the moment."""
 
     def total(attr: str) -> int:
         return held_total(ends, layer, num_layers, attr)
 
-    num_params = total("num_params")
-    states = [total(a) for a in ("params", "grads", "optimizer", "host")]
+    params, grads, optimizer, host = (total(a) for a in ("params", "grads", "optimizer", "host"))
+    w = PRECISION_BYTES[inputs.precision]
     if inputs.offload_optimizer != "none" and inputs.zero_stage <= 2:
         # stage_1_and_2.py's two staging buffers of the stage's largest parameter: one pinned on the host
         # (temp_grad_buffer_for_cpu_offload), one on the device (temp_grad_buffer_for_gpu_offload)
-        staging = max(sp.largest_param for sp in held) * PRECISION_BYTES[inputs.precision]
-        states[2] += staging
-        states[3] += staging
-    w = PRECISION_BYTES[inputs.precision]
+        staging = max(sp.largest_param for sp in held) * w
+        optimizer += staging
+        host += staging
     teacher = (
         distillation_costs.teacher_weight_bytes(
             inputs.teacher, inputs.tensor_parallel_size, w, inputs.expert_parallel_size
@@ -317,7 +338,15 @@ def rank_memory_for(
         if inputs.teacher
         else 0.0
     )
-    states[0] += teacher  # frozen, outside the engine: no gradient, optimizer state, partition or offload
+    # the teacher is frozen, outside the engine: no gradient, optimizer state, partition or offload
+    return RankStates(total("num_params"), params + teacher, grads, optimizer, host, teacher)
+
+
+def _chunk_activations(
+    inputs: MemoryInputs, chunks: list[tuple[list[SpecMemory], int, list[SpecMemory]]], layer: SpecMemory
+) -> tuple[list[float], list[float], int]:
+    """(per model chunk the activations one micro-batch saves, per chunk what it keeps for its weight passes, the
+    largest chunk of layers a backward recomputes): what the moments multiply by the micro-batches in flight."""
     per_mb, store, recompute = [], [], 0
     for pre, k, post in chunks:
         full, chunk = _recomputed(inputs, len(pre), k, len(post))
@@ -329,122 +358,7 @@ def rank_memory_for(
             + _checkpoint_states(inputs, bool(pre), k, full)
         )
         store.append(weight_store_bytes(inputs, k, holds_head=bool(post)))
-    schedule = inputs.pipeline_schedule
-    # At each distinct backward moment: the activations in flight on every chunk and what the weight passes
-    # still keep (ZB-H1's stored inputs and output gradients; one chunk then).
-    first_at, later_moments = pipeline_schedules.distinct_moments(schedule, inputs.num_micro_batches, num_ranks, rank)
-    flight = sum(first_at[0])
-    first_saved = sum(n * a for n, a in zip(first_at[0], per_mb)) + first_at[1] * store[0]
-    # The share of the rank's parameters whose gradients exist at each later moment: per chunk, those a backward
-    # makes once one ran (interleaving runs the last chunk's backwards first) and, where a split backward
-    # leaves them to the weight pass (ZB-H1), the linears' weights once a weight pass ran.
-    weights = [sum(sp.deferrable_params for sp in pre + post) + k * layer.deferrable_params for pre, k, post in chunks]
-    weights = [w if schedule.splits_backward else 0 for w in weights]
-    whole = [sum(sp.num_params for sp in pre + post) + k * layer.num_params for pre, k, post in chunks]
-    if len(chunk_layers) == 1:
-        buffers, persistent = pipe_buffers(inputs, rank, num_ranks)
-    else:
-        buffers, persistent = chunk_pipe_buffers(inputs, rank, num_ranks, first_at[0])
-    # A first-stage micro-batch's activations other than the token ids the embedding saved are
-    # freed before the word embedding's gradient is computed (see `transients.backward_transient`).
-    pre = chunks[0][0]
-    freed = per_mb[0] - sum(sp.activations for sp in pre if sp.name == naming.WORD_EMBEDDING)
-    first_bwd = backward_transient(inputs, layer, recompute, held, last, freed, accumulating=False)
-    first_bwd = _or_refill(first_bwd, refilled_slot_logits(inputs, rank, num_ranks, flight, first_at[1]))
-    first_buffers = buffers - logits_counted_twice(inputs, rank, num_ranks, flight, first_at[1])
-    # The step's gradients exist from the first backward on: DeepSpeed sets every `.grad` to None
-    # after the optimizer step (engine.zero_grad; zero_grad(set_to_none=True) of its ZeRO and bf16
-    # optimizers), so only the rest of `grads` (flat fp32 buffers, partitions) is always held.
-    fresh = min(states[1], num_params * PRECISION_BYTES[inputs.precision]) if inputs.zero_stage <= 1 else 0.0
-    base = states[0] + states[2] + states[1] - fresh
-    later_options = []
-    transients: dict[tuple[int, bool], tuple[float, str]] = {}  # moments share a few kinds: price each once
-    for mo in later_moments or [_only_backward(first_at, len(chunks))]:
-        share = sum(whole[c] - weights[c] for c in mo.backward_grads) + sum(weights[c] for c in mo.weight_grads)
-        held_share = share / num_params
-        saved = sum(n * a for n, a in zip(mo.flight, per_mb)) + mo.pending * store[0]
-        key = (mo.kind, mo.accumulating)
-        if key not in transients and mo.kind == pipeline_schedules.WEIGHT:
-            transients[key] = weight_pass_transient(inputs, held, mo.accumulating)
-        elif key not in transients:
-            defers = mo.kind == pipeline_schedules.BACKWARD_INPUT
-            transients[key] = backward_transient(inputs, layer, recompute, held, last, freed, mo.accumulating, defers)
-        extra_what, in_flight = transients[key], sum(mo.flight)
-        if mo.kind != pipeline_schedules.WEIGHT:
-            extra_what = _or_refill(extra_what, refilled_slot_logits(inputs, rank, num_ranks, in_flight, mo.pending))
-        held_buffers = buffers - logits_counted_twice(inputs, rank, num_ranks, in_flight, mo.pending)
-        later_options.append(
-            (base + fresh * held_share + saved + held_buffers + extra_what[0], mo, held_share, extra_what)
-        )
-    later_total, mo, held_share, (extra, what) = max(later_options, key=lambda o: o[0])  # the first of equals
-    later_source = _moment_label(mo, held_share, what if extra else "")
-    accumulating = inputs.num_micro_batches > 1
-    later_bwd = backward_transient(inputs, layer, recompute, held, last, freed, accumulating=accumulating)
-    step, step_source = step_temporaries(inputs, held, num_params, total("no_decay_params"), num_ranks)
-    moments = [
-        (
-            base + first_saved + first_buffers + first_bwd[0],
-            f"first backward, {flight} micro-batch(es) in flight, no gradient yet"
-            + (f"; {first_bwd[1]}" if first_bwd[0] else ""),
-        ),
-        (later_total, later_source),
-        (sum(states[:3]) + persistent + step, f"optimizer step: {step_source}"),
-    ]
-    if inputs.teacher is not None:  # after the student's forward: its activations, the teacher's forward, the kd loss
-        kd, kd_what = distillation_costs.forward_transient(
-            inputs.teacher, inputs.micro_batch_size, inputs.tensor_parallel_size, w, inputs.expert_parallel_size
-        )
-        grads = fresh if inputs.num_micro_batches > 1 else 0.0  # the earlier micro-batches' gradients
-        moments.append((base + grads + per_mb[0] + buffers + kd, f"a training forward's end, 1 micro-batch: {kd_what}"))
-    peak, source = max(moments, key=lambda m: m[0])
-    peak += gathered(inputs, ends, layer, num_layers)
-    return StageMemory(
-        stage=rank,
-        num_layers=num_layers,
-        num_params=num_params,
-        params=states[0],
-        grads=states[1],
-        optimizer=states[2],
-        host=states[3],
-        activation_per_micro_batch=max(per_mb),
-        in_flight=flight,
-        activations=first_saved,
-        pipe_buffers=first_buffers,
-        transient=peak - (sum(states[:3]) + first_saved + first_buffers),
-        transient_source=source,
-        backward_transient=later_bwd[0],
-        weight_store_per_micro_batch=store[0],
-        teacher=teacher,
-    )
-
-
-def _or_refill(transient: tuple[float, str], refill: float) -> tuple[float, str]:
-    """A backward moment's transient, or the forward just before it when that holds more (the last stage under
-    the vocabulary-parallel loss: `transients.refilled_slot_logits`)."""
-    if refill > transient[0]:
-        return (
-            refill,
-            "the forward before it: its logits made while the pipe-buffer slot it refills holds an earlier one",
-        )
-    return transient
-
-
-def _moment_label(mo: pipeline_schedules.Moment, held_share: float, transient: str) -> str:
-    """What a later moment holds, as the memory report names its peak."""
-    if mo.kind == pipeline_schedules.WEIGHT:
-        label = f"a weight pass, {sum(mo.flight)} micro-batch(es) in flight, {mo.pending} weight pass(es)' store"
-    else:
-        label = f"a later backward, {sum(mo.flight)} micro-batch(es) in flight"
-        label += f", {mo.pending} weight pass(es)' store" if mo.pending else ""
-    label += ", gradients held" + (f" (of {held_share:.0%} of the parameters)" if held_share < 1 else "")
-    return label + (f"; {transient}" if transient else "")
-
-
-def _only_backward(first_at: tuple, num_chunks: int) -> pipeline_schedules.Moment:
-    """One micro-batch (M = 1, no later backward): the moment after its backward began, as if a later one."""
-    flight = tuple(n - (c == first_at[2]) for c, n in enumerate(first_at[0]))
-    every = tuple(range(num_chunks))
-    return pipeline_schedules.Moment(pipeline_schedules.BACKWARD, flight, first_at[1], every, every, False)
+    return per_mb, store, recompute
 
 
 def _checkpoint_states(inputs: MemoryInputs, first: bool, num_layers: int, full_layers: int) -> float:
