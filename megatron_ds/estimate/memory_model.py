@@ -52,7 +52,7 @@ from megatron_ds.estimate import distillation_costs, moe_costs
 from megatron_ds.estimate.attention_activations import MLP_HALF
 from megatron_ds.estimate.compute import checkpointed_chunks, held_total, stage_parts
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
-from megatron_ds.estimate.memory_moments import RankContents, RankStates, rank_peak
+from megatron_ds.estimate.memory_moments import Chunk, RankContents, RankStates, rank_peak
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.transients import gathered, weight_store_bytes
 from megatron_ds.model import naming, shapes
@@ -258,7 +258,7 @@ def stage_memory_for(inputs: MemoryInputs, stage: int, num_stages: int, num_laye
     return rank_memory_for(inputs, stage, num_stages, (num_layers,))
 
 
-def _chunks(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layers: tuple[int, ...]) -> list[tuple]:
+def _chunks(inputs: MemoryInputs, rank: int, num_ranks: int, chunk_layers: tuple[int, ...]) -> list[Chunk]:
     """Per model chunk: (pre specs, layers, post specs); chunk c is flat stage c x P + rank."""
     all_pre, all_post, _ = _spec_parts(inputs)
     last = len(chunk_layers) * num_ranks - 1
@@ -343,7 +343,7 @@ def _model_states(
 
 
 def _chunk_activations(
-    inputs: MemoryInputs, chunks: list[tuple[list[SpecMemory], int, list[SpecMemory]]], layer: SpecMemory
+    inputs: MemoryInputs, chunks: list[Chunk], layer: SpecMemory
 ) -> tuple[list[float], list[float], int]:
     """(per model chunk the activations one micro-batch saves, per chunk what it keeps for its weight passes, the
     largest chunk of layers a backward recomputes): what the moments multiply by the micro-batches in flight."""

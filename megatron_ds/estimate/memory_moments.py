@@ -27,6 +27,8 @@ from megatron_ds.model import naming
 
 Priced = tuple[float, str]
 """Bytes, and what the memory report names them."""
+Chunk = tuple[list[SpecMemory], int, list[SpecMemory]]
+"""One model chunk of a rank: (its pre specs, its transformer layers, its post specs)."""
 FirstAt = tuple[tuple[int, ...], int, int]
 """The first backward as `pipeline_schedules.distinct_moments` reads it: (micro-batches in flight per chunk, weight
 passes pending, the chunk whose backward it is)."""
@@ -52,8 +54,7 @@ class RankContents:
     inputs: MemoryInputs
     rank: int
     num_ranks: int
-    chunks: list[tuple[list[SpecMemory], int, list[SpecMemory]]]
-    """Per model chunk: (pre specs, transformer layers, post specs)."""
+    chunks: list[Chunk]
     layer: SpecMemory
     """The transformer layer the rank holds copies of."""
     held: list[SpecMemory]
