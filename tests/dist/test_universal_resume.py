@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,8 +31,10 @@ from typing import Any
 
 import pytest
 
+from megatron_ds.testing import fork_server
+from megatron_ds.testing.launch import signal_group
 from megatron_ds.testing.scenario_runs import by_name, run_scenarios
-from megatron_ds.testing.script_runs import run_python
+from megatron_ds.testing.script_runs import PRELOAD, run_python
 
 LAYERS, VOCAB, DROPOUT, TOL = 6, 512, 0.1, 1e-6  # vocabulary 512: the memory split differs from the stock one
 BIG = {"model__vocab_size": 32768, "model__hidden_size": 256, "model__ffn_hidden_size": 1024,
@@ -254,19 +257,30 @@ def test_changed_bytes_of_the_same_size_are_refused_when_read(runs: dict, tmp_pa
         found.read(victim.parent.name, "fp32")
 
 
+def _start_conversion(source: Path, out: Path, log: Path) -> fork_server.Forked | subprocess.Popen:
+    """The conversion tool on `source`, forked from the test's server (a fresh interpreter if that cannot start it),
+    its output in `log`; the handle's pid leads the run's own session."""
+    argv = [*TOOL[1:], str(source), str(out), "--no-progress"]
+    try:
+        streams = {"stdout": str(log), "stderr": str(log)}
+        return fork_server.fork(PRELOAD, argv, ROOT, dict(os.environ), exit_file=f"{log}.exit", streams=streams)
+    except fork_server.ServerFailed:
+        with open(log, "w") as f:
+            return subprocess.Popen(TOOL[:1] + argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+
+
 def test_killed_or_failed_conversion_leaves_the_source_and_no_output(runs: dict, tmp_path: Path) -> None:
     source = runs["checkpoints"] / "big"
     before = tree_digest(source)
-    out = tmp_path / "out"
-    proc = subprocess.Popen([*TOOL, str(source), str(out), "--no-progress"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, cwd=ROOT)
+    out, log = tmp_path / "out", tmp_path.parent / f"{tmp_path.name}.convert.log"
+    proc = _start_conversion(source, out, log)
     deadline = time.monotonic() + 240
     while not list(tmp_path.glob(".out.incomplete.*/global_step1/tensors/*/exp_avg.pt")):  # midway
-        assert proc.poll() is None, f"finished before it could be killed: {proc.communicate()[0][-2000:]!r}"
+        assert proc.poll() is None, f"finished before it could be killed: {log.read_text()[-2000:]!r}"
         assert time.monotonic() < deadline, "the conversion never started writing"
         time.sleep(0.005)
-    proc.kill()
-    proc.wait()
+    signal_group(proc.pid, signal.SIGKILL)
+    proc.wait(30)
     assert not out.exists() and tree_digest(source) == before
     assert list(tmp_path.glob(".out.incomplete.*")), "the kill came after the conversion"
     done = run_python([*TOOL[1:], str(source), str(out), "--no-progress"], timeout=300, cwd=ROOT)
@@ -313,8 +327,7 @@ def test_conversion_memory_stays_within_a_small_multiple_of_the_largest_tensor(r
     of one state and its copy) plus 24 MiB of fixed costs (about 11 MiB here: the first unpickling),
     while the whole state (fp32 masters and both Adam moments) is more than 4 embeddings, and one
     tensor's three states at once would be 3."""
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(runs["checkpoints"] / "big"), str(tmp_path / "u")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = run_python(["-c", MEASURE, str(runs["checkpoints"] / "big"), str(tmp_path / "u")], timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     mem = json.loads(out.stdout.strip().splitlines()[-1])
     largest = 32768 * 256 * 4
