@@ -49,7 +49,7 @@ def _print_notices(notices: list[str]) -> None:
 
 def _print_gaps(args: object) -> None:
     from megatron_ds.flags.dry_run import launch_gaps
-    from megatron_ds.flags.to_config import warn
+    from megatron_ds.flags.notices import warn
 
     gaps = launch_gaps(args)
     if gaps:

@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import functools
 import os
-import sys
 from typing import Any
 
 from megatron_ds.config import (
@@ -50,16 +49,10 @@ from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.deepspeed_json import json_default
 from megatron_ds.flags.distillation_flags import distillation_config
 from megatron_ds.flags.lengths import rampup_decay_notice, schedule_lengths, train_length
-from megatron_ds.flags.notices import notice
+from megatron_ds.flags.notices import notice, warn
 from megatron_ds.flags.registry import FLAGS
 
-__all__ = ["ConfigError", "build_config", "warn"]
-
-
-def warn(message: str) -> None:
-    """A one-line warning for an ignored option, printed once (by rank 0) before training starts."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"WARNING: {message}", file=sys.stderr, flush=True)
+__all__ = ["ConfigError", "build_config"]
 
 
 def _refuse_values(args: argparse.Namespace) -> None:
