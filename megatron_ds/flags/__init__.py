@@ -11,6 +11,7 @@ flags -> config, and the refusals and compatibility table. Parsing imports no to
     registry.py   FLAGS (all of them, in the compatibility table's order) and BY_NAME
     parser.py     the argparse parser and `--help` drawn from FLAGS; `parse_config(argv)`
     to_config.py  parsed flags -> the config tree (which checks itself), then the layout check
+    to_model_config.py  parsed flags -> the model section (sizes, vocabulary, activation)
     lengths.py    training and learning-rate schedule lengths in Megatron's units
     compat.py     refusal messages and docs/compatibility.md's table (`python -m megatron_ds.flags.compat`)
 

@@ -23,6 +23,7 @@ from megatron_ds.errors import ConfigError
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.notices import notice
 from megatron_ds.flags.registry import FLAGS
+from megatron_ds.flags.to_model_config import ACTIVATION_FLAGS
 from megatron_ds.training.checkpoint.directory import TOKENIZER_DIR, load_tag, read_meta, recorded_vocab_size
 
 DERIVED_MODEL_DESTS = (
@@ -43,8 +44,6 @@ DROPOUT_DESTS = ("hidden_dropout", "attention_dropout")
 
 def model_dests(model: ModelConfig) -> dict[str, Any]:
     """argparse dest -> value of every model flag that rebuilds `model`."""
-    from megatron_ds.flags.to_config import ACTIVATION_FLAGS  # to_config imports this module
-
     out: dict[str, Any] = {}
     for f in FLAGS:
         fields = [x for x in f.fields if x.startswith("model.")]  # --vocab-size also sets the NullTokenizer's

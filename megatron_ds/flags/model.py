@@ -1,7 +1,7 @@
 """Flags of Megatron's groups "network size", "mixture of experts", "regularization", "initialization".
 
 How Megatron's activation flags select `ModelConfig.activation` is flags -> config, so it lives in
-`megatron_ds.flags.to_config` (`model_activation`, `ACTIVATION_FLAGS`)."""
+`megatron_ds.flags.to_model_config` (`model_activation`, `ACTIVATION_FLAGS`)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ds.config.model import DEFAULT_ROTARY_BASE, LLAMA3_ROPE_SCALING
-from megatron_ds.flags.to_config import ACTIVATION_FLAGS
+from megatron_ds.flags.to_model_config import ACTIVATION_FLAGS
 from megatron_ds.interop.hf_config import (
     ARCHITECTURE_CLASSES,
     GPT2,

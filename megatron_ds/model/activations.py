@@ -1,14 +1,14 @@
 """The MLP activations: one registry entry each (`REGISTRY`), read by the layer, the memory and
 compute models and the Hugging Face mapping.
 
-`ModelConfig.activation` names an entry; `megatron_ds.flags.to_config.model_activation` maps Megatron's
+`ModelConfig.activation` names an entry; `megatron_ds.flags.to_model_config.model_activation` maps Megatron's
 flags onto it (`--swiglu`, `--openai-gelu`, `--no-bias-gelu-fusion`, `--disable-bias-linear`).
 The names and the gated entries are repeated in `megatron_ds.config.model` (ACTIVATIONS,
 GATED_ACTIVATIONS: the config layer sits below torch and needs them for its checks and weight
 shapes); this module checks on import that the two agree.
 
 To add an activation: its name in `config.model.ACTIVATIONS` (and GATED_ACTIVATIONS if fc1 is
-gate + up), one `Activation` here, the flag that selects it in `flags.to_config.model_activation` and
+gate + up), one `Activation` here, the flag that selects it in `flags.to_model_config.model_activation` and
 `ACTIVATION_FLAGS`; its saved elements are checked against autograd by tests/unit/test_memory_model.py.
 
 Importing this module loads no torch (the functions import it when called): the memory and compute

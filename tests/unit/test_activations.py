@@ -155,7 +155,7 @@ def test_activation_flags_select_their_activation_whatever_else_is_given() -> No
     import argparse
     import itertools
 
-    from megatron_ds.flags.to_config import ACTIVATION_FLAGS, model_activation
+    from megatron_ds.flags.to_model_config import ACTIVATION_FLAGS, model_activation
 
     dests = ("swiglu", "squared_relu", "openai_gelu", "bias_gelu_fusion", "add_bias_linear")
     assert set(ACTIVATION_FLAGS) == set(activations.REGISTRY)

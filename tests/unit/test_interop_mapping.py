@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.flags.to_config import ACTIVATION_FLAGS, model_activation
+from megatron_ds.flags.to_model_config import ACTIVATION_FLAGS, model_activation
 from megatron_ds.interop import hf_config, hf_config_read, hf_weights
 from megatron_ds.interop.hf_config import HFConfigError
 from megatron_ds.model import naming, norms, sharding

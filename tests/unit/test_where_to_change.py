@@ -30,7 +30,7 @@ ROWS = {
     ),
     "an activation": (
         tuple(activations.REGISTRY),
-        {"model/activations.py", "config/model.py", "flags/to_config.py"},
+        {"model/activations.py", "config/model.py", "flags/to_model_config.py"},
     ),
 }
 
