@@ -6,7 +6,9 @@ flags -> config, and the refusals and compatibility table. Parsing imports no to
     training.py   declarations: training, learning rate, mixed precision, validation
     parallel.py   declarations: distributed (with our pipeline-layout flags), DeepSpeed/ZeRO/recompute
     data_io.py    declarations: data and tokenizer, checkpointing, logging
-    megatron_lm.py  declarations: Megatron-LM's flags, spliced into those groups
+    megatron_lm.py  declarations: Megatron-LM's flags, spliced into those groups (network size, training,
+                  mixed precision, Transformer Engine, distributed), and GROUPS, every table of them
+    megatron_lm_io.py declarations: Megatron-LM's data and tokenizer, checkpointing and logging flags
     other_models.py declarations: Megatron-DeepSpeed's groups of its other models (Retro, vision, ...)
     registry.py   FLAGS (all of them, in the compatibility table's order) and BY_NAME
     parser.py     the argparse parser and `--help` drawn from FLAGS; `parse_config(argv)`

@@ -31,7 +31,7 @@ MEGATRON_LM_FLAGS = (
     *(f.name for group in megatron_lm.GROUPS for f in group if f.status == ACCEPTED and f.fields),
 )
 """Flags accepted here that Megatron-LM's arguments.py has and Megatron-DeepSpeed's does not: the
-layout flags, and each one of `flags/megatron_lm.py` (its example lines' flags) that sets a config
+layout flags, and each one of `flags/megatron_lm.py` and `flags/megatron_lm_io.py` (its example lines' flags) that sets a config
 field (those that change nothing here are left out: they change nothing, the data's rules included)."""
 
 

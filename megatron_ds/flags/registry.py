@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import megatron_ds.flags.data_io as data_io
 import megatron_ds.flags.megatron_lm as megatron_lm
+import megatron_ds.flags.megatron_lm_io as megatron_lm_io
 import megatron_ds.flags.model as model
 import megatron_ds.flags.other_models as other_models
 import megatron_ds.flags.parallel as parallel
@@ -16,14 +17,14 @@ FLAGS: tuple[Flag, ...] = (
     *megatron_lm.NETWORK,
     *model.MIXTURE_OF_EXPERTS,
     *data_io.LOGGING,
-    *megatron_lm.LOGGING,
+    *megatron_lm_io.LOGGING,
     *model.REGULARIZATION,
     *training.TRAINING,
     *megatron_lm.TRAINING,
     *model.INITIALIZATION,
     *training.LEARNING_RATE,
     *data_io.CHECKPOINTING,
-    *megatron_lm.CHECKPOINTING,
+    *megatron_lm_io.CHECKPOINTING,
     *training.MIXED_PRECISION,
     *megatron_lm.MIXED_PRECISION,
     *megatron_lm.TRANSFORMER_ENGINE,
@@ -31,7 +32,7 @@ FLAGS: tuple[Flag, ...] = (
     *megatron_lm.DISTRIBUTED,
     *training.VALIDATION,
     *data_io.DATA,
-    *megatron_lm.DATA,
+    *megatron_lm_io.DATA,
     *parallel.DEEPSPEED,
     *(f for group in other_models.GROUPS for f in group),
 )
