@@ -3,9 +3,11 @@ flags -> config, and the refusals and compatibility table. Parsing imports no to
 
     declare.py    `Flag`: one declaration (values, default, status, the config field it sets, help)
     model.py      declarations: network size, mixture of experts, regularization, initialization
-    training.py   declarations: training, learning rate, mixed precision, validation
+    training.py   declarations: training, validation
+    lr_precision.py declarations: learning rate, mixed precision
     parallel.py   declarations: distributed (with our pipeline-layout flags), DeepSpeed/ZeRO/recompute
-    data_io.py    declarations: data and tokenizer, checkpointing, logging
+    data_io.py    declarations: data and tokenizer, checkpointing
+    logging_flags.py declarations: logging
     megatron_lm.py  declarations: Megatron-LM's flags, spliced into those groups (network size, training,
                   mixed precision, Transformer Engine, distributed), and GROUPS, every table of them
     megatron_lm_io.py declarations: Megatron-LM's data and tokenizer, checkpointing and logging flags

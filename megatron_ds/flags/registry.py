@@ -4,6 +4,8 @@ argument groups), and the lookup by spelling."""
 from __future__ import annotations
 
 import megatron_ds.flags.data_io as data_io
+import megatron_ds.flags.logging_flags as logging_flags
+import megatron_ds.flags.lr_precision as lr_precision
 import megatron_ds.flags.megatron_lm as megatron_lm
 import megatron_ds.flags.megatron_lm_io as megatron_lm_io
 import megatron_ds.flags.model as model
@@ -16,16 +18,16 @@ FLAGS: tuple[Flag, ...] = (
     *model.NETWORK,
     *megatron_lm.NETWORK,
     *model.MIXTURE_OF_EXPERTS,
-    *data_io.LOGGING,
+    *logging_flags.LOGGING,
     *megatron_lm_io.LOGGING,
     *model.REGULARIZATION,
     *training.TRAINING,
     *megatron_lm.TRAINING,
     *model.INITIALIZATION,
-    *training.LEARNING_RATE,
+    *lr_precision.LEARNING_RATE,
     *data_io.CHECKPOINTING,
     *megatron_lm_io.CHECKPOINTING,
-    *training.MIXED_PRECISION,
+    *lr_precision.MIXED_PRECISION,
     *megatron_lm.MIXED_PRECISION,
     *megatron_lm.TRANSFORMER_ENGINE,
     *parallel.DISTRIBUTED,
