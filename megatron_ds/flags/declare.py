@@ -70,7 +70,7 @@ class Flag:
     fields: tuple[str, ...] = ()
     """The config fields (`section.field`) the flag sets."""
     derived: bool = False
-    """True: `validation.py` computes the field(s) from this and other flags (defaults that depend on
+    """True: `to_config.py` (a model field: `to_model_config.py`) computes the field(s) from this and other flags (defaults that depend on
     other flags, unit conversions). False: the value is copied into its one field as given."""
     refused_values: tuple[Refusal, ...] = ()
     exclusive: str | None = None

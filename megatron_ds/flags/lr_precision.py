@@ -14,7 +14,7 @@ _WARMUP = ("optimizer.lr_warmup_iters", "optimizer.lr_warmup_samples", "optimize
 
 
 def _schedule(name: str, help: str, fields: tuple[str, ...], default: int | None = None) -> Flag:
-    """A warm-up or decay length: validation.py puts it into the one unit the schedule uses."""
+    """A warm-up or decay length: `lengths.py` puts it into the one unit the schedule uses."""
     return accepted(name, _LR, help, type=int, default=default, fields=fields, derived=True)
 
 
