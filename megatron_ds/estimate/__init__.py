@@ -9,9 +9,9 @@ DeepSpeed (tests/unit/test_import_layers.py enforces it). What measures lives in
     pipeline_schedules.py   the pipeline-schedule registry: each stage's instruction stream
     step_simulator.py       a step's time replayed over those streams
     measured_time.py        stage times from measured per-group times (`profile`)
-    layout_costs.py, run_layout.py, fit_advice.py
-                            the costs a partition method needs; the layout a config asks for; what
-                            would make it fit
+    layout_costs.py, run_layout.py, remedies.py, fit_advice.py
+                            the costs a partition method needs; the layout a config asks for; the
+                            changes that may make it fit, and what would
     machine.py, devices.py  the device facts handed down; the GPU table (memory, compute
                             capability, peak FLOP/s) of common GPUs
 

@@ -1,5 +1,5 @@
-"""One home for fit advice (`estimate/fit_advice.py`): the remedies, when each applies, what it
-saves; the one-line advice and the planner's `memory` section read the same ones."""
+"""One home for fit advice (`estimate/remedies.py`, `estimate/fit_advice.py`): the remedies, when each applies,
+what it saves; the one-line advice and the planner's `memory` section read the same ones."""
 
 from __future__ import annotations
 
@@ -10,19 +10,12 @@ import pytest
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.errors import ConfigError
-from megatron_ds.estimate import fit_advice
-from megatron_ds.estimate.fit_advice import (
-    HALVE_MICRO_BATCH,
-    ONE_BIT,
-    RECOMPUTE,
-    REMEDIES,
-    ZERO_1,
-    least_memory,
-    ranked_changes,
-)
+from megatron_ds.estimate import fit_advice, remedies
+from megatron_ds.estimate.fit_advice import least_memory, ranked_changes
 from megatron_ds.estimate.machine import CPU
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import stage_memory
+from megatron_ds.estimate.remedies import HALVE_MICRO_BATCH, ONE_BIT, RECOMPUTE, REMEDIES, ZERO_1
 from megatron_ds.estimate.run_layout import memory_inputs
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.model.naming import gpt_spec_groups
@@ -66,7 +59,7 @@ def test_ranked_changes_are_cheapest_first_with_the_memory_models_savings() -> N
     changes = ranked_changes(INPUTS, layout, "none", default_layout)
     # each applies here but sequence parallelism, which needs tensor parallelism, and the plain engine's
     # changes (Ulysses, ZeRO 2/3, parameter offload: P = 1 only)
-    skipped = [fit_advice.SEQUENCE_PARALLEL, *(r for r in REMEDIES if r.single_stage)]
+    skipped = [remedies.SEQUENCE_PARALLEL, *(r for r in REMEDIES if r.single_stage)]
     assert sorted(c.name for c in changes) == sorted(r.name for r in REMEDIES if r not in skipped)
     assert [(c.cost_rank, -c.saving) for c in changes] == sorted((c.cost_rank, -c.saving) for c in changes)
     base = max(s.total for s in stage_memory(INPUTS, layout))
@@ -79,7 +72,7 @@ def test_ranked_changes_are_cheapest_first_with_the_memory_models_savings() -> N
 def test_sequence_parallelism_and_selective_recompute_are_offered_where_they_apply() -> None:
     t2 = dataclasses.replace(INPUTS, model=dataclasses.replace(INPUTS.model), tensor_parallel_size=2)
     changes = {c.name: c for c in ranked_changes(t2, default_layout(t2, "none"), "none", default_layout)}
-    sp, selective = fit_advice.SEQUENCE_PARALLEL, fit_advice.SELECTIVE_RECOMPUTE
+    sp, selective = remedies.SEQUENCE_PARALLEL, remedies.SELECTIVE_RECOMPUTE
     assert (
         changes[sp.name].saving > 0
         and changes[sp.name].cost_rank == 0
@@ -92,14 +85,14 @@ def test_sequence_parallelism_and_selective_recompute_are_offered_where_they_app
 def test_ulysses_is_offered_at_pipeline_size_1_with_the_smallest_degree_that_divides() -> None:
     one_stage = lambda inputs, method: build_layout(gpt_spec_groups(inputs.model), 1)  # noqa: E731
     changes = {c.name: c for c in ranked_changes(INPUTS, one_stage(INPUTS, "none"), "none", one_stage)}
-    ulysses = changes[fit_advice.ULYSSES.name]
+    ulysses = changes[remedies.ULYSSES.name]
     assert ulysses.flags == "--ds-sequence-parallel-size 2" and ulysses.saving > 0
-    changed = fit_advice.ULYSSES.change(INPUTS)
+    changed = remedies.ULYSSES.change(INPUTS)
     assert (changed.ulysses_size, changed.engine, changed.data_parallel_size) == (2, "plain", 2)
-    assert fit_advice.ULYSSES.change(dataclasses.replace(INPUTS, data_parallel_size=1)) is None  # no DP to split
-    assert fit_advice.ULYSSES.change(dataclasses.replace(INPUTS, tensor_parallel_size=2)) is None
+    assert remedies.ULYSSES.change(dataclasses.replace(INPUTS, data_parallel_size=1)) is None  # no DP to split
+    assert remedies.ULYSSES.change(dataclasses.replace(INPUTS, tensor_parallel_size=2)) is None
     three_heads = dataclasses.replace(MODEL, num_attention_heads=3, hidden_size=192)
-    assert fit_advice.ULYSSES.change(dataclasses.replace(INPUTS, model=three_heads)) is None
+    assert remedies.ULYSSES.change(dataclasses.replace(INPUTS, model=three_heads)) is None
 
 
 def test_a_change_keeps_the_rest_of_the_configuration() -> None:
@@ -135,11 +128,11 @@ ZERO_ARGV = [
     *("--lr", "1e-4", "--train-iters", "10", "--mock-data"),
 ]
 PLAIN_REMEDIES = (
-    fit_advice.ZERO_2,
-    fit_advice.ZERO_3,
-    fit_advice.OFFLOAD_OPTIMIZER,
-    fit_advice.ZERO_2_OFFLOAD,
-    fit_advice.OFFLOAD_PARAM,
+    remedies.ZERO_2,
+    remedies.ZERO_3,
+    remedies.OFFLOAD_OPTIMIZER,
+    remedies.ZERO_2_OFFLOAD,
+    remedies.OFFLOAD_PARAM,
 )
 
 
@@ -160,20 +153,20 @@ def test_each_zero_change_is_flags_pretrain_gpt_accepts_with_the_same_meaning(re
 
 
 def test_zero_2_and_3_apply_where_the_plain_engine_runs_and_partition_something() -> None:
-    zero2, zero3 = fit_advice.ZERO_2.change(INPUTS), fit_advice.ZERO_3.change(INPUTS)
+    zero2, zero3 = remedies.ZERO_2.change(INPUTS), remedies.ZERO_3.change(INPUTS)
     assert (zero2.zero_stage, zero2.engine, zero3.zero_stage, zero3.engine) == (2, "plain", 3, "plain")
     single = dataclasses.replace(INPUTS, data_parallel_size=1)
-    assert fit_advice.ZERO_2.change(single) is None and fit_advice.ZERO_3.change(single) is None
-    assert fit_advice.OFFLOAD_PARAM.change(single).offload_param == "cpu"  # 13B on one GPU: offload, not DP
+    assert remedies.ZERO_2.change(single) is None and remedies.ZERO_3.change(single) is None
+    assert remedies.OFFLOAD_PARAM.change(single).offload_param == "cpu"  # 13B on one GPU: offload, not DP
     zbh1 = dataclasses.replace(INPUTS, schedule="zbh1")  # the plain engine runs the 1F1B schedule only
-    assert all(r.change(zbh1) is None for r in (fit_advice.ZERO_2, fit_advice.ZERO_3, fit_advice.OFFLOAD_PARAM))
-    assert fit_advice.ZERO_2.change(zero3) is None and fit_advice.ZERO_3.change(zero3) is None
+    assert all(r.change(zbh1) is None for r in (remedies.ZERO_2, remedies.ZERO_3, remedies.OFFLOAD_PARAM))
+    assert remedies.ZERO_2.change(zero3) is None and remedies.ZERO_3.change(zero3) is None
     # ZeRO-Offload's 13B on one GPU: ZeRO-2 with CPU Adam at DP = 1 moves the gradients and fp32 states off
-    zero2_offload = fit_advice.ZERO_2_OFFLOAD.change(single)
+    zero2_offload = remedies.ZERO_2_OFFLOAD.change(single)
     assert (zero2_offload.zero_stage, zero2_offload.offload_optimizer, zero2_offload.engine) == (2, "cpu", "plain")
-    assert fit_advice.ZERO_2_OFFLOAD.change(zero2_offload) is None
-    offloaded = fit_advice.OFFLOAD_PARAM.change(INPUTS)
-    assert fit_advice.OFFLOAD_OPTIMIZER.change(offloaded) is None and fit_advice.OFFLOAD_PARAM.change(offloaded) is None
+    assert remedies.ZERO_2_OFFLOAD.change(zero2_offload) is None
+    offloaded = remedies.OFFLOAD_PARAM.change(INPUTS)
+    assert remedies.OFFLOAD_OPTIMIZER.change(offloaded) is None and remedies.OFFLOAD_PARAM.change(offloaded) is None
 
 
 def _one_stage(inputs: MemoryInputs, method: str):
@@ -193,14 +186,14 @@ def test_at_pipeline_size_1_the_memory_section_offers_zero_2_3_and_offload_with_
         states[remedy.name] = stage.model_states
     # ZeRO-3 partitions the parameters besides ZeRO-2's gradients (though its gathered working set, a transient,
     # can outweigh that in a model this small); parameter offload leaves only the persistent small tensors
-    assert states["ZeRO-3"] < states["ZeRO-2"] and states[fit_advice.OFFLOAD_PARAM.name] < states["ZeRO-3"] / 10
+    assert states["ZeRO-3"] < states["ZeRO-2"] and states[remedies.OFFLOAD_PARAM.name] < states["ZeRO-3"] / 10
     two_stages = ranked_changes(INPUTS, default_layout(INPUTS, "none"), "none", default_layout)
     assert {c.name for c in two_stages}.isdisjoint(r.name for r in REMEDIES if r.single_stage)
 
 
 def test_the_one_line_advice_names_zero_2_3_and_offload_at_pipeline_size_1_only() -> None:
     """Each change is named, with the memory model's least largest stage, exactly when that fits the limit."""
-    limit = least_memory(fit_advice.ZERO_2.change(INPUTS), 1)
+    limit = least_memory(remedies.ZERO_2.change(INPUTS), 1)
     assert limit < least_memory(INPUTS, 1)
     advice = fit_advice.fit_advice(INPUTS, 1, limit)
     named = []
@@ -211,9 +204,9 @@ def test_the_one_line_advice_names_zero_2_3_and_offload_at_pipeline_size_1_only(
         need = least_memory(changed, 1)
         assert (f"{remedy.flags(changed)} ({format_bytes(need)} per rank)" in advice) == (need <= limit), remedy.name
         named += [remedy.name] if need <= limit else []
-    assert {"ZeRO-2", fit_advice.OFFLOAD_PARAM.name} <= set(named)
+    assert {"ZeRO-2", remedies.OFFLOAD_PARAM.name} <= set(named)
     # the same limit at two stages: ZeRO 2/3 would not run there (the pipeline engine), so not named
-    at_two = fit_advice.fit_advice(INPUTS, 2, least_memory(fit_advice.OFFLOAD_OPTIMIZER.change(INPUTS), 2))
+    at_two = fit_advice.fit_advice(INPUTS, 2, least_memory(remedies.OFFLOAD_OPTIMIZER.change(INPUTS), 2))
     assert "--cpu-optimizer --zero-stage 1 (" in at_two
     assert "--zero-stage 2" not in at_two and "--zero-stage 3" not in at_two and "--offload-param" not in at_two
 
@@ -287,7 +280,7 @@ def test_the_memory_section_offers_changes_together_when_none_fits_alone(capsys)
     assert max(data["stages"]) > usable and all(c["peak"] > usable for c in data["changes"])
     together = data["together"]
     assert together is not None and together["peak"] <= usable
-    assert together["name"] == f"{RECOMPUTE.name} + {fit_advice.OFFLOAD_OPTIMIZER.name}"
+    assert together["name"] == f"{RECOMPUTE.name} + {remedies.OFFLOAD_OPTIMIZER.name}"
     assert together["flags"] == "--checkpoint-activations --cpu-optimizer --zero-stage 1"
     assert main([*argv, "--zero-stage", "1"]) == 1
     text = capsys.readouterr().out
@@ -306,7 +299,7 @@ def test_of_changes_together_at_equal_cost_the_milder_is_named(capsys) -> None:
     assert main([*argv, "--zero-stage", "1", "--format", "json"]) == 1
     out = capsys.readouterr().out
     together = json.loads(out[out.index("{") :])["sections"][0]["data"]["together"]
-    assert together["name"] == f"{RECOMPUTE.name} + {fit_advice.ZERO_2_OFFLOAD.name}"
+    assert together["name"] == f"{RECOMPUTE.name} + {remedies.ZERO_2_OFFLOAD.name}"
     assert together["flags"] == "--checkpoint-activations --zero-stage 2 --cpu-optimizer"
     assert together["peak"] <= 0.9 * 40 * 2**30
 
@@ -315,7 +308,7 @@ def test_the_one_line_advice_names_two_changes_together_when_none_fits_alone() -
     """Two layers over two stages: neither more stages nor one change fits 15 MiB; recomputation with the
     optimizer offloaded does (its least largest stage by the memory model, as the message prints it)."""
     two = dataclasses.replace(INPUTS, model=dataclasses.replace(MODEL, num_layers=2))
-    both = fit_advice.OFFLOAD_OPTIMIZER.change(RECOMPUTE.change(two))
+    both = remedies.OFFLOAD_OPTIMIZER.change(RECOMPUTE.change(two))
     limit = 15 * 2**20
     assert least_memory(both, 2) <= limit < min(least_memory(two, p) for p in (3, 4))
     advice = fit_advice.fit_advice(two, 2, limit)
