@@ -6,6 +6,7 @@ DeepSpeed (tests/unit/test_import_layers.py enforces it). What measures lives in
     activation_kernels.py, transients.py
                             predicted memory per spec and stage (inputs, results, the terms)
     compute.py              FLOPs per spec and stage
+    stage_contents.py       what a stage holds and recomputes (read by the FLOPs, time and memory models)
     pipeline_schedules.py   the pipeline-schedule registry: each stage's instruction stream
     step_simulator.py       a step's time replayed over those streams
     measured_time.py        stage times from measured per-group times (`profile`)

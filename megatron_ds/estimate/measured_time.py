@@ -6,7 +6,7 @@ the numbers down as a `Calibration`. `stage_time_fn` then gives the `megatron_ds
 function: stage s holding k layers takes pre + k x layer + post (its groups; the last stage also
 steps its copy of a tied embedding, unless it is the first too, where DeepSpeed builds the tied
 module once), recomputed layers add a layer forward to the backward
-(`megatron_ds.estimate.compute.recomputed_layers`), and at T > 1 each group's time is scaled by
+(`megatron_ds.estimate.stage_contents.recomputed_layers`), and at T > 1 each group's time is scaled by
 its FLOPs per tensor rank over its FLOPs at T = 1.
 """
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_ds.estimate.compute import ComputeInputs, core_attention_forward, recomputed_layers, spec_flops
+from megatron_ds.estimate.compute import ComputeInputs, core_attention_forward, spec_flops
+from megatron_ds.estimate.stage_contents import recomputed_layers
 from megatron_ds.model import naming
 from megatron_ds.pipeline.costs import StageTime
 

@@ -50,10 +50,10 @@ from typing import Any
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import distillation_costs, moe_costs
 from megatron_ds.estimate.attention_activations import MLP_HALF
-from megatron_ds.estimate.compute import checkpointed_chunks, held_total, stage_parts
 from megatron_ds.estimate.memory_inputs import MemoryInputs, SpecMemory, StageMemory
 from megatron_ds.estimate.memory_moments import Chunk, RankContents, RankStates, rank_peak
 from megatron_ds.estimate.model_states import PRECISION_BYTES
+from megatron_ds.estimate.stage_contents import checkpointed_chunks, held_total, stage_parts
 from megatron_ds.estimate.transients import gathered, weight_store_bytes
 from megatron_ds.model import naming, shapes
 
@@ -377,7 +377,7 @@ def _checkpoint_states(inputs: MemoryInputs, first: bool, num_layers: int, full_
 
 def _recomputed(inputs: MemoryInputs, num_pre: int, num_layers: int, num_post: int) -> tuple[int, int]:
     """(transformer layers that keep full activations, largest recomputed chunk in layers): DeepSpeed's
-    chunking (`compute.checkpointed_chunks`)."""
+    chunking (`stage_contents.checkpointed_chunks`)."""
     interval = inputs.checkpoint_num_layers if inputs.checkpoint_activations else 0
     recomputed, largest = checkpointed_chunks(num_pre, num_layers, num_post, interval)
     return num_layers - recomputed, largest

@@ -5,7 +5,7 @@ Per flat stage (v x P of them with the interleaved schedule's v chunks per rank;
 chunk c of rank r, megatron-core's numbering) and micro-batch: forward = pre (flat stage 0) + k layers +
 post (the last flat stage); backward the same
 backward passes plus one forward of every recomputed layer (full recomputation, DeepSpeed's chunks:
-`compute.recomputed_layers`). Between stages each micro-batch's activation (b s h) goes forward and its
+`stage_contents.recomputed_layers`). Between stages each micro-batch's activation (b s h) goes forward and its
 gradient back, over the network when stages sit on different nodes (`communication.Placement`); 1/t of it
 per tensor rank with Megatron's scatter-gather, then all-gathered on the node (`_send_time`); none with
 overlapped sends (interleaved only, as upstream); with v chunks every chunk
@@ -42,11 +42,12 @@ from megatron_ds.config import ModelConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import distillation_costs
 from megatron_ds.estimate.communication import Links, Placement
-from megatron_ds.estimate.compute import model_flops_per_iteration, recomputed_layers
+from megatron_ds.estimate.compute import model_flops_per_iteration
 from megatron_ds.estimate.efficiency import Kernels
 from megatron_ds.estimate.layer_time import PassTimes, layer_times, post_times, pre_times
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.run_features import DP_AFTER_BACKWARD, DP_OVERLAP_EACH, DP_OVERLAP_LAST, RunFeatures
+from megatron_ds.estimate.stage_contents import recomputed_layers
 from megatron_ds.estimate.step_bounds import closed_form_step, last_stage_path_bound, start_and_work_bound
 from megatron_ds.estimate.step_simulator import simulate
 

@@ -52,7 +52,7 @@ class CheckpointOptions:
 def checkpoint_calls(num_pre: int, num_layers: int, num_post: int, interval: int) -> int:
     """Checkpointed calls of one forward of a stage of `num_pre` functions, `num_layers` transformer layers and
     `num_post` functions: PipelineModule.forward cuts the stage's functions into chunks of `interval` from local
-    index 0 and checkpoints a chunk only when all of it is transformer layers (`compute.checkpointed_chunks`)."""
+    index 0 and checkpoints a chunk only when all of it is transformer layers (`stage_contents.checkpointed_chunks`)."""
     if interval <= 0 or num_layers <= 0:
         return 0
     start = -(-num_pre // interval) * interval  # the first chunk boundary at or after the first layer

@@ -10,9 +10,9 @@ from __future__ import annotations
 from megatron_ds.config import DATA_UPSTREAMS, Config, padded_vocab_size
 from megatron_ds.data.tokenizer import build_tokenizer, megatron_deepspeed_sentencepiece
 from megatron_ds.estimate import run_layout
-from megatron_ds.estimate.compute import recomputed_layers
 from megatron_ds.estimate.machine import Machine, describe
 from megatron_ds.estimate.measured_time import Calibration
+from megatron_ds.estimate.stage_contents import recomputed_layers
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.machine import layout_machine, probe
 from megatron_ds.training.measure.calibrate import cached_calibration
@@ -133,7 +133,7 @@ def sentencepiece_notice(config: Config) -> str | None:
 def recompute_notice(config: Config, layout: Layout) -> str | None:
     """A NOTICE when full recomputation leaves layers of a stage unrecomputed: DeepSpeed recomputes a chunk of
     `--recompute-num-layers` functions only when all are transformer layers, counting from each stage's first
-    function (its embedding or head too; `compute.checkpointed_chunks`), where Megatron-LM recomputes every layer."""
+    function (its embedding or head too; `stage_contents.checkpointed_chunks`), where Megatron-LM recomputes every layer."""
     t = config.training
     if not t.checkpoint_activations:
         return None

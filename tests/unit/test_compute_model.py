@@ -22,15 +22,14 @@ from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate import memory_model
 from megatron_ds.estimate.compute import (
     ComputeInputs,
-    checkpointed_chunks,
     layer_terms,
     model_flops_per_iteration,
-    recomputed_layers,
     spec_flops,
     stage_flops,
     stage_flops_for,
 )
 from megatron_ds.estimate.memory_inputs import MemoryInputs
+from megatron_ds.estimate.stage_contents import checkpointed_chunks, recomputed_layers
 from megatron_ds.model import naming
 from megatron_ds.model.gpt_pipe import build_layer_specs
 from megatron_ds.model.layers import cross_entropy_loss
