@@ -13,7 +13,8 @@ from typing import Any
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.step_bounds import step_lower_bound
-from megatron_ds.estimate.step_time import StepInputs, layout_bound
+from megatron_ds.estimate.step_inputs import StepInputs
+from megatron_ds.estimate.step_time import layout_bound
 from megatron_ds.pipeline.fastest import SearchBudgetError
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import timing

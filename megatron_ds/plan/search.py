@@ -39,8 +39,8 @@ from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.layout_costs import flop_stage_time, method_costs
 from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
 from megatron_ds.estimate.memory_model import rank_memory_for, stage_memory, stage_memory_for
+from megatron_ds.estimate.step_inputs import StepInputs, StepTime
 from megatron_ds.estimate.step_simulator import bubble_ratio, idle_fraction
-from megatron_ds.estimate.step_time import StepInputs, StepTime
 from megatron_ds.model import shapes
 from megatron_ds.model.naming import gpt_spec_groups
 from megatron_ds.pipeline import methods as partition_methods

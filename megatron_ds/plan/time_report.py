@@ -3,7 +3,7 @@ runner-up and why it lost, and the same as JSON data."""
 
 from __future__ import annotations
 
-from megatron_ds.estimate.step_time import StepTime
+from megatron_ds.estimate.step_inputs import StepTime
 from megatron_ds.plan import timing
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import Candidate

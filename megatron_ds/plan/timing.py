@@ -16,7 +16,8 @@ from megatron_ds.estimate.devices import Device, find_device
 from megatron_ds.estimate.efficiency import DEFAULT_MATMUL_FRACTION, Kernels
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.run_features import RunFeatures, deepspeed_features
-from megatron_ds.estimate.step_time import StepInputs, StepTime, predict_step
+from megatron_ds.estimate.step_inputs import StepInputs, StepTime
+from megatron_ds.estimate.step_time import predict_step
 from megatron_ds.files import read_json
 from megatron_ds.plan.hardware import PlanError
 

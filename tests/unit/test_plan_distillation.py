@@ -23,7 +23,8 @@ from megatron_ds.estimate.layer_time import layer_times
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.memory_model import spec_memory, stage_memory_for
 from megatron_ds.estimate.run_features import deepspeed_features
-from megatron_ds.estimate.step_time import StepInputs, predict_step
+from megatron_ds.estimate.step_inputs import StepInputs
+from megatron_ds.estimate.step_time import predict_step
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.model import naming
 from megatron_ds.model.distillation import kd_loss, vocab_parallel_kd_loss

@@ -32,8 +32,9 @@ from megatron_ds.estimate.run_features import (
     deepspeed_features,
 )
 from megatron_ds.estimate.step_bounds import closed_form_step, step_lower_bound
+from megatron_ds.estimate.step_inputs import StepInputs
 from megatron_ds.estimate.step_simulator import simulate
-from megatron_ds.estimate.step_time import ADAM_BYTES_FP32_STATES, SIMULATE_LIMIT, StepInputs, predict_step
+from megatron_ds.estimate.step_time import ADAM_BYTES_FP32_STATES, SIMULATE_LIMIT, predict_step
 from megatron_ds.model.shapes import layer_params
 
 A100 = find_named("A100-80GB")[0]

@@ -14,8 +14,9 @@ from megatron_ds.estimate.devices import find_named
 from megatron_ds.estimate.efficiency import Kernels
 from megatron_ds.estimate.run_features import deepspeed_features
 from megatron_ds.estimate.step_bounds import last_stage_path_bound, start_and_work_bound, step_lower_bound
+from megatron_ds.estimate.step_inputs import StepInputs
 from megatron_ds.estimate.step_simulator import simulate
-from megatron_ds.estimate.step_time import StepInputs, predict_step
+from megatron_ds.estimate.step_time import predict_step
 from megatron_ds.model.shapes import layer_params
 
 A100 = find_named("A100-80GB")[0]
