@@ -70,25 +70,49 @@ def _partitioned(factor: Callable[[int, int], float], n: int, experts: int, dp: 
 def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemory, ...]:
     """Every spec of the GPT in spec-index order (see `megatron_ds.model.naming.gpt_spec_groups`); with
     `one_layer` only the first transformer layer of the body (the others are its copies)."""
-    m, t, k = inputs.model, inputs.tensor_parallel_size, inputs.kernels
-    b, dp, fac = inputs.micro_batch_size, inputs.data_parallel_size, inputs.factors
+    m, t = inputs.model, inputs.tensor_parallel_size
     groups = naming.gpt_spec_groups(m)
-    head = groups.post[1]
+    ends, windows = _end_terms(inputs, groups.post[1]), _layer_terms_by_window(inputs)
     params = shapes.gpt_spec_params(m, t, inputs.expert_parallel_size)
     numels = shapes.gpt_spec_tensor_numels(m, t)
-    threshold = inputs.zero3_persistence_threshold if inputs.zero_stage == 3 else -1
-    split = inputs.split
+    out: list[SpecMemory] = []
+    bodies: dict[int | None, SpecMemory] = {}  # the layers of one sliding window have the same figures: made once
+    for idx, name in enumerate(groups.names):
+        group, layer = groups.group_of(idx), idx - len(groups.pre)
+        window = m.layer_windows[layer] if group == "body" else None
+        body = bodies.get(window)
+        if group == "body" and body is not None and not m.is_moe:  # MoE: the layers with experts differ
+            if not one_layer:
+                out.append(dataclasses.replace(body, index=idx, name=name))
+            continue
+        terms = _layer_terms(inputs, windows[window], layer) if group == "body" else ends[name]
+        out.append(_one_spec(inputs, idx, name, group, terms, params[idx], numels[idx]))
+        if group == "body":
+            bodies[window] = out[-1]
+    return tuple(out)
+
+
+def _end_terms(inputs: MemoryInputs, head: str) -> dict[str, dict[str, float]]:
+    """The activation terms each pre and post spec saves, by spec name (`head`: the LM head's); a distilling run's kd
+    loss saves its tensors with the lm loss's."""
+    m, b, k, split = inputs.model, inputs.micro_batch_size, inputs.kernels, inputs.split
     pre = act.pre_terms(m, b, k, regularization=inputs.regularization, split=split)
     terms = {**pre, **act.post_terms(m, b, k, head, split)}
     if inputs.teacher is not None:  # the kd loss's saved tensors sit with the lm loss's
-        kd = distillation_costs.kd_loss_terms(m, b, t)
+        kd = distillation_costs.kd_loss_terms(m, b, inputs.tensor_parallel_size)
         terms[naming.LOGITS_TO_FP32] = {**terms[naming.LOGITS_TO_FP32], **kd}
-    windows = {
+    return terms
+
+
+def _layer_terms_by_window(inputs: MemoryInputs) -> dict[int | None, dict[str, float]]:
+    """A dense transformer layer's activation terms for each sliding window the model's layers use."""
+    m = inputs.model
+    return {
         w: act.transformer_layer_terms(
             m,
-            b,
-            k,
-            split,
+            inputs.micro_batch_size,
+            inputs.kernels,
+            inputs.split,
             regularization=inputs.regularization,
             document_mask=inputs.document_mask,
             window=w,
@@ -96,65 +120,74 @@ def spec_memory(inputs: MemoryInputs, one_layer: bool = False) -> tuple[SpecMemo
         )
         for w in set(m.layer_windows)
     }
-    out: list[SpecMemory] = []
-    bodies: dict[int | None, SpecMemory] = {}  # the layers of one sliding window have the same figures: made once
-    for idx, name in enumerate(groups.names):
-        group = groups.group_of(idx)
-        window = m.layer_windows[idx - len(groups.pre)] if group == "body" else None
-        body = bodies.get(window)
-        if group == "body" and body is not None and not m.is_moe:  # MoE: the layers with experts differ
-            if not one_layer:
-                out.append(dataclasses.replace(body, index=idx, name=name))
-            continue
-        layer_terms = windows[window] if group == "body" else {}
-        n, largest, n_no_decay = params[idx].num_params, params[idx].largest, params[idx].no_decay
-        experts, ep = params[idx].expert_params, inputs.expert_parallel_size
-        spec_terms = layer_terms if group == "body" else terms[name]
-        if group == "body" and m.is_moe and m.experts_per_layer[idx - len(groups.pre)] > 1:
-            spec_terms = _moe_layer_terms(inputs, layer_terms, m.experts_per_layer[idx - len(groups.pre)])
-        saved = sum(spec_terms.values())
-        deferrable = _deferrable(inputs, name, group)
-        rest = list(numels[idx])
-        for x in deferrable:
-            rest.remove(x)
-        out.append(
-            SpecMemory(
-                index=idx,
-                name=name,
-                group=group,
-                num_params=n,
-                largest_param=largest,
-                # ZeRO-3's persistent tensors are whole on every rank besides their partition
-                params=_partitioned(fac.params, n, experts, dp, ep)
-                + sum(x for x in numels[idx] if x <= threshold) * PRECISION_BYTES[inputs.precision],
-                grads=_partitioned(fac.grads, n, experts, dp, ep),
-                optimizer=_partitioned(fac.optimizer, n, experts, dp, ep),
-                host=_partitioned(fac.host, n, experts, dp, ep),
-                activations=saved,
-                checkpointed_activations=(
-                    act.checkpointed_layer_bytes(
-                        m,
-                        b,
-                        k,
-                        split,
-                        inputs.document_ids,
-                        partitioned=inputs.partition_activations,
-                        on_host=inputs.checkpoint_in_cpu,
-                    )
-                    if group == "body"
-                    else saved
-                ),
-                activation_terms=dict(spec_terms),
-                tied=name == naming.TIED_LM_HEAD,
-                no_decay_params=n_no_decay,
-                deferrable_params=sum(deferrable),
-                largest_deferrable=max(deferrable, default=0),
-                largest_undeferred=max(rest, default=0),
+
+
+def _layer_terms(inputs: MemoryInputs, dense: dict[str, float], layer: int) -> dict[str, float]:
+    """Transformer layer `layer`'s activation terms: `dense` (its window's), or a layer with experts' (`moe_costs`)."""
+    num_experts = inputs.model.experts_per_layer[layer] if inputs.model.is_moe else 1
+    return _moe_layer_terms(inputs, dense, num_experts) if num_experts > 1 else dense
+
+
+def _one_spec(
+    inputs: MemoryInputs,
+    idx: int,
+    name: str,
+    group: str,
+    terms: dict[str, float],
+    params: shapes.SpecParams,
+    numels: tuple[int, ...],
+) -> SpecMemory:
+    """Spec `idx`: its model states from its parameters (`params`; `numels`: elements per tensor on this tensor
+    rank), the activations it saves from `terms`, and its tensors whose weight gradients a split backward defers."""
+    saved = sum(terms.values())
+    deferrable = _deferrable(inputs, name, group)
+    rest = list(numels)
+    for x in deferrable:
+        rest.remove(x)
+    return SpecMemory(
+        index=idx,
+        name=name,
+        group=group,
+        num_params=params.num_params,
+        largest_param=params.largest,
+        **_model_state_bytes(inputs, params, numels),
+        activations=saved,
+        checkpointed_activations=(
+            act.checkpointed_layer_bytes(
+                inputs.model,
+                inputs.micro_batch_size,
+                inputs.kernels,
+                inputs.split,
+                inputs.document_ids,
+                partitioned=inputs.partition_activations,
+                on_host=inputs.checkpoint_in_cpu,
             )
-        )
-        if group == "body":
-            bodies[window] = out[-1]
-    return tuple(out)
+            if group == "body"
+            else saved
+        ),
+        activation_terms=dict(terms),
+        tied=name == naming.TIED_LM_HEAD,
+        no_decay_params=params.no_decay,
+        deferrable_params=sum(deferrable),
+        largest_deferrable=max(deferrable, default=0),
+        largest_undeferred=max(rest, default=0),
+    )
+
+
+def _model_state_bytes(inputs: MemoryInputs, params: shapes.SpecParams, numels: tuple[int, ...]) -> dict[str, float]:
+    """A spec's parameters, gradients, optimizer and host states in bytes per rank, partitioned as ZeRO and expert
+    parallelism partition them."""
+    n, experts, fac = params.num_params, params.expert_params, inputs.factors
+    dp, ep = inputs.data_parallel_size, inputs.expert_parallel_size
+    threshold = inputs.zero3_persistence_threshold if inputs.zero_stage == 3 else -1
+    # ZeRO-3's persistent tensors are whole on every rank besides their partition
+    persistent = sum(x for x in numels if x <= threshold) * PRECISION_BYTES[inputs.precision]
+    return {
+        "params": _partitioned(fac.params, n, experts, dp, ep) + persistent,
+        "grads": _partitioned(fac.grads, n, experts, dp, ep),
+        "optimizer": _partitioned(fac.optimizer, n, experts, dp, ep),
+        "host": _partitioned(fac.host, n, experts, dp, ep),
+    }
 
 
 def _moe_layer_terms(inputs: MemoryInputs, layer_terms: dict[str, float], num_experts: int) -> dict[str, float]:
