@@ -2,8 +2,8 @@
 DeepSpeed (tests/unit/test_import_layers.py enforces it). What measures lives in the runtime layer
 (`megatron_ds.training.machine`, `megatron_ds.training.measure`) and hands its numbers down.
 
-    memory_inputs.py, memory_model.py, model_states.py, activation_memory.py, attention_activations.py,
-    activation_kernels.py, transients.py
+    memory_inputs.py, spec_memory.py, memory_model.py, memory_moments.py, model_states.py,
+    activation_memory.py, attention_activations.py, activation_kernels.py, transients.py
                             predicted memory per spec and stage (inputs, results, the terms)
     compute.py              FLOPs per spec and stage
     stage_contents.py       what a stage holds and recomputes (read by the FLOPs, time and memory models)

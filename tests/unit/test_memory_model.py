@@ -15,8 +15,9 @@ from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.activation_kernels import DOCUMENT_ID_BYTES, SavedWidths, Split, kernels
 from megatron_ds.estimate.memory_inputs import MemoryInputs
-from megatron_ds.estimate.memory_model import spec_memory, stage_memory, stage_memory_for
+from megatron_ds.estimate.memory_model import stage_memory, stage_memory_for
 from megatron_ds.estimate.model_states import state_factors, zero2_estimate, zero3_estimate
+from megatron_ds.estimate.spec_memory import spec_memory
 from megatron_ds.estimate.transients import in_flight
 from megatron_ds.model import naming, shapes
 from megatron_ds.pipeline.layout import SpecGroups, build_layout

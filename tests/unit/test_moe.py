@@ -13,7 +13,7 @@ from megatron_ds.config import RegularizationConfig
 from megatron_ds.config.model import experts_per_layer
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.memory_inputs import MemoryInputs
-from megatron_ds.estimate.memory_model import spec_memory
+from megatron_ds.estimate.spec_memory import spec_memory
 from megatron_ds.flags.parser import parse_config
 from megatron_ds.model import naming, shapes
 from megatron_ds.model.gpt_pipe import build_layer_specs

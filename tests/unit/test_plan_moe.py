@@ -19,8 +19,9 @@ from megatron_ds.estimate.devices import find_device
 from megatron_ds.estimate.efficiency import Kernels
 from megatron_ds.estimate.layer_time import layer_times
 from megatron_ds.estimate.memory_inputs import MemoryInputs
-from megatron_ds.estimate.memory_model import spec_memory, stage_memory_for
+from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.estimate.run_features import deepspeed_features
+from megatron_ds.estimate.spec_memory import spec_memory
 from megatron_ds.estimate.step_inputs import StepInputs, StepTime
 from megatron_ds.estimate.step_time import predict_step
 from megatron_ds.flags import BY_NAME

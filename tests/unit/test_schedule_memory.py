@@ -12,7 +12,8 @@ from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.estimate import activation_memory as act
 from megatron_ds.estimate import pipeline_schedules as schedules
 from megatron_ds.estimate.memory_inputs import MemoryInputs
-from megatron_ds.estimate.memory_model import rank_memory_for, spec_memory, stage_memory, stage_memory_for
+from megatron_ds.estimate.memory_model import rank_memory_for, stage_memory, stage_memory_for
+from megatron_ds.estimate.spec_memory import spec_memory
 from megatron_ds.estimate.transients import (
     logits_counted_twice,
     pipe_buffers,

@@ -226,7 +226,7 @@ def test_the_memory_model_takes_each_layers_window() -> None:
     sequence's kernel keeps no score of either)."""
     from megatron_ds.estimate import activation_memory as act
     from megatron_ds.estimate.memory_inputs import MemoryInputs
-    from megatron_ds.estimate.memory_model import spec_memory
+    from megatron_ds.estimate.spec_memory import spec_memory
 
     m = dataclasses.replace(MEMORY_MODEL, num_layers=3, window_attn_skip_freq=(1, 0, 1))
     inputs = MemoryInputs(model=m, micro_batch_size=2, num_micro_batches=1, precision="fp32")
