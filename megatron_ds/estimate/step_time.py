@@ -219,22 +219,18 @@ def layout_bound(inp: StepInputs, kernels: Kernels, links: Links, features: RunF
     return max(bound, last_stage_path_bound(forward, backward, weight, inp.num_micro_batches, send, inp.schedule))
 
 
-def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures) -> StepTime:
-    """The step's seconds and throughput for this configuration on this device and network."""
-    if inp.num_flat % inp.virtual_stages or len(inp.stage_params) != inp.pp:
-        raise ValueError(
-            f"{inp.num_flat} flat stages, {inp.virtual_stages} chunks per rank and {len(inp.stage_params)} ranks' "
-            f"parameters do not agree"
-        )
-    place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node)
-    forward, backward, parts, weight = _stage_passes(inp, kernels, links, features)
-    reduce, per_mb = _dp_times(inp, links, features, forward, backward)
-    optimizer = _optimizer_times(inp, kernels, features)
-    model = inp.model
-    send = _send_time(inp, links, features, place)
-    tied = not model.untie_embeddings_and_output_weights and inp.pp > 1
-    embedding = model.vocab_size // inp.tp * model.hidden_size * features.grad_bytes
-    tied_reduce = links.all_reduce(embedding, 2, place.ends_within_node) if tied else 0.0
+def _step_seconds(
+    inp: StepInputs,
+    features: RunFeatures,
+    passes: tuple[list[float], list[float], list[float]],
+    optimizer: list[float],
+    reduce: list[float],
+    between: tuple[float, float, bool],
+) -> tuple[float, bool]:
+    """The step's seconds, and whether the schedule was replayed instruction by instruction (else 1F1B's closed
+    form, beyond `SIMULATE_LIMIT`): `passes` per flat stage (forward, backward, weight part), `optimizer` and
+    `reduce` per rank, `between` the send, the tied embedding's reduction and whether there is one."""
+    (forward, backward, weight), (send, tied_reduce, tied) = passes, between
     m_total = inp.num_micro_batches
     simulated = (
         m_total * inp.pp <= SIMULATE_LIMIT or inp.schedule != DEFAULT_PIPELINE_SCHEDULE
@@ -258,6 +254,29 @@ def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunF
         ).step_time
     else:
         seconds = closed_form_step(m_total, forward, backward, optimizer, reduce, send, tied_reduce)
+    return seconds, simulated
+
+
+def predict_step(inp: StepInputs, kernels: Kernels, links: Links, features: RunFeatures) -> StepTime:
+    """The step's seconds and throughput for this configuration on this device and network."""
+    if inp.num_flat % inp.virtual_stages or len(inp.stage_params) != inp.pp:
+        raise ValueError(
+            f"{inp.num_flat} flat stages, {inp.virtual_stages} chunks per rank and {len(inp.stage_params)} ranks' "
+            f"parameters do not agree"
+        )
+    place = Placement(inp.tp, inp.pp, inp.dp, inp.gpus_per_node)
+    forward, backward, parts, weight = _stage_passes(inp, kernels, links, features)
+    reduce, per_mb = _dp_times(inp, links, features, forward, backward)
+    optimizer = _optimizer_times(inp, kernels, features)
+    model = inp.model
+    send = _send_time(inp, links, features, place)
+    tied = not model.untie_embeddings_and_output_weights and inp.pp > 1
+    embedding = model.vocab_size // inp.tp * model.hidden_size * features.grad_bytes
+    tied_reduce = links.all_reduce(embedding, 2, place.ends_within_node) if tied else 0.0
+    m_total = inp.num_micro_batches
+    seconds, simulated = _step_seconds(
+        inp, features, (forward, backward, weight), optimizer, reduce, (send, tied_reduce, tied)
+    )
     gbs = inp.global_batch_size
     busy = [
         sum(forward[c * inp.pp + r] + backward[c * inp.pp + r] for c in range(inp.virtual_stages))
