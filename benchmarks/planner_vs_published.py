@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE, INTERLEAVED  # noqa: E402
 from megatron_ds.estimate.run_features import DP_OVERLAP_LAST, MEGATRON_CORE_H100, MEGATRON_LM_2021  # noqa: E402
 from megatron_ds.plan import search  # noqa: E402
+from megatron_ds.plan.candidate import Candidate  # noqa: E402
 from megatron_ds.plan.hardware import PlanError  # noqa: E402
 from megatron_ds.plan.inputs import PlanInputs, Resolved, resolve  # noqa: E402
 from megatron_ds.plan.zero_options import choose_all  # noqa: E402
@@ -154,12 +155,12 @@ def resolved(rec: Record, fixed_degrees: bool) -> Resolved:
     return dataclasses.replace(resolve(raw), run_features=run)
 
 
-def rate(cand: search.Candidate, counting: str) -> float:
+def rate(cand: Candidate, counting: str) -> float:
     t = cand.time
     return t.hardware_tflops_per_gpu if counting == "eq3" else t.tflops_per_gpu
 
 
-def published_config(rec: Record) -> search.Candidate | None:
+def published_config(rec: Record) -> Candidate | None:
     """The published degrees, micro-batch and schedule, with the source's recomputation (the faster one that fits)
     and data-parallel reduction."""
     res = resolved(rec, fixed_degrees=True)
@@ -186,7 +187,7 @@ def published_config(rec: Record) -> search.Candidate | None:
     return min(fitting or found, key=lambda c: c.seconds)
 
 
-def planner_choice(rec: Record) -> search.Candidate | None:
+def planner_choice(rec: Record) -> Candidate | None:
     res = resolved(rec, fixed_degrees=False)
     try:
         return choose_all(res, SETTINGS[rec.source][1]).candidate

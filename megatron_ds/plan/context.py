@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.search import Candidate
 from megatron_ds.plan.zero_options import Choice, choose_all
 
 NEEDS_BATCH = "choosing a configuration needs the batch: give --global-batch-size (samples per optimizer step)"

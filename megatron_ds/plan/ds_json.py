@@ -15,8 +15,9 @@ import shlex
 from megatron_ds.config import Config, DistillationConfig, OptimizerConfig, ParallelConfig, TrainingConfig
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.plan import distillation
+from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.search import Candidate, layout_options
+from megatron_ds.plan.search import layout_options
 from megatron_ds.training.deepspeed_config import NVME_PATH_PLACEHOLDER
 
 DEFAULT_LR = 1.0e-4

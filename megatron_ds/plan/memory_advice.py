@@ -14,6 +14,7 @@ from megatron_ds.estimate.memory_inputs import MemoryInputs, StageMemory
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.plan import search
+from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.report import Section
@@ -62,7 +63,7 @@ def parse_reported(text: str, num_stages: int | None) -> dict[str, float]:
     return out
 
 
-def current(ctx: Context) -> search.Candidate:
+def current(ctx: Context) -> Candidate:
     """The user's present configuration: fixed flags where given, the `pipeline` plan otherwise."""
     res, raw = ctx.res, ctx.res.raw
     if raw.pipeline_model_parallel_size and raw.micro_batch_size:
@@ -145,7 +146,7 @@ def memory_section(ctx: Context) -> Section:
     return sec
 
 
-def _offloaded(now: search.Candidate) -> str:
+def _offloaded(now: Candidate) -> str:
     if now.offload_optimizer == "none":
         return ""
     params = f", parameters to {now.offload_param}" if now.offload_param != "none" else ""
@@ -201,7 +202,7 @@ def _diagnose(ctx: Context, sec: Section, stages: list[StageMemory], schedule_la
         sec.check(False, f"stage {peak} predicted {need} exceeds {usable}")
 
 
-def _layout_for(ctx: Context, now: search.Candidate) -> LayoutFor:
+def _layout_for(ctx: Context, now: Candidate) -> LayoutFor:
     """The layout a method gives a changed configuration, with `now`'s degrees, as the planner lays it out."""
 
     def layout_for(inputs: MemoryInputs, method: str) -> Layout:
@@ -210,19 +211,19 @@ def _layout_for(ctx: Context, now: search.Candidate) -> LayoutFor:
     return layout_for
 
 
-def _changes(ctx: Context, now: search.Candidate) -> list[Change]:
+def _changes(ctx: Context, now: Candidate) -> list[Change]:
     """`estimate.fit_advice`'s changes for this configuration, laid out as the planner lays it out."""
     rebalance = (*partition_methods.planned_methods(), "both") if now.pp > 1 else ()
     return ranked_changes(now.inputs, now.layout, now.method, _layout_for(ctx, now), rebalance, _layout_flags)
 
 
-def _needs_more(ctx: Context, now: search.Candidate, changes: list[Change]) -> bool:
+def _needs_more(ctx: Context, now: Candidate, changes: list[Change]) -> bool:
     """The configuration does not fit the GPU and no single change makes it fit."""
     usable = ctx.res.usable_bytes
     return bool(usable) and max(s.total for s in now.stages) > usable and all(c.peak > usable for c in changes)
 
 
-def _together(ctx: Context, now: search.Candidate) -> Change | None:
+def _together(ctx: Context, now: Candidate) -> Change | None:
     """The cheapest changes together that fit (`fit_advice.fitting_combination`), the memory method rebalancing."""
     layout_for, usable = _layout_for(ctx, now), ctx.res.usable_bytes
     return fitting_combination(now.inputs, now.layout, now.method, layout_for, usable, "memory", _layout_flags)

@@ -9,6 +9,7 @@ from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.layout_costs import format_memory_table
 from megatron_ds.pipeline import methods as partition_methods
 from megatron_ds.plan import ds_json, ranking, search, time_report
+from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.report import Section
 from megatron_ds.training import deepspeed_config
@@ -75,7 +76,7 @@ def pipeline_section(ctx: Context) -> Section:
     return sec
 
 
-def _offload_text(plan: search.Candidate) -> str:
+def _offload_text(plan: Candidate) -> str:
     engine = " on DeepSpeed's plain engine (pipeline size 1)" if plan.engine == "plain" else ""
     if plan.offload_optimizer == "none":
         return engine
@@ -86,7 +87,7 @@ def _offload_text(plan: search.Candidate) -> str:
     )
 
 
-def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None:
+def _compare_layouts(ctx: Context, sec: Section, plan: Candidate) -> None:
     """Largest stage and predicted step under each layout method tried, same degrees, batch and schedule."""
     if plan.pp < 2 or ctx.res.raw.layout:
         return
@@ -113,7 +114,7 @@ def _compare_layouts(ctx: Context, sec: Section, plan: search.Candidate) -> None
             )
 
 
-def _compare_schedules(ctx: Context, sec: Section, plan: search.Candidate) -> None:
+def _compare_schedules(ctx: Context, sec: Section, plan: Candidate) -> None:
     """Each pipeline schedule's fastest layout that fits, same degrees and batch (`ranking.alternatives`)."""
     if plan.pp < 2 or plan.engine != "pipeline":
         return
@@ -142,7 +143,7 @@ def _compare_schedules(ctx: Context, sec: Section, plan: search.Candidate) -> No
         sec.add(f"  {label:<22} not priced: {size:,} micro-batch steps to replay, over {search.REPLAY_LIMIT:,}")
 
 
-def _data(plan: search.Candidate) -> dict:
+def _data(plan: Candidate) -> dict:
     return {
         "tensor_parallel": plan.tp,
         "pipeline_parallel": plan.pp,
@@ -188,7 +189,7 @@ def _data(plan: search.Candidate) -> dict:
     }
 
 
-def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:
+def _checks(ctx: Context, sec: Section, plan: Candidate) -> None:
     res = ctx.res
     gbs, mb, m, dp = res.global_batch_size, plan.micro_batch_size, plan.num_micro_batches, plan.dp
     sec.check(
@@ -240,7 +241,7 @@ def _checks(ctx: Context, sec: Section, plan: search.Candidate) -> None:
     )
 
 
-def _teacher_line(plan: search.Candidate, flag: str) -> str:
+def _teacher_line(plan: Candidate, flag: str) -> str:
     """What a distilling plan adds to every rank (`estimate/distillation_costs.py`)."""
     teacher, stage = plan.inputs.teacher, plan.peak
     assert plan.time is not None and teacher is not None
@@ -260,7 +261,7 @@ def _teacher_line(plan: search.Candidate, flag: str) -> str:
     )
 
 
-def _whose_experts(plan: search.Candidate) -> str:
+def _whose_experts(plan: Candidate) -> str:
     """Whose MoE layers the expert-parallel groups share out: the student's, the teacher's or both."""
     if not _moe_teacher(plan):
         return "each MoE layer's experts"
@@ -269,6 +270,6 @@ def _whose_experts(plan: search.Candidate) -> str:
     return "each of the teacher's MoE layers' experts"
 
 
-def _moe_teacher(plan: search.Candidate) -> bool:
+def _moe_teacher(plan: Candidate) -> bool:
     """The plan distils from a mixture-of-experts teacher (it shares the student's expert-parallel groups)."""
     return plan.inputs.teacher is not None and plan.inputs.teacher.is_moe

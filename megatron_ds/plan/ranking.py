@@ -18,6 +18,7 @@ from megatron_ds.estimate.step_time import layout_bound
 from megatron_ds.pipeline.fastest import SearchBudgetError
 from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import timing
+from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.search import (
     DEFAULT,
@@ -27,7 +28,6 @@ from megatron_ds.plan.search import (
     METHODS,
     RECOMPUTE,
     REPLAY_LIMIT,
-    Candidate,
     evaluate,
     fits,
     layout_options,

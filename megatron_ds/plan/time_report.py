@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from megatron_ds.estimate.step_inputs import StepTime
 from megatron_ds.plan import timing
+from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.search import Candidate
 from megatron_ds.units import format_bytes, format_number, format_seconds
 
 PART_NAMES = {

@@ -23,12 +23,12 @@ from megatron_ds.estimate.memory_model import stage_memory_for
 from megatron_ds.estimate.model_states import PRECISION_BYTES, zero2_estimate, zero3_estimate
 from megatron_ds.model.shapes import largest_layer_params, total_params
 from megatron_ds.plan import distillation, ds_json, experts, zero_options
+from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.context import NEEDS_BATCH, Context
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import GIB
 from megatron_ds.plan.ranking import Search
 from megatron_ds.plan.report import Section, guide
-from megatron_ds.plan.search import Candidate
 from megatron_ds.plan.time_report import describe, slower_by
 from megatron_ds.training import deepspeed_config
 from megatron_ds.units import format_bytes, format_seconds

@@ -20,6 +20,7 @@ from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate.model_states import PRECISION_BYTES
 from megatron_ds.estimate.zero_time import INTERCONNECT, LINKS, Links, step_overheads
 from megatron_ds.plan import experts
+from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import Resolved
 from megatron_ds.plan.no_fit import no_fit_message, schedule_message
@@ -30,7 +31,7 @@ from megatron_ds.plan.ranking import (
     config_key,
     rank_key,
 )
-from megatron_ds.plan.search import Candidate, degree_pairs, recompute_modes
+from megatron_ds.plan.search import degree_pairs, recompute_modes
 
 DISTILLATION_ZERO_STAGES = (0, 1, 2, 3)
 """The ZeRO stages a distilling plan tries (the plain engine runs them all; offload is not planned for it)."""
@@ -276,5 +277,5 @@ def also_tried(res: Resolved) -> tuple[str, ...]:
 
 
 def choose(res: Resolved, precision: str) -> Candidate:
-    """The fastest configuration that fits (a `search.Candidate`); PlanError naming the closest miss if none does."""
+    """The fastest configuration that fits (a `Candidate`); PlanError naming the closest miss if none does."""
     return choose_all(res, precision).candidate
