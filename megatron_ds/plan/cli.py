@@ -15,7 +15,8 @@ from megatron_ds.plan import ds_json, sections
 from megatron_ds.plan.command_line import Output, parse
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.hardware import PlanError
-from megatron_ds.plan.inputs import PlanInputs, load_profile, resolve, save_profile
+from megatron_ds.plan.inputs import PlanInputs, resolve
+from megatron_ds.plan.profile import load_profile, save_profile
 from megatron_ds.plan.report import Report, Section, render_json, render_text
 from megatron_ds.plan.sections import PlannerSection
 from megatron_ds.training import deepspeed_config
