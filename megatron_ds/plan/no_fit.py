@@ -7,7 +7,7 @@ from __future__ import annotations
 from megatron_ds.config.parallel import INTERLEAVED
 from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.inputs import Resolved
-from megatron_ds.plan.ranking import Unreplayed, replay_note
+from megatron_ds.plan.runnable_schedules import Unreplayed, replay_note
 from megatron_ds.plan.search import degree_pairs
 from megatron_ds.units import format_apart, format_bytes
 

@@ -8,7 +8,7 @@ from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.layout_costs import format_memory_table
 from megatron_ds.pipeline import methods as partition_methods
-from megatron_ds.plan import ds_json, ranking, search, time_report
+from megatron_ds.plan import ds_json, ranking, runnable_schedules, search, time_report
 from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.context import Context
 from megatron_ds.plan.report import Section
@@ -125,7 +125,7 @@ def _compare_schedules(ctx: Context, sec: Section, plan: Candidate) -> None:
         if fastest is not None:
             best[schedule] = fastest
     sec.add("Pipeline schedules, each with its fastest layout that fits (same degrees and batch; estimates):")
-    for schedule, c in sorted(best.items(), key=lambda kv: (kv[1].seconds, ranking.schedule_order(kv[0]))):
+    for schedule, c in sorted(best.items(), key=lambda kv: (kv[1].seconds, runnable_schedules.schedule_order(kv[0]))):
         name, v = schedule
         flags = [f"--pp-schedule {name}" if name != DEFAULT_PIPELINE_SCHEDULE else ""]
         flags += [
@@ -136,7 +136,7 @@ def _compare_schedules(ctx: Context, sec: Section, plan: Candidate) -> None:
             f"  {c.schedule.display:<22} step {format_seconds(c.seconds, 4)} ({c.seconds / plan.seconds:.3f} x the choice)  "
             f"largest stage {format_bytes(c.peak.total)}  {' '.join(f for f in flags if f)}".rstrip()
         )
-    skipped = ranking.too_long_to_replay(ctx.res, plan.tp, plan.pp, plan.micro_batch_size, plan.zero_stage)
+    skipped = runnable_schedules.too_long_to_replay(ctx.res, plan.tp, plan.pp, plan.micro_batch_size, plan.zero_stage)
     for name, v in skipped:
         label = pipeline_schedules.find(name, v).display
         size = plan.num_micro_batches * plan.pp * v

@@ -1,5 +1,5 @@
 """The search over configurations: every fitting one of a ZeRO option priced in the order of its time
-bound (branch and bound) under every schedule it can run, the fastest layout of one (`best_layout`), the
+bound (branch and bound) under every schedule it can run (`plan/runnable_schedules.py`), the fastest layout of one (`best_layout`), the
 fastest chosen and refined (`alternatives`: every layout method and schedule, interleaving at v = 2-4,
 with the same degrees, micro-batch, recomputation and ZeRO); the message when nothing fits is `plan/no_fit.py`'s.
 The configurations themselves and their pricing are `plan/search.py`'s."""
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ds.config.parallel import DEFAULT_PIPELINE_SCHEDULE
-from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.step_bounds import step_lower_bound
 from megatron_ds.estimate.step_inputs import StepInputs
 from megatron_ds.estimate.step_time import layout_bound
@@ -20,6 +19,15 @@ from megatron_ds.pipeline.layout import LayoutError
 from megatron_ds.plan import timing
 from megatron_ds.plan.candidate import Candidate
 from megatron_ds.plan.inputs import Resolved
+from megatron_ds.plan.runnable_schedules import (
+    SCHEDULES,
+    Unreplayed,
+    num_micro_batches,
+    schedule_options,
+    schedule_order,
+    schedules_for,
+    unreplayed,
+)
 from megatron_ds.plan.search import (
     DEFAULT,
     FASTEST_MAX_REPLAY,
@@ -27,7 +35,6 @@ from megatron_ds.plan.search import (
     FASTEST_MAX_VISITS,
     METHODS,
     RECOMPUTE,
-    REPLAY_LIMIT,
     evaluate,
     fits,
     layout_options,
@@ -96,104 +103,6 @@ def zero_for(res: Resolved, dp: int, offload: str, zero: int | None) -> int:
     return res.raw.zero_stage if res.raw.zero_stage is not None else (1 if dp > 1 else 0)
 
 
-SCHEDULES = tuple((entry.name, entry.virtual_stages) for entry in pipeline_schedules.REGISTRY.values())
-"""The pipeline schedules the search tries (name, virtual stages: interleaving's default v = 2), in tie-break
-order: the registry's, 1F1B first."""
-assert SCHEDULES[0] == (DEFAULT_PIPELINE_SCHEDULE, 1), "ties prefer 1F1B"
-VIRTUAL_STAGES = (2, 3, 4)
-"""Chunks per rank the refinement tries for interleaving (the search itself tries v = 2: each v is one more
-schedule to replay for every configuration)."""
-
-
-def schedule_order(schedule: tuple[str, int]) -> tuple[int, int]:
-    """Tie-break order of a (name, virtual stages): the registry's, then fewer chunks."""
-    return list(pipeline_schedules.REGISTRY).index(schedule[0]), schedule[1]
-
-
-def _num_micro_batches(res: Resolved, t: int, p: int, mb: int) -> int:
-    """Micro-batches per step M of this configuration (gradient accumulation steps)."""
-    return res.global_batch_size // (mb * (res.num_gpus // (t * p)))
-
-
-def _runnable(res: Resolved, t: int, p: int, mb: int, zero: int, chunks: tuple[int, ...]) -> list[tuple[str, int]]:
-    """Every (schedule, v) the engine runs for this configuration, v from `chunks` for interleaving: 1F1B
-    always; ZB-H1 and interleaving on the pipeline engine (ZeRO 0/1) with P >= 2, interleaving when the layers
-    divide into v x P chunks and the micro-batches are a multiple of P (config/tree.py's `_check_engine`).
-    Only the schedule and chunks the flags fix (`Resolved.schedule`), where they are fixed; at P = 1 a fixed
-    ZB-H1 runs as given (DeepSpeed's engine runs it; no weight pass waits)."""
-    fixed, chunks_fixed = res.schedule
-    chunks = chunks if chunks_fixed is None else (chunks_fixed,)
-    if fixed is not None and fixed != SCHEDULES[0][0] and zero >= 2:
-        return []  # the plain engine runs 1F1B only
-    if p < 2 or zero >= 2:
-        return [SCHEDULES[0]] if fixed in (None, SCHEDULES[0][0]) else [(fixed, 1)] if chunks == (1,) else []
-    if res.model().is_moe:  # experts at P > 1: DeepSpeed's own 1F1B only (`Config._moe_pipeline_refusals`)
-        return [SCHEDULES[0]] if fixed in (None, SCHEDULES[0][0]) else []
-    m = _num_micro_batches(res, t, p, mb)
-    layers = res.dims["num_layers"]
-    out = [(name, v) for name, v in SCHEDULES if v == 1]
-    interleaved = [name for name, v in SCHEDULES if v > 1]
-    out += [(n, v) for n in interleaved for v in chunks if v > 1 and layers % (v * p) == 0 and m % p == 0]
-    return [s for s in out if fixed in (None, s[0]) and chunks_fixed in (None, s[1])]
-
-
-def _replayable(res: Resolved, t: int, p: int, mb: int, schedule: tuple[str, int]) -> bool:
-    """1F1B (its closed form past the replay limit), or M x P x v within REPLAY_LIMIT."""
-    return schedule == SCHEDULES[0] or _num_micro_batches(res, t, p, mb) * p * schedule[1] <= REPLAY_LIMIT
-
-
-def schedules_for(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
-    """The schedules the search prices a configuration under: `_runnable`'s with v = 2, those past
-    REPLAY_LIMIT but 1F1B left out."""
-    return [s for s in _runnable(res, t, p, mb, zero, (2,)) if _replayable(res, t, p, mb, s)]
-
-
-@dataclass(frozen=True, order=True)
-class Unreplayed:
-    """A configuration the fixed schedule runs on but the search does not price: its replay is too long."""
-
-    steps: int
-    """Micro-batches x stages x chunks per rank, over REPLAY_LIMIT."""
-    tp: int
-    pp: int
-    micro_batch_size: int
-
-
-def unreplayed(res: Resolved, t: int, p: int, sizes: list[int], zero: int) -> list[Unreplayed]:
-    """The (t, p, micro-batch) of `sizes` whose runnable schedules the search leaves out for their size."""
-    return [
-        Unreplayed(_num_micro_batches(res, t, p, mb) * p * v, t, p, mb)
-        for mb in sizes
-        for s in _runnable(res, t, p, mb, zero, (2,))
-        if not _replayable(res, t, p, mb, s)
-        for v in (s[1],)
-    ]
-
-
-def replay_note(skipped: list[Unreplayed]) -> str:
-    """What the search left unpriced for its size (empty when nothing)."""
-    if not skipped:
-        return ""
-    first = min(skipped)
-    count = len(set(skipped))
-    which = "one configuration" if count == 1 else f"{count} configurations"
-    return (
-        f"{which} that {'runs' if count == 1 else 'run'} it {'was' if count == 1 else 'were'} not priced, {'its' if count == 1 else 'each'} replay too long (micro-batches "
-        f"x P x v over the planner's limit of {REPLAY_LIMIT:,}; the shortest: t={first.tp}, p={first.pp}, "
-        f"micro-batch {first.micro_batch_size}, {first.steps:,})"
-    )
-
-
-def schedule_options(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
-    """The schedules the refinement prices: `schedules_for`'s with interleaving at every v of VIRTUAL_STAGES."""
-    return [s for s in _runnable(res, t, p, mb, zero, VIRTUAL_STAGES) if _replayable(res, t, p, mb, s)]
-
-
-def too_long_to_replay(res: Resolved, t: int, p: int, mb: int, zero: int) -> list[tuple[str, int]]:
-    """The schedules the refinement leaves out for their size alone."""
-    return [s for s in _runnable(res, t, p, mb, zero, VIRTUAL_STAGES) if not _replayable(res, t, p, mb, s)]
-
-
 def time_bound(
     res: Resolved, t: int, p: int, mb: int, zero: int, precision: str, recompute: str,
     schedule: str = DEFAULT_PIPELINE_SCHEDULE, method: str | None = None, virtual_stages: int = 1,
@@ -205,7 +114,7 @@ def time_bound(
     if res.model().is_moe:
         return 0.0  # the bound prices dense layers; a MoE plan's few configurations (t = p = 1) are all priced
     hw = timing.hardware(res.gpu_name, precision, res.gpus_per_node or 1, res.raw.kernel_profile)
-    m = _num_micro_batches(res, t, p, mb)
+    m = num_micro_batches(res, t, p, mb)
     run = res.run_features or timing.features(zero, precision, sequence_parallel_at(res, t))
     model = res.model(t)
     bound = step_lower_bound(

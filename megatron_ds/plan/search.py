@@ -5,7 +5,7 @@ usable GPU memory (the step-time model, `estimate/step_time.py`, priced by `plan
 The search: every (t, p) whose product divides the GPUs (t within a node, dividing the heads and FFN),
 with no, selective (the core attention) and full recomputation, every micro-batch that divides the batch, ascending until one misses
 memory (a larger one holds more activations), each under every pipeline schedule it can run
-(`ranking.schedules_for`: 1F1B, ZB-H1, interleaved with v = 2) and the default layout (or `--layout`'s); a (t, p)
+(`runnable_schedules.schedules_for`: 1F1B, ZB-H1, interleaved with v = 2) and the default layout (or `--layout`'s); a (t, p)
 whose model states alone overflow is skipped. The fastest then gets the other layouts and schedules,
 interleaving at v = 2-4 (`ranking.alternatives`; the exact `fastest` split only up to `FASTEST_MAX_STAGES`
 stages and `FASTEST_MAX_REPLAY` micro-batches x stages: its search replays the schedule many times and

@@ -9,8 +9,9 @@ import json
 
 import pytest
 
+from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.flags.parser import parse_config
-from megatron_ds.plan import ds_json, no_fit, ranking, search
+from megatron_ds.plan import ds_json, no_fit, ranking, runnable_schedules, search
 from megatron_ds.plan.__main__ import main
 from megatron_ds.plan.hardware import PlanError
 from megatron_ds.plan.inputs import PlanInputs, resolve
@@ -28,12 +29,14 @@ def _command_config(res, cand):
 
 def test_schedules_are_tried_only_where_the_engine_runs_them() -> None:
     res = resolve(PlanInputs(**JOB))
-    assert ranking.schedules_for(res, 1, 1, 1, 2) == [("1f1b", 1)]  # P = 1: nothing to schedule
-    assert ranking.schedules_for(res, 1, 4, 1, 2) == [("1f1b", 1)]  # ZeRO-2 runs on the plain engine
-    assert ranking.schedules_for(res, 1, 4, 1, 1) == [("1f1b", 1), ("zbh1", 1), ("interleaved", 2)]
+    assert runnable_schedules.schedules_for(res, 1, 1, 1, 2) == [("1f1b", 1)]  # P = 1: nothing to schedule
+    assert runnable_schedules.schedules_for(res, 1, 4, 1, 2) == [("1f1b", 1)]  # ZeRO-2 runs on the plain engine
+    assert runnable_schedules.schedules_for(res, 1, 4, 1, 1) == [("1f1b", 1), ("zbh1", 1), ("interleaved", 2)]
     # 24 layers do not split into 2 x 16 chunks; at micro-batch 4, 2 micro-batches are no multiple of P = 4
-    assert ("interleaved", 2) not in ranking.schedules_for(resolve(PlanInputs(**{**JOB, "num_gpus": 16})), 1, 16, 1, 1)
-    assert ("interleaved", 2) not in ranking.schedules_for(res, 1, 4, 4, 1)
+    assert ("interleaved", 2) not in runnable_schedules.schedules_for(
+        resolve(PlanInputs(**{**JOB, "num_gpus": 16})), 1, 16, 1, 1
+    )
+    assert ("interleaved", 2) not in runnable_schedules.schedules_for(res, 1, 4, 4, 1)
 
 
 def test_the_chosen_schedule_is_the_fastest_and_reaches_the_command_and_json(capsys) -> None:
@@ -52,7 +55,7 @@ def test_the_chosen_schedule_is_the_fastest_and_reaches_the_command_and_json(cap
         name: search.evaluate(
             res, t, 4, mb, 1, "bf16", recompute, "none", schedule=name, virtual_stages=v, selective=selective
         ).seconds
-        for name, v in ranking.schedules_for(res, t, 4, mb, 1)
+        for name, v in runnable_schedules.schedules_for(res, t, 4, mb, 1)
     }
     assert min(seconds, key=seconds.get) == "zbh1" and data["step_seconds"] <= seconds["zbh1"] < seconds["1f1b"]
     assert dp * mb * data["gradient_accumulation_steps"] == 64
@@ -84,7 +87,7 @@ def test_the_choice_is_refined_over_every_schedule_and_v_and_the_report_lists_th
     interleaving at v = 2, 3, 4 where the layers split, and the choice is the fastest of those that fit. The
     report's schedule lines are those prices, the choice's first at 1.000."""
     res = resolve(PlanInputs(**JOB))
-    assert ranking.schedule_options(res, 1, 4, 1, 1) == [
+    assert runnable_schedules.schedule_options(res, 1, 4, 1, 1) == [
         ("1f1b", 1),
         ("zbh1", 1),
         ("interleaved", 2),
@@ -114,13 +117,17 @@ def test_schedules_too_long_to_replay_are_left_out_and_named() -> None:
     closed form); the report's schedule lines name what was left out."""
     res = resolve(PlanInputs(**{**JOB, "global_batch_size": 131072}))
     # t = 1, p = 4: 8 data-parallel ranks; micro-batch 1 gives M = 16384 (65536 steps), micro-batch 16 M = 1024
-    assert ranking.schedules_for(res, 1, 4, 1, 1) == [("1f1b", 1)]
-    assert ranking.too_long_to_replay(res, 1, 4, 1, 1) == [("zbh1", 1), ("interleaved", 2), ("interleaved", 3)]
-    assert ranking.schedule_options(res, 1, 4, 16, 1) == [
+    assert runnable_schedules.schedules_for(res, 1, 4, 1, 1) == [("1f1b", 1)]
+    assert runnable_schedules.too_long_to_replay(res, 1, 4, 1, 1) == [
+        ("zbh1", 1),
+        ("interleaved", 2),
+        ("interleaved", 3),
+    ]
+    assert runnable_schedules.schedule_options(res, 1, 4, 16, 1) == [
         ("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("interleaved", 3),
     ]  # fmt: skip
     limit = search.REPLAY_LIMIT
-    assert all(1024 * 4 * v <= limit < 16384 * 4 * v for _, v in ranking.too_long_to_replay(res, 1, 4, 1, 1))
+    assert all(1024 * 4 * v <= limit < 16384 * 4 * v for _, v in runnable_schedules.too_long_to_replay(res, 1, 4, 1, 1))
 
 
 def test_misses_are_priced_under_the_own_schedule_and_retimed_under_the_chosen_one() -> None:
@@ -164,7 +171,7 @@ def test_a_schedule_the_flags_fix_is_the_one_planned_and_priced(capsys) -> None:
         assert got == want if want else got[0] == "interleaved" and got[1] in (2, 3, 4), (flags, got)
         assert data["step_seconds"] >= free["step_seconds"] - 1e-9  # the free search's choice is the fastest
         listed = [line for line in section["text"] if "x the choice)" in line]  # the schedules the report compares
-        label = ranking.pipeline_schedules.find(got[0], got[1] if got[0] == "interleaved" else None).display
+        label = pipeline_schedules.find(got[0], got[1] if got[0] == "interleaved" else None).display
         # one schedule when the flags fix its v; with interleaving alone, its v = 2 and 3 (24 layers: no 4 x 4 chunks)
         assert len(listed) == (1 if want else 2) and all(line.strip().startswith(label[:11]) for line in listed), listed
         res = resolve(PlanInputs(**JOB, pipeline_model_parallel_size=4))
@@ -180,14 +187,17 @@ def test_a_schedule_the_flags_fix_is_the_one_planned_and_priced(capsys) -> None:
 def test_fixed_schedules_only_where_the_engine_runs_them() -> None:
     fixed = resolve(PlanInputs(**JOB, pp_schedule="interleaved", num_virtual_stages_per_pipeline_rank=3))
     assert fixed.schedule == ("interleaved", 3)
-    assert ranking.schedules_for(fixed, 1, 4, 1, 1) == [("interleaved", 3)]  # 24 layers = 3 x 4 x 2
-    assert ranking.schedules_for(fixed, 1, 16, 1, 1) == []  # 24 layers are not 3 x 16 chunks
-    assert ranking.schedules_for(fixed, 1, 1, 1, 1) == [] and ranking.schedules_for(fixed, 1, 4, 1, 2) == []
+    assert runnable_schedules.schedules_for(fixed, 1, 4, 1, 1) == [("interleaved", 3)]  # 24 layers = 3 x 4 x 2
+    assert runnable_schedules.schedules_for(fixed, 1, 16, 1, 1) == []  # 24 layers are not 3 x 16 chunks
+    assert (
+        runnable_schedules.schedules_for(fixed, 1, 1, 1, 1) == []
+        and runnable_schedules.schedules_for(fixed, 1, 4, 1, 2) == []
+    )
     zbh1 = resolve(PlanInputs(**JOB, enable_zbh1_pipeline=True))
-    assert zbh1.schedule == ("zbh1", 1) and ranking.schedules_for(zbh1, 1, 1, 1, 1) == [("zbh1", 1)]
-    assert ranking.schedules_for(zbh1, 1, 1, 1, 2) == []  # ZeRO-2 runs on the plain engine: no schedule
+    assert zbh1.schedule == ("zbh1", 1) and runnable_schedules.schedules_for(zbh1, 1, 1, 1, 1) == [("zbh1", 1)]
+    assert runnable_schedules.schedules_for(zbh1, 1, 1, 1, 2) == []  # ZeRO-2 runs on the plain engine: no schedule
     one = resolve(PlanInputs(**JOB, num_virtual_stages_per_pipeline_rank=1))
-    assert one.schedule == (None, 1) and ranking.schedules_for(one, 1, 4, 1, 1) == [("1f1b", 1), ("zbh1", 1)]
+    assert one.schedule == (None, 1) and runnable_schedules.schedules_for(one, 1, 4, 1, 1) == [("1f1b", 1), ("zbh1", 1)]
     assert resolve(PlanInputs(**JOB)).schedule == (None, None)
 
 
@@ -198,7 +208,7 @@ def test_a_fixed_schedule_too_long_to_replay_is_named_as_such() -> None:
     fixed = dict(pp_schedule="interleaved", num_virtual_stages_per_pipeline_rank=2, micro_batch_size=1)
     res = resolve(PlanInputs(**big, **fixed, pipeline_model_parallel_size=4, tensor_model_parallel_size=1))
     # t = 1, p = 4: 8 data-parallel ranks, M = 16384 micro-batches, 16384 x 4 x 2 replay steps
-    assert ranking.unreplayed(res, 1, 4, [1], 1) == [ranking.Unreplayed(131072, 1, 4, 1)]
+    assert runnable_schedules.unreplayed(res, 1, 4, [1], 1) == [runnable_schedules.Unreplayed(131072, 1, 4, 1)]
     with pytest.raises(PlanError) as e:
         choose_all(res, "bf16")
     message = str(e.value)
@@ -206,10 +216,10 @@ def test_a_fixed_schedule_too_long_to_replay_is_named_as_such() -> None:
     assert "replay too long" in message and "t=1, p=4, micro-batch 1, 131,072)" in message
     assert "runs on no configuration" not in message
     free = resolve(PlanInputs(**big, pipeline_model_parallel_size=4, tensor_model_parallel_size=1, micro_batch_size=1))
-    assert ranking.unreplayed(free, 1, 4, [1], 1) == [
-        ranking.Unreplayed(65536, 1, 4, 1), ranking.Unreplayed(131072, 1, 4, 1),
+    assert runnable_schedules.unreplayed(free, 1, 4, [1], 1) == [
+        runnable_schedules.Unreplayed(65536, 1, 4, 1), runnable_schedules.Unreplayed(131072, 1, 4, 1),
     ]  # fmt: skip
-    skipped = [ranking.Unreplayed(131072, 1, 4, 1), ranking.Unreplayed(65536, 2, 4, 1)]
+    skipped = [runnable_schedules.Unreplayed(131072, 1, 4, 1), runnable_schedules.Unreplayed(65536, 2, 4, 1)]
     said = no_fit.no_fit_message(res, None, [(1e12, 1, 4)], True, (), skipped)
     assert "2 configurations that run it were not priced, each replay too long" in said
     assert "the shortest: t=2, p=4, micro-batch 1, 65,536)" in said

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megatron_ds.estimate.run_features import MEGATRON_LM_2021
-from megatron_ds.plan import ranking, search
+from megatron_ds.plan import ranking, runnable_schedules, search
 from megatron_ds.plan.__main__ import main
 from megatron_ds.plan.inputs import PlanInputs, resolve
 from megatron_ds.plan.zero_options import choose_all
@@ -26,7 +26,7 @@ def test_the_choice_is_the_fastest_fitting_configuration_and_the_bound_holds() -
         dp = res.num_gpus // (t * p)
         for mb in search.micro_batches(res, dp):
             for ckpt in (False, True):
-                for name, v in ranking.schedules_for(res, t, p, mb, 1):
+                for name, v in runnable_schedules.schedules_for(res, t, p, mb, 1):
                     cand = search.evaluate(res, t, p, mb, 1, "bf16", ckpt, "none", schedule=name, virtual_stages=v)
                     rec = "full" if ckpt else "none"
                     bound = ranking.time_bound(res, t, p, mb, 1, "bf16", rec, name)
