@@ -32,19 +32,11 @@ from typing import Any
 
 import torch
 
+from megatron_ds.testing.zygote import RUN_PRELOAD
+
 RECORDED = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data", "megatron_lm_args.json")
 FORMATS = ("torch_dist", "torch")
 OPTIMIZERS = ("local", "fully_reshardable", "dp_reshardable", "dp_zero_gather_scatter")
-PRELOAD = (
-    "torch",
-    "torch._dynamo",
-    "deepspeed",
-    "megatron.core.models.gpt",
-    "megatron.core.dist_checkpointing",
-    "megatron.core.distributed",
-    "megatron.core.optimizer",
-)
-"""Imported once by the launch's zygote before it forks the ranks (`testing.zygote`)."""
 TOKENS = ((3, 17, 42, 99, 5, 64, 7, 23, 88, 1, 0, 50), (9, 8, 7, 6, 5, 4, 3, 2, 1, 60, 70, 80))
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -137,7 +129,7 @@ def write_checkpoints(
         # megatron-core wraps its fused bias-GeLU/SwiGLU in torch.compile; eager runs the same formulas without
         # inductor's C++ build (on a fresh machine ~2.5 CPU-minutes for these fixtures).
         env = {"PYTHONPATH": _root(), "TORCHDYNAMO_DISABLE": "1"}
-        run_ranks(argv, world, timeout=timeout, env=env, preload=PRELOAD)
+        run_ranks(argv, world, timeout=timeout, env=env, preload=RUN_PRELOAD)
         return torch.load(out, weights_only=True)
 
 

@@ -14,45 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_ds.testing.launch import Ranks, start_ranks
-from megatron_ds.testing.zygote import HOST_OPTIMIZER, TRAINING_STACK
+from megatron_ds.testing.zygote import RUN_PRELOAD
 
 ROOT = Path(__file__).resolve().parents[2]
-PRELOAD = (
-    *TRAINING_STACK,
-    "megatron_ds.flags.parser",
-    "megatron_ds.training.launch_checks",
-    "megatron_ds.training.loop",
-    "megatron_ds.training.machine",
-    "megatron_ds.training.signals",
-)
-MEGATRON_CORE_PRELOAD = (
-    "megatron_ds.data.indexed:megatron_indexed_dataset_module",
-    "megatron.core.datasets.gpt_dataset",
-    "megatron.core.datasets.blended_dataset",
-    "megatron_ds.model.tensor_parallel_layers",
-)
-"""megatron-core (about 3 s per rank): its datasets for files given by path, its layers at T > 1."""
-DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
-
-
-def preload_for(argv: Sequence[str]) -> tuple[str, ...]:
-    """What these ranks will import, guessed from the line (a wrong guess costs time, not correctness)."""
-    args = list(map(str, argv))
-    tensor_parallel = any(
-        flag in ("--tensor-model-parallel-size", "--tensor-parallel-size") and value != "1"
-        for flag, value in zip(args, args[1:])
-    )
-    files = any(flag in DATA_FLAGS for flag in args)
-    host = "--cpu-optimizer" in args or any("offload" in a for a in args) or _config_offloads(args)
-    return PRELOAD + (MEGATRON_CORE_PRELOAD if tensor_parallel or files else ()) + (HOST_OPTIMIZER if host else ())
-
-
-def _config_offloads(args: list[str]) -> bool:
-    """A DeepSpeed config file on the line that offloads (its CPU Adam asks py-cpuinfo)."""
-    for flag, value in zip(args, args[1:]):
-        if flag in ("--deepspeed_config", "--deepspeed-config") and Path(value).is_file():
-            return "offload" in Path(value).read_text()
-    return False
 
 
 def start_pretrain_gpt(
@@ -61,7 +25,7 @@ def start_pretrain_gpt(
     """`run_pretrain_gpt`'s ranks, started and not waited for (`Ranks.exit_times`, `Ranks.finish`)."""
     env = {"DS_ACCELERATOR": "cpu", **(env or {})}  # what pretrain_gpt.py sets on a machine without CUDA
     script = str(ROOT / script)
-    return start_ranks([script, *argv], nproc, cwd=cwd or str(ROOT), env=env, preload=preload_for(argv))
+    return start_ranks([script, *argv], nproc, cwd=cwd or str(ROOT), env=env, preload=RUN_PRELOAD)
 
 
 def run_pretrain_gpt(

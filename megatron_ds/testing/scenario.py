@@ -36,6 +36,8 @@ Optional scenario keys (all off by default):
                     in eval mode ("eval_logits"; its MoE layers' collectives run on every rank, give each the same ids)
     output_shapes   true: record the shape of what this stage's module returns in its first training
                     forward ("output_shape": what it sends on, e.g. (s/T, b, h) under sequence parallelism)
+    report_new_modules  true: record the modules this rank imported since it started, as "new_modules" (what a
+                    test launcher's preload, `testing.zygote.RUN_PRELOAD`, left to each rank)
 
 Under --log-num-zeros-in-grad (`logging__log_num_zeros_in_grad`) each step's count is recorded as "num_zeros".
 Under --kd (`distillation__kd` and `distillation__load_teacher` overrides) each step's "other_losses" ({"kd loss":
@@ -366,6 +368,7 @@ def main(spec_path: str, out_dir: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     results = []
+    imported_before = set(sys.modules)
     clean = False
     try:
         for sc in spec["scenarios"]:
@@ -375,6 +378,8 @@ def main(spec_path: str, out_dir: str) -> None:
             cfg = cfg.replace(parallel__world_size=env_world_size())
             init_distributed(cfg.parallel)
             results.append(run_one(cfg, sc.get("steps", 3), sc.get("layout", {}), options=sc))
+            if sc.get("report_new_modules"):
+                results[-1]["new_modules"] = sorted(set(sys.modules) - imported_before)
         clean = True
     finally:
         shutdown_distributed(clean=clean)

@@ -11,27 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ds.testing.launch import RankResult, run_ranks
-from megatron_ds.testing.zygote import HOST_OPTIMIZER, TRAINING_STACK
-
-PRELOAD = (
-    *TRAINING_STACK,
-    "megatron_ds.testing.scenario",
-    "megatron_ds.training.builder",
-    "megatron_ds.training.checkpoint.save_load",
-)
-TENSOR_PARALLEL_PRELOAD = ("megatron_ds.model.tensor_parallel_layers",)
-"""megatron-core's layers: imported by the ranks of a T > 1 scenario only (about 3 s each)."""
-HOST_OPTIMIZER_KEYS = ("training__cpu_optimizer", "training__offload_optimizer", "training__offload_param")
-
-
-def preload_for(scenarios: list[dict[str, Any]]) -> tuple[str, ...]:
-    """What the ranks of these scenarios import: megatron-core too when one of them runs at T > 1; py-cpuinfo's
-    answer when one keeps its optimizer on the host."""
-    overrides = [sc.get("overrides", {}) for sc in scenarios]
-    overrides += [o for sc in scenarios for o in sc.get("rank_overrides", {}).values()]
-    tensor_parallel = any(o.get("parallel__tensor_model_parallel_size", 1) > 1 for o in overrides)
-    host_optimizer = any(o.get(key) not in (None, False, "none") for o in overrides for key in HOST_OPTIMIZER_KEYS)
-    return PRELOAD + (TENSOR_PARALLEL_PRELOAD if tensor_parallel else ()) + (HOST_OPTIMIZER if host_optimizer else ())
+from megatron_ds.testing.zygote import RUN_PRELOAD
 
 
 def run_scenarios(
@@ -43,7 +23,7 @@ def run_scenarios(
     spec = out / "spec.json"
     spec.write_text(json.dumps({"scenarios": scenarios}))
     argv = ["-m", "megatron_ds.testing.scenario", str(spec), str(out)]
-    results = run_ranks(argv, world, timeout=timeout, check=check, preload=preload_for(scenarios))
+    results = run_ranks(argv, world, timeout=timeout, check=check, preload=RUN_PRELOAD)
     if not check:
         return results
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

@@ -25,9 +25,7 @@ from pathlib import Path
 
 from megatron_ds.testing import fork_server
 from megatron_ds.testing.launch import signal_group
-
-PRELOAD = ("torch", "torch._dynamo", "deepspeed", "megatron_ds.distributed", "megatron_ds.flags.parser")
-"""What the scripts the tests run all import first (about 3 s of CPU per fresh interpreter)."""
+from megatron_ds.testing.zygote import RUN_PRELOAD
 
 
 def run_python(
@@ -42,7 +40,7 @@ def run_python(
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"stdout": os.path.join(tmp, "stdout"), "stderr": os.path.join(tmp, "stderr")}
         try:
-            run = fork_server.fork(PRELOAD, argv, cwd, env, exit_file=os.path.join(tmp, "exit"), streams=paths)
+            run = fork_server.fork(RUN_PRELOAD, argv, cwd, env, exit_file=os.path.join(tmp, "exit"), streams=paths)
         except fork_server.ServerFailed:  # a fresh interpreter, which reports what went wrong itself
             return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
         code = _wait(run, timeout)

@@ -31,15 +31,40 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-TRAINING_STACK = (
+RUN_PRELOAD = (
     "torch",
     "torch._dynamo",  # torch.optim imports it at the first optimizer: a second of CPU per rank
     "deepspeed",
+    # DeepSpeed's ZeRO and bf16 optimizers import Muon at their first engine, and its `torch.compile` decorator
+    # imports torch's inductor: 2-3 s of CPU in every such rank
+    "deepspeed.runtime.zero.muon.muon_optimizer",
     "megatron_ds.distributed",
+    "megatron_ds.flags.parser",
+    "megatron_ds.testing.scenario",
+    "megatron_ds.training.builder",
+    "megatron_ds.training.checkpoint.save_load",
+    "megatron_ds.training.launch_checks",
+    "megatron_ds.training.loop",
+    "megatron_ds.training.machine",
+    "megatron_ds.training.signals",
+    # megatron-core: its layers at T > 1, its datasets for files given by path, its own training (Megatron-LM's
+    # checkpoints made by its code)
+    "megatron_ds.model.tensor_parallel_layers",
+    "megatron_ds.data.indexed:megatron_indexed_dataset_module",
+    "megatron.core.datasets.gpt_dataset",
+    "megatron.core.datasets.blended_dataset",
+    "megatron.core.models.gpt",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    # DeepSpeed's CPU Adam asks py-cpuinfo (a process per question) in every rank whose optimizer is on the host
+    "megatron_ds.testing.zygote:answer_cpu_info_once",
 )
-"""What every training rank imports: the start of each test launcher's `preload`."""
-HOST_OPTIMIZER = ("megatron_ds.testing.zygote:answer_cpu_info_once",)
-"""For ranks whose optimizer runs on the host: DeepSpeed's CPU Adam asks py-cpuinfo (a process per question)."""
+"""What the tests' runs import before their work, the union of what each kind needs (scenarios, pretrain_gpt.py,
+the tools, Megatron-LM's own training): every launcher forks from servers that imported it
+(`megatron_ds.testing.fork_server` keeps one per environment), so a test process imports it once or twice, not
+once per kind of run as when each launcher had its own list and the servers for five lists took turns (36 server
+starts, ~6 s of CPU each, in one run of the suite). Extra modules in a run that does not use them cost nothing."""
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 """Signals the launcher sends to the whole group: the ranks act on them, this process must not."""
 

@@ -97,29 +97,31 @@ def test_py_cpuinfo_is_asked_once_for_every_rank(monkeypatch: pytest.MonkeyPatch
     assert len(asked) == 1
 
 
-def test_scenarios_preload_what_their_ranks_import() -> None:
-    from megatron_ds.testing.scenario_runs import PRELOAD, TENSOR_PARALLEL_PRELOAD, preload_for
-    from megatron_ds.testing.zygote import HOST_OPTIMIZER
+def test_every_launcher_forks_from_the_one_preload() -> None:
+    """Scenarios, pretrain_gpt.py lines, scripts and Megatron-LM's own training all ask for the same imports, so
+    the servers of one environment serve them all (per-launcher lists made the servers take turns)."""
+    from megatron_ds.testing import megatron_lm_checkpoints, pretrain_runs, scenario_runs, script_runs
+    from megatron_ds.testing.zygote import RUN_PRELOAD
 
-    plain = {"overrides": {"parallel__pipeline_model_parallel_size": 2}}
-    assert preload_for([plain]) == PRELOAD
-    tp_on_one_rank = {"overrides": {}, "rank_overrides": {"1": {"parallel__tensor_model_parallel_size": 2}}}
-    assert preload_for([plain, tp_on_one_rank]) == PRELOAD + TENSOR_PARALLEL_PRELOAD
-    offload = {"overrides": {"training__offload_optimizer": "cpu"}}
-    assert preload_for([offload, {"overrides": {"training__offload_param": "none"}}]) == PRELOAD + HOST_OPTIMIZER
-    assert preload_for([{"overrides": {"training__cpu_optimizer": True}}]) == PRELOAD + HOST_OPTIMIZER
+    for launcher in (scenario_runs, pretrain_runs, script_runs, megatron_lm_checkpoints):
+        assert launcher.RUN_PRELOAD is RUN_PRELOAD, launcher.__name__
+        assert "PRELOAD" not in vars(launcher) and "preload_for" not in vars(launcher), launcher.__name__
+    assert "deepspeed.runtime.zero.muon.muon_optimizer" in RUN_PRELOAD  # each ZeRO or bf16 rank's first engine
 
 
-def test_pretrain_runs_preload_what_the_line_needs(tmp_path: Path) -> None:
-    from megatron_ds.testing import pretrain_runs as pr
+HEAVY = ("deepspeed.runtime.zero.muon", "torch._inductor", "megatron.core")
 
-    assert pr.preload_for(["--mock-data", "--tensor-model-parallel-size", "1"]) == pr.PRELOAD
-    assert pr.preload_for(["--tensor-model-parallel-size", "2"]) == pr.PRELOAD + pr.MEGATRON_CORE_PRELOAD
-    assert pr.preload_for(["--data-path", "x"]) == pr.PRELOAD + pr.MEGATRON_CORE_PRELOAD
-    config = tmp_path / "ds.json"
-    config.write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}')
-    assert pr.preload_for(["--deepspeed_config", str(config)]) == pr.PRELOAD + pr.HOST_OPTIMIZER
-    assert pr.preload_for(["--cpu-optimizer"]) == pr.PRELOAD + pr.HOST_OPTIMIZER
+
+def test_a_zero_rank_imports_nothing_heavy_after_the_fork(tmp_path: Path) -> None:
+    """A ZeRO-1 scenario's ranks find DeepSpeed's Muon (2-3 s: its `torch.compile` imports torch's inductor), torch's
+    inductor and megatron-core already imported; what they still import is small (DeepSpeed's expert-parallel
+    presets, distutils: 0.03 s)."""
+    from megatron_ds.testing.scenario_runs import run_scenarios
+
+    sc = {"overrides": {"model__num_layers": 1, "training__zero_stage": 1}, "steps": 1, "report_new_modules": True}
+    ranks = run_scenarios(tmp_path, 2, [sc], timeout=120)
+    for (result,) in ranks:
+        assert not [m for m in result["new_modules"] if m.startswith(HEAVY)], result
 
 
 PROBE = """

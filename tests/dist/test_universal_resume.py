@@ -34,7 +34,8 @@ import pytest
 from megatron_ds.testing import fork_server
 from megatron_ds.testing.launch import signal_group
 from megatron_ds.testing.scenario_runs import by_name, run_scenarios
-from megatron_ds.testing.script_runs import PRELOAD, run_python
+from megatron_ds.testing.script_runs import run_python
+from megatron_ds.testing.zygote import RUN_PRELOAD
 
 LAYERS, VOCAB, DROPOUT, TOL = 6, 512, 0.1, 1e-6  # vocabulary 512: the memory split differs from the stock one
 BIG = {"model__vocab_size": 32768, "model__hidden_size": 256, "model__ffn_hidden_size": 1024,
@@ -263,7 +264,7 @@ def _start_conversion(source: Path, out: Path, log: Path) -> fork_server.Forked 
     argv = [*TOOL[1:], str(source), str(out), "--no-progress"]
     try:
         streams = {"stdout": str(log), "stderr": str(log)}
-        return fork_server.fork(PRELOAD, argv, ROOT, dict(os.environ), exit_file=f"{log}.exit", streams=streams)
+        return fork_server.fork(RUN_PRELOAD, argv, ROOT, dict(os.environ), exit_file=f"{log}.exit", streams=streams)
     except fork_server.ServerFailed:
         with open(log, "w") as f:
             return subprocess.Popen(TOOL[:1] + argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from megatron_ds.testing.launch import run_ranks
-from megatron_ds.testing.pretrain_runs import preload_for
+from megatron_ds.testing.zygote import RUN_PRELOAD
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = [
@@ -28,9 +28,7 @@ VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.
 
 def launch(*extra: str) -> tuple[dict[str, str], dict[str, str], str]:
     argv = [*COMMON, *extra]  # both ranks forked from one process that imported the training stack once
-    results = run_ranks(
-        [str(ROOT / "pretrain_gpt.py"), *argv], 2, timeout=300, cwd=str(ROOT), preload=preload_for(argv)
-    )
+    results = run_ranks([str(ROOT / "pretrain_gpt.py"), *argv], 2, timeout=300, cwd=str(ROOT), preload=RUN_PRELOAD)
     last = results[1].output  # the last stage prints the iteration lines
     return dict(TRAIN.findall(last)), dict(VALID.findall(last)), results[0].output + last
 
