@@ -13,9 +13,10 @@ mp = s x T + r (DeepSpeed's model-parallel rank: tensor innermost):
                    `ds_to_universal` joins them the same way).
   engine state     mp_rank_00_model_states.pt: global_steps, global_samples, skipped_steps, lr_scheduler
 
-Files are read with `torch.load(weights_only=True, mmap=True)` (DeepSpeed's few classes in them
-are allow-listed, no other code runs) and reopened per tensor, so only the bytes of one tensor
-are resident at a time. fp16 without ZeRO (DeepSpeed's FP16_Optimizer) is not read.
+Files are read with `torch.load(weights_only=True)` (DeepSpeed's few classes in them are allow-listed, no
+other code runs): memory-mapped and reopened per tensor, except the ZeRO partition files, whose structure is
+unpickled once and whose fragments are read from disk (`state_files`); either way only the bytes of one
+tensor are resident at a time. fp16 without ZeRO (DeepSpeed's FP16_Optimizer) is not read.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from megatron_ds.pipeline.layout import Layout, build_layout
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import META, CheckpointError, fingerprint
 from megatron_ds.training.checkpoint.universal import names
+from megatron_ds.training.checkpoint.universal.state_files import StateFiles, narrow
 from megatron_ds.training.optimizer import GROUP_NAMES
 
 FP32 = "fp32"
@@ -48,13 +50,14 @@ def _allowed_globals() -> list[Any]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-def load_file(path: str) -> dict[str, Any]:
-    """A DeepSpeed state file, memory-mapped, with no code run but DeepSpeed's allow-listed classes."""
+def load_file(path: str, map_location: str = "cpu") -> dict[str, Any]:
+    """A DeepSpeed state file, memory-mapped (or its structure alone: `map_location="meta"`), with no code run but
+    DeepSpeed's allow-listed classes."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
     try:
         with torch.serialization.safe_globals(_allowed_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=map_location != "meta")
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as err:
         raise CheckpointError(files.load_failure(path, err, "the checkpoint is damaged")) from None
 
@@ -100,6 +103,7 @@ class DeepSpeedSource:
             ) from None
         self._mp_world = p * self.tensor_parallel
         self._meta_cache: dict[str, Any] = {}  # per file: parameter positions and step counts (no tensors)
+        self.files = StateFiles(load_file)  # the partition files, each unpickled once
 
     def _path(self, name: str) -> str:
         return os.path.join(self.ckpt.directory, name)
@@ -213,7 +217,7 @@ class DeepSpeedSource:
 
     def _fragment(self, stage: int, tp: int, dp: int, module_name: str, group: str, state: str) -> torch.Tensor | None:
         path = self.optim_file(stage, tp, dp)
-        osd = load_file(path)["optimizer_state_dict"]
+        osd = self.files.open(path)["optimizer_state_dict"]
         g = GROUP_NAMES.index(group)
         try:
             fragment = osd["param_slice_mappings"][g].get(module_name)
@@ -263,9 +267,7 @@ def partition_fragment(
             flat = osd["single_partition_of_fp32_groups"][group]
         else:
             flat = osd["base_optimizer_state"]["state"][group][state]
-        # detach: DeepSpeed saved the fp32 partitions with requires_grad, and a clone with a graph
-        # would keep the whole memory-mapped partition alive
-        return flat.detach().narrow(0, fragment.start, fragment.numel).clone()
+        return narrow(flat, fragment.start, fragment.numel, path)
     except (KeyError, IndexError, RuntimeError) as err:
         raise CheckpointError(f"{path}: no {state} for {name} ({err}); the checkpoint is damaged") from None
 

@@ -162,7 +162,7 @@ class MoeSource(DeepSpeedSource):
             if found is None:
                 continue
             path, g, fragment = found
-            osd = load_file(path)["optimizer_state_dict"]
+            osd = self.files.open(path)["optimizer_state_dict"]
             pieces.append(partition_fragment(osd, g, fragment, state, path, module_name))
         if not pieces:
             raise CheckpointError(
@@ -173,7 +173,7 @@ class MoeSource(DeepSpeedSource):
     def _fragment_of(self, rank: int, module_name: str) -> tuple[str, int, Any] | None:
         """(file, group, fragment) of `module_name` in global rank `rank`'s ZeRO file; None when it holds none of it."""
         path = self.optim_file(0, 0, rank)
-        for g, mapping in enumerate(load_file(path)["optimizer_state_dict"]["param_slice_mappings"]):
+        for g, mapping in enumerate(self.files.open(path)["optimizer_state_dict"]["param_slice_mappings"]):
             if module_name in mapping:
                 return path, g, mapping[module_name]
         return None

@@ -25,6 +25,7 @@ import torch
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.universal import names
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, DeepSpeedSource, _int, load_file
+from megatron_ds.training.checkpoint.universal.state_files import narrow
 
 
 class Position(NamedTuple):
@@ -76,14 +77,13 @@ class Zero3Source(DeepSpeedSource):
 
     def _partition(self, tp: int, dp: int, position: Position, state: str) -> torch.Tensor:
         path = self.optim_file(0, tp, dp)
-        osd = load_file(path)["optimizer_state_dict"]
+        osd = self.files.open(path)["optimizer_state_dict"]
         try:
             if state == FP32:
                 flat = osd["fp32_flat_groups"][position.sub_group]
             else:
                 flat = osd["optimizer_state_dict"]["state"][position.sub_group][state]
-            # detach: the saved partitions carry requires_grad; a clone with a graph keeps the mapping alive
-            return flat.detach().narrow(0, position.offset, position.numel).clone()
+            return narrow(flat, position.offset, position.numel, path)
         except (KeyError, IndexError, RuntimeError) as err:
             raise CheckpointError(f"{path}: no {state} at {position} ({err}); the checkpoint is damaged") from None
 
