@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from megatron_ds.errors import UserError  # noqa: E402
 from megatron_ds.inference import generate, load_model  # noqa: E402
 from megatron_ds.interop.hf_export import export_hf  # noqa: E402
 from megatron_ds.interop.hf_import import import_hf  # noqa: E402
+from megatron_ds.testing.script_runs import run_python  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"vocab_size": 200, "initializer_range": 0.1}
@@ -365,12 +364,7 @@ def test_sentencepiece_tokenizer_travels_both_ways(hf_dirs: dict[str, Path], tmp
 
 def test_cli_reports_user_errors_in_one_line(tmp_path: Path, capsys) -> None:
     tool = ROOT / "tools" / "convert_checkpoint.py"
-    proc = subprocess.run(
-        [sys.executable, str(tool), "--from", "hf", str(tmp_path / "nothing"), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_python([str(tool), "--from", "hf", str(tmp_path / "nothing"), str(tmp_path / "out")], timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'nothing'}: no such directory; give a Hugging Face model directory (config.json + weights)"
