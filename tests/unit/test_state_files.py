@@ -61,3 +61,17 @@ def test_a_file_of_another_byte_order_is_memory_mapped_as_before(tmp_path: Path,
     saved = StateFiles(load).open(path)["optimizer_state_dict"]["single_partition_of_fp32_groups"][1]
     assert not saved.is_meta and calls == ["cpu"]
     assert torch.equal(narrow(saved, 3, 40, path), flat[3:43])
+
+
+def test_any_tensor_of_the_structure_reads_back_as_saved(tmp_path: Path) -> None:
+    """A torch optimizer's per-parameter state (a non-flat checkpoint): a transposed view, a scalar step, a
+    non-tensor kept as it is."""
+    matrix = torch.randn(6, 9, generator=torch.Generator().manual_seed(1))
+    state = {"optimizer": {"state": {0: {"exp_avg": matrix.t(), "step": torch.tensor(7.0)}, 1: {"step": 3}}}}
+    path = str(tmp_path / "mp_rank_00_model_states.pt")
+    torch.save(state, path)
+    saved = StateFiles(load_file).open(path)["optimizer"]["state"]
+    got = state_files.materialize(saved[0]["exp_avg"], path)
+    assert saved[0]["exp_avg"].is_meta and got.shape == (9, 6) and torch.equal(got, matrix.t())
+    assert state_files.materialize(saved[0]["step"], path).item() == 7.0
+    assert state_files.materialize(saved[1]["step"], path) == 3

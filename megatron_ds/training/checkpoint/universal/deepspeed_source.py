@@ -14,9 +14,9 @@ mp = s x T + r (DeepSpeed's model-parallel rank: tensor innermost):
   engine state     mp_rank_00_model_states.pt: global_steps, global_samples, skipped_steps, lr_scheduler
 
 Files are read with `torch.load(weights_only=True)` (DeepSpeed's few classes in them are allow-listed, no
-other code runs): memory-mapped and reopened per tensor, except the ZeRO partition files, whose structure is
-unpickled once and whose fragments are read from disk (`state_files`); either way only the bytes of one
-tensor are resident at a time. fp16 without ZeRO (DeepSpeed's FP16_Optimizer) is not read.
+other code runs): memory-mapped and reopened per tensor (the weights' layer files), or, for the optimizer files, unpickled once
+with their tensors read from disk one by one (`state_files`); either way only the bytes of one tensor are resident
+at a time. fp16 without ZeRO (DeepSpeed's FP16_Optimizer) is not read.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from megatron_ds.pipeline.layout import Layout, build_layout
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import META, CheckpointError, fingerprint
 from megatron_ds.training.checkpoint.universal import names
-from megatron_ds.training.checkpoint.universal.state_files import StateFiles, narrow
+from megatron_ds.training.checkpoint.universal.state_files import StateFiles, materialize, narrow
 from megatron_ds.training.optimizer import GROUP_NAMES
 
 FP32 = "fp32"
@@ -131,7 +131,7 @@ class DeepSpeedSource:
 
     def _torch_optimizer(self, path: str) -> dict[str, Any]:
         """The torch optimizer's state dict in a model-states file (inside FP16_UnfusedOptimizer's under bf16)."""
-        saved = load_file(path)["optimizer"] or {}
+        saved = self.files.open(path)["optimizer"] or {}  # its tensors on the meta device: `materialize` them
         return saved.get("optimizer_state_dict", {}) if self.unfused else saved
 
     def state_keys(self) -> list[str]:
@@ -195,7 +195,7 @@ class DeepSpeedSource:
             if state == FP32:  # FP16_UnfusedOptimizer's fp32 copy of the parameter at `index`
                 groups = self._torch_optimizer(path).get("param_groups", [])
                 g = next((g for g, group in enumerate(groups) if index in group["params"]), None)
-                fp32 = load_file(path)["optimizer"].get("fp32_groups") or []
+                fp32 = self.files.open(path)["optimizer"].get("fp32_groups") or []
                 value = None if g is None else fp32[g][groups[g]["params"].index(index)]
             else:
                 value = self._torch_optimizer(path)["state"].get(index, {}).get(state)
@@ -203,7 +203,7 @@ class DeepSpeedSource:
                 raise CheckpointError(
                     f"{path}: no {state} of shape {list(shape)} for {module_name}; the checkpoint is damaged"
                 )
-            return value.detach().reshape(shape).clone()
+            return materialize(value, path).reshape(shape)
         pieces = [self._fragment(stage, tp, dp, module_name, group, state) for dp in range(self.data_parallel)]
         pieces = [p for p in pieces if p is not None]
         joined = None if not pieces else pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one copy at most
@@ -236,7 +236,7 @@ class DeepSpeedSource:
         key = path + "#steps"
         if key not in self._meta_cache:
             state = self._torch_optimizer(path)["state"]
-            self._meta_cache[key] = {i: _int(entry.get("step")) for i, entry in state.items()}
+            self._meta_cache[key] = {i: _int(materialize(entry.get("step"), path)) for i, entry in state.items()}
         return self._meta_cache[key]
 
     def _torch_index(self, stage: int, path: str) -> dict[str, int]:

@@ -35,6 +35,7 @@ from megatron_ds.training.checkpoint.universal.deepspeed_source import (
     load_file,
     partition_fragment,
 )
+from megatron_ds.training.checkpoint.universal.state_files import materialize
 
 
 class MoeSource(DeepSpeedSource):
@@ -106,7 +107,7 @@ class MoeSource(DeepSpeedSource):
 
     # --- what is read -----------------------------------------------------------------------------------------
     def _optimizer(self, rank: int) -> dict[str, Any]:
-        saved = load_file(self.expp_file(rank)).get("optimizer")
+        saved = self.files.open(self.expp_file(rank)).get("optimizer")  # tensors on the meta device
         if not isinstance(saved, dict):
             raise CheckpointError(f"{self.expp_file(rank)}: no optimizer state; the checkpoint is damaged")
         return saved
@@ -122,12 +123,13 @@ class MoeSource(DeepSpeedSource):
         """`state` (FP32 or an optimizer state) of `tensor`, whole."""
         shape = tensor.rule.shape
         if self.flat:
-            value = self._joined(tensor, state)
+            value, path = self._joined(tensor, state), self.ckpt.directory
         elif state == FP32 and self.precision == "fp32":
-            value = self._weight(tensor)
+            value, path = self._weight(tensor)
         else:
             g, i, n = self._position(tensor)
             rank = self._owner(tensor)
+            path = self.expp_file(rank)
             try:
                 if state == FP32:
                     value = self._optimizer(rank)["fp32_groups"][g][i]
@@ -142,17 +144,17 @@ class MoeSource(DeepSpeedSource):
             raise CheckpointError(
                 f"{self.ckpt.directory}: no {state} of shape {list(shape)} for {tensor.name}; the checkpoint is damaged"
             )
-        return value.detach().reshape(shape).float().clone()
+        return materialize(value, path).reshape(shape).float()
 
-    def _weight(self, tensor: names.ModelTensor) -> torch.Tensor:
+    def _weight(self, tensor: names.ModelTensor) -> tuple[torch.Tensor, str]:
         file, key = moe_weights.weight_file(self.model, tensor)  # the model-state file, or the expert's own
         path = self._path(file)
-        weights = load_file(path)
+        weights = self.files.open(path)
         weights = (weights.get(key) or {}) if key is not None else weights
         name = names.module_name(self.model, tensor)
         if name not in weights:
             raise CheckpointError(f"{path}: no {name}; the checkpoint is damaged or of another model")
-        return weights[name]
+        return weights[name], path
 
     def _joined(self, tensor: names.ModelTensor, state: str) -> torch.Tensor:
         """The fragments of every ZeRO partition holding `tensor`, in partition order."""
@@ -182,7 +184,8 @@ class MoeSource(DeepSpeedSource):
         """The optimizer's step count for `tensor` (None before the first step)."""
         if not self.flat:
             _, _, n = self._position(tensor)
-            return _int(self._torch_state(self._owner(tensor))["state"].get(n, {}).get("step"))
+            rank = self._owner(tensor)
+            return _int(materialize(self._torch_state(rank)["state"].get(n, {}).get("step"), self.expp_file(rank)))
         for rank, module_name in self._holders(tensor):
             found = self._fragment_of(rank, module_name)
             if found is not None:

@@ -1,15 +1,17 @@
-"""DeepSpeed's state files, each unpickled once per conversion, and slices of their flat partitions read from disk.
+"""DeepSpeed's state files, each unpickled once per conversion, and the tensors in them read from disk one by one.
 
-A conversion reads every parameter's fragment of every state (fp32 masters, Adam's moments) from each ZeRO
-partition file that holds part of it. Loading the file for each of those reads unpickled it parameters x states
-times (5 ms a time for a tiny model's file, ~1,000 times for a six-layer one on two data-parallel ranks). Here a
-file's structure is unpickled once, with every tensor on the meta device (`torch.load(map_location="meta")`,
-the same `weights_only` loader and allow-list: no data read, no code run; torch records where each storage
-starts in the file), and `narrow` reads a fragment's bytes from the file at that offset. No page of the file stays
-mapped, so a conversion still holds one fragment at a time, as when each read memory-mapped the file anew.
+A conversion reads every parameter's fp32 master and Adam moments: a fragment of each ZeRO partition file that holds
+part of it, or its entry in a torch optimizer's state (without ZeRO, and a mixture-of-experts run's per-expert
+files). Loading the file for each of those reads unpickled it parameters x states times (5-200 ms a time: ~1,000
+times for a six-layer model on two data-parallel ranks, 8-12 s of a tiny MoE conversion's 16). Here a file's
+structure is unpickled once, with every tensor on the meta device (`torch.load(map_location="meta")`, the same
+`weights_only` loader and allow-list: no data read, no code run; torch records where each storage starts in the
+file), and `narrow` (a fragment of a flat partition) or `materialize` (any tensor) reads its bytes from the file at
+that offset. No page of the file stays mapped, so a conversion still holds one tensor at a time, as when each read
+memory-mapped the file anew.
 
 Where torch records no offsets (older versions) or the file was written big-endian, `StateFiles.open` returns the
-memory-mapped file and `narrow` copies the fragment out of it, as before.
+memory-mapped file and `narrow` and `materialize` copy out of it, as before.
 """
 
 from __future__ import annotations
@@ -52,21 +54,39 @@ def narrow(flat: torch.Tensor, start: int, numel: int, path: str) -> torch.Tenso
     flat = flat.detach()  # DeepSpeed saved the fp32 partitions with requires_grad
     if not flat.is_meta:  # memory-mapped: copy the slice so the mapping can go
         return flat.narrow(0, start, numel).clone()
-    size = flat.element_size()
-    storage = flat.untyped_storage()
-    end = (flat.storage_offset() + start + numel) * size
     if flat.dim() != 1 or flat.stride(0) != 1 or start < 0 or numel < 0 or start + numel > flat.numel():
         raise RuntimeError(f"elements {start}..{start + numel} are outside a flat partition of {flat.numel()}")
-    if end > storage.nbytes():
-        raise RuntimeError(f"elements up to {end // size} are outside a storage of {storage.nbytes() // size}")
-    offset = storage._checkpoint_offset + (flat.storage_offset() + start) * size
+    return _read(path, flat, flat.storage_offset() + start, numel)
+
+
+def materialize(value: Any, path: str) -> Any:
+    """`value` from `StateFiles.open` with its data: a tensor on the meta device read from `path` (a tensor of its
+    own, whatever its strides), anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    if not value.is_meta:
+        return value.clone()
+    if value.numel() == 0:
+        return torch.empty(value.shape, dtype=value.dtype)
+    span = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride()))  # elements from the first to the last
+    data = _read(path, value, value.storage_offset(), span)
+    return data.view(value.shape) if value.is_contiguous() else data.as_strided(value.shape, value.stride()).clone()
+
+
+def _read(path: str, like: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """`count` elements of `like`'s storage from element `first`, read from the file."""
+    size = like.element_size()
+    storage = like.untyped_storage()
+    if (first + count) * size > storage.nbytes():
+        raise RuntimeError(f"elements up to {first + count} are outside a storage of {storage.nbytes() // size}")
+    if count == 0:
+        return torch.empty(0, dtype=like.dtype)
     with open(path, "rb") as f:
-        data = os.pread(f.fileno(), numel * size, offset)
-    if len(data) != numel * size:
-        raise RuntimeError(f"the file ends {numel * size - len(data)} bytes before the partition's end")
-    if numel == 0:
-        return torch.empty(0, dtype=flat.dtype)
-    return torch.frombuffer(bytearray(data), dtype=flat.dtype)
+        data = os.pread(f.fileno(), count * size, storage._checkpoint_offset + first * size)
+    if len(data) != count * size:
+        raise RuntimeError(f"the file ends {count * size - len(data)} bytes before the tensor's end")
+    return torch.frombuffer(bytearray(data), dtype=like.dtype)
 
 
 def _byte_order(path: str) -> str | None:
