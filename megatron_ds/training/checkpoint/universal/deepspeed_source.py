@@ -103,7 +103,7 @@ class DeepSpeedSource:
             ) from None
         self._mp_world = p * self.tensor_parallel
         self._meta_cache: dict[str, Any] = {}  # per file: parameter positions and step counts (no tensors)
-        self.files = StateFiles(load_file)  # the partition files, each unpickled once
+        self.files = StateFiles(load_file)  # the optimizer files, each unpickled once
 
     def _path(self, name: str) -> str:
         return os.path.join(self.ckpt.directory, name)
@@ -228,8 +228,9 @@ class DeepSpeedSource:
     def _steps(self, path: str) -> list[int | None]:
         """Each group's step count in a flat optimizer file (small metadata, read once per file)."""
         if path not in self._meta_cache:
-            state = load_file(path)["optimizer_state_dict"]["base_optimizer_state"]["state"]
-            self._meta_cache[path] = [_int(state.get(g, {}).get("step")) for g in range(len(GROUP_NAMES))]
+            state = self.files.open(path)["optimizer_state_dict"]["base_optimizer_state"]["state"]
+            steps = [materialize(state.get(g, {}).get("step"), path) for g in range(len(GROUP_NAMES))]
+            self._meta_cache[path] = [_int(step) for step in steps]
         return self._meta_cache[path]
 
     def _torch_steps(self, stage: int, path: str) -> dict[int, int | None]:

@@ -32,7 +32,6 @@ from megatron_ds.training.checkpoint.universal.deepspeed_source import (
     FP32,
     DeepSpeedSource,
     _int,
-    load_file,
     partition_fragment,
 )
 from megatron_ds.training.checkpoint.universal.state_files import materialize
@@ -190,5 +189,6 @@ class MoeSource(DeepSpeedSource):
             found = self._fragment_of(rank, module_name)
             if found is not None:
                 path, g, _ = found
-                return _int(load_file(path)["optimizer_state_dict"]["base_optimizer_state"]["state"][g].get("step"))
+                step = self.files.open(path)["optimizer_state_dict"]["base_optimizer_state"]["state"][g].get("step")
+                return _int(materialize(step, path))
         return None

@@ -51,12 +51,9 @@ class StateFiles:
 def narrow(flat: torch.Tensor, start: int, numel: int, path: str) -> torch.Tensor:
     """Elements [start, start + numel) of a flat partition from `StateFiles.open` as a tensor of their own; a
     RuntimeError when the file does not hold them (callers name the file as damaged)."""
-    flat = flat.detach()  # DeepSpeed saved the fp32 partitions with requires_grad
-    if not flat.is_meta:  # memory-mapped: copy the slice so the mapping can go
-        return flat.narrow(0, start, numel).clone()
-    if flat.dim() != 1 or flat.stride(0) != 1 or start < 0 or numel < 0 or start + numel > flat.numel():
+    if flat.dim() != 1 or start < 0 or numel < 0 or start + numel > flat.numel():
         raise RuntimeError(f"elements {start}..{start + numel} are outside a flat partition of {flat.numel()}")
-    return _read(path, flat, flat.storage_offset() + start, numel)
+    return materialize(flat.narrow(0, start, numel), path)
 
 
 def materialize(value: Any, path: str) -> Any:
@@ -64,8 +61,8 @@ def materialize(value: Any, path: str) -> Any:
     own, whatever its strides), anything else as it is."""
     if not isinstance(value, torch.Tensor):
         return value
-    value = value.detach()
-    if not value.is_meta:
+    value = value.detach()  # DeepSpeed saved the fp32 partitions with requires_grad
+    if not value.is_meta:  # memory-mapped: a copy, so that the mapping can go
         return value.clone()
     if value.numel() == 0:
         return torch.empty(value.shape, dtype=value.dtype)

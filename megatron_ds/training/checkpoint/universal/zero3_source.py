@@ -25,7 +25,7 @@ import torch
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.universal import names
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, DeepSpeedSource, _int, load_file
-from megatron_ds.training.checkpoint.universal.state_files import narrow
+from megatron_ds.training.checkpoint.universal.state_files import materialize, narrow
 
 
 class Position(NamedTuple):
@@ -57,8 +57,9 @@ class Zero3Source(DeepSpeedSource):
         """Each sub-group's step count (small metadata, read once per file)."""
         key = path + "#steps"
         if key not in self._meta_cache:
-            state = load_file(path)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
-            self._meta_cache[key] = [_int(state.get(k, {}).get("step")) for k in range(len(self._sizes(path)))]
+            state = self.files.open(path)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+            steps = [materialize(state.get(k, {}).get("step"), path) for k in range(len(self._sizes(path)))]
+            self._meta_cache[key] = [_int(step) for step in steps]
         return self._meta_cache[key]
 
     def _local(
@@ -92,7 +93,7 @@ class Zero3Source(DeepSpeedSource):
         key = path + "#sizes"
         if key not in self._meta_cache:
             self._meta_cache[key] = [
-                int(t.numel()) for t in load_file(path)["optimizer_state_dict"]["fp32_flat_groups"]
+                int(t.numel()) for t in self.files.open(path)["optimizer_state_dict"]["fp32_flat_groups"]
             ]
         return self._meta_cache[key]
 
