@@ -45,7 +45,7 @@ def stage_parts(specs: Sequence[Any], post_groups: tuple[str, ...] = ("post",)) 
     return pre, post, next(sp for sp in specs if sp.group == "body")
 
 
-def held_total(ends: Sequence[Any], layer: Any, num_layers: int, attr: str) -> int:
+def held_total(ends: Sequence[Any], layer: Any, num_layers: int, attr: str) -> float:
     """`attr` summed over a stage holding `ends` (pre and post specs) and `num_layers` copies of `layer`: the
     planner prices stages of hundreds of layers, so the layer is counted, not listed."""
     return sum(getattr(sp, attr) for sp in ends) + num_layers * getattr(layer, attr)

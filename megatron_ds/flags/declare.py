@@ -19,6 +19,8 @@ from megatron_ds.config.tree import SECTIONS
 ACCEPTED, NO_OP, REFUSED = "accepted", "no-op", "refused"
 SWITCH, VALUE, VALUES = 0, "?", "*"
 """What a no-op or refused flag consumes, as argparse nargs: nothing, one value, any number."""
+MEGATRON_LM = "Megatron-LM's flag"
+"""How the help of a flag Megatron-DeepSpeed lacks and Megatron-LM has begins."""
 
 
 class _FieldDefault:

@@ -10,10 +10,9 @@ means what it means in Megatron-LM, changes nothing here (the help says why), or
 from __future__ import annotations
 
 import megatron_ds.flags.megatron_lm_io as megatron_lm_io
-from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, no_op, refused, switch
+from megatron_ds.flags.declare import MEGATRON_LM, VALUE, Flag, Refusal, accepted, no_op, refused, switch
 
 _NET, _TRAIN, _DIST, _TE = "network size", "training", "distributed", "Transformer Engine"
-_MLM = "Megatron-LM's flag"
 _FP8 = "FP8 training runs on Transformer Engine, which is not used here (the layers are torch's)"
 _FP8_FIX = "drop the --fp8-* flags and train in --bf16"
 _CP = "context parallelism is not implemented"
@@ -22,27 +21,27 @@ NETWORK: tuple[Flag, ...] = (
     no_op(
         "--use-mcore-models",
         _NET,
-        f"{_MLM}: megatron-core's GPTModel; the one GPT here is built from the same options (Megatron-LM "
+        f"{MEGATRON_LM}: megatron-core's GPTModel; the one GPT here is built from the same options (Megatron-LM "
         "itself builds only megatron-core models now)",
     ),
     accepted(
         "--transformer-impl",
         _NET,
-        f"{_MLM}: `local` or `transformer_engine` compute the same (non-FP8) layers; torch's kernels run them "
+        f"{MEGATRON_LM}: `local` or `transformer_engine` compute the same (non-FP8) layers; torch's kernels run them "
         "here (FP8 is refused)",
         choices=("local", "transformer_engine"),
     ),
     accepted(
         "--attention-backend",
         _NET,
-        f"{_MLM}: every backend computes the same softmax attention; torch's scaled_dot_product_attention picks "
+        f"{MEGATRON_LM}: every backend computes the same softmax attention; torch's scaled_dot_product_attention picks "
         "its flash or memory-efficient kernel itself",
         choices=("auto", "flash", "fused", "unfused", "local"),
     ),
     accepted(
         "--position-embedding-type",
         _NET,
-        f"{_MLM}: `learned_absolute` (the learned table, the default), `rope` (rotary embeddings, no table, as "
+        f"{MEGATRON_LM}: `learned_absolute` (the learned table, the default), `rope` (rotary embeddings, no table, as "
         "--use-rotary-position-embeddings) or `none`",
         fields=("model.use_rotary_position_embeddings", "model.add_position_embedding"),
         derived=True,
@@ -55,14 +54,14 @@ NETWORK: tuple[Flag, ...] = (
     switch(
         "--group-query-attention",
         _NET,
-        f"{_MLM}: grouped-query attention with --num-query-groups K/V heads (1 when not given, as Megatron-LM)",
+        f"{MEGATRON_LM}: grouped-query attention with --num-query-groups K/V heads (1 when not given, as Megatron-LM)",
         "model.num_key_value_heads",
         derived=True,
     ),
     accepted(
         "--num-query-groups",
         _NET,
-        f"{_MLM}: K/V heads with --group-query-attention (ignored without it, as in Megatron-LM); "
+        f"{MEGATRON_LM}: K/V heads with --group-query-attention (ignored without it, as in Megatron-LM); "
         "--num-key-value-heads is the same",
         "model.num_key_value_heads",
         type=int,
@@ -71,7 +70,7 @@ NETWORK: tuple[Flag, ...] = (
     switch(
         "--use-rope-scaling",
         _NET,
-        f"{_MLM}: Llama 3.x's RoPE frequency scaling (long wavelengths divided by --rope-scaling-factor, short ones "
+        f"{MEGATRON_LM}: Llama 3.x's RoPE frequency scaling (long wavelengths divided by --rope-scaling-factor, short ones "
         "kept, smoothed between; megatron-core's fixed low/high frequency factors 1 and 4 and original context "
         "8192); ignored, with a warning, without rotary embeddings",
         "model.use_rope_scaling",
@@ -79,7 +78,7 @@ NETWORK: tuple[Flag, ...] = (
     accepted(
         "--rope-scaling-factor",
         _NET,
-        f"{_MLM}: the factor of --use-rope-scaling (8 for Llama 3.1 and 3.3, 32 for Llama 3.2); ignored, with a "
+        f"{MEGATRON_LM}: the factor of --use-rope-scaling (8 for Llama 3.1 and 3.3, 32 for Llama 3.2); ignored, with a "
         "warning, without it",
         "model.rope_scaling_factor",
         type=float,
@@ -87,20 +86,20 @@ NETWORK: tuple[Flag, ...] = (
     no_op(
         "--apply-query-key-layer-scaling",
         _NET,
-        f"{_MLM}: an fp16 safeguard that divides the scores by the layer number before the softmax and multiplies "
+        f"{MEGATRON_LM}: an fp16 safeguard that divides the scores by the layer number before the softmax and multiplies "
         "them back inside it; the same attention (the softmax here runs in fp32)",
     ),
     switch(
         "--add-qkv-bias",
         _NET,
-        f"{_MLM}: a bias on the query/key/value projection even with --disable-bias-linear (Qwen2's layout; zero "
+        f"{MEGATRON_LM}: a bias on the query/key/value projection even with --disable-bias-linear (Qwen2's layout; zero "
         "at init, split over tensor ranks with the QKV rows); implied without --disable-bias-linear",
         "model.add_qkv_bias",
     ),
     switch(
         "--qk-layernorm",
         _NET,
-        f"{_MLM}: a norm over each query and each key head after the QKV projection, before rotary embeddings "
+        f"{MEGATRON_LM}: a norm over each query and each key head after the QKV projection, before rotary embeddings "
         "(megatron-core's q_layernorm and k_layernorm; Qwen3's q_norm and k_norm): the --normalization kind with "
         "its epsilon, replicated over tensor ranks, its gradients summed over them",
         "model.qk_layernorm",
@@ -108,7 +107,7 @@ NETWORK: tuple[Flag, ...] = (
     switch(
         "--qk-l2-norm",
         _NET,
-        f"{_MLM}: Llama 4's query and key norm, x * rsqrt(mean(x^2) + eps) over each query and each key head in "
+        f"{MEGATRON_LM}: Llama 4's query and key norm, x * rsqrt(mean(x^2) + eps) over each query and each key head in "
         "float32, no weights, after the QKV projection and before rotary embeddings, on every layer (megatron-core's "
         "L2Norm; eps is --norm-epsilon); with --qk-layernorm it replaces that norm, as in Megatron-LM (a warning says "
         "so)",
@@ -117,7 +116,7 @@ NETWORK: tuple[Flag, ...] = (
     accepted(
         "--window-size",
         _NET,
-        f"{_MLM}: sliding-window attention LEFT,RIGHT (e.g. 4095,0): on a layer with the window each token attends "
+        f"{MEGATRON_LM}: sliding-window attention LEFT,RIGHT (e.g. 4095,0): on a layer with the window each token attends "
         "itself and the LEFT tokens before it (Hugging Face's sliding_window is LEFT + 1), within its document with "
         "--reset-attention-mask; RIGHT must be 0 (causal); LEFT -1: no window",
         "model.window_size",
@@ -126,7 +125,7 @@ NETWORK: tuple[Flag, ...] = (
     accepted(
         "--window-attn-skip-freq",
         _NET,
-        f"{_MLM}: which layers have --window-size's window: N (every layer but the N-th, 2N-th, ...; they attend "
+        f"{MEGATRON_LM}: which layers have --window-size's window: N (every layer but the N-th, 2N-th, ...; they attend "
         "fully) or a list pattern such as ([1]*3+[0])*2, one 1 (window) or 0 (full) per layer; all when not given",
         "model.window_attn_skip_freq",
         derived=True,
@@ -134,19 +133,19 @@ NETWORK: tuple[Flag, ...] = (
     refused(
         "--rotary-interleaved",
         _NET,
-        f"{_MLM}: rotary embeddings here rotate the two halves of each head (Megatron's and Llama's default), not "
+        f"{MEGATRON_LM}: rotary embeddings here rotate the two halves of each head (Megatron's and Llama's default), not "
         "interleaved pairs",
         "drop it",
     ),
     no_op(
         "--no-rope-fusion",
         _NET,
-        f"{_MLM}: an unfused kernel of the same rotary embeddings; torch's operations apply them here",
+        f"{MEGATRON_LM}: an unfused kernel of the same rotary embeddings; torch's operations apply them here",
     ),
     no_op(
         "--no-bias-swiglu-fusion",
         _NET,
-        f"{_MLM}: an unfused kernel of the same bias and SwiGLU; torch's operations compute them here",
+        f"{MEGATRON_LM}: an unfused kernel of the same bias and SwiGLU; torch's operations compute them here",
     ),
 )
 
@@ -154,7 +153,7 @@ TRAINING: tuple[Flag, ...] = (
     accepted(
         "--step-batch-size-schedule",
         _TRAIN,
-        f"{_MLM}: 'THRESHOLD:BATCH ...' (K/M/B/T suffixes); thresholds are tokens, converted to samples by "
+        f"{MEGATRON_LM}: 'THRESHOLD:BATCH ...' (K/M/B/T suffixes); thresholds are tokens, converted to samples by "
         "--seq-length as Megatron-LM does; the last batch size is the global batch size (--global-batch-size "
         "may be given too only if equal). The pairs may come as one word or several: Megatron-LM's own 175B "
         "script expands its quoted schedule unquoted, so its argparse receives several words and refuses them",
@@ -165,7 +164,7 @@ TRAINING: tuple[Flag, ...] = (
     accepted(
         "--decoupled-lr",
         _TRAIN,
-        f"{_MLM}: peak learning rate of the word embedding and output layer weights (their own optimizer "
+        f"{MEGATRON_LM}: peak learning rate of the word embedding and output layer weights (their own optimizer "
         "group; warm-up and decay as --lr's)",
         "optimizer.decoupled_lr",
         type=float,
@@ -173,21 +172,21 @@ TRAINING: tuple[Flag, ...] = (
     refused(
         "--apply-wd-to-qk-layernorm",
         _TRAIN,
-        f"{_MLM}: weight decay on the --qk-layernorm norms is not built; here, as in Megatron-LM without it, no "
+        f"{MEGATRON_LM}: weight decay on the --qk-layernorm norms is not built; here, as in Megatron-LM without it, no "
         "norm weight decays",
         "drop it (a run that had it decayed those norms)",
     ),
     accepted(
         "--decoupled-min-lr",
         _TRAIN,
-        f"{_MLM}: the floor of that group's decay (--min-lr when not given)",
+        f"{MEGATRON_LM}: the floor of that group's decay (--min-lr when not given)",
         "optimizer.decoupled_min_lr",
         type=float,
     ),
     switch(
         "--calculate-per-token-loss",
         _TRAIN,
-        f"{_MLM}: the loss is averaged over every token of the global batch rather than per micro-batch. The two "
+        f"{MEGATRON_LM}: the loss is averaged over every token of the global batch rather than per micro-batch. The two "
         "are one while every micro-batch counts all its tokens, as here: with --eod-mask-loss they differ and it "
         "is refused, and a batch whose loss mask drops a padded token prints a WARNING",
         "training.calculate_per_token_loss",
@@ -195,12 +194,12 @@ TRAINING: tuple[Flag, ...] = (
     no_op(
         "--cross-entropy-loss-fusion",
         _TRAIN,
-        f"{_MLM}: a fused kernel of the same cross entropy; the loss here is torch's, from fp32 logits",
+        f"{MEGATRON_LM}: a fused kernel of the same cross entropy; the loss here is torch's, from fp32 logits",
     ),
     switch(
         "--deterministic-mode",
         _TRAIN,
-        f"{_MLM}: bit-identical reruns. NCCL_ALGO (Ring) and CUBLAS_WORKSPACE_CONFIG (:4096:8) are set when the "
+        f"{MEGATRON_LM}: bit-identical reruns. NCCL_ALGO (Ring) and CUBLAS_WORKSPACE_CONFIG (:4096:8) are set when the "
         "environment lacks them and checked when it has them (a non-deterministic value is a one-line error before "
         "launch), and torch runs deterministic kernels only (an operation without one raises)",
         "training.deterministic_mode",
@@ -208,7 +207,7 @@ TRAINING: tuple[Flag, ...] = (
     switch(
         "--no-check-for-nan-in-loss-and-grad",
         _TRAIN,
-        f"{_MLM}: train on when a step's loss or gradient norm is NaN or Inf. Without it the run stops at that "
+        f"{MEGATRON_LM}: train on when a step's loss or gradient norm is NaN or Inf. Without it the run stops at that "
         "step with one line, before saving (the check is off under fp16 with dynamic loss scaling, as in "
         "Megatron-LM; Megatron-DeepSpeed trains on)",
         "training.check_for_nan_in_loss_and_grad",
@@ -219,21 +218,21 @@ TRAINING: tuple[Flag, ...] = (
     switch(
         "--manual-gc",
         _TRAIN,
-        f"{_MLM}: Python's automatic garbage collection off while training; gc.collect() every "
+        f"{MEGATRON_LM}: Python's automatic garbage collection off while training; gc.collect() every "
         "--manual-gc-interval steps and around evaluations",
         "training.manual_gc",
     ),
     accepted(
         "--manual-gc-interval",
         _TRAIN,
-        f"{_MLM}: steps between collections with --manual-gc (0: only around evaluations)",
+        f"{MEGATRON_LM}: steps between collections with --manual-gc (0: only around evaluations)",
         "training.manual_gc_interval",
         type=int,
     ),
     switch(
         "--no-manual-gc-eval",
         _TRAIN,
-        f"{_MLM}: no collection around evaluations with --manual-gc",
+        f"{MEGATRON_LM}: no collection around evaluations with --manual-gc",
         "training.manual_gc_eval",
         stores=False,
         dest="manual_gc_eval",
@@ -245,7 +244,7 @@ MIXED_PRECISION: tuple[Flag, ...] = (
     no_op(
         "--grad-reduce-in-bf16",
         "mixed precision",
-        f"{_MLM}: gradients are reduced over data-parallel ranks in bf16; DeepSpeed's bf16 engine already does "
+        f"{MEGATRON_LM}: gradients are reduced over data-parallel ranks in bf16; DeepSpeed's bf16 engine already does "
         "(its communication_data_type defaults to the model's dtype), and an fp32 run keeps fp32 gradients as "
         "Megatron-LM does",
     ),
@@ -268,87 +267,88 @@ DISTRIBUTED: tuple[Flag, ...] = (
     no_op(
         "--overlap-grad-reduce",
         _DIST,
-        f"{_MLM}: overlaps the gradient reduction with the backward; DeepSpeed's engine reduces after the "
+        f"{MEGATRON_LM}: overlaps the gradient reduction with the backward; DeepSpeed's engine reduces after the "
         "pipeline's backward, the sums are the same",
     ),
     no_op(
         "--overlap-param-gather",
         _DIST,
-        f"{_MLM}: overlaps the distributed optimizer's parameter all-gather with the forward; ZeRO-1 gathers after "
+        f"{MEGATRON_LM}: overlaps the distributed optimizer's parameter all-gather with the forward; ZeRO-1 gathers after "
         "the step, the parameters are the same",
     ),
     no_op(
         "--overlap-param-gather-with-optimizer-step",
         _DIST,
-        f"{_MLM}: starts the first bucket's parameter all-gather during the optimizer step; the parameters are the "
-        "same",
+        f"{MEGATRON_LM}: starts the first bucket's parameter all-gather during the optimizer step; the parameters are the same",
     ),
     no_op(
         "--no-align-param-gather",
         _DIST,
-        f"{_MLM}: each pipeline stage launches its parameter all-gathers on its own; the parameters are the same",
+        f"{MEGATRON_LM}: each pipeline stage launches its parameter all-gathers on its own; the parameters are the same",
     ),
     no_op(
         "--ddp-average-in-collective",
         _DIST,
-        f"{_MLM}: averages inside the data-parallel collective instead of scaling before it; the same mean",
+        f"{MEGATRON_LM}: averages inside the data-parallel collective instead of scaling before it; the same mean",
     ),
     no_op(
         "--ddp-bucket-size",
         _DIST,
-        f"{_MLM}: the gradient buckets' size; DeepSpeed's buckets are set in --deepspeed_config "
+        f"{MEGATRON_LM}: the gradient buckets' size; DeepSpeed's buckets are set in --deepspeed_config "
         "(zero_optimization.reduce_bucket_size); the sums are the same",
         takes=VALUE,
     ),
-    no_op("--ddp-num-buckets", _DIST, f"{_MLM}: the number of gradient buckets; as --ddp-bucket-size", takes=VALUE),
+    no_op(
+        "--ddp-num-buckets", _DIST, f"{MEGATRON_LM}: the number of gradient buckets; as --ddp-bucket-size", takes=VALUE
+    ),
     no_op(
         "--num-distributed-optimizer-instances",
         _DIST,
-        f"{_MLM}: replicas of the distributed optimizer's shards (memory against communication); ZeRO-1 shards over "
+        f"{MEGATRON_LM}: replicas of the distributed optimizer's shards (memory against communication); ZeRO-1 shards over "
         "the whole data-parallel group here, the update is the same",
         takes=VALUE,
     ),
     no_op(
         "--use-precision-aware-optimizer",
         _DIST,
-        f"{_MLM}: Transformer Engine's FusedAdam keeps the fp32 master weights and moments itself; at its default "
+        f"{MEGATRON_LM}: Transformer Engine's FusedAdam keeps the fp32 master weights and moments itself; at its default "
         "fp32 dtypes the update is DeepSpeed's Adam's",
     ),
     no_op(
         "--use-tp-pp-dp-mapping",
         _DIST,
-        f"{_MLM}: orders ranks tensor, pipeline, data instead of tensor, data, pipeline; ranks are DeepSpeed's order "
+        f"{MEGATRON_LM}: orders ranks tensor, pipeline, data instead of tensor, data, pipeline; ranks are DeepSpeed's order "
         "here (tensor innermost, pipeline outermost): which GPUs exchange what changes, not the values",
     ),
     no_op(
         "--cuda-graph-impl",
         _DIST,
-        f"{_MLM}: CUDA graphs replay the same kernels with less launch overhead; none are captured here",
+        f"{MEGATRON_LM}: CUDA graphs replay the same kernels with less launch overhead; none are captured here",
         takes=VALUE,
     ),
-    no_op("--enable-cuda-graph", _DIST, f"{_MLM} (deprecated there): as --cuda-graph-impl local"),
+    no_op("--enable-cuda-graph", _DIST, f"{MEGATRON_LM} (deprecated there): as --cuda-graph-impl local"),
     no_op(
         "--tp-comm-overlap",
         _DIST,
-        f"{_MLM}: overlaps tensor-parallel communication with the matmuls (Transformer Engine userbuffers); the "
+        f"{MEGATRON_LM}: overlaps tensor-parallel communication with the matmuls (Transformer Engine userbuffers); the "
         "sums are the same, not overlapped here",
     ),
     no_op(
         "--tp-comm-overlap-cfg",
         _DIST,
-        f"{_MLM}: the userbuffers configuration of --tp-comm-overlap",
+        f"{MEGATRON_LM}: the userbuffers configuration of --tp-comm-overlap",
         takes=VALUE,
     ),
     no_op(
         "--no-overlap-p2p-communication",
         _DIST,
-        f"{_MLM}: blocking pipeline sends and receives under the interleaved schedule; the interleaved engine here "
+        f"{MEGATRON_LM}: blocking pipeline sends and receives under the interleaved schedule; the interleaved engine here "
         "posts its sends (docs/training.md), the values are the same",
     ),
     accepted(
         "--context-parallel-size",
         _DIST,
-        f"{_MLM}: only 1; more are refused ({_CP})",
+        f"{MEGATRON_LM}: only 1; more are refused ({_CP})",
         type=int,
         default=1,
     ),

@@ -7,16 +7,16 @@ Megatron-LM or changes nothing here (the help says why).
 from __future__ import annotations
 
 from megatron_ds.config import PROFILER_MODES
-from megatron_ds.flags.declare import VALUE, Flag, accepted, no_op, switch
+from megatron_ds.flags.declare import MEGATRON_LM, VALUE, Flag, accepted, no_op, switch
 
 _DATA, _CKPT, _LOG = "data and tokenizer", "checkpointing", "logging"
-_MLM = "Megatron-LM's flag"
+"""How every Megatron-LM flag's help starts (here and in `megatron_lm`)."""
 
 DATA: tuple[Flag, ...] = (
     switch(
         "--no-mmap-bin-files",
         _DATA,
-        f"{_MLM}: read the .bin token files with file reads instead of a memory map (megatron-core's "
+        f"{MEGATRON_LM}: read the .bin token files with file reads instead of a memory map (megatron-core's "
         "mmap_bin_files); the same tokens",
         "data.mmap_bin_files",
         stores=False,
@@ -26,21 +26,21 @@ DATA: tuple[Flag, ...] = (
     no_op(
         "--no-create-attention-mask-in-dataloader",
         _DATA,
-        f"{_MLM}: the loader never builds an attention mask here (attention is causal inside the model; "
+        f"{MEGATRON_LM}: the loader never builds an attention mask here (attention is causal inside the model; "
         "--reset-attention-mask's mask is built in each layer from document ids); refused with "
         "--reset-attention-mask, which Megatron-LM then ignores",
     ),
     accepted(
         "--null-tokenizer-eod-id",
         _DATA,
-        f"{_MLM}: the NullTokenizer's end-of-document id (its last id, --vocab-size - 1, when not given)",
+        f"{MEGATRON_LM}: the NullTokenizer's end-of-document id (its last id, --vocab-size - 1, when not given)",
         "data.null_tokenizer_eod_id",
         type=int,
     ),
     accepted(
         "--null-tokenizer-pad-id",
         _DATA,
-        f"{_MLM}: the NullTokenizer's padding id, masked out of the loss (-1: none)",
+        f"{MEGATRON_LM}: the NullTokenizer's padding id, masked out of the loss (-1: none)",
         "data.null_tokenizer_pad_id",
         type=int,
         default=-1,
@@ -48,7 +48,7 @@ DATA: tuple[Flag, ...] = (
     accepted(
         "--data-args-path",
         _DATA,
-        f"{_MLM}: a file holding --data-path's value (a prefix or a weighted blend, whitespace-separated), for "
+        f"{MEGATRON_LM}: a file holding --data-path's value (a prefix or a weighted blend, whitespace-separated), for "
         "blends too long for a command line; instead of --data-path",
         fields=("data.data_path",),
         derived=True,
@@ -56,7 +56,7 @@ DATA: tuple[Flag, ...] = (
     accepted(
         "--per-split-data-args-path",
         _DATA,
-        f'{_MLM}: a JSON file {{"train": ..., "valid": ..., "test": ...}} holding each split\'s --train-data-path, '
+        f'{MEGATRON_LM}: a JSON file {{"train": ..., "valid": ..., "test": ...}} holding each split\'s --train-data-path, '
         "--valid-data-path and --test-data-path value (a string or a list; null: no such split); instead of them",
         fields=("data.train_data_path", "data.valid_data_path", "data.test_data_path"),
         derived=True,
@@ -64,7 +64,7 @@ DATA: tuple[Flag, ...] = (
     no_op(
         "--tiktoken-pattern",
         _DATA,
-        f"{_MLM}: the split pattern of its TikTokenizer, which is not provided; other tokenizers ignore it there too",
+        f"{MEGATRON_LM}: the split pattern of its TikTokenizer, which is not provided; other tokenizers ignore it there too",
         takes=VALUE,
     ),
 )
@@ -73,7 +73,7 @@ CHECKPOINTING: tuple[Flag, ...] = (
     accepted(
         "--ckpt-format",
         _CKPT,
-        f"{_MLM}: accepted, and a NOTICE says that checkpoints are DeepSpeed's here (docs/checkpoints.md); like "
+        f"{MEGATRON_LM}: accepted, and a NOTICE says that checkpoints are DeepSpeed's here (docs/checkpoints.md); like "
         "torch_dist they resume under any P, T, DP and layout; Megatron-LM's own torch_dist and torch checkpoints "
         "convert with tools/convert_checkpoint.py --from megatron-lm",
         choices=("torch", "torch_dist", "torch_dcp", "fsdp_dtensor", "zarr"),
@@ -81,7 +81,7 @@ CHECKPOINTING: tuple[Flag, ...] = (
     accepted(
         "--save-retain-interval",
         _CKPT,
-        f"{_MLM}: after each save the checkpoint saved before it is deleted, unless its iteration is a multiple of "
+        f"{MEGATRON_LM}: after each save the checkpoint saved before it is deleted, unless its iteration is a multiple of "
         "this (a multiple of --save-interval) or it is a symbolic link; deleted only once the new checkpoint is "
         "complete and `latest` names it",
         "checkpoint.save_retain_interval",
@@ -90,7 +90,7 @@ CHECKPOINTING: tuple[Flag, ...] = (
     switch(
         "--no-use-tokenizer-model-from-checkpoint-args",
         _CKPT,
-        f"{_MLM}: with --use-checkpoint-args, take the architecture but not the tokenizer from the checkpoint (the "
+        f"{MEGATRON_LM}: with --use-checkpoint-args, take the architecture but not the tokenizer from the checkpoint (the "
         "tokenizer flags of the line, or none, hold)",
         stores=False,
         dest="use_tokenizer_model_from_checkpoint_args",
@@ -99,40 +99,42 @@ CHECKPOINTING: tuple[Flag, ...] = (
     no_op(
         "--async-save",
         _CKPT,
-        f"{_MLM}: writes torch_dist checkpoints in the background; here every rank writes its files and the "
+        f"{MEGATRON_LM}: writes torch_dist checkpoints in the background; here every rank writes its files and the "
         "directory is renamed into place before training goes on (atomic, docs/checkpoints.md)",
     ),
     no_op(
         "--ckpt-fully-parallel-save",
         _CKPT,
-        f"{_MLM} (deprecated there): spreads torch_dist's writing over data-parallel ranks; DeepSpeed's format "
+        f"{MEGATRON_LM} (deprecated there): spreads torch_dist's writing over data-parallel ranks; DeepSpeed's format "
         "is written here",
     ),
     no_op(
         "--ckpt-fully-parallel-load",
         _CKPT,
-        f"{_MLM}: spreads torch_dist's reading over data-parallel ranks; DeepSpeed's format is read here",
+        f"{MEGATRON_LM}: spreads torch_dist's reading over data-parallel ranks; DeepSpeed's format is read here",
     ),
-    no_op("--no-ckpt-fully-parallel-save", _CKPT, f"{_MLM}: as --ckpt-fully-parallel-save"),
+    no_op("--no-ckpt-fully-parallel-save", _CKPT, f"{MEGATRON_LM}: as --ckpt-fully-parallel-save"),
     no_op(
         "--dist-ckpt-strictness",
         _CKPT,
-        f"{_MLM}: how torch_dist loading treats missing or unexpected keys; DeepSpeed's checkpoints are loaded "
+        f"{MEGATRON_LM}: how torch_dist loading treats missing or unexpected keys; DeepSpeed's checkpoints are loaded "
         "here, and another architecture is a one-line error at --load",
         takes=VALUE,
     ),
     no_op(
         "--dist-ckpt-optim-fully-reshardable",
         _CKPT,
-        f"{_MLM}: torch_dist's optimizer layout that reshards to any parallelism; every checkpoint here resumes "
+        f"{MEGATRON_LM}: torch_dist's optimizer layout that reshards to any parallelism; every checkpoint here resumes "
         "under any P, T, DP and layout (docs/checkpoints.md)",
     ),
-    no_op("--use-persistent-ckpt-worker", _CKPT, f"{_MLM}: a persistent process for --async-save; as --async-save"),
-    no_op("--ckpt-assume-constant-structure", _CKPT, f"{_MLM}: a torch_dist save shortcut; as --ckpt-format"),
+    no_op(
+        "--use-persistent-ckpt-worker", _CKPT, f"{MEGATRON_LM}: a persistent process for --async-save; as --async-save"
+    ),
+    no_op("--ckpt-assume-constant-structure", _CKPT, f"{MEGATRON_LM}: a torch_dist save shortcut; as --ckpt-format"),
     no_op(
         "--auto-detect-ckpt-format",
         _CKPT,
-        f"{_MLM}: one format is read here (DeepSpeed's, ours); a Megatron-DeepSpeed or Megatron-LM checkpoint at "
+        f"{MEGATRON_LM}: one format is read here (DeepSpeed's, ours); a Megatron-DeepSpeed or Megatron-LM checkpoint at "
         "--load is named with the command that converts it",
     ),
 )
@@ -141,13 +143,13 @@ LOGGING: tuple[Flag, ...] = (
     accepted(
         "--wandb-entity",
         _LOG,
-        f"{_MLM}: the wandb team or user that owns --wandb-project; ignored, with a warning, without it",
+        f"{MEGATRON_LM}: the wandb team or user that owns --wandb-project; ignored, with a warning, without it",
         "logging.wandb_entity",
     ),
     switch(
         "--log-progress",
         _LOG,
-        f"{_MLM}: append each job start and saved checkpoint, with the job's and the cumulative TFLOP/s per GPU, "
+        f"{MEGATRON_LM}: append each job start and saved checkpoint, with the job's and the cumulative TFLOP/s per GPU, "
         "the FLOPs and tokens so far, to <--save>/progress.txt in Megatron-LM's format; ignored, with a warning, "
         "without --save",
         "logging.log_progress",
@@ -155,7 +157,7 @@ LOGGING: tuple[Flag, ...] = (
     no_op(
         "--log-throughput",
         _LOG,
-        f"{_MLM}: the TFLOP/s per GPU in the log line; every line here shows it already",
+        f"{MEGATRON_LM}: the TFLOP/s per GPU in the log line; every line here shows it already",
     ),
     accepted(
         "--profile",
@@ -174,21 +176,21 @@ LOGGING: tuple[Flag, ...] = (
     accepted(
         "--profile-step-start",
         _LOG,
-        f"{_MLM}: iterations done when profiling starts",
+        f"{MEGATRON_LM}: iterations done when profiling starts",
         "logging.profile_step_start",
         type=int,
     ),
     accepted(
         "--profile-step-end",
         _LOG,
-        f"{_MLM}: iterations done when profiling stops",
+        f"{MEGATRON_LM}: iterations done when profiling stops",
         "logging.profile_step_end",
         type=int,
     ),
     switch(
         "--use-pytorch-profiler",
         _LOG,
-        f"{_MLM}: the torch profiler's trace only (no nsys range)",
+        f"{MEGATRON_LM}: the torch profiler's trace only (no nsys range)",
         "logging.use_pytorch_profiler",
     ),
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from megatron_ds.config import BACKENDS, DEDICATED_CHOICES
 from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.flags.checkpointing_flags import FLAGS as CHECKPOINTING_FLAGS
-from megatron_ds.flags.declare import VALUE, Flag, Refusal, accepted, no_op, refused, switch
+from megatron_ds.flags.declare import MEGATRON_LM, VALUE, Flag, Refusal, accepted, no_op, refused, switch
 from megatron_ds.pipeline.methods import partition_method_help
 
 _DIST, _DS = "distributed", "DeepSpeed, ZeRO, recompute"
@@ -16,7 +16,7 @@ _ZERO3 = "zero.Init's initial device; parameter offload is DeepSpeed's offload_p
 _ZERO3_FIX = "use --offload-param cpu|nvme (with --zero-stage 3), which sets offload_param and partitions there"
 _TILING = "memory-centric tiling is not implemented"
 _BACKEND_FIX = ("only nccl and gloo are set up", "use nccl (GPU) or gloo (CPU)")
-_MLM = "Megatron-LM's flag, megatron-core's meaning"
+_MLM = f"{MEGATRON_LM}, megatron-core's meaning"
 _OFFLOAD = ("none", "cpu", "nvme")
 
 DISTRIBUTED: tuple[Flag, ...] = (
