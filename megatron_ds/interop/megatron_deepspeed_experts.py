@@ -36,6 +36,7 @@ from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, load_file, partition_fragment
 from megatron_ds.training.checkpoint.universal.names import ModelTensor, model_tensors
+from megatron_ds.training.checkpoint.universal.state_files import materialize
 
 USE_DATA_BEFORE_EXPERT = "use_data_before_expert_parallelism"
 """DeepSpeed JSON key that reorders the expert-parallel groups (`layout.expert_places`)."""
@@ -144,10 +145,11 @@ class MegatronDeepSpeedMoeSource(MegatronDeepSpeedSource):
             held = ((rank, self._fragment_of(rank, name)) for rank, name in self._holders(tensor))
             rank, found = next(((r, f) for r, f in held if f is not None), (0, None))
             step = None if found is None else self._optim_states(0, 0, rank)["base_optimizer_state"]["state"][found[0]]
+            value = None if not step else materialize(step.get("step"), self.mds.optim_file(0, 0, rank))
         else:
             rank, index = self._position(tensor)
             step = self._rank_optimizer(rank)["state"].get(index)
-        value = None if not step else step.get("step")
+            value = None if not step else step.get("step")
         return None if value is None else int(float(value))
 
     # ----- ZeRO 0: torch's state by position, per expert-parallel rank --------------------------------

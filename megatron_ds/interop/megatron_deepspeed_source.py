@@ -21,8 +21,9 @@ from megatron_ds.interop.megatron_deepspeed_files import MegatronDeepSpeedCheckp
 from megatron_ds.model import sharding
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import META, CheckpointError, fingerprint
-from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, load_file, local_shape
+from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, load_file, local_shape, partition_fragment
 from megatron_ds.training.checkpoint.universal.names import ModelTensor
+from megatron_ds.training.checkpoint.universal.state_files import StateFiles, materialize
 
 MEGATRON_GROUPS = ("wd_no_scale_lr", "no_wd_no_scale_lr")
 """Megatron's optimizer groups of a GPT (`get_param_groups`: weight decay, then none)."""
@@ -42,6 +43,7 @@ class MegatronDeepSpeedSource:
             )
         self.parts = where.stage_parts(self.model, mds.pipeline_parallel, mds.precision != "fp32")
         self._cache: dict[str, Any] = {}
+        self._files = StateFiles(load_file)  # the flat optimizer files: unpickled once, tensors read one by one
 
     # ----- what store.write asks ------------------------------------------------------------------
 
@@ -58,6 +60,8 @@ class MegatronDeepSpeedSource:
         state = self._optimizer(stage, 0, 0)["state"]
         index = p.group if self.flat else self._index(stage)[p.module_name]
         step = state.get(index, {}).get("step")
+        if self.flat:  # a tensor in the file, not yet read
+            step = materialize(step, self.mds.optim_file(stage, 0, 0))
         return None if step is None else int(float(step))
 
     def read(self, tensor: ModelTensor, state: str) -> torch.Tensor:
@@ -155,12 +159,9 @@ class MegatronDeepSpeedSource:
         return self._model_states(stage, tp)["optimizer"]
 
     def _optim_states(self, stage: int, tp: int, dp: int) -> dict[str, Any]:
-        """The `optimizer_state_dict` of one flat optimizer file, loaded once (memory-mapped): every tensor's
-        fragments, step and the split check read it."""
-        path = self.mds.optim_file(stage, tp, dp)
-        if path not in self._cache:
-            self._cache[path] = load_file(path)["optimizer_state_dict"]
-        return self._cache[path]
+        """The `optimizer_state_dict` of one flat optimizer file, unpickled once with its tensors unread
+        (`state_files`): every tensor's fragments, step and the split check read it."""
+        return self._files.open(self.mds.optim_file(stage, tp, dp))["optimizer_state_dict"]
 
     def _index(self, stage: int) -> dict[str, int]:
         key = f"index{stage}"
@@ -208,21 +209,14 @@ class MegatronDeepSpeedSource:
         return value.detach().clone()
 
     def _fragment(self, stage: int, tp: int, dp: int, p: where.Place, state: str) -> torch.Tensor | None:
-        path = self.mds.optim_file(stage, tp, dp)
-        osd = self._optim_states(stage, tp, dp)
+        path, osd = self.mds.optim_file(stage, tp, dp), self._optim_states(stage, tp, dp)
         try:
             fragment = osd["param_slice_mappings"][p.group].get(p.module_name)
-            if fragment is None:
-                return None
-            if state == FP32:
-                flat = osd["single_partition_of_fp32_groups"][p.group]
-            else:
-                flat = osd["base_optimizer_state"]["state"][p.group][state]
-            return flat.detach().narrow(0, fragment.start, fragment.numel).clone()
-        except (KeyError, IndexError, RuntimeError) as err:
+        except (KeyError, IndexError, AttributeError) as err:
             raise CheckpointError(
-                f"{path}: no {state} for {p.module_name} ({err}); the checkpoint is damaged"
+                f"{path}: no parameter map of group {p.group} ({err}); the checkpoint is damaged"
             ) from None
+        return None if fragment is None else partition_fragment(osd, p.group, fragment, state, path, p.module_name)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
