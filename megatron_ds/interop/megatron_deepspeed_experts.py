@@ -34,9 +34,9 @@ from megatron_ds.model import naming
 from megatron_ds.model.moe import EXPERT_PREFIX
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import CheckpointError
-from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, load_file, partition_fragment
+from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, partition_fragment
 from megatron_ds.training.checkpoint.universal.names import ModelTensor, model_tensors
-from megatron_ds.training.checkpoint.universal.state_files import materialize
+from megatron_ds.training.checkpoint.universal.state_files import load_file, materialize
 
 USE_DATA_BEFORE_EXPERT = "use_data_before_expert_parallelism"
 """DeepSpeed JSON key that reorders the expert-parallel groups (`layout.expert_places`)."""

@@ -21,7 +21,7 @@ from megatron_ds.interop.megatron_deepspeed_files import MegatronDeepSpeedCheckp
 from megatron_ds.model import sharding
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import META, CheckpointError, fingerprint
-from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, load_file, local_shape, partition_fragment
+from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, local_shape, partition_fragment
 from megatron_ds.training.checkpoint.universal.names import ModelTensor
 from megatron_ds.training.checkpoint.universal.state_files import StateFiles, materialize
 
@@ -43,7 +43,7 @@ class MegatronDeepSpeedSource:
             )
         self.parts = where.stage_parts(self.model, mds.pipeline_parallel, mds.precision != "fp32")
         self._cache: dict[str, Any] = {}
-        self._files = StateFiles(load_file)  # the flat optimizer files: unpickled once, tensors read one by one
+        self._files = StateFiles()  # the flat optimizer files: unpickled once, tensors read one by one
 
     # ----- what store.write asks ------------------------------------------------------------------
 

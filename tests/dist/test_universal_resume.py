@@ -307,10 +307,10 @@ def test_killed_or_failed_conversion_leaves_the_source_and_no_output(runs: dict,
 
 MEASURE = """
 import json, sys
-from megatron_ds.training.checkpoint.universal import deepspeed_source
+from megatron_ds.training.checkpoint.universal import state_files
 from megatron_ds.training.checkpoint.universal.convert import convert_checkpoint
 
-deepspeed_source._allowed_globals()  # imports DeepSpeed: code, not tensors, so before the baseline
+state_files._allowed_globals()  # imports DeepSpeed: code, not tensors, so before the baseline
 
 def status(key):
     return next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith(key))

@@ -295,7 +295,7 @@ def test_a_megatron_deepspeed_checkpoint_given_as_megatron_lm_is_named() -> None
 
 def test_every_checkpoint_reader_names_a_refused_pickle(tmp_path: Path) -> None:
     from megatron_ds.interop import megatron_lm_files
-    from megatron_ds.training.checkpoint.universal import deepspeed_source
+    from megatron_ds.training.checkpoint.universal import state_files
 
     marker = tmp_path / "ran"
 
@@ -305,7 +305,7 @@ def test_every_checkpoint_reader_names_a_refused_pickle(tmp_path: Path) -> None:
 
     path = tmp_path / "model_optim_rng.pt"
     torch.save({"args": Payload()}, path)
-    for load in (megatron_lm_files.load_pickled_state, deepspeed_source.load_file):
+    for load in (megatron_lm_files.load_pickled_state, state_files.load_file):
         with pytest.raises(CheckpointError) as err:
             load(str(path))
         assert str(err.value) == (

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from megatron_ds.training.checkpoint.universal import state_files
-from megatron_ds.training.checkpoint.universal.deepspeed_source import load_file
-from megatron_ds.training.checkpoint.universal.state_files import StateFiles, narrow
+from megatron_ds.training.checkpoint.universal.state_files import StateFiles, load_file, narrow
 
 
 def partition_file(tmp_path: Path, dtype: torch.dtype) -> tuple[str, torch.Tensor]:

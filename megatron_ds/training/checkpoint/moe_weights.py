@@ -99,7 +99,7 @@ def iter_weights(ckpt: Checkpoint, wanted: Wanted | None = None) -> Iterator[tup
     if converted_from(ckpt.meta) is not None:
         yield from _converted(ckpt, tensors)
         return
-    from megatron_ds.training.checkpoint.universal.deepspeed_source import load_file
+    from megatron_ds.training.checkpoint.universal.state_files import load_file
 
     experts.check_recorded(ckpt.directory)  # an older checkpoint's experts lack their fc2 bias: named as such
     opened: tuple[str, dict[str, Any]] = ("", {})  # the last file read: an expert's tensors are consecutive

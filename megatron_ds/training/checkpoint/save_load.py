@@ -363,7 +363,7 @@ def _rank_file_problems(engine: Any, config: Config, load_dir: str, tag: str, we
     """What is wrong with this rank's files of `tag` (`check_rank_files`), each as one line."""
     import torch.distributed as dist
 
-    from megatron_ds.training.checkpoint.universal.deepspeed_source import load_file
+    from megatron_ds.training.checkpoint.universal.state_files import load_file
 
     directory = os.path.join(load_dir, tag)
     problems = []

@@ -22,44 +22,20 @@ at a time. fp16 without ZeRO (DeepSpeed's FP16_Optimizer) is not read.
 from __future__ import annotations
 
 import os
-import pickle
-from functools import lru_cache
 from typing import Any
 
 import torch
 
-from megatron_ds import files
 from megatron_ds.model import naming, sharding
 from megatron_ds.pipeline.layout import Layout, build_layout
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import META, CheckpointError, fingerprint
 from megatron_ds.training.checkpoint.universal import names
-from megatron_ds.training.checkpoint.universal.state_files import StateFiles, materialize, narrow
+from megatron_ds.training.checkpoint.universal.state_files import StateFiles, load_file, materialize, narrow
 from megatron_ds.training.optimizer import GROUP_NAMES
 
 FP32 = "fp32"
 """The state name of the fp32 master weights (as in DeepSpeed's universal checkpoints)."""
-
-
-@lru_cache(maxsize=1)
-def _allowed_globals() -> list[Any]:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def load_file(path: str, map_location: str = "cpu") -> dict[str, Any]:
-    """A DeepSpeed state file, memory-mapped (or its structure alone: `map_location="meta"`), with no code run but
-    DeepSpeed's allow-listed classes."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
-    try:
-        with torch.serialization.safe_globals(_allowed_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=map_location != "meta")
-    except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(files.load_failure(path, err, "the checkpoint is damaged")) from None
 
 
 def local_shape(rule: sharding.TensorRule, tensor_parallel: int) -> tuple[int, ...]:
@@ -103,7 +79,7 @@ class DeepSpeedSource:
             ) from None
         self._mp_world = p * self.tensor_parallel
         self._meta_cache: dict[str, Any] = {}  # per file: parameter positions and step counts (no tensors)
-        self.files = StateFiles(load_file)  # the optimizer files, each unpickled once
+        self.files = StateFiles()  # the optimizer files, each unpickled once
 
     def _path(self, name: str) -> str:
         return os.path.join(self.ckpt.directory, name)
@@ -126,7 +102,7 @@ class DeepSpeedSource:
 
     def _first_optimizer_state(self) -> dict[str, Any]:
         if self.flat:
-            return load_file(self.optim_file(0, 0, 0))["optimizer_state_dict"]["base_optimizer_state"]
+            return self.files.open(self.optim_file(0, 0, 0))["optimizer_state_dict"]["base_optimizer_state"]
         return self._torch_optimizer(self.model_states_file(0, 0))
 
     def _torch_optimizer(self, path: str) -> dict[str, Any]:
@@ -161,7 +137,7 @@ class DeepSpeedSource:
         """The fp16 loss scaler's numbers (ZeRO and bf16 optimizers keep one; only fp16 uses it)."""
         if not self.flat:
             return None
-        scaler = load_file(self.optim_file(0, 0, 0))["optimizer_state_dict"].get("loss_scaler")
+        scaler = self.files.open(self.optim_file(0, 0, 0))["optimizer_state_dict"].get("loss_scaler")
         if scaler is None:
             return None
         return {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}

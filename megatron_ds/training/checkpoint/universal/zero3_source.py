@@ -24,8 +24,8 @@ import torch
 
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.universal import names
-from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, DeepSpeedSource, _int, load_file
-from megatron_ds.training.checkpoint.universal.state_files import materialize, narrow
+from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, DeepSpeedSource, _int
+from megatron_ds.training.checkpoint.universal.state_files import load_file, materialize, narrow
 
 
 class Position(NamedTuple):
