@@ -141,7 +141,7 @@ def prompt_samples(
     """finetune_llama.py's samples in training order: each example's seq_length + 1 ids (padded) and the ids it
     trains on (the response and its eos), pass after pass with --repeated-dataloader."""
     from megatron_ds.config import padded_vocab_size
-    from megatron_ds.data.gpt_data import samples_per_pass
+    from megatron_ds.data.batches import samples_per_pass
     from megatron_ds.data.prompt_data import PromptData, check_one_pass
 
     if tokenizer is None or not data.data_path:

@@ -153,7 +153,7 @@ def build_prompt_data(data: DataConfig, seq_length: int, vocab_size: int) -> Pro
 
 def check_one_pass(path: str, num_examples: int, per_pass: int) -> None:
     """A one-line error when the examples do not fill one micro-batch on every data-parallel rank
-    (`per_pass`: `gpt_data.samples_per_pass`)."""
+    (`per_pass`: `batches.samples_per_pass`)."""
     if per_pass == 0:
         raise DataError(
             f"--data-path {path} holds {num_examples} examples, fewer than one micro-batch on every data-parallel "

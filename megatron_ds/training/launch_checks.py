@@ -45,7 +45,7 @@ def check_prompt_data(config: Config) -> list[str]:
     """finetune_llama.py's JSON: every example tokenized (on every rank alike, before any process group), enough
     samples for the run (or --repeated-dataloader); what it prints."""
     from megatron_ds.config.data import split_fractions
-    from megatron_ds.data.gpt_data import samples_per_pass
+    from megatron_ds.data.batches import samples_per_pass
     from megatron_ds.data.prompt_data import build_prompt_data, check_length, untrained_notice
     from megatron_ds.data.splits import requested_samples
 

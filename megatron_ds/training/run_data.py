@@ -56,7 +56,7 @@ class BatchReader:
     def batches(self, dataset: Any, start_sample: int, num_workers: int, repeat: bool = False) -> Iterator[Any] | None:
         """This rank's micro-batches of `dataset` from global sample `start_sample` (pass after pass with
         `repeat`); None without a dataset or on a stage that reads none."""
-        from megatron_ds.data.gpt_data import pipeline_batches
+        from megatron_ds.data.batches import pipeline_batches
 
         if dataset is None or not self.reads_data:
             return None

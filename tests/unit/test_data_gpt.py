@@ -11,7 +11,8 @@ import torch
 
 from megatron_ds.config import DataConfig
 from megatron_ds.data import DataError
-from megatron_ds.data.gpt_data import PretrainingBatchSampler, build_gpt_datasets, parse_data_path, pipeline_batches
+from megatron_ds.data.batches import PretrainingBatchSampler, pipeline_batches
+from megatron_ds.data.gpt_data import build_gpt_datasets, parse_data_path
 from megatron_ds.data.indexed import write_indexed_dataset
 from megatron_ds.data.splits import parse_split, split_ranges
 from megatron_ds.data.tokenizer import NullTokenizer

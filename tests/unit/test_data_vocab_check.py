@@ -13,7 +13,8 @@ import torch
 
 from megatron_ds.config import DataConfig
 from megatron_ds.data import DataError
-from megatron_ds.data.gpt_data import build_gpt_datasets, pipeline_batches
+from megatron_ds.data.batches import pipeline_batches
+from megatron_ds.data.gpt_data import build_gpt_datasets
 from megatron_ds.data.indexed import write_indexed_dataset
 from megatron_ds.data.tokenizer import NullTokenizer
 from megatron_ds.data.vocab_check import Vocabulary

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from megatron_ds.data import DataError
+from megatron_ds.data.batches import pipeline_batches
 from megatron_ds.data.demo_corpus import _load_tool
-from megatron_ds.data.gpt_data import build_gpt_datasets, pipeline_batches
+from megatron_ds.data.gpt_data import build_gpt_datasets
 from megatron_ds.data.indexed import read_index, read_tokens
 from megatron_ds.data.splits import requested_samples
 from megatron_ds.data.tokenizer import build_tokenizer

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_ds.data import DataError
-from megatron_ds.data.gpt_data import pipeline_batches, samples_per_pass
+from megatron_ds.data.batches import pipeline_batches, samples_per_pass
 from megatron_ds.data.prompt_data import (
     PROMPT_WITH_INPUT,
     PROMPT_WITHOUT_INPUT,

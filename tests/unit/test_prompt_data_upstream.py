@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ds.data.gpt_data import pipeline_batches
+from megatron_ds.data.batches import pipeline_batches
 from megatron_ds.data.prompt_data import PromptData, build_prompt_data
 from megatron_ds.data.tokenizer import build_tokenizer
 from megatron_ds.flags.parser import parse_config
