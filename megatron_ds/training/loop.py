@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import functools
-import math
 import os
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from megatron_ds import files
-from megatron_ds.config import Config, ModelConfig
-from megatron_ds.estimate.compute import model_flops_per_iteration
+from megatron_ds.config import Config
 from megatron_ds.estimate.devices import peak_tflops
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training import determinism, finite_check, logger, progress_log, scalar_writers, signals
@@ -26,40 +21,14 @@ from megatron_ds.training.builder import Pipeline, build_pipeline
 from megatron_ds.training.checkpoint import save_load
 from megatron_ds.training.grad_norm import grad_norm
 from megatron_ds.training.lr_schedule import LRSchedule
-from megatron_ds.training.measure import memory, stage_timers
-from megatron_ds.training.preflight import Watchdog, install_stack_dump_handler
+from megatron_ds.training.measure import memory
+from megatron_ds.training.preflight import install_stack_dump_handler
 from megatron_ds.training.resolve_layout import layout_text
-from megatron_ds.training.run_data import RunData, build_run_data
+from megatron_ds.training.run import Run, step_flops
+from megatron_ds.training.run_data import build_run_data
 from megatron_ds.training.state import TrainState
 from megatron_ds.training.step_hooks import StepHooks
-
-
-@dataclass
-class Run:
-    """Everything the loop's steps share."""
-
-    config: Config
-    layout: Layout
-    pipeline: Pipeline
-    """What `build_pipeline` returned: the engine, its watchdog and its stage timers."""
-    state: TrainState
-    watchdog: Watchdog
-    rank: int
-    is_logging_rank: bool
-    data: RunData
-    scalars: logger.Scalars | None = None
-    start_time: float = 0.0
-    """When setup began (time.time()); `--exit-duration-in-mins` counts from here."""
-    start_flops: float = 0.0
-    """The run state's FLOPs so far when this job began training (`--log-progress`'s job throughput)."""
-    peak_tflops: float | None = None
-    """One device's peak for MFU (`--peak-tflops`, else `estimate.devices`), None if unknown."""
-    hooks: StepHooks | None = None
-    """Around each step: its batch size and sequence length, --manual-gc, --profile, log extras."""
-
-    @property
-    def engine(self) -> Any:
-        return self.pipeline.engine
+from megatron_ds.training.step_report import StepResult, log_step, report_compute, report_memory, write_scalars
 
 
 def set_seeds(seed: int) -> None:
@@ -156,23 +125,6 @@ def _load_or_fresh(config: Config, layout: Layout, pipeline: Pipeline, rank: int
     return state
 
 
-@functools.lru_cache(maxsize=64)
-def step_flops(model: ModelConfig, seq_length: int, samples: int) -> float:
-    """Model FLOPs of one step of `samples` samples of `seq_length` tokens (Megatron-LM's count)."""
-    return float(model_flops_per_iteration(dataclasses.replace(model, seq_length=seq_length), samples))
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one training step reports to the log line."""
-
-    loss: float
-    skipped: bool = False
-    """fp16's loss scaler skipped the update (DeepSpeed's `skipped_steps` grew)."""
-    other_losses: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Losses beside the lm loss, by their name in the log line (`kd loss` under --kd)."""
-
-
 def train_step(run: Run) -> StepResult:
     size = run.hooks.before_step(run.state)
     skipped_before = getattr(run.engine, "skipped_steps", 0)
@@ -187,21 +139,6 @@ def train_step(run: Run) -> StepResult:
         print(f"[rank {run.rank}] wrote the --profile trace {trace}", flush=True)
     other = {name: float(value.item()) for name, value in getattr(run.engine, "step_losses", {}).items()}
     return StepResult(float(loss.item()), getattr(run.engine, "skipped_steps", 0) > skipped_before, other)
-
-
-def window_other_losses(steps: list[StepResult]) -> dict[str, float]:
-    """The mean of each loss beside the lm loss over the updated steps (as `window_losses`)."""
-    kept = [s.other_losses for s in steps if not s.skipped]
-    return {name: sum(k[name] for k in kept) / len(kept) for name in (kept[0] if kept else {})}
-
-
-def window_losses(steps: list[StepResult]) -> tuple[float | None, int, int]:
-    """(mean loss of the updated steps or None, skipped steps, skipped steps with a NaN or Inf loss): Megatron's
-    `training_log` rule, which leaves skipped iterations out of the loss and counts NaN among them."""
-    kept = [s.loss for s in steps if not s.skipped]
-    skipped = [s for s in steps if s.skipped]
-    nan = sum(1 for s in skipped if not math.isfinite(s.loss))
-    return (sum(kept) / len(kept) if kept else None), len(skipped), nan
 
 
 def evaluate(run: Run, name: str, data_iter: Iterator[Any] | None, num_batches: int) -> float:
@@ -220,81 +157,6 @@ def evaluate(run: Run, name: str, data_iter: Iterator[Any] | None, num_batches: 
         if run.scalars and not run.config.training.skip_train:  # upstream's write_to_tensorboard=not skip_train
             run.scalars.eval(name, run.state.iteration, loss)
     return loss
-
-
-def write_scalars(run: Run, step: StepResult, extras: dict[str, Any]) -> None:
-    """The iteration's own values to TensorBoard and wandb (every --tensorboard-log-interval iterations, as
-    Megatron's training_log), and the optimizer-state norms when asked for."""
-    if not (run.is_logging_rank and run.scalars):
-        return
-    iteration = run.state.iteration
-    run.scalars.iteration(
-        logger.IterationStats(
-            iteration=iteration,
-            learning_rate=run.engine.get_lr()[0],
-            global_batch_size=run.hooks.last.samples,
-            loss=step.loss,
-            other_losses=step.other_losses,
-            grad_norm=grad_norm(run.engine),
-            loss_scale=logger.loss_scale(run.engine),
-            **extras,
-        )
-    )
-    run.scalars.optimizer_states(run.engine, iteration)
-
-
-def log_step(run: Run, steps: list[StepResult], seconds: float, start_iteration: int, extras: dict[str, Any]) -> None:
-    cfg, state = run.config, run.state
-    t = cfg.training
-    n = len(steps)
-    loss, skipped, nan = window_losses(steps)
-    ms = 1000.0 * seconds / n
-    done = state.iteration - start_iteration
-    world = cfg.parallel.world_size or cfg.parallel.model_parallel_size
-    size = run.hooks.last  # the last step's batch size and length (a ramp-up or curriculum changes them)
-    flops = step_flops(cfg.model, size.seq_length, size.samples)
-    tflops, mfu = logger.throughput(flops, seconds / n, world, run.peak_tflops)
-    stats = logger.StepStats(
-        iteration=state.iteration,
-        train_iters=t.train_iters,
-        consumed_samples=state.consumed_train_samples,
-        elapsed_ms=ms,
-        learning_rate=run.engine.get_lr()[0],
-        global_batch_size=size.samples,
-        loss=loss,
-        other_losses=window_other_losses(steps),
-        grad_norm=grad_norm(run.engine),
-        loss_scale=logger.loss_scale(run.engine),
-        tokens_per_second=run.hooks.take_window_tokens() / seconds,
-        eta_s=(t.train_iters - state.iteration) * seconds / n if done else 0.0,
-        tflops_per_gpu=tflops,
-        mfu=mfu,
-        skipped_iterations=skipped,
-        nan_iterations=nan,
-        **extras,
-    )
-    if run.is_logging_rank:
-        print(logger.format_line(stats), flush=True)
-        if run.scalars:
-            run.scalars.window(stats)
-
-
-def report_memory(run: Run, meter: memory.StepMeter) -> None:
-    mine = meter.result(run.rank, run.engine.stage_id)
-    everyone = memory.gather_report(mine)
-    if run.scalars:
-        run.scalars.memory(mine, run.state.iteration)
-    if run.rank == 0:
-        for m in everyone:
-            print(m.format(run.state.iteration), flush=True)
-
-
-def report_compute(run: Run) -> None:
-    """Every rank's measured compute per step apart from its waiting, and the 1F1B step those times
-    give with one device per stage (`stage_timers`), printed by rank 0."""
-    everyone = stage_timers.gather(run.pipeline.timers.summary(run.rank))
-    if run.rank == 0:
-        print("\n".join(stage_timers.format_report(everyone)), flush=True)
 
 
 def _in_next_iteration(state: TrainState) -> Callable[[], str]:

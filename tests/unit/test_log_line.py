@@ -8,7 +8,7 @@ import math
 import pytest
 
 from megatron_ds.training import logger
-from megatron_ds.training.loop import StepResult, window_losses
+from megatron_ds.training.step_report import StepResult, window_losses
 
 
 def test_skipped_steps_leave_the_mean_and_nan_ones_are_counted() -> None:
