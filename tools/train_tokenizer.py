@@ -24,7 +24,8 @@ except ImportError:  # run from a source checkout without installing the package
 from megatron_ds import files
 from megatron_ds.data import DataError
 from megatron_ds.data.documents import check_input_file, read_documents
-from megatron_ds.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megatron_ds.data.tokenizer import SentencePieceTokenizer
+from megatron_ds.data.tokenizer_training import train_sentencepiece
 from megatron_ds.errors import OneLineArgumentParser, UserError, interrupted, stop_cleanly_on_sigterm
 
 

@@ -100,7 +100,7 @@ def test_generate_refuses_a_tokenizer_larger_than_the_model(gpt_ckpt: Path, tmp_
     """A --tokenizer-* override with more tokens than the model has rows is one line up front, not a prompt
     error later (or a silent run)."""
     from megatron_ds.data.demo_corpus import _load_tool
-    from megatron_ds.data.tokenizer import train_sentencepiece
+    from megatron_ds.data.tokenizer_training import train_sentencepiece
 
     words = [f"w{i} x{i * 7} y{i * 13} z{i * 31} q{i * 17}" for i in range(1000)]
     model = train_sentencepiece(words, str(tmp_path / "big"), VOCAB + 100, model_type="unigram")

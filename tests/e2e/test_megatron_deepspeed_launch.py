@@ -86,7 +86,7 @@ def preprocess(jsonl: Path, jobs: dict[Path, list[str]]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from megatron_ds.data.tokenizer import train_sentencepiece
+    from megatron_ds.data.tokenizer_training import train_sentencepiece
 
     tmp = tmp_path_factory.mktemp("mds")
     jsonl = corpus(tmp / "corpus.jsonl")

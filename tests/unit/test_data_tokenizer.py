@@ -21,8 +21,8 @@ from megatron_ds.data.tokenizer import (
     _bytes_to_unicode,
     build_tokenizer,
     megatron_deepspeed_sentencepiece,
-    train_sentencepiece,
 )
+from megatron_ds.data.tokenizer_training import train_sentencepiece
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = [

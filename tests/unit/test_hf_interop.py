@@ -328,7 +328,7 @@ def test_a_pickled_bin_that_holds_code_is_named_and_never_run(hf_dirs: dict[str,
 
 def _sentencepiece(tmp_path: Path, vocab: int) -> str:
     from megatron_ds.data.demo_corpus import demo_documents
-    from megatron_ds.data.tokenizer import train_sentencepiece
+    from megatron_ds.data.tokenizer_training import train_sentencepiece
 
     lines = [line for doc in demo_documents(max_bytes=60_000) for line in doc.split("\n") if line.strip()]
     return train_sentencepiece(lines, str(tmp_path / f"sp{vocab}"), vocab)
