@@ -40,20 +40,49 @@ def zero_section(ctx: Context) -> Section:
     res = ctx.res
     sec = Section("zero", "ZeRO stage")
     table, act, kd = rows(ctx), activation_bytes(ctx), teacher_bytes(ctx)
-    usable, cpu_cap = res.usable_bytes, (res.raw.cpu_memory_gb * GIB if res.raw.cpu_memory_gb else None)
-    psi = total_params(res.model())
+    ep, _ = expert_parallel_size(ctx)
+    found = teacher(ctx)
+    sec.add(*_header(ctx, act, kd, found))
+    sec.add(*_table(table, act + kd, res.usable_bytes))
+    sec.add(*_notes(ctx, table))
+    sec.data = {
+        "parameters": total_params(res.model()),
+        "activation_bytes": act,
+        "usable_bytes": res.usable_bytes,
+        "rows": [
+            {
+                **{k: v for k, v in r.__dict__.items() if k not in ("refused", "plain_only") or v},
+                "engine": r.engine,
+                "fits": r.gpu_states is not None and r.gpu_states + act + kd <= res.usable_bytes,
+            }
+            for r in table
+        ],
+    }
+    if has_experts(ctx):
+        sec.data["expert_parallel_size"] = ep
+    if found is not None:
+        sec.data["teacher_weight_bytes"] = kd
+    cpu_cap = res.raw.cpu_memory_gb * GIB if res.raw.cpu_memory_gb else None
+    _recommend(ctx, sec, table, act, cpu_cap)
+    return sec
+
+
+def _header(ctx: Context, act: float, kd: float, found: tuple | None) -> list[str]:
+    """The model, the GPUs and what every row adds: activations, the experts' split, the teacher's weights."""
+    res = ctx.res
+    usable, psi = res.usable_bytes, total_params(res.model())
     ep, ep_source = expert_parallel_size(ctx)
-    sec.add(
+    lines = [
         f"Model: {psi / 1e9:.2f} B parameters, {ctx.precision}, Adam; {res.num_gpus} GPU(s) "
         f"({res.gpus_per_node} per node), {format_bytes(usable)} usable per GPU "
         f"({1 - res.headroom:.0%} of {format_bytes(res.gpu_memory_bytes)}).",
         f"Per-GPU model states with pure data parallelism over all {res.num_gpus} GPU(s) (estimates), plus "
         f"{format_bytes(act)} of activations for micro-batch {res.raw.micro_batch_size or 1} "
         f"(Korthikanti et al. 2022 per-tensor count, see docs/planner.md):",
-    )
+    ]
     if has_experts(ctx):
         whose = "each MoE layer's" if res.model().is_moe else "the teacher's MoE layers'"
-        sec.add(
+        lines.append(
             f"  at expert-parallel size E = {ep} ({ep_source}): {whose} experts / {ep} on each GPU"
             + (
                 f", their parameters, gradients and optimizer state partitioned over the {max(1, res.num_gpus // ep)} "
@@ -63,65 +92,58 @@ def zero_section(ctx: Context) -> Section:
             )
             + ";"
         )
-    found = teacher(ctx)
     if found is not None:
         model, t = found
         at = "" if t == 1 else f" at tensor size {t} (the smallest the trainer accepts it at)"
         experts_note = f", experts / {ep} of each MoE layer" if model.is_moe else ""
-        sec.add(
+        lines.append(
             f"  plus the teacher's weights{at}: {format_bytes(kd)} per GPU on every row ({res.raw.kd and '--kd' or '--mos'}"
             f"{experts_note}; frozen and outside the engine: no gradient or optimizer state, not partitioned by ZeRO, "
             "not offloaded), counted in 'w/ activ.';"
         )
-    sec.add(f"  {'configuration':<48} {'GPU states':>11} {'DeepSpeed':>10} {'w/ activ.':>10} {'CPU/node':>10}  engine")
+    return lines
+
+
+def _table(table: list[Row], beside: float, usable: float) -> list[str]:
+    """One line per ZeRO stage and offload: the states on a GPU (and DeepSpeed's estimate), whether they fit with
+    `beside` (activations and a teacher's weights), the CPU memory per node, the engine."""
+    lines = [f"  {'configuration':<48} {'GPU states':>11} {'DeepSpeed':>10} {'w/ activ.':>10} {'CPU/node':>10}  engine"]
     for r in table:
         if r.gpu_states is None:
-            sec.add(f"  {r.label:<48} {'refused':>11}  (pretrain_gpt.py runs no ZeRO-3 with experts, below)")
+            lines.append(f"  {r.label:<48} {'refused':>11}  (pretrain_gpt.py runs no ZeRO-3 with experts, below)")
             continue
         cpu = format_bytes(r.cpu_per_node) if r.cpu_per_node is not None else "n/a"
         theirs = format_bytes(r.deepspeed_gpu) if r.deepspeed_gpu is not None else "-"
-        fits = "fits" if r.gpu_states + act + kd <= usable else "too big"
-        sec.add(f"  {r.label:<48} {format_bytes(r.gpu_states):>11} {theirs:>10} {fits:>10} {cpu:>10}  {r.engine}")
+        fits = "fits" if r.gpu_states + beside <= usable else "too big"
+        lines.append(f"  {r.label:<48} {format_bytes(r.gpu_states):>11} {theirs:>10} {fits:>10} {cpu:>10}  {r.engine}")
+    return lines
+
+
+def _notes(ctx: Context, table: list[Row]) -> list[str]:
+    """The guide's account of each stage and offload, and what the trainer refuses or restricts."""
     text = guide("zero")
-    sec.add(
+    lines = [
         text["sources"],
         text["communication"],
         *(f"  ZeRO-{s}: {text[f'zero-{s}']}" for s in range(4)),
         f"  CPU offload: {text['cpu-offload']}.",
         f"  NVMe offload: {text['nvme-offload']}.",
-    )
+    ]
     refused = next((r.refused for r in table if r.refused), None)
     if refused:
-        sec.add(f"ZeRO-3 with experts, in the trainer's words: {refused}")
-    if has_experts(ctx) or res.distils:
-        sec.add(
+        lines.append(f"ZeRO-3 with experts, in the trainer's words: {refused}")
+    experts = has_experts(ctx)
+    if experts or ctx.res.distils:
+        lines.append(
             "With "
-            + ("experts" if has_experts(ctx) else "a teacher")
+            + ("experts" if experts else "a teacher")
             + ", pretrain_gpt.py trains on DeepSpeed's plain engine at pipeline size 1"
-            + (" and tensor size 1" if has_experts(ctx) else "")
+            + (" and tensor size 1" if experts else "")
             + "; the plan below is chosen among what it runs"
-            + (" at every expert-parallel size" if has_experts(ctx) and not res.raw.moe_expert_parallel_size else "")
+            + (" at every expert-parallel size" if experts and not ctx.res.raw.moe_expert_parallel_size else "")
             + ", offload not planned."
         )
-    sec.data = {
-        "parameters": psi,
-        "activation_bytes": act,
-        "usable_bytes": usable,
-        "rows": [
-            {
-                **{k: v for k, v in r.__dict__.items() if k not in ("refused", "plain_only") or v},
-                "engine": r.engine,
-                "fits": r.gpu_states is not None and r.gpu_states + act + kd <= usable,
-            }
-            for r in table
-        ],
-    }
-    if has_experts(ctx):
-        sec.data["expert_parallel_size"] = ep
-    if found is not None:
-        sec.data["teacher_weight_bytes"] = kd
-    _recommend(ctx, sec, table, act, cpu_cap)
-    return sec
+    return lines
 
 
 def _recommend(ctx: Context, sec: Section, table: list[Row], act: float, cpu_cap: float | None) -> None:
