@@ -228,15 +228,8 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
     refusal = moe_pipeline_refusal(meta, config, moved, f"--load {load_dir} ({tag})")
     if refusal:
         raise CheckpointError(refusal)
-    for notice in (
-        regularization_notice(meta, config, load_dir, tag),
-        weight_free_notice(meta, config, load_dir, tag),
-        vocabulary_notice(meta, config, load_dir, tag),
-        None if weights_only else precision_notice(meta, config, load_dir, tag),
-        *resume_flag_notices(meta, config, load_dir, tag),
-    ):
-        if notice and rank0:
-            print(notice, flush=True)
+    if rank0:
+        _print_notices(meta, config, load_dir, tag, weights_only)
     if weights_only:
         _load_weights(engine, config, layout, load_dir, tag, meta)
         if not (ck.finetune or is_weights_only(meta)):  # the iteration is kept: so are the dropout masks' indices
@@ -245,21 +238,7 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
         if is_weights_only(meta) and rank0:
             print(f"--load {load_dir} ({tag}) holds weights only: optimizer and learning-rate schedule start fresh")
     elif moved or deepspeed_cannot_restore(config):
-        refusal = None if universal else universal_refusal(meta, f"--load {load_dir} ({tag})")
-        if refusal:
-            raise CheckpointError(refusal)
-        if rank0 and not universal:
-            print(
-                f"--load {load_dir} ({tag}) was saved with {'; '.join(moved) or 'bf16 without ZeRO'}: resuming "
-                f"the whole training state through its universal form",
-                flush=True,
-            )
-        path = (
-            os.path.join(load_dir, tag)
-            if universal
-            else ensure_converted(load_dir, tag, 60.0 * config.parallel.distributed_timeout_minutes, show_progress=True)
-        )
-        restore.load_training_state(engine, config, layout, store.Universal(path))
+        _load_universal(engine, config, layout, load_dir, tag, meta, moved)
     else:
         check_rank_files(engine, config, load_dir, tag)
         engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
@@ -272,8 +251,51 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
     if ck.reset_iteration:  # Megatron-DeepSpeed: iteration and consumed samples from 0, the rest resumed
         engine.global_steps = engine.global_samples = 0
         return TrainState()
+    return _saved_state(meta, config)
+
+
+def _print_notices(meta: dict[str, Any], config: Config, load_dir: str, tag: str, weights_only: bool) -> None:
+    """What differs between the checkpoint and this run that the resume accepts, each said once (rank 0)."""
+    for notice in (
+        regularization_notice(meta, config, load_dir, tag),
+        weight_free_notice(meta, config, load_dir, tag),
+        vocabulary_notice(meta, config, load_dir, tag),
+        None if weights_only else precision_notice(meta, config, load_dir, tag),
+        *resume_flag_notices(meta, config, load_dir, tag),
+    ):
+        if notice:
+            print(notice, flush=True)
+
+
+def _load_universal(
+    engine: Any, config: Config, layout: Layout, load_dir: str, tag: str, meta: dict[str, Any], moved: list[str]
+) -> None:
+    """The whole training state through the universal form: the checkpoint itself when it is one, else its
+    conversion (made once, beside it, by rank 0; the others wait for it)."""
+    import torch.distributed as dist
+
+    universal = store.is_universal(meta)
+    refusal = None if universal else universal_refusal(meta, f"--load {load_dir} ({tag})")
+    if refusal:
+        raise CheckpointError(refusal)
+    if dist.get_rank() == 0 and not universal:
+        print(
+            f"--load {load_dir} ({tag}) was saved with {'; '.join(moved) or 'bf16 without ZeRO'}: resuming "
+            f"the whole training state through its universal form",
+            flush=True,
+        )
+    path = (
+        os.path.join(load_dir, tag)
+        if universal
+        else ensure_converted(load_dir, tag, 60.0 * config.parallel.distributed_timeout_minutes, show_progress=True)
+    )
+    restore.load_training_state(engine, config, layout, store.Universal(path))
+
+
+def _saved_state(meta: dict[str, Any], config: Config) -> TrainState:
+    """The run state the checkpoint recorded; one written before the token and FLOP counts existed (every step
+    then kept whole samples) gets them from its consumed samples."""
     saved = dict(meta["train_state"])
-    # Written before the token count existed: every step then kept whole samples.
     saved.setdefault("consumed_train_tokens", saved.get("consumed_train_samples", 0) * config.model.seq_length)
     saved.setdefault(
         "floating_point_operations_so_far",
