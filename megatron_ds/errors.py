@@ -10,6 +10,8 @@ with no traceback; anything else is a bug and keeps its traceback. Internal inva
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
 
 class UserError(ValueError):
@@ -73,10 +75,21 @@ def stop_cleanly_on_sigterm() -> None:
 def interrupted() -> int:
     """A tool's answer to Ctrl-C (or SIGTERM, `stop_cleanly_on_sigterm`): the one line on stderr, and the exit
     status to return. Call it in the `except KeyboardInterrupt` block."""
-    import sys
-
     if isinstance(sys.exc_info()[1], Terminated):
         print(f"error: {TERMINATED}", file=sys.stderr)
         return EXIT_TERMINATED
     print(f"error: {INTERRUPTED}", file=sys.stderr)
     return EXIT_INTERRUPTED
+
+
+def tool_main(body: Callable[[], object], errors: tuple[type[BaseException], ...] = (UserError,)) -> int:
+    """A tool's exit status around `body`: 0; 2 with the one `error:` line of any of `errors` (its message names
+    the flag or file and the fix); Ctrl-C or SIGTERM as `interrupted` says. Anything else keeps its traceback."""
+    try:
+        body()
+    except errors as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return interrupted()
+    return 0

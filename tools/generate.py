@@ -20,7 +20,7 @@ from collections.abc import Sequence
 # The checkout this tool lives in comes first (as pretrain_gpt.py's own directory does for it).
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_ds.errors import OneLineArgumentParser, UserError, interrupted, stop_cleanly_on_sigterm
+from megatron_ds.errors import OneLineArgumentParser, UserError, stop_cleanly_on_sigterm, tool_main
 
 TOKENIZER_FLAGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
@@ -97,14 +97,7 @@ def run(argv: Sequence[str] | None = None) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        run(argv)
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return interrupted()
-    return 0
+    return tool_main(lambda: run(argv))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from megatron_ds.data import DataError
 from megatron_ds.data.documents import check_input_file, sized_documents
 from megatron_ds.data.indexed import IndexedWriter
 from megatron_ds.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
-from megatron_ds.errors import OneLineArgumentParser, UserError, interrupted, stop_cleanly_on_sigterm
+from megatron_ds.errors import OneLineArgumentParser, UserError, stop_cleanly_on_sigterm, tool_main
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -190,14 +190,7 @@ def _summary(args: argparse.Namespace, stats: dict[str, Any], seconds: float, re
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        run(parse_args(argv))
-    except (UserError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return interrupted()
-    return 0
+    return tool_main(lambda: run(parse_args(argv)), (UserError, OSError))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from megatron_ds.data import DataError
 from megatron_ds.data.documents import check_input_file, read_documents
 from megatron_ds.data.tokenizer import SentencePieceTokenizer
 from megatron_ds.data.tokenizer_training import train_sentencepiece
-from megatron_ds.errors import OneLineArgumentParser, UserError, interrupted, stop_cleanly_on_sigterm
+from megatron_ds.errors import OneLineArgumentParser, UserError, stop_cleanly_on_sigterm, tool_main
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -107,14 +107,7 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        run(parse_args(argv))
-    except (UserError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return interrupted()
-    return 0
+    return tool_main(lambda: run(parse_args(argv)), (UserError, OSError))
 
 
 if __name__ == "__main__":
