@@ -184,7 +184,19 @@ def _fused_rows_by_rank(full: torch.Tensor, fused_rows: tuple[int, ...], tp: Ten
     return torch.cat([shard_fused(full, fused_rows, tp.size, r) for r in range(tp.size)])
 
 
-class ColumnLinear(ColumnParallelLinear):
+class _OutputOnly:
+    """What both parallel linears change in megatron-core's: the output alone (megatron-core returns it with a bias
+    that is None here), and its linear run with a weight gradient ZB-H1 may defer (`model/weight_grad.py`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[0]  # type: ignore[misc]
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert not args, args
+        return weight_grad.megatron_linear(input, weight, super()._forward_impl, **kwargs)  # type: ignore[misc]
+
+
+class ColumnLinear(_OutputOnly, ColumnParallelLinear):
     """(.., in) replicated -> (.., out/T): this rank's output features; bias sharded likewise."""
 
     def __init__(
@@ -210,16 +222,8 @@ class ColumnLinear(ColumnParallelLinear):
             for p in self.parameters():
                 setattr(p, FUSED_ROWS_ATTR, tuple(fused_rows))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(x)[0]
 
-    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # megatron-core's linear, with a weight gradient ZB-H1 may defer (`model/weight_grad.py`)
-        assert not args, args
-        return weight_grad.megatron_linear(input, weight, super()._forward_impl, **kwargs)
-
-
-class RowLinear(RowParallelLinear):
+class RowLinear(_OutputOnly, RowParallelLinear):
     """(.., in/T) this rank's features -> (.., out) summed over tensor ranks, plus a replicated bias."""
 
     def __init__(self, tp: TensorParallel, full_weight: torch.Tensor, bias: bool = True) -> None:
@@ -234,13 +238,6 @@ class RowLinear(RowParallelLinear):
             skip_bias_add=False,
             tp_group=tp.group,
         )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(x)[0]
-
-    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        assert not args, args
-        return weight_grad.megatron_linear(input, weight, super()._forward_impl, **kwargs)
 
 
 class VocabParallelWordEmbedding(VocabParallelEmbedding):
