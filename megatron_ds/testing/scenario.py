@@ -173,17 +173,7 @@ def run_one(
         return {"rank": dist.get_rank(), "build_error": f"{type(e).__name__}: {e}"}
     engine = pipeline.engine
     tp = pipeline.model.tensor_parallel
-    result: dict[str, Any] = {
-        "rank": dist.get_rank(),
-        "stage": engine.stage_id,
-        "tp_rank": tp.rank,
-        "layout": layout.to_string(),
-        "layout_table": layout.format(),
-        "tied_modules": sorted(getattr(pipeline.model, "tied_modules", {})),
-        "tied_comms": sorted(getattr(pipeline.model, "tied_comms", {})),
-        "engine": type(engine).__name__,
-        **_held_elements(pipeline.model),
-    }
+    result = _built(pipeline, layout)
     if opts.get("swapped_axes"):
         result["topology_error"] = _swapped_axes_error(config)
     if opts.get("init_checksums"):
@@ -204,32 +194,11 @@ def run_one(
     if opts.get("output_shapes"):
         _record_output_shape(result, pipeline.model)
     emb_before = _embedding(pipeline.model)
-    zeros = _zero_counter(config, engine)
-    losses, norms, others, num_zeros = [], [], [], []
-    dp_rank = engine.grid.get_data_parallel_rank()
-    for step in range(state.iteration, state.iteration + num_steps):
-        batches = list(micro_batches(config, step, dp_rank, opts.get("loss_mask", "ones")))
-        loss = pipeline.train_batch(iter(batches), label=f"train_batch of step {step}")
-        losses.append(float(loss.item()))
-        norms.append(pipeline.grad_norm())
-        others.append({k: float(v.item()) for k, v in getattr(engine, "step_losses", {}).items()})
-        if zeros is not None:
-            num_zeros.append(zeros.total())
-        if opts.get("eval"):
-            result.setdefault("eval_losses", []).append(float(engine.eval_batch(data_iter=iter(batches)).item()))
+    _train(result, pipeline, config, range(state.iteration, state.iteration + num_steps), opts)
     if opts.get("checksums"):
         _record_checksums(result, "checksums_trained", pipeline.model)
     if opts.get("weights"):
-        from megatron_ds.model.moe import global_named_parameters
-        from megatron_ds.training.grad_norm import params_norm
-
-        named = global_named_parameters(pipeline.model).items()
-        if tp.size > 1:  # the full (T = 1) values, gathered over the tensor group (a collective)
-            from megatron_ds.model.tensor_parallel_layers import gather_full
-
-            named = [(n, gather_full(p, tp)) for n, p in named]
-        result["weights"] = {n: p.detach().float().cpu().tolist() for n, p in named}
-        result["params_norm"] = params_norm(engine)
+        _record_weights(result, pipeline)
     if opts.get("eval_logits"):
         result["eval_logits"] = _eval_logits(pipeline.model, opts["eval_logits"])
     if opts.get("save"):
@@ -239,18 +208,69 @@ def run_one(
         )
         save_load.save(engine, config, layout, done, opts["save"])
     emb_after = _embedding(pipeline.model)
-    result.update({"losses": losses, "grad_norms": norms})
     result["checkpointing"] = _checkpointing_state()
-    if zeros is not None:
-        result["num_zeros"] = num_zeros
-    if any(others):  # the losses beside the lm loss (`moe loss` with experts, `kd loss` under --kd), per step
-        result["other_losses"] = others
     store = getattr(engine, "weight_grads", None)
     result["deferred_weight_grads"] = 0 if store is None else store.deferred
     if emb_after is not None:
         result["embedding_checksum"] = checksum(emb_after)
         result["embedding_changed"] = bool(not torch.equal(emb_before, emb_after))
     return result
+
+
+def _built(pipeline: Any, layout: Any) -> dict[str, Any]:
+    """What the build gave this rank: its place, the layout, the tied modules and the elements it holds."""
+    import torch.distributed as dist
+
+    return {
+        "rank": dist.get_rank(),
+        "stage": pipeline.engine.stage_id,
+        "tp_rank": pipeline.model.tensor_parallel.rank,
+        "layout": layout.to_string(),
+        "layout_table": layout.format(),
+        "tied_modules": sorted(getattr(pipeline.model, "tied_modules", {})),
+        "tied_comms": sorted(getattr(pipeline.model, "tied_comms", {})),
+        "engine": type(pipeline.engine).__name__,
+        **_held_elements(pipeline.model),
+    }
+
+
+def _train(result: dict[str, Any], pipeline: Any, config: Config, steps: range, opts: dict[str, Any]) -> None:
+    """Train `steps` on the scenario's batches, recording each step's loss, gradient norm, other losses, ZeRO's
+    zero count (when counted) and evaluation loss (`eval`)."""
+    engine = pipeline.engine
+    zeros = _zero_counter(config, engine)
+    losses, norms, others, num_zeros = [], [], [], []
+    dp_rank = engine.grid.get_data_parallel_rank()
+    for step in steps:
+        batches = list(micro_batches(config, step, dp_rank, opts.get("loss_mask", "ones")))
+        loss = pipeline.train_batch(iter(batches), label=f"train_batch of step {step}")
+        losses.append(float(loss.item()))
+        norms.append(pipeline.grad_norm())
+        others.append({k: float(v.item()) for k, v in getattr(engine, "step_losses", {}).items()})
+        if zeros is not None:
+            num_zeros.append(zeros.total())
+        if opts.get("eval"):
+            result.setdefault("eval_losses", []).append(float(engine.eval_batch(data_iter=iter(batches)).item()))
+    result.update({"losses": losses, "grad_norms": norms})
+    if zeros is not None:
+        result["num_zeros"] = num_zeros
+    if any(others):  # the losses beside the lm loss (`moe loss` with experts, `kd loss` under --kd), per step
+        result["other_losses"] = others
+
+
+def _record_weights(result: dict[str, Any], pipeline: Any) -> None:
+    """Every parameter's full (T = 1) values by its global name, and the parameters' norm."""
+    from megatron_ds.model.moe import global_named_parameters
+    from megatron_ds.training.grad_norm import params_norm
+
+    tp = pipeline.model.tensor_parallel
+    named = global_named_parameters(pipeline.model).items()
+    if tp.size > 1:  # gathered over the tensor group (a collective)
+        from megatron_ds.model.tensor_parallel_layers import gather_full
+
+        named = [(n, gather_full(p, tp)) for n, p in named]
+    result["weights"] = {n: p.detach().float().cpu().tolist() for n, p in named}
+    result["params_norm"] = params_norm(pipeline.engine)
 
 
 def _eval_logits(model: torch.nn.Module, tokens: list[list[int]]) -> list:
