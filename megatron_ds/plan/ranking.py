@@ -258,28 +258,7 @@ class Search:
         and interleaving where 1F1B misses memory with the same degrees, micro-batch and recomputation."""
         res = self.res
         zero_opt, offload, offload_param = (None, "none", "none") if option is None else option.fields
-        order = []
-        for t, p in pairs:
-            dp = res.num_gpus // (t * p)
-            sizes = micro_batches(res, dp)
-            self.batch_ok = self.batch_ok or bool(sizes)
-            zero = zero_for(res, dp, offload, zero_opt)
-            runs = {mb: schedules_for(res, t, p, mb, zero) for mb in sizes}
-            self.schedule_ok = self.schedule_ok or any(runs.values())
-            if res.schedule[0] is not None:
-                self.unreplayed += unreplayed(res, t, p, sizes, zero)
-            states = states_lower_bound(res, t, p, zero, self.precision, offload, offload_param)
-            if states > res.usable_bytes:
-                self.bounds.append((states, t, p))
-                continue
-            for recompute in self.recomputes:
-                for mb in sizes:
-                    for schedule in runs[mb]:
-                        bound = time_bound(
-                            res, t, p, mb, zero, self.precision, recompute, schedule[0], self.methods[0], schedule[1]
-                        )
-                        r = RECOMPUTE.index(recompute)
-                        order.append((bound, schedule_order(schedule), t, p, r, mb, zero, schedule))
+        order = self._bounded(pairs, zero_opt, offload, offload_param)
         found: list[Candidate] = []
         missed: dict[tuple, int] = {}
         priced: dict[tuple, Candidate | None] = {}
@@ -322,6 +301,35 @@ class Search:
                 # gradients come later), so it is priced whatever 1F1B's memory
             price(t, p, r, mb, zero, k)
         return sorted(found, key=rank_key)
+
+    def _bounded(self, pairs: list[tuple[int, int]], zero_opt: Any, offload: str, offload_param: str) -> list[tuple]:
+        """Every configuration of these (t, p) the search may price, with its time bound, in pricing order's
+        fields (bound, schedule order, t, p, recompute index, micro-batch, ZeRO stage, schedule); records what
+        ruled configurations out (no micro-batch, no schedule, unreplayed, model states over memory)."""
+        res = self.res
+        order = []
+        for t, p in pairs:
+            dp = res.num_gpus // (t * p)
+            sizes = micro_batches(res, dp)
+            self.batch_ok = self.batch_ok or bool(sizes)
+            zero = zero_for(res, dp, offload, zero_opt)
+            runs = {mb: schedules_for(res, t, p, mb, zero) for mb in sizes}
+            self.schedule_ok = self.schedule_ok or any(runs.values())
+            if res.schedule[0] is not None:
+                self.unreplayed += unreplayed(res, t, p, sizes, zero)
+            states = states_lower_bound(res, t, p, zero, self.precision, offload, offload_param)
+            if states > res.usable_bytes:
+                self.bounds.append((states, t, p))
+                continue
+            for recompute in self.recomputes:
+                for mb in sizes:
+                    for schedule in runs[mb]:
+                        bound = time_bound(
+                            res, t, p, mb, zero, self.precision, recompute, schedule[0], self.methods[0], schedule[1]
+                        )
+                        r = RECOMPUTE.index(recompute)
+                        order.append((bound, schedule_order(schedule), t, p, r, mb, zero, schedule))
+        return order
 
     def best(self, option: Any, pairs: list[tuple[int, int]], refine: bool = True) -> Candidate | None:
         """The fastest fitting configuration of `option`, its layout and schedule refined unless `refine` is
