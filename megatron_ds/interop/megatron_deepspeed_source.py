@@ -21,7 +21,7 @@ from megatron_ds.interop.megatron_deepspeed_files import MegatronDeepSpeedCheckp
 from megatron_ds.model import sharding
 from megatron_ds.training.checkpoint import reader
 from megatron_ds.training.checkpoint.directory import META, CheckpointError, fingerprint
-from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, local_shape, partition_fragment
+from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32, held_fragment, local_shape
 from megatron_ds.training.checkpoint.universal.names import ModelTensor
 from megatron_ds.training.checkpoint.universal.state_files import StateFiles, materialize
 
@@ -209,14 +209,8 @@ class MegatronDeepSpeedSource:
         return value.detach().clone()
 
     def _fragment(self, stage: int, tp: int, dp: int, p: where.Place, state: str) -> torch.Tensor | None:
-        path, osd = self.mds.optim_file(stage, tp, dp), self._optim_states(stage, tp, dp)
-        try:
-            fragment = osd["param_slice_mappings"][p.group].get(p.module_name)
-        except (KeyError, IndexError, AttributeError) as err:
-            raise CheckpointError(
-                f"{path}: no parameter map of group {p.group} ({err}); the checkpoint is damaged"
-            ) from None
-        return None if fragment is None else partition_fragment(osd, p.group, fragment, state, path, p.module_name)
+        osd = self._optim_states(stage, tp, dp)
+        return held_fragment(osd, p.group, state, self.mds.optim_file(stage, tp, dp), p.module_name)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -194,12 +194,7 @@ class DeepSpeedSource:
     def _fragment(self, stage: int, tp: int, dp: int, module_name: str, group: str, state: str) -> torch.Tensor | None:
         path = self.optim_file(stage, tp, dp)
         osd = self.files.open(path)["optimizer_state_dict"]
-        g = GROUP_NAMES.index(group)
-        try:
-            fragment = osd["param_slice_mappings"][g].get(module_name)
-        except (KeyError, IndexError) as err:
-            raise CheckpointError(f"{path}: no {state} for {module_name} ({err}); the checkpoint is damaged") from None
-        return None if fragment is None else partition_fragment(osd, g, fragment, state, path, module_name)
+        return held_fragment(osd, GROUP_NAMES.index(group), state, path, module_name)
 
     def _steps(self, path: str) -> list[int | None]:
         """Each group's step count in a flat optimizer file (small metadata, read once per file)."""
@@ -247,6 +242,16 @@ def partition_fragment(
         return narrow(flat, fragment.start, fragment.numel, path)
     except (KeyError, IndexError, RuntimeError) as err:
         raise CheckpointError(f"{path}: no {state} for {name} ({err}); the checkpoint is damaged") from None
+
+
+def held_fragment(osd: dict[str, Any], group: int, state: str, path: str, name: str) -> torch.Tensor | None:
+    """`partition_fragment` of parameter `name` where this partition file maps it (`param_slice_mappings`), None
+    where the partition holds none of it; a CheckpointError naming `path` and `name` when the map is missing."""
+    try:
+        fragment = osd["param_slice_mappings"][group].get(name)
+    except (KeyError, IndexError, AttributeError) as err:
+        raise CheckpointError(f"{path}: no {state} for {name} ({err}); the checkpoint is damaged") from None
+    return None if fragment is None else partition_fragment(osd, group, fragment, state, path, name)
 
 
 def _int(step: Any) -> int | None:
