@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf-model-type",
         default=None,
         help="export: the config.json's model_type when the model has more than one exact form: `mistral` for a "
-        "Llama without biases (default: gpt2, llama, qwen2, qwen3 or phi3, whichever the model is)",
+        "Llama without biases (default: gpt2, llama, qwen2, qwen3, phi3 or, with experts, mixtral, whichever the "
+        "model is)",
     )
     for flag in TOKENIZER_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), default=None, help="tokenizer override (export) or flag (import)")

@@ -11,7 +11,6 @@ holds (`sliding_window.visible`), as the whole sequence's forward does.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +20,6 @@ from torch import nn
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.model import moe, naming, sliding_window
 from megatron_ds.model.layers import FinalNorm, LMHead, PositionEmbedding, WordEmbedding
-from megatron_ds.model.sharding import TensorRule
 from megatron_ds.model.transformer import TransformerLayer
 from megatron_ds.training.checkpoint import reader as checkpoint_reader
 
@@ -144,27 +142,8 @@ def load_model(
     with torch.device("meta"):  # no initial weights are drawn: the checkpoint's replace them
         model = GPTModel(dataclasses.replace(ckpt.config.model, vocab_size=vocab))
     state = {}
-    for spec, key, layer, rule, tensor in _checkpoint_tensors(ckpt):
-        tensor = tensor[:vocab] if rule.vocab else tensor
-        state[module_name(spec, key, layer)] = tensor.to(dtype) if dtype is not None else tensor
+    for t in checkpoint_reader.iter_model_tensors(ckpt):
+        tensor = t.tensor[:vocab] if t.rule.vocab else t.tensor
+        state[module_name(t.spec, t.key, t.layer)] = tensor.to(dtype) if dtype is not None else tensor
     model.load_state_dict(state, strict=True, assign=True)
     return model
-
-
-def _checkpoint_tensors(
-    ckpt: checkpoint_reader.Checkpoint,
-) -> Iterator[tuple[str, str, int | None, TensorRule, torch.Tensor]]:
-    """(spec, key, transformer layer or None, rule, whole tensor) of every tensor of the checkpoint: per-spec files,
-    or a mixture-of-experts checkpoint's DeepSpeed files (every expert by its global index, whatever expert-parallel
-    size saved them) or converted universal form (`moe_weights`)."""
-    if not ckpt.config.model.is_moe:
-        for t in checkpoint_reader.iter_tensors(ckpt):
-            yield t.spec, t.key, t.layer, t.rule, t.tensor
-        return
-    from megatron_ds.training.checkpoint import moe_weights  # DeepSpeed's files: dense models import no DeepSpeed
-
-    checkpoint_reader.refuse_universal(ckpt)
-    first = len(naming.gpt_spec_groups(ckpt.config.model).pre)
-    for t, tensor in moe_weights.iter_weights(ckpt):
-        layer = t.spec_index - first if t.spec == naming.TRANSFORMER_LAYER else None
-        yield t.spec, t.key, layer, t.rule, tensor

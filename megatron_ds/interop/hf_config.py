@@ -11,7 +11,10 @@ only on request (`--hf-model-type mistral`) or for a model with a sliding window
 are Megatron-LM's `--window-size LEFT,0` with transformers' `sliding_window` LEFT + 1 (a key k is seen by the query
 q when q - sliding_window < k <= q): Mistral's on every layer, Qwen2's and Qwen3's with `use_sliding_window` on the
 layers `layer_types` names `sliding_attention` (`--window-attn-skip-freq`'s pattern), Phi-3's on every layer (its
-`sliding_window`, transformers' mask as Mistral's; absent or null: none). Phi-3 (`Phi3ForCausalLM`):
+`sliding_window`, transformers' mask as Mistral's; absent or null: none). Mixtral (`MixtralForCausalLM`): Mistral's
+layer with a mixture of SwiGLU experts on every layer (our `--num-experts N --expert-interval 1 --topk 2`): its router
+is DeepSpeed's top-2 gate computed without capacity (softmax over the experts, the two best renormalized), as our
+inference routes (`moe.route_every_token`). Phi-3 (`Phi3ForCausalLM`):
 Llama's layer without biases, with fused q|k|v and gate|up tensors and partial rotary embeddings
 (`partial_rotary_factor`, our `--rotary-percent`: the Llama-like models whose rotary share is below
 1 export as Phi-3, since transformers' Llama rotates whole heads). Each may tie or untie its LM head
@@ -34,6 +37,7 @@ from megatron_ds.errors import UserError
 from megatron_ds.model import activations, norms
 
 GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, PHI3 = "gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3"
+MIXTRAL = "mixtral"
 ARCHITECTURE_CLASSES = {
     GPT2: "GPT2LMHeadModel",
     LLAMA: "LlamaForCausalLM",
@@ -41,6 +45,7 @@ ARCHITECTURE_CLASSES = {
     QWEN3: "Qwen3ForCausalLM",
     MISTRAL: "MistralForCausalLM",
     PHI3: "Phi3ForCausalLM",
+    MIXTRAL: "MixtralForCausalLM",
 }
 LLAMA_LAYOUT = (LLAMA, QWEN2, QWEN3, MISTRAL)
 """Llama's layer and tensor names: Qwen2 adds q/k/v biases (our --add-qkv-bias), Qwen3 query and key norms (our
@@ -159,6 +164,42 @@ QWEN3_REQUIRES = (
 )
 
 
+MIXTRAL_REQUIRES = (
+    Requirement(
+        lambda m: m.gated_mlp,
+        lambda m: f"experts with a {m.activation} MLP: Mixtral's experts are SwiGLU (--swiglu)",
+    ),
+    Requirement(
+        lambda m: len(set(m.experts_per_layer)) == 1,
+        lambda m: (
+            f"--num-experts {' '.join(map(str, m.num_experts))} --expert-interval {m.expert_interval} (experts per "
+            f"layer {list(m.experts_per_layer)}): Mixtral has the same experts on every layer (--expert-interval 1, "
+            f"one --num-experts)"
+        ),
+    ),
+    Requirement(
+        lambda m: m.moe_top_k == 2,
+        lambda m: (
+            f"--topk {m.moe_top_k}: Mixtral weighs a token's experts by their renormalized scores (at top-1 a weight "
+            f"of 1, where DeepSpeed's top-1 gate weighs by the softmax score); only --topk 2 is the same"
+        ),
+    ),
+    Requirement(lambda m: m.mlp_type == "standard", "--mlp-type residual: Mixtral has no residual MLP (PR-MoE)"),
+    Requirement(lambda m: not m.add_bias_linear, "biases (no --disable-bias-linear): Mixtral has none"),
+    Requirement(
+        lambda m: m.rotary_percent == 1.0,
+        lambda m: f"--rotary-percent {m.rotary_percent:g}: Mixtral rotates whole heads",
+    ),
+    Requirement(lambda m: not m.use_rope_scaling, "--use-rope-scaling: Mixtral's config has no Llama 3.x rope scaling"),
+    Requirement(
+        lambda m: m.window_attn_skip_freq is None,
+        "--window-attn-skip-freq: Mixtral's sliding window is on every layer",
+    ),
+)
+"""A mixture-of-experts model is Mixtral's when its experts are (DeepSpeed's top-2 gate without capacity is Mixtral's
+router; `moe.route_every_token`)."""
+
+
 def _default_head(model: ModelConfig) -> str:
     """hidden / heads as a head size, or the fraction when it is none."""
     h, heads = model.hidden_size, model.num_attention_heads
@@ -175,7 +216,7 @@ _WINDOW_IS_NOT_HERE = Requirement(
     "--window-size: this type has no sliding window here (Mistral and Phi-3 have one on every layer, Qwen2 and Qwen3 "
     "on the layers they name)",
 )
-WINDOWED = (QWEN2, QWEN3, MISTRAL, PHI3)
+WINDOWED = (QWEN2, QWEN3, MISTRAL, PHI3, MIXTRAL)
 """The types whose config.json holds a sliding window."""
 _QK_NORM_IS_QWEN3S = Requirement(
     lambda m: not m.qk_layernorm,
@@ -190,11 +231,13 @@ _NO_QK_L2_NORM = Requirement(
 
 
 def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
-    """GPT2, LLAMA, QWEN2, QWEN3 or PHI3 for a model both sides express exactly (a QKV bias alone is Qwen2's, query
-    and key norms Qwen3's), or
+    """GPT2, LLAMA, QWEN2, QWEN3, PHI3 or MIXTRAL (experts) for a model both sides express exactly (a QKV bias alone is
+    Qwen2's, query and key norms Qwen3's), or
     `model_type` when asked for and exact (MISTRAL: a Llama without biases); HFConfigError naming the first
     obstacle."""
-    if model.gated_mlp and model.qk_layernorm:
+    if model.is_moe:
+        arch, requires = MIXTRAL, LLAMA_REQUIRES + MIXTRAL_REQUIRES
+    elif model.gated_mlp and model.qk_layernorm:
         arch, requires = QWEN3, LLAMA_REQUIRES + QWEN3_REQUIRES
     elif model.gated_mlp and model.rotary_percent < 1.0:
         arch, requires = PHI3, LLAMA_REQUIRES[1:] + PHI3_REQUIRES
@@ -276,7 +319,21 @@ def to_hf_config(
         }
     if arch == PHI3:
         return {**common, **_phi3_fields(model, regularization)}
+    if arch == MIXTRAL:
+        return {**common, **_llama_layout_fields(model, regularization), **_mixtral_fields(model)}
     return {**common, **_llama_layout_fields(model, regularization), **_type_fields(arch, model)}
+
+
+def _mixtral_fields(model: ModelConfig) -> dict[str, Any]:
+    """Mixtral's experts, its router (top-2, no jitter) and its window (on every layer, MIXTRAL_REQUIRES)."""
+    return {
+        "num_local_experts": model.experts_per_layer[0],
+        "num_experts_per_tok": model.moe_top_k,
+        "router_aux_loss_coef": model.moe_loss_coeff,
+        "output_router_logits": False,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None if model.window_size is None else model.window_size[0] + 1,
+    }
 
 
 def _type_fields(arch: str, model: ModelConfig) -> dict[str, Any]:
@@ -308,7 +365,9 @@ def _qwen_window(model: ModelConfig) -> dict[str, Any]:
 def export_notes(arch: str, model: ModelConfig) -> list[str]:
     """What a reader of the exported config.json may take differently, one line each: Qwen2's and Qwen3's sliding
     layers when they are not the last ones, which `max_window_layers` (all that transformers before 4.53 reads)
-    cannot say."""
+    cannot say; how Mixtral's router differs from the training gate's (`_mixtral_notes`)."""
+    if arch == MIXTRAL:
+        return _mixtral_notes(model)
     if arch not in (QWEN2, QWEN3) or model.window_size is None:
         return []
     sliding = [i for i, w in enumerate(model.layer_windows) if w is not None]
@@ -319,6 +378,29 @@ def export_notes(arch: str, model: ModelConfig) -> list[str]:
         f"names and transformers 4.53 or newer reads; older releases read only max_window_layers {sliding[0]} and "
         f"would slide every layer from {sliding[0]} on: load it with transformers >= 4.53"
     ]
+
+
+def _mixtral_notes(model: ModelConfig) -> list[str]:
+    """Mixtral routes every token to its two best experts: what the training gate did otherwise, and the load-balancing
+    loss transformers computes with `output_router_logits` (DeepSpeed's top-2 gate counts a token's first expert only,
+    transformers' both)."""
+    notes = []
+    if model.moe_token_dropping:
+        notes.append(
+            f"training dropped the tokens over each expert's capacity (--moe-train-capacity-factor "
+            f"{model.moe_train_capacity_factor:g}); Mixtral, like tools/generate.py, routes every token to its two "
+            f"experts (--disable-moe-token-dropping trains that way)"
+        )
+    if model.moe_top2_2nd_expert_sampling:
+        notes.append(
+            "training sampled each token's second expert (top-2's Gumbel sampling); Mixtral, like tools/generate.py, "
+            "takes the second best (--disable-moe-top2-2nd-expert-sampling trains that way)"
+        )
+    notes.append(
+        f"router_aux_loss_coef is --moe-loss-coeff {model.moe_loss_coeff:g}; transformers' load-balancing loss "
+        f"(output_router_logits) counts both experts of a token, DeepSpeed's top-2 gate the first alone"
+    )
+    return notes
 
 
 def _llama_layout_fields(model: ModelConfig, regularization: RegularizationConfig) -> dict[str, Any]:

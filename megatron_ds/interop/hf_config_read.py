@@ -20,6 +20,7 @@ from megatron_ds.interop.hf_config import (
     LLAMA_LAYOUT,
     LLAMA_NORM,
     MISTRAL,
+    MIXTRAL,
     PHI3,
     PHI3_NORM,
     QWEN2,
@@ -65,6 +66,11 @@ def from_hf_config(hf: dict[str, Any], source: str) -> HFModel:
         raise HFConfigError(
             f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; only {known} convert "
             f"exactly"
+        )
+    if model_type == MIXTRAL:  # the export writes it (hf_config.MIXTRAL_REQUIRES); the import does not read experts
+        raise HFConfigError(
+            f"{source}: model_type 'mixtral': importing a mixture-of-experts model is not built (exporting our "
+            f"--num-experts models as Mixtral is); only the dense types convert into a checkpoint"
         )
     quantized = hf.get("quantization_config")
     if quantized:  # GPTQ, AWQ, bitsandbytes, fp8: the stored tensors are not the weights

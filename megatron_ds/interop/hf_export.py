@@ -54,7 +54,7 @@ def export_hf(
     checkpoint's tokenizer flags (tokenizer_type, tokenizer_model, vocab_file, merge_file); `model_type` picks
     among the model's exact forms (`mistral` for a Llama without biases; see `hf_config.architecture_of`).
     """
-    ckpt = checkpoint_reader.open_checkpoint(source)
+    ckpt = checkpoint_reader.open_checkpoint(source, moe=True)  # experts: Mixtral's (hf_config.architecture_of)
     model = ckpt.config.model
     arch = hf_config.architecture_of(model, model_type)
     tok = checkpoint_reader.checkpoint_tokenizer(ckpt, tokenizer)
@@ -105,7 +105,7 @@ def _write_weights(
     bar = files.progress(total, f"export {os.path.basename(ckpt.root)}", show_progress)
     stored = torch.float32
     try:
-        for t in checkpoint_reader.iter_tensors(ckpt):
+        for t in checkpoint_reader.iter_model_tensors(ckpt):
             stored = t.tensor.dtype
             full = t.tensor[:vocab] if t.rule.vocab else t.tensor
             if dtype is not None:

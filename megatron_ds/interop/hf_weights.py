@@ -7,6 +7,10 @@ tensor(s) (`{i}` is the transformer layer number) and how the values move:
     TRANSPOSE  GPT-2's Conv1D stores (in, out); our linears store (out, in)
     SPLIT      our fused rows (q|k|v of the QKV projection, gate|up of SwiGLU's fc1) are separate
                HF tensors, in the same order (our rotary is rotate-half, as HF Llama's: no permutation)
+
+A mixture-of-experts layer's expert tensors are one entry with `{e}` for the expert's global index on both sides
+(`EXPERT_PREFIX{e}.fc1.weight` -> Mixtral's `experts.{e}.w1` and `w3`, the Hub's layout, which transformers 5 fuses
+on load).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.interop.hf_config import GPT2, LLAMA, MISTRAL, PHI3, QWEN2, QWEN3
+from megatron_ds.interop.hf_config import GPT2, LLAMA, MISTRAL, MIXTRAL, PHI3, QWEN2, QWEN3
 from megatron_ds.model import naming, sharding
+from megatron_ds.model.moe import EXPERT_PREFIX, GATE_WEIGHT
+from megatron_ds.training.checkpoint.universal.names import model_tensors
 
 COPY, TRANSPOSE, SPLIT = "copy", "transpose", "split"
 
@@ -84,6 +90,15 @@ PHI3_NAMES: dict[tuple[str, str], WeightMap] = {
     (naming.FINAL_NORM, "norm.weight"): WeightMap(("model.norm.weight",)),
     (naming.UNTIED_LM_HEAD, "weight"): WeightMap(("lm_head.weight",)),
 }
+_MOE = _LLAMA_BLOCK + "block_sparse_moe."
+MIXTRAL_NAMES: dict[tuple[str, str], WeightMap] = {
+    **{k: v for k, v in LLAMA_NAMES.items() if k[1].split(".")[0] not in ("fc1", "fc2")},
+    (_L, GATE_WEIGHT): WeightMap((_MOE + "gate.weight",)),  # (experts, hidden): the router
+    (_L, EXPERT_PREFIX + "{e}.fc1.weight"): WeightMap(
+        (_MOE + "experts.{e}.w1.weight", _MOE + "experts.{e}.w3.weight"), SPLIT
+    ),
+    (_L, EXPERT_PREFIX + "{e}.fc2.weight"): WeightMap((_MOE + "experts.{e}.w2.weight",)),
+}
 TABLES = {
     GPT2: GPT2_NAMES,
     LLAMA: LLAMA_NAMES,
@@ -91,6 +106,7 @@ TABLES = {
     QWEN3: QWEN3_NAMES,
     MISTRAL: LLAMA_NAMES,
     PHI3: PHI3_NAMES,
+    MIXTRAL: MIXTRAL_NAMES,
 }
 """Qwen2 and Mistral name their tensors as Llama (Qwen2's q/k/v biases are Llama's with attention_bias); Qwen3 adds
 its query and key norms."""
@@ -99,14 +115,23 @@ IGNORED_HF_TENSORS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb
 """Buffers some HF checkpoints store that are not weights (causal masks, rotary frequencies)."""
 
 
+def _entry(arch: str, spec: str, key: str) -> tuple[WeightMap, int | None]:
+    """The table's entry for our (spec, key), and the expert's global index when `key` is an expert's."""
+    if not key.startswith(EXPERT_PREFIX):
+        return TABLES[arch][(spec, key)], None
+    expert, rest = key[len(EXPERT_PREFIX) :].split(".", 1)
+    return TABLES[arch][(spec, f"{EXPERT_PREFIX}{{e}}.{rest}")], int(expert)
+
+
 def hf_names(arch: str, spec: str, key: str, layer: int | None) -> tuple[str, ...]:
     """The HF tensor names of our (spec, key) in transformer layer `layer`."""
-    return tuple(n.format(i=layer) for n in TABLES[arch][(spec, key)].hf)
+    entry, expert = _entry(arch, spec, key)
+    return tuple(n.format(i=layer, e=expert) for n in entry.hf)
 
 
 def to_hf(arch: str, spec: str, key: str, rule: sharding.TensorRule, full: torch.Tensor) -> list[torch.Tensor]:
     """HF tensors (in `hf_names` order) from our full tensor."""
-    how = TABLES[arch][(spec, key)].how
+    how = _entry(arch, spec, key)[0].how
     if how == TRANSPOSE:
         return [full.t().contiguous()]
     if how == SPLIT:
@@ -116,7 +141,7 @@ def to_hf(arch: str, spec: str, key: str, rule: sharding.TensorRule, full: torch
 
 def from_hf(arch: str, spec: str, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     """Our full tensor from the HF tensors (inverse of `to_hf`)."""
-    how = TABLES[arch][(spec, key)].how
+    how = _entry(arch, spec, key)[0].how
     if how == TRANSPOSE:
         return tensors[0].t().contiguous()
     if how == SPLIT:
@@ -127,13 +152,12 @@ def from_hf(arch: str, spec: str, key: str, tensors: list[torch.Tensor]) -> torc
 def hf_shapes(arch: str, model: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the model has, with its shape (vocabulary rows: `vocab_size`)."""
     out: dict[str, tuple[int, ...]] = {}
-    groups = naming.gpt_spec_groups(model)
-    first_layer = len(groups.pre)
-    for index, spec in enumerate(groups.names):
-        layer = index - first_layer if spec == naming.TRANSFORMER_LAYER else None
-        for key, rule in sharding.spec_tensors(model, spec).items():
-            shape = (vocab_size, *rule.shape[1:]) if rule.vocab else rule.shape
-            probe = torch.empty(shape, device="meta")
-            for name, t in zip(hf_names(arch, spec, key, layer), to_hf(arch, spec, key, rule, probe)):
-                out[name] = tuple(t.shape)
+    first_layer = len(naming.gpt_spec_groups(model).pre)
+    for tensor in model_tensors(model):  # a layer's experts too
+        spec, key, rule = tensor.spec, tensor.key, tensor.rule
+        layer = tensor.spec_index - first_layer if spec == naming.TRANSFORMER_LAYER else None
+        shape = (vocab_size, *rule.shape[1:]) if rule.vocab else rule.shape
+        probe = torch.empty(shape, device="meta")
+        for name, t in zip(hf_names(arch, spec, key, layer), to_hf(arch, spec, key, rule, probe)):
+            out[name] = tuple(t.shape)
     return out

@@ -141,13 +141,13 @@ def test_the_flags_build_the_model_and_a_dense_model_ignores_the_moe_switches() 
     assert dense == parse_config(BASE.split())[0]
 
 
-def test_a_moe_checkpoint_has_a_universal_form_and_the_hf_export_refuses_it_in_one_line() -> None:
+def test_a_moe_checkpoint_has_a_universal_form_and_the_per_spec_readers_refuse_it_in_one_line() -> None:
     config = parse_config([*BASE.split(), "--num-experts", "4"])[0]
     meta = {"config": config.to_dict(), "optimizer_state": True}
     assert universal_refusal(meta, "ck") is None  # its reader (universal/moe_source.py) refuses what it does not read
     line = moe_refusal(meta, "ck")
     assert line.startswith("ck: a mixture-of-experts checkpoint (--num-experts 4)") and "\n" not in line
-    assert "which the Hugging Face export does not write" in line
+    assert "whose experts are in DeepSpeed's files" in line and "--to hf writes it as Mixtral" in line
     assert "tools/generate.py and inference.load_model read it (a --kd teacher too)" in line
     assert "resumes it under any world size, --moe-expert-parallel-size and ZeRO stage 0-2" in line
     assert "--no-load-optim" in line and "--to universal" in line

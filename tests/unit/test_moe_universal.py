@@ -116,10 +116,10 @@ def test_a_record_of_another_world_is_damaged(tmp_path: Path) -> None:
         MoeSource(_checkpoint(tmp_path, 2, 2, _ranks([(0, 0)])))
 
 
-def test_the_hf_exports_reader_refuses_a_moe_checkpoint_and_the_conversion_opens_it(tmp_path: Path) -> None:
+def test_the_per_spec_reader_refuses_a_moe_checkpoint_and_the_conversion_opens_it(tmp_path: Path) -> None:
     ckpt = _checkpoint(tmp_path, 2, 2, _ranks([(0, 0), (1, 0)]))
     assert ckpt.config.model.is_moe
-    with pytest.raises(CheckpointError, match="which the Hugging Face export does not write"):
+    with pytest.raises(CheckpointError, match="which the per-spec weight readers do not read"):
         reader.open_checkpoint(str(tmp_path))
     assert os.path.isfile(os.path.join(ckpt.directory, experts.EXPERTS_FILE))
 

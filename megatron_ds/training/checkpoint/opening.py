@@ -40,8 +40,8 @@ class Checkpoint:
 
 def open_checkpoint(path: str, moe: bool = False) -> Checkpoint:
     """A checkpoint from its root directory (uses `latest`) or from a `global_stepN` directory. A mixture-of-experts
-    checkpoint only with `moe` (the universal conversion, a `--kd` teacher and inference, which read DeepSpeed's MoE
-    files); else it is refused in one line (`rules.moe_refusal`): the Hugging Face export does not read its experts."""
+    checkpoint only with `moe` (the universal conversion, a `--kd` teacher, inference and the Hugging Face export, which
+    read DeepSpeed's MoE files); else it is refused in one line (`rules.moe_refusal`): the per-spec readers do not."""
     path = os.path.abspath(path)
     if os.path.isfile(os.path.join(path, META)):
         root, tag = os.path.split(path)

@@ -4,8 +4,8 @@ Free: dropout and init std (a notice), and the whole parallel layout: P, the sta
 sequence parallelism (Megatron's: as saved; Ulysses' degree N), ZeRO stage, offload, CPU Adam and precision (`topology_changes`; a full resume then goes through the universal form,
 `megatron_ds.training.checkpoint.universal`; a mixture-of-experts model's world size, expert-parallel size and ZeRO
 stage 0-2 too). Refused with one line: another architecture, and for a full resume another global batch size or
-optimizer; a mixture-of-experts checkpoint in the Hugging Face export (`moe_refusal`; generation, inference and a
-`--kd` teacher read its per-expert files). Pure: no torch.distributed.
+optimizer; a mixture-of-experts checkpoint in the per-spec weight readers (`moe_refusal`; the Hugging Face export,
+generation, inference and a `--kd` teacher read its per-expert files). Pure: no torch.distributed.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def has_optimizer_state(meta: dict[str, Any]) -> bool:
 
 
 def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
-    """Why the Hugging Face export refuses a mixture-of-experts checkpoint (None for a dense one): transformers' GPT-2
-    and Llama have no experts. What reads it is said in the same line: generation and inference (`moe_weights`), a
+    """Why the per-spec weight readers refuse a mixture-of-experts checkpoint (None for a dense one): its experts are
+    in DeepSpeed's files. What reads it is said in the same line: the Hugging Face export (as Mixtral), generation and
+    inference (`moe_weights`), a
     resume under any world size, expert-parallel size and ZeRO stage 0-2 (through the universal form,
     `universal.moe_source`), the conversion itself, and its weights alone (`--no-load-optim`); saved at P > 1, a
     resume under its own topology only (`moe_pipeline_refusal`)."""
@@ -67,9 +68,10 @@ def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
         f"({meta.get('layout')}) and sizes it was saved with"
     )
     return (
-        f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), which the Hugging Face export does not "
-        f"write (transformers' GPT-2 and Llama have no experts); tools/generate.py and inference.load_model read it "
-        f"(a --kd teacher too); {resumes}"
+        f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), whose experts are in DeepSpeed's files, "
+        f"which the per-spec weight readers do not read; tools/convert_checkpoint.py --to hf writes it as Mixtral "
+        f"(SwiGLU experts on every layer, --topk 2), tools/generate.py and inference.load_model read it (a --kd "
+        f"teacher too); {resumes}"
     )
 
 

@@ -1,0 +1,113 @@
+"""A mixture-of-experts model exports as Hugging Face Mixtral when Mixtral computes the same model, and is refused in
+one line naming the flag otherwise (the trained-model comparison with transformers: tests/e2e/test_hf_train_export.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.interop import hf_config, hf_config_read, hf_weights
+from megatron_ds.interop.hf_config import HFConfigError
+
+MIXTRAL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    ffn_hidden_size=48,
+    seq_length=16,
+    max_position_embeddings=32,
+    vocab_size=256,
+    normalization="rmsnorm",
+    activation="swiglu",
+    use_rotary_position_embeddings=True,
+    add_position_embedding=False,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    num_experts=(4,),
+    expert_interval=1,
+    moe_top_k=2,
+)
+
+
+def test_the_config_is_mixtrals_and_transformers_builds_it() -> None:
+    transformers = pytest.importorskip("transformers")
+    model = dataclasses.replace(MIXTRAL, moe_loss_coeff=0.02, window_size=(7, 0))
+    assert hf_config.architecture_of(model) == hf_config.MIXTRAL
+    fields = hf_config.to_hf_config(model, RegularizationConfig(), 200, "float32", {})
+    assert fields["architectures"] == ["MixtralForCausalLM"] and fields["model_type"] == "mixtral"
+    expected = {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "sliding_window": 8}
+    assert {k: fields[k] for k in expected} == expected
+    built = transformers.MixtralConfig(**{k: v for k, v in fields.items() if k != "architectures"})
+    assert (built.num_local_experts, built.num_experts_per_tok, built.intermediate_size) == (4, 2, 48)
+    assert (built.head_dim, built.sliding_window, built.router_jitter_noise) == (8, 8, 0.0)
+
+
+def test_every_expert_has_the_hubs_tensor_names() -> None:
+    """The Hub's layout (what Mixtral-8x7B ships and transformers 5 fuses on load): a router and w1 (gate), w3 (up),
+    w2 (down) per expert, no dense MLP."""
+    shapes = hf_weights.hf_shapes(hf_config.MIXTRAL, MIXTRAL, 200)
+    moe = "model.layers.{}.block_sparse_moe."
+    for layer in range(2):
+        assert shapes[moe.format(layer) + "gate.weight"] == (4, 32)
+        for e in range(4):
+            expert = moe.format(layer) + f"experts.{e}."
+            assert (shapes[expert + "w1.weight"], shapes[expert + "w3.weight"]) == ((48, 32), (48, 32))
+            assert shapes[expert + "w2.weight"] == (32, 48)
+    assert not [n for n in shapes if ".mlp." in n or "experts.4." in n]
+    assert len(shapes) == 3 + 2 * (4 + 2 + 1 + 3 * 4)  # embedding, norm, head; per layer attention, norms, router
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"activation": "gelu", "normalization": "layernorm"}, "--normalization layernorm: Llama uses"),
+        ({"activation": "gelu"}, "experts with a gelu MLP: Mixtral's experts are SwiGLU"),
+        (
+            {"expert_interval": 2},
+            r"--num-experts 4 --expert-interval 2 \(experts per layer \[1, 4\]\): Mixtral has the same experts",
+        ),
+        ({"num_experts": (4, 2)}, r"--num-experts 4 2 --expert-interval 1 \(experts per layer \[4, 2\]\)"),
+        ({"moe_top_k": 1}, "--topk 1: Mixtral weighs a token's experts by their renormalized scores"),
+        ({"mlp_type": "residual"}, "--mlp-type residual: Mixtral has no residual MLP"),
+        ({"add_bias_linear": True}, r"biases \(no --disable-bias-linear\): Mixtral has none"),
+        ({"add_qkv_bias": True}, "--add-qkv-bias: of these types only Qwen2"),
+        ({"qk_layernorm": True}, "--qk-layernorm: of these types only Qwen3"),
+        ({"rotary_percent": 0.5}, "--rotary-percent 0.5: Mixtral rotates whole heads"),
+        ({"use_rope_scaling": True}, "--use-rope-scaling: Mixtral's config has no Llama 3.x rope scaling"),
+        ({"window_size": (3, 0), "window_attn_skip_freq": (1, 0)}, "--window-attn-skip-freq: Mixtral's sliding"),
+    ],
+)
+def test_what_mixtral_cannot_express_is_one_line(change: dict, problem: str) -> None:
+    with pytest.raises(HFConfigError, match="cannot export to Hugging Face mixtral: " + problem) as err:
+        hf_config.architecture_of(dataclasses.replace(MIXTRAL, **change))
+    assert "\n" not in str(err.value)
+
+
+def test_another_model_type_is_refused_both_ways() -> None:
+    with pytest.raises(HFConfigError, match="--hf-model-type llama: the checkpoint's model exports as mixtral only"):
+        hf_config.architecture_of(MIXTRAL, "llama")
+    dense = dataclasses.replace(MIXTRAL, num_experts=(1,))
+    with pytest.raises(HFConfigError, match="--hf-model-type mixtral: the checkpoint's model exports as llama only"):
+        hf_config.architecture_of(dense, "mixtral")
+
+
+def test_the_notes_say_how_the_training_gate_routed_otherwise() -> None:
+    notes = hf_config.export_notes(hf_config.MIXTRAL, MIXTRAL)
+    assert len(notes) == 3 and all("\n" not in n for n in notes)
+    assert "training dropped the tokens over each expert's capacity (--moe-train-capacity-factor 1)" in notes[0]
+    assert "training sampled each token's second expert" in notes[1]
+    assert "router_aux_loss_coef is --moe-loss-coeff 0.1" in notes[2]
+    undropped = dataclasses.replace(MIXTRAL, moe_token_dropping=False, moe_top2_2nd_expert_sampling=False)
+    assert [n.split(" ", 1)[0] for n in hf_config.export_notes(hf_config.MIXTRAL, undropped)] == [
+        "router_aux_loss_coef"
+    ]
+
+
+def test_importing_mixtral_is_refused_in_one_line() -> None:
+    fields = hf_config.to_hf_config(MIXTRAL, RegularizationConfig(), 200, "float32", {})
+    with pytest.raises(HFConfigError, match="model_type 'mixtral': importing a mixture-of-experts model is not built"):
+        hf_config_read.from_hf_config(fields, "hf/config.json")
