@@ -22,6 +22,7 @@ from megatron_ds.model import moe, naming, sliding_window
 from megatron_ds.model.layers import FinalNorm, LMHead, PositionEmbedding, WordEmbedding
 from megatron_ds.model.transformer import TransformerLayer
 from megatron_ds.training.checkpoint import reader as checkpoint_reader
+from megatron_ds.training.checkpoint import weights
 
 
 @dataclass
@@ -142,7 +143,7 @@ def load_model(
     with torch.device("meta"):  # no initial weights are drawn: the checkpoint's replace them
         model = GPTModel(dataclasses.replace(ckpt.config.model, vocab_size=vocab))
     state = {}
-    for t in checkpoint_reader.iter_model_tensors(ckpt):
+    for t in weights.iter_model_tensors(ckpt):
         tensor = t.tensor[:vocab] if t.rule.vocab else t.tensor
         state[module_name(t.spec, t.key, t.layer)] = tensor.to(dtype) if dtype is not None else tensor
     model.load_state_dict(state, strict=True, assign=True)

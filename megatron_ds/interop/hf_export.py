@@ -21,6 +21,7 @@ from megatron_ds.errors import UserError
 from megatron_ds.interop import hf_config, hf_tokenizer, hf_weights
 from megatron_ds.interop.safetensors_writer import ShardWriter
 from megatron_ds.training.checkpoint import reader as checkpoint_reader
+from megatron_ds.training.checkpoint import weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -105,7 +106,7 @@ def _write_weights(
     bar = files.progress(total, f"export {os.path.basename(ckpt.root)}", show_progress)
     stored = torch.float32
     try:
-        for t in checkpoint_reader.iter_model_tensors(ckpt):
+        for t in weights.iter_model_tensors(ckpt):
             stored = t.tensor.dtype
             full = t.tensor[:vocab] if t.rule.vocab else t.tensor
             if dtype is not None:

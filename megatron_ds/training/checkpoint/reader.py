@@ -89,23 +89,6 @@ def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
         del states
 
 
-def iter_model_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
-    """Every tensor of the model as its full T=1 tensor, in spec order (tied head: no entry): a dense checkpoint's
-    per-spec files (`iter_tensors`), or a mixture-of-experts checkpoint's DeepSpeed files or converted universal form
-    (`moe_weights`), every expert by its global index whatever expert-parallel size saved it. `ckpt` is opened with
-    `open_checkpoint(path, moe=True)`."""
-    if not ckpt.config.model.is_moe:
-        yield from iter_tensors(ckpt)
-        return
-    from megatron_ds.training.checkpoint import moe_weights  # reads DeepSpeed's files: dense models import no DeepSpeed
-
-    refuse_universal(ckpt)
-    first = len(naming.gpt_spec_groups(ckpt.config.model).pre)
-    for t, tensor in moe_weights.iter_weights(ckpt):
-        layer = t.spec_index - first if t.spec == naming.TRANSFORMER_LAYER else None
-        yield SpecTensor(t.spec_index, t.spec, layer, t.key, t.rule, tensor)
-
-
 def read_spec_tensor(ckpt: Checkpoint, index: int, key: str, rule: sharding.TensorRule) -> torch.Tensor:
     """One full T=1 tensor (`key` of spec `index`), read from its layer files alone."""
     states = [load_state(layer_file(ckpt.directory, index, r)) for r in range(ckpt.tensor_parallel)]
