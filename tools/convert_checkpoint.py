@@ -222,10 +222,12 @@ def _import(args: argparse.Namespace, argv: list[str]) -> None:
 
     result = import_hf(args.source, args.output, argv, show_progress=not args.no_progress)
     par = result.config.parallel
-    print(
-        f"imported Hugging Face {result.arch} {os.path.abspath(args.source)} to {result.output} "
-        f"(weights only, tensor-parallel size {par.tensor_model_parallel_size}; loads at any pipeline size and layout)"
+    loads = (
+        "its experts load at pipeline size 1, any world size and --moe-expert-parallel-size"
+        if result.config.model.is_moe
+        else f"tensor-parallel size {par.tensor_model_parallel_size}; loads at any pipeline size and layout"
     )
+    print(f"imported Hugging Face {result.arch} {os.path.abspath(args.source)} to {result.output} (weights only, {loads})")
     print("train from it with these model flags plus your own (parallelism, data, schedule):")
     print(f"  pretrain_gpt.py --load {result.output} " + " ".join(result.train_flags))
 

@@ -67,11 +67,6 @@ def from_hf_config(hf: dict[str, Any], source: str) -> HFModel:
             f"{source}: model_type {model_type!r} (architectures {archs}) is not supported; only {known} convert "
             f"exactly"
         )
-    if model_type == MIXTRAL:  # the export writes it (hf_config.MIXTRAL_REQUIRES); the import does not read experts
-        raise HFConfigError(
-            f"{source}: model_type 'mixtral': importing a mixture-of-experts model is not built (exporting our "
-            f"--num-experts models as Mixtral is); only the dense types convert into a checkpoint"
-        )
     quantized = hf.get("quantization_config")
     if quantized:  # GPTQ, AWQ, bitsandbytes, fp8: the stored tensors are not the weights
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
@@ -81,6 +76,8 @@ def from_hf_config(hf: dict[str, Any], source: str) -> HFModel:
         )
     if model_type in LLAMA_LAYOUT:
         return _from_llama(reader, model_type)
+    if model_type == MIXTRAL:
+        return _from_mixtral(reader)
     return {GPT2: _from_gpt2, PHI3: _from_phi3}[model_type](reader)
 
 
@@ -161,7 +158,7 @@ def _biases(f: _Fields, arch: str) -> dict[str, bool]:
     if arch == QWEN3:  # its attention_bias is on q, k, v and o_proj, none on the MLP: no flags build that
         f.require("attention_bias", (False,), False, "Qwen3's biases on q, k, v and o alone are not built")
         return {"add_bias_linear": False, "add_qkv_bias": False}
-    if arch == MISTRAL:
+    if arch in (MISTRAL, MIXTRAL):
         return {"add_bias_linear": False, "add_qkv_bias": False}
     attention_bias = f.get("attention_bias", bool, False)
     f.require(
@@ -197,8 +194,8 @@ def _window(f: _Fields, arch: str, layers: int) -> dict[str, str | None]:
             raise HFConfigError(f"{f.source}: layer_types {unknown[0]!r} is not supported: full or sliding attention")
         if "sliding_attention" not in kinds:
             return none
-    # absent is transformers' dataclass default (4096; Phi-3's None), unlike null
-    absent = None if arch == PHI3 else TRANSFORMERS_SLIDING_WINDOW
+    # absent is transformers' dataclass default (4096; Phi-3's and Mixtral's None), unlike null
+    absent = None if arch in (PHI3, MIXTRAL) else TRANSFORMERS_SLIDING_WINDOW
     window = f.get("sliding_window", int, None) if "sliding_window" in f.hf else absent
     if window is not None and window < 1:
         raise HFConfigError(f"{f.source}: sliding_window {window} is not a positive number; fix the config.json")
@@ -209,7 +206,8 @@ def _window(f: _Fields, arch: str, layers: int) -> dict[str, str | None]:
 
 
 def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
-    """Llama's layout: Llama, Qwen2 (q/k/v biases), Qwen3 (query and key norms) or Mistral (a sliding window)."""
+    """Llama's layout: Llama, Qwen2 (q/k/v biases), Qwen3 (query and key norms), Mistral (a sliding window) or, its
+    MLP aside, Mixtral."""
     act = f.require("hidden_act", tuple(LLAMA_ACTIVATIONS), "silu", f"{arch}'s MLP here is SwiGLU (silu)")
     biases = _biases(f, arch)
     h, heads = f.size("hidden_size"), f.size("num_attention_heads")
@@ -241,6 +239,30 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
         "seq_length": architecture["max_position_embeddings"],
     }
     return HFModel(arch, architecture, defaults, f.size("vocab_size"))
+
+
+def _from_mixtral(f: _Fields) -> HFModel:
+    """Mixtral: Mistral's layer with DeepSpeed's MoE layer on every layer (`hf_config.MIXTRAL_REQUIRES`). Its router
+    is our top-2 gate trained without token dropping or a sampled second expert: the routing flags that compute
+    Mixtral's model (a later launch may change them: they shape no weight)."""
+    f.require(
+        "num_experts_per_tok",
+        (2,),
+        2,
+        "Mixtral weighs a token's experts by their renormalized scores, which DeepSpeed's gate computes at top-2 only",
+    )
+    f.require("router_jitter_noise", (0, 0.0), 0.0, "the router's training-time input noise is not built")
+    experts = f.size("num_local_experts")
+    if experts < 2:
+        raise HFConfigError(f"{f.source}: num_local_experts {experts}: a mixture of experts needs 2 or more")
+    model = _from_llama(f, MIXTRAL)
+    model.architecture |= {"num_experts": [experts], "expert_interval": 1, "topk": 2, "mlp_type": "standard"}
+    model.defaults |= {
+        "moe_loss_coeff": f.get("router_aux_loss_coef", float, 0.001),  # MixtralConfig's default
+        "disable_moe_token_dropping": False,
+        "disable_moe_top2_2nd_expert_sampling": False,
+    }
+    return model
 
 
 def _head_dim(f: _Fields, arch: str, hidden: int, heads: int) -> int | None:
@@ -360,6 +382,8 @@ def render_flags(values: dict[str, Any]) -> list[str]:
         if action.nargs == 0:  # a switch: giving it flips the default
             if value != action.default:
                 argv.append(flag)
+        elif isinstance(value, (list, tuple)):  # nargs="+": one value per item
+            argv += [flag, *map(str, value)]
         elif value is not None:
             argv += [flag, str(value)]
     return argv

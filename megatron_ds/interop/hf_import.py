@@ -25,7 +25,7 @@ from megatron_ds import files
 from megatron_ds.config import Config
 from megatron_ds.data import DataError
 from megatron_ds.data.tokenizer import build_tokenizer
-from megatron_ds.interop import hf_config, hf_config_read, hf_tokenizer, hf_weights
+from megatron_ds.interop import hf_config, hf_config_read, hf_import_experts, hf_tokenizer, hf_weights
 from megatron_ds.interop.hf_config import HFConfigError
 from megatron_ds.interop.hf_config_read import HFModel
 from megatron_ds.interop.hf_weights_reader import HFWeights, HFWeightsError
@@ -46,6 +46,8 @@ MODULE_SPECS = (
 )
 """Specs that are modules: DeepSpeed loads a file for each (functions and the tied head have none)."""
 TOKENIZER_DESTS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+MOE_ROUTING_DESTS = ("moe_loss_coeff", "disable_moe_token_dropping", "disable_moe_top2_2nd_expert_sampling")
+"""Routing flags an imported mixture of experts trains with (they shape no weight, so they are not architecture)."""
 
 
 @dataclass
@@ -113,10 +115,15 @@ def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dic
         if getattr(args, dest) != value:
             flag = "--" + dest.replace("_", "-")
             raise HFConfigError(
-                f"{flag} {getattr(args, dest)} contradicts {source} ({value}); drop the flag: the architecture "
-                f"comes from config.json"
+                f"{flag} {_shown(getattr(args, dest))} contradicts {source} ({_shown(value)}); drop the flag: the "
+                f"architecture comes from config.json"
             )
     return config
+
+
+def _shown(value: Any) -> str:
+    """A flag's value as it is typed (a list, --num-experts', space-separated)."""
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def _check_tokenizer(fields: dict[str, str | None], hf: HFModel, source: str) -> None:
@@ -142,8 +149,18 @@ def import_hf(hf_dir: str, output: str, argv: Sequence[str] = (), show_progress:
     _check_weights(weights, hf, config, hf_dir)
     with files.atomic_directory(output, "output") as tmp:
         config = _copy_tokenizer(config, tmp, os.path.abspath(output))
-        _write_specs(weights, hf, config, os.path.join(tmp, TAG), show_progress)
-        _write_meta(tmp, config, layout.to_string(), hf, hf_dir)
+        meta = _meta(config, layout.to_string(), hf, hf_dir)
+        if config.model.is_moe:  # experts: the weights in universal form (hf_import_experts)
+            meta |= hf_import_experts.converted_section(TAG, hf_dir, hf.vocab_size)
+            os.makedirs(os.path.join(tmp, TAG))
+            files.write_json(os.path.join(tmp, TAG, META), meta)
+            ckpt = checkpoint_reader.Checkpoint(tmp, TAG, meta, config)
+            hf_import_experts.write_universal(weights, hf.arch, ckpt, hf_dir, show_progress)
+        else:
+            _write_specs(weights, hf, config, os.path.join(tmp, TAG), show_progress)
+            files.write_json(os.path.join(tmp, TAG, META), meta)
+        with open(os.path.join(tmp, LATEST), "w") as f:
+            f.write(TAG)
     flags = _train_flags(config, hf)
     return ImportResult(os.path.abspath(output), hf.arch, config, flags)
 
@@ -234,9 +251,9 @@ def _copy_tokenizer(config: Config, tmp: str, final_root: str) -> Config:
     return config.replace(**moved) if moved else config
 
 
-def _write_meta(tmp: str, config: Config, layout: str, hf: HFModel, hf_dir: str) -> None:
+def _meta(config: Config, layout: str, hf: HFModel, hf_dir: str) -> dict[str, Any]:
     par = config.parallel
-    meta = {
+    return {
         "config": config.to_dict(),
         "train_state": asdict(TrainState()),
         "layout": layout,
@@ -245,9 +262,6 @@ def _write_meta(tmp: str, config: Config, layout: str, hf: HFModel, hf_dir: str)
         "weights_only": True,
         "hf": {"arch": hf.arch, "vocab_size": hf.vocab_size, "source": hf_dir},
     }
-    files.write_json(os.path.join(tmp, TAG, META), meta)
-    with open(os.path.join(tmp, LATEST), "w") as f:
-        f.write(TAG)
 
 
 def _train_flags(config: Config, hf: HFModel) -> list[str]:
@@ -258,5 +272,7 @@ def _train_flags(config: Config, hf: HFModel) -> list[str]:
         "make_vocab_size_divisible_by": config.data.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,
     }
+    if config.model.is_moe:  # the routing that computes the Hugging Face model (hf_config_read._from_mixtral)
+        values.update({k: v for k, v in hf.defaults.items() if k in MOE_ROUTING_DESTS})
     values.update({k: getattr(config.data, k) for k in TOKENIZER_DESTS if getattr(config.data, k)})
     return hf_config_read.render_flags(values)

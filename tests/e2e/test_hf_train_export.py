@@ -1,9 +1,8 @@
 """Train -> export -> transformers, and transformers -> import -> train, end to end on CPU.
 
-Four launches, shared by the tests of this module: a GPT at P=3 with dedicated embedding stages,
-a Llama-style model with grouped-query attention at P=2 x T=2, a mixture-of-experts Llama (Mixtral's
-layer) at expert-parallel size 2, and training at P=3 from a Llama that transformers created. Logits are
-compared in fp32 (<= 1e-4), weights to the bit.
+Four launches: a GPT at P=3 with dedicated embedding stages and a Llama-style model with grouped-query attention
+at P=2 x T=2 (each shared by the tests of this module), training at P=3 from a Llama that transformers created, and
+at expert-parallel size 2 from its Mixtral. Logits are compared in fp32 (<= 1e-4), weights to the bit.
 """
 
 from __future__ import annotations
@@ -61,19 +60,6 @@ def llama_t2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # DeepSpeed's pipeline engine cuts activations across the tensor ranks between stages with a collective torch
     # 2.13 renamed: its deprecation warning is quieted (tensor_parallel_layers._quiet_collective_renames)
     assert "FutureWarning" not in out
-    return save
-
-
-MIXTRAL = ["--num-experts", "4", "--expert-interval", "1", "--topk", "2", "--moe-expert-parallel-size", "2"]
-
-
-@pytest.fixture(scope="module")
-def mixtral_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two ranks, each holding two of the four experts; routing flags at their defaults (token dropping, top-2's
-    sampled second expert), as Megatron-DeepSpeed's MoE examples train."""
-    save = tmp_path_factory.mktemp("mixtral") / "ckpt"
-    pretrain(2, *COMMON, *LLAMA, *MIXTRAL, "--train-iters", "3", "--lr", "1e-2", "--no-pipeline-parallel",
-             "--save", str(save))  # fmt: skip
     return save
 
 
@@ -159,18 +145,31 @@ def test_llama_gqa_at_tensor_parallel_2_exports_exactly(llama_t2_ckpt: Path, tmp
         assert shapes[0] == shapes[1], a.name
 
 
-def test_a_mixture_of_experts_llama_exports_as_mixtral_exactly(mixtral_ckpt: Path, tmp_path: Path) -> None:
-    """Every expert of both expert-parallel ranks, in the Hub's layout; transformers' Mixtral (top-2 router, the two
-    scores renormalized, every token routed) computes our model's logits, as our inference routes."""
-    result = export_hf(str(mixtral_ckpt), str(tmp_path / "hf"), vocab_size=VOCAB, show_progress=False)
-    assert result.arch == "mixtral" and result.num_tensors == 3 + 2 * (4 + 2 + 1 + 3 * 4)
-    assert any("training dropped the tokens over each expert's capacity" in n for n in result.notes)
-    weights = load_file(tmp_path / "hf" / "model.safetensors")
-    w1 = [weights[f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight"] for e in range(4)]
-    assert min((w - w1[0]).abs().max().item() for w in w1[1:]) > 1e-3  # trained apart: a mix-up would show
-    _, loading = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+def test_a_mixtral_trains_here_and_exports_back_exactly(tmp_path: Path) -> None:
+    """transformers' Mixtral (4 experts on both layers, top-2) imported, trained 2 iterations on 2 ranks at
+    expert-parallel size 2 (each rank holding two experts, saved in DeepSpeed's per-expert files) with a learning rate
+    too small to move a weight, and exported: the same tensors to the bit, in the Hub's layout, and transformers'
+    logits are our model's."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, max_position_embeddings=64, initializer_range=0.05,
+    )  # fmt: skip
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "hf")
+    result = import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"), [], show_progress=False)
+    assert result.arch == "mixtral" and "--disable-moe-token-dropping" in result.train_flags
+    log = pretrain(2, *result.train_flags, "--load", str(tmp_path / "imported"), "--save", str(tmp_path / "trained"),
+                   *COMMON, "--train-iters", "2", "--lr", "1e-30", "--moe-expert-parallel-size", "2")  # fmt: skip
+    assert "holds weights only: optimizer and learning-rate schedule start fresh" in log
+    assert (tmp_path / "trained" / "global_step2" / "layer_1_expert_3_mp_rank_00_model_states.pt").is_file()
+    exported = export_hf(str(tmp_path / "trained"), str(tmp_path / "again"), show_progress=False)
+    assert exported.arch == "mixtral" and exported.num_tensors == 3 + 2 * (4 + 2 + 1 + 3 * 4)
+    original, again = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "again"))
+    assert original.keys() == again.keys()
+    assert [k for k in original if not torch.equal(original[k], again[k])] == []
+    _, loading = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", output_loading_info=True)
     assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
-    _compare_with_transformers(mixtral_ckpt, tmp_path / "hf")
+    _compare_with_transformers(tmp_path / "trained", tmp_path / "again")
 
 
 def test_training_continues_from_an_imported_llama(tmp_path: Path) -> None:

@@ -1,12 +1,15 @@
 """A mixture-of-experts model exports as Hugging Face Mixtral when Mixtral computes the same model, and is refused in
-one line naming the flag otherwise (the trained-model comparison with transformers: tests/e2e/test_hf_train_export.py).
+one line naming the flag otherwise; a Mixtral imports as that model (training from one at expert-parallel size 2 and
+exporting it back: tests/e2e/test_hf_train_export.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.interop import hf_config, hf_config_read, hf_weights
@@ -31,6 +34,7 @@ MIXTRAL = ModelConfig(
     expert_interval=1,
     moe_top_k=2,
 )
+REG = RegularizationConfig()
 
 
 def test_the_config_is_mixtrals_and_transformers_builds_it() -> None:
@@ -107,7 +111,61 @@ def test_the_notes_say_how_the_training_gate_routed_otherwise() -> None:
     ]
 
 
-def test_importing_mixtral_is_refused_in_one_line() -> None:
-    fields = hf_config.to_hf_config(MIXTRAL, RegularizationConfig(), 200, "float32", {})
-    with pytest.raises(HFConfigError, match="model_type 'mixtral': importing a mixture-of-experts model is not built"):
+def test_mixtrals_config_reads_back_as_the_model_and_its_routing() -> None:
+    """The experts as architecture (flags that contradict them are errors); the routing that computes Mixtral's model
+    (every token routed, the second expert the best other one) as flags a later launch may change."""
+    from megatron_ds.interop.hf_import import config_from_hf
+
+    fields = hf_config.to_hf_config(dataclasses.replace(MIXTRAL, moe_loss_coeff=0.02), REG, 200, "float32", {})
+    hf = hf_config_read.from_hf_config(fields, "hf/config.json")
+    assert hf.arch == hf_config.MIXTRAL
+    moe = {k: hf.architecture[k] for k in ("num_experts", "expert_interval", "topk", "mlp_type")}
+    assert moe == {"num_experts": [4], "expert_interval": 1, "topk": 2, "mlp_type": "standard"}
+    model = config_from_hf(hf, ["--seq-length", "16"], "hf/config.json", None).model
+    routing = dict(moe_token_dropping=False, moe_top2_2nd_expert_sampling=False, moe_loss_coeff=0.02)
+    assert model == dataclasses.replace(MIXTRAL, vocab_size=256, rotary_base=10000.0, **routing)
+    with pytest.raises(HFConfigError, match=r"--num-experts 8 contradicts hf/config.json \(4\); drop the flag"):
+        config_from_hf(hf, ["--num-experts", "8"], "hf/config.json", None)
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"num_experts_per_tok": 1}, "num_experts_per_tok 1 is not supported: Mixtral weighs a token's experts"),
+        ({"router_jitter_noise": 0.1}, "router_jitter_noise 0.1 is not supported: the router's training-time"),
+        ({"num_local_experts": 1}, "num_local_experts 1: a mixture of experts needs 2 or more"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported: mixtral's MLP here is SwiGLU"),
+    ],
+)
+def test_what_we_do_not_build_is_one_line_on_import(change: dict, problem: str) -> None:
+    fields = {**hf_config.to_hf_config(MIXTRAL, REG, 200, "float32", {}), **change}
+    with pytest.raises(HFConfigError, match="hf/config.json: " + problem) as err:
         hf_config_read.from_hf_config(fields, "hf/config.json")
+    assert "\n" not in str(err.value)
+
+
+def test_transformers_mixtral_imports_computes_its_logits_and_exports_back_bit_identical(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from megatron_ds.inference import load_model
+    from megatron_ds.interop.hf_export import export_hf
+    from megatron_ds.interop.hf_import import import_hf
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=200, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, max_position_embeddings=64, initializer_range=0.1,
+        sliding_window=6, tie_word_embeddings=True,
+    )  # fmt: skip
+    theirs = transformers.MixtralForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path / "hf")
+    result = import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), [], show_progress=False)
+    assert "--window-size" in result.train_flags and "--untie-embeddings-and-output-weights" not in result.train_flags
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (load_model(str(tmp_path / "ours"))(tokens) - theirs(tokens).logits).abs().max().item()
+    assert diff <= 1e-5, diff
+    export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False)
+    original, back = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
+    assert sorted(original) == sorted(back) and all(torch.equal(original[k], back[k]) for k in original)

@@ -30,7 +30,7 @@ its `upstream` says which, Megatron-DeepSpeed when absent): per-spec weight file
 no DeepSpeed engine or optimizer files of ours."""
 CONVERT_MEGATRON_DEEPSPEED = "python tools/convert_checkpoint.py --from megatron-deepspeed"
 CONVERT_MEGATRON_LM = "python tools/convert_checkpoint.py --from megatron-lm"
-UPSTREAM_NAMES = {"megatron-deepspeed": "Megatron-DeepSpeed", "megatron-lm": "Megatron-LM"}
+UPSTREAM_NAMES = {"megatron-deepspeed": "Megatron-DeepSpeed", "megatron-lm": "Megatron-LM", "hf": "Hugging Face"}
 
 
 class CheckpointError(UserError):
