@@ -227,7 +227,9 @@ def _import(args: argparse.Namespace, argv: list[str]) -> None:
         if result.config.model.is_moe
         else f"tensor-parallel size {par.tensor_model_parallel_size}; loads at any pipeline size and layout"
     )
-    print(f"imported Hugging Face {result.arch} {os.path.abspath(args.source)} to {result.output} (weights only, {loads})")
+    print(
+        f"imported Hugging Face {result.arch} {os.path.abspath(args.source)} to {result.output} (weights only, {loads})"
+    )
     print("train from it with these model flags plus your own (parallelism, data, schedule):")
     print(f"  pretrain_gpt.py --load {result.output} " + " ".join(result.train_flags))
 
