@@ -278,42 +278,35 @@ def test_missing_prefix(tmp_path: Path) -> None:
         read_index(str(tmp_path / "nothing"))
 
 
-def test_preprocess_cli_errors(corpus: tuple[Path, str], tmp_path: Path) -> None:
-    """Exit code 1, one `error:` line, no traceback, no partial output files."""
+def test_preprocess_cli_errors(corpus: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Exit code 2, one `error:` line, no traceback, no partial output files: the process's own for a missing input
+    (what a shell sees), in process for inputs that fail part-way (their error comes after the tool's imports)."""
     _, model = corpus
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": broken\n')
     no_key = tmp_path / "nokey.jsonl"
     no_key.write_text('{"body": "x"}\n')
-    cases = {
-        str(tmp_path / "missing.jsonl"): "file not found",
-        str(bad_json): "bad.jsonl:3: invalid JSON",
-        str(no_key): "nokey.jsonl:1: no key 'text'",
-    }
-    procs = {}
-    for i, (path, _) in enumerate(cases.items()):  # started together: each pays its own imports
-        procs[path] = subprocess.Popen(
-            [
-                sys.executable,
-                str(REPO / "tools" / "preprocess_data.py"),
-                "--input",
-                path,
-                "--output-prefix",
-                str(tmp_path / f"out{i}"),
-                "--tokenizer-type",
-                "SentencePieceTokenizer",
-                "--tokenizer-model",
-                model,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-    for path, expected in cases.items():
-        out, err = procs[path].communicate(timeout=300)
-        assert procs[path].returncode == 2, err
-        assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and expected in err
-        assert "Traceback" not in err
+
+    def argv(path: str, i: int) -> list[str]:
+        out = ["--output-prefix", str(tmp_path / f"out{i}"), "--tokenizer-type", "SentencePieceTokenizer"]
+        return ["--input", path, *out, "--tokenizer-model", model]
+
+    missing = str(tmp_path / "missing.jsonl")
+    run = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), *argv(missing, 0)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("error: ") and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert "file not found" in run.stderr and "Traceback" not in run.stderr
+    for i, (path, expected) in enumerate(
+        {str(bad_json): "bad.jsonl:3: invalid JSON", str(no_key): "nokey.jsonl:1: no key 'text'"}.items(), start=1
+    ):
+        assert _preprocess(argv(path, i)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and expected in err, err
     assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]
 
 
