@@ -122,6 +122,30 @@ _MISTRAL = (
 )
 
 
+# Mixtral 8x7B (v0.1): Mistral 7B's layer with 8 SwiGLU experts of Mistral's width on every layer, each token routed to
+# its top 2 (transformers' MixtralSparseMoeBlock: every token, no capacity), RoPE base 1e6; no window over 4096 tokens.
+_MIXTRAL_ARCH = (
+    *_LLAMA,
+    "--rotary-base",
+    "1000000",
+    "--num-experts",
+    "8",
+    "--expert-interval",
+    "1",
+    "--topk",
+    "2",
+    "--disable-moe-token-dropping",
+    "--disable-moe-top2-2nd-expert-sampling",
+    "--moe-loss-coeff",
+    "0.02",
+)
+_MIXTRAL = (
+    "Jiang et al. 2024, Mixtral of Experts (arXiv 2401.04088), Table 1; the released Mixtral-8x7B-v0.1 config.json "
+    "(46.7B parameters as its model card states, 46,702,792,704 from the config; router_aux_loss_coef 0.02); batch "
+    "and learning rate are not published (the Llama 2 batch and the placeholder --lr are printed)"
+)
+
+
 def _gqa(kv: int) -> tuple[str, ...]:
     return ("--num-key-value-heads", str(kv))
 
@@ -220,6 +244,7 @@ PRESETS = {
             (*_LLAMA, *_gqa(8), "--window-size", "4095,0"),
             _MISTRAL,
         ),
+        Preset("mixtral-8x7b", 32, 4096, 32, 1024, None, 14336, 4096, 32000, (*_MIXTRAL_ARCH, *_gqa(8)), _MIXTRAL),
     )
 }
 PRESET_SEQ_LENGTH = 2048

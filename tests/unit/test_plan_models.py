@@ -33,6 +33,8 @@ PUBLISHED_BILLIONS = {
     "qwen2.5-7b": 7.6156,
     "qwen2.5-72b": 72.7062,
     "mistral-7b": 7.2417,
+    # Mixtral 8x7B v0.1 (Jiang et al. 2024): 46.7B, its model card; 46,702,792,704 from its config.json
+    "mixtral-8x7b": 46.7028,
 }
 QWEN = {"qwen2.5-7b", "qwen2.5-72b"}
 # Released config.json: rope_scaling (llama3) factor, or None; tie_word_embeddings
@@ -86,7 +88,14 @@ def test_qwen3_presets_have_their_published_parameter_counts(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "gpus"),
-    [("llama3.2-1b", 8), ("llama3-405b", 1024), ("qwen2.5-7b", 16), ("qwen3-0.6b", 8), ("qwen3-32b", 64)],
+    [
+        ("llama3.2-1b", 8),
+        ("llama3-405b", 1024),
+        ("qwen2.5-7b", 16),
+        ("qwen3-0.6b", 8),
+        ("qwen3-32b", 64),
+        ("mixtral-8x7b", 64),
+    ],
 )
 def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, capsys) -> None:
     """RoPE scaling, tied embeddings, q/k/v biases and the norm epsilon reach the printed pretrain_gpt.py line, not
@@ -103,6 +112,19 @@ def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, 
     assert config.model.add_qkv_bias == (name in QWEN)
     assert config.model.qk_layernorm == name.startswith("qwen3")
     assert ("--kv-channels" in tokens) == (name in {"qwen3-0.6b", "qwen3-32b"})  # hidden / heads is not 128
+
+
+def test_the_mixtral_preset_is_the_released_model_and_exports_as_mixtral() -> None:
+    """8 experts of Mistral's MLP on every layer, top-2, every token routed (transformers' Mixtral): the model the
+    Hugging Face export writes as MixtralForCausalLM; its active parameters are the published 12.9B."""
+    from megatron_ds.interop import hf_config
+
+    m = resolve(PlanInputs(model="Mixtral-8x7B")).model()
+    assert m.experts_per_layer == (8,) * 32 and m.moe_top_k == 2 and m.kv_heads == 8 and m.rotary_base == 1e6
+    assert not m.moe_token_dropping and not m.moe_top2_2nd_expert_sampling and m.moe_loss_coeff == 0.02
+    assert hf_config.architecture_of(m) == hf_config.MIXTRAL
+    idle_experts = 32 * 6 * 3 * 4096 * 14336  # 6 of the 8 experts of each layer do not compute a token
+    assert (total_params(m) - idle_experts) / 1e9 == pytest.approx(12.88, rel=1e-3)
 
 
 def test_the_qwen3_8b_plan_prints_every_default_section(capsys) -> None:
