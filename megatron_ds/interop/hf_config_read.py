@@ -1,6 +1,6 @@
 """A Hugging Face `config.json` read into pretrain_gpt.py's flags (`from_hf_config`, `render_flags`), one reader per
-architecture of `hf_config.ARCHITECTURE_CLASSES`; the other direction, and what each architecture requires of our
-model, is `hf_config.py`. A field we do not build is a `HFConfigError` naming it. Nothing here imports transformers.
+architecture of `hf_architectures.ARCHITECTURE_CLASSES`; the other direction is `hf_config.py`, what each architecture
+requires of our model `hf_architectures.py`. A field we do not build is a `HFConfigError` naming it. Nothing here imports transformers.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from megatron_ds.config.model import DEFAULT_ROTARY_BASE, LLAMA3_ROPE_SCALING
 from megatron_ds.flags.to_model_config import ACTIVATION_FLAGS
-from megatron_ds.interop.hf_config import (
+from megatron_ds.interop.hf_architectures import (
     ARCHITECTURE_CLASSES,
     GPT2,
     GPT2_NORM,
@@ -242,7 +242,7 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
 
 
 def _from_mixtral(f: _Fields) -> HFModel:
-    """Mixtral: Mistral's layer with DeepSpeed's MoE layer on every layer (`hf_config.MIXTRAL_REQUIRES`). Its router
+    """Mixtral: Mistral's layer with DeepSpeed's MoE layer on every layer (`hf_architectures.MIXTRAL_REQUIRES`). Its router
     is our top-2 gate trained without token dropping or a sampled second expert: the routing flags that compute
     Mixtral's model (a later launch may change them: they shape no weight)."""
     f.require(

@@ -18,7 +18,7 @@ import torch
 from megatron_ds import files
 from megatron_ds.data.tokenizer import Tokenizer
 from megatron_ds.errors import UserError
-from megatron_ds.interop import hf_config, hf_tokenizer, hf_weights
+from megatron_ds.interop import hf_architectures, hf_config, hf_tokenizer, hf_weights
 from megatron_ds.interop.safetensors_writer import ShardWriter
 from megatron_ds.training.checkpoint import reader as checkpoint_reader
 from megatron_ds.training.checkpoint import weights
@@ -53,11 +53,11 @@ def export_hf(
     `vocab_size` overrides the unpadded vocabulary (see `checkpoint_reader.unpadded_vocab_size`);
     `dtype` (float32, bfloat16, float16) converts the stored weights; `tokenizer` overrides the
     checkpoint's tokenizer flags (tokenizer_type, tokenizer_model, vocab_file, merge_file); `model_type` picks
-    among the model's exact forms (`mistral` for a Llama without biases; see `hf_config.architecture_of`).
+    among the model's exact forms (`mistral` for a Llama without biases; see `hf_architectures.architecture_of`).
     """
-    ckpt = checkpoint_reader.open_checkpoint(source, moe=True)  # experts: Mixtral's (hf_config.architecture_of)
+    ckpt = checkpoint_reader.open_checkpoint(source, moe=True)  # experts: Mixtral's (hf_architectures.architecture_of)
     model = ckpt.config.model
-    arch = hf_config.architecture_of(model, model_type)
+    arch = hf_architectures.architecture_of(model, model_type)
     tok = checkpoint_reader.checkpoint_tokenizer(ckpt, tokenizer)
     vocab = checkpoint_reader.unpadded_vocab_size(ckpt, tok, vocab_size)
     if tok is not None and tok.vocab_size > vocab:

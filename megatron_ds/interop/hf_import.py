@@ -1,4 +1,4 @@
-"""Import a Hugging Face directory (a model type of `hf_config.ARCHITECTURE_CLASSES`) as a checkpoint `pretrain_gpt.py --load` trains from.
+"""Import a Hugging Face directory (a model type of `hf_architectures.ARCHITECTURE_CLASSES`) as a checkpoint `pretrain_gpt.py --load` trains from.
 
     from megatron_ds.interop.hf_import import import_hf
     result = import_hf("hf/llama", "checkpoints/llama", ["--tensor-model-parallel-size", "2"])
@@ -25,8 +25,8 @@ from megatron_ds import files
 from megatron_ds.config import Config
 from megatron_ds.data import DataError
 from megatron_ds.data.tokenizer import build_tokenizer
-from megatron_ds.interop import hf_config, hf_config_read, hf_import_experts, hf_tokenizer, hf_weights
-from megatron_ds.interop.hf_config import HFConfigError
+from megatron_ds.interop import hf_architectures, hf_config_read, hf_import_experts, hf_tokenizer, hf_weights
+from megatron_ds.interop.hf_architectures import HFConfigError
 from megatron_ds.interop.hf_config_read import HFModel
 from megatron_ds.interop.hf_weights_reader import HFWeights, HFWeightsError
 from megatron_ds.model import naming, sharding
@@ -167,7 +167,11 @@ def import_hf(hf_dir: str, output: str, argv: Sequence[str] = (), show_progress:
 
 def _check_weights(weights: HFWeights, hf: HFModel, config: Config, hf_dir: str) -> None:
     # GPT2Model checkpoints (e.g. the original gpt2) name tensors without the "transformer." prefix.
-    if hf.arch == hf_config.GPT2 and "transformer.wte.weight" not in weights.shapes and "wte.weight" in weights.shapes:
+    if (
+        hf.arch == hf_architectures.GPT2
+        and "transformer.wte.weight" not in weights.shapes
+        and "wte.weight" in weights.shapes
+    ):
         weights.add_prefix("transformer.")
     expected = hf_weights.hf_shapes(hf.arch, config.model, hf.vocab_size)
     for name, shape in expected.items():

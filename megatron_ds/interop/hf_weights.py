@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.interop.hf_config import GPT2, LLAMA, MISTRAL, MIXTRAL, PHI3, QWEN2, QWEN3
+from megatron_ds.interop.hf_architectures import GPT2, LLAMA, MISTRAL, MIXTRAL, PHI3, QWEN2, QWEN3
 from megatron_ds.model import naming, sharding
 from megatron_ds.model.moe import EXPERT_PREFIX, GATE_WEIGHT
 from megatron_ds.training.checkpoint.universal.names import model_tensors

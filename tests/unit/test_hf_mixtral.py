@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
-from megatron_ds.interop import hf_config, hf_config_read, hf_weights
-from megatron_ds.interop.hf_config import HFConfigError
+from megatron_ds.interop import hf_architectures, hf_config, hf_config_read, hf_weights
+from megatron_ds.interop.hf_architectures import HFConfigError
 
 MIXTRAL = ModelConfig(
     num_layers=2,
@@ -40,7 +40,7 @@ REG = RegularizationConfig()
 def test_the_config_is_mixtrals_and_transformers_builds_it() -> None:
     transformers = pytest.importorskip("transformers")
     model = dataclasses.replace(MIXTRAL, moe_loss_coeff=0.02, window_size=(7, 0))
-    assert hf_config.architecture_of(model) == hf_config.MIXTRAL
+    assert hf_architectures.architecture_of(model) == hf_architectures.MIXTRAL
     fields = hf_config.to_hf_config(model, RegularizationConfig(), 200, "float32", {})
     assert fields["architectures"] == ["MixtralForCausalLM"] and fields["model_type"] == "mixtral"
     expected = {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "sliding_window": 8}
@@ -53,7 +53,7 @@ def test_the_config_is_mixtrals_and_transformers_builds_it() -> None:
 def test_every_expert_has_the_hubs_tensor_names() -> None:
     """The Hub's layout (what Mixtral-8x7B ships and transformers 5 fuses on load): a router and w1 (gate), w3 (up),
     w2 (down) per expert, no dense MLP."""
-    shapes = hf_weights.hf_shapes(hf_config.MIXTRAL, MIXTRAL, 200)
+    shapes = hf_weights.hf_shapes(hf_architectures.MIXTRAL, MIXTRAL, 200)
     moe = "model.layers.{}.block_sparse_moe."
     for layer in range(2):
         assert shapes[moe.format(layer) + "gate.weight"] == (4, 32)
@@ -87,26 +87,26 @@ def test_every_expert_has_the_hubs_tensor_names() -> None:
 )
 def test_what_mixtral_cannot_express_is_one_line(change: dict, problem: str) -> None:
     with pytest.raises(HFConfigError, match="cannot export to Hugging Face mixtral: " + problem) as err:
-        hf_config.architecture_of(dataclasses.replace(MIXTRAL, **change))
+        hf_architectures.architecture_of(dataclasses.replace(MIXTRAL, **change))
     assert "\n" not in str(err.value)
 
 
 def test_another_model_type_is_refused_both_ways() -> None:
     with pytest.raises(HFConfigError, match="--hf-model-type llama: the checkpoint's model exports as mixtral only"):
-        hf_config.architecture_of(MIXTRAL, "llama")
+        hf_architectures.architecture_of(MIXTRAL, "llama")
     dense = dataclasses.replace(MIXTRAL, num_experts=(1,))
     with pytest.raises(HFConfigError, match="--hf-model-type mixtral: the checkpoint's model exports as llama only"):
-        hf_config.architecture_of(dense, "mixtral")
+        hf_architectures.architecture_of(dense, "mixtral")
 
 
 def test_the_notes_say_how_the_training_gate_routed_otherwise() -> None:
-    notes = hf_config.export_notes(hf_config.MIXTRAL, MIXTRAL)
+    notes = hf_config.export_notes(hf_architectures.MIXTRAL, MIXTRAL)
     assert len(notes) == 3 and all("\n" not in n for n in notes)
     assert "training dropped the tokens over each expert's capacity (--moe-train-capacity-factor 1)" in notes[0]
     assert "training sampled each token's second expert" in notes[1]
     assert "router_aux_loss_coef is --moe-loss-coeff 0.1" in notes[2]
     undropped = dataclasses.replace(MIXTRAL, moe_token_dropping=False, moe_top2_2nd_expert_sampling=False)
-    assert [n.split(" ", 1)[0] for n in hf_config.export_notes(hf_config.MIXTRAL, undropped)] == [
+    assert [n.split(" ", 1)[0] for n in hf_config.export_notes(hf_architectures.MIXTRAL, undropped)] == [
         "router_aux_loss_coef"
     ]
 
@@ -118,7 +118,7 @@ def test_mixtrals_config_reads_back_as_the_model_and_its_routing() -> None:
 
     fields = hf_config.to_hf_config(dataclasses.replace(MIXTRAL, moe_loss_coeff=0.02), REG, 200, "float32", {})
     hf = hf_config_read.from_hf_config(fields, "hf/config.json")
-    assert hf.arch == hf_config.MIXTRAL
+    assert hf.arch == hf_architectures.MIXTRAL
     moe = {k: hf.architecture[k] for k in ("num_experts", "expert_interval", "topk", "mlp_type")}
     assert moe == {"num_experts": [4], "expert_interval": 1, "topk": 2, "mlp_type": "standard"}
     model = config_from_hf(hf, ["--seq-length", "16"], "hf/config.json", None).model

@@ -10,8 +10,8 @@ import torch
 
 from megatron_ds.config import ModelConfig, RegularizationConfig
 from megatron_ds.flags.to_model_config import ACTIVATION_FLAGS, model_activation
-from megatron_ds.interop import hf_config, hf_config_read, hf_weights
-from megatron_ds.interop.hf_config import HFConfigError
+from megatron_ds.interop import hf_architectures, hf_config, hf_config_read, hf_weights
+from megatron_ds.interop.hf_architectures import HFConfigError
 from megatron_ds.model import naming, norms, sharding
 from megatron_ds.model.init import shard_qkv
 from megatron_ds.model.layers import FinalNorm, LMHead, PositionEmbedding, WordEmbedding
@@ -133,7 +133,7 @@ def test_config_round_trip(model: ModelConfig) -> None:
         elif dest not in (*activation_dests, "use_rotary_position_embeddings", "add_position_embedding"):
             assert getattr(model, dest) == value, dest
     assert _activation(back.architecture) == model.activation
-    assert back.vocab_size == 200 and back.arch == hf_config.architecture_of(model)
+    assert back.vocab_size == 200 and back.arch == hf_architectures.architecture_of(model)
 
 
 @pytest.mark.parametrize(
@@ -168,33 +168,33 @@ def test_transformers_own_configs_are_read() -> None:
 )
 def test_gelu_models_hf_cannot_express_are_errors(change: dict, flag: str) -> None:
     with pytest.raises(HFConfigError, match="cannot export to Hugging Face gpt2: " + flag) as err:
-        hf_config.architecture_of(dataclasses.replace(GPT, **change))
+        hf_architectures.architecture_of(dataclasses.replace(GPT, **change))
     assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("norm", norms.REGISTRY)
 def test_each_architecture_takes_its_own_norm_only(norm: str) -> None:
-    for arch, model in ((hf_config.GPT2, GPT), (hf_config.LLAMA, LLAMA)):
+    for arch, model in ((hf_architectures.GPT2, GPT), (hf_architectures.LLAMA, LLAMA)):
         changed = dataclasses.replace(model, normalization=norm)
         if arch in norms.find(norm).hf_model_types:
-            assert hf_config.architecture_of(changed) == arch
+            assert hf_architectures.architecture_of(changed) == arch
             hf = hf_config.to_hf_config(changed, REG, 200, "float32", {})
             assert hf_config_read.from_hf_config(hf, "x").architecture["normalization"] == norm
         else:
             with pytest.raises(HFConfigError, match=f"Hugging Face {arch}: --normalization {norm}: "):
-                hf_config.architecture_of(changed)
+                hf_architectures.architecture_of(changed)
 
 
 def test_partial_rotary_exports_as_phi3_and_round_trips() -> None:
     partial = dataclasses.replace(LLAMA, rotary_percent=0.5)
-    assert hf_config.architecture_of(LLAMA) == hf_config.LLAMA
-    assert hf_config.architecture_of(partial) == hf_config.PHI3
+    assert hf_architectures.architecture_of(LLAMA) == hf_architectures.LLAMA
+    assert hf_architectures.architecture_of(partial) == hf_architectures.PHI3
     hf = hf_config.to_hf_config(partial, REG, 200, "float32", {})
     assert (hf["model_type"], hf["partial_rotary_factor"], hf["pad_token_id"]) == ("phi3", 0.5, None)
     back = hf_config_read.from_hf_config(hf, "x")
-    assert back.arch == hf_config.PHI3 and back.architecture["rotary_percent"] == 0.5
+    assert back.arch == hf_architectures.PHI3 and back.architecture["rotary_percent"] == 0.5
     with pytest.raises(HFConfigError, match="phi3: biases with --rotary-percent 0.5: .*Phi-3, which has no biases"):
-        hf_config.architecture_of(dataclasses.replace(partial, add_bias_linear=True))
+        hf_architectures.architecture_of(dataclasses.replace(partial, add_bias_linear=True))
     assert hf["sliding_window"] is None and _window(back) == (None, None)
     assert _window(hf_config_read.from_hf_config({**hf, "sliding_window": 128}, "x")) == ("127,0", None)  # every layer
     absent = {k: v for k, v in hf.items() if k != "sliding_window"}  # Phi3Config's default: no window
@@ -202,7 +202,7 @@ def test_partial_rotary_exports_as_phi3_and_round_trips() -> None:
     windowed = hf_config.to_hf_config(dataclasses.replace(partial, window_size=(127, 0)), REG, 200, "float32", {})
     assert (windowed["model_type"], windowed["sliding_window"]) == ("phi3", 128)
     with pytest.raises(HFConfigError, match="phi3: --use-rope-scaling with --rotary-percent below 1"):
-        hf_config.architecture_of(dataclasses.replace(partial, use_rope_scaling=True))
+        hf_architectures.architecture_of(dataclasses.replace(partial, use_rope_scaling=True))
     llama3 = {"rope_type": "llama3", "factor": 8.0}
     with pytest.raises(HFConfigError, match="rope_scaling type 'llama3' is not supported: only plain rotary"):
         hf_config_read.from_hf_config({**hf, "rope_scaling": llama3}, "x")
@@ -232,7 +232,7 @@ def test_llama3_rope_scaling_round_trips_in_both_transformers_spellings() -> Non
 
 def test_swiglu_with_layernorm_is_an_error() -> None:
     with pytest.raises(HFConfigError, match="llama: --normalization layernorm"):
-        hf_config.architecture_of(dataclasses.replace(LLAMA, normalization="layernorm"))
+        hf_architectures.architecture_of(dataclasses.replace(LLAMA, normalization="layernorm"))
 
 
 def _llama_json(**change: object) -> dict:
@@ -249,16 +249,16 @@ def _qwen3_json(**change: object) -> dict:
 
 
 def _mistral_json(**change: object) -> dict:
-    return {**hf_config.to_hf_config(LLAMA, REG, 200, "float32", {}, hf_config.MISTRAL), **change}
+    return {**hf_config.to_hf_config(LLAMA, REG, 200, "float32", {}, hf_architectures.MISTRAL), **change}
 
 
 def test_a_qkv_bias_alone_exports_as_qwen2_and_a_bias_free_llama_as_mistral_on_request() -> None:
-    assert hf_config.architecture_of(QWEN2) == hf_config.QWEN2
+    assert hf_architectures.architecture_of(QWEN2) == hf_architectures.QWEN2
     hf = _qwen2_json()
     assert (hf["model_type"], hf["architectures"], hf["use_sliding_window"]) == ("qwen2", ["Qwen2ForCausalLM"], False)
     assert "attention_bias" not in hf and hf["rope_theta"] == 1e6
     back = hf_config_read.from_hf_config(hf, "x")
-    assert back.arch == hf_config.QWEN2 and _window(back) == (None, None)
+    assert back.arch == hf_architectures.QWEN2 and _window(back) == (None, None)
     assert (back.architecture["add_qkv_bias"], back.architecture["add_bias_linear"]) == (True, False)
     mistral = hf_config_read.from_hf_config(_mistral_json(), "x")
     assert (mistral.arch, mistral.architecture["add_bias_linear"], _window(mistral)) == ("mistral", False, (None, None))
@@ -310,7 +310,7 @@ def _window(hf: hf_config_read.HFModel) -> tuple[str | None, str | None]:
 )
 def test_a_model_type_that_is_not_exact_is_refused(model: ModelConfig, model_type: str | None, problem: str) -> None:
     with pytest.raises(HFConfigError, match=problem) as err:
-        hf_config.architecture_of(model, model_type)
+        hf_architectures.architecture_of(model, model_type)
     assert "\n" not in str(err.value)
 
 
@@ -393,11 +393,11 @@ def test_qwen3_is_llama_with_query_and_key_norms_and_its_head_dim() -> None:
         False,
     )
     back = hf_config_read.from_hf_config(hf, "x")
-    assert back.arch == hf_config.QWEN3 and back.architecture["qk_layernorm"] and _window(back) == (None, None)
+    assert back.arch == hf_architectures.QWEN3 and back.architecture["qk_layernorm"] and _window(back) == (None, None)
     assert not hf_config_read.from_hf_config(_llama_json(), "x").architecture["qk_layernorm"]
-    shapes = hf_weights.hf_shapes(hf_config.QWEN3, QWEN3, 200)
+    shapes = hf_weights.hf_shapes(hf_architectures.QWEN3, QWEN3, 200)
     assert shapes["model.layers.1.self_attn.q_norm.weight"] == shapes["model.layers.1.self_attn.k_norm.weight"] == (8,)
-    assert len(shapes) == len(hf_weights.hf_shapes(hf_config.LLAMA, LLAMA, 200)) + 2 * LLAMA.num_layers
+    assert len(shapes) == len(hf_weights.hf_shapes(hf_architectures.LLAMA, LLAMA, 200)) + 2 * LLAMA.num_layers
 
 
 def test_head_dim_is_kv_channels_both_ways() -> None:
@@ -424,15 +424,15 @@ def test_head_dim_is_kv_channels_both_ways() -> None:
 
 
 def test_hf_names_cover_every_tensor_once() -> None:
-    for arch, model in ((hf_config.GPT2, GPT), (hf_config.LLAMA, LLAMA)):
+    for arch, model in ((hf_architectures.GPT2, GPT), (hf_architectures.LLAMA, LLAMA)):
         shapes = hf_weights.hf_shapes(arch, model, 200)
         per_layer = {n for n in shapes if ".0." in n}
         assert len(per_layer) == len({n for n in shapes if ".1." in n})
         assert shapes[{"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}[arch]] == (200, 32)
-    llama = hf_weights.hf_shapes(hf_config.LLAMA, LLAMA, 200)
+    llama = hf_weights.hf_shapes(hf_architectures.LLAMA, LLAMA, 200)
     assert llama["model.layers.0.self_attn.k_proj.weight"] == (16, 32)  # 2 kv heads of 8
     assert llama["model.layers.0.mlp.gate_proj.weight"] == (48, 32)
-    assert hf_weights.hf_shapes(hf_config.GPT2, GPT, 200)["transformer.h.1.mlp.c_fc.weight"] == (32, 64)
+    assert hf_weights.hf_shapes(hf_architectures.GPT2, GPT, 200)["transformer.h.1.mlp.c_fc.weight"] == (32, 64)
 
 
 def test_render_flags_inverts_parsing() -> None:
@@ -486,10 +486,10 @@ def test_qwen_sliding_layers_that_are_not_the_last_are_noted_on_export(pattern: 
     model = dataclasses.replace(
         LLAMA, num_layers=2, add_qkv_bias=True, window_size=(15, 0), window_attn_skip_freq=pattern
     )
-    hf = hf_config.to_hf_config(model, REG, 200, "float32", {}, hf_config.QWEN2)
+    hf = hf_config.to_hf_config(model, REG, 200, "float32", {}, hf_architectures.QWEN2)
     older = ["sliding_attention" if i >= hf["max_window_layers"] else "full_attention" for i in range(2)]
-    notes = hf_config.export_notes(hf_config.QWEN2, model)
+    notes = hf_config.export_notes(hf_architectures.QWEN2, model)
     assert bool(notes) == noted == (older != hf["layer_types"])  # noted exactly when an older reader differs
     if noted:
         assert notes[0].startswith("the sliding-window layers are [0] of 0..1") and "transformers >= 4.53" in notes[0]
-    assert hf_config.export_notes(hf_config.LLAMA, model) == []  # Llama has no window fields
+    assert hf_config.export_notes(hf_architectures.LLAMA, model) == []  # Llama has no window fields

@@ -14,7 +14,7 @@ import torch
 from megatron_ds.config import Config, ModelConfig, RegularizationConfig
 from megatron_ds.estimate.compute import ComputeInputs, layer_terms
 from megatron_ds.flags.parser import parse_config
-from megatron_ds.interop import hf_config
+from megatron_ds.interop import hf_architectures
 from megatron_ds.interop import megatron_lm_args as saved_args
 from megatron_ds.interop.megatron_lm_files import MegatronLMCheckpoint
 from megatron_ds.model import norms
@@ -176,8 +176,8 @@ def test_the_planner_takes_the_flag() -> None:
 
 @pytest.mark.parametrize("model_type", [None, "llama", "qwen3"])
 def test_hugging_face_export_is_refused_in_one_line(model_type: str | None) -> None:
-    with pytest.raises(hf_config.HFConfigError, match="--qk-l2-norm: no type here has a weightless norm") as err:
-        hf_config.architecture_of(LLAMA, model_type)
+    with pytest.raises(hf_architectures.HFConfigError, match="--qk-l2-norm: no type here has a weightless norm") as err:
+        hf_architectures.architecture_of(LLAMA, model_type)
     assert "\n" not in str(err.value)
-    with pytest.raises(hf_config.HFConfigError, match="gpt2: --qk-l2-norm"):
-        hf_config.architecture_of(dataclasses.replace(LLAMA, activation="gelu", normalization="layernorm"))
+    with pytest.raises(hf_architectures.HFConfigError, match="gpt2: --qk-l2-norm"):
+        hf_architectures.architecture_of(dataclasses.replace(LLAMA, activation="gelu", normalization="layernorm"))

@@ -1,0 +1,263 @@
+"""Which Hugging Face architecture our model is (`architecture_of`), and what each requires of it: one table of
+`Requirement`s per architecture, each naming our flag when the model breaks it. Writing the `config.json` is
+`hf_config.py`, reading one back `hf_config_read.py`, the tensor names `hf_weights.py`.
+
+GPT-2 (`GPT2LMHeadModel`): LayerNorm, a GeLU (tanh `gelu_new` or exact `gelu`), learned positions, biases, multi-head
+attention. Llama (`LlamaForCausalLM`): RMSNorm, SwiGLU, rotary embeddings (any `rope_theta`) on whole heads, optional
+grouped-query attention and biases. Qwen2: Llama with q/k/v biases alone (our `--add-qkv-bias`). Qwen3: Llama without
+biases, with an RMSNorm on each query and key head (our `--qk-layernorm`). Mistral: Llama without biases, written only
+on request (`--hf-model-type mistral`) or for a model with a sliding window on every layer. Phi-3: Llama's layer
+without biases, with partial rotary embeddings (our `--rotary-percent` below 1). Mixtral: Mistral's layer with a
+mixture of SwiGLU experts on every layer (our `--num-experts N --expert-interval 1 --topk 2`). Each may tie or untie its
+LM head. Activation names come from `megatron_ds.model.activations`, each architecture's norm from
+`megatron_ds.model.norms`. Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_ds.config import ModelConfig
+from megatron_ds.errors import UserError
+from megatron_ds.model import norms
+
+GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, PHI3 = "gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3"
+MIXTRAL = "mixtral"
+ARCHITECTURE_CLASSES = {
+    GPT2: "GPT2LMHeadModel",
+    LLAMA: "LlamaForCausalLM",
+    QWEN2: "Qwen2ForCausalLM",
+    QWEN3: "Qwen3ForCausalLM",
+    MISTRAL: "MistralForCausalLM",
+    PHI3: "Phi3ForCausalLM",
+    MIXTRAL: "MixtralForCausalLM",
+}
+LLAMA_LAYOUT = (LLAMA, QWEN2, QWEN3, MISTRAL)
+"""Llama's layer and tensor names: Qwen2 adds q/k/v biases (our --add-qkv-bias), Qwen3 query and key norms (our
+--qk-layernorm), Mistral a sliding window."""
+
+GPT2_NORM, LLAMA_NORM = norms.for_hf_model_type(GPT2), norms.for_hf_model_type(LLAMA)
+assert all(norms.for_hf_model_type(t) is LLAMA_NORM for t in LLAMA_LAYOUT)
+PHI3_NORM = norms.for_hf_model_type(PHI3)
+"""The norm each architecture is built with (LayerNorm, RMSNorm, RMSNorm)."""
+
+
+class HFConfigError(UserError):
+    """A model or `config.json` that has no exact counterpart on the other side."""
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A ModelConfig value an architecture needs; `problem` names our flag and why it cannot be exported."""
+
+    holds: Callable[[ModelConfig], bool]
+    problem: str | Callable[[ModelConfig], str]
+    """The text, or a function of the model when the text names the value given."""
+
+
+def _norm_requirement(norm: norms.Norm, architecture: str) -> Requirement:
+    """The architecture is built with `norm` alone; the problem names the norm given instead."""
+    return Requirement(
+        lambda m: m.normalization == norm.name,
+        lambda m: f"--normalization {m.normalization}: {architecture} uses {norm.title}",
+    )
+
+
+GPT2_REQUIRES = (
+    _norm_requirement(GPT2_NORM, "GPT-2"),
+    Requirement(
+        lambda m: not m.use_rotary_position_embeddings,
+        "--use-rotary-position-embeddings: GPT-2 has learned positions only (rotary models export as Llama, "
+        "which also needs --swiglu)",
+    ),
+    Requirement(lambda m: m.add_position_embedding, "--no-position-embedding: GPT-2 adds learned positions"),
+    Requirement(lambda m: m.add_bias_linear, "--disable-bias-linear: GPT-2 has a bias in every linear layer"),
+    Requirement(
+        lambda m: m.kv_heads == m.num_attention_heads, "--num-key-value-heads: GPT-2 has no grouped-query attention"
+    ),
+    Requirement(
+        lambda m: m.kv_channels is None,
+        lambda m: f"--kv-channels {m.kv_channels}: GPT-2's head size is n_embd / n_head ({_default_head(m)})",
+    ),
+)
+LLAMA_REQUIRES = (
+    _norm_requirement(LLAMA_NORM, "Llama"),
+    Requirement(
+        lambda m: m.use_rotary_position_embeddings, "no --use-rotary-position-embeddings: Llama needs rotary embeddings"
+    ),
+    Requirement(lambda m: not m.add_position_embedding, "learned position embeddings: Llama has none"),
+)
+PHI3_REQUIRES = (
+    _norm_requirement(PHI3_NORM, "Phi-3"),
+    Requirement(
+        lambda m: m.kv_channels is None,
+        lambda m: (
+            f"--kv-channels {m.kv_channels} with --rotary-percent {m.rotary_percent:g}: partial rotary exports as "
+            f"Phi-3, whose config has no head_dim (its head size is hidden_size / num_attention_heads, "
+            f"{_default_head(m)})"
+        ),
+    ),
+    Requirement(
+        lambda m: m.window_attn_skip_freq is None,
+        "--window-attn-skip-freq with --rotary-percent below 1: partial rotary exports as Phi-3, whose sliding window "
+        "is on every layer",
+    ),
+    Requirement(
+        lambda m: not m.use_rope_scaling,
+        "--use-rope-scaling with --rotary-percent below 1: partial rotary exports as Phi-3, whose rope scaling is "
+        "not Llama 3.x's",
+    ),
+    Requirement(
+        lambda m: not m.add_bias_linear,
+        lambda m: (
+            f"biases with --rotary-percent {m.rotary_percent:g}: partial rotary exports as Phi-3, which has no "
+            f"biases (transformers' Llama, which has them, rotates whole heads)"
+        ),
+    ),
+)
+
+
+MISTRAL_REQUIRES = (
+    Requirement(lambda m: not m.add_bias_linear, "biases (no --disable-bias-linear): Mistral has none"),
+    Requirement(
+        lambda m: m.window_attn_skip_freq is None,
+        "--window-attn-skip-freq: Mistral's sliding window is on every layer (Qwen2 and Qwen3 name the layers)",
+    ),
+    Requirement(lambda m: not m.add_qkv_bias, "--add-qkv-bias: Mistral has no biases (Qwen2 has this one)"),
+)
+QWEN2_REQUIRES = (
+    Requirement(
+        lambda m: m.add_qkv_bias,
+        lambda m: (
+            "no --add-qkv-bias: Qwen2 has q/k/v biases"
+            + (" and no others" if m.add_bias_linear else " (a model without biases exports as llama or mistral)")
+        ),
+    ),
+)
+
+
+QWEN3_REQUIRES = (
+    Requirement(lambda m: m.qk_layernorm, "no --qk-layernorm: Qwen3 has query and key norms"),
+    Requirement(
+        lambda m: not m.add_bias_linear,
+        "biases (no --disable-bias-linear): Qwen3's attention_bias puts them on q, k, v and o alone, none in the MLP",
+    ),
+    Requirement(
+        lambda m: m.rotary_percent == 1.0,
+        lambda m: f"--rotary-percent {m.rotary_percent:g}: Qwen3 rotates whole heads",
+    ),
+)
+
+
+MIXTRAL_REQUIRES = (
+    Requirement(
+        lambda m: m.gated_mlp,
+        lambda m: f"experts with a {m.activation} MLP: Mixtral's experts are SwiGLU (--swiglu)",
+    ),
+    Requirement(
+        lambda m: len(set(m.experts_per_layer)) == 1,
+        lambda m: (
+            f"--num-experts {' '.join(map(str, m.num_experts))} --expert-interval {m.expert_interval} (experts per "
+            f"layer {list(m.experts_per_layer)}): Mixtral has the same experts on every layer (--expert-interval 1, "
+            f"one --num-experts)"
+        ),
+    ),
+    Requirement(
+        lambda m: m.moe_top_k == 2,
+        lambda m: (
+            f"--topk {m.moe_top_k}: Mixtral weighs a token's experts by their renormalized scores (at top-1 a weight "
+            f"of 1, where DeepSpeed's top-1 gate weighs by the softmax score); only --topk 2 is the same"
+        ),
+    ),
+    Requirement(lambda m: m.mlp_type == "standard", "--mlp-type residual: Mixtral has no residual MLP (PR-MoE)"),
+    Requirement(lambda m: not m.add_bias_linear, "biases (no --disable-bias-linear): Mixtral has none"),
+    Requirement(
+        lambda m: m.rotary_percent == 1.0,
+        lambda m: f"--rotary-percent {m.rotary_percent:g}: Mixtral rotates whole heads",
+    ),
+    Requirement(lambda m: not m.use_rope_scaling, "--use-rope-scaling: Mixtral's config has no Llama 3.x rope scaling"),
+    Requirement(
+        lambda m: m.window_attn_skip_freq is None,
+        "--window-attn-skip-freq: Mixtral's sliding window is on every layer",
+    ),
+)
+"""A mixture-of-experts model is Mixtral's when its experts are (DeepSpeed's top-2 gate without capacity is Mixtral's
+router; `moe.route_every_token`)."""
+
+
+def _default_head(model: ModelConfig) -> str:
+    """hidden / heads as a head size, or the fraction when it is none."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    return str(h // heads) if h % heads == 0 else f"{h}/{heads}, not an integer"
+
+
+_TYPE_REQUIRES = {MISTRAL: MISTRAL_REQUIRES, QWEN2: QWEN2_REQUIRES, QWEN3: QWEN3_REQUIRES}
+"""What a Llama-layout type asked for by --hf-model-type needs beyond Llama's."""
+_QKV_BIAS_IS_QWEN2S = Requirement(
+    lambda m: not m.add_qkv_bias, "--add-qkv-bias: of these types only Qwen2 (Llama's layout with --swiglu) has it"
+)
+_WINDOW_IS_NOT_HERE = Requirement(
+    lambda m: m.window_size is None,
+    "--window-size: this type has no sliding window here (Mistral and Phi-3 have one on every layer, Qwen2 and Qwen3 "
+    "on the layers they name)",
+)
+WINDOWED = (QWEN2, QWEN3, MISTRAL, PHI3, MIXTRAL)
+"""The types whose config.json holds a sliding window."""
+_QK_NORM_IS_QWEN3S = Requirement(
+    lambda m: not m.qk_layernorm,
+    "--qk-layernorm: of these types only Qwen3 (Llama's layout with --swiglu, no biases) has query and key norms",
+)
+
+_NO_QK_L2_NORM = Requirement(
+    lambda m: not m.qk_l2_norm,
+    "--qk-l2-norm: no type here has a weightless norm on every layer's query and key heads (Llama 4's is on its "
+    "rotary layers only, of a mixture-of-experts model with interleaved rotary)",
+)
+
+
+def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
+    """GPT2, LLAMA, QWEN2, QWEN3, PHI3 or MIXTRAL (experts) for a model both sides express exactly (a QKV bias alone is
+    Qwen2's, query and key norms Qwen3's), or
+    `model_type` when asked for and exact (MISTRAL: a Llama without biases); HFConfigError naming the first
+    obstacle."""
+    if model.is_moe:
+        arch, requires = MIXTRAL, LLAMA_REQUIRES + MIXTRAL_REQUIRES
+    elif model.gated_mlp and model.qk_layernorm:
+        arch, requires = QWEN3, LLAMA_REQUIRES + QWEN3_REQUIRES
+    elif model.gated_mlp and model.rotary_percent < 1.0:
+        arch, requires = PHI3, LLAMA_REQUIRES[1:] + PHI3_REQUIRES
+    elif model.gated_mlp and model.add_qkv_bias:
+        arch, requires = QWEN2, LLAMA_REQUIRES
+    elif model.gated_mlp and model.window_size is not None:  # Llama has no window; Mistral is Llama with one
+        arch, requires = MISTRAL, LLAMA_REQUIRES + MISTRAL_REQUIRES
+    elif model.gated_mlp:
+        arch, requires = LLAMA, LLAMA_REQUIRES
+    else:
+        arch, requires = GPT2, GPT2_REQUIRES
+    if model_type is not None and model_type != arch:
+        _check_model_type(model_type, arch)
+        arch = model_type
+        requires = (*requires, *_TYPE_REQUIRES.get(arch, ()))
+    if arch not in (QWEN2, MISTRAL):
+        requires = (*requires, _QKV_BIAS_IS_QWEN2S)
+    if arch != QWEN3:
+        requires = (*requires, _QK_NORM_IS_QWEN3S)
+    if arch not in WINDOWED:
+        requires = (*requires, _WINDOW_IS_NOT_HERE)
+    requires = (_NO_QK_L2_NORM, *requires)
+    for r in requires:
+        if not r.holds(model):
+            problem = r.problem(model) if callable(r.problem) else r.problem
+            raise HFConfigError(f"cannot export to Hugging Face {arch}: {problem}; no exact equivalent exists")
+    return arch
+
+
+def _check_model_type(model_type: str, arch: str) -> None:
+    """A model of `arch` may be written as another Llama-layout type (checked by that type's requirements)."""
+    if model_type not in ARCHITECTURE_CLASSES:
+        raise HFConfigError(f"--hf-model-type {model_type}: choose one of {', '.join(ARCHITECTURE_CLASSES)}")
+    if model_type not in LLAMA_LAYOUT or arch not in LLAMA_LAYOUT:
+        raise HFConfigError(
+            f"--hf-model-type {model_type}: the checkpoint's model exports as {arch} only; drop --hf-model-type"
+        )
