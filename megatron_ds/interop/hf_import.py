@@ -145,6 +145,12 @@ def import_hf(hf_dir: str, output: str, argv: Sequence[str] = (), show_progress:
     hf = hf_config_read.from_hf_config(raw, source)
     config = config_from_hf(hf, argv, source, hf_tokenizer.find_hf_tokenizer(hf_dir))
     layout = resolve_layout(config)  # a layout error now, before anything is written
+    pipeline = config.parallel.pipeline_model_parallel_size
+    if config.model.is_moe and pipeline > 1:  # its universal form loads at P = 1 (rules.moe_pipeline_refusal)
+        raise HFConfigError(
+            f"--pipeline-model-parallel-size {pipeline}: an imported mixture of experts trains at pipeline size 1 "
+            f"(its weights are in universal form, which a mixture-of-experts model at P > 1 does not load); drop it"
+        )
     weights = HFWeights(hf_dir)
     _check_weights(weights, hf, config, hf_dir)
     with files.atomic_directory(output, "output") as tmp:

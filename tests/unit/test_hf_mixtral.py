@@ -166,6 +166,9 @@ def test_transformers_mixtral_imports_computes_its_logits_and_exports_back_bit_i
     with torch.no_grad():
         diff = (load_model(str(tmp_path / "ours"))(tokens) - theirs(tokens).logits).abs().max().item()
     assert diff <= 1e-5, diff
+    with pytest.raises(HFConfigError, match="--pipeline-model-parallel-size 2: an imported mixture of experts trains"):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "p2"), ["--pipeline-model-parallel-size", "2"])
+    assert not (tmp_path / "p2").exists()
     export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False)
     original, back = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
     assert sorted(original) == sorted(back) and all(torch.equal(original[k], back[k]) for k in original)
