@@ -230,6 +230,8 @@ def _import(args: argparse.Namespace, argv: list[str]) -> None:
     print(
         f"imported Hugging Face {result.arch} {os.path.abspath(args.source)} to {result.output} (weights only, {loads})"
     )
+    for note in result.notes:
+        print(f"note: {note}")
     print("train from it with these model flags plus your own (parallelism, data, schedule):")
     print(f"  pretrain_gpt.py --load {result.output} " + " ".join(result.train_flags))
 

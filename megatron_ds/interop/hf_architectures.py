@@ -176,7 +176,6 @@ MIXTRAL_REQUIRES = (
         lambda m: m.rotary_percent == 1.0,
         lambda m: f"--rotary-percent {m.rotary_percent:g}: Mixtral rotates whole heads",
     ),
-    Requirement(lambda m: not m.use_rope_scaling, "--use-rope-scaling: Mixtral's config has no Llama 3.x rope scaling"),
     Requirement(
         lambda m: m.window_attn_skip_freq is None,
         "--window-attn-skip-freq: Mixtral's sliding window is on every layer",

@@ -148,11 +148,20 @@ def _mixtral_notes(model: ModelConfig) -> list[str]:
             "training sampled each token's second expert (top-2's Gumbel sampling); Mixtral, like tools/generate.py, "
             "takes the second best (--disable-moe-top2-2nd-expert-sampling trains that way)"
         )
-    notes.append(
-        f"router_aux_loss_coef is --moe-loss-coeff {model.moe_loss_coeff:g}; transformers' load-balancing loss "
-        f"(output_router_logits) counts both experts of a token, DeepSpeed's top-2 gate the first alone"
+    return [*notes, moe_loss_note(model)]
+
+
+def moe_loss_note(model: ModelConfig) -> str:
+    """How `router_aux_loss_coef` (written and read as --moe-loss-coeff) weighs another load-balancing loss: ours adds
+    every MoE layer's DeepSpeed loss (about 1 each when balanced; a token's first expert counted), transformers'
+    (`output_router_logits`) one averaged over the layers (about 2 at top-2; both experts counted)."""
+    layers = sum(1 for n in model.experts_per_layer if n > 1)
+    return (
+        f"router_aux_loss_coef is --moe-loss-coeff {model.moe_loss_coeff:g}, but the losses differ: ours sums each of "
+        f"the {layers} MoE layers' DeepSpeed load-balancing loss (about 1 per layer when balanced, a token's first "
+        f"expert counted), transformers' averages one over the layers (about 2 in all, both experts counted): at one "
+        f"coefficient ours weighs balancing about {layers / 2:g} x as much"
     )
-    return notes
 
 
 def _llama_layout_fields(model: ModelConfig, regularization: RegularizationConfig) -> dict[str, Any]:

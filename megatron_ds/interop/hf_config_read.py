@@ -40,6 +40,13 @@ TRANSFORMERS_SLIDING_WINDOW = 4096
 """MistralConfig's, Qwen2Config's and Qwen3Config's `sliding_window` when config.json has no such key."""
 QWEN3_DEFAULT_HEAD_DIM = 128
 """transformers' Qwen3Config `head_dim` when config.json has none (whatever hidden_size / num_attention_heads is)."""
+ABSENT_KV_HEADS = {MISTRAL: 8, MIXTRAL: 8, QWEN2: 32, QWEN3: 32}
+"""transformers' `num_key_value_heads` when config.json has none (Llama's and Phi-3's: num_attention_heads)."""
+ABSENT_RMS_EPS = {MIXTRAL: 1e-5}
+"""transformers' `rms_norm_eps` when config.json has none, where it is not Llama's 1e-6 (Phi-3's is read apart)."""
+ABSENT_ROPE_THETA = {MIXTRAL: 1e6}
+"""transformers' rope base when config.json has neither `rope_theta` nor `rope_parameters` (MixtralConfig's
+`default_theta`), where it is not 10000."""
 
 
 @dataclass
@@ -215,15 +222,15 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
         "num_layers": f.size("num_hidden_layers"),
         "hidden_size": h,
         "num_attention_heads": heads,
-        "num_key_value_heads": f.size("num_key_value_heads", heads),
+        "num_key_value_heads": f.size("num_key_value_heads", ABSENT_KV_HEADS.get(arch, heads)),
         "kv_channels": _head_dim(f, arch, h, heads),
         "ffn_hidden_size": f.size("intermediate_size"),
         "max_position_embeddings": f.size("max_position_embeddings"),
-        "layernorm_epsilon": f.get("rms_norm_eps", float, 1e-6),
+        "layernorm_epsilon": f.get("rms_norm_eps", float, ABSENT_RMS_EPS.get(arch, 1e-6)),
         "normalization": LLAMA_NORM.name,
         **ACTIVATION_FLAGS[LLAMA_ACTIVATIONS[act]],
         "use_rotary_position_embeddings": True,
-        "rotary_base": _rope_base(f),
+        "rotary_base": _rope_base(f, ABSENT_ROPE_THETA.get(arch, DEFAULT_ROTARY_BASE)),
         **_scaling_flags(_rope_scaling(f)),
         "rotary_percent": 1.0,  # transformers' Llama rotates whole heads (whatever partial_rotary_factor says)
         "add_position_embedding": False,
@@ -357,9 +364,10 @@ def _rope_scaling(f: _Fields, allowed: tuple[str, ...] = ("llama3",)) -> float |
     return float(factor)
 
 
-def _rope_base(f: _Fields) -> float:
+def _rope_base(f: _Fields, absent: float = DEFAULT_ROTARY_BASE) -> float:
+    """`rope_theta` (transformers 5: in `rope_parameters`), `absent` when config.json has neither."""
     params = f.hf.get("rope_parameters") or {}
-    theta = params.get("rope_theta", f.hf.get("rope_theta", DEFAULT_ROTARY_BASE))
+    theta = params.get("rope_theta", f.hf.get("rope_theta", absent))
     if not _positive_number(theta):
         raise HFConfigError(f"{f.source}: rope_theta {theta!r} is not a positive number; fix the config.json")
     return float(theta)

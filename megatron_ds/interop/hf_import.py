@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from megatron_ds import files
 from megatron_ds.config import Config
 from megatron_ds.data import DataError
 from megatron_ds.data.tokenizer import build_tokenizer
-from megatron_ds.interop import hf_architectures, hf_config_read, hf_import_experts, hf_tokenizer, hf_weights
+from megatron_ds.interop import hf_architectures, hf_config, hf_config_read, hf_import_experts, hf_tokenizer, hf_weights
 from megatron_ds.interop.hf_architectures import HFConfigError
 from megatron_ds.interop.hf_config_read import HFModel
 from megatron_ds.interop.hf_weights_reader import HFWeights, HFWeightsError
@@ -57,6 +57,8 @@ class ImportResult:
     config: Config
     train_flags: list[str]
     """pretrain_gpt.py flags that rebuild this model (architecture, vocabulary, T, tokenizer)."""
+    notes: list[str] = field(default_factory=list)
+    """What the flags mean otherwise than config.json's fields, one line each."""
 
 
 def read_hf_config(hf_dir: str) -> tuple[dict[str, Any], str]:
@@ -82,6 +84,11 @@ def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dic
     from megatron_ds.flags.parser import build_parser, parse_config
 
     given, _ = build_parser().parse_known_args(list(argv))
+    if given.moe_expert_parallel_size != 1:  # the import is one process writing every expert
+        raise HFConfigError(
+            f"--moe-expert-parallel-size {given.moe_expert_parallel_size}: the import writes every expert whatever "
+            f"size a run shares them out at; give it to pretrain_gpt.py"
+        )
     values = {**hf.defaults, **hf.architecture, "vocab_size": hf.vocab_size}
     found = given.tokenizer_type is None and given.vocab_file is None and bool(tokenizer)
     if found:
@@ -168,7 +175,8 @@ def import_hf(hf_dir: str, output: str, argv: Sequence[str] = (), show_progress:
         with open(os.path.join(tmp, LATEST), "w") as f:
             f.write(TAG)
     flags = _train_flags(config, hf)
-    return ImportResult(os.path.abspath(output), hf.arch, config, flags)
+    notes = [hf_config.moe_loss_note(config.model)] if config.model.is_moe else []
+    return ImportResult(os.path.abspath(output), hf.arch, config, flags, notes)
 
 
 def _check_weights(weights: HFWeights, hf: HFModel, config: Config, hf_dir: str) -> None:

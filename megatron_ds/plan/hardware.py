@@ -136,13 +136,11 @@ _MIXTRAL_ARCH = (
     "2",
     "--disable-moe-token-dropping",
     "--disable-moe-top2-2nd-expert-sampling",
-    "--moe-loss-coeff",
-    "0.02",
 )
 _MIXTRAL = (
     "Jiang et al. 2024, Mixtral of Experts (arXiv 2401.04088), Table 1; the released Mixtral-8x7B-v0.1 config.json "
-    "(46.7B parameters as its model card states, 46,702,792,704 from the config; router_aux_loss_coef 0.02); batch "
-    "and learning rate are not published (the Llama 2 batch and the placeholder --lr are printed)"
+    "(46.7B parameters as its model card states, 46,702,792,704 from the config); its router_aux_loss_coef (0.02) "
+    "weighs transformers' loss, not --moe-loss-coeff's (docs/interop.md); batch and learning rate are not published (the Llama 2 batch and the placeholder --lr are printed)"
 )
 
 

@@ -81,7 +81,6 @@ def test_every_expert_has_the_hubs_tensor_names() -> None:
         ({"add_qkv_bias": True}, "--add-qkv-bias: of these types only Qwen2"),
         ({"qk_layernorm": True}, "--qk-layernorm: of these types only Qwen3"),
         ({"rotary_percent": 0.5}, "--rotary-percent 0.5: Mixtral rotates whole heads"),
-        ({"use_rope_scaling": True}, "--use-rope-scaling: Mixtral's config has no Llama 3.x rope scaling"),
         ({"window_size": (3, 0), "window_attn_skip_freq": (1, 0)}, "--window-attn-skip-freq: Mixtral's sliding"),
     ],
 )
@@ -104,7 +103,10 @@ def test_the_notes_say_how_the_training_gate_routed_otherwise() -> None:
     assert len(notes) == 3 and all("\n" not in n for n in notes)
     assert "training dropped the tokens over each expert's capacity (--moe-train-capacity-factor 1)" in notes[0]
     assert "training sampled each token's second expert" in notes[1]
-    assert "router_aux_loss_coef is --moe-loss-coeff 0.1" in notes[2]
+    assert (
+        "router_aux_loss_coef is --moe-loss-coeff 0.1, but the losses differ: ours sums each of the 2 MoE" in notes[2]
+    )
+    assert notes[2].endswith("at one coefficient ours weighs balancing about 1 x as much")
     undropped = dataclasses.replace(MIXTRAL, moe_token_dropping=False, moe_top2_2nd_expert_sampling=False)
     assert [n.split(" ", 1)[0] for n in hf_config.export_notes(hf_architectures.MIXTRAL, undropped)] == [
         "router_aux_loss_coef"
@@ -128,6 +130,15 @@ def test_mixtrals_config_reads_back_as_the_model_and_its_routing() -> None:
         config_from_hf(hf, ["--num-experts", "8"], "hf/config.json", None)
 
 
+def test_absent_fields_are_mixtrals_defaults_not_llamas() -> None:
+    """transformers' MixtralConfig: rms_norm_eps 1e-5, rope base 1e6 (its default_theta), 8 key/value heads."""
+    fields = hf_config.to_hf_config(dataclasses.replace(MIXTRAL, num_attention_heads=8), REG, 200, "float32", {})
+    absent = ("rms_norm_eps", "rope_theta", "rope_scaling", "num_key_value_heads", "head_dim")
+    hf = hf_config_read.from_hf_config({k: v for k, v in fields.items() if k not in absent}, "hf/config.json")
+    got = {k: hf.architecture[k] for k in ("layernorm_epsilon", "rotary_base", "num_key_value_heads")}
+    assert got == {"layernorm_epsilon": 1e-5, "rotary_base": 1e6, "num_key_value_heads": 8}
+
+
 @pytest.mark.parametrize(
     "change, problem",
     [
@@ -144,7 +155,20 @@ def test_what_we_do_not_build_is_one_line_on_import(change: dict, problem: str) 
     assert "\n" not in str(err.value)
 
 
-def test_transformers_mixtral_imports_computes_its_logits_and_exports_back_bit_identical(tmp_path: Path) -> None:
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+HF_CASES = {
+    "tied, a window": dict(sliding_window=6, tie_word_embeddings=True),
+    "Llama 3.x rope scaling": dict(  # head size 32: frequencies in all three of the scaling's bands
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384,
+        rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_transformers_mixtral_imports_computes_its_logits_and_exports_back_bit_identical(
+    case: str, tmp_path: Path
+) -> None:
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
@@ -153,22 +177,31 @@ def test_transformers_mixtral_imports_computes_its_logits_and_exports_back_bit_i
     from megatron_ds.interop.hf_import import import_hf
 
     torch.manual_seed(0)
+    sizes = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     config = transformers.MixtralConfig(
-        vocab_size=200, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, max_position_embeddings=64, initializer_range=0.1,
-        sliding_window=6, tie_word_embeddings=True,
+        vocab_size=200, intermediate_size=48, num_hidden_layers=2, num_local_experts=4, initializer_range=0.1,
+        **{**sizes, **HF_CASES[case]},
     )  # fmt: skip
     theirs = transformers.MixtralForCausalLM(config).eval()
     theirs.save_pretrained(tmp_path / "hf")
     result = import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), [], show_progress=False)
-    assert "--window-size" in result.train_flags and "--untie-embeddings-and-output-weights" not in result.train_flags
+    flags = {"--window-size", "--untie-embeddings-and-output-weights", "--use-rope-scaling"} & set(result.train_flags)
+    assert flags == (
+        {"--window-size"} if "window" in case else {"--untie-embeddings-and-output-weights", "--use-rope-scaling"}
+    )
+    assert len(result.notes) == 1 and "the losses differ" in result.notes[0]
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (load_model(str(tmp_path / "ours"))(tokens) - theirs(tokens).logits).abs().max().item()
     assert diff <= 1e-5, diff
     with pytest.raises(HFConfigError, match="--pipeline-model-parallel-size 2: an imported mixture of experts trains"):
         import_hf(str(tmp_path / "hf"), str(tmp_path / "p2"), ["--pipeline-model-parallel-size", "2"])
+    with pytest.raises(HFConfigError, match="--moe-expert-parallel-size 2: the import writes every expert"):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "p2"), ["--moe-expert-parallel-size", "2"])
     assert not (tmp_path / "p2").exists()
     export_hf(str(tmp_path / "ours"), str(tmp_path / "back"), show_progress=False)
     original, back = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
     assert sorted(original) == sorted(back) and all(torch.equal(original[k], back[k]) for k in original)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()  # its config.json too
+    with torch.no_grad():
+        assert (again(tokens).logits - theirs(tokens).logits).abs().max().item() <= 1e-5
