@@ -167,7 +167,7 @@ HF_CASES = {
 
 @pytest.mark.parametrize("case", HF_CASES)
 def test_transformers_mixtral_imports_computes_its_logits_and_exports_back_bit_identical(
-    case: str, tmp_path: Path
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
@@ -194,6 +194,15 @@ def test_transformers_mixtral_imports_computes_its_logits_and_exports_back_bit_i
     with torch.no_grad():
         diff = (load_model(str(tmp_path / "ours"))(tokens) - theirs(tokens).logits).abs().max().item()
     assert diff <= 1e-5, diff
+    if "window" in case:  # the tool says where the experts load and what --moe-loss-coeff weighs
+        from megatron_ds.data.demo_corpus import _load_tool
+
+        capsys.readouterr()
+        assert _load_tool("convert_checkpoint").main(["--from", "hf", str(tmp_path / "hf"), str(tmp_path / "cli")]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].endswith("(weights only, its experts load at pipeline size 1, any world size and "
+                               "--moe-expert-parallel-size)")  # fmt: skip
+        assert out[1].startswith("note: router_aux_loss_coef is --moe-loss-coeff 0.001, but the losses differ")
     with pytest.raises(HFConfigError, match="--pipeline-model-parallel-size 2: an imported mixture of experts trains"):
         import_hf(str(tmp_path / "hf"), str(tmp_path / "p2"), ["--pipeline-model-parallel-size", "2"])
     with pytest.raises(HFConfigError, match="--moe-expert-parallel-size 2: the import writes every expert"):
