@@ -3,11 +3,13 @@ and Megatron-DeepSpeed's checkpoints -> ours.
 
     (training.checkpoint.reader: our per-spec DeepSpeed files -> full (T=1) tensors, one at a time)
     sharding            how each spec's tensors are split over tensor-parallel ranks (both ways)
-    hf_config           ModelConfig <-> Hugging Face `config.json`, one table per architecture
+    hf_architectures    which Hugging Face architecture our model is, and what each requires of it
+    hf_config           ModelConfig -> Hugging Face `config.json` (`hf_config_read`: back to our flags)
     hf_weights          our tensor names <-> Hugging Face tensor names, one table per architecture
     hf_weights_reader   Hugging Face weight files (safetensors, or .bin with weights_only=True)
     hf_export           checkpoint -> Hugging Face directory (safetensors, config, tokenizer)
     hf_import           Hugging Face directory -> checkpoint that `pretrain_gpt.py --load` trains from
+                        (`hf_import_experts`: a Mixtral's weights in universal form)
     hf_tokenizer        our tokenizers <-> Hugging Face tokenizer files
     sentencepiece_json  a SentencePiece model as a `tokenizer.json`
     files               atomic output directories, safetensors shards, progress bars

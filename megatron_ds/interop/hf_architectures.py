@@ -9,8 +9,7 @@ biases, with an RMSNorm on each query and key head (our `--qk-layernorm`). Mistr
 on request (`--hf-model-type mistral`) or for a model with a sliding window on every layer. Phi-3: Llama's layer
 without biases, with partial rotary embeddings (our `--rotary-percent` below 1). Mixtral: Mistral's layer with a
 mixture of SwiGLU experts on every layer (our `--num-experts N --expert-interval 1 --topk 2`). Each may tie or untie its
-LM head. Activation names come from `megatron_ds.model.activations`, each architecture's norm from
-`megatron_ds.model.norms`. Nothing here imports transformers.
+LM head. Each architecture's norm comes from `megatron_ds.model.norms`. Nothing here imports transformers.
 """
 
 from __future__ import annotations

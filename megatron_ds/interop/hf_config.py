@@ -1,13 +1,14 @@
 """Our ModelConfig -> a Hugging Face `config.json` (`to_hf_config`), for the architecture `hf_architectures.py`
 finds the model to be; reading one back is `hf_config_read.py`.
 
-Their `head_dim` is our `--kv-channels` (hidden_size / num_attention_heads when absent, Qwen3's 128). Sliding windows
+The Llama-layout types' and Mixtral's `head_dim` is our `--kv-channels` (hidden_size / num_attention_heads when absent, Qwen3's 128). Sliding windows
 are Megatron-LM's `--window-size LEFT,0` with transformers' `sliding_window` LEFT + 1 (a key k is seen by the query q
 when q - sliding_window < k <= q): Mistral's, Mixtral's and Phi-3's on every layer, Qwen2's and Qwen3's with
 `use_sliding_window` on the layers `layer_types` names `sliding_attention` (`--window-attn-skip-freq`'s pattern).
 Mixtral's router is DeepSpeed's top-2 gate computed without capacity (softmax over the experts, the two best
 renormalized), as our inference routes (`moe.route_every_token`); `export_notes` says where training routed
-otherwise. Each architecture ties or unties its LM head (`tie_word_embeddings`). Nothing here imports transformers.
+otherwise. Each architecture ties or unties its LM head (`tie_word_embeddings`). Activation names come from
+`megatron_ds.model.activations` (`hf_names`). Nothing here imports transformers.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
     from megatron_ds.interop.hf_export import export_hf
     export_hf("checkpoints/gpt", "hf/gpt")      # config.json, model.safetensors, tokenizer files
 
-Tensors stream from the per-spec files to safetensors shards one at a time (memory: one shard,
-2 GiB by default, plus one spec file's memory-mapped shards); tensor-parallel shards are joined
-and the vocabulary padding is removed. The directory appears only once complete and validated.
+Tensors stream from the checkpoint (`training/checkpoint/weights.py`: the per-spec files, or a mixture of experts'
+DeepSpeed files or universal form) to safetensors shards one at a time (memory: one shard, 2 GiB by default, plus one
+file's memory-mapped tensors); tensor-parallel shards are joined and the vocabulary padding is removed. The directory appears only once complete and validated.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@
 
 The architecture flags come from `config.json` (flags given as well must agree); parallel and
 other pretrain_gpt.py flags pass through. The checkpoint holds weights only, one file per spec
-and tensor rank as DeepSpeed writes them, for the given T (any P and layout load it): training
-from it starts at iteration 0 with a fresh optimizer and learning-rate schedule, no flag needed.
+and tensor rank as DeepSpeed writes them, for the given T (any P and layout load it; a Mixtral's in
+universal form, `hf_import_experts`, loaded at P = 1): training from it starts at iteration 0 with a
+fresh optimizer and learning-rate schedule, no flag needed.
 """
 
 from __future__ import annotations

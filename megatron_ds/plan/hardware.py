@@ -6,7 +6,7 @@ Table 2.1 (layers, width, batch size, learning rate), with the head counts Megat
 example scripts use (hidden size divisible by heads: 1.3B uses 16 heads, 13B uses width 5120), sequence
 length 2048 and the GPT-2 BPE vocabulary of 50257 tokens; and Llama 2 (7B, 13B, 70B), Llama 3
 (8B, 70B, 405B), Llama 3.1 (8B, 70B; RoPE scaling), Llama 3.2 (1B, 3B; tied), Qwen2.5 (7B, 72B), Qwen3 (0.6B-32B dense; q/k norms,
-128-channel heads) and Mistral 7B with their architecture
+128-channel heads), Mistral 7B and Mixtral 8x7B (8 experts, top-2) with their architecture
 as pretrain_gpt.py's flags (each preset's `source`). A preset's model is built by pretrain_gpt.py's own
 flag rules (`flags.parser.model_config`), so its parameter count is what pretrain_gpt.py builds
 (tests/unit/test_plan_models.py checks the published counts).

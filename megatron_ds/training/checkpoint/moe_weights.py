@@ -1,6 +1,6 @@
 """A mixture-of-experts checkpoint's model weights as whole tensors, every expert by its global index, without torch
-.distributed: what one-process inference loads (`megatron_ds.inference.load_model`), and a `--kd` teacher's rank its
-own experts of (`training/distillation.py`).
+.distributed: what one-process inference loads (`megatron_ds.inference.load_model`) and the Hugging Face export writes
+(both through `weights.iter_model_tensors`), and a `--kd` teacher's rank its own experts of (`training/distillation.py`).
 
 Where they are (T = 1; at P = 1 MoE runs on DeepSpeed's plain engine):
 

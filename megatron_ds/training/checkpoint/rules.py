@@ -50,8 +50,7 @@ def has_optimizer_state(meta: dict[str, Any]) -> bool:
 def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
     """Why the per-spec weight readers refuse a mixture-of-experts checkpoint (None for a dense one): its experts are
     in DeepSpeed's files. What reads it is said in the same line: the Hugging Face export (as Mixtral), generation and
-    inference (`moe_weights`), a
-    resume under any world size, expert-parallel size and ZeRO stage 0-2 (through the universal form,
+    inference (`moe_weights`), a resume under any world size, expert-parallel size and ZeRO stage 0-2 (through the universal form,
     `universal.moe_source`), the conversion itself, and its weights alone (`--no-load-optim`); saved at P > 1, a
     resume under its own topology only (`moe_pipeline_refusal`)."""
     saved = Config.from_dict(meta["config"])
