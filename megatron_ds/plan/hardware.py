@@ -6,7 +6,7 @@ Table 2.1 (layers, width, batch size, learning rate), with the head counts Megat
 example scripts use (hidden size divisible by heads: 1.3B uses 16 heads, 13B uses width 5120), sequence
 length 2048 and the GPT-2 BPE vocabulary of 50257 tokens; and Llama 2 (7B, 13B, 70B), Llama 3
 (8B, 70B, 405B), Llama 3.1 (8B, 70B; RoPE scaling), Llama 3.2 (1B, 3B; tied), Qwen2.5 (7B, 72B), Qwen3 (0.6B-32B dense; q/k norms,
-128-channel heads), Mistral 7B and Mixtral 8x7B (8 experts, top-2) with their architecture
+128-channel heads), Mistral 7B and Mixtral 8x7B and 8x22B (8 experts, top-2) with their architecture
 as pretrain_gpt.py's flags (each preset's `source`). A preset's model is built by pretrain_gpt.py's own
 flag rules (`flags.parser.model_config`), so its parameter count is what pretrain_gpt.py builds
 (tests/unit/test_plan_models.py checks the published counts).
@@ -140,7 +140,9 @@ _MIXTRAL_ARCH = (
 _MIXTRAL = (
     "Jiang et al. 2024, Mixtral of Experts (arXiv 2401.04088), Table 1; the released Mixtral-8x7B-v0.1 config.json "
     "(46.7B parameters as its model card states, 46,702,792,704 from the config); its router_aux_loss_coef (0.02) "
-    "weighs transformers' loss, not --moe-loss-coeff's (docs/interop.md); batch and learning rate are not published (the Llama 2 batch and the placeholder --lr are printed)"
+    "weighs transformers' loss, not --moe-loss-coeff's (docs/interop.md); 8x22B: Mistral AI's release (141B "
+    "parameters, 39B active) and its config.json (hidden 6144, 56 layers, 48 heads, ffn 16384, vocabulary 32768); batch "
+    "and learning rate are not published (the Llama 2 batch and the placeholder --lr are printed)"
 )
 
 
@@ -243,6 +245,7 @@ PRESETS = {
             _MISTRAL,
         ),
         Preset("mixtral-8x7b", 32, 4096, 32, 1024, None, 14336, 4096, 32000, (*_MIXTRAL_ARCH, *_gqa(8)), _MIXTRAL),
+        Preset("mixtral-8x22b", 56, 6144, 48, 1024, None, 16384, 4096, 32768, (*_MIXTRAL_ARCH, *_gqa(8)), _MIXTRAL),
     )
 }
 PRESET_SEQ_LENGTH = 2048

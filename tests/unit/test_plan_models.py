@@ -33,8 +33,10 @@ PUBLISHED_BILLIONS = {
     "qwen2.5-7b": 7.6156,
     "qwen2.5-72b": 72.7062,
     "mistral-7b": 7.2417,
-    # Mixtral 8x7B v0.1 (Jiang et al. 2024): 46.7B, its model card; 46,702,792,704 from its config.json
+    # Mixtral 8x7B v0.1 (Jiang et al. 2024): 46.7B, its model card; 46,702,792,704 from its config.json. 8x22B: 141B
+    # (Mistral AI's release), 140,630,071,296 from its config.json
     "mixtral-8x7b": 46.7028,
+    "mixtral-8x22b": 140.6301,
 }
 QWEN = {"qwen2.5-7b", "qwen2.5-72b"}
 # Released config.json: rope_scaling (llama3) factor, or None; tie_word_embeddings
@@ -114,17 +116,18 @@ def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, 
     assert ("--kv-channels" in tokens) == (name in {"qwen3-0.6b", "qwen3-32b"})  # hidden / heads is not 128
 
 
-def test_the_mixtral_preset_is_the_released_model_and_exports_as_mixtral() -> None:
-    """8 experts of Mistral's MLP on every layer, top-2, every token routed (transformers' Mixtral): the model the
-    Hugging Face export writes as MixtralForCausalLM; its active parameters are the published 12.9B."""
+@pytest.mark.parametrize(("name", "active"), [("Mixtral-8x7B", 12.88), ("Mixtral-8x22B", 39.16)])
+def test_the_mixtral_presets_are_the_released_models_and_export_as_mixtral(name: str, active: float) -> None:
+    """8 experts of the layer's MLP on every layer, top-2, every token routed (transformers' Mixtral): the model the
+    Hugging Face export writes as MixtralForCausalLM; its active parameters are the published 12.9B and 39B."""
     from megatron_ds.interop import hf_architectures
 
-    m = resolve(PlanInputs(model="Mixtral-8x7B")).model()
-    assert m.experts_per_layer == (8,) * 32 and m.moe_top_k == 2 and m.kv_heads == 8 and m.rotary_base == 1e6
-    assert not m.moe_token_dropping and not m.moe_top2_2nd_expert_sampling
+    m = resolve(PlanInputs(model=name)).model()
+    assert m.experts_per_layer == (8,) * m.num_layers and m.moe_top_k == 2 and m.kv_heads == 8
+    assert not m.moe_token_dropping and not m.moe_top2_2nd_expert_sampling and m.rotary_base == 1e6
     assert hf_architectures.architecture_of(m) == hf_architectures.MIXTRAL
-    idle_experts = 32 * 6 * 3 * 4096 * 14336  # 6 of the 8 experts of each layer do not compute a token
-    assert (total_params(m) - idle_experts) / 1e9 == pytest.approx(12.88, rel=1e-3)
+    idle_experts = m.num_layers * 6 * 3 * m.hidden_size * m.ffn_hidden_size  # 6 of a layer's 8 compute no token
+    assert (total_params(m) - idle_experts) / 1e9 == pytest.approx(active, rel=1e-3)
 
 
 def test_the_qwen3_8b_plan_prints_every_default_section(capsys) -> None:
