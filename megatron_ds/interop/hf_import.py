@@ -218,14 +218,13 @@ def _write_specs(weights: HFWeights, hf: HFModel, config: Config, step_dir: str,
     os.makedirs(step_dir)
     model, t = config.model, config.parallel.tensor_model_parallel_size
     groups = naming.gpt_spec_groups(model)
-    first_layer = len(groups.pre)
     bar = files.progress(len(groups.names), "import", show_progress)
     try:
         for index, spec in enumerate(groups.names):
             bar.update(1)
             if spec not in MODULE_SPECS:
                 continue
-            layer = index - first_layer if spec == naming.TRANSFORMER_LAYER else None
+            layer = groups.layer_of(index)
             states: list[dict[str, Any]] = [{} for _ in range(t)]
             for key, rule in sharding.spec_tensors(model, spec).items():
                 names = hf_weights.hf_names(hf.arch, spec, key, layer)

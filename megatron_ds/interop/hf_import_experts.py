@@ -43,7 +43,7 @@ class HFSource:
     def __init__(self, weights: HFWeights, arch: str, ckpt: reader.Checkpoint, hf_dir: str) -> None:
         self.weights, self.arch, self.ckpt, self.hf_dir = weights, arch, ckpt, hf_dir
         self.model = ckpt.config.model
-        self.first_layer = len(naming.gpt_spec_groups(self.model).pre)
+        self.groups = naming.gpt_spec_groups(self.model)
 
     def state_keys(self) -> list[str]:
         return []
@@ -53,7 +53,7 @@ class HFSource:
 
     def read(self, tensor: ModelTensor, state: str) -> torch.Tensor:
         assert state == FP32, state  # state_keys() is empty
-        layer = tensor.spec_index - self.first_layer if tensor.spec == naming.TRANSFORMER_LAYER else None
+        layer = self.groups.layer_of(tensor.spec_index)
         names = hf_weights.hf_names(self.arch, tensor.spec, tensor.key, layer)
         full = hf_weights.from_hf(self.arch, tensor.spec, tensor.key, [self.weights.get(n) for n in names]).float()
         if tensor.rule.vocab and full.shape[0] < self.model.vocab_size:

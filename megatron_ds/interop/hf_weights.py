@@ -152,10 +152,10 @@ def from_hf(arch: str, spec: str, key: str, tensors: list[torch.Tensor]) -> torc
 def hf_shapes(arch: str, model: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the model has, with its shape (vocabulary rows: `vocab_size`)."""
     out: dict[str, tuple[int, ...]] = {}
-    first_layer = len(naming.gpt_spec_groups(model).pre)
+    groups = naming.gpt_spec_groups(model)
     for tensor in model_tensors(model):  # a layer's experts too
         spec, key, rule = tensor.spec, tensor.key, tensor.rule
-        layer = tensor.spec_index - first_layer if spec == naming.TRANSFORMER_LAYER else None
+        layer = groups.layer_of(tensor.spec_index)
         shape = (vocab_size, *rule.shape[1:]) if rule.vocab else rule.shape
         probe = torch.empty(shape, device="meta")
         for name, t in zip(hf_names(arch, spec, key, layer), to_hf(arch, spec, key, rule, probe)):

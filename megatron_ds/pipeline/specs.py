@@ -28,6 +28,11 @@ class SpecGroups:
     def num_specs(self) -> int:
         return len(self.pre) + self.num_layers + len(self.post)
 
+    def layer_of(self, idx: int) -> int | None:
+        """The transformer layer (from 0) that spec index `idx` is, None for a pre or post spec."""
+        layer = idx - len(self.pre)
+        return layer if 0 <= layer < self.num_layers else None
+
     def group_of(self, idx: int) -> str:
         """`pre`, `body` or `post` for spec index `idx`."""
         if idx < len(self.pre):

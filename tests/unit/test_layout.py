@@ -291,3 +291,10 @@ def test_rank_table_states_the_pattern_for_many_ranks(dp: int, tp: int) -> None:
             assert int(stated.group(1)) == first
         else:
             assert [int(stated.group(i)) for i in (2, 3, 4)] == [first, tp, first + tp - 1]
+
+
+def test_layer_of_numbers_the_body_specs_from_zero() -> None:
+    g = groups(4)
+    layers = [g.layer_of(i) for i in range(g.num_specs)]
+    assert layers == [None] * len(PRE) + [0, 1, 2, 3] + [None] * len(POST)
+    assert [g.names[i] == g.layer_name for i in range(g.num_specs)] == [n is not None for n in layers]

@@ -77,15 +77,13 @@ def iter_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
     refuse_universal(ckpt)
     model = ckpt.config.model
     groups = naming.gpt_spec_groups(model)
-    first_layer = len(groups.pre)
     for index, spec in enumerate(groups.names):
         rules = sharding.spec_tensors(model, spec)
         if not rules:
             continue
         states = [load_state(layer_file(ckpt.directory, index, r)) for r in range(ckpt.tensor_parallel)]
-        layer = index - first_layer if spec == naming.TRANSFORMER_LAYER else None
         for key, rule in rules.items():
-            yield SpecTensor(index, spec, layer, key, rule, _gathered(ckpt, index, key, rule, states))
+            yield SpecTensor(index, spec, groups.layer_of(index), key, rule, _gathered(ckpt, index, key, rule, states))
         del states
 
 

@@ -23,7 +23,6 @@ def iter_model_tensors(ckpt: Checkpoint) -> Iterator[SpecTensor]:
     from megatron_ds.training.checkpoint import moe_weights  # reads DeepSpeed's files: dense models import no DeepSpeed
 
     refuse_universal(ckpt)
-    first = len(naming.gpt_spec_groups(ckpt.config.model).pre)
+    groups = naming.gpt_spec_groups(ckpt.config.model)
     for t, tensor in moe_weights.iter_weights(ckpt):
-        layer = t.spec_index - first if t.spec == naming.TRANSFORMER_LAYER else None
-        yield SpecTensor(t.spec_index, t.spec, layer, t.key, t.rule, tensor)
+        yield SpecTensor(t.spec_index, t.spec, groups.layer_of(t.spec_index), t.key, t.rule, tensor)
