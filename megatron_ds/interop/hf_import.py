@@ -227,10 +227,7 @@ def _write_specs(weights: HFWeights, hf: HFModel, config: Config, step_dir: str,
             layer = groups.layer_of(index)
             states: list[dict[str, Any]] = [{} for _ in range(t)]
             for key, rule in sharding.spec_tensors(model, spec).items():
-                names = hf_weights.hf_names(hf.arch, spec, key, layer)
-                full = hf_weights.from_hf(hf.arch, spec, key, [weights.get(n) for n in names])
-                if rule.vocab:
-                    full = _pad_rows(full, model.vocab_size)
+                full = hf_weights.read_ours(hf.arch, spec, key, layer, rule, weights.get, model.vocab_size)
                 for state, piece in zip(states, sharding.split(rule, full, t)):
                     state[key] = piece
             for state in states:
@@ -239,13 +236,6 @@ def _write_specs(weights: HFWeights, hf: HFModel, config: Config, step_dir: str,
                 torch.save(state, checkpoint_reader.layer_file(step_dir, index, rank))
     finally:
         bar.close()
-
-
-def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
-    """Zero rows up to the padded vocabulary (never a token: the tokenizer has fewer ids)."""
-    if full.shape[0] == rows:
-        return full
-    return torch.cat((full, full.new_zeros(rows - full.shape[0], *full.shape[1:])))
 
 
 def _copy_tokenizer(config: Config, tmp: str, final_root: str) -> Config:

@@ -54,11 +54,10 @@ class HFSource:
     def read(self, tensor: ModelTensor, state: str) -> torch.Tensor:
         assert state == FP32, state  # state_keys() is empty
         layer = self.groups.layer_of(tensor.spec_index)
-        names = hf_weights.hf_names(self.arch, tensor.spec, tensor.key, layer)
-        full = hf_weights.from_hf(self.arch, tensor.spec, tensor.key, [self.weights.get(n) for n in names]).float()
-        if tensor.rule.vocab and full.shape[0] < self.model.vocab_size:
-            full = torch.cat((full, full.new_zeros(self.model.vocab_size - full.shape[0], *full.shape[1:])))
-        return full
+        rows = self.model.vocab_size
+        return hf_weights.read_ours(
+            self.arch, tensor.spec, tensor.key, layer, tensor.rule, self.weights.get, rows
+        ).float()
 
     def engine_state(self) -> dict[str, Any]:
         return {"global_steps": 0, "global_samples": 0, "skipped_steps": 0, "lr_scheduler": None}

@@ -16,6 +16,7 @@ on load).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,6 +148,23 @@ def from_hf(arch: str, spec: str, key: str, tensors: list[torch.Tensor]) -> torc
     if how == SPLIT:
         return torch.cat(tensors, dim=0)
     return tensors[0].contiguous()
+
+
+def read_ours(
+    arch: str,
+    spec: str,
+    key: str,
+    layer: int | None,
+    rule: sharding.TensorRule,
+    get: Callable[[str], torch.Tensor],
+    rows: int,
+) -> torch.Tensor:
+    """Our full tensor (spec, key) of transformer layer `layer` from the HF tensors `get` reads by name (`from_hf`), a
+    vocabulary tensor zero-padded to `rows` rows (never a token: the tokenizer has fewer ids)."""
+    full = from_hf(arch, spec, key, [get(name) for name in hf_names(arch, spec, key, layer)])
+    if not rule.vocab or full.shape[0] == rows:
+        return full
+    return torch.cat((full, full.new_zeros(rows - full.shape[0], *full.shape[1:])))
 
 
 def hf_shapes(arch: str, model: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
