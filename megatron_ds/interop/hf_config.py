@@ -72,31 +72,36 @@ def to_hf_config(
         }
     if arch == PHI3:
         return {**common, **_phi3_fields(model, regularization)}
-    if arch == MIXTRAL:
-        return {**common, **_llama_layout_fields(model, regularization), **_mixtral_fields(model)}
     return {**common, **_llama_layout_fields(model, regularization), **_type_fields(arch, model)}
 
 
 def _mixtral_fields(model: ModelConfig) -> dict[str, Any]:
-    """Mixtral's experts, its router (top-2, no jitter) and its window (on every layer, MIXTRAL_REQUIRES)."""
+    """Mixtral's experts and its router (top-2, no jitter)."""
     return {
         "num_local_experts": model.experts_per_layer[0],
         "num_experts_per_tok": model.moe_top_k,
         "router_aux_loss_coef": model.moe_loss_coeff,
         "output_router_logits": False,
         "router_jitter_noise": 0.0,
-        "sliding_window": None if model.window_size is None else model.window_size[0] + 1,
     }
 
 
+def _sliding_window(model: ModelConfig) -> int | None:
+    """transformers' `sliding_window` of a window on every layer (LEFT + 1 keys, the query's own included), or None."""
+    return None if model.window_size is None else model.window_size[0] + 1
+
+
 def _type_fields(arch: str, model: ModelConfig) -> dict[str, Any]:
-    """What Llama, Qwen2, Qwen3 and Mistral's config.json say differently: biases, and the sliding window."""
+    """What Llama, Qwen2, Qwen3, Mistral and Mixtral's config.json say differently: biases, the sliding window and
+    Mixtral's experts."""
     if arch == QWEN2:  # q/k/v biases are built in
         return _qwen_window(model)
     if arch == QWEN3:  # q/k norms are built in; attention_bias would add o_proj's too
         return {**_qwen_window(model), "attention_bias": False}
     if arch == MISTRAL:  # on every layer (MISTRAL_REQUIRES)
-        return {"sliding_window": None if model.window_size is None else model.window_size[0] + 1}
+        return {"sliding_window": _sliding_window(model)}
+    if arch == MIXTRAL:  # on every layer (MIXTRAL_REQUIRES)
+        return {"sliding_window": _sliding_window(model), **_mixtral_fields(model)}
     return {"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear, "pretraining_tp": 1}
 
 
@@ -109,7 +114,7 @@ def _qwen_window(model: ModelConfig) -> dict[str, Any]:
     kinds = ["full_attention" if w is None else "sliding_attention" for w in model.layer_windows]
     return {
         "use_sliding_window": True,
-        "sliding_window": model.window_size[0] + 1,
+        "sliding_window": _sliding_window(model),
         "max_window_layers": kinds.index("sliding_attention"),
         "layer_types": kinds,
     }
@@ -203,7 +208,7 @@ def _phi3_fields(model: ModelConfig, regularization: RegularizationConfig) -> di
         "rope_theta": model.rotary_base,
         "partial_rotary_factor": model.rotary_percent,
         "rope_scaling": None,
-        "sliding_window": None if model.window_size is None else model.window_size[0] + 1,  # every layer's
+        "sliding_window": _sliding_window(model),  # every layer's
         "resid_pdrop": regularization.hidden_dropout,
         "embd_pdrop": regularization.hidden_dropout,
         "attention_dropout": regularization.attention_dropout,
