@@ -166,13 +166,13 @@ def import_hf(hf_dir: str, output: str, argv: Sequence[str] = (), show_progress:
         meta = _meta(config, layout.to_string(), hf, hf_dir)
         if config.model.is_moe:  # experts: the weights in universal form (hf_import_experts)
             meta |= hf_import_experts.converted_section(TAG, hf_dir, hf.vocab_size)
-            os.makedirs(os.path.join(tmp, TAG))
-            files.write_json(os.path.join(tmp, TAG, META), meta)
+        os.makedirs(os.path.join(tmp, TAG))
+        files.write_json(os.path.join(tmp, TAG, META), meta)  # first: the universal form records its fingerprint
+        if config.model.is_moe:
             ckpt = checkpoint_reader.Checkpoint(tmp, TAG, meta, config)
             hf_import_experts.write_universal(weights, hf.arch, ckpt, hf_dir, show_progress)
         else:
             _write_specs(weights, hf, config, os.path.join(tmp, TAG), show_progress)
-            files.write_json(os.path.join(tmp, TAG, META), meta)
         with open(os.path.join(tmp, LATEST), "w") as f:
             f.write(TAG)
     flags = _train_flags(config, hf)
@@ -215,7 +215,6 @@ def _check_weights(weights: HFWeights, hf: HFModel, config: Config, hf_dir: str)
 
 
 def _write_specs(weights: HFWeights, hf: HFModel, config: Config, step_dir: str, show_progress: bool) -> None:
-    os.makedirs(step_dir)
     model, t = config.model, config.parallel.tensor_model_parallel_size
     groups = naming.gpt_spec_groups(model)
     bar = files.progress(len(groups.names), "import", show_progress)
