@@ -10,12 +10,12 @@ counts built from them are in `megatron_ds.model.shapes`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
 from megatron_ds.config.checks import at_least, check, one_of, positive, probability
+from megatron_ds.config.experts import check_experts, experts_per_layer
 
 NORMALIZATIONS = ("layernorm", "rmsnorm", "layernorm1p", "rmsnorm1p")
 """The norms ModelConfig accepts: the names of `megatron_ds.model.norms.REGISTRY`, which holds each
@@ -27,33 +27,6 @@ which holds each one's function, Hugging Face name and costs (it checks on impor
 gated entries are these)."""
 GATED_ACTIVATIONS = ("swiglu",)
 """Activations of a gated MLP: fc1 produces a gate and an up half (2 x ffn features)."""
-MLP_TYPES = ("standard", "residual")
-"""Megatron-DeepSpeed's `--mlp-type` of a mixture-of-experts layer: experts alone, or PR-MoE's residual MLP beside
-them (DeepSpeed's `MoE(use_residual=True)`)."""
-MOE_TOP_K = (1, 2)
-"""The gates DeepSpeed's MoE layer documents (`--topk`): top-1 and top-2."""
-MOE_ROUTING_FIELDS = (
-    "moe_top_k",
-    "moe_train_capacity_factor",
-    "moe_eval_capacity_factor",
-    "moe_min_capacity",
-    "moe_token_dropping",
-    "moe_top2_2nd_expert_sampling",
-    "moe_loss_coeff",
-)
-"""The mixture-of-experts fields that shape no weight (how tokens are routed, the auxiliary loss's weight): stored
-at their defaults in a dense model, and free to change on resume (`training.checkpoint.rules.WEIGHT_FREE_FIELDS`)."""
-
-
-def experts_per_layer(num_experts: tuple[int, ...], num_layers: int, expert_interval: int) -> tuple[int, ...]:
-    """Experts of each transformer layer, as Megatron-DeepSpeed's `get_num_experts_per_layer`: layer i (from 1) has
-    experts when i is a multiple of `expert_interval`, the k-th such layer `num_experts[k - 1]` (one value: every
-    such layer); every other layer is dense (1)."""
-    groups = num_layers // expert_interval
-    counts = num_experts * groups if len(num_experts) == 1 else num_experts
-    return tuple(
-        counts[(i - 1) // expert_interval] if i % expert_interval == 0 else 1 for i in range(1, num_layers + 1)
-    )
 
 
 def default_ffn_hidden_size(hidden_size: int, activation: str) -> int:
@@ -166,8 +139,17 @@ class ModelConfig:
     mlp_type: str = "standard"
     """`--mlp-type`: `standard` (experts alone) or `residual` (PR-MoE: a dense MLP beside the experts, mixed by a
     learned two-way softmax). Stored as `standard` in a dense model."""
+    moe_router: str = "deepspeed"
+    """`deepspeed`: Megatron-DeepSpeed's gates (`--topk` 1 or 2: DeepSpeed's top-1 and top-2 gates, their capacity,
+    token dropping and second-expert sampling). `megatron`: Megatron-LM's top-k router (chosen by its `--moe-*`
+    flags, `megatron_ds.flags.megatron_lm_moe`): softmax over the k largest logits (the same weights as a softmax
+    over all experts renormalized over the k), every token routed (no capacity), the load-balancing loss
+    E / k x sum_e(mean probability_e x routed share_e) counting all k choices, the gate drawn N(0, init std);
+    DeepSpeed's `topkgating` computes it. With it the capacity fields are stored at their defaults and token
+    dropping and second-expert sampling as off (what it does)."""
     moe_top_k: int = 1
-    """`--topk`: experts each token is sent to (1 or 2)."""
+    """`--topk` / `--moe-router-topk`: experts each token is sent to (1 or 2 with DeepSpeed's gates, any number of
+    the layer's experts with Megatron-LM's router)."""
     moe_train_capacity_factor: float = 1.0
     """`--moe-train-capacity-factor`: an expert takes at most factor x tokens / experts tokens in training (x 2 for
     top-2; at least `moe_min_capacity`); the rest are dropped (their MLP output is 0) unless token dropping is off."""
@@ -237,7 +219,7 @@ class ModelConfig:
             object.__setattr__(self, "add_qkv_bias", False)
         if self.qk_l2_norm:
             object.__setattr__(self, "qk_layernorm", False)
-        self._check_experts()
+        check_experts(self)
         self._check_window()
         dim = self.rotary_dim
         check(
@@ -258,38 +240,6 @@ class ModelConfig:
             h % nh == 0,
             f"--hidden-size {h} is not divisible by --num-attention-heads {nh}; "
             f"choose sizes whose ratio is an integer head size, or give the head size with --kv-channels",
-        )
-
-    def _check_experts(self) -> None:
-        object.__setattr__(self, "num_experts", tuple(int(n) for n in self.num_experts))  # a JSON list on load
-        given = " ".join(map(str, self.num_experts))
-        check(
-            len(self.num_experts) >= 1 and all(n >= 1 for n in self.num_experts),
-            f"--num-experts {given} must be one or more counts >= 1",
-        )
-        at_least("--expert-interval", self.expert_interval, 1)
-        groups = self.num_layers // self.expert_interval
-        check(
-            len(self.num_experts) in (1, groups),
-            f"--num-experts {given} gives {len(self.num_experts)} counts, but --num-layers {self.num_layers} with "
-            f"--expert-interval {self.expert_interval} has {groups} expert layers; give one count, or {groups}",
-        )
-        one_of("--mlp-type", self.mlp_type, MLP_TYPES)
-        one_of("--topk", self.moe_top_k, MOE_TOP_K)
-        positive("--moe-train-capacity-factor", self.moe_train_capacity_factor)
-        positive("--moe-eval-capacity-factor", self.moe_eval_capacity_factor)
-        at_least("--moe-min-capacity", self.moe_min_capacity, 0)
-        at_least("--moe-loss-coeff", self.moe_loss_coeff, 0.0)
-        if not self.is_moe:  # one spelling of a dense model (as the rotary fields above)
-            defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-            for name in ("num_experts", "expert_interval", "mlp_type", *MOE_ROUTING_FIELDS):
-                object.__setattr__(self, name, defaults[name])
-            return
-        few = min(n for n in self.experts_per_layer if n > 1)
-        check(
-            self.moe_top_k <= few,
-            f"--topk {self.moe_top_k} sends each token to {self.moe_top_k} experts, but a layer has {few}; "
-            f"use --topk 1 or more experts",
         )
 
     def _check_window(self) -> None:

@@ -3,7 +3,8 @@ all-to-all traffic, read off DeepSpeed's MoE layer as installed (0.19.8, `deepsp
 `experts.py`, `layer.py`) around our MLP (`megatron_ds.model.moe`). Pure: no torch.
 
 Per micro-batch a rank routes its own S = b s tokens (sequence-first, T = 1). The gate is an fp32 linear h -> E
-(`TopKGate.forward`: `input.float()`, `wg.weight.float()`) and a softmax; `_capacity` gives every expert
+(`TopKGate.forward`: `input.float()`, `wg.weight.float()`; Megatron-LM's router, `moe.megatron_router`, is the same
+linear into `topkgating` without dropping) and a softmax; `_capacity` gives every expert
 C = max(ceil(k S / E x capacity factor), min capacity) slots (top-2 passes 2 x the factor). Without token dropping
 C is the most tokens any expert got, data-dependent: planned here as the balanced ceil(k S / E), which a skewed
 router exceeds. DeepSpeed 0.19.8 routes sparsely: `_sparse_encode` gathers the tokens into an (E, C, h) buffer
@@ -20,9 +21,12 @@ dtype's bytes, f the FFN size, `saved_features` the activation's saved inputs pe
   gate input, fp32 copy                4 S h    (and, in 16-bit, the gate weight's fp32 copy, 4 h E)
   gate probabilities                   4 S E    (the softmax output)
   route masks                          top-1: the int64 one-hot, 8 S E; top-2: two fp32 ones, 8 S E, and
-                                       the sum of each token's two gate values (the clamp's input), 4 S
+                                       the sum of each token's two gate values (the clamp's input), 4 S;
+                                       Megatron-LM's router (`topkgating`): the bool mask, S E, the masked and
+                                       the renormalized gates, 8 S E, the sum and its clamp, 8 S, the int64
+                                       top-k index, 8 k S
   load-balancing loss                  4 E (the routed share per expert) and 8 k (the int64 factors E, and E again
-                                       for top-2, it is multiplied by)
+                                       for top-2, it is multiplied by; three, E, E and k, for Megatron-LM's router)
   dispatch index                       8 (E C + 1)  (int64 slot sources, one scratch slot)
   expert inputs                        E C h w, saved_features E C f w, E C f w  (fc1, activation, fc2)
   combine                              k S h w (the gathered outputs), 4 k S (gates), 8 k S (slots)
@@ -59,12 +63,11 @@ def mlp_terms(model: ModelConfig, micro_batch_size: int, num_experts: int, w: in
     h, f, e, k = model.hidden_size, model.ffn_hidden_size, num_experts, model.moe_top_k
     slots = e * capacity(model, s_tok, e)
     saved = activations.find(model.activation).saved_features
-    masks = INDEX_BYTES * s_tok * e if k == 1 else 2 * FP32 * s_tok * e + FP32 * s_tok
     terms = {
         "gate input (fp32)": FP32 * s_tok * h + (FP32 * h * e if w < FP32 else 0),
         "gate probabilities": FP32 * s_tok * e,
-        "route masks": masks,
-        "load-balancing loss": FP32 * e + INDEX_BYTES * k,
+        "route masks": _route_mask_bytes(model, s_tok, e),
+        "load-balancing loss": FP32 * e + INDEX_BYTES * (k if model.moe_router == "deepspeed" else 3),
         "dispatch index": INDEX_BYTES * (slots + 1),
         "expert fc1 inputs": slots * h * w,
         f"expert {model.activation} inputs": saved * slots * f * w,
@@ -75,6 +78,14 @@ def mlp_terms(model: ModelConfig, micro_batch_size: int, num_experts: int, w: in
         terms["residual MLP"] = 2 * s_tok * h * w + saved * s_tok * f * w + s_tok * f * w
         terms["residual mixing"] = 2 * s_tok * w + 2 * s_tok * h * w
     return terms
+
+
+def _route_mask_bytes(model: ModelConfig, s_tok: int, e: int) -> int:
+    """What the gate saves of its choices (the module docstring's table)."""
+    k = model.moe_top_k
+    if model.moe_router == "megatron":  # topkgating: bool mask, masked and renormalized gates, sums, gather index
+        return s_tok * e + 2 * FP32 * s_tok * e + 2 * FP32 * s_tok + INDEX_BYTES * k * s_tok
+    return INDEX_BYTES * s_tok * e if k == 1 else 2 * FP32 * s_tok * e + FP32 * s_tok
 
 
 def mlp_flops(model: ModelConfig, micro_batch_size: int, num_experts: int, active: bool = False) -> dict[str, int]:

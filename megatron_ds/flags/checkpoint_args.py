@@ -20,6 +20,7 @@ from typing import Any
 
 from megatron_ds.config import Config, ModelConfig
 from megatron_ds.errors import ConfigError
+from megatron_ds.flags import megatron_lm_moe
 from megatron_ds.flags.declare import ACCEPTED, flag_of
 from megatron_ds.flags.notices import notice
 from megatron_ds.flags.registry import FLAGS
@@ -52,7 +53,9 @@ def model_dests(model: ModelConfig) -> dict[str, Any]:
             if not f.derived or f.attr in DERIVED_MODEL_DESTS:
                 out[f.attr] = getattr(model, name)
     out.update(ACTIVATION_FLAGS[model.activation])
-    return {dest: value for dest, value in out.items() if value is not None}
+    unset, routing = megatron_lm_moe.checkpoint_dests(model)
+    out = {dest: value for dest, value in out.items() if dest not in unset}
+    return {dest: value for dest, value in {**out, **routing}.items() if value is not None}
 
 
 def apply(args: argparse.Namespace, given: set[str]) -> None:

@@ -10,6 +10,7 @@ means what it means in Megatron-LM, changes nothing here (the help says why), or
 from __future__ import annotations
 
 import megatron_ds.flags.megatron_lm_io as megatron_lm_io
+import megatron_ds.flags.megatron_lm_moe as megatron_lm_moe
 from megatron_ds.flags.declare import MEGATRON_LM, VALUE, Flag, Refusal, accepted, no_op, refused, switch
 
 _NET, _TRAIN, _DIST, _TE = "network size", "training", "distributed", "Transformer Engine"
@@ -356,6 +357,7 @@ DISTRIBUTED: tuple[Flag, ...] = (
 
 GROUPS: tuple[tuple[Flag, ...], ...] = (
     NETWORK,
+    megatron_lm_moe.MIXTURE_OF_EXPERTS,
     TRAINING,
     MIXED_PRECISION,
     TRANSFORMER_ENGINE,
@@ -364,5 +366,5 @@ GROUPS: tuple[tuple[Flag, ...], ...] = (
     megatron_lm_io.CHECKPOINTING,
     megatron_lm_io.LOGGING,
 )
-"""Every table of Megatron-LM's flags, here and in `megatron_lm_io` (what `--data-upstream auto` reads as
+"""Every table of Megatron-LM's flags, here, in `megatron_lm_moe` and in `megatron_lm_io` (what `--data-upstream auto` reads as
 Megatron-LM's)."""

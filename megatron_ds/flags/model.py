@@ -5,7 +5,7 @@ How Megatron's activation flags select `ModelConfig.activation` is flags -> conf
 
 from __future__ import annotations
 
-from megatron_ds.config.model import MLP_TYPES
+from megatron_ds.config.experts import MLP_TYPES
 from megatron_ds.config.optimizer import WD_INCR_STYLES
 from megatron_ds.flags.declare import VALUE, Flag, accepted, field_default, no_op, refused, switch
 from megatron_ds.model import norms
@@ -191,7 +191,15 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
         "model.mlp_type",
         choices=MLP_TYPES,
     ),
-    accepted("--topk", _MOE, "experts each token goes to: 1 or 2", "model.moe_top_k", type=int),
+    accepted(
+        "--topk",
+        _MOE,
+        "experts each token goes to with DeepSpeed's gates: 1 or 2 (default 1)",
+        "model.moe_top_k",
+        type=int,
+        derived=True,
+        default=None,
+    ),
     accepted(
         "--moe-expert-parallel-size",
         _MOE,
@@ -200,7 +208,15 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
         "parallel.expert_parallel_size",
         type=int,
     ),
-    accepted("--expert-interval", _MOE, "every this-many-th layer has experts", "model.expert_interval", type=int),
+    accepted(
+        "--expert-interval",
+        _MOE,
+        "every this-many-th layer has experts (default 2)",
+        "model.expert_interval",
+        type=int,
+        derived=True,
+        default=None,
+    ),
     accepted(
         "--moe-train-capacity-factor",
         _MOE,
@@ -216,9 +232,11 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
     accepted(
         "--moe-loss-coeff",
         _MOE,
-        "the loss trained is the LM loss + this x the sum of the MoE layers' load-balancing losses",
+        "the loss trained is the LM loss + this x the sum of the MoE layers' load-balancing losses (default 0.1)",
         "model.moe_loss_coeff",
         type=float,
+        derived=True,
+        default=None,
     ),
     switch(
         "--create-moe-param-group",

@@ -8,6 +8,7 @@ import megatron_ds.flags.logging_flags as logging_flags
 import megatron_ds.flags.lr_precision as lr_precision
 import megatron_ds.flags.megatron_lm as megatron_lm
 import megatron_ds.flags.megatron_lm_io as megatron_lm_io
+import megatron_ds.flags.megatron_lm_moe as megatron_lm_moe
 import megatron_ds.flags.model as model
 import megatron_ds.flags.other_models as other_models
 import megatron_ds.flags.parallel as parallel
@@ -18,6 +19,7 @@ FLAGS: tuple[Flag, ...] = (
     *model.NETWORK,
     *megatron_lm.NETWORK,
     *model.MIXTURE_OF_EXPERTS,
+    *megatron_lm_moe.MIXTURE_OF_EXPERTS,
     *logging_flags.LOGGING,
     *megatron_lm_io.LOGGING,
     *model.REGULARIZATION,

@@ -35,6 +35,7 @@ from megatron_ds.flags import (
     checkpointing_flags,
     compat,
     dry_run,
+    megatron_lm_moe,
     model_flags,
     profiler_flags,
     schedule_flags,
@@ -156,6 +157,7 @@ def _parallel_config(args: argparse.Namespace, direct: dict[str, Any], world_siz
             f"--no-pipeline-parallel needs --pipeline-model-parallel-size 1 (got {p}); drop one of the two"
         )
     default_world = max(p, 1) * max(t, 1) * max(args.ds_sequence_parallel_size, 1)  # one replica (< 1 refused)
+    direct = {**direct, **megatron_lm_moe.expert_parallel(args, direct.get("expert_parallel_size"))}
     if any(n > 1 for n in args.num_experts or ()):  # MoE: the fewest replicas that hold one expert-parallel group
         default_world *= max(direct.get("expert_parallel_size", 1), 1)
     schedule, virtual = schedule_flags.pipeline_schedule(args)
@@ -286,6 +288,8 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
     except LayoutError as err:
         raise _as_given(err, args, config.parallel.pp_dedicated_embedding_stages) from None
     _moe_clip_notice(config)
+    if config.model.is_moe:
+        megatron_lm_moe.router_notices(args, config.training.precision == "bf16")
     return config
 
 

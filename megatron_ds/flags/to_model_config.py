@@ -15,7 +15,7 @@ from typing import Any
 
 from megatron_ds.config import ModelConfig, default_ffn_hidden_size, padded_vocab_size
 from megatron_ds.errors import ConfigError
-from megatron_ds.flags import model_flags, window_flags
+from megatron_ds.flags import megatron_lm_moe, model_flags, window_flags
 from megatron_ds.flags.declare import flag_of
 from megatron_ds.flags.notices import warn
 
@@ -105,6 +105,7 @@ def build_model_config(args: argparse.Namespace, direct: dict[str, Any]) -> Mode
     activation = model_activation(args)
     model = ModelConfig(
         **direct,
+        **megatron_lm_moe.model_fields(args),
         ffn_hidden_size=_ffn_hidden_size(args, activation),
         max_position_embeddings=_max_positions(args),
         vocab_size=_vocab_size(args),
@@ -117,6 +118,7 @@ def build_model_config(args: argparse.Namespace, direct: dict[str, Any]) -> Mode
         window_attn_skip_freq=window_flags.window_layers(args),
     )
     _check_fixed_model_options(args, model)
+    megatron_lm_moe.check_expert_width(args, model.ffn_hidden_size)
     model_flags.check_parallel_modes(args)
     if norm_warning:
         warn(norm_warning)

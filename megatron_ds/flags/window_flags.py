@@ -45,15 +45,20 @@ def window_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
             )
         n = int(text)
         return tuple(0 if layer % n == 0 else 1 for layer in range(1, args.num_layers + 1))
-    pattern = _evaluate(text)
-    if not isinstance(pattern, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in pattern):
-        raise ConfigError(f"--window-attn-skip-freq {text} must give a list of 0s and 1s, e.g. [1,1,1,0]*3")
-    return tuple(pattern)
+    return pattern(text, "--window-attn-skip-freq")
 
 
-def _evaluate(text: str) -> object:
+def pattern(text: str, flag: str) -> tuple[int, ...]:
+    """Upstream's `moe_freq_type` list expression (`flag`'s value) as a tuple of integers, without eval."""
+    value = _evaluate(text, flag)
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise ConfigError(f"{flag} {text} must give a list of 0s and 1s, e.g. [1,1,1,0]*3")
+    return tuple(value)
+
+
+def _evaluate(text: str, flag: str) -> object:
     """Upstream's list expression (digits, lists, tuples, + and *) without eval."""
-    bad = ConfigError(f"--window-attn-skip-freq {text} is not a list expression of digits, [], (), + and *")
+    bad = ConfigError(f"{flag} {text} is not a list expression of digits, [], (), + and *")
     if _PATTERN_CHARACTERS.search(text):
         raise bad
     try:

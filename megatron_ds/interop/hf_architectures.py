@@ -163,10 +163,11 @@ MIXTRAL_REQUIRES = (
         ),
     ),
     Requirement(
-        lambda m: m.moe_top_k == 2,
+        lambda m: m.moe_top_k == 2 or m.moe_router == "megatron",
         lambda m: (
             f"--topk {m.moe_top_k}: Mixtral weighs a token's experts by their renormalized scores (at top-1 a weight "
-            f"of 1, where DeepSpeed's top-1 gate weighs by the softmax score); only --topk 2 is the same"
+            f"of 1, where DeepSpeed's top-1 gate weighs by the softmax score); of DeepSpeed's gates only --topk 2 is "
+            f"the same (Megatron-LM's router, --moe-router-topk K, is at any K)"
         ),
     ),
     Requirement(lambda m: m.mlp_type == "standard", "--mlp-type residual: Mixtral has no residual MLP (PR-MoE)"),
@@ -181,7 +182,7 @@ MIXTRAL_REQUIRES = (
     ),
 )
 """A mixture-of-experts model is Mixtral's when its experts are (DeepSpeed's top-2 gate without capacity is Mixtral's
-router; `moe.route_every_token`)."""
+router, `moe.route_every_token`, and so is Megatron-LM's top-k router, `moe.megatron_router`, at every k)."""
 
 
 def _default_head(model: ModelConfig) -> str:

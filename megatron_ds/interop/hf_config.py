@@ -158,15 +158,19 @@ def _mixtral_notes(model: ModelConfig) -> list[str]:
 
 
 def moe_loss_note(model: ModelConfig) -> str:
-    """How `router_aux_loss_coef` (written and read as --moe-loss-coeff) weighs another load-balancing loss: ours adds
-    every MoE layer's DeepSpeed loss (about 1 each when balanced; a token's first expert counted), transformers'
-    (`output_router_logits`) one averaged over the layers (about 2 at top-2; both experts counted)."""
-    layers = sum(1 for n in model.experts_per_layer if n > 1)
+    """How `router_aux_loss_coef` (written and read as the coefficient flag) weighs another load-balancing loss: ours
+    adds every MoE layer's loss (about 1 each when balanced; DeepSpeed's gates count a token's first expert, Megatron-LM's
+    router all k, divided by k), transformers' (`output_router_logits`) one averaged over the layers (about k; all k
+    experts counted)."""
+    layers, k = sum(1 for n in model.experts_per_layer if n > 1), model.moe_top_k
+    megatron = model.moe_router == "megatron"
+    flag, gate = ("--moe-aux-loss-coeff", "Megatron-LM") if megatron else ("--moe-loss-coeff", "DeepSpeed")
+    counted = f"all {k} experts counted" if megatron else "a token's first expert counted"
     return (
-        f"router_aux_loss_coef is --moe-loss-coeff {model.moe_loss_coeff:g}, but the losses differ: ours sums each of "
-        f"the {layers} MoE layers' DeepSpeed load-balancing loss (about 1 per layer when balanced, a token's first "
-        f"expert counted), transformers' averages one over the layers (about 2 in all, both experts counted): at one "
-        f"coefficient ours weighs balancing about {layers / 2:g} x as much"
+        f"router_aux_loss_coef is {flag} {model.moe_loss_coeff:g}, but the losses differ: ours sums each of the "
+        f"{layers} MoE layers' {gate} load-balancing loss (about 1 per layer when balanced, {counted}), transformers' "
+        f"averages one over the layers (about {k} in all, all {k} experts counted): at one coefficient ours weighs "
+        f"balancing about {layers / k:g} x as much"
     )
 
 

@@ -25,8 +25,10 @@ run of the same global batch (`tests/dist/test_moe_expert_parallel.py`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,9 +68,11 @@ def build(
     expert_parallel_size: int,
     expert: ExpertMLP,
     generator: torch.Generator,
+    init_std: float,
 ) -> nn.Module:
     """DeepSpeed's MoE layer of `num_experts` copies of `expert`, configured from `model`'s MoE fields; its gate (and
-    PR-MoE's coefficient) drawn from `generator`. Its process groups are made by DeepSpeed's engine."""
+    PR-MoE's coefficient) drawn from `generator` (Megatron-LM's router: N(0, `init_std`), as megatron-core's
+    `Router.reset_parameters`). Its process groups are made by DeepSpeed's engine."""
     from deepspeed.moe.layer import MoE
 
     layer = MoE(
@@ -85,14 +89,42 @@ def build(
         top2_2nd_expert_sampling=model.moe_top2_2nd_expert_sampling,
     )
     bound = 1.0 / math.sqrt(model.hidden_size)  # torch's nn.Linear default: kaiming_uniform(a=sqrt(5)), fan-in h
-    linears = [layer.deepspeed_moe.gate.wg]
+    gate = layer.deepspeed_moe.gate
+    linears = [gate.wg] if model.moe_router == "deepspeed" else []
     if model.mlp_type == "residual":
         linears.append(layer.coefficient)
     with torch.no_grad():
         for linear in linears:
             for p in linear.parameters():
                 p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=generator))
+        if model.moe_router == "megatron":
+            gate.wg.weight.copy_(torch.empty(gate.wg.weight.shape).normal_(0.0, init_std, generator=generator))
+            gate.__class__ = megatron_router()
     return layer
+
+
+@functools.cache
+def megatron_router() -> type:
+    """DeepSpeed's `TopKGate` routing as Megatron-LM's `TopKRouter` (softmax score function, no pre-softmax, no
+    scaling factor, no capacity): DeepSpeed's `topkgating` at every k, without dropping. It takes the softmax over all
+    experts and renormalizes it over the k chosen, which is megatron-core's softmax over the k largest logits, and its
+    load-balancing loss E^2 / k x mean_e(mean probability_e x routed share_e) is megatron-core's
+    `switch_load_balancing_loss_func` (both checked in tests/unit/test_moe_megatron_router.py). DeepSpeed's own gate
+    would use its top-1 or top-2 function at k = 1 or 2 (a top-1 weight of the softmax score, a top-2 loss over the
+    first choice only)."""
+    from deepspeed.moe.sharded_moe import TopKGate, topkgating
+
+    class MegatronRouter(TopKGate):
+        def forward(
+            self, input: torch.Tensor, used_token: Any = None, sparse_routes: bool = False, use_tutel: bool = False
+        ) -> Any:
+            logits = nn.functional.linear(input.float(), self.wg.weight.float())  # fp32, as DeepSpeed's gate
+            factor = self.capacity_factor if self.training else self.eval_capacity_factor  # unused: nothing dropped
+            return topkgating(
+                logits, self.k, factor, self.min_capacity, False, self.ep_group, sparse_routes=sparse_routes
+            )
+
+    return MegatronRouter
 
 
 def route_every_token(layer: nn.Module) -> None:

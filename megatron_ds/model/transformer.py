@@ -129,7 +129,7 @@ class TransformerLayer(nn.Module):
         """The MoE layer's load-balancing loss of the last forward (None without experts)."""
         if num_experts > 1:  # Megatron-DeepSpeed 4efb479: DeepSpeed's MoE around copies of the MLP
             expert = moe.ExpertMLP(fc1, fc2, bias("fc1"), self.activation)
-            self.moe = moe.build(model, num_experts, expert_parallel_size, expert, gen)
+            self.moe = moe.build(model, num_experts, expert_parallel_size, expert, gen, regularization.init_method_std)
             return
         ffn = model.ffn_hidden_size
         self.fc1 = column_linear(tp, fc1, bias("fc1"), fused_rows=(ffn, ffn) if model.gated_mlp else None)

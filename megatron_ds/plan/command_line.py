@@ -75,9 +75,17 @@ MOE_ARCHITECTURE_FLAGS = (
     "--disable-moe-token-dropping",
     "--disable-moe-top2-2nd-expert-sampling",
     "--moe-loss-coeff",
+    "--moe-router-topk",
+    "--moe-aux-loss-coeff",
+    "--moe-router-load-balancing-type",
+    "--moe-layer-freq",
+    "--moe-ffn-hidden-size",
+    "--moe-router-score-function",
+    "--moe-router-dtype",
 )
-"""Megatron-DeepSpeed's mixture-of-experts flags that shape the model or its routing: architecture flags here (the
-expert-parallel size and `--create-moe-param-group` are the planner's choices, `TRAINING_FLAGS`)."""
+"""Megatron-DeepSpeed's and Megatron-LM's (`flags.megatron_lm_moe`) mixture-of-experts flags that shape the model or
+its routing: architecture flags here (the expert-parallel size and `--create-moe-param-group` are the planner's
+choices, `TRAINING_FLAGS`)."""
 ARCHITECTURE_FLAGS = (
     "--num-key-value-heads",
     "--group-query-attention",

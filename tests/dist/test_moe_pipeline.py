@@ -11,8 +11,8 @@ engine, as Megatron-DeepSpeed's --no-pipeline-parallel), within 1e-6: the lm los
 within 2e-6 (`WEIGHT_TOL`; experts by their global index, the gates included: without the aggregated loss in the loss
 they train otherwise):
 
-  * P = 2: top-1, top-2 and PR-MoE (`--mlp-type residual`, 2 and 4 experts, one dense layer between) under ZeRO 0,
-    PR-MoE under ZeRO-1 with `--create-moe-param-group` (every stage gets the same expert optimizer groups);
+  * P = 2: top-1, top-2, PR-MoE (`--mlp-type residual`, 2 and 4 experts, one dense layer between) and Megatron-LM's
+    top-k router at k = 3 under ZeRO 0, PR-MoE under ZeRO-1 with `--create-moe-param-group` (every stage gets the same expert optimizer groups);
   * P = 3 with dedicated embedding stages (`E|t*4|L`: the first stage holds no expert, the last none either), PR-MoE;
   * P = 2 x D = 2 at `--moe-expert-parallel-size 2` (DeepSpeed's expert groups made on every rank from our topology),
     top-1 under ZeRO 0 and PR-MoE under ZeRO-1;
@@ -71,7 +71,7 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp: Path) -> dict[str, list[dict]]:
     bf16 = {"training__precision": "bf16"}
-    one = {v: sc(v) for v in ("top1", "top2", "residual")}
+    one = {v: sc(v) for v in EP_VARIANTS}  # top-1, top-2, PR-MoE, Megatron-LM's router at k = 3
     one["residual_long"] = sc("residual", steps=5)
     one["residual_bf16"] = sc("residual", overrides=bf16)
     one["from_p2"] = {**sc("residual_zero1"), "load": str(tmp / "ck_p2_zero1"), "expect_error": True}

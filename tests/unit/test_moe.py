@@ -10,7 +10,7 @@ import pytest
 from deepspeed.pipe import LayerSpec
 
 from megatron_ds.config import RegularizationConfig
-from megatron_ds.config.model import experts_per_layer
+from megatron_ds.config.experts import experts_per_layer
 from megatron_ds.errors import ConfigError
 from megatron_ds.estimate.memory_inputs import MemoryInputs
 from megatron_ds.estimate.spec_memory import spec_memory

@@ -111,21 +111,28 @@ def test_capacity_is_deepspeeds() -> None:
 @pytest.mark.parametrize(
     "variant",
     [{}, {"moe_top_k": 2}, {"mlp_type": "residual"}, {"activation": "swiglu", "add_bias_linear": False},
-     {"moe_min_capacity": 0, "moe_train_capacity_factor": 2.0}, {"moe_min_capacity": 20}],
-    ids=["top1", "top2", "residual", "swiglu", "factor2", "min-capacity"],
+     {"moe_min_capacity": 0, "moe_train_capacity_factor": 2.0}, {"moe_min_capacity": 20},
+     {"moe_router": "megatron", "moe_top_k": 1}, {"moe_router": "megatron", "moe_top_k": 2},
+     {"moe_router": "megatron", "moe_top_k": 3}],
+    ids=["top1", "top2", "residual", "swiglu", "factor2", "min-capacity", "megatron1", "megatron2", "megatron3"],
 )  # fmt: skip
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_a_moe_layers_saved_activations_are_what_its_autograd_graph_keeps(
-    variant: dict, precision: str, dtype: torch.dtype
+    variant: dict, precision: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DeepSpeed's MoE layer as built (sparse dispatch, capacity slots, gate in fp32) on CPU: the bytes the graph of
-    the layer's output and load-balancing loss keeps equal the memory model's terms for that layer."""
+    the layer's output and load-balancing loss keeps equal the memory model's terms for that layer. Without token
+    dropping (Megatron-LM's router) the capacity is the most tokens an expert got, which the model plans as the
+    balanced share: here it is given the capacity the batch had."""
     m, b = dataclasses.replace(TINY_MOE, **variant), 3
     reg = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
     layer = build_layer_specs(m, reg, 1234)[4].build().to(dtype).train()
     x = torch.randn(b, m.seq_length, m.hidden_size, dtype=dtype, requires_grad=True)
     out = layer(x)
     measured = graph_bytes(out.sum() + layer.l_aux, layer.parameters())
+    if not m.moe_token_dropping:
+        slots = int(layer.moe.deepspeed_moe.exp_counts.max())
+        monkeypatch.setattr(moe_costs, "capacity", lambda *_: slots)
     inputs = MemoryInputs(m, b, 1, precision=precision, device="cpu", regularization=reg)
     specs = [s for s in spec_memory(inputs) if s.group == "body"]
     assert specs[1].activations == measured

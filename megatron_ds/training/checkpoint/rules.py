@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_ds.config import Config
-from megatron_ds.config.model import MOE_ROUTING_FIELDS
+from megatron_ds.config.experts import MOE_ROUTING_FIELDS
 from megatron_ds.pipeline.layout import Layout
 from megatron_ds.training.checkpoint.directory import CheckpointError, converted_from
 

@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 from megatron_ds.config import Config, ModelConfig
-from megatron_ds.config.model import MOE_ROUTING_FIELDS, experts_per_layer
+from megatron_ds.config.experts import MOE_ROUTING_FIELDS, experts_per_layer
 from megatron_ds.training.checkpoint.directory import UNIVERSAL_FORMAT, CheckpointError
 from megatron_ds.training.checkpoint.opening import Checkpoint, open_checkpoint
 from megatron_ds.training.checkpoint.rules import WEIGHT_FREE_FIELDS, vocabulary_hint

@@ -1,0 +1,345 @@
+"""Megatron-LM's mixture-of-experts flags (its `examples/mixtral/train_mixtral_8x7b_distributed.sh` uses them) and the
+router they choose.
+
+Megatron-LM routes with its top-k router: softmax over the k largest logits, every token routed (no capacity
+unless `--moe-expert-capacity-factor`), the load-balancing loss E / k x sum_e(mean probability_e x routed share_e)
+(`ModelConfig.moe_router` "megatron", `model.moe.megatron_router`). Megatron-DeepSpeed's `--topk` gates are
+DeepSpeed's top-1 and top-2 functions, which weigh and balance otherwise. So any accepted flag of this table selects
+Megatron-LM's router and its defaults (top-2, coefficient 0, experts on every layer), and is refused beside the
+flags of DeepSpeed's gates (`GATE_FLAGS`): one launch line routes one way. Each flag means what it means in
+Megatron-LM, changes nothing here (the help says why), or is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import megatron_ds.flags.model as ds_model
+import megatron_ds.flags.window_flags as window_flags
+from megatron_ds.errors import ConfigError
+from megatron_ds.flags.declare import (
+    ACCEPTED,
+    MEGATRON_LM,
+    NO_OP,
+    REFUSED,
+    SWITCH,
+    VALUE,
+    Flag,
+    Refusal,
+    accepted,
+    field_default,
+    no_op,
+    refused,
+)
+from megatron_ds.flags.notices import notice
+
+_MOE = "mixture of experts"
+_SAME = "the experts compute the same outputs"
+_GATE = "DeepSpeed's gates (--topk)"
+_DEFAULT_TOP_K, _DEFAULT_COEFF = 2, 0.0
+"""Megatron-LM's defaults of --moe-router-topk and --moe-aux-loss-coeff."""
+
+
+def _refused(name: str, reason: str, fix: str = "drop it", takes: int | str = SWITCH) -> Flag:
+    return refused(name, _MOE, f"{MEGATRON_LM}: {reason}", fix, takes)
+
+
+def _value_no_op(name: str, reason: str, choices: tuple[str, ...] | None = None) -> Flag:
+    """A flag taking one value that changes nothing here (its choices still checked)."""
+    return Flag(name, _MOE, NO_OP, f"{MEGATRON_LM}: {reason}", nargs=None, choices=choices)
+
+
+MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
+    accepted(
+        "--moe-router-topk",
+        _MOE,
+        f"{MEGATRON_LM}: experts each token goes to with Megatron-LM's top-k router (softmax over the k largest "
+        "logits, every token routed; default 2); any of its flags chooses that router",
+        fields=("model.moe_top_k", "model.moe_router"),
+        type=int,
+        derived=True,
+        default=None,
+    ),
+    accepted(
+        "--moe-aux-loss-coeff",
+        _MOE,
+        f"{MEGATRON_LM}: the loss trained is the LM loss + this x the sum of the MoE layers' load-balancing losses "
+        "(E / k x sum over experts of mean probability x routed share; default 0)",
+        fields=("model.moe_loss_coeff",),
+        type=float,
+        derived=True,
+        default=None,
+    ),
+    accepted(
+        "--moe-router-load-balancing-type",
+        _MOE,
+        f"{MEGATRON_LM}: `aux_loss` (the loss --moe-aux-loss-coeff weighs) or `none` (no load-balancing loss)",
+        fields=("model.moe_loss_coeff",),
+        derived=True,
+        default=None,
+        choices=("aux_loss", "none"),
+        refused_values=tuple(
+            Refusal(v, "only the GShard/Switch aux_loss is built", "use aux_loss")
+            for v in ("seq_aux_loss", "global_aux_loss", "sinkhorn")
+        ),
+    ),
+    accepted(
+        "--moe-layer-freq",
+        _MOE,
+        f"{MEGATRON_LM}: which layers have experts: 1 (every layer, the default) or a list pattern of 0s and 1s "
+        "such as ([0]+[1])*16, as Megatron-DeepSpeed's --expert-interval N places them (layers N, 2N, ... from 1)",
+        fields=("model.expert_interval",),
+        derived=True,
+        default=None,
+    ),
+    accepted(
+        "--moe-ffn-hidden-size",
+        _MOE,
+        f"{MEGATRON_LM}: each expert's FFN size; here the dense MLP's, --ffn-hidden-size (Megatron-LM's default)",
+        type=int,
+        derived=True,
+        default=None,
+    ),
+    accepted(
+        "--moe-router-score-function",
+        _MOE,
+        f"{MEGATRON_LM}: `softmax` (the default)",
+        derived=True,
+        default=None,
+        choices=("softmax",),
+        refused_values=(Refusal("sigmoid", "the router's scores are a softmax here", "use softmax"),),
+    ),
+    accepted(
+        "--moe-router-dtype",
+        _MOE,
+        f"{MEGATRON_LM}: `fp32`: the router's logits in fp32, as DeepSpeed's gate always computes them (without it "
+        "Megatron-LM computes them in the training precision; a notice says so under --bf16)",
+        derived=True,
+        default=None,
+        choices=("fp32",),
+        refused_values=(Refusal("fp64", "the router computes in fp32 here", "use fp32"),),
+    ),
+    accepted(
+        "--expert-model-parallel-size",
+        _MOE,
+        f"{MEGATRON_LM}: the same as --moe-expert-parallel-size (ranks that share out each MoE layer's experts)",
+        fields=("parallel.expert_parallel_size",),
+        type=int,
+        derived=True,
+        default=None,
+    ),
+    accepted(
+        "--expert-tensor-parallel-size",
+        _MOE,
+        f"{MEGATRON_LM}: only 1 (experts are not split over tensor ranks here; MoE models train at T = 1)",
+        type=int,
+        derived=True,
+        default=None,
+    ),
+    no_op("--moe-grouped-gemm", _MOE, f"{MEGATRON_LM}: one grouped GEMM for the local experts; {_SAME}"),
+    no_op("--moe-use-legacy-grouped-gemm", _MOE, f"{MEGATRON_LM}: the older grouped GEMM; {_SAME}"),
+    _value_no_op(
+        "--moe-token-dispatcher-type",
+        "every dispatcher delivers the same tokens; DeepSpeed's all-to-all runs here",
+        ("allgather", "alltoall", "flex"),
+    ),
+    no_op("--moe-permute-fusion", _MOE, f"{MEGATRON_LM}: a fused token permutation kernel; {_SAME}"),
+    no_op("--moe-router-fusion", _MOE, f"{MEGATRON_LM}: fused router kernels; the same routing"),
+    no_op("--moe-enable-deepep", _MOE, f"{MEGATRON_LM}: DeepEP's dispatch kernels; {_SAME}"),
+    _value_no_op("--moe-flex-dispatcher-backend", "the flex dispatcher's kernels; the same tokens delivered"),
+    _value_no_op("--moe-deepep-num-sms", "SMs for DeepEP's kernels (a GPU setting)"),
+    _value_no_op("--moe-hybridep-num-sms", "SMs for HybridEP's kernels (a GPU setting)"),
+    no_op("--overlap-moe-expert-parallel-comm", _MOE, f"{MEGATRON_LM}: overlaps the all-to-alls; {_SAME}"),
+    no_op("--moe-per-layer-logging", _MOE, f"{MEGATRON_LM}: each layer's load-balancing loss in its logs"),
+    _value_no_op(
+        "--moe-token-drop-policy",
+        "which tokens an over-capacity expert drops; without --moe-expert-capacity-factor none is",
+        ("probs", "position"),
+    ),
+    _value_no_op("--moe-router-bias-update-rate", "the expert bias's update rate; without the bias it does nothing"),
+    no_op("--moe-pad-experts-for-cuda-graph-inference", _MOE, f"{MEGATRON_LM}: CUDA-graph inference only"),
+    no_op("--moe-router-padding-for-fp8", _MOE, f"{MEGATRON_LM}: FP8 padding (FP8 is refused)"),
+    no_op("--moe-router-padding-for-quantization", _MOE, f"{MEGATRON_LM}: quantization padding (FP8 is refused)"),
+    _refused(
+        "--moe-expert-capacity-factor",
+        "token dropping by Megatron-LM's rule (the tokens of highest renormalized probability kept) is not built",
+        f"drop it (every token routed), or train with {_GATE} and --moe-train-capacity-factor",
+        takes=VALUE,
+    ),
+    _refused("--moe-pad-expert-input-to-capacity", "padding to a capacity: the capacity factor is not built"),
+    _refused(
+        "--moe-router-pre-softmax",
+        "a softmax over all experts before the top-k, not renormalized, is not built (the router renormalizes over "
+        "the k chosen)",
+    ),
+    _refused("--moe-router-topk-scaling-factor", "scaled routing weights are not built", takes=VALUE),
+    _refused("--moe-z-loss-coeff", "the router's z-loss is not built", takes=VALUE),
+    _refused("--moe-input-jitter-eps", "the router's input jitter is not built", takes=VALUE),
+    _refused(
+        "--moe-shared-expert-intermediate-size", "shared experts (Qwen2-MoE's, DeepSeek's) are not built", takes=VALUE
+    ),
+    _refused("--moe-shared-expert-overlap", "shared experts are not built"),
+    _refused("--moe-shared-expert-gate", "shared experts are not built"),
+    _refused("--moe-router-enable-expert-bias", "the auxiliary-loss-free expert bias (DeepSeek-V3's) is not built"),
+    _refused("--moe-router-num-groups", "group-limited routing is not built", takes=VALUE),
+    _refused("--moe-router-group-topk", "group-limited routing is not built", takes=VALUE),
+    _refused("--moe-router-force-load-balancing", "random routing for benchmarks is not built"),
+    _refused("--moe-apply-probs-on-input", "weighting an expert's input rather than its output is not built"),
+    _refused("--moe-latent-size", "a latent projection of the experts' input is not built", takes=VALUE),
+    _refused(
+        "--moe-layer-recompute",
+        "recomputing the MoE layer alone is not built",
+        "drop it (--recompute-granularity full recomputes whole layers at pipeline size 1)",
+    ),
+    _refused("--moe-extended-tp", "experts are not split over tensor ranks here"),
+    _refused("--moe-use-upcycling", "upcycling a dense checkpoint into experts is not built"),
+    _refused("--moe-upcycling-granularity", "upcycling is not built", takes=VALUE),
+    _refused("--moe-enable-routing-replay", "replaying recorded routes is not built"),
+)
+"""Megatron-LM's mixture-of-experts flags (core_v0.16.1's `_add_moe_args` and the TransformerConfig fields its
+argument factory adds)."""
+
+_DEEPSPEED_GATE = tuple(
+    f
+    for f in ds_model.MIXTURE_OF_EXPERTS
+    if f.status == ACCEPTED and f.name not in ("--moe-expert-parallel-size", "--create-moe-param-group")
+)
+"""Megatron-DeepSpeed's routing flags (DeepSpeed's gates), refused beside this table's."""
+
+
+def _given(flags: tuple[Flag, ...], args: argparse.Namespace) -> list[str]:
+    """Those of `flags` on the line (a value flag at its default value is not seen)."""
+    return [f.name for f in flags if f.status != REFUSED and getattr(args, f.attr) != f.resolved_default()]
+
+
+def uses_megatron_router(args: argparse.Namespace) -> bool:
+    """Any flag of this table on the line."""
+    return bool(_given(MIXTURE_OF_EXPERTS, args))
+
+
+def model_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The routing fields of the model section: Megatron-LM's router when a flag of this table is given (refused
+    beside a flag of DeepSpeed's gates, and where Megatron-LM would compute otherwise), else DeepSpeed's gates."""
+    ours = _given(MIXTURE_OF_EXPERTS, args)
+    if not ours:
+        return {
+            name: getattr(args, dest) if getattr(args, dest) is not None else field_default(f"model.{name}")
+            for dest, name in (
+                ("topk", "moe_top_k"),
+                ("expert_interval", "expert_interval"),
+                ("moe_loss_coeff", "moe_loss_coeff"),
+            )
+        }
+    theirs = _given(_DEEPSPEED_GATE, args)
+    if theirs:
+        raise ConfigError(
+            f"{theirs[0]} (Megatron-DeepSpeed's, for DeepSpeed's gates) with {ours[0]} (Megatron-LM's, for its top-k "
+            "router): "
+            "they route differently; keep one family of flags"
+        )
+    _check_values(args)
+    coeff = _DEFAULT_COEFF if args.moe_aux_loss_coeff is None else args.moe_aux_loss_coeff
+    return {
+        "moe_router": "megatron",
+        "moe_top_k": _DEFAULT_TOP_K if args.moe_router_topk is None else args.moe_router_topk,
+        "expert_interval": expert_interval(args.moe_layer_freq, args.num_layers),
+        "moe_loss_coeff": 0.0 if args.moe_router_load_balancing_type == "none" else coeff,
+    }
+
+
+def expert_parallel(args: argparse.Namespace, ours: int | None) -> dict[str, int]:
+    """{"expert_parallel_size": --expert-model-parallel-size} when given ({} otherwise); refused beside a different
+    --moe-expert-parallel-size (`ours`, its value)."""
+    size = args.expert_model_parallel_size
+    if size is None:
+        return {}
+    if ours not in (None, 1, size):
+        raise ConfigError(
+            f"--expert-model-parallel-size {size} with --moe-expert-parallel-size {ours}: the same size by two names; "
+            "keep one"
+        )
+    return {"expert_parallel_size": size}
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    if args.moe_aux_loss_coeff is not None and args.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff:g} must be >= 0")
+    if args.expert_tensor_parallel_size not in (None, 1):
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} is not supported: experts are not split "
+            "over tensor ranks here; use 1"
+        )
+
+
+def checkpoint_dests(model: Any) -> tuple[set[str], dict[str, Any]]:
+    """For `--use-checkpoint-args`: the argparse dests of a mixture-of-experts `model`'s routing to leave unset, and
+    those to set, in the family of flags of its router."""
+    if not model.is_moe:
+        return {f.attr for f in _DEEPSPEED_GATE}, {}
+    if model.moe_router != "megatron":
+        return set(), {
+            "topk": model.moe_top_k,
+            "expert_interval": model.expert_interval,
+            "moe_loss_coeff": model.moe_loss_coeff,
+        }
+    n, layers = model.expert_interval, model.num_layers
+    freq = "1" if n == 1 else f"([0]*{n - 1}+[1])*{layers // n}" + (f"+[0]*{layers % n}" if layers % n else "")
+    return {f.attr for f in _DEEPSPEED_GATE}, {
+        "moe_router_topk": model.moe_top_k,
+        "moe_aux_loss_coeff": model.moe_loss_coeff,
+        "moe_layer_freq": freq,
+    }
+
+
+def check_expert_width(args: argparse.Namespace, ffn_hidden_size: int) -> None:
+    """--moe-ffn-hidden-size against the model's FFN size (the experts are copies of the dense MLP)."""
+    if args.moe_ffn_hidden_size is not None and args.moe_ffn_hidden_size != ffn_hidden_size:
+        raise ConfigError(
+            f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} differs from the FFN size {ffn_hidden_size}: experts "
+            "here are copies of the dense MLP; give the experts' size as --ffn-hidden-size"
+        )
+
+
+def expert_interval(freq: Any, num_layers: int) -> int:
+    """--moe-layer-freq as Megatron-DeepSpeed's expert interval N (experts on layers N, 2N, ... from 1): 1, or a
+    pattern of 0s and 1s that is N - 1 zeros and a one, repeated. Megatron-LM's integer N > 1 puts experts on layers
+    1, N + 1, ... from 1, which no interval gives."""
+    if freq is None:
+        return 1
+    text = str(freq).strip()
+    if "[" not in text and not text.isdigit():
+        raise ConfigError(f"--moe-layer-freq {text} must be an integer or a list pattern such as ([0]+[1])*16")
+    if "[" not in text:
+        if text != "1":
+            n = max(int(text), 2)
+            raise ConfigError(
+                f"--moe-layer-freq {text}: Megatron-LM puts experts on layers 1, {n + 1}, ... (from 1), which is not "
+                f"built; use 1, or a pattern that ends each group of layers with experts, e.g. "
+                f"([0]*{n - 1}+[1])*{max(num_layers // n, 1)} (Megatron-DeepSpeed's --expert-interval {n})"
+            )
+        return 1
+    pattern = window_flags.pattern(text, "--moe-layer-freq")
+    n = pattern.index(1) + 1 if 1 in pattern else 0
+    expected = [1 if layer % n == 0 else 0 for layer in range(1, num_layers + 1)] if n else []
+    if list(pattern) != expected:
+        raise ConfigError(
+            f"--moe-layer-freq {text} gives {list(pattern)}: only experts on every N-th layer (layers N, 2N, ... from "
+            f"1, for all {num_layers} layers) are built; use such a pattern"
+        )
+    return n
+
+
+def router_notices(args: argparse.Namespace, bf16: bool) -> None:
+    """What Megatron-LM's router computes otherwise here, printed once per launch."""
+    if not uses_megatron_router(args):
+        return
+    if bf16 and args.moe_router_dtype is None:
+        notice(
+            "Megatron-LM's router computes its logits in bf16 unless --moe-router-dtype fp32; here DeepSpeed's gate "
+            "computes them in fp32 (add --moe-router-dtype fp32 to say so)"
+        )
+    notice(
+        "the experts of each layer start as copies of one MLP (DeepSpeed's MoE layer copies it, as Megatron-DeepSpeed); "
+        "Megatron-LM draws each expert's weights on its own; the router's draw tells them apart"
+    )

@@ -1,0 +1,115 @@
+"""Megatron-LM's top-k router (`ModelConfig.moe_router == "megatron"`): DeepSpeed's MoE layer with its gate routing
+as megatron-core's `TopKRouter`, checked against megatron-core's own routing and load-balancing functions (pure torch,
+they run on the CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_ds.config import ModelConfig, RegularizationConfig
+from megatron_ds.errors import ConfigError
+from megatron_ds.model.gpt_pipe import build_layer_specs
+from megatron_ds.testing.scenario import tiny_config
+
+MODEL = dataclasses.replace(tiny_config().model, num_experts=(8,), expert_interval=1, moe_router="megatron")
+
+
+def _megatron_core(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron-core's routing weights (S, E) and its aux loss at coefficient 1 for `logits` (S, E)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        switch_load_balancing_loss_func,
+        topk_routing_with_score_function,
+    )
+
+    probs, routing_map = topk_routing_with_score_function(logits, k)
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # compute_routing_scores_for_aux_loss's softmax
+    aux = switch_load_balancing_loss_func(
+        scores, routing_map.sum(dim=0), logits.shape[0], k, logits.shape[1], moe_aux_loss_coeff=1.0
+    )
+    return probs, aux
+
+
+def _layer(model: ModelConfig, reg: RegularizationConfig | None = None) -> torch.nn.Module:
+    reg = reg or RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
+    return build_layer_specs(model, reg, 1234)[3].build().train()  # token cast, embeddings, then layer 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_the_gate_routes_and_balances_as_megatron_cores_topk_router(k: int) -> None:
+    """Same logits: the dense routing weights equal megatron-core's probs (softmax over the k largest logits), the
+    load-balancing loss its switch loss, and their gradients with respect to the logits agree."""
+    gate = _layer(dataclasses.replace(MODEL, moe_top_k=k)).moe.deepspeed_moe.gate
+    tokens = torch.randn(48, MODEL.hidden_size, generator=torch.Generator().manual_seed(k))
+    logits = torch.nn.functional.linear(tokens, gate.wg.weight).detach().requires_grad_()
+    ours_logits = logits.detach().clone().requires_grad_()
+    gate.wg.weight.data.zero_()  # the gate's logits come from `ours_logits` through a hook below
+    l_aux, _, experts, indices, _, gates, _ = _route(gate, tokens, ours_logits)
+    indices, gates = indices.t().long(), gates.t()  # DeepSpeed's routes are (k, S)
+    dense = torch.zeros(48, experts).scatter_add(1, indices.clamp(min=0), gates * (indices >= 0))
+    probs, aux = _megatron_core(logits, k)
+    torch.testing.assert_close(dense, probs, atol=1e-6, rtol=0)
+    torch.testing.assert_close(l_aux, aux, atol=1e-6, rtol=0)
+    weights = torch.randn(48, experts, generator=torch.Generator().manual_seed(99))
+    ((dense * weights).sum() + 0.3 * l_aux).backward()
+    ((probs * weights).sum() + 0.3 * aux).backward()
+    torch.testing.assert_close(ours_logits.grad, logits.grad, atol=1e-6, rtol=0)
+    assert (dense > 0).sum(dim=1).eq(k).all()  # every token routed to k experts: nothing dropped
+
+
+def _route(gate: torch.nn.Module, tokens: torch.Tensor, logits: torch.Tensor):
+    """The gate's sparse routes for `tokens` with its logits replaced by `logits` (so both sides share one graph)."""
+    original = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        return logits if weight is gate.wg.weight else original(x, weight, bias)
+
+    torch.nn.functional.linear = linear
+    try:
+        return gate(tokens, None, True)
+    finally:
+        torch.nn.functional.linear = original
+
+
+def test_the_layer_adds_each_tokens_k_experts_weighted_by_megatron_cores_probabilities() -> None:
+    """A whole MoE MLP (DeepSpeed's dispatch, its experts, the combine) equals sum over the k chosen experts of
+    probability x expert(token) with megatron-core's probabilities."""
+    model = dataclasses.replace(MODEL, moe_top_k=3)
+    layer = _layer(model)
+    moe = layer.moe
+    x = torch.randn(2, model.seq_length, model.hidden_size, generator=torch.Generator().manual_seed(5))
+    out, l_aux, _ = moe(x.transpose(0, 1))
+    tokens = x.transpose(0, 1).reshape(-1, model.hidden_size)
+    probs, aux = _megatron_core(torch.nn.functional.linear(tokens, moe.deepspeed_moe.gate.wg.weight), 3)
+    experts = moe.deepspeed_moe.experts.deepspeed_experts
+    expected = sum(probs[:, e : e + 1] * experts[e](tokens) for e in range(8))
+    torch.testing.assert_close(out.reshape(-1, model.hidden_size), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l_aux, aux, atol=1e-6, rtol=0)
+
+
+def test_the_gate_is_drawn_as_megatron_cores_router_normal_with_the_init_std() -> None:
+    """N(0, init std) as megatron-core's `Router.reset_parameters` (DeepSpeed's gate: U(-1/sqrt(h), 1/sqrt(h)))."""
+    wide = dataclasses.replace(MODEL, hidden_size=256, num_attention_heads=4, ffn_hidden_size=64, num_experts=(64,))
+    reg = RegularizationConfig(init_method_std=0.5)
+    weight = _layer(wide, reg).moe.deepspeed_moe.gate.wg.weight
+    assert abs(weight.std().item() - 0.5) < 0.02 and abs(weight.mean().item()) < 0.01
+    assert weight.abs().max().item() > 1.0  # beyond any uniform bound 1/sqrt(256)
+    uniform = _layer(dataclasses.replace(wide, moe_router="deepspeed"), reg).moe.deepspeed_moe.gate.wg.weight
+    assert uniform.abs().max().item() <= 1 / 16
+
+
+def test_the_router_stores_what_it_does_and_takes_any_k_up_to_the_experts() -> None:
+    model = dataclasses.replace(
+        MODEL, moe_top_k=5, moe_token_dropping=True, moe_top2_2nd_expert_sampling=True, moe_min_capacity=9
+    )
+    assert (model.moe_token_dropping, model.moe_top2_2nd_expert_sampling, model.moe_min_capacity) == (False, False, 4)
+    with pytest.raises(ConfigError, match="--moe-router-topk 9 sends each token to 9 experts, but a layer has 8"):
+        dataclasses.replace(MODEL, moe_top_k=9)
+    with pytest.raises(ConfigError, match="--moe-router-topk"):
+        dataclasses.replace(MODEL, moe_top_k=0)
+    with pytest.raises(ConfigError, match="--topk 3"):
+        dataclasses.replace(MODEL, moe_router="deepspeed", moe_top_k=3)
+    with pytest.raises(ConfigError, match="--moe-router"):
+        dataclasses.replace(MODEL, moe_router="sinkhorn")
