@@ -262,6 +262,16 @@ def expert_parallel(args: argparse.Namespace, ours: int | None) -> dict[str, int
     return {"expert_parallel_size": size}
 
 
+def optimizer_fields(args: argparse.Namespace, direct: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer section's directly copied values (`direct["optimizer"]`), with Megatron-LM's router the experts in
+    optimizer groups of their own (`--create-moe-param-group`, which ZeRO 1/2 needs here): Megatron-LM's optimizers
+    always keep them apart, and the update is the same."""
+    fields = dict(direct.get("optimizer", {}))
+    if uses_megatron_router(args):
+        fields["create_moe_param_group"] = True
+    return fields
+
+
 def _check_values(args: argparse.Namespace) -> None:
     if args.moe_aux_loss_coeff is not None and args.moe_aux_loss_coeff < 0:
         raise ConfigError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff:g} must be >= 0")
@@ -339,6 +349,8 @@ def router_notices(args: argparse.Namespace, bf16: bool) -> None:
             "Megatron-LM's router computes its logits in bf16 unless --moe-router-dtype fp32; here DeepSpeed's gate "
             "computes them in fp32 (add --moe-router-dtype fp32 to say so)"
         )
+    if args.load:  # weights from a checkpoint (a first launch's too draws them: said then by its own notice)
+        return
     notice(
         "the experts of each layer start as copies of one MLP (DeepSpeed's MoE layer copies it, as Megatron-DeepSpeed); "
         "Megatron-LM draws each expert's weights on its own; the router's draw tells them apart"

@@ -8,13 +8,17 @@ One printer of each for every flags module (a leaf: it imports nothing of the pa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
+
+_muted: list[bool] = []
 
 
 def notice(text: str) -> None:
-    """Print `NOTICE: text` on rank 0."""
-    if os.environ.get("RANK", "0") == "0":
+    """Print `NOTICE: text` on rank 0 (not inside `muted`)."""
+    if os.environ.get("RANK", "0") == "0" and not _muted:
         print(f"NOTICE: {text}", file=sys.stdout, flush=True)
 
 
@@ -22,3 +26,14 @@ def warn(message: str) -> None:
     """A one-line warning for an ignored option, printed once (by rank 0) before training starts."""
     if os.environ.get("RANK", "0") == "0":
         print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def muted() -> Iterator[None]:
+    """No NOTICE inside (warnings still print): a tool translating a model it read into flags of its own, whose
+    notices speak of a launch that is not the user's (`interop.hf_import.config_from_hf`)."""
+    _muted.append(True)
+    try:
+        yield
+    finally:
+        _muted.pop()

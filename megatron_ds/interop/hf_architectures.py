@@ -8,7 +8,8 @@ grouped-query attention and biases. Qwen2: Llama with q/k/v biases alone (our `-
 biases, with an RMSNorm on each query and key head (our `--qk-layernorm`). Mistral: Llama without biases, written only
 on request (`--hf-model-type mistral`) or for a model with a sliding window on every layer. Phi-3: Llama's layer
 without biases, with partial rotary embeddings (our `--rotary-percent` below 1). Mixtral: Mistral's layer with a
-mixture of SwiGLU experts on every layer (our `--num-experts N --expert-interval 1 --topk 2`). Each may tie or untie its
+mixture of SwiGLU experts on every layer (our `--num-experts N --expert-interval 1 --topk 2`, or Megatron-LM's router at
+any `--moe-router-topk`). Qwen3-MoE: Qwen3's layer with Mixtral's experts (`norm_topk_prob`). Each may tie or untie its
 LM head. Each architecture's norm comes from `megatron_ds.model.norms`. Nothing here imports transformers.
 """
 
@@ -22,7 +23,9 @@ from megatron_ds.errors import UserError
 from megatron_ds.model import norms
 
 GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, PHI3 = "gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3"
-MIXTRAL = "mixtral"
+MIXTRAL, QWEN3_MOE = "mixtral", "qwen3_moe"
+EXPERTS = (MIXTRAL, QWEN3_MOE)
+"""The types with a mixture of experts on every layer."""
 ARCHITECTURE_CLASSES = {
     GPT2: "GPT2LMHeadModel",
     LLAMA: "LlamaForCausalLM",
@@ -31,6 +34,7 @@ ARCHITECTURE_CLASSES = {
     MISTRAL: "MistralForCausalLM",
     PHI3: "Phi3ForCausalLM",
     MIXTRAL: "MixtralForCausalLM",
+    QWEN3_MOE: "Qwen3MoeForCausalLM",
 }
 LLAMA_LAYOUT = (LLAMA, QWEN2, QWEN3, MISTRAL)
 """Llama's layer and tensor names: Qwen2 adds q/k/v biases (our --add-qkv-bias), Qwen3 query and key norms (our
@@ -149,40 +153,48 @@ QWEN3_REQUIRES = (
 )
 
 
-MIXTRAL_REQUIRES = (
-    Requirement(
-        lambda m: m.gated_mlp,
-        lambda m: f"experts with a {m.activation} MLP: Mixtral's experts are SwiGLU (--swiglu)",
-    ),
-    Requirement(
-        lambda m: len(set(m.experts_per_layer)) == 1,
-        lambda m: (
-            f"--num-experts {' '.join(map(str, m.num_experts))} --expert-interval {m.expert_interval} (experts per "
-            f"layer {list(m.experts_per_layer)}): Mixtral has the same experts on every layer (--expert-interval 1, "
-            f"one --num-experts)"
+def _expert_requires(title: str) -> tuple[Requirement, ...]:
+    """What `title` (Mixtral, Qwen3-MoE) needs of a mixture of experts: the same SwiGLU experts on every layer, the
+    router's weights renormalized over the k chosen, no biases, whole heads rotated, a window on all layers or none."""
+    return (
+        Requirement(
+            lambda m: m.gated_mlp,
+            lambda m: f"experts with a {m.activation} MLP: {title}'s experts are SwiGLU (--swiglu)",
         ),
-    ),
-    Requirement(
-        lambda m: m.moe_top_k == 2 or m.moe_router == "megatron",
-        lambda m: (
-            f"--topk {m.moe_top_k}: Mixtral weighs a token's experts by their renormalized scores (at top-1 a weight "
-            f"of 1, where DeepSpeed's top-1 gate weighs by the softmax score); of DeepSpeed's gates only --topk 2 is "
-            f"the same (Megatron-LM's router, --moe-router-topk K, is at any K)"
+        Requirement(
+            lambda m: len(set(m.experts_per_layer)) == 1,
+            lambda m: (
+                f"--num-experts {' '.join(map(str, m.num_experts))} --expert-interval {m.expert_interval} (experts per "
+                f"layer {list(m.experts_per_layer)}): {title} has the same experts on every layer (--expert-interval "
+                f"1, one --num-experts)"
+            ),
         ),
-    ),
-    Requirement(lambda m: m.mlp_type == "standard", "--mlp-type residual: Mixtral has no residual MLP (PR-MoE)"),
-    Requirement(lambda m: not m.add_bias_linear, "biases (no --disable-bias-linear): Mixtral has none"),
-    Requirement(
-        lambda m: m.rotary_percent == 1.0,
-        lambda m: f"--rotary-percent {m.rotary_percent:g}: Mixtral rotates whole heads",
-    ),
-    Requirement(
-        lambda m: m.window_attn_skip_freq is None,
-        "--window-attn-skip-freq: Mixtral's sliding window is on every layer",
-    ),
-)
-"""A mixture-of-experts model is Mixtral's when its experts are (DeepSpeed's top-2 gate without capacity is Mixtral's
-router, `moe.route_every_token`, and so is Megatron-LM's top-k router, `moe.megatron_router`, at every k)."""
+        Requirement(
+            lambda m: m.moe_top_k == 2 or m.moe_router == "megatron",
+            lambda m: (
+                f"--topk {m.moe_top_k}: {title} weighs a token's experts by their renormalized scores (at top-1 a "
+                f"weight of 1, where DeepSpeed's top-1 gate weighs by the softmax score); of DeepSpeed's gates only "
+                f"--topk 2 is the same (Megatron-LM's router, --moe-router-topk K, is at any K)"
+            ),
+        ),
+        Requirement(lambda m: m.mlp_type == "standard", f"--mlp-type residual: {title} has no residual MLP (PR-MoE)"),
+        Requirement(lambda m: not m.add_bias_linear, f"biases (no --disable-bias-linear): {title} has none"),
+        Requirement(
+            lambda m: m.rotary_percent == 1.0,
+            lambda m: f"--rotary-percent {m.rotary_percent:g}: {title} rotates whole heads",
+        ),
+        Requirement(
+            lambda m: m.window_attn_skip_freq is None,
+            f"--window-attn-skip-freq: {title}'s sliding window is on every layer",
+        ),
+    )
+
+
+MIXTRAL_REQUIRES = _expert_requires("Mixtral")
+QWEN3_MOE_REQUIRES = _expert_requires("Qwen3-MoE")
+"""A mixture-of-experts model is Mixtral's (Qwen3-MoE's with query and key norms, `QWEN3_REQUIRES`) when its experts
+are (DeepSpeed's top-2 gate without capacity is their router, `moe.route_every_token`, and so is Megatron-LM's top-k
+router, `moe.megatron_router`, at every k; Qwen3-MoE's with `norm_topk_prob`)."""
 
 
 def _default_head(model: ModelConfig) -> str:
@@ -201,7 +213,7 @@ _WINDOW_IS_NOT_HERE = Requirement(
     "--window-size: this type has no sliding window here (Mistral and Phi-3 have one on every layer, Qwen2 and Qwen3 "
     "on the layers they name)",
 )
-WINDOWED = (QWEN2, QWEN3, MISTRAL, PHI3, MIXTRAL)
+WINDOWED = (QWEN2, QWEN3, MISTRAL, PHI3, MIXTRAL, QWEN3_MOE)
 """The types whose config.json holds a sliding window."""
 _QK_NORM_IS_QWEN3S = Requirement(
     lambda m: not m.qk_layernorm,
@@ -216,11 +228,13 @@ _NO_QK_L2_NORM = Requirement(
 
 
 def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
-    """GPT2, LLAMA, QWEN2, QWEN3, PHI3 or MIXTRAL (experts) for a model both sides express exactly (a QKV bias alone is
-    Qwen2's, query and key norms Qwen3's), or
+    """GPT2, LLAMA, QWEN2, QWEN3, PHI3, MIXTRAL or QWEN3_MOE (experts) for a model both sides express exactly (a QKV
+    bias alone is Qwen2's, query and key norms Qwen3's and, with experts, Qwen3-MoE's), or
     `model_type` when asked for and exact (MISTRAL: a Llama without biases); HFConfigError naming the first
     obstacle."""
-    if model.is_moe:
+    if model.is_moe and model.qk_layernorm:
+        arch, requires = QWEN3_MOE, LLAMA_REQUIRES + QWEN3_MOE_REQUIRES + QWEN3_REQUIRES
+    elif model.is_moe:
         arch, requires = MIXTRAL, LLAMA_REQUIRES + MIXTRAL_REQUIRES
     elif model.gated_mlp and model.qk_layernorm:
         arch, requires = QWEN3, LLAMA_REQUIRES + QWEN3_REQUIRES
@@ -240,7 +254,7 @@ def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
         requires = (*requires, *_TYPE_REQUIRES.get(arch, ()))
     if arch not in (QWEN2, MISTRAL):
         requires = (*requires, _QKV_BIAS_IS_QWEN2S)
-    if arch != QWEN3:
+    if arch not in (QWEN3, QWEN3_MOE):
         requires = (*requires, _QK_NORM_IS_QWEN3S)
     if arch not in WINDOWED:
         requires = (*requires, _WINDOW_IS_NOT_HERE)

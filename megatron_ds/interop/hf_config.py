@@ -5,9 +5,9 @@ The Llama-layout types' and Mixtral's `head_dim` is our `--kv-channels` (hidden_
 are Megatron-LM's `--window-size LEFT,0` with transformers' `sliding_window` LEFT + 1 (a key k is seen by the query q
 when q - sliding_window < k <= q): Mistral's, Mixtral's and Phi-3's on every layer, Qwen2's and Qwen3's with
 `use_sliding_window` on the layers `layer_types` names `sliding_attention` (`--window-attn-skip-freq`'s pattern).
-Mixtral's router is DeepSpeed's top-2 gate computed without capacity (softmax over the experts, the two best
-renormalized), as our inference routes (`moe.route_every_token`); `export_notes` says where training routed
-otherwise. Each architecture ties or unties its LM head (`tie_word_embeddings`). Activation names come from
+Mixtral's router (and Qwen3-MoE's, with `norm_topk_prob`) is DeepSpeed's top-2 gate computed without capacity (softmax
+over the experts, the two best renormalized), as our inference routes (`moe.route_every_token`), or Megatron-LM's
+top-k router at any k; `export_notes` says where training routed otherwise. Each architecture ties or unties its LM head (`tie_word_embeddings`). Activation names come from
 `megatron_ds.model.activations` (`hf_names`). Nothing here imports transformers.
 """
 
@@ -25,6 +25,7 @@ from megatron_ds.interop.hf_architectures import (
     PHI3,
     QWEN2,
     QWEN3,
+    QWEN3_MOE,
     architecture_of,
 )
 from megatron_ds.model import activations
@@ -76,7 +77,7 @@ def to_hf_config(
 
 
 def _mixtral_fields(model: ModelConfig) -> dict[str, Any]:
-    """Mixtral's experts and its router (top-2, no jitter)."""
+    """Mixtral's experts and its router (top-k renormalized, no jitter)."""
     return {
         "num_local_experts": model.experts_per_layer[0],
         "num_experts_per_tok": model.moe_top_k,
@@ -86,14 +87,33 @@ def _mixtral_fields(model: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _qwen3_moe_fields(model: ModelConfig) -> dict[str, Any]:
+    """Qwen3-MoE's experts on every layer (each of the MLP's width) and its router (top-k renormalized), its window
+    on every layer or none, no biases."""
+    window = _sliding_window(model)
+    return {
+        "attention_bias": False,
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "num_experts": model.experts_per_layer[0],
+        "num_experts_per_tok": model.moe_top_k,
+        "moe_intermediate_size": model.ffn_hidden_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": model.moe_loss_coeff,
+        "output_router_logits": False,
+    }
+
+
 def _sliding_window(model: ModelConfig) -> int | None:
     """transformers' `sliding_window` of a window on every layer (LEFT + 1 keys, the query's own included), or None."""
     return None if model.window_size is None else model.window_size[0] + 1
 
 
 def _type_fields(arch: str, model: ModelConfig) -> dict[str, Any]:
-    """What Llama, Qwen2, Qwen3, Mistral and Mixtral's config.json say differently: biases, the sliding window and
-    Mixtral's experts."""
+    """What Llama, Qwen2, Qwen3, Mistral, Mixtral and Qwen3-MoE's config.json say differently: biases, the sliding
+    window and the experts."""
     if arch == QWEN2:  # q/k/v biases are built in
         return _qwen_window(model)
     if arch == QWEN3:  # q/k norms are built in; attention_bias would add o_proj's too
@@ -102,6 +122,8 @@ def _type_fields(arch: str, model: ModelConfig) -> dict[str, Any]:
         return {"sliding_window": _sliding_window(model)}
     if arch == MIXTRAL:  # on every layer (MIXTRAL_REQUIRES)
         return {"sliding_window": _sliding_window(model), **_mixtral_fields(model)}
+    if arch == QWEN3_MOE:
+        return _qwen3_moe_fields(model)
     return {"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear, "pretraining_tp": 1}
 
 
@@ -123,9 +145,9 @@ def _qwen_window(model: ModelConfig) -> dict[str, Any]:
 def export_notes(arch: str, model: ModelConfig) -> list[str]:
     """What a reader of the exported config.json may take differently, one line each: Qwen2's and Qwen3's sliding
     layers when they are not the last ones, which `max_window_layers` (all that transformers before 4.53 reads)
-    cannot say; how Mixtral's router differs from the training gate's (`_mixtral_notes`)."""
-    if arch == MIXTRAL:
-        return _mixtral_notes(model)
+    cannot say; how Mixtral's or Qwen3-MoE's router differs from the training gate's (`_expert_notes`)."""
+    if arch in (MIXTRAL, QWEN3_MOE):
+        return _expert_notes(model, "Mixtral" if arch == MIXTRAL else "Qwen3-MoE")
     if arch not in (QWEN2, QWEN3) or model.window_size is None:
         return []
     sliding = [i for i, w in enumerate(model.layer_windows) if w is not None]
@@ -138,20 +160,20 @@ def export_notes(arch: str, model: ModelConfig) -> list[str]:
     ]
 
 
-def _mixtral_notes(model: ModelConfig) -> list[str]:
-    """Mixtral routes every token to its two best experts: what the training gate did otherwise, and the load-balancing
-    loss transformers computes with `output_router_logits` (DeepSpeed's top-2 gate counts a token's first expert only,
-    transformers' both)."""
-    notes = []
+def _expert_notes(model: ModelConfig, title: str) -> list[str]:
+    """Mixtral and Qwen3-MoE route every token to its k best experts: what the training gate did otherwise, and the
+    load-balancing loss transformers computes with `output_router_logits` (DeepSpeed's top-2 gate counts a token's
+    first expert only, transformers' all k)."""
+    notes, k = [], model.moe_top_k
     if model.moe_token_dropping:
         notes.append(
             f"training dropped the tokens over each expert's capacity (--moe-train-capacity-factor "
-            f"{model.moe_train_capacity_factor:g}); Mixtral, like tools/generate.py, routes every token to its two "
+            f"{model.moe_train_capacity_factor:g}); {title}, like tools/generate.py, routes every token to its {k} "
             f"experts (--disable-moe-token-dropping trains that way)"
         )
     if model.moe_top2_2nd_expert_sampling:
         notes.append(
-            "training sampled each token's second expert (top-2's Gumbel sampling); Mixtral, like tools/generate.py, "
+            f"training sampled each token's second expert (top-2's Gumbel sampling); {title}, like tools/generate.py, "
             "takes the second best (--disable-moe-top2-2nd-expert-sampling trains that way)"
         )
     return [*notes, moe_loss_note(model)]
@@ -170,7 +192,7 @@ def moe_loss_note(model: ModelConfig) -> str:
         f"router_aux_loss_coef is {flag} {model.moe_loss_coeff:g}, but the losses differ: ours sums each of the "
         f"{layers} MoE layers' {gate} load-balancing loss (about 1 per layer when balanced, {counted}), transformers' "
         f"averages one over the layers (about {k} in all, all {k} experts counted): at one coefficient ours weighs "
-        f"balancing about {layers / k:g} x as much"
+        f"balancing about {layers / k:.3g} x as much"
     )
 
 

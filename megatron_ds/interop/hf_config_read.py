@@ -25,6 +25,7 @@ from megatron_ds.interop.hf_architectures import (
     PHI3_NORM,
     QWEN2,
     QWEN3,
+    QWEN3_MOE,
     HFConfigError,
 )
 from megatron_ds.model import activations
@@ -40,7 +41,7 @@ TRANSFORMERS_SLIDING_WINDOW = 4096
 """MistralConfig's, Qwen2Config's and Qwen3Config's `sliding_window` when config.json has no such key."""
 QWEN3_DEFAULT_HEAD_DIM = 128
 """transformers' Qwen3Config `head_dim` when config.json has none (whatever hidden_size / num_attention_heads is)."""
-ABSENT_KV_HEADS = {MISTRAL: 8, MIXTRAL: 8, QWEN2: 32, QWEN3: 32}
+ABSENT_KV_HEADS = {MISTRAL: 8, MIXTRAL: 8, QWEN2: 32, QWEN3: 32, QWEN3_MOE: 4}
 """transformers' `num_key_value_heads` when config.json has none (Llama's and Phi-3's: num_attention_heads)."""
 ABSENT_RMS_EPS = {MIXTRAL: 1e-5}
 """transformers' `rms_norm_eps` when config.json has none, where it is not Llama's 1e-6 (Phi-3's is read apart)."""
@@ -85,6 +86,8 @@ def from_hf_config(hf: dict[str, Any], source: str) -> HFModel:
         return _from_llama(reader, model_type)
     if model_type == MIXTRAL:
         return _from_mixtral(reader)
+    if model_type == QWEN3_MOE:
+        return _from_qwen3_moe(reader)
     return {GPT2: _from_gpt2, PHI3: _from_phi3}[model_type](reader)
 
 
@@ -162,7 +165,7 @@ def _biases(f: _Fields, arch: str) -> dict[str, bool]:
     """The bias dests: Llama's attention_bias and mlp_bias (both or neither), Qwen2's q/k/v biases, Mistral none."""
     if arch == QWEN2:  # transformers' Qwen2 builds q/k/v biases whatever config.json says
         return {"add_bias_linear": False, "add_qkv_bias": True}
-    if arch == QWEN3:  # its attention_bias is on q, k, v and o_proj, none on the MLP: no flags build that
+    if arch in (QWEN3, QWEN3_MOE):  # its attention_bias is on q, k, v and o_proj, none on the MLP: no flags build that
         f.require("attention_bias", (False,), False, "Qwen3's biases on q, k, v and o alone are not built")
         return {"add_bias_linear": False, "add_qkv_bias": False}
     if arch in (MISTRAL, MIXTRAL):
@@ -235,7 +238,7 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
         "rotary_percent": 1.0,  # transformers' Llama rotates whole heads (whatever partial_rotary_factor says)
         "add_position_embedding": False,
         **biases,
-        "qk_layernorm": arch == QWEN3,
+        "qk_layernorm": arch in (QWEN3, QWEN3_MOE),
         "untie_embeddings_and_output_weights": not f.get("tie_word_embeddings", bool, False),
         **_window(f, arch, f.size("num_hidden_layers")),
     }
@@ -269,6 +272,34 @@ def _from_mixtral(f: _Fields) -> HFModel:
         "disable_moe_token_dropping": False,
         "disable_moe_top2_2nd_expert_sampling": False,
     }
+    return model
+
+
+def _from_qwen3_moe(f: _Fields) -> HFModel:
+    """Qwen3-MoE: Qwen3's layer with experts on every layer (`decoder_sparse_step` 1, no `mlp_only_layers`), each
+    `moe_intermediate_size` wide, routed by Megatron-LM's top-k router (the softmax renormalized over the k chosen:
+    `norm_topk_prob`), its sliding window on every layer when `use_sliding_window`."""
+    f.require("norm_topk_prob", (True,), False, "its weights are the softmax over every expert, not renormalized over "
+              "the k chosen, which no router here computes")  # fmt: skip
+    f.require("decoder_sparse_step", (1,), 1, "experts on every layer only (dense layers here are the experts' width)")
+    f.require(
+        "mlp_only_layers", ([], None), [], "experts on every layer only (dense layers here are the experts' width)"
+    )
+    experts = f.size("num_experts") if "num_experts" in f.hf else f.size("num_local_experts", 128)
+    if experts < 2:
+        raise HFConfigError(f"{f.source}: num_experts {experts}: a mixture of experts needs 2 or more")
+    k = f.size("num_experts_per_tok", 8)
+    if k > experts:
+        raise HFConfigError(
+            f"{f.source}: num_experts_per_tok {k} is more than num_experts {experts}; fix the config.json"
+        )
+    hf = dict(f.hf)
+    hf["intermediate_size"] = f.size("moe_intermediate_size", 768)  # every layer's MLP is experts
+    if not f.get("use_sliding_window", bool, False):
+        hf["sliding_window"] = None
+    model = _from_llama(_Fields(hf, f.source), QWEN3_MOE)
+    model.architecture |= {"num_experts": [experts], "moe_router_topk": k}
+    model.defaults |= {"moe_aux_loss_coeff": f.get("router_aux_loss_coef", float, 0.001)}  # Qwen3MoeConfig's default
     return model
 
 

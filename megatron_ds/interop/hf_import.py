@@ -47,7 +47,12 @@ MODULE_SPECS = (
 )
 """Specs that are modules: DeepSpeed loads a file for each (functions and the tied head have none)."""
 TOKENIZER_DESTS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
-MOE_ROUTING_DESTS = ("moe_loss_coeff", "disable_moe_token_dropping", "disable_moe_top2_2nd_expert_sampling")
+MOE_ROUTING_DESTS = (
+    "moe_loss_coeff",
+    "disable_moe_token_dropping",
+    "disable_moe_top2_2nd_expert_sampling",
+    "moe_aux_loss_coeff",
+)
 """Routing flags an imported mixture of experts trains with (they shape no weight, so they are not architecture)."""
 
 
@@ -82,14 +87,19 @@ def read_hf_config(hf_dir: str) -> tuple[dict[str, Any], str]:
 def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dict[str, str] | None) -> Config:
     """The Config pretrain_gpt.py builds from `argv` plus the HF-derived flags (the one place that maps
     an HF model onto our flags). An architecture flag in `argv` that disagrees is an error."""
+    from megatron_ds.flags import notices
     from megatron_ds.flags.parser import build_parser, parse_config
 
     given, _ = build_parser().parse_known_args(list(argv))
-    if given.moe_expert_parallel_size != 1:  # the import is one process writing every expert
-        raise HFConfigError(
-            f"--moe-expert-parallel-size {given.moe_expert_parallel_size}: the import writes every expert whatever "
-            f"size a run shares them out at; give it to pretrain_gpt.py"
-        )
+    for flag, size in (
+        ("--moe-expert-parallel-size", given.moe_expert_parallel_size),
+        ("--expert-model-parallel-size", given.expert_model_parallel_size or 1),
+    ):
+        if size != 1:  # the import is one process writing every expert
+            raise HFConfigError(
+                f"{flag} {size}: the import writes every expert whatever size a run shares them out at; give it to "
+                "pretrain_gpt.py"
+            )
     values = {**hf.defaults, **hf.architecture, "vocab_size": hf.vocab_size}
     found = given.tokenizer_type is None and given.vocab_file is None and bool(tokenizer)
     if found:
@@ -116,7 +126,8 @@ def config_from_hf(hf: HFModel, argv: Sequence[str], source: str, tokenizer: dic
             f"its learned position table; give --seq-length {positions} or less"
         )
     world = given.pipeline_model_parallel_size * given.tensor_model_parallel_size
-    config, args = parse_config([*hf_config_read.render_flags(values), *argv], world_size=max(world, 1))
+    with notices.muted():  # the flags are the import's translation of config.json, not a launch
+        config, args = parse_config([*hf_config_read.render_flags(values), *argv], world_size=max(world, 1))
     for dest, value in {**hf.architecture, "vocab_size": hf.vocab_size}.items():
         if dest == "max_position_embeddings" and not hf.architecture.get("add_position_embedding", True):
             continue  # rotary positions: no weight has this shape, so a longer --seq-length may raise it
@@ -279,7 +290,7 @@ def _train_flags(config: Config, hf: HFModel) -> list[str]:
         "make_vocab_size_divisible_by": config.data.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,
     }
-    if config.model.is_moe:  # the routing that computes the Hugging Face model (hf_config_read._from_mixtral)
+    if config.model.is_moe:  # the routing that computes the Hugging Face model (hf_config_read's _from_mixtral, ...)
         values.update({k: v for k, v in hf.defaults.items() if k in MOE_ROUTING_DESTS})
     values.update({k: getattr(config.data, k) for k in TOKENIZER_DESTS if getattr(config.data, k)})
     return hf_config_read.render_flags(values)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.interop.hf_architectures import GPT2, LLAMA, MISTRAL, MIXTRAL, PHI3, QWEN2, QWEN3
+from megatron_ds.interop.hf_architectures import GPT2, LLAMA, MISTRAL, MIXTRAL, PHI3, QWEN2, QWEN3, QWEN3_MOE
 from megatron_ds.model import naming, sharding
 from megatron_ds.model.moe import EXPERT_PREFIX, GATE_WEIGHT
 from megatron_ds.training.checkpoint.universal.names import model_tensors
@@ -100,6 +100,14 @@ MIXTRAL_NAMES: dict[tuple[str, str], WeightMap] = {
     ),
     (_L, EXPERT_PREFIX + "{e}.fc2.weight"): WeightMap((_MOE + "experts.{e}.w2.weight",)),
 }
+QWEN3_MOE_NAMES: dict[tuple[str, str], WeightMap] = {
+    **{k: v for k, v in QWEN3_NAMES.items() if k[1].split(".")[0] not in ("fc1", "fc2")},
+    (_L, GATE_WEIGHT): WeightMap((_MLP + "gate.weight",)),  # (experts, hidden): the router
+    (_L, EXPERT_PREFIX + "{e}.fc1.weight"): WeightMap(
+        (_MLP + "experts.{e}.gate_proj.weight", _MLP + "experts.{e}.up_proj.weight"), SPLIT
+    ),
+    (_L, EXPERT_PREFIX + "{e}.fc2.weight"): WeightMap((_MLP + "experts.{e}.down_proj.weight",)),
+}
 TABLES = {
     GPT2: GPT2_NAMES,
     LLAMA: LLAMA_NAMES,
@@ -108,9 +116,11 @@ TABLES = {
     MISTRAL: LLAMA_NAMES,
     PHI3: PHI3_NAMES,
     MIXTRAL: MIXTRAL_NAMES,
+    QWEN3_MOE: QWEN3_MOE_NAMES,
 }
 """Qwen2 and Mistral name their tensors as Llama (Qwen2's q/k/v biases are Llama's with attention_bias); Qwen3 adds
-its query and key norms."""
+its query and key norms; Mixtral and Qwen3-MoE replace the MLP by a router and experts (`block_sparse_moe.` with
+w1/w3/w2; Qwen3-MoE's under `mlp.` with Llama's projection names)."""
 
 IGNORED_HF_TENSORS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 """Buffers some HF checkpoints store that are not weights (causal masks, rotary frequencies)."""

@@ -1,12 +1,14 @@
-"""Megatron-LM's two example lines through our pretrain_gpt.py, on CPU:
-`examples/gpt3/train_gpt3_175b_distributed.sh` and `examples/llama/train_llama3_8b_h100_fp8.sh`
-(NVIDIA/Megatron-LM d98e8a64dd), each flag as the script writes it, in the script's order. Changes,
+"""Megatron-LM's example lines through our pretrain_gpt.py, on CPU:
+`examples/gpt3/train_gpt3_175b_distributed.sh`, `examples/llama/train_llama3_8b_h100_fp8.sh` and
+`examples/mixtral/train_mixtral_8x7b_distributed.sh` (NVIDIA/Megatron-LM d98e8a64dd), each flag as the script writes
+it, in the script's order. Changes,
 all forced by the CPU test machine or size: model, batch and length sizes (the step batch-size
 schedule's thresholds shrunk with them); T x P of the GPT-3 line 8 x 16 -> 1 x 2, and its `--fp16`
 -> `--bf16` (no fp16 on CPU); the Llama line's FP8 flags dropped (with them, the third test: one line
 naming FP8); `--tensorboard-dir` only when tensorboard is installed; `--load-optional` next to
 `--load` until a first launch on an empty `--load` starts by itself (issue 21, item 1); the Llama
-line's `--split '99,1,0'`, which its bash array passes with the quotes, as 99,1,0.
+line's `--split '99,1,0'`, which its bash array passes with the quotes, as 99,1,0; the Mixtral line's P x EP 4 x 8
+-> 2 x 1 on 2 ranks and its Llama 2 tokenizer -> mock data (the Llama line's data flags).
 """
 
 from __future__ import annotations
@@ -186,3 +188,48 @@ def test_llama3_8b_line_with_fp8_is_one_line_naming_fp8(tmp_path: Path) -> None:
     assert len(errors) == 1 and errors[0].startswith("error: --fp8-format is not supported: FP8 training"), errors
     assert "Transformer Engine" in errors[0] and "--fp8-param-gather" in errors[0]
     assert not (tmp_path / "ckpt").exists()  # refused before anything started
+
+
+def mixtral_8x7b_line(tmp: str) -> list[str]:
+    """MODEL_ARGS, MOE_ARGS, DATA_ARGS, TRAINING_ARGS, MODEL_PARALLEL_ARGS, LOGGING_ARGS, scaled down."""
+    model = [
+        "--use-mcore-models", "--disable-bias-linear", "--seq-length", "32", "--max-position-embeddings", "64",
+        "--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "48", "--num-attention-heads", "4",
+        "--init-method-std", "0.01", "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--normalization",
+        "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--untie-embeddings-and-output-weights",
+        "--group-query-attention", "--num-query-groups", "2", "--no-masked-softmax-fusion", "--no-position-embedding",
+        "--rotary-base", "1000000",
+    ]  # fmt: skip
+    moe = [
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+        "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+        "--overlap-param-gather", "--overlap-grad-reduce",
+    ]  # fmt: skip
+    training = [
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-4", "--train-iters", "3",
+        "--lr-decay-iters", "3", "--lr-decay-style", "cosine", "--min-lr", "1.0e-5", "--weight-decay", "0.1",
+        "--lr-warmup-iters", "1", "--clip-grad", "1.0", "--bf16",
+    ]  # fmt: skip
+    parallel = [
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size",
+        "1", "--use-distributed-optimizer", "--sequence-parallel",
+    ]  # fmt: skip
+    logging = [
+        "--log-interval", "1", "--save-interval", "3", "--eval-interval", "1000", "--eval-iters", "1", "--save",
+        f"{tmp}/ckpt", "--load", f"{tmp}/ckpt", "--load-optional", "--no-load-optim", "--no-load-rng",
+    ]  # fmt: skip
+    return [*model, *moe, *mock_data_args(tmp), *training, *parallel, *logging]
+
+
+def test_mixtral_8x7b_line_trains_with_megatron_lms_router(tmp_path: Path) -> None:
+    """Its MoE flags choose Megatron-LM's top-2 router (every token routed, coefficient 0.01), the experts in optimizer
+    groups of their own under the distributed optimizer (ZeRO-1), at P = 2 on DeepSpeed's pipeline engine."""
+    tmp = str(tmp_path)
+    out = launch(2, mixtral_8x7b_line(tmp), tmp)
+    assert {int(m.group(1)) for m in LOSS.finditer(out)} == {1, 2, 3}
+    assert "moe loss" in out and "NOTICE: Megatron-LM's router computes its logits in bf16" in out
+    meta = json.loads((tmp_path / "ckpt" / "global_step3" / "megatron_ds.json").read_text())["config"]
+    model = meta["model"]
+    assert (model["moe_router"], model["moe_top_k"], model["moe_loss_coeff"]) == ("megatron", 2, 0.01)
+    assert model["expert_interval"] == 1 and model["num_experts"] == [4] and not model["moe_token_dropping"]
+    assert meta["training"]["zero_stage"] == 1 and meta["optimizer"]["create_moe_param_group"]

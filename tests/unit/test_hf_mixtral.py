@@ -79,12 +79,12 @@ def test_every_expert_has_the_hubs_tensor_names() -> None:
         ({"mlp_type": "residual"}, "--mlp-type residual: Mixtral has no residual MLP"),
         ({"add_bias_linear": True}, r"biases \(no --disable-bias-linear\): Mixtral has none"),
         ({"add_qkv_bias": True}, "--add-qkv-bias: of these types only Qwen2"),
-        ({"qk_layernorm": True}, "--qk-layernorm: of these types only Qwen3"),
         ({"rotary_percent": 0.5}, "--rotary-percent 0.5: Mixtral rotates whole heads"),
         ({"window_size": (3, 0), "window_attn_skip_freq": (1, 0)}, "--window-attn-skip-freq: Mixtral's sliding"),
     ],
 )
 def test_what_mixtral_cannot_express_is_one_line(change: dict, problem: str) -> None:
+    """(With --qk-layernorm the model is Qwen3-MoE's: tests/unit/test_hf_qwen3_moe.py.)"""
     with pytest.raises(HFConfigError, match="cannot export to Hugging Face mixtral: " + problem) as err:
         hf_architectures.architecture_of(dataclasses.replace(MIXTRAL, **change))
     assert "\n" not in str(err.value)
