@@ -223,7 +223,7 @@ def _import(args: argparse.Namespace, argv: list[str]) -> None:
     result = import_hf(args.source, args.output, argv, show_progress=not args.no_progress)
     par = result.config.parallel
     loads = (
-        "its experts load at pipeline size 1, any world size and --moe-expert-parallel-size"
+        "in universal form: loads at any pipeline size, layout, world size and --moe-expert-parallel-size"
         if result.config.model.is_moe
         else f"tensor-parallel size {par.tensor_model_parallel_size}; loads at any pipeline size and layout"
     )

@@ -7,7 +7,7 @@
 The architecture flags come from `config.json` (flags given as well must agree); parallel and
 other pretrain_gpt.py flags pass through. The checkpoint holds weights only, one file per spec
 and tensor rank as DeepSpeed writes them, for the given T (any P and layout load it; a Mixtral's in
-universal form, `hf_import_experts`, loaded at P = 1): training from it starts at iteration 0 with a
+universal form, `hf_import_experts`, loaded at any P): training from it starts at iteration 0 with a
 fresh optimizer and learning-rate schedule, no flag needed.
 """
 
@@ -164,12 +164,6 @@ def import_hf(hf_dir: str, output: str, argv: Sequence[str] = (), show_progress:
     hf = hf_config_read.from_hf_config(raw, source)
     config = config_from_hf(hf, argv, source, hf_tokenizer.find_hf_tokenizer(hf_dir))
     layout = resolve_layout(config)  # a layout error now, before anything is written
-    pipeline = config.parallel.pipeline_model_parallel_size
-    if config.model.is_moe and pipeline > 1:  # its universal form loads at P = 1 (rules.moe_pipeline_refusal)
-        raise HFConfigError(
-            f"--pipeline-model-parallel-size {pipeline}: an imported mixture of experts trains at pipeline size 1 "
-            f"(its weights are in universal form, which a mixture-of-experts model at P > 1 does not load); drop it"
-        )
     weights = HFWeights(hf_dir)
     _check_weights(weights, hf, config, hf_dir)
     with files.atomic_directory(output, "output") as tmp:

@@ -8,7 +8,8 @@ global index, its fp32 masters and Adam's moments), the 3 resumed steps equal st
 1e-6 (losses, clipped gradient norms), and so does every final weight by its global name: top-1 at ZeRO 0 -> ZeRO 0,
 PR-MoE (experts in optimizer groups of their own) at ZeRO-2 -> ZeRO 0 (against the 6-step ZeRO-2 run: its first 3
 steps' sums, rounded in ZeRO-2's order, put the ZeRO-0 run's sixth norm 1.2e-6 away) and ZeRO 0 -> ZeRO-2, and top-1
-at ZeRO 0 into one process (E = 1, DP = 1: 4 micro-batches there, 2 per rank here). The load-balancing loss stays in (coefficient
+at ZeRO 0 into one process (E = 1, DP = 1: 4 micro-batches there, 2 per rank here); PR-MoE into two pipeline stages
+(ZeRO-2 -> ZeRO 0 and ZeRO 0 -> ZeRO-1 at P = 2, within 2e-6). The load-balancing loss stays in (coefficient
 0.01, the default): a micro-batch's gate loss sees that micro-batch alone, so runs of another DP train the same sum.
 bf16 without ZeRO (DeepSpeed's FP16_UnfusedOptimizer, whose fp32 copies are the masters) resumes at E = 1 near the
 E = 2 run (bf16's 2e-2: the ranks sum expert gradients in bf16 over other groups). `tools/convert_checkpoint.py --to
@@ -66,13 +67,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     second["top1_old"] = sc("top1", ep=1, world=2, load=old, expect_error=True)
     second["top1_old_as_saved"] = sc("top1", ep=2, world=2, load=old, expect_error=True)  # DeepSpeed's own files
     results.update(by_name(list(second), run_scenarios(tmp / "w2b", 2, list(second.values()), timeout=150)))
+    staged: dict[str, dict] = {}  # into two stages: a launch of its own (DeepSpeed's expert groups are per process)
+    for name, fields in (("residual_z2_to_z0", {}), ("residual_z0_to_z2", {"zero_stage": 1})):
+        staged[f"{name}_p2_resumed"] = with_training(sc("residual", ep=1, world=2, load=ck[name]), **fields)
+        staged[f"{name}_p2_resumed"]["overrides"]["parallel__pipeline_model_parallel_size"] = 2
+    results.update(by_name(list(staged), run_scenarios(tmp / "w2c", 2, list(staged.values()), timeout=150)))
     third = {"top1_one_process": sc("top1", load=ck["top1_z0"])}
     results.update(by_name(list(third), run_scenarios(tmp / "w1", 1, list(third.values()), timeout=120)))
     results["dirs"] = {"ck": ck, "old": old}
     return results
 
 
-def assert_continues(saved: list[dict], resumed: list[dict], ranks: list[dict], what: str, tol: float = TOL) -> None:
+def assert_continues(
+    saved: list[dict], resumed: list[dict], ranks: list[dict], what: str, tol: float = TOL, engine: str = "PlainEngine"
+) -> None:
     """`resumed` (every rank) goes on as steps 4-6 of the straight run (`ranks`, every rank's): losses within `tol`,
     norms within `tol` relative, every final weight by its global name within `tol` (the straight run's experts
     gathered from its ranks), all of them seen; `saved` was its steps 1-3."""
@@ -82,7 +90,7 @@ def assert_continues(saved: list[dict], resumed: list[dict], ranks: list[dict], 
     seen: set[str] = set()
     for r in resumed:
         assert "error" not in r, (what, r.get("error"))
-        assert r["engine"] == "PlainEngine", r["engine"]
+        assert r["engine"] == engine, r["engine"]
         losses = zip(r["losses"], straight["losses"][3:], strict=True)
         assert max(abs(a - b) for a, b in losses) <= tol, (what, r["losses"], straight["losses"][3:])
         norms = zip(r["grad_norms"], straight["grad_norms"][3:], strict=True)
@@ -105,6 +113,21 @@ def test_saved_at_ep2_resumes_at_ep1_as_the_straight_run(runs: dict, name: str) 
         assert [len([n for n in r["weights"] if ".deepspeed_experts.3." in n]) > 0 for r in resumed] == [False, True]
         assert_continues(runs[f"{name}_saved"], resumed, straight, f"{name} at E = 2")
     assert os.path.isdir(runs["dirs"]["ck"][name] + "/" + "global_step3.universal")  # converted once, next to it
+
+
+@pytest.mark.parametrize("name", ["residual_z2_to_z0", "residual_z0_to_z2"])
+def test_saved_at_one_stage_resumes_at_two_as_the_straight_run(runs: dict, name: str) -> None:
+    """Into DeepSpeed's pipeline engine at P = 2 (E = 1, DP = 1: each stage one MoE layer of the two, all its
+    experts), ZeRO 0 from ZeRO-2 and ZeRO-1 from ZeRO 0: every stage takes its layers' weights, fp32 masters and
+    Adam's moments from the universal form; steps 4-6 as the straight run's within 2e-6 (a stage sums its input's
+    gradient in another order than one process: tests/dist/test_moe_pipeline.py's WEIGHT_TOL)."""
+    variant, source, _ = PAIRS[name]
+    straight = runs[f"{variant}{'_z2' if source else ''}_straight"]
+    resumed = runs[f"{name}_p2_resumed"]
+    assert [sorted({n.split(".")[0] for n in r["weights"] if ".deepspeed_experts." in n}) for r in resumed] == [
+        ["4"], ["6"]
+    ]  # layer 2 (spec 4) on stage 0, layer 4 (spec 6) on stage 1
+    assert_continues(runs[f"{name}_saved"], resumed, straight, f"{name} at P = 2", tol=2e-6, engine="PipelineEngine")
 
 
 def test_it_resumes_in_one_process(runs: dict) -> None:

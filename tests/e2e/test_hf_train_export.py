@@ -146,10 +146,11 @@ def test_llama_gqa_at_tensor_parallel_2_exports_exactly(llama_t2_ckpt: Path, tmp
 
 
 def test_a_mixtral_trains_here_and_exports_back_exactly(tmp_path: Path) -> None:
-    """transformers' Mixtral (4 experts on both layers, top-2) imported, trained 2 iterations on 2 ranks at
-    expert-parallel size 2 (each rank holding two experts, saved in DeepSpeed's per-expert files) with a learning rate
-    too small to move a weight, and exported: the same tensors to the bit, in the Hub's layout, and transformers'
-    logits are our model's."""
+    """transformers' Mixtral (4 experts on both layers, top-2) imported, trained 2 iterations on 2 ranks at pipeline
+    size 2 (each stage's layer taking its experts from the import's universal form; saved in DeepSpeed's per-stage
+    expert files) with a learning rate too small to move a weight, and exported: the same tensors to the bit, in the
+    Hub's layout, and transformers' logits are our model's. (Expert-parallel checkpoints are read by the same reader:
+    tests/dist/test_moe_expert_parallel.py generates from one.)"""
     torch.manual_seed(0)
     config = transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -159,9 +160,10 @@ def test_a_mixtral_trains_here_and_exports_back_exactly(tmp_path: Path) -> None:
     result = import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"), [], show_progress=False)
     assert result.arch == "mixtral" and "--disable-moe-token-dropping" in result.train_flags
     log = pretrain(2, *result.train_flags, "--load", str(tmp_path / "imported"), "--save", str(tmp_path / "trained"),
-                   *COMMON, "--train-iters", "2", "--lr", "1e-30", "--moe-expert-parallel-size", "2")  # fmt: skip
+                   *COMMON, "--train-iters", "2", "--lr", "1e-30", "--pipeline-model-parallel-size", "2")  # fmt: skip
     assert "holds weights only: optimizer and learning-rate schedule start fresh" in log
-    assert (tmp_path / "trained" / "global_step2" / "layer_1_expert_3_mp_rank_00_model_states.pt").is_file()
+    assert "transformer layers per stage: 1 1" in log, log[-3000:]
+    assert (tmp_path / "trained" / "global_step2" / "layer_0_expert_3_mp_rank_01_model_states.pt").is_file()
     exported = export_hf(str(tmp_path / "trained"), str(tmp_path / "again"), show_progress=False)
     assert exported.arch == "mixtral" and exported.num_tensors == 3 + 2 * (4 + 2 + 1 + 3 * 4)
     original, again = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "again"))

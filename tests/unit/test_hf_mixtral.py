@@ -200,11 +200,9 @@ def test_transformers_mixtral_imports_computes_its_logits_and_exports_back_bit_i
         capsys.readouterr()
         assert _load_tool("convert_checkpoint").main(["--from", "hf", str(tmp_path / "hf"), str(tmp_path / "cli")]) == 0
         out = capsys.readouterr().out.splitlines()
-        assert out[0].endswith("(weights only, its experts load at pipeline size 1, any world size and "
-                               "--moe-expert-parallel-size)")  # fmt: skip
+        assert out[0].endswith("(weights only, in universal form: loads at any pipeline size, layout, world size "
+                               "and --moe-expert-parallel-size)")  # fmt: skip
         assert out[1].startswith("note: router_aux_loss_coef is --moe-loss-coeff 0.001, but the losses differ")
-    with pytest.raises(HFConfigError, match="--pipeline-model-parallel-size 2: an imported mixture of experts trains"):
-        import_hf(str(tmp_path / "hf"), str(tmp_path / "p2"), ["--pipeline-model-parallel-size", "2"])
     with pytest.raises(HFConfigError, match="--moe-expert-parallel-size 2: the import writes every expert"):
         import_hf(str(tmp_path / "hf"), str(tmp_path / "p2"), ["--moe-expert-parallel-size", "2"])
     assert not (tmp_path / "p2").exists()

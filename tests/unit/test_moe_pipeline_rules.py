@@ -148,7 +148,7 @@ def test_a_checkpoint_saved_at_two_stages_loads_at_its_topology_only() -> None:
     meta = {"config": saved.to_dict(), "layout": "Et*2|t*2L", "world_size": 2, "optimizer_state": True}
     assert moe_pipeline_refusal(meta, saved, [], "ck") is None
     line = moe_pipeline_refusal(meta, parse_config(BASE.split(), world_size=1)[0], ["layout Et*2|t*2L vs Et*4L"], "ck")
-    assert line is not None and line.startswith("ck: a mixture-of-experts checkpoint at pipeline size > 1 (saved or")
+    assert line is not None and line.startswith("ck: a mixture-of-experts checkpoint saved at pipeline size > 1 loads")
     assert "but layout Et*2|t*2L vs Et*4L; use" in line
     assert "use the saved layout (Et*2|t*2L)" in line and "\n" not in line
     export = moe_refusal(meta, "ck")

@@ -51,8 +51,8 @@ def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
     """Why the per-spec weight readers refuse a mixture-of-experts checkpoint (None for a dense one): its experts are
     in DeepSpeed's files. What reads it is said in the same line: the Hugging Face export (as Mixtral), generation and
     inference (`moe_weights`), a resume under any world size, expert-parallel size and ZeRO stage 0-2 (through the universal form,
-    `universal.moe_source`), the conversion itself, and its weights alone (`--no-load-optim`); saved at P > 1, a
-    resume under its own topology only (`moe_pipeline_refusal`)."""
+    `universal.moe_source`; at any P when saved at P = 1), the conversion itself, and its weights alone
+    (`--no-load-optim`); saved at P > 1, a resume under its own topology only (`moe_pipeline_refusal`)."""
     saved = Config.from_dict(meta["config"])
     model = saved.model
     if not model.is_moe:
@@ -204,18 +204,24 @@ def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: s
 
 
 def moe_pipeline_refusal(meta: dict[str, Any], config: Config, changes: list[str], where: str) -> str | None:
-    """Why a mixture-of-experts checkpoint cannot load here (None when it can): at pipeline size > 1, saved or now,
-    DeepSpeed's own loader reads each stage's files (its MoE layers numbered per stage), so the layout and every other
-    size must be the saved ones; `changes`: `topology_changes`."""
+    """Why a mixture-of-experts checkpoint cannot load here (None when it can): one saved at pipeline size > 1 is
+    DeepSpeed's per-stage files (its MoE layers numbered per stage), which DeepSpeed's own loader reads under the saved
+    topology only and which do not convert to the universal form here, so the layout and every other size must be the
+    saved ones; one saved at P = 1, a universal checkpoint and an import or conversion (its weights in universal form)
+    load at any P through the universal form.
+    `changes`: `topology_changes`."""
     saved = Config.from_dict(meta["config"])
-    pipelined = max(saved.parallel.pipeline_model_parallel_size, config.parallel.pipeline_model_parallel_size) > 1
-    if not (saved.model.is_moe and config.model.is_moe and pipelined and changes):
+    layout_free = changes == ["universal form"] or converted_from(meta) is not None  # weights in universal form
+    if layout_free or not (
+        saved.model.is_moe and config.model.is_moe and saved.parallel.pipeline_model_parallel_size > 1
+    ):
         return None
-    differs = "it is in universal form" if changes == ["universal form"] else "; ".join(changes)
+    if not changes:
+        return None
     return (
-        f"{where}: a mixture-of-experts checkpoint at pipeline size > 1 (saved or loaded) loads under the topology it "
-        f"was saved with only (DeepSpeed reads each stage's own files), but {differs}; use the saved layout "
-        f"({meta.get('layout')}), sizes, ZeRO stage and precision"
+        f"{where}: a mixture-of-experts checkpoint saved at pipeline size > 1 loads under the topology it was saved "
+        f"with only (DeepSpeed reads each stage's own files, which do not convert to the universal form), but "
+        f"{'; '.join(changes)}; use the saved layout ({meta.get('layout')}), sizes, ZeRO stage and precision"
     )
 
 

@@ -231,7 +231,7 @@ def load(engine: Any, config: Config, layout: Layout, load_dir: str) -> TrainSta
     if rank0:
         _print_notices(meta, config, load_dir, tag, weights_only)
     if weights_only:
-        _load_weights(engine, config, layout, load_dir, tag, meta)
+        _load_weights(engine, config, layout, load_dir, tag, meta, bool(moved))
         if not (ck.finetune or is_weights_only(meta)):  # the iteration is kept: so are the dropout masks' indices
             state = meta["train_state"]
             engine.global_steps, engine.global_samples = state["iteration"], state["consumed_train_samples"]
@@ -337,14 +337,18 @@ def resume_flag_notices(meta: dict[str, Any], config: Config, load_dir: str, tag
     return out
 
 
-def _load_weights(engine: Any, config: Config, layout: Layout, load_dir: str, tag: str, meta: dict[str, Any]) -> None:
-    """Model weights only: DeepSpeed's per-spec files at the saved T, else full tensors resharded."""
+def _load_weights(
+    engine: Any, config: Config, layout: Layout, load_dir: str, tag: str, meta: dict[str, Any], moved: bool
+) -> None:
+    """Model weights only: DeepSpeed's per-spec files at the saved T, else full tensors resharded (a mixture of experts
+    from its universal form when converted, or `moved` into pipeline stages from P = 1: `moe_pipeline_refusal`)."""
     directory = os.path.join(load_dir, tag)
     if store.is_universal(meta):
         found = store.Universal(directory)
         restore.load_weights(engine, config, layout, lambda t: found.read(t.name, FP32))
         return
-    if getattr(engine.module, "moe_layers", None) and converted_from(meta) is not None:
+    staged = moved and config.parallel.pipeline_model_parallel_size > 1  # DeepSpeed's files are the plain engine's
+    if getattr(engine.module, "moe_layers", None) and (converted_from(meta) is not None or staged):
         # a converted mixture-of-experts checkpoint holds no DeepSpeed files: its weights are in its universal form
         found = store.Universal(ensure_converted(load_dir, tag, 60.0 * config.parallel.distributed_timeout_minutes))
         restore.load_weights(engine, config, layout, lambda t: found.read(t.name, FP32))

@@ -39,16 +39,17 @@ ReadFull = Callable[[names.ModelTensor], torch.Tensor]
 
 def _stage_params(engine: Any, config: Config, layout: Layout) -> list[tuple[names.StageParameter, torch.nn.Parameter]]:
     if config.model.is_moe:
-        return _moe_params(engine, config)
+        return _moe_params(engine, config, set(layout.rank_specs(engine.stage_id)))
     params = names.stage_parameters(config.model, layout, engine.stage_id)
     live = dict(engine.module.named_parameters())
     assert [p.module_name for p in params] == list(live), ([p.module_name for p in params], list(live))
     return [(p, live[p.module_name]) for p in params]
 
 
-def _moe_params(engine: Any, config: Config) -> list[tuple[names.StageParameter, torch.nn.Parameter]]:
-    """A mixture-of-experts model (P = T = 1): every live parameter by its one-process name, this rank's experts by
-    their global index; every tensor but the other ranks' experts is among them."""
+def _moe_params(engine: Any, config: Config, specs: set[int]) -> list[tuple[names.StageParameter, torch.nn.Parameter]]:
+    """A mixture-of-experts model (T = 1; this pipeline rank's `specs`): every live parameter by its one-process name
+    (DeepSpeed's pipeline module names a stage's layers by their global spec index, the tied embedding as at P = 1),
+    this rank's experts by their global index; every tensor of its specs but the other ranks' experts is among them."""
     from megatron_ds.model.moe import global_named_parameters, is_expert
 
     tensors = {names.module_name(config.model, t): t for t in names.model_tensors(config.model)}
@@ -60,7 +61,8 @@ def _moe_params(engine: Any, config: Config) -> list[tuple[names.StageParameter,
         assert name in tensors, (name, sorted(tensors)[:5])
         out.append((names.StageParameter(name, tensors[name].group, tensors[name]), param))
     held = {sp.module_name for sp, _ in out}
-    assert all(n in held for n in tensors if not is_expert(n)), sorted(set(tensors) - held)
+    mine = [n for n, t in tensors.items() if t.spec_index in specs and not is_expert(n)]
+    assert all(n in held for n in mine), sorted(set(mine) - held)
     return out
 
 
