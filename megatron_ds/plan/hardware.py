@@ -164,6 +164,33 @@ _QWEN3 = (
 )
 
 
+# Qwen3-MoE: Qwen3's layer (4 kv heads of 128 channels) with 128 SwiGLU experts of moe_intermediate_size on every
+# layer, each token routed to its top 8 renormalized (norm_topk_prob): Megatron-LM's top-k router here.
+_QWEN3_MOE_ARCH = (
+    *_LLAMA,
+    "--qk-layernorm",
+    "--rotary-base",
+    "1000000",
+    "--layernorm-epsilon",
+    "1e-6",
+    *_gqa(4),
+    "--kv-channels",
+    "128",
+    "--num-experts",
+    "128",
+    "--moe-router-topk",
+    "8",
+)
+_QWEN3_MOE = (
+    "Qwen Team 2025, Qwen3 (arXiv 2505.09388), Table 2 (30B-A3B: 48 layers, 32 query / 4 kv heads; 235B-A22B: 94 "
+    "layers, 64 / 4; 128 experts, 8 routed, no shared expert); the released config.json files (hidden 2048 / 4096, "
+    "moe_intermediate_size 768 / 1536, head_dim 128, norm_topk_prob true, vocab 151936, rope_theta 1e6): 30.5B and "
+    "235B parameters, 3.3B and 22B active, as the model cards state; their router_aux_loss_coef (0.001) weighs "
+    "transformers' loss, not --moe-aux-loss-coeff's (docs/interop.md); batch and learning rate are not published (the "
+    "Llama 3 batch and the placeholder --lr are printed)"
+)
+
+
 def _kv128(hidden: int, heads: int) -> tuple[str, ...]:
     """--kv-channels 128 where Qwen3's head_dim is not hidden / heads (0.6B, 4B, 32B)."""
     return () if hidden == 128 * heads else ("--kv-channels", "128")
@@ -244,6 +271,8 @@ PRESETS = {
             (*_LLAMA, *_gqa(8), "--window-size", "4095,0"),
             _MISTRAL,
         ),
+        Preset("qwen3-30b-a3b", 48, 2048, 32, 512, None, 768, 4096, 151936, _QWEN3_MOE_ARCH, _QWEN3_MOE),
+        Preset("qwen3-235b-a22b", 94, 4096, 64, 512, None, 1536, 4096, 151936, _QWEN3_MOE_ARCH, _QWEN3_MOE),
         Preset("mixtral-8x7b", 32, 4096, 32, 1024, None, 14336, 4096, 32000, (*_MIXTRAL_ARCH, *_gqa(8)), _MIXTRAL),
         Preset("mixtral-8x22b", 56, 6144, 48, 1024, None, 16384, 4096, 32768, (*_MIXTRAL_ARCH, *_gqa(8)), _MIXTRAL),
     )

@@ -97,6 +97,7 @@ def test_qwen3_presets_have_their_published_parameter_counts(name: str) -> None:
         ("qwen3-0.6b", 8),
         ("qwen3-32b", 64),
         ("mixtral-8x7b", 64),
+        ("qwen3-30b-a3b", 64),
     ],
 )
 def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, capsys) -> None:
@@ -113,7 +114,7 @@ def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, 
     assert config.model.rope_scaling_factor == ROPE_SCALING.get(name, config.model.rope_scaling_factor)
     assert config.model.add_qkv_bias == (name in QWEN)
     assert config.model.qk_layernorm == name.startswith("qwen3")
-    assert ("--kv-channels" in tokens) == (name in {"qwen3-0.6b", "qwen3-32b"})  # hidden / heads is not 128
+    assert ("--kv-channels" in tokens) == (name in {"qwen3-0.6b", "qwen3-32b", "qwen3-30b-a3b"})  # h / heads is not 128
 
 
 @pytest.mark.parametrize(("name", "active"), [("Mixtral-8x7B", 12.88), ("Mixtral-8x22B", 39.16)])
@@ -235,3 +236,21 @@ def test_an_ignored_architecture_flag_is_warned_about_once(capsys) -> None:
     assert main(["pipeline", "--model", "1.3b", "--num-gpus", "8", "--gpu", "H100", "--rotary-base", "20001"]) == 0
     err = capsys.readouterr().err
     assert err.count("WARNING: --rotary-base 20001 only applies with --use-rotary-position-embeddings") == 1
+
+
+@pytest.mark.parametrize(("name", "total", "active"), [("Qwen3-30B-A3B", 30.5, 3.3), ("Qwen3-235B-A22B", 235.1, 22.1)])
+def test_the_qwen3_moe_presets_are_the_released_models_and_export_as_qwen3_moe(
+    name: str, total: float, active: float
+) -> None:
+    """128 experts of moe_intermediate_size on every layer, 8 routed by Megatron-LM's top-k router (the renormalized
+    softmax of norm_topk_prob): the model the Hugging Face export writes as Qwen3MoeForCausalLM, at the model cards'
+    30.5B / 235B parameters and 3.3B / 22B active (counted here: 3.353B and 22.1B)."""
+    from megatron_ds.interop import hf_architectures
+
+    m = resolve(PlanInputs(model=name)).model()
+    assert m.experts_per_layer == (128,) * m.num_layers and m.moe_router == "megatron" and m.moe_top_k == 8
+    assert (m.kv_heads, m.head_dim, m.qk_layernorm, m.moe_loss_coeff) == (4, 128, True, 0.0)
+    assert hf_architectures.architecture_of(m) == hf_architectures.QWEN3_MOE
+    idle_experts = m.num_layers * 120 * 3 * m.hidden_size * m.ffn_hidden_size  # 120 of a layer's 128 compute no token
+    assert total_params(m) / 1e9 == pytest.approx(total, rel=2e-3)
+    assert (total_params(m) - idle_experts) / 1e9 == pytest.approx(active, rel=2e-2)  # 3.353B: the card's "3.3B"
