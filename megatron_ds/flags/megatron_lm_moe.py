@@ -349,9 +349,3 @@ def router_notices(args: argparse.Namespace, bf16: bool) -> None:
             "Megatron-LM's router computes its logits in bf16 unless --moe-router-dtype fp32; here DeepSpeed's gate "
             "computes them in fp32 (add --moe-router-dtype fp32 to say so)"
         )
-    if args.load:  # weights from a checkpoint (a first launch's too draws them: said then by its own notice)
-        return
-    notice(
-        "the experts of each layer start as copies of one MLP (DeepSpeed's MoE layer copies it, as Megatron-DeepSpeed); "
-        "Megatron-LM draws each expert's weights on its own; the router's draw tells them apart"
-    )

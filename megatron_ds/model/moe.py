@@ -127,6 +127,34 @@ def megatron_router() -> type:
     return MegatronRouter
 
 
+EXPERT_SEED_STRIDE = 1_000_003
+"""Expert e of a layer drawn with seed layer seed x this + e + 1 (`draw_experts_apart`): one stream per expert."""
+
+
+@torch.no_grad()
+def draw_experts_apart(module: nn.Module) -> int:
+    """Draw each expert of Megatron-LM's router's layers in `module` on its own, as megatron-core initializes every
+    local expert (fc1 from N(0, std), fc2 from N(0, std / sqrt(2 L)), the dense MLP's rules), where DeepSpeed's
+    `Experts` copied one MLP: expert e from its own generator (`EXPERT_SEED_STRIDE`), by its global index, so the model
+    is the same at every expert-parallel size. Called once DeepSpeed's engine has made the expert-parallel groups
+    (`training.builder`); returns the experts drawn."""
+    from megatron_ds.model.init import draw_normal, init_generator
+
+    drawn = 0
+    for owner in module.modules():
+        rules = getattr(owner, "expert_init", None)
+        if rules is None:
+            continue
+        seed, std, out_std = rules
+        layer = owner.moe
+        for expert, index in zip(layer.deepspeed_moe.experts.deepspeed_experts, local_expert_ids(layer), strict=True):
+            gen = init_generator(seed * EXPERT_SEED_STRIDE + index + 1)
+            expert.fc1.weight.copy_(draw_normal(expert.fc1.weight.shape, std, gen))
+            expert.fc2.weight.copy_(draw_normal(expert.fc2.weight.shape, out_std, gen))
+            drawn += 1
+    return drawn
+
+
 def route_every_token(layer: nn.Module) -> None:
     """Make DeepSpeed MoE `layer`'s gate send every token to its top-k experts by score, whatever else is in the batch:
     no token dropped (each expert's capacity is the most tokens any expert got, as `--disable-moe-token-dropping`),

@@ -127,9 +127,14 @@ class TransformerLayer(nn.Module):
         """DeepSpeed's MoE layer in place of fc1 and fc2 when the layer has experts (`megatron_ds.model.moe`)."""
         self.l_aux: torch.Tensor | None = None
         """The MoE layer's load-balancing loss of the last forward (None without experts)."""
+        self.expert_init: tuple[int, float, float] | None = None
+        """Megatron-LM's router: (seed, std, output std) its experts are drawn apart with (`moe.draw_experts_apart`)."""
         if num_experts > 1:  # Megatron-DeepSpeed 4efb479: DeepSpeed's MoE around copies of the MLP
             expert = moe.ExpertMLP(fc1, fc2, bias("fc1"), self.activation)
             self.moe = moe.build(model, num_experts, expert_parallel_size, expert, gen, regularization.init_method_std)
+            if model.moe_router == "megatron":
+                std = regularization.init_method_std
+                self.expert_init = (init_seed, std, std / math.sqrt(2.0 * model.num_layers))
             return
         ffn = model.ffn_hidden_size
         self.fc1 = column_linear(tp, fc1, bias("fc1"), fused_rows=(ffn, ffn) if model.gated_mlp else None)

@@ -45,7 +45,7 @@ from megatron_ds.estimate import pipeline_schedules
 from megatron_ds.estimate.machine import check_runs_on, for_layout
 from megatron_ds.estimate.measured_time import Calibration
 from megatron_ds.estimate.run_layout import uses_measured_times
-from megatron_ds.model import rng, tensor_parallel
+from megatron_ds.model import moe, rng, tensor_parallel
 from megatron_ds.model.gpt_chunks import ChunkedGPTModelPipe
 from megatron_ds.model.gpt_model import GPTModel
 from megatron_ds.model.gpt_pipe import GPTModelPipe, build_topology
@@ -213,6 +213,10 @@ def _assemble(
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds, lr_scheduler=lr_scheduler
         )
+    if config.model.is_moe and config.model.moe_router == "megatron":  # experts by global index: groups exist now
+        moe.draw_experts_apart(engine.module)
+        if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
+            engine.optimizer.refresh_fp32_params()  # ZeRO's and bf16's fp32 copies were taken from the copies
     schedule = pipeline_schedules.find(config.parallel.pipeline_schedule, config.parallel.virtual_stages)
     if config.engine_kind == "pipeline":
         engine = _schedule_engine(engine, schedule)

@@ -113,3 +113,25 @@ def test_the_router_stores_what_it_does_and_takes_any_k_up_to_the_experts() -> N
         dataclasses.replace(MODEL, moe_router="deepspeed", moe_top_k=3)
     with pytest.raises(ConfigError, match="--moe-router"):
         dataclasses.replace(MODEL, moe_router="sinkhorn")
+
+
+def test_each_expert_is_drawn_on_its_own_by_its_global_index() -> None:
+    """`moe.draw_experts_apart` (the builder calls it once DeepSpeed's engine has made the expert groups): each expert
+    from a generator of its own, fc1 N(0, std), fc2 N(0, std / sqrt(2 L)), as megatron-core draws every local expert;
+    the same draw again for the same layer (every rank, every expert-parallel size); DeepSpeed's gates keep copies."""
+    from megatron_ds.model import moe
+
+    reg = RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05)
+    wide = dataclasses.replace(MODEL, hidden_size=128, ffn_hidden_size=256, num_layers=8, num_experts=(4,))
+    layers = [_layer(wide, reg), _layer(wide, reg)]
+    experts = [layer.moe.deepspeed_moe.experts.deepspeed_experts for layer in layers]
+    assert all(torch.equal(experts[0][0].fc1.weight, e.fc1.weight) for e in experts[0])  # DeepSpeed's copies
+    assert [moe.draw_experts_apart(layer) for layer in layers] == [4, 4]
+    fc1 = [e.fc1.weight for e in experts[0]]
+    assert all(not torch.equal(fc1[i], fc1[j]) for i in range(4) for j in range(i + 1, 4))
+    assert all(torch.equal(a.fc1.weight, b.fc1.weight) and torch.equal(a.fc2.weight, b.fc2.weight)
+               for a, b in zip(*experts))  # fmt: skip
+    assert abs(torch.stack(fc1).std().item() - 0.05) < 0.002
+    assert abs(torch.stack([e.fc2.weight for e in experts[0]]).std().item() - 0.05 / 4) < 0.0005  # sqrt(2 x 8) = 4
+    dense = _layer(dataclasses.replace(wide, moe_router="deepspeed", moe_top_k=2), reg)
+    assert moe.draw_experts_apart(dense) == 0
