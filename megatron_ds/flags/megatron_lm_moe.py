@@ -238,6 +238,8 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
             "router): "
             "they route differently; keep one family of flags"
         )
+    if not any(n > 1 for n in args.num_experts or ()):  # a dense model: Megatron-LM ignores them too
+        return {"moe_router": "megatron"}
     _check_values(args)
     coeff = _DEFAULT_COEFF if args.moe_aux_loss_coeff is None else args.moe_aux_loss_coeff
     return {
@@ -302,12 +304,22 @@ def checkpoint_dests(model: Any) -> tuple[set[str], dict[str, Any]]:
     }
 
 
-def check_expert_width(args: argparse.Namespace, ffn_hidden_size: int) -> None:
-    """--moe-ffn-hidden-size against the model's FFN size (the experts are copies of the dense MLP)."""
-    if args.moe_ffn_hidden_size is not None and args.moe_ffn_hidden_size != ffn_hidden_size:
+def check_model(args: argparse.Namespace, model: Any) -> None:
+    """What the built model must be for Megatron-LM's router (a mixture-of-experts model given this table's flags):
+    no biases (megatron-core's router has a learned bias with --add-bias-linear, DeepSpeed's gate none) and
+    --moe-ffn-hidden-size the FFN size (each expert is the MLP's width)."""
+    if not (model.is_moe and model.moe_router == "megatron"):
+        return
+    if model.add_bias_linear:
         raise ConfigError(
-            f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} differs from the FFN size {ffn_hidden_size}: experts "
-            "here are copies of the dense MLP; give the experts' size as --ffn-hidden-size"
+            f"{_given(MIXTURE_OF_EXPERTS, args)[0]} (Megatron-LM's router) with biases on: megatron-core's router "
+            "learns a bias then, which DeepSpeed's gate here has not; add --disable-bias-linear (as Megatron-LM's "
+            "Mixtral line does)"
+        )
+    if args.moe_ffn_hidden_size is not None and args.moe_ffn_hidden_size != model.ffn_hidden_size:
+        raise ConfigError(
+            f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} differs from the FFN size {model.ffn_hidden_size}: each "
+            "expert here is the MLP's width; give the experts' size as --ffn-hidden-size"
         )
 
 
@@ -340,12 +352,12 @@ def expert_interval(freq: Any, num_layers: int) -> int:
     return n
 
 
-def router_notices(args: argparse.Namespace, bf16: bool) -> None:
+def router_notices(args: argparse.Namespace, precision: str) -> None:
     """What Megatron-LM's router computes otherwise here, printed once per launch."""
     if not uses_megatron_router(args):
         return
-    if bf16 and args.moe_router_dtype is None:
+    if precision != "fp32" and args.moe_router_dtype is None:
         notice(
-            "Megatron-LM's router computes its logits in bf16 unless --moe-router-dtype fp32; here DeepSpeed's gate "
-            "computes them in fp32 (add --moe-router-dtype fp32 to say so)"
+            f"Megatron-LM's router computes its logits in {precision} unless --moe-router-dtype fp32; here DeepSpeed's "
+            "gate computes them in fp32 (add --moe-router-dtype fp32 to say so)"
         )

@@ -157,7 +157,7 @@ NETWORK: tuple[Flag, ...] = (
         _NET,
         "experts of each mixture-of-experts layer (every --expert-interval-th layer): one count for all, or one per "
         "such layer; 1, the default, is a dense model. DeepSpeed's MoE layer around copies of the MLP, as "
-        "Megatron-DeepSpeed; at pipeline size 1 on DeepSpeed's plain engine (ZeRO 0-2), at P > 1 on its pipeline "
+        "Megatron-DeepSpeed (Megatron-LM's MoE flags: its top-k router, experts drawn apart); at pipeline size 1 on DeepSpeed's plain engine (ZeRO 0-2), at P > 1 on its pipeline "
         "engine (ZeRO 0/1) as its GPTModelPipe; T = 1, any precision (docs/training.md)",
         "model.num_experts",
         type=int,

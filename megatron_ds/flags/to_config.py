@@ -289,7 +289,7 @@ def build_config(args: argparse.Namespace, world_size: int | None = None, machin
         raise _as_given(err, args, config.parallel.pp_dedicated_embedding_stages) from None
     _moe_clip_notice(config)
     if config.model.is_moe:
-        megatron_lm_moe.router_notices(args, config.training.precision == "bf16")
+        megatron_lm_moe.router_notices(args, config.training.precision)
     return config
 
 

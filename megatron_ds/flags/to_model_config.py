@@ -118,7 +118,7 @@ def build_model_config(args: argparse.Namespace, direct: dict[str, Any]) -> Mode
         window_attn_skip_freq=window_flags.window_layers(args),
     )
     _check_fixed_model_options(args, model)
-    megatron_lm_moe.check_expert_width(args, model.ffn_hidden_size)
+    megatron_lm_moe.check_model(args, model)
     model_flags.check_parallel_modes(args)
     if norm_warning:
         warn(norm_warning)

@@ -253,22 +253,27 @@ def _from_llama(f: _Fields, arch: str = LLAMA) -> HFModel:
 
 def _from_mixtral(f: _Fields) -> HFModel:
     """Mixtral: Mistral's layer with DeepSpeed's MoE layer on every layer (`hf_architectures.MIXTRAL_REQUIRES`). Its router
-    is our top-2 gate trained without token dropping or a sampled second expert: the routing flags that compute
-    Mixtral's model (a later launch may change them: they shape no weight)."""
-    f.require(
-        "num_experts_per_tok",
-        (2,),
-        2,
-        "Mixtral weighs a token's experts by their renormalized scores, which DeepSpeed's gate computes at top-2 only",
-    )
+    (softmax, the k best renormalized, every token routed) is, at top-2, our top-2 gate trained without token dropping
+    or a sampled second expert (the routing flags that compute Mixtral's model; a later launch may change them: they
+    shape no weight), and at any other k Megatron-LM's top-k router (`--moe-router-topk`)."""
     f.require("router_jitter_noise", (0, 0.0), 0.0, "the router's training-time input noise is not built")
     experts = f.size("num_local_experts")
     if experts < 2:
         raise HFConfigError(f"{f.source}: num_local_experts {experts}: a mixture of experts needs 2 or more")
+    k = f.size("num_experts_per_tok", 2)
+    if k > experts:
+        raise HFConfigError(
+            f"{f.source}: num_experts_per_tok {k} is more than num_local_experts {experts}; fix the config.json"
+        )
     model = _from_llama(f, MIXTRAL)
+    coeff = f.get("router_aux_loss_coef", float, 0.001)  # MixtralConfig's default
+    if k != 2:
+        model.architecture |= {"num_experts": [experts], "moe_router_topk": k}
+        model.defaults |= {"moe_aux_loss_coeff": coeff}
+        return model
     model.architecture |= {"num_experts": [experts], "expert_interval": 1, "topk": 2, "mlp_type": "standard"}
     model.defaults |= {
-        "moe_loss_coeff": f.get("router_aux_loss_coef", float, 0.001),  # MixtralConfig's default
+        "moe_loss_coeff": coeff,
         "disable_moe_token_dropping": False,
         "disable_moe_top2_2nd_expert_sampling": False,
     }

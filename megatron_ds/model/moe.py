@@ -128,7 +128,8 @@ def megatron_router() -> type:
 
 
 EXPERT_SEED_STRIDE = 1_000_003
-"""Expert e of a layer drawn with seed layer seed x this + e + 1 (`draw_experts_apart`): one stream per expert."""
+"""Expert e of a layer drawn with seed (layer seed x this + e + 1) mod 2^63 (`draw_experts_apart`): one stream per
+expert."""
 
 
 @torch.no_grad()
@@ -148,7 +149,7 @@ def draw_experts_apart(module: nn.Module) -> int:
         seed, std, out_std = rules
         layer = owner.moe
         for expert, index in zip(layer.deepspeed_moe.experts.deepspeed_experts, local_expert_ids(layer), strict=True):
-            gen = init_generator(seed * EXPERT_SEED_STRIDE + index + 1)
+            gen = init_generator((seed * EXPERT_SEED_STRIDE + index + 1) % 2**63)  # a large --seed too
             expert.fc1.weight.copy_(draw_normal(expert.fc1.weight.shape, std, gen))
             expert.fc2.weight.copy_(draw_normal(expert.fc2.weight.shape, out_std, gen))
             drawn += 1

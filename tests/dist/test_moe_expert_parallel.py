@@ -73,6 +73,11 @@ def runs(tmp: Path) -> dict[str, list[dict]]:
     two["top1_ep2_resumed"] = sc("top1", ep=2, world=2, load=ck)
     two["top1_ep2_straight"] = sc("top1", ep=2, world=2, steps=6)
     two["top1_ep1"] = sc("top1", ep=1, world=2)
+    one["router3_init"] = sc("router3", steps=0)  # Megatron-LM's router: the experts as drawn (`draw_experts_apart`)
+    two["router3_ep2_init"] = sc("router3", ep=2, world=2, steps=0)
+    tiny = sc("router3", ep=2, world=2, steps=1)  # bf16 ZeRO-2: its fp32 copies must be the drawn experts
+    tiny["overrides"].update({"optimizer__lr": 1e-30, "optimizer__create_moe_param_group": True})
+    two["router3_ep2_zero2_bf16"] = with_training(tiny, zero_stage=2, precision="bf16")
     weights_only = {**MOE, "parallel__world_size": 2, "checkpoint__no_load_optim": True}
     two["top1_ep1_weights_from_ep2"] = {"overrides": weights_only, "steps": 0, "weights": True, "load": ck}
     two["residual_ep2_zero2"] = with_training(sc("residual", ep=2, world=2), zero_stage=2)
@@ -233,8 +238,24 @@ def test_zero_2_and_bf16_checkpoints_resume_exactly(runs: dict, name: str) -> No
         assert resumed["weights"] == straight["weights"]
 
 
+def test_megatron_lms_router_draws_each_expert_by_its_global_index(runs: dict) -> None:
+    """At step 0 the experts of a layer differ (drawn apart, not DeepSpeed's copies) and EP = 2's are the one-process
+    run's, by global index; a bf16 ZeRO-2 step at a learning rate of 1e-30 keeps them (ZeRO's fp32 copies were refreshed
+    after the draw: else the step would write the copies back)."""
+    one = runs["router3_init"][0]["weights"]
+    fc1 = sorted(n for n in one if ".deepspeed_experts." in n and n.endswith("fc1.weight"))
+    layer = [n for n in fc1 if n.startswith(fc1[0].split(".")[0] + ".")]
+    assert len(layer) == 4 and all(_max_diff(one[a], one[b]) > 1e-3 for a in layer for b in layer if a < b)
+    two = {n: v for r in runs["router3_ep2_init"] for n, v in r["weights"].items()}
+    assert set(two) == set(one) and all(_max_diff(two[n], one[n]) == 0.0 for n in one)
+    stepped = {n: v for r in runs["router3_ep2_zero2_bf16"] for n, v in r["weights"].items()}
+    assert all(_max_diff(stepped[n], one[n]) <= 1e-2 * max(1.0, _max_diff(one[n], 0.0)) for n in fc1)
+    assert all(_max_diff(stepped[a], stepped[b]) > 1e-3 for a in layer for b in layer if a < b)
+
+
 def test_the_experts_train_apart(runs: dict) -> None:
-    """Every expert starts as a copy of one MLP (DeepSpeed's deepcopy, as upstream): after training they differ, so
+    """With DeepSpeed's gates every expert starts as a copy of one MLP (its deepcopy, as upstream; Megatron-LM's router
+    draws them apart: above): after training they differ, so
     the comparison above would see an expert's tokens sent to another."""
     w = runs["top1_one"][0]["weights"]
     first = [n for n in w if ".deepspeed_experts.0.fc1.weight" in n][0]

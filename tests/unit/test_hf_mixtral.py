@@ -142,7 +142,7 @@ def test_absent_fields_are_mixtrals_defaults_not_llamas() -> None:
 @pytest.mark.parametrize(
     "change, problem",
     [
-        ({"num_experts_per_tok": 1}, "num_experts_per_tok 1 is not supported: Mixtral weighs a token's experts"),
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 is more than num_local_experts 4"),
         ({"router_jitter_noise": 0.1}, "router_jitter_noise 0.1 is not supported: the router's training-time"),
         ({"num_local_experts": 1}, "num_local_experts 1: a mixture of experts needs 2 or more"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported: mixtral's MLP here is SwiGLU"),
@@ -158,6 +158,7 @@ def test_what_we_do_not_build_is_one_line_on_import(change: dict, problem: str) 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 HF_CASES = {
     "tied, a window": dict(sliding_window=6, tie_word_embeddings=True),
+    "top-3 (Megatron-LM's router)": dict(num_experts_per_tok=3),
     "Llama 3.x rope scaling": dict(  # head size 32: frequencies in all three of the scaling's bands
         hidden_size=64, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384,
         rope_parameters={**LLAMA3_ROPE, "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
@@ -186,9 +187,9 @@ def test_transformers_mixtral_imports_computes_its_logits_and_exports_back_bit_i
     theirs.save_pretrained(tmp_path / "hf")
     result = import_hf(str(tmp_path / "hf"), str(tmp_path / "ours"), [], show_progress=False)
     flags = {"--window-size", "--untie-embeddings-and-output-weights", "--use-rope-scaling"} & set(result.train_flags)
-    assert flags == (
-        {"--window-size"} if "window" in case else {"--untie-embeddings-and-output-weights", "--use-rope-scaling"}
-    )
+    expected = {"--untie-embeddings-and-output-weights"} | ({"--use-rope-scaling"} if "rope" in case else set())
+    assert flags == ({"--window-size"} if "window" in case else expected)
+    assert ("--moe-router-topk" in result.train_flags) == ("top-3" in case)  # top-2: DeepSpeed's top-2 gate
     assert len(result.notes) == 1 and "the losses differ" in result.notes[0]
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -20,6 +20,7 @@ from megatron_ds.flags.parser import parse_config
 BASE = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
     "--vocab-size", "128", "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--num-experts", "8",
+    "--disable-bias-linear",
 ]  # fmt: skip
 MIXTRAL_EXAMPLE = (
     "--moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm "
@@ -112,8 +113,8 @@ def test_sizes_and_kinds_not_built_are_one_line() -> None:
     )
     assert error("--moe-router-score-function", "sigmoid").startswith("--moe-router-score-function sigmoid is not")
     assert error("--moe-ffn-hidden-size", "64", "--ffn-hidden-size", "96") == (
-        "--moe-ffn-hidden-size 64 differs from the FFN size 96: experts here are copies of the dense MLP; give the "
-        "experts' size as --ffn-hidden-size"
+        "--moe-ffn-hidden-size 64 differs from the FFN size 96: each expert here is the MLP's width; give the experts' "
+        "size as --ffn-hidden-size"
     )
     assert parse("--moe-ffn-hidden-size", "128").model.ffn_hidden_size == 128  # 4h, the default: the same
     assert error("--expert-tensor-parallel-size", "2").startswith("--expert-tensor-parallel-size 2 is not supported")
@@ -151,3 +152,16 @@ def test_use_checkpoint_args_takes_the_router_and_its_flags(tmp_path: Path, laye
     body["config"] = ours.to_dict()
     (tmp_path / "global_step0" / "megatron_ds.json").write_text(json.dumps(body))
     assert parse_config(["--use-checkpoint-args", "--load", str(tmp_path), *train], world_size=1)[0].model == ours.model
+
+
+def test_megatron_lms_router_with_biases_is_refused_and_a_dense_model_ignores_its_flags() -> None:
+    """megatron-core's router learns a bias with --add-bias-linear (Megatron-LM's default); DeepSpeed's gate has none.
+    Without --num-experts Megatron-LM ignores its MoE flags, as here."""
+    biased = [a for a in BASE if a != "--disable-bias-linear"]
+    with pytest.raises(ConfigError, match=r"--moe-router-topk \(Megatron-LM's router\) with biases on: .* add "
+                       r"--disable-bias-linear"):  # fmt: skip
+        parse_config([*biased, "--moe-router-topk", "2"], world_size=2)
+    assert routing(parse_config([*biased, "--topk", "2"], world_size=2)[0])[0] == "deepspeed"  # DeepSpeed's gates
+    dense = [a for a in BASE if a not in ("--num-experts", "8")]
+    model = parse_config([*dense, "--moe-ffn-hidden-size", "64", "--moe-layer-freq", "2"], world_size=1)[0].model
+    assert not model.is_moe

@@ -149,7 +149,9 @@ def test_a_moe_checkpoint_has_a_universal_form_and_the_per_spec_readers_refuse_i
     assert line.startswith("ck: a mixture-of-experts checkpoint (--num-experts 4)") and "\n" not in line
     assert "whose experts are in DeepSpeed's files" in line and "--to hf writes it as Mixtral" in line
     assert "tools/generate.py and inference.load_model read it (a --kd teacher too)" in line
-    assert "resumes it under any world size, --moe-expert-parallel-size and ZeRO stage 0-2" in line
+    assert (
+        "resumes it under any pipeline size, layout, world size, --moe-expert-parallel-size and ZeRO stage 0-2" in line
+    )
     assert "--no-load-optim" in line and "--to universal" in line
     assert moe_refusal({"config": parse_config(BASE.split())[0].to_dict()}, "ck") is None
 

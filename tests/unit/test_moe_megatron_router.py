@@ -32,9 +32,9 @@ def _megatron_core(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     return probs, aux
 
 
-def _layer(model: ModelConfig, reg: RegularizationConfig | None = None) -> torch.nn.Module:
+def _layer(model: ModelConfig, reg: RegularizationConfig | None = None, seed: int = 1234) -> torch.nn.Module:
     reg = reg or RegularizationConfig(hidden_dropout=0.0, attention_dropout=0.0)
-    return build_layer_specs(model, reg, 1234)[3].build().train()  # token cast, embeddings, then layer 0
+    return build_layer_specs(model, reg, seed)[3].build().train()  # token cast, embeddings, then layer 0
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 8])
@@ -135,3 +135,4 @@ def test_each_expert_is_drawn_on_its_own_by_its_global_index() -> None:
     assert abs(torch.stack([e.fc2.weight for e in experts[0]]).std().item() - 0.05 / 4) < 0.0005  # sqrt(2 x 8) = 4
     dense = _layer(dataclasses.replace(wide, moe_router="deepspeed", moe_top_k=2), reg)
     assert moe.draw_experts_apart(dense) == 0
+    assert moe.draw_experts_apart(_layer(wide, reg, seed=2**31 - 1)) == 4  # the largest --seed: no overflow

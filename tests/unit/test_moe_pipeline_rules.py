@@ -159,6 +159,22 @@ def test_a_checkpoint_saved_at_two_stages_loads_at_its_topology_only() -> None:
     assert refused is not None and "saved at --pipeline-model-parallel-size 2, which has no universal form" in refused
 
 
+def test_a_checkpoint_saved_at_one_stage_or_layout_free_loads_at_two() -> None:
+    """Saved at P = 1, a universal checkpoint, or an import / conversion (weights in universal form): None at P = 2,
+    whatever moved; saved at P = 2 and moved: refused (above)."""
+    from megatron_ds.training.checkpoint.directory import CONVERTED
+
+    staged = config()
+    one = parse_config(BASE.split(), world_size=1)[0]
+    meta = {"config": one.to_dict(), "layout": "Et*4L", "world_size": 1, "optimizer_state": True}
+    assert moe_pipeline_refusal(meta, staged, ["layout Et*4L vs Et*2|t*2L", "world size 1 vs 2"], "ck") is None
+    saved_staged = {"config": staged.to_dict(), "layout": "Et*2|t*2L", "world_size": 2}
+    assert moe_pipeline_refusal(saved_staged, one, ["universal form"], "ck") is None
+    converted = {**saved_staged, CONVERTED: {"upstream": "hf", "universal": "global_step0.universal"}}
+    assert moe_pipeline_refusal(converted, one, ["hf (converted: ...)", "layout ..."], "ck") is None
+    assert moe_pipeline_refusal(saved_staged, one, ["layout Et*2|t*2L vs Et*4L"], "ck") is not None
+
+
 def test_the_expert_record_keeps_each_stages_optimizer_groups(tmp_path: Path) -> None:
     """experts.json at P = 2, E = 1: each rank's stage, and each stage's groups apart (at P = 1 the record is as
     before: tests/unit/test_moe_universal.py)."""

@@ -49,7 +49,8 @@ def has_optimizer_state(meta: dict[str, Any]) -> bool:
 
 def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
     """Why the per-spec weight readers refuse a mixture-of-experts checkpoint (None for a dense one): its experts are
-    in DeepSpeed's files. What reads it is said in the same line: the Hugging Face export (as Mixtral), generation and
+    in DeepSpeed's files. What reads it is said in the same line: the Hugging Face export (as Mixtral or Qwen3-MoE),
+    generation and
     inference (`moe_weights`), a resume under any world size, expert-parallel size and ZeRO stage 0-2 (through the universal form,
     `universal.moe_source`; at any P when saved at P = 1), the conversion itself, and its weights alone
     (`--no-load-optim`); saved at P > 1, a resume under its own topology only (`moe_pipeline_refusal`)."""
@@ -59,18 +60,18 @@ def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
         return None
     experts = " ".join(map(str, model.num_experts))
     resumes = (
-        "pretrain_gpt.py --load resumes it under any world size, --moe-expert-parallel-size and ZeRO stage 0-2 "
-        "(through its universal form, which `tools/convert_checkpoint.py --to universal` also writes), or takes its "
-        "weights alone with --no-load-optim"
-        if saved.parallel.pipeline_model_parallel_size == 1
+        "pretrain_gpt.py --load resumes it under any pipeline size, layout, world size, --moe-expert-parallel-size and "
+        "ZeRO stage 0-2 (through its universal form, which `tools/convert_checkpoint.py --to universal` also writes), "
+        "or takes its weights alone with --no-load-optim"
+        if saved.parallel.pipeline_model_parallel_size == 1 or converted_from(meta) is not None
         else f"pretrain_gpt.py --load resumes it (or takes its weights alone with --no-load-optim) under the layout "
         f"({meta.get('layout')}) and sizes it was saved with"
     )
     return (
         f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), whose experts are in DeepSpeed's files, "
-        f"which the per-spec weight readers do not read; tools/convert_checkpoint.py --to hf writes it as Mixtral "
-        f"(SwiGLU experts on every layer, --topk 2), tools/generate.py and inference.load_model read it (a --kd "
-        f"teacher too); {resumes}"
+        f"which the per-spec weight readers do not read; tools/convert_checkpoint.py --to hf writes it as Mixtral or "
+        f"Qwen3-MoE (SwiGLU experts on every layer; --topk 2, or Megatron-LM's router at any --moe-router-topk), "
+        f"tools/generate.py and inference.load_model read it (a --kd teacher too); {resumes}"
     )
 
 
