@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import megatron_ds.flags.megatron_lm_moe as megatron_lm_moe
 from megatron_ds.estimate.devices import DEVICES
 from megatron_ds.flags import BY_NAME
+from megatron_ds.flags.declare import NO_OP
 from megatron_ds.pipeline.methods import planned_methods
 from megatron_ds.plan import sections
 from megatron_ds.plan.hardware import PRESETS, PlanError
@@ -46,6 +48,7 @@ TRAINING_FLAGS: dict[str, str | None] = {
     "--num-virtual-stages-per-pipeline-rank": "with interleaving the planner tries 2, 3 and 4 when not given",
     "--moe-expert-parallel-size": _CHOSEN + " (a divisor of every expert count, a mixture-of-experts teacher's too, "
     "and of the GPUs)",
+    "--expert-model-parallel-size": "the same choice as --moe-expert-parallel-size (which the printed command writes)",
     "--create-moe-param-group": "the printed command adds it wherever a mixture-of-experts plan uses ZeRO 1 or 2",
     "--kd": "the plan counts the teacher (its weights, its forward, the kd loss) at pipeline size 1",
     "--mos": "planned as --kd (the same teacher and loss)",
@@ -82,6 +85,11 @@ MOE_ARCHITECTURE_FLAGS = (
     "--moe-ffn-hidden-size",
     "--moe-router-score-function",
     "--moe-router-dtype",
+    *(
+        f.name
+        for f in megatron_lm_moe.MIXTURE_OF_EXPERTS
+        if f.status == NO_OP  # kernels and dispatchers: they change nothing but choose Megatron-LM's router, as there
+    ),
 )
 """Megatron-DeepSpeed's and Megatron-LM's (`flags.megatron_lm_moe`) mixture-of-experts flags that shape the model or
 its routing: architecture flags here (the expert-parallel size and `--create-moe-param-group` are the planner's
@@ -200,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     training(g, "--recompute-activations", "--partition-activations", "--checkpoint-in-cpu", "--sequence-parallel")
     training(g, "--pp-schedule", "--enable-zbh1-pipeline", "--num-virtual-stages-per-pipeline-rank")
     training(g, "--moe-expert-parallel-size", "--create-moe-param-group")
+    training(g, "--expert-model-parallel-size")  # Megatron-LM's spelling of the same choice (its Mixtral line's)
     g2 = p.add_argument_group("knowledge distillation", "the teacher: its checkpoint, or its sizes (docs/planner.md)")
     training(g2, "--kd", "--mos", "--load-teacher", *DISTILLATION_SIZES)
     g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_const", const=False)
@@ -219,11 +228,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _expert_parallel_size(ns: argparse.Namespace) -> None:
+    """Megatron-LM's --expert-model-parallel-size as --moe-expert-parallel-size (one size by two names)."""
+    size, ours = ns.expert_model_parallel_size, ns.moe_expert_parallel_size
+    if size is not None and ours not in (None, size):
+        raise PlanError(
+            f"--expert-model-parallel-size {size} with --moe-expert-parallel-size {ours}: the same size by two names; "
+            "keep one"
+        )
+    if size is not None:
+        ns.moe_expert_parallel_size = size
+
+
 def parse(argv: Sequence[str]) -> tuple[str, PlanInputs, Output]:
     """(the command, the inputs given on the command line, the output options)."""
     argv = list(argv)
     command = argv.pop(0) if argv and argv[0] in (*sections.names(), sections.ALL) else sections.ALL
     ns = build_parser().parse_args(argv)
+    _expert_parallel_size(ns)
     memory_only = [f for f, v in (("--reported-mb", ns.reported_mb), ("--oom-stage", ns.oom_stage)) if v is not None]
     if memory_only and command not in ("memory", sections.ALL):  # read by the memory section alone
         raise PlanError(

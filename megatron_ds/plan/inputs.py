@@ -59,6 +59,8 @@ class PlanInputs:
     num_virtual_stages_per_pipeline_rank: int | None = None
     enable_zbh1_pipeline: bool | None = None
     moe_expert_parallel_size: int | None = None
+    expert_model_parallel_size: int | None = None
+    """Megatron-LM's spelling of `moe_expert_parallel_size`, which the command line copies it into."""
     create_moe_param_group: bool | None = None
     kd: bool | None = None
     mos: bool | None = None

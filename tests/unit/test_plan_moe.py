@@ -329,3 +329,23 @@ def test_a_moe_model_that_does_not_fit_asks_for_gpus_not_for_parallelism_the_tra
     with pytest.raises(PlanError, match="does not fit") as caught:
         choose_all(resolve(command_line.parse(argv)[1]), "fp16")
     assert "--moe-expert-parallel-size" in str(caught.value) and "pipeline/tensor" not in str(caught.value)
+
+
+def test_megatron_lms_moe_flags_plan_and_the_command_keeps_its_router() -> None:
+    """The MoE flags of Megatron-LM's Mixtral line (its router's, its kernels' no-ops, --expert-model-parallel-size as
+    the fixed expert-parallel size): the planner's model is Megatron-LM's router, and pretrain_gpt.py's parser takes the
+    printed command to the same model and size."""
+    moe = (
+        "--num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm --moe-token-dispatcher-type "
+    )
+    moe += "alltoall --expert-model-parallel-size 2 --disable-bias-linear"
+    res = resolve(command_line.parse(["--model", "1.3b", "--num-gpus", "16", "--gpu", "A100-80GB", *moe.split()])[1])
+    assert (res.model().moe_router, res.model().moe_top_k, res.model().moe_loss_coeff) == ("megatron", 2, 0.01)
+    top = choose_all(res, "bf16").candidate
+    assert top.expert_parallel_size == 2
+    text = ds_json.command_line(res, ds_json.plan_config(res, top))
+    flags = shlex.split(text.split("pretrain_gpt.py", 1)[1].replace("\\\n", " "))
+    parsed = parse_config(flags, world_size=16)[0]
+    assert parsed.model == res.model() and parsed.parallel.expert_parallel_size == 2
+    with pytest.raises(PlanError, match="--expert-model-parallel-size 2 with --moe-expert-parallel-size 4: the same"):
+        command_line.parse([*moe.split(), "--moe-expert-parallel-size", "4"])
