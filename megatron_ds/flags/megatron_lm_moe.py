@@ -65,17 +65,21 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
         "--moe-aux-loss-coeff",
         _MOE,
         f"{MEGATRON_LM}: the loss trained is the LM loss + this x the sum of the MoE layers' load-balancing losses "
-        "(E / k x sum over experts of mean probability x routed share; default 0)",
+        "(E / k x sum over experts of mean probability x routed share; default 0); one value (Megatron-LM takes one "
+        "per --moe-router-load-balancing-type)",
         fields=("model.moe_loss_coeff",),
         type=float,
+        nargs="+",
         derived=True,
         default=None,
     ),
     accepted(
         "--moe-router-load-balancing-type",
         _MOE,
-        f"{MEGATRON_LM}: `aux_loss` (the loss --moe-aux-loss-coeff weighs) or `none` (no load-balancing loss)",
+        f"{MEGATRON_LM}: `aux_loss` (the loss --moe-aux-loss-coeff weighs) or `none` (no load-balancing loss); one "
+        "type (Megatron-LM's list of several is not built)",
         fields=("model.moe_loss_coeff",),
+        nargs="+",
         derived=True,
         default=None,
         choices=("aux_loss", "none"),
@@ -241,13 +245,27 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
     if not any(n > 1 for n in args.num_experts or ()):  # a dense model: Megatron-LM ignores them too
         return {"moe_router": "megatron"}
     _check_values(args)
-    coeff = _DEFAULT_COEFF if args.moe_aux_loss_coeff is None else args.moe_aux_loss_coeff
+    coeff = _one("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, _DEFAULT_COEFF)
+    kind = _one("--moe-router-load-balancing-type", args.moe_router_load_balancing_type, "aux_loss")
     return {
         "moe_router": "megatron",
         "moe_top_k": _DEFAULT_TOP_K if args.moe_router_topk is None else args.moe_router_topk,
         "expert_interval": expert_interval(args.moe_layer_freq, args.num_layers),
-        "moe_loss_coeff": 0.0 if args.moe_router_load_balancing_type == "none" else coeff,
+        "moe_loss_coeff": 0.0 if kind == "none" else coeff,
     }
+
+
+def _one(flag: str, value: Any, default: Any) -> Any:
+    """A flag Megatron-LM takes as a list (one entry per load-balancing type) as its one value; several refused."""
+    if value is None:
+        return default
+    if not isinstance(value, list):  # a checkpoint's value (`--use-checkpoint-args`)
+        return value
+    if len(value) != 1:
+        raise ConfigError(
+            f"{flag} {' '.join(map(str, value))}: several load-balancing losses together are not built; give one value"
+        )
+    return value[0]
 
 
 def expert_parallel(args: argparse.Namespace, ours: int | None) -> dict[str, int]:
@@ -275,8 +293,9 @@ def optimizer_fields(args: argparse.Namespace, direct: dict[str, Any]) -> dict[s
 
 
 def _check_values(args: argparse.Namespace) -> None:
-    if args.moe_aux_loss_coeff is not None and args.moe_aux_loss_coeff < 0:
-        raise ConfigError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff:g} must be >= 0")
+    coeff = _one("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, _DEFAULT_COEFF)
+    if coeff < 0:
+        raise ConfigError(f"--moe-aux-loss-coeff {coeff:g} must be >= 0")
     if args.expert_tensor_parallel_size not in (None, 1):
         raise ConfigError(
             f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} is not supported: experts are not split "

@@ -57,9 +57,11 @@ __all__ = ["ConfigError", "build_config"]
 def _refuse_values(args: argparse.Namespace) -> None:
     """Refused values of accepted flags (`Flag.refused_values`), before anything else is checked."""
     for f in FLAGS:
-        message = compat.refused_value(f, getattr(args, f.attr)) if f.refused_values else None
-        if message:
-            raise ConfigError(message)
+        value = getattr(args, f.attr) if f.refused_values else None
+        for one in value if isinstance(value, list) else [value]:  # each value of a list flag
+            message = compat.refused_value(f, one) if one is not None else None
+            if message:
+                raise ConfigError(message)
 
 
 def direct_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

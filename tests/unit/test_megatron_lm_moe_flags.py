@@ -165,3 +165,16 @@ def test_megatron_lms_router_with_biases_is_refused_and_a_dense_model_ignores_it
     dense = [a for a in BASE if a not in ("--num-experts", "8")]
     model = parse_config([*dense, "--moe-ffn-hidden-size", "64", "--moe-layer-freq", "2"], world_size=1)[0].model
     assert not model.is_moe
+
+
+def test_the_load_balancing_lists_take_one_entry_as_megatron_lm_reads_one() -> None:
+    """Megatron-LM takes a list of types and one coefficient each (one entry read as the value); several are not built,
+    and a refused type is refused inside a list too."""
+    config = parse("--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.02")
+    assert routing(config)[2] == 0.02
+    assert error("--moe-aux-loss-coeff", "0.01", "0.02").startswith(
+        "--moe-aux-loss-coeff 0.01 0.02: several load-balancing losses together are not built"
+    )
+    assert error("--moe-router-load-balancing-type", "aux_loss", "sinkhorn").startswith(
+        "--moe-router-load-balancing-type sinkhorn is not supported"
+    )
