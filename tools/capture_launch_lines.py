@@ -34,8 +34,13 @@ ENTRY_POINTS = ("pretrain_gpt.py", "finetune_llama.py", "pretrain_gpt_core.py")
 """Training scripts whose command lines are captured (any other python use runs for real)."""
 LAUNCHERS = ("deepspeed", "torchrun", "srun", "mpirun")
 SCRIPT_TIMEOUT_S = 30
-MEGATRON_LM_SCRIPTS = ("examples/gpt3/train_gpt3_175b_distributed.sh", "examples/llama/train_llama3_8b_h100_fp8.sh")
-"""Megatron-LM's GPT and Llama example lines (its other examples are MoE, FSDP or post-training)."""
+MEGATRON_LM_SCRIPTS = (
+    "examples/gpt3/train_gpt3_175b_distributed.sh",
+    "examples/llama/train_llama3_8b_h100_fp8.sh",
+    "examples/mixtral/train_mixtral_8x7b_distributed.sh",
+)
+"""Megatron-LM's GPT, Llama and Mixtral example lines (its other examples are DeepSeek-style MoE, FSDP or
+post-training)."""
 SCRIPT_ARGS = {
     "examples/gpt3/train_gpt3_175b_distributed.sh": [
         "checkpoints/gpt3_175b",
@@ -44,6 +49,7 @@ SCRIPT_ARGS = {
         "gpt2-merges.txt",
         "data/gpt3_text_document",
     ],
+    "examples/mixtral/train_mixtral_8x7b_distributed.sh": ["checkpoints/mixtral", "tokenizer.model", "data/mixtral"],
     # the base script's first block in ds_pretrain_gpt_1.3B_dense_run.sh (its baseline: lr, train tokens in billions)
     "examples_deepspeed/data_efficiency/gpt/pretrain/ds_pretrain_gpt_1.3B_dense_base_script.sh": ["2.0e-4", "300"],
 }

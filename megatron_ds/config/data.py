@@ -12,6 +12,7 @@ TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
     "NullTokenizer",
     "HuggingFaceTokenizer",
     "HFTokenizer",

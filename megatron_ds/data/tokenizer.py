@@ -19,6 +19,7 @@ from megatron_ds.errors import first_line
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
+    "Llama2Tokenizer",
     "GPT2BPETokenizer",
     "NullTokenizer",
     "HuggingFaceTokenizer",
@@ -129,6 +130,24 @@ class SentencePieceTokenizer(Tokenizer):
         self.model_file = state["model_file"]
         self._load()
         self.unique_identifiers = _identifiers(self, self.model_file)
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM's `--tokenizer-type Llama2Tokenizer` (`_Llama2Tokenizer`): the SentencePiece model's own pieces, eod
+    its eos, pad its pad; `tokenize` puts its bos before the text (Megatron-LM's default `bos=True`), so
+    `tools/preprocess_data.py` writes each document as Megatron-LM's does: bos, the text, and eos with --append-eod."""
+
+    def _load(self) -> None:
+        super()._load()
+        self.bos = self._sp.bos_id()
+        if self.bos < 0:
+            raise DataError(
+                f"--tokenizer-model {self.model_file}: the model has no bos piece, which Llama2Tokenizer puts before "
+                f"each text; use --tokenizer-type GPTSentencePieceTokenizer"
+            )
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos, *super().tokenize(text)]
 
 
 def megatron_deepspeed_sentencepiece(model_file: str) -> tuple[int, int, list[str]]:
@@ -340,13 +359,12 @@ def build_tokenizer(
     """The tokenizer named by `--tokenizer-type`; `vocab_size`, `null_eod_id` and `null_pad_id` are only for
     `NullTokenizer`, and `tokenizer_model` is HuggingFaceTokenizer's (or HFTokenizer's) directory."""
     kind = _ALIASES.get(tokenizer_type or "", tokenizer_type)
-    if kind == "SentencePieceTokenizer":
+    if kind in ("SentencePieceTokenizer", "Llama2Tokenizer"):
         if not tokenizer_model:
             raise DataError(
-                "--tokenizer-model is required with --tokenizer-type "
-                "SentencePieceTokenizer; train one with tools/train_tokenizer.py"
+                f"--tokenizer-model is required with --tokenizer-type {kind}; train one with tools/train_tokenizer.py"
             )
-        return SentencePieceTokenizer(tokenizer_model)
+        return (Llama2Tokenizer if kind == "Llama2Tokenizer" else SentencePieceTokenizer)(tokenizer_model)
     if kind == "GPT2BPETokenizer":
         for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not value:

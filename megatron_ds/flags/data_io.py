@@ -83,7 +83,8 @@ DATA: tuple[Flag, ...] = (
         "the same directory read as its finetune_llama.py reads it: AutoTokenizer with use_fast=False, a missing pad, eos, "
         "bos or unk token added, the model's vocabulary the base one without them). SentencePieceTokenizer is "
         "Megatron's GPTSentencePieceTokenizer here: eod is the model's eos and no special tokens are added (a "
-        "Megatron-DeepSpeed line is told at launch the ids and <EOD> its SentencePieceTokenizer has)",
+        "Megatron-DeepSpeed line is told at launch the ids and <EOD> its SentencePieceTokenizer has); "
+        "`Llama2Tokenizer` is Megatron-LM's: the same ids, its bos before each text tools/preprocess_data.py writes",
         "data.tokenizer_type",
         choices=TOKENIZER_TYPES,
         derived=True,

@@ -292,6 +292,14 @@ def optimizer_fields(args: argparse.Namespace, direct: dict[str, Any]) -> dict[s
     return fields
 
 
+def as_given(err: ConfigError, args: argparse.Namespace) -> ConfigError:
+    """`err` naming --expert-model-parallel-size where the line gave it for --moe-expert-parallel-size."""
+    text = str(err)
+    if args.expert_model_parallel_size is None or "--expert-model-parallel-size" in text:  # both named already
+        return err
+    return type(err)(text.replace("--moe-expert-parallel-size", "--expert-model-parallel-size"))
+
+
 def _check_values(args: argparse.Namespace) -> None:
     coeff = _one("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, _DEFAULT_COEFF)
     if coeff < 0:

@@ -258,7 +258,15 @@ def _optimizer_config(
 def build_config(args: argparse.Namespace, world_size: int | None = None, machine: Machine | None = None) -> Config:
     """Map the parsed flags onto the config tree (which checks itself), then check what `machine`
     cannot run and the layout (`run_layout.check_layout`: without a machine, layouts that depend on
-    the device are checked when the run resolves its layout)."""
+    the device are checked when the run resolves its layout). An error names the flags as given
+    (Megatron-LM's `--expert-model-parallel-size` where it was given)."""
+    try:
+        return _build_config(args, world_size, machine)
+    except ConfigError as err:
+        raise megatron_lm_moe.as_given(err, args) from None
+
+
+def _build_config(args: argparse.Namespace, world_size: int | None, machine: Machine | None) -> Config:
     _refuse_values(args)
     direct = direct_values(args)
     model = build_model_config(args, direct.get("model", {}))

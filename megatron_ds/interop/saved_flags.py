@@ -104,6 +104,7 @@ TOKENIZER_FILES = {
     "GPT2BPETokenizer": ("vocab_file", "merge_file"),
     "SentencePieceTokenizer": ("tokenizer_model",),
     "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "Llama2Tokenizer": ("tokenizer_model",),
 }
 """Tokenizers of both upstreams that we build, and the `args` naming the files each needs."""
 INIT_AND_DROPOUT_ARGS = (Arg("--init-method-std", 0.02), Arg("--hidden-dropout", 0.1), Arg("--attention-dropout", 0.1))

@@ -259,3 +259,20 @@ def test_null_tokenizer() -> None:
         NullTokenizer(10).tokenize("11")
     with pytest.raises(DataError, match="--vocab-size is required"):
         build_tokenizer("NullTokenizer")
+
+
+def test_llama2_tokenizer_is_megatron_lms_bos_before_each_text(sp_model: str) -> None:
+    """Megatron-LM's `_Llama2Tokenizer`: the SentencePiece model's ids (eod its eos, pad its pad) and `tokenize` with its
+    default bos=True, eos=False, so preprocessed documents are bos, text (and eos with --append-eod) as upstream's."""
+    llama, plain = (build_tokenizer(t, tokenizer_model=sp_model) for t in ("Llama2Tokenizer", "SentencePieceTokenizer"))
+    assert (llama.vocab_size, llama.eod, llama.pad, llama.bos) == (plain.vocab_size, plain.eod, plain.pad, 1)
+    text = "Pack my box with five dozen liquor jugs!"
+    assert (
+        llama.tokenize(text)
+        == [1, *plain.tokenize(text)]
+        == [1, *spm.SentencePieceProcessor(model_file=sp_model).encode(text)]
+    )
+    assert llama.detokenize(llama.tokenize(text)) == text  # decode drops the bos piece
+    assert pickle.loads(pickle.dumps(llama)).tokenize(text) == llama.tokenize(text)
+    with pytest.raises(DataError, match="--tokenizer-model is required with --tokenizer-type Llama2Tokenizer"):
+        build_tokenizer("Llama2Tokenizer")

@@ -178,3 +178,9 @@ def test_the_load_balancing_lists_take_one_entry_as_megatron_lm_reads_one() -> N
     assert error("--moe-router-load-balancing-type", "aux_loss", "sinkhorn").startswith(
         "--moe-router-load-balancing-type sinkhorn is not supported"
     )
+
+
+def test_an_error_names_the_expert_parallel_flag_as_given() -> None:
+    """Megatron-LM's Mixtral line at 8 ranks (P 4, EP 8: data-parallel size 2) names its own flag."""
+    assert error("--expert-model-parallel-size", "4").startswith("--expert-model-parallel-size 4 does not divide")
+    assert error("--moe-expert-parallel-size", "4").startswith("--moe-expert-parallel-size 4 does not divide")
