@@ -150,6 +150,14 @@ def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config
     Args without a training length or learning rate (a converted model) get `placeholders`."""
     from megatron_ds.flags.parser import parse_config
 
+    experts = ckpt.args.get("num_experts")
+    if experts:  # the model trains here (Megatron-LM's router and flags); its experts' tensors are not read yet
+        raise CheckpointError(
+            f"{ckpt.directory}: a mixture-of-experts run (--num-experts {experts}, --moe-router-topk "
+            f"{ckpt.args.get('moe_router_topk')}): its checkpoint does not convert here yet (the experts' tensors are "
+            f"not read); pretrain_gpt.py trains the same model from scratch with Megatron-LM's MoE flags, or convert it "
+            f"to Hugging Face Mixtral with Megatron-LM's tools and import that (tools/convert_checkpoint.py --from hf)"
+        )
     flags = [
         *render(ckpt.args, MODEL_ARGS),
         *render(ckpt.args, TRAINING_ARGS),

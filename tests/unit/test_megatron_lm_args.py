@@ -65,7 +65,6 @@ def test_gpt_style_args_become_our_model() -> None:
 @pytest.mark.parametrize(
     ("changes", "flag"),
     [
-        ({"num_experts": 8}, "--num-experts"),
         ({"qk_layernorm": True, "apply_wd_to_qk_layernorm": True}, "--apply-wd-to-qk-layernorm"),
         ({"multi_latent_attention": True}, "--multi-latent-attention"),
         ({"mtp_num_layers": 1}, "--mtp-num-layers"),
@@ -79,6 +78,13 @@ def test_what_is_not_built_is_refused_naming_the_flag(changes: dict[str, Any], f
         CheckpointError, match=f"^/ckpt/iter_0000005: its saved args, as flags, are refused here: .*{flag}"
     ):
         _config(_ckpt("llama", **changes))
+
+
+def test_a_mixture_of_experts_run_is_one_line_saying_what_trains_it() -> None:
+    with pytest.raises(CheckpointError, match=r"^/ckpt/iter_0000005: a mixture-of-experts run \(--num-experts 8, "
+                       r"--moe-router-topk 2\): its checkpoint does not convert here yet") as err:  # fmt: skip
+        _config(_ckpt("gpt", num_experts=8, moe_router_topk=2))
+    assert "\n" not in str(err.value) and "Megatron-LM's MoE flags" in str(err.value)
 
 
 def test_a_padding_that_does_not_match_is_refused() -> None:
