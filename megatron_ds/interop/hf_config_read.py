@@ -257,20 +257,11 @@ def _from_mixtral(f: _Fields) -> HFModel:
     or a sampled second expert (the routing flags that compute Mixtral's model; a later launch may change them: they
     shape no weight), and at any other k Megatron-LM's top-k router (`--moe-router-topk`)."""
     f.require("router_jitter_noise", (0, 0.0), 0.0, "the router's training-time input noise is not built")
-    experts = f.size("num_local_experts")
-    if experts < 2:
-        raise HFConfigError(f"{f.source}: num_local_experts {experts}: a mixture of experts needs 2 or more")
-    k = f.size("num_experts_per_tok", 2)
-    if k > experts:
-        raise HFConfigError(
-            f"{f.source}: num_experts_per_tok {k} is more than num_local_experts {experts}; fix the config.json"
-        )
+    experts, k = _experts(f, "num_local_experts", ..., 2)
     model = _from_llama(f, MIXTRAL)
     coeff = f.get("router_aux_loss_coef", float, 0.001)  # MixtralConfig's default
     if k != 2:
-        model.architecture |= {"num_experts": [experts], "moe_router_topk": k}
-        model.defaults |= {"moe_aux_loss_coeff": coeff}
-        return model
+        return _top_k_router(model, experts, k, coeff)
     model.architecture |= {"num_experts": [experts], "expert_interval": 1, "topk": 2, "mlp_type": "standard"}
     model.defaults |= {
         "moe_loss_coeff": coeff,
@@ -290,21 +281,32 @@ def _from_qwen3_moe(f: _Fields) -> HFModel:
     f.require(
         "mlp_only_layers", ([], None), [], "experts on every layer only (dense layers here are the experts' width)"
     )
-    experts = f.size("num_experts") if "num_experts" in f.hf else f.size("num_local_experts", 128)
-    if experts < 2:
-        raise HFConfigError(f"{f.source}: num_experts {experts}: a mixture of experts needs 2 or more")
-    k = f.size("num_experts_per_tok", 8)
-    if k > experts:
-        raise HFConfigError(
-            f"{f.source}: num_experts_per_tok {k} is more than num_experts {experts}; fix the config.json"
-        )
+    experts, k = _experts(f, "num_experts" if "num_experts" in f.hf else "num_local_experts", 128, 8)
     hf = dict(f.hf)
     hf["intermediate_size"] = f.size("moe_intermediate_size", 768)  # every layer's MLP is experts
     if not f.get("use_sliding_window", bool, False):
         hf["sliding_window"] = None
     model = _from_llama(_Fields(hf, f.source), QWEN3_MOE)
+    return _top_k_router(model, experts, k, f.get("router_aux_loss_coef", float, 0.001))  # Qwen3MoeConfig's default
+
+
+def _experts(f: _Fields, field: str, default: Any, default_k: int) -> tuple[int, int]:
+    """(experts per layer, experts per token) of a mixture of experts: `field` (2 or more) and
+    `num_experts_per_tok` (at most that many)."""
+    experts = f.size(field, default)
+    if experts < 2:
+        raise HFConfigError(f"{f.source}: {field} {experts}: a mixture of experts needs 2 or more")
+    k = f.size("num_experts_per_tok", default_k)
+    if k > experts:
+        raise HFConfigError(f"{f.source}: num_experts_per_tok {k} is more than {field} {experts}; fix the config.json")
+    return experts, k
+
+
+def _top_k_router(model: HFModel, experts: int, k: int, coeff: float) -> HFModel:
+    """`model` with `experts` on every layer routed by Megatron-LM's top-k router (softmax, the k best renormalized:
+    `--moe-router-topk`), its coefficient `router_aux_loss_coef` a flag a later launch may change."""
     model.architecture |= {"num_experts": [experts], "moe_router_topk": k}
-    model.defaults |= {"moe_aux_loss_coeff": f.get("router_aux_loss_coef", float, 0.001)}  # Qwen3MoeConfig's default
+    model.defaults |= {"moe_aux_loss_coeff": coeff}
     return model
 
 
