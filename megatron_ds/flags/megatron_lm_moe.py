@@ -6,7 +6,7 @@ unless `--moe-expert-capacity-factor`), the load-balancing loss E / k x sum_e(me
 (`ModelConfig.moe_router` "megatron", `model.moe.megatron_router`). Megatron-DeepSpeed's `--topk` gates are
 DeepSpeed's top-1 and top-2 functions, which weigh and balance otherwise. So any accepted flag of this table selects
 Megatron-LM's router and its defaults (top-2, coefficient 0, experts on every layer), and is refused beside the
-flags of DeepSpeed's gates (`GATE_FLAGS`): one launch line routes one way. Each flag means what it means in
+flags of DeepSpeed's gates (`_DEEPSPEED_GATE`): one launch line routes one way. Each flag means what it means in
 Megatron-LM, changes nothing here (the help says why), or is refused.
 """
 
@@ -217,11 +217,6 @@ def _given(flags: tuple[Flag, ...], args: argparse.Namespace) -> list[str]:
     return [f.name for f in flags if f.status != REFUSED and getattr(args, f.attr) != f.resolved_default()]
 
 
-def uses_megatron_router(args: argparse.Namespace) -> bool:
-    """Any flag of this table on the line."""
-    return bool(_given(MIXTURE_OF_EXPERTS, args))
-
-
 def model_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The routing fields of the model section: Megatron-LM's router when a flag of this table is given (refused
     beside a flag of DeepSpeed's gates, and where Megatron-LM would compute otherwise), else DeepSpeed's gates."""
@@ -239,8 +234,7 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
     if theirs:
         raise ConfigError(
             f"{theirs[0]} (Megatron-DeepSpeed's, for DeepSpeed's gates) with {ours[0]} (Megatron-LM's, for its top-k "
-            "router): "
-            "they route differently; keep one family of flags"
+            "router): they route differently; keep one family of flags"
         )
     if not any(n > 1 for n in args.num_experts or ()):  # a dense model: Megatron-LM ignores them too
         return {"moe_router": "megatron"}
@@ -282,12 +276,17 @@ def expert_parallel(args: argparse.Namespace, ours: int | None) -> dict[str, int
     return {"expert_parallel_size": size}
 
 
-def optimizer_fields(args: argparse.Namespace, direct: dict[str, Any]) -> dict[str, Any]:
+def _routes(model: Any) -> bool:
+    """`model` (a ModelConfig) has experts routed by Megatron-LM's router (`model_fields` chose it)."""
+    return bool(model.is_moe and model.moe_router == "megatron")
+
+
+def optimizer_fields(model: Any, direct: dict[str, Any]) -> dict[str, Any]:
     """The optimizer section's directly copied values (`direct["optimizer"]`), with Megatron-LM's router the experts in
     optimizer groups of their own (`--create-moe-param-group`, which ZeRO 1/2 needs here): Megatron-LM's optimizers
     always keep them apart, and the update is the same."""
     fields = dict(direct.get("optimizer", {}))
-    if uses_megatron_router(args):
+    if _routes(model):
         fields["create_moe_param_group"] = True
     return fields
 
@@ -335,7 +334,7 @@ def check_model(args: argparse.Namespace, model: Any) -> None:
     """What the built model must be for Megatron-LM's router (a mixture-of-experts model given this table's flags):
     no biases (megatron-core's router has a learned bias with --add-bias-linear, DeepSpeed's gate none) and
     --moe-ffn-hidden-size the FFN size (each expert is the MLP's width)."""
-    if not (model.is_moe and model.moe_router == "megatron"):
+    if not _routes(model):
         return
     if model.add_bias_linear:
         raise ConfigError(
@@ -379,9 +378,9 @@ def expert_interval(freq: Any, num_layers: int) -> int:
     return n
 
 
-def router_notices(args: argparse.Namespace, precision: str) -> None:
+def router_notices(args: argparse.Namespace, model: Any, precision: str) -> None:
     """What Megatron-LM's router computes otherwise here, printed once per launch."""
-    if not uses_megatron_router(args):
+    if not _routes(model):
         return
     if precision != "fp32" and args.moe_router_dtype is None:
         notice(

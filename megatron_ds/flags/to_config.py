@@ -283,7 +283,7 @@ def _build_config(args: argparse.Namespace, world_size: int | None, machine: Mac
         regularization=RegularizationConfig(**direct.get("regularization", {})),
         parallel=parallel,
         data=data_config(args, direct.get("data", {})),
-        optimizer=_optimizer_config(args, megatron_lm_moe.optimizer_fields(args, direct), training, model.seq_length),
+        optimizer=_optimizer_config(args, megatron_lm_moe.optimizer_fields(model, direct), training, model.seq_length),
         training=training,
         checkpoint=CheckpointConfig(**direct.get("checkpoint", {})),
         logging=logging,
@@ -298,8 +298,7 @@ def _build_config(args: argparse.Namespace, world_size: int | None, machine: Mac
     except LayoutError as err:
         raise _as_given(err, args, config.parallel.pp_dedicated_embedding_stages) from None
     _moe_clip_notice(config)
-    if config.model.is_moe:
-        megatron_lm_moe.router_notices(args, config.training.precision)
+    megatron_lm_moe.router_notices(args, config.model, config.training.precision)
     return config
 
 
