@@ -63,7 +63,12 @@ from megatron_ds.training.dependencies import check_deepspeed
 from megatron_ds.training.grad_norm import grad_norm, install_fp32_grad_norm, install_mixed_precision_expert_norm
 from megatron_ds.training.machine import probe
 from megatron_ds.training.measure import stage_timers
-from megatron_ds.training.optimizer import OptimizerFactory, add_group_placeholders, build_optimizer
+from megatron_ds.training.optimizer import (
+    OptimizerFactory,
+    add_group_placeholders,
+    build_optimizer,
+    refresh_fp32_copies,
+)
 from megatron_ds.training.preflight import Watchdog, check_run_agreement, check_structure
 from megatron_ds.training.resolve_layout import measure, resolve_layout
 
@@ -215,8 +220,7 @@ def _assemble(
         )
     if config.model.is_moe and config.model.moe_router == "megatron":  # experts by global index: groups exist now
         moe.draw_experts_apart(engine.module)
-        if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
-            engine.optimizer.refresh_fp32_params()  # ZeRO's and bf16's fp32 copies were taken from the copies
+        refresh_fp32_copies(engine.optimizer)  # ZeRO's and bf16's fp32 copies were taken from DeepSpeed's copies
     schedule = pipeline_schedules.find(config.parallel.pipeline_schedule, config.parallel.virtual_stages)
     if config.engine_kind == "pipeline":
         engine = _schedule_engine(engine, schedule)

@@ -151,3 +151,11 @@ def build_optimizer(
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, **kernel)
     raise AssertionError(cfg.optimizer)
+
+
+def refresh_fp32_copies(optimizer: Any) -> None:
+    """After the model's weights were written in place: ZeRO's and the bf16/fp16 optimizers' fp32 copies of them (made
+    when the engine was built) taken again, else the first step would write the old weights back; a plain torch
+    optimizer (fp32, no ZeRO) steps the weights themselves and has none."""
+    if getattr(optimizer, "refresh_fp32_params", None) is not None:
+        optimizer.refresh_fp32_params()

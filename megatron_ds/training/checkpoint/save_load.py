@@ -69,6 +69,7 @@ from megatron_ds.training.checkpoint.universal import restore, store
 from megatron_ds.training.checkpoint.universal.convert import SUFFIX as UNIVERSAL_SUFFIX
 from megatron_ds.training.checkpoint.universal.convert import ensure_converted
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
+from megatron_ds.training.optimizer import refresh_fp32_copies
 from megatron_ds.training.rank_agreement import fail_together
 from megatron_ds.training.state import TrainState
 
@@ -343,17 +344,15 @@ def _load_weights(
     """Model weights only: DeepSpeed's per-spec files at the saved T, else full tensors resharded (a mixture of experts
     from its universal form when converted, or `moved` into pipeline stages from P = 1: `moe_pipeline_refusal`)."""
     directory = os.path.join(load_dir, tag)
-    if store.is_universal(meta):
-        found = store.Universal(directory)
-        restore.load_weights(engine, config, layout, lambda t: found.read(t.name, FP32))
-        return
+    moe = getattr(engine.module, "moe_layers", None)
     staged = moved and config.parallel.pipeline_model_parallel_size > 1  # DeepSpeed's files are the plain engine's
-    if getattr(engine.module, "moe_layers", None) and (converted_from(meta) is not None or staged):
+    if store.is_universal(meta) or (moe and (converted_from(meta) is not None or staged)):
         # a converted mixture-of-experts checkpoint holds no DeepSpeed files: its weights are in its universal form
-        found = store.Universal(ensure_converted(load_dir, tag, 60.0 * config.parallel.distributed_timeout_minutes))
+        timeout = 60.0 * config.parallel.distributed_timeout_minutes
+        found = store.Universal(directory if store.is_universal(meta) else ensure_converted(load_dir, tag, timeout))
         restore.load_weights(engine, config, layout, lambda t: found.read(t.name, FP32))
         return
-    if getattr(engine.module, "moe_layers", None):  # DeepSpeed's MoE files: the weights alone, each expert's own file
+    if moe:  # DeepSpeed's MoE files: the weights alone, each expert's own file
         check_rank_files(engine, config, load_dir, tag, weights_only=True)
         engine.load_checkpoint(
             load_dir, tag=tag, load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False
@@ -364,10 +363,7 @@ def _load_weights(
         with fail_together():  # each stage reads its own layer files; loading them ties weights (collective)
             check_layer_files(engine, directory)
         engine.module.load_state_dir(directory, checkpoint_engine=engine.checkpoint_engine)
-        if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
-            # ZeRO and bf16/fp16 optimizers keep their own fp32 copy of the weights, made when the
-            # engine was built; without this the first step would write the initial weights back.
-            engine.optimizer.refresh_fp32_params()
+        refresh_fp32_copies(engine.optimizer)
         return
     ckpt = reader.open_checkpoint(directory)
     restore.load_weights(engine, config, layout, lambda t: reader.read_spec_tensor(ckpt, t.spec_index, t.key, t.rule))

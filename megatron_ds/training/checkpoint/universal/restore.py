@@ -30,7 +30,7 @@ from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.universal import names
 from megatron_ds.training.checkpoint.universal.deepspeed_source import FP32
 from megatron_ds.training.checkpoint.universal.store import Universal
-from megatron_ds.training.optimizer import GROUP_NAMES, GROUP_PLACEHOLDER_PREFIX
+from megatron_ds.training.optimizer import GROUP_NAMES, GROUP_PLACEHOLDER_PREFIX, refresh_fp32_copies
 from megatron_ds.training.rank_agreement import fail_together
 
 ReadFull = Callable[[names.ModelTensor], torch.Tensor]
@@ -79,8 +79,7 @@ def load_weights(engine: Any, config: Config, layout: Layout, read_full: ReadFul
     _check_reads([functools.partial(read_full, sp.tensor) for sp, _ in params])
     for sp, param in params:
         _write_weight(param, _shard(engine, sp.tensor, read_full(sp.tensor)))
-    if getattr(engine.optimizer, "refresh_fp32_params", None) is not None:
-        engine.optimizer.refresh_fp32_params()
+    refresh_fp32_copies(engine.optimizer)
 
 
 @torch.no_grad()
