@@ -35,6 +35,7 @@ from torch import nn
 
 from megatron_ds.config import ModelConfig
 from megatron_ds.model import naming, sharding
+from megatron_ds.model.init import draw_normal, init_generator
 
 EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 """Where a transformer layer's local experts sit among its parameter names (`moe.` is the layer's attribute)."""
@@ -139,8 +140,6 @@ def draw_experts_apart(module: nn.Module) -> int:
     `Experts` copied one MLP: expert e from its own generator (`EXPERT_SEED_STRIDE`), by its global index, so the model
     is the same at every expert-parallel size. Called once DeepSpeed's engine has made the expert-parallel groups
     (`training.builder`); returns the experts drawn."""
-    from megatron_ds.model.init import draw_normal, init_generator
-
     drawn = 0
     for owner in module.modules():
         rules = getattr(owner, "expert_init", None)

@@ -61,6 +61,14 @@ from megatron_ds.model.tensor_parallel import NO_TENSOR_PARALLEL, TensorParallel
 from megatron_ds.model.tensor_parallel_rank import NO_ULYSSES, UlyssesGroup
 
 
+def linear_stds(model: ModelConfig, std: float) -> dict[str, float]:
+    """Megatron's init of a layer's linears: N(0, std) for the inputs to the residual branch (qkv, fc1), std / sqrt(2L)
+    for the projections that write into the residual stream (proj, fc2); biases zero. Each expert of Megatron-LM's
+    router is drawn by the same rules (`moe.draw_experts_apart`)."""
+    out_std = std / math.sqrt(2.0 * model.num_layers)
+    return {"qkv": std, "proj": out_std, "fc1": std, "fc2": out_std}
+
+
 class TransformerLayer(nn.Module):
     """x + attn(norm(x)), then x + mlp(norm(x)); (b, s, h) in and out, replicated over tensor ranks
     (split sequences: see the module).
@@ -133,8 +141,8 @@ class TransformerLayer(nn.Module):
             expert = moe.ExpertMLP(fc1, fc2, bias("fc1"), self.activation)
             self.moe = moe.build(model, num_experts, expert_parallel_size, expert, gen, regularization.init_method_std)
             if model.moe_router == "megatron":
-                std = regularization.init_method_std
-                self.expert_init = (init_seed, std, std / math.sqrt(2.0 * model.num_layers))
+                stds = linear_stds(model, regularization.init_method_std)
+                self.expert_init = (init_seed, stds["fc1"], stds["fc2"])
             return
         ffn = model.ffn_hidden_size
         self.fc1 = column_linear(tp, fc1, bias("fc1"), fused_rows=(ffn, ffn) if model.gated_mlp else None)
@@ -142,12 +150,9 @@ class TransformerLayer(nn.Module):
 
     @staticmethod
     def _full_weights(model: ModelConfig, std: float, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-        # Megatron's init: N(0, std) for inputs to the residual branch, std / sqrt(2L) for the
-        # projections that write into the residual stream; biases zero. Full (T=1) matrices,
-        # drawn in this order whatever T is; each rank keeps its shard. The fused QKV rows are nh
+        # Full (T=1) matrices, drawn in this order whatever T is; each rank keeps its shard. The fused QKV rows are nh
         # query heads, then kv key heads, then kv value heads; a SwiGLU fc1 has the gate, then up.
-        out_std = std / math.sqrt(2.0 * model.num_layers)
-        stds = {"qkv": std, "proj": out_std, "fc1": std, "fc2": out_std}
+        stds = linear_stds(model, std)
         return tuple(draw_normal(shape, stds[name], gen) for name, shape in layer_linear_shapes(model).items())
 
     def forward(self, x: Any) -> Any:
