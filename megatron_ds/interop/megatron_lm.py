@@ -61,7 +61,9 @@ def import_megatron_lm(
         sources.append(MegatronLMSource(mlm, ours))
         return sources[-1]
 
-    states = converted.write(output, tag, meta, config, source_for, check_names, show_progress)
+    # a mixture-of-experts model's weights are in the universal form alone (our per-spec files hold no experts)
+    moe = config.model.is_moe
+    states = converted.write(output, tag, meta, config, source_for, check_names, show_progress, weight_files=not moe)
     notes = [note] if note else []
     if saved_args.placeholders(mlm):
         notes.append(
@@ -75,7 +77,7 @@ def import_megatron_lm(
     # source's T, the flags keep its padded size at our default T=1 (at another T the --load error says what to give)
     divisible = mlm.args.get("make_vocab_size_divisible_by")
     printed = {**mlm.args, "make_vocab_size_divisible_by": divisible * mlm.tensor_parallel} if divisible else mlm.args
-    flags = saved_args.render(printed, saved_args.MODEL_ARGS) + tokenizer_flags
+    flags = saved_args.render(printed, saved_args.MODEL_ARGS) + saved_args.moe_flags(mlm.args) + tokenizer_flags
     flags += saved_args.render(mlm.args, saved_args.TRAINING_ARGS)
     flags += ["--data-upstream", "megatron-lm"]  # its data files split and blended as Megatron-LM does
     return ImportResult(os.path.abspath(output), tag, config, mlm.iteration, states, flags, notes, source=mlm)

@@ -3,7 +3,7 @@
 `config_from_args` renders the saved values that shape the model or its training as Megatron-LM
 command-line flags (its own spellings: `--norm-epsilon`, `--group-query-attention`,
 `--position-embedding-type`...) and parses them with our parser, so each means here what it meant
-upstream and one we do not build (MoE, multi-latent attention, weight decay on the QK layer norms,
+upstream and one we do not build (shared experts, multi-latent attention, weight decay on the QK layer norms,
 multi-token prediction, the WSD schedule...) is refused in one line naming the flag.
 Values at Megatron-LM's defaults are not rendered. The run's tensor-parallel size is kept (it pads
 the vocabulary); its pipeline split is not (our weight files load at any layout).
@@ -73,6 +73,33 @@ MODEL_ARGS = (
     *saved_flags.INIT_AND_DROPOUT_ARGS,
 )
 """What shapes the model (and its dropout and init), in Megatron-LM's spelling."""
+MOE_ARGS = (
+    Arg("--moe-router-topk"),  # always rendered: a flag of Megatron-LM's chooses its router here
+    Arg("--moe-aux-loss-coeff", (0.0, [0.0])),
+    Arg("--moe-router-load-balancing-type", ("aux_loss", ["aux_loss"])),
+    Arg("--moe-layer-freq", 1, spelled=str),  # its moe_freq_type: N, or a list as "[0, 1, 0, 1]"
+    Arg("--moe-ffn-hidden-size", lambda a: a["ffn_hidden_size"]),
+    Arg("--moe-router-score-function", "softmax"),
+    Arg("--moe-router-dtype"),
+    Arg("--expert-tensor-parallel-size", 1),
+    Arg("--moe-expert-capacity-factor"),
+    on("--moe-pad-expert-input-to-capacity"),
+    on("--moe-router-pre-softmax"),
+    Arg("--moe-router-topk-scaling-factor"),
+    Arg("--moe-z-loss-coeff"),
+    Arg("--moe-input-jitter-eps"),
+    Arg("--moe-shared-expert-intermediate-size"),
+    on("--moe-shared-expert-gate"),
+    on("--moe-router-enable-expert-bias"),
+    Arg("--moe-router-num-groups"),
+    Arg("--moe-router-group-topk"),
+    on("--moe-router-force-load-balancing"),
+    on("--moe-apply-probs-on-input"),
+    Arg("--moe-latent-size"),
+)
+"""A mixture-of-experts run's routing and experts (rendered only when it has experts). Not rendered: its
+expert-parallel size (free on resume, as the pipeline split), kernels and dispatchers (the same model), and what
+only shaped its training (upcycling from a dense checkpoint, recomputation, routing replay)."""
 TRAINING_ARGS = (
     *saved_flags.SCHEDULE_ARGS,
     Arg("--lr-warmup-iters", 0),
@@ -150,16 +177,9 @@ def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config
     Args without a training length or learning rate (a converted model) get `placeholders`."""
     from megatron_ds.flags.parser import parse_config
 
-    experts = ckpt.args.get("num_experts")
-    if experts:  # the model trains here (Megatron-LM's router and flags); its experts' tensors are not read yet
-        raise CheckpointError(
-            f"{ckpt.directory}: a mixture-of-experts run (--num-experts {experts}, --moe-router-topk "
-            f"{ckpt.args.get('moe_router_topk')}): its checkpoint does not convert here yet (the experts' tensors are "
-            f"not read); pretrain_gpt.py trains the same model from scratch with Megatron-LM's MoE flags, or convert it "
-            f"to Hugging Face Mixtral with Megatron-LM's tools and import that (tools/convert_checkpoint.py --from hf)"
-        )
     flags = [
         *render(ckpt.args, MODEL_ARGS),
+        *moe_flags(ckpt.args),
         *render(ckpt.args, TRAINING_ARGS),
         f"--tensor-model-parallel-size={ckpt.tensor_parallel}",
         "--data-upstream=megatron-lm",  # its data files split and blended as Megatron-LM does
@@ -177,6 +197,11 @@ def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config
             f"{config.model.vocab_size}; the checkpoint's args are inconsistent"
         )
     return config
+
+
+def moe_flags(args: dict[str, Any]) -> list[str]:
+    """The run's `MOE_ARGS` as flags ([] for a dense run, which saves them at Megatron-LM's defaults)."""
+    return render(args, MOE_ARGS) if args.get("num_experts") else []
 
 
 def train_state(ckpt: MegatronLMCheckpoint, config: Config) -> dict[str, Any]:

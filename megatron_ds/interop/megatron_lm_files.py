@@ -80,9 +80,15 @@ class MegatronLMCheckpoint(SavedArgs):
     optimizer's `state_dict()`; the distributed optimizer's moments are in `distrib_optim.pt`); None
     without one."""
 
-    def rank_file(self, tensor_rank: int, stage: int) -> str:
-        """`--ckpt-format torch`: the file of one tensor rank and pipeline stage."""
+    @property
+    def expert_parallel(self) -> int:
+        return int(self.args.get("expert_model_parallel_size") or 1)
+
+    def rank_file(self, tensor_rank: int, stage: int, expert_rank: int = 0) -> str:
+        """`--ckpt-format torch`: the file of one tensor rank, pipeline stage and expert-parallel rank (Megatron-LM's
+        `get_checkpoint_name`: `mp_rank_TT[_PPP][_EEE]`)."""
         name = f"mp_rank_{tensor_rank:02d}" + (f"_{stage:03d}" if self.pipeline_parallel > 1 else "")
+        name += f"_{expert_rank:03d}" if self.expert_parallel > 1 else ""
         return os.path.join(self.directory, name, RANK_FILE)
 
 
@@ -117,9 +123,16 @@ def find_iteration_directory(path: str) -> str:
 def _format(directory: str) -> str | None:
     if os.path.isfile(os.path.join(directory, CONFIG)):
         return TORCH_DIST
-    if any(os.path.isfile(os.path.join(directory, d, RANK_FILE)) for d in ("mp_rank_00", "mp_rank_00_000")):
+    if _first_rank_file(directory) is not None:
         return TORCH
     return None
+
+
+def _first_rank_file(directory: str) -> str | None:
+    """The first rank's `model_optim_rng.pt` (`mp_rank_00`, with pipeline or expert parallelism `mp_rank_00_000`,
+    with both `mp_rank_00_000_000`), or None."""
+    found = (os.path.join(directory, d, RANK_FILE) for d in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000"))
+    return next((f for f in found if os.path.isfile(f)), None)
 
 
 def _backend(directory: str) -> None:
@@ -143,8 +156,7 @@ def open_megatron_lm(path: str) -> MegatronLMCheckpoint:
         _backend(directory)
         first = os.path.join(directory, COMMON)
     else:
-        single = os.path.join(directory, "mp_rank_00", RANK_FILE)
-        first = single if os.path.isfile(single) else os.path.join(directory, "mp_rank_00_000", RANK_FILE)
+        first = _first_rank_file(directory) or os.path.join(directory, "mp_rank_00", RANK_FILE)
     state = load_pickled_state(first)
     args = state.get("args")
     if not isinstance(args, argparse.Namespace):
@@ -194,23 +206,26 @@ class DistTensors:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].size)
 
-    def read(self, key: str, layer: int | None = None) -> torch.Tensor:
-        """Tensor `key` whole, or its slice `layer` on dim 0 (a layer of a stacked layer tensor)."""
+    def read(self, key: str, layer: int | None = None, expert: int | None = None) -> torch.Tensor:
+        """Tensor `key` whole, or its slice `layer` on dim 0 (a layer of a stacked layer tensor), and of that its
+        slice `expert` on the next dim (one expert of a layer's stacked experts)."""
         meta = self.tensors[key]
+        index = tuple(i for i in (layer, expert) if i is not None)
+        assert expert is None or layer is not None, key
         size = tuple(meta.size)
-        out = torch.empty(size if layer is None else size[1:], dtype=meta.properties.dtype)
+        out = torch.empty(size[len(index) :], dtype=meta.properties.dtype)
         covered = 0
         for chunk in meta.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            if layer is not None and not offsets[0] <= layer < offsets[0] + sizes[0]:
+            if not all(o <= i < o + n for i, o, n in zip(index, offsets, sizes)):
                 continue
             blob = self.chunk(key, offsets, sizes)
-            if layer is not None:
-                blob, offsets, sizes = blob[layer - offsets[0]], offsets[1:], sizes[1:]
+            blob = blob[tuple(i - o for i, o in zip(index, offsets))]
+            offsets, sizes = offsets[len(index) :], sizes[len(index) :]
             out[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].copy_(blob)
             covered += blob.numel()
         if covered != out.numel():
-            where = key if layer is None else f"{key}[{layer}]"
+            where = key + "".join(f"[{i}]" for i in index)
             raise CheckpointError(
                 f"{self.directory}: {where} has {covered} of its {out.numel()} elements in the checkpoint's chunks; "
                 f"it is incomplete"
@@ -311,13 +326,26 @@ class RankTensors:
         self.num_layers = sum(layers)
 
     def model(self, tensor_rank: int, stage: int) -> dict[str, Any]:
+        """The stage's state dict on `tensor_rank`; with expert parallelism the first expert-parallel rank's, its
+        experts those of every expert-parallel rank under their global index (`_global_experts`)."""
         if (tensor_rank, stage) not in self._models:
-            path = self.ckpt.rank_file(tensor_rank, stage)
-            model = load_pickled_state(path).get("model")
-            if not isinstance(model, dict):
-                raise CheckpointError(f"{path}: no 'model' state dict; the checkpoint is damaged or saved without it")
-            self._models[tensor_rank, stage] = model
+            models = [self._load(tensor_rank, stage, r) for r in range(self.ckpt.expert_parallel)]
+            self._models[tensor_rank, stage] = _global_experts(models, self.ckpt.rank_file(tensor_rank, stage))
         return self._models[tensor_rank, stage]
+
+    def _load(self, tensor_rank: int, stage: int, expert_rank: int) -> dict[str, Any]:
+        path = self.ckpt.rank_file(tensor_rank, stage, expert_rank)
+        model = load_pickled_state(path).get("model")
+        if not isinstance(model, dict):
+            raise CheckpointError(f"{path}: no 'model' state dict; the checkpoint is damaged or saved without it")
+        grouped = next((k for k in model if _GROUPED_EXPERTS.search(k)), None)
+        if grouped is not None:
+            raise CheckpointError(
+                f"{path}: its experts are stored as one grouped-GEMM tensor ({grouped}: --moe-grouped-gemm), which "
+                f"is read here only from --ckpt-format torch_dist; load it in Megatron-LM and save it with "
+                f"--ckpt-format torch_dist"
+            )
+        return model
 
     def _layer_count(self, stage: int) -> int:
         found = {int(m.group(1)) for k in self.model(0, stage) if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
@@ -350,3 +378,30 @@ class RankTensors:
                 )
             shards.append(value.detach().clone())
         return shards
+
+
+_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+"""megatron-core's SequentialMLP: a local expert's tensors in a rank's state dict."""
+_GROUPED_EXPERTS = re.compile(r"\.mlp\.experts\.(weight[12]|linear_fc[12]\.(weight|bias)\d+)$")
+"""GroupedMLP's (`weight1`, `weight2`) and TEGroupedMLP's (`linear_fc1.weight<i>`) tensors of all local experts."""
+
+
+def _global_experts(models: list[dict[str, Any]], first: str) -> dict[str, Any]:
+    """The state dicts of each expert-parallel rank as one: the first rank's, each rank's local experts renamed to
+    their global index (expert e of rank r is r x local + e, megatron-core's numbering)."""
+    if len(models) == 1:
+        return models[0]
+    out = {k: v for k, v in models[0].items() if not _LOCAL_EXPERT.match(k)}
+    count: int | None = None
+    for rank, model in enumerate(models):
+        local = {int(m.group(2)) for k in model if (m := _LOCAL_EXPERT.match(k))}
+        if local != set(range(len(local))) or count not in (None, len(local)):
+            raise CheckpointError(
+                f"{first}: expert-parallel rank {rank}'s file holds local experts {sorted(local)}; the checkpoint is "
+                f"damaged"
+            )
+        count = len(local)
+        for key, value in model.items():
+            if (m := _LOCAL_EXPERT.match(key)) is not None:
+                out[f"{m.group(1)}{rank * count + int(m.group(2))}{m.group(3)}"] = value
+    return out

@@ -74,6 +74,9 @@ class MegatronLMSource:
         """Once, at the start: whether the first model tensor has an `optimizer.state.exp_avg.` entry."""
         if self.mlm.optimizer is None:
             return ()
+        if self.model.is_moe:
+            self.absence = "its optimizer state is not read for a mixture-of-experts model yet (its weights are)"
+            return ()
         if self.dist is None:
             return self._place_rank_states()
         sharding = self.mlm.optimizer.get("param_state_sharding_type")
@@ -260,7 +263,7 @@ class MegatronLMSource:
         assert self.dist is not None
         layer = where.names(self.model, tensor)[1]
         if state is None:
-            full = self.dist.read(key, layer)
+            full = self.dist.read(key, layer, where.expert(tensor))
         else:
             assert self.buckets is not None
             full = self.buckets.read(key, state, layer)

@@ -80,11 +80,54 @@ def test_what_is_not_built_is_refused_naming_the_flag(changes: dict[str, Any], f
         _config(_ckpt("llama", **changes))
 
 
-def test_a_mixture_of_experts_run_is_one_line_saying_what_trains_it() -> None:
-    with pytest.raises(CheckpointError, match=r"^/ckpt/iter_0000005: a mixture-of-experts run \(--num-experts 8, "
-                       r"--moe-router-topk 2\): its checkpoint does not convert here yet") as err:  # fmt: skip
-        _config(_ckpt("gpt", num_experts=8, moe_router_topk=2))
-    assert "\n" not in str(err.value) and "Megatron-LM's MoE flags" in str(err.value)
+_MOE = {"num_experts": 4, "moe_ffn_hidden_size": 128, "add_bias_linear": False}
+"""A GPT run's args with experts (validate_args sets moe_ffn_hidden_size to the FFN size); megatron-core's router
+learns a bias with the linear biases, which is refused."""
+
+
+def test_a_mixture_of_experts_run_is_megatron_lms_router() -> None:
+    ckpt = _ckpt("gpt", **_MOE, moe_router_topk=3, moe_aux_loss_coeff=[0.01], moe_router_dtype="fp32")
+    m = _config(ckpt).model
+    assert m.is_moe and m.moe_router == "megatron" and m.experts_per_layer == (4, 4)
+    assert (m.moe_top_k, m.moe_loss_coeff, m.expert_interval) == (3, 0.01, 1)
+    flags = saved_args.moe_flags(ckpt.args)
+    assert flags == ["--moe-router-topk", "3", "--moe-aux-loss-coeff", "0.01", "--moe-router-dtype", "fp32"]
+    assert saved_args.moe_flags(_ckpt("gpt").args) == []  # a dense run saves them at Megatron-LM's defaults
+    # at Megatron-LM's default top-2 the flag is still given: a flag of its own chooses its router here
+    assert saved_args.moe_flags(_ckpt("gpt", **_MOE).args) == ["--moe-router-topk", "2"]
+
+
+def test_a_moe_layer_pattern_is_the_expert_interval() -> None:
+    m = _config(_ckpt("gpt", **_MOE, moe_layer_freq=[0, 1])).model
+    assert m.experts_per_layer == (1, 4) and m.expert_interval == 2
+
+
+@pytest.mark.parametrize(
+    ("changes", "flag"),
+    [
+        ({"moe_shared_expert_intermediate_size": 64}, "--moe-shared-expert-intermediate-size"),
+        ({"moe_router_pre_softmax": True}, "--moe-router-pre-softmax"),
+        ({"moe_expert_capacity_factor": 1.25}, "--moe-expert-capacity-factor"),
+        ({"moe_router_score_function": "sigmoid"}, "--moe-router-score-function sigmoid"),
+        ({"moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias"),
+        ({"moe_layer_freq": 2}, "--moe-layer-freq 2"),
+        ({"moe_ffn_hidden_size": 64}, "--moe-ffn-hidden-size 64"),
+        ({"add_bias_linear": True}, "--moe-router-topk"),  # megatron-core's router's bias
+    ],
+)
+def test_what_a_mixture_of_experts_run_has_that_is_not_built_is_refused(changes: dict[str, Any], flag: str) -> None:
+    with pytest.raises(
+        CheckpointError, match="^/ckpt/iter_0000005: its saved args, as flags, are refused here: "
+    ) as err:
+        _config(_ckpt("gpt", **{**_MOE, **changes}))
+    assert flag in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_moe_arg_is_saved_by_megatron_lm() -> None:
+    """The saved names of `MOE_ARGS` are in the args Megatron-LM's argument code produced (no misspelled flag that
+    would never be rendered)."""
+    args = recorded("gpt")["args"]
+    assert [a.dest for a in saved_args.MOE_ARGS if a.dest not in args] == []
 
 
 def test_a_padding_that_does_not_match_is_refused() -> None:
