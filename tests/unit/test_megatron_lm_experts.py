@@ -88,3 +88,22 @@ def test_each_expert_parallel_ranks_experts_take_their_global_index() -> None:
 def test_ranks_that_hold_different_numbers_of_experts_are_refused() -> None:
     with pytest.raises(CheckpointError, match=r"^f: expert-parallel rank 1's file holds local experts \[0\]; "):
         _global_experts([_rank(0), _rank(1, local=1)], "f")
+
+
+def test_grouped_gemm_experts_in_torch_format_are_one_line(tmp_path: Path) -> None:
+    """GroupedMLP's `weight1` (all local experts in one tensor) is read from torch_dist only, where megatron-core
+    saves it under SequentialMLP's names; in a `torch` file it is refused naming the tensor and the fix."""
+    from megatron_ds.interop.megatron_lm_files import MegatronLMCheckpoint, RankTensors
+
+    args = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1}
+    ckpt = MegatronLMCheckpoint(str(tmp_path), 5, "torch", args, {})
+    (tmp_path / "mp_rank_00").mkdir()
+    model = {"decoder.layers.0.mlp.experts.weight1": torch.zeros(4, 8), "decoder.final_layernorm.weight": torch.ones(4)}
+    torch.save({"model": model}, tmp_path / "mp_rank_00" / "model_optim_rng.pt")
+    with pytest.raises(CheckpointError) as err:
+        RankTensors(ckpt)
+    assert str(err.value) == (
+        f"{tmp_path}/mp_rank_00/model_optim_rng.pt: its experts are stored as one grouped-GEMM tensor "
+        "(decoder.layers.0.mlp.experts.weight1: --moe-grouped-gemm), which is read here only from --ckpt-format "
+        "torch_dist; load it in Megatron-LM and save it with --ckpt-format torch_dist"
+    )

@@ -1,0 +1,81 @@
+"""A Megatron-LM mixture-of-experts checkpoint written by megatron-core itself (`testing.megatron_lm_checkpoints`'s
+"mixtral" line: 4 SwiGLU experts on both layers, top-2, expert-parallel size 2 on two ranks; SequentialMLP with the
+allgather dispatcher), converted with `tools/convert_checkpoint.py --from megatron-lm`: the converted model routes
+with Megatron-LM's router and computes megatron-core's logits from both checkpoint formats, and training goes on
+from it at its iteration."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ds.inference.model import load_model
+from megatron_ds.interop.megatron_lm import import_megatron_lm
+from megatron_ds.model.moe import EXPERT_PREFIX, GATE_WEIGHT
+from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoints
+from megatron_ds.testing.script_runs import run_python
+from megatron_ds.training.checkpoint.universal.convert import SUFFIX
+from megatron_ds.training.checkpoint.universal.store import Universal
+
+ROOT = Path(__file__).resolve().parents[2]
+NAME, ITERATION = "mixtral", 3
+FORMATS = ("torch_dist", "torch")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], dict]:
+    """format -> the --save directory, and megatron-core's logits (one launch)."""
+    root = tmp_path_factory.mktemp("megatron_lm_moe")
+    paths = {fmt: root / fmt for fmt in FORMATS}
+    reference = write_checkpoints(NAME, {f: str(p) for f, p in paths.items()}, ITERATION)
+    return paths, reference
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_converted_experts_compute_megatron_cores_logits(sources, tmp_path: Path, fmt: str) -> None:
+    paths, reference = sources
+    before = _digest(paths[fmt])
+    result = import_megatron_lm(str(paths[fmt]), str(tmp_path / "out"), show_progress=False)
+    assert _digest(paths[fmt]) == before  # only read
+    m = result.config.model
+    assert m.moe_router == "megatron" and m.experts_per_layer == (4, 4)
+    assert (m.moe_top_k, m.moe_loss_coeff) == (2, 0.01)
+    assert result.states == [] and any("holds no optimizer state" in n for n in result.notes)
+    universal = Universal(str(tmp_path / "out" / f"global_step{ITERATION}{SUFFIX}"))
+    experts = [n for n in universal.tensors if EXPERT_PREFIX in n]
+    assert len(experts) == 2 * 4 * 2 and sum(GATE_WEIGHT in n for n in universal.tensors) == 2  # fc1, fc2 per expert
+    model = load_model(str(tmp_path / "out"))
+    with torch.no_grad():
+        logits = model.float()(reference["tokens"])
+    assert logits.shape[-1] == recorded(NAME)["args"]["vocab_size"] + 1  # the NullTokenizer's ids
+    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+
+
+def test_the_tools_flags_train_on_from_its_iteration(sources, tmp_path: Path) -> None:
+    """The printed flags choose Megatron-LM's router (`--moe-router-topk`) and its loss coefficient; a run from them
+    resumes at the checkpoint's iteration with its weights (one process: the experts at expert-parallel size 1)."""
+    paths, _ = sources
+    out = tmp_path / "converted"
+    tool = [str(ROOT / "tools" / "convert_checkpoint.py"), "--from", "megatron-lm"]
+    run = run_python([*tool, str(paths["torch_dist"]), str(out), "--no-progress"], timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    flags = run.stdout.strip().splitlines()[-1].split()
+    assert flags[:3] == ["pretrain_gpt.py", "--load", str(out)]
+    text = " ".join(flags)
+    assert "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01" in text
+    assert "--expert-model-parallel-size" not in text  # free on resume, as the pipeline split
+    extra = f"--mock-data --num-workers 0 --log-interval 1 --eval-iters 0 --train-iters {ITERATION + 1}"
+    run = run_python([str(ROOT / "pretrain_gpt.py"), *flags[1:], *extra.split()], timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"at iteration {ITERATION}" in run.stdout
+    assert f"iteration        {ITERATION + 1}/       {ITERATION + 1}" in run.stdout
