@@ -79,3 +79,23 @@ def test_the_tools_flags_train_on_from_its_iteration(sources, tmp_path: Path) ->
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"at iteration {ITERATION}" in run.stdout
     assert f"iteration        {ITERATION + 1}/       {ITERATION + 1}" in run.stdout
+
+
+def test_megatron_lm_experts_to_hugging_face_mixtral(sources, tmp_path: Path) -> None:
+    """Megatron-LM -> ours -> Hugging Face: the converted model exports as Mixtral (router `gate`, experts' w1/w3/w2)
+    and transformers computes megatron-core's logits."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ds.interop.hf_export import export_hf
+
+    paths, reference = sources
+    import_megatron_lm(str(paths["torch"]), str(tmp_path / "ours"), show_progress=False)
+    result = export_hf(str(tmp_path / "ours"), str(tmp_path / "hf"), dtype="float32", show_progress=False)
+    assert result.arch == "mixtral"
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        logits = hf(reference["tokens"]).logits
+    vocab = recorded(NAME)["args"]["vocab_size"] + 1
+    assert logits.shape[-1] == vocab
+    torch.testing.assert_close(logits, reference["logits"][..., :vocab], rtol=0, atol=1e-6)
