@@ -7,7 +7,7 @@ The run's `args` are those Megatron-LM's own argument code produced for a launch
 (tests/data/megatron_lm_args.json, recorded by tools/capture_megatron_lm_args.py). On the line's ranks (gloo),
 megatron-core builds its `GPTModel` from those args, steps its own `OptimizerParamScheduler` (or trains with its
 Adam), saves what Megatron-LM's `save_checkpoint` saves (`torch_dist` through `dist_checkpointing.save`, `torch`
-as one `mp_rank_TT[_PPP]/model_optim_rng.pt` per tensor rank and stage) and runs the model (in fp32, after the
+as one `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt` per tensor rank, stage and expert rank) and runs the model (in fp32, after the
 save) forward on fixed tokens: the logits returned, the reference a converted model must reproduce. What runs on
 each rank, its CPU shims included, is `testing.megatron_lm_ranks`. Its fused activations run eagerly
 (`TORCHDYNAMO_DISABLE=1`): the same formulas, without torch.compile's build.
@@ -97,7 +97,8 @@ def write_checkpoint(
     distributed optimizer's `distrib_optim.pt`). None: no training, no optimizer state (--no-save-optim).
     `data_parallel`: replicas of the line's T x P ranks (the saved args' data_parallel_size), each training
     on the same tokens. `bucket_size`: megatron-core's DDP with --overlap-grad-reduce and buckets of that
-    many elements (None: one bucket)."""
+    many elements (None: one bucket). A mixture-of-experts line (--num-experts: "mixtral") is written
+    weights-only (`optimizer` None)."""
     return write_checkpoints(name, {fmt: directory}, iteration, optimizer, timeout, data_parallel, bucket_size)
 
 

@@ -4,18 +4,23 @@ the launch line's model as Megatron-LM would, and computes the reference logits.
     python -m megatron_ds.testing.megatron_lm_ranks NAME DIRECTORIES_JSON ITERATION OUT OPTIMIZER DP BUCKET
 
 (started by `write_checkpoints` through `testing.launch.run_ranks`, one process per rank, on gloo). On T x P
-ranks (x DP replicas) megatron-core builds its `GPTModel` (local layer spec, CPU initialisation, the model's
-options taken from the recorded args as Megatron-LM's `core_transformer_config_from_args` takes them), steps its
-own `OptimizerParamScheduler` through the iterations (or trains with its DDP and Adam), and saves what
-Megatron-LM's `save_checkpoint` saves: `torch_dist` through `dist_checkpointing.save` (megatron-core's sharded
-state dict), `torch` as one `mp_rank_TT[_PPP]/model_optim_rng.pt` per tensor rank and stage. Then it runs the
-model (in fp32) forward on `TOKENS` and saves the logits (tensor shards gathered) to OUT.
+(x EP) ranks (x DP replicas) megatron-core builds its `GPTModel` (local layer spec; with --num-experts the block
+spec Megatron-LM's gpt_builders takes, SequentialMLP experts; CPU initialisation, the model's options taken from
+the recorded args as Megatron-LM's `core_transformer_config_from_args` takes them), steps its own
+`OptimizerParamScheduler` through the iterations (or, without experts, trains with its DDP and Adam), and saves
+what Megatron-LM's `save_checkpoint` saves: `torch_dist` through `dist_checkpointing.save` (megatron-core's sharded
+state dict), `torch` as one `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt` per tensor rank, stage and expert rank
+(written by each expert-data-parallel group's first rank). Then it runs the model (in fp32) forward on `TOKENS`
+and saves the logits (tensor shards gathered) to OUT.
 
 CPU shims: megatron-core's sequence-parallel allocations on the CPU (`model.megatron_core_cpu`), DeepSpeed's RNG
 tracker in place of its CUDA one, `torch.cuda.synchronize` / `current_device` answered for the CPU (the
 checkpoint writer calls them), `torch.ones` given the CPU where asked for CUDA (megatron-core's sliding-window
-mask), and with P > 1 and tied weights the embedding copy's `.cuda()` kept on the CPU. With an optimizer, torch's
-factories given a CUDA device allocate on the CPU and `Tensor.type()` answers CUDA's names (`_optimizer_shims`).
+mask), with P > 1 and tied weights the embedding copy's `.cuda()` kept on the CPU, and the MoE router's
+`te_general_gemm` (undefined without Transformer Engine in 0.16.1) set to None. Experts are drawn from Megatron's
+expert-parallel seed on each expert rank, as its GPU initialisation draws them (`_draw_experts`). With an optimizer,
+torch's factories given a CUDA device allocate on the CPU and `Tensor.type()` answers CUDA's names
+(`_optimizer_shims`).
 """
 
 from __future__ import annotations
@@ -68,23 +73,46 @@ def _transformer_config(a: argparse.Namespace) -> Any:
         apply_rope_fusion=False,
         window_size=getattr(a, "window_size", None),
         window_attn_skip_freq=getattr(a, "window_attn_skip_freq", None),
+        **_moe_fields(a),
     )
+
+
+def _moe_fields(a: argparse.Namespace) -> dict[str, Any]:
+    """A mixture of experts' options as `core_transformer_config_from_args` takes them: every `moe_*` field of
+    TransformerConfig from the arg of its name, `num_moe_experts` from --num-experts ({} without experts)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not getattr(a, "num_experts", None):
+        return {}
+    names = [f.name for f in dataclasses.fields(TransformerConfig) if f.name.startswith("moe_") and hasattr(a, f.name)]
+    return {
+        **{name: getattr(a, name) for name in names},
+        "num_moe_experts": a.num_experts,
+        "expert_model_parallel_size": a.expert_model_parallel_size,
+        "expert_tensor_parallel_size": a.expert_tensor_parallel_size,
+    }
 
 
 def _model(a: argparse.Namespace) -> Any:
     """This rank's stage of the model (embedding on the first stage, the output layer on the last)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
+    config = _transformer_config(a)
+    assert not config.moe_grouped_gemm, "--moe-grouped-gemm runs CUDA kernels: the fixture builds SequentialMLP"
     spec = get_gpt_layer_local_spec(normalization=a.normalization, qk_layernorm=a.qk_layernorm, qk_l2_norm=a.qk_l2_norm)
+    if config.num_moe_experts:  # Megatron-LM's gpt_builders (--transformer-impl local): MoE layers by moe_layer_freq
+        spec = get_gpt_decoder_block_spec(config, False, normalization=a.normalization, qk_l2_norm=a.qk_l2_norm)
     cuda = torch.Tensor.cuda
     # With P > 1 and tied weights the last stage's copy of the embedding is moved with `.cuda()` before
     # the all-reduce that copies the first stage's into it: kept on the CPU here.
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     try:
-        return GPTModel(
-            _transformer_config(a),
+        model = GPTModel(
+            config,
             spec,
             vocab_size=a.padded_vocab_size,
             max_sequence_length=a.max_position_embeddings,
@@ -98,6 +126,24 @@ def _model(a: argparse.Namespace) -> Any:
         )
     finally:
         torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    if config.num_moe_experts:
+        _draw_experts(model, a.seed)
+    return model
+
+
+def _draw_experts(model: Any, seed: int) -> None:
+    """Each expert-parallel rank's experts drawn from Megatron's expert-parallel seed, as the GPU initialisation
+    does (`_initialize_affine_weight_gpu` under the expert RNG stream): the CPU initialisation draws every layer
+    from the one default stream, which would give expert e on each EP rank the same weights."""
+    from megatron.core import parallel_state
+
+    ep, etp = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_tensor_parallel_rank()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed + 1024 + 100 * ep + etp)  # Megatron's model_parallel_cuda_manual_seed
+        for name, module in model.named_modules():  # decoder.layers.L.mlp.experts.local_experts.i.linear_fc1
+            if ".local_experts." in name and name.endswith(("linear_fc1", "linear_fc2")):
+                fc1 = name.endswith("linear_fc1")
+                (model.config.init_method if fc1 else model.config.output_layer_init_method)(module.weight)
 
 
 def _cpu_shims(seed: int, tensor_rank: int) -> None:
@@ -110,6 +156,10 @@ def _cpu_shims(seed: int, tensor_rank: int) -> None:
     megatron_core_cpu.install()
     share_rng_tracker()
     rng.set_stream(MODEL_PARALLEL_RNG, seed + 2718 + tensor_rank)  # Megatron's model-parallel seed
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16.1 defines it only with Transformer Engine
+        moe_utils.te_general_gemm = None  # the router's gate then computes a plain matmul
 
 
 def _logits(model: Any, a: argparse.Namespace) -> torch.Tensor | None:
@@ -184,10 +234,13 @@ def _main(
 
     dist.init_process_group("gloo")
     a = namespace(recorded(name)["args"])
-    a.data_parallel_size, a.world_size = dp, a.world_size * dp  # as Megatron-LM's validate_args derives them
+    a.data_parallel_size, a.world_size = a.data_parallel_size * dp, a.world_size * dp  # as validate_args derives
+    assert optimizer == "none" or not a.num_experts, f"{name}: mixture-of-experts lines are written weights-only"
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+        expert_model_parallel_size=a.expert_model_parallel_size,
+        expert_tensor_parallel_size=a.expert_tensor_parallel_size,
     )
     _cpu_shims(a.seed, parallel_state.get_tensor_model_parallel_rank())
     torch.manual_seed(a.seed)
@@ -231,10 +284,7 @@ def _save(a: argparse.Namespace, model: Any, directory: str, fmt: str, iteration
             state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_optimizer_metadata(a))
         dist_checkpointing.save({**state, **extra}, step)
     else:
-        tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-        rank_dir = os.path.join(
-            step, f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if a.pipeline_model_parallel_size > 1 else "")
-        )
+        rank_dir = os.path.join(step, _torch_rank_dir(a))
         os.makedirs(rank_dir, exist_ok=True)
         state["model"] = model.state_dict_for_save_checkpoint()
         optimizer = extra.pop("optimizer", None)
@@ -242,9 +292,22 @@ def _save(a: argparse.Namespace, model: Any, directory: str, fmt: str, iteration
             state["optimizer"] = optimizer.state_dict()
             if a.use_distributed_optimizer:
                 optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
-        if parallel_state.get_data_parallel_rank() == 0:
+        if parallel_state.get_expert_data_parallel_rank() == 0:  # Megatron-LM's writers (EP = 1: data-parallel)
             torch.save({**state, **extra}, os.path.join(rank_dir, "model_optim_rng.pt"))
     dist.barrier()
+
+
+def _torch_rank_dir(a: argparse.Namespace) -> str:
+    """Megatron-LM's `get_checkpoint_name`: mp_rank_TT, then _PPP with P > 1, then the expert rank _EEE with EP > 1
+    (each expert rank's file holds its own experts, numbered from 0 as `local_experts.i`)."""
+    from megatron.core import parallel_state as ps
+
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+    if a.pipeline_model_parallel_size > 1:
+        name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+    if a.expert_model_parallel_size > 1:
+        name += f"_{ps.get_expert_model_parallel_rank():03d}"
+    return name
 
 
 def _optimizer_metadata(a: argparse.Namespace) -> dict[str, Any]:
