@@ -51,12 +51,22 @@ CONFIGS: dict[str, tuple[int, str]] = {
         "--no-load-rng --no-save-optim --no-save-rng --no-initialization --save-interval 1 --save /tmp/converted "
         "--ckpt-format torch --no-one-logger --make-vocab-size-divisible-by 128 --bf16 --disable-bias-linear",
     ),
+    "mixtral": (
+        2,
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+        "--ffn-hidden-size 48 --swiglu --normalization RMSNorm --norm-epsilon 1e-6 --disable-bias-linear "
+        "--position-embedding-type rope --untie-embeddings-and-output-weights --num-experts 4 --moe-router-topk 2 "
+        "--moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather " + _COMMON,
+    ),
 }
 """name -> (world size, launch line): a GPT-3-style model (learned positions, LayerNorm, GeLU, biases,
 tied output), a Llama-style one (rotary, RMSNorm, SwiGLU, grouped-query attention, no biases, untied
 output, bf16, two tensor-parallel ranks), and the GPT on two pipeline stages (the tied output layer on
 the last one), and the line Megatron-LM's checkpoint converter (tools/checkpoint/saver_base.py) builds
-for the model it writes (no training length, no learning rate, `--num-experts 0`)."""
+for the model it writes (no training length, no learning rate, `--num-experts 0`), and a Mixtral-style
+mixture of experts (the Llama's layers with 4 SwiGLU experts per layer, top-2 routing with the auxiliary
+load-balancing loss, fp32) on two expert-parallel ranks (2 experts each; T = P = 1, so 2 data-parallel
+ranks) with the allgather token dispatcher."""
 
 _CHILD = r"""
 import json, sys, types, importlib.machinery, enum
