@@ -126,9 +126,19 @@ def _model(a: argparse.Namespace) -> Any:
         )
     finally:
         torch.Tensor.cuda = cuda  # type: ignore[method-assign]
-    if config.num_moe_experts:
+    if config.num_moe_experts:  # written untrained: the norms drawn too, so a misplaced one changes the logits
         _draw_experts(model, a.seed)
+        _draw_norms(model, a.seed)
     return model
+
+
+def _draw_norms(model: Any, seed: int) -> None:
+    """The norms' weights 1 + N(0, 0.1), the same on every rank (as after training, not megatron-core's ones)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
 
 
 def _draw_experts(model: Any, seed: int) -> None:
