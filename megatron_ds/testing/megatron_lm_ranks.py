@@ -137,7 +137,7 @@ def _draw_norms(model: Any, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "layernorm" in name:
+            if name.endswith("layernorm.weight"):  # input_layernorm, pre_mlp_layernorm, final_layernorm
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
 
 
