@@ -74,11 +74,12 @@ class MegatronLMCheckpoint(SavedArgs):
     """`vars()` of the saved Namespace (Megatron's enums as `restricted_pickle.Inert` records)."""
     states: dict[str, Any] = field(repr=False)
     """The saved entries other than `args`, the model and the optimizer."""
-    optimizer: dict[str, Any] | None = field(default=None, repr=False)
+    optimizer: dict[Any, Any] | None = field(default=None, repr=False)
     """The saved `optimizer` entry: torch_dist's common.pt (its param groups and step; the moments are
     sharded tensors, `optimizer.state.<state>.<model tensor>` or buckets), `torch`'s first rank file (the
     optimizer's `state_dict()`; the distributed optimizer's moments are in `distrib_optim.pt`); None
-    without one."""
+    without one. megatron-core's ChainedOptimizer (a mixture of experts: the dense parameters' optimizer, then the
+    experts') saves one such entry per optimizer, here under 0, 1, ..."""
 
     @property
     def expert_parallel(self) -> int:
@@ -170,7 +171,10 @@ def open_megatron_lm(path: str) -> MegatronLMCheckpoint:
     name = os.path.basename(directory)
     match = _ITERATION_DIR.match(name)
     iteration = int(match.group(1)) if match else int(state.get("iteration") or 0)
-    optimizer = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else None
+    optimizer = state.get("optimizer")
+    if isinstance(optimizer, list):  # megatron-core's ChainedOptimizer (dense and expert optimizers): one per entry
+        optimizer = dict(enumerate(optimizer))
+    optimizer = optimizer if isinstance(optimizer, dict) else None
     ckpt = MegatronLMCheckpoint(directory, iteration, str(fmt), dict(vars(args)), kept, optimizer)
     check_saved_args(ckpt.args, first)
     return ckpt

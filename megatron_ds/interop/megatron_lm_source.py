@@ -10,6 +10,7 @@ model of its saved args before anything is written. The source is only read (`me
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -74,12 +75,19 @@ class MegatronLMSource:
         """Once, at the start: whether the first model tensor has an `optimizer.state.exp_avg.` entry."""
         if self.mlm.optimizer is None:
             return ()
-        if self.model.is_moe:
-            self.absence = "its optimizer state is not read for a mixture-of-experts model yet (its weights are)"
+        chained = _chained(self.mlm.optimizer)
+        sharding = chained[0].get("param_state_sharding_type")
+        if len(chained) > 1 and (self.dist is None or sharding in SHARDING_TYPES or sharding == GATHERED):
+            self.absence = (
+                f"its optimizer state is megatron-core's ChainedOptimizer's (several optimizers, e.g. a mixture of "
+                f"experts' dense and expert parameters apart) in "
+                f"{'--ckpt-format torch files' if self.dist is None else f'{sharding} buffers'}, which are not read "
+                f"here; to keep it, load the checkpoint in Megatron-LM and save it as torch_dist (with "
+                f"--dist-ckpt-optim-fully-reshardable if it uses the distributed optimizer)"
+            )
             return ()
         if self.dist is None:
             return self._place_rank_states()
-        sharding = self.mlm.optimizer.get("param_state_sharding_type")
         if sharding in SHARDING_TYPES or sharding == GATHERED:
             return self._place_buckets(sharding)
         candidates, layer = where.names(self.model, model_tensors(self.model)[0])
@@ -123,8 +131,8 @@ class MegatronLMSource:
             )
             if weight_key is None or master_key is None:
                 continue
-            weight = self.dist.read(weight_key, layer)
-            if not torch.equal(self.dist.read(master_key, layer).to(weight.dtype), weight):
+            weight = self.dist.read(weight_key, layer, where.expert(tensor))
+            if not torch.equal(self.dist.read(master_key, layer, where.expert(tensor)).to(weight.dtype), weight):
                 return weight_key if layer is None else f"{weight_key}[{layer}]"
         return None
 
@@ -156,12 +164,13 @@ class MegatronLMSource:
 
     def step(self, tensor: ModelTensor) -> int | None:
         """Adam's step: the distributed optimizer's param groups' `step`, or the local one's `common_step`."""
-        saved = self.mlm.optimizer or {}
-        groups = (saved.get("optimizer") or saved).get("param_groups") or []
-        steps = {float(g["step"]) for g in groups if isinstance(g, dict) and "step" in g}
-        common = (saved.get("state") or {}).get("common_step")
-        if common is not None:
-            steps.add(float(common))
+        steps: set[float] = set()
+        for saved in _chained(self.mlm.optimizer or {}):
+            groups = (saved.get("optimizer") or saved).get("param_groups") or []
+            steps |= {float(g["step"]) for g in groups if isinstance(g, dict) and "step" in g}
+            common = (saved.get("state") or {}).get("common_step")
+            if common is not None:
+                steps.add(float(common))
         if self.buckets is not None:
             steps |= optimizer_step(self.buckets.dist)
         if isinstance(self.rank_states, RankParamStates):
@@ -297,11 +306,23 @@ class MegatronLMSource:
         return sharding.gather(tensor.rule, shards)
 
 
+_OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
+"""torch_dist's optimizer entries (a ChainedOptimizer's buffers prefixed by the optimizer's number)."""
+
+
+def _chained(saved: dict[Any, Any]) -> list[dict[str, Any]]:
+    """The saved optimizer's state dicts: megatron-core's ChainedOptimizer (a mixture of experts' dense and expert
+    optimizers) saves one per sub-optimizer under 0, 1, ...; a single optimizer its own."""
+    if saved and all(isinstance(k, int) for k in saved):
+        return [v for _, v in sorted(saved.items()) if isinstance(v, dict)]
+    return [saved]
+
+
 def stored_names(source: MegatronLMSource) -> set[str]:
     """The model tensors the checkpoint stores (names as stored; the optimizer's and non-weights left out)."""
     if source.dist is not None:
         keys = set(source.dist.tensors)
-        return {k for k in keys if not k.startswith("optimizer.") and not k.endswith(where.IGNORED_SUFFIXES)}
+        return {k for k in keys if not _OPTIMIZER.match(k) and not k.endswith(where.IGNORED_SUFFIXES)}
     assert source.ranks is not None
     return {
         f"{stage}:{k}"

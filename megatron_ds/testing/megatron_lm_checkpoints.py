@@ -97,8 +97,8 @@ def write_checkpoint(
     distributed optimizer's `distrib_optim.pt`). None: no training, no optimizer state (--no-save-optim).
     `data_parallel`: replicas of the line's T x P ranks (the saved args' data_parallel_size), each training
     on the same tokens. `bucket_size`: megatron-core's DDP with --overlap-grad-reduce and buckets of that
-    many elements (None: one bucket). A mixture-of-experts line (--num-experts: "mixtral") is written
-    weights-only (`optimizer` None)."""
+    many elements (None: one bucket). A mixture-of-experts line (--num-experts: "mixtral") trains with
+    megatron-core's ChainedOptimizer (the dense parameters' optimizer, then the experts')."""
     return write_checkpoints(name, {fmt: directory}, iteration, optimizer, timeout, data_parallel, bucket_size)
 
 

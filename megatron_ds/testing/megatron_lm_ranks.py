@@ -245,7 +245,6 @@ def _main(
     dist.init_process_group("gloo")
     a = namespace(recorded(name)["args"])
     a.data_parallel_size, a.world_size = a.data_parallel_size * dp, a.world_size * dp  # as validate_args derives
-    assert optimizer == "none" or not a.num_experts, f"{name}: mixture-of-experts lines are written weights-only"
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         pipeline_model_parallel_size=a.pipeline_model_parallel_size,

@@ -7,6 +7,7 @@ from it at its iteration."""
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import pytest
@@ -25,12 +26,25 @@ NAME, ITERATION = "mixtral", 3
 FORMATS = ("torch_dist", "torch")
 
 
+TRAINED = ("local", "fully_reshardable", "dp_reshardable")
+"""Two steps of megatron-core's ChainedOptimizer (Adam for the dense parameters, Adam for the experts) on fixed
+tokens, torch_dist saved after each: without the distributed optimizer (also `torch` at the end), with it saved
+--dist-ckpt-optim-fully-reshardable, and in its default dp_reshardable buffers (also `torch`, with
+distrib_optim.pt)."""
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], dict]:
-    """format -> the --save directory, and megatron-core's logits (one launch)."""
+    """format -> the --save directory of the untrained line at ITERATION, and megatron-core's logits; (optimizer,
+    format) -> a trained run's --save directory, with its logits after two steps (one launch each)."""
     root = tmp_path_factory.mktemp("megatron_lm_moe")
-    paths = {fmt: root / fmt for fmt in FORMATS}
+    paths: dict = {fmt: root / fmt for fmt in FORMATS}
     reference = write_checkpoints(NAME, {f: str(p) for f, p in paths.items()}, ITERATION)
+    for optimizer in TRAINED:
+        formats = FORMATS if optimizer != "fully_reshardable" else ("torch_dist",)
+        trained = {fmt: root / f"{optimizer}-{fmt}" for fmt in formats}
+        logits = write_checkpoints(NAME, {f: str(p) for f, p in trained.items()}, 2, optimizer=optimizer)
+        paths |= {(optimizer, fmt): (path, logits) for fmt, path in trained.items()}
     return paths, reference
 
 
@@ -101,3 +115,55 @@ def test_megatron_lm_experts_to_hugging_face_mixtral(sources, tmp_path: Path) ->
     vocab = recorded(NAME)["args"]["vocab_size"] + 1
     assert logits.shape[-1] == vocab
     torch.testing.assert_close(logits, reference["logits"][..., :vocab], rtol=0, atol=1e-6)
+
+
+LR, WD, B1, B2, EPS = 3e-4, 0.1, 0.9, 0.999, 1e-8  # the recorded launch line's Adam
+LR_AFTER_ONE_STEP = 0.00015
+"""megatron-core's OptimizerParamScheduler of the line after one step of 8 samples (warm-up of 16: half of --lr)."""
+
+
+@pytest.mark.parametrize("optimizer", ["local", "fully_reshardable"])
+def test_the_experts_adam_state_is_the_runs(sources, tmp_path: Path, optimizer: str) -> None:
+    """Named by tensor in torch_dist (each expert's moments stacked as its weight), the state of megatron-core's
+    dense and expert optimizers converts: upstream's second AdamW step, w2 = w1 (1 - lr wd) - lr/(1-b1^2) m /
+    (sqrt(v)/sqrt(1-b2^2) + eps), holds for every tensor, each expert's and the router's included."""
+    paths, _ = sources
+    source, reference = paths[optimizer, "torch_dist"]
+    first = import_megatron_lm(str(source / "iter_0000001"), str(tmp_path / "one"), show_progress=False)
+    second = import_megatron_lm(str(source / "iter_0000002"), str(tmp_path / "two"), show_progress=False)
+    assert first.states == second.states == ["exp_avg", "exp_avg_sq"] and second.notes == []
+    u1 = Universal(str(tmp_path / "one" / f"global_step1{SUFFIX}"))
+    u2 = Universal(str(tmp_path / "two" / f"global_step2{SUFFIX}"))
+    assert sum(EXPERT_PREFIX in name for name in u2.tensors) == 2 * 4 * 2
+    for name, entry in u2.tensors.items():
+        assert entry["step"] == 2
+        m, v = u2.read(name, "exp_avg"), u2.read(name, "exp_avg_sq")
+        assert m.abs().sum() > 0, name  # every expert was routed to: a trained state
+        decay = WD if len(entry["shape"]) >= 2 else 0.0
+        predicted = u1.read(name, "fp32") * (1 - LR_AFTER_ONE_STEP * decay) - (LR_AFTER_ONE_STEP / (1 - B1**2)) * m / (
+            v.sqrt() / math.sqrt(1 - B2**2) + EPS
+        )
+        torch.testing.assert_close(u2.read(name, "fp32"), predicted, rtol=0, atol=1e-7, msg=name)
+    with torch.no_grad():
+        logits = load_model(str(tmp_path / "two")).float()(reference["tokens"])
+    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("case", "where"),
+    [(("dp_reshardable", "torch_dist"), "dp_reshardable buffers"), (("local", "torch"), "--ckpt-format torch files")],
+)
+def test_chained_optimizers_in_buffers_or_torch_files_are_left_out_saying_why(sources, tmp_path, case, where) -> None:
+    paths, _ = sources
+    source, reference = paths[case]
+    result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
+    assert result.states == [] and result.notes == [
+        f"its optimizer state is megatron-core's ChainedOptimizer's (several optimizers, e.g. a mixture of experts' "
+        f"dense and expert parameters apart) in {where}, which are not read here; to keep it, load the checkpoint in "
+        f"Megatron-LM and save it as torch_dist (with --dist-ckpt-optim-fully-reshardable if it uses the distributed "
+        f"optimizer): a resume from it starts Adam's moments at zero, with the model's weights as the fp32 master "
+        f"weights"
+    ]
+    with torch.no_grad():
+        logits = load_model(str(tmp_path / "out")).float()(reference["tokens"])
+    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
