@@ -143,25 +143,30 @@ def _has_experts(model, groups, index: int) -> bool:  # noqa: ANN001
     return first <= index < first + model.num_layers and model.experts_per_layer[index - first] > 1
 
 
-def test_a_checkpoint_saved_at_two_stages_loads_at_its_topology_only() -> None:
+def test_a_checkpoint_saved_at_two_stages_loads_anywhere_but_fp16_without_zero() -> None:
+    """Saved at P = 2 it has a universal form and loads under another topology through it; saved in --fp16 without
+    ZeRO (DeepSpeed's FP16_Optimizer) only under its own, said in one line."""
     saved = config()
+    one = parse_config(BASE.split(), world_size=1)[0]
     meta = {"config": saved.to_dict(), "layout": "Et*2|t*2L", "world_size": 2, "optimizer_state": True}
     assert moe_pipeline_refusal(meta, saved, [], "ck") is None
-    line = moe_pipeline_refusal(meta, parse_config(BASE.split(), world_size=1)[0], ["layout Et*2|t*2L vs Et*4L"], "ck")
-    assert line is not None and line.startswith("ck: a mixture-of-experts checkpoint saved at pipeline size > 1 loads")
-    assert "but layout Et*2|t*2L vs Et*4L; use" in line
-    assert "use the saved layout (Et*2|t*2L)" in line and "\n" not in line
+    assert moe_pipeline_refusal(meta, one, ["layout Et*2|t*2L vs Et*4L"], "ck") is None
+    assert universal_refusal(meta, "ck") is None
     export = moe_refusal(meta, "ck")
-    assert (
-        export is not None and "resumes it (or takes its weights alone with --no-load-optim) under the layout" in export
-    )
-    refused = universal_refusal(meta, "ck")
-    assert refused is not None and "saved at --pipeline-model-parallel-size 2, which has no universal form" in refused
+    assert export is not None and "resumes it under any pipeline size, layout, world size" in export
+    fp16 = {**meta, "config": config("--fp16").to_dict()}
+    line = moe_pipeline_refusal(fp16, one, ["layout Et*2|t*2L vs Et*4L"], "ck")
+    assert line is not None and line.startswith("ck: a mixture-of-experts --fp16 checkpoint saved at pipeline size 2 ")
+    assert "but layout Et*2|t*2L vs Et*4L; use the saved layout (Et*2|t*2L)" in line and "\n" not in line
+    assert moe_pipeline_refusal(fp16, saved, [], "ck") is None
+    assert "under the layout (Et*2|t*2L) and sizes it was saved with" in (moe_refusal(fp16, "ck") or "")
+    zero1 = {**fp16, "config": config("--fp16 --zero-stage 1 --create-moe-param-group").to_dict()}
+    assert moe_pipeline_refusal(zero1, one, ["x"], "ck") is None
 
 
 def test_a_checkpoint_saved_at_one_stage_or_layout_free_loads_at_two() -> None:
     """Saved at P = 1, a universal checkpoint, or an import / conversion (weights in universal form): None at P = 2,
-    whatever moved; saved at P = 2 and moved: refused (above)."""
+    whatever moved; saved at P = 2 and moved: None too (through its universal form)."""
     from megatron_ds.training.checkpoint.directory import CONVERTED
 
     staged = config()
@@ -172,7 +177,7 @@ def test_a_checkpoint_saved_at_one_stage_or_layout_free_loads_at_two() -> None:
     assert moe_pipeline_refusal(saved_staged, one, ["universal form"], "ck") is None
     converted = {**saved_staged, CONVERTED: {"upstream": "hf", "universal": "global_step0.universal"}}
     assert moe_pipeline_refusal(converted, one, ["hf (converted: ...)", "layout ..."], "ck") is None
-    assert moe_pipeline_refusal(saved_staged, one, ["layout Et*2|t*2L vs Et*4L"], "ck") is not None
+    assert moe_pipeline_refusal(saved_staged, one, ["layout Et*2|t*2L vs Et*4L"], "ck") is None
 
 
 def test_the_expert_record_keeps_each_stages_optimizer_groups(tmp_path: Path) -> None:
@@ -185,3 +190,63 @@ def test_the_expert_record_keeps_each_stages_optimizer_groups(tmp_path: Path) ->
     experts.write(str(tmp_path), records)
     found = json.loads((tmp_path / experts.EXPERTS_FILE).read_text())
     assert found["stages"] == [0, 1] and found["optimizer_groups_by_stage"] == [[[["a"]]], [[["b"]]]]
+
+
+def _staged_checkpoint(tmp: Path, layout: str, stages: list[int] | None, **fields: object):  # noqa: ANN202
+    """A MoE checkpoint saved at P > 1: its metadata and `experts.json` (no tensors), enough for where things are."""
+    from megatron_ds.training.checkpoint import reader
+    from megatron_ds.training.checkpoint.directory import META
+
+    world, ep = len(stages or [0, 1]), int(fields.get("parallel__expert_parallel_size", 1))
+    cfg = tiny_config(model__num_experts=[4], parallel__world_size=world, **fields)
+    directory = tmp / "global_step3"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / META).write_text(json.dumps({"config": cfg.to_dict(), "train_state": {}, "layout": layout}))
+    (tmp / "latest").write_text("global_step3")
+    ranks = [{"expert_parallel_rank": d % ep, "expert_data_parallel_rank": 0} for d in range(world)]
+    record = {"format": 1, "expert_parallel_size": ep, "ranks": ranks, "optimizer_groups": [[["x"]]] * ep}
+    if stages is not None:
+        record.update(stages=stages, optimizer_groups_by_stage=[[[["x"]]] * ep for _ in range(1 + max(stages))])
+    (directory / experts.EXPERTS_FILE).write_text(json.dumps(record))
+    ckpt = reader.open_checkpoint(str(tmp), moe=True)
+    ckpt.meta["world_size"] = world
+    return ckpt
+
+
+def test_a_staged_checkpoint_is_read_from_each_stages_files(tmp_path: Path) -> None:
+    """P = 2 x DP = 2 at E = 2 under ZeRO-1: a tensor is read from its stage's files, a dense one from both of the
+    stage's data-parallel ranks, expert 3 of spec 6 (local expert 1) from expert-parallel rank 1 of stage 1 only; at
+    P = 3 with a dedicated embedding stage, that stage's optimizer state is in its model-state file."""
+    from megatron_ds.training.checkpoint.universal import names
+    from megatron_ds.training.checkpoint.universal.zero3_source import open_source
+
+    fields = {"parallel__pipeline_model_parallel_size": 2, "parallel__expert_parallel_size": 2}
+    zero1 = {"training__zero_stage": 1, "optimizer__create_moe_param_group": True}
+    source = open_source(_staged_checkpoint(tmp_path / "p2", "Et*2|t*2L", [0, 0, 1, 1], **fields, **zero1))
+    assert type(source).__name__ == "MoePipelineSource" and source.flat
+    tensors = {t.name: t for t in names.model_tensors(source.model)}
+    expert = tensors["06.TransformerLayer.moe.deepspeed_moe.experts.deepspeed_experts.3.fc1.weight"]
+    local = "6.moe.deepspeed_moe.experts.deepspeed_experts.1.fc1.weight"
+    assert source._holders(expert) == [(3, local)]
+    assert source._zero_file(3).endswith("/zero_pp_rank_1_mp_rank_01_optim_states.pt")
+    qkv = tensors["04.TransformerLayer.qkv.weight"]
+    assert source._holders(qkv) == [(0, "4.qkv.weight"), (1, "4.qkv.weight")]
+    assert source._zero_file(1).endswith("/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert source._weight_location(expert) == ("layer_0_expert_3_mp_rank_01_model_states.pt", None, "6." + expert.key)
+    three = {"parallel__pipeline_model_parallel_size": 3}
+    source = open_source(_staged_checkpoint(tmp_path / "p3", "E|t*4|L", [0, 1, 2], **three))
+    assert not source.flat and source.moe_stages == {1}
+    assert source._optimizer_file(0, 0).endswith("/mp_rank_00_model_states.pt")
+    assert source._optimizer_file(1, 0).endswith("/expp_rank_0_mp_rank_01_optim_states.pt")
+    assert source._stage(tensors["01.WordEmbedding.weight"]) == 0
+
+
+def test_a_staged_checkpoint_without_each_ranks_stage_is_one_line(tmp_path: Path) -> None:
+    from megatron_ds.training.checkpoint.directory import CheckpointError
+    from megatron_ds.training.checkpoint.universal.zero3_source import open_source
+
+    ckpt = _staged_checkpoint(tmp_path, "Et*2|t*2L", None, parallel__pipeline_model_parallel_size=2)
+    with pytest.raises(CheckpointError, match="records no stage of each rank at pipeline size 2") as err:
+        open_source(ckpt)
+    assert "resume it under the layout, sizes, ZeRO stage and precision it was saved with" in str(err.value)
+    assert "\n" not in str(err.value)

@@ -13,8 +13,10 @@ at the end: written atomically with the checkpoint):
      "optimizer_groups": [[[global names of group 0], [group 1], ...], ...]}        one per expert-parallel rank
 
 `optimizer_groups[r]` lists the optimizer's parameter groups on expert-parallel rank r in the optimizer's order, each
-parameter by its one-process name (`model.moe.global_named_parameters`; the group placeholders by theirs). A MoE
-checkpoint written before this record is refused by the conversion in one line.
+parameter by its one-process name (`model.moe.global_named_parameters`; the group placeholders by theirs). At pipeline
+size P > 1 it adds "stages" (each global rank's stage) and "optimizer_groups_by_stage" (per stage, the same list per
+expert-parallel rank); "optimizer_groups" is then stage 0's. A MoE checkpoint written before this record is refused by
+the conversion in one line.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def write(directory: str, records: list[dict[str, Any]]) -> None:
         "ranks": [{k: r[k] for k in ("expert_parallel_rank", "expert_data_parallel_rank")} for r in records],
         "optimizer_groups": by_stage[0],
     }
-    if len(by_stage) > 1:  # P > 1: every rank's stage and each stage's groups (its universal form is not read here)
+    if len(by_stage) > 1:  # P > 1: every rank's stage and each stage's groups (`universal.moe_pipeline_source`)
         record["stages"] = stages
         record["optimizer_groups_by_stage"] = by_stage
     write_atomic(os.path.join(directory, EXPERTS_FILE), json.dumps(record))

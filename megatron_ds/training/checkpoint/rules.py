@@ -3,8 +3,9 @@
 Free: dropout and init std (a notice), and the whole parallel layout: P, the stage split, T, DP,
 sequence parallelism (Megatron's: as saved; Ulysses' degree N), ZeRO stage, offload, CPU Adam and precision (`topology_changes`; a full resume then goes through the universal form,
 `megatron_ds.training.checkpoint.universal`; a mixture-of-experts model's world size, expert-parallel size and ZeRO
-stage 0-2 too). Refused with one line: another architecture, and for a full resume another global batch size or
-optimizer; a mixture-of-experts checkpoint in the per-spec weight readers (`moe_refusal`; the Hugging Face export,
+stage 0-2 too, saved at any P). Refused with one line: another architecture, and for a full resume another global
+batch size or optimizer; a mixture-of-experts checkpoint saved at P > 1 in --fp16 without ZeRO under another topology
+(`moe_pipeline_refusal`); a mixture-of-experts checkpoint in the per-spec weight readers (`moe_refusal`; the Hugging Face export,
 generation, inference and a `--kd` teacher read its per-expert files). Pure: no torch.distributed.
 """
 
@@ -50,22 +51,28 @@ def has_optimizer_state(meta: dict[str, Any]) -> bool:
 def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
     """Why the per-spec weight readers refuse a mixture-of-experts checkpoint (None for a dense one): its experts are
     in DeepSpeed's files. What reads it is said in the same line: the Hugging Face export (as Mixtral or Qwen3-MoE),
-    generation and
-    inference (`moe_weights`), a resume under any world size, expert-parallel size and ZeRO stage 0-2 (through the universal form,
-    `universal.moe_source`; at any P when saved at P = 1), the conversion itself, and its weights alone
-    (`--no-load-optim`); saved at P > 1, a resume under its own topology only (`moe_pipeline_refusal`)."""
+    generation and inference (`moe_weights`), a resume under any P, layout, world size, expert-parallel size and ZeRO stage 0-2
+    (through the universal form, `universal.moe_source` and `universal.moe_pipeline_source`), the conversion itself,
+    and its weights alone (`--no-load-optim`); saved at P > 1 in --fp16 without ZeRO, a resume under its own topology
+    only (`moe_pipeline_refusal`)."""
     saved = Config.from_dict(meta["config"])
     model = saved.model
     if not model.is_moe:
         return None
     experts = " ".join(map(str, model.num_experts))
+    fp16_staged = (
+        saved.parallel.pipeline_model_parallel_size > 1
+        and saved.training.precision == "fp16"
+        and saved.training.zero_stage == 0
+        and converted_from(meta) is None
+    )
     resumes = (
-        "pretrain_gpt.py --load resumes it under any pipeline size, layout, world size, --moe-expert-parallel-size and "
-        "ZeRO stage 0-2 (through its universal form, which `tools/convert_checkpoint.py --to universal` also writes), "
-        "or takes its weights alone with --no-load-optim"
-        if saved.parallel.pipeline_model_parallel_size == 1 or converted_from(meta) is not None
-        else f"pretrain_gpt.py --load resumes it (or takes its weights alone with --no-load-optim) under the layout "
+        f"pretrain_gpt.py --load resumes it (or takes its weights alone with --no-load-optim) under the layout "
         f"({meta.get('layout')}) and sizes it was saved with"
+        if fp16_staged
+        else "pretrain_gpt.py --load resumes it under any pipeline size, layout, world size, --moe-expert-parallel-size "
+        "and ZeRO stage 0-2 (through its universal form, which `tools/convert_checkpoint.py --to universal` also "
+        "writes), or takes its weights alone with --no-load-optim"
     )
     return (
         f"{where}: a mixture-of-experts checkpoint (--num-experts {experts}), whose experts are in DeepSpeed's files, "
@@ -81,12 +88,6 @@ def universal_refusal(meta: dict[str, Any], where: str) -> str | None:
     if not has_optimizer_state(meta):
         return f"{where}: holds weights only (no optimizer state); it loads under any layout as it is"
     saved = Config.from_dict(meta["config"])
-    if saved.model.is_moe and saved.parallel.pipeline_model_parallel_size > 1:
-        return (
-            f"{where} is a mixture-of-experts checkpoint saved at --pipeline-model-parallel-size "
-            f"{saved.parallel.pipeline_model_parallel_size}, which has no universal form here; resume it under the "
-            f"layout ({meta.get('layout')}), world size, expert-parallel size, ZeRO stage and precision it was saved with"
-        )
     if saved.optimizer.decoupled_lr is not None:
         return (
             f"{where} was trained with --decoupled-lr, whose third optimizer group the universal form does not "
@@ -205,24 +206,21 @@ def check_compatible(meta: dict[str, Any], config: Config, load_dir: str, tag: s
 
 
 def moe_pipeline_refusal(meta: dict[str, Any], config: Config, changes: list[str], where: str) -> str | None:
-    """Why a mixture-of-experts checkpoint cannot load here (None when it can): one saved at pipeline size > 1 is
-    DeepSpeed's per-stage files (its MoE layers numbered per stage), which DeepSpeed's own loader reads under the saved
-    topology only and which do not convert to the universal form here, so the layout and every other size must be the
-    saved ones; one saved at P = 1, a universal checkpoint and an import or conversion (its weights in universal form)
-    load at any P through the universal form.
-    `changes`: `topology_changes`."""
+    """Why a mixture-of-experts checkpoint cannot load here (None when it can). Under another topology every one goes
+    through the universal form (saved at P > 1: DeepSpeed's per-stage files, `universal.moe_pipeline_source`), but
+    for one saved at P > 1 in --fp16 without ZeRO (DeepSpeed's FP16_Optimizer, whose state the universal form does not
+    read), which loads under the topology it was saved with only. `changes`: `topology_changes`."""
     saved = Config.from_dict(meta["config"])
-    layout_free = changes == ["universal form"] or converted_from(meta) is not None  # weights in universal form
-    if layout_free or not (
-        saved.model.is_moe and config.model.is_moe and saved.parallel.pipeline_model_parallel_size > 1
-    ):
+    if not changes or changes == ["universal form"] or converted_from(meta) is not None:
         return None
-    if not changes:
+    fp16_unpartitioned = saved.training.precision == "fp16" and saved.training.zero_stage == 0
+    if not (saved.model.is_moe and saved.parallel.pipeline_model_parallel_size > 1 and fp16_unpartitioned):
         return None
     return (
-        f"{where}: a mixture-of-experts checkpoint saved at pipeline size > 1 loads under the topology it was saved "
-        f"with only (DeepSpeed reads each stage's own files, which do not convert to the universal form), but "
-        f"{'; '.join(changes)}; use the saved layout ({meta.get('layout')}), sizes, ZeRO stage and precision"
+        f"{where}: a mixture-of-experts --fp16 checkpoint saved at pipeline size "
+        f"{saved.parallel.pipeline_model_parallel_size} without ZeRO (DeepSpeed's FP16_Optimizer, whose state does not "
+        f"convert to the universal form) loads under the topology it was saved with only, but {'; '.join(changes)}; "
+        f"use the saved layout ({meta.get('layout')}), sizes, ZeRO stage and precision"
     )
 
 

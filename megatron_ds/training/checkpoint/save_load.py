@@ -342,10 +342,12 @@ def _load_weights(
     engine: Any, config: Config, layout: Layout, load_dir: str, tag: str, meta: dict[str, Any], moved: bool
 ) -> None:
     """Model weights only: DeepSpeed's per-spec files at the saved T, else full tensors resharded (a mixture of experts
-    from its universal form when converted, or `moved` into pipeline stages from P = 1: `moe_pipeline_refusal`)."""
+    from its universal form when converted, or `moved` into or out of pipeline stages)."""
     directory = os.path.join(load_dir, tag)
     moe = getattr(engine.module, "moe_layers", None)
-    staged = moved and config.parallel.pipeline_model_parallel_size > 1  # DeepSpeed's files are the plain engine's
+    saved_p = Config.from_dict(meta["config"]).parallel.pipeline_model_parallel_size
+    # DeepSpeed reads its MoE files into the engine that saved them only: the plain one's at P = 1, each stage's at P > 1
+    staged = moved and max(saved_p, config.parallel.pipeline_model_parallel_size) > 1
     if store.is_universal(meta) or (moe and (converted_from(meta) is not None or staged)):
         # a converted mixture-of-experts checkpoint holds no DeepSpeed files: its weights are in its universal form
         timeout = 60.0 * config.parallel.distributed_timeout_minutes

@@ -7,6 +7,10 @@ other: `--load` converts it once (`convert.ensure_converted`) and every rank tak
     names             layout-free tensor names; a stage's parameters in DeepSpeed's order
     deepspeed_source  reads a DeepSpeed checkpoint tensor by tensor (ZeRO-0 torch state, ZeRO-1
                       and bf16 flat partitions, tensor-parallel shards joined)
+    zero3_source      ZeRO-3's partitions; `open_source`, which reader a checkpoint gets
+    moe_source        a mixture-of-experts checkpoint (DeepSpeed's MoE files, P = 1)
+    moe_pipeline_source  the same saved at P > 1: each stage's own files
+    state_files       the restricted loader of DeepSpeed's state files, each tensor read from disk
     store             the universal directory: write, validate, read
     convert           atomic conversion with progress and summary; the collective one on `--load`
     restore           into a live engine: weights, fp32 masters, optimizer states, counters, schedule

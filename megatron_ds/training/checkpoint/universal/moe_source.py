@@ -1,4 +1,5 @@
-"""Read a mixture-of-experts checkpoint (DeepSpeed's MoE files, plain engine, P = T = 1) as whole tensors by name.
+"""Read a mixture-of-experts checkpoint (DeepSpeed's MoE files, plain engine, P = T = 1) as whole tensors by name; the
+same saved at P > 1 (each stage's files) is `moe_pipeline_source`'s, through the few placement methods it overrides.
 
 Where each part of the training state is, for W ranks at expert-parallel size E (`save_load.save`, DeepSpeed's
 `_save_moe_checkpoint`; `experts.json` says which expert-parallel rank r and expert-data-parallel rank q each global
@@ -48,6 +49,31 @@ class MoeSource(DeepSpeedSource):
         self.expert_parallel = cfg.parallel.expert_parallel_size
         self.experts = experts.read(ckpt.directory, self.world_size, self.expert_parallel)
 
+    # --- what a checkpoint saved at P > 1 places per stage (`moe_pipeline_source` overrides these) ---------------
+    def _stage(self, tensor: names.ModelTensor) -> int:
+        """The pipeline stage whose files hold `tensor`."""
+        return 0
+
+    def _stage_ranks(self, stage: int) -> list[int]:
+        """The global ranks of `stage`, in their data-parallel order (the index of their ZeRO files)."""
+        return list(range(self.world_size))
+
+    def _zero_file(self, rank: int) -> str:
+        """Global rank `rank`'s ZeRO partition file."""
+        return self.optim_file(0, 0, rank)
+
+    def _recorded_groups(self, stage: int, rank: int) -> list[list[str]]:
+        """Expert-parallel rank `rank`'s optimizer groups on `stage`, by one-process name (`experts.json`)."""
+        return self.experts["optimizer_groups"][rank]
+
+    def _optimizer_file(self, stage: int, rank: int) -> str:
+        """The file whose "optimizer" is expert-parallel rank `rank`'s optimizer state on `stage` (ZeRO 0)."""
+        return self.expp_file(rank, stage)
+
+    def _weight_location(self, tensor: names.ModelTensor) -> tuple[str, str | None, str]:
+        """(file, key of the state dict in it or None, name there) of `tensor`'s saved weight."""
+        return (*moe_weights.weight_file(self.model, tensor), names.module_name(self.model, tensor))
+
     def record(self) -> dict[str, Any]:
         return {**super().record(), "expert_parallel_size": self.expert_parallel, "world_size": self.world_size}
 
@@ -66,11 +92,13 @@ class MoeSource(DeepSpeedSource):
         """(global rank, its module name) of every ZeRO partition holding `tensor`, in partition order."""
         expert = self._expert(tensor)
         if expert is None:
-            return [(d, names.module_name(self.model, tensor)) for d in range(self.world_size)]
+            return [(d, names.module_name(self.model, tensor)) for d in self._stage_ranks(self._stage(tensor))]
         _, owner, local = expert
         ranks = self.experts["ranks"]
         group = sorted(
-            (r["expert_data_parallel_rank"], d) for d, r in enumerate(ranks) if r["expert_parallel_rank"] == owner
+            (ranks[d]["expert_data_parallel_rank"], d)
+            for d in self._stage_ranks(self._stage(tensor))
+            if ranks[d]["expert_parallel_rank"] == owner
         )
         return [(d, local) for _, d in group]
 
@@ -78,45 +106,47 @@ class MoeSource(DeepSpeedSource):
         expert = self._expert(tensor)
         return 0 if expert is None else expert[1]
 
-    def expp_file(self, rank: int) -> str:
-        return self._path(f"expp_rank_{rank}_mp_rank_00_optim_states.pt")
+    def expp_file(self, rank: int, stage: int = 0) -> str:
+        return self._path(f"expp_rank_{rank}_mp_rank_{self._mp(stage, 0):02d}_optim_states.pt")
 
     def _position(self, tensor: names.ModelTensor) -> tuple[int, int, int]:
         """(group, index in the group, index in torch's state dict) of `tensor` in its expert-parallel rank's file."""
-        rank = self._owner(tensor)
-        key = f"#positions{rank}"
+        stage, rank = self._stage(tensor), self._owner(tensor)
+        key = f"#positions{stage}.{rank}"
         if key not in self._meta_cache:
-            recorded = self.experts["optimizer_groups"][rank]
-            saved = self._torch_state(rank)
+            recorded = self._recorded_groups(stage, rank)
+            saved = self._torch_state(stage, rank)
             counts = [len(g["params"]) for g in saved.get("param_groups", [])]
             if counts != [len(g) for g in recorded]:
                 raise CheckpointError(
-                    f"{self.expp_file(rank)}: optimizer groups of {counts} parameters, {experts.EXPERTS_FILE} records "
-                    f"{[len(g) for g in recorded]}; the checkpoint is damaged"
+                    f"{self._optimizer_file(stage, rank)}: optimizer groups of {counts} parameters, "
+                    f"{experts.EXPERTS_FILE} records {[len(g) for g in recorded]}; the checkpoint is damaged"
                 )
             flat = [(g, i, name) for g, group in enumerate(recorded) for i, name in enumerate(group)]
             self._meta_cache[key] = {name: (g, i, n) for n, (g, i, name) in enumerate(flat)}
         found = self._meta_cache[key].get(names.module_name(self.model, tensor))
         if found is None:
             raise CheckpointError(
-                f"{self.expp_file(rank)}: {experts.EXPERTS_FILE} records no {names.module_name(self.model, tensor)} "
-                f"on expert-parallel rank {rank}; the checkpoint is damaged or of another model"
+                f"{self._optimizer_file(stage, rank)}: {experts.EXPERTS_FILE} records no "
+                f"{names.module_name(self.model, tensor)} on expert-parallel rank {rank}; the checkpoint is damaged or "
+                f"of another model"
             )
         return found
 
     # --- what is read -----------------------------------------------------------------------------------------
-    def _optimizer(self, rank: int) -> dict[str, Any]:
-        saved = self.files.open(self.expp_file(rank)).get("optimizer")  # tensors on the meta device
+    def _optimizer(self, stage: int, rank: int) -> dict[str, Any]:
+        path = self._optimizer_file(stage, rank)
+        saved = self.files.open(path).get("optimizer")  # tensors on the meta device
         if not isinstance(saved, dict):
-            raise CheckpointError(f"{self.expp_file(rank)}: no optimizer state; the checkpoint is damaged")
+            raise CheckpointError(f"{path}: no optimizer state; the checkpoint is damaged")
         return saved
 
-    def _torch_state(self, rank: int) -> dict[str, Any]:
-        saved = self._optimizer(rank)
+    def _torch_state(self, stage: int, rank: int) -> dict[str, Any]:
+        saved = self._optimizer(stage, rank)
         return saved if self.precision == "fp32" else saved["optimizer_state_dict"]
 
     def _first_optimizer_state(self) -> dict[str, Any]:
-        return super()._first_optimizer_state() if self.flat else self._torch_state(0)
+        return super()._first_optimizer_state() if self.flat else self._torch_state(0, 0)
 
     def read(self, tensor: names.ModelTensor, state: str) -> torch.Tensor:
         """`state` (FP32 or an optimizer state) of `tensor`, whole."""
@@ -127,17 +157,16 @@ class MoeSource(DeepSpeedSource):
             value, path = self._weight(tensor)
         else:
             g, i, n = self._position(tensor)
-            rank = self._owner(tensor)
-            path = self.expp_file(rank)
+            stage, rank = self._stage(tensor), self._owner(tensor)
+            path = self._optimizer_file(stage, rank)
             try:
                 if state == FP32:
-                    value = self._optimizer(rank)["fp32_groups"][g][i]
+                    value = self._optimizer(stage, rank)["fp32_groups"][g][i]
                 else:
-                    value = self._torch_state(rank)["state"][n][state]
+                    value = self._torch_state(stage, rank)["state"][n][state]
             except (KeyError, IndexError, TypeError) as err:
                 raise CheckpointError(
-                    f"{self.expp_file(rank)}: no {state} for {names.module_name(self.model, tensor)} ({err}); the "
-                    f"checkpoint is damaged"
+                    f"{path}: no {state} for {names.module_name(self.model, tensor)} ({err}); the checkpoint is damaged"
                 ) from None
         if not isinstance(value, torch.Tensor) or value.numel() != torch.Size(shape).numel():
             raise CheckpointError(
@@ -146,11 +175,10 @@ class MoeSource(DeepSpeedSource):
         return materialize(value, path).reshape(shape).float()
 
     def _weight(self, tensor: names.ModelTensor) -> tuple[torch.Tensor, str]:
-        file, key = moe_weights.weight_file(self.model, tensor)  # the model-state file, or the expert's own
+        file, key, name = self._weight_location(tensor)  # the model-state file, or the expert's own
         path = self._path(file)
         weights = self.files.open(path)
         weights = (weights.get(key) or {}) if key is not None else weights
-        name = names.module_name(self.model, tensor)
         if name not in weights:
             raise CheckpointError(f"{path}: no {name}; the checkpoint is damaged or of another model")
         return weights[name], path
@@ -173,7 +201,7 @@ class MoeSource(DeepSpeedSource):
 
     def _fragment_of(self, rank: int, module_name: str) -> tuple[str, int, Any] | None:
         """(file, group, fragment) of `module_name` in global rank `rank`'s ZeRO file; None when it holds none of it."""
-        path = self.optim_file(0, 0, rank)
+        path = self._zero_file(rank)
         for g, mapping in enumerate(self.files.open(path)["optimizer_state_dict"]["param_slice_mappings"]):
             if module_name in mapping:
                 return path, g, mapping[module_name]
@@ -183,8 +211,9 @@ class MoeSource(DeepSpeedSource):
         """The optimizer's step count for `tensor` (None before the first step)."""
         if not self.flat:
             _, _, n = self._position(tensor)
-            rank = self._owner(tensor)
-            return _int(materialize(self._torch_state(rank)["state"].get(n, {}).get("step"), self.expp_file(rank)))
+            stage, rank = self._stage(tensor), self._owner(tensor)
+            step = self._torch_state(stage, rank)["state"].get(n, {}).get("step")
+            return _int(materialize(step, self._optimizer_file(stage, rank)))
         for rank, module_name in self._holders(tensor):
             found = self._fragment_of(rank, module_name)
             if found is not None:

@@ -125,14 +125,18 @@ class Zero3Source(DeepSpeedSource):
 
 
 def open_source(path_or_ckpt: Any) -> DeepSpeedSource:
-    """The reader of one of our DeepSpeed checkpoints: a mixture-of-experts model's MoE files, ZeRO-3's partitioned
-    files or the flat/torch ones."""
+    """The reader of one of our DeepSpeed checkpoints: a mixture-of-experts model's MoE files (the plain engine's at
+    P = 1, the pipeline engine's per-stage ones at P > 1), ZeRO-3's partitioned files or the flat/torch ones."""
     from megatron_ds.training.checkpoint import reader
 
     if isinstance(path_or_ckpt, (str, os.PathLike)):
         ckpt = reader.open_checkpoint(path_or_ckpt, moe=True)
     else:
         ckpt = path_or_ckpt
+    if ckpt.config.model.is_moe and ckpt.config.parallel.pipeline_model_parallel_size > 1:
+        from megatron_ds.training.checkpoint.universal.moe_pipeline_source import MoePipelineSource
+
+        return MoePipelineSource(ckpt)
     if ckpt.config.model.is_moe:
         from megatron_ds.training.checkpoint.universal.moe_source import MoeSource
 
