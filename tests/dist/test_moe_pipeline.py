@@ -20,8 +20,8 @@ they train otherwise):
 
 Checkpoints: saved at P = 2 under ZeRO-1 (each stage's experts in DeepSpeed's files under its model-parallel rank) and
 resumed, the run goes on bit for bit as the uninterrupted one; saved at P = 3 without ZeRO (the embedding stage's
-weights in the per-spec files) and resumed, as the one-process run goes on; loaded at P = 1 it goes through its
-universal form and on as the uninterrupted P = 2 run.
+weights in the per-spec files) and resumed, as the one-process run goes on; either loaded at P = 1 goes through its
+universal form and on as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def runs(tmp: Path) -> dict[str, list[dict]]:
     one["residual_long"] = sc("residual", steps=5)
     one["residual_bf16"] = sc("residual", overrides=bf16)
     one["from_p2"] = {**sc("residual_zero1"), "load": str(tmp / "ck_p2_zero1")}  # through its universal form
+    one["from_p3"] = sc("residual", steps=2, load=str(tmp / "ck_p3"))  # its dense stages' files too
     two = {f"{v}_p2": sc(v, p=2, world=2) for v in VARIANTS}
     two["residual_zero1_p2"]["save"] = str(tmp / "ck_p2_zero1")
     two["residual_zero1_p2_resumed"] = sc("residual_zero1", p=2, world=2, load=str(tmp / "ck_p2_zero1"))
@@ -87,7 +88,7 @@ def runs(tmp: Path) -> dict[str, list[dict]]:
     four = {"top1_p2_ep2": sc("top1", p=2, world=4, overrides=ep)}
     four["residual_zero1_p2_ep2"] = sc("residual_zero1", p=2, world=4, overrides=ep)
     results: dict[str, list[dict]] = {}
-    for name, world, scenarios in (("w2", 2, two), ("w1", 1, one), ("w3", 3, three), ("w4", 4, four)):
+    for name, world, scenarios in (("w2", 2, two), ("w3", 3, three), ("w1", 1, one), ("w4", 4, four)):
         per_rank = run_scenarios(tmp / name, world, list(scenarios.values()), timeout=150)
         results.update(by_name(list(scenarios), per_rank))
     return results
@@ -197,6 +198,15 @@ def test_a_checkpoint_saved_at_two_stages_resumes_in_one_process(runs: dict, tmp
     assert max(abs(a - b) for a, b in zip(resumed["losses"], ranks[0]["losses"][3:], strict=True)) <= WEIGHT_TOL
     assert all(_max_diff(v, straight[n]) <= WEIGHT_TOL for n, v in resumed["weights"].items() if n in straight)
     assert (tmp / "ck_p2_zero1" / "global_step3.universal").is_dir()
+
+
+def test_a_checkpoint_saved_at_three_stages_resumes_in_one_process(runs: dict) -> None:
+    """Saved at P = 3 without ZeRO (the embedding stage and the head's stage saved as dense stages: per-spec weight
+    files, torch's optimizer state in their model-state files) and resumed in one process through its universal form:
+    steps 4-5 as the one-process run's."""
+    ref, resumed = runs["residual_long"][0], runs["from_p3"][0]
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], ref["losses"][3:], strict=True)) <= WEIGHT_TOL
+    assert all(_max_diff(v, ref["weights"][n]) <= WEIGHT_TOL for n, v in resumed["weights"].items())
 
 
 def _inference_name(name: str) -> str:

@@ -10,7 +10,8 @@ tests/dist/test_moe_pipeline.py's WEIGHT_TOL): ZeRO-1 -> ZeRO 0 at P = 1 (the pl
 ZeRO-1 at P = 1 (E = 2), and ZeRO 0 -> ZeRO-1 at P = 2 on two ranks (E = 1, DP = 1). `tools/convert_checkpoint.py --to
 universal`'s conversion of each (bf16 too: ZeRO-1's and, at ZeRO 0, BF16_Optimizer's fp32 masters) holds every saved
 weight (in bf16, the masters rounded to bf16 are the saved weights bit for bit) and the counters. bf16 at ZeRO 0, which
-DeepSpeed cannot load back itself, resumes under its saved topology through the universal form bit for bit.
+DeepSpeed cannot load back itself, resumes under its saved topology through the universal form bit for bit; its
+weights alone (`--no-load-optim`) load at P = 1 bit for bit.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for name, (source, pp, world, overrides) in RESUMES.items()
             if pp == p
         }
+        if p == 1:  # --no-load-optim: its weights alone, through the universal form too
+            weights = {"checkpoint__no_load_optim": True, "training__zero_stage": 0}
+            scenarios["weights_to_p1"] = sc("residual_zero1", p=1, world=2, steps=0, overrides=weights, load=ck["z0"])
         per_rank = run_scenarios(tmp / f"w2_p{p}", 2, list(scenarios.values()), timeout=150)
         results.update(by_name(list(scenarios), per_rank))
     results["dirs"] = {"ck": ck, "tmp": str(tmp)}
@@ -131,3 +135,11 @@ def test_bf16_without_zero_resumes_as_saved_through_its_universal_form(runs: dic
         assert resumed["losses"] == straight["losses"][3:] and resumed["grad_norms"] == straight["grad_norms"][3:]
         assert resumed["weights"] == straight["weights"]
     assert os.path.isdir(os.path.join(runs["dirs"]["ck"]["bf16_z0"], "global_step3.universal"))
+
+
+def test_its_weights_alone_load_at_one_stage(runs: dict) -> None:
+    """`--no-load-optim` at P = 1: every weight the saved run's, bit for bit (experts by their global index)."""
+    saved = {n: v for r in runs["z0_saved"] for n, v in r["weights"].items()}
+    for r in runs["weights_to_p1"]:
+        assert "error" not in r, r.get("error")
+        assert r["weights"] and all(v == saved[n] for n, v in r["weights"].items() if not n.startswith("optimizer_"))
