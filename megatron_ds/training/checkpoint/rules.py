@@ -1,12 +1,13 @@
 """What may change between a checkpoint and the run that loads it, and what may not.
 
-Free: dropout and init std (a notice), and the whole parallel layout: P, the stage split, T, DP,
-sequence parallelism (Megatron's: as saved; Ulysses' degree N), ZeRO stage, offload, CPU Adam and precision (`topology_changes`; a full resume then goes through the universal form,
-`megatron_ds.training.checkpoint.universal`; a mixture-of-experts model's world size, expert-parallel size and ZeRO
-stage 0-2 too, saved at any P). Refused with one line: another architecture, and for a full resume another global
-batch size or optimizer; a mixture-of-experts checkpoint saved at P > 1 in --fp16 without ZeRO under another topology
-(`moe_pipeline_refusal`); a mixture-of-experts checkpoint in the per-spec weight readers (`moe_refusal`; the Hugging Face export,
-generation, inference and a `--kd` teacher read its per-expert files). Pure: no torch.distributed.
+Free: dropout and init std (a notice), and the whole parallel layout: P, the stage split, T, DP, sequence parallelism
+(Megatron's: as saved; Ulysses' degree N), ZeRO stage, offload, CPU Adam and precision (`topology_changes`; a full
+resume then goes through the universal form, `megatron_ds.training.checkpoint.universal`; a mixture-of-experts model's
+world size, expert-parallel size and ZeRO stage 0-2 too, saved at any P). Refused with one line: another
+architecture, and for a full resume another global batch size or optimizer; a mixture-of-experts checkpoint saved at
+P > 1 in --fp16 without ZeRO under another topology (`moe_pipeline_refusal`); a mixture-of-experts checkpoint in the
+per-spec weight readers (`moe_refusal`; the Hugging Face export, generation, inference and a `--kd` teacher read its
+per-expert files). Pure: no torch.distributed.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def has_optimizer_state(meta: dict[str, Any]) -> bool:
 def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
     """Why the per-spec weight readers refuse a mixture-of-experts checkpoint (None for a dense one): its experts are
     in DeepSpeed's files. What reads it is said in the same line: the Hugging Face export (as Mixtral or Qwen3-MoE),
-    generation and inference (`moe_weights`), a resume under any P, layout, world size, expert-parallel size and ZeRO stage 0-2
-    (through the universal form, `universal.moe_source` and `universal.moe_pipeline_source`), the conversion itself,
-    and its weights alone (`--no-load-optim`); saved at P > 1 in --fp16 without ZeRO, a resume under its own topology
-    only (`moe_pipeline_refusal`)."""
+    generation and inference (`moe_weights`), a resume under any P, layout, world size, expert-parallel size and ZeRO
+    stage 0-2 (through the universal form, `universal.moe_source` and `universal.moe_pipeline_source`), the conversion
+    itself, and its weights alone (`--no-load-optim`); saved at P > 1 in --fp16 without ZeRO, a resume under its own
+    topology only (`moe_pipeline_refusal`)."""
     saved = Config.from_dict(meta["config"])
     model = saved.model
     if not model.is_moe:
@@ -84,7 +85,7 @@ def moe_refusal(meta: dict[str, Any], where: str) -> str | None:
 
 def universal_refusal(meta: dict[str, Any], where: str) -> str | None:
     """Why the checkpoint has no universal form (None when it has one; a mixture-of-experts checkpoint's reader
-    refuses what it does not read itself: `universal.moe_source`)."""
+    refuses what it does not read itself: `universal.moe_source`, `universal.moe_pipeline_source`)."""
     if not has_optimizer_state(meta):
         return f"{where}: holds weights only (no optimizer state); it loads under any layout as it is"
     saved = Config.from_dict(meta["config"])
