@@ -12,8 +12,10 @@ optimizer's default `dp_reshardable` buckets, and from `torch` checkpoints of th
 (`distrib_optim.pt`; the buffers are placed by `megatron_lm_buckets`) or without it (torch's state by
 parameter number, `megatron_lm_torch_optimizer`); the reader is `megatron_lm_source.MegatronLMSource`. State that
 does not match the weights does not convert (the notice says why): a resume then starts Adam's moments at zero and
-takes the model's weights (bf16 in a bf16 run) as its fp32 master weights. The source is only read
-(`megatron_lm_files`).
+takes the model's weights (bf16 in a bf16 run) as its fp32 master weights. A mixture-of-experts run (Megatron-LM's
+router and experts; `megatron_lm_layout`) is written as its universal form alone, as an imported Mixtral: our
+per-spec weight files hold no experts; its Adam's state converts where named by tensor, not from megatron-core's
+ChainedOptimizer's buffers or `torch` files. The source is only read (`megatron_lm_files`).
 """
 
 from __future__ import annotations

@@ -8,11 +8,13 @@
         .metadata, __R_I.distcp               torch's distributed checkpoint: every sharded tensor
                                               under megatron-core's canonical name (one name for the
                                               local and Transformer Engine layer specs; a layer's
-                                              tensors stacked over the layers on dim 0), in chunks
-    ROOT/iter_000000N/mp_rank_TT[_PPP]/model_optim_rng.pt   `--ckpt-format torch`: per tensor rank TT
-                                              (and pipeline stage PPP when P > 1) the stage's
-                                              `state_dict` (layers numbered from 0 on each stage)
-                                              beside the same entries as common.pt
+                                              tensors stacked over the layers on dim 0, an expert's
+                                              over the layers and the global experts), in chunks
+    ROOT/iter_000000N/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt   `--ckpt-format torch`: per tensor
+                                              rank TT (pipeline stage PPP when P > 1, expert-parallel
+                                              rank EEE when EP > 1) the stage's `state_dict` (layers
+                                              numbered from 0 on each stage, experts from 0 on each
+                                              expert-parallel rank) beside the same entries as common.pt
 
 Tensors are read with `weights_only=True` (each distributed-checkpoint chunk is its own `torch.save`
 blob at an offset the metadata gives). The pickled `.metadata`, `common.pt` and `model_optim_rng.pt`
