@@ -58,6 +58,14 @@ CONFIGS: dict[str, tuple[int, str]] = {
         "--position-embedding-type rope --untie-embeddings-and-output-weights --num-experts 4 --moe-router-topk 2 "
         "--moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather " + _COMMON,
     ),
+    "mixtral_tp2": (
+        4,
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+        "--ffn-hidden-size 48 --swiglu --normalization RMSNorm --norm-epsilon 1e-6 --disable-bias-linear "
+        "--position-embedding-type rope --untie-embeddings-and-output-weights --num-experts 4 --moe-router-topk 2 "
+        "--moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2 --moe-token-dispatcher-type allgather "
+        "--tensor-model-parallel-size 2 --sequence-parallel --bf16 --moe-router-dtype fp32 " + _COMMON,
+    ),
 }
 """name -> (world size, launch line): a GPT-3-style model (learned positions, LayerNorm, GeLU, biases,
 tied output), a Llama-style one (rotary, RMSNorm, SwiGLU, grouped-query attention, no biases, untied
@@ -66,7 +74,9 @@ the last one), and the line Megatron-LM's checkpoint converter (tools/checkpoint
 for the model it writes (no training length, no learning rate, `--num-experts 0`), and a Mixtral-style
 mixture of experts (the Llama's layers with 4 SwiGLU experts per layer, top-2 routing with the auxiliary
 load-balancing loss, fp32) on two expert-parallel ranks (2 experts each; T = P = 1, so 2 data-parallel
-ranks) with the allgather token dispatcher."""
+ranks) with the allgather token dispatcher, and the same at T = 2 (its experts split over both tensor ranks,
+Megatron-LM's default --expert-tensor-parallel-size; --sequence-parallel, which Megatron-LM requires of MoE at
+T > 1; bf16 with the router in fp32) on 4 ranks."""
 
 _CHILD = r"""
 import json, sys, types, importlib.machinery, enum

@@ -75,10 +75,8 @@ def import_megatron_lm(
     if not states:
         reason = sources[-1].absence if sources and sources[-1].absence else optimizer_absence(mlm)
         notes.append(f"{reason}: {RESTART}")
-    # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by x T: printed times the
-    # source's T, the flags keep its padded size at our default T=1 (at another T the --load error says what to give)
-    divisible = mlm.args.get("make_vocab_size_divisible_by")
-    printed = {**mlm.args, "make_vocab_size_divisible_by": divisible * mlm.tensor_parallel} if divisible else mlm.args
+    # printed as at our default T=1 (at another T the --load error says what to give)
+    printed = saved_args.padded_at_t1(mlm)
     flags = saved_args.render(printed, saved_args.MODEL_ARGS) + saved_args.moe_flags(mlm.args) + tokenizer_flags
     flags += saved_args.render(mlm.args, saved_args.TRAINING_ARGS)
     flags += ["--data-upstream", "megatron-lm"]  # its data files split and blended as Megatron-LM does

@@ -17,7 +17,7 @@ from typing import Any
 from megatron_ds.config import Config
 from megatron_ds.errors import UserError
 from megatron_ds.interop import saved_flags
-from megatron_ds.interop.megatron_lm_files import MegatronLMCheckpoint
+from megatron_ds.interop.megatron_lm_files import TORCH_DIST, MegatronLMCheckpoint
 from megatron_ds.interop.saved_flags import Arg, off, on, render
 from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.state import TrainState
@@ -81,7 +81,6 @@ MOE_ARGS = (
     Arg("--moe-ffn-hidden-size", lambda a: a["ffn_hidden_size"]),
     Arg("--moe-router-score-function", "softmax"),
     Arg("--moe-router-dtype"),
-    Arg("--expert-tensor-parallel-size", 1),
     Arg("--moe-expert-capacity-factor"),
     on("--moe-pad-expert-input-to-capacity"),
     on("--moe-router-pre-softmax"),
@@ -98,7 +97,7 @@ MOE_ARGS = (
     Arg("--moe-latent-size"),
 )
 """A mixture-of-experts run's routing and experts (rendered only when it has experts). Not rendered: its
-expert-parallel size (free on resume, as the pipeline split), kernels and dispatchers (the same model), and what
+expert-parallel and expert-tensor-parallel sizes (free on resume, as the pipeline split), kernels and dispatchers (the same model), and what
 only shaped its training (upcycling from a dense checkpoint, recomputation, routing replay)."""
 TRAINING_ARGS = (
     *saved_flags.SCHEDULE_ARGS,
@@ -177,17 +176,27 @@ def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config
     Args without a training length or learning rate (a converted model) get `placeholders`."""
     from megatron_ds.flags.parser import parse_config
 
+    experts = bool(ckpt.args.get("num_experts"))
+    if experts and ckpt.tensor_parallel > 1 and ckpt.format != TORCH_DIST:
+        raise CheckpointError(
+            f"{ckpt.directory}: a mixture-of-experts run at --tensor-model-parallel-size {ckpt.tensor_parallel} in "
+            f"--ckpt-format {ckpt.format}: its experts' tensor-parallel shards are read here only from torch_dist; load "
+            f"it in Megatron-LM and save it with --ckpt-format torch_dist"
+        )
+    # a mixture of experts is written in universal form alone (T-free; its experts train at T = 1 here): converted at
+    # T = 1 with the vocabulary padded as the run's T padded it
+    t = 1 if experts else ckpt.tensor_parallel
     flags = [
-        *render(ckpt.args, MODEL_ARGS),
+        *render(ckpt.args if t == ckpt.tensor_parallel else padded_at_t1(ckpt), MODEL_ARGS),
         *moe_flags(ckpt.args),
         *render(ckpt.args, TRAINING_ARGS),
-        f"--tensor-model-parallel-size={ckpt.tensor_parallel}",
+        f"--tensor-model-parallel-size={t}",
         "--data-upstream=megatron-lm",  # its data files split and blended as Megatron-LM does
         *tokenizer,
         *placeholders(ckpt),
     ]
     try:
-        config, _ = parse_config(flags, world_size=ckpt.tensor_parallel)
+        config, _ = parse_config(flags, world_size=t)
     except UserError as err:
         raise CheckpointError(f"{ckpt.directory}: its saved args, as flags, are refused here: {err}") from None
     padded = padded_vocab_size(ckpt)
@@ -197,6 +206,13 @@ def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config
             f"{config.model.vocab_size}; the checkpoint's args are inconsistent"
         )
     return config
+
+
+def padded_at_t1(ckpt: MegatronLMCheckpoint) -> dict[str, Any]:
+    """The run's args with --make-vocab-size-divisible-by times its T: Megatron pads the vocabulary to a multiple of
+    that x T, so at T = 1 these flags pad it to the same rows."""
+    divisible = ckpt.args.get("make_vocab_size_divisible_by")
+    return {**ckpt.args, "make_vocab_size_divisible_by": divisible * ckpt.tensor_parallel} if divisible else ckpt.args
 
 
 def moe_flags(args: dict[str, Any]) -> list[str]:

@@ -18,12 +18,16 @@ from megatron_ds.interop.megatron_lm import import_megatron_lm
 from megatron_ds.model.moe import EXPERT_PREFIX, GATE_WEIGHT
 from megatron_ds.testing.megatron_lm_checkpoints import recorded, write_checkpoints
 from megatron_ds.testing.script_runs import run_python
+from megatron_ds.training.checkpoint.directory import CheckpointError
 from megatron_ds.training.checkpoint.universal.convert import SUFFIX
 from megatron_ds.training.checkpoint.universal.store import Universal
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME, ITERATION = "mixtral", 3
 FORMATS = ("torch_dist", "torch")
+TP2 = "mixtral_tp2"
+"""The line at --tensor-model-parallel-size 2 (experts split over the tensor ranks too, Megatron-LM's default
+--expert-tensor-parallel-size), --sequence-parallel, --bf16 with --moe-router-dtype fp32, on 4 ranks."""
 
 
 TRAINED = ("local", "fully_reshardable", "dp_reshardable")
@@ -45,6 +49,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], 
         trained = {fmt: root / f"{optimizer}-{fmt}" for fmt in formats}
         logits = write_checkpoints(NAME, {f: str(p) for f, p in trained.items()}, 2, optimizer=optimizer)
         paths |= {(optimizer, fmt): (path, logits) for fmt, path in trained.items()}
+    wide = {fmt: root / f"{TP2}-{fmt}" for fmt in FORMATS}
+    logits = write_checkpoints(TP2, {f: str(p) for f, p in wide.items()}, ITERATION)
+    paths |= {(TP2, fmt): (path, logits) for fmt, path in wide.items()}
     return paths, reference
 
 
@@ -55,12 +62,17 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_converted_experts_compute_megatron_cores_logits(sources, tmp_path: Path, fmt: str) -> None:
+@pytest.mark.parametrize(("name", "fmt"), [(NAME, "torch_dist"), (NAME, "torch"), (TP2, "torch_dist")])
+def test_converted_experts_compute_megatron_cores_logits(sources, tmp_path: Path, name: str, fmt: str) -> None:
+    """Also at T = 2 in bf16: converted at T = 1 (the universal form holds whole tensors) with the run's padding."""
     paths, reference = sources
-    before = _digest(paths[fmt])
-    result = import_megatron_lm(str(paths[fmt]), str(tmp_path / "out"), show_progress=False)
-    assert _digest(paths[fmt]) == before  # only read
+    source = paths[fmt] if name == NAME else paths[name, fmt][0]
+    reference = reference if name == NAME else paths[name, fmt][1]
+    before = _digest(source)
+    result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
+    assert _digest(source) == before  # only read
+    assert result.config.parallel.tensor_model_parallel_size == 1
+    assert result.config.model.vocab_size == recorded(name)["args"]["padded_vocab_size"]  # 128 x T
     m = result.config.model
     assert m.moe_router == "megatron" and m.experts_per_layer == (4, 4)
     assert (m.moe_top_k, m.moe_loss_coeff) == (2, 0.01)
@@ -73,6 +85,19 @@ def test_converted_experts_compute_megatron_cores_logits(sources, tmp_path: Path
         logits = model.float()(reference["tokens"])
     assert logits.shape[-1] == recorded(NAME)["args"]["vocab_size"] + 1  # the NullTokenizer's ids
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+
+
+def test_experts_split_over_tensor_ranks_in_torch_files_are_one_line(sources, tmp_path: Path) -> None:
+    paths, _ = sources
+    source = paths[TP2, "torch"][0]
+    with pytest.raises(CheckpointError) as err:
+        import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
+    assert str(err.value) == (
+        f"{source}/iter_0000003: a mixture-of-experts run at --tensor-model-parallel-size 2 in --ckpt-format torch: "
+        "its experts' tensor-parallel shards are read here only from torch_dist; load it in Megatron-LM and save it "
+        "with --ckpt-format torch_dist"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_tools_flags_train_on_from_its_iteration(sources, tmp_path: Path) -> None:
