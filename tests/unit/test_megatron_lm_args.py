@@ -97,6 +97,18 @@ def test_a_mixture_of_experts_run_is_megatron_lms_router() -> None:
     assert saved_args.moe_flags(_ckpt("gpt", **_MOE).args) == ["--moe-router-topk", "2"]
 
 
+def test_a_mixture_of_experts_run_at_t2_converts_at_t1_with_its_padding() -> None:
+    """Our experts train at T = 1 and the converted weights are whole: Megatron-LM's T = 2 MoE line (experts split
+    over both tensor ranks) becomes T = 1 with the vocabulary padded to 128 x 2, and its expert-tensor-parallel size
+    is not rendered (only 1 is accepted as a flag)."""
+    ckpt = _ckpt("mixtral_tp2")
+    config = _config(ckpt)
+    assert config.parallel.tensor_model_parallel_size == 1 and config.model.vocab_size == 256
+    assert ckpt.args["expert_tensor_parallel_size"] == 2 and config.model.experts_per_layer == (4, 4)
+    with pytest.raises(CheckpointError, match="read here only from torch_dist"):
+        _config(MegatronLMCheckpoint("/ckpt/iter_0000005", 5, "torch", ckpt.args, {"iteration": 5}))
+
+
 def test_a_moe_layer_pattern_is_the_expert_interval() -> None:
     m = _config(_ckpt("gpt", **_MOE, moe_layer_freq=[0, 1])).model
     assert m.experts_per_layer == (1, 4) and m.expert_interval == 2
