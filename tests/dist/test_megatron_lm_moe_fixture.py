@@ -109,17 +109,18 @@ def _load_and_run(step: str, ep: int, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 
-    from megatron_ds.testing.megatron_lm_ranks import _cpu_shims, _logits, _model
+    from megatron_ds.testing.megatron_lm_model import build_model, cpu_shims
+    from megatron_ds.testing.megatron_lm_ranks import reference_logits
 
     dist.init_process_group("gloo")
     a = namespace(recorded("mixtral")["args"])
     a.expert_model_parallel_size, a.seed = ep, a.seed + 1
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
-    _cpu_shims(a.seed, 0)
+    cpu_shims(a.seed, 0)
     torch.manual_seed(a.seed)
-    model = _model(a)
+    model = build_model(a)
     model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, step)["model"])
-    logits = _logits(model, a)
+    logits = reference_logits(model, a)
     if dist.get_rank() == 0:
         torch.save(logits, out)
     dist.destroy_process_group()
