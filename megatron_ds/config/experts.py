@@ -19,6 +19,7 @@ MOE_ROUTERS = ("deepspeed", "megatron")
 router."""
 MOE_ROUTING_FIELDS = (
     "moe_router",
+    "moe_router_pre_softmax",
     "moe_top_k",
     "moe_train_capacity_factor",
     "moe_eval_capacity_factor",
@@ -69,6 +70,11 @@ def check_experts(model: Any) -> None:
         object.__setattr__(model, "moe_top2_2nd_expert_sampling", False)
     else:
         one_of("--topk", model.moe_top_k, MOE_TOP_K)
+        check(
+            not model.moe_router_pre_softmax,
+            "--moe-router-pre-softmax is Megatron-LM's router's; with DeepSpeed's gates (--topk) drop it, or route with "
+            "Megatron-LM's router (--moe-router-topk)",
+        )
     positive("--moe-train-capacity-factor", model.moe_train_capacity_factor)
     positive("--moe-eval-capacity-factor", model.moe_eval_capacity_factor)
     at_least("--moe-min-capacity", model.moe_min_capacity, 0)

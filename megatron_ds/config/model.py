@@ -147,6 +147,10 @@ class ModelConfig:
     E / k x sum_e(mean probability_e x routed share_e) counting all k choices, the gate drawn N(0, init std);
     DeepSpeed's `topkgating` computes it. With it the capacity fields are stored at their defaults and token
     dropping and second-expert sampling as off (what it does)."""
+    moe_router_pre_softmax: bool = False
+    """Megatron-LM's `--moe-router-pre-softmax` (its router only): the softmax over all experts first, each token's k
+    largest probabilities its weights, not renormalized (Qwen2-MoE's `norm_topk_prob` false); the load-balancing
+    loss is the same. Stored as False with DeepSpeed's gates and in a dense model."""
     moe_top_k: int = 1
     """`--topk` / `--moe-router-topk`: experts each token is sent to (1 or 2 with DeepSpeed's gates, any number of
     the layer's experts with Megatron-LM's router)."""

@@ -24,7 +24,8 @@ dtype's bytes, f the FFN size, `saved_features` the activation's saved inputs pe
                                        the sum of each token's two gate values (the clamp's input), 4 S;
                                        Megatron-LM's router (`topkgating`): the bool mask, S E, the masked and
                                        the renormalized gates, 8 S E, the sum and its clamp, 8 S, the int64
-                                       top-k index, 8 k S
+                                       top-k index, 8 k S; with --moe-router-pre-softmax
+                                       (`moe.pre_softmax_gating`) the int64 top-k index alone, 8 k S
   load-balancing loss                  4 E (the routed share per expert) and 8 k (the int64 factors E, and E again
                                        for top-2, it is multiplied by; three, E, E and k, for Megatron-LM's router)
   dispatch index                       8 (E C + 1)  (int64 slot sources, one scratch slot)
@@ -83,6 +84,8 @@ def mlp_terms(model: ModelConfig, micro_batch_size: int, num_experts: int, w: in
 def _route_mask_bytes(model: ModelConfig, s_tok: int, e: int) -> int:
     """What the gate saves of its choices (the module docstring's table)."""
     k = model.moe_top_k
+    if model.moe_router_pre_softmax:  # moe.pre_softmax_gating: the top-k's int64 index alone
+        return INDEX_BYTES * k * s_tok
     if model.moe_router == "megatron":  # topkgating: bool mask, masked and renormalized gates, sums, gather index
         return s_tok * e + 2 * FP32 * s_tok * e + 2 * FP32 * s_tok + INDEX_BYTES * k * s_tok
     return INDEX_BYTES * s_tok * e if k == 1 else 2 * FP32 * s_tok * e + FP32 * s_tok

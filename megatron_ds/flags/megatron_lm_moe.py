@@ -1,7 +1,8 @@
 """Megatron-LM's mixture-of-experts flags (its `examples/mixtral/train_mixtral_8x7b_distributed.sh` uses them) and the
 router they choose.
 
-Megatron-LM routes with its top-k router: softmax over the k largest logits, every token routed (no capacity
+Megatron-LM routes with its top-k router: softmax over the k largest logits (with `--moe-router-pre-softmax` the k
+largest of the softmax over all experts, not renormalized), every token routed (no capacity
 unless `--moe-expert-capacity-factor`), the load-balancing loss E / k x sum_e(mean probability_e x routed share_e)
 (`ModelConfig.moe_router` "megatron", `model.moe.megatron_router`). Megatron-DeepSpeed's `--topk` gates are
 DeepSpeed's top-1 and top-2 functions, which weigh and balance otherwise. So any accepted flag of this table selects
@@ -31,6 +32,7 @@ from megatron_ds.flags.declare import (
     field_default,
     no_op,
     refused,
+    switch,
 )
 from megatron_ds.flags.notices import notice
 
@@ -114,6 +116,16 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
         choices=("softmax",),
         refused_values=(Refusal("sigmoid", "the router's scores are a softmax here", "use softmax"),),
     ),
+    switch(
+        "--moe-router-pre-softmax",
+        _MOE,
+        f"{MEGATRON_LM}: the softmax over all experts first, each token's k largest probabilities its weights, not "
+        "renormalized (Qwen2-MoE's norm_topk_prob false; without it the softmax is over the k largest logits); the "
+        "same load-balancing loss",
+        "model.moe_router_pre_softmax",
+        derived=True,
+        default=None,
+    ),
     accepted(
         "--moe-router-dtype",
         _MOE,
@@ -172,11 +184,6 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
         takes=VALUE,
     ),
     _refused("--moe-pad-expert-input-to-capacity", "padding to a capacity: the capacity factor is not built"),
-    _refused(
-        "--moe-router-pre-softmax",
-        "a softmax over all experts before the top-k, not renormalized, is not built (the router renormalizes over "
-        "the k chosen)",
-    ),
     _refused("--moe-router-topk-scaling-factor", "scaled routing weights are not built", takes=VALUE),
     _refused("--moe-z-loss-coeff", "the router's z-loss is not built", takes=VALUE),
     _refused("--moe-input-jitter-eps", "the router's input jitter is not built", takes=VALUE),
@@ -244,6 +251,7 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "moe_router": "megatron",
         "moe_top_k": _DEFAULT_TOP_K if args.moe_router_topk is None else args.moe_router_topk,
+        "moe_router_pre_softmax": bool(args.moe_router_pre_softmax),
         "expert_interval": expert_interval(args.moe_layer_freq, args.num_layers),
         "moe_loss_coeff": 0.0 if kind == "none" else coeff,
     }
@@ -325,6 +333,7 @@ def checkpoint_dests(model: Any) -> tuple[set[str], dict[str, Any]]:
     freq = "1" if n == 1 else f"([0]*{n - 1}+[1])*{layers // n}" + (f"+[0]*{layers % n}" if layers % n else "")
     return {f.attr for f in _DEEPSPEED_GATE}, {
         "moe_router_topk": model.moe_top_k,
+        "moe_router_pre_softmax": True if model.moe_router_pre_softmax else None,
         "moe_aux_loss_coeff": model.moe_loss_coeff,
         "moe_layer_freq": freq,
     }

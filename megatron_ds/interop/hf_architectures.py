@@ -177,6 +177,10 @@ def _expert_requires(title: str) -> tuple[Requirement, ...]:
                 f"--topk 2 is the same (Megatron-LM's router, --moe-router-topk K, is at any K)"
             ),
         ),
+        Requirement(
+            lambda m: not m.moe_router_pre_softmax,
+            f"--moe-router-pre-softmax: {title} renormalizes a token's k weights over the k chosen (train without it)",
+        ),
         Requirement(lambda m: m.mlp_type == "standard", f"--mlp-type residual: {title} has no residual MLP (PR-MoE)"),
         Requirement(lambda m: not m.add_bias_linear, f"biases (no --disable-bias-linear): {title} has none"),
         Requirement(

@@ -101,31 +101,59 @@ def build(
         if model.moe_router == "megatron":
             gate.wg.weight.copy_(torch.empty(gate.wg.weight.shape).normal_(0.0, init_std, generator=generator))
             gate.__class__ = megatron_router()
+            gate.pre_softmax = model.moe_router_pre_softmax
     return layer
 
 
 @functools.cache
 def megatron_router() -> type:
-    """DeepSpeed's `TopKGate` routing as Megatron-LM's `TopKRouter` (softmax score function, no pre-softmax, no
-    scaling factor, no capacity): DeepSpeed's `topkgating` at every k, without dropping. It takes the softmax over all
-    experts and renormalizes it over the k chosen, which is megatron-core's softmax over the k largest logits, and its
+    """DeepSpeed's `TopKGate` routing as Megatron-LM's `TopKRouter` (softmax score function, no scaling factor, no
+    capacity). By default DeepSpeed's `topkgating` at every k, without dropping: it takes the softmax over all experts
+    and renormalizes it over the k chosen, which is megatron-core's softmax over the k largest logits, and its
     load-balancing loss E^2 / k x mean_e(mean probability_e x routed share_e) is megatron-core's
-    `switch_load_balancing_loss_func` (both checked in tests/unit/test_moe_megatron_router.py). DeepSpeed's own gate
-    would use its top-1 or top-2 function at k = 1 or 2 (a top-1 weight of the softmax score, a top-2 loss over the
-    first choice only)."""
+    `switch_load_balancing_loss_func`. With `pre_softmax` (`--moe-router-pre-softmax`) the k largest probabilities
+    are the weights as they are (`pre_softmax_gating`); the loss is the same (all checked in
+    tests/unit/test_moe_megatron_router.py). DeepSpeed's own gate would use its top-1 or top-2 function at k = 1 or 2
+    (a top-1 weight of the softmax score, a top-2 loss over the first choice only)."""
     from deepspeed.moe.sharded_moe import TopKGate, topkgating
 
     class MegatronRouter(TopKGate):
+        pre_softmax = False
+
         def forward(
             self, input: torch.Tensor, used_token: Any = None, sparse_routes: bool = False, use_tutel: bool = False
         ) -> Any:
             logits = nn.functional.linear(input.float(), self.wg.weight.float())  # fp32, as DeepSpeed's gate
+            if self.pre_softmax:
+                assert sparse_routes, "DeepSpeed's MoE layer asks for sparse routes"
+                return pre_softmax_gating(logits, self.k, self.ep_group)
             factor = self.capacity_factor if self.training else self.eval_capacity_factor  # unused: nothing dropped
             return topkgating(
                 logits, self.k, factor, self.min_capacity, False, self.ep_group, sparse_routes=sparse_routes
             )
 
     return MegatronRouter
+
+
+def pre_softmax_gating(logits: torch.Tensor, k: int, ep_group: Any) -> tuple[torch.Tensor, ...]:
+    """Megatron-LM's `--moe-router-pre-softmax` routing of fp32 `logits` (S, E) in the sparse form DeepSpeed's
+    `topkgating` returns (its no-dropping branch): (l_aux, capacity, E, expert indices (k, S), slot locations (k, S),
+    weights (k, S), tokens per expert). The weights are the softmax over all experts at the k chosen, not
+    renormalized; the capacity is the most tokens any expert of the expert-parallel group got."""
+    import torch.distributed as dist
+
+    gates = nn.functional.softmax(logits, dim=1)  # (S, E)
+    num_experts = gates.shape[1]
+    top_gate, top_idx = torch.topk(gates, k=k, dim=1)  # (S, k)
+    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, True)
+    exp_counts = mask.sum(dim=0).detach()
+    l_aux = torch.mean(gates.mean(dim=0) * mask.float().mean(dim=0)) * num_experts * num_experts / k
+    capacity = exp_counts.max()
+    if ep_group is not None and dist.get_world_size(group=ep_group) > 1:
+        dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=ep_group)
+    locations = (torch.cumsum(mask, dim=0) - 1).gather(1, top_idx)
+    routes = (top_idx.to(torch.int32), locations.to(torch.int32), top_gate)
+    return (l_aux, capacity, num_experts, *(r.t().contiguous() for r in routes), exp_counts)
 
 
 EXPERT_SEED_STRIDE = 1_000_003

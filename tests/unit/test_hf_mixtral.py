@@ -76,6 +76,10 @@ def test_every_expert_has_the_hubs_tensor_names() -> None:
         ),
         ({"num_experts": (4, 2)}, r"--num-experts 4 2 --expert-interval 1 \(experts per layer \[4, 2\]\)"),
         ({"moe_top_k": 1}, "--topk 1: Mixtral weighs a token's experts by their renormalized scores"),
+        (
+            {"moe_router": "megatron", "moe_router_pre_softmax": True},
+            "--moe-router-pre-softmax: Mixtral renormalizes a token's k weights",
+        ),
         ({"mlp_type": "residual"}, "--mlp-type residual: Mixtral has no residual MLP"),
         ({"add_bias_linear": True}, r"biases \(no --disable-bias-linear\): Mixtral has none"),
         ({"add_qkv_bias": True}, "--add-qkv-bias: of these types only Qwen2"),

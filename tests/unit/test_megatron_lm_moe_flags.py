@@ -60,6 +60,9 @@ def test_megatron_lms_defaults_come_with_its_router_and_megatron_deepspeeds_with
         "deepspeed", 2, 0.01, 1, True,
     )  # fmt: skip
     assert parse("--moe-expert-parallel-size", "2").parallel.expert_parallel_size == 2
+    assert not parse("--moe-router-topk", "2").model.moe_router_pre_softmax
+    pre = parse("--moe-router-pre-softmax").model  # Qwen2-MoE's router: Megatron-LM's, its defaults
+    assert (pre.moe_router, pre.moe_top_k, pre.moe_router_pre_softmax) == ("megatron", 2, True)
 
 
 @pytest.mark.parametrize(
@@ -137,7 +140,9 @@ def test_what_differs_from_megatron_lm_is_printed(capsys: pytest.CaptureFixture)
     assert "NOTICE" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("layers,freq", [(4, []), (5, ["--moe-layer-freq", "([0]+[1])*2+[0]"])])
+@pytest.mark.parametrize(
+    "layers,freq", [(4, []), (5, ["--moe-layer-freq", "([0]+[1])*2+[0]"]), (4, ["--moe-router-pre-softmax"])]
+)
 def test_use_checkpoint_args_takes_the_router_and_its_flags(tmp_path: Path, layers: int, freq: list[str]) -> None:
     base = ["--num-layers", str(layers), *BASE[2:]]
     saved = parse_config([*base, "--moe-router-topk", "3", "--moe-aux-loss-coeff", "0.02", *freq], world_size=1)[0]

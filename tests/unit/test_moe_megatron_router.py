@@ -17,14 +17,14 @@ from megatron_ds.testing.scenario import tiny_config
 MODEL = dataclasses.replace(tiny_config().model, num_experts=(8,), expert_interval=1, moe_router="megatron")
 
 
-def _megatron_core(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _megatron_core(logits: torch.Tensor, k: int, pre_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """megatron-core's routing weights (S, E) and its aux loss at coefficient 1 for `logits` (S, E)."""
     from megatron.core.transformer.moe.moe_utils import (
         switch_load_balancing_loss_func,
         topk_routing_with_score_function,
     )
 
-    probs, routing_map = topk_routing_with_score_function(logits, k)
+    probs, routing_map = topk_routing_with_score_function(logits, k, use_pre_softmax=pre_softmax)
     scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # compute_routing_scores_for_aux_loss's softmax
     aux = switch_load_balancing_loss_func(
         scores, routing_map.sum(dim=0), logits.shape[0], k, logits.shape[1], moe_aux_loss_coeff=1.0
@@ -37,11 +37,15 @@ def _layer(model: ModelConfig, reg: RegularizationConfig | None = None, seed: in
     return build_layer_specs(model, reg, seed)[3].build().train()  # token cast, embeddings, then layer 0
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 8])
-def test_the_gate_routes_and_balances_as_megatron_cores_topk_router(k: int) -> None:
-    """Same logits: the dense routing weights equal megatron-core's probs (softmax over the k largest logits), the
-    load-balancing loss its switch loss, and their gradients with respect to the logits agree."""
-    gate = _layer(dataclasses.replace(MODEL, moe_top_k=k)).moe.deepspeed_moe.gate
+@pytest.mark.parametrize(
+    "k,pre_softmax", [(1, False), (2, False), (3, False), (8, False), (1, True), (2, True), (3, True)]
+)
+def test_the_gate_routes_and_balances_as_megatron_cores_topk_router(k: int, pre_softmax: bool) -> None:
+    """Same logits: the dense routing weights equal megatron-core's probs (softmax over the k largest logits; with
+    --moe-router-pre-softmax the k largest of the softmax over all experts), the load-balancing loss its switch loss,
+    and their gradients with respect to the logits agree."""
+    model = dataclasses.replace(MODEL, moe_top_k=k, moe_router_pre_softmax=pre_softmax)
+    gate = _layer(model).moe.deepspeed_moe.gate
     tokens = torch.randn(48, MODEL.hidden_size, generator=torch.Generator().manual_seed(k))
     logits = torch.nn.functional.linear(tokens, gate.wg.weight).detach().requires_grad_()
     ours_logits = logits.detach().clone().requires_grad_()
@@ -49,7 +53,7 @@ def test_the_gate_routes_and_balances_as_megatron_cores_topk_router(k: int) -> N
     l_aux, _, experts, indices, _, gates, _ = _route(gate, tokens, ours_logits)
     indices, gates = indices.t().long(), gates.t()  # DeepSpeed's routes are (k, S)
     dense = torch.zeros(48, experts).scatter_add(1, indices.clamp(min=0), gates * (indices >= 0))
-    probs, aux = _megatron_core(logits, k)
+    probs, aux = _megatron_core(logits, k, pre_softmax)
     torch.testing.assert_close(dense, probs, atol=1e-6, rtol=0)
     torch.testing.assert_close(l_aux, aux, atol=1e-6, rtol=0)
     weights = torch.randn(48, experts, generator=torch.Generator().manual_seed(99))
@@ -73,16 +77,17 @@ def _route(gate: torch.nn.Module, tokens: torch.Tensor, logits: torch.Tensor):
         torch.nn.functional.linear = original
 
 
-def test_the_layer_adds_each_tokens_k_experts_weighted_by_megatron_cores_probabilities() -> None:
+@pytest.mark.parametrize("pre_softmax", [False, True])
+def test_the_layer_adds_each_tokens_k_experts_weighted_by_megatron_cores_probabilities(pre_softmax: bool) -> None:
     """A whole MoE MLP (DeepSpeed's dispatch, its experts, the combine) equals sum over the k chosen experts of
     probability x expert(token) with megatron-core's probabilities."""
-    model = dataclasses.replace(MODEL, moe_top_k=3)
+    model = dataclasses.replace(MODEL, moe_top_k=3, moe_router_pre_softmax=pre_softmax)
     layer = _layer(model)
     moe = layer.moe
     x = torch.randn(2, model.seq_length, model.hidden_size, generator=torch.Generator().manual_seed(5))
     out, l_aux, _ = moe(x.transpose(0, 1))
     tokens = x.transpose(0, 1).reshape(-1, model.hidden_size)
-    probs, aux = _megatron_core(torch.nn.functional.linear(tokens, moe.deepspeed_moe.gate.wg.weight), 3)
+    probs, aux = _megatron_core(torch.nn.functional.linear(tokens, moe.deepspeed_moe.gate.wg.weight), 3, pre_softmax)
     experts = moe.deepspeed_moe.experts.deepspeed_experts
     expected = sum(probs[:, e : e + 1] * experts[e](tokens) for e in range(8))
     torch.testing.assert_close(out.reshape(-1, model.hidden_size), expected, atol=1e-5, rtol=1e-5)
@@ -113,6 +118,10 @@ def test_the_router_stores_what_it_does_and_takes_any_k_up_to_the_experts() -> N
         dataclasses.replace(MODEL, moe_router="deepspeed", moe_top_k=3)
     with pytest.raises(ConfigError, match="--moe-router"):
         dataclasses.replace(MODEL, moe_router="sinkhorn")
+    with pytest.raises(ConfigError, match="--moe-router-pre-softmax is Megatron-LM's router's; with DeepSpeed's"):
+        dataclasses.replace(MODEL, moe_router="deepspeed", moe_top_k=2, moe_router_pre_softmax=True)
+    dense = dataclasses.replace(MODEL, num_experts=(1,), moe_router_pre_softmax=True)
+    assert not dense.moe_router_pre_softmax  # a dense model stores its routing at the defaults
 
 
 def test_each_expert_is_drawn_on_its_own_by_its_global_index() -> None:

@@ -113,8 +113,10 @@ def test_capacity_is_deepspeeds() -> None:
     [{}, {"moe_top_k": 2}, {"mlp_type": "residual"}, {"activation": "swiglu", "add_bias_linear": False},
      {"moe_min_capacity": 0, "moe_train_capacity_factor": 2.0}, {"moe_min_capacity": 20},
      {"moe_router": "megatron", "moe_top_k": 1}, {"moe_router": "megatron", "moe_top_k": 2},
-     {"moe_router": "megatron", "moe_top_k": 3}],
-    ids=["top1", "top2", "residual", "swiglu", "factor2", "min-capacity", "megatron1", "megatron2", "megatron3"],
+     {"moe_router": "megatron", "moe_top_k": 3},
+     {"moe_router": "megatron", "moe_top_k": 2, "moe_router_pre_softmax": True}],
+    ids=["top1", "top2", "residual", "swiglu", "factor2", "min-capacity", "megatron1", "megatron2", "megatron3",
+         "pre-softmax2"],
 )  # fmt: skip
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_a_moe_layers_saved_activations_are_what_its_autograd_graph_keeps(
