@@ -32,6 +32,11 @@ MOE_ROUTING_FIELDS = (
 at their defaults in a dense model, and free to change on resume (`training.checkpoint.rules.WEIGHT_FREE_FIELDS`)."""
 
 
+SHARED_EXPERT_FIELDS = ("moe_shared_expert_size", "moe_shared_expert_gate")
+"""The shared expert beside a MoE layer's routed ones (Megatron-LM's `--moe-shared-expert-*`): architecture, stored at
+their defaults in a dense model."""
+
+
 def experts_per_layer(num_experts: tuple[int, ...], num_layers: int, expert_interval: int) -> tuple[int, ...]:
     """Experts of each transformer layer, as Megatron-DeepSpeed's `get_num_experts_per_layer`: layer i (from 1) has
     experts when i is a multiple of `expert_interval`, the k-th such layer `num_experts[k - 1]` (one value: every
@@ -75,13 +80,14 @@ def check_experts(model: Any) -> None:
             "--moe-router-pre-softmax is Megatron-LM's router's; with DeepSpeed's gates (--topk) drop it, or route with "
             "Megatron-LM's router (--moe-router-topk)",
         )
+    _check_shared_expert(model)
     positive("--moe-train-capacity-factor", model.moe_train_capacity_factor)
     positive("--moe-eval-capacity-factor", model.moe_eval_capacity_factor)
     at_least("--moe-min-capacity", model.moe_min_capacity, 0)
     at_least("--moe-loss-coeff", model.moe_loss_coeff, 0.0)
     if not model.is_moe:  # one spelling of a dense model (as the rotary fields above)
         defaults = {f.name: f.default for f in dataclasses.fields(model)}
-        for name in ("num_experts", "expert_interval", "mlp_type", *MOE_ROUTING_FIELDS):
+        for name in ("num_experts", "expert_interval", "mlp_type", *SHARED_EXPERT_FIELDS, *MOE_ROUTING_FIELDS):
             object.__setattr__(model, name, defaults[name])
         return
     few = min(n for n in model.experts_per_layer if n > 1)
@@ -90,4 +96,31 @@ def check_experts(model: Any) -> None:
         model.moe_top_k <= few,
         f"{flag} {model.moe_top_k} sends each token to {model.moe_top_k} experts, but a layer has {few}; "
         f"use a smaller {flag} or more experts",
+    )
+
+
+def _check_shared_expert(model: Any) -> None:
+    """Megatron-LM's shared expert: with its router only (DeepSpeed's gates never had one), not beside PR-MoE's
+    residual MLP, and its gate only with it."""
+    size = model.moe_shared_expert_size
+    at_least("--moe-shared-expert-intermediate-size", size, 0)
+    check(
+        size == 0 or model.moe_router == "megatron",
+        f"--moe-shared-expert-intermediate-size {size} is Megatron-LM's router's; with DeepSpeed's gates (--topk) drop "
+        "it, or route with Megatron-LM's router (--moe-router-topk)",
+    )
+    check(
+        size == 0 or model.mlp_type == "standard",
+        f"--moe-shared-expert-intermediate-size {size} with --mlp-type residual: PR-MoE's residual MLP is already a "
+        "dense MLP beside the experts; keep one",
+    )
+    check(
+        size == 0 or not model.add_bias_linear,
+        f"--moe-shared-expert-intermediate-size {size} with biases: megatron-core's shared expert has none; add "
+        "--disable-bias-linear",
+    )
+    check(
+        not model.moe_shared_expert_gate or size > 0,
+        "--moe-shared-expert-gate gates the shared expert, and there is none; add "
+        "--moe-shared-expert-intermediate-size N, or drop it",
     )

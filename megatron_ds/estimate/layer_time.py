@@ -224,7 +224,7 @@ def _moe_mlp(
     one forward besides the activation, the seconds of one all-to-all, the activation's rows E x C). The gate is an
     fp32 linear over the tokens; each of the E / EP local experts runs its MLP over its EP x C slots; the dispatch
     gathers E C h elements into the slots, the combine gathers k S h and sums them weighted in fp32; PR-MoE's
-    residual MLP and coefficient run over the tokens. `a2a`: (EP, the group within a node)."""
+    residual MLP and coefficient, and Megatron-LM's shared expert (and its gate), run over the tokens. `a2a`: (EP, the group within a node)."""
     n, h, ep = sh.tokens, sh.hidden, a2a[0]
     k, local = model.moe_top_k, num_experts // ep
     rows = num_experts * moe_costs.capacity(model, n, num_experts)
@@ -232,11 +232,20 @@ def _moe_mlp(
     parts = [_linear(kernels, n, h, num_experts, moe_costs.FP32)] + [x for x in expert for _ in range(local)]
     if model.mlp_type == "residual":
         parts += [_linear(kernels, n, h, sh.fc1, w), _linear(kernels, n, sh.ffn, h, w), _linear(kernels, n, h, 2, w)]
+    shared = model.moe_shared_expert_size
+    if shared:
+        parts += [
+            _linear(kernels, n, h, 2 * shared if model.gated_mlp else shared, w),
+            _linear(kernels, n, shared, h, w),
+        ]
+    if model.moe_shared_expert_gate:
+        parts.append(_linear(kernels, n, h, 1, w))
     total = LinearTimes(*(sum(getattr(x, a) for x in parts) for a in ("forward", "input_grad", "weight_grad")))
     gate_copy = n * h * (w + moe_costs.FP32)  # the tokens' fp32 copy for the gate
     dispatch = 2 * rows * h * w
     combine = k * n * h * w + n * h * (2 * moe_costs.FP32 + w)  # gathered outputs; weighted fp32 sum, cast back
     mixing = 3 * n * h * w if model.mlp_type == "residual" else 0
+    mixing += 3 * n * h * w * ((1 if shared else 0) + (1 if model.moe_shared_expert_gate else 0))  # add; gate scale
     one = links.all_to_all(moe_costs.all_to_all_bytes(model, sh.batch, num_experts, w), ep, a2a[1])
     return total, gate_copy + dispatch + combine + mixing, one, rows
 

@@ -13,7 +13,9 @@ is gone), the first all-to-all over the E-rank expert-parallel group exchanges i
 experts runs our MLP on its EP x C slots (all E x C slots are computed, empty ones too), the second all-to-all
 brings the outputs back and `_sparse_decode` gathers each token's k results and sums them weighted by the fp32
 gate values. Backward runs the two all-to-alls again. PR-MoE (`--mlp-type residual`) adds a dense MLP and a
-two-way softmax coefficient on the same tokens, and mixes the two outputs.
+two-way softmax coefficient on the same tokens, and mixes the two outputs. Megatron-LM's shared expert
+(`--moe-shared-expert-intermediate-size` N, `moe.SharedExpert`) runs a dense MLP of width N over every token (and
+with `--moe-shared-expert-gate` an h -> 1 linear and a sigmoid scaling it) and adds its output to the experts'.
 
 Saved for backward (equal to the bytes the autograd graph of the layer's output and load-balancing loss keeps
 on CPU, tests/unit/test_plan_moe.py), w the compute
@@ -34,6 +36,8 @@ dtype's bytes, f the FFN size, `saved_features` the activation's saved inputs pe
   PR-MoE                               2 S h w (the residual fc1's and the coefficient's contiguous copies of
                                        the (s, b, h) input), saved_features S f w, S f w, 2 S w (the
                                        coefficient softmax), 2 S h w (both mixed outputs)
+  shared expert (N its width)          S h w (its fc1's input, the norm's output), saved_features S N w, S N w;
+                                       gated: S w (the sigmoid's output) and S h w (the output it scales)
 These replace the dense MLP's fc1 input, activation inputs and fc2 input; the norms, attention and residual
 dropout of the layer are the dense layer's.
 """
@@ -78,6 +82,11 @@ def mlp_terms(model: ModelConfig, micro_batch_size: int, num_experts: int, w: in
     if model.mlp_type == "residual":
         terms["residual MLP"] = 2 * s_tok * h * w + saved * s_tok * f * w + s_tok * f * w
         terms["residual mixing"] = 2 * s_tok * w + 2 * s_tok * h * w
+    n = model.moe_shared_expert_size
+    if n:
+        terms["shared expert"] = s_tok * h * w + saved * s_tok * n * w + s_tok * n * w
+    if model.moe_shared_expert_gate:
+        terms["shared expert gate"] = s_tok * w + s_tok * h * w
     return terms
 
 
@@ -104,6 +113,21 @@ def mlp_flops(model: ModelConfig, micro_batch_size: int, num_experts: int, activ
         out.update(
             {"residual fc1": 2 * s_tok * h * fc1, "residual fc2": 2 * s_tok * f * h, "coefficient": 4 * s_tok * h}
         )
+    return {**out, **shared_expert_flops(model, s_tok)}
+
+
+def shared_expert_flops(model: ModelConfig, tokens: int) -> dict[str, int]:
+    """Forward matmul FLOPs of the shared expert (`moe_shared_expert_size` N) over `tokens` tokens: fc1 h -> N (2 N
+    gated), fc2 N -> h, and its gate h -> 1; none without it."""
+    n, h = model.moe_shared_expert_size, model.hidden_size
+    if not n:
+        return {}
+    out = {
+        "shared expert fc1": 2 * tokens * h * (2 * n if model.gated_mlp else n),
+        "shared expert fc2": 2 * tokens * n * h,
+    }
+    if model.moe_shared_expert_gate:
+        out["shared expert gate"] = 2 * tokens * h
     return out
 
 
@@ -120,7 +144,7 @@ def forward_working_set(model: ModelConfig, micro_batch_size: int, num_experts: 
     experts' pass (`MOELayer.forward` keeps the exchanged (E, C, h) buffer; `Experts.forward` runs each of the E / EP
     local experts on its EP x C slots, keeping the outputs so far, then concatenates them: 3 E C h w at the end, or
     the buffer, the earlier outputs and one expert's fc1 output and activation); PR-MoE's residual MLP beside the
-    experts' output."""
+    experts' output; the shared expert after them (their output, the norm's output, its fc1 output and activation)."""
     s_tok = micro_batch_size * model.seq_length
     h, e = model.hidden_size, num_experts
     slots, local = e * capacity(model, s_tok, e), e // ep
@@ -132,4 +156,7 @@ def forward_working_set(model: ModelConfig, micro_batch_size: int, num_experts: 
     ]
     if model.mlp_type == "residual":
         options.append(s_tok * h * w + s_tok * (model.fc1_rows + model.ffn_hidden_size) * w)
+    n = model.moe_shared_expert_size
+    if n:  # after the experts: their output, the norm's output and the shared expert's fc1 output and activation
+        options.append(2 * s_tok * h * w + s_tok * ((2 * n if model.gated_mlp else n) + n) * w)
     return 2 * s_tok * h * w + max(options)

@@ -2,9 +2,10 @@
 router they choose.
 
 Megatron-LM routes with its top-k router: softmax over the k largest logits (with `--moe-router-pre-softmax` the k
-largest of the softmax over all experts, not renormalized), every token routed (no capacity
-unless `--moe-expert-capacity-factor`), the load-balancing loss E / k x sum_e(mean probability_e x routed share_e)
-(`ModelConfig.moe_router` "megatron", `model.moe.megatron_router`). Megatron-DeepSpeed's `--topk` gates are
+largest of the softmax over all experts, not renormalized), every token routed (no capacity unless
+`--moe-expert-capacity-factor`), the load-balancing loss E / k x sum_e(mean probability_e x routed share_e)
+(`ModelConfig.moe_router` "megatron", `model.moe.megatron_router`); `--moe-shared-expert-intermediate-size` adds a
+shared expert beside the routed ones (`model.moe.SharedExpert`). Megatron-DeepSpeed's `--topk` gates are
 DeepSpeed's top-1 and top-2 functions, which weigh and balance otherwise. So any accepted flag of this table selects
 Megatron-LM's router and its defaults (top-2, coefficient 0, experts on every layer), and is refused beside the
 flags of DeepSpeed's gates (`_DEEPSPEED_GATE`): one launch line routes one way. Each flag means what it means in
@@ -153,6 +154,32 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
         derived=True,
         default=None,
     ),
+    accepted(
+        "--moe-shared-expert-intermediate-size",
+        _MOE,
+        f"{MEGATRON_LM}: a shared expert beside the routed ones on every MoE layer (megatron-core's SharedExpertMLP: "
+        "a dense MLP of this FFN width, the experts' activation, no biases), its output added to theirs for every "
+        "token (Qwen2-MoE's, DeepSeek's); > 0",
+        fields=("model.moe_shared_expert_size",),
+        type=int,
+        derived=True,
+        default=None,
+    ),
+    switch(
+        "--moe-shared-expert-gate",
+        _MOE,
+        f"{MEGATRON_LM}: the shared expert's output times sigmoid(a bias-free linear hidden -> 1 of the layer's input) "
+        "(Qwen2-MoE's shared_expert_gate); needs --moe-shared-expert-intermediate-size",
+        "model.moe_shared_expert_gate",
+        derived=True,
+        default=None,
+    ),
+    no_op(
+        "--moe-shared-expert-overlap",
+        _MOE,
+        f"{MEGATRON_LM}: runs the shared expert on a side CUDA stream, overlapped with the token dispatcher; the same "
+        "outputs",
+    ),
     no_op("--moe-grouped-gemm", _MOE, f"{MEGATRON_LM}: one grouped GEMM for the local experts; {_SAME}"),
     no_op("--moe-use-legacy-grouped-gemm", _MOE, f"{MEGATRON_LM}: the older grouped GEMM; {_SAME}"),
     _value_no_op(
@@ -187,11 +214,6 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
     _refused("--moe-router-topk-scaling-factor", "scaled routing weights are not built", takes=VALUE),
     _refused("--moe-z-loss-coeff", "the router's z-loss is not built", takes=VALUE),
     _refused("--moe-input-jitter-eps", "the router's input jitter is not built", takes=VALUE),
-    _refused(
-        "--moe-shared-expert-intermediate-size", "shared experts (Qwen2-MoE's, DeepSeek's) are not built", takes=VALUE
-    ),
-    _refused("--moe-shared-expert-overlap", "shared experts are not built"),
-    _refused("--moe-shared-expert-gate", "shared experts are not built"),
     _refused("--moe-router-enable-expert-bias", "the auxiliary-loss-free expert bias (DeepSeek-V3's) is not built"),
     _refused("--moe-router-num-groups", "group-limited routing is not built", takes=VALUE),
     _refused("--moe-router-group-topk", "group-limited routing is not built", takes=VALUE),
@@ -252,6 +274,8 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
         "moe_router": "megatron",
         "moe_top_k": _DEFAULT_TOP_K if args.moe_router_topk is None else args.moe_router_topk,
         "moe_router_pre_softmax": bool(args.moe_router_pre_softmax),
+        "moe_shared_expert_size": args.moe_shared_expert_intermediate_size or 0,
+        "moe_shared_expert_gate": bool(args.moe_shared_expert_gate),
         "expert_interval": expert_interval(args.moe_layer_freq, args.num_layers),
         "moe_loss_coeff": 0.0 if kind == "none" else coeff,
     }
@@ -311,6 +335,9 @@ def _check_values(args: argparse.Namespace) -> None:
     coeff = _one("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, _DEFAULT_COEFF)
     if coeff < 0:
         raise ConfigError(f"--moe-aux-loss-coeff {coeff:g} must be >= 0")
+    size = args.moe_shared_expert_intermediate_size
+    if size is not None and size <= 0:
+        raise ConfigError(f"--moe-shared-expert-intermediate-size {size} must be > 0 (the shared expert's FFN width)")
     if args.expert_tensor_parallel_size not in (None, 1):
         raise ConfigError(
             f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} is not supported: experts are not split "
@@ -334,6 +361,8 @@ def checkpoint_dests(model: Any) -> tuple[set[str], dict[str, Any]]:
     return {f.attr for f in _DEEPSPEED_GATE}, {
         "moe_router_topk": model.moe_top_k,
         "moe_router_pre_softmax": True if model.moe_router_pre_softmax else None,
+        "moe_shared_expert_intermediate_size": model.moe_shared_expert_size or None,
+        "moe_shared_expert_gate": True if model.moe_shared_expert_gate else None,
         "moe_aux_loss_coeff": model.moe_loss_coeff,
         "moe_layer_freq": freq,
     }

@@ -181,6 +181,13 @@ def _expert_requires(title: str) -> tuple[Requirement, ...]:
             lambda m: not m.moe_router_pre_softmax,
             f"--moe-router-pre-softmax: {title} renormalizes a token's k weights over the k chosen (train without it)",
         ),
+        Requirement(
+            lambda m: not m.moe_shared_expert_size,
+            lambda m: (
+                f"--moe-shared-expert-intermediate-size {m.moe_shared_expert_size}: {title} has no shared expert "
+                "(Qwen2-MoE's and DeepSeek's have; their export is not built)"
+            ),
+        ),
         Requirement(lambda m: m.mlp_type == "standard", f"--mlp-type residual: {title} has no residual MLP (PR-MoE)"),
         Requirement(lambda m: not m.add_bias_linear, f"biases (no --disable-bias-linear): {title} has none"),
         Requirement(

@@ -40,6 +40,8 @@ from megatron_ds.model.init import draw_normal, init_generator
 EXPERT_PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts."
 """Where a transformer layer's local experts sit among its parameter names (`moe.` is the layer's attribute)."""
 GATE_WEIGHT = "moe.deepspeed_moe.gate.wg.weight"
+SHARED_EXPERT_PREFIX = "shared_expert."
+"""Where a transformer layer's shared expert (`SharedExpert`) sits among its parameter names, after the MoE layer's."""
 
 
 class ExpertMLP(nn.Module):
@@ -61,6 +63,58 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.activation(self.fc1(x)))
+
+
+class SharedExpert(nn.Module):
+    """megatron-core's `SharedExpertMLP` (Megatron-LM's `--moe-shared-expert-intermediate-size`): fc2(act(fc1(x))) of
+    its own FFN width, no biases, for every token; with `--moe-shared-expert-gate` times sigmoid(gate(x)), a bias-free
+    linear h -> 1 (megatron-core's `gate_weight`, Qwen2-MoE's `shared_expert_gate`). (.., h) in and out; added to the routed experts' output."""
+
+    def __init__(
+        self,
+        fc1: torch.Tensor,
+        fc2: torch.Tensor,
+        gate_weight: torch.Tensor | None,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(fc1.shape[1], fc1.shape[0], bias=False)
+        self.fc2 = nn.Linear(fc2.shape[1], fc2.shape[0], bias=False)
+        with torch.no_grad():
+            self.fc1.weight.copy_(fc1)
+            self.fc2.weight.copy_(fc2)
+        self.gate: nn.Linear | None = None
+        if gate_weight is not None:  # registered after fc1 and fc2: megatron-core's parameter order
+            self.gate = nn.Linear(gate_weight.shape[1], 1, bias=False)
+            with torch.no_grad():
+                self.gate.weight.copy_(gate_weight)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(self.activation(self.fc1(x)))
+        if self.gate is None:
+            return out
+        return out * torch.sigmoid(self.gate(x))  # (.., 1): one weight per token
+
+
+def build_shared_expert(
+    model: ModelConfig,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    generator: torch.Generator,
+    std: float,
+    out_std: float,
+) -> SharedExpert | None:
+    """The shared expert of a layer with experts (None without `moe_shared_expert_size`), drawn from `generator` after
+    the MoE layer's gate as megatron-core draws `SharedExpertMLP`: fc1 N(0, `std`), fc2 N(0, `out_std`) (the dense
+    MLP's rules, `transformer.linear_stds`), the gate weight N(0, `std`) (its `init_method`)."""
+    size = model.moe_shared_expert_size
+    if not size:
+        return None
+    h = model.hidden_size
+    fc1 = draw_normal((2 * size if model.gated_mlp else size, h), std, generator)
+    fc2 = draw_normal((h, size), out_std, generator)
+    gate = draw_normal((1, h), std, generator) if model.moe_shared_expert_gate else None
+    return SharedExpert(fc1, fc2, gate, activation)
 
 
 def build(
@@ -235,7 +289,7 @@ def local_expert_ids(layer: nn.Module) -> range:
 def layer_tensor_rules(model: ModelConfig, num_experts: int) -> dict[str, sharding.TensorRule]:
     """Every tensor of a transformer layer with `num_experts` experts, whole (T = 1), under the names the one-process
     model gives them within the layer: the dense layer's attention and norms, then the MoE layer's gate, each expert's
-    fc1 and fc2 (and their biases), and PR-MoE's residual MLP and coefficient, in
+    fc1 and fc2 (and their biases), PR-MoE's residual MLP and coefficient, and the shared expert's fc1, fc2 and gate, in
     `named_parameters()` order (checked against the built layer in tests/unit/test_moe_universal.py)."""
     dense = sharding.spec_tensors(model, naming.TRANSFORMER_LAYER)
     mlp = {k: r for k, r in dense.items() if k.split(".")[0] in ("fc1", "fc2")}
@@ -247,6 +301,12 @@ def layer_tensor_rules(model: ModelConfig, num_experts: int) -> dict[str, shardi
         out.update({f"moe.mlp.{k}": r for k, r in mlp.items()})
         out["moe.coefficient.weight"] = sharding.TensorRule((2, model.hidden_size))
         out["moe.coefficient.bias"] = sharding.TensorRule((2,))
+    size, h = model.moe_shared_expert_size, model.hidden_size
+    if size:
+        out[f"{SHARED_EXPERT_PREFIX}fc1.weight"] = sharding.TensorRule((2 * size if model.gated_mlp else size, h))
+        out[f"{SHARED_EXPERT_PREFIX}fc2.weight"] = sharding.TensorRule((h, size))
+    if model.moe_shared_expert_gate:
+        out[f"{SHARED_EXPERT_PREFIX}gate.weight"] = sharding.TensorRule((1, h))
     return out
 
 

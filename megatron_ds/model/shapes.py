@@ -91,7 +91,8 @@ def layer_params(model: ModelConfig, tensor_parallel_size: int = 1) -> LayerPara
 def moe_layer_params(model: ModelConfig, num_experts: int, expert_parallel_size: int = 1) -> LayerParams:
     """A transformer layer with experts on one rank (T = 1; `megatron_ds.model.moe`): attention and norms as a dense
     layer's, then the gate (h x experts, no bias), this rank's experts (experts / E copies of the MLP, biases as the
-    dense MLP's) and with `mlp_type` residual the dense MLP beside them and its coefficient (h -> 2, with bias)."""
+    dense MLP's) and with `mlp_type` residual the dense MLP beside them and its coefficient (h -> 2, with bias), or
+    Megatron-LM's shared expert (fc1, fc2 and its gate h -> 1, replicated on every rank like the attention)."""
     dense, linears = layer_params(model), layer_linear_shapes(model)
     (fc1_rows, h), (_, ffn) = linears["fc1"], linears["fc2"]
     fc1_bias = fc1_rows if model.has_bias("fc1") else 0
@@ -106,6 +107,10 @@ def moe_layer_params(model: ModelConfig, num_experts: int, expert_parallel_size:
     if model.mlp_type == "residual":
         modules += [("residual_mlp", expert), ("coefficient", 2 * h + 2)]
         no_decay += fc1_bias + fc2_bias + 2
+    shared = model.moe_shared_expert_size  # no biases (Megatron-LM's router refuses them)
+    if shared:
+        gate = h if model.moe_shared_expert_gate else 0
+        modules.append(("shared_expert", (2 * shared if model.gated_mlp else shared) * h + shared * h + gate))
     return LayerParams(modules=tuple(modules), no_decay=no_decay)
 
 

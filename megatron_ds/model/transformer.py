@@ -135,13 +135,16 @@ class TransformerLayer(nn.Module):
         """DeepSpeed's MoE layer in place of fc1 and fc2 when the layer has experts (`megatron_ds.model.moe`)."""
         self.l_aux: torch.Tensor | None = None
         """The MoE layer's load-balancing loss of the last forward (None without experts)."""
+        self.shared_expert: nn.Module | None = None
+        """Megatron-LM's shared expert beside the routed ones (`moe.SharedExpert`), its output added to theirs."""
         self.expert_init: tuple[int, float, float] | None = None
         """Megatron-LM's router: (seed, std, output std) its experts are drawn apart with (`moe.draw_experts_apart`)."""
         if num_experts > 1:  # Megatron-DeepSpeed 4efb479: DeepSpeed's MoE around copies of the MLP
             expert = moe.ExpertMLP(fc1, fc2, bias("fc1"), self.activation)
             self.moe = moe.build(model, num_experts, expert_parallel_size, expert, gen, regularization.init_method_std)
+            stds = linear_stds(model, regularization.init_method_std)
+            self.shared_expert = moe.build_shared_expert(model, self.activation, gen, stds["fc1"], stds["fc2"])
             if model.moe_router == "megatron":
-                stds = linear_stds(model, regularization.init_method_std)
                 self.expert_init = (init_seed, stds["fc1"], stds["fc2"])
             return
         ffn = model.ffn_hidden_size
@@ -173,8 +176,9 @@ class TransformerLayer(nn.Module):
         """The MLP branch fc2(act(fc1(norm(x)))), or the MoE layer's output on norm(x) (its load-balancing loss kept
         in `l_aux`), without residual or dropout (the dense one also used by inference)."""
         if self.moe is not None:
-            out, self.l_aux = moe.run(self.moe, self.post_attention_norm(x))
-            return out
+            normed = self.post_attention_norm(x)
+            out, self.l_aux = moe.run(self.moe, normed)
+            return out if self.shared_expert is None else out + self.shared_expert(normed)
         return self.fc2(self.activation(self.fc1(self.post_attention_norm(x))))
 
     def attention_heads(

@@ -64,6 +64,8 @@ def test_experts_with_query_and_key_norms_are_qwen3_moe_and_its_config_says_so()
         ({"moe_router": "deepspeed", "moe_top_k": 1}, "--topk 1: Qwen3-MoE weighs a token's experts by their "
          "renormalized scores"),
         ({"rotary_percent": 0.5}, "--rotary-percent 0.5: Qwen3-MoE rotates whole heads"),
+        ({"moe_shared_expert_size": 16}, "--moe-shared-expert-intermediate-size 16: Qwen3-MoE has no shared expert"),
+        ({"moe_router_pre_softmax": True}, "--moe-router-pre-softmax: Qwen3-MoE renormalizes a token's k weights"),
     ],
 )  # fmt: skip
 def test_what_qwen3_moe_cannot_express_is_one_line(change: dict, problem: str) -> None:

@@ -44,9 +44,11 @@ def test_experts_go_on_every_interval_th_layer_as_megatron_deepspeed_puts_them()
         {"activation": "swiglu", "add_bias_linear": False},
         {"num_experts": (2, 4)},
         {"qk_layernorm": True},
+        {"activation": "swiglu", "add_bias_linear": False, "moe_router": "megatron", "moe_top_k": 2,
+         "moe_shared_expert_size": 24, "moe_shared_expert_gate": True},
     ],
-    ids=["standard", "residual", "swiglu-no-bias", "list", "qk-layernorm"],
-)
+    ids=["standard", "residual", "swiglu-no-bias", "list", "qk-layernorm", "shared-expert"],
+)  # fmt: skip
 def test_parameter_counts_per_rank_are_the_built_models(ep: int, variant: dict) -> None:
     model = dataclasses.replace(MODEL, **variant)
     reg = RegularizationConfig()

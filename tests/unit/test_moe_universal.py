@@ -29,9 +29,11 @@ MOE = {"model__num_experts": (4,)}
         {"model__mlp_type": "residual"},
         {"model__activation": "swiglu", "model__add_bias_linear": False},
         {"model__num_experts": (2, 4)},
+        {"model__activation": "swiglu", "model__add_bias_linear": False, "model__moe_router": "megatron",
+         "model__moe_shared_expert_size": 24, "model__moe_shared_expert_gate": True},
     ],
-    ids=["standard", "residual", "swiglu-no-bias", "list"],
-)
+    ids=["standard", "residual", "swiglu-no-bias", "list", "shared-gated"],
+)  # fmt: skip
 def test_the_tensor_names_and_shapes_are_the_one_process_models(variant: dict) -> None:
     """Every parameter of the model built at E = 1 (every expert local: its global name), by `module_name`, with its
     shape and optimizer group; nothing more, nothing less."""

@@ -114,9 +114,12 @@ def test_capacity_is_deepspeeds() -> None:
      {"moe_min_capacity": 0, "moe_train_capacity_factor": 2.0}, {"moe_min_capacity": 20},
      {"moe_router": "megatron", "moe_top_k": 1}, {"moe_router": "megatron", "moe_top_k": 2},
      {"moe_router": "megatron", "moe_top_k": 3},
-     {"moe_router": "megatron", "moe_top_k": 2, "moe_router_pre_softmax": True}],
+     {"moe_router": "megatron", "moe_top_k": 2, "moe_router_pre_softmax": True},
+     {"moe_router": "megatron", "moe_top_k": 2, "activation": "swiglu", "add_bias_linear": False,
+      "moe_shared_expert_size": 24, "moe_shared_expert_gate": True},
+     {"moe_router": "megatron", "moe_top_k": 2, "add_bias_linear": False, "moe_shared_expert_size": 40}],
     ids=["top1", "top2", "residual", "swiglu", "factor2", "min-capacity", "megatron1", "megatron2", "megatron3",
-         "pre-softmax2"],
+         "pre-softmax2", "shared-gated-swiglu", "shared-gelu"],
 )  # fmt: skip
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_a_moe_layers_saved_activations_are_what_its_autograd_graph_keeps(
@@ -182,6 +185,20 @@ def test_the_experts_compute_every_capacity_slot() -> None:
     assert runs["expert fc1"] == 2 * (4 * 24) * h * f == 2 * runs["expert fc2"] // 2  # E x C = 4 x 24 = 2 x tokens
     assert moe_costs.mlp_flops(m, b, 4, active=True)["expert fc1"] == 2 * s_tok * h * f
     assert runs["gate"] == 2 * s_tok * h * 4
+
+
+def test_the_shared_expert_runs_over_every_token_in_both_counts() -> None:
+    """Megatron-LM's shared expert (SwiGLU, width 24, gated): fc1 h -> 2 x 24, fc2 24 -> h and the gate h -> 1 over
+    every token, in what runs and in the model FLOPs alike."""
+    m = dataclasses.replace(TINY_MOE, moe_router="megatron", moe_top_k=2, activation="swiglu", add_bias_linear=False,
+                            moe_shared_expert_size=24, moe_shared_expert_gate=True)  # fmt: skip
+    s_tok, h = 3 * m.seq_length, m.hidden_size
+    shared = {"shared expert fc1": 2 * s_tok * h * 48, "shared expert fc2": 2 * s_tok * 24 * h,
+              "shared expert gate": 2 * s_tok * h}  # fmt: skip
+    for active in (False, True):
+        flops = moe_costs.mlp_flops(m, 3, 4, active=active)
+        assert {k: v for k, v in flops.items() if k.startswith("shared")} == shared
+    assert not [k for k in moe_costs.mlp_flops(TINY_MOE, 3, 4) if k.startswith("shared")]
 
 
 def test_each_pass_of_a_moe_layer_runs_two_all_to_alls_over_the_expert_parallel_group() -> None:
