@@ -9,8 +9,9 @@ the same global batch; saved and resumed at EP=2 the run goes on as the one-proc
 DeepSpeed's expert-gradient scaling (an
 expert's gradient is summed over its expert-data-parallel group and divided by the whole data-parallel size: equal to
 the one-process gradient) and the counted norm (experts' squares summed over the expert-parallel group).
-Top-1, top-2, PR-MoE's residual MLP with `--create-moe-param-group`, a per-layer expert list, and Megatron-LM's
-top-k router at k = 3 (`--moe-router-topk 3`). PR-MoE at EP=2 also
+Top-1, top-2, PR-MoE's residual MLP with `--create-moe-param-group`, a per-layer expert list, Megatron-LM's
+top-k router at k = 3 (`--moe-router-topk 3`), and at k = 2 with pre-softmax weights and a gated shared expert
+(Qwen2-MoE's layer). PR-MoE at EP=2 also
 under ZeRO-2 and with `--checkpoint-activations` (equal to the plain run within 1e-6), in bf16 (ZeRO-2 near the
 one-process bf16 run; ZeRO 0 clipping by the norm that counts the experts), with exact resumes under ZeRO-2 and bf16;
 each rank's `moe loss`, and `--log-num-zeros-in-grad`'s count (the one-process run's on every rank). The checkpoints
@@ -39,6 +40,15 @@ VARIANTS = {
         "model__num_experts": [2, 4],
     },
     "router3": {"model__moe_router": "megatron", "model__moe_top_k": 3, "model__moe_loss_coeff": 0.01},
+    "shared": {  # Qwen2-MoE's layer: a gated shared expert beside the experts, weights not renormalized
+        "model__moe_router": "megatron",
+        "model__moe_top_k": 2,
+        "model__moe_loss_coeff": 0.01,
+        "model__add_bias_linear": False,
+        "model__moe_router_pre_softmax": True,
+        "model__moe_shared_expert_size": 24,
+        "model__moe_shared_expert_gate": True,
+    },
 }
 
 
@@ -266,6 +276,7 @@ def test_the_experts_train_apart(runs: dict) -> None:
 # --- one-process generation from these checkpoints (`megatron_ds.inference`) ---------------------------------------
 GENERATED = {"top1_one": "ck_top1_one", "top2_one": "ck_top2_one", "residual_one": "ck_residual_one", "top1_ep2": "ck"}
 GENERATED["router3_one"] = "ck_router3_one"
+GENERATED["shared_one"] = "ck_shared_one"
 """The runs that saved a checkpoint and recorded their eval logits of TOKENS, and the checkpoint's directory."""
 
 
@@ -302,7 +313,7 @@ def test_a_checkpoint_loads_for_generation_as_the_training_model_computes(runs: 
         torch.testing.assert_close(logits, torch.tensor(rank["eval_logits"]), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["top1_one", "top2_one", "router3_one"])
+@pytest.mark.parametrize("name", ["top1_one", "top2_one", "router3_one", "shared_one"])
 def test_generation_with_a_kv_cache_equals_generation_without(tmp: Path, name: str) -> None:
     """The cached forward (a prefill, then one token at a time: a MoE layer routing one token) equals the whole
     sequence's, and greedy generation is the same with and without the cache."""

@@ -11,8 +11,8 @@ engine, as Megatron-DeepSpeed's --no-pipeline-parallel), within 1e-6: the lm los
 within 2e-6 (`WEIGHT_TOL`; experts by their global index, the gates included: without the aggregated loss in the loss
 they train otherwise):
 
-  * P = 2: top-1, top-2, PR-MoE (`--mlp-type residual`, 2 and 4 experts, one dense layer between) and Megatron-LM's
-    top-k router at k = 3 under ZeRO 0, PR-MoE under ZeRO-1 with `--create-moe-param-group` (every stage gets the same expert optimizer groups);
+  * P = 2: top-1, top-2, PR-MoE (`--mlp-type residual`, 2 and 4 experts, one dense layer between), Megatron-LM's
+    top-k router at k = 3 and at k = 2 with pre-softmax weights and a gated shared expert under ZeRO 0, PR-MoE under ZeRO-1 with `--create-moe-param-group` (every stage gets the same expert optimizer groups);
   * P = 3 with dedicated embedding stages (`E|t*4|L`: the first stage holds no expert, the last none either), PR-MoE;
   * P = 2 x D = 2 at `--moe-expert-parallel-size 2` (DeepSpeed's expert groups made on every rank from our topology),
     top-1 under ZeRO 0 and PR-MoE under ZeRO-1;
@@ -40,7 +40,7 @@ WEIGHT_TOL = 2e-6
 """The weights after 3 steps: a stage sums its input's gradient in another order than one process does, and three
 Adam updates (eps 1e-6) carry that last-bit difference into the weights: 1.4e-6 on PR-MoE's position embedding at P = 2
 (of weights up to 0.08), below 1e-6 everywhere else, while the losses stay within 1e-6."""
-VARIANTS = {  # the plain engine's (top-1, top-2, PR-MoE), and PR-MoE under ZeRO-1
+VARIANTS = {  # the plain engine's (top-1, top-2, PR-MoE, Megatron-LM's router, its shared expert), PR-MoE under ZeRO-1
     **EP_VARIANTS,
     "residual_zero1": {
         "model__mlp_type": "residual",
@@ -71,7 +71,7 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp: Path) -> dict[str, list[dict]]:
     bf16 = {"training__precision": "bf16"}
-    one = {v: sc(v) for v in EP_VARIANTS}  # top-1, top-2, PR-MoE, Megatron-LM's router at k = 3
+    one = {v: sc(v) for v in EP_VARIANTS}  # top-1, top-2, PR-MoE, Megatron-LM's router at k = 3, a shared expert
     one["residual_long"] = sc("residual", steps=5)
     one["residual_bf16"] = sc("residual", overrides=bf16)
     one["from_p2"] = {**sc("residual_zero1"), "load": str(tmp / "ck_p2_zero1")}  # through its universal form

@@ -8,7 +8,8 @@ global index, its fp32 masters and Adam's moments), the 3 resumed steps equal st
 1e-6 (losses, clipped gradient norms), and so does every final weight by its global name: top-1 at ZeRO 0 -> ZeRO 0,
 PR-MoE (experts in optimizer groups of their own) at ZeRO-2 -> ZeRO 0 (against the 6-step ZeRO-2 run: its first 3
 steps' sums, rounded in ZeRO-2's order, put the ZeRO-0 run's sixth norm 1.2e-6 away) and ZeRO 0 -> ZeRO-2, and top-1
-at ZeRO 0 into one process (E = 1, DP = 1: 4 micro-batches there, 2 per rank here); PR-MoE into two pipeline stages
+at ZeRO 0 into one process (E = 1, DP = 1: 4 micro-batches there, 2 per rank here), Megatron-LM's router with a
+gated shared expert at ZeRO 0 -> ZeRO 0; PR-MoE into two pipeline stages
 (ZeRO-2 -> ZeRO 0 and ZeRO 0 -> ZeRO-1 at P = 2, within 2e-6). The load-balancing loss stays in (coefficient
 0.01, the default): a micro-batch's gate loss sees that micro-batch alone, so runs of another DP train the same sum.
 bf16 without ZeRO (DeepSpeed's FP16_UnfusedOptimizer, whose fp32 copies are the masters) resumes at E = 1 near the
@@ -34,6 +35,7 @@ PAIRS = {  # name: (variant, source training fields, target training fields)
     "residual_z2_to_z0": ("residual", {"zero_stage": 2}, {}),
     "residual_z0_to_z2": ("residual", {}, {"zero_stage": 2}),
     "residual_bf16_z0": ("residual", {"precision": "bf16"}, {"precision": "bf16"}),
+    "shared_z0": ("shared", {}, {}),  # Megatron-LM's router with a gated shared expert (not expert-parallel)
 }
 
 
@@ -46,6 +48,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         first[f"{name}_saved"] = with_training(sc(variant, ep=2, world=2, save=ck[name]), **source)
     first["top1_straight"] = sc("top1", ep=2, world=2, steps=6)
     first["residual_straight"] = sc("residual", ep=2, world=2, steps=6)
+    first["shared_straight"] = sc("shared", ep=2, world=2, steps=6)
     first["residual_z2_straight"] = with_training(sc("residual", ep=2, world=2, steps=6), zero_stage=2)
     first["residual_bf16_straight"] = with_training(sc("residual", ep=2, world=2, steps=6), precision="bf16")
     results = by_name(list(first), run_scenarios(tmp / "w2a", 2, list(first.values()), timeout=150))
@@ -101,7 +104,7 @@ def assert_continues(
     assert seen == set(straight["weights"]), (what, set(straight["weights"]) ^ seen)
 
 
-@pytest.mark.parametrize("name", ["top1_z0", "residual_z2_to_z0", "residual_z0_to_z2"])
+@pytest.mark.parametrize("name", ["top1_z0", "residual_z2_to_z0", "residual_z0_to_z2", "shared_z0"])
 def test_saved_at_ep2_resumes_at_ep1_as_the_straight_run(runs: dict, name: str) -> None:
     variant, source, _ = PAIRS[name]
     straight = runs[f"{variant}{'_z2' if source else ''}_straight"]  # the source's own run: its first 3 steps' sums
