@@ -85,6 +85,9 @@ MOE_ARCHITECTURE_FLAGS = (
     "--moe-ffn-hidden-size",
     "--moe-router-score-function",
     "--moe-router-dtype",
+    "--moe-router-pre-softmax",
+    "--moe-shared-expert-intermediate-size",
+    "--moe-shared-expert-gate",
     *(
         f.name
         for f in megatron_lm_moe.MIXTURE_OF_EXPERTS

@@ -358,8 +358,13 @@ def test_megatron_lms_moe_flags_plan_and_the_command_keeps_its_router() -> None:
         "--num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm --moe-token-dispatcher-type "
     )
     moe += "alltoall --expert-model-parallel-size 2 --disable-bias-linear"
+    moe += (
+        " --moe-router-pre-softmax --moe-shared-expert-intermediate-size 2048 --moe-shared-expert-gate"  # Qwen2-MoE's
+    )
     res = resolve(command_line.parse(["--model", "1.3b", "--num-gpus", "16", "--gpu", "A100-80GB", *moe.split()])[1])
     assert (res.model().moe_router, res.model().moe_top_k, res.model().moe_loss_coeff) == ("megatron", 2, 0.01)
+    m = res.model()
+    assert (m.moe_router_pre_softmax, m.moe_shared_expert_size, m.moe_shared_expert_gate) == (True, 2048, True)
     top = choose_all(res, "bf16").candidate
     assert top.expert_parallel_size == 2
     text = ds_json.command_line(res, ds_json.plan_config(res, top))
