@@ -302,9 +302,10 @@ def layer_tensor_rules(model: ModelConfig, num_experts: int) -> dict[str, shardi
         out["moe.coefficient.weight"] = sharding.TensorRule((2, model.hidden_size))
         out["moe.coefficient.bias"] = sharding.TensorRule((2,))
     size, h = model.moe_shared_expert_size, model.hidden_size
-    if size:
-        out[f"{SHARED_EXPERT_PREFIX}fc1.weight"] = sharding.TensorRule((2 * size if model.gated_mlp else size, h))
-        out[f"{SHARED_EXPERT_PREFIX}fc2.weight"] = sharding.TensorRule((h, size))
+    if size:  # split as the dense MLP's (gate and up rows; fc2's columns), as the experts' are
+        parts = (size, size) if model.gated_mlp else (size,)
+        out[f"{SHARED_EXPERT_PREFIX}fc1.weight"] = sharding.TensorRule((sum(parts), h), sharding.FUSED_ROWS, parts)
+        out[f"{SHARED_EXPERT_PREFIX}fc2.weight"] = sharding.TensorRule((h, size), sharding.COLUMNS)
     if model.moe_shared_expert_gate:
         out[f"{SHARED_EXPERT_PREFIX}gate.weight"] = sharding.TensorRule((1, h))
     return out
