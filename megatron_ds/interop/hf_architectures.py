@@ -9,7 +9,9 @@ biases, with an RMSNorm on each query and key head (our `--qk-layernorm`). Mistr
 on request (`--hf-model-type mistral`) or for a model with a sliding window on every layer. Phi-3: Llama's layer
 without biases, with partial rotary embeddings (our `--rotary-percent` below 1). Mixtral: Mistral's layer with a
 mixture of SwiGLU experts on every layer (our `--num-experts N --expert-interval 1 --topk 2`, or Megatron-LM's router at
-any `--moe-router-topk`). Qwen3-MoE: Qwen3's layer with Mixtral's experts (`norm_topk_prob`). Each may tie or untie its
+any `--moe-router-topk`). Qwen3-MoE: Qwen3's layer with Mixtral's experts (`norm_topk_prob`). Qwen2-MoE: Qwen2's layer
+with those experts and a gated shared expert (`--moe-shared-expert-intermediate-size N --moe-shared-expert-gate`),
+`norm_topk_prob` false being `--moe-router-pre-softmax`. Each may tie or untie its
 LM head. Each architecture's norm comes from `megatron_ds.model.norms`. Nothing here imports transformers.
 """
 
@@ -23,8 +25,8 @@ from megatron_ds.errors import UserError
 from megatron_ds.model import norms
 
 GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, PHI3 = "gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3"
-MIXTRAL, QWEN3_MOE = "mixtral", "qwen3_moe"
-EXPERTS = (MIXTRAL, QWEN3_MOE)
+MIXTRAL, QWEN3_MOE, QWEN2_MOE = "mixtral", "qwen3_moe", "qwen2_moe"
+EXPERTS = (MIXTRAL, QWEN3_MOE, QWEN2_MOE)
 """The types with a mixture of experts on every layer."""
 ARCHITECTURE_CLASSES = {
     GPT2: "GPT2LMHeadModel",
@@ -35,6 +37,7 @@ ARCHITECTURE_CLASSES = {
     PHI3: "Phi3ForCausalLM",
     MIXTRAL: "MixtralForCausalLM",
     QWEN3_MOE: "Qwen3MoeForCausalLM",
+    QWEN2_MOE: "Qwen2MoeForCausalLM",
 }
 LLAMA_LAYOUT = (LLAMA, QWEN2, QWEN3, MISTRAL)
 """Llama's layer and tensor names: Qwen2 adds q/k/v biases (our --add-qkv-bias), Qwen3 query and key norms (our
@@ -153,9 +156,42 @@ QWEN3_REQUIRES = (
 )
 
 
-def _expert_requires(title: str) -> tuple[Requirement, ...]:
-    """What `title` (Mixtral, Qwen3-MoE) needs of a mixture of experts: the same SwiGLU experts on every layer, the
-    router's weights renormalized over the k chosen, no biases, whole heads rotated, a window on all layers or none."""
+def _expert_requires(title: str, shared: bool = False) -> tuple[Requirement, ...]:
+    """What `title` (Mixtral, Qwen3-MoE; Qwen2-MoE, `shared`) needs of a mixture of experts: the same SwiGLU experts on
+    every layer, the router's weights renormalized over the k chosen (Qwen2-MoE: either way), no biases, whole heads
+    rotated, a window on all layers or none; no shared expert (Qwen2-MoE: a gated one)."""
+    return (*_EXPERT_KIND[shared](title), *_common_expert_requires(title))
+
+
+def _no_shared_expert(title: str) -> tuple[Requirement, ...]:
+    return (
+        Requirement(
+            lambda m: not m.moe_router_pre_softmax,
+            f"--moe-router-pre-softmax: {title} renormalizes a token's k weights over the k chosen (train without it)",
+        ),
+        Requirement(
+            lambda m: not m.moe_shared_expert_size,
+            lambda m: (
+                f"--moe-shared-expert-intermediate-size {m.moe_shared_expert_size}: {title} has no shared expert "
+                "(Qwen2-MoE, without query and key norms, has a gated one)"
+            ),
+        ),
+    )
+
+
+def _gated_shared_expert(title: str) -> tuple[Requirement, ...]:
+    return (
+        Requirement(
+            lambda m: m.moe_shared_expert_gate,
+            f"--moe-shared-expert-intermediate-size without --moe-shared-expert-gate: {title}'s shared expert is gated",
+        ),
+    )
+
+
+_EXPERT_KIND = {False: _no_shared_expert, True: _gated_shared_expert}
+
+
+def _common_expert_requires(title: str) -> tuple[Requirement, ...]:
     return (
         Requirement(
             lambda m: m.gated_mlp,
@@ -177,19 +213,12 @@ def _expert_requires(title: str) -> tuple[Requirement, ...]:
                 f"--topk 2 is the same (Megatron-LM's router, --moe-router-topk K, is at any K)"
             ),
         ),
-        Requirement(
-            lambda m: not m.moe_router_pre_softmax,
-            f"--moe-router-pre-softmax: {title} renormalizes a token's k weights over the k chosen (train without it)",
-        ),
-        Requirement(
-            lambda m: not m.moe_shared_expert_size,
-            lambda m: (
-                f"--moe-shared-expert-intermediate-size {m.moe_shared_expert_size}: {title} has no shared expert "
-                "(Qwen2-MoE's and DeepSeek's have; their export is not built)"
-            ),
-        ),
         Requirement(lambda m: m.mlp_type == "standard", f"--mlp-type residual: {title} has no residual MLP (PR-MoE)"),
-        Requirement(lambda m: not m.add_bias_linear, f"biases (no --disable-bias-linear): {title} has none"),
+        Requirement(
+            lambda m: not m.add_bias_linear,
+            f"biases (no --disable-bias-linear): {title} has none"
+            + (" but on q, k and v (--add-qkv-bias)" if title == "Qwen2-MoE" else ""),
+        ),
         Requirement(
             lambda m: m.rotary_percent == 1.0,
             lambda m: f"--rotary-percent {m.rotary_percent:g}: {title} rotates whole heads",
@@ -203,6 +232,13 @@ def _expert_requires(title: str) -> tuple[Requirement, ...]:
 
 MIXTRAL_REQUIRES = _expert_requires("Mixtral")
 QWEN3_MOE_REQUIRES = _expert_requires("Qwen3-MoE")
+QWEN2_MOE_REQUIRES = (
+    *_expert_requires("Qwen2-MoE", shared=True),
+    Requirement(lambda m: m.add_qkv_bias, "no --add-qkv-bias: Qwen2-MoE has q/k/v biases (qkv_bias), as Qwen2"),
+)
+"""Qwen2-MoE: Qwen2's layer (q/k/v biases) with experts on every layer and a gated shared expert beside them
+(`moe.SharedExpert`), routed by Megatron-LM's top-k router with (`norm_topk_prob` true) or without
+(`--moe-router-pre-softmax`, its default false) renormalization; no sliding window here."""
 """A mixture-of-experts model is Mixtral's (Qwen3-MoE's with query and key norms, `QWEN3_REQUIRES`) when its experts
 are (DeepSpeed's top-2 gate without capacity is their router, `moe.route_every_token`, and so is Megatron-LM's top-k
 router, `moe.megatron_router`, at every k; Qwen3-MoE's with `norm_topk_prob`)."""
@@ -239,12 +275,15 @@ _NO_QK_L2_NORM = Requirement(
 
 
 def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
-    """GPT2, LLAMA, QWEN2, QWEN3, PHI3, MIXTRAL or QWEN3_MOE (experts) for a model both sides express exactly (a QKV
-    bias alone is Qwen2's, query and key norms Qwen3's and, with experts, Qwen3-MoE's), or
+    """GPT2, LLAMA, QWEN2, QWEN3, PHI3, MIXTRAL, QWEN3_MOE or QWEN2_MOE (experts) for a model both sides express exactly
+    (a QKV bias alone is Qwen2's, query and key norms Qwen3's and, with experts, Qwen3-MoE's; a shared expert
+    Qwen2-MoE's), or
     `model_type` when asked for and exact (MISTRAL: a Llama without biases); HFConfigError naming the first
     obstacle."""
     if model.is_moe and model.qk_layernorm:
         arch, requires = QWEN3_MOE, LLAMA_REQUIRES + QWEN3_MOE_REQUIRES + QWEN3_REQUIRES
+    elif model.is_moe and model.moe_shared_expert_size:
+        arch, requires = QWEN2_MOE, LLAMA_REQUIRES + QWEN2_MOE_REQUIRES
     elif model.is_moe:
         arch, requires = MIXTRAL, LLAMA_REQUIRES + MIXTRAL_REQUIRES
     elif model.gated_mlp and model.qk_layernorm:
@@ -263,7 +302,7 @@ def architecture_of(model: ModelConfig, model_type: str | None = None) -> str:
         _check_model_type(model_type, arch)
         arch = model_type
         requires = (*requires, *_TYPE_REQUIRES.get(arch, ()))
-    if arch not in (QWEN2, MISTRAL):
+    if arch not in (QWEN2, MISTRAL, QWEN2_MOE):
         requires = (*requires, _QKV_BIAS_IS_QWEN2S)
     if arch not in (QWEN3, QWEN3_MOE):
         requires = (*requires, _QK_NORM_IS_QWEN3S)

@@ -24,6 +24,7 @@ from megatron_ds.interop.hf_architectures import (
     MIXTRAL,
     PHI3,
     QWEN2,
+    QWEN2_MOE,
     QWEN3,
     QWEN3_MOE,
     architecture_of,
@@ -106,14 +107,34 @@ def _qwen3_moe_fields(model: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _qwen2_moe_fields(model: ModelConfig) -> dict[str, Any]:
+    """Qwen2-MoE's experts on every layer (each of the MLP's width), its gated shared expert, its router (renormalized
+    over the k chosen, or not: `--moe-router-pre-softmax`), q/k/v biases, no sliding window."""
+    return {
+        "qkv_bias": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": model.num_layers,
+        "num_experts": model.experts_per_layer[0],
+        "num_experts_per_tok": model.moe_top_k,
+        "moe_intermediate_size": model.ffn_hidden_size,
+        "shared_expert_intermediate_size": model.moe_shared_expert_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": not model.moe_router_pre_softmax,
+        "router_aux_loss_coef": model.moe_loss_coeff,
+        "output_router_logits": False,
+    }
+
+
 def _sliding_window(model: ModelConfig) -> int | None:
     """transformers' `sliding_window` of a window on every layer (LEFT + 1 keys, the query's own included), or None."""
     return None if model.window_size is None else model.window_size[0] + 1
 
 
 def _type_fields(arch: str, model: ModelConfig) -> dict[str, Any]:
-    """What Llama, Qwen2, Qwen3, Mistral, Mixtral and Qwen3-MoE's config.json say differently: biases, the sliding
-    window and the experts."""
+    """What Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE and Qwen2-MoE's config.json say differently: biases, the
+    sliding window and the experts."""
     if arch == QWEN2:  # q/k/v biases are built in
         return _qwen_window(model)
     if arch == QWEN3:  # q/k norms are built in; attention_bias would add o_proj's too
@@ -124,6 +145,8 @@ def _type_fields(arch: str, model: ModelConfig) -> dict[str, Any]:
         return {"sliding_window": _sliding_window(model), **_mixtral_fields(model)}
     if arch == QWEN3_MOE:
         return _qwen3_moe_fields(model)
+    if arch == QWEN2_MOE:
+        return _qwen2_moe_fields(model)
     return {"attention_bias": model.add_bias_linear, "mlp_bias": model.add_bias_linear, "pretraining_tp": 1}
 
 
@@ -146,8 +169,8 @@ def export_notes(arch: str, model: ModelConfig) -> list[str]:
     """What a reader of the exported config.json may take differently, one line each: Qwen2's and Qwen3's sliding
     layers when they are not the last ones, which `max_window_layers` (all that transformers before 4.53 reads)
     cannot say; how Mixtral's or Qwen3-MoE's router differs from the training gate's (`_expert_notes`)."""
-    if arch in (MIXTRAL, QWEN3_MOE):
-        return _expert_notes(model, "Mixtral" if arch == MIXTRAL else "Qwen3-MoE")
+    if arch in (MIXTRAL, QWEN3_MOE, QWEN2_MOE):
+        return _expert_notes(model, {MIXTRAL: "Mixtral", QWEN3_MOE: "Qwen3-MoE", QWEN2_MOE: "Qwen2-MoE"}[arch])
     if arch not in (QWEN2, QWEN3) or model.window_size is None:
         return []
     sliding = [i for i, w in enumerate(model.layer_windows) if w is not None]

@@ -24,6 +24,7 @@ from megatron_ds.interop.hf_architectures import (
     PHI3,
     PHI3_NORM,
     QWEN2,
+    QWEN2_MOE,
     QWEN3,
     QWEN3_MOE,
     HFConfigError,
@@ -41,7 +42,7 @@ TRANSFORMERS_SLIDING_WINDOW = 4096
 """MistralConfig's, Qwen2Config's and Qwen3Config's `sliding_window` when config.json has no such key."""
 QWEN3_DEFAULT_HEAD_DIM = 128
 """transformers' Qwen3Config `head_dim` when config.json has none (whatever hidden_size / num_attention_heads is)."""
-ABSENT_KV_HEADS = {MISTRAL: 8, MIXTRAL: 8, QWEN2: 32, QWEN3: 32, QWEN3_MOE: 4}
+ABSENT_KV_HEADS = {MISTRAL: 8, MIXTRAL: 8, QWEN2: 32, QWEN3: 32, QWEN3_MOE: 4, QWEN2_MOE: 16}
 """transformers' `num_key_value_heads` when config.json has none (Llama's and Phi-3's: num_attention_heads)."""
 ABSENT_RMS_EPS = {MIXTRAL: 1e-5}
 """transformers' `rms_norm_eps` when config.json has none, where it is not Llama's 1e-6 (Phi-3's is read apart)."""
@@ -88,6 +89,8 @@ def from_hf_config(hf: dict[str, Any], source: str) -> HFModel:
         return _from_mixtral(reader)
     if model_type == QWEN3_MOE:
         return _from_qwen3_moe(reader)
+    if model_type == QWEN2_MOE:
+        return _from_qwen2_moe(reader)
     return {GPT2: _from_gpt2, PHI3: _from_phi3}[model_type](reader)
 
 
@@ -164,6 +167,9 @@ def _from_gpt2(f: _Fields) -> HFModel:
 def _biases(f: _Fields, arch: str) -> dict[str, bool]:
     """The bias dests: Llama's attention_bias and mlp_bias (both or neither), Qwen2's q/k/v biases, Mistral none."""
     if arch == QWEN2:  # transformers' Qwen2 builds q/k/v biases whatever config.json says
+        return {"add_bias_linear": False, "add_qkv_bias": True}
+    if arch == QWEN2_MOE:  # q/k/v biases by qkv_bias (always, before transformers 5)
+        f.require("qkv_bias", (True,), True, "Qwen2-MoE without q/k/v biases is not built")
         return {"add_bias_linear": False, "add_qkv_bias": True}
     if arch in (QWEN3, QWEN3_MOE):  # its attention_bias is on q, k, v and o_proj, none on the MLP: no flags build that
         f.require("attention_bias", (False,), False, "Qwen3's biases on q, k, v and o alone are not built")
@@ -288,6 +294,30 @@ def _from_qwen3_moe(f: _Fields) -> HFModel:
         hf["sliding_window"] = None
     model = _from_llama(_Fields(hf, f.source), QWEN3_MOE)
     return _top_k_router(model, experts, k, f.get("router_aux_loss_coef", float, 0.001))  # Qwen3MoeConfig's default
+
+
+def _from_qwen2_moe(f: _Fields) -> HFModel:
+    """Qwen2-MoE: Qwen2's layer (q/k/v biases) with experts on every layer, each `moe_intermediate_size` wide, and a
+    gated shared expert `shared_expert_intermediate_size` wide beside them (`--moe-shared-expert-intermediate-size N
+    --moe-shared-expert-gate`), routed by Megatron-LM's top-k router: `norm_topk_prob` false (its default) is
+    `--moe-router-pre-softmax` (the softmax over every expert, not renormalized), true the softmax renormalized."""
+    f.require("decoder_sparse_step", (1,), 1, "experts on every layer only (dense layers here are the experts' width)")
+    f.require(
+        "mlp_only_layers", ([], None), [], "experts on every layer only (dense layers here are the experts' width)"
+    )
+    f.require("use_sliding_window", (False,), False, "Qwen2-MoE's sliding window is not built here")
+    experts, k = _experts(f, "num_experts", 60, 4)
+    shared = f.size("shared_expert_intermediate_size", 5632)
+    pre_softmax = not f.get("norm_topk_prob", bool, False)
+    hf = dict(f.hf)
+    hf["intermediate_size"] = f.size("moe_intermediate_size", 1408)  # every layer's MLP is experts
+    hf["sliding_window"] = None
+    model = _from_llama(_Fields(hf, f.source), QWEN2_MOE)
+    model = _top_k_router(model, experts, k, f.get("router_aux_loss_coef", float, 0.001))  # Qwen2MoeConfig's default
+    model.architecture |= {"moe_shared_expert_intermediate_size": shared, "moe_shared_expert_gate": True}
+    if pre_softmax:  # a switch: absent is renormalized
+        model.architecture["moe_router_pre_softmax"] = True
+    return model
 
 
 def _experts(f: _Fields, field: str, default: Any, default_k: int) -> tuple[int, int]:

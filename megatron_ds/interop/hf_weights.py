@@ -22,9 +22,19 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ds.config import ModelConfig
-from megatron_ds.interop.hf_architectures import GPT2, LLAMA, MISTRAL, MIXTRAL, PHI3, QWEN2, QWEN3, QWEN3_MOE
+from megatron_ds.interop.hf_architectures import (
+    GPT2,
+    LLAMA,
+    MISTRAL,
+    MIXTRAL,
+    PHI3,
+    QWEN2,
+    QWEN2_MOE,
+    QWEN3,
+    QWEN3_MOE,
+)
 from megatron_ds.model import naming, sharding
-from megatron_ds.model.moe import EXPERT_PREFIX, GATE_WEIGHT
+from megatron_ds.model.moe import EXPERT_PREFIX, GATE_WEIGHT, SHARED_EXPERT_PREFIX
 from megatron_ds.training.checkpoint.universal.names import model_tensors
 
 COPY, TRANSPOSE, SPLIT = "copy", "transpose", "split"
@@ -108,6 +118,14 @@ QWEN3_MOE_NAMES: dict[tuple[str, str], WeightMap] = {
     ),
     (_L, EXPERT_PREFIX + "{e}.fc2.weight"): WeightMap((_MLP + "experts.{e}.down_proj.weight",)),
 }
+QWEN2_MOE_NAMES: dict[tuple[str, str], WeightMap] = {
+    **{k: v for k, v in QWEN3_MOE_NAMES.items() if k[1].split(".")[0] not in ("q_norm", "k_norm")},
+    (_L, SHARED_EXPERT_PREFIX + "fc1.weight"): WeightMap(
+        (_MLP + "shared_expert.gate_proj.weight", _MLP + "shared_expert.up_proj.weight"), SPLIT
+    ),
+    (_L, SHARED_EXPERT_PREFIX + "fc2.weight"): WeightMap((_MLP + "shared_expert.down_proj.weight",)),
+    (_L, SHARED_EXPERT_PREFIX + "gate.weight"): WeightMap((_MLP + "shared_expert_gate.weight",)),  # (1, hidden)
+}
 TABLES = {
     GPT2: GPT2_NAMES,
     LLAMA: LLAMA_NAMES,
@@ -117,10 +135,12 @@ TABLES = {
     PHI3: PHI3_NAMES,
     MIXTRAL: MIXTRAL_NAMES,
     QWEN3_MOE: QWEN3_MOE_NAMES,
+    QWEN2_MOE: QWEN2_MOE_NAMES,
 }
 """Qwen2 and Mistral name their tensors as Llama (Qwen2's q/k/v biases are Llama's with attention_bias); Qwen3 adds
 its query and key norms; Mixtral and Qwen3-MoE replace the MLP by a router and experts (`block_sparse_moe.` with
-w1/w3/w2; Qwen3-MoE's under `mlp.` with Llama's projection names)."""
+w1/w3/w2; Qwen3-MoE's under `mlp.` with Llama's projection names); Qwen2-MoE has Qwen3-MoE's names (q/k/v biases,
+no query and key norms) and its gated shared expert (`mlp.shared_expert.*`, `mlp.shared_expert_gate`)."""
 
 IGNORED_HF_TENSORS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 """Buffers some HF checkpoints store that are not weights (causal masks, rotary frequencies)."""

@@ -80,10 +80,6 @@ def test_every_expert_has_the_hubs_tensor_names() -> None:
             {"moe_router": "megatron", "moe_router_pre_softmax": True},
             "--moe-router-pre-softmax: Mixtral renormalizes a token's k weights",
         ),
-        (
-            {"moe_router": "megatron", "moe_shared_expert_size": 24, "moe_shared_expert_gate": True},
-            "--moe-shared-expert-intermediate-size 24: Mixtral has no shared expert",
-        ),
         ({"mlp_type": "residual"}, "--mlp-type residual: Mixtral has no residual MLP"),
         ({"add_bias_linear": True}, r"biases \(no --disable-bias-linear\): Mixtral has none"),
         ({"add_qkv_bias": True}, "--add-qkv-bias: of these types only Qwen2"),
