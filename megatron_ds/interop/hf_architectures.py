@@ -165,8 +165,8 @@ def _expert_requires(title: str, shared: bool = False) -> tuple[Requirement, ...
 
 def _no_shared_expert(title: str) -> tuple[Requirement, ...]:
     return (
-        Requirement(
-            lambda m: not m.moe_router_pre_softmax,
+        Requirement(  # Qwen3-MoE's norm_topk_prob false is the pre-softmax router
+            lambda m: not m.moe_router_pre_softmax or title == "Qwen3-MoE",
             f"--moe-router-pre-softmax: {title} renormalizes a token's k weights over the k chosen (train without it)",
         ),
         Requirement(

@@ -89,8 +89,8 @@ def _mixtral_fields(model: ModelConfig) -> dict[str, Any]:
 
 
 def _qwen3_moe_fields(model: ModelConfig) -> dict[str, Any]:
-    """Qwen3-MoE's experts on every layer (each of the MLP's width) and its router (top-k renormalized), its window
-    on every layer or none, no biases."""
+    """Qwen3-MoE's experts on every layer (each of the MLP's width) and its router (top-k renormalized, or not:
+    `--moe-router-pre-softmax`), its window on every layer or none, no biases."""
     window = _sliding_window(model)
     return {
         "attention_bias": False,
@@ -101,7 +101,7 @@ def _qwen3_moe_fields(model: ModelConfig) -> dict[str, Any]:
         "moe_intermediate_size": model.ffn_hidden_size,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "norm_topk_prob": True,
+        "norm_topk_prob": not model.moe_router_pre_softmax,
         "router_aux_loss_coef": model.moe_loss_coeff,
         "output_router_logits": False,
     }

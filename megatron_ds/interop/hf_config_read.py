@@ -279,10 +279,9 @@ def _from_mixtral(f: _Fields) -> HFModel:
 
 def _from_qwen3_moe(f: _Fields) -> HFModel:
     """Qwen3-MoE: Qwen3's layer with experts on every layer (`decoder_sparse_step` 1, no `mlp_only_layers`), each
-    `moe_intermediate_size` wide, routed by Megatron-LM's top-k router (the softmax renormalized over the k chosen:
-    `norm_topk_prob`), its sliding window on every layer when `use_sliding_window`."""
-    f.require("norm_topk_prob", (True,), False, "its weights are the softmax over every expert, not renormalized over "
-              "the k chosen, which no router here computes")  # fmt: skip
+    `moe_intermediate_size` wide, routed by Megatron-LM's top-k router (the softmax renormalized over the k chosen
+    with `norm_topk_prob`, else not: `--moe-router-pre-softmax`), its sliding window on every layer when
+    `use_sliding_window`."""
     f.require("decoder_sparse_step", (1,), 1, "experts on every layer only (dense layers here are the experts' width)")
     f.require(
         "mlp_only_layers", ([], None), [], "experts on every layer only (dense layers here are the experts' width)"
@@ -293,7 +292,10 @@ def _from_qwen3_moe(f: _Fields) -> HFModel:
     if not f.get("use_sliding_window", bool, False):
         hf["sliding_window"] = None
     model = _from_llama(_Fields(hf, f.source), QWEN3_MOE)
-    return _top_k_router(model, experts, k, f.get("router_aux_loss_coef", float, 0.001))  # Qwen3MoeConfig's default
+    model = _top_k_router(model, experts, k, f.get("router_aux_loss_coef", float, 0.001))  # Qwen3MoeConfig's default
+    if not f.get("norm_topk_prob", bool, False):  # Qwen3MoeConfig's default: the softmax over every expert
+        model.architecture["moe_router_pre_softmax"] = True
+    return model
 
 
 def _from_qwen2_moe(f: _Fields) -> HFModel:

@@ -1,5 +1,6 @@
 """Qwen3-MoE in and out of Hugging Face: Qwen3's layer (query and key norms) with experts on every layer, routed by
-Megatron-LM's top-k router (`norm_topk_prob`: the softmax renormalized over the k chosen). A transformers-made model
+Megatron-LM's top-k router (`norm_topk_prob`: the softmax renormalized over the k chosen; false:
+`--moe-router-pre-softmax`). A transformers-made model
 imports, computes its logits, exports back bit for bit; what Qwen3-MoE cannot say is one line naming the flag or the
 config.json field."""
 
@@ -65,7 +66,6 @@ def test_experts_with_query_and_key_norms_are_qwen3_moe_and_its_config_says_so()
          "renormalized scores"),
         ({"rotary_percent": 0.5}, "--rotary-percent 0.5: Qwen3-MoE rotates whole heads"),
         ({"moe_shared_expert_size": 16}, "--moe-shared-expert-intermediate-size 16: Qwen3-MoE has no shared expert"),
-        ({"moe_router_pre_softmax": True}, "--moe-router-pre-softmax: Qwen3-MoE renormalizes a token's k weights"),
     ],
 )  # fmt: skip
 def test_what_qwen3_moe_cannot_express_is_one_line(change: dict, problem: str) -> None:
@@ -76,7 +76,6 @@ def test_what_qwen3_moe_cannot_express_is_one_line(change: dict, problem: str) -
 @pytest.mark.parametrize(
     "change, problem",
     [
-        ({"norm_topk_prob": False}, "norm_topk_prob False is not supported: its weights are the softmax over every"),
         ({"decoder_sparse_step": 2}, "decoder_sparse_step 2 is not supported: experts on every layer only"),
         ({"mlp_only_layers": [1]}, r"mlp_only_layers \[1\] is not supported: experts on every layer only"),
         ({"num_experts": 1}, "num_experts 1: a mixture of experts needs 2 or more"),
@@ -96,6 +95,7 @@ CASES = {
     "tied, a window on every layer, k 2": dict(
         tie_word_embeddings=True, use_sliding_window=True, sliding_window=6, num_experts_per_tok=2
     ),
+    "not renormalized (--moe-router-pre-softmax), k 2": dict(norm_topk_prob=False, num_experts_per_tok=2),
 }
 
 
@@ -113,8 +113,8 @@ def test_transformers_qwen3_moe_imports_computes_its_logits_and_exports_back_bit
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(
         vocab_size=200, hidden_size=32, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, norm_topk_prob=True,
-        initializer_range=0.1, max_position_embeddings=64, **{"num_experts_per_tok": 3, **CASES[case]},
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, initializer_range=0.1,
+        max_position_embeddings=64, **{"num_experts_per_tok": 3, "norm_topk_prob": True, **CASES[case]},
     )  # fmt: skip
     theirs = transformers.Qwen3MoeForCausalLM(config).eval()
     theirs.save_pretrained(tmp_path / "hf")
@@ -124,6 +124,7 @@ def test_transformers_qwen3_moe_imports_computes_its_logits_and_exports_back_bit
     flags = result.train_flags
     assert flags[flags.index("--moe-router-topk") + 1] == str(config.num_experts_per_tok) and "--qk-layernorm" in flags
     assert ("--window-size" in flags) == ("window" in case) and "--topk" not in flags
+    assert ("--moe-router-pre-softmax" in flags) == (not config.norm_topk_prob)
     assert len(result.notes) == 1 and "router_aux_loss_coef is --moe-aux-loss-coeff 0.001" in result.notes[0]
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -134,7 +135,7 @@ def test_transformers_qwen3_moe_imports_computes_its_logits_and_exports_back_bit
     original, back = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
     assert sorted(original) == sorted(back) and all(torch.equal(original[k], back[k]) for k in original)
     written = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert written["norm_topk_prob"] is True and written["model_type"] == QWEN3_MOE
+    assert written["norm_topk_prob"] is config.norm_topk_prob and written["model_type"] == QWEN3_MOE
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()  # its config.json too
     with torch.no_grad():
         assert (again(tokens).logits - theirs(tokens).logits).abs().max().item() <= 1e-5
