@@ -68,7 +68,8 @@ class ExpertMLP(nn.Module):
 class SharedExpert(nn.Module):
     """megatron-core's `SharedExpertMLP` (Megatron-LM's `--moe-shared-expert-intermediate-size`): fc2(act(fc1(x))) of
     its own FFN width, no biases, for every token; with `--moe-shared-expert-gate` times sigmoid(gate(x)), a bias-free
-    linear h -> 1 (megatron-core's `gate_weight`, Qwen2-MoE's `shared_expert_gate`). (.., h) in and out; added to the routed experts' output."""
+    linear h -> 1 (megatron-core's `gate_weight`, Qwen2-MoE's `shared_expert_gate`). (.., h) in and out; the layer adds
+    it to the routed experts' output (`TransformerLayer.mlp`)."""
 
     def __init__(
         self,

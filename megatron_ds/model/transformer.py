@@ -4,7 +4,8 @@ activation is an entry of `megatron_ds.model.activations` (tanh or exact GeLU, S
 Options (ModelConfig): grouped-query attention (`num_key_value_heads`: kv heads shared by groups
 of nh/kv query heads), rotary embeddings on q and k (base `rotary_base`, on the first `rotary_dim`
 channels of each head; Llama 3.x's frequency scaling with `use_rope_scaling`), a norm on each query and key head
-before rotary (`qk_layernorm`, or the weightless L2 norm of `qk_l2_norm`), the MLP activation, no biases in the linears; a mixture-of-experts MLP (DeepSpeed's MoE layer, `megatron_ds.model.moe`) on the layers that have experts.
+before rotary (`qk_layernorm`, or the weightless L2 norm of `qk_l2_norm`), the MLP activation, no biases in the linears; a mixture-of-experts MLP (DeepSpeed's MoE layer, `megatron_ds.model.moe`) on the layers that have experts, with
+Megatron-LM's shared expert beside it (`moe_shared_expert_size`).
 Dropout probabilities and the init std come from RegularizationConfig; the weight shapes from
 `megatron_ds.model.shapes.layer_linear_shapes` (the same shapes the parameter counts use).
 
