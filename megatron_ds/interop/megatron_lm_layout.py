@@ -47,6 +47,9 @@ LAYER_NAMES: dict[str, tuple[str, ...]] = {
     "fc2.bias": ("mlp.linear_fc2.bias",),
 }
 LAYER_NAMES[moe.GATE_WEIGHT] = ("mlp.router.weight",)
+LAYER_NAMES[moe.SHARED_EXPERT_PREFIX + "fc1.weight"] = ("mlp.shared_experts.linear_fc1.weight",)  # SharedExpertMLP
+LAYER_NAMES[moe.SHARED_EXPERT_PREFIX + "fc2.weight"] = ("mlp.shared_experts.linear_fc2.weight",)
+LAYER_NAMES[moe.SHARED_EXPERT_PREFIX + "gate.weight"] = ("mlp.shared_experts.gate_weight",)  # [1, hidden]
 """Our TransformerLayer keys -> megatron-core's names in a layer (canonical first, then the local spec's)."""
 EXPERT_NAMES = {k: LAYER_NAMES[k][0].removeprefix("mlp.") for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
 """An expert's keys -> megatron-core's within the expert."""

@@ -41,10 +41,16 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "llama",
         {"kv_channels": 12, "qk_layernorm": True, "window_size": (3, 0), "window_attn_skip_freq": 3},
     ),
+    # Qwen2-MoE's routing: a gated shared expert of 40 beside the experts, top-2 of a softmax over all 4 experts
+    "mixtral_shared": (
+        "mixtral",
+        {"moe_shared_expert_intermediate_size": 40, "moe_shared_expert_gate": True, "moe_router_pre_softmax": True},
+    ),
 }
 """A recorded line with flags added whose only effect on the args is their own values (Megatron-LM's
-validate_args derives nothing from --add-qkv-bias, --qk-layernorm, --qk-l2-norm, a given --kv-channels, --window-size or
---window-attn-skip-freq): name -> (the recorded line, the changed args)."""
+validate_args derives nothing from --add-qkv-bias, --qk-layernorm, --qk-l2-norm, a given --kv-channels, --window-size,
+--window-attn-skip-freq, --moe-shared-expert-intermediate-size, --moe-shared-expert-gate or --moe-router-pre-softmax):
+name -> (the recorded line, the changed args)."""
 
 
 def recorded(name: str) -> dict[str, Any]:

@@ -25,6 +25,9 @@ from megatron_ds.training.checkpoint.universal.store import Universal
 ROOT = Path(__file__).resolve().parents[2]
 NAME, ITERATION = "mixtral", 3
 FORMATS = ("torch_dist", "torch")
+SHARED = "mixtral_shared"
+"""The line with Qwen2-MoE's routing: a gated shared expert (--moe-shared-expert-intermediate-size 40
+--moe-shared-expert-gate) and --moe-router-pre-softmax; trained two steps without the distributed optimizer."""
 TP2 = "mixtral_tp2"
 """The line at --tensor-model-parallel-size 2 (experts split over the tensor ranks too, Megatron-LM's default
 --expert-tensor-parallel-size), --sequence-parallel, --bf16 with --moe-router-dtype fp32, on 4 ranks."""
@@ -49,6 +52,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], 
         trained = {fmt: root / f"{optimizer}-{fmt}" for fmt in formats}
         logits = write_checkpoints(NAME, {f: str(p) for f, p in trained.items()}, 2, optimizer=optimizer)
         paths |= {(optimizer, fmt): (path, logits) for fmt, path in trained.items()}
+    shared = {fmt: root / f"{SHARED}-{fmt}" for fmt in FORMATS}
+    logits = write_checkpoints(SHARED, {f: str(p) for f, p in shared.items()}, 2, optimizer="local")
+    paths |= {(SHARED, fmt): (path, logits) for fmt, path in shared.items()}
     wide = {fmt: root / f"{TP2}-{fmt}" for fmt in FORMATS}
     logits = write_checkpoints(TP2, {f: str(p) for f, p in wide.items()}, ITERATION)
     paths |= {(TP2, fmt): (path, logits) for fmt, path in wide.items()}
@@ -189,6 +195,22 @@ def test_chained_optimizers_in_buffers_or_torch_files_are_left_out_saying_why(so
         f"optimizer): a resume from it starts Adam's moments at zero, with the model's weights as the fp32 master "
         f"weights"
     ]
+    with torch.no_grad():
+        logits = load_model(str(tmp_path / "out")).float()(reference["tokens"])
+    torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_shared_expert_and_pre_softmax_routing_convert(sources, tmp_path: Path, fmt: str) -> None:
+    """megatron-core's SharedExpertMLP (`mlp.shared_experts.linear_fc1/linear_fc2.weight`, `gate_weight`) and its
+    pre-softmax router convert to ours: the same logits after two trained steps (the shared expert and its gate no
+    longer as drawn), and from torch_dist Adam's state with them."""
+    paths, _ = sources
+    source, reference = paths[SHARED, fmt]
+    result = import_megatron_lm(str(source), str(tmp_path / "out"), show_progress=False)
+    m = result.config.model
+    assert (m.moe_shared_expert_size, m.moe_shared_expert_gate, m.moe_router_pre_softmax) == (40, True, True)
+    assert result.states == (["exp_avg", "exp_avg_sq"] if fmt == "torch_dist" else [])
     with torch.no_grad():
         logits = load_model(str(tmp_path / "out")).float()(reference["tokens"])
     torch.testing.assert_close(logits, reference["logits"][..., : logits.shape[-1]], rtol=0, atol=1e-6)

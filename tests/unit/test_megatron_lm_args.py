@@ -109,6 +109,12 @@ def test_a_mixture_of_experts_run_at_t2_converts_at_t1_with_its_padding() -> Non
         _config(MegatronLMCheckpoint("/ckpt/iter_0000005", 5, "torch", ckpt.args, {"iteration": 5}))
 
 
+def test_a_qwen2_moe_style_run_keeps_its_shared_expert_and_pre_softmax_router() -> None:
+    shared = {"moe_shared_expert_intermediate_size": 64, "moe_shared_expert_gate": True, "moe_router_pre_softmax": True}
+    m = _config(_ckpt("gpt", **_MOE, **shared)).model
+    assert (m.moe_shared_expert_size, m.moe_shared_expert_gate, m.moe_router_pre_softmax) == (64, True, True)
+
+
 def test_a_moe_layer_pattern_is_the_expert_interval() -> None:
     m = _config(_ckpt("gpt", **_MOE, moe_layer_freq=[0, 1])).model
     assert m.experts_per_layer == (1, 4) and m.expert_interval == 2
@@ -117,8 +123,6 @@ def test_a_moe_layer_pattern_is_the_expert_interval() -> None:
 @pytest.mark.parametrize(
     ("changes", "flag"),
     [
-        ({"moe_shared_expert_intermediate_size": 64}, "--moe-shared-expert-intermediate-size"),
-        ({"moe_router_pre_softmax": True}, "--moe-router-pre-softmax"),
         ({"moe_expert_capacity_factor": 1.25}, "--moe-expert-capacity-factor"),
         ({"moe_router_score_function": "sigmoid"}, "--moe-router-score-function sigmoid"),
         ({"moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias"),
