@@ -9,7 +9,7 @@
 * `install_loss_report`: `train_batch` returns the step's lm loss and keeps its `moe loss` in `step_losses`, as
   the plain engine does at P = 1. DeepSpeed's pipeline engine returns the mean of the micro-batches' whole losses
   (lm + moe) and averages the additional losses the model reports (`GPTModelPipe.get_additional_losses`) over the
-  micro-batches and the data-parallel ranks: that mean is the `moe loss` here (at P = 1 it is each rank's own).
+  micro-batches and the data-parallel ranks: that mean is the `moe loss` here, as the plain engine's at P = 1.
 """
 
 from __future__ import annotations

@@ -59,9 +59,9 @@ class PlainEngine(DeepSpeedEngine):
         """`training.distillation.Teacher` under --kd: its kd loss joins each training micro-batch's loss."""
         self.kd_total: torch.Tensor | None = None
         self.step_losses: dict[str, torch.Tensor] = {}
-        """The last step's losses beside the lm loss: `moe loss` (a mixture-of-experts model's) and
-        `kd loss` under --kd, averaged as `train_batch`'s (the moe loss, Megatron-DeepSpeed's weighted load-balancing
-        loss, over this rank's micro-batches only)."""
+        """The last step's losses beside the lm loss: `moe loss` (a mixture-of-experts model's weighted load-balancing
+        loss) and `kd loss` under --kd, averaged as `train_batch`'s (over the micro-batches and the data-parallel
+        ranks: the moe loss as DeepSpeed's pipeline engine averages it at P > 1, `training/moe_pipeline.py`)."""
         self.moe_loss_sum: torch.Tensor | None = None
 
     def is_first_stage(self) -> bool:
@@ -83,12 +83,15 @@ class PlainEngine(DeepSpeedEngine):
         self.total_loss = self.kd_total = self.moe_loss_sum = None
         for cmd in self.train_instructions():
             self._INSTRUCTION_MAP[type(cmd)](self, **cmd.kwargs)
-        self.step_losses = {}  # in the order of Megatron-DeepSpeed's loss dict: lm loss, moe loss, kd loss
-        if self.moe_loss_sum is not None:  # this rank's, not averaged over data-parallel ranks (as upstream's)
-            self.step_losses["moe loss"] = self.moe_loss_sum / self.micro_batches
+        sums = {"lm loss": self.total_loss}  # in the order of Megatron-DeepSpeed's loss dict: lm, moe, kd loss
+        if self.moe_loss_sum is not None:
+            sums["moe loss"] = self.moe_loss_sum
         if self.teacher is not None:
-            self.step_losses[self.teacher.loss_name] = self._mean_over_data_parallel(self.kd_total / self.micro_batches)
-        return self._mean_over_data_parallel(self.total_loss / self.micro_batches)
+            sums[self.teacher.loss_name] = self.kd_total
+        # one all-reduce for them all, as DeepSpeed's pipeline engine reduces the loss and the additional losses
+        means = self._mean_over_data_parallel(torch.stack(list(sums.values())) / self.micro_batches)
+        self.step_losses = dict(zip(list(sums)[1:], means[1:].unbind(), strict=True))
+        return means[0]
 
     def train_instructions(self) -> list[schedule.PipeInstruction]:
         """The step as instructions (DeepSpeed's classes): what the stage timers see."""
@@ -133,7 +136,7 @@ class PlainEngine(DeepSpeedEngine):
         del buffer_id
         loss, moe_loss = self._micro.pop("loss"), self._micro.pop("moe_loss")
         # MoE: lm loss + the weighted load-balancing losses is what trains; the lm loss alone is reported (upstream's
-        # "lm loss"; `step_losses` keeps the other, this rank's, as its "moe loss")
+        # "lm loss"; `step_losses` keeps the other as its "moe loss")
         self.backward(loss if moe_loss is None else loss + moe_loss)
         if moe_loss is not None:
             self.moe_loss_sum = moe_loss.detach().float() + (self.moe_loss_sum if self.moe_loss_sum is not None else 0)

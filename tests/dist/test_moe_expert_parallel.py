@@ -14,10 +14,10 @@ top-k router at k = 3 (`--moe-router-topk 3`), and at k = 2 with pre-softmax wei
 (Qwen2-MoE's layer). PR-MoE at EP=2 also
 under ZeRO-2 and with `--checkpoint-activations` (equal to the plain run within 1e-6), in bf16 (ZeRO-2 near the
 one-process bf16 run; ZeRO 0 clipping by the norm that counts the experts), with exact resumes under ZeRO-2 and bf16;
-each rank's `moe loss`, and `--log-num-zeros-in-grad`'s count (the one-process run's on every rank). The checkpoints
-saved at EP=1 (top-1, top-2, PR-MoE) and EP=2 load for generation in one process (`inference.load_model`): every weight
-the trained one, the logits the training model's in eval mode within 1e-6, KV-cached decoding equal to uncached; a
-missing expert file is one line naming it.
+the `moe loss` (averaged over the data-parallel ranks) and `--log-num-zeros-in-grad`'s count, the one-process run's on
+every rank. The checkpoints saved at EP=1 (top-1, top-2, PR-MoE) and EP=2 load for generation in one process
+(`inference.load_model`): every weight the trained one, the logits the training model's in eval mode within 1e-6,
+KV-cached decoding equal to uncached; a missing expert file is one line naming it.
 """
 
 from __future__ import annotations
@@ -225,16 +225,16 @@ def test_bf16_without_zero_clips_by_the_norm_that_counts_the_experts(runs: dict)
         assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)) <= 2e-2
 
 
-def test_the_moe_loss_is_each_ranks_own_and_its_mean_is_the_one_process_runs(runs: dict) -> None:
-    """The log line's `moe loss` (Megatron-DeepSpeed's loss dict: {'lm loss', 'moe loss'}): each rank's weighted
-    load-balancing loss over its own micro-batches, not averaged over data-parallel ranks, as upstream's (the last
-    rank's is printed); the gate's loss of a micro-batch sees that micro-batch's tokens alone, so the mean over the
-    ranks is the one-process run's."""
+def test_the_moe_loss_is_the_mean_over_the_data_parallel_ranks(runs: dict) -> None:
+    """The log line's `moe loss` (Megatron-DeepSpeed's loss dict: {'lm loss', 'moe loss'}): the weighted
+    load-balancing loss averaged over the micro-batches and the data-parallel ranks, as DeepSpeed's pipeline engine
+    averages it at P > 1 (tests/dist/test_moe_pipeline.py); the gate's loss of a micro-batch sees that micro-batch's
+    tokens alone, so every rank's is the one-process run's (each rank's own would be off by about 1e-3 here)."""
     ref = [step["moe loss"] for step in runs["top1_one"][0]["other_losses"]]
-    ranks = [[step["moe loss"] for step in r["other_losses"]] for r in runs["top1_ep2"]]
-    assert ranks[0] != ranks[1] and all(set(step) == {"moe loss"} for step in runs["top1_ep2"][0]["other_losses"])
-    for step, one in enumerate(ref):
-        assert abs((ranks[0][step] + ranks[1][step]) / 2 - one) <= TOL, (step, ranks, ref)
+    for r in runs["top1_ep2"]:
+        assert all(set(step) == {"moe loss"} for step in r["other_losses"]), r["other_losses"]
+        mine = [step["moe loss"] for step in r["other_losses"]]
+        assert max(abs(a - b) for a, b in zip(mine, ref, strict=True)) <= TOL, (mine, ref)
 
 
 @pytest.mark.parametrize("name", ["residual_ep2_zero2", "residual_bf16_ep2_zero0"])

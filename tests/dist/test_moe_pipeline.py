@@ -15,7 +15,8 @@ they train otherwise):
     top-k router at k = 3 and at k = 2 with pre-softmax weights and a gated shared expert under ZeRO 0, PR-MoE under ZeRO-1 with `--create-moe-param-group` (every stage gets the same expert optimizer groups);
   * P = 3 with dedicated embedding stages (`E|t*4|L`: the first stage holds no expert, the last none either), PR-MoE;
   * P = 2 x D = 2 at `--moe-expert-parallel-size 2` (DeepSpeed's expert groups made on every rank from our topology),
-    top-1 under ZeRO 0 and PR-MoE under ZeRO-1;
+    top-1 under ZeRO 0 and PR-MoE under ZeRO-1; its `moe loss` (the mean over the data-parallel ranks) is the plain
+    engine's at P = 1 x D = 2 too;
   * bf16 at P = 2 near the one-process bf16 run (the first step's norm, which counts the experts, within 3e-4).
 
 Checkpoints: saved at P = 2 under ZeRO-1 (each stage's experts in DeepSpeed's files under its model-parallel rank) and
@@ -81,10 +82,11 @@ def runs(tmp: Path) -> dict[str, list[dict]]:
     two["residual_zero1_p2_resumed"] = sc("residual_zero1", p=2, world=2, load=str(tmp / "ck_p2_zero1"))
     two["residual_zero1_p2_straight"] = sc("residual_zero1", p=2, world=2, steps=6)
     two["residual_bf16_p2"] = sc("residual", p=2, world=2, overrides=bf16)
+    ep = {"parallel__expert_parallel_size": 2}
+    two["top1_p1_ep2"] = {**sc("top1", world=2, overrides=ep), "weights": False}  # the plain engine's moe loss
     both = {"layout": {"dedicated": "both"}}
     three = {"residual_p3": sc("residual", p=3, world=3, save=str(tmp / "ck_p3"), **both)}
     three["residual_p3_resumed"] = sc("residual", p=3, world=3, steps=2, load=str(tmp / "ck_p3"), **both)
-    ep = {"parallel__expert_parallel_size": 2}
     four = {"top1_p2_ep2": sc("top1", p=2, world=4, overrides=ep)}
     four["residual_zero1_p2_ep2"] = sc("residual_zero1", p=2, world=4, overrides=ep)
     results: dict[str, list[dict]] = {}
@@ -144,6 +146,20 @@ def test_expert_parallel_two_at_two_stages_equals_the_one_process_run(runs: dict
         held = {n for n in r["weights"] if n in experts}
         assert held and all(n.split(".")[0] in {h.split(".")[0] for h in held} for n in held)
     assert_equal_to(ranks, ref, f"{variant} P=2 D=2 EP=2")
+
+
+def test_one_and_two_stages_report_the_same_moe_loss(runs: dict) -> None:
+    """The `moe loss` of the log line (`engine.step_losses`) is one quantity on both engines: the step's weighted
+    load-balancing loss averaged over the micro-batches and the data-parallel ranks (DeepSpeed's pipeline engine's
+    mean of GPTModelPipe's additional losses; docs/training.md). At D = 2, expert-parallel 2, 2 micro-batches per rank:
+    the plain engine's at P = 1 and the pipeline engine's at P = 2 are the same on every rank, and the one-process
+    run's (4 micro-batches); a rank's own mean would be about 1e-3 off."""
+    ref = [s["moe loss"] for s in runs["top1"][0]["other_losses"]]
+    for name, engine in (("top1_p1_ep2", "PlainEngine"), ("top1_p2_ep2", "PipelineEngine")):
+        for r in runs[name]:
+            assert r["engine"] == engine, (name, r["engine"])
+            mine = [s["moe loss"] for s in r["other_losses"]]
+            assert max(abs(a - b) for a, b in zip(mine, ref, strict=True)) <= TOL, (name, mine, ref)
 
 
 def test_the_gates_learn_from_the_load_balancing_loss(runs: dict) -> None:
