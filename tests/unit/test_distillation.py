@@ -358,6 +358,25 @@ def test_mixture_of_experts_teacher_is_its_checkpoints(tmp_path: Path, given: tu
     assert teacher.experts_per_layer == (1, 4, 1, 4) and not teacher.moe_token_dropping
 
 
+def test_a_teachers_shared_expert_and_router_are_its_checkpoints(tmp_path: Path) -> None:
+    """A dense student's teacher with Megatron-LM's pre-softmax router and a gated shared expert is built with them
+    (they shape its weights and its routing), not refused as differing from the student."""
+    path = moe_teacher(
+        tmp_path / "t",
+        model__moe_router="megatron",
+        model__moe_top_k=2,
+        model__moe_router_pre_softmax=True,
+        model__moe_shared_expert_size=24,
+        model__moe_shared_expert_gate=True,
+        model__add_bias_linear=False,
+    )
+    config = student(path, model__add_bias_linear=False)
+    teacher = distillation.teacher_model(config, distillation.open_teacher(config))
+    assert (teacher.moe_shared_expert_size, teacher.moe_shared_expert_gate) == (24, True)
+    assert (teacher.moe_router, teacher.moe_top_k, teacher.moe_router_pre_softmax) == ("megatron", 2, True)
+    assert (config.model.moe_shared_expert_size, config.model.is_moe) == (0, False)
+
+
 def test_moe_students_own_routing_gives_no_notice_and_another_names_each_field(tmp_path: Path) -> None:
     path = moe_teacher(tmp_path / "t")
     same = student(path, model__num_experts=(2,), model__moe_token_dropping=False)

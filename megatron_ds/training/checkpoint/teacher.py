@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 from megatron_ds.config import Config, ModelConfig
-from megatron_ds.config.experts import MOE_ROUTING_FIELDS, experts_per_layer
+from megatron_ds.config.experts import MOE_ROUTING_FIELDS, SHARED_EXPERT_FIELDS, experts_per_layer
 from megatron_ds.training.checkpoint.directory import UNIVERSAL_FORMAT, CheckpointError
 from megatron_ds.training.checkpoint.opening import Checkpoint, open_checkpoint
 from megatron_ds.training.checkpoint.rules import WEIGHT_FREE_FIELDS, vocabulary_hint
@@ -31,10 +31,11 @@ OWN_FIELDS = (
     "num_experts",
     "expert_interval",
     "mlp_type",
+    *SHARED_EXPERT_FIELDS,
     *MOE_ROUTING_FIELDS,
 )
 """The teacher's own sizes, read from its checkpoint, and its MLPs: dense, or its experts per layer, PR-MoE's residual
-MLP and how its gates route (top-k, capacity factors, minimum capacity, token dropping, 2nd-expert sampling) as it was
+MLP, Megatron-LM's shared expert and how its gates route (top-k, capacity factors, minimum capacity, token dropping, 2nd-expert sampling) as it was
 trained. Megatron-DeepSpeed routes its teacher with the student's MoE flags instead: `routing_notice`."""
 TEACHER_ROUTING = (
     "moe_top_k",
