@@ -181,6 +181,31 @@ _QWEN3_MOE_ARCH = (
     "--moe-router-topk",
     "8",
 )
+
+
+def _qwen2_moe_arch(experts: int, top_k: int, shared: int) -> tuple[str, ...]:
+    """Qwen2's layer (q/k/v biases) with `experts` routed experts, `top_k` of a softmax over all of them unrenormalized
+    (`norm_topk_prob: false`: --moe-router-pre-softmax) and a gated shared expert of width `shared`."""
+    return (
+        *_QWEN25_ARCH,
+        "--num-experts",
+        str(experts),
+        "--moe-router-topk",
+        str(top_k),
+        "--moe-router-pre-softmax",
+        "--moe-shared-expert-intermediate-size",
+        str(shared),
+        "--moe-shared-expert-gate",
+    )
+
+
+_QWEN2_MOE = (
+    "the released Qwen1.5-MoE-A2.7B and Qwen2-57B-A14B config.json files (24 / 28 layers, hidden 2048 / 3584, 16 / 28 "
+    "query heads and 16 / 4 kv heads, 60 experts of 1408 with 4 routed / 64 of 2560 with 8 routed, a gated shared "
+    "expert of 5632 / 20480, norm_topk_prob false, vocab 151936, rope_theta 1e6): 14.3B and 57.4B parameters, 2.7B and "
+    "14.2B active, as their model cards state; batch and learning rate are not published (the Llama 3 batch and the "
+    "placeholder --lr are printed)"
+)
 _QWEN3_MOE = (
     "Qwen Team 2025, Qwen3 (arXiv 2505.09388), Table 2 (30B-A3B: 48 layers, 32 query / 4 kv heads; 235B-A22B: 94 "
     "layers, 64 / 4; 128 experts, 8 routed, no shared expert); the released config.json files (hidden 2048 / 4096, "
@@ -273,6 +298,22 @@ PRESETS = {
         ),
         Preset("qwen3-30b-a3b", 48, 2048, 32, 512, None, 768, 4096, 151936, _QWEN3_MOE_ARCH, _QWEN3_MOE),
         Preset("qwen3-235b-a22b", 94, 4096, 64, 512, None, 1536, 4096, 151936, _QWEN3_MOE_ARCH, _QWEN3_MOE),
+        Preset(
+            "qwen1.5-moe-a2.7b", 24, 2048, 16, 512, None, 1408, 4096, 151936, _qwen2_moe_arch(60, 4, 5632), _QWEN2_MOE
+        ),
+        Preset(
+            "qwen2-57b-a14b",
+            28,
+            3584,
+            28,
+            512,
+            None,
+            2560,
+            4096,
+            151936,
+            (*_qwen2_moe_arch(64, 8, 20480), *_gqa(4)),
+            _QWEN2_MOE,
+        ),
         Preset("mixtral-8x7b", 32, 4096, 32, 1024, None, 14336, 4096, 32000, (*_MIXTRAL_ARCH, *_gqa(8)), _MIXTRAL),
         Preset("mixtral-8x22b", 56, 6144, 48, 1024, None, 16384, 4096, 32768, (*_MIXTRAL_ARCH, *_gqa(8)), _MIXTRAL),
     )

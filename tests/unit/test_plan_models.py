@@ -38,7 +38,7 @@ PUBLISHED_BILLIONS = {
     "mixtral-8x7b": 46.7028,
     "mixtral-8x22b": 140.6301,
 }
-QWEN = {"qwen2.5-7b", "qwen2.5-72b"}
+QWEN = {"qwen2.5-7b", "qwen2.5-72b", "qwen1.5-moe-a2.7b"}
 # Released config.json: rope_scaling (llama3) factor, or None; tie_word_embeddings
 ROPE_SCALING = {"llama3.1-8b": 8.0, "llama3.1-70b": 8.0, "llama3-405b": 8.0, "llama3.2-1b": 32.0, "llama3.2-3b": 32.0}
 TIED = {"llama3.2-1b", "llama3.2-3b"}
@@ -98,6 +98,7 @@ def test_qwen3_presets_have_their_published_parameter_counts(name: str) -> None:
         ("qwen3-32b", 64),
         ("mixtral-8x7b", 64),
         ("qwen3-30b-a3b", 64),
+        ("qwen1.5-moe-a2.7b", 16),
     ],
 )
 def test_a_llama_presets_printed_command_trains_its_model(name: str, gpus: int, capsys) -> None:
@@ -254,3 +255,24 @@ def test_the_qwen3_moe_presets_are_the_released_models_and_export_as_qwen3_moe(
     idle_experts = m.num_layers * 120 * 3 * m.hidden_size * m.ffn_hidden_size  # 120 of a layer's 128 compute no token
     assert total_params(m) / 1e9 == pytest.approx(total, rel=2e-3)
     assert (total_params(m) - idle_experts) / 1e9 == pytest.approx(active, rel=2e-2)  # 3.353B: the card's "3.3B"
+
+
+@pytest.mark.parametrize(
+    ("name", "experts", "routed", "total", "active"),
+    [("Qwen1.5-MoE-A2.7B", 60, 4, 14.3, 2.7), ("Qwen2-57B-A14B", 64, 8, 57.4, 14.2)],
+)
+def test_the_qwen2_moe_presets_are_the_released_models_and_export_as_qwen2_moe(
+    name: str, experts: int, routed: int, total: float, active: float
+) -> None:
+    """Qwen2's layer with routed experts on every layer (the k largest of a softmax over all of them, not renormalized:
+    norm_topk_prob false) and a gated shared expert: the model the Hugging Face export writes as Qwen2MoeForCausalLM,
+    at the model cards' parameters (counted here: 14.32B / 2.69B active and 57.41B / 14.25B)."""
+    from megatron_ds.interop import hf_architectures
+
+    m = resolve(PlanInputs(model=name)).model()
+    assert m.experts_per_layer == (experts,) * m.num_layers and (m.moe_router, m.moe_top_k) == ("megatron", routed)
+    assert m.moe_router_pre_softmax and m.moe_shared_expert_gate and m.add_qkv_bias and not m.qk_layernorm
+    assert hf_architectures.architecture_of(m) == hf_architectures.QWEN2_MOE
+    idle_experts = m.num_layers * (experts - routed) * 3 * m.hidden_size * m.ffn_hidden_size
+    assert total_params(m) / 1e9 == pytest.approx(total, rel=2e-3)
+    assert (total_params(m) - idle_experts) / 1e9 == pytest.approx(active, rel=5e-3)
