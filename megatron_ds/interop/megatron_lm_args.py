@@ -187,7 +187,7 @@ def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config
     # T = 1 with the vocabulary padded as the run's T padded it
     t = 1 if experts else ckpt.tensor_parallel
     flags = [
-        *render(ckpt.args if t == ckpt.tensor_parallel else padded_at_t1(ckpt), MODEL_ARGS),
+        *render(model_args(ckpt.args) if t == ckpt.tensor_parallel else padded_at_t1(ckpt), MODEL_ARGS),
         *moe_flags(ckpt.args),
         *render(ckpt.args, TRAINING_ARGS),
         f"--tensor-model-parallel-size={t}",
@@ -209,15 +209,28 @@ def config_from_args(ckpt: MegatronLMCheckpoint, tokenizer: list[str]) -> Config
 
 
 def padded_at_t1(ckpt: MegatronLMCheckpoint) -> dict[str, Any]:
-    """The run's args with --make-vocab-size-divisible-by times its T: Megatron pads the vocabulary to a multiple of
-    that x T, so at T = 1 these flags pad it to the same rows."""
-    divisible = ckpt.args.get("make_vocab_size_divisible_by")
-    return {**ckpt.args, "make_vocab_size_divisible_by": divisible * ckpt.tensor_parallel} if divisible else ckpt.args
+    """The run's args (`model_args`) with --make-vocab-size-divisible-by times its T: Megatron pads the vocabulary to a
+    multiple of that x T, so at T = 1 these flags pad it to the same rows."""
+    args = model_args(ckpt.args)
+    divisible = args.get("make_vocab_size_divisible_by")
+    return {**args, "make_vocab_size_divisible_by": divisible * ckpt.tensor_parallel} if divisible else args
+
+
+def model_args(args: dict[str, Any]) -> dict[str, Any]:
+    """The run's args as our flags take them: with experts on every layer the dense FFN size shapes no tensor, so the
+    experts' (--moe-ffn-hidden-size, which Qwen- and DeepSeek-style lines set apart from --ffn-hidden-size) is the FFN
+    size (our experts are the MLP's width)."""
+    freq = args.get("moe_layer_freq", 1)
+    every_layer = freq == 1 or (isinstance(freq, list) and set(freq) == {1})
+    moe_size = args.get("moe_ffn_hidden_size")
+    if args.get("num_experts") and every_layer and moe_size:
+        return {**args, "ffn_hidden_size": moe_size}
+    return args
 
 
 def moe_flags(args: dict[str, Any]) -> list[str]:
     """The run's `MOE_ARGS` as flags ([] for a dense run, which saves them at Megatron-LM's defaults)."""
-    return render(args, MOE_ARGS) if args.get("num_experts") else []
+    return render(model_args(args), MOE_ARGS) if args.get("num_experts") else []
 
 
 def train_state(ckpt: MegatronLMCheckpoint, config: Config) -> dict[str, Any]:

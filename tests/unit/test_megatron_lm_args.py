@@ -115,6 +115,16 @@ def test_a_qwen2_moe_style_run_keeps_its_shared_expert_and_pre_softmax_router() 
     assert (m.moe_shared_expert_size, m.moe_shared_expert_gate, m.moe_router_pre_softmax) == (64, True, True)
 
 
+def test_experts_of_another_width_than_the_dense_ffn_on_every_layer_are_the_ffn_size() -> None:
+    """Qwen- and DeepSeek-style lines give --moe-ffn-hidden-size apart from --ffn-hidden-size; with experts on every
+    layer the dense size shapes no tensor, so the experts' is the model's FFN size; with dense layers too, refused."""
+    ckpt = _ckpt("mixtral", ffn_hidden_size=128, moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=128)
+    assert _config(ckpt).model.ffn_hidden_size == 64 and _config(ckpt).model.moe_shared_expert_size == 128
+    assert "--moe-ffn-hidden-size" not in saved_args.moe_flags(ckpt.args)
+    with pytest.raises(CheckpointError, match="--moe-ffn-hidden-size 64 differs from the FFN size 128"):
+        _config(_ckpt("mixtral", ffn_hidden_size=128, moe_ffn_hidden_size=64, moe_layer_freq=[0, 1]))
+
+
 def test_a_moe_layer_pattern_is_the_expert_interval() -> None:
     m = _config(_ckpt("gpt", **_MOE, moe_layer_freq=[0, 1])).model
     assert m.experts_per_layer == (1, 4) and m.expert_interval == 2
@@ -127,7 +137,6 @@ def test_a_moe_layer_pattern_is_the_expert_interval() -> None:
         ({"moe_router_score_function": "sigmoid"}, "--moe-router-score-function sigmoid"),
         ({"moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias"),
         ({"moe_layer_freq": 2}, "--moe-layer-freq 2"),
-        ({"moe_ffn_hidden_size": 64}, "--moe-ffn-hidden-size 64"),
         ({"add_bias_linear": True}, "--moe-router-topk"),  # megatron-core's router's bias
     ],
 )
