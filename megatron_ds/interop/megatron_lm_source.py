@@ -91,7 +91,7 @@ class MegatronLMSource:
         if sharding in SHARDING_TYPES or sharding == GATHERED:
             return self._place_buckets(sharding)
         candidates, layer = where.names(self.model, model_tensors(self.model)[0])
-        key = self._dist_key(candidates, layer, prefix=f"optimizer.state.{STATES[0]}.")
+        key = self._state_key(model_tensors(self.model)[0], STATES[0])
         weight = self._dist_key(candidates, layer)
         if key is None or weight is None:
             return ()
@@ -121,14 +121,7 @@ class MegatronLMSource:
         for tensor in model_tensors(self.model):
             candidates, layer = where.names(self.model, tensor)
             weight_key = self._dist_key(candidates, layer)
-            master_key = next(
-                (
-                    k
-                    for m in MASTERS
-                    if (k := self._dist_key(candidates, layer, prefix=f"optimizer.state.{m}.")) is not None
-                ),
-                None,
-            )
+            master_key = next((k for m in MASTERS if (k := self._state_key(tensor, m)) is not None), None)
             if weight_key is None or master_key is None:
                 continue
             weight = self.dist.read(weight_key, layer, where.expert(tensor))
@@ -193,10 +186,16 @@ class MegatronLMSource:
         return self._optimizer_state(tensor, state).float()
 
     def _optimizer_key(self, tensor: ModelTensor, state: str) -> str | None:
-        if not self._states:
-            return None
+        return self._state_key(tensor, state) if self._states else None
+
+    def _state_key(self, tensor: ModelTensor, state: str) -> str | None:
+        """torch_dist's name of `state` of `tensor`: `optimizer.state.<state>.<tensor>`, or a ChainedOptimizer's saved
+        by megatron-core before 0.14 (or with --dist-ckpt-save-pre-mcore-014): `chained_<i>.optimizer.state...`,
+        i the optimizer holding it (a mixture of experts: 0 the dense parameters, 1 the experts)."""
         candidates, layer = where.names(self.model, tensor)
-        return self._dist_key(candidates, layer, prefix=f"optimizer.state.{state}.")
+        chained = range(len(_chained(self.mlm.optimizer or {})))
+        prefixes = ["optimizer.state.", *(f"chained_{i}.optimizer.state." for i in chained)]
+        return next((k for p in prefixes if (k := self._dist_key(candidates, layer, f"{p}{state}.")) is not None), None)
 
     def _optimizer_state(self, tensor: ModelTensor, state: str) -> torch.Tensor:
         assert self.dist is not None

@@ -29,7 +29,7 @@ from megatron_ds.testing.zygote import RUN_PRELOAD
 
 RECORDED = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data", "megatron_lm_args.json")
 FORMATS = ("torch_dist", "torch")
-OPTIMIZERS = ("local", "fully_reshardable", "dp_reshardable", "dp_zero_gather_scatter")
+OPTIMIZERS = ("local", "local_pre_mcore_014", "fully_reshardable", "dp_reshardable", "dp_zero_gather_scatter")
 TOKENS = ((3, 17, 42, 99, 5, 64, 7, 23, 88, 1, 0, 50), (9, 8, 7, 6, 5, 4, 3, 2, 1, 60, 70, 80))
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -96,7 +96,8 @@ def write_checkpoint(
     {"tokens", "logits"} of megatron-core's forward (float32, full vocabulary).
 
     `optimizer` (P = 1 only): train `iteration` steps on fixed tokens with megatron-core's Adam, `local`
-    (Megatron-LM without --use-distributed-optimizer) or its distributed optimizer saved as
+    (Megatron-LM without --use-distributed-optimizer; `local_pre_mcore_014`: saved with --dist-ckpt-save-pre-mcore-014,
+    a ChainedOptimizer's states prefixed `chained_<i>.`) or its distributed optimizer saved as
     `fully_reshardable` (--dist-ckpt-optim-fully-reshardable), `dp_reshardable` (the default) or
     `dp_zero_gather_scatter` (core 0.5-0.6's); torch_dist is saved after every step from 1 to `iteration`
     with the optimizer's state, `torch` once at the end with the optimizer's `state_dict()` (and the

@@ -168,7 +168,9 @@ def _torch_rank_dir(a: argparse.Namespace) -> str:
 
 def _optimizer_metadata(a: argparse.Namespace) -> dict[str, Any]:
     """Megatron-LM's `_build_sharded_state_dict_metadata` for these args."""
-    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    # --dist-ckpt-save-pre-mcore-014 (and megatron-core before 0.14) prefixes a ChainedOptimizer's states `chained_<i>.`
+    avoid_prefix = not getattr(a, "dist_ckpt_save_pre_mcore_014", False)
+    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": avoid_prefix}
     if a.use_distributed_optimizer:
         metadata["distrib_optim_sharding_type"] = a.distrib_optim_sharding_type
     return metadata
@@ -184,7 +186,8 @@ def _train(
 
     assert kind in OPTIMIZERS and a.pipeline_model_parallel_size == 1, (kind, a.pipeline_model_parallel_size)
     _optimizer_shims()
-    a.use_distributed_optimizer = kind != "local"
+    a.use_distributed_optimizer = not kind.startswith("local")
+    a.dist_ckpt_save_pre_mcore_014 = kind == "local_pre_mcore_014"
     a.dist_ckpt_optim_fully_reshardable = kind == "fully_reshardable"
     a.distrib_optim_sharding_type = kind  # dp_zero_gather_scatter: Megatron-LM's torch_dist default in core 0.5-0.6
     a.clip_grad = 0.0  # megatron-core's gradient clipping asserts CUDA tensors: the runs here do not clip

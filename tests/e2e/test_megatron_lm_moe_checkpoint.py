@@ -33,9 +33,10 @@ TP2 = "mixtral_tp2"
 --expert-tensor-parallel-size), --sequence-parallel, --bf16 with --moe-router-dtype fp32, on 4 ranks."""
 
 
-TRAINED = ("local", "fully_reshardable", "dp_reshardable")
+TRAINED = ("local", "local_pre_mcore_014", "fully_reshardable", "dp_reshardable")
 """Two steps of megatron-core's ChainedOptimizer (Adam for the dense parameters, Adam for the experts) on fixed
-tokens, torch_dist saved after each: without the distributed optimizer (also `torch` at the end), with it saved
+tokens, torch_dist saved after each: without the distributed optimizer (also `torch` at the end; again saved with
+--dist-ckpt-save-pre-mcore-014, its states under `chained_<i>.optimizer.state...`), with it saved
 --dist-ckpt-optim-fully-reshardable, and in its default dp_reshardable buffers (also `torch`, with
 distrib_optim.pt)."""
 
@@ -48,7 +49,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], 
     paths: dict = {fmt: root / fmt for fmt in FORMATS}
     reference = write_checkpoints(NAME, {f: str(p) for f, p in paths.items()}, ITERATION)
     for optimizer in TRAINED:
-        formats = FORMATS if optimizer != "fully_reshardable" else ("torch_dist",)
+        formats = FORMATS if optimizer in ("local", "dp_reshardable") else ("torch_dist",)
         trained = {fmt: root / f"{optimizer}-{fmt}" for fmt in formats}
         logits = write_checkpoints(NAME, {f: str(p) for f, p in trained.items()}, 2, optimizer=optimizer)
         paths |= {(optimizer, fmt): (path, logits) for fmt, path in trained.items()}
@@ -153,7 +154,7 @@ LR_AFTER_ONE_STEP = 0.00015
 """megatron-core's OptimizerParamScheduler of the line after one step of 8 samples (warm-up of 16: half of --lr)."""
 
 
-@pytest.mark.parametrize("optimizer", ["local", "fully_reshardable"])
+@pytest.mark.parametrize("optimizer", ["local", "local_pre_mcore_014", "fully_reshardable"])
 def test_the_experts_adam_state_is_the_runs(sources, tmp_path: Path, optimizer: str) -> None:
     """Named by tensor in torch_dist (each expert's moments stacked as its weight), the state of megatron-core's
     dense and expert optimizers converts: upstream's second AdamW step, w2 = w1 (1 - lr wd) - lr/(1-b1^2) m /
