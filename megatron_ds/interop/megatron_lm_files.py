@@ -38,6 +38,7 @@ import torch
 from megatron_ds import files
 from megatron_ds.errors import first_line
 from megatron_ds.interop import restricted_pickle
+from megatron_ds.interop.megatron_lm_experts import GROUPED_EXPERTS, global_experts
 from megatron_ds.interop.saved_flags import SavedArgs, check_saved_args
 from megatron_ds.training.checkpoint.directory import MEGATRON_TRACKER, CheckpointError
 
@@ -333,10 +334,10 @@ class RankTensors:
 
     def model(self, tensor_rank: int, stage: int) -> dict[str, Any]:
         """The stage's state dict on `tensor_rank`; with expert parallelism the first expert-parallel rank's, its
-        experts those of every expert-parallel rank under their global index (`_global_experts`)."""
+        experts those of every expert-parallel rank under their global index (`megatron_lm_experts.global_experts`)."""
         if (tensor_rank, stage) not in self._models:
             models = [self._load(tensor_rank, stage, r) for r in range(self.ckpt.expert_parallel)]
-            self._models[tensor_rank, stage] = _global_experts(models, self.ckpt.rank_file(tensor_rank, stage))
+            self._models[tensor_rank, stage] = global_experts(models, self.ckpt.rank_file(tensor_rank, stage))
         return self._models[tensor_rank, stage]
 
     def _load(self, tensor_rank: int, stage: int, expert_rank: int) -> dict[str, Any]:
@@ -344,7 +345,7 @@ class RankTensors:
         model = load_pickled_state(path).get("model")
         if not isinstance(model, dict):
             raise CheckpointError(f"{path}: no 'model' state dict; the checkpoint is damaged or saved without it")
-        grouped = next((k for k in model if _GROUPED_EXPERTS.search(k)), None)
+        grouped = next((k for k in model if GROUPED_EXPERTS.search(k)), None)
         if grouped is not None:
             raise CheckpointError(
                 f"{path}: its experts are stored as one grouped-GEMM tensor ({grouped}: --moe-grouped-gemm), which "
@@ -384,30 +385,3 @@ class RankTensors:
                 )
             shards.append(value.detach().clone())
         return shards
-
-
-_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
-"""megatron-core's SequentialMLP: a local expert's tensors in a rank's state dict."""
-_GROUPED_EXPERTS = re.compile(r"\.mlp\.experts\.(weight[12]|linear_fc[12]\.(weight|bias)\d+)$")
-"""GroupedMLP's (`weight1`, `weight2`) and TEGroupedMLP's (`linear_fc1.weight<i>`) tensors of all local experts."""
-
-
-def _global_experts(models: list[dict[str, Any]], first: str) -> dict[str, Any]:
-    """The state dicts of each expert-parallel rank as one: the first rank's, each rank's local experts renamed to
-    their global index (expert e of rank r is r x local + e, megatron-core's numbering)."""
-    if len(models) == 1:
-        return models[0]
-    out = {k: v for k, v in models[0].items() if not _LOCAL_EXPERT.match(k)}
-    count: int | None = None
-    for rank, model in enumerate(models):
-        local = {int(m.group(2)) for k in model if (m := _LOCAL_EXPERT.match(k))}
-        if local != set(range(len(local))) or count not in (None, len(local)):
-            raise CheckpointError(
-                f"{first}: expert-parallel rank {rank}'s file holds local experts {sorted(local)}; the checkpoint is "
-                f"damaged"
-            )
-        count = len(local)
-        for key, value in model.items():
-            if (m := _LOCAL_EXPERT.match(key)) is not None:
-                out[f"{m.group(1)}{rank * count + int(m.group(2))}{m.group(3)}"] = value
-    return out

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_ds.interop.megatron_lm_files import DistTensors, _global_experts
+from megatron_ds.interop.megatron_lm_experts import global_experts
+from megatron_ds.interop.megatron_lm_files import DistTensors
 from megatron_ds.training.checkpoint.directory import CheckpointError
 
 KEY = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
@@ -70,7 +71,7 @@ def _rank(rank: int, local: int = 2) -> dict[str, torch.Tensor]:
 
 
 def test_each_expert_parallel_ranks_experts_take_their_global_index() -> None:
-    merged = _global_experts([_rank(0), _rank(1)], "/ckpt/mp_rank_00_000/model_optim_rng.pt")
+    merged = global_experts([_rank(0), _rank(1)], "/ckpt/mp_rank_00_000/model_optim_rng.pt")
     experts = {k: float(v) for k, v in merged.items() if "local_experts" in k}
     assert experts == {
         f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc1.weight": [0.0, 1.0, 10.0, 11.0][e]
@@ -82,12 +83,12 @@ def test_each_expert_parallel_ranks_experts_take_their_global_index() -> None:
         *(f"decoder.layers.{i}.mlp.router.weight" for i in (0, 1)),
     }
     plain = _rank(0)
-    assert _global_experts([plain], "f") is plain  # expert-parallel size 1: the file as it is
+    assert global_experts([plain], "f") is plain  # expert-parallel size 1: the file as it is
 
 
 def test_ranks_that_hold_different_numbers_of_experts_are_refused() -> None:
     with pytest.raises(CheckpointError, match=r"^f: expert-parallel rank 1's file holds local experts \[0\]; "):
-        _global_experts([_rank(0), _rank(1, local=1)], "f")
+        global_experts([_rank(0), _rank(1, local=1)], "f")
 
 
 def test_grouped_gemm_experts_in_torch_format_are_one_line(tmp_path: Path) -> None:
