@@ -212,11 +212,21 @@ def expert_interval(freq: Any, num_layers: int) -> int:
 
 
 def router_notices(args: argparse.Namespace, model: Any, precision: str) -> None:
-    """What Megatron-LM's router computes otherwise here, printed once per launch."""
+    """What Megatron-LM's router computes otherwise here, or what megatron-core refuses and trains here, printed once
+    per launch. Top-1 routing without --moe-router-pre-softmax is not refused: a Hugging Face Mixtral or Qwen3-MoE
+    (`norm_topk_prob` true) at `num_experts_per_tok` 1 means exactly that (the import passes these flags, muted)."""
     if not _routes(model):
         return
     if precision != "fp32" and args.moe_router_dtype is None:
         notice(
             f"Megatron-LM's router computes its logits in {precision} unless --moe-router-dtype fp32; here DeepSpeed's "
             "gate computes them in fp32 (add --moe-router-dtype fp32 to say so)"
+        )
+    if model.moe_top_k == 1 and not model.moe_router_pre_softmax:
+        notice(
+            "--moe-router-topk 1 without --moe-router-pre-softmax: megatron-core refuses this combination (its "
+            "TransformerConfig asks for --moe-router-pre-softmax when topk is 1); here the softmax over the one chosen "
+            "logit weighs each token's expert 1, so the router learns from the load-balancing loss alone (as Mixtral's "
+            "and Qwen3-MoE's norm_topk_prob routers do at one expert per token); add --moe-router-pre-softmax to weigh "
+            "it by its probability among all experts"
         )

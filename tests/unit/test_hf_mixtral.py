@@ -134,6 +134,20 @@ def test_mixtrals_config_reads_back_as_the_model_and_its_routing() -> None:
         config_from_hf(hf, ["--num-experts", "8"], "hf/config.json", None)
 
 
+def test_a_top_1_mixtral_imports_as_megatron_lms_top_1_router_without_its_notice(capsys: pytest.CaptureFixture) -> None:
+    """num_experts_per_tok 1: the one expert weighed 1 (the softmax over the one chosen logit), Megatron-LM's router
+    without --moe-router-pre-softmax, which megatron-core refuses; the launch's notice says so, the import's not."""
+    from megatron_ds.interop.hf_import import config_from_hf
+
+    fields = hf_config.to_hf_config(MIXTRAL, REG, 200, "float32", {})
+    hf = hf_config_read.from_hf_config({**fields, "num_experts_per_tok": 1}, "hf/config.json")
+    assert hf.architecture["moe_router_topk"] == 1
+    capsys.readouterr()
+    model = config_from_hf(hf, ["--seq-length", "16"], "hf/config.json", None).model
+    assert (model.moe_router, model.moe_top_k, model.moe_router_pre_softmax) == ("megatron", 1, False)
+    assert "NOTICE" not in capsys.readouterr().out
+
+
 def test_absent_fields_are_mixtrals_defaults_not_llamas() -> None:
     """transformers' MixtralConfig: rms_norm_eps 1e-5, rope base 1e6 (its default_theta), 8 key/value heads."""
     fields = hf_config.to_hf_config(dataclasses.replace(MIXTRAL, num_attention_heads=8), REG, 200, "float32", {})

@@ -140,6 +140,19 @@ def test_what_differs_from_megatron_lm_is_printed(capsys: pytest.CaptureFixture)
     assert "NOTICE" not in capsys.readouterr().out
 
 
+def test_top_1_without_pre_softmax_trains_with_a_notice_megatron_core_refuses_it(capsys: pytest.CaptureFixture) -> None:
+    """megatron-core's TransformerConfig refuses topk 1 without pre-softmax (every weight would be 1); a Hugging Face
+    Mixtral at num_experts_per_tok 1 means exactly that, so it trains, with a notice naming the fix."""
+    model = parse("--moe-router-topk", "1").model
+    assert (model.moe_router, model.moe_top_k, model.moe_router_pre_softmax) == ("megatron", 1, False)
+    out = capsys.readouterr().out
+    assert "NOTICE: --moe-router-topk 1 without --moe-router-pre-softmax: megatron-core refuses this combination" in out
+    assert "add --moe-router-pre-softmax" in out
+    for argv in (["--moe-router-topk", "1", "--moe-router-pre-softmax"], ["--moe-router-topk", "2"], ["--topk", "1"]):
+        parse(*argv)
+        assert "--moe-router-topk 1 without" not in capsys.readouterr().out, argv
+
+
 @pytest.mark.parametrize(
     "layers,freq", [(4, []), (5, ["--moe-layer-freq", "([0]+[1])*2+[0]"]), (4, ["--moe-router-pre-softmax"])]
 )
