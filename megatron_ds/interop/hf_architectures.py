@@ -156,17 +156,20 @@ QWEN3_REQUIRES = (
 )
 
 
-def _expert_requires(title: str, shared: bool = False) -> tuple[Requirement, ...]:
+def _expert_requires(title: str, shared: bool = False, pre_softmax: bool = False) -> tuple[Requirement, ...]:
     """What `title` (Mixtral, Qwen3-MoE; Qwen2-MoE, `shared`) needs of a mixture of experts: the same SwiGLU experts on
-    every layer, the router's weights renormalized over the k chosen (Qwen2-MoE: either way), no biases, whole heads
-    rotated, a window on all layers or none; no shared expert (Qwen2-MoE: a gated one)."""
-    return (*_EXPERT_KIND[shared](title), *_common_expert_requires(title))
+    every layer, the router's weights renormalized over the k chosen (either way where `title` has `norm_topk_prob`:
+    `shared` or `pre_softmax`), no biases, whole heads rotated, a window on all layers or none; no shared expert
+    (Qwen2-MoE: a gated one)."""
+    kind = _gated_shared_expert(title) if shared else _no_shared_expert(title, pre_softmax)
+    return (*kind, *_common_expert_requires(title))
 
 
-def _no_shared_expert(title: str) -> tuple[Requirement, ...]:
+def _no_shared_expert(title: str, pre_softmax: bool) -> tuple[Requirement, ...]:
+    """No shared expert; `--moe-router-pre-softmax` only where `pre_softmax` (`norm_topk_prob` false expresses it)."""
     return (
-        Requirement(  # Qwen3-MoE's norm_topk_prob false is the pre-softmax router
-            lambda m: not m.moe_router_pre_softmax or title == "Qwen3-MoE",
+        Requirement(
+            lambda m: not m.moe_router_pre_softmax or pre_softmax,
             f"--moe-router-pre-softmax: {title} renormalizes a token's k weights over the k chosen (train without it)",
         ),
         Requirement(
@@ -186,9 +189,6 @@ def _gated_shared_expert(title: str) -> tuple[Requirement, ...]:
             f"--moe-shared-expert-intermediate-size without --moe-shared-expert-gate: {title}'s shared expert is gated",
         ),
     )
-
-
-_EXPERT_KIND = {False: _no_shared_expert, True: _gated_shared_expert}
 
 
 def _common_expert_requires(title: str) -> tuple[Requirement, ...]:
@@ -231,7 +231,14 @@ def _common_expert_requires(title: str) -> tuple[Requirement, ...]:
 
 
 MIXTRAL_REQUIRES = _expert_requires("Mixtral")
-QWEN3_MOE_REQUIRES = _expert_requires("Qwen3-MoE")
+"""A mixture-of-experts model is Mixtral's when its experts are: the same SwiGLU experts on every layer, no shared
+expert, routed with the k chosen weights renormalized over the k (DeepSpeed's top-2 gate without capacity,
+`moe.route_every_token`, or Megatron-LM's top-k router, `moe.megatron_router`, at any k without
+`--moe-router-pre-softmax`)."""
+QWEN3_MOE_REQUIRES = _expert_requires("Qwen3-MoE", pre_softmax=True)
+"""Qwen3-MoE's (beside query and key norms, `QWEN3_REQUIRES`): Mixtral's experts, routed as Mixtral's
+(`norm_topk_prob` true) or by Megatron-LM's router with `--moe-router-pre-softmax` (`norm_topk_prob` false: the k
+largest of the softmax over all experts, not renormalized)."""
 QWEN2_MOE_REQUIRES = (
     *_expert_requires("Qwen2-MoE", shared=True),
     Requirement(lambda m: m.add_qkv_bias, "no --add-qkv-bias: Qwen2-MoE has q/k/v biases (qkv_bias), as Qwen2"),
@@ -239,9 +246,6 @@ QWEN2_MOE_REQUIRES = (
 """Qwen2-MoE: Qwen2's layer (q/k/v biases) with experts on every layer and a gated shared expert beside them
 (`moe.SharedExpert`), routed by Megatron-LM's top-k router with (`norm_topk_prob` true) or without
 (`--moe-router-pre-softmax`, its default false) renormalization; no sliding window here."""
-"""A mixture-of-experts model is Mixtral's (Qwen3-MoE's with query and key norms, `QWEN3_REQUIRES`) when its experts
-are (DeepSpeed's top-2 gate without capacity is their router, `moe.route_every_token`, and so is Megatron-LM's top-k
-router, `moe.megatron_router`, at every k; Qwen3-MoE's with `norm_topk_prob`)."""
 
 
 def _default_head(model: ModelConfig) -> str:
