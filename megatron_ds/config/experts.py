@@ -50,7 +50,9 @@ def experts_per_layer(num_experts: tuple[int, ...], num_layers: int, expert_inte
 
 def check_experts(model: Any) -> None:
     """`ModelConfig`'s mixture-of-experts fields checked, and stored in one spelling (a dense model's at their defaults;
-    Megatron-LM's router's without DeepSpeed's gate fields)."""
+    Megatron-LM's router's without DeepSpeed's gate fields). A dense model's routing fields are checked as a mixture of
+    experts' are before they are reset (`--topk 3`, or Megatron-LM's pre-softmax or shared expert with DeepSpeed's
+    gates, is refused with or without experts): one rule, whether the layers have experts or not."""
     object.__setattr__(model, "num_experts", tuple(int(n) for n in model.num_experts))  # a JSON list on load
     given = " ".join(map(str, model.num_experts))
     check(

@@ -150,11 +150,13 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     """Megatron-LM's `--moe-router-pre-softmax` (its router only): the softmax over all experts first, each token's k
     largest probabilities its weights, not renormalized (Qwen2-MoE's `norm_topk_prob` false); the load-balancing
-    loss is the same. Stored as False with DeepSpeed's gates and in a dense model."""
+    loss is the same. Refused with DeepSpeed's gates (`moe_router` "deepspeed"), in a dense model too, as every routing
+    field is checked against its router there (`--topk 3` is refused so); a dense model then stores it as False."""
     moe_shared_expert_size: int = 0
     """Megatron-LM's `--moe-shared-expert-intermediate-size` (its router only): the FFN width of a dense MLP beside the
     routed experts of every MoE layer (megatron-core's `SharedExpertMLP`: the experts' activation, no biases), whose
-    output is added to theirs for every token (Qwen2-MoE's and DeepSeek's shared experts); 0: none."""
+    output is added to theirs for every token (Qwen2-MoE's and DeepSeek's shared experts); 0: none. Refused with
+    DeepSpeed's gates, in a dense model too (as `moe_router_pre_softmax`); a dense model then stores it as 0."""
     moe_shared_expert_gate: bool = False
     """Megatron-LM's `--moe-shared-expert-gate`: the shared expert's output scaled by sigmoid(a bias-free linear
     h -> 1 of the layer's input) (Qwen2-MoE's `shared_expert_gate`); needs `moe_shared_expert_size`."""

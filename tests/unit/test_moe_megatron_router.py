@@ -124,6 +124,30 @@ def test_the_router_stores_what_it_does_and_takes_any_k_up_to_the_experts() -> N
     assert not dense.moe_router_pre_softmax  # a dense model stores its routing at the defaults
 
 
+@pytest.mark.parametrize(
+    "fields, problem",
+    [
+        (dict(moe_top_k=3), "--topk 3 is not one of 1, 2"),
+        (dict(moe_router_pre_softmax=True), "--moe-router-pre-softmax is Megatron-LM's router's; with DeepSpeed's"),
+        (dict(moe_shared_expert_size=8), "--moe-shared-expert-intermediate-size 8 is Megatron-LM's router's"),
+    ],
+)
+def test_a_dense_models_routing_is_checked_against_its_router_then_stored_at_the_defaults(
+    fields: dict, problem: str
+) -> None:
+    """ModelConfig's docstrings: a dense model's routing fields are refused where a mixture of experts' would be (with
+    DeepSpeed's gates), then stored at their defaults (with Megatron-LM's router)."""
+    dense = dataclasses.replace(MODEL, num_experts=(1,), moe_router="deepspeed", moe_top_k=1, add_bias_linear=False)
+    with pytest.raises(ConfigError, match=problem):
+        dataclasses.replace(dense, **fields)
+    with pytest.raises(ConfigError, match=problem):
+        dataclasses.replace(dense, num_experts=(8,), **fields)
+    stored = dataclasses.replace(dense, moe_router="megatron", **{**fields, "moe_top_k": 3})
+    defaults = ModelConfig.__dataclass_fields__
+    assert {k: getattr(stored, k) for k in fields} == {k: defaults[k].default for k in fields}
+    assert stored.moe_router == defaults["moe_router"].default
+
+
 def test_each_expert_is_drawn_on_its_own_by_its_global_index() -> None:
     """`moe.draw_experts_apart` (the builder calls it once DeepSpeed's engine has made the expert groups): each expert
     from a generator of its own, fc1 N(0, std), fc2 N(0, std / sqrt(2 L)), as megatron-core draws every local expert;
