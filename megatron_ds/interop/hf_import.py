@@ -284,7 +284,7 @@ def _train_flags(config: Config, hf: HFModel) -> list[str]:
         "make_vocab_size_divisible_by": config.data.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": config.parallel.tensor_model_parallel_size,
     }
-    if config.model.is_moe:  # the routing that computes the Hugging Face model (hf_config_read's _from_mixtral, ...)
+    if config.model.is_moe:  # the routing that computes the Hugging Face model (hf_config_experts' from_mixtral, ...)
         values.update({k: v for k, v in hf.defaults.items() if k in MOE_ROUTING_DESTS})
     values.update({k: getattr(config.data, k) for k in TOKENIZER_DESTS if getattr(config.data, k)})
     return hf_config_read.render_flags(values)
