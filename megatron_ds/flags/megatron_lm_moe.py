@@ -163,6 +163,22 @@ def checkpoint_dests(model: Any) -> tuple[set[str], dict[str, Any]]:
     }
 
 
+def experts_ffn_size(args: argparse.Namespace) -> int | None:
+    """--moe-ffn-hidden-size as the model's FFN size when every layer has experts (None otherwise): the dense
+    --ffn-hidden-size, which Qwen- and DeepSeek-style lines set apart, shapes no tensor then (our experts are the MLP's
+    width). With dense layers too the two must agree (`check_model`)."""
+    experts = [n for n in args.num_experts or () if n > 1]
+    if args.moe_ffn_hidden_size is None or not experts or len(experts) != len(args.num_experts):
+        return None
+    if "[" not in str(args.moe_layer_freq or 1) and str(args.moe_layer_freq or 1).strip() != "1":
+        return None  # Megatron-LM's integer N > 1: refused by `expert_interval`
+    try:
+        every_layer = expert_interval(args.moe_layer_freq, args.num_layers) == 1
+    except ConfigError:
+        return None  # refused where the routing fields are read
+    return args.moe_ffn_hidden_size if every_layer else None
+
+
 def check_model(args: argparse.Namespace, model: Any) -> None:
     """What the built model must be for Megatron-LM's router (a mixture-of-experts model given this table's flags):
     no biases (megatron-core's router has a learned bias with --add-bias-linear, DeepSpeed's gate none) and

@@ -82,7 +82,8 @@ MIXTURE_OF_EXPERTS: tuple[Flag, ...] = (
     accepted(
         "--moe-ffn-hidden-size",
         _MOE,
-        f"{MEGATRON_LM}: each expert's FFN size; here the dense MLP's, --ffn-hidden-size (Megatron-LM's default)",
+        f"{MEGATRON_LM}: each expert's FFN size (default --ffn-hidden-size); with experts on every layer it is the "
+        "model's FFN size (--ffn-hidden-size then shapes no tensor); with dense layers too it must equal --ffn-hidden-size",
         type=int,
         derived=True,
         default=None,

@@ -79,8 +79,12 @@ def _tokenizer_vocab(
 
 
 def _ffn_hidden_size(args: argparse.Namespace, activation: str) -> int:
-    """--ffn-hidden-size, else upstream's default for the activation; a SwiGLU default of 0 (a hidden size under
-    24) names --swiglu, which chose it, rather than --ffn-hidden-size, which was not given."""
+    """--ffn-hidden-size (with Megatron-LM's experts on every layer their --moe-ffn-hidden-size), else upstream's
+    default for the activation; a SwiGLU default of 0 (a hidden size under 24) names --swiglu, which chose it, rather
+    than --ffn-hidden-size, which was not given."""
+    experts = megatron_lm_moe.experts_ffn_size(args)
+    if experts is not None:
+        return experts
     if args.ffn_hidden_size is not None:
         return args.ffn_hidden_size
     width = default_ffn_hidden_size(args.hidden_size, activation)

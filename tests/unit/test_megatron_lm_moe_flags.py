@@ -115,7 +115,9 @@ def test_sizes_and_kinds_not_built_are_one_line() -> None:
         "--moe-router-load-balancing-type sinkhorn is not supported: only the GShard/Switch aux_loss is built"
     )
     assert error("--moe-router-score-function", "sigmoid").startswith("--moe-router-score-function sigmoid is not")
-    assert error("--moe-ffn-hidden-size", "64", "--ffn-hidden-size", "96") == (
+    # experts on every layer: the dense --ffn-hidden-size shapes no tensor, the experts' size is the FFN size
+    assert parse("--moe-ffn-hidden-size", "64", "--ffn-hidden-size", "96").model.ffn_hidden_size == 64
+    assert error("--moe-ffn-hidden-size", "64", "--ffn-hidden-size", "96", "--moe-layer-freq", "([0]+[1])*2") == (
         "--moe-ffn-hidden-size 64 differs from the FFN size 96: each expert here is the MLP's width; give the experts' "
         "size as --ffn-hidden-size"
     )
