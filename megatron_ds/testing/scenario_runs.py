@@ -32,3 +32,28 @@ def run_scenarios(
 def by_name(names: list[str], per_rank: list[list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
     """Per scenario name (in spec order), every rank's result."""
     return {name: [ranks[i] for ranks in per_rank] for i, name in enumerate(names)}
+
+
+def max_diff(a: Any, b: Any) -> float:
+    """The largest absolute difference of two weights as the scenarios report them (nested lists)."""
+    import torch
+
+    return float((torch.tensor(a) - torch.tensor(b)).abs().max())
+
+
+def model_weights(weights: dict[str, Any]) -> dict[str, Any]:
+    """A scenario's reported weights without the optimizer's empty group placeholders (not model weights)."""
+    from megatron_ds.training.optimizer import GROUP_PLACEHOLDER_PREFIX
+
+    return {n: v for n, v in weights.items() if not n.startswith(GROUP_PLACEHOLDER_PREFIX)}
+
+
+def assert_weights_match(ranks: list[dict[str, Any]], ref: dict[str, Any], tol: float, what: str) -> None:
+    """Each rank's model weights within `tol` of `ref`'s (by global name), and every one of `ref`'s covered by some
+    rank (each pipeline stage reports its own)."""
+    seen: set[str] = set()
+    for r in ranks:
+        for name, value in model_weights(r["weights"]).items():
+            assert max_diff(value, ref[name]) <= tol, (what, name)
+            seen.add(name)
+    assert seen == set(model_weights(ref)), what

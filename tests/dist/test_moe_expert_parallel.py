@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from megatron_ds.testing.scenario_runs import by_name, run_scenarios
+from megatron_ds.testing.scenario_runs import by_name, max_diff, run_scenarios
 
 TOL = 1e-6
 MOE = {"model__num_experts": [4], "model__moe_token_dropping": False, "model__moe_top2_2nd_expert_sampling": False}
@@ -126,15 +126,11 @@ def assert_equal_to(
     for r in ranks:
         for name, value in r["weights"].items():
             assert name in ref["weights"], (what, name)
-            assert _max_diff(value, ref["weights"][name]) <= weight_tol, (what, name)
+            assert max_diff(value, ref["weights"][name]) <= weight_tol, (what, name)
             seen.add(name)
     assert seen == set(ref["weights"]), (what, set(ref["weights"]) - seen)
 
 
-def _max_diff(a: Any, b: Any) -> float:
-    import torch
-
-    return float((torch.tensor(a) - torch.tensor(b)).abs().max())
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -255,12 +251,12 @@ def test_megatron_lms_router_draws_each_expert_by_its_global_index(runs: dict) -
     one = runs["router3_init"][0]["weights"]
     fc1 = sorted(n for n in one if ".deepspeed_experts." in n and n.endswith("fc1.weight"))
     layer = [n for n in fc1 if n.startswith(fc1[0].split(".")[0] + ".")]
-    assert len(layer) == 4 and all(_max_diff(one[a], one[b]) > 1e-3 for a in layer for b in layer if a < b)
+    assert len(layer) == 4 and all(max_diff(one[a], one[b]) > 1e-3 for a in layer for b in layer if a < b)
     two = {n: v for r in runs["router3_ep2_init"] for n, v in r["weights"].items()}
-    assert set(two) == set(one) and all(_max_diff(two[n], one[n]) == 0.0 for n in one)
+    assert set(two) == set(one) and all(max_diff(two[n], one[n]) == 0.0 for n in one)
     stepped = {n: v for r in runs["router3_ep2_zero2_bf16"] for n, v in r["weights"].items()}
-    assert all(_max_diff(stepped[n], one[n]) <= 1e-2 * max(1.0, _max_diff(one[n], 0.0)) for n in fc1)
-    assert all(_max_diff(stepped[a], stepped[b]) > 1e-3 for a in layer for b in layer if a < b)
+    assert all(max_diff(stepped[n], one[n]) <= 1e-2 * max(1.0, max_diff(one[n], 0.0)) for n in fc1)
+    assert all(max_diff(stepped[a], stepped[b]) > 1e-3 for a in layer for b in layer if a < b)
 
 
 def test_the_experts_train_apart(runs: dict) -> None:
@@ -270,7 +266,7 @@ def test_the_experts_train_apart(runs: dict) -> None:
     w = runs["top1_one"][0]["weights"]
     first = [n for n in w if ".deepspeed_experts.0.fc1.weight" in n][0]
     others = [first.replace(".deepspeed_experts.0.", f".deepspeed_experts.{i}.") for i in range(1, 4)]
-    assert all(_max_diff(w[first], w[o]) > 1e-5 for o in others)
+    assert all(max_diff(w[first], w[o]) > 1e-5 for o in others)
 
 
 # --- one-process generation from these checkpoints (`megatron_ds.inference`) ---------------------------------------

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from megatron_ds.testing.scenario_runs import by_name, run_scenarios
+from megatron_ds.testing.scenario_runs import assert_weights_match, by_name, max_diff, model_weights, run_scenarios
 from tests.dist.test_moe_expert_parallel import MOE
 from tests.dist.test_moe_expert_parallel import VARIANTS as EP_VARIANTS
 
@@ -107,20 +107,7 @@ def assert_equal_to(ranks: list[dict], ref: dict, what: str, tol: float = TOL) -
         assert max(abs(a - b) / b for a, b in zip(r["grad_norms"], ref["grad_norms"], strict=True)) <= tol, what
         mine = [s["moe loss"] for s in r["other_losses"]]
         assert max(abs(a - b) for a, b in zip(mine, moe, strict=True)) <= tol, (what, mine, moe)
-    seen = set()
-    for r in ranks:
-        for name, value in r["weights"].items():
-            if name.startswith("optimizer_group_placeholder_"):
-                continue
-            assert _max_diff(value, ref["weights"][name]) <= WEIGHT_TOL, (what, name)
-            seen.add(name)
-    assert seen == {n for n in ref["weights"] if not n.startswith("optimizer_group_placeholder_")}, what
-
-
-def _max_diff(a: Any, b: Any) -> float:
-    import torch
-
-    return float((torch.tensor(a) - torch.tensor(b)).abs().max())
+    assert_weights_match(ranks, ref["weights"], WEIGHT_TOL, what)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -212,9 +199,9 @@ def test_a_checkpoint_saved_at_two_stages_resumes_in_one_process(runs: dict, tmp
     resumed = runs["from_p2"][0]
     assert resumed["engine"] == "PlainEngine"
     assert max(abs(a - b) for a, b in zip(resumed["losses"], ranks[0]["losses"][3:], strict=True)) <= WEIGHT_TOL
-    names = {n for n in resumed["weights"] if not n.startswith("optimizer_group_placeholder_")}
-    assert names == {n for n in straight if not n.startswith("optimizer_group_placeholder_")}  # every weight compared
-    assert all(_max_diff(resumed["weights"][n], straight[n]) <= WEIGHT_TOL for n in names)
+    names = set(model_weights(resumed["weights"]))
+    assert names == set(model_weights(straight))  # every weight compared
+    assert all(max_diff(resumed["weights"][n], straight[n]) <= WEIGHT_TOL for n in names)
     assert (tmp / "ck_p2_zero1" / "global_step3.universal").is_dir()
 
 
@@ -224,7 +211,7 @@ def test_a_checkpoint_saved_at_three_stages_resumes_in_one_process(runs: dict) -
     steps 4-5 as the one-process run's."""
     ref, resumed = runs["residual_long"][0], runs["from_p3"][0]
     assert max(abs(a - b) for a, b in zip(resumed["losses"], ref["losses"][3:], strict=True)) <= WEIGHT_TOL
-    assert all(_max_diff(v, ref["weights"][n]) <= WEIGHT_TOL for n, v in resumed["weights"].items())
+    assert all(max_diff(v, ref["weights"][n]) <= WEIGHT_TOL for n, v in resumed["weights"].items())
 
 
 def _inference_name(name: str) -> str:
@@ -251,8 +238,7 @@ def test_a_checkpoint_saved_at_several_stages_loads_for_generation(runs: dict, t
     trained = {
         _inference_name(n): v
         for r in runs[name]
-        for n, v in r["weights"].items()
-        if not n.startswith("optimizer_group_placeholder_")
+        for n, v in model_weights(r["weights"]).items()
     }
     loaded = dict(model.named_parameters())
     assert set(loaded) == set(trained)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from megatron_ds.testing.scenario_runs import by_name, run_scenarios
+from megatron_ds.testing.scenario_runs import by_name, max_diff, run_scenarios
 
 BF16_TOL = 2e-2
 
@@ -61,10 +61,6 @@ def test_resumes_into_the_other_engine_as_the_straight_run(
         assert max(abs(a - b) for a, b in losses) <= BF16_TOL, (resumed, r["losses"], straight["losses"][3:])
         assert set(r["weights"]) == set(straight["weights"])
         for name, value in r["weights"].items():
-            assert _max_diff(value, straight["weights"][name]) <= BF16_TOL, (resumed, name)
+            assert max_diff(value, straight["weights"][name]) <= BF16_TOL, (resumed, name)
 
 
-def _max_diff(a: Any, b: Any) -> float:
-    import torch
-
-    return float((torch.tensor(a) - torch.tensor(b)).abs().max())
