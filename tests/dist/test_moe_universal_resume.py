@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.dist.test_moe_expert_parallel import TOL, _max_diff, sc, with_training
+from tests.dist.test_moe_expert_parallel import TOL, sc, with_training
 
-from megatron_ds.testing.scenario_runs import by_name, run_scenarios
+from megatron_ds.testing.scenario_runs import by_name, max_diff, run_scenarios
 
 PAIRS = {  # name: (variant, source training fields, target training fields)
     "top1_z0": ("top1", {}, {}),
@@ -99,7 +99,7 @@ def assert_continues(
         norms = zip(r["grad_norms"], straight["grad_norms"][3:], strict=True)
         assert max(abs(a - b) / b for a, b in norms) <= tol, (what, r["grad_norms"], straight["grad_norms"][3:])
         for name, value in r["weights"].items():
-            assert _max_diff(value, straight["weights"][name]) <= tol, (what, name)
+            assert max_diff(value, straight["weights"][name]) <= tol, (what, name)
             seen.add(name)
     assert seen == set(straight["weights"]), (what, set(straight["weights"]) ^ seen)
 
